@@ -1,0 +1,1 @@
+"""Fleet logic behind the Functions app: state, rules, history, callback and alerts."""

@@ -1,0 +1,117 @@
+"""The envelope contract (forwarder -> Event Hubs -> coordinator), version 1. Both sides import this module.
+
+JSON, UTF-8, one envelope per event-hub message; partition key = the VM's resource id, so that one VM's
+envelopes stay in order. Unknown fields are kept; a newer schema version is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from forwarder.document import ScheduledEventsDocument
+
+SCHEMA = "scheduled-events.envelope/1"
+SCHEMA_VERSION = 1
+_SCHEMA_PATTERN = re.compile(r"^scheduled-events\.envelope/(\d+)$")
+
+EnvelopeKind = Literal["incarnation", "heartbeat", "hook"]
+HookPhase = Literal["prepare", "recover"]
+HookOutcome = Literal["succeeded", "failed", "timed-out", "not-run"]
+
+
+class UnsupportedEnvelopeVersion(ValueError):
+    """The envelope was written by a newer forwarder than this code understands."""
+
+
+class VmIdentity(BaseModel):
+    """Who the VM is, from IMDS instance metadata (compute.*), never from the hostname."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256)
+    vmId: str = Field(min_length=1, max_length=64)
+    resourceId: str = Field(min_length=1, max_length=1024)
+    subscriptionId: str = ""
+    resourceGroupName: str = ""
+    vmScaleSetName: str = ""
+    location: str = ""
+    zone: str = ""
+    platformFaultDomain: str = ""
+    placementGroupId: str = ""
+
+    @property
+    def partition_key(self) -> str:
+        return self.resourceId.lower()
+
+    @property
+    def hybrid_connection_name(self) -> str:
+        """The VM's own Azure Relay hybrid connection (one per VM: a connection spreads requests among its
+        listeners at random, so a shared one cannot address a VM). vmId is unique and stable for the VM's life."""
+        return f"vm-{self.vmId.lower()}"
+
+
+class HookReport(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    eventId: str = Field(min_length=1, max_length=128)
+    phase: HookPhase
+    outcome: HookOutcome
+    hook: str = ""
+    durationSeconds: float = Field(ge=0)
+    exitCode: int | None = None
+    outputTail: str = Field(default="", max_length=4096)
+
+
+class Envelope(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    schema_: str = Field(default=SCHEMA, alias="schema")
+    kind: EnvelopeKind
+    vm: VmIdentity
+    observedAt: datetime
+    sequence: int = Field(ge=0)
+    forwarder: str = Field(min_length=1, max_length=64)
+    document: ScheduledEventsDocument | None = None
+    hook: HookReport | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _known_version(cls, value: str) -> str:
+        match = _SCHEMA_PATTERN.match(value)
+        if not match:
+            raise ValueError(f"schema {value!r} is not a scheduled-events envelope")
+        if int(match.group(1)) > SCHEMA_VERSION:
+            raise UnsupportedEnvelopeVersion(
+                f"envelope schema {value!r} is newer than {SCHEMA!r}; upgrade the coordinator"
+            )
+        return value
+
+    @field_validator("observedAt")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError("observedAt must carry a UTC offset")
+        return value
+
+    @model_validator(mode="after")
+    def _payload_matches_kind(self) -> Envelope:
+        if self.kind == "incarnation" and self.document is None:
+            raise ValueError("an 'incarnation' envelope needs 'document'")
+        if self.kind == "hook" and self.hook is None:
+            raise ValueError("a 'hook' envelope needs 'hook'")
+        return self
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode("utf-8")
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes | str) -> Envelope:
+        return cls.model_validate_json(data)
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any]) -> Envelope:
+        return cls.model_validate(data)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what the project needs, idempotently: .venv (Python packages), .venv-iac (checkov), tools/node
+# (Azurite, hyco-https). A stamp of each requirement file's hash skips work already done; safe to run twice.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+python="${PYTHON:-python3}"
+
+stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+
+venv_install() {  # venv_install DIR REQUIREMENTS...
+  local dir="$1"; shift
+  local digest; digest="$(cat "$@" | sha256sum | cut -d' ' -f1)"
+  if [ ! -x "$dir/bin/python" ]; then "$python" -m venv "$dir"; fi
+  if ! stamp_ok "$dir/.installed" "$digest"; then
+    echo "bootstrap: installing $* into $dir" >&2
+    "$dir/bin/pip" install --quiet --disable-pip-version-check --upgrade pip
+    local args=(); for req in "$@"; do args+=(-r "$req"); done
+    "$dir/bin/pip" install --quiet --disable-pip-version-check "${args[@]}"
+    echo "$digest" > "$dir/.installed"
+  fi
+}
+
+venv_install .venv requirements-dev.txt requirements.txt forwarder/requirements.txt
+venv_install .venv-iac requirements-iac.txt
+
+node_digest="$(cat tools/node/package.json tools/node/package-lock.json | sha256sum | cut -d' ' -f1)"
+if ! stamp_ok tools/node/node_modules/.installed "$node_digest"; then
+  echo "bootstrap: npm ci in tools/node" >&2
+  (cd tools/node && npm ci --no-audit --no-fund --loglevel=error)
+  echo "$node_digest" > tools/node/node_modules/.installed
+fi

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Runs every check: lint (ruff), types (mypy) and all tests (pytest: unit, protocol, end-to-end, infra).
+# Installs what it needs first (scripts/bootstrap.sh). Extra arguments go to pytest.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/bootstrap.sh
+export PATH="$root/.venv/bin:$PATH"
+echo "== ruff"; ruff check .
+echo "== mypy"; mypy .
+echo "== pytest"; pytest "$@"
