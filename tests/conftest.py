@@ -1,0 +1,19 @@
+"""Session fixtures shared by every test package."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from emulators.azurite import Azurite, AzuriteEndpoints
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[AzuriteEndpoints]:
+    """One Azurite (blob + table, in memory) per test session on free loopback ports.
+
+    Tests share it: give every test its own table/container name (e.g. from ``uuid4().hex``).
+    """
+    with Azurite() as endpoints:
+        yield endpoints
