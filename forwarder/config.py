@@ -1,0 +1,152 @@
+"""Forwarder settings: command-line flags over environment (SE_FORWARDER_*) over a YAML/JSON file over defaults.
+
+Validated with pydantic; a bad value fails at start with one line naming the field, where it came from and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from forwarder.imds import DEFAULT_IMDS_URL, FIRST_CALL_TIMEOUT
+
+ENV_PREFIX = "SE_FORWARDER_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+
+SinkKind = Literal["eventhub", "stdout", "jsonl"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; the message names the field, its source and the reason."""
+
+
+class ForwarderSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # IMDS
+    imds_url: str = Field(default=DEFAULT_IMDS_URL, pattern=r"^http://[^/?#]+(/[^?#]*)?$")
+    poll_interval: float = Field(default=1.0, ge=0.05, le=60)
+    imds_timeout: float = Field(default=10.0, gt=0, le=120)
+    imds_first_call_timeout: float = Field(default=FIRST_CALL_TIMEOUT, gt=0, le=600)
+    # State (spool, sequence, hook ledger)
+    state_dir: Path = Path("/var/lib/scheduled-events-forwarder")
+    spool_max_entries: int = Field(default=10_000, ge=1, le=10_000_000)
+    heartbeat_interval: float = Field(default=60.0, gt=0, le=3600)
+    # Where envelopes go
+    sink: SinkKind = "eventhub"
+    jsonl_path: Path | None = None
+    eventhub_namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]+$")
+    eventhub_name: str | None = Field(default=None, min_length=1, max_length=256)
+    eventhub_connection_string: SecretStr | None = None
+    managed_identity_client_id: str | None = None
+    send_batch_max: int = Field(default=100, ge=1, le=1000)
+    # Hooks
+    hooks_dir: Path = Path("/etc/scheduled-events/hooks")
+    hook_timeout: float = Field(default=120.0, gt=0, le=3600)
+    # Azure Relay listener (approvals back to this VM)
+    relay_enabled: bool = False
+    relay_namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]+(:\d+)?$")
+    relay_hybrid_connection: str | None = Field(default=None, min_length=1, max_length=260)
+    relay_endpoint: str | None = None  # full listener base URI; set only for the local Relay emulator
+    log_level: LogLevel = "INFO"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ForwarderSettings:
+        if self.sink == "jsonl" and self.jsonl_path is None:
+            raise ValueError("sink 'jsonl' needs jsonl_path")
+        managed_identity_target = self.eventhub_namespace and self.eventhub_name
+        if self.sink == "eventhub" and self.eventhub_connection_string is None and not managed_identity_target:
+            raise ValueError(
+                "sink 'eventhub' needs eventhub_namespace and eventhub_name (managed identity) "
+                "or eventhub_connection_string"
+            )
+        if self.relay_enabled and not (self.relay_namespace or self.relay_endpoint):
+            raise ValueError("relay_enabled needs relay_namespace")
+        return self
+
+    @property
+    def spool_path(self) -> Path:
+        return self.state_dir / "forwarder.sqlite"
+
+
+FIELDS = tuple(ForwarderSettings.model_fields)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot be read: {exc.strerror}") from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # noqa: PLC0415 - only when a YAML file is used: it costs memory for the daemon's life
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except ValueError as exc:  # yaml.YAMLError is not a ValueError, handled below
+        raise ConfigError(f"config file {path}: not valid JSON: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: must be a mapping of setting names to values")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+    return data
+
+
+def load_settings(
+    *,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> ForwarderSettings:
+    """Merge the three sources (flags win, then SE_FORWARDER_*, then the file) and validate.
+
+    `config_file` defaults to $SE_FORWARDER_CONFIG; None values in `flags` mean "not given".
+    """
+    environ = os.environ if environ is None else environ
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    if config_file is None and environ.get(CONFIG_ENV):
+        config_file = Path(environ[CONFIG_ENV])
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    if config_file is not None:
+        for key, value in _read_file(config_file).items():
+            merged[key], source[key] = value, f"config file {config_file}"
+    unknown_env = sorted(
+        k
+        for k in environ
+        if k.startswith(ENV_PREFIX) and k != CONFIG_ENV and k[len(ENV_PREFIX) :].lower() not in FIELDS
+    )
+    if unknown_env:
+        raise ConfigError(f"unknown environment setting(s) {', '.join(unknown_env)}")
+    for key in FIELDS:
+        env_key = ENV_PREFIX + key.upper()
+        if env_key in environ:
+            merged[key], source[key] = environ[env_key], f"environment {env_key}"
+    for key, value in flags.items():
+        if key not in FIELDS:
+            raise ConfigError(f"unknown setting {key!r}")
+        merged[key], source[key] = value, f"flag --{key.replace('_', '-')}"
+    try:
+        return ForwarderSettings.model_validate(merged)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            if field:
+                shown = "<secret>" if field == "eventhub_connection_string" else repr(merged.get(field))
+                problems.append(f"{field} = {shown} (from {source.get(field, 'default')}): {err['msg']}")
+            else:
+                problems.append(err["msg"].removeprefix("Value error, "))
+        raise ConfigError("invalid forwarder configuration: " + "; ".join(problems)) from None

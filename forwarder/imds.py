@@ -1,0 +1,190 @@
+"""IMDS client: the scheduled-events document, this VM's identity, and approvals (StartRequests).
+
+Public and reusable: the poll loop and the relay listener share it (and its process-wide rate limiter).
+Plain `http.client` on one kept-alive connection: it never consults proxy settings (IMDS must never go through a
+proxy, and a request carrying X-Forwarded-For is refused), and it keeps the per-poll cost small.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
+
+from forwarder.document import ScheduledEventsDocument
+from forwarder.envelope import VmIdentity
+from forwarder.logs import fields
+from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
+
+DEFAULT_IMDS_URL = "http://169.254.169.254"
+SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
+COMPUTE_PATH = "/metadata/instance/compute?api-version=2021-02-01"
+# The first request switches the service on and may take up to two minutes.
+FIRST_CALL_TIMEOUT = 130.0
+MAX_BODY = 1 << 20
+
+log = logging.getLogger("forwarder.imds")
+
+
+class ImdsError(Exception):
+    """IMDS could not give a usable answer."""
+
+
+class ImdsUnavailable(ImdsError):
+    """A transient failure (connection, timeout, 429, 5xx): try again after a backoff."""
+
+    def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class ImdsInvalidResponse(ImdsError):
+    """IMDS answered, but with something that is not a valid document (or a 4xx): never act on it."""
+
+    def __init__(self, message: str, *, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.body = body
+
+
+def parse_document(raw: bytes) -> ScheduledEventsDocument:
+    """Validate a scheduled-events body; ImdsInvalidResponse names what is wrong."""
+    try:
+        return ScheduledEventsDocument.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'document'}: {err['msg']}" for err in exc.errors()[:5]
+        )
+        raise ImdsInvalidResponse(f"scheduled-events document is invalid: {problems}", body=raw) from None
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+class ImdsClient:
+    """A small, thread-safe IMDS client on one kept-alive HTTP connection.
+
+    :keyword base_url: IMDS root, or an emulator's per-VM base URL (`http://127.0.0.1:P/vm/web_0`).
+    :keyword timeout: socket timeout for every call after the first successful one.
+    :keyword first_call_timeout: timeout until IMDS has answered once (it may take two minutes to wake up).
+    :keyword limiter: request rate limiter; the process-wide one by default so that every caller shares it.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str = DEFAULT_IMDS_URL,
+        timeout: float = 10.0,
+        first_call_timeout: float = FIRST_CALL_TIMEOUT,
+        limiter: RateLimiter | None = None,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"imds base_url {base_url!r} must be an http:// URL (IMDS does not speak TLS)")
+        self._host = parts.hostname
+        self._port = parts.port or 80
+        self._prefix = parts.path.rstrip("/")
+        self._timeout = timeout
+        self._first_call_timeout = first_call_timeout
+        self._limiter = limiter or IMDS_LIMITER
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self._answered = False
+        self._headers = {"Metadata": "true"}
+        self._post_headers = {"Metadata": "true", "Content-Type": "application/json"}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self._host}:{self._port}{self._prefix}"
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        """One request; returns the 200 body or raises ImdsUnavailable / ImdsInvalidResponse."""
+        self._limiter.acquire()
+        with self._lock:
+            timeout = self._timeout if self._answered else self._first_call_timeout
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            elif self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
+            else:
+                self._conn.timeout = timeout
+            try:
+                self._conn.request(
+                    method, self._prefix + path, body=body, headers=self._post_headers if body else self._headers
+                )
+                response = self._conn.getresponse()
+                data = response.read(MAX_BODY + 1)
+                status = response.status
+                retry_after = _retry_after(response.getheader("Retry-After"))
+                if response.will_close or len(data) > MAX_BODY:
+                    self._drop()
+            except (OSError, http.client.HTTPException) as exc:
+                # A timed-out or broken exchange leaves the connection out of step: start a fresh one.
+                self._drop()
+                raise ImdsUnavailable(f"IMDS {method} {path} failed: {type(exc).__name__}: {exc}") from exc
+            self._answered = True
+        if status == 429 or status >= 500:
+            raise ImdsUnavailable(f"IMDS {method} {path} answered {status}", status=status, retry_after=retry_after)
+        if status != 200:
+            raise ImdsInvalidResponse(f"IMDS {method} {path} answered {status}: {data[:200]!r}", body=data)
+        if len(data) > MAX_BODY:
+            raise ImdsInvalidResponse(f"IMDS {method} {path} answered more than {MAX_BODY} bytes", body=data[:200])
+        return data
+
+    def get_document_bytes(self) -> bytes:
+        """The scheduled-events body exactly as IMDS sent it (the poll loop compares bytes before parsing)."""
+        return self._request("GET", SCHEDULED_EVENTS_PATH)
+
+    def get_document(self) -> ScheduledEventsDocument:
+        return parse_document(self.get_document_bytes())
+
+    def get_identity(self) -> VmIdentity:
+        """This VM's identity from instance metadata (compute.name is what `Resources` lists; never the hostname)."""
+        raw = self._request("GET", COMPUTE_PATH)
+        try:
+            compute: Any = json.loads(raw)
+            return VmIdentity.model_validate(compute)
+        except (ValueError, ValidationError) as exc:
+            raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
+
+    def approve(self, event_ids: Iterable[str], *, attempts: int = 3, backoff: Backoff | None = None) -> None:
+        """POST StartRequests for these events. IMDS answers 200 to any valid EventId, even one already approved
+        elsewhere, so success means "accepted", not "started": confirm by watching the document."""
+        ids = list(event_ids)
+        if not ids:
+            raise ValueError("approve() needs at least one event id")
+        body = json.dumps({"StartRequests": [{"EventId": event_id} for event_id in ids]}).encode()
+        backoff = backoff or Backoff(initial=0.5, maximum=5.0)
+        for attempt in range(1, attempts + 1):
+            try:
+                self._request("POST", SCHEDULED_EVENTS_PATH, body)
+            except ImdsUnavailable as exc:
+                if attempt == attempts:
+                    raise
+                delay = backoff.next_delay(retry_after=exc.retry_after)
+                log.warning("IMDS approval failed; retrying", extra=fields(error=str(exc), delay_s=round(delay, 2)))
+                time.sleep(delay)
+            else:
+                return
