@@ -165,7 +165,10 @@ class ImdsClient:
         raw = self._request("GET", COMPUTE_PATH)
         try:
             compute: Any = json.loads(raw)
-            return VmIdentity.model_validate(compute)
+            if not isinstance(compute, dict):
+                raise ValueError("expected a JSON object")
+            # Only the identity fields: the rest of compute (osProfile, tags, ...) has no business in envelopes.
+            return VmIdentity.model_validate({k: v for k, v in compute.items() if k in VmIdentity.model_fields})
         except (ValueError, ValidationError) as exc:
             raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
 

@@ -1,0 +1,5 @@
+import sys
+
+from forwarder.cli import main
+
+sys.exit(main())

@@ -1,0 +1,144 @@
+"""`python -m forwarder run|once`: the daemon and a one-shot look at what IMDS says.
+
+Every setting is also a flag (`--poll-interval 0.5`), an environment variable (SE_FORWARDER_POLL_INTERVAL) or a
+key of the --config file; flags win over the environment, which wins over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from forwarder import __version__, logs
+from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
+from forwarder.daemon import Companion, Forwarder
+from forwarder.envelope import VmIdentity
+from forwarder.imds import ImdsClient, ImdsError
+from forwarder.logs import fields
+from forwarder.sinks import JsonLinesSink, Sink
+from forwarder.store import Store
+
+log = logging.getLogger("forwarder")
+
+EXIT_CONFIG = 2
+EXIT_IMDS = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m forwarder", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=__version__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the daemon (poll IMDS, forward changes, run hooks)")
+    once = commands.add_parser("once", help="print the current document and this VM's identity as JSON")
+    for sub in (run, once):
+        sub.add_argument("--config", type=Path, help=f"YAML or JSON settings file (also ${ENV_PREFIX}CONFIG)")
+    for name in FIELDS:
+        flag = "--" + name.replace("_", "-")
+        info = ForwarderSettings.model_fields[name]
+        if info.annotation is bool:
+            run.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            run.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"default: {info.default}")
+    once.add_argument("--imds-url", dest="imds_url", default=None)
+    once.add_argument("--imds-first-call-timeout", dest="imds_first_call_timeout", default=None)
+    return parser
+
+
+def build_sink(settings: ForwarderSettings) -> Sink:
+    if settings.sink == "stdout":
+        return JsonLinesSink(stream=sys.stdout)
+    if settings.sink == "jsonl":
+        assert settings.jsonl_path is not None  # checked by ForwarderSettings
+        return JsonLinesSink(path=settings.jsonl_path)
+    from forwarder.eventhub import EventHubSink  # noqa: PLC0415 - the SDK is loaded only when this sink is chosen
+
+    if settings.eventhub_connection_string is not None:
+        return EventHubSink.from_connection_string(
+            settings.eventhub_connection_string.get_secret_value(), eventhub_name=settings.eventhub_name
+        )
+    # Both checked by ForwarderSettings.
+    assert settings.eventhub_namespace
+    assert settings.eventhub_name
+    return EventHubSink.with_managed_identity(
+        fully_qualified_namespace=settings.eventhub_namespace,
+        eventhub_name=settings.eventhub_name,
+        client_id=settings.managed_identity_client_id,
+    )
+
+
+def relay_companions(settings: ForwarderSettings) -> Any:
+    """The relay listener, started by the daemon once the identity (and so the default hybrid connection name,
+    `VmIdentity.hybrid_connection_name`) is known."""
+
+    def build(identity: VmIdentity, imds: ImdsClient) -> Sequence[Companion]:
+        if not settings.relay_enabled:
+            return []
+        from forwarder.approver import Approver  # noqa: PLC0415 - websockets only when the relay is on
+        from forwarder.relay_listener import EntraTokenProvider, RelayListener  # noqa: PLC0415
+
+        endpoint = settings.relay_endpoint or f"wss://{settings.relay_namespace}"
+        hybrid_connection = settings.relay_hybrid_connection or identity.hybrid_connection_name
+        log.info("relay listener configured", extra=fields(endpoint=endpoint, hybrid_connection=hybrid_connection))
+        listener = RelayListener(
+            endpoint=endpoint,
+            hybrid_connection=hybrid_connection,
+            token_provider=EntraTokenProvider(client_id=settings.managed_identity_client_id),
+            handler=Approver(imds=imds),
+        )
+        return [listener]
+
+    return build
+
+
+def _settings(args: argparse.Namespace) -> ForwarderSettings:
+    flags = {name: getattr(args, name, None) for name in FIELDS}
+    if args.command == "once":
+        flags["sink"] = "stdout"  # `once` sends nothing; do not ask for Event Hubs settings
+    return load_settings(flags=flags, config_file=args.config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"forwarder: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    logs.configure(level=settings.log_level)
+    imds = ImdsClient(
+        base_url=settings.imds_url,
+        timeout=settings.imds_timeout,
+        first_call_timeout=settings.imds_first_call_timeout,
+    )
+    if args.command == "once":
+        try:
+            identity = imds.get_identity()
+            document = imds.get_document()
+        except ImdsError as exc:
+            print(f"forwarder: {exc}", file=sys.stderr)
+            return EXIT_IMDS
+        finally:
+            imds.close()
+        output = {"identity": identity.model_dump(mode="json"), "document": document.model_dump(mode="json")}
+        print(json.dumps(output, indent=2))
+        return 0
+    store = Store(settings.spool_path, max_entries=settings.spool_max_entries)
+    forwarder = Forwarder(
+        settings=settings, imds=imds, store=store, sink=build_sink(settings), companions=relay_companions(settings)
+    )
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal received; stopping", extra=fields(signal=signal.Signals(signum).name))
+        forwarder.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    forwarder.run()
+    return 0

@@ -1,0 +1,405 @@
+"""The forwarder daemon: poll IMDS, spool an envelope per change, send the spool, run hooks, send heartbeats.
+
+Three threads, so that no slow part holds up the 1/s poll: the poll loop (caller's thread), the sender (spool ->
+sink, with backoff while the sink is down) and the hook worker (one hook at a time). Companions — the relay
+listener — are started after the identity is known and stopped first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from forwarder import __version__
+from forwarder.changes import Change, detect
+from forwarder.config import ForwarderSettings
+from forwarder.document import ScheduledEvent, ScheduledEventsDocument
+from forwarder.envelope import Envelope, HookPhase, HookReport, VmIdentity
+from forwarder.hooks import HookRunner
+from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnavailable, parse_document
+from forwarder.logs import fields
+from forwarder.retry import Backoff
+from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
+from forwarder.store import HookJob, Store
+
+log = logging.getLogger("forwarder")
+
+LAST_DOCUMENT = "last_document"
+# While something keeps failing, repeat its log line at most this often (the first failure is always logged).
+FAILURE_LOG_INTERVAL = 60.0
+SHUTDOWN_FLUSH_SECONDS = 5.0
+
+
+class Companion(Protocol):
+    """Something that lives as long as the daemon (the relay listener)."""
+
+    def start(self) -> Any: ...
+
+    def stop(self) -> None: ...
+
+
+CompanionFactory = Callable[[VmIdentity, ImdsClient], Sequence[Companion]]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class _FailureLog:
+    """Logs the first failure, then at most once a minute while failing, then the recovery."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._failures = 0
+        self._last_logged = 0.0
+
+    def failed(self, error: BaseException, **extra: Any) -> None:
+        self._failures += 1
+        now = time.monotonic()
+        if self._failures == 1 or now - self._last_logged >= FAILURE_LOG_INTERVAL:
+            self._last_logged = now
+            log.warning(f"{self._what} failing", extra=fields(error=str(error), failures=self._failures, **extra))
+
+    def succeeded(self) -> None:
+        if self._failures:
+            log.info(f"{self._what} recovered", extra=fields(failures=self._failures))
+        self._failures = 0
+
+
+class Forwarder:
+    """One VM's forwarder. `run()` blocks until `stop()` (the CLI calls it from SIGTERM/SIGINT)."""
+
+    def __init__(
+        self,
+        *,
+        settings: ForwarderSettings,
+        imds: ImdsClient,
+        store: Store,
+        sink: Sink,
+        companions: CompanionFactory | None = None,
+    ) -> None:
+        self.settings = settings
+        self.imds = imds
+        self.store = store
+        self.sink = sink
+        self.hooks = HookRunner(hooks_dir=settings.hooks_dir, timeout=settings.hook_timeout)
+        self._companion_factory = companions
+        self._companions: list[Companion] = []
+        self._stop = threading.Event()
+        self._send_wake = threading.Event()
+        self._hook_wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.identity: VmIdentity | None = None
+        self._last_document: ScheduledEventsDocument | None = None
+        self._last_canonical: str | None = None
+        self._last_raw: bytes | None = None
+        self._last_bad: bytes | None = None
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("polls", "changes", "imds_errors", "sent", "send_failures", "hooks_run"), 0
+        )
+        self._imds_failures = _FailureLog("IMDS poll")
+        self._send_failures = _FailureLog("sending to the sink")
+        self._restore()
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        saved = self.store.get_state(LAST_DOCUMENT)
+        if saved is None:
+            return
+        try:
+            self._last_document = ScheduledEventsDocument.model_validate_json(saved)
+            self._last_canonical = saved
+        except ValidationError:
+            # Only this process writes it; if it is unreadable, forwarding the current document again is the
+            # safe side (the consumer deduplicates by content), losing a change is not.
+            log.warning("the remembered document is unreadable; the next document is forwarded as new")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._send_wake.set()
+        self._hook_wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        log.info(
+            "forwarder starting",
+            extra=fields(
+                version=__version__, imds=self.imds.base_url, spool=str(self.store.path), spool_depth=self.store.depth()
+            ),
+        )
+        identity = self._wait_for_identity()
+        if identity is None:
+            self._shutdown()
+            return
+        self.identity = identity
+        log.info("identity", extra=fields(name=identity.name, resource_id=identity.resourceId, vm_id=identity.vmId))
+        self._recover_interrupted_hooks()
+        for target, name in ((self._sender_loop, "sender"), (self._hook_loop, "hooks")):
+            thread = threading.Thread(target=target, name=f"forwarder-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._start_companions(identity)
+        try:
+            self._poll_loop()
+        finally:
+            self._shutdown()
+
+    def _wait_for_identity(self) -> VmIdentity | None:
+        backoff = Backoff(initial=1.0, maximum=60.0)
+        failures = _FailureLog("reading instance metadata")
+        while not self._stop.is_set():
+            try:
+                identity = self.imds.get_identity()
+            except ImdsError as exc:
+                failures.failed(exc)
+                self._stop.wait(backoff.next_delay())
+            else:
+                failures.succeeded()
+                return identity
+        return None
+
+    def _start_companions(self, identity: VmIdentity) -> None:
+        if self._companion_factory is None:
+            return
+        for companion in self._companion_factory(identity, self.imds):
+            try:
+                companion.start()
+            except Exception:
+                # A broken listener must not take the forwarding of events down with it.
+                log.exception("a companion failed to start", extra=fields(companion=type(companion).__name__))
+            else:
+                self._companions.append(companion)
+
+    def _shutdown(self) -> None:
+        self.stop()
+        for companion in self._companions:
+            try:
+                companion.stop()
+            except Exception:
+                log.exception("a companion failed to stop", extra=fields(companion=type(companion).__name__))
+        self.hooks.stop()
+        for thread in self._threads:
+            thread.join(SHUTDOWN_FLUSH_SECONDS + 5)
+        self.sink.close()
+        self.imds.close()
+        depth = self.store.depth()
+        self.store.close()
+        log.info("forwarder stopped", extra=fields(unsent=depth, **self.counters))
+
+    # --- polling -----------------------------------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        interval = self.settings.poll_interval
+        backoff = Backoff(initial=max(interval, 1.0), maximum=60.0)
+        next_heartbeat = time.monotonic()  # one at start: "this VM's forwarder is up"
+        next_poll = time.monotonic()
+        while not self._stop.is_set():
+            delay = interval
+            try:
+                self.poll_once()
+            except ImdsUnavailable as exc:
+                self.counters["imds_errors"] += 1
+                self._imds_failures.failed(exc, status=exc.status)
+                delay = backoff.next_delay(retry_after=exc.retry_after)
+            except ImdsInvalidResponse as exc:
+                self.counters["imds_errors"] += 1
+                self._imds_failures.failed(exc)
+            else:
+                self._imds_failures.succeeded()
+                backoff.reset()
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = now + self.settings.heartbeat_interval
+            # Keep a steady cadence; after a stall, start again from now rather than catching up in a burst.
+            next_poll = max(next_poll + delay, now) if delay == interval else now + delay
+            self._stop.wait(max(0.0, next_poll - time.monotonic()))
+
+    def poll_once(self) -> Change | None:
+        """Read the document once; spool an envelope and queue hooks if it changed. Raises ImdsError."""
+        identity = self.identity
+        if identity is None:
+            raise RuntimeError("poll_once() needs the identity; call run() or set .identity")
+        raw = self.imds.get_document_bytes()
+        self.counters["polls"] += 1
+        if raw == self._last_raw:
+            return None  # the common case: same bytes as a second ago, nothing parsed, nothing allocated to keep
+        try:
+            document = parse_document(raw)
+        except ImdsInvalidResponse as exc:
+            if raw != self._last_bad:
+                self._last_bad = raw
+                self.store.reject(str(exc), raw)
+                log.error(
+                    "invalid scheduled-events document set aside; nothing forwarded and no hook run",
+                    extra=fields(reason=str(exc), body=raw[:200].decode("utf-8", errors="replace")),
+                )
+            raise
+        self._last_bad = None
+        change = detect(self._last_document, self._last_canonical, document, vm_name=identity.name)
+        self._last_raw = raw
+        if change is None:
+            return None
+        observed = _now()
+
+        def build(sequence: int) -> bytes:
+            return Envelope(
+                kind="incarnation",
+                vm=identity,
+                observedAt=observed,
+                sequence=sequence,
+                forwarder=__version__,
+                document=document,
+            ).to_json_bytes()
+
+        jobs = [HookJob(e.EventId, "prepare", e.model_dump_json()) for e in change.prepare]
+        jobs += [HookJob(e.EventId, "recover", e.model_dump_json()) for e in change.recover]
+        sequence = self.store.enqueue("incarnation", build, state={LAST_DOCUMENT: change.canonical}, hooks=jobs)
+        self._last_document, self._last_canonical = document, change.canonical
+        self.counters["changes"] += 1
+        log.info(
+            "document changed",
+            extra=fields(
+                incarnation=document.DocumentIncarnation,
+                reason=change.reason,
+                sequence=sequence,
+                events=[f"{e.EventId}:{e.EventType}:{e.EventStatus}" for e in document.Events],
+                prepare=[e.EventId for e in change.prepare],
+                recover=[e.EventId for e in change.recover],
+            ),
+        )
+        self._send_wake.set()
+        if jobs:
+            self._hook_wake.set()
+        return change
+
+    def _heartbeat(self) -> None:
+        identity = self.identity
+        if identity is None:
+            return
+        counters = {**self.store.counters(), **self.counters, "spool_depth": self.store.depth()}
+        observed = _now()
+
+        def build(sequence: int) -> bytes:
+            # Unknown envelope fields are kept by contract; the counters let the coordinator see a sick VM.
+            return Envelope.model_validate(
+                {
+                    "kind": "heartbeat",
+                    "vm": identity,
+                    "observedAt": observed,
+                    "sequence": sequence,
+                    "forwarder": __version__,
+                    "counters": counters,
+                }
+            ).to_json_bytes()
+
+        self.store.enqueue("heartbeat", build)
+        self._send_wake.set()
+
+    # --- sending -----------------------------------------------------------------------------------------
+    def _sender_loop(self) -> None:
+        backoff = Backoff(initial=1.0, maximum=60.0)
+        deadline: float | None = None
+        while True:
+            if self._stop.is_set() and deadline is None:
+                deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            items = self.store.peek(self.settings.send_batch_max)
+            if not items:
+                if self._stop.is_set():
+                    break
+                self._send_wake.wait()
+                self._send_wake.clear()
+                continue
+            try:
+                self.sink.send(items, partition_key=self._partition_key())
+            except UndeliverableEnvelope as exc:
+                log.error(
+                    "envelope can never be delivered; set aside",
+                    extra=fields(reason=str(exc), sequence=exc.item.sequence),
+                )
+                self.store.reject(f"undeliverable envelope: {exc}", exc.item.body)
+                self.store.ack([exc.item])
+            except Exception as exc:  # SinkError, and whatever else an SDK or credential raises: keep spooling
+                self.counters["send_failures"] += 1
+                self._send_failures.failed(
+                    exc, spool_depth=self.store.depth(), unexpected=not isinstance(exc, SinkError)
+                )
+                if deadline is not None:
+                    break
+                self._send_wake.clear()
+                self._stop.wait(backoff.next_delay())
+            else:
+                self.store.ack(items)
+                self.counters["sent"] += len(items)
+                self._send_failures.succeeded()
+                backoff.reset()
+        depth = self.store.depth()
+        if depth:
+            log.warning(
+                "stopping with unsent envelopes; they are kept and sent after the restart", extra=fields(unsent=depth)
+            )
+
+    def _partition_key(self) -> str:
+        assert self.identity is not None  # the sender starts after the identity is known
+        return self.identity.partition_key
+
+    # --- hooks -------------------------------------------------------------------------------------------
+    def _recover_interrupted_hooks(self) -> None:
+        """A hook still marked running was cut short by a crash or kill: report it, never run it twice."""
+        for job in self.store.hook_jobs("running"):
+            event = ScheduledEvent.model_validate_json(job.event)
+            phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
+            report = HookReport(
+                eventId=job.event_id,
+                phase=phase,
+                outcome="failed",
+                durationSeconds=0.0,
+                outputTail="interrupted: the forwarder stopped while this hook ran; not run again",
+            )
+            log.warning(
+                "hook was interrupted by a forwarder restart", extra=fields(event_id=event.EventId, phase=phase)
+            )
+            self._spool_hook_report(report, done=job)
+
+    def _hook_loop(self) -> None:
+        identity = self.identity
+        assert identity is not None
+        while not self._stop.is_set():
+            jobs = self.store.hook_jobs("pending")
+            if not jobs:
+                self._hook_wake.wait()
+                self._hook_wake.clear()
+                continue
+            for job in jobs:
+                if self._stop.is_set():
+                    return
+                event = ScheduledEvent.model_validate_json(job.event)
+                phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
+                self.store.mark_hook_running(job)
+                reports = self.hooks.run(event, phase=phase, vm_name=identity.name)
+                self.counters["hooks_run"] += 1
+                for index, report in enumerate(reports):
+                    self._spool_hook_report(report, done=job if index == len(reports) - 1 else None)
+
+    def _spool_hook_report(self, report: HookReport, *, done: HookJob | None) -> None:
+        identity = self.identity
+        assert identity is not None
+        observed = _now()
+
+        def build(sequence: int) -> bytes:
+            return Envelope(
+                kind="hook", vm=identity, observedAt=observed, sequence=sequence, forwarder=__version__, hook=report
+            ).to_json_bytes()
+
+        self.store.enqueue("hook", build, hook_done=(done.event_id, done.phase) if done else None)
+        self._send_wake.set()
