@@ -1,0 +1,220 @@
+"""Delivers an approval to the VM's relay listener: an HTTPS POST through Azure Relay Hybrid Connections.
+
+``POST https://{namespace}/{vm.hybrid_connection_name}/approve`` with the ``ApprovalRequest`` as JSON and a token in
+the ``ServiceBusAuthorization`` header: an Entra ID access token for https://relay.azure.net (managed identity, the
+production path; the raw token, no ``Bearer``) or a SAS token (``AzureNamedKeyCredential``; emulator and tests).
+
+Retries (backoff with full jitter, owned here) cover what a later attempt can fix: no listener connected (502/503),
+the listener did not answer in time (504), the listener could not reach IMDS (503), connection errors and timeouts.
+They stop at the request's ``expiresAt`` (the event's NotBefore: after it, approving is pointless). The listener is
+idempotent per decisionId, so a retry after a lost answer never approves twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from urllib.parse import quote, urlsplit
+
+import requests
+from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
+from pydantic import ValidationError
+
+from coordinator.callback import ApprovalDeliveryError
+from coordinator.relay_admin import namespace_for_vm
+from forwarder.approval import ApprovalRequest, ApprovalResult
+from forwarder.envelope import VmIdentity
+
+RELAY_SCOPE = "https://relay.azure.net/.default"
+APPROVE_PATH = "approve"
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+SAS_LIFETIME_SECONDS = 300
+
+log = logging.getLogger("coordinator.relay_sender")
+
+
+def _sas_token(resource_uri: str, credential: AzureNamedKeyCredential, expires_on: int) -> str:
+    # Same construction as forwarder.relay_listener.sas_token; repeated because coordinator imports only the
+    # forwarder's contract models.
+    encoded_uri = quote(resource_uri, safe="")
+    key = credential.named_key.key.encode("utf-8")
+    digest = hmac.new(key, f"{encoded_uri}\n{expires_on}".encode(), hashlib.sha256).digest()
+    signature = quote(base64.b64encode(digest).decode("ascii"), safe="")
+    return f"SharedAccessSignature sr={encoded_uri}&sig={signature}&se={expires_on}&skn={credential.named_key.name}"
+
+
+class RelayApprovalSender:
+    """``ApprovalCallback`` over Azure Relay.
+
+    :keyword endpoint: namespace base URL (``https://{ns}.servicebus.windows.net``; ``http://127.0.0.1:P`` for the
+        emulator), or several when the fleet is sharded over namespaces (``namespace_for_vm`` picks one).
+    :keyword credential: a ``TokenCredential`` (managed identity; needs "Azure Relay Sender") or an
+        ``AzureNamedKeyCredential`` (SAS rule name and key with Send).
+    :keyword attempt_timeout: seconds for one attempt; the relay itself gives up on a silent listener after 60 s.
+    :keyword backoff_initial, backoff_maximum: retry delays (full jitter, doubling).
+    :keyword max_retry_seconds: stop retrying after this long even if the request's deadline is later.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint: str | Sequence[str],
+        credential: TokenCredential | AzureNamedKeyCredential,
+        attempt_timeout: float = 70.0,
+        connect_timeout: float = 5.0,
+        backoff_initial: float = 0.2,
+        backoff_maximum: float = 10.0,
+        max_retry_seconds: float | None = None,
+        session: requests.Session | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        rng: random.Random | None = None,
+    ) -> None:
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not endpoints:
+            raise ValueError("RelayApprovalSender needs at least one relay endpoint")
+        for item in endpoints:
+            if urlsplit(item).scheme not in ("https", "http") or not urlsplit(item).hostname:
+                raise ValueError(
+                    f"relay endpoint {item!r} must be https://{{namespace}} (http:// only for an emulator)"
+                )
+        self._endpoints = [item.rstrip("/") for item in endpoints]
+        self._credential = credential
+        self._attempt_timeout = attempt_timeout
+        self._connect_timeout = connect_timeout
+        self._backoff_initial = backoff_initial
+        self._backoff_maximum = backoff_maximum
+        self._max_retry_seconds = max_retry_seconds
+        self._session = session or requests.Session()
+        self._clock = clock
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> RelayApprovalSender:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def endpoint_for(self, vm: VmIdentity) -> str:
+        return namespace_for_vm(vm, self._endpoints)
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        endpoint = self.endpoint_for(vm)
+        hybrid_connection = vm.hybrid_connection_name
+        url = f"{endpoint}/{hybrid_connection}/{APPROVE_PATH}"
+        body = request.model_dump_json().encode("utf-8")
+        budget = (request.expiresAt - self._clock()).total_seconds()
+        if self._max_retry_seconds is not None:
+            budget = min(budget, self._max_retry_seconds)
+        if budget <= 0:
+            raise ApprovalDeliveryError(
+                f"approval {request.decisionId} for event {request.eventId} expired at {request.expiresAt.isoformat()}"
+                " before it could be sent; decide again if the event is still pending"
+            )
+        give_up_at = time.monotonic() + budget
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = give_up_at - time.monotonic()
+            outcome = self._attempt(url, body, hybrid_connection, request, min(self._attempt_timeout, remaining))
+            if isinstance(outcome, ApprovalResult):
+                log.info(
+                    "approval delivered",
+                    extra={"eventId": request.eventId, "decisionId": request.decisionId, "attempts": attempt,
+                           "outcome": outcome.outcome, "vm": vm.name},
+                )  # fmt: skip
+                return outcome
+            failure = outcome
+            delay = self._rng.uniform(0.0, min(self._backoff_maximum, self._backoff_initial * 2 ** min(attempt, 30)))
+            if time.monotonic() + delay >= give_up_at:
+                raise ApprovalDeliveryError(
+                    f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
+                    f"{url} after {attempt} attempts: {failure}; the caller may retry until NotBefore"
+                )
+            log.warning(
+                "approval delivery failed; retrying",
+                extra={"eventId": request.eventId, "attempt": attempt, "error": failure, "delay_s": round(delay, 3)},
+            )
+            time.sleep(delay)
+
+    def _attempt(
+        self, url: str, body: bytes, hybrid_connection: str, request: ApprovalRequest, timeout: float
+    ) -> ApprovalResult | str:
+        """One POST: the listener's result, or why a retry may help; ApprovalDeliveryError when none will."""
+        headers = {
+            "ServiceBusAuthorization": self._token(url, hybrid_connection),
+            "Content-Type": "application/json",
+        }
+        try:
+            response = self._session.post(
+                url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))
+            )
+        except requests.RequestException as error:
+            return f"{type(error).__name__}: {error}"
+        status = response.status_code
+        if status in RETRYABLE_STATUS:
+            return f"HTTP {status} {_short(response.text)}"
+        if status == 200:
+            return self._result(response, request)
+        error_body = _listener_error(response)
+        if error_body is not None:
+            # The listener itself refused the request: that is an answer, and sending it again cannot change it.
+            return ApprovalResult(
+                outcome="rejected",
+                eventId=request.eventId,
+                decisionId=request.decisionId,
+                reason=f"listener answered {status}: {error_body}",
+            )
+        hint = {
+            401: "the relay refused the sender's token: check the coordinator identity or SAS key",
+            403: "the sender's identity lacks 'Azure Relay Sender' on this hybrid connection (or the SAS has no Send)",
+            404: "the hybrid connection does not exist: create it with coordinator.relay_admin",
+        }.get(status, "unexpected answer from the relay")
+        raise ApprovalDeliveryError(f"POST {url} answered HTTP {status}: {hint}: {_short(response.text)}")
+
+    def _token(self, url: str, hybrid_connection: str) -> str:
+        if isinstance(self._credential, AzureNamedKeyCredential):
+            resource = f"http://{urlsplit(url).hostname}/{hybrid_connection}"
+            return _sas_token(resource, self._credential, int(time.time()) + SAS_LIFETIME_SECONDS)
+        return self._credential.get_token(RELAY_SCOPE).token
+
+    @staticmethod
+    def _result(response: requests.Response, request: ApprovalRequest) -> ApprovalResult:
+        try:
+            result = ApprovalResult.model_validate_json(response.content)
+        except ValidationError as error:
+            raise ApprovalDeliveryError(
+                f"the listener's answer to {request.decisionId} is not an ApprovalResult: {error.errors()[:3]}"
+            ) from None
+        if (result.eventId, result.decisionId) != (request.eventId, request.decisionId):
+            raise ApprovalDeliveryError(
+                f"the listener answered for event {result.eventId}/decision {result.decisionId}, "
+                f"not {request.eventId}/{request.decisionId}"
+            )
+        return result
+
+
+def _listener_error(response: requests.Response) -> str | None:
+    """The reason from a listener's ``{"error": …}`` refusal; None when the answer came from the relay itself."""
+    if not response.headers.get("Content-Type", "").startswith("application/json"):
+        return None
+    try:
+        payload = json.loads(response.content)
+    except ValueError:
+        return None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+        return str(payload["error"])
+    return None
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

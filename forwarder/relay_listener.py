@@ -1,0 +1,508 @@
+"""Azure Relay Hybrid Connections listener (the HTTP request/response gesture), on the ``websockets`` sync client.
+
+There is no maintained Python data-plane SDK for Hybrid Connections, so this speaks the protocol itself
+(learn: azure-relay/relay-hybrid-connections-protocol):
+
+- control channel ``{endpoint}/$hc/{hc}?sb-hc-action=listen``, token in the ``ServiceBusAuthorization`` header;
+- ``request`` messages (JSON text frame, then the body as one binary message — the WebSocket library reassembles
+  fragments until FIN), answered with a ``response`` text frame and the body as a binary message;
+- a ``request`` with only ``address`` is a rendezvous: the request arrives on a WebSocket opened to that address
+  and is answered there; a response larger than 64 kB is sent on a rendezvous socket as well;
+- ``accept`` (a WebSocket sender) is not part of our protocol and is declined with the documented reject gesture;
+- ``renewToken`` is sent before the token expires; reconnects use exponential backoff with full jitter
+  (``forwarder.retry.Backoff``, the forwarder's one place for retry timing).
+
+Why threads and the sync client rather than asyncio: the forwarder daemon is synchronous (a 1 s IMDS poll loop),
+the handler does blocking IMDS calls, and a thread with blocking ``recv(timeout=...)`` is the smallest thing that
+can be started and stopped from it. ``websockets.sync`` already runs its own reader thread, so ``send`` from handler
+threads while the listener thread sits in ``recv`` is supported; a lock keeps each response's frames together.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import quote, urlencode, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
+from websockets.sync.client import ClientConnection, connect
+
+from forwarder.retry import Backoff
+
+if TYPE_CHECKING:
+    from azure.core.credentials import TokenCredential
+
+logger = logging.getLogger(__name__)
+
+RELAY_SCOPE = "https://relay.azure.net/.default"
+CONTROL_CHANNEL_LIMIT = 64 * 1024
+# The service answers a request with 504 after 60 s without a response; we give up on a body a little earlier.
+REQUEST_DEADLINE_SECONDS = 60.0
+# RFC 7230 connection headers must not appear in a response (protocol doc, "response" message).
+_HOP_BY_HOP = frozenset({"connection", "content-length", "host", "te", "trailer", "transfer-encoding", "upgrade"})
+_HOP_BY_HOP_CLOSE = _HOP_BY_HOP | {"close"}
+# 502 and 504 are reserved for the service itself.
+_RESERVED_STATUS = frozenset({502, 504})
+
+
+# ----------------------------------------------------------------------------------------------- tokens
+
+
+@dataclass(frozen=True)
+class RelayToken:
+    token: str
+    expires_on: float  # unix seconds
+
+
+class TokenProvider(Protocol):
+    def get_token(self) -> RelayToken:
+        """A token with Listen (VM) or Send (coordinator) rights for the hybrid connection."""
+        ...
+
+
+def relay_resource_uri(endpoint: str, hybrid_connection: str) -> str:
+    """The SAS ``sr`` for a hybrid connection: http scheme, no port, no ``$hc/`` (as the official SDKs do)."""
+    host = urlsplit(endpoint).hostname
+    if not host:
+        raise ValueError(f"relay endpoint {endpoint!r} has no host name; expected e.g. wss://ns.servicebus.windows.net")
+    return f"http://{host}/{hybrid_connection}"
+
+
+def sas_token(*, resource_uri: str, key_name: str, key: str, expires_on: int) -> str:
+    """``SharedAccessSignature sr=…&sig=…&se=…&skn=…``; the signature is quoted with ``safe=''`` so that a ``/``
+    in the base64 text cannot break the token (the docs' helper forgets this)."""
+    encoded_uri = quote(resource_uri, safe="")
+    digest = hmac.new(key.encode("utf-8"), f"{encoded_uri}\n{expires_on}".encode(), hashlib.sha256).digest()
+    signature = quote(base64.b64encode(digest).decode("ascii"), safe="")
+    return f"SharedAccessSignature sr={encoded_uri}&sig={signature}&se={expires_on}&skn={key_name}"
+
+
+class SasTokenProvider:
+    """SAS token from a rule name and a key kept in a file (read on every renewal so a rotated key is picked up)."""
+
+    def __init__(self, *, resource_uri: str, key_name: str, key_file: str | Path, lifetime_seconds: int = 3600) -> None:
+        if lifetime_seconds < 60:
+            raise ValueError(f"lifetime_seconds={lifetime_seconds} is too short; use at least 60")
+        self._resource_uri = resource_uri
+        self._key_name = key_name
+        self._key_file = Path(key_file)
+        self._lifetime = lifetime_seconds
+
+    def get_token(self) -> RelayToken:
+        try:
+            key = self._key_file.read_text(encoding="utf-8").strip()
+        except OSError as error:
+            raise RuntimeError(f"cannot read the SAS key file {self._key_file}: {error.strerror}") from error
+        if not key:
+            raise RuntimeError(f"the SAS key file {self._key_file} is empty")
+        expires_on = int(time.time()) + self._lifetime
+        token = sas_token(resource_uri=self._resource_uri, key_name=self._key_name, key=key, expires_on=expires_on)
+        return RelayToken(token, expires_on)
+
+
+class EntraTokenProvider:
+    """Microsoft Entra ID token for https://relay.azure.net, sent raw (no ``Bearer``) as the SDKs do.
+
+    Defaults to the VM's managed identity; pass ``client_id`` for a user-assigned one.
+    """
+
+    def __init__(self, *, credential: TokenCredential | None = None, client_id: str | None = None) -> None:
+        if credential is None:
+            from azure.identity import ManagedIdentityCredential  # noqa: PLC0415 - only SAS users skip the import
+
+            credential = ManagedIdentityCredential(client_id=client_id)
+        self._credential = credential
+
+    def get_token(self) -> RelayToken:
+        access = self._credential.get_token(RELAY_SCOPE)
+        return RelayToken(access.token, float(access.expires_on))
+
+
+# ----------------------------------------------------------------------------------------------- messages
+
+
+class _WireRequest(BaseModel):
+    """A ``request`` control message. Only ``address`` and ``id`` are present when a rendezvous is required."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    address: str = ""
+    id: str = ""
+    requestTarget: str = "/"
+    method: str | None = None
+    requestHeaders: dict[str, str] = Field(default_factory=dict)
+    body: bool = False
+
+
+class _WireAccept(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    address: str
+    id: str = ""
+
+
+class _ControlMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    request: _WireRequest | None = None
+    accept: _WireAccept | None = None
+
+
+@dataclass(frozen=True)
+class RelayRequest:
+    """One HTTP request relayed to this listener. ``path`` is relative to the hybrid connection, without query."""
+
+    id: str
+    method: str
+    target: str
+    path: str
+    headers: Mapping[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class RelayResponse:
+    status_code: int
+    status_description: str = ""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    @classmethod
+    def json(cls, status_code: int, payload: Any, *, description: str = "") -> RelayResponse:
+        body = json.dumps(payload, separators=(",", ":")).encode("utf-8")
+        return cls(status_code, description, {"Content-Type": "application/json"}, body)
+
+
+Handler = Callable[[RelayRequest], RelayResponse]
+
+
+def _relative_path(target: str, hybrid_connection: str) -> str:
+    path = urlsplit(target).path or "/"
+    prefix = "/" + hybrid_connection.lower()
+    if path.lower() == prefix:
+        return "/"
+    if path.lower().startswith(prefix + "/"):
+        return path[len(prefix) :]
+    return path
+
+
+def _response_frame(request_id: str, response: RelayResponse) -> str:
+    status = 500 if response.status_code in _RESERVED_STATUS else response.status_code
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP_CLOSE}
+    message = {
+        "response": {
+            "requestId": request_id,
+            "statusCode": status,
+            "statusDescription": response.status_description,
+            "responseHeaders": headers,
+            "body": bool(response.body),
+        }
+    }
+    return json.dumps(message, separators=(",", ":"))
+
+
+def _with_query(address: str, params: Mapping[str, str]) -> str:
+    return f"{address}{'&' if '?' in address else '?'}{urlencode(params)}"
+
+
+@dataclass
+class ListenerStats:
+    connects: int = 0
+    requests: int = 0
+    rendezvous: int = 0
+    declined_accepts: int = 0
+    token_renewals: int = 0
+    protocol_errors: int = 0
+    handler_errors: int = 0
+
+
+# ----------------------------------------------------------------------------------------------- listener
+
+
+class RelayListener:
+    """Listens on one hybrid connection in a background thread and answers each request with ``handler``.
+
+    ``endpoint`` is the namespace base URL, ``wss://{ns}.servicebus.windows.net`` in Azure or ``ws://127.0.0.1:P``
+    for the emulator. ``handler`` runs on a small thread pool so that a slow request does not hold up the control
+    channel (token renewal, other requests); it must answer well within the relay's 60 s deadline.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        hybrid_connection: str,
+        token_provider: TokenProvider,
+        handler: Handler,
+        max_workers: int = 4,
+        backoff: Backoff | None = None,
+        open_timeout: float = 10.0,
+        ping_interval: float | None = 30.0,
+        renew_fraction: float = 0.75,
+    ) -> None:
+        if not 0.0 < renew_fraction < 1.0:
+            raise ValueError(f"renew_fraction={renew_fraction} must be between 0 and 1")
+        scheme = urlsplit(endpoint).scheme
+        if scheme not in ("ws", "wss"):
+            raise ValueError(f"relay endpoint {endpoint!r} must start with wss:// (or ws:// for a local emulator)")
+        self.hybrid_connection = hybrid_connection
+        self.listen_url = f"{endpoint.rstrip('/')}/$hc/{quote(hybrid_connection, safe='')}?sb-hc-action=listen"
+        self._tokens = token_provider
+        self._handler = handler
+        self._max_workers = max_workers
+        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
+        self._open_timeout = open_timeout
+        self._ping_interval = ping_interval
+        self._renew_fraction = renew_fraction
+        self._stopping = threading.Event()
+        self._connected = threading.Event()
+        self._state_lock = threading.Lock()
+        self._control: ClientConnection | None = None
+        self._thread: threading.Thread | None = None
+        self.stats = ListenerStats()
+
+    # -- lifecycle
+
+    def start(self) -> RelayListener:
+        if self._thread is not None:
+            raise RuntimeError("this RelayListener was already started; create a new one")
+        self._thread = threading.Thread(target=self._run, name=f"relay-listener-{self.hybrid_connection}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Close the control channel cleanly (close code 1000) and wait for the thread and in-flight requests."""
+        self._stopping.set()
+        with self._state_lock:
+            control = self._control
+        if control is not None:
+            control.close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("relay listener for %s did not stop within %.1f s", self.hybrid_connection, timeout)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    # -- control channel
+
+    def _run(self) -> None:
+        with ThreadPoolExecutor(self._max_workers, thread_name_prefix="relay-request") as pool:
+            while not self._stopping.is_set():
+                if self._listen_once(pool):
+                    self._backoff.reset()
+                if not self._stopping.is_set():
+                    self._stopping.wait(self._backoff.next_delay())
+
+    def _listen_once(self, pool: ThreadPoolExecutor) -> bool:
+        """One control-channel session. True when the channel was established (so backoff starts over)."""
+        try:
+            token = self._tokens.get_token()
+        except Exception as error:
+            logger.error("relay listener %s: cannot get a token: %s", self.hybrid_connection, error)
+            return False
+        try:
+            control = connect(
+                self.listen_url,
+                additional_headers={"ServiceBusAuthorization": token.token},
+                open_timeout=self._open_timeout,
+                ping_interval=self._ping_interval,
+                max_size=CONTROL_CHANNEL_LIMIT + 32 * 1024,
+            )
+        except InvalidStatus as error:
+            status = error.response.status_code
+            hint = {
+                401: "the token was refused: check the listener identity / SAS key",
+                403: "the token lacks Listen on this hybrid connection: assign 'Azure Relay Listener'",
+                404: "the hybrid connection does not exist (yet): the coordinator creates it",
+            }.get(status, "relay service error")
+            logger.error("relay listener %s: handshake refused with HTTP %d: %s", self.hybrid_connection, status, hint)
+            return False
+        except (OSError, InvalidHandshake, TimeoutError) as error:
+            logger.warning("relay listener %s: cannot connect: %s", self.hybrid_connection, error)
+            return False
+        with self._state_lock:
+            self._control = control
+        if self._stopping.is_set():  # stop() ran while we were connecting
+            control.close()
+        self.stats.connects += 1
+        self._connected.set()
+        logger.info("relay listener %s: control channel open", self.hybrid_connection)
+        try:
+            self._serve(control, token, pool)
+        except ConnectionClosed as closed:
+            if not self._stopping.is_set():
+                rcvd = closed.rcvd
+                code, reason = (rcvd.code, rcvd.reason) if rcvd else (None, "")
+                logger.warning("relay listener %s: channel closed (%s %s)", self.hybrid_connection, code, reason)
+        finally:
+            self._connected.clear()
+            with self._state_lock:
+                self._control = None
+            control.close()
+        return True
+
+    def _serve(self, control: ClientConnection, token: RelayToken, pool: ThreadPoolExecutor) -> None:
+        send_lock = threading.Lock()
+        renew_at = self._renew_time(token)
+        while not self._stopping.is_set():
+            try:
+                message = control.recv(timeout=max(0.0, renew_at - time.time()))
+            except TimeoutError:
+                renew_at = self._renew(control, send_lock, renew_at)
+                continue
+            if isinstance(message, bytes):
+                self.stats.protocol_errors += 1
+                logger.warning("relay listener %s: unexpected binary frame ignored", self.hybrid_connection)
+                continue
+            try:
+                parsed = _ControlMessage.model_validate_json(message)
+            except ValidationError as error:
+                self.stats.protocol_errors += 1
+                logger.warning(
+                    "relay listener %s: malformed control message ignored: %s", self.hybrid_connection, error
+                )
+                continue
+            if parsed.request is not None:
+                self._on_request(control, send_lock, parsed.request, pool)
+            elif parsed.accept is not None:
+                pool.submit(self._decline_accept, parsed.accept)
+            else:
+                logger.info("relay listener %s: unknown control message ignored", self.hybrid_connection)
+
+    def _renew_time(self, token: RelayToken) -> float:
+        now = time.time()
+        return now + max(1.0, (token.expires_on - now) * self._renew_fraction)
+
+    def _renew(self, control: ClientConnection, send_lock: threading.Lock, renew_at: float) -> float:
+        try:
+            token = self._tokens.get_token()
+        except Exception as error:
+            logger.error("relay listener %s: token renewal failed: %s", self.hybrid_connection, error)
+            return time.time() + self._backoff.next_delay()
+        with send_lock:
+            control.send(json.dumps({"renewToken": {"token": token.token}}))
+        self.stats.token_renewals += 1
+        return self._renew_time(token)
+
+    def _on_request(
+        self, control: ClientConnection, send_lock: threading.Lock, wire: _WireRequest, pool: ThreadPoolExecutor
+    ) -> None:
+        if wire.method is None:
+            # Too large or streamed for the control channel: the request waits for us at the rendezvous address.
+            self.stats.rendezvous += 1
+            pool.submit(self._serve_rendezvous, wire.address)
+            return
+        body = b""
+        if wire.body:
+            try:
+                payload = control.recv(timeout=REQUEST_DEADLINE_SECONDS)
+            except TimeoutError:
+                self.stats.protocol_errors += 1
+                logger.warning("relay listener %s: request %s body never arrived", self.hybrid_connection, wire.id)
+                return
+            if not isinstance(payload, bytes):
+                self.stats.protocol_errors += 1
+                logger.warning("relay listener %s: request %s body was not binary", self.hybrid_connection, wire.id)
+                payload = payload.encode("utf-8")
+            body = payload
+        pool.submit(self._answer_on_control, control, send_lock, wire, body)
+
+    def _answer_on_control(
+        self, control: ClientConnection, send_lock: threading.Lock, wire: _WireRequest, body: bytes
+    ) -> None:
+        response = self._handle(wire, body)
+        try:
+            if len(response.body) > CONTROL_CHANNEL_LIMIT:
+                with connect(wire.address, open_timeout=self._open_timeout, max_size=None) as rendezvous:
+                    self._send_response(rendezvous, threading.Lock(), wire.id, response)
+            else:
+                self._send_response(control, send_lock, wire.id, response)
+        except (ConnectionClosed, OSError, WebSocketException) as error:
+            logger.warning("relay listener %s: response to %s lost: %s", self.hybrid_connection, wire.id, error)
+
+    def _serve_rendezvous(self, address: str) -> None:
+        try:
+            with connect(address, open_timeout=self._open_timeout, max_size=None, ping_interval=None) as socket:
+                lock = threading.Lock()
+                while not self._stopping.is_set():
+                    message = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
+                    if isinstance(message, bytes):
+                        self.stats.protocol_errors += 1
+                        continue
+                    wire = _ControlMessage.model_validate_json(message).request
+                    if wire is None or wire.method is None:
+                        self.stats.protocol_errors += 1
+                        continue
+                    body = b""
+                    if wire.body:
+                        payload = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
+                        body = payload if isinstance(payload, bytes) else payload.encode("utf-8")
+                    self._send_response(socket, lock, wire.id, self._handle(wire, body))
+        except ConnectionClosed:
+            pass  # the sender is done; dropping the socket is how a rendezvous ends
+        except (OSError, TimeoutError, WebSocketException, ValidationError) as error:
+            logger.warning("relay listener %s: rendezvous failed: %s", self.hybrid_connection, error)
+
+    def _handle(self, wire: _WireRequest, body: bytes) -> RelayResponse:
+        self.stats.requests += 1
+        request = RelayRequest(
+            id=wire.id,
+            method=(wire.method or "GET").upper(),
+            target=wire.requestTarget,
+            path=_relative_path(wire.requestTarget, self.hybrid_connection),
+            headers={k.lower(): v for k, v in wire.requestHeaders.items()},
+            body=body,
+        )
+        try:
+            return self._handler(request)
+        except Exception:
+            self.stats.handler_errors += 1
+            logger.exception("relay listener %s: handler failed on request %s", self.hybrid_connection, wire.id)
+            return RelayResponse.json(500, {"error": "the listener failed to handle the request"})
+
+    @staticmethod
+    def _send_response(
+        socket: ClientConnection, lock: threading.Lock, request_id: str, response: RelayResponse
+    ) -> None:
+        with lock:
+            socket.send(_response_frame(request_id, response))
+            if response.body:
+                socket.send(response.body)
+
+    def _decline_accept(self, accept: _WireAccept) -> None:
+        """WebSocket senders are not part of our protocol: reject with the documented gesture (the handshake is
+        expected to fail with HTTP 410)."""
+        self.stats.declined_accepts += 1
+        reject = _with_query(
+            accept.address,
+            {"sb-hc-statusCode": "403", "sb-hc-statusDescription": "WebSocket senders are not accepted"},
+        )
+        try:
+            with connect(reject, open_timeout=self._open_timeout):
+                logger.warning(
+                    "relay listener %s: reject of %s was accepted as a connection", self.hybrid_connection, accept.id
+                )
+        except InvalidStatus as error:
+            if error.response.status_code != 410:
+                logger.warning(
+                    "relay listener %s: reject answered HTTP %d", self.hybrid_connection, error.response.status_code
+                )
+        except (OSError, InvalidHandshake, TimeoutError) as error:
+            logger.warning("relay listener %s: reject of %s failed: %s", self.hybrid_connection, accept.id, error)

@@ -1,0 +1,201 @@
+"""Pure parts of the relay approval path: tokens, message framing, freshness and the approval judgement."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import random
+from datetime import UTC, datetime, timedelta
+from urllib.parse import unquote
+
+import pytest
+
+from coordinator.relay_admin import hybrid_connections_to_delete, namespace_for_vm
+from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
+from forwarder.approval import ApprovalRequest
+from forwarder.approver import Freshness, judge, refuse_stale
+from forwarder.document import ScheduledEventsDocument
+from forwarder.envelope import VmIdentity
+from forwarder.relay_listener import (
+    RelayResponse,
+    SasTokenProvider,
+    _relative_path,
+    _response_frame,
+    relay_resource_uri,
+    sas_token,
+)
+
+NOW = datetime(2026, 11, 21, 6, 0, tzinfo=UTC)
+KEY = "c2VjcmV0LWtleS1mb3ItdGVzdHMtb25seQ=="
+
+
+def approval(**changes: object) -> ApprovalRequest:
+    values: dict[str, object] = {
+        "eventId": "E1",
+        "decisionId": "d-1",
+        "rule": "approve-freeze",
+        "issuedAt": NOW - timedelta(seconds=5),
+        "expiresAt": NOW + timedelta(minutes=10),
+    }
+    values.update(changes)
+    return ApprovalRequest.model_validate(values)
+
+
+def document(*events: dict[str, object]) -> ScheduledEventsDocument:
+    return ScheduledEventsDocument.model_validate({"DocumentIncarnation": 7, "Events": list(events)})
+
+
+def event(
+    event_id: str = "E1", status: str = "Scheduled", resources: tuple[str, ...] = ("WestNO_0",)
+) -> dict[str, object]:
+    return {"EventId": event_id, "EventType": "Freeze", "Resources": list(resources), "EventStatus": status}
+
+
+# ---------------------------------------------------------------------------------------------- SAS
+
+
+def test_sas_token_matches_the_hyco_construction_and_is_accepted_by_the_relay_checker():
+    resource = relay_resource_uri("wss://ns.servicebus.windows.net", "vm-abc")
+    assert resource == "http://ns.servicebus.windows.net/vm-abc"
+    mine = sas_token(resource_uri=resource, key_name="listen", key=KEY, expires_on=2_000_000_000)
+    theirs = create_sas_token(resource, key_name="listen", key=KEY, expires_in=2_000_000_000, now=0)
+    assert mine == theirs
+    checker = TokenChecker(sas_rules={"listen": SasRule(KEY, frozenset({Right.LISTEN}))}, clock=lambda: 1_900_000_000)
+    assert checker.authorize(mine, hybrid_connection="vm-abc", right=Right.LISTEN).kind == "sas"
+    with pytest.raises(AuthError) as refused:
+        checker.authorize(mine, hybrid_connection="vm-other", right=Right.LISTEN)
+    assert refused.value.status == 403
+
+
+def test_sas_signature_is_fully_url_encoded():
+    # Find an expiry whose signature contains '/' or '+': quote() with the default safe='/' would leave it raw.
+    resource = "http://ns/vm-a"
+    for expires_on in range(1_000, 1_200):
+        token = sas_token(resource_uri=resource, key_name="k", key=KEY, expires_on=expires_on)
+        sig = token.split("sig=")[1].split("&")[0]
+        raw = base64.b64encode(
+            hmac.new(KEY.encode(), f"http%3A%2F%2Fns%2Fvm-a\n{expires_on}".encode(), hashlib.sha256).digest()
+        ).decode()
+        if "/" in raw or "+" in raw:
+            assert "/" not in sig
+            assert "+" not in sig
+            assert unquote(sig) == raw
+            return
+    pytest.fail("no signature with '/' or '+' in 200 tries")
+
+
+def test_sas_provider_reads_the_key_file_each_time(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    provider = SasTokenProvider(resource_uri="http://ns/vm-a", key_name="listen", key_file=key_file)
+    first = provider.get_token()
+    assert first.token.startswith("SharedAccessSignature sr=http%3A%2F%2Fns%2Fvm-a&sig=")
+    key_file.write_text("rotated")
+    assert provider.get_token().token != first.token
+    key_file.unlink()
+    with pytest.raises(RuntimeError, match="cannot read the SAS key file"):
+        provider.get_token()
+
+
+def test_relay_resource_uri_needs_a_host():
+    with pytest.raises(ValueError, match="no host name"):
+        relay_resource_uri("not a url", "vm-a")
+
+
+# ---------------------------------------------------------------------------------------------- framing
+
+
+def test_response_frame_drops_hop_by_hop_headers_and_reserved_statuses():
+    frame = json.loads(
+        _response_frame(
+            "r1", RelayResponse(502, "x", {"Content-Length": "3", "X-Ok": "1", "Connection": "close"}, b"a")
+        )
+    )["response"]
+    assert frame == {
+        "requestId": "r1",
+        "statusCode": 500,
+        "statusDescription": "x",
+        "responseHeaders": {"X-Ok": "1"},
+        "body": True,
+    }
+    assert json.loads(_response_frame("r2", RelayResponse(204)))["response"]["body"] is False
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("/vm-a/approve?x=1", "/approve"),
+        ("/VM-A/approve", "/approve"),
+        ("/approve", "/approve"),
+        ("/vm-a", "/"),
+        ("/vm-ab/approve", "/vm-ab/approve"),
+    ],
+)
+def test_relative_path_strips_the_hybrid_connection(target, expected):
+    assert _relative_path(target, "vm-a") == expected
+
+
+# ---------------------------------------------------------------------------------------------- approval rules
+
+
+def test_fresh_request_passes():
+    assert refuse_stale(approval(), now=NOW, freshness=Freshness()) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"expiresAt": NOW - timedelta(seconds=1)}, "expired at"),
+        ({"issuedAt": NOW + timedelta(minutes=5)}, "in the future"),
+        ({"issuedAt": NOW - timedelta(hours=1)}, "older than"),
+        ({"issuedAt": NOW, "expiresAt": NOW}, "is not after issuedAt"),
+    ],
+)
+def test_stale_requests_are_refused(changes, reason):
+    assert reason in (refuse_stale(approval(**changes), now=NOW, freshness=Freshness()) or "")
+
+
+def test_small_clock_skew_is_tolerated():
+    assert refuse_stale(approval(issuedAt=NOW + timedelta(seconds=90)), now=NOW, freshness=Freshness()) is None
+
+
+def test_judge():
+    assert judge(approval(), document(event())) == ("approved", "")
+    assert judge(approval(), document(event("E2")))[0] == "not-found"
+    assert judge(approval(), document(event(status="Started"))) == ("not-scheduled", "the event is Started")
+    assert judge(approval(), document(event(resources=())))[0] == "rejected"
+
+
+# ---------------------------------------------------------------------------------------------- admin
+
+
+def vm(vm_id: str) -> VmIdentity:
+    return VmIdentity(name=f"n-{vm_id}", vmId=vm_id, resourceId=f"/subscriptions/s/vms/{vm_id}")
+
+
+def test_namespace_sharding_is_stable_and_spread():
+    namespaces = ["https://a", "https://b", "https://c", "https://d"]
+    rng = random.Random(7)
+    ids = [f"{rng.getrandbits(128):032x}" for _ in range(4000)]
+    picks = [namespace_for_vm(vm(i), namespaces) for i in ids]
+    assert picks == [namespace_for_vm(vm(i.upper()), namespaces) for i in ids]  # case-insensitive, deterministic
+    counts = {ns: picks.count(ns) for ns in namespaces}
+    assert all(850 < count < 1150 for count in counts.values()), counts
+    with pytest.raises(ValueError, match="at least one"):
+        namespace_for_vm(vm("x"), [])
+
+
+def test_which_hybrid_connections_to_delete():
+    existing = ["vm-live", "vm-silent", "vm-gone", "vm-unknown", "shared-ops", "VM-Recent"]
+    last_seen = {
+        "vm-live": NOW - timedelta(minutes=1),
+        "vm-silent": NOW - timedelta(days=2),
+        "vm-gone": NOW - timedelta(minutes=1),
+        "vm-recent": NOW - timedelta(hours=23),
+    }
+    doomed = hybrid_connections_to_delete(
+        existing, last_seen=last_seen, gone=["VM-GONE"], now=NOW, silence_limit=timedelta(days=1)
+    )
+    assert doomed == ["vm-gone", "vm-silent", "vm-unknown"]
