@@ -1,0 +1,131 @@
+"""Just enough HTTP/1.1 for the sender side: read one request (Content-Length or chunked), write one response.
+
+The emulator answers every request with ``Connection: close``: one TCP connection is one sender exchange, which is
+also the lifetime of a rendezvous socket in the real service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from http import HTTPStatus
+from urllib.parse import parse_qsl, urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class HttpError(Exception):
+    """The sender's request cannot be read; answer ``status`` and close."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    method: str
+    target: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    chunked: bool
+    head_size: int
+
+    @property
+    def path(self) -> str:
+        return urlsplit(self.target).path
+
+    @property
+    def query(self) -> str:
+        return urlsplit(self.target).query
+
+    def header(self, name: str) -> str | None:
+        lowered = name.lower()
+        return next((value for key, value in self.headers if key.lower() == lowered), None)
+
+    def query_value(self, name: str) -> str | None:
+        return next((value for key, value in parse_qsl(self.query, keep_blank_values=True) if key == name), None)
+
+
+def is_websocket_upgrade(head: bytes) -> bool:
+    """True when a request head asks for a WebSocket upgrade (so websockets should handle the connection)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"upgrade" and b"websocket" in value.lower():
+            return True
+    return False
+
+
+def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise HttpError(400, f"malformed request line {lines[0][:100]!r}")
+    headers: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise HttpError(400, f"malformed header line {line[:100]!r}")
+        headers.append((name, value.strip()))
+    return parts[0], parts[1], headers
+
+
+async def read_request(reader: asyncio.StreamReader) -> HttpRequest:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError:
+        raise HttpError(431, f"request head larger than {MAX_HEAD_BYTES} bytes") from None
+    except asyncio.IncompleteReadError:
+        raise HttpError(400, "connection closed before the request head ended") from None
+    method, target, headers = parse_head(head[:-4])
+    names = {name.lower(): value for name, value in headers}
+    chunked = "chunked" in names.get("transfer-encoding", "").lower()
+    try:
+        if chunked:
+            body = await _read_chunked(reader)
+        else:
+            length = int(names.get("content-length", "0"))
+            if length < 0 or length > MAX_BODY_BYTES:
+                raise HttpError(413, f"Content-Length {length} outside 0..{MAX_BODY_BYTES}")
+            body = await reader.readexactly(length)
+    except ValueError:
+        raise HttpError(400, "malformed Content-Length or chunk size") from None
+    except asyncio.IncompleteReadError:
+        raise HttpError(400, "connection closed before the request body ended") from None
+    return HttpRequest(method, target, headers, body, chunked, len(head))
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
+        if size == 0:
+            # Trailers (ignored) up to the empty line.
+            while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                pass
+            return bytes(body)
+        if len(body) + size > MAX_BODY_BYTES:
+            raise HttpError(413, f"chunked body larger than {MAX_BODY_BYTES} bytes")
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+
+
+def render_response(
+    status: int, reason: str | None, headers: list[tuple[str, str]], body: bytes, *, head_only: bool = False
+) -> bytes:
+    """A complete HTTP/1.1 response with Content-Length and ``Connection: close``."""
+    if reason is None:
+        try:
+            reason = HTTPStatus(status).phrase
+        except ValueError:
+            reason = "Unknown"
+    # Reason phrases cannot carry line breaks; a listener's statusDescription is untrusted.
+    reason = reason.replace("\r", " ").replace("\n", " ")
+    lines = [f"HTTP/1.1 {status} {reason}"]
+    lines += [f"{name}: {value}" for name, value in headers if "\n" not in value and "\r" not in value]
+    lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1", errors="replace") + (b"" if head_only else body)

@@ -1,0 +1,837 @@
+"""The asyncio core of the Relay emulator: one port for listeners, WebSocket senders and HTTP senders.
+
+WebSocket upgrades are handled by the ``websockets`` server; a plain HTTP request on the same port is recognised
+from its head before websockets sees it (websockets refuses request bodies) and is handled by :mod:`httpwire`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import re
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from emulators.relay.auth import AuthError, Right, TokenChecker
+from emulators.relay.httpwire import (
+    MAX_HEAD_BYTES,
+    HttpError,
+    HttpRequest,
+    is_websocket_upgrade,
+    read_request,
+    render_response,
+)
+from emulators.relay.messages import (
+    HOP_BY_HOP_HEADERS,
+    AcceptMessage,
+    ControlMessageError,
+    RenewTokenMessage,
+    RequestMessage,
+    ResponseMessage,
+    parse_listener_message,
+    request_id_of,
+)
+
+log = logging.getLogger("emulators.relay")
+
+MAX_LISTENERS = 25
+CONTROL_CHANNEL_LIMIT = 64 * 1024
+BODY_FRAGMENT_BYTES = 16 * 1024
+ACCEPT_TIMEOUT = 30.0
+NO_LISTENER_STATUS = 503
+CONTROL_PREFIX = "/_emulator/hybridConnections"
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,259}$")
+_AUTH_HEADERS = frozenset({"servicebusauthorization"})
+
+
+class _ListenerFault(Exception):
+    """The listener broke the protocol or went away while a request was outstanding; the sender gets 502."""
+
+
+@dataclass(eq=False)
+class HybridConnection:
+    name: str
+    declared: bool = False
+    requires_client_authorization: bool = True
+    listeners: list[Listener] = field(default_factory=list)
+    sockets: set[ServerConnection] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Listener:
+    conn: ServerConnection
+    hybrid_connection: HybridConnection
+    expires_at: float
+    client_id: str | None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    token_renewed: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: dict[str, PendingRequest] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class PendingRequest:
+    id: str
+    listener: Listener
+    message: RequestMessage
+    body: bytes
+    rendezvous_first: bool
+    result: asyncio.Future[tuple[ResponseMessage, bytes]]
+    rendezvous_opened: bool = False
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def complete(self, response: ResponseMessage, body: bytes) -> None:
+        if not self.result.done():
+            self.result.set_result((response, body))
+
+    def fail(self, reason: str) -> None:
+        if not self.result.done():
+            self.result.set_exception(_ListenerFault(reason))
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    status: int
+    description: str
+
+
+@dataclass(eq=False)
+class PendingAccept:
+    id: str
+    listener: Listener
+    decided: asyncio.Future[ServerConnection | _Rejected]
+    sender: asyncio.Future[ServerConnection]
+
+
+@dataclass(frozen=True)
+class _ListenRole:
+    name: str
+    expires_at: float
+    client_id: str | None
+
+
+@dataclass(frozen=True)
+class _SenderRole:
+    accept: PendingAccept
+
+
+@dataclass(frozen=True)
+class _AcceptRole:
+    accept: PendingAccept
+
+
+@dataclass(frozen=True)
+class _RendezvousRole:
+    pending: PendingRequest
+
+
+_Role = _ListenRole | _SenderRole | _AcceptRole | _RendezvousRole
+
+
+class _RelayConnection(ServerConnection):
+    """A websockets connection that first looks at the request head and hands plain HTTP to the relay."""
+
+    relay: RelayService
+    role: _Role | None = None
+    listener: Listener | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head = bytearray()
+        self._mode = "sniff"
+        self._http_reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES)
+
+    def data_received(self, data: bytes) -> None:
+        if self._mode == "ws":
+            super().data_received(data)
+            return
+        if self._mode == "http":
+            self._http_reader.feed_data(data)
+            return
+        self._head += data
+        if b"\r\n\r\n" not in self._head and len(self._head) <= MAX_HEAD_BYTES:
+            return
+        buffered, self._head = bytes(self._head), bytearray()
+        if is_websocket_upgrade(buffered.partition(b"\r\n\r\n")[0]):
+            self._mode = "ws"
+            super().data_received(buffered)
+            return
+        self._mode = "http"
+        self._http_reader.feed_data(buffered)
+        task = self.loop.create_task(self.relay.serve_http(self._http_reader, self.transport))
+        self.relay.tasks.add(task)
+        task.add_done_callback(self.relay.tasks.discard)
+
+    def eof_received(self) -> None:
+        if self._mode == "ws":
+            super().eof_received()
+        else:
+            self._http_reader.feed_eof()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._http_reader.feed_eof()
+        super().connection_lost(exc)
+
+
+def _tracked(description: str) -> str:
+    return f"{description} TrackingId:{uuid.uuid4()}"
+
+
+def _ws_error(status: int, description: str) -> Response:
+    text = _tracked(description)
+    reason = text.encode("ascii", "replace").decode()[:400]
+    headers = Headers([("Content-Type", "text/plain; charset=utf-8")])
+    return Response(status, reason, headers, (text + "\n").encode())
+
+
+def _close_reason(text: str) -> str:
+    """WebSocket close reasons are limited to 123 bytes."""
+    return text.encode()[:123].decode(errors="ignore")
+
+
+def _strip_sb_query(query: str) -> str:
+    """The query string without any ``sb-hc-`` parameter, otherwise byte-for-byte as the sender wrote it."""
+    kept = [part for part in query.split("&") if part and not unquote(part).lower().startswith("sb-hc-")]
+    return "&".join(kept)
+
+
+def _merge_headers(headers: Iterable[tuple[str, str]], drop: Callable[[str], bool]) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for name, value in headers:
+        if drop(name.lower()):
+            continue
+        first = names.setdefault(name.lower(), name)
+        merged[first] = f"{merged[first]}, {value}" if first in merged else value
+    return merged
+
+
+def _fragments(body: bytes) -> bytes | list[bytes]:
+    """A body as one frame, or as continuation fragments (as the service sends large bodies) when it is large."""
+    if len(body) <= BODY_FRAGMENT_BYTES:
+        return body
+    return [body[offset : offset + BODY_FRAGMENT_BYTES] for offset in range(0, len(body), BODY_FRAGMENT_BYTES)]
+
+
+@dataclass(frozen=True)
+class _HttpAnswer:
+    status: int
+    reason: str | None
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def _service_error(status: int, description: str) -> _HttpAnswer:
+    text = _tracked(description)
+    return _HttpAnswer(status, text[:400], [("Content-Type", "text/plain; charset=utf-8")], (text + "\n").encode())
+
+
+def _json_answer(status: int, document: Any) -> _HttpAnswer:
+    return _HttpAnswer(status, None, [("Content-Type", "application/json")], json.dumps(document).encode())
+
+
+class RelayService:
+    """The relay namespace: hybrid connections, their listeners and the exchanges in flight (one event loop)."""
+
+    def __init__(
+        self,
+        *,
+        checker: TokenChecker,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        response_timeout: float = 60.0,
+        accept_timeout: float = ACCEPT_TIMEOUT,
+        require_known: bool = False,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.checker = checker
+        self.host = host
+        self.port = port
+        self.response_timeout = response_timeout
+        self.accept_timeout = accept_timeout
+        self.require_known = require_known
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self.hybrid_connections: dict[str, HybridConnection] = {}
+        self.requests: dict[str, PendingRequest] = {}
+        self.accepts: dict[str, PendingAccept] = {}
+        self.counters: Counter[str] = Counter()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._server: Server | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        connection_class = type("RelayConnection", (_RelayConnection,), {"relay": self})
+        self._server = await serve(
+            self._handle_websocket,
+            self.host,
+            self.port,
+            create_connection=connection_class,
+            process_request=self._process_request,
+            process_response=self._process_response,
+            # Plain HTTP exchanges live inside the "handshake" until the response is written; the relay's own
+            # deadlines bound them, so websockets' handshake timeout must not.
+            open_timeout=None,
+            max_size=64 * 1024 * 1024,
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        for hybrid_connection in list(self.hybrid_connections.values()):
+            await self._close_all(hybrid_connection, 1001, "relay emulator shutting down")
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self.tasks):
+            task.cancel()
+
+    @property
+    def authority(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ---- registry --------------------------------------------------------------------------------------------
+
+    def _route(self, path: str) -> HybridConnection | None:
+        """The hybrid connection a sender path addresses: the longest registered prefix (the rest is a suffix)."""
+        segments = path.split("/")
+        for end in range(len(segments), 0, -1):
+            found = self.hybrid_connections.get("/".join(segments[:end]).lower())
+            if found is not None:
+                return found
+        return None
+
+    def declare(self, name: str, *, requires_client_authorization: bool = True) -> tuple[HybridConnection, bool]:
+        existing = self.hybrid_connections.get(name.lower())
+        created = existing is None or not existing.declared
+        hybrid_connection = existing or HybridConnection(name=name)
+        hybrid_connection.declared = True
+        hybrid_connection.requires_client_authorization = requires_client_authorization
+        self.hybrid_connections[name.lower()] = hybrid_connection
+        return hybrid_connection, created
+
+    async def delete(self, name: str) -> bool:
+        hybrid_connection = self.hybrid_connections.pop(name.lower(), None)
+        if hybrid_connection is None:
+            return False
+        await self._close_all(hybrid_connection, 1001, "hybrid connection deleted")
+        return True
+
+    async def _close_all(self, hybrid_connection: HybridConnection, code: int, reason: str) -> None:
+        conns = [listener.conn for listener in hybrid_connection.listeners] + list(hybrid_connection.sockets)
+        await asyncio.gather(*(conn.close(code, reason) for conn in conns), return_exceptions=True)
+
+    def listener_count(self, name: str) -> int:
+        hybrid_connection = self.hybrid_connections.get(name.strip("/").lower())
+        return 0 if hybrid_connection is None else sum(1 for item in hybrid_connection.listeners if item.ready.is_set())
+
+    def _pick_listener(self, hybrid_connection: HybridConnection) -> Listener | None:
+        candidates = [item for item in hybrid_connection.listeners if item.ready.is_set()]
+        return self.rng.choice(candidates) if candidates else None
+
+    def _refuse(self, what: str, error: str) -> None:
+        self.counters[what] += 1
+        log.warning("relay: refused %s: %s", what, error)
+
+    # ---- WebSocket handshakes --------------------------------------------------------------------------------
+
+    async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        assert isinstance(connection, _RelayConnection)
+        url = urlsplit(request.path)
+        if not url.path.startswith("/$hc/"):
+            self._refuse("websocket_handshake", f"{url.path!r} is not under /$hc/")
+            return _ws_error(404, f"WebSocket path {url.path!r} is not a hybrid connection address (/$hc/...)")
+        path = unquote(url.path.removeprefix("/$hc/")).strip("/")
+        query = dict(parse_qsl(url.query, keep_blank_values=True))
+        action = query.get("sb-hc-action", "")
+        if not path:
+            return _ws_error(404, "the address names no hybrid connection")
+        if action == "listen":
+            return self._admit_listener(connection, request, path, query)
+        if action == "connect":
+            return await self._admit_sender(connection, request, path, url.query)
+        if action in ("accept", "request"):
+            return self._admit_rendezvous(connection, action, path, query)
+        self._refuse("websocket_handshake", f"sb-hc-action={action!r}")
+        return _ws_error(400, f"unrecognized sb-hc-action {action!r} (listen, connect, accept or request)")
+
+    def _authorize(self, token: str | None, name: str, right: Right, what: str) -> Response | float:
+        try:
+            return self.checker.authorize(token, hybrid_connection=name, right=right).expires_at
+        except AuthError as error:
+            self._refuse(what, f"{name}: {error.reason}")
+            return _ws_error(error.status, error.reason)
+
+    def _admit_listener(
+        self, connection: _RelayConnection, request: Request, path: str, query: dict[str, str]
+    ) -> Response | None:
+        known = self.hybrid_connections.get(path.lower())
+        if self.require_known and (known is None or not known.declared):
+            self._refuse("listener", f"unknown hybrid connection {path!r}")
+            return _ws_error(404, f"hybrid connection {path!r} does not exist in this namespace")
+        token = query.get("sb-hc-token") or request.headers.get("ServiceBusAuthorization")
+        verdict = self._authorize(token, path, Right.LISTEN, "listener")
+        if isinstance(verdict, Response):
+            return verdict
+        connection.role = _ListenRole(name=path, expires_at=verdict, client_id=query.get("sb-hc-id"))
+        return None
+
+    def _process_response(self, connection: ServerConnection, request: Request, response: Response) -> Response | None:
+        # The listener cap is checked and the slot taken with no await in between, so concurrent handshakes
+        # cannot both take the 25th slot.
+        assert isinstance(connection, _RelayConnection)
+        role = connection.role
+        if response.status_code != 101 or not isinstance(role, _ListenRole):
+            return None
+        hybrid_connection = self.hybrid_connections.get(role.name.lower())
+        if hybrid_connection is None:
+            hybrid_connection = HybridConnection(name=role.name)
+            self.hybrid_connections[role.name.lower()] = hybrid_connection
+        if len(hybrid_connection.listeners) >= MAX_LISTENERS:
+            connection.role = None
+            self._refuse("listener", f"{role.name}: already {MAX_LISTENERS} listeners")
+            return _ws_error(403, f"QuotaExceeded: hybrid connection {role.name!r} has {MAX_LISTENERS} listeners")
+        connection.listener = Listener(
+            conn=connection, hybrid_connection=hybrid_connection, expires_at=role.expires_at, client_id=role.client_id
+        )
+        hybrid_connection.listeners.append(connection.listener)
+        return None
+
+    def _sender_token(self, headers: Iterable[tuple[str, str]], query: str, *, allow_authorization: bool) -> str | None:
+        by_name = {name.lower(): value for name, value in headers}
+        token = dict(parse_qsl(query, keep_blank_values=True)).get("sb-hc-token") or by_name.get(
+            "servicebusauthorization"
+        )
+        if token is None and allow_authorization:
+            token = by_name.get("authorization")
+        return token
+
+    async def _admit_sender(  # noqa: PLR0911 - one return per documented handshake outcome
+        self, connection: _RelayConnection, request: Request, path: str, raw_query: str
+    ) -> Response | None:
+        hybrid_connection = self._route(path)
+        if hybrid_connection is None and self.require_known:
+            self._refuse("sender", f"unknown hybrid connection {path!r}")
+            return _ws_error(404, f"no hybrid connection at {path!r}")
+        name = hybrid_connection.name if hybrid_connection else path
+        if hybrid_connection is None or hybrid_connection.requires_client_authorization:
+            token = self._sender_token(request.headers.raw_items(), raw_query, allow_authorization=False)
+            verdict = self._authorize(token, name, Right.SEND, "sender")
+            if isinstance(verdict, Response):
+                return verdict
+        listener = self._pick_listener(hybrid_connection) if hybrid_connection else None
+        if listener is None or hybrid_connection is None:
+            self._refuse("sender", f"no listener on {name!r}")
+            return _ws_error(NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {name!r}")
+        query = dict(parse_qsl(raw_query, keep_blank_values=True))
+        accept_id = query.get("sb-hc-id") or str(uuid.uuid4())
+        loop = asyncio.get_running_loop()
+        accept = PendingAccept(accept_id, listener, decided=loop.create_future(), sender=loop.create_future())
+        self.accepts[accept_id] = accept
+        passthrough = _strip_sb_query(raw_query)
+        address = (
+            f"ws://{self.authority}/$hc/{quote(path)}?{passthrough + '&' if passthrough else ''}"
+            f"sb-hc-action=accept&sb-hc-id={quote(accept_id)}"
+        )
+        headers = _merge_headers(request.headers.raw_items(), lambda name: name in _AUTH_HEADERS)
+        remote = connection.remote_address
+        message = AcceptMessage(
+            address=address,
+            id=accept_id,
+            connect_headers=headers,
+            remote_endpoint={"address": remote[0], "port": remote[1]} if remote else None,
+        )
+        try:
+            async with asyncio.timeout(self.accept_timeout):
+                async with listener.send_lock:
+                    await listener.conn.send(message.to_json("accept"))
+                decision = await accept.decided
+        except TimeoutError:
+            self._refuse("sender", f"listener did not accept {accept_id} within {self.accept_timeout} s")
+            return _ws_error(504, f"the listener did not accept the connection within {self.accept_timeout} s")
+        except ConnectionClosed:
+            return _ws_error(502, "the listener went away before accepting the connection")
+        finally:
+            self.accepts.pop(accept_id, None)
+        if isinstance(decision, _Rejected):
+            return _ws_error(decision.status, decision.description)
+        connection.role = _SenderRole(accept)
+        return None
+
+    def _admit_rendezvous(
+        self, connection: _RelayConnection, action: str, path: str, query: dict[str, str]
+    ) -> Response | None:
+        rendezvous_id = query.get("sb-hc-id", "")
+        if action == "accept":
+            accept = self.accepts.get(rendezvous_id)
+            if accept is None or accept.decided.done():
+                self._refuse("rendezvous", f"accept address {rendezvous_id!r} unknown, used or expired")
+                return _ws_error(403, "the accept address is not valid (unknown, already used or expired)")
+            status = query.get("sb-hc-statusCode")
+            if status is not None:
+                description = query.get("sb-hc-statusDescription", "")
+                code = int(status) if status.isdigit() and 400 <= int(status) <= 599 else 400
+                accept.decided.set_result(_Rejected(code, description or HTTPStatus(code).phrase))
+                # The reject handshake ends in 410 by design: no WebSocket is established.
+                return _ws_error(410, "the sender's connection was rejected as requested")
+            connection.role = _AcceptRole(accept)
+            return None
+        pending = self.requests.get(rendezvous_id)
+        if pending is None or pending.rendezvous_opened:
+            self._refuse("rendezvous", f"request address {rendezvous_id!r} unknown, used or expired")
+            return _ws_error(403, "the rendezvous address has expired or was already used")
+        if pending.listener.hybrid_connection.name.lower() != path.lower():
+            return _ws_error(400, "the rendezvous address does not match the hybrid connection")
+        pending.rendezvous_opened = True
+        connection.role = _RendezvousRole(pending)
+        return None
+
+    async def _handle_websocket(self, connection: ServerConnection) -> None:
+        assert isinstance(connection, _RelayConnection)
+        role = connection.role
+        if isinstance(role, _ListenRole):
+            await self._serve_listener(connection)
+        elif isinstance(role, _RendezvousRole):
+            await self._serve_rendezvous(connection, role.pending)
+        elif isinstance(role, _AcceptRole):
+            await self._serve_accepted(connection, role.accept)
+        elif isinstance(role, _SenderRole):
+            await self._serve_sender(connection, role.accept)
+
+    # ---- listener control channel ----------------------------------------------------------------------------
+
+    async def _serve_listener(self, conn: _RelayConnection) -> None:
+        listener = conn.listener
+        assert listener is not None
+        hybrid_connection = listener.hybrid_connection
+        listener.ready.set()
+        log.info("relay: listener on %s connected (%d now)", hybrid_connection.name, len(hybrid_connection.listeners))
+        expiry = asyncio.create_task(self._expire(listener))
+        awaiting: tuple[PendingRequest | None, ResponseMessage] | None = None
+        try:
+            async for frame in conn:
+                if isinstance(frame, bytes):
+                    if awaiting is None:
+                        self._refuse("listener_frame", f"{hybrid_connection.name}: binary frame without a response")
+                        continue
+                    target, response = awaiting
+                    awaiting = None
+                    if target is not None:
+                        target.complete(response, frame)
+                    continue
+                if awaiting is not None:
+                    target, _ = awaiting
+                    awaiting = None
+                    if target is not None:
+                        target.fail("the response announced a body but the next frame was text")
+                awaiting = await self._on_control_text(listener, frame)
+                if conn.close_code is not None:
+                    break
+        except ConnectionClosed:
+            pass
+        finally:
+            expiry.cancel()
+            self._drop_listener(listener)
+
+    async def _on_control_text(
+        self, listener: Listener, frame: str
+    ) -> tuple[PendingRequest | None, ResponseMessage] | None:
+        name = listener.hybrid_connection.name
+        try:
+            message = parse_listener_message(frame)
+        except ControlMessageError as error:
+            self._refuse("listener_frame", f"{name}: {error}")
+            request_id = request_id_of(frame)
+            if request_id is not None and request_id in listener.pending:
+                listener.pending[request_id].fail(f"invalid response from the listener: {error}")
+            return None
+        if isinstance(message, RenewTokenMessage):
+            try:
+                grant = self.checker.authorize(message.token, hybrid_connection=name, right=Right.LISTEN)
+            except AuthError as error:
+                self._refuse("renew_token", f"{name}: {error.reason}")
+                await listener.conn.close(1008, _close_reason(f"renewToken refused: {error.reason}"))
+                return None
+            listener.expires_at = grant.expires_at
+            listener.token_renewed.set()
+            return None
+        pending = listener.pending.get(message.request_id)
+        if pending is None:
+            self._refuse("listener_frame", f"{name}: response for unknown request {message.request_id!r}")
+        elif not message.body:
+            pending.complete(message, b"")
+            return None
+        return (pending, message) if message.body else None
+
+    async def _expire(self, listener: Listener) -> None:
+        while True:
+            remaining = listener.expires_at - self.clock()
+            if remaining <= 0:
+                self._refuse("listener", f"{listener.hybrid_connection.name}: token expired on the control channel")
+                await listener.conn.close(1008, "the security token has expired; send renewToken before expiry")
+                return
+            listener.token_renewed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await listener.token_renewed.wait()
+
+    def _drop_listener(self, listener: Listener) -> None:
+        hybrid_connection = listener.hybrid_connection
+        with contextlib.suppress(ValueError):
+            hybrid_connection.listeners.remove(listener)
+        for pending in list(listener.pending.values()):
+            if not pending.rendezvous_opened:
+                pending.fail("the listener disconnected before responding")
+        if not hybrid_connection.declared and not hybrid_connection.listeners and not hybrid_connection.sockets:
+            current = self.hybrid_connections.get(hybrid_connection.name.lower())
+            if current is hybrid_connection:
+                del self.hybrid_connections[hybrid_connection.name.lower()]
+        log.info("relay: listener on %s left (%d remain)", hybrid_connection.name, len(hybrid_connection.listeners))
+
+    # ---- HTTP senders ----------------------------------------------------------------------------------------
+
+    async def serve_http(self, reader: asyncio.StreamReader, transport: asyncio.Transport) -> None:
+        head_only = False
+        try:
+            request = await read_request(reader)
+            head_only = request.method == "HEAD"
+            answer = await self._dispatch_http(request)
+        except HttpError as error:
+            self._refuse("http_request", error.reason)
+            answer = _service_error(error.status, error.reason)
+        except Exception:
+            log.exception("relay: internal error while relaying an HTTP request")
+            answer = _service_error(500, "internal error in the relay emulator")
+        if not transport.is_closing():
+            transport.write(
+                render_response(answer.status, answer.reason, answer.headers, answer.body, head_only=head_only)
+            )
+            transport.close()
+
+    async def _dispatch_http(self, request: HttpRequest) -> _HttpAnswer:
+        if request.path == CONTROL_PREFIX or request.path.startswith(CONTROL_PREFIX + "/"):
+            return await self._control_api(request)
+        path = unquote(request.path).strip("/")
+        if request.method == "CONNECT" or path.startswith("$hc/") or not path:
+            self._refuse("http_request", f"{request.method} {request.path!r}")
+            return _service_error(
+                400 if path.startswith("$hc/") else 404,
+                "HTTP senders address https://{namespace}/{path}; $hc/ is for WebSockets",
+            )
+        hybrid_connection = self._route(path)
+        if hybrid_connection is None and self.require_known:
+            self._refuse("http_request", f"unknown hybrid connection for {path!r}")
+            return _service_error(404, f"no hybrid connection at {path!r}")
+        name = hybrid_connection.name if hybrid_connection else path.split("/")[0]
+        relay_auth_header: str | None = None
+        if hybrid_connection is None or hybrid_connection.requires_client_authorization:
+            token = self._sender_token(request.headers, request.query, allow_authorization=True)
+            query_token = request.query_value("sb-hc-token")
+            if query_token is None and request.header("ServiceBusAuthorization") is None and token is not None:
+                relay_auth_header = "authorization"
+            try:
+                self.checker.authorize(token, hybrid_connection=name, right=Right.SEND)
+            except AuthError as error:
+                self._refuse("http_request", f"{name}: {error.reason}")
+                return _service_error(error.status, error.reason)
+        listener = self._pick_listener(hybrid_connection) if hybrid_connection else None
+        if listener is None:
+            self._refuse("http_request", f"no listener on {name!r}")
+            return _service_error(NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {name!r}")
+
+        def dropped(header: str) -> bool:
+            return header in HOP_BY_HOP_HEADERS or header in _AUTH_HEADERS or header == relay_auth_header
+
+        query = _strip_sb_query(request.query)
+        request_id = str(uuid.uuid4())
+        message = RequestMessage(
+            address=(
+                f"ws://{self.authority}/$hc/{quote(listener.hybrid_connection.name)}"
+                f"?sb-hc-action=request&sb-hc-id={request_id}"
+            ),
+            id=request_id,
+            request_target=request.path + (f"?{query}" if query else ""),
+            method=request.method,
+            request_headers=_merge_headers(request.headers, dropped),
+            body=bool(request.body),
+        )
+        size = len(message.to_json("request")) + len(request.body)
+        pending = PendingRequest(
+            id=request_id,
+            listener=listener,
+            message=message,
+            body=request.body,
+            rendezvous_first=request.chunked or size > CONTROL_CHANNEL_LIMIT,
+            result=asyncio.get_running_loop().create_future(),
+        )
+        return await self._exchange(pending)
+
+    async def _exchange(self, pending: PendingRequest) -> _HttpAnswer:
+        listener = pending.listener
+        self.requests[pending.id] = pending
+        listener.pending[pending.id] = pending
+        try:
+            async with asyncio.timeout(self.response_timeout):
+                async with listener.send_lock:
+                    if pending.rendezvous_first:
+                        announcement = RequestMessage(address=pending.message.address, id=pending.id)
+                        await listener.conn.send(announcement.to_json("request"))
+                    else:
+                        await listener.conn.send(pending.message.to_json("request"))
+                        if pending.body:
+                            await listener.conn.send(_fragments(pending.body))
+                response, body = await pending.result
+        except TimeoutError:
+            self._refuse("http_request", f"listener did not respond to {pending.id} within {self.response_timeout} s")
+            return _service_error(504, f"the listener did not respond within {self.response_timeout} s")
+        except ConnectionClosed:
+            return _service_error(502, "the listener disconnected before the request was delivered")
+        except _ListenerFault as fault:
+            self._refuse("http_request", f"{pending.id}: {fault}")
+            return _service_error(502, str(fault))
+        finally:
+            self.requests.pop(pending.id, None)
+            listener.pending.pop(pending.id, None)
+            pending.finished.set()
+        headers = [
+            (name, value)
+            for name, value in response.response_headers.items()
+            if name.lower() not in HOP_BY_HOP_HEADERS and name.lower() != "via"
+        ]
+        via = response.response_headers.get("Via") or response.response_headers.get("via")
+        headers.append(("Via", f"{via + ', ' if via else ''}1.1 {self.authority}"))
+        return _HttpAnswer(response.status_code, response.status_description, headers, body)
+
+    async def _serve_rendezvous(self, conn: _RelayConnection, pending: PendingRequest) -> None:
+        hybrid_connection = pending.listener.hybrid_connection
+        hybrid_connection.sockets.add(conn)
+        try:
+            if pending.rendezvous_first:
+                await conn.send(pending.message.to_json("request"))
+                if pending.body:
+                    await conn.send(_fragments(pending.body))
+            frame = await conn.recv()
+            if not isinstance(frame, str):
+                pending.fail("the first frame on the rendezvous socket must be a response (text)")
+                return
+            message = parse_listener_message(frame)
+            if not isinstance(message, ResponseMessage) or message.request_id != pending.id:
+                pending.fail("the rendezvous socket carried something other than this request's response")
+                return
+            body = b""
+            if message.body:
+                body_frame = await conn.recv()
+                if not isinstance(body_frame, bytes):
+                    pending.fail("the response announced a body but the next frame was text")
+                    return
+                body = body_frame
+            pending.complete(message, body)
+            await pending.finished.wait()
+            await conn.close(1000, "the sender's HTTP exchange ended")
+        except ControlMessageError as error:
+            self._refuse("listener_frame", f"{hybrid_connection.name} rendezvous: {error}")
+            pending.fail(f"invalid response from the listener: {error}")
+        except ConnectionClosed:
+            pending.fail("the listener closed the rendezvous socket before responding")
+        finally:
+            hybrid_connection.sockets.discard(conn)
+
+    # ---- WebSocket senders (accept + bridge) -----------------------------------------------------------------
+
+    async def _serve_accepted(self, conn: _RelayConnection, accept: PendingAccept) -> None:
+        hybrid_connection = accept.listener.hybrid_connection
+        hybrid_connection.sockets.add(conn)
+        try:
+            if not accept.decided.done():
+                accept.decided.set_result(conn)
+            try:
+                async with asyncio.timeout(self.accept_timeout):
+                    sender = await accept.sender
+            except TimeoutError:
+                await conn.close(1001, "the sender went away before the connection was established")
+                return
+            await self._pump(conn, sender)
+        finally:
+            hybrid_connection.sockets.discard(conn)
+
+    async def _serve_sender(self, conn: _RelayConnection, accept: PendingAccept) -> None:
+        decided = accept.decided.result()
+        assert isinstance(decided, ServerConnection)
+        hybrid_connection = accept.listener.hybrid_connection
+        hybrid_connection.sockets.add(conn)
+        try:
+            accept.sender.set_result(conn)
+            await self._pump(conn, decided)
+        finally:
+            hybrid_connection.sockets.discard(conn)
+
+    @staticmethod
+    async def _pump(source: ServerConnection, target: ServerConnection) -> None:
+        """Relays messages one way until the source closes, then closes the target with the same code."""
+        try:
+            async for message in source:
+                await target.send(message)
+        except ConnectionClosed:
+            pass
+        code = source.close_code if source.close_code not in (None, 1005, 1006, 1015) else 1000
+        await target.close(code or 1000, _close_reason(source.close_reason or ""))
+
+    # ---- control API (stands in for ARM create/delete of hybrid connections) ---------------------------------
+
+    async def _control_api(self, request: HttpRequest) -> _HttpAnswer:  # noqa: PLR0911 - one return per outcome
+        name = unquote(request.path.removeprefix(CONTROL_PREFIX)).strip("/")
+        if not name:
+            if request.method != "GET":
+                return _service_error(405, "only GET is allowed on the collection")
+            return _json_answer(200, [self._describe(item) for item in self.hybrid_connections.values()])
+        if not _NAME_PATTERN.match(name):
+            self._refuse("control_api", f"invalid hybrid connection name {name!r}")
+            return _service_error(400, f"invalid hybrid connection name {name!r}: letters, digits, . _ - /")
+        if request.method == "PUT":
+            options: dict[str, Any] = {}
+            if request.body:
+                try:
+                    options = json.loads(request.body)
+                    requires = options.get("requiresClientAuthorization", True)
+                except (ValueError, AttributeError):
+                    return _service_error(400, 'body must be a JSON object like {"requiresClientAuthorization": true}')
+                if not isinstance(requires, bool):
+                    return _service_error(400, "requiresClientAuthorization must be true or false")
+            hybrid_connection, created = self.declare(
+                name, requires_client_authorization=options.get("requiresClientAuthorization", True)
+            )
+            return _json_answer(201 if created else 200, self._describe(hybrid_connection))
+        if request.method == "DELETE":
+            if await self.delete(name):
+                return _HttpAnswer(200, None, [], b"")
+            return _service_error(404, f"hybrid connection {name!r} does not exist")
+        if request.method == "GET":
+            found = self.hybrid_connections.get(name.lower())
+            if found is None:
+                return _service_error(404, f"hybrid connection {name!r} does not exist")
+            return _json_answer(200, self._describe(found))
+        return _service_error(405, f"{request.method} is not supported (PUT, DELETE, GET)")
+
+    def _describe(self, hybrid_connection: HybridConnection) -> dict[str, Any]:
+        return {
+            "name": hybrid_connection.name,
+            "declared": hybrid_connection.declared,
+            "requiresClientAuthorization": hybrid_connection.requires_client_authorization,
+            "listenerCount": self.listener_count(hybrid_connection.name),
+        }
