@@ -1,0 +1,355 @@
+"""Validated inputs of the IMDS emulator: simulated VMs, event requests, faults, scenarios, StartRequests.
+
+Every boundary (control API bodies, scenario files, the IMDS POST body) is parsed into one of these models, so a
+bad input fails with an error that names the field and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EventTypeName = Literal["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"]
+EventSourceName = Literal["Platform", "User"]
+
+# Minimum notice per type in the docs (Azure seconds; divided by the time scale). Terminate comes from the
+# scale set's terminateNotificationProfile.notBeforeTimeout instead.
+DEFAULT_NOTICE_SECONDS: dict[str, float] = {"Freeze": 900, "Reboot": 900, "Redeploy": 600, "Preempt": 30}
+DEFAULT_DURATION_SECONDS: dict[str, int] = {"Freeze": 5, "Reboot": -1, "Redeploy": -1, "Preempt": -1, "Terminate": -1}
+DEFAULT_DESCRIPTIONS: dict[str, str] = {
+    "Freeze": "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
+    "Reboot": "Virtual machine is going to be restarted as requested by authorized user.",
+    "Redeploy": "Virtual machine is going to be redeployed to a different host.",
+    "Preempt": "Virtual machine is going to be evicted because of a Spot eviction.",
+    "Terminate": "Virtual machine is going to be deleted as requested by authorized user.",
+}
+DEFAULT_SUBSCRIPTION = "00000000-0000-0000-0000-00000000e001"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SCALE_SET_NAME = re.compile(r"^.+_(?P<instance>\d+)$")
+_GUID = re.compile(r"^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$")
+
+
+class ScenarioError(ValueError):
+    """A scenario file or control-API body failed validation; the message names the field and the reason."""
+
+
+def describe_validation_error(error: ValidationError, *, source: str) -> str:
+    problems = "; ".join(
+        f"{'.'.join(str(part) for part in item['loc']) or '(root)'}: {item['msg']}" for item in error.errors()
+    )
+    return f"{source} is invalid: {problems}"
+
+
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    text = ""
+    while True:
+        number, rest = divmod(number, 36)
+        text = digits[rest] + text
+        if number == 0:
+            return text
+
+
+class VmSpec(BaseModel):
+    """One simulated VM. Only ``name`` is required; the rest is derived the way Azure names things."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    vmId: str = ""
+    resourceId: str = ""
+    subscriptionId: str = DEFAULT_SUBSCRIPTION
+    resourceGroupName: str = "rg-scheduled-events"
+    vmScaleSetName: str = ""
+    location: str = "westeurope"
+    zone: str = ""
+    platformFaultDomain: str = "0"
+    platformUpdateDomain: str = "0"
+    placementGroupId: str = ""
+    computerName: str = ""
+    priority: Literal["Regular", "Spot", "Low"] = "Regular"
+    vmSize: str = "Standard_D2s_v5"
+    osType: Literal["Linux", "Windows"] = "Linux"
+    tags: dict[str, str] = Field(default_factory=dict)
+    # The docs: VMs placed individually in a zone and GPU scale sets with one fault domain receive only their
+    # own events, not those of the rest of their placement group.
+    isolated: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-64 letters, digits, '_', '.', '-' and start with a letter or digit")
+        return value
+
+    @model_validator(mode="after")
+    def _derive(self) -> VmSpec:
+        derived: dict[str, str] = {}
+        if not self.vmId:
+            derived["vmId"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"emulated-vm:{self.name}"))
+        match = _SCALE_SET_NAME.match(self.name)
+        scale_set = self.vmScaleSetName
+        if not self.resourceId:
+            prefix = f"/subscriptions/{self.subscriptionId}/resourceGroups/{self.resourceGroupName}/providers"
+            if scale_set and match:
+                derived["resourceId"] = (
+                    f"{prefix}/Microsoft.Compute/virtualMachineScaleSets/{scale_set}"
+                    f"/virtualMachines/{match.group('instance')}"
+                )
+            else:
+                derived["resourceId"] = f"{prefix}/Microsoft.Compute/virtualMachines/{self.name}"
+        if not self.computerName:
+            # Deliberately different from `name` (as on real scale sets: prefix + base-36 instance id), so
+            # that code matching Resources against the hostname is caught.
+            if scale_set and match:
+                derived["computerName"] = f"{scale_set.replace('_', '-')}{_base36(int(match.group('instance'))):0>6}"
+            else:
+                derived["computerName"] = f"{self.name.lower().replace('_', '-')}-host"
+        for key, value in derived.items():
+            object.__setattr__(self, key, value)
+        if self.computerName == self.name:
+            raise ValueError("computerName must differ from name (hostname misuse would go unnoticed)")
+        return self
+
+    @property
+    def client_id(self) -> str:
+        """The client id of the VM's system-assigned identity (stable per resource id)."""
+        return str(uuid.uuid5(uuid.NAMESPACE_OID, f"client:{self.resourceId.lower()}"))
+
+    def compute(self) -> dict[str, Any]:
+        """The `compute` object of instance metadata (every value a string, as IMDS sends them)."""
+        publisher, offer, sku = (
+            ("Canonical", "ubuntu-24_04-lts", "server")
+            if self.osType == "Linux"
+            else (
+                "MicrosoftWindowsServer",
+                "WindowsServer",
+                "2022-datacenter",
+            )
+        )
+        return {
+            "azEnvironment": "AzurePublicCloud",
+            "computerName": self.computerName,
+            "isHostCompatibilityLayerVm": "false",
+            "location": self.location,
+            "name": self.name,
+            "offer": offer,
+            "osProfile": {
+                "adminUsername": "azureuser",
+                "computerName": self.computerName,
+                "disablePasswordAuthentication": "true",
+            },
+            "osType": self.osType,
+            "placementGroupId": self.placementGroupId,
+            "platformFaultDomain": self.platformFaultDomain,
+            "platformUpdateDomain": self.platformUpdateDomain,
+            "priority": self.priority,
+            "provider": "Microsoft.Compute",
+            "publisher": publisher,
+            "resourceGroupName": self.resourceGroupName,
+            "resourceId": self.resourceId,
+            "sku": sku,
+            "subscriptionId": self.subscriptionId,
+            "tags": ";".join(f"{key}:{value}" for key, value in sorted(self.tags.items())),
+            "tagsList": [{"name": key, "value": value} for key, value in sorted(self.tags.items())],
+            "version": "latest",
+            "vmId": self.vmId,
+            "vmScaleSetName": self.vmScaleSetName,
+            "vmSize": self.vmSize,
+            "zone": self.zone,
+        }
+
+
+class ScaleSetSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # terminateNotificationProfile: enable + notBeforeTimeout (PT5M..PT15M)
+    terminateNotification: bool = True
+    terminateNotBeforeSeconds: float = Field(default=300, ge=300, le=900)
+
+
+class EventCreate(BaseModel):
+    """A request to schedule an event (control API body or scenario `create` step)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    EventType: EventTypeName
+    Resources: list[str] = Field(min_length=1)
+    EventId: str | None = None
+    EventSource: EventSourceName | None = None
+    DurationInSeconds: int | None = Field(default=None, ge=-1)
+    Description: str | None = None
+    # Notice in Azure seconds (scaled by the time scale); or an absolute NotBefore (RFC 1123 or ISO 8601).
+    NoticeSeconds: float | None = Field(default=None, ge=0)
+    NotBefore: datetime | None = None
+    # "Started" models an actual hardware failure: no Scheduled phase, no notice.
+    EventStatus: Literal["Scheduled", "Started"] = "Scheduled"
+
+    @field_validator("NotBefore", mode="before")
+    @classmethod
+    def _rfc1123(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.endswith("GMT"):
+            try:
+                return parsedate_to_datetime(value)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"NotBefore {value!r} is not an RFC 1123 date") from error
+        return value
+
+    @field_validator("NotBefore")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+    @field_validator("EventId")
+    @classmethod
+    def _guid(cls, value: str | None) -> str | None:
+        if value is not None and not _GUID.match(value):
+            raise ValueError("EventId must be a GUID")
+        return value.upper() if value else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EventCreate:
+        if self.NoticeSeconds is not None and self.NotBefore is not None:
+            raise ValueError("give NoticeSeconds or NotBefore, not both")
+        if self.EventStatus == "Started" and (self.NoticeSeconds or self.NotBefore):
+            raise ValueError("an event created Started (hardware failure) has no notice")
+        if len(set(self.Resources)) != len(self.Resources):
+            raise ValueError("Resources lists a VM twice")
+        return self
+
+
+FaultKind = Literal["first-call-delay", "error-burst", "hang", "malformed-json", "incarnation-reset", "throttle"]
+FaultEndpoint = Literal["scheduledevents", "instance", "identity", "all"]
+
+
+class FaultSpec(BaseModel):
+    """A fault to inject. `vm` None means every VM."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: FaultKind
+    vm: str | None = None
+    endpoint: FaultEndpoint = "scheduledevents"
+    # error-burst / hang / malformed-json: how many responses are affected.
+    count: int = Field(default=1, ge=1, le=10_000)
+    # error-burst: the status to answer.
+    status: int = Field(default=500, ge=500, le=599)
+    # first-call-delay: Azure seconds (scaled); hang: real seconds (a client's timeout is real time).
+    seconds: float = Field(default=0, ge=0, le=600)
+    # throttle: requests per second per VM above which IMDS answers 429; 0 turns throttling off.
+    requestsPerSecond: float = Field(default=5, ge=0)
+
+    @model_validator(mode="after")
+    def _needs_seconds(self) -> FaultSpec:
+        if self.kind in ("first-call-delay", "hang") and self.seconds <= 0:
+            raise ValueError(f"a {self.kind!r} fault needs seconds > 0")
+        return self
+
+
+class StepCreate(EventCreate):
+    # A label later steps use to cancel this event (its EventId is generated at run time).
+    ref: str | None = None
+
+
+class ScenarioStep(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    at: float = Field(ge=0, description="offset from the start, Azure seconds (scaled by the time scale)")
+    create: StepCreate | None = None
+    cancel: str | None = None  # a `ref` of an earlier create step, or an EventId
+    fault: FaultSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_action(self) -> ScenarioStep:
+        actions = [name for name in ("create", "cancel", "fault") if getattr(self, name) is not None]
+        if len(actions) != 1:
+            raise ValueError(f"a step needs exactly one of create, cancel, fault (got {actions or 'none'})")
+        return self
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "scenario"
+    description: str = ""
+    scaleSets: dict[str, ScaleSetSpec] = Field(default_factory=dict)
+    vms: list[VmSpec] = Field(min_length=1)
+    steps: list[ScenarioStep] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _references(self) -> Scenario:
+        names = [vm.name for vm in self.vms]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"vms: duplicate names {duplicates}")
+        refs: set[str] = set()
+        for index, step in enumerate(self.steps):
+            where = f"steps.{index}"
+            if step.create is not None:
+                unknown = [name for name in step.create.Resources if name not in names]
+                if unknown:
+                    raise ValueError(f"{where}.create.Resources: unknown VMs {unknown}")
+                if step.create.ref:
+                    if step.create.ref in refs:
+                        raise ValueError(f"{where}.create.ref: {step.create.ref!r} used twice")
+                    refs.add(step.create.ref)
+            if step.cancel is not None and step.cancel not in refs and not _GUID.match(step.cancel):
+                raise ValueError(f"{where}.cancel: {step.cancel!r} is no earlier create ref")
+            if step.fault is not None and step.fault.vm is not None and step.fault.vm not in names:
+                raise ValueError(f"{where}.fault.vm: unknown VM {step.fault.vm!r}")
+        return self
+
+    @classmethod
+    def from_mapping(cls, data: Any, *, source: str = "scenario") -> Scenario:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            raise ScenarioError(describe_validation_error(error, source=source)) from error
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Scenario:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ScenarioError(f"scenario {path} cannot be read: {error}") from error
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as error:
+            raise ScenarioError(f"scenario {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {error}") from error
+        return cls.from_mapping(data, source=f"scenario {path}")
+
+    @classmethod
+    def default(cls) -> Scenario:
+        """Two VMs of one availability set, as in the docs' example; no events."""
+        return cls(
+            name="default",
+            vms=[
+                VmSpec(name="WestNO_0", placementGroupId="avset-westno", platformFaultDomain="0"),
+                VmSpec(name="WestNO_1", placementGroupId="avset-westno", platformFaultDomain="1"),
+            ],
+        )
+
+
+class StartRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    EventId: Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class StartRequestsBody(BaseModel):
+    """The IMDS approval body: {"StartRequests": [{"EventId": "…"}, …]}."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    StartRequests: list[StartRequest] = Field(min_length=1)

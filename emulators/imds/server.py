@@ -1,0 +1,471 @@
+"""The IMDS emulator's HTTP face: Scheduled Events, instance metadata, managed-identity tokens, control API.
+
+A stdlib ThreadingHTTPServer on 127.0.0.1; every request takes one lock around the pure state
+(`emulators.imds.state.EmulatorState`), so the state machine stays single-threaded. Sleeps for injected faults
+happen outside the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, quote, urlsplit
+
+from pydantic import BaseModel, ValidationError
+
+from emulators.imds.clock import Clock, SystemClock
+from emulators.imds.faults import DEFAULT_THROTTLE_RPS, Endpoint, FaultDecision, FaultPlan
+from emulators.imds.models import (
+    EventCreate,
+    FaultSpec,
+    Scenario,
+    StartRequestsBody,
+    VmSpec,
+    describe_validation_error,
+)
+from emulators.imds.state import DEFAULT_STARTED_MIN_SECONDS, EmulatorInputError, EmulatorState
+from emulators.imds.versions import (
+    IDENTITY_VERSIONS,
+    INSTANCE_VERSIONS,
+    SCHEDULED_EVENTS_VERSIONS,
+    newest,
+)
+from emulators.tokens import mint_token
+
+VM_HEADER = "X-Emulator-VM"
+_VM_PREFIX = re.compile(r"^/vm/(?P<name>[^/]+)(?P<rest>/.*)?$")
+_CANCEL = re.compile(r"^/_emulator/events/(?P<id>[^/]+)/cancel$")
+_MAX_BODY = 64 * 1024
+TOKEN_LIFETIME_SECONDS = 3600
+_JSON = "application/json; charset=utf-8"
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class _Reply(Exception):
+    """Ends a request early with a status and a JSON body (the error shapes of the real service)."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+def _bad_request(message: str) -> _Reply:
+    return _Reply(400, {"error": f"Bad request. {message}"})
+
+
+class ImdsEmulator:
+    """An in-process IMDS for tests and the local runner.
+
+    >>> with ImdsEmulator(scenario=Scenario.from_file("emulators/scenarios/documented-example.yaml"),
+    ...                   time_scale=60) as imds:
+    ...     requests.get(imds.url + "/metadata/scheduledevents?api-version=2020-07-01", headers={"Metadata": "true"})
+    """
+
+    def __init__(
+        self,
+        *,
+        scenario: Scenario | None = None,
+        time_scale: float = 1.0,
+        port: int = 0,
+        clock: Clock | None = None,
+        started_min_seconds: float = DEFAULT_STARTED_MIN_SECONDS,
+        throttle_rps: float = DEFAULT_THROTTLE_RPS,
+    ) -> None:
+        self.scenario = scenario or Scenario.default()
+        self.time_scale = time_scale
+        self.clock: Clock = clock or SystemClock()
+        self.faults = FaultPlan(throttle_rps=throttle_rps, time_scale=time_scale)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.state = EmulatorState(
+            self.scenario,
+            start=self.clock.now(),
+            time_scale=time_scale,
+            started_min_seconds=started_min_seconds,
+            on_fault=self.faults.add,
+        )
+        self.requests_served: Counter[str] = Counter()
+        self._port = port
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> str:
+        if self._server is not None:
+            return self.url
+        server = ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
+        server.daemon_threads = True
+        server.emulator = self  # type: ignore[attr-defined]
+        self._server = server
+        self._stopping.clear()
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+        self._thread.name = f"imds-emulator-{self.port}"
+        self._thread.start()
+        return self.url
+
+    def stop(self) -> None:
+        self._stopping.set()  # wakes requests hung by a fault
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> ImdsEmulator:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("the emulator is not started; call start() first")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url_for(self, vm_name: str) -> str:
+        """Base URL that makes every IMDS request come from this VM (use it as a client's IMDS endpoint)."""
+        if vm_name not in self.state.vms:
+            raise KeyError(f"no emulated VM {vm_name!r}; known: {list(self.state.vms)}")
+        return f"{self.url}/vm/{quote(vm_name, safe='')}"
+
+    def scheduled_events_url(self, vm_name: str | None = None, *, api_version: str = "2020-07-01") -> str:
+        base = self.url_for(vm_name) if vm_name is not None else self.url
+        return f"{base}/metadata/scheduledevents?api-version={api_version}"
+
+    def identity_environment(self, vm_name: str) -> dict[str, str]:
+        """Environment that points azure-identity's ManagedIdentityCredential at this VM's token endpoint."""
+        return {"AZURE_POD_IDENTITY_AUTHORITY_HOST": self.url_for(vm_name)}
+
+    # ---- control (Python) ------------------------------------------------------------------------------------
+
+    def create_event(self, spec: EventCreate | dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        """Schedules an event; returns its global summary (with EventId). Fields as in EventCreate, e.g.
+        ``create_event(EventType="Freeze", Resources=["WestNO_0"], NoticeSeconds=60)``."""
+        parsed = _parse(EventCreate, spec if spec is not None else fields, source="event")
+        with self._lock:
+            return self.state.create_event(parsed, self.clock.now()).summary()
+
+    def cancel_event(self, event_id: str) -> dict[str, Any]:
+        with self._lock:
+            return self.state.cancel_event(event_id, self.clock.now()).summary()
+
+    def inject_fault(self, spec: FaultSpec | dict[str, Any] | None = None, **fields: Any) -> None:
+        parsed = _parse(FaultSpec, spec if spec is not None else fields, source="fault")
+        with self._lock:
+            self.state.apply_fault(parsed, self.clock.now())
+
+    def document(self, vm_name: str | None = None, *, api_version: str = "2020-07-01") -> dict[str, Any]:
+        """The document a VM would read now (not counted as a request, never faulted)."""
+        with self._lock:
+            return self.state.document(vm_name or self.first_vm, api_version, self.clock.now())
+
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return self.state.event_summaries(self.clock.now())
+
+    def approvals(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return self.state.approval_summaries(self.clock.now())
+
+    def vms(self) -> list[VmSpec]:
+        return list(self.state.vms.values())
+
+    @property
+    def first_vm(self) -> str:
+        return next(iter(self.state.vms))
+
+    # ---- request handling (called by _Handler) -------------------------------------------------------------
+
+    def _handle(self, handler: _Handler, method: str) -> tuple[int, bytes, str]:
+        parts = urlsplit(handler.path)
+        query = parse_qs(parts.query, keep_blank_values=True)
+        path = parts.path.rstrip("/") or "/"
+        vm_name, path = self._resolve_vm(path, handler.headers.get(VM_HEADER))
+        if path.startswith("/_emulator"):
+            return self._control(method, path, handler)
+        endpoint = _endpoint_of(path)
+        if endpoint is None:
+            raise _Reply(404, {"error": "Not found"})
+        if handler.headers.get("X-Forwarded-For") is not None:
+            raise _bad_request("Requests with an X-Forwarded-For header are not accepted")
+        if (handler.headers.get("Metadata") or "").lower() != "true":
+            raise _bad_request("Required metadata header not specified")
+        with self._lock:
+            decision = self.faults.decide(
+                vm=vm_name, endpoint=endpoint, now=self.clock.now(), all_vms=list(self.state.vms)
+            )
+            self.requests_served[vm_name] += 1
+        self._carry_out(decision)
+        if endpoint == "scheduledevents":
+            status, body = self._scheduled_events(method, vm_name, query, handler)
+        elif endpoint == "instance":
+            return self._instance(method, vm_name, path, query, decision)
+        else:
+            status, body = self._token(method, vm_name, query)
+        if decision.malformed and status == 200 and body is not None:
+            text = json.dumps(body)
+            return status, text[: max(1, len(text) // 2)].encode(), _JSON
+        return status, b"" if body is None else json.dumps(body).encode(), _JSON
+
+    def _carry_out(self, decision: FaultDecision) -> None:
+        if decision.throttled:
+            raise _Reply(429, {"error": "Too many requests"})
+        for seconds in (decision.delay_seconds, decision.hang_seconds):
+            if seconds > 0 and self._stopping.wait(seconds):
+                raise _Reply(503, {"error": "Service unavailable"})
+        if decision.error_status is not None:
+            raise _Reply(decision.error_status, {"error": "Internal server error"})
+
+    def _resolve_vm(self, path: str, header: str | None) -> tuple[str, str]:
+        name = header
+        match = _VM_PREFIX.match(path)
+        if match:
+            name = match.group("name")
+            path = match.group("rest") or "/"
+        if name is None:
+            return self.first_vm, path
+        if name not in self.state.vms:
+            raise _Reply(404, {"error": f"No emulated VM named {name!r}; known: {list(self.state.vms)}"})
+        return name, path
+
+    @staticmethod
+    def _api_version(query: dict[str, list[str]], known: tuple[str, ...]) -> str:
+        versions = query.get("api-version")
+        if not versions or not versions[0]:
+            raise _Reply(
+                400,
+                {
+                    "error": "Bad request. api-version was not specified in the request. "
+                    "For more information refer to aka.ms/azureimds",
+                    "newest-versions": newest(known),
+                },
+            )
+        if versions[0] not in known:
+            raise _Reply(
+                400,
+                {
+                    "error": "Bad request. api-version is invalid or was not specified in the request. "
+                    "For more information refer to aka.ms/azureimds",
+                    "newest-versions": newest(known),
+                },
+            )
+        return versions[0]
+
+    def _scheduled_events(
+        self, method: str, vm_name: str, query: dict[str, list[str]], handler: _Handler
+    ) -> tuple[int, dict[str, Any] | None]:
+        version = self._api_version(query, SCHEDULED_EVENTS_VERSIONS)
+        if method == "GET":
+            with self._lock:
+                return 200, self.state.document(vm_name, version, self.clock.now())
+        if method != "POST":
+            raise _Reply(405, {"error": "Method not allowed"})
+        raw = handler.read_body()
+        try:
+            body = StartRequestsBody.model_validate_json(raw)
+        except ValidationError as error:
+            raise _bad_request(describe_validation_error(error, source="StartRequests body")) from error
+        with self._lock:
+            try:
+                self.state.approve(vm_name, body, self.clock.now())
+            except EmulatorInputError as error:
+                raise _bad_request(str(error)) from error
+        return 200, None
+
+    def _instance(
+        self, method: str, vm_name: str, path: str, query: dict[str, list[str]], decision: FaultDecision
+    ) -> tuple[int, bytes, str]:
+        if method != "GET":
+            raise _Reply(405, {"error": "Method not allowed"})
+        self._api_version(query, INSTANCE_VERSIONS)
+        vm = self.state.vms[vm_name]
+        node: Any = {"compute": vm.compute(), "network": _network(vm)}
+        for key in path.removeprefix("/metadata/instance").strip("/").split("/"):
+            if not key:
+                continue
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                raise _Reply(404, {"error": "Not found"})
+        output = (query.get("format") or ["json"])[0]
+        if not isinstance(node, dict | list):
+            if output != "text":
+                raise _bad_request("Query parameter 'format=text' is required for leaf nodes")
+            return 200, str(node).encode(), "text/plain; charset=utf-8"
+        text = json.dumps(node)
+        if decision.malformed:
+            text = text[: max(1, len(text) // 2)]
+        return 200, text.encode(), _JSON
+
+    def _token(self, method: str, vm_name: str, query: dict[str, list[str]]) -> tuple[int, dict[str, Any]]:
+        if method != "GET":
+            raise _Reply(405, {"error": "Method not allowed"})
+        self._api_version(query, IDENTITY_VERSIONS)
+        resource = (query.get("resource") or [""])[0]
+        if not resource:
+            raise _Reply(
+                400, {"error": "invalid_request", "error_description": "Required audience parameter not specified"}
+            )
+        vm = self.state.vms[vm_name]
+        for parameter, expected in (("client_id", vm.client_id), ("msi_res_id", vm.resourceId)):
+            given = (query.get(parameter) or [""])[0]
+            if given and given.lower() != expected.lower():
+                raise _Reply(400, {"error": "invalid_request", "error_description": "Identity not found"})
+        token, expires_on = mint_token(
+            audience=resource, identity_resource_id=vm.resourceId, lifetime_seconds=TOKEN_LIFETIME_SECONDS
+        )
+        now = int(time.time())
+        return 200, {
+            "access_token": token,
+            "client_id": vm.client_id,
+            "expires_in": str(expires_on - now),
+            "expires_on": str(expires_on),
+            "ext_expires_in": str(expires_on - now),
+            "not_before": str(now),
+            "resource": resource,
+            "token_type": "Bearer",
+        }
+
+    def _control(self, method: str, path: str, handler: _Handler) -> tuple[int, bytes, str]:
+        now = self.clock.now()
+        result: Any
+        status = 200
+        try:
+            if path == "/_emulator/events" and method == "POST":
+                spec = _parse(EventCreate, _json_body(handler), source="event")
+                with self._lock:
+                    result = self.state.create_event(spec, now).summary()
+                status = 201
+            elif path == "/_emulator/events" and method == "GET":
+                result = self.events()
+            elif (match := _CANCEL.match(path)) and method == "POST":
+                result = self.cancel_event(match.group("id"))
+            elif path == "/_emulator/approvals" and method == "GET":
+                result = self.approvals()
+            elif path == "/_emulator/vms" and method == "GET":
+                with self._lock:
+                    result = self.state.vm_summaries(now)
+                for item in result:
+                    item["requests"] = self.requests_served[item["name"]]
+            elif path == "/_emulator/faults" and method == "POST":
+                self.inject_fault(_parse(FaultSpec, _json_body(handler), source="fault"))
+                status, result = 201, {"faults": self.faults.pending(), "throttleRps": self.faults.throttle_rps}
+            elif path == "/_emulator/faults" and method == "GET":
+                result = {"faults": self.faults.pending(), "throttleRps": self.faults.throttle_rps}
+            elif path == "/_emulator/faults" and method == "DELETE":
+                self.faults.clear()
+                result = {"faults": []}
+            elif path == "/_emulator/status" and method == "GET":
+                result = {
+                    "scenario": self.scenario.name,
+                    "timeScale": self.time_scale,
+                    "stepErrors": list(self.state.step_errors),
+                    "throttled": self.faults.throttled_count,
+                }
+            else:
+                raise _Reply(404, {"error": f"no control route {method} {path}"})
+        except (EmulatorInputError, ValueError) as error:
+            raise _Reply(400, {"error": str(error)}) from error
+        return status, json.dumps(result).encode(), _JSON
+
+
+def _endpoint_of(path: str) -> Endpoint | None:
+    if path == "/metadata/scheduledevents":
+        return "scheduledevents"
+    if path == "/metadata/instance" or path.startswith("/metadata/instance/"):
+        return "instance"
+    if path == "/metadata/identity/oauth2/token":
+        return "identity"
+    return None
+
+
+def _network(vm: VmSpec) -> dict[str, Any]:
+    octet = sum(vm.vmId.encode()) % 250 + 4
+    return {
+        "interface": [
+            {
+                "ipv4": {
+                    "ipAddress": [{"privateIpAddress": f"10.0.0.{octet}", "publicIpAddress": ""}],
+                    "subnet": [{"address": "10.0.0.0", "prefix": "24"}],
+                },
+                "ipv6": {"ipAddress": []},
+                "macAddress": f"000D3A{octet:06X}",
+            }
+        ]
+    }
+
+
+def _parse(model: type[_M], data: Any, *, source: str) -> _M:
+    if isinstance(data, model):
+        return data
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise EmulatorInputError(describe_validation_error(error, source=source)) from error
+
+
+def _json_body(handler: _Handler) -> Any:
+    raw = handler.read_body()
+    try:
+        return json.loads(raw or b"null")
+    except json.JSONDecodeError as error:
+        raise EmulatorInputError(f"request body is not JSON: {error}") from error
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "Microsoft-IIS/10.0"  # what IMDS answers with; some clients log it
+    sys_version = ""
+
+    def read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > _MAX_BODY:
+            raise _bad_request(f"body of {length} bytes is larger than {_MAX_BODY}")
+        return self.rfile.read(length) if length else b""
+
+    def _dispatch(self, method: str) -> None:
+        emulator: ImdsEmulator = self.server.emulator  # type: ignore[attr-defined]
+        try:
+            status, body, content_type = emulator._handle(self, method)
+        except _Reply as reply:
+            status, body, content_type = reply.status, json.dumps(reply.body).encode(), _JSON
+        except EmulatorInputError as error:
+            status, body, content_type = 400, json.dumps({"error": str(error)}).encode(), _JSON
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # Silence the per-request stderr lines; the control API and /_emulator/vms carry the counts.
+        return

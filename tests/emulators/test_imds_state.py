@@ -1,0 +1,282 @@
+"""The pure lifecycle state machine of the IMDS emulator, driven by hand-set times (no sockets, no sleeping)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import pytest
+
+from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, StartRequestsBody, VmSpec
+from emulators.imds.state import EmulatorInputError, EmulatorState
+
+T0 = datetime(2026, 3, 2, 10, 0, 0, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def fleet(**extra) -> Scenario:
+    return Scenario.from_mapping(
+        {
+            "scaleSets": {"web": {"terminateNotBeforeSeconds": 300}},
+            "vms": [
+                {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg1"},
+                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg1"},
+                {"name": "web_2", "vmScaleSetName": "web", "placementGroupId": "pg1"},
+                {"name": "other_0", "vmScaleSetName": "other", "placementGroupId": "pg2"},
+                {"name": "gpu_0", "vmScaleSetName": "gpu", "placementGroupId": "pg1", "isolated": True},
+                {"name": "spot", "priority": "Spot"},
+            ],
+            **extra,
+        }
+    )
+
+
+def new_state(scenario: Scenario | None = None, **options) -> EmulatorState:
+    return EmulatorState(scenario or fleet(), start=T0, **options)
+
+
+def approve(state: EmulatorState, vm: str, *ids: str, when: datetime) -> None:
+    state.approve(vm, StartRequestsBody.model_validate({"StartRequests": [{"EventId": i} for i in ids]}), when)
+
+
+def statuses(state: EmulatorState, vm: str, when: datetime) -> dict[str, str]:
+    return {e["EventId"]: e["EventStatus"] for e in state.document(vm, "2020-07-01", when)["Events"]}
+
+
+def test_freeze_waits_for_its_notice_then_starts_then_is_removed_after_the_started_minimum():
+    state = new_state(started_min_seconds=120)
+    event = state.create_event(EventCreate(EventType="Freeze", Resources=["web_0"]), at(0))
+    document = state.document("web_0", "2020-07-01", at(0))
+    assert document["DocumentIncarnation"] == 2
+    shown = document["Events"][0]
+    assert shown["EventStatus"] == "Scheduled"
+    assert parsedate_to_datetime(shown["NotBefore"]) == at(900)  # 15 minutes' notice
+    assert shown["NotBefore"].endswith(" GMT")
+    assert statuses(state, "web_0", at(899.9)) == {event.event_id: "Scheduled"}
+    document = state.document("web_0", "2020-07-01", at(900))
+    assert document["Events"][0]["EventStatus"] == "Started"
+    assert document["Events"][0]["NotBefore"] == ""
+    assert document["DocumentIncarnation"] == 3
+    assert statuses(state, "web_0", at(1019)) == {event.event_id: "Started"}
+    assert state.document("web_0", "2020-07-01", at(1020)) == {"DocumentIncarnation": 4, "Events": []}
+    assert event.started_by == "notBefore"
+    assert event.started_at == at(900)
+    assert event.removed_at == at(1020)  # applied at the due instant, not at the (later) poll
+
+
+def test_time_scale_divides_notice_and_hold():
+    state = new_state(time_scale=60, started_min_seconds=600)
+    event = state.create_event(EventCreate(EventType="Reboot", Resources=["web_0"]), at(0))
+    assert event.not_before == at(15)
+    state.advance(at(15))
+    assert event.summary()["state"] == "Started"
+    state.advance(at(25))
+    assert event.summary()["state"] == "Completed"
+    assert event.removed_at == at(25)
+
+
+def test_approval_starts_the_event_for_every_resource_and_is_recorded_with_the_incarnation():
+    state = new_state()
+    event = state.create_event(EventCreate(EventType="Freeze", Resources=["web_0", "web_1"]), at(0))
+    approve(state, "web_2", event.event_id, when=at(10))  # any VM of the group may approve
+    assert statuses(state, "web_0", at(10)) == {event.event_id: "Started"}
+    assert event.started_by == "approval"
+    assert [(a.vm, a.incarnation, a.status_before) for a in state.approvals] == [("web_2", 2, "Scheduled")]
+    approve(state, "web_0", event.event_id, when=at(11))  # already started: still accepted
+    assert [a.status_before for a in state.approvals] == ["Scheduled", "Started"]
+
+
+def test_unknown_or_foreign_or_finished_event_ids_are_refused_and_nothing_is_applied():
+    state = new_state(started_min_seconds=10)
+    mine = state.create_event(EventCreate(EventType="Freeze", Resources=["web_0"]), at(0))
+    foreign = state.create_event(EventCreate(EventType="Reboot", Resources=["other_0"]), at(0))
+    with pytest.raises(EmulatorInputError, match="not valid for VM 'web_0'") as raised:
+        approve(state, "web_0", mine.event_id, foreign.event_id, "5DD55B64-45AD-49D3-BBC9-F57D4EA97BD7", when=at(1))
+    assert foreign.event_id in str(raised.value)
+    assert mine.event_id not in str(raised.value)
+    assert mine.summary()["state"] == "Scheduled"
+    assert state.approvals == []
+    approve(state, "web_0", mine.event_id.lower(), when=at(2))  # ids compare case-insensitively
+    state.advance(at(20))
+    assert mine.summary()["state"] == "Completed"
+    with pytest.raises(EmulatorInputError):
+        approve(state, "web_0", mine.event_id, when=at(21))
+
+
+def test_cancellation_removes_a_scheduled_event_without_starting_it():
+    state = new_state()
+    event = state.create_event(EventCreate(EventType="Redeploy", Resources=["web_1"]), at(0))
+    assert event.not_before == at(600)
+    state.cancel_event(event.event_id, at(30))
+    assert state.document("web_1", "2020-07-01", at(30)) == {"DocumentIncarnation": 3, "Events": []}
+    assert (event.status, event.started_at, event.removed_at) == ("Canceled", None, at(30))
+    with pytest.raises(EmulatorInputError, match="only a Scheduled event"):
+        state.cancel_event(event.event_id, at(31))
+
+
+def test_hardware_failure_appears_directly_started():
+    state = new_state(started_min_seconds=60)
+    event = state.create_event(EventCreate(EventType="Reboot", Resources=["web_0"], EventStatus="Started"), at(5))
+    shown = state.document("web_0", "2020-07-01", at(5))["Events"][0]
+    assert (shown["EventStatus"], shown["NotBefore"]) == ("Started", "")
+    assert event.started_by == "hardware-failure"
+    assert state.document("web_0", "2020-07-01", at(65))["Events"] == []
+
+
+def test_per_type_notice_and_terminate_notice_from_the_scale_set():
+    state = new_state()
+    notices = {
+        kind: state.create_event(EventCreate(EventType=kind, Resources=[vm]), at(0)).not_before
+        for kind, vm in [("Freeze", "web_0"), ("Redeploy", "web_1"), ("Preempt", "spot"), ("Terminate", "web_2")]
+    }
+    assert notices == {"Freeze": at(900), "Redeploy": at(600), "Preempt": at(30), "Terminate": at(300)}
+
+
+def test_placement_group_visibility_and_isolated_vms():
+    state = new_state()
+    group = state.create_event(EventCreate(EventType="Freeze", Resources=["web_0"]), at(0))
+    gpu = state.create_event(EventCreate(EventType="Freeze", Resources=["gpu_0"]), at(0))
+    assert set(statuses(state, "web_1", at(1))) == {group.event_id}  # same group, not in Resources
+    assert set(statuses(state, "gpu_0", at(1))) == {gpu.event_id}  # isolated: only its own
+    assert set(statuses(state, "web_2", at(1))) == {group.event_id}  # the isolated VM's event stays private
+    assert statuses(state, "other_0", at(1)) == {}
+    incarnations = dict(state.incarnations)
+    state.create_event(EventCreate(EventType="Reboot", Resources=["other_0"]), at(2))
+    state.advance(at(2))
+    assert state.incarnations["other_0"] == incarnations["other_0"] + 1
+    assert state.incarnations["web_0"] == incarnations["web_0"]  # each VM has its own counter
+
+
+def test_approved_terminate_waits_for_a_pending_unapproved_delete_then_both_go():
+    state = new_state()
+    first = state.create_event(EventCreate(EventType="Terminate", Resources=["web_1"]), at(0))
+    second = state.create_event(EventCreate(EventType="Terminate", Resources=["web_2"], NoticeSeconds=600), at(0))
+    approve(state, "web_2", second.event_id, when=at(10))
+    assert second.status == "Scheduled"  # waits: web_1's delete is pending unapproved
+    state.advance(at(299))
+    assert (first.status, second.status) == ("Scheduled", "Scheduled")
+    state.advance(at(300))  # web_1's delete times out: both go
+    assert (first.status, second.status) == ("Started", "Started")
+    assert (first.started_by, second.started_by) == ("notBefore", "approval")
+    assert first.started_at == second.started_at == at(300)
+
+
+def test_approved_terminate_goes_when_the_other_pending_delete_is_approved():
+    state = new_state()
+    first = state.create_event(EventCreate(EventType="Terminate", Resources=["web_1"]), at(0))
+    second = state.create_event(EventCreate(EventType="Terminate", Resources=["web_2"]), at(0))
+    approve(state, "web_1", first.event_id, when=at(5))
+    assert first.status == "Scheduled"
+    approve(state, "web_2", second.event_id, when=at(8))
+    assert (first.status, second.status) == ("Started", "Started")
+    assert first.started_at == at(8)
+
+
+def test_simultaneous_deletes_need_both_approvals_and_other_scale_sets_do_not_block():
+    state = new_state()
+    first = state.create_event(EventCreate(EventType="Terminate", Resources=["web_0"]), at(0))
+    second = state.create_event(EventCreate(EventType="Terminate", Resources=["web_1"]), at(0))
+    assert first.not_before == second.not_before
+    approve(state, "web_0", first.event_id, when=at(1))
+    state.advance(at(299))
+    assert (first.status, second.status) == ("Scheduled", "Scheduled")
+    state.advance(at(300))
+    assert (first.status, second.status) == ("Started", "Started")
+    other = state.create_event(EventCreate(EventType="Terminate", Resources=["other_0"]), at(301))
+    pending = state.create_event(EventCreate(EventType="Terminate", Resources=["web_2"]), at(301))
+    approve(state, "other_0", other.event_id, when=at(302))
+    assert (other.status, pending.status) == ("Started", "Scheduled")
+
+
+def test_fields_and_types_per_api_version():
+    state = new_state()
+    state.create_event(EventCreate(EventType="Freeze", Resources=["web_0"]), at(0))
+    state.create_event(EventCreate(EventType="Terminate", Resources=["web_1"]), at(0))
+    state.create_event(EventCreate(EventType="Preempt", Resources=["spot"]), at(0))
+
+    def shown(vm: str, version: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = state.document(vm, version, at(1))["Events"]
+        return events
+
+    newest = shown("web_0", "2020-07-01")
+    assert {e["EventType"] for e in newest} == {"Freeze", "Terminate"}
+    assert all({"Description", "EventSource", "DurationInSeconds"} <= set(e) for e in newest)
+    assert [set(e) & {"Description", "EventSource", "DurationInSeconds"} for e in shown("web_0", "2019-08-01")] == [
+        {"Description", "EventSource"}
+    ] * 2
+    assert all("EventSource" not in e and "Description" in e for e in shown("web_0", "2019-04-01"))
+    assert all("Description" not in e for e in shown("web_0", "2019-01-01"))
+    assert {e["EventType"] for e in shown("web_0", "2019-01-01")} == {"Freeze", "Terminate"}
+    assert {e["EventType"] for e in shown("web_0", "2017-11-01")} == {"Freeze"}  # no Terminate before 2019-01-01
+    assert [e["EventType"] for e in shown("spot", "2017-11-01")] == ["Preempt"]
+    assert shown("spot", "2017-08-01") == []  # no Preempt before 2017-11-01
+    assert shown("web_0", "2017-03-01")[0]["Resources"] == ["_web_0"]  # the preview's underscore names
+    # The incarnation is the VM's own, whatever the version.
+    assert state.document("web_0", "2017-08-01", at(1))["DocumentIncarnation"] == state.incarnations["web_0"]
+
+
+def test_incarnation_reset_restarts_the_counter():
+    state = new_state()
+    state.create_event(EventCreate(EventType="Freeze", Resources=["web_0"]), at(0))
+    assert state.document("web_0", "2020-07-01", at(1))["DocumentIncarnation"] == 2
+    state.apply_fault(FaultSpec(kind="incarnation-reset", vm="web_0"), at(2))
+    assert state.document("web_0", "2020-07-01", at(2))["DocumentIncarnation"] == 1
+    assert state.document("web_1", "2020-07-01", at(2))["DocumentIncarnation"] == 2
+
+
+def test_scenario_steps_run_at_their_offsets_and_bad_steps_are_set_aside():
+    scenario = fleet(
+        steps=[
+            {"at": 10, "create": {"ref": "m", "EventType": "Redeploy", "Resources": ["web_0"]}},
+            {"at": 20, "create": {"EventType": "Preempt", "Resources": ["web_1"]}},  # not a Spot VM
+            {"at": 30, "cancel": "m"},
+            {"at": 40, "create": {"EventType": "Freeze", "Resources": ["web_1"]}},
+        ]
+    )
+    state = new_state(scenario, time_scale=10)
+    assert state.event_summaries(at(0.99)) == []
+    [redeploy] = state.event_summaries(at(1))
+    assert redeploy["state"] == "Scheduled"
+    summaries = state.event_summaries(at(4))
+    assert [(s["EventType"], s["state"]) for s in summaries] == [("Redeploy", "Canceled"), ("Freeze", "Scheduled")]
+    assert summaries[0]["removedAt"] == "2026-03-02T10:00:03Z"
+    assert len(state.step_errors) == 1
+    assert "steps.1.create" in state.step_errors[0]
+    assert "Spot" in state.step_errors[0]
+
+
+def test_create_refuses_unknown_vms_and_terminate_outside_a_scale_set():
+    state = new_state()
+    with pytest.raises(EmulatorInputError, match="unknown VMs"):
+        state.create_event(EventCreate(EventType="Freeze", Resources=["nope"]), at(0))
+    with pytest.raises(EmulatorInputError, match="scale-set VMs"):
+        state.create_event(EventCreate(EventType="Terminate", Resources=["spot"]), at(0))
+    with pytest.raises(EmulatorInputError, match="all of one scale set"):
+        state.create_event(EventCreate(EventType="Terminate", Resources=["web_0", "other_0"]), at(0))
+
+
+def test_scenario_validation_names_the_field():
+    with pytest.raises(ScenarioError, match=r"vms\.0\.name"):
+        Scenario.from_mapping({"vms": [{"name": "bad name"}]})
+    with pytest.raises(ScenarioError, match=r"steps\.0\.create\.Resources: unknown VMs \['x'\]"):
+        Scenario.from_mapping(
+            {"vms": [{"name": "a"}], "steps": [{"at": 0, "create": {"EventType": "Freeze", "Resources": ["x"]}}]}
+        )
+    with pytest.raises(ScenarioError, match=r"steps\.0\.create\.EventType"):
+        Scenario.from_mapping(
+            {"vms": [{"name": "a"}], "steps": [{"at": 0, "create": {"EventType": "Melt", "Resources": ["a"]}}]}
+        )
+    with pytest.raises(ScenarioError, match=r"steps\.0\.cancel"):
+        Scenario.from_mapping({"vms": [{"name": "a"}], "steps": [{"at": 0, "cancel": "never-created"}]})
+
+
+def test_vm_identity_is_derived_like_azure_and_the_hostname_differs():
+    vm = VmSpec(name="web_12", vmScaleSetName="web", placementGroupId="pg")
+    assert vm.resourceId.endswith("/providers/Microsoft.Compute/virtualMachineScaleSets/web/virtualMachines/12")
+    assert vm.computerName == "web00000c"
+    assert VmSpec(name="db-0").computerName != "db-0"
+    assert all(isinstance(value, str) for key, value in vm.compute().items() if key not in ("osProfile", "tagsList"))
