@@ -1,0 +1,7 @@
+"""A local Event Hubs namespace speaking AMQP 1.0 to the real ``azure-eventhub`` clients (see
+docs/eventhubs-emulator.md)."""
+
+from emulators.eventhubs.emulator import EventHubsEmulator
+from emulators.eventhubs.store import StoredEvent
+
+__all__ = ["EventHubsEmulator", "StoredEvent"]

@@ -1,0 +1,124 @@
+"""``EventHubsEmulator``: the Python API tests and the local runner use."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from emulators.eventhubs.broker import Broker, BrokerStats
+from emulators.eventhubs.store import EventStore, StoredEvent
+
+DEFAULT_HUBS: dict[str, int] = {"scheduled-events": 4}
+DEFAULT_CONSUMER_GROUP = "$Default"
+DEFAULT_SAS_KEY_NAME = "RootManageSharedAccessKey"
+
+
+class EventHubsEmulator:
+    """An Event Hubs namespace on 127.0.0.1 that the real ``azure-eventhub`` clients talk to over AMQP 1.0.
+
+    ``start()`` runs the broker on a thread and returns the namespace connection string; ``stop()`` drops every
+    connection (as an outage would); ``start()`` again serves the same events on the same port. Without
+    ``data_dir`` events live in memory for the life of this object; with it they are kept in append-only
+    per-partition files and survive a new emulator on the same directory. ``sas_key`` defaults to a random key
+    (it appears in the connection string, as the real namespace's key does in the portal)."""
+
+    def __init__(
+        self,
+        *,
+        hubs: dict[str, int] | None = None,
+        consumer_groups: list[str] | tuple[str, ...] = (DEFAULT_CONSUMER_GROUP,),
+        data_dir: str | Path | None = None,
+        sas_key_name: str = DEFAULT_SAS_KEY_NAME,
+        sas_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self._hubs = dict(hubs if hubs is not None else DEFAULT_HUBS)
+        if not self._hubs:
+            raise ValueError("hubs must name at least one event hub, e.g. {'scheduled-events': 4}")
+        groups = list(consumer_groups)
+        if DEFAULT_CONSUMER_GROUP not in groups:
+            groups.insert(0, DEFAULT_CONSUMER_GROUP)  # every hub has $Default, as in the service
+        self._consumer_groups = groups
+        self._store = EventStore(hubs=self._hubs, data_dir=Path(data_dir) if data_dir is not None else None)
+        self.sas_key_name = sas_key_name
+        self.sas_key = sas_key if sas_key is not None else secrets.token_urlsafe(32)
+        self._host = host
+        self._port = port
+        self.stats = BrokerStats()
+        self._broker: Broker | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (after the first ``start()``; kept for restarts)."""
+        return self._port
+
+    @property
+    def hubs(self) -> dict[str, int]:
+        return dict(self._hubs)
+
+    def start(self) -> str:
+        """Starts serving (idempotent); returns the namespace connection string (no EntityPath)."""
+        if self._broker is None:
+            broker = Broker(
+                store=self._store,
+                consumer_groups=self._consumer_groups,
+                sas_key_name=self.sas_key_name,
+                sas_key=self.sas_key,
+                host=self._host,
+                port=self._port,
+                stats=self.stats,
+            )
+            self._port = broker.port
+            self._thread = threading.Thread(target=broker.serve, name=f"eventhubs-emulator:{broker.port}", daemon=True)
+            self._broker = broker
+            self._thread.start()
+        return self.connection_string()
+
+    def stop(self) -> None:
+        """Drops every client connection and stops listening (idempotent). Stored events stay."""
+        broker, thread = self._broker, self._thread
+        self._broker, self._thread = None, None
+        if broker is not None:
+            broker.request_stop()
+        if thread is not None:
+            thread.join(timeout=10)
+
+    @property
+    def running(self) -> bool:
+        return self._broker is not None
+
+    def connection_string(self, hub: str | None = None) -> str:
+        """``Endpoint=sb://127.0.0.1:PORT;...;UseDevelopmentEmulator=true`` (+ ``;EntityPath=hub`` if given)."""
+        if not self._port:
+            raise RuntimeError("the emulator has no port yet; call start() first")
+        value = (
+            f"Endpoint=sb://{self._host}:{self._port};SharedAccessKeyName={self.sas_key_name};"
+            f"SharedAccessKey={self.sas_key};UseDevelopmentEmulator=true"
+        )
+        if hub is not None:
+            if self._store.hub_name(hub) is None:
+                raise KeyError(f"no event hub named {hub!r}; configured: {sorted(self._hubs)}")
+            value += f";EntityPath={hub}"
+        return value
+
+    def events(self, hub: str, partition: int | str) -> list[StoredEvent]:
+        """What is stored in one partition, in order."""
+        return self._store.partition(hub, str(partition)).snapshot()
+
+    def all_events(self, hub: str) -> list[StoredEvent]:
+        """Every partition's events of ``hub`` (partition by partition, each in order)."""
+        return [event for log in self._store.partitions(hub) for event in log.snapshot()]
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
