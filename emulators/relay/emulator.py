@@ -122,7 +122,8 @@ class RelayEmulator:
         return self._call(self._count(path))
 
     def counters(self) -> dict[str, int]:
-        """How many handshakes, requests and frames were refused, by kind (bad input set aside and counted)."""
+        """Counts by kind: ``refused.<what>`` for bad input set aside (handshakes, requests, listener frames),
+        ``rendezvous.request``/``rendezvous.response`` and ``accepted``/``rejected`` for WebSocket senders."""
         return self._call(self._counters())
 
     def create_hybrid_connection(self, name: str, *, requires_client_authorization: bool = True) -> None:

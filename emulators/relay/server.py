@@ -346,7 +346,7 @@ class RelayService:
         return self.rng.choice(candidates) if candidates else None
 
     def _refuse(self, what: str, error: str) -> None:
-        self.counters[what] += 1
+        self.counters[f"refused.{what}"] += 1
         log.warning("relay: refused %s: %s", what, error)
 
     # ---- WebSocket handshakes --------------------------------------------------------------------------------
@@ -488,9 +488,11 @@ class RelayService:
                 description = query.get("sb-hc-statusDescription", "")
                 code = int(status) if status.isdigit() and 400 <= int(status) <= 599 else 400
                 accept.decided.set_result(_Rejected(code, description or HTTPStatus(code).phrase))
+                self.counters["rejected"] += 1
                 # The reject handshake ends in 410 by design: no WebSocket is established.
                 return _ws_error(410, "the sender's connection was rejected as requested")
             connection.role = _AcceptRole(accept)
+            self.counters["accepted"] += 1
             return None
         pending = self.requests.get(rendezvous_id)
         if pending is None or pending.rendezvous_opened:
@@ -499,6 +501,7 @@ class RelayService:
         if pending.listener.hybrid_connection.name.lower() != path.lower():
             return _ws_error(400, "the rendezvous address does not match the hybrid connection")
         pending.rendezvous_opened = True
+        self.counters["rendezvous.request" if pending.rendezvous_first else "rendezvous.response"] += 1
         connection.role = _RendezvousRole(pending)
         return None
 

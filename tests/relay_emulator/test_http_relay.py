@@ -177,7 +177,7 @@ def test_listener_answering_502_or_garbage_is_a_protocol_error(relay: RelayEmula
         await listener.close()
 
     asyncio.run(scenario())
-    assert relay.counters()["listener_frame"] == 2
+    assert relay.counters()["refused.listener_frame"] == 2
 
 
 def test_listener_disconnecting_mid_request_yields_502(relay: RelayEmulator) -> None:
