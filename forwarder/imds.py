@@ -138,7 +138,9 @@ class ImdsClient:
                 data = response.read(MAX_BODY + 1)
                 status = response.status
                 retry_after = _retry_after(response.getheader("Retry-After"))
-                if response.will_close or len(data) > MAX_BODY:
+                # After an error answer the server may not have read our request body; a fresh connection
+                # keeps the next request from being parsed out of step.
+                if response.will_close or status != 200 or len(data) > MAX_BODY:
                     self._drop()
             except (OSError, http.client.HTTPException) as exc:
                 # A timed-out or broken exchange leaves the connection out of step: start a fresh one.

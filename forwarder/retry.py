@@ -42,7 +42,7 @@ class RateLimiter:
     """A token bucket shared by every IMDS caller of the process (the poll loop and the relay listener's approvals):
     IMDS throttles at about 5 requests/s per VM, and a throttled poll is a missed poll."""
 
-    def __init__(self, *, per_second: float, burst: int = 2) -> None:
+    def __init__(self, *, per_second: float, burst: int = 1) -> None:
         if per_second <= 0 or burst < 1:
             raise ValueError("RateLimiter needs per_second > 0 and burst >= 1")
         self._interval = 1.0 / per_second
@@ -65,5 +65,5 @@ class RateLimiter:
             time.sleep(wait)
 
 
-# 4/s leaves headroom under IMDS's ~5/s for anything else on the VM that reads IMDS.
-IMDS_LIMITER = RateLimiter(per_second=4.0, burst=2)
+# 4/s without bursts leaves headroom under IMDS's ~5/s (in any one-second window) for anything else on the VM.
+IMDS_LIMITER = RateLimiter(per_second=4.0, burst=1)

@@ -1,0 +1,143 @@
+"""Fixtures for the forwarder tests: a real IMDS emulator on a free loopback port and an in-process forwarder
+that writes its envelopes to a JSON-lines file (the dry-run sink, a real one)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from emulators.imds import ImdsEmulator, Scenario, VmSpec
+from forwarder.config import ForwarderSettings
+from forwarder.daemon import Forwarder
+from forwarder.imds import ImdsClient
+from forwarder.retry import RateLimiter
+from forwarder.sinks import JsonLinesSink, Sink
+from forwarder.store import Store
+
+THREE_VMS = Scenario(
+    name="three",
+    vms=[
+        VmSpec(name="web_0", vmScaleSetName="web", placementGroupId="pg-1", platformFaultDomain="0"),
+        VmSpec(name="web_1", vmScaleSetName="web", placementGroupId="pg-1", platformFaultDomain="1"),
+        VmSpec(name="web_2", vmScaleSetName="web", placementGroupId="pg-1", platformFaultDomain="2"),
+    ],
+)
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_envelopes(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class Harness:
+    """One forwarder in a thread, polling fast; the test limiter lets it exceed IMDS's real 4/s budget."""
+
+    def __init__(
+        self,
+        *,
+        imds_url: str,
+        root: Path,
+        sink: Sink | None = None,
+        limiter: RateLimiter | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.root = root
+        self.output = root / "envelopes.jsonl"
+        values: dict[str, Any] = {
+            "imds_url": imds_url,
+            "poll_interval": 0.05,
+            "imds_timeout": 2.0,
+            "imds_first_call_timeout": 5.0,
+            "state_dir": root / "state",
+            "sink": "jsonl",
+            "jsonl_path": self.output,
+            "hooks_dir": root / "hooks",
+            "hook_timeout": 5.0,
+            "heartbeat_interval": 3600,
+        }
+        values.update(overrides)
+        self.settings = ForwarderSettings.model_validate(values)
+        self.imds = ImdsClient(
+            base_url=self.settings.imds_url,
+            timeout=self.settings.imds_timeout,
+            first_call_timeout=self.settings.imds_first_call_timeout,
+            limiter=limiter or RateLimiter(per_second=500, burst=10),
+        )
+        self.store = Store(self.settings.spool_path, max_entries=self.settings.spool_max_entries)
+        self.sink = sink or JsonLinesSink(path=self.output)
+        self.forwarder = Forwarder(settings=self.settings, imds=self.imds, store=self.store, sink=self.sink)
+        self._thread = threading.Thread(target=self.forwarder.run, daemon=True)
+
+    def start(self) -> Harness:
+        self._thread.start()
+        wait_for(lambda: self.forwarder.identity is not None, what="the forwarder's identity")
+        return self
+
+    def stop(self) -> None:
+        self.forwarder.stop()
+        self._thread.join(15)
+        assert not self._thread.is_alive(), "the forwarder did not stop"
+
+    def envelopes(self, kind: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in read_envelopes(self.output) if kind is None or e["kind"] == kind]
+
+    def incarnations(self) -> list[int]:
+        return [e["document"]["DocumentIncarnation"] for e in self.envelopes("incarnation")]
+
+    def wait_incarnation(self, incarnation: int, *, timeout: float = 10.0) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            return next(
+                (e for e in self.envelopes("incarnation") if e["document"]["DocumentIncarnation"] == incarnation), None
+            )
+
+        envelope: dict[str, Any] = wait_for(found, timeout=timeout, what=f"an envelope for incarnation {incarnation}")
+        return envelope
+
+
+@pytest.fixture
+def imds() -> Iterator[ImdsEmulator]:
+    # No throttling: these tests poll 20 times a second; the throttle has its own test.
+    emulator = ImdsEmulator(scenario=THREE_VMS, throttle_rps=0)
+    emulator.start()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    started: list[Harness] = []
+
+    def make(imds_url: str, *, name: str = "vm", **overrides: Any) -> Harness:
+        h = Harness(imds_url=imds_url, root=tmp_path / name, **overrides)
+        started.append(h)
+        return h.start()
+
+    yield make
+    for h in started:
+        if h.forwarder.identity is not None and not h.forwarder.stopping:
+            h.stop()
+
+
+def write_hook(folder: Path, name: str, script: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + script, encoding="utf-8")
+    path.chmod(0o755)
+    return path

@@ -1,0 +1,179 @@
+"""The forwarder daemon in-process over real HTTP against the IMDS emulator, writing real JSON-lines envelopes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from emulators.imds import ImdsEmulator
+from forwarder.envelope import Envelope
+from tests.forwarder.conftest import Harness, wait_for, write_hook
+
+MakeHarness = Callable[..., Harness]
+
+
+def test_every_change_yields_exactly_one_envelope(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"))
+    h.wait_incarnation(1)
+    first = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    h.wait_incarnation(2)
+    imds.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)  # same group: web_0 sees it
+    h.wait_incarnation(3)
+    imds.cancel_event(first["EventId"])
+    h.wait_incarnation(4)
+    time.sleep(0.3)  # a few more polls of an unchanged document
+    assert h.incarnations() == [1, 2, 3, 4]
+    envelopes = [Envelope.from_mapping(e) for e in h.envelopes()]
+    sequences = [e.sequence for e in envelopes]
+    assert sequences == sorted(set(sequences))
+    assert {e.vm.partition_key for e in envelopes} == {
+        "/subscriptions/00000000-0000-0000-0000-00000000e001/resourcegroups/rg-scheduled-events/providers/"
+        "microsoft.compute/virtualmachinescalesets/web/virtualmachines/0"
+    }
+    # The document is forwarded exactly as read.
+    last = h.envelopes("incarnation")[-1]["document"]
+    assert last == imds.document("web_0")
+
+
+def test_incarnation_reset_is_forwarded(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"))
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    h.wait_incarnation(2)
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    h.wait_incarnation(3)
+    imds.inject_fault(kind="incarnation-reset", vm="web_0")
+    reset = wait_for(lambda: h.incarnations()[-1] == 1 and h.envelopes("incarnation")[-1], what="reset envelope")
+    assert len(reset["document"]["Events"]) == 2
+    assert h.incarnations() == [1, 2, 3, 1]
+
+
+def test_several_vms_each_forward_their_own_view(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    forwarders = {name: harness(imds.url_for(name), name=name) for name in ("web_0", "web_1", "web_2")}
+    for h in forwarders.values():
+        write_hook(h.settings.hooks_dir / "prepare.d", "10-record", f"cat > {h.root}/prepared.json\n")
+    created = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)
+    for h in forwarders.values():
+        h.wait_incarnation(2)
+    for name, h in forwarders.items():
+        (envelope,) = [e for e in h.envelopes("incarnation") if e["document"]["DocumentIncarnation"] == 2]
+        assert envelope["vm"]["name"] == name
+        assert envelope["document"]["Events"][0]["EventId"] == created["EventId"]
+    # Only the VM in Resources prepares.
+    wait_for(lambda: forwarders["web_1"].envelopes("hook"), what="web_1's hook report")
+    time.sleep(0.3)
+    assert forwarders["web_0"].envelopes("hook") == []
+    assert forwarders["web_2"].envelopes("hook") == []
+    assert not (forwarders["web_0"].root / "prepared.json").exists()
+
+
+def test_prepare_and_recover_hooks_get_the_event(imds: ImdsEmulator, harness: MakeHarness, tmp_path: Path) -> None:
+    h = harness(imds.url_for("web_0"))
+    record = tmp_path / "hook-calls"
+    script = f'echo "$SCHEDULED_EVENT_PHASE $SCHEDULED_EVENT_ID $SCHEDULED_EVENT_TYPE $VM_NAME" >> {record}\n'
+    script += f"cat > {tmp_path}/stdin-$SCHEDULED_EVENT_PHASE.json\necho hello from $0\n"
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-drain", script)
+    write_hook(h.settings.hooks_dir / "recover.d", "10-undrain", script)
+    (h.settings.hooks_dir / "prepare.d" / "README").write_text("not executable, skipped")
+    created = imds.create_event(EventType="Redeploy", Resources=["web_0", "web_1"], NoticeSeconds=900)
+    event_id = created["EventId"]
+    prepared = wait_for(lambda: h.envelopes("hook"), what="prepare report")[0]["hook"]
+    assert prepared["phase"] == "prepare"
+    assert prepared["outcome"] == "succeeded"
+    assert prepared["hook"] == "10-drain"
+    assert prepared["exitCode"] == 0
+    assert "hello from" in prepared["outputTail"]
+    stdin = json.loads((tmp_path / "stdin-prepare.json").read_text())
+    assert stdin["EventId"] == event_id
+    assert stdin["Resources"] == ["web_0", "web_1"]
+    imds.cancel_event(event_id)
+    recovered = wait_for(lambda: len(h.envelopes("hook")) == 2 and h.envelopes("hook")[1], what="recover report")
+    assert recovered["hook"]["phase"] == "recover"
+    assert record.read_text().splitlines() == [
+        f"prepare {event_id} Redeploy web_0",
+        f"recover {event_id} Redeploy web_0",
+    ]
+
+
+def test_failing_and_hanging_hooks_are_reported_and_polling_goes_on(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"), hook_timeout=0.5)
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-fails", "echo broken >&2\nexit 3\n")
+    write_hook(h.settings.hooks_dir / "prepare.d", "20-hangs", "sleep 30\n")
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    h.wait_incarnation(2)
+    # While the second hook hangs, a new document is still forwarded: hooks never block the poll.
+    imds.create_event(EventType="Freeze", Resources=["web_2"], NoticeSeconds=900)
+    h.wait_incarnation(3, timeout=0.45)
+    reports = wait_for(lambda: len(h.envelopes("hook")) == 2 and h.envelopes("hook"), what="two reports")
+    failed, hung = (r["hook"] for r in reports)
+    assert (failed["hook"], failed["outcome"], failed["exitCode"]) == ("10-fails", "failed", 3)
+    assert "broken" in failed["outputTail"]
+    assert (hung["hook"], hung["outcome"]) == ("20-hangs", "timed-out")
+    assert 0.5 <= hung["durationSeconds"] < 3
+
+
+def test_no_hooks_installed_reports_not_run(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"))
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    report = wait_for(lambda: h.envelopes("hook"), what="report")[0]["hook"]
+    assert report["outcome"] == "not-run"
+
+
+def test_a_hook_runs_once_per_event_across_restarts(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"), name="vm")
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-count", f"echo run >> {h.root}/runs\n")
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    wait_for(lambda: h.envelopes("hook"), what="first report")
+    h.stop()
+    # Same state folder: the event is still in the document, but its prepare hook already ran.
+    again = harness(imds.url_for("web_0"), name="vm")
+    imds.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)
+    again.wait_incarnation(3)
+    time.sleep(0.3)
+    assert (h.root / "runs").read_text() == "run\n"
+    assert len(again.envelopes("hook")) == 1
+    sequences = [e["sequence"] for e in again.envelopes()]
+    assert sequences == sorted(set(sequences)), "sequence must keep increasing across the restart"
+    # The restarted forwarder does not resend an unchanged document.
+    assert again.incarnations() == [1, 2, 3]
+
+
+def test_faults_are_counted_and_nothing_invalid_is_forwarded(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"), imds_timeout=0.3)
+    h.wait_incarnation(1)
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-any", "true\n")
+    errors = h.forwarder.counters
+
+    imds.inject_fault(kind="malformed-json", vm="web_0", count=3)
+    wait_for(lambda: errors["imds_errors"] >= 3, what="three malformed documents")
+    assert h.store.counters()["invalid_documents"] == 1  # the same bad body three times is one bad item
+    (reason, body) = h.store.rejects()[0]
+    assert "scheduled-events document is invalid" in reason
+    assert body.startswith(b"{")
+
+    imds.inject_fault(kind="error-burst", vm="web_0", status=500, count=2)
+    wait_for(lambda: errors["imds_errors"] >= 5, what="two 500s")
+    imds.inject_fault(kind="hang", vm="web_0", seconds=1, count=1)
+    wait_for(lambda: errors["imds_errors"] >= 6, what="a timeout", timeout=15)
+
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    h.wait_incarnation(2, timeout=15)
+    assert h.incarnations() == [1, 2]  # nothing was forwarded from the bad answers
+    hooks = wait_for(lambda: h.envelopes("hook"), what="hook report")
+    assert len(hooks) == 1
+
+
+def test_heartbeats_carry_counters(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"), heartbeat_interval=0.2)
+    beats = wait_for(lambda: len(h.envelopes("heartbeat")) >= 3 and h.envelopes("heartbeat"), what="heartbeats")
+    assert beats[-1]["counters"]["polls"] > beats[0]["counters"]["polls"]
+    assert "spool_depth" in beats[-1]["counters"]
+
+
+def test_shutdown_flushes_the_spool(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    h = harness(imds.url_for("web_0"))
+    h.wait_incarnation(1)
+    h.stop()
+    assert h.store.path.exists()
+    assert h.envelopes("incarnation")

@@ -1,0 +1,112 @@
+"""The IMDS client over real HTTP against the IMDS emulator."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from emulators.imds import ImdsEmulator
+from forwarder.imds import ImdsClient, ImdsInvalidResponse, ImdsUnavailable
+from forwarder.retry import Backoff, RateLimiter
+
+
+def client(imds: ImdsEmulator, vm: str = "web_0", **options: object) -> ImdsClient:
+    return ImdsClient(base_url=imds.url_for(vm), limiter=RateLimiter(per_second=500, burst=10), **options)  # type: ignore[arg-type]
+
+
+def test_document_identity_and_approval(imds: ImdsEmulator) -> None:
+    created = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)
+    imds_client = client(imds, "web_1")
+    identity = imds_client.get_identity()
+    assert identity.name == "web_1"
+    assert identity.vmScaleSetName == "web"
+    assert identity.resourceId.endswith("/virtualMachineScaleSets/web/virtualMachines/1")
+    assert identity.model_extra == {}  # osProfile, tags etc. stay out of envelopes
+    document = imds_client.get_document()
+    assert [e.EventId for e in document.Events] == [created["EventId"]]
+    imds_client.approve([created["EventId"]])
+    assert [a["EventId"] for a in imds.approvals()] == [created["EventId"]]
+    assert imds_client.get_document().Events[0].EventStatus == "Started"
+
+
+def test_one_connection_is_reused(imds: ImdsEmulator) -> None:
+    imds_client = client(imds)
+    imds_client.get_document_bytes()
+    first = imds_client._conn
+    for _ in range(5):
+        imds_client.get_document_bytes()
+    assert imds_client._conn is first
+
+
+def test_proxy_settings_are_ignored(imds: ImdsEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    assert client(imds).get_document().DocumentIncarnation >= 1
+
+
+def test_5xx_and_429_are_transient_with_status(imds: ImdsEmulator) -> None:
+    imds.inject_fault(kind="error-burst", vm="web_0", status=503, count=1)
+    imds_client = client(imds)
+    with pytest.raises(ImdsUnavailable) as caught:
+        imds_client.get_document_bytes()
+    assert caught.value.status == 503
+    assert imds_client.get_document().DocumentIncarnation >= 1  # the next call works
+
+
+def test_hang_times_out_and_the_connection_recovers(imds: ImdsEmulator) -> None:
+    imds_client = client(imds, timeout=0.3, first_call_timeout=0.3)
+    imds.inject_fault(kind="hang", vm="web_0", seconds=2, count=1)
+    started = time.monotonic()
+    with pytest.raises(ImdsUnavailable, match="timed out"):
+        imds_client.get_document_bytes()
+    assert time.monotonic() - started < 1.5
+    assert imds_client.get_document().DocumentIncarnation >= 1
+
+
+def test_malformed_document_is_invalid_not_transient(imds: ImdsEmulator) -> None:
+    imds.inject_fault(kind="malformed-json", vm="web_0", count=1)
+    with pytest.raises(ImdsInvalidResponse, match="scheduled-events document is invalid"):
+        client(imds).get_document()
+
+
+def test_approve_retries_transient_errors(imds: ImdsEmulator) -> None:
+    created = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
+    imds.inject_fault(kind="error-burst", vm="web_0", status=500, count=2)
+    client(imds).approve([created["EventId"]], backoff=Backoff(initial=0.01, maximum=0.02))
+    assert len(imds.approvals()) == 1
+
+
+def test_approve_unknown_event_is_a_clear_error(imds: ImdsEmulator) -> None:
+    with pytest.raises(ImdsInvalidResponse, match="400"):
+        client(imds).approve(["not-an-event"])
+
+
+def test_non_http_base_url_is_refused() -> None:
+    with pytest.raises(ValueError, match="http://"):
+        ImdsClient(base_url="https://169.254.169.254")
+
+
+def test_rate_limiter_spaces_requests() -> None:
+    limiter = RateLimiter(per_second=20, burst=1)
+    started = time.monotonic()
+    for _ in range(6):
+        limiter.acquire()
+    assert time.monotonic() - started >= 0.24  # 5 waits of 50 ms after the first token
+
+
+def test_default_rate_stays_under_the_imds_throttle(imds: ImdsEmulator) -> None:
+    imds.inject_fault(kind="throttle", requestsPerSecond=5)
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"))  # the process-wide limiter
+    for _ in range(10):  # as fast as the limiter lets it: 2.5 s at 4/s
+        imds_client.get_document_bytes()
+
+
+def test_backoff_grows_with_jitter_and_honours_retry_after() -> None:
+    backoff = Backoff(initial=1.0, maximum=8.0)
+    delays = [backoff.next_delay() for _ in range(6)]
+    for delay, ceiling in zip(delays, [1, 2, 4, 8, 8, 8], strict=True):
+        assert ceiling / 2 <= delay <= ceiling
+    assert Backoff(initial=1.0, maximum=60.0).next_delay(retry_after=30) == 30
+    backoff.reset()
+    assert backoff.next_delay() <= 1.0
