@@ -326,7 +326,8 @@ class Scenario(BaseModel):
         try:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as error:
-            raise ScenarioError(f"scenario {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {error}") from error
+            kind = "JSON" if path.suffix == ".json" else "YAML"
+            raise ScenarioError(f"scenario {path} is not valid {kind}: {error}") from error
         return cls.from_mapping(data, source=f"scenario {path}")
 
     @classmethod

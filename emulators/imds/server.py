@@ -206,9 +206,9 @@ class ImdsEmulator:
         if (handler.headers.get("Metadata") or "").lower() != "true":
             raise _bad_request("Required metadata header not specified")
         with self._lock:
-            decision = self.faults.decide(
-                vm=vm_name, endpoint=endpoint, now=self.clock.now(), all_vms=list(self.state.vms)
-            )
+            now = self.clock.now()
+            self.state.advance(now)  # scenario fault steps that fell due apply to this very request
+            decision = self.faults.decide(vm=vm_name, endpoint=endpoint, now=now, all_vms=list(self.state.vms))
             self.requests_served[vm_name] += 1
         self._carry_out(decision)
         if endpoint == "scheduledevents":

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import requests
 
-from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds import ImdsEmulator, ManualClock, Scenario
 from emulators.tokens import verify_token
 
 SE = "/metadata/scheduledevents"
@@ -41,8 +41,23 @@ def wait_for(condition: Callable[[], Any], *, timeout: float = 5.0, interval: fl
 
 
 @pytest.fixture
-def imds() -> Iterator[ImdsEmulator]:
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def imds(clock: ManualClock) -> Iterator[ImdsEmulator]:
+    # Time moves only when a test advances `clock`, so a loaded machine cannot reorder what a test checks.
     # 600x: a 15-minute notice lasts 1.5 s; a Started event stays 0.5 s. Throttling off: tests poll fast.
+    with ImdsEmulator(
+        scenario=Scenario.from_mapping(FLEET), time_scale=600, started_min_seconds=300, throttle_rps=0, clock=clock
+    ) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def live_imds() -> Iterator[ImdsEmulator]:
+    """The same on the wall clock: time scaling as a real client experiences it."""
     with ImdsEmulator(
         scenario=Scenario.from_mapping(FLEET), time_scale=600, started_min_seconds=300, throttle_rps=0
     ) as emulator:
@@ -124,7 +139,8 @@ def test_wrong_method_and_path(imds):
 # ---- lifecycle -----------------------------------------------------------------------------------------------
 
 
-def test_lifecycle_scheduled_to_started_at_not_before_then_removed(imds):
+def test_lifecycle_scheduled_to_started_at_not_before_then_removed(live_imds):
+    imds = live_imds
     created = imds.create_event(EventType="Freeze", Resources=["web_0"])
     assert GUID.match(created["EventId"])
     first = get_doc(imds, "web_0")
@@ -199,14 +215,16 @@ def test_control_api_rejects_bad_events_naming_the_field(imds):
     assert imds.events() == []
 
 
-def test_terminate_rules_over_http(imds):
+def test_terminate_rules_over_http(imds, clock):
     pending = imds.create_event(EventType="Terminate", Resources=["web_1"], NoticeSeconds=600)
     approved = imds.create_event(EventType="Terminate", Resources=["web_2"], NoticeSeconds=900)
     assert post_start(imds, "web_2", {"StartRequests": [{"EventId": approved["EventId"]}]}).status_code == 200
     states = {e["EventId"]: e["EventStatus"] for e in get_doc(imds, "web_2")["Events"]}
     assert states == {pending["EventId"]: "Scheduled", approved["EventId"]: "Scheduled"}
-    # web_1's delete times out after 1 s (600/600): then both go together.
-    wait_for(lambda: {e["EventStatus"] for e in get_doc(imds, "web_0")["Events"]} == {"Started"})
+    clock.advance(0.99)
+    assert {e["EventStatus"] for e in get_doc(imds, "web_0")["Events"]} == {"Scheduled"}
+    clock.advance(0.01)  # web_1's delete times out (600 s / 600): then both go together
+    assert {e["EventStatus"] for e in get_doc(imds, "web_0")["Events"]} == {"Started"}
     summary = {e["EventId"]: e for e in imds.events()}
     assert summary[pending["EventId"]]["startedBy"] == "notBefore"
     assert summary[approved["EventId"]]["startedBy"] == "approval"
@@ -271,15 +289,15 @@ def test_hang_fault_makes_a_client_time_out(imds):
 
 
 def test_first_call_delay_is_scaled_and_once_per_vm(imds):
-    imds.inject_fault(kind="first-call-delay", seconds=120, endpoint="all")  # two minutes / 600 = 0.2 s
+    imds.inject_fault(kind="first-call-delay", seconds=300, endpoint="all")  # 5 minutes / 600 = 0.5 s
     durations = []
     for vm in ("web_0", "web_0", "web_1"):
         started = time.monotonic()
         get_doc(imds, vm)
         durations.append(time.monotonic() - started)
-    assert durations[0] >= 0.19
-    assert durations[1] < 0.15
-    assert durations[2] >= 0.19
+    assert durations[0] >= 0.49
+    assert durations[1] < 0.4
+    assert durations[2] >= 0.49
 
 
 def test_incarnation_reset_fault(imds):
@@ -291,21 +309,36 @@ def test_incarnation_reset_fault(imds):
     assert len(document["Events"]) == 1
 
 
-def test_throttling_above_five_requests_per_second_per_vm_by_default():
-    with ImdsEmulator(scenario=Scenario.from_mapping(FLEET)) as emulator:
+def test_flaky_scenario_faults_reach_the_clients():
+    scenario = Scenario.from_file("emulators/scenarios/flaky-imds.yaml")
+    clock = ManualClock()  # the scenario's offsets pass only when the test says so
+    with ImdsEmulator(scenario=scenario, time_scale=600, throttle_rps=0, clock=clock) as emulator:
+        started = time.monotonic()
+        assert requests.get(emulator.scheduled_events_url("app-0"), headers=META, timeout=5).status_code == 200
+        assert time.monotonic() - started >= 0.19  # first call: 120 s / 600
+        clock.advance(0.1)  # to the error burst's offset (60 s / 600); the hang (at 0.3 s) stays in the future
         codes = [
-            requests.get(emulator.scheduled_events_url("web_0"), headers=META, timeout=5).status_code for _ in range(6)
+            requests.get(emulator.scheduled_events_url("app-0"), headers=META, timeout=5).status_code for _ in range(4)
         ]
-        assert codes[:5] == [200] * 5
-        assert codes[5] == 429
-        assert requests.get(emulator.scheduled_events_url("web_1"), headers=META, timeout=5).status_code == 200
-        time.sleep(1.0)
-        assert requests.get(emulator.scheduled_events_url("web_0"), headers=META, timeout=5).status_code == 200
+        assert codes == [500, 500, 500, 200]
+        status = requests.get(emulator.url + "/_emulator/status", timeout=5).json()
+        assert (status["scenario"], status["stepErrors"]) == ("flaky-imds", [])
+
+
+def test_throttling_above_five_requests_per_second_per_vm_by_default(clock):
+    with ImdsEmulator(scenario=Scenario.from_mapping(FLEET), clock=clock) as emulator:
+
+        def status(vm: str) -> int:
+            return requests.get(emulator.scheduled_events_url(vm), headers=META, timeout=5).status_code
+
+        assert [status("web_0") for _ in range(6)] == [200] * 5 + [429]
+        assert status("web_1") == 200  # per VM
+        clock.advance(0.999)
+        assert status("web_0") == 429
+        clock.advance(0.001)  # the window has slid past the first five
+        assert status("web_0") == 200
         emulator.inject_fault(kind="throttle", requestsPerSecond=0)
-        codes = [
-            requests.get(emulator.scheduled_events_url("web_1"), headers=META, timeout=5).status_code for _ in range(8)
-        ]
-        assert set(codes) == {200}
+        assert {status("web_1") for _ in range(8)} == {200}
 
 
 def test_bad_fault_is_refused(imds):
