@@ -21,7 +21,7 @@ from urllib.parse import quote, urlsplit
 
 from azure.core import PipelineClient
 from azure.core.credentials import TokenCredential
-from azure.core.exceptions import HttpResponseError
+from azure.core.exceptions import AzureError
 from azure.core.pipeline.policies import (
     BearerTokenCredentialPolicy,
     HeadersPolicy,
@@ -108,6 +108,7 @@ class HybridConnectionAdmin:
         namespace: str,
         arm_endpoint: str = ARM_ENDPOINT,
         retry_total: int = 5,
+        retry_backoff_factor: float = 0.8,
     ) -> None:
         parts = urlsplit(arm_endpoint)
         self._insecure_loopback = parts.scheme == "http" and parts.hostname in _LOOPBACK
@@ -122,7 +123,7 @@ class HybridConnectionAdmin:
             policies=[
                 HeadersPolicy({"Accept": "application/json"}),
                 UserAgentPolicy(sdk_moniker="scheduled-events-coordinator/relay-admin"),
-                RetryPolicy(retry_total=retry_total, retry_backoff_factor=0.8, retry_backoff_max=60),
+                RetryPolicy(retry_total=retry_total, retry_backoff_factor=retry_backoff_factor, retry_backoff_max=60),
                 BearerTokenCredentialPolicy(credential, ARM_SCOPE),
                 HttpLoggingPolicy(),
             ],
@@ -190,8 +191,9 @@ class HybridConnectionAdmin:
     def _send(self, request: HttpRequest) -> HttpResponse:
         options: dict[str, Any] = {"enforce_https": False} if self._insecure_loopback else {}
         try:
+            request.url = self._client.format_url(request.url)
             return self._client.send_request(request, **options)
-        except HttpResponseError as error:  # raised only after the retry policy gave up
+        except AzureError as error:  # raised only after the retry policy gave up
             raise RelayAdminError(f"ARM {request.method} {request.url} failed: {error.message}") from error
 
 

@@ -324,6 +324,7 @@ class RelayListener:
                 open_timeout=self._open_timeout,
                 ping_interval=self._ping_interval,
                 max_size=CONTROL_CHANNEL_LIMIT + 32 * 1024,
+                legacy=True,  # this thread owns the connection's lifetime, not a with-block
             )
         except InvalidStatus as error:
             status = error.response.status_code

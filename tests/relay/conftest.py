@@ -1,0 +1,155 @@
+"""The approval path on loopback: Relay emulator + IMDS emulator + the real listener, approver and sender.
+
+Nothing here is faked: the listener speaks the Hybrid Connections protocol to the Relay emulator over WebSockets,
+the sender POSTs through it over HTTP, the approver reads and approves through the IMDS emulator, and the VM's
+Entra token comes from azure-identity's ManagedIdentityCredential served by the IMDS emulator.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from azure.core.credentials import AzureNamedKeyCredential
+
+from coordinator.relay_sender import RelayApprovalSender
+from emulators.imds import ImdsEmulator, Scenario, VmSpec
+from emulators.relay import RelayEmulator
+from emulators.relay.auth import Right
+from forwarder.approval import ApprovalRequest
+from forwarder.approver import Approver
+from forwarder.envelope import VmIdentity
+from forwarder.imds import ImdsClient
+from forwarder.relay_listener import (
+    EntraTokenProvider,
+    RelayListener,
+    SasTokenProvider,
+    TokenProvider,
+    relay_resource_uri,
+)
+from forwarder.retry import Backoff, RateLimiter
+
+LISTEN_KEY = "bGlzdGVuLWtleS1mb3ItdGVzdHM="
+SEND_KEY = "c2VuZC1rZXktZm9yLXRlc3Rz"
+VM_A0, VM_A1, VM_B0 = "web_0", "web_1", "db_0"
+
+
+def scenario() -> Scenario:
+    return Scenario(
+        name="relay-tests",
+        vms=[
+            VmSpec(name=VM_A0, placementGroupId="pg-web"),
+            VmSpec(name=VM_A1, placementGroupId="pg-web", platformFaultDomain="1"),
+            VmSpec(name=VM_B0, placementGroupId="pg-db"),
+        ],
+    )
+
+
+@pytest.fixture
+def imds() -> Iterator[ImdsEmulator]:
+    with ImdsEmulator(scenario=scenario(), throttle_rps=10_000) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def relay() -> Iterator[RelayEmulator]:
+    emulator = RelayEmulator(
+        sas_keys={"listen": LISTEN_KEY, "send": SEND_KEY},
+        sas_rights={"listen": frozenset({Right.LISTEN}), "send": frozenset({Right.SEND})},
+        response_timeout=5.0,
+    )
+    emulator.start()
+    yield emulator
+    emulator.stop()
+
+
+def ws_endpoint(relay: RelayEmulator) -> str:
+    return relay.base_url.replace("http://", "ws://")
+
+
+def imds_client(imds: ImdsEmulator, vm_name: str) -> ImdsClient:
+    # Own limiter: the process-wide one would make tests wait on each other.
+    return ImdsClient(base_url=imds.url_for(vm_name), timeout=5.0, limiter=RateLimiter(per_second=1000, burst=100))
+
+
+@dataclass
+class Vm:
+    identity: VmIdentity
+    listener: RelayListener
+    approver: Approver
+
+
+@pytest.fixture
+def start_vm(
+    imds: ImdsEmulator, relay: RelayEmulator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[Callable[..., Vm]]:
+    started: list[RelayListener] = []
+
+    def start(vm_name: str = VM_A0, *, auth: str = "entra", token_provider: TokenProvider | None = None,
+              wait: float = 10.0, **options: Any) -> Vm:  # fmt: skip
+        client = imds_client(imds, vm_name)
+        identity = client.get_identity()
+        hybrid_connection = identity.hybrid_connection_name
+        if token_provider is None and auth == "entra":
+            for name, value in imds.identity_environment(vm_name).items():
+                monkeypatch.setenv(name, value)
+            token_provider = EntraTokenProvider()
+        elif token_provider is None:
+            key_file = tmp_path / f"{vm_name}.key"
+            key_file.write_text(LISTEN_KEY)
+            token_provider = SasTokenProvider(
+                resource_uri=relay_resource_uri(ws_endpoint(relay), hybrid_connection),
+                key_name="listen",
+                key_file=key_file,
+            )
+        approver = Approver(imds=client)
+        options.setdefault("backoff", Backoff(initial=0.05, maximum=0.5))
+        listener = RelayListener(
+            endpoint=ws_endpoint(relay),
+            hybrid_connection=hybrid_connection,
+            token_provider=token_provider,
+            handler=options.pop("handler", approver),
+            **options,
+        )
+        started.append(listener.start())
+        assert listener.wait_connected(wait), "the listener did not connect to the relay emulator"
+        return Vm(identity, listener, approver)
+
+    yield start
+    for listener in started:
+        listener.stop(timeout=5)
+
+
+@pytest.fixture
+def sender(relay: RelayEmulator) -> Iterator[RelayApprovalSender]:
+    with RelayApprovalSender(
+        endpoint=relay.base_url,
+        credential=AzureNamedKeyCredential("send", SEND_KEY),
+        backoff_initial=0.05,
+        backoff_maximum=0.3,
+        max_retry_seconds=5.0,
+    ) as client:
+        yield client
+
+
+def approval(event_id: str, *, decision: str | None = None, issued: datetime | None = None,
+             valid_for: timedelta = timedelta(minutes=10)) -> ApprovalRequest:  # fmt: skip
+    issued_at = issued or datetime.now(UTC)
+    return ApprovalRequest(
+        eventId=event_id,
+        decisionId=decision or f"d-{uuid.uuid4()}",
+        rule="tests",
+        issuedAt=issued_at,
+        expiresAt=issued_at + valid_for,
+    )
+
+
+def scheduled_event(imds: ImdsEmulator, *resources: str, **fields: Any) -> str:
+    fields.setdefault("NoticeSeconds", 900)
+    created = imds.create_event(EventType="Freeze", Resources=list(resources), **fields)
+    return str(created["EventId"])

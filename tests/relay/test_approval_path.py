@@ -1,0 +1,251 @@
+"""Approvals from RelayApprovalSender.send(...) through the Relay emulator to the IMDS emulator, and refusals."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import requests
+from azure.core.credentials import AccessToken, AzureNamedKeyCredential
+
+from coordinator.callback import ApprovalCallback, ApprovalDeliveryError
+from coordinator.relay_sender import RelayApprovalSender
+from emulators.imds import ImdsEmulator
+from emulators.relay import RelayEmulator
+from emulators.relay.auth import create_sas_token
+from emulators.tokens import mint_token
+from forwarder.envelope import VmIdentity
+from tests.relay.conftest import SEND_KEY, VM_A0, VM_A1, VM_B0, Vm, approval, imds_client, scheduled_event
+
+
+def approved_ids(imds: ImdsEmulator) -> list[str]:
+    return [item["EventId"] for item in imds.approvals()]
+
+
+def test_approval_reaches_imds_end_to_end(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
+) -> None:
+    vm = start_vm(VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    callback: ApprovalCallback = sender
+    result = callback.send(approval(event_id), vm=vm.identity)
+    assert result.outcome == "approved"
+    assert [(item["EventId"], item["vm"]) for item in imds.approvals()] == [(event_id, VM_A0)]
+    assert result.documentIncarnation == imds.approvals()[0]["incarnation"]
+
+
+def test_a_vm_may_approve_an_event_of_its_group_for_another_member(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
+) -> None:
+    vm = start_vm(VM_A1)
+    event_id = scheduled_event(imds, VM_A0)  # same placement group: visible in web_1's document
+    assert sender.send(approval(event_id), vm=vm.identity).outcome == "approved"
+    assert [(item["EventId"], item["vm"]) for item in imds.approvals()] == [(event_id, VM_A1)]
+
+
+def test_same_decision_again_is_idempotent_and_another_event_with_it_is_a_replay(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
+) -> None:
+    vm = start_vm(VM_A0, auth="sas")
+    first, second = scheduled_event(imds, VM_A0), scheduled_event(imds, VM_A0)
+    request = approval(first, decision="decision-1")
+    assert sender.send(request, vm=vm.identity).outcome == "approved"
+    again = sender.send(request, vm=vm.identity)
+    assert again.outcome == "approved"
+    replay = sender.send(approval(second, decision="decision-1"), vm=vm.identity)
+    assert replay.outcome == "rejected"
+    assert "already used for event" in replay.reason
+    assert approved_ids(imds) == [first]
+    assert vm.approver.imds_posts == 1
+
+
+@pytest.mark.parametrize(
+    ("issued", "valid_for", "reason"),
+    [
+        (timedelta(minutes=-20), timedelta(minutes=10), "expired at"),
+        (timedelta(minutes=10), timedelta(minutes=10), "in the future"),
+        (timedelta(hours=-2), timedelta(hours=3), "older than"),
+    ],
+)
+def test_expired_and_badly_dated_requests_are_refused(  # noqa: PLR0917 - fixtures plus parameters
+    imds: ImdsEmulator,
+    start_vm: Callable[..., Vm],
+    relay: RelayEmulator,
+    issued: timedelta,
+    valid_for: timedelta,
+    reason: str,
+) -> None:
+    vm = start_vm(VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    request = approval(event_id, issued=datetime.now(UTC) + issued, valid_for=valid_for)
+    # The sender itself would not send an expired request; give it a clock that believes it is still valid.
+    with RelayApprovalSender(
+        endpoint=relay.base_url,
+        credential=AzureNamedKeyCredential("send", SEND_KEY),
+        clock=lambda: request.issuedAt,
+    ) as skewed:
+        result = skewed.send(request, vm=vm.identity)
+    assert result.outcome == "rejected"
+    assert reason in result.reason
+    assert imds.approvals() == []
+
+
+def test_sender_does_not_send_what_has_already_expired(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
+) -> None:
+    vm = start_vm(VM_A0)
+    request = approval(scheduled_event(imds, VM_A0), issued=datetime.now(UTC) - timedelta(minutes=20))
+    with pytest.raises(ApprovalDeliveryError, match="expired"):
+        sender.send(request, vm=vm.identity)
+    assert imds.approvals() == []
+
+
+def test_events_of_another_group_unknown_or_started_are_not_approved(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
+) -> None:
+    vm = start_vm(VM_A0)
+    other_group = scheduled_event(imds, VM_B0)
+    started = imds.create_event(EventType="Reboot", Resources=[VM_A0], EventStatus="Started")["EventId"]
+    unknown = str(uuid.uuid4()).upper()
+    outcomes = {
+        name: sender.send(approval(event_id), vm=vm.identity)
+        for name, event_id in {"other": other_group, "started": started, "unknown": unknown}.items()
+    }
+    assert {name: result.outcome for name, result in outcomes.items()} == {
+        "other": "not-found",
+        "started": "not-scheduled",
+        "unknown": "not-found",
+    }
+    assert all(result.documentIncarnation is not None for result in outcomes.values())
+    assert imds.approvals() == []
+
+
+def post_raw(
+    relay: RelayEmulator, path: str, body: bytes, *, method: str = "POST", **headers: str
+) -> requests.Response:
+    url = f"{relay.base_url}/{path}"
+    token = create_sas_token(relay.resource_uri(path.split("/", maxsplit=1)[0]), key_name="send", key=SEND_KEY)
+    return requests.request(method, url, data=body, headers={"ServiceBusAuthorization": token, **headers}, timeout=10)
+
+
+def test_malformed_requests_get_a_4xx_naming_the_problem(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], relay: RelayEmulator
+) -> None:
+    vm = start_vm(VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    hc = vm.identity.hybrid_connection_name
+    good = approval(event_id).model_dump_json().encode()
+    missing_rule = json.dumps({k: v for k, v in json.loads(good).items() if k != "rule"}).encode()
+    naive = json.loads(good) | {"issuedAt": "2026-11-21T06:00:00"}
+    cases = [
+        (post_raw(relay, f"{hc}/approve", b"{not json", **{"Content-Type": "application/json"}), 400, "invalid"),
+        (
+            post_raw(relay, f"{hc}/approve", missing_rule, **{"Content-Type": "application/json"}),
+            400,
+            "rule: Field required",
+        ),
+        (post_raw(relay, f"{hc}/approve", json.dumps(naive).encode()), 400, "issuedAt: must carry a UTC offset"),
+        (post_raw(relay, f"{hc}/approve", good, **{"Content-Type": "text/plain"}), 415, "text/plain"),
+        (post_raw(relay, f"{hc}/approve", b"", method="GET"), 405, "use POST"),
+        (post_raw(relay, f"{hc}/delete-everything", good), 404, "/approve"),
+    ]
+    for response, status, reason in cases:
+        assert response.status_code == status, response.text
+        assert reason in response.json()["error"]
+    assert imds.approvals() == []
+
+
+def test_oversized_request_travels_by_rendezvous_and_is_refused(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], relay: RelayEmulator
+) -> None:
+    vm = start_vm(VM_A0)
+    response = post_raw(relay, f"{vm.identity.hybrid_connection_name}/approve", b"x" * 100_000)
+    assert response.status_code == 413
+    assert vm.listener.stats.rendezvous == 1
+    assert imds.approvals() == []
+
+
+class MintedCredential:
+    """FAKE Entra for the coordinator (no local Entra ID): tokens signed with the emulators' development key."""
+
+    def __init__(self, audience: str) -> None:
+        self.audience = audience
+
+    def get_token(self, *scopes: str, **_: object) -> AccessToken:
+        token, expires_on = mint_token(audience=self.audience, identity_resource_id="/subscriptions/s/coordinator")
+        return AccessToken(token, expires_on)
+
+
+def test_entra_sender_token_is_accepted(imds: ImdsEmulator, start_vm: Callable[..., Vm], relay: RelayEmulator) -> None:
+    vm = start_vm(VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    with RelayApprovalSender(endpoint=relay.base_url, credential=MintedCredential("https://relay.azure.net")) as entra:
+        assert entra.send(approval(event_id), vm=vm.identity).outcome == "approved"
+
+
+@pytest.mark.parametrize(
+    ("credential", "message"),
+    [
+        (AzureNamedKeyCredential("send", "d3Jvbmcta2V5"), "HTTP 401"),
+        (AzureNamedKeyCredential("nobody", SEND_KEY), "HTTP 401"),
+        (MintedCredential("https://eventhubs.azure.net"), "HTTP 401"),
+    ],
+    ids=["bad-sas-signature", "unknown-sas-rule", "wrong-audience-jwt"],
+)
+def test_forged_senders_are_refused_by_the_relay(
+    imds: ImdsEmulator,
+    start_vm: Callable[..., Vm],
+    relay: RelayEmulator,
+    credential: AzureNamedKeyCredential | MintedCredential,
+    message: str,
+) -> None:
+    vm = start_vm(VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    with (
+        RelayApprovalSender(endpoint=relay.base_url, credential=credential) as forged,
+        pytest.raises(ApprovalDeliveryError, match=message),
+    ):
+        forged.send(approval(event_id), vm=vm.identity)
+    assert vm.listener.stats.requests == 0
+    assert imds.approvals() == []
+
+
+def test_sender_retries_until_a_listener_is_there(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender, relay: RelayEmulator
+) -> None:
+    identity = imds_identity(imds, VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    late = threading.Timer(0.5, start_vm, args=(VM_A0,))
+    late.start()
+    started = time.monotonic()
+    result = sender.send(approval(event_id), vm=identity)
+    late.join()
+    assert result.outcome == "approved"
+    assert time.monotonic() - started >= 0.4
+    refused = sum(count for kind, count in relay.counters().items() if "http_request" in kind)
+    assert refused >= 1  # answered 503 while nobody listened
+    assert approved_ids(imds) == [event_id]
+
+
+def test_sender_gives_up_with_a_delivery_error(imds: ImdsEmulator, relay: RelayEmulator) -> None:
+    identity = imds_identity(imds, VM_A0)
+    with (
+        RelayApprovalSender(
+            endpoint=relay.base_url,
+            credential=AzureNamedKeyCredential("send", SEND_KEY),
+            backoff_initial=0.05,
+            backoff_maximum=0.1,
+            max_retry_seconds=0.5,
+        ) as impatient,
+        pytest.raises(ApprovalDeliveryError, match="HTTP 503"),
+    ):
+        impatient.send(approval(scheduled_event(imds, VM_A0)), vm=identity)
+
+
+def imds_identity(imds: ImdsEmulator, vm_name: str) -> VmIdentity:
+    return imds_client(imds, vm_name).get_identity()

@@ -1,0 +1,162 @@
+"""RelayListener protocol behaviour against the Relay emulator: reconnects, token renewal, rendezvous, accept."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import requests
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from coordinator.relay_sender import RelayApprovalSender
+from emulators.imds import ImdsEmulator
+from emulators.relay import RelayEmulator
+from emulators.relay.auth import create_sas_token
+from forwarder.relay_listener import RelayRequest, RelayResponse, RelayToken, sas_token
+from tests.relay.conftest import LISTEN_KEY, SEND_KEY, VM_A0, Vm, approval, scheduled_event
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def send(relay: RelayEmulator, hc: str, path: str, body: bytes = b"", method: str = "POST") -> requests.Response:
+    token = create_sas_token(relay.resource_uri(hc), key_name="send", key=SEND_KEY)
+    return requests.request(
+        method, f"{relay.base_url}/{hc}{path}", data=body, headers={"ServiceBusAuthorization": token}, timeout=10
+    )
+
+
+def echo(request: RelayRequest) -> RelayResponse:
+    if request.path == "/big":
+        return RelayResponse(200, "OK", {"Content-Type": "application/octet-stream"}, b"y" * 200_000)
+    if request.path == "/boom":
+        raise RuntimeError("handler bug")
+    if request.path == "/gateway":
+        return RelayResponse(502, "Bad Gateway")
+    headers = {"X-Path": request.path, "X-Method": request.method, "X-Query": request.target.partition("?")[2]}
+    return RelayResponse(201, "Created", headers, request.body[::-1])
+
+
+class ShortLivedSas:
+    """Namespace-scoped SAS tokens that live 3 s, so the relay closes the channel (1008) unless they are renewed."""
+
+    def __init__(self, relay: RelayEmulator) -> None:
+        self.relay = relay
+        self.issued = 0
+
+    def get_token(self) -> RelayToken:
+        self.issued += 1
+        expires_on = int(time.time()) + 3
+        token = sas_token(resource_uri=self.relay.resource_uri(), key_name="listen", key=LISTEN_KEY,
+                          expires_on=expires_on)  # fmt: skip
+        return RelayToken(token, expires_on)
+
+
+def test_requests_and_bodies_round_trip(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    vm = start_vm(VM_A0, auth="sas", handler=echo)
+    hc = vm.identity.hybrid_connection_name
+    body = bytes(range(256)) * 200  # 51 kB: on the control channel, sent by the relay as several fragments
+    response = send(relay, hc, "/some/path?x=1&sb-hc-id=trace", body)
+    assert response.status_code == 201
+    assert response.content == body[::-1]
+    assert response.headers["X-Path"] == "/some/path"
+    assert response.headers["X-Method"] == "POST"
+    assert response.headers["X-Query"] == "x=1"  # sb-hc-* parameters are the relay's, not ours
+    assert vm.listener.stats.rendezvous == 0
+
+
+def test_large_requests_and_responses_use_rendezvous(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    vm = start_vm(VM_A0, auth="sas", handler=echo)
+    hc = vm.identity.hybrid_connection_name
+    body = b"z" * 150_000
+    response = send(relay, hc, "/upload", body)
+    assert response.status_code == 201
+    assert response.content == body[::-1]
+    assert vm.listener.stats.rendezvous == 1
+    big = send(relay, hc, "/big", method="GET")
+    assert big.status_code == 200
+    assert big.content == b"y" * 200_000
+
+
+def test_handler_failures_and_reserved_statuses_become_500(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    vm = start_vm(VM_A0, auth="sas", handler=echo)
+    hc = vm.identity.hybrid_connection_name
+    assert send(relay, hc, "/boom").status_code == 500
+    assert send(relay, hc, "/gateway").status_code == 500
+    assert vm.listener.stats.handler_errors == 1
+    assert send(relay, hc, "/still-alive").status_code == 201
+
+
+def test_listener_reconnects_after_the_relay_restarts(
+    imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
+) -> None:
+    vm = start_vm(VM_A0)
+    hc = vm.identity.hybrid_connection_name
+    relay.stop()
+    assert wait_for(lambda: not vm.listener.connected)
+    time.sleep(0.3)  # a few refused reconnect attempts while the relay is down
+    relay.start()  # same port
+    assert vm.listener.wait_connected(10)
+    assert wait_for(lambda: relay.listener_count(hc) == 1)
+    assert vm.listener.stats.connects == 2
+    assert sender.send(approval(scheduled_event(imds, VM_A0)), vm=vm.identity).outcome == "approved"
+    assert len(imds.approvals()) == 1
+
+
+def test_token_is_renewed_before_it_expires(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    provider = ShortLivedSas(relay)
+    vm = start_vm(VM_A0, token_provider=provider, handler=echo)
+    time.sleep(4.5)  # longer than one token's life
+    assert vm.listener.connected
+    assert vm.listener.stats.connects == 1
+    assert vm.listener.stats.token_renewals >= 2
+    assert provider.issued == vm.listener.stats.token_renewals + 1
+    assert send(relay, vm.identity.hybrid_connection_name, "/ping", b"abc").status_code == 201
+
+
+def test_websocket_senders_are_declined(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    vm = start_vm(VM_A0, auth="sas", handler=echo)
+    hc = vm.identity.hybrid_connection_name
+    token = create_sas_token(relay.resource_uri(hc), key_name="send", key=SEND_KEY)
+    with pytest.raises(InvalidStatus) as refused:
+        connect(relay.connect_url(hc), additional_headers={"ServiceBusAuthorization": token}, open_timeout=10,
+                legacy=True)  # fmt: skip
+    assert refused.value.response.status_code == 403
+    assert vm.listener.stats.declined_accepts == 1
+    assert vm.listener.connected
+
+
+def test_stop_closes_the_control_channel(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    vm = start_vm(VM_A0, auth="sas", handler=echo)
+    hc = vm.identity.hybrid_connection_name
+    assert relay.listener_count(hc) == 1
+    started = time.monotonic()
+    vm.listener.stop(timeout=5)
+    assert time.monotonic() - started < 2
+    assert not vm.listener.connected
+    assert wait_for(lambda: relay.listener_count(hc) == 0)
+    assert send(relay, hc, "/ping").status_code == 503
+
+
+def test_refused_handshake_is_retried_with_backoff(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    class Wrong:
+        calls = 0
+
+        def get_token(self) -> RelayToken:
+            Wrong.calls += 1
+            expires_on = int(time.time()) + 3600
+            token = sas_token(resource_uri=relay.resource_uri(), key_name="listen", key="d3Jvbmc=",
+                              expires_on=expires_on)  # fmt: skip
+            return RelayToken(token, expires_on)
+
+    with pytest.raises(AssertionError, match="did not connect"):
+        start_vm(VM_A0, token_provider=Wrong(), handler=echo, wait=1.5)
+    assert Wrong.calls >= 3  # kept trying, with backoff (capped at 0.5 s in these tests)
