@@ -50,6 +50,7 @@ log = logging.getLogger("emulators.relay")
 
 MAX_LISTENERS = 25
 CONTROL_CHANNEL_LIMIT = 64 * 1024
+HEADER_METADATA_LIMIT = 32 * 1024
 BODY_FRAGMENT_BYTES = 16 * 1024
 ACCEPT_TIMEOUT = 30.0
 NO_LISTENER_STATUS = 503
@@ -400,6 +401,10 @@ class RelayService:
         if response.status_code != 101 or not isinstance(role, _ListenRole):
             return None
         hybrid_connection = self.hybrid_connections.get(role.name.lower())
+        if self.require_known and (hybrid_connection is None or not hybrid_connection.declared):
+            # Deleted while this handshake was being checked.
+            connection.role = None
+            return _ws_error(404, f"hybrid connection {role.name!r} does not exist in this namespace")
         if hybrid_connection is None:
             hybrid_connection = HybridConnection(name=role.name)
             self.hybrid_connections[role.name.lower()] = hybrid_connection
@@ -535,7 +540,13 @@ class RelayService:
                         continue
                     target, response = awaiting
                     awaiting = None
-                    if target is not None:
+                    if target is not None and len(frame) > CONTROL_CHANNEL_LIMIT:
+                        self._refuse("listener_frame", f"{hybrid_connection.name}: {len(frame)}-byte body on control")
+                        target.fail(
+                            f"the listener sent a {len(frame)}-byte response body on the control channel; "
+                            f"above {CONTROL_CHANNEL_LIMIT} bytes it must respond over the rendezvous address"
+                        )
+                    elif target is not None:
                         target.complete(response, frame)
                     continue
                 if awaiting is not None:
@@ -674,13 +685,17 @@ class RelayService:
             request_headers=_merge_headers(request.headers, dropped),
             body=bool(request.body),
         )
-        size = len(message.to_json("request")) + len(request.body)
+        metadata = len(message.to_json("request"))
         pending = PendingRequest(
             id=request_id,
             listener=listener,
             message=message,
             body=request.body,
-            rendezvous_first=request.chunked or size > CONTROL_CHANNEL_LIMIT,
+            rendezvous_first=(
+                request.chunked
+                or metadata > HEADER_METADATA_LIMIT
+                or metadata + len(request.body) > CONTROL_CHANNEL_LIMIT
+            ),
             result=asyncio.get_running_loop().create_future(),
         )
         return await self._exchange(pending)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 from websockets.asyncio.client import connect
@@ -217,3 +218,46 @@ def test_requests_are_spread_at_random_among_listeners(relay: RelayEmulator) -> 
     # 3 listeners x 45 requests: a listener left out entirely has probability 3 * (2/3)^45 < 1e-7.
     assert sorted(served) == [0, 1, 2]
     assert sum(served.values()) == 45
+
+
+def test_response_body_above_64kb_on_the_control_channel_is_refused(relay: RelayEmulator) -> None:
+    async def scenario() -> None:
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        incoming = await listener.next_request()
+        await listener.respond(incoming.request["id"], 200, b"y" * (64 * 1024 + 1))
+        response = await sending
+        assert response.status_code == 502
+        assert "rendezvous" in response.text
+        await listener.close()
+
+    asyncio.run(scenario())
+
+
+def test_chunked_or_header_heavy_requests_go_over_rendezvous(relay: RelayEmulator) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b"part-1;"
+        yield b"part-2"
+
+    async def scenario() -> None:
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        cases: list[tuple[Iterator[bytes] | bytes, dict[str, str]]] = [
+            (chunks(), {}),
+            (b"small", {"X-Big": "h" * (33 * 1024)}),
+        ]
+        for data, extra in cases:
+            headers = {"Authorization": sas(relay), **extra}
+            sending = asyncio.create_task(http("POST", relay.send_url("vm-a"), headers=headers, data=data))
+            announcement = (await listener.next_message())["request"]
+            assert set(announcement) == {"address", "id"}
+            async with connect(announcement["address"], max_size=None) as rendezvous:
+                request = json.loads(await rendezvous.recv())["request"]
+                body = await rendezvous.recv()
+                assert isinstance(body, bytes)
+                await listener.respond(request["id"], 200, b"echo:" + body, ws=rendezvous)
+                response = await sending
+            assert response.content in (b"echo:part-1;part-2", b"echo:small")
+        await listener.close()
+
+    asyncio.run(scenario())
+    assert relay.counters()["rendezvous.request"] == 2
