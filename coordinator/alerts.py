@@ -1,0 +1,207 @@
+"""Alerts: Adaptive Cards (1.4) posted to a Teams Workflows webhook ("When a Teams webhook request is received").
+
+Card building is pure (``build_card``); sinks deliver: ``TeamsWebhookSink`` (HTTPS POST, retried with backoff and
+jitter, the URL is a secret and never logged) or ``FolderCardSink`` (local mode: one JSON file per card).
+One card per transition per event: the event record remembers which alerts went out (service.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import requests
+
+from coordinator.model import AlertKind, EventRecord, VmRecord
+from coordinator.retry import backoff_delay
+
+log = logging.getLogger("coordinator.alerts")
+
+CARD_VERSION = "1.4"
+MAX_CARD_BYTES = 28 * 1024  # Teams refuses larger messages ("Request entity too large").
+
+_TITLES: dict[str, tuple[str, str]] = {
+    "new-event": ("New scheduled event", "Warning"),
+    "approved": ("Event approved", "Good"),
+    "started-without-notice": ("Event started without notice", "Attention"),
+    "canceled": ("Event canceled", "Default"),
+    "expired": ("Event expired unapproved", "Warning"),
+    "approval-failed": ("Approval failed", "Attention"),
+    "heartbeat-lost": ("VM heartbeat lost", "Attention"),
+}
+
+
+class AlertError(RuntimeError):
+    """The card could not be delivered (after retries); the caller keeps it pending and tries again later."""
+
+
+class AlertSink(Protocol):
+    def send(self, card: dict[str, Any], *, key: str) -> None: ...
+
+
+def _fact(title: str, value: object) -> dict[str, str]:
+    return {"title": title, "value": str(value)[:300]}
+
+
+def _envelope(body: list[dict[str, Any]], actions: list[dict[str, Any]]) -> dict[str, Any]:
+    content: dict[str, Any] = {
+        "$schema": "http://adaptivecards.io/schemas/adaptive-card.json",
+        "type": "AdaptiveCard",
+        "version": CARD_VERSION,
+        "body": body,
+    }
+    if actions:
+        content["actions"] = actions
+    return {
+        "type": "message",
+        "attachments": [
+            {"contentType": "application/vnd.microsoft.card.adaptive", "contentUrl": None, "content": content}
+        ],
+    }
+
+
+def build_card(
+    kind: AlertKind,
+    record: EventRecord,
+    *,
+    now: datetime,
+    approve_url: str | None = None,
+    detail: str = "",
+) -> dict[str, Any]:
+    title, color = _TITLES[kind]
+    resources = record.resources
+    shown = ", ".join(resources[:20]) + (f" … (+{len(resources) - 20})" if len(resources) > 20 else "")
+    facts = [
+        _fact("EventId", record.eventId),
+        _fact("Type", f"{record.eventType} ({record.eventSource})"),
+        _fact("State", record.state),
+        _fact("NotBefore", record.notBefore.isoformat() if record.notBefore else "—"),
+        _fact("Duration", "unknown" if record.durationInSeconds < 0 else f"{record.durationInSeconds} s"),
+        _fact("Resources", shown or "—"),
+        _fact("Scale sets", ", ".join(sorted(record.scale_sets)) or "—"),
+    ]
+    if record.decision is not None:
+        facts.append(_fact("Decision", f"{record.decision.verdict} by rule '{record.decision.rule}'"))
+    if record.approval is not None:
+        facts.append(_fact("Approved by", record.approval.actor))
+        if record.approval.outcome:
+            facts.append(_fact("Approval outcome", f"{record.approval.outcome} {record.approval.reason}".strip()))
+    body: list[dict[str, Any]] = [
+        {
+            "type": "TextBlock",
+            "text": f"{title}: {record.eventType}",
+            "weight": "Bolder",
+            "size": "Medium",
+            "color": color,
+        },
+        {"type": "TextBlock", "text": (record.description or "—")[:500], "wrap": True},
+        {"type": "FactSet", "facts": facts},
+    ]
+    if detail:
+        body.append({"type": "TextBlock", "text": detail[:1000], "wrap": True, "isSubtle": True})
+    body.append({"type": "TextBlock", "text": f"Coordinator time {now.isoformat()}", "isSubtle": True, "size": "Small"})
+    actions = []
+    if approve_url and record.state == "Scheduled" and kind in ("new-event", "approval-failed"):
+        actions.append({"type": "Action.OpenUrl", "title": "Approve now", "url": approve_url})
+    return _envelope(body, actions)
+
+
+def build_vm_card(kind: AlertKind, vm: VmRecord, *, now: datetime, timeout_seconds: int) -> dict[str, Any]:
+    title, color = _TITLES[kind]
+    identity = vm.identity
+    facts = [
+        _fact("VM", identity.name),
+        _fact("vmId", identity.vmId),
+        _fact("Scale set", identity.vmScaleSetName or "—"),
+        _fact("Placement group", identity.placementGroupId or "—"),
+        _fact("Last seen", vm.lastSeen.isoformat()),
+        _fact("Timeout", f"{timeout_seconds} s"),
+    ]
+    body: list[dict[str, Any]] = [
+        {
+            "type": "TextBlock",
+            "text": f"{title}: {identity.name}",
+            "weight": "Bolder",
+            "size": "Medium",
+            "color": color,
+        },
+        {
+            "type": "TextBlock",
+            "text": "Its forwarder stopped reporting: its scheduled events are not seen and cannot be approved.",
+            "wrap": True,
+        },
+        {"type": "FactSet", "facts": facts},
+        {"type": "TextBlock", "text": f"Coordinator time {now.isoformat()}", "isSubtle": True, "size": "Small"},
+    ]
+    return _envelope(body, [])
+
+
+def card_bytes(card: dict[str, Any]) -> bytes:
+    return json.dumps(card, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+class TeamsWebhookSink:
+    """POSTs cards to a Teams Workflows webhook. The URL carries a signature (``sig=``): never log it."""
+
+    def __init__(
+        self,
+        *,
+        webhook_url: str,
+        attempts: int = 3,
+        timeout: float = 10.0,
+        backoff_initial: float = 0.5,
+        backoff_maximum: float = 8.0,
+        session: requests.Session | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._url = webhook_url
+        self._attempts = attempts
+        self._timeout = timeout
+        self._initial = backoff_initial
+        self._maximum = backoff_maximum
+        self._session = session or requests.Session()
+        self._sleep = sleep
+        self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
+
+    def send(self, card: dict[str, Any], *, key: str) -> None:
+        body = card_bytes(card)
+        last = ""
+        for attempt in range(self._attempts):
+            if attempt:
+                self._sleep(backoff_delay(attempt - 1, initial=self._initial, maximum=self._maximum, rng=self._rng))
+            try:
+                response = self._session.post(
+                    self._url, data=body, headers={"Content-Type": "application/json"}, timeout=self._timeout
+                )
+            except requests.RequestException as error:
+                last = type(error).__name__
+                continue
+            if response.status_code < 300:
+                return
+            last = f"HTTP {response.status_code}"
+            if response.status_code < 500 and response.status_code != 429:
+                break
+        # The exception text names the card, never the URL (it is a secret).
+        raise AlertError(f"Teams webhook refused card {key}: {last} after {self._attempts} attempts")
+
+
+class FolderCardSink:
+    """Local mode: writes each card as ``{key}.json`` into a folder."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def send(self, card: dict[str, Any], *, key: str) -> None:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:180]
+        try:
+            (self.folder / f"{name}.json").write_bytes(card_bytes(card))
+        except OSError as error:
+            raise AlertError(f"cannot write card {key} to {self.folder}: {error.strerror}") from error

@@ -1,0 +1,132 @@
+"""The coordinator's own records: one per EventId (merged from every reporting VM) and one per VM.
+
+Stored as JSON in Table Storage (see store.py); pydantic at this boundary so that a record written by an older
+coordinator still loads (new fields have defaults) and a corrupt one fails loudly.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from forwarder.envelope import VmIdentity
+
+State = Literal["Scheduled", "Approved", "Started", "Completed", "Canceled", "Expired"]
+TERMINAL_STATES: frozenset[str] = frozenset({"Completed", "Canceled"})
+SightingStatus = Literal["Scheduled", "Started", "Gone"]
+Verdict = Literal["approve", "wait", "never"]
+AlertKind = Literal[
+    "new-event",
+    "approved",
+    "started-without-notice",
+    "canceled",
+    "expired",
+    "approval-failed",
+    "heartbeat-lost",
+]
+
+
+class VmSighting(BaseModel):
+    """What one VM last said about one event. ``lastSequence`` makes re-applying an envelope a no-op."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    vmId: str
+    resourceId: str
+    scaleSet: str = ""
+    placementGroup: str = ""
+    firstSeen: datetime
+    lastSeen: datetime
+    lastSequence: int
+    incarnation: int = 0
+    status: SightingStatus
+    hooks: dict[str, str] = Field(default_factory=dict)
+    hookSequence: int = -1
+
+    def identity(self) -> VmIdentity:
+        return VmIdentity(
+            name=self.name,
+            vmId=self.vmId,
+            resourceId=self.resourceId,
+            vmScaleSetName=self.scaleSet,
+            placementGroupId=self.placementGroup,
+        )
+
+
+class DecisionRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    decisionId: str
+    rule: str
+    action: str
+    verdict: Verdict
+    reason: str
+    decidedAt: datetime
+    dryRun: bool = False
+    actor: str = ""
+
+
+class ApprovalRecord(BaseModel):
+    """The approval being delivered. ``outcome`` is the listener's answer; delivery is retried until NotBefore."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    decisionId: str
+    rule: str
+    actor: str
+    decidedAt: datetime
+    attempts: int = 0
+    lastAttemptAt: datetime | None = None
+    nextAttemptAt: datetime | None = None
+    outcome: str = ""
+    reason: str = ""
+    executor: str = ""
+    delivered: bool = False
+
+
+class EventRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    eventType: str
+    eventSource: str = "Platform"
+    resourceType: str = "VirtualMachine"
+    resources: list[str] = Field(default_factory=list)
+    description: str = ""
+    durationInSeconds: int = -1
+    notBefore: datetime | None = None
+    state: State = "Scheduled"
+    stateSince: datetime
+    createdAt: datetime
+    everStarted: bool = False
+    seenScheduled: bool = False
+    vms: dict[str, VmSighting] = Field(default_factory=dict)
+    decision: DecisionRecord | None = None
+    approval: ApprovalRecord | None = None
+    alerts: list[str] = Field(default_factory=list)
+    pendingAlerts: list[str] = Field(default_factory=list)
+
+    @property
+    def open(self) -> bool:
+        return self.state not in TERMINAL_STATES
+
+    @property
+    def scale_sets(self) -> set[str]:
+        return {s.scaleSet for s in self.vms.values() if s.scaleSet}
+
+
+class VmRecord(BaseModel):
+    """Per-VM last-seen position: protects against duplicate and out-of-order delivery, and says which events the
+    VM listed last (an event is gone for a VM when a newer document from it no longer lists it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    identity: VmIdentity
+    lastSequence: int = -1
+    lastIncarnation: int = 0
+    lastSeen: datetime
+    listed: list[str] = Field(default_factory=list)
+    heartbeatLost: bool = False

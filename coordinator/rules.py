@@ -1,0 +1,287 @@
+"""Approval rules: a declarative YAML policy, validated with pydantic; ordered, first match wins.
+
+Pure: ``evaluate(policy, record, fleet, now)`` -> Decision, with no I/O. Every decision names its rule and says why.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from coordinator.model import EventRecord, Verdict
+
+Action = Literal["approve-now", "approve-after-hooks", "approve-within-budget", "wait-for-person", "never-approve"]
+Weekday = Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+WEEKDAYS: tuple[Weekday, ...] = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+NO_RULE = "(no rule matched)"
+_HOURS = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
+
+
+class PolicyError(ValueError):
+    """The policy file is not valid; the message names the file, line and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DurationRange(_Strict):
+    min: int | None = Field(default=None, ge=-1)
+    max: int | None = Field(default=None, ge=-1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DurationRange:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is greater than max {self.max}")
+        return self
+
+    def contains(self, value: int) -> bool:
+        return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+
+
+class TimeWindow(_Strict):
+    """Days and hours in UTC; hours 'HH:MM-HH:MM', end exclusive; an end before the start wraps past midnight."""
+
+    days: list[Weekday] = Field(default_factory=lambda: list(WEEKDAYS), min_length=1)
+    hours: str = "00:00-24:00"
+
+    @field_validator("hours")
+    @classmethod
+    def _hours(cls, value: str) -> str:
+        if not _HOURS.match(value):
+            raise ValueError(f"hours {value!r} must look like '08:00-18:00' (UTC)")
+        return value
+
+    def contains(self, now: datetime) -> bool:
+        match = _HOURS.match(self.hours)
+        assert match is not None  # validated above
+        start = int(match.group(1)) * 60 + int(match.group(2))
+        end = int(match.group(3)) * 60 + int(match.group(4))
+        minute = now.hour * 60 + now.minute
+        day = WEEKDAYS[now.weekday()]
+        if start <= end:
+            return day in self.days and start <= minute < end
+        if minute >= start:
+            return day in self.days
+        # After midnight in a window that started the day before: the window belongs to the previous day.
+        return WEEKDAYS[(now.weekday() - 1) % 7] in self.days and minute < end
+
+
+class Match(_Strict):
+    eventType: list[str] | None = None
+    eventSource: list[str] | None = None
+    durationSeconds: DurationRange | None = None
+    scaleSet: list[str] | None = Field(default=None, description="glob patterns; every affected scale set must match")
+    vmName: list[str] | None = Field(default=None, description="glob patterns; every affected VM must match")
+    window: TimeWindow | None = None
+
+    def matches(self, record: EventRecord, now: datetime) -> bool:
+        if self.eventType is not None and record.eventType not in self.eventType:
+            return False
+        if self.eventSource is not None and record.eventSource not in self.eventSource:
+            return False
+        if self.durationSeconds is not None and not self.durationSeconds.contains(record.durationInSeconds):
+            return False
+        if self.vmName is not None and not _all_match(record.resources, self.vmName):
+            return False
+        if self.scaleSet is not None:
+            scale_sets = {scale_set_of(record, name) for name in record.resources} - {""}
+            if not scale_sets or not _all_match(sorted(scale_sets), self.scaleSet):
+                return False
+        return self.window is None or self.window.contains(now)
+
+
+def _all_match(values: list[str], patterns: list[str]) -> bool:
+    return bool(values) and all(any(fnmatch.fnmatchcase(v, p) for p in patterns) for v in values)
+
+
+class HooksOption(_Strict):
+    deadlineSeconds: int = Field(default=600, gt=0)
+    onDeadline: Literal["approve", "wait"] = "wait"
+
+
+class BudgetOption(_Strict):
+    maxImpacted: int = Field(ge=1)
+
+
+class Rule(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    description: str = ""
+    match: Match = Field(default_factory=Match)
+    action: Action
+    hooks: HooksOption | None = None
+    budget: BudgetOption | None = None
+
+    @model_validator(mode="after")
+    def _options_fit_action(self) -> Rule:
+        if self.action == "approve-within-budget" and self.budget is None:
+            raise ValueError("action 'approve-within-budget' needs 'budget: {maxImpacted: N}'")
+        if self.budget is not None and self.action != "approve-within-budget":
+            raise ValueError(f"'budget' applies only to 'approve-within-budget', not {self.action!r}")
+        if self.hooks is not None and self.action != "approve-after-hooks":
+            raise ValueError(f"'hooks' applies only to 'approve-after-hooks', not {self.action!r}")
+        return self
+
+
+class Policy(_Strict):
+    version: Literal[1] = 1
+    dryRun: bool = False
+    rules: list[Rule] = Field(min_length=1)
+
+    @field_validator("rules")
+    @classmethod
+    def _unique_names(cls, rules: list[Rule]) -> list[Rule]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.name in seen:
+                raise ValueError(f"rule name {rule.name!r} is used twice; names identify decisions")
+            seen.add(rule.name)
+        return rules
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What other events do to the fleet right now: per scale set, the VM names impacted by an Approved or
+    Started event (the budget rule counts these)."""
+
+    impacted: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    def with_event(self, record: EventRecord) -> FleetView:
+        impacted = {k: set(v) for k, v in self.impacted.items()}
+        for name in record.resources:
+            impacted.setdefault(scale_set_of(record, name), set()).add(name)
+        return FleetView({k: frozenset(v) for k, v in impacted.items() if k})
+
+
+@dataclass(frozen=True)
+class Decision:
+    rule: str
+    action: Action
+    verdict: Verdict
+    reason: str
+
+
+def scale_set_of(record: EventRecord, vm_name: str) -> str:
+    sighting = record.vms.get(vm_name)
+    if sighting is not None:
+        return sighting.scaleSet
+    # Scale-set instance names are '{scale-set-name}_{instance-id}' (documented): a fallback for silent VMs.
+    head, sep, tail = vm_name.rpartition("_")
+    return head if sep and tail.isdigit() else ""
+
+
+def needs_fleet(policy: Policy, record: EventRecord, now: datetime) -> bool:
+    rule = first_match(policy, record, now)
+    return rule is not None and rule.action == "approve-within-budget"
+
+
+def first_match(policy: Policy, record: EventRecord, now: datetime) -> Rule | None:
+    return next((rule for rule in policy.rules if rule.match.matches(record, now)), None)
+
+
+def evaluate(policy: Policy, record: EventRecord, fleet: FleetView, now: datetime) -> Decision:
+    rule = first_match(policy, record, now)
+    if rule is None:
+        return Decision(NO_RULE, "wait-for-person", "wait", "no rule matched; a person decides")
+    if rule.action == "approve-now":
+        return Decision(rule.name, rule.action, "approve", f"rule {rule.name!r} approves at once")
+    if rule.action == "never-approve":
+        return Decision(rule.name, rule.action, "never", f"rule {rule.name!r} lets NotBefore run out")
+    if rule.action == "wait-for-person":
+        return Decision(rule.name, rule.action, "wait", f"rule {rule.name!r} waits for a person")
+    if rule.action == "approve-after-hooks":
+        return _after_hooks(rule, record, now)
+    return _within_budget(rule, record, fleet)
+
+
+def _after_hooks(rule: Rule, record: EventRecord, now: datetime) -> Decision:
+    options = rule.hooks or HooksOption()
+    affected = record.resources or sorted(record.vms)
+    outcomes = {name: (record.vms[name].hooks.get("prepare", "") if name in record.vms else "") for name in affected}
+    missing = sorted(name for name, outcome in outcomes.items() if outcome != "succeeded")
+    if not missing:
+        return Decision(rule.name, rule.action, "approve", f"prepare hooks succeeded on all {len(affected)} VMs")
+    deadline = record.createdAt + timedelta(seconds=options.deadlineSeconds)
+    detail = ", ".join(f"{name}={outcomes[name] or 'none'}" for name in missing[:10])
+    if now >= deadline:
+        verdict: Verdict = "approve" if options.onDeadline == "approve" else "wait"
+        return Decision(
+            rule.name,
+            rule.action,
+            verdict,
+            f"hook deadline {options.deadlineSeconds} s passed without success on {detail}; onDeadline="
+            f"{options.onDeadline}",
+        )
+    return Decision(rule.name, rule.action, "wait", f"waiting for prepare hooks until {deadline.isoformat()}: {detail}")
+
+
+def _within_budget(rule: Rule, record: EventRecord, fleet: FleetView) -> Decision:
+    assert rule.budget is not None  # enforced by Rule._options_fit_action
+    limit = rule.budget.maxImpacted
+    mine: dict[str, set[str]] = {}
+    for name in record.resources:
+        mine.setdefault(scale_set_of(record, name), set()).add(name)
+    for scale_set, names in sorted(mine.items()):
+        together = set(fleet.impacted.get(scale_set, frozenset())) | names
+        if len(together) > limit:
+            return Decision(
+                rule.name,
+                rule.action,
+                "wait",
+                f"scale set {scale_set or '(none)'!r} would have {len(together)} impacted instances (limit {limit})",
+            )
+    return Decision(rule.name, rule.action, "approve", f"within budget of {limit} impacted instances per scale set")
+
+
+def _line_index(node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int]) -> None:
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            key_path = (*path, key.value)
+            out[key_path] = key.start_mark.line + 1
+            _line_index(value, key_path, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _line_index(item, (*path, index), out)
+
+
+def parse_policy(text: str, *, source: str = "<policy>") -> Policy:
+    try:
+        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as error:
+        raise PolicyError(f"{source}: not valid YAML: {error}") from error
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}: a policy is a mapping with 'rules:'; got {type(data).__name__}")
+    lines: dict[tuple[Any, ...], int] = {}
+    if root is not None:
+        _line_index(root, (), lines)
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            loc = tuple(item["loc"])
+            prefix = next((loc[:n] for n in range(len(loc), -1, -1) if loc[:n] in lines), ())
+            where = ".".join(str(part) for part in loc) or "(top)"
+            problems.append(f"{source}:{lines.get(prefix, 1)}: {where}: {item['msg']}")
+        raise PolicyError("invalid policy:\n  " + "\n  ".join(problems)) from error
+
+
+def load_policy(path: str | Path) -> Policy:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise PolicyError(f"cannot read policy file {path}: {error.strerror}") from error
+    return parse_policy(text, source=str(path))
+
+
+DEFAULT_POLICY_PATH = Path(__file__).with_name("policies") / "default.yaml"

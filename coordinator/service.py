@@ -1,0 +1,784 @@
+"""The coordinator: where envelopes, timers and people meet state, rules, history, callback and alerts.
+
+function_app.py hands each trigger's input here. Decision code is pure (state.py, rules.py); this module does the
+I/O around it: read records, apply, write with ETags (a conflict means another instance got there first: re-read
+and redo, so each decision is taken once), then act on what was committed (send approvals, post alerts, log history).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from coordinator import rules
+from coordinator.alerts import AlertError, AlertSink, build_card, build_vm_card
+from coordinator.callback import ApprovalCallback, ApprovalDeliveryError
+from coordinator.history import HistorySink
+from coordinator.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
+from coordinator.retry import backoff_delay
+from coordinator.rows import HistoryRow
+from coordinator.state import (
+    EventChange,
+    Observation,
+    VmUpdate,
+    advance,
+    apply_observations,
+    choose_executor,
+    merge_vm_records,
+    transition,
+    vm_observations,
+)
+from coordinator.store import ConcurrencyConflict, DeadLetter, Stored, TableStateStore
+from forwarder.approval import ApprovalRequest, ApprovalResult
+from forwarder.envelope import Envelope, VmIdentity
+
+log = logging.getLogger("coordinator")
+
+MAX_EVENTS_PER_DOCUMENT = 100
+MAX_RESOURCES_PER_EVENT = 1000
+APPROVAL_FAILED_AFTER = 3
+COMMIT_ATTEMPTS = 8
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class RawMessage:
+    """One Event Hubs message as the trigger delivered it (function_app converts func.EventHubEvent)."""
+
+    body: bytes
+    partition_key: str | None = None
+    sequence_number: int | None = None
+    offset: str | None = None
+    enqueued_time: datetime | None = None
+
+    def source(self) -> dict[str, Any]:
+        return {
+            "partitionKey": self.partition_key,
+            "sequenceNumber": self.sequence_number,
+            "offset": self.offset,
+            "enqueuedTime": self.enqueued_time.isoformat() if self.enqueued_time else None,
+        }
+
+
+@dataclass
+class BatchReport:
+    received: int = 0
+    accepted: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    events_changed: int = 0
+    approvals_sent: int = 0
+    alerts_sent: int = 0
+    alerts_failed: int = 0
+    history_rows: int = 0
+    conflicts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TickReport:
+    open_events: int = 0
+    events_changed: int = 0
+    approvals_sent: int = 0
+    alerts_sent: int = 0
+    heartbeats_lost: int = 0
+    history_rows: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ManualApproval:
+    status: Literal["approved", "sent", "not-found", "conflict"]
+    message: str
+    event: dict[str, Any] | None = None
+
+
+class _Fleet:
+    """The fleet view for budget rules, loaded at most once per batch/tick and updated as approvals are decided."""
+
+    def __init__(self, store: TableStateStore) -> None:
+        self._store = store
+        self._view: rules.FleetView | None = None
+
+    def view(self) -> rules.FleetView:
+        if self._view is None:
+            view = rules.FleetView()
+            for stored in self._store.open_events():
+                record = stored.record
+                if record.state in ("Approved", "Started") or record.approval is not None:
+                    view = view.with_event(record)
+            self._view = view
+        return self._view
+
+    def add(self, record: EventRecord) -> None:
+        if self._view is not None:
+            self._view = self._view.with_event(record)
+
+
+@dataclass
+class _Work:
+    """What a batch or tick committed and still has to act on."""
+
+    rows: list[HistoryRow] = field(default_factory=list)
+    alerts: list[tuple[str, AlertKind]] = field(default_factory=list)
+    deliveries: list[str] = field(default_factory=list)
+
+
+def _dead_letter_reason(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        parts = []
+        for item in error.errors()[:5]:
+            where = ".".join(str(p) for p in item["loc"]) or "(envelope)"
+            parts.append(f"{where}: {item['msg']}")
+        more = f" (+{error.error_count() - 5} more)" if error.error_count() > 5 else ""
+        return "invalid envelope: " + "; ".join(parts) + more
+    return f"{type(error).__name__}: {error}"
+
+
+class Coordinator:
+    """Fleet logic behind the Functions app. All options are keyword-only; ``clock`` lets tests move time."""
+
+    def __init__(
+        self,
+        *,
+        store: TableStateStore,
+        history: HistorySink,
+        alerts: AlertSink,
+        callback: ApprovalCallback,
+        policy: rules.Policy,
+        dry_run: bool = False,
+        heartbeat_timeout: timedelta = timedelta(minutes=5),
+        approve_url: Callable[[str], str] | None = None,
+        approval_backoff: tuple[float, float] = (5.0, 120.0),
+        on_new_vm: Callable[[VmIdentity], None] | None = None,
+        clock: Callable[[], datetime] = utcnow,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.history = history
+        self.alerts = alerts
+        self.callback = callback
+        self.policy = policy
+        self.dry_run = dry_run or policy.dryRun
+        self.heartbeat_timeout = heartbeat_timeout
+        self._approve_url = approve_url
+        self._backoff = approval_backoff
+        self._on_new_vm = on_new_vm
+        self.clock = clock
+        self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
+
+    # ---- envelopes in ----------------------------------------------------------------------------------------
+    def _validate(self, message: RawMessage) -> Envelope:
+        envelope = Envelope.model_validate_json(message.body)
+        if message.partition_key and message.partition_key.lower() != envelope.vm.partition_key:
+            raise ValueError(
+                f"partition key {message.partition_key!r} is not the envelope's vm.resourceId: a VM reports only "
+                "for itself"
+            )
+        if envelope.document is not None:
+            if len(envelope.document.Events) > MAX_EVENTS_PER_DOCUMENT:
+                raise ValueError(
+                    f"document lists {len(envelope.document.Events)} events (limit {MAX_EVENTS_PER_DOCUMENT})"
+                )
+            for event in envelope.document.Events:
+                if len(event.Resources) > MAX_RESOURCES_PER_EVENT:
+                    raise ValueError(f"event {event.EventId} lists {len(event.Resources)} resources")
+        return envelope
+
+    def process_batch(self, messages: Sequence[RawMessage]) -> BatchReport:
+        """One Event Hubs batch (cardinality many). Bad messages are dead-lettered; the rest goes on."""
+        now = self.clock()
+        report = BatchReport(received=len(messages))
+        work = _Work()
+        by_vm: dict[str, list[Envelope]] = defaultdict(list)
+        dead: list[DeadLetter] = []
+        for index, message in enumerate(messages):
+            try:
+                envelope = self._validate(message)
+            except (ValidationError, ValueError, UnicodeError) as error:
+                reason = _dead_letter_reason(error)
+                log.warning(
+                    "dead-letter: message %d of batch %s refused: %s", index, json.dumps(message.source()), reason
+                )
+                dead.append(DeadLetter(reason=reason, body=message.body, received_at=now, source=message.source()))
+                work.rows.append(
+                    HistoryRow(TimeGenerated=now, RecordType="DeadLetter", Reason=reason, Details=message.source())
+                )
+                continue
+            by_vm[envelope.vm.vmId.lower()].append(envelope)
+        if dead:
+            self.store.put_dead_letters(dead)
+        report.dead_lettered = len(dead)
+
+        updates = self._vm_updates(by_vm)
+        observations: dict[str, list[Observation]] = defaultdict(list)
+        for update, _etag in updates.values():
+            report.accepted += update.applied
+            report.duplicates += update.duplicates
+            for observation in update.observations:
+                observations[observation.event_id].append(observation)
+            if update.resumed:
+                work.rows.append(self._vm_row(update.record, now, "heartbeat resumed"))
+
+        fleet = _Fleet(self.store)
+        committed = self._commit_events(observations, now, fleet, report)
+        for change in committed:
+            self._collect(change, work)
+        report.events_changed = len(committed)
+        # VM positions are written after the events: a crash in between replays the envelopes, which the
+        # events' per-VM sequence makes harmless.
+        self._save_vm_updates(updates, report)
+        self._act(work, now, report, last_seen=None)
+        if self._on_new_vm is not None:
+            for update, etag in updates.values():
+                if etag is None and update.applied:
+                    self._new_vm(update.record.identity)
+        return report
+
+    def _new_vm(self, vm: VmIdentity) -> None:
+        assert self._on_new_vm is not None
+        try:
+            self._on_new_vm(vm)
+        except Exception:  # e.g. the VM's hybrid connection could not be created: retried when it next reports
+            log.exception("setting up new VM %s failed", vm.name)
+
+    def _vm_updates(self, by_vm: dict[str, list[Envelope]]) -> dict[str, tuple[VmUpdate, str | None]]:
+        stored = self.store.get_vms(by_vm)
+        result: dict[str, tuple[VmUpdate, str | None]] = {}
+        for vm_id, envelopes in by_vm.items():
+            previous = stored.get(vm_id)
+            update = vm_observations(previous.record if previous else None, envelopes)
+            result[vm_id] = (update, previous.etag if previous else None)
+        return result
+
+    def _save_vm_updates(self, updates: dict[str, tuple[VmUpdate, str | None]], report: BatchReport) -> None:
+        changed = [(u.record, etag) for u, etag in updates.values() if u.applied]
+        if not changed:
+            return
+        try:
+            self.store.save_vms(changed)
+            return
+        except ConcurrencyConflict:
+            report.conflicts += 1
+        for record, _ in changed:
+            for _attempt in range(COMMIT_ATTEMPTS):
+                current = self.store.get_vms([record.identity.vmId]).get(record.identity.vmId.lower())
+                merged = merge_vm_records(record, current.record) if current else record
+                try:
+                    self.store.save_vm(merged, current.etag if current else None)
+                    break
+                except ConcurrencyConflict:
+                    report.conflicts += 1
+
+    # ---- events: read, apply, write with ETags ---------------------------------------------------------------
+    def _evolve(
+        self, record: EventRecord | None, observations: list[Observation], now: datetime, fleet: _Fleet
+    ) -> EventChange | None:
+        change = apply_observations(record, observations, now)
+        if change is None:
+            return None
+        self._decide(change, now, fleet)
+        return change
+
+    def _commit_events(
+        self, observations: dict[str, list[Observation]], now: datetime, fleet: _Fleet, report: BatchReport
+    ) -> list[EventChange]:
+        if not observations:
+            return []
+        stored = self.store.get_events(observations)
+        pending: list[tuple[EventChange, str | None]] = []
+        for event_id, items in observations.items():
+            current = stored.get(event_id)
+            change = self._evolve(current.record if current else None, items, now, fleet)
+            if change is not None and change.changed:
+                pending.append((change, current.etag if current else None))
+        try:
+            self.store.save_events([(c.record, etag) for c, etag in pending])
+            return [c for c, _ in pending]
+        except ConcurrencyConflict:
+            report.conflicts += 1
+        # Another instance wrote one of these events: redo each one on its own from a fresh read.
+        committed = []
+        for change, _ in pending:
+            event_id = change.record.eventId
+
+            def redo(
+                record: EventRecord | None, items: list[Observation] = observations[event_id]
+            ) -> EventChange | None:
+                return self._evolve(record, items, now, fleet)
+
+            result = self._commit_one(event_id, redo, report)
+            if result is not None:
+                committed.append(result)
+        return committed
+
+    def _commit_one(
+        self,
+        event_id: str,
+        mutate: Callable[[EventRecord | None], EventChange | None],
+        report: BatchReport | TickReport | None = None,
+    ) -> EventChange | None:
+        for _attempt in range(COMMIT_ATTEMPTS):
+            current = self.store.get_event(event_id)
+            change = mutate(current.record if current else None)
+            if change is None or not change.changed:
+                return None
+            try:
+                self.store.save_event(change.record, current.etag if current else None)
+                return change
+            except ConcurrencyConflict:
+                if isinstance(report, BatchReport):
+                    report.conflicts += 1
+        raise ConcurrencyConflict(f"event {event_id}: gave up after {COMMIT_ATTEMPTS} conflicting writes")
+
+    # ---- rules -----------------------------------------------------------------------------------------------
+    def _decide(self, change: EventChange, now: datetime, fleet: _Fleet) -> None:
+        record = change.record
+        if record.state != "Scheduled" or record.approval is not None:
+            return
+        view = fleet.view() if rules.needs_fleet(self.policy, record, now) else rules.FleetView()
+        decision = rules.evaluate(self.policy, record, view, now)
+        previous = record.decision
+        if previous is None or (previous.rule, previous.verdict, previous.dryRun) != (
+            decision.rule,
+            decision.verdict,
+            self.dry_run,
+        ):
+            record.decision = DecisionRecord(
+                decisionId=uuid.uuid4().hex,
+                rule=decision.rule,
+                action=decision.action,
+                verdict=decision.verdict,
+                reason=decision.reason,
+                decidedAt=now,
+                dryRun=self.dry_run,
+                actor=f"rule:{decision.rule}",
+            )
+            change.rows.append(self._decision_row(record, now))
+            change.changed = True
+        if decision.verdict == "approve" and not self.dry_run and record.decision is not None:
+            record.approval = ApprovalRecord(
+                decisionId=record.decision.decisionId,
+                rule=decision.rule,
+                actor=f"rule:{decision.rule}",
+                decidedAt=now,
+                nextAttemptAt=now,
+            )
+            fleet.add(record)
+            change.changed = True
+
+    def _decision_row(self, record: EventRecord, now: datetime) -> HistoryRow:
+        decision = record.decision
+        assert decision is not None
+        return HistoryRow(
+            TimeGenerated=now,
+            RecordType="Decision",
+            EventId=record.eventId,
+            EventType=record.eventType,
+            EventSource=record.eventSource,
+            State=record.state,
+            NotBefore=record.notBefore,
+            DurationInSeconds=record.durationInSeconds,
+            Resources=list(record.resources),
+            Rule=decision.rule,
+            Action=decision.action,
+            DecisionId=decision.decisionId,
+            Actor=decision.actor,
+            Outcome=decision.verdict,
+            Reason=decision.reason,
+            DryRun=decision.dryRun,
+        )
+
+    # ---- acting on what was committed ------------------------------------------------------------------------
+    def _collect(self, change: EventChange, work: _Work) -> None:
+        work.rows.extend(change.rows)
+        work.alerts.extend((change.record.eventId, kind) for kind in change.alerts)
+        approval = change.record.approval
+        if (
+            approval is not None
+            and not approval.delivered
+            and approval.attempts == 0
+            and change.record.state == "Scheduled"
+            and change.record.eventId not in work.deliveries
+        ):
+            work.deliveries.append(change.record.eventId)
+
+    def _act(
+        self,
+        work: _Work,
+        now: datetime,
+        report: BatchReport | TickReport,
+        *,
+        last_seen: dict[str, datetime] | None,
+    ) -> None:
+        records: dict[str, EventRecord] = {}
+        for event_id in work.deliveries:
+            change = self._deliver(event_id, now, last_seen)
+            if change is not None:
+                report.approvals_sent += 1
+                records[event_id] = change.record
+                self._collect(change, work)
+        if work.alerts:
+            missing = [e for e, _ in work.alerts if e not in records]
+            for event_id, stored in self.store.get_events(missing).items():
+                records[event_id] = stored.record
+            for event_id, kind in work.alerts:
+                if event_id in records:
+                    self._alert(records[event_id], kind, now, work, report)
+        self._write_history(work.rows, report)
+
+    def _write_history(self, rows: list[HistoryRow], report: BatchReport | TickReport) -> None:
+        if not rows:
+            return
+        try:
+            self.history.write(rows)
+            report.history_rows += len(rows)
+        except Exception:  # history must never stop the pipeline; the sink keeps what it could not send
+            log.exception("history: could not write %d rows", len(rows))
+
+    def _alert(
+        self, record: EventRecord, kind: AlertKind, now: datetime, work: _Work, report: BatchReport | TickReport
+    ) -> bool:
+        approve_url = self._approve_url(record.eventId) if self._approve_url else None
+        card = build_card(kind, record, now=now, approve_url=approve_url)
+        key = f"{record.eventId}-{kind}"
+        try:
+            self.alerts.send(card, key=key)
+        except AlertError as error:
+            log.warning("alert %s not delivered, kept pending: %s", key, error)
+            if isinstance(report, BatchReport):
+                report.alerts_failed += 1
+            self._commit_one(record.eventId, lambda r: _mark_alert_pending(r, kind))
+            work.rows.append(_alert_row(record, kind, now, "failed", str(error)))
+            return False
+        report.alerts_sent += 1
+        work.rows.append(_alert_row(record, kind, now, "sent", ""))
+        return True
+
+    def _deliver(self, event_id: str, now: datetime, last_seen: dict[str, datetime] | None) -> EventChange | None:
+        stored = self.store.get_event(event_id)
+        if stored is None or stored.record.approval is None or stored.record.approval.delivered:
+            return None
+        record = stored.record
+        approval = stored.record.approval
+        seen = {name: s.lastSeen for name, s in record.vms.items()}
+        if last_seen:
+            seen.update({name: last_seen[name] for name in seen if name in last_seen})
+        executor = choose_executor(record, seen, now - self.heartbeat_timeout)
+        result: ApprovalResult | None = None
+        failure = ""
+        if executor is None:
+            failure = f"no VM of {sorted(record.vms)} reported within {self.heartbeat_timeout.total_seconds():.0f} s"
+        else:
+            request = ApprovalRequest(
+                eventId=record.eventId,
+                decisionId=approval.decisionId,
+                rule=approval.rule,
+                issuedAt=now,
+                expiresAt=record.notBefore or now + timedelta(minutes=15),
+            )
+            try:
+                result = self.callback.send(request, vm=executor.identity())
+            except ApprovalDeliveryError as error:
+                failure = str(error)
+        executor_name = executor.name if executor else ""
+        return self._commit_one(
+            event_id,
+            lambda r: self._approval_outcome(
+                r, decision_id=approval.decisionId, executor=executor_name, result=result, failure=failure, now=now
+            ),
+        )
+
+    def _approval_outcome(
+        self,
+        record: EventRecord | None,
+        *,
+        decision_id: str,
+        executor: str,
+        result: ApprovalResult | None,
+        failure: str,
+        now: datetime,
+    ) -> EventChange | None:
+        if record is None or record.approval is None or record.approval.decisionId != decision_id:
+            return None
+        record = record.model_copy(deep=True)
+        change = EventChange(record=record, changed=True)
+        approval = record.approval
+        assert approval is not None
+        approval.attempts += 1
+        approval.lastAttemptAt = now
+        approval.executor = executor
+        approval.outcome = result.outcome if result else "failed"
+        approval.reason = (result.reason if result else failure)[:1000]
+        change.rows.append(
+            HistoryRow(
+                TimeGenerated=now,
+                RecordType="Approval",
+                EventId=record.eventId,
+                EventType=record.eventType,
+                EventSource=record.eventSource,
+                State=record.state,
+                NotBefore=record.notBefore,
+                VmName=executor,
+                Rule=approval.rule,
+                DecisionId=decision_id,
+                Actor=approval.actor,
+                Outcome=approval.outcome,
+                Reason=approval.reason or f"StartRequests accepted by {executor}",
+                DocumentIncarnation=result.documentIncarnation if result else None,
+            )
+        )
+        if result is not None and result.outcome == "approved":
+            approval.delivered = True
+            approval.nextAttemptAt = None
+            if record.state == "Scheduled":
+                transition(
+                    change,
+                    "Approved",
+                    now,
+                    f"approved by {approval.actor} through {executor}; confirmed when seen Started or gone",
+                    Rule=approval.rule,
+                    Actor=approval.actor,
+                    DecisionId=decision_id,
+                    VmName=executor,
+                )
+            return change
+        if result is not None and result.outcome == "not-scheduled":
+            # The VM sees it Started already; its next document moves the state.
+            approval.nextAttemptAt = None
+        else:
+            delay = backoff_delay(
+                approval.attempts - 1, initial=self._backoff[0], maximum=self._backoff[1], rng=self._rng
+            )
+            approval.nextAttemptAt = now + timedelta(seconds=max(1.0, delay))
+        if approval.attempts >= APPROVAL_FAILED_AFTER and "approval-failed" not in record.alerts:
+            record.alerts.append("approval-failed")
+            change.alerts.append("approval-failed")
+        return change
+
+    # ---- the timer -------------------------------------------------------------------------------------------
+    def tick(self) -> TickReport:
+        """Re-evaluates waiting events, expires, concludes events whose VMs fell silent, retries approvals and
+        alerts that failed, and notices VMs whose heartbeat stopped."""
+        now = self.clock()
+        report = TickReport()
+        work = _Work()
+        vms = self.store.all_vms()
+        last_seen = {v.record.identity.name: v.record.lastSeen for v in vms}
+        silent = frozenset(name for name, seen in last_seen.items() if seen < now - self.heartbeat_timeout)
+        fleet = _Fleet(self.store)
+        open_events = self.store.open_events()
+        report.open_events = len(open_events)
+        for stored in open_events:
+            record = stored.record
+            change = self._commit_one(record.eventId, lambda r: self._reconsider(r, now, fleet, silent), report)
+            if change is not None:
+                report.events_changed += 1
+                self._collect(change, work)
+                record = change.record
+            approval = record.approval
+            if (
+                approval is not None
+                and not approval.delivered
+                and record.state == "Scheduled"
+                and approval.nextAttemptAt is not None
+                and approval.nextAttemptAt <= now
+                and record.eventId not in work.deliveries
+            ):
+                work.deliveries.append(record.eventId)
+            for kind in record.pendingAlerts:
+                self._retry_alert(record, kind, now, work, report)
+        self._heartbeats(vms, now, work, report)
+        self._act(work, now, report, last_seen=last_seen)
+        return report
+
+    def _reconsider(
+        self, record: EventRecord | None, now: datetime, fleet: _Fleet, silent: frozenset[str]
+    ) -> EventChange | None:
+        if record is None:
+            return None
+        change = EventChange(record=record.model_copy(deep=True))
+        advance(change, now, silent_vms=silent)
+        self._decide(change, now, fleet)
+        return change
+
+    def _retry_alert(
+        self, record: EventRecord, kind: str, now: datetime, work: _Work, report: BatchReport | TickReport
+    ) -> None:
+        if kind not in _TITLED_KINDS:
+            return
+        alert_kind: AlertKind = kind  # type: ignore[assignment]
+        if self._alert(record, alert_kind, now, work, report):
+            self._commit_one(record.eventId, lambda r: _clear_alert_pending(r, kind))
+
+    def _heartbeats(self, vms: list[Stored[VmRecord]], now: datetime, work: _Work, report: TickReport) -> None:
+        timeout = int(self.heartbeat_timeout.total_seconds())
+        for stored in vms:
+            vm = stored.record
+            if vm.heartbeatLost or vm.lastSeen >= now - self.heartbeat_timeout:
+                continue
+            lost = vm.model_copy(update={"heartbeatLost": True})
+            try:
+                self.store.save_vm(lost, stored.etag)
+            except ConcurrencyConflict:
+                continue  # the VM reported meanwhile, or another instance noticed first
+            report.heartbeats_lost += 1
+            work.rows.append(self._vm_row(lost, now, f"no envelope for more than {timeout} s"))
+            try:
+                self.alerts.send(
+                    build_vm_card("heartbeat-lost", lost, now=now, timeout_seconds=timeout),
+                    key=f"{vm.identity.vmId}-heartbeat-lost-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}",
+                )
+                report.alerts_sent += 1
+            except AlertError as error:
+                log.warning("heartbeat alert for %s not delivered: %s", vm.identity.name, error)
+
+    @staticmethod
+    def _vm_row(vm: VmRecord, now: datetime, reason: str) -> HistoryRow:
+        identity = vm.identity
+        return HistoryRow(
+            TimeGenerated=now,
+            RecordType="Heartbeat",
+            VmName=identity.name,
+            VmId=identity.vmId,
+            VmResourceId=identity.resourceId,
+            ScaleSetName=identity.vmScaleSetName,
+            PlacementGroupId=identity.placementGroupId,
+            ObservedAt=vm.lastSeen,
+            Sequence=vm.lastSequence,
+            DocumentIncarnation=vm.lastIncarnation,
+            Outcome="lost" if vm.heartbeatLost else "resumed",
+            Reason=reason,
+        )
+
+    # ---- people ----------------------------------------------------------------------------------------------
+    def approve_manually(self, event_id: str, *, person: str) -> ManualApproval:
+        now = self.clock()
+        stored = self.store.get_event(event_id)
+        if stored is None:
+            return ManualApproval("not-found", f"no event {event_id!r} is known")
+        if stored.record.state != "Scheduled":
+            return ManualApproval(
+                "conflict", f"event {event_id} is {stored.record.state}; only Scheduled can be approved"
+            )
+        if stored.record.approval is not None and stored.record.approval.delivered:
+            return ManualApproval(
+                "approved", f"event {event_id} was already approved by {stored.record.approval.actor}"
+            )
+
+        def decide(record: EventRecord | None) -> EventChange | None:
+            if record is None or record.state != "Scheduled":
+                return None
+            if record.approval is not None and record.approval.delivered:
+                return None
+            record = record.model_copy(deep=True)
+            change = EventChange(record=record, changed=True)
+            decision_id = uuid.uuid4().hex
+            actor = f"person:{person}"
+            record.decision = DecisionRecord(
+                decisionId=decision_id,
+                rule="manual",
+                action="manual-approval",
+                verdict="approve",
+                reason=f"approved by {person} through the coordinator's HTTP endpoint",
+                decidedAt=now,
+                actor=actor,
+            )
+            record.approval = ApprovalRecord(
+                decisionId=decision_id, rule="manual", actor=actor, decidedAt=now, nextAttemptAt=now
+            )
+            change.rows.append(self._decision_row(record, now))
+            return change
+
+        report = TickReport()
+        work = _Work()
+        change = self._commit_one(event_id, decide)
+        if change is None:
+            current = self.store.get_event(event_id)
+            state = current.record.state if current else "gone"
+            return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
+        work.rows.extend(change.rows)
+        work.deliveries.append(event_id)
+        self._act(work, now, report, last_seen=None)
+        current = self.store.get_event(event_id)
+        summary = self.summarize(current.record) if current else None
+        approved = current is not None and current.record.approval is not None and current.record.approval.delivered
+        if approved:
+            return ManualApproval("approved", f"event {event_id} approved by {person}", summary)
+        return ManualApproval("sent", f"approval of {event_id} decided; delivery is retried until NotBefore", summary)
+
+    def summarize(self, record: EventRecord) -> dict[str, Any]:
+        return {
+            "eventId": record.eventId,
+            "eventType": record.eventType,
+            "eventSource": record.eventSource,
+            "state": record.state,
+            "stateSince": record.stateSince.isoformat(),
+            "notBefore": record.notBefore.isoformat() if record.notBefore else None,
+            "durationInSeconds": record.durationInSeconds,
+            "resources": record.resources,
+            "reportingVms": sorted(record.vms),
+            "goneFrom": sorted(n for n, s in record.vms.items() if s.status == "Gone"),
+            "decision": record.decision.model_dump(mode="json") if record.decision else None,
+            "approval": record.approval.model_dump(mode="json") if record.approval else None,
+            "approveUrl": self._approve_url(record.eventId) if self._approve_url else None,
+        }
+
+    def pending(self) -> list[dict[str, Any]]:
+        """Open events (not Completed/Canceled), oldest NotBefore first."""
+        records = [s.record for s in self.store.open_events()]
+        far = datetime.max.replace(tzinfo=UTC)
+        records.sort(key=lambda r: (r.notBefore or far, r.eventId))
+        return [self.summarize(r) for r in records]
+
+
+_TITLED_KINDS = frozenset(
+    {"new-event", "approved", "started-without-notice", "canceled", "expired", "approval-failed", "heartbeat-lost"}
+)
+
+
+def _mark_alert_pending(record: EventRecord | None, kind: str) -> EventChange | None:
+    if record is None or kind in record.pendingAlerts:
+        return None
+    record = record.model_copy(deep=True)
+    record.pendingAlerts.append(kind)
+    return EventChange(record=record, changed=True)
+
+
+def _clear_alert_pending(record: EventRecord | None, kind: str) -> EventChange | None:
+    if record is None or kind not in record.pendingAlerts:
+        return None
+    record = record.model_copy(deep=True)
+    record.pendingAlerts.remove(kind)
+    return EventChange(record=record, changed=True)
+
+
+def _alert_row(record: EventRecord, kind: str, now: datetime, outcome: str, reason: str) -> HistoryRow:
+    return HistoryRow(
+        TimeGenerated=now,
+        RecordType="Alert",
+        EventId=record.eventId,
+        EventType=record.eventType,
+        EventSource=record.eventSource,
+        State=record.state,
+        Action=kind,
+        Actor="teams",
+        Outcome=outcome,
+        Reason=reason,
+    )

@@ -1,0 +1,98 @@
+"""The coordinator's settings: one pydantic model read from the environment (Function App application settings).
+
+Every variable is ``COORDINATOR_<FIELD>`` in upper case (e.g. ``COORDINATOR_STATE_TABLE``). In Azure, storage is
+reached with a managed identity (``COORDINATOR_TABLE_ENDPOINT``); locally with Azurite's connection string
+(``COORDINATOR_STORAGE_CONNECTION_STRING``). Secrets (the Teams webhook URL, a connection string) are SecretStr:
+never printed, logged or put in a repr.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from coordinator.rows import history_schema
+from coordinator.rules import DEFAULT_POLICY_PATH
+
+PREFIX = "COORDINATOR_"
+
+
+class SettingsError(ValueError):
+    """The app settings are incomplete or inconsistent; the message names the variables."""
+
+
+class CoordinatorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # State (Table Storage): exactly one of the two.
+    table_endpoint: str | None = Field(default=None, description="https://{account}.table.core.windows.net (MI)")
+    storage_connection_string: SecretStr | None = Field(default=None, description="Azurite / local only")
+    state_table: str = Field(default="scheduledevents", pattern=r"^[A-Za-z][A-Za-z0-9]{2,50}$")
+    managed_identity_client_id: str | None = Field(default=None, description="user-assigned identity; else system")
+
+    # Rules.
+    policy_path: Path = DEFAULT_POLICY_PATH
+    dry_run: bool = False
+
+    # Alerts.
+    teams_webhook_url: SecretStr | None = None
+    cards_folder: Path | None = Field(default=None, description="local mode: write cards here instead of Teams")
+    public_base_url: str | None = Field(default=None, description="https://{app}.azurewebsites.net for card links")
+
+    # History: Logs Ingestion in Azure, SQLite locally.
+    logs_ingestion_endpoint: str | None = None
+    logs_dcr_immutable_id: str | None = None
+    logs_stream: str = Field(default_factory=lambda: str(history_schema()["stream"]))
+    history_sqlite_path: Path | None = None
+
+    # Approvals: Azure Relay in Azure; the IMDS emulator directly in local mode.
+    relay_namespace: str | None = Field(default=None, description="{ns}.servicebus.windows.net")
+    relay_endpoint: str | None = Field(default=None, description="override, e.g. http://127.0.0.1:P (emulator)")
+    relay_subscription_id: str | None = None
+    relay_resource_group: str | None = None
+    imds_emulator_url: str | None = Field(default=None, description="local mode only: DirectImdsCallback")
+
+    # Timing and people.
+    heartbeat_timeout_seconds: int = Field(default=300, ge=30)
+    allow_anonymous_approval: bool = Field(
+        default=False, description="local mode: accept a manual approval without an App Service Authentication user"
+    )
+
+    @field_validator("table_endpoint", "logs_ingestion_endpoint", "public_base_url", "relay_endpoint")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("https://", "http://127.0.0.1", "http://localhost")):
+            raise ValueError(f"{value!r} must be an https:// URL (http:// only on loopback)")
+        return value.rstrip("/") if value else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CoordinatorSettings:
+        if (self.table_endpoint is None) == (self.storage_connection_string is None):
+            raise ValueError(
+                "set exactly one of COORDINATOR_TABLE_ENDPOINT (Azure, managed identity) or "
+                "COORDINATOR_STORAGE_CONNECTION_STRING (Azurite)"
+            )
+        if (self.logs_ingestion_endpoint is None) != (self.logs_dcr_immutable_id is None):
+            raise ValueError("COORDINATOR_LOGS_INGESTION_ENDPOINT and COORDINATOR_LOGS_DCR_IMMUTABLE_ID go together")
+        if self.teams_webhook_url is not None and self.cards_folder is not None:
+            raise ValueError("set COORDINATOR_TEAMS_WEBHOOK_URL or COORDINATOR_CARDS_FOLDER, not both")
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CoordinatorSettings:
+        environ = os.environ if environ is None else environ
+        values = {
+            name: environ[PREFIX + name.upper()]
+            for name in cls.model_fields
+            if environ.get(PREFIX + name.upper(), "") != ""
+        }
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            problems = "; ".join(
+                f"{PREFIX}{str(e['loc'][0]).upper() if e['loc'] else '(settings)'}: {e['msg']}" for e in error.errors()
+            )
+            raise SettingsError(f"coordinator settings: {problems}") from error

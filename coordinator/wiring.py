@@ -1,0 +1,96 @@
+"""Builds a Coordinator from settings: Azure implementations in Azure, local ones (Azurite, SQLite, a cards
+folder, the IMDS emulator) in the local mode. The only place that chooses between them."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from urllib.parse import quote
+
+from azure.identity import DefaultAzureCredential
+
+from coordinator.alerts import AlertSink, FolderCardSink, TeamsWebhookSink
+from coordinator.callback import ApprovalCallback
+from coordinator.direct_callback import DirectImdsCallback
+from coordinator.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
+from coordinator.rules import load_policy
+from coordinator.service import Coordinator
+from coordinator.settings import CoordinatorSettings, SettingsError
+from coordinator.store import TableStateStore
+from forwarder.envelope import VmIdentity
+
+log = logging.getLogger("coordinator.wiring")
+
+
+def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
+    credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
+    if settings.storage_connection_string is not None:
+        store = TableStateStore.from_connection_string(
+            settings.storage_connection_string.get_secret_value(), table_name=settings.state_table
+        )
+    else:
+        assert settings.table_endpoint is not None  # settings validation: exactly one of the two
+        store = TableStateStore.from_endpoint(
+            settings.table_endpoint, credential=credential, table_name=settings.state_table
+        )
+
+    history: HistorySink
+    if settings.logs_ingestion_endpoint and settings.logs_dcr_immutable_id:
+        history = LogsIngestionHistory(
+            endpoint=settings.logs_ingestion_endpoint,
+            rule_id=settings.logs_dcr_immutable_id,
+            stream_name=settings.logs_stream,
+            credential=credential,
+        )
+    else:
+        history = SqliteHistory(settings.history_sqlite_path or DEFAULT_SQLITE_PATH)
+
+    alerts: AlertSink
+    if settings.teams_webhook_url is not None:
+        alerts = TeamsWebhookSink(webhook_url=settings.teams_webhook_url.get_secret_value())
+    else:
+        alerts = FolderCardSink(settings.cards_folder or ".local/cards")
+
+    callback: ApprovalCallback
+    on_new_vm = None
+    if settings.imds_emulator_url:
+        callback = DirectImdsCallback(base_url=settings.imds_emulator_url)
+    elif settings.relay_namespace or settings.relay_endpoint:
+        from coordinator.relay_sender import RelayApprovalSender  # noqa: PLC0415 -- only when Relay is configured
+
+        endpoint = settings.relay_endpoint or f"https://{settings.relay_namespace}"
+        callback = RelayApprovalSender(endpoint=endpoint, credential=credential)
+        if settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group:
+            from coordinator.relay_admin import HybridConnectionAdmin  # noqa: PLC0415
+
+            admin = HybridConnectionAdmin(
+                credential=credential,
+                subscription_id=settings.relay_subscription_id,
+                resource_group=settings.relay_resource_group,
+                namespace=settings.relay_namespace.split(".")[0],
+            )
+
+            def on_new_vm(vm: VmIdentity) -> None:
+                admin.ensure(vm)
+
+    else:
+        raise SettingsError(
+            "no approval path: set COORDINATOR_RELAY_NAMESPACE (Azure) or COORDINATOR_IMDS_EMULATOR_URL (local)"
+        )
+
+    base = settings.public_base_url
+
+    def approve_url(event_id: str) -> str:
+        return f"{base}/api/events/{quote(event_id, safe='')}/approve"
+
+    return Coordinator(
+        store=store,
+        history=history,
+        alerts=alerts,
+        callback=callback,
+        policy=load_policy(settings.policy_path),
+        dry_run=settings.dry_run,
+        heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
+        approve_url=approve_url if base else None,
+        on_new_vm=on_new_vm,
+    )

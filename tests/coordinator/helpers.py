@@ -1,0 +1,122 @@
+"""Builders for envelopes and Event Hubs events used by the coordinator tests and the wave benchmark."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import azure.functions as func
+
+from forwarder.envelope import SCHEMA
+
+DOC_EVENT_ID = "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
+DOC_NOT_BEFORE = "Mon, 11 Apr 2022 22:26:58 GMT"
+# The documented example: scheduled a quarter of an hour before NotBefore.
+DOC_NOW = datetime(2022, 4, 11, 22, 11, 58, tzinfo=UTC)
+
+
+def vm(name: str, *, group: str = "avset-westno", scale_set: str = "", index: int | None = None) -> dict[str, Any]:
+    number = index if index is not None else abs(hash(name)) % 10**8
+    vm_id = f"{number:08x}-0000-4000-8000-{number:012x}"
+    rg = "rg-fleet"
+    resource = f"/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/{rg}/providers/" + (
+        f"Microsoft.Compute/virtualMachineScaleSets/{scale_set}/virtualMachines/{name.rsplit('_', 1)[-1]}"
+        if scale_set
+        else f"Microsoft.Compute/virtualMachines/{name}"
+    )
+    return {
+        "name": name,
+        "vmId": vm_id,
+        "resourceId": resource,
+        "subscriptionId": "00000000-0000-0000-0000-000000000001",
+        "resourceGroupName": rg,
+        "vmScaleSetName": scale_set,
+        "location": "norwayeast",
+        "placementGroupId": group,
+    }
+
+
+def scheduled_event(
+    event_id: str = DOC_EVENT_ID,
+    *,
+    event_type: str = "Freeze",
+    status: str = "Scheduled",
+    resources: list[str] | None = None,
+    not_before: str = DOC_NOT_BEFORE,
+    source: str = "Platform",
+    duration: int = 5,
+) -> dict[str, Any]:
+    return {
+        "EventId": event_id,
+        "EventType": event_type,
+        "ResourceType": "VirtualMachine",
+        "Resources": resources if resources is not None else ["WestNO_0", "WestNO_1"],
+        "EventStatus": status,
+        "NotBefore": "" if status == "Started" else not_before,
+        "Description": "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
+        "EventSource": source,
+        "DurationInSeconds": duration,
+    }
+
+
+def envelope(
+    identity: dict[str, Any],
+    *,
+    sequence: int,
+    incarnation: int | None = None,
+    events: list[dict[str, Any]] | None = None,
+    observed_at: datetime = DOC_NOW,
+    kind: str = "incarnation",
+    hook: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "schema": SCHEMA,
+        "kind": kind,
+        "vm": identity,
+        "observedAt": observed_at.isoformat(),
+        "sequence": sequence,
+        "forwarder": "test/1.0",
+    }
+    if kind == "incarnation":
+        data["document"] = {"DocumentIncarnation": incarnation or 0, "Events": events or []}
+    if hook is not None:
+        data["hook"] = hook
+    return data
+
+
+def hub_event(data: dict[str, Any] | bytes, *, partition_key: str | None = None, number: int = 0) -> func.EventHubEvent:
+    if isinstance(data, dict):
+        body = json.dumps(data).encode()
+        partition_key = partition_key or str(data["vm"]["resourceId"]).lower()
+    else:
+        body = data
+    return func.EventHubEvent(
+        body=body,
+        partition_key=partition_key,
+        sequence_number=number,
+        offset=str(number * 100),
+        enqueued_time=DOC_NOW + timedelta(milliseconds=number),
+    )
+
+
+def documented_example() -> list[dict[str, Any]]:
+    """Microsoft's example: two VMs of one availability set, one Freeze, DocumentIncarnation 1 to 4
+    (nothing; Scheduled; Started with NotBefore ""; gone)."""
+    envelopes = []
+    for index, name in enumerate(("WestNO_0", "WestNO_1")):
+        identity = vm(name, index=index + 1)
+        t = DOC_NOW + timedelta(milliseconds=index)
+        envelopes += [
+            envelope(identity, sequence=10, incarnation=1, events=[], observed_at=t),
+            envelope(identity, sequence=11, incarnation=2, events=[scheduled_event()], observed_at=t),
+            envelope(
+                identity,
+                sequence=12,
+                incarnation=3,
+                events=[scheduled_event(status="Started")],
+                observed_at=t + timedelta(minutes=1),
+            ),
+            envelope(identity, sequence=13, incarnation=4, events=[], observed_at=t + timedelta(minutes=2)),
+        ]
+    return envelopes
