@@ -1,0 +1,100 @@
+"""The systemd unit (systemd-analyze verify when present, and the hardening keys) and install.sh (into a scratch
+root; the settings file it writes must load)."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forwarder.config import load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+UNIT = ROOT / "forwarder" / "systemd" / "scheduled-events-forwarder.service"
+
+
+def unit_entries() -> dict[str, list[str]]:
+    entries: dict[str, list[str]] = {}
+    section = ""
+    for raw in UNIT.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        entries.setdefault(f"{section}.{key}", []).append(value)
+    return entries
+
+
+def test_unit_has_the_hardening_keys() -> None:
+    entries = unit_entries()
+    expected = {
+        "Service.User": ["se-forwarder"],
+        "Service.NoNewPrivileges": ["yes"],
+        "Service.ProtectSystem": ["strict"],
+        "Service.ProtectHome": ["yes"],
+        "Service.PrivateTmp": ["yes"],
+        "Service.StateDirectory": ["scheduled-events-forwarder"],
+        "Service.CapabilityBoundingSet": [""],
+        "Service.RestrictAddressFamilies": ["AF_INET AF_INET6 AF_UNIX"],
+        "Service.KillMode": ["mixed"],
+    }
+    for key, value in expected.items():
+        assert entries.get(key) == value, key
+    assert entries["Service.ExecStart"][0].endswith("-m forwarder run --config /etc/scheduled-events/forwarder.yaml")
+    # The unit's state directory is the forwarder's default state_dir: no path to keep in step by hand.
+    default_state = load_settings(flags={"sink": "stdout"}, environ={}).state_dir
+    assert default_state == Path("/var/lib") / entries["Service.StateDirectory"][0]
+    configparser.ConfigParser(strict=False).read_string(UNIT.read_text())  # plain INI syntax
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
+    # verify insists that ExecStart's binary exists; point it at this Python, change nothing else.
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/opt/scheduled-events-forwarder/venv/bin/python", sys.executable))
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ""  # a misspelt or invalid key is only a warning: none allowed
+    security = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(unit)], capture_output=True, text=True, check=False
+    )
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", security.stdout)
+    assert match, security.stdout[-500:]
+    assert float(match.group(1)) <= 2.0  # "OK" on systemd's 0-10 scale
+
+
+def test_install_into_a_scratch_root(tmp_path: Path) -> None:
+    args = ["bash", str(ROOT / "forwarder" / "install.sh"), "--root", str(tmp_path), "--skip-venv"]
+    run = [*args, "--eventhub-namespace", "ns1.servicebus.windows.net", "--client-id", "1111-2222"]
+    subprocess.run([*run, "--relay-namespace", "relay1.servicebus.windows.net"], check=True, capture_output=True)
+    config = tmp_path / "etc/scheduled-events/forwarder.yaml"
+    settings = load_settings(config_file=config, environ={})
+    assert settings.eventhub_namespace == "ns1.servicebus.windows.net"
+    assert settings.managed_identity_client_id == "1111-2222"
+    assert settings.relay_enabled is True
+    assert (tmp_path / "etc/systemd/system" / UNIT.name).read_text() == UNIT.read_text()
+    assert (tmp_path / "etc/scheduled-events/hooks/prepare.d").is_dir()
+    assert (tmp_path / "opt/scheduled-events-forwarder/app/forwarder/daemon.py").is_file()
+    # Again: the settings an operator edited are kept.
+    config.write_text(config.read_text() + "poll_interval: 2\n")
+    subprocess.run(args, check=True, capture_output=True)
+    assert load_settings(config_file=config, environ={}).poll_interval == 2
+
+
+def test_install_refuses_a_first_install_without_a_target(tmp_path: Path) -> None:
+    result = subprocess.run(
+        ["bash", str(ROOT / "forwarder" / "install.sh"), "--root", str(tmp_path), "--skip-venv"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "--eventhub-namespace is required" in result.stderr
