@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -249,3 +250,26 @@ def test_sender_gives_up_with_a_delivery_error(imds: ImdsEmulator, relay: RelayE
 
 def imds_identity(imds: ImdsEmulator, vm_name: str) -> VmIdentity:
     return imds_client(imds, vm_name).get_identity()
+
+
+def test_every_request_is_logged_once_with_its_outcome(
+    imds: ImdsEmulator,
+    start_vm: Callable[..., Vm],
+    sender: RelayApprovalSender,
+    relay: RelayEmulator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    vm = start_vm(VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    with caplog.at_level(logging.INFO, logger="forwarder.approver"):
+        sender.send(approval(event_id, decision="logged"), vm=vm.identity)
+        sender.send(approval(event_id, decision="logged"), vm=vm.identity)
+        post_raw(relay, f"{vm.identity.hybrid_connection_name}/approve", b"[]")
+    lines = [record.fields for record in caplog.records if record.name == "forwarder.approver"]  # type: ignore[attr-defined]
+    assert [(line.get("outcome"), line.get("idempotent"), line["status"]) for line in lines] == [
+        ("approved", False, 200),
+        ("approved", True, 200),
+        (None, None, 400),
+    ]
+    assert all(line["eventId"] == event_id for line in lines[:2])
+    assert "approval request is invalid" in lines[2]["reason"]
