@@ -148,7 +148,9 @@ def _dead_letter_reason(error: Exception) -> str:
             parts.append(f"{where}: {item['msg']}")
         more = f" (+{error.error_count() - 5} more)" if error.error_count() > 5 else ""
         return "invalid envelope: " + "; ".join(parts) + more
-    return f"{type(error).__name__}: {error}"
+    if isinstance(error, UnicodeError):
+        return f"body is not UTF-8 text: {error}"
+    return f"refused: {error}"
 
 
 class Coordinator:
@@ -214,7 +216,7 @@ class Coordinator:
             except (ValidationError, ValueError, UnicodeError) as error:
                 reason = _dead_letter_reason(error)
                 log.warning(
-                    "dead-letter: message %d of batch %s refused: %s", index, json.dumps(message.source()), reason
+                    "dead-letter: message %d of the batch (%s) refused: %s", index, json.dumps(message.source()), reason
                 )
                 dead.append(DeadLetter(reason=reason, body=message.body, received_at=now, source=message.source()))
                 work.rows.append(

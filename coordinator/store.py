@@ -143,7 +143,8 @@ class TableStateStore:
             for i, key in enumerate(chunk):
                 parameters[f"r{i}"] = key
                 clauses.append(f"RowKey eq @r{i}")
-            query = f"PartitionKey eq @pk and ({' or '.join(clauses)})"
+            # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
+            query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
             for entity in self._table.query_entities(query, parameters=parameters):
                 found[str(entity["RowKey"])] = _from_entity(entity, model)
         return found

@@ -1,0 +1,98 @@
+"""Fixtures: the function app wired to Azurite (state), SQLite (history), a cards folder and the IMDS emulator
+(approvals through DirectImdsCallback), each test with its own table."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from coordinator.history import SqliteHistory
+from coordinator.service import Coordinator
+from emulators.azurite import AzuriteEndpoints
+from emulators.imds import ImdsEmulator, Scenario
+from tests.coordinator.helpers import DOC_NOW
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture(scope="session")
+def imds() -> Iterator[ImdsEmulator]:
+    scenario = Scenario.model_validate(
+        {
+            "name": "coordinator-tests",
+            "vms": [
+                {"name": "WestNO_0", "placementGroupId": "avset-westno"},
+                {"name": "WestNO_1", "placementGroupId": "avset-westno"},
+            ],
+        }
+    )
+    with ImdsEmulator(scenario=scenario, throttle_rps=0) as emulator:
+        yield emulator
+
+
+@dataclass
+class App:
+    module: ModuleType
+    clock: Clock
+    table: str
+    history_path: Path
+    cards: Path
+    imds: ImdsEmulator
+
+    @property
+    def coordinator(self) -> Coordinator:
+        coordinator: Coordinator = self.module.coordinator()
+        return coordinator
+
+    def history(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        store = SqliteHistory(self.history_path)
+        try:
+            return store.query(sql, params)
+        finally:
+            store.close()
+
+    def approvals(self, event_id: str) -> list[dict[str, Any]]:
+        return [a for a in self.imds.approvals() if a["EventId"] == event_id]
+
+    def card_files(self) -> list[str]:
+        return sorted(p.name for p in self.cards.glob("*.json"))
+
+
+@pytest.fixture
+def app(
+    azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[App]:
+    import function_app
+
+    table = "t" + uuid.uuid4().hex[:16]
+    env = {
+        "COORDINATOR_STORAGE_CONNECTION_STRING": azurite.connection_string,
+        "COORDINATOR_STATE_TABLE": table,
+        "COORDINATOR_HISTORY_SQLITE_PATH": str(tmp_path / "history.sqlite"),
+        "COORDINATOR_CARDS_FOLDER": str(tmp_path / "cards"),
+        "COORDINATOR_IMDS_EMULATOR_URL": imds.url,
+        "COORDINATOR_PUBLIC_BASE_URL": "http://127.0.0.1:7071",
+        "COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS": "300",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    function_app.settings.cache_clear()
+    function_app.coordinator.cache_clear()
+    clock = Clock(DOC_NOW)
+    function_app.coordinator().clock = clock
+    yield App(function_app, clock, table, tmp_path / "history.sqlite", tmp_path / "cards", imds)
+    function_app.settings.cache_clear()
+    function_app.coordinator.cache_clear()
