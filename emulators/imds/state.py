@@ -72,6 +72,8 @@ class EventRecord:
     remove_at: datetime | None = None
     removed_at: datetime | None = None
     ref: str | None = None
+    # The VMs whose document shows this event (fixed at creation: the fleet does not change).
+    viewers: frozenset[str] = frozenset()
 
     @property
     def live(self) -> bool:
@@ -167,6 +169,7 @@ class EmulatorState:
         self._next_step = 0
         self._refs: dict[str, str] = {}
         self.step_errors: list[str] = []
+        self._dirty: set[str] = set()  # VMs whose document content may have changed since the last refresh
         self._on_fault = on_fault
         self._new_event_id = new_event_id or (lambda: str(uuid.uuid4()).upper())
 
@@ -207,6 +210,7 @@ class EmulatorState:
     # ---- transitions -----------------------------------------------------------------------------------------
 
     def _start_event(self, record: EventRecord, at: datetime, reason: StartReason) -> None:
+        self._dirty |= record.viewers
         record.status = "Started"
         record.started_at = at
         record.started_by = reason
@@ -217,6 +221,7 @@ class EmulatorState:
         self._start_event(record, at, "notBefore")
 
     def _remove(self, record: EventRecord, at: datetime) -> None:
+        self._dirty |= record.viewers
         record.status = "Completed"
         record.removed_at = at
         record.remove_at = None
@@ -269,6 +274,7 @@ class EmulatorState:
             self._on_fault(spec)
 
     def _cancel(self, record: EventRecord, at: datetime) -> None:
+        self._dirty |= record.viewers
         record.status = "Canceled"
         record.removed_at = at
 
@@ -317,6 +323,8 @@ class EmulatorState:
             not_before=None,
             ref=ref,
         )
+        record.viewers = frozenset(name for name in self.vms if self.visible_to(record, name))
+        self._dirty |= record.viewers
         if spec.EventStatus == "Started":
             self._start_event(record, at, "hardware-failure")
         else:
@@ -338,10 +346,11 @@ class EmulatorState:
         )
 
     def _live_for(self, vm_name: str) -> list[EventRecord]:
-        return [record for record in self.events.values() if record.live and self.visible_to(record, vm_name)]
+        return [record for record in self.events.values() if record.live and vm_name in record.viewers]
 
     def _refresh_views(self) -> None:
-        for name in self.vms:
+        dirty, self._dirty = self._dirty, set()
+        for name in dirty:
             signature = json.dumps([record.render(LATEST) for record in self._live_for(name)], sort_keys=True)
             if signature != self._signatures[name]:
                 self._signatures[name] = signature
@@ -383,9 +392,7 @@ class EmulatorState:
         bad = [
             event_id
             for event_id in requested
-            if (record := self.events.get(event_id.upper())) is None
-            or not record.live
-            or not self.visible_to(record, vm_name)
+            if (record := self.events.get(event_id.upper())) is None or not record.live or vm_name not in record.viewers
         ]
         if bad:
             raise EmulatorInputError(f"EventId not valid for VM {vm_name!r}: {bad}")

@@ -421,9 +421,14 @@ def test_token_endpoint_shape(imds):
 def test_managed_identity_credential_gets_each_vms_own_token(imds, monkeypatch):
     from azure.identity import ManagedIdentityCredential
 
-    monkeypatch.delenv("IDENTITY_ENDPOINT", raising=False)
-    monkeypatch.delenv("IMDS_ENDPOINT", raising=False)
-    monkeypatch.delenv("MSI_ENDPOINT", raising=False)
+    for variable in (
+        "IDENTITY_ENDPOINT",
+        "IDENTITY_HEADER",
+        "IMDS_ENDPOINT",
+        "MSI_ENDPOINT",
+        "AZURE_FEDERATED_TOKEN_FILE",
+    ):
+        monkeypatch.delenv(variable, raising=False)
     identities = {}
     for vm in ("web_0", "solo"):
         for key, value in imds.identity_environment(vm).items():
@@ -435,6 +440,10 @@ def test_managed_identity_credential_gets_each_vms_own_token(imds, monkeypatch):
         assert token.expires_on > time.time() + 3000
     assert identities == {vm.name: vm.resourceId for vm in imds.vms() if vm.name in identities}
     assert identities["web_0"] != identities["solo"]
+    solo = next(vm for vm in imds.vms() if vm.name == "solo")
+    with ManagedIdentityCredential(client_id=solo.client_id) as credential:  # the VM's identity named explicitly
+        token = credential.get_token("https://eventhubs.azure.net/.default")
+    assert verify_token(token.token, audience="https://eventhubs.azure.net")["xms_mirid"] == solo.resourceId
 
 
 # ---- Microsoft's documented sample, unchanged except for the base URL --------------------------------------
