@@ -4,10 +4,10 @@
 the ``ServiceBusAuthorization`` header: an Entra ID access token for https://relay.azure.net (managed identity, the
 production path; the raw token, no ``Bearer``) or a SAS token (``AzureNamedKeyCredential``; emulator and tests).
 
-Retries (backoff with full jitter, owned here) cover what a later attempt can fix: no listener connected (502/503),
-the listener did not answer in time (504), the listener could not reach IMDS (503), connection errors and timeouts.
-They stop at the request's ``expiresAt`` (the event's NotBefore: after it, approving is pointless). The listener is
-idempotent per decisionId, so a retry after a lost answer never approves twice.
+Retries (``coordinator.retry.backoff_delay``, full jitter) cover what a later attempt can fix: no listener
+connected (502/503), the listener did not answer in time (504), the listener could not reach IMDS (503), connection
+errors and timeouts. They stop at the request's ``expiresAt`` (the event's NotBefore: after it, approving is
+pointless). The listener is idempotent per decisionId, so a retry after a lost answer never approves twice.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from coordinator.callback import ApprovalDeliveryError
 from coordinator.relay_admin import namespace_for_vm
+from coordinator.retry import backoff_delay
 from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.envelope import VmIdentity
 
@@ -128,22 +129,23 @@ class RelayApprovalSender:
             outcome = self._attempt(url, body, hybrid_connection, request, min(self._attempt_timeout, remaining))
             if isinstance(outcome, ApprovalResult):
                 log.info(
-                    "approval delivered",
-                    extra={"eventId": request.eventId, "decisionId": request.decisionId, "attempts": attempt,
-                           "outcome": outcome.outcome, "vm": vm.name},
+                    "approval %s for event %s delivered to %s after %d attempt(s): %s %s",
+                    request.decisionId, request.eventId, vm.name, attempt, outcome.outcome, outcome.reason,
                 )  # fmt: skip
                 return outcome
             failure = outcome
-            delay = self._rng.uniform(0.0, min(self._backoff_maximum, self._backoff_initial * 2 ** min(attempt, 30)))
+            delay = backoff_delay(
+                attempt - 1, initial=self._backoff_initial, maximum=self._backoff_maximum, rng=self._rng
+            )
             if time.monotonic() + delay >= give_up_at:
                 raise ApprovalDeliveryError(
                     f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
                     f"{url} after {attempt} attempts: {failure}; the caller may retry until NotBefore"
                 )
             log.warning(
-                "approval delivery failed; retrying",
-                extra={"eventId": request.eventId, "attempt": attempt, "error": failure, "delay_s": round(delay, 3)},
-            )
+                "approval %s for event %s: attempt %d failed (%s); retrying in %.2f s",
+                request.decisionId, request.eventId, attempt, failure, delay,
+            )  # fmt: skip
             time.sleep(delay)
 
     def _attempt(

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import quote, urlencode, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -216,8 +216,15 @@ def _with_query(address: str, params: Mapping[str, str]) -> str:
     return f"{address}{'&' if '?' in address else '?'}{urlencode(params)}"
 
 
+StatName = Literal[
+    "connects", "requests", "rendezvous", "declined_accepts", "token_renewals", "protocol_errors", "handler_errors"
+]
+
+
 @dataclass
 class ListenerStats:
+    """Counters for health checks and tests; handler threads and the listener thread both update them."""
+
     connects: int = 0
     requests: int = 0
     rendezvous: int = 0
@@ -225,6 +232,11 @@ class ListenerStats:
     token_renewals: int = 0
     protocol_errors: int = 0
     handler_errors: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: StatName) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
 
 
 # ----------------------------------------------------------------------------------------------- listener
@@ -270,6 +282,8 @@ class RelayListener:
         self._state_lock = threading.Lock()
         self._control: ClientConnection | None = None
         self._thread: threading.Thread | None = None
+        self._in_flight = 0
+        self._idle = threading.Condition()
         self.stats = ListenerStats()
 
     # -- lifecycle
@@ -282,8 +296,11 @@ class RelayListener:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Close the control channel cleanly (close code 1000) and wait for the thread and in-flight requests."""
+        """Let requests in flight finish and answer (up to half of ``timeout``), then close the control channel
+        cleanly (close code 1000) and wait for the thread."""
         self._stopping.set()
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout / 2)
         with self._state_lock:
             control = self._control
         if control is not None:
@@ -342,7 +359,7 @@ class RelayListener:
             self._control = control
         if self._stopping.is_set():  # stop() ran while we were connecting
             control.close()
-        self.stats.connects += 1
+        self.stats.add("connects")
         self._connected.set()
         logger.info("relay listener %s: control channel open", self.hybrid_connection)
         try:
@@ -366,16 +383,16 @@ class RelayListener:
             try:
                 message = control.recv(timeout=max(0.0, renew_at - time.time()))
             except TimeoutError:
-                renew_at = self._renew(control, send_lock, renew_at)
+                renew_at = self._renew(control, send_lock)
                 continue
             if isinstance(message, bytes):
-                self.stats.protocol_errors += 1
+                self.stats.add("protocol_errors")
                 logger.warning("relay listener %s: unexpected binary frame ignored", self.hybrid_connection)
                 continue
             try:
                 parsed = _ControlMessage.model_validate_json(message)
             except ValidationError as error:
-                self.stats.protocol_errors += 1
+                self.stats.add("protocol_errors")
                 logger.warning(
                     "relay listener %s: malformed control message ignored: %s", self.hybrid_connection, error
                 )
@@ -383,15 +400,29 @@ class RelayListener:
             if parsed.request is not None:
                 self._on_request(control, send_lock, parsed.request, pool)
             elif parsed.accept is not None:
-                pool.submit(self._decline_accept, parsed.accept)
+                self._submit(pool, self._decline_accept, parsed.accept)
             else:
                 logger.info("relay listener %s: unknown control message ignored", self.hybrid_connection)
+
+    def _submit(self, pool: ThreadPoolExecutor, work: Callable[..., None], *args: Any) -> None:
+        with self._idle:
+            self._in_flight += 1
+
+        def run() -> None:
+            try:
+                work(*args)
+            finally:
+                with self._idle:
+                    self._in_flight -= 1
+                    self._idle.notify_all()
+
+        pool.submit(run)
 
     def _renew_time(self, token: RelayToken) -> float:
         now = time.time()
         return now + max(1.0, (token.expires_on - now) * self._renew_fraction)
 
-    def _renew(self, control: ClientConnection, send_lock: threading.Lock, renew_at: float) -> float:
+    def _renew(self, control: ClientConnection, send_lock: threading.Lock) -> float:
         try:
             token = self._tokens.get_token()
         except Exception as error:
@@ -399,7 +430,7 @@ class RelayListener:
             return time.time() + self._backoff.next_delay()
         with send_lock:
             control.send(json.dumps({"renewToken": {"token": token.token}}))
-        self.stats.token_renewals += 1
+        self.stats.add("token_renewals")
         return self._renew_time(token)
 
     def _on_request(
@@ -407,23 +438,23 @@ class RelayListener:
     ) -> None:
         if wire.method is None:
             # Too large or streamed for the control channel: the request waits for us at the rendezvous address.
-            self.stats.rendezvous += 1
-            pool.submit(self._serve_rendezvous, wire.address)
+            self.stats.add("rendezvous")
+            self._submit(pool, self._serve_rendezvous, wire.address)
             return
         body = b""
         if wire.body:
             try:
                 payload = control.recv(timeout=REQUEST_DEADLINE_SECONDS)
             except TimeoutError:
-                self.stats.protocol_errors += 1
+                self.stats.add("protocol_errors")
                 logger.warning("relay listener %s: request %s body never arrived", self.hybrid_connection, wire.id)
                 return
             if not isinstance(payload, bytes):
-                self.stats.protocol_errors += 1
+                self.stats.add("protocol_errors")
                 logger.warning("relay listener %s: request %s body was not binary", self.hybrid_connection, wire.id)
                 payload = payload.encode("utf-8")
             body = payload
-        pool.submit(self._answer_on_control, control, send_lock, wire, body)
+        self._submit(pool, self._answer_on_control, control, send_lock, wire, body)
 
     def _answer_on_control(
         self, control: ClientConnection, send_lock: threading.Lock, wire: _WireRequest, body: bytes
@@ -445,11 +476,11 @@ class RelayListener:
                 while not self._stopping.is_set():
                     message = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
                     if isinstance(message, bytes):
-                        self.stats.protocol_errors += 1
+                        self.stats.add("protocol_errors")
                         continue
                     wire = _ControlMessage.model_validate_json(message).request
                     if wire is None or wire.method is None:
-                        self.stats.protocol_errors += 1
+                        self.stats.add("protocol_errors")
                         continue
                     body = b""
                     if wire.body:
@@ -462,7 +493,7 @@ class RelayListener:
             logger.warning("relay listener %s: rendezvous failed: %s", self.hybrid_connection, error)
 
     def _handle(self, wire: _WireRequest, body: bytes) -> RelayResponse:
-        self.stats.requests += 1
+        self.stats.add("requests")
         request = RelayRequest(
             id=wire.id,
             method=(wire.method or "GET").upper(),
@@ -474,7 +505,7 @@ class RelayListener:
         try:
             return self._handler(request)
         except Exception:
-            self.stats.handler_errors += 1
+            self.stats.add("handler_errors")
             logger.exception("relay listener %s: handler failed on request %s", self.hybrid_connection, wire.id)
             return RelayResponse.json(500, {"error": "the listener failed to handle the request"})
 
@@ -490,7 +521,7 @@ class RelayListener:
     def _decline_accept(self, accept: _WireAccept) -> None:
         """WebSocket senders are not part of our protocol: reject with the documented gesture (the handshake is
         expected to fail with HTTP 410)."""
-        self.stats.declined_accepts += 1
+        self.stats.add("declined_accepts")
         reject = _with_query(
             accept.address,
             {"sb-hc-statusCode": "403", "sb-hc-statusDescription": "WebSocket senders are not accepted"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,6 +40,8 @@ def echo(request: RelayRequest) -> RelayResponse:
         return RelayResponse(200, "OK", {"Content-Type": "application/octet-stream"}, b"y" * 200_000)
     if request.path == "/boom":
         raise RuntimeError("handler bug")
+    if request.path == "/slow":
+        time.sleep(0.5)
     if request.path == "/gateway":
         return RelayResponse(502, "Bad Gateway")
     headers = {"X-Path": request.path, "X-Method": request.method, "X-Query": request.target.partition("?")[2]}
@@ -144,6 +147,19 @@ def test_stop_closes_the_control_channel(relay: RelayEmulator, start_vm: Callabl
     assert not vm.listener.connected
     assert wait_for(lambda: relay.listener_count(hc) == 0)
     assert send(relay, hc, "/ping").status_code == 503
+
+
+def test_stop_lets_a_request_in_flight_answer_first(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
+    vm = start_vm(VM_A0, auth="sas", handler=echo)
+    hc = vm.identity.hybrid_connection_name
+    answers: list[int] = []
+    caller = threading.Thread(target=lambda: answers.append(send(relay, hc, "/slow", b"x").status_code))
+    caller.start()
+    assert wait_for(lambda: vm.listener.stats.requests == 1)
+    vm.listener.stop(timeout=5)
+    caller.join(5)
+    assert answers == [201]
+    assert not vm.listener.connected
 
 
 def test_refused_handshake_is_retried_with_backoff(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
