@@ -7,6 +7,7 @@ also the lifetime of a rendezvous socket in the real service.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import parse_qsl, urlsplit
@@ -74,7 +75,8 @@ def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
     return parts[0], parts[1], headers
 
 
-async def read_request(reader: asyncio.StreamReader) -> HttpRequest:
+async def read_request(reader: asyncio.StreamReader, *, send_continue: Callable[[], None]) -> HttpRequest:
+    """Reads one request; ``send_continue`` writes the interim 100 when the sender waits for it before the body."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
@@ -84,6 +86,8 @@ async def read_request(reader: asyncio.StreamReader) -> HttpRequest:
     method, target, headers = parse_head(head[:-4])
     names = {name.lower(): value for name, value in headers}
     chunked = "chunked" in names.get("transfer-encoding", "").lower()
+    if names.get("expect", "").lower() == "100-continue":
+        send_continue()
     try:
         if chunked:
             body = await _read_chunked(reader)

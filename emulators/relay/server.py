@@ -57,6 +57,18 @@ NO_LISTENER_STATUS = 503
 CONTROL_PREFIX = "/_emulator/hybridConnections"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,259}$")
 _AUTH_HEADERS = frozenset({"servicebusauthorization"})
+# Handled by the gateway itself (it already answered 100 Continue), so not forwarded.
+_GATEWAY_HEADERS = frozenset({"expect"})
+
+
+class _Refusal(Exception):
+    """The service refuses a sender's request itself (no listener involved); answered with ``status``."""
+
+    def __init__(self, status: int, reason: str, *, log_line: str | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.log_line = log_line or reason
 
 
 class _ListenerFault(Exception):
@@ -623,7 +635,9 @@ class RelayService:
     async def serve_http(self, reader: asyncio.StreamReader, transport: asyncio.Transport) -> None:
         head_only = False
         try:
-            request = await read_request(reader)
+            request = await read_request(
+                reader, send_continue=lambda: transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            )
             head_only = request.method == "HEAD"
             answer = await self._dispatch_http(request)
         except HttpError as error:
@@ -641,36 +655,19 @@ class RelayService:
     async def _dispatch_http(self, request: HttpRequest) -> _HttpAnswer:
         if request.path == CONTROL_PREFIX or request.path.startswith(CONTROL_PREFIX + "/"):
             return await self._control_api(request)
-        path = unquote(request.path).strip("/")
-        if request.method == "CONNECT" or path.startswith("$hc/") or not path:
-            self._refuse("http_request", f"{request.method} {request.path!r}")
-            return _service_error(
-                400 if path.startswith("$hc/") else 404,
-                "HTTP senders address https://{namespace}/{path}; $hc/ is for WebSockets",
-            )
-        hybrid_connection = self._route(path)
-        if hybrid_connection is None and self.require_known:
-            self._refuse("http_request", f"unknown hybrid connection for {path!r}")
-            return _service_error(404, f"no hybrid connection at {path!r}")
-        name = hybrid_connection.name if hybrid_connection else path.split("/")[0]
-        relay_auth_header: str | None = None
-        if hybrid_connection is None or hybrid_connection.requires_client_authorization:
-            token = self._sender_token(request.headers, request.query, allow_authorization=True)
-            query_token = request.query_value("sb-hc-token")
-            if query_token is None and request.header("ServiceBusAuthorization") is None and token is not None:
-                relay_auth_header = "authorization"
-            try:
-                self.checker.authorize(token, hybrid_connection=name, right=Right.SEND)
-            except AuthError as error:
-                self._refuse("http_request", f"{name}: {error.reason}")
-                return _service_error(error.status, error.reason)
-        listener = self._pick_listener(hybrid_connection) if hybrid_connection else None
-        if listener is None:
-            self._refuse("http_request", f"no listener on {name!r}")
-            return _service_error(NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {name!r}")
+        try:
+            listener, relay_auth_header = self._admit_http_sender(request)
+        except _Refusal as refusal:
+            self._refuse("http_request", refusal.log_line)
+            return _service_error(refusal.status, refusal.reason)
 
         def dropped(header: str) -> bool:
-            return header in HOP_BY_HOP_HEADERS or header in _AUTH_HEADERS or header == relay_auth_header
+            return (
+                header in HOP_BY_HOP_HEADERS
+                or header in _AUTH_HEADERS
+                or header in _GATEWAY_HEADERS
+                or header == relay_auth_header
+            )
 
         query = _strip_sb_query(request.query)
         request_id = str(uuid.uuid4())
@@ -699,6 +696,36 @@ class RelayService:
             result=asyncio.get_running_loop().create_future(),
         )
         return await self._exchange(pending)
+
+    def _admit_http_sender(self, request: HttpRequest) -> tuple[Listener, str | None]:
+        """The listener for this request and the header that carried the relay token (to strip), or _Refusal."""
+        path = unquote(request.path).strip("/")
+        if request.method == "CONNECT":
+            raise _Refusal(405, "the CONNECT method cannot be relayed")
+        if path.startswith("$hc/") or not path:
+            raise _Refusal(
+                400 if path.startswith("$hc/") else 404,
+                "HTTP senders address https://{namespace}/{path}; $hc/ is for WebSockets",
+                log_line=f"{request.method} {request.path!r}",
+            )
+        hybrid_connection = self._route(path)
+        if hybrid_connection is None and self.require_known:
+            raise _Refusal(404, f"no hybrid connection at {path!r}")
+        name = hybrid_connection.name if hybrid_connection else path.split("/")[0]
+        relay_auth_header: str | None = None
+        if hybrid_connection is None or hybrid_connection.requires_client_authorization:
+            token = self._sender_token(request.headers, request.query, allow_authorization=True)
+            query_token = request.query_value("sb-hc-token")
+            if query_token is None and request.header("ServiceBusAuthorization") is None and token is not None:
+                relay_auth_header = "authorization"
+            try:
+                self.checker.authorize(token, hybrid_connection=name, right=Right.SEND)
+            except AuthError as error:
+                raise _Refusal(error.status, error.reason, log_line=f"{name}: {error.reason}") from None
+        listener = self._pick_listener(hybrid_connection) if hybrid_connection else None
+        if listener is None:
+            raise _Refusal(NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {name!r}")
+        return listener, relay_auth_header
 
     async def _exchange(self, pending: PendingRequest) -> _HttpAnswer:
         listener = pending.listener
