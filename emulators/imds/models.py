@@ -174,6 +174,8 @@ class ScaleSetSpec(BaseModel):
     # terminateNotificationProfile: enable + notBeforeTimeout (PT5M..PT15M)
     terminateNotification: bool = True
     terminateNotBeforeSeconds: float = Field(default=300, ge=300, le=900)
+    # A GPU scale set with one fault domain: every instance receives only its own events.
+    isolated: bool = False
 
 
 class EventCreate(BaseModel):

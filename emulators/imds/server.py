@@ -101,6 +101,8 @@ class ImdsEmulator:
         if self._server is not None:
             return self.url
         server = ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
+        with self._lock:
+            self.state.begin(self.clock.now())  # scenario offsets count from start(), not construction
         server.daemon_threads = True
         server.emulator = self  # type: ignore[attr-defined]
         self._server = server
@@ -343,6 +345,10 @@ class ImdsEmulator:
             "token_type": "Bearer",
         }
 
+    def _fault_listing(self) -> dict[str, Any]:
+        with self._lock:
+            return {"faults": self.faults.pending(), "throttleRps": self.faults.throttle_rps}
+
     def _control(self, method: str, path: str, handler: _Handler) -> tuple[int, bytes, str]:
         now = self.clock.now()
         result: Any
@@ -366,12 +372,13 @@ class ImdsEmulator:
                     item["requests"] = self.requests_served[item["name"]]
             elif path == "/_emulator/faults" and method == "POST":
                 self.inject_fault(_parse(FaultSpec, _json_body(handler), source="fault"))
-                status, result = 201, {"faults": self.faults.pending(), "throttleRps": self.faults.throttle_rps}
+                status, result = 201, self._fault_listing()
             elif path == "/_emulator/faults" and method == "GET":
-                result = {"faults": self.faults.pending(), "throttleRps": self.faults.throttle_rps}
+                result = self._fault_listing()
             elif path == "/_emulator/faults" and method == "DELETE":
-                self.faults.clear()
-                result = {"faults": []}
+                with self._lock:
+                    self.faults.clear()
+                result = self._fault_listing()
             elif path == "/_emulator/status" and method == "GET":
                 result = {
                     "scenario": self.scenario.name,

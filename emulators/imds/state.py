@@ -334,16 +334,24 @@ class EmulatorState:
 
     # ---- views -----------------------------------------------------------------------------------------------
 
+    def isolated(self, vm_name: str) -> bool:
+        """Whether the VM receives only its own events (per VM, or for its whole scale set)."""
+        vm = self.vms[vm_name]
+        scale_set = self.scenario.scaleSets.get(vm.vmScaleSetName) if vm.vmScaleSetName else None
+        return vm.isolated or (scale_set is not None and scale_set.isolated)
+
     def visible_to(self, record: EventRecord, vm_name: str) -> bool:
         if vm_name in record.resources:
             return True
-        viewer = self.vms[vm_name]
-        if viewer.isolated or not viewer.placementGroupId:
+        group = self.vms[vm_name].placementGroupId
+        if not group or self.isolated(vm_name):
             return False
-        return any(
-            not self.vms[name].isolated and self.vms[name].placementGroupId == viewer.placementGroupId
-            for name in record.resources
-        )
+        return any(not self.isolated(name) and self.vms[name].placementGroupId == group for name in record.resources)
+
+    def begin(self, now: datetime) -> None:
+        """Moves scenario time 0 to ``now`` (the server calls it on start) if nothing has happened yet."""
+        if self._next_step == 0 and not self.events and now > self._start:
+            self._start = self._now = now
 
     def _live_for(self, vm_name: str) -> list[EventRecord]:
         return [record for record in self.events.values() if record.live and vm_name in record.viewers]

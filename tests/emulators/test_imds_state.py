@@ -151,6 +151,31 @@ def test_placement_group_visibility_and_isolated_vms():
     assert state.incarnations["web_0"] == incarnations["web_0"]  # each VM has its own counter
 
 
+def test_a_scale_set_can_be_isolated_as_a_whole():
+    scenario = Scenario.from_mapping(
+        {
+            "scaleSets": {"gpu": {"isolated": True}},
+            "vms": [
+                {"name": "gpu_0", "vmScaleSetName": "gpu", "placementGroupId": "pg"},
+                {"name": "gpu_1", "vmScaleSetName": "gpu", "placementGroupId": "pg"},
+            ],
+        }
+    )
+    state = new_state(scenario)
+    event = state.create_event(EventCreate(EventType="Reboot", Resources=["gpu_0"]), at(0))
+    assert set(statuses(state, "gpu_0", at(1))) == {event.event_id}
+    assert statuses(state, "gpu_1", at(1)) == {}
+
+
+def test_scenario_time_starts_when_the_emulator_begins():
+    scenario = fleet(steps=[{"at": 10, "create": {"EventType": "Freeze", "Resources": ["web_0"]}}])
+    state = new_state(scenario)
+    state.begin(at(100))
+    assert state.event_summaries(at(109)) == []
+    [summary] = state.event_summaries(at(110))
+    assert summary["scheduledAt"] == "2026-03-02T10:01:50Z"
+
+
 def test_approved_terminate_waits_for_a_pending_unapproved_delete_then_both_go():
     state = new_state()
     first = state.create_event(EventCreate(EventType="Terminate", Resources=["web_1"]), at(0))
