@@ -1,0 +1,101 @@
+"""Build infra/workbook.json (Azure Monitor workbook, deployed by modules/workbook.bicep) from infra/queries/*.kql.
+
+The .kql files are the one definition of the queries; this script copies them into the workbook so that the two
+cannot drift (tests/infra checks that workbook.json equals what this script builds). Run after editing a query:
+
+    .venv/bin/python infra/build_workbook.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+INFRA = Path(__file__).resolve().parent
+QUERIES = INFRA / "queries"
+WORKBOOK = INFRA / "workbook.json"
+RESOURCE_TYPE = "microsoft.operationalinsights/workspaces"
+
+# (query file, panel title) in the order the workbook shows them; alert-*.kql feed alert rules, not panels.
+PANELS: tuple[tuple[str, str], ...] = (
+    ("events-by-type-and-scaleset.kql", "Events in the last 7 days by type and scale set"),
+    ("expired-unapproved.kql", "Events that expired unapproved (7 days)"),
+    ("notice-vs-time-to-approve.kql", "Mean notice vs mean time to approve, per type (30 days)"),
+    ("hooks-failing.kql", "VMs with failing hooks (7 days)"),
+    ("silent-forwarders.kql", "Silent forwarders"),
+    ("event-timeline.kql", "Timeline of one EventId (set the EventId parameter)"),
+)
+# The timeline query's placeholder line, and what the workbook puts there: its EventId parameter.
+EVENT_ID_LINE = 'let eventId = "";'
+EVENT_ID_PARAMETER_LINE = 'let eventId = "{EventId}";'
+
+
+def build() -> dict[str, Any]:
+    items: list[dict[str, Any]] = [
+        {
+            "type": 1,
+            "name": "intro",
+            "content": {
+                "json": "## Scheduled events fleet\nHistory written by the coordinator to `ScheduledEventsHistory_CL`."
+                " Queries are the files in `infra/queries/`."
+            },
+        },
+        {
+            "type": 9,
+            "name": "parameters",
+            "content": {
+                "version": "KqlParameterItem/1.0",
+                "style": "pills",
+                "queryType": 0,
+                "resourceType": RESOURCE_TYPE,
+                "parameters": [
+                    {
+                        "id": "4d1d6f3a-5a52-4f0e-9a55-2f6c1c0b7e01",
+                        "version": "KqlParameterItem/1.0",
+                        "name": "EventId",
+                        "label": "EventId (timeline)",
+                        "type": 1,
+                        "isRequired": False,
+                        "value": "",
+                    }
+                ],
+            },
+        },
+    ]
+    for file_name, title in PANELS:
+        query = (QUERIES / file_name).read_text(encoding="utf-8")
+        if file_name == "event-timeline.kql":
+            if EVENT_ID_LINE not in query:
+                raise ValueError(f"{file_name}: expected the line {EVENT_ID_LINE!r} for the EventId parameter")
+            query = query.replace(EVENT_ID_LINE, EVENT_ID_PARAMETER_LINE)
+        items.append(
+            {
+                "type": 3,
+                "name": file_name.removesuffix(".kql"),
+                "content": {
+                    "version": "KqlItem/1.0",
+                    "title": title,
+                    "query": query,
+                    "size": 0,
+                    "queryType": 0,
+                    "resourceType": RESOURCE_TYPE,
+                    "visualization": "table",
+                },
+            }
+        )
+    return {
+        "version": "Notebook/1.0",
+        "items": items,
+        "fallbackResourceIds": [],
+        "$schema": "https://github.com/Microsoft/Application-Insights-Workbooks/blob/master/schema/workbook.json",
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+
+
+if __name__ == "__main__":
+    WORKBOOK.write_text(render(), encoding="utf-8")
+    print(f"wrote {WORKBOOK}")

@@ -1,0 +1,98 @@
+// Event Hubs namespace, the envelope hub and the coordinator's consumer group. Entra ID only: SAS keys are
+// disabled on the namespace, so no connection string exists that could leak.
+@description('Azure region.')
+param location string
+
+@description('Prefix of every resource name.')
+param namePrefix string
+
+@description('Tags applied to every resource.')
+param tags object
+
+@description('Name of the event hub that carries the envelopes.')
+param hubName string
+
+@description('Partitions of the hub; the partition key is the VM resource id, so more partitions spread more VMs.')
+@minValue(1)
+@maxValue(32)
+param partitionCount int
+
+@description('Days an envelope stays in the hub (Standard tier: 1 to 7).')
+@minValue(1)
+@maxValue(7)
+param retentionDays int
+
+@description('Consumer group of the coordinator.')
+param consumerGroupName string
+
+@description('Principal id of the forwarders\' identity (sends).')
+param vmPrincipalId string
+
+@description('Principal id of the coordinator identity (receives).')
+param coordinatorPrincipalId string
+
+var roles = loadJsonContent('../roles.json')
+
+resource namespace 'Microsoft.EventHub/namespaces@2024-01-01' = {
+  name: '${namePrefix}-ehns-${uniqueString(resourceGroup().id)}'
+  location: location
+  tags: tags
+  // Standard: Basic has no consumer groups beyond $Default.
+  sku: {
+    name: 'Standard'
+    tier: 'Standard'
+    capacity: 1
+  }
+  properties: {
+    disableLocalAuth: true
+    minimumTlsVersion: '1.2'
+    publicNetworkAccess: 'Enabled'
+    isAutoInflateEnabled: false
+  }
+}
+
+resource hub 'Microsoft.EventHub/namespaces/eventhubs@2024-01-01' = {
+  parent: namespace
+  name: hubName
+  properties: {
+    partitionCount: partitionCount
+    messageRetentionInDays: retentionDays
+  }
+}
+
+resource consumerGroup 'Microsoft.EventHub/namespaces/eventhubs/consumergroups@2024-01-01' = {
+  parent: hub
+  name: consumerGroupName
+  properties: {
+    userMetadata: 'Scheduled-events coordinator (Azure Functions Event Hubs trigger).'
+  }
+}
+
+// Data Sender on this hub only: the forwarders publish envelopes and can neither read nor manage anything.
+resource vmSender 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
+  name: guid(hub.id, vmPrincipalId, roles.eventHubsDataSender.id)
+  scope: hub
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', roles.eventHubsDataSender.id)
+    principalId: vmPrincipalId
+    principalType: 'ServicePrincipal'
+  }
+}
+
+// Data Receiver on this hub: hub scope, not consumer-group scope, because the Python trigger then fails with
+// "'Listen' claim(s) are required" (Azure/azure-functions-python-worker#1778).
+resource coordinatorReceiver 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
+  name: guid(hub.id, coordinatorPrincipalId, roles.eventHubsDataReceiver.id)
+  scope: hub
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', roles.eventHubsDataReceiver.id)
+    principalId: coordinatorPrincipalId
+    principalType: 'ServicePrincipal'
+  }
+}
+
+output namespaceName string = namespace.name
+// Host name from the service's own endpoint (https://<name>.servicebus.windows.net:443/), not a hard-coded cloud suffix.
+output fullyQualifiedNamespace string = replace(replace(namespace.properties.serviceBusEndpoint, 'https://', ''), ':443/', '')
+output hubName string = hub.name
+output consumerGroupName string = consumerGroup.name

@@ -1,0 +1,220 @@
+// The Linux scale set whose instances run the forwarder. Scheduled events are configured so that the project's
+// approval rules, not the platform, decide when an impactful event may start.
+@description('Azure region.')
+param location string
+
+@description('Prefix of every resource name.')
+param namePrefix string
+
+@description('Tags applied to every resource.')
+param tags object
+
+@description('Uniform or Flexible orchestration.')
+@allowed([
+  'Uniform'
+  'Flexible'
+])
+param orchestrationMode string
+
+@description('Number of instances.')
+@minValue(1)
+@maxValue(1000)
+param instanceCount int
+
+@description('VM size of the instances.')
+param vmSize string
+
+@description('Local administrator name (SSH key only; password authentication is disabled).')
+param adminUsername string
+
+@description('OpenSSH public key of the administrator.')
+param sshPublicKey string
+
+@description('Notice a Terminate (delete/scale-in) event gives before the instance goes: ISO 8601, 5 to 15 minutes.')
+@allowed([
+  'PT5M'
+  'PT6M'
+  'PT7M'
+  'PT8M'
+  'PT9M'
+  'PT10M'
+  'PT11M'
+  'PT12M'
+  'PT13M'
+  'PT14M'
+  'PT15M'
+])
+param terminateNotBeforeTimeout string
+
+@description('Announce OS image upgrades/reimages as scheduled events (OSUpgrade) with the fixed 15-minute notice.')
+param enableOsImageNotification bool
+
+@description('Preview: also publish scheduled events to Event Grid and Azure Resource Graph (needs feature registration, see docs/deploy.md).')
+param enableEventGridPublishing bool
+
+@description('Subnet of the instances.')
+param subnetId string
+
+@description('Resource id of the forwarders\' user-assigned identity.')
+param vmIdentityId string
+
+@description('Client id of that identity (the forwarder asks IMDS for its tokens).')
+param vmIdentityClientId string
+
+@description('Event Hubs fully qualified namespace.')
+param eventHubNamespace string
+
+@description('Event hub that carries the envelopes.')
+param eventHubName string
+
+@description('Azure Relay fully qualified namespace.')
+param relayNamespace string
+
+@description('URL of the forwarder package (tar.gz holding forwarder/install.sh).')
+param forwarderPackageUrl string
+
+@description('Seconds between forwarder heartbeats.')
+@minValue(10)
+@maxValue(3600)
+param heartbeatSeconds int
+
+var isFlexible = orchestrationMode == 'Flexible'
+// Fill the cloud-init template's __NAME__ placeholders (replace, not format: its shell script uses braces).
+var cloudInitTemplate = loadTextContent('../cloud-init/forwarder.yaml')
+var cloudInitHub = replace(replace(cloudInitTemplate, '__EVENTHUB_NAMESPACE__', eventHubNamespace), '__EVENTHUB_NAME__', eventHubName)
+var cloudInitIdentity = replace(replace(cloudInitHub, '__CLIENT_ID__', vmIdentityClientId), '__RELAY_NAMESPACE__', relayNamespace)
+var cloudInit = replace(replace(cloudInitIdentity, '__HEARTBEAT_SECONDS__', string(heartbeatSeconds)), '__PACKAGE_URL__', forwarderPackageUrl)
+
+resource vmss 'Microsoft.Compute/virtualMachineScaleSets@2025-04-01' = {
+  // checkov:skip=CKV_AZURE_95:automatic OS image upgrades would reimage instances on the platform's schedule; image rollout is an operator decision announced through osImageNotificationProfile
+  name: '${namePrefix}-vmss'
+  location: location
+  tags: tags
+  sku: {
+    name: vmSize
+    tier: 'Standard'
+    capacity: instanceCount
+  }
+  identity: {
+    type: 'UserAssigned'
+    userAssignedIdentities: {
+      '${vmIdentityId}': {}
+    }
+  }
+  properties: {
+    orchestrationMode: orchestrationMode
+    platformFaultDomainCount: 1
+    singlePlacementGroup: false
+    // Uniform only: overprovisioned extra instances would start forwarders (and hybrid connections) that are
+    // deleted again at once. Flexible does not take the property.
+    overprovision: isFlexible ? null : false
+    upgradePolicy: {
+      mode: 'Manual'
+    }
+    // The platform approves user-initiated reboot/redeploy and all-instances-down events by itself unless told
+    // not to, and such events then skip Scheduled: the coordinator's rules would never see them.
+    scheduledEventsPolicy: {
+      userInitiatedRedeploy: {
+        automaticallyApprove: false
+      }
+      userInitiatedReboot: {
+        automaticallyApprove: false
+      }
+      allInstancesDown: {
+        automaticallyApprove: false
+      }
+      scheduledEventsAdditionalPublishingTargets: {
+        eventGridAndResourceGraph: {
+          enable: enableEventGridPublishing
+          scheduledEventsApiVersion: '2020-07-01'
+        }
+      }
+    }
+    virtualMachineProfile: {
+      scheduledEventsProfile: {
+        terminateNotificationProfile: {
+          enable: true
+          notBeforeTimeout: terminateNotBeforeTimeout
+        }
+        osImageNotificationProfile: {
+          enable: enableOsImageNotification
+          // The only value the platform accepts.
+          notBeforeTimeout: 'PT15M'
+        }
+      }
+      osProfile: {
+        computerNamePrefix: take(replace(namePrefix, '-', ''), 9)
+        adminUsername: adminUsername
+        customData: base64(cloudInit)
+        linuxConfiguration: {
+          disablePasswordAuthentication: true
+          provisionVMAgent: true
+          ssh: {
+            publicKeys: [
+              {
+                path: '/home/${adminUsername}/.ssh/authorized_keys'
+                keyData: sshPublicKey
+              }
+            ]
+          }
+        }
+      }
+      storageProfile: {
+        imageReference: {
+          publisher: 'Canonical'
+          offer: 'ubuntu-24_04-lts'
+          sku: 'server'
+          version: 'latest'
+        }
+        osDisk: {
+          createOption: 'FromImage'
+          caching: 'ReadWrite'
+          managedDisk: {
+            storageAccountType: 'Premium_LRS'
+          }
+        }
+      }
+      securityProfile: {
+        securityType: 'TrustedLaunch'
+        uefiSettings: {
+          secureBootEnabled: true
+          vTpmEnabled: true
+        }
+        // Temp disk and caches encrypted at the host; needs the subscription feature Microsoft.Compute/EncryptionAtHost.
+        encryptionAtHost: true
+      }
+      networkProfile: {
+        // Flexible orchestration creates the NICs itself and needs the network API version; Uniform rejects it.
+        networkApiVersion: isFlexible ? '2020-11-01' : null
+        networkInterfaceConfigurations: [
+          {
+            name: 'nic'
+            properties: {
+              primary: true
+              enableAcceleratedNetworking: false
+              ipConfigurations: [
+                {
+                  name: 'ipconfig'
+                  properties: {
+                    primary: true
+                    subnet: {
+                      id: subnetId
+                    }
+                  }
+                }
+              ]
+            }
+          }
+        ]
+      }
+      diagnosticsProfile: {
+        bootDiagnostics: {
+          enabled: true
+        }
+      }
+    }
+  }
+}
+
+output vmssName string = vmss.name
+output vmssId string = vmss.id
