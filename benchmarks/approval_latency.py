@@ -1,7 +1,7 @@
 """Approval latency on loopback: from the coordinator's decision (``RelayApprovalSender.send`` is called) to the
 StartRequests POST recorded by the IMDS emulator, through the Relay emulator, the VM's RelayListener and Approver.
 
-    .venv/bin/python -m benchmarks.approval_latency [--n 1000] [--imds-nodelay]
+    .venv/bin/python -m benchmarks.approval_latency [--n 1000]
 
 Prints JSON: approval_ms_p50/p99 (decision → IMDS emulator recorded the approval), roundtrip_ms_p50/p99 (until
 ``send`` returned the listener's ApprovalResult), n. Each approval is for a fresh Scheduled event created before
@@ -100,17 +100,7 @@ def run(n: int, key_file: str) -> dict[str, float | int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1000, help="approvals to time (default 1000)")
-    parser.add_argument(
-        "--imds-nodelay",
-        action="store_true",
-        help="set TCP_NODELAY on the IMDS emulator's handler: it writes headers and body in two segments, and "
-        "Nagle + delayed ACK then add ~40 ms to every GET, an artifact real IMDS does not have",
-    )
     args = parser.parse_args()
-    if args.imds_nodelay:
-        from emulators.imds import server
-
-        server._Handler.disable_nagle_algorithm = True
     logging.basicConfig(level=logging.ERROR)
     with tempfile.NamedTemporaryFile("w", suffix=".key") as key_file:
         key_file.write(KEY)
