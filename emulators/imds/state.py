@@ -388,6 +388,7 @@ class EmulatorState:
                 f"event {record.event_id} is {record.status}; only a Scheduled event can be canceled"
             )
         self._cancel(record, now)
+        self._release_terminates(now)  # a canceled delete no longer holds back approved ones
         self._refresh_views()
         return record
 

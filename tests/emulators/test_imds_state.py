@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, StartRequestsBody, VmSpec
 from emulators.imds.state import EmulatorInputError, EmulatorState
@@ -201,6 +204,15 @@ def test_approved_terminate_goes_when_the_other_pending_delete_is_approved():
     assert first.started_at == at(8)
 
 
+def test_canceling_the_pending_delete_releases_the_approved_one():
+    state = new_state()
+    pending = state.create_event(EventCreate(EventType="Terminate", Resources=["web_1"]), at(0))
+    approved = state.create_event(EventCreate(EventType="Terminate", Resources=["web_2"]), at(0))
+    approve(state, "web_2", approved.event_id, when=at(1))
+    state.cancel_event(pending.event_id, at(2))
+    assert statuses(state, "web_0", at(2)) == {approved.event_id: "Started"}
+
+
 def test_simultaneous_deletes_need_both_approvals_and_other_scale_sets_do_not_block():
     state = new_state()
     first = state.create_event(EventCreate(EventType="Terminate", Resources=["web_0"]), at(0))
@@ -305,3 +317,82 @@ def test_vm_identity_is_derived_like_azure_and_the_hostname_differs():
     assert vm.computerName == "web00000c"
     assert VmSpec(name="db-0").computerName != "db-0"
     assert all(isinstance(value, str) for key, value in vm.compute().items() if key not in ("osProfile", "tagsList"))
+
+
+# ---- invariants over random operation sequences --------------------------------------------------------------
+
+_OPERATION = st.one_of(
+    st.tuples(
+        st.just("create"),
+        st.sampled_from(["Freeze", "Reboot", "Redeploy", "Terminate", "Preempt"]),
+        st.sampled_from(["web_0", "web_1", "web_2", "other_0", "gpu_0", "spot"]),
+        st.sampled_from([None, 0.0, 30.0, 300.0]),
+        st.booleans(),
+    ),
+    st.tuples(
+        st.just("approve"), st.sampled_from(["web_0", "web_1", "web_2", "other_0", "gpu_0", "spot"]), st.integers(0, 20)
+    ),
+    st.tuples(st.just("cancel"), st.integers(0, 20)),
+    st.tuples(st.just("wait"), st.floats(0, 400)),
+)
+
+
+def _apply(state: EmulatorState, operation: tuple[Any, ...], now: float) -> float:
+    """Applies one random operation; returns the new time. Refused input changes nothing."""
+    ids = list(state.events)
+    try:
+        if operation[0] == "create":
+            _, kind, vm, notice, hardware = operation
+            spec = EventCreate(
+                EventType=kind,
+                Resources=[vm],
+                NoticeSeconds=None if hardware else notice,
+                EventStatus="Started" if hardware else "Scheduled",
+            )
+            state.create_event(spec, at(now))
+        elif operation[0] == "approve" and ids:
+            approve(state, operation[1], ids[operation[2] % len(ids)], when=at(now))
+        elif operation[0] == "cancel" and ids:
+            state.cancel_event(ids[operation[1] % len(ids)], at(now))
+        elif operation[0] == "wait":
+            return now + float(operation[1])
+    except EmulatorInputError:
+        pass
+    return now
+
+
+def _check_history(state: EmulatorState) -> None:
+    for record in state.events.values():
+        if record.started_by == "approval":
+            assert record.approved_at is not None
+            assert record.started_at is not None
+            assert record.started_at >= record.approved_at
+        elif record.started_by == "notBefore":
+            assert record.started_at == record.not_before
+        if record.status == "Canceled":
+            assert record.started_at is None
+        if record.removed_at is not None and record.started_at is not None:
+            assert record.removed_at >= record.started_at + timedelta(seconds=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(operations=st.lists(_OPERATION, max_size=30))
+def test_invariants_hold_for_any_sequence_of_operations(operations):
+    state = new_state(started_min_seconds=60)
+    now = 0.0
+    seen: dict[str, tuple[int, str]] = {}
+    for operation in operations:
+        now = _apply(state, operation, now)
+        for vm in state.vms:
+            document = state.document(vm, "2020-07-01", at(now))
+            content = json.dumps(document["Events"], sort_keys=True)
+            incarnation = document["DocumentIncarnation"]
+            if vm in seen:
+                previous_incarnation, previous_content = seen[vm]
+                # Same incarnation = same content; every change of content = a higher incarnation.
+                assert (incarnation == previous_incarnation) == (content == previous_content)
+                assert incarnation >= previous_incarnation
+            seen[vm] = (incarnation, content)
+            for event in document["Events"]:
+                assert vm in state.events[event["EventId"]].viewers
+    _check_history(state)
