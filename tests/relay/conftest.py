@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from azure.core.credentials import AzureNamedKeyCredential
+from azure.core.credentials import AccessToken, AzureNamedKeyCredential
 
 from coordinator.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import Right
+from emulators.tokens import mint_token
 from forwarder.approval import ApprovalRequest
 from forwarder.approver import Approver
 from forwarder.envelope import VmIdentity
@@ -37,6 +38,7 @@ from forwarder.retry import Backoff, RateLimiter
 LISTEN_KEY = "bGlzdGVuLWtleS1mb3ItdGVzdHM="
 SEND_KEY = "c2VuZC1rZXktZm9yLXRlc3Rz"
 VM_A0, VM_A1, VM_B0 = "web_0", "web_1", "db_0"
+COORDINATOR_IDENTITY = "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Web/sites/coordinator"
 
 
 def scenario() -> Scenario:
@@ -135,6 +137,18 @@ def sender(relay: RelayEmulator) -> Iterator[RelayApprovalSender]:
         max_retry_seconds=5.0,
     ) as client:
         yield client
+
+
+class MintedCredential:
+    """FAKE Entra for the coordinator (no local Entra ID): tokens signed with the emulators' development key."""
+
+    def __init__(self, audience: str, identity: str = COORDINATOR_IDENTITY) -> None:
+        self.audience = audience
+        self.identity = identity
+
+    def get_token(self, *scopes: str, **_: object) -> AccessToken:
+        token, expires_on = mint_token(audience=self.audience, identity_resource_id=self.identity)
+        return AccessToken(token, expires_on)
 
 
 def approval(event_id: str, *, decision: str | None = None, issued: datetime | None = None,

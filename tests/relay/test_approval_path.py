@@ -12,16 +12,25 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import requests
-from azure.core.credentials import AccessToken, AzureNamedKeyCredential
+from azure.core.credentials import AzureNamedKeyCredential
 
 from coordinator.callback import ApprovalCallback, ApprovalDeliveryError
 from coordinator.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
-from emulators.tokens import mint_token
 from forwarder.envelope import VmIdentity
-from tests.relay.conftest import SEND_KEY, VM_A0, VM_A1, VM_B0, Vm, approval, imds_client, scheduled_event
+from tests.relay.conftest import (
+    SEND_KEY,
+    VM_A0,
+    VM_A1,
+    VM_B0,
+    MintedCredential,
+    Vm,
+    approval,
+    imds_client,
+    scheduled_event,
+)
 
 
 def approved_ids(imds: ImdsEmulator) -> list[str]:
@@ -169,17 +178,6 @@ def test_oversized_request_travels_by_rendezvous_and_is_refused(
     assert response.status_code == 413
     assert vm.listener.stats.rendezvous == 1
     assert imds.approvals() == []
-
-
-class MintedCredential:
-    """FAKE Entra for the coordinator (no local Entra ID): tokens signed with the emulators' development key."""
-
-    def __init__(self, audience: str) -> None:
-        self.audience = audience
-
-    def get_token(self, *scopes: str, **_: object) -> AccessToken:
-        token, expires_on = mint_token(audience=self.audience, identity_resource_id="/subscriptions/s/coordinator")
-        return AccessToken(token, expires_on)
 
 
 def test_entra_sender_token_is_accepted(imds: ImdsEmulator, start_vm: Callable[..., Vm], relay: RelayEmulator) -> None:
