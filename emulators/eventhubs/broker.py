@@ -33,6 +33,7 @@ from proton import (
     Link,
     Message,
     ProtonException,
+    Terminus,
     Transport,
     symbol,
     timestamp,
@@ -114,6 +115,7 @@ class BrokerStats:
     deliveries_rejected: int = 0
     tokens_refused: int = 0
     links_refused: int = 0
+    receivers_attached: int = 0
 
 
 class Broker:
@@ -328,9 +330,11 @@ class Broker:
             else:
                 self._on_consumer_link(peer, link, source or "")
         except _Refusal as refusal:
-            # Attach then detach with the error, as the service does; the SDK raises the mapped exception.
+            # A refusal per AMQP 1.0 §2.6.3: attach with a null terminus on our side, then detach with the error.
+            # pyamqp needs that null terminus to notice; with both present it would wait for the link forever.
             self._stats.links_refused += 1
             _LOG.info("refused link %r: %s (%s)", link.name, refusal.description, refusal.condition)
+            (link.target if link.is_receiver else link.source).type = Terminus.UNSPECIFIED
             link.condition = Condition(refusal.condition, refusal.description)
             link.open()
             link.close()
@@ -391,6 +395,7 @@ class Broker:
         peer.subscriptions[link] = subscription
         link.max_message_size = MAX_MESSAGE_SIZE
         link.open()
+        self._stats.receivers_attached += 1
         self._pump(subscription)
 
     def _subscriptions(self) -> Iterator[tuple[_Peer, _Subscription]]:
@@ -618,11 +623,17 @@ def _links(connection: Connection) -> Iterator[Link]:
 
 def _selector_of(link: Link) -> str | None:
     """The selector filter's expression from the source's filter map, if any."""
-    filters = link.remote_source.filter.get_object() if link.remote_source.filter is not None else None
-    if not filters:
+    data = link.remote_source.filter
+    if data is None:
         return None
-    for key, value in dict(filters).items():
-        if str(key) == SELECTOR_FILTER or getattr(value, "descriptor", None) == SELECTOR_FILTER:
+    data.rewind()
+    if data.next() is None:
+        return None
+    filters = data.get_object()
+    if not isinstance(filters, dict):
+        return None
+    for key, value in filters.items():
+        if str(key) == SELECTOR_FILTER or str(getattr(value, "descriptor", "")) == SELECTOR_FILTER:
             return str(getattr(value, "value", value))
     return None
 
