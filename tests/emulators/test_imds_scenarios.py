@@ -48,6 +48,20 @@ def test_documented_example_two_vms_one_freeze():
     )
 
 
+def test_documented_example_goes_through_the_docs_sequence_of_documents():
+    state = EmulatorState(Scenario.from_file(SCENARIOS / "documented-example.yaml"), start=T0, started_min_seconds=600)
+
+    def observe(seconds: float) -> tuple[int, list[str]]:
+        document = state.document("WestNO_1", "2020-07-01", at(seconds))
+        return document["DocumentIncarnation"], [e["EventStatus"] for e in document["Events"]]
+
+    assert observe(0) == (1, [])
+    assert observe(5) == (2, ["Scheduled"])
+    assert observe(905) == (3, ["Started"])  # nobody approved: NotBefore (15 min) passed
+    assert observe(1504) == (3, ["Started"])
+    assert observe(1505) == (4, [])  # removed after the Started minimum (10 min)
+
+
 def test_fleet_demo_plays_every_kind_of_event():
     scenario = Scenario.from_file(SCENARIOS / "fleet-demo.yaml")
     state = EmulatorState(scenario, start=T0)
