@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
-import re
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -29,12 +28,16 @@ from websockets.http11 import Request, Response
 from emulators.relay.auth import AuthError, Right, TokenChecker
 from emulators.relay.httpwire import (
     MAX_HEAD_BYTES,
+    HttpAnswer,
     HttpError,
     HttpRequest,
     is_websocket_upgrade,
     read_request,
     render_response,
+    service_error,
+    tracked,
 )
+from emulators.relay.management import handle_management
 from emulators.relay.messages import (
     HOP_BY_HOP_HEADERS,
     AcceptMessage,
@@ -54,8 +57,6 @@ HEADER_METADATA_LIMIT = 32 * 1024
 BODY_FRAGMENT_BYTES = 16 * 1024
 ACCEPT_TIMEOUT = 30.0
 NO_LISTENER_STATUS = 503
-CONTROL_PREFIX = "/_emulator/hybridConnections"
-_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,259}$")
 _AUTH_HEADERS = frozenset({"servicebusauthorization"})
 # Handled by the gateway itself (it already answered 100 Continue), so not forwarded.
 _GATEWAY_HEADERS = frozenset({"expect"})
@@ -75,11 +76,18 @@ class _ListenerFault(Exception):
     """The listener broke the protocol or went away while a request was outstanding; the sender gets 502."""
 
 
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
 @dataclass(eq=False)
 class HybridConnection:
     name: str
     declared: bool = False
     requires_client_authorization: bool = True
+    user_metadata: str | None = None
+    created_at: str = field(default_factory=_now_iso)
+    updated_at: str = field(default_factory=_now_iso)
     listeners: list[Listener] = field(default_factory=list)
     sockets: set[ServerConnection] = field(default_factory=set)
 
@@ -200,12 +208,8 @@ class _RelayConnection(ServerConnection):
         super().connection_lost(exc)
 
 
-def _tracked(description: str) -> str:
-    return f"{description} TrackingId:{uuid.uuid4()}"
-
-
 def _ws_error(status: int, description: str) -> Response:
-    text = _tracked(description)
+    text = tracked(description)
     reason = text.encode("ascii", "replace").decode()[:400]
     headers = Headers([("Content-Type", "text/plain; charset=utf-8")])
     return Response(status, reason, headers, (text + "\n").encode())
@@ -238,23 +242,6 @@ def _fragments(body: bytes) -> bytes | list[bytes]:
     if len(body) <= BODY_FRAGMENT_BYTES:
         return body
     return [body[offset : offset + BODY_FRAGMENT_BYTES] for offset in range(0, len(body), BODY_FRAGMENT_BYTES)]
-
-
-@dataclass(frozen=True)
-class _HttpAnswer:
-    status: int
-    reason: str | None
-    headers: list[tuple[str, str]]
-    body: bytes
-
-
-def _service_error(status: int, description: str) -> _HttpAnswer:
-    text = _tracked(description)
-    return _HttpAnswer(status, text[:400], [("Content-Type", "text/plain; charset=utf-8")], (text + "\n").encode())
-
-
-def _json_answer(status: int, document: Any) -> _HttpAnswer:
-    return _HttpAnswer(status, None, [("Content-Type", "application/json")], json.dumps(document).encode())
 
 
 class RelayService:
@@ -330,12 +317,17 @@ class RelayService:
                 return found
         return None
 
-    def declare(self, name: str, *, requires_client_authorization: bool = True) -> tuple[HybridConnection, bool]:
+    def declare(
+        self, name: str, *, requires_client_authorization: bool = True, user_metadata: str | None = None
+    ) -> tuple[HybridConnection, bool]:
+        """Creates or updates a hybrid connection; True when it did not exist (as a declared one) before."""
         existing = self.hybrid_connections.get(name.lower())
         created = existing is None or not existing.declared
         hybrid_connection = existing or HybridConnection(name=name)
         hybrid_connection.declared = True
         hybrid_connection.requires_client_authorization = requires_client_authorization
+        hybrid_connection.user_metadata = user_metadata
+        hybrid_connection.updated_at = _now_iso()
         self.hybrid_connections[name.lower()] = hybrid_connection
         return hybrid_connection, created
 
@@ -358,7 +350,7 @@ class RelayService:
         candidates = [item for item in hybrid_connection.listeners if item.ready.is_set()]
         return self.rng.choice(candidates) if candidates else None
 
-    def _refuse(self, what: str, error: str) -> None:
+    def refuse(self, what: str, error: str) -> None:
         self.counters[f"refused.{what}"] += 1
         log.warning("relay: refused %s: %s", what, error)
 
@@ -368,7 +360,7 @@ class RelayService:
         assert isinstance(connection, _RelayConnection)
         url = urlsplit(request.path)
         if not url.path.startswith("/$hc/"):
-            self._refuse("websocket_handshake", f"{url.path!r} is not under /$hc/")
+            self.refuse("websocket_handshake", f"{url.path!r} is not under /$hc/")
             return _ws_error(404, f"WebSocket path {url.path!r} is not a hybrid connection address (/$hc/...)")
         path = unquote(url.path.removeprefix("/$hc/")).strip("/")
         query = dict(parse_qsl(url.query, keep_blank_values=True))
@@ -381,14 +373,14 @@ class RelayService:
             return await self._admit_sender(connection, request, path, url.query)
         if action in ("accept", "request"):
             return self._admit_rendezvous(connection, action, path, query)
-        self._refuse("websocket_handshake", f"sb-hc-action={action!r}")
+        self.refuse("websocket_handshake", f"sb-hc-action={action!r}")
         return _ws_error(400, f"unrecognized sb-hc-action {action!r} (listen, connect, accept or request)")
 
     def _authorize(self, token: str | None, name: str, right: Right, what: str) -> Response | float:
         try:
             return self.checker.authorize(token, hybrid_connection=name, right=right).expires_at
         except AuthError as error:
-            self._refuse(what, f"{name}: {error.reason}")
+            self.refuse(what, f"{name}: {error.reason}")
             return _ws_error(error.status, error.reason)
 
     def _admit_listener(
@@ -396,7 +388,7 @@ class RelayService:
     ) -> Response | None:
         known = self.hybrid_connections.get(path.lower())
         if self.require_known and (known is None or not known.declared):
-            self._refuse("listener", f"unknown hybrid connection {path!r}")
+            self.refuse("listener", f"unknown hybrid connection {path!r}")
             return _ws_error(404, f"hybrid connection {path!r} does not exist in this namespace")
         token = query.get("sb-hc-token") or request.headers.get("ServiceBusAuthorization")
         verdict = self._authorize(token, path, Right.LISTEN, "listener")
@@ -422,7 +414,7 @@ class RelayService:
             self.hybrid_connections[role.name.lower()] = hybrid_connection
         if len(hybrid_connection.listeners) >= MAX_LISTENERS:
             connection.role = None
-            self._refuse("listener", f"{role.name}: already {MAX_LISTENERS} listeners")
+            self.refuse("listener", f"{role.name}: already {MAX_LISTENERS} listeners")
             return _ws_error(403, f"QuotaExceeded: hybrid connection {role.name!r} has {MAX_LISTENERS} listeners")
         connection.listener = Listener(
             conn=connection, hybrid_connection=hybrid_connection, expires_at=role.expires_at, client_id=role.client_id
@@ -444,7 +436,7 @@ class RelayService:
     ) -> Response | None:
         hybrid_connection = self._route(path)
         if hybrid_connection is None and self.require_known:
-            self._refuse("sender", f"unknown hybrid connection {path!r}")
+            self.refuse("sender", f"unknown hybrid connection {path!r}")
             return _ws_error(404, f"no hybrid connection at {path!r}")
         name = hybrid_connection.name if hybrid_connection else path
         if hybrid_connection is None or hybrid_connection.requires_client_authorization:
@@ -454,17 +446,20 @@ class RelayService:
                 return verdict
         listener = self._pick_listener(hybrid_connection) if hybrid_connection else None
         if listener is None or hybrid_connection is None:
-            self._refuse("sender", f"no listener on {name!r}")
+            self.refuse("sender", f"no listener on {name!r}")
             return _ws_error(NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {name!r}")
         query = dict(parse_qsl(raw_query, keep_blank_values=True))
-        accept_id = query.get("sb-hc-id") or str(uuid.uuid4())
+        # The id the listener sees is the sender's sb-hc-id when given; the address carries a fresh key so that
+        # two senders choosing the same id cannot take each other's rendezvous.
+        rendezvous_key = str(uuid.uuid4())
+        accept_id = query.get("sb-hc-id") or rendezvous_key
         loop = asyncio.get_running_loop()
         accept = PendingAccept(accept_id, listener, decided=loop.create_future(), sender=loop.create_future())
-        self.accepts[accept_id] = accept
+        self.accepts[rendezvous_key] = accept
         passthrough = _strip_sb_query(raw_query)
         address = (
             f"ws://{self.authority}/$hc/{quote(path)}?{passthrough + '&' if passthrough else ''}"
-            f"sb-hc-action=accept&sb-hc-id={quote(accept_id)}"
+            f"sb-hc-action=accept&sb-hc-id={rendezvous_key}"
         )
         headers = _merge_headers(request.headers.raw_items(), lambda name: name in _AUTH_HEADERS)
         remote = connection.remote_address
@@ -480,12 +475,12 @@ class RelayService:
                     await listener.conn.send(message.to_json("accept"))
                 decision = await accept.decided
         except TimeoutError:
-            self._refuse("sender", f"listener did not accept {accept_id} within {self.accept_timeout} s")
+            self.refuse("sender", f"listener did not accept {accept_id} within {self.accept_timeout} s")
             return _ws_error(504, f"the listener did not accept the connection within {self.accept_timeout} s")
         except ConnectionClosed:
             return _ws_error(502, "the listener went away before accepting the connection")
         finally:
-            self.accepts.pop(accept_id, None)
+            self.accepts.pop(rendezvous_key, None)
         if isinstance(decision, _Rejected):
             return _ws_error(decision.status, decision.description)
         connection.role = _SenderRole(accept)
@@ -498,7 +493,7 @@ class RelayService:
         if action == "accept":
             accept = self.accepts.get(rendezvous_id)
             if accept is None or accept.decided.done():
-                self._refuse("rendezvous", f"accept address {rendezvous_id!r} unknown, used or expired")
+                self.refuse("rendezvous", f"accept address {rendezvous_id!r} unknown, used or expired")
                 return _ws_error(403, "the accept address is not valid (unknown, already used or expired)")
             status = query.get("sb-hc-statusCode")
             if status is not None:
@@ -513,7 +508,7 @@ class RelayService:
             return None
         pending = self.requests.get(rendezvous_id)
         if pending is None or pending.rendezvous_opened:
-            self._refuse("rendezvous", f"request address {rendezvous_id!r} unknown, used or expired")
+            self.refuse("rendezvous", f"request address {rendezvous_id!r} unknown, used or expired")
             return _ws_error(403, "the rendezvous address has expired or was already used")
         if pending.listener.hybrid_connection.name.lower() != path.lower():
             return _ws_error(400, "the rendezvous address does not match the hybrid connection")
@@ -548,12 +543,12 @@ class RelayService:
             async for frame in conn:
                 if isinstance(frame, bytes):
                     if awaiting is None:
-                        self._refuse("listener_frame", f"{hybrid_connection.name}: binary frame without a response")
+                        self.refuse("listener_frame", f"{hybrid_connection.name}: binary frame without a response")
                         continue
                     target, response = awaiting
                     awaiting = None
                     if target is not None and len(frame) > CONTROL_CHANNEL_LIMIT:
-                        self._refuse("listener_frame", f"{hybrid_connection.name}: {len(frame)}-byte body on control")
+                        self.refuse("listener_frame", f"{hybrid_connection.name}: {len(frame)}-byte body on control")
                         target.fail(
                             f"the listener sent a {len(frame)}-byte response body on the control channel; "
                             f"above {CONTROL_CHANNEL_LIMIT} bytes it must respond over the rendezvous address"
@@ -582,7 +577,7 @@ class RelayService:
         try:
             message = parse_listener_message(frame)
         except ControlMessageError as error:
-            self._refuse("listener_frame", f"{name}: {error}")
+            self.refuse("listener_frame", f"{name}: {error}")
             request_id = request_id_of(frame)
             if request_id is not None and request_id in listener.pending:
                 listener.pending[request_id].fail(f"invalid response from the listener: {error}")
@@ -591,7 +586,7 @@ class RelayService:
             try:
                 grant = self.checker.authorize(message.token, hybrid_connection=name, right=Right.LISTEN)
             except AuthError as error:
-                self._refuse("renew_token", f"{name}: {error.reason}")
+                self.refuse("renew_token", f"{name}: {error.reason}")
                 await listener.conn.close(1008, _close_reason(f"renewToken refused: {error.reason}"))
                 return None
             listener.expires_at = grant.expires_at
@@ -599,7 +594,7 @@ class RelayService:
             return None
         pending = listener.pending.get(message.request_id)
         if pending is None:
-            self._refuse("listener_frame", f"{name}: response for unknown request {message.request_id!r}")
+            self.refuse("listener_frame", f"{name}: response for unknown request {message.request_id!r}")
         elif not message.body:
             pending.complete(message, b"")
             return None
@@ -609,7 +604,7 @@ class RelayService:
         while True:
             remaining = listener.expires_at - self.clock()
             if remaining <= 0:
-                self._refuse("listener", f"{listener.hybrid_connection.name}: token expired on the control channel")
+                self.refuse("listener", f"{listener.hybrid_connection.name}: token expired on the control channel")
                 await listener.conn.close(1008, "the security token has expired; send renewToken before expiry")
                 return
             listener.token_renewed.clear()
@@ -641,25 +636,26 @@ class RelayService:
             head_only = request.method == "HEAD"
             answer = await self._dispatch_http(request)
         except HttpError as error:
-            self._refuse("http_request", error.reason)
-            answer = _service_error(error.status, error.reason)
+            self.refuse("http_request", error.reason)
+            answer = service_error(error.status, error.reason)
         except Exception:
             log.exception("relay: internal error while relaying an HTTP request")
-            answer = _service_error(500, "internal error in the relay emulator")
+            answer = service_error(500, "internal error in the relay emulator")
         if not transport.is_closing():
             transport.write(
                 render_response(answer.status, answer.reason, answer.headers, answer.body, head_only=head_only)
             )
             transport.close()
 
-    async def _dispatch_http(self, request: HttpRequest) -> _HttpAnswer:
-        if request.path == CONTROL_PREFIX or request.path.startswith(CONTROL_PREFIX + "/"):
-            return await self._control_api(request)
+    async def _dispatch_http(self, request: HttpRequest) -> HttpAnswer:
+        management = await handle_management(self, request)
+        if management is not None:
+            return management
         try:
             listener, relay_auth_header = self._admit_http_sender(request)
         except _Refusal as refusal:
-            self._refuse("http_request", refusal.log_line)
-            return _service_error(refusal.status, refusal.reason)
+            self.refuse("http_request", refusal.log_line)
+            return service_error(refusal.status, refusal.reason)
 
         def dropped(header: str) -> bool:
             return (
@@ -727,7 +723,7 @@ class RelayService:
             raise _Refusal(NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {name!r}")
         return listener, relay_auth_header
 
-    async def _exchange(self, pending: PendingRequest) -> _HttpAnswer:
+    async def _exchange(self, pending: PendingRequest) -> HttpAnswer:
         listener = pending.listener
         self.requests[pending.id] = pending
         listener.pending[pending.id] = pending
@@ -743,13 +739,13 @@ class RelayService:
                             await listener.conn.send(_fragments(pending.body))
                 response, body = await pending.result
         except TimeoutError:
-            self._refuse("http_request", f"listener did not respond to {pending.id} within {self.response_timeout} s")
-            return _service_error(504, f"the listener did not respond within {self.response_timeout} s")
+            self.refuse("http_request", f"listener did not respond to {pending.id} within {self.response_timeout} s")
+            return service_error(504, f"the listener did not respond within {self.response_timeout} s")
         except ConnectionClosed:
-            return _service_error(502, "the listener disconnected before the request was delivered")
+            return service_error(502, "the listener disconnected before the request was delivered")
         except _ListenerFault as fault:
-            self._refuse("http_request", f"{pending.id}: {fault}")
-            return _service_error(502, str(fault))
+            self.refuse("http_request", f"{pending.id}: {fault}")
+            return service_error(502, str(fault))
         finally:
             self.requests.pop(pending.id, None)
             listener.pending.pop(pending.id, None)
@@ -761,7 +757,7 @@ class RelayService:
         ]
         via = response.response_headers.get("Via") or response.response_headers.get("via")
         headers.append(("Via", f"{via + ', ' if via else ''}1.1 {self.authority}"))
-        return _HttpAnswer(response.status_code, response.status_description, headers, body)
+        return HttpAnswer(response.status_code, response.status_description, headers, body)
 
     async def _serve_rendezvous(self, conn: _RelayConnection, pending: PendingRequest) -> None:
         hybrid_connection = pending.listener.hybrid_connection
@@ -790,7 +786,7 @@ class RelayService:
             await pending.finished.wait()
             await conn.close(1000, "the sender's HTTP exchange ended")
         except ControlMessageError as error:
-            self._refuse("listener_frame", f"{hybrid_connection.name} rendezvous: {error}")
+            self.refuse("listener_frame", f"{hybrid_connection.name} rendezvous: {error}")
             pending.fail(f"invalid response from the listener: {error}")
         except ConnectionClosed:
             pending.fail("the listener closed the rendezvous socket before responding")
@@ -836,47 +832,3 @@ class RelayService:
             pass
         code = source.close_code if source.close_code not in (None, 1005, 1006, 1015) else 1000
         await target.close(code or 1000, _close_reason(source.close_reason or ""))
-
-    # ---- control API (stands in for ARM create/delete of hybrid connections) ---------------------------------
-
-    async def _control_api(self, request: HttpRequest) -> _HttpAnswer:  # noqa: PLR0911 - one return per outcome
-        name = unquote(request.path.removeprefix(CONTROL_PREFIX)).strip("/")
-        if not name:
-            if request.method != "GET":
-                return _service_error(405, "only GET is allowed on the collection")
-            return _json_answer(200, [self._describe(item) for item in self.hybrid_connections.values()])
-        if not _NAME_PATTERN.match(name):
-            self._refuse("control_api", f"invalid hybrid connection name {name!r}")
-            return _service_error(400, f"invalid hybrid connection name {name!r}: letters, digits, . _ - /")
-        if request.method == "PUT":
-            options: dict[str, Any] = {}
-            if request.body:
-                try:
-                    options = json.loads(request.body)
-                    requires = options.get("requiresClientAuthorization", True)
-                except (ValueError, AttributeError):
-                    return _service_error(400, 'body must be a JSON object like {"requiresClientAuthorization": true}')
-                if not isinstance(requires, bool):
-                    return _service_error(400, "requiresClientAuthorization must be true or false")
-            hybrid_connection, created = self.declare(
-                name, requires_client_authorization=options.get("requiresClientAuthorization", True)
-            )
-            return _json_answer(201 if created else 200, self._describe(hybrid_connection))
-        if request.method == "DELETE":
-            if await self.delete(name):
-                return _HttpAnswer(200, None, [], b"")
-            return _service_error(404, f"hybrid connection {name!r} does not exist")
-        if request.method == "GET":
-            found = self.hybrid_connections.get(name.lower())
-            if found is None:
-                return _service_error(404, f"hybrid connection {name!r} does not exist")
-            return _json_answer(200, self._describe(found))
-        return _service_error(405, f"{request.method} is not supported (PUT, DELETE, GET)")
-
-    def _describe(self, hybrid_connection: HybridConnection) -> dict[str, Any]:
-        return {
-            "name": hybrid_connection.name,
-            "declared": hybrid_connection.declared,
-            "requiresClientAuthorization": hybrid_connection.requires_client_authorization,
-            "listenerCount": self.listener_count(hybrid_connection.name),
-        }

@@ -176,7 +176,7 @@ def test_control_api_refuses_bad_input(relay: RelayEmulator) -> None:
     assert requests.put(control + "vm-x", json={"requiresClientAuthorization": "yes"}, timeout=5).status_code == 400
     assert requests.post(control + "vm-x", timeout=5).status_code == 405
     assert requests.get(control + "vm-x", timeout=5).status_code == 404
-    assert relay.counters()["refused.control_api"] == 1
+    assert relay.counters()["refused.control_api"] == 3
 
 
 def test_unknown_control_messages_and_stray_frames_are_counted_not_fatal(relay: RelayEmulator) -> None:

@@ -141,3 +141,23 @@ def test_unknown_actions_and_paths_are_refused(relay: RelayEmulator) -> None:
             assert refused.value.response.status_code == status, url
 
     asyncio.run(scenario())
+
+
+def test_senders_sharing_an_sb_hc_id_get_separate_rendezvous(relay: RelayEmulator) -> None:
+    async def scenario() -> None:
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        senders = [asyncio.create_task(_connect_sender(relay, query="&sb-hc-id=same")) for _ in range(2)]
+        accepts = [(await listener.next_message())["accept"] for _ in range(2)]
+        assert [item["id"] for item in accepts] == ["same", "same"]
+        assert accepts[0]["address"] != accepts[1]["address"]
+        accepted = [await connect(item["address"]) for item in accepts]
+        connected = [await task for task in senders]
+        for index, sender in enumerate(connected):
+            await sender.send(f"from sender {index}")
+        received = sorted([await accepted[0].recv(), await accepted[1].recv()])
+        assert received == ["from sender 0", "from sender 1"]
+        for socket in [*connected, *accepted]:
+            await socket.close()
+        await listener.close()
+
+    asyncio.run(scenario())
