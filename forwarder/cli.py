@@ -14,16 +14,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forwarder import __version__, logs
 from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
+from forwarder.credential import ImdsManagedIdentityCredential
 from forwarder.daemon import Companion, Forwarder
 from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import fields
 from forwarder.sinks import JsonLinesSink, Sink
 from forwarder.store import Store
+
+if TYPE_CHECKING:
+    from azure.core.credentials import TokenCredential
 
 log = logging.getLogger("forwarder")
 
@@ -51,7 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_sink(settings: ForwarderSettings) -> Sink:
+def build_credential(settings: ForwarderSettings, imds: ImdsClient) -> TokenCredential:
+    """The VM's managed identity (user-assigned when managed_identity_client_id is set), shared by the Event Hubs
+    producer and the relay listener."""
+    client_id = settings.managed_identity_client_id
+    if settings.credential == "azure-identity":
+        from azure.identity import ManagedIdentityCredential  # noqa: PLC0415 - ~15 MiB, only when chosen
+
+        return ManagedIdentityCredential(client_id=client_id) if client_id else ManagedIdentityCredential()
+    return ImdsManagedIdentityCredential(imds=imds, client_id=client_id)
+
+
+def build_sink(settings: ForwarderSettings, imds: ImdsClient) -> Sink:
     if settings.sink == "stdout":
         return JsonLinesSink(stream=sys.stdout)
     if settings.sink == "jsonl":
@@ -66,10 +81,11 @@ def build_sink(settings: ForwarderSettings) -> Sink:
     # Both checked by ForwarderSettings.
     assert settings.eventhub_namespace
     assert settings.eventhub_name
-    return EventHubSink.with_managed_identity(
+    return EventHubSink.with_credential(
         fully_qualified_namespace=settings.eventhub_namespace,
         eventhub_name=settings.eventhub_name,
-        client_id=settings.managed_identity_client_id,
+        credential=build_credential(settings, imds),
+        use_tls=settings.eventhub_use_tls,
     )
 
 
@@ -89,7 +105,7 @@ def relay_companions(settings: ForwarderSettings) -> Any:
         listener = RelayListener(
             endpoint=endpoint,
             hybrid_connection=hybrid_connection,
-            token_provider=EntraTokenProvider(client_id=settings.managed_identity_client_id),
+            token_provider=EntraTokenProvider(credential=build_credential(settings, imds)),
             handler=Approver(imds=imds),
         )
         return [listener]
@@ -131,7 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     store = Store(settings.spool_path, max_entries=settings.spool_max_entries)
     forwarder = Forwarder(
-        settings=settings, imds=imds, store=store, sink=build_sink(settings), companions=relay_companions(settings)
+        settings=settings,
+        imds=imds,
+        store=store,
+        sink=build_sink(settings, imds),
+        companions=relay_companions(settings),
     )
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

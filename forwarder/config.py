@@ -19,6 +19,7 @@ ENV_PREFIX = "SE_FORWARDER_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
 SinkKind = Literal["eventhub", "stdout", "jsonl"]
+CredentialKind = Literal["imds", "azure-identity"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
@@ -41,10 +42,14 @@ class ForwarderSettings(BaseModel):
     # Where envelopes go
     sink: SinkKind = "eventhub"
     jsonl_path: Path | None = None
-    eventhub_namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]+$")
+    eventhub_namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]+(:\d+)?$")
     eventhub_name: str | None = Field(default=None, min_length=1, max_length=256)
     eventhub_connection_string: SecretStr | None = None
     managed_identity_client_id: str | None = None
+    # "imds": a small IMDS token client sharing the IMDS rate limiter (forwarder/credential.py says why);
+    # "azure-identity": ManagedIdentityCredential. Both are the VM's managed identity.
+    credential: CredentialKind = "imds"
+    eventhub_use_tls: bool = True  # false only for a local Event Hubs emulator reached without a connection string
     send_batch_max: int = Field(default=100, ge=1, le=1000)
     # Hooks
     hooks_dir: Path = Path("/etc/scheduled-events/hooks")

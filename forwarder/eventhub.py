@@ -1,4 +1,5 @@
-"""The production sink: a real `EventHubProducerClient` (azure-eventhub) with a managed identity (azure-identity).
+"""The production sink: a real `EventHubProducerClient` (azure-eventhub), with Entra ID auth (the VM's managed
+identity; see forwarder/credential.py) or a connection string (the local Event Hubs emulator).
 
 Its own module so that the heavy SDK imports are paid only when this sink is configured.
 """
@@ -7,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from azure.core.credentials import TokenCredential
 from azure.eventhub import EventData, EventHubProducerClient
 from azure.eventhub.exceptions import EventHubError
-from azure.identity import ManagedIdentityCredential
 
 from forwarder.sinks import SinkError, UndeliverableEnvelope
 from forwarder.store import SpooledEnvelope
@@ -27,17 +28,22 @@ class EventHubSink:
         self._send_timeout = send_timeout
 
     @classmethod
-    def with_managed_identity(
-        cls, *, fully_qualified_namespace: str, eventhub_name: str, client_id: str | None = None
+    def with_credential(
+        cls,
+        *,
+        fully_qualified_namespace: str,
+        eventhub_name: str,
+        credential: TokenCredential,
+        use_tls: bool = True,
     ) -> EventHubSink:
-        """Production: the VM's managed identity (system-assigned, or user-assigned by client id) needs
-        "Azure Event Hubs Data Sender" on the event hub."""
-        credential = ManagedIdentityCredential(client_id=client_id) if client_id else ManagedIdentityCredential()
+        """Production: Entra ID auth; the VM's managed identity needs "Azure Event Hubs Data Sender" on the hub.
+        `use_tls=False` only for a local emulator (plain AMQP on loopback)."""
         producer = EventHubProducerClient(
             fully_qualified_namespace=fully_qualified_namespace,
             eventhub_name=eventhub_name,
             credential=credential,
             retry_total=0,
+            use_tls=use_tls,
         )
         return cls(producer=producer)
 

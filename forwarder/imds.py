@@ -14,9 +14,9 @@ import threading
 import time
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from forwarder.document import ScheduledEventsDocument
 from forwarder.envelope import VmIdentity
@@ -26,6 +26,7 @@ from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
 DEFAULT_IMDS_URL = "http://169.254.169.254"
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
 COMPUTE_PATH = "/metadata/instance/compute?api-version=2021-02-01"
+IDENTITY_TOKEN_PATH = "/metadata/identity/oauth2/token?api-version=2018-02-01"  # noqa: S105 - a path
 # The first request switches the service on and may take up to two minutes.
 FIRST_CALL_TIMEOUT = 130.0
 MAX_BODY = 1 << 20
@@ -52,6 +53,15 @@ class ImdsInvalidResponse(ImdsError):
     def __init__(self, message: str, *, body: bytes = b"") -> None:
         super().__init__(message)
         self.body = body
+
+
+class ManagedIdentityToken(BaseModel):
+    """The IMDS token endpoint's answer (the fields the forwarder uses; IMDS sends numbers as strings)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    access_token: str
+    expires_on: int
 
 
 def parse_document(raw: bytes) -> ScheduledEventsDocument:
@@ -173,6 +183,17 @@ class ImdsClient:
             return VmIdentity.model_validate({k: v for k, v in compute.items() if k in VmIdentity.model_fields})
         except (ValueError, ValidationError) as exc:
             raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
+
+    def get_token(self, resource: str, *, client_id: str | None = None) -> ManagedIdentityToken:
+        """An access token for `resource` from the VM's managed identity (user-assigned when client_id is given)."""
+        path = f"{IDENTITY_TOKEN_PATH}&resource={quote(resource, safe='')}"
+        if client_id:
+            path += f"&client_id={quote(client_id, safe='')}"
+        raw = self._request("GET", path)
+        try:
+            return ManagedIdentityToken.model_validate_json(raw)
+        except ValidationError as exc:
+            raise ImdsInvalidResponse(f"managed identity token answer is invalid: {exc.error_count()} errors") from None
 
     def approve(self, event_ids: Iterable[str], *, attempts: int = 3, backoff: Backoff | None = None) -> None:
         """POST StartRequests for these events. IMDS answers 200 to any valid EventId, even one already approved

@@ -11,7 +11,10 @@ import pytest
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
+from forwarder.credential import ImdsManagedIdentityCredential
 from forwarder.eventhub import EventHubSink
+from forwarder.imds import ImdsClient, ImdsInvalidResponse
+from forwarder.retry import RateLimiter
 from forwarder.sinks import SinkError
 from forwarder.store import SpooledEnvelope
 from tests.forwarder.conftest import Harness, wait_for
@@ -75,3 +78,50 @@ def test_outage_spools_and_replays_in_order(
     assert incarnations == sorted(incarnations)
     assert incarnations[0] == 1
     assert incarnations[-1] == imds.document("web_0")["DocumentIncarnation"]
+
+
+def test_managed_identity_from_imds_end_to_end(imds: ImdsEmulator, eventhubs: EventHubsEmulator) -> None:
+    """The production auth path: an Entra token from the VM's IMDS token endpoint, put to the hub's CBS node."""
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    credential = ImdsManagedIdentityCredential(imds=imds_client)
+    sink = EventHubSink.with_credential(
+        fully_qualified_namespace=f"127.0.0.1:{eventhubs.port}", eventhub_name=HUB, credential=credential, use_tls=False
+    )
+    try:
+        sink.send([SpooledEnvelope(1, 0, "heartbeat", b'{"sequence":0}')], partition_key="pk")
+    finally:
+        sink.close()
+    assert [json.loads(e.body) for e in eventhubs.all_events(HUB)] == [{"sequence": 0}]
+    # The token is cached: a second request for the same scope does not go back to IMDS.
+    before = imds.requests_served["web_0"]
+    first = credential.get_token("https://eventhubs.azure.net//.default")
+    assert credential.get_token("https://eventhubs.azure.net//.default") == first
+    assert imds.requests_served["web_0"] == before
+
+
+def test_user_assigned_identity_must_exist(imds: ImdsEmulator) -> None:
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    credential = ImdsManagedIdentityCredential(imds=imds_client, client_id="00000000-0000-0000-0000-000000000000")
+    with pytest.raises(ImdsInvalidResponse, match="Identity not found"):
+        credential.get_token("https://eventhubs.azure.net//.default")
+
+
+def test_azure_identity_credential_against_the_emulator(
+    imds: ImdsEmulator, eventhubs: EventHubsEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`credential: azure-identity` — ManagedIdentityCredential, pointed at the emulator's token endpoint."""
+    for key, value in imds.identity_environment("web_1").items():
+        monkeypatch.setenv(key, value)
+    from azure.identity import ManagedIdentityCredential
+
+    sink = EventHubSink.with_credential(
+        fully_qualified_namespace=f"127.0.0.1:{eventhubs.port}",
+        eventhub_name=HUB,
+        credential=ManagedIdentityCredential(),
+        use_tls=False,
+    )
+    try:
+        sink.send([SpooledEnvelope(1, 0, "heartbeat", b'{"sequence":0}')], partition_key="pk")
+    finally:
+        sink.close()
+    assert len(eventhubs.all_events(HUB)) == 1

@@ -1,0 +1,127 @@
+"""Steady-state footprint of the on-VM forwarder: RSS and CPU time of a real `python -m forwarder run` process
+polling the IMDS emulator once a second and sending to the Event Hubs emulator over AMQP with an Entra token from
+the VM's managed identity (the production configuration, but plain AMQP on loopback instead of TLS).
+
+    .venv/bin/python -m benchmarks.forwarder_footprint [--seconds 120] [--warmup 10] [--sink eventhub|stdout]
+        [--auth imds|azure-identity|connection-string] [--event-every N]
+
+Prints one JSON object: {forwarder_rss_mib, forwarder_cpu_s_per_hour, polls, ...}. Targets: RSS <= 48 MiB and
+<= 2 CPU-seconds per hour at 1 poll/s. CPU is counted after the warm-up (imports, first connections). With
+--event-every N an event is scheduled every N s, so that the change path (spool write, send, hook report) is
+measured too; heartbeats (every 60 s) are always part of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from emulators.eventhubs import EventHubsEmulator
+from emulators.imds import ImdsEmulator
+
+ROOT = Path(__file__).resolve().parents[1]
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=120.0, help="measured time after the warm-up")
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--sink", choices=("eventhub", "stdout"), default="eventhub")
+    parser.add_argument(
+        "--auth",
+        choices=("imds", "azure-identity", "connection-string"),
+        default="imds",
+        help="Event Hubs auth: the managed identity via the forwarder's IMDS credential (the default, as in "
+        "production), via azure-identity's ManagedIdentityCredential, or a SAS connection string",
+    )
+    parser.add_argument("--event-every", type=float, default=0.0, help="schedule an event every N s (0: none)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as scratch, ImdsEmulator(time_scale=60) as imds, EventHubsEmulator() as hubs:
+        vm = imds.first_vm
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
+        env.update(
+            SE_FORWARDER_IMDS_URL=imds.url_for(vm),
+            SE_FORWARDER_STATE_DIR=str(Path(scratch) / "state"),
+            SE_FORWARDER_HOOKS_DIR=str(Path(scratch) / "hooks"),
+            SE_FORWARDER_SINK=args.sink,
+        )
+        if args.auth == "connection-string":
+            env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = hubs.connection_string("scheduled-events")
+        else:
+            env.update(
+                SE_FORWARDER_EVENTHUB_NAMESPACE=f"127.0.0.1:{hubs.port}",
+                SE_FORWARDER_EVENTHUB_NAME="scheduled-events",
+                SE_FORWARDER_EVENTHUB_USE_TLS="false",
+                SE_FORWARDER_CREDENTIAL=args.auth,
+                **imds.identity_environment(vm),  # azure-identity's token endpoint: the emulator's
+            )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "forwarder", "run"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(args.warmup)
+            polls_before = imds.requests_served[vm]
+            cpu_before = cpu_seconds(process.pid)
+            started = time.monotonic()
+            samples: list[float] = []
+            next_event = started
+            while (elapsed := time.monotonic() - started) < args.seconds:
+                if process.poll() is not None:
+                    raise SystemExit(f"the forwarder exited with {process.returncode}")
+                if args.event_every and time.monotonic() >= next_event:
+                    imds.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=60)
+                    next_event += args.event_every
+                samples.append(rss_mib(process.pid))
+                time.sleep(1.0)
+            cpu = cpu_seconds(process.pid) - cpu_before
+            polls = imds.requests_served[vm] - polls_before
+        finally:
+            process.terminate()
+            process.wait(15)
+        delivered = len(hubs.all_events("scheduled-events"))
+    print(
+        json.dumps(
+            {
+                "forwarder_rss_mib": round(max(samples), 1),
+                "forwarder_rss_mib_median": round(statistics.median(samples), 1),
+                "forwarder_cpu_s_per_hour": round(cpu / elapsed * 3600, 2),
+                "polls": polls,
+                "polls_per_s": round(polls / elapsed, 2),
+                "seconds": round(elapsed, 1),
+                "sink": args.sink,
+                "auth": args.auth if args.sink == "eventhub" else None,
+                "event_every_s": args.event_every,
+                "envelopes_delivered": delivered if args.sink == "eventhub" else None,
+                "exit_code_after_sigterm": process.returncode,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
