@@ -132,7 +132,6 @@ class _Rejected:
 
 @dataclass(eq=False)
 class PendingAccept:
-    id: str
     listener: Listener
     decided: asyncio.Future[ServerConnection | _Rejected]
     sender: asyncio.Future[ServerConnection]
@@ -454,7 +453,7 @@ class RelayService:
         rendezvous_key = str(uuid.uuid4())
         accept_id = query.get("sb-hc-id") or rendezvous_key
         loop = asyncio.get_running_loop()
-        accept = PendingAccept(accept_id, listener, decided=loop.create_future(), sender=loop.create_future())
+        accept = PendingAccept(listener, decided=loop.create_future(), sender=loop.create_future())
         self.accepts[rendezvous_key] = accept
         passthrough = _strip_sb_query(raw_query)
         address = (
@@ -536,7 +535,12 @@ class RelayService:
         assert listener is not None
         hybrid_connection = listener.hybrid_connection
         listener.ready.set()
-        log.info("relay: listener on %s connected (%d now)", hybrid_connection.name, len(hybrid_connection.listeners))
+        log.info(
+            "relay: listener %s on %s connected (%d now)",
+            listener.client_id or "-",
+            hybrid_connection.name,
+            len(hybrid_connection.listeners),
+        )
         expiry = asyncio.create_task(self._expire(listener))
         awaiting: tuple[PendingRequest | None, ResponseMessage] | None = None
         try:
@@ -623,7 +627,12 @@ class RelayService:
             current = self.hybrid_connections.get(hybrid_connection.name.lower())
             if current is hybrid_connection:
                 del self.hybrid_connections[hybrid_connection.name.lower()]
-        log.info("relay: listener on %s left (%d remain)", hybrid_connection.name, len(hybrid_connection.listeners))
+        log.info(
+            "relay: listener %s on %s left (%d remain)",
+            listener.client_id or "-",
+            hybrid_connection.name,
+            len(hybrid_connection.listeners),
+        )
 
     # ---- HTTP senders ----------------------------------------------------------------------------------------
 
