@@ -1,0 +1,102 @@
+"""A VM's hybrid connection over its life: created through ARM by the coordinator, used, found silent, deleted.
+
+Runs HybridConnectionAdmin against the Relay emulator's ARM-shaped hybridConnections API, with ``require_known``
+so that only connections created that way can be listened on or sent to.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from azure.core.credentials import AzureNamedKeyCredential
+
+from coordinator.callback import ApprovalDeliveryError
+from coordinator.relay_admin import HybridConnectionAdmin, hybrid_connections_to_delete
+from coordinator.relay_sender import RelayApprovalSender
+from emulators.imds import ImdsEmulator
+from emulators.relay import RelayEmulator
+from emulators.relay.auth import Right
+from tests.relay.conftest import (
+    LISTEN_KEY,
+    SEND_KEY,
+    VM_A0,
+    VM_A1,
+    MintedCredential,
+    Vm,
+    approval,
+    imds_client,
+    scheduled_event,
+)
+
+
+@pytest.fixture
+def relay() -> Iterator[RelayEmulator]:
+    """Overrides conftest's relay: hybrid connections must be created (through ARM) before use."""
+    emulator = RelayEmulator(
+        sas_keys={"listen": LISTEN_KEY, "send": SEND_KEY},
+        sas_rights={"listen": frozenset({Right.LISTEN}), "send": frozenset({Right.SEND})},
+        response_timeout=5.0,
+        require_known=True,
+    )
+    emulator.start()
+    yield emulator
+    emulator.stop()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.02)
+    return condition()
+
+
+def test_create_use_find_silent_and_delete(
+    imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm]
+) -> None:
+    web0, web1 = imds_client(imds, VM_A0).get_identity(), imds_client(imds, VM_A1).get_identity()
+    admin = HybridConnectionAdmin(
+        credential=MintedCredential("https://management.azure.com"),
+        subscription_id="00000000-0000-0000-0000-00000000e001",
+        resource_group="rg-scheduled-events",
+        namespace="relay-local",
+        arm_endpoint=relay.base_url,
+    )
+    sender = RelayApprovalSender(
+        endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY), max_retry_seconds=2.0
+    )
+    with admin, sender:
+        with pytest.raises(ApprovalDeliveryError, match="does not exist"):
+            sender.send(approval(scheduled_event(imds, VM_A0)), vm=web0)
+
+        created = admin.ensure(web0)
+        assert created.vm_resource_id == web0.resourceId
+        assert created.requires_client_authorization is True
+        admin.ensure(web1)
+        vm = start_vm(VM_A0, auth="sas")
+        assert admin.get(web0.hybrid_connection_name).listener_count == 1  # type: ignore[union-attr]
+        assert sender.send(approval(scheduled_event(imds, VM_A0)), vm=web0).outcome == "approved"
+
+        now = datetime.now(UTC)
+        existing = [item.name for item in admin.list()]
+        assert sorted(existing) == sorted([web0.hybrid_connection_name, web1.hybrid_connection_name])
+        doomed = hybrid_connections_to_delete(
+            existing,
+            last_seen={web0.hybrid_connection_name: now, web1.hybrid_connection_name: now - timedelta(days=3)},
+            now=now,
+            silence_limit=timedelta(days=1),
+        )
+        assert doomed == [web1.hybrid_connection_name]
+        assert all(admin.delete(name) for name in doomed)
+
+        # Deleting the connection of a VM that is still listening drops its listener (1001) …
+        assert admin.delete(web0.hybrid_connection_name) is True
+        assert wait_for(lambda: not vm.listener.connected)
+        assert admin.list() == []
+        # … and ensure() brings it back: the listener's own reconnects find it again.
+        admin.ensure(web0)
+        assert vm.listener.wait_connected(10)
+        assert sender.send(approval(scheduled_event(imds, VM_A0)), vm=web0).outcome == "approved"
+    assert len(imds.approvals()) == 2
