@@ -542,6 +542,9 @@ class Broker:
         if grant.path and resource_path(audience) and not grant.covers(resource_path(audience)):
             self._stats.tokens_refused += 1
             return 401, f"Unauthorized: token for {grant.path!r} does not cover {audience!r}"
+        # Clients renew tokens on a long-lived connection; forget the expired ones so the list stays short.
+        now = time.time()
+        peer.grants = [kept for kept in peer.grants if kept.expires_at > now]
         peer.grants.append(grant)
         return 202, "Accepted"
 
