@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -10,12 +11,13 @@ import pytest
 import requests
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
+from websockets.sync.server import ServerConnection, serve
 
 from coordinator.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
-from forwarder.relay_listener import RelayRequest, RelayResponse, RelayToken, sas_token
+from forwarder.relay_listener import RelayListener, RelayRequest, RelayResponse, RelayToken, sas_token
 from tests.relay.conftest import LISTEN_KEY, SEND_KEY, VM_A0, Vm, approval, scheduled_event
 
 
@@ -176,3 +178,51 @@ def test_refused_handshake_is_retried_with_backoff(relay: RelayEmulator, start_v
     with pytest.raises(AssertionError, match="did not connect"):
         start_vm(VM_A0, token_provider=Wrong(), handler=echo, wait=1.5)
     assert Wrong.calls >= 3  # kept trying, with backoff (capped at 0.5 s in these tests)
+
+
+class StaticToken:
+    def get_token(self) -> RelayToken:
+        return RelayToken("SharedAccessSignature sr=x&sig=y&se=9999999999&skn=z", 9_999_999_999)
+
+
+def test_garbage_from_the_relay_is_counted_and_skipped() -> None:
+    """FAKE relay: the emulator never misbehaves, so a bare websockets server plays one that sends garbage before
+    a valid request; the listener must set each bad frame aside, count it, and still answer the valid request."""
+    answers: list[object] = []
+
+    def misbehave(connection: ServerConnection) -> None:
+        connection.send(b"\x00binary before any request")
+        connection.send("this is not JSON")
+        connection.send(json.dumps({"request": {"id": 5, "method": ["POST"]}}))
+        connection.send(json.dumps({"request": {"id": "r1", "method": "POST", "requestTarget": "/vm-x/hi",
+                                                 "requestHeaders": {}, "body": True}}))  # fmt: skip
+        connection.send(b"payload")
+        answers.append(json.loads(connection.recv(timeout=5)))
+        answers.append(connection.recv(timeout=5))
+        connection.recv(timeout=5)  # until the listener closes
+
+    with serve(misbehave, "127.0.0.1", 0) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port = server.socket.getsockname()[1]
+        listener = RelayListener(
+            endpoint=f"ws://127.0.0.1:{port}",
+            hybrid_connection="vm-x",
+            token_provider=StaticToken(),
+            handler=echo,
+        ).start()
+        try:
+            assert wait_for(lambda: len(answers) == 2)
+        finally:
+            listener.stop(timeout=5)
+            server.shutdown()
+    assert answers[0] == {
+        "response": {
+            "requestId": "r1",
+            "statusCode": 201,
+            "statusDescription": "Created",
+            "responseHeaders": {"X-Path": "/hi", "X-Method": "POST", "X-Query": ""},
+            "body": True,
+        }
+    }
+    assert answers[1] == b"daolyap"
+    assert listener.stats.protocol_errors == 3
