@@ -98,7 +98,7 @@ param dryRun bool = true
 
 @description('Seconds without a heartbeat after which the coordinator reports a VM as silent.')
 @minValue(60)
-param heartbeatTimeoutSeconds int = 600
+param heartbeatTimeoutSeconds int = 300
 
 @description('Days the history table keeps rows.')
 @minValue(4)
@@ -217,7 +217,7 @@ module functionApp 'modules/functionapp.bicep' = {
     logsIngestionEndpoint: monitoring.outputs.logsIngestionEndpoint
     historyDcrImmutableId: monitoring.outputs.historyDcrImmutableId
     historyStreamName: monitoring.outputs.historyStreamName
-    teamsSecretUri: keyVault.outputs.teamsSecretUri
+    teamsUrlEntryUri: keyVault.outputs.teamsUrlEntryUri
     heartbeatTimeoutSeconds: heartbeatTimeoutSeconds
     dryRun: dryRun
     maximumInstanceCount: functionMaximumInstanceCount
@@ -258,7 +258,7 @@ module alerts 'modules/alerts.bicep' = {
     tags: tags
     workspaceId: monitoring.outputs.workspaceId
     keyVaultName: keyVault.outputs.vaultName
-    teamsSecretName: keyVault.outputs.teamsSecretName
+    teamsUrlEntryName: keyVault.outputs.teamsUrlEntryName
   }
 }
 

@@ -19,7 +19,7 @@ param workspaceId string
 param keyVaultName string
 
 @description('Name of that secret.')
-param teamsSecretName string
+param teamsUrlEntryName string
 
 var roles = loadJsonContent('../roles.json')
 var keyVaultAudience = 'https://${substring(environment().suffixes.keyvaultDns, 1)}'
@@ -30,7 +30,7 @@ resource vault 'Microsoft.KeyVault/vaults@2023-07-01' existing = {
 
 resource teamsSecret 'Microsoft.KeyVault/vaults/secrets@2023-07-01' existing = {
   parent: vault
-  name: teamsSecretName
+  name: teamsUrlEntryName
 }
 
 resource teamsPoster 'Microsoft.Logic/workflows@2019-05-01' = {

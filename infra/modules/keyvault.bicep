@@ -70,6 +70,6 @@ resource coordinatorSecretReader 'Microsoft.Authorization/roleAssignments@2022-0
 
 output vaultName string = vault.name
 output vaultUri string = vault.properties.vaultUri
-output teamsSecretName string = teamsSecret.name
+output teamsUrlEntryName string = teamsSecret.name
 // The secret's URI without version: readers always get the current value. Not the value itself.
-output teamsSecretUri string = '${vault.properties.vaultUri}secrets/${teamsSecret.name}'
+output teamsUrlEntryUri string = '${vault.properties.vaultUri}secrets/${teamsSecret.name}'

@@ -85,6 +85,15 @@ var cloudInitHub = replace(replace(cloudInitTemplate, '__EVENTHUB_NAMESPACE__', 
 var cloudInitIdentity = replace(replace(cloudInitHub, '__CLIENT_ID__', vmIdentityClientId), '__RELAY_NAMESPACE__', relayNamespace)
 var cloudInit = replace(replace(cloudInitIdentity, '__HEARTBEAT_SECONDS__', string(heartbeatSeconds)), '__PACKAGE_URL__', forwarderPackageUrl)
 
+// Scheduled events also go to Event Grid (system topic Microsoft.ResourceNotifications.MaintenanceResources) and
+// Azure Resource Graph, in the IMDS 2020-07-01 shape.
+var eventGridPublishing = {
+  eventGridAndResourceGraph: {
+    enable: true
+    scheduledEventsApiVersion: '2020-07-01'
+  }
+}
+
 resource vmss 'Microsoft.Compute/virtualMachineScaleSets@2025-04-01' = {
   // checkov:skip=CKV_AZURE_95:automatic OS image upgrades would reimage instances on the platform's schedule; image rollout is an operator decision announced through osImageNotificationProfile
   name: '${namePrefix}-vmss'
@@ -123,12 +132,8 @@ resource vmss 'Microsoft.Compute/virtualMachineScaleSets@2025-04-01' = {
       allInstancesDown: {
         automaticallyApprove: false
       }
-      scheduledEventsAdditionalPublishingTargets: {
-        eventGridAndResourceGraph: {
-          enable: enableEventGridPublishing
-          scheduledEventsApiVersion: '2020-07-01'
-        }
-      }
+      // Preview, behind a feature flag: left out entirely (null) unless asked for.
+      scheduledEventsAdditionalPublishingTargets: enableEventGridPublishing ? eventGridPublishing : null
     }
     virtualMachineProfile: {
       scheduledEventsProfile: {

@@ -96,9 +96,9 @@ def function_calls(value: Any) -> set[str]:
 
 
 def resource_body(resource: dict[str, Any]) -> dict[str, Any]:
-    """The resource's body, unwrapping a for-loop resource."""
+    """The resource's body, unwrapping a for-loop or an `if (...)` resource."""
     config: dict[str, Any] = resource["config"]
-    return config["config"] if "loop_type" in config else config
+    return config["config"] if "loop_type" in config or "condition" in config else config
 
 
 def decorator(entry: dict[str, Any], kind: str) -> Any:

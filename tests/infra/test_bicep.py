@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tree_sitter
 import tree_sitter_bicep
+import yaml
 from lark.exceptions import LarkError
 
 from tests.infra import bicep_model as bm
@@ -53,7 +55,8 @@ EXPECTED_ASSIGNMENTS = {
     (COORDINATOR, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
     (LOGIC_APP, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
 }
-_SECRETISH = re.compile(r"(key|secret|password|connectionstring|sas|token)s?$", re.IGNORECASE)
+# Like the Bicep linter's outputs-should-not-contain-secrets (password/secret anywhere), plus key-ish endings.
+_SECRETISH = re.compile(r"password|secret|(key|connectionstring|sas|token)s?$", re.IGNORECASE)
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +180,20 @@ def test_os_image_notification_and_event_grid_publishing_are_parameters_off_by_d
     vmss = _vmss()["properties"]
     os_image = vmss["virtualMachineProfile"]["scheduledEventsProfile"]["osImageNotificationProfile"]
     assert os_image == {"enable": "enableOsImageNotification", "notBeforeTimeout": "PT15M"}
+    # The preview publishing block is present only when the parameter asks for it.
     publishing = vmss["scheduledEventsPolicy"]["scheduledEventsAdditionalPublishingTargets"]
-    assert publishing["eventGridAndResourceGraph"]["enable"] == "enableEventGridPublishing"
+    assert publishing == {
+        "operator": {
+            "type": "conditional",
+            "operands": {
+                "condition": "enableEventGridPublishing",
+                "true_value": "eventGridPublishing",
+                "false_value": None,
+            },
+        }
+    }
+    target = bm.parse(MODULES / "vmss.bicep")["variables"]["eventGridPublishing"]["value"]
+    assert target == {"eventGridAndResourceGraph": {"enable": True, "scheduledEventsApiVersion": "2020-07-01"}}
     main_params = bm.parse(bm.MAIN)["parameters"]
     assert main_params["enableOsImageNotification"]["default"] is False
     assert main_params["enableEventGridPublishing"]["default"] is False
@@ -217,22 +232,41 @@ def test_scale_set_uses_the_forwarder_identity_and_ssh_only() -> None:
     assert "adminPassword" not in vmss["properties"]["virtualMachineProfile"]["osProfile"]
 
 
-def test_cloud_init_configures_the_forwarder_with_its_settings() -> None:
+def test_cloud_init_installs_the_forwarder_with_its_settings() -> None:
     template = (bm.INFRA / "cloud-init" / "forwarder.yaml").read_text(encoding="utf-8")
+    assert template.startswith("#cloud-config\n")
     placeholders = set(re.findall(r"__[A-Z_]+__", template))
     text = (MODULES / "vmss.bicep").read_text(encoding="utf-8")
     assert placeholders == set(re.findall(r"'(__[A-Z_]+__)'", text)), "every placeholder is filled, and only those"
-    settings = set(re.findall(r"^\s+(SE_FORWARDER_[A-Z_]+)=", template, re.MULTILINE))
-    assert {
-        "SE_FORWARDER_EVENTHUB_NAMESPACE",
-        "SE_FORWARDER_EVENTHUB_NAME",
-        "SE_FORWARDER_MANAGED_IDENTITY_CLIENT_ID",
-        "SE_FORWARDER_RELAY_NAMESPACE",
-    } <= settings
-    # Only settings the forwarder knows (it refuses unknown SE_FORWARDER_* variables at start).
+    # The installer's own flags (forwarder/install.sh), each one it understands.
+    install = (bm.ROOT / "forwarder" / "install.sh").read_text(encoding="utf-8")
+    flags = set(re.findall(r"(--[a-z-]+) ", template.split("install.sh", 1)[1]))
+    assert flags == {"--eventhub-namespace", "--eventhub-name", "--client-id", "--relay-namespace"}
+    for flag in flags:
+        assert f"    {flag})" in install, f"forwarder/install.sh does not take {flag}"
+    # The environment file is the one the systemd unit reads, with settings the forwarder knows (it refuses
+    # unknown SE_FORWARDER_* variables at start).
+    unit = (bm.ROOT / "forwarder" / "systemd" / "scheduled-events-forwarder.service").read_text(encoding="utf-8")
+    env_file = re.search(r"- path: (\S+\.env)", template)
+    assert env_file
+    assert f"EnvironmentFile=-{env_file.group(1)}" in unit
     from forwarder.config import FIELDS
 
-    assert {name.removeprefix("SE_FORWARDER_").lower() for name in settings} <= set(FIELDS)
+    settings = set(re.findall(r"^\s+SE_FORWARDER_([A-Z_]+)=", template, re.MULTILINE))
+    assert settings
+    assert {name.lower() for name in settings} <= set(FIELDS)
+
+
+def test_cloud_init_is_valid_yaml_and_its_script_is_valid_bash(tmp_path: Path) -> None:
+    template = (bm.INFRA / "cloud-init" / "forwarder.yaml").read_text(encoding="utf-8")
+    document = yaml.safe_load(template)
+    files = {item["path"]: item for item in document["write_files"]}
+    script_path = "/usr/local/sbin/se-forwarder-bootstrap"
+    assert document["runcmd"] == [[script_path]]
+    script = tmp_path / "bootstrap.sh"
+    script.write_text(files[script_path]["content"], encoding="utf-8")
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stderr
 
 
 # --- identities and RBAC ---------------------------------------------------------------------------------------
@@ -374,20 +408,54 @@ def test_teams_url_is_a_secure_parameter_stored_only_in_key_vault() -> None:
     assert secret["properties"]["value"] == "teamsWorkflowUrl"
 
 
+def _app_settings() -> dict[str, Any]:
+    config = bm.resource_body(bm.parse(MODULES / "functionapp.bicep")["resources"]["appSettings"])
+    assert config["name"] == "appsettings"
+    settings: dict[str, Any] = config["properties"]
+    return settings
+
+
 def test_function_app_uses_identity_based_connections() -> None:
-    site = bm.resource_body(bm.parse(MODULES / "functionapp.bicep")["resources"]["site"])
-    settings = {item["name"]: item["value"] for item in site["properties"]["siteConfig"]["appSettings"]}
+    settings = _app_settings()
     assert settings["EventHubConnection__fullyQualifiedNamespace"] == "eventHubNamespace"
     assert settings["EventHubConnection__credential"] == "managedidentity"
     assert settings["AzureWebJobsStorage__credential"] == "managedidentity"
     assert "AzureWebJobsStorage" not in settings
-    assert settings["APPLICATIONINSIGHTS_AUTHENTICATION_STRING"].endswith("Authorization=AAD")
+    assert settings["APPLICATIONINSIGHTS_AUTHENTICATION_STRING"].endswith(";Authorization=AAD")
+    assert settings["COORDINATOR_TEAMS_WEBHOOK_URL"] == "@Microsoft.KeyVault(SecretUri=${teamsUrlEntryUri})"
+    site = bm.resource_body(bm.parse(MODULES / "functionapp.bicep")["resources"]["site"])
     assert site["properties"]["httpsOnly"] is True
+    assert "appSettings" not in site["properties"]["siteConfig"], "app settings live in one place"
     config = site["properties"]["functionAppConfig"]
     assert config["runtime"] == {"name": "python", "version": "3.11"}
     assert config["deployment"]["storage"]["authentication"]["type"] == "UserAssignedIdentity"
     plan = bm.resource_body(bm.parse(MODULES / "functionapp.bicep")["resources"]["plan"])
     assert plan["sku"] == {"name": "FC1", "tier": "FlexConsumption"}
+
+
+def test_app_settings_are_the_ones_the_coordinator_and_function_app_read() -> None:
+    from coordinator.settings import PREFIX, CoordinatorSettings
+
+    settings = _app_settings()
+    coordinator = {name for name in settings if name.startswith(PREFIX)}
+    fields = {PREFIX + field.upper() for field in CoordinatorSettings.model_fields}
+    assert coordinator <= fields, f"unknown coordinator settings {coordinator - fields}"
+    assert {
+        "COORDINATOR_TABLE_ENDPOINT",
+        "COORDINATOR_LOGS_INGESTION_ENDPOINT",
+        "COORDINATOR_LOGS_DCR_IMMUTABLE_ID",
+        "COORDINATOR_RELAY_NAMESPACE",
+        "COORDINATOR_TEAMS_WEBHOOK_URL",
+    } <= coordinator
+    # Never the local-mode switches in Azure.
+    assert not coordinator & {"COORDINATOR_STORAGE_CONNECTION_STRING", "COORDINATOR_ALLOW_ANONYMOUS_APPROVAL"}
+    # Binding expressions (%NAME%) and connection prefixes of function_app.py resolve to app settings.
+    function_app = (bm.ROOT / "function_app.py").read_text(encoding="utf-8")
+    expressions = set(re.findall(r'"%(\w+)%"', function_app))
+    assert expressions, "function_app.py has no %setting% binding expressions any more?"
+    assert expressions <= set(settings)
+    for connection in re.findall(r'connection="(\w+)"', function_app):
+        assert f"{connection}__fullyQualifiedNamespace" in settings
 
 
 # --- history table ---------------------------------------------------------------------------------------------

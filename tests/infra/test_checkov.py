@@ -83,6 +83,14 @@ resource site 'Microsoft.Web/sites@2024-04-01' = {
     }
   }
 }
+
+resource settings 'Microsoft.Web/sites/config@2024-04-01' = {
+  parent: site
+  name: 'appsettings'
+  properties: {
+    STORAGE: 'DefaultEndpointsProtocol=https;AccountName=bad;AccountKey=bm90LWEta2V5;EndpointSuffix=core.windows.net'
+  }
+}
 """
 EXPECTED_BAD = {
     ("CKV_SE_1", "Microsoft.Compute/virtualMachineScaleSets.vmss"),
@@ -91,6 +99,7 @@ EXPECTED_BAD = {
     ("CKV_SE_4", "Microsoft.EventHub/namespaces.ehns"),
     ("CKV_SE_5", "Microsoft.Relay/namespaces/authorizationRules.relayRule"),
     ("CKV_SE_6", "Microsoft.Web/sites.site"),
+    ("CKV_SE_6", "Microsoft.Web/sites/config.settings"),
 }
 
 
@@ -163,6 +172,7 @@ def test_project_checks_run_on_infra(checkov_reports: tuple[dict[str, Any], dict
         ("CKV_SE_4", "Microsoft.Storage/storageAccounts.account"),
         ("CKV_SE_4", "Microsoft.Insights/components.appInsights"),
         ("CKV_SE_6", "Microsoft.Web/sites.site"),
+        ("CKV_SE_6", "Microsoft.Web/sites/config.appSettings"),
     } <= passed
     # CKV_SE_5 passes by absence: no SAS rule resource exists, so it never appears.
     assert not {check for check in passed if check[0] == "CKV_SE_5"}
