@@ -130,3 +130,23 @@ class VmRecord(BaseModel):
     lastSeen: datetime
     listed: list[str] = Field(default_factory=list)
     heartbeatLost: bool = False
+
+
+class VmGroupRecord(BaseModel):
+    """The VMs of one placement group (or scale set, or a lone VM) in one entity: the VMs that report an event
+    together are read and written together, one operation per group instead of one per VM."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    group: str
+    vms: dict[str, VmRecord] = Field(default_factory=dict)
+
+
+def group_key(identity: VmIdentity) -> str:
+    """Where a VM's position is kept: its placement group (events reach a whole placement group), else its scale
+    set, else the VM alone."""
+    if identity.placementGroupId:
+        return f"pg:{identity.placementGroupId.lower()}"
+    if identity.vmScaleSetName:
+        return f"vmss:{identity.subscriptionId}/{identity.resourceGroupName}/{identity.vmScaleSetName}".lower()
+    return f"vm:{identity.vmId.lower()}"

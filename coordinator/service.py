@@ -23,7 +23,15 @@ from coordinator import rules
 from coordinator.alerts import AlertError, AlertSink, build_card, build_vm_card
 from coordinator.callback import ApprovalCallback, ApprovalDeliveryError
 from coordinator.history import HistorySink
-from coordinator.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
+from coordinator.model import (
+    AlertKind,
+    ApprovalRecord,
+    DecisionRecord,
+    EventRecord,
+    VmGroupRecord,
+    VmRecord,
+    group_key,
+)
 from coordinator.retry import backoff_delay
 from coordinator.rows import HistoryRow
 from coordinator.state import (
@@ -47,6 +55,7 @@ MAX_EVENTS_PER_DOCUMENT = 100
 MAX_RESOURCES_PER_EVENT = 1000
 APPROVAL_FAILED_AFTER = 3
 COMMIT_ATTEMPTS = 8
+BULK_ATTEMPTS = 3
 
 
 def utcnow() -> datetime:
@@ -140,6 +149,14 @@ class _Work:
     deliveries: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _VmBatch:
+    groups: dict[str, Stored[VmGroupRecord]]
+    key_of: dict[str, str]
+    updates: dict[str, VmUpdate] = field(default_factory=dict)
+    new_vms: set[str] = field(default_factory=set)
+
+
 def _dead_letter_reason(error: Exception) -> str:
     if isinstance(error, ValidationError):
         parts = []
@@ -230,7 +247,7 @@ class Coordinator:
 
         updates = self._vm_updates(by_vm)
         observations: dict[str, list[Observation]] = defaultdict(list)
-        for update, _etag in updates.values():
+        for update in updates.updates.values():
             report.accepted += update.applied
             report.duplicates += update.duplicates
             for observation in update.observations:
@@ -248,9 +265,8 @@ class Coordinator:
         self._save_vm_updates(updates, report)
         self._act(work, now, report, last_seen=None)
         if self._on_new_vm is not None:
-            for update, etag in updates.values():
-                if etag is None and update.applied:
-                    self._new_vm(update.record.identity)
+            for vm_id in updates.new_vms:
+                self._new_vm(updates.updates[vm_id].record.identity)
         return report
 
     def _new_vm(self, vm: VmIdentity) -> None:
@@ -260,30 +276,51 @@ class Coordinator:
         except Exception:  # e.g. the VM's hybrid connection could not be created: retried when it next reports
             log.exception("setting up new VM %s failed", vm.name)
 
-    def _vm_updates(self, by_vm: dict[str, list[Envelope]]) -> dict[str, tuple[VmUpdate, str | None]]:
-        stored = self.store.get_vms(by_vm)
-        result: dict[str, tuple[VmUpdate, str | None]] = {}
+    def _vm_updates(self, by_vm: dict[str, list[Envelope]]) -> _VmBatch:
+        key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
+        groups = self.store.get_vm_groups(set(key_of.values()), cached=True)
+        batch = _VmBatch(groups=groups, key_of=key_of)
         for vm_id, envelopes in by_vm.items():
-            previous = stored.get(vm_id)
-            update = vm_observations(previous.record if previous else None, envelopes)
-            result[vm_id] = (update, previous.etag if previous else None)
-        return result
+            stored = groups.get(key_of[vm_id])
+            previous = stored.record.vms.get(vm_id) if stored else None
+            batch.updates[vm_id] = vm_observations(previous, envelopes)
+            if previous is None:
+                batch.new_vms.add(vm_id)
+        return batch
 
-    def _save_vm_updates(self, updates: dict[str, tuple[VmUpdate, str | None]], report: BatchReport) -> None:
-        changed = [(u.record, etag) for u, etag in updates.values() if u.applied]
-        if not changed:
+    def _save_vm_updates(self, batch: _VmBatch, report: BatchReport) -> None:
+        mine: dict[str, dict[str, VmRecord]] = defaultdict(dict)
+        for vm_id, update in batch.updates.items():
+            if update.applied:
+                mine[batch.key_of[vm_id]][vm_id] = update.record
+        if not mine:
             return
-        try:
-            self.store.save_vms(changed)
-            return
-        except ConcurrencyConflict:
-            report.conflicts += 1
-        for record, _ in changed:
+
+        def merged(key: str, current: Stored[VmGroupRecord] | None) -> VmGroupRecord:
+            vms = dict(current.record.vms) if current else {}
+            for vm_id, record in mine[key].items():
+                vms[vm_id] = merge_vm_records(record, vms[vm_id]) if vm_id in vms else record
+            return VmGroupRecord(group=key, vms=vms)
+
+        groups = batch.groups
+        for attempt in range(BULK_ATTEMPTS):
+            if attempt:
+                groups = self.store.get_vm_groups(mine)
+            items = []
+            for key in mine:
+                current = groups.get(key)
+                items.append((merged(key, current), current.etag if current else None))
+            try:
+                self.store.save_vm_groups(items)
+                return
+            except ConcurrencyConflict:
+                report.conflicts += 1
+        # Another instance wrote one of these groups (its VMs sit on other Event Hubs partitions): merge per VM.
+        for key in mine:
             for _attempt in range(COMMIT_ATTEMPTS):
-                current = self.store.get_vms([record.identity.vmId]).get(record.identity.vmId.lower())
-                merged = merge_vm_records(record, current.record) if current else record
+                current = self.store.get_vm_groups([key]).get(key)
                 try:
-                    self.store.save_vm(merged, current.etag if current else None)
+                    self.store.save_vm_group(merged(key, current), current.etag if current else None)
                     break
                 except ConcurrencyConflict:
                     report.conflicts += 1
@@ -303,18 +340,22 @@ class Coordinator:
     ) -> list[EventChange]:
         if not observations:
             return []
-        stored = self.store.get_events(observations)
         pending: list[tuple[EventChange, str | None]] = []
-        for event_id, items in observations.items():
-            current = stored.get(event_id)
-            change = self._evolve(current.record if current else None, items, now, fleet)
-            if change is not None and change.changed:
-                pending.append((change, current.etag if current else None))
-        try:
-            self.store.save_events([(c.record, etag) for c, etag in pending])
-            return [c for c, _ in pending]
-        except ConcurrencyConflict:
-            report.conflicts += 1
+        # Another instance may write some of these events meanwhile (a placement group's VMs sit on several
+        # Event Hubs partitions): re-read them all fresh and retry the transaction a few times, then one by one.
+        for attempt in range(BULK_ATTEMPTS):
+            stored = self.store.get_events(observations, cached=attempt == 0)
+            pending = []
+            for event_id, items in observations.items():
+                current = stored.get(event_id)
+                change = self._evolve(current.record if current else None, items, now, fleet)
+                if change is not None and change.changed:
+                    pending.append((change, current.etag if current else None))
+            try:
+                self.store.save_events([(c.record, etag) for c, etag in pending])
+                return [c for c, _ in pending]
+            except ConcurrencyConflict:
+                report.conflicts += 1
         # Another instance wrote one of these events: redo each one on its own from a fresh read.
         committed = []
         for change, _ in pending:
@@ -581,8 +622,11 @@ class Coordinator:
         now = self.clock()
         report = TickReport()
         work = _Work()
-        vms = self.store.all_vms()
-        last_seen = {v.record.identity.name: v.record.lastSeen for v in vms}
+        groups = self.store.all_vm_groups()
+        last_seen: dict[str, datetime] = {}
+        for group in groups:
+            for vm in group.record.vms.values():
+                last_seen[vm.identity.name] = max(vm.lastSeen, last_seen.get(vm.identity.name, vm.lastSeen))
         silent = frozenset(name for name, seen in last_seen.items() if seen < now - self.heartbeat_timeout)
         fleet = _Fleet(self.store)
         open_events = self.store.open_events()
@@ -606,7 +650,7 @@ class Coordinator:
                 work.deliveries.append(record.eventId)
             for kind in record.pendingAlerts:
                 self._retry_alert(record, kind, now, work, report)
-        self._heartbeats(vms, now, work, report)
+        self._heartbeats(groups, now, work, report)
         self._act(work, now, report, last_seen=last_seen)
         return report
 
@@ -629,27 +673,32 @@ class Coordinator:
         if self._alert(record, alert_kind, now, work, report):
             self._commit_one(record.eventId, lambda r: _clear_alert_pending(r, kind))
 
-    def _heartbeats(self, vms: list[Stored[VmRecord]], now: datetime, work: _Work, report: TickReport) -> None:
+    def _heartbeats(self, groups: list[Stored[VmGroupRecord]], now: datetime, work: _Work, report: TickReport) -> None:
         timeout = int(self.heartbeat_timeout.total_seconds())
-        for stored in vms:
-            vm = stored.record
-            if vm.heartbeatLost or vm.lastSeen >= now - self.heartbeat_timeout:
+        for stored in groups:
+            lost = {
+                vm_id: vm.model_copy(update={"heartbeatLost": True})
+                for vm_id, vm in stored.record.vms.items()
+                if not vm.heartbeatLost and vm.lastSeen < now - self.heartbeat_timeout
+            }
+            if not lost:
                 continue
-            lost = vm.model_copy(update={"heartbeatLost": True})
+            updated = stored.record.model_copy(update={"vms": {**stored.record.vms, **lost}})
             try:
-                self.store.save_vm(lost, stored.etag)
+                self.store.save_vm_group(updated, stored.etag)
             except ConcurrencyConflict:
-                continue  # the VM reported meanwhile, or another instance noticed first
-            report.heartbeats_lost += 1
-            work.rows.append(self._vm_row(lost, now, f"no envelope for more than {timeout} s"))
-            try:
-                self.alerts.send(
-                    build_vm_card("heartbeat-lost", lost, now=now, timeout_seconds=timeout),
-                    key=f"{vm.identity.vmId}-heartbeat-lost-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}",
-                )
-                report.alerts_sent += 1
-            except AlertError as error:
-                log.warning("heartbeat alert for %s not delivered: %s", vm.identity.name, error)
+                continue  # a VM of the group reported meanwhile, or another instance noticed first: next tick
+            for vm in lost.values():
+                report.heartbeats_lost += 1
+                work.rows.append(self._vm_row(vm, now, f"no envelope for more than {timeout} s"))
+                try:
+                    self.alerts.send(
+                        build_vm_card("heartbeat-lost", vm, now=now, timeout_seconds=timeout),
+                        key=f"{vm.identity.vmId}-heartbeat-lost-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}",
+                    )
+                    report.alerts_sent += 1
+                except AlertError as error:
+                    log.warning("heartbeat alert for %s not delivered: %s", vm.identity.name, error)
 
     @staticmethod
     def _vm_row(vm: VmRecord, now: datetime, reason: str) -> HistoryRow:

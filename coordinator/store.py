@@ -2,10 +2,15 @@
 
 Layout (one table):
 - PartitionKey ``event``, RowKey = EventId: the merged EventRecord as JSON, plus ``State``/``Open`` for queries.
-- PartitionKey ``vm``, RowKey = vmId: the VmRecord (last sequence/incarnation, listed events, last seen).
-One partition per kind lets a batch write all its events (or VMs) in one transaction (at most 100 operations,
+- PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
+  sequence/incarnation, listed events, last seen) in one entity, since a group's VMs report together.
+One partition per kind lets a batch write all its events (or groups) in one transaction (at most 100 operations,
 all-or-nothing: if any ETag is stale nothing is written and the caller redoes that part one by one).
 Dead letters go to a second table, one row per refused message.
+
+Reads may come from a bounded in-process cache of (record, ETag). That is safe because every write is
+conditional on the ETag: a decision taken on a stale record never commits; the conflict evicts the entry and the
+caller re-reads. It saves most reads when several batches touch the same event (a maintenance wave).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import contextlib
 import hashlib
 import json
 import re
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,10 +34,11 @@ from azure.core.exceptions import HttpResponseError, ResourceExistsError, Resour
 from azure.data.tables import TableClient, TableServiceClient, TableTransactionError, UpdateMode
 from pydantic import BaseModel
 
-from coordinator.model import EventRecord, VmRecord
+from coordinator.model import EventRecord, VmGroupRecord
 
 EVENT_PARTITION = "event"
-VM_PARTITION = "vm"
+VM_GROUP_PARTITION = "vmgroup"
+CACHE_ENTRIES = 50_000
 TRANSACTION_LIMIT = 100
 # Azure Tables allows at most 15 discrete comparisons per filter: PartitionKey + 14 RowKeys.
 ROWKEYS_PER_QUERY = 14
@@ -65,7 +73,7 @@ class Stored(Generic[R]):
 
 
 def _to_entity(partition: str, key: str, record: BaseModel, extra: dict[str, Any]) -> dict[str, Any]:
-    data = record.model_dump_json()
+    data = record.model_dump_json(exclude_defaults=True)
     chunks = [data[i : i + CHUNK_CHARS] for i in range(0, len(data), CHUNK_CHARS)] or [""]
     if len(chunks) > MAX_CHUNKS:
         raise RecordTooLarge(f"record {partition}/{key} is {len(data)} characters; the entity limit is 1 MiB")
@@ -91,13 +99,8 @@ def _event_entity(record: EventRecord) -> dict[str, Any]:
     )
 
 
-def _vm_entity(record: VmRecord) -> dict[str, Any]:
-    return _to_entity(
-        VM_PARTITION,
-        record.identity.vmId.lower(),
-        record,
-        {"VmName": record.identity.name, "LastSeen": record.lastSeen, "HeartbeatLost": record.heartbeatLost},
-    )
+def _group_entity(record: VmGroupRecord) -> dict[str, Any]:
+    return _to_entity(VM_GROUP_PARTITION, record.group, record, {"Vms": len(record.vms)})
 
 
 def _chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
@@ -112,6 +115,9 @@ class TableStateStore:
     def __init__(self, *, table: TableClient, dead_letters: TableClient) -> None:
         self._table = table
         self._dead_letters = dead_letters
+        self._cache: OrderedDict[tuple[str, str], Stored[Any]] = OrderedDict()
+        # The Functions worker runs invocations on a thread pool and shares this store between them.
+        self._cache_lock = threading.Lock()
 
     @classmethod
     def from_connection_string(cls, connection_string: str, *, table_name: str) -> TableStateStore:
@@ -133,10 +139,32 @@ class TableStateStore:
                 service.create_table(client.table_name)
         return store
 
+    # cache ---------------------------------------------------------------------------------------------------
+    def _remember(self, partition: str, key: str, stored: Stored[Any]) -> None:
+        with self._cache_lock:
+            self._cache[(partition, key)] = stored
+            self._cache.move_to_end((partition, key))
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+
+    def _forget(self, partition: str, key: str) -> None:
+        with self._cache_lock:
+            self._cache.pop((partition, key), None)
+
+    def _cached(self, partition: str, key: str) -> Stored[Any] | None:
+        with self._cache_lock:
+            return self._cache.get((partition, key))
+
     # reads ---------------------------------------------------------------------------------------------------
-    def _get_many(self, partition: str, keys: Iterable[str], model: type[R]) -> dict[str, Stored[R]]:
+    def _get_many(self, partition: str, keys: Iterable[str], model: type[R], *, cached: bool) -> dict[str, Stored[R]]:
         wanted = sorted({safe_key(k) for k in keys})
         found: dict[str, Stored[R]] = {}
+        if cached:
+            for key in wanted:
+                hit = self._cached(partition, key)
+                if hit is not None:
+                    found[key] = hit
+            wanted = [k for k in wanted if k not in found]
         for chunk in _chunks(wanted, ROWKEYS_PER_QUERY):
             parameters: dict[str, Any] = {"pk": partition}
             clauses = []
@@ -146,34 +174,36 @@ class TableStateStore:
             # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
             query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
             for entity in self._table.query_entities(query, parameters=parameters):
-                found[str(entity["RowKey"])] = _from_entity(entity, model)
+                stored = _from_entity(entity, model)
+                found[str(entity["RowKey"])] = stored
+                self._remember(partition, str(entity["RowKey"]), stored)
         return found
 
-    def get_events(self, event_ids: Iterable[str]) -> dict[str, Stored[EventRecord]]:
+    def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
         ids = list(event_ids)
-        by_key = self._get_many(EVENT_PARTITION, ids, EventRecord)
+        by_key = self._get_many(EVENT_PARTITION, ids, EventRecord, cached=cached)
         return {i: by_key[safe_key(i)] for i in ids if safe_key(i) in by_key}
 
     def get_event(self, event_id: str) -> Stored[EventRecord] | None:
         return self.get_events([event_id]).get(event_id)
 
-    def get_vms(self, vm_ids: Iterable[str]) -> dict[str, Stored[VmRecord]]:
-        ids = [i.lower() for i in vm_ids]
-        by_key = self._get_many(VM_PARTITION, ids, VmRecord)
-        return {i: by_key[safe_key(i)] for i in ids if safe_key(i) in by_key}
+    def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
+        wanted = list(keys)
+        by_key = self._get_many(VM_GROUP_PARTITION, wanted, VmGroupRecord, cached=cached)
+        return {k: by_key[safe_key(k)] for k in wanted if safe_key(k) in by_key}
 
     def open_events(self) -> list[Stored[EventRecord]]:
         query = "PartitionKey eq @pk and Open eq true"
-        return [
-            _from_entity(e, EventRecord) for e in self._table.query_entities(query, parameters={"pk": EVENT_PARTITION})
-        ]
+        entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION})
+        return [_from_entity(e, EventRecord) for e in entities]
 
-    def all_vms(self) -> list[Stored[VmRecord]]:
-        query = "PartitionKey eq @pk"
-        return [_from_entity(e, VmRecord) for e in self._table.query_entities(query, parameters={"pk": VM_PARTITION})]
+    def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
+        entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": VM_GROUP_PARTITION})
+        return [_from_entity(e, VmGroupRecord) for e in entities]
 
     # writes --------------------------------------------------------------------------------------------------
-    def _save_one(self, entity: dict[str, Any], etag: str | None) -> str:
+    def _save_one(self, entity: dict[str, Any], etag: str | None, record: BaseModel) -> str:
+        partition, key = str(entity["PartitionKey"]), str(entity["RowKey"])
         try:
             if etag is None:
                 metadata = self._table.create_entity(entity)
@@ -182,18 +212,21 @@ class TableStateStore:
                     entity, mode=UpdateMode.REPLACE, etag=etag, match_condition=MatchConditions.IfNotModified
                 )
         except (ResourceExistsError, ResourceModifiedError) as error:
-            raise ConcurrencyConflict(f"{entity['PartitionKey']}/{entity['RowKey']} changed") from error
-        return str(metadata["etag"])
+            self._forget(partition, key)
+            raise ConcurrencyConflict(f"{partition}/{key} changed") from error
+        new_etag = str(metadata["etag"])
+        self._remember(partition, key, Stored(record, new_etag))
+        return new_etag
 
-    def _save_many(self, entities: list[tuple[dict[str, Any], str | None]]) -> list[str]:
+    def _save_many(self, items: list[tuple[dict[str, Any], str | None, BaseModel]]) -> list[str]:
         etags: list[str] = []
-        for start in range(0, len(entities), TRANSACTION_LIMIT):
-            part = entities[start : start + TRANSACTION_LIMIT]
+        for start in range(0, len(items), TRANSACTION_LIMIT):
+            part = items[start : start + TRANSACTION_LIMIT]
             if len(part) == 1:
                 etags.append(self._save_one(*part[0]))
                 continue
             operations: list[Any] = []
-            for entity, etag in part:
+            for entity, etag, _ in part:
                 if etag is None:
                     operations.append(("create", entity))
                 else:
@@ -205,27 +238,35 @@ class TableStateStore:
                     operations.append(("update", entity, options))
             try:
                 results = self._table.submit_transaction(operations)
-            except (TableTransactionError, ResourceExistsError, ResourceModifiedError) as error:
+            except (TableTransactionError, ResourceExistsError, ResourceModifiedError, HttpResponseError) as error:
+                for entity, _, _ in part:
+                    self._forget(str(entity["PartitionKey"]), str(entity["RowKey"]))
+                status = getattr(error, "status_code", None)
+                if (
+                    isinstance(error, HttpResponseError)
+                    and not isinstance(error, TableTransactionError)
+                    and status not in (409, 412)
+                ):
+                    raise
                 raise ConcurrencyConflict(f"transaction of {len(part)} entities refused: {error}") from error
-            except HttpResponseError as error:
-                if error.status_code in (409, 412):
-                    raise ConcurrencyConflict(f"transaction of {len(part)} entities refused: {error}") from error
-                raise
-            etags.extend(str(r["etag"]) for r in results)
+            for (entity, _, record), result in zip(part, results, strict=True):
+                etag = str(result["etag"])
+                self._remember(str(entity["PartitionKey"]), str(entity["RowKey"]), Stored(record, etag))
+                etags.append(etag)
         return etags
 
     def save_event(self, record: EventRecord, etag: str | None) -> str:
-        return self._save_one(_event_entity(record), etag)
+        return self._save_one(_event_entity(record), etag, record)
 
     def save_events(self, items: Sequence[tuple[EventRecord, str | None]]) -> list[str]:
         """All or nothing per transaction of 100; raises ConcurrencyConflict when any ETag is stale."""
-        return self._save_many([(_event_entity(r), e) for r, e in items])
+        return self._save_many([(_event_entity(r), e, r) for r, e in items])
 
-    def save_vm(self, record: VmRecord, etag: str | None) -> str:
-        return self._save_one(_vm_entity(record), etag)
+    def save_vm_group(self, record: VmGroupRecord, etag: str | None) -> str:
+        return self._save_one(_group_entity(record), etag, record)
 
-    def save_vms(self, items: Sequence[tuple[VmRecord, str | None]]) -> list[str]:
-        return self._save_many([(_vm_entity(r), e) for r, e in items])
+    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None]]) -> list[str]:
+        return self._save_many([(_group_entity(r), e, r) for r, e in items])
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:

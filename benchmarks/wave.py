@@ -1,0 +1,180 @@
+"""A maintenance wave through the coordinator's Event Hubs entry point, with state in Azurite.
+
+10,000 VMs in placement groups of 20 each report one Scheduled event (500 distinct events): every VM of a group
+sees its group's event within about a second of the others, groups start 50 ms apart, and the envelopes are spread
+over Event Hubs partitions by VM resource id (the forwarder's partition key), then cut into batches of 100
+(host.json maxEventBatchSize) per partition and fed to ``function_app.ingest_envelopes`` as ``func.EventHubEvent``
+lists. The events are Reboot/Redeploy/long Freeze, which the default policy leaves to a person: the figure covers
+state, rules, history (SQLite) and alerts (cards folder), not approvals (benchmarks/approval_latency.py does those).
+
+    .venv/bin/python -m benchmarks.wave [--vms 10000] [--group-size 20] [--partitions 4] [--batch 100]
+
+Prints one JSON object: {wave_envelopes, wave_seconds, envelopes_per_second, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+import zlib
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import azure.functions as func
+
+from emulators.azurite import Azurite
+from emulators.imds import ImdsEmulator
+from forwarder.envelope import SCHEMA
+
+START = datetime(2026, 11, 20, 1, 0, tzinfo=UTC)
+
+
+def build_wave(vms: int, group_size: int, rng: random.Random) -> list[dict[str, Any]]:
+    groups = vms // group_size
+    kinds = [("Reboot", -1), ("Redeploy", -1), ("Freeze", 30)]
+    out: list[dict[str, Any]] = []
+    for g in range(groups):
+        group_start = START + timedelta(milliseconds=50 * g)
+        names = [f"vmss{g:03d}_{i}" for i in range(group_size)]
+        event_type, duration = kinds[g % len(kinds)]
+        event = {
+            "EventId": str(uuid.UUID(int=rng.getrandbits(128))).upper(),
+            "EventType": event_type,
+            "ResourceType": "VirtualMachine",
+            "Resources": names[: group_size // 4],  # one update domain of the group
+            "EventStatus": "Scheduled",
+            "NotBefore": format_datetime(group_start + timedelta(minutes=15), usegmt=True),
+            "Description": "Virtual machine is going to be restarted for platform maintenance.",
+            "EventSource": "Platform",
+            "DurationInSeconds": duration,
+        }
+        for i, name in enumerate(names):
+            vm_index = g * group_size + i
+            vm_id = str(uuid.UUID(int=vm_index + 1))
+            observed = group_start + timedelta(milliseconds=rng.uniform(0, 1000))
+            out.append(
+                {
+                    "schema": SCHEMA,
+                    "kind": "incarnation",
+                    "vm": {
+                        "name": name,
+                        "vmId": vm_id,
+                        "resourceId": (
+                            "/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/rg-wave/providers/"
+                            f"Microsoft.Compute/virtualMachineScaleSets/vmss{g:03d}/virtualMachines/{i}"
+                        ),
+                        "vmScaleSetName": f"vmss{g:03d}",
+                        "placementGroupId": f"pg-{g:03d}",
+                        "location": "westeurope",
+                    },
+                    "observedAt": observed.isoformat(),
+                    "sequence": 100,
+                    "forwarder": "wave/1.0",
+                    "document": {"DocumentIncarnation": 2, "Events": [event]},
+                }
+            )
+    out.sort(key=lambda e: e["observedAt"])
+    return out
+
+
+def batches(wave: list[dict[str, Any]], partitions: int, batch: int) -> list[list[list[func.EventHubEvent]]]:
+    """Per partition, its batches in order."""
+    per_partition: list[list[func.EventHubEvent]] = [[] for _ in range(partitions)]
+    for envelope in wave:
+        key = envelope["vm"]["resourceId"].lower()
+        partition = zlib.crc32(key.encode()) % partitions
+        events = per_partition[partition]
+        events.append(
+            func.EventHubEvent(
+                body=json.dumps(envelope).encode(),
+                partition_key=key,
+                sequence_number=len(events),
+                offset=str(len(events)),
+                enqueued_time=datetime.fromisoformat(envelope["observedAt"]),
+            )
+        )
+    return [[p[i : i + batch] for i in range(0, len(p), batch)] for p in per_partition]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.wave")
+    parser.add_argument("--vms", type=int, default=10_000)
+    parser.add_argument("--group-size", type=int, default=20)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--serial", dest="parallel", action="store_false", help="one partition after another")
+    args = parser.parse_args(argv)
+
+    rng = random.Random(args.seed)
+    wave = build_wave(args.vms, args.group_size, rng)
+    work = batches(wave, args.partitions, args.batch)
+    with tempfile.TemporaryDirectory() as tmp, Azurite() as azurite, ImdsEmulator(throttle_rps=0) as imds:
+        os.environ.update(
+            {
+                "COORDINATOR_STORAGE_CONNECTION_STRING": azurite.connection_string,
+                "COORDINATOR_STATE_TABLE": "wave",
+                "COORDINATOR_HISTORY_SQLITE_PATH": f"{tmp}/history.sqlite",
+                "COORDINATOR_CARDS_FOLDER": f"{tmp}/cards",
+                "COORDINATOR_IMDS_EMULATOR_URL": imds.url,
+            }
+        )
+        import function_app
+
+        coordinator = function_app.coordinator()
+        coordinator.clock = lambda: START + timedelta(seconds=30)
+        totals: Counter[str] = Counter()
+        original = coordinator.process_batch
+
+        def counted(messages: Any) -> Any:
+            report = original(messages)
+            totals.update(report.as_dict())
+            return report
+
+        coordinator.process_batch = counted  # type: ignore[method-assign]
+
+        def drain(partition: list[list[func.EventHubEvent]]) -> None:
+            for batch in partition:
+                function_app.ingest_envelopes(batch)
+
+        # One reader per partition, in parallel, as the Functions host runs them (the worker's thread pool
+        # shares one coordinator); within a partition, batches stay in order.
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=args.partitions if args.parallel else 1) as pool:
+            for future in [pool.submit(drain, p) for p in work]:
+                future.result()
+        seconds = time.perf_counter() - started
+        open_events = coordinator.store.open_events()
+        states = Counter(s.record.state for s in open_events)
+        cards = len(os.listdir(f"{tmp}/cards"))
+        rows = coordinator.history.query("SELECT count(*) AS n FROM ScheduledEventsHistory_CL")[0]["n"]  # type: ignore[attr-defined]
+    result = {
+        "wave_envelopes": len(wave),
+        "wave_seconds": round(seconds, 3),
+        "envelopes_per_second": round(len(wave) / seconds, 1),
+        "batches": sum(len(p) for p in work),
+        "partitions": args.partitions,
+        "parallel_partitions": args.parallel,
+        "distinct_events": len(open_events),
+        "event_states": dict(states),
+        "vms_merged_per_event": args.group_size,
+        "history_rows": rows,
+        "cards": cards,
+        "dead_lettered": totals["dead_lettered"],
+        "conflicts": totals["conflicts"],
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
