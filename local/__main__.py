@@ -1,0 +1,115 @@
+"""python -m local — the whole pipeline on this machine, no Azure account.
+
+Plays a scenario in the IMDS emulator for several simulated VMs, runs one forwarder process per VM (AMQP to the
+Event Hubs emulator), feeds Event Hubs batches and timer ticks to the same function_app functions the Functions host
+would call (state in Azurite, history in SQLite, cards in a folder), sends approvals through the Relay emulator back
+to the forwarders, prints a live timeline and a summary. Exit 0 when every expectation of the run held, 1 when one
+failed or the run did not finish in time, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from emulators.azurite import AzuriteError
+from emulators.imds import Scenario, ScenarioError
+from local.run import follow, history_command, judge, settle_forwarders
+from local.stack import REPO_ROOT, LocalStack, StackOptions
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_SCENARIO = REPO_ROOT / "emulators" / "scenarios" / "fleet-demo.yaml"
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m local", description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", type=Path, default=DEFAULT_SCENARIO, help="IMDS emulator scenario (YAML/JSON)")
+    parser.add_argument("--time-scale", type=float, default=60.0, help="60: a 15-minute notice lasts 15 s")
+    parser.add_argument("--poll-interval", type=float, default=1.0, help="forwarder IMDS poll interval, seconds")
+    parser.add_argument("--timer-interval", type=float, default=2.0, help="seconds between reevaluate ticks")
+    parser.add_argument("--timeout", type=float, default=240.0, help="give up (exit 1) after this many seconds")
+    parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".local", help="runtime files (default .local/)")
+    parser.add_argument("--policy", type=Path, default=None, help="approval policy (default: coordinator's)")
+    parser.add_argument("--no-prepare-hooks", action="store_true", help="give the forwarders no prepare hook")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
+    parser.add_argument("--quiet", action="store_true", help="no live timeline")
+    arguments = parser.parse_args(argv)
+    if arguments.time_scale <= 0:
+        parser.error("--time-scale must be > 0")
+    if arguments.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    return arguments
+
+
+def _stop_on_sigterm() -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = _arguments(argv)
+    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        scenario = Scenario.from_file(arguments.scenario)
+    except ScenarioError as error:
+        print(f"local: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if arguments.policy is not None and not arguments.policy.is_file():
+        print(f"local: policy file {arguments.policy} does not exist", file=sys.stderr)
+        return EXIT_USAGE
+    options = StackOptions(
+        scenario=scenario,
+        workdir=arguments.workdir,
+        time_scale=arguments.time_scale,
+        poll_interval=arguments.poll_interval,
+        timer_interval=arguments.timer_interval,
+        prepare_hooks=not arguments.no_prepare_hooks,
+        policy_path=arguments.policy,
+    )
+    _stop_on_sigterm()
+    started = time.monotonic()
+    printer = None if arguments.quiet else (lambda line: print(line, flush=True))
+    try:
+        with LocalStack(options) as stack:
+            assert stack.imds is not None
+            print(
+                f"local: scenario {scenario.name!r}, {len(scenario.vms)} VMs, time scale {arguments.time_scale:g}; "
+                f"runtime files in {stack.workdir}; forwarder logs in {stack.logs_dir}",
+                flush=True,
+            )
+            print(f"{'time':<14}{'event':<19}{'type':<10}{'step':<11}{'since seen':>11}  detail", flush=True)
+            follower, finished = follow(stack, timeout=arguments.timeout, printer=printer)
+            settle_forwarders(stack)
+            follower.pump()
+            summary, _facts = judge(stack, follower)
+            if not finished:
+                summary.failures.append(
+                    f"the run did not finish within --timeout {arguments.timeout:g} s; open: "
+                    + ", ".join(follower.timeline.label(e) for e in follower.timeline.open_events())
+                )
+            for line in summary.render():
+                print(line)
+            print(f"cards: {stack.cards_dir} ({len(list(stack.cards_dir.glob('*')))} files)")
+            print(f"query the history: {history_command(stack)}")
+            print(f"run took {time.monotonic() - started:.1f} s")
+            if arguments.json:
+                print(json.dumps(summary.as_dict(), indent=2, sort_keys=True, default=str))
+            return EXIT_OK if summary.ok else EXIT_FAILED
+    except KeyboardInterrupt:
+        print("local: interrupted; every child process was stopped", file=sys.stderr)
+        return 130
+    except AzuriteError as error:
+        print(f"local: {error}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

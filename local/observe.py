@@ -1,0 +1,146 @@
+"""Reads what happened in a local run: the history store as rows appear, what the forwarders sent (the Event Hubs
+emulator's partitions), the coordinator's per-VM positions and dead letters (Azurite), and the IMDS emulator's
+record of events and approvals. Data flows one way: nothing here writes to the pipeline."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from coordinator.rows import history_schema
+from coordinator.store import TableStateStore
+from emulators.eventhubs import EventHubsEmulator
+from emulators.eventhubs.messages import MessageError, decode
+from forwarder.envelope import Envelope
+from local.expectations import Expected
+from local.summary import RunFacts, Sighting, sightings_from_documents
+from local.timeline import Timeline
+
+TABLE = str(history_schema()["table"])
+
+
+class HistoryTail:
+    """Follows the history table by rowid (SQLite WAL lets this reader run beside the coordinator's writer)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._last = 0
+        self._db: sqlite3.Connection | None = None
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        if self._db is None:
+            if not self.path.exists():
+                return []
+            self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+        try:
+            cursor = self._db.execute(
+                f'SELECT rowid AS _rowid, * FROM "{TABLE}" WHERE rowid > ? ORDER BY rowid',  # noqa: S608 -- fixed name
+                (self._last,),
+            )
+        except sqlite3.OperationalError:  # the coordinator has not created the table yet
+            return []
+        rows = [dict(row) for row in cursor.fetchall()]
+        if rows:
+            self._last = int(rows[-1]["_rowid"])
+        return rows
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+
+def sent_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[Envelope], int]:
+    """Every envelope stored in the hub (what the forwarders' sends achieved), and how many messages were not
+    envelopes at all (a test that injects hostile messages counts them here)."""
+    envelopes: list[Envelope] = []
+    other = 0
+    for stored in eventhubs.all_events(hub):
+        try:
+            message = decode(stored.message)
+            # proton hands a data body out as a view into the message's own buffer: copy it while it lives.
+            body: Any = message.body
+            data = body if isinstance(body, bytes | str) else bytes(body)
+            del message
+            envelopes.append(Envelope.from_json_bytes(data))
+        except (MessageError, ValidationError, ValueError, TypeError):
+            other += 1
+    return envelopes, other
+
+
+def sent_facts(envelopes: list[Envelope]) -> tuple[dict[str, int], dict[str, int], set[Sighting]]:
+    kinds = Counter(str(envelope.kind) for envelope in envelopes)
+    last: dict[str, int] = {}
+    documents: list[tuple[str, int, list[tuple[str, str]]]] = []
+    for envelope in envelopes:
+        name = envelope.vm.name
+        last[name] = max(last.get(name, -1), envelope.sequence)
+        if envelope.document is not None:
+            events = [(event.EventId, str(event.EventStatus)) for event in envelope.document.Events]
+            documents.append((name, envelope.sequence, events))
+    return dict(kinds), last, sightings_from_documents(documents)
+
+
+def logged_sightings(history_path: Path) -> set[Sighting]:
+    db = sqlite3.connect(f"file:{history_path}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            f"SELECT VmName, EventId, EventStatus FROM \"{TABLE}\" WHERE RecordType = 'Observation'"  # noqa: S608
+        ).fetchall()
+    finally:
+        db.close()
+    return {(str(vm), str(event_id), str(status)) for vm, event_id, status in rows}
+
+
+def applied_positions(store: TableStateStore) -> dict[str, int]:
+    return {vm.identity.name: vm.lastSequence for stored in store.all_vm_groups() for vm in stored.record.vms.values()}
+
+
+def collect(
+    *,
+    expected: list[Expected],
+    timeline: Timeline,
+    imds_events: list[dict[str, Any]],
+    imds_approvals: list[dict[str, Any]],
+    eventhubs: EventHubsEmulator,
+    hub: str,
+    store: TableStateStore,
+    history_path: Path,
+    envelopes_delivered: int,
+    failed_batches: int,
+    expected_dead_letters: int = 0,
+) -> RunFacts:
+    envelopes, _ = sent_envelopes(eventhubs, hub)
+    kinds, last_sent, sightings = sent_facts(envelopes)
+    latencies: dict[str, list[float]] = {}
+    for path in timeline.paths.values():
+        for step in ("approved", "started", "completed"):
+            value = path.latency_ms(step)
+            if value is not None:
+                latencies.setdefault(step, []).append(value)
+    return RunFacts(
+        expected=expected,
+        imds_events=imds_events,
+        imds_approvals=imds_approvals,
+        coordinator_states={event_id: path.state for event_id, path in timeline.paths.items()},
+        envelopes_sent=kinds,
+        envelopes_delivered=envelopes_delivered,
+        last_sequence_sent=last_sent,
+        last_sequence_applied=applied_positions(store),
+        sightings_sent=sightings,
+        sightings_logged=logged_sightings(history_path),
+        dead_letters=len(store.dead_letters()),
+        failed_batches=failed_batches,
+        expected_dead_letters=expected_dead_letters,
+        latencies_ms=latencies,
+    )
+
+
+def dump_json(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, default=str)

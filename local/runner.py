@@ -1,0 +1,216 @@
+"""What the Functions host does for ``function_app``, done locally: an Event Hubs consumer hands batches to
+``ingest_envelopes`` and a timer calls ``reevaluate``.
+
+The consumer is the real ``azure-eventhub`` ``EventHubConsumerClient`` with checkpoints in Azurite through
+``BlobCheckpointStore``, as the host's Event Hubs extension keeps them in the app's storage account. Batches have the
+host's shape for ``cardinality=many``: up to ``max_batch_size`` ``func.EventHubEvent`` of one partition, each with
+partition key, sequence number, enqueued time and offset. A batch the function raises on is retried with backoff
+(the app's ``@app.retry`` policy); when retries run out it is counted as failed and the checkpoint moves on, as the
+host does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import azure.functions as func
+from azure.eventhub import EventData, EventHubConsumerClient, PartitionContext
+from azure.eventhub.amqp import AmqpMessageBodyType
+from azure.eventhub.extensions.checkpointstoreblob import BlobCheckpointStore
+from azure.functions.timer import TimerRequest
+from azure.storage.blob import BlobServiceClient
+
+log = logging.getLogger("local.runner")
+
+# Azurite 3.35 accepts blob API versions up to this one (docs: local-tooling.md §3).
+AZURITE_BLOB_API_VERSION = "2025-11-05"
+
+IngestFunction = Callable[[list[func.EventHubEvent]], None]
+TimerFunction = Callable[[func.TimerRequest], None]
+
+
+def to_function_event(event: EventData) -> func.EventHubEvent:
+    """The ``func.EventHubEvent`` the Functions worker would build from this message."""
+    offset = event.offset
+    return func.EventHubEvent(
+        body=_body_bytes(event),
+        enqueued_time=event.enqueued_time,
+        partition_key=event.partition_key.decode() if isinstance(event.partition_key, bytes) else event.partition_key,
+        sequence_number=event.sequence_number,
+        offset=None if offset is None else str(offset),
+    )
+
+
+def _body_bytes(event: EventData) -> bytes:
+    # A data body arrives as sections of bytes; the host hands the function their concatenation.
+    body: Any = event.body
+    if isinstance(body, bytes):
+        return body
+    if event.body_type == AmqpMessageBodyType.DATA:
+        return b"".join(body)
+    return event.body_as_str(encoding="utf-8").encode("utf-8")
+
+
+@dataclass
+class RunnerStats:
+    batches: int = 0
+    events: int = 0
+    failed_batches: int = 0
+    retries: int = 0
+    ticks: int = 0
+    failed_ticks: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "errors"} | {"errors": self.errors[-5:]}
+
+
+class FunctionHost:
+    """Consumes ``eventhub_name`` and calls ``ingest`` per batch; calls ``timer`` every ``timer_interval`` seconds.
+
+    :keyword eventhub_connection_string: namespace connection string (the Event Hubs emulator's).
+    :keyword storage_connection_string: Azurite; checkpoints and ownership go to ``checkpoint_container``.
+    :keyword max_batch_size: the host's ``maxEventBatchSize`` (host.json); 100 by default, as in Azure.
+    :keyword max_attempts: tries per batch (1 + the app's retry count).
+    """
+
+    def __init__(
+        self,
+        *,
+        eventhub_connection_string: str,
+        eventhub_name: str,
+        storage_connection_string: str,
+        ingest: IngestFunction,
+        timer: TimerFunction | None = None,
+        timer_interval: float = 2.0,
+        consumer_group: str = "$Default",
+        checkpoint_container: str = "azure-webjobs-eventhub",
+        max_batch_size: int = 100,
+        max_wait_time: float = 0.05,
+        max_attempts: int = 6,
+        retry_initial: float = 0.2,
+        retry_maximum: float = 2.0,
+    ) -> None:
+        self._ingest = ingest
+        self._timer = timer
+        self._timer_interval = timer_interval
+        self._max_batch_size = max_batch_size
+        self._max_wait_time = max_wait_time
+        self._max_attempts = max_attempts
+        self._retry = (retry_initial, retry_maximum)
+        blobs = BlobServiceClient.from_connection_string(
+            storage_connection_string, api_version=AZURITE_BLOB_API_VERSION
+        )
+        container = blobs.get_container_client(checkpoint_container)
+        if not container.exists():
+            container.create_container()
+        blobs.close()
+        store = BlobCheckpointStore.from_connection_string(storage_connection_string, checkpoint_container)
+        self._client = EventHubConsumerClient.from_connection_string(
+            eventhub_connection_string,
+            consumer_group=consumer_group,
+            eventhub_name=eventhub_name,
+            checkpoint_store=store,
+            load_balancing_strategy="greedy",
+            load_balancing_interval=2.0,
+            retry_total=3,
+            retry_backoff_factor=0.2,
+            retry_backoff_max=2.0,
+        )
+        self.stats = RunnerStats()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._rng = random.Random()  # noqa: S311 -- jitter, not security
+
+    def start(self) -> None:
+        receive = threading.Thread(target=self._receive, name="local-eventhub-trigger", daemon=True)
+        self._threads.append(receive)
+        receive.start()
+        if self._timer is not None:
+            tick = threading.Thread(target=self._tick_loop, name="local-timer-trigger", daemon=True)
+            self._threads.append(tick)
+            tick.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._client.close()
+        for thread in self._threads:
+            thread.join(timeout=15)
+
+    def _receive(self) -> None:
+        self._client.receive_batch(
+            on_event_batch=self._on_batch,
+            on_error=self._on_error,
+            max_batch_size=self._max_batch_size,
+            max_wait_time=self._max_wait_time,
+            starting_position="-1",
+        )
+
+    def _on_error(self, context: PartitionContext | None, error: Exception) -> None:
+        partition = context.partition_id if context is not None else "-"
+        log.warning("event hub consumer error on partition %s: %s", partition, error)
+
+    def _on_batch(self, context: PartitionContext, events: Sequence[EventData]) -> None:
+        if not events:
+            return
+        batch = [to_function_event(event) for event in events]
+        self.deliver(batch)
+        context.update_checkpoint(events[-1])
+
+    def deliver(self, batch: list[func.EventHubEvent]) -> bool:
+        """One invocation of the trigger with the host's retry policy; True if the function succeeded."""
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                self._ingest(batch)
+            except Exception as error:
+                with self._lock:
+                    self.stats.retries += 1
+                    self.stats.errors.append(f"ingest_envelopes: {type(error).__name__}: {error}")
+                log.exception("ingest_envelopes failed (attempt %d of %d)", attempt, self._max_attempts)
+                if attempt == self._max_attempts or self._stopping.is_set():
+                    break
+                delay = min(self._retry[1], self._retry[0] * 2 ** (attempt - 1))
+                self._stopping.wait(self._rng.uniform(delay / 2, delay))
+                continue
+            with self._lock:
+                self.stats.batches += 1
+                self.stats.events += len(batch)
+            return True
+        with self._lock:
+            self.stats.failed_batches += 1
+        return False
+
+    def _tick_loop(self) -> None:
+        assert self._timer is not None
+        while not self._stopping.wait(self._timer_interval):
+            self.tick()
+
+    def tick(self) -> None:
+        assert self._timer is not None
+        try:
+            self._timer(TimerRequest(past_due=False))
+        except Exception as error:
+            with self._lock:
+                self.stats.failed_ticks += 1
+                self.stats.errors.append(f"reevaluate: {type(error).__name__}: {error}")
+            log.exception("reevaluate failed")
+            return
+        with self._lock:
+            self.stats.ticks += 1
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

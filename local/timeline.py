@@ -1,0 +1,165 @@
+"""The live timeline: history rows in, one terminal line per step of an event's path out (pure, no I/O).
+
+An event's path is seen → decided (by which rule) → approved → started → completed (or canceled / expired).
+Latencies are measured from the moment a forwarder first observed the event (the envelope's ``observedAt``), so
+they show what the pipeline adds, not how long the platform's notice was.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+TERMINAL = frozenset({"Completed", "Canceled", "Expired"})
+
+
+def parse_time(value: Any) -> datetime | None:
+    if isinstance(value, datetime):
+        return value
+    if not isinstance(value, str) or not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+@dataclass
+class EventPath:
+    event_id: str
+    event_type: str = ""
+    first_observed: datetime | None = None
+    reporters: set[str] = field(default_factory=set)
+    rule: str = ""
+    verdict: str = ""
+    approved_at: datetime | None = None
+    approved_via: str = ""
+    state: str = "Scheduled"
+    steps: dict[str, datetime] = field(default_factory=dict)
+
+    def latency_ms(self, step: str) -> float | None:
+        at = self.steps.get(step)
+        if at is None or self.first_observed is None:
+            return None
+        return (at - self.first_observed).total_seconds() * 1000.0
+
+
+def _short(event_id: str) -> str:
+    return event_id[:8]
+
+
+def _clock(at: datetime | None) -> str:
+    return at.strftime("%H:%M:%S.%f")[:-3] if at is not None else "--:--:--.---"
+
+
+def _since(path: EventPath, at: datetime | None) -> str:
+    if at is None or path.first_observed is None:
+        return ""
+    return f"+{(at - path.first_observed).total_seconds() * 1000.0:,.0f} ms"
+
+
+class Timeline:
+    """Feed history rows (dicts with the history table's columns, as SQLite returns them) in order with ``add``;
+    each call returns the lines to print. ``paths`` keeps every event's path for the summary."""
+
+    def __init__(self, *, labels: dict[str, str] | None = None) -> None:
+        self.paths: dict[str, EventPath] = {}
+        self.dead_letters = 0
+        self.labels = dict(labels or {})
+
+    def label(self, event_id: str) -> str:
+        return self.labels.get(event_id, _short(event_id))
+
+    def _line(self, at: datetime | None, path: EventPath, step: str, detail: str) -> str:
+        clock = at.strftime("%H:%M:%S.%f")[:-3] if at is not None else "--:--:--.---"
+        latency = _since(path, at)
+        return (
+            f"{clock}  {self.label(path.event_id):<18} {path.event_type:<9} {step:<10} {latency:>11}  {detail}".rstrip()
+        )
+
+    def add(self, row: dict[str, Any]) -> list[str]:
+        kind = str(row.get("RecordType") or "")
+        at = parse_time(row.get("TimeGenerated"))
+        if kind == "DeadLetter":
+            self.dead_letters += 1
+            return [f"{_clock(at)}  {'(dead letter)':<18} {'':<9} {'refused':<10} {'':>11}  {row.get('Reason') or ''}"]
+        if kind == "Heartbeat":
+            vm = row.get("VmName") or ""
+            return [f"{_clock(at)}  {vm:<18} {'':<9} {'heartbeat':<10} {'':>11}  {row.get('Outcome') or ''}"]
+        event_id = str(row.get("EventId") or "")
+        handler = self._handlers.get(kind)
+        if not event_id or handler is None:
+            return []
+        path = self.paths.get(event_id)
+        if path is None:
+            path = self.paths[event_id] = EventPath(event_id=event_id)
+        path.event_type = path.event_type or str(row.get("EventType") or "")
+        return handler(path, row, at)
+
+    @property
+    def _handlers(self) -> dict[str, Callable[[EventPath, dict[str, Any], datetime | None], list[str]]]:
+        return {
+            "Observation": self._observation,
+            "Decision": self._decision,
+            "Approval": self._approval,
+            "Transition": self._transition,
+            "Hook": self._hook,
+        }
+
+    def _decision(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
+        path.rule = str(row.get("Rule") or "")
+        path.verdict = str(row.get("Outcome") or "")
+        if at is not None:
+            path.steps.setdefault("decided", at)
+        return [self._line(at, path, "decided", f"rule {path.rule} → {path.verdict}: {row.get('Reason') or ''}")]
+
+    def _approval(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
+        outcome = str(row.get("Outcome") or "")
+        vm = str(row.get("VmName") or "")
+        if outcome != "approved":
+            return [self._line(at, path, "approval", f"{outcome}: {row.get('Reason') or ''}")]
+        path.approved_at = path.approved_at or at
+        path.approved_via = path.approved_via or vm
+        if at is not None:
+            path.steps.setdefault("approved", at)
+        return [self._line(at, path, "approved", f"StartRequests accepted through {vm} (Relay)")]
+
+    def _transition(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
+        state = str(row.get("State") or "")
+        path.state = state or path.state
+        if at is not None:
+            path.steps.setdefault(state.lower(), at)
+        if state == "Approved":
+            return []  # the Approval row already said so
+        return [self._line(at, path, state.lower(), str(row.get("Reason") or ""))]
+
+    def _hook(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
+        outcome = str(row.get("Outcome") or "")
+        if outcome == "not-run":
+            return []
+        return [self._line(at, path, "hook", f"{row.get('HookPhase') or ''} on {row.get('VmName') or ''}: {outcome}")]
+
+    def _observation(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
+        vm = str(row.get("VmName") or "")
+        observed = parse_time(row.get("ObservedAt")) or at
+        status = str(row.get("EventStatus") or "")
+        first = path.first_observed is None
+        if first:
+            path.first_observed = observed
+            if observed is not None:
+                path.steps["seen"] = observed
+        path.reporters.add(vm)
+        if first:
+            resources = row.get("Resources")
+            if isinstance(resources, str):
+                try:
+                    resources = json.loads(resources)
+                except ValueError:
+                    resources = [resources]
+            affected = ", ".join(resources) if isinstance(resources, list) else ""
+            logged = f"logged {_since(path, at)}" if at is not None else ""
+            return [self._line(observed, path, "seen", f"{status} by {vm}; affects {affected}; {logged}".rstrip("; "))]
+        return []
+
+    def open_events(self) -> list[str]:
+        return sorted(e for e, p in self.paths.items() if p.state not in TERMINAL)

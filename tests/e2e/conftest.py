@@ -1,0 +1,119 @@
+"""End-to-end helpers: run the whole local pipeline (real processes and protocols) on a scenario and judge it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from emulators.imds import Scenario
+from local.run import Follower, follow, judge, settle_forwarders
+from local.stack import LocalStack, StackOptions
+from local.summary import RunFacts, Summary
+
+FLEET_DEMO = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "fleet-demo.yaml"
+
+
+def compact_scenario(**extra_steps: Any) -> Scenario:
+    """Three VMs and four events, each of a different fate, in about 10 s at time scale 120: a short Freeze on a
+    placement group (approve now), a scale-in Terminate (approve after the prepare hook), a Spot eviction (a person
+    would decide; it starts at NotBefore) and a Redeploy canceled before it starts."""
+    return Scenario.from_mapping(
+        {
+            "name": "e2e-compact",
+            "scaleSets": {"web": {"terminateNotification": True, "terminateNotBeforeSeconds": 600}},
+            "vms": [
+                {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg-1"},
+                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-1"},
+                {"name": "spot-0", "priority": "Spot", "isolated": True},
+            ],
+            "steps": [
+                {"at": 0, "create": {"ref": "freeze", "EventType": "Freeze", "Resources": ["web_0"], "DurationInSeconds": 5}},
+                {"at": 60, "create": {"ref": "scale-in", "EventType": "Terminate", "Resources": ["web_1"], "EventSource": "Platform"}},
+                {"at": 120, "create": {"ref": "evict", "EventType": "Preempt", "Resources": ["spot-0"]}},
+                {"at": 180, "create": {"ref": "redeploy", "EventType": "Redeploy", "Resources": ["web_0"]}},
+                {"at": 420, "cancel": "redeploy"},
+            ],
+        }
+    )
+
+
+@dataclass
+class Outcome:
+    stack: LocalStack
+    follower: Follower
+    finished: bool
+    summary: Summary
+    facts: RunFacts
+
+    def figures(self) -> str:
+        s = self.summary
+        return (
+            f"approvals expected {s.approvals_expected} made {s.approvals_made}; envelopes sent {s.envelopes_sent} "
+            f"delivered {s.envelopes_delivered}; sightings sent {s.sightings_sent} logged {s.sightings_logged}; "
+            f"dead letters {s.dead_letters}"
+        )
+
+
+Runner = Callable[..., Outcome]
+
+
+@pytest.fixture
+def run_pipeline(tmp_path: Path) -> Iterator[Runner]:
+    """``run_pipeline(scenario, during=fn(stack), ...)`` starts the stack, calls ``during`` on a thread while the
+    scenario plays, follows the history until every event is over, settles the forwarders and judges."""
+    stacks: list[LocalStack] = []
+
+    def run(
+        scenario: Scenario,
+        *,
+        time_scale: float = 120.0,
+        timeout: float = 90.0,
+        during: Callable[[LocalStack], None] | None = None,
+        expected_dead_letters: int = 0,
+        **options: Any,
+    ) -> Outcome:
+        stack = LocalStack(
+            StackOptions(
+                scenario=scenario,
+                workdir=tmp_path / f"run{len(stacks)}",
+                time_scale=time_scale,
+                timer_interval=options.pop("timer_interval", 1.0),
+                heartbeat_interval=options.pop("heartbeat_interval", 5.0),
+                **options,
+            )
+        )
+        stacks.append(stack)
+        stack.start()
+        errors: list[BaseException] = []
+        worker = None
+        if during is not None:
+
+            def guarded() -> None:
+                try:
+                    during(stack)
+                except BaseException as error:
+                    errors.append(error)
+
+            worker = threading.Thread(target=guarded, name="e2e-during", daemon=True)
+            worker.start()
+        follower, finished = follow(stack, timeout=timeout, printer=print)
+        if worker is not None:
+            worker.join(timeout=60)
+        if errors:
+            raise errors[0]
+        settle_forwarders(stack)
+        follower.pump()
+        summary, facts = judge(stack, follower, expected_dead_letters=expected_dead_letters)
+        outcome = Outcome(stack, follower, finished, summary, facts)
+        print("\n".join(summary.render()))
+        print("figures:", outcome.figures())
+        return outcome
+
+    yield run
+    for stack in stacks:
+        stack.stop()

@@ -1,0 +1,204 @@
+"""Pure parts of the local mode: timeline lines, expectations, the summary's verdict, scenario shifting."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import pytest
+
+from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from emulators.imds import Scenario
+from local.expectations import Expected, expect, expect_all
+from local.scenario import delayed
+from local.summary import RunFacts, percentile, sightings_from_documents, summarize
+from local.timeline import Timeline
+
+T0 = datetime(2026, 1, 5, 12, 0, 0, tzinfo=UTC)
+EVENT = "11111111-2222-3333-4444-555555555555"
+
+
+def at(ms: float) -> str:
+    return (T0 + timedelta(milliseconds=ms)).isoformat()
+
+
+def row(kind: str, ms: float, **values: Any) -> dict[str, Any]:
+    return {"RecordType": kind, "TimeGenerated": at(ms), "EventId": EVENT, "EventType": "Freeze", **values}
+
+
+def test_timeline_follows_an_event_from_seen_to_completed_with_latencies() -> None:
+    timeline = Timeline(labels={EVENT: "freeze-web"})
+    lines: list[str] = []
+    for item in [
+        row("Observation", 120, ObservedAt=at(0), VmName="web_0", EventStatus="Scheduled", Resources='["web_0"]'),
+        row("Observation", 130, ObservedAt=at(10), VmName="web_1", EventStatus="Scheduled"),
+        row("Decision", 150, Rule="short-freeze", Outcome="approve", Reason="at once"),
+        row("Approval", 400, Outcome="approved", VmName="web_1"),
+        row("Transition", 400, State="Approved"),
+        row("Transition", 1500, State="Started", Reason="seen Started"),
+        row("Hook", 1600, Outcome="not-run", VmName="web_0"),
+        row("Transition", 9000, State="Completed", Reason="gone"),
+    ]:
+        lines.extend(timeline.add(item))
+    steps = [line.split()[3] for line in lines]
+    assert steps == ["seen", "decided", "approved", "started", "completed"]
+    assert "freeze-web" in lines[0]
+    assert "logged +120 ms" in lines[0]
+    assert "+400 ms" in lines[2]
+    assert "through web_1" in lines[2]
+    path = timeline.paths[EVENT]
+    assert path.state == "Completed"
+    assert path.rule == "short-freeze"
+    assert path.reporters == {"web_0", "web_1"}
+    assert path.latency_ms("approved") == pytest.approx(400.0)
+    assert path.latency_ms("completed") == pytest.approx(9000.0)
+    assert timeline.open_events() == []
+
+
+def test_timeline_counts_dead_letters_and_shows_failed_approvals() -> None:
+    timeline = Timeline()
+    dead = timeline.add({"RecordType": "DeadLetter", "TimeGenerated": at(0), "Reason": "invalid envelope: vm"})
+    failed = timeline.add(row("Approval", 50, Outcome="failed", Reason="no listener"))
+    assert timeline.dead_letters == 1
+    assert "invalid envelope: vm" in dead[0]
+    assert "failed: no listener" in failed[0]
+    assert timeline.open_events() == [EVENT]
+    assert timeline.add({"RecordType": "Alert", "TimeGenerated": at(60), "EventId": EVENT}) == []
+
+
+def imds_event(
+    event_type: str,
+    *,
+    source: str = "Platform",
+    duration: int = -1,
+    notice: float = 15.0,
+    state: str = "Completed",
+    started_by: str | None = "approval",
+    ref: str = "e",
+) -> dict[str, Any]:
+    return {
+        "EventId": f"{ref}-id",
+        "EventType": event_type,
+        "EventSource": source,
+        "Resources": ["web_0"],
+        "DurationInSeconds": duration,
+        "NotBefore": format_datetime(T0 + timedelta(seconds=notice), usegmt=True) if notice else "",
+        "scheduledAt": T0.isoformat(),
+        "state": state,
+        "startedBy": started_by,
+        "ref": ref,
+    }
+
+
+def test_expectations_follow_the_default_policy() -> None:
+    policy = load_policy(DEFAULT_POLICY_PATH)
+    short_freeze = expect(imds_event("Freeze", duration=5), policy, prepare_hooks=True)
+    long_freeze = expect(imds_event("Freeze", duration=30), policy, prepare_hooks=True)
+    user_reboot = expect(imds_event("Reboot", source="User"), policy, prepare_hooks=True)
+    terminate = expect(imds_event("Terminate"), policy, prepare_hooks=True)
+    terminate_no_hooks = expect(imds_event("Terminate"), policy, prepare_hooks=False)
+    preempt = expect(imds_event("Preempt", notice=0.5), policy, prepare_hooks=True)
+    failure = expect(imds_event("Reboot", notice=0, started_by="hardware-failure"), policy, prepare_hooks=True)
+    canceled = expect(imds_event("Redeploy", state="Canceled", started_by=None), policy, prepare_hooks=True)
+    assert (short_freeze.approval, short_freeze.rule) == ("approve", "short-freeze")
+    assert long_freeze.approval == "no-approval"
+    assert user_reboot.approval == "approve"
+    assert (terminate.approval, terminate.rule) == ("approve", "terminate-after-prepare-hooks")
+    assert terminate_no_hooks.approval == "either"
+    assert preempt.approval == "no-approval"
+    assert failure.approval == "no-approval"
+    assert (canceled.approval, canceled.terminal_state) == ("no-approval", "Canceled")
+    assert short_freeze.terminal_state == "Completed"
+
+
+def test_a_notice_too_short_to_act_on_sets_no_expectation() -> None:
+    policy = load_policy(DEFAULT_POLICY_PATH)
+    [quick] = expect_all([imds_event("Freeze", duration=5, notice=1)], policy, prepare_hooks=True)
+    assert quick.approval == "either"
+
+
+def test_sightings_from_documents_orders_by_sequence_and_notices_gone() -> None:
+    documents = [
+        ("web_0", 3, []),
+        ("web_0", 1, [("A", "Scheduled")]),
+        ("web_0", 2, [("A", "Started"), ("B", "Scheduled")]),
+        ("web_1", 7, [("A", "Scheduled")]),
+    ]
+    assert sightings_from_documents(documents) == {
+        ("web_0", "A", "Scheduled"),
+        ("web_0", "A", "Started"),
+        ("web_0", "B", "Scheduled"),
+        ("web_0", "A", "Gone"),
+        ("web_0", "B", "Gone"),
+        ("web_1", "A", "Scheduled"),
+    }
+
+
+def expected(event_id: str, approval: str, terminal: str = "Completed") -> Expected:
+    return Expected(event_id, event_id, "Freeze", approval, "rule", terminal)  # type: ignore[arg-type]
+
+
+def facts(**changes: Any) -> RunFacts:
+    base: dict[str, Any] = {
+        "expected": [expected("A", "approve"), expected("B", "no-approval", "Canceled"), expected("C", "either")],
+        "imds_events": [{"EventId": "A", "state": "Completed"}, {"EventId": "B", "state": "Canceled"}],
+        "imds_approvals": [{"EventId": "A", "vm": "web_0"}],
+        "coordinator_states": {"A": "Completed", "B": "Canceled", "C": "Completed"},
+        "envelopes_sent": {"incarnation": 4, "heartbeat": 2},
+        "envelopes_delivered": 6,
+        "last_sequence_sent": {"web_0": 5},
+        "last_sequence_applied": {"web_0": 5},
+        "sightings_sent": {("web_0", "A", "Scheduled")},
+        "sightings_logged": {("web_0", "A", "Scheduled"), ("web_0", "B", "Scheduled")},
+        "dead_letters": 0,
+        "failed_batches": 0,
+        "latencies_ms": {"approved": [100.0, 300.0, 200.0]},
+    }
+    return RunFacts(**(base | changes))
+
+
+def test_summary_of_a_good_run_is_ok() -> None:
+    summary = summarize(facts())
+    assert summary.ok, summary.failures
+    assert (summary.approvals_expected, summary.approvals_made, summary.approvals_expected_made) == (1, 1, 1)
+    assert summary.events_by_state == {"Completed": 2, "Canceled": 1}
+    assert summary.envelopes_sent == 6
+    assert summary.latencies_ms["approved"]["p50"] == 200.0
+    assert any("OK" in line for line in summary.render())
+
+
+@pytest.mark.parametrize(
+    ("changes", "failure"),
+    [
+        ({"imds_approvals": []}, "should have approved"),
+        ({"imds_approvals": [{"EventId": "A"}, {"EventId": "B"}]}, "approved although"),
+        ({"coordinator_states": {"A": "Started", "B": "Canceled"}}, "coordinator state Started"),
+        ({"last_sequence_applied": {"web_0": 4}}, "last envelope sequence sent 5, applied by the coordinator 4"),
+        ({"sightings_logged": set()}, "1 event sightings sent but never logged"),
+        ({"dead_letters": 2}, "dead letters: 2, expected 0"),
+        ({"failed_batches": 1}, "failed every retry"),
+        ({"envelopes_sent": {}}, "no envelope reached Event Hubs"),
+    ],
+)
+def test_summary_names_each_failed_expectation(changes: dict[str, Any], failure: str) -> None:
+    summary = summarize(facts(**changes))
+    assert not summary.ok
+    assert any(failure in text for text in summary.failures), summary.failures
+    assert any("FAILED" in line for line in summary.render())
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile([7.0], 0.99) == 7.0
+
+
+def test_delayed_shifts_every_step_and_refuses_negative_delays() -> None:
+    scenario = Scenario.from_file("emulators/scenarios/fleet-demo.yaml")
+    later = delayed(scenario, seconds=180)
+    assert [s.at for s in later.steps] == [s.at + 180 for s in scenario.steps]
+    assert later.vms == scenario.vms
+    with pytest.raises(ValueError, match="early"):
+        delayed(scenario, seconds=-1)
