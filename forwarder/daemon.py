@@ -327,7 +327,7 @@ class Forwarder:
                     "envelope can never be delivered; set aside",
                     extra=fields(reason=str(exc), sequence=exc.item.sequence),
                 )
-                self.store.reject(f"undeliverable envelope: {exc}", exc.item.body)
+                self.store.reject(f"undeliverable envelope: {exc}", exc.item.body, counter="undeliverable_envelopes")
                 self.store.ack([exc.item])
             except Exception as exc:  # SinkError, and whatever else an SDK or credential raises: keep spooling
                 self.counters["send_failures"] += 1
@@ -386,7 +386,19 @@ class Forwarder:
                 event = ScheduledEvent.model_validate_json(job.event)
                 phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
                 self.store.mark_hook_running(job)
-                reports = self.hooks.run(event, phase=phase, vm_name=identity.name)
+                try:
+                    reports = self.hooks.run(event, phase=phase, vm_name=identity.name)
+                except Exception as exc:  # a bug here must not silently end hook processing for good
+                    log.exception("running hooks failed", extra=fields(event_id=job.event_id, phase=phase))
+                    reports = [
+                        HookReport(
+                            eventId=job.event_id,
+                            phase=phase,
+                            outcome="failed",
+                            durationSeconds=0.0,
+                            outputTail=f"the forwarder could not run the hooks: {exc}"[:2048],
+                        )
+                    ]
                 self.counters["hooks_run"] += 1
                 for index, report in enumerate(reports):
                     self._spool_hook_report(report, done=job if index == len(reports) - 1 else None)

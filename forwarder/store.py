@@ -208,15 +208,15 @@ class Store:
             return db.execute("DELETE FROM hooks WHERE status = 'done' AND updated_at < ?", (cutoff,)).rowcount
 
     # --- bad input -------------------------------------------------------------------------------------------
-    def reject(self, reason: str, body: bytes) -> None:
-        """Set a bad IMDS answer aside (the last few are kept for inspection) and count it."""
+    def reject(self, reason: str, body: bytes, *, counter: str = "invalid_documents") -> None:
+        """Set a bad item aside (the last few are kept for inspection) and count it."""
         with self._tx() as db:
             db.execute(
                 "INSERT INTO rejects (at, reason, body) VALUES (?, ?, ?)",
                 (datetime.now(UTC).isoformat(), reason, body[:65536]),
             )
             db.execute("DELETE FROM rejects WHERE id <= (SELECT MAX(id) FROM rejects) - ?", (KEEP_REJECTS,))
-            self._bump(db, "invalid_documents")
+            self._bump(db, counter)
 
     def rejects(self) -> list[tuple[str, bytes]]:
         with self._lock:

@@ -14,7 +14,7 @@ import pytest
 
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from forwarder.config import ForwarderSettings
-from forwarder.daemon import Forwarder
+from forwarder.daemon import CompanionFactory, Forwarder
 from forwarder.imds import ImdsClient
 from forwarder.retry import RateLimiter
 from forwarder.sinks import JsonLinesSink, Sink
@@ -56,6 +56,7 @@ class Harness:
         root: Path,
         sink: Sink | None = None,
         limiter: RateLimiter | None = None,
+        companions: CompanionFactory | None = None,
         **overrides: Any,
     ) -> None:
         self.root = root
@@ -82,7 +83,9 @@ class Harness:
         )
         self.store = Store(self.settings.spool_path, max_entries=self.settings.spool_max_entries)
         self.sink = sink or JsonLinesSink(path=self.output)
-        self.forwarder = Forwarder(settings=self.settings, imds=self.imds, store=self.store, sink=self.sink)
+        self.forwarder = Forwarder(
+            settings=self.settings, imds=self.imds, store=self.store, sink=self.sink, companions=companions
+        )
         self._thread = threading.Thread(target=self.forwarder.run, daemon=True)
 
     def start(self) -> Harness:
