@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -146,6 +147,23 @@ def card_bytes(card: dict[str, Any]) -> bytes:
     return json.dumps(card, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+_SIGNATURE = re.compile(r"([?&](?:sig|code)=)[^&\s\"]+", re.IGNORECASE)
+
+
+class _RedactSignatures(logging.Filter):
+    """urllib3 logs request lines (with the query string) at DEBUG: keep the webhook signature out of logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = _SIGNATURE.sub(r"\1***", message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+_REDACT = _RedactSignatures()
+
+
 class TeamsWebhookSink:
     """POSTs cards to a Teams Workflows webhook. The URL carries a signature (``sig=``): never log it."""
 
@@ -169,6 +187,9 @@ class TeamsWebhookSink:
         self._session = session or requests.Session()
         self._sleep = sleep
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
+        for name in ("urllib3.connectionpool", "requests"):
+            if _REDACT not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_REDACT)
 
     def send(self, card: dict[str, Any], *, key: str) -> None:
         body = card_bytes(card)

@@ -1,0 +1,109 @@
+"""Two coordinator instances (separate stores and caches, one table) racing on the same event decide once."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from coordinator.alerts import FolderCardSink
+from coordinator.direct_callback import DirectImdsCallback
+from coordinator.history import MemoryHistory
+from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.service import Coordinator, RawMessage
+from coordinator.store import TableStateStore
+from emulators.azurite import AzuriteEndpoints
+from emulators.imds import ImdsEmulator
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+
+
+class InterleavingStore(TableStateStore):
+    """Runs ``interleave`` once, right after this instance read its events and before it writes them: the other
+    instance commits in between, so this one's write meets a changed ETag."""
+
+    interleave: Callable[[], None] | None = None
+
+    def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> Any:
+        result = super().get_events(event_ids, cached=cached)
+        action, self.interleave = self.interleave, None
+        if action is not None:
+            action()
+        return result
+
+
+def make(azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, tmp: Any, store_class: type[TableStateStore]):
+    history = MemoryHistory()
+    coordinator = Coordinator(
+        store=store_class.from_connection_string(azurite.connection_string, table_name=table),
+        history=history,
+        alerts=FolderCardSink(tmp),
+        callback=DirectImdsCallback(base_url=imds.url),
+        policy=load_policy(DEFAULT_POLICY_PATH),
+        clock=lambda: DOC_NOW,
+    )
+    return coordinator, history
+
+
+def message(data: dict[str, Any]) -> RawMessage:
+    import json
+
+    return RawMessage(body=json.dumps(data).encode(), partition_key=data["vm"]["resourceId"].lower())
+
+
+def test_an_interleaved_write_is_refused_by_etag_and_the_event_is_decided_once(azurite, imds, tmp_path):
+    table = "race" + uuid.uuid4().hex[:12]
+    a, history_a = make(azurite, imds, table, tmp_path / "a", InterleavingStore)
+    b, history_b = make(azurite, imds, table, tmp_path / "b", TableStateStore)
+    event_id = imds.create_event(EventType="Freeze", Resources=["WestNO_0", "WestNO_1"], NoticeSeconds=900)["EventId"]
+    freeze = scheduled_event(event_id)
+    from_0 = message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[freeze]))
+    from_1 = message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=[freeze]))
+
+    assert isinstance(a.store, InterleavingStore)
+    a.store.interleave = lambda: b.process_batch([from_1])
+    report = a.process_batch([from_0])
+
+    assert report.conflicts >= 1  # A's first write met B's ETag
+    decisions = [r for r in history_a.rows + history_b.rows if r.RecordType == "Decision"]
+    assert len(decisions) == 1
+    assert len([x for x in imds.approvals() if x["EventId"] == event_id]) == 1
+    stored = a.store.get_event(event_id)
+    assert stored is not None
+    assert sorted(stored.record.vms) == ["WestNO_0", "WestNO_1"]  # both observations merged, none lost
+    assert stored.record.state == "Approved"
+
+
+def test_two_instances_in_threads_approve_each_event_once(azurite, imds, tmp_path):
+    table = "race" + uuid.uuid4().hex[:12]
+    a, _ = make(azurite, imds, table, tmp_path / "a", TableStateStore)
+    b, _ = make(azurite, imds, table, tmp_path / "b", TableStateStore)
+    ids = [
+        imds.create_event(EventType="Freeze", Resources=["WestNO_0", "WestNO_1"], NoticeSeconds=900)["EventId"]
+        for _ in range(4)
+    ]
+    events = [scheduled_event(i) for i in ids]
+    batch_a = [message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=events))]
+    batch_b = [message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=events))]
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def run(coordinator: Coordinator, batch: list[RawMessage]) -> None:
+        try:
+            barrier.wait()
+            coordinator.process_batch(batch)
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(a, batch_a)), threading.Thread(target=run, args=(b, batch_b))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    approvals = [x["EventId"] for x in imds.approvals() if x["EventId"] in ids]
+    assert sorted(approvals) == sorted(ids)  # each once
+    for event_id in ids:
+        stored = a.store.get_event(event_id)
+        assert stored is not None
+        assert sorted(stored.record.vms) == ["WestNO_0", "WestNO_1"]

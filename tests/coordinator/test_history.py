@@ -1,0 +1,183 @@
+"""History: the SQLite store and CLI locally; the Logs Ingestion path with the real SDK against a loopback
+capture server (there is no local Log Analytics: the server is a recorder, named as such)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from azure.core.credentials import AccessToken
+from azure.monitor.ingestion import LogsIngestionClient
+
+from coordinator.history import LogsIngestionHistory, SqliteHistory, main, parse_since
+from coordinator.rows import HistoryRow, column_types, history_schema
+
+REPO = Path(__file__).resolve().parents[2]
+NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
+
+
+def test_history_row_has_exactly_the_columns_of_the_one_definition():
+    assert list(HistoryRow.model_fields) == list(column_types())
+    assert history_schema()["table"].endswith("_CL")
+    assert history_schema()["stream"].startswith("Custom-")
+    for column in history_schema()["columns"]:
+        assert set(column) == {"name", "type", "description"}
+
+
+def rows() -> list[HistoryRow]:
+    return [
+        HistoryRow(TimeGenerated=NOW, RecordType="Observation", EventId="E1", EventStatus="Scheduled", VmName="a"),
+        HistoryRow(
+            TimeGenerated=NOW + timedelta(seconds=1),
+            RecordType="Transition",
+            EventId="E1",
+            PreviousState="Scheduled",
+            State="Approved",
+            Rule="short-freeze",
+            Resources=["a", "b"],
+            DryRun=False,
+        ),
+        HistoryRow(TimeGenerated=NOW - timedelta(days=30), RecordType="Observation", EventId="E0", VmName="a"),
+    ]
+
+
+def test_sqlite_store_and_cli(tmp_path, capsys):
+    path = tmp_path / "h.sqlite"
+    store = SqliteHistory(path)
+    store.write(rows())
+    stored = store.query(
+        "SELECT Resources, DryRun, TimeGenerated FROM ScheduledEventsHistory_CL WHERE State='Approved'"
+    )
+    assert stored == [
+        {"Resources": '["a","b"]', "DryRun": 0, "TimeGenerated": (NOW + timedelta(seconds=1)).isoformat()}
+    ]
+    store.close()
+
+    assert main(["--db", str(path), "--json", "timeline", "E1"]) == 0
+    timeline = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(t["RecordType"], t["State"]) for t in timeline] == [("Observation", None), ("Transition", "Approved")]
+
+    since = (NOW - timedelta(days=7)).isoformat()
+    assert main(["--db", str(path), "--json", "events", "--since", since]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(e["EventId"], e["State"]) for e in events] == [("E1", "Approved")]
+
+    assert (
+        main(["--db", str(path), "sql", "SELECT RecordType, count(*) AS n FROM ScheduledEventsHistory_CL GROUP BY 1"])
+        == 0
+    )
+    assert "Observation  2" in capsys.readouterr().out
+    assert main(["--db", str(path), "sql", "DELETE FROM ScheduledEventsHistory_CL"]) == 2  # read-only
+    assert "readonly" in capsys.readouterr().err
+    assert main(["--db", str(tmp_path / "missing.sqlite"), "timeline", "E1"]) == 2
+
+
+def test_cli_runs_as_a_module(tmp_path):
+    path = tmp_path / "h.sqlite"
+    SqliteHistory(path).write(rows())
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.history", "--db", str(path), "timeline", "E1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    assert "Transition" in result.stdout
+    assert "short-freeze" in result.stdout
+
+
+def test_parse_since():
+    assert parse_since("7d", now=NOW) == NOW - timedelta(days=7)
+    assert parse_since("90m", now=NOW) == NOW - timedelta(minutes=90)
+    with pytest.raises(ValueError, match="--since 'soon'"):
+        parse_since("soon")
+
+
+class CaptureServer:
+    """Records Logs Ingestion API calls on loopback (a recorder: no local Log Analytics exists)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.fail_next = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                outer.calls.append(
+                    {"path": self.path, "auth": self.headers.get("Authorization", ""), "logs": json.loads(body)}
+                )
+                status = 503 if outer.fail_next else 204
+                outer.fail_next = max(0, outer.fail_next - 1)
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture
+def capture() -> Iterator[CaptureServer]:
+    server = CaptureServer()
+    server.thread.start()
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+class StaticTokenCredential:
+    """Stands in for the managed identity (no Entra ID here); the SDK still sends it as a bearer token."""
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        assert scopes[0].startswith("https://monitor.azure.com")
+        return AccessToken("local-token", int(NOW.timestamp()) + 10**9)
+
+
+def test_logs_ingestion_upload_with_the_real_sdk(capture):
+    client = LogsIngestionClient(endpoint=capture.url, credential=StaticTokenCredential(), retry_total=0)
+    sink = LogsIngestionHistory(
+        endpoint=capture.url,
+        rule_id="dcr-00000000",
+        credential=StaticTokenCredential(),
+        enforce_https=False,
+        client=client,
+    )
+    sink.write(rows())
+    assert len(capture.calls) == 1
+    call = capture.calls[0]
+    assert call["path"].startswith(
+        "/dataCollectionRules/dcr-00000000/streams/Custom-ScheduledEventsHistory?api-version="
+    )
+    assert call["auth"] == "Bearer local-token"
+    logs = call["logs"]
+    assert [row["RecordType"] for row in logs] == ["Observation", "Transition", "Observation"]
+    assert logs[1]["Resources"] == ["a", "b"]
+    assert logs[1]["TimeGenerated"] == "2026-11-20T12:00:01Z"
+    assert set().union(*logs) <= set(column_types())  # only declared columns (the DCR drops unknown ones)
+
+    # The service refuses once: the rows stay pending and go with the next write; nothing is lost.
+    capture.fail_next = 1
+    sink.write(rows()[:1])
+    assert sink.pending == 1
+    sink.write(rows()[1:2])
+    assert sink.pending == 0
+    assert [r["RecordType"] for r in capture.calls[-1]["logs"]] == ["Observation", "Transition"]
