@@ -24,8 +24,8 @@ param tags object = {
 ])
 param orchestrationMode string = 'Flexible'
 
-@description('Number of instances.')
-@minValue(1)
+@description('Number of instances (0 on the first deployment, before the forwarder package is uploaded).')
+@minValue(0)
 @maxValue(1000)
 param instanceCount int = 2
 

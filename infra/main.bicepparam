@@ -5,7 +5,8 @@ using './main.bicep'
 
 param namePrefix = 'sefleet'
 param orchestrationMode = 'Flexible'
-param instanceCount = 2
+// 0 until forwarder.tar.gz is in the 'forwarder' container (docs/deploy.md step 4), then the fleet size.
+param instanceCount = 0
 param vmSize = 'Standard_D2s_v5'
 param adminUsername = 'fleetadmin'
 param sshPublicKey = readEnvironmentVariable('SE_SSH_PUBLIC_KEY')

@@ -17,7 +17,7 @@ param tags object
 param orchestrationMode string
 
 @description('Number of instances.')
-@minValue(1)
+@minValue(0)
 @maxValue(1000)
 param instanceCount int
 
