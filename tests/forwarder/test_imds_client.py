@@ -110,3 +110,15 @@ def test_backoff_grows_with_jitter_and_honours_retry_after() -> None:
     assert Backoff(initial=1.0, maximum=60.0).next_delay(retry_after=30) == 30
     backoff.reset()
     assert backoff.next_delay() <= 1.0
+
+
+def test_the_slow_first_call_gets_the_long_timeout(imds: ImdsEmulator) -> None:
+    """IMDS may take up to two minutes to answer the very first request; later ones get the short timeout."""
+    imds.inject_fault(kind="first-call-delay", vm="web_0", seconds=1.0)
+    imds_client = client(imds, timeout=0.3, first_call_timeout=5.0)
+    started = time.monotonic()
+    assert imds_client.get_document().DocumentIncarnation >= 1
+    assert time.monotonic() - started >= 0.9
+    imds.inject_fault(kind="hang", vm="web_0", seconds=2, count=1)
+    with pytest.raises(ImdsUnavailable, match="timed out"):
+        imds_client.get_document_bytes()
