@@ -1,7 +1,7 @@
-"""Just enough HTTP/1.1 for the sender side: read one request (Content-Length or chunked), write one response.
+"""Just enough HTTP/1.1 for the sender side: read requests (Content-Length or chunked), write responses.
 
-The emulator answers every request with ``Connection: close``: one TCP connection is one sender exchange, which is
-also the lifetime of a rendezvous socket in the real service.
+Connections are persistent (HTTP/1.1 keep-alive, no pipelining), because the service ties a rendezvous socket
+to the sender's connection.
 """
 
 from __future__ import annotations
@@ -32,10 +32,15 @@ class HttpError(Exception):
 class HttpRequest:
     method: str
     target: str
+    version: str
     headers: list[tuple[str, str]]
     body: bytes
     chunked: bool
-    head_size: int
+
+    @property
+    def keep_alive(self) -> bool:
+        tokens = {token.strip().lower() for token in (self.header("Connection") or "").split(",")}
+        return "keep-alive" in tokens if self.version == "HTTP/1.0" else "close" not in tokens
 
     @property
     def path(self) -> str:
@@ -62,7 +67,7 @@ def is_websocket_upgrade(head: bytes) -> bool:
     return False
 
 
-def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
+def parse_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -75,18 +80,23 @@ def parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
         if not sep or not name or name != name.strip():
             raise HttpError(400, f"malformed header line {line[:100]!r}")
         headers.append((name, value.strip()))
-    return parts[0], parts[1], headers
+    return parts[0], parts[1], parts[2], headers
 
 
-async def read_request(reader: asyncio.StreamReader, *, send_continue: Callable[[], None]) -> HttpRequest:
-    """Reads one request; ``send_continue`` writes the interim 100 when the sender waits for it before the body."""
+async def read_request(reader: asyncio.StreamReader, *, send_continue: Callable[[], None]) -> HttpRequest | None:
+    """Reads one request, or None when the sender closed the connection between requests.
+
+    ``send_continue`` writes the interim 100 when the sender waits for it before sending the body.
+    """
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
         raise HttpError(431, f"request head larger than {MAX_HEAD_BYTES} bytes") from None
-    except asyncio.IncompleteReadError:
+    except asyncio.IncompleteReadError as error:
+        if not error.partial.strip():
+            return None
         raise HttpError(400, "connection closed before the request head ended") from None
-    method, target, headers = parse_head(head[:-4])
+    method, target, version, headers = parse_head(head[:-4])
     names = {name.lower(): value for name, value in headers}
     chunked = "chunked" in names.get("transfer-encoding", "").lower()
     if names.get("expect", "").lower() == "100-continue":
@@ -103,7 +113,7 @@ async def read_request(reader: asyncio.StreamReader, *, send_continue: Callable[
         raise HttpError(400, "malformed Content-Length or chunk size") from None
     except asyncio.IncompleteReadError:
         raise HttpError(400, "connection closed before the request body ended") from None
-    return HttpRequest(method, target, headers, body, chunked, len(head))
+    return HttpRequest(method, target, version, headers, body, chunked)
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
@@ -122,9 +132,15 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
 
 
 def render_response(
-    status: int, reason: str | None, headers: list[tuple[str, str]], body: bytes, *, head_only: bool = False
+    status: int,
+    reason: str | None,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    *,
+    head_only: bool = False,
+    keep_alive: bool = False,
 ) -> bytes:
-    """A complete HTTP/1.1 response with Content-Length and ``Connection: close``."""
+    """A complete HTTP/1.1 response with Content-Length (and ``Connection: close`` unless kept alive)."""
     if reason is None:
         try:
             reason = HTTPStatus(status).phrase
@@ -134,7 +150,7 @@ def render_response(
     reason = reason.replace("\r", " ").replace("\n", " ")
     lines = [f"HTTP/1.1 {status} {reason}"]
     lines += [f"{name}: {value}" for name, value in headers if "\n" not in value and "\r" not in value]
-    lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    lines += [f"Content-Length: {len(body)}", *([] if keep_alive else ["Connection: close"]), "", ""]
     return "\r\n".join(lines).encode("latin-1", errors="replace") + (b"" if head_only else body)
 
 

@@ -56,6 +56,7 @@ CONTROL_CHANNEL_LIMIT = 64 * 1024
 HEADER_METADATA_LIMIT = 32 * 1024
 BODY_FRAGMENT_BYTES = 16 * 1024
 ACCEPT_TIMEOUT = 30.0
+SENDER_IDLE_TIMEOUT = 120.0
 NO_LISTENER_STATUS = 503
 _AUTH_HEADERS = frozenset({"servicebusauthorization"})
 # Handled by the gateway itself (it already answered 100 Continue), so not forwarded.
@@ -105,15 +106,36 @@ class Listener:
 
 
 @dataclass(eq=False)
+class SenderSession:
+    """One sender TCP connection. Once a listener opened a rendezvous socket for one of its requests, the later
+    requests of this connection to the same hybrid connection travel on that socket; either side closing its end
+    closes the other."""
+
+    transport: asyncio.Transport
+    rendezvous: ServerConnection | None = None
+    rendezvous_hc: HybridConnection | None = None
+    busy: bool = False
+    doomed: bool = False
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def attach(self, conn: ServerConnection, hybrid_connection: HybridConnection) -> None:
+        self.rendezvous, self.rendezvous_hc = conn, hybrid_connection
+
+    def close(self) -> None:
+        self.closed.set()
+        self.transport.close()
+
+
+@dataclass(eq=False)
 class PendingRequest:
     id: str
     listener: Listener
+    session: SenderSession
     message: RequestMessage
     body: bytes
     rendezvous_first: bool
     result: asyncio.Future[tuple[ResponseMessage, bytes]]
-    rendezvous_opened: bool = False
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    rendezvous: asyncio.Future[ServerConnection]
 
     def complete(self, response: ResponseMessage, body: bytes) -> None:
         if not self.result.done():
@@ -271,6 +293,7 @@ class RelayService:
         self.accepts: dict[str, PendingAccept] = {}
         self.counters: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.sessions: set[SenderSession] = set()
         self._server: Server | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -288,6 +311,8 @@ class RelayService:
             # deadlines bound them, so websockets' handshake timeout must not.
             open_timeout=None,
             max_size=64 * 1024 * 1024,
+            # The service does not negotiate permessage-deflate; a listener must not depend on it.
+            compression=None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -295,11 +320,15 @@ class RelayService:
     async def stop(self) -> None:
         for hybrid_connection in list(self.hybrid_connections.values()):
             await self._close_all(hybrid_connection, 1001, "relay emulator shutting down")
+        # Kept-alive sender connections look like unfinished handshakes to websockets; close them first so that
+        # the server's wait_closed() does not wait for the senders to hang up.
+        for session in list(self.sessions):
+            session.close()
+        for task in list(self.tasks):
+            task.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        for task in list(self.tasks):
-            task.cancel()
 
     @property
     def authority(self) -> str:
@@ -506,12 +535,11 @@ class RelayService:
             self.counters["accepted"] += 1
             return None
         pending = self.requests.get(rendezvous_id)
-        if pending is None or pending.rendezvous_opened:
+        if pending is None or pending.rendezvous.done():
             self.refuse("rendezvous", f"request address {rendezvous_id!r} unknown, used or expired")
             return _ws_error(403, "the rendezvous address has expired or was already used")
         if pending.listener.hybrid_connection.name.lower() != path.lower():
             return _ws_error(400, "the rendezvous address does not match the hybrid connection")
-        pending.rendezvous_opened = True
         self.counters["rendezvous.request" if pending.rendezvous_first else "rendezvous.response"] += 1
         connection.role = _RendezvousRole(pending)
         return None
@@ -621,7 +649,7 @@ class RelayService:
         with contextlib.suppress(ValueError):
             hybrid_connection.listeners.remove(listener)
         for pending in list(listener.pending.values()):
-            if not pending.rendezvous_opened:
+            if not pending.rendezvous.done():
                 pending.fail("the listener disconnected before responding")
         if not hybrid_connection.declared and not hybrid_connection.listeners and not hybrid_connection.sockets:
             current = self.hybrid_connections.get(hybrid_connection.name.lower())
@@ -637,31 +665,58 @@ class RelayService:
     # ---- HTTP senders ----------------------------------------------------------------------------------------
 
     async def serve_http(self, reader: asyncio.StreamReader, transport: asyncio.Transport) -> None:
-        head_only = False
+        """Serves one sender connection: requests in turn until it closes, asks to close, or an answer ends it."""
+        session = SenderSession(transport)
+        self.sessions.add(session)
         try:
-            request = await read_request(
-                reader, send_continue=lambda: transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            )
-            head_only = request.method == "HEAD"
-            answer = await self._dispatch_http(request)
-        except HttpError as error:
-            self.refuse("http_request", error.reason)
-            answer = service_error(error.status, error.reason)
-        except Exception:
-            log.exception("relay: internal error while relaying an HTTP request")
-            answer = service_error(500, "internal error in the relay emulator")
-        if not transport.is_closing():
-            transport.write(
-                render_response(answer.status, answer.reason, answer.headers, answer.body, head_only=head_only)
-            )
-            transport.close()
+            while not session.closed.is_set():
+                try:
+                    async with asyncio.timeout(SENDER_IDLE_TIMEOUT):
+                        request = await read_request(
+                            reader, send_continue=lambda: transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                        )
+                except HttpError as error:
+                    self.refuse("http_request", error.reason)
+                    answer = service_error(error.status, error.reason)
+                    transport.write(render_response(answer.status, answer.reason, answer.headers, answer.body))
+                    return
+                if request is None:
+                    return
+                session.busy = True
+                try:
+                    answered = await self._dispatch_http(request, session)
+                except Exception:
+                    log.exception("relay: internal error while relaying an HTTP request")
+                    answered = service_error(500, "internal error in the relay emulator")
+                session.busy = False
+                if answered is None:
+                    # The listener dropped the rendezvous socket mid-request: the sender's connection goes too.
+                    return
+                keep_alive = request.keep_alive and not session.doomed
+                transport.write(
+                    render_response(
+                        answered.status,
+                        answered.reason,
+                        answered.headers,
+                        answered.body,
+                        head_only=request.method == "HEAD",
+                        keep_alive=keep_alive,
+                    )
+                )
+                if not keep_alive:
+                    return
+        except TimeoutError:
+            return
+        finally:
+            session.close()
+            self.sessions.discard(session)
 
-    async def _dispatch_http(self, request: HttpRequest) -> HttpAnswer:
+    async def _dispatch_http(self, request: HttpRequest, session: SenderSession) -> HttpAnswer | None:
         management = await handle_management(self, request)
         if management is not None:
             return management
         try:
-            listener, relay_auth_header = self._admit_http_sender(request)
+            hybrid_connection, relay_auth_header = self._admit_http_sender(request)
         except _Refusal as refusal:
             self.refuse("http_request", refusal.log_line)
             return service_error(refusal.status, refusal.reason)
@@ -678,8 +733,7 @@ class RelayService:
         request_id = str(uuid.uuid4())
         message = RequestMessage(
             address=(
-                f"ws://{self.authority}/$hc/{quote(listener.hybrid_connection.name)}"
-                f"?sb-hc-action=request&sb-hc-id={request_id}"
+                f"ws://{self.authority}/$hc/{quote(hybrid_connection.name)}?sb-hc-action=request&sb-hc-id={request_id}"
             ),
             id=request_id,
             request_target=request.path + (f"?{query}" if query else ""),
@@ -687,10 +741,21 @@ class RelayService:
             request_headers=_merge_headers(request.headers, dropped),
             body=bool(request.body),
         )
+        if session.rendezvous is not None and session.rendezvous_hc is hybrid_connection:
+            message.address = None
+            return await self._exchange_on_rendezvous(session, session.rendezvous, message, request.body)
+        listener = self._pick_listener(hybrid_connection)
+        if listener is None:
+            self.refuse("http_request", f"no listener on {hybrid_connection.name!r}")
+            return service_error(
+                NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {hybrid_connection.name!r}"
+            )
         metadata = len(message.to_json("request"))
+        loop = asyncio.get_running_loop()
         pending = PendingRequest(
             id=request_id,
             listener=listener,
+            session=session,
             message=message,
             body=request.body,
             rendezvous_first=(
@@ -698,12 +763,13 @@ class RelayService:
                 or metadata > HEADER_METADATA_LIMIT
                 or metadata + len(request.body) > CONTROL_CHANNEL_LIMIT
             ),
-            result=asyncio.get_running_loop().create_future(),
+            result=loop.create_future(),
+            rendezvous=loop.create_future(),
         )
         return await self._exchange(pending)
 
-    def _admit_http_sender(self, request: HttpRequest) -> tuple[Listener, str | None]:
-        """The listener for this request and the header that carried the relay token (to strip), or _Refusal."""
+    def _admit_http_sender(self, request: HttpRequest) -> tuple[HybridConnection, str | None]:
+        """The addressed hybrid connection and the header that carried the relay token (to strip), or _Refusal."""
         path = unquote(request.path).strip("/")
         if request.method == "CONNECT":
             raise _Refusal(405, "the CONNECT method cannot be relayed")
@@ -727,12 +793,13 @@ class RelayService:
                 self.checker.authorize(token, hybrid_connection=name, right=Right.SEND)
             except AuthError as error:
                 raise _Refusal(error.status, error.reason, log_line=f"{name}: {error.reason}") from None
-        listener = self._pick_listener(hybrid_connection) if hybrid_connection else None
-        if listener is None:
+        if hybrid_connection is None:
             raise _Refusal(NO_LISTENER_STATUS, f"no listener is connected to hybrid connection {name!r}")
-        return listener, relay_auth_header
+        return hybrid_connection, relay_auth_header
 
-    async def _exchange(self, pending: PendingRequest) -> HttpAnswer:
+    async def _exchange(self, pending: PendingRequest) -> HttpAnswer | None:
+        """Delivers a request on the listener's control channel (or announces it for rendezvous) and awaits the
+        response wherever the listener sends it: on the control channel or on a rendezvous socket it opens."""
         listener = pending.listener
         self.requests[pending.id] = pending
         listener.pending[pending.id] = pending
@@ -746,11 +813,22 @@ class RelayService:
                         await listener.conn.send(pending.message.to_json("request"))
                         if pending.body:
                             await listener.conn.send(_fragments(pending.body))
-                response, body = await pending.result
+                either: set[asyncio.Future[Any]] = {pending.result, pending.rendezvous}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if pending.result.done():
+                    response, body = pending.result.result()
+                else:
+                    conn = pending.rendezvous.result()
+                    pending.session.attach(conn, listener.hybrid_connection)
+                    if pending.rendezvous_first:
+                        await self._send_request(conn, pending.message, pending.body)
+                    response, body = await self._read_response(conn, pending.id)
         except TimeoutError:
             self.refuse("http_request", f"listener did not respond to {pending.id} within {self.response_timeout} s")
             return service_error(504, f"the listener did not respond within {self.response_timeout} s")
         except ConnectionClosed:
+            if pending.rendezvous.done():
+                return None
             return service_error(502, "the listener disconnected before the request was delivered")
         except _ListenerFault as fault:
             self.refuse("http_request", f"{pending.id}: {fault}")
@@ -758,48 +836,81 @@ class RelayService:
         finally:
             self.requests.pop(pending.id, None)
             listener.pending.pop(pending.id, None)
-            pending.finished.set()
+        return self._relayed(response, body)
+
+    async def _exchange_on_rendezvous(
+        self, session: SenderSession, conn: ServerConnection, message: RequestMessage, body: bytes
+    ) -> HttpAnswer | None:
+        try:
+            async with asyncio.timeout(self.response_timeout):
+                await self._send_request(conn, message, body)
+                response, response_body = await self._read_response(conn, message.id)
+        except TimeoutError:
+            self.refuse("http_request", f"listener did not respond to {message.id} within {self.response_timeout} s")
+            return service_error(504, f"the listener did not respond within {self.response_timeout} s")
+        except ConnectionClosed:
+            return None
+        except _ListenerFault as fault:
+            self.refuse("http_request", f"{message.id}: {fault}")
+            return service_error(502, str(fault))
+        return self._relayed(response, response_body)
+
+    @staticmethod
+    async def _send_request(conn: ServerConnection, message: RequestMessage, body: bytes) -> None:
+        await conn.send(message.to_json("request"))
+        if body:
+            await conn.send(_fragments(body))
+
+    async def _read_response(self, conn: ServerConnection, request_id: str) -> tuple[ResponseMessage, bytes]:
+        """The response to ``request_id`` from a rendezvous socket (no size limit there)."""
+        frame = await conn.recv()
+        if not isinstance(frame, str):
+            raise _ListenerFault("the first frame of a response on the rendezvous socket must be text")
+        try:
+            message = parse_listener_message(frame)
+        except ControlMessageError as error:
+            raise _ListenerFault(f"invalid response from the listener: {error}") from None
+        if not isinstance(message, ResponseMessage) or message.request_id != request_id:
+            raise _ListenerFault("the rendezvous socket carried something other than this request's response")
+        if not message.body:
+            return message, b""
+        body = await conn.recv()
+        if not isinstance(body, bytes):
+            raise _ListenerFault("the response announced a body but the next frame was text")
+        return message, body
+
+    def _relayed(self, response: ResponseMessage, body: bytes) -> HttpAnswer:
         headers = [
             (name, value)
             for name, value in response.response_headers.items()
             if name.lower() not in HOP_BY_HOP_HEADERS and name.lower() != "via"
         ]
-        via = response.response_headers.get("Via") or response.response_headers.get("via")
+        via = next((value for name, value in response.response_headers.items() if name.lower() == "via"), None)
         headers.append(("Via", f"{via + ', ' if via else ''}1.1 {self.authority}"))
         return HttpAnswer(response.status_code, response.status_description, headers, body)
 
     async def _serve_rendezvous(self, conn: _RelayConnection, pending: PendingRequest) -> None:
+        """Hands the socket to the waiting exchange; keeps it as long as the sender's connection lasts."""
         hybrid_connection = pending.listener.hybrid_connection
+        session = pending.session
         hybrid_connection.sockets.add(conn)
+        if not pending.rendezvous.done():
+            pending.rendezvous.set_result(conn)
+        sender_gone: asyncio.Task[Any] = asyncio.create_task(session.closed.wait())
+        listener_gone: asyncio.Task[Any] = asyncio.create_task(conn.wait_closed())
         try:
-            if pending.rendezvous_first:
-                await conn.send(pending.message.to_json("request"))
-                if pending.body:
-                    await conn.send(_fragments(pending.body))
-            frame = await conn.recv()
-            if not isinstance(frame, str):
-                pending.fail("the first frame on the rendezvous socket must be a response (text)")
-                return
-            message = parse_listener_message(frame)
-            if not isinstance(message, ResponseMessage) or message.request_id != pending.id:
-                pending.fail("the rendezvous socket carried something other than this request's response")
-                return
-            body = b""
-            if message.body:
-                body_frame = await conn.recv()
-                if not isinstance(body_frame, bytes):
-                    pending.fail("the response announced a body but the next frame was text")
-                    return
-                body = body_frame
-            pending.complete(message, body)
-            await pending.finished.wait()
-            await conn.close(1000, "the sender's HTTP exchange ended")
-        except ControlMessageError as error:
-            self.refuse("listener_frame", f"{hybrid_connection.name} rendezvous: {error}")
-            pending.fail(f"invalid response from the listener: {error}")
-        except ConnectionClosed:
-            pending.fail("the listener closed the rendezvous socket before responding")
+            await asyncio.wait({sender_gone, listener_gone}, return_when=asyncio.FIRST_COMPLETED)
+            if session.closed.is_set():
+                await conn.close(1001, "the sender closed its connection")
+            elif session.rendezvous is conn:
+                # The listener dropped it: the sender's connection goes too (after an answer in progress).
+                session.rendezvous = session.rendezvous_hc = None
+                session.doomed = True
+                if not session.busy:
+                    session.close()
         finally:
+            sender_gone.cancel()
+            listener_gone.cancel()
             hybrid_connection.sockets.discard(conn)
 
     # ---- WebSocket senders (accept + bridge) -----------------------------------------------------------------

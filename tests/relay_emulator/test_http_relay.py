@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+import requests
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -118,13 +119,16 @@ def test_listener_may_answer_a_control_channel_request_over_rendezvous(relay: Re
 
     async def scenario() -> None:
         listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        sending = asyncio.create_task(
+            http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay), "Connection": "close"})
+        )
         incoming = await listener.next_request()
         async with connect(incoming.request["address"], max_size=None) as rendezvous:
             await listener.respond(incoming.request["id"], 200, big, ws=rendezvous)
             response = await sending
-            # The socket lives as long as the sender's exchange and is then closed by the service.
+            # The socket lives as long as the sender's connection, which ends here ("Connection: close").
             await asyncio.wait_for(rendezvous.wait_closed(), 5)
+            assert rendezvous.close_code == 1001
         assert response.content == big
         # The rendezvous address is single-use.
         with pytest.raises(InvalidStatus) as refused:
@@ -133,6 +137,41 @@ def test_listener_may_answer_a_control_channel_request_over_rendezvous(relay: Re
         await listener.close()
 
     asyncio.run(scenario())
+
+
+def test_later_requests_of_a_sender_connection_follow_its_rendezvous_socket(relay: RelayEmulator) -> None:
+    async def scenario() -> None:
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        with requests.Session() as session:
+            session.headers["Authorization"] = sas(relay)
+            sending = asyncio.create_task(asyncio.to_thread(session.get, relay.send_url("vm-a") + "/1", timeout=10))
+            first = await listener.next_request()
+            rendezvous = await connect(first.request["address"], max_size=None)
+            await listener.respond(first.request["id"], 200, b"one", ws=rendezvous)
+            assert (await sending).content == b"one"
+
+            # Same TCP connection: the request arrives on the rendezvous socket, not on the control channel.
+            sending = asyncio.create_task(asyncio.to_thread(session.post, relay.send_url("vm-a") + "/2", data=b"b2"))
+            second = json.loads(await rendezvous.recv())["request"]
+            assert (second["requestTarget"], second["method"], second["body"]) == ("/vm-a/2", "POST", True)
+            assert "address" not in second
+            assert await rendezvous.recv() == b"b2"
+            await listener.respond(second["id"], 201, b"two", ws=rendezvous)
+            assert (await sending).status_code == 201
+
+            # The listener drops the rendezvous: the service drops the sender's connection, and the sender's
+            # next connection starts again on the control channel.
+            await rendezvous.close()
+            await asyncio.sleep(0.2)
+            sending = asyncio.create_task(asyncio.to_thread(session.get, relay.send_url("vm-a") + "/3", timeout=10))
+            third = await listener.next_request()
+            assert third.request["requestTarget"] == "/vm-a/3"
+            await listener.respond(third.request["id"], 200, b"three")
+            assert (await sending).content == b"three"
+        await listener.close()
+
+    asyncio.run(scenario())
+    assert relay.counters()["rendezvous.response"] == 1
 
 
 def test_no_listener_answers_503_without_via(relay: RelayEmulator) -> None:

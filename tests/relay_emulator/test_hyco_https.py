@@ -129,3 +129,16 @@ def test_python_sas_tokens_are_byte_for_byte_those_of_hyco_create_relay_token() 
     checker = TokenChecker(sas_rules={KEY_NAME: SasRule(KEY)})
     grant = checker.authorize(node_token, hybrid_connection="vm-a", right=Right.LISTEN)
     assert grant.expires_at == expiry
+
+
+def test_requests_after_a_rendezvous_follow_it_on_a_kept_alive_connection(hyco: RelayEmulator) -> None:
+    with requests.Session() as session:
+        session.headers["ServiceBusAuthorization"] = sas(hyco, "vm-hyco")
+        big = session.put(hyco.send_url("vm-hyco") + "/upload", data=os.urandom(80 * 1024), timeout=10)
+        assert big.json()["bodyLength"] == 80 * 1024
+        for index in range(3):
+            small = session.post(hyco.send_url("vm-hyco") + f"/next/{index}", data=b"small", timeout=10)
+            assert small.json()["url"] == f"/vm-hyco/next/{index}"
+            assert small.json()["bodyLength"] == 5
+    # One rendezvous for the whole connection: the later requests did not need another.
+    assert hyco.counters()["rendezvous.request"] == 1

@@ -33,8 +33,8 @@ def _exchange(relay: RelayEmulator, data: bytes, *, wait_for_continue: bool = Fa
         (b"POST /vm-a HTTP/1.1\r\nContent-Length: -4\r\n\r\n", b"413"),
         (b"POST /vm-a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", b"400"),
         (b"GET /" + b"a" * (70 * 1024) + b" HTTP/1.1\r\n\r\n", b"431"),
-        (b"CONNECT 127.0.0.1:1 HTTP/1.1\r\n\r\n", b"405"),
-        (b"GET /$hc/vm-a HTTP/1.1\r\n\r\n", b"400"),
+        (b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nConnection: close\r\n\r\n", b"405"),
+        (b"GET /$hc/vm-a HTTP/1.0\r\n\r\n", b"400"),
     ],
 )
 def test_malformed_requests_get_a_clear_status(relay: RelayEmulator, request_bytes: bytes, status: bytes) -> None:
@@ -50,7 +50,7 @@ def test_expect_100_continue_and_head(relay: RelayEmulator) -> None:
     async def scenario() -> None:
         listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
         head = (
-            b"POST /vm-a/x HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 5\r\n"
+            b"POST /vm-a/x HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 5\r\nConnection: close\r\n"
             b"ServiceBusAuthorization: " + token + b"\r\n\r\n"
         )
         sending = asyncio.create_task(asyncio.to_thread(_exchange, relay, head, wait_for_continue=True, rest=b"hello"))
@@ -62,7 +62,7 @@ def test_expect_100_continue_and_head(relay: RelayEmulator) -> None:
         assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
         assert answer.endswith(b"\r\n\r\ndone")
 
-        head = b"HEAD /vm-a HTTP/1.1\r\nServiceBusAuthorization: " + token + b"\r\n\r\n"
+        head = b"HEAD /vm-a HTTP/1.1\r\nConnection: close\r\nServiceBusAuthorization: " + token + b"\r\n\r\n"
         sending = asyncio.create_task(asyncio.to_thread(_exchange, relay, head))
         incoming = await listener.next_request()
         assert incoming.request["method"] == "HEAD"
