@@ -23,7 +23,7 @@ class EventHubSink:
     outage is not hidden inside the SDK while the spool grows.
     """
 
-    def __init__(self, *, producer: EventHubProducerClient, send_timeout: float = 30.0) -> None:
+    def __init__(self, *, producer: EventHubProducerClient, send_timeout: float = 10.0) -> None:
         self._producer = producer
         self._send_timeout = send_timeout
 

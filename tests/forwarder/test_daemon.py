@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from emulators.imds import ImdsEmulator
 from forwarder.envelope import Envelope
@@ -139,7 +142,10 @@ def test_a_hook_runs_once_per_event_across_restarts(imds: ImdsEmulator, harness:
     assert again.incarnations() == [1, 2, 3]
 
 
-def test_faults_are_counted_and_nothing_invalid_is_forwarded(imds: ImdsEmulator, harness: MakeHarness) -> None:
+def test_faults_are_counted_and_nothing_invalid_is_forwarded(
+    imds: ImdsEmulator, harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="forwarder")
     h = harness(imds.url_for("web_0"), imds_timeout=0.3)
     h.wait_incarnation(1)
     write_hook(h.settings.hooks_dir / "prepare.d", "10-any", "true\n")
@@ -151,6 +157,8 @@ def test_faults_are_counted_and_nothing_invalid_is_forwarded(imds: ImdsEmulator,
     (reason, body) = h.store.rejects()[0]
     assert "scheduled-events document is invalid" in reason
     assert body.startswith(b"{")
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("invalid scheduled-events document")]
+    assert "DocumentIncarnation" in line.fields["reason"] or "Invalid JSON" in line.fields["reason"]  # type: ignore[attr-defined]
 
     imds.inject_fault(kind="error-burst", vm="web_0", status=500, count=2)
     wait_for(lambda: errors["imds_errors"] >= 5, what="two 500s")

@@ -122,3 +122,12 @@ def test_the_slow_first_call_gets_the_long_timeout(imds: ImdsEmulator) -> None:
     imds.inject_fault(kind="hang", vm="web_0", seconds=2, count=1)
     with pytest.raises(ImdsUnavailable, match="timed out"):
         imds_client.get_document_bytes()
+
+
+def test_throttling_is_a_transient_429(imds: ImdsEmulator) -> None:
+    imds.inject_fault(kind="throttle", requestsPerSecond=1)
+    imds_client = client(imds)
+    imds_client.get_document_bytes()
+    with pytest.raises(ImdsUnavailable) as caught:
+        imds_client.get_document_bytes()
+    assert caught.value.status == 429
