@@ -24,25 +24,34 @@ from emulators.relay.emulator import RelayEmulator
 KEY_NAME, KEY = "bench", "bench-key-not-a-secret"
 
 
+async def _answer(channel: ClientConnection, request: dict[str, object]) -> None:
+    body = await channel.recv() if request.get("body") else b""
+    response = {"requestId": request["id"], "statusCode": 200, "responseHeaders": {}, "body": True}
+    await channel.send(json.dumps({"response": response}))
+    await channel.send(str(len(body)).encode())
+
+
+async def _rendezvous(address: str) -> None:
+    """Serves every request of one sender connection that arrives on its rendezvous socket."""
+    async with connect(address, max_size=None) as channel:
+        async for frame in channel:
+            if isinstance(frame, str):
+                await _answer(channel, json.loads(frame)["request"])
+
+
 async def _echo(ws: ClientConnection) -> None:
-    """A raw listener: answers every request with its body, via rendezvous when the request came that way."""
+    """A raw listener: answers every request with the size of its body, on rendezvous when asked to."""
+    tasks = set()
     async for frame in ws:
         if not isinstance(frame, str):
             continue
         request = json.loads(frame)["request"]
-        if "method" not in request:
-            rendezvous = await connect(request["address"], max_size=None)
-            request = json.loads(await rendezvous.recv())["request"]
-            channel = rendezvous
+        if "method" in request:
+            await _answer(ws, request)
         else:
-            channel = ws
-        body = await channel.recv() if request.get("body") else b""
-        size = len(body)
-        response = {"requestId": request["id"], "statusCode": 200, "responseHeaders": {}, "body": True}
-        await channel.send(json.dumps({"response": response}))
-        await channel.send(str(size).encode())
-        if channel is not ws:
-            await channel.wait_closed()
+            task = asyncio.create_task(_rendezvous(request["address"]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
 
 def _listeners(relay: RelayEmulator, count: int, ready: threading.Event, stop: threading.Event) -> None:
