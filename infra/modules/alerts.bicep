@@ -256,15 +256,16 @@ resource approvalFailed 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
   }
 }
 
-// Stateful (autoMitigate): one alert per silent VM, resolved when its heartbeats return. The window covers
-// the query's own one-day lookback.
+// Stateful (autoMitigate): one alert per silent VM, resolved when the coordinator records it resumed. The window
+// covers the query's own one-day lookback. If the coordinator itself is down, no
+// rows are written at all: watch the Functions app's own availability for that.
 resource heartbeatStopped 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
   name: '${namePrefix}-forwarder-heartbeat-stopped'
   location: location
   tags: tags
   properties: {
     displayName: 'Forwarder heartbeat stopped'
-    description: 'A VM\'s forwarder stopped sending heartbeats: its scheduled events are not being seen.'
+    description: 'The coordinator lost a VM\'s heartbeat: its scheduled events are not being seen.'
     severity: 2
     enabled: true
     scopes: [
