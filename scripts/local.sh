@@ -72,28 +72,35 @@ echo "local.sh: $(wc -l <<<"$vms") forwarders on $scenario at time scale $time_s
 import json, sys, time
 from pathlib import Path
 
+
+def line(e: dict) -> str:
+    head = f"{e['observedAt'][11:19]} {e['vm']['name']:<13} #{e['sequence']:<3} {e['kind']:<11}"
+    if e["kind"] == "incarnation":
+        d = e["document"]
+        events = ", ".join(
+            f"{x['EventType']}/{x['EventStatus']}/{x['EventId'][:8]}->{'+'.join(x['Resources'])}" for x in d["Events"]
+        )
+        return f"{head} incarnation {d['DocumentIncarnation']}: {events or '(none)'}"
+    if e["kind"] == "hook":
+        h = e["hook"]
+        return f"{head} {h['phase']} {h['eventId'][:8]} {h['outcome']}: {h['outputTail'].strip()[:60]}"
+    return f"{head} polls={e.get('counters', {}).get('polls')}"
+
+
 work, deadline = Path(sys.argv[1]), time.monotonic() + float(sys.argv[2])
 offsets: dict[Path, int] = {}
-while time.monotonic() < deadline:
-    for path in sorted(work.glob("*.jsonl")):
-        with path.open("rb") as f:
-            f.seek(offsets.get(path, 0))
-            for raw in iter(f.readline, b""):
-                if not raw.endswith(b"\n"):
-                    break
-                offsets[path] = f.tell()
-                e = json.loads(raw)
-                head = f"{e['observedAt'][11:19]} {e['vm']['name']:<13} #{e['sequence']:<3} {e['kind']:<11}"
-                if e["kind"] == "incarnation":
-                    d = e["document"]
-                    events = ", ".join(f"{x['EventType']}/{x['EventStatus']}/{x['EventId'][:8]}->{'+'.join(x['Resources'])}"
-                                       for x in d["Events"]) or "(none)"
-                    print(f"{head} incarnation {d['DocumentIncarnation']}: {events}")
-                elif e["kind"] == "hook":
-                    h = e["hook"]
-                    print(f"{head} {h['phase']} {h['eventId'][:8]} {h['outcome']}: {h['outputTail'].strip()[:60]}")
-                else:
-                    print(f"{head} polls={e.get('counters', {}).get('polls')}")
-    time.sleep(0.25)
+try:
+    while time.monotonic() < deadline:
+        for path in sorted(work.glob("*.jsonl")):
+            with path.open("rb") as f:
+                f.seek(offsets.get(path, 0))
+                for raw in iter(f.readline, b""):
+                    if not raw.endswith(b"\n"):
+                        break  # a line still being written: read it next round
+                    offsets[path] = f.tell()
+                    print(line(json.loads(raw)))
+        time.sleep(0.25)
+except KeyboardInterrupt:  # Ctrl-C: the shell's trap stops everything
+    pass
 PY
 echo "local.sh: done (scenario time is over)" >&2
