@@ -322,6 +322,9 @@ class RelayService:
             await self._close_all(hybrid_connection, 1001, "relay emulator shutting down")
         # Kept-alive sender connections look like unfinished handshakes to websockets; close them first so that
         # the server's wait_closed() does not wait for the senders to hang up.
+        for accept in list(self.accepts.values()):
+            if not accept.decided.done():
+                accept.decided.set_result(_Rejected(503, "the relay is shutting down"))
         for session in list(self.sessions):
             session.close()
         for task in list(self.tasks):
@@ -651,6 +654,9 @@ class RelayService:
         for pending in list(listener.pending.values()):
             if not pending.rendezvous.done():
                 pending.fail("the listener disconnected before responding")
+        for accept in list(self.accepts.values()):
+            if accept.listener is listener and not accept.decided.done():
+                accept.decided.set_result(_Rejected(502, "the listener disconnected before accepting"))
         if not hybrid_connection.declared and not hybrid_connection.listeners and not hybrid_connection.sockets:
             current = self.hybrid_connections.get(hybrid_connection.name.lower())
             if current is hybrid_connection:

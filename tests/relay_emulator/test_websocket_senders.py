@@ -161,3 +161,16 @@ def test_senders_sharing_an_sb_hc_id_get_separate_rendezvous(relay: RelayEmulato
         await listener.close()
 
     asyncio.run(scenario())
+
+
+def test_sender_gets_502_at_once_when_the_listener_leaves_before_accepting(relay: RelayEmulator) -> None:
+    async def scenario() -> None:
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        sender_task = asyncio.create_task(_connect_sender(relay))
+        assert "accept" in await listener.next_message()
+        await listener.close()
+        with pytest.raises(InvalidStatus) as refused:
+            await asyncio.wait_for(sender_task, 5)
+        assert refused.value.response.status_code == 502
+
+    asyncio.run(scenario())
