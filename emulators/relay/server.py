@@ -213,16 +213,19 @@ class _RelayConnection(ServerConnection):
             super().data_received(buffered)
             return
         self._mode = "http"
+        # Lets the reader pause the socket while a large body waits to be consumed.
+        self._http_reader.set_transport(self.transport)
         self._http_reader.feed_data(buffered)
         task = self.loop.create_task(self.relay.serve_http(self._http_reader, self.transport))
         self.relay.tasks.add(task)
         task.add_done_callback(self.relay.tasks.discard)
 
-    def eof_received(self) -> None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]
         if self._mode == "ws":
-            super().eof_received()
-        else:
-            self._http_reader.feed_eof()
+            return super().eof_received()
+        # A sender may half-close after its request; keep the transport open to write the answer.
+        self._http_reader.feed_eof()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._http_reader.feed_eof()

@@ -109,3 +109,26 @@ def test_response_message_accepts_the_documented_shapes() -> None:
 def test_invalid_listener_messages_name_the_problem(frame: str, reason: str) -> None:
     with pytest.raises(ControlMessageError, match=reason):
         parse_listener_message(frame)
+
+
+def test_a_sender_that_half_closes_after_its_request_still_gets_the_answer(relay: RelayEmulator) -> None:
+    def half_closed_exchange() -> bytes:
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as conn:
+            conn.sendall(b"GET /vm-a HTTP/1.1\r\nServiceBusAuthorization: " + sas(relay).encode() + b"\r\n\r\n")
+            conn.shutdown(socket.SHUT_WR)
+            received = b""
+            while chunk := conn.recv(65536):
+                received += chunk
+            return received
+
+    async def scenario() -> None:
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        sending = asyncio.create_task(asyncio.to_thread(half_closed_exchange))
+        incoming = await listener.next_request()
+        await listener.respond(incoming.request["id"], 200, b"answered")
+        answer = await sending
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert answer.endswith(b"answered")
+        await listener.close()
+
+    asyncio.run(scenario())
