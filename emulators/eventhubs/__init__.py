@@ -2,6 +2,6 @@
 docs/eventhubs-emulator.md)."""
 
 from emulators.eventhubs.emulator import EventHubsEmulator
-from emulators.eventhubs.store import StoredEvent
+from emulators.eventhubs.store import RejectedTransfer, StoredEvent
 
-__all__ = ["EventHubsEmulator", "StoredEvent"]
+__all__ = ["EventHubsEmulator", "RejectedTransfer", "StoredEvent"]

@@ -16,6 +16,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,7 @@ from emulators.eventhubs.addresses import (
 )
 from emulators.eventhubs.auth import JWT_TOKEN_TYPE, SAS_TOKEN_TYPE, AuthError, Grant, resource_path, validate_token
 from emulators.eventhubs.framing import FramePadder
-from emulators.eventhubs.store import EventStore, PartitionLog
+from emulators.eventhubs.store import EventStore, PartitionLog, RejectedTransfer
 
 _LOG = logging.getLogger("emulators.eventhubs")
 
@@ -131,8 +132,10 @@ class Broker:
         host: str,
         port: int,
         stats: BrokerStats,
+        rejected: deque[RejectedTransfer],
     ) -> None:
         self._store = store
+        self._rejected = rejected
         self._consumer_groups = {name.lower() for name in consumer_groups}
         self._sas_key_name = sas_key_name
         self._sas_key = sas_key
@@ -453,7 +456,8 @@ class Broker:
         try:
             events = messages.unpack(payload)
         except messages.MessageError as error:
-            _LOG.warning("rejected a transfer to %s: %s", target.hub, error)
+            _LOG.warning("rejected a %d-byte transfer to %s: %s", len(payload), target.hub, error)
+            self._rejected.append(RejectedTransfer(hub=target.hub, reason=str(error), payload=payload))
             return DECODE_ERROR, str(error)
         partitions = self._store.partitions(target.hub)
         if target.partition is not None:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections import deque
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from emulators.eventhubs.broker import Broker, BrokerStats
-from emulators.eventhubs.store import EventStore, StoredEvent
+from emulators.eventhubs.store import EventStore, RejectedTransfer, StoredEvent
 
 DEFAULT_HUBS: dict[str, int] = {"scheduled-events": 4}
 DEFAULT_CONSUMER_GROUP = "$Default"
 DEFAULT_SAS_KEY_NAME = "RootManageSharedAccessKey"
+REJECTED_KEPT = 1000  # set-aside transfers kept for inspection; older ones are only counted in stats
 
 
 class EventHubsEmulator:
@@ -49,6 +51,7 @@ class EventHubsEmulator:
         self._host = host
         self._port = port
         self.stats = BrokerStats()
+        self._rejected: deque[RejectedTransfer] = deque(maxlen=REJECTED_KEPT)
         self._broker: Broker | None = None
         self._thread: threading.Thread | None = None
 
@@ -72,6 +75,7 @@ class EventHubsEmulator:
                 host=self._host,
                 port=self._port,
                 stats=self.stats,
+                rejected=self._rejected,
             )
             self._port = broker.port
             self._thread = threading.Thread(target=broker.serve, name=f"eventhubs-emulator:{broker.port}", daemon=True)
@@ -113,6 +117,10 @@ class EventHubsEmulator:
     def all_events(self, hub: str) -> list[StoredEvent]:
         """Every partition's events of ``hub`` (partition by partition, each in order)."""
         return [event for log in self._store.partitions(hub) for event in log.snapshot()]
+
+    def rejected(self) -> list[RejectedTransfer]:
+        """Transfers refused as undecodable, with the reason (the latest 1,000; older ones are only counted)."""
+        return list(self._rejected)
 
     def __enter__(self) -> Self:
         self.start()

@@ -64,6 +64,16 @@ class StoredEvent(BaseModel):
         return dict(self.decoded().properties or {})
 
 
+class RejectedTransfer(BaseModel):
+    """A transfer the emulator could not accept, set aside with the reason (nothing of it was stored)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    hub: str
+    reason: str
+    payload: bytes
+
+
 class PartitionProperties(BaseModel):
     model_config = ConfigDict(frozen=True)
 
