@@ -98,3 +98,28 @@ def test_workbook_and_alerts_are_deployed_from_these_files() -> None:
     # The heartbeat alert splits by VmName, so the query must output it.
     silent = (bm.INFRA / "queries" / "silent-forwarders.kql").read_text(encoding="utf-8")
     assert re.search(r"summarize .* by VmName", silent)
+
+
+_COMPARISON = re.compile(r'\b(\w+)\s*(?:==|in)\s*(\([^)]*\)|"[^"]*")')
+
+
+def _documented_values(description: str) -> set[str]:
+    """The values a column's description lists ('...: A | B | C (or D).'), as loose words."""
+    return set(re.findall(r"[\w-]+", description.rsplit(":", 1)[-1]))
+
+
+def test_queries_compare_columns_only_with_documented_values() -> None:
+    columns = json.loads((bm.ROOT / "coordinator" / "history_columns.json").read_text(encoding="utf-8"))["columns"]
+    enumerated = {
+        column["name"]: _documented_values(column["description"])
+        for column in columns
+        if column["name"] in {"RecordType", "State", "EventType", "EventSource", "EventStatus", "HookPhase"}
+    }
+    checked = 0
+    for path in QUERIES:
+        for column, literal in _COMPARISON.findall(path.read_text(encoding="utf-8")):
+            if column in enumerated:
+                for value in re.findall(r'"([^"]*)"', literal):
+                    checked += 1
+                    assert value in enumerated[column], f"{path.name}: {column} is never {value!r}"
+    assert checked >= 10
