@@ -120,8 +120,8 @@ resource vmss 'Microsoft.Compute/virtualMachineScaleSets@2025-04-01' = {
     upgradePolicy: {
       mode: 'Manual'
     }
-    // The platform approves user-initiated reboot/redeploy and all-instances-down events by itself unless told
-    // not to, and such events then skip Scheduled: the coordinator's rules would never see them.
+    // Set explicitly (allInstancesDown defaults to true): an automatically approved event skips Scheduled, so the
+    // coordinator's rules would never see it.
     scheduledEventsPolicy: {
       userInitiatedRedeploy: {
         automaticallyApprove: false
