@@ -38,12 +38,12 @@ from forwarder.envelope import SCHEMA
 START = datetime(2026, 11, 20, 1, 0, tzinfo=UTC)
 
 
-def build_wave(vms: int, group_size: int, rng: random.Random) -> list[dict[str, Any]]:
+def build_wave(vms: int, group_size: int, spacing_ms: float, rng: random.Random) -> list[dict[str, Any]]:
     groups = vms // group_size
     kinds = [("Reboot", -1), ("Redeploy", -1), ("Freeze", 30)]
     out: list[dict[str, Any]] = []
     for g in range(groups):
-        group_start = START + timedelta(milliseconds=50 * g)
+        group_start = START + timedelta(milliseconds=spacing_ms * g)
         names = [f"vmss{g:03d}_{i}" for i in range(group_size)]
         event_type, duration = kinds[g % len(kinds)]
         event = {
@@ -112,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--group-spacing-ms", type=float, default=50.0, help="time between placement groups")
     parser.add_argument("--serial", dest="parallel", action="store_false", help="one partition after another")
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
-    wave = build_wave(args.vms, args.group_size, rng)
+    wave = build_wave(args.vms, args.group_size, args.group_spacing_ms, rng)
     work = batches(wave, args.partitions, args.batch)
     with tempfile.TemporaryDirectory() as tmp, Azurite() as azurite, ImdsEmulator(throttle_rps=0) as imds:
         os.environ.update(
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "distinct_events": len(open_events),
         "event_states": dict(states),
         "vms_merged_per_event": args.group_size,
+        "group_spacing_ms": args.group_spacing_ms,
         "history_rows": rows,
         "cards": cards,
         "dead_lettered": totals["dead_lettered"],

@@ -1,0 +1,168 @@
+"""Service behaviour across batches and ticks: approval delivery retried until it lands, dry-run, the budget rule
+with the fleet view, and the worker's own Event Hubs decode path."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import azure.functions as func
+from azure.functions.eventhub import EventHubTriggerConverter
+from azure.functions.meta import Datum
+
+from coordinator.alerts import FolderCardSink
+from coordinator.direct_callback import DirectImdsCallback
+from coordinator.history import MemoryHistory
+from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
+from coordinator.service import Coordinator, RawMessage
+from coordinator.store import TableStateStore
+from emulators.azurite import AzuriteEndpoints
+from emulators.imds import ImdsEmulator
+from tests.coordinator.conftest import App
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = DOC_NOW
+
+    def __call__(self) -> Any:
+        return self.now
+
+
+def build(
+    azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp: Path, *, policy: Policy | None = None, dry_run: bool = False
+) -> tuple[Coordinator, MemoryHistory, Clock]:
+    clock = Clock()
+    history = MemoryHistory()
+    coordinator = Coordinator(
+        store=TableStateStore.from_connection_string(azurite.connection_string, table_name="s" + uuid.uuid4().hex[:12]),
+        history=history,
+        alerts=FolderCardSink(tmp),
+        callback=DirectImdsCallback(base_url=imds.url),
+        policy=policy or load_policy(DEFAULT_POLICY_PATH),
+        dry_run=dry_run,
+        approval_backoff=(5.0, 60.0),
+        clock=clock,
+    )
+    return coordinator, history, clock
+
+
+def raw(data: dict[str, Any]) -> RawMessage:
+    return RawMessage(body=json.dumps(data).encode(), partition_key=data["vm"]["resourceId"].lower())
+
+
+def approvals(imds: ImdsEmulator, event_id: str) -> int:
+    return len([a for a in imds.approvals() if a["EventId"] == event_id])
+
+
+def test_failed_delivery_is_retried_by_the_timer_until_it_lands(azurite, imds, tmp_path):
+    coordinator, history, clock = build(azurite, imds, tmp_path)
+    event_id = imds.create_event(EventType="Freeze", Resources=["WestNO_0", "WestNO_1"], NoticeSeconds=900)["EventId"]
+    imds.inject_fault(kind="error-burst", vm="WestNO_0", count=1, status=503)
+    freeze = scheduled_event(event_id)
+    coordinator.process_batch(
+        [
+            raw(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[freeze])),
+            raw(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=[freeze])),
+        ]
+    )
+    stored = coordinator.store.get_event(event_id)
+    assert stored is not None
+    assert stored.record.state == "Scheduled"
+    approval = stored.record.approval
+    assert approval is not None
+    assert (approval.attempts, approval.outcome, approval.delivered) == (1, "failed", False)
+    assert "503" in approval.reason
+    assert approval.nextAttemptAt is not None
+    assert approvals(imds, event_id) == 0
+
+    coordinator.tick()  # too early: the backoff has not passed
+    assert approvals(imds, event_id) == 0
+    clock.now = DOC_NOW + timedelta(minutes=2)
+    coordinator.tick()
+    stored = coordinator.store.get_event(event_id)
+    assert stored is not None
+    assert stored.record.state == "Approved"
+    assert stored.record.approval is not None
+    assert stored.record.approval.attempts == 2
+    assert approvals(imds, event_id) == 1
+    outcomes = [r.Outcome for r in history.rows if r.RecordType == "Approval"]
+    assert outcomes == ["failed", "approved"]
+
+
+def test_dry_run_decides_and_logs_but_sends_nothing(azurite, imds, tmp_path):
+    coordinator, history, _ = build(azurite, imds, tmp_path, dry_run=True)
+    event_id = imds.create_event(EventType="Freeze", Resources=["WestNO_0"], NoticeSeconds=900)["EventId"]
+    coordinator.process_batch(
+        [raw(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[scheduled_event(event_id)]))]
+    )
+    coordinator.tick()
+    decisions = [r for r in history.rows if r.RecordType == "Decision"]
+    assert [(d.Rule, d.Outcome, d.DryRun) for d in decisions] == [("short-freeze", "approve", True)]
+    stored = coordinator.store.get_event(event_id)
+    assert stored is not None
+    assert stored.record.approval is None
+    assert stored.record.state == "Scheduled"
+    assert approvals(imds, event_id) == 0
+
+
+def test_budget_rule_sees_what_other_events_already_impact(azurite, imds, tmp_path):
+    policy = parse_policy(
+        "rules:\n  - name: one-at-a-time\n    action: approve-within-budget\n    budget: {maxImpacted: 1}\n"
+    )
+    coordinator, history, _ = build(azurite, imds, tmp_path, policy=policy)
+    first = scheduled_event("EV-B1", event_type="Reboot", resources=["web_1"], duration=-1)
+    second = scheduled_event("EV-B2", event_type="Reboot", resources=["web_2"], duration=-1)
+    web_1, web_2 = (
+        vm("web_1", scale_set="web", group="pg-web", index=11),
+        vm("web_2", scale_set="web", group="pg-web", index=12),
+    )
+    coordinator.process_batch([raw(envelope(web_1, sequence=1, incarnation=2, events=[first]))])
+    coordinator.process_batch([raw(envelope(web_2, sequence=1, incarnation=2, events=[second]))])
+    decisions = {r.EventId: (r.Outcome, r.Reason) for r in history.rows if r.RecordType == "Decision"}
+    assert decisions["EV-B1"][0] == "approve"
+    assert decisions["EV-B2"][0] == "wait"
+    assert "would have 2 impacted instances (limit 1)" in decisions["EV-B2"][1]
+
+
+def test_events_decoded_by_the_workers_own_converter(app: App):
+    """The host hands a cardinality-many batch to the worker as one collection; the worker's converter turns it
+    into EventHubEvents. Feed the function what that path produces."""
+    bodies = [
+        envelope(
+            vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[scheduled_event("EV-WORKER", duration=30)]
+        ),
+        envelope(
+            vm("WestNO_1", index=2), sequence=1, incarnation=2, events=[scheduled_event("EV-WORKER", duration=30)]
+        ),
+    ]
+    collection = Datum(type="collection_bytes", value=_Bytes([json.dumps(b).encode() for b in bodies]))
+    system = [
+        {
+            "PartitionKey": b["vm"]["resourceId"].lower(),
+            "SequenceNumber": i,
+            "Offset": str(i),
+            "EnqueuedTimeUtc": "2022-04-11T22:11:58Z",
+        }
+        for i, b in enumerate(bodies)
+    ]
+    events = EventHubTriggerConverter.decode(
+        collection, trigger_metadata={"SystemPropertiesArray": Datum(type="json", value=json.dumps(system))}
+    )
+    assert isinstance(events, list)
+    assert all(isinstance(e, func.EventHubEvent) for e in events)
+    app.module.ingest_envelopes(events)
+    stored = app.coordinator.store.get_event("EV-WORKER")
+    assert stored is not None
+    assert sorted(stored.record.vms) == ["WestNO_0", "WestNO_1"]
+
+
+class _Bytes:
+    """The shape of the host's collection_bytes datum value (a list of bytes under ``.bytes``)."""
+
+    def __init__(self, items: list[bytes]) -> None:
+        self.bytes = items
