@@ -105,7 +105,7 @@ resource hostBlobOwner 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
 }
 
 // Table Data Contributor on each state table only, not the account.
-resource stateTableContributor 'Microsoft.Authorization/roleAssignments@2022-04-01' = [for (tableName, i) in stateTableNames: {
+resource stateTableContributor 'Microsoft.Authorization/roleAssignments@2022-04-01' = [for i in range(0, length(stateTableNames)): {
   name: guid(stateTables[i].id, coordinatorPrincipalId, roles.storageTableDataContributor.id)
   scope: stateTables[i]
   properties: {
