@@ -68,9 +68,14 @@ def sent_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[Envelop
             body: Any = message.body
             data = body if isinstance(body, bytes | str) else bytes(body)
             del message
-            envelopes.append(Envelope.from_json_bytes(data))
+            envelope = Envelope.from_json_bytes(data)
         except (MessageError, ValidationError, ValueError, TypeError):
             other += 1
+            continue
+        if stored.partition_key is not None and stored.partition_key.lower() != envelope.vm.partition_key:
+            other += 1  # a VM speaks only under its own partition key; the coordinator refuses the rest
+            continue
+        envelopes.append(envelope)
     return envelopes, other
 
 

@@ -32,8 +32,19 @@ def compact_scenario(**extra_steps: Any) -> Scenario:
                 {"name": "spot-0", "priority": "Spot", "isolated": True},
             ],
             "steps": [
-                {"at": 0, "create": {"ref": "freeze", "EventType": "Freeze", "Resources": ["web_0"], "DurationInSeconds": 5}},
-                {"at": 60, "create": {"ref": "scale-in", "EventType": "Terminate", "Resources": ["web_1"], "EventSource": "Platform"}},
+                {
+                    "at": 0,
+                    "create": {"ref": "freeze", "EventType": "Freeze", "Resources": ["web_0"], "DurationInSeconds": 5},
+                },
+                {
+                    "at": 60,
+                    "create": {
+                        "ref": "scale-in",
+                        "EventType": "Terminate",
+                        "Resources": ["web_1"],
+                        "EventSource": "Platform",
+                    },
+                },
                 {"at": 120, "create": {"ref": "evict", "EventType": "Preempt", "Resources": ["spot-0"]}},
                 {"at": 180, "create": {"ref": "redeploy", "EventType": "Redeploy", "Resources": ["web_0"]}},
                 {"at": 420, "cancel": "redeploy"},

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
 from emulators.imds import Scenario
+from forwarder.envelope import VmIdentity
 from local.expectations import Expected, expect, expect_all
 from local.scenario import delayed
 from local.summary import RunFacts, percentile, sightings_from_documents, summarize
 from local.timeline import Timeline
+from tests.e2e.hostile import hostile_message, refused, template
 
 T0 = datetime(2026, 1, 5, 12, 0, 0, tzinfo=UTC)
 EVENT = "11111111-2222-3333-4444-555555555555"
@@ -202,3 +207,22 @@ def test_delayed_shifts_every_step_and_refuses_negative_delays() -> None:
     assert later.vms == scenario.vms
     with pytest.raises(ValueError, match="early"):
         delayed(scenario, seconds=-1)
+
+
+def _vm(name: str, number: int) -> VmIdentity:
+    return VmIdentity(name=name, vmId=f"00000000-0000-0000-0000-00000000000{number}", resourceId=f"/vms/{name}")
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(data=st.data())
+def test_every_hostile_mutation_is_refused_at_the_coordinators_door(data: st.DataObject) -> None:
+    target, other = _vm("web_0", 0), _vm("web_1", 1)
+    body, key = data.draw(
+        hostile_message(base=template(target), own_key=target.partition_key, other_keys=[other.partition_key])
+    )
+    assert refused(body, key)
+
+
+def test_the_unmutated_template_is_accepted() -> None:
+    target = _vm("web_0", 0)
+    assert not refused(json.dumps(template(target)).encode(), target.partition_key)
