@@ -209,15 +209,20 @@ class Broker:
 
     def _read(self, peer: _Peer) -> None:
         capacity = peer.transport.capacity()
-        if capacity <= 0:
+        if capacity == 0:  # proton's input buffer is full; it drains in _service_peers right after this
             return
         try:
-            data = peer.sock.recv(min(capacity, _READ_SIZE))
+            data = peer.sock.recv(_READ_SIZE if capacity < 0 else min(capacity, _READ_SIZE))
         except BlockingIOError:
             return
         except OSError:
             data = b""
-        if data:
+        if capacity < 0:
+            # proton has closed its input (after a close or a protocol error): discard the rest until EOF,
+            # so a readable socket cannot spin the loop.
+            if not data:
+                self._drop(peer)
+        elif data:
             peer.transport.push(data)
         else:
             peer.transport.close_tail()
