@@ -16,6 +16,7 @@ INFRA = Path(__file__).resolve().parent
 QUERIES = INFRA / "queries"
 WORKBOOK = INFRA / "workbook.json"
 RESOURCE_TYPE = "microsoft.operationalinsights/workspaces"
+WORKSPACE_PLACEHOLDER = "__WORKSPACE_RESOURCE_ID__"
 
 # (query file, panel title) in the order the workbook shows them; alert-*.kql feed alert rules, not panels.
 PANELS: tuple[tuple[str, str], ...] = (
@@ -87,7 +88,9 @@ def build() -> dict[str, Any]:
     return {
         "version": "Notebook/1.0",
         "items": items,
-        "fallbackResourceIds": [],
+        # modules/workbook.bicep puts the workspace's resource id here, so the panels query it wherever the
+        # workbook is opened from.
+        "fallbackResourceIds": [WORKSPACE_PLACEHOLDER],
         "$schema": "https://github.com/Microsoft/Application-Insights-Workbooks/blob/master/schema/workbook.json",
     }
 

@@ -21,7 +21,7 @@ resource workbook 'Microsoft.Insights/workbooks@2023-06-01' = {
     displayName: 'Scheduled events fleet (${namePrefix})'
     category: 'workbook'
     sourceId: workspaceId
-    serializedData: loadTextContent('../workbook.json')
+    serializedData: replace(loadTextContent('../workbook.json'), '__WORKSPACE_RESOURCE_ID__', workspaceId)
   }
 }
 

@@ -83,7 +83,12 @@ def test_workbook_json_is_built_from_the_query_files() -> None:
 
 def test_workbook_and_alerts_are_deployed_from_these_files() -> None:
     workbook = bm.resource_body(bm.parse(bm.INFRA / "modules" / "workbook.bicep")["resources"]["workbook"])
-    assert bm.load_path(workbook["properties"]["serializedData"]) == "../workbook.json"
+    fill = workbook["properties"]["serializedData"]["function"]
+    assert fill["type"] == "replace"
+    assert bm.load_path(fill["parameters"]["original_string"]) == "../workbook.json"
+    assert fill["parameters"]["old_string"] == build_workbook.WORKSPACE_PLACEHOLDER
+    assert fill["parameters"]["new_string"] == "workspaceId"
+    assert build_workbook.build()["fallbackResourceIds"] == [build_workbook.WORKSPACE_PLACEHOLDER]
     alerts = bm.parse(bm.INFRA / "modules" / "alerts.bicep")
     loaded = []
     for resource in alerts["resources"].values():
