@@ -56,6 +56,9 @@ MAX_RESOURCES_PER_EVENT = 1000
 APPROVAL_FAILED_AFTER = 3
 COMMIT_ATTEMPTS = 8
 BULK_ATTEMPTS = 3
+# The instance that decides sends at once; the timer takes over only if no outcome was recorded by then (the
+# sender crashed between its deciding write and the send).
+IN_FLIGHT_GRACE = timedelta(seconds=90)
 
 
 def utcnow() -> datetime:
@@ -421,7 +424,7 @@ class Coordinator:
                 rule=decision.rule,
                 actor=f"rule:{decision.rule}",
                 decidedAt=now,
-                nextAttemptAt=now,
+                nextAttemptAt=now + IN_FLIGHT_GRACE,
             )
             fleet.add(record)
             change.changed = True
@@ -752,7 +755,11 @@ class Coordinator:
                 actor=actor,
             )
             record.approval = ApprovalRecord(
-                decisionId=decision_id, rule="manual", actor=actor, decidedAt=now, nextAttemptAt=now
+                decisionId=decision_id,
+                rule="manual",
+                actor=actor,
+                decidedAt=now,
+                nextAttemptAt=now + IN_FLIGHT_GRACE,
             )
             change.rows.append(self._decision_row(record, now))
             return change
