@@ -57,7 +57,7 @@ def test_concurrent_handshakes_cannot_exceed_the_cap(relay: RelayEmulator) -> No
 
 def test_idle_control_channel_is_closed_with_1008_when_its_token_expires(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a", ttl=1.0))
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a", ttl=2.0))
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(listener.ws.recv(), 5)
         assert listener.ws.close_code == 1008
@@ -68,11 +68,11 @@ def test_idle_control_channel_is_closed_with_1008_when_its_token_expires(relay: 
 
 def test_renew_token_keeps_the_channel_open_past_the_first_expiry(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a", ttl=1.0))
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a", ttl=2.0))
         await listener.ws.send(json.dumps({"renewToken": {"token": sas(relay, "vm-a", ttl=60)}}))
         # No reply to a successful renewal; the channel outlives the first token and still serves requests.
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(listener.ws.recv(), 2.0)
+            await asyncio.wait_for(listener.ws.recv(), 2.5)
         sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
         incoming = await listener.next_request()
         await listener.respond(incoming.request["id"], 200, b"still here")
@@ -83,14 +83,14 @@ def test_renew_token_keeps_the_channel_open_past_the_first_expiry(relay: RelayEm
 
 
 def test_renew_token_with_an_entra_token(relay: RelayEmulator) -> None:
-    token, _ = mint_token(audience="https://relay.azure.net", identity_resource_id="/vm/a", lifetime_seconds=1)
+    token, _ = mint_token(audience="https://relay.azure.net", identity_resource_id="/vm/a", lifetime_seconds=2)
 
     async def scenario() -> None:
         listener = await RawListener.open(relay.listen_url("vm-a"), token)
         fresh, _ = mint_token(audience="https://relay.azure.net", identity_resource_id="/vm/a", lifetime_seconds=60)
         await listener.ws.send(json.dumps({"renewToken": {"token": fresh}}))
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(listener.ws.recv(), 2.5)
+            await asyncio.wait_for(listener.ws.recv(), 3.0)
         await listener.close()
 
     asyncio.run(scenario())
