@@ -10,7 +10,6 @@ Everything below runs on the broker thread; the only shared state is the :class:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import selectors
 import socket
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from azure.eventhub._buffered_producer._partition_resolver import generate_hash_code
 from proton import (
     UNDESCRIBED,
     Array,
@@ -74,9 +74,10 @@ LINK_STOLEN = "amqp:link:stolen"
 
 
 def partition_for_key(partition_key: str, partition_count: int) -> int:
-    """A stable mapping of partition key → partition (not the service's own hash, but as consistent)."""
-    digest = hashlib.sha256(partition_key.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % partition_count
+    """Partition key → partition with the Jenkins lookup3 hash the SDK's buffered producer uses to mirror the
+    service, so keyed sends land where a buffered producer would put them."""
+    hash_code: int = generate_hash_code(partition_key)  # type: ignore[no-untyped-call]  # untyped SDK helper
+    return abs(hash_code % partition_count)
 
 
 @dataclass

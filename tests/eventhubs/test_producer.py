@@ -105,3 +105,28 @@ def test_an_unknown_hub_is_not_found(emulator: EventHubsEmulator) -> None:
     with producer(missing + "EntityPath=no-such-hub") as client, pytest.raises(EventHubError, match="no-such-hub"):
         client.send_batch([EventData("x")])
     assert emulator.stats.events_stored == 0
+
+
+def test_keyed_sends_land_where_the_sdks_buffered_producer_puts_them(emulator: EventHubsEmulator) -> None:
+    keys = [f"/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm{n}" for n in range(6)]
+    with producer(emulator.connection_string(HUB)) as client:
+        for key in keys:
+            client.send_event(EventData(f"direct:{key}"), partition_key=key)
+    # The buffered producer resolves the partition itself and sends to /Partitions/<n>.
+    buffered = producer(
+        emulator.connection_string(HUB),
+        buffered_mode=True,
+        on_success=lambda events, partition: None,
+        on_error=lambda events, partition, error: None,
+        max_wait_time=0.1,
+    )
+    with buffered:
+        for key in keys:
+            buffered.send_event(EventData(f"buffered:{key}"), partition_key=key)
+        buffered.flush()
+    for partition in range(4):
+        bodies = [event.body.decode() for event in emulator.events(HUB, partition)]
+        direct = {body.split(":", 1)[1] for body in bodies if body.startswith("direct:")}
+        via_buffer = {body.split(":", 1)[1] for body in bodies if body.startswith("buffered:")}
+        assert direct == via_buffer, partition
+    assert len({partition_for_key(key, 4) for key in keys}) > 1  # the keys do spread
