@@ -7,7 +7,7 @@ over Event Hubs partitions by VM resource id (the forwarder's partition key), th
 lists. The events are Reboot/Redeploy/long Freeze, which the default policy leaves to a person: the figure covers
 state, rules, history (SQLite) and alerts (cards folder), not approvals (benchmarks/approval_latency.py does those).
 
-    .venv/bin/python -m benchmarks.wave [--vms 10000] [--group-size 20] [--partitions 4] [--batch 100]
+    .venv/bin/python -m benchmarks.wave [--mode processes|threads|serial] [--vms 10000] [--partitions 4]
 
 Prints one JSON object: {wave_envelopes, wave_seconds, envelopes_per_second, ...}.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -31,6 +32,8 @@ from typing import Any
 
 import azure.functions as func
 
+from coordinator.history import SqliteHistory
+from coordinator.store import TableStateStore
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
 from forwarder.envelope import SCHEMA
@@ -105,6 +108,50 @@ def batches(wave: list[dict[str, Any]], partitions: int, batch: int) -> list[lis
     return [[p[i : i + batch] for i in range(0, len(p), batch)] for p in per_partition]
 
 
+def _env(azurite_connection: str, tmp: str, imds_url: str, history: str) -> dict[str, str]:
+    return {
+        "COORDINATOR_STORAGE_CONNECTION_STRING": azurite_connection,
+        "COORDINATOR_STATE_TABLE": "wave",
+        "COORDINATOR_HISTORY_SQLITE_PATH": f"{tmp}/{history}",
+        "COORDINATOR_CARDS_FOLDER": f"{tmp}/cards",
+        "COORDINATOR_IMDS_EMULATOR_URL": imds_url,
+    }
+
+
+def _coordinator(env: dict[str, str], totals: Counter[str]) -> Any:
+    os.environ.update(env)
+    import function_app
+
+    coordinator = function_app.coordinator()
+    coordinator.clock = lambda: START + timedelta(seconds=30)
+    original = coordinator.process_batch
+
+    def counted(messages: Any) -> Any:
+        report = original(messages)
+        totals.update(report.as_dict())
+        return report
+
+    coordinator.process_batch = counted  # type: ignore[method-assign]
+    return function_app
+
+
+def _instance(args: argparse.Namespace, partition: int, *, env: dict[str, str], ready: Any, go: Any, out: Any) -> None:
+    """One Functions instance owning one partition, in its own process (how the host scales out)."""
+    totals: Counter[str] = Counter()
+    function_app = _coordinator(env, totals)
+    work = batches(
+        build_wave(args.vms, args.group_size, args.group_spacing_ms, random.Random(args.seed)),
+        args.partitions,
+        args.batch,
+    )
+    mine = work[partition]
+    ready.release()
+    go.wait()
+    for batch in mine:
+        function_app.ingest_envelopes(batch)
+    out.put((time.time(), dict(totals)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wave")
     parser.add_argument("--vms", type=int, default=10_000)
@@ -113,64 +160,85 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--group-spacing-ms", type=float, default=50.0, help="time between placement groups")
-    parser.add_argument("--serial", dest="parallel", action="store_false", help="one partition after another")
+    parser.add_argument(
+        "--mode",
+        choices=["processes", "threads", "serial"],
+        default="processes",
+        help="processes: one instance per partition, as the host scales out (default); threads: one instance, "
+        "partitions on its thread pool; serial: one partition after another",
+    )
     args = parser.parse_args(argv)
 
-    rng = random.Random(args.seed)
-    wave = build_wave(args.vms, args.group_size, args.group_spacing_ms, rng)
+    wave = build_wave(args.vms, args.group_size, args.group_spacing_ms, random.Random(args.seed))
     work = batches(wave, args.partitions, args.batch)
+    totals: Counter[str] = Counter()
     with tempfile.TemporaryDirectory() as tmp, Azurite() as azurite, ImdsEmulator(throttle_rps=0) as imds:
-        os.environ.update(
-            {
-                "COORDINATOR_STORAGE_CONNECTION_STRING": azurite.connection_string,
-                "COORDINATOR_STATE_TABLE": "wave",
-                "COORDINATOR_HISTORY_SQLITE_PATH": f"{tmp}/history.sqlite",
-                "COORDINATOR_CARDS_FOLDER": f"{tmp}/cards",
-                "COORDINATOR_IMDS_EMULATOR_URL": imds.url,
-            }
-        )
-        import function_app
+        if args.mode == "processes":
+            context = multiprocessing.get_context("spawn")
+            ready, go, out = context.Semaphore(0), context.Event(), context.Queue()
+            workers = [
+                context.Process(
+                    target=_instance,
+                    args=(args, p),
+                    kwargs={
+                        "env": _env(azurite.connection_string, tmp, imds.url, f"history-{p}.sqlite"),
+                        "ready": ready,
+                        "go": go,
+                        "out": out,
+                    },
+                )
+                for p in range(args.partitions)
+            ]
+            for worker in workers:
+                worker.start()
+            for _ in workers:
+                ready.acquire()
+            started_wall = time.time()
+            go.set()
+            ends = []
+            for _ in workers:
+                end, counts = out.get(timeout=600)
+                ends.append(end)
+                totals.update(counts)
+            for worker in workers:
+                worker.join()
+            seconds = max(ends) - started_wall
+            histories = [f"history-{p}.sqlite" for p in range(args.partitions)]
+        else:
+            function_app = _coordinator(_env(azurite.connection_string, tmp, imds.url, "history.sqlite"), totals)
 
-        coordinator = function_app.coordinator()
-        coordinator.clock = lambda: START + timedelta(seconds=30)
-        totals: Counter[str] = Counter()
-        original = coordinator.process_batch
+            def drain(partition: list[list[func.EventHubEvent]]) -> None:
+                for batch in partition:
+                    function_app.ingest_envelopes(batch)
 
-        def counted(messages: Any) -> Any:
-            report = original(messages)
-            totals.update(report.as_dict())
-            return report
-
-        coordinator.process_batch = counted  # type: ignore[method-assign]
-
-        def drain(partition: list[list[func.EventHubEvent]]) -> None:
-            for batch in partition:
-                function_app.ingest_envelopes(batch)
-
-        # One reader per partition, in parallel, as the Functions host runs them (the worker's thread pool
-        # shares one coordinator); within a partition, batches stay in order.
-        started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=args.partitions if args.parallel else 1) as pool:
-            for future in [pool.submit(drain, p) for p in work]:
-                future.result()
-        seconds = time.perf_counter() - started
-        open_events = coordinator.store.open_events()
-        states = Counter(s.record.state for s in open_events)
+            started = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=args.partitions if args.mode == "threads" else 1) as pool:
+                for future in [pool.submit(drain, p) for p in work]:
+                    future.result()
+            seconds = time.perf_counter() - started
+            histories = ["history.sqlite"]
+        store = TableStateStore.from_connection_string(azurite.connection_string, table_name="wave")
+        states = Counter(s.record.state for s in store.open_events())
         cards = len(os.listdir(f"{tmp}/cards"))
-        rows = coordinator.history.query("SELECT count(*) AS n FROM ScheduledEventsHistory_CL")[0]["n"]  # type: ignore[attr-defined]
+        rows = 0
+        for name in histories:
+            history = SqliteHistory(f"{tmp}/{name}")
+            rows += history.query("SELECT count(*) AS n FROM ScheduledEventsHistory_CL")[0]["n"]
+            history.close()
     result = {
         "wave_envelopes": len(wave),
         "wave_seconds": round(seconds, 3),
         "envelopes_per_second": round(len(wave) / seconds, 1),
-        "batches": sum(len(p) for p in work),
+        "mode": args.mode,
         "partitions": args.partitions,
-        "parallel_partitions": args.parallel,
-        "distinct_events": len(open_events),
+        "batches": sum(len(p) for p in work),
+        "distinct_events": sum(states.values()),
         "event_states": dict(states),
         "vms_merged_per_event": args.group_size,
         "group_spacing_ms": args.group_spacing_ms,
         "history_rows": rows,
         "cards": cards,
+        "accepted": totals["accepted"],
         "dead_lettered": totals["dead_lettered"],
         "conflicts": totals["conflicts"],
     }
