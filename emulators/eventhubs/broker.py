@@ -494,6 +494,7 @@ class Broker:
             if event.partition_key is not None:
                 annotations[messages.PARTITION_KEY] = event.partition_key
             message.annotations = annotations
+            message.instructions = _runtime_metrics(log)
             # Pre-settled: Event Hubs receivers are at-most-once on the wire; checkpoints give the guarantees.
             link.send(message).settle()
             subscription.next_index += 1
@@ -624,6 +625,19 @@ def _partition_properties(log: PartitionLog) -> dict[str, Any]:
         "last_enqueued_offset": str(props.last_enqueued_offset),
         "last_enqueued_time_utc": timestamp(props.last_enqueued_time_ms),
         "is_partition_empty": props.is_empty,
+    }
+
+
+def _runtime_metrics(log: PartitionLog) -> dict[str | int, Any]:
+    """Delivery annotations for ``track_last_enqueued_event_properties``. The service sends them only to receivers
+    that desire com.microsoft:enable-receiver-runtime-metric; proton's binding does not expose a link's desired
+    capabilities, so every receiver gets them (the SDK reads them only when asked to)."""
+    props = log.properties()
+    return {
+        symbol("last_enqueued_sequence_number"): props.last_enqueued_sequence_number,
+        symbol("last_enqueued_offset"): str(props.last_enqueued_offset),
+        symbol("last_enqueued_time_utc"): timestamp(props.last_enqueued_time_ms),
+        symbol("runtime_info_retrieval_time_utc"): timestamp(int(time.time() * 1000)),
     }
 
 

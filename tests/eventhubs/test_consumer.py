@@ -83,6 +83,38 @@ def test_receives_from_the_start_with_the_broker_annotations(emulator: EventHubs
         assert event.partition_key == b"vm-7"  # pyamqp hands AMQP strings back as bytes, as from the service
 
 
+def test_last_enqueued_event_properties_are_tracked(emulator: EventHubsEmulator) -> None:
+    _fill(emulator, "2", ["a", "b", "c"])
+    last = emulator.events(HUB, 2)[-1]
+    seen: list[dict[str, Any]] = []
+    client = consumer(emulator.connection_string(HUB))
+
+    def on_batch(context: PartitionContext, events: list[EventData]) -> None:
+        if events:
+            seen.append(dict(context.last_enqueued_event_properties or {}))
+
+    thread = threading.Thread(
+        target=client.receive_batch,
+        kwargs={
+            "on_event_batch": on_batch,
+            "partition_id": "2",
+            "starting_position": "-1",
+            "track_last_enqueued_event_properties": True,
+            "max_wait_time": 0.2,
+        },
+        daemon=True,
+    )
+    thread.start()
+    try:
+        _wait_for(lambda: seen)
+    finally:
+        client.close()
+        thread.join(10)
+    assert seen[0]["sequence_number"] == last.sequence_number
+    assert seen[0]["offset"] == str(last.offset)
+    assert seen[0]["enqueued_time"] == last.enqueued_time
+
+
 def test_start_after_an_offset_at_an_offset_and_after_a_sequence_number(emulator: EventHubsEmulator) -> None:
     _fill(emulator, "1", [f"e{n}" for n in range(6)])
     stored = emulator.events(HUB, 1)
