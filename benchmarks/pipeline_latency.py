@@ -1,0 +1,151 @@
+"""Detect-to-approve latency through the whole local pipeline (local.stack): an event appears in the IMDS emulator,
+a forwarder process polling once a second sees it, sends it over AMQP to the Event Hubs emulator, the function host
+consumes it (azure-eventhub consumer, checkpoints in Azurite) and calls function_app.ingest_envelopes, the
+coordinator decides with a policy that approves at once, sends the approval through the Relay emulator to the VM's
+listener, which POSTs StartRequests to IMDS.
+
+    .venv/bin/python -m benchmarks.pipeline_latency [--events 40] [--vms 3]
+
+Prints one JSON object: detect_to_approve_ms_p50/p99 (event created in IMDS → approval recorded by IMDS) and
+pipeline_added_ms_p50/p99 (the forwarder's observedAt → approval recorded: the same without the poll wait).
+Targets: detect_to_approve p99 < 1,200 ms, pipeline_added p99 < 150 ms. Events are created at random moments
+relative to the forwarders' polls (0.8-1.6 s apart, round-robin over the VMs). to_coordinator_ms_* splits off the
+part up to the coordinator's decision (forwarder send, Event Hubs, consumer, trigger); the rest is the coordinator,
+the Relay round trip and the VM's two IMDS calls, which the forwarder's process-wide IMDS rate limiter (4/s, no
+burst, shared with the 1/s poll) spaces at least 250 ms apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sqlite3
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from emulators.imds import Scenario, VmSpec
+from local.observe import sent_envelopes
+from local.runner import wait_until
+from local.stack import HUB, LocalStack, StackOptions
+from local.summary import percentile
+
+APPROVE_ALL = """version: 1
+rules:
+  - name: approve-everything
+    description: benchmark policy - every event is approved at once
+    match: {}
+    action: approve-now
+"""
+
+
+def _time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def run(*, events: int, vms: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = Path(tmp) / "approve-all.yaml"
+        policy.write_text(APPROVE_ALL, encoding="utf-8")
+        scenario = Scenario(name="latency", vms=[VmSpec(name=f"bench_{i}") for i in range(vms)])
+        options = StackOptions(
+            scenario=scenario,
+            workdir=Path(tmp) / "local",
+            time_scale=60.0,  # a Freeze's 15-minute notice lasts 15 s; Started events leave after 10 s
+            poll_interval=1.0,
+            heartbeat_interval=60.0,
+            timer_interval=30.0,
+            policy_path=policy,
+            prepare_hooks=False,
+        )
+        with LocalStack(options) as stack:
+            assert stack.imds is not None
+            assert stack.eventhubs is not None
+            assert stack.relay is not None
+            imds, eventhubs, relay = stack.imds, stack.eventhubs, stack.relay
+            names = [vm.name for vm in imds.vms()]
+            hybrid_connections = [f"vm-{vm.vmId.lower()}" for vm in imds.vms()]
+            ready = wait_until(
+                lambda: (
+                    all(relay.listener_count(hc) > 0 for hc in hybrid_connections)
+                    and len(sent_envelopes(eventhubs, HUB)[0]) >= len(names)
+                ),
+                timeout=60,
+            )
+            if not ready:
+                raise RuntimeError("the forwarders did not connect within 60 s; see their logs in the work folder")
+            time.sleep(1.0)  # past the first documents' processing
+            created: list[str] = []
+            for index in range(events):
+                event = imds.create_event(
+                    EventType="Freeze", Resources=[names[index % len(names)]], DurationInSeconds=5
+                )
+                created.append(str(event["EventId"]))
+                time.sleep(rng.uniform(0.8, 1.6))
+
+            def approved() -> bool:
+                seen = {str(item["EventId"]) for item in imds.approvals()}
+                return all(event_id in seen for event_id in created)
+
+            finished = wait_until(approved, timeout=30)
+            approvals = {str(item["EventId"]): _time(item["at"]) for item in imds.approvals()}
+            scheduled = {str(e["EventId"]): _time(e["scheduledAt"]) for e in imds.events()}
+            observed: dict[str, datetime] = {}
+            for envelope in sent_envelopes(eventhubs, HUB)[0]:
+                if envelope.document is None:
+                    continue
+                for item in envelope.document.Events:
+                    if item.EventId not in observed or envelope.observedAt < observed[item.EventId]:
+                        observed[item.EventId] = envelope.observedAt
+            with sqlite3.connect(stack.history_path) as db:
+                decided = {
+                    str(event_id): _time(str(at))
+                    for event_id, at in db.execute(
+                        "SELECT EventId, min(TimeGenerated) FROM ScheduledEventsHistory_CL "
+                        "WHERE RecordType = 'Decision' GROUP BY EventId"
+                    ).fetchall()
+                }
+            detect = [(approvals[e] - scheduled[e]).total_seconds() * 1000 for e in created if e in approvals]
+            added = [
+                (approvals[e] - observed[e]).total_seconds() * 1000 for e in created if e in approvals and e in observed
+            ]
+            to_coordinator = [
+                (decided[e] - observed[e]).total_seconds() * 1000 for e in created if e in decided and e in observed
+            ]
+            missed = len(created) - len(detect)
+    if not detect or not added:
+        raise RuntimeError(f"no approval measured ({missed} of {len(created)} missing)")
+    return {
+        "detect_to_approve_ms_p50": round(percentile(detect, 0.5), 1),
+        "detect_to_approve_ms_p99": round(percentile(detect, 0.99), 1),
+        "pipeline_added_ms_p50": round(percentile(added, 0.5), 1),
+        "pipeline_added_ms_p99": round(percentile(added, 0.99), 1),
+        # observedAt -> the coordinator's batch that decided it (forwarder send, Event Hubs, consumer, trigger)
+        "to_coordinator_ms_p50": round(percentile(to_coordinator, 0.5), 1) if to_coordinator else None,
+        "to_coordinator_ms_p99": round(percentile(to_coordinator, 0.99), 1) if to_coordinator else None,
+        "events": len(created),
+        "approvals_missed": missed,
+        "finished": finished,
+        "vms": vms,
+        "poll_interval_s": 1.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_latency", description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=40, help="events to time (default 40)")
+    parser.add_argument("--vms", type=int, default=3, help="simulated VMs, one forwarder process each")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    print(json.dumps(run(events=args.events, vms=args.vms, seed=args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
