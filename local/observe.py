@@ -16,6 +16,7 @@ from coordinator.rows import history_schema
 from coordinator.store import TableStateStore
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.messages import MessageError, decode
+from emulators.eventhubs.store import StoredEvent
 from forwarder.envelope import Envelope
 from local.expectations import Expected
 from local.summary import RunFacts, Sighting, sightings_from_documents
@@ -56,10 +57,10 @@ class HistoryTail:
             self._db = None
 
 
-def sent_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[Envelope], int]:
-    """Every envelope stored in the hub (what the forwarders' sends achieved), and how many messages were not
-    envelopes at all (a test that injects hostile messages counts them here)."""
-    envelopes: list[Envelope] = []
+def stored_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[tuple[StoredEvent, Envelope]], int]:
+    """Every envelope stored in the hub with its stored event (partition by partition, in log order), and how many
+    messages were not a VM's envelope at all (hostile or foreign-keyed ones a test injected)."""
+    found: list[tuple[StoredEvent, Envelope]] = []
     other = 0
     for stored in eventhubs.all_events(hub):
         try:
@@ -75,8 +76,14 @@ def sent_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[Envelop
         if stored.partition_key is not None and stored.partition_key.lower() != envelope.vm.partition_key:
             other += 1  # a VM speaks only under its own partition key; the coordinator refuses the rest
             continue
-        envelopes.append(envelope)
-    return envelopes, other
+        found.append((stored, envelope))
+    return found, other
+
+
+def sent_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[Envelope], int]:
+    """What the forwarders' sends achieved: every VM envelope stored in the hub, and the count of other messages."""
+    found, other = stored_envelopes(eventhubs, hub)
+    return [envelope for _, envelope in found], other
 
 
 def sent_facts(envelopes: list[Envelope]) -> tuple[dict[str, int], dict[str, int], set[Sighting]]:

@@ -1,0 +1,147 @@
+"""python -m benchmarks [--quick] [--only NAME ...] — every figure the README quotes, as ONE JSON object.
+
+Runs each benchmark module in its own process (one after another: the machine is small and shared), several times,
+and reports the median of each figure over the runs. ``--quick`` makes every run short and runs it once: a smoke
+check of the numbers, not the numbers themselves.
+
+Headline keys: detect_to_approve_ms_p50/p99 and pipeline_added_ms_p99 (pipeline_latency), wave_10k_seconds
+(wave; wave_<N>_seconds when --quick uses fewer VMs), forwarder_rss_mib and forwarder_cpu_s_per_hour
+(forwarder_footprint, with a live AMQP connection to the Event Hubs emulator), spool_replay_per_s (spool_replay),
+approval_ms_p50/p99 (approval_latency). ``details`` holds every figure of every benchmark; ``errors`` names any
+benchmark that failed (the exit code is then 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    module: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    runs: int
+    headline: dict[str, str]  # the benchmark's key -> the aggregated key
+    timeout: float
+
+
+BENCHES = (
+    Bench(
+        "pipeline_latency",
+        "benchmarks.pipeline_latency",
+        ("--events", "40"),
+        ("--events", "10"),
+        3,
+        {
+            "detect_to_approve_ms_p50": "detect_to_approve_ms_p50",
+            "detect_to_approve_ms_p99": "detect_to_approve_ms_p99",
+            "pipeline_added_ms_p99": "pipeline_added_ms_p99",
+        },
+        300,
+    ),
+    Bench("wave", "benchmarks.wave", (), ("--vms", "1000"), 3, {"wave_seconds": "wave_{vms}_seconds"}, 600),
+    Bench(
+        "forwarder_footprint",
+        "benchmarks.forwarder_footprint",
+        ("--seconds", "120", "--warmup", "10", "--sink", "eventhub"),
+        ("--seconds", "15", "--warmup", "5", "--sink", "eventhub"),
+        1,
+        {"forwarder_rss_mib": "forwarder_rss_mib", "forwarder_cpu_s_per_hour": "forwarder_cpu_s_per_hour"},
+        400,
+    ),
+    Bench(
+        "spool_replay",
+        "benchmarks.spool_replay",
+        ("--envelopes", "5000"),
+        ("--envelopes", "1000"),
+        3,
+        {"spool_replay_per_s": "spool_replay_per_s"},
+        300,
+    ),
+    Bench(
+        "approval_latency",
+        "benchmarks.approval_latency",
+        ("--n", "1000"),
+        ("--n", "100"),
+        3,
+        {"approval_ms_p50": "approval_ms_p50", "approval_ms_p99": "approval_ms_p99"},
+        300,
+    ),
+)
+
+
+def run_once(bench: Bench, *, quick: bool) -> dict[str, Any]:
+    command = [sys.executable, "-m", bench.module, *(bench.quick if quick else bench.full)]
+    completed = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=bench.timeout, check=False
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    if completed.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"{' '.join(command[1:])} exited {completed.returncode}: {completed.stderr.strip()[-600:] or 'no JSON'}"
+        )
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers: the median over the runs; anything else: the last run's value."""
+    merged: dict[str, Any] = {}
+    for key in runs[-1]:
+        values = [run.get(key) for run in runs]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        merged[key] = round(statistics.median(numbers), 3) if len(numbers) == len(values) else values[-1]
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short runs, once each (a smoke check)")
+    parser.add_argument("--only", action="append", choices=[b.name for b in BENCHES], help="run just these")
+    parser.add_argument("--runs", type=int, default=None, help="override the number of runs per benchmark")
+    args = parser.parse_args(argv)
+    output: dict[str, Any] = {"quick": args.quick}
+    details: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    started = time.monotonic()
+    for bench in BENCHES:
+        if args.only and bench.name not in args.only:
+            continue
+        runs = 1 if args.quick else (args.runs or bench.runs)
+        results: list[dict[str, Any]] = []
+        try:
+            for _ in range(runs):
+                results.append(run_once(bench, quick=args.quick))
+        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as error:
+            errors[bench.name] = str(error)
+            print(f"benchmarks: {bench.name} failed: {error}", file=sys.stderr)
+        if not results:
+            continue
+        merged = median_of(results)
+        merged["runs"] = len(results)
+        details[bench.name] = merged
+        for source, target in bench.headline.items():
+            vms = merged.get("wave_envelopes", 10_000)
+            name = target.format(vms="10k" if vms == 10_000 else str(vms))
+            output[name] = merged.get(source)
+    output["details"] = details
+    output["errors"] = errors
+    output["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(output, sort_keys=True))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
