@@ -6,6 +6,7 @@ coordinator still loads (new fields have defaults) and a corrupt one fails loudl
 
 from __future__ import annotations
 
+import zlib
 from datetime import datetime
 from typing import Literal
 
@@ -33,9 +34,11 @@ class VmSighting(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    name: str
-    vmId: str
-    resourceId: str
+    # Identity fields: empty while stored under the VM's own position (VmRecord.sightings), where the VM's
+    # identity says them once; filled in when the event record is assembled.
+    name: str = ""
+    vmId: str = ""
+    resourceId: str = ""
     scaleSet: str = ""
     placementGroup: str = ""
     firstSeen: datetime
@@ -108,6 +111,8 @@ class EventRecord(BaseModel):
     approval: ApprovalRecord | None = None
     alerts: list[str] = Field(default_factory=list)
     pendingAlerts: list[str] = Field(default_factory=list)
+    # Where the reporting VMs' sightings are kept (their VM groups); ``vms`` is assembled from them on read.
+    groups: list[str] = Field(default_factory=list)
 
     @property
     def open(self) -> bool:
@@ -130,6 +135,9 @@ class VmRecord(BaseModel):
     lastSeen: datetime
     listed: list[str] = Field(default_factory=list)
     heartbeatLost: bool = False
+    # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a
+    # batch writes an event only when the event itself changes, and a VM's sightings with its position).
+    sightings: dict[str, VmSighting] = Field(default_factory=dict)
 
 
 class VmGroupRecord(BaseModel):
@@ -142,11 +150,17 @@ class VmGroupRecord(BaseModel):
     vms: dict[str, VmRecord] = Field(default_factory=dict)
 
 
+SCALE_SET_BUCKETS = 8
+
+
 def group_key(identity: VmIdentity) -> str:
-    """Where a VM's position is kept: its placement group (events reach a whole placement group), else its scale
-    set, else the VM alone."""
+    """Where a VM's position is kept: its placement group (events reach a whole placement group; at most 100
+    VMs), else its scale set split in buckets (a scale set can hold 1,000 VMs and an entity 1 MiB), else the VM
+    alone."""
     if identity.placementGroupId:
         return f"pg:{identity.placementGroupId.lower()}"
     if identity.vmScaleSetName:
-        return f"vmss:{identity.subscriptionId}/{identity.resourceGroupName}/{identity.vmScaleSetName}".lower()
+        bucket = zlib.crc32(identity.vmId.lower().encode()) % SCALE_SET_BUCKETS
+        scale_set = f"{identity.subscriptionId}/{identity.resourceGroupName}/{identity.vmScaleSetName}".lower()
+        return f"vmss:{scale_set}#{bucket}"
     return f"vm:{identity.vmId.lower()}"

@@ -150,6 +150,7 @@ class _Work:
     rows: list[HistoryRow] = field(default_factory=list)
     alerts: list[tuple[str, AlertKind]] = field(default_factory=list)
     deliveries: list[str] = field(default_factory=list)
+    records: dict[str, EventRecord] = field(default_factory=dict)
 
 
 @dataclass
@@ -259,9 +260,10 @@ class Coordinator:
                 work.rows.append(self._vm_row(update.record, now, "heartbeat resumed"))
 
         fleet = _Fleet(self.store)
-        committed = self._commit_events(observations, now, fleet, report)
+        committed = self._commit_events(observations, now, fleet, report, updates)
         for change in committed:
             self._collect(change, work)
+            self._keep_sightings(change, observations[change.record.eventId], updates)
         report.events_changed = len(committed)
         # VM positions are written after the events: a crash in between replays the envelopes, which the
         # events' per-VM sequence makes harmless.
@@ -338,36 +340,102 @@ class Coordinator:
         self._decide(change, now, fleet)
         return change
 
+    def _assemble(
+        self, events: dict[str, Stored[EventRecord]], groups: dict[str, Stored[VmGroupRecord]]
+    ) -> dict[str, Stored[EventRecord]]:
+        """Puts each event's per-VM sightings (kept with the VMs' positions) back into the record."""
+        out: dict[str, Stored[EventRecord]] = {}
+        for event_id, stored in events.items():
+            vms = {}
+            for key in stored.record.groups:
+                group = groups.get(key)
+                for vm in group.record.vms.values() if group else ():
+                    sighting = vm.sightings.get(event_id)
+                    if sighting is not None:
+                        vms[vm.identity.name] = sighting.model_copy(
+                            update={
+                                "name": vm.identity.name,
+                                "vmId": vm.identity.vmId,
+                                "resourceId": vm.identity.resourceId,
+                                "scaleSet": vm.identity.vmScaleSetName,
+                                "placementGroup": vm.identity.placementGroupId,
+                            }
+                        )
+            out[event_id] = Stored(stored.record.model_copy(update={"vms": vms}), stored.etag)
+        return out
+
+    def event(self, event_id: str) -> Stored[EventRecord] | None:
+        """The event as stored now (fresh read), with its VMs' sightings."""
+        stored = self.store.get_events([event_id])
+        if event_id not in stored:
+            return None
+        groups = self.store.get_vm_groups(stored[event_id].record.groups)
+        return self._assemble(stored, groups)[event_id]
+
+    def _keep_sightings(self, change: EventChange, observations: list[Observation], batch: _VmBatch) -> None:
+        for observation in observations:
+            update = batch.updates.get(observation.vm.vmId.lower())
+            sighting = change.record.vms.get(observation.vm.name)
+            if update is not None and sighting is not None:
+                # Stored without the identity fields: the VM's position says them once.
+                compact = sighting.model_copy(
+                    update={"name": "", "vmId": "", "resourceId": "", "scaleSet": "", "placementGroup": ""}
+                )
+                sightings = {**update.record.sightings, change.record.eventId: compact}
+                update.record = update.record.model_copy(update={"sightings": sightings})
+
     def _commit_events(
-        self, observations: dict[str, list[Observation]], now: datetime, fleet: _Fleet, report: BatchReport
+        self,
+        observations: dict[str, list[Observation]],
+        now: datetime,
+        fleet: _Fleet,
+        report: BatchReport,
+        batch: _VmBatch,
     ) -> list[EventChange]:
         if not observations:
             return []
-        pending: list[tuple[EventChange, str | None]] = []
+
+        def evolve(record: EventRecord | None, items: list[Observation]) -> EventChange | None:
+            change = self._evolve(record, items, now, fleet)
+            if change is not None:
+                reporting = {batch.key_of[o.vm.vmId.lower()] for o in items if o.vm.vmId.lower() in batch.key_of}
+                if not reporting <= set(change.record.groups):
+                    change.record.groups = sorted(set(change.record.groups) | reporting)
+                    change.changed = True
+            return change
+
+        changes: list[EventChange] = []
         # Another instance may write some of these events meanwhile (a placement group's VMs sit on several
         # Event Hubs partitions): re-read them all fresh and retry the transaction a few times, then one by one.
         for attempt in range(BULK_ATTEMPTS):
             stored = self.store.get_events(observations, cached=attempt == 0)
-            pending = []
+            wanted = {key for s in stored.values() for key in s.record.groups} - set(batch.groups)
+            groups = {**self.store.get_vm_groups(wanted, cached=attempt == 0), **batch.groups}
+            assembled = self._assemble(stored, groups)
+            changes, writes = [], []
             for event_id, items in observations.items():
-                current = stored.get(event_id)
-                change = self._evolve(current.record if current else None, items, now, fleet)
-                if change is not None and change.changed:
-                    pending.append((change, current.etag if current else None))
+                current = assembled.get(event_id)
+                change = evolve(current.record if current else None, items)
+                if change is None or not change.changed:
+                    continue
+                changes.append(change)
+                # Only the event itself is written here; new sightings go with the VM positions.
+                if current is None or _aggregate(change.record) != _aggregate(current.record):
+                    writes.append((change.record, current.etag if current else None))
             try:
-                self.store.save_events([(c.record, etag) for c, etag in pending])
-                return [c for c, _ in pending]
+                self.store.save_events(writes)
+                return changes
             except ConcurrencyConflict:
                 report.conflicts += 1
-        # Another instance wrote one of these events: redo each one on its own from a fresh read.
+        # Another instance keeps writing these events: redo each one on its own from a fresh read.
         committed = []
-        for change, _ in pending:
+        for change in changes:
             event_id = change.record.eventId
 
             def redo(
                 record: EventRecord | None, items: list[Observation] = observations[event_id]
             ) -> EventChange | None:
-                return self._evolve(record, items, now, fleet)
+                return evolve(record, items)
 
             result = self._commit_one(event_id, redo, report)
             if result is not None:
@@ -381,7 +449,7 @@ class Coordinator:
         report: BatchReport | TickReport | None = None,
     ) -> EventChange | None:
         for _attempt in range(COMMIT_ATTEMPTS):
-            current = self.store.get_event(event_id)
+            current = self.event(event_id)
             change = mutate(current.record if current else None)
             if change is None or not change.changed:
                 return None
@@ -454,6 +522,7 @@ class Coordinator:
     # ---- acting on what was committed ------------------------------------------------------------------------
     def _collect(self, change: EventChange, work: _Work) -> None:
         work.rows.extend(change.rows)
+        work.records[change.record.eventId] = change.record
         work.alerts.extend((change.record.eventId, kind) for kind in change.alerts)
         approval = change.record.approval
         if (
@@ -473,7 +542,7 @@ class Coordinator:
         *,
         last_seen: dict[str, datetime] | None,
     ) -> None:
-        records: dict[str, EventRecord] = {}
+        records: dict[str, EventRecord] = dict(work.records)
         for event_id in work.deliveries:
             change = self._deliver(event_id, now, last_seen)
             if change is not None:
@@ -481,9 +550,10 @@ class Coordinator:
                 records[event_id] = change.record
                 self._collect(change, work)
         if work.alerts:
-            missing = [e for e, _ in work.alerts if e not in records]
-            for event_id, stored in self.store.get_events(missing).items():
-                records[event_id] = stored.record
+            for event_id in {e for e, _ in work.alerts if e not in records}:
+                current = self.event(event_id)
+                if current is not None:
+                    records[event_id] = current.record
             for event_id, kind in work.alerts:
                 if event_id in records:
                     self._alert(records[event_id], kind, now, work, report)
@@ -518,7 +588,7 @@ class Coordinator:
         return True
 
     def _deliver(self, event_id: str, now: datetime, last_seen: dict[str, datetime] | None) -> EventChange | None:
-        stored = self.store.get_event(event_id)
+        stored = self.event(event_id)
         if stored is None or stored.record.approval is None or stored.record.approval.delivered:
             return None
         record = stored.record
@@ -632,9 +702,10 @@ class Coordinator:
                 last_seen[vm.identity.name] = max(vm.lastSeen, last_seen.get(vm.identity.name, vm.lastSeen))
         silent = frozenset(name for name, seen in last_seen.items() if seen < now - self.heartbeat_timeout)
         fleet = _Fleet(self.store)
-        open_events = self.store.open_events()
+        by_key = {g.record.group: g for g in groups}
+        open_events = self._assemble({s.record.eventId: s for s in self.store.open_events()}, by_key)
         report.open_events = len(open_events)
-        for stored in open_events:
+        for stored in open_events.values():
             record = stored.record
             change = self._commit_one(record.eventId, lambda r: self._reconsider(r, now, fleet, silent), report)
             if change is not None:
@@ -724,7 +795,7 @@ class Coordinator:
     # ---- people ----------------------------------------------------------------------------------------------
     def approve_manually(self, event_id: str, *, person: str) -> ManualApproval:
         now = self.clock()
-        stored = self.store.get_event(event_id)
+        stored = self.event(event_id)
         if stored is None:
             return ManualApproval("not-found", f"no event {event_id!r} is known")
         if stored.record.state != "Scheduled":
@@ -768,13 +839,13 @@ class Coordinator:
         work = _Work()
         change = self._commit_one(event_id, decide)
         if change is None:
-            current = self.store.get_event(event_id)
+            current = self.event(event_id)
             state = current.record.state if current else "gone"
             return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
         work.rows.extend(change.rows)
         work.deliveries.append(event_id)
         self._act(work, now, report, last_seen=None)
-        current = self.store.get_event(event_id)
+        current = self.event(event_id)
         summary = self.summarize(current.record) if current else None
         approved = current is not None and current.record.approval is not None and current.record.approval.delivered
         if approved:
@@ -800,7 +871,9 @@ class Coordinator:
 
     def pending(self) -> list[dict[str, Any]]:
         """Open events (not Completed/Canceled), oldest NotBefore first."""
-        records = [s.record for s in self.store.open_events()]
+        groups = {g.record.group: g for g in self.store.all_vm_groups()}
+        assembled = self._assemble({s.record.eventId: s for s in self.store.open_events()}, groups)
+        records = [s.record for s in assembled.values()]
         far = datetime.max.replace(tzinfo=UTC)
         records.sort(key=lambda r: (r.notBefore or far, r.eventId))
         return [self.summarize(r) for r in records]
@@ -809,6 +882,11 @@ class Coordinator:
 _TITLED_KINDS = frozenset(
     {"new-event", "approved", "started-without-notice", "canceled", "expired", "approval-failed", "heartbeat-lost"}
 )
+
+
+def _aggregate(record: EventRecord) -> str:
+    """The part of a record that lives in the event entity (sightings live with the VMs)."""
+    return record.model_dump_json(exclude={"vms"})
 
 
 def _mark_alert_pending(record: EventRecord | None, kind: str) -> EventChange | None:

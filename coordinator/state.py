@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 from coordinator.model import AlertKind, EventRecord, State, VmRecord, VmSighting
@@ -17,6 +17,7 @@ from forwarder.document import ScheduledEvent
 from forwarder.envelope import Envelope, HookReport, VmIdentity
 
 ObservationKind = Literal["listed", "gone", "hook"]
+SIGHTING_RETENTION = timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,13 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                     hook=envelope.hook,
                 )
             )
+    # Sightings of events this VM no longer lists are kept a week (the event concludes long before) for the
+    # record's "gone from every VM" check, then dropped.
+    keep_after = last_seen - SIGHTING_RETENTION
+    sightings = {k: v for k, v in record.sightings.items() if k in listed or v.lastSeen >= keep_after}
     updated = record.model_copy(
         update={
+            "sightings": sightings,
             "identity": identity,
             "lastSequence": last_sequence,
             "lastIncarnation": last_incarnation,

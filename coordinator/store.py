@@ -3,7 +3,8 @@
 Layout (one table):
 - PartitionKey ``event``, RowKey = EventId: the merged EventRecord as JSON, plus ``State``/``Open`` for queries.
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
-  sequence/incarnation, listed events, last seen) in one entity, since a group's VMs report together.
+  sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
+  VMs report together. An event record's ``vms`` is assembled from its groups on read (service.py).
 One partition per kind lets a batch write all its events (or groups) in one transaction (at most 100 operations,
 all-or-nothing: if any ETag is stale nothing is written and the caller redoes that part one by one).
 Dead letters go to a second table, one row per refused message.
@@ -40,6 +41,7 @@ EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
 CACHE_ENTRIES = 50_000
 TRANSACTION_LIMIT = 100
+TRANSACTION_CHARS = 3_000_000
 # Azure Tables allows at most 15 discrete comparisons per filter: PartitionKey + 14 RowKeys.
 ROWKEYS_PER_QUERY = 14
 # A string property holds at most 64 KiB (32K UTF-16 code units); larger records are split over Data0..DataN.
@@ -72,8 +74,10 @@ class Stored(Generic[R]):
     etag: str | None
 
 
-def _to_entity(partition: str, key: str, record: BaseModel, extra: dict[str, Any]) -> dict[str, Any]:
-    data = record.model_dump_json(exclude_defaults=True)
+def _to_entity(
+    partition: str, key: str, record: BaseModel, extra: dict[str, Any], *, exclude: set[str] | None = None
+) -> dict[str, Any]:
+    data = record.model_dump_json(exclude_defaults=True, exclude=exclude)
     chunks = [data[i : i + CHUNK_CHARS] for i in range(0, len(data), CHUNK_CHARS)] or [""]
     if len(chunks) > MAX_CHUNKS:
         raise RecordTooLarge(f"record {partition}/{key} is {len(data)} characters; the entity limit is 1 MiB")
@@ -96,11 +100,34 @@ def _event_entity(record: EventRecord) -> dict[str, Any]:
         record.eventId,
         record,
         {"State": record.state, "Open": record.open, "EventType": record.eventType},
+        # The per-VM sightings are stored with each VM's position (VmGroupRecord), not here.
+        exclude={"vms"},
     )
 
 
 def _group_entity(record: VmGroupRecord) -> dict[str, Any]:
     return _to_entity(VM_GROUP_PARTITION, record.group, record, {"Vms": len(record.vms)})
+
+
+def _entity_chars(entity: dict[str, Any]) -> int:
+    return sum(len(str(value)) for value in entity.values())
+
+
+def _transactions(
+    items: list[tuple[dict[str, Any], str | None, BaseModel]],
+) -> Iterator[list[tuple[dict[str, Any], str | None, BaseModel]]]:
+    """Cuts writes into transactions of at most 100 operations and about 3 MB (the service's limit is 4 MiB)."""
+    part: list[tuple[dict[str, Any], str | None, BaseModel]] = []
+    size = 0
+    for item in items:
+        chars = _entity_chars(item[0])
+        if part and (len(part) == TRANSACTION_LIMIT or size + chars > TRANSACTION_CHARS):
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += chars
+    if part:
+        yield part
 
 
 def _chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
@@ -220,8 +247,7 @@ class TableStateStore:
 
     def _save_many(self, items: list[tuple[dict[str, Any], str | None, BaseModel]]) -> list[str]:
         etags: list[str] = []
-        for start in range(0, len(items), TRANSACTION_LIMIT):
-            part = items[start : start + TRANSACTION_LIMIT]
+        for part in _transactions(items):
             if len(part) == 1:
                 etags.append(self._save_one(*part[0]))
                 continue

@@ -68,7 +68,7 @@ def test_an_interleaved_write_is_refused_by_etag_and_the_event_is_decided_once(a
     decisions = [r for r in history_a.rows + history_b.rows if r.RecordType == "Decision"]
     assert len(decisions) == 1
     assert len([x for x in imds.approvals() if x["EventId"] == event_id]) == 1
-    stored = a.store.get_event(event_id)
+    stored = a.event(event_id)
     assert stored is not None
     assert sorted(stored.record.vms) == ["WestNO_0", "WestNO_1"]  # both observations merged, none lost
     assert stored.record.state == "Approved"
@@ -104,6 +104,6 @@ def test_two_instances_in_threads_approve_each_event_once(azurite, imds, tmp_pat
     approvals = [x["EventId"] for x in imds.approvals() if x["EventId"] in ids]
     assert sorted(approvals) == sorted(ids)  # each once
     for event_id in ids:
-        stored = a.store.get_event(event_id)
+        stored = a.event(event_id)
         assert stored is not None
         assert sorted(stored.record.vms) == ["WestNO_0", "WestNO_1"]

@@ -156,7 +156,7 @@ def test_events_decoded_by_the_workers_own_converter(app: App):
     assert isinstance(events, list)
     assert all(isinstance(e, func.EventHubEvent) for e in events)
     app.module.ingest_envelopes(events)
-    stored = app.coordinator.store.get_event("EV-WORKER")
+    stored = app.coordinator.event("EV-WORKER")
     assert stored is not None
     assert sorted(stored.record.vms) == ["WestNO_0", "WestNO_1"]
 
