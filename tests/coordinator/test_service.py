@@ -166,3 +166,44 @@ class _Bytes:
 
     def __init__(self, items: list[bytes]) -> None:
         self.bytes = items
+
+
+def test_event_reported_from_several_groups_concludes_when_gone_from_all(azurite, imds, tmp_path):
+    """VMs outside any placement group keep their sightings in separate entities: the record is assembled from
+    all of them, so 'gone from every VM' still holds across groups."""
+    coordinator, history, _clock = build(azurite, imds, tmp_path)
+    a, b = vm("solo-a", group="", index=21), vm("solo-b", group="", index=22)
+    reboot = scheduled_event("EV-SOLO", event_type="Reboot", resources=["solo-a", "solo-b"], duration=-1)
+    coordinator.process_batch([raw(envelope(a, sequence=1, incarnation=2, events=[reboot]))])
+    coordinator.process_batch([raw(envelope(b, sequence=1, incarnation=2, events=[reboot]))])
+    stored = coordinator.event("EV-SOLO")
+    assert stored is not None
+    assert len(stored.record.groups) == 2
+    assert sorted(stored.record.vms) == ["solo-a", "solo-b"]
+    coordinator.process_batch([raw(envelope(a, sequence=2, incarnation=3, events=[]))])
+    stored = coordinator.event("EV-SOLO")
+    assert stored is not None
+    assert stored.record.state == "Scheduled"  # solo-b still lists it
+    coordinator.process_batch([raw(envelope(b, sequence=2, incarnation=3, events=[]))])
+    stored = coordinator.event("EV-SOLO")
+    assert stored is not None
+    assert stored.record.state == "Canceled"
+    assert [r.State for r in history.rows if r.RecordType == "Transition"] == ["Canceled"]
+
+
+def test_timer_concludes_an_event_whose_other_vm_fell_silent(azurite, imds, tmp_path):
+    coordinator, _history, clock = build(azurite, imds, tmp_path)
+    hw = scheduled_event("EV-HW", event_type="Reboot", status="Started", duration=-1)
+    a, b = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    coordinator.process_batch([raw(envelope(x, sequence=1, incarnation=2, events=[hw])) for x in (a, b)])
+    clock.now = DOC_NOW + timedelta(minutes=1)
+    later = DOC_NOW + timedelta(minutes=1)
+    coordinator.process_batch([raw(envelope(a, sequence=2, incarnation=3, events=[], observed_at=later))])
+    stored = coordinator.event("EV-HW")
+    assert stored is not None
+    assert stored.record.state == "Started"  # WestNO_1 has not said anything yet
+    clock.now = DOC_NOW + timedelta(minutes=7)  # WestNO_1 silent beyond the 5-minute heartbeat timeout
+    coordinator.tick()
+    stored = coordinator.event("EV-HW")
+    assert stored is not None
+    assert stored.record.state == "Completed"
