@@ -41,6 +41,7 @@ from coordinator.state import (
     advance,
     apply_observations,
     choose_executor,
+    clone,
     merge_vm_records,
     transition,
     vm_observations,
@@ -633,7 +634,7 @@ class Coordinator:
     ) -> EventChange | None:
         if record is None or record.approval is None or record.approval.decisionId != decision_id:
             return None
-        record = record.model_copy(deep=True)
+        record = clone(record)
         change = EventChange(record=record, changed=True)
         approval = record.approval
         assert approval is not None
@@ -733,7 +734,7 @@ class Coordinator:
     ) -> EventChange | None:
         if record is None:
             return None
-        change = EventChange(record=record.model_copy(deep=True))
+        change = EventChange(record=clone(record))
         advance(change, now, silent_vms=silent)
         self._decide(change, now, fleet)
         return change
@@ -812,7 +813,7 @@ class Coordinator:
                 return None
             if record.approval is not None and record.approval.delivered:
                 return None
-            record = record.model_copy(deep=True)
+            record = clone(record)
             change = EventChange(record=record, changed=True)
             decision_id = uuid.uuid4().hex
             actor = f"person:{person}"
@@ -892,7 +893,7 @@ def _aggregate(record: EventRecord) -> str:
 def _mark_alert_pending(record: EventRecord | None, kind: str) -> EventChange | None:
     if record is None or kind in record.pendingAlerts:
         return None
-    record = record.model_copy(deep=True)
+    record = clone(record)
     record.pendingAlerts.append(kind)
     return EventChange(record=record, changed=True)
 
@@ -900,7 +901,7 @@ def _mark_alert_pending(record: EventRecord | None, kind: str) -> EventChange | 
 def _clear_alert_pending(record: EventRecord | None, kind: str) -> EventChange | None:
     if record is None or kind not in record.pendingAlerts:
         return None
-    record = record.model_copy(deep=True)
+    record = clone(record)
     record.pendingAlerts.remove(kind)
     return EventChange(record=record, changed=True)
 
