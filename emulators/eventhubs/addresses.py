@@ -55,6 +55,17 @@ class Position(BaseModel):
     inclusive: bool = False
     latest: bool = False
 
+    def admits(self, *, offset: int, sequence_number: int, enqueued_time_ms: int) -> bool:
+        """Whether an event with these numbers lies after this position."""
+        if self.latest:
+            return True  # the start index already points past everything stored when the link opened
+        key = {
+            PositionField.OFFSET: offset,
+            PositionField.SEQUENCE_NUMBER: sequence_number,
+            PositionField.ENQUEUED_TIME: enqueued_time_ms,
+        }[self.field]
+        return key >= self.value if self.inclusive else key > self.value
+
 
 _SELECTOR = re.compile(
     r"^\s*amqp\.annotation\.(?P<field>x-opt-offset|x-opt-sequence-number|x-opt-enqueued-time)\s*"

@@ -45,6 +45,7 @@ from emulators.eventhubs.addresses import (
     SELECTOR_FILTER,
     AddressError,
     ConsumeSource,
+    Position,
     PublishTarget,
     parse_consume_source,
     parse_publish_target,
@@ -85,8 +86,12 @@ class _Subscription:
     link: Link
     source: ConsumeSource
     log: PartitionLog
+    position: Position
     next_index: int
     epoch: int | None
+    # Until the first event after ``position`` exists (a sequence number or time still in the future), new
+    # events are checked against it; from then on every later event qualifies, as the log is ordered.
+    reached: bool = False
 
 
 @dataclass
@@ -400,7 +405,7 @@ class Broker:
                 LINK_STOLEN,
                 f"a receiver with a higher owner level holds {hub}/{source.consumer_group}/{source.partition}",
             )
-        subscription = _Subscription(link, source, log, log.start_index(position), epoch)
+        subscription = _Subscription(link, source, log, position, log.start_index(position), epoch)
         peer.subscriptions[link] = subscription
         link.max_message_size = MAX_MESSAGE_SIZE
         link.open()
@@ -486,6 +491,13 @@ class Broker:
         link, log = subscription.link, subscription.log
         while link.credit > 0 and subscription.next_index < len(log):
             event = log.get(subscription.next_index)
+            if not subscription.reached:
+                subscription.reached = subscription.position.admits(
+                    offset=event.offset, sequence_number=event.sequence_number, enqueued_time_ms=event.enqueued_time_ms
+                )
+                if not subscription.reached:
+                    subscription.next_index += 1
+                    continue
             message = event.decoded()
             annotations = dict(message.annotations or {})
             annotations[_SEQUENCE_NUMBER] = event.sequence_number

@@ -14,7 +14,7 @@ from emulators.eventhubs import EventHubsEmulator
 from tests.eventhubs.conftest import HUB, consumer, producer
 
 
-def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
+def _wait_for(predicate: Any, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -51,7 +51,7 @@ class Received:
         with self._lock:
             return [event.body_as_str() for event in self.events]
 
-    def wait_for(self, count: int, timeout: float = 10.0) -> list[str]:
+    def wait_for(self, count: int, timeout: float = 20.0) -> list[str]:
         _wait_for(lambda: len(self.events) >= count, timeout)
         return self.bodies()
 
@@ -144,34 +144,28 @@ def _close_all(receivers: list[Received]) -> None:
         closer.join()
 
 
-def test_latest_sees_only_events_sent_after_the_receiver_attached(emulator: EventHubsEmulator) -> None:
+def test_latest_and_a_future_enqueued_time_see_only_later_events(emulator: EventHubsEmulator) -> None:
     _fill(emulator, "0", ["old-1", "old-2"])
-    received = Received(
+    _fill(emulator, "3", ["before"])
+    latest = Received(
         consumer(emulator.connection_string(HUB), consumer_group="coordinator"),
         partition_id="0",
         starting_position="@latest",
     )
-    try:
-        _wait_for(lambda: emulator.stats.receivers_attached >= 1)
-        _fill(emulator, "0", ["new-1", "new-2"])
-        assert received.wait_for(2) == ["new-1", "new-2"]
-    finally:
-        received.close()
-
-
-def test_a_future_enqueued_time_yields_nothing_until_later_events(emulator: EventHubsEmulator) -> None:
-    _fill(emulator, "3", ["before"])
-    received = Received(
+    future = Received(
         consumer(emulator.connection_string(HUB)),
         partition_id="3",
         starting_position=datetime.now(tz=UTC) + timedelta(hours=1),
     )
     try:
-        _wait_for(lambda: emulator.stats.receivers_attached >= 1)
+        _wait_for(lambda: emulator.stats.receivers_attached >= 2)
+        _fill(emulator, "0", ["new-1", "new-2"])
+        _fill(emulator, "3", ["still-before-the-hour"])
+        assert latest.wait_for(2) == ["new-1", "new-2"]
         time.sleep(0.3)
-        assert received.bodies() == []
+        assert future.bodies() == []
     finally:
-        received.close()
+        _close_all([latest, future])
 
 
 def test_more_events_than_the_prefetch_credit_all_arrive_in_order(emulator: EventHubsEmulator) -> None:

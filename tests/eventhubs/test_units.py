@@ -189,3 +189,12 @@ def test_the_log_keeps_order_and_sets_a_torn_tail_aside(tmp_path: Path) -> None:
     assert [e.enqueued_time_ms for e in reopened.snapshot()] == [1000, 1000, 1000]
     assert path.with_suffix(".torn").read_bytes().startswith(b"\x00\x00\x00\x30")
     assert reopened.append([(b"m3", None)], now_ms=2000)[0].sequence_number == 3
+
+
+def test_a_position_admits_only_later_events() -> None:
+    after_seven = parse_selector("amqp.annotation.x-opt-sequence-number > '7'")
+    assert not after_seven.admits(offset=999, sequence_number=7, enqueued_time_ms=0)
+    assert after_seven.admits(offset=0, sequence_number=8, enqueued_time_ms=0)
+    from_time = parse_selector("amqp.annotation.x-opt-enqueued-time >= '5000'")
+    assert from_time.admits(offset=0, sequence_number=0, enqueued_time_ms=5000)
+    assert not from_time.admits(offset=0, sequence_number=99, enqueued_time_ms=4999)
