@@ -37,9 +37,10 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
 def main() -> None:
@@ -98,7 +99,8 @@ def main() -> None:
                     next_event += args.event_every
                 samples.append(rss_mib(process.pid))
                 time.sleep(1.0)
-            cpu = cpu_seconds(process.pid) - cpu_before
+            user_after, system_after = cpu_seconds(process.pid)
+            user, system = user_after - cpu_before[0], system_after - cpu_before[1]
             polls = imds.requests_served[vm] - polls_before
         finally:
             process.terminate()
@@ -109,7 +111,9 @@ def main() -> None:
             {
                 "forwarder_rss_mib": round(max(samples), 1),
                 "forwarder_rss_mib_median": round(statistics.median(samples), 1),
-                "forwarder_cpu_s_per_hour": round(cpu / elapsed * 3600, 2),
+                "forwarder_cpu_s_per_hour": round((user + system) / elapsed * 3600, 2),
+                "forwarder_user_s_per_hour": round(user / elapsed * 3600, 2),
+                "forwarder_system_s_per_hour": round(system / elapsed * 3600, 2),
                 "polls": polls,
                 "polls_per_s": round(polls / elapsed, 2),
                 "seconds": round(elapsed, 1),

@@ -1,13 +1,13 @@
 """IMDS client: the scheduled-events document, this VM's identity, and approvals (StartRequests).
 
 Public and reusable: the poll loop and the relay listener share it (and its process-wide rate limiter).
-Plain `http.client` on one kept-alive connection: it never consults proxy settings (IMDS must never go through a
-proxy, and a request carrying X-Forwarded-For is refused), and it keeps the per-poll cost small.
+One kept-alive connection with prebuilt requests (forwarder/keepalive.py says why not http.client): it never consults
+proxy settings (IMDS must never go through a proxy, and a request carrying X-Forwarded-For is refused), and it keeps
+the per-poll cost small.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import threading
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from forwarder.document import ScheduledEventsDocument
 from forwarder.envelope import VmIdentity
+from forwarder.keepalive import KeepAliveConnection, build_request
 from forwarder.logs import fields
 from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
 
@@ -111,10 +112,10 @@ class ImdsClient:
         self._first_call_timeout = first_call_timeout
         self._limiter = limiter or IMDS_LIMITER
         self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn = KeepAliveConnection(self._host, self._port, max_body=MAX_BODY)
         self._answered = False
-        self._headers = {"Metadata": "true"}
-        self._post_headers = {"Metadata": "true", "Content-Type": "application/json"}
+        self._authority = parts.netloc
+        self._requests: dict[tuple[str, str], bytes] = {}
 
     @property
     def base_url(self) -> str:
@@ -125,40 +126,36 @@ class ImdsClient:
             self._drop()
 
     def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._conn.close()
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
         """One request; returns the 200 body or raises ImdsUnavailable / ImdsInvalidResponse."""
+        if body is None:
+            request = self._requests.get((method, path))
+            if request is None:
+                request = build_request(method, self._authority, self._prefix + path)
+                self._requests[(method, path)] = request
+        else:
+            request = build_request(
+                method, self._authority, self._prefix + path, body=body, content_type="application/json"
+            )
         self._limiter.acquire()
         with self._lock:
             timeout = self._timeout if self._answered else self._first_call_timeout
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-            elif self._conn.sock is not None:
-                self._conn.sock.settimeout(timeout)
-            else:
-                self._conn.timeout = timeout
             try:
-                self._conn.request(
-                    method, self._prefix + path, body=body, headers=self._post_headers if body else self._headers
-                )
-                response = self._conn.getresponse()
-                data = response.read(MAX_BODY + 1)
-                status = response.status
-                retry_after = _retry_after(response.getheader("Retry-After"))
-                # After an error answer the server may not have read our request body; a fresh connection
-                # keeps the next request from being parsed out of step.
-                if response.will_close or status != 200 or len(data) > MAX_BODY:
-                    self._drop()
-            except (OSError, http.client.HTTPException) as exc:
-                # A timed-out or broken exchange leaves the connection out of step: start a fresh one.
-                self._drop()
+                response = self._conn.exchange(request, timeout=timeout)
+            except (OSError, ValueError) as exc:
                 raise ImdsUnavailable(f"IMDS {method} {path} failed: {type(exc).__name__}: {exc}") from exc
             self._answered = True
+        status, data = response.status, response.body
+        if status != 200:
+            # After an error answer the server may not have read our request body; a fresh connection keeps the
+            # next request from being parsed out of step.
+            self.close()
         if status == 429 or status >= 500:
-            raise ImdsUnavailable(f"IMDS {method} {path} answered {status}", status=status, retry_after=retry_after)
+            raise ImdsUnavailable(
+                f"IMDS {method} {path} answered {status}", status=status, retry_after=_retry_after(response.retry_after)
+            )
         if status != 200:
             raise ImdsInvalidResponse(f"IMDS {method} {path} answered {status}: {data[:200]!r}", body=data)
         if len(data) > MAX_BODY:

@@ -33,10 +33,11 @@ def test_document_identity_and_approval(imds: ImdsEmulator) -> None:
 def test_one_connection_is_reused(imds: ImdsEmulator) -> None:
     imds_client = client(imds)
     imds_client.get_document_bytes()
-    first = imds_client._conn
+    first = imds_client._conn._sock
+    assert first is not None
     for _ in range(5):
         imds_client.get_document_bytes()
-    assert imds_client._conn is first
+    assert imds_client._conn._sock is first
 
 
 def test_proxy_settings_are_ignored(imds: ImdsEmulator, monkeypatch: pytest.MonkeyPatch) -> None:

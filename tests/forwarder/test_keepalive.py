@@ -1,0 +1,154 @@
+"""The minimal HTTP/1.1 connection against a scripted loopback server: the response shapes IMDS (or a proxy-free
+path to it) may produce, split across packets, and connections closed under it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from forwarder.keepalive import HttpProtocolError, KeepAliveConnection, build_request
+
+REQUEST = build_request("GET", "127.0.0.1", "/metadata/scheduledevents?api-version=2020-07-01")
+
+
+class ScriptedServer:
+    """Answers each request with the next scripted reply (a list of pieces sent as separate segments; an empty last
+    piece closes the connection after it); a reply of None closes the connection without answering."""
+
+    def __init__(self, replies: list[list[bytes] | None]) -> None:
+        self.replies = replies
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed at teardown
+            self.connections += 1
+            with conn:
+                while data := conn.recv(65536):
+                    self.requests.append(data)
+                    reply = self.replies.pop(0) if self.replies else None
+                    if reply is None:
+                        break
+                    for piece in reply:
+                        conn.sendall(piece)
+                        time.sleep(0.01)  # separate TCP segments
+                    if reply and reply[-1] == b"":  # an empty last piece: close after this reply
+                        break
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[list[ScriptedServer]]:
+    servers: list[ScriptedServer] = []
+    yield servers
+    for server in servers:
+        server.close()
+
+
+def connect(
+    servers: list[ScriptedServer], replies: list[list[bytes] | None]
+) -> tuple[ScriptedServer, KeepAliveConnection]:
+    server = ScriptedServer(replies)
+    servers.append(server)
+    return server, KeepAliveConnection("127.0.0.1", server.port, max_body=1000)
+
+
+OK = [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"]
+
+
+def test_request_bytes() -> None:
+    assert REQUEST.startswith(b"GET /metadata/scheduledevents?api-version=2020-07-01 HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    assert b"Metadata: true\r\n" in REQUEST
+    assert REQUEST.endswith(b"\r\n\r\n")
+    post = build_request("POST", "h", "/p", body=b'{"a":1}', content_type="application/json")
+    assert b"Content-Length: 7\r\n" in post
+    assert post.endswith(b'\r\n\r\n{"a":1}')
+
+
+def test_content_length_split_across_segments_and_kept_alive(serve: list[ScriptedServer]) -> None:
+    split = [b"HTTP/1.1 200 OK\r\nConte", b'nt-Length: 11\r\n\r\n{"a":', b" 12345}"]
+    server, conn = connect(serve, [split, OK])
+    assert conn.exchange(REQUEST, timeout=2).body == b'{"a": 12345}'[:11]
+    assert conn.exchange(REQUEST, timeout=2).body == b"{}"
+    assert server.connections == 1
+    assert server.requests == [REQUEST, REQUEST]
+
+
+def test_chunked_body_with_trailer(serve: list[ScriptedServer]) -> None:
+    chunked = [
+        b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4;ext=1\r\n{"a"\r\n',
+        b"3\r\n:1}\r\n0\r\nX-T: 1\r\n\r\n",
+    ]
+    server, conn = connect(serve, [chunked, OK])
+    assert conn.exchange(REQUEST, timeout=2).body == b'{"a":1}'
+    assert conn.exchange(REQUEST, timeout=2).body == b"{}"  # the trailer was consumed: still in step
+    assert server.connections == 1
+
+
+def test_body_until_close_and_connection_close(serve: list[ScriptedServer]) -> None:
+    _, conn = connect(serve, [[b'HTTP/1.0 200 OK\r\n\r\n{"x": 1}', b""]])
+    response = conn.exchange(REQUEST, timeout=2)
+    assert response.body == b'{"x": 1}'
+    assert response.close
+
+
+def test_status_and_retry_after(serve: list[ScriptedServer]) -> None:
+    _, conn = connect(serve, [[b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 3\r\nContent-Length: 0\r\n\r\n"]])
+    response = conn.exchange(REQUEST, timeout=2)
+    assert (response.status, response.retry_after, response.body) == (429, "3", b"")
+
+
+def test_idle_connection_closed_by_the_server_is_retried_once(serve: list[ScriptedServer]) -> None:
+    server, conn = connect(serve, [OK, None, OK])
+    conn.exchange(REQUEST, timeout=2)
+    # The server drops the kept-alive connection without answering the next request: a fresh one is used.
+    assert conn.exchange(REQUEST, timeout=2).body == b"{}"
+    assert server.connections == 2
+
+
+def test_a_fresh_connection_closed_without_answer_is_an_error(serve: list[ScriptedServer]) -> None:
+    _, conn = connect(serve, [None])
+    with pytest.raises(ConnectionError, match="closed the connection before answering"):
+        conn.exchange(REQUEST, timeout=2)
+
+
+def test_not_http_is_a_protocol_error(serve: list[ScriptedServer]) -> None:
+    _, conn = connect(serve, [[b"SSH-2.0-OpenSSH\r\n\r\n"]])
+    with pytest.raises(HttpProtocolError, match=r"not an HTTP/1\.x status line"):
+        conn.exchange(REQUEST, timeout=2)
+
+
+def test_truncated_body_is_a_protocol_error(serve: list[ScriptedServer]) -> None:
+    _, conn = connect(serve, [[b'HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{"short"', b""]])
+    with pytest.raises(HttpProtocolError, match="in the middle of a response"):
+        conn.exchange(REQUEST, timeout=2)
+
+
+def test_oversized_body_is_cut_and_the_connection_dropped(serve: list[ScriptedServer]) -> None:
+    big = [b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000]
+    _, conn = connect(serve, [big])
+    response = conn.exchange(REQUEST, timeout=2)
+    assert len(response.body) == 1001  # max_body + 1: the caller can tell it was too large
+    assert response.close
+
+
+def test_silence_times_out(serve: list[ScriptedServer]) -> None:
+    _, conn = connect(serve, [[b"HTTP/1.1 200 OK\r\n"]])  # never finishes the head
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn.exchange(REQUEST, timeout=0.3)
+    assert time.monotonic() - started < 2
