@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mode",
         choices=["processes", "threads", "serial"],
-        default="processes",
-        help="processes: one instance per partition, as the host scales out (default); threads: one instance, "
-        "partitions on its thread pool; serial: one partition after another",
+        default="serial",
+        help="serial: one instance, one partition after another (default: this machine has 2 cores); processes: "
+        "one instance per partition, as the host scales out; threads: one instance, partitions on its thread pool",
     )
     args = parser.parse_args(argv)
 

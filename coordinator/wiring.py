@@ -3,7 +3,6 @@ folder, the IMDS emulator) in the local mode. The only place that chooses betwee
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 from urllib.parse import quote
 
@@ -18,8 +17,6 @@ from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
 from coordinator.store import TableStateStore
 from forwarder.envelope import VmIdentity
-
-log = logging.getLogger("coordinator.wiring")
 
 
 def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
