@@ -145,8 +145,9 @@ def _close_all(receivers: list[Received]) -> None:
 
 
 def test_latest_and_a_future_enqueued_time_see_only_later_events(emulator: EventHubsEmulator) -> None:
-    _fill(emulator, "0", ["old-1", "old-2"])
-    _fill(emulator, "3", ["before"])
+    send = producer(emulator.connection_string(HUB))
+    send.send_batch([EventData("old-1"), EventData("old-2")], partition_id="0")
+    send.send_batch([EventData("before")], partition_id="3")
     latest = Received(
         consumer(emulator.connection_string(HUB), consumer_group="coordinator"),
         partition_id="0",
@@ -159,12 +160,13 @@ def test_latest_and_a_future_enqueued_time_see_only_later_events(emulator: Event
     )
     try:
         _wait_for(lambda: emulator.stats.receivers_attached >= 2)
-        _fill(emulator, "0", ["new-1", "new-2"])
-        _fill(emulator, "3", ["still-before-the-hour"])
+        send.send_batch([EventData("new-1"), EventData("new-2")], partition_id="0")
+        send.send_batch([EventData("still-before-the-hour")], partition_id="3")
         assert latest.wait_for(2) == ["new-1", "new-2"]
         time.sleep(0.3)
         assert future.bodies() == []
     finally:
+        send.close()
         _close_all([latest, future])
 
 
