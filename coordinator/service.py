@@ -191,6 +191,8 @@ class Coordinator:
         approve_url: Callable[[str], str] | None = None,
         approval_backoff: tuple[float, float] = (5.0, 120.0),
         on_new_vm: Callable[[VmIdentity], None] | None = None,
+        housekeeping: Callable[[dict[str, datetime], datetime], None] | None = None,
+        housekeeping_interval: timedelta = timedelta(hours=1),
         clock: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
     ) -> None:
@@ -204,6 +206,9 @@ class Coordinator:
         self._approve_url = approve_url
         self._backoff = approval_backoff
         self._on_new_vm = on_new_vm
+        self._housekeeping = housekeeping
+        self._housekeeping_interval = housekeeping_interval
+        self._housekeeping_due: datetime | None = None
         self.clock = clock
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
 
@@ -271,8 +276,10 @@ class Coordinator:
         self._save_vm_updates(updates, report)
         self._act(work, now, report, last_seen=None)
         if self._on_new_vm is not None:
-            for vm_id in updates.new_vms:
-                self._new_vm(updates.updates[vm_id].record.identity)
+            # New VMs, and VMs back from silence (housekeeping may have removed what was set up for them).
+            for vm_id, update in updates.updates.items():
+                if vm_id in updates.new_vms or update.resumed:
+                    self._new_vm(update.record.identity)
         return report
 
     def _new_vm(self, vm: VmIdentity) -> None:
@@ -726,6 +733,7 @@ class Coordinator:
             for kind in record.pendingAlerts:
                 self._retry_alert(record, kind, now, work, report)
         self._heartbeats(groups, now, work, report)
+        self._run_housekeeping(groups, now)
         self._act(work, now, report, last_seen=last_seen)
         return report
 
@@ -774,6 +782,21 @@ class Coordinator:
                     report.alerts_sent += 1
                 except AlertError as error:
                     log.warning("heartbeat alert for %s not delivered: %s", vm.identity.name, error)
+
+    def _run_housekeeping(self, groups: list[Stored[VmGroupRecord]], now: datetime) -> None:
+        """Hourly, not every tick: it lists ARM resources (the VMs' hybrid connections) to delete the stale ones."""
+        if self._housekeeping is None or (self._housekeeping_due is not None and now < self._housekeeping_due):
+            return
+        self._housekeeping_due = now + self._housekeeping_interval
+        last_seen: dict[str, datetime] = {}
+        for group in groups:
+            for vm in group.record.vms.values():
+                name = vm.identity.hybrid_connection_name
+                last_seen[name] = max(vm.lastSeen, last_seen.get(name, vm.lastSeen))
+        try:
+            self._housekeeping(last_seen, now)
+        except Exception:  # never let cleanup stop the timer's real work; it runs again next hour
+            log.exception("housekeeping failed")
 
     @staticmethod
     def _vm_row(vm: VmRecord, now: datetime, reason: str) -> HistoryRow:

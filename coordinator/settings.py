@@ -57,6 +57,9 @@ class CoordinatorSettings(BaseModel):
 
     # Timing and people.
     heartbeat_timeout_seconds: int = Field(default=300, ge=30)
+    hybrid_connection_silence_seconds: int = Field(
+        default=86_400, ge=3600, description="delete a VM's hybrid connection after this long without a word"
+    )
     allow_anonymous_approval: bool = Field(
         default=False, description="local mode: accept a manual approval without an App Service Authentication user"
     )

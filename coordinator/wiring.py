@@ -3,7 +3,7 @@ folder, the IMDS emulator) in the local mode. The only place that chooses betwee
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from urllib.parse import quote
 
 from azure.identity import DefaultAzureCredential
@@ -50,6 +50,7 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
 
     callback: ApprovalCallback
     on_new_vm = None
+    housekeeping = None
     if settings.imds_emulator_url:
         callback = DirectImdsCallback(base_url=settings.imds_emulator_url)
     elif settings.relay_namespace or settings.relay_endpoint:
@@ -58,7 +59,10 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
         endpoint = settings.relay_endpoint or f"https://{settings.relay_namespace}"
         callback = RelayApprovalSender(endpoint=endpoint, credential=credential)
         if settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group:
-            from coordinator.relay_admin import HybridConnectionAdmin  # noqa: PLC0415
+            from coordinator.relay_admin import (  # noqa: PLC0415
+                HybridConnectionAdmin,
+                hybrid_connections_to_delete,
+            )
 
             admin = HybridConnectionAdmin(
                 credential=credential,
@@ -69,6 +73,12 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
 
             def on_new_vm(vm: VmIdentity) -> None:
                 admin.ensure(vm)
+
+            def housekeeping(last_seen: dict[str, datetime], now: datetime) -> None:
+                existing = [connection.name for connection in admin.list()]
+                silence = timedelta(seconds=settings.hybrid_connection_silence_seconds)
+                for name in hybrid_connections_to_delete(existing, last_seen=last_seen, now=now, silence_limit=silence):
+                    admin.delete(name)
 
     else:
         raise SettingsError(
@@ -90,4 +100,5 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
         heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
         approve_url=approve_url if base else None,
         on_new_vm=on_new_vm,
+        housekeeping=housekeeping,
     )

@@ -207,3 +207,34 @@ def test_timer_concludes_an_event_whose_other_vm_fell_silent(azurite, imds, tmp_
     stored = coordinator.event("EV-HW")
     assert stored is not None
     assert stored.record.state == "Completed"
+
+
+def test_new_and_returning_vms_are_set_up_and_housekeeping_runs_hourly(azurite, imds, tmp_path):
+    """The hooks wiring.py connects to relay_admin (create the VM's hybrid connection; delete stale ones)."""
+    seen: list[str] = []
+    cleanups: list[dict[str, Any]] = []
+    clock = Clock()
+    coordinator = Coordinator(
+        store=TableStateStore.from_connection_string(
+            azurite.connection_string, table_name="hk" + uuid.uuid4().hex[:12]
+        ),
+        history=MemoryHistory(),
+        alerts=FolderCardSink(tmp_path),
+        callback=DirectImdsCallback(base_url=imds.url),
+        policy=load_policy(DEFAULT_POLICY_PATH),
+        clock=clock,
+        on_new_vm=lambda identity: seen.append(identity.name),
+        housekeeping=lambda last_seen, now: cleanups.append(dict(last_seen)),
+    )
+    web = vm("WestNO_0", index=1)
+    coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=[]))])
+    coordinator.process_batch([raw(envelope(web, sequence=2, kind="heartbeat"))])
+    assert seen == ["WestNO_0"]
+    clock.now = DOC_NOW + timedelta(minutes=10)
+    coordinator.tick()  # heartbeat lost; housekeeping runs (first tick)
+    coordinator.tick()  # within the hour: no second run
+    assert len(cleanups) == 1
+    assert list(cleanups[0]) == [f"vm-{web['vmId']}"]
+    later = DOC_NOW + timedelta(minutes=11)
+    coordinator.process_batch([raw(envelope(web, sequence=3, kind="heartbeat", observed_at=later))])
+    assert seen == ["WestNO_0", "WestNO_0"]  # back from silence: set up again
