@@ -504,6 +504,7 @@ class Coordinator:
             )
             fleet.add(record)
             change.changed = True
+            change.approval_decided = True
 
     def _decision_row(self, record: EventRecord, now: datetime) -> HistoryRow:
         decision = record.decision
@@ -532,14 +533,9 @@ class Coordinator:
         work.rows.extend(change.rows)
         work.records[change.record.eventId] = change.record
         work.alerts.extend((change.record.eventId, kind) for kind in change.alerts)
-        approval = change.record.approval
-        if (
-            approval is not None
-            and not approval.delivered
-            and approval.attempts == 0
-            and change.record.state == "Scheduled"
-            and change.record.eventId not in work.deliveries
-        ):
+        # Only the change that decided the approval sends it. Another instance that re-read the record after a
+        # conflict sees the approval too, and must not send it again.
+        if change.approval_decided and change.record.eventId not in work.deliveries:
             work.deliveries.append(change.record.eventId)
 
     def _act(

@@ -144,6 +144,8 @@ class EventChange:
     rows: list[HistoryRow] = field(default_factory=list)
     alerts: list[AlertKind] = field(default_factory=list)
     changed: bool = False
+    # This change (not an earlier write it re-read) decided the approval: only its writer sends it.
+    approval_decided: bool = False
 
 
 def _event_row(record: EventRecord, now: datetime, record_type: str, **values: object) -> HistoryRow:
