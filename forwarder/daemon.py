@@ -116,8 +116,8 @@ class Forwarder:
             self._last_document = ScheduledEventsDocument.model_validate_json(saved)
             self._last_canonical = saved
         except ValidationError:
-            # Only this process writes it; if it is unreadable, forwarding the current document again is the
-            # safe side (the consumer deduplicates by content), losing a change is not.
+            # Only this process writes it; if it is unreadable, forwarding the current document once more is the
+            # safe side (a repeated incarnation changes nothing downstream), losing a change is not.
             log.warning("the remembered document is unreadable; the next document is forwarded as new")
 
     def stop(self) -> None:
@@ -147,8 +147,8 @@ class Forwarder:
             thread = threading.Thread(target=target, name=f"forwarder-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        self._start_companions(identity)
         try:
+            self._start_companions(identity)
             self._poll_loop()
         finally:
             self._shutdown()
@@ -170,11 +170,16 @@ class Forwarder:
     def _start_companions(self, identity: VmIdentity) -> None:
         if self._companion_factory is None:
             return
-        for companion in self._companion_factory(identity, self.imds):
+        try:
+            companions = self._companion_factory(identity, self.imds)
+        except Exception:
+            # A broken listener setup must not take the forwarding of events down with it.
+            log.exception("the companions could not be built; forwarding continues without them")
+            return
+        for companion in companions:
             try:
                 companion.start()
             except Exception:
-                # A broken listener must not take the forwarding of events down with it.
                 log.exception("a companion failed to start", extra=fields(companion=type(companion).__name__))
             else:
                 self._companions.append(companion)

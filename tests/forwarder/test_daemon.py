@@ -185,3 +185,41 @@ def test_shutdown_flushes_the_spool(imds: ImdsEmulator, harness: MakeHarness) ->
     h.stop()
     assert h.store.path.exists()
     assert h.envelopes("incarnation")
+
+
+class _BrokenCompanion:
+    """A companion whose start fails (a stand-in for a relay listener that cannot start)."""
+
+    stopped = False
+
+    def start(self) -> None:
+        raise RuntimeError("cannot listen")
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class _Companion:
+    started = stopped = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_companions_start_and_stop_with_the_daemon_and_never_break_it(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    good, broken = _Companion(), _BrokenCompanion()
+    h = harness(imds.url_for("web_0"), name="a", companions=lambda identity, client: [broken, good])
+    h.wait_incarnation(1)
+    assert good.started
+    h.stop()
+    assert good.stopped
+    assert not broken.stopped  # never started, so never stopped
+
+    def unbuildable(identity: object, client: object) -> list[_Companion]:
+        raise ImportError("no websockets")
+
+    failing = harness(imds.url_for("web_1"), name="b", companions=unbuildable)
+    failing.wait_incarnation(1)  # forwarding goes on without companions
