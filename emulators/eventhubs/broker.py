@@ -418,17 +418,18 @@ class Broker:
                 yield peer, subscription
 
     def _claim_epoch(self, source: ConsumeSource, log: PartitionLog, epoch: int | None) -> bool:
-        """Owner-level (epoch) receivers: a higher level disconnects lower ones; a lower one is refused."""
+        """Owner level (epoch), as the service applies it per consumer group and partition: a receiver with an
+        owner level disconnects those with a lower one and those without; one with a lower level, or one without
+        while an owner holds the partition, is refused."""
         rivals = [
             (peer, sub)
             for peer, sub in self._subscriptions()
-            if sub.source.consumer_group.lower() == source.consumer_group.lower()
-            and sub.log is log
-            and sub.epoch is not None
+            if sub.log is log and sub.source.consumer_group.lower() == source.consumer_group.lower()
         ]
+        owners = [sub.epoch for _, sub in rivals if sub.epoch is not None]
         if epoch is None:
-            return not rivals
-        if any(sub.epoch is not None and sub.epoch > epoch for _, sub in rivals):
+            return not owners
+        if any(owner > epoch for owner in owners):
             return False
         for peer, sub in rivals:
             peer.subscriptions.pop(sub.link, None)
