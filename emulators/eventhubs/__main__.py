@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -34,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub", type=_hub, action="append", default=[], help="NAME[:PARTITIONS], repeatable")
     parser.add_argument("--consumer-group", action="append", default=[], help="besides $Default, repeatable")
     parser.add_argument("--sas-key-name", default=DEFAULT_SAS_KEY_NAME)
-    parser.add_argument("--sas-key", default=None, help="namespace key (default: random, printed in the connection)")
+    parser.add_argument(
+        "--sas-key",
+        default=os.environ.get("EVENTHUBS_EMULATOR_SAS_KEY"),
+        help="namespace key (default: $EVENTHUBS_EMULATOR_SAS_KEY, else random; printed in the connection string)",
+    )
     parser.add_argument("--data-dir", default=None, help="keep events in append-only files here (default: memory)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)

@@ -33,7 +33,6 @@ from proton import (
     Event,
     Link,
     Message,
-    ProtonException,
     Terminus,
     Transport,
     symbol,
@@ -52,7 +51,7 @@ from emulators.eventhubs.addresses import (
     parse_selector,
 )
 from emulators.eventhubs.auth import JWT_TOKEN_TYPE, SAS_TOKEN_TYPE, AuthError, Grant, resource_path, validate_token
-from emulators.eventhubs.framing import FramePadder
+from emulators.eventhubs.framing import FramePadder, FramingError
 from emulators.eventhubs.store import EventStore, PartitionLog, RejectedTransfer
 
 _LOG = logging.getLogger("emulators.eventhubs")
@@ -260,7 +259,12 @@ class Broker:
                 if pending > 0:
                     data = peer.transport.peek(pending) or b""
                     peer.transport.pop(pending)
-                    peer.out += peer.padder.feed(data)
+                    try:
+                        peer.out += peer.padder.feed(data)
+                    except FramingError:
+                        _LOG.exception("unexpected outgoing AMQP framing; dropping the connection")
+                        self._drop(peer)
+                        continue
                     busy = True
                 if peer.out:
                     self._write(peer)
@@ -292,8 +296,9 @@ class Broker:
             handled = True
             try:
                 self._on_event(peer, event)
-            except (ProtonException, AddressError, KeyError, ValueError):
-                # One bad frame must not take the emulator down; the connection it came from is closed instead.
+            except Exception:
+                # One bad frame (or an emulator bug it triggers) must not take every connection down; the
+                # connection it came from is closed instead, with the traceback in the log.
                 _LOG.exception("error handling %s on a connection; closing it", event.type)
                 peer.connection.condition = Condition("amqp:internal-error", "emulator failed to handle a frame")
                 peer.connection.close()
