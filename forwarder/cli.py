@@ -160,5 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    forwarder.run()
+    try:
+        forwarder.run()
+    except Exception:
+        # Unexpected (e.g. the state disk is full): one structured line, then a non-zero exit for systemd to restart.
+        log.exception("forwarder crashed")
+        return 1
     return 0
