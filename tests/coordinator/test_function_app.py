@@ -7,9 +7,11 @@ import json
 from collections.abc import Sequence
 from datetime import timedelta
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import azure.functions as func
+import jsonschema
 import pytest
 from azure.functions.timer import TimerRequest
 
@@ -114,6 +116,11 @@ def test_documented_example_through_the_function_ends_as_one_event_logged_once(a
     decisions = app.history(f"SELECT Rule, Outcome FROM {TABLE} WHERE RecordType = 'Decision'")
     assert decisions == [{"Rule": "short-freeze", "Outcome": "approve"}]
     assert app.card_files() == [f"{DOC_EVENT_ID}-approved.json", f"{DOC_EVENT_ID}-new-event.json"]
+    schema = json.loads((Path(__file__).with_name("adaptive_card_subset.schema.json")).read_text())
+    for name in app.card_files():
+        card = (app.cards / name).read_bytes()
+        assert len(card) < 28 * 1024
+        jsonschema.validate(json.loads(card), schema)
     rows_before = app.history(f"SELECT count(*) AS n FROM {TABLE}")[0]["n"]
 
     # Event Hubs is at-least-once: the whole sequence again, in one batch, changes nothing.
