@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
 from coordinator.store import TableStateStore
@@ -18,14 +16,6 @@ from local.timeline import TERMINAL, Timeline
 
 Printer = Callable[[str], None]
 IMDS_TERMINAL = frozenset({"Completed", "Canceled"})
-
-
-@dataclass
-class RunResult:
-    summary: Summary
-    facts: RunFacts
-    finished: bool
-    seconds: float
 
 
 def history_command(stack: LocalStack) -> str:
@@ -132,7 +122,3 @@ def settle_forwarders(stack: LocalStack, *, timeout: float = 10.0) -> None:
     total = len(stack.eventhubs.all_events(HUB))
     while stack.host.stats.events + stack.host.stats.failed_batches < total and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def describe(summary: Summary) -> dict[str, Any]:
-    return summary.as_dict()
