@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from forwarder.changes import canonical, detect
 from forwarder.document import ScheduledEventsDocument
 
@@ -86,3 +89,43 @@ def test_unknown_fields_count_as_content() -> None:
     change = detect(before, canonical(before), after, vm_name="web_0")
     assert change is not None
     assert change.reason == "content"
+
+
+@given(
+    steps=st.lists(
+        st.tuples(st.frozensets(st.sampled_from("ABCDE"), max_size=4), st.booleans(), st.integers(0, 3)),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_any_sequence_of_documents(steps: list[tuple[frozenset[str], bool, int]]) -> None:
+    """Polled documents, each possibly seen several times in a row: one change per distinct consecutive document;
+    each of this VM's events prepared once when it appears and recovered once when it leaves."""
+    previous: ScheduledEventsDocument | None = None
+    previous_canonical: str | None = None
+    incarnation = 0
+    changes = prepared = recovered = 0
+    expected_changes = expected_prepared = expected_recovered = 0
+    last_ids: frozenset[str] | None = None
+    last_key: tuple[int, frozenset[str]] | None = None
+    for ids, reset, repeats in steps:
+        if ids != last_ids or reset:
+            incarnation = 1 if reset else incarnation + 1  # IMDS starts over at 1 after a reset
+        key = (incarnation, ids)
+        if key != last_key:
+            mine, before = {i for i in ids if i in "ABC"}, {i for i in (last_ids or ()) if i in "ABC"}
+            expected_changes += 1
+            expected_prepared += len(mine - before)
+            expected_recovered += len(before - mine)
+        last_ids, last_key = ids, key
+        # A, B and C concern web_0; D and E another VM of the group.
+        current = doc(incarnation, *(event(i, "web_0" if i in "ABC" else "web_9") for i in sorted(ids)))
+        for _ in range(1 + repeats):
+            change = detect(previous, previous_canonical, current, vm_name="web_0")
+            if change is not None:
+                changes += 1
+                prepared += len(change.prepare)
+                recovered += len(change.recover)
+                previous, previous_canonical = change.document, change.canonical
+    assert changes == expected_changes
+    assert (prepared, recovered) == (expected_prepared, expected_recovered)
