@@ -444,14 +444,23 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
 
     def read_body(self) -> bytes:
+        return self._body
+
+    def _take_body(self) -> None:
+        # Read the whole body before anything can answer early (a fault, a refused header): a body left unread
+        # on a keep-alive connection would be parsed as the next request.
+        self._body = b""
         length = int(self.headers.get("Content-Length") or 0)
         if length > _MAX_BODY:
+            self.close_connection = True
             raise _bad_request(f"body of {length} bytes is larger than {_MAX_BODY}")
-        return self.rfile.read(length) if length else b""
+        if length:
+            self._body = self.rfile.read(length)
 
     def _dispatch(self, method: str) -> None:
         emulator: ImdsEmulator = self.server.emulator  # type: ignore[attr-defined]
         try:
+            self._take_body()
             status, body, content_type = emulator._handle(self, method)
         except _Reply as reply:
             status, body, content_type = reply.status, json.dumps(reply.body).encode(), _JSON

@@ -473,3 +473,15 @@ def test_microsofts_documented_python_sample_runs_against_the_emulator(monkeypat
         assert ms_sample.advanced_sample(incarnation) > incarnation
         assert "Virtual machine is going to be redeployed to a different host." in ms_sample.logged
         assert user_reboot["Description"] in ms_sample.logged  # now Started: logged
+
+
+def test_a_refused_post_leaves_the_keep_alive_connection_usable(imds):
+    """A fault answered before the body was looked at must not leave the body to be read as the next request."""
+    imds.inject_fault(kind="error-burst", count=1, status=500, vm="web_0")
+    body = json.dumps({"StartRequests": [{"EventId": "00000000-0000-0000-0000-000000000000"}]})
+    with requests.Session() as session:
+        refused = session.post(imds.scheduled_events_url("web_0"), headers=META, data=body, timeout=5)
+        assert refused.status_code == 500
+        again = session.get(imds.scheduled_events_url("web_0"), headers=META, timeout=5)
+        assert again.status_code == 200, again.text
+        assert "DocumentIncarnation" in again.json()
