@@ -27,8 +27,9 @@ from emulators.relay import RelayEmulator
 from forwarder.approval import ApprovalRequest
 from forwarder.approver import Approver
 from forwarder.imds import ImdsClient
-from forwarder.relay_listener import RelayListener, SasTokenProvider, relay_resource_uri
+from forwarder.relay_listener import RelayListener, SasTokenProvider
 from forwarder.retry import RateLimiter
+from forwarder.sas import relay_resource_uri
 
 KEY = "YmVuY2htYXJrLWtleQ=="
 

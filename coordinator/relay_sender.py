@@ -12,16 +12,13 @@ pointless). The listener is idempotent per decisionId, so a retry after a lost a
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import json
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import requests
 from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
@@ -32,6 +29,7 @@ from coordinator.relay_admin import namespace_for_vm
 from coordinator.retry import backoff_delay
 from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.envelope import VmIdentity
+from forwarder.sas import sas_token
 
 RELAY_SCOPE = "https://relay.azure.net/.default"
 APPROVE_PATH = "approve"
@@ -39,16 +37,6 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 SAS_LIFETIME_SECONDS = 300
 
 log = logging.getLogger("coordinator.relay_sender")
-
-
-def _sas_token(resource_uri: str, credential: AzureNamedKeyCredential, expires_on: int) -> str:
-    # Same construction as forwarder.relay_listener.sas_token; repeated because coordinator imports only the
-    # forwarder's contract models.
-    encoded_uri = quote(resource_uri, safe="")
-    key = credential.named_key.key.encode("utf-8")
-    digest = hmac.new(key, f"{encoded_uri}\n{expires_on}".encode(), hashlib.sha256).digest()
-    signature = quote(base64.b64encode(digest).decode("ascii"), safe="")
-    return f"SharedAccessSignature sr={encoded_uri}&sig={signature}&se={expires_on}&skn={credential.named_key.name}"
 
 
 class RelayApprovalSender:
@@ -186,7 +174,12 @@ class RelayApprovalSender:
     def _token(self, url: str, hybrid_connection: str) -> str:
         if isinstance(self._credential, AzureNamedKeyCredential):
             resource = f"http://{urlsplit(url).hostname}/{hybrid_connection}"
-            return _sas_token(resource, self._credential, int(time.time()) + SAS_LIFETIME_SECONDS)
+            return sas_token(
+                resource_uri=resource,
+                key_name=self._credential.named_key.name,
+                key=self._credential.named_key.key,
+                expires_on=int(time.time()) + SAS_LIFETIME_SECONDS,
+            )
         return self._credential.get_token(RELAY_SCOPE).token
 
     @staticmethod

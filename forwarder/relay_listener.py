@@ -20,9 +20,6 @@ threads while the listener thread sits in ``recv`` is supported; a lock keeps ea
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import json
 import logging
 import threading
@@ -39,6 +36,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from forwarder.retry import Backoff
+from forwarder.sas import sas_token
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential
@@ -69,23 +67,6 @@ class TokenProvider(Protocol):
     def get_token(self) -> RelayToken:
         """A token with Listen (VM) or Send (coordinator) rights for the hybrid connection."""
         ...
-
-
-def relay_resource_uri(endpoint: str, hybrid_connection: str) -> str:
-    """The SAS ``sr`` for a hybrid connection: http scheme, no port, no ``$hc/`` (as the official SDKs do)."""
-    host = urlsplit(endpoint).hostname
-    if not host:
-        raise ValueError(f"relay endpoint {endpoint!r} has no host name; expected e.g. wss://ns.servicebus.windows.net")
-    return f"http://{host}/{hybrid_connection}"
-
-
-def sas_token(*, resource_uri: str, key_name: str, key: str, expires_on: int) -> str:
-    """``SharedAccessSignature sr=…&sig=…&se=…&skn=…``; the signature is quoted with ``safe=''`` so that a ``/``
-    in the base64 text cannot break the token (the docs' helper forgets this)."""
-    encoded_uri = quote(resource_uri, safe="")
-    digest = hmac.new(key.encode("utf-8"), f"{encoded_uri}\n{expires_on}".encode(), hashlib.sha256).digest()
-    signature = quote(base64.b64encode(digest).decode("ascii"), safe="")
-    return f"SharedAccessSignature sr={encoded_uri}&sig={signature}&se={expires_on}&skn={key_name}"
 
 
 class SasTokenProvider:

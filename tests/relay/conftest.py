@@ -31,9 +31,9 @@ from forwarder.relay_listener import (
     RelayListener,
     SasTokenProvider,
     TokenProvider,
-    relay_resource_uri,
 )
 from forwarder.retry import Backoff, RateLimiter
+from forwarder.sas import relay_resource_uri
 
 LISTEN_KEY = "bGlzdGVuLWtleS1mb3ItdGVzdHM="
 SEND_KEY = "c2VuZC1rZXktZm9yLXRlc3Rz"

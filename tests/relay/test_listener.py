@@ -17,7 +17,8 @@ from coordinator.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
-from forwarder.relay_listener import RelayListener, RelayRequest, RelayResponse, RelayToken, sas_token
+from forwarder.relay_listener import RelayListener, RelayRequest, RelayResponse, RelayToken
+from forwarder.sas import sas_token
 from tests.relay.conftest import LISTEN_KEY, SEND_KEY, VM_A0, Vm, approval, scheduled_event
 
 

@@ -23,9 +23,8 @@ from forwarder.relay_listener import (
     SasTokenProvider,
     _relative_path,
     _response_frame,
-    relay_resource_uri,
-    sas_token,
 )
+from forwarder.sas import relay_resource_uri, sas_token
 
 NOW = datetime(2026, 11, 21, 6, 0, tzinfo=UTC)
 KEY = "c2VjcmV0LWtleS1mb3ItdGVzdHMtb25seQ=="
