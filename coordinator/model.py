@@ -110,7 +110,10 @@ class EventRecord(BaseModel):
     decision: DecisionRecord | None = None
     approval: ApprovalRecord | None = None
     alerts: list[str] = Field(default_factory=list)
+    # The alert outbox: kinds recorded by the write that made their transition, cleared once the card is sent.
+    # ``pendingSince`` (when the oldest was recorded) lets the timer take over from a sender that crashed.
     pendingAlerts: list[str] = Field(default_factory=list)
+    pendingSince: datetime | None = None
     # Where the reporting VMs' sightings are kept (their VM groups); ``vms`` is assembled from them on read.
     groups: list[str] = Field(default_factory=list)
 
@@ -148,6 +151,27 @@ class VmGroupRecord(BaseModel):
 
     group: str
     vms: dict[str, VmRecord] = Field(default_factory=dict)
+
+
+class BudgetClaim(BaseModel):
+    """One event's hold on a scale set's budget: its VMs count as impacted while the claim lives."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    vms: list[str]
+    claimedAt: datetime
+
+
+class BudgetRecord(BaseModel):
+    """The claims on one scale set's "at most N impacted" budget, fleet-wide: every instance that approves
+    within budget adds its claim here with an ETag-checked write first, so two instances cannot both take the
+    last slot."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    scaleSet: str
+    claims: dict[str, BudgetClaim] = Field(default_factory=dict)
 
 
 SCALE_SET_BUCKETS = 8

@@ -177,6 +177,20 @@ def scale_set_of(record: EventRecord, vm_name: str) -> str:
     return head if sep and tail.isdigit() else ""
 
 
+def impacted_by(record: EventRecord) -> dict[str, set[str]]:
+    """The VMs this event impacts, per scale set."""
+    mine: dict[str, set[str]] = {}
+    for name in record.resources:
+        mine.setdefault(scale_set_of(record, name), set()).add(name)
+    return mine
+
+
+def budget_limit(policy: Policy, rule_name: str) -> int | None:
+    """maxImpacted of the named approve-within-budget rule; None for any other rule (or one no longer there)."""
+    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    return rule.budget.maxImpacted if rule is not None and rule.budget is not None else None
+
+
 def needs_fleet(policy: Policy, record: EventRecord, now: datetime) -> bool:
     rule = first_match(policy, record, now)
     return rule is not None and rule.action == "approve-within-budget"
@@ -225,10 +239,7 @@ def _after_hooks(rule: Rule, record: EventRecord, now: datetime) -> Decision:
 def _within_budget(rule: Rule, record: EventRecord, fleet: FleetView) -> Decision:
     assert rule.budget is not None  # enforced by Rule._options_fit_action
     limit = rule.budget.maxImpacted
-    mine: dict[str, set[str]] = {}
-    for name in record.resources:
-        mine.setdefault(scale_set_of(record, name), set()).add(name)
-    for scale_set, names in sorted(mine.items()):
+    for scale_set, names in sorted(impacted_by(record).items()):
         together = set(fleet.impacted.get(scale_set, frozenset())) | names
         if len(together) > limit:
             return Decision(

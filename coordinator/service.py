@@ -12,7 +12,7 @@ import logging
 import random
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -26,6 +26,8 @@ from coordinator.history import HistorySink
 from coordinator.model import (
     AlertKind,
     ApprovalRecord,
+    BudgetClaim,
+    BudgetRecord,
     DecisionRecord,
     EventRecord,
     VmGroupRecord,
@@ -43,6 +45,7 @@ from coordinator.state import (
     choose_executor,
     clone,
     merge_vm_records,
+    raise_alert,
     transition,
     vm_observations,
 )
@@ -60,6 +63,11 @@ BULK_ATTEMPTS = 3
 # The instance that decides sends at once; the timer takes over only if no outcome was recorded by then (the
 # sender crashed between its deciding write and the send).
 IN_FLIGHT_GRACE = timedelta(seconds=90)
+# A budget claim counts unconditionally this long (its approval is written right after it); then only while its
+# event holds an approval.
+CLAIM_LEASE = timedelta(seconds=90)
+# Cards are sent right after the write that records them; the timer sends those still pending after this.
+ALERT_GRACE = timedelta(seconds=30)
 
 
 def utcnow() -> datetime:
@@ -123,7 +131,8 @@ class ManualApproval:
 
 
 class _Fleet:
-    """The fleet view for budget rules, loaded at most once per batch/tick and updated as approvals are decided."""
+    """The fleet view for budget rules, loaded at most once per batch/tick and updated as approvals are decided,
+    and the fleet-wide budget claims (I/O; the rules themselves stay pure)."""
 
     def __init__(self, store: TableStateStore) -> None:
         self._store = store
@@ -134,7 +143,7 @@ class _Fleet:
             view = rules.FleetView()
             for stored in self._store.open_events():
                 record = stored.record
-                if record.state in ("Approved", "Started") or record.approval is not None:
+                if _holds_budget(record):
                     view = view.with_event(record)
             self._view = view
         return self._view
@@ -142,6 +151,75 @@ class _Fleet:
     def add(self, record: EventRecord) -> None:
         if self._view is not None:
             self._view = self._view.with_event(record)
+
+    def claim(self, record: EventRecord, limit: int, now: datetime) -> str:
+        """Takes this event's slots in every scale set it impacts, or none. Returns "" when claimed, else why not.
+
+        Each scale set's claims are one entity written with its ETag: of two instances that see the last slot
+        free, one write fails, and that instance re-reads and sees the slot taken. A claim is made before the
+        approval is written, so a crash in between can leave a claim without an approval: claims older than
+        CLAIM_LEASE count only while their event still holds an approval (checked fresh), so none leaks."""
+        taken: list[str] = []
+        for scale_set, names in sorted(rules.impacted_by(record).items()):
+            refused = self._claim_one(scale_set, names, record.eventId, limit, now)
+            if refused:
+                for held in taken:
+                    self.release(held, record.eventId)
+                return refused
+            taken.append(scale_set)
+        return ""
+
+    def _claim_one(self, scale_set: str, names: set[str], event_id: str, limit: int, now: datetime) -> str:
+        for _attempt in range(COMMIT_ATTEMPTS):
+            stored = self._store.get_budget(scale_set)
+            claims = dict(stored.record.claims) if stored else {}
+            if event_id in claims:
+                return ""
+            live = self._live(claims, now)
+            impacted = set(names) | self.view().impacted.get(scale_set, frozenset())
+            for claim in live.values():
+                impacted.update(claim.vms)
+            if len(impacted) > limit:
+                holders = ", ".join(sorted(live)[:5]) or "approved events"
+                return (
+                    f"scale set {scale_set or '(none)'!r} would have {len(impacted)} impacted instances (limit "
+                    f"{limit}); held fleet-wide by {holders}"
+                )
+            live[event_id] = BudgetClaim(eventId=event_id, vms=sorted(names), claimedAt=now)
+            try:
+                self._store.save_budget(BudgetRecord(scaleSet=scale_set, claims=live), stored.etag if stored else None)
+                return ""
+            except ConcurrencyConflict:
+                continue  # another instance claimed or released meanwhile: decide again on what it wrote
+        return f"scale set {scale_set!r}: budget contended for {COMMIT_ATTEMPTS} attempts; retried by the timer"
+
+    def _live(self, claims: dict[str, BudgetClaim], now: datetime) -> dict[str, BudgetClaim]:
+        old = [event_id for event_id, claim in claims.items() if claim.claimedAt < now - CLAIM_LEASE]
+        events = self._store.get_events(old) if old else {}
+        return {
+            event_id: claim
+            for event_id, claim in claims.items()
+            if event_id not in old or (event_id in events and _holds_budget(events[event_id].record))
+        }
+
+    def release(self, scale_set: str, event_id: str) -> None:
+        for _attempt in range(COMMIT_ATTEMPTS):
+            stored = self._store.get_budget(scale_set)
+            if stored is None or event_id not in stored.record.claims:
+                return
+            claims = {k: v for k, v in stored.record.claims.items() if k != event_id}
+            try:
+                self._store.save_budget(BudgetRecord(scaleSet=scale_set, claims=claims), stored.etag)
+                return
+            except ConcurrencyConflict:
+                continue
+        log.warning("budget of %s: claim of %s not released (contended); it lapses by itself", scale_set, event_id)
+
+
+def _holds_budget(record: EventRecord) -> bool:
+    """An event impacts its VMs from the approval until it is gone. An Expired event whose approval was decided
+    keeps its slots too: the platform starts it at NotBefore anyway."""
+    return record.open and (record.state in ("Approved", "Started") or record.approval is not None)
 
 
 @dataclass
@@ -476,6 +554,12 @@ class Coordinator:
             return
         view = fleet.view() if rules.needs_fleet(self.policy, record, now) else rules.FleetView()
         decision = rules.evaluate(self.policy, record, view, now)
+        limit = rules.budget_limit(self.policy, decision.rule)
+        if decision.verdict == "approve" and not self.dry_run and limit is not None:
+            # The rule saw budget left in this instance's view; the claim makes that hold across instances.
+            refused = fleet.claim(record, limit, now)
+            if refused:
+                decision = rules.Decision(decision.rule, decision.action, "wait", refused)
         previous = record.decision
         if previous is None or (previous.rule, previous.verdict, previous.dryRun) != (
             decision.rule,
@@ -553,15 +637,57 @@ class Coordinator:
                 report.approvals_sent += 1
                 records[event_id] = change.record
                 self._collect(change, work)
+        self._release_budgets(records.values())
         if work.alerts:
             for event_id in {e for e, _ in work.alerts if e not in records}:
                 current = self.event(event_id)
                 if current is not None:
                     records[event_id] = current.record
+            sent: dict[str, list[str]] = defaultdict(list)
             for event_id, kind in work.alerts:
-                if event_id in records:
-                    self._alert(records[event_id], kind, now, work, report)
+                if event_id in records and self._alert(records[event_id], kind, now, work, report):
+                    sent[event_id].append(kind)
+            self._mark_sent(sent)
         self._write_history(work.rows, report)
+
+    def _release_budgets(self, records: Iterable[EventRecord]) -> None:
+        """Frees the budget slots of events that concluded. Best effort: a claim left behind (a crash here, or
+        a conclusion by a path that does not pass here) lapses once its event no longer holds an approval."""
+        fleet: _Fleet | None = None
+        for record in records:
+            if record.open or record.approval is None or rules.budget_limit(self.policy, record.approval.rule) is None:
+                continue
+            fleet = fleet or _Fleet(self.store)
+            for scale_set in sorted(rules.impacted_by(record)):
+                try:
+                    fleet.release(scale_set, record.eventId)
+                except Exception:  # the claim lapses by itself; the batch's real work is done
+                    log.exception("budget of %s: releasing the claim of %s failed", scale_set, record.eventId)
+
+    def _mark_sent(self, sent: dict[str, list[str]]) -> None:
+        """Clears sent cards from the outbox: one transaction for the batch (ETags mostly from this instance's
+        own writes), event by event when another instance wrote one meanwhile."""
+        if not sent:
+            return
+        stored = self.store.get_events(sent, cached=True)
+        items = []
+        for event_id, kinds in sent.items():
+            current = stored.get(event_id)
+            change = _clear_alerts_pending(current.record, kinds) if current else None
+            if current is not None and change is not None:
+                items.append((change.record, current.etag))
+        try:
+            self.store.save_events(items)
+            return
+        except ConcurrencyConflict:
+            pass
+        for event_id, kinds in sent.items():
+            try:
+                self._commit_one(event_id, lambda r, kinds=kinds: _clear_alerts_pending(r, kinds))  # type: ignore[misc]
+            except ConcurrencyConflict:
+                log.warning(
+                    "alerts %s of %s sent but still marked pending: the timer may send them again", kinds, event_id
+                )
 
     def _write_history(self, rows: list[HistoryRow], report: BatchReport | TickReport) -> None:
         if not rows:
@@ -584,7 +710,6 @@ class Coordinator:
             log.warning("alert %s not delivered, kept pending: %s", key, error)
             if isinstance(report, BatchReport):
                 report.alerts_failed += 1
-            self._commit_one(record.eventId, lambda r: _mark_alert_pending(r, kind))
             work.rows.append(_alert_row(record, kind, now, "failed", str(error)))
             return False
         report.alerts_sent += 1
@@ -687,9 +812,8 @@ class Coordinator:
                 approval.attempts - 1, initial=self._backoff[0], maximum=self._backoff[1], rng=self._rng
             )
             approval.nextAttemptAt = now + timedelta(seconds=max(1.0, delay))
-        if approval.attempts >= APPROVAL_FAILED_AFTER and "approval-failed" not in record.alerts:
-            record.alerts.append("approval-failed")
-            change.alerts.append("approval-failed")
+        if approval.attempts >= APPROVAL_FAILED_AFTER:
+            raise_alert(change, "approval-failed", now)
         return change
 
     # ---- the timer -------------------------------------------------------------------------------------------
@@ -726,8 +850,9 @@ class Coordinator:
                 and record.eventId not in work.deliveries
             ):
                 work.deliveries.append(record.eventId)
-            for kind in record.pendingAlerts:
-                self._retry_alert(record, kind, now, work, report)
+            self._pending_alerts(record, now, work)
+        for stored in self.store.closed_events_with_pending_alerts():
+            self._pending_alerts(stored.record, now, work)
         self._heartbeats(groups, now, work, report)
         self._run_housekeeping(groups, now)
         self._act(work, now, report, last_seen=last_seen)
@@ -743,14 +868,17 @@ class Coordinator:
         self._decide(change, now, fleet)
         return change
 
-    def _retry_alert(
-        self, record: EventRecord, kind: str, now: datetime, work: _Work, report: BatchReport | TickReport
-    ) -> None:
-        if kind not in _TITLED_KINDS:
+    @staticmethod
+    def _pending_alerts(record: EventRecord, now: datetime, work: _Work) -> None:
+        """The outbox: cards recorded but not sent (a failed send, or a crash after the write), once the sender
+        has had ALERT_GRACE to do it."""
+        if not record.pendingAlerts or (record.pendingSince is not None and record.pendingSince > now - ALERT_GRACE):
             return
-        alert_kind: AlertKind = kind  # type: ignore[assignment]
-        if self._alert(record, alert_kind, now, work, report):
-            self._commit_one(record.eventId, lambda r: _clear_alert_pending(r, kind))
+        queued = {kind for event_id, kind in work.alerts if event_id == record.eventId}
+        for kind in record.pendingAlerts:
+            if kind in _TITLED_KINDS and kind not in queued:
+                work.alerts.append((record.eventId, kind))  # type: ignore[arg-type]
+        work.records.setdefault(record.eventId, record)
 
     def _heartbeats(self, groups: list[Stored[VmGroupRecord]], now: datetime, work: _Work, report: TickReport) -> None:
         timeout = int(self.heartbeat_timeout.total_seconds())
@@ -909,19 +1037,13 @@ def _aggregate(record: EventRecord) -> str:
     return record.model_dump_json(exclude={"vms"})
 
 
-def _mark_alert_pending(record: EventRecord | None, kind: str) -> EventChange | None:
-    if record is None or kind in record.pendingAlerts:
+def _clear_alerts_pending(record: EventRecord | None, kinds: list[str]) -> EventChange | None:
+    if record is None or not set(kinds) & set(record.pendingAlerts):
         return None
     record = clone(record)
-    record.pendingAlerts.append(kind)
-    return EventChange(record=record, changed=True)
-
-
-def _clear_alert_pending(record: EventRecord | None, kind: str) -> EventChange | None:
-    if record is None or kind not in record.pendingAlerts:
-        return None
-    record = clone(record)
-    record.pendingAlerts.remove(kind)
+    record.pendingAlerts = [k for k in record.pendingAlerts if k not in kinds]
+    if not record.pendingAlerts:
+        record.pendingSince = None
     return EventChange(record=record, changed=True)
 
 

@@ -238,9 +238,9 @@ def apply_observations(
             _apply_hook(change, sighting, observation, now)
     if created:
         if not record.seenScheduled and record.everStarted:
-            _alert(change, "started-without-notice")
+            raise_alert(change, "started-without-notice", now)
         elif is_impactful(record):
-            _alert(change, "new-event")
+            raise_alert(change, "new-event", now)
     advance(change, now)
     return change
 
@@ -332,9 +332,14 @@ def _apply_hook(change: EventChange, sighting: VmSighting | None, observation: O
     change.changed = True
 
 
-def _alert(change: EventChange, kind: AlertKind) -> None:
-    if kind not in change.record.alerts:
-        change.record.alerts.append(kind)
+def raise_alert(change: EventChange, kind: AlertKind, now: datetime) -> None:
+    """Once per kind per event. The kind goes into the record's outbox (``pendingAlerts``) in the same write as
+    the transition that causes it, so a crash before the card is sent leaves it for the timer, not lost."""
+    record = change.record
+    if kind not in record.alerts:
+        record.alerts.append(kind)
+        record.pendingAlerts.append(kind)
+        record.pendingSince = record.pendingSince or now
         change.alerts.append(kind)
         change.changed = True
 
@@ -348,7 +353,7 @@ def transition(change: EventChange, to: State, now: datetime, reason: str, **val
     change.rows.append(_event_row(record, now, "Transition", PreviousState=previous, Reason=reason, **values))
     alert_for: dict[str, AlertKind] = {"Approved": "approved", "Canceled": "canceled", "Expired": "expired"}
     if to in alert_for:
-        _alert(change, alert_for[to])
+        raise_alert(change, alert_for[to], now)
 
 
 def advance(change: EventChange, now: datetime, *, silent_vms: frozenset[str] = frozenset()) -> None:

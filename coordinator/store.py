@@ -2,6 +2,7 @@
 
 Layout (one table):
 - PartitionKey ``event``, RowKey = EventId: the merged EventRecord as JSON, plus ``State``/``Open`` for queries.
+- PartitionKey ``budget``, RowKey = scale set: the fleet-wide claims on its "at most N impacted" budget.
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
   sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
   VMs report together. An event record's ``vms`` is assembled from its groups on read (service.py).
@@ -35,10 +36,11 @@ from azure.core.exceptions import HttpResponseError, ResourceExistsError, Resour
 from azure.data.tables import TableClient, TableServiceClient, TableTransactionError, UpdateMode
 from pydantic import BaseModel
 
-from coordinator.model import EventRecord, VmGroupRecord
+from coordinator.model import BudgetRecord, EventRecord, VmGroupRecord
 
 EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
+BUDGET_PARTITION = "budget"
 CACHE_ENTRIES = 50_000
 TRANSACTION_LIMIT = 100
 TRANSACTION_CHARS = 3_000_000
@@ -99,7 +101,12 @@ def _event_entity(record: EventRecord) -> dict[str, Any]:
         EVENT_PARTITION,
         record.eventId,
         record,
-        {"State": record.state, "Open": record.open, "EventType": record.eventType},
+        {
+            "State": record.state,
+            "Open": record.open,
+            "EventType": record.eventType,
+            "Pending": bool(record.pendingAlerts),
+        },
         # The per-VM sightings are stored with each VM's position (VmGroupRecord), not here.
         exclude={"vms"},
     )
@@ -219,8 +226,18 @@ class TableStateStore:
         by_key = self._get_many(VM_GROUP_PARTITION, wanted, VmGroupRecord, cached=cached)
         return {k: by_key[safe_key(k)] for k in wanted if safe_key(k) in by_key}
 
+    def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
+        """Always a fresh read: a claim decides against what every instance holds now."""
+        return self._get_many(BUDGET_PARTITION, [scale_set], BudgetRecord, cached=False).get(safe_key(scale_set))
+
     def open_events(self) -> list[Stored[EventRecord]]:
         query = "PartitionKey eq @pk and Open eq true"
+        entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION})
+        return [_from_entity(e, EventRecord) for e in entities]
+
+    def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
+        """Concluded events whose last cards are still in the outbox (open ones come with open_events)."""
+        query = "PartitionKey eq @pk and Open eq false and Pending eq true"
         entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION})
         return [_from_entity(e, EventRecord) for e in entities]
 
@@ -293,6 +310,9 @@ class TableStateStore:
 
     def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None]]) -> list[str]:
         return self._save_many([(_group_entity(r), e, r) for r, e in items])
+
+    def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
+        return self._save_one(_to_entity(BUDGET_PARTITION, record.scaleSet, record, {}), etag, record)
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
