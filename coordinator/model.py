@@ -174,6 +174,15 @@ class BudgetRecord(BaseModel):
     claims: dict[str, BudgetClaim] = Field(default_factory=dict)
 
 
+class SentAlerts(BaseModel):
+    """Cards one batch sent, by event: the outbox entries they settle (the timer clears them in bulk)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sentAt: datetime
+    events: dict[str, list[str]]
+
+
 SCALE_SET_BUCKETS = 8
 
 

@@ -30,6 +30,7 @@ from coordinator.model import (
     BudgetRecord,
     DecisionRecord,
     EventRecord,
+    SentAlerts,
     VmGroupRecord,
     VmRecord,
     group_key,
@@ -397,21 +398,21 @@ class Coordinator:
         for attempt in range(BULK_ATTEMPTS):
             if attempt:
                 groups = self.store.get_vm_groups(mine)
-            items = []
-            for key in mine:
+            items: list[tuple[VmGroupRecord, str | None, Iterable[str] | None]] = []
+            for key, vms in mine.items():
                 current = groups.get(key)
-                items.append((merged(key, current), current.etag if current else None))
+                items.append((merged(key, current), current.etag if current else None, vms))
             try:
                 self.store.save_vm_groups(items)
                 return
             except ConcurrencyConflict:
                 report.conflicts += 1
         # Another instance wrote one of these groups (its VMs sit on other Event Hubs partitions): merge per VM.
-        for key in mine:
+        for key, vms in mine.items():
             for _attempt in range(COMMIT_ATTEMPTS):
                 current = self.store.get_vm_groups([key]).get(key)
                 try:
-                    self.store.save_vm_group(merged(key, current), current.etag if current else None)
+                    self.store.save_vm_group(merged(key, current), current.etag if current else None, vm_ids=vms)
                     break
                 except ConcurrencyConflict:
                     report.conflicts += 1
@@ -629,7 +630,10 @@ class Coordinator:
         report: BatchReport | TickReport,
         *,
         last_seen: dict[str, datetime] | None,
+        settled: dict[str, list[str]] | None = None,
     ) -> None:
+        """Sends the committed approvals and cards. The batch path logs the cards it sent in one write; the timer
+        (``settled``: what those logs say was sent) clears them from the events' outbox itself."""
         records: dict[str, EventRecord] = dict(work.records)
         for event_id in work.deliveries:
             change = self._deliver(event_id, now, last_seen)
@@ -638,17 +642,28 @@ class Coordinator:
                 records[event_id] = change.record
                 self._collect(change, work)
         self._release_budgets(records.values())
+        sent: dict[str, list[str]] = defaultdict(list)
         if work.alerts:
             for event_id in {e for e, _ in work.alerts if e not in records}:
                 current = self.event(event_id)
                 if current is not None:
                     records[event_id] = current.record
-            sent: dict[str, list[str]] = defaultdict(list)
             for event_id, kind in work.alerts:
                 if event_id in records and self._alert(records[event_id], kind, now, work, report):
                     sent[event_id].append(kind)
-            self._mark_sent(sent)
+            if settled is None and sent:
+                self._log_sent(sent, now)
+        if settled is not None:
+            for event_id, kinds in sent.items():
+                settled.setdefault(event_id, []).extend(kinds)
+            self._clear_sent(settled)
         self._write_history(work.rows, report)
+
+    def _log_sent(self, sent: dict[str, list[str]], now: datetime) -> None:
+        try:
+            self.store.log_sent_alerts(SentAlerts(sentAt=now, events=dict(sent)))
+        except Exception:  # the cards went out; without the log the timer may send them once more
+            log.exception("could not record %d sent cards; the timer may send them again", len(sent))
 
     def _release_budgets(self, records: Iterable[EventRecord]) -> None:
         """Frees the budget slots of events that concluded. Best effort: a claim left behind (a crash here, or
@@ -664,9 +679,9 @@ class Coordinator:
                 except Exception:  # the claim lapses by itself; the batch's real work is done
                     log.exception("budget of %s: releasing the claim of %s failed", scale_set, record.eventId)
 
-    def _mark_sent(self, sent: dict[str, list[str]]) -> None:
-        """Clears sent cards from the outbox: one transaction for the batch (ETags mostly from this instance's
-        own writes), event by event when another instance wrote one meanwhile."""
+    def _clear_sent(self, sent: dict[str, list[str]]) -> None:
+        """Clears sent cards from the events' outbox: one transaction, event by event when another instance wrote
+        one meanwhile."""
         if not sent:
             return
         stored = self.store.get_events(sent, cached=True)
@@ -833,6 +848,11 @@ class Coordinator:
         by_key = {g.record.group: g for g in groups}
         open_events = self._assemble({s.record.eventId: s for s in self.store.open_events()}, by_key)
         report.open_events = len(open_events)
+        logs = self.store.sent_alert_logs()
+        settled: dict[str, list[str]] = defaultdict(list)
+        for _, entry in logs:
+            for event_id, kinds in entry.events.items():
+                settled[event_id].extend(kinds)
         for stored in open_events.values():
             record = stored.record
             change = self._commit_one(record.eventId, lambda r: self._reconsider(r, now, fleet, silent), report)
@@ -850,12 +870,14 @@ class Coordinator:
                 and record.eventId not in work.deliveries
             ):
                 work.deliveries.append(record.eventId)
-            self._pending_alerts(record, now, work)
+            self._pending_alerts(record, now, work, settled)
         for stored in self.store.closed_events_with_pending_alerts():
-            self._pending_alerts(stored.record, now, work)
+            self._pending_alerts(stored.record, now, work, settled)
         self._heartbeats(groups, now, work, report)
         self._run_housekeeping(groups, now)
-        self._act(work, now, report, last_seen=last_seen)
+        self._act(work, now, report, last_seen=last_seen, settled=settled)
+        if logs:
+            self.store.delete_sent_alert_logs([key for key, _ in logs])
         return report
 
     def _reconsider(
@@ -869,12 +891,13 @@ class Coordinator:
         return change
 
     @staticmethod
-    def _pending_alerts(record: EventRecord, now: datetime, work: _Work) -> None:
+    def _pending_alerts(record: EventRecord, now: datetime, work: _Work, settled: dict[str, list[str]]) -> None:
         """The outbox: cards recorded but not sent (a failed send, or a crash after the write), once the sender
-        has had ALERT_GRACE to do it."""
+        has had ALERT_GRACE to do it. Cards a batch logged as sent are only cleared."""
         if not record.pendingAlerts or (record.pendingSince is not None and record.pendingSince > now - ALERT_GRACE):
             return
-        queued = {kind for event_id, kind in work.alerts if event_id == record.eventId}
+        queued: set[str] = {kind for event_id, kind in work.alerts if event_id == record.eventId}
+        queued.update(settled.get(record.eventId, ()))
         for kind in record.pendingAlerts:
             if kind in _TITLED_KINDS and kind not in queued:
                 work.alerts.append((record.eventId, kind))  # type: ignore[arg-type]
@@ -892,7 +915,7 @@ class Coordinator:
                 continue
             updated = stored.record.model_copy(update={"vms": {**stored.record.vms, **lost}})
             try:
-                self.store.save_vm_group(updated, stored.etag)
+                self.store.save_vm_group(updated, stored.etag, vm_ids=lost)
             except ConcurrencyConflict:
                 continue  # a VM of the group reported meanwhile, or another instance noticed first: next tick
             for vm in lost.values():

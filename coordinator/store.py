@@ -3,6 +3,8 @@
 Layout (one table):
 - PartitionKey ``event``, RowKey = EventId: the merged EventRecord as JSON, plus ``State``/``Open`` for queries.
 - PartitionKey ``budget``, RowKey = scale set: the fleet-wide claims on its "at most N impacted" budget.
+- PartitionKey ``alertsent``: one entity per batch that sent cards, naming them; the timer clears those
+  outbox entries from the events in bulk and deletes the entity (one write per batch instead of one per event).
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
   sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
   VMs report together. An event record's ``vms`` is assembled from its groups on read (service.py).
@@ -25,7 +27,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -36,11 +38,12 @@ from azure.core.exceptions import HttpResponseError, ResourceExistsError, Resour
 from azure.data.tables import TableClient, TableServiceClient, TableTransactionError, UpdateMode
 from pydantic import BaseModel
 
-from coordinator.model import BudgetRecord, EventRecord, VmGroupRecord
+from coordinator.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord, VmRecord
 
 EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
 BUDGET_PARTITION = "budget"
+SENT_ALERTS_PARTITION = "alertsent"
 CACHE_ENTRIES = 50_000
 TRANSACTION_LIMIT = 100
 TRANSACTION_CHARS = 3_000_000
@@ -49,6 +52,7 @@ ROWKEYS_PER_QUERY = 14
 # A string property holds at most 64 KiB (32K UTF-16 code units); larger records are split over Data0..DataN.
 CHUNK_CHARS = 30_000
 MAX_CHUNKS = 30
+VM_PROPERTY_PREFIX = "V_"
 _BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 
 R = TypeVar("R", bound=BaseModel)
@@ -96,6 +100,14 @@ def _from_entity(entity: dict[str, Any], model: type[R]) -> Stored[R]:
     return Stored(model.model_validate_json(data), etag)
 
 
+def _event_from_entity(entity: dict[str, Any]) -> Stored[EventRecord]:
+    return _from_entity(entity, EventRecord)
+
+
+def _budget_from_entity(entity: dict[str, Any]) -> Stored[BudgetRecord]:
+    return _from_entity(entity, BudgetRecord)
+
+
 def _event_entity(record: EventRecord) -> dict[str, Any]:
     return _to_entity(
         EVENT_PARTITION,
@@ -112,8 +124,51 @@ def _event_entity(record: EventRecord) -> dict[str, Any]:
     )
 
 
-def _group_entity(record: VmGroupRecord) -> dict[str, Any]:
-    return _to_entity(VM_GROUP_PARTITION, record.group, record, {"Vms": len(record.vms)})
+def _vm_property(vm_id: str) -> str:
+    """The property that holds one VM of a group (a VM id comes from input: hashed into a valid property name)."""
+    return VM_PROPERTY_PREFIX + hashlib.blake2b(vm_id.encode("utf-8"), digest_size=10).hexdigest()
+
+
+def _vm_json(vm: VmRecord) -> str:
+    data = vm.model_dump_json(exclude_defaults=True)
+    if len(data) <= CHUNK_CHARS:
+        return data
+    # Sightings of events the VM no longer lists are kept only for a week's "gone" checks: drop the oldest of
+    # them rather than refuse the VM's position (its listed events, at most 100, always fit).
+    kept = dict(vm.sightings)
+    for event_id, _ in sorted(kept.items(), key=lambda item: item[1].lastSeen):
+        if len(data) <= CHUNK_CHARS:
+            break
+        if event_id not in vm.listed:
+            del kept[event_id]
+            data = vm.model_copy(update={"sightings": kept}).model_dump_json(exclude_defaults=True)
+    if len(data) > CHUNK_CHARS:
+        raise RecordTooLarge(f"VM {vm.identity.name}'s position is {len(data)} characters; a property holds 30,000")
+    return data
+
+
+def _group_entity(record: VmGroupRecord, vm_ids: Iterable[str] | None = None) -> dict[str, Any]:
+    """One property per VM, so that a write can MERGE just the VMs it moved (a batch moves a few of a group's
+    VMs: the rest of the group is neither serialized nor sent)."""
+    entity: dict[str, Any] = {
+        "PartitionKey": VM_GROUP_PARTITION,
+        "RowKey": safe_key(record.group),
+        "Group": record.group,
+        "Vms": len(record.vms),
+    }
+    for vm_id in record.vms if vm_ids is None else vm_ids:
+        entity[_vm_property(vm_id)] = _vm_json(record.vms[vm_id])
+    return entity
+
+
+def _group_from_entity(entity: dict[str, Any]) -> Stored[VmGroupRecord]:
+    vms = {}
+    for name, value in entity.items():
+        if name.startswith(VM_PROPERTY_PREFIX):
+            vm = VmRecord.model_validate_json(str(value))
+            vms[vm.identity.vmId.lower()] = vm
+    etag = entity.metadata["etag"] if hasattr(entity, "metadata") else None
+    return Stored(VmGroupRecord(group=str(entity["Group"]), vms=vms), etag)
 
 
 def _entity_chars(entity: dict[str, Any]) -> int:
@@ -190,7 +245,9 @@ class TableStateStore:
             return self._cache.get((partition, key))
 
     # reads ---------------------------------------------------------------------------------------------------
-    def _get_many(self, partition: str, keys: Iterable[str], model: type[R], *, cached: bool) -> dict[str, Stored[R]]:
+    def _get_many(
+        self, partition: str, keys: Iterable[str], parse: Callable[[Any], Stored[R]], *, cached: bool
+    ) -> dict[str, Stored[R]]:
         wanted = sorted({safe_key(k) for k in keys})
         found: dict[str, Stored[R]] = {}
         if cached:
@@ -208,14 +265,14 @@ class TableStateStore:
             # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
             query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
             for entity in self._table.query_entities(query, parameters=parameters):
-                stored = _from_entity(entity, model)
+                stored = parse(entity)
                 found[str(entity["RowKey"])] = stored
                 self._remember(partition, str(entity["RowKey"]), stored)
         return found
 
     def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
         ids = list(event_ids)
-        by_key = self._get_many(EVENT_PARTITION, ids, EventRecord, cached=cached)
+        by_key = self._get_many(EVENT_PARTITION, ids, _event_from_entity, cached=cached)
         return {i: by_key[safe_key(i)] for i in ids if safe_key(i) in by_key}
 
     def get_event(self, event_id: str) -> Stored[EventRecord] | None:
@@ -223,12 +280,12 @@ class TableStateStore:
 
     def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
         wanted = list(keys)
-        by_key = self._get_many(VM_GROUP_PARTITION, wanted, VmGroupRecord, cached=cached)
+        by_key = self._get_many(VM_GROUP_PARTITION, wanted, _group_from_entity, cached=cached)
         return {k: by_key[safe_key(k)] for k in wanted if safe_key(k) in by_key}
 
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
         """Always a fresh read: a claim decides against what every instance holds now."""
-        return self._get_many(BUDGET_PARTITION, [scale_set], BudgetRecord, cached=False).get(safe_key(scale_set))
+        return self._get_many(BUDGET_PARTITION, [scale_set], _budget_from_entity, cached=False).get(safe_key(scale_set))
 
     def open_events(self) -> list[Stored[EventRecord]]:
         query = "PartitionKey eq @pk and Open eq true"
@@ -243,17 +300,19 @@ class TableStateStore:
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": VM_GROUP_PARTITION})
-        return [_from_entity(e, VmGroupRecord) for e in entities]
+        return [_group_from_entity(e) for e in entities]
 
     # writes --------------------------------------------------------------------------------------------------
-    def _save_one(self, entity: dict[str, Any], etag: str | None, record: BaseModel) -> str:
+    def _save_one(
+        self, entity: dict[str, Any], etag: str | None, record: BaseModel, *, mode: UpdateMode = UpdateMode.REPLACE
+    ) -> str:
         partition, key = str(entity["PartitionKey"]), str(entity["RowKey"])
         try:
             if etag is None:
                 metadata = self._table.create_entity(entity)
             else:
                 metadata = self._table.update_entity(
-                    entity, mode=UpdateMode.REPLACE, etag=etag, match_condition=MatchConditions.IfNotModified
+                    entity, mode=mode, etag=etag, match_condition=MatchConditions.IfNotModified
                 )
         except (ResourceExistsError, ResourceModifiedError) as error:
             self._forget(partition, key)
@@ -262,11 +321,13 @@ class TableStateStore:
         self._remember(partition, key, Stored(record, new_etag))
         return new_etag
 
-    def _save_many(self, items: list[tuple[dict[str, Any], str | None, BaseModel]]) -> list[str]:
+    def _save_many(
+        self, items: list[tuple[dict[str, Any], str | None, BaseModel]], *, mode: UpdateMode = UpdateMode.REPLACE
+    ) -> list[str]:
         etags: list[str] = []
         for part in _transactions(items):
             if len(part) == 1:
-                etags.append(self._save_one(*part[0]))
+                etags.append(self._save_one(*part[0], mode=mode))
                 continue
             operations: list[Any] = []
             for entity, etag, _ in part:
@@ -274,7 +335,7 @@ class TableStateStore:
                     operations.append(("create", entity))
                 else:
                     options = {
-                        "mode": UpdateMode.REPLACE,
+                        "mode": mode,
                         "etag": etag,
                         "match_condition": MatchConditions.IfNotModified,
                     }
@@ -305,14 +366,33 @@ class TableStateStore:
         """All or nothing per transaction of 100; raises ConcurrencyConflict when any ETag is stale."""
         return self._save_many([(_event_entity(r), e, r) for r, e in items])
 
-    def save_vm_group(self, record: VmGroupRecord, etag: str | None) -> str:
-        return self._save_one(_group_entity(record), etag, record)
+    def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
+        """Creates the group (etag None) or merges the VMs ``vm_ids`` (default: all) into it, If-Match ``etag``."""
+        return self.save_vm_groups([(record, etag, vm_ids)])[0]
 
-    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None]]) -> list[str]:
-        return self._save_many([(_group_entity(r), e, r) for r, e in items])
+    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
+        """``record`` is the whole group as it is after the write (kept in the cache); only ``vm_ids`` are sent."""
+        entities: list[tuple[dict[str, Any], str | None, BaseModel]] = [
+            (_group_entity(r, None if e is None else v), e, r) for r, e, v in items
+        ]
+        return self._save_many(entities, mode=UpdateMode.MERGE)
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._save_one(_to_entity(BUDGET_PARTITION, record.scaleSet, record, {}), etag, record)
+
+    def log_sent_alerts(self, record: SentAlerts) -> None:
+        key = f"{record.sentAt.astimezone(UTC).strftime('%Y%m%dT%H%M%S%f')}-{uuid.uuid4().hex[:12]}"
+        self._table.create_entity(_to_entity(SENT_ALERTS_PARTITION, key, record, {}))
+
+    def sent_alert_logs(self) -> list[tuple[str, SentAlerts]]:
+        entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": SENT_ALERTS_PARTITION})
+        return [(str(e["RowKey"]), _from_entity(e, SentAlerts).record) for e in entities]
+
+    def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
+        for chunk in _chunks(keys, TRANSACTION_LIMIT):
+            self._table.submit_transaction(
+                [("delete", {"PartitionKey": SENT_ALERTS_PARTITION, "RowKey": key}) for key in chunk]
+            )
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:

@@ -71,9 +71,13 @@ def test_a_card_lost_to_a_crash_after_the_write_is_sent_once_by_the_timer(azurit
     if kill_at == "canceled":
         first.process_batch([reboot(1, listed=True)])
         assert sent(first) == [("EV-OUTBOX", "new-event")]
+        clock.now += ALERT_GRACE * 2
+        first.tick()  # the batch logged the card as sent: the timer clears it from the outbox and sends nothing
+        assert sent(first) == [("EV-OUTBOX", "new-event")]
         stored = first.store.get_event("EV-OUTBOX")
         assert stored is not None
         assert stored.record.pendingAlerts == []
+        assert first.store.sent_alert_logs() == []
     first.alerts.armed = True
     with pytest.raises(Killed):
         first.process_batch([reboot(2, listed=kill_at == "new-event")])
