@@ -67,6 +67,8 @@ def default():
         ({"eventType": "Preempt"}, "everything-else-waits", "wait"),
         ({"eventType": "SomethingNew"}, "everything-else-waits", "wait"),
         ({"eventType": "Terminate", "durationInSeconds": -1}, "terminate-after-prepare-hooks", "wait"),
+        # A scale-in delete is user-initiated, and still drains first.
+        ({"eventSource": "User", "eventType": "Terminate"}, "terminate-after-prepare-hooks", "wait"),
     ],
 )
 def test_default_policy_follows_the_documented_advice(default, fields, rule, verdict):

@@ -18,7 +18,7 @@ def test_fleet_demo_ends_with_the_right_decisions_and_history(run_pipeline: Runn
     assert outcome.finished, "the scenario did not finish in time"
     assert summary.ok, summary.failures
     by_label = {row["label"]: row for row in summary.events}
-    # The default policy: short Freeze and user Reboot at once; scale-in deletes approved (user-initiated); the
+    # The default policy: short Freeze and user Reboot at once; scale-in deletes once their prepare hooks succeeded; the
     # Spot eviction and the maintenance wait for a person; a hardware failure is never approved.
     assert {label for label, row in by_label.items() if row["imds"] == "approved"} == {
         "freeze-web",
@@ -29,6 +29,7 @@ def test_fleet_demo_ends_with_the_right_decisions_and_history(run_pipeline: Runn
     }
     assert by_label["maintenance"]["coordinator"] == "Canceled"
     assert by_label["spot-eviction"]["rule"] == "everything-else-waits"
+    assert {by_label[f"scale-in-{n}"]["rule"] for n in (1, 2, 3)} == {"terminate-after-prepare-hooks"}
     assert summary.approvals_expected == summary.approvals_made == 5
     assert summary.envelopes_sent == summary.envelopes_delivered
     assert summary.sightings_sent == summary.sightings_logged > 0
