@@ -3,6 +3,7 @@ event sightings sent vs logged, approvals expected vs made) and asserts them."""
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import time
@@ -250,3 +251,14 @@ def test_relay_drop_listeners_reconnect_and_approvals_still_arrive(run_pipeline:
 def test_flaky_imds_5xx_hang_garbled_and_reset_lose_nothing(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(FLAKY_IMDS), time_scale=60.0, timeout=120.0)
     assert_nothing_lost_nothing_wrong(outcome)
+    imds, eventhubs = outcome.stack.imds, outcome.stack.eventhubs
+    assert imds is not None
+    assert eventhubs is not None
+    assert imds.faults.pending() == [], "a scripted fault was never hit: the forwarders did not meet it"
+    incarnations: dict[str, list[int]] = {}
+    for envelope in sent_envelopes(eventhubs, HUB)[0]:
+        if envelope.document is not None:
+            incarnations.setdefault(envelope.vm.name, []).append(envelope.document.DocumentIncarnation)
+    resets = sum(1 for seen in incarnations.values() for a, b in itertools.pairwise(seen) if b < a)
+    print(f"figures: incarnations sent {sum(map(len, incarnations.values()))}, resets forwarded {resets}")
+    assert resets >= 1, "the incarnation reset was not forwarded"
