@@ -122,7 +122,7 @@ class Timeline:
         path.approved_via = path.approved_via or vm
         if at is not None:
             path.steps.setdefault("approved", at)
-        return [self._line(at, path, "approved", f"StartRequests accepted through {vm} (Relay)")]
+        return [self._line(at, path, "approved", f"StartRequests accepted through {vm}")]
 
     def _transition(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
         state = str(row.get("State") or "")
