@@ -119,6 +119,7 @@ class TickReport:
     alerts_sent: int = 0
     heartbeats_lost: int = 0
     history_rows: int = 0
+    events_purged: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -272,6 +273,7 @@ class Coordinator:
         on_new_vm: Callable[[VmIdentity], None] | None = None,
         housekeeping: Callable[[dict[str, datetime], datetime], None] | None = None,
         housekeeping_interval: timedelta = timedelta(hours=1),
+        retention: timedelta = timedelta(days=30),
         clock: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
     ) -> None:
@@ -288,6 +290,7 @@ class Coordinator:
         self._housekeeping = housekeeping
         self._housekeeping_interval = housekeeping_interval
         self._housekeeping_due: datetime | None = None
+        self.retention = retention
         self.clock = clock
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
 
@@ -874,7 +877,7 @@ class Coordinator:
         for stored in self.store.closed_events_with_pending_alerts():
             self._pending_alerts(stored.record, now, work, settled)
         self._heartbeats(groups, now, work, report)
-        self._run_housekeeping(groups, now)
+        self._run_housekeeping(groups, now, report)
         self._act(work, now, report, last_seen=last_seen, settled=settled)
         if logs:
             self.store.delete_sent_alert_logs([key for key, _ in logs])
@@ -930,11 +933,19 @@ class Coordinator:
                 except AlertError as error:
                     log.warning("heartbeat alert for %s not delivered: %s", vm.identity.name, error)
 
-    def _run_housekeeping(self, groups: list[Stored[VmGroupRecord]], now: datetime) -> None:
-        """Hourly, not every tick: it lists ARM resources (the VMs' hybrid connections) to delete the stale ones."""
-        if self._housekeeping is None or (self._housekeeping_due is not None and now < self._housekeeping_due):
+    def _run_housekeeping(self, groups: list[Stored[VmGroupRecord]], now: datetime, report: TickReport) -> None:
+        """Hourly, not every tick: deletes concluded events older than the retention, and lists ARM resources (the
+        VMs' hybrid connections) to delete the stale ones."""
+        if self._housekeeping_due is not None and now < self._housekeeping_due:
             return
         self._housekeeping_due = now + self._housekeeping_interval
+        try:
+            old = self.store.concluded_events_before(now - self.retention)
+            report.events_purged = self.store.delete_events([(s.record.eventId, s.etag) for s in old])
+        except Exception:  # never let cleanup stop the timer's real work; it runs again next hour
+            log.exception("purging concluded events failed")
+        if self._housekeeping is None:
+            return
         last_seen: dict[str, datetime] = {}
         for group in groups:
             for vm in group.record.vms.values():

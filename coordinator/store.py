@@ -118,6 +118,7 @@ def _event_entity(record: EventRecord) -> dict[str, Any]:
             "Open": record.open,
             "EventType": record.eventType,
             "Pending": bool(record.pendingAlerts),
+            "StateSince": record.stateSince,
         },
         # The per-VM sightings are stored with each VM's position (VmGroupRecord), not here.
         exclude={"vms"},
@@ -297,6 +298,28 @@ class TableStateStore:
         query = "PartitionKey eq @pk and Open eq false and Pending eq true"
         entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION})
         return [_from_entity(e, EventRecord) for e in entities]
+
+    def concluded_events_before(self, cutoff: datetime) -> list[Stored[EventRecord]]:
+        """Completed/Canceled events that concluded before ``cutoff`` and have no card left to send."""
+        query = "PartitionKey eq @pk and Open eq false and Pending eq false and StateSince lt @cutoff"
+        entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION, "cutoff": cutoff})
+        return [_from_entity(e, EventRecord) for e in entities]
+
+    def delete_events(self, items: Sequence[tuple[str, str | None]]) -> int:
+        """Deletes events If-Match their ETag (one changed meanwhile stays); returns how many were deleted."""
+        deleted = 0
+        for event_id, etag in items:
+            key = safe_key(event_id)
+            try:
+                self._table.delete_entity(
+                    EVENT_PARTITION, key, etag=etag, match_condition=MatchConditions.IfNotModified
+                )
+            except ResourceModifiedError:
+                continue
+            finally:
+                self._forget(EVENT_PARTITION, key)
+            deleted += 1
+        return deleted
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": VM_GROUP_PARTITION})

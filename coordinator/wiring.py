@@ -101,4 +101,5 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
         approve_url=approve_url if base else None,
         on_new_vm=on_new_vm,
         housekeeping=housekeeping,
+        retention=timedelta(days=settings.retention_days),
     )

@@ -238,3 +238,29 @@ def test_new_and_returning_vms_are_set_up_and_housekeeping_runs_hourly(azurite, 
     later = DOC_NOW + timedelta(minutes=11)
     coordinator.process_batch([raw(envelope(web, sequence=3, kind="heartbeat", observed_at=later))])
     assert seen == ["WestNO_0", "WestNO_0"]  # back from silence: set up again
+
+
+def test_hourly_housekeeping_deletes_concluded_events_after_the_retention(azurite, imds, tmp_path):
+    coordinator, _, clock = build(azurite, imds, tmp_path)
+    assert coordinator.retention == timedelta(days=30)
+    web = vm("WestNO_0", index=1)
+    listed = [scheduled_event("EV-DONE", event_type="Reboot", duration=-1)]
+    coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=listed))])
+    clock.now = DOC_NOW + timedelta(minutes=1)
+    coordinator.process_batch([raw(envelope(web, sequence=2, incarnation=2, events=[], observed_at=clock.now))])
+    later = [scheduled_event("EV-OPEN", event_type="Reboot", duration=-1)]
+    coordinator.process_batch([raw(envelope(web, sequence=3, incarnation=3, events=later, observed_at=clock.now))])
+    done = coordinator.event("EV-DONE")
+    assert done is not None
+    assert done.record.state == "Canceled"
+
+    clock.now = DOC_NOW + timedelta(days=29)
+    assert coordinator.tick().events_purged == 0  # concluded 29 days ago: kept
+    assert coordinator.event("EV-DONE") is not None
+
+    clock.now = DOC_NOW + timedelta(days=30, minutes=30)
+    assert coordinator.tick().events_purged == 1
+    assert coordinator.event("EV-DONE") is None
+    still = coordinator.event("EV-OPEN")  # open (Expired by now): never purged
+    assert still is not None
+    assert still.record.state == "Expired"
