@@ -1,0 +1,101 @@
+"""The local function host: real azure-eventhub consumer against the Event Hubs emulator, checkpoints in Azurite,
+batches in the Functions host's shape, retries and failure counting."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import azure.functions as func
+import pytest
+from azure.eventhub import EventData, EventHubProducerClient
+from azure.storage.blob import ContainerClient
+
+from emulators.azurite import AzuriteEndpoints
+from emulators.eventhubs import EventHubsEmulator
+from local.runner import AZURITE_BLOB_API_VERSION, FunctionHost, wait_until
+
+HUB = "scheduled-events"
+
+
+@pytest.fixture
+def eventhubs() -> Iterator[EventHubsEmulator]:
+    with EventHubsEmulator(hubs={HUB: 2}) as emulator:
+        yield emulator
+
+
+def test_batches_reach_the_function_in_the_hosts_shape_and_are_checkpointed(
+    azurite: AzuriteEndpoints, eventhubs: EventHubsEmulator
+) -> None:
+    received: list[func.EventHubEvent] = []
+    lock = threading.Lock()
+
+    def ingest(events: list[func.EventHubEvent]) -> None:
+        with lock:
+            received.extend(events)
+
+    container = f"checkpoints-{uuid.uuid4().hex[:8]}"
+    host = FunctionHost(
+        eventhub_connection_string=eventhubs.connection_string(),
+        eventhub_name=HUB,
+        storage_connection_string=azurite.connection_string,
+        ingest=ingest,
+        checkpoint_container=container,
+        max_batch_size=10,
+    )
+    host.start()
+    try:
+        with EventHubProducerClient.from_connection_string(eventhubs.connection_string(HUB)) as producer:
+            batch = producer.create_batch(partition_key="/subscriptions/s/vm-a")
+            for index in range(25):
+                batch.add(EventData(f'{{"n": {index}}}'.encode()))
+            producer.send_batch(batch)
+        assert wait_until(lambda: len(received) >= 25, timeout=20)
+    finally:
+        host.stop()
+    bodies = [event.get_body() for event in received]
+    assert bodies == [f'{{"n": {index}}}'.encode() for index in range(25)]
+    assert {event.partition_key for event in received} == {"/subscriptions/s/vm-a"}
+    assert [event.sequence_number for event in received] == list(range(25))
+    assert all(event.enqueued_time is not None and isinstance(event.offset, str) for event in received)
+    assert host.stats.batches >= 3  # at most 10 per invocation
+    assert host.stats.events == 25
+    blobs = ContainerClient.from_connection_string(
+        azurite.connection_string, container, api_version=AZURITE_BLOB_API_VERSION
+    )
+    names = [blob.name for blob in blobs.list_blobs()]
+    assert any("/checkpoint/" in name for name in names), names
+
+
+def test_a_failing_batch_is_retried_then_counted_as_failed(
+    azurite: AzuriteEndpoints, eventhubs: EventHubsEmulator
+) -> None:
+    attempts: list[int] = []
+
+    def flaky(events: list[func.EventHubEvent]) -> None:
+        attempts.append(len(events))
+        if len(attempts) < 3:
+            raise RuntimeError("state store unavailable")
+
+    def broken(events: list[func.EventHubEvent]) -> None:
+        raise RuntimeError("always")
+
+    event = func.EventHubEvent(body=b"{}")
+    common = {
+        "eventhub_connection_string": eventhubs.connection_string(),
+        "eventhub_name": HUB,
+        "storage_connection_string": azurite.connection_string,
+        "checkpoint_container": f"retry-{uuid.uuid4().hex[:8]}",
+        "max_attempts": 3,
+        "retry_initial": 0.01,
+        "retry_maximum": 0.02,
+    }
+    host = FunctionHost(ingest=flaky, **common)  # type: ignore[arg-type]
+    assert host.deliver([event]) is True
+    assert attempts == [1, 1, 1]
+    assert (host.stats.retries, host.stats.failed_batches, host.stats.batches) == (2, 0, 1)
+    failing = FunctionHost(ingest=broken, **common)  # type: ignore[arg-type]
+    assert failing.deliver([event]) is False
+    assert (failing.stats.retries, failing.stats.failed_batches) == (3, 1)
+    assert "state store unavailable" in host.stats.errors[0]
