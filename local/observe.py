@@ -4,9 +4,9 @@ record of events and approvals. Data flows one way: nothing here writes to the p
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +131,14 @@ def collect(
     envelopes, _ = sent_envelopes(eventhubs, hub)
     kinds, last_sent, sightings = sent_facts(envelopes)
     latencies: dict[str, list[float]] = {}
-    for path in timeline.paths.values():
-        for step in ("approved", "started", "completed"):
+    # The approval's moment is when IMDS accepted StartRequests (the emulator records it); the history's Approval
+    # row carries the time its batch started.
+    accepted = {str(item["EventId"]): str(item["at"]) for item in imds_approvals}
+    for event_id, path in timeline.paths.items():
+        if path.first_observed is not None and event_id in accepted:
+            at = datetime.fromisoformat(accepted[event_id].replace("Z", "+00:00"))
+            latencies.setdefault("approved in IMDS", []).append((at - path.first_observed).total_seconds() * 1000)
+        for step in ("started", "completed"):
             value = path.latency_ms(step)
             if value is not None:
                 latencies.setdefault(step, []).append(value)
@@ -152,7 +158,3 @@ def collect(
         expected_dead_letters=expected_dead_letters,
         latencies_ms=latencies,
     )
-
-
-def dump_json(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, default=str)
