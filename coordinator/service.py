@@ -537,9 +537,13 @@ class Coordinator:
         event_id: str,
         mutate: Callable[[EventRecord | None], EventChange | None],
         report: BatchReport | TickReport | None = None,
+        *,
+        read: Stored[EventRecord] | None = None,
     ) -> EventChange | None:
-        for _attempt in range(COMMIT_ATTEMPTS):
-            current = self.event(event_id)
+        """Read-modify-write of one event with its ETag; ``read`` is a record just read fresh (the first attempt
+        uses it instead of reading again)."""
+        for attempt in range(COMMIT_ATTEMPTS):
+            current = read if attempt == 0 and read is not None else self.event(event_id)
             change = mutate(current.record if current else None)
             if change is None or not change.changed:
                 return None
@@ -858,7 +862,9 @@ class Coordinator:
                 settled[event_id].extend(kinds)
         for stored in open_events.values():
             record = stored.record
-            change = self._commit_one(record.eventId, lambda r: self._reconsider(r, now, fleet, silent), report)
+            change = self._commit_one(
+                record.eventId, lambda r: self._reconsider(r, now, fleet, silent), report, read=stored
+            )
             if change is not None:
                 report.events_changed += 1
                 self._collect(change, work)
