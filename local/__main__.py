@@ -21,7 +21,7 @@ from types import FrameType
 from emulators.azurite import AzuriteError
 from emulators.imds import Scenario, ScenarioError
 from local.run import follow, history_command, judge, settle_forwarders
-from local.stack import REPO_ROOT, LocalStack, StackOptions
+from local.stack import REPO_ROOT, LocalStack, StackOptions, WorkdirBusy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_SCENARIO = REPO_ROOT / "emulators" / "scenarios" / "fleet-demo.yaml"
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("local: interrupted; every child process was stopped", file=sys.stderr)
         return 130
-    except AzuriteError as error:
+    except (AzuriteError, WorkdirBusy) as error:
         print(f"local: {error}", file=sys.stderr)
         return EXIT_FAILED
 

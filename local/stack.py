@@ -8,6 +8,7 @@ database, Teams cards. ``LocalStack`` is a context manager; leaving it stops eve
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -70,6 +71,10 @@ class StackOptions:
     coordinator_env: dict[str, str] = field(default_factory=dict)
     # Tests wrap the trigger to replay the host's misbehaviours (a batch delivered twice, two instances at once).
     ingest_wrapper: Callable[[IngestFunction], IngestFunction] | None = None
+
+
+class WorkdirBusy(RuntimeError):
+    """Another local run holds the work folder."""
 
 
 class ForwarderProcess:
@@ -148,6 +153,7 @@ class LocalStack:
         self.host: FunctionHost | None = None
         self.forwarders: dict[str, ForwarderProcess] = {}
         self._saved_env: dict[str, str | None] = {}
+        self._lock: IO[str] | None = None
 
     # ---- paths -----------------------------------------------------------------------------------------------
     @property
@@ -216,8 +222,21 @@ class LocalStack:
         self.imds = self.relay = self.eventhubs = None
         self.azurite = None
         self._restore_env()
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
     def _prepare_workdir(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        lock = (self.workdir / ".lock").open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise WorkdirBusy(
+                f"another local run is using {self.workdir}; wait for it or pass another --workdir"
+            ) from None
+        self._lock = lock
         # A run starts clean: the previous run's history, cards, spools and logs would mix with this one's.
         for name in ("vms", "cards", "logs", "history.sqlite", "history.sqlite-wal", "history.sqlite-shm"):
             target = self.workdir / name

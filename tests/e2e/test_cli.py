@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import signal
 import subprocess
 import sys
@@ -76,3 +77,21 @@ def test_ctrl_c_stops_every_child_process(tmp_path: Path) -> None:
     assert process.returncode == 130
     assert b"every child process was stopped" in output
     assert left == []
+
+
+def test_a_second_run_on_the_same_work_folder_is_refused(tmp_path: Path) -> None:
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    with (workdir / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running `python -m local` holds it
+        completed = subprocess.run(
+            [sys.executable, "-m", "local", "--workdir", str(workdir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert completed.returncode == 1
+    assert "another local run is using" in completed.stderr
+    assert not (workdir / "logs").exists(), "the running one's files were touched"
