@@ -218,6 +218,29 @@ class _Fleet:
         log.warning("budget of %s: claim of %s not released (contended); it lapses by itself", scale_set, event_id)
 
 
+def _etag(stored: Stored[Any] | None) -> str | None:
+    return stored.etag if stored else None
+
+
+def _set_aside(
+    mine: dict[str, VmRecord], current: Stored[VmGroupRecord] | None, base: dict[str, int | None]
+) -> set[str]:
+    """After a conflict on a VM group: takes out of ``mine`` the VMs not to write. Those already at this batch's
+    position (written by an earlier part of this batch, or by an instance that processed the same envelopes), and
+    those another instance moved since the position this batch started from: returned, to be redone."""
+    stale = set()
+    for vm_id, record in list(mine.items()):
+        fresh = current.record.vms.get(vm_id) if current else None
+        if fresh is None:
+            continue
+        if fresh.lastSequence == record.lastSequence:
+            del mine[vm_id]
+        elif fresh.lastSequence != base.get(vm_id):
+            stale.add(vm_id)
+            del mine[vm_id]
+    return stale
+
+
 def _holds_budget(record: EventRecord) -> bool:
     """An event impacts its VMs from the approval until it is gone. An Expired event whose approval was decided
     keeps its slots too: the platform starts it at NotBefore anyway."""
@@ -240,6 +263,8 @@ class _VmBatch:
     key_of: dict[str, str]
     updates: dict[str, VmUpdate] = field(default_factory=dict)
     new_vms: set[str] = field(default_factory=set)
+    # Each VM's lastSequence in the position its observations were derived from (None: no position).
+    base: dict[str, int | None] = field(default_factory=dict)
 
 
 def _dead_letter_reason(error: Exception) -> str:
@@ -337,25 +362,22 @@ class Coordinator:
             self.store.put_dead_letters(dead)
         report.dead_lettered = len(dead)
 
-        updates = self._vm_updates(by_vm)
-        observations: dict[str, list[Observation]] = defaultdict(list)
-        for update in updates.updates.values():
-            report.accepted += update.applied
-            report.duplicates += update.duplicates
-            for observation in update.observations:
-                observations[observation.event_id].append(observation)
-            if update.resumed:
-                work.rows.append(self._vm_row(update.record, now, "heartbeat resumed"))
-
         fleet = _Fleet(self.store)
-        committed = self._commit_events(observations, now, fleet, report, updates)
-        for change in committed:
-            self._collect(change, work)
-            self._keep_sightings(change, observations[change.record.eventId], updates)
-        report.events_changed = len(committed)
-        # VM positions are written after the events: a crash in between replays the envelopes, which the
-        # events' per-VM sequence makes harmless.
-        self._save_vm_updates(updates, report)
+        updates = self._vm_updates(by_vm, cached=True)
+        stale = self._apply(updates, now, fleet, report, work)
+        for _attempt in range(BULK_ATTEMPTS):
+            if not stale:
+                break
+            # Another instance moved these VMs since this one cached their group (a partition changed hands):
+            # what was derived from the old positions may miss a 'gone'. Redo them from the fresh positions;
+            # re-applying what was already applied is a no-op.
+            for vm_id in stale:
+                report.accepted -= updates.updates[vm_id].applied
+                report.duplicates -= updates.updates[vm_id].duplicates
+            redo = self._vm_updates({vm_id: by_vm[vm_id] for vm_id in stale}, cached=False)
+            updates.updates.update(redo.updates)
+            updates.new_vms = (updates.new_vms - stale) | redo.new_vms
+            stale = self._apply(redo, now, fleet, report, work)
         self._act(work, now, report, last_seen=None)
         if self._on_new_vm is not None:
             # New VMs, and VMs back from silence (housekeeping may have removed what was set up for them).
@@ -364,6 +386,26 @@ class Coordinator:
                     self._new_vm(update.record.identity)
         return report
 
+    def _apply(self, updates: _VmBatch, now: datetime, fleet: _Fleet, report: BatchReport, work: _Work) -> set[str]:
+        """Observations -> events -> VM positions. Returns the VMs whose cached position turned out stale (not
+        written: the caller redoes them)."""
+        observations: dict[str, list[Observation]] = defaultdict(list)
+        for update in updates.updates.values():
+            report.accepted += update.applied
+            report.duplicates += update.duplicates
+            for observation in update.observations:
+                observations[observation.event_id].append(observation)
+            if update.resumed:
+                work.rows.append(self._vm_row(update.record, now, "heartbeat resumed"))
+        committed = self._commit_events(observations, now, fleet, report, updates)
+        for change in committed:
+            self._collect(change, work)
+            self._keep_sightings(change, observations[change.record.eventId], updates)
+        report.events_changed += len(committed)
+        # VM positions are written after the events: a crash in between replays the envelopes, which the
+        # events' per-VM sequence makes harmless.
+        return self._save_vm_updates(updates, report)
+
     def _new_vm(self, vm: VmIdentity) -> None:
         assert self._on_new_vm is not None
         try:
@@ -371,25 +413,27 @@ class Coordinator:
         except Exception:  # e.g. the VM's hybrid connection could not be created: retried when it next reports
             log.exception("setting up new VM %s failed", vm.name)
 
-    def _vm_updates(self, by_vm: dict[str, list[Envelope]]) -> _VmBatch:
+    def _vm_updates(self, by_vm: dict[str, list[Envelope]], *, cached: bool) -> _VmBatch:
         key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
-        groups = self.store.get_vm_groups(set(key_of.values()), cached=True)
+        groups = self.store.get_vm_groups(set(key_of.values()), cached=cached)
         batch = _VmBatch(groups=groups, key_of=key_of)
         for vm_id, envelopes in by_vm.items():
             stored = groups.get(key_of[vm_id])
             previous = stored.record.vms.get(vm_id) if stored else None
             batch.updates[vm_id] = vm_observations(previous, envelopes)
+            batch.base[vm_id] = previous.lastSequence if previous else None
             if previous is None:
                 batch.new_vms.add(vm_id)
         return batch
 
-    def _save_vm_updates(self, batch: _VmBatch, report: BatchReport) -> None:
+    def _save_vm_updates(self, batch: _VmBatch, report: BatchReport) -> set[str]:
         mine: dict[str, dict[str, VmRecord]] = defaultdict(dict)
         for vm_id, update in batch.updates.items():
             if update.applied:
                 mine[batch.key_of[vm_id]][vm_id] = update.record
+        stale: set[str] = set()
         if not mine:
-            return
+            return stale
 
         def merged(key: str, current: Stored[VmGroupRecord] | None) -> VmGroupRecord:
             vms = dict(current.record.vms) if current else {}
@@ -401,24 +445,29 @@ class Coordinator:
         for attempt in range(BULK_ATTEMPTS):
             if attempt:
                 groups = self.store.get_vm_groups(mine)
-            items: list[tuple[VmGroupRecord, str | None, Iterable[str] | None]] = []
-            for key, vms in mine.items():
-                current = groups.get(key)
-                items.append((merged(key, current), current.etag if current else None, vms))
+                for key, vms in mine.items():
+                    stale |= _set_aside(vms, groups.get(key), batch.base)
+            items: list[tuple[VmGroupRecord, str | None, Iterable[str] | None]] = [
+                (merged(key, groups.get(key)), _etag(groups.get(key)), vms) for key, vms in mine.items() if vms
+            ]
             try:
                 self.store.save_vm_groups(items)
-                return
+                return stale
             except ConcurrencyConflict:
                 report.conflicts += 1
         # Another instance wrote one of these groups (its VMs sit on other Event Hubs partitions): merge per VM.
         for key, vms in mine.items():
             for _attempt in range(COMMIT_ATTEMPTS):
                 current = self.store.get_vm_groups([key]).get(key)
+                stale |= _set_aside(vms, current, batch.base)
+                if not vms:
+                    break
                 try:
                     self.store.save_vm_group(merged(key, current), current.etag if current else None, vm_ids=vms)
                     break
                 except ConcurrencyConflict:
                     report.conflicts += 1
+        return stale
 
     # ---- events: read, apply, write with ETags ---------------------------------------------------------------
     def _evolve(

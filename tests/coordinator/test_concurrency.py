@@ -107,3 +107,27 @@ def test_two_instances_in_threads_approve_each_event_once(azurite, imds, tmp_pat
         stored = a.event(event_id)
         assert stored is not None
         assert sorted(stored.record.vms) == ["WestNO_0", "WestNO_1"]
+
+
+def test_a_vm_moved_by_another_instance_is_redone_from_its_fresh_position(azurite, imds, tmp_path):
+    """A partition changes hands: A's cached group still holds WestNO_1 as it was before B moved it. A's derived
+    observations would miss that WestNO_1 no longer lists the event; the conflict on the group makes A redo
+    WestNO_1 from the fresh position, so the event is seen gone."""
+    table = "race" + uuid.uuid4().hex[:12]
+    a, _ = make(azurite, imds, table, tmp_path / "a", TableStateStore)
+    b, _ = make(azurite, imds, table, tmp_path / "b", TableStateStore)
+    west0, west1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    reboot = scheduled_event("EV-MOVED", event_type="Reboot", duration=-1, resources=["WestNO_1"])
+    a.process_batch([message(envelope(west0, sequence=1, incarnation=1)), message(envelope(west1, sequence=1))])
+    b.process_batch([message(envelope(west1, sequence=2, incarnation=2, events=[reboot]))])
+
+    report = a.process_batch([message(envelope(west1, sequence=3, incarnation=3, events=[]))])
+
+    assert report.conflicts >= 1
+    assert report.accepted == 1
+    stored = a.event("EV-MOVED")
+    assert stored is not None
+    assert stored.record.vms["WestNO_1"].status == "Gone"
+    assert stored.record.state == "Canceled"
+    positions = a.store.get_vm_groups(["pg:avset-westno"])["pg:avset-westno"].record.vms
+    assert {vm.identity.name: vm.lastSequence for vm in positions.values()} == {"WestNO_0": 1, "WestNO_1": 3}
