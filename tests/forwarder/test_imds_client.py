@@ -8,7 +8,7 @@ import pytest
 
 from emulators.imds import ImdsEmulator
 from forwarder.imds import ImdsClient, ImdsInvalidResponse, ImdsUnavailable
-from forwarder.retry import Backoff, RateLimiter
+from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
 
 
 def client(imds: ImdsEmulator, vm: str = "web_0", **options: object) -> ImdsClient:
@@ -99,8 +99,21 @@ def test_rate_limiter_spaces_requests() -> None:
 def test_default_rate_stays_under_the_imds_throttle(imds: ImdsEmulator) -> None:
     imds.inject_fault(kind="throttle", requestsPerSecond=5)
     imds_client = ImdsClient(base_url=imds.url_for("web_0"))  # the process-wide limiter
-    for _ in range(10):  # as fast as the limiter lets it: 2.5 s at 4/s
+    for _ in range(10):  # as fast as the limiter lets it: a burst of 3, then 2/s (3.5 s)
         imds_client.get_document_bytes()
+
+
+def test_an_approval_just_after_a_poll_is_not_held_back() -> None:
+    """The approver's fresh GET and its StartRequests POST follow the poll by a few hundred ms at most: both must
+    go out at once, or every approval waits for the limiter."""
+    limiter = RateLimiter(per_second=IMDS_LIMITER.per_second, burst=IMDS_LIMITER.burst)  # its shape, own bucket
+    limiter.acquire()  # the poll that saw the event
+    time.sleep(0.1)  # envelope -> Event Hubs -> coordinator -> Relay
+    started = time.monotonic()
+    limiter.acquire()  # approver: GET the current document
+    limiter.acquire()  # approver: POST StartRequests
+    assert time.monotonic() - started < 0.05
+    assert IMDS_LIMITER.burst + IMDS_LIMITER.per_second <= 5  # never more than IMDS's ~5 in any one-second window
 
 
 def test_backoff_grows_with_jitter_and_honours_retry_after() -> None:
