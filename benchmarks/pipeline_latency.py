@@ -11,8 +11,8 @@ pipeline_added_ms_p50/p99 (the forwarder's observedAt → approval recorded: the
 Targets: detect_to_approve p99 < 1,200 ms, pipeline_added p99 < 150 ms. Events are created at random moments
 relative to the forwarders' polls (0.8-1.6 s apart, round-robin over the VMs). to_coordinator_ms_* splits off the
 part up to the coordinator's decision (forwarder send, Event Hubs, consumer, trigger); the rest is the coordinator,
-the Relay round trip and the VM's two IMDS calls, which the forwarder's process-wide IMDS rate limiter (4/s, no
-burst, shared with the 1/s poll) spaces at least 250 ms apart.
+the Relay round trip and the VM's two IMDS calls (a fresh GET, then the StartRequests POST), which share the
+forwarder's process-wide IMDS rate limiter with the 1/s poll (forwarder.retry.IMDS_LIMITER).
 """
 
 from __future__ import annotations
