@@ -45,6 +45,7 @@ from coordinator.state import (
     apply_observations,
     choose_executor,
     clone,
+    event_row,
     merge_vm_records,
     raise_alert,
     transition,
@@ -650,16 +651,10 @@ class Coordinator:
     def _decision_row(self, record: EventRecord, now: datetime) -> HistoryRow:
         decision = record.decision
         assert decision is not None
-        return HistoryRow(
-            TimeGenerated=now,
-            RecordType="Decision",
-            EventId=record.eventId,
-            EventType=record.eventType,
-            EventSource=record.eventSource,
-            State=record.state,
-            NotBefore=record.notBefore,
-            DurationInSeconds=record.durationInSeconds,
-            Resources=list(record.resources),
+        return event_row(
+            record,
+            now,
+            "Decision",
             Rule=decision.rule,
             Action=decision.action,
             DecisionId=decision.decisionId,

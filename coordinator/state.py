@@ -148,7 +148,8 @@ class EventChange:
     approval_decided: bool = False
 
 
-def _event_row(record: EventRecord, now: datetime, record_type: str, **values: object) -> HistoryRow:
+def event_row(record: EventRecord, now: datetime, record_type: str, **values: object) -> HistoryRow:
+    """A history row about one event: its identifying columns, then ``values``."""
     base: dict[str, object] = {
         "TimeGenerated": now,
         "RecordType": record_type,
@@ -246,7 +247,7 @@ def apply_observations(
 
 
 def _observation_row(record: EventRecord, now: datetime, observation: Observation, status: str) -> HistoryRow:
-    return _event_row(
+    return event_row(
         record,
         now,
         "Observation",
@@ -315,7 +316,7 @@ def _apply_hook(change: EventChange, sighting: VmSighting | None, observation: O
         update={"hooks": {**sighting.hooks, hook.phase: hook.outcome}, "hookSequence": observation.sequence}
     )
     change.rows.append(
-        _event_row(
+        event_row(
             change.record,
             now,
             "Hook",
@@ -350,7 +351,7 @@ def transition(change: EventChange, to: State, now: datetime, reason: str, **val
     record.state = to
     record.stateSince = now
     change.changed = True
-    change.rows.append(_event_row(record, now, "Transition", PreviousState=previous, Reason=reason, **values))
+    change.rows.append(event_row(record, now, "Transition", PreviousState=previous, Reason=reason, **values))
     alert_for: dict[str, AlertKind] = {"Approved": "approved", "Canceled": "canceled", "Expired": "expired"}
     if to in alert_for:
         raise_alert(change, alert_for[to], now)
