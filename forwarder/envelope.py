@@ -54,7 +54,31 @@ class VmIdentity(BaseModel):
         return f"vm-{self.vmId.lower()}"
 
 
+MAX_HOOK_STEPS = 32
+STEP_OUTPUT_TAIL = 1024
+
+
+class HookStep(BaseModel):
+    """One hook (one executable of a phase's folder) and how it ended."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    hook: str = Field(min_length=1, max_length=256)
+    outcome: HookOutcome
+    durationSeconds: float = Field(ge=0)
+    exitCode: int | None = None
+    outputTail: str = Field(default="", max_length=STEP_OUTPUT_TAIL)
+
+
 class HookReport(BaseModel):
+    """A phase's outcome on one VM for one event.
+
+    Forwarders from this version send one report per phase, with ``steps`` (every hook, in the order run): then
+    ``outcome`` is the phase's outcome, ``succeeded`` only when every step succeeded (``not-run`` when the phase
+    has no hooks). Older forwarders sent one report per hook, without ``steps``: such a report says how one hook
+    ended, not the phase (the coordinator keeps a failure among them, see coordinator/state.py).
+    """
+
     model_config = ConfigDict(extra="allow", frozen=True)
 
     eventId: str = Field(min_length=1, max_length=128)
@@ -64,6 +88,27 @@ class HookReport(BaseModel):
     durationSeconds: float = Field(ge=0)
     exitCode: int | None = None
     outputTail: str = Field(default="", max_length=4096)
+    steps: list[HookStep] | None = Field(default=None, max_length=MAX_HOOK_STEPS)
+
+    @property
+    def phase_complete(self) -> bool:
+        """Whether this report closes its phase (it lists every hook), rather than tell of one hook."""
+        return self.steps is not None
+
+    @property
+    def failed_hook(self) -> str:
+        """The first hook that did not succeed ("" when none did not), for the history and the cards."""
+        if self.steps is None:
+            return self.hook if self.outcome in ("failed", "timed-out") else ""
+        return next((s.hook for s in self.steps if s.outcome != "succeeded"), "")
+
+
+def phase_outcome(steps: list[HookStep]) -> HookOutcome:
+    """A phase succeeded only if every one of its hooks succeeded, whatever their order; the first hook that did
+    not succeed gives the phase its outcome; no hooks at all is ``not-run`` (the policy says what that means)."""
+    if not steps:
+        return "not-run"
+    return next((s.outcome for s in steps if s.outcome != "succeeded"), "succeeded")
 
 
 class Envelope(BaseModel):
@@ -75,6 +120,10 @@ class Envelope(BaseModel):
     observedAt: datetime
     sequence: int = Field(ge=0)
     forwarder: str = Field(min_length=1, max_length=64)
+    # The identifier of the forwarder's durable state (its spool database), new whenever that state is new: a
+    # sequence that starts over under a new stateId is a forwarder that lost its state, not a replay. "" from
+    # forwarders older than this field.
+    stateId: str = Field(default="", max_length=64, pattern=r"^[0-9A-Za-z._-]*$")
     document: ScheduledEventsDocument | None = None
     hook: HookReport | None = None
 
