@@ -167,6 +167,17 @@ class BicepFile:
     modules: list[Declaration] = field(default_factory=list)
     syntax_errors: list[int] = field(default_factory=list)
     using: tuple[str, int] | None = None  # .bicepparam: the template path and its line
+    outputs: set[str] = field(default_factory=set)
+    reads: list[Read] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Read:
+    """`symbol.a.b` somewhere in the file: a property of a resource or an output of a module, read by name."""
+
+    symbol: str
+    names: tuple[str, ...]
+    line: int
 
 
 _LANGUAGE = tree_sitter.Language(tree_sitter_bicep.language())
@@ -210,6 +221,8 @@ class _Reader:
                 self._param(node)
             elif node.type == "variable_declaration":
                 self._variable_nodes[self.text(named[0])] = named[-1]
+            elif node.type == "output_declaration":
+                self.file.outputs.add(self.text(named[0]))
             elif node.type in {"resource_declaration", "module_declaration"}:
                 self._symbols.add(self.text(named[0]))
                 declarations.append(node)
@@ -217,7 +230,32 @@ class _Reader:
             self.file.variables[name] = self._variable(name, _line(self._variable_nodes[name]))
         for node in declarations:
             self._declaration(node, None, frozenset())
+        self._reads(root)
+        self.file.reads.sort(key=lambda read: read.line)
         return self.file
+
+    def _reads(self, root: tree_sitter.Node) -> None:
+        """Every outermost `symbol.a.b` (also `symbol[i].a`) on a resource or module symbol; a trailing method call
+        (`.listKeys()`) is left out, and so is anything after an index into a property."""
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            parent = node.parent
+            if node.type != "member_expression" or parent is None:
+                continue
+            if parent.type == "member_expression" and parent.child_by_field_name("object") == node:
+                continue  # not the outermost
+            names: list[str] = []
+            if parent.type == "call_expression" and parent.child_by_field_name("function") == node:
+                node = node.child_by_field_name("object") or node  # a method: read what it is called on
+            while node.type == "member_expression":
+                names.append(self.text(node.child_by_field_name("property") or node))
+                node = node.child_by_field_name("object") or node
+            if node.type == "subscript_expression":
+                node = node.child_by_field_name("object") or node  # one instance of a resource loop
+            if node.type == "identifier" and self.text(node) in self._symbols and names:
+                self.file.reads.append(Read(self.text(node), tuple(reversed(names)), _line(node)))
 
     # declarations
 
@@ -555,6 +593,7 @@ class Stats:
     required: int = 0
     module_params: int = 0
     bicepparam_params: int = 0
+    property_reads: int = 0
     expressions: int = 0
     any_values: int = 0
     any_blocks: list[AnyBlock] = field(default_factory=list)
@@ -569,19 +608,21 @@ class Report:
     def summary(self) -> str:
         s = self.stats
         lines = [
-            f"Bicep against Azure's resource types: {s.bicep_files} .bicep and {s.bicepparam_files} .bicepparam "
-            f"files, {len(s.type_files)} types.json files of ../shared/azure-types",
-            f"  declarations: {s.resources} resources ({s.resolved} resolved to a type; {s.existing} existing, "
-            f"{s.in_loops} in loops, {s.conditional} conditional, {s.nested} nested, {s.with_parent} with parent) "
-            f"and {s.modules} modules",
-            f"  checked: {s.property_names} property names, {s.literal_values} literal values ({s.enum_values} "
-            f"against closed enums, {s.open_enum_values} against open ones, which take any string), {s.required} "
-            f"required properties, {s.module_params} module parameters, {s.bicepparam_params} .bicepparam parameters",
-            f"  skipped: {s.expressions} values known only at deployment (expressions: their property names are "
-            f"checked, their values are not); {s.any_values} values of properties typed `any`",
+            f"Bicep against Azure's resource types: {s.bicep_files} .bicep + {s.bicepparam_files} .bicepparam files, "
+            f"{len(s.type_files)} types.json files (../shared/azure-types)",
+            f"  declarations: {s.resources} resources, {s.resolved} resolved to a type ({s.existing} existing, "
+            f"{s.in_loops} in loops, {s.conditional} conditional, {s.nested} nested, {s.with_parent} with parent); "
+            f"{s.modules} modules",
+            f"  checked: {s.property_names} property names, {s.required} required properties, "
+            f"{s.property_reads} property reads (resource properties, module outputs)",
+            f"           {s.literal_values} literal values ({s.enum_values} against closed enums; "
+            f"{s.open_enum_values} went to open enums, which take any string)",
+            f"           {s.module_params} module parameters, {s.bicepparam_params} .bicepparam parameters",
+            f"  skipped: {s.expressions} values known only at deployment (expressions: names checked, values not), "
+            f"{s.any_values} values of properties typed `any`",
         ]
         unchecked = sum(block.names for block in s.any_blocks)
-        lines.append(f"  not checkable: {len(s.any_blocks)} untyped (`any`) blocks, {unchecked} property names inside")
+        lines.append(f"  not checkable: {len(s.any_blocks)} untyped (`any`) blocks, {unchecked} property names inside:")
         lines.extend(
             f"    {b.file}:{b.line} {b.subject} {b.path} ({b.names} property names unchecked)" for b in s.any_blocks
         )
@@ -663,6 +704,7 @@ class Checker:
         self.findings: list[Finding] = []
         self.stats = Stats()
         self._files: dict[Path, BicepFile] = {}
+        self._resolved: dict[int, tuple[TypeFile, dict[str, Any]]] = {}  # by id() of a resource declaration
 
     def _rel(self, path: Path) -> str:
         return path.resolve().relative_to(self.infra.parent.resolve()).as_posix()
@@ -696,6 +738,12 @@ class Checker:
             self.check_resource(file, declaration, symbols)
         for module in file.modules:
             self.check_module(file, module)
+        modules = {m.symbol: m for m in file.modules}
+        for read in file.reads:
+            if read.symbol in modules:
+                self.check_output_read(file, modules[read.symbol], read)
+            elif read.symbol in symbols:
+                self.check_property_read(file, symbols[read.symbol], read)
 
     # resources
 
@@ -729,6 +777,7 @@ class Checker:
         s.resolved += 1
         at = _At(at.file, at.subject, found[0])
         body_type = at.data.get(found[1]["body"])
+        self._resolved[id(declaration)] = (found[0], body_type)
         if declaration.existing:
             self._check_existing(declaration.body, body_type, at)
         else:
@@ -775,6 +824,58 @@ class Checker:
         elif isinstance(scope.value, Expr) and scope.value.kind == "object" and not writable & EXTENSION_SCOPE:
             message = "this type is not an extension resource: it cannot take a resource as scope"
             self.find(at, scope.line, "scope", "scope", message)
+
+    # reads of resource properties and module outputs
+
+    def check_property_read(self, file: BicepFile, declaration: Declaration, read: Read) -> None:
+        """`res.properties.x.y` must name properties the type has (read-only ones included: they are read)."""
+        resolved = self._resolved.get(id(declaration))
+        if resolved is None:
+            return  # its type is not in the data: reported at the declaration
+        type_file, declared = resolved
+        at = _At(file.rel, f"{declaration.symbol} ({'@'.join(self.full_type(declaration))})", type_file)
+        self.stats.property_reads += 1
+        path = ""
+        for name in read.names:
+            if declared["$type"] == "DiscriminatedObjectType":
+                declared = self._read_shape(declaration, declared, at)
+            if declared["$type"] != "ObjectType":
+                return  # any, or a value whose members are not typed here
+            spec = declared["properties"].get(name)
+            if spec is None and "additionalProperties" in declared:
+                declared, path = at.data.get(declared["additionalProperties"]), _join(path, name)
+                continue
+            if spec is None:
+                message = (
+                    f"reads '{name}', which is not a property of {declared.get('name', 'object')}"
+                    f"{_suggest(name, declared['properties'])}"
+                )
+                self.find(at, read.line, _join(path, name), "unknown-read", message)
+                return
+            declared, path = at.data.get(spec["type"]), _join(path, name)
+
+    def _read_shape(self, declaration: Declaration, declared: dict[str, Any], at: _At) -> dict[str, Any]:
+        """The element a read goes through: the declared one when its discriminator is a literal, else all merged."""
+        prop = declaration.body.get(declared["discriminator"])
+        elements = declared["elements"]
+        if prop is not None and isinstance(prop.value, Lit) and prop.value.value in elements:
+            element: dict[str, Any] = at.data.get(elements[prop.value.value])
+            return {**element, "properties": {**declared["baseProperties"], **element["properties"]}}
+        merged = dict(declared["baseProperties"])
+        for ref in elements.values():
+            merged.update(at.data.get(ref)["properties"])
+        return {"$type": "ObjectType", "name": declared["name"], "properties": merged}
+
+    def check_output_read(self, file: BicepFile, module: Declaration, read: Read) -> None:
+        target = file.path.parent / module.type_text
+        if read.names[0] != "outputs" or len(read.names) < 2 or not target.is_file():
+            return  # `module.name`, or a missing module: reported at the declaration
+        self.stats.property_reads += 1
+        outputs = self.bicep(target).outputs
+        if read.names[1] not in outputs:
+            at = _At(file.rel, f"module {module.symbol} ('{module.type_text}')")
+            message = f"{module.type_text} has no output '{read.names[1]}'{_suggest(read.names[1], outputs)}"
+            self.find(at, read.line, f"outputs.{read.names[1]}", "unknown-output", message)
 
     # values against types
 
