@@ -4,13 +4,15 @@ be installed here.
 
 The templates are read with tree-sitter-bicep, which keeps positions (pycep-parser, behind bicep_model.py, keeps
 none), and what can be known before deployment is folded: literals, objects, arrays, variables, a `for` body (one
-item stands for all), both branches of a ternary, `??` both sides, and a parameter's @allowed values. Anything else
-(parameters without @allowed, outputs and properties of other resources, function calls) is an expression: its
-value is skipped and counted, but every property name written in a template is checked, inside variables too.
-A property typed `any` in the data (a Logic App definition, for one) is not checkable; such blocks are listed.
+item stands for all), both branches of a ternary, both sides of `??`, and a parameter's @allowed values. Anything
+else (parameters without @allowed, properties of other resources, module outputs, function calls) is an
+expression: its value is skipped and counted, but the property names written around it are checked wherever a
+type applies, inside variables too. Reads such as `account.properties.primaryEndpoints.blob` and
+`module.outputs.x` are checked by name. A property typed `any` in the data (a Logic App definition, for one) is not
+checkable; such blocks are listed with the number of names inside them.
 
 Run `python -m tests.infra.bicep_types` for the findings and the counts; tests/infra/test_bicep_types.py runs it
-in the test command."""
+in the test command and prints the counts at the end of the run (tests/infra/conftest.py)."""
 
 from __future__ import annotations
 
