@@ -84,7 +84,8 @@ def test_prepare_and_recover_hooks_get_the_event(imds: ImdsEmulator, harness: Ma
     prepared = wait_for(lambda: h.envelopes("hook"), what="prepare report")[0]["hook"]
     assert prepared["phase"] == "prepare"
     assert prepared["outcome"] == "succeeded"
-    assert prepared["hook"] == "10-drain"
+    assert prepared["hook"] == ""  # no hook failed
+    assert [step["hook"] for step in prepared["steps"]] == ["10-drain"]  # the README is not executable
     assert prepared["exitCode"] == 0
     assert "hello from" in prepared["outputTail"]
     stdin = json.loads((tmp_path / "stdin-prepare.json").read_text())
@@ -101,19 +102,41 @@ def test_prepare_and_recover_hooks_get_the_event(imds: ImdsEmulator, harness: Ma
 
 def test_failing_and_hanging_hooks_are_reported_and_polling_goes_on(imds: ImdsEmulator, harness: MakeHarness) -> None:
     h = harness(imds.url_for("web_0"), hook_timeout=0.5)
-    write_hook(h.settings.hooks_dir / "prepare.d", "10-fails", "echo broken >&2\nexit 3\n")
-    write_hook(h.settings.hooks_dir / "prepare.d", "20-hangs", "sleep 30\n")
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-hangs", "sleep 30\n")
+    write_hook(h.settings.hooks_dir / "prepare.d", "20-fails", "echo broken >&2\nexit 3\n")
     imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
     h.wait_incarnation(2)
-    # While the second hook hangs, a new document is still forwarded: hooks never block the poll.
+    # While the first hook hangs, a new document is still forwarded: hooks never block the poll.
     imds.create_event(EventType="Freeze", Resources=["web_2"], NoticeSeconds=900)
     h.wait_incarnation(3, timeout=0.45)
-    reports = wait_for(lambda: len(h.envelopes("hook")) == 2 and h.envelopes("hook"), what="two reports")
-    failed, hung = (r["hook"] for r in reports)
-    assert (failed["hook"], failed["outcome"], failed["exitCode"]) == ("10-fails", "failed", 3)
-    assert "broken" in failed["outputTail"]
-    assert (hung["hook"], hung["outcome"]) == ("20-hangs", "timed-out")
-    assert 0.5 <= hung["durationSeconds"] < 3
+    (envelope,) = wait_for(lambda: h.envelopes("hook"), what="the phase report")
+    report = Envelope.from_mapping(envelope).hook
+    assert report is not None
+    # The phase takes the outcome of its first hook that did not succeed; every hook ran and is listed.
+    assert (report.outcome, report.hook, report.failed_hook) == ("timed-out", "10-hangs", "10-hangs")
+    hung, failed = report.steps or []
+    assert (hung.hook, hung.outcome) == ("10-hangs", "timed-out")
+    assert 0.5 <= hung.durationSeconds < 3
+    assert (failed.hook, failed.outcome, failed.exitCode) == ("20-fails", "failed", 3)
+    assert "broken" in failed.outputTail
+    assert "killed after" in report.outputTail  # the failed step's output heads the report
+
+
+def test_a_failing_hook_before_a_succeeding_one_fails_the_phase(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    """Issue 10's case: 10-check fails, 20-drain succeeds; the phase failed, and 20-drain still ran (run-parts)."""
+    h = harness(imds.url_for("web_0"))
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-check", "echo not ready\nexit 1\n")
+    write_hook(h.settings.hooks_dir / "prepare.d", "20-drain", f"touch {h.root}/drained\n")
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    (envelope,) = wait_for(lambda: h.envelopes("hook"), what="the phase report")
+    time.sleep(0.2)
+    assert len(h.envelopes("hook")) == 1, "one envelope per phase"
+    report = envelope["hook"]
+    assert (report["outcome"], report["hook"], report["exitCode"]) == ("failed", "10-check", 1)
+    assert "not ready" in report["outputTail"]
+    assert [(s["hook"], s["outcome"]) for s in report["steps"]] == [("10-check", "failed"), ("20-drain", "succeeded")]
+    assert (h.root / "drained").exists()
+    assert envelope["stateId"] == h.store.state_id
 
 
 def test_no_hooks_installed_reports_not_run(imds: ImdsEmulator, harness: MakeHarness) -> None:
@@ -121,6 +144,7 @@ def test_no_hooks_installed_reports_not_run(imds: ImdsEmulator, harness: MakeHar
     imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
     report = wait_for(lambda: h.envelopes("hook"), what="report")[0]["hook"]
     assert report["outcome"] == "not-run"
+    assert report["steps"] == []
 
 
 def test_a_hook_runs_once_per_event_across_restarts(imds: ImdsEmulator, harness: MakeHarness) -> None:

@@ -109,7 +109,7 @@ def start_vm(
                 key_name="listen",
                 key_file=key_file,
             )
-        approver = Approver(imds=client)
+        approver = Approver(imds=client, vm_name=identity.name)
         options.setdefault("backoff", Backoff(initial=0.05, maximum=0.5))
         listener = RelayListener(
             endpoint=ws_endpoint(relay),
