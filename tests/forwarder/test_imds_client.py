@@ -10,6 +10,7 @@ import pytest
 from emulators.imds import ImdsEmulator
 from forwarder.imds import IDLE_DISABLE_SECONDS, ImdsClient, ImdsInvalidResponse, ImdsUnavailable, read_document
 from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
+from tests.forwarder.conftest import ScriptedImds
 
 
 def client(imds: ImdsEmulator, vm: str = "web_0", **options: object) -> ImdsClient:
@@ -214,3 +215,12 @@ def test_a_document_invalid_as_a_whole_is_still_refused(raw: bytes, reason: str)
     with pytest.raises(ImdsInvalidResponse, match="scheduled-events document is invalid") as caught:
         read_document(raw)
     assert reason in str(caught.value)
+
+
+def test_get_document_keeps_the_valid_events_for_the_approver(scripted_imds: ScriptedImds) -> None:
+    """The approver reads documents the same way: one bad event never blocks the approval of another."""
+    good = {"EventId": "ok", "EventType": "Freeze", "Resources": ["web_0"], "EventStatus": "Scheduled"}
+    scripted_imds.serve(3, good, {**good, "EventId": "bad", "DurationInSeconds": "long"})
+    imds_client = ImdsClient(base_url=scripted_imds.url, limiter=RateLimiter(per_second=500, burst=10))
+    document = imds_client.get_document()
+    assert (document.DocumentIncarnation, [e.EventId for e in document.Events]) == (3, ["ok"])

@@ -45,8 +45,8 @@ def scenario() -> Scenario:
     return Scenario(
         name="relay-tests",
         vms=[
-            VmSpec(name=VM_A0, placementGroupId="pg-web"),
-            VmSpec(name=VM_A1, placementGroupId="pg-web", platformFaultDomain="1"),
+            VmSpec(name=VM_A0, vmScaleSetName="web", placementGroupId="pg-web"),
+            VmSpec(name=VM_A1, vmScaleSetName="web", placementGroupId="pg-web", platformFaultDomain="1"),
             VmSpec(name=VM_B0, placementGroupId="pg-db"),
         ],
     )
