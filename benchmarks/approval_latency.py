@@ -55,7 +55,7 @@ def run(n: int, key_file: str) -> dict[str, float | int]:
             token_provider=SasTokenProvider(
                 resource_uri=relay_resource_uri(endpoint, hc), key_name="bench", key_file=key_file
             ),
-            handler=Approver(imds=client),
+            handler=Approver(imds=client, vm_name=identity.name),
         ).start()
         if not listener.wait_connected(10):
             raise SystemExit("the listener did not connect to the relay emulator")

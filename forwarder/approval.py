@@ -1,8 +1,9 @@
 """The approval contract (coordinator -> Azure Relay -> the VM's listener -> IMDS). Both sides import this.
 
 The listener approves only an EventId that is in its current IMDS document, still Scheduled, and concerns this
-VM's group; it answers with what it did. IMDS answers 200 to any valid EventId, so an "approved" result means
-"StartRequests was accepted", not "the event started": the coordinator confirms by seeing Started or gone.
+VM's group (a Terminate: this VM itself); it answers with what it did. IMDS answers 200 to any valid EventId, so
+an "approved" result means "StartRequests was accepted", not "the event started": the coordinator confirms by
+seeing Started or gone.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ request that parses is answered ``200`` with an ``ApprovalResult``:
                     and IMDS accepted the StartRequests POST;
 - ``not-found``     the EventId is not in this VM's document (gone, or an event of another group);
 - ``not-scheduled`` the event is already ``Started``;
-- ``rejected``      expired, issued too far in the future or past, a reused decisionId, or no Resources.
+- ``rejected``      expired, issued too far in the future or past, a reused decisionId, no Resources, or a
+                    Terminate that does not name this VM.
 
 Anything that cannot be evaluated gets a 4xx with ``{"error": reason}``: wrong method (405), wrong path (404),
 not JSON (415), too large (413), schema errors named field by field (400). IMDS trouble is a 503 so the sender
@@ -18,6 +19,12 @@ Why "in this VM's document" is the group check: IMDS delivers an event to every 
 scale-set placement group it affects, and to no other VM. An event found here therefore concerns this VM's
 group, and approving it (which starts it for all its ``Resources``) cannot reach a VM outside the group. An
 event with an empty ``Resources`` list would say nothing about whom it affects, so it is refused.
+
+Terminate is the exception: it is approved only through the VM it deletes. Azure's guidance is that every VM of
+a scale set approves only the EventId relevant to it, and an approved delete is coupled to the scale set's other
+pending deletes, so a peer approving someone else's delete would decide that VM's fate without its hooks having
+had a say. The listener therefore refuses a Terminate whose ``Resources`` do not include its own IMDS compute
+name (never the hostname).
 
 Idempotency: a decisionId is remembered with its event and result until it expires. The same decision for the
 same event again (a sender retry) gets the stored answer without a second IMDS POST when it was approved; a
@@ -84,8 +91,8 @@ def refuse_stale(approval: ApprovalRequest, *, now: datetime, freshness: Freshne
     return None
 
 
-def judge(approval: ApprovalRequest, document: ScheduledEventsDocument) -> tuple[ApprovalOutcome, str]:
-    """Whether the event may be approved on this VM, judged on a fresh document."""
+def judge(approval: ApprovalRequest, document: ScheduledEventsDocument, *, vm_name: str) -> tuple[ApprovalOutcome, str]:
+    """Whether the event may be approved on this VM (`vm_name`: its IMDS compute name), on a fresh document."""
     event = document.event(approval.eventId)
     if event is None:
         return "not-found", "the event is not in this VM's scheduled-events document"
@@ -93,6 +100,12 @@ def judge(approval: ApprovalRequest, document: ScheduledEventsDocument) -> tuple
         return "not-scheduled", f"the event is {event.EventStatus}"
     if not event.Resources:
         return "rejected", "the event names no Resources, so its reach is unknown"
+    if event.EventType == "Terminate" and not event.concerns(vm_name):
+        deleted = ", ".join(event.Resources)
+        return "rejected", (
+            f"Terminate of {deleted} can be approved only by {' or '.join(event.Resources)} itself, not by "
+            f"{vm_name} (Azure: each VM approves only the EventId relevant to it)"
+        )
     return "approved", ""
 
 
@@ -147,11 +160,13 @@ class Approver:
         self,
         *,
         imds: ScheduledEventsSource,
+        vm_name: str,
         freshness: Freshness | None = None,
         clock: Callable[[], datetime] = _utcnow,
         max_decisions: int = 10_000,
     ) -> None:
         self._imds = imds
+        self._vm_name = vm_name  # this VM's IMDS compute name: a Terminate must name it
         self._freshness = freshness or Freshness()
         self._clock = clock
         self._max_decisions = max_decisions
@@ -191,7 +206,7 @@ class Approver:
             if stale is not None:
                 return self._remember(approval, self._result(approval, "rejected", stale, None)), False
             document = self._imds_call(self._imds.get_document)
-            outcome, reason = judge(approval, document)
+            outcome, reason = judge(approval, document, vm_name=self._vm_name)
             if outcome == "approved":
                 self._imds_call(lambda: self._imds.approve([approval.eventId]))
                 self.imds_posts += 1

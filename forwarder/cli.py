@@ -106,7 +106,7 @@ def relay_companions(settings: ForwarderSettings) -> Any:
             endpoint=endpoint,
             hybrid_connection=hybrid_connection,
             token_provider=EntraTokenProvider(credential=build_credential(settings, imds)),
-            handler=Approver(imds=imds),
+            handler=Approver(imds=imds, vm_name=identity.name),
         )
         return [listener]
 

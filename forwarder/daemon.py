@@ -14,15 +14,15 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from forwarder import __version__
 from forwarder.changes import Change, detect
 from forwarder.config import ForwarderSettings
 from forwarder.document import ScheduledEvent, ScheduledEventsDocument
-from forwarder.envelope import Envelope, HookPhase, HookReport, VmIdentity
-from forwarder.hooks import HookRunner
-from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnavailable, parse_document
+from forwarder.envelope import Envelope, HookPhase, HookReport, HookStep, VmIdentity
+from forwarder.hooks import HookRunner, phase_report
+from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnavailable, InvalidEvent, read_document
 from forwarder.logs import fields
 from forwarder.retry import Backoff
 from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
@@ -34,6 +34,9 @@ LAST_DOCUMENT = "last_document"
 # While something keeps failing, repeat its log line at most this often (the first failure is always logged).
 FAILURE_LOG_INTERVAL = 60.0
 SHUTDOWN_FLUSH_SECONDS = 5.0
+# The hook ledger is pruned at start and then this often: a DELETE over a table of a few rows per event.
+PRUNE_INTERVAL = 24 * 3600.0
+_STEPS = TypeAdapter(list[HookStep])
 
 
 class Companion(Protocol):
@@ -100,6 +103,7 @@ class Forwarder:
         self._last_canonical: str | None = None
         self._last_raw: bytes | None = None
         self._last_bad: bytes | None = None
+        self._bad_events: frozenset[bytes] = frozenset()  # the set-aside events of the last document read
         self.counters: dict[str, int] = dict.fromkeys(
             ("polls", "changes", "imds_errors", "sent", "send_failures", "hooks_run"), 0
         )
@@ -136,18 +140,27 @@ class Forwarder:
                 version=__version__, imds=self.imds.base_url, spool=str(self.store.path), spool_depth=self.store.depth()
             ),
         )
+        self._prune_hook_ledger()
         identity = self._wait_for_identity()
         if identity is None:
             self._shutdown()
             return
         self.identity = identity
-        log.info("identity", extra=fields(name=identity.name, resource_id=identity.resourceId, vm_id=identity.vmId))
+        log.info(
+            "identity",
+            extra=fields(
+                name=identity.name, resource_id=identity.resourceId, vm_id=identity.vmId, state_id=self.store.state_id
+            ),
+        )
         self._recover_interrupted_hooks()
         for target, name in ((self._sender_loop, "sender"), (self._hook_loop, "hooks")):
             thread = threading.Thread(target=target, name=f"forwarder-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
         try:
+            # "This VM's forwarder is up" as soon as it knows who it is: the first scheduled-events call may take
+            # two minutes while IMDS wakes the service up, and the coordinator should not think the VM silent.
+            self._heartbeat()
             self._start_companions(identity)
             self._poll_loop()
         finally:
@@ -204,7 +217,8 @@ class Forwarder:
     def _poll_loop(self) -> None:
         interval = self.settings.poll_interval
         backoff = Backoff(initial=max(interval, 1.0), maximum=60.0)
-        next_heartbeat = time.monotonic()  # one at start: "this VM's forwarder is up"
+        next_heartbeat = time.monotonic() + self.settings.heartbeat_interval  # the first one went out in run()
+        next_prune = time.monotonic() + PRUNE_INTERVAL
         next_poll = time.monotonic()
         while not self._stop.is_set():
             delay = interval
@@ -224,6 +238,9 @@ class Forwarder:
             if now >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = now + self.settings.heartbeat_interval
+            if now >= next_prune:
+                self._prune_hook_ledger()
+                next_prune = now + PRUNE_INTERVAL
             # Keep a steady cadence; after a stall, start again from now rather than catching up in a burst.
             next_poll = max(next_poll + delay, now) if delay == interval else now + delay
             self._stop.wait(max(0.0, next_poll - time.monotonic()))
@@ -238,7 +255,7 @@ class Forwarder:
         if raw == self._last_raw:
             return None  # the common case: same bytes as a second ago, nothing parsed, nothing allocated to keep
         try:
-            document = parse_document(raw)
+            parsed = read_document(raw)
         except ImdsInvalidResponse as exc:
             if raw != self._last_bad:
                 self._last_bad = raw
@@ -249,7 +266,10 @@ class Forwarder:
                 )
             raise
         self._last_bad = None
-        change = detect(self._last_document, self._last_canonical, document, vm_name=identity.name)
+        document = parsed.document
+        self._set_aside(parsed.invalid)
+        set_aside = frozenset(bad.event_id for bad in parsed.invalid if bad.event_id is not None)
+        change = detect(self._last_document, self._last_canonical, document, vm_name=identity.name, set_aside=set_aside)
         self._last_raw = raw
         if change is None:
             return None
@@ -262,6 +282,7 @@ class Forwarder:
                 observedAt=observed,
                 sequence=sequence,
                 forwarder=__version__,
+                stateId=self.store.state_id,
                 document=document,
             ).to_json_bytes()
 
@@ -281,16 +302,50 @@ class Forwarder:
                 recover=[e.EventId for e in change.recover],
             ),
         )
+        for before, after in change.renamed:
+            log.info(
+                "event renamed as it started; same maintenance: no recover for the old id, no prepare for the new",
+                extra=fields(
+                    event_id=before.EventId,
+                    new_event_id=after.EventId,
+                    event_type=after.EventType,
+                    resources=after.Resources,
+                ),
+            )
         self._send_wake.set()
         if jobs:
             self._hook_wake.set()
         return change
 
+    def _set_aside(self, invalid: tuple[InvalidEvent, ...]) -> None:
+        """Count, keep and log each invalid event once per distinct content (it stays bad at every poll)."""
+        seen = self._bad_events
+        self._bad_events = frozenset(bad.body for bad in invalid)
+        for bad in invalid:
+            if bad.body in seen:
+                continue
+            self.store.reject(bad.reason, bad.body, counter="invalid_events")
+            log.error(
+                "invalid scheduled event set aside; the document's other events are forwarded, no hook runs for it",
+                extra=fields(reason=bad.reason, event_id=bad.event_id, body=bad.body[:200].decode("utf-8", "replace")),
+            )
+
+    def _prune_hook_ledger(self) -> None:
+        pruned = self.store.prune_hooks()
+        if pruned:
+            log.info("hook ledger pruned", extra=fields(forgotten=pruned))
+
     def _heartbeat(self) -> None:
         identity = self.identity
         if identity is None:
             return
-        counters = {**self.store.counters(), **self.counters, "spool_depth": self.store.depth()}
+        counters = {
+            "invalid_documents": 0,
+            "invalid_events": 0,
+            **self.store.counters(),
+            **self.counters,
+            "spool_depth": self.store.depth(),
+        }
         observed = _now()
 
         def build(sequence: int) -> bytes:
@@ -302,6 +357,7 @@ class Forwarder:
                     "observedAt": observed,
                     "sequence": sequence,
                     "forwarder": __version__,
+                    "stateId": self.store.state_id,
                     "counters": counters,
                 }
             ).to_json_bytes()
@@ -360,21 +416,27 @@ class Forwarder:
 
     # --- hooks -------------------------------------------------------------------------------------------
     def _recover_interrupted_hooks(self) -> None:
-        """A hook still marked running was cut short by a crash or kill: report it, never run it twice."""
+        """A phase still marked running was cut short by a crash or kill: report it failed, naming the hook that
+        was running (or the phase, when none had started), with the hooks that had finished; never rerun it."""
         for job in self.store.hook_jobs("running"):
-            event = ScheduledEvent.model_validate_json(job.event)
             phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
-            report = HookReport(
-                eventId=job.event_id,
-                phase=phase,
+            try:
+                finished = _STEPS.validate_json(job.steps)
+            except ValidationError:
+                # Only this process writes it; an unreadable list loses the finished steps, not the report.
+                log.warning("the finished steps of an interrupted phase are unreadable", extra=fields(phase=phase))
+                finished = []
+            interrupted = HookStep(
+                hook=job.step or f"{phase}.d",
                 outcome="failed",
                 durationSeconds=0.0,
-                outputTail="interrupted: the forwarder stopped while this hook ran; not run again",
+                outputTail="interrupted: the forwarder stopped while this hook ran; the phase is not run again",
             )
             log.warning(
-                "hook was interrupted by a forwarder restart", extra=fields(event_id=event.EventId, phase=phase)
+                "hook phase was interrupted by a forwarder restart",
+                extra=fields(event_id=job.event_id, phase=phase, hook=interrupted.hook),
             )
-            self._spool_hook_report(report, done=job)
+            self._spool_hook_report(phase_report(job.event_id, phase, [*finished, interrupted]), done=job)
 
     def _hook_loop(self) -> None:
         identity = self.identity
@@ -391,32 +453,40 @@ class Forwarder:
                 event = ScheduledEvent.model_validate_json(job.event)
                 phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
                 self.store.mark_hook_running(job)
+
+                def progress(hook: str, finished: tuple[HookStep, ...], job: HookJob = job) -> None:
+                    self.store.mark_hook_running(job, step=hook, steps=_STEPS.dump_json(list(finished)).decode())
+
                 try:
-                    reports = self.hooks.run(event, phase=phase, vm_name=identity.name)
+                    report = self.hooks.run(event, phase=phase, vm_name=identity.name, on_step=progress)
                 except Exception as exc:  # a bug here must not silently end hook processing for good
                     log.exception("running hooks failed", extra=fields(event_id=job.event_id, phase=phase))
-                    reports = [
-                        HookReport(
-                            eventId=job.event_id,
-                            phase=phase,
-                            outcome="failed",
-                            durationSeconds=0.0,
-                            outputTail=f"the forwarder could not run the hooks: {exc}"[:2048],
-                        )
-                    ]
+                    failed = HookStep(
+                        hook=f"{phase}.d",
+                        outcome="failed",
+                        durationSeconds=0.0,
+                        outputTail=f"the forwarder could not run the hooks: {exc}"[:1024],
+                    )
+                    report = phase_report(job.event_id, phase, [failed])
                 self.counters["hooks_run"] += 1
-                for index, report in enumerate(reports):
-                    self._spool_hook_report(report, done=job if index == len(reports) - 1 else None)
+                self._spool_hook_report(report, done=job)
 
-    def _spool_hook_report(self, report: HookReport, *, done: HookJob | None) -> None:
+    def _spool_hook_report(self, report: HookReport, *, done: HookJob) -> None:
+        """One `hook` envelope per phase, spooled in the same transaction that marks the phase done."""
         identity = self.identity
         assert identity is not None
         observed = _now()
 
         def build(sequence: int) -> bytes:
             return Envelope(
-                kind="hook", vm=identity, observedAt=observed, sequence=sequence, forwarder=__version__, hook=report
+                kind="hook",
+                vm=identity,
+                observedAt=observed,
+                sequence=sequence,
+                forwarder=__version__,
+                stateId=self.store.state_id,
+                hook=report,
             ).to_json_bytes()
 
-        self.store.enqueue("hook", build, hook_done=(done.event_id, done.phase) if done else None)
+        self.store.enqueue("hook", build, hook_done=(done.event_id, done.phase))
         self._send_wake.set()

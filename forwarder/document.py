@@ -5,7 +5,7 @@ Field names keep IMDS's PascalCase so that a document round-trips unchanged; unk
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Literal
 
@@ -13,6 +13,25 @@ from pydantic import BaseModel, ConfigDict, Field
 
 EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
 EventStatus = Literal["Scheduled", "Started"]
+
+
+def parse_not_before(value: str) -> datetime | None:
+    """An RFC 1123 or ISO 8601 time with a zone, as an aware UTC datetime; None otherwise (see ``not_before``)."""
+    text = value.strip()
+    if not text:
+        return None
+    try:
+        parsed = parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        try:
+            # Python 3.11's fromisoformat takes "Z" and offsets, and more than six fractional digits (.NET's seven).
+            parsed = datetime.fromisoformat(text)
+        except ValueError:
+            return None
+    # parsedate_to_datetime gives a naive datetime for "-0000" ("UTC, but the source's zone is unknown").
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC) if text.endswith("-0000") else None
+    return parsed.astimezone(UTC)
 
 
 class ScheduledEvent(BaseModel):
@@ -31,13 +50,12 @@ class ScheduledEvent(BaseModel):
     DurationInSeconds: int = -1
 
     def not_before(self) -> datetime | None:
-        """NotBefore as an aware UTC datetime; None when empty (a Started event) or unparseable."""
-        if not self.NotBefore:
-            return None
-        try:
-            return parsedate_to_datetime(self.NotBefore)
-        except (TypeError, ValueError):
-            return None
+        """NotBefore as an aware UTC datetime; None when empty (a Started event), unparseable or without a zone.
+
+        IMDS writes RFC 1123 (``Mon, 11 Apr 2022 22:26:58 GMT``); Microsoft's public mock server writes ISO 8601
+        (``2022-04-11T22:26:58Z`` or with an offset). Both are accepted; a time without a zone names no instant.
+        """
+        return parse_not_before(self.NotBefore)
 
     def concerns(self, vm_name: str) -> bool:
         """Whether this VM (by its IMDS compute name, never the hostname) is among the affected resources."""

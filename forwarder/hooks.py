@@ -15,10 +15,19 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from forwarder.document import ScheduledEvent
-from forwarder.envelope import HookPhase, HookReport
+from forwarder.envelope import (
+    MAX_HOOK_STEPS,
+    STEP_OUTPUT_TAIL,
+    HookOutcome,
+    HookPhase,
+    HookReport,
+    HookStep,
+    phase_outcome,
+)
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.hooks")
@@ -46,6 +55,33 @@ def hook_environment(event: ScheduledEvent, *, phase: HookPhase, vm_name: str) -
     return env
 
 
+def phase_report(
+    event_id: str,
+    phase: HookPhase,
+    steps: Sequence[HookStep],
+    *,
+    tails: Sequence[str] = (),
+    tail: str = "",
+) -> HookReport:
+    """The one report of a phase: its outcome over every step (`phase_outcome`), the first hook that did not
+    succeed, and that hook's (else the last hook's) exit code and output. `tails` are the steps' longer outputs,
+    in the same order; `tail` is the output when there is no step to show."""
+    failed = next((i for i, s in enumerate(steps) if s.outcome != "succeeded"), None)
+    shown = failed if failed is not None else len(steps) - 1
+    if shown >= 0:
+        tail = tails[shown] if shown < len(tails) else steps[shown].outputTail
+    return HookReport(
+        eventId=event_id,
+        phase=phase,
+        outcome=phase_outcome(list(steps)),
+        hook=steps[failed].hook if failed is not None else "",
+        durationSeconds=round(sum(s.durationSeconds for s in steps), 3),
+        exitCode=steps[shown].exitCode if shown >= 0 else None,
+        outputTail=tail[-OUTPUT_TAIL:],
+        steps=list(steps),
+    )
+
+
 class HookRunner:
     """Runs one phase's hooks for one event, sequentially; `stop()` kills a running hook (on shutdown)."""
 
@@ -69,31 +105,69 @@ class HookRunner:
             if p.is_file() and os.access(p, os.X_OK) and not p.name.startswith(".") and not p.name.endswith("~")
         ]
 
-    def run(self, event: ScheduledEvent, *, phase: HookPhase, vm_name: str) -> list[HookReport]:
-        """One report per hook; a single "not-run" report when the phase has no hooks (so the coordinator can
-        tell "nothing to prepare" from "the VM never answered")."""
+    def run(
+        self,
+        event: ScheduledEvent,
+        *,
+        phase: HookPhase,
+        vm_name: str,
+        on_step: Callable[[str, tuple[HookStep, ...]], None] | None = None,
+    ) -> HookReport:
+        """Run every hook of the phase in name order and give ONE report for the phase (`phase_report`).
+
+        A failing hook does not stop the phase, like run-parts without --exit-on-error: the hooks are independent
+        steps (drain the load balancer, checkpoint, flush), the maintenance may go ahead at NotBefore whatever
+        they say, and a VM is better prepared with every step that can succeed than with the first failure
+        only. The phase still fails if any hook did not succeed. `on_step(hook, finished_steps)` is called
+        before each hook starts, so the ledger can name the hook a crash interrupted.
+        """
+        folder = self.hooks_dir / f"{phase}.d"
         hooks = self.executables(phase)
         if not hooks:
-            return [
-                HookReport(
-                    eventId=event.EventId,
-                    phase=phase,
-                    outcome="not-run",
-                    durationSeconds=0.0,
-                    outputTail=f"no executable hooks in {self.hooks_dir / (phase + '.d')}",
-                )
-            ]
+            # A phase without hooks is "not-run" (steps=[]), so the coordinator can tell "nothing to prepare"
+            # from "the VM never answered"; the policy says what it means.
+            return phase_report(event.EventId, phase, (), tail=f"no executable hooks in {folder}")
+        if len(hooks) > MAX_HOOK_STEPS:
+            # The report could not list them all, and a phase whose report hides a step is not a phase anyone can
+            # trust: fail it without running anything, and say why.
+            reason = f"not run: {folder} holds {len(hooks)} executables, more than the {MAX_HOOK_STEPS} allowed"
+            log.error("too many hooks", extra=fields(event_id=event.EventId, phase=phase, hooks=len(hooks)))
+            step = HookStep(hook=f"{phase}.d", outcome="failed", durationSeconds=0.0, outputTail=reason)
+            return phase_report(event.EventId, phase, (step,))
         stdin = json.dumps(event.model_dump(mode="json")).encode("utf-8")
         env = hook_environment(event, phase=phase, vm_name=vm_name)
-        return [self._run_one(path, event, phase=phase, stdin=stdin, env=env) for path in hooks]
+        steps: list[HookStep] = []
+        tails: list[str] = []
+        for path in hooks:
+            if on_step is not None:
+                on_step(path.name, tuple(steps))
+            step, tail = self._run_one(path, event, phase=phase, stdin=stdin, env=env)
+            steps.append(step)
+            tails.append(tail)
+        report = phase_report(event.EventId, phase, steps, tails=tails)
+        level = logging.INFO if report.outcome == "succeeded" else logging.WARNING
+        log.log(
+            level,
+            "hook phase finished",
+            extra=fields(
+                event_id=event.EventId,
+                phase=phase,
+                outcome=report.outcome,
+                failed_hook=report.hook,
+                hooks=[s.hook for s in steps],
+                duration_s=report.durationSeconds,
+            ),
+        )
+        return report
 
     def _run_one(
         self, path: Path, event: ScheduledEvent, *, phase: HookPhase, stdin: bytes, env: dict[str, str]
-    ) -> HookReport:
+    ) -> tuple[HookStep, str]:
+        """One hook: its step, and the last OUTPUT_TAIL characters of its output (the step keeps less)."""
         started = time.monotonic()
         with self._lock:
             if self._stopping.is_set():
-                return self._report(
+                return self._step(
                     event, phase, path, "failed", duration=0.0, exit_code=None, tail="not started: stopping"
                 )
             try:
@@ -108,7 +182,7 @@ class HookRunner:
                     start_new_session=True,
                 )
             except OSError as exc:
-                return self._report(
+                return self._step(
                     event, phase, path, "failed", duration=0.0, exit_code=None, tail=f"cannot start: {exc}"
                 )
             self._current = process
@@ -124,6 +198,7 @@ class HookRunner:
                 self._current = None
         duration = time.monotonic() - started
         tail = output[-OUTPUT_TAIL:].decode("utf-8", errors="replace")
+        outcome: HookOutcome
         if timed_out:
             outcome = "timed-out"
             tail = (tail + f"\n[killed after {self.timeout:g} s]").lstrip("\n")
@@ -132,29 +207,26 @@ class HookRunner:
             tail = (tail + "\n[killed: forwarder stopped while the hook ran]").lstrip("\n")
         else:
             outcome = "succeeded" if process.returncode == 0 else "failed"
-        return self._report(event, phase, path, outcome, duration=duration, exit_code=process.returncode, tail=tail)
+        return self._step(event, phase, path, outcome, duration=duration, exit_code=process.returncode, tail=tail)
 
     @staticmethod
-    def _report(
+    def _step(
         event: ScheduledEvent,
         phase: HookPhase,
         path: Path,
-        outcome: str,
+        outcome: HookOutcome,
         *,
         duration: float,
         exit_code: int | None,
         tail: str,
-    ) -> HookReport:
-        report = HookReport.model_validate(
-            {
-                "eventId": event.EventId,
-                "phase": phase,
-                "outcome": outcome,
-                "hook": path.name,
-                "durationSeconds": round(duration, 3),
-                "exitCode": exit_code,
-                "outputTail": tail[-OUTPUT_TAIL:],
-            }
+    ) -> tuple[HookStep, str]:
+        tail = tail[-OUTPUT_TAIL:]
+        step = HookStep(
+            hook=path.name,
+            outcome=outcome,
+            durationSeconds=round(duration, 3),
+            exitCode=exit_code,
+            outputTail=tail[-STEP_OUTPUT_TAIL:],
         )
         level = logging.INFO if outcome == "succeeded" else logging.WARNING
         log.log(
@@ -166,10 +238,10 @@ class HookRunner:
                 hook=path.name,
                 outcome=outcome,
                 exit_code=exit_code,
-                duration_s=report.durationSeconds,
+                duration_s=step.durationSeconds,
             ),
         )
-        return report
+        return step, tail
 
     @staticmethod
     def _kill(process: subprocess.Popen[bytes]) -> None:

@@ -12,13 +12,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from forwarder.document import ScheduledEventsDocument
+from forwarder.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.envelope import VmIdentity
 from forwarder.keepalive import KeepAliveConnection, build_request
 from forwarder.logs import fields
@@ -28,8 +29,10 @@ DEFAULT_IMDS_URL = "http://169.254.169.254"
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
 COMPUTE_PATH = "/metadata/instance/compute?api-version=2021-02-01"
 IDENTITY_TOKEN_PATH = "/metadata/identity/oauth2/token?api-version=2018-02-01"  # noqa: S105 - a path
-# The first request switches the service on and may take up to two minutes.
+# The first scheduled-events request switches the service on and may take up to two minutes.
 FIRST_CALL_TIMEOUT = 130.0
+# IMDS switches Scheduled Events off after 24 hours without a request; the next call is a first call again.
+IDLE_DISABLE_SECONDS = 24 * 3600.0
 MAX_BODY = 1 << 20
 
 log = logging.getLogger("forwarder.imds")
@@ -65,15 +68,65 @@ class ManagedIdentityToken(BaseModel):
     expires_on: int
 
 
-def parse_document(raw: bytes) -> ScheduledEventsDocument:
-    """Validate a scheduled-events body; ImdsInvalidResponse names what is wrong."""
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'document'}: {err['msg']}" for err in exc.errors()[:5])
+
+
+@dataclass(frozen=True)
+class InvalidEvent:
+    """One event of an otherwise valid document that failed validation: set aside, never forwarded or hooked."""
+
+    event_id: str | None  # when the event has a string EventId, even if something else is wrong
+    reason: str  # names the EventId (or the position) and the fields
+    body: bytes  # the event as canonical JSON: equal bodies are the same bad content
+
+
+@dataclass(frozen=True)
+class ParsedDocument:
+    document: ScheduledEventsDocument  # the valid events only
+    invalid: tuple[InvalidEvent, ...]
+
+
+def read_document(raw: bytes) -> ParsedDocument:
+    """Validate a scheduled-events body event by event.
+
+    A document that is not JSON, not an object, or lacks a valid DocumentIncarnation or Events list is
+    ImdsInvalidResponse, as a whole. Within a valid document, each event is validated on its own: one bad event
+    is set aside (in `invalid`) and the others are kept, so that it costs nobody their maintenance window.
+    """
     try:
-        return ScheduledEventsDocument.model_validate_json(raw)
+        data: Any = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ImdsInvalidResponse(f"scheduled-events document is invalid: Invalid JSON: {exc}", body=raw) from None
+    if not isinstance(data, dict):
+        raise ImdsInvalidResponse("scheduled-events document is invalid: document: not a JSON object", body=raw)
+    items = data.get("Events", [])
+    try:
+        # The document without its events: DocumentIncarnation, Events being a list, and the unknown fields.
+        ScheduledEventsDocument.model_validate({**data, "Events": items if not isinstance(items, list) else []})
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'document'}: {err['msg']}" for err in exc.errors()[:5]
-        )
-        raise ImdsInvalidResponse(f"scheduled-events document is invalid: {problems}", body=raw) from None
+        raise ImdsInvalidResponse(f"scheduled-events document is invalid: {_problems(exc)}", body=raw) from None
+    valid: list[Any] = []
+    invalid: list[InvalidEvent] = []
+    for index, item in enumerate(items):
+        try:
+            ScheduledEvent.model_validate(item)
+        except ValidationError as exc:
+            event_id = item.get("EventId") if isinstance(item, dict) else None
+            event_id = event_id[:128] if isinstance(event_id, str) and event_id else None
+            which = f"event {event_id!r} (Events[{index}])" if event_id else f"event at Events[{index}] (no EventId)"
+            body = json.dumps(item, sort_keys=True, separators=(",", ":")).encode("utf-8")
+            invalid.append(InvalidEvent(event_id, f"{which} is invalid: {_problems(exc)}", body))
+        else:
+            valid.append(item)
+    document = ScheduledEventsDocument.model_validate({**data, "Events": valid})
+    return ParsedDocument(document, tuple(invalid))
+
+
+def parse_document(raw: bytes) -> ScheduledEventsDocument:
+    """A scheduled-events body's valid events (see `read_document`); ImdsInvalidResponse names what is wrong
+    with a document that is invalid as a whole."""
+    return read_document(raw).document
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -90,8 +143,11 @@ class ImdsClient:
 
     :keyword base_url: IMDS root, or an emulator's per-VM base URL (`http://127.0.0.1:P/vm/web_0`).
     :keyword timeout: socket timeout for every call after the first successful one.
-    :keyword first_call_timeout: timeout until IMDS has answered once (it may take two minutes to wake up).
+    :keyword first_call_timeout: timeout of the first scheduled-events call, whatever was called before it (the
+        instance-metadata call does not wake Scheduled Events up), and of the first one after IDLE_DISABLE_SECONDS
+        without an answer; also of the first call to the other endpoints.
     :keyword limiter: request rate limiter; the process-wide one by default so that every caller shares it.
+    :keyword clock: monotonic seconds (tests move it past the 24-hour idle disable).
     """
 
     def __init__(
@@ -101,6 +157,7 @@ class ImdsClient:
         timeout: float = 10.0,
         first_call_timeout: float = FIRST_CALL_TIMEOUT,
         limiter: RateLimiter | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
@@ -113,7 +170,9 @@ class ImdsClient:
         self._limiter = limiter or IMDS_LIMITER
         self._lock = threading.Lock()
         self._conn = KeepAliveConnection(self._host, self._port, max_body=MAX_BODY)
-        self._answered = False
+        self._clock = clock
+        self._answered = False  # any endpoint but scheduled events has answered
+        self._events_answered_at: float | None = None  # clock() when scheduled events last answered
         self._authority = parts.netloc
         self._requests: dict[tuple[str, str], bytes] = {}
 
@@ -139,14 +198,18 @@ class ImdsClient:
             request = build_request(
                 method, self._authority, self._prefix + path, body=body, content_type="application/json"
             )
+        events = path.startswith(SCHEDULED_EVENTS_PATH.partition("?")[0])
         self._limiter.acquire()
         with self._lock:
-            timeout = self._timeout if self._answered else self._first_call_timeout
+            timeout = self._timeout if self._awake(events=events) else self._first_call_timeout
             try:
                 response = self._conn.exchange(request, timeout=timeout)
             except (OSError, ValueError) as exc:
                 raise ImdsUnavailable(f"IMDS {method} {path} failed: {type(exc).__name__}: {exc}") from exc
-            self._answered = True
+            if events:
+                self._events_answered_at = self._clock()
+            else:
+                self._answered = True
         status, data = response.status, response.body
         if status != 200:
             # After an error answer the server may not have read our request body; a fresh connection keeps the
@@ -161,6 +224,13 @@ class ImdsClient:
         if len(data) > MAX_BODY:
             raise ImdsInvalidResponse(f"IMDS {method} {path} answered more than {MAX_BODY} bytes", body=data[:200])
         return data
+
+    def _awake(self, *, events: bool) -> bool:
+        """Whether the endpoint answered recently enough for the short timeout (called under the lock)."""
+        if not events:
+            return self._answered
+        answered = self._events_answered_at
+        return answered is not None and self._clock() - answered < IDLE_DISABLE_SECONDS
 
     def get_document_bytes(self) -> bytes:
         """The scheduled-events body exactly as IMDS sent it (the poll loop compares bytes before parsing)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,13 +30,17 @@ CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, sequence
     kind TEXT NOT NULL, body BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, status TEXT NOT NULL,
-    event TEXT NOT NULL, updated_at TEXT NOT NULL, PRIMARY KEY (event_id, phase));
+    event TEXT NOT NULL, updated_at TEXT NOT NULL, step TEXT NOT NULL DEFAULT '', steps TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (event_id, phase));
 CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, reason TEXT NOT NULL,
     body BLOB NOT NULL);
 """
+# Columns added after the first release: a database written by an older forwarder gets them on open.
+_HOOK_COLUMNS = {"step": "TEXT NOT NULL DEFAULT ''", "steps": "TEXT NOT NULL DEFAULT '[]'"}
 # A finished hook is remembered this long, far longer than any event stays in a document.
 HOOK_LEDGER_DAYS = 30
 KEEP_REJECTS = 100
+STATE_ID = "state_id"
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,10 @@ class HookJob:
     event_id: str
     phase: str
     event: str  # the event as JSON, exactly what the hook gets on stdin
+    # While the phase runs: the hook running now and the steps (HookStep JSON list) finished before it, so that
+    # a phase cut short by a crash is reported with what did run and the hook that was interrupted.
+    step: str = ""
+    steps: str = "[]"
 
 
 class Store:
@@ -67,6 +76,15 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        with self._tx() as db:
+            present = {str(row[1]) for row in db.execute("PRAGMA table_info(hooks)")}
+            for column, definition in _HOOK_COLUMNS.items():
+                if column not in present:
+                    db.execute(f"ALTER TABLE hooks ADD COLUMN {column} {definition}")
+            # Created with the database and kept in it: a wiped or re-created state directory gets a new one,
+            # which is how the coordinator tells "this forwarder lost its state" from a replay of old sequences.
+            db.execute("INSERT OR IGNORE INTO state (key, value) VALUES (?, ?)", (STATE_ID, uuid.uuid4().hex))
+            self.state_id = str(self._get(db, STATE_ID))
 
     def close(self) -> None:
         with self._lock:
@@ -124,7 +142,8 @@ class Store:
         """Spool one envelope under the next sequence number, in the same transaction as the state it implies
         (the last document, the hooks it queues, the hook run it reports). Returns the sequence.
 
-        `build(sequence)` renders the envelope. A full spool drops its oldest envelopes, loudly.
+        `build(sequence)` renders the envelope. A full spool drops envelopes, loudly: heartbeats first (oldest
+        first), since the next heartbeat says all an older one said; then the oldest of the others.
         """
         with self._tx() as db:
             sequence = int(self._get(db, "sequence") or 0)
@@ -148,14 +167,17 @@ class Store:
             excess = depth - self.max_entries
             if excess > 0:
                 # No DELETE ... RETURNING: older VM images ship SQLite < 3.35.
-                dropped = db.execute("SELECT id, sequence FROM spool ORDER BY id LIMIT ?", (excess,)).fetchall()
+                dropped = db.execute(
+                    "SELECT id, sequence, kind FROM spool ORDER BY kind != 'heartbeat', id LIMIT ?", (excess,)
+                ).fetchall()
                 db.executemany("DELETE FROM spool WHERE id = ?", [(r[0],) for r in dropped])
                 self._bump(db, "spool_dropped", len(dropped))
                 log.error(
-                    "spool full: dropped the oldest unsent envelopes",
+                    "spool full: dropped unsent envelopes (heartbeats first, then the oldest)",
                     extra=fields(
                         dropped=len(dropped),
                         sequences=[int(r[1]) for r in dropped[:10]],
+                        kinds=sorted({str(r[2]) for r in dropped}),
                         max_entries=self.max_entries,
                     ),
                 )
@@ -183,16 +205,18 @@ class Store:
     def hook_jobs(self, status: str) -> list[HookJob]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT event_id, phase, event FROM hooks WHERE status = ? ORDER BY rowid", (status,)
+                "SELECT event_id, phase, event, step, steps FROM hooks WHERE status = ? ORDER BY rowid", (status,)
             ).fetchall()
-        return [HookJob(str(r[0]), str(r[1]), str(r[2])) for r in rows]
+        return [HookJob(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])) for r in rows]
 
-    def mark_hook_running(self, job: HookJob) -> None:
-        """Recorded before the hook starts: a forwarder killed mid-hook reports it interrupted, never reruns it."""
+    def mark_hook_running(self, job: HookJob, *, step: str = "", steps: str = "[]") -> None:
+        """Recorded before the phase starts and before each of its hooks (`step`, after the finished `steps`): a
+        forwarder killed mid-phase reports it interrupted, naming the hook, and never reruns it."""
         with self._tx() as db:
             db.execute(
-                "UPDATE hooks SET status = 'running', updated_at = ? WHERE event_id = ? AND phase = ?",
-                (datetime.now(UTC).isoformat(), job.event_id, job.phase),
+                "UPDATE hooks SET status = 'running', updated_at = ?, step = ?, steps = ?"
+                " WHERE event_id = ? AND phase = ?",
+                (datetime.now(UTC).isoformat(), step, steps, job.event_id, job.phase),
             )
 
     def hook_status(self, event_id: str, phase: str) -> str | None:
@@ -203,6 +227,7 @@ class Store:
         return None if row is None else str(row[0])
 
     def prune_hooks(self, *, now: datetime | None = None) -> int:
+        """Forget finished phases older than HOOK_LEDGER_DAYS. Cheap: the ledger holds two rows per event at most."""
         cutoff = ((now or datetime.now(UTC)) - timedelta(days=HOOK_LEDGER_DAYS)).isoformat()
         with self._tx() as db:
             return db.execute("DELETE FROM hooks WHERE status = 'done' AND updated_at < ?", (cutoff,)).rowcount

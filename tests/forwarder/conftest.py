@@ -7,8 +7,9 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -144,3 +145,69 @@ def write_hook(folder: Path, name: str, script: str) -> Path:
     path.write_text("#!/bin/sh\n" + script, encoding="utf-8")
     path.chmod(0o755)
     return path
+
+
+class ScriptedImds:
+    """A tiny IMDS on loopback that serves whatever document bytes the test sets, for shapes the emulator does not
+    produce (Microsoft's public mock server's, invalid events). Identity: web_0 of scale set "web"."""
+
+    COMPUTE: ClassVar[dict[str, str]] = {
+        "name": "web_0",
+        "vmId": "00000000-0000-0000-0000-0000000000a0",
+        "resourceId": "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachineScaleSets/web/"
+        "virtualMachines/0",
+        "vmScaleSetName": "web",
+    }
+
+    def __init__(self) -> None:
+        self.document = b'{"DocumentIncarnation": 1, "Events": []}'
+        scripted = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                if self.headers.get("Metadata") != "true":
+                    self._answer(400, b'{"error": "Metadata header required"}')
+                elif self.path.startswith("/metadata/instance/compute"):
+                    self._answer(200, json.dumps(ScriptedImds.COMPUTE).encode())
+                elif self.path.startswith("/metadata/scheduledevents"):
+                    self._answer(200, scripted.document)
+                else:
+                    self._answer(404, b"{}")
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def serve(self, incarnation: int, *events: dict[str, Any]) -> None:
+        self.document = json.dumps({"DocumentIncarnation": incarnation, "Events": list(events)}).encode()
+
+    def start(self) -> ScriptedImds:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def scripted_imds() -> Iterator[ScriptedImds]:
+    server = ScriptedImds().start()
+    yield server
+    server.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -129,3 +130,64 @@ def test_any_sequence_of_documents(steps: list[tuple[frozenset[str], bool, int]]
                 previous, previous_canonical = change.document, change.canonical
     assert changes == expected_changes
     assert (prepared, recovered) == (expected_prepared, expected_recovered)
+
+
+def started(event_id: str, *resources: str, event_type: str = "Reboot") -> dict[str, Any]:
+    return {"EventId": event_id, "EventType": event_type, "Resources": list(resources), "EventStatus": "Started"}
+
+
+def test_a_scheduled_event_that_starts_under_a_new_id_is_the_same_maintenance() -> None:
+    """Microsoft's mock server gives the Started event a new EventId: no recover for the old id, no prepare for
+    the new one, and the pair is reported so the daemon can log it."""
+    before = doc(1, event("old", "web_0", "web_1"))
+    after = doc(2, started("new", "web_1", "web_0"))  # the same set of Resources, in another order
+    change = detect(before, canonical(before), after, vm_name="web_0")
+    assert change is not None
+    assert (change.prepare, change.recover) == ((), ())
+    assert [(b.EventId, a.EventId) for b, a in change.renamed] == [("old", "new")]
+    # Once the renamed event leaves, recover runs once, for it.
+    gone = detect(after, canonical(after), doc(3), vm_name="web_0")
+    assert gone is not None
+    assert [e.EventId for e in gone.recover] == ["new"]
+
+
+@pytest.mark.parametrize(
+    ("leaving", "arriving"),
+    [
+        (event("old", "web_0"), started("new", "web_0", event_type="Freeze")),  # another type
+        (event("old", "web_0"), started("new", "web_0", "web_1")),  # other Resources
+        (event("old", "web_0"), event("new", "web_0")),  # the new one is not Started
+        (event("old", "web_0", status="Started"), started("new", "web_0")),  # the old one had started already
+    ],
+)
+def test_other_pairs_are_two_maintenances(leaving: dict[str, Any], arriving: dict[str, Any]) -> None:
+    before = doc(1, leaving)
+    change = detect(before, canonical(before), doc(2, arriving), vm_name="web_0")
+    assert change is not None
+    assert change.renamed == ()
+    assert ([e.EventId for e in change.prepare], [e.EventId for e in change.recover]) == (["new"], ["old"])
+
+
+def test_a_rename_pairs_each_event_once() -> None:
+    before = doc(1, event("a", "web_0"), event("b", "web_0"))
+    after = doc(2, started("c", "web_0"))
+    change = detect(before, canonical(before), after, vm_name="web_0")
+    assert change is not None
+    assert [(b.EventId, a.EventId) for b, a in change.renamed] == [("a", "c")]
+    assert [e.EventId for e in change.recover] == ["b"]
+    assert change.prepare == ()
+
+
+def test_events_of_other_vms_are_not_renamed() -> None:
+    before = doc(1, event("old", "web_1"))
+    change = detect(before, canonical(before), doc(2, started("new", "web_1")), vm_name="web_0")
+    assert change is not None
+    assert (change.prepare, change.recover, change.renamed) == ((), (), ())
+
+
+def test_a_set_aside_event_has_not_left() -> None:
+    """An event still listed but invalid now is left out of the document; it is not recovered."""
+    before = doc(1, event("A", "web_0"), event("B", "web_0"))
+    change = detect(before, canonical(before), doc(2, event("B", "web_0")), vm_name="web_0", set_aside=frozenset("A"))
+    assert change is not None
+    assert change.recover == ()

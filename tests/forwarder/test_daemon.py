@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from emulators.imds import ImdsEmulator
+from forwarder import daemon
 from forwarder.envelope import Envelope
-from tests.forwarder.conftest import Harness, wait_for, write_hook
+from forwarder.store import HookJob, Store
+from tests.forwarder.conftest import Harness, ScriptedImds, wait_for, write_hook
 
 MakeHarness = Callable[..., Harness]
 
@@ -84,7 +88,8 @@ def test_prepare_and_recover_hooks_get_the_event(imds: ImdsEmulator, harness: Ma
     prepared = wait_for(lambda: h.envelopes("hook"), what="prepare report")[0]["hook"]
     assert prepared["phase"] == "prepare"
     assert prepared["outcome"] == "succeeded"
-    assert prepared["hook"] == "10-drain"
+    assert prepared["hook"] == ""  # no hook failed
+    assert [step["hook"] for step in prepared["steps"]] == ["10-drain"]  # the README is not executable
     assert prepared["exitCode"] == 0
     assert "hello from" in prepared["outputTail"]
     stdin = json.loads((tmp_path / "stdin-prepare.json").read_text())
@@ -101,19 +106,41 @@ def test_prepare_and_recover_hooks_get_the_event(imds: ImdsEmulator, harness: Ma
 
 def test_failing_and_hanging_hooks_are_reported_and_polling_goes_on(imds: ImdsEmulator, harness: MakeHarness) -> None:
     h = harness(imds.url_for("web_0"), hook_timeout=0.5)
-    write_hook(h.settings.hooks_dir / "prepare.d", "10-fails", "echo broken >&2\nexit 3\n")
-    write_hook(h.settings.hooks_dir / "prepare.d", "20-hangs", "sleep 30\n")
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-hangs", "sleep 30\n")
+    write_hook(h.settings.hooks_dir / "prepare.d", "20-fails", "echo broken >&2\nexit 3\n")
     imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
     h.wait_incarnation(2)
-    # While the second hook hangs, a new document is still forwarded: hooks never block the poll.
+    # While the first hook hangs, a new document is still forwarded: hooks never block the poll.
     imds.create_event(EventType="Freeze", Resources=["web_2"], NoticeSeconds=900)
     h.wait_incarnation(3, timeout=0.45)
-    reports = wait_for(lambda: len(h.envelopes("hook")) == 2 and h.envelopes("hook"), what="two reports")
-    failed, hung = (r["hook"] for r in reports)
-    assert (failed["hook"], failed["outcome"], failed["exitCode"]) == ("10-fails", "failed", 3)
-    assert "broken" in failed["outputTail"]
-    assert (hung["hook"], hung["outcome"]) == ("20-hangs", "timed-out")
-    assert 0.5 <= hung["durationSeconds"] < 3
+    (envelope,) = wait_for(lambda: h.envelopes("hook"), what="the phase report")
+    report = Envelope.from_mapping(envelope).hook
+    assert report is not None
+    # The phase takes the outcome of its first hook that did not succeed; every hook ran and is listed.
+    assert (report.outcome, report.hook, report.failed_hook) == ("timed-out", "10-hangs", "10-hangs")
+    hung, failed = report.steps or []
+    assert (hung.hook, hung.outcome) == ("10-hangs", "timed-out")
+    assert 0.5 <= hung.durationSeconds < 3
+    assert (failed.hook, failed.outcome, failed.exitCode) == ("20-fails", "failed", 3)
+    assert "broken" in failed.outputTail
+    assert "killed after" in report.outputTail  # the failed step's output heads the report
+
+
+def test_a_failing_hook_before_a_succeeding_one_fails_the_phase(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    """Issue 10's case: 10-check fails, 20-drain succeeds; the phase failed, and 20-drain still ran (run-parts)."""
+    h = harness(imds.url_for("web_0"))
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-check", "echo not ready\nexit 1\n")
+    write_hook(h.settings.hooks_dir / "prepare.d", "20-drain", f"touch {h.root}/drained\n")
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    (envelope,) = wait_for(lambda: h.envelopes("hook"), what="the phase report")
+    time.sleep(0.2)
+    assert len(h.envelopes("hook")) == 1, "one envelope per phase"
+    report = envelope["hook"]
+    assert (report["outcome"], report["hook"], report["exitCode"]) == ("failed", "10-check", 1)
+    assert "not ready" in report["outputTail"]
+    assert [(s["hook"], s["outcome"]) for s in report["steps"]] == [("10-check", "failed"), ("20-drain", "succeeded")]
+    assert (h.root / "drained").exists()
+    assert envelope["stateId"] == h.store.state_id
 
 
 def test_no_hooks_installed_reports_not_run(imds: ImdsEmulator, harness: MakeHarness) -> None:
@@ -121,6 +148,7 @@ def test_no_hooks_installed_reports_not_run(imds: ImdsEmulator, harness: MakeHar
     imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
     report = wait_for(lambda: h.envelopes("hook"), what="report")[0]["hook"]
     assert report["outcome"] == "not-run"
+    assert report["steps"] == []
 
 
 def test_a_hook_runs_once_per_event_across_restarts(imds: ImdsEmulator, harness: MakeHarness) -> None:
@@ -223,3 +251,147 @@ def test_companions_start_and_stop_with_the_daemon_and_never_break_it(imds: Imds
 
     failing = harness(imds.url_for("web_1"), name="b", companions=unbuildable)
     failing.wait_incarnation(1)  # forwarding goes on without companions
+
+
+def test_the_startup_heartbeat_does_not_wait_for_the_slow_first_poll(imds: ImdsEmulator, harness: MakeHarness) -> None:
+    """The first scheduled-events call may take two minutes; the VM is heard from as soon as its identity is known,
+    and that first call gets the long timeout although the identity call came before it."""
+    imds.inject_fault(kind="first-call-delay", vm="web_0", endpoint="scheduledevents", seconds=1.5)
+    started = time.monotonic()
+    h = harness(imds.url_for("web_0"), imds_timeout=0.3, imds_first_call_timeout=5.0)
+    (beat,) = wait_for(lambda: h.envelopes("heartbeat"), timeout=1.0, what="the start-up heartbeat")
+    assert h.envelopes("incarnation") == [], "the heartbeat went out while the first poll was still waiting"
+    first = h.wait_incarnation(1)
+    assert time.monotonic() - started >= 1.4
+    assert h.forwarder.counters["imds_errors"] == 0, "the slow first call was not cut short by the 0.3 s timeout"
+    assert beat["sequence"] < first["sequence"]
+
+
+def test_every_envelope_carries_the_state_id_and_a_new_state_gets_a_new_one(
+    imds: ImdsEmulator, harness: MakeHarness
+) -> None:
+    h = harness(imds.url_for("web_0"), name="vm")
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    wait_for(lambda: h.envelopes("hook"), what="the hook report")
+    state_id = h.store.state_id
+    assert len(state_id) == 32
+    assert {e["kind"] for e in h.envelopes()} == {"heartbeat", "incarnation", "hook"}
+    assert {e["stateId"] for e in h.envelopes()} == {state_id}
+    h.stop()
+
+    kept = harness(imds.url_for("web_0"), name="vm")  # same state directory: same state, sequence goes on
+    wait_for(lambda: len(kept.envelopes("heartbeat")) == 2, what="the restart's heartbeat")
+    assert kept.store.state_id == state_id
+    kept.stop()
+    last_sequence = max(e["sequence"] for e in kept.envelopes())
+
+    for item in (kept.root / "state").iterdir():  # the state is wiped: a new forwarder, as far as anyone can tell
+        item.unlink()
+    fresh = harness(imds.url_for("web_0"), name="vm")
+    wait_for(lambda: len(fresh.envelopes("heartbeat")) == 3, what="the fresh forwarder's heartbeat")
+    fresh.wait_incarnation(2)
+    assert fresh.store.state_id != state_id
+    new = [e for e in fresh.envelopes() if e["stateId"] == fresh.store.state_id]
+    assert [e["sequence"] for e in new][:2] == [0, 1], "a new state starts its sequence over"
+    assert last_sequence >= 2
+
+
+def test_an_invalid_event_is_set_aside_and_the_valid_ones_go_on(
+    scripted_imds: ScriptedImds, harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="forwarder")
+    h = harness(scripted_imds.url, heartbeat_interval=0.2)
+    record = h.root / "hook-calls"
+    for phase in ("prepare", "recover"):
+        write_hook(h.settings.hooks_dir / f"{phase}.d", "10-record", f'echo "$0 $SCHEDULED_EVENT_ID" >> {record}\n')
+    good = {"EventId": "A", "EventType": "Reboot", "Resources": ["web_0"], "EventStatus": "Scheduled"}
+    bad_status = {**good, "EventId": "B", "EventStatus": "Completed"}
+    no_id = {"EventType": "Freeze", "Resources": ["web_0"], "EventStatus": "Scheduled"}
+    scripted_imds.serve(2, good, bad_status, no_id)
+    envelope = h.wait_incarnation(2)
+    assert [e["EventId"] for e in envelope["document"]["Events"]] == ["A"]
+    reasons = [reason for reason, _ in h.store.rejects()]
+    assert len(reasons) == 2
+    assert "event 'B' (Events[1]) is invalid: EventStatus" in reasons[0]
+    assert "event at Events[2] (no EventId) is invalid: EventId: Field required" in reasons[1]
+    assert json.loads(h.store.rejects()[0][1])["EventStatus"] == "Completed"
+
+    # A later document in which A turns invalid too: A has not left (no recover), B is not counted twice.
+    scripted_imds.serve(3, {**good, "EventStatus": "Done"}, bad_status, no_id)
+    h.wait_incarnation(3)
+    # A valid again: it was prepared once already.
+    scripted_imds.serve(4, good)
+    h.wait_incarnation(4)
+    wait_for(record.exists, what="the prepare hook")
+    time.sleep(0.3)
+    assert record.read_text().split("\n")[:-1] == [f"{h.settings.hooks_dir}/prepare.d/10-record A"]
+    assert h.store.counters()["invalid_events"] == 3
+    logged = [r for r in caplog.records if r.getMessage().startswith("invalid scheduled event set aside")]
+    assert len(logged) == 3, "once per distinct bad content, not once per poll"
+    beat = wait_for(
+        lambda: [b for b in h.envelopes("heartbeat") if b["counters"]["invalid_events"] == 3], what="the counter"
+    )
+    assert beat[0]["counters"]["invalid_documents"] == 0
+
+
+def test_an_event_renamed_as_it_starts_is_one_maintenance(
+    scripted_imds: ScriptedImds, harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Microsoft's mock server: the Started event has a new EventId. Prepare runs once before, recover once after,
+    nothing in the middle."""
+    caplog.set_level(logging.INFO, logger="forwarder")
+    h = harness(scripted_imds.url)
+    record = h.root / "hook-calls"
+    for phase in ("prepare", "recover"):
+        write_hook(h.settings.hooks_dir / f"{phase}.d", "10-record", f'echo "$0 $SCHEDULED_EVENT_ID" >> {record}\n')
+    scheduled = {
+        "EventId": "old-id",
+        "EventType": "Reboot",
+        "Resources": ["web_0", "web_1"],
+        "EventStatus": "Scheduled",
+        "NotBefore": "2030-01-01T10:00:00.0000000Z",  # ISO 8601, as the mock server writes it
+    }
+    scripted_imds.serve(2, scheduled)
+    wait_for(lambda: len(h.envelopes("hook")) == 1, what="prepare")
+    started = {
+        **scheduled,
+        "EventId": "new-id",
+        "EventStatus": "Started",
+        "NotBefore": "",
+        "Resources": ["web_1", "web_0"],
+    }
+    scripted_imds.serve(3, started)
+    h.wait_incarnation(3)
+    scripted_imds.serve(4)
+    wait_for(lambda: len(h.envelopes("hook")) == 2, what="recover")
+    time.sleep(0.2)
+    reports = [(e["hook"]["phase"], e["hook"]["eventId"]) for e in h.envelopes("hook")]
+    assert reports == [("prepare", "old-id"), ("recover", "new-id")]
+    assert len(record.read_text().splitlines()) == 2
+    (renamed,) = [r for r in caplog.records if r.getMessage().startswith("event renamed")]
+    assert (renamed.fields["event_id"], renamed.fields["new_event_id"]) == ("old-id", "new-id")  # type: ignore[attr-defined]
+
+
+def test_the_hook_ledger_is_pruned_at_start_and_then_periodically(
+    imds: ImdsEmulator, harness: MakeHarness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "vm" / "state"
+    old = Store(state / "forwarder.sqlite")
+    old.enqueue("incarnation", lambda s: b"{}", hooks=[HookJob("OLD", "prepare", "{}")])
+    old.enqueue("hook", lambda s: b"{}", hook_done=("OLD", "prepare"))
+    old.close()
+    with sqlite3.connect(state / "forwarder.sqlite") as db:
+        db.execute("UPDATE hooks SET updated_at = ?", ((datetime.now(UTC) - timedelta(days=40)).isoformat(),))
+    prunes: list[int] = []
+    original = Store.prune_hooks
+
+    def counting(self: Store, *, now: datetime | None = None) -> int:
+        prunes.append(original(self, now=now))
+        return prunes[-1]
+
+    monkeypatch.setattr(Store, "prune_hooks", counting)
+    monkeypatch.setattr(daemon, "PRUNE_INTERVAL", 0.2)
+    h = harness(imds.url_for("web_0"), name="vm")
+    assert h.store.hook_status("OLD", "prepare") is None
+    wait_for(lambda: len(prunes) >= 3, what="periodic prunes")
+    assert prunes[0] == 1

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from emulators.imds import ImdsEmulator
-from forwarder.imds import ImdsClient, ImdsInvalidResponse, ImdsUnavailable
+from forwarder.imds import IDLE_DISABLE_SECONDS, ImdsClient, ImdsInvalidResponse, ImdsUnavailable, read_document
 from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
+from tests.forwarder.conftest import ScriptedImds
 
 
 def client(imds: ImdsEmulator, vm: str = "web_0", **options: object) -> ImdsClient:
@@ -145,3 +147,80 @@ def test_throttling_is_a_transient_429(imds: ImdsEmulator) -> None:
     with pytest.raises(ImdsUnavailable) as caught:
         imds_client.get_document_bytes()
     assert caught.value.status == 429
+
+
+def test_the_first_scheduled_events_call_gets_the_long_timeout_after_the_identity_call(imds: ImdsEmulator) -> None:
+    """The identity call does not wake Scheduled Events up: the first scheduled-events call still may take long."""
+    imds.inject_fault(kind="first-call-delay", vm="web_0", endpoint="scheduledevents", seconds=1.0)
+    imds_client = client(imds, timeout=0.3, first_call_timeout=5.0)
+    assert imds_client.get_identity().name == "web_0"
+    started = time.monotonic()
+    assert imds_client.get_document().DocumentIncarnation >= 1
+    assert time.monotonic() - started >= 0.9
+
+
+def test_after_24_hours_without_an_answer_the_next_call_is_a_first_call_again(imds: ImdsEmulator) -> None:
+    now = [1000.0]
+    imds_client = client(imds, timeout=0.3, first_call_timeout=5.0, clock=lambda: now[0])
+    imds_client.get_document_bytes()
+    now[0] += IDLE_DISABLE_SECONDS - 60  # still awake: the short timeout applies
+    imds.inject_fault(kind="hang", vm="web_0", seconds=1.0, count=1)
+    with pytest.raises(ImdsUnavailable, match="timed out"):
+        imds_client.get_document_bytes()
+    imds_client.get_document_bytes()
+    now[0] += IDLE_DISABLE_SECONDS  # IMDS has switched the service off meanwhile
+    imds.inject_fault(kind="first-call-delay", vm="web_0", endpoint="scheduledevents", seconds=1.0)
+    started = time.monotonic()
+    imds_client.get_document_bytes()
+    assert time.monotonic() - started >= 0.9
+
+
+def test_one_invalid_event_is_set_aside_and_named() -> None:
+    raw = json.dumps(
+        {
+            "DocumentIncarnation": 5,
+            "Events": [
+                {"EventId": "ok", "EventType": "Freeze", "Resources": ["web_0"], "EventStatus": "Scheduled"},
+                {"EventId": "bad", "EventType": "Freeze", "Resources": "web_0", "EventStatus": "Scheduled"},
+                ["not", "an", "event"],
+                {"EventId": "x" * 300, "EventType": "Freeze", "EventStatus": "Scheduled"},
+            ],
+            "Unknown": 1,
+        }
+    ).encode()
+    parsed = read_document(raw)
+    assert [e.EventId for e in parsed.document.Events] == ["ok"]
+    assert parsed.document.model_extra == {"Unknown": 1}
+    bad, not_an_object, too_long = parsed.invalid
+    assert bad.event_id == "bad"
+    assert bad.reason.startswith("event 'bad' (Events[1]) is invalid: Resources: Input should be a valid list")
+    assert json.loads(bad.body)["Resources"] == "web_0"
+    assert not_an_object.event_id is None
+    assert not_an_object.reason.startswith("event at Events[2] (no EventId) is invalid")
+    assert too_long.event_id == "x" * 128
+    assert "EventId: String should have at most 128 characters" in too_long.reason
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{not json", "Invalid JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"Events": []}', "DocumentIncarnation: Field required"),
+        (b'{"DocumentIncarnation": "two", "Events": []}', "DocumentIncarnation: Input should be a valid integer"),
+        (b'{"DocumentIncarnation": 2, "Events": {}}', "Events: Input should be a valid list"),
+    ],
+)
+def test_a_document_invalid_as_a_whole_is_still_refused(raw: bytes, reason: str) -> None:
+    with pytest.raises(ImdsInvalidResponse, match="scheduled-events document is invalid") as caught:
+        read_document(raw)
+    assert reason in str(caught.value)
+
+
+def test_get_document_keeps_the_valid_events_for_the_approver(scripted_imds: ScriptedImds) -> None:
+    """The approver reads documents the same way: one bad event never blocks the approval of another."""
+    good = {"EventId": "ok", "EventType": "Freeze", "Resources": ["web_0"], "EventStatus": "Scheduled"}
+    scripted_imds.serve(3, good, {**good, "EventId": "bad", "DurationInSeconds": "long"})
+    imds_client = ImdsClient(base_url=scripted_imds.url, limiter=RateLimiter(per_second=500, burst=10))
+    document = imds_client.get_document()
+    assert (document.DocumentIncarnation, [e.EventId for e in document.Events]) == (3, ["ok"])

@@ -17,7 +17,7 @@ import pytest
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
-from tests.forwarder.conftest import wait_for
+from tests.forwarder.conftest import read_envelopes, wait_for, write_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 HUB = "scheduled-events"
@@ -114,6 +114,48 @@ def test_kill_9_with_hub_down_then_restart_loses_nothing(
     assert spool_depth(state) == 0
 
 
+def test_a_phase_cut_short_by_kill_9_is_reported_failed_naming_the_hook(imds: ImdsEmulator, tmp_path: Path) -> None:
+    hooks = tmp_path / "hooks" / "prepare.d"
+    write_hook(hooks, "10-quick", "echo quick done\n")
+    # The slow hook leaves its process id for the test to clean up (it lives in a session of its own).
+    write_hook(hooks, "20-slow", f"echo $$ >> {tmp_path}/slow-runs\nexec sleep 30\n")
+    output = tmp_path / "envelopes.jsonl"
+    args = (
+        "run",
+        "--imds-url", imds.url_for("web_0"),
+        "--sink", "jsonl",
+        "--jsonl-path", str(output),
+        "--state-dir", str(tmp_path / "state"),
+        "--hooks-dir", str(tmp_path / "hooks"),
+        "--poll-interval", "0.1",
+    )  # fmt: skip
+    slow_runs = tmp_path / "slow-runs"
+    first = forwarder(*args, log=tmp_path / "forwarder.log")
+    try:
+        created = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+        wait_for(slow_runs.exists, timeout=20, what="the slow hook to start")
+    finally:
+        first.kill()
+        first.wait(10)
+    os.kill(int(slow_runs.read_text().split()[0]), signal.SIGKILL)
+
+    second = forwarder(*args, log=tmp_path / "forwarder.log")
+    try:
+        hooks_sent = wait_for(
+            lambda: [e for e in read_envelopes(output) if e["kind"] == "hook"], timeout=20, what="the phase report"
+        )
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(15)
+    (report,) = (e["hook"] for e in hooks_sent)
+    assert (report["eventId"], report["phase"]) == (created["EventId"], "prepare")
+    assert (report["outcome"], report["hook"]) == ("failed", "20-slow")
+    assert [(s["hook"], s["outcome"]) for s in report["steps"]] == [("10-quick", "succeeded"), ("20-slow", "failed")]
+    assert "interrupted" in report["steps"][1]["outputTail"]
+    assert len(slow_runs.read_text().split()) == 1, "an interrupted hook is never run again"
+    assert len({e["stateId"] for e in read_envelopes(output)}) == 1, "same state directory, same state"
+
+
 def test_sigterm_exits_cleanly_and_quickly(imds: ImdsEmulator, tmp_path: Path) -> None:
     process = forwarder(
         "run",
@@ -123,7 +165,8 @@ def test_sigterm_exits_cleanly_and_quickly(imds: ImdsEmulator, tmp_path: Path) -
         "--hooks-dir", str(tmp_path / "hooks"),
     )  # fmt: skip
     assert process.stdout is not None
-    first = json.loads(process.stdout.readline())
+    beat, first = (json.loads(process.stdout.readline()) for _ in range(2))
+    assert (beat["kind"], beat["sequence"]) == ("heartbeat", 0)  # "up", before the first poll
     assert first["kind"] == "incarnation"
     assert first["vm"]["name"] == "web_2"
     process.send_signal(signal.SIGTERM)

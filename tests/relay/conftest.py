@@ -45,8 +45,8 @@ def scenario() -> Scenario:
     return Scenario(
         name="relay-tests",
         vms=[
-            VmSpec(name=VM_A0, placementGroupId="pg-web"),
-            VmSpec(name=VM_A1, placementGroupId="pg-web", platformFaultDomain="1"),
+            VmSpec(name=VM_A0, vmScaleSetName="web", placementGroupId="pg-web"),
+            VmSpec(name=VM_A1, vmScaleSetName="web", placementGroupId="pg-web", platformFaultDomain="1"),
             VmSpec(name=VM_B0, placementGroupId="pg-db"),
         ],
     )
@@ -109,7 +109,7 @@ def start_vm(
                 key_name="listen",
                 key_file=key_file,
             )
-        approver = Approver(imds=client)
+        approver = Approver(imds=client, vm_name=identity.name)
         options.setdefault("backoff", Backoff(initial=0.05, maximum=0.5))
         listener = RelayListener(
             endpoint=ws_endpoint(relay),

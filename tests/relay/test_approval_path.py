@@ -58,6 +58,25 @@ def test_a_vm_may_approve_an_event_of_its_group_for_another_member(
     assert [(item["EventId"], item["vm"]) for item in imds.approvals()] == [(event_id, VM_A1)]
 
 
+def test_a_terminate_is_approved_only_through_the_vm_it_deletes(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
+) -> None:
+    """Azure: every VM of a scale set approves only the EventId relevant to it. A peer that sees web_1's delete in
+    its own document (same placement group) still refuses to approve it."""
+    peer, doomed = start_vm(VM_A0), start_vm(VM_A1)
+    event_id = imds.create_event(EventType="Terminate", Resources=[VM_A1])["EventId"]
+    refused = sender.send(approval(event_id), vm=peer.identity)
+    assert refused.outcome == "rejected"
+    assert refused.reason == (
+        f"Terminate of {VM_A1} can be approved only by {VM_A1} itself, not by {VM_A0} "
+        "(Azure: each VM approves only the EventId relevant to it)"
+    )
+    assert refused.documentIncarnation is not None  # judged on a fresh document, where the event is listed
+    assert imds.approvals() == []
+    assert sender.send(approval(event_id), vm=doomed.identity).outcome == "approved"
+    assert [(item["EventId"], item["vm"]) for item in imds.approvals()] == [(event_id, VM_A1)]
+
+
 def test_same_decision_again_is_idempotent_and_another_event_with_it_is_a_replay(
     imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender
 ) -> None:

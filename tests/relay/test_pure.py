@@ -161,10 +161,29 @@ def test_small_clock_skew_is_tolerated():
 
 
 def test_judge():
-    assert judge(approval(), document(event())) == ("approved", "")
-    assert judge(approval(), document(event("E2")))[0] == "not-found"
-    assert judge(approval(), document(event(status="Started"))) == ("not-scheduled", "the event is Started")
-    assert judge(approval(), document(event(resources=())))[0] == "rejected"
+    me = "WestNO_1"  # a peer of WestNO_0 in the group: it may approve WestNO_0's Freeze
+    assert judge(approval(), document(event()), vm_name=me) == ("approved", "")
+    assert judge(approval(), document(event("E2")), vm_name=me)[0] == "not-found"
+    assert judge(approval(), document(event(status="Started")), vm_name=me) == ("not-scheduled", "the event is Started")
+    assert judge(approval(), document(event(resources=())), vm_name=me)[0] == "rejected"
+
+
+def test_a_terminate_is_approved_only_by_the_vm_it_deletes():
+    def terminate(*resources: str) -> ScheduledEventsDocument:
+        return document({**event(resources=resources), "EventType": "Terminate"})
+
+    assert judge(approval(), terminate("web_2"), vm_name="web_2") == ("approved", "")
+    assert judge(approval(), terminate("web_1", "web_2"), vm_name="web_2") == ("approved", "")
+    assert judge(approval(), terminate("web_2"), vm_name="web_0") == (
+        "rejected",
+        "Terminate of web_2 can be approved only by web_2 itself, not by web_0 "
+        "(Azure: each VM approves only the EventId relevant to it)",
+    )
+    outcome, reason = judge(approval(), terminate("web_1", "web_2"), vm_name="web_0")
+    assert outcome == "rejected"
+    assert reason.startswith("Terminate of web_1, web_2 can be approved only by web_1 or web_2 itself")
+    # Matched on the IMDS compute name exactly, as Resources lists it (never the hostname, never a prefix).
+    assert judge(approval(), terminate("web_2"), vm_name="web_")[0] == "rejected"
 
 
 # ---------------------------------------------------------------------------------------------- admin
