@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 
 import azure.functions as func
 
 from coordinator import http
 from coordinator.service import Coordinator, RawMessage
 from coordinator.settings import CoordinatorSettings
+from coordinator.store import TableStateStore
 from coordinator.wiring import build_coordinator
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
@@ -67,24 +69,54 @@ def reevaluate(timer: func.TimerRequest) -> None:
     log.info("tick %s (past due: %s)", json.dumps(report.as_dict()), timer.past_due)
 
 
+def _access() -> http.Access:
+    # WEBSITE_AUTH_ENABLED is injected by App Service when its authentication runs in front of the app; only then
+    # is the X-MS-CLIENT-PRINCIPAL header the platform's and not the caller's.
+    return http.Access(
+        platform_auth=os.environ.get("WEBSITE_AUTH_ENABLED", "").strip().lower() == "true",
+        allow_anonymous=settings().allow_anonymous_approval,
+        own_origin=settings().public_base_url,
+        form_key=lambda: _form_key(coordinator().store),
+        clock=coordinator().clock,
+    )
+
+
+@functools.cache
+def _form_key(store: TableStateStore) -> bytes:
+    # One key for every instance (an approval page served by one instance is posted to another): kept in the
+    # state table, read once per process.
+    return store.shared_key(http.FORM_KEY_NAME)
+
+
+def _respond(response: http.Response) -> func.HttpResponse:
+    return func.HttpResponse(
+        response.body,
+        status_code=response.status,
+        mimetype=response.content_type.split(";")[0],
+        charset="utf-8",
+        headers=dict(response.headers),
+    )
+
+
+# Both routes are anonymous at the Functions level on purpose: App Service Authentication (Entra ID, required
+# for every request by infra/modules/functionapp.bicep) signs the person in, and coordinator/http.py checks the
+# app roles, so no function key ends up in a Teams card or in anyone's hands.
 @app.function_name("approve_event")
 @app.route(route="events/{event_id}/approve", methods=["GET", "POST"], auth_level=func.AuthLevel.ANONYMOUS)
 def approve_event(req: func.HttpRequest) -> func.HttpResponse:
-    # Anonymous at the Functions level on purpose: App Service Authentication (Entra ID) signs the person in and
-    # the coordinator refuses a POST without a principal, so no function key ends up in a Teams card.
-    response = http.approve(
-        coordinator(),
-        method=req.method,
-        event_id=req.route_params.get("event_id", ""),
-        headers=dict(req.headers),
-        body=req.get_body(),
-        allow_anonymous=settings().allow_anonymous_approval,
+    return _respond(
+        http.approve(
+            coordinator(),
+            method=req.method,
+            event_id=req.route_params.get("event_id", ""),
+            headers=dict(req.headers),
+            body=req.get_body(),
+            access=_access(),
+        )
     )
-    return func.HttpResponse(response.body, status_code=response.status, mimetype=response.content_type.split(";")[0])
 
 
 @app.function_name("pending_events")
-@app.route(route="events", methods=["GET"])
+@app.route(route="events", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)
 def pending_events(req: func.HttpRequest) -> func.HttpResponse:
-    response = http.pending_events(coordinator())
-    return func.HttpResponse(response.body, status_code=response.status, mimetype=response.content_type)
+    return _respond(http.pending_events(coordinator(), headers=dict(req.headers), access=_access()))

@@ -1,23 +1,60 @@
 """HTTP handling for the manual-approval and state endpoints, free of the Functions types (function_app adapts).
 
-Manual approval: ``GET /api/events/{id}/approve`` shows the event and a button (a Teams card link is a GET, and a
-link preview must never approve); ``POST`` approves. The person is the signed-in user that App Service
-Authentication (Easy Auth, Entra ID) puts in ``X-MS-CLIENT-PRINCIPAL-NAME``; without one the request is refused
-unless the local mode allows anonymous approval.
+Who may do what:
+- A person is whoever App Service Authentication (Easy Auth, Entra ID) signed in. Its ``X-MS-CLIENT-PRINCIPAL``
+  header (base64 JSON with the token's claims) is trusted only while the platform runs in front of the app
+  (``WEBSITE_AUTH_ENABLED``): the platform then removes any such header a client sends and puts in its own.
+  ``X-MS-CLIENT-PRINCIPAL-NAME`` alone proves nothing and is never read.
+- Reading (the pending list, an event's approval page) needs the app role ``ScheduledEvents.Read`` or
+  ``ScheduledEvents.Approve``; approving needs ``ScheduledEvents.Approve``. Roles come from the principal's
+  ``roles`` claims, i.e. the Entra app roles assigned to the person.
+
+Manual approval: ``GET /api/events/{id}/approve`` shows the event and, to a person with the Approve role, a form
+(a Teams card link is a GET, and a link preview must never approve); ``POST`` approves. A POST must carry the
+form's anti-forgery token (an HMAC over the event, the person and an expiry, keyed with a random key that every
+instance shares through the state table) and come from the app's own origin (``Origin``, else ``Referer``), so
+that no other site can make a signed-in person's browser approve.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
 import html
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from coordinator.service import Coordinator
 
-PRINCIPAL_HEADER = "x-ms-client-principal-name"
-_STATUS = {"approved": 200, "sent": 202, "not-found": 404, "conflict": 409}
+PRINCIPAL_HEADER = "x-ms-client-principal"
+APPROVE_ROLE = "ScheduledEvents.Approve"
+READ_ROLE = "ScheduledEvents.Read"
+FORM_KEY_NAME = "approval-form"
+FORM_TOKEN_LIFETIME = timedelta(minutes=20)
+# Claim types, short (Entra token) and long (the platform's mapping to WS-Fed URIs); the payload's own
+# name_typ/role_typ come first.
+_NAME_CLAIMS = (
+    "preferred_username",
+    "upn",
+    "http://schemas.xmlsoap.org/ws/2005/05/identity/claims/upn",
+    "http://schemas.xmlsoap.org/ws/2005/05/identity/claims/emailaddress",
+    "name",
+)
+_OBJECT_ID_CLAIMS = ("http://schemas.microsoft.com/identity/claims/objectidentifier", "oid")
+_ROLE_CLAIMS = ("roles", "http://schemas.microsoft.com/ws/2008/06/identity/claims/role")
+_STATUS = {"approved": 200, "sent": 202, "dry-run": 200, "not-found": 404, "conflict": 409}
+
+
+# The approval page must not be framed by another site (a framed button can be clicked by a trick).
+NO_FRAMING = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
 
 
 @dataclass(frozen=True)
@@ -25,13 +62,151 @@ class Response:
     status: int
     body: str
     content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=lambda: dict(NO_FRAMING))
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    object_id: str
+    roles: frozenset[str]
+
+    def may_read(self) -> bool:
+        return bool(self.roles & {READ_ROLE, APPROVE_ROLE})
+
+    def may_approve(self) -> bool:
+        return APPROVE_ROLE in self.roles
+
+
+@dataclass(frozen=True)
+class Access:
+    """How requests are authenticated. ``platform_auth``: App Service Authentication runs in front of the app
+    (its principal header can be trusted). ``allow_anonymous``: local mode, a request without a principal is
+    the local user with every role. ``own_origin``: ``https://host`` of this app, for the Origin check."""
+
+    platform_auth: bool
+    allow_anonymous: bool
+    own_origin: str | None
+    form_key: Callable[[], bytes]
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+
+
+class _Claim(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    typ: str
+    val: str
+
+
+class _ClientPrincipal(BaseModel):
+    """The decoded ``X-MS-CLIENT-PRINCIPAL`` payload."""
+
+    model_config = ConfigDict(extra="ignore")
+    auth_typ: str = ""
+    name_typ: str = ""
+    role_typ: str = ""
+    claims: list[_Claim]
+
+
+LOCAL_USER = Principal(name="local-user", object_id="local-user", roles=frozenset({APPROVE_ROLE, READ_ROLE}))
 
 
 def _json(status: int, payload: Any) -> Response:
     return Response(status, json.dumps(payload, indent=1))
 
 
-def pending_events(coordinator: Coordinator) -> Response:
+def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def parse_principal(value: str) -> Principal:
+    """The person in an ``X-MS-CLIENT-PRINCIPAL`` header; ValueError naming what is wrong with it."""
+    try:
+        payload = _ClientPrincipal.model_validate_json(base64.b64decode(value, validate=True))
+    except (binascii.Error, ValueError, ValidationError) as error:
+        raise ValueError(f"{PRINCIPAL_HEADER} is not base64 JSON with claims: {error}") from error
+    claims: dict[str, list[str]] = {}
+    for claim in payload.claims:
+        claims.setdefault(claim.typ, []).append(claim.val)
+
+    def first(types: tuple[str, ...]) -> str:
+        return next((claims[t][0].strip() for t in types if t and claims.get(t) and claims[t][0].strip()), "")
+
+    object_id = first(_OBJECT_ID_CLAIMS)
+    name = first((payload.name_typ, *_NAME_CLAIMS)) or object_id
+    if not name:
+        raise ValueError(f"{PRINCIPAL_HEADER} names no one (no name, upn or object id claim)")
+    roles = frozenset(v for t in {payload.role_typ, *_ROLE_CLAIMS} if t for v in claims.get(t, []))
+    return Principal(name=name[:128], object_id=object_id or name[:128], roles=roles)
+
+
+def authenticate(headers: Mapping[str, str], access: Access) -> Principal | Response:
+    """The signed-in person, or the refusal to send back."""
+    if not access.platform_auth and not access.allow_anonymous:
+        # Without the platform in front, anyone could send the principal header: trust nobody.
+        return _json(503, {"error": "App Service Authentication is off (WEBSITE_AUTH_ENABLED): no one can sign in"})
+    value = _lowered(headers).get(PRINCIPAL_HEADER, "").strip()
+    if not value:
+        if access.allow_anonymous:
+            return LOCAL_USER
+        return _json(401, {"error": "sign in first: this app needs an Entra ID sign-in (App Service Authentication)"})
+    try:
+        return parse_principal(value)
+    except ValueError as error:
+        return _json(401, {"error": str(error)})
+
+
+def _forbidden(reason: str) -> Response:
+    return _json(403, {"error": reason})
+
+
+def form_token(access: Access, *, event_id: str, principal: Principal, expires: datetime) -> str:
+    stamp = str(int(expires.timestamp()))
+    message = f"approve\n{event_id}\n{principal.object_id}\n{stamp}".encode()
+    digest = hmac.new(access.form_key(), message, hashlib.sha256).digest()
+    return f"{stamp}.{base64.urlsafe_b64encode(digest).decode().rstrip('=')}"
+
+
+def _check_token(access: Access, *, event_id: str, principal: Principal, body: bytes) -> str | None:
+    """None when the form's token is valid for this event and person and not expired; else the reason."""
+    fields = parse_qs(body.decode("utf-8", "replace"))
+    token = (fields.get("token") or [""])[0]
+    stamp, _, _ = token.partition(".")
+    if not token or not stamp.isdigit() or len(stamp) > 12:
+        return "the approval form's token is missing: open the approval page and use its button"
+    expires = datetime.fromtimestamp(int(stamp), UTC)
+    expected = form_token(access, event_id=event_id, principal=principal, expires=expires)
+    if not hmac.compare_digest(token, expected):
+        return "the approval form's token is not valid for this event and person"
+    if expires <= access.clock():
+        return "the approval form expired: reload the approval page"
+    return None
+
+
+def _origin_of(url: str) -> str:
+    parts = urlsplit(url.strip())
+    return f"{parts.scheme}://{parts.netloc}".lower() if parts.scheme and parts.netloc else ""
+
+
+def _check_origin(access: Access, headers: Mapping[str, str]) -> str | None:
+    """None when the request comes from this app's own pages; else the reason."""
+    if not access.own_origin:
+        return "COORDINATOR_PUBLIC_BASE_URL is not set: there is no own origin to compare the request with"
+    lowered = _lowered(headers)
+    origin = lowered.get("origin", "").strip()
+    source = origin if origin and origin != "null" else _origin_of(lowered.get("referer", ""))
+    if not source:
+        return "the request has no Origin or Referer header: approvals come only from the approval page"
+    if _origin_of(source) != _origin_of(access.own_origin):
+        return f"the request comes from {source!r}, not from this app"
+    return None
+
+
+def pending_events(coordinator: Coordinator, *, headers: Mapping[str, str], access: Access) -> Response:
+    principal = authenticate(headers, access)
+    if isinstance(principal, Response):
+        return principal
+    if not principal.may_read():
+        return _forbidden(f"{principal.name} has neither the {READ_ROLE} nor the {APPROVE_ROLE} app role")
     events = coordinator.pending()
     return _json(200, {"count": len(events), "events": events})
 
@@ -43,28 +218,25 @@ def approve(
     event_id: str,
     headers: Mapping[str, str],
     body: bytes,
-    allow_anonymous: bool,
+    access: Access,
 ) -> Response:
+    principal = authenticate(headers, access)
+    if isinstance(principal, Response):
+        return principal
     if method.upper() == "GET":
-        return _confirmation_page(coordinator, event_id)
-    lowered = {k.lower(): v for k, v in headers.items()}
-    person = lowered.get(PRINCIPAL_HEADER, "").strip()
-    if not person:
-        if not allow_anonymous:
-            return _json(401, {"error": "sign in first: manual approval needs App Service Authentication (Entra ID)"})
-        person = "local-user"
-        if body:
-            try:
-                payload = json.loads(body)
-            except ValueError:
-                return _json(400, {"error": 'body must be JSON like {"by": "name"} or empty'})
-            if isinstance(payload, dict) and isinstance(payload.get("by"), str) and payload["by"].strip():
-                person = payload["by"].strip()[:128]
-    result = coordinator.approve_manually(event_id, person=person)
+        if not principal.may_read():
+            return _forbidden(f"{principal.name} has neither the {READ_ROLE} nor the {APPROVE_ROLE} app role")
+        return _confirmation_page(coordinator, event_id, principal, access)
+    if not principal.may_approve():
+        return _forbidden(f"{principal.name} does not have the {APPROVE_ROLE} app role")
+    refused = _check_origin(access, headers) or _check_token(access, event_id=event_id, principal=principal, body=body)
+    if refused:
+        return _forbidden(refused)
+    result = coordinator.approve_manually(event_id, person=principal.name)
     return _json(_STATUS[result.status], {"status": result.status, "message": result.message, "event": result.event})
 
 
-def _confirmation_page(coordinator: Coordinator, event_id: str) -> Response:
+def _confirmation_page(coordinator: Coordinator, event_id: str, principal: Principal, access: Access) -> Response:
     stored = coordinator.store.get_event(event_id)
     if stored is None:
         return Response(404, f"<p>No event {html.escape(event_id)} is known.</p>", "text/html; charset=utf-8")
@@ -80,10 +252,16 @@ def _confirmation_page(coordinator: Coordinator, event_id: str) -> Response:
             ("Decision", f"{record.decision.verdict} ({record.decision.rule})" if record.decision else "—"),
         )
     )
-    button = (
-        '<form method="post"><button type="submit">Approve now</button></form>'
-        if record.state == "Scheduled"
-        else f"<p>Only a Scheduled event can be approved; this one is {html.escape(record.state)}.</p>"
-    )
-    page = f"<!doctype html><title>Approve {html.escape(record.eventId)}</title><table>{rows}</table>{button}"
+    if record.state != "Scheduled":
+        action = f"<p>Only a Scheduled event can be approved; this one is {html.escape(record.state)}.</p>"
+    elif not principal.may_approve():
+        who = html.escape(principal.name)
+        action = f"<p>You ({who}) may look, not approve: that needs the {APPROVE_ROLE} app role.</p>"
+    else:
+        token = form_token(access, event_id=event_id, principal=principal, expires=access.clock() + FORM_TOKEN_LIFETIME)
+        action = (
+            f'<form method="post"><input type="hidden" name="token" value="{html.escape(token)}">'
+            f'<button type="submit">Approve now as {html.escape(principal.name)}</button></form>'
+        )
+    page = f"<!doctype html><title>Approve {html.escape(record.eventId)}</title><table>{rows}</table>{action}"
     return Response(200, page, "text/html; charset=utf-8")

@@ -263,10 +263,36 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...
             _line_index(item, (*path, index), out)
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first_line: int) -> None:
+        super().__init__(f"{line}: duplicate key {key!r} (first on line {first_line})")
+        self.line = line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one silently, so a
+    policy could mean something else than what its reader sees first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, line, seen[key])
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_policy(text: str, *, source: str = "<policy>") -> Policy:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except _DuplicateKey as error:
+        raise PolicyError(f"{source}:{error}") from error
     except yaml.YAMLError as error:
         raise PolicyError(f"{source}: not valid YAML: {error}") from error
     if not isinstance(data, dict):

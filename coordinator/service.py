@@ -128,7 +128,7 @@ class TickReport:
 
 @dataclass
 class ManualApproval:
-    status: Literal["approved", "sent", "not-found", "conflict"]
+    status: Literal["approved", "sent", "dry-run", "not-found", "conflict"]
     message: str
     event: dict[str, Any] | None = None
 
@@ -783,6 +783,8 @@ class Coordinator:
         return True
 
     def _deliver(self, event_id: str, now: datetime, last_seen: dict[str, datetime] | None) -> EventChange | None:
+        if self.dry_run:  # the one place every approval is sent from: an approval decided before dry-run waits
+            return None
         stored = self.event(event_id)
         if stored is None or stored.record.approval is None or stored.record.approval.delivered:
             return None
@@ -1055,8 +1057,12 @@ class Coordinator:
                 verdict="approve",
                 reason=f"approved by {person} through the coordinator's HTTP endpoint",
                 decidedAt=now,
+                dryRun=self.dry_run,
                 actor=actor,
             )
+            change.rows.append(self._decision_row(record, now))
+            if self.dry_run:  # recorded as the person's decision; nothing is ever sent in dry-run
+                return change
             record.approval = ApprovalRecord(
                 decisionId=decision_id,
                 rule="manual",
@@ -1064,7 +1070,6 @@ class Coordinator:
                 decidedAt=now,
                 nextAttemptAt=now + IN_FLIGHT_GRACE,
             )
-            change.rows.append(self._decision_row(record, now))
             return change
 
         report = TickReport()
@@ -1075,14 +1080,20 @@ class Coordinator:
             state = current.record.state if current else "gone"
             return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
         work.rows.extend(change.rows)
-        work.deliveries.append(event_id)
+        if not self.dry_run:  # in dry-run only the person's decision is logged (by _act, with nothing to send)
+            work.deliveries.append(event_id)
         self._act(work, now, report, last_seen=None)
         current = self.event(event_id)
         summary = self.summarize(current.record) if current else None
         approved = current is not None and current.record.approval is not None and current.record.approval.delivered
-        if approved:
-            return ManualApproval("approved", f"event {event_id} approved by {person}", summary)
-        return ManualApproval("sent", f"approval of {event_id} decided; delivery is retried until NotBefore", summary)
+        status: Literal["dry-run", "approved", "sent"]
+        if self.dry_run:
+            status, message = "dry-run", f"dry run: {person}'s approval of {event_id} recorded, nothing sent"
+        elif approved:
+            status, message = "approved", f"event {event_id} approved by {person}"
+        else:
+            status, message = "sent", f"approval of {event_id} decided; delivery is retried until NotBefore"
+        return ManualApproval(status, message, summary)
 
     def summarize(self, record: EventRecord) -> dict[str, Any]:
         return {

@@ -5,6 +5,7 @@ Layout (one table):
 - PartitionKey ``budget``, RowKey = scale set: the fleet-wide claims on its "at most N impacted" budget.
 - PartitionKey ``alertsent``: one entity per batch that sent cards, naming them; the timer clears those
   outbox entries from the events in bulk and deletes the entity (one write per batch instead of one per event).
+- PartitionKey ``key``, RowKey = a name: random keys every instance shares (``shared_key``).
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
   sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
   VMs report together. An event record's ``vms`` is assembled from its groups on read (service.py).
@@ -23,6 +24,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import os
 import re
 import threading
 import uuid
@@ -44,6 +46,7 @@ EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
 BUDGET_PARTITION = "budget"
 SENT_ALERTS_PARTITION = "alertsent"
+KEY_PARTITION = "key"
 CACHE_ENTRIES = 50_000
 TRANSACTION_LIMIT = 100
 TRANSACTION_CHARS = 3_000_000
@@ -416,6 +419,18 @@ class TableStateStore:
             self._table.submit_transaction(
                 [("delete", {"PartitionKey": SENT_ALERTS_PARTITION, "RowKey": key}) for key in chunk]
             )
+
+    # keys ----------------------------------------------------------------------------------------------------
+    def shared_key(self, name: str) -> bytes:
+        """A random 32-byte key shared by every instance of the coordinator (e.g. the approval form's
+        anti-forgery key): created once by whichever instance asks first (insert-only, so the first writer
+        wins and the others read its key), readable only by identities with data access to this table."""
+        key = safe_key(name)
+        with contextlib.suppress(ResourceExistsError):
+            self._table.create_entity(
+                {"PartitionKey": KEY_PARTITION, "RowKey": key, "Key": base64.b64encode(os.urandom(32)).decode()}
+            )
+        return base64.b64decode(self._table.get_entity(KEY_PARTITION, key)["Key"])
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:

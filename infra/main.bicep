@@ -60,8 +60,13 @@ param enableOsImageNotification bool = false
 @description('Preview: also publish scheduled events to Event Grid / Azure Resource Graph (feature registration needed).')
 param enableEventGridPublishing bool = false
 
-@description('URL of the forwarder package (tar.gz with forwarder/install.sh). Empty: forwarder.tar.gz in this deployment\'s "forwarder" container, fetched with the VM identity.')
+@description('URL of the forwarder package (tar.gz with forwarder/install.sh). Empty: forwarder.tar.gz in this deployment\'s package account ("forwarder" container), fetched with the VM identity.')
 param forwarderPackageUrl string = ''
+
+@description('SHA-256 (hex) of the forwarder package: instances refuse to install anything else (scripts/deploy.sh computes it).')
+@minLength(64)
+@maxLength(64)
+param forwarderPackageSha256 string
 
 @description('Seconds between forwarder heartbeats.')
 @minValue(10)
@@ -104,6 +109,14 @@ param heartbeatTimeoutSeconds int = 300
 @minValue(4)
 @maxValue(730)
 param historyRetentionDays int = 90
+
+@description('Application (client) id of the Entra app registration people sign in with to approve (scripts/entra-app.sh creates it; app roles ScheduledEvents.Approve and ScheduledEvents.Read).')
+@minLength(36)
+@maxLength(36)
+param signInClientId string
+
+@description('Entra tenant of that app registration (default: the deployment\'s tenant).')
+param signInTenantId string = tenant().tenantId
 
 @secure()
 @description('Teams Workflows webhook URL ("When a Teams webhook request is received"). Stored in Key Vault only.')
@@ -170,6 +183,15 @@ module storage 'modules/storage.bicep' = {
       stateTableName
     ]
     coordinatorPrincipalId: identities.outputs.coordinatorIdentityPrincipalId
+  }
+}
+
+module packages 'modules/packages.bicep' = {
+  name: 'packages'
+  params: {
+    location: location
+    namePrefix: namePrefix
+    tags: tags
     vmPrincipalId: identities.outputs.vmIdentityPrincipalId
   }
 }
@@ -204,6 +226,10 @@ module functionApp 'modules/functionapp.bicep' = {
     tags: tags
     identityId: identities.outputs.coordinatorIdentityId
     identityClientId: identities.outputs.coordinatorIdentityClientId
+    signInClientId: signInClientId
+    signInTenantId: signInTenantId
+    signInIdentityId: identities.outputs.signInIdentityId
+    signInIdentityClientId: identities.outputs.signInIdentityClientId
     blobEndpoint: storage.outputs.blobEndpoint
     queueEndpoint: storage.outputs.queueEndpoint
     tableEndpoint: storage.outputs.tableEndpoint
@@ -245,7 +271,8 @@ module vmss 'modules/vmss.bicep' = {
     eventHubNamespace: eventHubs.outputs.fullyQualifiedNamespace
     eventHubName: eventHubs.outputs.hubName
     relayNamespace: relay.outputs.fullyQualifiedNamespace
-    forwarderPackageUrl: empty(forwarderPackageUrl) ? '${storage.outputs.forwarderContainerUrl}/forwarder.tar.gz' : forwarderPackageUrl
+    forwarderPackageUrl: empty(forwarderPackageUrl) ? '${packages.outputs.forwarderContainerUrl}/forwarder.tar.gz' : forwarderPackageUrl
+    forwarderPackageSha256: forwarderPackageSha256
     heartbeatSeconds: heartbeatSeconds
   }
 }
@@ -276,7 +303,8 @@ module workbook 'modules/workbook.bicep' = {
 output functionAppName string = functionApp.outputs.functionAppName
 output functionAppHostName string = functionApp.outputs.functionAppHostName
 output storageAccountName string = storage.outputs.accountName
-output forwarderPackageUrl string = empty(forwarderPackageUrl) ? '${storage.outputs.forwarderContainerUrl}/forwarder.tar.gz' : forwarderPackageUrl
+output packageStorageAccountName string = packages.outputs.accountName
+output forwarderPackageUrl string = empty(forwarderPackageUrl) ? '${packages.outputs.forwarderContainerUrl}/forwarder.tar.gz' : forwarderPackageUrl
 output vmssName string = vmss.outputs.vmssName
 output eventHubNamespace string = eventHubs.outputs.fullyQualifiedNamespace
 output eventHubName string = eventHubs.outputs.hubName
@@ -290,3 +318,5 @@ output keyVaultName string = keyVault.outputs.vaultName
 output workbookId string = workbook.outputs.workbookId
 output coordinatorIdentityClientId string = identities.outputs.coordinatorIdentityClientId
 output forwarderIdentityClientId string = identities.outputs.vmIdentityClientId
+// scripts/entra-app.sh gives the app registration a federated credential for this identity (no client secret).
+output signInIdentityPrincipalId string = identities.outputs.signInIdentityPrincipalId

@@ -9,6 +9,8 @@ CKV_SE_4  local (key/SAS) auth off: Event Hubs, Service Bus, Storage, Applicatio
 CKV_SE_5  no SAS authorization rules declared (Relay has no disableLocalAuth switch; this is its guard)
 CKV_SE_6  app settings: no keys, list*() results or connection strings (outputs: tests/infra, checkov has no
           output checks for Bicep)
+CKV_SE_7  App Service Authentication (authsettingsV2): on, sign-in required for every request, Entra ID provider
+          on, no anonymous fallback (checkov's CKV_AZURE_13 reads only the v1 'authsettings' document)
 """
 
 from __future__ import annotations
@@ -233,6 +235,28 @@ class NoKeysInAppSettings(BaseResourceCheck):  # type: ignore[misc]
         return CheckResult.PASSED
 
 
+class SignInRequired(BaseResourceCheck):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__(
+            name="App Service Authentication v2 requires an Entra ID sign-in for every request",
+            id="CKV_SE_7",
+            categories=(CheckCategories.IAM,),
+            supported_resources=("Microsoft.Web/sites/config",),
+        )
+
+    def scan_resource_conf(self, conf: dict[str, Any]) -> CheckResult:
+        if conf.get("name") != "authsettingsV2":
+            return CheckResult.UNKNOWN  # another config document (app settings, logs...): not this check's
+        properties = conf.get("properties")
+        required = (
+            dig(properties, "platform", "enabled") is True
+            and dig(properties, "globalValidation", "requireAuthentication") is True
+            and dig(properties, "globalValidation", "unauthenticatedClientAction") != "AllowAnonymous"
+            and dig(properties, "identityProviders", "azureActiveDirectory", "enabled") is True
+        )
+        return CheckResult.PASSED if required else CheckResult.FAILED
+
+
 # checkov registers each check when it is instantiated.
 terminate_check = TerminateNotificationEnabled()
 timeout_param_check = NoticeTimeoutParameterBounded()
@@ -240,3 +264,4 @@ auto_approval_check = NoPlatformAutoApproval()
 local_auth_check = LocalAuthDisabled()
 sas_rules_check = NoSasAuthorizationRules()
 app_settings_check = NoKeysInAppSettings()
+sign_in_check = SignInRequired()

@@ -15,6 +15,18 @@ param identityId string
 @description('Client id of the coordinator identity.')
 param identityClientId string
 
+@description('Application (client) id of the Entra app registration people sign in with (app roles ScheduledEvents.Approve / ScheduledEvents.Read).')
+param signInClientId string
+
+@description('Entra tenant of that app registration: only its accounts can sign in.')
+param signInTenantId string
+
+@description('Resource id of the sign-in identity (the app registration trusts it instead of a client secret).')
+param signInIdentityId string
+
+@description('Client id of the sign-in identity.')
+param signInIdentityClientId string
+
 @description('Storage account blob endpoint (host storage).')
 param blobEndpoint string
 
@@ -97,8 +109,8 @@ resource plan 'Microsoft.Web/serverfarms@2024-04-01' = {
 }
 
 resource site 'Microsoft.Web/sites@2024-04-01' = {
-  // checkov:skip=CKV_AZURE_222:the manual-approval link in Teams cards is an HTTP trigger people open from a browser; it needs a public endpoint (people sign in through App Service Authentication); docs/deploy.md describes the private variant
-  // checkov:skip=CKV_AZURE_17:client certificates would block the browser-opened manual-approval link; people sign in with Entra ID (App Service Authentication), other routes need function keys
+  // checkov:skip=CKV_AZURE_222:the manual-approval link in Teams cards is an HTTP trigger people open from a browser; it needs a public endpoint, and every request must pass Entra ID sign-in (authSettings below); docs/deploy.md describes the private variant
+  // checkov:skip=CKV_AZURE_17:client certificates would block the browser-opened manual-approval link; every HTTP request passes Entra ID sign-in instead (authSettings below)
   // checkov:skip=CKV_AZURE_212:Flex Consumption scales from zero on Event Hubs backlog; always-ready instances are optional cost, and envelopes wait in Event Hubs meanwhile
   // checkov:skip=CKV_AZURE_213:the coordinator has no HTTP endpoint whose health reflects the Event Hubs pipeline; its liveness is watched through the heartbeat and approval alerts and Application Insights
   name: '${namePrefix}-coordinator-${uniqueString(resourceGroup().id)}'
@@ -109,6 +121,7 @@ resource site 'Microsoft.Web/sites@2024-04-01' = {
     type: 'UserAssigned'
     userAssignedIdentities: {
       '${identityId}': {}
+      '${signInIdentityId}': {}
     }
   }
   properties: {
@@ -166,7 +179,7 @@ resource scmPublishing 'Microsoft.Web/sites/basicPublishingCredentialsPolicies@2
 // All app settings in one resource (it replaces the whole set): a child of the site can use the site's own
 // default host name, which the manual-approval links in Teams cards need.
 resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
-  // checkov:skip=CKV_AZURE_13:checkov runs its site-configuration checks on every sites/config resource; this one is the app-settings document, and App Service Authentication is configured on the site (docs/deploy.md)
+  // checkov:skip=CKV_AZURE_13:the check reads a v1 'authsettings' document and fails every other sites/config resource; this one is the app-settings document, and authentication is the authsettingsV2 resource below (project check CKV_SE_7)
   // checkov:skip=CKV_AZURE_222:site-configuration check misapplied to the app-settings document; public access is decided on the site (skip and reason there)
   // checkov:skip=CKV_AZURE_63:site-configuration check (HTTP logging) misapplied to the app-settings document; Functions logs go to Application Insights
   // checkov:skip=CKV_AZURE_65:site-configuration check (detailed error messages) misapplied to the app-settings document; off by default on the site
@@ -207,6 +220,63 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
     COORDINATOR_RELAY_SUBSCRIPTION_ID: subscription().subscriptionId
     COORDINATOR_RELAY_RESOURCE_GROUP: resourceGroup().name
     COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: string(heartbeatTimeoutSeconds)
+    // App Service Authentication: the sign-in identity's client id stands in for a client secret (the app
+    // registration holds a federated credential for it), and only accounts of the one tenant are accepted.
+    OVERRIDE_USE_MI_FIC_ASSERTION_CLIENTID: signInIdentityClientId
+    WEBSITE_AUTH_AAD_ALLOWED_TENANTS: signInTenantId
+  }
+}
+
+// Entra ID sign-in in front of every HTTP request (App Service Authentication, "Easy Auth"). Unauthenticated
+// requests are sent to the sign-in page rather than answered 401: the approval link in a Teams card opens in a
+// browser, which must land on the sign-in page; an API caller brings a bearer token and is signed in, and one
+// without a token gets a redirect, never data. The platform then passes the person's claims (including app roles)
+// in X-MS-CLIENT-PRINCIPAL, and coordinator/http.py requires the app roles.
+resource authSettings 'Microsoft.Web/sites/config@2024-04-01' = {
+  // checkov:skip=CKV_AZURE_13:the check reads 'properties.enabled' of a v1 'authsettings' document; this is authsettingsV2, where the switch is platform.enabled (true) with requireAuthentication (true); project check CKV_SE_7 checks it
+  // checkov:skip=CKV_AZURE_222:site-configuration check misapplied to the authentication document; public access is decided on the site (skip and reason there)
+  // checkov:skip=CKV_AZURE_63:site-configuration check (HTTP logging) misapplied to the authentication document; Functions logs go to Application Insights
+  // checkov:skip=CKV_AZURE_65:site-configuration check (detailed error messages) misapplied to the authentication document; off by default on the site
+  // checkov:skip=CKV_AZURE_66:site-configuration check (failed request tracing) misapplied to the authentication document; Functions traces go to Application Insights
+  // checkov:skip=CKV_AZURE_80:site-configuration check (.NET version) misapplied to the authentication document; the runtime is Python 3.11 (functionAppConfig)
+  // checkov:skip=CKV_AZURE_88:site-configuration check (Azure Files) misapplied to the authentication document; Flex Consumption mounts no file share
+  parent: site
+  name: 'authsettingsV2'
+  properties: {
+    platform: {
+      enabled: true
+    }
+    globalValidation: {
+      requireAuthentication: true
+      unauthenticatedClientAction: 'RedirectToLoginPage'
+      redirectToProvider: 'azureactivedirectory'
+    }
+    identityProviders: {
+      azureActiveDirectory: {
+        enabled: true
+        registration: {
+          clientId: signInClientId
+          openIdIssuer: '${environment().authentication.loginEndpoint}${signInTenantId}/v2.0'
+          // Not a secret: the name of the app setting holding the sign-in identity's client id (see above).
+          clientSecretSettingName: 'OVERRIDE_USE_MI_FIC_ASSERTION_CLIENTID'
+        }
+        validation: {
+          allowedAudiences: [
+            'api://${signInClientId}'
+            signInClientId
+          ]
+        }
+      }
+    }
+    login: {
+      // The app calls no API on the person's behalf: keep no tokens.
+      tokenStore: {
+        enabled: false
+      }
+    }
+    httpSettings: {
+      requireHttps: true
+    }
   }
 }
 

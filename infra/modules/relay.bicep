@@ -1,8 +1,9 @@
 // Azure Relay namespace for approvals (coordinator -> VM). Hybrid connections are NOT declared here: the
 // coordinator creates one per VM when it first sees the VM and deletes it when the VM is gone (a connection
 // spreads requests among up to 25 listeners at random, so a shared one cannot address a single VM).
-// Relay has no disableLocalAuth switch; no authorization rule is declared and none is ever listed, so the only
-// SAS key is the namespace's built-in RootManageSharedAccessKey, which docs/deploy.md says to delete.
+// Relay has no disableLocalAuth switch (not in the Microsoft.Relay 2024-01-01 types, nor in 2026-01-01 or
+// 2026-07-01-preview): no authorization rule is declared and none is ever listed, and scripts/deploy.sh deletes
+// the namespace's built-in RootManageSharedAccessKey after each deployment and fails if any SAS rule is left.
 @description('Azure region.')
 param location string
 

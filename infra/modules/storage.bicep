@@ -1,6 +1,7 @@
-// One storage account for the Functions host (identity-based AzureWebJobsStorage), the Flex Consumption
-// deployment package, the forwarder package the VMs download, and the coordinator's state tables.
-// Shared keys are off: every client (host, coordinator, VMs) authenticates with Entra ID.
+// The coordinator's storage account: the Functions host (identity-based AzureWebJobsStorage), the Flex Consumption
+// deployment package and the coordinator's state tables. The forwarder package the VMs install is NOT here
+// (packages.bicep): the coordinator holds Blob Data Owner on this account.
+// Shared keys are off: every client (host, coordinator) authenticates with Entra ID.
 @description('Azure region.')
 param location string
 
@@ -15,9 +16,6 @@ param stateTableNames array
 
 @description('Principal id of the coordinator identity.')
 param coordinatorPrincipalId string
-
-@description('Principal id of the forwarders\' identity (downloads the forwarder package).')
-param vmPrincipalId string
 
 var roles = loadJsonContent('../roles.json')
 var accountName = take('${toLower(replace(namePrefix, '-', ''))}st${uniqueString(resourceGroup().id)}', 24)
@@ -73,15 +71,6 @@ resource deploymentContainer 'Microsoft.Storage/storageAccounts/blobServices/con
   }
 }
 
-// The VMs' cloud-init downloads the forwarder package from here with the VM identity.
-resource forwarderContainer 'Microsoft.Storage/storageAccounts/blobServices/containers@2023-05-01' = {
-  parent: blobService
-  name: 'forwarder'
-  properties: {
-    publicAccess: 'None'
-  }
-}
-
 resource tableService 'Microsoft.Storage/storageAccounts/tableServices@2023-05-01' = {
   parent: account
   name: 'default'
@@ -115,20 +104,8 @@ resource stateTableContributor 'Microsoft.Authorization/roleAssignments@2022-04-
   }
 }]
 
-// Blob Data Reader on the forwarder container only: the VMs can fetch the package and nothing else.
-resource forwarderReader 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
-  name: guid(forwarderContainer.id, vmPrincipalId, roles.storageBlobDataReader.id)
-  scope: forwarderContainer
-  properties: {
-    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', roles.storageBlobDataReader.id)
-    principalId: vmPrincipalId
-    principalType: 'ServicePrincipal'
-  }
-}
-
 output accountName string = account.name
 output blobEndpoint string = account.properties.primaryEndpoints.blob
 output queueEndpoint string = account.properties.primaryEndpoints.queue
 output tableEndpoint string = account.properties.primaryEndpoints.table
 output deploymentContainerUrl string = '${account.properties.primaryEndpoints.blob}${deploymentContainer.name}'
-output forwarderContainerUrl string = '${account.properties.primaryEndpoints.blob}${forwarderContainer.name}'

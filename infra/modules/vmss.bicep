@@ -73,6 +73,11 @@ param relayNamespace string
 @description('URL of the forwarder package (tar.gz holding forwarder/install.sh).')
 param forwarderPackageUrl string
 
+@description('SHA-256 (hex) of that package: an instance installs it only if the download has this digest.')
+@minLength(64)
+@maxLength(64)
+param forwarderPackageSha256 string
+
 @description('Seconds between forwarder heartbeats.')
 @minValue(10)
 @maxValue(3600)
@@ -83,7 +88,8 @@ var isFlexible = orchestrationMode == 'Flexible'
 var cloudInitTemplate = loadTextContent('../cloud-init/forwarder.yaml')
 var cloudInitHub = replace(replace(cloudInitTemplate, '__EVENTHUB_NAMESPACE__', eventHubNamespace), '__EVENTHUB_NAME__', eventHubName)
 var cloudInitIdentity = replace(replace(cloudInitHub, '__CLIENT_ID__', vmIdentityClientId), '__RELAY_NAMESPACE__', relayNamespace)
-var cloudInit = replace(replace(cloudInitIdentity, '__HEARTBEAT_SECONDS__', string(heartbeatSeconds)), '__PACKAGE_URL__', forwarderPackageUrl)
+var cloudInitPackage = replace(replace(cloudInitIdentity, '__HEARTBEAT_SECONDS__', string(heartbeatSeconds)), '__PACKAGE_URL__', forwarderPackageUrl)
+var cloudInit = replace(cloudInitPackage, '__PACKAGE_SHA256__', toLower(forwarderPackageSha256))
 
 // Scheduled events also go to Event Grid (system topic Microsoft.ResourceNotifications.MaintenanceResources) and
 // Azure Resource Graph, in the IMDS 2020-07-01 shape.

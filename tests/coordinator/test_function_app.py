@@ -3,18 +3,23 @@ Azurite, history in SQLite, cards in a folder and approvals reaching the IMDS em
 
 from __future__ import annotations
 
+import base64
+import html
 import json
+import re
 from collections.abc import Sequence
 from datetime import timedelta
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import azure.functions as func
 import jsonschema
 import pytest
 from azure.functions.timer import TimerRequest
 
+from coordinator.http import APPROVE_ROLE, READ_ROLE
 from tests.coordinator.conftest import App
 from tests.coordinator.helpers import (
     DOC_EVENT_ID,
@@ -66,7 +71,8 @@ def test_indexed_functions_are_what_the_deployment_expects():
     )
     assert sorted(approve["methods"]) == ["GET", "POST"]
     state = binding("pending_events")
-    assert (state["route"], state["methods"], state["authLevel"]) == ("events", ["GET"], "FUNCTION")
+    # No function key for people: App Service Authentication signs them in and coordinator/http.py checks roles.
+    assert (state["route"], state["methods"], state["authLevel"]) == ("events", ["GET"], "ANONYMOUS")
 
 
 def test_host_json_batches_match_the_function_and_the_benchmark():
@@ -157,9 +163,8 @@ def test_timer_expires_unapproved_events_and_notices_lost_heartbeats(app: App):
     assert record is not None
     assert record.record.decision is not None
     assert record.record.decision.rule == "everything-else-waits"
-    assert [p["eventId"] for p in json.loads(app.module.pending_events(get("/api/events")).get_body())["events"]] == [
-        "EV-REBOOT"
-    ]
+    listed = app.module.pending_events(get("/api/events", headers=principal(READ_ROLE)))
+    assert [p["eventId"] for p in json.loads(listed.get_body())["events"]] == ["EV-REBOOT"]
 
     app.clock.now = DOC_NOW + timedelta(minutes=16)  # NotBefore passed; both forwarders silent for 16 minutes
     app.module.reevaluate(TimerRequest(past_due=False))
@@ -175,60 +180,269 @@ def test_timer_expires_unapproved_events_and_notices_lost_heartbeats(app: App):
     assert app.approvals("EV-REBOOT") == []
 
 
-def get(url: str) -> func.HttpRequest:
-    return func.HttpRequest(method="GET", url=url, body=b"", headers={})
+def get(url: str, headers: dict[str, str] | None = None) -> func.HttpRequest:
+    return func.HttpRequest(method="GET", url=url, body=b"", headers=headers or {})
 
 
-def test_manual_approval_needs_a_signed_in_person(app: App):
-    created = app.imds.create_event(EventType="Reboot", Resources=["WestNO_1"], NoticeSeconds=900)
-    event_id = created["EventId"]
-    reboot = scheduled_event(event_id, event_type="Reboot", resources=["WestNO_1"], duration=-1)
-    ingest(app, [envelope(vm("WestNO_1", index=2), sequence=5, incarnation=3, events=[reboot])])
-    url = f"/api/events/{event_id}/approve"
-    page = app.module.approve_event(
-        func.HttpRequest(method="GET", url=url, body=b"", headers={}, route_params={"event_id": event_id})
-    )
-    assert page.status_code == 200
-    assert b"Approve now" in page.get_body()
-    assert app.approvals(event_id) == []  # a GET (link preview, card click) never approves
-    anonymous = app.module.approve_event(
-        func.HttpRequest(method="POST", url=url, body=b"", headers={}, route_params={"event_id": event_id})
-    )
-    assert anonymous.status_code == 401
-    signed_in = app.module.approve_event(
+OWN_ORIGIN = "http://127.0.0.1:7071"  # COORDINATOR_PUBLIC_BASE_URL of the app fixture
+
+
+@pytest.fixture(autouse=True)
+def platform_authentication(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What App Service injects when its authentication runs in front of the app (infra/modules/functionapp.bicep).
+    monkeypatch.setenv("WEBSITE_AUTH_ENABLED", "True")
+
+
+ALICE_OID = "0a1b2c3d-0000-4000-8000-000000000001"
+
+
+def principal(*roles: str, upn: str = "alice@example.com", oid: str = ALICE_OID) -> dict[str, str]:
+    """The X-MS-CLIENT-PRINCIPAL header App Service Authentication sends for an Entra ID user: the token's claims,
+    mapped as the platform does (long claim type URIs, one "roles" claim per app role)."""
+    claims = [
+        {"typ": "http://schemas.microsoft.com/identity/claims/objectidentifier", "val": oid},
+        {"typ": "preferred_username", "val": upn},
+        {"typ": "name", "val": "Alice Example"},
+        *({"typ": "roles", "val": role} for role in roles),
+    ]
+    payload = {
+        "auth_typ": "aad",
+        "claims": claims,
+        "name_typ": "http://schemas.xmlsoap.org/ws/2005/05/identity/claims/emailaddress",
+        "role_typ": "http://schemas.microsoft.com/ws/2008/06/identity/claims/role",
+    }
+    return {"X-MS-CLIENT-PRINCIPAL": base64.b64encode(json.dumps(payload).encode()).decode()}
+
+
+def reboot_waiting_for_a_person(app: App, name: str = "WestNO_1") -> str:
+    created = app.imds.create_event(EventType="Reboot", Resources=[name], NoticeSeconds=900)
+    event_id: str = created["EventId"]
+    reboot = scheduled_event(event_id, event_type="Reboot", resources=[name], duration=-1)
+    ingest(app, [envelope(vm(name, index=int(name[-1]) + 1), sequence=5, incarnation=3, events=[reboot])])
+    return event_id
+
+
+def open_page(app: App, event_id: str, headers: dict[str, str]) -> func.HttpResponse:
+    response: func.HttpResponse = app.module.approve_event(
         func.HttpRequest(
-            method="POST",
-            url=url,
+            method="GET",
+            url=f"{OWN_ORIGIN}/api/events/{event_id}/approve",
             body=b"",
-            headers={"X-MS-CLIENT-PRINCIPAL-NAME": "alice@example.com"},
+            headers=headers,
             route_params={"event_id": event_id},
         )
     )
-    assert signed_in.status_code == 200, signed_in.get_body()
-    result = json.loads(signed_in.get_body())
+    return response
+
+
+def form_token_of(page: func.HttpResponse) -> str:
+    found = re.search(rb'name="token" value="([^"]+)"', page.get_body())
+    assert found, page.get_body()
+    return html.unescape(found.group(1).decode())
+
+
+def post(app: App, event_id: str, headers: dict[str, str], token: str | None) -> func.HttpResponse:
+    body = b"" if token is None else urlencode({"token": token}).encode()
+    response: func.HttpResponse = app.module.approve_event(
+        func.HttpRequest(
+            method="POST",
+            url=f"{OWN_ORIGIN}/api/events/{event_id}/approve",
+            body=body,
+            headers={"Content-Type": "application/x-www-form-urlencoded", **headers},
+            route_params={"event_id": event_id},
+        )
+    )
+    return response
+
+
+def decisions(app: App, event_id: str) -> list[dict[str, Any]]:
+    return app.history(
+        f"SELECT Rule, Actor, Outcome, DryRun FROM {TABLE} "
+        "WHERE RecordType = 'Decision' AND EventId = ? ORDER BY rowid",
+        (event_id,),
+    )
+
+
+def test_a_person_with_the_approve_role_approves_from_the_page_and_is_in_the_history(app: App):
+    event_id = reboot_waiting_for_a_person(app)
+    alice = principal(APPROVE_ROLE)
+    page = open_page(app, event_id, alice)
+    assert page.status_code == 200
+    assert b"Approve now as alice@example.com" in page.get_body()
+    assert page.headers["X-Frame-Options"] == "DENY"  # the button cannot be framed by another site
+    assert app.approvals(event_id) == []  # a GET (link preview, card click) never approves
+    bob = principal(APPROVE_ROLE, upn="bob@example.com", oid="0a1b2c3d-0000-4000-8000-000000000002")
+    bobs_page = open_page(app, event_id, bob)  # a second approver has the page open meanwhile
+    approved = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, form_token_of(page))
+    assert approved.status_code == 200, approved.get_body()
+    result = json.loads(approved.get_body())
     assert result["event"]["approval"]["actor"] == "person:alice@example.com"
     assert len(app.approvals(event_id)) == 1
-    again = app.module.approve_event(
-        func.HttpRequest(
-            method="POST",
-            url=url,
-            body=b"",
-            headers={"X-MS-CLIENT-PRINCIPAL-NAME": "bob@example.com"},
-            route_params={"event_id": event_id},
-        )
-    )
+    assert decisions(app, event_id)[-1] == {
+        "Rule": "manual",
+        "Actor": "person:alice@example.com",
+        "Outcome": "approve",
+        "DryRun": 0,
+    }
+    again = post(app, event_id, {**bob, "Origin": OWN_ORIGIN}, form_token_of(bobs_page))
     assert again.status_code == 409  # already Approved
     assert len(app.approvals(event_id)) == 1
-    missing = app.module.approve_event(
-        func.HttpRequest(
-            method="POST",
-            url="/api/events/nope/approve",
-            body=b"",
-            headers={"X-MS-CLIENT-PRINCIPAL-NAME": "alice@example.com"},
-            route_params={"event_id": "nope"},
-        )
+    missing = post(app, "nope", {**alice, "Origin": OWN_ORIGIN}, "1.x")
+    assert missing.status_code == 403  # the token is checked before the event is even looked up
+
+
+def test_without_sign_in_nothing_is_shown_or_approved(app: App):
+    event_id = reboot_waiting_for_a_person(app)
+    assert open_page(app, event_id, {}).status_code == 401
+    assert post(app, event_id, {"Origin": OWN_ORIGIN}, None).status_code == 401
+    # The name header alone is what a caller can type; it is never taken as a sign-in.
+    named = post(app, event_id, {"X-MS-CLIENT-PRINCIPAL-NAME": "alice@example.com", "Origin": OWN_ORIGIN}, None)
+    assert named.status_code == 401
+    garbage = post(app, event_id, {"X-MS-CLIENT-PRINCIPAL": "not base64 json!", "Origin": OWN_ORIGIN}, None)
+    assert garbage.status_code == 401
+    assert b"X-MS-CLIENT-PRINCIPAL".lower() in garbage.get_body().lower()
+    assert app.module.pending_events(get("/api/events")).status_code == 401
+    assert app.approvals(event_id) == []
+
+
+def test_without_platform_authentication_no_principal_header_is_trusted(app: App, monkeypatch: pytest.MonkeyPatch):
+    event_id = reboot_waiting_for_a_person(app)
+    alice = principal(APPROVE_ROLE)
+    token = form_token_of(open_page(app, event_id, alice))
+    monkeypatch.delenv("WEBSITE_AUTH_ENABLED")  # e.g. someone switched App Service Authentication off
+    refused = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, token)
+    assert refused.status_code == 503
+    assert b"WEBSITE_AUTH_ENABLED" in refused.get_body()
+    assert app.approvals(event_id) == []
+
+
+def test_signed_in_without_the_role_is_refused(app: App):
+    event_id = reboot_waiting_for_a_person(app)
+    nobody = principal()  # signed in, in the tenant, no app role
+    assert open_page(app, event_id, nobody).status_code == 403
+    assert app.module.pending_events(get("/api/events", headers=nobody)).status_code == 403
+    reader = principal(READ_ROLE)
+    page = open_page(app, event_id, reader)
+    assert page.status_code == 200
+    assert b'name="token"' not in page.get_body()  # a reader gets no form
+    # Even with a token minted for an approver, a reader cannot approve.
+    approver_token = form_token_of(open_page(app, event_id, principal(APPROVE_ROLE)))
+    refused = post(app, event_id, {**reader, "Origin": OWN_ORIGIN}, approver_token)
+    assert refused.status_code == 403
+    assert APPROVE_ROLE.encode() in refused.get_body()
+    listed = app.module.pending_events(get("/api/events", headers=reader))
+    assert listed.status_code == 200
+    assert [e["eventId"] for e in json.loads(listed.get_body())["events"]] == [event_id]
+    assert app.approvals(event_id) == []
+
+
+@pytest.mark.parametrize(
+    ("origin_headers", "reason"),
+    [
+        ({"Origin": "https://evil.example"}, b"not from this app"),
+        ({"Origin": "null", "Referer": "https://evil.example/page"}, b"not from this app"),
+        ({"Referer": "https://127.0.0.1.evil.example/x"}, b"not from this app"),
+        ({}, b"no Origin or Referer"),
+    ],
+)
+def test_a_cross_site_post_is_refused(app: App, origin_headers: dict[str, str], reason: bytes):
+    event_id = reboot_waiting_for_a_person(app)
+    alice = principal(APPROVE_ROLE)
+    token = form_token_of(open_page(app, event_id, alice))
+    refused = post(app, event_id, {**alice, **origin_headers}, token)
+    assert refused.status_code == 403
+    assert reason in refused.get_body()
+    assert app.approvals(event_id) == []
+    # The same form from the app's own page (Referer only, as some browsers send) goes through.
+    accepted = post(app, event_id, {**alice, "Referer": f"{OWN_ORIGIN}/api/events/{event_id}/approve"}, token)
+    assert accepted.status_code == 200, accepted.get_body()
+
+
+def test_a_missing_forged_foreign_or_expired_token_is_refused(app: App):
+    event_id = reboot_waiting_for_a_person(app)
+    other_id = reboot_waiting_for_a_person(app, "WestNO_0")
+    alice = {**principal(APPROVE_ROLE), "Origin": OWN_ORIGIN}
+    bob = principal(APPROVE_ROLE, upn="bob@example.com", oid="0a1b2c3d-0000-4000-8000-000000000002")
+    token = form_token_of(open_page(app, event_id, alice))
+    stamp, _, signature = token.partition(".")
+    attempts = {
+        "missing": None,
+        "forged": f"{stamp}.{signature[::-1]}",
+        "stretched": f"{int(stamp) + 3600}.{signature}",  # a later expiry under the same signature
+        "another event's": form_token_of(open_page(app, other_id, alice)),
+        "another person's": form_token_of(open_page(app, event_id, bob)),
+        "huge": "9" * 40 + ".x",
+    }
+    for name, attempt in attempts.items():
+        refused = post(app, event_id, alice, attempt)
+        assert refused.status_code == 403, (name, refused.get_body())
+    app.clock.now = app.clock.now + timedelta(minutes=21)  # the page was left open too long
+    expired = post(app, event_id, alice, token)
+    assert expired.status_code == 403
+    assert b"expired" in expired.get_body()
+    assert app.approvals(event_id) == []
+
+
+def test_every_instance_shares_the_form_key(app: App):
+    from coordinator.store import TableStateStore
+
+    first = app.coordinator.store.shared_key("approval-form")
+    # Another instance: its own client on the same table (the key was created once, by whoever came first).
+    settings = app.module.settings()
+    assert settings.storage_connection_string is not None
+    other = TableStateStore.from_connection_string(
+        settings.storage_connection_string.get_secret_value(), table_name=app.table
     )
-    assert missing.status_code == 404
+    assert other.shared_key("approval-form") == first
+    assert len(first) == 32
+    assert other.shared_key("another-purpose") != first
+
+
+def test_dry_run_records_the_persons_decision_and_sends_nothing(app: App):
+    event_id = reboot_waiting_for_a_person(app)
+    app.coordinator.dry_run = True
+    alice = principal(APPROVE_ROLE)
+    answer = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, form_token_of(open_page(app, event_id, alice)))
+    assert answer.status_code == 200, answer.get_body()
+    assert json.loads(answer.get_body())["status"] == "dry-run"
+    assert decisions(app, event_id)[-1] == {
+        "Rule": "manual",
+        "Actor": "person:alice@example.com",
+        "Outcome": "approve",
+        "DryRun": 1,
+    }
+    app.module.reevaluate(TimerRequest(past_due=False))
+    assert app.approvals(event_id) == []
+    stored = app.coordinator.store.get_event(event_id)
+    assert stored is not None
+    assert stored.record.state == "Scheduled"
+    assert stored.record.approval is None
+
+
+def test_dry_run_holds_an_approval_decided_before_it_was_switched_on(app: App):
+    event_id = reboot_waiting_for_a_person(app)
+    # Decided and committed, but not yet delivered (e.g. Relay was down); then the coordinator restarts in dry-run.
+    app.coordinator.callback = _Unreachable()
+    alice = principal(APPROVE_ROLE)
+    answer = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, form_token_of(open_page(app, event_id, alice)))
+    assert json.loads(answer.get_body())["status"] == "sent"
+    app.module.coordinator.cache_clear()
+    app.module.coordinator().clock = app.clock
+    app.module.coordinator().dry_run = True
+    app.clock.now = app.clock.now + timedelta(minutes=2)  # past the retry time of the pending delivery
+    app.module.reevaluate(TimerRequest(past_due=False))
+    assert app.approvals(event_id) == []
+    stored = app.coordinator.store.get_event(event_id)
+    assert stored is not None
+    assert stored.record.approval is not None
+    assert not stored.record.approval.delivered
+
+
+class _Unreachable:
+    def send(self, request: Any, *, vm: Any) -> Any:
+        from coordinator.callback import ApprovalDeliveryError
+
+        raise ApprovalDeliveryError("relay unreachable (test)")
 
 
 @pytest.mark.parametrize("outcome", ["succeeded"])

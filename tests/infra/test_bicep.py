@@ -240,7 +240,7 @@ def test_cloud_init_installs_the_forwarder_with_its_settings() -> None:
     assert placeholders == set(re.findall(r"'(__[A-Z_]+__)'", text)), "every placeholder is filled, and only those"
     # The installer's own flags (forwarder/install.sh), each one it understands.
     install = (bm.ROOT / "forwarder" / "install.sh").read_text(encoding="utf-8")
-    flags = set(re.findall(r"(--[a-z-]+) ", template.split("install.sh", 1)[1]))
+    flags = set(re.findall(r"(--[a-z-]+) ", template.rsplit("install.sh", 1)[1]))  # the call, not the comments
     assert flags == {"--eventhub-namespace", "--eventhub-name", "--client-id", "--relay-namespace"}
     for flag in flags:
         assert f"    {flag})" in install, f"forwarder/install.sh does not take {flag}"

@@ -84,6 +84,20 @@ resource site 'Microsoft.Web/sites@2024-04-01' = {
   }
 }
 
+resource badAuth 'Microsoft.Web/sites/config@2024-04-01' = {
+  parent: site
+  name: 'authsettingsV2'
+  properties: {
+    platform: {
+      enabled: true
+    }
+    globalValidation: {
+      requireAuthentication: false
+      unauthenticatedClientAction: 'AllowAnonymous'
+    }
+  }
+}
+
 resource settings 'Microsoft.Web/sites/config@2024-04-01' = {
   parent: site
   name: 'appsettings'
@@ -100,6 +114,7 @@ EXPECTED_BAD = {
     ("CKV_SE_5", "Microsoft.Relay/namespaces/authorizationRules.relayRule"),
     ("CKV_SE_6", "Microsoft.Web/sites.site"),
     ("CKV_SE_6", "Microsoft.Web/sites/config.settings"),
+    ("CKV_SE_7", "Microsoft.Web/sites/config.badAuth"),
 }
 
 
@@ -173,6 +188,7 @@ def test_project_checks_run_on_infra(checkov_reports: tuple[dict[str, Any], dict
         ("CKV_SE_4", "Microsoft.Insights/components.appInsights"),
         ("CKV_SE_6", "Microsoft.Web/sites.site"),
         ("CKV_SE_6", "Microsoft.Web/sites/config.appSettings"),
+        ("CKV_SE_7", "Microsoft.Web/sites/config.authSettings"),
     } <= passed
     # CKV_SE_5 passes by absence: no SAS rule resource exists, so it never appears.
     assert not {check for check in passed if check[0] == "CKV_SE_5"}
