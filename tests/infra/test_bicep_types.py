@@ -231,7 +231,7 @@ def test_values_known_only_at_deployment_are_skipped_and_counted(
         "name: 'app-package'\n  properties: {\n    publicAccess: toLower('None')",
     )
     _edit(
-        storage,
+        infra / "modules" / "packages.bicep",
         "name: 'forwarder'\n  properties: {\n    publicAccess: 'None'",
         "name: 'forwarder'\n  properties: {\n    publicAccess: '${namePrefix}none'",
     )
