@@ -102,7 +102,8 @@ def test_hook_deadline_then_on_deadline_action(default):
 
 def test_budget_counts_impacted_instances_per_scale_set():
     policy = parse_policy(
-        "rules:\n  - name: two-at-a-time\n    action: approve-within-budget\n    budget: {maxImpacted: 2}\n"
+        "rules:\n  - name: two-at-a-time\n    match: {eventType: [Freeze, Reboot]}\n"
+        "    action: approve-within-budget\n    budget: {maxImpacted: 2}\n"
     )
     one = record(resources=["web_1"], vms={"web_1": sighting("web_1")})
     assert evaluate(policy, one, FleetView(), NOW).verdict == "approve"
