@@ -869,12 +869,15 @@ class Coordinator:
             if refused:
                 decision = rules.Decision(decision.rule, decision.action, "wait", refused)
         previous = record.decision
-        if previous is None or (previous.rule, previous.verdict, previous.dryRun, previous.heldBy) != (
-            decision.rule,
-            decision.verdict,
-            self.dry_run,
-            decision.heldBy,
-        ):
+        # A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), not on
+        # every re-evaluation that finds the same.
+        if previous is None or (
+            previous.rule,
+            previous.verdict,
+            previous.dryRun,
+            previous.heldBy,
+            previous.reason,
+        ) != (decision.rule, decision.verdict, self.dry_run, decision.heldBy, decision.reason):
             record.decision = DecisionRecord(
                 decisionId=uuid.uuid4().hex,
                 rule=decision.rule,

@@ -598,9 +598,9 @@ def removals(
     events: Iterable[EventRecord], last_seen: dict[str, datetime], now: datetime, grace: timedelta
 ) -> list[Removal]:
     """Which silent VMs were removed, and by which event. Evidence: a Terminate or Preempt that names the VM was
-    seen Started (by any VM), or was approved through the platform and its NotBefore has passed (the platform
-    deletes at NotBefore whatever happens; an approved delete may go at once, before any poll sees Started),
-    and then the VM has been silent for ``grace`` (longer than a forwarder's heartbeat interval: a VM that is
+    seen Started (by any VM), or its NotBefore has passed (the platform goes at NotBefore whatever happens), or
+    it was approved (StartRequests accepted) and is not held by another pending delete (an approved delete may go
+    at once, before any poll sees Started); and then the VM has been silent for ``grace`` (longer than a forwarder's heartbeat interval: a VM that is
     still there keeps talking). Silence alone is never enough (that is a lost heartbeat, alerted)."""
     found: dict[str, Removal] = {}
     for record in events:
@@ -610,8 +610,10 @@ def removals(
         due = record.notBefore is not None and now >= record.notBefore
         if record.everStarted:
             evidence = "seen Started"
-        elif due and (approved or record.state in ("Approved", "Expired")):
-            evidence = f"NotBefore {record.notBefore.isoformat() if record.notBefore else ''} passed"
+        elif due:
+            evidence = f"its NotBefore {record.notBefore.isoformat() if record.notBefore else ''} passed"
+        elif approved and record.platformHold is None:
+            evidence = "approved through the platform and not held by another pending delete"
         else:
             continue
         for name in record.resources:
