@@ -1139,7 +1139,7 @@ class Coordinator:
         for future in late:
             plan = futures[future]
             plan.failure = (
-                f"{plan.executor}'s listener did not answer within {self.approval_deadline.total_seconds():.0f} s; "
+                f"{plan.executor}'s listener did not answer within {self.approval_deadline.total_seconds():g} s; "
                 "retried (idempotent by decisionId)"
             )
 

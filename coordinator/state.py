@@ -600,8 +600,9 @@ def removals(
     """Which silent VMs were removed, and by which event. Evidence: a Terminate or Preempt that names the VM was
     seen Started (by any VM), or its NotBefore has passed (the platform goes at NotBefore whatever happens), or
     it was approved (StartRequests accepted) and is not held by another pending delete (an approved delete may go
-    at once, before any poll sees Started); and then the VM has been silent for ``grace`` (longer than a forwarder's heartbeat interval: a VM that is
-    still there keeps talking). Silence alone is never enough (that is a lost heartbeat, alerted)."""
+    at once, before any poll sees Started); and then the VM has been silent for ``grace`` (longer than a
+    forwarder's heartbeat interval: a VM that is still there keeps talking). Silence alone is never enough (that
+    is a lost heartbeat, alerted)."""
     found: dict[str, Removal] = {}
     for record in events:
         if record.eventType not in REMOVING_EVENTS or record.state in ("Canceled",):

@@ -189,15 +189,18 @@ def test_pending_deletes_of_a_scale_set_are_approved_together(azurite, fleet_imd
     # web_1 is drained; web_2 is not: web_1's own rule approves, but it is held by web_2's delete.
     h.coordinator.process_batch([h.phase("web_1", first, [("10-drain", "succeeded")])])
     held = h.record(first)
-    assert held.state == "Scheduled" and held.approval is None
-    assert held.decision.verdict == "wait" and held.decision.heldBy == second
+    assert held.state == "Scheduled"
+    assert held.approval is None
+    assert held.decision.verdict == "wait"
+    assert held.decision.heldBy == second
     second_record = h.record(second)
     assert f"delete of web_2 ({second})" in held.decision.reason
     assert f"pending until {second_record.notBefore.isoformat()}" in held.decision.reason
     decision_row = h.rows("Decision", first)[-1]
     assert decision_row.Details["heldBy"] == second
     summary = h.coordinator.summarize(held)
-    assert summary["heldBy"]["by"] == "coordinator" and summary["heldBy"]["eventId"] == second
+    assert summary["heldBy"]["by"] == "coordinator"
+    assert summary["heldBy"]["eventId"] == second
     assert h.approvals(first) == []
     # web_2 drained: both approved in that same batch, each through the VM it deletes.
     report = h.coordinator.process_batch([h.phase("web_2", second, [("10-drain", "succeeded")])])
@@ -236,7 +239,8 @@ def test_an_approved_delete_held_by_the_platform_says_so(azurite, fleet_imds, tm
     record = h.record(first)
     second_not_before = h.record(second).notBefore.isoformat()
     expected = f"held by the platform: delete of web_2 ({second}) pending until {second_not_before}"
-    assert record.platformHold is not None and record.platformHold.describe() == expected
+    assert record.platformHold is not None
+    assert record.platformHold.describe() == expected
     held_rows = [r for r in h.rows("Approval", first) if r.Outcome == "held"]
     assert [(r.Actor, r.Reason) for r in held_rows] == [("platform", expected)]
     assert expected in h.card(first, "approved")
@@ -307,7 +311,8 @@ def test_a_removed_vm_is_retired_and_its_events_conclude(azurite, fleet_imds, tm
         r for r in h.history.rows if r.RecordType == "Heartbeat" and r.VmName == "web_1" and r.Outcome == "lost"
     ]
     assert all(delete != e["eventId"] and reboot != e["eventId"] for e in h.coordinator.pending())
-    assert h.cleanups and f"vm-{IDENTITY['web_1']['vmId']}" not in h.cleanups[-1]
+    assert h.cleanups
+    assert f"vm-{IDENTITY['web_1']['vmId']}" not in h.cleanups[-1]
     assert f"vm-{IDENTITY['web_2']['vmId']}" in h.cleanups[-1]
 
 
