@@ -89,10 +89,25 @@ def build_card(
     ]
     if record.decision is not None:
         facts.append(_fact("Decision", f"{record.decision.verdict} by rule '{record.decision.rule}'"))
+        if record.decision.heldBy and record.approval is None:
+            facts.append(_fact("Held", record.decision.reason))
     if record.approval is not None:
         facts.append(_fact("Approved by", record.approval.actor))
         if record.approval.outcome:
             facts.append(_fact("Approval outcome", f"{record.approval.outcome} {record.approval.reason}".strip()))
+    if record.platformHold is not None:
+        facts.append(_fact("Held", record.platformHold.describe()))
+    failed = [
+        f"{name}: {phase} hook '{hook}' {sighting.hooks.get(phase, 'failed')}"
+        for name, sighting in sorted(record.vms.items())
+        for phase, hook in sorted(sighting.failedHooks.items())
+    ]
+    if failed:
+        facts.append(
+            _fact("Failed hooks", "; ".join(failed[:10]) + (f" … (+{len(failed) - 10})" if len(failed) > 10 else ""))
+        )
+    if record.removed:
+        facts.append(_fact("Removed", ", ".join(record.removed[:20])))
     body: list[dict[str, Any]] = [
         {
             "type": "TextBlock",

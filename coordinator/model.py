@@ -46,8 +46,14 @@ class VmSighting(BaseModel):
     lastSequence: int
     incarnation: int = 0
     status: SightingStatus
+    # The forwarder state (VmRecord.epoch) ``lastSequence`` belongs to: positions compare as (epoch, sequence), so
+    # a forwarder that lost its state and counts from 0 again is not taken for a replay.
+    epoch: int = 0
+    # Per phase (prepare|recover): the phase's outcome on this VM, and the hook that failed it ("" if none).
     hooks: dict[str, str] = Field(default_factory=dict)
+    failedHooks: dict[str, str] = Field(default_factory=dict)
     hookSequence: int = -1
+    hookEpoch: int = 0
 
     def identity(self) -> VmIdentity:
         return VmIdentity(
@@ -70,6 +76,11 @@ class DecisionRecord(BaseModel):
     decidedAt: datetime
     dryRun: bool = False
     actor: str = ""
+    # A Terminate whose own rule approves, held back because another pending delete of its scale set is not ready
+    # (the platform couples them): that event's id, its VM and NotBefore (the latest the hold can last).
+    heldBy: str = ""
+    heldByVm: str = ""
+    heldUntil: datetime | None = None
 
 
 class ApprovalRecord(BaseModel):
@@ -88,6 +99,21 @@ class ApprovalRecord(BaseModel):
     reason: str = ""
     executor: str = ""
     delivered: bool = False
+
+
+class PlatformHold(BaseModel):
+    """An approved delete the platform does not start while another delete of its scale set is pending."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    vm: str = ""
+    until: datetime | None = None
+    since: datetime
+
+    def describe(self) -> str:
+        until = self.until.isoformat() if self.until else "its NotBefore"
+        return f"held by the platform: delete of {self.vm or self.eventId} ({self.eventId}) pending until {until}"
 
 
 class EventRecord(BaseModel):
@@ -116,6 +142,13 @@ class EventRecord(BaseModel):
     pendingSince: datetime | None = None
     # Where the reporting VMs' sightings are kept (their VM groups); ``vms`` is assembled from them on read.
     groups: list[str] = Field(default_factory=list)
+    # The scale sets of the VMs in Resources (state.scale_set_key), kept on the event so that the pending deletes
+    # of a scale set can be found without reading every VM group.
+    scaleSets: list[str] = Field(default_factory=list)
+    # Set while an approved delete waits for another pending delete of its scale set (the platform holds it).
+    platformHold: PlatformHold | None = None
+    # The VMs this event removed (Terminate/Preempt, then silent): they will never report it gone.
+    removed: list[str] = Field(default_factory=list)
 
     @property
     def open(self) -> bool:
@@ -124,6 +157,17 @@ class EventRecord(BaseModel):
     @property
     def scale_sets(self) -> set[str]:
         return {s.scaleSet for s in self.vms.values() if s.scaleSet}
+
+
+class Retirement(BaseModel):
+    """Why a VM is gone: the event that removed it (a Terminate or Preempt naming it), and when it was retired."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    eventType: str
+    at: datetime
+    reason: str = ""
 
 
 class VmRecord(BaseModel):
@@ -138,6 +182,13 @@ class VmRecord(BaseModel):
     lastSeen: datetime
     listed: list[str] = Field(default_factory=list)
     heartbeatLost: bool = False
+    # The forwarder's state identifier (Envelope.stateId) and how many times it changed: a new one restarts the
+    # position (epoch + 1); envelopes from a few past states are stale replays and are dropped.
+    stateId: str = ""
+    epoch: int = 0
+    pastStates: list[str] = Field(default_factory=list)
+    # Set when a Terminate/Preempt naming the VM concluded it and the VM fell silent: it is gone, not lost.
+    retired: Retirement | None = None
     # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a
     # batch writes an event only when the event itself changes, and a VM's sightings with its position).
     sightings: dict[str, VmSighting] = Field(default_factory=dict)

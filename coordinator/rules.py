@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coordinator.model import EventRecord, Verdict
+from coordinator.state import pending_delete
 
 Action = Literal["approve-now", "approve-after-hooks", "approve-within-budget", "wait-for-person", "never-approve"]
 Weekday = Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
@@ -105,6 +107,10 @@ def _all_match(values: list[str], patterns: list[str]) -> bool:
 class HooksOption(_Strict):
     deadlineSeconds: int = Field(default=600, gt=0)
     onDeadline: Literal["approve", "wait"] = "wait"
+    # A VM whose forwarder reports the phase with no hooks at all (outcome not-run): "wait" treats it like a hook
+    # not yet succeeded (until the deadline), "ready" like success. Default "wait": a VM without hooks cannot be
+    # told from an install that forgot them, and the deadline bounds what waiting costs.
+    noHooks: Literal["wait", "ready"] = "wait"
 
 
 class BudgetOption(_Strict):
@@ -127,6 +133,15 @@ class Rule(_Strict):
             raise ValueError(f"'budget' applies only to 'approve-within-budget', not {self.action!r}")
         if self.hooks is not None and self.action != "approve-after-hooks":
             raise ValueError(f"'hooks' applies only to 'approve-after-hooks', not {self.action!r}")
+        if self.action == "approve-within-budget" and (
+            self.match.eventType is None or "Terminate" in self.match.eventType
+        ):
+            raise ValueError(
+                "'approve-within-budget' cannot decide Terminate events: the platform holds an approved delete while "
+                "any other delete of its scale set is pending, so approving deletes N at a time does not pace them "
+                "(they all go once every one is approved or timed out). Give this rule 'match: {eventType: [...]}' "
+                "without Terminate, and decide deletes with another rule (e.g. approve-after-hooks)"
+            )
         return self
 
 
@@ -166,6 +181,10 @@ class Decision:
     action: Action
     verdict: Verdict
     reason: str
+    # Set when the rule approves a Terminate but another pending delete of its scale set is not ready (couple()).
+    heldBy: str = ""
+    heldByVm: str = ""
+    heldUntil: datetime | None = None
 
 
 def scale_set_of(record: EventRecord, vm_name: str) -> str:
@@ -219,11 +238,12 @@ def _after_hooks(rule: Rule, record: EventRecord, now: datetime) -> Decision:
     options = rule.hooks or HooksOption()
     affected = record.resources or sorted(record.vms)
     outcomes = {name: (record.vms[name].hooks.get("prepare", "") if name in record.vms else "") for name in affected}
-    missing = sorted(name for name, outcome in outcomes.items() if outcome != "succeeded")
+    ready = {"succeeded", "not-run"} if options.noHooks == "ready" else {"succeeded"}
+    missing = sorted(name for name, outcome in outcomes.items() if outcome not in ready)
     if not missing:
         return Decision(rule.name, rule.action, "approve", f"prepare hooks succeeded on all {len(affected)} VMs")
     deadline = record.createdAt + timedelta(seconds=options.deadlineSeconds)
-    detail = ", ".join(f"{name}={outcomes[name] or 'none'}" for name in missing[:10])
+    detail = ", ".join(_hook_state(record, name, outcomes[name]) for name in missing[:10])
     if now >= deadline:
         verdict: Verdict = "approve" if options.onDeadline == "approve" else "wait"
         return Decision(
@@ -234,6 +254,60 @@ def _after_hooks(rule: Rule, record: EventRecord, now: datetime) -> Decision:
             f"{options.onDeadline}",
         )
     return Decision(rule.name, rule.action, "wait", f"waiting for prepare hooks until {deadline.isoformat()}: {detail}")
+
+
+def _hook_state(record: EventRecord, name: str, outcome: str) -> str:
+    """'web_2=failed (10-check)': the VM, its prepare phase's outcome and the hook that failed it."""
+    if outcome == "not-run":
+        return f"{name}=not-run (no hooks installed; noHooks=wait)"
+    failed = record.vms[name].failedHooks.get("prepare", "") if name in record.vms else ""
+    return f"{name}={outcome or 'none'}" + (f" ({failed})" if failed else "")
+
+
+def ready_to_go(record: EventRecord) -> bool:
+    """Whether a pending delete's own rule approves it (its stored decision says approve, or held only by
+    another delete)."""
+    decision = record.decision
+    return decision is not None and (decision.verdict == "approve" or bool(decision.heldBy))
+
+
+def couple(decision: Decision, record: EventRecord, deletes: Iterable[EventRecord], now: datetime) -> Decision:
+    """The pending deletes of a scale set are decided as one unit: the platform holds an approved delete while
+    another delete of its scale set is pending ("Approve all pending deletes"), and simultaneous deletes go
+    only when all are approved. So a Terminate that its own rule approves waits while another pending Terminate
+    of the same scale set is not ready, naming the one that holds it (the latest NotBefore among them: the
+    longest the hold can last); once every one is ready they are approved together."""
+    if record.eventType != "Terminate" or decision.verdict != "approve":
+        return decision
+    mine = set(record.scaleSets)
+    blockers = [
+        other
+        for other in deletes
+        if other.eventId != record.eventId
+        and mine & set(other.scaleSets)
+        and pending_delete(other, now)
+        and not ready_to_go(other)
+    ]
+    if not blockers:
+        return decision
+    far = datetime.max.replace(tzinfo=UTC)
+    holder = max(blockers, key=lambda other: (other.notBefore or far, other.eventId))
+    vm = ", ".join(holder.resources[:3]) or holder.eventId
+    until = holder.notBefore.isoformat() if holder.notBefore else "its NotBefore"
+    why = holder.decision.reason if holder.decision is not None else "not decided yet"
+    scale_set = ", ".join(sorted(mine & set(holder.scaleSets)))
+    more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
+    return Decision(
+        decision.rule,
+        decision.action,
+        "wait",
+        f"ready ({decision.reason}), held with the pending deletes of scale set {scale_set}: delete of {vm} "
+        f"({holder.eventId}){more} is not ready ({why[:300]}), pending until {until}; deletes of a scale set are "
+        "approved together once each is ready",
+        heldBy=holder.eventId,
+        heldByVm=vm,
+        heldUntil=holder.notBefore,
+    )
 
 
 def _within_budget(rule: Rule, record: EventRecord, fleet: FleetView) -> Decision:

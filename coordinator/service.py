@@ -7,9 +7,12 @@ and redo, so each decision is taken once), then act on what was committed (send 
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
 import logging
 import random
+import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +33,7 @@ from coordinator.model import (
     BudgetRecord,
     DecisionRecord,
     EventRecord,
+    Retirement,
     SentAlerts,
     VmGroupRecord,
     VmRecord,
@@ -40,6 +44,7 @@ from coordinator.rows import HistoryRow
 from coordinator.state import (
     EventChange,
     Observation,
+    Removal,
     VmUpdate,
     advance,
     apply_observations,
@@ -47,9 +52,12 @@ from coordinator.state import (
     clone,
     event_row,
     merge_vm_records,
+    platform_hold,
     raise_alert,
+    removals,
     transition,
     vm_observations,
+    vm_position,
 )
 from coordinator.store import ConcurrencyConflict, DeadLetter, Stored, TableStateStore
 from forwarder.approval import ApprovalRequest, ApprovalResult
@@ -59,6 +67,15 @@ log = logging.getLogger("coordinator")
 
 MAX_EVENTS_PER_DOCUMENT = 100
 MAX_RESOURCES_PER_EVENT = 1000
+# Bounds on what one envelope may carry, so that nothing it holds can break a write for others: Table Storage,
+# Log Analytics and SQLite hold 64-bit integers; a VM name is at most 64 characters in Azure (256 is generous).
+INT64 = (-(2**63), 2**63 - 1)
+MAX_NAME_CHARS = 256
+MAX_TEXT_CHARS = 4096
+# observedAt is the VM's clock: a replay from the spool may be days old, but not older than this project, and a
+# clock far ahead would make the VM look alive for ever.
+EARLIEST_OBSERVED = datetime(2000, 1, 1, tzinfo=UTC)
+MAX_CLOCK_AHEAD = timedelta(days=1)
 APPROVAL_FAILED_AFTER = 3
 COMMIT_ATTEMPTS = 8
 BULK_ATTEMPTS = 3
@@ -70,6 +87,13 @@ IN_FLIGHT_GRACE = timedelta(seconds=90)
 CLAIM_LEASE = timedelta(seconds=90)
 # Cards are sent right after the write that records them; the timer sends those still pending after this.
 ALERT_GRACE = timedelta(seconds=30)
+# A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
+# long: three of the forwarder's 60 s heartbeats. Shorter than the heartbeat timeout, so no "heartbeat lost" first.
+RETIRE_GRACE = timedelta(seconds=180)
+# Approvals of one batch go out concurrently, each given this long; a listener that does not answer in time is
+# recorded as failed and retried by the timer (the listener is idempotent per decisionId).
+APPROVAL_WORKERS = 16
+APPROVAL_DEADLINE = timedelta(seconds=30)
 
 
 def utcnow() -> datetime:
@@ -119,6 +143,7 @@ class TickReport:
     approvals_sent: int = 0
     alerts_sent: int = 0
     heartbeats_lost: int = 0
+    vms_retired: int = 0
     history_rows: int = 0
     events_purged: int = 0
 
@@ -140,16 +165,52 @@ class _Fleet:
     def __init__(self, store: TableStateStore) -> None:
         self._store = store
         self._view: rules.FleetView | None = None
+        self._open: list[EventRecord] | None = None
+        self._deletes: dict[str, EventRecord] | None = None
+
+    def _open_events(self) -> list[EventRecord]:
+        if self._open is None:
+            self._open = [stored.record for stored in self._store.open_events()]
+        return self._open
 
     def view(self) -> rules.FleetView:
         if self._view is None:
             view = rules.FleetView()
-            for stored in self._store.open_events():
-                record = stored.record
+            for record in self._open_events():
                 if _holds_budget(record):
                     view = view.with_event(record)
             self._view = view
         return self._view
+
+    def deletes(self) -> dict[str, EventRecord]:
+        """The open Terminate events, as this batch/tick last decided them (delete coupling reads these)."""
+        if self._deletes is None:
+            self._deletes = {r.eventId: r for r in self._open_events() if r.eventType == "Terminate"}
+        return self._deletes
+
+    def seed(self, records: list[EventRecord]) -> None:
+        """The open events the caller has just read (saves reading them again)."""
+        self._open = records
+
+    def note(self, record: EventRecord) -> None:
+        """Keeps the delete registry current as events change within a batch or tick."""
+        if record.eventType == "Terminate":
+            self.deletes()[record.eventId] = record
+
+    def held_in(self, scale_sets: Iterable[str], now: datetime) -> list[str]:
+        """Pending deletes of these scale sets that are held back by another one (to re-decide)."""
+        wanted = set(scale_sets)
+        if not wanted:
+            return []
+        return sorted(
+            r.eventId
+            for r in self.deletes().values()
+            if r.open
+            and r.decision is not None
+            and r.decision.heldBy
+            and wanted & set(r.scaleSets)
+            and r.approval is None
+        )
 
     def add(self, record: EventRecord) -> None:
         if self._view is not None:
@@ -224,7 +285,7 @@ def _etag(stored: Stored[Any] | None) -> str | None:
 
 
 def _set_aside(
-    mine: dict[str, VmRecord], current: Stored[VmGroupRecord] | None, base: dict[str, int | None]
+    mine: dict[str, VmRecord], current: Stored[VmGroupRecord] | None, base: dict[str, tuple[int, int] | None]
 ) -> set[str]:
     """After a conflict on a VM group: takes out of ``mine`` the VMs not to write. Those already at this batch's
     position (written by an earlier part of this batch, or by an instance that processed the same envelopes), and
@@ -234,9 +295,9 @@ def _set_aside(
         fresh = current.record.vms.get(vm_id) if current else None
         if fresh is None:
             continue
-        if fresh.lastSequence == record.lastSequence:
+        if vm_position(fresh) == vm_position(record):
             del mine[vm_id]
-        elif fresh.lastSequence != base.get(vm_id):
+        elif vm_position(fresh) != base.get(vm_id):
             stale.add(vm_id)
             del mine[vm_id]
     return stale
@@ -259,26 +320,90 @@ class _Work:
 
 
 @dataclass
+class _Delivery:
+    """One approval on its way: what is sent, to whom, and what came back."""
+
+    event_id: str
+    decision_id: str
+    executor: str
+    vm: VmIdentity | None = None
+    request: ApprovalRequest | None = None
+    intent: HistoryRow | None = None
+    result: ApprovalResult | None = None
+    failure: str = ""
+
+
+@dataclass
 class _VmBatch:
     groups: dict[str, Stored[VmGroupRecord]]
     key_of: dict[str, str]
     updates: dict[str, VmUpdate] = field(default_factory=dict)
     new_vms: set[str] = field(default_factory=set)
-    # Each VM's lastSequence in the position its observations were derived from (None: no position).
-    base: dict[str, int | None] = field(default_factory=dict)
+    # VMs whose envelopes could not be processed, and why (dead-lettered by the caller).
+    failed: dict[str, str] = field(default_factory=dict)
+    # Each VM's (epoch, lastSequence) in the position its observations were derived from (None: no position).
+    base: dict[str, tuple[int, int] | None] = field(default_factory=dict)
 
 
 def _dead_letter_reason(error: Exception) -> str:
+    """Why a message was refused, in at most a few hundred characters whatever the message held."""
     if isinstance(error, ValidationError):
         parts = []
         for item in error.errors()[:5]:
-            where = ".".join(str(p) for p in item["loc"]) or "(envelope)"
-            parts.append(f"{where}: {item['msg']}")
+            where = ".".join(str(p)[:64] for p in item["loc"]) or "(envelope)"
+            parts.append(f"{where}: {str(item['msg'])[:200]}")
         more = f" (+{error.error_count() - 5} more)" if error.error_count() > 5 else ""
         return "invalid envelope: " + "; ".join(parts) + more
     if isinstance(error, UnicodeError):
-        return f"body is not UTF-8 text: {error}"
-    return f"refused: {error}"
+        return f"body is not UTF-8 text: {str(error)[:300]}"
+    if isinstance(error, ValueError):
+        return f"refused: {str(error)[:500]}"
+    return f"refused: {type(error).__name__}: {str(error)[:500]}"
+
+
+def _int64(value: int | None, what: str) -> None:
+    if value is not None and not INT64[0] <= value <= INT64[1]:
+        raise ValueError(f"{what} {str(value)[:40]}… does not fit in 64 bits")
+
+
+def _text(value: str, what: str, limit: int) -> None:
+    if len(value) > limit:
+        raise ValueError(f"{what} is {len(value)} characters (limit {limit})")
+
+
+def _check_bounds(envelope: Envelope, now: datetime) -> None:
+    """What the envelope contract leaves open but storage cannot hold: integers beyond 64 bits, timestamps that
+    overflow arithmetic, names and texts of any length, too many events or resources."""
+    _int64(envelope.sequence, "sequence")
+    observed = envelope.observedAt
+    if observed < EARLIEST_OBSERVED or observed > now + MAX_CLOCK_AHEAD:
+        raise ValueError(
+            f"observedAt {observed.isoformat()} is not plausible (before {EARLIEST_OBSERVED.year} or more than "
+            f"{MAX_CLOCK_AHEAD.days} day ahead of the coordinator's clock {now.isoformat()})"
+        )
+    vm = envelope.vm
+    for name in ("vmScaleSetName", "placementGroupId", "subscriptionId", "resourceGroupName", "location", "zone"):
+        _text(str(getattr(vm, name)), f"vm.{name}", MAX_NAME_CHARS)
+    _text(vm.platformFaultDomain, "vm.platformFaultDomain", MAX_NAME_CHARS)
+    if envelope.document is not None:
+        document = envelope.document
+        _int64(document.DocumentIncarnation, "DocumentIncarnation")
+        if len(document.Events) > MAX_EVENTS_PER_DOCUMENT:
+            raise ValueError(f"document lists {len(document.Events)} events (limit {MAX_EVENTS_PER_DOCUMENT})")
+        for event in document.Events:
+            where = f"event {event.EventId[:128]}"
+            _int64(event.DurationInSeconds, f"{where}: DurationInSeconds")
+            if len(event.Resources) > MAX_RESOURCES_PER_EVENT:
+                raise ValueError(f"{where} lists {len(event.Resources)} resources (limit {MAX_RESOURCES_PER_EVENT})")
+            for resource in event.Resources:
+                _text(resource, f"{where}: a resource name", MAX_NAME_CHARS)
+            for name in ("ResourceType", "EventSource", "NotBefore"):
+                _text(str(getattr(event, name)), f"{where}: {name}", MAX_NAME_CHARS)
+            _text(event.Description, f"{where}: Description", MAX_TEXT_CHARS)
+    if envelope.hook is not None:
+        _int64(envelope.hook.exitCode, "hook.exitCode")
+        for step in envelope.hook.steps or ():
+            _int64(step.exitCode, f"hook step {step.hook[:64]}: exitCode")
 
 
 class Coordinator:
@@ -302,6 +427,9 @@ class Coordinator:
         retention: timedelta = timedelta(days=30),
         clock: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
+        retire_grace: timedelta = RETIRE_GRACE,
+        approval_workers: int = APPROVAL_WORKERS,
+        approval_deadline: timedelta = APPROVAL_DEADLINE,
     ) -> None:
         self.store = store
         self.history = history
@@ -319,52 +447,84 @@ class Coordinator:
         self.retention = retention
         self.clock = clock
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
+        if retire_grace >= heartbeat_timeout:
+            raise ValueError(
+                f"retire_grace ({retire_grace.total_seconds():.0f} s) must be shorter than heartbeat_timeout "
+                f"({heartbeat_timeout.total_seconds():.0f} s): a removed VM is retired before it counts as lost"
+            )
+        self.retire_grace = retire_grace
+        self.approval_workers = approval_workers
+        self.approval_deadline = approval_deadline
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     # ---- envelopes in ----------------------------------------------------------------------------------------
-    def _validate(self, message: RawMessage) -> Envelope:
+    def _validate(self, message: RawMessage, now: datetime) -> Envelope:
         envelope = Envelope.model_validate_json(message.body)
         if message.partition_key and message.partition_key.lower() != envelope.vm.partition_key:
             raise ValueError(
-                f"partition key {message.partition_key!r} is not the envelope's vm.resourceId: a VM reports only "
-                "for itself"
+                f"partition key {message.partition_key[:300]!r} is not the envelope's vm.resourceId: a VM reports "
+                "only for itself"
             )
-        if envelope.document is not None:
-            if len(envelope.document.Events) > MAX_EVENTS_PER_DOCUMENT:
-                raise ValueError(
-                    f"document lists {len(envelope.document.Events)} events (limit {MAX_EVENTS_PER_DOCUMENT})"
-                )
-            for event in envelope.document.Events:
-                if len(event.Resources) > MAX_RESOURCES_PER_EVENT:
-                    raise ValueError(f"event {event.EventId} lists {len(event.Resources)} resources")
-        return envelope
+        _check_bounds(envelope, now)
+        # Unknown identity fields are not kept: the VM's position is stored with its identity.
+        vm = VmIdentity.model_validate(envelope.vm.model_dump(include=set(VmIdentity.model_fields)))
+        return envelope.model_copy(update={"vm": vm})
+
+    def _dead_letter(
+        self, message: RawMessage, reason: str, now: datetime, *, dead: list[DeadLetter], work: _Work, where: str
+    ) -> None:
+        reason = reason[:2000]
+        source = {k: (v[:300] if isinstance(v, str) else v) for k, v in message.source().items()}
+        log.warning("dead-letter: %s (%s) refused: %s", where, json.dumps(source), reason)
+        dead.append(DeadLetter(reason=reason, body=message.body, received_at=now, source=source))
+        details = {**source, "bodyBytes": len(message.body), "bodySha256": hashlib.sha256(message.body).hexdigest()}
+        work.rows.append(HistoryRow(TimeGenerated=now, RecordType="DeadLetter", Reason=reason, Details=details))
 
     def process_batch(self, messages: Sequence[RawMessage]) -> BatchReport:
         """One Event Hubs batch (cardinality many). Bad messages are dead-lettered; the rest goes on."""
         now = self.clock()
         report = BatchReport(received=len(messages))
         work = _Work()
+        # Each VM's envelopes in arrival order: the batch's order is its Event Hubs partition's (key = the VM).
         by_vm: dict[str, list[Envelope]] = defaultdict(list)
+        raw_of: dict[str, list[RawMessage]] = defaultdict(list)
         dead: list[DeadLetter] = []
         for index, message in enumerate(messages):
             try:
-                envelope = self._validate(message)
-            except (ValidationError, ValueError, UnicodeError) as error:
-                reason = _dead_letter_reason(error)
-                log.warning(
-                    "dead-letter: message %d of the batch (%s) refused: %s", index, json.dumps(message.source()), reason
-                )
-                dead.append(DeadLetter(reason=reason, body=message.body, received_at=now, source=message.source()))
-                work.rows.append(
-                    HistoryRow(TimeGenerated=now, RecordType="DeadLetter", Reason=reason, Details=message.source())
+                envelope = self._validate(message, now)
+            except Exception as error:  # any failure is this message's alone: set aside, counted
+                self._dead_letter(
+                    message,
+                    _dead_letter_reason(error),
+                    now,
+                    dead=dead,
+                    work=work,
+                    where=f"message {index} of the batch",
                 )
                 continue
             by_vm[envelope.vm.vmId.lower()].append(envelope)
-        if dead:
-            self.store.put_dead_letters(dead)
-        report.dead_lettered = len(dead)
+            raw_of[envelope.vm.vmId.lower()].append(message)
 
         fleet = _Fleet(self.store)
         updates = self._vm_updates(by_vm, cached=True)
+        for vm_id, problem in updates.failed.items():
+            # Whatever broke on this VM's envelopes costs only this VM (its position does not move).
+            for message in raw_of.pop(vm_id, []):
+                self._dead_letter(
+                    message,
+                    f"processing failed: {problem}",
+                    now,
+                    dead=dead,
+                    work=work,
+                    where=f"an envelope of VM {vm_id}",
+                )
+        if dead:
+            try:
+                self.store.put_dead_letters(dead)
+            except Exception:  # the history rows and log lines keep them; the batch's good messages go on
+                log.exception("could not store %d dead letters", len(dead))
+        report.dead_lettered = len(dead)
         stale = self._apply(updates, now, fleet, report, work)
         for _attempt in range(BULK_ATTEMPTS):
             if not stale:
@@ -398,11 +558,12 @@ class Coordinator:
                 observations[observation.event_id].append(observation)
             if update.resumed:
                 work.rows.append(self._vm_row(update.record, now, "heartbeat resumed"))
-        committed = self._commit_events(observations, now, fleet, report, updates)
+            work.rows.extend(update.rows)
+        committed = self._commit_events(observations, now, fleet, report, updates, work=work)
         for change in committed:
             self._collect(change, work)
             self._keep_sightings(change, observations[change.record.eventId], updates)
-        report.events_changed += len(committed)
+        report.events_changed += len(committed) + self._release_held(committed, now, fleet, work)
         # VM positions are written after the events: a crash in between replays the envelopes, which the
         # events' per-VM sequence makes harmless.
         return self._save_vm_updates(updates, report)
@@ -421,8 +582,14 @@ class Coordinator:
         for vm_id, envelopes in by_vm.items():
             stored = groups.get(key_of[vm_id])
             previous = stored.record.vms.get(vm_id) if stored else None
-            batch.updates[vm_id] = vm_observations(previous, envelopes)
-            batch.base[vm_id] = previous.lastSequence if previous else None
+            try:
+                batch.updates[vm_id] = vm_observations(previous, envelopes)
+            except Exception as error:  # contained to this VM; the caller dead-letters its envelopes
+                log.exception("VM %s: its envelopes could not be read against its position", vm_id)
+                batch.failed[vm_id] = f"{type(error).__name__}: {str(error)[:500]}"
+                del key_of[vm_id]
+                continue
+            batch.base[vm_id] = vm_position(previous) if previous else None
             if previous is None:
                 batch.new_vms.add(vm_id)
         return batch
@@ -471,12 +638,62 @@ class Coordinator:
         return stale
 
     # ---- events: read, apply, write with ETags ---------------------------------------------------------------
-    def _evolve(
-        self, record: EventRecord | None, observations: list[Observation], now: datetime, fleet: _Fleet
-    ) -> EventChange | None:
-        change = apply_observations(record, observations, now)
-        if change is None:
+    def _decide_all(self, changes: Sequence[EventChange], now: datetime, fleet: _Fleet) -> None:
+        """Decides the changed events of a batch or tick. The pending deletes among them are decided as one unit
+        with those of their scale sets: each one's own verdict is noted first, so that simultaneous deletes
+        arriving together are approved together rather than one held by the other. A failure deciding one event
+        costs only that event's decision (its observations are still written; the timer decides it again)."""
+        for change in changes:
+            record = change.record
+            if record.eventType == "Terminate" and record.state == "Scheduled" and record.approval is None:
+                try:
+                    own = rules.evaluate(self.policy, record, rules.FleetView(), now)
+                except Exception:
+                    log.exception("event %s: its rule could not be evaluated", record.eventId)
+                    continue
+                provisional = DecisionRecord(
+                    decisionId="",
+                    rule=own.rule,
+                    action=own.action,
+                    verdict=own.verdict,
+                    reason=own.reason,
+                    decidedAt=now,
+                )
+                fleet.note(record.model_copy(update={"decision": provisional}))
+            else:
+                fleet.note(record)
+        for change in changes:
+            try:
+                self._decide(change, now, fleet)
+            except Exception:
+                log.exception("event %s: deciding failed; the timer decides it again", change.record.eventId)
+            fleet.note(change.record)
+
+    def _release_held(self, changes: Sequence[EventChange], now: datetime, fleet: _Fleet, work: _Work) -> int:
+        """Deletes held back by a delete that changed here (approved, ready, started, gone, expired) are decided
+        again at once, not on the next timer run: once the last pending delete of a scale set is ready, all of
+        them are approved in this same batch or tick."""
+        touched = {scale_set for c in changes if c.record.eventType == "Terminate" for scale_set in c.record.scaleSets}
+        here = {c.record.eventId for c in changes}
+        released = 0
+        for event_id in fleet.held_in(touched, now):
+            if event_id in here:
+                continue
+            try:
+                change = self._commit_one(event_id, lambda r: self._redecide(r, now, fleet))
+            except ConcurrencyConflict:
+                log.warning("held delete %s: contended; the timer decides it again", event_id)
+                continue
+            if change is not None:
+                released += 1
+                fleet.note(change.record)
+                self._collect(change, work)
+        return released
+
+    def _redecide(self, record: EventRecord | None, now: datetime, fleet: _Fleet) -> EventChange | None:
+        if record is None:
             return None
+        change = EventChange(record=clone(record))
         self._decide(change, now, fleet)
         return change
 
@@ -531,12 +748,35 @@ class Coordinator:
         fleet: _Fleet,
         report: BatchReport,
         batch: _VmBatch,
+        *,
+        work: _Work,
     ) -> list[EventChange]:
         if not observations:
             return []
 
-        def evolve(record: EventRecord | None, items: list[Observation]) -> EventChange | None:
-            change = self._evolve(record, items, now, fleet)
+        failed: set[str] = set()
+
+        def apply(record: EventRecord | None, event_id: str, items: list[Observation]) -> EventChange | None:
+            if event_id in failed:
+                return None
+            try:
+                change = apply_observations(record, items, now)
+            except Exception as error:
+                # Contained to this event: its observations are set aside (logged, a DeadLetter row); the rest
+                # of the batch goes on.
+                failed.add(event_id)
+                vms = sorted({o.vm.name for o in items})
+                log.exception("event %s: observations from %s could not be applied", event_id, vms)
+                work.rows.append(
+                    HistoryRow(
+                        TimeGenerated=now,
+                        RecordType="DeadLetter",
+                        EventId=event_id[:128],
+                        Reason=f"observations could not be applied: {type(error).__name__}: {str(error)[:500]}",
+                        Details={"vms": vms[:20]},
+                    )
+                )
+                return None
             if change is not None:
                 reporting = {batch.key_of[o.vm.vmId.lower()] for o in items if o.vm.vmId.lower() in batch.key_of}
                 if not reporting <= set(change.record.groups):
@@ -552,11 +792,16 @@ class Coordinator:
             wanted = {key for s in stored.values() for key in s.record.groups} - set(batch.groups)
             groups = {**self.store.get_vm_groups(wanted, cached=attempt == 0), **batch.groups}
             assembled = self._assemble(stored, groups)
-            changes, writes = [], []
+            applied: list[tuple[EventChange, Stored[EventRecord] | None]] = []
             for event_id, items in observations.items():
                 current = assembled.get(event_id)
-                change = evolve(current.record if current else None, items)
-                if change is None or not change.changed:
+                change = apply(current.record if current else None, event_id, items)
+                if change is not None:
+                    applied.append((change, current))
+            self._decide_all([c for c, _ in applied], now, fleet)
+            changes, writes = [], []
+            for change, current in applied:
+                if not change.changed:
                     continue
                 changes.append(change)
                 # Only the event itself is written here; new sightings go with the VM positions.
@@ -573,9 +818,12 @@ class Coordinator:
             event_id = change.record.eventId
 
             def redo(
-                record: EventRecord | None, items: list[Observation] = observations[event_id]
+                record: EventRecord | None, event_id: str = event_id, items: list[Observation] = observations[event_id]
             ) -> EventChange | None:
-                return evolve(record, items)
+                redone = apply(record, event_id, items)
+                if redone is not None:
+                    self._decide_all([redone], now, fleet)
+                return redone
 
             result = self._commit_one(event_id, redo, report)
             if result is not None:
@@ -612,6 +860,8 @@ class Coordinator:
             return
         view = fleet.view() if rules.needs_fleet(self.policy, record, now) else rules.FleetView()
         decision = rules.evaluate(self.policy, record, view, now)
+        if record.eventType == "Terminate" and record.scaleSets:
+            decision = rules.couple(decision, record, fleet.deletes().values(), now)
         limit = rules.budget_limit(self.policy, decision.rule)
         if decision.verdict == "approve" and not self.dry_run and limit is not None:
             # The rule saw budget left in this instance's view; the claim makes that hold across instances.
@@ -619,11 +869,15 @@ class Coordinator:
             if refused:
                 decision = rules.Decision(decision.rule, decision.action, "wait", refused)
         previous = record.decision
-        if previous is None or (previous.rule, previous.verdict, previous.dryRun) != (
-            decision.rule,
-            decision.verdict,
-            self.dry_run,
-        ):
+        # A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), not on
+        # every re-evaluation that finds the same.
+        if previous is None or (
+            previous.rule,
+            previous.verdict,
+            previous.dryRun,
+            previous.heldBy,
+            previous.reason,
+        ) != (decision.rule, decision.verdict, self.dry_run, decision.heldBy, decision.reason):
             record.decision = DecisionRecord(
                 decisionId=uuid.uuid4().hex,
                 rule=decision.rule,
@@ -633,6 +887,9 @@ class Coordinator:
                 decidedAt=now,
                 dryRun=self.dry_run,
                 actor=f"rule:{decision.rule}",
+                heldBy=decision.heldBy,
+                heldByVm=decision.heldByVm,
+                heldUntil=decision.heldUntil,
             )
             change.rows.append(self._decision_row(record, now))
             change.changed = True
@@ -662,6 +919,15 @@ class Coordinator:
             Outcome=decision.verdict,
             Reason=decision.reason,
             DryRun=decision.dryRun,
+            Details=(
+                {
+                    "heldBy": decision.heldBy,
+                    "heldByVm": decision.heldByVm,
+                    "heldUntil": decision.heldUntil.isoformat() if decision.heldUntil else None,
+                }
+                if decision.heldBy
+                else None
+            ),
         )
 
     # ---- acting on what was committed ------------------------------------------------------------------------
@@ -682,15 +948,36 @@ class Coordinator:
         *,
         last_seen: dict[str, datetime] | None,
         settled: dict[str, list[str]] | None = None,
+        fleet: _Fleet | None = None,
     ) -> None:
         """Sends the committed approvals and cards. The batch path logs the cards it sent in one write; the timer
-        (``settled``: what those logs say was sent) clears them from the events' outbox itself."""
+        (``settled``: what those logs say was sent) clears them from the events' outbox itself.
+
+        Approvals: the intent (the approval record, written by the deciding write, and an Approval history row)
+        is recorded before anything is sent, so a coordinator that dies right after sending still leaves its
+        history; they go out concurrently (a bounded pool, each with its own deadline), so a slow or absent
+        listener holds up nothing else; each outcome is then written to its event."""
         records: dict[str, EventRecord] = dict(work.records)
-        for event_id in work.deliveries:
-            change = self._deliver(event_id, now, last_seen)
+        plans = [plan for plan in (self._plan(event_id, now, last_seen) for event_id in work.deliveries) if plan]
+        if any(plan.intent is not None for plan in plans):
+            work.rows.extend(plan.intent for plan in plans if plan.intent is not None)
+            self._write_history(work.rows, report)
+            work.rows = []
+        self._send_all(plans)
+        fleet = fleet or _Fleet(self.store)
+        for plan in plans:
+            try:
+                change = self._commit_one(
+                    plan.event_id,
+                    lambda r, plan=plan: self._approval_outcome(r, plan=plan, now=now, fleet=fleet),  # type: ignore[misc]
+                )
+            except ConcurrencyConflict:
+                log.warning("approval of %s: outcome not recorded (contended); the timer reconciles", plan.event_id)
+                continue
             if change is not None:
                 report.approvals_sent += 1
-                records[event_id] = change.record
+                records[plan.event_id] = change.record
+                fleet.note(change.record)
                 self._collect(change, work)
         self._release_budgets(records.values())
         sent: dict[str, list[str]] = defaultdict(list)
@@ -782,8 +1069,11 @@ class Coordinator:
         work.rows.append(_alert_row(record, kind, now, "sent", ""))
         return True
 
-    def _deliver(self, event_id: str, now: datetime, last_seen: dict[str, datetime] | None) -> EventChange | None:
-        if self.dry_run:  # the one place every approval is sent from: an approval decided before dry-run waits
+    def _plan(self, event_id: str, now: datetime, last_seen: dict[str, datetime] | None) -> _Delivery | None:
+        """What to send for one committed approval, read fresh: the executor and the request (None when no VM
+        can execute it; the failure says why). Every approval is sent from a plan, so dry-run is held here: an
+        approval decided before dry-run was switched on waits."""
+        if self.dry_run:
             return None
         stored = self.event(event_id)
         if stored is None or stored.record.approval is None or stored.record.approval.delivered:
@@ -794,40 +1084,80 @@ class Coordinator:
         if last_seen:
             seen.update({name: last_seen[name] for name in seen if name in last_seen})
         executor = choose_executor(record, seen, now - self.heartbeat_timeout)
-        result: ApprovalResult | None = None
-        failure = ""
+        plan = _Delivery(event_id=event_id, decision_id=approval.decisionId, executor=executor.name if executor else "")
         if executor is None:
-            failure = f"no VM of {sorted(record.vms)} reported within {self.heartbeat_timeout.total_seconds():.0f} s"
-        else:
-            request = ApprovalRequest(
-                eventId=record.eventId,
-                decisionId=approval.decisionId,
-                rule=approval.rule,
-                issuedAt=now,
-                expiresAt=record.notBefore or now + timedelta(minutes=15),
-            )
-            try:
-                result = self.callback.send(request, vm=executor.identity())
-            except ApprovalDeliveryError as error:
-                failure = str(error)
-        executor_name = executor.name if executor else ""
-        return self._commit_one(
-            event_id,
-            lambda r: self._approval_outcome(
-                r, decision_id=approval.decisionId, executor=executor_name, result=result, failure=failure, now=now
-            ),
+            within = f"{self.heartbeat_timeout.total_seconds():.0f} s"
+            if record.eventType == "Terminate":
+                plan.failure = (
+                    f"a Terminate is approved only through the VM it deletes, and none of {record.resources[:5]} "
+                    f"reported within {within} (no peer may approve it)"
+                )
+            else:
+                plan.failure = f"no VM of {sorted(record.vms)[:10]} reported within {within}"
+            return plan
+        plan.vm = executor.identity()
+        plan.request = ApprovalRequest(
+            eventId=record.eventId,
+            decisionId=approval.decisionId,
+            rule=approval.rule[:256],
+            issuedAt=now,
+            expiresAt=record.notBefore or now + timedelta(minutes=15),
         )
+        plan.intent = HistoryRow(
+            TimeGenerated=now,
+            RecordType="Approval",
+            EventId=record.eventId,
+            EventType=record.eventType,
+            EventSource=record.eventSource,
+            State=record.state,
+            NotBefore=record.notBefore,
+            VmName=executor.name,
+            Rule=approval.rule,
+            DecisionId=approval.decisionId,
+            Actor=approval.actor,
+            Outcome="sending",
+            Reason=f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})",
+        )
+        return plan
+
+    def _send_all(self, plans: Sequence[_Delivery]) -> None:
+        """Sends the approvals concurrently, each given ``approval_deadline``. One that has not answered by then is
+        recorded as failed and retried later; its thread finishes on its own (the sender has its own timeouts)."""
+        futures: dict[concurrent.futures.Future[ApprovalResult], _Delivery] = {}
+        for plan in plans:
+            if plan.request is not None and plan.vm is not None:
+                futures[self._pool().submit(self.callback.send, plan.request, vm=plan.vm)] = plan
+        if not futures:
+            return
+        done, late = concurrent.futures.wait(futures, timeout=self.approval_deadline.total_seconds())
+        for future in done:
+            plan = futures[future]
+            try:
+                plan.result = future.result()
+            except ApprovalDeliveryError as error:
+                plan.failure = str(error)
+            except Exception as error:  # a bug or an odd answer in one delivery costs only that delivery
+                log.exception("approval of %s through %s failed", plan.event_id, plan.executor)
+                plan.failure = f"{type(error).__name__}: {error}"
+        for future in late:
+            plan = futures[future]
+            plan.failure = (
+                f"{plan.executor}'s listener did not answer within {self.approval_deadline.total_seconds():g} s; "
+                "retried (idempotent by decisionId)"
+            )
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.approval_workers, thread_name_prefix="approval"
+                )
+            return self._executor
 
     def _approval_outcome(
-        self,
-        record: EventRecord | None,
-        *,
-        decision_id: str,
-        executor: str,
-        result: ApprovalResult | None,
-        failure: str,
-        now: datetime,
+        self, record: EventRecord | None, *, plan: _Delivery, now: datetime, fleet: _Fleet
     ) -> EventChange | None:
+        decision_id, executor, result, failure = plan.decision_id, plan.executor, plan.result, plan.failure
         if record is None or record.approval is None or record.approval.decisionId != decision_id:
             return None
         record = clone(record)
@@ -860,6 +1190,8 @@ class Coordinator:
         if result is not None and result.outcome == "approved":
             approval.delivered = True
             approval.nextAttemptAt = None
+            # Set before the transition, so that the "approved" card says what holds it.
+            self._update_hold(change, fleet.deletes().values(), now)
             if record.state == "Scheduled":
                 transition(
                     change,
@@ -884,10 +1216,45 @@ class Coordinator:
             raise_alert(change, "approval-failed", now)
         return change
 
+    @staticmethod
+    def _update_hold(change: EventChange, deletes: Iterable[EventRecord], now: datetime) -> None:
+        """Shows an approved delete that the platform holds because another delete of its scale set is pending:
+        on the record (the card and summarize() read it) and as an Approval row (Actor platform, Outcome held),
+        and again when the hold is lifted or moves to another pending delete."""
+        record = change.record
+        hold = platform_hold(record, deletes, now)
+        previous = record.platformHold
+        if (hold.eventId if hold else "") == (previous.eventId if previous else ""):
+            return
+        record.platformHold = hold
+        change.changed = True
+        reason = hold.describe() if hold else "no longer held by the platform: no other delete of its scale set pending"
+        change.rows.append(
+            event_row(
+                record,
+                now,
+                "Approval",
+                Actor="platform",
+                Outcome="held" if hold else "released",
+                Reason=reason,
+                DecisionId=record.approval.decisionId if record.approval else "",
+                Details=(
+                    {
+                        "heldBy": hold.eventId,
+                        "heldByVm": hold.vm,
+                        "until": hold.until.isoformat() if hold.until else None,
+                    }
+                    if hold
+                    else None
+                ),
+            )
+        )
+
     # ---- the timer -------------------------------------------------------------------------------------------
     def tick(self) -> TickReport:
-        """Re-evaluates waiting events, expires, concludes events whose VMs fell silent, retries approvals and
-        alerts that failed, and notices VMs whose heartbeat stopped."""
+        """Re-evaluates waiting events, expires, retires VMs that a Terminate/Preempt removed and concludes their
+        events, concludes events whose VMs fell silent, retries approvals and alerts that failed, and notices VMs
+        whose heartbeat stopped."""
         now = self.clock()
         report = TickReport()
         work = _Work()
@@ -899,21 +1266,35 @@ class Coordinator:
         silent = frozenset(name for name, seen in last_seen.items() if seen < now - self.heartbeat_timeout)
         fleet = _Fleet(self.store)
         by_key = {g.record.group: g for g in groups}
-        open_events = self._assemble({s.record.eventId: s for s in self.store.open_events()}, by_key)
+        stored_open = self.store.open_events()
+        fleet.seed([s.record for s in stored_open])
+        open_events = self._assemble({s.record.eventId: s for s in stored_open}, by_key)
         report.open_events = len(open_events)
+        groups = self._retire(
+            groups, removals([s.record for s in open_events.values()], last_seen, now, self.retire_grace), now, work
+        )
+        retired = {vm.identity.name: vm.retired.eventId for g in groups for vm in g.record.vms.values() if vm.retired}
+        report.vms_retired = sum(1 for row in work.rows if row.Outcome == "retired")
         logs = self.store.sent_alert_logs()
         settled: dict[str, list[str]] = defaultdict(list)
         for _, entry in logs:
             for event_id, kinds in entry.events.items():
                 settled[event_id].extend(kinds)
+        changes: list[EventChange] = []
         for stored in open_events.values():
             record = stored.record
-            change = self._commit_one(
-                record.eventId, lambda r: self._reconsider(r, now, fleet, silent), report, read=stored
-            )
+            try:
+                change = self._commit_one(
+                    record.eventId, lambda r: self._reconsider(r, now, fleet, silent, retired), report, read=stored
+                )
+            except ConcurrencyConflict:
+                log.warning("event %s: contended; the next tick tries again", record.eventId)
+                continue
             if change is not None:
                 report.events_changed += 1
                 self._collect(change, work)
+                changes.append(change)
+                fleet.note(change.record)
                 record = change.record
             approval = record.approval
             if (
@@ -924,26 +1305,76 @@ class Coordinator:
                 and approval.nextAttemptAt <= now
                 and record.eventId not in work.deliveries
             ):
+                if approval.attempts == 0 and not approval.outcome:
+                    work.rows.append(_unknown_outcome_row(record, approval, now))
                 work.deliveries.append(record.eventId)
             self._pending_alerts(record, now, work, settled)
+        report.events_changed += self._release_held(changes, now, fleet, work)
         for stored in self.store.closed_events_with_pending_alerts():
             self._pending_alerts(stored.record, now, work, settled)
         self._heartbeats(groups, now, work, report)
         self._run_housekeeping(groups, now, report)
-        self._act(work, now, report, last_seen=last_seen, settled=settled)
+        self._act(work, now, report, last_seen=last_seen, settled=settled, fleet=fleet)
         if logs:
             self.store.delete_sent_alert_logs([key for key, _ in logs])
         return report
 
     def _reconsider(
-        self, record: EventRecord | None, now: datetime, fleet: _Fleet, silent: frozenset[str]
+        self, record: EventRecord | None, now: datetime, fleet: _Fleet, silent: frozenset[str], retired: dict[str, str]
     ) -> EventChange | None:
         if record is None:
             return None
         change = EventChange(record=clone(record))
-        advance(change, now, silent_vms=silent)
+        advance(change, now, silent_vms=silent, retired=retired)
+        if record.eventType == "Terminate" and record.approval is not None and record.approval.delivered:
+            self._update_hold(change, fleet.deletes().values(), now)
         self._decide(change, now, fleet)
         return change
+
+    def _retire(
+        self, groups: list[Stored[VmGroupRecord]], found: list[Removal], now: datetime, work: _Work
+    ) -> list[Stored[VmGroupRecord]]:
+        """Marks each removed VM as gone, with the event that removed it (a Heartbeat row, Outcome retired): no
+        'heartbeat lost' for it, its events conclude, its hybrid connection goes with the next housekeeping.
+        Returns the groups as written (a group another instance changed meanwhile is left for the next tick)."""
+        if not found:
+            return groups
+        by_name = {r.vm: r for r in found}
+        out = []
+        for stored in groups:
+            retiring = {
+                vm_id: vm.model_copy(
+                    update={
+                        "retired": Retirement(
+                            eventId=by_name[vm.identity.name].event_id,
+                            eventType=by_name[vm.identity.name].event_type,
+                            at=now,
+                            reason=by_name[vm.identity.name].reason,
+                        )
+                    }
+                )
+                for vm_id, vm in stored.record.vms.items()
+                if vm.retired is None and vm.identity.name in by_name
+            }
+            if not retiring:
+                out.append(stored)
+                continue
+            updated = stored.record.model_copy(update={"vms": {**stored.record.vms, **retiring}})
+            try:
+                etag = self.store.save_vm_group(updated, stored.etag, vm_ids=retiring)
+            except ConcurrencyConflict:
+                out.append(stored)  # a VM of the group reported meanwhile: decided again next tick
+                continue
+            out.append(Stored(updated, etag))
+            for vm in retiring.values():
+                assert vm.retired is not None
+                row = self._vm_row(vm, now, vm.retired.reason)
+                work.rows.append(
+                    row.model_copy(
+                        update={"Outcome": "retired", "EventId": vm.retired.eventId, "EventType": vm.retired.eventType}
+                    )
+                )
+        return out
 
     @staticmethod
     def _pending_alerts(record: EventRecord, now: datetime, work: _Work, settled: dict[str, list[str]]) -> None:
@@ -964,7 +1395,7 @@ class Coordinator:
             lost = {
                 vm_id: vm.model_copy(update={"heartbeatLost": True})
                 for vm_id, vm in stored.record.vms.items()
-                if not vm.heartbeatLost and vm.lastSeen < now - self.heartbeat_timeout
+                if not vm.heartbeatLost and vm.retired is None and vm.lastSeen < now - self.heartbeat_timeout
             }
             if not lost:
                 continue
@@ -1001,6 +1432,8 @@ class Coordinator:
         last_seen: dict[str, datetime] = {}
         for group in groups:
             for vm in group.record.vms.values():
+                if vm.retired is not None:
+                    continue  # left out: a connection the fleet does not know is deleted (hybrid_connections_to_delete)
                 name = vm.identity.hybrid_connection_name
                 last_seen[name] = max(vm.lastSeen, last_seen.get(name, vm.lastSeen))
         try:
@@ -1109,6 +1542,9 @@ class Coordinator:
             "goneFrom": sorted(n for n, s in record.vms.items() if s.status == "Gone"),
             "decision": record.decision.model_dump(mode="json") if record.decision else None,
             "approval": record.approval.model_dump(mode="json") if record.approval else None,
+            "heldBy": _held_by(record),
+            "failedHooks": {name: dict(s.failedHooks) for name, s in sorted(record.vms.items()) if s.failedHooks},
+            "removed": list(record.removed),
             "approveUrl": self._approve_url(record.eventId) if self._approve_url else None,
         }
 
@@ -1140,6 +1576,46 @@ def _clear_alerts_pending(record: EventRecord | None, kinds: list[str]) -> Event
     if not record.pendingAlerts:
         record.pendingSince = None
     return EventChange(record=record, changed=True)
+
+
+def _held_by(record: EventRecord) -> dict[str, Any] | None:
+    """What holds the event back, in words and by EventId: the platform (an approved delete waiting for another
+    pending delete of its scale set) or the coordinator (a ready delete waiting for its siblings to be ready)."""
+    if record.open and record.platformHold is not None:
+        hold = record.platformHold
+        return {
+            "by": "platform",
+            "eventId": hold.eventId,
+            "vm": hold.vm,
+            "until": hold.until.isoformat() if hold.until else None,
+            "reason": hold.describe(),
+        }
+    decision = record.decision
+    if record.state == "Scheduled" and record.approval is None and decision is not None and decision.heldBy:
+        return {
+            "by": "coordinator",
+            "eventId": decision.heldBy,
+            "vm": decision.heldByVm,
+            "until": decision.heldUntil.isoformat() if decision.heldUntil else None,
+            "reason": decision.reason,
+        }
+    return None
+
+
+def _unknown_outcome_row(record: EventRecord, approval: ApprovalRecord, now: datetime) -> HistoryRow:
+    return event_row(
+        record,
+        now,
+        "Approval",
+        Rule=approval.rule,
+        DecisionId=approval.decisionId,
+        Actor=approval.actor,
+        Outcome="unknown",
+        Reason=(
+            f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the sender stopped before "
+            "recording it); sent again with the same decisionId (the listener answers a repeat without approving twice)"
+        ),
+    )
 
 
 def _alert_row(record: EventRecord, kind: str, now: datetime, outcome: str, reason: str) -> HistoryRow:

@@ -57,6 +57,15 @@ class CoordinatorSettings(BaseModel):
 
     # Timing and people.
     heartbeat_timeout_seconds: int = Field(default=300, ge=30)
+    retire_grace_seconds: int = Field(
+        default=180,
+        ge=1,
+        description="retire a VM this long after a Terminate/Preempt naming it started (or was approved, or reached "
+        "NotBefore) and it fell silent; shorter than the heartbeat timeout",
+    )
+    approval_deadline_seconds: int = Field(
+        default=30, ge=1, le=600, description="how long one approval may take to be answered before it is retried"
+    )
     hybrid_connection_silence_seconds: int = Field(
         default=86_400, ge=3600, description="delete a VM's hybrid connection after this long without a word"
     )
@@ -81,6 +90,11 @@ class CoordinatorSettings(BaseModel):
             )
         if (self.logs_ingestion_endpoint is None) != (self.logs_dcr_immutable_id is None):
             raise ValueError("COORDINATOR_LOGS_INGESTION_ENDPOINT and COORDINATOR_LOGS_DCR_IMMUTABLE_ID go together")
+        if self.retire_grace_seconds >= self.heartbeat_timeout_seconds:
+            raise ValueError(
+                "COORDINATOR_RETIRE_GRACE_SECONDS must be shorter than COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: a "
+                "removed VM is retired before it would count as a lost heartbeat"
+            )
         if self.teams_webhook_url is not None and self.cards_folder is not None:
             raise ValueError("set COORDINATOR_TEAMS_WEBHOOK_URL or COORDINATOR_CARDS_FOLDER, not both")
         return self

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
-from coordinator.model import AlertKind, EventRecord, State, VmRecord, VmSighting
+from coordinator.model import AlertKind, EventRecord, PlatformHold, State, VmRecord, VmSighting
 from coordinator.rows import HistoryRow
 from forwarder.document import ScheduledEvent
 from forwarder.envelope import Envelope, HookReport, VmIdentity
 
 ObservationKind = Literal["listed", "gone", "hook"]
 SIGHTING_RETENTION = timedelta(days=7)
+# Past forwarder states remembered per VM: a replay from one of them (a spool re-sent after a crash) is dropped.
+PAST_STATES = 4
+# The events that remove the VMs they name (a deleted or evicted VM stops answering IMDS for good).
+REMOVING_EVENTS = frozenset({"Terminate", "Preempt"})
+FAILED_OUTCOMES = frozenset({"failed", "timed-out"})
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,12 @@ class Observation:
     incarnation: int = 0
     event: ScheduledEvent | None = None
     hook: HookReport | None = None
+    # The VM's forwarder-state epoch (VmRecord.epoch) the sequence belongs to.
+    epoch: int = 0
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.epoch, self.sequence)
 
 
 @dataclass
@@ -41,25 +52,64 @@ class VmUpdate:
     applied: int
     duplicates: int
     resumed: bool
+    # History rows about the VM itself (forwarder state resets).
+    rows: list[HistoryRow] = field(default_factory=list)
+
+
+def _reset_row(vm: VmIdentity, envelope: Envelope, old_state: str, last_sequence: int, epoch: int) -> HistoryRow:
+    return HistoryRow(
+        TimeGenerated=envelope.observedAt,
+        RecordType="Heartbeat",
+        ObservedAt=envelope.observedAt,
+        Sequence=envelope.sequence,
+        Outcome="reset",
+        Actor="forwarder",
+        Reason=(
+            f"forwarder state changed from {old_state or '(none)'!r} to {envelope.stateId or '(none)'!r} after "
+            f"sequence {last_sequence}: a forwarder that lost its state; its position restarts at sequence "
+            f"{envelope.sequence}"
+        ),
+        Details={
+            "oldStateId": old_state,
+            "newStateId": envelope.stateId,
+            "lastSequence": last_sequence,
+            "newSequence": envelope.sequence,
+            "epoch": epoch,
+        },
+        **_vm_columns(vm),
+    )
 
 
 def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) -> VmUpdate:
-    """Orders one VM's envelopes by sequence, drops what the VM record already holds (duplicates, stale
-    out-of-order deliveries), and turns the rest into observations, including 'gone' for events that a newer
-    document no longer lists."""
-    ordered = sorted(envelopes, key=lambda e: e.sequence)
+    """Reads one VM's envelopes in arrival order (the Event Hubs partition's order: partition key = the VM), drops
+    what the VM record already holds (duplicates by (stateId, sequence), stale deliveries, replays from a past
+    forwarder state), and turns the rest into observations, including 'gone' for events that a newer document no
+    longer lists. An envelope under a new stateId is a forwarder that lost its state: accepted, the position
+    restarts there (a new epoch), and a history row says so."""
+    ordered = list(envelopes)
     if not ordered:
         raise ValueError("vm_observations needs at least one envelope")
-    record = previous or VmRecord(identity=ordered[0].vm, lastSeen=ordered[0].observedAt)
+    record = previous or VmRecord(identity=ordered[0].vm, lastSeen=ordered[0].observedAt, stateId=ordered[0].stateId)
     listed = list(record.listed)
     last_sequence = record.lastSequence
     last_incarnation = record.lastIncarnation
     last_seen = record.lastSeen
     identity = record.identity
+    state_id, epoch, past_states = record.stateId, record.epoch, list(record.pastStates)
     observations: list[Observation] = []
+    rows: list[HistoryRow] = []
     applied = duplicates = 0
     for envelope in ordered:
-        if envelope.sequence <= last_sequence:
+        if envelope.stateId != state_id:
+            if envelope.stateId in past_states:
+                duplicates += 1  # a late delivery from a state this forwarder already left
+                continue
+            epoch += 1
+            rows.append(_reset_row(envelope.vm, envelope, state_id, last_sequence, epoch))
+            past_states = [*(s for s in past_states if s != state_id), state_id][-PAST_STATES:]
+            state_id = envelope.stateId
+            last_sequence = -1
+        elif envelope.sequence <= last_sequence:
             duplicates += 1
             continue
         applied += 1
@@ -83,6 +133,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                         observed_at=envelope.observedAt,
                         incarnation=document.DocumentIncarnation,
                         event=event,
+                        epoch=epoch,
                     )
                 )
             for event_id in listed:
@@ -95,6 +146,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                             sequence=envelope.sequence,
                             observed_at=envelope.observedAt,
                             incarnation=document.DocumentIncarnation,
+                            epoch=epoch,
                         )
                     )
             listed = now_listed
@@ -107,12 +159,14 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                     sequence=envelope.sequence,
                     observed_at=envelope.observedAt,
                     hook=envelope.hook,
+                    epoch=epoch,
                 )
             )
     # Sightings of events this VM no longer lists are kept a week (the event concludes long before) for the
     # record's "gone from every VM" check, then dropped.
-    keep_after = last_seen - SIGHTING_RETENTION
+    keep_after = _minus(last_seen, SIGHTING_RETENTION)
     sightings = {k: v for k, v in record.sightings.items() if k in listed or v.lastSeen >= keep_after}
+    back = applied > 0 and (record.heartbeatLost or record.retired is not None)
     updated = record.model_copy(
         update={
             "sightings": sightings,
@@ -122,6 +176,11 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
             "lastSeen": last_seen,
             "listed": listed,
             "heartbeatLost": record.heartbeatLost and applied == 0,
+            "stateId": state_id,
+            "epoch": epoch,
+            "pastStates": past_states,
+            # A retired VM that speaks again was not deleted after all (e.g. a Spot VM deallocated, then started).
+            "retired": record.retired if applied == 0 else None,
         }
     )
     return VmUpdate(
@@ -129,13 +188,26 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
         observations=observations,
         applied=applied,
         duplicates=duplicates,
-        resumed=record.heartbeatLost and applied > 0,
+        resumed=back,
+        rows=rows,
     )
 
 
+def _minus(moment: datetime, delta: timedelta) -> datetime:
+    """``moment - delta`` that stays representable (a year-1 timestamp from a bad clock must not raise)."""
+    try:
+        return moment - delta
+    except OverflowError:
+        return datetime.min.replace(tzinfo=moment.tzinfo)
+
+
+def vm_position(vm: VmRecord) -> tuple[int, int]:
+    return (vm.epoch, vm.lastSequence)
+
+
 def merge_vm_records(mine: VmRecord, theirs: VmRecord) -> VmRecord:
-    """Two instances wrote the same VM: the record with the higher sequence is the VM's latest position."""
-    return mine if mine.lastSequence >= theirs.lastSequence else theirs
+    """Two instances wrote the same VM: the record with the later (epoch, sequence) is the VM's latest position."""
+    return mine if vm_position(mine) >= vm_position(theirs) else theirs
 
 
 @dataclass
@@ -192,7 +264,7 @@ def new_record(observation: Observation, now: datetime) -> EventRecord:
         resources=list(event.Resources),
         description=event.Description,
         durationInSeconds=event.DurationInSeconds,
-        notBefore=event.not_before(),
+        notBefore=not_before(event),
         state="Scheduled",
         stateSince=now,
         createdAt=now,
@@ -262,7 +334,7 @@ def _observation_row(record: EventRecord, now: datetime, observation: Observatio
 
 def _apply_listed(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
     event, record = observation.event, change.record
-    if event is None or (sighting is not None and observation.sequence <= sighting.lastSequence):
+    if event is None or (sighting is not None and observation.position <= _seen_at(sighting)):
         return
     record.resources = list(event.Resources) or record.resources
     record.description = event.Description or record.description
@@ -270,7 +342,7 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
     record.eventType = event.EventType
     record.eventSource = event.EventSource
     # NotBefore is "" once Started: keep the one announced while Scheduled.
-    record.notBefore = event.not_before() or record.notBefore
+    record.notBefore = not_before(event) or record.notBefore
     if event.EventStatus == "Started":
         record.everStarted = True
     else:
@@ -284,21 +356,63 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
         firstSeen=sighting.firstSeen if sighting else observation.observed_at,
         lastSeen=observation.observed_at,
         lastSequence=observation.sequence,
+        epoch=observation.epoch,
         incarnation=observation.incarnation,
         status=event.EventStatus,
         hooks=dict(sighting.hooks) if sighting else {},
+        failedHooks=dict(sighting.failedHooks) if sighting else {},
         hookSequence=sighting.hookSequence if sighting else -1,
+        hookEpoch=sighting.hookEpoch if sighting else 0,
     )
+    record.scaleSets = scale_sets_of(record)
     change.rows.append(_observation_row(record, now, observation, event.EventStatus))
     change.changed = True
 
 
+def _seen_at(sighting: VmSighting) -> tuple[int, int]:
+    return (sighting.epoch, sighting.lastSequence)
+
+
+def not_before(event: ScheduledEvent) -> datetime | None:
+    """NotBefore as an aware UTC datetime, or None (empty once Started, or not a time this code can hold).
+
+    IMDS sends RFC 1123 ("Mon, 11 Apr 2022 22:26:58 GMT"); ISO 8601 is accepted too (Microsoft's mock server); a
+    time without a zone is taken as UTC; a time that cannot be expressed in UTC (year 1 east of Greenwich, year
+    9999 west of it) is dropped rather than allowed to raise later."""
+    value = event.not_before()
+    if value is None and event.NotBefore:
+        try:
+            value = datetime.fromisoformat(event.NotBefore.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if value is None:
+        return None
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:
+        return None
+
+
+def scale_sets_of(record: EventRecord) -> list[str]:
+    """The scale sets of the VMs an event names (a sighting says it; else the '{scale-set}_{instance}' name)."""
+    found = set()
+    for name in record.resources:
+        sighting = record.vms.get(name)
+        if sighting is not None:
+            found.add(sighting.scaleSet)
+        else:
+            head, sep, tail = name.rpartition("_")
+            found.add(head if sep and tail.isdigit() else "")
+    return sorted(found - {""})
+
+
 def _apply_gone(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
-    if sighting is None or observation.sequence <= sighting.lastSequence:
+    if sighting is None or observation.position <= _seen_at(sighting):
         return
     change.record.vms[observation.vm.name] = sighting.model_copy(
         update={
             "status": "Gone",
+            "epoch": observation.epoch,
             "lastSequence": observation.sequence,
             "lastSeen": observation.observed_at,
             "incarnation": observation.incarnation,
@@ -309,28 +423,66 @@ def _apply_gone(change: EventChange, sighting: VmSighting | None, observation: O
 
 
 def _apply_hook(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
+    """A phase report (``steps``) sets the VM's phase outcome. A per-hook report from an older forwarder tells of
+    one hook only: it can fail the phase, but never turn a failure in the same phase back into success."""
     hook = observation.hook
-    if hook is None or sighting is None or observation.sequence <= sighting.hookSequence:
+    if hook is None or sighting is None or observation.position <= (sighting.hookEpoch, sighting.hookSequence):
         return
+    hooks, failed_hooks = dict(sighting.hooks), dict(sighting.failedHooks)
+    previous = hooks.get(hook.phase, "")
+    if hook.phase_complete or previous not in FAILED_OUTCOMES:
+        hooks[hook.phase] = hook.outcome
+        failed_hooks.pop(hook.phase, None)
+        if hook.failed_hook:
+            failed_hooks[hook.phase] = hook.failed_hook
     change.record.vms[observation.vm.name] = sighting.model_copy(
-        update={"hooks": {**sighting.hooks, hook.phase: hook.outcome}, "hookSequence": observation.sequence}
+        update={
+            "hooks": hooks,
+            "failedHooks": failed_hooks,
+            "hookSequence": observation.sequence,
+            "hookEpoch": observation.epoch,
+        }
     )
-    change.rows.append(
-        event_row(
-            change.record,
-            now,
-            "Hook",
-            HookPhase=hook.phase,
-            Outcome=hook.outcome,
-            ObservedAt=observation.observed_at,
-            Sequence=observation.sequence,
-            Actor=hook.hook or "hook",
-            Reason=f"exit code {hook.exitCode}, {hook.durationSeconds:.1f} s",
-            Details={"outputTail": hook.outputTail[-1024:]} if hook.outputTail else None,
-            **_vm_columns(observation.vm),
-        )
-    )
+    change.rows.append(_hook_row(change.record, now, observation, hook, hooks[hook.phase]))
     change.changed = True
+
+
+def _hook_row(record: EventRecord, now: datetime, observation: Observation, hook: HookReport, phase: str) -> HistoryRow:
+    """Actor is the hook that failed (else the hook, or "hook"); Reason lists every step of a phase report."""
+    if hook.steps is not None:
+        steps = "; ".join(
+            f"{s.hook} {s.outcome} ({'' if s.exitCode is None else f'exit {s.exitCode}, '}{s.durationSeconds:.1f} s)"
+            for s in hook.steps
+        )
+        reason = f"{hook.phase} phase {hook.outcome}: " + (steps or "no hooks installed")
+        details: dict[str, object] | None = {
+            "steps": [
+                {
+                    **s.model_dump(include={"hook", "outcome", "exitCode", "durationSeconds"}),
+                    "outputTail": s.outputTail[-256:],
+                }
+                for s in hook.steps
+            ],
+            "failedHook": hook.failed_hook,
+        }
+    else:
+        reason = f"{hook.hook or 'hook'} {hook.outcome}, exit code {hook.exitCode}, {hook.durationSeconds:.1f} s"
+        if phase != hook.outcome:
+            reason += f"; the {hook.phase} phase stays {phase} (an earlier hook of this phase did not succeed)"
+        details = {"outputTail": hook.outputTail[-1024:]} if hook.outputTail else None
+    return event_row(
+        record,
+        now,
+        "Hook",
+        HookPhase=hook.phase,
+        Outcome=hook.outcome,
+        ObservedAt=observation.observed_at,
+        Sequence=observation.sequence,
+        Actor=hook.failed_hook or hook.hook or "hook",
+        Reason=reason[:4000],
+        Details=details,
+        **_vm_columns(observation.vm),
+    )
 
 
 def raise_alert(change: EventChange, kind: AlertKind, now: datetime) -> None:
@@ -357,15 +509,28 @@ def transition(change: EventChange, to: State, now: datetime, reason: str, **val
         raise_alert(change, alert_for[to], now)
 
 
-def advance(change: EventChange, now: datetime, *, silent_vms: frozenset[str] = frozenset()) -> None:
+def advance(
+    change: EventChange,
+    now: datetime,
+    *,
+    silent_vms: frozenset[str] = frozenset(),
+    retired: dict[str, str] | None = None,
+) -> None:
     """Derives the state from what the VMs said. ``silent_vms`` are VMs whose forwarder stopped reporting: they
-    count as 'gone' once at least one VM has seen the event leave (a deleted VM never reports again)."""
+    count as 'gone' once at least one VM has seen the event leave (a deleted VM never reports again). ``retired``
+    (VM name -> the event that removed it) are VMs known to be gone for good: they count as gone at once, so an
+    event only they reported concludes ("VM removed")."""
     record = change.record
     if not record.open:
         return
+    retired = retired or {}
+    removed_here = {name for name, by in retired.items() if by == record.eventId and name in record.resources}
+    if removed_here - set(record.removed):
+        record.removed = sorted(set(record.removed) | removed_here)
+        change.changed = True
     sightings = list(record.vms.values())
-    gone = [s for s in sightings if s.status == "Gone"]
-    remaining = [s for s in sightings if s.status != "Gone" and s.name not in silent_vms]
+    gone = [s for s in sightings if s.status == "Gone" or s.name in retired]
+    remaining = [s for s in sightings if s.status != "Gone" and s.name not in silent_vms and s.name not in retired]
     approved = record.approval is not None and record.approval.delivered
     if record.everStarted and record.state not in ("Started",):
         reason = "seen Started"
@@ -375,14 +540,19 @@ def advance(change: EventChange, now: datetime, *, silent_vms: frozenset[str] = 
             reason = "seen Started without an approval from here (NotBefore passed or approved elsewhere)"
         transition(change, "Started", now, reason)
     if gone and not remaining:
-        if record.everStarted:
+        if record.removed:
+            removed = ", ".join(record.removed)
+            transition(change, "Completed", now, f"VM removed: {removed} left with this {record.eventType}")
+        elif record.everStarted:
             transition(change, "Completed", now, f"gone from every reporting VM ({len(gone)}) after Started")
         elif approved:
             transition(
                 change, "Completed", now, f"gone from every reporting VM ({len(gone)}) after approval; Started not seen"
             )
         else:
-            transition(change, "Canceled", now, f"gone from every reporting VM ({len(gone)}) without starting")
+            others = sorted({retired[s.name] for s in gone if s.name in retired})
+            why = f" (VM removed by {', '.join(others)})" if others else ""
+            transition(change, "Canceled", now, f"gone from every reporting VM ({len(gone)}) without starting{why}")
         return
     if record.state == "Scheduled" and record.notBefore is not None and now >= record.notBefore and not approved:
         transition(change, "Expired", now, f"NotBefore {record.notBefore.isoformat()} passed without approval")
@@ -399,7 +569,8 @@ def last_seen_by_name(record: EventRecord, vm_records: Iterable[VmRecord]) -> di
 def choose_executor(record: EventRecord, last_seen: dict[str, datetime], alive_after: datetime) -> VmSighting | None:
     """Which VM executes the approval: the first VM in Resources whose forwarder reported recently (the leader
     the docs suggest); otherwise any recently reporting VM that still lists the event (same placement group,
-    since the event reached it)."""
+    since the event reached it). A Terminate is approved only through the VM it deletes ("every VM in the scale
+    set is only approving the EventID relevant for that VM only"): never a peer, so None when that VM is silent."""
     candidates = {
         name: s
         for name, s in record.vms.items()
@@ -408,6 +579,82 @@ def choose_executor(record: EventRecord, last_seen: dict[str, datetime], alive_a
     for name in record.resources:
         if name in candidates:
             return candidates[name]
-    if not candidates:
+    if not candidates or record.eventType == "Terminate":
         return None
     return max(candidates.values(), key=lambda s: (last_seen.get(s.name, s.lastSeen), s.name))
+
+
+@dataclass(frozen=True)
+class Removal:
+    """A VM that a Terminate/Preempt removed: retire it (gone for good) with this event as the reason."""
+
+    vm: str
+    event_id: str
+    event_type: str
+    reason: str
+
+
+def removals(
+    events: Iterable[EventRecord], last_seen: dict[str, datetime], now: datetime, grace: timedelta
+) -> list[Removal]:
+    """Which silent VMs were removed, and by which event. Evidence: a Terminate or Preempt that names the VM was
+    seen Started (by any VM), or its NotBefore has passed (the platform goes at NotBefore whatever happens), or
+    it was approved (StartRequests accepted) and is not held by another pending delete (an approved delete may go
+    at once, before any poll sees Started); and then the VM has been silent for ``grace`` (longer than a
+    forwarder's heartbeat interval: a VM that is still there keeps talking). Silence alone is never enough (that
+    is a lost heartbeat, alerted)."""
+    found: dict[str, Removal] = {}
+    for record in events:
+        if record.eventType not in REMOVING_EVENTS or record.state in ("Canceled",):
+            continue
+        approved = record.approval is not None and record.approval.delivered
+        due = record.notBefore is not None and now >= record.notBefore
+        if record.everStarted:
+            evidence = "seen Started"
+        elif due:
+            evidence = f"its NotBefore {record.notBefore.isoformat() if record.notBefore else ''} passed"
+        elif approved and record.platformHold is None:
+            evidence = "approved through the platform and not held by another pending delete"
+        else:
+            continue
+        for name in record.resources:
+            seen = last_seen.get(name)
+            if name in found or seen is None or seen >= _minus(now, grace):
+                continue
+            found[name] = Removal(
+                vm=name,
+                event_id=record.eventId,
+                event_type=record.eventType,
+                reason=(
+                    f"removed by {record.eventType} {record.eventId} ({evidence}); silent since {seen.isoformat()}"
+                    f" (more than {int(grace.total_seconds())} s)"
+                ),
+            )
+    return sorted(found.values(), key=lambda r: r.vm)
+
+
+def pending_delete(record: EventRecord, now: datetime) -> bool:
+    """A delete the platform still waits on: an open Terminate, Scheduled, not approved, NotBefore ahead."""
+    return (
+        record.eventType == "Terminate"
+        and record.state == "Scheduled"
+        and record.approval is None
+        and (record.notBefore is None or record.notBefore > now)
+    )
+
+
+def platform_hold(record: EventRecord, siblings: Iterable[EventRecord], now: datetime) -> PlatformHold | None:
+    """An approved delete that has not started while another delete of its scale set is pending is held by the
+    platform ("Approve all pending deletes"): the pending one that holds it longest (latest NotBefore)."""
+    if record.eventType != "Terminate" or record.approval is None or record.everStarted or not record.open:
+        return None
+    mine = set(record.scaleSets)
+    holders = [
+        s for s in siblings if s.eventId != record.eventId and mine & set(s.scaleSets) and pending_delete(s, now)
+    ]
+    if not holders:
+        return None
+    far = datetime.max.replace(tzinfo=UTC)
+    holder = max(holders, key=lambda s: (s.notBefore or far, s.eventId))
+    since = record.platformHold.since if record.platformHold and record.platformHold.eventId == holder.eventId else now
+    return PlatformHold(eventId=holder.eventId, vm=", ".join(holder.resources[:3]), until=holder.notBefore, since=since)

@@ -457,8 +457,10 @@ class DeadLetter:
     received_at: datetime
     source: dict[str, Any]
 
-    # The body is kept up to 48 KiB (base64 fits one property); its hash and size identify the whole message.
-    BODY_LIMIT = 48 * 1024
+    # A string property holds 64 KiB of UTF-16 (32K characters) and an entity 1 MiB: the body's first 16 KiB are
+    # kept (base64: 21,848 characters), the reason and source up to 8,000 characters each; the SHA-256 and size
+    # identify the whole message, however large it was.
+    BODY_LIMIT = 16 * 1024
 
     def entity(self) -> dict[str, Any]:
         return {

@@ -57,7 +57,14 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
         from coordinator.relay_sender import RelayApprovalSender  # noqa: PLC0415 -- only when Relay is configured
 
         endpoint = settings.relay_endpoint or f"https://{settings.relay_namespace}"
-        callback = RelayApprovalSender(endpoint=endpoint, credential=credential)
+        # The sender gives up a little before the coordinator's per-approval deadline, so a listener that never
+        # answers does not keep a worker of the approval pool busy much past it.
+        callback = RelayApprovalSender(
+            endpoint=endpoint,
+            credential=credential,
+            attempt_timeout=max(1.0, settings.approval_deadline_seconds - 2.0),
+            max_retry_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
+        )
         if settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group:
             from coordinator.relay_admin import (  # noqa: PLC0415
                 HybridConnectionAdmin,
@@ -102,4 +109,6 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
         on_new_vm=on_new_vm,
         housekeeping=housekeeping,
         retention=timedelta(days=settings.retention_days),
+        retire_grace=timedelta(seconds=settings.retire_grace_seconds),
+        approval_deadline=timedelta(seconds=settings.approval_deadline_seconds),
     )

@@ -9,9 +9,11 @@ import pytest
 from coordinator.model import EventRecord, VmSighting
 from coordinator.rules import (
     DEFAULT_POLICY_PATH,
+    Decision,
     FleetView,
     PolicyError,
     TimeWindow,
+    couple,
     evaluate,
     load_policy,
     parse_policy,
@@ -102,7 +104,8 @@ def test_hook_deadline_then_on_deadline_action(default):
 
 def test_budget_counts_impacted_instances_per_scale_set():
     policy = parse_policy(
-        "rules:\n  - name: two-at-a-time\n    action: approve-within-budget\n    budget: {maxImpacted: 2}\n"
+        "rules:\n  - name: two-at-a-time\n    match: {eventType: [Freeze, Reboot]}\n"
+        "    action: approve-within-budget\n    budget: {maxImpacted: 2}\n"
     )
     one = record(resources=["web_1"], vms={"web_1": sighting("web_1")})
     assert evaluate(policy, one, FleetView(), NOW).verdict == "approve"
@@ -199,3 +202,48 @@ def test_invalid_policies_name_line_and_field(text, expected):
 def test_missing_policy_file_is_a_clear_error(tmp_path):
     with pytest.raises(PolicyError, match="cannot read policy file"):
         load_policy(tmp_path / "nope.yaml")
+
+
+def test_a_budget_rule_cannot_decide_terminate_events():
+    for match in ("", "    match: {eventType: [Reboot, Terminate]}\n"):
+        with pytest.raises(PolicyError) as error:
+            parse_policy(
+                f"rules:\n  - name: b\n{match}    action: approve-within-budget\n    budget: {{maxImpacted: 1}}\n"
+            )
+        assert "cannot decide Terminate events" in str(error.value)
+        assert "does not pace them" in str(error.value)
+
+
+def test_a_ready_delete_waits_for_a_pending_sibling_and_names_it():
+    later = NOW + timedelta(minutes=12)
+    mine = record(eventId="T1", eventType="Terminate", resources=["web_1"], scaleSets=["web"])
+    sibling = record(
+        eventId="T2",
+        eventType="Terminate",
+        resources=["web_2"],
+        scaleSets=["web"],
+        notBefore=later,
+        decision={
+            "decisionId": "d",
+            "rule": "r",
+            "action": "approve-after-hooks",
+            "verdict": "wait",
+            "reason": "waiting for prepare hooks",
+            "decidedAt": NOW,
+        },
+    )
+    other_scale_set = record(eventId="T3", eventType="Terminate", resources=["api_1"], scaleSets=["api"])
+    ready = Decision("r", "approve-after-hooks", "approve", "prepare hooks succeeded on all 1 VMs")
+    held = couple(ready, mine, [mine, sibling, other_scale_set], NOW)
+    assert (held.verdict, held.heldBy, held.heldByVm, held.heldUntil) == ("wait", "T2", "web_2", later)
+    assert f"delete of web_2 (T2) is not ready (waiting for prepare hooks), pending until {later.isoformat()}" in (
+        held.reason
+    )
+    # Once the sibling is ready (or held only by this one), both go.
+    assert sibling.decision is not None
+    ready_sibling = sibling.model_copy(
+        update={"decision": sibling.decision.model_copy(update={"verdict": "wait", "heldBy": "T1"})}
+    )
+    assert couple(ready, mine, [mine, ready_sibling], NOW).verdict == "approve"
+    # An expired sibling no longer holds it (the platform deletes it at NotBefore).
+    assert couple(ready, mine, [mine, sibling], later).verdict == "approve"

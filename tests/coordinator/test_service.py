@@ -91,7 +91,7 @@ def test_failed_delivery_is_retried_by_the_timer_until_it_lands(azurite, imds, t
     assert stored.record.approval.attempts == 2
     assert approvals(imds, event_id) == 1
     outcomes = [r.Outcome for r in history.rows if r.RecordType == "Approval"]
-    assert outcomes == ["failed", "approved"]
+    assert outcomes == ["sending", "failed", "sending", "approved"]  # each intent recorded before its send
 
 
 def test_dry_run_decides_and_logs_but_sends_nothing(azurite, imds, tmp_path):
@@ -112,7 +112,8 @@ def test_dry_run_decides_and_logs_but_sends_nothing(azurite, imds, tmp_path):
 
 def test_budget_rule_sees_what_other_events_already_impact(azurite, imds, tmp_path):
     policy = parse_policy(
-        "rules:\n  - name: one-at-a-time\n    action: approve-within-budget\n    budget: {maxImpacted: 1}\n"
+        "rules:\n  - name: one-at-a-time\n    match: {eventType: [Reboot]}\n"
+        "    action: approve-within-budget\n    budget: {maxImpacted: 1}\n"
     )
     coordinator, history, _ = build(azurite, imds, tmp_path, policy=policy)
     first = scheduled_event("EV-B1", event_type="Reboot", resources=["web_1"], duration=-1)

@@ -127,3 +127,43 @@ def test_leader_is_the_first_live_vm_in_resources():
     assert fallback.name == "WestNO_1"
     seen["WestNO_1"] = DOC_NOW - timedelta(hours=1)
     assert choose_executor(record, seen, DOC_NOW - timedelta(minutes=5)) is None
+
+
+def test_a_terminate_is_never_executed_by_a_peer():
+    change, _ = run(
+        [
+            envelope(
+                vm("WestNO_1", index=2),
+                sequence=1,
+                incarnation=2,
+                events=[scheduled_event(event_type="Terminate", resources=["WestNO_0"])],
+            )
+        ]
+    )
+    record = change.record
+    assert choose_executor(record, {}, DOC_NOW - timedelta(minutes=5)) is None
+    freeze = record.model_copy(update={"eventType": "Freeze"})
+    executor = choose_executor(freeze, {}, DOC_NOW - timedelta(minutes=5))
+    assert executor is not None
+    assert executor.name == "WestNO_1"
+
+
+def test_envelopes_are_read_in_arrival_order_and_a_new_state_restarts_the_position():
+    identity = vm("WestNO_0", index=1)
+
+    def item(state: str, sequence: int) -> dict[str, Any]:
+        data = envelope(identity, sequence=sequence, incarnation=sequence, events=[])
+        data["stateId"] = state
+        return data
+
+    first = vm_observations(None, envelopes([item("a", 5), item("a", 6)]))
+    assert (first.record.stateId, first.record.lastSequence, first.record.epoch) == ("a", 6, 0)
+    # Arrival order: b's 1 and 2, then a replay of a's 7 (after a crash): dropped as from a past state.
+    second = vm_observations(first.record, envelopes([item("b", 1), item("b", 2), item("a", 7), item("b", 2)]))
+    assert (second.applied, second.duplicates) == (2, 2)
+    assert (second.record.stateId, second.record.lastSequence, second.record.epoch) == ("b", 2, 1)
+    assert second.record.pastStates == ["a"]
+    assert [r.Outcome for r in second.rows] == ["reset"]
+    # Without a stateId (older forwarders), as before: by sequence.
+    legacy = vm_observations(None, envelopes([item("", 3), item("", 2), item("", 4)]))
+    assert (legacy.applied, legacy.duplicates, legacy.record.lastSequence) == (2, 1, 4)
