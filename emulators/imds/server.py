@@ -214,7 +214,9 @@ class ImdsEmulator:
         if path.startswith("/_emulator"):
             return self._control(method, path, handler)
         with self._lock:
-            if self.state.removal(vm_name, self.clock.now()) is not None:
+            now = self.clock.now()
+            self.state.advance(now)  # scenario steps that fell due (deletes, faults) apply to this very request
+            if vm_name in self.state.removed:
                 self.requests_unanswered[vm_name] += 1
                 raise _NoAnswer
         endpoint = _endpoint_of(path)
@@ -225,8 +227,6 @@ class ImdsEmulator:
         if (handler.headers.get("Metadata") or "").lower() != "true":
             raise _bad_request("Required metadata header not specified")
         with self._lock:
-            now = self.clock.now()
-            self.state.advance(now)  # scenario fault steps that fell due apply to this very request
             decision = self.faults.decide(vm=vm_name, endpoint=endpoint, now=now, all_vms=list(self.state.vms))
             self.requests_served[vm_name] += 1
         self._carry_out(decision)

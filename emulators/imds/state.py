@@ -518,11 +518,6 @@ class EmulatorState:
 
     # ---- public operations -----------------------------------------------------------------------------------
 
-    def removal(self, vm_name: str, now: datetime) -> VmRemoval | None:
-        """How the VM was removed, or None while it exists."""
-        self.advance(now)
-        return self.removed.get(vm_name)
-
     def _require_present(self, vm_name: str) -> None:
         if vm_name in self.removed:
             raise VmRemovedError(f"VM {self._removal_text(vm_name)}; it has no IMDS any more")
