@@ -19,22 +19,58 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 EventTypeName = Literal["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"]
 EventSourceName = Literal["Platform", "User"]
+NotBeforeStyle = Literal["RFC1123", "ISO8601"]
+# Azure seconds an accepted approval waits before the event starts (other tenants of the host), or "NotBefore":
+# the platform ignores approvals and starts the event at NotBefore.
+StartDelay = Annotated[float, Field(ge=0)] | Literal["NotBefore"]
 
 # Minimum notice per type in the docs (Azure seconds; divided by the time scale). Terminate comes from the
 # scale set's terminateNotificationProfile.notBeforeTimeout instead.
 DEFAULT_NOTICE_SECONDS: dict[str, float] = {"Freeze": 900, "Reboot": 900, "Redeploy": 600, "Preempt": 30}
 DEFAULT_DURATION_SECONDS: dict[str, int] = {"Freeze": 5, "Reboot": -1, "Redeploy": -1, "Preempt": -1, "Terminate": -1}
-DEFAULT_DESCRIPTIONS: dict[str, str] = {
-    "Freeze": "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
-    "Reboot": "Virtual machine is going to be restarted as requested by authorized user.",
-    "Redeploy": "Virtual machine is going to be redeployed to a different host.",
-    "Preempt": "Virtual machine is going to be evicted because of a Spot eviction.",
-    "Terminate": "Virtual machine is going to be deleted as requested by authorized user.",
+# Descriptions the docs list as examples (learn.microsoft.com, "Scheduled Events", Event properties) and the ones
+# Microsoft's scheduled-events mock server replays from events captured on Azure VMs. The default is chosen by type,
+# status and source (`default_description`), so a hardware failure does not read like a user's request.
+DESCRIPTION_LIVE_MIGRATION = "Virtual machine is being paused because of a memory-preserving Live Migration operation."
+DESCRIPTION_HOST_MAINTENANCE = "Host server is undergoing maintenance."
+DESCRIPTION_INFRASTRUCTURE_MAINTENANCE = "Host Server infrastructure is undergoing maintenance."
+DESCRIPTION_EMERGENCY_REPAIR = "Host server is undergoing an emergency repair."
+DESCRIPTION_EVICTION = "The Virtual Machine will be evicted."  # mock server capture
+# Not documented: the emulator's wording for a platform-initiated delete (autoscale scale-in).
+DESCRIPTION_SCALE_IN = "Virtual machine is going to be deleted because of a scale-in operation."
+# "Virtual machine is going to be restarted as requested by authorized user." (documented) and "… redeployed as
+# requested by authorized user." (mock server capture) share one pattern; the other types follow it.
+_USER_VERBS: dict[str, str] = {
+    "Freeze": "paused",
+    "Reboot": "restarted",
+    "Redeploy": "redeployed",
+    "Preempt": "evicted",
+    "Terminate": "deleted",
 }
+
+
+def default_description(event_type: str, *, source: str, created_started: bool) -> str:
+    """The Description Azure would show for this kind of event when the request gives none."""
+    if source == "User":
+        return f"Virtual machine is going to be {_USER_VERBS[event_type]} as requested by authorized user."
+    if created_started and event_type in ("Reboot", "Redeploy"):
+        return DESCRIPTION_EMERGENCY_REPAIR  # an actual hardware failure: no notice, already Started
+    return {
+        "Freeze": DESCRIPTION_LIVE_MIGRATION,
+        "Reboot": DESCRIPTION_HOST_MAINTENANCE,
+        "Redeploy": DESCRIPTION_INFRASTRUCTURE_MAINTENANCE,
+        "Preempt": DESCRIPTION_EVICTION,
+        "Terminate": DESCRIPTION_SCALE_IN,
+    }[event_type]
+
+
 DEFAULT_SUBSCRIPTION = "00000000-0000-0000-0000-00000000e001"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SCALE_SET_NAME = re.compile(r"^.+_(?P<instance>\d+)$")
 _GUID = re.compile(r"^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$")
+# run-parts runs only files whose names consist of these characters (Debian run-parts, default "lanana" rules
+# aside); the forwarder's hook folders follow run-parts, so a scenario's hook names must too.
+_HOOK_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 class ScenarioError(ValueError):
@@ -56,6 +92,55 @@ def _base36(number: int) -> str:
         text = digits[rest] + text
         if number == 0:
             return text
+
+
+class HookSpec(BaseModel):
+    """One hook file of a VM's prepare or recover folder as a scenario describes it: the local runner installs a
+    script of this name that sleeps ``seconds`` (real seconds) and exits with ``exitCode``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    exitCode: int = Field(ge=0, le=255)
+    seconds: float = Field(default=0, ge=0, le=3600)
+
+    @field_validator("name")
+    @classmethod
+    def _run_parts_name(cls, value: str) -> str:
+        if not _HOOK_NAME.match(value):
+            raise ValueError(f"{value!r} is not a run-parts file name (letters, digits, '_' and '-' only)")
+        return value
+
+
+class VmHooks(BaseModel):
+    """The hooks of one VM, per phase, in the order run-parts runs them (by name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prepare: list[HookSpec] = Field(default_factory=list)
+    recover: list[HookSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> VmHooks:
+        for phase in ("prepare", "recover"):
+            names = [hook.name for hook in getattr(self, phase)]
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:
+                raise ValueError(f"{phase}: hook names {twice} appear twice (one folder cannot hold two files)")
+        return self
+
+
+def _domain_number(value: Any) -> Any:
+    """Fault and update domains are numbers that IMDS serves as strings; a scenario may write either."""
+    if isinstance(value, bool):
+        return value  # left for pydantic to refuse
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must be a number >= 0")
+        return str(value)
+    if isinstance(value, str) and not value.isdigit():
+        raise ValueError(f"{value!r} is not a number >= 0")
+    return value
 
 
 class VmSpec(BaseModel):
@@ -82,6 +167,11 @@ class VmSpec(BaseModel):
     # The docs: VMs placed individually in a zone and GPU scale sets with one fault domain receive only their
     # own events, not those of the rest of their placement group.
     isolated: bool = False
+    # Read by the local runner (which installs these hooks for the VM's forwarder); the emulator only validates
+    # them. None: the runner's default hooks.
+    hooks: VmHooks | None = None
+
+    domains_are_numbers = field_validator("platformFaultDomain", "platformUpdateDomain", mode="before")(_domain_number)
 
     @field_validator("name")
     @classmethod
@@ -192,25 +282,40 @@ class EventCreate(BaseModel):
     # Notice in Azure seconds (scaled by the time scale); or an absolute NotBefore (RFC 1123 or ISO 8601).
     NoticeSeconds: float | None = Field(default=None, ge=0)
     NotBefore: datetime | None = None
-    # "Started" models an actual hardware failure: no Scheduled phase, no notice.
+    # "Started" models an event without notice: an actual hardware failure (Platform) or a user operation the
+    # scheduledEventsPolicy approves automatically (User).
     EventStatus: Literal["Scheduled", "Started"] = "Scheduled"
+    # None: the scenario's setting (see Scenario).
+    StartDelaySeconds: StartDelay | None = None
+    # Microsoft's mock server compatibility: NotBefore as ISO 8601, and a new EventId once Started.
+    NotBeforeFormat: NotBeforeStyle | None = None
+    NewEventIdWhenStarted: bool | None = None
 
     @field_validator("NotBefore", mode="before")
     @classmethod
-    def _rfc1123(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.endswith("GMT"):
-            try:
-                return parsedate_to_datetime(value)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"NotBefore {value!r} is not an RFC 1123 date") from error
-        return value
+    def _parse_time(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        try:
+            return datetime.fromisoformat(text)
+        except ValueError:
+            pass
+        try:
+            return parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError) as error:
+            raise ValueError(
+                f"NotBefore {value!r} is neither ISO 8601 (2026-03-02T15:30:00+05:30) "
+                "nor RFC 1123 (Mon, 02 Mar 2026 10:00:00 GMT)"
+            ) from error
 
     @field_validator("NotBefore")
     @classmethod
-    def _aware(cls, value: datetime | None) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        # Any offset is kept as the instant it names; a time without one is taken as UTC (IMDS speaks GMT).
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
     @field_validator("EventId")
     @classmethod
@@ -225,6 +330,10 @@ class EventCreate(BaseModel):
             raise ValueError("give NoticeSeconds or NotBefore, not both")
         if self.EventStatus == "Started" and (self.NoticeSeconds or self.NotBefore):
             raise ValueError("an event created Started (hardware failure) has no notice")
+        if self.EventStatus == "Started" and self.StartDelaySeconds is not None:
+            raise ValueError("an event created Started has no approval to delay (StartDelaySeconds)")
+        if self.EventStatus == "Started" and self.NewEventIdWhenStarted:
+            raise ValueError("an event created Started never turns Started later (NewEventIdWhenStarted)")
         if len(set(self.Resources)) != len(self.Resources):
             raise ValueError("Resources lists a VM twice")
         return self
@@ -270,13 +379,19 @@ class ScenarioStep(BaseModel):
     create: StepCreate | None = None
     cancel: str | None = None  # a `ref` of an earlier create step, or an EventId
     fault: FaultSpec | None = None
+    # A VM whose forwarder loses its durable state at this moment. The local runner acts on it; the emulator
+    # only validates it (the VM must exist) and otherwise passes over it.
+    wipeForwarderState: str | None = None
 
     @model_validator(mode="after")
     def _one_action(self) -> ScenarioStep:
-        actions = [name for name in ("create", "cancel", "fault") if getattr(self, name) is not None]
+        actions = [name for name in _STEP_ACTIONS if getattr(self, name) is not None]
         if len(actions) != 1:
-            raise ValueError(f"a step needs exactly one of create, cancel, fault (got {actions or 'none'})")
+            raise ValueError(f"a step needs exactly one of {', '.join(_STEP_ACTIONS)} (got {actions or 'none'})")
         return self
+
+
+_STEP_ACTIONS = ("create", "cancel", "fault", "wipeForwarderState")
 
 
 class Scenario(BaseModel):
@@ -287,6 +402,12 @@ class Scenario(BaseModel):
     scaleSets: dict[str, ScaleSetSpec] = Field(default_factory=dict)
     vms: list[VmSpec] = Field(min_length=1)
     steps: list[ScenarioStep] = Field(default_factory=list)
+    # Defaults for every event (an event's own field wins). Azure seconds, scaled by the time scale.
+    startDelaySeconds: StartDelay = 0
+    # How long a VM deleted by Terminate or evicted by Preempt still answers IMDS after the event turned Started.
+    vmGoneAfterStartedSeconds: float = Field(default=0, ge=0)
+    notBeforeFormat: NotBeforeStyle = "RFC1123"
+    newEventIdWhenStarted: bool = False
 
     @model_validator(mode="after")
     def _references(self) -> Scenario:
@@ -309,6 +430,8 @@ class Scenario(BaseModel):
                 raise ValueError(f"{where}.cancel: {step.cancel!r} is no earlier create ref")
             if step.fault is not None and step.fault.vm is not None and step.fault.vm not in names:
                 raise ValueError(f"{where}.fault.vm: unknown VM {step.fault.vm!r}")
+            if step.wipeForwarderState is not None and step.wipeForwarderState not in names:
+                raise ValueError(f"{where}.wipeForwarderState: unknown VM {step.wipeForwarderState!r}")
         return self
 
     @classmethod

@@ -3,6 +3,9 @@
 A stdlib ThreadingHTTPServer on 127.0.0.1; every request takes one lock around the pure state
 (`emulators.imds.state.EmulatorState`), so the state machine stays single-threaded. Sleeps for injected faults
 happen outside the lock.
+
+A VM that a Terminate deleted or a Preempt evicted has no IMDS any more: the server reads each of its requests
+and closes the connection without a response, so its clients see a connection error, never a status.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ class _Reply(Exception):
         self.body = body
 
 
+class _NoAnswer(Exception):
+    """Ends a request with no response at all: the connection is closed (the VM is gone)."""
+
+
 def _bad_request(message: str) -> _Reply:
     return _Reply(400, {"error": f"Bad request. {message}"})
 
@@ -91,6 +98,7 @@ class ImdsEmulator:
             on_fault=self.faults.add,
         )
         self.requests_served: Counter[str] = Counter()
+        self.requests_unanswered: Counter[str] = Counter()  # per removed VM
         self._port = port
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -187,6 +195,11 @@ class ImdsEmulator:
     def vms(self) -> list[VmSpec]:
         return list(self.state.vms.values())
 
+    def removed_vms(self) -> dict[str, dict[str, Any]]:
+        """VMs gone for good, each with the event that removed it and when: ``{vm: {EventId, EventType, at}}``."""
+        with self._lock:
+            return self.state.removal_summaries(self.clock.now())
+
     @property
     def first_vm(self) -> str:
         return next(iter(self.state.vms))
@@ -200,6 +213,12 @@ class ImdsEmulator:
         vm_name, path = self._resolve_vm(path, handler.headers.get(VM_HEADER))
         if path.startswith("/_emulator"):
             return self._control(method, path, handler)
+        with self._lock:
+            now = self.clock.now()
+            self.state.advance(now)  # scenario steps that fell due (deletes, faults) apply to this very request
+            if vm_name in self.state.removed:
+                self.requests_unanswered[vm_name] += 1
+                raise _NoAnswer
         endpoint = _endpoint_of(path)
         if endpoint is None:
             raise _Reply(404, {"error": "Not found"})
@@ -208,8 +227,6 @@ class ImdsEmulator:
         if (handler.headers.get("Metadata") or "").lower() != "true":
             raise _bad_request("Required metadata header not specified")
         with self._lock:
-            now = self.clock.now()
-            self.state.advance(now)  # scenario fault steps that fell due apply to this very request
             decision = self.faults.decide(vm=vm_name, endpoint=endpoint, now=now, all_vms=list(self.state.vms))
             self.requests_served[vm_name] += 1
         self._carry_out(decision)
@@ -370,6 +387,7 @@ class ImdsEmulator:
                     result = self.state.vm_summaries(now)
                 for item in result:
                     item["requests"] = self.requests_served[item["name"]]
+                    item["requestsUnanswered"] = self.requests_unanswered[item["name"]]
             elif path == "/_emulator/faults" and method == "POST":
                 self.inject_fault(_parse(FaultSpec, _json_body(handler), source="fault"))
                 status, result = 201, self._fault_listing()
@@ -385,6 +403,7 @@ class ImdsEmulator:
                     "timeScale": self.time_scale,
                     "stepErrors": list(self.state.step_errors),
                     "throttled": self.faults.throttled_count,
+                    "removedVms": self.removed_vms(),
                 }
             else:
                 raise _Reply(404, {"error": f"no control route {method} {path}"})
@@ -462,6 +481,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._take_body()
             status, body, content_type = emulator._handle(self, method)
+        except _NoAnswer:
+            self.close_connection = True
+            return
         except _Reply as reply:
             status, body, content_type = reply.status, json.dumps(reply.body).encode(), _JSON
         except EmulatorInputError as error:

@@ -6,6 +6,9 @@ applied at the instant they were due, in time order, so results do not depend on
 
 Per VM, the document shows the events that concern its placement group (or only itself when the VM is
 isolated); its DocumentIncarnation is its own counter, incremented whenever that VM's content changes.
+
+A VM deleted by a Terminate or evicted by a Preempt is gone: from then on it has no document at all (the server
+answers none of its requests), and no new event may name it.
 """
 
 from __future__ import annotations
@@ -20,20 +23,28 @@ from email.utils import format_datetime
 from typing import Any, Literal
 
 from emulators.imds.models import (
-    DEFAULT_DESCRIPTIONS,
     DEFAULT_DURATION_SECONDS,
     DEFAULT_NOTICE_SECONDS,
     EventCreate,
     FaultSpec,
+    NotBeforeStyle,
     ScaleSetSpec,
     Scenario,
+    StartDelay,
     StartRequestsBody,
     VmSpec,
+    default_description,
 )
 from emulators.imds.versions import EventView, event_view
 
 LifecycleState = Literal["Scheduled", "Started", "Completed", "Canceled"]
-StartReason = Literal["approval", "notBefore", "hardware-failure"]
+# "automatic-approval": a user event created Started (the scheduledEventsPolicy approves user reboots/redeploys).
+StartReason = Literal["approval", "notBefore", "hardware-failure", "automatic-approval"]
+CancelReason = Literal["request", "vms-removed"]
+# The event types whose impact deletes the VM.
+REMOVING_TYPES = frozenset({"Terminate", "Preempt"})
+# Planned platform maintenance walks update domains one at a time, so its Resources stay within one.
+UPDATE_DOMAIN_BOUND_TYPES = frozenset({"Freeze", "Reboot", "Redeploy"})
 
 # The docs' rough timeline: Started → removed about 10 minutes later. The emulator keeps a Started event at least
 # this long (Azure seconds, scaled) even when DurationInSeconds is shorter, so a 1-per-second poller sees it.
@@ -44,13 +55,35 @@ class EmulatorInputError(ValueError):
     """A control-API request or StartRequests body the emulator refuses; the message says why."""
 
 
+class VmRemovedError(EmulatorInputError):
+    """The VM was deleted or evicted; it has no IMDS any more."""
+
+
 def rfc1123(moment: datetime) -> str:
     """'Mon, 11 Apr 2022 22:26:58 GMT' — the NotBefore format of IMDS."""
     return format_datetime(moment.replace(microsecond=0), usegmt=True)
 
 
+def iso8601(moment: datetime) -> str:
+    """'2022-04-11T22:26:58Z' — the NotBefore format of Microsoft's scheduled-events mock server."""
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat().replace("+00:00", "Z") if moment else None
+
+
+@dataclass(frozen=True)
+class VmRemoval:
+    """A VM gone for good: which event removed it, and when."""
+
+    vm: str
+    event_id: str
+    event_type: str
+    at: datetime
+
+    def summary(self) -> dict[str, Any]:
+        return {"EventId": self.event_id, "EventType": self.event_type, "at": _iso(self.at)}
 
 
 @dataclass
@@ -72,8 +105,20 @@ class EventRecord:
     remove_at: datetime | None = None
     removed_at: datetime | None = None
     ref: str | None = None
-    # The VMs whose document shows this event (fixed at creation: the fleet does not change).
+    # The VMs whose document shows this event (fixed at creation; VMs removed later simply stop reading).
     viewers: frozenset[str] = frozenset()
+    # Azure seconds an accepted approval waits before the event starts, or "NotBefore" (approvals are ignored).
+    start_delay: StartDelay = 0
+    # When the first accepted approval lets the event start (None: not approved, or approvals are ignored).
+    start_after: datetime | None = None
+    not_before_format: NotBeforeStyle = "RFC1123"
+    new_id_when_started: bool = False
+    # EventIds the event had before (mock-server mode gives it a new one when it turns Started).
+    former_ids: list[str] = field(default_factory=list)
+    canceled_by: CancelReason | None = None
+    # Terminate/Preempt: when its Resources are gone (set when it starts), and whether that has been applied.
+    vms_gone_at: datetime | None = None
+    vms_gone: bool = False
 
     @property
     def live(self) -> bool:
@@ -88,7 +133,7 @@ class EventRecord:
             "EventType": self.event_type,
             "ResourceType": "VirtualMachine",
             "Resources": [prefix + name for name in self.resources],
-            "NotBefore": rfc1123(self.not_before) if self.status == "Scheduled" and self.not_before else "",
+            "NotBefore": self._not_before_text() if self.status == "Scheduled" else "",
         }
         if view.description:
             body["Description"] = self.description
@@ -97,6 +142,11 @@ class EventRecord:
         if view.duration:
             body["DurationInSeconds"] = self.duration
         return body
+
+    def _not_before_text(self) -> str:
+        if self.not_before is None:
+            return ""
+        return iso8601(self.not_before) if self.not_before_format == "ISO8601" else rfc1123(self.not_before)
 
     def summary(self) -> dict[str, Any]:
         """The global (control API) view, including history."""
@@ -117,6 +167,11 @@ class EventRecord:
             "startedAt": _iso(self.started_at),
             "startedBy": self.started_by,
             "removedAt": _iso(self.removed_at),
+            "startDelaySeconds": self.start_delay,
+            "startsAfterApproval": _iso(self.start_after),
+            "formerEventIds": list(self.former_ids),
+            "canceledBy": self.canceled_by,
+            "vmsRemovedAt": _iso(self.vms_gone_at) if self.vms_gone else None,
         }
 
 
@@ -160,8 +215,11 @@ class EmulatorState:
         self.time_scale = time_scale
         self.started_min_seconds = started_min_seconds
         self.vms: dict[str, VmSpec] = {vm.name: vm for vm in scenario.vms}
+        # Keyed by the EventId an event was created with; `_keys` also knows its current and former ids.
         self.events: dict[str, EventRecord] = {}
+        self._keys: dict[str, str] = {}
         self.approvals: list[ApprovalRecord] = []
+        self.removed: dict[str, VmRemoval] = {}
         self.incarnations: dict[str, int] = dict.fromkeys(self.vms, 1)
         self._signatures: dict[str, str] = dict.fromkeys(self.vms, "[]")
         self._start = start
@@ -188,17 +246,27 @@ class EmulatorState:
             moment, action = due
             self._now = max(self._now, moment)
             action(moment)
-            self._release_terminates(moment)
+            self._release_approved(moment)
             self._refresh_views()
         self._now = now
 
     def _next_due(self) -> tuple[datetime, Callable[[datetime], None]] | None:
         candidates: list[tuple[datetime, int, Callable[[datetime], None]]] = []
         for record in self.events.values():
+            if record.vms_gone_at is not None and not record.vms_gone:
+                candidates.append((record.vms_gone_at, 0, functools.partial(self._remove_vms, record)))
             if record.status == "Started" and record.remove_at is not None:
                 candidates.append((record.remove_at, 0, functools.partial(self._remove, record)))
             elif record.status == "Scheduled" and record.not_before is not None:
                 candidates.append((record.not_before, 1, functools.partial(self._start_on_time, record)))
+                # Only an approval that can take effect is due (a held delete is released by whatever unblocks it),
+                # so that every due action makes progress.
+                if (
+                    record.start_after is not None
+                    and record.start_after < record.not_before
+                    and not self._terminate_blocked(record, record.start_after)
+                ):
+                    candidates.append((record.start_after, 1, functools.partial(self._start_approved, record)))
         if self._next_step < len(self.scenario.steps):
             step_at = self._start + self.scaled(self.scenario.steps[self._next_step].at)
             candidates.append((step_at, 2, self._run_step))
@@ -216,9 +284,18 @@ class EmulatorState:
         record.started_by = reason
         hold = max(float(record.duration), self.started_min_seconds)
         record.remove_at = at + self.scaled(hold)
+        if record.new_id_when_started:
+            record.former_ids.append(record.event_id)
+            record.event_id = self._unused_event_id()
+            self._keys[record.event_id] = self._keys[record.former_ids[0]]
+        if record.event_type in REMOVING_TYPES:
+            record.vms_gone_at = at + self.scaled(self.scenario.vmGoneAfterStartedSeconds)
 
     def _start_on_time(self, record: EventRecord, at: datetime) -> None:
         self._start_event(record, at, "notBefore")
+
+    def _start_approved(self, record: EventRecord, at: datetime) -> None:
+        self._start_event(record, at, "approval")
 
     def _remove(self, record: EventRecord, at: datetime) -> None:
         self._dirty |= record.viewers
@@ -226,23 +303,39 @@ class EmulatorState:
         record.removed_at = at
         record.remove_at = None
 
-    def _terminate_blocked(self, record: EventRecord) -> bool:
+    def _remove_vms(self, record: EventRecord, at: datetime) -> None:
+        """The delete or eviction is done: its VMs are gone. Events still Scheduled for nothing but gone VMs
+        will never happen, so they are canceled (the VMs that share them see them leave)."""
+        record.vms_gone = True
+        for name in record.resources:
+            self.removed.setdefault(name, VmRemoval(name, record.event_id, record.event_type, at))
+        for other in self.events.values():
+            if other.status == "Scheduled" and all(name in self.removed for name in other.resources):
+                self._cancel(other, at, by="vms-removed")
+
+    def _terminate_blocked(self, record: EventRecord, at: datetime) -> bool:
         """'Approve all pending deletes': an approved Terminate waits while another Terminate of the same scale
-        set is pending unapproved (which also makes simultaneous deletes all-or-nothing before the timeout)."""
+        set is pending, i.e. Scheduled with no approval that has taken effect by ``at`` (which also makes
+        simultaneous deletes all-or-nothing before the timeout)."""
         if record.event_type != "Terminate":
             return False
         return any(
             other is not record
             and other.event_type == "Terminate"
             and other.status == "Scheduled"
-            and other.approved_at is None
+            and (other.start_after is None or other.start_after > at)
             and other.scale_set == record.scale_set
             for other in self.events.values()
         )
 
-    def _release_terminates(self, at: datetime) -> None:
+    def _release_approved(self, at: datetime) -> None:
         for record in list(self.events.values()):
-            if record.status == "Scheduled" and record.approved_at is not None and not self._terminate_blocked(record):
+            if (
+                record.status == "Scheduled"
+                and record.start_after is not None
+                and record.start_after <= at
+                and not self._terminate_blocked(record, at)
+            ):
                 self._start_event(record, at, "approval")
 
     def _run_step(self, at: datetime) -> None:
@@ -259,13 +352,13 @@ class EmulatorState:
             if step.create.ref:
                 self._refs[step.create.ref] = record.event_id
         elif step.cancel is not None:
-            target = self._refs.get(step.cancel, step.cancel.upper())
-            canceled = self.events.get(target)
+            canceled = self._find(self._refs.get(step.cancel, step.cancel))
             # A scenario may race its own cancel against an approval; a started event simply is not canceled.
             if canceled is not None and canceled.status == "Scheduled":
-                self._cancel(canceled, at)
+                self._cancel(canceled, at, by="request")
         elif step.fault is not None:
             self._apply_fault(step.fault)
+        # wipeForwarderState: the local runner's business (the forwarder's disk), nothing changes in IMDS.
 
     def _apply_fault(self, spec: FaultSpec) -> None:
         if spec.kind == "incarnation-reset":
@@ -273,18 +366,33 @@ class EmulatorState:
         elif self._on_fault is not None:
             self._on_fault(spec)
 
-    def _cancel(self, record: EventRecord, at: datetime) -> None:
+    def _cancel(self, record: EventRecord, at: datetime, *, by: CancelReason) -> None:
         self._dirty |= record.viewers
         record.status = "Canceled"
         record.removed_at = at
+        record.canceled_by = by
 
-    def _create(self, spec: EventCreate, at: datetime, *, ref: str | None = None) -> EventRecord:
+    def _find(self, event_id: str) -> EventRecord | None:
+        key = self._keys.get(event_id.upper())
+        return self.events.get(key) if key is not None else None
+
+    def _unused_event_id(self) -> str:
+        event_id = self._new_event_id()
+        while event_id in self._keys:
+            event_id = self._new_event_id()
+        return event_id
+
+    def _check_resources(self, spec: EventCreate, source: str) -> str:
+        """Refuses what Azure never sends for these VMs (EmulatorInputError naming VMs and the reason); returns
+        the scale set of a Terminate."""
         unknown = [name for name in spec.Resources if name not in self.vms]
         if unknown:
             raise EmulatorInputError(f"Resources names unknown VMs {unknown}; known VMs: {list(self.vms)}")
-        event_id = spec.EventId or self._new_event_id()
-        if event_id in self.events:
-            raise EmulatorInputError(f"EventId {event_id} already exists")
+        gone = [name for name in spec.Resources if name in self.removed]
+        if gone:
+            raise EmulatorInputError(
+                "Resources names VMs that no longer exist: " + "; ".join(self._removal_text(name) for name in gone)
+            )
         vms = [self.vms[name] for name in spec.Resources]
         scale_set = ""
         if spec.EventType == "Terminate":
@@ -300,21 +408,53 @@ class EmulatorState:
                 raise EmulatorInputError(
                     f"scale set {scale_set!r} has terminate notifications disabled; its deletes raise no event"
                 )
-            notice = profile.terminateNotBeforeSeconds
-        else:
-            notice = DEFAULT_NOTICE_SECONDS[spec.EventType]
+            spot = [f"{vm.name} (priority {vm.priority})" for vm in vms if vm.priority != "Regular"]
+            if spot:
+                raise EmulatorInputError(
+                    f"Terminate notifications are not available for Spot/low-priority VMs: {', '.join(spot)}; "
+                    "their deletion raises no Terminate (an eviction is a Preempt)"
+                )
         if spec.EventType == "Preempt":
             regular = [vm.name for vm in vms if vm.priority == "Regular"]
             if regular:
                 raise EmulatorInputError(f"Preempt concerns Spot VMs only; {regular} have priority Regular")
+        if source == "Platform" and spec.EventType in UPDATE_DOMAIN_BOUND_TYPES:
+            domains: dict[str, list[str]] = {}
+            for vm in vms:
+                domains.setdefault(vm.platformUpdateDomain, []).append(vm.name)
+            if len(domains) > 1:
+                spread = "; ".join(f"update domain {domain}: {names}" for domain, names in sorted(domains.items()))
+                raise EmulatorInputError(
+                    f"platform maintenance ({spec.EventType}) stays within one update domain, but Resources span "
+                    f"{len(domains)} ({spread}); create one event per update domain"
+                )
+        return scale_set
+
+    def _removal_text(self, vm_name: str) -> str:
+        removal = self.removed[vm_name]
+        return f"{vm_name} was removed by {removal.event_type} {removal.event_id} at {_iso(removal.at)}"
+
+    def _create(self, spec: EventCreate, at: datetime, *, ref: str | None = None) -> EventRecord:
+        source = spec.EventSource or ("User" if spec.EventType == "Terminate" else "Platform")
+        scale_set = self._check_resources(spec, source)
+        event_id = spec.EventId or self._unused_event_id()
+        if event_id in self._keys:
+            raise EmulatorInputError(f"EventId {event_id} already exists")
+        if spec.EventType == "Terminate":
+            notice = self.scenario.scaleSets.get(scale_set, ScaleSetSpec()).terminateNotBeforeSeconds
+        else:
+            notice = DEFAULT_NOTICE_SECONDS[spec.EventType]
         if spec.NoticeSeconds is not None:
             notice = spec.NoticeSeconds
+        created_started = spec.EventStatus == "Started"
         record = EventRecord(
             event_id=event_id,
             event_type=spec.EventType,
             resources=tuple(spec.Resources),
-            source=spec.EventSource or ("User" if spec.EventType == "Terminate" else "Platform"),
-            description=spec.Description if spec.Description is not None else DEFAULT_DESCRIPTIONS[spec.EventType],
+            source=source,
+            description=spec.Description
+            if spec.Description is not None
+            else default_description(spec.EventType, source=source, created_started=created_started),
             duration=spec.DurationInSeconds
             if spec.DurationInSeconds is not None
             else DEFAULT_DURATION_SECONDS[spec.EventType],
@@ -322,14 +462,26 @@ class EmulatorState:
             scheduled_at=at,
             not_before=None,
             ref=ref,
+            start_delay=spec.StartDelaySeconds
+            if spec.StartDelaySeconds is not None
+            else self.scenario.startDelaySeconds,
+            not_before_format=spec.NotBeforeFormat or self.scenario.notBeforeFormat,
+            new_id_when_started=spec.NewEventIdWhenStarted
+            if spec.NewEventIdWhenStarted is not None
+            else self.scenario.newEventIdWhenStarted,
         )
-        record.viewers = frozenset(name for name in self.vms if self.visible_to(record, name))
+        record.viewers = frozenset(
+            name for name in self.vms if name not in self.removed and self.visible_to(record, name)
+        )
         self._dirty |= record.viewers
-        if spec.EventStatus == "Started":
-            self._start_event(record, at, "hardware-failure")
+        self.events[event_id] = record
+        self._keys[event_id] = event_id
+        if created_started:
+            # Nothing was scheduled: a hardware failure (Platform), or a user operation approved automatically.
+            record.new_id_when_started = False
+            self._start_event(record, at, "automatic-approval" if source == "User" else "hardware-failure")
         else:
             record.not_before = spec.NotBefore or at + self.scaled(notice)
-        self.events[event_id] = record
         return record
 
     # ---- views -----------------------------------------------------------------------------------------------
@@ -357,7 +509,7 @@ class EmulatorState:
         return [record for record in self.events.values() if record.live and vm_name in record.viewers]
 
     def _refresh_views(self) -> None:
-        dirty, self._dirty = self._dirty, set()
+        dirty, self._dirty = self._dirty - self.removed.keys(), set()
         for name in dirty:
             signature = json.dumps([record.render(LATEST) for record in self._live_for(name)], sort_keys=True)
             if signature != self._signatures[name]:
@@ -366,8 +518,18 @@ class EmulatorState:
 
     # ---- public operations -----------------------------------------------------------------------------------
 
+    def _require_present(self, vm_name: str) -> None:
+        if vm_name in self.removed:
+            raise VmRemovedError(f"VM {self._removal_text(vm_name)}; it has no IMDS any more")
+
+    def _settle(self, now: datetime) -> None:
+        """After an operation: applies what it made due at once (a delete that started removes its VMs now)."""
+        self.advance(now)
+        self._refresh_views()
+
     def document(self, vm_name: str, api_version: str, now: datetime) -> dict[str, Any]:
         self.advance(now)
+        self._require_present(vm_name)
         view = event_view(api_version)
         events = [record.render(view) for record in self._live_for(vm_name) if view.shows_type(record.event_type)]
         return {"DocumentIncarnation": self.incarnations[vm_name], "Events": events}
@@ -375,39 +537,44 @@ class EmulatorState:
     def create_event(self, spec: EventCreate, now: datetime, *, ref: str | None = None) -> EventRecord:
         self.advance(now)
         record = self._create(spec, now, ref=ref)
-        self._refresh_views()
+        self._settle(now)
         return record
 
     def cancel_event(self, event_id: str, now: datetime) -> EventRecord:
         self.advance(now)
-        record = self.events.get(event_id.upper())
+        record = self._find(event_id)
         if record is None:
             raise EmulatorInputError(f"no event {event_id!r}")
         if record.status != "Scheduled":
             raise EmulatorInputError(
                 f"event {record.event_id} is {record.status}; only a Scheduled event can be canceled"
             )
-        self._cancel(record, now)
-        self._release_terminates(now)  # a canceled delete no longer holds back approved ones
-        self._refresh_views()
+        self._cancel(record, now, by="request")
+        self._release_approved(now)  # a canceled delete no longer holds back approved ones
+        self._settle(now)
         return record
 
     def approve(self, vm_name: str, body: StartRequestsBody, now: datetime) -> list[ApprovalRecord]:
-        """IMDS POST StartRequests. All ids must be valid for this VM (live and visible to it), else nothing is
-        applied and EmulatorInputError names the bad ids; approving an already approved or Started event is
-        accepted (200), as the docs say."""
+        """IMDS POST StartRequests. All ids must be valid for this VM (live, visible to it, and the id the event
+        has now), else nothing is applied and EmulatorInputError names the bad ids; approving an already approved
+        or Started event is accepted (200), as the docs say. The approval is recorded when accepted, even when the
+        platform lets the event start only later (StartDelaySeconds) or at NotBefore."""
         self.advance(now)
+        self._require_present(vm_name)
         requested = [item.EventId for item in body.StartRequests]
         bad = [
             event_id
             for event_id in requested
-            if (record := self.events.get(event_id.upper())) is None or not record.live or vm_name not in record.viewers
+            if (record := self._find(event_id)) is None
+            or record.event_id != event_id.upper()
+            or not record.live
+            or vm_name not in record.viewers
         ]
         if bad:
             raise EmulatorInputError(f"EventId not valid for VM {vm_name!r}: {bad}")
         accepted: list[ApprovalRecord] = []
         for event_id in dict.fromkeys(item.upper() for item in requested):
-            record = self.events[event_id]
+            record = self.events[self._keys[event_id]]
             accepted.append(
                 ApprovalRecord(
                     event_id=event_id,
@@ -420,9 +587,11 @@ class EmulatorState:
             record.approved_by.append(vm_name)
             if record.status == "Scheduled" and record.approved_at is None:
                 record.approved_at = now
+                if record.start_delay != "NotBefore":
+                    record.start_after = now + self.scaled(record.start_delay)
         self.approvals.extend(accepted)
-        self._release_terminates(now)
-        self._refresh_views()
+        self._release_approved(now)
+        self._settle(now)
         return accepted
 
     def reset_incarnation(self, vm_name: str | None) -> None:
@@ -444,13 +613,22 @@ class EmulatorState:
         self.advance(now)
         return [approval.summary() for approval in self.approvals]
 
+    def removal_summaries(self, now: datetime) -> dict[str, dict[str, Any]]:
+        self.advance(now)
+        return {name: removal.summary() for name, removal in self.removed.items()}
+
     def vm_summaries(self, now: datetime) -> list[dict[str, Any]]:
         self.advance(now)
-        return [
-            {
-                **vm.model_dump(),
-                "DocumentIncarnation": self.incarnations[vm.name],
-                "events": [record.event_id for record in self._live_for(vm.name)],
-            }
-            for vm in self.vms.values()
-        ]
+        summaries = []
+        for vm in self.vms.values():
+            removal = self.removed.get(vm.name)
+            summaries.append(
+                {
+                    **vm.model_dump(),
+                    "DocumentIncarnation": self.incarnations[vm.name],
+                    # A removed VM reads nothing any more.
+                    "events": [] if removal else [record.event_id for record in self._live_for(vm.name)],
+                    "removed": removal.summary() if removal else None,
+                }
+            )
+        return summaries

@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from emulators.imds import ImdsEmulator, ManualClock, Scenario
+from emulators.imds.models import DESCRIPTION_INFRASTRUCTURE_MAINTENANCE
 from emulators.tokens import verify_token
 
 SE = "/metadata/scheduledevents"
@@ -469,9 +470,10 @@ def test_microsofts_documented_python_sample_runs_against_the_emulator(monkeypat
             long_freeze["EventId"]: "Scheduled",
         }
         assert ms_sample.logged == [long_freeze["Description"]]  # impactful: left to custom handling
-        emulator.create_event(EventType="Redeploy", Resources=["WestNO_0"])
+        redeploy = emulator.create_event(EventType="Redeploy", Resources=["WestNO_0"])
         assert ms_sample.advanced_sample(incarnation) > incarnation
-        assert "Virtual machine is going to be redeployed to a different host." in ms_sample.logged
+        assert redeploy["Description"] == DESCRIPTION_INFRASTRUCTURE_MAINTENANCE  # platform maintenance
+        assert redeploy["Description"] in ms_sample.logged
         assert user_reboot["Description"] in ms_sample.logged  # now Started: logged
 
 

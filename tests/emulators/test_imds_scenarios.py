@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from emulators.imds.models import Scenario, ScenarioError, StartRequestsBody
-from emulators.imds.state import EmulatorState
+from emulators.imds.state import EmulatorState, VmRemovedError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "emulators" / "scenarios"
@@ -85,7 +85,10 @@ def test_fleet_demo_plays_every_kind_of_event():
         "Terminate:web_1": "Scheduled",
     }
     assert types("batch-spot-0", 181) == {"Preempt:batch-spot-0": "Scheduled"}
-    assert types("batch-spot-0", 210) == {"Preempt:batch-spot-0": "Started"}  # 30 s notice
+    # 30 s notice: the eviction starts at NotBefore and the Spot VM is gone from then on.
+    with pytest.raises(VmRemovedError, match="batch-spot-0 was removed by Preempt"):
+        state.document("batch-spot-0", "2020-07-01", at(210))
+    assert state.removed["batch-spot-0"].at == at(210)
     assert "Redeploy:db-1" in types("db-0", 241)
     assert "Redeploy:db-1" not in types("db-0", 421)  # canceled
     assert types("db-1", 481)["Reboot:db-1"] == "Started"  # hardware failure: straight to Started
@@ -100,6 +103,11 @@ def test_fleet_demo_plays_every_kind_of_event():
         "Terminate:web_3": "Started",
         "Terminate:web_1": "Started",
     }
+    assert sorted(name for name, removal in state.removed.items() if removal.event_type == "Terminate") == [
+        "web_1",
+        "web_2",
+        "web_3",
+    ]
     history = {summary["ref"]: summary for summary in state.event_summaries(at(720))}
     assert history["maintenance"]["state"] == "Canceled"
     assert history["scale-in-1"]["startedBy"] == "approval"

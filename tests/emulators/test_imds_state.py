@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, StartRequestsBody, VmSpec
-from emulators.imds.state import EmulatorInputError, EmulatorState
+from emulators.imds.state import EmulatorInputError, EmulatorState, VmRemovedError
 
 T0 = datetime(2026, 3, 2, 10, 0, 0, tzinfo=UTC)
 
@@ -328,6 +328,7 @@ _OPERATION = st.one_of(
         st.sampled_from(["web_0", "web_1", "web_2", "other_0", "gpu_0", "spot"]),
         st.sampled_from([None, 0.0, 30.0, 300.0]),
         st.booleans(),
+        st.sampled_from([None, 0.0, 50.0, "NotBefore"]),
     ),
     st.tuples(
         st.just("approve"), st.sampled_from(["web_0", "web_1", "web_2", "other_0", "gpu_0", "spot"]), st.integers(0, 20)
@@ -342,12 +343,13 @@ def _apply(state: EmulatorState, operation: tuple[Any, ...], now: float) -> floa
     ids = list(state.events)
     try:
         if operation[0] == "create":
-            _, kind, vm, notice, hardware = operation
+            _, kind, vm, notice, hardware, delay = operation
             spec = EventCreate(
                 EventType=kind,
                 Resources=[vm],
                 NoticeSeconds=None if hardware else notice,
                 EventStatus="Started" if hardware else "Scheduled",
+                StartDelaySeconds=None if hardware else delay,
             )
             state.create_event(spec, at(now))
         elif operation[0] == "approve" and ids:
@@ -366,13 +368,22 @@ def _check_history(state: EmulatorState) -> None:
         if record.started_by == "approval":
             assert record.approved_at is not None
             assert record.started_at is not None
-            assert record.started_at >= record.approved_at
+            assert record.start_delay != "NotBefore"  # an ignored approval never starts anything
+            assert record.started_at >= record.approved_at + timedelta(seconds=record.start_delay)
         elif record.started_by == "notBefore":
             assert record.started_at == record.not_before
         if record.status == "Canceled":
             assert record.started_at is None
         if record.removed_at is not None and record.started_at is not None:
             assert record.removed_at >= record.started_at + timedelta(seconds=60)
+        if record.live:
+            assert not all(name in state.removed for name in record.resources) or record.status == "Started"
+    for name, removal in state.removed.items():
+        [remover] = [r for r in state.events.values() if r.event_id == removal.event_id]
+        assert remover.event_type in ("Terminate", "Preempt")
+        assert name in remover.resources
+        assert remover.started_at is not None
+        assert removal.at >= remover.started_at
 
 
 @settings(max_examples=60, deadline=None)
@@ -383,7 +394,12 @@ def test_invariants_hold_for_any_sequence_of_operations(operations):
     seen: dict[str, tuple[int, str]] = {}
     for operation in operations:
         now = _apply(state, operation, now)
+        state.advance(at(now))  # so that `state.removed` is up to date
         for vm in state.vms:
+            if vm in state.removed:
+                with pytest.raises(VmRemovedError):
+                    state.document(vm, "2020-07-01", at(now))
+                continue
             document = state.document(vm, "2020-07-01", at(now))
             content = json.dumps(document["Events"], sort_keys=True)
             incarnation = document["DocumentIncarnation"]
