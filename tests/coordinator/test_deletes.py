@@ -35,7 +35,7 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one fleet per test: an approved Terminate removes its VM from the emulator for good
 def fleet_imds() -> Iterator[ImdsEmulator]:
     scenario = Scenario.model_validate(
         {
