@@ -4,22 +4,31 @@ For every event the IMDS emulator created, the policy's first matching rule says
 approve it: ``approve`` (approve-now; approve-after-hooks when the forwarders have a prepare hook that succeeds),
 ``no-approval`` (wait-for-person, never-approve, no rule; and every event that appeared already Started) or
 ``either`` (a budget rule depends on the rest of the fleet; a notice too short for any pipeline to act on).
+
+Scenario hooks count: an approve-after-hooks event one of whose VMs has a prepare hook that fails (or outlasts the
+forwarder's hook timeout) is not approved before the rule's hook deadline (``no-approval`` with onDeadline=wait,
+``either`` with onDeadline=approve). Delete coupling counts: a Terminate that would be approved but overlaps a
+Terminate of the same scale set that is not expected to be approved waits for it (``either``: the platform may
+start either first).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
 from coordinator.model import EventRecord
-from coordinator.rules import Policy, first_match
+from coordinator.rules import HooksOption, Policy, Rule, first_match
+from emulators.imds import VmSpec
 
 Expectation = Literal["approve", "no-approval", "either"]
 # An approval needs a poll, an Event Hubs hop, a decision and a relay round trip; below this notice (real
 # seconds) the platform may start the event first, and no expectation is set.
 MIN_NOTICE_SECONDS = 3.0
+# The local forwarders' --hook-timeout (local.stack): a hook that sleeps this long is killed, its phase timed out.
+HOOK_TIMEOUT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,23 @@ def _parse_time(value: Any) -> datetime | None:
         return None
 
 
-def expect(event: dict[str, Any], policy: Policy, *, prepare_hooks: bool) -> Expected:
-    """The expectation for one event as listed by the IMDS emulator's ``GET /_emulator/events``."""
+def prepare_fails(vm: VmSpec | None, rule: Rule) -> bool | None:
+    """Whether the VM's prepare phase (as the scenario gives it) does not count as ready for ``rule``: True when a
+    hook fails or times out, or there is none and the rule waits for VMs without hooks; None when the scenario
+    says nothing (the run's default hooks)."""
+    if vm is None or vm.hooks is None:
+        return None
+    options = rule.hooks or HooksOption()
+    if not vm.hooks.prepare:
+        return options.noHooks == "wait"
+    return any(hook.exitCode != 0 or hook.seconds >= HOOK_TIMEOUT_SECONDS for hook in vm.hooks.prepare)
+
+
+def expect(
+    event: dict[str, Any], policy: Policy, *, prepare_hooks: bool, vms: dict[str, VmSpec] | None = None
+) -> Expected:
+    """The expectation for one event as listed by the IMDS emulator's ``GET /_emulator/events``; ``vms`` (the
+    scenario's VMs by name) brings in their hooks."""
     scheduled_at = _parse_time(event.get("scheduledAt")) or datetime.now(UTC)
     record = EventRecord(
         eventId=str(event["EventId"]),
@@ -66,7 +90,15 @@ def expect(event: dict[str, Any], policy: Policy, *, prepare_hooks: bool) -> Exp
         or rule.action in ("wait-for-person", "never-approve")
     ):
         approval = "no-approval"
-    elif rule.action == "approve-within-budget" or (rule.action == "approve-after-hooks" and not prepare_hooks):
+    elif rule.action == "approve-after-hooks" and any(
+        prepare_fails((vms or {}).get(name), rule) for name in record.resources
+    ):
+        approval = "no-approval" if (rule.hooks or HooksOption()).onDeadline == "wait" else "either"
+    elif rule.action == "approve-within-budget" or (
+        rule.action == "approve-after-hooks"
+        and not prepare_hooks
+        and any(prepare_fails((vms or {}).get(name), rule) is None for name in record.resources)
+    ):
         approval = "either"
     else:
         approval = "approve"
@@ -80,5 +112,46 @@ def expect(event: dict[str, Any], policy: Policy, *, prepare_hooks: bool) -> Exp
     return Expected(record.eventId, label, record.eventType, approval, rule_name, terminal)
 
 
-def expect_all(events: list[dict[str, Any]], policy: Policy, *, prepare_hooks: bool) -> list[Expected]:
-    return [expect(event, policy, prepare_hooks=prepare_hooks) for event in events]
+def _span(event: dict[str, Any]) -> tuple[datetime, datetime]:
+    """From scheduled until the platform started or removed the event (or now, if neither yet)."""
+    start = _parse_time(event.get("scheduledAt")) or datetime.now(UTC)
+    end = _parse_time(event.get("startedAt")) or _parse_time(event.get("removedAt")) or datetime.now(UTC)
+    return start, end
+
+
+def _coupled(events: list[dict[str, Any]], expected: list[Expected], vms: dict[str, VmSpec]) -> list[Expected]:
+    """A Terminate expected to be approved overlapping a Terminate of the same scale set that is not: the
+    coordinator holds the former while the latter is pending, so the platform may start it first."""
+
+    def scale_sets(event: dict[str, Any]) -> set[str]:
+        return {
+            str(vms[name].vmScaleSetName)
+            for name in event.get("Resources", [])
+            if name in vms and vms[name].vmScaleSetName
+        }
+
+    result = []
+    for event, item in zip(events, expected, strict=True):
+        if item.approval == "approve" and item.event_type == "Terminate":
+            mine, (start, end) = scale_sets(event), _span(event)
+            for other, other_item in zip(events, expected, strict=True):
+                if (
+                    other_item.event_id != item.event_id
+                    and other_item.event_type == "Terminate"
+                    and other_item.approval != "approve"
+                    and mine & scale_sets(other)
+                    and _span(other)[0] <= end
+                    and start <= _span(other)[1]
+                ):
+                    item = replace(item, approval="either")  # noqa: PLW2901 -- the same event, coupled
+                    break
+        result.append(item)
+    return result
+
+
+def expect_all(
+    events: list[dict[str, Any]], policy: Policy, *, prepare_hooks: bool, vms: list[VmSpec] | None = None
+) -> list[Expected]:
+    by_name = {vm.name: vm for vm in vms or []}
+    expected = [expect(event, policy, prepare_hooks=prepare_hooks, vms=by_name) for event in events]
+    return _coupled(events, expected, by_name)

@@ -19,7 +19,7 @@ from emulators.eventhubs.messages import MessageError, decode
 from emulators.eventhubs.store import StoredEvent
 from forwarder.envelope import Envelope
 from local.expectations import Expected
-from local.summary import RunFacts, Sighting, sightings_from_documents
+from local.summary import Document, RunFacts, Sighting, sightings_from_documents
 from local.timeline import Timeline
 
 TABLE = str(history_schema()["table"])
@@ -87,15 +87,21 @@ def sent_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[Envelop
 
 
 def sent_facts(envelopes: list[Envelope]) -> tuple[dict[str, int], dict[str, int], set[Sighting]]:
+    """Envelope counts by kind, each VM's last sequence sent under its current forwarder state (the state of the
+    VM's last stored envelope: one VM's envelopes share a partition, stored in send order), and the sightings."""
     kinds = Counter(str(envelope.kind) for envelope in envelopes)
+    current: dict[str, str] = {}
+    for envelope in envelopes:
+        current[envelope.vm.name] = envelope.stateId
     last: dict[str, int] = {}
-    documents: list[tuple[str, int, list[tuple[str, str]]]] = []
+    documents: list[Document] = []
     for envelope in envelopes:
         name = envelope.vm.name
-        last[name] = max(last.get(name, -1), envelope.sequence)
+        if envelope.stateId == current[name]:
+            last[name] = max(last.get(name, -1), envelope.sequence)
         if envelope.document is not None:
             events = [(event.EventId, str(event.EventStatus)) for event in envelope.document.Events]
-            documents.append((name, envelope.sequence, events))
+            documents.append((name, envelope.stateId, envelope.sequence, events))
     return dict(kinds), last, sightings_from_documents(documents)
 
 

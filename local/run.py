@@ -93,7 +93,7 @@ def judge(
     policy = load_policy(stack.options.policy_path or DEFAULT_POLICY_PATH)
     events = stack.imds.events()
     if expected is None:
-        expected = expect_all(events, policy, prepare_hooks=stack.options.prepare_hooks)
+        expected = expect_all(events, policy, prepare_hooks=stack.options.prepare_hooks, vms=stack.imds.vms())
     store = TableStateStore.from_connection_string(stack.storage.connection_string, table_name="scheduledevents")
     facts = collect(
         expected=expected,
@@ -114,6 +114,7 @@ def judge(
 def settle_forwarders(stack: LocalStack, *, timeout: float = 10.0) -> None:
     """Stops the forwarders (SIGTERM: they send what they hold) and waits until the function host has consumed
     everything the hub holds, so that 'sent' and 'applied' are compared at rest."""
+    stack.stop_platform()
     for forwarder in stack.iter_forwarders():
         forwarder.stop(timeout=timeout)
     assert stack.eventhubs is not None

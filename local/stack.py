@@ -10,11 +10,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +28,7 @@ from typing import IO, Self
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.models import HookSpec, VmSpec
 from emulators.relay import RelayEmulator
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed
@@ -50,6 +55,39 @@ PREPARE_HOOK = """#!/bin/sh
 # Local-mode prepare hook: what a drain script would do before the event (here: note it and succeed).
 echo "prepared $SCHEDULED_EVENT_TYPE $SCHEDULED_EVENT_ID on $VM_NAME"
 """
+# How often the stack looks at the IMDS emulator for removed VMs and at the clock for wipe steps (real seconds).
+PLATFORM_WATCH_INTERVAL = 0.1
+# The coordinator retires a removed VM after this many of the forwarders' heartbeat intervals of silence, as in
+# Azure (180 s = three 60 s heartbeats).
+RETIRE_GRACE_HEARTBEATS = 3
+
+
+def hook_script(hook: HookSpec) -> str:
+    """A scenario hook as a script: say what it is, sleep ``seconds`` and exit with ``exitCode``."""
+    return (
+        "#!/bin/sh\n"
+        f"# Local-mode hook from the scenario: sleeps {hook.seconds:g} s and exits {hook.exitCode}.\n"
+        f'echo "{hook.name} on $VM_NAME for $SCHEDULED_EVENT_TYPE $SCHEDULED_EVENT_ID: exit {hook.exitCode}"\n'
+        f"sleep {shlex.quote(f'{hook.seconds:g}')}\n"
+        f"exit {hook.exitCode}\n"
+    )
+
+
+def removable_vms(scenario: Scenario) -> set[str]:
+    """VMs a Terminate or Preempt of the scenario names: they may stop answering IMDS during the run."""
+    return {
+        name
+        for step in scenario.steps
+        if step.create is not None and step.create.EventType in ("Terminate", "Preempt")
+        for name in step.create.Resources
+    }
+
+
+def identity_vm(scenario: Scenario) -> str:
+    """The VM whose token endpoint the coordinator's managed identity uses: one no delete of the scenario removes
+    (a removed VM answers nothing, its token endpoint included); the first VM when every VM may go."""
+    removable = removable_vms(scenario)
+    return next((vm.name for vm in scenario.vms if vm.name not in removable), scenario.vms[0].name)
 
 
 @dataclass(frozen=True)
@@ -154,6 +192,13 @@ class LocalStack:
         self.forwarders: dict[str, ForwarderProcess] = {}
         self._saved_env: dict[str, str | None] = {}
         self._lock: IO[str] | None = None
+        # What the stack did as the platform: VMs whose forwarder it killed because IMDS removed them (name ->
+        # monotonic time) and forwarder states it wiped (name, monotonic time), for the summary and the tests.
+        self.removed: dict[str, float] = {}
+        self.wiped: list[tuple[str, float]] = []
+        self._forwarders_lock = threading.Lock()
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     # ---- paths -----------------------------------------------------------------------------------------------
     @property
@@ -199,14 +244,75 @@ class LocalStack:
             scenario=scenario, time_scale=self.options.time_scale, throttle_rps=self.options.throttle_rps
         )
         self.imds.start()
+        # The emulator plays step `at` (Azure seconds, lead-in included) at started + at / time_scale.
+        started = time.monotonic()
+        wipes = sorted(
+            (started + step.at / self.options.time_scale, step.wipeForwarderState)
+            for step in scenario.steps
+            if step.wipeForwarderState is not None
+        )
         self._configure_coordinator()
         self.host = self._function_host()
         self.host.start()
         for vm in self.imds.vms():
-            self.forwarders[vm.name] = self._forwarder(vm.name)
+            self.forwarders[vm.name] = self._forwarder(vm)
             self.forwarders[vm.name].start()
+        self._watcher = threading.Thread(target=self._watch, args=(wipes,), name="local-platform", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, wipes: list[tuple[float, str]]) -> None:
+        """Plays the platform's part on the VMs' disks and processes: a VM the IMDS emulator removed (Terminate,
+        Preempt) is deleted, so its forwarder dies with it (SIGKILL: nothing of it runs on); a wipeForwarderState
+        step kills the forwarder, deletes its state folder and starts it again, as a reimaged disk would."""
+        pending = list(wipes)
+        while not self._watch_stop.wait(PLATFORM_WATCH_INTERVAL):
+            imds = self.imds
+            if imds is None:
+                return
+            try:
+                removed = imds.removed_vms()
+            except Exception:  # the emulator is stopping
+                log.debug("removed VMs not readable", exc_info=True)
+                continue
+            for name in sorted(set(removed) - set(self.removed)):
+                self._remove(name)
+            now = time.monotonic()
+            while pending and pending[0][0] <= now:
+                _, name = pending.pop(0)
+                self.wipe_forwarder_state(name)
+
+    def _remove(self, name: str) -> None:
+        with self._forwarders_lock:
+            forwarder = self.forwarders.get(name)
+            if forwarder is not None:
+                forwarder.kill()
+            self.removed[name] = time.monotonic()
+        log.info("VM %s removed by the platform: its forwarder was killed", name)
+
+    def wipe_forwarder_state(self, name: str) -> None:
+        """Kill ``name``'s forwarder, delete its durable state and start it again (not for a removed VM)."""
+        with self._forwarders_lock:
+            if name in self.removed:
+                log.warning("not wiping %s: the VM was removed", name)
+                return
+            forwarder = self.forwarders[name]
+            forwarder.kill()
+            state = self.vm_dir(name) / "state"
+            shutil.rmtree(state, ignore_errors=True)
+            state.mkdir(parents=True, exist_ok=True)
+            forwarder.start()
+            self.wiped.append((name, time.monotonic()))
+        log.info("forwarder state of %s wiped; the forwarder started again", name)
+
+    def stop_platform(self) -> None:
+        """No more removals or wipes: the run is being settled."""
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+            self._watcher = None
 
     def stop(self) -> None:
+        self.stop_platform()
         for forwarder in self.forwarders.values():
             with contextlib.suppress(Exception):
                 forwarder.stop(timeout=5)
@@ -259,12 +365,18 @@ class LocalStack:
             "COORDINATOR_PUBLIC_BASE_URL": "http://127.0.0.1:7071",
             "EVENTHUB_NAME": HUB,
             "EVENTHUB_CONSUMER_GROUP": "$Default",
+            # Retire a removed VM after three of the local heartbeat intervals of silence, as Azure's 180 s are three
+            # 60 s heartbeats: the run then sees the coordinator conclude the events of the VMs deletes removed.
+            "COORDINATOR_RETIRE_GRACE_SECONDS": str(
+                max(1, math.ceil(RETIRE_GRACE_HEARTBEATS * self.options.heartbeat_interval))
+            ),
         }
         if self.relay is not None:
             env["COORDINATOR_RELAY_ENDPOINT"] = self.relay.base_url
             # The coordinator's DefaultAzureCredential takes the managed-identity (IMDS) flow against the IMDS
-            # emulator; the token it mints is an Entra-shaped JWT the Relay emulator verifies.
-            env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url
+            # emulator; the token it mints is an Entra-shaped JWT the Relay emulator verifies. Through a VM no delete
+            # removes: a removed VM's token endpoint answers nothing.
+            env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
         else:
             env["COORDINATOR_IMDS_EMULATOR_URL"] = self.imds.url
         if self.options.policy_path is not None:
@@ -310,18 +422,31 @@ class LocalStack:
         )
 
     # ---- forwarders ------------------------------------------------------------------------------------------
-    def _forwarder(self, name: str) -> ForwarderProcess:
+    def _install_hooks(self, vm: VmSpec, hooks: Path) -> None:
+        """The scenario's hooks of the VM (a script per hook); without ``hooks`` the single succeeding drain hook
+        (unless the run has no prepare hooks)."""
+        scripts: dict[str, dict[str, str]] = {"prepare": {}, "recover": {}}
+        if vm.hooks is not None:
+            for phase in ("prepare", "recover"):
+                scripts[phase] = {hook.name: hook_script(hook) for hook in getattr(vm.hooks, phase)}
+        elif self.options.prepare_hooks:
+            scripts["prepare"]["10-drain"] = PREPARE_HOOK
+        for phase, files in scripts.items():
+            for file_name, text in files.items():
+                path = hooks / f"{phase}.d" / file_name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+                path.chmod(0o755)
+
+    def _forwarder(self, vm: VmSpec) -> ForwarderProcess:
         assert self.imds is not None
         assert self.eventhubs is not None
         options = self.options
+        name = vm.name
         home = self.vm_dir(name)
         (home / "state").mkdir(parents=True, exist_ok=True)
         hooks = home / "hooks"
-        if options.prepare_hooks:
-            prepare = hooks / "prepare.d" / "10-drain"
-            prepare.parent.mkdir(parents=True, exist_ok=True)
-            prepare.write_text(PREPARE_HOOK, encoding="utf-8")
-            prepare.chmod(0o755)
+        self._install_hooks(vm, hooks)
         command = [
             sys.executable,
             "-m",

@@ -18,15 +18,19 @@ from local.expectations import Expected
 Sighting = tuple[str, str, str]  # (vm name, EventId, Scheduled | Started | Gone)
 
 
-def sightings_from_documents(documents: Iterable[tuple[str, int, list[tuple[str, str]]]]) -> set[Sighting]:
-    """What the coordinator must have logged, from what the forwarders sent: each (vm, sequence, [(EventId,
-    EventStatus)]) incarnation envelope lists events; an event a VM listed and a later document of the same VM no
-    longer lists is 'Gone' for that VM."""
-    by_vm: dict[str, list[tuple[int, list[tuple[str, str]]]]] = {}
-    for vm, sequence, events in documents:
-        by_vm.setdefault(vm, []).append((sequence, events))
+Document = tuple[str, str, int, list[tuple[str, str]]]  # (vm, stateId, sequence, [(EventId, EventStatus)])
+
+
+def sightings_from_documents(documents: Iterable[Document]) -> set[Sighting]:
+    """What the coordinator must have logged, from what the forwarders sent: each incarnation envelope lists events;
+    an event a VM listed and a later document of the same VM no longer lists is 'Gone' for that VM. 'Later' is by
+    sequence within one forwarder state (``stateId``): a forwarder whose state was wiped starts its sequence again,
+    and its first document says nothing about what the lost state had listed."""
+    by_state: dict[tuple[str, str], list[tuple[int, list[tuple[str, str]]]]] = {}
+    for vm, state_id, sequence, events in documents:
+        by_state.setdefault((vm, state_id), []).append((sequence, events))
     result: set[Sighting] = set()
-    for vm, items in by_vm.items():
+    for (vm, _state_id), items in by_state.items():
         listed: set[str] = set()
         for _sequence, events in sorted(items, key=lambda item: item[0]):
             now = {event_id for event_id, _ in events}

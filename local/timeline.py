@@ -34,6 +34,7 @@ class EventPath:
     verdict: str = ""
     approved_at: datetime | None = None
     approved_via: str = ""
+    held_by: str = ""  # what the coordinator says holds the event back (an EventId), "" when nothing does
     state: str = "Scheduled"
     steps: dict[str, datetime] = field(default_factory=dict)
 
@@ -42,6 +43,17 @@ class EventPath:
         if at is None or self.first_observed is None:
             return None
         return (at - self.first_observed).total_seconds() * 1000.0
+
+
+def details(row: dict[str, Any]) -> dict[str, Any]:
+    """A history row's ``Details`` (JSON text in SQLite, a dict elsewhere); {} when absent or not an object."""
+    value = row.get("Details")
+    if isinstance(value, str) and value:
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _short(event_id: str) -> str:
@@ -84,8 +96,7 @@ class Timeline:
             self.dead_letters += 1
             return [f"{_clock(at)}  {'(dead letter)':<18} {'':<9} {'refused':<10} {'':>11}  {row.get('Reason') or ''}"]
         if kind == "Heartbeat":
-            vm = row.get("VmName") or ""
-            return [f"{_clock(at)}  {vm:<18} {'':<9} {'heartbeat':<10} {'':>11}  {row.get('Outcome') or ''}"]
+            return [self._heartbeat(row, at)]
         event_id = str(row.get("EventId") or "")
         handler = self._handlers.get(kind)
         if not event_id or handler is None:
@@ -106,9 +117,27 @@ class Timeline:
             "Hook": self._hook,
         }
 
+    def _heartbeat(self, row: dict[str, Any], at: datetime | None) -> str:
+        vm = str(row.get("VmName") or "")
+        outcome = str(row.get("Outcome") or "")
+        detail = outcome
+        if outcome == "retired":
+            event_id = str(row.get("EventId") or "")
+            by = f" by {self.label(event_id)} ({row.get('EventType') or ''})" if event_id else ""
+            detail = f"retired{by}: {row.get('Reason') or ''}".rstrip(": ")
+        elif outcome == "reset":
+            info = details(row)
+            detail = (
+                f"reset: forwarder state {str(info.get('oldStateId') or '?')[:8]} → "
+                f"{str(info.get('newStateId') or '?')[:8]}, sequence {info.get('lastSequence')} → "
+                f"{info.get('newSequence')}"
+            )
+        return f"{_clock(at)}  {vm:<18} {'':<9} {'heartbeat':<10} {'':>11}  {detail}"
+
     def _decision(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
         path.rule = str(row.get("Rule") or "")
         path.verdict = str(row.get("Outcome") or "")
+        path.held_by = str(details(row).get("heldBy") or "")
         if at is not None:
             path.steps.setdefault("decided", at)
         return [self._line(at, path, "decided", f"rule {path.rule} → {path.verdict}: {row.get('Reason') or ''}")]
@@ -116,10 +145,18 @@ class Timeline:
     def _approval(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
         outcome = str(row.get("Outcome") or "")
         vm = str(row.get("VmName") or "")
+        if outcome == "sending":
+            return []  # the intent written before the send; the outcome row follows
+        if outcome == "held":
+            path.held_by = str(details(row).get("heldBy") or path.held_by)
+            return [self._line(at, path, "held", f"held by the platform: {row.get('Reason') or ''}")]
+        if outcome == "released":
+            path.held_by = ""
         if outcome != "approved":
             return [self._line(at, path, "approval", f"{outcome}: {row.get('Reason') or ''}")]
         path.approved_at = path.approved_at or at
         path.approved_via = path.approved_via or vm
+        path.held_by = ""
         if at is not None:
             path.steps.setdefault("approved", at)
         return [self._line(at, path, "approved", f"StartRequests accepted through {vm}")]

@@ -125,10 +125,10 @@ def test_a_notice_too_short_to_act_on_sets_no_expectation() -> None:
 
 def test_sightings_from_documents_orders_by_sequence_and_notices_gone() -> None:
     documents = [
-        ("web_0", 3, []),
-        ("web_0", 1, [("A", "Scheduled")]),
-        ("web_0", 2, [("A", "Started"), ("B", "Scheduled")]),
-        ("web_1", 7, [("A", "Scheduled")]),
+        ("web_0", "s1", 3, []),
+        ("web_0", "s1", 1, [("A", "Scheduled")]),
+        ("web_0", "s1", 2, [("A", "Started"), ("B", "Scheduled")]),
+        ("web_1", "s9", 7, [("A", "Scheduled")]),
     ]
     assert sightings_from_documents(documents) == {
         ("web_0", "A", "Scheduled"),
@@ -137,6 +137,23 @@ def test_sightings_from_documents_orders_by_sequence_and_notices_gone() -> None:
         ("web_0", "A", "Gone"),
         ("web_0", "B", "Gone"),
         ("web_1", "A", "Scheduled"),
+    }
+
+
+def test_sightings_compare_sequences_within_one_forwarder_state() -> None:
+    # The wiped forwarder's new state starts at sequence 1 again: its documents are not 'later' than the old
+    # state's sequence 5, and its first document implies nothing about what the lost state listed.
+    documents = [
+        ("web_0", "old", 4, [("A", "Scheduled")]),
+        ("web_0", "old", 5, [("A", "Scheduled"), ("B", "Scheduled")]),
+        ("web_0", "new", 1, [("C", "Scheduled")]),
+        ("web_0", "new", 2, []),
+    ]
+    assert sightings_from_documents(documents) == {
+        ("web_0", "A", "Scheduled"),
+        ("web_0", "B", "Scheduled"),
+        ("web_0", "C", "Scheduled"),
+        ("web_0", "C", "Gone"),
     }
 
 
