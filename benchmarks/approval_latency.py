@@ -24,8 +24,9 @@ from azure.core.credentials import AzureNamedKeyCredential
 from coordinator.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator
-from forwarder.approval import ApprovalRequest
+from forwarder.approval import ApprovalFacts, ApprovalRequest
 from forwarder.approver import Approver
+from forwarder.document import ScheduledEvent
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayListener, SasTokenProvider
 from forwarder.retry import RateLimiter
@@ -64,7 +65,9 @@ def run(n: int, key_file: str) -> dict[str, float | int]:
         roundtrip_ms: list[float] = []
         try:
             for index in range(n):
-                event_id = imds.create_event(EventType="Freeze", Resources=["bench_0"], NoticeSeconds=900)["EventId"]
+                created = imds.create_event(EventType="Freeze", Resources=["bench_0"], NoticeSeconds=900)
+                event_id = created["EventId"]
+                fields = {k: v for k, v in created.items() if k[:1].isupper()} | {"EventStatus": "Scheduled"}
                 issued = datetime.now(UTC)
                 request = ApprovalRequest(
                     eventId=event_id,
@@ -72,6 +75,7 @@ def run(n: int, key_file: str) -> dict[str, float | int]:
                     rule="bench",
                     issuedAt=issued,
                     expiresAt=issued + timedelta(minutes=5),
+                    facts=ApprovalFacts.of(ScheduledEvent.model_validate(fields)),
                 )
                 started = time.perf_counter()
                 decided_at = datetime.now(UTC)

@@ -34,6 +34,7 @@ _TITLES: dict[str, tuple[str, str]] = {
     "canceled": ("Event canceled", "Default"),
     "expired": ("Event expired unapproved", "Warning"),
     "approval-failed": ("Approval failed", "Attention"),
+    "approval-refused": ("Approval refused by the VM", "Attention"),
     "heartbeat-lost": ("VM heartbeat lost", "Attention"),
 }
 

@@ -25,6 +25,7 @@ AlertKind = Literal[
     "canceled",
     "expired",
     "approval-failed",
+    "approval-refused",
     "heartbeat-lost",
 ]
 

@@ -210,6 +210,18 @@ def budget_limit(policy: Policy, rule_name: str) -> int | None:
     return rule.budget.maxImpacted if rule is not None and rule.budget is not None else None
 
 
+def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[str]:
+    """The VMs whose prepare hooks an approval by the named rule rested on: for an ``approve-after-hooks`` rule,
+    the affected VMs that reported the prepare phase succeeded (each one's listener checks its own ledger);
+    empty for any other rule. A VM approved past the hook deadline without success is not listed: the decision
+    did not rest on it."""
+    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    if rule is None or rule.action != "approve-after-hooks":
+        return []
+    affected = record.resources or sorted(record.vms)
+    return [n for n in affected if n in record.vms and record.vms[n].hooks.get("prepare") == "succeeded"]
+
+
 def needs_fleet(policy: Policy, record: EventRecord, now: datetime) -> bool:
     rule = first_match(policy, record, now)
     return rule is not None and rule.action == "approve-within-budget"

@@ -60,7 +60,7 @@ from coordinator.state import (
     vm_position,
 )
 from coordinator.store import ConcurrencyConflict, DeadLetter, Stored, TableStateStore
-from forwarder.approval import ApprovalRequest, ApprovalResult
+from forwarder.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from forwarder.envelope import Envelope, VmIdentity
 
 log = logging.getLogger("coordinator")
@@ -1102,6 +1102,15 @@ class Coordinator:
             rule=approval.rule[:256],
             issuedAt=now,
             expiresAt=record.notBefore or now + timedelta(minutes=15),
+            # What the decision rested on, for the VM to check against its own IMDS document and hook ledger.
+            facts=ApprovalFacts(
+                eventType=record.eventType,
+                eventSource=record.eventSource,
+                durationInSeconds=record.durationInSeconds,
+                notBefore=record.notBefore,
+                resources=list(record.resources),
+                hooksRequired=rules.hooks_required(self.policy, approval.rule, record),
+            ),
         )
         plan.intent = HistoryRow(
             TimeGenerated=now,
@@ -1212,6 +1221,10 @@ class Coordinator:
                 approval.attempts - 1, initial=self._backoff[0], maximum=self._backoff[1], rng=self._rng
             )
             approval.nextAttemptAt = now + timedelta(seconds=max(1.0, delay))
+        if result is not None and result.outcome == "rejected":
+            # The VM found the decision's facts untrue of its own IMDS document or hook ledger: one card per event
+            # (the reason is in the history's Approval row); retries go on in case the record was merely behind.
+            raise_alert(change, "approval-refused", now)
         if approval.attempts >= APPROVAL_FAILED_AFTER:
             raise_alert(change, "approval-failed", now)
         return change
@@ -1559,7 +1572,16 @@ class Coordinator:
 
 
 _TITLED_KINDS = frozenset(
-    {"new-event", "approved", "started-without-notice", "canceled", "expired", "approval-failed", "heartbeat-lost"}
+    {
+        "new-event",
+        "approved",
+        "started-without-notice",
+        "canceled",
+        "expired",
+        "approval-failed",
+        "approval-refused",
+        "heartbeat-lost",
+    }
 )
 
 

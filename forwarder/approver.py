@@ -47,7 +47,7 @@ from typing import Protocol, TypeVar
 from pydantic import ValidationError
 
 from forwarder.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
-from forwarder.document import ScheduledEventsDocument
+from forwarder.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
 from forwarder.relay_listener import RelayRequest, RelayResponse
@@ -91,8 +91,39 @@ def refuse_stale(approval: ApprovalRequest, *, now: datetime, freshness: Freshne
     return None
 
 
-def judge(approval: ApprovalRequest, document: ScheduledEventsDocument, *, vm_name: str) -> tuple[ApprovalOutcome, str]:
-    """Whether the event may be approved on this VM (`vm_name`: its IMDS compute name), on a fresh document."""
+PrepareLedger = Callable[[str], str | None]
+
+
+def refuse_facts(
+    approval: ApprovalRequest, event: ScheduledEvent, *, vm_name: str, prepare_outcome: PrepareLedger | None
+) -> str | None:
+    """Why the decision's facts do not hold on this VM (its IMDS document, its own hook ledger); None when they
+    do. One VM's word to the coordinator never reaches IMDS unchecked: this is the last line of defence."""
+    facts = approval.facts
+    if facts is None:
+        return "the request names no facts to check against this VM's IMDS document (upgrade the coordinator)"
+    differences = facts.differences(event)
+    if differences:
+        return "facts differ from this VM's IMDS document: " + "; ".join(differences)
+    if vm_name in facts.hooksRequired:
+        outcome = prepare_outcome(event.EventId) if prepare_outcome is not None else None
+        if outcome != "succeeded":
+            return (
+                f"the decision rested on {vm_name}'s prepare hooks, and its own ledger says "
+                f"{outcome or 'they have not finished'}"
+            )
+    return None
+
+
+def judge(
+    approval: ApprovalRequest,
+    document: ScheduledEventsDocument,
+    *,
+    vm_name: str,
+    prepare_outcome: PrepareLedger | None = None,
+) -> tuple[ApprovalOutcome, str]:
+    """Whether the event may be approved on this VM (`vm_name`: its IMDS compute name), on a fresh document.
+    `prepare_outcome(event_id)` reads this VM's own hook ledger: the prepare phase's outcome, None if not finished."""
     event = document.event(approval.eventId)
     if event is None:
         return "not-found", "the event is not in this VM's scheduled-events document"
@@ -106,6 +137,9 @@ def judge(approval: ApprovalRequest, document: ScheduledEventsDocument, *, vm_na
             f"Terminate of {deleted} can be approved only by {' or '.join(event.Resources)} itself, not by "
             f"{vm_name} (Azure: each VM approves only the EventId relevant to it)"
         )
+    refusal = refuse_facts(approval, event, vm_name=vm_name, prepare_outcome=prepare_outcome)
+    if refusal is not None:
+        return "rejected", refusal
     return "approved", ""
 
 
@@ -161,12 +195,14 @@ class Approver:
         *,
         imds: ScheduledEventsSource,
         vm_name: str,
+        prepare_outcome: PrepareLedger | None = None,
         freshness: Freshness | None = None,
         clock: Callable[[], datetime] = _utcnow,
         max_decisions: int = 10_000,
     ) -> None:
         self._imds = imds
         self._vm_name = vm_name  # this VM's IMDS compute name: a Terminate must name it
+        self._prepare_outcome = prepare_outcome  # this VM's own hook ledger
         self._freshness = freshness or Freshness()
         self._clock = clock
         self._max_decisions = max_decisions
@@ -206,7 +242,7 @@ class Approver:
             if stale is not None:
                 return self._remember(approval, self._result(approval, "rejected", stale, None)), False
             document = self._imds_call(self._imds.get_document)
-            outcome, reason = judge(approval, document, vm_name=self._vm_name)
+            outcome, reason = judge(approval, document, vm_name=self._vm_name, prepare_outcome=self._prepare_outcome)
             if outcome == "approved":
                 self._imds_call(lambda: self._imds.approve([approval.eventId]))
                 self.imds_posts += 1

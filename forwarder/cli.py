@@ -89,9 +89,10 @@ def build_sink(settings: ForwarderSettings, imds: ImdsClient) -> Sink:
     )
 
 
-def relay_companions(settings: ForwarderSettings) -> Any:
+def relay_companions(settings: ForwarderSettings, *, store: Store | None = None) -> Any:
     """The relay listener, started by the daemon once the identity (and so the default hybrid connection name,
-    `VmIdentity.hybrid_connection_name`) is known."""
+    `VmIdentity.hybrid_connection_name`) is known. `store`: the forwarder's own hook ledger, which the listener
+    checks when a decision rested on this VM's prepare hooks (without it such an approval is refused)."""
 
     def build(identity: VmIdentity, imds: ImdsClient) -> Sequence[Companion]:
         if not settings.relay_enabled:
@@ -106,7 +107,11 @@ def relay_companions(settings: ForwarderSettings) -> Any:
             endpoint=endpoint,
             hybrid_connection=hybrid_connection,
             token_provider=EntraTokenProvider(credential=build_credential(settings, imds)),
-            handler=Approver(imds=imds, vm_name=identity.name),
+            handler=Approver(
+                imds=imds,
+                vm_name=identity.name,
+                prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+            ),
         )
         return [listener]
 
@@ -151,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         imds=imds,
         store=store,
         sink=build_sink(settings, imds),
-        companions=relay_companions(settings),
+        companions=relay_companions(settings, store=store),
     )
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -488,5 +488,5 @@ class Forwarder:
                 hook=report,
             ).to_json_bytes()
 
-        self.store.enqueue("hook", build, hook_done=(done.event_id, done.phase))
+        self.store.enqueue("hook", build, hook_done=(done.event_id, done.phase), hook_outcome=report.outcome)
         self._send_wake.set()

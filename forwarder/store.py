@@ -31,12 +31,16 @@ CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, sequence
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, status TEXT NOT NULL,
     event TEXT NOT NULL, updated_at TEXT NOT NULL, step TEXT NOT NULL DEFAULT '', steps TEXT NOT NULL DEFAULT '[]',
-    PRIMARY KEY (event_id, phase));
+    outcome TEXT NOT NULL DEFAULT '', PRIMARY KEY (event_id, phase));
 CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, reason TEXT NOT NULL,
     body BLOB NOT NULL);
 """
 # Columns added after the first release: a database written by an older forwarder gets them on open.
-_HOOK_COLUMNS = {"step": "TEXT NOT NULL DEFAULT ''", "steps": "TEXT NOT NULL DEFAULT '[]'"}
+_HOOK_COLUMNS = {
+    "step": "TEXT NOT NULL DEFAULT ''",
+    "steps": "TEXT NOT NULL DEFAULT '[]'",
+    "outcome": "TEXT NOT NULL DEFAULT ''",
+}
 # A finished hook is remembered this long, far longer than any event stays in a document.
 HOOK_LEDGER_DAYS = 30
 KEEP_REJECTS = 100
@@ -138,6 +142,7 @@ class Store:
         state: dict[str, str] | None = None,
         hooks: Sequence[HookJob] = (),
         hook_done: tuple[str, str] | None = None,
+        hook_outcome: str = "",
     ) -> int:
         """Spool one envelope under the next sequence number, in the same transaction as the state it implies
         (the last document, the hooks it queues, the hook run it reports). Returns the sequence.
@@ -160,8 +165,8 @@ class Store:
                 )
             if hook_done is not None:
                 db.execute(
-                    "UPDATE hooks SET status = 'done', updated_at = ? WHERE event_id = ? AND phase = ?",
-                    (now, *hook_done),
+                    "UPDATE hooks SET status = 'done', outcome = ?, updated_at = ? WHERE event_id = ? AND phase = ?",
+                    (hook_outcome, now, *hook_done),
                 )
             depth = int(db.execute("SELECT COUNT(*) FROM spool").fetchone()[0])
             excess = depth - self.max_entries
@@ -225,6 +230,15 @@ class Store:
                 "SELECT status FROM hooks WHERE event_id = ? AND phase = ?", (event_id, phase)
             ).fetchone()
         return None if row is None else str(row[0])
+
+    def hook_outcome(self, event_id: str, phase: str) -> str | None:
+        """The phase's reported outcome once it is done (what the listener checks before it approves on the
+        strength of this VM's hooks); None while it is pending, running or unknown."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT outcome FROM hooks WHERE event_id = ? AND phase = ? AND status = 'done'", (event_id, phase)
+            ).fetchone()
+        return None if row is None or not row[0] else str(row[0])
 
     def prune_hooks(self, *, now: datetime | None = None) -> int:
         """Forget finished phases older than HOOK_LEDGER_DAYS. Cheap: the ledger holds two rows per event at most."""

@@ -21,6 +21,11 @@ from coordinator.service import Coordinator, RawMessage
 from coordinator.store import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
+from forwarder.approval import ApprovalRequest, ApprovalResult
+from forwarder.approver import Approver
+from forwarder.envelope import VmIdentity
+from forwarder.imds import ImdsClient
+from forwarder.relay_listener import RelayRequest
 from tests.coordinator.helpers import DOC_NOW, envelope, vm
 
 NAMES = ("web_0", "web_1", "web_2", "web_3")
@@ -347,3 +352,75 @@ def test_a_forwarder_that_lost_its_state_is_heard_at_once(azurite, fleet_imds, t
     report = h.coordinator.process_batch([doc("state-a", 42, True)])
     assert (report.accepted, report.duplicates) == (0, 1)
     assert h.record(event_id).vms["web_0"].status == "Gone"
+
+
+class _Listeners:
+    """Each VM's own listener (the real ``forwarder.approver.Approver``, in process instead of behind Azure Relay):
+    its fresh IMDS document from the emulator and its own hook ledger, which the tests set."""
+
+    def __init__(self, imds: ImdsEmulator, clock: Clock) -> None:
+        self.imds = imds
+        self.clock = clock  # the harness's clock: the requests' issuedAt is the coordinator's (2022) time
+        self.ledgers: dict[str, dict[str, str]] = {name: {} for name in NAMES}
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        client = ImdsClient(base_url=self.imds.url_for(vm.name), timeout=5.0)
+        approver = Approver(
+            imds=client, vm_name=vm.name, prepare_outcome=self.ledgers[vm.name].get, clock=lambda: self.clock.now
+        )
+        try:
+            body = request.model_dump_json().encode()
+            relayed = RelayRequest("r1", "POST", "/approve", "/approve", {"content-type": "application/json"}, body)
+            response = approver(relayed)
+        finally:
+            client.close()
+        return ApprovalResult.model_validate_json(response.body)
+
+
+def test_a_forged_hook_report_cannot_approve_a_delete_the_vm_itself_did_not_drain(azurite, fleet_imds, tmp_path):
+    """Every VM holds the fleet's one Event Hubs identity: a process on web_0 can send 'web_2 drained' under web_2's
+    name. The coordinator believes it, but web_2's own listener checks its own hook ledger and refuses."""
+    h = Harness(azurite, fleet_imds, tmp_path)
+    listeners = _Listeners(fleet_imds, h.clock)
+    h.coordinator.callback = listeners
+    event_id = terminate(fleet_imds, "web_2")
+    listeners.ledgers["web_2"][event_id] = "failed"  # what really happened on web_2: 10-check failed
+    h.coordinator.process_batch([h.document("web_2", {event_id})])
+    h.coordinator.process_batch([h.phase("web_2", event_id, [("10-drain", "succeeded")])])  # the forgery
+    record = h.record(event_id)
+    assert record.approval is not None
+    assert record.approval.outcome == "rejected"
+    assert record.approval.reason == "the decision rested on web_2's prepare hooks, and its own ledger says failed"
+    assert h.approvals(event_id) == []  # nothing reached IMDS
+    assert record.state == "Scheduled"
+    assert [r.Outcome for r in h.rows("Approval", event_id)] == ["sending", "rejected"]
+    assert "approval-refused" in record.alerts
+    assert "Approval refused by the VM" in h.card(event_id, "approval-refused")
+    # The truthful path still works: once web_2 really drained, its listener approves.
+    listeners.ledgers["web_2"][event_id] = "succeeded"
+    h.clock.now += timedelta(minutes=3)
+    h.coordinator.tick()
+    assert [a["vm"] for a in h.approvals(event_id)] == ["web_2"]
+    assert h.record(event_id).state == "Approved"
+    assert h.record(event_id).alerts.count("approval-refused") == 1  # one card per refused event
+
+
+def test_a_type_flipped_by_one_vm_is_refused_by_the_vm_that_approves(azurite, fleet_imds, tmp_path):
+    """web_0 lists a platform Reboot of web_1 as a 5 s Freeze; the default policy would approve a short Freeze at
+    once. The approving VM's own IMDS document shows a Reboot: it refuses, naming the facts."""
+    h = Harness(azurite, fleet_imds, tmp_path)
+    listeners = _Listeners(fleet_imds, h.clock)
+    h.coordinator.callback = listeners
+    created = fleet_imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900, DurationInSeconds=-1)
+    event_id = str(created["EventId"])
+    forged = dict(h.imds.document("web_0")["Events"][0], EventType="Freeze", DurationInSeconds=5)
+    data = envelope(IDENTITY["web_0"], sequence=h._next("web_0"), incarnation=9, events=[forged], observed_at=DOC_NOW)
+    h.coordinator.process_batch([raw(data)])
+    record = h.record(event_id)
+    assert record.decision is not None
+    assert record.decision.rule == "short-freeze"  # the coordinator was fooled
+    assert record.approval is not None
+    assert record.approval.outcome == "rejected"
+    assert "EventType is 'Reboot' here, the decision rested on 'Freeze'" in record.approval.reason
+    assert "DurationInSeconds is -1 here, the decision rested on 5" in record.approval.reason
+    assert h.approvals(event_id) == []

@@ -19,6 +19,7 @@ from forwarder.approval import ApprovalRequest
 from forwarder.cli import relay_companions
 from forwarder.config import load_settings
 from tests.forwarder.conftest import Harness, wait_for
+from tests.relay.conftest import facts_of
 
 SEND_KEY = "c2VuZC1rZXktZm9yLWZvcndhcmRlci10ZXN0cw=="
 
@@ -43,12 +44,18 @@ def test_approval_through_the_relay_reaches_imds(
     identity = h.forwarder.identity
     assert identity is not None
     wait_for(lambda: relay.listener_count(identity.hybrid_connection_name) == 1, what="the listener to connect")
-    event_id = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    created = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    event_id = created["EventId"]
     h.wait_incarnation(2)
 
     now = datetime.now(UTC)
     request = ApprovalRequest(
-        eventId=event_id, decisionId=uuid.uuid4().hex, rule="test", issuedAt=now, expiresAt=now + timedelta(minutes=5)
+        eventId=event_id,
+        decisionId=uuid.uuid4().hex,
+        rule="test",
+        issuedAt=now,
+        expiresAt=now + timedelta(minutes=5),
+        facts=facts_of(created),
     )
     with RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender:
         result = sender.send(request, vm=identity)

@@ -92,6 +92,20 @@ def test_a_hook_is_queued_once_per_event_and_phase(tmp_path: Path) -> None:
     assert [(j.event_id, j.phase) for j in store.hook_jobs("pending")] == [("E1", "recover")]
 
 
+def test_the_ledger_keeps_each_phases_outcome_for_the_listener(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    job = HookJob("E1", "prepare", '{"EventId":"E1"}')
+    store.enqueue("incarnation", body, hooks=[job])
+    assert store.hook_outcome("E1", "prepare") is None  # pending: not finished, so nothing to rest a decision on
+    store.mark_hook_running(job)
+    assert store.hook_outcome("E1", "prepare") is None
+    store.enqueue("hook", body, hook_done=("E1", "prepare"), hook_outcome="failed")
+    assert store.hook_outcome("E1", "prepare") == "failed"
+    assert store.hook_outcome("E1", "recover") is None
+    store.close()
+    assert Store(tmp_path / "s.sqlite").hook_outcome("E1", "prepare") == "failed"  # kept across a restart
+
+
 def test_rejects_are_kept_bounded_and_counted(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.sqlite")
     for index in range(105):

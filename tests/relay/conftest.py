@@ -22,8 +22,9 @@ from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import Right
 from emulators.tokens import mint_token
-from forwarder.approval import ApprovalRequest
+from forwarder.approval import ApprovalFacts, ApprovalRequest
 from forwarder.approver import Approver
+from forwarder.document import ScheduledEvent
 from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import (
@@ -151,8 +152,29 @@ class MintedCredential:
         return AccessToken(token, expires_on)
 
 
-def approval(event_id: str, *, decision: str | None = None, issued: datetime | None = None,
-             valid_for: timedelta = timedelta(minutes=10)) -> ApprovalRequest:  # fmt: skip
+# The facts of the events the tests created, as the coordinator would have recorded them from the VMs' sightings:
+# an approval request carries them and the listener checks them against its own IMDS document.
+_CREATED: dict[str, ApprovalFacts] = {}
+
+
+def facts_of(created: dict[str, Any], *, hooks_required: tuple[str, ...] = ()) -> ApprovalFacts:
+    """An emulator event (as `create_event` returns it) as the facts of a decision, remembered for `approval`."""
+    event = ScheduledEvent.model_validate(
+        {k: v for k, v in created.items() if k[:1].isupper()} | {"EventStatus": "Scheduled"}
+    )
+    facts = ApprovalFacts.of(event, hooks_required=hooks_required)
+    _CREATED[event.EventId] = facts
+    return facts
+
+
+def approval(
+    event_id: str,
+    *,
+    decision: str | None = None,
+    issued: datetime | None = None,
+    valid_for: timedelta = timedelta(minutes=10),
+    facts: ApprovalFacts | None = None,
+) -> ApprovalRequest:
     issued_at = issued or datetime.now(UTC)
     return ApprovalRequest(
         eventId=event_id,
@@ -160,10 +182,12 @@ def approval(event_id: str, *, decision: str | None = None, issued: datetime | N
         rule="tests",
         issuedAt=issued_at,
         expiresAt=issued_at + valid_for,
+        facts=facts or _CREATED.get(event_id),
     )
 
 
 def scheduled_event(imds: ImdsEmulator, *resources: str, **fields: Any) -> str:
     fields.setdefault("NoticeSeconds", 900)
     created = imds.create_event(EventType="Freeze", Resources=list(resources), **fields)
+    facts_of(created)
     return str(created["EventId"])

@@ -28,6 +28,7 @@ from tests.relay.conftest import (
     MintedCredential,
     Vm,
     approval,
+    facts_of,
     imds_client,
     scheduled_event,
 )
@@ -64,7 +65,9 @@ def test_a_terminate_is_approved_only_through_the_vm_it_deletes(
     """Azure: every VM of a scale set approves only the EventId relevant to it. A peer that sees web_1's delete in
     its own document (same placement group) still refuses to approve it."""
     peer, doomed = start_vm(VM_A0), start_vm(VM_A1)
-    event_id = imds.create_event(EventType="Terminate", Resources=[VM_A1])["EventId"]
+    created = imds.create_event(EventType="Terminate", Resources=[VM_A1])
+    facts_of(created)  # what the coordinator recorded: the listener checks the request's facts too
+    event_id = created["EventId"]
     refused = sender.send(approval(event_id), vm=peer.identity)
     assert refused.outcome == "rejected"
     assert refused.reason == (

@@ -14,9 +14,9 @@ import pytest
 
 from coordinator.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
-from forwarder.approval import ApprovalRequest
+from forwarder.approval import ApprovalFacts, ApprovalRequest
 from forwarder.approver import Freshness, judge, refuse_stale
-from forwarder.document import ScheduledEventsDocument
+from forwarder.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.envelope import VmIdentity
 from forwarder.relay_listener import (
     RelayResponse,
@@ -160,9 +160,15 @@ def test_small_clock_skew_is_tolerated():
     assert refuse_stale(approval(issuedAt=NOW + timedelta(seconds=90)), now=NOW, freshness=Freshness()) is None
 
 
+def decided(raw: dict[str, object], **changes: object) -> ApprovalRequest:
+    """The request a coordinator sends for `raw` (an event as IMDS lists it), the facts taken from it."""
+    facts = ApprovalFacts.of(ScheduledEvent.model_validate(raw))
+    return approval(eventId=raw["EventId"], facts=facts.model_copy(update=changes))
+
+
 def test_judge():
     me = "WestNO_1"  # a peer of WestNO_0 in the group: it may approve WestNO_0's Freeze
-    assert judge(approval(), document(event()), vm_name=me) == ("approved", "")
+    assert judge(decided(event()), document(event()), vm_name=me) == ("approved", "")
     assert judge(approval(), document(event("E2")), vm_name=me)[0] == "not-found"
     assert judge(approval(), document(event(status="Started")), vm_name=me) == ("not-scheduled", "the event is Started")
     assert judge(approval(), document(event(resources=())), vm_name=me)[0] == "rejected"
@@ -172,8 +178,11 @@ def test_a_terminate_is_approved_only_by_the_vm_it_deletes():
     def terminate(*resources: str) -> ScheduledEventsDocument:
         return document({**event(resources=resources), "EventType": "Terminate"})
 
-    assert judge(approval(), terminate("web_2"), vm_name="web_2") == ("approved", "")
-    assert judge(approval(), terminate("web_1", "web_2"), vm_name="web_2") == ("approved", "")
+    def terminate_of(*resources: str) -> ApprovalRequest:
+        return decided({**event(resources=resources), "EventType": "Terminate"})
+
+    assert judge(terminate_of("web_2"), terminate("web_2"), vm_name="web_2") == ("approved", "")
+    assert judge(terminate_of("web_1", "web_2"), terminate("web_1", "web_2"), vm_name="web_2") == ("approved", "")
     assert judge(approval(), terminate("web_2"), vm_name="web_0") == (
         "rejected",
         "Terminate of web_2 can be approved only by web_2 itself, not by web_0 "
@@ -184,6 +193,64 @@ def test_a_terminate_is_approved_only_by_the_vm_it_deletes():
     assert reason.startswith("Terminate of web_1, web_2 can be approved only by web_1 or web_2 itself")
     # Matched on the IMDS compute name exactly, as Resources lists it (never the hostname, never a prefix).
     assert judge(approval(), terminate("web_2"), vm_name="web_")[0] == "rejected"
+
+
+@pytest.mark.parametrize(
+    ("decided_on", "named"),
+    [
+        # What a VM lying to the coordinator could have made it decide on, each refused by the VM's own IMDS.
+        ({"eventType": "Freeze"}, "EventType is 'Reboot' here, the decision rested on 'Freeze'"),
+        ({"durationInSeconds": 5}, "DurationInSeconds is -1 here, the decision rested on 5"),
+        ({"eventSource": "User"}, "EventSource is 'Platform' here, the decision rested on 'User'"),
+        ({"resources": ["WestNO_0"]}, "Resources is ['WestNO_0', 'WestNO_1'] here"),
+        ({"notBefore": NOW}, "NotBefore is datetime.datetime(2026, 11, 21, 6, 15"),
+    ],
+)
+def test_the_listener_refuses_facts_its_own_imds_document_does_not_show(decided_on, named):
+    raw = {
+        **event(resources=("WestNO_0", "WestNO_1")),
+        "EventType": "Reboot",
+        "DurationInSeconds": -1,
+        "NotBefore": "Sat, 21 Nov 2026 06:15:00 GMT",
+    }
+    assert judge(decided(raw), document(raw), vm_name="WestNO_1") == ("approved", "")
+    outcome, reason = judge(decided(raw, **decided_on), document(raw), vm_name="WestNO_1")
+    assert outcome == "rejected"
+    assert reason.startswith("facts differ from this VM's IMDS document: ")
+    assert named in reason
+
+
+def test_the_same_facts_in_another_notation_agree():
+    # Resources in another order and NotBefore as ISO 8601 (Microsoft's mock server) are the same facts.
+    raw = {**event(resources=("WestNO_0", "WestNO_1")), "NotBefore": "Sat, 21 Nov 2026 06:15:00 GMT"}
+    other = {**raw, "Resources": ["WestNO_1", "WestNO_0"], "NotBefore": "2026-11-21T07:15:00+01:00"}
+    assert judge(decided(raw), document(other), vm_name="WestNO_0") == ("approved", "")
+
+
+def test_a_request_without_facts_is_refused():
+    outcome, reason = judge(approval(), document(event()), vm_name="WestNO_0")
+    assert (outcome, reason) == (
+        "rejected",
+        "the request names no facts to check against this VM's IMDS document (upgrade the coordinator)",
+    )
+
+
+def test_a_decision_resting_on_this_vms_hooks_needs_its_own_ledger_to_agree():
+    raw = {**event(resources=("web_2",)), "EventType": "Terminate"}
+    request = decided(raw, hooksRequired=["web_2"])
+    ledger = {"E1": "failed"}  # the coordinator was told "succeeded" by someone else with the fleet identity
+    outcome, reason = judge(request, document(raw), vm_name="web_2", prepare_outcome=ledger.get)
+    assert (outcome, reason) == (
+        "rejected",
+        "the decision rested on web_2's prepare hooks, and its own ledger says failed",
+    )
+    outcome, reason = judge(request, document(raw), vm_name="web_2", prepare_outcome=dict[str, str]().get)
+    assert reason.endswith("its own ledger says they have not finished")
+    assert judge(request, document(raw), vm_name="web_2", prepare_outcome={"E1": "succeeded"}.get) == ("approved", "")
+    # Without a ledger at all (a listener built without the store) such a decision is refused, never assumed.
+    assert judge(request, document(raw), vm_name="web_2")[0] == "rejected"
+    # A decision that did not rest on this VM's hooks does not consult the ledger.
+    assert judge(decided(raw), document(raw), vm_name="web_2", prepare_outcome=ledger.get) == ("approved", "")
 
 
 # ---------------------------------------------------------------------------------------------- admin
