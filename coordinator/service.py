@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ValidationError
 
@@ -1571,18 +1571,9 @@ class Coordinator:
         return [self.summarize(r) for r in records]
 
 
-_TITLED_KINDS = frozenset(
-    {
-        "new-event",
-        "approved",
-        "started-without-notice",
-        "canceled",
-        "expired",
-        "approval-failed",
-        "approval-refused",
-        "heartbeat-lost",
-    }
-)
+# Every kind a card can be built for: a pending entry of any other string (a record written by a newer coordinator)
+# is left alone rather than sent as a card this code cannot title.
+_TITLED_KINDS: frozenset[str] = frozenset(get_args(AlertKind))
 
 
 def _aggregate(record: EventRecord) -> str:
