@@ -14,6 +14,7 @@ start either first).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -65,10 +66,16 @@ def prepare_fails(vm: VmSpec | None, rule: Rule) -> bool | None:
 
 
 def expect(
-    event: dict[str, Any], policy: Policy, *, prepare_hooks: bool, vms: dict[str, VmSpec] | None = None
+    event: dict[str, Any],
+    policy: Policy,
+    *,
+    prepare_hooks: bool,
+    vms: dict[str, VmSpec] | None = None,
+    time_scale: float = 1.0,
 ) -> Expected:
     """The expectation for one event as listed by the IMDS emulator's ``GET /_emulator/events``; ``vms`` (the
-    scenario's VMs by name) brings in their hooks."""
+    scenario's VMs by name) brings in their hooks; ``time_scale`` turns the emulator's notice (Azure seconds)
+    into the real seconds the coordinator's hook deadline is counted in."""
     scheduled_at = _parse_time(event.get("scheduledAt")) or datetime.now(UTC)
     record = EventRecord(
         eventId=str(event["EventId"]),
@@ -93,7 +100,11 @@ def expect(
     elif rule.action == "approve-after-hooks" and any(
         prepare_fails((vms or {}).get(name), rule) for name in record.resources
     ):
-        approval = "no-approval" if (rule.hooks or HooksOption()).onDeadline == "wait" else "either"
+        options = rule.hooks or HooksOption()
+        not_before = _parse_time(event.get("NotBefore"))
+        notice = (not_before - scheduled_at).total_seconds() / time_scale if not_before is not None else math.inf
+        # The deadline is real seconds from the coordinator's first sighting: it passes within the notice or not.
+        approval = "either" if options.onDeadline == "approve" and options.deadlineSeconds < notice else "no-approval"
     elif rule.action == "approve-within-budget" or (
         rule.action == "approve-after-hooks"
         and not prepare_hooks
@@ -150,8 +161,15 @@ def _coupled(events: list[dict[str, Any]], expected: list[Expected], vms: dict[s
 
 
 def expect_all(
-    events: list[dict[str, Any]], policy: Policy, *, prepare_hooks: bool, vms: list[VmSpec] | None = None
+    events: list[dict[str, Any]],
+    policy: Policy,
+    *,
+    prepare_hooks: bool,
+    vms: list[VmSpec] | None = None,
+    time_scale: float = 1.0,
 ) -> list[Expected]:
     by_name = {vm.name: vm for vm in vms or []}
-    expected = [expect(event, policy, prepare_hooks=prepare_hooks, vms=by_name) for event in events]
+    expected = [
+        expect(event, policy, prepare_hooks=prepare_hooks, vms=by_name, time_scale=time_scale) for event in events
+    ]
     return _coupled(events, expected, by_name)

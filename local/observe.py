@@ -120,6 +120,55 @@ def applied_positions(store: TableStateStore) -> dict[str, int]:
     return {vm.identity.name: vm.lastSequence for stored in store.all_vm_groups() for vm in stored.record.vms.values()}
 
 
+CARD_KINDS = (
+    "new-event",
+    "approved",
+    "started-without-notice",
+    "canceled",
+    "expired",
+    "approval-failed",
+    "heartbeat-lost",
+)
+
+
+def cards_written(folder: Path, vm_names: dict[str, str]) -> list[dict[str, str | None]]:
+    """The cards the coordinator wrote, from their file names: ``{EventId}-{kind}.json`` for an event's card,
+    ``{vmId}-heartbeat-lost-{time}.json`` for a VM's; ``vm_names`` maps vmId to the VM's name. A file of another
+    shape is listed with kind ``unknown``."""
+    cards: list[dict[str, str | None]] = []
+    for path in sorted(folder.glob("*.json")):
+        stem = path.stem
+        if "-heartbeat-lost-" in stem:
+            vm_id = stem.split("-heartbeat-lost-", 1)[0]
+            cards.append({"kind": "heartbeat-lost", "eventId": None, "vm": vm_names.get(vm_id.lower(), vm_id)})
+            continue
+        kind = next((k for k in CARD_KINDS if stem.endswith(f"-{k}")), None)
+        event_id = stem[: -len(kind) - 1] if kind is not None else None
+        cards.append({"kind": kind or "unknown", "eventId": event_id, "vm": None})
+    return cards
+
+
+def event_details(timeline: Timeline, imds_approvals: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per EventId: the VM whose listener posted StartRequests (IMDS's record, else the history's Approval row),
+    how long after the first sighting IMDS accepted it and the event started, and what holds it back."""
+    accepted = {str(item["EventId"]): item for item in imds_approvals}
+    result: dict[str, dict[str, Any]] = {}
+    for event_id, path in timeline.paths.items():
+        approval = accepted.get(event_id)
+        approved_after = None
+        if approval is not None and path.first_observed is not None:
+            at = datetime.fromisoformat(str(approval["at"]).replace("Z", "+00:00"))
+            approved_after = round((at - path.first_observed).total_seconds() * 1000.0, 1)
+        started_after = path.latency_ms("started")
+        result[event_id] = {
+            "approvedThrough": (str(approval.get("vm") or "") if approval else "") or path.approved_via or None,
+            "approvedAfterSeenMs": approved_after,
+            "startedAfterSeenMs": round(started_after, 1) if started_after is not None else None,
+            "heldBy": path.held_by or None,
+        }
+    return result
+
+
 def collect(
     *,
     expected: list[Expected],
@@ -133,6 +182,8 @@ def collect(
     envelopes_delivered: int,
     failed_batches: int,
     expected_dead_letters: int = 0,
+    cards_folder: Path | None = None,
+    vm_names: dict[str, str] | None = None,
 ) -> RunFacts:
     envelopes, _ = sent_envelopes(eventhubs, hub)
     kinds, last_sent, sightings = sent_facts(envelopes)
@@ -163,4 +214,6 @@ def collect(
         failed_batches=failed_batches,
         expected_dead_letters=expected_dead_letters,
         latencies_ms=latencies,
+        event_details=event_details(timeline, imds_approvals),
+        cards=cards_written(cards_folder, vm_names or {}) if cards_folder is not None else [],
     )

@@ -49,12 +49,15 @@ class Follower:
                     self._printer(line)
 
     def over(self) -> bool:
-        """Every step played, every event over in IMDS, and the coordinator has concluded each of them."""
+        """Every step played, every event over in IMDS, the coordinator has concluded each of them and retired
+        every VM a delete removed (a removed VM's events conclude with its retirement)."""
         assert self.stack.imds is not None
         if time.monotonic() < self.scenario_ends:
             return False
         events = self.stack.imds.events()
         if len(events) < self.creates or any(e.get("state") not in IMDS_TERMINAL for e in events):
+            return False
+        if not set(self.stack.imds.removed_vms()) <= self.timeline.retired:
             return False
         paths = self.timeline.paths
         return all(str(e["EventId"]) in paths and paths[str(e["EventId"])].state in TERMINAL for e in events)
@@ -93,7 +96,13 @@ def judge(
     policy = load_policy(stack.options.policy_path or DEFAULT_POLICY_PATH)
     events = stack.imds.events()
     if expected is None:
-        expected = expect_all(events, policy, prepare_hooks=stack.options.prepare_hooks, vms=stack.imds.vms())
+        expected = expect_all(
+            events,
+            policy,
+            prepare_hooks=stack.options.prepare_hooks,
+            vms=stack.imds.vms(),
+            time_scale=stack.options.time_scale,
+        )
     store = TableStateStore.from_connection_string(stack.storage.connection_string, table_name="scheduledevents")
     facts = collect(
         expected=expected,
@@ -107,6 +116,8 @@ def judge(
         envelopes_delivered=stack.host.stats.events,
         failed_batches=stack.host.stats.failed_batches,
         expected_dead_letters=expected_dead_letters,
+        cards_folder=stack.cards_dir,
+        vm_names={vm.vmId.lower(): vm.name for vm in stack.imds.vms()},
     )
     return summarize(facts), facts
 

@@ -40,6 +40,15 @@ def sightings_from_documents(documents: Iterable[Document]) -> set[Sighting]:
     return result
 
 
+# What ``--json`` reports per event besides the summary's columns, when nothing is known of it.
+NO_DETAILS: dict[str, Any] = {
+    "approvedThrough": None,
+    "approvedAfterSeenMs": None,
+    "startedAfterSeenMs": None,
+    "heldBy": None,
+}
+
+
 @dataclass(frozen=True)
 class RunFacts:
     expected: list[Expected]
@@ -56,6 +65,9 @@ class RunFacts:
     failed_batches: int
     expected_dead_letters: int = 0
     latencies_ms: dict[str, list[float]] = field(default_factory=dict)
+    # Per EventId: approvedThrough, approvedAfterSeenMs, startedAfterSeenMs, heldBy (see ``event_details``).
+    event_details: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cards: list[dict[str, str | None]] = field(default_factory=list)  # {kind, eventId, vm} per card written
 
 
 @dataclass
@@ -70,8 +82,9 @@ class Summary:
     sightings_logged: int
     dead_letters: int
     latencies_ms: dict[str, dict[str, float]]
-    events: list[dict[str, str]]
+    events: list[dict[str, Any]]
     failures: list[str]
+    cards: list[dict[str, str | None]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -121,7 +134,7 @@ def summarize(facts: RunFacts) -> Summary:
     failures: list[str] = []
     approved_ids = {str(item["EventId"]) for item in facts.imds_approvals}
     imds_state = {str(e["EventId"]): str(e.get("state", "")) for e in facts.imds_events}
-    rows: list[dict[str, str]] = []
+    rows: list[dict[str, Any]] = []
     expected_approve = expected_made = 0
     for item in facts.expected:
         made = item.event_id in approved_ids
@@ -148,7 +161,10 @@ def summarize(facts: RunFacts) -> Summary:
                 "imds": ("approved" if made else imds_state.get(item.event_id, "?").lower()),
                 "coordinator": coordinator,
                 "rule": item.rule,
+                "eventId": item.event_id,
             }
+            | NO_DETAILS
+            | facts.event_details.get(item.event_id, {})
         )
     if not facts.envelopes_sent:
         failures.append("no envelope reached Event Hubs: see the forwarder logs")
@@ -182,6 +198,7 @@ def summarize(facts: RunFacts) -> Summary:
         latencies_ms=latencies,
         events=rows,
         failures=failures,
+        cards=facts.cards,
     )
 
 

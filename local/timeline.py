@@ -77,6 +77,8 @@ class Timeline:
     def __init__(self, *, labels: dict[str, str] | None = None) -> None:
         self.paths: dict[str, EventPath] = {}
         self.dead_letters = 0
+        self.retired: set[str] = set()  # VMs the coordinator retired (a delete removed them)
+        self.resets: list[str] = []  # VMs whose forwarder state the coordinator saw reset, in order
         self.labels = dict(labels or {})
 
     def label(self, event_id: str) -> str:
@@ -122,10 +124,12 @@ class Timeline:
         outcome = str(row.get("Outcome") or "")
         detail = outcome
         if outcome == "retired":
+            self.retired.add(vm)
             event_id = str(row.get("EventId") or "")
             by = f" by {self.label(event_id)} ({row.get('EventType') or ''})" if event_id else ""
             detail = f"retired{by}: {row.get('Reason') or ''}".rstrip(": ")
         elif outcome == "reset":
+            self.resets.append(vm)
             info = details(row)
             detail = (
                 f"reset: forwarder state {str(info.get('oldStateId') or '?')[:8]} → "
