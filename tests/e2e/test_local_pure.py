@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
 from emulators.imds import Scenario
 from forwarder.envelope import VmIdentity
 from local.expectations import Expected, expect, expect_all
+from local.observe import cards_written
 from local.scenario import delayed
 from local.summary import RunFacts, percentile, sightings_from_documents, summarize
 from local.timeline import Timeline
@@ -243,3 +245,103 @@ def test_every_hostile_mutation_is_refused_at_the_coordinators_door(data: st.Dat
 def test_the_unmutated_template_is_accepted() -> None:
     target = _vm("web_0", 0)
     assert not refused(json.dumps(template(target)).encode(), target.partition_key)
+
+
+def test_timeline_skips_the_sending_intent_and_shows_holds_retirements_and_resets() -> None:
+    timeline = Timeline(labels={EVENT: "scale-in"})
+    holder = "99999999-2222-3333-4444-555555555555"
+    sending = timeline.add(row("Approval", 10, Outcome="sending", VmName="web_0"))
+    held = timeline.add(
+        row(
+            "Approval",
+            20,
+            Outcome="held",
+            Actor="platform",
+            Reason="delete of web_1 pending",
+            Details=json.dumps({"heldBy": holder, "heldByVm": "web_1"}),
+        )
+    )
+    assert sending == []
+    assert "held by the platform: delete of web_1 pending" in held[0]
+    assert timeline.paths[EVENT].held_by == holder
+    timeline.add(row("Approval", 30, Outcome="released", Actor="platform", Reason="no longer held"))
+    assert timeline.paths[EVENT].held_by == ""
+    retired = timeline.add(
+        {
+            "RecordType": "Heartbeat",
+            "TimeGenerated": at(40),
+            "VmName": "web_1",
+            "Outcome": "retired",
+            "EventId": EVENT,
+            "EventType": "Terminate",
+            "Reason": "its NotBefore passed",
+        }
+    )
+    assert "retired by scale-in (Terminate): its NotBefore passed" in retired[0]
+    reset = timeline.add(
+        {
+            "RecordType": "Heartbeat",
+            "TimeGenerated": at(50),
+            "VmName": "web_0",
+            "Outcome": "reset",
+            "Details": {"oldStateId": "aaaaaaaa-1", "newStateId": "bbbbbbbb-2", "lastSequence": 41, "newSequence": 1},
+        }
+    )
+    assert "reset: forwarder state aaaaaaaa → bbbbbbbb, sequence 41 → 1" in reset[0]
+    assert (timeline.retired, timeline.resets) == ({"web_1"}, ["web_0"])
+
+
+def scenario_vms(hooks: dict[str, Any] | None, **more: Any) -> list[Any]:
+    vm = {"name": "web_0", "vmScaleSetName": "web"} | ({"hooks": hooks} if hooks is not None else {})
+    return Scenario.from_mapping({"name": "t", "vms": [vm, *more.get("others", [])], "steps": []}).vms
+
+
+def test_a_failing_prepare_hook_means_no_approval_before_the_hook_deadline() -> None:
+    policy = load_policy(DEFAULT_POLICY_PATH)
+    event = imds_event("Terminate", notice=600.0, started_by="notBefore")
+    failing = {"prepare": [{"name": "10-check", "exitCode": 1}, {"name": "20-drain", "exitCode": 0}]}
+    passing = {"prepare": [{"name": "10-check", "exitCode": 0}, {"name": "20-drain", "exitCode": 0, "seconds": 2}]}
+    # 600 Azure seconds at 120x: a 5 s notice, far shorter than the rule's 240 s (real) hook deadline.
+    [fails] = expect_all([event], policy, prepare_hooks=True, vms=scenario_vms(failing), time_scale=120)
+    [works] = expect_all([event], policy, prepare_hooks=True, vms=scenario_vms(passing), time_scale=120)
+    [none] = expect_all([event], policy, prepare_hooks=True, vms=scenario_vms({"prepare": []}), time_scale=120)
+    # At 1x the notice (600 s) outlasts the deadline, and onDeadline approves: either may happen first.
+    [slow] = expect_all([event], policy, prepare_hooks=True, vms=scenario_vms(failing), time_scale=1)
+    assert (fails.approval, works.approval, none.approval, slow.approval) == (
+        "no-approval",
+        "approve",
+        "no-approval",
+        "either",
+    )
+
+
+def test_a_delete_overlapping_an_unready_delete_of_its_scale_set_is_either() -> None:
+    policy = load_policy(DEFAULT_POLICY_PATH)
+    ready = imds_event("Terminate", notice=600.0, ref="ready")
+    blocked = imds_event("Terminate", notice=600.0, ref="blocked") | {"Resources": ["web_1"]}
+    elsewhere = imds_event("Terminate", notice=600.0, ref="elsewhere") | {"Resources": ["api_0"]}
+    vms = scenario_vms(
+        None,
+        others=[
+            {"name": "web_1", "vmScaleSetName": "web", "hooks": {"prepare": [{"name": "10-check", "exitCode": 1}]}},
+            {"name": "api_0", "vmScaleSetName": "api"},
+        ],
+    )
+    result = expect_all([ready, blocked, elsewhere], policy, prepare_hooks=True, vms=vms, time_scale=120)
+    assert [item.approval for item in result] == ["either", "no-approval", "approve"]
+
+
+def test_cards_are_listed_by_kind_event_and_vm_from_their_file_names(tmp_path: Path) -> None:
+    vm_id = "0f1e2d3c-aaaa-bbbb-cccc-000000000001"
+    for name in (f"{EVENT}-new-event", f"{EVENT}-expired", f"{vm_id}-heartbeat-lost-20260105T120000", "stray"):
+        (tmp_path / f"{name}.json").write_text("{}")
+    cards = cards_written(tmp_path, {vm_id: "web_3"})
+    assert sorted(cards, key=str) == sorted(
+        [
+            {"kind": "new-event", "eventId": EVENT, "vm": None},
+            {"kind": "expired", "eventId": EVENT, "vm": None},
+            {"kind": "heartbeat-lost", "eventId": None, "vm": "web_3"},
+            {"kind": "unknown", "eventId": None, "vm": None},
+        ],
+        key=str,
+    )
