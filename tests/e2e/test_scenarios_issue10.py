@@ -16,8 +16,8 @@ from emulators.imds import Scenario
 from tests.e2e.conftest import Outcome, Runner
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios"
-# Heartbeats every 2 s: the coordinator retires a removed VM after three of them (local.stack), so runs stay short.
-FAST = {"time_scale": 120.0, "timeout": 90.0, "heartbeat_interval": 2.0}
+# Time scale 120 and the fixture's 2 s heartbeats (a removed VM is retired after three): short runs.
+FAST = {"time_scale": 120.0, "timeout": 90.0}
 
 
 def rows(outcome: Outcome, where: str, *args: Any) -> list[dict[str, Any]]:
