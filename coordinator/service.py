@@ -1112,18 +1112,11 @@ class Coordinator:
                 hooksRequired=rules.hooks_required(self.policy, approval.rule, record),
             ),
         )
-        plan.intent = HistoryRow(
-            TimeGenerated=now,
-            RecordType="Approval",
-            EventId=record.eventId,
-            EventType=record.eventType,
-            EventSource=record.eventSource,
-            State=record.state,
-            NotBefore=record.notBefore,
-            VmName=executor.name,
-            Rule=approval.rule,
-            DecisionId=approval.decisionId,
-            Actor=approval.actor,
+        plan.intent = _approval_row(
+            record,
+            approval,
+            now,
+            vm=executor.name,
             Outcome="sending",
             Reason=f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})",
         )
@@ -1179,18 +1172,12 @@ class Coordinator:
         approval.outcome = result.outcome if result else "failed"
         approval.reason = (result.reason if result else failure)[:1000]
         change.rows.append(
-            HistoryRow(
-                TimeGenerated=now,
-                RecordType="Approval",
-                EventId=record.eventId,
-                EventType=record.eventType,
-                EventSource=record.eventSource,
-                State=record.state,
-                NotBefore=record.notBefore,
-                VmName=executor,
-                Rule=approval.rule,
+            _approval_row(
+                record,
+                approval,
+                now,
+                vm=executor,
                 DecisionId=decision_id,
-                Actor=approval.actor,
                 Outcome=approval.outcome,
                 Reason=approval.reason or f"StartRequests accepted by {executor}",
                 DocumentIncarnation=result.documentIncarnation if result else None,
@@ -1574,6 +1561,26 @@ class Coordinator:
 # Every kind a card can be built for: a pending entry of any other string (a record written by a newer coordinator)
 # is left alone rather than sent as a card this code cannot title.
 _TITLED_KINDS: frozenset[str] = frozenset(get_args(AlertKind))
+
+
+def _approval_row(
+    record: EventRecord, approval: ApprovalRecord, now: datetime, *, vm: str, **values: Any
+) -> HistoryRow:
+    """An ``Approval`` history row: the event's and the approval's columns, then ``values`` (outcome, reason)."""
+    columns: dict[str, Any] = {
+        "TimeGenerated": now,
+        "RecordType": "Approval",
+        "EventId": record.eventId,
+        "EventType": record.eventType,
+        "EventSource": record.eventSource,
+        "State": record.state,
+        "NotBefore": record.notBefore,
+        "VmName": vm,
+        "Rule": approval.rule,
+        "DecisionId": approval.decisionId,
+        "Actor": approval.actor,
+    }
+    return HistoryRow.model_validate(columns | values)
 
 
 def _aggregate(record: EventRecord) -> str:
