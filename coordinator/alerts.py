@@ -35,8 +35,44 @@ _TITLES: dict[str, tuple[str, str]] = {
     "expired": ("Event expired unapproved", "Warning"),
     "approval-failed": ("Approval failed", "Attention"),
     "approval-refused": ("Approval refused by the VM", "Attention"),
+    "not-started": ("Approved, but not started", "Attention"),
+    "facts-conflict": ("Conflicting reports of an event", "Attention"),
     "heartbeat-lost": ("VM heartbeat lost", "Attention"),
+    "forwarder-conflict": ("Two forwarders report as one VM", "Attention"),
 }
+
+_VM_TEXTS: dict[str, str] = {
+    "heartbeat-lost": "Its forwarder stopped reporting: its scheduled events are not seen and cannot be approved.",
+    "forwarder-conflict": (
+        "Envelopes under two forwarder states arrive for this VM in turn: one of them is not this VM's forwarder "
+        "(another VM sending under its name with the fleet's shared identity, or a cloned disk). Both are heard; "
+        "approvals still go only where the VM's own IMDS document agrees. Find the second sender."
+    ),
+}
+
+
+def _explain(kind: AlertKind, record: EventRecord) -> str:
+    """What the card's kind says about this record beyond its facts (cards are built from the record alone, so an
+    outbox entry sent later by the timer says the same)."""
+    approval = record.approval
+    if kind == "not-started" and approval is not None:
+        by = approval.confirmBy.isoformat() if approval.confirmBy else "its deadline"
+        return (
+            f"{approval.executor or 'the VM'}'s listener answered '{approval.outcome}'"
+            f"{': ' + approval.reason if approval.reason else ''}, but no VM saw the event Started or gone by {by}. "
+            "A listener's answer is not the platform's: the platform may still be waiting (other tenants of the host), "
+            "or the answer was not true."
+        )
+    if kind == "facts-conflict" and record.conflicts:
+        last = record.conflicts[-1]
+        claims = "; ".join(
+            f"{fact} {claimed!r} (recorded {recorded!r})" for fact, (recorded, claimed) in last.facts.items()
+        )
+        return (
+            f"{record.conflictCount} sighting(s) contradict the facts on record; the latest, from {last.vm}, claims "
+            f"{claims}. The record keeps its facts; a VM approves only what its own IMDS document shows."
+        )
+    return ""
 
 
 class AlertError(RuntimeError):
@@ -120,6 +156,7 @@ def build_card(
         {"type": "TextBlock", "text": (record.description or "—")[:500], "wrap": True},
         {"type": "FactSet", "facts": facts},
     ]
+    detail = detail or _explain(kind, record)
     if detail:
         body.append({"type": "TextBlock", "text": detail[:1000], "wrap": True, "isSubtle": True})
     body.append({"type": "TextBlock", "text": f"Coordinator time {now.isoformat()}", "isSubtle": True, "size": "Small"})
@@ -129,7 +166,9 @@ def build_card(
     return _envelope(body, actions)
 
 
-def build_vm_card(kind: AlertKind, vm: VmRecord, *, now: datetime, timeout_seconds: int) -> dict[str, Any]:
+def build_vm_card(
+    kind: AlertKind, vm: VmRecord, *, now: datetime, timeout_seconds: int | None = None
+) -> dict[str, Any]:
     title, color = _TITLES[kind]
     identity = vm.identity
     facts = [
@@ -138,8 +177,9 @@ def build_vm_card(kind: AlertKind, vm: VmRecord, *, now: datetime, timeout_secon
         _fact("Scale set", identity.vmScaleSetName or "—"),
         _fact("Placement group", identity.placementGroupId or "—"),
         _fact("Last seen", vm.lastSeen.isoformat()),
-        _fact("Timeout", f"{timeout_seconds} s"),
     ]
+    if timeout_seconds is not None:
+        facts.append(_fact("Timeout", f"{timeout_seconds} s"))
     body: list[dict[str, Any]] = [
         {
             "type": "TextBlock",
@@ -148,11 +188,7 @@ def build_vm_card(kind: AlertKind, vm: VmRecord, *, now: datetime, timeout_secon
             "size": "Medium",
             "color": color,
         },
-        {
-            "type": "TextBlock",
-            "text": "Its forwarder stopped reporting: its scheduled events are not seen and cannot be approved.",
-            "wrap": True,
-        },
+        {"type": "TextBlock", "text": _VM_TEXTS.get(kind, ""), "wrap": True},
         {"type": "FactSet", "facts": facts},
         {"type": "TextBlock", "text": f"Coordinator time {now.isoformat()}", "isSubtle": True, "size": "Small"},
     ]

@@ -26,7 +26,10 @@ AlertKind = Literal[
     "expired",
     "approval-failed",
     "approval-refused",
+    "not-started",
+    "facts-conflict",
     "heartbeat-lost",
+    "forwarder-conflict",
 ]
 
 
@@ -100,6 +103,9 @@ class ApprovalRecord(BaseModel):
     reason: str = ""
     executor: str = ""
     delivered: bool = False
+    # A listener's "approved" says IMDS accepted StartRequests, not that the event started: the event must be seen
+    # Started or gone by this time (set on delivery, and again when a platform hold is lifted), else an alert.
+    confirmBy: datetime | None = None
 
 
 class PlatformHold(BaseModel):
@@ -115,6 +121,19 @@ class PlatformHold(BaseModel):
     def describe(self) -> str:
         until = self.until.isoformat() if self.until else "its NotBefore"
         return f"held by the platform: delete of {self.vm or self.eventId} ({self.eventId}) pending until {until}"
+
+
+class FactConflict(BaseModel):
+    """A sighting whose facts contradict the record's (kept, never merged over it): the VM that claimed it, where,
+    and each differing fact as (recorded, claimed)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    vm: str
+    observedAt: datetime
+    epoch: int = 0
+    sequence: int
+    facts: dict[str, tuple[str, str]]
 
 
 class EventRecord(BaseModel):
@@ -150,6 +169,9 @@ class EventRecord(BaseModel):
     platformHold: PlatformHold | None = None
     # The VMs this event removed (Terminate/Preempt, then silent): they will never report it gone.
     removed: list[str] = Field(default_factory=list)
+    # Sightings that contradicted the facts on record (the latest MAX_CONFLICTS kept; ``conflictCount`` counts all).
+    conflicts: list[FactConflict] = Field(default_factory=list)
+    conflictCount: int = 0
 
     @property
     def open(self) -> bool:
@@ -171,6 +193,19 @@ class Retirement(BaseModel):
     reason: str = ""
 
 
+class ForwarderState(BaseModel):
+    """Where a forwarder state (Envelope.stateId) this VM left stood: its own position and the events its last
+    document listed. Sequences compare only within their state, so no envelope under another state, whatever its
+    sequence, can make this one's later envelopes look old."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    epoch: int
+    lastSequence: int
+    lastSeen: datetime
+    listed: list[str] = Field(default_factory=list)
+
+
 class VmRecord(BaseModel):
     """Per-VM last-seen position: protects against duplicate and out-of-order delivery, and says which events the
     VM listed last (an event is gone for a VM when a newer document from it no longer lists it)."""
@@ -183,11 +218,15 @@ class VmRecord(BaseModel):
     lastSeen: datetime
     listed: list[str] = Field(default_factory=list)
     heartbeatLost: bool = False
-    # The forwarder's state identifier (Envelope.stateId) and how many times it changed: a new one restarts the
-    # position (epoch + 1); envelopes from a few past states are stale replays and are dropped.
+    # The forwarder's state identifier (Envelope.stateId) the position belongs to, and its epoch: every change of
+    # state (a new one, or an earlier one speaking again) takes the next epoch, so positions, compared as
+    # (epoch, sequence), grow in the order envelopes were applied. The states left are kept with their positions.
     stateId: str = ""
     epoch: int = 0
-    pastStates: list[str] = Field(default_factory=list)
+    otherStates: dict[str, ForwarderState] = Field(default_factory=dict)
+    # Set while two forwarder states speak for this VM (a state it had left spoke again): one of them is not the
+    # VM's forwarder (a forged identity, or a cloned disk). The pair alerted, as sorted state tags.
+    stateConflict: list[str] = Field(default_factory=list)
     # Set when a Terminate/Preempt naming the VM concluded it and the VM fell silent: it is gone, not lost.
     retired: Retirement | None = None
     # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a

@@ -51,10 +51,12 @@ from coordinator.state import (
     choose_executor,
     clone,
     event_row,
+    leaving_vms,
     merge_vm_records,
     platform_hold,
     raise_alert,
     removals,
+    start_overdue,
     transition,
     vm_observations,
     vm_position,
@@ -94,6 +96,11 @@ RETIRE_GRACE = timedelta(seconds=180)
 # recorded as failed and retried by the timer (the listener is idempotent per decisionId).
 APPROVAL_WORKERS = 16
 APPROVAL_DEADLINE = timedelta(seconds=30)
+# An approval a listener answered "approved" must be seen Started or gone within this (from the answer, or from the
+# end of a platform hold), else a "not-started" card names the listener's answer. A VM on a host of its own starts
+# within seconds of StartRequests; one on a shared host may wait for the other tenants. 5 min is a third of the
+# shortest routine notice (15 min): people hear of it before NotBefore, ordinary short waits stay quiet.
+START_BOUND = timedelta(seconds=300)
 
 
 def utcnow() -> datetime:
@@ -196,6 +203,10 @@ class _Fleet:
         """Keeps the delete registry current as events change within a batch or tick."""
         if record.eventType == "Terminate":
             self.deletes()[record.eventId] = record
+
+    def leaving(self, now: datetime) -> dict[str, str]:
+        """The VMs an open Terminate/Preempt is removing now (state.leaving_vms), from the open events as read."""
+        return leaving_vms([*self._open_events(), *self.deletes().values()], now)
 
     def held_in(self, scale_sets: Iterable[str], now: datetime) -> list[str]:
         """Pending deletes of these scale sets that are held back by another one (to re-decide)."""
@@ -317,6 +328,8 @@ class _Work:
     alerts: list[tuple[str, AlertKind]] = field(default_factory=list)
     deliveries: list[str] = field(default_factory=list)
     records: dict[str, EventRecord] = field(default_factory=dict)
+    # Cards about VMs rather than events (two forwarders reporting as one VM).
+    vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
 
 
 @dataclass
@@ -430,6 +443,7 @@ class Coordinator:
         retire_grace: timedelta = RETIRE_GRACE,
         approval_workers: int = APPROVAL_WORKERS,
         approval_deadline: timedelta = APPROVAL_DEADLINE,
+        start_bound: timedelta = START_BOUND,
     ) -> None:
         self.store = store
         self.history = history
@@ -455,13 +469,19 @@ class Coordinator:
         self.retire_grace = retire_grace
         self.approval_workers = approval_workers
         self.approval_deadline = approval_deadline
+        self.start_bound = start_bound
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     # ---- envelopes in ----------------------------------------------------------------------------------------
     def _validate(self, message: RawMessage, now: datetime) -> Envelope:
         envelope = Envelope.model_validate_json(message.body)
-        if message.partition_key and message.partition_key.lower() != envelope.vm.partition_key:
+        if not message.partition_key:
+            raise ValueError(
+                "no partition key: a forwarder sends with partition key = its vm.resourceId (one VM's envelopes in "
+                "one partition, in order); an envelope without one is not a forwarder's"
+            )
+        if message.partition_key.lower() != envelope.vm.partition_key:
             raise ValueError(
                 f"partition key {message.partition_key[:300]!r} is not the envelope's vm.resourceId: a VM reports "
                 "only for itself"
@@ -559,6 +579,8 @@ class Coordinator:
             if update.resumed:
                 work.rows.append(self._vm_row(update.record, now, "heartbeat resumed"))
             work.rows.extend(update.rows)
+            if update.conflict:
+                work.vm_alerts.append((update.record, "forwarder-conflict"))
         committed = self._commit_events(observations, now, fleet, report, updates, work=work)
         for change in committed:
             self._collect(change, work)
@@ -958,13 +980,13 @@ class Coordinator:
         history; they go out concurrently (a bounded pool, each with its own deadline), so a slow or absent
         listener holds up nothing else; each outcome is then written to its event."""
         records: dict[str, EventRecord] = dict(work.records)
-        plans = [plan for plan in (self._plan(event_id, now, last_seen) for event_id in work.deliveries) if plan]
+        fleet = fleet or _Fleet(self.store)
+        plans = [plan for plan in (self._plan(event_id, now, last_seen, fleet) for event_id in work.deliveries) if plan]
         if any(plan.intent is not None for plan in plans):
             work.rows.extend(plan.intent for plan in plans if plan.intent is not None)
             self._write_history(work.rows, report)
             work.rows = []
         self._send_all(plans)
-        fleet = fleet or _Fleet(self.store)
         for plan in plans:
             try:
                 change = self._commit_one(
@@ -995,7 +1017,13 @@ class Coordinator:
             for event_id, kinds in sent.items():
                 settled.setdefault(event_id, []).extend(kinds)
             self._clear_sent(settled)
+        self._send_vm_alerts(work, now, report)
         self._write_history(work.rows, report)
+
+    def _send_vm_alerts(self, work: _Work, now: datetime, report: BatchReport | TickReport) -> None:
+        for vm, kind in work.vm_alerts:
+            # Once per pair of forwarder states found speaking for the VM (the key names the pair).
+            self._vm_alert(vm, kind, now, report, key=f"{vm.identity.vmId}-{kind}-{'-'.join(vm.stateConflict)}")
 
     def _log_sent(self, sent: dict[str, list[str]], now: datetime) -> None:
         try:
@@ -1069,7 +1097,9 @@ class Coordinator:
         work.rows.append(_alert_row(record, kind, now, "sent", ""))
         return True
 
-    def _plan(self, event_id: str, now: datetime, last_seen: dict[str, datetime] | None) -> _Delivery | None:
+    def _plan(
+        self, event_id: str, now: datetime, last_seen: dict[str, datetime] | None, fleet: _Fleet
+    ) -> _Delivery | None:
         """What to send for one committed approval, read fresh: the executor and the request (None when no VM
         can execute it; the failure says why). Every approval is sent from a plan, so dry-run is held here: an
         approval decided before dry-run was switched on waits."""
@@ -1083,7 +1113,7 @@ class Coordinator:
         seen = {name: s.lastSeen for name, s in record.vms.items()}
         if last_seen:
             seen.update({name: last_seen[name] for name in seen if name in last_seen})
-        executor = choose_executor(record, seen, now - self.heartbeat_timeout)
+        executor = choose_executor(record, seen, now - self.heartbeat_timeout, leaving=fleet.leaving(now))
         plan = _Delivery(event_id=event_id, decision_id=approval.decisionId, executor=executor.name if executor else "")
         if executor is None:
             within = f"{self.heartbeat_timeout.total_seconds():.0f} s"
@@ -1184,8 +1214,10 @@ class Coordinator:
             )
         )
         if result is not None and result.outcome == "approved":
+            # "approved" is the listener's word that IMDS took StartRequests; the platform's is Started or gone.
             approval.delivered = True
             approval.nextAttemptAt = None
+            approval.confirmBy = now + self.start_bound
             # Set before the transition, so that the "approved" card says what holds it.
             self._update_hold(change, fleet.deletes().values(), now)
             if record.state == "Scheduled":
@@ -1216,8 +1248,7 @@ class Coordinator:
             raise_alert(change, "approval-failed", now)
         return change
 
-    @staticmethod
-    def _update_hold(change: EventChange, deletes: Iterable[EventRecord], now: datetime) -> None:
+    def _update_hold(self, change: EventChange, deletes: Iterable[EventRecord], now: datetime) -> None:
         """Shows an approved delete that the platform holds because another delete of its scale set is pending:
         on the record (the card and summarize() read it) and as an Approval row (Actor platform, Outcome held),
         and again when the hold is lifted or moves to another pending delete."""
@@ -1228,6 +1259,9 @@ class Coordinator:
             return
         record.platformHold = hold
         change.changed = True
+        if hold is None and previous is not None and record.approval is not None and record.approval.delivered:
+            # Held, the delete could not start: its time to be seen Started begins when the platform lets it go.
+            record.approval.confirmBy = now + self.start_bound
         reason = hold.describe() if hold else "no longer held by the platform: no other delete of its scale set pending"
         change.rows.append(
             event_row(
@@ -1285,7 +1319,12 @@ class Coordinator:
             record = stored.record
             try:
                 change = self._commit_one(
-                    record.eventId, lambda r: self._reconsider(r, now, fleet, silent, retired), report, read=stored
+                    record.eventId,
+                    lambda r: self._reconsider(
+                        r, now=now, fleet=fleet, silent=silent, retired=retired, last_seen=last_seen
+                    ),
+                    report,
+                    read=stored,
                 )
             except ConcurrencyConflict:
                 log.warning("event %s: contended; the next tick tries again", record.eventId)
@@ -1320,7 +1359,14 @@ class Coordinator:
         return report
 
     def _reconsider(
-        self, record: EventRecord | None, now: datetime, fleet: _Fleet, silent: frozenset[str], retired: dict[str, str]
+        self,
+        record: EventRecord | None,
+        *,
+        now: datetime,
+        fleet: _Fleet,
+        silent: frozenset[str],
+        retired: dict[str, str],
+        last_seen: dict[str, datetime],
     ) -> EventChange | None:
         if record is None:
             return None
@@ -1328,6 +1374,24 @@ class Coordinator:
         advance(change, now, silent_vms=silent, retired=retired)
         if record.eventType == "Terminate" and record.approval is not None and record.approval.delivered:
             self._update_hold(change, fleet.deletes().values(), now)
+        if "not-started" not in change.record.alerts and start_overdue(change.record, now, last_seen):
+            approval = change.record.approval
+            assert approval is not None
+            change.rows.append(
+                _approval_row(
+                    change.record,
+                    approval,
+                    now,
+                    vm=approval.executor,
+                    Actor="platform",
+                    Outcome="not-started",
+                    Reason=(
+                        f"{approval.executor}'s listener answered '{approval.outcome}' but no VM saw the event Started "
+                        f"or gone by {approval.confirmBy.isoformat() if approval.confirmBy else '?'}"
+                    ),
+                )
+            )
+            raise_alert(change, "not-started", now)
         self._decide(change, now, fleet)
         return change
 
@@ -1407,14 +1471,30 @@ class Coordinator:
             for vm in lost.values():
                 report.heartbeats_lost += 1
                 work.rows.append(self._vm_row(vm, now, f"no envelope for more than {timeout} s"))
-                try:
-                    self.alerts.send(
-                        build_vm_card("heartbeat-lost", vm, now=now, timeout_seconds=timeout),
-                        key=f"{vm.identity.vmId}-heartbeat-lost-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}",
-                    )
-                    report.alerts_sent += 1
-                except AlertError as error:
-                    log.warning("heartbeat alert for %s not delivered: %s", vm.identity.name, error)
+                self._vm_alert(
+                    vm,
+                    "heartbeat-lost",
+                    now,
+                    report,
+                    key=f"{vm.identity.vmId}-heartbeat-lost-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}",
+                    timeout_seconds=timeout,
+                )
+
+    def _vm_alert(
+        self,
+        vm: VmRecord,
+        kind: AlertKind,
+        now: datetime,
+        report: BatchReport | TickReport,
+        *,
+        key: str,
+        timeout_seconds: int | None = None,
+    ) -> None:
+        try:
+            self.alerts.send(build_vm_card(kind, vm, now=now, timeout_seconds=timeout_seconds), key=key)
+            report.alerts_sent += 1
+        except AlertError as error:
+            log.warning("%s alert for %s not delivered: %s", kind, vm.identity.name, error)
 
     def _run_housekeeping(self, groups: list[Stored[VmGroupRecord]], now: datetime, report: TickReport) -> None:
         """Hourly, not every tick: deletes concluded events older than the retention, and lists ARM resources (the

@@ -66,6 +66,12 @@ class CoordinatorSettings(BaseModel):
     approval_deadline_seconds: int = Field(
         default=30, ge=1, le=600, description="how long one approval may take to be answered before it is retried"
     )
+    start_bound_seconds: int = Field(
+        default=300,
+        ge=1,
+        description="an approval the VM's listener answered 'approved' must be seen Started or gone within this, "
+        "else a 'not-started' card",
+    )
     hybrid_connection_silence_seconds: int = Field(
         default=86_400, ge=3600, description="delete a VM's hybrid connection after this long without a word"
     )

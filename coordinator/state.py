@@ -6,23 +6,35 @@ Everything is idempotent: re-applying an envelope whose sequence a record alread
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
-from coordinator.model import AlertKind, EventRecord, PlatformHold, State, VmRecord, VmSighting
+from coordinator.model import (
+    AlertKind,
+    EventRecord,
+    FactConflict,
+    ForwarderState,
+    PlatformHold,
+    State,
+    VmRecord,
+    VmSighting,
+)
 from coordinator.rows import HistoryRow
 from forwarder.document import ScheduledEvent
 from forwarder.envelope import Envelope, HookReport, VmIdentity
 
 ObservationKind = Literal["listed", "gone", "hook"]
 SIGHTING_RETENTION = timedelta(days=7)
-# Past forwarder states remembered per VM: a replay from one of them (a spool re-sent after a crash) is dropped.
+# Forwarder states a VM left that are remembered with their positions (a late delivery from one is dropped).
 PAST_STATES = 4
 # The events that remove the VMs they name (a deleted or evicted VM stops answering IMDS for good).
 REMOVING_EVENTS = frozenset({"Terminate", "Preempt"})
 FAILED_OUTCOMES = frozenset({"failed", "timed-out"})
+# Fact conflicts kept on an event record (the count goes on).
+MAX_CONFLICTS = 8
 
 
 @dataclass(frozen=True)
@@ -52,70 +64,149 @@ class VmUpdate:
     applied: int
     duplicates: int
     resumed: bool
-    # History rows about the VM itself (forwarder state resets).
+    # History rows about the VM itself (forwarder state resets and conflicts).
     rows: list[HistoryRow] = field(default_factory=list)
+    # A new pair of forwarder states was found speaking for this VM in turn: alert once.
+    conflict: bool = False
 
 
-def _reset_row(vm: VmIdentity, envelope: Envelope, old_state: str, last_sequence: int, epoch: int) -> HistoryRow:
+def state_tag(state_id: str) -> str:
+    """A forwarder state as the history shows it: a digest, never the identifier itself. The identifier is what
+    keeps one forwarder's sequence apart from envelopes that others send under the VM's name (the fleet shares one
+    sender identity), so it stays between the VM and the coordinator."""
+    return hashlib.sha256(state_id.encode()).hexdigest()[:12] if state_id else "(none)"
+
+
+def _state_row(vm: VmIdentity, envelope: Envelope, outcome: str, reason: str, details: dict[str, object]) -> HistoryRow:
     return HistoryRow(
         TimeGenerated=envelope.observedAt,
         RecordType="Heartbeat",
         ObservedAt=envelope.observedAt,
         Sequence=envelope.sequence,
-        Outcome="reset",
+        Outcome=outcome,
         Actor="forwarder",
-        Reason=(
-            f"forwarder state changed from {old_state or '(none)'!r} to {envelope.stateId or '(none)'!r} after "
-            f"sequence {last_sequence}: a forwarder that lost its state; its position restarts at sequence "
-            f"{envelope.sequence}"
-        ),
-        Details={
-            "oldStateId": old_state,
-            "newStateId": envelope.stateId,
-            "lastSequence": last_sequence,
-            "newSequence": envelope.sequence,
-            "epoch": epoch,
-        },
+        Reason=reason,
+        Details=details,
         **_vm_columns(vm),
     )
 
 
+def _reset_row(vm: VmIdentity, envelope: Envelope, old_state: str, last_sequence: int, epoch: int) -> HistoryRow:
+    old, new = state_tag(old_state), state_tag(envelope.stateId)
+    return _state_row(
+        vm,
+        envelope,
+        "reset",
+        f"forwarder state changed from {old} to {new} after sequence {last_sequence}: a forwarder that lost its "
+        f"state; its position restarts at sequence {envelope.sequence}",
+        {
+            "oldState": old,
+            "newState": new,
+            "lastSequence": last_sequence,
+            "newSequence": envelope.sequence,
+            "epoch": epoch,
+        },
+    )
+
+
+def _conflict_row(vm: VmIdentity, envelope: Envelope, current: str, known: ForwarderState, epoch: int) -> HistoryRow:
+    old, new = state_tag(current), state_tag(envelope.stateId)
+    return _state_row(
+        vm,
+        envelope,
+        "conflict",
+        f"forwarder state {new}, which this VM had left at sequence {known.lastSequence}, speaks again (sequence "
+        f"{envelope.sequence}) after state {old}: two forwarders send as {vm.name} (a forged identity or a cloned "
+        "disk); each is heard at its own position, neither can silence the other",
+        {
+            "state": new,
+            "otherState": old,
+            "lastSequence": known.lastSequence,
+            "newSequence": envelope.sequence,
+            "epoch": epoch,
+        },
+    )
+
+
+@dataclass
+class _Position:
+    """A VM's position while its envelopes are read: the forwarder state it is in and the states it left."""
+
+    state_id: str
+    epoch: int
+    last_sequence: int
+    listed: list[str]
+    last_seen: datetime
+    others: dict[str, ForwarderState]
+    state_conflict: list[str]
+    conflict: bool = False
+
+    def enter(self, envelope: Envelope, rows: list[HistoryRow]) -> bool:
+        """Moves to the envelope's forwarder state if it is another one; False when the envelope is not new there."""
+        if envelope.stateId == self.state_id:
+            return envelope.sequence > self.last_sequence
+        known = self.others.get(envelope.stateId)
+        if known is not None and envelope.sequence <= known.lastSequence:
+            return False  # a late delivery from a state this VM has left
+        # The state left is kept with its position and list; the state entered takes the next epoch.
+        self.others[self.state_id] = ForwarderState(
+            epoch=self.epoch, lastSequence=self.last_sequence, lastSeen=self.last_seen, listed=self.listed
+        )
+        self.epoch += 1
+        if known is None:
+            rows.append(_reset_row(envelope.vm, envelope, self.state_id, self.last_sequence, self.epoch))
+            self.last_sequence = -1  # the events the old state listed are 'gone' if the new one does not list them
+        else:
+            rows.append(_conflict_row(envelope.vm, envelope, self.state_id, known, self.epoch))
+            pair = sorted({state_tag(self.state_id), state_tag(envelope.stateId)})
+            self.conflict = self.conflict or pair != self.state_conflict
+            self.state_conflict = pair
+            self.last_sequence, self.listed = known.lastSequence, list(known.listed)
+            del self.others[envelope.stateId]
+        self.state_id = envelope.stateId
+        # The states left longest ago are forgotten first (one that speaks again later counts as new).
+        self.others = dict(list(self.others.items())[-PAST_STATES:])
+        return True
+
+
 def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) -> VmUpdate:
     """Reads one VM's envelopes in arrival order (the Event Hubs partition's order: partition key = the VM), drops
-    what the VM record already holds (duplicates by (stateId, sequence), stale deliveries, replays from a past
-    forwarder state), and turns the rest into observations, including 'gone' for events that a newer document no
-    longer lists. An envelope under a new stateId is a forwarder that lost its state: accepted, the position
-    restarts there (a new epoch), and a history row says so."""
+    what the VM record already holds (duplicates by (stateId, sequence), stale deliveries), and turns the rest into
+    observations, including 'gone' for events that a newer document of the same forwarder state no longer lists.
+
+    Every VM of a fleet holds the same Event Hubs sender identity, so an envelope only claims to come from its VM.
+    Sequences therefore compare only within their forwarder state: an envelope under a new stateId is a forwarder
+    that lost its state (accepted, its position starts there, a history row says so), and one under a state the VM
+    had left is accepted when its sequence is new for that state: two states speaking in turn is a conflict
+    (a history row and a card), never a reason to drop either. No sequence, however large, under one state moves
+    another state's position."""
     ordered = list(envelopes)
     if not ordered:
         raise ValueError("vm_observations needs at least one envelope")
     record = previous or VmRecord(identity=ordered[0].vm, lastSeen=ordered[0].observedAt, stateId=ordered[0].stateId)
-    listed = list(record.listed)
-    last_sequence = record.lastSequence
+    position = _Position(
+        state_id=record.stateId,
+        epoch=record.epoch,
+        last_sequence=record.lastSequence,
+        listed=list(record.listed),
+        last_seen=record.lastSeen,
+        others=dict(record.otherStates),
+        state_conflict=list(record.stateConflict),
+    )
     last_incarnation = record.lastIncarnation
-    last_seen = record.lastSeen
     identity = record.identity
-    state_id, epoch, past_states = record.stateId, record.epoch, list(record.pastStates)
     observations: list[Observation] = []
     rows: list[HistoryRow] = []
     applied = duplicates = 0
     for envelope in ordered:
-        if envelope.stateId != state_id:
-            if envelope.stateId in past_states:
-                duplicates += 1  # a late delivery from a state this forwarder already left
-                continue
-            epoch += 1
-            rows.append(_reset_row(envelope.vm, envelope, state_id, last_sequence, epoch))
-            past_states = [*(s for s in past_states if s != state_id), state_id][-PAST_STATES:]
-            state_id = envelope.stateId
-            last_sequence = -1
-        elif envelope.sequence <= last_sequence:
+        if not position.enter(envelope, rows):
             duplicates += 1
             continue
         applied += 1
-        last_sequence = envelope.sequence
-        last_seen = max(last_seen, envelope.observedAt)
+        position.last_sequence = envelope.sequence
+        position.last_seen = max(position.last_seen, envelope.observedAt)
         identity = envelope.vm
+        epoch = position.epoch
         if envelope.kind == "incarnation" and envelope.document is not None:
             document = envelope.document
             last_incarnation = document.DocumentIncarnation
@@ -136,7 +227,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                         epoch=epoch,
                     )
                 )
-            for event_id in listed:
+            for event_id in position.listed:
                 if event_id not in now_listed:
                     observations.append(
                         Observation(
@@ -149,7 +240,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                             epoch=epoch,
                         )
                     )
-            listed = now_listed
+            position.listed = now_listed
         elif envelope.kind == "hook" and envelope.hook is not None:
             observations.append(
                 Observation(
@@ -164,21 +255,23 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
             )
     # Sightings of events this VM no longer lists are kept a week (the event concludes long before) for the
     # record's "gone from every VM" check, then dropped.
-    keep_after = _minus(last_seen, SIGHTING_RETENTION)
-    sightings = {k: v for k, v in record.sightings.items() if k in listed or v.lastSeen >= keep_after}
+    keep_after = _minus(position.last_seen, SIGHTING_RETENTION)
+    still_listed = set(position.listed).union(*(state.listed for state in position.others.values()))
+    sightings = {k: v for k, v in record.sightings.items() if k in still_listed or v.lastSeen >= keep_after}
     back = applied > 0 and (record.heartbeatLost or record.retired is not None)
     updated = record.model_copy(
         update={
             "sightings": sightings,
             "identity": identity,
-            "lastSequence": last_sequence,
+            "lastSequence": position.last_sequence,
             "lastIncarnation": last_incarnation,
-            "lastSeen": last_seen,
-            "listed": listed,
+            "lastSeen": position.last_seen,
+            "listed": position.listed,
             "heartbeatLost": record.heartbeatLost and applied == 0,
-            "stateId": state_id,
-            "epoch": epoch,
-            "pastStates": past_states,
+            "stateId": position.state_id,
+            "epoch": position.epoch,
+            "otherStates": position.others,
+            "stateConflict": position.state_conflict,
             # A retired VM that speaks again was not deleted after all (e.g. a Spot VM deallocated, then started).
             "retired": record.retired if applied == 0 else None,
         }
@@ -190,6 +283,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
         duplicates=duplicates,
         resumed=back,
         rows=rows,
+        conflict=position.conflict,
     )
 
 
@@ -332,21 +426,87 @@ def _observation_row(record: EventRecord, now: datetime, observation: Observatio
     )
 
 
+def contradictions(record: EventRecord, event: ScheduledEvent) -> dict[str, tuple[str, str]]:
+    """The facts a sighting claims differently from the record, as {fact: (recorded, claimed)}. The facts are what
+    an approval rests on and what IMDS keeps for an event's life: EventType, EventSource, DurationInSeconds,
+    Resources (as a set) and NotBefore while Scheduled (it is "" once Started)."""
+    found: dict[str, tuple[str, str]] = {}
+    if event.EventType != record.eventType:
+        found["EventType"] = (record.eventType, event.EventType)
+    if event.EventSource != record.eventSource:
+        found["EventSource"] = (record.eventSource, event.EventSource)
+    if event.DurationInSeconds != record.durationInSeconds:
+        found["DurationInSeconds"] = (str(record.durationInSeconds), str(event.DurationInSeconds))
+    if event.Resources and set(event.Resources) != set(record.resources):
+        found["Resources"] = (", ".join(sorted(record.resources)), ", ".join(sorted(event.Resources)))
+    claimed = not_before(event)
+    if claimed is not None and record.notBefore is not None and claimed != record.notBefore:
+        found["NotBefore"] = (record.notBefore.isoformat(), claimed.isoformat())
+    return found
+
+
+def _keep_conflict(
+    change: EventChange, observation: Observation, found: dict[str, tuple[str, str]], now: datetime
+) -> None:
+    """A sighting that contradicts the record's facts is kept beside it (once per envelope), logged and alerted;
+    the record, the VM's sighting and the state stay as they were."""
+    record = change.record
+    where = (observation.vm.name, observation.epoch, observation.sequence)
+    if any((c.vm, c.epoch, c.sequence) == where for c in record.conflicts):
+        return
+    record.conflicts = [
+        *record.conflicts,
+        FactConflict(
+            vm=observation.vm.name,
+            observedAt=observation.observed_at,
+            epoch=observation.epoch,
+            sequence=observation.sequence,
+            facts=found,
+        ),
+    ][-MAX_CONFLICTS:]
+    record.conflictCount += 1
+    claims = "; ".join(f"{fact} {claimed!r} (recorded {recorded!r})" for fact, (recorded, claimed) in found.items())
+    row = _observation_row(record, now, observation, observation.event.EventStatus if observation.event else "")
+    change.rows.append(
+        row.model_copy(
+            update={
+                "Outcome": "conflict",
+                "Reason": (
+                    f"{observation.vm.name} claims {claims}: kept as a conflict, not merged (the record's facts come "
+                    "from the first sighting; the VM that executes an approval checks them against its own IMDS)"
+                )[:4000],
+                "Details": {"claimed": {fact: claimed for fact, (_, claimed) in found.items()}},
+            }
+        )
+    )
+    change.changed = True
+    raise_alert(change, "facts-conflict", now)
+
+
 def _apply_listed(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
     event, record = observation.event, change.record
     if event is None or (sighting is not None and observation.position <= _seen_at(sighting)):
         return
-    record.resources = list(event.Resources) or record.resources
+    found = contradictions(record, event)
+    if found:
+        _keep_conflict(change, observation, found, now)
+        return
     record.description = event.Description or record.description
-    record.durationInSeconds = event.DurationInSeconds
-    record.eventType = event.EventType
-    record.eventSource = event.EventSource
     # NotBefore is "" once Started: keep the one announced while Scheduled.
-    record.notBefore = not_before(event) or record.notBefore
+    record.notBefore = record.notBefore or not_before(event)
     if event.EventStatus == "Started":
         record.everStarted = True
     else:
         record.seenScheduled = True
+    if record.state == "Canceled" and not record.everStarted and sighting is not None and sighting.status == "Gone":
+        # An event left for good does not come back (EventIds are not reused): a VM that lists it again after its
+        # 'gone' concluded the event shows that 'gone' was not true (another forwarder state sent it as this VM).
+        transition(
+            change,
+            "Scheduled",
+            now,
+            f"listed again by {observation.vm.name} after it was concluded gone: that 'gone' was not its forwarder's",
+        )
     record.vms[observation.vm.name] = VmSighting(
         name=observation.vm.name,
         vmId=observation.vm.vmId,
@@ -539,7 +699,11 @@ def advance(
         elif not approved:
             reason = "seen Started without an approval from here (NotBefore passed or approved elsewhere)"
         transition(change, "Started", now, reason)
-    if gone and not remaining:
+    # A retired VM counts as gone, but not for an event that names VMs which have not reported it yet (their
+    # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over.
+    unheard = [name for name in record.resources if name not in record.vms and name not in retired]
+    only_retired = not any(s.status == "Gone" for s in gone)
+    if gone and not remaining and not (unheard and only_retired):
         if record.removed:
             removed = ", ".join(record.removed)
             transition(change, "Completed", now, f"VM removed: {removed} left with this {record.eventType}")
@@ -558,6 +722,31 @@ def advance(
         transition(change, "Expired", now, f"NotBefore {record.notBefore.isoformat()} passed without approval")
 
 
+def start_overdue(record: EventRecord, now: datetime, last_seen: dict[str, datetime]) -> bool:
+    """Whether an approval a listener answered "approved" was not followed by Started (or by the event leaving) by
+    its ``confirmBy``: the listener's word is not the platform's. A delete the platform holds is not overdue (its
+    time starts again when the hold is lifted). A Terminate/Preempt is overdue only while a VM it removes still
+    speaks after that time: a removed VM says nothing more, and its retirement concludes the event."""
+    approval = record.approval
+    if (
+        not record.open
+        or record.state != "Approved"
+        or record.everStarted
+        or approval is None
+        or not approval.delivered
+        or approval.confirmBy is None
+        or now < approval.confirmBy
+        or record.platformHold is not None
+    ):
+        return False
+    if any(s.status == "Gone" for s in record.vms.values()):
+        return False
+    if record.eventType in REMOVING_EVENTS:
+        since = approval.confirmBy
+        return any(seen >= since for name in record.resources if (seen := last_seen.get(name)) is not None)
+    return True
+
+
 def last_seen_by_name(record: EventRecord, vm_records: Iterable[VmRecord]) -> dict[str, datetime]:
     seen = {name: s.lastSeen for name, s in record.vms.items()}
     for vm in vm_records:
@@ -566,15 +755,25 @@ def last_seen_by_name(record: EventRecord, vm_records: Iterable[VmRecord]) -> di
     return seen
 
 
-def choose_executor(record: EventRecord, last_seen: dict[str, datetime], alive_after: datetime) -> VmSighting | None:
+def choose_executor(
+    record: EventRecord,
+    last_seen: dict[str, datetime],
+    alive_after: datetime,
+    *,
+    leaving: dict[str, str] | None = None,
+) -> VmSighting | None:
     """Which VM executes the approval: the first VM in Resources whose forwarder reported recently (the leader
     the docs suggest); otherwise any recently reporting VM that still lists the event (same placement group,
-    since the event reached it). A Terminate is approved only through the VM it deletes ("every VM in the scale
-    set is only approving the EventID relevant for that VM only"): never a peer, so None when that VM is silent."""
+    since the event reached it). Never a VM that another event is removing (``leaving_vms``). A Terminate is
+    approved only through the VM it deletes ("every VM in the scale set is only approving the EventID relevant for
+    that VM only"): never a peer, so None when that VM is silent."""
+    leaving = leaving or {}
     candidates = {
         name: s
         for name, s in record.vms.items()
-        if s.status != "Gone" and last_seen.get(name, s.lastSeen) >= alive_after
+        if s.status != "Gone"
+        and last_seen.get(name, s.lastSeen) >= alive_after
+        and leaving.get(name, record.eventId) == record.eventId
     }
     for name in record.resources:
         if name in candidates:
@@ -594,28 +793,44 @@ class Removal:
     reason: str
 
 
+def removal_evidence(record: EventRecord, now: datetime) -> str | None:
+    """Why a Terminate/Preempt has removed (or is removing) the VMs it names, or None: it was seen Started (by any
+    VM), or its NotBefore has passed (the platform goes at NotBefore whatever happens), or it was approved
+    (StartRequests accepted) and is not held by another pending delete (an approved delete may go at once, before
+    any poll sees Started)."""
+    if record.eventType not in REMOVING_EVENTS or record.state in ("Canceled",):
+        return None
+    if record.everStarted:
+        return "seen Started"
+    if record.notBefore is not None and now >= record.notBefore:
+        return f"its NotBefore {record.notBefore.isoformat()} passed"
+    if record.approval is not None and record.approval.delivered and record.platformHold is None:
+        return "approved through the platform and not held by another pending delete"
+    return None
+
+
+def leaving_vms(events: Iterable[EventRecord], now: datetime) -> dict[str, str]:
+    """The VMs that an open Terminate/Preempt is removing now (VM name -> that event's id): no approval of another
+    event may be sent through them, their listener may be gone before it answers."""
+    leaving: dict[str, str] = {}
+    for record in events:
+        if record.open and removal_evidence(record, now) is not None:
+            for name in record.resources:
+                leaving.setdefault(name, record.eventId)
+    return leaving
+
+
 def removals(
     events: Iterable[EventRecord], last_seen: dict[str, datetime], now: datetime, grace: timedelta
 ) -> list[Removal]:
-    """Which silent VMs were removed, and by which event. Evidence: a Terminate or Preempt that names the VM was
-    seen Started (by any VM), or its NotBefore has passed (the platform goes at NotBefore whatever happens), or
-    it was approved (StartRequests accepted) and is not held by another pending delete (an approved delete may go
-    at once, before any poll sees Started); and then the VM has been silent for ``grace`` (longer than a
-    forwarder's heartbeat interval: a VM that is still there keeps talking). Silence alone is never enough (that
-    is a lost heartbeat, alerted)."""
+    """Which silent VMs were removed, and by which event: a Terminate or Preempt naming the VM has removal evidence
+    (``removal_evidence``), and then the VM has been silent for ``grace`` (longer than a forwarder's heartbeat
+    interval: a VM that is still there keeps talking). Silence alone is never enough (that is a lost heartbeat,
+    alerted)."""
     found: dict[str, Removal] = {}
     for record in events:
-        if record.eventType not in REMOVING_EVENTS or record.state in ("Canceled",):
-            continue
-        approved = record.approval is not None and record.approval.delivered
-        due = record.notBefore is not None and now >= record.notBefore
-        if record.everStarted:
-            evidence = "seen Started"
-        elif due:
-            evidence = f"its NotBefore {record.notBefore.isoformat() if record.notBefore else ''} passed"
-        elif approved and record.platformHold is None:
-            evidence = "approved through the platform and not held by another pending delete"
-        else:
+        evidence = removal_evidence(record, now)
+        if evidence is None:
             continue
         for name in record.resources:
             seen = last_seen.get(name)

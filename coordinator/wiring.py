@@ -111,4 +111,5 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
         retention=timedelta(days=settings.retention_days),
         retire_grace=timedelta(seconds=settings.retire_grace_seconds),
         approval_deadline=timedelta(seconds=settings.approval_deadline_seconds),
+        start_bound=timedelta(seconds=settings.start_bound_seconds),
     )

@@ -141,7 +141,9 @@ def test_a_failing_webhook_never_blocks_the_pipeline(azurite, imds, webhook: Web
     reboot = scheduled_event("EV-ALERT", event_type="Reboot", duration=-1)
     data = envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[reboot])
     webhook.statuses = [500, 500, 500]
-    report = coordinator.process_batch([RawMessage(body=json.dumps(data).encode())])
+    report = coordinator.process_batch(
+        [RawMessage(body=json.dumps(data).encode(), partition_key=data["vm"]["resourceId"].lower())]
+    )
     assert report.accepted == 1
     assert report.alerts_failed == 1
     stored = store.get_event("EV-ALERT")

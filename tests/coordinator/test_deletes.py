@@ -18,6 +18,7 @@ from coordinator.direct_callback import DirectImdsCallback
 from coordinator.history import MemoryHistory
 from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
 from coordinator.service import Coordinator, RawMessage
+from coordinator.state import state_tag
 from coordinator.store import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
@@ -341,17 +342,30 @@ def test_a_forwarder_that_lost_its_state_is_heard_at_once(azurite, fleet_imds, t
     reset = [r for r in h.history.rows if r.RecordType == "Heartbeat" and r.Outcome == "reset"]
     assert len(reset) == 1
     assert reset[0].Details == {
-        "oldStateId": "state-a",
-        "newStateId": "state-b",
+        "oldState": state_tag("state-a"),
+        "newState": state_tag("state-b"),
         "lastSequence": 41,
         "newSequence": 1,
         "epoch": 1,
     }
+    assert "state-a" not in str(reset[0].model_dump()), "the state identifiers stay out of the history"
     assert h.record(event_id).vms["web_0"].status == "Gone"
-    # A late replay from the old state (a spool re-sent after a crash) is dropped, not applied.
-    report = h.coordinator.process_batch([doc("state-a", 42, True)])
+    assert h.record(event_id).state == "Canceled"
+    # A late delivery from the old state is dropped, not applied.
+    report = h.coordinator.process_batch([doc("state-a", 41, True)])
     assert (report.accepted, report.duplicates) == (0, 1)
     assert h.record(event_id).vms["web_0"].status == "Gone"
+    # The old state speaking again with a new sequence is a second writer, not a replay: heard, a conflict row and
+    # card for the VM, and the 'gone' the other state sent no longer stands: the event is open again.
+    h.clock.now += timedelta(seconds=10)
+    report = h.coordinator.process_batch([doc("state-a", 42, True)])
+    assert (report.accepted, report.duplicates) == (1, 0)
+    assert [r.Outcome for r in h.history.rows if r.RecordType == "Heartbeat" and r.Outcome == "conflict"] == [
+        "conflict"
+    ]
+    assert [c.name for c in h.cards.glob("*forwarder-conflict*")]
+    assert h.record(event_id).vms["web_0"].status == "Scheduled"
+    assert h.record(event_id).state == "Scheduled"
 
 
 class _Listeners:

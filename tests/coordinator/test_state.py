@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from coordinator.model import EventRecord, VmRecord
-from coordinator.state import advance, apply_observations, choose_executor, vm_observations
+from coordinator.state import advance, apply_observations, choose_executor, state_tag, vm_observations
 from forwarder.envelope import Envelope
 from tests.coordinator.helpers import DOC_EVENT_ID, DOC_NOW, documented_example, envelope, scheduled_event, vm
 
@@ -158,12 +158,32 @@ def test_envelopes_are_read_in_arrival_order_and_a_new_state_restarts_the_positi
 
     first = vm_observations(None, envelopes([item("a", 5), item("a", 6)]))
     assert (first.record.stateId, first.record.lastSequence, first.record.epoch) == ("a", 6, 0)
-    # Arrival order: b's 1 and 2, then a replay of a's 7 (after a crash): dropped as from a past state.
-    second = vm_observations(first.record, envelopes([item("b", 1), item("b", 2), item("a", 7), item("b", 2)]))
+    # Arrival order: b's 1 and 2 (a forwarder that lost its state), a late delivery of a's 6 (dropped: a has left
+    # it behind), b's 2 again (a duplicate).
+    second = vm_observations(first.record, envelopes([item("b", 1), item("b", 2), item("a", 6), item("b", 2)]))
     assert (second.applied, second.duplicates) == (2, 2)
     assert (second.record.stateId, second.record.lastSequence, second.record.epoch) == ("b", 2, 1)
-    assert second.record.pastStates == ["a"]
+    assert list(second.record.otherStates) == ["a"]
+    assert second.record.otherStates["a"].lastSequence == 6
     assert [r.Outcome for r in second.rows] == ["reset"]
+    assert not second.conflict
+    # a speaks again with a sequence new for a: not a replay, a second writer. Heard at a's own position (a new
+    # epoch, so its positions compare after b's), a conflict row and one alert; b is kept with its position.
+    third = vm_observations(second.record, envelopes([item("a", 7), item("b", 3), item("a", 8)]))
+    assert (third.applied, third.duplicates) == (3, 0)
+    assert (third.record.stateId, third.record.lastSequence, third.record.epoch) == ("a", 8, 4)
+    assert third.record.otherStates["b"].lastSequence == 3
+    assert [r.Outcome for r in third.rows] == ["conflict", "conflict", "conflict"]
+    assert third.conflict
+    assert third.record.stateConflict == sorted([state_tag("a"), state_tag("b")])
+    # The same pair speaking again later is the same conflict: no new alert.
+    fourth = vm_observations(third.record, envelopes([item("b", 4)]))
+    assert (fourth.applied, fourth.conflict) == (1, False)
+    # No sequence under another state silences a: a forged state with a huge sequence is a new state; a's next
+    # envelope is still heard.
+    fifth = vm_observations(fourth.record, envelopes([item("forged", 2**62), item("a", 9)]))
+    assert (fifth.applied, fifth.duplicates) == (2, 0)
+    assert (fifth.record.stateId, fifth.record.lastSequence) == ("a", 9)
     # Without a stateId (older forwarders), as before: by sequence.
     legacy = vm_observations(None, envelopes([item("", 3), item("", 2), item("", 4)]))
     assert (legacy.applied, legacy.duplicates, legacy.record.lastSequence) == (2, 1, 4)
