@@ -8,10 +8,11 @@ import sqlite3
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from coordinator.model import AlertKind
 from coordinator.rows import history_schema
 from coordinator.store import TableStateStore
 from emulators.eventhubs import EventHubsEmulator
@@ -73,7 +74,7 @@ def stored_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[tuple
         except (MessageError, ValidationError, ValueError, TypeError):
             other += 1
             continue
-        if stored.partition_key is not None and stored.partition_key.lower() != envelope.vm.partition_key:
+        if stored.partition_key is None or stored.partition_key.lower() != envelope.vm.partition_key:
             other += 1  # a VM speaks only under its own partition key; the coordinator refuses the rest
             continue
         found.append((stored, envelope))
@@ -120,27 +121,22 @@ def applied_positions(store: TableStateStore) -> dict[str, int]:
     return {vm.identity.name: vm.lastSequence for stored in store.all_vm_groups() for vm in stored.record.vms.values()}
 
 
-CARD_KINDS = (
-    "new-event",
-    "approved",
-    "started-without-notice",
-    "canceled",
-    "expired",
-    "approval-failed",
-    "heartbeat-lost",
-)
+# A VM's cards are named {vmId}-{kind}-{suffix}.json; an event's {EventId}-{kind}.json.
+VM_CARD_KINDS = ("heartbeat-lost", "forwarder-conflict")
+CARD_KINDS = tuple(kind for kind in get_args(AlertKind) if kind not in VM_CARD_KINDS)
 
 
 def cards_written(folder: Path, vm_names: dict[str, str]) -> list[dict[str, str | None]]:
     """The cards the coordinator wrote, from their file names: ``{EventId}-{kind}.json`` for an event's card,
-    ``{vmId}-heartbeat-lost-{time}.json`` for a VM's; ``vm_names`` maps vmId to the VM's name. A file of another
-    shape is listed with kind ``unknown``."""
+    ``{vmId}-{kind}-{suffix}.json`` for a VM's (heartbeat lost, two forwarders as one VM); ``vm_names`` maps vmId to
+    the VM's name. A file of another shape is listed with kind ``unknown``."""
     cards: list[dict[str, str | None]] = []
     for path in sorted(folder.glob("*.json")):
         stem = path.stem
-        if "-heartbeat-lost-" in stem:
-            vm_id = stem.split("-heartbeat-lost-", 1)[0]
-            cards.append({"kind": "heartbeat-lost", "eventId": None, "vm": vm_names.get(vm_id.lower(), vm_id)})
+        vm_kind = next((k for k in VM_CARD_KINDS if f"-{k}-" in stem), None)
+        if vm_kind is not None:
+            vm_id = stem.split(f"-{vm_kind}-", 1)[0]
+            cards.append({"kind": vm_kind, "eventId": None, "vm": vm_names.get(vm_id.lower(), vm_id)})
             continue
         kind = next((k for k in CARD_KINDS if stem.endswith(f"-{k}")), None)
         event_id = stem[: -len(kind) - 1] if kind is not None else None

@@ -17,7 +17,7 @@ from coordinator.history import SqliteHistory
 from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
-from tests.coordinator.helpers import DOC_NOW
+from tests.coordinator.helpers import DOC_NOW, WEB_FLEET
 
 
 class Clock:
@@ -96,3 +96,15 @@ def app(
     yield App(function_app, clock, table, tmp_path / "history.sqlite", tmp_path / "cards", imds)
     function_app.settings.cache_clear()
     function_app.coordinator.cache_clear()
+
+
+@pytest.fixture  # one fleet per test: an approved Terminate removes its VM from the emulator for good
+def fleet_imds() -> Iterator[ImdsEmulator]:
+    scenario = Scenario.model_validate(
+        {
+            "name": "coordinator-deletes",
+            "vms": [{"name": n, "vmScaleSetName": "web", "placementGroupId": "pg-web"} for n in WEB_FLEET],
+        }
+    )
+    with ImdsEmulator(scenario=scenario, throttle_rps=0) as emulator:
+        yield emulator

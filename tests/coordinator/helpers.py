@@ -16,6 +16,10 @@ DOC_NOT_BEFORE = "Mon, 11 Apr 2022 22:26:58 GMT"
 DOC_NOW = datetime(2022, 4, 11, 22, 11, 58, tzinfo=UTC)
 
 
+# The scale set "web" of four VMs in one placement group (the fleet_imds fixture).
+WEB_FLEET = ("web_0", "web_1", "web_2", "web_3")
+
+
 def vm(name: str, *, group: str = "avset-westno", scale_set: str = "", index: int | None = None) -> dict[str, Any]:
     number = index if index is not None else abs(hash(name)) % 10**8
     vm_id = f"{number:08x}-0000-4000-8000-{number:012x}"

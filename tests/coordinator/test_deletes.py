@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from coordinator.alerts import FolderCardSink
 from coordinator.direct_callback import DirectImdsCallback
@@ -21,15 +18,15 @@ from coordinator.service import Coordinator, RawMessage
 from coordinator.state import state_tag
 from coordinator.store import TableStateStore
 from emulators.azurite import AzuriteEndpoints
-from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds import ImdsEmulator
 from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.approver import Approver
 from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayRequest
 from tests.coordinator.helpers import DOC_NOW, envelope, vm
+from tests.coordinator.helpers import WEB_FLEET as NAMES
 
-NAMES = ("web_0", "web_1", "web_2", "web_3")
 IDENTITY = {name: vm(name, scale_set="web", group="pg-web", index=100 + i) for i, name in enumerate(NAMES)}
 
 
@@ -39,18 +36,6 @@ class Clock:
 
     def __call__(self) -> Any:
         return self.now
-
-
-@pytest.fixture  # one fleet per test: an approved Terminate removes its VM from the emulator for good
-def fleet_imds() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "coordinator-deletes",
-            "vms": [{"name": n, "vmScaleSetName": "web", "placementGroupId": "pg-web"} for n in NAMES],
-        }
-    )
-    with ImdsEmulator(scenario=scenario, throttle_rps=0) as emulator:
-        yield emulator
 
 
 class Harness:

@@ -5,8 +5,18 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from coordinator.model import EventRecord, VmRecord
-from coordinator.state import advance, apply_observations, choose_executor, state_tag, vm_observations
+from coordinator.model import ApprovalRecord, EventRecord, PlatformHold, VmRecord
+from coordinator.state import (
+    EventChange,
+    advance,
+    apply_observations,
+    choose_executor,
+    clone,
+    leaving_vms,
+    start_overdue,
+    state_tag,
+    vm_observations,
+)
 from forwarder.envelope import Envelope
 from tests.coordinator.helpers import DOC_EVENT_ID, DOC_NOW, documented_example, envelope, scheduled_event, vm
 
@@ -187,3 +197,130 @@ def test_envelopes_are_read_in_arrival_order_and_a_new_state_restarts_the_positi
     # Without a stateId (older forwarders), as before: by sequence.
     legacy = vm_observations(None, envelopes([item("", 3), item("", 2), item("", 4)]))
     assert (legacy.applied, legacy.duplicates, legacy.record.lastSequence) == (2, 1, 4)
+
+
+def test_a_sighting_that_contradicts_the_facts_is_kept_as_a_conflict_not_merged():
+    w0, w1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    first, vms = run(
+        [envelope(w0, sequence=1, incarnation=2, events=[scheduled_event(event_type="Reboot", duration=-1)])]
+    )
+    assert first is not None
+    # Another VM (or a process sending as it) says the same EventId is a 5 s Freeze of itself alone, already Started.
+    forged = scheduled_event(event_type="Freeze", duration=5, status="Started", resources=["WestNO_1"])
+    item = envelope(w1, sequence=1, incarnation=2, events=[forged])
+    change, vms = run([item], vm_records=vms, record=first.record)
+    assert change is not None
+    record = change.record
+    assert (record.eventType, record.durationInSeconds, record.state) == ("Reboot", -1, "Scheduled")
+    assert sorted(record.resources) == ["WestNO_0", "WestNO_1"]
+    assert not record.everStarted
+    assert "WestNO_1" not in record.vms, "the contradicting sighting is not merged as the VM's sighting"
+    assert record.conflictCount == 1
+    assert record.conflicts[0].vm == "WestNO_1"
+    assert record.conflicts[0].facts == {
+        "EventType": ("Reboot", "Freeze"),
+        "DurationInSeconds": ("-1", "5"),
+        "Resources": ("WestNO_0, WestNO_1", "WestNO_1"),
+    }
+    (row,) = [r for r in change.rows if r.Outcome == "conflict"]
+    assert (row.RecordType, row.VmName, row.EventType) == ("Observation", "WestNO_1", "Reboot")
+    assert "EventType 'Freeze' (recorded 'Reboot')" in row.Reason
+    assert change.alerts == ["facts-conflict"]
+    # The same envelope delivered again is the same conflict; a further one is counted, the card is not repeated.
+    again = apply_observations(record, vm_observations(None, envelopes([item])).observations, DOC_NOW)
+    assert again is not None
+    assert again.record.conflictCount == 1
+    assert not again.alerts
+    later = envelope(w1, sequence=2, incarnation=3, events=[forged])
+    third = apply_observations(record, vm_observations(vms[w1["vmId"]], envelopes([later])).observations, DOC_NOW)
+    assert third is not None
+    assert third.record.conflictCount == 2
+    assert not third.alerts
+
+
+def test_the_same_facts_in_another_notation_are_no_conflict():
+    w0, w1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    first, vms = run([envelope(w0, sequence=1, incarnation=2, events=[scheduled_event()])])
+    iso = scheduled_event(not_before="2022-04-11T22:26:58Z", resources=["WestNO_1", "WestNO_0"])
+    change, _ = run([envelope(w1, sequence=1, incarnation=2, events=[iso])], vm_records=vms, record=first.record)
+    assert change is not None
+    assert change.record.conflictCount == 0
+    assert sorted(change.record.vms) == ["WestNO_0", "WestNO_1"]
+
+
+def test_a_retired_vm_does_not_conclude_an_event_its_other_vms_have_not_reported():
+    w3 = vm("web_3", index=3)
+    freeze = scheduled_event(resources=["web_0", "web_1"])
+    change, _ = run([envelope(w3, sequence=1, incarnation=2, events=[freeze])])
+    assert change is not None
+    record = change.record
+    # web_3 (a reporter, not named) was deleted; web_0 and web_1 have not reported yet (their envelopes held back).
+    held = EventChange(record=clone(record))
+    advance(held, DOC_NOW, retired={"web_3": "TERMINATE-1"})
+    assert held.record.state == "Scheduled"
+    # Once a VM the event names saw it leave, it is over.
+    gone = clone(record)
+    gone.vms["web_0"] = gone.vms["web_3"].model_copy(update={"name": "web_0", "status": "Gone"})
+    over = EventChange(record=gone)
+    advance(over, DOC_NOW, retired={"web_3": "TERMINATE-1"})
+    assert over.record.state == "Canceled"
+
+
+def test_no_approval_goes_through_a_vm_that_another_event_is_removing():
+    w0, w1 = vm("web_0", index=1, scale_set="web"), vm("web_1", index=2, scale_set="web")
+    freeze = scheduled_event(resources=["web_0", "web_1"])
+    change, _ = run(
+        [
+            envelope(w0, sequence=1, incarnation=2, events=[freeze]),
+            envelope(w1, sequence=1, incarnation=2, events=[freeze]),
+        ]
+    )
+    assert change is not None
+    seen = {"web_0": DOC_NOW, "web_1": DOC_NOW}
+    executor = choose_executor(change.record, seen, DOC_NOW - timedelta(minutes=5))
+    assert executor is not None
+    assert executor.name == "web_0"
+    delete = EventRecord(
+        eventId="TERMINATE-1",
+        eventType="Terminate",
+        resources=["web_0"],
+        stateSince=DOC_NOW,
+        createdAt=DOC_NOW,
+        notBefore=DOC_NOW + timedelta(minutes=5),
+    )
+    assert leaving_vms([delete], DOC_NOW) == {}  # pending: web_0 is still there
+    delete.approval = ApprovalRecord(decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, delivered=True)
+    leaving = leaving_vms([delete], DOC_NOW)
+    assert leaving == {"web_0": "TERMINATE-1"}
+    executor = choose_executor(change.record, seen, DOC_NOW - timedelta(minutes=5), leaving=leaving)
+    assert executor is not None
+    assert executor.name == "web_1"
+    # The delete itself still goes through the VM it deletes.
+    delete.vms = {"web_0": change.record.vms["web_0"]}
+    executor = choose_executor(delete, seen, DOC_NOW - timedelta(minutes=5), leaving=leaving)
+    assert executor is not None
+    assert executor.name == "web_0"
+
+
+def test_an_approval_not_followed_by_started_is_overdue_unless_held_or_removed():
+    w0 = vm("web_0", index=1, scale_set="web")
+    change, _ = run([envelope(w0, sequence=1, incarnation=2, events=[scheduled_event(resources=["web_0"])])])
+    assert change is not None
+    record = clone(change.record)
+    record.state = "Approved"
+    by = DOC_NOW + timedelta(minutes=5)
+    record.approval = ApprovalRecord(
+        decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, delivered=True, outcome="approved", confirmBy=by
+    )
+    seen = {"web_0": by + timedelta(seconds=1)}
+    assert not start_overdue(record, by - timedelta(seconds=1), seen)
+    assert start_overdue(record, by, seen)
+    record.platformHold = PlatformHold(eventId="other", since=DOC_NOW)
+    assert not start_overdue(record, by, seen), "a delete the platform holds is not overdue"
+    record.platformHold = None
+    record.everStarted = True
+    assert not start_overdue(record, by, seen)
+    record.everStarted = False
+    record.eventType = "Terminate"
+    assert start_overdue(record, by, seen), "its VM still speaks after the deadline: not removed, not started"
+    assert not start_overdue(record, by, {"web_0": by - timedelta(seconds=30)}), "silent: removed, not overdue"
