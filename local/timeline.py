@@ -132,9 +132,15 @@ class Timeline:
             self.resets.append(vm)
             info = details(row)
             detail = (
-                f"reset: forwarder state {str(info.get('oldStateId') or '?')[:8]} → "
-                f"{str(info.get('newStateId') or '?')[:8]}, sequence {info.get('lastSequence')} → "
+                f"reset: forwarder state {str(info.get('oldState') or '?')[:8]} → "
+                f"{str(info.get('newState') or '?')[:8]}, sequence {info.get('lastSequence')} → "
                 f"{info.get('newSequence')}"
+            )
+        elif outcome == "conflict":
+            info = details(row)
+            detail = (
+                f"conflict: forwarder states {str(info.get('state') or '?')[:8]} and "
+                f"{str(info.get('otherState') or '?')[:8]} both send as this VM"
             )
         return f"{_clock(at)}  {vm:<18} {'':<9} {'heartbeat':<10} {'':>11}  {detail}"
 

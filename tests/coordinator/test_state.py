@@ -324,3 +324,16 @@ def test_an_approval_not_followed_by_started_is_overdue_unless_held_or_removed()
     record.eventType = "Terminate"
     assert start_overdue(record, by, seen), "its VM still speaks after the deadline: not removed, not started"
     assert not start_overdue(record, by, {"web_0": by - timedelta(seconds=30)}), "silent: removed, not overdue"
+
+
+def test_a_hook_report_counts_only_for_the_vm_whose_envelope_carried_it():
+    w0, w1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    listed = [envelope(w, sequence=1, incarnation=2, events=[scheduled_event()]) for w in (w0, w1)]
+    first, vms = run(listed)
+    assert first is not None
+    # web_1's envelope reports the event's prepare phase succeeded: it is web_1's phase, whatever it means to say.
+    hook = {"eventId": DOC_EVENT_ID, "phase": "prepare", "outcome": "succeeded", "durationSeconds": 1.0, "steps": []}
+    change, _ = run([envelope(w1, sequence=2, kind="hook", hook=hook)], vm_records=vms, record=first.record)
+    assert change is not None
+    assert change.record.vms["WestNO_1"].hooks == {"prepare": "succeeded"}
+    assert change.record.vms["WestNO_0"].hooks == {}

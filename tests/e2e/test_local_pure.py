@@ -284,10 +284,20 @@ def test_timeline_skips_the_sending_intent_and_shows_holds_retirements_and_reset
             "TimeGenerated": at(50),
             "VmName": "web_0",
             "Outcome": "reset",
-            "Details": {"oldStateId": "aaaaaaaa-1", "newStateId": "bbbbbbbb-2", "lastSequence": 41, "newSequence": 1},
+            "Details": {"oldState": "aaaaaaaa0001", "newState": "bbbbbbbb0002", "lastSequence": 41, "newSequence": 1},
         }
     )
     assert "reset: forwarder state aaaaaaaa → bbbbbbbb, sequence 41 → 1" in reset[0]
+    conflict = timeline.add(
+        {
+            "RecordType": "Heartbeat",
+            "TimeGenerated": at(51),
+            "VmName": "web_0",
+            "Outcome": "conflict",
+            "Details": {"state": "aaaaaaaa0001", "otherState": "bbbbbbbb0002", "lastSequence": 50, "newSequence": 51},
+        }
+    )
+    assert "conflict: forwarder states aaaaaaaa and bbbbbbbb both send as this VM" in conflict[0]
     assert (timeline.retired, timeline.resets) == ({"web_1"}, ["web_0"])
 
 

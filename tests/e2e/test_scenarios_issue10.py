@@ -118,7 +118,7 @@ def test_a_wiped_forwarder_is_reset_and_its_later_events_still_decided(run_pipel
     resets = rows(outcome, "RecordType = 'Heartbeat' AND Outcome = 'reset' AND VmName = 'web_0'")
     assert len(resets) == 1
     info = json.loads(resets[0]["Details"])
-    assert info["oldStateId"] != info["newStateId"]
+    assert info["oldState"] != info["newState"]
     assert info["newSequence"] < info["lastSequence"]
     events = by_label(outcome)
     assert events["before-wipe"]["approvedThrough"] == "web_0"
