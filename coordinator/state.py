@@ -491,6 +491,16 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
     if found:
         _keep_conflict(change, observation, found, now)
         return
+    if record.state == "Canceled" and not record.everStarted and sighting is not None and sighting.status == "Gone":
+        # An event left for good does not come back (EventIds are not reused): a VM that lists it again after its
+        # 'gone' concluded the event shows that 'gone' was not true (another forwarder state sent it as this VM).
+        # Opened again as Scheduled; a Started sighting moves it on (advance).
+        transition(
+            change,
+            "Scheduled",
+            now,
+            f"listed again by {observation.vm.name} after it was concluded gone: that 'gone' was not its forwarder's",
+        )
     record.description = event.Description or record.description
     # NotBefore is "" once Started: keep the one announced while Scheduled.
     record.notBefore = record.notBefore or not_before(event)
@@ -498,15 +508,6 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
         record.everStarted = True
     else:
         record.seenScheduled = True
-    if record.state == "Canceled" and not record.everStarted and sighting is not None and sighting.status == "Gone":
-        # An event left for good does not come back (EventIds are not reused): a VM that lists it again after its
-        # 'gone' concluded the event shows that 'gone' was not true (another forwarder state sent it as this VM).
-        transition(
-            change,
-            "Scheduled",
-            now,
-            f"listed again by {observation.vm.name} after it was concluded gone: that 'gone' was not its forwarder's",
-        )
     record.vms[observation.vm.name] = VmSighting(
         name=observation.vm.name,
         vmId=observation.vm.vmId,

@@ -337,3 +337,26 @@ def test_a_hook_report_counts_only_for_the_vm_whose_envelope_carried_it():
     assert change is not None
     assert change.record.vms["WestNO_1"].hooks == {"prepare": "succeeded"}
     assert change.record.vms["WestNO_0"].hooks == {}
+
+
+def test_an_event_closed_by_a_forged_gone_opens_again_when_its_vm_lists_it():
+    w0 = vm("WestNO_0", index=1)
+
+    def item(state: str, sequence: int, events: list[dict[str, Any]]) -> dict[str, Any]:
+        data = envelope(w0, sequence=sequence, incarnation=sequence, events=events)
+        data["stateId"] = state
+        return data
+
+    first, vms = run([item("real", 1, [scheduled_event(resources=["WestNO_0"])])])
+    assert first is not None
+    # Another process sends as WestNO_0 under a state of its own, with an empty document: the event looks gone.
+    forged, vms = run([item("forged", 2**62, [])], vm_records=vms, record=first.record)
+    assert forged is not None
+    assert forged.record.state == "Canceled"
+    # WestNO_0's own forwarder reports it Started: opened again, then Started, not lost as Canceled.
+    started = scheduled_event(resources=["WestNO_0"], status="Started")
+    real, _ = run([item("real", 2, [started])], vm_records=vms, record=forged.record)
+    assert real is not None
+    assert real.record.state == "Started"
+    transitions = [(r.PreviousState, r.State) for r in real.rows if r.RecordType == "Transition"]
+    assert transitions == [("Canceled", "Scheduled"), ("Scheduled", "Started")]
