@@ -7,6 +7,7 @@ embedded SQLite store with the same columns (from history_columns.json) and a CL
     python -m coordinator.history [--db PATH] events --since 7d
     python -m coordinator.history [--db PATH] sql "SELECT RecordType, count(*) AS n FROM ScheduledEventsHistory_CL
                                                       GROUP BY RecordType"
+    python -m coordinator.history [--db PATH] kql infra/queries/hooks-failing.kql   (or the KQL text itself)
 """
 
 from __future__ import annotations
@@ -223,6 +224,23 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(cells).rstrip())
 
 
+def _kql(db: str, file_or_query: str, *, as_json: bool) -> int:
+    from coordinator import kql  # noqa: PLC0415 -- needs duckdb-kql, a development requirement only
+
+    try:
+        name, text = kql.query_text(file_or_query)
+        rows = kql.rows_for_display(kql.run(kql.load(db), text, name=name))
+    except kql.KqlQueryError as error:
+        print(f"kql: {error}", file=sys.stderr)
+        return 2
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        _print_table(rows)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m coordinator.history", description="Query the local history.")
     parser.add_argument(
@@ -235,10 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("timeline", help="every row of one event, in order").add_argument("event_id")
     commands.add_parser("events", help="events seen since a time").add_argument("--since", default="7d")
     commands.add_parser("sql", help="a read-only SQL query").add_argument("query")
+    commands.add_parser(
+        "kql", help="a KQL query (a .kql file or the text) on the history, as in Log Analytics (duckdb-kql)"
+    ).add_argument("file_or_query")
     args = parser.parse_args(argv)
     if not Path(args.db).exists():
         print(f"history database {args.db} does not exist (see --db)", file=sys.stderr)
         return 2
+    if args.command == "kql":
+        return _kql(args.db, args.file_or_query, as_json=args.json)
     store = SqliteHistory(args.db)
     try:
         if args.command == "timeline":

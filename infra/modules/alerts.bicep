@@ -1,8 +1,10 @@
-// Alerts to Teams. Scheduled query rules over the history table fire an action group whose one receiver is a
-// Logic App: it turns the common alert schema into an Adaptive Card and posts it to the Teams Workflows URL,
-// which it reads from Key Vault at run time with its own identity (secure inputs/outputs keep the URL out of run
-// history). Chosen over a webhook into the Functions app because that would need a function key (a secret) or
-// an Entra app registration for a secure webhook; the Logic App receiver needs neither.
+// Alerts to Teams that the coordinator cannot send itself. A scheduled query rule over the history table fires an
+// action group whose one receiver is a Logic App: it turns the common alert schema into an Adaptive Card and posts
+// it to the Teams Workflows URL, which it reads from Key Vault at run time with its own identity (secure
+// inputs/outputs keep the URL out of run history). Chosen over a webhook into the Functions app because that would
+// need a function key (a secret) or an Entra app registration for a secure webhook; the Logic App receiver needs
+// neither. It posts through its own HTTP action, so it still reaches Teams when the coordinator's own posting fails
+// for a reason of the coordinator's (its network, a card Teams refuses), not when the Teams URL itself is dead.
 @description('Azure region.')
 param location string
 
@@ -182,50 +184,21 @@ resource actionGroup 'Microsoft.Insights/actionGroups@2023-01-01' = {
   }
 }
 
-resource expiredUnapproved 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
-  name: '${namePrefix}-event-expired-unapproved'
+// The one scheduled query rule. Every event and VM condition (new event, approved, expired unapproved, approval
+// failed or refused, not started, conflicting reports, heartbeat lost, two forwarders as one VM) has exactly one
+// path: the coordinator's own card. The coordinator decides those conditions, so its card comes first (no 5-minute
+// evaluation delay), names the event's facts and the rule, carries the "Approve now" link, and goes out once per
+// transition through its outbox; a rule over the same history rows could only repeat it later with less in it, and
+// it sees nothing the coordinator did not write (no rows when the coordinator is down). What the coordinator cannot
+// card is its own cards failing: that condition, and only it, comes this way (tests/infra/test_alert_paths.py
+// fails if a rule here fires on a condition the coordinator cards, or if a rule fires on nothing).
+resource cardsFailing 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
+  name: '${namePrefix}-alert-cards-failing'
   location: location
   tags: tags
   properties: {
-    displayName: 'Scheduled event expired unapproved'
-    description: 'An event reached its NotBefore without an approval: the platform went ahead on its own schedule.'
-    severity: 2
-    enabled: true
-    scopes: [
-      workspaceId
-    ]
-    evaluationFrequency: 'PT5M'
-    windowSize: 'PT5M'
-    criteria: {
-      allOf: [
-        {
-          query: loadTextContent('../queries/alert-expired-unapproved.kql')
-          timeAggregation: 'Count'
-          operator: 'GreaterThan'
-          threshold: 0
-          failingPeriods: {
-            numberOfEvaluationPeriods: 1
-            minFailingPeriodsToAlert: 1
-          }
-        }
-      ]
-    }
-    autoMitigate: false
-    actions: {
-      actionGroups: [
-        actionGroup.id
-      ]
-    }
-  }
-}
-
-resource approvalFailed 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
-  name: '${namePrefix}-approval-failed'
-  location: location
-  tags: tags
-  properties: {
-    displayName: 'Scheduled event approval failing'
-    description: 'The coordinator could not deliver or execute an approval (Relay, listener or IMDS error).'
+    displayName: 'Scheduled events: Teams cards failing'
+    description: 'The coordinator could not deliver Teams cards (webhook refused or unreachable after retries); they stay in its outbox and are retried. Look at LastReason.'
     severity: 1
     enabled: true
     scopes: [
@@ -236,7 +209,7 @@ resource approvalFailed 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
     criteria: {
       allOf: [
         {
-          query: loadTextContent('../queries/alert-approval-failed.kql')
+          query: loadTextContent('../queries/alert-cards-failing.kql')
           timeAggregation: 'Count'
           operator: 'GreaterThan'
           threshold: 0
@@ -248,55 +221,6 @@ resource approvalFailed 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
       ]
     }
     autoMitigate: false
-    actions: {
-      actionGroups: [
-        actionGroup.id
-      ]
-    }
-  }
-}
-
-// Stateful (autoMitigate): one alert per silent VM, resolved when the coordinator records it resumed. The window
-// covers the query's own one-day lookback. If the coordinator itself is down, no
-// rows are written at all: watch the Functions app's own availability for that.
-resource heartbeatStopped 'Microsoft.Insights/scheduledQueryRules@2023-12-01' = {
-  name: '${namePrefix}-forwarder-heartbeat-stopped'
-  location: location
-  tags: tags
-  properties: {
-    displayName: 'Forwarder heartbeat stopped'
-    description: 'The coordinator lost a VM\'s heartbeat: its scheduled events are not being seen.'
-    severity: 2
-    enabled: true
-    scopes: [
-      workspaceId
-    ]
-    evaluationFrequency: 'PT5M'
-    windowSize: 'P1D'
-    criteria: {
-      allOf: [
-        {
-          query: loadTextContent('../queries/silent-forwarders.kql')
-          timeAggregation: 'Count'
-          dimensions: [
-            {
-              name: 'VmName'
-              operator: 'Include'
-              values: [
-                '*'
-              ]
-            }
-          ]
-          operator: 'GreaterThan'
-          threshold: 0
-          failingPeriods: {
-            numberOfEvaluationPeriods: 1
-            minFailingPeriodsToAlert: 1
-          }
-        }
-      ]
-    }
-    autoMitigate: true
     actions: {
       actionGroups: [
         actionGroup.id

@@ -112,7 +112,7 @@ resource site 'Microsoft.Web/sites@2024-04-01' = {
   // checkov:skip=CKV_AZURE_222:the manual-approval link in Teams cards is an HTTP trigger people open from a browser; it needs a public endpoint, and every request must pass Entra ID sign-in (authSettings below); docs/deploy.md describes the private variant
   // checkov:skip=CKV_AZURE_17:client certificates would block the browser-opened manual-approval link; every HTTP request passes Entra ID sign-in instead (authSettings below)
   // checkov:skip=CKV_AZURE_212:Flex Consumption scales from zero on Event Hubs backlog; always-ready instances are optional cost, and envelopes wait in Event Hubs meanwhile
-  // checkov:skip=CKV_AZURE_213:the coordinator has no HTTP endpoint whose health reflects the Event Hubs pipeline; its liveness is watched through the heartbeat and approval alerts and Application Insights
+  // checkov:skip=CKV_AZURE_213:the coordinator has no HTTP endpoint whose health reflects the Event Hubs pipeline; its liveness is watched through the cards it sends, the cards-failing alert and Application Insights
   name: '${namePrefix}-coordinator-${uniqueString(resourceGroup().id)}'
   location: location
   tags: tags

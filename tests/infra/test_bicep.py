@@ -109,7 +109,7 @@ def test_files_loaded_by_bicep_exist() -> None:
             if target:
                 loaded += 1
                 assert (path.parent / target).is_file(), f"{path}: loads {target}, which does not exist"
-    assert loaded >= 8  # roles.json per module, history columns, cloud-init, workbook, three alert queries
+    assert loaded >= 6  # roles.json per module, history columns, cloud-init, workbook, the alert query
 
 
 # --- module wiring (what `bicep build` would catch) ----------------------------------------------------------

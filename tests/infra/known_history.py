@@ -1,0 +1,260 @@
+"""A known local history: rows shaped as the coordinator writes them (the event columns on every event row, the
+reporting VM's columns on observations, hooks and heartbeats), written with the real SQLite history writer.
+
+Times are relative to ``now`` because the shipped queries look back from ``now()`` (7 d, 30 d, 1 d). Each event
+or VM exercises something a query must include or leave out; the expected results are in test_kql_results.py.
+
+    events                         what the queries should make of it
+    freeze-web (Freeze, web_0/1)   approved at once by short-freeze, started, completed
+    reboot-web2 (Reboot, web_2)    waited for a person and expired (in both expired queries)
+    terminate-web3 (Terminate)     prepare hook failed then succeeded; first approval failed (its card failed, then
+                                   went out), second approved;
+                                   started, then web_3's heartbeat was lost (not silent: a Terminate removed it)
+    redeploy-db0 (Redeploy, db_0)  approval rejected by the listener (its card failed twice); recover hook timed out
+    reboot-old (Reboot, 10 days)   expired, but outside every 7-day window (inside the 30-day one)
+    reboot-user (User, 3 days)     user-initiated, approved after 1 minute, 15 minutes of notice
+    heartbeats                     web_4 lost (silent); web_5 lost then resumed (not silent); db_1 lost 2 days
+                                   ago (outside the 1-day lookback)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from coordinator.history import SqliteHistory
+from coordinator.rows import HistoryRow
+
+SUBSCRIPTION = "/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/rg"
+
+
+def vm_columns(name: str) -> dict[str, Any]:
+    scale_set, index = name.rsplit("_", 1)
+    return {
+        "VmName": name,
+        "VmId": f"vmid-{name}",
+        "VmResourceId": f"{SUBSCRIPTION}/providers/Microsoft.Compute/virtualMachineScaleSets/{scale_set}"
+        f"/virtualMachines/{index}",
+        "ScaleSetName": scale_set,
+        "PlacementGroupId": f"pg-{scale_set}",
+    }
+
+
+class _Event:
+    """Builds the rows of one event as the coordinator's event_row/_approval_row do: the event's columns first."""
+
+    def __init__(
+        self,
+        event_id: str,
+        event_type: str,
+        resources: list[str],
+        not_before: datetime,
+        *,
+        source: str = "Platform",
+        duration: int = -1,
+    ) -> None:
+        self.columns: dict[str, Any] = {
+            "EventId": event_id,
+            "EventType": event_type,
+            "EventSource": source,
+            "NotBefore": not_before,
+            "DurationInSeconds": duration,
+            "Resources": resources,
+        }
+        self.state = "Scheduled"
+        self.rows: list[HistoryRow] = []
+
+    def _row(self, at: datetime, record_type: str, **values: Any) -> None:
+        # The record keeps the NotBefore of its first sighting after the event started (IMDS then shows "").
+        columns = {**self.columns, "State": self.state, "TimeGenerated": at, "RecordType": record_type}
+        self.rows.append(HistoryRow.model_validate(columns | values))
+
+    def observed(self, at: datetime, vm: str, status: str = "Scheduled", *, incarnation: int = 1) -> None:
+        self._row(
+            at,
+            "Observation",
+            EventStatus=status,
+            DocumentIncarnation=incarnation,
+            ObservedAt=at - timedelta(milliseconds=200),
+            Sequence=incarnation,
+            Actor="platform",
+            **vm_columns(vm),
+        )
+
+    def decided(self, at: datetime, rule: str, action: str, verdict: str, reason: str) -> None:
+        self._row(
+            at,
+            "Decision",
+            Rule=rule,
+            Action=action,
+            DecisionId=f"d-{self.columns['EventId']}",
+            Actor=f"rule:{rule}",
+            Outcome=verdict,
+            Reason=reason,
+            DryRun=False,
+        )
+
+    def moved(self, at: datetime, state: str, reason: str) -> None:
+        previous, self.state = self.state, state
+        self._row(at, "Transition", PreviousState=previous, Reason=reason)
+
+    def approval(self, at: datetime, vm: str, outcome: str, reason: str, rule: str) -> None:
+        # _approval_row: no Resources, DurationInSeconds; VmName is the executor.
+        columns = {key: value for key, value in self.columns.items() if key not in ("Resources", "DurationInSeconds")}
+        self.rows.append(
+            HistoryRow.model_validate(
+                columns
+                | {
+                    "TimeGenerated": at,
+                    "RecordType": "Approval",
+                    "State": self.state,
+                    "VmName": vm,
+                    "Rule": rule,
+                    "DecisionId": f"d-{self.columns['EventId']}",
+                    "Actor": f"rule:{rule}",
+                    "Outcome": outcome,
+                    "Reason": reason,
+                }
+            )
+        )
+
+    def hook(self, at: datetime, vm: str, *, phase: str, outcome: str, hook: str, reason: str) -> None:
+        self._row(
+            at, "Hook", HookPhase=phase, Outcome=outcome, ObservedAt=at, Actor=hook, Reason=reason, **vm_columns(vm)
+        )
+
+    def alert(self, at: datetime, kind: str, outcome: str = "sent", reason: str = "") -> None:
+        # _alert_row: carries State (e.g. Expired) but is no Transition: the queries must not count it.
+        self.rows.append(
+            HistoryRow(
+                TimeGenerated=at,
+                RecordType="Alert",
+                EventId=self.columns["EventId"],
+                EventType=self.columns["EventType"],
+                EventSource=self.columns["EventSource"],
+                State=self.state,
+                Action=kind,
+                Actor="teams",
+                Outcome=outcome,
+                Reason=reason,
+            )
+        )
+
+
+def heartbeat(at: datetime, vm: str, outcome: str, last_seen: datetime, reason: str) -> HistoryRow:
+    return HistoryRow(
+        TimeGenerated=at,
+        RecordType="Heartbeat",
+        ObservedAt=last_seen,
+        Sequence=42,
+        DocumentIncarnation=3,
+        Outcome=outcome,
+        Reason=reason,
+        **vm_columns(vm),
+    )
+
+
+def known_rows(now: datetime) -> list[HistoryRow]:
+    def ago(**delta: float) -> datetime:
+        return now - timedelta(**delta)
+
+    rows: list[HistoryRow] = []
+
+    freeze = _Event("freeze-web", "Freeze", ["web_0", "web_1"], ago(minutes=105), duration=5)
+    freeze.observed(ago(minutes=120), "web_0")
+    freeze.observed(ago(minutes=119), "web_1")
+    freeze.decided(ago(minutes=119), "short-freeze", "approve-now", "approve", "rule 'short-freeze' approves at once")
+    freeze.moved(ago(minutes=119), "Approved", "approved by rule short-freeze")
+    freeze.approval(ago(minutes=119), "web_0", "approved", "StartRequests accepted", "short-freeze")
+    freeze.observed(ago(minutes=110), "web_0", "Started", incarnation=2)
+    freeze.moved(ago(minutes=110), "Started", "seen Started by web_0")
+    freeze.observed(ago(minutes=100), "web_0", "Gone", incarnation=3)
+    freeze.moved(ago(minutes=100), "Completed", "gone from every VM")
+    rows += freeze.rows
+
+    reboot = _Event("reboot-web2", "Reboot", ["web_2"], ago(minutes=165))
+    reboot.observed(ago(minutes=180), "web_2")
+    reboot.decided(ago(minutes=180), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
+    reboot.moved(ago(minutes=165), "Expired", "NotBefore passed unapproved")
+    reboot.alert(ago(minutes=165), "expired")
+    rows += reboot.rows
+
+    terminate = _Event("terminate-web3", "Terminate", ["web_3"], ago(minutes=50))
+    terminate.observed(ago(minutes=60), "web_3")
+    terminate.hook(
+        ago(minutes=59),
+        "web_3",
+        phase="prepare",
+        outcome="failed",
+        hook="10-check",
+        reason="prepare phase failed: 10-check failed",
+    )
+    terminate.hook(
+        ago(minutes=58),
+        "web_3",
+        phase="prepare",
+        outcome="succeeded",
+        hook="20-drain",
+        reason="prepare phase succeeded",
+    )
+    terminate.decided(
+        ago(minutes=58), "terminate-after-prepare-hooks", "approve-after-hooks", "approve", "prepare hooks succeeded"
+    )
+    terminate.moved(ago(minutes=58), "Approved", "approved by rule terminate-after-prepare-hooks")
+    terminate.approval(ago(minutes=58), "web_3", "failed", "Relay: no listener", "terminate-after-prepare-hooks")
+    terminate.approval(ago(minutes=57), "web_3", "approved", "StartRequests accepted", "terminate-after-prepare-hooks")
+    terminate.alert(
+        ago(minutes=58), "approval-failed", "failed", "Teams webhook refused card: HTTP 503 after 3 attempts"
+    )
+    terminate.alert(ago(minutes=57), "approval-failed")
+    terminate.observed(ago(minutes=50), "web_3", "Started", incarnation=2)
+    terminate.moved(ago(minutes=50), "Started", "seen Started by web_3")
+    rows += terminate.rows
+    rows.append(heartbeat(ago(minutes=40), "web_3", "lost", ago(minutes=50), "no envelope for 600 s"))
+
+    redeploy = _Event("redeploy-db0", "Redeploy", ["db_0"], ago(minutes=20))
+    redeploy.observed(ago(minutes=30), "db_0")
+    redeploy.decided(ago(minutes=30), "user-initiated", "approve-now", "approve", "rule 'user-initiated'")
+    redeploy.approval(ago(minutes=29), "db_0", "rejected", "listener: facts differ", "user-initiated")
+    for minutes in (29, 28):
+        redeploy.alert(ago(minutes=minutes), "approval-refused", "failed", "Teams webhook refused card: HTTP 400")
+    redeploy.hook(
+        ago(minutes=25),
+        "db_0",
+        phase="recover",
+        outcome="timed-out",
+        hook="30-warm",
+        reason="recover phase timed-out: 30-warm",
+    )
+    rows += redeploy.rows
+
+    old = _Event("reboot-old", "Reboot", ["web_0"], ago(days=10) + timedelta(minutes=15))
+    old.observed(ago(days=10), "web_0")
+    old.decided(ago(days=10), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
+    old.moved(ago(days=10) + timedelta(minutes=15), "Expired", "NotBefore passed unapproved")
+    rows += old.rows
+
+    user = _Event("reboot-user", "Reboot", ["web_1"], ago(days=3) + timedelta(minutes=15), source="User")
+    user.observed(ago(days=3), "web_1")
+    user.decided(ago(days=3) + timedelta(minutes=1), "user-initiated", "approve-now", "approve", "user asked")
+    user.moved(ago(days=3) + timedelta(minutes=1), "Approved", "approved by rule user-initiated")
+    user.observed(ago(days=3) + timedelta(minutes=2), "web_1", "Started", incarnation=2)
+    user.moved(ago(days=3) + timedelta(minutes=2), "Started", "seen Started by web_1")
+    rows += user.rows
+
+    rows += [
+        heartbeat(ago(minutes=90), "web_4", "lost", ago(minutes=95), "no envelope for 300 s"),
+        heartbeat(ago(minutes=80), "web_5", "lost", ago(minutes=85), "no envelope for 300 s"),
+        heartbeat(ago(minutes=70), "web_5", "resumed", ago(minutes=70), "envelopes again"),
+        heartbeat(ago(days=2), "db_1", "lost", ago(days=2, minutes=5), "no envelope for 300 s"),
+    ]
+    return sorted(rows, key=lambda row: row.TimeGenerated)
+
+
+def write_known_history(path: Path, now: datetime) -> None:
+    store = SqliteHistory(path)
+    try:
+        store.write(known_rows(now))
+    finally:
+        store.close()

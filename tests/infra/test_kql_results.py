@@ -1,0 +1,249 @@
+"""What the shipped queries return on a known history: tests/infra/known_history.py writes its rows with the real
+SQLite history writer, coordinator/kql.py loads them as Log Analytics types them and duckdb-kql runs each file of
+infra/queries as it is shipped. Every query file has its expected rows here; now() is pinned to the history's now.
+Also: duckdb-kql's result schema is the one Microsoft's language service infers, and the `kql` command of
+`python -m coordinator.history` runs a file or a query and names the query when one fails."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from duckdb import DuckDBPyConnection
+
+from coordinator import kql
+from infra import build_workbook
+from tests.infra import bicep_model as bm
+from tests.infra.known_history import vm_columns, write_known_history
+from tests.infra.kql_language import analyze
+
+QUERIES = {path.name: path for path in sorted((bm.INFRA / "queries").glob("*.kql"))}
+# Whole seconds: datetime_diff counts unit boundaries crossed, so sub-second offsets of "now" must not move results.
+NOW = datetime.now(UTC).replace(microsecond=0)
+
+
+def ago(**delta: float) -> datetime:
+    """A time of the known history as DuckDB returns it: naive UTC."""
+    return (NOW - timedelta(**delta)).replace(tzinfo=None)
+
+
+@pytest.fixture(scope="module")
+def history_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("history") / "history.sqlite"
+    write_known_history(path, NOW)
+    return path
+
+
+@pytest.fixture(scope="module")
+def con(history_db: Path) -> Iterator[DuckDBPyConnection]:
+    connection = kql.load(history_db)
+    yield connection
+    connection.close()
+
+
+def shipped(con: DuckDBPyConnection, name: str, text: str | None = None) -> list[dict[str, Any]]:
+    return kql.run(con, text or QUERIES[name].read_text(encoding="utf-8"), name=name, now=NOW).records()
+
+
+def test_events_by_type_and_scaleset(con: DuckDBPyConnection) -> None:
+    rows = shipped(con, "events-by-type-and-scaleset.kql")
+    assert [row["Events"] for row in rows] == sorted((row["Events"] for row in rows), reverse=True)
+    # reboot-old (10 days) is outside the 7 days; reboot-web2 and reboot-user are two Reboots from two VMs.
+    assert sorted(rows, key=lambda row: row["EventType"]) == [
+        {"EventType": "Freeze", "ScaleSetName": "web", "Events": 1, "ReportingVms": 2, "FirstSeen": ago(minutes=120),
+         "LastSeen": ago(minutes=100)},
+        {"EventType": "Reboot", "ScaleSetName": "web", "Events": 2, "ReportingVms": 2, "FirstSeen": ago(days=3),
+         "LastSeen": ago(minutes=180)},
+        {"EventType": "Redeploy", "ScaleSetName": "db", "Events": 1, "ReportingVms": 1, "FirstSeen": ago(minutes=30),
+         "LastSeen": ago(minutes=30)},
+        {"EventType": "Terminate", "ScaleSetName": "web", "Events": 1, "ReportingVms": 1,
+         "FirstSeen": ago(minutes=60), "LastSeen": ago(minutes=50)},
+    ]  # fmt: skip
+
+
+def test_expired_unapproved(con: DuckDBPyConnection) -> None:
+    rows = shipped(con, "expired-unapproved.kql")
+    # reboot-old expired too, 10 days ago: outside the window. The expired card's Alert row (State Expired) is no
+    # Transition and is not counted twice.
+    assert [row | {"Resources": json.loads(row["Resources"])} for row in rows] == [
+        {
+            "ExpiredAt": ago(minutes=165),
+            "EventId": "reboot-web2",
+            "EventType": "Reboot",
+            "EventSource": "Platform",
+            "ScaleSetName": "web",
+            "NotBefore": ago(minutes=165),
+            "Resources": ["web_2"],
+            "Rule": "everything-else-waits",
+            "Action": "wait-for-person",
+            "Reason": "waits for a person",
+        }
+    ]
+
+
+def test_notice_vs_time_to_approve(con: DuckDBPyConnection) -> None:
+    rows = shipped(con, "notice-vs-time-to-approve.kql")
+    # Observations are read 200 ms before the row is written, so each span is a second longer than the whole
+    # minutes of the history (datetime_diff counts second boundaries): 901 s -> 15.0 minutes, 61 s -> 1.0.
+    redeploy = rows.pop(2)
+    assert redeploy["EventType"] == "Redeploy"
+    assert (redeploy["Events"], redeploy["Approved"], redeploy["MeanNoticeMinutes"]) == (1, 0, 10.0)
+    assert math.isnan(redeploy["MeanTimeToApproveMinutes"])  # never approved: avg() of no values
+    assert rows == [
+        {"EventType": "Freeze", "Events": 1, "Approved": 1, "MeanNoticeMinutes": 15.0, "MeanTimeToApproveMinutes": 1.0},
+        # Three Reboots in 30 days (reboot-old included), one approved (reboot-user, after a minute).
+        {"EventType": "Reboot", "Events": 3, "Approved": 1, "MeanNoticeMinutes": 15.0, "MeanTimeToApproveMinutes": 1.0},
+        {"EventType": "Terminate", "Events": 1, "Approved": 1, "MeanNoticeMinutes": 10.0,
+         "MeanTimeToApproveMinutes": 2.0},
+    ]  # fmt: skip
+
+
+def test_hooks_failing(con: DuckDBPyConnection) -> None:
+    rows = shipped(con, "hooks-failing.kql")
+    # web_3's succeeded prepare hook is not a failure; failed and timed-out are.
+    assert sorted(rows, key=lambda row: row["VmName"]) == [
+        {"VmName": "db_0", "VmResourceId": vm_columns("db_0")["VmResourceId"], "ScaleSetName": "db",
+         "HookPhase": "recover", "Failures": 1, "Events": 1, "LastFailure": ago(minutes=25),
+         "LastReason": "recover phase timed-out: 30-warm"},
+        {"VmName": "web_3", "VmResourceId": vm_columns("web_3")["VmResourceId"], "ScaleSetName": "web",
+         "HookPhase": "prepare", "Failures": 1, "Events": 1, "LastFailure": ago(minutes=59),
+         "LastReason": "prepare phase failed: 10-check failed"},
+    ]  # fmt: skip
+
+
+def test_event_timeline(con: DuckDBPyConnection) -> None:
+    text = QUERIES["event-timeline.kql"].read_text(encoding="utf-8")
+    # As shipped, eventId is "": nothing is the expected result, not the rows about no event (Heartbeat rows, whose
+    # EventId is "" in Log Analytics).
+    assert shipped(con, "event-timeline.kql") == []
+    # As the workbook fills it in from its EventId parameter.
+    filled = text.replace(build_workbook.EVENT_ID_LINE, 'let eventId = "terminate-web3";')
+    rows = shipped(con, "event-timeline.kql", filled)
+    times = [row["TimeGenerated"] for row in rows]
+    assert times == sorted(times)
+    assert times[0] == ago(minutes=60)
+    assert times[-1] == ago(minutes=50)
+    # Rows written at the same instant come in no defined order (as in Kusto): compare them as a multiset.
+    assert sorted((row["RecordType"], row["State"], row["Outcome"], row["Actor"]) for row in rows) == sorted([
+        ("Observation", "Scheduled", "", "platform"),
+        ("Hook", "Scheduled", "failed", "10-check"),
+        ("Hook", "Scheduled", "succeeded", "20-drain"),
+        ("Decision", "Scheduled", "approve", "rule:terminate-after-prepare-hooks"),
+        ("Transition", "Approved", "", ""),
+        ("Approval", "Approved", "failed", "rule:terminate-after-prepare-hooks"),
+        ("Approval", "Approved", "approved", "rule:terminate-after-prepare-hooks"),
+        ("Alert", "Approved", "failed", "teams"),
+        ("Alert", "Approved", "sent", "teams"),
+        ("Observation", "Approved", "", "platform"),
+        ("Transition", "Started", "", ""),
+    ])  # fmt: skip
+
+
+def test_silent_forwarders(con: DuckDBPyConnection) -> None:
+    rows = shipped(con, "silent-forwarders.kql")
+    # web_5 resumed, web_3 was removed by a Terminate, db_1 went silent 2 days ago (outside the 1-day lookback).
+    assert rows == [
+        {
+            "VmName": "web_4",
+            "VmResourceId": vm_columns("web_4")["VmResourceId"],
+            "ScaleSetName": "web",
+            "LostAt": ago(minutes=90),
+            "LastEnvelopeAt": ago(minutes=95),
+            "SilentMinutes": 95,
+            "Reason": "no envelope for 300 s",
+        }
+    ]
+
+
+def test_alert_cards_failing(con: DuckDBPyConnection) -> None:
+    rows = shipped(con, "alert-cards-failing.kql")
+    # The approval-failed card failed once and then went out: it still shows (the rule's window decides how long).
+    assert sorted(rows, key=lambda row: row["Card"]) == [
+        {"Card": "approval-failed", "Failures": 1, "Events": 1, "LastFailure": ago(minutes=58),
+         "LastEventId": "terminate-web3", "LastReason": "Teams webhook refused card: HTTP 503 after 3 attempts"},
+        {"Card": "approval-refused", "Failures": 2, "Events": 1, "LastFailure": ago(minutes=28),
+         "LastEventId": "redeploy-db0", "LastReason": "Teams webhook refused card: HTTP 400"},
+    ]  # fmt: skip
+
+
+def test_every_query_file_has_its_results_tested() -> None:
+    tested = {
+        name.removeprefix("test_").replace("_", "-") + ".kql"
+        for name, value in globals().items()
+        if name.startswith("test_") and callable(value)
+    }
+    assert set(QUERIES) <= tested, f"no results test for {sorted(set(QUERIES) - tested)}"
+
+
+def test_the_engine_returns_the_schema_the_language_service_infers(con: DuckDBPyConnection) -> None:
+    """duckdb-kql's columns, in order and with their types, are those Kusto's own binder infers: the engine does not
+    rename, drop or retype a column (join's EventId1, project-rename, arg_max's columns, count()'s long)."""
+    texts = {name: path.read_text(encoding="utf-8") for name, path in QUERIES.items()}
+    inferred = analyze(texts)
+    for name, text in texts.items():
+        result = kql.run(con, text, name=name, now=NOW)
+        assert list(zip(result.columns, result.types, strict=True)) == list(inferred[name].columns), name
+
+
+def test_strings_read_as_empty_never_null(con: DuckDBPyConnection) -> None:
+    # Log Analytics has no null strings: a Heartbeat row's EventId is "" there, so isempty() is true, as here.
+    rows = kql.run(
+        con, 'ScheduledEventsHistory_CL | where RecordType == "Heartbeat" | summarize n = countif(isempty(EventId))'
+    ).records()
+    assert rows == [{"n": 5}]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.history", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        cwd=bm.ROOT,
+    )
+
+
+def test_cli_runs_a_query_file_and_a_query_text(history_db: Path) -> None:
+    done = run_cli("--db", str(history_db), "--json", "kql", "infra/queries/hooks-failing.kql")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sorted((row["VmName"], row["HookPhase"], row["Failures"]) for row in rows) == [
+        ("db_0", "recover", 1),
+        ("web_3", "prepare", 1),
+    ]
+    # Datetimes as Log Analytics prints them: ISO-8601 UTC.
+    assert {row["LastFailure"] for row in rows} == {
+        (NOW - timedelta(minutes=25)).isoformat(),
+        (NOW - timedelta(minutes=59)).isoformat(),
+    }
+    done = run_cli("--db", str(history_db), "kql", "ScheduledEventsHistory_CL | summarize n = count() by RecordType")
+    assert done.returncode == 0, done.stderr
+    table = done.stdout.splitlines()
+    assert table[0].split() == ["RecordType", "n"]
+    assert sorted(line.split()[0] for line in table[1:]) == sorted(
+        ["Alert", "Approval", "Decision", "Heartbeat", "Hook", "Observation", "Transition"]
+    )
+
+
+def test_cli_names_the_query_that_fails(history_db: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.kql"
+    broken.write_text("ScheduledEventsHistory_CL | where HookPhaze == 'prepare'", encoding="utf-8")
+    done = run_cli("--db", str(history_db), "kql", str(broken))
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith(f"kql: {broken}: ")
+    assert "HookPhaze" in done.stderr
+    done = run_cli("--db", str(history_db), "kql", "ScheduledEventsHistory_CL | where")
+    assert done.returncode == 2
+    assert done.stderr.startswith("kql: query: KqlSyntaxError")
+    done = run_cli("--db", str(history_db), "kql", str(tmp_path / "missing.kql"))
+    assert done.returncode == 2
+    assert "missing.kql: cannot read the query file" in done.stderr
