@@ -41,7 +41,7 @@ def vm_columns(name: str) -> dict[str, Any]:
     }
 
 
-class _Event:
+class Event:
     """Builds the rows of one event as the coordinator's event_row/_approval_row do: the event's columns first."""
 
     def __init__(
@@ -70,7 +70,10 @@ class _Event:
         columns = {**self.columns, "State": self.state, "TimeGenerated": at, "RecordType": record_type}
         self.rows.append(HistoryRow.model_validate(columns | values))
 
-    def observed(self, at: datetime, vm: str, status: str = "Scheduled", *, incarnation: int = 1) -> None:
+    def observed(
+        self, at: datetime, vm: str, status: str = "Scheduled", *, incarnation: int = 1, outcome: str = ""
+    ) -> None:
+        # outcome "conflict": a sighting whose facts contradict the record's (kept, not merged).
         self._row(
             at,
             "Observation",
@@ -79,6 +82,7 @@ class _Event:
             ObservedAt=at - timedelta(milliseconds=200),
             Sequence=incarnation,
             Actor="platform",
+            Outcome=outcome,
             **vm_columns(vm),
         )
 
@@ -99,7 +103,7 @@ class _Event:
         previous, self.state = self.state, state
         self._row(at, "Transition", PreviousState=previous, Reason=reason)
 
-    def approval(self, at: datetime, vm: str, outcome: str, reason: str, rule: str) -> None:
+    def approval(self, at: datetime, vm: str, outcome: str, reason: str, rule: str, *, actor: str = "") -> None:
         # _approval_row: no Resources, DurationInSeconds; VmName is the executor.
         columns = {key: value for key, value in self.columns.items() if key not in ("Resources", "DurationInSeconds")}
         self.rows.append(
@@ -112,7 +116,7 @@ class _Event:
                     "VmName": vm,
                     "Rule": rule,
                     "DecisionId": f"d-{self.columns['EventId']}",
-                    "Actor": f"rule:{rule}",
+                    "Actor": actor or f"rule:{rule}",
                     "Outcome": outcome,
                     "Reason": reason,
                 }
@@ -161,7 +165,7 @@ def known_rows(now: datetime) -> list[HistoryRow]:
 
     rows: list[HistoryRow] = []
 
-    freeze = _Event("freeze-web", "Freeze", ["web_0", "web_1"], ago(minutes=105), duration=5)
+    freeze = Event("freeze-web", "Freeze", ["web_0", "web_1"], ago(minutes=105), duration=5)
     freeze.observed(ago(minutes=120), "web_0")
     freeze.observed(ago(minutes=119), "web_1")
     freeze.decided(ago(minutes=119), "short-freeze", "approve-now", "approve", "rule 'short-freeze' approves at once")
@@ -173,14 +177,14 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     freeze.moved(ago(minutes=100), "Completed", "gone from every VM")
     rows += freeze.rows
 
-    reboot = _Event("reboot-web2", "Reboot", ["web_2"], ago(minutes=165))
+    reboot = Event("reboot-web2", "Reboot", ["web_2"], ago(minutes=165))
     reboot.observed(ago(minutes=180), "web_2")
     reboot.decided(ago(minutes=180), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
     reboot.moved(ago(minutes=165), "Expired", "NotBefore passed unapproved")
     reboot.alert(ago(minutes=165), "expired")
     rows += reboot.rows
 
-    terminate = _Event("terminate-web3", "Terminate", ["web_3"], ago(minutes=50))
+    terminate = Event("terminate-web3", "Terminate", ["web_3"], ago(minutes=50))
     terminate.observed(ago(minutes=60), "web_3")
     terminate.hook(
         ago(minutes=59),
@@ -213,7 +217,7 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     rows += terminate.rows
     rows.append(heartbeat(ago(minutes=40), "web_3", "lost", ago(minutes=50), "no envelope for 600 s"))
 
-    redeploy = _Event("redeploy-db0", "Redeploy", ["db_0"], ago(minutes=20))
+    redeploy = Event("redeploy-db0", "Redeploy", ["db_0"], ago(minutes=20))
     redeploy.observed(ago(minutes=30), "db_0")
     redeploy.decided(ago(minutes=30), "user-initiated", "approve-now", "approve", "rule 'user-initiated'")
     redeploy.approval(ago(minutes=29), "db_0", "rejected", "listener: facts differ", "user-initiated")
@@ -229,13 +233,13 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     )
     rows += redeploy.rows
 
-    old = _Event("reboot-old", "Reboot", ["web_0"], ago(days=10) + timedelta(minutes=15))
+    old = Event("reboot-old", "Reboot", ["web_0"], ago(days=10) + timedelta(minutes=15))
     old.observed(ago(days=10), "web_0")
     old.decided(ago(days=10), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
     old.moved(ago(days=10) + timedelta(minutes=15), "Expired", "NotBefore passed unapproved")
     rows += old.rows
 
-    user = _Event("reboot-user", "Reboot", ["web_1"], ago(days=3) + timedelta(minutes=15), source="User")
+    user = Event("reboot-user", "Reboot", ["web_1"], ago(days=3) + timedelta(minutes=15), source="User")
     user.observed(ago(days=3), "web_1")
     user.decided(ago(days=3) + timedelta(minutes=1), "user-initiated", "approve-now", "approve", "user asked")
     user.moved(ago(days=3) + timedelta(minutes=1), "Approved", "approved by rule user-initiated")
