@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the project needs, idempotently: .venv (Python packages), .venv-iac (checkov), tools/node
-# (Azurite, hyco-https). A stamp of each requirement file's hash skips work already done; safe to run twice.
+# (Azurite, hyco-https, the Kusto language service, the Adaptive Cards renderer, playwright-core) and Debian's
+# chromium (the card rendering test). A stamp of each requirement file's hash skips work already done; safe to run
+# twice.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -29,4 +31,19 @@ if ! stamp_ok tools/node/node_modules/.installed "$node_digest"; then
   echo "bootstrap: npm ci in tools/node" >&2
   (cd tools/node && npm ci --no-audit --no-fund --loglevel=error)
   echo "$node_digest" > tools/node/node_modules/.installed
+fi
+
+# Debian's Chromium, which the card rendering test drives (tools/node/render-cards.js; playwright-core cannot
+# download a browser here). CI runs as root on a fresh machine with apt access. If it cannot be installed, the
+# rest goes on and that test fails saying so (it never skips).
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "bootstrap: apt-get install chromium" >&2
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; then
+      echo "bootstrap: could not install chromium; the card rendering test will fail" >&2
+    fi
+  else
+    echo "bootstrap: /usr/bin/chromium is missing and this is not root with apt-get: install Debian's chromium" \
+      "package for the card rendering test" >&2
+  fi
 fi
