@@ -108,9 +108,7 @@ def run(con: DuckDBPyConnection, text: str, *, name: str = "query", now: datetim
         rows = relation.fetchall()
     except (duckdb_kql.KqlError, duckdb.Error) as error:
         raise KqlQueryError(f"{name}: {type(error).__name__}: {error}") from error
-    return KqlResult(
-        columns=list(relation.columns), types=[kusto_type(t) for t in relation.types], rows=rows
-    )
+    return KqlResult(columns=list(relation.columns), types=[kusto_type(t) for t in relation.types], rows=rows)
 
 
 def query_text(file_or_query: str) -> tuple[str, str]:
