@@ -33,7 +33,7 @@ from typing import Any
 import azure.functions as func
 
 from coordinator.history import SqliteHistory
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
 from forwarder.envelope import SCHEMA

@@ -41,7 +41,7 @@ from coordinator.model import (
 )
 from coordinator.retry import backoff_delay
 from coordinator.rows import HistoryRow
-from coordinator.state import (
+from coordinator.sightings import (
     EventChange,
     Observation,
     Removal,
@@ -59,7 +59,7 @@ from coordinator.state import (
     vm_observations,
     vm_position,
 )
-from coordinator.store import ConcurrencyConflict, DeadLetter, Stored, TableStateStore
+from coordinator.tables import ConcurrencyConflict, DeadLetter, Stored, TableStateStore
 from forwarder.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from forwarder.envelope import Envelope, VmIdentity
 

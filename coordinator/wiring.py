@@ -10,13 +10,13 @@ from azure.identity import DefaultAzureCredential
 
 from coordinator.alerts import AlertSink, FolderCardSink, TeamsWebhookSink
 from coordinator.callback import ApprovalCallback
-from coordinator.direct_callback import DirectImdsCallback
 from coordinator.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.rules import load_policy
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from forwarder.envelope import VmIdentity
+from local.direct_callback import DirectImdsCallback
 
 
 def build_coordinator(settings: CoordinatorSettings) -> Coordinator:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from forwarder.logs import fields
 
-log = logging.getLogger("forwarder.store")
+log = logging.getLogger("forwarder.durable_state")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, sequence INTEGER NOT NULL,

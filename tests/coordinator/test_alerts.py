@@ -17,13 +17,13 @@ import jsonschema
 import pytest
 
 from coordinator.alerts import MAX_CARD_BYTES, AlertError, TeamsWebhookSink, build_card, build_vm_card, card_bytes
-from coordinator.direct_callback import DirectImdsCallback
 from coordinator.history import MemoryHistory
 from coordinator.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
 from coordinator.service import Coordinator, RawMessage
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from forwarder.envelope import VmIdentity
+from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
 
 SCHEMA = json.loads((Path(__file__).with_name("adaptive_card_subset.schema.json")).read_text())

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 from coordinator.alerts import FolderCardSink
-from coordinator.direct_callback import DirectImdsCallback
 from coordinator.history import MemoryHistory
 from coordinator.model import BudgetClaim, BudgetRecord
 from coordinator.rules import parse_policy
 from coordinator.service import CLAIM_LEASE, Coordinator, RawMessage
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
+from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
 

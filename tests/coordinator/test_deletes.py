@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 
 from coordinator.alerts import FolderCardSink
-from coordinator.direct_callback import DirectImdsCallback
 from coordinator.history import MemoryHistory
 from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
 from coordinator.service import Coordinator, RawMessage
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
 from forwarder.approval import ApprovalRequest, ApprovalResult
@@ -26,6 +25,7 @@ from forwarder.approver import Approver
 from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayRequest
+from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, envelope, vm
 
 NAMES = ("web_0", "web_1", "web_2", "web_3")

@@ -384,7 +384,7 @@ def test_a_missing_forged_foreign_or_expired_token_is_refused(app: App):
 
 
 def test_every_instance_shares_the_form_key(app: App):
-    from coordinator.store import TableStateStore
+    from coordinator.tables import TableStateStore
 
     first = app.coordinator.store.shared_key("approval-form")
     # Another instance: its own client on the same table (the key was created once, by whoever came first).

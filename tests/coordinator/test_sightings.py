@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from coordinator.model import EventRecord, VmRecord
-from coordinator.state import advance, apply_observations, choose_executor, vm_observations
+from coordinator.sightings import advance, apply_observations, choose_executor, vm_observations
 from forwarder.envelope import Envelope
 from tests.coordinator.helpers import DOC_EVENT_ID, DOC_NOW, documented_example, envelope, scheduled_event, vm
 

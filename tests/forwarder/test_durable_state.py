@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forwarder.store import HOOK_LEDGER_DAYS, HookJob, Store
+from forwarder.durable_state import HOOK_LEDGER_DAYS, HookJob, Store
 
 
 def body(sequence: int) -> bytes:
@@ -38,7 +38,7 @@ def test_ack_removes_only_what_was_sent(tmp_path: Path) -> None:
 def test_full_spool_drops_heartbeats_first_then_the_oldest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = Store(tmp_path / "s.sqlite", max_entries=4)
     kinds = ["incarnation", "heartbeat", "hook", "heartbeat", "incarnation"]
-    with caplog.at_level(logging.ERROR, logger="forwarder.store"):
+    with caplog.at_level(logging.ERROR, logger="forwarder.durable_state"):
         for kind in kinds:
             store.enqueue(kind, body)
         assert [(i.sequence, i.kind) for i in store.peek(10)] == [
@@ -58,7 +58,7 @@ def test_full_spool_drops_heartbeats_first_then_the_oldest(tmp_path: Path, caplo
 
 def test_full_spool_drops_the_oldest_loudly_and_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = Store(tmp_path / "s.sqlite", max_entries=3)
-    with caplog.at_level(logging.ERROR, logger="forwarder.store"):
+    with caplog.at_level(logging.ERROR, logger="forwarder.durable_state"):
         for _ in range(5):
             store.enqueue("heartbeat", body)
     assert [item.sequence for item in store.peek(10)] == [2, 3, 4]

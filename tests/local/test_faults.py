@@ -21,8 +21,8 @@ from forwarder.envelope import VmIdentity
 from local.observe import sent_envelopes
 from local.runner import IngestFunction, wait_until
 from local.stack import HUB, LocalStack
-from tests.e2e.conftest import Outcome, Runner, compact_scenario
-from tests.e2e.hostile import hostile_message, refused, template
+from tests.local.conftest import Outcome, Runner, compact_scenario
+from tests.local.hostile import hostile_message, refused, template
 
 FLAKY_IMDS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "flaky-imds.yaml"
 

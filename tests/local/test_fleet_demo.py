@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from emulators.imds import Scenario
-from tests.e2e.conftest import FLEET_DEMO, Runner
+from tests.local.conftest import FLEET_DEMO, Runner
 
 
 @pytest.mark.slow

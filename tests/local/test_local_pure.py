@@ -20,7 +20,7 @@ from local.observe import cards_written
 from local.scenario import delayed
 from local.summary import RunFacts, percentile, sightings_from_documents, summarize
 from local.timeline import Timeline
-from tests.e2e.hostile import hostile_message, refused, template
+from tests.local.hostile import hostile_message, refused, template
 
 T0 = datetime(2026, 1, 5, 12, 0, 0, tzinfo=UTC)
 EVENT = "11111111-2222-3333-4444-555555555555"

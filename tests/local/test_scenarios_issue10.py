@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from emulators.imds import Scenario
-from tests.e2e.conftest import Outcome, Runner
+from tests.local.conftest import Outcome, Runner
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios"
 # Time scale 120 and the fixture's 2 s heartbeats (a removed VM is retired after three): short runs.

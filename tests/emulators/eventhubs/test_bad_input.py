@@ -13,7 +13,7 @@ from proton import Delivery, Message
 from proton.utils import BlockingConnection, LinkDetached
 
 from emulators.eventhubs import EventHubsEmulator
-from tests.eventhubs.conftest import HUB
+from tests.emulators.eventhubs.conftest import HUB
 
 
 def _authorized_connection(emulator: EventHubsEmulator) -> BlockingConnection:

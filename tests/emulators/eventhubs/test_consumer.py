@@ -10,7 +10,7 @@ from typing import Any
 from azure.eventhub import EventData, EventHubConsumerClient, PartitionContext
 
 from emulators.eventhubs import EventHubsEmulator
-from tests.eventhubs.conftest import HUB, consumer, producer
+from tests.emulators.eventhubs.conftest import HUB, consumer, producer
 
 
 def _wait_for(predicate: Any, timeout: float = 20.0) -> None:

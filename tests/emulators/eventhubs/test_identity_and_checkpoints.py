@@ -17,8 +17,8 @@ from azure.storage.blob import BlobServiceClient
 from emulators.azurite import AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.tokens import mint_token
-from tests.eventhubs.conftest import FAST_CLIENT, HUB, producer
-from tests.eventhubs.test_consumer import Received
+from tests.emulators.eventhubs.conftest import FAST_CLIENT, HUB, producer
+from tests.emulators.eventhubs.test_consumer import Received
 
 VM = "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachineScaleSets/ss/virtualMachines/0"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from azure.eventhub import EventData
 
 from emulators.eventhubs import EventHubsEmulator
-from tests.eventhubs.conftest import HUB, consumer, producer
-from tests.eventhubs.test_consumer import Received
+from tests.emulators.eventhubs.conftest import HUB, consumer, producer
+from tests.emulators.eventhubs.test_consumer import Received
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ from azure.eventhub.exceptions import AuthenticationError, EventHubError
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.broker import partition_for_key
-from tests.eventhubs.conftest import HUB, producer
+from tests.emulators.eventhubs.conftest import HUB, producer
 
 
 def _where(emulator: EventHubsEmulator, hub: str = HUB) -> dict[str, list[bytes]]:

@@ -24,7 +24,7 @@ from emulators.eventhubs.addresses import (
 )
 from emulators.eventhubs.auth import AuthError, validate_jwt, validate_sas_token, validate_token
 from emulators.eventhubs.framing import FramePadder, pad_frame
-from emulators.eventhubs.store import PartitionLog
+from emulators.eventhubs.partition_log import PartitionLog
 from emulators.tokens import mint_token
 
 KEY = "unit-test-key"

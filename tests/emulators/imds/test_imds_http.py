@@ -451,7 +451,7 @@ def test_managed_identity_credential_gets_each_vms_own_token(imds, monkeypatch):
 
 
 def test_microsofts_documented_python_sample_runs_against_the_emulator(monkeypatch):
-    from tests.emulators import ms_sample
+    from tests.emulators.imds import ms_sample
 
     with ImdsEmulator(time_scale=1) as emulator:  # real notice: nothing starts unless the sample approves it
         monkeypatch.setattr(ms_sample, "metadata_url", emulator.url + SE)

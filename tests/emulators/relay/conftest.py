@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from emulators.relay import RelayEmulator
-from tests.relay_emulator.raw import KEY, KEY_NAME
+from tests.emulators.relay.raw import KEY, KEY_NAME
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from coordinator.relay_admin import HybridConnectionAdmin
 from emulators.relay import RelayEmulator
 from emulators.tokens import mint_token
 from forwarder.envelope import VmIdentity
-from tests.relay_emulator.raw import RawListener, sas
+from tests.emulators.relay.raw import RawListener, sas
 
 NAMESPACE = "/subscriptions/sub-1/resourceGroups/rg-se/providers/Microsoft.Relay/namespaces/relay-se"
 COORDINATOR = "/subscriptions/sub-1/resourceGroups/rg-se/providers/Microsoft.Web/sites/coordinator"

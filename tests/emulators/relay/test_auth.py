@@ -12,7 +12,7 @@ from websockets.exceptions import InvalidStatus
 from emulators.relay import RelayEmulator, Right, SasRule, TokenChecker, create_sas_token
 from emulators.relay.auth import AuthError, normalize_resource_uri, parse_rights
 from emulators.tokens import mint_token
-from tests.relay_emulator.raw import KEY, KEY_NAME, RawListener, http, sas
+from tests.emulators.relay.raw import KEY, KEY_NAME, RawListener, http, sas
 
 VM = "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-a"
 NS = "http://contoso.servicebus.windows.net"

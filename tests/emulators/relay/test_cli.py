@@ -13,7 +13,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from emulators.relay import create_sas_token
-from tests.relay_emulator.raw import RawListener, http
+from tests.emulators.relay.raw import RawListener, http
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from emulators.relay import RelayEmulator
-from tests.relay_emulator.raw import RawListener, http, sas
+from tests.emulators.relay.raw import RawListener, http, sas
 
 
 def test_request_and_response_travel_on_the_control_channel(relay: RelayEmulator) -> None:

@@ -19,7 +19,7 @@ import requests
 
 from emulators.relay import RelayEmulator, Right
 from emulators.relay.auth import SasRule, TokenChecker, create_sas_token
-from tests.relay_emulator.raw import KEY, KEY_NAME, sas
+from tests.emulators.relay.raw import KEY, KEY_NAME, sas
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_MODULES = ROOT / "tools" / "node" / "node_modules"

@@ -11,7 +11,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from emulators.relay import RelayEmulator
 from emulators.tokens import mint_token
-from tests.relay_emulator.raw import RawListener, http, sas
+from tests.emulators.relay.raw import RawListener, http, sas
 
 
 def test_the_26th_listener_is_refused_and_a_freed_slot_is_reusable(relay: RelayEmulator) -> None:

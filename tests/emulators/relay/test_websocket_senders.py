@@ -10,7 +10,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from emulators.relay import RelayEmulator
-from tests.relay_emulator.raw import RawListener, sas
+from tests.emulators.relay.raw import RawListener, sas
 
 
 async def _connect_sender(relay: RelayEmulator, suffix: str = "", query: str = "") -> ClientConnection:

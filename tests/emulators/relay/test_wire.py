@@ -10,7 +10,7 @@ import pytest
 
 from emulators.relay import RelayEmulator
 from emulators.relay.messages import ControlMessageError, ResponseMessage, parse_listener_message
-from tests.relay_emulator.raw import RawListener, sas
+from tests.emulators.relay.raw import RawListener, sas
 
 
 def _exchange(relay: RelayEmulator, data: bytes, *, wait_for_continue: bool = False, rest: bytes = b"") -> bytes:
