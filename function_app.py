@@ -15,7 +15,8 @@ import os
 import azure.functions as func
 
 from coordinator import http
-from coordinator.service import Coordinator, RawMessage
+from coordinator.ingest import RawMessage
+from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
 from coordinator.tables import TableStateStore
 from coordinator.wiring import build_coordinator

@@ -18,9 +18,10 @@ import pytest
 
 from coordinator.alerts import MAX_CARD_BYTES, AlertError, TeamsWebhookSink, build_card, build_vm_card, card_bytes
 from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.service import Coordinator, RawMessage
+from coordinator.service import Coordinator
 from coordinator.tables import TableStateStore
 from forwarder.envelope import VmIdentity
 from local.direct_callback import DirectImdsCallback

@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 
 from coordinator.alerts import FolderCardSink
+from coordinator.decide import CLAIM_LEASE
 from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.model import BudgetClaim, BudgetRecord
 from coordinator.rules import parse_policy
-from coordinator.service import CLAIM_LEASE, Coordinator, RawMessage
+from coordinator.service import Coordinator
 from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator

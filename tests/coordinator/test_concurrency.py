@@ -9,8 +9,9 @@ from typing import Any
 
 from coordinator.alerts import FolderCardSink
 from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.service import Coordinator, RawMessage
+from coordinator.service import Coordinator
 from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from coordinator.alerts import FolderCardSink
 from coordinator.callback import ApprovalDeliveryError
 from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.service import Coordinator, RawMessage
+from coordinator.service import Coordinator
 from coordinator.tables import TableStateStore
 from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.envelope import VmIdentity

@@ -13,8 +13,10 @@ import pytest
 
 from coordinator.alerts import FolderCardSink
 from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
+from coordinator.outbox import ALERT_GRACE
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.service import ALERT_GRACE, Coordinator, RawMessage
+from coordinator.service import Coordinator
 from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator

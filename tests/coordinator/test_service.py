@@ -15,8 +15,9 @@ from azure.functions.meta import Datum
 
 from coordinator.alerts import FolderCardSink
 from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
-from coordinator.service import Coordinator, RawMessage
+from coordinator.service import Coordinator
 from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
