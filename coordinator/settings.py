@@ -48,12 +48,11 @@ class CoordinatorSettings(BaseModel):
     logs_stream: str = Field(default_factory=lambda: str(history_schema()["stream"]))
     history_sqlite_path: Path | None = None
 
-    # Approvals: Azure Relay in Azure; the IMDS emulator directly in local mode.
+    # Approvals: Azure Relay (the Relay emulator locally, through relay_endpoint).
     relay_namespace: str | None = Field(default=None, description="{ns}.servicebus.windows.net")
     relay_endpoint: str | None = Field(default=None, description="override, e.g. http://127.0.0.1:P (emulator)")
     relay_subscription_id: str | None = None
     relay_resource_group: str | None = None
-    imds_emulator_url: str | None = Field(default=None, description="local mode only: DirectImdsCallback")
 
     # Timing and people.
     heartbeat_timeout_seconds: int = Field(default=300, ge=30)

@@ -63,13 +63,16 @@ class Harness:
         self.cards = tmp / "cards"
         self.cleanups: list[dict[str, Any]] = []
         self.sequence: dict[str, int] = dict.fromkeys(NAMES, 0)
+        # Each VM's own hook ledger (what its listener checks before approving on the strength of its hooks): the
+        # outcome its reports told, a failure sticking as in the forwarder's ledger.
+        self.ledger: dict[tuple[str, str], str] = {}
         self.coordinator = Coordinator(
             store=TableStateStore.from_connection_string(
                 azurite.connection_string, table_name="d" + uuid.uuid4().hex[:12]
             ),
             history=self.history,
             alerts=FolderCardSink(self.cards),
-            callback=DirectImdsCallback(base_url=imds.url),
+            callback=DirectImdsCallback(base_url=imds.url, hook_ledger=lambda vm, ev: self.ledger.get((vm, ev))),
             policy=policy or load_policy(DEFAULT_POLICY_PATH),
             clock=self.clock,
             housekeeping=lambda last_seen, now: self.cleanups.append(dict(last_seen)),
@@ -101,11 +104,14 @@ class Harness:
         ]
         failed = next((o for _, o in steps if o != "succeeded"), "succeeded") if steps else "not-run"
         hook = {"eventId": event_id, "phase": "prepare", "outcome": failed, "durationSeconds": 2.0, "steps": hook_steps}
+        self.ledger[(name, event_id)] = failed
         return raw(self._hook_envelope(name, hook))
 
     def legacy_hook(self, name: str, event_id: str, hook_name: str, outcome: str) -> RawMessage:
         """A per-hook report from an older forwarder (no steps)."""
         hook = {"eventId": event_id, "phase": "prepare", "outcome": outcome, "durationSeconds": 1.0, "hook": hook_name}
+        if self.ledger.get((name, event_id)) != "failed":
+            self.ledger[(name, event_id)] = outcome
         return raw(self._hook_envelope(name, hook))
 
     def _hook_envelope(self, name: str, hook: dict[str, Any]) -> dict[str, Any]:

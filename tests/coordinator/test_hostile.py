@@ -112,8 +112,9 @@ def test_garbage_among_good_envelopes(azurite, imds, tmp_path):
 
 
 def _good(name: str, index: int, sequence: int, event_id: str) -> RawMessage:
-    """A user-initiated Reboot (approved at once by the default policy) from a well-behaved VM."""
-    event = scheduled_event(event_id, source="User", event_type="Reboot", resources=[name])
+    """A user-initiated Reboot (approved at once by the default policy) from a well-behaved VM, as its IMDS shows it
+    (a user's Reboot has no duration: -1)."""
+    event = scheduled_event(event_id, source="User", event_type="Reboot", resources=[name], duration=-1)
     data = envelope(vm(name, index=index), sequence=sequence, incarnation=2, events=[event])
     return RawMessage(body=json.dumps(data).encode(), partition_key=data["vm"]["resourceId"].lower())
 
