@@ -14,7 +14,6 @@ import pytest
 
 from coordinator.alerts import FolderCardSink
 from coordinator.decide import CLAIM_LEASE
-from coordinator.history import MemoryHistory
 from coordinator.ingest import RawMessage
 from coordinator.model import BudgetClaim, BudgetRecord
 from coordinator.rules import parse_policy
@@ -24,7 +23,7 @@ from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 
 POLICY = parse_policy(
     """

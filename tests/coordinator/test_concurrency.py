@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from coordinator.alerts import FolderCardSink
-from coordinator.history import MemoryHistory
 from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
 from coordinator.service import Coordinator
@@ -16,7 +15,7 @@ from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
-from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 
 
 class InterleavingStore(TableStateStore):

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from coordinator.alerts import FolderCardSink
-from coordinator.history import MemoryHistory
 from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
 from coordinator.service import Coordinator
@@ -27,7 +26,7 @@ from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayRequest
 from local.direct_callback import DirectImdsCallback
-from tests.coordinator.helpers import DOC_NOW, envelope, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, vm
 
 NAMES = ("web_0", "web_1", "web_2", "web_3")
 IDENTITY = {name: vm(name, scale_set="web", group="pg-web", index=100 + i) for i, name in enumerate(NAMES)}

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from coordinator.alerts import FolderCardSink
 from coordinator.callback import ApprovalDeliveryError
-from coordinator.history import MemoryHistory
 from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
 from coordinator.service import Coordinator
@@ -25,7 +24,7 @@ from coordinator.tables import TableStateStore
 from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.envelope import VmIdentity
 from local.direct_callback import DirectImdsCallback
-from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 
 NAMES = ("WestNO_0", "WestNO_1")
 
