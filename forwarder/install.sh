@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
     --relay-namespace) relay_namespace="${2:?}"; shift 2 ;;
     --root) root="${2:?}"; shift 2 ;;
     --skip-venv) skip_venv=1; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done

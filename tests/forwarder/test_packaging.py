@@ -133,9 +133,9 @@ def test_the_lock_pins_every_requirement_with_hashes() -> None:
         name = canonicalize_name(wanted.name)
         assert name in locked, f"{wanted.name} is not in the lock"
         assert locked[name][0] in wanted.specifier, f"lock pins {name} {locked[name][0]}, outside {wanted.specifier}"
-    for name, (_version, hashes) in locked.items():
-        assert hashes, f"{name} has no hash"
-        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), name
+    for pinned, (_version, hashes) in locked.items():
+        assert hashes, f"{pinned} has no hash"
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), pinned
     install = (ROOT / "forwarder" / "install.sh").read_text()
     assert "--require-hashes --no-deps" in install
     assert '-r "$opt/app/forwarder/requirements.lock"' in install
