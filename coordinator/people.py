@@ -78,7 +78,7 @@ def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualAppro
         state = current.record.state if current else "gone"
         return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
     work.rows.extend(change.rows)
-    if not ctx.dry_run:  # in dry-run only the person's decision is logged (by _act, with nothing to send)
+    if not ctx.dry_run:  # in dry-run only the person's decision is logged (by act.act, with nothing to send)
         work.deliveries.append(event_id)
     act.act(ctx, work, now, report, last_seen=None)
     write_history(ctx, work.rows, report)

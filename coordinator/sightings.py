@@ -1,7 +1,9 @@
 """The state machine, as pure functions: envelopes -> per-VM observations -> merged event records -> transitions.
 
-No I/O here: the service (service.py) reads records, calls these functions and writes the results with ETags.
-Everything is idempotent: re-applying an envelope whose sequence a record already holds changes nothing.
+No I/O here: the stages (coordinator/fold.py for a batch, timer.py for the timer) read records, call these
+functions and write the results with ETags. Everything is idempotent: re-applying an envelope whose sequence a record
+already holds changes nothing. Longer than 400 lines on purpose: it is one state machine (a VM's position, an
+event's merge, its transitions and conclusion), whose rules read best side by side.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Layout (one table):
 - PartitionKey ``key``, RowKey = a name: random keys every instance shares (``shared_key``).
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
   sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
-  VMs report together. An event record's ``vms`` is assembled from its groups on read (service.py).
+  VMs report together. An event record's ``vms`` is assembled from its groups on read (events.assemble).
 One partition per kind lets a batch write all its events (or groups) in one transaction (at most 100 operations,
 all-or-nothing: if any ETag is stale nothing is written and the caller redoes that part one by one).
 Dead letters go to a second table, one row per refused message.
@@ -16,6 +16,9 @@ Dead letters go to a second table, one row per refused message.
 Reads may come from a bounded in-process cache of (record, ETag). That is safe because every write is
 conditional on the ETag: a decision taken on a stale record never commits; the conflict evicts the entry and the
 caller re-reads. It saves most reads when several batches touch the same event (a maintenance wave).
+
+Longer than 400 lines on purpose: the whole table layout (keys, entity splitting, transactions, the cache) is in one
+place, so that what is stored and how it is read back cannot drift apart.
 """
 
 from __future__ import annotations
