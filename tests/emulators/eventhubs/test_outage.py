@@ -18,7 +18,7 @@ from emulators.eventhubs import EventHubsEmulator
 from tests.emulators.eventhubs.conftest import HUB, consumer, producer
 from tests.emulators.eventhubs.test_consumer import Received
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_producer_retries_across_a_short_outage() -> None:

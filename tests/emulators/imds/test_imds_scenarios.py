@@ -15,7 +15,7 @@ import requests
 from emulators.imds.models import Scenario, ScenarioError, StartRequestsBody
 from emulators.imds.state import EmulatorState, VmRemovedError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCENARIOS = ROOT / "emulators" / "scenarios"
 T0 = datetime(2026, 3, 2, 10, 0, 0, tzinfo=UTC)
 

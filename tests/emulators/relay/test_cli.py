@@ -15,7 +15,7 @@ from websockets.exceptions import ConnectionClosed
 from emulators.relay import create_sas_token
 from tests.emulators.relay.raw import RawListener, http
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_cli_serves_until_sigterm() -> None:

@@ -21,7 +21,7 @@ from emulators.relay import RelayEmulator, Right
 from emulators.relay.auth import SasRule, TokenChecker, create_sas_token
 from tests.emulators.relay.raw import KEY, KEY_NAME, sas
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NODE_MODULES = ROOT / "tools" / "node" / "node_modules"
 LISTENER_JS = Path(__file__).with_name("hyco_listener.js")
 NODE = shutil.which("node")
