@@ -15,9 +15,10 @@ import os
 import azure.functions as func
 
 from coordinator import http
-from coordinator.service import Coordinator, RawMessage
+from coordinator.ingest import RawMessage
+from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from coordinator.wiring import build_coordinator
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.spool_replay [--envelopes 5000]
 
-The outage is simulated where it leaves its trace: the forwarder's own SQLite spool (forwarder.store.Store, the
+The outage is simulated where it leaves its trace: the forwarder's own SQLite spool (forwarder.durable_state.Store, the
 same API the daemon uses) holds N incarnation envelopes that could not be sent. Then ``python -m forwarder run``
 starts with the Event Hubs emulator up and sends them, in order, in batches of ``send_batch_max`` (100) over
 AMQP. The rate is measured on the emulator's enqueue times from the first to the last replayed envelope, so
@@ -26,8 +26,8 @@ from pathlib import Path
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from forwarder.document import ScheduledEventsDocument
+from forwarder.durable_state import Store
 from forwarder.envelope import Envelope, VmIdentity
-from forwarder.store import Store
 from local.observe import stored_envelopes
 
 ROOT = Path(__file__).resolve().parents[1]

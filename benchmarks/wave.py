@@ -33,7 +33,7 @@ from typing import Any
 import azure.functions as func
 
 from coordinator.history import SqliteHistory
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
 from forwarder.envelope import SCHEMA
@@ -108,19 +108,21 @@ def batches(wave: list[dict[str, Any]], partitions: int, batch: int) -> list[lis
     return [[p[i : i + batch] for i in range(0, len(p), batch)] for p in per_partition]
 
 
-def _env(azurite_connection: str, tmp: str, imds_url: str, history: str) -> dict[str, str]:
+def _env(azurite_connection: str, tmp: str, history: str) -> dict[str, str]:
     return {
         "COORDINATOR_STORAGE_CONNECTION_STRING": azurite_connection,
         "COORDINATOR_STATE_TABLE": "wave",
         "COORDINATOR_HISTORY_SQLITE_PATH": f"{tmp}/{history}",
         "COORDINATOR_CARDS_FOLDER": f"{tmp}/cards",
-        "COORDINATOR_IMDS_EMULATOR_URL": imds_url,
     }
 
 
-def _coordinator(env: dict[str, str], totals: Counter[str]) -> Any:
+def _coordinator(env: dict[str, str], imds_url: str, totals: Counter[str]) -> Any:
     os.environ.update(env)
     import function_app
+    from local.direct_callback import direct_coordinator
+
+    function_app.coordinator = direct_coordinator(function_app.settings, imds_url)
 
     coordinator = function_app.coordinator()
     coordinator.clock = lambda: START + timedelta(seconds=30)
@@ -135,10 +137,12 @@ def _coordinator(env: dict[str, str], totals: Counter[str]) -> Any:
     return function_app
 
 
-def _instance(args: argparse.Namespace, partition: int, *, env: dict[str, str], ready: Any, go: Any, out: Any) -> None:
+def _instance(
+    args: argparse.Namespace, partition: int, *, env: dict[str, str], imds_url: str, ready: Any, go: Any, out: Any
+) -> None:
     """One Functions instance owning one partition, in its own process (how the host scales out)."""
     totals: Counter[str] = Counter()
-    function_app = _coordinator(env, totals)
+    function_app = _coordinator(env, imds_url, totals)
     work = batches(
         build_wave(args.vms, args.group_size, args.group_spacing_ms, random.Random(args.seed)),
         args.partitions,
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     target=_instance,
                     args=(args, p),
                     kwargs={
-                        "env": _env(azurite.connection_string, tmp, imds.url, f"history-{p}.sqlite"),
+                        "env": _env(azurite.connection_string, tmp, f"history-{p}.sqlite"),
+                        "imds_url": imds.url,
                         "ready": ready,
                         "go": go,
                         "out": out,
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = max(ends) - started_wall
             histories = [f"history-{p}.sqlite" for p in range(args.partitions)]
         else:
-            function_app = _coordinator(_env(azurite.connection_string, tmp, imds.url, "history.sqlite"), totals)
+            function_app = _coordinator(_env(azurite.connection_string, tmp, "history.sqlite"), imds.url, totals)
 
             def drain(partition: list[list[func.EventHubEvent]]) -> None:
                 for batch in partition:
@@ -234,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.perf_counter() - started
             histories = ["history.sqlite"]
         if args.mode == "processes":
-            function_app = _coordinator(_env(azurite.connection_string, tmp, imds.url, "history-tick.sqlite"), totals)
+            function_app = _coordinator(
+                _env(azurite.connection_string, tmp, "history-tick.sqlite"), imds.url, totals
+            )
             histories.append("history-tick.sqlite")
         tick = _tick(function_app)
         store = TableStateStore.from_connection_string(azurite.connection_string, table_name="wave")

@@ -2,7 +2,7 @@
 
 Card building is pure (``build_card``); sinks deliver: ``TeamsWebhookSink`` (HTTPS POST, retried with backoff and
 jitter, the URL is a secret and never logged) or ``FolderCardSink`` (local mode: one JSON file per card).
-One card per transition per event: the event record remembers which alerts went out (service.py).
+One card per transition per event: the event record remembers which alerts went out (coordinator/outbox.py).
 """
 
 from __future__ import annotations

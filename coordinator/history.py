@@ -163,16 +163,6 @@ class LogsIngestionHistory:
             self._pending = failed
 
 
-class MemoryHistory:
-    """Keeps rows in a list: for tests that assert on history without a database."""
-
-    def __init__(self) -> None:
-        self.rows: list[HistoryRow] = []
-
-    def write(self, rows: Sequence[HistoryRow]) -> None:
-        self.rows.extend(rows)
-
-
 _SINCE = re.compile(r"^(\d+)([smhd])$")
 
 

@@ -1,6 +1,6 @@
 """The coordinator's own records: one per EventId (merged from every reporting VM) and one per VM.
 
-Stored as JSON in Table Storage (see store.py); pydantic at this boundary so that a record written by an older
+Stored as JSON in Table Storage (see tables.py); pydantic at this boundary so that a record written by an older
 coordinator still loads (new fields have defaults) and a corrupt one fails loudly.
 """
 

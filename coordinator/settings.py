@@ -1,4 +1,4 @@
-"""The coordinator's settings: one pydantic model read from the environment (Function App application settings).
+"""The coordinator's settings: one pydantic-settings model read from the environment (Function App app settings).
 
 Every variable is ``COORDINATOR_<FIELD>`` in upper case (e.g. ``COORDINATOR_STATE_TABLE``). In Azure, storage is
 reached with a managed identity (``COORDINATOR_TABLE_ENDPOINT``); locally with Azurite's connection string
@@ -8,11 +8,10 @@ never printed, logged or put in a repr.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from coordinator.rows import history_schema
 from coordinator.rules import DEFAULT_POLICY_PATH
@@ -24,8 +23,9 @@ class SettingsError(ValueError):
     """The app settings are incomplete or inconsistent; the message names the variables."""
 
 
-class CoordinatorSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class CoordinatorSettings(BaseSettings):
+    # An empty variable counts as unset (an app setting cleared in the portal), as an absent one does.
+    model_config = SettingsConfigDict(env_prefix=PREFIX, env_ignore_empty=True, extra="forbid", frozen=True)
 
     # State (Table Storage): exactly one of the two.
     table_endpoint: str | None = Field(default=None, description="https://{account}.table.core.windows.net (MI)")
@@ -48,12 +48,11 @@ class CoordinatorSettings(BaseModel):
     logs_stream: str = Field(default_factory=lambda: str(history_schema()["stream"]))
     history_sqlite_path: Path | None = None
 
-    # Approvals: Azure Relay in Azure; the IMDS emulator directly in local mode.
+    # Approvals: Azure Relay (the Relay emulator locally, through relay_endpoint).
     relay_namespace: str | None = Field(default=None, description="{ns}.servicebus.windows.net")
     relay_endpoint: str | None = Field(default=None, description="override, e.g. http://127.0.0.1:P (emulator)")
     relay_subscription_id: str | None = None
     relay_resource_group: str | None = None
-    imds_emulator_url: str | None = Field(default=None, description="local mode only: DirectImdsCallback")
 
     # Timing and people.
     heartbeat_timeout_seconds: int = Field(default=300, ge=30)
@@ -106,15 +105,10 @@ class CoordinatorSettings(BaseModel):
         return self
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> CoordinatorSettings:
-        environ = os.environ if environ is None else environ
-        values = {
-            name: environ[PREFIX + name.upper()]
-            for name in cls.model_fields
-            if environ.get(PREFIX + name.upper(), "") != ""
-        }
+    def from_env(cls) -> CoordinatorSettings:
+        """The settings in the process environment; ``SettingsError`` names each variable that is wrong and why."""
         try:
-            return cls.model_validate(values)
+            return cls()
         except ValidationError as error:
             problems = "; ".join(
                 f"{PREFIX}{str(e['loc'][0]).upper() if e['loc'] else '(settings)'}: {e['msg']}" for e in error.errors()

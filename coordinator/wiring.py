@@ -1,5 +1,6 @@
 """Builds a Coordinator from settings: Azure implementations in Azure, local ones (Azurite, SQLite, a cards
-folder, the IMDS emulator) in the local mode. The only place that chooses between them."""
+folder) in the local mode. The only place that chooses between them. Approvals go through Azure Relay (the Relay
+emulator locally); a caller may hand in another ``ApprovalCallback`` (local/direct_callback.py, never deployed)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ from azure.identity import DefaultAzureCredential
 
 from coordinator.alerts import AlertSink, FolderCardSink, TeamsWebhookSink
 from coordinator.callback import ApprovalCallback
-from coordinator.direct_callback import DirectImdsCallback
 from coordinator.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.rules import load_policy
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from forwarder.envelope import VmIdentity
 
 
-def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
+def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallback | None = None) -> Coordinator:
     credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
     if settings.storage_connection_string is not None:
         store = TableStateStore.from_connection_string(
@@ -48,12 +48,9 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
     else:
         alerts = FolderCardSink(settings.cards_folder or ".local/cards")
 
-    callback: ApprovalCallback
     on_new_vm = None
     housekeeping = None
-    if settings.imds_emulator_url:
-        callback = DirectImdsCallback(base_url=settings.imds_emulator_url)
-    elif settings.relay_namespace or settings.relay_endpoint:
+    if callback is None and (settings.relay_namespace or settings.relay_endpoint):
         from coordinator.relay_sender import RelayApprovalSender  # noqa: PLC0415 -- only when Relay is configured
 
         endpoint = settings.relay_endpoint or f"https://{settings.relay_namespace}"
@@ -87,9 +84,10 @@ def build_coordinator(settings: CoordinatorSettings) -> Coordinator:
                 for name in hybrid_connections_to_delete(existing, last_seen=last_seen, now=now, silence_limit=silence):
                     admin.delete(name)
 
-    else:
+    elif callback is None:
         raise SettingsError(
-            "no approval path: set COORDINATOR_RELAY_NAMESPACE (Azure) or COORDINATOR_IMDS_EMULATOR_URL (local)"
+            "no approval path: set COORDINATOR_RELAY_NAMESPACE (Azure) or COORDINATOR_RELAY_ENDPOINT (the Relay "
+            "emulator)"
         )
 
     base = settings.public_base_url

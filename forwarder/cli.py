@@ -20,11 +20,11 @@ from forwarder import __version__, logs
 from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
 from forwarder.credential import ImdsManagedIdentityCredential
 from forwarder.daemon import Companion, Forwarder
+from forwarder.durable_state import Store
 from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import fields
 from forwarder.sinks import JsonLinesSink, Sink
-from forwarder.store import Store
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential

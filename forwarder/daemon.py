@@ -20,13 +20,13 @@ from forwarder import __version__
 from forwarder.changes import Change, detect
 from forwarder.config import ForwarderSettings
 from forwarder.document import ScheduledEvent, ScheduledEventsDocument
+from forwarder.durable_state import HookJob, Store
 from forwarder.envelope import Envelope, HookPhase, HookReport, HookStep, VmIdentity
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnavailable, InvalidEvent, read_document
 from forwarder.logs import fields
 from forwarder.retry import Backoff
 from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
-from forwarder.store import HookJob, Store
 
 log = logging.getLogger("forwarder")
 

@@ -12,8 +12,8 @@ from azure.core.credentials import TokenCredential
 from azure.eventhub import EventData, EventHubProducerClient
 from azure.eventhub.exceptions import EventHubError
 
+from forwarder.durable_state import SpooledEnvelope
 from forwarder.sinks import SinkError, UndeliverableEnvelope
-from forwarder.store import SpooledEnvelope
 
 
 class EventHubSink:

@@ -2,7 +2,7 @@
 order with the event as JSON on stdin and as SCHEDULED_EVENT_* environment variables, each under a timeout.
 
 Only the runner lives here; which events need hooks is decided in forwarder/changes.py, and the once-per-event
-ledger is kept in forwarder/store.py.
+ledger is kept in forwarder/durable_state.py.
 """
 
 from __future__ import annotations

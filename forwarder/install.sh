@@ -2,7 +2,8 @@
 # Installs the Scheduled Events forwarder on a Linux VM (run as root from a checkout of this repository):
 #   sudo forwarder/install.sh --eventhub-namespace NS.servicebus.windows.net --eventhub-name scheduled-events \
 #        [--client-id UAMI_CLIENT_ID] [--relay-namespace NS.servicebus.windows.net]
-# Creates the se-forwarder system user, a venv under /opt/scheduled-events-forwarder with forwarder/requirements.txt,
+# Creates the se-forwarder system user, a venv under /opt/scheduled-events-forwarder with forwarder/requirements.lock
+# (pinned and hashed: pip install --require-hashes, so every VM runs the same dependencies; scripts/lock-forwarder.sh),
 # the hook folders, /etc/scheduled-events/forwarder.yaml (kept if it exists) and the hardened systemd unit, then
 # enables and starts it. Safe to run again (upgrades the code and the venv, keeps the settings and the spool).
 # --root DIR installs into DIR instead of / (image building, tests): no user, no chown, no systemctl.
@@ -48,13 +49,14 @@ install -d -m 0750 "$etc" "$etc/hooks" "$etc/hooks/prepare.d" "$etc/hooks/recove
 # The code: the forwarder package only (it imports nothing else from the repository).
 rm -rf "$opt/app/forwarder.new"
 mkdir -p "$opt/app/forwarder.new"
-cp "$src"/forwarder/*.py "$src/forwarder/requirements.txt" "$opt/app/forwarder.new/"
+cp "$src"/forwarder/*.py "$src/forwarder/requirements.txt" "$src/forwarder/requirements.lock" "$opt/app/forwarder.new/"
 rm -rf "$opt/app/forwarder"
 mv "$opt/app/forwarder.new" "$opt/app/forwarder"
 
 if [ "$skip_venv" -eq 0 ]; then
   [ -x "$opt/venv/bin/python" ] || "$python" -m venv "$opt/venv"
-  "$opt/venv/bin/pip" install --quiet --disable-pip-version-check -r "$opt/app/forwarder/requirements.txt"
+  "$opt/venv/bin/pip" install --quiet --disable-pip-version-check --require-hashes --no-deps \
+    -r "$opt/app/forwarder/requirements.lock"
 fi
 
 if [ ! -f "$config" ]; then

@@ -9,7 +9,7 @@ There is no maintained Python data-plane SDK for Hybrid Connections, so this spe
 - a ``request`` with only ``address`` is a rendezvous: the request arrives on a WebSocket opened to that address
   and is answered there; a response larger than 64 kB is sent on a rendezvous socket as well;
 - ``accept`` (a WebSocket sender) is not part of our protocol and is declined with the documented reject gesture;
-- ``renewToken`` is sent before the token expires; reconnects use exponential backoff with full jitter
+- ``renewToken`` is sent before the token expires; reconnects use exponential backoff with equal jitter
   (``forwarder.retry.Backoff``, the forwarder's one place for retry timing).
 
 Why threads and the sync client rather than asyncio: the forwarder daemon is synchronous (a 1 s IMDS poll loop),

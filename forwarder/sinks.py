@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
-from forwarder.store import SpooledEnvelope
+from forwarder.durable_state import SpooledEnvelope
 
 log = logging.getLogger("forwarder.sinks")
 

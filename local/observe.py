@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 from coordinator.model import AlertKind
 from coordinator.rows import history_schema
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.messages import MessageError, decode
-from emulators.eventhubs.store import StoredEvent
+from emulators.eventhubs.partition_log import StoredEvent
 from forwarder.envelope import Envelope
 from local.expectations import Expected
 from local.summary import Document, RunFacts, Sighting, sightings_from_documents

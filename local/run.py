@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.store import TableStateStore
+from coordinator.tables import TableStateStore
 from local.expectations import Expected, expect_all
 from local.observe import HistoryTail, collect
 from local.stack import HUB, LocalStack

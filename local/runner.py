@@ -26,6 +26,8 @@ from azure.eventhub.extensions.checkpointstoreblob import BlobCheckpointStore
 from azure.functions.timer import TimerRequest
 from azure.storage.blob import BlobServiceClient
 
+from forwarder.retry import Backoff
+
 log = logging.getLogger("local.runner")
 
 # Azurite 3.35 accepts blob API versions up to this one (docs: local-tooling.md §3).
@@ -172,6 +174,7 @@ class FunctionHost:
 
     def deliver(self, batch: list[func.EventHubEvent]) -> bool:
         """One invocation of the trigger with the host's retry policy; True if the function succeeded."""
+        backoff = Backoff(initial=self._retry[0], maximum=self._retry[1], rng=self._rng)
         for attempt in range(1, self._max_attempts + 1):
             try:
                 self._ingest(batch)
@@ -182,8 +185,7 @@ class FunctionHost:
                 log.exception("ingest_envelopes failed (attempt %d of %d)", attempt, self._max_attempts)
                 if attempt == self._max_attempts or self._stopping.is_set():
                     break
-                delay = min(self._retry[1], self._retry[0] * 2 ** (attempt - 1))
-                self._stopping.wait(self._rng.uniform(delay / 2, delay))
+                self._stopping.wait(backoff.next_delay())
                 continue
             with self._lock:
                 self.stats.batches += 1

@@ -22,14 +22,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Self
+from types import ModuleType, TracebackType
+from typing import IO, Any, Self
 
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.models import HookSpec, VmSpec
 from emulators.relay import RelayEmulator
+from forwarder.durable_state import Store
+from local.direct_callback import direct_coordinator
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed
 
@@ -187,6 +189,8 @@ class LocalStack:
         self.storage: AzuriteEndpoints | None = None
         self.eventhubs: EventHubsEmulator | None = None
         self.relay: RelayEmulator | None = None
+        # Without the Relay: function_app and its own coordinator builder, replaced by the direct one until stop().
+        self._direct_swap: tuple[ModuleType, Callable[[], Any]] | None = None
         self.imds: ImdsEmulator | None = None
         self.host: FunctionHost | None = None
         self.forwarders: dict[str, ForwarderProcess] = {}
@@ -321,6 +325,10 @@ class LocalStack:
                 self.host.stop()
             self.host = None
         _reset_function_app()
+        if self._direct_swap is not None:
+            module, original = self._direct_swap
+            setattr(module, "coordinator", original)  # noqa: B010 -- a module attribute the type checker cannot see
+            self._direct_swap = None
         for part in (self.imds, self.relay, self.eventhubs, self.azurite):
             if part is not None:
                 with contextlib.suppress(Exception):
@@ -377,8 +385,6 @@ class LocalStack:
             # emulator; the token it mints is an Entra-shaped JWT the Relay emulator verifies. Through a VM no delete
             # removes: a removed VM's token endpoint answers nothing.
             env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
-        else:
-            env["COORDINATOR_IMDS_EMULATOR_URL"] = self.imds.url
         if self.options.policy_path is not None:
             env["COORDINATOR_POLICY_PATH"] = str(self.options.policy_path.resolve())
         env.update(self.options.coordinator_env)
@@ -387,6 +393,28 @@ class LocalStack:
         for name, value in env.items():
             self._set_env(name, value)
         _reset_function_app()
+        if self.relay is None:
+            self._approve_directly()
+
+    def _approve_directly(self) -> None:
+        """Without the Relay emulator, approvals go straight into the IMDS emulator (local/direct_callback.py), judged
+        against each VM's own hook ledger in its forwarder's state, as its listener would."""
+        import function_app  # noqa: PLC0415 -- imported after the app settings are in the environment
+
+        assert self.imds is not None
+
+        def hook_ledger(vm: str, event_id: str) -> str | None:
+            path = self.vm_dir(vm) / "state" / "forwarder.sqlite"
+            if not path.exists():
+                return None
+            store = Store(path)
+            try:
+                return store.hook_outcome(event_id, "prepare")
+            finally:
+                store.close()
+
+        self._direct_swap = (function_app, function_app.coordinator)
+        function_app.coordinator = direct_coordinator(function_app.settings, self.imds.url, hook_ledger=hook_ledger)
 
     def _set_env(self, name: str, value: str | None) -> None:
         if name not in self._saved_env:

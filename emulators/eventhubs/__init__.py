@@ -2,6 +2,6 @@
 docs/eventhubs-emulator.md)."""
 
 from emulators.eventhubs.emulator import EventHubsEmulator
-from emulators.eventhubs.store import RejectedTransfer, StoredEvent
+from emulators.eventhubs.partition_log import RejectedTransfer, StoredEvent
 
 __all__ = ["EventHubsEmulator", "RejectedTransfer", "StoredEvent"]

@@ -52,7 +52,7 @@ from emulators.eventhubs.addresses import (
 )
 from emulators.eventhubs.auth import JWT_TOKEN_TYPE, SAS_TOKEN_TYPE, AuthError, Grant, resource_path, validate_token
 from emulators.eventhubs.framing import FramePadder, FramingError
-from emulators.eventhubs.store import EventStore, PartitionLog, RejectedTransfer
+from emulators.eventhubs.partition_log import EventStore, PartitionLog, RejectedTransfer
 
 _LOG = logging.getLogger("emulators.eventhubs")
 

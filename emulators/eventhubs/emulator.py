@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Self
 
 from emulators.eventhubs.broker import Broker, BrokerStats
-from emulators.eventhubs.store import EventStore, RejectedTransfer, StoredEvent
+from emulators.eventhubs.partition_log import EventStore, RejectedTransfer, StoredEvent
 
 DEFAULT_HUBS: dict[str, int] = {"scheduled-events": 4}
 DEFAULT_CONSUMER_GROUP = "$Default"

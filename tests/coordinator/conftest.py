@@ -17,6 +17,8 @@ from coordinator.history import SqliteHistory
 from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.clock import ManualClock
+from local.direct_callback import direct_coordinator
 from tests.coordinator.helpers import DOC_NOW, WEB_FLEET
 
 
@@ -39,7 +41,9 @@ def imds() -> Iterator[ImdsEmulator]:
             ],
         }
     )
-    with ImdsEmulator(scenario=scenario, throttle_rps=0) as emulator:
+    # The emulator's clock stands at the coordinator's (DOC_NOW): an event created with a 900 s notice has the
+    # documented NotBefore, so the facts the coordinator decides on are those each VM's IMDS shows.
+    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
         yield emulator
 
 
@@ -83,12 +87,12 @@ def app(
         "COORDINATOR_STATE_TABLE": table,
         "COORDINATOR_HISTORY_SQLITE_PATH": str(tmp_path / "history.sqlite"),
         "COORDINATOR_CARDS_FOLDER": str(tmp_path / "cards"),
-        "COORDINATOR_IMDS_EMULATOR_URL": imds.url,
         "COORDINATOR_PUBLIC_BASE_URL": "http://127.0.0.1:7071",
         "COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS": "300",
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(function_app, "coordinator", direct_coordinator(function_app.settings, imds.url))
     function_app.settings.cache_clear()
     function_app.coordinator.cache_clear()
     clock = Clock(DOC_NOW)

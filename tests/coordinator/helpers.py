@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import azure.functions as func
 
+from coordinator.rows import HistoryRow
 from forwarder.envelope import SCHEMA
 
 DOC_EVENT_ID = "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
@@ -124,3 +126,13 @@ def documented_example() -> list[dict[str, Any]]:
             envelope(identity, sequence=13, incarnation=4, events=[], observed_at=t + timedelta(minutes=2)),
         ]
     return envelopes
+
+
+class MemoryHistory:
+    """A ``HistorySink`` that keeps rows in a list: for tests that assert on history without a database."""
+
+    def __init__(self) -> None:
+        self.rows: list[HistoryRow] = []
+
+    def write(self, rows: Sequence[HistoryRow]) -> None:
+        self.rows.extend(rows)

@@ -17,14 +17,14 @@ import jsonschema
 import pytest
 
 from coordinator.alerts import MAX_CARD_BYTES, AlertError, TeamsWebhookSink, build_card, build_vm_card, card_bytes
-from coordinator.direct_callback import DirectImdsCallback
-from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.service import Coordinator, RawMessage
-from coordinator.store import TableStateStore
+from coordinator.service import Coordinator
+from coordinator.tables import TableStateStore
 from forwarder.envelope import VmIdentity
-from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from local.direct_callback import DirectImdsCallback
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 
 SCHEMA = json.loads((Path(__file__).with_name("adaptive_card_subset.schema.json")).read_text())
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)

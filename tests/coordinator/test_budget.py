@@ -13,16 +13,17 @@ from typing import Any
 import pytest
 
 from coordinator.alerts import FolderCardSink
-from coordinator.direct_callback import DirectImdsCallback
-from coordinator.history import MemoryHistory
+from coordinator.decide import CLAIM_LEASE
+from coordinator.ingest import RawMessage
 from coordinator.model import BudgetClaim, BudgetRecord
 from coordinator.rules import parse_policy
-from coordinator.service import CLAIM_LEASE, Coordinator, RawMessage
-from coordinator.store import TableStateStore
+from coordinator.service import Coordinator
+from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
+from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 
 POLICY = parse_policy(
     """

@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.alerts import FolderCardSink
-from coordinator.direct_callback import DirectImdsCallback
-from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
-from coordinator.service import Coordinator, RawMessage
-from coordinator.state import state_tag
-from coordinator.store import TableStateStore
+from coordinator.service import Coordinator
+from coordinator.sightings import state_tag
+from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from forwarder.approval import ApprovalRequest, ApprovalResult
@@ -24,7 +23,8 @@ from forwarder.approver import Approver
 from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayRequest
-from tests.coordinator.helpers import DOC_NOW, envelope, vm
+from local.direct_callback import DirectImdsCallback
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, vm
 from tests.coordinator.helpers import WEB_FLEET as NAMES
 
 IDENTITY = {name: vm(name, scale_set="web", group="pg-web", index=100 + i) for i, name in enumerate(NAMES)}
@@ -48,13 +48,16 @@ class Harness:
         self.cards = tmp / "cards"
         self.cleanups: list[dict[str, Any]] = []
         self.sequence: dict[str, int] = dict.fromkeys(NAMES, 0)
+        # Each VM's own hook ledger (what its listener checks before approving on the strength of its hooks): the
+        # outcome its reports told, a failure sticking as in the forwarder's ledger.
+        self.ledger: dict[tuple[str, str], str] = {}
         self.coordinator = Coordinator(
             store=TableStateStore.from_connection_string(
                 azurite.connection_string, table_name="d" + uuid.uuid4().hex[:12]
             ),
             history=self.history,
             alerts=FolderCardSink(self.cards),
-            callback=DirectImdsCallback(base_url=imds.url),
+            callback=DirectImdsCallback(base_url=imds.url, hook_ledger=lambda vm, ev: self.ledger.get((vm, ev))),
             policy=policy or load_policy(DEFAULT_POLICY_PATH),
             clock=self.clock,
             housekeeping=lambda last_seen, now: self.cleanups.append(dict(last_seen)),
@@ -86,11 +89,14 @@ class Harness:
         ]
         failed = next((o for _, o in steps if o != "succeeded"), "succeeded") if steps else "not-run"
         hook = {"eventId": event_id, "phase": "prepare", "outcome": failed, "durationSeconds": 2.0, "steps": hook_steps}
+        self.ledger[(name, event_id)] = failed
         return raw(self._hook_envelope(name, hook))
 
     def legacy_hook(self, name: str, event_id: str, hook_name: str, outcome: str) -> RawMessage:
         """A per-hook report from an older forwarder (no steps)."""
         hook = {"eventId": event_id, "phase": "prepare", "outcome": outcome, "durationSeconds": 1.0, "hook": hook_name}
+        if self.ledger.get((name, event_id)) != "failed":
+            self.ledger[(name, event_id)] = outcome
         return raw(self._hook_envelope(name, hook))
 
     def _hook_envelope(self, name: str, hook: dict[str, Any]) -> dict[str, Any]:

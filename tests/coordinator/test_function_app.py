@@ -20,6 +20,9 @@ import pytest
 from azure.functions.timer import TimerRequest
 
 from coordinator.http import APPROVE_ROLE, READ_ROLE
+from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.clock import ManualClock
+from local.direct_callback import direct_coordinator
 from tests.coordinator.conftest import App
 from tests.coordinator.helpers import (
     DOC_EVENT_ID,
@@ -384,7 +387,7 @@ def test_a_missing_forged_foreign_or_expired_token_is_refused(app: App):
 
 
 def test_every_instance_shares_the_form_key(app: App):
-    from coordinator.store import TableStateStore
+    from coordinator.tables import TableStateStore
 
     first = app.coordinator.store.shared_key("approval-form")
     # Another instance: its own client on the same table (the key was created once, by whoever came first).
@@ -445,20 +448,32 @@ class _Unreachable:
         raise ApprovalDeliveryError("relay unreachable (test)")
 
 
-@pytest.mark.parametrize("outcome", ["succeeded"])
-def test_terminate_is_approved_after_every_prepare_hook(app: App, outcome: str):
-    created = app.imds.create_event(EventType="Reboot", Resources=["WestNO_0", "WestNO_1"], NoticeSeconds=900)
-    event_id = created["EventId"]
-    # The emulator has no scale set here; the coordinator sees a Terminate document from the forwarders.
-    terminate = scheduled_event(event_id, event_type="Terminate", duration=-1)
-    identities = [vm("WestNO_0", index=1), vm("WestNO_1", index=2)]
-    ingest(app, [envelope(i, sequence=1, incarnation=2, events=[terminate]) for i in identities])
-    assert app.approvals(event_id) == []
-    hook = {"eventId": event_id, "phase": "prepare", "outcome": outcome, "durationSeconds": 2.0, "exitCode": 0}
-    ingest(app, [envelope(identities[0], sequence=2, kind="hook", hook=hook)], start=5)
-    assert app.approvals(event_id) == []  # WestNO_1 has not drained yet
-    ingest(app, [envelope(identities[1], sequence=2, kind="hook", hook=hook)], start=6)
-    assert len(app.approvals(event_id)) == 1
+def test_terminate_is_approved_after_every_prepare_hook(app: App, monkeypatch: pytest.MonkeyPatch):
+    """A scale-in deleting two VMs: approved through the function once both prepare phases succeeded, and each
+    deleted VM's own ledger (checked before approving) agrees."""
+    scenario = Scenario.model_validate(
+        {
+            "name": "function-app-deletes",
+            "vms": [{"name": n, "vmScaleSetName": "web", "placementGroupId": "pg-web"} for n in ("web_0", "web_1")],
+        }
+    )
+    ledger: dict[tuple[str, str], str] = {}
+    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as fleet:
+        builder = direct_coordinator(app.module.settings, fleet.url, hook_ledger=lambda v, e: ledger.get((v, e)))
+        monkeypatch.setattr(app.module, "coordinator", builder)
+        app.module.coordinator().clock = app.clock
+        event_id = fleet.create_event(EventType="Terminate", Resources=["web_0", "web_1"], NoticeSeconds=900)["EventId"]
+        document = fleet.document("web_0")
+        identities = [vm(n, group="pg-web", scale_set="web", index=i + 1) for i, n in enumerate(("web_0", "web_1"))]
+        ingest(app, [envelope(i, sequence=1, incarnation=2, events=document["Events"]) for i in identities])
+        assert [a for a in fleet.approvals() if a["EventId"] == event_id] == []
+        hook = {"eventId": event_id, "phase": "prepare", "outcome": "succeeded", "durationSeconds": 2.0, "exitCode": 0}
+        ledger[("web_0", event_id)] = "succeeded"
+        ingest(app, [envelope(identities[0], sequence=2, kind="hook", hook=hook)], start=5)
+        assert [a for a in fleet.approvals() if a["EventId"] == event_id] == []  # web_1 has not drained yet
+        ledger[("web_1", event_id)] = "succeeded"
+        ingest(app, [envelope(identities[1], sequence=2, kind="hook", hook=hook)], start=6)
+        assert len([a for a in fleet.approvals() if a["EventId"] == event_id]) == 1
     stored = app.coordinator.store.get_event(event_id)
     assert stored is not None
     assert stored.record.state == "Approved"

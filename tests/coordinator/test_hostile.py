@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from coordinator.alerts import FolderCardSink
 from coordinator.callback import ApprovalDeliveryError
-from coordinator.direct_callback import DirectImdsCallback
-from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.service import Coordinator, RawMessage
-from coordinator.store import TableStateStore
+from coordinator.service import Coordinator
+from coordinator.tables import TableStateStore
 from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.envelope import VmIdentity
-from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from local.direct_callback import DirectImdsCallback
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 
 NAMES = ("WestNO_0", "WestNO_1")
 
@@ -111,8 +111,9 @@ def test_garbage_among_good_envelopes(azurite, imds, tmp_path):
 
 
 def _good(name: str, index: int, sequence: int, event_id: str) -> RawMessage:
-    """A user-initiated Reboot (approved at once by the default policy) from a well-behaved VM."""
-    event = scheduled_event(event_id, source="User", event_type="Reboot", resources=[name])
+    """A user-initiated Reboot (approved at once by the default policy) from a well-behaved VM, as its IMDS shows it
+    (a user's Reboot has no duration: -1)."""
+    event = scheduled_event(event_id, source="User", event_type="Reboot", resources=[name], duration=-1)
     data = envelope(vm(name, index=index), sequence=sequence, incarnation=2, events=[event])
     return RawMessage(body=json.dumps(data).encode(), partition_key=data["vm"]["resourceId"].lower())
 

@@ -14,15 +14,15 @@ from azure.functions.eventhub import EventHubTriggerConverter
 from azure.functions.meta import Datum
 
 from coordinator.alerts import FolderCardSink
-from coordinator.direct_callback import DirectImdsCallback
-from coordinator.history import MemoryHistory
+from coordinator.ingest import RawMessage
 from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
-from coordinator.service import Coordinator, RawMessage
-from coordinator.store import TableStateStore
+from coordinator.service import Coordinator
+from coordinator.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
+from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import App
-from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 
 
 class Clock:

@@ -16,10 +16,10 @@ import pytest
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from forwarder.config import ForwarderSettings
 from forwarder.daemon import CompanionFactory, Forwarder
+from forwarder.durable_state import Store
 from forwarder.imds import ImdsClient
 from forwarder.retry import RateLimiter
 from forwarder.sinks import JsonLinesSink, Sink
-from forwarder.store import Store
 
 THREE_VMS = Scenario(
     name="three",

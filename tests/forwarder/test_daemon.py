@@ -14,8 +14,8 @@ import pytest
 
 from emulators.imds import ImdsEmulator
 from forwarder import daemon
+from forwarder.durable_state import HookJob, Store
 from forwarder.envelope import Envelope
-from forwarder.store import HookJob, Store
 from tests.forwarder.conftest import Harness, ScriptedImds, wait_for, write_hook
 
 MakeHarness = Callable[..., Harness]

@@ -12,11 +12,11 @@ import pytest
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
 from forwarder.credential import ImdsManagedIdentityCredential
+from forwarder.durable_state import SpooledEnvelope
 from forwarder.eventhub import EventHubSink
 from forwarder.imds import ImdsClient, ImdsInvalidResponse
 from forwarder.retry import RateLimiter
 from forwarder.sinks import SinkError
-from forwarder.store import SpooledEnvelope
 from tests.forwarder.conftest import Harness, wait_for
 
 HUB = "scheduled-events"

@@ -11,11 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from forwarder.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "forwarder" / "systemd" / "scheduled-events-forwarder.service"
+LOCK = ROOT / "forwarder" / "requirements.lock"
 
 
 def unit_entries() -> dict[str, list[str]]:
@@ -83,6 +87,8 @@ def test_install_into_a_scratch_root(tmp_path: Path) -> None:
     assert (tmp_path / "etc/systemd/system" / UNIT.name).read_text() == UNIT.read_text()
     assert (tmp_path / "etc/scheduled-events/hooks/prepare.d").is_dir()
     assert (tmp_path / "opt/scheduled-events-forwarder/app/forwarder/daemon.py").is_file()
+    installed_lock = tmp_path / "opt/scheduled-events-forwarder/app/forwarder/requirements.lock"
+    assert installed_lock.read_text() == LOCK.read_text()
     # Again: the settings an operator edited are kept.
     config.write_text(config.read_text() + "poll_interval: 2\n")
     subprocess.run(args, check=True, capture_output=True)
@@ -98,3 +104,38 @@ def test_install_refuses_a_first_install_without_a_target(tmp_path: Path) -> Non
     )
     assert result.returncode == 1
     assert "--eventhub-namespace is required" in result.stderr
+
+
+def _locked() -> dict[str, tuple[Version, list[str]]]:
+    """The lock's pins: name -> (version, hashes), one entry per requirement (continuation lines joined)."""
+    entries: dict[str, tuple[Version, list[str]]] = {}
+    text = LOCK.read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        spec, *options = line.split(" --hash=")
+        requirement = Requirement(spec.strip())
+        pins = [s for s in requirement.specifier if s.operator == "=="]
+        assert len(pins) == 1, f"{line[:80]}: not pinned to one version"
+        hashes = [option.strip() for option in options]
+        entries[canonicalize_name(requirement.name)] = (Version(pins[0].version), hashes)
+    return entries
+
+
+def test_the_lock_pins_every_requirement_with_hashes() -> None:
+    """VMs install forwarder/requirements.lock with --require-hashes: it must satisfy requirements.txt, and pip
+    refuses the whole install if any line lacks a hash (refresh: bash scripts/lock-forwarder.sh)."""
+    locked = _locked()
+    for line in (ROOT / "forwarder" / "requirements.txt").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        wanted = Requirement(line)
+        name = canonicalize_name(wanted.name)
+        assert name in locked, f"{wanted.name} is not in the lock"
+        assert locked[name][0] in wanted.specifier, f"lock pins {name} {locked[name][0]}, outside {wanted.specifier}"
+    for pinned, (_version, hashes) in locked.items():
+        assert hashes, f"{pinned} has no hash"
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), pinned
+    install = (ROOT / "forwarder" / "install.sh").read_text()
+    assert "--require-hashes --no-deps" in install
+    assert '-r "$opt/app/forwarder/requirements.lock"' in install

@@ -1,0 +1,263 @@
+"""The forwarder's durable state: the spool of unsent envelopes, the sequence counter, the last document, the
+hook ledger and counters — one SQLite file in WAL mode.
+
+Why SQLite rather than segment files: an incarnation change must, all at once or not at all, take the next
+sequence number, spool its envelope, remember the document and queue its hooks. One SQLite transaction gives
+exactly that across kill -9 and power loss (WAL + synchronous=FULL), it ships with Python (nothing to install on
+the VM), and writes happen only on a change, a heartbeat or a hook report, never per poll, so its cost is nil.
+Delivery is at-least-once: an envelope sent but not yet acknowledged when the process dies is sent again with
+the same sequence, which the consumer uses to drop the duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from forwarder.logs import fields
+
+log = logging.getLogger("forwarder.durable_state")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, sequence INTEGER NOT NULL,
+    kind TEXT NOT NULL, body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, status TEXT NOT NULL,
+    event TEXT NOT NULL, updated_at TEXT NOT NULL, step TEXT NOT NULL DEFAULT '', steps TEXT NOT NULL DEFAULT '[]',
+    outcome TEXT NOT NULL DEFAULT '', PRIMARY KEY (event_id, phase));
+CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, reason TEXT NOT NULL,
+    body BLOB NOT NULL);
+"""
+# Columns added after the first release: a database written by an older forwarder gets them on open.
+_HOOK_COLUMNS = {
+    "step": "TEXT NOT NULL DEFAULT ''",
+    "steps": "TEXT NOT NULL DEFAULT '[]'",
+    "outcome": "TEXT NOT NULL DEFAULT ''",
+}
+# A finished hook is remembered this long, far longer than any event stays in a document.
+HOOK_LEDGER_DAYS = 30
+KEEP_REJECTS = 100
+STATE_ID = "state_id"
+
+
+@dataclass(frozen=True)
+class SpooledEnvelope:
+    id: int
+    sequence: int
+    kind: str
+    body: bytes
+
+
+@dataclass(frozen=True)
+class HookJob:
+    event_id: str
+    phase: str
+    event: str  # the event as JSON, exactly what the hook gets on stdin
+    # While the phase runs: the hook running now and the steps (HookStep JSON list) finished before it, so that
+    # a phase cut short by a crash is reported with what did run and the hook that was interrupted.
+    step: str = ""
+    steps: str = "[]"
+
+
+class Store:
+    """Thread-safe (one connection behind a lock; every call is short)."""
+
+    def __init__(self, path: Path, *, max_entries: int = 10_000) -> None:
+        if max_entries < 1:
+            raise ValueError("spool max_entries must be at least 1")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        with self._tx() as db:
+            present = {str(row[1]) for row in db.execute("PRAGMA table_info(hooks)")}
+            for column, definition in _HOOK_COLUMNS.items():
+                if column not in present:
+                    db.execute(f"ALTER TABLE hooks ADD COLUMN {column} {definition}")
+            # Created with the database and kept in it: a wiped or re-created state directory gets a new one,
+            # which is how the coordinator tells "this forwarder lost its state" from a replay of old sequences.
+            db.execute("INSERT OR IGNORE INTO state (key, value) VALUES (?, ?)", (STATE_ID, uuid.uuid4().hex))
+            self.state_id = str(self._get(db, STATE_ID))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # --- state -----------------------------------------------------------------------------------------------
+    def _get(self, db: sqlite3.Connection, key: str) -> str | None:
+        row = db.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    @staticmethod
+    def _put(db: sqlite3.Connection, key: str, value: str) -> None:
+        db.execute(
+            "INSERT INTO state (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?", (key, value, value)
+        )
+
+    def get_state(self, key: str) -> str | None:
+        with self._lock:
+            return self._get(self._db, key)
+
+    def _bump(self, db: sqlite3.Connection, counter: str, by: int = 1) -> None:
+        current = int(self._get(db, f"counter.{counter}") or 0)
+        self._put(db, f"counter.{counter}", str(current + by))
+
+    def bump(self, counter: str, by: int = 1) -> None:
+        with self._tx() as db:
+            self._bump(db, counter, by)
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT key, value FROM state WHERE key LIKE 'counter.%'").fetchall()
+        return {str(k).removeprefix("counter."): int(v) for k, v in rows}
+
+    # --- spool -----------------------------------------------------------------------------------------------
+    def enqueue(
+        self,
+        kind: str,
+        build: Callable[[int], bytes],
+        *,
+        state: dict[str, str] | None = None,
+        hooks: Sequence[HookJob] = (),
+        hook_done: tuple[str, str] | None = None,
+        hook_outcome: str = "",
+    ) -> int:
+        """Spool one envelope under the next sequence number, in the same transaction as the state it implies
+        (the last document, the hooks it queues, the hook run it reports). Returns the sequence.
+
+        `build(sequence)` renders the envelope. A full spool drops envelopes, loudly: heartbeats first (oldest
+        first), since the next heartbeat says all an older one said; then the oldest of the others.
+        """
+        with self._tx() as db:
+            sequence = int(self._get(db, "sequence") or 0)
+            db.execute("INSERT INTO spool (sequence, kind, body) VALUES (?, ?, ?)", (sequence, kind, build(sequence)))
+            self._put(db, "sequence", str(sequence + 1))
+            for key, value in (state or {}).items():
+                self._put(db, key, value)
+            now = datetime.now(UTC).isoformat()
+            for job in hooks:
+                db.execute(
+                    "INSERT OR IGNORE INTO hooks (event_id, phase, status, event, updated_at)"
+                    " VALUES (?, ?, 'pending', ?, ?)",
+                    (job.event_id, job.phase, job.event, now),
+                )
+            if hook_done is not None:
+                db.execute(
+                    "UPDATE hooks SET status = 'done', outcome = ?, updated_at = ? WHERE event_id = ? AND phase = ?",
+                    (hook_outcome, now, *hook_done),
+                )
+            depth = int(db.execute("SELECT COUNT(*) FROM spool").fetchone()[0])
+            excess = depth - self.max_entries
+            if excess > 0:
+                # No DELETE ... RETURNING: older VM images ship SQLite < 3.35.
+                dropped = db.execute(
+                    "SELECT id, sequence, kind FROM spool ORDER BY kind != 'heartbeat', id LIMIT ?", (excess,)
+                ).fetchall()
+                db.executemany("DELETE FROM spool WHERE id = ?", [(r[0],) for r in dropped])
+                self._bump(db, "spool_dropped", len(dropped))
+                log.error(
+                    "spool full: dropped unsent envelopes (heartbeats first, then the oldest)",
+                    extra=fields(
+                        dropped=len(dropped),
+                        sequences=[int(r[1]) for r in dropped[:10]],
+                        kinds=sorted({str(r[2]) for r in dropped}),
+                        max_entries=self.max_entries,
+                    ),
+                )
+        return sequence
+
+    def peek(self, limit: int) -> list[SpooledEnvelope]:
+        """The oldest unsent envelopes, in order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, sequence, kind, body FROM spool ORDER BY id LIMIT ?", (limit,)
+            ).fetchall()
+        return [SpooledEnvelope(int(r[0]), int(r[1]), str(r[2]), bytes(r[3])) for r in rows]
+
+    def ack(self, items: Sequence[SpooledEnvelope]) -> None:
+        if not items:
+            return
+        with self._tx() as db:
+            db.executemany("DELETE FROM spool WHERE id = ?", [(item.id,) for item in items])
+
+    def depth(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0])
+
+    # --- hooks -----------------------------------------------------------------------------------------------
+    def hook_jobs(self, status: str) -> list[HookJob]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT event_id, phase, event, step, steps FROM hooks WHERE status = ? ORDER BY rowid", (status,)
+            ).fetchall()
+        return [HookJob(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])) for r in rows]
+
+    def mark_hook_running(self, job: HookJob, *, step: str = "", steps: str = "[]") -> None:
+        """Recorded before the phase starts and before each of its hooks (`step`, after the finished `steps`): a
+        forwarder killed mid-phase reports it interrupted, naming the hook, and never reruns it."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE hooks SET status = 'running', updated_at = ?, step = ?, steps = ?"
+                " WHERE event_id = ? AND phase = ?",
+                (datetime.now(UTC).isoformat(), step, steps, job.event_id, job.phase),
+            )
+
+    def hook_status(self, event_id: str, phase: str) -> str | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT status FROM hooks WHERE event_id = ? AND phase = ?", (event_id, phase)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def hook_outcome(self, event_id: str, phase: str) -> str | None:
+        """The phase's reported outcome once it is done (what the listener checks before it approves on the
+        strength of this VM's hooks); None while it is pending, running or unknown."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT outcome FROM hooks WHERE event_id = ? AND phase = ? AND status = 'done'", (event_id, phase)
+            ).fetchone()
+        return None if row is None or not row[0] else str(row[0])
+
+    def prune_hooks(self, *, now: datetime | None = None) -> int:
+        """Forget finished phases older than HOOK_LEDGER_DAYS. Cheap: the ledger holds two rows per event at most."""
+        cutoff = ((now or datetime.now(UTC)) - timedelta(days=HOOK_LEDGER_DAYS)).isoformat()
+        with self._tx() as db:
+            return db.execute("DELETE FROM hooks WHERE status = 'done' AND updated_at < ?", (cutoff,)).rowcount
+
+    # --- bad input -------------------------------------------------------------------------------------------
+    def reject(self, reason: str, body: bytes, *, counter: str = "invalid_documents") -> None:
+        """Set a bad item aside (the last few are kept for inspection) and count it."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO rejects (at, reason, body) VALUES (?, ?, ?)",
+                (datetime.now(UTC).isoformat(), reason, body[:65536]),
+            )
+            db.execute("DELETE FROM rejects WHERE id <= (SELECT MAX(id) FROM rejects) - ?", (KEEP_REJECTS,))
+            self._bump(db, counter)
+
+    def rejects(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            rows = self._db.execute("SELECT reason, body FROM rejects ORDER BY id").fetchall()
+        return [(str(r[0]), bytes(r[1])) for r in rows]

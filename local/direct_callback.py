@@ -1,0 +1,109 @@
+"""DirectImdsCallback: FOR LOCAL USE ONLY. Approves straight into the IMDS emulator over loopback HTTP.
+
+In Azure the coordinator cannot reach a VM's IMDS (169.254.169.254 answers only inside the VM); approvals travel
+through Azure Relay to the VM's listener (coordinator/relay_sender.py -> forwarder/approver.py). This stand-in
+plays that listener without the Relay: it reads the VM's current document from the emulator's per-VM URL, judges
+the request with the listener's own rules (``forwarder.approver.judge``: listed, still Scheduled, names Resources, a
+Terminate only through the VM it deletes, and the decision's facts against the document and the VM's hook ledger),
+and only then POSTs ``{"StartRequests": [{"EventId": ...}]}``.
+
+It is not in the Functions package (scripts/package-functions.sh ships coordinator/ only); the local runner, the
+benchmarks and the coordinator's tests wire it in with ``approve_directly``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from urllib.parse import quote, urlsplit
+
+import requests
+from pydantic import ValidationError
+
+from coordinator.callback import ApprovalDeliveryError
+from coordinator.service import Coordinator
+from coordinator.settings import CoordinatorSettings
+from coordinator.wiring import build_coordinator
+from forwarder.approval import ApprovalRequest, ApprovalResult
+from forwarder.approver import judge
+from forwarder.document import ScheduledEventsDocument
+from forwarder.envelope import VmIdentity
+
+API_VERSION = "2020-07-01"
+
+# A VM's own hook ledger: (VM name, EventId) -> the prepare phase's outcome, None when it has not finished.
+HookLedger = Callable[[str, str], str | None]
+
+
+class DirectImdsCallback:
+    """``ApprovalCallback`` for the local mode and tests: ``base_url`` is the IMDS emulator (``http://127.0.0.1:P``);
+    each VM is addressed as ``{base_url}/vm/{name}``. ``hook_ledger`` answers for the VMs' own hook ledgers, which
+    only the forwarders keep; without one, an approval that rested on a VM's prepare hooks is refused, as that VM's
+    listener would refuse it if its hooks had not succeeded."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        timeout: float = 5.0,
+        session: requests.Session | None = None,
+        hook_ledger: HookLedger | None = None,
+    ) -> None:
+        host = urlsplit(base_url).hostname
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"DirectImdsCallback is for a loopback IMDS emulator only, not {base_url!r}")
+        self._base = base_url.rstrip("/")
+        self._timeout = timeout
+        self._session = session or requests.Session()
+        self._hook_ledger = hook_ledger
+
+    def _url(self, vm: VmIdentity) -> str:
+        return f"{self._base}/vm/{quote(vm.name, safe='')}/metadata/scheduledevents?api-version={API_VERSION}"
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        url = self._url(vm)
+        headers = {"Metadata": "true"}
+        ledger = self._hook_ledger
+        prepare_outcome = functools.partial(ledger, vm.name) if ledger is not None else None
+        try:
+            current = self._session.get(url, headers=headers, timeout=self._timeout)
+            if current.status_code != 200:
+                raise ApprovalDeliveryError(f"IMDS of {vm.name} answered {current.status_code} to GET")
+            document = ScheduledEventsDocument.model_validate_json(current.content)
+            outcome, reason = judge(request, document, vm_name=vm.name, prepare_outcome=prepare_outcome)
+            if outcome != "approved":
+                return ApprovalResult(
+                    outcome=outcome,
+                    eventId=request.eventId,
+                    decisionId=request.decisionId,
+                    documentIncarnation=document.DocumentIncarnation,
+                    reason=reason,
+                )
+            posted = self._session.post(
+                url, headers=headers, json={"StartRequests": [{"EventId": request.eventId}]}, timeout=self._timeout
+            )
+        except (requests.RequestException, ValidationError) as error:
+            raise ApprovalDeliveryError(f"IMDS of {vm.name} unreachable: {type(error).__name__}: {error}") from error
+        if posted.status_code != 200:
+            raise ApprovalDeliveryError(f"IMDS of {vm.name} answered {posted.status_code} to the StartRequest")
+        return ApprovalResult(
+            outcome="approved",
+            eventId=request.eventId,
+            decisionId=request.decisionId,
+            documentIncarnation=document.DocumentIncarnation,
+        )
+
+
+def direct_coordinator(
+    settings: Callable[[], CoordinatorSettings], imds_url: str, *, hook_ledger: HookLedger | None = None
+) -> functools._lru_cache_wrapper[Coordinator]:
+    """A cached builder of the coordinator that approves through ``DirectImdsCallback`` instead of Azure Relay, to
+    stand in for ``function_app.coordinator`` (``cache_clear`` starts afresh with the settings then in the
+    environment): the local wiring of what the deployed app cannot do."""
+
+    @functools.cache
+    def coordinator() -> Coordinator:
+        callback = DirectImdsCallback(base_url=imds_url, hook_ledger=hook_ledger)
+        return build_coordinator(settings(), callback=callback)
+
+    return coordinator

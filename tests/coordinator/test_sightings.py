@@ -1,0 +1,362 @@
+"""The state machine without I/O: per-VM ordering, merging across VMs, gone/Completed/Canceled, Expired."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from coordinator.model import ApprovalRecord, EventRecord, PlatformHold, VmRecord
+from coordinator.sightings import (
+    EventChange,
+    advance,
+    apply_observations,
+    choose_executor,
+    clone,
+    leaving_vms,
+    start_overdue,
+    state_tag,
+    vm_observations,
+)
+from forwarder.envelope import Envelope
+from tests.coordinator.helpers import DOC_EVENT_ID, DOC_NOW, documented_example, envelope, scheduled_event, vm
+
+
+def envelopes(items: list[dict[str, Any]]) -> list[Envelope]:
+    return [Envelope.model_validate(e) for e in items]
+
+
+def run(
+    items: list[dict[str, Any]],
+    now: datetime = DOC_NOW,
+    vm_records: dict[str, VmRecord] | None = None,
+    record: EventRecord | None = None,
+) -> tuple[Any, dict[str, VmRecord]]:
+    """Feeds envelopes VM by VM through the pure functions, as the service does per batch."""
+    vm_records = dict(vm_records or {})
+    by_vm: dict[str, list[Envelope]] = {}
+    for e in envelopes(items):
+        by_vm.setdefault(e.vm.vmId, []).append(e)
+    observations = []
+    for vm_id, group in by_vm.items():
+        update = vm_observations(vm_records.get(vm_id), group)
+        vm_records[vm_id] = update.record
+        observations += update.observations
+    change = apply_observations(record, [o for o in observations if o.event_id == DOC_EVENT_ID], now)
+    return change, vm_records
+
+
+def test_documented_example_ends_as_one_completed_event():
+    change, vms = run(documented_example(), now=DOC_NOW + timedelta(minutes=3))
+    assert change is not None
+    record = change.record
+    assert record.state == "Completed"
+    assert sorted(record.vms) == ["WestNO_0", "WestNO_1"]
+    assert {s.status for s in record.vms.values()} == {"Gone"}
+    transitions = [(r.PreviousState, r.State) for r in change.rows if r.RecordType == "Transition"]
+    assert transitions == [("Scheduled", "Started"), ("Started", "Completed")]
+    observations = [
+        (r.VmName, r.EventStatus, r.DocumentIncarnation) for r in change.rows if r.RecordType == "Observation"
+    ]
+    assert len(observations) == 6  # two VMs x (Scheduled, Started, Gone)
+    assert change.alerts == ["new-event"]
+    assert all(v.lastSequence == 13 and v.lastIncarnation == 4 and v.listed == [] for v in vms.values())
+
+
+def test_duplicates_and_stale_envelopes_change_nothing():
+    items = documented_example()
+    first, vms = run(items[:2] + items[4:6])  # both VMs: incarnations 1 and 2
+    again, _ = run(items[:2] + items[4:6], vm_records=vms, record=first.record)
+    assert again is not None
+    assert not again.changed
+    assert again.rows == []
+    # The record itself also ignores an envelope it already holds (a replay after a crash before the VM write).
+    replay, _ = run(items[1:2], record=first.record)
+    assert not replay.changed
+    # Out of order: incarnation 3 (Started) seen before a late incarnation 2 of the same VM.
+    started, vms2 = run(items[2:3])
+    assert started.record.state == "Started"
+    late = vm_observations(vms2[items[2]["vm"]["vmId"]], envelopes(items[1:2]))
+    assert late.duplicates == 1
+    assert late.observations == []
+
+
+def test_started_without_notice_and_gone_from_the_vms_that_report_again():
+    wnO, wn1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    hw = scheduled_event(event_type="Reboot", status="Started", duration=-1)
+    change, vms = run(
+        [envelope(wnO, sequence=1, incarnation=7, events=[hw]), envelope(wn1, sequence=1, incarnation=3, events=[hw])]
+    )
+    assert change.record.state == "Started"
+    assert change.alerts == ["started-without-notice"]
+    assert "appeared directly as Started" in next(r.Reason for r in change.rows if r.RecordType == "Transition")
+    # WestNO_0 comes back with an empty document; WestNO_1 never reports again (its forwarder died).
+    gone, _ = run([envelope(wnO, sequence=2, incarnation=8, events=[])], vm_records=vms, record=change.record)
+    assert gone.record.state == "Started"
+    advance(gone, DOC_NOW, silent_vms=frozenset({"WestNO_1"}))
+    assert gone.record.state == "Completed"
+
+
+def test_canceled_when_gone_without_starting_and_expired_when_not_before_passes():
+    items = documented_example()
+    scheduled, vms = run(items[:2] + items[4:6])
+    assert scheduled.record.state == "Scheduled"
+    later = DOC_NOW + timedelta(minutes=16)  # NotBefore 22:26:58 passed, nobody approved
+    advance(scheduled, later)
+    assert scheduled.record.state == "Expired"
+    assert "expired" in scheduled.alerts
+    canceled, _ = run([items[3], items[7]], vm_records=vms, record=scheduled.record, now=later)
+    assert canceled.record.state == "Canceled"
+    assert "canceled" in canceled.alerts
+
+
+def test_hook_reports_are_recorded_once_per_vm():
+    items = documented_example()
+    scheduled, vms = run(items[:2])
+    identity = items[0]["vm"]
+    hook = {"eventId": DOC_EVENT_ID, "phase": "prepare", "outcome": "succeeded", "durationSeconds": 1.5, "exitCode": 0}
+    hooked, vms = run(
+        [envelope(identity, sequence=20, kind="hook", hook=hook)], vm_records=vms, record=scheduled.record
+    )
+    assert hooked.record.vms["WestNO_0"].hooks == {"prepare": "succeeded"}
+    assert [r.RecordType for r in hooked.rows] == ["Hook"]
+    replay = apply_observations(hooked.record, [], DOC_NOW)
+    assert replay is not None
+    assert not replay.changed
+
+
+def test_leader_is_the_first_live_vm_in_resources():
+    change, _ = run(documented_example()[1:2] + documented_example()[5:6])
+    record = change.record
+    seen = {"WestNO_0": DOC_NOW, "WestNO_1": DOC_NOW}
+    leader = choose_executor(record, seen, DOC_NOW - timedelta(minutes=5))
+    assert leader is not None
+    assert leader.name == "WestNO_0"
+    seen["WestNO_0"] = DOC_NOW - timedelta(hours=1)
+    fallback = choose_executor(record, seen, DOC_NOW - timedelta(minutes=5))
+    assert fallback is not None
+    assert fallback.name == "WestNO_1"
+    seen["WestNO_1"] = DOC_NOW - timedelta(hours=1)
+    assert choose_executor(record, seen, DOC_NOW - timedelta(minutes=5)) is None
+
+
+def test_a_terminate_is_never_executed_by_a_peer():
+    change, _ = run(
+        [
+            envelope(
+                vm("WestNO_1", index=2),
+                sequence=1,
+                incarnation=2,
+                events=[scheduled_event(event_type="Terminate", resources=["WestNO_0"])],
+            )
+        ]
+    )
+    record = change.record
+    assert choose_executor(record, {}, DOC_NOW - timedelta(minutes=5)) is None
+    freeze = record.model_copy(update={"eventType": "Freeze"})
+    executor = choose_executor(freeze, {}, DOC_NOW - timedelta(minutes=5))
+    assert executor is not None
+    assert executor.name == "WestNO_1"
+
+
+def test_envelopes_are_read_in_arrival_order_and_a_new_state_restarts_the_position():
+    identity = vm("WestNO_0", index=1)
+
+    def item(state: str, sequence: int) -> dict[str, Any]:
+        data = envelope(identity, sequence=sequence, incarnation=sequence, events=[])
+        data["stateId"] = state
+        return data
+
+    first = vm_observations(None, envelopes([item("a", 5), item("a", 6)]))
+    assert (first.record.stateId, first.record.lastSequence, first.record.epoch) == ("a", 6, 0)
+    # Arrival order: b's 1 and 2 (a forwarder that lost its state), a late delivery of a's 6 (dropped: a has left
+    # it behind), b's 2 again (a duplicate).
+    second = vm_observations(first.record, envelopes([item("b", 1), item("b", 2), item("a", 6), item("b", 2)]))
+    assert (second.applied, second.duplicates) == (2, 2)
+    assert (second.record.stateId, second.record.lastSequence, second.record.epoch) == ("b", 2, 1)
+    assert list(second.record.otherStates) == ["a"]
+    assert second.record.otherStates["a"].lastSequence == 6
+    assert [r.Outcome for r in second.rows] == ["reset"]
+    assert not second.conflict
+    # a speaks again with a sequence new for a: not a replay, a second writer. Heard at a's own position (a new
+    # epoch, so its positions compare after b's), a conflict row and one alert; b is kept with its position.
+    third = vm_observations(second.record, envelopes([item("a", 7), item("b", 3), item("a", 8)]))
+    assert (third.applied, third.duplicates) == (3, 0)
+    assert (third.record.stateId, third.record.lastSequence, third.record.epoch) == ("a", 8, 4)
+    assert third.record.otherStates["b"].lastSequence == 3
+    assert [r.Outcome for r in third.rows] == ["conflict", "conflict", "conflict"]
+    assert third.conflict
+    assert third.record.stateConflict == sorted([state_tag("a"), state_tag("b")])
+    # The same pair speaking again later is the same conflict: no new alert.
+    fourth = vm_observations(third.record, envelopes([item("b", 4)]))
+    assert (fourth.applied, fourth.conflict) == (1, False)
+    # No sequence under another state silences a: a forged state with a huge sequence is a new state; a's next
+    # envelope is still heard.
+    fifth = vm_observations(fourth.record, envelopes([item("forged", 2**62), item("a", 9)]))
+    assert (fifth.applied, fifth.duplicates) == (2, 0)
+    assert (fifth.record.stateId, fifth.record.lastSequence) == ("a", 9)
+    # Without a stateId (older forwarders), as before: by sequence.
+    legacy = vm_observations(None, envelopes([item("", 3), item("", 2), item("", 4)]))
+    assert (legacy.applied, legacy.duplicates, legacy.record.lastSequence) == (2, 1, 4)
+
+
+def test_a_sighting_that_contradicts_the_facts_is_kept_as_a_conflict_not_merged():
+    w0, w1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    first, vms = run(
+        [envelope(w0, sequence=1, incarnation=2, events=[scheduled_event(event_type="Reboot", duration=-1)])]
+    )
+    assert first is not None
+    # Another VM (or a process sending as it) says the same EventId is a 5 s Freeze of itself alone, already Started.
+    forged = scheduled_event(event_type="Freeze", duration=5, status="Started", resources=["WestNO_1"])
+    item = envelope(w1, sequence=1, incarnation=2, events=[forged])
+    change, vms = run([item], vm_records=vms, record=first.record)
+    assert change is not None
+    record = change.record
+    assert (record.eventType, record.durationInSeconds, record.state) == ("Reboot", -1, "Scheduled")
+    assert sorted(record.resources) == ["WestNO_0", "WestNO_1"]
+    assert not record.everStarted
+    assert "WestNO_1" not in record.vms, "the contradicting sighting is not merged as the VM's sighting"
+    assert record.conflictCount == 1
+    assert record.conflicts[0].vm == "WestNO_1"
+    assert record.conflicts[0].facts == {
+        "EventType": ("Reboot", "Freeze"),
+        "DurationInSeconds": ("-1", "5"),
+        "Resources": ("WestNO_0, WestNO_1", "WestNO_1"),
+    }
+    (row,) = [r for r in change.rows if r.Outcome == "conflict"]
+    assert (row.RecordType, row.VmName, row.EventType) == ("Observation", "WestNO_1", "Reboot")
+    assert "EventType 'Freeze' (recorded 'Reboot')" in row.Reason
+    assert change.alerts == ["facts-conflict"]
+    # The same envelope delivered again is the same conflict; a further one is counted, the card is not repeated.
+    again = apply_observations(record, vm_observations(None, envelopes([item])).observations, DOC_NOW)
+    assert again is not None
+    assert again.record.conflictCount == 1
+    assert not again.alerts
+    later = envelope(w1, sequence=2, incarnation=3, events=[forged])
+    third = apply_observations(record, vm_observations(vms[w1["vmId"]], envelopes([later])).observations, DOC_NOW)
+    assert third is not None
+    assert third.record.conflictCount == 2
+    assert not third.alerts
+
+
+def test_the_same_facts_in_another_notation_are_no_conflict():
+    w0, w1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    first, vms = run([envelope(w0, sequence=1, incarnation=2, events=[scheduled_event()])])
+    iso = scheduled_event(not_before="2022-04-11T22:26:58Z", resources=["WestNO_1", "WestNO_0"])
+    change, _ = run([envelope(w1, sequence=1, incarnation=2, events=[iso])], vm_records=vms, record=first.record)
+    assert change is not None
+    assert change.record.conflictCount == 0
+    assert sorted(change.record.vms) == ["WestNO_0", "WestNO_1"]
+
+
+def test_a_retired_vm_does_not_conclude_an_event_its_other_vms_have_not_reported():
+    w3 = vm("web_3", index=3)
+    freeze = scheduled_event(resources=["web_0", "web_1"])
+    change, _ = run([envelope(w3, sequence=1, incarnation=2, events=[freeze])])
+    assert change is not None
+    record = change.record
+    # web_3 (a reporter, not named) was deleted; web_0 and web_1 have not reported yet (their envelopes held back).
+    held = EventChange(record=clone(record))
+    advance(held, DOC_NOW, retired={"web_3": "TERMINATE-1"})
+    assert held.record.state == "Scheduled"
+    # Once a VM the event names saw it leave, it is over.
+    gone = clone(record)
+    gone.vms["web_0"] = gone.vms["web_3"].model_copy(update={"name": "web_0", "status": "Gone"})
+    over = EventChange(record=gone)
+    advance(over, DOC_NOW, retired={"web_3": "TERMINATE-1"})
+    assert over.record.state == "Canceled"
+
+
+def test_no_approval_goes_through_a_vm_that_another_event_is_removing():
+    w0, w1 = vm("web_0", index=1, scale_set="web"), vm("web_1", index=2, scale_set="web")
+    freeze = scheduled_event(resources=["web_0", "web_1"])
+    change, _ = run(
+        [
+            envelope(w0, sequence=1, incarnation=2, events=[freeze]),
+            envelope(w1, sequence=1, incarnation=2, events=[freeze]),
+        ]
+    )
+    assert change is not None
+    seen = {"web_0": DOC_NOW, "web_1": DOC_NOW}
+    executor = choose_executor(change.record, seen, DOC_NOW - timedelta(minutes=5))
+    assert executor is not None
+    assert executor.name == "web_0"
+    delete = EventRecord(
+        eventId="TERMINATE-1",
+        eventType="Terminate",
+        resources=["web_0"],
+        stateSince=DOC_NOW,
+        createdAt=DOC_NOW,
+        notBefore=DOC_NOW + timedelta(minutes=5),
+    )
+    assert leaving_vms([delete], DOC_NOW) == {}  # pending: web_0 is still there
+    delete.approval = ApprovalRecord(decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, delivered=True)
+    leaving = leaving_vms([delete], DOC_NOW)
+    assert leaving == {"web_0": "TERMINATE-1"}
+    executor = choose_executor(change.record, seen, DOC_NOW - timedelta(minutes=5), leaving=leaving)
+    assert executor is not None
+    assert executor.name == "web_1"
+    # The delete itself still goes through the VM it deletes.
+    delete.vms = {"web_0": change.record.vms["web_0"]}
+    executor = choose_executor(delete, seen, DOC_NOW - timedelta(minutes=5), leaving=leaving)
+    assert executor is not None
+    assert executor.name == "web_0"
+
+
+def test_an_approval_not_followed_by_started_is_overdue_unless_held_or_removed():
+    w0 = vm("web_0", index=1, scale_set="web")
+    change, _ = run([envelope(w0, sequence=1, incarnation=2, events=[scheduled_event(resources=["web_0"])])])
+    assert change is not None
+    record = clone(change.record)
+    record.state = "Approved"
+    by = DOC_NOW + timedelta(minutes=5)
+    record.approval = ApprovalRecord(
+        decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, delivered=True, outcome="approved", confirmBy=by
+    )
+    seen = {"web_0": by + timedelta(seconds=1)}
+    assert not start_overdue(record, by - timedelta(seconds=1), seen)
+    assert start_overdue(record, by, seen)
+    record.platformHold = PlatformHold(eventId="other", since=DOC_NOW)
+    assert not start_overdue(record, by, seen), "a delete the platform holds is not overdue"
+    record.platformHold = None
+    record.everStarted = True
+    assert not start_overdue(record, by, seen)
+    record.everStarted = False
+    record.eventType = "Terminate"
+    assert start_overdue(record, by, seen), "its VM still speaks after the deadline: not removed, not started"
+    assert not start_overdue(record, by, {"web_0": by - timedelta(seconds=30)}), "silent: removed, not overdue"
+
+
+def test_a_hook_report_counts_only_for_the_vm_whose_envelope_carried_it():
+    w0, w1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    listed = [envelope(w, sequence=1, incarnation=2, events=[scheduled_event()]) for w in (w0, w1)]
+    first, vms = run(listed)
+    assert first is not None
+    # web_1's envelope reports the event's prepare phase succeeded: it is web_1's phase, whatever it means to say.
+    hook = {"eventId": DOC_EVENT_ID, "phase": "prepare", "outcome": "succeeded", "durationSeconds": 1.0, "steps": []}
+    change, _ = run([envelope(w1, sequence=2, kind="hook", hook=hook)], vm_records=vms, record=first.record)
+    assert change is not None
+    assert change.record.vms["WestNO_1"].hooks == {"prepare": "succeeded"}
+    assert change.record.vms["WestNO_0"].hooks == {}
+
+
+def test_an_event_closed_by_a_forged_gone_opens_again_when_its_vm_lists_it():
+    w0 = vm("WestNO_0", index=1)
+
+    def item(state: str, sequence: int, events: list[dict[str, Any]]) -> dict[str, Any]:
+        data = envelope(w0, sequence=sequence, incarnation=sequence, events=events)
+        data["stateId"] = state
+        return data
+
+    first, vms = run([item("real", 1, [scheduled_event(resources=["WestNO_0"])])])
+    assert first is not None
+    # Another process sends as WestNO_0 under a state of its own, with an empty document: the event looks gone.
+    forged, vms = run([item("forged", 2**62, [])], vm_records=vms, record=first.record)
+    assert forged is not None
+    assert forged.record.state == "Canceled"
+    # WestNO_0's own forwarder reports it Started: opened again, then Started, not lost as Canceled.
+    started = scheduled_event(resources=["WestNO_0"], status="Started")
+    real, _ = run([item("real", 2, [started])], vm_records=vms, record=forged.record)
+    assert real is not None
+    assert real.record.state == "Started"
+    transitions = [(r.PreviousState, r.State) for r in real.rows if r.RecordType == "Transition"]
+    assert transitions == [("Canceled", "Scheduled"), ("Scheduled", "Started")]

@@ -1,0 +1,171 @@
+"""The SQLite spool and state: order, sequence across reopen, bounded with a counter, hook ledger."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from forwarder.durable_state import HOOK_LEDGER_DAYS, HookJob, Store
+
+
+def body(sequence: int) -> bytes:
+    return f'{{"sequence":{sequence}}}'.encode()
+
+
+def test_sequence_strictly_increases_across_reopen(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    assert [store.enqueue("heartbeat", body) for _ in range(3)] == [0, 1, 2]
+    store.close()
+    store = Store(tmp_path / "s.sqlite")
+    assert store.enqueue("heartbeat", body) == 3
+    assert [item.sequence for item in store.peek(10)] == [0, 1, 2, 3]
+    assert [item.body for item in store.peek(10)] == [body(s) for s in range(4)]
+
+
+def test_ack_removes_only_what_was_sent(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    for _ in range(5):
+        store.enqueue("heartbeat", body)
+    store.ack(store.peek(2))
+    assert [item.sequence for item in store.peek(10)] == [2, 3, 4]
+    assert store.depth() == 3
+
+
+def test_full_spool_drops_heartbeats_first_then_the_oldest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = Store(tmp_path / "s.sqlite", max_entries=4)
+    kinds = ["incarnation", "heartbeat", "hook", "heartbeat", "incarnation"]
+    with caplog.at_level(logging.ERROR, logger="forwarder.durable_state"):
+        for kind in kinds:
+            store.enqueue(kind, body)
+        assert [(i.sequence, i.kind) for i in store.peek(10)] == [
+            (0, "incarnation"), (2, "hook"), (3, "heartbeat"), (4, "incarnation")
+        ]  # fmt: skip
+        store.enqueue("heartbeat", body)  # full of others but one heartbeat: the older heartbeat goes
+        assert [i.sequence for i in store.peek(10)] == [0, 2, 4, 5]
+        store.enqueue("heartbeat", body)  # the new heartbeat is itself the one to go
+        assert [i.sequence for i in store.peek(10)] == [0, 2, 4, 6]
+        store.enqueue("hook", body)  # the last heartbeat goes, then ...
+        store.enqueue("hook", body)  # ... with no heartbeat left, the oldest envelope of any kind
+        assert [i.sequence for i in store.peek(10)] == [2, 4, 7, 8]
+    assert store.counters()["spool_dropped"] == 5
+    lines = [r for r in caplog.records if "spool full" in r.getMessage()]
+    assert [r.fields["kinds"] for r in lines] == [["heartbeat"]] * 4 + [["incarnation"]]  # type: ignore[attr-defined]
+
+
+def test_full_spool_drops_the_oldest_loudly_and_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = Store(tmp_path / "s.sqlite", max_entries=3)
+    with caplog.at_level(logging.ERROR, logger="forwarder.durable_state"):
+        for _ in range(5):
+            store.enqueue("heartbeat", body)
+    assert [item.sequence for item in store.peek(10)] == [2, 3, 4]
+    assert store.counters()["spool_dropped"] == 2
+    dropped_lines = [r for r in caplog.records if "spool full" in r.getMessage()]
+    assert len(dropped_lines) == 2
+    assert dropped_lines[0].fields["sequences"] == [0]  # type: ignore[attr-defined]
+
+
+def test_state_and_hooks_commit_with_the_envelope(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+
+    def broken(_sequence: int) -> bytes:
+        raise RuntimeError("render failed")
+
+    with pytest.raises(RuntimeError):
+        store.enqueue("incarnation", broken, state={"last_document": "x"}, hooks=[HookJob("E1", "prepare", "{}")])
+    assert store.get_state("last_document") is None
+    assert store.hook_jobs("pending") == []
+    assert store.enqueue("incarnation", body) == 0  # the failed attempt used no sequence number
+
+
+def test_a_hook_is_queued_once_per_event_and_phase(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    job = HookJob("E1", "prepare", '{"EventId":"E1"}')
+    store.enqueue("incarnation", body, hooks=[job])
+    store.mark_hook_running(job)
+    store.enqueue("hook", body, hook_done=("E1", "prepare"))
+    store.enqueue("incarnation", body, hooks=[job, HookJob("E1", "recover", "{}")])
+    assert store.hook_status("E1", "prepare") == "done"
+    assert [(j.event_id, j.phase) for j in store.hook_jobs("pending")] == [("E1", "recover")]
+
+
+def test_the_ledger_keeps_each_phases_outcome_for_the_listener(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    job = HookJob("E1", "prepare", '{"EventId":"E1"}')
+    store.enqueue("incarnation", body, hooks=[job])
+    assert store.hook_outcome("E1", "prepare") is None  # pending: not finished, so nothing to rest a decision on
+    store.mark_hook_running(job)
+    assert store.hook_outcome("E1", "prepare") is None
+    store.enqueue("hook", body, hook_done=("E1", "prepare"), hook_outcome="failed")
+    assert store.hook_outcome("E1", "prepare") == "failed"
+    assert store.hook_outcome("E1", "recover") is None
+    store.close()
+    assert Store(tmp_path / "s.sqlite").hook_outcome("E1", "prepare") == "failed"  # kept across a restart
+
+
+def test_rejects_are_kept_bounded_and_counted(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    for index in range(105):
+        store.reject(f"bad {index}", b"{")
+    assert store.counters()["invalid_documents"] == 105
+    kept = store.rejects()
+    assert len(kept) == 100
+    assert kept[-1][0] == "bad 104"
+
+
+def test_max_entries_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_entries"):
+        Store(tmp_path / "s.sqlite", max_entries=0)
+
+
+def test_the_state_id_is_born_with_the_database_and_kept_in_it(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    state_id = store.state_id
+    assert len(state_id) == 32
+    int(state_id, 16)
+    store.close()
+    assert Store(tmp_path / "s.sqlite").state_id == state_id
+    assert Store(tmp_path / "other.sqlite").state_id != state_id
+
+
+def test_a_database_of_an_older_forwarder_is_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite"
+    with sqlite3.connect(path) as db:  # the first release's schema, with a phase cut short by a crash
+        db.executescript(
+            "CREATE TABLE state (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+            "CREATE TABLE hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, status TEXT NOT NULL,"
+            " event TEXT NOT NULL, updated_at TEXT NOT NULL, PRIMARY KEY (event_id, phase));"
+            "INSERT INTO state VALUES ('sequence', '41');"
+            "INSERT INTO hooks VALUES ('E1', 'prepare', 'running', '{}', '2026-01-01T00:00:00+00:00');"
+        )
+    store = Store(path)
+    assert len(store.state_id) == 32  # a state of unknown birth gets an identifier now, and keeps it
+    assert store.enqueue("heartbeat", body) == 41
+    assert store.hook_jobs("running") == [HookJob("E1", "prepare", "{}", step="", steps="[]")]
+
+
+def test_the_ledger_remembers_which_hook_of_a_phase_is_running(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    job = HookJob("E1", "prepare", "{}")
+    store.enqueue("incarnation", body, hooks=[job])
+    store.mark_hook_running(job)
+    store.mark_hook_running(job, step="20-drain", steps='[{"hook":"10-check"}]')
+    (running,) = store.hook_jobs("running")
+    assert (running.step, running.steps) == ("20-drain", '[{"hook":"10-check"}]')
+
+
+def test_prune_forgets_only_finished_phases_older_than_the_ledger_keeps(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    jobs = [HookJob("DONE", "prepare", "{}"), HookJob("RUNNING", "prepare", "{}"), HookJob("PENDING", "recover", "{}")]
+    store.enqueue("incarnation", body, hooks=jobs)
+    store.mark_hook_running(jobs[1])
+    store.enqueue("hook", body, hook_done=("DONE", "prepare"))
+    now = datetime.now(UTC)
+    assert store.prune_hooks(now=now + timedelta(days=HOOK_LEDGER_DAYS - 1)) == 0
+    assert store.prune_hooks(now=now + timedelta(days=HOOK_LEDGER_DAYS + 1)) == 1
+    assert store.hook_status("DONE", "prepare") is None
+    assert store.hook_status("RUNNING", "prepare") == "running"
+    assert store.hook_status("PENDING", "recover") == "pending"

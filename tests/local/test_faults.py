@@ -1,0 +1,264 @@
+"""Faults over the real pipeline: nothing lost, nothing wrongly approved. Each test prints its figures (envelopes and
+event sightings sent vs logged, approvals expected vs made) and asserts them."""
+
+from __future__ import annotations
+
+import itertools
+import sqlite3
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import azure.functions as func
+import pytest
+from azure.eventhub import EventData, EventHubProducerClient
+from hypothesis import HealthCheck, Phase, given, settings
+
+from emulators.imds import Scenario
+from emulators.relay import RelayEmulator
+from forwarder.envelope import VmIdentity
+from local.observe import sent_envelopes
+from local.runner import IngestFunction, wait_until
+from local.stack import HUB, LocalStack
+from tests.local.conftest import Outcome, Runner, compact_scenario
+from tests.local.hostile import hostile_message, refused, template
+
+FLAKY_IMDS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "flaky-imds.yaml"
+
+
+def assert_nothing_lost_nothing_wrong(outcome: Outcome) -> None:
+    summary = outcome.summary
+    assert outcome.finished, f"the run did not finish: open {outcome.follower.timeline.open_events()}"
+    assert summary.ok, summary.failures
+    assert summary.sightings_sent == summary.sightings_logged > 0
+    assert summary.approvals_expected_made == summary.approvals_expected > 0
+    approvals = outcome.stack.imds.approvals() if outcome.stack.imds else []
+    assert max(Counter(a["EventId"] for a in approvals).values()) == 1, "an event was approved twice in IMDS"
+
+
+def assert_decided_once(outcome: Outcome) -> None:
+    """Each event enters each state once and each rule decides it once, however often its envelopes arrive."""
+    with sqlite3.connect(outcome.stack.history_path) as db:
+        transitions, distinct_transitions = db.execute(
+            "SELECT count(*), count(DISTINCT EventId || '/' || State) FROM ScheduledEventsHistory_CL "
+            "WHERE RecordType = 'Transition'"
+        ).fetchone()
+        decisions, distinct_decisions = db.execute(
+            "SELECT count(*), count(DISTINCT EventId || '/' || Rule || '/' || Outcome) FROM ScheduledEventsHistory_CL "
+            "WHERE RecordType = 'Decision'"
+        ).fetchone()
+    print(
+        f"figures: transitions {transitions} (distinct {distinct_transitions}), decisions {decisions} "
+        f"(distinct {distinct_decisions})"
+    )
+    assert decisions > 0
+    assert transitions == distinct_transitions
+    assert decisions == distinct_decisions
+
+
+def wait_for_event(stack: LocalStack, ref: str, *, timeout: float = 20.0) -> None:
+    assert stack.imds is not None
+    imds = stack.imds
+    assert wait_until(lambda: any(e.get("ref") == ref for e in imds.events()), timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_same_batch_delivered_twice_changes_nothing(run_pipeline: Runner) -> None:
+    calls = Counter[str]()
+
+    def twice(ingest: IngestFunction) -> IngestFunction:
+        def deliver(events: list[func.EventHubEvent]) -> None:
+            ingest(events)
+            ingest(events)  # Event Hubs is at-least-once: the host may hand the same batch again
+            calls["batches"] += 1
+
+        return deliver
+
+    outcome = run_pipeline(compact_scenario(), ingest_wrapper=twice)
+    print(f"figures: batches delivered twice {calls['batches']}")
+    assert calls["batches"] > 0
+    assert_nothing_lost_nothing_wrong(outcome)
+    assert_decided_once(outcome)
+
+
+@pytest.mark.slow
+def test_two_coordinators_on_the_same_batch_decide_once(run_pipeline: Runner) -> None:
+    raced = Counter[str]()
+
+    def concurrently(ingest: IngestFunction) -> IngestFunction:
+        def deliver(events: list[func.EventHubEvent]) -> None:
+            # Two function instances on one partition (a lease handed over mid-batch): same batch, same state.
+            barrier = threading.Barrier(2)
+            errors: list[BaseException] = []
+
+            def instance() -> None:
+                barrier.wait()
+                try:
+                    ingest(events)
+                except BaseException as error:
+                    errors.append(error)
+
+            threads = [threading.Thread(target=instance) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            raced["batches"] += 1
+            if errors:
+                raise errors[0]
+
+        return deliver
+
+    outcome = run_pipeline(compact_scenario(), ingest_wrapper=concurrently)
+    print(f"figures: batches raced by two instances {raced['batches']}")
+    assert raced["batches"] > 0
+    assert_nothing_lost_nothing_wrong(outcome)
+    assert_decided_once(outcome)
+
+
+def _hostile_batch(vm: VmIdentity, other_keys: list[str], count: int) -> list[tuple[bytes, str]]:
+    collected: list[tuple[bytes, str]] = []
+
+    @settings(
+        max_examples=count + 100,
+        phases=[Phase.generate],
+        database=None,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(hostile_message(base=template(vm), own_key=vm.partition_key, other_keys=other_keys))
+    def generate(message: tuple[bytes, str]) -> None:
+        assert refused(*message), f"a mutation produced an acceptable envelope: {message[0][:200]!r}"
+        collected.append(message)
+
+    generate()
+    assert len(collected) >= count, f"hypothesis produced only {len(collected)} messages"
+    return collected[:count]
+
+
+@pytest.mark.slow
+def test_a_thousand_hostile_envelopes_among_good_ones_are_set_aside(run_pipeline: Runner) -> None:
+    count = 1000
+    sent: Counter[str] = Counter()
+
+    def attack(stack: LocalStack) -> None:
+        assert stack.imds is not None
+        assert stack.eventhubs is not None
+        vms = stack.imds.vms()
+        target = vms[0]
+        identity = VmIdentity.model_validate(target.compute())
+        others = [VmIdentity.model_validate(vm.compute()).partition_key for vm in vms[1:]]
+        messages = _hostile_batch(identity, others, count)
+        wait_for_event(stack, "freeze")
+        producer = EventHubProducerClient.from_connection_string(stack.eventhubs.connection_string(HUB))
+        with producer:
+            for start in range(0, count, 50):  # in bursts, interleaved with the forwarders' own envelopes
+                by_key: dict[str, list[bytes]] = {}
+                for body, key in messages[start : start + 50]:
+                    by_key.setdefault(key, []).append(body)
+                for key, bodies in by_key.items():
+                    batch = producer.create_batch(partition_key=key)
+                    for body in bodies:
+                        batch.add(EventData(body))
+                    producer.send_batch(batch)
+                    sent["hostile"] += len(bodies)
+                time.sleep(0.05)
+
+    outcome = run_pipeline(compact_scenario(), during=attack, expected_dead_letters=count, timeout=120.0)
+    print(f"figures: hostile sent {sent['hostile']}, dead letters {outcome.summary.dead_letters}")
+    assert sent["hostile"] == count
+    assert outcome.summary.dead_letters == count
+    assert outcome.follower.timeline.dead_letters == count, "every refusal has a DeadLetter history row"
+    assert_nothing_lost_nothing_wrong(outcome)
+
+
+@pytest.mark.slow
+def test_event_hubs_outage_is_bridged_by_the_spool_in_order(run_pipeline: Runner) -> None:
+    outage = {"seconds": 0.0}
+
+    def outage_during_the_freeze(stack: LocalStack) -> None:
+        assert stack.eventhubs is not None
+        wait_for_event(stack, "freeze")
+        stack.eventhubs.stop()  # every connection drops; the port stays reserved for the restart
+        started = time.monotonic()
+        time.sleep(4.0)
+        stack.eventhubs.start()
+        outage["seconds"] = time.monotonic() - started
+
+    outcome = run_pipeline(compact_scenario(), time_scale=60.0, during=outage_during_the_freeze, timeout=120.0)
+    print(f"figures: outage {outage['seconds']:.1f} s")
+    assert outage["seconds"] >= 4.0
+    assert_nothing_lost_nothing_wrong(outcome)
+    assert outcome.stack.eventhubs is not None
+    envelopes, _ = sent_envelopes(outcome.stack.eventhubs, HUB)
+    by_vm: dict[str, list[int]] = {}
+    for envelope in envelopes:
+        by_vm.setdefault(envelope.vm.name, []).append(envelope.sequence)
+    for vm, sequences in by_vm.items():
+        assert sequences == sorted(sequences), f"{vm}: envelopes stored out of order after the replay"
+
+
+@pytest.mark.slow
+def test_a_forwarder_killed_and_restarted_loses_nothing(run_pipeline: Runner) -> None:
+    killed: list[int | None] = []
+
+    def kill_web_0(stack: LocalStack) -> None:
+        wait_for_event(stack, "freeze")
+        time.sleep(0.5)
+        forwarder = stack.forwarders["web_0"]
+        killed.append(forwarder.pid)
+        forwarder.kill()
+        time.sleep(1.0)
+        forwarder.start()
+
+    outcome = run_pipeline(compact_scenario(), time_scale=60.0, during=kill_web_0, timeout=120.0)
+    print(f"figures: killed pid {killed}")
+    assert killed
+    assert_nothing_lost_nothing_wrong(outcome)
+
+
+@pytest.mark.slow
+def test_relay_drop_listeners_reconnect_and_approvals_still_arrive(run_pipeline: Runner) -> None:
+    reconnected: list[float] = []
+
+    def drop_relay(stack: LocalStack) -> None:
+        assert stack.relay is not None
+        assert stack.imds is not None
+        connections = [f"vm-{vm.vmId.lower()}" for vm in stack.imds.vms()]
+        relay = stack.relay
+        assert wait_until(lambda: all(relay.listener_count(hc) for hc in connections), timeout=20)
+        port = relay.port
+        relay.stop()  # every listener's control channel drops
+        time.sleep(1.0)
+        restarted = RelayEmulator(port=port)
+        restarted.start()
+        stack.relay = restarted
+        started = time.monotonic()
+        assert wait_until(lambda: all(restarted.listener_count(hc) for hc in connections), timeout=30), (
+            "the listeners did not reconnect to the relay"
+        )
+        reconnected.append(time.monotonic() - started)
+
+    # The scenario's first event comes after a long lead-in: the drop happens before it, while the fleet is idle.
+    outcome = run_pipeline(compact_scenario(), during=drop_relay, lead_in=8.0)
+    print(f"figures: every listener reconnected {reconnected[0]:.1f} s after the relay came back")
+    assert_nothing_lost_nothing_wrong(outcome)
+
+
+@pytest.mark.slow
+def test_flaky_imds_5xx_hang_garbled_and_reset_lose_nothing(run_pipeline: Runner) -> None:
+    outcome = run_pipeline(Scenario.from_file(FLAKY_IMDS), time_scale=60.0, timeout=120.0)
+    assert_nothing_lost_nothing_wrong(outcome)
+    imds, eventhubs = outcome.stack.imds, outcome.stack.eventhubs
+    assert imds is not None
+    assert eventhubs is not None
+    assert imds.faults.pending() == [], "a scripted fault was never hit: the forwarders did not meet it"
+    incarnations: dict[str, list[int]] = {}
+    for envelope in sent_envelopes(eventhubs, HUB)[0]:
+        if envelope.document is not None:
+            incarnations.setdefault(envelope.vm.name, []).append(envelope.document.DocumentIncarnation)
+    resets = sum(1 for seen in incarnations.values() for a, b in itertools.pairwise(seen) if b < a)
+    print(f"figures: incarnations sent {sum(map(len, incarnations.values()))}, resets forwarded {resets}")
+    assert resets >= 1, "the incarnation reset was not forwarded"
