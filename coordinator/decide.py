@@ -20,7 +20,7 @@ from coordinator.context import Context, Work
 from coordinator.events import commit_event
 from coordinator.model import ApprovalRecord, BudgetClaim, BudgetRecord, DecisionRecord, EventRecord
 from coordinator.record import decision_row
-from coordinator.sightings import EventChange, clone, leaving_vms
+from coordinator.sightings import REMOVING_EVENTS, EventChange, clone, leaving_vms
 from coordinator.tables import ConcurrencyConflict, Stored, TableStateStore
 
 log = logging.getLogger("coordinator")
@@ -48,6 +48,7 @@ class Fleet:
         self._view: rules.FleetView | None = None
         self._open: list[EventRecord] | None = None
         self._deletes: dict[str, EventRecord] | None = None
+        self._removals: dict[str, EventRecord] = {}
 
     def _open_events(self) -> list[EventRecord]:
         if self._open is None:
@@ -74,13 +75,17 @@ class Fleet:
         self._open = records
 
     def note(self, record: EventRecord) -> None:
-        """Keeps the delete registry current as events change within a batch or tick."""
+        """Keeps the delete registry and the removals current as events change within a batch or tick."""
         if record.eventType == "Terminate":
             self.deletes()[record.eventId] = record
+        if record.eventType in REMOVING_EVENTS:
+            self._removals[record.eventId] = record
 
     def leaving(self, now: datetime) -> dict[str, str]:
-        """The VMs an open Terminate/Preempt is removing now (sightings.leaving_vms), from the open events as read."""
-        return leaving_vms([*self._open_events(), *self.deletes().values()], now)
+        """The VMs an open Terminate/Preempt is removing now (sightings.leaving_vms): the open events as read, then
+        as this batch/tick changed them (a later version of a record wins)."""
+        latest = {r.eventId: r for r in self._open_events()} | self.deletes() | self._removals
+        return leaving_vms(latest.values(), now)
 
     def held_in(self, scale_sets: Iterable[str], now: datetime) -> list[str]:
         """Pending deletes of these scale sets that are held back by another one (to re-decide)."""

@@ -60,7 +60,7 @@ class Coordinator(Context):
             updates.updates.update(redo.updates)
             updates.new_vms = (updates.new_vms - stale) | redo.new_vms
             stale = fold.fold(self, redo, now, fleet, report=report, work=work)
-        act.act(self, work, now, report, last_seen=None)
+        act.act(self, work, now, report, last_seen=None, fleet=fleet)
         write_history(self, work.rows, report)
         if self.on_new_vm is not None:
             # New VMs, and VMs back from silence (housekeeping may have removed what was set up for them).

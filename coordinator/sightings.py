@@ -814,10 +814,13 @@ def removal_evidence(record: EventRecord, now: datetime) -> str | None:
 
 def leaving_vms(events: Iterable[EventRecord], now: datetime) -> dict[str, str]:
     """The VMs that an open Terminate/Preempt is removing now (VM name -> that event's id): no approval of another
-    event may be sent through them, their listener may be gone before it answers."""
+    event may be sent through them, their listener may be gone before it answers. An approval decided for the
+    removal counts from the deciding write, before it is delivered: approvals of one batch go out together, and a
+    Freeze sent through a VM whose delete is being approved beside it would reach a listener that is leaving."""
     leaving: dict[str, str] = {}
     for record in events:
-        if record.open and removal_evidence(record, now) is not None:
+        decided = record.eventType in REMOVING_EVENTS and record.approval is not None
+        if record.open and (decided or removal_evidence(record, now) is not None):
             for name in record.resources:
                 leaving.setdefault(name, record.eventId)
     return leaving
