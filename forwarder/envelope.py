@@ -111,6 +111,36 @@ def phase_outcome(steps: list[HookStep]) -> HookOutcome:
     return next((s.outcome for s in steps if s.outcome != "succeeded"), "succeeded")
 
 
+class ForwarderHealth(BaseModel):
+    """What a heartbeat says of the forwarder's own health (optional; v1-compatible): a forwarder that runs and
+    sends heartbeats but cannot read IMDS misses every event, and only these fields show it."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    # The last poll that returned a valid document (None: none since the forwarder started).
+    lastGoodPollAt: datetime | None = None
+    pollErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed IMDS polls since the forwarder started
+    consecutivePollErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed polls since the last good one
+    lastPollError: str = Field(default="", max_length=256)
+    spoolDepth: int = Field(default=0, ge=0, le=2**63 - 1)  # envelopes waiting to be sent
+    dropped: int = Field(default=0, ge=0, le=2**63 - 1)  # envelopes the bounded spool evicted since it was made
+    sendErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed sends to Event Hubs since the start
+    listenerConnected: bool | None = None  # the relay listener's control channel is up (None: no listener)
+
+    @field_validator("lastGoodPollAt")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("lastGoodPollAt must carry a UTC offset")
+        return value
+
+    def poll_age_seconds(self, at: datetime) -> float | None:
+        """Seconds from the last good poll to ``at`` (the heartbeat's observedAt), None when there was none."""
+        if self.lastGoodPollAt is None:
+            return None
+        return max(0.0, (at - self.lastGoodPollAt).total_seconds())
+
+
 class Envelope(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
@@ -126,6 +156,7 @@ class Envelope(BaseModel):
     stateId: str = Field(default="", max_length=64, pattern=r"^[0-9A-Za-z._-]*$")
     document: ScheduledEventsDocument | None = None
     hook: HookReport | None = None
+    health: ForwarderHealth | None = None  # heartbeats from forwarders that report it
 
     @field_validator("schema_")
     @classmethod
