@@ -13,6 +13,7 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import get_args
 
+from coordinator import telemetry
 from coordinator.alerts import AlertError, build_card, build_vm_card
 from coordinator.commit import commit
 from coordinator.context import BatchReport, Context, TickReport, Work
@@ -58,8 +59,15 @@ def post(
             settled.setdefault(event_id, []).extend(kinds)
         clear_sent(ctx, settled)
     for vm, kind in work.vm_alerts:
-        # Once per pair of forwarder states found speaking for the VM (the key names the pair).
-        send_vm_card(ctx, vm, kind, now, report, key=f"{vm.identity.vmId}-{kind}-{'-'.join(vm.stateConflict)}")
+        send_vm_card(ctx, vm, kind, now, report, key=vm_card_key(vm, kind))
+
+
+def vm_card_key(vm: VmRecord, kind: AlertKind) -> str:
+    """Names the condition's occurrence, so a card sent again (the folder sink overwrites) is the same card: a pair
+    of forwarder states found speaking for the VM, or an IMDS failure by when it began."""
+    if kind == "imds-failing" and vm.imdsFailing is not None:
+        return f"{vm.identity.vmId}-{kind}-{vm.imdsFailing.since.strftime('%Y%m%dT%H%M%S')}"
+    return f"{vm.identity.vmId}-{kind}-{'-'.join(vm.stateConflict)}"
 
 
 def send_vm_card(
@@ -77,8 +85,10 @@ def send_vm_card(
     try:
         ctx.alerts.send(build_vm_card(kind, vm, now=now, timeout_seconds=timeout_seconds), key=key)
         report.alerts_sent += 1
+        telemetry.alert(kind, "sent")
     except AlertError as error:
         log.warning("%s card for %s not delivered: %s", kind, vm.identity.name, error)
+        telemetry.alert(kind, "failed")
 
 
 def send_card(
@@ -94,8 +104,10 @@ def send_card(
         if isinstance(report, BatchReport):
             report.alerts_failed += 1
         work.rows.append(alert_row(record, kind, now, "failed", str(error)))
+        telemetry.alert(kind, "failed")
         return False
     report.alerts_sent += 1
+    telemetry.alert(kind, "sent")
     work.rows.append(alert_row(record, kind, now, "sent", ""))
     return True
 

@@ -11,6 +11,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
+from coordinator import telemetry
 from coordinator.context import BatchReport, Context, TickReport
 from coordinator.model import ApprovalRecord, EventRecord, VmRecord
 from coordinator.rows import HistoryRow
@@ -22,6 +23,7 @@ log = logging.getLogger("coordinator")
 def write_history(ctx: Context, rows: list[HistoryRow], report: BatchReport | TickReport) -> None:
     if not rows:
         return
+    telemetry.history_written(rows)
     try:
         ctx.history.write(rows)
         report.history_rows += len(rows)

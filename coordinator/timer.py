@@ -2,17 +2,18 @@
 
 Re-evaluates waiting events (``decide``), expires events past NotBefore, retires VMs a Terminate/Preempt removed and
 concludes their events, concludes events whose VMs fell silent, retries approvals and cards that failed (``act``,
-``outbox``), notices VMs whose heartbeat stopped, and hourly runs the housekeeping (retention, hybrid connections).
+``outbox``), notices VMs whose heartbeat stopped, hourly runs the housekeeping (retention, hybrid connections), and
+sets the fleet's gauges (VMs by condition, open events by type and state).
 Gives a ``TickReport``; every change goes through ``commit_event`` or a VM group's ETag.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import datetime
 
-from coordinator import act, decide, outbox
+from coordinator import act, decide, outbox, telemetry
 from coordinator.context import Context, TickReport, Work
 from coordinator.decide import Fleet
 from coordinator.events import assemble, commit_event
@@ -95,7 +96,25 @@ def tick(ctx: Context) -> TickReport:
     write_history(ctx, work.rows, report)
     if logs:
         ctx.store.delete_sent_alert_logs([key for key, _ in logs])
+    census(ctx, groups, [work.records.get(s.record.eventId, s.record) for s in open_events.values()], now)
     return report
+
+
+def census(ctx: Context, groups: list[Stored[VmGroupRecord]], events: list[EventRecord], now: datetime) -> None:
+    """The fleet as this tick found it, for the gauges: VMs by condition (each counted once, the first that holds of
+    retired, silent, unhealthy, reporting) and open events by type and state."""
+    vms: Counter[str] = Counter()
+    for group in groups:
+        for vm in group.record.vms.values():
+            if vm.retired is not None:
+                vms["retired"] += 1
+            elif vm.lastSeen < now - ctx.heartbeat_timeout:
+                vms["silent"] += 1
+            elif vm.imdsFailing is not None:
+                vms["unhealthy"] += 1
+            else:
+                vms["reporting"] += 1
+    telemetry.census(vms, Counter((e.eventType, e.state) for e in events if e.open))
 
 
 def reconsider(
