@@ -170,8 +170,9 @@ def decided(
     action: str,
     dry_run: bool,
 ) -> None:
-    """``coordinator.decide``, a child of the event's trace: one span per decision made or changed (from when the
-    evaluation started), not per re-evaluation that finds the same."""
+    """``coordinator.decide``, a child of the event's trace (of the batch or tick deciding it when the event has no
+    trace): one span per decision made or changed (from when the evaluation started), not per re-evaluation that
+    finds the same."""
     span = _tracer.start_span(
         "coordinator.decide",
         context=context_of(traceparent),

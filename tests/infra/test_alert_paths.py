@@ -94,6 +94,7 @@ CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "facts-conflict": _facts_conflict,
     "heartbeat-lost": lambda: [heartbeat(NOW, "web_0", "lost", NOW - timedelta(minutes=10), "no envelope for 600 s")],
     "forwarder-conflict": lambda: [heartbeat(NOW, "web_0", "conflict", NOW, "two forwarder states in turn")],
+    "imds-failing": lambda: [heartbeat(NOW, "web_0", "imds-failing", NOW, "no good IMDS poll for 120 s")],
 }
 
 
