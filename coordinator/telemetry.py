@@ -43,72 +43,118 @@ SCALE_SET = "scheduled_events.scale_set"
 KIND = "scheduled_events.alert_kind"
 CONDITION = "scheduled_events.condition"
 REASON = "scheduled_events.reason"
+ATTRIBUTES = frozenset(
+    {EVENT_ID, DECISION_ID, EVENT_TYPE, STATE, RULE, VERDICT, OUTCOME, VM, SCALE_SET, KIND, CONDITION, REASON}
+    | {"scheduled_events.action", "scheduled_events.dry_run"}
+)
 
 _tracer = trace.get_tracer(SCOPE)
 _meter = metrics.get_meter(SCOPE)
 _W3C = TraceContextTextMapPropagator()
+# Every metric's name and unit, in the order declared (the workbook's queries and docs/coordinator.md use these).
+METRICS: dict[str, str] = {}
 
-EVENTS_DETECTED = _meter.create_counter(
-    "scheduled_events.events.detected", unit="{event}", description="Events first reported by a VM, by type"
+
+def _counter(name: str, unit: str, description: str) -> metrics.Counter:
+    METRICS[name] = unit
+    return _meter.create_counter(name, unit=unit, description=description)
+
+
+# The API's synchronous gauge type is named _Gauge (what create_gauge returns); there is no public alias.
+def _gauge(name: str, unit: str, description: str) -> metrics._Gauge:
+    METRICS[name] = unit
+    return _meter.create_gauge(name, unit=unit, description=description)
+
+
+def _histogram(name: str, unit: str, description: str) -> metrics.Histogram:
+    METRICS[name] = unit
+    return _meter.create_histogram(name, unit=unit, description=description)
+
+
+EVENTS_DETECTED = _counter(
+    "scheduled_events.events.detected",
+    "{event}",
+    "Events first reported by a VM, by type",
 )
-TRANSITIONS = _meter.create_counter(
-    "scheduled_events.events.transitions", unit="{transition}", description="Event state changes, by type and new state"
+TRANSITIONS = _counter(
+    "scheduled_events.events.transitions",
+    "{transition}",
+    "Event state changes, by type and new state",
 )
-OPEN_EVENTS = _meter.create_gauge(
-    "scheduled_events.events.open", unit="{event}", description="Open events at the timer's last run, by type and state"
+OPEN_EVENTS = _gauge(
+    "scheduled_events.events.open",
+    "{event}",
+    "Open events at the timer's last run, by type and state",
 )
-DECISIONS = _meter.create_counter(
-    "scheduled_events.decisions", unit="{decision}", description="Decisions made (or changed), by rule and verdict"
+DECISIONS = _counter(
+    "scheduled_events.decisions",
+    "{decision}",
+    "Decisions made (or changed), by rule and verdict",
 )
-APPROVAL_LATENCY = _meter.create_histogram(
+APPROVAL_LATENCY = _histogram(
     "scheduled_events.approval.latency",
-    unit="s",
-    description="From the event's first report to the listener's 'approved', by type and rule",
+    "s",
+    "From the event's first report to the listener's 'approved', by type and rule",
 )
-NOTICE_LEFT = _meter.create_histogram(
-    "scheduled_events.approval.notice_left", unit="s", description="NotBefore minus the time of approval, by type"
+NOTICE_LEFT = _histogram(
+    "scheduled_events.approval.notice_left",
+    "s",
+    "NotBefore minus the time of approval, by type",
 )
-APPROVALS_REFUSED = _meter.create_counter(
-    "scheduled_events.approvals.refused", unit="{approval}", description="Approvals the VM's listener refused, by rule"
+APPROVALS_REFUSED = _counter(
+    "scheduled_events.approvals.refused",
+    "{approval}",
+    "Approvals the VM's listener refused, by rule",
 )
-EXPIRED = _meter.create_counter(
-    "scheduled_events.events.expired_unapproved", unit="{event}", description="Events whose NotBefore passed unapproved"
+EXPIRED = _counter(
+    "scheduled_events.events.expired_unapproved",
+    "{event}",
+    "Events whose NotBefore passed unapproved",
 )
-DEAD_LETTERS = _meter.create_counter(
-    "scheduled_events.dead_letters", unit="{message}", description="Messages or observations set aside, by reason"
+DEAD_LETTERS = _counter(
+    "scheduled_events.dead_letters",
+    "{message}",
+    "Messages or observations set aside, by reason",
 )
-BATCH_AGE = _meter.create_histogram(
-    "scheduled_events.batch.age", unit="s", description="From a message's enqueuing in Event Hubs to its processing"
+BATCH_AGE = _histogram(
+    "scheduled_events.batch.age",
+    "s",
+    "From a message's enqueuing in Event Hubs to its processing",
 )
-ALERTS = _meter.create_counter(
-    "scheduled_events.alerts", unit="{card}", description="Cards posted, by kind and outcome (sent | failed)"
+ALERTS = _counter(
+    "scheduled_events.alerts",
+    "{card}",
+    "Cards posted, by kind and outcome (sent | failed)",
 )
-VMS = _meter.create_gauge(
+VMS = _gauge(
     "scheduled_events.vms",
-    unit="{vm}",
-    description="VMs at the timer's last run by condition: reporting, silent, retired, unhealthy (IMDS failing)",
+    "{vm}",
+    "VMs at the timer's last run by condition: reporting, silent, retired, unhealthy (IMDS failing)",
 )
-VM_CONDITIONS = _meter.create_counter(
+VM_CONDITIONS = _counter(
     "scheduled_events.vm.conditions",
-    unit="{vm}",
-    description="VM conditions noticed (Heartbeat rows): lost, resumed, retired, reset, conflict, imds-failing, "
-    "imds-recovered",
+    "{vm}",
+    "VM conditions noticed (Heartbeat rows): lost, resumed, retired, reset, conflict, imds-failing, imds-recovered",
 )
-POLL_AGE = _meter.create_gauge(
+POLL_AGE = _gauge(
     "scheduled_events.forwarder.poll_age",
-    unit="s",
-    description="Per VM: from the forwarder's last good IMDS poll to its latest heartbeat (-1: none since start)",
+    "s",
+    "Per VM: from the forwarder's last good IMDS poll to its latest heartbeat (-1: none since start)",
 )
-POLL_ERRORS = _meter.create_gauge(
-    "scheduled_events.forwarder.consecutive_poll_errors", unit="{poll}", description="Per VM: failed polls in a row"
+POLL_ERRORS = _gauge(
+    "scheduled_events.forwarder.consecutive_poll_errors",
+    "{poll}",
+    "Per VM: failed polls in a row",
 )
-SPOOL_DEPTH = _meter.create_gauge(
-    "scheduled_events.forwarder.spool_depth", unit="{envelope}", description="Per VM: envelopes waiting to be sent"
+SPOOL_DEPTH = _gauge(
+    "scheduled_events.forwarder.spool_depth",
+    "{envelope}",
+    "Per VM: envelopes waiting to be sent",
 )
-DROPPED = _meter.create_gauge(
+DROPPED = _gauge(
     "scheduled_events.forwarder.dropped",
-    unit="{envelope}",
-    description="Per VM: envelopes the forwarder's bounded spool evicted since it was made",
+    "{envelope}",
+    "Per VM: envelopes the forwarder's bounded spool evicted since it was made",
 )
 
 # The conditions of the census gauge: each is set every run, zero included, so a condition that ended reads 0.
