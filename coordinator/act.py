@@ -57,6 +57,7 @@ def act(
     *,
     last_seen: dict[str, datetime] | None,
     settled: dict[str, list[str]] | None = None,
+    settled_vms: outbox.VmCards | None = None,
     fleet: Fleet | None = None,
 ) -> None:
     """Sends the committed approvals and cards. The batch path logs the cards it sent in one write; the timer
@@ -98,7 +99,7 @@ def act(
             fleet.note(change.record)
             work.collect(change)
     release_budgets(ctx, records.values())
-    outbox.post(ctx, work, records, now, report, settled=settled)
+    outbox.post(ctx, work, records, now, report, settled=settled, settled_vms=settled_vms)
 
 
 def plan_delivery(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from coordinator import decide, health, telemetry
+from coordinator import decide, health, outbox, telemetry
 from coordinator.commit import BULK_ATTEMPTS, commit
 from coordinator.context import BatchReport, Context, Work
 from coordinator.decide import Fleet
@@ -113,6 +113,7 @@ def fold(ctx: Context, updates: VmBatch, now: datetime, fleet: Fleet, *, report:
             work.rows.append(vm_row(update.record, now, "heartbeat resumed"))
         work.rows.extend(update.rows)
         if update.conflict:
+            update.record = outbox.raise_vm_alert(update.record, "forwarder-conflict", now)
             work.vm_alerts.append((update.record, "forwarder-conflict"))
         health.assess(update, now, work, after=ctx.imds_failing_after, errors=ctx.imds_failing_errors)
     committed = commit_events(ctx, observations, now, fleet, report=report, batch=updates, work=work)

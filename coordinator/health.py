@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from coordinator import telemetry
+from coordinator import outbox, telemetry
 from coordinator.context import Work
 from coordinator.model import ImdsFailure
 from coordinator.record import vm_row
@@ -48,6 +48,7 @@ def assess(update: VmUpdate, now: datetime, work: Work, *, after: timedelta, err
     reason = imds_failing(health, at, after=after, errors=errors)
     if reason is not None and record.imdsFailing is None:
         record = record.model_copy(update={"imdsFailing": ImdsFailure(since=at, reason=reason[:1000])})
+        record = outbox.raise_vm_alert(record, "imds-failing", now)
         row = vm_row(record, now, reason)
         work.rows.append(row.model_copy(update={"Outcome": "imds-failing", "Details": _details(health)}))
         work.vm_alerts.append((record, "imds-failing"))

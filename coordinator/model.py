@@ -246,6 +246,10 @@ class VmRecord(BaseModel):
     # Set while the VM's heartbeats say its forwarder cannot read IMDS (coordinator/health.py): one card when it is
     # set, none while it lasts, another only after a heartbeat showed it recovered.
     imdsFailing: ImdsFailure | None = None
+    # The VM's card outbox, as the event's: kinds recorded by the write that set their condition (heartbeatLost,
+    # stateConflict, imdsFailing), cleared once the card was sent; the timer sends those left after ALERT_GRACE.
+    pendingAlerts: list[str] = Field(default_factory=list)
+    pendingSince: datetime | None = None
     # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a
     # batch writes an event only when the event itself changes, and a VM's sightings with its position).
     sightings: dict[str, VmSighting] = Field(default_factory=dict)
@@ -289,6 +293,8 @@ class SentAlerts(BaseModel):
 
     sentAt: datetime
     events: dict[str, list[str]]
+    # VM cards, by the group their VM is kept in, then vmId (lower case).
+    vms: dict[str, dict[str, list[str]]] = Field(default_factory=dict)
 
 
 SCALE_SET_BUCKETS = 8

@@ -130,6 +130,24 @@ def alert_row(record: EventRecord, kind: str, now: datetime, outcome: str, reaso
     )
 
 
+def vm_alert_row(vm: VmRecord, kind: str, now: datetime, outcome: str, reason: str) -> HistoryRow:
+    """An ``Alert`` row for a card about a VM (no EventId): the VM's columns, the kind in Action."""
+    identity = vm.identity
+    return HistoryRow(
+        TimeGenerated=now,
+        RecordType="Alert",
+        VmName=identity.name,
+        VmId=identity.vmId,
+        VmResourceId=identity.resourceId,
+        ScaleSetName=identity.vmScaleSetName,
+        PlacementGroupId=identity.placementGroupId,
+        Action=kind,
+        Actor="teams",
+        Outcome=outcome,
+        Reason=reason,
+    )
+
+
 def vm_row(vm: VmRecord, now: datetime, reason: str) -> HistoryRow:
     """A ``Heartbeat`` row for one VM: lost or resumed (the caller changes Outcome for retired)."""
     identity = vm.identity

@@ -21,7 +21,7 @@ from azure.functions.eventhub import EventHubTriggerConverter
 from azure.functions.meta import Datum
 from opentelemetry.sdk.trace import ReadableSpan
 
-from coordinator.alerts import FolderCardSink
+from coordinator.alerts import AlertError, FolderCardSink
 from coordinator.ingest import RawMessage
 from coordinator.relay_sender import RelayApprovalSender
 from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
@@ -287,7 +287,58 @@ def test_imds_failing_is_carded_once_per_episode(
     coordinator.process_batch([message(heartbeat(5, good_poll_ago=None, errors=60, at_minutes=4))])
     assert outcomes() == ["imds-failing", "imds-recovered", "imds-failing"]
     assert len(cards()) == 2
-    assert "no good IMDS poll since the forwarder started, 60 failed in a row" in history.rows[-1].Reason
+    last = [r for r in history.rows if r.RecordType == "Heartbeat"][-1]
+    assert "no good IMDS poll since the forwarder started, 60 failed in a row" in last.Reason
+    # The batch logged the cards it sent; the timer clears them from the VM's outbox and sends none again.
+    clock.now = DOC_NOW + timedelta(minutes=5)
+    coordinator.tick()
+    assert pending(coordinator) == []
+    assert len([r for r in history.rows if r.RecordType == "Alert" and r.Action == "imds-failing"]) == 2
+
+
+def pending(coordinator: Coordinator) -> list[str]:
+    (vm_record,) = [v for g in coordinator.store.all_vm_groups() for v in g.record.vms.values()]
+    return vm_record.pendingAlerts
+
+
+class FlakySink:
+    """A Teams webhook that refuses the first ``failures`` cards."""
+
+    def __init__(self, inner: FolderCardSink, failures: int) -> None:
+        self.inner, self.failures = inner, failures
+
+    def send(self, card: dict[str, Any], *, key: str) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise AlertError(f"Teams webhook refused card {key}: HTTP 503 after 3 attempts")
+        self.inner.send(card, key=key)
+
+
+def test_a_vm_card_that_failed_stays_in_the_vms_outbox_until_the_timer_sends_it(
+    azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp_path: Path
+) -> None:
+    coordinator, history, clock = build(azurite, imds, tmp_path)
+    coordinator.alerts = FlakySink(FolderCardSink(tmp_path / "cards"), failures=1)
+    coordinator.process_batch([message(heartbeat(1, good_poll_ago=1, errors=0))])
+    clock.now = DOC_NOW + timedelta(minutes=6)
+    coordinator.tick()  # silent for 6 min > 300 s: lost; the card fails
+    alerts = [(r.Action, r.Outcome, r.VmName) for r in history.rows if r.RecordType == "Alert"]
+    assert alerts == [("heartbeat-lost", "failed", "WestNO_0")]
+    assert pending(coordinator) == ["heartbeat-lost"]
+    clock.now += timedelta(seconds=10)
+    coordinator.tick()  # within ALERT_GRACE: not yet
+    assert len([r for r in history.rows if r.RecordType == "Alert"]) == 1
+    clock.now += timedelta(seconds=60)
+    coordinator.tick()
+    alerts = [(r.Action, r.Outcome) for r in history.rows if r.RecordType == "Alert"]
+    assert alerts == [("heartbeat-lost", "failed"), ("heartbeat-lost", "sent")]
+    assert pending(coordinator) == []
+    assert [p.name.split("-heartbeat-lost-")[1] for p in (tmp_path / "cards").glob("*heartbeat-lost*")] == [
+        "20220411T221158.json"
+    ]
+    clock.now += timedelta(seconds=60)
+    coordinator.tick()
+    assert len([r for r in history.rows if r.RecordType == "Alert"]) == 2
 
 
 def test_an_event_that_waits_for_a_person_gets_one_card_that_says_so(

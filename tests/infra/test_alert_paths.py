@@ -81,7 +81,7 @@ def _facts_conflict() -> list[HistoryRow]:
     return _with_card(event, "facts-conflict")
 
 
-# The coordinator's VM cards write no Alert row (they are not in the outbox yet): the VM's Heartbeat row is all.
+# A VM card's condition is its Heartbeat row (its Alert row, as every card's, says only whether it was sent).
 CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "new-event": _new_event,
     "approved": _approved,
