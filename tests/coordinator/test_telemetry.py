@@ -330,8 +330,10 @@ def test_a_vm_card_that_failed_stays_in_the_vms_outbox_until_the_timer_sends_it(
     assert len([r for r in history.rows if r.RecordType == "Alert"]) == 1
     clock.now += timedelta(seconds=60)
     coordinator.tick()
-    alerts = [(r.Action, r.Outcome) for r in history.rows if r.RecordType == "Alert"]
-    assert alerts == [("heartbeat-lost", "failed"), ("heartbeat-lost", "sent")]
+    assert [(r.Action, r.Outcome) for r in history.rows if r.RecordType == "Alert"] == [
+        ("heartbeat-lost", "failed"),
+        ("heartbeat-lost", "sent"),
+    ]
     assert pending(coordinator) == []
     assert [p.name.split("-heartbeat-lost-")[1] for p in (tmp_path / "cards").glob("*heartbeat-lost*")] == [
         "20220411T221158.json"
