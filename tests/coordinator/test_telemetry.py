@@ -15,12 +15,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
+import azure.monitor.opentelemetry
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 from azure.functions.eventhub import EventHubTriggerConverter
 from azure.functions.meta import Datum
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
+import function_app
 from coordinator.alerts import AlertError, FolderCardSink
 from coordinator.ingest import RawMessage
 from coordinator.relay_sender import RelayApprovalSender
@@ -90,6 +93,7 @@ def test_an_approval_continues_the_trace_of_the_envelope_that_first_reported_its
         [
             message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[freeze]), TRACEPARENT),
             message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=[freeze]), OTHER),
+            RawMessage(body=b"{not json", partition_key="x", enqueued_time=DOC_NOW - timedelta(seconds=2)),
         ]
     )
     stored = coordinator.event(event_id)
@@ -119,7 +123,8 @@ def test_an_approval_continues_the_trace_of_the_envelope_that_first_reported_its
     }
     assert totals["scheduled_events.approval.latency"]["count"] == 1
     assert totals["scheduled_events.approval.notice_left"]["count"] == 1
-    assert totals["scheduled_events.batch.age"] == {"count": 2, "sum": 4.0, "max": 2.0}
+    assert totals["scheduled_events.batch.age"] == {"count": 3, "sum": 6.0, "max": 2.0}
+    assert by_attributes["scheduled_events.dead_letters"] == {"scheduled_events.reason=invalid envelope": 1}
     assert by_attributes["scheduled_events.events.transitions"] == {
         "scheduled_events.event_type=Freeze,scheduled_events.state=Approved": 1
     }
@@ -367,3 +372,26 @@ def test_an_event_that_waits_for_a_person_gets_one_card_that_says_so(
                 "url": f"http://127.0.0.1:7071/api/events/{event_id}/approve",
             }
         ]
+
+
+def test_the_app_configures_azure_monitor_once_and_only_with_a_connection_string(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(azure.monitor.opentelemetry, "configure_azure_monitor", lambda **kw: calls.append(kw))
+    unset = trace.ProxyTracerProvider()
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: unset)
+    monkeypatch.delenv("APPLICATIONINSIGHTS_CONNECTION_STRING", raising=False)
+    function_app._configure_telemetry()
+    assert calls == []
+    monkeypatch.setenv(
+        "APPLICATIONINSIGHTS_CONNECTION_STRING", "InstrumentationKey=00000000-0000-0000-0000-000000000000"
+    )
+    function_app._configure_telemetry()
+    (call,) = calls
+    assert call["disable_logging"] is True
+    assert call["resource"].attributes["service.name"] == "scheduled-events-coordinator"
+    # A provider set already (the worker's own option, or this process's collector): not configured twice.
+    monkeypatch.setattr(trace, "get_tracer_provider", object)
+    function_app._configure_telemetry()
+    assert len(calls) == 1
