@@ -130,6 +130,31 @@ def test_an_approval_continues_the_trace_of_the_envelope_that_first_reported_its
     }
 
 
+def test_an_approval_the_timer_sends_again_continues_the_events_trace(
+    azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp_path: Path, collector: Collector
+) -> None:
+    coordinator, _history, clock = build(azurite, imds, tmp_path)
+    coordinator.approval_backoff = (5.0, 60.0)
+    event_id = imds.create_event(EventType="Freeze", Resources=["WestNO_0", "WestNO_1"], NoticeSeconds=900)["EventId"]
+    imds.inject_fault(kind="error-burst", vm="WestNO_0", count=1, status=503)
+    freeze = scheduled_event(event_id)
+    coordinator.process_batch(
+        [
+            message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[freeze]), TRACEPARENT),
+            message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=[freeze]), OTHER),
+        ]
+    )
+    clock.now = DOC_NOW + timedelta(minutes=2)
+    coordinator.tick()
+    stored = coordinator.event(event_id)
+    assert stored is not None
+    assert stored.record.state == "Approved"
+    attempts = spans(collector, "coordinator.approval")
+    assert [parent_of(span) for span in attempts] == [(TRACE, SPAN), (TRACE, SPAN)]
+    assert [(span.attributes or {}).get("scheduled_events.outcome") for span in attempts] == [None, "approved"]
+    assert not attempts[0].status.is_ok
+
+
 def test_a_malformed_traceparent_is_not_kept_and_the_decision_joins_the_batchs_trace(
     azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp_path: Path, collector: Collector
 ) -> None:
