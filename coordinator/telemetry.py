@@ -30,6 +30,8 @@ from forwarder.envelope import ForwarderHealth, VmIdentity
 
 SERVICE_NAME = "scheduled-events-coordinator"
 SCOPE = "coordinator"
+# "00-" + 32 hex trace id + "-" + 16 hex span id + "-" + 2 hex flags.
+TRACEPARENT_CHARS = 55
 # The attribute names of the spans and metrics (the forwarder's spans use the same event id and decision id names).
 EVENT_ID = "scheduled_events.event_id"
 DECISION_ID = "scheduled_events.decision_id"
@@ -170,7 +172,7 @@ def context_of(traceparent: str, tracestate: str = "") -> TraceContext | None:
     never trusted to be well-formed)."""
     if not traceparent:
         return None
-    carrier = {"traceparent": traceparent[:55]}
+    carrier = {"traceparent": traceparent[:TRACEPARENT_CHARS]}
     if tracestate:
         carrier["tracestate"] = tracestate[:512]
     context = _W3C.extract(carrier)
@@ -178,8 +180,9 @@ def context_of(traceparent: str, tracestate: str = "") -> TraceContext | None:
 
 
 def valid_traceparent(traceparent: str | None) -> str:
-    """``traceparent`` when it parses as W3C trace context, else "" (kept on the event record only if valid)."""
-    return traceparent if traceparent and context_of(traceparent) is not None else ""
+    """``traceparent`` (its 55 characters of version 00) when it parses as W3C trace context, else "": the event
+    record keeps only a valid one, of bounded size."""
+    return traceparent[:TRACEPARENT_CHARS] if traceparent and context_of(traceparent) is not None else ""
 
 
 def _link(traceparent: str, tracestate: str) -> Link | None:
@@ -190,7 +193,8 @@ def _link(traceparent: str, tracestate: str) -> Link | None:
 @contextmanager
 def batch_span(size: int, contexts: Iterable[tuple[str, str]]) -> Iterator[Span]:
     """``coordinator.batch``: one batch of Event Hubs messages (OpenTelemetry messaging conventions for a batch
-    receive: a new trace, linked to each message's own context, since the messages belong to many traces)."""
+    receive: not a child of any message, since they belong to many traces, but linked to each message's context;
+    under the host's invocation span when the host traces)."""
     links = [link for parent, state in contexts if (link := _link(parent, state)) is not None]
     with _tracer.start_as_current_span(
         "coordinator.batch",

@@ -24,6 +24,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
 import function_app
+from coordinator import telemetry
 from coordinator.alerts import AlertError, FolderCardSink
 from coordinator.ingest import RawMessage
 from coordinator.relay_sender import RelayApprovalSender
@@ -153,6 +154,13 @@ def test_an_approval_the_timer_sends_again_continues_the_events_trace(
     assert [parent_of(span) for span in attempts] == [(TRACE, SPAN), (TRACE, SPAN)]
     assert [(span.attributes or {}).get("scheduled_events.outcome") for span in attempts] == [None, "approved"]
     assert not attempts[0].status.is_ok
+
+
+def test_only_a_valid_traceparent_is_kept_and_only_its_own_characters() -> None:
+    assert telemetry.valid_traceparent(TRACEPARENT) == TRACEPARENT
+    assert telemetry.valid_traceparent(TRACEPARENT + "x" * 10_000) == TRACEPARENT
+    for bad in ("", "garbage", f"00-{'0' * 32}-{SPAN}-01", f"00-{TRACE}-{'0' * 16}-01", TRACEPARENT.upper()):
+        assert telemetry.valid_traceparent(bad) == "", bad
 
 
 def test_a_malformed_traceparent_is_not_kept_and_the_decision_joins_the_batchs_trace(
