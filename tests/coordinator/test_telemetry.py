@@ -154,6 +154,12 @@ def test_an_approval_the_timer_sends_again_continues_the_events_trace(
     assert [parent_of(span) for span in attempts] == [(TRACE, SPAN), (TRACE, SPAN)]
     assert [(span.attributes or {}).get("scheduled_events.outcome") for span in attempts] == [None, "approved"]
     assert not attempts[0].status.is_ok
+    _totals, by_attributes = metric_values(collector.reader.get_metrics_data())
+    # The timer's census: the event as this tick left it (series seen before in this process read 0).
+    assert {k: v for k, v in by_attributes["scheduled_events.events.open"].items() if v} == {
+        "scheduled_events.event_type=Freeze,scheduled_events.state=Approved": 1
+    }
+    assert by_attributes["scheduled_events.vms"]["scheduled_events.condition=reporting"] == 2
 
 
 def test_only_a_valid_traceparent_is_kept_and_only_its_own_characters() -> None:
