@@ -2,7 +2,10 @@
 
 App settings the triggers read: ``EventHubConnection__fullyQualifiedNamespace`` (identity-based connection; the
 app's identity needs "Azure Event Hubs Data Receiver" on the hub), ``EVENTHUB_NAME``, ``EVENTHUB_CONSUMER_GROUP``;
-everything else is ``COORDINATOR_*`` (coordinator/settings.py).
+everything else is ``COORDINATOR_*`` (coordinator/settings.py). With ``APPLICATIONINSIGHTS_CONNECTION_STRING`` set,
+the coordinator's spans and metrics (coordinator/telemetry.py) go to Application Insights through the Azure Monitor
+OpenTelemetry distro, configured once here; ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` (``Authorization=AAD;
+ClientId=…``) makes the exporter sign in with the app's managed identity.
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import azure.functions as func
+from opentelemetry import trace
 
-from coordinator import http
+from coordinator import http, telemetry
 from coordinator.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
@@ -23,6 +29,23 @@ from coordinator.wiring import build_coordinator
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 log = logging.getLogger("function_app")
+
+
+def _configure_telemetry() -> None:
+    """The OpenTelemetry SDK and the Azure Monitor exporters, once per worker process, only where Application Insights
+    is configured (never locally: python -m local collects in-process, local/telemetry.py)."""
+    if not os.environ.get("APPLICATIONINSIGHTS_CONNECTION_STRING"):
+        return
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return  # configured already (the worker's own Application Insights option): providers are set once
+    from azure.monitor.opentelemetry import configure_azure_monitor  # noqa: PLC0415 -- only in Azure
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource  # noqa: PLC0415
+
+    # Logs already reach Application Insights through the Functions host; the distro adds spans and metrics.
+    configure_azure_monitor(resource=Resource.create({SERVICE_NAME: telemetry.SERVICE_NAME}), disable_logging=True)
+
+
+_configure_telemetry()
 
 
 @functools.cache
@@ -36,15 +59,32 @@ def coordinator() -> Coordinator:
     return build_coordinator(settings())
 
 
-def _raw(event: func.EventHubEvent) -> RawMessage:
+def _raw(event: func.EventHubEvent, properties: Mapping[str, Any]) -> RawMessage:
     offset = event.offset
+    traceparent, tracestate = properties.get("traceparent"), properties.get("tracestate")
     return RawMessage(
         body=event.get_body(),
         partition_key=event.partition_key,
         sequence_number=event.sequence_number,
         offset=None if offset is None else str(offset),
         enqueued_time=event.enqueued_time,
+        traceparent=traceparent if isinstance(traceparent, str) else "",
+        tracestate=tracestate if isinstance(tracestate, str) else "",
     )
+
+
+def application_properties(events: list[func.EventHubEvent]) -> list[Mapping[str, Any]]:
+    """Each message's application properties. The worker gives every event of a cardinality-many batch the batch's
+    one trigger metadata, whose ``PropertiesArray`` lists them in the batch's order (``Properties`` for one event);
+    read once, from the first event."""
+    metadata = events[0].metadata if events else None
+    many = metadata.get("PropertiesArray") if metadata else None
+    if isinstance(many, list) and len(many) == len(events):
+        return [item if isinstance(item, dict) else {} for item in many]
+    one = metadata.get("Properties") if metadata else None
+    if len(events) == 1 and isinstance(one, dict):
+        return [one]
+    return [{} for _ in events]
 
 
 @app.function_name("ingest_envelopes")
@@ -59,7 +99,8 @@ def _raw(event: func.EventHubEvent) -> RawMessage:
     consumer_group="%EVENTHUB_CONSUMER_GROUP%",
 )
 def ingest_envelopes(events: list[func.EventHubEvent]) -> None:
-    report = coordinator().process_batch([_raw(e) for e in events])
+    properties = application_properties(events)
+    report = coordinator().process_batch([_raw(e, p) for e, p in zip(events, properties, strict=True)])
     log.info("batch %s", json.dumps(report.as_dict()))
 
 

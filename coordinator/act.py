@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from coordinator import outbox, rules
+from coordinator import outbox, rules, telemetry
 from coordinator.callback import ApprovalDeliveryError
 from coordinator.context import BatchReport, Context, TickReport, Work
 from coordinator.decide import Fleet, release_budgets
@@ -45,6 +45,8 @@ class Delivery:
     intent: HistoryRow | None = None
     result: ApprovalResult | None = None
     failure: str = ""
+    # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
+    traceparent: str = ""
 
 
 def act(
@@ -55,6 +57,7 @@ def act(
     *,
     last_seen: dict[str, datetime] | None,
     settled: dict[str, list[str]] | None = None,
+    settled_vms: outbox.VmCards | None = None,
     fleet: Fleet | None = None,
 ) -> None:
     """Sends the committed approvals and cards. The batch path logs the cards it sent in one write; the timer
@@ -85,11 +88,18 @@ def act(
             continue
         if change is not None:
             report.approvals_sent += 1
+            if any(row.RecordType == "Transition" and row.State == "Approved" for row in change.rows):
+                # The listener's 'approved' moved the event to Approved just now (not a repeated delivery).
+                record = change.record
+                rule = record.approval.rule if record.approval is not None else ""
+                telemetry.approved(
+                    record.eventType, rule, detected=record.createdAt, not_before=record.notBefore, now=now
+                )
             records[plan.event_id] = change.record
             fleet.note(change.record)
             work.collect(change)
     release_budgets(ctx, records.values())
-    outbox.post(ctx, work, records, now, report, settled=settled)
+    outbox.post(ctx, work, records, now, report, settled=settled, settled_vms=settled_vms)
 
 
 def plan_delivery(
@@ -109,7 +119,12 @@ def plan_delivery(
     if last_seen:
         seen.update({name: last_seen[name] for name in seen if name in last_seen})
     executor = choose_executor(record, seen, now - ctx.heartbeat_timeout, leaving=fleet.leaving(now))
-    plan = Delivery(event_id=event_id, decision_id=approval.decisionId, executor=executor.name if executor else "")
+    plan = Delivery(
+        event_id=event_id,
+        decision_id=approval.decisionId,
+        executor=executor.name if executor else "",
+        traceparent=record.traceparent,
+    )
     if executor is None:
         within = f"{ctx.heartbeat_timeout.total_seconds():.0f} s"
         if record.eventType == "Terminate":
@@ -154,7 +169,7 @@ def send_all(ctx: Context, plans: Sequence[Delivery]) -> None:
     futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
-            futures[ctx.pool().submit(ctx.callback.send, plan.request, vm=plan.vm)] = plan
+            futures[ctx.pool().submit(deliver, ctx, plan.request, plan.vm, plan.traceparent)] = plan
     if not futures:
         return
     done, late = concurrent.futures.wait(futures, timeout=ctx.approval_deadline.total_seconds())
@@ -173,6 +188,16 @@ def send_all(ctx: Context, plans: Sequence[Delivery]) -> None:
             f"{plan.executor}'s listener did not answer within {ctx.approval_deadline.total_seconds():g} s; "
             "retried (idempotent by decisionId)"
         )
+
+
+def deliver(ctx: Context, request: ApprovalRequest, vm: VmIdentity, traceparent: str) -> ApprovalResult:
+    """One approval through the callback, as the ``coordinator.approval`` span of the event's trace."""
+    with telemetry.approval_span(
+        traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
+    ) as span:
+        result = ctx.callback.send(request, vm=vm)
+        telemetry.approval_answered(span, result.outcome)
+        return result
 
 
 def approval_outcome(

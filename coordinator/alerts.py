@@ -39,7 +39,10 @@ _TITLES: dict[str, tuple[str, str]] = {
     "facts-conflict": ("Conflicting reports of an event", "Attention"),
     "heartbeat-lost": ("VM heartbeat lost", "Attention"),
     "forwarder-conflict": ("Two forwarders report as one VM", "Attention"),
+    "imds-failing": ("Forwarder alive, IMDS failing", "Attention"),
 }
+# The new-event card of an event no rule approves: it is the card that asks a person (see _explain).
+NEEDS_PERSON_TITLE = "New scheduled event needs a person's approval"
 
 _VM_TEXTS: dict[str, str] = {
     "heartbeat-lost": "Its forwarder stopped reporting: its scheduled events are not seen and cannot be approved.",
@@ -48,6 +51,11 @@ _VM_TEXTS: dict[str, str] = {
         "(another VM sending under its name with the fleet's shared identity, or a cloned disk). Both are heard; "
         "approvals still go only where the VM's own IMDS document agrees. Find the second sender."
     ),
+    "imds-failing": (
+        "Its forwarder still sends heartbeats but has not read IMDS for too long: this VM's scheduled events are not "
+        "seen and cannot be approved. Check the VM's access to 169.254.169.254 (proxy, firewall, route) and the "
+        "forwarder's log. No further card while it lasts; another one if it fails again after recovering."
+    ),
 }
 
 
@@ -55,6 +63,12 @@ def _explain(kind: AlertKind, record: EventRecord) -> str:
     """What the card's kind says about this record beyond its facts (cards are built from the record alone, so an
     outbox entry sent later by the timer says the same)."""
     approval = record.approval
+    if kind == "new-event" and waits_for_person(record):
+        until = record.notBefore.isoformat() if record.notBefore else "its NotBefore"
+        return (
+            f"No rule approves it ({record.decision.reason if record.decision else 'no decision yet'}): it waits for a "
+            f"person. Approve it with the link below, or the platform starts it at {until} regardless."
+        )
     if kind == "not-started" and approval is not None:
         by = approval.confirmBy.isoformat() if approval.confirmBy else "its deadline"
         return (
@@ -104,6 +118,12 @@ def _envelope(body: list[dict[str, Any]], actions: list[dict[str, Any]]) -> dict
     }
 
 
+def waits_for_person(record: EventRecord) -> bool:
+    """The event's decision is "wait for a person" (a rule that says so, or none matched) and it is not approved."""
+    decision = record.decision
+    return decision is not None and decision.action == "wait-for-person" and record.approval is None
+
+
 def build_card(
     kind: AlertKind,
     record: EventRecord,
@@ -113,6 +133,8 @@ def build_card(
     detail: str = "",
 ) -> dict[str, Any]:
     title, color = _TITLES[kind]
+    if kind == "new-event" and waits_for_person(record):
+        title = NEEDS_PERSON_TITLE
     resources = record.resources
     shown = ", ".join(resources[:20]) + (f" … (+{len(resources) - 20})" if len(resources) > 20 else "")
     facts = [
@@ -180,6 +202,9 @@ def build_vm_card(
     ]
     if timeout_seconds is not None:
         facts.append(_fact("Timeout", f"{timeout_seconds} s"))
+    if kind == "imds-failing" and vm.imdsFailing is not None:
+        facts.append(_fact("Failing since", vm.imdsFailing.since.isoformat()))
+        facts.append(_fact("Health", vm.imdsFailing.reason))
     body: list[dict[str, Any]] = [
         {
             "type": "TextBlock",

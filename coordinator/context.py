@@ -36,6 +36,11 @@ APPROVAL_DEADLINE = timedelta(seconds=30)
 # within seconds of StartRequests; one on a shared host may wait for the other tenants. 5 min is a third of the
 # shortest routine notice (15 min): people hear of it before NotBefore, ordinary short waits stay quiet.
 START_BOUND = timedelta(seconds=300)
+# A heartbeat whose forwarder has had no good IMDS poll for longer than this shows IMDS failing (coordinator/health.py):
+# a forwarder polls every second and heartbeats every minute, so a minute is many failed polls, one heartbeat.
+IMDS_FAILING_AFTER = timedelta(seconds=60)
+# With no good poll at all since the forwarder started (no last good poll to age), this many failed polls in a row.
+IMDS_FAILING_ERRORS = 60
 
 
 def utcnow() -> datetime:
@@ -123,6 +128,8 @@ class Context:
         approval_workers: int = APPROVAL_WORKERS,
         approval_deadline: timedelta = APPROVAL_DEADLINE,
         start_bound: timedelta = START_BOUND,
+        imds_failing_after: timedelta = IMDS_FAILING_AFTER,
+        imds_failing_errors: int = IMDS_FAILING_ERRORS,
     ) -> None:
         self.store = store
         self.history = history
@@ -149,6 +156,8 @@ class Context:
         self.approval_workers = approval_workers
         self.approval_deadline = approval_deadline
         self.start_bound = start_bound
+        self.imds_failing_after = imds_failing_after
+        self.imds_failing_errors = imds_failing_errors
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 

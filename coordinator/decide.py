@@ -14,13 +14,13 @@ import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
-from coordinator import rules
+from coordinator import rules, telemetry
 from coordinator.commit import COMMIT_ATTEMPTS, commit
 from coordinator.context import Context, Work
 from coordinator.events import commit_event
 from coordinator.model import ApprovalRecord, BudgetClaim, BudgetRecord, DecisionRecord, EventRecord
 from coordinator.record import decision_row
-from coordinator.sightings import REMOVING_EVENTS, EventChange, clone, leaving_vms
+from coordinator.sightings import REMOVING_EVENTS, EventChange, clone, leaving_vms, raise_alert
 from coordinator.tables import ConcurrencyConflict, Stored, TableStateStore
 
 log = logging.getLogger("coordinator")
@@ -250,6 +250,7 @@ def decide(ctx: Context, change: EventChange, now: datetime, fleet: Fleet) -> No
     record = change.record
     if record.state != "Scheduled" or record.approval is not None:
         return
+    started = telemetry.now_ns()
     view = fleet.view() if rules.needs_fleet(ctx.policy, record, now) else rules.FleetView()
     decision = rules.evaluate(ctx.policy, record, view, now)
     if record.eventType == "Terminate" and record.scaleSets:
@@ -285,6 +286,20 @@ def decide(ctx: Context, change: EventChange, now: datetime, fleet: Fleet) -> No
         )
         change.rows.append(decision_row(record, now))
         change.changed = True
+        telemetry.decided(
+            record.traceparent,
+            started_ns=started,
+            event_id=record.eventId,
+            event_type=record.eventType,
+            rule=decision.rule,
+            verdict=decision.verdict,
+            action=decision.action,
+            dry_run=ctx.dry_run,
+        )
+        if decision.action == "wait-for-person":
+            # Nobody else will approve it: the card that says so, with the approval link (once per event: an
+            # impactful event's new-event card, raised when it was first seen, is this same card).
+            raise_alert(change, "new-event", now)
     if decision.verdict == "approve" and not ctx.dry_run and record.decision is not None:
         record.approval = ApprovalRecord(
             decisionId=record.decision.decisionId,

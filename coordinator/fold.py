@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from coordinator import decide
+from coordinator import decide, health, outbox, telemetry
 from coordinator.commit import BULK_ATTEMPTS, commit
 from coordinator.context import BatchReport, Context, Work
 from coordinator.decide import Fleet
@@ -50,6 +50,8 @@ class VmBatch:
     failed: dict[str, str] = field(default_factory=dict)
     # Each VM's (epoch, lastSequence) in the position its observations were derived from (None: no position).
     base: dict[str, tuple[int, int] | None] = field(default_factory=dict)
+    # The trace context each envelope arrived with, by (vmId, sequence) (ingest.Arrivals.traces).
+    traces: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 def _etag(stored: Stored[Any] | None) -> str | None:
@@ -75,11 +77,13 @@ def _set_aside(
     return stale
 
 
-def vm_updates(ctx: Context, by_vm: dict[str, list[Envelope]], *, cached: bool) -> VmBatch:
+def vm_updates(
+    ctx: Context, by_vm: dict[str, list[Envelope]], *, cached: bool, traces: dict[tuple[str, int], str]
+) -> VmBatch:
     """Each VM's envelopes read against its stored position: its observations and its new position."""
     key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
     groups = ctx.store.get_vm_groups(set(key_of.values()), cached=cached)
-    batch = VmBatch(groups=groups, key_of=key_of)
+    batch = VmBatch(groups=groups, key_of=key_of, traces=traces)
     for vm_id, envelopes in by_vm.items():
         stored = groups.get(key_of[vm_id])
         previous = stored.record.vms.get(vm_id) if stored else None
@@ -109,11 +113,15 @@ def fold(ctx: Context, updates: VmBatch, now: datetime, fleet: Fleet, *, report:
             work.rows.append(vm_row(update.record, now, "heartbeat resumed"))
         work.rows.extend(update.rows)
         if update.conflict:
+            update.record = outbox.raise_vm_alert(update.record, "forwarder-conflict", now)
             work.vm_alerts.append((update.record, "forwarder-conflict"))
+        health.assess(update, now, work, after=ctx.imds_failing_after, errors=ctx.imds_failing_errors)
     committed = commit_events(ctx, observations, now, fleet, report=report, batch=updates, work=work)
     for change in committed:
         work.collect(change)
         keep_sightings(change, observations[change.record.eventId], updates)
+        if change.created_from is not None:
+            telemetry.event_detected(change.record.eventType)
     report.events_changed += len(committed) + decide.release_held(ctx, committed, now, fleet, work)
     # VM positions are written after the events: a crash in between replays the envelopes, which the
     # events' per-VM sequence makes harmless.
@@ -202,6 +210,14 @@ def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[st
     return stale
 
 
+def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | None:
+    """A new event's trace is the one of the envelope that first reported it (the forwarder's detection)."""
+    first = change.created_from if change is not None else None
+    if change is not None and first is not None:
+        change.record.traceparent = batch.traces.get((first.vm.vmId.lower(), first.sequence), "")
+    return change
+
+
 def commit_events(
     ctx: Context,
     observations: dict[str, list[Observation]],
@@ -221,7 +237,7 @@ def commit_events(
         if event_id in failed:
             return None
         try:
-            change = apply_observations(record, items, now)
+            change = start_trace(apply_observations(record, items, now), batch)
         except Exception as error:
             # Contained to this event: its observations are set aside (logged, a DeadLetter row); the rest
             # of the batch goes on.

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from coordinator import telemetry
 from coordinator.context import Context, Work
 from coordinator.rows import HistoryRow
 from coordinator.tables import DeadLetter
@@ -48,6 +49,10 @@ class RawMessage:
     sequence_number: int | None = None
     offset: str | None = None
     enqueued_time: datetime | None = None
+    # W3C trace context from the message's application properties (the forwarder sets them on the envelopes that
+    # report events): the trace an approval of those events continues. "" when the message carried none.
+    traceparent: str = ""
+    tracestate: str = ""
 
     def source(self) -> dict[str, Any]:
         return {
@@ -127,6 +132,9 @@ class Arrivals:
     by_vm: dict[str, list[Envelope]] = field(default_factory=lambda: defaultdict(list))
     raw_of: dict[str, list[RawMessage]] = field(default_factory=lambda: defaultdict(list))
     dead: list[DeadLetter] = field(default_factory=list)
+    # The trace context each envelope arrived with, by (vmId, sequence): an event record keeps the one of the
+    # envelope that first reported it.
+    traces: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 def validate(message: RawMessage, now: datetime) -> Envelope:
@@ -163,6 +171,7 @@ def read_batch(messages: Sequence[RawMessage], now: datetime, work: Work) -> Arr
     Hubs partition's, whose key is the VM)."""
     arrivals = Arrivals()
     for index, message in enumerate(messages):
+        telemetry.message_age(message.enqueued_time, now)
         try:
             envelope = validate(message, now)
         except Exception as error:  # any failure is this message's alone: set aside, counted
@@ -177,6 +186,8 @@ def read_batch(messages: Sequence[RawMessage], now: datetime, work: Work) -> Arr
             continue
         arrivals.by_vm[envelope.vm.vmId.lower()].append(envelope)
         arrivals.raw_of[envelope.vm.vmId.lower()].append(message)
+        if traceparent := telemetry.valid_traceparent(message.traceparent):
+            arrivals.traces[(envelope.vm.vmId.lower(), envelope.sequence)] = traceparent
     return arrivals
 
 

@@ -30,6 +30,7 @@ AlertKind = Literal[
     "facts-conflict",
     "heartbeat-lost",
     "forwarder-conflict",
+    "imds-failing",
 ]
 
 
@@ -172,6 +173,9 @@ class EventRecord(BaseModel):
     # Sightings that contradicted the facts on record (the latest MAX_CONFLICTS kept; ``conflictCount`` counts all).
     conflicts: list[FactConflict] = Field(default_factory=list)
     conflictCount: int = 0
+    # The W3C traceparent of the envelope that first reported the event ("" if it carried none, or from a
+    # coordinator older than this field): the decision's and the approval's spans continue that trace.
+    traceparent: str = ""
 
     @property
     def open(self) -> bool:
@@ -206,6 +210,16 @@ class ForwarderState(BaseModel):
     listed: list[str] = Field(default_factory=list)
 
 
+class ImdsFailure(BaseModel):
+    """A forwarder that still sends heartbeats but cannot read IMDS (its health says no good poll for too long):
+    since when (the heartbeat that showed it) and what it said."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    since: datetime
+    reason: str = ""
+
+
 class VmRecord(BaseModel):
     """Per-VM last-seen position: protects against duplicate and out-of-order delivery, and says which events the
     VM listed last (an event is gone for a VM when a newer document from it no longer lists it)."""
@@ -229,6 +243,13 @@ class VmRecord(BaseModel):
     stateConflict: list[str] = Field(default_factory=list)
     # Set when a Terminate/Preempt naming the VM concluded it and the VM fell silent: it is gone, not lost.
     retired: Retirement | None = None
+    # Set while the VM's heartbeats say its forwarder cannot read IMDS (coordinator/health.py): one card when it is
+    # set, none while it lasts, another only after a heartbeat showed it recovered.
+    imdsFailing: ImdsFailure | None = None
+    # The VM's card outbox, as the event's: kinds recorded by the write that set their condition (heartbeatLost,
+    # stateConflict, imdsFailing), cleared once the card was sent; the timer sends those left after ALERT_GRACE.
+    pendingAlerts: list[str] = Field(default_factory=list)
+    pendingSince: datetime | None = None
     # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a
     # batch writes an event only when the event itself changes, and a VM's sightings with its position).
     sightings: dict[str, VmSighting] = Field(default_factory=dict)
@@ -272,6 +293,8 @@ class SentAlerts(BaseModel):
 
     sentAt: datetime
     events: dict[str, list[str]]
+    # VM cards, by the group their VM is kept in, then vmId (lower case).
+    vms: dict[str, dict[str, list[str]]] = Field(default_factory=dict)
 
 
 SCALE_SET_BUCKETS = 8

@@ -13,12 +13,13 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import get_args
 
+from coordinator import telemetry
 from coordinator.alerts import AlertError, build_card, build_vm_card
 from coordinator.commit import commit
 from coordinator.context import BatchReport, Context, TickReport, Work
 from coordinator.events import commit_event, read_event
-from coordinator.model import AlertKind, EventRecord, SentAlerts, VmRecord
-from coordinator.record import alert_row
+from coordinator.model import AlertKind, EventRecord, SentAlerts, VmGroupRecord, VmRecord, group_key
+from coordinator.record import alert_row, vm_alert_row
 from coordinator.sightings import EventChange, clone
 from coordinator.tables import ConcurrencyConflict, Stored
 
@@ -29,6 +30,8 @@ ALERT_GRACE = timedelta(seconds=30)
 # Every kind a card can be built for: a pending entry of any other string (a record written by a newer coordinator)
 # is left alone rather than sent as a card this code cannot title.
 TITLED_KINDS: frozenset[str] = frozenset(get_args(AlertKind))
+# VM cards by the group their VM is kept in, then vmId (lower case): {group: {vmId: [kinds]}}.
+VmCards = dict[str, dict[str, list[str]]]
 
 
 def post(
@@ -39,9 +42,11 @@ def post(
     report: BatchReport | TickReport,
     *,
     settled: dict[str, list[str]] | None,
+    settled_vms: VmCards | None = None,
 ) -> None:
     """Posts ``work``'s cards (``records``: the events as committed; others are read). Without ``settled`` (a batch)
-    the cards sent are logged; with it (the timer) they join what the logs said was sent, cleared from the events."""
+    the cards sent are logged; with it (the timer) they join what the logs said was sent (``settled_vms`` for VM
+    cards), cleared from the events' and VMs' outboxes."""
     sent: dict[str, list[str]] = defaultdict(list)
     if work.alerts:
         for event_id in {e for e, _ in work.alerts if e not in records}:
@@ -51,34 +56,118 @@ def post(
         for event_id, kind in work.alerts:
             if event_id in records and send_card(ctx, records[event_id], kind, now, work=work, report=report):
                 sent[event_id].append(kind)
-        if settled is None and sent:
-            log_sent(ctx, sent, now)
-    if settled is not None:
-        for event_id, kinds in sent.items():
-            settled.setdefault(event_id, []).extend(kinds)
-        clear_sent(ctx, settled)
+    sent_vms = send_vm_cards(ctx, work, now, report)
+    if settled is None:
+        if sent or sent_vms:
+            log_sent(ctx, sent, now, vms=sent_vms)
+        return
+    for event_id, kinds in sent.items():
+        settled.setdefault(event_id, []).extend(kinds)
+    clear_sent(ctx, settled)
+    settled_vms = settled_vms if settled_vms is not None else {}
+    for key, vms in sent_vms.items():
+        for vm_id, kinds in vms.items():
+            settled_vms.setdefault(key, {}).setdefault(vm_id, []).extend(kinds)
+    clear_vm_sent(ctx, settled_vms)
+
+
+def raise_vm_alert(vm: VmRecord, kind: AlertKind, now: datetime) -> VmRecord:
+    """The VM with ``kind`` in its outbox: the caller writes it with the VM's position (the condition's own write),
+    and puts it in ``Work.vm_alerts`` to be sent after that write."""
+    if kind in vm.pendingAlerts:
+        return vm
+    return vm.model_copy(update={"pendingAlerts": [*vm.pendingAlerts, kind], "pendingSince": vm.pendingSince or now})
+
+
+def send_vm_cards(ctx: Context, work: Work, now: datetime, report: BatchReport | TickReport) -> VmCards:
+    """Sends the VM cards of ``work``; returns those sent, by group and vmId (an Alert row each, sent or failed)."""
+    sent: VmCards = {}
     for vm, kind in work.vm_alerts:
-        # Once per pair of forwarder states found speaking for the VM (the key names the pair).
-        send_vm_card(ctx, vm, kind, now, report, key=f"{vm.identity.vmId}-{kind}-{'-'.join(vm.stateConflict)}")
+        if send_vm_card(ctx, vm, kind, now, report, work=work):
+            vm_id = vm.identity.vmId.lower()
+            sent.setdefault(group_key(vm.identity), {}).setdefault(vm_id, []).append(kind)
+    return sent
+
+
+def vm_card_key(vm: VmRecord, kind: AlertKind) -> str:
+    """Names the condition's occurrence, so a card sent again (the folder sink overwrites) is the same card: the last
+    envelope before a heartbeat was lost, a pair of forwarder states found speaking for the VM, or an IMDS failure
+    by when it began."""
+    if kind == "heartbeat-lost":
+        return f"{vm.identity.vmId}-{kind}-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}"
+    if kind == "imds-failing" and vm.imdsFailing is not None:
+        return f"{vm.identity.vmId}-{kind}-{vm.imdsFailing.since.strftime('%Y%m%dT%H%M%S')}"
+    return f"{vm.identity.vmId}-{kind}-{'-'.join(vm.stateConflict)}"
 
 
 def send_vm_card(
-    ctx: Context,
-    vm: VmRecord,
-    kind: AlertKind,
-    now: datetime,
-    report: BatchReport | TickReport,
-    *,
-    key: str,
-    timeout_seconds: int | None = None,
-) -> None:
-    """A card about a VM rather than an event (heartbeat lost, two forwarders as one VM): sent once, not kept in
-    an outbox (the condition is flagged on the VM's position, so it is not raised again)."""
+    ctx: Context, vm: VmRecord, kind: AlertKind, now: datetime, report: BatchReport | TickReport, *, work: Work
+) -> bool:
+    """A card about a VM rather than an event (heartbeat lost, two forwarders as one VM, IMDS failing). A card that
+    fails stays in the VM's outbox for the timer."""
+    timeout = int(ctx.heartbeat_timeout.total_seconds()) if kind == "heartbeat-lost" else None
     try:
-        ctx.alerts.send(build_vm_card(kind, vm, now=now, timeout_seconds=timeout_seconds), key=key)
-        report.alerts_sent += 1
+        ctx.alerts.send(build_vm_card(kind, vm, now=now, timeout_seconds=timeout), key=vm_card_key(vm, kind))
     except AlertError as error:
-        log.warning("%s card for %s not delivered: %s", kind, vm.identity.name, error)
+        log.warning("%s card for %s not delivered, kept pending: %s", kind, vm.identity.name, error)
+        if isinstance(report, BatchReport):
+            report.alerts_failed += 1
+        work.rows.append(vm_alert_row(vm, kind, now, "failed", str(error)))
+        telemetry.alert(kind, "failed")
+        return False
+    report.alerts_sent += 1
+    work.rows.append(vm_alert_row(vm, kind, now, "sent", ""))
+    telemetry.alert(kind, "sent")
+    return True
+
+
+def queue_vm_pending(vm: VmRecord, now: datetime, work: Work, settled_vms: VmCards) -> None:
+    """The VMs' outbox, as ``queue_pending`` for events: cards recorded but not sent after ALERT_GRACE."""
+    if not vm.pendingAlerts or (vm.pendingSince is not None and vm.pendingSince > now - ALERT_GRACE):
+        return
+    vm_id = vm.identity.vmId.lower()
+    queued: set[str] = {kind for queued_vm, kind in work.vm_alerts if queued_vm.identity.vmId.lower() == vm_id}
+    queued.update(settled_vms.get(group_key(vm.identity), {}).get(vm_id, ()))
+    for kind in vm.pendingAlerts:
+        if kind in TITLED_KINDS and kind not in queued:
+            work.vm_alerts.append((vm, kind))  # type: ignore[arg-type]
+
+
+def clear_vm_sent(ctx: Context, sent: VmCards) -> None:
+    """Clears sent cards from the VMs' outboxes: one ETag-checked write per group; a group another instance wrote
+    meanwhile is read again."""
+    for key, vms in sent.items():
+
+        def cleared(
+            current: Stored[VmGroupRecord] | None, vms: dict[str, list[str]] = vms
+        ) -> tuple[VmGroupRecord, dict[str, VmRecord]] | None:
+            if current is None:
+                return None
+            changed = {
+                vm_id: vm.model_copy(
+                    update={
+                        "pendingAlerts": [k for k in vm.pendingAlerts if k not in vms[vm_id]],
+                        "pendingSince": vm.pendingSince if set(vm.pendingAlerts) - set(vms[vm_id]) else None,
+                    }
+                )
+                for vm_id, vm in current.record.vms.items()
+                if vm_id in vms and set(vm.pendingAlerts) & set(vms[vm_id])
+            }
+            if not changed:
+                return None
+            return current.record.model_copy(update={"vms": {**current.record.vms, **changed}}), changed
+
+        try:
+            commit(
+                lambda _attempt, key=key: ctx.store.get_vm_groups([key]).get(key),  # type: ignore[misc]
+                cleared,
+                lambda write, current: ctx.store.save_vm_group(
+                    write[0], current.etag if current else None, vm_ids=write[1]
+                ),
+                what=f"sent VM cards of {key}",
+            )
+        except ConcurrencyConflict:
+            log.warning("VM cards of group %s sent but still marked pending: the timer may send them again", key)
 
 
 def send_card(
@@ -94,15 +183,31 @@ def send_card(
         if isinstance(report, BatchReport):
             report.alerts_failed += 1
         work.rows.append(alert_row(record, kind, now, "failed", str(error)))
+        telemetry.alert(kind, "failed")
         return False
     report.alerts_sent += 1
+    telemetry.alert(kind, "sent")
     work.rows.append(alert_row(record, kind, now, "sent", ""))
     return True
 
 
-def log_sent(ctx: Context, sent: dict[str, list[str]], now: datetime) -> None:
+def sent_logs(ctx: Context) -> tuple[list[tuple[str, SentAlerts]], dict[str, list[str]], VmCards]:
+    """The batches' logs of sent cards, and what they say was sent: event cards by EventId, VM cards by group."""
+    logs = ctx.store.sent_alert_logs()
+    settled: dict[str, list[str]] = defaultdict(list)
+    settled_vms: VmCards = {}
+    for _, entry in logs:
+        for event_id, kinds in entry.events.items():
+            settled[event_id].extend(kinds)
+        for key, vms in entry.vms.items():
+            for vm_id, kinds in vms.items():
+                settled_vms.setdefault(key, {}).setdefault(vm_id, []).extend(kinds)
+    return logs, settled, settled_vms
+
+
+def log_sent(ctx: Context, sent: dict[str, list[str]], now: datetime, *, vms: VmCards) -> None:
     try:
-        ctx.store.log_sent_alerts(SentAlerts(sentAt=now, events=dict(sent)))
+        ctx.store.log_sent_alerts(SentAlerts(sentAt=now, events=dict(sent), vms=vms))
     except Exception:  # the cards went out; without the log the timer may send them once more
         log.exception("could not record %d sent cards; the timer may send them again", len(sent))
 

@@ -11,6 +11,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
+from coordinator import telemetry
 from coordinator.context import BatchReport, Context, TickReport
 from coordinator.model import ApprovalRecord, EventRecord, VmRecord
 from coordinator.rows import HistoryRow
@@ -22,6 +23,7 @@ log = logging.getLogger("coordinator")
 def write_history(ctx: Context, rows: list[HistoryRow], report: BatchReport | TickReport) -> None:
     if not rows:
         return
+    telemetry.history_written(rows)
     try:
         ctx.history.write(rows)
         report.history_rows += len(rows)
@@ -121,6 +123,24 @@ def alert_row(record: EventRecord, kind: str, now: datetime, outcome: str, reaso
         EventType=record.eventType,
         EventSource=record.eventSource,
         State=record.state,
+        Action=kind,
+        Actor="teams",
+        Outcome=outcome,
+        Reason=reason,
+    )
+
+
+def vm_alert_row(vm: VmRecord, kind: str, now: datetime, outcome: str, reason: str) -> HistoryRow:
+    """An ``Alert`` row for a card about a VM (no EventId): the VM's columns, the kind in Action."""
+    identity = vm.identity
+    return HistoryRow(
+        TimeGenerated=now,
+        RecordType="Alert",
+        VmName=identity.name,
+        VmId=identity.vmId,
+        VmResourceId=identity.resourceId,
+        ScaleSetName=identity.vmScaleSetName,
+        PlacementGroupId=identity.placementGroupId,
         Action=kind,
         Actor="teams",
         Outcome=outcome,

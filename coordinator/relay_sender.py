@@ -2,7 +2,8 @@
 
 ``POST https://{namespace}/{vm.hybrid_connection_name}/approve`` with the ``ApprovalRequest`` as JSON and a token in
 the ``ServiceBusAuthorization`` header: an Entra ID access token for https://relay.azure.net (managed identity, the
-production path; the raw token, no ``Bearer``) or a SAS token (``AzureNamedKeyCredential``; emulator and tests).
+production path; the raw token, no ``Bearer``) or a SAS token (``AzureNamedKeyCredential``; emulator and tests), and
+the W3C ``traceparent`` of the ``coordinator.approval`` span, so that the listener's spans join the event's trace.
 
 Retries (``coordinator.retry.backoff_delay``, full jitter) cover what a later attempt can fix: no listener
 connected (502/503), the listener did not answer in time (504), the listener could not reach IMDS (503), connection
@@ -24,6 +25,7 @@ import requests
 from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
 from pydantic import ValidationError
 
+from coordinator import telemetry
 from coordinator.callback import ApprovalDeliveryError
 from coordinator.relay_admin import namespace_for_vm
 from coordinator.retry import backoff_delay
@@ -144,6 +146,8 @@ class RelayApprovalSender:
             "ServiceBusAuthorization": self._token(url, hybrid_connection),
             "Content-Type": "application/json",
         }
+        # W3C trace context (traceparent): the listener's spans join the event's trace (coordinator/telemetry.py).
+        telemetry.inject(headers)
         try:
             response = self._session.post(
                 url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))

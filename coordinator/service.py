@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator import act, fold, ingest, people, timer
+from coordinator import act, fold, ingest, people, telemetry, timer
 from coordinator.commit import BULK_ATTEMPTS
 from coordinator.context import BatchReport, Context, TickReport, Work
 from coordinator.decide import Fleet
@@ -39,12 +39,16 @@ class Coordinator(Context):
 
     def process_batch(self, messages: Sequence[RawMessage]) -> BatchReport:
         """One Event Hubs batch (cardinality many). Bad messages are dead-lettered; the rest goes on."""
+        with telemetry.batch_span(len(messages), ((m.traceparent, m.tracestate) for m in messages)):
+            return self._process_batch(messages)
+
+    def _process_batch(self, messages: Sequence[RawMessage]) -> BatchReport:
         now = self.clock()
         report = BatchReport(received=len(messages))
         work = Work()
         arrivals = ingest.read_batch(messages, now, work)
         fleet = Fleet(self.store)
-        updates = fold.vm_updates(self, arrivals.by_vm, cached=True)
+        updates = fold.vm_updates(self, arrivals.by_vm, cached=True, traces=arrivals.traces)
         report.dead_lettered = ingest.set_aside(self, arrivals, updates.failed, now, work)
         stale = fold.fold(self, updates, now, fleet, report=report, work=work)
         for _attempt in range(BULK_ATTEMPTS):
@@ -56,7 +60,9 @@ class Coordinator(Context):
             for vm_id in stale:
                 report.accepted -= updates.updates[vm_id].applied
                 report.duplicates -= updates.updates[vm_id].duplicates
-            redo = fold.vm_updates(self, {vm_id: arrivals.by_vm[vm_id] for vm_id in stale}, cached=False)
+            redo = fold.vm_updates(
+                self, {vm_id: arrivals.by_vm[vm_id] for vm_id in stale}, cached=False, traces=arrivals.traces
+            )
             updates.updates.update(redo.updates)
             updates.new_vms = (updates.new_vms - stale) | redo.new_vms
             stale = fold.fold(self, redo, now, fleet, report=report, work=work)

@@ -71,6 +71,16 @@ class CoordinatorSettings(BaseSettings):
         description="an approval the VM's listener answered 'approved' must be seen Started or gone within this, "
         "else a 'not-started' card",
     )
+    imds_failing_seconds: int = Field(
+        default=60,
+        ge=5,
+        description="a heartbeat showing no good IMDS poll for longer than this raises the VM's 'imds-failing' card",
+    )
+    imds_failing_poll_errors: int = Field(
+        default=60,
+        ge=1,
+        description="with no good IMDS poll since the forwarder started: this many failed polls in a row raise it",
+    )
     hybrid_connection_silence_seconds: int = Field(
         default=86_400, ge=3600, description="delete a VM's hybrid connection after this long without a word"
     )

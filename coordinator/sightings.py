@@ -26,7 +26,7 @@ from coordinator.model import (
 )
 from coordinator.rows import HistoryRow
 from forwarder.document import ScheduledEvent
-from forwarder.envelope import Envelope, HookReport, VmIdentity
+from forwarder.envelope import Envelope, ForwarderHealth, HookReport, VmIdentity
 
 ObservationKind = Literal["listed", "gone", "hook"]
 SIGHTING_RETENTION = timedelta(days=7)
@@ -70,6 +70,9 @@ class VmUpdate:
     rows: list[HistoryRow] = field(default_factory=list)
     # A new pair of forwarder states was found speaking for this VM in turn: alert once.
     conflict: bool = False
+    # The latest applied envelope's forwarder health and when it was observed (heartbeats of forwarders that report
+    # it; coordinator/health.py judges it).
+    health: tuple[ForwarderHealth, datetime] | None = None
 
 
 def state_tag(state_id: str) -> str:
@@ -200,11 +203,14 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
     observations: list[Observation] = []
     rows: list[HistoryRow] = []
     applied = duplicates = 0
+    health: tuple[ForwarderHealth, datetime] | None = None
     for envelope in ordered:
         if not position.enter(envelope, rows):
             duplicates += 1
             continue
         applied += 1
+        if envelope.health is not None:
+            health = (envelope.health, envelope.observedAt)
         position.last_sequence = envelope.sequence
         position.last_seen = max(position.last_seen, envelope.observedAt)
         identity = envelope.vm
@@ -286,6 +292,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
         resumed=back,
         rows=rows,
         conflict=position.conflict,
+        health=health,
     )
 
 
@@ -314,6 +321,8 @@ class EventChange:
     changed: bool = False
     # This change (not an earlier write it re-read) decided the approval: only its writer sends it.
     approval_decided: bool = False
+    # The observation that created the record (None: the record existed): its envelope's trace is the event's.
+    created_from: Observation | None = None
 
 
 def event_row(record: EventRecord, now: datetime, record_type: str, **values: object) -> HistoryRow:
@@ -388,15 +397,14 @@ def apply_observations(
     """Merges one event's observations (from any number of VMs) into its record. Returns None when there is
     no record and nothing could start one (a 'gone' or hook report for an event never seen listed)."""
     ordered = sorted(observations, key=lambda o: (o.observed_at, o.sequence))
-    created = False
+    created: Observation | None = None
     if record is None:
-        first_listed = next((o for o in ordered if o.kind == "listed"), None)
-        if first_listed is None:
+        created = next((o for o in ordered if o.kind == "listed"), None)
+        if created is None:
             return None
-        record = new_record(first_listed, now)
-        created = True
+        record = new_record(created, now)
     record = clone(record)
-    change = EventChange(record=record, changed=created)
+    change = EventChange(record=record, changed=created is not None, created_from=created)
     for observation in ordered:
         sighting = record.vms.get(observation.vm.name)
         if observation.kind == "listed":
@@ -405,7 +413,7 @@ def apply_observations(
             _apply_gone(change, sighting, observation, now)
         else:
             _apply_hook(change, sighting, observation, now)
-    if created:
+    if created is not None:
         if not record.seenScheduled and record.everStarted:
             raise_alert(change, "started-without-notice", now)
         elif is_impactful(record):

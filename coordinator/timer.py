@@ -2,17 +2,18 @@
 
 Re-evaluates waiting events (``decide``), expires events past NotBefore, retires VMs a Terminate/Preempt removed and
 concludes their events, concludes events whose VMs fell silent, retries approvals and cards that failed (``act``,
-``outbox``), notices VMs whose heartbeat stopped, and hourly runs the housekeeping (retention, hybrid connections).
+``outbox``), notices VMs whose heartbeat stopped, hourly runs the housekeeping (retention, hybrid connections), and
+sets the fleet's gauges (VMs by condition, open events by type and state).
 Gives a ``TickReport``; every change goes through ``commit_event`` or a VM group's ETag.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter
 from datetime import datetime
 
-from coordinator import act, decide, outbox
+from coordinator import act, decide, outbox, telemetry
 from coordinator.context import Context, TickReport, Work
 from coordinator.decide import Fleet
 from coordinator.events import assemble, commit_event
@@ -48,11 +49,7 @@ def tick(ctx: Context) -> TickReport:
     )
     retired = {vm.identity.name: vm.retired.eventId for g in groups for vm in g.record.vms.values() if vm.retired}
     report.vms_retired = sum(1 for row in work.rows if row.Outcome == "retired")
-    logs = ctx.store.sent_alert_logs()
-    settled: dict[str, list[str]] = defaultdict(list)
-    for _, entry in logs:
-        for event_id, kinds in entry.events.items():
-            settled[event_id].extend(kinds)
+    logs, settled, settled_vms = outbox.sent_logs(ctx)
     changes: list[EventChange] = []
     for stored in open_events.values():
         record = stored.record
@@ -89,13 +86,34 @@ def tick(ctx: Context) -> TickReport:
     report.events_changed += decide.release_held(ctx, changes, now, fleet, work)
     for stored in ctx.store.closed_events_with_pending_alerts():
         outbox.queue_pending(stored.record, now, work, settled)
+    for group in groups:
+        for vm in group.record.vms.values():
+            outbox.queue_vm_pending(vm, now, work, settled_vms)
     heartbeats(ctx, groups, now, work, report)
     run_housekeeping(ctx, groups, now, report)
-    act.act(ctx, work, now, report, last_seen=last_seen, settled=settled, fleet=fleet)
+    act.act(ctx, work, now, report, last_seen=last_seen, settled=settled, settled_vms=settled_vms, fleet=fleet)
     write_history(ctx, work.rows, report)
     if logs:
         ctx.store.delete_sent_alert_logs([key for key, _ in logs])
+    census(ctx, groups, [work.records.get(s.record.eventId, s.record) for s in open_events.values()], now)
     return report
+
+
+def census(ctx: Context, groups: list[Stored[VmGroupRecord]], events: list[EventRecord], now: datetime) -> None:
+    """The fleet as this tick found it, for the gauges: VMs by condition (each counted once, the first that holds of
+    retired, silent, unhealthy, reporting) and open events by type and state."""
+    vms: Counter[str] = Counter()
+    for group in groups:
+        for vm in group.record.vms.values():
+            if vm.retired is not None:
+                vms["retired"] += 1
+            elif vm.lastSeen < now - ctx.heartbeat_timeout:
+                vms["silent"] += 1
+            elif vm.imdsFailing is not None:
+                vms["unhealthy"] += 1
+            else:
+                vms["reporting"] += 1
+    telemetry.census(vms, Counter((e.eventType, e.state) for e in events if e.open))
 
 
 def reconsider(
@@ -193,7 +211,7 @@ def heartbeats(
     timeout = int(ctx.heartbeat_timeout.total_seconds())
     for stored in groups:
         lost = {
-            vm_id: vm.model_copy(update={"heartbeatLost": True})
+            vm_id: outbox.raise_vm_alert(vm.model_copy(update={"heartbeatLost": True}), "heartbeat-lost", now)
             for vm_id, vm in stored.record.vms.items()
             if not vm.heartbeatLost and vm.retired is None and vm.lastSeen < now - ctx.heartbeat_timeout
         }
@@ -207,15 +225,7 @@ def heartbeats(
         for vm in lost.values():
             report.heartbeats_lost += 1
             work.rows.append(vm_row(vm, now, f"no envelope for more than {timeout} s"))
-            outbox.send_vm_card(
-                ctx,
-                vm,
-                "heartbeat-lost",
-                now,
-                report,
-                key=f"{vm.identity.vmId}-heartbeat-lost-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}",
-                timeout_seconds=timeout,
-            )
+            work.vm_alerts.append((vm, "heartbeat-lost"))
 
 
 def run_housekeeping(ctx: Context, groups: list[Stored[VmGroupRecord]], now: datetime, report: TickReport) -> None:

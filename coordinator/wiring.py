@@ -110,4 +110,6 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         retire_grace=timedelta(seconds=settings.retire_grace_seconds),
         approval_deadline=timedelta(seconds=settings.approval_deadline_seconds),
         start_bound=timedelta(seconds=settings.start_bound_seconds),
+        imds_failing_after=timedelta(seconds=settings.imds_failing_seconds),
+        imds_failing_errors=settings.imds_failing_poll_errors,
     )

@@ -1,4 +1,5 @@
-"""Build infra/workbook.json (Azure Monitor workbook, deployed by modules/workbook.bicep) from infra/queries/*.kql.
+"""Build infra/workbook.json (Azure Monitor workbook, deployed by modules/workbook.bicep) from infra/queries/*.kql (the
+history) and infra/queries/metrics/*.kql (the coordinator's metrics in Application Insights' AppMetrics).
 
 The .kql files are the one definition of the queries; this script copies them into the workbook so that the two
 cannot drift (tests/infra checks that workbook.json equals what this script builds). Run after editing a query:
@@ -27,6 +28,16 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("silent-forwarders.kql", "Silent forwarders"),
     ("event-timeline.kql", "Timeline of one EventId (set the EventId parameter)"),
 )
+# The coordinator's metrics (coordinator/telemetry.py) from Application Insights, whose workspace holds them in
+# AppMetrics: (file under queries/metrics/, panel title, visualization), shown after the history panels.
+METRIC_QUERIES = QUERIES / "metrics"
+METRIC_PANELS: tuple[tuple[str, str, str], ...] = (
+    ("fleet-census.kql", "Metrics: VMs by condition (latest timer run)", "table"),
+    ("forwarder-health.kql", "Metrics: forwarder health, worst first (last hour)", "table"),
+    ("decisions-by-rule.kql", "Metrics: decisions by rule and verdict (7 days)", "table"),
+    ("approval-latency.kql", "Metrics: detection to approval, and notice left at approval (7 days)", "table"),
+    ("pipeline-problems.kql", "Metrics: refused, expired, dead letters, failed cards, age (hourly)", "timechart"),
+)
 # The timeline query's placeholder line, and what the workbook puts there: its EventId parameter.
 EVENT_ID_LINE = 'let eventId = "";'
 EVENT_ID_PARAMETER_LINE = 'let eventId = "{EventId}";'
@@ -38,8 +49,9 @@ def build() -> dict[str, Any]:
             "type": 1,
             "name": "intro",
             "content": {
-                "json": "## Scheduled events fleet\nHistory written by the coordinator to `ScheduledEventsHistory_CL`."
-                " Queries are the files in `infra/queries/`."
+                "json": "## Scheduled events fleet\nHistory written by the coordinator to `ScheduledEventsHistory_CL`,"
+                " then the coordinator's metrics (Application Insights, `AppMetrics`). Queries are the files in"
+                " `infra/queries/`."
             },
         },
         {
@@ -82,6 +94,22 @@ def build() -> dict[str, Any]:
                     "queryType": 0,
                     "resourceType": RESOURCE_TYPE,
                     "visualization": "table",
+                },
+            }
+        )
+    for file_name, title, visualization in METRIC_PANELS:
+        items.append(
+            {
+                "type": 3,
+                "name": "metrics-" + file_name.removesuffix(".kql"),
+                "content": {
+                    "version": "KqlItem/1.0",
+                    "title": title,
+                    "query": (METRIC_QUERIES / file_name).read_text(encoding="utf-8"),
+                    "size": 0,
+                    "queryType": 0,
+                    "resourceType": RESOURCE_TYPE,
+                    "visualization": visualization,
                 },
             }
         )

@@ -105,6 +105,10 @@ param dryRun bool = true
 @minValue(60)
 param heartbeatTimeoutSeconds int = 300
 
+@description('Seconds without a good IMDS poll, as a heartbeat reports it, after which the coordinator raises the VM\'s imds-failing card.')
+@minValue(5)
+param imdsFailingSeconds int = 60
+
 @description('Days the history table keeps rows.')
 @minValue(4)
 @maxValue(730)
@@ -245,6 +249,7 @@ module functionApp 'modules/functionapp.bicep' = {
     historyStreamName: monitoring.outputs.historyStreamName
     teamsUrlEntryUri: keyVault.outputs.teamsUrlEntryUri
     heartbeatTimeoutSeconds: heartbeatTimeoutSeconds
+    imdsFailingSeconds: imdsFailingSeconds
     dryRun: dryRun
     maximumInstanceCount: functionMaximumInstanceCount
     instanceMemoryMB: functionInstanceMemoryMB

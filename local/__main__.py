@@ -3,8 +3,9 @@
 Plays a scenario in the IMDS emulator for several simulated VMs, runs one forwarder process per VM (AMQP to the
 Event Hubs emulator), feeds Event Hubs batches and timer ticks to the same function_app functions the Functions host
 would call (state in Azurite, history in SQLite, cards in a folder), sends approvals through the Relay emulator back
-to the forwarders, prints a live timeline and a summary. Exit 0 when every expectation of the run held, 1 when one
-failed or the run did not finish in time, 2 on bad arguments.
+to the forwarders, prints a live timeline and a summary with each approval's trace, and writes the run's telemetry
+(spans and metrics, local/telemetry.py) to telemetry.json in the work folder. Exit 0 when every expectation of the run
+held, 1 when one failed or the run did not finish in time, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from emulators.azurite import AzuriteError
 from emulators.imds import Scenario, ScenarioError
 from local.run import follow, history_command, judge, settle_forwarders
 from local.stack import REPO_ROOT, LocalStack, StackOptions, WorkdirBusy
+from local.telemetry import REPORT_FILE, Collector
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_SCENARIO = REPO_ROOT / "emulators" / "scenarios" / "fleet-demo.yaml"
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
     started = time.monotonic()
     printer = None if arguments.quiet else (lambda line: print(line, flush=True))
+    # Before the stack starts: the coordinator records from its first batch on.
+    collector = Collector.install()
+    collector.begin()
     try:
         with LocalStack(options) as stack:
             assert stack.imds is not None
@@ -97,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             for line in summary.render():
                 print(line)
+            telemetry = collector.finish(stack.workdir)
+            for line in telemetry.render():
+                print(line)
+            print(f"telemetry (spans of each approval, metrics): {stack.workdir / REPORT_FILE}")
             print(f"cards: {stack.cards_dir} ({len(list(stack.cards_dir.glob('*')))} files)")
             print(f"query the history: {history_command(stack)}")
             print(f"run took {time.monotonic() - started:.1f} s")

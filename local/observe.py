@@ -122,14 +122,14 @@ def applied_positions(store: TableStateStore) -> dict[str, int]:
 
 
 # A VM's cards are named {vmId}-{kind}-{suffix}.json; an event's {EventId}-{kind}.json.
-VM_CARD_KINDS = ("heartbeat-lost", "forwarder-conflict")
+VM_CARD_KINDS = ("heartbeat-lost", "forwarder-conflict", "imds-failing")
 CARD_KINDS = tuple(kind for kind in get_args(AlertKind) if kind not in VM_CARD_KINDS)
 
 
 def cards_written(folder: Path, vm_names: dict[str, str]) -> list[dict[str, str | None]]:
     """The cards the coordinator wrote, from their file names: ``{EventId}-{kind}.json`` for an event's card,
-    ``{vmId}-{kind}-{suffix}.json`` for a VM's (heartbeat lost, two forwarders as one VM); ``vm_names`` maps vmId to
-    the VM's name. A file of another shape is listed with kind ``unknown``."""
+    ``{vmId}-{kind}-{suffix}.json`` for a VM's (heartbeat lost, two forwarders as one VM, IMDS failing); ``vm_names``
+    maps vmId to the VM's name. A file of another shape is listed with kind ``unknown``."""
     cards: list[dict[str, str | None]] = []
     for path in sorted(folder.glob("*.json")):
         stem = path.stem

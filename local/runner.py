@@ -4,13 +4,15 @@
 The consumer is the real ``azure-eventhub`` ``EventHubConsumerClient`` with checkpoints in Azurite through
 ``BlobCheckpointStore``, as the host's Event Hubs extension keeps them in the app's storage account. Batches have the
 host's shape for ``cardinality=many``: up to ``max_batch_size`` ``func.EventHubEvent`` of one partition, each with
-partition key, sequence number, enqueued time and offset. A batch the function raises on is retried with backoff
-(the app's ``@app.retry`` policy); when retries run out it is counted as failed and the checkpoint moves on, as the
-host does.
+partition key, sequence number, enqueued time and offset, sharing the batch's trigger metadata whose
+``PropertiesArray`` holds the messages' application properties (the forwarder's W3C trace context). A batch the
+function raises on is retried with backoff (the app's ``@app.retry`` policy); when retries run out it is counted as
+failed and the checkpoint moves on, as the host does.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -23,6 +25,7 @@ import azure.functions as func
 from azure.eventhub import EventData, EventHubConsumerClient, PartitionContext
 from azure.eventhub.amqp import AmqpMessageBodyType
 from azure.eventhub.extensions.checkpointstoreblob import BlobCheckpointStore
+from azure.functions.meta import Datum
 from azure.functions.timer import TimerRequest
 from azure.storage.blob import BlobServiceClient
 
@@ -37,16 +40,31 @@ IngestFunction = Callable[[list[func.EventHubEvent]], None]
 TimerFunction = Callable[[func.TimerRequest], None]
 
 
-def to_function_event(event: EventData) -> func.EventHubEvent:
-    """The ``func.EventHubEvent`` the Functions worker would build from this message."""
+def to_function_event(event: EventData, metadata: dict[str, Datum] | None = None) -> func.EventHubEvent:
+    """The ``func.EventHubEvent`` the Functions worker would build from this message (``metadata``: the batch's trigger
+    metadata, which the worker hands every event of a cardinality-many batch)."""
     offset = event.offset
     return func.EventHubEvent(
         body=_body_bytes(event),
+        trigger_metadata=metadata,
         enqueued_time=event.enqueued_time,
         partition_key=event.partition_key.decode() if isinstance(event.partition_key, bytes) else event.partition_key,
         sequence_number=event.sequence_number,
         offset=None if offset is None else str(offset),
     )
+
+
+def to_function_batch(events: Sequence[EventData]) -> list[func.EventHubEvent]:
+    """A cardinality-many batch as the worker builds it: each event, and one trigger metadata for all of them whose
+    ``PropertiesArray`` holds each message's application properties in order (the W3C trace context among them)."""
+    properties = [{_text(k): _text(v) for k, v in (event.properties or {}).items()} for event in events]
+    metadata = {"PropertiesArray": Datum(type="json", value=json.dumps(properties))}
+    return [to_function_event(event, metadata) for event in events]
+
+
+def _text(value: object) -> str:
+    # AMQP application properties arrive as bytes or str keys and values; the host hands them on as JSON strings.
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _body_bytes(event: EventData) -> bytes:
@@ -168,7 +186,7 @@ class FunctionHost:
     def _on_batch(self, context: PartitionContext, events: Sequence[EventData]) -> None:
         if not events:
             return
-        batch = [to_function_event(event) for event in events]
+        batch = to_function_batch(events)
         self.deliver(batch)
         context.update_checkpoint(events[-1])
 

@@ -72,6 +72,9 @@ param teamsUrlEntryUri string
 @description('Seconds without a heartbeat after which the coordinator reports a VM as silent.')
 param heartbeatTimeoutSeconds int
 
+@description('Seconds without a good IMDS poll, as a heartbeat reports it, after which the coordinator raises the VM\'s imds-failing card.')
+param imdsFailingSeconds int
+
 
 @description('Decide and log but never send approvals.')
 param dryRun bool
@@ -220,6 +223,7 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
     COORDINATOR_RELAY_SUBSCRIPTION_ID: subscription().subscriptionId
     COORDINATOR_RELAY_RESOURCE_GROUP: resourceGroup().name
     COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: string(heartbeatTimeoutSeconds)
+    COORDINATOR_IMDS_FAILING_SECONDS: string(imdsFailingSeconds)
     // App Service Authentication: the sign-in identity's client id stands in for a client secret (the app
     // registration holds a federated credential for it), and only accounts of the one tenant are accepted.
     OVERRIDE_USE_MI_FIC_ASSERTION_CLIENTID: signInIdentityClientId

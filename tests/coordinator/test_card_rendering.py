@@ -17,7 +17,15 @@ from typing import Any, get_args
 import pytest
 
 from coordinator.alerts import CARD_VERSION, build_card, build_vm_card
-from coordinator.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, FactConflict, VmRecord
+from coordinator.model import (
+    AlertKind,
+    ApprovalRecord,
+    DecisionRecord,
+    EventRecord,
+    FactConflict,
+    ImdsFailure,
+    VmRecord,
+)
 from forwarder.envelope import VmIdentity
 from tests.infra import bicep_model as bm
 
@@ -26,7 +34,7 @@ RENDERER = ROOT / "tools" / "node" / "render-cards.js"
 CHROMIUM = Path("/usr/bin/chromium")
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
 APPROVE_URL = "https://se-coordinator.azurewebsites.net/api/events/3F2A9C1E-0B7D-4E55-9A21-6C0D2B8E4F10/approve"
-VM_KINDS = ("heartbeat-lost", "forwarder-conflict")
+VM_KINDS = ("heartbeat-lost", "forwarder-conflict", "imds-failing")
 # What a person reads first on each card.
 TITLES = {
     "new-event": "New scheduled event: Reboot",
@@ -40,6 +48,7 @@ TITLES = {
     "facts-conflict": "Conflicting reports of an event: Reboot",
     "heartbeat-lost": "VM heartbeat lost: web_3",
     "forwarder-conflict": "Two forwarders report as one VM: web_3",
+    "imds-failing": "Forwarder alive, IMDS failing: web_3",
 }
 
 
@@ -123,6 +132,7 @@ def cards() -> dict[str, dict[str, Any]]:
             placementGroupId="pg-1",
         ),
         lastSeen=NOW - timedelta(minutes=6),
+        imdsFailing=ImdsFailure(since=NOW - timedelta(minutes=7), reason="no good IMDS poll for 95 s (limit 60 s)"),
     )
     built: dict[str, dict[str, Any]] = {}
     for kind in get_args(AlertKind):
@@ -221,6 +231,10 @@ def test_a_person_reads_the_title_facts_and_explanation(rendered: dict[str, dict
     assert f"Last seen {(NOW - timedelta(minutes=6)).isoformat()}" in heartbeat
     assert "Timeout 300 s" in heartbeat
     assert "Find the second sender." in words(rendered["forwarder-conflict"]["text"])
+    imds = words(rendered["imds-failing"]["text"])
+    assert "still sends heartbeats but has not read IMDS" in imds
+    assert f"Failing since {(NOW - timedelta(minutes=7)).isoformat()}" in imds
+    assert "Health no good IMDS poll for 95 s (limit 60 s)" in imds
     assert words(rendered["logic-app-alert"]["text"]) == (
         "Fired: se-alert-cards-failing The coordinator could not deliver Teams cards. "
         "Severity Sev1 Fired 2026-11-20T12:05:00.0000000Z Open the results"

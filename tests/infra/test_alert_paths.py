@@ -81,7 +81,7 @@ def _facts_conflict() -> list[HistoryRow]:
     return _with_card(event, "facts-conflict")
 
 
-# The coordinator's VM cards write no Alert row (they are not in the outbox yet): the VM's Heartbeat row is all.
+# A VM card's condition is its Heartbeat row (its Alert row, as every card's, says only whether it was sent).
 CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "new-event": _new_event,
     "approved": _approved,
@@ -94,6 +94,7 @@ CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "facts-conflict": _facts_conflict,
     "heartbeat-lost": lambda: [heartbeat(NOW, "web_0", "lost", NOW - timedelta(minutes=10), "no envelope for 600 s")],
     "forwarder-conflict": lambda: [heartbeat(NOW, "web_0", "conflict", NOW, "two forwarder states in turn")],
+    "imds-failing": lambda: [heartbeat(NOW, "web_0", "imds-failing", NOW, "no good IMDS poll for 120 s")],
 }
 
 

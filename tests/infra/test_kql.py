@@ -12,13 +12,19 @@ from typing import Any
 
 import pytest
 
+from coordinator import telemetry
 from infra import build_workbook
 from tests.infra import bicep_model as bm
 from tests.infra.kql_language import Analysis, analyze, analyze_one
 
 QUERIES = sorted((bm.INFRA / "queries").glob("*.kql"))
+METRIC_QUERIES = sorted(build_workbook.METRIC_QUERIES.glob("*.kql"))
 ALERTS = bm.INFRA / "modules" / "alerts.bicep"
 HISTORY = json.loads((bm.ROOT / "coordinator" / "history_columns.json").read_text(encoding="utf-8"))
+# Every metric coordinator/telemetry.py records, by name.
+INSTRUMENTS = set(telemetry.METRICS)
+# A metric or attribute name in a query ("scheduled_events.forwarder." as a prefix is neither).
+NAME = re.compile(r'"(scheduled_events\.[a-z_.]*[a-z_])"')
 REQUIRED = {
     "events-by-type-and-scaleset.kql",
     "expired-unapproved.kql",
@@ -55,6 +61,7 @@ def workbook_queries() -> dict[str, str]:
 def shipped() -> dict[str, Analysis]:
     """One language-service run over every shipped query: the files, the workbook's panels, the alert rules'."""
     queries = {path.name: path.read_text(encoding="utf-8") for path in QUERIES}
+    queries |= {f"metrics/{path.name}": path.read_text(encoding="utf-8") for path in METRIC_QUERIES}
     queries |= workbook_queries()
     for name, criterion in alert_rules().items():
         queries[f"alerts.bicep:{name}"] = alert_query_file(criterion).read_text(encoding="utf-8")
@@ -76,7 +83,7 @@ def test_query_file_passes_the_kusto_language_service(path: Path, shipped: dict[
 
 def test_workbook_and_alert_queries_pass_the_kusto_language_service(shipped: dict[str, Analysis]) -> None:
     embedded = [name for name in shipped if name.startswith(("workbook.json:", "alerts.bicep:"))]
-    assert len(embedded) == len(build_workbook.PANELS) + len(alert_rules())
+    assert len(embedded) == len(build_workbook.PANELS) + len(build_workbook.METRIC_PANELS) + len(alert_rules())
     assert [problem for name in embedded for problem in shipped[name].problems()] == []
 
 
@@ -99,6 +106,25 @@ def test_the_service_reports_syntax_and_type_errors_with_their_line() -> None:
     assert [(d.line, d.message) for d in typed.diagnostics] == [(2, "A value of type datetime expected.")]
 
 
+@pytest.mark.parametrize("path", METRIC_QUERIES, ids=lambda p: p.name)
+def test_metric_query_passes_the_kusto_language_service(path: Path, shipped: dict[str, Analysis]) -> None:
+    """The workbook's metric panels query Application Insights' AppMetrics by the names coordinator/telemetry.py
+    gives its instruments."""
+    analysis = shipped[f"metrics/{path.name}"]
+    assert analysis.problems() == []
+    assert analysis.columns, f"{path.name}: the language service inferred no result columns"
+    names = set(NAME.findall(path.read_text(encoding="utf-8")))
+    assert names & INSTRUMENTS, f"{path.name} names no metric"
+    unknown = names - INSTRUMENTS - telemetry.ATTRIBUTES
+    assert not unknown, f"{path.name}: names coordinator/telemetry.py does not record: {unknown}"
+
+
+def test_the_metric_names_are_checked_against_the_instruments() -> None:
+    text = 'AppMetrics | where Name == "scheduled_events.decision" | extend R = Properties["scheduled_events.rule"]'
+    assert set(NAME.findall(text)) - INSTRUMENTS - telemetry.ATTRIBUTES == {"scheduled_events.decision"}
+    assert "scheduled_events.decisions" in INSTRUMENTS
+
+
 def test_the_service_knows_the_table_as_history_columns_json_defines_it() -> None:
     kql_type = {"boolean": "bool"}
     expected = tuple((c["name"], kql_type.get(c["type"], c["type"])) for c in HISTORY["columns"])
@@ -115,7 +141,8 @@ def test_workbook_json_is_built_from_the_query_files() -> None:
         "infra/workbook.json is stale: run .venv/bin/python infra/build_workbook.py"
     )
     queries = list(workbook_queries().values())
-    assert len(queries) == len(build_workbook.PANELS) == len(REQUIRED)
+    assert len(build_workbook.PANELS) == len(REQUIRED)
+    assert len(queries) == len(build_workbook.PANELS) + len(build_workbook.METRIC_PANELS)
     timeline = next(q for q in queries if build_workbook.EVENT_ID_PARAMETER_LINE in q)
     assert 'let eventId = "";' not in timeline
 

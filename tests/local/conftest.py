@@ -14,6 +14,7 @@ from emulators.imds import Scenario
 from local.run import Follower, follow, judge, settle_forwarders
 from local.stack import LocalStack, StackOptions
 from local.summary import RunFacts, Summary
+from local.telemetry import Collector, Report
 
 FLEET_DEMO = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "fleet-demo.yaml"
 
@@ -68,6 +69,8 @@ class Outcome:
     finished: bool
     summary: Summary
     facts: RunFacts
+    # The run's spans (each approval's trace) and metrics, as written to telemetry.json.
+    telemetry: Report
 
     def figures(self) -> str:
         s = self.summary
@@ -108,6 +111,8 @@ def run_pipeline(tmp_path: Path) -> Iterator[Runner]:
             )
         )
         stacks.append(stack)
+        collector = Collector.install()
+        collector.begin()
         stack.start()
         errors: list[BaseException] = []
         worker = None
@@ -129,8 +134,9 @@ def run_pipeline(tmp_path: Path) -> Iterator[Runner]:
         settle_forwarders(stack)
         follower.pump()
         summary, facts = judge(stack, follower, expected_dead_letters=expected_dead_letters)
-        outcome = Outcome(stack, follower, finished, summary, facts)
+        outcome = Outcome(stack, follower, finished, summary, facts, collector.finish(stack.workdir))
         print("\n".join(summary.render()))
+        print("\n".join(outcome.telemetry.render()))
         print("figures:", outcome.figures())
         return outcome
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 // Checks KQL with Microsoft's Kusto language service (@kusto/language-service-next, the parser and binder behind
 // Azure Data Explorer's and Log Analytics' editors): syntax and semantics (names, types, function signatures)
-// against the history table as coordinator/history_columns.json defines it.
+// against the history table as coordinator/history_columns.json defines it, and Application Insights' AppMetrics table
+// (the columns the workbook's metric panels use, as Azure Monitor's table reference lists them).
 //
 //   node tools/node/kql-check.js FILE.kql...        one line per problem (FILE:LINE:COLUMN: severity code message),
 //                                                    exit 1 if any error or warning
@@ -22,6 +23,13 @@ const Language = Kusto.Language;
 const HISTORY_COLUMNS = path.resolve(__dirname, '..', '..', 'coordinator', 'history_columns.json');
 // history_columns.json spells Log Analytics column types as the table API does; KQL calls boolean `bool`.
 const KQL_TYPES = { boolean: 'bool' };
+// Workspace-based Application Insights' metrics table (learn.microsoft.com, azure-monitor/reference/tables/appmetrics):
+// the OpenTelemetry metrics of coordinator/telemetry.py arrive here, one row per metric, export interval and attribute
+// set; the attributes are in Properties.
+const APP_METRICS = [
+  'TimeGenerated: datetime', 'Name: string', 'Sum: real', 'Min: real', 'Max: real', 'ItemCount: int',
+  'Properties: dynamic', 'AppRoleName: string', 'AppRoleInstance: string', 'OperationId: string',
+].join(', ');
 // Suggestions and hidden diagnostics are style hints, not faults.
 const FAULTS = new Set(['Error', 'Warning']);
 
@@ -29,7 +37,8 @@ function globals() {
   const history = JSON.parse(fs.readFileSync(HISTORY_COLUMNS, 'utf8'));
   const schema = history.columns.map((c) => `['${c.name}']: ${KQL_TYPES[c.type] || c.type}`).join(', ');
   const table = new Language.Symbols.TableSymbol.$ctor7(history.table, `(${schema})`, null);
-  const database = new Language.Symbols.DatabaseSymbol.ctor('history', [table]);
+  const appMetrics = new Language.Symbols.TableSymbol.$ctor7('AppMetrics', `(${APP_METRICS})`, null);
+  const database = new Language.Symbols.DatabaseSymbol.ctor('history', [table, appMetrics]);
   return Language.GlobalState.Default.WithDatabase(database);
 }
 
