@@ -28,7 +28,7 @@ from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnava
 from forwarder.logs import fields
 from forwarder.retry import Backoff
 from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
-from forwarder.telemetry import Telemetry, send_spans, traceparent
+from forwarder.telemetry import TRACEPARENT, TRACESTATE, Telemetry, parent, send_spans, traceparent
 
 log = logging.getLogger("forwarder")
 
@@ -315,10 +315,8 @@ class Forwarder:
                 document=document,
             ).to_json_bytes()
 
-        jobs = [HookJob(e.EventId, "prepare", e.model_dump_json()) for e in change.prepare]
-        jobs += [HookJob(e.EventId, "recover", e.model_dump_json()) for e in change.recover]
         # The approval's trace starts here, at the poll that saw the change; its context is spooled with the
-        # envelope so that it travels with it whenever it is sent.
+        # envelope so that it travels with it whenever it is sent, and queued with the hooks it starts.
         detect_span = self.telemetry.tracer.start_span(
             "forwarder.detect",
             context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root, whatever the caller's context
@@ -331,6 +329,11 @@ class Forwarder:
         )
         with trace.use_span(detect_span, end_on_exit=True):
             span_parent, span_state = traceparent(detect_span)
+            jobs = [
+                HookJob(e.EventId, phase, e.model_dump_json(), traceparent=span_parent, tracestate=span_state)
+                for phase, events in (("prepare", change.prepare), ("recover", change.recover))
+                for e in events
+            ]
             sequence = self.store.enqueue(
                 "incarnation",
                 build,
@@ -503,7 +506,8 @@ class Forwarder:
                 "hook phase was interrupted by a forwarder restart",
                 extra=fields(event_id=job.event_id, phase=phase, hook=interrupted.hook),
             )
-            self._spool_hook_report(phase_report(job.event_id, phase, [*finished, interrupted]), done=job)
+            report = phase_report(job.event_id, phase, [*finished, interrupted])
+            self._spool_hook_report(report, done=job, context=(job.traceparent, job.tracestate))
 
     def _hook_loop(self) -> None:
         identity = self.identity
@@ -524,22 +528,35 @@ class Forwarder:
                 def progress(hook: str, finished: tuple[HookStep, ...], job: HookJob = job) -> None:
                     self.store.mark_hook_running(job, step=hook, steps=_STEPS.dump_json(list(finished)).decode())
 
-                try:
-                    report = self.hooks.run(event, phase=phase, vm_name=identity.name, on_step=progress)
-                except Exception as exc:  # a bug here must not silently end hook processing for good
-                    log.exception("running hooks failed", extra=fields(event_id=job.event_id, phase=phase))
-                    failed = HookStep(
-                        hook=f"{phase}.d",
-                        outcome="failed",
-                        durationSeconds=0.0,
-                        outputTail=f"the forwarder could not run the hooks: {exc}"[:1024],
-                    )
-                    report = phase_report(job.event_id, phase, [failed])
-                self.counters["hooks_run"] += 1
-                self._spool_hook_report(report, done=job)
+                # The phase, in the trace of the change that queued it; its report is sent in that span's context.
+                span = self.telemetry.tracer.start_span(
+                    "forwarder.hooks",
+                    context=parent({TRACEPARENT: job.traceparent, TRACESTATE: job.tracestate}),
+                    attributes={
+                        "vm.name": identity.name,
+                        "scheduled_events.event_id": job.event_id,
+                        "scheduled_events.hook_phase": phase,
+                    },
+                )
+                with trace.use_span(span, end_on_exit=True):
+                    try:
+                        report = self.hooks.run(event, phase=phase, vm_name=identity.name, on_step=progress)
+                    except Exception as exc:  # a bug here must not silently end hook processing for good
+                        log.exception("running hooks failed", extra=fields(event_id=job.event_id, phase=phase))
+                        failed = HookStep(
+                            hook=f"{phase}.d",
+                            outcome="failed",
+                            durationSeconds=0.0,
+                            outputTail=f"the forwarder could not run the hooks: {exc}"[:1024],
+                        )
+                        report = phase_report(job.event_id, phase, [failed])
+                    span.set_attribute("scheduled_events.hook_outcome", report.outcome)
+                    self.counters["hooks_run"] += 1
+                    self._spool_hook_report(report, done=job, context=traceparent(span))
 
-    def _spool_hook_report(self, report: HookReport, *, done: HookJob) -> None:
-        """One `hook` envelope per phase, spooled in the same transaction that marks the phase done."""
+    def _spool_hook_report(self, report: HookReport, *, done: HookJob, context: tuple[str, str]) -> None:
+        """One `hook` envelope per phase, spooled in the same transaction that marks the phase done, with the
+        trace context (traceparent, tracestate) it is sent in."""
         identity = self.identity
         assert identity is not None
         observed = _now()
@@ -555,5 +572,12 @@ class Forwarder:
                 hook=report,
             ).to_json_bytes()
 
-        self.store.enqueue("hook", build, hook_done=(done.event_id, done.phase), hook_outcome=report.outcome)
+        self.store.enqueue(
+            "hook",
+            build,
+            hook_done=(done.event_id, done.phase),
+            hook_outcome=report.outcome,
+            traceparent=context[0],
+            tracestate=context[1],
+        )
         self._send_wake.set()

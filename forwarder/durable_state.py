@@ -42,6 +42,9 @@ _ADDED_COLUMNS = {
         "step": "TEXT NOT NULL DEFAULT ''",
         "steps": "TEXT NOT NULL DEFAULT '[]'",
         "outcome": "TEXT NOT NULL DEFAULT ''",
+        # The trace context of the change that queued the phase: its hook report joins that trace.
+        "traceparent": "TEXT NOT NULL DEFAULT ''",
+        "tracestate": "TEXT NOT NULL DEFAULT ''",
     },
     # The W3C trace context of the change that spooled the envelope, so that a replay after an outage or a
     # restart still carries it ("" for envelopes that start no trace, and for rows spooled by older forwarders).
@@ -76,6 +79,9 @@ class HookJob:
     # a phase cut short by a crash is reported with what did run and the hook that was interrupted.
     step: str = ""
     steps: str = "[]"
+    # W3C trace context of the change that queued the phase ("" for none).
+    traceparent: str = ""
+    tracestate: str = ""
 
 
 class Store:
@@ -178,9 +184,9 @@ class Store:
             now = datetime.now(UTC).isoformat()
             for job in hooks:
                 db.execute(
-                    "INSERT OR IGNORE INTO hooks (event_id, phase, status, event, updated_at)"
-                    " VALUES (?, ?, 'pending', ?, ?)",
-                    (job.event_id, job.phase, job.event, now),
+                    "INSERT OR IGNORE INTO hooks (event_id, phase, status, event, updated_at, traceparent, tracestate)"
+                    " VALUES (?, ?, 'pending', ?, ?, ?, ?)",
+                    (job.event_id, job.phase, job.event, now, job.traceparent, job.tracestate),
                 )
             if hook_done is not None:
                 db.execute(
@@ -229,9 +235,11 @@ class Store:
     def hook_jobs(self, status: str) -> list[HookJob]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT event_id, phase, event, step, steps FROM hooks WHERE status = ? ORDER BY rowid", (status,)
+                "SELECT event_id, phase, event, step, steps, traceparent, tracestate FROM hooks WHERE status = ?"
+                " ORDER BY rowid",
+                (status,),
             ).fetchall()
-        return [HookJob(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])) for r in rows]
+        return [HookJob(*(str(value) for value in row)) for row in rows]
 
     def mark_hook_running(self, job: HookJob, *, step: str = "", steps: str = "[]") -> None:
         """Recorded before the phase starts and before each of its hooks (`step`, after the finished `steps`): a

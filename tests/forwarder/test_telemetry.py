@@ -23,7 +23,7 @@ from emulators.eventhubs.partition_log import StoredEvent
 from emulators.imds import ImdsEmulator
 from forwarder.eventhub import EventHubSink
 from forwarder.telemetry import SERVICE_NAME
-from tests.forwarder.conftest import Harness, wait_for
+from tests.forwarder.conftest import Harness, wait_for, write_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 HUB = "scheduled-events"
@@ -114,6 +114,35 @@ def test_an_incarnation_message_carries_the_trace_of_its_detection(
     beats = [e for e in eventhubs.all_events(HUB) if json.loads(e.body)["kind"] == "heartbeat"]
     assert beats
     assert all("traceparent" not in properties(e) for e in beats)
+
+
+def test_a_hook_report_joins_the_trace_of_the_change_that_ran_its_hooks(
+    imds: ImdsEmulator, eventhubs: EventHubsEmulator, harness: MakeHarness, tmp_path: Path
+) -> None:
+    spans_file = tmp_path / "spans.jsonl"
+    write_hook(tmp_path / "vm" / "hooks" / "prepare.d", "10-drain", "exit 0\n")
+    sink = EventHubSink.from_connection_string(eventhubs.connection_string(HUB))
+    harness(imds.url_for("web_0"), sink=sink, telemetry_spans_file=spans_file)
+    created = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    wait_message(eventhubs, 2)
+
+    def hook_message() -> StoredEvent | None:
+        return next((e for e in eventhubs.all_events(HUB) if json.loads(e.body)["kind"] == "hook"), None)
+
+    message: StoredEvent = wait_for(hook_message, timeout=20, what="the hook report in the hub")
+    assert json.loads(message.body)["hook"]["outcome"] == "succeeded"
+    match = TRACEPARENT.match(properties(message)["traceparent"])
+    assert match
+    recorded = {s["spanId"]: s for s in spans(spans_file)}
+    sent = recorded[match.group(2)]
+    hooks = recorded[sent["parentSpanId"]]
+    detect = recorded[hooks["parentSpanId"]]
+    assert (sent["name"], hooks["name"], detect["name"]) == ("forwarder.send", "forwarder.hooks", "forwarder.detect")
+    assert {sent["traceId"], hooks["traceId"], detect["traceId"]} == {match.group(1)}
+    assert detect["attributes"]["scheduled_events.incarnation"] == 2
+    assert hooks["attributes"]["scheduled_events.event_id"] == created["EventId"]
+    assert hooks["attributes"]["scheduled_events.hook_phase"] == "prepare"
+    assert hooks["attributes"]["scheduled_events.hook_outcome"] == "succeeded"
 
 
 def test_the_trace_survives_a_spool_replay_and_a_restart(
