@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
@@ -78,7 +79,7 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def measure(args: argparse.Namespace, *, tracing: bool) -> dict[str, object]:
+def measure(args: argparse.Namespace, *, tracing: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch, ImdsEmulator(time_scale=60) as imds, EventHubsEmulator() as hubs:
         vm = imds.first_vm
         spans_file = Path(scratch) / "state" / "spans.jsonl"
