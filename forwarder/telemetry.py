@@ -62,11 +62,10 @@ class IdTracer(trace.NoOpTracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
     ) -> trace.Span:
-        parent = trace.get_current_span(context).get_span_context()
+        above = trace.get_current_span(context).get_span_context()
         span_id = random.getrandbits(64) or 1  # 0 is the invalid id
-        if parent.is_valid:
-            flags, state = parent.trace_flags, parent.trace_state
-            span_context = trace.SpanContext(parent.trace_id, span_id, False, flags, state)
+        if above.is_valid:
+            span_context = trace.SpanContext(above.trace_id, span_id, False, above.trace_flags, above.trace_state)
         else:
             trace_id = random.getrandbits(128) or 1
             span_context = trace.SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)

@@ -116,6 +116,23 @@ def test_an_incarnation_message_carries_the_trace_of_its_detection(
     assert all("traceparent" not in properties(e) for e in beats)
 
 
+def test_with_telemetry_off_the_trace_context_is_still_made_and_sent(
+    imds: ImdsEmulator, eventhubs: EventHubsEmulator, harness: MakeHarness, tmp_path: Path
+) -> None:
+    sink = EventHubSink.from_connection_string(eventhubs.connection_string(HUB))
+    h = harness(imds.url_for("web_0"), sink=sink)
+    assert h.settings.telemetry_spans_file is None
+    first = TRACEPARENT.match(properties(wait_message(eventhubs, 1)).get("traceparent", ""))
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    second = TRACEPARENT.match(properties(wait_message(eventhubs, 2)).get("traceparent", ""))
+    assert first
+    assert second, "no trace context without a spans file: the coordinator's spans would have no trace to join"
+    assert first.group(1) != second.group(1), "a trace per change"
+    assert "0" * 32 not in (first.group(1), second.group(1))
+    assert int(second.group(3), 16) & 1  # sampled
+    assert not list(tmp_path.rglob("*spans*"))
+
+
 def test_a_hook_report_joins_the_trace_of_the_change_that_ran_its_hooks(
     imds: ImdsEmulator, eventhubs: EventHubsEmulator, harness: MakeHarness, tmp_path: Path
 ) -> None:
