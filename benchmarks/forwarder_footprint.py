@@ -3,12 +3,14 @@ polling the IMDS emulator once a second and sending to the Event Hubs emulator o
 the VM's managed identity (the production configuration, but plain AMQP on loopback instead of TLS).
 
     .venv/bin/python -m benchmarks.forwarder_footprint [--seconds 120] [--warmup 10] [--sink eventhub|stdout]
-        [--auth imds|azure-identity|connection-string] [--event-every N]
+        [--auth imds|azure-identity|connection-string] [--event-every N] [--tracing off|on|both]
 
-Prints one JSON object: {forwarder_rss_mib, forwarder_cpu_s_per_hour, polls, ...}. Targets: RSS <= 48 MiB and
-<= 2 CPU-seconds per hour at 1 poll/s. CPU is counted after the warm-up (imports, first connections). With
---event-every N an event is scheduled every N s, so that the change path (spool write, send, hook report) is
-measured too; heartbeats (every 60 s) are always part of it.
+Prints one JSON object: {forwarder_rss_mib, forwarder_cpu_s_per_hour, polls, ...}. With --tracing on the forwarder
+records its spans (`telemetry_spans_file`, which loads the OpenTelemetry SDK); with --tracing both it runs twice,
+off then on, one after the other, and adds `*_tracing` figures and `tracing_rss_cost_mib` (what recording costs).
+Targets: RSS <= 48 MiB and <= 2 CPU-seconds per hour at 1 poll/s. CPU is counted after the warm-up (imports, first
+connections). With --event-every N an event is scheduled every N s, so that the change path (spool write, send,
+hook report) is measured too; heartbeats (every 60 s) are always part of it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
@@ -56,10 +59,30 @@ def main() -> None:
         "production), via azure-identity's ManagedIdentityCredential, or a SAS connection string",
     )
     parser.add_argument("--event-every", type=float, default=0.0, help="schedule an event every N s (0: none)")
+    parser.add_argument(
+        "--tracing",
+        choices=("off", "on", "both"),
+        default="off",
+        help="record spans to a file (on), not (off, the default), or measure both one after the other",
+    )
     args = parser.parse_args()
 
+    if args.tracing != "both":
+        print(json.dumps(measure(args, tracing=args.tracing == "on")))
+        return
+    off = measure(args, tracing=False)
+    on = measure(args, tracing=True)
+    figures = ("forwarder_rss_mib", "forwarder_rss_mib_median", "forwarder_cpu_s_per_hour", "spans_recorded")
+    result = {**off, **{f"{key}_tracing": on[key] for key in figures}}
+    result["tracing_rss_cost_mib"] = round(on["forwarder_rss_mib"] - off["forwarder_rss_mib"], 1)
+    result["tracing_cpu_cost_s_per_hour"] = round(on["forwarder_cpu_s_per_hour"] - off["forwarder_cpu_s_per_hour"], 2)
+    print(json.dumps(result))
+
+
+def measure(args: argparse.Namespace, *, tracing: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch, ImdsEmulator(time_scale=60) as imds, EventHubsEmulator() as hubs:
         vm = imds.first_vm
+        spans_file = Path(scratch) / "state" / "spans.jsonl"
         env = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
         env.update(
             SE_FORWARDER_IMDS_URL=imds.url_for(vm),
@@ -67,6 +90,8 @@ def main() -> None:
             SE_FORWARDER_HOOKS_DIR=str(Path(scratch) / "hooks"),
             SE_FORWARDER_SINK=args.sink,
         )
+        if tracing:
+            env["SE_FORWARDER_TELEMETRY_SPANS_FILE"] = str(spans_file)
         if args.auth == "connection-string":
             env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = hubs.connection_string("scheduled-events")
         else:
@@ -106,25 +131,24 @@ def main() -> None:
             process.terminate()
             process.wait(15)
         delivered = len(hubs.all_events("scheduled-events"))
-    print(
-        json.dumps(
-            {
-                "forwarder_rss_mib": round(max(samples), 1),
-                "forwarder_rss_mib_median": round(statistics.median(samples), 1),
-                "forwarder_cpu_s_per_hour": round((user + system) / elapsed * 3600, 2),
-                "forwarder_user_s_per_hour": round(user / elapsed * 3600, 2),
-                "forwarder_system_s_per_hour": round(system / elapsed * 3600, 2),
-                "polls": polls,
-                "polls_per_s": round(polls / elapsed, 2),
-                "seconds": round(elapsed, 1),
-                "sink": args.sink,
-                "auth": args.auth if args.sink == "eventhub" else None,
-                "event_every_s": args.event_every,
-                "envelopes_delivered": delivered if args.sink == "eventhub" else None,
-                "exit_code_after_sigterm": process.returncode,
-            }
-        )
-    )
+        spans = len(spans_file.read_text().splitlines()) if spans_file.exists() else 0
+    return {
+        "forwarder_rss_mib": round(max(samples), 1),
+        "forwarder_rss_mib_median": round(statistics.median(samples), 1),
+        "forwarder_cpu_s_per_hour": round((user + system) / elapsed * 3600, 2),
+        "forwarder_user_s_per_hour": round(user / elapsed * 3600, 2),
+        "forwarder_system_s_per_hour": round(system / elapsed * 3600, 2),
+        "polls": polls,
+        "polls_per_s": round(polls / elapsed, 2),
+        "seconds": round(elapsed, 1),
+        "sink": args.sink,
+        "auth": args.auth if args.sink == "eventhub" else None,
+        "event_every_s": args.event_every,
+        "envelopes_delivered": delivered if args.sink == "eventhub" else None,
+        "exit_code_after_sigterm": process.returncode,
+        "tracing": tracing,
+        "spans_recorded": spans,
+    }
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ same event again (a sender retry) gets the stored answer without a second IMDS P
 refused one is evaluated again (the document may have caught up). A decisionId already used for a different
 event is a replay and is rejected. Decisions are kept in memory, bounded by count and by their expiry; after a
 restart an old request is still refused once it has expired.
+
+Tracing: each request is a ``listener.approve`` span, a child of the request's W3C ``traceparent`` header (the
+coordinator's, so that the approval is one trace from the forwarder's detection of the change to IMDS), or a
+new trace without one; its children ``listener.imds_get`` (the fresh document) and ``listener.start_requests``
+(the POST, only when made).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, TypeVar
 
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from forwarder.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
@@ -51,6 +57,7 @@ from forwarder.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
 from forwarder.relay_listener import RelayRequest, RelayResponse
+from forwarder.telemetry import IdTracer, parent
 
 APPROVE_PATH = "/approve"
 MAX_BODY = 16 * 1024
@@ -199,6 +206,7 @@ class Approver:
         freshness: Freshness | None = None,
         clock: Callable[[], datetime] = _utcnow,
         max_decisions: int = 10_000,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self._imds = imds
         self._vm_name = vm_name  # this VM's IMDS compute name: a Terminate must name it
@@ -206,23 +214,38 @@ class Approver:
         self._freshness = freshness or Freshness()
         self._clock = clock
         self._max_decisions = max_decisions
+        self._tracer = tracer or IdTracer()  # the forwarder's (forwarder/telemetry.py); ids only by default
         # One approval at a time: the IMDS calls are quick, and serialising makes "approve once per decision" exact.
         self._lock = threading.Lock()
         self._decisions: OrderedDict[str, _Decision] = OrderedDict()
         self.imds_posts = 0
 
     def __call__(self, request: RelayRequest) -> RelayResponse:
+        with self._tracer.start_as_current_span(
+            "listener.approve", context=parent(request.headers), kind=trace.SpanKind.SERVER
+        ) as span:
+            response = self._answer(request, span)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
+
+    def _answer(self, request: RelayRequest, span: trace.Span) -> RelayResponse:
         started = time.perf_counter()
         record: dict[str, object] = {"requestId": request.id, "method": request.method, "path": request.path}
         try:
             approval = _parse(request)
             record.update(eventId=approval.eventId, decisionId=approval.decisionId, rule=approval.rule)
+            span.set_attribute("scheduled_events.event_id", approval.eventId)
+            span.set_attribute("scheduled_events.decision_id", approval.decisionId)
             result, replayed = self._decide(approval)
         except _Refusal as refusal:
             record.update(status=refusal.status, reason=refusal.reason)
+            # 503: IMDS could not be asked (the sender retries); 4xx: the request could not be evaluated.
+            span.set_attribute("scheduled_events.outcome", "unavailable" if refusal.status == 503 else "refused")
             log.warning("approval request refused", extra=fields(**record, ms=_ms(started)))
             return RelayResponse.json(refusal.status, {"error": refusal.reason})
         record.update(status=200, outcome=result.outcome, incarnation=result.documentIncarnation, idempotent=replayed)
+        span.set_attribute("scheduled_events.outcome", result.outcome)
+        span.set_attribute("scheduled_events.idempotent", replayed)
         if result.reason:
             record["reason"] = result.reason
         log.info("approval request answered", extra=fields(**record, ms=_ms(started)))
@@ -241,10 +264,17 @@ class Approver:
             stale = refuse_stale(approval, now=now, freshness=self._freshness)
             if stale is not None:
                 return self._remember(approval, self._result(approval, "rejected", stale, None)), False
-            document = self._imds_call(self._imds.get_document)
+            with self._tracer.start_as_current_span("listener.imds_get", kind=trace.SpanKind.CLIENT) as get:
+                document = self._imds_call(self._imds.get_document)
+                get.set_attribute("scheduled_events.incarnation", document.DocumentIncarnation)
             outcome, reason = judge(approval, document, vm_name=self._vm_name, prepare_outcome=self._prepare_outcome)
             if outcome == "approved":
-                self._imds_call(lambda: self._imds.approve([approval.eventId]))
+                with self._tracer.start_as_current_span(
+                    "listener.start_requests",
+                    kind=trace.SpanKind.CLIENT,
+                    attributes={"scheduled_events.event_id": approval.eventId},
+                ):
+                    self._imds_call(lambda: self._imds.approve([approval.eventId]))
                 self.imds_posts += 1
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
             return self._remember(approval, result), False

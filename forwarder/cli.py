@@ -25,6 +25,7 @@ from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import fields
 from forwarder.sinks import JsonLinesSink, Sink
+from forwarder.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential
@@ -89,10 +90,13 @@ def build_sink(settings: ForwarderSettings, imds: ImdsClient) -> Sink:
     )
 
 
-def relay_companions(settings: ForwarderSettings, *, store: Store | None = None) -> Any:
+def relay_companions(
+    settings: ForwarderSettings, *, store: Store | None = None, telemetry: Telemetry | None = None
+) -> Any:
     """The relay listener, started by the daemon once the identity (and so the default hybrid connection name,
     `VmIdentity.hybrid_connection_name`) is known. `store`: the forwarder's own hook ledger, which the listener
-    checks when a decision rested on this VM's prepare hooks (without it such an approval is refused)."""
+    checks when a decision rested on this VM's prepare hooks (without it such an approval is refused).
+    `telemetry`: the daemon's, so that the listener's spans go where the forwarder's go."""
 
     def build(identity: VmIdentity, imds: ImdsClient) -> Sequence[Companion]:
         if not settings.relay_enabled:
@@ -111,6 +115,7 @@ def relay_companions(settings: ForwarderSettings, *, store: Store | None = None)
                 imds=imds,
                 vm_name=identity.name,
                 prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+                tracer=telemetry.tracer if telemetry else None,
             ),
         )
         return [listener]
@@ -151,12 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(output, indent=2))
         return 0
     store = Store(settings.spool_path, max_entries=settings.spool_max_entries)
+    telemetry = Telemetry(spans_file=settings.telemetry_spans_file)
     forwarder = Forwarder(
         settings=settings,
         imds=imds,
         store=store,
         sink=build_sink(settings, imds),
-        companions=relay_companions(settings, store=store),
+        companions=relay_companions(settings, store=store, telemetry=telemetry),
+        telemetry=telemetry,
     )
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -60,6 +60,9 @@ class ForwarderSettings(BaseModel):
     relay_hybrid_connection: str | None = Field(default=None, min_length=1, max_length=260)
     relay_endpoint: str | None = None  # full listener base URI; set only for the local Relay emulator
     log_level: LogLevel = "INFO"
+    # Tracing (forwarder/telemetry.py): finished spans appended here as JSON lines; unset = nothing recorded (the
+    # trace context is still created and sent). On a VM it must be under state_dir, the unit's one writable place.
+    telemetry_spans_file: Path | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ForwarderSettings:

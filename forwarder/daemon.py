@@ -12,8 +12,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
 
 from forwarder import __version__
@@ -21,12 +22,13 @@ from forwarder.changes import Change, detect
 from forwarder.config import ForwarderSettings
 from forwarder.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.durable_state import HookJob, Store
-from forwarder.envelope import Envelope, HookPhase, HookReport, HookStep, VmIdentity
+from forwarder.envelope import Envelope, ForwarderHealth, HookPhase, HookReport, HookStep, VmIdentity
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnavailable, InvalidEvent, read_document
 from forwarder.logs import fields
 from forwarder.retry import Backoff
 from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
+from forwarder.telemetry import TRACEPARENT, TRACESTATE, Telemetry, parent, send_spans, traceparent
 
 log = logging.getLogger("forwarder")
 
@@ -37,6 +39,8 @@ SHUTDOWN_FLUSH_SECONDS = 5.0
 # The hook ledger is pruned at start and then this often: a DELETE over a table of a few rows per event.
 PRUNE_INTERVAL = 24 * 3600.0
 _STEPS = TypeAdapter(list[HookStep])
+# ForwarderHealth.lastPollError's bound.
+POLL_ERROR_CHARS = 256
 
 
 class Companion(Protocol):
@@ -45,6 +49,14 @@ class Companion(Protocol):
     def start(self) -> Any: ...
 
     def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Listener(Companion, Protocol):
+    """A companion with a connection whose state the heartbeat reports (the relay listener)."""
+
+    @property
+    def connected(self) -> bool: ...
 
 
 CompanionFactory = Callable[[VmIdentity, ImdsClient], Sequence[Companion]]
@@ -86,11 +98,14 @@ class Forwarder:
         store: Store,
         sink: Sink,
         companions: CompanionFactory | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
         self.imds = imds
         self.store = store
         self.sink = sink
+        # Owned by the daemon (shut down with it); given when the listener shares it (cli.main).
+        self.telemetry = telemetry or Telemetry(spans_file=settings.telemetry_spans_file)
         self.hooks = HookRunner(hooks_dir=settings.hooks_dir, timeout=settings.hook_timeout)
         self._companion_factory = companions
         self._companions: list[Companion] = []
@@ -107,6 +122,10 @@ class Forwarder:
         self.counters: dict[str, int] = dict.fromkeys(
             ("polls", "changes", "imds_errors", "sent", "send_failures", "hooks_run"), 0
         )
+        # Health, as heartbeats report it (ForwarderHealth); written by the poll loop only.
+        self._last_good_poll: datetime | None = None
+        self._consecutive_poll_errors = 0
+        self._last_poll_error = ""
         self._imds_failures = _FailureLog("IMDS poll")
         self._send_failures = _FailureLog("sending to the sink")
         self._restore()
@@ -208,6 +227,7 @@ class Forwarder:
         for thread in self._threads:
             thread.join(SHUTDOWN_FLUSH_SECONDS + 5)
         self.sink.close()
+        self.telemetry.shutdown()
         self.imds.close()
         depth = self.store.depth()
         self.store.close()
@@ -225,13 +245,15 @@ class Forwarder:
             try:
                 self.poll_once()
             except ImdsUnavailable as exc:
-                self.counters["imds_errors"] += 1
+                self._poll_failed(exc)
                 self._imds_failures.failed(exc, status=exc.status)
                 delay = backoff.next_delay(retry_after=exc.retry_after)
             except ImdsInvalidResponse as exc:
-                self.counters["imds_errors"] += 1
+                self._poll_failed(exc)
                 self._imds_failures.failed(exc)
             else:
+                self._last_good_poll = _now()
+                self._consecutive_poll_errors = 0
                 self._imds_failures.succeeded()
                 backoff.reset()
             now = time.monotonic()
@@ -245,11 +267,18 @@ class Forwarder:
             next_poll = max(next_poll + delay, now) if delay == interval else now + delay
             self._stop.wait(max(0.0, next_poll - time.monotonic()))
 
+    def _poll_failed(self, error: ImdsError) -> None:
+        self.counters["imds_errors"] += 1
+        self._consecutive_poll_errors += 1
+        # IMDS errors name the status and the reason, never a credential (the poll sends none).
+        self._last_poll_error = f"{type(error).__name__}: {error}"[:POLL_ERROR_CHARS]
+
     def poll_once(self) -> Change | None:
         """Read the document once; spool an envelope and queue hooks if it changed. Raises ImdsError."""
         identity = self.identity
         if identity is None:
             raise RuntimeError("poll_once() needs the identity; call run() or set .identity")
+        polled_at = time.time_ns()  # the start of the forwarder.detect span, if this poll sees a change
         raw = self.imds.get_document_bytes()
         self.counters["polls"] += 1
         if raw == self._last_raw:
@@ -286,9 +315,34 @@ class Forwarder:
                 document=document,
             ).to_json_bytes()
 
-        jobs = [HookJob(e.EventId, "prepare", e.model_dump_json()) for e in change.prepare]
-        jobs += [HookJob(e.EventId, "recover", e.model_dump_json()) for e in change.recover]
-        sequence = self.store.enqueue("incarnation", build, state={LAST_DOCUMENT: change.canonical}, hooks=jobs)
+        # The approval's trace starts here, at the poll that saw the change; its context is spooled with the
+        # envelope so that it travels with it whenever it is sent, and queued with the hooks it starts.
+        detect_span = self.telemetry.tracer.start_span(
+            "forwarder.detect",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root, whatever the caller's context
+            start_time=polled_at,
+            attributes={
+                "vm.name": identity.name,
+                "scheduled_events.event_ids": ",".join(e.EventId for e in document.Events),
+                "scheduled_events.incarnation": document.DocumentIncarnation,
+            },
+        )
+        with trace.use_span(detect_span, end_on_exit=True):
+            span_parent, span_state = traceparent(detect_span)
+            jobs = [
+                HookJob(e.EventId, phase, e.model_dump_json(), traceparent=span_parent, tracestate=span_state)
+                for phase, events in (("prepare", change.prepare), ("recover", change.recover))
+                for e in events
+            ]
+            sequence = self.store.enqueue(
+                "incarnation",
+                build,
+                state={LAST_DOCUMENT: change.canonical},
+                hooks=jobs,
+                traceparent=span_parent,
+                tracestate=span_state,
+            )
+            detect_span.set_attribute("scheduled_events.sequence", sequence)
         self._last_document, self._last_canonical = document, change.canonical
         self.counters["changes"] += 1
         log.info(
@@ -339,13 +393,19 @@ class Forwarder:
         identity = self.identity
         if identity is None:
             return
-        counters = {
-            "invalid_documents": 0,
-            "invalid_events": 0,
-            **self.store.counters(),
-            **self.counters,
-            "spool_depth": self.store.depth(),
-        }
+        stored = self.store.counters()
+        depth = self.store.depth()
+        counters = {"invalid_documents": 0, "invalid_events": 0, **stored, **self.counters, "spool_depth": depth}
+        health = ForwarderHealth(
+            lastGoodPollAt=self._last_good_poll,
+            pollErrors=self.counters["imds_errors"],
+            consecutivePollErrors=self._consecutive_poll_errors,
+            lastPollError=self._last_poll_error,
+            spoolDepth=depth,
+            dropped=stored.get("spool_dropped", 0),
+            sendErrors=self.counters["send_failures"],
+            listenerConnected=self._listener_connected(),
+        )
         observed = _now()
 
         def build(sequence: int) -> bytes:
@@ -359,11 +419,20 @@ class Forwarder:
                     "forwarder": __version__,
                     "stateId": self.store.state_id,
                     "counters": counters,
+                    "health": health,
                 }
             ).to_json_bytes()
 
         self.store.enqueue("heartbeat", build)
         self._send_wake.set()
+
+    def _listener_connected(self) -> bool | None:
+        """Whether the relay listener's control channel is up; None when no listener is configured. A listener
+        configured but not (yet) running counts as not connected."""
+        states = [c.connected for c in self._companions if isinstance(c, Listener)]
+        if states:
+            return all(states)
+        return False if self.settings.relay_enabled else None
 
     # --- sending -----------------------------------------------------------------------------------------
     def _sender_loop(self) -> None:
@@ -382,7 +451,8 @@ class Forwarder:
                 self._send_wake.clear()
                 continue
             try:
-                self.sink.send(items, partition_key=self._partition_key())
+                with send_spans(self.telemetry.tracer, items, vm_name=self._identity().name) as outgoing:
+                    self.sink.send(outgoing, partition_key=self._identity().partition_key)
             except UndeliverableEnvelope as exc:
                 log.error(
                     "envelope can never be delivered; set aside",
@@ -410,9 +480,9 @@ class Forwarder:
                 "stopping with unsent envelopes; they are kept and sent after the restart", extra=fields(unsent=depth)
             )
 
-    def _partition_key(self) -> str:
+    def _identity(self) -> VmIdentity:
         assert self.identity is not None  # the sender starts after the identity is known
-        return self.identity.partition_key
+        return self.identity
 
     # --- hooks -------------------------------------------------------------------------------------------
     def _recover_interrupted_hooks(self) -> None:
@@ -436,7 +506,8 @@ class Forwarder:
                 "hook phase was interrupted by a forwarder restart",
                 extra=fields(event_id=job.event_id, phase=phase, hook=interrupted.hook),
             )
-            self._spool_hook_report(phase_report(job.event_id, phase, [*finished, interrupted]), done=job)
+            report = phase_report(job.event_id, phase, [*finished, interrupted])
+            self._spool_hook_report(report, done=job, context=(job.traceparent, job.tracestate))
 
     def _hook_loop(self) -> None:
         identity = self.identity
@@ -457,22 +528,35 @@ class Forwarder:
                 def progress(hook: str, finished: tuple[HookStep, ...], job: HookJob = job) -> None:
                     self.store.mark_hook_running(job, step=hook, steps=_STEPS.dump_json(list(finished)).decode())
 
-                try:
-                    report = self.hooks.run(event, phase=phase, vm_name=identity.name, on_step=progress)
-                except Exception as exc:  # a bug here must not silently end hook processing for good
-                    log.exception("running hooks failed", extra=fields(event_id=job.event_id, phase=phase))
-                    failed = HookStep(
-                        hook=f"{phase}.d",
-                        outcome="failed",
-                        durationSeconds=0.0,
-                        outputTail=f"the forwarder could not run the hooks: {exc}"[:1024],
-                    )
-                    report = phase_report(job.event_id, phase, [failed])
-                self.counters["hooks_run"] += 1
-                self._spool_hook_report(report, done=job)
+                # The phase, in the trace of the change that queued it; its report is sent in that span's context.
+                span = self.telemetry.tracer.start_span(
+                    "forwarder.hooks",
+                    context=parent({TRACEPARENT: job.traceparent, TRACESTATE: job.tracestate}),
+                    attributes={
+                        "vm.name": identity.name,
+                        "scheduled_events.event_id": job.event_id,
+                        "scheduled_events.hook_phase": phase,
+                    },
+                )
+                with trace.use_span(span, end_on_exit=True):
+                    try:
+                        report = self.hooks.run(event, phase=phase, vm_name=identity.name, on_step=progress)
+                    except Exception as exc:  # a bug here must not silently end hook processing for good
+                        log.exception("running hooks failed", extra=fields(event_id=job.event_id, phase=phase))
+                        failed = HookStep(
+                            hook=f"{phase}.d",
+                            outcome="failed",
+                            durationSeconds=0.0,
+                            outputTail=f"the forwarder could not run the hooks: {exc}"[:1024],
+                        )
+                        report = phase_report(job.event_id, phase, [failed])
+                    span.set_attribute("scheduled_events.hook_outcome", report.outcome)
+                    self.counters["hooks_run"] += 1
+                    self._spool_hook_report(report, done=job, context=traceparent(span))
 
-    def _spool_hook_report(self, report: HookReport, *, done: HookJob) -> None:
-        """One `hook` envelope per phase, spooled in the same transaction that marks the phase done."""
+    def _spool_hook_report(self, report: HookReport, *, done: HookJob, context: tuple[str, str]) -> None:
+        """One `hook` envelope per phase, spooled in the same transaction that marks the phase done, with the
+        trace context (traceparent, tracestate) it is sent in."""
         identity = self.identity
         assert identity is not None
         observed = _now()
@@ -488,5 +572,12 @@ class Forwarder:
                 hook=report,
             ).to_json_bytes()
 
-        self.store.enqueue("hook", build, hook_done=(done.event_id, done.phase), hook_outcome=report.outcome)
+        self.store.enqueue(
+            "hook",
+            build,
+            hook_done=(done.event_id, done.phase),
+            hook_outcome=report.outcome,
+            traceparent=context[0],
+            tracestate=context[1],
+        )
         self._send_wake.set()

@@ -35,11 +35,23 @@ CREATE TABLE IF NOT EXISTS hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, s
 CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, reason TEXT NOT NULL,
     body BLOB NOT NULL);
 """
-# Columns added after the first release: a database written by an older forwarder gets them on open.
-_HOOK_COLUMNS = {
-    "step": "TEXT NOT NULL DEFAULT ''",
-    "steps": "TEXT NOT NULL DEFAULT '[]'",
-    "outcome": "TEXT NOT NULL DEFAULT ''",
+# Columns added after the first release: a database written by an older forwarder gets them on open (and an
+# older forwarder still writes to a newer database: every added column has a default).
+_ADDED_COLUMNS = {
+    "hooks": {
+        "step": "TEXT NOT NULL DEFAULT ''",
+        "steps": "TEXT NOT NULL DEFAULT '[]'",
+        "outcome": "TEXT NOT NULL DEFAULT ''",
+        # The trace context of the change that queued the phase: its hook report joins that trace.
+        "traceparent": "TEXT NOT NULL DEFAULT ''",
+        "tracestate": "TEXT NOT NULL DEFAULT ''",
+    },
+    # The W3C trace context of the change that spooled the envelope, so that a replay after an outage or a
+    # restart still carries it ("" for envelopes that start no trace, and for rows spooled by older forwarders).
+    "spool": {
+        "traceparent": "TEXT NOT NULL DEFAULT ''",
+        "tracestate": "TEXT NOT NULL DEFAULT ''",
+    },
 }
 # A finished hook is remembered this long, far longer than any event stays in a document.
 HOOK_LEDGER_DAYS = 30
@@ -53,6 +65,9 @@ class SpooledEnvelope:
     sequence: int
     kind: str
     body: bytes
+    # W3C trace context to send with the envelope (Event Hubs application properties); "" when none.
+    traceparent: str = ""
+    tracestate: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,9 @@ class HookJob:
     # a phase cut short by a crash is reported with what did run and the hook that was interrupted.
     step: str = ""
     steps: str = "[]"
+    # W3C trace context of the change that queued the phase ("" for none).
+    traceparent: str = ""
+    tracestate: str = ""
 
 
 class Store:
@@ -81,10 +99,11 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         with self._tx() as db:
-            present = {str(row[1]) for row in db.execute("PRAGMA table_info(hooks)")}
-            for column, definition in _HOOK_COLUMNS.items():
-                if column not in present:
-                    db.execute(f"ALTER TABLE hooks ADD COLUMN {column} {definition}")
+            for table, columns in _ADDED_COLUMNS.items():
+                present = {str(row[1]) for row in db.execute(f"PRAGMA table_info({table})")}
+                for column, definition in columns.items():
+                    if column not in present:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
             # Created with the database and kept in it: a wiped or re-created state directory gets a new one,
             # which is how the coordinator tells "this forwarder lost its state" from a replay of old sequences.
             db.execute("INSERT OR IGNORE INTO state (key, value) VALUES (?, ?)", (STATE_ID, uuid.uuid4().hex))
@@ -143,25 +162,31 @@ class Store:
         hooks: Sequence[HookJob] = (),
         hook_done: tuple[str, str] | None = None,
         hook_outcome: str = "",
+        traceparent: str = "",
+        tracestate: str = "",
     ) -> int:
         """Spool one envelope under the next sequence number, in the same transaction as the state it implies
         (the last document, the hooks it queues, the hook run it reports). Returns the sequence.
 
-        `build(sequence)` renders the envelope. A full spool drops envelopes, loudly: heartbeats first (oldest
-        first), since the next heartbeat says all an older one said; then the oldest of the others.
+        `build(sequence)` renders the envelope; `traceparent`/`tracestate` are kept and sent with it. A full
+        spool drops envelopes, loudly: heartbeats first (oldest first), since the next heartbeat says all an
+        older one said; then the oldest of the others.
         """
         with self._tx() as db:
             sequence = int(self._get(db, "sequence") or 0)
-            db.execute("INSERT INTO spool (sequence, kind, body) VALUES (?, ?, ?)", (sequence, kind, build(sequence)))
+            db.execute(
+                "INSERT INTO spool (sequence, kind, body, traceparent, tracestate) VALUES (?, ?, ?, ?, ?)",
+                (sequence, kind, build(sequence), traceparent, tracestate),
+            )
             self._put(db, "sequence", str(sequence + 1))
             for key, value in (state or {}).items():
                 self._put(db, key, value)
             now = datetime.now(UTC).isoformat()
             for job in hooks:
                 db.execute(
-                    "INSERT OR IGNORE INTO hooks (event_id, phase, status, event, updated_at)"
-                    " VALUES (?, ?, 'pending', ?, ?)",
-                    (job.event_id, job.phase, job.event, now),
+                    "INSERT OR IGNORE INTO hooks (event_id, phase, status, event, updated_at, traceparent, tracestate)"
+                    " VALUES (?, ?, 'pending', ?, ?, ?, ?)",
+                    (job.event_id, job.phase, job.event, now, job.traceparent, job.tracestate),
                 )
             if hook_done is not None:
                 db.execute(
@@ -192,9 +217,9 @@ class Store:
         """The oldest unsent envelopes, in order."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, sequence, kind, body FROM spool ORDER BY id LIMIT ?", (limit,)
+                "SELECT id, sequence, kind, body, traceparent, tracestate FROM spool ORDER BY id LIMIT ?", (limit,)
             ).fetchall()
-        return [SpooledEnvelope(int(r[0]), int(r[1]), str(r[2]), bytes(r[3])) for r in rows]
+        return [SpooledEnvelope(int(r[0]), int(r[1]), str(r[2]), bytes(r[3]), str(r[4]), str(r[5])) for r in rows]
 
     def ack(self, items: Sequence[SpooledEnvelope]) -> None:
         if not items:
@@ -210,9 +235,11 @@ class Store:
     def hook_jobs(self, status: str) -> list[HookJob]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT event_id, phase, event, step, steps FROM hooks WHERE status = ? ORDER BY rowid", (status,)
+                "SELECT event_id, phase, event, step, steps, traceparent, tracestate FROM hooks WHERE status = ?"
+                " ORDER BY rowid",
+                (status,),
             ).fetchall()
-        return [HookJob(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])) for r in rows]
+        return [HookJob(*(str(value) for value in row)) for row in rows]
 
     def mark_hook_running(self, job: HookJob, *, step: str = "", steps: str = "[]") -> None:
         """Recorded before the phase starts and before each of its hooks (`step`, after the finished `steps`): a

@@ -61,6 +61,12 @@ class EventHubSink:
             for item in items:
                 event = EventData(item.body)
                 event.content_type = "application/json"
+                if item.traceparent:
+                    # W3C trace context as application properties, beside the envelope and not in it: the
+                    # envelope is the contract of what happened, the trace says how it travelled.
+                    event.properties = {"traceparent": item.traceparent}
+                    if item.tracestate:
+                        event.properties["tracestate"] = item.tracestate
                 try:
                     batch.add(event)
                 except ValueError:

@@ -70,6 +70,8 @@ if [ ! -f "$config" ]; then
     if [ -n "$client_id" ]; then echo "managed_identity_client_id: $client_id"; fi
     echo "hooks_dir: /etc/scheduled-events/hooks"
     echo "state_dir: /var/lib/scheduled-events-forwarder"
+    echo "# Record spans (docs/forwarder.md, Health and tracing); under state_dir, the unit's one writable place:"
+    echo "# telemetry_spans_file: /var/lib/scheduled-events-forwarder/spans.jsonl"
     if [ -n "$relay_namespace" ]; then
       echo "relay_enabled: true"
       echo "relay_namespace: $relay_namespace"

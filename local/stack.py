@@ -220,6 +220,11 @@ class LocalStack:
     def vm_dir(self, name: str) -> Path:
         return self.workdir / "vms" / name
 
+    @property
+    def telemetry_dir(self) -> Path:
+        """Where each forwarder appends its spans (``spans-<vm>.jsonl``); the local collector reads ``*.jsonl``."""
+        return self.workdir / "telemetry"
+
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
         try:
@@ -358,8 +363,12 @@ class LocalStack:
                 shutil.rmtree(target)
             elif target.exists():
                 target.unlink()
+        # The previous run's spans too (only the forwarders' files: the folder is shared with the local collector).
+        for spans in self.telemetry_dir.glob("spans-*.jsonl"):
+            spans.unlink()
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.cards_dir.mkdir(parents=True, exist_ok=True)
+        self.telemetry_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- the coordinator (function_app) ----------------------------------------------------------------------
     def _configure_coordinator(self) -> None:
@@ -502,6 +511,8 @@ class LocalStack:
             "30",
             "--log-level",
             options.forwarder_log_level,
+            "--telemetry-spans-file",
+            str(self.telemetry_dir / f"spans-{name}.jsonl"),
         ]
         if self.relay is not None:
             command += ["--relay-enabled", "--relay-endpoint", self.relay.base_url.replace("http://", "ws://", 1)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forwarder.durable_state import HOOK_LEDGER_DAYS, HookJob, Store
+from forwarder.durable_state import HOOK_LEDGER_DAYS, HookJob, SpooledEnvelope, Store
 
 
 def body(sequence: int) -> bytes:
@@ -169,3 +169,24 @@ def test_prune_forgets_only_finished_phases_older_than_the_ledger_keeps(tmp_path
     assert store.hook_status("DONE", "prepare") is None
     assert store.hook_status("RUNNING", "prepare") == "running"
     assert store.hook_status("PENDING", "recover") == "pending"
+
+
+def test_a_spool_of_an_older_forwarder_opens_and_keeps_trace_context_from_now_on(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite"
+    with sqlite3.connect(path) as db:  # a spool written before envelopes carried a trace context
+        db.executescript(
+            "CREATE TABLE spool (id INTEGER PRIMARY KEY AUTOINCREMENT, sequence INTEGER NOT NULL,"
+            " kind TEXT NOT NULL, body BLOB NOT NULL);"
+            "CREATE TABLE state (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+            "INSERT INTO spool (sequence, kind, body) VALUES (7, 'incarnation', X'7B7D');"
+            "INSERT INTO state VALUES ('sequence', '8');"
+        )
+    store = Store(path)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    store.enqueue("incarnation", body, traceparent=traceparent, tracestate="k=v")
+    store.close()
+    reopened = Store(path)  # and the trace context outlives a restart
+    assert reopened.peek(10) == [
+        SpooledEnvelope(1, 7, "incarnation", b"{}"),  # the old row: no context, sent as before
+        SpooledEnvelope(2, 8, "incarnation", body(8), traceparent, "k=v"),
+    ]

@@ -40,10 +40,15 @@ def test_approval_through_the_relay_reaches_imds(
         flags={"sink": "stdout", "relay_enabled": True, "relay_endpoint": endpoint, "imds_url": imds.url_for("web_0")},
         environ={},
     )
-    h = harness(imds.url_for("web_0"), companions=relay_companions(settings))
+    h = harness(imds.url_for("web_0"), companions=relay_companions(settings), heartbeat_interval=0.2)
     identity = h.forwarder.identity
     assert identity is not None
     wait_for(lambda: relay.listener_count(identity.hybrid_connection_name) == 1, what="the listener to connect")
+    # Heartbeats say whether the listener is connected (a forwarder whose approvals cannot arrive is sick too).
+    wait_for(
+        lambda: any(b["health"].get("listenerConnected") is True for b in h.envelopes("heartbeat")),
+        what="a heartbeat with the listener connected",
+    )
     created = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
     event_id = created["EventId"]
     h.wait_incarnation(2)
@@ -64,5 +69,11 @@ def test_approval_through_the_relay_reaches_imds(
     started = h.wait_incarnation(3)
     assert started["document"]["Events"][0]["EventStatus"] == "Started"
 
+    relay.stop()  # the control channel drops; the heartbeats say so
+    wait_for(
+        lambda: h.envelopes("heartbeat")[-1]["health"].get("listenerConnected") is False,
+        what="a heartbeat with the listener disconnected",
+    )
+    relay.start()
     h.stop()
     wait_for(lambda: relay.listener_count(identity.hybrid_connection_name) == 0, what="the listener to close")
