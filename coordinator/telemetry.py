@@ -322,7 +322,8 @@ def forwarder_health(vm: VmIdentity, health: ForwarderHealth, at: datetime) -> N
     """What a heartbeat says of its forwarder, per VM (the workbook lists the worst)."""
     attributes = {VM: vm.name, SCALE_SET: vm.vmScaleSetName}
     age = health.poll_age_seconds(at)
-    POLL_AGE.set(-1.0 if age is None else age, attributes)
+    if age is not None:  # no good poll yet (e.g. the start-up heartbeat): no age to report, the poll errors tell
+        POLL_AGE.set(age, attributes)
     POLL_ERRORS.set(health.consecutivePollErrors, attributes)
     SPOOL_DEPTH.set(health.spoolDepth, attributes)
     DROPPED.set(health.dropped, attributes)
