@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import requests
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.partition_log import StoredEvent
 from emulators.imds import ImdsEmulator
+from forwarder.envelope import ForwarderHealth
 from forwarder.eventhub import EventHubSink
 from forwarder.telemetry import SERVICE_NAME
 from tests.forwarder.conftest import Harness, wait_for, write_hook
@@ -208,12 +209,19 @@ def test_heartbeats_report_imds_health_while_polls_fail(imds: ImdsEmulator, harn
     assert "counters" in h.envelopes("heartbeat")[-1]  # the older field stays
 
     imds.inject_fault(kind="error-burst", count=10_000, status=503, vm="web_0")
-    faulted_at = datetime.fromisoformat(h.envelopes("heartbeat")[-1]["observedAt"])
-    # The poll backs off (1 s, then more) while IMDS fails; heartbeats go on and say so.
-    sick = wait_for(
-        lambda: [b for b in health() if b["consecutivePollErrors"] >= 2], timeout=15, what="two failed polls"
+    # A poll answered just before the fault may record its success a moment after it.
+    faulted_at = datetime.now(UTC) + timedelta(seconds=0.5)
+    # The poll backs off (0.5-1 s, then more) while IMDS fails; heartbeats go on and say so.
+    beat = wait_for(
+        lambda: [b for b in h.envelopes("heartbeat") if b["health"]["consecutivePollErrors"] >= 2],
+        timeout=15,
+        what="two failed polls",
     )[-1]
+    sick = beat["health"]
     assert datetime.fromisoformat(sick["lastGoodPollAt"]) <= faulted_at  # no good poll since the fault
+    age = ForwarderHealth.model_validate(sick).poll_age_seconds(datetime.fromisoformat(beat["observedAt"]))
+    assert age is not None
+    assert age >= 0.5
     assert sick["pollErrors"] >= sick["consecutivePollErrors"]
     assert "503" in sick["lastPollError"]
     assert len(sick["lastPollError"]) <= 256
