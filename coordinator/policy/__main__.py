@@ -143,7 +143,8 @@ def _simulate(policy: rules.Policy, args: argparse.Namespace, *, as_json: bool) 
         )
         if result.by_person or result.never_decided:
             print(
-                f"not compared: {result.by_person} decisions by a person, {result.never_decided} events never decided"
+                f"not compared: decisions by a person: {result.by_person}; events never decided (first seen Started): "
+                f"{result.never_decided}"
             )
         for number, why in history.set_aside:
             print(f"set aside: row {number}: {why}")
