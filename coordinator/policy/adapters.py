@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from coordinator import rules
 from coordinator.model import DecisionRecord, EventRecord, VmSighting
+from coordinator.rows import HistoryRow
 from coordinator.sightings import scale_sets_of
 from forwarder.envelope import VmIdentity
 
@@ -37,6 +38,8 @@ _VM_ALIASES = {
     "VmId": "vmId",
     "VmResourceId": "resourceId",
 }
+# The history columns that say who the reporting VM is (coordinator/sightings.py ``_vm_columns``).
+HISTORY_VM_COLUMNS = ("VmName", "VmId", "VmResourceId", "ScaleSetName", "PlacementGroupId")
 # IMDS event fields (as Scheduled Events and the history columns name them) -> EventRecord fields.
 _EVENT_ALIASES = {
     "EventId": "eventId",
@@ -81,6 +84,11 @@ def vm_identity(spec: Mapping[str, Any]) -> VmIdentity:
     data.setdefault("vmId", f"vmid-{name}")
     data.setdefault("resourceId", f"/vms/{name}")
     return _build(VmIdentity, data, what=f"VM {name}")
+
+
+def vm_identity_from_row(row: HistoryRow) -> VmIdentity:
+    """The reporting VM of a history row (its VM columns, as ``vm_identity`` takes them)."""
+    return vm_identity({column: getattr(row, column) for column in HISTORY_VM_COLUMNS})
 
 
 def sighting(identity: VmIdentity, state: Mapping[str, Any], *, at: datetime) -> VmSighting:

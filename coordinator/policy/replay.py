@@ -14,10 +14,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 
 from coordinator import rules
 from coordinator.decide import holds_budget
-from coordinator.model import DecisionRecord, EventRecord, VmSighting
+from coordinator.model import TERMINAL_STATES, DecisionRecord, EventRecord, VmSighting
 from coordinator.policy import adapters
 from coordinator.policy.adapters import InputError
 from coordinator.rows import HistoryRow
@@ -76,6 +77,14 @@ class _Event:
     event_id: str
     rows: list[tuple[int, HistoryRow]] = field(default_factory=list)
 
+    def open_at(self, at: datetime) -> bool:
+        """Seen by ``at`` and not concluded (Completed or Canceled) before it."""
+        return self.rows[0][1].TimeGenerated <= at and (self.concluded is None or self.concluded >= at)
+
+    @cached_property
+    def concluded(self) -> datetime | None:
+        return next((row.TimeGenerated for _, row in self.rows if row.State in TERMINAL_STATES), None)
+
     def record(self, before: int, *, batch_at: datetime | None = None) -> EventRecord | None:
         """The event as the coordinator held it just before position ``before`` (None if not seen yet); with
         ``batch_at``, with the sightings and hook reports of that instant too (the batch being decided: the
@@ -116,15 +125,7 @@ class _Event:
 
     @staticmethod
     def _seen(previous: VmSighting | None, row: HistoryRow) -> VmSighting:
-        identity = adapters.vm_identity(
-            {
-                "VmName": row.VmName,
-                "VmId": row.VmId,
-                "VmResourceId": row.VmResourceId,
-                "ScaleSetName": row.ScaleSetName,
-                "PlacementGroupId": row.PlacementGroupId,
-            }
-        )
+        identity = adapters.vm_identity_from_row(row)
         state: dict[str, object] = {"status": row.EventStatus or "Scheduled", "lastSeen": row.TimeGenerated}
         if previous is not None:
             state |= {"firstSeen": previous.firstSeen, "hooks": previous.hooks, "failedHooks": previous.failedHooks}
@@ -248,7 +249,7 @@ def _decide(
     policy: rules.Policy, record: EventRecord, events: dict[str, _Event], position: int, at: datetime
 ) -> rules.Decision:
     wants_fleet = rules.needs_fleet(policy, record, at)
-    others = [e for e in events.values() if e.event_id != record.eventId and e.rows[0][1].TimeGenerated <= at]
+    others = [e for e in events.values() if e.event_id != record.eventId and e.open_at(at)]
     fleet = rules.FleetView()
     if wants_fleet:
         impacting = (r for r in (e.record(position) for e in others) if r is not None and holds_budget(r))
