@@ -249,6 +249,8 @@ def _decide(
     policy: rules.Policy, record: EventRecord, events: dict[str, _Event], position: int, at: datetime
 ) -> rules.Decision:
     wants_fleet = rules.needs_fleet(policy, record, at)
+    if not wants_fleet and record.eventType != "Terminate":
+        return adapters.decide(policy, record, rules.FleetView(), [], at)
     others = [e for e in events.values() if e.event_id != record.eventId and e.open_at(at)]
     fleet = rules.FleetView()
     if wants_fleet:
