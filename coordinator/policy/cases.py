@@ -12,6 +12,7 @@ Takes a cases file and a policy; gives one ``CaseResult`` per case. The file::
           NotBefore: 2026-01-05T10:15:00Z                 # optional
           Resources: [web_0]
           FirstSeen: 2026-01-05T10:00:00Z                 # when the coordinator first saw it; default: at
+          Status: Scheduled                               # each VM's status unless ``vms`` says (default)
           vms:                                            # what each VM reported; default: each of Resources,
             web_0: {status: Scheduled, hooks: {prepare: succeeded}, failedHooks: {}}   # Scheduled, no hooks
         vms:                                              # the VMs' identities (name required)
@@ -151,15 +152,19 @@ def run_case(policy: rules.Policy, case: Case, *, line: int = 0) -> CaseResult:
 def _event(spec: dict[str, Any], identities: dict[str, VmIdentity], now: datetime) -> EventRecord:
     facts = dict(spec)
     reported = facts.pop("vms", None)
+    status = facts.pop("Status", "Scheduled")
     if reported is None:
-        reported = {name: {"status": facts.get("Status", "Scheduled")} for name in facts.get("Resources", [])}
-    facts.pop("Status", None)
+        reported = {name: {} for name in facts.get("Resources", [])}
     facts.setdefault("EventId", f"case-{facts.get('EventType', 'event')}-{'-'.join(facts.get('Resources', []))}")
     created = adapters.aware(_time(facts.pop("FirstSeen", None)) or now)
     if not isinstance(reported, dict):
         raise InputError("event.vms: a mapping of VM name -> what it reported (status, hooks, failedHooks)")
     sightings = {
-        name: adapters.sighting(identities.get(name) or adapters.vm_identity({"name": name}), state or {}, at=created)
+        name: adapters.sighting(
+            identities.get(name) or adapters.vm_identity({"name": name}),
+            {"status": status, **(state or {})},
+            at=created,
+        )
         for name, state in reported.items()
     }
     return adapters.event_record(

@@ -444,3 +444,4 @@ def test_a_policy_used_on_a_history_without_rows_finds_nothing(tmp_path, capsys)
 
 def test_parse_policy_text_used_by_the_tests_is_valid():
     assert parse_policy(EXAMPLE.read_text()).rules[2].name == "short-freeze-waits"
+
