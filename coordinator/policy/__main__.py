@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -195,4 +196,10 @@ def _summary(result: Replay, source: str, kind: str, rows: int, set_aside: list[
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        # The reader left (e.g. `| head`): what it did not read is not an error of this command. Python's
+        # documented way out: point stdout at devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
