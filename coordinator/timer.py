@@ -105,7 +105,9 @@ def census(ctx: Context, groups: list[Stored[VmGroupRecord]], events: list[Event
     vms: Counter[str] = Counter()
     for group in groups:
         for vm in group.record.vms.values():
-            if vm.retired is not None:
+            if vm.agentless:
+                vms["agentless"] += 1
+            elif vm.retired is not None:
                 vms["retired"] += 1
             elif vm.lastSeen < now - ctx.heartbeat_timeout:
                 vms["silent"] += 1
@@ -213,7 +215,10 @@ def heartbeats(
         lost = {
             vm_id: outbox.raise_vm_alert(vm.model_copy(update={"heartbeatLost": True}), "heartbeat-lost", now)
             for vm_id, vm in stored.record.vms.items()
-            if not vm.heartbeatLost and vm.retired is None and vm.lastSeen < now - ctx.heartbeat_timeout
+            if not vm.heartbeatLost
+            and not vm.agentless
+            and vm.retired is None
+            and vm.lastSeen < now - ctx.heartbeat_timeout
         }
         if not lost:
             continue
