@@ -135,6 +135,9 @@ class EventGridPublisher:
         self._thread.start()
 
     def stop(self) -> None:
+        """Idempotent: the last pass's sends are over when it returns."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
