@@ -37,7 +37,6 @@ from coordinator.sightings import Observation, VmUpdate, vm_position
 from forwarder.document import ScheduledEvent
 from forwarder.envelope import VmIdentity
 
-EVENT_TYPE = "Microsoft.ResourceNotifications.MaintenanceResources.ScheduledEventEmitted"
 # Below every forwarder state's epoch (they count from 0): a forwarder's sighting of its own VM always wins.
 EVENT_GRID_EPOCH = -1
 MAX_RESOURCES = 1000
@@ -156,7 +155,6 @@ class Sighting:
     """One VM named by one Event Grid event."""
 
     identity: VmIdentity
-    known: bool  # a forwarder reported as this VM (its group holds it)
     key: str  # its VM group
 
 
@@ -228,12 +226,18 @@ def observations_of(event: GridEvent, identity: VmIdentity) -> list[Observation]
     return [gone]
 
 
-def add_to_batch(ctx: Context, batch: VmBatch, events: list[GridEvent]) -> list[str]:
+def add_to_batch(ctx: Context, batch: VmBatch, events: list[GridEvent]) -> None:
     """Adds the Event Grid events' observations to the batch's VM updates (``fold.VmBatch``), each under the VM
-    it names. Returns the vmIds of the VMs only Event Grid spoke for in this batch."""
+    it names (an update of its own for a VM no envelope of the batch spoke for)."""
     if not events:
-        return []
+        return
     known = _known_vms(ctx)
+    for vm_id, speaking in batch.updates.items():  # VMs whose forwarder speaks in this batch (a new one included)
+        identity = speaking.record.identity
+        known[(identity.subscriptionId.lower(), identity.resourceGroupName.lower(), identity.name.lower())] = (
+            batch.key_of[vm_id],
+            speaking.record,
+        )
     per_vm: dict[str, tuple[Sighting, list[Observation]]] = {}
     for event in events:
         resource = event.resource()
@@ -241,15 +245,14 @@ def add_to_batch(ctx: Context, batch: VmBatch, events: list[GridEvent]) -> list[
             where = (resource.group("subscription").lower(), resource.group("group").lower(), name.lower())
             if where in known:
                 key, record = known[where]
-                sighting = Sighting(identity=record.identity, known=True, key=key)
+                sighting = Sighting(identity=record.identity, key=key)
             else:
                 identity = _identity(event, name)
-                sighting = Sighting(identity=identity, known=False, key=group_key(identity))
+                sighting = Sighting(identity=identity, key=group_key(identity))
             vm_id = sighting.identity.vmId.lower()
             per_vm.setdefault(vm_id, (sighting, []))[1].extend(observations_of(event, sighting.identity))
     groups = ctx.store.get_vm_groups({s.key for s, _ in per_vm.values()} - set(batch.groups), cached=True)
     batch.groups.update(groups)
-    only_grid = []
     for vm_id, (sighting, observations) in per_vm.items():
         update: VmUpdate | None = batch.updates.get(vm_id)
         if update is not None:  # its forwarder reported in this batch too: one VM, one update
@@ -266,8 +269,6 @@ def add_to_batch(ctx: Context, batch: VmBatch, events: list[GridEvent]) -> list[
         )
         batch.key_of[vm_id] = sighting.key
         batch.base[vm_id] = vm_position(previous) if previous else None
-        only_grid.append(vm_id)
-    return only_grid
 
 
 def describe(error: Exception) -> str:

@@ -203,6 +203,13 @@ def test_a_vm_seen_on_both_paths_is_one_vm_with_one_record(
     assert both is not None
     assert list(both.record.vms) == ["web_1"]
     assert both.record.vms["web_1"].vmId == identity(imds, "web_1").vmId
+    # A VM whose very first envelope comes in the same batch as the Event Grid event: no agentless twin is made.
+    first = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    service.process_batch([raw(grid(imds, first, "Scheduled", DOC_NOW)), report(imds, "web_0", 1)])
+    vms = [vm for group in service.store.all_vm_groups() for vm in group.record.vms.values()]
+    assert sorted((vm.identity.name, vm.agentless) for vm in vms if vm.identity.name == "web_0") == [("web_0", False)]
+    if not grid_first:  # web_1's forwarder reported before Event Grid ever named it: no agentless twin either
+        assert [vm.agentless for vm in vms if vm.identity.name == "web_1"] == [False]
 
 
 def test_duplicates_are_ignored_and_canceled_concludes(
