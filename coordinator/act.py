@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from coordinator import outbox, rules, telemetry
-from coordinator.callback import ApprovalDeliveryError
+from coordinator.callback import ApprovalCallback, ApprovalDeliveryError
 from coordinator.context import BatchReport, Context, TickReport, Work
 from coordinator.decide import Fleet, release_budgets
 from coordinator.events import commit_event, read_event
-from coordinator.model import EventRecord
+from coordinator.model import EventRecord, VmSighting
 from coordinator.record import approval_row, platform_hold_row, write_history
 from coordinator.retry import backoff_delay
 from coordinator.rows import HistoryRow
@@ -47,6 +47,8 @@ class Delivery:
     failure: str = ""
     # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
     traceparent: str = ""
+    # The path it takes: the Relay sender (ctx.callback) or the Maintenance RP's acknowledge (ctx.remote_acknowledge).
+    callback: ApprovalCallback | None = None
 
 
 def act(
@@ -124,7 +126,27 @@ def plan_delivery(
         decision_id=approval.decisionId,
         executor=executor.name if executor else "",
         traceparent=record.traceparent,
+        callback=ctx.callback,
     )
+    remote = rules.callback_of(ctx.policy, approval.rule) == "remote-acknowledge"
+    if remote and ctx.remote_acknowledge is None:
+        plan.failure = (
+            f"rule {approval.rule!r} approves through remote acknowledge, which is off "
+            "(COORDINATOR_REMOTE_ACKNOWLEDGE); nothing sent"
+        )
+        return plan
+    if executor is None and ctx.remote_acknowledge is not None and ctx.remote_acknowledge_fallback:
+        # No VM's listener can execute it (no forwarder reported within heartbeat_timeout, e.g. a VM known only
+        # from Event Grid): acknowledged through ARM instead, unverified by any VM (docs/security.md).
+        remote = True
+    if remote:
+        target = executor or _any_sighting(record)
+        if target is None:
+            plan.failure = f"no VM of {record.resources[:5]} is known: no resource to acknowledge the event on"
+            return plan
+        executor = target
+        plan.executor = f"arm:{target.name}"
+        plan.callback = ctx.remote_acknowledge
     if executor is None:
         within = f"{ctx.heartbeat_timeout.total_seconds():.0f} s"
         if record.eventType == "Terminate":
@@ -158,7 +180,11 @@ def plan_delivery(
         now,
         vm=executor.name,
         Outcome="sending",
-        Reason=f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})",
+        Reason=(
+            f"acknowledge of {record.eventId} going to ARM for {executor.name} (attempt {approval.attempts + 1})"
+            if plan.callback is not ctx.callback
+            else f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})"
+        ),
     )
     return plan
 
@@ -169,7 +195,8 @@ def send_all(ctx: Context, plans: Sequence[Delivery]) -> None:
     futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
-            futures[ctx.pool().submit(deliver, ctx, plan.request, plan.vm, plan.traceparent)] = plan
+            callback = plan.callback or ctx.callback
+            futures[ctx.pool().submit(deliver, callback, plan.request, plan.vm, plan.traceparent)] = plan
     if not futures:
         return
     done, late = concurrent.futures.wait(futures, timeout=ctx.approval_deadline.total_seconds())
@@ -190,14 +217,23 @@ def send_all(ctx: Context, plans: Sequence[Delivery]) -> None:
         )
 
 
-def deliver(ctx: Context, request: ApprovalRequest, vm: VmIdentity, traceparent: str) -> ApprovalResult:
-    """One approval through the callback, as the ``coordinator.approval`` span of the event's trace."""
+def deliver(callback: ApprovalCallback, request: ApprovalRequest, vm: VmIdentity, traceparent: str) -> ApprovalResult:
+    """One approval through its callback, as the ``coordinator.approval`` span of the event's trace."""
     with telemetry.approval_span(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
     ) as span:
-        result = ctx.callback.send(request, vm=vm)
+        result = callback.send(request, vm=vm)
         telemetry.approval_answered(span, result.outcome)
         return result
+
+
+def _any_sighting(record: EventRecord) -> VmSighting | None:
+    """A VM the event names (else any that reported it): whose resource (its scale set, or itself) an acknowledge
+    names."""
+    for name in record.resources:
+        if name in record.vms:
+            return record.vms[name]
+    return next(iter(record.vms.values()), None)
 
 
 def approval_outcome(

@@ -130,6 +130,8 @@ class Context:
         start_bound: timedelta = START_BOUND,
         imds_failing_after: timedelta = IMDS_FAILING_AFTER,
         imds_failing_errors: int = IMDS_FAILING_ERRORS,
+        remote_acknowledge: ApprovalCallback | None = None,
+        remote_acknowledge_fallback: bool = False,
     ) -> None:
         self.store = store
         self.history = history
@@ -158,6 +160,10 @@ class Context:
         self.start_bound = start_bound
         self.imds_failing_after = imds_failing_after
         self.imds_failing_errors = imds_failing_errors
+        # The Maintenance RP's acknowledge (preview), for rules that ask for it and, with the fallback on, for
+        # approvals no VM's listener can execute (no VM reported within heartbeat_timeout).
+        self.remote_acknowledge = remote_acknowledge
+        self.remote_acknowledge_fallback = remote_acknowledge_fallback
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 

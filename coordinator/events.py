@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from coordinator.commit import commit
 from coordinator.context import BatchReport, Context, TickReport
-from coordinator.model import EventRecord, VmGroupRecord
+from coordinator.model import EventRecord, VmGroupRecord, VmSighting
 from coordinator.sightings import EventChange
 from coordinator.tables import Stored, TableStateStore
 
@@ -23,12 +23,15 @@ def assemble(
     """Puts each event's per-VM sightings (kept with the VMs' positions) back into the record."""
     out: dict[str, Stored[EventRecord]] = {}
     for event_id, stored in events.items():
-        vms = {}
+        vms: dict[str, VmSighting] = {}
         for key in stored.record.groups:
             group = groups.get(key)
             for vm in group.record.vms.values() if group else ():
                 sighting = vm.sightings.get(event_id)
-                if sighting is not None:
+                seen = vms.get(vm.identity.name)
+                # Two records of one VM name (an agentless one from Event Grid, made before the VM's forwarder first
+                # reported): the later position wins, and a forwarder's is above every Event Grid one.
+                if sighting is not None and (seen is None or _position(sighting) > _position(seen)):
                     vms[vm.identity.name] = sighting.model_copy(
                         update={
                             "name": vm.identity.name,
@@ -40,6 +43,10 @@ def assemble(
                     )
         out[event_id] = Stored(stored.record.model_copy(update={"vms": vms}), stored.etag)
     return out
+
+
+def _position(sighting: VmSighting) -> tuple[int, int]:
+    return (sighting.epoch, sighting.lastSequence)
 
 
 def read_event(store: TableStateStore, event_id: str) -> Stored[EventRecord] | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from coordinator import telemetry
+from coordinator import event_grid, telemetry
 from coordinator.context import Context, Work
 from coordinator.rows import HistoryRow
 from coordinator.tables import DeadLetter
@@ -135,6 +135,10 @@ class Arrivals:
     # The trace context each envelope arrived with, by (vmId, sequence): an event record keeps the one of the
     # envelope that first reported it.
     traces: dict[tuple[str, int], str] = field(default_factory=dict)
+    # Event Grid events (coordinator/event_grid.py), valid and first of their Event Grid id in the batch, and how
+    # many repeated an id already seen (the platform may publish an event twice).
+    grid: list[event_grid.GridEvent] = field(default_factory=list)
+    grid_duplicates: int = 0
 
 
 def validate(message: RawMessage, now: datetime) -> Envelope:
@@ -172,6 +176,9 @@ def read_batch(messages: Sequence[RawMessage], now: datetime, work: Work) -> Arr
     arrivals = Arrivals()
     for index, message in enumerate(messages):
         telemetry.message_age(message.enqueued_time, now)
+        if (parsed := _event_grid_body(message.body)) is not None:
+            read_grid(message, parsed, now, arrivals=arrivals, work=work, where=f"message {index} of the batch")
+            continue
         try:
             envelope = validate(message, now)
         except Exception as error:  # any failure is this message's alone: set aside, counted
@@ -189,6 +196,40 @@ def read_batch(messages: Sequence[RawMessage], now: datetime, work: Work) -> Arr
         if traceparent := telemetry.valid_traceparent(message.traceparent):
             arrivals.traces[(envelope.vm.vmId.lower(), envelope.sequence)] = traceparent
     return arrivals
+
+
+def _event_grid_body(body: bytes) -> Any | None:
+    """The parsed body when it is Event Grid's (an array, or an object with eventType and no schema), else None.
+    A cheap look first: every envelope carries "schema", and most messages are envelopes."""
+    head = body.lstrip()[:1]
+    if head != b"[" and not (b'"eventType"' in body and b'"schema"' not in body):
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None  # refused by the envelope path, with its reason
+    return parsed if event_grid.is_event_grid(parsed) else None
+
+
+def read_grid(message: RawMessage, parsed: Any, now: datetime, *, arrivals: Arrivals, work: Work, where: str) -> None:
+    """Each Event Grid event of one message on its own: the bad ones set the message aside as one dead letter
+    naming each bad event and its reason (one per refused message, as for envelopes), a repeated Event Grid id is
+    counted as a duplicate, the good ones go on. No partition-key check: the platform sends without the VM's key
+    (docs/security.md says what an Event Grid event can and cannot do)."""
+    seen = {event.id for event in arrivals.grid}
+    refused = []
+    for position, item in enumerate(event_grid.read_events(parsed)):
+        if isinstance(item, Exception):
+            refused.append(f"event {position}: {event_grid.describe(item)}")
+        elif item.id in seen:
+            arrivals.grid_duplicates += 1
+        else:
+            seen.add(item.id)
+            arrivals.grid.append(item)
+    if refused:
+        reason = "invalid Event Grid event(s): " + " | ".join(refused[:5])
+        more = f" (+{len(refused) - 5} more)" if len(refused) > 5 else ""
+        dead_letter(message, reason + more, now, dead=arrivals.dead, work=work, where=f"Event Grid {where}")
 
 
 def set_aside(ctx: Context, arrivals: Arrivals, failed: dict[str, str], now: datetime, work: Work) -> int:

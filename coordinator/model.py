@@ -250,6 +250,9 @@ class VmRecord(BaseModel):
     # stateConflict, imdsFailing), cleared once the card was sent; the timer sends those left after ALERT_GRACE.
     pendingAlerts: list[str] = Field(default_factory=list)
     pendingSince: datetime | None = None
+    # Known only from Event Grid (coordinator/event_grid.py): no forwarder reported as this VM, so no heartbeat is
+    # expected of it and no listener can execute its approvals (remote acknowledge can).
+    agentless: bool = False
     # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a
     # batch writes an event only when the event itself changes, and a VM's sightings with its position).
     sightings: dict[str, VmSighting] = Field(default_factory=dict)

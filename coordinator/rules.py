@@ -20,6 +20,9 @@ from coordinator.model import EventRecord, Verdict
 from coordinator.sightings import pending_delete
 
 Action = Literal["approve-now", "approve-after-hooks", "approve-within-budget", "wait-for-person", "never-approve"]
+# How a rule's approvals reach the platform: through the VM's listener (Azure Relay; the VM verifies the facts), or
+# through the Maintenance RP's acknowledge (preview; no VM verifies anything: docs/security.md).
+Callback = Literal["relay", "remote-acknowledge"]
 Weekday = Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
 WEEKDAYS: tuple[Weekday, ...] = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 NO_RULE = "(no rule matched)"
@@ -124,9 +127,12 @@ class Rule(_Strict):
     action: Action
     hooks: HooksOption | None = None
     budget: BudgetOption | None = None
+    callback: Callback = "relay"
 
     @model_validator(mode="after")
     def _options_fit_action(self) -> Rule:
+        if self.callback != "relay" and self.action == "never-approve":
+            raise ValueError("'callback' says how approvals are sent; a 'never-approve' rule sends none")
         if self.action == "approve-within-budget" and self.budget is None:
             raise ValueError("action 'approve-within-budget' needs 'budget: {maxImpacted: N}'")
         if self.budget is not None and self.action != "approve-within-budget":
@@ -220,6 +226,12 @@ def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[
         return []
     affected = record.resources or sorted(record.vms)
     return [n for n in affected if n in record.vms and record.vms[n].hooks.get("prepare") == "succeeded"]
+
+
+def callback_of(policy: Policy, rule_name: str) -> Callback:
+    """The callback the named rule asks for; "relay" for a person's approval or a rule no longer there."""
+    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    return rule.callback if rule is not None else "relay"
 
 
 def needs_fleet(policy: Policy, record: EventRecord, now: datetime) -> bool:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator import act, fold, ingest, people, telemetry, timer
+from coordinator import act, event_grid, fold, ingest, people, telemetry, timer
 from coordinator.commit import BULK_ATTEMPTS
 from coordinator.context import BatchReport, Context, TickReport, Work
 from coordinator.decide import Fleet
@@ -49,9 +49,16 @@ class Coordinator(Context):
         arrivals = ingest.read_batch(messages, now, work)
         fleet = Fleet(self.store)
         updates = fold.vm_updates(self, arrivals.by_vm, cached=True, traces=arrivals.traces)
+        event_grid.add_to_batch(self, updates, arrivals.grid)
+        report.duplicates += arrivals.grid_duplicates
         report.dead_lettered = ingest.set_aside(self, arrivals, updates.failed, now, work)
         stale = fold.fold(self, updates, now, fleet, report=report, work=work)
         for _attempt in range(BULK_ATTEMPTS):
+            if stale - arrivals.by_vm.keys():
+                # Only Event Grid spoke for these in this batch: nothing to redo them from; the platform's next
+                # event for them (or their forwarder) writes their sightings.
+                log.warning("Event Grid sightings of %s not written (contended)", sorted(stale - arrivals.by_vm.keys()))
+                stale &= arrivals.by_vm.keys()
             if not stale:
                 break
             # Another instance moved these VMs since this one cached their group (a partition changed hands):

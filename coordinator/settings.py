@@ -9,6 +9,7 @@ never printed, logged or put in a repr.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -53,6 +54,12 @@ class CoordinatorSettings(BaseSettings):
     relay_endpoint: str | None = Field(default=None, description="override, e.g. http://127.0.0.1:P (emulator)")
     relay_subscription_id: str | None = None
     relay_resource_group: str | None = None
+    # Remote acknowledge through the Maintenance RP (preview; docs/deploy.md): "off"; "rules" (only rules with
+    # 'callback: remote-acknowledge'); "fallback" (those, and any approval no VM's listener can execute).
+    remote_acknowledge: Literal["off", "rules", "fallback"] = "off"
+    arm_endpoint: str = Field(
+        default="https://management.azure.com", description="override, e.g. the IMDS emulator (http://127.0.0.1:P)"
+    )
 
     # Timing and people.
     heartbeat_timeout_seconds: int = Field(default=300, ge=30)
@@ -89,7 +96,7 @@ class CoordinatorSettings(BaseSettings):
         default=False, description="local mode: accept a manual approval without an App Service Authentication user"
     )
 
-    @field_validator("table_endpoint", "logs_ingestion_endpoint", "public_base_url", "relay_endpoint")
+    @field_validator("table_endpoint", "logs_ingestion_endpoint", "public_base_url", "relay_endpoint", "arm_endpoint")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("https://", "http://127.0.0.1", "http://localhost")):

@@ -783,6 +783,8 @@ def choose_executor(
         name: s
         for name, s in record.vms.items()
         if s.status != "Gone"
+        # An Event Grid sighting (coordinator/event_grid.py) is no forwarder's: no listener to execute it.
+        and s.epoch >= 0
         and last_seen.get(name, s.lastSeen) >= alive_after
         and leaving.get(name, record.eventId) == record.eventId
     }

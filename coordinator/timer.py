@@ -37,7 +37,14 @@ def tick(ctx: Context) -> TickReport:
     for group in groups:
         for vm in group.record.vms.values():
             last_seen[vm.identity.name] = max(vm.lastSeen, last_seen.get(vm.identity.name, vm.lastSeen))
-    silent = frozenset(name for name, seen in last_seen.items() if seen < now - ctx.heartbeat_timeout)
+    # A VM known only from Event Grid has no heartbeat to miss: its statuses (Completed, Canceled) say when it is done.
+    agentless = {vm.identity.name for g in groups for vm in g.record.vms.values() if vm.agentless}
+    reporting = {vm.identity.name for g in groups for vm in g.record.vms.values() if not vm.agentless}
+    silent = frozenset(
+        name
+        for name, seen in last_seen.items()
+        if seen < now - ctx.heartbeat_timeout and not (name in agentless and name not in reporting)
+    )
     fleet = Fleet(ctx.store)
     by_key = {g.record.group: g for g in groups}
     stored_open = ctx.store.open_events()
@@ -105,7 +112,9 @@ def census(ctx: Context, groups: list[Stored[VmGroupRecord]], events: list[Event
     vms: Counter[str] = Counter()
     for group in groups:
         for vm in group.record.vms.values():
-            if vm.retired is not None:
+            if vm.agentless:
+                vms["agentless"] += 1
+            elif vm.retired is not None:
                 vms["retired"] += 1
             elif vm.lastSeen < now - ctx.heartbeat_timeout:
                 vms["silent"] += 1
@@ -213,7 +222,10 @@ def heartbeats(
         lost = {
             vm_id: outbox.raise_vm_alert(vm.model_copy(update={"heartbeatLost": True}), "heartbeat-lost", now)
             for vm_id, vm in stored.record.vms.items()
-            if not vm.heartbeatLost and vm.retired is None and vm.lastSeen < now - ctx.heartbeat_timeout
+            if not vm.heartbeatLost
+            and not vm.agentless
+            and vm.retired is None
+            and vm.lastSeen < now - ctx.heartbeat_timeout
         }
         if not lost:
             continue

@@ -90,6 +90,16 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
             "emulator)"
         )
 
+    remote_acknowledge = None
+    if settings.remote_acknowledge != "off":
+        from coordinator.remote_acknowledge import RemoteAcknowledgeSender  # noqa: PLC0415 -- only when enabled
+
+        remote_acknowledge = RemoteAcknowledgeSender(
+            credential=credential,
+            endpoint=settings.arm_endpoint,
+            deadline_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
+        )
+
     base = settings.public_base_url
 
     def approve_url(event_id: str) -> str:
@@ -112,4 +122,6 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         start_bound=timedelta(seconds=settings.start_bound_seconds),
         imds_failing_after=timedelta(seconds=settings.imds_failing_seconds),
         imds_failing_errors=settings.imds_failing_poll_errors,
+        remote_acknowledge=remote_acknowledge,
+        remote_acknowledge_fallback=settings.remote_acknowledge == "fallback",
     )

@@ -57,8 +57,16 @@ param terminateNotBeforeTimeout string = 'PT10M'
 @description('Announce OS image upgrades/reimages as scheduled events.')
 param enableOsImageNotification bool = false
 
-@description('Preview: also publish scheduled events to Event Grid / Azure Resource Graph (feature registration needed).')
+@description('Preview: also publish scheduled events to Event Grid / Azure Resource Graph (feature registration needed), and route the system topic Microsoft.ResourceNotifications.MaintenanceResources to the envelopes\' event hub (one such system topic per subscription).')
 param enableEventGridPublishing bool = false
+
+@description('Preview: approve through the Maintenance RP\'s acknowledge, unverified by any VM (docs/security.md): off, rules (rules with callback: remote-acknowledge), fallback (also approvals no VM listener can execute, e.g. VMs without the forwarder).')
+@allowed([
+  'off'
+  'rules'
+  'fallback'
+])
+param remoteAcknowledge string = 'off'
 
 @description('URL of the forwarder package (tar.gz with forwarder/install.sh). Empty: forwarder.tar.gz in this deployment\'s package account ("forwarder" container), fetched with the VM identity.')
 param forwarderPackageUrl string = ''
@@ -174,6 +182,7 @@ module eventHubs 'modules/eventhubs.bicep' = {
     consumerGroupName: consumerGroupName
     vmPrincipalId: identities.outputs.vmIdentityPrincipalId
     coordinatorPrincipalId: identities.outputs.coordinatorIdentityPrincipalId
+    enableEventGridSource: enableEventGridPublishing
   }
 }
 
@@ -250,6 +259,7 @@ module functionApp 'modules/functionapp.bicep' = {
     teamsUrlEntryUri: keyVault.outputs.teamsUrlEntryUri
     heartbeatTimeoutSeconds: heartbeatTimeoutSeconds
     imdsFailingSeconds: imdsFailingSeconds
+    remoteAcknowledge: remoteAcknowledge
     dryRun: dryRun
     maximumInstanceCount: functionMaximumInstanceCount
     instanceMemoryMB: functionInstanceMemoryMB
@@ -270,6 +280,8 @@ module vmss 'modules/vmss.bicep' = {
     terminateNotBeforeTimeout: terminateNotBeforeTimeout
     enableOsImageNotification: enableOsImageNotification
     enableEventGridPublishing: enableEventGridPublishing
+    enableRemoteAcknowledge: remoteAcknowledge != 'off'
+    coordinatorPrincipalId: identities.outputs.coordinatorIdentityPrincipalId
     subnetId: network.outputs.subnetId
     vmIdentityId: identities.outputs.vmIdentityId
     vmIdentityClientId: identities.outputs.vmIdentityClientId

@@ -28,6 +28,7 @@ from typing import IO, Any, Self
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.event_grid import EventGridPublisher
 from emulators.imds.models import HookSpec, VmSpec
 from emulators.relay import RelayEmulator
 from forwarder.durable_state import Store
@@ -194,6 +195,8 @@ class LocalStack:
         self.imds: ImdsEmulator | None = None
         self.host: FunctionHost | None = None
         self.forwarders: dict[str, ForwarderProcess] = {}
+        # Publishes the agentless VMs' events as Event Grid would (None when the scenario has no agentless VM).
+        self.event_grid: EventGridPublisher | None = None
         self._saved_env: dict[str, str | None] = {}
         self._lock: IO[str] | None = None
         # What the stack did as the platform: VMs whose forwarder it killed because IMDS removed them (name ->
@@ -263,7 +266,16 @@ class LocalStack:
         self._configure_coordinator()
         self.host = self._function_host()
         self.host.start()
+        agentless = [vm.name for vm in self.imds.vms() if vm.agentless]
+        if agentless:
+            assert self.eventhubs is not None
+            self.event_grid = EventGridPublisher(
+                self.imds, connection_string=self.eventhubs.connection_string(), eventhub_name=HUB, vms=agentless
+            )
+            self.event_grid.start()
         for vm in self.imds.vms():
+            if vm.agentless:
+                continue  # no forwarder on it: Event Grid tells the coordinator of its events
             self.forwarders[vm.name] = self._forwarder(vm)
             self.forwarders[vm.name].start()
         self._watcher = threading.Thread(target=self._watch, args=(wipes,), name="local-platform", daemon=True)
@@ -322,6 +334,8 @@ class LocalStack:
 
     def stop(self) -> None:
         self.stop_platform()
+        if self.event_grid is not None:
+            self.event_grid.stop()
         for forwarder in self.forwarders.values():
             with contextlib.suppress(Exception):
                 forwarder.stop(timeout=5)
@@ -393,6 +407,12 @@ class LocalStack:
             # The coordinator's DefaultAzureCredential takes the managed-identity (IMDS) flow against the IMDS
             # emulator; the token it mints is an Entra-shaped JWT the Relay emulator verifies. Through a VM no delete
             # removes: a removed VM's token endpoint answers nothing.
+            env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
+        if any(vm.agentless for vm in self.options.scenario.vms):
+            # Agentless VMs are approved through the Maintenance RP's acknowledge: the IMDS emulator's ARM face,
+            # with a token from the same managed-identity endpoint.
+            env["COORDINATOR_REMOTE_ACKNOWLEDGE"] = "fallback"
+            env["COORDINATOR_ARM_ENDPOINT"] = self.imds.url
             env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
         if self.options.policy_path is not None:
             env["COORDINATOR_POLICY_PATH"] = str(self.options.policy_path.resolve())

@@ -170,6 +170,10 @@ class VmSpec(BaseModel):
     # Read by the local runner (which installs these hooks for the VM's forwarder); the emulator only validates
     # them. None: the runner's default hooks.
     hooks: VmHooks | None = None
+    # A VM without the forwarder (read by the local runner, which starts none for it): its scale set publishes to
+    # Event Grid, so the coordinator learns of its events from the Event Grid events the runner has this emulator
+    # publish (emulators/imds/event_grid.py), and approves them through the ARM face (remote acknowledge).
+    agentless: bool = False
 
     domains_are_numbers = field_validator("platformFaultDomain", "platformUpdateDomain", mode="before")(_domain_number)
 

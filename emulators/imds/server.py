@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
+from emulators.imds.arm import ACKNOWLEDGE, API_VERSIONS, ArmFault, ArmFaults, arm_error, check_token, vms_of
 from emulators.imds.clock import Clock, SystemClock
 from emulators.imds.faults import DEFAULT_THROTTLE_RPS, Endpoint, FaultDecision, FaultPlan
 from emulators.imds.models import (
@@ -52,10 +53,11 @@ _M = TypeVar("_M", bound=BaseModel)
 class _Reply(Exception):
     """Ends a request early with a status and a JSON body (the error shapes of the real service)."""
 
-    def __init__(self, status: int, body: Any) -> None:
+    def __init__(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
+        self.headers = headers or {}
 
 
 class _NoAnswer(Exception):
@@ -98,6 +100,10 @@ class ImdsEmulator:
             on_fault=self.faults.add,
         )
         self.requests_served: Counter[str] = Counter()
+        # The ARM face (emulators/imds/arm.py): injected answers, and what was acknowledged through it.
+        self.arm_faults = ArmFaults()
+        self.arm_acknowledged: list[dict[str, Any]] = []
+        self.arm_requests = 0
         self.requests_unanswered: Counter[str] = Counter()  # per removed VM
         self._port = port
         self._server: ThreadingHTTPServer | None = None
@@ -211,8 +217,13 @@ class ImdsEmulator:
         query = parse_qs(parts.query, keep_blank_values=True)
         path = parts.path.rstrip("/") or "/"
         vm_name, path = self._resolve_vm(path, handler.headers.get(VM_HEADER))
+        if path.startswith("/_emulator/arm"):
+            status, arm = self._arm_control(method, path, handler)
+            return status, json.dumps(arm).encode(), _JSON
         if path.startswith("/_emulator"):
             return self._control(method, path, handler)
+        if (acknowledge := ACKNOWLEDGE.match(path)) is not None:
+            return self._acknowledge(method, acknowledge, query, handler)
         with self._lock:
             now = self.clock.now()
             self.state.advance(now)  # scenario steps that fell due (deletes, faults) apply to this very request
@@ -362,6 +373,69 @@ class ImdsEmulator:
             "token_type": "Bearer",
         }
 
+    def inject_arm_fault(self, spec: ArmFault | dict[str, Any] | None = None, **fields: Any) -> None:
+        """The next acknowledges through the ARM face answer this (e.g. ``status=429, retryAfterSeconds=1``)."""
+        fault = _parse(ArmFault, spec if spec is not None else fields, source="ARM fault")
+        with self._lock:
+            self.arm_faults.add(fault)
+
+    def arm_status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests": self.arm_requests,
+                "acknowledged": list(self.arm_acknowledged),
+                "faultsPending": self.arm_faults.pending(),
+                "faultsAnswered": self.arm_faults.answered,
+            }
+
+    def _acknowledge(
+        self, method: str, acknowledge: re.Match[str], query: dict[str, list[str]], handler: _Handler
+    ) -> tuple[int, bytes, str]:
+        """The Maintenance RP's acknowledge: approves the event as a StartRequests from one of the resource's VMs
+        that sees it would."""
+        with self._lock:
+            self.arm_requests += 1
+        if method != "POST":
+            raise _Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
+        version = (query.get("api-version") or [""])[0]
+        if version not in API_VERSIONS:
+            answer = arm_error(
+                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(API_VERSIONS)}"
+            )
+            raise _Reply(answer.status, answer.body)
+        refusal = check_token(handler.headers.get("Authorization"))
+        if refusal is not None:
+            raise _Reply(refusal.status, refusal.body, refusal.headers)
+        event_id = acknowledge.group("event")
+        with self._lock:
+            fault = self.arm_faults.take()
+            if fault is not None:
+                raise _Reply(fault.status, fault.body, fault.headers)
+            now = self.clock.now()
+            vm_name = self.state.acknowledging_vm(event_id, vms_of(acknowledge, self.state.vms), now)
+            if vm_name is None:
+                answer = arm_error(
+                    404,
+                    "NotFound",
+                    f"Scheduled event {event_id} was not found on {acknowledge.group('resource')} "
+                    "(unknown, concluded, or not an event of this resource)",
+                )
+                raise _Reply(answer.status, answer.body)
+            body = StartRequestsBody.model_validate({"StartRequests": [{"EventId": event_id}]})
+            self.state.approve(vm_name, body, now)
+            self.arm_acknowledged.append(
+                {"EventId": event_id.upper(), "resource": acknowledge.group("resource"), "vm": vm_name}
+            )
+        return 200, json.dumps({"value": "Successfully Approved"}).encode(), _JSON
+
+    def _arm_control(self, method: str, path: str, handler: _Handler) -> tuple[int, dict[str, Any]]:
+        if path == "/_emulator/arm" and method == "GET":
+            return 200, self.arm_status()
+        if path == "/_emulator/arm/faults" and method == "POST":
+            self.inject_arm_fault(_parse(ArmFault, _json_body(handler), source="ARM fault"))
+            return 201, self.arm_status()
+        raise _Reply(404, {"error": f"no control route {method} {path}"})
+
     def _fault_listing(self) -> dict[str, Any]:
         with self._lock:
             return {"faults": self.faults.pending(), "throttleRps": self.faults.throttle_rps}
@@ -478,6 +552,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         emulator: ImdsEmulator = self.server.emulator  # type: ignore[attr-defined]
+        headers: dict[str, str] = {}
         try:
             self._take_body()
             status, body, content_type = emulator._handle(self, method)
@@ -486,11 +561,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         except _Reply as reply:
             status, body, content_type = reply.status, json.dumps(reply.body).encode(), _JSON
+            headers = reply.headers
         except EmulatorInputError as error:
             status, body, content_type = 400, json.dumps({"error": str(error)}).encode(), _JSON
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 

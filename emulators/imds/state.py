@@ -554,6 +554,17 @@ class EmulatorState:
         self._settle(now)
         return record
 
+    def acknowledging_vm(self, event_id: str, candidates: list[str], now: datetime) -> str | None:
+        """Which of these VMs (an ARM acknowledge's resource) sees the live event, so that the acknowledge
+        approves it as that VM's StartRequests would; None when none does (ARM's 404)."""
+        self.advance(now)
+        record = self._find(event_id)
+        if record is None or not record.live or record.event_id != event_id.upper():
+            return None
+        # A VM the event names first (its own event), else any of the resource's VMs that sees it.
+        ordered = sorted(candidates, key=lambda name: name not in record.resources)
+        return next((name for name in ordered if name in record.viewers and name not in self.removed), None)
+
     def approve(self, vm_name: str, body: StartRequestsBody, now: datetime) -> list[ApprovalRecord]:
         """IMDS POST StartRequests. All ids must be valid for this VM (live, visible to it, and the id the event
         has now), else nothing is applied and EmulatorInputError names the bad ids; approving an already approved

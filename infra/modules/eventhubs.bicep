@@ -31,6 +31,9 @@ param vmPrincipalId string
 @description('Principal id of the coordinator identity (receives).')
 param coordinatorPrincipalId string
 
+@description('Preview: route Event Grid\'s scheduled events (system topic Microsoft.ResourceNotifications.MaintenanceResources of this subscription) to the hub.')
+param enableEventGridSource bool
+
 var roles = loadJsonContent('../roles.json')
 
 resource namespace 'Microsoft.EventHub/namespaces@2024-01-01' = {
@@ -88,6 +91,60 @@ resource coordinatorReceiver 'Microsoft.Authorization/roleAssignments@2022-04-01
     roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', roles.eventHubsDataReceiver.id)
     principalId: coordinatorPrincipalId
     principalType: 'ServicePrincipal'
+  }
+}
+
+// Event Grid as a source (preview): the subscription's Maintenance resources system topic (one per subscription and
+// topic type; location global), with its own identity, so that delivery to the hub needs no key.
+resource maintenanceTopic 'Microsoft.EventGrid/systemTopics@2025-02-15' = if (enableEventGridSource) {
+  name: '${namePrefix}-maintenance-events'
+  location: 'global'
+  tags: tags
+  identity: {
+    type: 'SystemAssigned'
+  }
+  properties: {
+    source: subscription().id
+    topicType: 'Microsoft.ResourceNotifications.MaintenanceResources'
+  }
+}
+
+// Data Sender on this hub only, for the system topic's identity: Event Grid delivers scheduled events into the
+// envelopes' hub (deliveryWithResourceIdentity) and can neither read nor manage anything.
+resource topicSender 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (enableEventGridSource) {
+  name: guid(hub.id, 'maintenance-events-topic', roles.eventHubsDataSender.id)
+  scope: hub
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', roles.eventHubsDataSender.id)
+    principalId: maintenanceTopic!.identity.principalId
+    principalType: 'ServicePrincipal'
+  }
+}
+
+resource maintenanceToHub 'Microsoft.EventGrid/systemTopics/eventSubscriptions@2025-02-15' = if (enableEventGridSource) {
+  parent: maintenanceTopic
+  name: 'scheduled-events-to-hub'
+  dependsOn: [
+    topicSender
+  ]
+  properties: {
+    eventDeliverySchema: 'EventGridSchema'
+    filter: {
+      includedEventTypes: [
+        'Microsoft.ResourceNotifications.MaintenanceResources.ScheduledEventEmitted'
+      ]
+    }
+    deliveryWithResourceIdentity: {
+      identity: {
+        type: 'SystemAssigned'
+      }
+      destination: {
+        endpointType: 'EventHub'
+        properties: {
+          resourceId: hub.id
+        }
+      }
+    }
   }
 }
 

@@ -75,6 +75,14 @@ param heartbeatTimeoutSeconds int
 @description('Seconds without a good IMDS poll, as a heartbeat reports it, after which the coordinator raises the VM\'s imds-failing card.')
 param imdsFailingSeconds int
 
+@description('Remote acknowledge through the Maintenance RP (preview): off, rules (rules with callback: remote-acknowledge), fallback (also approvals no VM listener can execute).')
+@allowed([
+  'off'
+  'rules'
+  'fallback'
+])
+param remoteAcknowledge string
+
 
 @description('Decide and log but never send approvals.')
 param dryRun bool
@@ -224,6 +232,7 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
     COORDINATOR_RELAY_RESOURCE_GROUP: resourceGroup().name
     COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: string(heartbeatTimeoutSeconds)
     COORDINATOR_IMDS_FAILING_SECONDS: string(imdsFailingSeconds)
+    COORDINATOR_REMOTE_ACKNOWLEDGE: remoteAcknowledge
     // App Service Authentication: the sign-in identity's client id stands in for a client secret (the app
     // registration holds a federated credential for it), and only accounts of the one tenant are accepted.
     OVERRIDE_USE_MI_FIC_ASSERTION_CLIENTID: signInIdentityClientId

@@ -52,6 +52,12 @@ param enableOsImageNotification bool
 @description('Preview: also publish scheduled events to Event Grid and Azure Resource Graph (needs feature registration, see docs/deploy.md).')
 param enableEventGridPublishing bool
 
+@description('Preview: the coordinator may acknowledge this scale set\'s scheduled events through the Maintenance RP.')
+param enableRemoteAcknowledge bool
+
+@description('Principal id of the coordinator identity (acknowledges scheduled events when enableRemoteAcknowledge).')
+param coordinatorPrincipalId string
+
 @description('Subnet of the instances.')
 param subnetId string
 
@@ -224,6 +230,45 @@ resource vmss 'Microsoft.Compute/virtualMachineScaleSets@2025-04-01' = {
         }
       }
     }
+  }
+}
+
+// Custom role for remote acknowledge (preview): the docs name the role "ScheduledEventContributor" (read and
+// acknowledge scheduled events) but publish no id for it, so it cannot be checked against the built-in list. This
+// one holds the acknowledge action alone, assignable in this resource group only. The action name follows ARM's
+// {provider}/{type}/{action}/action convention for POST .../scheduledevents/{id}/acknowledge; it is NOT confirmed by
+// a published operations list (docs/deploy.md): a 403 AuthorizationFailed on acknowledge means it is not the one.
+resource scheduledEventAcknowledger 'Microsoft.Authorization/roleDefinitions@2022-04-01' = if (enableRemoteAcknowledge) {
+  name: guid(resourceGroup().id, 'scheduled-events-acknowledger')
+  properties: {
+    roleName: 'Scheduled Events Acknowledger (${resourceGroup().name})'
+    description: 'Acknowledge (approve) scheduled events of virtual machines and scale sets; nothing else.'
+    type: 'CustomRole'
+    assignableScopes: [
+      resourceGroup().id
+    ]
+    permissions: [
+      {
+        actions: [
+          'Microsoft.Maintenance/scheduledevents/acknowledge/action'
+        ]
+        notActions: []
+        dataActions: []
+        notDataActions: []
+      }
+    ]
+  }
+}
+
+// The acknowledge role on this scale set only: the coordinator approves its events without a VM (remote
+// acknowledge, preview), and no other resource's.
+resource coordinatorAcknowledger 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (enableRemoteAcknowledge) {
+  name: guid(vmss.id, coordinatorPrincipalId, 'scheduled-events-acknowledger')
+  scope: vmss
+  properties: {
+    roleDefinitionId: scheduledEventAcknowledger.id
+    principalId: coordinatorPrincipalId
+    principalType: 'ServicePrincipal'
   }
 }
 

@@ -41,6 +41,7 @@ CUSTOM_RELAY_ROLE = "custom:hybridConnectionManager"
 VM = "vmIdentityPrincipalId"
 COORDINATOR = "coordinatorIdentityPrincipalId"
 LOGIC_APP = "teamsPoster.identity"
+EVENT_GRID_TOPIC = "maintenanceTopic.identity"
 EXPECTED_ASSIGNMENTS = {
     (VM, "Azure Event Hubs Data Sender", "Microsoft.EventHub/namespaces/eventhubs"),
     (VM, "Azure Relay Listener", "Microsoft.Relay/namespaces"),
@@ -54,6 +55,9 @@ EXPECTED_ASSIGNMENTS = {
     (COORDINATOR, "Monitoring Metrics Publisher", "Microsoft.Insights/components"),
     (COORDINATOR, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
     (LOGIC_APP, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
+    # Preview paths, each deployed only when its parameter asks for it.
+    (COORDINATOR, "custom:scheduledEventAcknowledger", "Microsoft.Compute/virtualMachineScaleSets"),
+    (EVENT_GRID_TOPIC, "Azure Event Hubs Data Sender", "Microsoft.EventHub/namespaces/eventhubs"),
 }
 # Like the Bicep linter's outputs-should-not-contain-secrets (password/secret anywhere), plus key-ish endings.
 _SECRETISH = re.compile(r"password|secret|(key|connectionstring|sas|token)s?$", re.IGNORECASE)

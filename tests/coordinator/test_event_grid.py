@@ -1,0 +1,330 @@
+"""Event Grid as a source (preview): ScheduledEventEmitted events beside envelopes, folded into the same records.
+
+The real coordinator on Azurite; the IMDS emulator's ARM face approves the agentless VM's event (remote acknowledge
+as the fallback when no VM's listener can execute it). The last test runs the whole path over the Event Hubs
+emulator: the IMDS emulator publishes its events as Event Grid would (arrays, duplicates), the local Functions host
+consumes them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import azure.functions as func
+import pytest
+from azure.identity import ManagedIdentityCredential
+
+import function_app
+from coordinator.alerts import FolderCardSink
+from coordinator.ingest import RawMessage
+from coordinator.remote_acknowledge import RemoteAcknowledgeSender
+from coordinator.rules import parse_policy
+from coordinator.service import Coordinator
+from coordinator.tables import TableStateStore
+from emulators.azurite import AzuriteEndpoints
+from emulators.eventhubs import EventHubsEmulator
+from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.clock import ManualClock
+from emulators.imds.event_grid import EVENT_TYPE, EventGridPublisher
+from forwarder.envelope import VmIdentity
+from local.direct_callback import DirectImdsCallback
+from local.runner import FunctionHost
+from tests.coordinator.conftest import Clock
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
+
+POLICY = """
+version: 1
+rules:
+  - name: freeze-now
+    match: {eventType: [Freeze]}
+    action: approve-now
+  - name: rest-wait
+    action: wait-for-person
+"""
+HUB = "scheduled-events"
+
+
+@pytest.fixture
+def imds() -> Iterator[ImdsEmulator]:
+    scenario = Scenario.model_validate(
+        {
+            "name": "event-grid",
+            "vms": [
+                {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
+                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
+            ],
+        }
+    )
+    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def coordinator(
+    azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Coordinator, MemoryHistory]:
+    for name, value in imds.identity_environment("web_0").items():
+        monkeypatch.setenv(name, value)
+    history = MemoryHistory()
+    coordinator = Coordinator(
+        store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
+        history=history,
+        alerts=FolderCardSink(tmp_path / "cards"),
+        callback=DirectImdsCallback(base_url=imds.url),
+        policy=parse_policy(POLICY),
+        clock=Clock(DOC_NOW),
+        remote_acknowledge=RemoteAcknowledgeSender(
+            credential=ManagedIdentityCredential(), endpoint=imds.url, deadline_seconds=3, backoff=(0.05, 0.1)
+        ),
+        remote_acknowledge_fallback=True,
+    )
+    return coordinator, history
+
+
+def identity(imds: ImdsEmulator, name: str) -> VmIdentity:
+    spec = next(v for v in imds.vms() if v.name == name)
+    return VmIdentity.model_validate(spec.model_dump(include=set(VmIdentity.model_fields)))
+
+
+def grid(imds: ImdsEmulator, event_id: str, status: str, at: datetime, *, grid_id: str | None = None) -> dict[str, Any]:
+    """The Event Grid event for the emulator's event in ``status`` at ``at`` (the documented sample's shape)."""
+    summary = next(e for e in imds.events() if e["EventId"] == event_id)
+    vm = identity(imds, summary["Resources"][0])
+    resource = (
+        f"/subscriptions/{vm.subscriptionId}/resourceGroups/{vm.resourceGroupName}/providers/Microsoft.Compute/"
+        f"virtualMachineScaleSets/{vm.vmScaleSetName}/providers/microsoft.maintenance/scheduledevents/{event_id}"
+    )
+    return {
+        "id": grid_id or str(uuid.uuid4()),
+        "topic": f"/subscriptions/{vm.subscriptionId}",
+        "subject": resource,
+        "eventType": EVENT_TYPE,
+        "eventTime": at.isoformat(),
+        "dataVersion": "3.0",
+        "metadataVersion": "1",
+        "data": {
+            "apiVersion": "2024-07-01",
+            "resourceInfo": {
+                "id": resource,
+                "name": event_id,
+                "type": "microsoft.maintenance/scheduledEvents",
+                "location": vm.location,
+                "properties": {
+                    "EventId": event_id,
+                    "EventType": summary["EventType"],
+                    "ResourceType": "VirtualMachine",
+                    "Resources": summary["Resources"],
+                    "EventStatus": status,
+                    "NotBefore": summary["NotBefore"],
+                    "Description": summary["Description"],
+                    "EventSource": summary["EventSource"],
+                    "DurationInSeconds": summary["DurationInSeconds"],
+                },
+            },
+        },
+    }
+
+
+def raw(body: Any, *, partition_key: str | None = None) -> RawMessage:
+    return RawMessage(body=json.dumps(body).encode(), partition_key=partition_key)
+
+
+def report(imds: ImdsEmulator, name: str, sequence: int) -> RawMessage:
+    vm = identity(imds, name)
+    document = imds.document(name)
+    data = envelope(
+        vm.model_dump(), sequence=sequence, incarnation=document["DocumentIncarnation"], events=document["Events"]
+    )
+    return raw(data, partition_key=vm.resourceId.lower())
+
+
+def test_an_agentless_vm_gets_a_record_a_decision_history_and_an_approval_through_remote_acknowledge(
+    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
+) -> None:
+    service, history = coordinator
+    event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    batch = service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW))])
+    assert batch.dead_lettered == 0
+    stored = service.event(event_id)
+    assert stored is not None
+    assert list(stored.record.vms) == ["web_0"]
+    assert stored.record.vms["web_0"].vmId.startswith("arm-")
+    assert stored.record.decision is not None
+    assert stored.record.decision.rule == "freeze-now"
+    rows = [r for r in history.rows if r.EventId == event_id]
+    assert {"Observation", "Decision", "Approval"} <= {r.RecordType for r in rows}
+    # No forwarder reported as web_0: the fallback acknowledged it through ARM, on the scale set.
+    assert [(a["EventId"], a["resource"].rsplit("/", 1)[-1]) for a in imds.arm_status()["acknowledged"]] == [
+        (event_id, "web")
+    ]
+    assert stored.record.state == "Approved"
+    imds.clock.advance(1)  # type: ignore[attr-defined]
+    assert next(e for e in imds.events() if e["EventId"] == event_id)["state"] == "Started"
+    service.process_batch([raw(grid(imds, event_id, "Started", DOC_NOW + timedelta(seconds=1)))])
+    started = service.event(event_id)
+    assert started is not None
+    assert started.record.state == "Started"
+    service.process_batch([raw(grid(imds, event_id, "Completed", DOC_NOW + timedelta(seconds=30)))])
+    completed = service.event(event_id)
+    assert completed is not None
+    assert completed.record.state == "Completed"
+    # No heartbeat is expected of an agentless VM: the timer raises no heartbeat-lost card for it.
+    service.clock.now = DOC_NOW + timedelta(hours=1)  # type: ignore[attr-defined]
+    service.tick()
+    assert not [p.name for p in service.alerts.folder.glob("*heartbeat-lost*")]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("grid_first", [False, True])
+def test_a_vm_seen_on_both_paths_is_one_vm_with_one_record(
+    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator, grid_first: bool
+) -> None:
+    service, _ = coordinator
+    service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
+    event_id = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    messages = [raw(grid(imds, event_id, "Scheduled", DOC_NOW)), report(imds, "web_1", 1)]
+    for message in reversed(messages) if not grid_first else messages:
+        service.process_batch([message])
+    stored = service.event(event_id)
+    assert stored is not None
+    assert list(stored.record.vms) == ["web_1"]
+    # The forwarder's sighting, with the VM's own vmId, is the record's.
+    assert stored.record.vms["web_1"].vmId == identity(imds, "web_1").vmId
+    assert stored.record.vms["web_1"].epoch >= 0
+    # Both in one batch: one VM, one sighting.
+    other = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    service.process_batch([raw(grid(imds, other, "Scheduled", DOC_NOW)), report(imds, "web_1", 2)])
+    both = service.event(other)
+    assert both is not None
+    assert list(both.record.vms) == ["web_1"]
+    assert both.record.vms["web_1"].vmId == identity(imds, "web_1").vmId
+    # A VM whose very first envelope comes in the same batch as the Event Grid event: no agentless twin is made.
+    first = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    service.process_batch([raw(grid(imds, first, "Scheduled", DOC_NOW)), report(imds, "web_0", 1)])
+    vms = [vm for group in service.store.all_vm_groups() for vm in group.record.vms.values()]
+    assert sorted((vm.identity.name, vm.agentless) for vm in vms if vm.identity.name == "web_0") == [("web_0", False)]
+    if not grid_first:  # web_1's forwarder reported before Event Grid ever named it: no agentless twin either
+        assert [vm.agentless for vm in vms if vm.identity.name == "web_1"] == [False]
+
+
+def test_duplicates_are_ignored_and_canceled_concludes(
+    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
+) -> None:
+    service, history = coordinator
+    service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
+    event_id = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    scheduled = grid(imds, event_id, "Scheduled", DOC_NOW)
+    first = service.process_batch([raw(scheduled), raw([scheduled])])
+    assert first.duplicates == 1
+    service.process_batch([raw(scheduled)])  # again in a later batch: same eventTime, not newer
+    observations = [r for r in history.rows if r.EventId == event_id and r.RecordType == "Observation"]
+    assert len(observations) == 1
+    # An older status arriving late changes nothing either.
+    service.process_batch([raw(grid(imds, event_id, "Canceled", DOC_NOW + timedelta(seconds=5)))])
+    service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW + timedelta(seconds=2)))])
+    stored = service.event(event_id)
+    assert stored is not None
+    assert stored.record.state == "Canceled"
+    assert not stored.record.everStarted
+
+
+def test_malformed_event_grid_events_are_dead_lettered_with_reasons_while_the_rest_goes_on(
+    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
+) -> None:
+    service, history = coordinator
+    service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
+    good = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    listed = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    no_status = grid(imds, good, "Scheduled", DOC_NOW)
+    del no_status["data"]["resourceInfo"]["properties"]["EventStatus"]
+    exploded = grid(imds, good, "Exploded", DOC_NOW)
+    other_type = {**grid(imds, good, "Scheduled", DOC_NOW), "eventType": "Microsoft.Resources.ResourceWriteSuccess"}
+    wrong_id = grid(imds, good, "Scheduled", DOC_NOW)
+    wrong_id["data"]["resourceInfo"]["id"] = wrong_id["data"]["resourceInfo"]["id"].replace(good, str(uuid.uuid4()))
+    batch = service.process_batch(
+        [
+            raw([no_status, grid(imds, good, "Scheduled", DOC_NOW), exploded]),
+            raw(other_type),
+            raw(wrong_id),
+            raw([]),
+            report(imds, "web_1", 1),
+        ]
+    )
+    assert batch.dead_lettered == 4  # one per refused message; the array's good event went on
+    reasons = [r.Reason or "" for r in history.rows if r.RecordType == "DeadLetter"]
+    assert all(reason.startswith("invalid Event Grid event") for reason in reasons), reasons
+    joined = "\n".join(reasons)
+    assert "EventStatus: Field required" in joined
+    assert "EventStatus: Input should be 'Scheduled', 'Started', 'Completed' or 'Canceled'" in joined
+    assert "eventType: Input should be" in joined
+    assert "names event" in joined
+    assert "empty array" in joined
+    assert "event 0: " in joined
+    assert "event 2: " in joined
+    assert len(service.store.dead_letters()) == 4
+    for event_id in (good, listed):  # the valid event of the array and the envelope went on
+        stored = service.event(event_id)
+        assert stored is not None
+        assert stored.record.state == "Scheduled"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_the_event_grid_source_end_to_end_over_the_event_hubs_emulator(
+    azurite: AzuriteEndpoints, imds: ImdsEmulator, coordinator: tuple[Coordinator, MemoryHistory]
+) -> None:
+    service, history = coordinator
+    lock = threading.Lock()
+    received: list[int] = []
+
+    def ingest(events: list[func.EventHubEvent]) -> None:
+        with lock:
+            service.process_batch([function_app._raw(e, {}) for e in events])
+            received.append(len(events))
+
+    with EventHubsEmulator(hubs={HUB: 2}) as eventhubs:
+        publisher = EventGridPublisher(
+            imds,
+            connection_string=eventhubs.connection_string(),
+            eventhub_name=HUB,
+            vms=["web_0"],
+            duplicate=True,
+            as_array=True,
+        )
+        host = FunctionHost(
+            eventhub_connection_string=eventhubs.connection_string(),
+            eventhub_name=HUB,
+            storage_connection_string=azurite.connection_string,
+            ingest=ingest,
+            checkpoint_container=f"grid-{uuid.uuid4().hex[:8]}",
+        )
+        host.start()
+        try:
+            event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+            assert publisher.publish() == 2, imds.events()  # Scheduled, twice (a platform duplicate)
+            assert wait_until(lambda: bool(imds.arm_status()["acknowledged"]))
+            imds.clock.advance(1)  # type: ignore[attr-defined]
+            assert publisher.publish() == 2, imds.events()  # Started
+            assert wait_until(lambda: (e := service.event(event_id)) is not None and e.record.state == "Started")
+            imds.clock.advance(700)  # type: ignore[attr-defined]  # Started stays listed 600 s (the emulator)
+            assert publisher.publish() == 2, imds.events()  # Completed
+            assert wait_until(lambda: (e := service.event(event_id)) is not None and e.record.state == "Completed")
+        finally:
+            host.stop()
+            publisher.stop()
+    assert [a["EventId"] for a in imds.arm_status()["acknowledged"]] == [event_id]
+    assert sum(received) == 6
+    observations = [r for r in history.rows if r.EventId == event_id and r.RecordType == "Observation"]
+    assert [r.EventStatus for r in observations] == ["Scheduled", "Started", "Started", "Gone"]

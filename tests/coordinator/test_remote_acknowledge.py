@@ -1,0 +1,264 @@
+"""Remote acknowledge (preview) end to end over the IMDS emulator's ARM face: the real sender with a real
+azure-identity managed-identity credential (tokens from the emulator), the real coordinator, the emulator's state.
+
+The ARM face refuses a request without a token (401) or with a token of another audience (403); an acknowledge
+approves the event as its VM's StartRequests would, so the event proceeds; 429 and 5xx are retried (Retry-After
+honoured), 404 and 403 are reported with ARM's reason in the history and, after three attempts, the
+approval-failed card."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from azure.identity import ManagedIdentityCredential
+
+from coordinator.alerts import FolderCardSink
+from coordinator.callback import ApprovalDeliveryError
+from coordinator.ingest import RawMessage
+from coordinator.remote_acknowledge import API_VERSION, RemoteAcknowledgeSender, acknowledge_target
+from coordinator.rules import PolicyError, parse_policy
+from coordinator.service import Coordinator
+from coordinator.tables import TableStateStore
+from emulators.azurite import AzuriteEndpoints
+from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.clock import ManualClock
+from emulators.tokens import mint_token
+from forwarder.approval import ApprovalFacts, ApprovalRequest
+from forwarder.envelope import VmIdentity
+from local.direct_callback import DirectImdsCallback
+from tests.coordinator.conftest import Clock
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
+
+REMOTE_POLICY = """
+version: 1
+rules:
+  - name: freeze-remote
+    match: {eventType: [Freeze]}
+    action: approve-now
+    callback: remote-acknowledge
+  - name: rest-wait
+    action: wait-for-person
+"""
+
+
+@pytest.fixture
+def arm() -> Iterator[ImdsEmulator]:
+    scenario = Scenario.model_validate(
+        {
+            "name": "remote-acknowledge",
+            "vms": [
+                {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
+                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
+                {"name": "solo", "placementGroupId": "pg-solo"},
+            ],
+        }
+    )
+    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def credential(arm: ImdsEmulator, monkeypatch: pytest.MonkeyPatch) -> ManagedIdentityCredential:
+    """azure-identity's own managed-identity client, pointed at the emulator's token endpoint."""
+    for name, value in arm.identity_environment("solo").items():
+        monkeypatch.setenv(name, value)
+    return ManagedIdentityCredential()
+
+
+def identity(arm: ImdsEmulator, name: str) -> VmIdentity:
+    spec = next(v for v in arm.vms() if v.name == name)
+    return VmIdentity.model_validate(spec.model_dump(include=set(VmIdentity.model_fields)))
+
+
+def request_for(event_id: str) -> ApprovalRequest:
+    return ApprovalRequest(
+        eventId=event_id,
+        decisionId=str(uuid.uuid4()),
+        rule="test",
+        issuedAt=DOC_NOW,
+        expiresAt=DOC_NOW,
+        facts=ApprovalFacts(
+            eventType="Freeze", eventSource="Platform", durationInSeconds=5, notBefore=None, resources=["web_0"]
+        ),
+    )
+
+
+def status_of(arm: ImdsEmulator, event_id: str) -> str:
+    return str(next(e for e in arm.events() if e["EventId"] == event_id)["state"])
+
+
+def test_the_arm_face_refuses_a_request_without_a_token_or_for_another_audience(arm: ImdsEmulator) -> None:
+    event_id = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    vm = identity(arm, "web_0")
+    url = (
+        f"{arm.url}{acknowledge_target(vm)}/providers/Microsoft.Maintenance/scheduledevents/{event_id}"
+        f"/acknowledge?api-version={API_VERSION}"
+    )
+    bare = requests.post(url, json={}, timeout=5)
+    assert bare.status_code == 401
+    assert bare.json()["error"]["code"] == "AuthenticationFailed"
+    relay_token, _ = mint_token(audience="https://relay.azure.net", identity_resource_id=vm.resourceId)
+    wrong = requests.post(url, json={}, headers={"Authorization": f"Bearer {relay_token}"}, timeout=5)
+    assert wrong.status_code == 403
+    assert wrong.json()["error"]["code"] == "InvalidAuthenticationTokenAudience"
+    forged = requests.post(url, json={}, headers={"Authorization": "Bearer not-a-token"}, timeout=5)
+    assert forged.status_code == 401
+    assert status_of(arm, event_id) == "Scheduled"
+    assert arm.approvals() == []
+
+
+def test_an_acknowledge_on_the_scale_set_approves_the_event_as_its_vm_would(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    event_id = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url)
+    result = sender.send(request_for(event_id), vm=identity(arm, "web_1"))
+    assert result.outcome == "approved"
+    assert "Maintenance RP" in result.reason
+    assert "virtualMachineScaleSets/web" in result.reason
+    assert [(a["EventId"], a["vm"]) for a in arm.approvals()] == [(event_id, "web_1")]
+    arm.clock.advance(1)  # type: ignore[attr-defined]
+    assert status_of(arm, event_id) == "Started"
+
+
+def test_throttling_and_server_errors_are_retried_honouring_retry_after(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
+    arm.inject_arm_fault(status=429, count=1, retryAfterSeconds=1)
+    arm.inject_arm_fault(status=503, count=1)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, deadline_seconds=10, backoff=(0.05, 0.1))
+    result = sender.send(request_for(event_id), vm=identity(arm, "solo"))
+    assert result.outcome == "approved"
+    status = arm.arm_status()
+    assert status["faultsAnswered"] == 2
+    assert status["requests"] == 3
+    assert [a["EventId"] for a in status["acknowledged"]] == [event_id]
+
+
+def test_errors_that_outlast_the_deadline_are_reported_for_a_later_retry(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
+    arm.inject_arm_fault(status=500, count=50)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, deadline_seconds=0.5, backoff=(0.1, 0.2))
+    with pytest.raises(ApprovalDeliveryError, match=r"ARM 500.*retried later"):
+        sender.send(request_for(event_id), vm=identity(arm, "solo"))
+    assert arm.approvals() == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [(None, r"ARM 404 \(no such scheduled event"), (403, r"ARM 403 \(the coordinator's identity lacks")],
+)
+def test_refusals_are_reported_at_once_with_arm_reason(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential, fault: int | None, expected: str
+) -> None:
+    if fault is not None:
+        event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
+        arm.inject_arm_fault(status=fault, count=1)
+    else:
+        event_id = str(uuid.uuid4()).upper()
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, deadline_seconds=10)
+    with pytest.raises(ApprovalDeliveryError, match=expected):
+        sender.send(request_for(event_id), vm=identity(arm, "solo"))
+    assert arm.arm_status()["requests"] == 1  # not retried
+    assert arm.approvals() == []
+
+
+def test_a_rule_option_is_validated() -> None:
+    with pytest.raises(PolicyError, match="callback"):
+        parse_policy(
+            "version: 1\nrules:\n  - name: never\n    action: never-approve\n    callback: remote-acknowledge\n"
+        )
+    with pytest.raises(PolicyError, match=r"rules\.0\.callback: Input should be 'relay' or 'remote-acknowledge'"):
+        parse_policy("version: 1\nrules:\n  - name: x\n    action: approve-now\n    callback: carrier-pigeon\n")
+
+
+def make_coordinator(
+    azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path, **options: Any
+) -> tuple[Coordinator, MemoryHistory]:
+    history = MemoryHistory()
+    coordinator = Coordinator(
+        store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
+        history=history,
+        alerts=FolderCardSink(tmp_path / "cards"),
+        callback=DirectImdsCallback(base_url=arm.url),
+        policy=parse_policy(options.pop("policy", REMOTE_POLICY)),
+        clock=Clock(DOC_NOW),
+        remote_acknowledge=RemoteAcknowledgeSender(
+            credential=credential, endpoint=arm.url, deadline_seconds=3, backoff=(0.05, 0.1)
+        ),
+        **options,
+    )
+    return coordinator, history
+
+
+def report(arm: ImdsEmulator, name: str, sequence: int) -> RawMessage:
+    vm = identity(arm, name)
+    document = arm.document(name)
+    data = envelope(
+        vm.model_dump(), sequence=sequence, incarnation=document["DocumentIncarnation"], events=document["Events"]
+    )
+    return RawMessage(body=json.dumps(data).encode(), partition_key=vm.resourceId.lower())
+
+
+def test_a_rule_with_remote_acknowledge_approves_through_arm_and_the_event_proceeds(
+    azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path
+) -> None:
+    coordinator, history = make_coordinator(azurite, arm, credential, tmp_path)
+    event_id = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    coordinator.process_batch([report(arm, "web_0", 1)])
+    assert [a["EventId"] for a in arm.arm_status()["acknowledged"]] == [event_id]
+    approvals = [r for r in history.rows if r.RecordType == "Approval" and r.EventId == event_id]
+    assert approvals[-1].Outcome == "approved"
+    assert "no VM checked the facts" in (approvals[-1].Reason or "")
+    assert any(r.RecordType == "Transition" and r.State == "Approved" for r in history.rows)
+    arm.clock.advance(1)  # type: ignore[attr-defined]
+    coordinator.process_batch([report(arm, "web_0", 2)])
+    assert status_of(arm, event_id) == "Started"
+    assert any(r.RecordType == "Transition" and r.State == "Started" for r in history.rows if r.EventId == event_id)
+
+
+def test_a_refused_acknowledge_is_in_the_history_and_after_three_attempts_on_the_approval_failed_card(
+    azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path
+) -> None:
+    coordinator, history = make_coordinator(azurite, arm, credential, tmp_path)
+    clock = coordinator.clock
+    assert isinstance(clock, Clock)
+    event_id = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    arm.inject_arm_fault(status=403, count=3)
+    coordinator.process_batch([report(arm, "web_1", 1)])
+    failed = [r for r in history.rows if r.RecordType == "Approval" and r.Outcome == "failed"]
+    assert failed
+    assert "ARM 403" in (failed[-1].Reason or "")
+    for _ in range(2):
+        clock.now += timedelta(seconds=coordinator.approval_backoff[1] + 1)
+        coordinator.tick()
+    failed_cards = [p.read_text() for p in (tmp_path / "cards").glob(f"{event_id}-approval-failed.json")]
+    assert len(failed_cards) == 1
+    assert "ARM 403" in failed_cards[0]
+    assert "lacks the scheduled-event acknowledge role" in failed_cards[0]
+    assert status_of(arm, event_id) == "Scheduled"
+    assert arm.approvals() == []
+
+
+def test_without_remote_acknowledge_the_rule_sends_nothing(
+    azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path
+) -> None:
+    coordinator, history = make_coordinator(azurite, arm, credential, tmp_path)
+    coordinator.remote_acknowledge = None
+    arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)
+    coordinator.process_batch([report(arm, "solo", 1)])
+    failed = [r for r in history.rows if r.RecordType == "Approval" and r.Outcome == "failed"]
+    assert failed
+    assert "remote acknowledge, which is off" in (failed[-1].Reason or "")
+    assert arm.arm_status()["requests"] == 0
+    assert arm.approvals() == []

@@ -1,0 +1,46 @@
+"""A VM without the forwarder through the whole local pipeline (real processes and protocols): the IMDS emulator
+publishes its events to the Event Hubs emulator as Event Grid would, the coordinator folds them into records,
+decides, and approves through the IMDS emulator's ARM face (remote acknowledge as the fallback); the VMs with the
+forwarder keep the Relay path."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from emulators.imds import Scenario
+from tests.local.conftest import Outcome, Runner
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios"
+
+
+def rows(outcome: Outcome, where: str, *args: Any) -> list[dict[str, Any]]:
+    with sqlite3.connect(outcome.stack.history_path) as db:
+        db.row_factory = sqlite3.Row
+        query = f"SELECT * FROM ScheduledEventsHistory_CL WHERE {where} ORDER BY rowid"
+        return [dict(row) for row in db.execute(query, args).fetchall()]
+
+
+@pytest.mark.slow
+def test_an_agentless_vm_is_approved_through_remote_acknowledge(run_pipeline: Runner) -> None:
+    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "agentless-vm.yaml"), time_scale=120.0, timeout=90.0)
+    assert outcome.finished, "the scenario did not finish in time"
+    assert outcome.summary.ok, outcome.summary.failures
+    events = {row["label"]: row for row in outcome.summary.events}
+    agentless, relayed = events["agentless-freeze"], events["shared-freeze"]
+    assert "web_1" not in outcome.stack.forwarders
+    assert agentless["approvedThrough"] == "web_1"
+    assert agentless["coordinator"] == "Completed"
+    imds = outcome.stack.imds
+    assert imds is not None
+    assert [a["EventId"] for a in imds.arm_status()["acknowledged"]] == [agentless["eventId"]]
+    assert relayed["approvedThrough"] in ("web_0", "web_2")
+    approval = rows(outcome, "RecordType = 'Approval' AND EventId = ? AND Outcome = 'approved'", agentless["eventId"])
+    assert approval
+    assert "Maintenance RP" in approval[-1]["Reason"]
+    observed = rows(outcome, "RecordType = 'Observation' AND EventId = ?", agentless["eventId"])
+    assert {row["VmName"] for row in observed} == {"web_1"}
+    assert not [card for card in outcome.summary.cards if card["kind"] == "heartbeat-lost"]
