@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from coordinator import rules
 from coordinator.alerts import AlertSink
 from coordinator.callback import ApprovalCallback
+from coordinator.gates import MonitorReader
 from coordinator.history import HistorySink
 from coordinator.model import AlertKind, EventRecord, VmRecord
 from coordinator.rows import HistoryRow
@@ -130,6 +131,7 @@ class Context:
         start_bound: timedelta = START_BOUND,
         imds_failing_after: timedelta = IMDS_FAILING_AFTER,
         imds_failing_errors: int = IMDS_FAILING_ERRORS,
+        monitor: MonitorReader | None = None,
     ) -> None:
         self.store = store
         self.history = history
@@ -158,6 +160,8 @@ class Context:
         self.start_bound = start_bound
         self.imds_failing_after = imds_failing_after
         self.imds_failing_errors = imds_failing_errors
+        # Azure Monitor, for the policy's alert and logQuery gates (None: such gates read as errors and hold).
+        self.monitor = monitor
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
