@@ -44,8 +44,8 @@ def parse_duration(value: str) -> timedelta:
 class Schedule(_Strict):
     """A recurring period: it opens at each time the 5-field cron expression names, in ``timeZone`` (IANA; wall
     clock, so '0 2 * * *' is 02:00 local in winter and in summer), and lasts ``duration``. A start the clock skips
-    (DST spring-forward) opens at the first minute after the gap; a start the clock repeats (autumn) opens once, at
-    the first of the two (croniter's behaviour, tested in tests/coordinator/test_controls.py)."""
+    (DST spring-forward) opens at the first minute after the gap (croniter's behaviour); a start the clock repeats
+    (autumn) opens once, at the first of the two (tested in tests/coordinator/test_controls.py)."""
 
     schedule: str = Field(min_length=9, max_length=128, description="5-field cron: minute hour day month weekday")
     duration: str
@@ -75,16 +75,29 @@ class Schedule(_Strict):
 
     def open_until(self, now: datetime) -> datetime | None:
         """The end of the period that contains ``now`` (UTC), or None when none does."""
-        zone = ZoneInfo(self.timeZone)
         # A start at exactly ``now`` counts: look back from one second later.
-        start: datetime = croniter(self.schedule, (now + timedelta(seconds=1)).astimezone(zone)).get_prev(datetime)
+        starts = croniter(self.schedule, (now + timedelta(seconds=1)).astimezone(ZoneInfo(self.timeZone)))
+        start = _first_of_twins(starts, starts.get_prev(datetime), forward=False)
         end = start.astimezone(UTC) + parse_duration(self.duration)
         return end if end > now else None
 
     def next_open(self, now: datetime) -> datetime:
         """When the next period opens (UTC)."""
-        start: datetime = croniter(self.schedule, now.astimezone(ZoneInfo(self.timeZone))).get_next(datetime)
-        return start.astimezone(UTC)
+        starts = croniter(self.schedule, now.astimezone(ZoneInfo(self.timeZone)))
+        return _first_of_twins(starts, starts.get_next(datetime), forward=True).astimezone(UTC)
+
+
+def _repeated(start: datetime) -> bool:
+    """Whether this start is the second of a wall-clock time the clock shows twice (the autumn hour)."""
+    return start.fold == 1 and start.replace(fold=0).utcoffset() != start.utcoffset()
+
+
+def _first_of_twins(starts: croniter, start: datetime, *, forward: bool) -> datetime:
+    """croniter yields a start in the repeated autumn hour twice (02:30 CEST, then 02:30 CET): a schedule means
+    that wall-clock time once, so the second is skipped."""
+    while _repeated(start):
+        start = starts.get_next(datetime) if forward else starts.get_prev(datetime)
+    return start
 
 
 class Blackout(Schedule):
