@@ -22,7 +22,15 @@ from coordinator.context import Context, Work
 from coordinator.controls import GateResult, VmFacts
 from coordinator.events import commit_event
 from coordinator.gates import GateReader
-from coordinator.model import ApprovalRecord, BudgetClaim, BudgetRecord, DecisionRecord, EventRecord, VmGroupRecord
+from coordinator.model import (
+    ApprovalRecord,
+    BudgetClaim,
+    BudgetRecord,
+    DecisionRecord,
+    EventRecord,
+    VmGroupRecord,
+    VmRecord,
+)
 from coordinator.record import decision_row
 from coordinator.sightings import REMOVING_EVENTS, EventChange, clone, leaving_vms, raise_alert
 from coordinator.tables import ConcurrencyConflict, Stored, TableStateStore
@@ -58,9 +66,11 @@ def facts_of(identity: VmIdentity) -> VmFacts:
 
 def census(groups: Iterable[VmGroupRecord]) -> dict[str, VmFacts]:
     """The facts of every VM the coordinator knows and that is not retired (a percent budget's domain size)."""
-    return {
-        vm.identity.name: facts_of(vm.identity) for group in groups for vm in group.vms.values() if vm.retired is None
-    }
+    return census_of(vm for group in groups for vm in group.vms.values())
+
+
+def census_of(vms: Iterable[VmRecord]) -> dict[str, VmFacts]:
+    return {vm.identity.name: facts_of(vm.identity) for vm in vms if vm.retired is None}
 
 
 def holds_budget(record: EventRecord) -> bool:
@@ -80,6 +90,7 @@ class Fleet:
         self._deletes: dict[str, EventRecord] | None = None
         self._removals: dict[str, EventRecord] = {}
         self._census: dict[str, VmFacts] | None = None
+        self._reported: dict[str, VmRecord] = {}
         self._gates: GateReader | None = None
 
     def gates(self, ctx: Context) -> GateReader:
@@ -92,9 +103,20 @@ class Fleet:
         """The VM groups the caller has just read (saves reading them again)."""
         self._census = census(groups)
 
+    def note_vms(self, records: Iterable[VmRecord]) -> None:
+        """The VMs of this batch as their envelopes just said (their positions are written after the events are
+        decided, so the stored census does not have them yet: a new VM's first event is decided with its tags)."""
+        for record in records:
+            self._reported[record.identity.name] = record
+        self._census = None if self._census is None else self._census | census_of(self._reported.values())
+        self._view = None
+
     def _vms(self) -> dict[str, VmFacts]:
         if self._census is None:
-            self._census = census(stored.record for stored in self._store.all_vm_groups())
+            stored = census(stored.record for stored in self._store.all_vm_groups())
+            self._census = {name: facts for name, facts in stored.items() if name not in self._reported} | census_of(
+                self._reported.values()
+            )
         return self._census
 
     def _open_events(self) -> list[EventRecord]:
