@@ -48,11 +48,11 @@ def zoned() -> Iterator[ImdsEmulator]:
 class Health(http.server.BaseHTTPRequestHandler):
     status = 503
 
-    def do_GET(self) -> None:  # noqa: N802 -- the http.server API
+    def do_GET(self) -> None:
         self.send_response(type(self).status)
         self.end_headers()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- the http.server API
+    def log_message(self, format: str, *args: Any) -> None:
         return
 
 
@@ -116,12 +116,14 @@ rules:
 
     assert sorted(approved(zoned)) == sorted([first, other_zone])
     held = coordinator.event(second)
-    assert held is not None and held.record.decision is not None
+    assert held is not None
+    assert held.record.decision is not None
     assert (held.record.decision.holdKind, held.record.decision.holdName) == ("budget", "zone:westeurope/1")
     row = next(r for r in history.rows if r.RecordType == "Decision" and r.EventId == second)
     assert (row.HoldKind, row.HoldName, row.Outcome) == ("budget", "zone:westeurope/1", "wait")
     budget = coordinator.store.get_budget("zone:westeurope/1")
-    assert budget is not None and list(budget.record.claims) == [first]
+    assert budget is not None
+    assert list(budget.record.claims) == [first]
 
 
 def test_competing_events_go_closest_to_notbefore_first(azurite, zoned, tmp_path):
@@ -142,7 +144,8 @@ rules:
 
     assert approved(zoned) == [sooner]
     waiting = coordinator.event(later)
-    assert waiting is not None and waiting.record.decision is not None
+    assert waiting is not None
+    assert waiting.record.decision is not None
     assert waiting.record.decision.holdName == "updateDomain:web/0"
 
 
@@ -164,7 +167,8 @@ rules:
 
     assert approved(zoned) == [plain]
     held = coordinator.event(manual)
-    assert held is not None and held.record.decision is not None
+    assert held is not None
+    assert held.record.decision is not None
     assert held.record.decision.rule == "tagged-manual"
 
 
@@ -191,7 +195,8 @@ rules:
 
     assert approved(zoned) == []
     held = coordinator.event(event_id)
-    assert held is not None and held.record.decision is not None
+    assert held is not None
+    assert held.record.decision is not None
     decision = held.record.decision
     assert (decision.holdKind, decision.holdName, decision.holdSince) == ("gate", "app-health", DOC_NOW)
     assert "gate 'app-health' is failing (HTTP 503, expected [200])" in decision.reason
