@@ -73,6 +73,16 @@ def census_of(vms: Iterable[VmRecord]) -> dict[str, VmFacts]:
     return {vm.identity.name: facts_of(vm.identity) for vm in vms if vm.retired is None}
 
 
+def waits_for_budget(record: EventRecord) -> bool:
+    """A Scheduled event whose last decision was held by a budget: it is queued for the next free slot."""
+    return (
+        record.state == "Scheduled"
+        and record.approval is None
+        and record.decision is not None
+        and record.decision.holdKind == "budget"
+    )
+
+
 def holds_budget(record: EventRecord) -> bool:
     """An event impacts its VMs from the approval until it is gone. An Expired event whose approval was decided
     keeps its slots too: the platform starts it at NotBefore anyway."""
@@ -126,7 +136,12 @@ class Fleet:
 
     def view(self) -> rules.FleetView:
         if self._view is None:
-            view = rules.FleetView(vms=self._vms())
+            queued = tuple(
+                (by_not_before(r)[0], r.eventId, frozenset(r.resources))
+                for r in self._open_events()
+                if waits_for_budget(r)
+            )
+            view = rules.FleetView(vms=self._vms(), queued=queued)
             for record in self._open_events():
                 if holds_budget(record):
                     view = view.with_event(record)

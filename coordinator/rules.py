@@ -252,6 +252,10 @@ class FleetView:
     impacted: dict[str, frozenset[str]] = field(default_factory=dict)
     vms: Mapping[str, VmFacts] = field(default_factory=dict)
     impactedVms: frozenset[str] = frozenset()
+    # Events waiting for budget (their last decision was held by one), as (NotBefore, EventId, VMs): an event
+    # later in that order counts their VMs as taken, so a freed slot goes to the event closest to its NotBefore
+    # even when a later one is decided first (a new event's batch before the timer's tick).
+    queued: tuple[tuple[datetime, str, frozenset[str]], ...] = ()
 
     def with_event(self, record: EventRecord) -> FleetView:
         impacted = {k: set(v) for k, v in self.impacted.items()}
@@ -261,7 +265,13 @@ class FleetView:
             {k: frozenset(v) for k, v in impacted.items() if k},
             self.vms,
             self.impactedVms | frozenset(record.resources),
+            tuple(q for q in self.queued if q[1] != record.eventId),
         )
+
+    def ahead_of(self, record: EventRecord) -> set[str]:
+        """The VMs of the events queued for budget ahead of this one (closer to their NotBefore)."""
+        mine = (record.notBefore or datetime.max.replace(tzinfo=UTC), record.eventId)
+        return {vm for not_before, event_id, vms in self.queued if (not_before, event_id) < mine for vm in vms}
 
     def facts(self, record: EventRecord, name: str) -> VmFacts:
         """A VM's facts: from the census, else what the event's own sighting (or the VM's name) says."""
@@ -276,6 +286,7 @@ class FleetView:
             self.impacted,
             {name: dataclasses.replace(facts, tags={}) for name, facts in self.vms.items()},
             self.impactedVms,
+            self.queued,
         )
 
 
@@ -349,6 +360,7 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
         return []
     budget = rule.budget
     affected = record.resources or sorted(record.vms)
+    ahead = fleet.ahead_of(record)
     out: list[BudgetDomain] = []
     for kind in budget.per:
         keyed: dict[str, set[str]] = {}
@@ -361,6 +373,7 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
                 others = set(fleet.impacted.get(key, frozenset()))
             else:
                 others = {n for n in fleet.impactedVms if n in fleet.vms and fleet.vms[n].domain(kind) == key}
+            others |= {n for n in ahead if fleet.facts(record, n).domain(kind) == key}
             members = {n for n, facts in fleet.vms.items() if facts.domain(kind) == key} | mine
             limit = limit_for(max_impacted=budget.maxImpacted, max_percent=budget.maxPercent, size=len(members))
             out.append(BudgetDomain(kind, key, frozenset(mine), frozenset(others - mine), len(members), limit))

@@ -302,3 +302,17 @@ def test_inside_the_repeated_autumn_hour_the_first_start_s_window_is_the_one_ope
     window = Schedule(schedule="30 2 * * *", duration="90m", timeZone="Europe/Oslo")
     # First 02:30 (CEST) is 00:30 UTC; its 90 minutes end at 02:00 UTC, past the second 02:30 (01:30 UTC).
     assert window.open_until(datetime(2026, 10, 25, 1, 45, tzinfo=UTC)) == datetime(2026, 10, 25, 2, 0, tzinfo=UTC)
+
+
+def test_a_freed_slot_goes_to_the_queued_event_closest_to_its_notbefore() -> None:
+    rule = budget_rule(maxImpacted=1, per=["zone"])
+    vms = {name: facts(zone="1") for name in ("web_1", "web_2", "web_3")}
+    # web_2's event waits for budget and goes sooner than web_1's; the slot is free.
+    sooner = (NOW + timedelta(minutes=5), "E-SOONER", frozenset({"web_2"}))
+    fleet = FleetView(vms=vms, queued=(sooner,))
+    held = evaluate(policy(rule), record(notBefore=NOW + timedelta(minutes=15)), fleet, NOW)
+    assert (held.verdict, held.holdKind) == ("wait", "budget")
+    # The queued event itself is not behind itself; an event sooner than every queued one goes first.
+    assert evaluate(policy(rule), record(eventId="E-SOONER", resources=["web_2"]), fleet, NOW).verdict == "approve"
+    soonest = record(eventId="E0", notBefore=NOW + timedelta(minutes=1))
+    assert evaluate(policy(rule), soonest, fleet, NOW).verdict == "approve"
