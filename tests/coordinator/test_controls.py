@@ -5,6 +5,7 @@ decision names."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -316,3 +317,12 @@ def test_a_freed_slot_goes_to_the_queued_event_closest_to_its_notbefore() -> Non
     assert evaluate(policy(rule), record(eventId="E-SOONER", resources=["web_2"]), fleet, NOW).verdict == "approve"
     soonest = record(eventId="E0", notBefore=NOW + timedelta(minutes=1))
     assert evaluate(policy(rule), soonest, fleet, NOW).verdict == "approve"
+
+
+def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "coordinator.md").read_text(encoding="utf-8")
+    section = text[text.index("### Policy reference") :]
+    start = section.index("```yaml") + len("```yaml")
+    example = parse_policy(section[start : section.index("```", start)])
+    assert [rule.name for rule in example.rules] == ["weekday-web", "terminate"]
+    assert set(example.gates) == {"app-health", "no-cpu-alert", "no-errors"}
