@@ -6,7 +6,8 @@ one, and a Decision history row, only when the rule, verdict, hold or reason cha
 I/O they need: the fleet view (impacted VMs, and the census of known VMs for tags and budget domains), the
 fleet-wide budget claims per domain, the health gates' results (read once per batch/tick, coordinator/gates.py),
 and the pending deletes of a scale set, decided as one unit. Events compete for budget in NotBefore order (the
-closest first). Runs inside the caller's ETag-checked write, so a decision commits once.
+closest first). Runs inside the caller's ETag-checked write, so a decision commits once. Above 400 lines because
+the fleet view and its claims are one piece of state per batch/tick (``Fleet``) that every decision reads.
 """
 
 from __future__ import annotations
@@ -134,14 +135,16 @@ class Fleet:
             self._open = [stored.record for stored in self._store.open_events()]
         return self._open
 
-    def view(self) -> rules.FleetView:
+    def view(self, *, census: bool = True) -> rules.FleetView:
+        """The fleet view; ``census``: with the facts of every known VM (reads the VM groups once), which only
+        a policy with tags, percent or domain budgets needs (``Policy.needs_census``)."""
         if self._view is None:
             queued = tuple(
                 (by_not_before(r)[0], r.eventId, frozenset(r.resources))
                 for r in self._open_events()
                 if waits_for_budget(r)
             )
-            view = rules.FleetView(vms=self._vms(), queued=queued)
+            view = rules.FleetView(vms=self._vms() if census else {}, queued=queued)
             for record in self._open_events():
                 if holds_budget(record):
                     view = view.with_event(record)
@@ -351,7 +354,8 @@ def decide(ctx: Context, change: EventChange, now: datetime, fleet: Fleet) -> No
     if record.state != "Scheduled" or record.approval is not None:
         return
     started = telemetry.now_ns()
-    view = fleet.view() if rules.needs_fleet(ctx.policy, record, now) else rules.FleetView()
+    needed = rules.needs_fleet(ctx.policy, record, now)
+    view = fleet.view(census=ctx.policy.needs_census) if needed else rules.FleetView()
     gates = _gate_results(ctx, fleet, record, view, now)
     decision = rules.evaluate(ctx.policy, record, view, now, gates=gates)
     if record.eventType == "Terminate" and record.scaleSets:
@@ -449,10 +453,11 @@ def release_budgets(ctx: Context, records: Iterable[EventRecord]) -> None:
         keys = record.approval.budgetKeys or (
             sorted(rules.impacted_by(record)) if rules.budget_limit(ctx.policy, record.approval.rule) else []
         )
-        fleet = fleet or Fleet(ctx.store) if keys else fleet
+        if not keys:
+            continue
+        fleet = fleet or Fleet(ctx.store)
         for key in keys:
             try:
-                assert fleet is not None
                 fleet.release(key, record.eventId)
             except Exception:  # the claim lapses by itself; the batch's real work is done
                 log.exception("budget of %s: releasing the claim of %s failed", key, record.eventId)

@@ -228,8 +228,13 @@ class Policy(_Strict):
 
     @property
     def needs_census(self) -> bool:
-        """Whether deciding reads the VMs' facts (tags, domains): a rule matches tags or sets a budget."""
-        return any(rule.match.tags is not None or rule.budget is not None for rule in self.rules)
+        """Whether deciding reads the VMs' facts (the VM groups, once per batch/tick): a rule matches tags, or sets
+        a budget by percent or by a domain other than the scale set (a count per scale set needs only the events)."""
+        return any(
+            rule.match.tags is not None
+            or (rule.budget is not None and (rule.budget.maxPercent is not None or rule.budget.per != ["scaleSet"]))
+            for rule in self.rules
+        )
 
     @field_validator("rules")
     @classmethod
