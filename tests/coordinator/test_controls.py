@@ -326,3 +326,23 @@ def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
     example = parse_policy(section[start : section.index("```", start)])
     assert [rule.name for rule in example.rules] == ["weekday-web", "terminate"]
     assert set(example.gates) == {"app-health", "no-cpu-alert", "no-errors"}
+
+
+def test_a_card_names_what_held_the_event_since_and_until_when() -> None:
+    from coordinator.alerts import build_card
+    from coordinator.model import DecisionRecord
+
+    held = record()
+    held.decision = DecisionRecord(
+        decisionId="d",
+        rule="reboots",
+        action="approve-now",
+        verdict="wait",
+        reason="gate 'app-health' is failing (HTTP 503, expected [200])",
+        decidedAt=NOW,
+        holdKind="gate",
+        holdName="app-health",
+        holdSince=NOW - timedelta(minutes=3),
+    )
+    text = str(build_card("expired", held, now=NOW))
+    assert "gate 'app-health' since 2026-11-18T09:57:00+00:00: gate 'app-health' is failing" in text
