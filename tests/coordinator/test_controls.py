@@ -346,3 +346,37 @@ def test_a_card_names_what_held_the_event_since_and_until_when() -> None:
     )
     text = str(build_card("expired", held, now=NOW))
     assert "gate 'app-health' since 2026-11-18T09:57:00+00:00: gate 'app-health' is failing" in text
+
+
+@pytest.mark.parametrize(
+    ("kind", "where"),
+    [
+        ("zone", {"zone": "1"}),
+        ("faultDomain", {"faultDomain": "2"}),
+        ("updateDomain", {"updateDomain": "3"}),
+        ("placementGroup", {"placementGroup": "pg1"}),
+        ("scaleSet", {}),
+    ],
+)
+def test_a_percent_budget_holds_per_domain_of_each_kind(kind: str, where: dict[str, str]) -> None:
+    # 20% of 10 VMs in the domain: 2 at a time; 5 more VMs elsewhere do not count towards its size.
+    rule = budget_rule(maxPercent=20, per=[kind])
+    vms = {f"web_{i}": facts(**where) for i in range(1, 11)}
+    vms |= {f"other_{i}": VmFacts(scaleSet="other", location="elsewhere") for i in range(5)}
+    one = FleetView(vms=vms, impacted={"web": frozenset({"web_9"})}, impactedVms=frozenset({"web_9"}))
+    assert evaluate(policy(rule), record(), one, NOW).verdict == "approve"
+    two = FleetView(
+        vms=vms, impacted={"web": frozenset({"web_9", "web_10"})}, impactedVms=frozenset({"web_9", "web_10"})
+    )
+    held = evaluate(policy(rule), record(), two, NOW)
+    assert (held.verdict, held.holdKind) == ("wait", "budget")
+    assert "would have 3 impacted instances (limit 2)" in held.reason
+
+
+def test_a_failing_gate_with_onnotbefore_approve_approves_at_the_deadline() -> None:
+    rule = {**APPROVE_REBOOTS, "gates": ["app-health"], "onNotBefore": "approve", "approveBeforeSeconds": 300}
+    failing = {"app-health": GateResult("failing", "HTTP 503")}
+    event = record(notBefore=NOW + timedelta(minutes=4))
+    decision = evaluate(policy(rule, gates=GATES), event, FleetView(), NOW, gates=failing)
+    assert (decision.verdict, decision.holdKind) == ("approve", "gate")
+    assert "approved at the deadline" in decision.reason
