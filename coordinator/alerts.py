@@ -148,8 +148,15 @@ def build_card(
     ]
     if record.decision is not None:
         facts.append(_fact("Decision", f"{record.decision.verdict} by rule '{record.decision.rule}'"))
-        if record.decision.heldBy and record.approval is None:
-            facts.append(_fact("Held", record.decision.reason))
+        decision = record.decision
+        if decision.heldBy and record.approval is None:
+            facts.append(_fact("Held", decision.reason))
+        elif decision.holdKind and record.approval is None:
+            # The window, blackout, gate, budget or hooks that held it, since and until when (the expired card says
+            # why the coordinator let NotBefore come).
+            since = f" since {decision.holdSince.isoformat()}" if decision.holdSince else ""
+            until = f" until {decision.heldUntil.isoformat()}" if decision.heldUntil else ""
+            facts.append(_fact("Held", f"{decision.holdKind} '{decision.holdName}'{since}{until}: {decision.reason}"))
     if record.approval is not None:
         facts.append(_fact("Approved by", record.approval.actor))
         if record.approval.outcome:

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from coordinator import rules
 from coordinator.alerts import AlertSink
 from coordinator.callback import ApprovalCallback
+from coordinator.gates import MonitorReader
 from coordinator.history import HistorySink
 from coordinator.model import AlertKind, EventRecord, VmRecord
 from coordinator.rows import HistoryRow
@@ -132,6 +133,7 @@ class Context:
         imds_failing_errors: int = IMDS_FAILING_ERRORS,
         remote_acknowledge: ApprovalCallback | None = None,
         remote_acknowledge_fallback: bool = False,
+        monitor: MonitorReader | None = None,
     ) -> None:
         self.store = store
         self.history = history
@@ -164,6 +166,8 @@ class Context:
         # approvals no VM's listener can execute (no VM reported within heartbeat_timeout).
         self.remote_acknowledge = remote_acknowledge
         self.remote_acknowledge_fallback = remote_acknowledge_fallback
+        # Azure Monitor, for the policy's alert and logQuery gates (None: such gates read as errors and hold).
+        self.monitor = monitor
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 

@@ -116,6 +116,7 @@ def fold(ctx: Context, updates: VmBatch, now: datetime, fleet: Fleet, *, report:
             update.record = outbox.raise_vm_alert(update.record, "forwarder-conflict", now)
             work.vm_alerts.append((update.record, "forwarder-conflict"))
         health.assess(update, now, work, after=ctx.imds_failing_after, errors=ctx.imds_failing_errors)
+    fleet.note_vms(update.record for update in updates.updates.values())
     committed = commit_events(ctx, observations, now, fleet, report=report, batch=updates, work=work)
     for change in committed:
         work.collect(change)

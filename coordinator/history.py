@@ -64,6 +64,11 @@ class SqliteHistory:
         columns = ", ".join(f'"{name}" {_SQLITE_TYPES[kind]}' for name, kind in self._types.items())
         with self._db:
             self._db.execute(f'CREATE TABLE IF NOT EXISTS "{self._table}" ({columns})')
+            # A store made before a column existed gets it added (new columns are appended, never changed).
+            present = {row[1] for row in self._db.execute(f'PRAGMA table_info("{self._table}")')}
+            for name, kind in self._types.items():
+                if name not in present:
+                    self._db.execute(f'ALTER TABLE "{self._table}" ADD COLUMN "{name}" {_SQLITE_TYPES[kind]}')
             self._db.execute(f'CREATE INDEX IF NOT EXISTS ix_event ON "{self._table}" (EventId, TimeGenerated)')
             self._db.execute(f'CREATE INDEX IF NOT EXISTS ix_time ON "{self._table}" (TimeGenerated)')
         names = list(self._types)

@@ -86,6 +86,12 @@ class DecisionRecord(BaseModel):
     heldBy: str = ""
     heldByVm: str = ""
     heldUntil: datetime | None = None
+    # What held the event back: blackout | window | gate | budget | hooks | delete ("" when nothing did), its name
+    # (the blackout, the rule whose window, the gate, the budget domain, the VMs whose hooks, the holding delete),
+    # since when that same hold has held it, and until when (heldUntil; None when not known, e.g. a failing gate).
+    holdKind: str = ""
+    holdName: str = ""
+    holdSince: datetime | None = None
 
 
 class ApprovalRecord(BaseModel):
@@ -107,6 +113,8 @@ class ApprovalRecord(BaseModel):
     # A listener's "approved" says IMDS accepted StartRequests, not that the event started: the event must be seen
     # Started or gone by this time (set on delivery, and again when a platform hold is lifted), else an alert.
     confirmBy: datetime | None = None
+    # The budget entities this approval claimed (coordinator/controls.claim_key), released when the event concludes.
+    budgetKeys: list[str] = Field(default_factory=list)
 
 
 class PlatformHold(BaseModel):
@@ -269,7 +277,8 @@ class VmGroupRecord(BaseModel):
 
 
 class BudgetClaim(BaseModel):
-    """One event's hold on a scale set's budget: its VMs count as impacted while the claim lives."""
+    """One event's hold on a budget domain (a scale set, zone, fault/update domain, placement group): its VMs count
+    as impacted there while the claim lives."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -279,9 +288,10 @@ class BudgetClaim(BaseModel):
 
 
 class BudgetRecord(BaseModel):
-    """The claims on one scale set's "at most N impacted" budget, fleet-wide: every instance that approves
-    within budget adds its claim here with an ETag-checked write first, so two instances cannot both take the
-    last slot."""
+    """The claims on one budget domain's "at most N (or P%) impacted" budget, fleet-wide: every instance that
+    approves within budget adds its claim here with an ETag-checked write first, so two instances cannot both take
+    the last slot. ``scaleSet`` is the domain's key (coordinator/controls.claim_key: a scale set's name, or the
+    kind-prefixed key of another domain)."""
 
     model_config = ConfigDict(extra="ignore")
 

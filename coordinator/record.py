@@ -45,6 +45,10 @@ def decision_row(record: EventRecord, now: datetime) -> HistoryRow:
         Outcome=decision.verdict,
         Reason=decision.reason,
         DryRun=decision.dryRun,
+        HoldKind=decision.holdKind,
+        HoldName=decision.holdName,
+        HoldSince=decision.holdSince,
+        HeldUntil=decision.heldUntil,
         Details=(
             {
                 "heldBy": decision.heldBy,

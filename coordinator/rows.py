@@ -55,6 +55,10 @@ class HistoryRow(BaseModel):
     Outcome: str = ""
     HookPhase: str = ""
     Reason: str = ""
+    HoldKind: str = ""
+    HoldName: str = ""
+    HoldSince: datetime | None = None
+    HeldUntil: datetime | None = None
     DryRun: bool | None = None
     Details: dict[str, Any] | None = None
 

@@ -49,6 +49,7 @@ def tick(ctx: Context) -> TickReport:
     by_key = {g.record.group: g for g in groups}
     stored_open = ctx.store.open_events()
     fleet.seed([s.record for s in stored_open])
+    fleet.seed_census(g.record for g in groups)
     open_events = assemble({s.record.eventId: s for s in stored_open}, by_key)
     report.open_events = len(open_events)
     groups = retire(
@@ -58,7 +59,8 @@ def tick(ctx: Context) -> TickReport:
     report.vms_retired = sum(1 for row in work.rows if row.Outcome == "retired")
     logs, settled, settled_vms = outbox.sent_logs(ctx)
     changes: list[EventChange] = []
-    for stored in open_events.values():
+    # Closest to NotBefore first: when budget is short, the event that would start unapproved soonest gets it.
+    for stored in sorted(open_events.values(), key=lambda s: decide.by_not_before(s.record)):
         record = stored.record
         try:
             change = commit_event(

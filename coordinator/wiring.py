@@ -11,6 +11,7 @@ from azure.identity import DefaultAzureCredential
 
 from coordinator.alerts import AlertSink, FolderCardSink, TeamsWebhookSink
 from coordinator.callback import ApprovalCallback
+from coordinator.gates import AzureMonitorReader
 from coordinator.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.rules import load_policy
 from coordinator.service import Coordinator
@@ -100,6 +101,13 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
             deadline_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
         )
 
+    policy = load_policy(settings.policy_path)
+    # Only a policy with alert or logQuery gates reads Azure Monitor (with the app's identity).
+    monitor = (
+        AzureMonitorReader(credential=credential)
+        if any(gate.alert is not None or gate.logQuery is not None for gate in policy.gates.values())
+        else None
+    )
     base = settings.public_base_url
 
     def approve_url(event_id: str) -> str:
@@ -110,7 +118,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         history=history,
         alerts=alerts,
         callback=callback,
-        policy=load_policy(settings.policy_path),
+        policy=policy,
         dry_run=settings.dry_run,
         heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
         approve_url=approve_url if base else None,
@@ -124,4 +132,5 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         imds_failing_errors=settings.imds_failing_poll_errors,
         remote_acknowledge=remote_acknowledge,
         remote_acknowledge_fallback=settings.remote_acknowledge == "fallback",
+        monitor=monitor,
     )

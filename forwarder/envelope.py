@@ -27,8 +27,17 @@ class UnsupportedEnvelopeVersion(ValueError):
     """The envelope was written by a newer forwarder than this code understands."""
 
 
+# Azure's own limits on a resource's tags (50 per resource; name 512, value 256 characters): a VM reporting more
+# is not telling the truth, and its envelope is refused at the door.
+MAX_TAGS = 50
+MAX_TAG_NAME = 512
+MAX_TAG_VALUE = 256
+
+
 class VmIdentity(BaseModel):
-    """Who the VM is, from IMDS instance metadata (compute.*), never from the hostname."""
+    """Who the VM is, from IMDS instance metadata (compute.*), never from the hostname. ``platformUpdateDomain``
+    and ``tags`` are optional (v1-compatible: older forwarders leave them out); tags are what the VM says, so the
+    policy only lets them restrict what it approves unless a rule trusts them (docs/coordinator.md, "Tags")."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -41,7 +50,23 @@ class VmIdentity(BaseModel):
     location: str = ""
     zone: str = ""
     platformFaultDomain: str = ""
+    platformUpdateDomain: str = Field(default="", max_length=16)
     placementGroupId: str = ""
+    tags: dict[str, str] = Field(default_factory=dict, max_length=MAX_TAGS)
+
+    @field_validator("tags")
+    @classmethod
+    def _bounded_tags(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not 0 < len(name) <= MAX_TAG_NAME or len(text) > MAX_TAG_VALUE:
+                raise ValueError(
+                    f"tag {name[:64]!r}: names are 1-{MAX_TAG_NAME} characters, values at most {MAX_TAG_VALUE}"
+                )
+        return value
+
+    def __hash__(self) -> int:
+        # Frozen but holding a dict: hashed by who the VM is.
+        return hash((self.resourceId.lower(), self.vmId))
 
     @property
     def partition_key(self) -> str:

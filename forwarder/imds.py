@@ -20,7 +20,7 @@ from urllib.parse import quote, urlsplit
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from forwarder.document import ScheduledEvent, ScheduledEventsDocument
-from forwarder.envelope import VmIdentity
+from forwarder.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, VmIdentity
 from forwarder.keepalive import KeepAliveConnection, build_request
 from forwarder.logs import fields
 from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
@@ -138,6 +138,27 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
+def tags_of(compute: dict[str, Any]) -> dict[str, str]:
+    """The VM's tags from instance metadata: ``tagsList`` (name/value pairs, exact) when present, else ``tags``
+    ('name:value;...', ambiguous when a value holds ';' or a name ':'). Kept within Azure's own limits (the first
+    MAX_TAGS by name, each bounded), so a VM's odd metadata never costs it its envelopes."""
+    pairs: list[tuple[str, str]] = []
+    listed = compute.get("tagsList")
+    if isinstance(listed, list):
+        pairs = [
+            (str(item.get("name", "")), str(item.get("value", "")))
+            for item in listed
+            if isinstance(item, dict) and item.get("name")
+        ]
+    elif isinstance(compute.get("tags"), str):
+        for part in str(compute["tags"]).split(";"):
+            name, sep, value = part.partition(":")
+            if sep and name:
+                pairs.append((name, value))
+    bounded = {name[:MAX_TAG_NAME]: value[:MAX_TAG_VALUE] for name, value in sorted(pairs)}
+    return dict(list(bounded.items())[:MAX_TAGS])
+
+
 class ImdsClient:
     """A small, thread-safe IMDS client on one kept-alive HTTP connection.
 
@@ -246,8 +267,9 @@ class ImdsClient:
             compute: Any = json.loads(raw)
             if not isinstance(compute, dict):
                 raise ValueError("expected a JSON object")
-            # Only the identity fields: the rest of compute (osProfile, tags, ...) has no business in envelopes.
-            return VmIdentity.model_validate({k: v for k, v in compute.items() if k in VmIdentity.model_fields})
+            # Only the identity fields: the rest of compute (osProfile, ...) has no business in envelopes.
+            fields_ = {k: v for k, v in compute.items() if k in VmIdentity.model_fields and k != "tags"}
+            return VmIdentity.model_validate({**fields_, "tags": tags_of(compute)})
         except (ValueError, ValidationError) as exc:
             raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
 

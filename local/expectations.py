@@ -3,7 +3,9 @@
 For every event the IMDS emulator created, the policy's first matching rule says whether the coordinator should
 approve it: ``approve`` (approve-now; approve-after-hooks when the forwarders have a prepare hook that succeeds),
 ``no-approval`` (wait-for-person, never-approve, no rule; and every event that appeared already Started) or
-``either`` (a budget rule depends on the rest of the fleet; a notice too short for any pipeline to act on).
+``either`` (a budget rule depends on the rest of the fleet; a rule with a window or gates, or a policy with
+blackouts, depends on the time and on health; a notice too short for any pipeline to act on). Rules match the
+scenario VMs' tags as the coordinator matches the tags their forwarders report.
 
 Scenario hooks count: an approve-after-hooks event one of whose VMs has a prepare hook that fails (or outlasts the
 forwarder's hook timeout) is not approved before the rule's hook deadline (``no-approval`` with onDeadline=wait,
@@ -20,8 +22,9 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
+from coordinator.controls import VmFacts
 from coordinator.model import EventRecord
-from coordinator.rules import HooksOption, Policy, Rule, first_match
+from coordinator.rules import FleetView, HooksOption, Policy, Rule, first_match
 from emulators.imds import VmSpec
 
 Expectation = Literal["approve", "no-approval", "either"]
@@ -88,7 +91,8 @@ def expect(
     )
     label = str(event.get("ref") or record.eventId)
     terminal = "Canceled" if event.get("state") == "Canceled" else "Completed"
-    rule = first_match(policy, record, scheduled_at)
+    fleet = FleetView(vms={name: VmFacts(scaleSet=vm.vmScaleSetName, tags=vm.tags) for name, vm in (vms or {}).items()})
+    rule = first_match(policy, record, scheduled_at, fleet)
     rule_name = rule.name if rule is not None else "(no rule matched)"
     approval: Expectation
     if (
@@ -105,10 +109,16 @@ def expect(
         notice = (not_before - scheduled_at).total_seconds() / time_scale if not_before is not None else math.inf
         # The deadline is real seconds from the coordinator's first sighting: it passes within the notice or not.
         approval = "either" if options.onDeadline == "approve" and options.deadlineSeconds < notice else "no-approval"
-    elif rule.action == "approve-within-budget" or (
-        rule.action == "approve-after-hooks"
-        and not prepare_hooks
-        and any(prepare_fails((vms or {}).get(name), rule) is None for name in record.resources)
+    elif (
+        rule.action == "approve-within-budget"
+        or rule.window is not None
+        or rule.gates
+        or policy.blackouts
+        or (
+            rule.action == "approve-after-hooks"
+            and not prepare_hooks
+            and any(prepare_fails((vms or {}).get(name), rule) is None for name in record.resources)
+        )
     ):
         approval = "either"
     else:

@@ -181,3 +181,23 @@ def test_logs_ingestion_upload_with_the_real_sdk(capture):
     sink.write(rows()[1:2])
     assert sink.pending == 0
     assert [r["RecordType"] for r in capture.calls[-1]["logs"]] == ["Observation", "Transition"]
+
+
+def test_a_store_made_before_the_hold_columns_gets_them_and_keeps_its_rows(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    table = history_schema()["table"]
+    old_columns = [name for name in column_types() if name not in ("HoldKind", "HoldName", "HoldSince", "HeldUntil")]
+    with sqlite3.connect(path) as db:
+        db.execute(f'CREATE TABLE "{table}" ({", ".join(old_columns)})')
+        db.execute(f'INSERT INTO "{table}" (TimeGenerated, RecordType) VALUES (?, ?)', ("2026-01-01T00:00:00", "Old"))
+    store = SqliteHistory(path)
+    now = datetime(2026, 11, 18, tzinfo=UTC)
+    store.write([HistoryRow(TimeGenerated=now, RecordType="Decision", HoldKind="gate", HoldName="app", HoldSince=now)])
+    found = store.query(f'SELECT RecordType, HoldKind, HoldName, HoldSince FROM "{table}" ORDER BY rowid')
+    store.close()
+    assert found == [
+        {"RecordType": "Old", "HoldKind": None, "HoldName": None, "HoldSince": None},
+        {"RecordType": "Decision", "HoldKind": "gate", "HoldName": "app", "HoldSince": now.isoformat()},
+    ]

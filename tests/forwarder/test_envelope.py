@@ -91,3 +91,14 @@ def test_newer_schema_is_refused_with_a_clear_message() -> None:
 def test_bad_envelopes_name_the_reason(overrides: dict[str, object], needle: str) -> None:
     with pytest.raises(ValidationError, match=needle):
         Envelope.from_mapping(_incarnation(**overrides))
+
+
+def test_update_domain_and_tags_are_optional_and_bounded() -> None:
+    old = VmIdentity(name="vm", vmId="id", resourceId="/r")  # a v1 envelope from an older forwarder
+    assert (old.platformUpdateDomain, old.tags) == ("", {})
+    with pytest.raises(ValidationError, match="at most 50 items"):
+        VmIdentity(name="vm", vmId="id", resourceId="/r", tags={f"t{i}": "" for i in range(51)})
+    with pytest.raises(ValidationError, match="values at most 256"):
+        VmIdentity(name="vm", vmId="id", resourceId="/r", tags={"t": "v" * 257})
+    tagged = VmIdentity(name="vm", vmId="id", resourceId="/r", tags={"a": "1"})
+    assert hash(tagged) == hash(VmIdentity(name="vm", vmId="id", resourceId="/R", tags={"b": "2"}))

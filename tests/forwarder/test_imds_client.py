@@ -7,8 +7,16 @@ import time
 
 import pytest
 
-from emulators.imds import ImdsEmulator
-from forwarder.imds import IDLE_DISABLE_SECONDS, ImdsClient, ImdsInvalidResponse, ImdsUnavailable, read_document
+from emulators.imds import ImdsEmulator, Scenario
+from forwarder.envelope import MAX_TAG_VALUE, MAX_TAGS
+from forwarder.imds import (
+    IDLE_DISABLE_SECONDS,
+    ImdsClient,
+    ImdsInvalidResponse,
+    ImdsUnavailable,
+    read_document,
+    tags_of,
+)
 from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
 from tests.forwarder.conftest import ScriptedImds
 
@@ -224,3 +232,35 @@ def test_get_document_keeps_the_valid_events_for_the_approver(scripted_imds: Scr
     imds_client = ImdsClient(base_url=scripted_imds.url, limiter=RateLimiter(per_second=500, burst=10))
     document = imds_client.get_document()
     assert (document.DocumentIncarnation, [e.EventId for e in document.Events]) == (3, ["ok"])
+
+
+def test_the_identity_carries_update_domain_and_tags_from_instance_metadata() -> None:
+    scenario = Scenario.model_validate(
+        {
+            "name": "tagged",
+            "vms": [
+                {
+                    "name": "db_0",
+                    "vmScaleSetName": "db",
+                    "zone": "2",
+                    "platformFaultDomain": "1",
+                    "platformUpdateDomain": "4",
+                    "tags": {"scheduled-events": "manual", "team": "a;b:c"},
+                }
+            ],
+        }
+    )
+    with ImdsEmulator(scenario=scenario, throttle_rps=0) as emulator:
+        identity = client(emulator, "db_0").get_identity()
+    assert (identity.zone, identity.platformFaultDomain, identity.platformUpdateDomain) == ("2", "1", "4")
+    # tagsList is exact where the 'name:value;...' string is not (a value holding ';' or ':').
+    assert identity.tags == {"scheduled-events": "manual", "team": "a;b:c"}
+
+
+def test_tags_are_kept_within_azures_limits_and_read_from_the_string_form_when_no_list() -> None:
+    many = [{"name": f"t{i:03}", "value": "v" * 300} for i in range(60)]
+    bounded = tags_of({"tagsList": many})
+    assert len(bounded) == MAX_TAGS
+    assert all(len(value) == MAX_TAG_VALUE for value in bounded.values())
+    assert tags_of({"tags": "a:1;b:2;broken"}) == {"a": "1", "b": "2"}
+    assert tags_of({}) == {}

@@ -1,0 +1,209 @@
+"""The fleet controls through the coordinator (Azurite state, the IMDS emulator approving through
+DirectImdsCallback): a zone budget holds fleet-wide and names its domain in the history, competing events go by
+NotBefore, a VM's tag asks for a person, and a gate read from a local HTTP health endpoint holds until it passes."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.alerts import FolderCardSink
+from coordinator.ingest import RawMessage
+from coordinator.rules import parse_policy
+from coordinator.service import Coordinator
+from coordinator.tables import TableStateStore
+from emulators.azurite import AzuriteEndpoints
+from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.clock import ManualClock
+from forwarder.envelope import VmIdentity
+from forwarder.imds import tags_of
+from local.direct_callback import DirectImdsCallback
+from tests.coordinator.conftest import Clock
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
+
+VMS = [
+    {"name": "web_0", "vmScaleSetName": "web", "zone": "1", "platformUpdateDomain": "0"},
+    {"name": "web_1", "vmScaleSetName": "web", "zone": "3", "platformUpdateDomain": "0"},
+    {"name": "api_0", "vmScaleSetName": "api", "zone": "1", "platformUpdateDomain": "0"},
+    {"name": "api_1", "vmScaleSetName": "api", "zone": "2", "platformUpdateDomain": "1"},
+    {"name": "db_0", "vmScaleSetName": "db", "zone": "2", "tags": {"scheduled-events": "manual"}},
+]
+
+
+@pytest.fixture
+def zoned() -> Iterator[ImdsEmulator]:
+    scenario = Scenario.model_validate({"name": "controls", "vms": VMS})
+    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+        yield emulator
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    status = 503
+
+    def do_GET(self) -> None:
+        self.send_response(type(self).status)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+@pytest.fixture
+def health() -> Iterator[tuple[str, type[Health]]]:
+    handler = type("HealthPage", (Health,), {"status": 503})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/health", handler
+    server.shutdown()
+
+
+def build(azurite: AzuriteEndpoints, imds: ImdsEmulator, policy: str, tmp: Path) -> tuple[Coordinator, MemoryHistory]:
+    history = MemoryHistory()
+    return (
+        Coordinator(
+            store=TableStateStore.from_connection_string(
+                azurite.connection_string, table_name="controls" + uuid.uuid4().hex[:12]
+            ),
+            history=history,
+            alerts=FolderCardSink(tmp / "cards"),
+            callback=DirectImdsCallback(base_url=imds.url),
+            policy=parse_policy(policy),
+            clock=Clock(DOC_NOW),
+        ),
+        history,
+    )
+
+
+def report(imds: ImdsEmulator, name: str, sequence: int) -> RawMessage:
+    """What the VM's forwarder sends: its identity as the forwarder reads it (with zone, update domain, tags) and
+    its IMDS document."""
+    compute = imds.state.vms[name].compute()
+    fields = {k: v for k, v in compute.items() if k in VmIdentity.model_fields and k != "tags"}
+    identity = VmIdentity.model_validate({**fields, "tags": tags_of(compute)}).model_dump()
+    document = imds.document(name)
+    data = envelope(identity, sequence=sequence, incarnation=document["DocumentIncarnation"], events=document["Events"])
+    return RawMessage(body=json.dumps(data, default=str).encode(), partition_key=identity["resourceId"].lower())
+
+
+def approved(imds: ImdsEmulator) -> list[str]:
+    return [a["EventId"] for a in imds.approvals()]
+
+
+def test_a_zone_budget_holds_across_scale_sets_and_the_history_names_the_domain(azurite, zoned, tmp_path):
+    policy = """
+rules:
+  - name: one-per-zone
+    match: {eventType: [Reboot]}
+    action: approve-within-budget
+    budget: {maxImpacted: 1, per: [zone]}
+"""
+    coordinator, history = build(azurite, zoned, policy, tmp_path)
+    first = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    second = zoned.create_event(EventType="Reboot", Resources=["api_0"], NoticeSeconds=900)["EventId"]
+    other_zone = zoned.create_event(EventType="Reboot", Resources=["api_1"], NoticeSeconds=900)["EventId"]
+
+    coordinator.process_batch([report(zoned, "web_0", 1)])
+    coordinator.process_batch([report(zoned, "api_0", 1), report(zoned, "api_1", 1)])
+
+    assert sorted(approved(zoned)) == sorted([first, other_zone])
+    held = coordinator.event(second)
+    assert held is not None
+    assert held.record.decision is not None
+    assert (held.record.decision.holdKind, held.record.decision.holdName) == ("budget", "zone:westeurope/1")
+    row = next(r for r in history.rows if r.RecordType == "Decision" and r.EventId == second)
+    assert (row.HoldKind, row.HoldName, row.Outcome) == ("budget", "zone:westeurope/1", "wait")
+    budget = coordinator.store.get_budget("zone:westeurope/1")
+    assert budget is not None
+    assert list(budget.record.claims) == [first]
+
+
+def test_competing_events_go_closest_to_notbefore_first(azurite, zoned, tmp_path):
+    policy = """
+rules:
+  - name: one-per-update-domain
+    match: {eventType: [Reboot]}
+    action: approve-within-budget
+    budget: {maxPercent: 10, per: [updateDomain]}
+"""
+    coordinator, _ = build(azurite, zoned, policy, tmp_path)
+    # web_0 and web_1: update domain 0 of scale set web (10% of 2 VMs, rounded up: 1 at a time). The later one
+    # is reported first in the batch; the sooner one still gets the slot.
+    later = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=1800)["EventId"]
+    sooner = zoned.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=600)["EventId"]
+
+    coordinator.process_batch([report(zoned, "web_0", 1), report(zoned, "web_1", 1)])
+
+    assert approved(zoned) == [sooner]
+    waiting = coordinator.event(later)
+    assert waiting is not None
+    assert waiting.record.decision is not None
+    assert waiting.record.decision.holdName == "updateDomain:web/0"
+
+
+def test_a_vm_tag_asking_for_a_person_holds_its_event(azurite, zoned, tmp_path):
+    policy = """
+rules:
+  - name: tagged-manual
+    match: {tags: {scheduled-events: manual}}
+    action: wait-for-person
+  - name: reboots
+    match: {eventType: [Reboot]}
+    action: approve-now
+"""
+    coordinator, _ = build(azurite, zoned, policy, tmp_path)
+    manual = zoned.create_event(EventType="Reboot", Resources=["db_0"], NoticeSeconds=900)["EventId"]
+    plain = zoned.create_event(EventType="Reboot", Resources=["api_1"], NoticeSeconds=900)["EventId"]
+
+    coordinator.process_batch([report(zoned, "db_0", 1), report(zoned, "api_1", 1)])
+
+    assert approved(zoned) == [plain]
+    held = coordinator.event(manual)
+    assert held is not None
+    assert held.record.decision is not None
+    assert held.record.decision.rule == "tagged-manual"
+
+
+def test_a_failing_gate_holds_since_it_first_failed_and_the_timer_approves_once_it_passes(
+    azurite, zoned, tmp_path, health
+):
+    url, page = health
+    policy = f"""
+gates:
+  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 2}}}}
+rules:
+  - name: reboots-while-healthy
+    match: {{eventType: [Reboot]}}
+    action: approve-now
+    gates: [app-health]
+"""
+    coordinator, history = build(azurite, zoned, policy, tmp_path)
+    event_id = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+
+    coordinator.process_batch([report(zoned, "web_0", 1)])
+    assert isinstance(coordinator.clock, Clock)
+    coordinator.clock.now += timedelta(seconds=60)
+    coordinator.tick()
+
+    assert approved(zoned) == []
+    held = coordinator.event(event_id)
+    assert held is not None
+    assert held.record.decision is not None
+    decision = held.record.decision
+    assert (decision.holdKind, decision.holdName, decision.holdSince) == ("gate", "app-health", DOC_NOW)
+    assert "gate 'app-health' is failing (HTTP 503, expected [200])" in decision.reason
+
+    page.status = 200
+    coordinator.clock.now += timedelta(seconds=60)
+    coordinator.tick()
+    assert approved(zoned) == [event_id]
+    rows = [r for r in history.rows if r.RecordType == "Decision" and r.EventId == event_id]
+    assert [(r.Outcome, r.HoldKind) for r in rows] == [("wait", "gate"), ("approve", "")]

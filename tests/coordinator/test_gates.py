@@ -1,0 +1,144 @@
+"""Health gates' I/O: an HTTP probe against a local health endpoint (passing, failing, erroring, bounded by its
+timeout), each gate read once per reader (batch/tick), and the Azure Monitor reader against a local stand-in of
+the two REST APIs it calls (no local Azure Monitor exists; the stand-in answers as the documented APIs do)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from azure.core.credentials import AccessToken
+
+from coordinator.controls import AlertGate, Gate, HttpGate, LogQueryGate
+from coordinator.gates import AzureMonitorReader, GateReader
+
+WORKSPACE = "11111111-2222-3333-4444-555555555555"
+RULE = "/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/rg/providers/microsoft.insights/" + (
+    "metricAlerts/cpu"
+)
+
+
+class Endpoint(http.server.BaseHTTPRequestHandler):
+    """The local health page and the Azure Monitor stand-in: answers by path, records what it was asked."""
+
+    status = 200
+    delay = 0.0
+    rows = 0
+    fired = 0
+    seen: list[dict[str, Any]]
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        cls.seen.append({"path": self.path, "auth": self.headers.get("Authorization")})
+        time.sleep(cls.delay)
+        if "/providers/Microsoft.AlertsManagement/alerts" in self.path:
+            self._json({"value": [{"id": f"alert-{i}"} for i in range(cls.fired)]})
+            return
+        self.send_response(cls.status)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def do_POST(self) -> None:
+        cls = type(self)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls.seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+        self._json({"tables": [{"name": "PrimaryResult", "columns": [], "rows": [[i] for i in range(cls.rows)]}]})
+
+    def _json(self, data: dict[str, Any]) -> None:
+        raw = json.dumps(data).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+@pytest.fixture
+def endpoint() -> Iterator[tuple[str, type[Endpoint]]]:
+    handler = type("Page", (Endpoint,), {"seen": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+
+
+class StandInCredential:
+    """Stand-in for the managed identity (a token credential with a fixed token)."""
+
+    def __init__(self) -> None:
+        self.scopes: list[str] = []
+
+    def get_token(self, *scopes: str, **_: Any) -> AccessToken:
+        self.scopes.extend(scopes)
+        return AccessToken("stand-in-token", int(time.time()) + 3600)
+
+
+def http_gate(url: str, **options: Any) -> dict[str, Gate]:
+    return {"health": Gate(http=HttpGate(url=url, **options))}
+
+
+def test_the_probe_passes_on_an_expected_status_and_fails_on_another(endpoint):
+    url, page = endpoint
+    assert GateReader(http_gate(url + "/health")).results(["health"])["health"].state == "passing"
+    page.status = 503
+    failing = GateReader(http_gate(url + "/health")).results(["health"])["health"]
+    assert (failing.state, failing.detail) == ("failing", "HTTP 503, expected [200]")
+    assert GateReader(http_gate(url + "/health", expectStatus=[503])).results(["health"])["health"].state == "passing"
+
+
+def test_an_unreachable_or_slow_probe_is_an_error_within_its_timeout(endpoint):
+    url, page = endpoint
+    unreachable = GateReader(http_gate("http://127.0.0.1:9/health", timeoutSeconds=1)).results(["health"])["health"]
+    assert unreachable.state == "error"
+    page.delay = 3.0
+    started = time.monotonic()
+    slow = GateReader(http_gate(url + "/health", timeoutSeconds=0.5)).results(["health"])["health"]
+    assert slow.state == "error"
+    assert "Timeout" in slow.detail
+    assert time.monotonic() - started < 2.5
+
+
+def test_a_reader_reads_each_gate_once(endpoint):
+    url, page = endpoint
+    reader = GateReader(http_gate(url + "/health"))
+    for _ in range(3):
+        reader.results(["health"])
+    assert len(page.seen) == 1
+
+
+def test_an_azure_monitor_gate_without_a_reader_is_an_error():
+    gates = {"cpu": Gate(alert=AlertGate(alertRuleId=RULE))}
+    result = GateReader(gates).results(["cpu"])["cpu"]
+    assert (result.state, result.detail) == ("error", "no Azure Monitor reader configured")
+
+
+def test_alert_and_log_query_gates_read_azure_monitor_with_the_coordinators_identity(endpoint):
+    url, page = endpoint
+    credential = StandInCredential()
+    monitor = AzureMonitorReader(credential=credential, arm_endpoint=url, logs_endpoint=url)
+    gates = {
+        "cpu": Gate(alert=AlertGate(alertRuleId=RULE)),
+        "errors": Gate(logQuery=LogQueryGate(workspaceId=WORKSPACE, query="AppRequests | where Success == false")),
+    }
+    assert {n: r.state for n, r in GateReader(gates, monitor=monitor).results(["cpu", "errors"]).items()} == {
+        "cpu": "passing",
+        "errors": "passing",
+    }
+    page.fired, page.rows = 1, 4
+    results = GateReader(gates, monitor=monitor).results(["cpu", "errors"])
+    assert (results["cpu"].state, results["cpu"].detail) == ("failing", "1 alerts fired")
+    assert (results["errors"].state, results["errors"].detail) == ("failing", "query returned 4 rows")
+    alert_call = next(s for s in page.seen if "alerts" in s["path"])
+    assert "monitorCondition=Fired" in alert_call["path"]
+    assert alert_call["auth"] == "Bearer stand-in-token"
+    query_call = next(s for s in page.seen if s["path"] == f"/v1/workspaces/{WORKSPACE}/query")
+    assert query_call["body"] == {"query": "AppRequests | where Success == false", "timespan": "PT15M"}
+    assert set(credential.scopes) == {f"{url}/.default"}
