@@ -152,12 +152,15 @@ class Gate(_Strict):
         return self
 
 
+GateState = Literal["passing", "failing", "error"]
+
+
 @dataclass(frozen=True)
 class GateResult:
     """A gate's state as read for this batch/tick: passing, failing (the check said no) or erroring (it could not
     be read: counts as failing, an unreadable health signal approves nothing)."""
 
-    state: Literal["passing", "failing", "error"]
+    state: GateState
     detail: str = ""
 
 

@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("--since", help="replay decisions from this time: 7d, 12h, or ISO-8601")
     simulate.add_argument("--until", help="replay decisions up to this time: 7d (ago), or ISO-8601")
     simulate.add_argument("--json", action="store_true", help="one JSON object per difference, then a summary")
+    simulate.add_argument(
+        "--gates",
+        choices=("passing", "failing", "error"),
+        default="passing",
+        help="the state every health gate of the policy is taken to be in (the history does not record them)",
+    )
     args = parser.parse_args(argv)
     try:
         policy = rules.load_policy(args.policy)
@@ -121,7 +127,7 @@ def _case_json(path: Path, result: CaseResult) -> dict[str, Any]:
 def _simulate(policy: rules.Policy, args: argparse.Namespace, *, as_json: bool) -> int:
     since, until = _bound("--since", args.since), _bound("--until", args.until)
     history = read_history(args.history)
-    result = replay(policy, history.rows, since=since, until=until)
+    result = replay(policy, history.rows, since=since, until=until, gates=args.gates)
     for difference in result.differences:
         if as_json:
             print(json.dumps(_difference_json(difference)))

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from coordinator import rules
+from coordinator.controls import GateResult, GateState
+from coordinator.decide import facts_of
 from coordinator.model import DecisionRecord, EventRecord, VmSighting
 from coordinator.rows import HistoryRow
 from coordinator.sightings import scale_sets_of
@@ -139,11 +141,19 @@ def event_record(
     return record
 
 
-def fleet_view(impacting: Iterable[EventRecord], extra: Mapping[str, Any] | None = None) -> rules.FleetView:
-    """The fleet view a decision sees: the events impacting VMs (approved or started); ``extra`` goes to FleetView
-    as is (e.g. health-gate results, once the view has them)."""
+def fleet_view(
+    impacting: Iterable[EventRecord],
+    extra: Mapping[str, Any] | None = None,
+    *,
+    census: Iterable[VmIdentity] = (),
+) -> rules.FleetView:
+    """The fleet view a decision sees: the events impacting VMs (approved or started) and the census (the VMs
+    known, with their domains and tags, as decide.census builds it); ``extra`` goes to FleetView as is."""
     try:
         view = rules.FleetView(**dict(extra or {}))
+        known = {identity.name: facts_of(identity) for identity in census}
+        if known:
+            view = rules.FleetView(view.impacted, {**view.vms, **known}, view.impactedVms, view.queued)
     except TypeError as error:
         raise InputError(
             f"fleet: {', '.join(map(repr, sorted(extra or {})))} not supported by this coordinator's "
@@ -154,12 +164,34 @@ def fleet_view(impacting: Iterable[EventRecord], extra: Mapping[str, Any] | None
     return view
 
 
+def gate_results(
+    policy: rules.Policy, states: Mapping[str, GateState], *, default: GateState | None
+) -> dict[str, GateResult]:
+    """The policy's gates as a decision sees them: ``states`` by name, the rest ``default`` (None: left out, which
+    the rules read as unknown and hold, as the coordinator does with a gate it could not read)."""
+    unknown = sorted(set(states) - set(policy.gates))
+    if unknown:
+        raise InputError(f"gates {unknown}: the policy defines no such gate (it has {sorted(policy.gates)})")
+    results = {name: GateResult(state) for name, state in states.items()}
+    if default is not None:
+        for name in policy.gates:
+            results.setdefault(name, GateResult(default, "assumed"))
+    return results
+
+
 def decide(
-    policy: rules.Policy, record: EventRecord, fleet: rules.FleetView, deletes: Iterable[EventRecord], now: datetime
+    policy: rules.Policy,
+    record: EventRecord,
+    fleet: rules.FleetView,
+    deletes: Iterable[EventRecord],
+    now: datetime,
+    *,
+    gates: Mapping[str, GateResult] | None = None,
 ) -> rules.Decision:
     """The decision coordinator/decide.py makes (without the fleet-wide budget claim): the first matching rule's,
-    then, for a Terminate, held while another pending delete of its scale set is not ready."""
-    decision = rules.evaluate(policy, record, fleet, now)
+    with these health-gate results, then, for a Terminate, held while another pending delete of its scale set is
+    not ready."""
+    decision = rules.evaluate(policy, record, fleet, now, gates=gates)
     if record.eventType == "Terminate" and record.scaleSets:
         decision = rules.couple(decision, record, deletes, now)
     return decision

@@ -39,6 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from coordinator import rules
+from coordinator.controls import GateState
 from coordinator.model import EventRecord
 from coordinator.policy import adapters
 from coordinator.policy.adapters import InputError
@@ -68,6 +69,9 @@ class Case(BaseModel):
     event: dict[str, Any]
     vms: list[dict[str, Any]] = Field(default_factory=list)
     fleet: Fleet = Field(default_factory=Fleet)
+    # The policy's health gates as read at ``at``, by name; a gate left out is unknown, which holds as an unreadable
+    # gate holds in the coordinator.
+    gates: dict[str, GateState] = Field(default_factory=dict)
     expect: Expect
 
 
@@ -140,9 +144,14 @@ def run_case(policy: rules.Policy, case: Case, *, line: int = 0) -> CaseResult:
         identities = {i.name: i for i in (adapters.vm_identity(spec) for spec in case.vms)}
         record = _event(case.event, identities, now)
         others = [_event(spec, identities, now) for spec in case.fleet.events]
-        view = adapters.fleet_view((r for r in others if r.state in ("Approved", "Started")), case.fleet.model_extra)
+        view = adapters.fleet_view(
+            (r for r in others if r.state in ("Approved", "Started")),
+            case.fleet.model_extra,
+            census=identities.values(),
+        )
         deletes = [adapters.own_verdict(policy, r, now) for r in others if r.state == "Scheduled"]
-        got = adapters.decide(policy, record, view, deletes, now)
+        gates = adapters.gate_results(policy, case.gates, default=None)
+        got = adapters.decide(policy, record, view, deletes, now, gates=gates)
     except (InputError, ValueError) as error:
         return CaseResult(case.name, line, False, case.expect, None, str(error))
     passed = got.verdict == case.expect.verdict and got.rule == case.expect.rule and case.expect.reason in got.reason

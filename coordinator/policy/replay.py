@@ -11,12 +11,13 @@ recorded one in force, once for each change on either side. ``LIMITS`` says what
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
 from coordinator import rules
+from coordinator.controls import GateResult, GateState
 from coordinator.decide import holds_budget
 from coordinator.model import TERMINAL_STATES, DecisionRecord, EventRecord, VmSighting
 from coordinator.policy import adapters
@@ -34,7 +35,9 @@ LIMITS = (
     "claims held by other coordinator instances are not in the history",
     "VMs that never reported an event have no identity, hooks or status in it; their scale set is taken from their "
     "name ('{scale set}_{instance}'), else none",
-    "nothing the history has no column for is known: health-gate results, VM tags, zone, fault and update domain",
+    "nothing the history has no column for is known: VM tags, zone, fault and update domain (a percent budget's "
+    "domain is only the VMs the events name); health-gate results are not recorded either: every gate of the "
+    "policy is taken to be in the state --gates gives (default passing)",
     "an event's first row is when it was first seen (createdAt, from which hook deadlines count)",
     "decisions by a person (Actor person:...) are not compared; events never seen Scheduled were never decided",
 )
@@ -168,7 +171,10 @@ def replay(
     *,
     since: datetime | None = None,
     until: datetime | None = None,
+    gates: GateState = "passing",
 ) -> Replay:
+    """Replays the history's decisions through ``policy``, every health gate taken to be ``gates``."""
+    results = adapters.gate_results(policy, {}, default=gates)
     events: dict[str, _Event] = {}
     for position, row in enumerate(rows):
         if row.EventId:
@@ -176,7 +182,7 @@ def replay(
     result = Replay(events=len(events))
     for event in events.values():
         try:
-            _replay_event(policy, event, events, result, since=since, until=until)
+            _replay_event(policy, event, events, result, since=since, until=until, gates=results)
         except InputError as error:
             result.failed.append((event.event_id, str(error)))
     result.differences.sort(key=lambda d: (d.at, d.eventId))
@@ -207,6 +213,7 @@ def _replay_event(
     *,
     since: datetime | None,
     until: datetime | None,
+    gates: Mapping[str, GateResult],
 ) -> None:
     points = _points(event)
     if not points:
@@ -226,7 +233,7 @@ def _replay_event(
             record = record.model_copy(update={"state": "Scheduled", "approval": None})
         elif record.state != "Scheduled" or record.approval is not None:
             continue
-        simulated = _decide(policy, record, events, position, at)
+        simulated = _decide(policy, record, events, position, at, gates=gates)
         result.compared += 1
         key = (id(decided), simulated.rule, simulated.verdict)
         if key == last:
@@ -246,11 +253,17 @@ def _replay_event(
 
 
 def _decide(
-    policy: rules.Policy, record: EventRecord, events: dict[str, _Event], position: int, at: datetime
+    policy: rules.Policy,
+    record: EventRecord,
+    events: dict[str, _Event],
+    position: int,
+    at: datetime,
+    *,
+    gates: Mapping[str, GateResult],
 ) -> rules.Decision:
     wants_fleet = rules.needs_fleet(policy, record, at)
     if not wants_fleet and record.eventType != "Terminate":
-        return adapters.decide(policy, record, rules.FleetView(), [], at)
+        return adapters.decide(policy, record, rules.FleetView(), [], at, gates=gates)
     others = [e for e in events.values() if e.event_id != record.eventId and e.open_at(at)]
     fleet = rules.FleetView()
     if wants_fleet:
@@ -260,4 +273,4 @@ def _decide(
     if record.eventType == "Terminate":
         batch = (e.record(position, batch_at=at) for e in others if e.rows[0][1].EventType == "Terminate")
         deletes = [adapters.own_verdict(policy, r, at) for r in batch if r is not None and pending_delete(r, at)]
-    return adapters.decide(policy, record, fleet, deletes, at)
+    return adapters.decide(policy, record, fleet, deletes, at, gates=gates)

@@ -445,3 +445,84 @@ def test_a_policy_used_on_a_history_without_rows_finds_nothing(tmp_path, capsys)
 def test_parse_policy_text_used_by_the_tests_is_valid():
     assert parse_policy(EXAMPLE.read_text()).rules[2].name == "short-freeze-waits"
 
+
+# --- the fleet controls in the policy tools ----------------------------------------------------------------------
+
+GATED = """version: 1
+gates:
+  app-health:
+    http: {url: "http://127.0.0.1:9/health"}
+rules:
+  - name: manual-by-tag
+    match: {tags: {maintenance: manual}}
+    action: wait-for-person
+  - name: freeze-while-healthy
+    match: {eventType: [Freeze]}
+    action: approve-now
+    gates: [app-health]
+  - name: rest
+    match: {}
+    action: wait-for-person
+"""
+
+
+def gated_case(tmp_path: Path, *, gates: str, vms: str = "[{name: web_0}]", expect: str) -> tuple[Path, Path]:
+    policy = tmp_path / "gated.yaml"
+    policy.write_text(GATED)
+    path = tmp_path / "gated.tests.yaml"
+    path.write_text(
+        "cases:\n  - name: freeze\n    at: 2026-01-05T10:00:00Z\n"
+        "    event: {EventType: Freeze, DurationInSeconds: 5, Resources: [web_0]}\n"
+        f"    vms: {vms}\n    gates: {gates}\n    expect: {expect}\n"
+    )
+    return policy, path
+
+
+def test_a_case_gives_the_health_gates_state_and_a_gate_left_out_holds(tmp_path, capsys):
+    policy, path = gated_case(
+        tmp_path, gates="{app-health: passing}", expect="{verdict: approve, rule: freeze-while-healthy}"
+    )
+    assert run(capsys, "test", policy, path)[0] == 0
+    policy, path = gated_case(
+        tmp_path,
+        gates="{app-health: failing}",
+        expect="{verdict: wait, rule: freeze-while-healthy, reason: app-health}",
+    )
+    assert run(capsys, "test", policy, path)[0] == 0
+    # Unknown (not given) holds, as a gate the coordinator could not read does.
+    policy, path = gated_case(tmp_path, gates="{}", expect="{verdict: wait, rule: freeze-while-healthy}")
+    assert run(capsys, "test", policy, path)[0] == 0
+    policy, path = gated_case(tmp_path, gates="{no-such-gate: passing}", expect="{verdict: wait, rule: rest}")
+    code, out, _ = run(capsys, "test", policy, path)
+    assert code == 2
+    assert "no-such-gate" in out
+    assert "the policy defines no such gate" in out
+
+
+def test_a_case_vms_tags_reach_the_rules(tmp_path, capsys):
+    policy, path = gated_case(
+        tmp_path,
+        gates="{app-health: passing}",
+        vms="[{name: web_0, tags: {maintenance: manual}}]",
+        expect="{verdict: wait, rule: manual-by-tag}",
+    )
+    code, out, _ = run(capsys, "test", policy, path)
+    assert code == 0, out
+
+
+def test_simulate_takes_every_gate_in_the_state_given(recorded, tmp_path, capsys):
+    gated = policy_with(
+        "      durationSeconds: {min: 0, max: 8}\n    action: approve-now",
+        "      durationSeconds: {min: 0, max: 8}\n    action: approve-now\n    gates: [app-health]",
+        tmp_path,
+        "gated.yaml",
+    )
+    gated.write_text('gates:\n  app-health:\n    http: {url: "http://127.0.0.1:9/health"}\n' + gated.read_text())
+    code, out, _ = run(capsys, "simulate", "--policy", gated, "--history", recorded)
+    assert code == 0, out  # gates assumed passing: the recorded approvals stand
+    code, out, _ = run(capsys, "simulate", "--policy", gated, "--history", recorded, "--gates", "failing", "--json")
+    assert code == 1
+    (difference,) = [json.loads(line) for line in out.splitlines()][:-1]
+    assert difference["eventType"] == "Freeze"
+    assert (difference["simulated"]["rule"], difference["simulated"]["verdict"]) == ("short-freeze", "wait")
+    assert "app-health" in difference["simulated"]["reason"]
