@@ -28,6 +28,7 @@ from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from forwarder.document import ScheduledEventsDocument
 from forwarder.durable_state import Store
 from forwarder.envelope import Envelope, VmIdentity
+from forwarder.imds import identity_of
 from local.observe import stored_envelopes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +79,7 @@ def run(count: int) -> dict[str, object]:
         eventhubs = EventHubsEmulator(hubs={HUB: 4})
         eventhubs.start()
         try:
-            identity = VmIdentity.model_validate(imds.vms()[0].compute())
+            identity = identity_of(imds.vms()[0].compute())
             state = Path(tmp) / "state"
             state.mkdir()
             fill_spool(state / "forwarder.sqlite", identity, count)

@@ -159,6 +159,14 @@ def tags_of(compute: dict[str, Any]) -> dict[str, str]:
     return dict(list(bounded.items())[:MAX_TAGS])
 
 
+def identity_of(compute: dict[str, Any]) -> VmIdentity:
+    """A VM's identity from its instance metadata's ``compute`` object. Raises ValidationError."""
+    # Only the identity fields: the rest of compute (osProfile, ...) has no business in envelopes; IMDS's ``tags``
+    # is a 'name:value;...' string, the identity's a mapping (tags_of).
+    fields_ = {k: v for k, v in compute.items() if k in VmIdentity.model_fields and k != "tags"}
+    return VmIdentity.model_validate({**fields_, "tags": tags_of(compute)})
+
+
 class ImdsClient:
     """A small, thread-safe IMDS client on one kept-alive HTTP connection.
 
@@ -267,9 +275,7 @@ class ImdsClient:
             compute: Any = json.loads(raw)
             if not isinstance(compute, dict):
                 raise ValueError("expected a JSON object")
-            # Only the identity fields: the rest of compute (osProfile, ...) has no business in envelopes.
-            fields_ = {k: v for k, v in compute.items() if k in VmIdentity.model_fields and k != "tags"}
-            return VmIdentity.model_validate({**fields_, "tags": tags_of(compute)})
+            return identity_of(compute)
         except (ValueError, ValidationError) as exc:
             raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from emulators.imds import Scenario
 from emulators.relay import RelayEmulator
 from forwarder.envelope import VmIdentity
+from forwarder.imds import identity_of
 from local.observe import sent_envelopes
 from local.runner import IngestFunction, wait_until
 from local.stack import HUB, LocalStack
@@ -148,8 +149,8 @@ def test_a_thousand_hostile_envelopes_among_good_ones_are_set_aside(run_pipeline
         assert stack.eventhubs is not None
         vms = stack.imds.vms()
         target = vms[0]
-        identity = VmIdentity.model_validate(target.compute())
-        others = [VmIdentity.model_validate(vm.compute()).partition_key for vm in vms[1:]]
+        identity = identity_of(target.compute())
+        others = [identity_of(vm.compute()).partition_key for vm in vms[1:]]
         messages = _hostile_batch(identity, others, count)
         wait_for_event(stack, "freeze")
         producer = EventHubProducerClient.from_connection_string(stack.eventhubs.connection_string(HUB))

@@ -21,7 +21,8 @@ from azure.eventhub import EventData, EventHubProducerClient
 from coordinator.rules import DEFAULT_POLICY_PATH
 from emulators.imds import Scenario
 from forwarder.document import ScheduledEventsDocument
-from forwarder.envelope import Envelope, HookReport, HookStep, VmIdentity
+from forwarder.envelope import Envelope, HookReport, HookStep
+from forwarder.imds import identity_of
 from local.runner import wait_until
 from local.stack import HUB, LocalStack
 from tests.local.conftest import Runner
@@ -109,7 +110,7 @@ class Attacker:
         assert stack.eventhubs is not None
         self.stack = stack
         self.imds = stack.imds
-        self.vms = {spec.name: VmIdentity.model_validate(spec.compute()) for spec in stack.imds.vms()}
+        self.vms = {spec.name: identity_of(spec.compute()) for spec in stack.imds.vms()}
         self.producer = EventHubProducerClient.from_connection_string(stack.eventhubs.connection_string(HUB))
         # A state of its own (it cannot read web_0's), with a sequence no forwarder reaches.
         self.state = uuid.uuid4().hex
