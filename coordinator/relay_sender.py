@@ -140,11 +140,15 @@ class RelayApprovalSender:
             maximum = self._listener_wait_maximum if no_listener else self._backoff_maximum
             delay = backoff_delay(attempt - 1, initial=self._backoff_initial, maximum=maximum, rng=self._rng)
             if time.monotonic() + delay >= give_up_at:
-                waited = f"{budget:g} s" if no_listener else f"{attempt} attempts"
-                why = f"no listener connected for {waited}" if no_listener else failure
+                last = failure.removeprefix(NO_LISTENER)
+                why = (
+                    f"no listener connected within {budget:.1f} s, the request's deadline ({last})"
+                    if no_listener
+                    else last
+                )
                 raise ApprovalDeliveryError(
                     f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
-                    f"{url} after {attempt} attempts: {why} (last: {failure}); the caller may retry until NotBefore"
+                    f"{url} after {attempt} attempts: {why}; the caller may retry until NotBefore"
                 )
             log.warning(
                 "approval %s for event %s: attempt %d failed (%s); retrying in %.2f s",
