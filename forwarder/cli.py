@@ -109,6 +109,9 @@ def relay_companions(
             "relay listener configured",
             extra=fields(endpoint=endpoint, hybrid_connection=hybrid_connection, mode=settings.relay_listener_mode),
         )
+        # One credential for every session: its cached token spares a connect an IMDS token call, which would take
+        # the rate limiter's token the approval's StartRequests POST needs (measured: +0.5 s per cold approval).
+        credential = build_credential(settings, imds)
         approver: list[Any] = []  # one Approver for every session: it remembers decisionIds across reconnects
 
         def session() -> ListenerSession:
@@ -128,7 +131,7 @@ def relay_companions(
             return RelayListener(
                 endpoint=endpoint,
                 hybrid_connection=hybrid_connection,
-                token_provider=EntraTokenProvider(credential=build_credential(settings, imds)),
+                token_provider=EntraTokenProvider(credential=credential),
                 handler=approver[0],
             )
 
