@@ -6,10 +6,15 @@ then forwards the event as Started. Stopping the forwarder closes the listener."
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential
@@ -20,9 +25,11 @@ from emulators.relay import RelayEmulator
 from forwarder.approval import ApprovalRequest
 from forwarder.cli import relay_companions
 from forwarder.config import ForwarderSettings, load_settings
+from forwarder.imds import ImdsClient
 from tests.forwarder.conftest import Harness, wait_for
 from tests.relay.conftest import facts_of
 
+ROOT = Path(__file__).resolve().parents[2]
 SEND_KEY = "c2VuZC1rZXktZm9yLWZvcndhcmRlci10ZXN0cw=="
 
 
@@ -155,3 +162,49 @@ def test_always_on_listener_stays_connected(
     relay.start()
     h.stop()
     wait_for(lambda: relay.listener_count(hc) == 0, what="the listener to close")
+
+
+def test_the_listener_is_imported_only_when_it_first_connects(
+    imds: ImdsEmulator, relay: RelayEmulator, tmp_path: Path
+) -> None:
+    """On demand, an idle forwarder (relay on, no event) never loads websockets or the listener: `-X importtime`
+    of a real `python -m forwarder run`; they load when an event it could approve appears."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
+    output = tmp_path / "envelopes.jsonl"
+    environment.update(
+        SE_FORWARDER_IMDS_URL=imds.url_for("web_0"),
+        SE_FORWARDER_SINK="jsonl",
+        SE_FORWARDER_JSONL_PATH=str(output),
+        SE_FORWARDER_STATE_DIR=str(tmp_path / "state"),
+        SE_FORWARDER_HOOKS_DIR=str(tmp_path / "hooks"),
+        SE_FORWARDER_POLL_INTERVAL="0.1",
+        SE_FORWARDER_RELAY_ENABLED="true",
+        SE_FORWARDER_RELAY_ENDPOINT=relay.base_url.replace("http://", "ws://"),
+    )
+    log = tmp_path / "stderr.log"
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "forwarder", "run"], cwd=ROOT, env=environment, stderr=stderr
+        )
+        try:
+            wait_for(lambda: output.exists() and b'"incarnation"' in output.read_bytes(), timeout=30, what="a poll")
+            time.sleep(1.0)  # ten more polls, idle
+            idle = log.read_text(encoding="utf-8")
+            assert "forwarder.on_demand" in idle
+            assert "websockets" not in idle
+            assert "forwarder.relay_listener" not in idle
+            imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
+            wait_for(lambda: "forwarder.relay_listener" in log.read_text(encoding="utf-8"), what="the import")
+            wait_for(lambda: relay.listener_count(_hc(imds)) == 1, what="the listener to connect")
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 0
+    assert "websockets.sync.client" in log.read_text(encoding="utf-8")
+
+
+def _hc(imds: ImdsEmulator) -> str:
+    client = ImdsClient(base_url=imds.url_for("web_0"))
+    try:
+        return client.get_identity().hybrid_connection_name
+    finally:
+        client.close()
