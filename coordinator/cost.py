@@ -17,9 +17,11 @@ Defaults and their sources:
   parameter. Partial-hour rounding is not documented: ``--round-up-hours`` bills every connection as whole hours,
   the pessimistic reading.
 - 730 hours a month: Azure's pricing calculator's month.
-- 4 events per VM per month: an assumption, not a published rate. Platform maintenance reaches a VM about monthly
-  (host updates, mostly Freeze), and redeploys for predicted hardware failure, user-initiated reboots/redeploys and
-  scale-in deletes add a few more; 4 is on the generous side. Measure yours with ``--history``.
+- 4 events per VM per month: an assumption, not a published rate. It counts the events in the VM's document,
+  its group's included (any of them connects its listener). Platform maintenance reaches a VM about monthly (host
+  updates, mostly Freeze, batched by update domain), and redeploys for predicted hardware failure, user-initiated
+  reboots/redeploys and scale-in deletes add a few more; 4 is on the generous side. Measure yours with
+  ``--history``.
 - 15 minutes Scheduled per event: the longest minimum notice (Freeze and Reboot, 15 min; Redeploy 10, Terminate
   5-15, Preempt 30 s). An event approved at once is Scheduled for seconds, so this is the upper bound (an event
   that waits out its notice, e.g. for a person).
