@@ -31,6 +31,8 @@ from forwarder.telemetry import Telemetry
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential
 
+    from forwarder.approver import Approver
+
 log = logging.getLogger("forwarder")
 
 EXIT_CONFIG = 2
@@ -112,27 +114,26 @@ def relay_companions(
         # One credential for every session: its cached token spares a connect an IMDS token call, which would take
         # the rate limiter's token the approval's StartRequests POST needs (measured: +0.5 s per cold approval).
         credential = build_credential(settings, imds)
-        approver: list[Any] = []  # one Approver for every session: it remembers decisionIds across reconnects
+        approver: Approver | None = None  # one for every session: it remembers decisionIds across sessions
 
         def session() -> ListenerSession:
             # websockets and the listener load here, when a session is first needed, not at the daemon's start.
             from forwarder.approver import Approver  # noqa: PLC0415
             from forwarder.relay_listener import EntraTokenProvider, RelayListener  # noqa: PLC0415
 
-            if not approver:
-                approver.append(
-                    Approver(
-                        imds=imds,
-                        vm_name=identity.name,
-                        prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
-                        tracer=telemetry.tracer if telemetry else None,
-                    )
+            nonlocal approver
+            if approver is None:
+                approver = Approver(
+                    imds=imds,
+                    vm_name=identity.name,
+                    prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+                    tracer=telemetry.tracer if telemetry else None,
                 )
             return RelayListener(
                 endpoint=endpoint,
                 hybrid_connection=hybrid_connection,
                 token_provider=EntraTokenProvider(credential=credential),
-                handler=approver[0],
+                handler=approver,
             )
 
         listener = OnDemandListener(
