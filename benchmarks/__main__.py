@@ -7,7 +7,11 @@ check of the numbers, not the numbers themselves.
 Headline keys: detect_to_approve_ms_p50/p99 and pipeline_added_ms_p99 (pipeline_latency), wave_10k_seconds
 (wave; wave_<N>_seconds when --quick uses fewer VMs), forwarder_rss_mib and forwarder_cpu_s_per_hour
 (forwarder_footprint, with a live AMQP connection to the Event Hubs emulator), spool_replay_per_s (spool_replay),
-approval_ms_p50/p99 (approval_latency). ``details`` holds every figure of every benchmark; ``errors`` names any
+approval_ms_p50/p99 (approval_latency), forwarder_rss_ratio_to_bare_poller and forwarder_cpu_ratio_to_bare_poller
+(forwarder_footprint, beside a bare `requests` poller in the same run), cold_listener_approval_ms_p50/p99 (an
+approval sent as the forwarder sees the event, its on-demand listener not yet connected: cold_listener),
+callback_cost_usd_per_vm_month and callback_cost_usd_per_vm_month_always_on (the cost model's default rates:
+callback_cost). ``details`` holds every figure of every benchmark; ``errors`` names any
 benchmark that failed (the exit code is then 1).
 """
 
@@ -58,7 +62,12 @@ BENCHES = (
         ("--seconds", "120", "--warmup", "10", "--sink", "eventhub"),
         ("--seconds", "15", "--warmup", "5", "--sink", "eventhub"),
         1,
-        {"forwarder_rss_mib": "forwarder_rss_mib", "forwarder_cpu_s_per_hour": "forwarder_cpu_s_per_hour"},
+        {
+            "forwarder_rss_mib": "forwarder_rss_mib",
+            "forwarder_cpu_s_per_hour": "forwarder_cpu_s_per_hour",
+            "forwarder_rss_ratio_to_bare_poller": "forwarder_rss_ratio_to_bare_poller",
+            "forwarder_cpu_ratio_to_bare_poller": "forwarder_cpu_ratio_to_bare_poller",
+        },
         400,
     ),
     Bench(
@@ -79,14 +88,36 @@ BENCHES = (
         {"approval_ms_p50": "approval_ms_p50", "approval_ms_p99": "approval_ms_p99"},
         300,
     ),
+    Bench(
+        "cold_listener",
+        "benchmarks.cold_listener",
+        ("--n", "20"),
+        ("--n", "5"),
+        1,
+        {
+            "cold_listener_approval_ms_p50": "cold_listener_approval_ms_p50",
+            "cold_listener_approval_ms_p99": "cold_listener_approval_ms_p99",
+        },
+        600,
+    ),
+    Bench(
+        "callback_cost",
+        "benchmarks.callback_cost",
+        (),
+        (),
+        1,
+        {
+            "callback_cost_usd_per_vm_month": "callback_cost_usd_per_vm_month",
+            "callback_cost_usd_per_vm_month_always_on": "callback_cost_usd_per_vm_month_always_on",
+        },
+        60,
+    ),
 )
 
 
 def run_once(bench: Bench, *, quick: bool) -> dict[str, Any]:
     command = [sys.executable, "-m", bench.module, *(bench.quick if quick else bench.full)]
-    completed = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=bench.timeout, check=False
-    )
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=bench.timeout, check=False)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
     if completed.returncode != 0 or not lines:
         raise RuntimeError(

@@ -239,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.perf_counter() - started
             histories = ["history.sqlite"]
         if args.mode == "processes":
-            function_app = _coordinator(
-                _env(azurite.connection_string, tmp, "history-tick.sqlite"), imds.url, totals
-            )
+            function_app = _coordinator(_env(azurite.connection_string, tmp, "history-tick.sqlite"), imds.url, totals)
             histories.append("history-tick.sqlite")
         tick = _tick(function_app)
         store = TableStateStore.from_connection_string(azurite.connection_string, table_name="wave")

@@ -8,7 +8,13 @@ the W3C ``traceparent`` of the ``coordinator.approval`` span, so that the listen
 Retries (``coordinator.retry.backoff_delay``, full jitter) cover what a later attempt can fix: no listener
 connected (502/503), the listener did not answer in time (504), the listener could not reach IMDS (503), connection
 errors and timeouts. They stop at the request's ``expiresAt`` (the event's NotBefore: after it, approving is
-pointless). The listener is idempotent per decisionId, so a retry after a lost answer never approves twice.
+pointless) or ``max_retry_seconds`` (the coordinator's approval deadline), whichever is first. The listener is
+idempotent per decisionId, so a retry after a lost answer never approves twice.
+
+"No listener" is the usual first answer, not a fault: a VM's listener connects only while its document holds an
+event it could approve (forwarder/on_demand.py), and it sees the event at about the time the coordinator decides.
+Those retries are capped at ``listener_wait_maximum`` (1 s) so that a listener that connects is found within about
+a second; other failures back off up to ``backoff_maximum``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ RELAY_SCOPE = "https://relay.azure.net/.default"
 APPROVE_PATH = "approve"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 SAS_LIFETIME_SECONDS = 300
+# Marks an attempt the relay answered itself with 502/503: no listener connected (yet).
+NO_LISTENER = "no listener: "
 
 log = logging.getLogger("coordinator.relay_sender")
 
@@ -50,6 +58,8 @@ class RelayApprovalSender:
         ``AzureNamedKeyCredential`` (SAS rule name and key with Send).
     :keyword attempt_timeout: seconds for one attempt; the relay itself gives up on a silent listener after 60 s.
     :keyword backoff_initial, backoff_maximum: retry delays (full jitter, doubling).
+    :keyword listener_wait_maximum: the cap of those delays while the relay answers "no listener" (502/503 from the
+        relay itself, not the listener's own 503 when it cannot reach IMDS).
     :keyword max_retry_seconds: stop retrying after this long even if the request's deadline is later.
     """
 
@@ -62,6 +72,7 @@ class RelayApprovalSender:
         connect_timeout: float = 5.0,
         backoff_initial: float = 0.2,
         backoff_maximum: float = 10.0,
+        listener_wait_maximum: float = 1.0,
         max_retry_seconds: float | None = None,
         session: requests.Session | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -81,6 +92,7 @@ class RelayApprovalSender:
         self._connect_timeout = connect_timeout
         self._backoff_initial = backoff_initial
         self._backoff_maximum = backoff_maximum
+        self._listener_wait_maximum = listener_wait_maximum
         self._max_retry_seconds = max_retry_seconds
         self._session = session or requests.Session()
         self._clock = clock
@@ -124,13 +136,19 @@ class RelayApprovalSender:
                 )  # fmt: skip
                 return outcome
             failure = outcome
-            delay = backoff_delay(
-                attempt - 1, initial=self._backoff_initial, maximum=self._backoff_maximum, rng=self._rng
-            )
+            no_listener = failure.startswith(NO_LISTENER)
+            maximum = self._listener_wait_maximum if no_listener else self._backoff_maximum
+            delay = backoff_delay(attempt - 1, initial=self._backoff_initial, maximum=maximum, rng=self._rng)
             if time.monotonic() + delay >= give_up_at:
+                last = failure.removeprefix(NO_LISTENER)
+                why = (
+                    f"no listener connected within {budget:.1f} s, the request's deadline ({last})"
+                    if no_listener
+                    else last
+                )
                 raise ApprovalDeliveryError(
                     f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
-                    f"{url} after {attempt} attempts: {failure}; the caller may retry until NotBefore"
+                    f"{url} after {attempt} attempts: {why}; the caller may retry until NotBefore"
                 )
             log.warning(
                 "approval %s for event %s: attempt %d failed (%s); retrying in %.2f s",
@@ -156,7 +174,9 @@ class RelayApprovalSender:
             return f"{type(error).__name__}: {error}"
         status = response.status_code
         if status in RETRYABLE_STATUS:
-            return f"HTTP {status} {_short(response.text)}"
+            relayed = _listener_error(response) is not None  # the listener's own 503: it could not reach IMDS
+            prefix = NO_LISTENER if status in (502, 503) and not relayed else ""
+            return f"{prefix}HTTP {status} {_short(response.text)}"
         if status == 200:
             return self._result(response, request)
         error_body = _listener_error(response)

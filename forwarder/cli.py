@@ -24,11 +24,14 @@ from forwarder.durable_state import Store
 from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import fields
+from forwarder.on_demand import ListenerSession, OnDemandListener
 from forwarder.sinks import JsonLinesSink, Sink
 from forwarder.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential
+
+    from forwarder.approver import Approver
 
 log = logging.getLogger("forwarder")
 
@@ -93,30 +96,51 @@ def build_sink(settings: ForwarderSettings, imds: ImdsClient) -> Sink:
 def relay_companions(
     settings: ForwarderSettings, *, store: Store | None = None, telemetry: Telemetry | None = None
 ) -> Any:
-    """The relay listener, started by the daemon once the identity (and so the default hybrid connection name,
-    `VmIdentity.hybrid_connection_name`) is known. `store`: the forwarder's own hook ledger, which the listener
-    checks when a decision rested on this VM's prepare hooks (without it such an approval is refused).
-    `telemetry`: the daemon's, so that the listener's spans go where the forwarder's go."""
+    """The relay listener (connected on demand or always, `relay_listener_mode`), built by the daemon once the
+    identity (and so the default hybrid connection name, `VmIdentity.hybrid_connection_name`) is known. `store`: the
+    forwarder's own hook ledger, which the listener checks when a decision rested on this VM's prepare hooks
+    (without it such an approval is refused). `telemetry`: the daemon's, so that the listener's spans go where the
+    forwarder's go."""
 
     def build(identity: VmIdentity, imds: ImdsClient) -> Sequence[Companion]:
         if not settings.relay_enabled:
             return []
-        from forwarder.approver import Approver  # noqa: PLC0415 - websockets only when the relay is on
-        from forwarder.relay_listener import EntraTokenProvider, RelayListener  # noqa: PLC0415
-
         endpoint = settings.relay_endpoint or f"wss://{settings.relay_namespace}"
         hybrid_connection = settings.relay_hybrid_connection or identity.hybrid_connection_name
-        log.info("relay listener configured", extra=fields(endpoint=endpoint, hybrid_connection=hybrid_connection))
-        listener = RelayListener(
-            endpoint=endpoint,
-            hybrid_connection=hybrid_connection,
-            token_provider=EntraTokenProvider(credential=build_credential(settings, imds)),
-            handler=Approver(
-                imds=imds,
-                vm_name=identity.name,
-                prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
-                tracer=telemetry.tracer if telemetry else None,
-            ),
+        log.info(
+            "relay listener configured",
+            extra=fields(endpoint=endpoint, hybrid_connection=hybrid_connection, mode=settings.relay_listener_mode),
+        )
+        # One credential for every session: its cached token spares a connect an IMDS token call, which would take
+        # the rate limiter's token the approval's StartRequests POST needs (measured: +0.5 s per cold approval).
+        credential = build_credential(settings, imds)
+        approver: Approver | None = None  # one for every session: it remembers decisionIds across sessions
+
+        def session() -> ListenerSession:
+            # websockets and the listener load here, when a session is first needed, not at the daemon's start.
+            from forwarder.approver import Approver  # noqa: PLC0415
+            from forwarder.relay_listener import EntraTokenProvider, RelayListener  # noqa: PLC0415
+
+            nonlocal approver
+            if approver is None:
+                approver = Approver(
+                    imds=imds,
+                    vm_name=identity.name,
+                    prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+                    tracer=telemetry.tracer if telemetry else None,
+                )
+            return RelayListener(
+                endpoint=endpoint,
+                hybrid_connection=hybrid_connection,
+                token_provider=EntraTokenProvider(credential=credential),
+                handler=approver,
+            )
+
+        listener = OnDemandListener(
+            factory=session,
+            vm_name=identity.name,
+            always_on=settings.relay_listener_mode == "always-on",
+            grace_seconds=settings.relay_listener_grace_seconds,
         )
         return [listener]
 

@@ -21,6 +21,7 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 SinkKind = Literal["eventhub", "stdout", "jsonl"]
 CredentialKind = Literal["imds", "azure-identity"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+ListenerMode = Literal["on-demand", "always-on"]
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,14 @@ class ForwarderSettings(BaseModel):
     relay_namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]+(:\d+)?$")
     relay_hybrid_connection: str | None = Field(default=None, min_length=1, max_length=260)
     relay_endpoint: str | None = None  # full listener base URI; set only for the local Relay emulator
+    # "on-demand": the listener is connected only while this VM's document holds a Scheduled event it could
+    # execute, plus relay_listener_grace_seconds (a listener hour is billed while connected: $9.78 a month always
+    # on, cents on demand; docs/relay.md). "always-on": connected for the daemon's whole life.
+    relay_listener_mode: ListenerMode = "on-demand"
+    # 60 s = twice the coordinator's approval deadline (COORDINATOR_APPROVAL_DEADLINE_SECONDS, 30 s): a request
+    # still in flight when the event started gets its answer instead of 503s until its deadline, and an event that
+    # follows another within a minute reuses the connection. It costs 60 s of listener time per event ($0.0002).
+    relay_listener_grace_seconds: float = Field(default=60.0, ge=0, le=3600)
     log_level: LogLevel = "INFO"
     # Tracing (forwarder/telemetry.py): finished spans appended here as JSON lines; unset = nothing recorded (the
     # trace context is still created and sent). On a VM it must be under state_dir, the unit's one writable place.

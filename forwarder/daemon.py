@@ -2,7 +2,8 @@
 
 Three threads, so that no slow part holds up the 1/s poll: the poll loop (caller's thread), the sender (spool ->
 sink, with backoff while the sink is down) and the hook worker (one hook at a time). Companions — the relay
-listener — are started after the identity is known and stopped first.
+listener — are started after the identity is known, told the document after every poll (the listener connects only
+while an event it could approve is pending: forwarder/on_demand.py) and stopped first.
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ class Listener(Companion, Protocol):
 
     @property
     def connected(self) -> bool: ...
+
+
+@runtime_checkable
+class OnDemand(Protocol):
+    """A companion told, after every poll, the document the daemon holds (forwarder/on_demand.py: the listener
+    connects only while that document holds an event it could approve)."""
+
+    def update(self, document: ScheduledEventsDocument | None) -> None: ...
 
 
 CompanionFactory = Callable[[VmIdentity, ImdsClient], Sequence[Companion]]
@@ -256,6 +265,8 @@ class Forwarder:
                 self._consecutive_poll_errors = 0
                 self._imds_failures.succeeded()
                 backoff.reset()
+            # After a failed poll too: the last document read still says whether an event is pending.
+            self._update_companions()
             now = time.monotonic()
             if now >= next_heartbeat:
                 self._heartbeat()
@@ -266,6 +277,14 @@ class Forwarder:
             # Keep a steady cadence; after a stall, start again from now rather than catching up in a burst.
             next_poll = max(next_poll + delay, now) if delay == interval else now + delay
             self._stop.wait(max(0.0, next_poll - time.monotonic()))
+
+    def _update_companions(self) -> None:
+        for companion in self._companions:
+            if isinstance(companion, OnDemand):
+                try:
+                    companion.update(self._last_document)
+                except Exception:
+                    log.exception("a companion failed to update", extra=fields(companion=type(companion).__name__))
 
     def _poll_failed(self, error: ImdsError) -> None:
         self.counters["imds_errors"] += 1

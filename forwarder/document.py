@@ -61,6 +61,14 @@ class ScheduledEvent(BaseModel):
         """Whether this VM (by its IMDS compute name, never the hostname) is among the affected resources."""
         return vm_name in self.Resources
 
+    def executable_by(self, vm_name: str) -> bool:
+        """Whether an approval of this event could be executed through this VM's listener (``approver.judge``'s
+        preconditions that need no request): still Scheduled, naming its Resources, and, for a Terminate, naming
+        this VM (a Terminate is approved only by the VM it deletes; the coordinator never sends it to a peer)."""
+        if self.EventStatus != "Scheduled" or not self.Resources:
+            return False
+        return self.EventType != "Terminate" or self.concerns(vm_name)
+
 
 class ScheduledEventsDocument(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)

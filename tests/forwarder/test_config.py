@@ -102,3 +102,17 @@ def test_relay_settings() -> None:
 def test_imds_url_must_be_plain_http() -> None:
     with pytest.raises(ConfigError, match="imds_url"):
         load_settings(flags={"sink": "stdout", "imds_url": "https://169.254.169.254"}, environ={})
+
+
+def test_relay_listener_mode_and_grace() -> None:
+    settings = load_settings(flags={"sink": "stdout"}, environ={})
+    assert (settings.relay_listener_mode, settings.relay_listener_grace_seconds) == ("on-demand", 60.0)
+    settings = load_settings(
+        flags={"sink": "stdout"},
+        environ={"SE_FORWARDER_RELAY_LISTENER_MODE": "always-on", "SE_FORWARDER_RELAY_LISTENER_GRACE_SECONDS": "5"},
+    )
+    assert (settings.relay_listener_mode, settings.relay_listener_grace_seconds) == ("always-on", 5.0)
+    with pytest.raises(ConfigError, match=r"relay_listener_mode = 'sometimes' \(from environment SE_FORWARDER_"):
+        load_settings(flags={"sink": "stdout"}, environ={"SE_FORWARDER_RELAY_LISTENER_MODE": "sometimes"})
+    with pytest.raises(ConfigError, match=r"relay_listener_grace_seconds = -1 \(from flag --relay-listener-grace"):
+        load_settings(flags={"sink": "stdout", "relay_listener_grace_seconds": -1}, environ={})

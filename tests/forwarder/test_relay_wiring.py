@@ -1,13 +1,20 @@
-"""The daemon's relay seam, end to end on loopback: with relay settings on, the forwarder starts the relay listener
-on its own hybrid connection (VmIdentity.hybrid_connection_name) with the VM's managed identity; an approval sent
-by the coordinator's sender through the Relay emulator reaches IMDS, and the forwarder then forwards the event as
-Started. Stopping the forwarder closes the listener."""
+"""The daemon's relay seam, end to end on loopback: with relay settings on, the forwarder runs the relay listener on
+its own hybrid connection (VmIdentity.hybrid_connection_name) with the VM's managed identity — on demand (the
+default: connected only while its IMDS document holds a Scheduled event it could approve, plus a grace period) or
+always on. An approval sent by the coordinator's sender through the Relay emulator reaches IMDS, and the forwarder
+then forwards the event as Started. Stopping the forwarder closes the listener."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential
@@ -17,10 +24,12 @@ from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from forwarder.approval import ApprovalRequest
 from forwarder.cli import relay_companions
-from forwarder.config import load_settings
+from forwarder.config import ForwarderSettings, load_settings
+from forwarder.imds import ImdsClient
 from tests.forwarder.conftest import Harness, wait_for
 from tests.relay.conftest import facts_of
 
+ROOT = Path(__file__).resolve().parents[2]
 SEND_KEY = "c2VuZC1rZXktZm9yLWZvcndhcmRlci10ZXN0cw=="
 
 
@@ -32,42 +41,118 @@ def relay() -> Iterator[RelayEmulator]:
     emulator.stop()
 
 
-def test_approval_through_the_relay_reaches_imds(
-    imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
-) -> None:
+def _settings(imds: ImdsEmulator, relay: RelayEmulator, vm: str = "web_0", **flags: object) -> ForwarderSettings:
     endpoint = relay.base_url.replace("http://", "ws://")
-    settings = load_settings(
-        flags={"sink": "stdout", "relay_enabled": True, "relay_endpoint": endpoint, "imds_url": imds.url_for("web_0")},
+    return load_settings(
+        flags={"sink": "stdout", "relay_enabled": True, "relay_endpoint": endpoint, "imds_url": imds.url_for(vm)}
+        | flags,
         environ={},
     )
-    h = harness(imds.url_for("web_0"), companions=relay_companions(settings), heartbeat_interval=0.2)
-    identity = h.forwarder.identity
-    assert identity is not None
-    wait_for(lambda: relay.listener_count(identity.hybrid_connection_name) == 1, what="the listener to connect")
-    # Heartbeats say whether the listener is connected (a forwarder whose approvals cannot arrive is sick too).
-    wait_for(
-        lambda: any(b["health"].get("listenerConnected") is True for b in h.envelopes("heartbeat")),
-        what="a heartbeat with the listener connected",
-    )
-    created = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
-    event_id = created["EventId"]
-    h.wait_incarnation(2)
 
+
+def _request(created: dict[str, object]) -> ApprovalRequest:
     now = datetime.now(UTC)
-    request = ApprovalRequest(
-        eventId=event_id,
+    return ApprovalRequest(
+        eventId=str(created["EventId"]),
         decisionId=uuid.uuid4().hex,
         rule="test",
         issuedAt=now,
         expiresAt=now + timedelta(minutes=5),
         facts=facts_of(created),
     )
+
+
+def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
+    imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
+) -> None:
+    settings = _settings(imds, relay, relay_listener_grace_seconds=1.0)
+    h = harness(imds.url_for("web_0"), companions=relay_companions(settings), heartbeat_interval=0.2)
+    identity = h.forwarder.identity
+    assert identity is not None
+    hc = identity.hybrid_connection_name
+    # No event: no listener, and the heartbeats say so.
+    wait_for(lambda: len(h.envelopes("heartbeat")) >= 3, what="three heartbeats")
+    assert relay.listener_count(hc) == 0
+    # (The first one goes out before the companions are built, so it cannot know; see Forwarder.run.)
+    assert all(b["health"].get("listenerConnected") is False for b in h.envelopes("heartbeat")[1:])
+
+    created = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    h.wait_incarnation(2)
+    # The sender is called as soon as the forwarder has seen the event: it waits out the listener's connect.
     with RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender:
-        result = sender.send(request, vm=identity)
+        result = sender.send(_request(created), vm=identity)
     assert result.outcome == "approved"
-    assert [a["EventId"] for a in imds.approvals()] == [event_id]
+    assert [a["EventId"] for a in imds.approvals()] == [created["EventId"]]
+    wait_for(
+        lambda: any(b["health"].get("listenerConnected") is True for b in h.envelopes("heartbeat")),
+        what="a heartbeat with the listener connected",
+    )
     started = h.wait_incarnation(3)
     assert started["document"]["Events"][0]["EventStatus"] == "Started"
+    # Started: nothing left to approve; the listener stays for the grace period, then leaves.
+    left = wait_for(lambda: relay.listener_count(hc) == 0, what="the listener to leave")
+    assert left
+    wait_for(
+        lambda: h.envelopes("heartbeat")[-1]["health"].get("listenerConnected") is False,
+        what="a heartbeat with the listener disconnected",
+    )
+    h.stop()
+
+
+def test_on_demand_listener_stays_for_the_grace_period(
+    imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
+) -> None:
+    settings = _settings(imds, relay, relay_listener_grace_seconds=3.0)
+    h = harness(imds.url_for("web_0"), companions=relay_companions(settings))
+    identity = h.forwarder.identity
+    assert identity is not None
+    hc = identity.hybrid_connection_name
+    created = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
+    wait_for(lambda: relay.listener_count(hc) == 1, what="the listener to connect")
+    imds.cancel_event(str(created["EventId"]))
+    h.wait_incarnation(3)
+    gone_at = time.monotonic()
+    wait_for(lambda: relay.listener_count(hc) == 0, what="the listener to leave")
+    # It left after the grace period (the poll is 0.05 s here), not at once.
+    assert time.monotonic() - gone_at >= 2.5
+    h.stop()
+
+
+def test_on_demand_listener_ignores_a_peers_terminate_but_connects_for_its_group(
+    imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
+) -> None:
+    settings = _settings(imds, relay, relay_listener_grace_seconds=0.0)
+    h = harness(imds.url_for("web_0"), companions=relay_companions(settings))
+    identity = h.forwarder.identity
+    assert identity is not None
+    hc = identity.hybrid_connection_name
+    imds.create_event(EventType="Terminate", Resources=["web_1"], NoticeSeconds=900)
+    document = h.wait_incarnation(2)["document"]
+    assert [e["Resources"] for e in document["Events"]] == [["web_1"]]  # web_0 sees its peer's delete
+    time.sleep(1.0)  # twenty polls
+    assert relay.listener_count(hc) == 0
+    # A Freeze of the group (another VM's) is one this VM may approve: the listener connects.
+    imds.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)
+    wait_for(lambda: relay.listener_count(hc) == 1, what="the listener to connect")
+    h.stop()
+    wait_for(lambda: relay.listener_count(hc) == 0, what="the listener to close")
+
+
+def test_always_on_listener_stays_connected(
+    imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
+) -> None:
+    settings = _settings(imds, relay, relay_listener_mode="always-on")
+    h = harness(imds.url_for("web_0"), companions=relay_companions(settings), heartbeat_interval=0.2)
+    identity = h.forwarder.identity
+    assert identity is not None
+    hc = identity.hybrid_connection_name
+    wait_for(lambda: relay.listener_count(hc) == 1, what="the listener to connect")
+    wait_for(
+        lambda: any(b["health"].get("listenerConnected") is True for b in h.envelopes("heartbeat")),
+        what="a heartbeat with the listener connected",
+    )
+    time.sleep(1.0)  # no event at all: it stays
+    assert relay.listener_count(hc) == 1
 
     relay.stop()  # the control channel drops; the heartbeats say so
     wait_for(
@@ -76,4 +161,50 @@ def test_approval_through_the_relay_reaches_imds(
     )
     relay.start()
     h.stop()
-    wait_for(lambda: relay.listener_count(identity.hybrid_connection_name) == 0, what="the listener to close")
+    wait_for(lambda: relay.listener_count(hc) == 0, what="the listener to close")
+
+
+def test_the_listener_is_imported_only_when_it_first_connects(
+    imds: ImdsEmulator, relay: RelayEmulator, tmp_path: Path
+) -> None:
+    """On demand, an idle forwarder (relay on, no event) never loads websockets or the listener: `-X importtime`
+    of a real `python -m forwarder run`; they load when an event it could approve appears."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
+    output = tmp_path / "envelopes.jsonl"
+    environment.update(
+        SE_FORWARDER_IMDS_URL=imds.url_for("web_0"),
+        SE_FORWARDER_SINK="jsonl",
+        SE_FORWARDER_JSONL_PATH=str(output),
+        SE_FORWARDER_STATE_DIR=str(tmp_path / "state"),
+        SE_FORWARDER_HOOKS_DIR=str(tmp_path / "hooks"),
+        SE_FORWARDER_POLL_INTERVAL="0.1",
+        SE_FORWARDER_RELAY_ENABLED="true",
+        SE_FORWARDER_RELAY_ENDPOINT=relay.base_url.replace("http://", "ws://"),
+    )
+    log = tmp_path / "stderr.log"
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "forwarder", "run"], cwd=ROOT, env=environment, stderr=stderr
+        )
+        try:
+            wait_for(lambda: output.exists() and b'"incarnation"' in output.read_bytes(), timeout=30, what="a poll")
+            time.sleep(1.0)  # ten more polls, idle
+            idle = log.read_text(encoding="utf-8")
+            assert "forwarder.on_demand" in idle
+            assert "websockets" not in idle
+            assert "forwarder.relay_listener" not in idle
+            imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
+            wait_for(lambda: "forwarder.relay_listener" in log.read_text(encoding="utf-8"), what="the import")
+            wait_for(lambda: relay.listener_count(_hc(imds)) == 1, what="the listener to connect")
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 0
+    assert "websockets.sync.client" in log.read_text(encoding="utf-8")
+
+
+def _hc(imds: ImdsEmulator) -> str:
+    client = ImdsClient(base_url=imds.url_for("web_0"))
+    try:
+        return client.get_identity().hybrid_connection_name
+    finally:
+        client.close()

@@ -268,6 +268,46 @@ def test_sender_gives_up_with_a_delivery_error(imds: ImdsEmulator, relay: RelayE
         impatient.send(approval(scheduled_event(imds, VM_A0)), vm=identity)
 
 
+def test_sender_finds_a_late_listener_within_its_short_no_listener_cap(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], relay: RelayEmulator
+) -> None:
+    """An on-demand listener connects as the coordinator sends: with the production defaults (other failures back
+    off up to 10 s) the "no listener" retries are capped at 1 s, so the listener is found about a second after it
+    connects, however long the sender has been waiting."""
+    identity = imds_identity(imds, VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    connected_at: list[float] = []
+
+    def connect_late() -> None:
+        start_vm(VM_A0)
+        connected_at.append(time.monotonic())
+
+    late = threading.Timer(4.0, connect_late)
+    late.start()
+    with RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender:
+        result = sender.send(approval(event_id), vm=identity)
+    answered_at = time.monotonic()
+    late.join()
+    assert result.outcome == "approved"
+    assert answered_at - connected_at[0] <= 1.5
+
+
+def test_sender_gives_up_at_the_requests_deadline_saying_no_listener_connected(
+    imds: ImdsEmulator, relay: RelayEmulator
+) -> None:
+    identity = imds_identity(imds, VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    started = time.monotonic()
+    with (
+        RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender,
+        pytest.raises(ApprovalDeliveryError, match=r"no listener connected within 2\.0 s"),
+    ):
+        # expiresAt (the event's NotBefore, or the approval deadline) 2 s away: the sender waits that long, no more.
+        sender.send(approval(event_id, valid_for=timedelta(seconds=2)), vm=identity)
+    assert 1.0 <= time.monotonic() - started <= 2.5
+    assert approved_ids(imds) == []
+
+
 def imds_identity(imds: ImdsEmulator, vm_name: str) -> VmIdentity:
     return imds_client(imds, vm_name).get_identity()
 
