@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from forwarder import __version__, logs
 from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
-from forwarder.credential import ImdsManagedIdentityCredential
+from forwarder.credential import RELAY_SCOPE, ImdsManagedIdentityCredential
 from forwarder.daemon import Companion, Forwarder
 from forwarder.durable_state import Store
 from forwarder.envelope import VmIdentity
@@ -141,6 +141,9 @@ def relay_companions(
             vm_name=identity.name,
             always_on=settings.relay_listener_mode == "always-on",
             grace_seconds=settings.relay_listener_grace_seconds,
+            # The Relay token fetched at start (cached about a day by the credential): a cold approval's session
+            # then needs no IMDS token call before its GET and StartRequests POST (measured +0.5 s without).
+            warm=lambda: credential.get_token(RELAY_SCOPE),
         )
         return [listener]
 

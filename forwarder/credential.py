@@ -19,6 +19,8 @@ from forwarder.imds import ImdsClient
 
 # Renew this long before expiry, so a token never expires in the middle of an AMQP link or relay session.
 REFRESH_MARGIN_SECONDS = 300
+# Azure Relay's Entra ID scope (the listener's token; fetched ahead by the on-demand listener's warm-up).
+RELAY_SCOPE = "https://relay.azure.net/.default"
 
 
 def scope_to_resource(scope: str) -> str:

@@ -54,6 +54,8 @@ class OnDemandListener:
     :keyword factory: builds a new, unstarted session (a ``RelayListener`` cannot be restarted).
     :keyword always_on: open at ``start`` and keep it; ``update`` then changes nothing.
     :keyword grace_seconds: how long the session stays after the last executable event left the document.
+    :keyword warm: called once, in the background, at ``start`` (e.g. fetch the Relay token into the credential's
+        cache), so that the first session opened for an event does not pay for it while its approval waits.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class OnDemandListener:
         vm_name: str,
         always_on: bool = False,
         grace_seconds: float = 60.0,
+        warm: Callable[[], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if grace_seconds < 0:
@@ -72,6 +75,7 @@ class OnDemandListener:
         self._always_on = always_on
         self._grace = grace_seconds
         self._clock = clock
+        self._warm = warm
         self._lock = threading.Lock()
         self._session: ListenerSession | None = None
         self._closing: list[threading.Thread] = []
@@ -83,7 +87,16 @@ class OnDemandListener:
     def start(self) -> OnDemandListener:
         if self._always_on:
             self._open("always-on")
+        elif self._warm is not None:
+            threading.Thread(target=self._warm_up, name="relay-warm-up", daemon=True).start()
         return self
+
+    def _warm_up(self) -> None:
+        assert self._warm is not None
+        try:
+            self._warm()
+        except Exception as error:  # only a head start: the session fetches what it needs itself
+            log.warning("relay listener warm-up failed; the first session will do it", extra=fields(error=str(error)))
 
     def stop(self) -> None:
         with self._lock:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
+from forwarder.credential import RELAY_SCOPE
 from forwarder.retry import Backoff
 from forwarder.sas import sas_token
 
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RELAY_SCOPE = "https://relay.azure.net/.default"
 CONTROL_CHANNEL_LIMIT = 64 * 1024
 # The service answers a request with 504 after 60 s without a response; we give up on a body a little earlier.
 REQUEST_DEADLINE_SECONDS = 60.0

@@ -26,6 +26,7 @@ from forwarder.approval import ApprovalRequest
 from forwarder.cli import relay_companions
 from forwarder.config import ForwarderSettings, load_settings
 from forwarder.imds import ImdsClient
+from forwarder.on_demand import OnDemandListener
 from tests.forwarder.conftest import Harness, wait_for
 from tests.relay.conftest import facts_of
 
@@ -208,3 +209,35 @@ def _hc(imds: ImdsEmulator) -> str:
         return client.get_identity().hybrid_connection_name
     finally:
         client.close()
+
+
+class _IdleSession:
+    connected = False
+
+    def start(self) -> _IdleSession:
+        return self
+
+    def stop(self) -> None:
+        return None
+
+
+def test_on_demand_listener_warms_up_once_at_start_and_a_failed_warm_up_is_only_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Relay token is fetched at start (cached by the credential), so the first session opened for an event
+    does not take an IMDS token call from the rate limiter while its approval waits."""
+    calls: list[str] = []
+    listener = OnDemandListener(factory=_IdleSession, vm_name="web_0", warm=lambda: calls.append("token"))
+    listener.start()
+    wait_for(lambda: calls == ["token"], what="the warm-up")
+    assert listener.sessions == 0  # warming up opens no session: no listener-hours are billed for it
+    listener.stop()
+
+    def failing() -> None:
+        raise OSError("IMDS token endpoint unreachable")
+
+    with caplog.at_level("WARNING", logger="forwarder.listener"):
+        broken = OnDemandListener(factory=_IdleSession, vm_name="web_0", warm=failing).start()
+        wait_for(lambda: "warm-up failed" in caplog.text, what="the warning")
+    broken.update(None)  # still works
+    broken.stop()
