@@ -38,6 +38,14 @@ def _free_port() -> int:
         return port
 
 
+def _exits(process: subprocess.Popen[bytes], within: float) -> bool:
+    try:
+        process.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
 def _accepts(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -103,7 +111,11 @@ class Azurite:
             )
             deadline = time.monotonic() + self._startup_timeout
             while time.monotonic() < deadline and process.poll() is None:
-                if _accepts(blob_port) and _accepts(table_port):
+                # All three ports: Azurite binds its services one after another and exits when a later bind fails
+                # (a port taken between _free_port and the bind), so blob and table accepting proves nothing if
+                # the queue port was lost (seen in CI: the next request was refused). Then it must still be alive a
+                # moment later: a port can accept because another process holds it while Azurite is exiting.
+                if all(_accepts(port) for port in (blob_port, queue_port, table_port)) and not _exits(process, 0.2):
                     self._process = process
                     self._endpoints = AzuriteEndpoints(blob_port=blob_port, table_port=table_port)
                     return self._endpoints
