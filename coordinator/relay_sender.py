@@ -24,6 +24,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
@@ -43,10 +44,17 @@ RELAY_SCOPE = "https://relay.azure.net/.default"
 APPROVE_PATH = "approve"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 SAS_LIFETIME_SECONDS = 300
-# Marks an attempt the relay answered itself with 502/503: no listener connected (yet).
-NO_LISTENER = "no listener: "
 
 log = logging.getLogger("coordinator.relay_sender")
+
+
+@dataclass(frozen=True)
+class _Retryable:
+    """Why an attempt failed in a way a later one may fix; ``no_listener``: the relay itself answered 502/503
+    (no listener connected yet), which is retried on the short ``listener_wait_maximum`` cap."""
+
+    reason: str
+    no_listener: bool = False
 
 
 class RelayApprovalSender:
@@ -136,15 +144,13 @@ class RelayApprovalSender:
                 )  # fmt: skip
                 return outcome
             failure = outcome
-            no_listener = failure.startswith(NO_LISTENER)
-            maximum = self._listener_wait_maximum if no_listener else self._backoff_maximum
+            maximum = self._listener_wait_maximum if failure.no_listener else self._backoff_maximum
             delay = backoff_delay(attempt - 1, initial=self._backoff_initial, maximum=maximum, rng=self._rng)
             if time.monotonic() + delay >= give_up_at:
-                last = failure.removeprefix(NO_LISTENER)
                 why = (
-                    f"no listener connected within {budget:.1f} s, the request's deadline ({last})"
-                    if no_listener
-                    else last
+                    f"no listener connected within {budget:.1f} s, the request's deadline ({failure.reason})"
+                    if failure.no_listener
+                    else failure.reason
                 )
                 raise ApprovalDeliveryError(
                     f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
@@ -152,13 +158,13 @@ class RelayApprovalSender:
                 )
             log.warning(
                 "approval %s for event %s: attempt %d failed (%s); retrying in %.2f s",
-                request.decisionId, request.eventId, attempt, failure, delay,
+                request.decisionId, request.eventId, attempt, failure.reason, delay,
             )  # fmt: skip
             time.sleep(delay)
 
     def _attempt(
         self, url: str, body: bytes, hybrid_connection: str, request: ApprovalRequest, timeout: float
-    ) -> ApprovalResult | str:
+    ) -> ApprovalResult | _Retryable:
         """One POST: the listener's result, or why a retry may help; ApprovalDeliveryError when none will."""
         headers = {
             "ServiceBusAuthorization": self._token(url, hybrid_connection),
@@ -171,12 +177,13 @@ class RelayApprovalSender:
                 url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))
             )
         except requests.RequestException as error:
-            return f"{type(error).__name__}: {error}"
+            return _Retryable(f"{type(error).__name__}: {error}")
         status = response.status_code
         if status in RETRYABLE_STATUS:
             relayed = _listener_error(response) is not None  # the listener's own 503: it could not reach IMDS
-            prefix = NO_LISTENER if status in (502, 503) and not relayed else ""
-            return f"{prefix}HTTP {status} {_short(response.text)}"
+            return _Retryable(
+                f"HTTP {status} {_short(response.text)}", no_listener=status in (502, 503) and not relayed
+            )
         if status == 200:
             return self._result(response, request)
         error_body = _listener_error(response)
