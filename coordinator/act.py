@@ -40,6 +40,8 @@ class Delivery:
     event_id: str
     decision_id: str
     executor: str
+    # The path it takes: the Relay sender (ctx.callback) or the Maintenance RP's acknowledge (ctx.remote_acknowledge).
+    callback: ApprovalCallback
     vm: VmIdentity | None = None
     request: ApprovalRequest | None = None
     intent: HistoryRow | None = None
@@ -47,8 +49,6 @@ class Delivery:
     failure: str = ""
     # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
     traceparent: str = ""
-    # The path it takes: the Relay sender (ctx.callback) or the Maintenance RP's acknowledge (ctx.remote_acknowledge).
-    callback: ApprovalCallback | None = None
 
 
 def act(
@@ -146,6 +146,7 @@ def plan_delivery(
             return plan
         executor = target
         plan.executor = f"arm:{target.name}"
+        assert ctx.remote_acknowledge is not None  # remote only when it is on (both branches above)
         plan.callback = ctx.remote_acknowledge
     if executor is None:
         within = f"{ctx.heartbeat_timeout.total_seconds():.0f} s"
@@ -195,8 +196,7 @@ def send_all(ctx: Context, plans: Sequence[Delivery]) -> None:
     futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
-            callback = plan.callback or ctx.callback
-            futures[ctx.pool().submit(deliver, callback, plan.request, plan.vm, plan.traceparent)] = plan
+            futures[ctx.pool().submit(deliver, plan.callback, plan.request, plan.vm, plan.traceparent)] = plan
     if not futures:
         return
     done, late = concurrent.futures.wait(futures, timeout=ctx.approval_deadline.total_seconds())
