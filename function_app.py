@@ -3,7 +3,7 @@
 App settings the triggers read: ``EventHubConnection__fullyQualifiedNamespace`` (identity-based connection; the
 app's identity needs "Azure Event Hubs Data Receiver" on the hub), ``EVENTHUB_NAME``, ``EVENTHUB_CONSUMER_GROUP``;
 everything else is ``COORDINATOR_*`` (coordinator/settings.py). With ``APPLICATIONINSIGHTS_CONNECTION_STRING`` set,
-the coordinator's spans and metrics (coordinator/telemetry.py) go to Application Insights through the Azure Monitor
+the coordinator's spans and metrics (adapters/telemetry.py) go to Application Insights through the Azure Monitor
 OpenTelemetry distro, configured once here; ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` (``Authorization=AAD;
 ClientId=…``) makes the exporter sign in with the app's managed identity.
 """
@@ -20,11 +20,12 @@ from typing import Any
 import azure.functions as func
 from opentelemetry import trace
 
-from coordinator import http, telemetry
-from coordinator.ingest import RawMessage
+from coordinator import http
+from coordinator.adapters import telemetry
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from coordinator.wiring import build_coordinator
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)

@@ -21,16 +21,16 @@ from datetime import UTC, datetime, timedelta
 
 from azure.core.credentials import AzureNamedKeyCredential
 
-from coordinator.relay_sender import RelayApprovalSender
+from contracts.approval import ApprovalFacts, ApprovalRequest
+from contracts.document import ScheduledEvent
+from contracts.sas import relay_resource_uri
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator
-from forwarder.approval import ApprovalFacts, ApprovalRequest
 from forwarder.approver import Approver
-from forwarder.document import ScheduledEvent
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayListener, SasTokenProvider
 from forwarder.retry import RateLimiter
-from forwarder.sas import relay_resource_uri
 
 KEY = "YmVuY2htYXJrLWtleQ=="
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.callback_cost
 
-Runs ``python -m coordinator.cost`` (its documented defaults: 4 events per VM per month, 15 minutes Scheduled each,
+Runs ``python -m ops.cost`` (its documented defaults: 4 events per VM per month, 15 minutes Scheduled each,
 60 s grace, $0.0134 per listener-hour) and prints one JSON line: callback_cost_usd_per_vm_month (on-demand
 listener), callback_cost_usd_per_vm_month_always_on, and the same with every connection billed as whole hours
 (``_whole_hours``: partial-hour billing is not documented). A model, not a measurement: the figures move with
@@ -15,14 +15,14 @@ import contextlib
 import io
 import json
 
-from coordinator.cost import main as cost
+from ops.cost import main as cost
 
 
 def report(*argv: str) -> dict[str, dict[str, float]]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         if cost(list(argv)) != 0:
-            raise SystemExit(f"coordinator.cost {' '.join(argv)} failed")
+            raise SystemExit(f"ops.cost {' '.join(argv)} failed")
     result: dict[str, dict[str, float]] = json.loads(out.getvalue())
     return result
 

@@ -32,11 +32,11 @@ from typing import Any
 from azure.core.credentials import AzureNamedKeyCredential
 
 from benchmarks.approval_latency import percentile
-from coordinator.relay_sender import RelayApprovalSender
+from contracts.approval import ApprovalFacts, ApprovalRequest
+from contracts.document import ScheduledEvent
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
-from forwarder.approval import ApprovalFacts, ApprovalRequest
-from forwarder.document import ScheduledEvent
 from forwarder.imds import ImdsClient
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
-from coordinator.controls import VmFacts
-from coordinator.model import EventRecord
-from coordinator.rules import FleetView, evaluate, parse_policy
+from coordinator.domain.controls import VmFacts
+from coordinator.domain.model import EventRecord
+from coordinator.domain.rules import FleetView, evaluate, parse_policy
 
 NOW = datetime(2026, 11, 18, 10, tzinfo=UTC)  # inside the window (11:00 in Oslo), outside the blackout
 POLICY = parse_policy(

@@ -23,11 +23,11 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from contracts.document import ScheduledEventsDocument
+from contracts.envelope import Envelope, VmIdentity
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
-from forwarder.document import ScheduledEventsDocument
 from forwarder.durable_state import Store
-from forwarder.envelope import Envelope, VmIdentity
 from forwarder.imds import identity_of
 from local.observe import stored_envelopes
 

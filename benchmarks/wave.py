@@ -32,11 +32,11 @@ from typing import Any
 
 import azure.functions as func
 
-from coordinator.history import SqliteHistory
-from coordinator.tables import TableStateStore
+from contracts.envelope import SCHEMA
+from coordinator.adapters.history import SqliteHistory
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
-from forwarder.envelope import SCHEMA
 
 START = datetime(2026, 11, 20, 1, 0, tzinfo=UTC)
 

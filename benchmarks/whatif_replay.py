@@ -14,9 +14,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from coordinator.policy.exports import read_history
-from coordinator.policy.replay import replay
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from ops.policy.exports import read_history
+from ops.policy.replay import replay
 
 EXAMPLE = DEFAULT_POLICY_PATH.parent / "examples" / "short-freeze-waits.yaml"
 

@@ -19,17 +19,18 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator import act, event_grid, fold, ingest, people, telemetry, timer
-from coordinator.commit import BULK_ATTEMPTS
-from coordinator.context import BatchReport, Context, TickReport, Work
-from coordinator.decide import Fleet
-from coordinator.events import read_event
-from coordinator.ingest import RawMessage
-from coordinator.model import EventRecord
-from coordinator.people import ManualApproval
-from coordinator.record import write_history
-from coordinator.tables import Stored
-from forwarder.envelope import VmIdentity
+from contracts.envelope import VmIdentity
+from coordinator.adapters import telemetry
+from coordinator.domain.model import EventRecord
+from coordinator.pipeline import act, event_grid, fold, ingest, people, timer
+from coordinator.pipeline.context import BatchReport, Context, TickReport, Work
+from coordinator.pipeline.decide import Fleet
+from coordinator.pipeline.ingest import RawMessage
+from coordinator.pipeline.people import ManualApproval
+from coordinator.pipeline.record import write_history
+from coordinator.state.commit import BULK_ATTEMPTS
+from coordinator.state.events import read_event
+from coordinator.state.tables import Stored
 
 log = logging.getLogger("coordinator")
 
@@ -90,11 +91,11 @@ class Coordinator(Context):
             log.exception("setting up new VM %s failed", vm.name)
 
     def tick(self) -> TickReport:
-        """The timer's run (coordinator/timer.py)."""
+        """The timer's run (coordinator/pipeline/timer.py)."""
         return timer.tick(self)
 
     def approve_manually(self, event_id: str, *, person: str) -> ManualApproval:
-        """A person's approval of one event (coordinator/people.py)."""
+        """A person's approval of one event (coordinator/pipeline/people.py)."""
         return people.approve_manually(self, event_id, person=person)
 
     def event(self, event_id: str) -> Stored[EventRecord] | None:

@@ -9,15 +9,15 @@ from urllib.parse import quote
 
 from azure.identity import DefaultAzureCredential
 
-from coordinator.alerts import AlertSink, FolderCardSink, TeamsWebhookSink
-from coordinator.callback import ApprovalCallback
-from coordinator.gates import AzureMonitorReader
-from coordinator.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
-from coordinator.rules import load_policy
+from contracts.envelope import VmIdentity
+from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.gates import AzureMonitorReader
+from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
+from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
+from coordinator.domain.rules import load_policy
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
-from coordinator.tables import TableStateStore
-from forwarder.envelope import VmIdentity
+from coordinator.state.tables import TableStateStore
 
 
 def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallback | None = None) -> Coordinator:
@@ -52,7 +52,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
     on_new_vm = None
     housekeeping = None
     if callback is None and (settings.relay_namespace or settings.relay_endpoint):
-        from coordinator.relay_sender import RelayApprovalSender  # noqa: PLC0415 -- only when Relay is configured
+        from coordinator.adapters.relay_sender import RelayApprovalSender  # noqa: PLC0415 -- only when Relay is configured
 
         endpoint = settings.relay_endpoint or f"https://{settings.relay_namespace}"
         # The sender gives up a little before the coordinator's per-approval deadline, so a listener that never
@@ -64,7 +64,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
             max_retry_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
         )
         if settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group:
-            from coordinator.relay_admin import (  # noqa: PLC0415
+            from coordinator.adapters.relay_admin import (  # noqa: PLC0415
                 HybridConnectionAdmin,
                 hybrid_connections_to_delete,
             )
@@ -93,7 +93,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
 
     remote_acknowledge = None
     if settings.remote_acknowledge != "off":
-        from coordinator.remote_acknowledge import RemoteAcknowledgeSender  # noqa: PLC0415 -- only when enabled
+        from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender  # noqa: PLC0415 -- only when enabled
 
         remote_acknowledge = RemoteAcknowledgeSender(
             credential=credential,

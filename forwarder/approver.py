@@ -52,8 +52,8 @@ from typing import Protocol, TypeVar
 from opentelemetry import trace
 from pydantic import ValidationError
 
-from forwarder.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
-from forwarder.document import ScheduledEvent, ScheduledEventsDocument
+from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
+from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
 from forwarder.relay_listener import RelayRequest, RelayResponse

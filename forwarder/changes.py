@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from forwarder.document import ScheduledEvent, ScheduledEventsDocument
+from contracts.document import ScheduledEvent, ScheduledEventsDocument
 
 ChangeReason = Literal["first", "up", "down", "content"]
 

@@ -16,12 +16,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from contracts.envelope import VmIdentity
 from forwarder import __version__, logs
 from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
 from forwarder.credential import RELAY_SCOPE, ImdsManagedIdentityCredential
 from forwarder.daemon import Companion, Forwarder
 from forwarder.durable_state import Store
-from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import fields
 from forwarder.on_demand import ListenerSession, OnDemandListener

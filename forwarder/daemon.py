@@ -18,12 +18,12 @@ from typing import Any, Protocol, runtime_checkable
 from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
 
+from contracts.document import ScheduledEvent, ScheduledEventsDocument
+from contracts.envelope import Envelope, ForwarderHealth, HookPhase, HookReport, HookStep, VmIdentity
 from forwarder import __version__
 from forwarder.changes import Change, detect
 from forwarder.config import ForwarderSettings
-from forwarder.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.durable_state import HookJob, Store
-from forwarder.envelope import Envelope, ForwarderHealth, HookPhase, HookReport, HookStep, VmIdentity
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnavailable, InvalidEvent, read_document
 from forwarder.logs import fields

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from forwarder.document import ScheduledEvent
-from forwarder.envelope import (
+from contracts.document import ScheduledEvent
+from contracts.envelope import (
     MAX_HOOK_STEPS,
     STEP_OUTPUT_TAIL,
     HookOutcome,

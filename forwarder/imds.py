@@ -19,8 +19,8 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from forwarder.document import ScheduledEvent, ScheduledEventsDocument
-from forwarder.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, VmIdentity
+from contracts.document import ScheduledEvent, ScheduledEventsDocument
+from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, VmIdentity
 from forwarder.keepalive import KeepAliveConnection, build_request
 from forwarder.logs import fields
 from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter

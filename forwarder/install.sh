@@ -46,12 +46,17 @@ fi
 
 install -d -m 0755 "$opt" "$opt/app" "$unit_dir"
 install -d -m 0750 "$etc" "$etc/hooks" "$etc/hooks/prepare.d" "$etc/hooks/recover.d"
-# The code: the forwarder package only (it imports nothing else from the repository).
-rm -rf "$opt/app/forwarder.new"
-mkdir -p "$opt/app/forwarder.new"
-cp "$src"/forwarder/*.py "$src/forwarder/requirements.txt" "$src/forwarder/requirements.lock" "$opt/app/forwarder.new/"
-rm -rf "$opt/app/forwarder"
-mv "$opt/app/forwarder.new" "$opt/app/forwarder"
+# The code: the forwarder package and the contracts it shares with the coordinator (it imports nothing else).
+for package in forwarder contracts; do
+  rm -rf "$opt/app/$package.new"
+  mkdir -p "$opt/app/$package.new"
+  cp "$src/$package"/*.py "$opt/app/$package.new/"
+done
+cp "$src/forwarder/requirements.txt" "$src/forwarder/requirements.lock" "$opt/app/forwarder.new/"
+for package in forwarder contracts; do
+  rm -rf "${opt:?}/app/$package"
+  mv "$opt/app/$package.new" "$opt/app/$package"
+done
 
 if [ "$skip_venv" -eq 0 ]; then
   [ -x "$opt/venv/bin/python" ] || "$python" -m venv "$opt/venv"

@@ -8,7 +8,7 @@ Why: Azure bills a hybrid-connection listener per hour it is connected (about $0
 and an approval can only be executed for a Scheduled event in this VM's document that its listener would accept
 (``ScheduledEvent.executable_by``: its own Terminate, any other event of its group). So the listener connects when
 such an event appears and leaves ``grace_seconds`` after the last one is gone or Started. The coordinator's sender
-keeps retrying "no listener" (503) meanwhile (``coordinator/relay_sender.py``); a connect that fails is retried by
+keeps retrying "no listener" (503) meanwhile (``relay_sender.py``); a connect that fails is retried by
 the session itself (``RelayListener``: backoff, token renewal), for as long as the event is pending.
 
 A session is closed on a helper thread: ``RelayListener.stop`` lets requests in flight finish (up to seconds), and
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from forwarder.document import ScheduledEventsDocument
+from contracts.document import ScheduledEventsDocument
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.listener")

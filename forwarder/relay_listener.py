@@ -35,9 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
+from contracts.sas import sas_token
 from forwarder.credential import RELAY_SCOPE
 from forwarder.retry import Backoff
-from forwarder.sas import sas_token
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential

@@ -28,7 +28,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("silent-forwarders.kql", "Silent forwarders"),
     ("event-timeline.kql", "Timeline of one EventId (set the EventId parameter)"),
 )
-# The coordinator's metrics (coordinator/telemetry.py) from Application Insights, whose workspace holds them in
+# The coordinator's metrics (coordinator/adapters/telemetry.py) from Application Insights, whose workspace holds them in
 # AppMetrics: (file under queries/metrics/, panel title, visualization), shown after the history panels.
 METRIC_QUERIES = QUERIES / "metrics"
 METRIC_PANELS: tuple[tuple[str, str, str], ...] = (

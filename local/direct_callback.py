@@ -1,7 +1,7 @@
 """DirectImdsCallback: FOR LOCAL USE ONLY. Approves straight into the IMDS emulator over loopback HTTP.
 
 In Azure the coordinator cannot reach a VM's IMDS (169.254.169.254 answers only inside the VM); approvals travel
-through Azure Relay to the VM's listener (coordinator/relay_sender.py -> forwarder/approver.py). This stand-in
+through Azure Relay to the VM's listener (coordinator/adapters/relay_sender.py -> forwarder/approver.py). This stand-in
 plays that listener without the Relay: it reads the VM's current document from the emulator's per-VM URL, judges
 the request with the listener's own rules (``forwarder.approver.judge``: listed, still Scheduled, names Resources, a
 Terminate only through the VM it deletes, and the decision's facts against the document and the VM's hook ledger),
@@ -20,14 +20,14 @@ from urllib.parse import quote, urlsplit
 import requests
 from pydantic import ValidationError
 
-from coordinator.callback import ApprovalDeliveryError
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.document import ScheduledEventsDocument
+from contracts.envelope import VmIdentity
+from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
 from coordinator.wiring import build_coordinator
-from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.approver import judge
-from forwarder.document import ScheduledEventsDocument
-from forwarder.envelope import VmIdentity
 
 API_VERSION = "2020-07-01"
 

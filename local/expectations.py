@@ -22,9 +22,9 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
-from coordinator.controls import VmFacts
-from coordinator.model import EventRecord
-from coordinator.rules import FleetView, HooksOption, Policy, Rule, first_match
+from coordinator.domain.controls import VmFacts
+from coordinator.domain.model import EventRecord
+from coordinator.domain.rules import FleetView, HooksOption, Policy, Rule, first_match
 from emulators.imds import VmSpec
 
 Expectation = Literal["approve", "no-approval", "either"]

@@ -12,13 +12,13 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from coordinator.model import AlertKind
-from coordinator.rows import history_schema
-from coordinator.tables import TableStateStore
+from contracts.envelope import Envelope
+from coordinator.domain.model import AlertKind
+from coordinator.domain.rows import history_schema
+from coordinator.state.tables import TableStateStore
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.messages import MessageError, decode
 from emulators.eventhubs.partition_log import StoredEvent
-from forwarder.envelope import Envelope
 from local.expectations import Expected
 from local.summary import Document, RunFacts, Sighting, sightings_from_documents
 from local.timeline import Timeline

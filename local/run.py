@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
-from coordinator.tables import TableStateStore
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.state.tables import TableStateStore
 from local.expectations import Expected, expect_all
 from local.observe import HistoryTail, collect
 from local.stack import HUB, LocalStack
@@ -20,7 +20,7 @@ IMDS_TERMINAL = frozenset({"Completed", "Canceled"})
 
 def history_command(stack: LocalStack) -> str:
     db = stack.history_path
-    return f".venv/bin/python -m coordinator.history --db {db} events --since 1h   # or: timeline EVENT_ID | sql QUERY"
+    return f".venv/bin/python -m ops.history --db {db} events --since 1h   # or: timeline EVENT_ID | sql QUERY"
 
 
 class Follower:

@@ -1,7 +1,7 @@
 """python -m local's telemetry: what Application Insights would receive in Azure, collected on this machine.
 
 The coordinator runs in this process (the local function host calls function_app), so its spans and metrics
-(coordinator/telemetry.py) are collected in-process with the OpenTelemetry SDK: an in-memory span exporter and an
+(adapters/telemetry.py) are collected in-process with the OpenTelemetry SDK: an in-memory span exporter and an
 in-memory metric reader with delta temporality, so that each run reads only its own figures even when a test process
 runs several. Each forwarder process appends its spans as JSON Lines to ``<workdir>/telemetry/spans-<vm>.jsonl``
 (``FORWARDER_LINE`` below). At the end of a run ``finish`` joins both, groups the spans of each approval's trace and
@@ -51,7 +51,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from coordinator import telemetry as coordinator_telemetry
+from coordinator.adapters import telemetry as coordinator_telemetry
 
 TELEMETRY_DIR = "telemetry"
 REPORT_FILE = "telemetry.json"

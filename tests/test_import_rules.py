@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("coordinator", "forwarder", "local", "emulators", "benchmarks", "tests")
+PACKAGES = ("contracts", "coordinator", "forwarder", "ops", "local", "emulators", "benchmarks", "tests")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
@@ -43,9 +43,14 @@ def _lint(copy: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("module", "forbidden", "broken"),
     [
+        ("contracts/envelope.py", "import coordinator.service", "the contracts import nothing of the project"),
         ("forwarder/daemon.py", "import coordinator.service", "the forwarder (installed alone on each VM)"),
-        ("coordinator/act.py", "import local.direct_callback", "the Functions app imports no local-only code"),
-        ("coordinator/fold.py", "import forwarder.daemon", "imports of the forwarder only its contract modules"),
+        ("coordinator/pipeline/act.py", "import local.direct_callback", "the Functions app imports no tool"),
+        ("coordinator/pipeline/record.py", "import ops.cost", "the Functions app imports no tool"),
+        ("coordinator/pipeline/fold.py", "import forwarder.daemon", "share only the contracts"),
+        ("coordinator/domain/sightings.py", "import coordinator.pipeline.fold", "nothing imports up"),
+        ("coordinator/state/tables.py", "import coordinator.adapters.gates", "nothing imports up"),
+        ("coordinator/domain/rules.py", "import requests", "the coordinator's domain is pure"),
         ("local/timeline.py", "import tests.coordinator.helpers", "nothing imports tests"),
     ],
 )

@@ -31,14 +31,11 @@ def test_the_staged_app_imports_on_its_own_and_indexes_every_function(tmp_path: 
     )
     archive = Path(done.stdout.strip().splitlines()[-1])
     names = set(zipfile.ZipFile(archive).namelist())
-    assert {"function_app.py", "host.json", "requirements.txt", "forwarder/envelope.py"} <= names
-    # The forwarder modules shipped are exactly the contract modules declared once in pyproject.toml.
-    declared = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "contract_modules.py")], capture_output=True, text=True, check=True
-    ).stdout.split()
-    assert {"envelope", "approval"} <= set(declared)
-    shipped = {n.removeprefix("forwarder/").removesuffix(".py") for n in names if n.startswith("forwarder/")} - {""}
-    assert shipped == {"__init__", *declared}
+    assert {"function_app.py", "host.json", "requirements.txt", "contracts/envelope.py"} <= names
+    # The coordinator shares only the contracts with the forwarder: no forwarder module and no operator tool ships.
+    assert not any(name.startswith(("forwarder/", "ops/")) for name in names)
+    contracts = {n for n in names if n.startswith("contracts/") and n.endswith(".py")}
+    assert contracts == {f"contracts/{p.name}" for p in (ROOT / "contracts").glob("*.py")}
     assert not any(name.startswith(("tests/", "emulators/", "local/")) or "__pycache__" in name for name in names)
     # -I: neither the repository (cwd of pytest) nor PYTHONPATH may leak in; only the staged folder is on the path.
     indexed = subprocess.run(

@@ -1,5 +1,5 @@
 """The IMDS emulator's ARM face: the Maintenance RP's scheduled-event acknowledge (preview), for the coordinator's
-remote-acknowledge callback (coordinator/remote_acknowledge.py).
+remote-acknowledge callback (coordinator/adapters/remote_acknowledge.py).
 
 Takes ``POST {vm or scale set id}/providers/Microsoft.Maintenance/scheduledevents/{eventId}/acknowledge
 ?api-version=2023-10-01-preview`` with ``Authorization: Bearer <token>``; gives what ARM gives, in ARM's error shape

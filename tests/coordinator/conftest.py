@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.history import SqliteHistory
+from coordinator.adapters.history import SqliteHistory
 from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario

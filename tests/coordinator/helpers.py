@@ -9,8 +9,8 @@ from typing import Any
 
 import azure.functions as func
 
-from coordinator.rows import HistoryRow
-from forwarder.envelope import SCHEMA
+from contracts.envelope import SCHEMA
+from coordinator.domain.rows import HistoryRow
 
 DOC_EVENT_ID = "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
 DOC_NOT_BEFORE = "Mon, 11 Apr 2022 22:26:58 GMT"

@@ -16,13 +16,14 @@ from typing import Any, get_args
 import jsonschema
 import pytest
 
-from coordinator.alerts import MAX_CARD_BYTES, AlertError, TeamsWebhookSink, build_card, build_vm_card, card_bytes
-from coordinator.ingest import RawMessage
-from coordinator.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from contracts.envelope import VmIdentity
+from coordinator.adapters.teams import AlertError, TeamsWebhookSink
+from coordinator.domain.cards import MAX_CARD_BYTES, build_card, build_vm_card, card_bytes
+from coordinator.domain.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
-from forwarder.envelope import VmIdentity
+from coordinator.state.tables import TableStateStore
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 

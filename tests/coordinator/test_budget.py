@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from coordinator.alerts import FolderCardSink
-from coordinator.decide import CLAIM_LEASE
-from coordinator.ingest import RawMessage
-from coordinator.model import BudgetClaim, BudgetRecord
-from coordinator.rules import parse_policy
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.model import BudgetClaim, BudgetRecord
+from coordinator.domain.rules import parse_policy
+from coordinator.pipeline.decide import CLAIM_LEASE
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback

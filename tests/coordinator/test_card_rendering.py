@@ -16,8 +16,9 @@ from typing import Any, get_args
 
 import pytest
 
-from coordinator.alerts import CARD_VERSION, build_card, build_vm_card
-from coordinator.model import (
+from contracts.envelope import VmIdentity
+from coordinator.domain.cards import CARD_VERSION, build_card, build_vm_card
+from coordinator.domain.model import (
     AlertKind,
     ApprovalRecord,
     DecisionRecord,
@@ -26,7 +27,6 @@ from coordinator.model import (
     ImdsFailure,
     VmRecord,
 )
-from forwarder.envelope import VmIdentity
 from tests.infra import bicep_model as bm
 
 ROOT = Path(__file__).resolve().parents[2]

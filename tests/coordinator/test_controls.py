@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from coordinator.controls import GateResult, Schedule, VmFacts, limit_for, parse_duration
-from coordinator.model import EventRecord
-from coordinator.rules import FleetView, Policy, PolicyError, budget_domains, evaluate, parse_policy
+from coordinator.domain.controls import GateResult, Schedule, VmFacts, limit_for, parse_duration
+from coordinator.domain.model import EventRecord
+from coordinator.domain.rules import FleetView, Policy, PolicyError, budget_domains, evaluate, parse_policy
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)  # a Wednesday, 11:00 in Oslo (CET)
 
@@ -329,8 +329,8 @@ def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
 
 
 def test_a_card_names_what_held_the_event_since_and_until_when() -> None:
-    from coordinator.alerts import build_card
-    from coordinator.model import DecisionRecord
+    from coordinator.domain.cards import build_card
+    from coordinator.domain.model import DecisionRecord
 
     held = record()
     held.decision = DecisionRecord(

@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-from coordinator.alerts import FolderCardSink
-from coordinator.ingest import RawMessage
-from coordinator.rules import parse_policy
+from contracts.envelope import VmIdentity
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.rules import parse_policy
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
-from forwarder.envelope import VmIdentity
 from forwarder.imds import tags_of
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock

@@ -1,4 +1,4 @@
-"""`python -m coordinator.cost`: listener-hours and dollars per VM per month, from a known history written through
+"""`python -m ops.cost`: listener-hours and dollars per VM per month, from a known history written through
 the real SqliteHistory, and from assumed rates; exact figures, and the errors for bad arguments."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.cost import main
-from coordinator.history import SqliteHistory
-from coordinator.rows import HistoryRow
+from coordinator.adapters.history import SqliteHistory
+from coordinator.domain.rows import HistoryRow
+from ops.cost import main
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 DAY = timedelta(days=1)

@@ -10,17 +10,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from coordinator.alerts import FolderCardSink
-from coordinator.ingest import RawMessage
-from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
+from coordinator.domain.sightings import state_tag
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.sightings import state_tag
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
-from forwarder.approval import ApprovalRequest, ApprovalResult
 from forwarder.approver import Approver
-from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayRequest
 from local.direct_callback import DirectImdsCallback

@@ -21,18 +21,18 @@ import pytest
 from azure.identity import ManagedIdentityCredential
 
 import function_app
-from coordinator.alerts import FolderCardSink
-from coordinator.ingest import RawMessage
-from coordinator.remote_acknowledge import RemoteAcknowledgeSender
-from coordinator.rules import parse_policy
+from contracts.envelope import VmIdentity
+from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.rules import parse_policy
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
 from emulators.imds.event_grid import EVENT_TYPE, EventGridPublisher
-from forwarder.envelope import VmIdentity
 from local.direct_callback import DirectImdsCallback
 from local.runner import FunctionHost
 from tests.coordinator.conftest import Clock

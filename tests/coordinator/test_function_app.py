@@ -387,7 +387,7 @@ def test_a_missing_forged_foreign_or_expired_token_is_refused(app: App):
 
 
 def test_every_instance_shares_the_form_key(app: App):
-    from coordinator.tables import TableStateStore
+    from coordinator.state.tables import TableStateStore
 
     first = app.coordinator.store.shared_key("approval-form")
     # Another instance: its own client on the same table (the key was created once, by whoever came first).
@@ -443,7 +443,7 @@ def test_dry_run_holds_an_approval_decided_before_it_was_switched_on(app: App):
 
 class _Unreachable:
     def send(self, request: Any, *, vm: Any) -> Any:
-        from coordinator.callback import ApprovalDeliveryError
+        from coordinator.adapters.callback import ApprovalDeliveryError
 
         raise ApprovalDeliveryError("relay unreachable (test)")
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from azure.core.credentials import AccessToken
 
-from coordinator.controls import AlertGate, Gate, HttpGate, LogQueryGate
-from coordinator.gates import AzureMonitorReader, GateReader
+from coordinator.adapters.gates import AzureMonitorReader, GateReader
+from coordinator.domain.controls import AlertGate, Gate, HttpGate, LogQueryGate
 
 WORKSPACE = "11111111-2222-3333-4444-555555555555"
 RULE = "/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/rg/providers/microsoft.insights/" + (

@@ -18,8 +18,9 @@ import pytest
 from azure.core.credentials import AccessToken
 from azure.monitor.ingestion import LogsIngestionClient
 
-from coordinator.history import LogsIngestionHistory, SqliteHistory, main, parse_since
-from coordinator.rows import HistoryRow, column_types, history_schema
+from coordinator.adapters.history import LogsIngestionHistory, SqliteHistory
+from coordinator.domain.rows import HistoryRow, column_types, history_schema
+from ops.history import main, parse_since
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
@@ -85,7 +86,7 @@ def test_cli_runs_as_a_module(tmp_path):
     path = tmp_path / "h.sqlite"
     SqliteHistory(path).write(rows())
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.history", "--db", str(path), "timeline", "E1"],
+        [sys.executable, "-m", "ops.history", "--db", str(path), "timeline", "E1"],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.alerts import FolderCardSink
-from coordinator.callback import ApprovalDeliveryError
-from coordinator.ingest import RawMessage
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
+from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
-from forwarder.approval import ApprovalRequest, ApprovalResult
-from forwarder.envelope import VmIdentity
+from coordinator.state.tables import TableStateStore
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from coordinator.alerts import FolderCardSink
-from coordinator.ingest import RawMessage
-from coordinator.outbox import ALERT_GRACE
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.pipeline.ingest import RawMessage
+from coordinator.pipeline.outbox import ALERT_GRACE
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback

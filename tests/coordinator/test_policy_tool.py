@@ -1,4 +1,4 @@
-"""python -m coordinator.policy: check (errors name the line), test (cases pass and fail, exit codes, JSON),
+"""python -m ops.policy: check (errors name the line), test (cases pass and fail, exit codes, JSON),
 simulate (a history recorded by the real coordinator, over Azurite and the IMDS emulator, replays with no difference
 through its own policy and with the expected ones through changed policies; JSON and CSV exports read as SQLite
 does; bad inputs are named, bad rows set aside and counted)."""
@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from coordinator.history import SqliteHistory
-from coordinator.policy import adapters
-from coordinator.policy.__main__ import main
-from coordinator.policy.exports import read_history
-from coordinator.policy.replay import replay
-from coordinator.rows import HistoryRow, column_types, history_schema
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy, parse_policy
+from coordinator.adapters.history import SqliteHistory
+from coordinator.domain.rows import HistoryRow, column_types, history_schema
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy, parse_policy
+from ops.policy import adapters
+from ops.policy.__main__ import main
+from ops.policy.exports import read_history
+from ops.policy.replay import replay
 from tests.coordinator.helpers import DOC_NOW
 from tests.coordinator.test_deletes import Harness, terminate
 
@@ -72,7 +72,7 @@ def test_check_of_a_missing_file_says_so(tmp_path, capsys):
 
 def test_help_documents_the_exit_codes():
     out = subprocess.run(
-        [sys.executable, "-m", "coordinator.policy", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "ops.policy", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "exit codes: 0 ok" in out
     assert "1 a test case failed" in out

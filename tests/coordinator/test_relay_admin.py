@@ -1,4 +1,4 @@
-"""coordinator.relay_admin against a loopback HTTP server that records ARM requests.
+"""coordinator.adapters.relay_admin against a loopback HTTP server that records ARM requests.
 
 FAKE: there is no local Azure Resource Manager, so ``FakeArm`` stands in for the Microsoft.Relay resource
 provider — it keeps hybrid connections in a dict, checks the bearer token's audience, answers like ARM (201 on
@@ -18,9 +18,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 from azure.core.credentials import AccessToken
 
-from coordinator.relay_admin import API_VERSION, HybridConnectionAdmin, RelayAdminError
+from contracts.envelope import VmIdentity
+from coordinator.adapters.relay_admin import API_VERSION, HybridConnectionAdmin, RelayAdminError
 from emulators.tokens import TokenError, mint_token, verify_token
-from forwarder.envelope import VmIdentity
 
 NAMESPACE_PATH = "/subscriptions/sub-1/resourceGroups/rg-se/providers/Microsoft.Relay/namespaces/relay-se"
 VM = VmIdentity(

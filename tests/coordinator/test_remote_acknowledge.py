@@ -19,19 +19,19 @@ import pytest
 import requests
 from azure.identity import ManagedIdentityCredential
 
-from coordinator.alerts import FolderCardSink
-from coordinator.callback import ApprovalDeliveryError
-from coordinator.ingest import RawMessage
-from coordinator.remote_acknowledge import API_VERSION, RemoteAcknowledgeSender, acknowledge_target
-from coordinator.rules import PolicyError, parse_policy
+from contracts.approval import ApprovalFacts, ApprovalRequest
+from contracts.envelope import VmIdentity
+from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.remote_acknowledge import API_VERSION, RemoteAcknowledgeSender, acknowledge_target
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.rules import PolicyError, parse_policy
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
 from emulators.tokens import mint_token
-from forwarder.approval import ApprovalFacts, ApprovalRequest
-from forwarder.envelope import VmIdentity
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from coordinator.model import EventRecord, VmSighting
-from coordinator.rules import (
+from coordinator.domain.model import EventRecord, VmSighting
+from coordinator.domain.rules import (
     DEFAULT_POLICY_PATH,
     Decision,
     FleetView,

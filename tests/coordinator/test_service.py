@@ -13,11 +13,11 @@ import azure.functions as func
 from azure.functions.eventhub import EventHubTriggerConverter
 from azure.functions.meta import Datum
 
-from coordinator.alerts import FolderCardSink
-from coordinator.ingest import RawMessage
-from coordinator.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback

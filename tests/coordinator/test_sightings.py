@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from coordinator.model import ApprovalRecord, EventRecord, PlatformHold, VmRecord
-from coordinator.sightings import (
+from contracts.envelope import Envelope
+from coordinator.domain.model import ApprovalRecord, EventRecord, PlatformHold, VmRecord
+from coordinator.domain.sightings import (
     EventChange,
     advance,
     apply_observations,
@@ -17,7 +18,6 @@ from coordinator.sightings import (
     state_tag,
     vm_observations,
 )
-from forwarder.envelope import Envelope
 from tests.coordinator.helpers import DOC_EVENT_ID, DOC_NOW, documented_example, envelope, scheduled_event, vm
 
 

@@ -1,4 +1,4 @@
-"""The coordinator's telemetry (coordinator/telemetry.py), collected with the OpenTelemetry SDK as python -m local does
+"""The coordinator's telemetry (adapters/telemetry.py), collected with the OpenTelemetry SDK as python -m local does
 (local/telemetry.py): an approval continues the trace of the envelope that first reported its event, through the
 decision, the approval's span and the Relay request's traceparent header; the metrics count what happened; a
 forwarder whose heartbeats say IMDS fails raises one card, and another only after it recovered; an event that waits
@@ -24,13 +24,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
 import function_app
-from coordinator import telemetry
-from coordinator.alerts import AlertError, FolderCardSink
-from coordinator.ingest import RawMessage
-from coordinator.relay_sender import RelayApprovalSender
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.adapters import telemetry
+from coordinator.adapters.relay_sender import RelayApprovalSender
+from coordinator.adapters.teams import AlertError, FolderCardSink
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.tables import TableStateStore
+from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from coordinator.ingest import RawMessage
+from coordinator.pipeline.ingest import RawMessage
 from tests.coordinator.helpers import envelope
 from tests.coordinator.test_deletes import IDENTITY, Harness, _Listeners
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from contracts.document import ScheduledEventsDocument
 from forwarder.changes import canonical, detect
-from forwarder.document import ScheduledEventsDocument
 
 
 def doc(incarnation: int, *events: dict[str, Any]) -> ScheduledEventsDocument:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from contracts.envelope import Envelope
 from emulators.imds import ImdsEmulator
 from forwarder import daemon
 from forwarder.durable_state import HookJob, Store
-from forwarder.envelope import Envelope
 from tests.forwarder.conftest import Harness, ScriptedImds, wait_for, write_hook
 
 MakeHarness = Callable[..., Harness]

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from forwarder.document import ScheduledEvent
+from contracts.document import ScheduledEvent
 
 
 def not_before(value: str) -> datetime | None:

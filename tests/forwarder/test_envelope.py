@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from forwarder.envelope import SCHEMA, Envelope, VmIdentity
+from contracts.envelope import SCHEMA, Envelope, VmIdentity
 
 VM = VmIdentity(
     name="web_3",

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from contracts.envelope import MAX_TAG_VALUE, MAX_TAGS
 from emulators.imds import ImdsEmulator, Scenario
-from forwarder.envelope import MAX_TAG_VALUE, MAX_TAGS
 from forwarder.imds import (
     IDLE_DISABLE_SECONDS,
     ImdsClient,

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 
-from coordinator.relay_sender import RelayApprovalSender
+from contracts.approval import ApprovalRequest
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
-from forwarder.approval import ApprovalRequest
 from forwarder.cli import relay_companions
 from forwarder.config import ForwarderSettings, load_settings
 from forwarder.imds import ImdsClient

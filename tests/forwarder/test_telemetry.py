@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import requests
 
+from contracts.envelope import ForwarderHealth
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.partition_log import StoredEvent
 from emulators.imds import ImdsEmulator
-from forwarder.envelope import ForwarderHealth
 from forwarder.eventhub import EventHubSink
 from forwarder.telemetry import SERVICE_NAME
 from tests.forwarder.conftest import Harness, wait_for, write_hook

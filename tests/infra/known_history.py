@@ -23,8 +23,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from coordinator.history import SqliteHistory
-from coordinator.rows import HistoryRow
+from coordinator.adapters.history import SqliteHistory
+from coordinator.domain.rows import HistoryRow
 
 SUBSCRIPTION = "/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/rg"
 

@@ -15,10 +15,10 @@ from typing import Any, get_args
 
 import pytest
 
-from coordinator import kql
-from coordinator.history import SqliteHistory
-from coordinator.model import AlertKind
-from coordinator.rows import HistoryRow
+from coordinator.adapters.history import SqliteHistory
+from coordinator.domain.model import AlertKind
+from coordinator.domain.rows import HistoryRow
+from ops import kql
 from tests.infra import bicep_model as bm
 from tests.infra.known_history import Event, heartbeat
 from tests.infra.test_kql import alert_query_file, alert_rules

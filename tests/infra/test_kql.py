@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from coordinator import telemetry
+from coordinator.adapters import telemetry
 from infra import build_workbook
 from tests.infra import bicep_model as bm
 from tests.infra.kql_language import Analysis, analyze, analyze_one
@@ -21,7 +21,7 @@ QUERIES = sorted((bm.INFRA / "queries").glob("*.kql"))
 METRIC_QUERIES = sorted(build_workbook.METRIC_QUERIES.glob("*.kql"))
 ALERTS = bm.INFRA / "modules" / "alerts.bicep"
 HISTORY = json.loads((bm.ROOT / "coordinator" / "history_columns.json").read_text(encoding="utf-8"))
-# Every metric coordinator/telemetry.py records, by name.
+# Every metric coordinator/adapters/telemetry.py records, by name.
 INSTRUMENTS = set(telemetry.METRICS)
 # A metric or attribute name in a query ("scheduled_events.forwarder." as a prefix is neither).
 NAME = re.compile(r'"(scheduled_events\.[a-z_.]*[a-z_])"')
@@ -108,7 +108,7 @@ def test_the_service_reports_syntax_and_type_errors_with_their_line() -> None:
 
 @pytest.mark.parametrize("path", METRIC_QUERIES, ids=lambda p: p.name)
 def test_metric_query_passes_the_kusto_language_service(path: Path, shipped: dict[str, Analysis]) -> None:
-    """The workbook's metric panels query Application Insights' AppMetrics by the names coordinator/telemetry.py
+    """The workbook's metric panels query Application Insights' AppMetrics by the names adapters/telemetry.py
     gives its instruments."""
     analysis = shipped[f"metrics/{path.name}"]
     assert analysis.problems() == []
@@ -116,7 +116,7 @@ def test_metric_query_passes_the_kusto_language_service(path: Path, shipped: dic
     names = set(NAME.findall(path.read_text(encoding="utf-8")))
     assert names & INSTRUMENTS, f"{path.name} names no metric"
     unknown = names - INSTRUMENTS - telemetry.ATTRIBUTES
-    assert not unknown, f"{path.name}: names coordinator/telemetry.py does not record: {unknown}"
+    assert not unknown, f"{path.name}: names coordinator/adapters/telemetry.py does not record: {unknown}"
 
 
 def test_the_metric_names_are_checked_against_the_instruments() -> None:

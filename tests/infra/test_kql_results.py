@@ -1,8 +1,8 @@
 """What the shipped queries return on a known history: tests/infra/known_history.py writes its rows with the real
-SQLite history writer, coordinator/kql.py loads them as Log Analytics types them and duckdb-kql runs each file of
+SQLite history writer, ops/kql.py loads them as Log Analytics types them and duckdb-kql runs each file of
 infra/queries as it is shipped. Every query file has its expected rows here; now() is pinned to the history's now.
 Also: duckdb-kql's result schema is the one Microsoft's language service infers, and the `kql` command of
-`python -m coordinator.history` runs a file or a query and names the query when one fails."""
+`python -m ops.history` runs a file or a query and names the query when one fails."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from duckdb import DuckDBPyConnection
 
-from coordinator import kql
 from infra import build_workbook
+from ops import kql
 from tests.infra import bicep_model as bm
 from tests.infra.known_history import vm_columns, write_known_history
 from tests.infra.kql_language import analyze
@@ -202,7 +202,7 @@ def test_strings_read_as_empty_never_null(con: DuckDBPyConnection) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.history", *args],
+        [sys.executable, "-m", "ops.history", *args],
         capture_output=True,
         text=True,
         check=False,

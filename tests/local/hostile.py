@@ -10,8 +10,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from forwarder.document import ScheduledEventsDocument
-from forwarder.envelope import Envelope, VmIdentity
+from contracts.document import ScheduledEventsDocument
+from contracts.envelope import Envelope, VmIdentity
 
 
 def template(vm: VmIdentity) -> dict[str, Any]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from contracts.approval import ApprovalFacts, ApprovalRequest
+from contracts.document import ScheduledEventsDocument
+from contracts.envelope import VmIdentity
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
-from forwarder.approval import ApprovalFacts, ApprovalRequest
-from forwarder.document import ScheduledEventsDocument
-from forwarder.envelope import VmIdentity
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, vm
 

@@ -15,9 +15,9 @@ import pytest
 from azure.eventhub import EventData, EventHubProducerClient
 from hypothesis import HealthCheck, Phase, given, settings
 
+from contracts.envelope import VmIdentity
 from emulators.imds import Scenario
 from emulators.relay import RelayEmulator
-from forwarder.envelope import VmIdentity
 from forwarder.imds import identity_of
 from local.observe import sent_envelopes
 from local.runner import IngestFunction, wait_until

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from azure.eventhub import EventData, EventHubProducerClient
 
-from coordinator.rules import DEFAULT_POLICY_PATH
+from contracts.document import ScheduledEventsDocument
+from contracts.envelope import Envelope, HookReport, HookStep
+from coordinator.domain.rules import DEFAULT_POLICY_PATH
 from emulators.imds import Scenario
-from forwarder.document import ScheduledEventsDocument
-from forwarder.envelope import Envelope, HookReport, HookStep
 from forwarder.imds import identity_of
 from local.runner import wait_until
 from local.stack import HUB, LocalStack

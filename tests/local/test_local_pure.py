@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.rules import DEFAULT_POLICY_PATH, load_policy
+from contracts.envelope import VmIdentity
+from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
 from emulators.imds import Scenario
-from forwarder.envelope import VmIdentity
 from local.expectations import Expected, expect, expect_all
 from local.observe import cards_written
 from local.scenario import delayed

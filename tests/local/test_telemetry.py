@@ -15,7 +15,7 @@ import pytest
 from azure.eventhub import EventData
 
 import function_app
-from coordinator import telemetry
+from coordinator.adapters import telemetry
 from local.runner import to_function_batch
 from local.telemetry import REPORT_FILE, TELEMETRY_DIR, Collector, SpanRecord, approval_traces, read_forwarder_spans
 from tests.local.conftest import Runner, compact_scenario

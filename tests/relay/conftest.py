@@ -17,15 +17,16 @@ from typing import Any
 import pytest
 from azure.core.credentials import AccessToken, AzureNamedKeyCredential
 
-from coordinator.relay_sender import RelayApprovalSender
+from contracts.approval import ApprovalFacts, ApprovalRequest
+from contracts.document import ScheduledEvent
+from contracts.envelope import VmIdentity
+from contracts.sas import relay_resource_uri
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import Right
 from emulators.tokens import mint_token
-from forwarder.approval import ApprovalFacts, ApprovalRequest
 from forwarder.approver import Approver
-from forwarder.document import ScheduledEvent
-from forwarder.envelope import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import (
     EntraTokenProvider,
@@ -34,7 +35,6 @@ from forwarder.relay_listener import (
     TokenProvider,
 )
 from forwarder.retry import Backoff, RateLimiter
-from forwarder.sas import relay_resource_uri
 
 LISTEN_KEY = "bGlzdGVuLWtleS1mb3ItdGVzdHM="
 SEND_KEY = "c2VuZC1rZXktZm9yLXRlc3Rz"

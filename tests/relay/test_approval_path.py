@@ -14,12 +14,12 @@ import pytest
 import requests
 from azure.core.credentials import AzureNamedKeyCredential
 
-from coordinator.callback import ApprovalCallback, ApprovalDeliveryError
-from coordinator.relay_sender import RelayApprovalSender
+from contracts.envelope import VmIdentity
+from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
-from forwarder.envelope import VmIdentity
 from tests.relay.conftest import (
     SEND_KEY,
     VM_A0,

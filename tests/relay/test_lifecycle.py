@@ -13,9 +13,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 
-from coordinator.callback import ApprovalDeliveryError
-from coordinator.relay_admin import HybridConnectionAdmin, hybrid_connections_to_delete
-from coordinator.relay_sender import RelayApprovalSender
+from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.relay_admin import HybridConnectionAdmin, hybrid_connections_to_delete
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import Right

@@ -13,12 +13,12 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 from websockets.sync.server import ServerConnection, serve
 
-from coordinator.relay_sender import RelayApprovalSender
+from contracts.sas import sas_token
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
 from forwarder.relay_listener import RelayListener, RelayRequest, RelayResponse, RelayToken
-from forwarder.sas import sas_token
 from tests.relay.conftest import LISTEN_KEY, SEND_KEY, VM_A0, Vm, approval, scheduled_event
 
 

@@ -12,19 +12,19 @@ from urllib.parse import unquote
 
 import pytest
 
-from coordinator.relay_admin import hybrid_connections_to_delete, namespace_for_vm
+from contracts.approval import ApprovalFacts, ApprovalRequest
+from contracts.document import ScheduledEvent, ScheduledEventsDocument
+from contracts.envelope import VmIdentity
+from contracts.sas import relay_resource_uri, sas_token
+from coordinator.adapters.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
-from forwarder.approval import ApprovalFacts, ApprovalRequest
 from forwarder.approver import Freshness, judge, refuse_stale
-from forwarder.document import ScheduledEvent, ScheduledEventsDocument
-from forwarder.envelope import VmIdentity
 from forwarder.relay_listener import (
     RelayResponse,
     SasTokenProvider,
     _relative_path,
     _response_frame,
 )
-from forwarder.sas import relay_resource_uri, sas_token
 
 NOW = datetime(2026, 11, 21, 6, 0, tzinfo=UTC)
 KEY = "c2VjcmV0LWtleS1mb3ItdGVzdHMtb25seQ=="

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from azure.identity import ManagedIdentityCredential
 
-from coordinator.callback import ApprovalDeliveryError
-from coordinator.relay_sender import RelayApprovalSender
+from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import Right

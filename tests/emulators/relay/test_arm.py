@@ -10,10 +10,10 @@ import requests
 from azure.core.credentials import AccessToken
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from coordinator.relay_admin import HybridConnectionAdmin
+from contracts.envelope import VmIdentity
+from coordinator.adapters.relay_admin import HybridConnectionAdmin
 from emulators.relay import RelayEmulator
 from emulators.tokens import mint_token
-from forwarder.envelope import VmIdentity
 from tests.emulators.relay.raw import RawListener, sas
 
 NAMESPACE = "/subscriptions/sub-1/resourceGroups/rg-se/providers/Microsoft.Relay/namespaces/relay-se"

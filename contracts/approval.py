@@ -1,0 +1,84 @@
+"""The approval contract (coordinator -> Azure Relay -> the VM's listener -> IMDS). Both sides import this.
+
+The listener approves only an EventId that is in its current IMDS document, still Scheduled, and concerns this
+VM's group (a Terminate: this VM itself), and only when the facts the decision rested on (``ApprovalFacts``)
+match its fresh document and, where the decision waited for this VM's prepare hooks, its own hook ledger; it
+answers with what it did. IMDS answers 200 to any valid EventId, so an "approved" result means "StartRequests was
+accepted", not "the event started": the coordinator confirms by seeing Started or gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.document import ScheduledEvent
+
+ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected"]
+
+
+class ApprovalFacts(BaseModel):
+    """The facts a decision rested on, as the coordinator recorded them from the VMs' sightings. The listener
+    approves only when its own fresh IMDS document shows the same: a VM that lied to the coordinator (one fleet
+    identity is shared by every VM) cannot make another VM approve something other than what was decided."""
+
+    model_config = ConfigDict(frozen=True)
+
+    eventType: str = Field(min_length=1, max_length=64)
+    eventSource: str = Field(max_length=64)
+    durationInSeconds: int
+    notBefore: datetime | None
+    resources: list[str] = Field(max_length=1000)
+    # The VMs whose prepare hooks the rule waited for (empty when the decision did not rest on hooks): the listener
+    # of each of them checks its own hook ledger.
+    hooksRequired: list[str] = Field(default_factory=list, max_length=1000)
+
+    @classmethod
+    def of(cls, event: ScheduledEvent, *, hooks_required: Iterable[str] = ()) -> ApprovalFacts:
+        return cls(
+            eventType=event.EventType,
+            eventSource=event.EventSource,
+            durationInSeconds=event.DurationInSeconds,
+            notBefore=event.not_before(),
+            resources=list(event.Resources),
+            hooksRequired=list(hooks_required),
+        )
+
+    def differences(self, event: ScheduledEvent) -> list[str]:
+        """Where this VM's IMDS document disagrees with the facts, each as 'FIELD is X here, the decision rested
+        on Y' (empty when they agree). Resources are compared as sets; NotBefore as instants."""
+        seen = ApprovalFacts.of(event)
+        pairs: list[tuple[str, object, object]] = [
+            ("EventType", seen.eventType, self.eventType),
+            ("EventSource", seen.eventSource, self.eventSource),
+            ("DurationInSeconds", seen.durationInSeconds, self.durationInSeconds),
+            ("NotBefore", seen.notBefore, self.notBefore),
+            ("Resources", sorted(set(seen.resources)), sorted(set(self.resources))),
+        ]
+        return [f"{name} is {here!r} here, the decision rested on {decided!r}" for name, here, decided in pairs
+                if here != decided]  # fmt: skip
+
+
+class ApprovalRequest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    eventId: str = Field(min_length=1, max_length=128)
+    decisionId: str = Field(min_length=1, max_length=128)
+    rule: str = Field(min_length=1, max_length=256)
+    issuedAt: datetime
+    expiresAt: datetime
+    # Optional in the model so that an older coordinator's request still parses into a clear refusal, not a 400.
+    facts: ApprovalFacts | None = None
+
+
+class ApprovalResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    outcome: ApprovalOutcome
+    eventId: str
+    decisionId: str
+    documentIncarnation: int | None = None
+    reason: str = ""

@@ -1,0 +1,222 @@
+"""The envelope contract (forwarder -> Event Hubs -> coordinator), version 1. Both sides import this module.
+
+JSON, UTF-8, one envelope per event-hub message; partition key = the VM's resource id, so that one VM's
+envelopes stay in order. Unknown fields are kept; a newer schema version is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from contracts.document import ScheduledEventsDocument
+
+SCHEMA = "scheduled-events.envelope/1"
+SCHEMA_VERSION = 1
+_SCHEMA_PATTERN = re.compile(r"^scheduled-events\.envelope/(\d+)$")
+
+EnvelopeKind = Literal["incarnation", "heartbeat", "hook"]
+HookPhase = Literal["prepare", "recover"]
+HookOutcome = Literal["succeeded", "failed", "timed-out", "not-run"]
+
+
+class UnsupportedEnvelopeVersion(ValueError):
+    """The envelope was written by a newer forwarder than this code understands."""
+
+
+# Azure's own limits on a resource's tags (50 per resource; name 512, value 256 characters): a VM reporting more
+# is not telling the truth, and its envelope is refused at the door.
+MAX_TAGS = 50
+MAX_TAG_NAME = 512
+MAX_TAG_VALUE = 256
+
+
+class VmIdentity(BaseModel):
+    """Who the VM is, from IMDS instance metadata (compute.*), never from the hostname. ``platformUpdateDomain``
+    and ``tags`` are optional (v1-compatible: older forwarders leave them out); tags are what the VM says, so the
+    policy only lets them restrict what it approves unless a rule trusts them (docs/coordinator.md, "Tags")."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256)
+    vmId: str = Field(min_length=1, max_length=64)
+    resourceId: str = Field(min_length=1, max_length=1024)
+    subscriptionId: str = ""
+    resourceGroupName: str = ""
+    vmScaleSetName: str = ""
+    location: str = ""
+    zone: str = ""
+    platformFaultDomain: str = ""
+    platformUpdateDomain: str = Field(default="", max_length=16)
+    placementGroupId: str = ""
+    tags: dict[str, str] = Field(default_factory=dict, max_length=MAX_TAGS)
+
+    @field_validator("tags")
+    @classmethod
+    def _bounded_tags(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not 0 < len(name) <= MAX_TAG_NAME or len(text) > MAX_TAG_VALUE:
+                raise ValueError(
+                    f"tag {name[:64]!r}: names are 1-{MAX_TAG_NAME} characters, values at most {MAX_TAG_VALUE}"
+                )
+        return value
+
+    def __hash__(self) -> int:
+        # Frozen but holding a dict: hashed by who the VM is.
+        return hash((self.resourceId.lower(), self.vmId))
+
+    @property
+    def partition_key(self) -> str:
+        return self.resourceId.lower()
+
+    @property
+    def hybrid_connection_name(self) -> str:
+        """The VM's own Azure Relay hybrid connection (one per VM: a connection spreads requests among its
+        listeners at random, so a shared one cannot address a VM). vmId is unique and stable for the VM's life."""
+        return f"vm-{self.vmId.lower()}"
+
+
+MAX_HOOK_STEPS = 32
+STEP_OUTPUT_TAIL = 1024
+
+
+class HookStep(BaseModel):
+    """One hook (one executable of a phase's folder) and how it ended."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    hook: str = Field(min_length=1, max_length=256)
+    outcome: HookOutcome
+    durationSeconds: float = Field(ge=0)
+    exitCode: int | None = None
+    outputTail: str = Field(default="", max_length=STEP_OUTPUT_TAIL)
+
+
+class HookReport(BaseModel):
+    """A phase's outcome on one VM for one event.
+
+    Forwarders from this version send one report per phase, with ``steps`` (every hook, in the order run): then
+    ``outcome`` is the phase's outcome, ``succeeded`` only when every step succeeded (``not-run`` when the phase
+    has no hooks). Older forwarders sent one report per hook, without ``steps``: such a report says how one hook
+    ended, not the phase (the coordinator keeps a failure among them, see coordinator/domain/sightings.py).
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    eventId: str = Field(min_length=1, max_length=128)
+    phase: HookPhase
+    outcome: HookOutcome
+    hook: str = ""
+    durationSeconds: float = Field(ge=0)
+    exitCode: int | None = None
+    outputTail: str = Field(default="", max_length=4096)
+    steps: list[HookStep] | None = Field(default=None, max_length=MAX_HOOK_STEPS)
+
+    @property
+    def phase_complete(self) -> bool:
+        """Whether this report closes its phase (it lists every hook), rather than tell of one hook."""
+        return self.steps is not None
+
+    @property
+    def failed_hook(self) -> str:
+        """The first hook that did not succeed ("" when none did not), for the history and the cards."""
+        if self.steps is None:
+            return self.hook if self.outcome in ("failed", "timed-out") else ""
+        return next((s.hook for s in self.steps if s.outcome != "succeeded"), "")
+
+
+def phase_outcome(steps: list[HookStep]) -> HookOutcome:
+    """A phase succeeded only if every one of its hooks succeeded, whatever their order; the first hook that did
+    not succeed gives the phase its outcome; no hooks at all is ``not-run`` (the policy says what that means)."""
+    if not steps:
+        return "not-run"
+    return next((s.outcome for s in steps if s.outcome != "succeeded"), "succeeded")
+
+
+class ForwarderHealth(BaseModel):
+    """What a heartbeat says of the forwarder's own health (optional; v1-compatible): a forwarder that runs and
+    sends heartbeats but cannot read IMDS misses every event, and only these fields show it."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    # The last poll that returned a valid document (None: none since the forwarder started).
+    lastGoodPollAt: datetime | None = None
+    pollErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed IMDS polls since the forwarder started
+    consecutivePollErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed polls since the last good one
+    lastPollError: str = Field(default="", max_length=256)
+    spoolDepth: int = Field(default=0, ge=0, le=2**63 - 1)  # envelopes waiting to be sent
+    dropped: int = Field(default=0, ge=0, le=2**63 - 1)  # envelopes the bounded spool evicted since it was made
+    sendErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed sends to Event Hubs since the start
+    listenerConnected: bool | None = None  # the relay listener's control channel is up (None: no listener)
+
+    @field_validator("lastGoodPollAt")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("lastGoodPollAt must carry a UTC offset")
+        return value
+
+    def poll_age_seconds(self, at: datetime) -> float | None:
+        """Seconds from the last good poll to ``at`` (the heartbeat's observedAt), None when there was none."""
+        if self.lastGoodPollAt is None:
+            return None
+        return max(0.0, (at - self.lastGoodPollAt).total_seconds())
+
+
+class Envelope(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    schema_: str = Field(default=SCHEMA, alias="schema")
+    kind: EnvelopeKind
+    vm: VmIdentity
+    observedAt: datetime
+    sequence: int = Field(ge=0)
+    forwarder: str = Field(min_length=1, max_length=64)
+    # The identifier of the forwarder's durable state (its spool database), new whenever that state is new: a
+    # sequence that starts over under a new stateId is a forwarder that lost its state, not a replay. "" from
+    # forwarders older than this field.
+    stateId: str = Field(default="", max_length=64, pattern=r"^[0-9A-Za-z._-]*$")
+    document: ScheduledEventsDocument | None = None
+    hook: HookReport | None = None
+    health: ForwarderHealth | None = None  # heartbeats from forwarders that report it
+
+    @field_validator("schema_")
+    @classmethod
+    def _known_version(cls, value: str) -> str:
+        match = _SCHEMA_PATTERN.match(value)
+        if not match:
+            raise ValueError(f"schema {value!r} is not a scheduled-events envelope")
+        if int(match.group(1)) > SCHEMA_VERSION:
+            raise UnsupportedEnvelopeVersion(
+                f"envelope schema {value!r} is newer than {SCHEMA!r}; upgrade the coordinator"
+            )
+        return value
+
+    @field_validator("observedAt")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError("observedAt must carry a UTC offset")
+        return value
+
+    @model_validator(mode="after")
+    def _payload_matches_kind(self) -> Envelope:
+        if self.kind == "incarnation" and self.document is None:
+            raise ValueError("an 'incarnation' envelope needs 'document'")
+        if self.kind == "hook" and self.hook is None:
+            raise ValueError("a 'hook' envelope needs 'hook'")
+        return self
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode("utf-8")
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes | str) -> Envelope:
+        return cls.model_validate_json(data)
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any]) -> Envelope:
+        return cls.model_validate(data)

@@ -1,0 +1,246 @@
+"""Delivers an approval to the VM's relay listener: an HTTPS POST through Azure Relay Hybrid Connections.
+
+``POST https://{namespace}/{vm.hybrid_connection_name}/approve`` with the ``ApprovalRequest`` as JSON and a token in
+the ``ServiceBusAuthorization`` header: an Entra ID access token for https://relay.azure.net (managed identity, the
+production path; the raw token, no ``Bearer``) or a SAS token (``AzureNamedKeyCredential``; emulator and tests), and
+the W3C ``traceparent`` of the ``coordinator.approval`` span, so that the listener's spans join the event's trace.
+
+Retries (``coordinator.retry.backoff_delay``, full jitter) cover what a later attempt can fix: no listener
+connected (502/503), the listener did not answer in time (504), the listener could not reach IMDS (503), connection
+errors and timeouts. They stop at the request's ``expiresAt`` (the event's NotBefore: after it, approving is
+pointless) or ``max_retry_seconds`` (the coordinator's approval deadline), whichever is first. The listener is
+idempotent per decisionId, so a retry after a lost answer never approves twice.
+
+"No listener" is the usual first answer, not a fault: a VM's listener connects only while its document holds an
+event it could approve (forwarder/on_demand.py), and it sees the event at about the time the coordinator decides.
+Those retries are capped at ``listener_wait_maximum`` (1 s) so that a listener that connects is found within about
+a second; other failures back off up to ``backoff_maximum``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from urllib.parse import urlsplit
+
+import requests
+from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
+from pydantic import ValidationError
+
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
+from contracts.sas import sas_token
+from coordinator.adapters import telemetry
+from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.relay_admin import namespace_for_vm
+from coordinator.domain.retry import backoff_delay
+
+RELAY_SCOPE = "https://relay.azure.net/.default"
+APPROVE_PATH = "approve"
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+SAS_LIFETIME_SECONDS = 300
+
+log = logging.getLogger("coordinator.adapters.relay_sender")
+
+
+@dataclass(frozen=True)
+class _Retryable:
+    """Why an attempt failed in a way a later one may fix; ``no_listener``: the relay itself answered 502/503
+    (no listener connected yet), which is retried on the short ``listener_wait_maximum`` cap."""
+
+    reason: str
+    no_listener: bool = False
+
+
+class RelayApprovalSender:
+    """``ApprovalCallback`` over Azure Relay.
+
+    :keyword endpoint: namespace base URL (``https://{ns}.servicebus.windows.net``; ``http://127.0.0.1:P`` for the
+        emulator), or several when the fleet is sharded over namespaces (``namespace_for_vm`` picks one).
+    :keyword credential: a ``TokenCredential`` (managed identity; needs "Azure Relay Sender") or an
+        ``AzureNamedKeyCredential`` (SAS rule name and key with Send).
+    :keyword attempt_timeout: seconds for one attempt; the relay itself gives up on a silent listener after 60 s.
+    :keyword backoff_initial, backoff_maximum: retry delays (full jitter, doubling).
+    :keyword listener_wait_maximum: the cap of those delays while the relay answers "no listener" (502/503 from the
+        relay itself, not the listener's own 503 when it cannot reach IMDS).
+    :keyword max_retry_seconds: stop retrying after this long even if the request's deadline is later.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint: str | Sequence[str],
+        credential: TokenCredential | AzureNamedKeyCredential,
+        attempt_timeout: float = 70.0,
+        connect_timeout: float = 5.0,
+        backoff_initial: float = 0.2,
+        backoff_maximum: float = 10.0,
+        listener_wait_maximum: float = 1.0,
+        max_retry_seconds: float | None = None,
+        session: requests.Session | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        rng: random.Random | None = None,
+    ) -> None:
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not endpoints:
+            raise ValueError("RelayApprovalSender needs at least one relay endpoint")
+        for item in endpoints:
+            if urlsplit(item).scheme not in ("https", "http") or not urlsplit(item).hostname:
+                raise ValueError(
+                    f"relay endpoint {item!r} must be https://{{namespace}} (http:// only for an emulator)"
+                )
+        self._endpoints = [item.rstrip("/") for item in endpoints]
+        self._credential = credential
+        self._attempt_timeout = attempt_timeout
+        self._connect_timeout = connect_timeout
+        self._backoff_initial = backoff_initial
+        self._backoff_maximum = backoff_maximum
+        self._listener_wait_maximum = listener_wait_maximum
+        self._max_retry_seconds = max_retry_seconds
+        self._session = session or requests.Session()
+        self._clock = clock
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> RelayApprovalSender:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def endpoint_for(self, vm: VmIdentity) -> str:
+        return namespace_for_vm(vm, self._endpoints)
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        endpoint = self.endpoint_for(vm)
+        hybrid_connection = vm.hybrid_connection_name
+        url = f"{endpoint}/{hybrid_connection}/{APPROVE_PATH}"
+        body = request.model_dump_json().encode("utf-8")
+        budget = (request.expiresAt - self._clock()).total_seconds()
+        if self._max_retry_seconds is not None:
+            budget = min(budget, self._max_retry_seconds)
+        if budget <= 0:
+            raise ApprovalDeliveryError(
+                f"approval {request.decisionId} for event {request.eventId} expired at {request.expiresAt.isoformat()}"
+                " before it could be sent; decide again if the event is still pending"
+            )
+        give_up_at = time.monotonic() + budget
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = give_up_at - time.monotonic()
+            outcome = self._attempt(url, body, hybrid_connection, request, min(self._attempt_timeout, remaining))
+            if isinstance(outcome, ApprovalResult):
+                log.info(
+                    "approval %s for event %s delivered to %s after %d attempt(s): %s %s",
+                    request.decisionId, request.eventId, vm.name, attempt, outcome.outcome, outcome.reason,
+                )  # fmt: skip
+                return outcome
+            failure = outcome
+            maximum = self._listener_wait_maximum if failure.no_listener else self._backoff_maximum
+            delay = backoff_delay(attempt - 1, initial=self._backoff_initial, maximum=maximum, rng=self._rng)
+            if time.monotonic() + delay >= give_up_at:
+                why = (
+                    f"no listener connected within {budget:.1f} s, the request's deadline ({failure.reason})"
+                    if failure.no_listener
+                    else failure.reason
+                )
+                raise ApprovalDeliveryError(
+                    f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
+                    f"{url} after {attempt} attempts: {why}; the caller may retry until NotBefore"
+                )
+            log.warning(
+                "approval %s for event %s: attempt %d failed (%s); retrying in %.2f s",
+                request.decisionId, request.eventId, attempt, failure.reason, delay,
+            )  # fmt: skip
+            time.sleep(delay)
+
+    def _attempt(
+        self, url: str, body: bytes, hybrid_connection: str, request: ApprovalRequest, timeout: float
+    ) -> ApprovalResult | _Retryable:
+        """One POST: the listener's result, or why a retry may help; ApprovalDeliveryError when none will."""
+        headers = {
+            "ServiceBusAuthorization": self._token(url, hybrid_connection),
+            "Content-Type": "application/json",
+        }
+        # W3C trace context (traceparent): the listener's spans join the event's trace (adapters/telemetry.py).
+        telemetry.inject(headers)
+        try:
+            response = self._session.post(
+                url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))
+            )
+        except requests.RequestException as error:
+            return _Retryable(f"{type(error).__name__}: {error}")
+        status = response.status_code
+        if status in RETRYABLE_STATUS:
+            relayed = _listener_error(response) is not None  # the listener's own 503: it could not reach IMDS
+            return _Retryable(
+                f"HTTP {status} {_short(response.text)}", no_listener=status in (502, 503) and not relayed
+            )
+        if status == 200:
+            return self._result(response, request)
+        error_body = _listener_error(response)
+        if error_body is not None:
+            # The listener itself refused the request: that is an answer, and sending it again cannot change it.
+            return ApprovalResult(
+                outcome="rejected",
+                eventId=request.eventId,
+                decisionId=request.decisionId,
+                reason=f"listener answered {status}: {error_body}",
+            )
+        hint = {
+            401: "the relay refused the sender's token: check the coordinator identity or SAS key",
+            403: "the sender's identity lacks 'Azure Relay Sender' on this hybrid connection (or the SAS has no Send)",
+            404: "the hybrid connection does not exist: create it with coordinator.relay_admin",
+        }.get(status, "unexpected answer from the relay")
+        raise ApprovalDeliveryError(f"POST {url} answered HTTP {status}: {hint}: {_short(response.text)}")
+
+    def _token(self, url: str, hybrid_connection: str) -> str:
+        if isinstance(self._credential, AzureNamedKeyCredential):
+            resource = f"http://{urlsplit(url).hostname}/{hybrid_connection}"
+            return sas_token(
+                resource_uri=resource,
+                key_name=self._credential.named_key.name,
+                key=self._credential.named_key.key,
+                expires_on=int(time.time()) + SAS_LIFETIME_SECONDS,
+            )
+        return self._credential.get_token(RELAY_SCOPE).token
+
+    @staticmethod
+    def _result(response: requests.Response, request: ApprovalRequest) -> ApprovalResult:
+        try:
+            result = ApprovalResult.model_validate_json(response.content)
+        except ValidationError as error:
+            raise ApprovalDeliveryError(
+                f"the listener's answer to {request.decisionId} is not an ApprovalResult: {error.errors()[:3]}"
+            ) from None
+        if (result.eventId, result.decisionId) != (request.eventId, request.decisionId):
+            raise ApprovalDeliveryError(
+                f"the listener answered for event {result.eventId}/decision {result.decisionId}, "
+                f"not {request.eventId}/{request.decisionId}"
+            )
+        return result
+
+
+def _listener_error(response: requests.Response) -> str | None:
+    """The reason from a listener's ``{"error": …}`` refusal; None when the answer came from the relay itself."""
+    if not response.headers.get("Content-Type", "").startswith("application/json"):
+        return None
+    try:
+        payload = json.loads(response.content)
+    except ValueError:
+        return None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+        return str(payload["error"])
+    return None
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

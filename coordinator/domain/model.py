@@ -1,0 +1,326 @@
+"""The coordinator's own records: one per EventId (merged from every reporting VM) and one per VM.
+
+Stored as JSON in Table Storage (see tables.py); pydantic at this boundary so that a record written by an older
+coordinator still loads (new fields have defaults) and a corrupt one fails loudly.
+"""
+
+from __future__ import annotations
+
+import zlib
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.envelope import VmIdentity
+
+State = Literal["Scheduled", "Approved", "Started", "Completed", "Canceled", "Expired"]
+TERMINAL_STATES: frozenset[str] = frozenset({"Completed", "Canceled"})
+SightingStatus = Literal["Scheduled", "Started", "Gone"]
+Verdict = Literal["approve", "wait", "never"]
+AlertKind = Literal[
+    "new-event",
+    "approved",
+    "started-without-notice",
+    "canceled",
+    "expired",
+    "approval-failed",
+    "approval-refused",
+    "not-started",
+    "facts-conflict",
+    "heartbeat-lost",
+    "forwarder-conflict",
+    "imds-failing",
+]
+
+
+class VmSighting(BaseModel):
+    """What one VM last said about one event. ``lastSequence`` makes re-applying an envelope a no-op."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    # Identity fields: empty while stored under the VM's own position (VmRecord.sightings), where the VM's
+    # identity says them once; filled in when the event record is assembled.
+    name: str = ""
+    vmId: str = ""
+    resourceId: str = ""
+    scaleSet: str = ""
+    placementGroup: str = ""
+    firstSeen: datetime
+    lastSeen: datetime
+    lastSequence: int
+    incarnation: int = 0
+    status: SightingStatus
+    # The forwarder state (VmRecord.epoch) ``lastSequence`` belongs to: positions compare as (epoch, sequence), so
+    # a forwarder that lost its state and counts from 0 again is not taken for a replay.
+    epoch: int = 0
+    # Per phase (prepare|recover): the phase's outcome on this VM, and the hook that failed it ("" if none).
+    hooks: dict[str, str] = Field(default_factory=dict)
+    failedHooks: dict[str, str] = Field(default_factory=dict)
+    hookSequence: int = -1
+    hookEpoch: int = 0
+
+    def identity(self) -> VmIdentity:
+        return VmIdentity(
+            name=self.name,
+            vmId=self.vmId,
+            resourceId=self.resourceId,
+            vmScaleSetName=self.scaleSet,
+            placementGroupId=self.placementGroup,
+        )
+
+
+class DecisionRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    decisionId: str
+    rule: str
+    action: str
+    verdict: Verdict
+    reason: str
+    decidedAt: datetime
+    dryRun: bool = False
+    actor: str = ""
+    # A Terminate whose own rule approves, held back because another pending delete of its scale set is not ready
+    # (the platform couples them): that event's id, its VM and NotBefore (the latest the hold can last).
+    heldBy: str = ""
+    heldByVm: str = ""
+    heldUntil: datetime | None = None
+    # What held the event back: blackout | window | gate | budget | hooks | delete ("" when nothing did), its name
+    # (the blackout, the rule whose window, the gate, the budget domain, the VMs whose hooks, the holding delete),
+    # since when that same hold has held it, and until when (heldUntil; None when not known, e.g. a failing gate).
+    holdKind: str = ""
+    holdName: str = ""
+    holdSince: datetime | None = None
+
+
+class ApprovalRecord(BaseModel):
+    """The approval being delivered. ``outcome`` is the listener's answer; delivery is retried until NotBefore."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    decisionId: str
+    rule: str
+    actor: str
+    decidedAt: datetime
+    attempts: int = 0
+    lastAttemptAt: datetime | None = None
+    nextAttemptAt: datetime | None = None
+    outcome: str = ""
+    reason: str = ""
+    executor: str = ""
+    delivered: bool = False
+    # A listener's "approved" says IMDS accepted StartRequests, not that the event started: the event must be seen
+    # Started or gone by this time (set on delivery, and again when a platform hold is lifted), else an alert.
+    confirmBy: datetime | None = None
+    # The budget entities this approval claimed (coordinator/controls.claim_key), released when the event concludes.
+    budgetKeys: list[str] = Field(default_factory=list)
+
+
+class PlatformHold(BaseModel):
+    """An approved delete the platform does not start while another delete of its scale set is pending."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    vm: str = ""
+    until: datetime | None = None
+    since: datetime
+
+    def describe(self) -> str:
+        until = self.until.isoformat() if self.until else "its NotBefore"
+        return f"held by the platform: delete of {self.vm or self.eventId} ({self.eventId}) pending until {until}"
+
+
+class FactConflict(BaseModel):
+    """A sighting whose facts contradict the record's (kept, never merged over it): the VM that claimed it, where,
+    and each differing fact as (recorded, claimed)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    vm: str
+    observedAt: datetime
+    epoch: int = 0
+    sequence: int
+    facts: dict[str, tuple[str, str]]
+
+
+class EventRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    eventType: str
+    eventSource: str = "Platform"
+    resourceType: str = "VirtualMachine"
+    resources: list[str] = Field(default_factory=list)
+    description: str = ""
+    durationInSeconds: int = -1
+    notBefore: datetime | None = None
+    state: State = "Scheduled"
+    stateSince: datetime
+    createdAt: datetime
+    everStarted: bool = False
+    seenScheduled: bool = False
+    vms: dict[str, VmSighting] = Field(default_factory=dict)
+    decision: DecisionRecord | None = None
+    approval: ApprovalRecord | None = None
+    alerts: list[str] = Field(default_factory=list)
+    # The alert outbox: kinds recorded by the write that made their transition, cleared once the card is sent.
+    # ``pendingSince`` (when the oldest was recorded) lets the timer take over from a sender that crashed.
+    pendingAlerts: list[str] = Field(default_factory=list)
+    pendingSince: datetime | None = None
+    # Where the reporting VMs' sightings are kept (their VM groups); ``vms`` is assembled from them on read.
+    groups: list[str] = Field(default_factory=list)
+    # The scale sets of the VMs in Resources (state.scale_set_key), kept on the event so that the pending deletes
+    # of a scale set can be found without reading every VM group.
+    scaleSets: list[str] = Field(default_factory=list)
+    # Set while an approved delete waits for another pending delete of its scale set (the platform holds it).
+    platformHold: PlatformHold | None = None
+    # The VMs this event removed (Terminate/Preempt, then silent): they will never report it gone.
+    removed: list[str] = Field(default_factory=list)
+    # Sightings that contradicted the facts on record (the latest MAX_CONFLICTS kept; ``conflictCount`` counts all).
+    conflicts: list[FactConflict] = Field(default_factory=list)
+    conflictCount: int = 0
+    # The W3C traceparent of the envelope that first reported the event ("" if it carried none, or from a
+    # coordinator older than this field): the decision's and the approval's spans continue that trace.
+    traceparent: str = ""
+
+    @property
+    def open(self) -> bool:
+        return self.state not in TERMINAL_STATES
+
+    @property
+    def scale_sets(self) -> set[str]:
+        return {s.scaleSet for s in self.vms.values() if s.scaleSet}
+
+
+class Retirement(BaseModel):
+    """Why a VM is gone: the event that removed it (a Terminate or Preempt naming it), and when it was retired."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    eventType: str
+    at: datetime
+    reason: str = ""
+
+
+class ForwarderState(BaseModel):
+    """Where a forwarder state (Envelope.stateId) this VM left stood: its own position and the events its last
+    document listed. Sequences compare only within their state, so no envelope under another state, whatever its
+    sequence, can make this one's later envelopes look old."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    epoch: int
+    lastSequence: int
+    lastSeen: datetime
+    listed: list[str] = Field(default_factory=list)
+
+
+class ImdsFailure(BaseModel):
+    """A forwarder that still sends heartbeats but cannot read IMDS (its health says no good poll for too long):
+    since when (the heartbeat that showed it) and what it said."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    since: datetime
+    reason: str = ""
+
+
+class VmRecord(BaseModel):
+    """Per-VM last-seen position: protects against duplicate and out-of-order delivery, and says which events the
+    VM listed last (an event is gone for a VM when a newer document from it no longer lists it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    identity: VmIdentity
+    lastSequence: int = -1
+    lastIncarnation: int = 0
+    lastSeen: datetime
+    listed: list[str] = Field(default_factory=list)
+    heartbeatLost: bool = False
+    # The forwarder's state identifier (Envelope.stateId) the position belongs to, and its epoch: every change of
+    # state (a new one, or an earlier one speaking again) takes the next epoch, so positions, compared as
+    # (epoch, sequence), grow in the order envelopes were applied. The states left are kept with their positions.
+    stateId: str = ""
+    epoch: int = 0
+    otherStates: dict[str, ForwarderState] = Field(default_factory=dict)
+    # Set while two forwarder states speak for this VM (a state it had left spoke again): one of them is not the
+    # VM's forwarder (a forged identity, or a cloned disk). The pair alerted, as sorted state tags.
+    stateConflict: list[str] = Field(default_factory=list)
+    # Set when a Terminate/Preempt naming the VM concluded it and the VM fell silent: it is gone, not lost.
+    retired: Retirement | None = None
+    # Set while the VM's heartbeats say its forwarder cannot read IMDS (pipeline/health.py): one card when it is
+    # set, none while it lasts, another only after a heartbeat showed it recovered.
+    imdsFailing: ImdsFailure | None = None
+    # The VM's card outbox, as the event's: kinds recorded by the write that set their condition (heartbeatLost,
+    # stateConflict, imdsFailing), cleared once the card was sent; the timer sends those left after ALERT_GRACE.
+    pendingAlerts: list[str] = Field(default_factory=list)
+    pendingSince: datetime | None = None
+    # Known only from Event Grid (pipeline/event_grid.py): no forwarder reported as this VM, so no heartbeat is
+    # expected of it and no listener can execute its approvals (remote acknowledge can).
+    agentless: bool = False
+    # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a
+    # batch writes an event only when the event itself changes, and a VM's sightings with its position).
+    sightings: dict[str, VmSighting] = Field(default_factory=dict)
+
+
+class VmGroupRecord(BaseModel):
+    """The VMs of one placement group (or scale set, or a lone VM) in one entity: the VMs that report an event
+    together are read and written together, one operation per group instead of one per VM."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    group: str
+    vms: dict[str, VmRecord] = Field(default_factory=dict)
+
+
+class BudgetClaim(BaseModel):
+    """One event's hold on a budget domain (a scale set, zone, fault/update domain, placement group): its VMs count
+    as impacted there while the claim lives."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    eventId: str
+    vms: list[str]
+    claimedAt: datetime
+
+
+class BudgetRecord(BaseModel):
+    """The claims on one budget domain's "at most N (or P%) impacted" budget, fleet-wide: every instance that
+    approves within budget adds its claim here with an ETag-checked write first, so two instances cannot both take
+    the last slot. ``scaleSet`` is the domain's key (coordinator/controls.claim_key: a scale set's name, or the
+    kind-prefixed key of another domain)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    scaleSet: str
+    claims: dict[str, BudgetClaim] = Field(default_factory=dict)
+
+
+class SentAlerts(BaseModel):
+    """Cards one batch sent, by event: the outbox entries they settle (the timer clears them in bulk)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sentAt: datetime
+    events: dict[str, list[str]]
+    # VM cards, by the group their VM is kept in, then vmId (lower case).
+    vms: dict[str, dict[str, list[str]]] = Field(default_factory=dict)
+
+
+SCALE_SET_BUCKETS = 8
+
+
+def group_key(identity: VmIdentity) -> str:
+    """Where a VM's position is kept: its placement group (events reach a whole placement group; at most 100
+    VMs), else its scale set split in buckets (a scale set can hold 1,000 VMs and an entity 1 MiB), else the VM
+    alone."""
+    if identity.placementGroupId:
+        return f"pg:{identity.placementGroupId.lower()}"
+    if identity.vmScaleSetName:
+        bucket = zlib.crc32(identity.vmId.lower().encode()) % SCALE_SET_BUCKETS
+        scale_set = f"{identity.subscriptionId}/{identity.resourceGroupName}/{identity.vmScaleSetName}".lower()
+        return f"vmss:{scale_set}#{bucket}"
+    return f"vm:{identity.vmId.lower()}"

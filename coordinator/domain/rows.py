@@ -1,0 +1,68 @@
+"""One history row: the columns of coordinator/history_columns.json as a pydantic model (pure, no I/O).
+
+The JSON file is the single definition; a test checks that this model's fields are exactly its columns.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+COLUMNS_FILE = Path(__file__).parent.parent / "history_columns.json"
+
+
+@cache
+def history_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads(COLUMNS_FILE.read_text(encoding="utf-8"))
+    return schema
+
+
+def column_types() -> dict[str, str]:
+    return {column["name"]: column["type"] for column in history_schema()["columns"]}
+
+
+class HistoryRow(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    TimeGenerated: datetime
+    RecordType: str
+    EventId: str = ""
+    EventType: str = ""
+    EventSource: str = ""
+    EventStatus: str = ""
+    State: str = ""
+    PreviousState: str = ""
+    NotBefore: datetime | None = None
+    DurationInSeconds: int | None = None
+    Resources: list[str] | None = None
+    VmName: str = ""
+    VmId: str = ""
+    VmResourceId: str = ""
+    ScaleSetName: str = ""
+    PlacementGroupId: str = ""
+    DocumentIncarnation: int | None = None
+    ObservedAt: datetime | None = None
+    Sequence: int | None = None
+    Rule: str = ""
+    Action: str = ""
+    DecisionId: str = ""
+    Actor: str = ""
+    Outcome: str = ""
+    HookPhase: str = ""
+    Reason: str = ""
+    HoldKind: str = ""
+    HoldName: str = ""
+    HoldSince: datetime | None = None
+    HeldUntil: datetime | None = None
+    DryRun: bool | None = None
+    Details: dict[str, Any] | None = None
+
+    def to_log(self) -> dict[str, Any]:
+        """The Logs Ingestion shape: ISO-8601 datetimes, JSON for dynamic columns, empty values left out."""
+        data: dict[str, Any] = self.model_dump(mode="json", exclude_none=True)
+        return {key: value for key, value in data.items() if value != ""}

@@ -1,0 +1,328 @@
+"""Fold, the second stage: each VM's envelopes -> observations -> event records and VM positions, committed.
+
+Takes the envelopes ``ingest`` grouped per VM; reads each VM's position (its VM group), derives its observations
+with the pure ``sightings.vm_observations`` (duplicates and stale envelopes dropped by (stateId, sequence)), folds
+them into the event records with ``sightings.apply_observations``, has each changed event decided
+(``decide.decide_all``, inside the same ETag-checked write, so that of two instances only one decision commits),
+and writes the events, then the VM positions. Gives the committed ``EventChange``s (collected into ``Work`` for
+``act``) and the VMs whose cached position turned out stale (the caller redoes them from a fresh read).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from contracts.envelope import Envelope
+from coordinator.adapters import telemetry
+from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, group_key
+from coordinator.domain.rows import HistoryRow
+from coordinator.domain.sightings import (
+    EventChange,
+    Observation,
+    VmUpdate,
+    apply_observations,
+    merge_vm_records,
+    vm_observations,
+    vm_position,
+)
+from coordinator.pipeline import decide, health, outbox
+from coordinator.pipeline.context import BatchReport, Context, Work
+from coordinator.pipeline.decide import Fleet
+from coordinator.pipeline.record import vm_row
+from coordinator.state.commit import BULK_ATTEMPTS, commit
+from coordinator.state.events import aggregate, assemble, commit_event
+from coordinator.state.tables import ConcurrencyConflict, Stored
+
+log = logging.getLogger("coordinator")
+
+
+@dataclass
+class VmBatch:
+    groups: dict[str, Stored[VmGroupRecord]]
+    key_of: dict[str, str]
+    updates: dict[str, VmUpdate] = field(default_factory=dict)
+    new_vms: set[str] = field(default_factory=set)
+    # VMs whose envelopes could not be processed, and why (dead-lettered by the caller).
+    failed: dict[str, str] = field(default_factory=dict)
+    # Each VM's (epoch, lastSequence) in the position its observations were derived from (None: no position).
+    base: dict[str, tuple[int, int] | None] = field(default_factory=dict)
+    # The trace context each envelope arrived with, by (vmId, sequence) (ingest.Arrivals.traces).
+    traces: dict[tuple[str, int], str] = field(default_factory=dict)
+
+
+def _etag(stored: Stored[Any] | None) -> str | None:
+    return stored.etag if stored else None
+
+
+def _set_aside(
+    mine: dict[str, VmRecord], current: Stored[VmGroupRecord] | None, base: dict[str, tuple[int, int] | None]
+) -> set[str]:
+    """After a conflict on a VM group: takes out of ``mine`` the VMs not to write. Those already at this batch's
+    position (written by an earlier part of this batch, or by an instance that processed the same envelopes), and
+    those another instance moved since the position this batch started from: returned, to be redone."""
+    stale = set()
+    for vm_id, record in list(mine.items()):
+        fresh = current.record.vms.get(vm_id) if current else None
+        if fresh is None:
+            continue
+        if vm_position(fresh) == vm_position(record):
+            del mine[vm_id]
+        elif vm_position(fresh) != base.get(vm_id):
+            stale.add(vm_id)
+            del mine[vm_id]
+    return stale
+
+
+def vm_updates(
+    ctx: Context, by_vm: dict[str, list[Envelope]], *, cached: bool, traces: dict[tuple[str, int], str]
+) -> VmBatch:
+    """Each VM's envelopes read against its stored position: its observations and its new position."""
+    key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
+    groups = ctx.store.get_vm_groups(set(key_of.values()), cached=cached)
+    batch = VmBatch(groups=groups, key_of=key_of, traces=traces)
+    for vm_id, envelopes in by_vm.items():
+        stored = groups.get(key_of[vm_id])
+        previous = stored.record.vms.get(vm_id) if stored else None
+        try:
+            batch.updates[vm_id] = vm_observations(previous, envelopes)
+        except Exception as error:  # contained to this VM; the caller dead-letters its envelopes
+            log.exception("VM %s: its envelopes could not be read against its position", vm_id)
+            batch.failed[vm_id] = f"{type(error).__name__}: {str(error)[:500]}"
+            del key_of[vm_id]
+            continue
+        batch.base[vm_id] = vm_position(previous) if previous else None
+        if previous is None:
+            batch.new_vms.add(vm_id)
+    return batch
+
+
+def fold(ctx: Context, updates: VmBatch, now: datetime, fleet: Fleet, *, report: BatchReport, work: Work) -> set[str]:
+    """Observations -> events -> VM positions. Returns the VMs whose cached position turned out stale (not
+    written: the caller redoes them)."""
+    observations: dict[str, list[Observation]] = defaultdict(list)
+    for update in updates.updates.values():
+        report.accepted += update.applied
+        report.duplicates += update.duplicates
+        for observation in update.observations:
+            observations[observation.event_id].append(observation)
+        if update.resumed:
+            work.rows.append(vm_row(update.record, now, "heartbeat resumed"))
+        work.rows.extend(update.rows)
+        if update.conflict:
+            update.record = outbox.raise_vm_alert(update.record, "forwarder-conflict", now)
+            work.vm_alerts.append((update.record, "forwarder-conflict"))
+        health.assess(update, now, work, after=ctx.imds_failing_after, errors=ctx.imds_failing_errors)
+    fleet.note_vms(update.record for update in updates.updates.values())
+    committed = commit_events(ctx, observations, now, fleet, report=report, batch=updates, work=work)
+    for change in committed:
+        work.collect(change)
+        keep_sightings(change, observations[change.record.eventId], updates)
+        if change.created_from is not None:
+            telemetry.event_detected(change.record.eventType)
+    report.events_changed += len(committed) + decide.release_held(ctx, committed, now, fleet, work)
+    # VM positions are written after the events: a crash in between replays the envelopes, which the
+    # events' per-VM sequence makes harmless.
+    return save_vm_updates(ctx, updates, report)
+
+
+def keep_sightings(change: EventChange, observations: list[Observation], batch: VmBatch) -> None:
+    for observation in observations:
+        update = batch.updates.get(observation.vm.vmId.lower())
+        sighting = change.record.vms.get(observation.vm.name)
+        if update is not None and sighting is not None:
+            # Stored without the identity fields: the VM's position says them once.
+            compact = sighting.model_copy(
+                update={"name": "", "vmId": "", "resourceId": "", "scaleSet": "", "placementGroup": ""}
+            )
+            sightings = {**update.record.sightings, change.record.eventId: compact}
+            update.record = update.record.model_copy(update={"sightings": sightings})
+
+
+def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[str]:
+    mine: dict[str, dict[str, VmRecord]] = defaultdict(dict)
+    for vm_id, update in batch.updates.items():
+        if update.applied:
+            mine[batch.key_of[vm_id]][vm_id] = update.record
+    stale: set[str] = set()
+    if not mine:
+        return stale
+
+    def merged(key: str, current: Stored[VmGroupRecord] | None) -> VmGroupRecord:
+        vms = dict(current.record.vms) if current else {}
+        for vm_id, record in mine[key].items():
+            vms[vm_id] = merge_vm_records(record, vms[vm_id]) if vm_id in vms else record
+        return VmGroupRecord(group=key, vms=vms)
+
+    def groups_now(attempt: int) -> dict[str, Stored[VmGroupRecord]]:
+        if attempt == 0:
+            return batch.groups
+        groups = ctx.store.get_vm_groups(mine)
+        for key, vms in mine.items():
+            stale.update(_set_aside(vms, groups.get(key), batch.base))
+        return groups
+
+    def all_groups(
+        groups: dict[str, Stored[VmGroupRecord]],
+    ) -> list[tuple[VmGroupRecord, str | None, Iterable[str] | None]]:
+        return [(merged(key, groups.get(key)), _etag(groups.get(key)), vms) for key, vms in mine.items() if vms]
+
+    def count() -> None:
+        report.conflicts += 1
+
+    try:
+        commit(
+            groups_now,
+            all_groups,
+            lambda items, _groups: ctx.store.save_vm_groups(items),
+            what="VM groups",
+            attempts=BULK_ATTEMPTS,
+            on_conflict=count,
+        )
+        return stale
+    except ConcurrencyConflict:
+        pass
+    # Another instance wrote one of these groups (its VMs sit on other Event Hubs partitions): merge per VM.
+    for key, vms in mine.items():
+
+        def group_now(_attempt: int, key: str = key, vms: dict[str, VmRecord] = vms) -> Stored[VmGroupRecord] | None:
+            current = ctx.store.get_vm_groups([key]).get(key)
+            stale.update(_set_aside(vms, current, batch.base))
+            return current
+
+        def moved(
+            current: Stored[VmGroupRecord] | None, key: str = key, vms: dict[str, VmRecord] = vms
+        ) -> tuple[VmGroupRecord, dict[str, VmRecord]] | None:
+            return (merged(key, current), vms) if vms else None
+
+        try:
+            commit(
+                group_now,
+                moved,
+                lambda write, current: ctx.store.save_vm_group(write[0], _etag(current), vm_ids=write[1]),
+                what=f"VM group {key}",
+                on_conflict=count,
+            )
+        except ConcurrencyConflict:
+            log.warning("VM group %s: not written (contended); its VMs' next envelopes move it", key)
+    return stale
+
+
+def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | None:
+    """A new event's trace is the one of the envelope that first reported it (the forwarder's detection)."""
+    first = change.created_from if change is not None else None
+    if change is not None and first is not None:
+        change.record.traceparent = batch.traces.get((first.vm.vmId.lower(), first.sequence), "")
+    return change
+
+
+def commit_events(
+    ctx: Context,
+    observations: dict[str, list[Observation]],
+    now: datetime,
+    fleet: Fleet,
+    *,
+    report: BatchReport,
+    batch: VmBatch,
+    work: Work,
+) -> list[EventChange]:
+    if not observations:
+        return []
+
+    failed: set[str] = set()
+
+    def apply(record: EventRecord | None, event_id: str, items: list[Observation]) -> EventChange | None:
+        if event_id in failed:
+            return None
+        try:
+            change = start_trace(apply_observations(record, items, now), batch)
+        except Exception as error:
+            # Contained to this event: its observations are set aside (logged, a DeadLetter row); the rest
+            # of the batch goes on.
+            failed.add(event_id)
+            vms = sorted({o.vm.name for o in items})
+            log.exception("event %s: observations from %s could not be applied", event_id, vms)
+            work.rows.append(
+                HistoryRow(
+                    TimeGenerated=now,
+                    RecordType="DeadLetter",
+                    EventId=event_id[:128],
+                    Reason=f"observations could not be applied: {type(error).__name__}: {str(error)[:500]}",
+                    Details={"vms": vms[:20]},
+                )
+            )
+            return None
+        if change is not None:
+            reporting = {batch.key_of[o.vm.vmId.lower()] for o in items if o.vm.vmId.lower() in batch.key_of}
+            if not reporting <= set(change.record.groups):
+                change.record.groups = sorted(set(change.record.groups) | reporting)
+                change.changed = True
+        return change
+
+    def events_now(attempt: int) -> dict[str, Stored[EventRecord]]:
+        stored = ctx.store.get_events(observations, cached=attempt == 0)
+        wanted = {key for s in stored.values() for key in s.record.groups} - set(batch.groups)
+        groups = {**ctx.store.get_vm_groups(wanted, cached=attempt == 0), **batch.groups}
+        return assemble(stored, groups)
+
+    changes: list[EventChange] = []
+
+    def applied_and_decided(
+        assembled: dict[str, Stored[EventRecord]],
+    ) -> list[tuple[EventRecord, str | None]]:
+        applied: list[tuple[EventChange, Stored[EventRecord] | None]] = []
+        for event_id, items in observations.items():
+            current = assembled.get(event_id)
+            change = apply(current.record if current else None, event_id, items)
+            if change is not None:
+                applied.append((change, current))
+        decide.decide_all(ctx, [c for c, _ in applied], now, fleet)
+        changes.clear()
+        writes = []
+        for change, current in applied:
+            if not change.changed:
+                continue
+            changes.append(change)
+            # Only the event itself is written here; new sightings go with the VM positions.
+            if current is None or aggregate(change.record) != aggregate(current.record):
+                writes.append((change.record, current.etag if current else None))
+        return writes
+
+    def count() -> None:
+        report.conflicts += 1
+
+    # Another instance may write some of these events meanwhile (a placement group's VMs sit on several
+    # Event Hubs partitions): re-read them all fresh and retry the transaction a few times, then one by one.
+    try:
+        commit(
+            events_now,
+            applied_and_decided,
+            lambda writes, _assembled: ctx.store.save_events(writes),
+            what="events of the batch",
+            attempts=BULK_ATTEMPTS,
+            on_conflict=count,
+        )
+        return changes
+    except ConcurrencyConflict:
+        pass
+    # Another instance keeps writing these events: redo each one on its own from a fresh read.
+    committed = []
+    for change in list(changes):
+        event_id = change.record.eventId
+
+        def redo(
+            record: EventRecord | None, event_id: str = event_id, items: list[Observation] = observations[event_id]
+        ) -> EventChange | None:
+            redone = apply(record, event_id, items)
+            if redone is not None:
+                decide.decide_all(ctx, [redone], now, fleet)
+            return redone
+
+        result = commit_event(ctx.store, event_id, redo, on_conflict=report.count_conflict)
+        if result is not None:
+            committed.append(result)
+    return committed

@@ -1,0 +1,269 @@
+"""The cards' outbox, the second half of ``act``: posts the cards committed transitions recorded, and settles them.
+
+A card is recorded in its event's outbox (``pendingAlerts``) by the same write that commits the transition, then
+posted here. The batch path logs the cards it sent in one ``alertsent`` entity (one write per batch); the timer
+reads those logs and clears the cards from the events (``settled``), and sends again the cards still pending after
+``ALERT_GRACE`` (a failed send, or a crash after the write). A card that fails stays pending; the pipeline goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from datetime import datetime, timedelta
+from typing import get_args
+
+from coordinator.adapters import telemetry
+from coordinator.adapters.teams import AlertError
+from coordinator.domain.cards import build_card, build_vm_card
+from coordinator.domain.model import AlertKind, EventRecord, SentAlerts, VmGroupRecord, VmRecord, group_key
+from coordinator.domain.sightings import EventChange, clone
+from coordinator.pipeline.context import BatchReport, Context, TickReport, Work
+from coordinator.pipeline.record import alert_row, vm_alert_row
+from coordinator.state.commit import commit
+from coordinator.state.events import commit_event, read_event
+from coordinator.state.tables import ConcurrencyConflict, Stored
+
+log = logging.getLogger("coordinator")
+
+# Cards are sent right after the write that records them; the timer sends those still pending after this.
+ALERT_GRACE = timedelta(seconds=30)
+# Every kind a card can be built for: a pending entry of any other string (a record written by a newer coordinator)
+# is left alone rather than sent as a card this code cannot title.
+TITLED_KINDS: frozenset[str] = frozenset(get_args(AlertKind))
+# VM cards by the group their VM is kept in, then vmId (lower case): {group: {vmId: [kinds]}}.
+VmCards = dict[str, dict[str, list[str]]]
+
+
+def post(
+    ctx: Context,
+    work: Work,
+    records: dict[str, EventRecord],
+    now: datetime,
+    report: BatchReport | TickReport,
+    *,
+    settled: dict[str, list[str]] | None,
+    settled_vms: VmCards | None = None,
+) -> None:
+    """Posts ``work``'s cards (``records``: the events as committed; others are read). Without ``settled`` (a batch)
+    the cards sent are logged; with it (the timer) they join what the logs said was sent (``settled_vms`` for VM
+    cards), cleared from the events' and VMs' outboxes."""
+    sent: dict[str, list[str]] = defaultdict(list)
+    if work.alerts:
+        for event_id in {e for e, _ in work.alerts if e not in records}:
+            current = read_event(ctx.store, event_id)
+            if current is not None:
+                records[event_id] = current.record
+        for event_id, kind in work.alerts:
+            if event_id in records and send_card(ctx, records[event_id], kind, now, work=work, report=report):
+                sent[event_id].append(kind)
+    sent_vms = send_vm_cards(ctx, work, now, report)
+    if settled is None:
+        if sent or sent_vms:
+            log_sent(ctx, sent, now, vms=sent_vms)
+        return
+    for event_id, kinds in sent.items():
+        settled.setdefault(event_id, []).extend(kinds)
+    clear_sent(ctx, settled)
+    settled_vms = settled_vms if settled_vms is not None else {}
+    for key, vms in sent_vms.items():
+        for vm_id, kinds in vms.items():
+            settled_vms.setdefault(key, {}).setdefault(vm_id, []).extend(kinds)
+    clear_vm_sent(ctx, settled_vms)
+
+
+def raise_vm_alert(vm: VmRecord, kind: AlertKind, now: datetime) -> VmRecord:
+    """The VM with ``kind`` in its outbox: the caller writes it with the VM's position (the condition's own write),
+    and puts it in ``Work.vm_alerts`` to be sent after that write."""
+    if kind in vm.pendingAlerts:
+        return vm
+    return vm.model_copy(update={"pendingAlerts": [*vm.pendingAlerts, kind], "pendingSince": vm.pendingSince or now})
+
+
+def send_vm_cards(ctx: Context, work: Work, now: datetime, report: BatchReport | TickReport) -> VmCards:
+    """Sends the VM cards of ``work``; returns those sent, by group and vmId (an Alert row each, sent or failed)."""
+    sent: VmCards = {}
+    for vm, kind in work.vm_alerts:
+        if send_vm_card(ctx, vm, kind, now, report, work=work):
+            vm_id = vm.identity.vmId.lower()
+            sent.setdefault(group_key(vm.identity), {}).setdefault(vm_id, []).append(kind)
+    return sent
+
+
+def vm_card_key(vm: VmRecord, kind: AlertKind) -> str:
+    """Names the condition's occurrence, so a card sent again (the folder sink overwrites) is the same card: the last
+    envelope before a heartbeat was lost, a pair of forwarder states found speaking for the VM, or an IMDS failure
+    by when it began."""
+    if kind == "heartbeat-lost":
+        return f"{vm.identity.vmId}-{kind}-{vm.lastSeen.strftime('%Y%m%dT%H%M%S')}"
+    if kind == "imds-failing" and vm.imdsFailing is not None:
+        return f"{vm.identity.vmId}-{kind}-{vm.imdsFailing.since.strftime('%Y%m%dT%H%M%S')}"
+    return f"{vm.identity.vmId}-{kind}-{'-'.join(vm.stateConflict)}"
+
+
+def send_vm_card(
+    ctx: Context, vm: VmRecord, kind: AlertKind, now: datetime, report: BatchReport | TickReport, *, work: Work
+) -> bool:
+    """A card about a VM rather than an event (heartbeat lost, two forwarders as one VM, IMDS failing). A card that
+    fails stays in the VM's outbox for the timer."""
+    timeout = int(ctx.heartbeat_timeout.total_seconds()) if kind == "heartbeat-lost" else None
+    try:
+        ctx.alerts.send(build_vm_card(kind, vm, now=now, timeout_seconds=timeout), key=vm_card_key(vm, kind))
+    except AlertError as error:
+        log.warning("%s card for %s not delivered, kept pending: %s", kind, vm.identity.name, error)
+        if isinstance(report, BatchReport):
+            report.alerts_failed += 1
+        work.rows.append(vm_alert_row(vm, kind, now, "failed", str(error)))
+        telemetry.alert(kind, "failed")
+        return False
+    report.alerts_sent += 1
+    work.rows.append(vm_alert_row(vm, kind, now, "sent", ""))
+    telemetry.alert(kind, "sent")
+    return True
+
+
+def queue_vm_pending(vm: VmRecord, now: datetime, work: Work, settled_vms: VmCards) -> None:
+    """The VMs' outbox, as ``queue_pending`` for events: cards recorded but not sent after ALERT_GRACE."""
+    if not vm.pendingAlerts or (vm.pendingSince is not None and vm.pendingSince > now - ALERT_GRACE):
+        return
+    vm_id = vm.identity.vmId.lower()
+    queued: set[str] = {kind for queued_vm, kind in work.vm_alerts if queued_vm.identity.vmId.lower() == vm_id}
+    queued.update(settled_vms.get(group_key(vm.identity), {}).get(vm_id, ()))
+    for kind in vm.pendingAlerts:
+        if kind in TITLED_KINDS and kind not in queued:
+            work.vm_alerts.append((vm, kind))  # type: ignore[arg-type]
+
+
+def clear_vm_sent(ctx: Context, sent: VmCards) -> None:
+    """Clears sent cards from the VMs' outboxes: one ETag-checked write per group; a group another instance wrote
+    meanwhile is read again."""
+    for key, vms in sent.items():
+
+        def cleared(
+            current: Stored[VmGroupRecord] | None, vms: dict[str, list[str]] = vms
+        ) -> tuple[VmGroupRecord, dict[str, VmRecord]] | None:
+            if current is None:
+                return None
+            changed = {
+                vm_id: vm.model_copy(
+                    update={
+                        "pendingAlerts": [k for k in vm.pendingAlerts if k not in vms[vm_id]],
+                        "pendingSince": vm.pendingSince if set(vm.pendingAlerts) - set(vms[vm_id]) else None,
+                    }
+                )
+                for vm_id, vm in current.record.vms.items()
+                if vm_id in vms and set(vm.pendingAlerts) & set(vms[vm_id])
+            }
+            if not changed:
+                return None
+            return current.record.model_copy(update={"vms": {**current.record.vms, **changed}}), changed
+
+        try:
+            commit(
+                lambda _attempt, key=key: ctx.store.get_vm_groups([key]).get(key),  # type: ignore[misc]
+                cleared,
+                lambda write, current: ctx.store.save_vm_group(
+                    write[0], current.etag if current else None, vm_ids=write[1]
+                ),
+                what=f"sent VM cards of {key}",
+            )
+        except ConcurrencyConflict:
+            log.warning("VM cards of group %s sent but still marked pending: the timer may send them again", key)
+
+
+def send_card(
+    ctx: Context, record: EventRecord, kind: AlertKind, now: datetime, *, work: Work, report: BatchReport | TickReport
+) -> bool:
+    approve_url = ctx.approve_url(record.eventId) if ctx.approve_url else None
+    card = build_card(kind, record, now=now, approve_url=approve_url)
+    key = f"{record.eventId}-{kind}"
+    try:
+        ctx.alerts.send(card, key=key)
+    except AlertError as error:
+        log.warning("alert %s not delivered, kept pending: %s", key, error)
+        if isinstance(report, BatchReport):
+            report.alerts_failed += 1
+        work.rows.append(alert_row(record, kind, now, "failed", str(error)))
+        telemetry.alert(kind, "failed")
+        return False
+    report.alerts_sent += 1
+    telemetry.alert(kind, "sent")
+    work.rows.append(alert_row(record, kind, now, "sent", ""))
+    return True
+
+
+def sent_logs(ctx: Context) -> tuple[list[tuple[str, SentAlerts]], dict[str, list[str]], VmCards]:
+    """The batches' logs of sent cards, and what they say was sent: event cards by EventId, VM cards by group."""
+    logs = ctx.store.sent_alert_logs()
+    settled: dict[str, list[str]] = defaultdict(list)
+    settled_vms: VmCards = {}
+    for _, entry in logs:
+        for event_id, kinds in entry.events.items():
+            settled[event_id].extend(kinds)
+        for key, vms in entry.vms.items():
+            for vm_id, kinds in vms.items():
+                settled_vms.setdefault(key, {}).setdefault(vm_id, []).extend(kinds)
+    return logs, settled, settled_vms
+
+
+def log_sent(ctx: Context, sent: dict[str, list[str]], now: datetime, *, vms: VmCards) -> None:
+    try:
+        ctx.store.log_sent_alerts(SentAlerts(sentAt=now, events=dict(sent), vms=vms))
+    except Exception:  # the cards went out; without the log the timer may send them once more
+        log.exception("could not record %d sent cards; the timer may send them again", len(sent))
+
+
+def clear_sent(ctx: Context, sent: dict[str, list[str]]) -> None:
+    """Clears sent cards from the events' outbox: one transaction, event by event when another instance wrote
+    one meanwhile."""
+    if not sent:
+        return
+
+    def cleared(stored: dict[str, Stored[EventRecord]]) -> list[tuple[EventRecord, str | None]]:
+        items = []
+        for event_id, kinds in sent.items():
+            current = stored.get(event_id)
+            change = clear_alerts_pending(current.record, kinds) if current else None
+            if current is not None and change is not None:
+                items.append((change.record, current.etag))
+        return items
+
+    try:
+        commit(
+            lambda _attempt: ctx.store.get_events(sent, cached=True),
+            cleared,
+            lambda items, _stored: ctx.store.save_events(items),
+            what="sent cards",
+            attempts=1,
+        )
+        return
+    except ConcurrencyConflict:
+        pass
+    for event_id, kinds in sent.items():
+        try:
+            commit_event(ctx.store, event_id, lambda r, kinds=kinds: clear_alerts_pending(r, kinds))  # type: ignore[misc]
+        except ConcurrencyConflict:
+            log.warning("alerts %s of %s sent but still marked pending: the timer may send them again", kinds, event_id)
+
+
+def clear_alerts_pending(record: EventRecord | None, kinds: list[str]) -> EventChange | None:
+    if record is None or not set(kinds) & set(record.pendingAlerts):
+        return None
+    record = clone(record)
+    record.pendingAlerts = [k for k in record.pendingAlerts if k not in kinds]
+    if not record.pendingAlerts:
+        record.pendingSince = None
+    return EventChange(record=record, changed=True)
+
+
+def queue_pending(record: EventRecord, now: datetime, work: Work, settled: dict[str, list[str]]) -> None:
+    """The outbox: cards recorded but not sent (a failed send, or a crash after the write), once the sender
+    has had ALERT_GRACE to do it. Cards a batch logged as sent are only cleared."""
+    if not record.pendingAlerts or (record.pendingSince is not None and record.pendingSince > now - ALERT_GRACE):
+        return
+    queued: set[str] = {kind for event_id, kind in work.alerts if event_id == record.eventId}
+    queued.update(settled.get(record.eventId, ()))
+    for kind in record.pendingAlerts:
+        if kind in TITLED_KINDS and kind not in queued:
+            work.alerts.append((record.eventId, kind))  # type: ignore[arg-type]
+    work.records.setdefault(record.eventId, record)

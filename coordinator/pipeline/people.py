@@ -1,0 +1,150 @@
+"""The people's routes: a person's approval of one event, and the open events as the HTTP endpoints show them.
+
+Takes an EventId and who is asking (coordinator/http.py has checked the sign-in, role, origin and form token);
+gives a ``ManualApproval`` (status and message) after committing the person's decision with ``commit_event`` and
+sending it through ``act``, or the events summarized for ``GET /api/events``. In dry-run the decision is recorded
+and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
+from coordinator.domain.sightings import EventChange, clone
+from coordinator.pipeline import act
+from coordinator.pipeline.context import Context, TickReport, Work
+from coordinator.pipeline.decide import IN_FLIGHT_GRACE
+from coordinator.pipeline.record import decision_row, write_history
+from coordinator.state.events import assemble, commit_event, read_event
+
+
+@dataclass
+class ManualApproval:
+    status: Literal["approved", "sent", "dry-run", "not-found", "conflict"]
+    message: str
+    event: dict[str, Any] | None = None
+
+
+def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualApproval:
+    now = ctx.clock()
+    stored = read_event(ctx.store, event_id)
+    if stored is None:
+        return ManualApproval("not-found", f"no event {event_id!r} is known")
+    if stored.record.state != "Scheduled":
+        return ManualApproval("conflict", f"event {event_id} is {stored.record.state}; only Scheduled can be approved")
+    if stored.record.approval is not None and stored.record.approval.delivered:
+        return ManualApproval("approved", f"event {event_id} was already approved by {stored.record.approval.actor}")
+
+    def decide(record: EventRecord | None) -> EventChange | None:
+        if record is None or record.state != "Scheduled":
+            return None
+        if record.approval is not None and record.approval.delivered:
+            return None
+        record = clone(record)
+        change = EventChange(record=record, changed=True)
+        decision_id = uuid.uuid4().hex
+        actor = f"person:{person}"
+        record.decision = DecisionRecord(
+            decisionId=decision_id,
+            rule="manual",
+            action="manual-approval",
+            verdict="approve",
+            reason=f"approved by {person} through the coordinator's HTTP endpoint",
+            decidedAt=now,
+            dryRun=ctx.dry_run,
+            actor=actor,
+        )
+        change.rows.append(decision_row(record, now))
+        if ctx.dry_run:  # recorded as the person's decision; nothing is ever sent in dry-run
+            return change
+        record.approval = ApprovalRecord(
+            decisionId=decision_id,
+            rule="manual",
+            actor=actor,
+            decidedAt=now,
+            nextAttemptAt=now + IN_FLIGHT_GRACE,
+        )
+        return change
+
+    report = TickReport()
+    work = Work()
+    change = commit_event(ctx.store, event_id, decide)
+    if change is None:
+        current = read_event(ctx.store, event_id)
+        state = current.record.state if current else "gone"
+        return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
+    work.rows.extend(change.rows)
+    if not ctx.dry_run:  # in dry-run only the person's decision is logged (by act.act, with nothing to send)
+        work.deliveries.append(event_id)
+    act.act(ctx, work, now, report, last_seen=None)
+    write_history(ctx, work.rows, report)
+    current = read_event(ctx.store, event_id)
+    summary = summarize(ctx, current.record) if current else None
+    approved = current is not None and current.record.approval is not None and current.record.approval.delivered
+    status: Literal["dry-run", "approved", "sent"]
+    if ctx.dry_run:
+        status, message = "dry-run", f"dry run: {person}'s approval of {event_id} recorded, nothing sent"
+    elif approved:
+        status, message = "approved", f"event {event_id} approved by {person}"
+    else:
+        status, message = "sent", f"approval of {event_id} decided; delivery is retried until NotBefore"
+    return ManualApproval(status, message, summary)
+
+
+def summarize(ctx: Context, record: EventRecord) -> dict[str, Any]:
+    return {
+        "eventId": record.eventId,
+        "eventType": record.eventType,
+        "eventSource": record.eventSource,
+        "state": record.state,
+        "stateSince": record.stateSince.isoformat(),
+        "notBefore": record.notBefore.isoformat() if record.notBefore else None,
+        "durationInSeconds": record.durationInSeconds,
+        "resources": record.resources,
+        "reportingVms": sorted(record.vms),
+        "goneFrom": sorted(n for n, s in record.vms.items() if s.status == "Gone"),
+        "decision": record.decision.model_dump(mode="json") if record.decision else None,
+        "approval": record.approval.model_dump(mode="json") if record.approval else None,
+        "heldBy": held_by(record),
+        "failedHooks": {name: dict(s.failedHooks) for name, s in sorted(record.vms.items()) if s.failedHooks},
+        "removed": list(record.removed),
+        "approveUrl": ctx.approve_url(record.eventId) if ctx.approve_url else None,
+    }
+
+
+def pending(ctx: Context) -> list[dict[str, Any]]:
+    """Open events (not Completed/Canceled), oldest NotBefore first."""
+    groups = {g.record.group: g for g in ctx.store.all_vm_groups()}
+    assembled = assemble({s.record.eventId: s for s in ctx.store.open_events()}, groups)
+    records = [s.record for s in assembled.values()]
+    far = datetime.max.replace(tzinfo=UTC)
+    records.sort(key=lambda r: (r.notBefore or far, r.eventId))
+    return [summarize(ctx, r) for r in records]
+
+
+def held_by(record: EventRecord) -> dict[str, Any] | None:
+    """What holds the event back, in words and by EventId: the platform (an approved delete waiting for another
+    pending delete of its scale set) or the coordinator (a ready delete waiting for its siblings to be ready)."""
+    if record.open and record.platformHold is not None:
+        hold = record.platformHold
+        return {
+            "by": "platform",
+            "eventId": hold.eventId,
+            "vm": hold.vm,
+            "until": hold.until.isoformat() if hold.until else None,
+            "reason": hold.describe(),
+        }
+    decision = record.decision
+    if record.state == "Scheduled" and record.approval is None and decision is not None and decision.heldBy:
+        return {
+            "by": "coordinator",
+            "eventId": decision.heldBy,
+            "vm": decision.heldByVm,
+            "until": decision.heldUntil.isoformat() if decision.heldUntil else None,
+            "reason": decision.reason,
+        }
+    return None

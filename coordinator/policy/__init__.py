@@ -1,3 +1,0 @@
-"""The policy tools: check a policy, run its test cases, replay the history through it (``python -m
-coordinator.policy``). Pure decision code stays in coordinator/rules.py; these modules only build its inputs
-(``adapters``), read test cases (``cases``) and history (``exports``, ``replay``), and print (``__main__``)."""

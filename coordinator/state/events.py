@@ -1,0 +1,87 @@
+"""Event records as the stages see them: read with their VMs' sightings, and committed one at a time with ETags.
+
+An event's entity holds the record without its per-VM sightings, which live with the VMs' positions (VM groups);
+``assemble`` puts them back. ``commit_event`` is ``commit.commit`` for one event: every single-event
+read-modify-write (a held delete re-decided, an approval's outcome, a tick's re-evaluation, a person's approval, an
+outbox entry cleared) goes through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from coordinator.domain.model import EventRecord, VmGroupRecord, VmSighting
+from coordinator.domain.sightings import EventChange
+from coordinator.state.commit import commit
+from coordinator.state.tables import Stored, TableStateStore
+
+
+def assemble(
+    events: dict[str, Stored[EventRecord]], groups: dict[str, Stored[VmGroupRecord]]
+) -> dict[str, Stored[EventRecord]]:
+    """Puts each event's per-VM sightings (kept with the VMs' positions) back into the record."""
+    out: dict[str, Stored[EventRecord]] = {}
+    for event_id, stored in events.items():
+        vms: dict[str, VmSighting] = {}
+        for key in stored.record.groups:
+            group = groups.get(key)
+            for vm in group.record.vms.values() if group else ():
+                sighting = vm.sightings.get(event_id)
+                seen = vms.get(vm.identity.name)
+                # Two records of one VM name (an agentless one from Event Grid, made before the VM's forwarder first
+                # reported): the later position wins, and a forwarder's is above every Event Grid one.
+                if sighting is not None and (seen is None or _position(sighting) > _position(seen)):
+                    vms[vm.identity.name] = sighting.model_copy(
+                        update={
+                            "name": vm.identity.name,
+                            "vmId": vm.identity.vmId,
+                            "resourceId": vm.identity.resourceId,
+                            "scaleSet": vm.identity.vmScaleSetName,
+                            "placementGroup": vm.identity.placementGroupId,
+                        }
+                    )
+        out[event_id] = Stored(stored.record.model_copy(update={"vms": vms}), stored.etag)
+    return out
+
+
+def _position(sighting: VmSighting) -> tuple[int, int]:
+    return (sighting.epoch, sighting.lastSequence)
+
+
+def read_event(store: TableStateStore, event_id: str) -> Stored[EventRecord] | None:
+    """The event as stored now (fresh read), with its VMs' sightings."""
+    stored = store.get_events([event_id])
+    if event_id not in stored:
+        return None
+    groups = store.get_vm_groups(stored[event_id].record.groups)
+    return assemble(stored, groups)[event_id]
+
+
+def aggregate(record: EventRecord) -> str:
+    """The part of a record that lives in the event entity (sightings live with the VMs)."""
+    return record.model_dump_json(exclude={"vms"})
+
+
+def commit_event(
+    store: TableStateStore,
+    event_id: str,
+    mutate: Callable[[EventRecord | None], EventChange | None],
+    *,
+    read: Stored[EventRecord] | None = None,
+    on_conflict: Callable[[], None] | None = None,
+) -> EventChange | None:
+    """Read-modify-write of one event with its ETag; ``read`` is a record just read fresh (the first attempt
+    uses it instead of reading again); ``on_conflict`` is called for each write that met a newer one. Raises
+    ``ConcurrencyConflict`` when every attempt met a newer write."""
+
+    def current(attempt: int) -> Stored[EventRecord] | None:
+        return read if attempt == 0 and read is not None else read_event(store, event_id)
+
+    def changed(stored: Stored[EventRecord] | None) -> EventChange | None:
+        change = mutate(stored.record if stored else None)
+        return change if change is not None and change.changed else None
+
+    def write(change: EventChange, stored: Stored[EventRecord] | None) -> None:
+        store.save_event(change.record, stored.etag if stored else None)
+
+    return commit(current, changed, write, what=f"event {event_id}", on_conflict=on_conflict)

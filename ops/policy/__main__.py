@@ -1,0 +1,211 @@
+"""``python -m ops.policy``: check a policy, run its test cases, replay the history through it.
+
+Takes a command line; prints results (text, or JSON with --json) and exits 0 when all is well, 1 when test cases
+failed or the replay found decisions that would differ, 2 on bad input (a file missing or invalid, a bad option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from coordinator.domain import rules
+from ops.history import parse_since
+from ops.policy.adapters import InputError
+from ops.policy.cases import CaseResult, cases_path, load_cases, run_case
+from ops.policy.exports import read_history
+from ops.policy.replay import LIMITS, Replay, replay
+
+OK, DIFFERENT, BAD_INPUT = 0, 1, 2
+EPILOG = """exit codes: 0 ok (policy valid; every case passed; no decision would differ),
+            1 a test case failed, or the replay found decisions that would differ,
+            2 bad input (a file missing or invalid, bad options; the message names the file, line and reason)
+
+examples:
+  python -m ops.policy check coordinator/policies/default.yaml
+  python -m ops.policy test coordinator/policies/default.yaml      (cases: default.tests.yaml beside it)
+  python -m ops.policy simulate --policy my.yaml --history .local/history.sqlite --since 7d
+  python -m ops.policy simulate --policy my.yaml --history export.json   (az ... query -o json, or CSV)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.policy",
+        description="Check an approval policy, run its test cases, or replay recorded events through it (what-if).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="validate a policy; errors name the line")
+    check.add_argument("policy", type=Path)
+    test = commands.add_parser(
+        "test", help="run policy test cases (YAML; see ops/policy/cases.py and docs/coordinator.md)"
+    )
+    test.add_argument("policy", type=Path)
+    test.add_argument("cases", type=Path, nargs="*", help="case files (default: POLICY's NAME.tests.yaml beside it)")
+    test.add_argument("--json", action="store_true", help="one JSON object per case, then a summary object")
+    simulate = commands.add_parser(
+        "simulate",
+        help="replay the history through a policy; print the decisions that would differ",
+        description="History: the local SQLite file, or the Log Analytics table exported as JSON (az monitor "
+        "log-analytics query -o json, or the query API's response) or CSV (the portal's export). "
+        "Not reconstructed: " + "; ".join(LIMITS) + ".",
+    )
+    simulate.add_argument("--policy", type=Path, required=True)
+    simulate.add_argument("--history", type=Path, required=True, help="SQLite file, .json or .csv export")
+    simulate.add_argument("--since", help="replay decisions from this time: 7d, 12h, or ISO-8601")
+    simulate.add_argument("--until", help="replay decisions up to this time: 7d (ago), or ISO-8601")
+    simulate.add_argument("--json", action="store_true", help="one JSON object per difference, then a summary")
+    simulate.add_argument(
+        "--gates",
+        choices=("passing", "failing", "error"),
+        default="passing",
+        help="the state every health gate of the policy is taken to be in (the history does not record them)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        policy = rules.load_policy(args.policy)
+        if args.command == "check":
+            print(f"{args.policy}: valid, {len(policy.rules)} rules: {', '.join(r.name for r in policy.rules)}")
+            return OK
+        if args.command == "test":
+            return _test(policy, args.policy, args.cases, as_json=args.json)
+        return _simulate(policy, args, as_json=args.json)
+    except (rules.PolicyError, InputError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return BAD_INPUT
+
+
+def _test(policy: rules.Policy, policy_path: Path, files: list[Path], *, as_json: bool) -> int:
+    if not files:
+        files = [cases_path(policy_path)]
+        if not files[0].is_file():
+            raise InputError(f"no test cases for {policy_path}: give CASES, or put them in {files[0]}")
+    results = [(path, run_case(policy, case, line=line)) for path in files for case, line in load_cases(path)]
+    for path, result in results:
+        print(json.dumps(_case_json(path, result)) if as_json else _case_line(path, result))
+    count = {status: sum(r.status == status for _, r in results) for status in ("PASS", "FAIL", "ERROR")}
+    if as_json:
+        print(json.dumps({"summary": {"cases": len(results), **{k.lower(): v for k, v in count.items()}}}))
+    else:
+        print(f"{len(results)} cases: {count['PASS']} passed, {count['FAIL']} failed, {count['ERROR']} errors")
+    return BAD_INPUT if count["ERROR"] else DIFFERENT if count["FAIL"] else OK
+
+
+def _case_line(path: Path, result: CaseResult) -> str:
+    where = f"{path}:{result.line} {result.name}"
+    expected = f"{result.expected.verdict} by {result.expected.rule}"
+    if result.error:
+        return f"ERROR {where}: {result.error}"
+    assert result.got is not None
+    got = f"{result.got.verdict} by {result.got.rule}"
+    if result.passed:
+        return f"PASS  {where}: {got}"
+    wanted = f" with reason containing {result.expected.reason!r}" if result.expected.reason else ""
+    return f"FAIL  {where}: expected {expected}{wanted}, got {got} ({result.got.reason})"
+
+
+def _case_json(path: Path, result: CaseResult) -> dict[str, Any]:
+    got = result.got
+    return {
+        "status": result.status.lower(),
+        "file": str(path),
+        "line": result.line,
+        "case": result.name,
+        "expected": result.expected.model_dump(),
+        "got": {"verdict": got.verdict, "rule": got.rule, "reason": got.reason} if got else None,
+        "error": result.error or None,
+    }
+
+
+def _simulate(policy: rules.Policy, args: argparse.Namespace, *, as_json: bool) -> int:
+    since, until = _bound("--since", args.since), _bound("--until", args.until)
+    history = read_history(args.history)
+    result = replay(policy, history.rows, since=since, until=until, gates=args.gates)
+    for difference in result.differences:
+        if as_json:
+            print(json.dumps(_difference_json(difference)))
+        else:
+            print(
+                f"{difference.at.isoformat()}  {difference.eventType} {difference.eventId} "
+                f"({', '.join(difference.resources)})\n"
+                f"    recorded  {difference.recorded.verdict} by {difference.recorded.rule} at "
+                f"{_iso(difference.recorded.at)}: {difference.recorded.reason}\n"
+                f"    simulated {difference.simulated.verdict} by {difference.simulated.rule} at "
+                f"{_iso(difference.simulated.at)}: {difference.simulated.reason}"
+            )
+    summary = _summary(result, history.source, history.kind, len(history.rows), history.set_aside)
+    if as_json:
+        print(json.dumps({"summary": summary}))
+    else:
+        print(
+            f"{summary['events']} events, {summary['compared']} decision points replayed from {summary['source']} "
+            f"({summary['format']}, {summary['rows']} rows): {summary['differences']} would differ"
+        )
+        if result.by_person or result.never_decided:
+            print(
+                f"not compared: decisions by a person: {result.by_person}; events never decided (first seen Started): "
+                f"{result.never_decided}"
+            )
+        for number, why in history.set_aside:
+            print(f"set aside: row {number}: {why}")
+        for event_id, why in result.failed:
+            print(f"not replayed: event {event_id}: {why}")
+        print("not reconstructed from the history:\n  - " + "\n  - ".join(LIMITS))
+    return DIFFERENT if result.differences else OK
+
+
+def _bound(option: str, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return parse_since(value)
+    except ValueError as error:
+        raise InputError(str(error).replace("--since", option)) from error
+
+
+def _iso(value: datetime | None) -> str:
+    return value.isoformat() if value else "-"
+
+
+def _difference_json(difference: Any) -> dict[str, Any]:
+    return {
+        "eventId": difference.eventId,
+        "eventType": difference.eventType,
+        "resources": list(difference.resources),
+        "at": difference.at.isoformat(),
+        "recorded": {**vars(difference.recorded), "at": _iso(difference.recorded.at)},
+        "simulated": {**vars(difference.simulated), "at": _iso(difference.simulated.at)},
+    }
+
+
+def _summary(result: Replay, source: str, kind: str, rows: int, set_aside: list[tuple[int, str]]) -> dict[str, Any]:
+    return {
+        "source": source,
+        "format": kind,
+        "rows": rows,
+        "setAside": len(set_aside),
+        "events": result.events,
+        "compared": result.compared,
+        "differences": len(result.differences),
+        "byPerson": result.by_person,
+        "neverDecided": result.never_decided,
+        "notReplayed": [{"eventId": e, "reason": why} for e, why in result.failed],
+        "notReconstructed": list(LIMITS),
+    }
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        # The reader left (e.g. `| head`): what it did not read is not an error of this command. Python's
+        # documented way out: point stdout at devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
