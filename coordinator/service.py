@@ -1,87 +1,192 @@
-"""The coordinator as function_app.py calls it: one object whose methods run the stages, each in its own module.
+"""The coordinator as function_app.py calls it: the parts and settings, and one method per kind of run.
 
-An Event Hubs batch passes each stage once, in order (``process_batch`` reads as the pipeline):
+Each run (an Event Hubs batch, a timer tick, a person's approval) is one ``Run`` (pipeline/run.py) that its stages
+take in order, and ends with the same tail (pipeline/tail.py). An Event Hubs batch reads as the pipeline:
 
 1. ``ingest``  bytes -> validated envelopes per VM, in arrival order; dead letters for the rest;
 2. ``fold``    envelopes -> observations -> event records and VM positions (pure: ``sightings``), each changed
-               event decided (``decide``, pure rules + the fleet's budget) inside the same ETag-checked write;
-3. ``act``     approvals out to the VMs and their outcomes committed, then the cards (``outbox``);
-4. ``record``  the history rows.
+               event decided (``decide``: pure rules + the fleet's budget) inside the same ETag-checked write;
+3. the tail    approvals delivered -> cards posted -> budgets released -> history written.
 
-The timer (``timer.tick``) and the people's routes (``people``) reuse the same stages. Every read-modify-write goes
-through ``commit.commit`` (``events.commit_event`` for one event): a conflict means another instance got there
-first, so the stage re-reads and redoes, and each decision is taken once. See docs/architecture.md.
+Every read-modify-write goes through ``state.commit`` (``state.events.commit_event`` for one event): a conflict
+means another instance got there first, so the stage re-reads and redoes, and each decision is taken once.
+See docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-from collections.abc import Sequence
+import random
+import threading
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
+from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.gates import MonitorReader
+from coordinator.adapters.history import HistorySink
+from coordinator.adapters.teams import AlertSink
+from coordinator.domain import rules
 from coordinator.domain.model import EventRecord
-from coordinator.pipeline import act, event_grid, fold, ingest, people, timer
-from coordinator.pipeline.context import BatchReport, Context, TickReport, Work
-from coordinator.pipeline.decide import Fleet
+from coordinator.pipeline import fold, ingest, people, tail, timer
+from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.people import ManualApproval
-from coordinator.pipeline.record import write_history
-from coordinator.state.commit import BULK_ATTEMPTS
+from coordinator.pipeline.run import (
+    APPROVAL_DEADLINE,
+    APPROVAL_WORKERS,
+    IMDS_FAILING_AFTER,
+    IMDS_FAILING_ERRORS,
+    RETIRE_GRACE,
+    START_BOUND,
+    Options,
+    Parts,
+    Report,
+    Run,
+    RunKind,
+)
 from coordinator.state.events import read_event
-from coordinator.state.tables import Stored
+from coordinator.state.tables import Stored, TableStateStore
+
+__all__ = ["Coordinator"]
 
 log = logging.getLogger("coordinator")
 
 
-class Coordinator(Context):
-    """Fleet logic behind the Functions app (the parts and options are ``Context``'s, all keyword-only)."""
+def utcnow() -> datetime:
+    return datetime.now(UTC)
 
-    def process_batch(self, messages: Sequence[RawMessage]) -> BatchReport:
+
+class Coordinator:
+    """Fleet logic behind the Functions app. All options are keyword-only; ``clock`` lets tests move time.
+    Attributes without a leading underscore may be replaced (a slower callback, another clock, another policy):
+    each run takes them as they are when it starts."""
+
+    def __init__(
+        self,
+        *,
+        store: TableStateStore,
+        history: HistorySink,
+        alerts: AlertSink,
+        callback: ApprovalCallback,
+        policy: rules.Policy,
+        dry_run: bool = False,
+        heartbeat_timeout: timedelta = timedelta(minutes=5),
+        approve_url: Callable[[str], str] | None = None,
+        approval_backoff: tuple[float, float] = (5.0, 120.0),
+        on_new_vm: Callable[[VmIdentity], None] | None = None,
+        housekeeping: Callable[[dict[str, datetime], datetime], None] | None = None,
+        housekeeping_interval: timedelta = timedelta(hours=1),
+        retention: timedelta = timedelta(days=30),
+        clock: Callable[[], datetime] = utcnow,
+        rng: random.Random | None = None,
+        retire_grace: timedelta = RETIRE_GRACE,
+        approval_workers: int = APPROVAL_WORKERS,
+        approval_deadline: timedelta = APPROVAL_DEADLINE,
+        start_bound: timedelta = START_BOUND,
+        imds_failing_after: timedelta = IMDS_FAILING_AFTER,
+        imds_failing_errors: int = IMDS_FAILING_ERRORS,
+        remote_acknowledge: ApprovalCallback | None = None,
+        remote_acknowledge_fallback: bool = False,
+        monitor: MonitorReader | None = None,
+    ) -> None:
+        self.store = store
+        self.history = history
+        self.alerts = alerts
+        self.callback = callback
+        self.policy = policy
+        self.dry_run = dry_run
+        self.heartbeat_timeout = heartbeat_timeout
+        self.approve_url = approve_url
+        self.approval_backoff = approval_backoff
+        self.on_new_vm = on_new_vm
+        self.housekeeping_interval = housekeeping_interval
+        self.retention = retention
+        self.clock = clock
+        self.rng = rng or random.Random()  # noqa: S311 -- jitter, not security
+        self.retire_grace = retire_grace
+        self.approval_workers = approval_workers
+        self.approval_deadline = approval_deadline
+        self.start_bound = start_bound
+        self.imds_failing_after = imds_failing_after
+        self.imds_failing_errors = imds_failing_errors
+        self.remote_acknowledge = remote_acknowledge
+        self.remote_acknowledge_fallback = remote_acknowledge_fallback
+        self.monitor = monitor
+        self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self.options()  # refuses contradictory settings now, not at the first run
+
+    def options(self) -> Options:
+        return Options(
+            dry_run=self.dry_run,
+            heartbeat_timeout=self.heartbeat_timeout,
+            approve_url=self.approve_url,
+            approval_backoff=self.approval_backoff,
+            housekeeping_interval=self.housekeeping_interval,
+            retention=self.retention,
+            retire_grace=self.retire_grace,
+            approval_workers=self.approval_workers,
+            approval_deadline=self.approval_deadline,
+            start_bound=self.start_bound,
+            imds_failing_after=self.imds_failing_after,
+            imds_failing_errors=self.imds_failing_errors,
+            remote_acknowledge_fallback=self.remote_acknowledge_fallback,
+        )
+
+    def start(self, kind: RunKind) -> Run:
+        """A new run with the parts and settings as they are now."""
+        parts = Parts(
+            store=self.store,
+            history=self.history,
+            alerts=self.alerts,
+            callback=self.callback,
+            remote_acknowledge=self.remote_acknowledge,
+            monitor=self.monitor,
+            rng=self.rng,
+            pool=self._pool,
+        )
+        return Run(
+            kind=kind,
+            parts=parts,
+            options=self.options(),
+            policy=self.policy,
+            now=self.clock(),
+            fleet=Fleet(self.store),
+            report=Report(kind=kind),
+        )
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The approval senders' threads, started on first use and kept for the process."""
+        with self._pool_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.approval_workers, thread_name_prefix="approval"
+                )
+            return self._executor
+
+    def process_batch(self, messages: Sequence[RawMessage]) -> Report:
         """One Event Hubs batch (cardinality many). Bad messages are dead-lettered; the rest goes on."""
         with telemetry.batch_span(len(messages), ((m.traceparent, m.tracestate) for m in messages)):
-            return self._process_batch(messages)
+            return self.run_batch(messages).report
 
-    def _process_batch(self, messages: Sequence[RawMessage]) -> BatchReport:
-        now = self.clock()
-        report = BatchReport(received=len(messages))
-        work = Work()
-        arrivals = ingest.read_batch(messages, now, work)
-        fleet = Fleet(self.store)
-        updates = fold.vm_updates(self, arrivals.by_vm, cached=True, traces=arrivals.traces)
-        event_grid.add_to_batch(self, updates, arrivals.grid)
-        report.duplicates += arrivals.grid_duplicates
-        report.dead_lettered = ingest.set_aside(self, arrivals, updates.failed, now, work)
-        stale = fold.fold(self, updates, now, fleet, report=report, work=work)
-        for _attempt in range(BULK_ATTEMPTS):
-            if stale - arrivals.by_vm.keys():
-                # Only Event Grid spoke for these in this batch: nothing to redo them from; the platform's next
-                # event for them (or their forwarder) writes their sightings.
-                log.warning("Event Grid sightings of %s not written (contended)", sorted(stale - arrivals.by_vm.keys()))
-                stale &= arrivals.by_vm.keys()
-            if not stale:
-                break
-            # Another instance moved these VMs since this one cached their group (a partition changed hands):
-            # what was derived from the old positions may miss a 'gone'. Redo them from the fresh positions;
-            # re-applying what was already applied is a no-op.
-            for vm_id in stale:
-                report.accepted -= updates.updates[vm_id].applied
-                report.duplicates -= updates.updates[vm_id].duplicates
-            redo = fold.vm_updates(
-                self, {vm_id: arrivals.by_vm[vm_id] for vm_id in stale}, cached=False, traces=arrivals.traces
-            )
-            updates.updates.update(redo.updates)
-            updates.new_vms = (updates.new_vms - stale) | redo.new_vms
-            stale = fold.fold(self, redo, now, fleet, report=report, work=work)
-        act.act(self, work, now, report, last_seen=None, fleet=fleet)
-        write_history(self, work.rows, report)
+    def run_batch(self, messages: Sequence[RawMessage]) -> Run:
+        """The batch as a run: ingest -> fold (decide inside its write) -> the tail."""
+        run = self.start("batch")
+        run.report.received = len(messages)
+        arrivals = ingest.read_batch(run, messages)
+        updates = fold.fold(run, arrivals)
+        tail.finish(run)
         if self.on_new_vm is not None:
             # New VMs, and VMs back from silence (housekeeping may have removed what was set up for them).
             for vm_id, update in updates.updates.items():
                 if vm_id in updates.new_vms or update.resumed:
                     self._new_vm(update.record.identity)
-        return report
+        return run
 
     def _new_vm(self, vm: VmIdentity) -> None:
         assert self.on_new_vm is not None
@@ -90,21 +195,23 @@ class Coordinator(Context):
         except Exception:  # e.g. the VM's hybrid connection could not be created: retried when it next reports
             log.exception("setting up new VM %s failed", vm.name)
 
-    def tick(self) -> TickReport:
-        """The timer's run (coordinator/pipeline/timer.py)."""
-        return timer.tick(self)
+    def tick(self) -> Report:
+        """The timer's run (pipeline/timer.py), ending with the tail."""
+        run = self.start("tick")
+        timer.tick(run, self._housekeeping)
+        return run.report
 
     def approve_manually(self, event_id: str, *, person: str) -> ManualApproval:
-        """A person's approval of one event (coordinator/pipeline/people.py)."""
-        return people.approve_manually(self, event_id, person=person)
+        """A person's approval of one event (pipeline/people.py), ending with the tail."""
+        return people.approve_manually(self.start("person"), event_id, person=person)
 
     def event(self, event_id: str) -> Stored[EventRecord] | None:
         """The event as stored now (fresh read), with its VMs' sightings."""
         return read_event(self.store, event_id)
 
     def summarize(self, record: EventRecord) -> dict[str, Any]:
-        return people.summarize(self, record)
+        return people.summarize(record, approve_url=self.approve_url)
 
     def pending(self) -> list[dict[str, Any]]:
         """Open events (not Completed/Canceled), oldest NotBefore first."""
-        return people.pending(self)
+        return people.pending(self.store, approve_url=self.approve_url)

@@ -209,3 +209,11 @@ def build_vm_card(
 
 def card_bytes(card: dict[str, Any]) -> bytes:
     return json.dumps(card, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def raise_vm_alert(vm: VmRecord, kind: AlertKind, now: datetime) -> VmRecord:
+    """The VM with ``kind`` in its outbox: the caller writes it with the VM's position (the condition's own write),
+    and puts it in the run's ``Work.vm_alerts`` to be sent after that write."""
+    if kind in vm.pendingAlerts:
+        return vm
+    return vm.model_copy(update={"pendingAlerts": [*vm.pendingAlerts, kind], "pendingSince": vm.pendingSince or now})

@@ -1,16 +1,16 @@
-"""Act, the fourth stage: approvals out to the VMs, then the cards (pipeline/outbox.py), for what was committed.
+"""Deliver, the first step of every run's tail (pipeline/tail.py): approvals out to the VMs, outcomes committed.
 
-Takes the ``Work`` of a batch, tick or person (events whose approval was decided by a committed write, cards
-recorded in the events' outbox); gives approvals sent through the ``ApprovalCallback`` (Azure Relay in Azure) and
-each outcome committed to its event (Approved, or a retry time, or an alert). Only what was committed is acted on,
-and only the write that decided an approval sends it.
+Takes the run's ``Work`` (events whose approval was decided by a committed write); gives approvals sent through the
+``ApprovalCallback`` (Azure Relay in Azure, or the Maintenance RP's acknowledge) and each outcome committed to its
+event (Approved, or a retry time, or an alert). Only what was committed is acted on, and only the write that
+decided an approval sends it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -23,10 +23,9 @@ from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.domain.rows import HistoryRow
 from coordinator.domain.sightings import EventChange, choose_executor, clone, platform_hold, raise_alert, transition
-from coordinator.pipeline import outbox
-from coordinator.pipeline.context import BatchReport, Context, TickReport, Work
-from coordinator.pipeline.decide import Fleet, release_budgets
-from coordinator.pipeline.record import approval_row, platform_hold_row, write_history
+from coordinator.pipeline import record as history
+from coordinator.pipeline.record import approval_row, platform_hold_row
+from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
 from coordinator.state.tables import ConcurrencyConflict
 
@@ -42,7 +41,7 @@ class Delivery:
     event_id: str
     decision_id: str
     executor: str
-    # The path it takes: the Relay sender (ctx.callback) or the Maintenance RP's acknowledge (ctx.remote_acknowledge).
+    # The path it takes: the Relay sender (Parts.callback) or the Maintenance RP's acknowledge (remote_acknowledge).
     callback: ApprovalCallback
     vm: VmIdentity | None = None
     request: ApprovalRequest | None = None
@@ -53,68 +52,53 @@ class Delivery:
     traceparent: str = ""
 
 
-def act(
-    ctx: Context,
-    work: Work,
-    now: datetime,
-    report: BatchReport | TickReport,
-    *,
-    last_seen: dict[str, datetime] | None,
-    settled: dict[str, list[str]] | None = None,
-    settled_vms: outbox.VmCards | None = None,
-    fleet: Fleet | None = None,
-) -> None:
-    """Sends the committed approvals and cards. The batch path logs the cards it sent in one write; the timer
-    (``settled``: what those logs say was sent) clears them from the events' outbox itself.
+def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
+    """Sends the run's committed approvals and commits each outcome to its event (``run.work`` collects the
+    changes: their rows, cards and records).
 
-    Approvals: the intent (the approval record, written by the deciding write, and an Approval history row)
-    is recorded before anything is sent, so a coordinator that dies right after sending still leaves its
-    history; they go out concurrently (a bounded pool, each with its own deadline), so a slow or absent
-    listener holds up nothing else; each outcome is then written to its event. The caller writes the history rows
-    left in ``work``."""
-    records: dict[str, EventRecord] = dict(work.records)
-    fleet = fleet or Fleet(ctx.store)
-    plans = [plan for event_id in work.deliveries if (plan := plan_delivery(ctx, event_id, now, last_seen, fleet))]
-    if any(plan.intent is not None for plan in plans):
-        work.rows.extend(plan.intent for plan in plans if plan.intent is not None)
-        write_history(ctx, work.rows, report)
+    The intent (the approval record, written by the deciding write, and an Approval history row) is recorded
+    before anything is sent, so a coordinator that dies right after sending still leaves its history; approvals go
+    out concurrently (a bounded pool, each with its own deadline), so a slow or absent listener holds up nothing
+    else."""
+    run.enter("deliver")
+    work = run.work
+    plans = [plan for event_id in work.deliveries if (plan := plan_delivery(run, event_id, last_seen))]
+    intents = [plan.intent for plan in plans if plan.intent is not None]
+    if intents:
+        history.write(run, [*work.rows, *intents])
         work.rows = []
-    send_all(ctx, plans)
+    send_all(run, plans)
     for plan in plans:
         try:
             change = commit_event(
-                ctx.store,
+                run.parts.store,
                 plan.event_id,
-                lambda r, plan=plan: approval_outcome(ctx, r, plan=plan, now=now, fleet=fleet),  # type: ignore[misc]
+                lambda r, plan=plan: approval_outcome(run, r, plan=plan),  # type: ignore[misc]
             )
         except ConcurrencyConflict:
             log.warning("approval of %s: outcome not recorded (contended); the timer reconciles", plan.event_id)
             continue
         if change is not None:
-            report.approvals_sent += 1
+            run.report.approvals_sent += 1
             if any(row.RecordType == "Transition" and row.State == "Approved" for row in change.rows):
                 # The listener's 'approved' moved the event to Approved just now (not a repeated delivery).
                 record = change.record
                 rule = record.approval.rule if record.approval is not None else ""
                 telemetry.approved(
-                    record.eventType, rule, detected=record.createdAt, not_before=record.notBefore, now=now
+                    record.eventType, rule, detected=record.createdAt, not_before=record.notBefore, now=run.now
                 )
-            records[plan.event_id] = change.record
-            fleet.note(change.record)
+            run.fleet.note(change.record)
             work.collect(change)
-    release_budgets(ctx, records.values())
-    outbox.post(ctx, work, records, now, report, settled=settled, settled_vms=settled_vms)
 
 
-def plan_delivery(
-    ctx: Context, event_id: str, now: datetime, last_seen: dict[str, datetime] | None, fleet: Fleet
-) -> Delivery | None:
+def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None) -> Delivery | None:
     """What to send for one committed approval, read fresh: the executor and the request (None when no VM
     can execute it; the failure says why). Every approval is sent from a plan, so dry-run is held here: an
     approval decided before dry-run was switched on waits."""
-    if ctx.dry_run:
+    if run.dry_run:
         return None
-    stored = read_event(ctx.store, event_id)
+    now, options = run.now, run.options
+    stored = read_event(run.parts.store, event_id)
     if stored is None or stored.record.approval is None or stored.record.approval.delivered:
         return None
     record = stored.record
@@ -122,22 +106,23 @@ def plan_delivery(
     seen = {name: s.lastSeen for name, s in record.vms.items()}
     if last_seen:
         seen.update({name: last_seen[name] for name in seen if name in last_seen})
-    executor = choose_executor(record, seen, now - ctx.heartbeat_timeout, leaving=fleet.leaving(now))
+    executor = choose_executor(record, seen, now - options.heartbeat_timeout, leaving=run.fleet.leaving(now))
     plan = Delivery(
         event_id=event_id,
         decision_id=approval.decisionId,
         executor=executor.name if executor else "",
         traceparent=record.traceparent,
-        callback=ctx.callback,
+        callback=run.parts.callback,
     )
-    remote = rules.callback_of(ctx.policy, approval.rule) == "remote-acknowledge"
-    if remote and ctx.remote_acknowledge is None:
+    remote_acknowledge = run.parts.remote_acknowledge
+    remote = rules.callback_of(run.policy, approval.rule) == "remote-acknowledge"
+    if remote and remote_acknowledge is None:
         plan.failure = (
             f"rule {approval.rule!r} approves through remote acknowledge, which is off "
             "(COORDINATOR_REMOTE_ACKNOWLEDGE); nothing sent"
         )
         return plan
-    if executor is None and ctx.remote_acknowledge is not None and ctx.remote_acknowledge_fallback:
+    if executor is None and remote_acknowledge is not None and options.remote_acknowledge_fallback:
         # No VM's listener can execute it (no forwarder reported within heartbeat_timeout, e.g. a VM known only
         # from Event Grid): acknowledged through ARM instead, unverified by any VM (docs/security.md).
         remote = True
@@ -148,10 +133,10 @@ def plan_delivery(
             return plan
         executor = target
         plan.executor = f"arm:{target.name}"
-        assert ctx.remote_acknowledge is not None  # remote only when it is on (both branches above)
-        plan.callback = ctx.remote_acknowledge
+        assert remote_acknowledge is not None  # remote only when it is on (both branches above)
+        plan.callback = remote_acknowledge
     if executor is None:
-        within = f"{ctx.heartbeat_timeout.total_seconds():.0f} s"
+        within = f"{options.heartbeat_timeout.total_seconds():.0f} s"
         if record.eventType == "Terminate":
             plan.failure = (
                 f"a Terminate is approved only through the VM it deletes, and none of {record.resources[:5]} "
@@ -174,7 +159,7 @@ def plan_delivery(
             durationInSeconds=record.durationInSeconds,
             notBefore=record.notBefore,
             resources=list(record.resources),
-            hooksRequired=rules.hooks_required(ctx.policy, approval.rule, record),
+            hooksRequired=rules.hooks_required(run.policy, approval.rule, record),
         ),
     )
     plan.intent = approval_row(
@@ -185,23 +170,24 @@ def plan_delivery(
         Outcome="sending",
         Reason=(
             f"acknowledge of {record.eventId} going to ARM for {executor.name} (attempt {approval.attempts + 1})"
-            if plan.callback is not ctx.callback
+            if plan.callback is not run.parts.callback
             else f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})"
         ),
     )
     return plan
 
 
-def send_all(ctx: Context, plans: Sequence[Delivery]) -> None:
+def send_all(run: Run, plans: Sequence[Delivery]) -> None:
     """Sends the approvals concurrently, each given ``approval_deadline``. One that has not answered by then is
     recorded as failed and retried later; its thread finishes on its own (the sender has its own timeouts)."""
     futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
-            futures[ctx.pool().submit(deliver, plan.callback, plan.request, plan.vm, plan.traceparent)] = plan
+            futures[run.parts.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent)] = plan
     if not futures:
         return
-    done, late = concurrent.futures.wait(futures, timeout=ctx.approval_deadline.total_seconds())
+    deadline = run.options.approval_deadline.total_seconds()
+    done, late = concurrent.futures.wait(futures, timeout=deadline)
     for future in done:
         plan = futures[future]
         try:
@@ -214,12 +200,11 @@ def send_all(ctx: Context, plans: Sequence[Delivery]) -> None:
     for future in late:
         plan = futures[future]
         plan.failure = (
-            f"{plan.executor}'s listener did not answer within {ctx.approval_deadline.total_seconds():g} s; "
-            "retried (idempotent by decisionId)"
+            f"{plan.executor}'s listener did not answer within {deadline:g} s; retried (idempotent by decisionId)"
         )
 
 
-def deliver(callback: ApprovalCallback, request: ApprovalRequest, vm: VmIdentity, traceparent: str) -> ApprovalResult:
+def send(callback: ApprovalCallback, request: ApprovalRequest, vm: VmIdentity, traceparent: str) -> ApprovalResult:
     """One approval through its callback, as the ``coordinator.approval`` span of the event's trace."""
     with telemetry.approval_span(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
@@ -238,12 +223,11 @@ def _any_sighting(record: EventRecord) -> VmSighting | None:
     return next(iter(record.vms.values()), None)
 
 
-def approval_outcome(
-    ctx: Context, record: EventRecord | None, *, plan: Delivery, now: datetime, fleet: Fleet
-) -> EventChange | None:
+def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventChange | None:
     decision_id, executor, result, failure = plan.decision_id, plan.executor, plan.result, plan.failure
     if record is None or record.approval is None or record.approval.decisionId != decision_id:
         return None
+    now = run.now
     record = clone(record)
     change = EventChange(record=record, changed=True)
     approval = record.approval
@@ -269,9 +253,9 @@ def approval_outcome(
         # "approved" is the listener's word that IMDS took StartRequests; the platform's is Started or gone.
         approval.delivered = True
         approval.nextAttemptAt = None
-        approval.confirmBy = now + ctx.start_bound
+        approval.confirmBy = now + run.options.start_bound
         # Set before the transition, so that the "approved" card says what holds it.
-        update_hold(ctx, change, fleet.deletes().values(), now)
+        update_hold(run, change)
         if record.state == "Scheduled":
             transition(
                 change,
@@ -288,9 +272,8 @@ def approval_outcome(
         # The VM sees it Started already; its next document moves the state.
         approval.nextAttemptAt = None
     else:
-        delay = backoff_delay(
-            approval.attempts - 1, initial=ctx.approval_backoff[0], maximum=ctx.approval_backoff[1], rng=ctx.rng
-        )
+        initial, maximum = run.options.approval_backoff
+        delay = backoff_delay(approval.attempts - 1, initial=initial, maximum=maximum, rng=run.parts.rng)
         approval.nextAttemptAt = now + timedelta(seconds=max(1.0, delay))
     if result is not None and result.outcome == "rejected":
         # The VM found the decision's facts untrue of its own IMDS document or hook ledger: one card per event
@@ -301,12 +284,13 @@ def approval_outcome(
     return change
 
 
-def update_hold(ctx: Context, change: EventChange, deletes: Iterable[EventRecord], now: datetime) -> None:
+def update_hold(run: Run, change: EventChange) -> None:
     """Shows an approved delete that the platform holds because another delete of its scale set is pending:
     on the record (the card and summarize() read it) and as an Approval row (Actor platform, Outcome held),
     and again when the hold is lifted or moves to another pending delete."""
+    now = run.now
     record = change.record
-    hold = platform_hold(record, deletes, now)
+    hold = platform_hold(record, run.fleet.deletes().values(), now)
     previous = record.platformHold
     if (hold.eventId if hold else "") == (previous.eventId if previous else ""):
         return
@@ -314,5 +298,5 @@ def update_hold(ctx: Context, change: EventChange, deletes: Iterable[EventRecord
     change.changed = True
     if hold is None and previous is not None and record.approval is not None and record.approval.delivered:
         # Held, the delete could not start: its time to be seen Started begins when the platform lets it go.
-        record.approval.confirmBy = now + ctx.start_bound
+        record.approval.confirmBy = now + run.options.start_bound
     change.rows.append(platform_hold_row(record, now))

@@ -3,8 +3,8 @@
 
 Takes a message body that is not an envelope (``is_event_grid``: a JSON array, or an object with ``eventType`` and
 no ``schema``); gives the events validated against their own schema (``GridEvent``), each bad one set aside with a
-reason; then (``add_to_batch``) one observation per VM an event names, folded by ``fold.py`` into the same event
-records and VM groups as the envelopes' observations.
+reason; then (``sightings``) the observations each VM an event names gives, which ``fold.py`` folds into the same
+event records and VM groups as the envelopes' observations.
 
 Keying: an Event Grid event names its VMs by instance name (``Resources``, the same names IMDS lists) under a
 scale set or VM ARM id (``data.resourceInfo.id``). A VM whose forwarder already reported (a VM group holds a VM of
@@ -33,9 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from contracts.document import ScheduledEvent
 from contracts.envelope import VmIdentity
 from coordinator.domain.model import VmRecord, group_key
-from coordinator.domain.sightings import Observation, VmUpdate, vm_position
-from coordinator.pipeline.context import Context
-from coordinator.pipeline.fold import VmBatch
+from coordinator.domain.sightings import Observation
+from coordinator.state.tables import TableStateStore
 
 # Below every forwarder state's epoch (they count from 0): a forwarder's sighting of its own VM always wins.
 EVENT_GRID_EPOCH = -1
@@ -176,10 +175,10 @@ def _identity(event: GridEvent, name: str) -> VmIdentity:
     )
 
 
-def _known_vms(ctx: Context) -> dict[tuple[str, str, str], tuple[str, VmRecord]]:
+def _known_vms(store: TableStateStore) -> dict[tuple[str, str, str], tuple[str, VmRecord]]:
     """Every VM a group holds, by (subscription, resource group, name) in lower case -> (group key, record)."""
     known: dict[tuple[str, str, str], tuple[str, VmRecord]] = {}
-    for stored in ctx.store.all_vm_groups():
+    for stored in store.all_vm_groups():
         for vm in stored.record.vms.values():
             identity = vm.identity
             where = (identity.subscriptionId.lower(), identity.resourceGroupName.lower(), identity.name.lower())
@@ -226,17 +225,19 @@ def observations_of(event: GridEvent, identity: VmIdentity) -> list[Observation]
     return [gone]
 
 
-def add_to_batch(ctx: Context, batch: VmBatch, events: list[GridEvent]) -> None:
-    """Adds the Event Grid events' observations to the batch's VM updates (``fold.VmBatch``), each under the VM
-    it names (an update of its own for a VM no envelope of the batch spoke for)."""
+def sightings(
+    store: TableStateStore, events: list[GridEvent], *, speaking: dict[str, tuple[str, VmRecord]]
+) -> dict[str, tuple[Sighting, list[Observation]]]:
+    """The Event Grid events' observations by the VM they name (vmId, lower case), with the VM's identity and group.
+    ``speaking``: the VMs whose forwarder speaks in this batch (vmId -> group key, record), a new one included."""
     if not events:
-        return
-    known = _known_vms(ctx)
-    for vm_id, speaking in batch.updates.items():  # VMs whose forwarder speaks in this batch (a new one included)
-        identity = speaking.record.identity
+        return {}
+    known = _known_vms(store)
+    for key, record in speaking.values():
+        identity = record.identity
         known[(identity.subscriptionId.lower(), identity.resourceGroupName.lower(), identity.name.lower())] = (
-            batch.key_of[vm_id],
-            speaking.record,
+            key,
+            record,
         )
     per_vm: dict[str, tuple[Sighting, list[Observation]]] = {}
     for event in events:
@@ -251,24 +252,7 @@ def add_to_batch(ctx: Context, batch: VmBatch, events: list[GridEvent]) -> None:
                 sighting = Sighting(identity=identity, key=group_key(identity))
             vm_id = sighting.identity.vmId.lower()
             per_vm.setdefault(vm_id, (sighting, []))[1].extend(observations_of(event, sighting.identity))
-    groups = ctx.store.get_vm_groups({s.key for s, _ in per_vm.values()} - set(batch.groups), cached=True)
-    batch.groups.update(groups)
-    for vm_id, (sighting, observations) in per_vm.items():
-        update: VmUpdate | None = batch.updates.get(vm_id)
-        if update is not None:  # its forwarder reported in this batch too: one VM, one update
-            update.observations.extend(observations)
-            update.applied += len(observations)
-            continue
-        stored = batch.groups.get(sighting.key)
-        previous = stored.record.vms.get(vm_id) if stored else None
-        record = previous or VmRecord(
-            identity=sighting.identity, lastSeen=min(o.observed_at for o in observations), agentless=True
-        )
-        batch.updates[vm_id] = VmUpdate(
-            record=record, observations=observations, applied=len(observations), duplicates=0, resumed=False
-        )
-        batch.key_of[vm_id] = sighting.key
-        batch.base[vm_id] = vm_position(previous) if previous else None
+    return per_vm
 
 
 def describe(error: Exception) -> str:

@@ -1,11 +1,13 @@
 """Fold, the second stage: each VM's envelopes -> observations -> event records and VM positions, committed.
 
-Takes the envelopes ``ingest`` grouped per VM; reads each VM's position (its VM group), derives its observations
-with the pure ``sightings.vm_observations`` (duplicates and stale envelopes dropped by (stateId, sequence)), folds
-them into the event records with ``sightings.apply_observations``, has each changed event decided
-(``decide.decide_all``, inside the same ETag-checked write, so that of two instances only one decision commits),
-and writes the events, then the VM positions. Gives the committed ``EventChange``s (collected into ``Work`` for
-``act``) and the VMs whose cached position turned out stale (the caller redoes them from a fresh read).
+Takes what ``ingest`` gave (the envelopes per VM, the Event Grid events); reads each VM's position (its VM group),
+derives its observations with the pure ``sightings.vm_observations`` (duplicates and stale envelopes dropped by
+(stateId, sequence)) and adds the Event Grid sightings (``event_grid.sightings``); sets aside, as dead letters, the
+messages of a VM whose envelopes could not be read against its position; folds the observations into the event
+records with ``sightings.apply_observations``, has each changed event decided (``decide.decide_all``, inside the
+same ETag-checked write, so that of two instances only one decision commits), and writes the events, then the VM
+positions. The committed ``EventChange``s go into the run's ``Work`` for the tail. VMs whose cached position turned
+out stale (another instance moved them) are redone from a fresh read.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from contracts.envelope import Envelope
 from coordinator.adapters import telemetry
+from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, group_key
 from coordinator.domain.rows import HistoryRow
 from coordinator.domain.sightings import (
@@ -30,10 +32,10 @@ from coordinator.domain.sightings import (
     vm_observations,
     vm_position,
 )
-from coordinator.pipeline import decide, health, outbox
-from coordinator.pipeline.context import BatchReport, Context, Work
-from coordinator.pipeline.decide import Fleet
+from coordinator.pipeline import decide, event_grid, health
+from coordinator.pipeline.ingest import Arrivals, dead_letter
 from coordinator.pipeline.record import vm_row
+from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.events import aggregate, assemble, commit_event
 from coordinator.state.tables import ConcurrencyConflict, Stored
@@ -78,12 +80,43 @@ def _set_aside(
     return stale
 
 
+def fold(run: Run, arrivals: Arrivals) -> VmBatch:
+    """The batch's arrivals folded into events and VM positions, committed. Returns the VMs' updates (who is new,
+    who resumed)."""
+    run.enter("fold")
+    report = run.report
+    updates = vm_updates(run, arrivals.by_vm, cached=True, traces=arrivals.traces)
+    add_grid_sightings(run, updates, arrivals.grid)
+    report.duplicates += arrivals.grid_duplicates
+    report.dead_lettered = set_aside(run, arrivals, updates.failed)
+    stale = fold_updates(run, updates)
+    for _attempt in range(BULK_ATTEMPTS):
+        if stale - arrivals.by_vm.keys():
+            # Only Event Grid spoke for these in this batch: nothing to redo them from; the platform's next
+            # event for them (or their forwarder) writes their sightings.
+            log.warning("Event Grid sightings of %s not written (contended)", sorted(stale - arrivals.by_vm.keys()))
+            stale &= arrivals.by_vm.keys()
+        if not stale:
+            break
+        # Another instance moved these VMs since this one cached their group (a partition changed hands):
+        # what was derived from the old positions may miss a 'gone'. Redo them from the fresh positions;
+        # re-applying what was already applied is a no-op.
+        for vm_id in stale:
+            report.accepted -= updates.updates[vm_id].applied
+            report.duplicates -= updates.updates[vm_id].duplicates
+        redo = vm_updates(run, {vm_id: arrivals.by_vm[vm_id] for vm_id in stale}, cached=False, traces=arrivals.traces)
+        updates.updates.update(redo.updates)
+        updates.new_vms = (updates.new_vms - stale) | redo.new_vms
+        stale = fold_updates(run, redo)
+    return updates
+
+
 def vm_updates(
-    ctx: Context, by_vm: dict[str, list[Envelope]], *, cached: bool, traces: dict[tuple[str, int], str]
+    run: Run, by_vm: dict[str, list[Envelope]], *, cached: bool, traces: dict[tuple[str, int], str]
 ) -> VmBatch:
     """Each VM's envelopes read against its stored position: its observations and its new position."""
     key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
-    groups = ctx.store.get_vm_groups(set(key_of.values()), cached=cached)
+    groups = run.parts.store.get_vm_groups(set(key_of.values()), cached=cached)
     batch = VmBatch(groups=groups, key_of=key_of, traces=traces)
     for vm_id, envelopes in by_vm.items():
         stored = groups.get(key_of[vm_id])
@@ -101,9 +134,59 @@ def vm_updates(
     return batch
 
 
-def fold(ctx: Context, updates: VmBatch, now: datetime, fleet: Fleet, *, report: BatchReport, work: Work) -> set[str]:
+def add_grid_sightings(run: Run, batch: VmBatch, events: list[event_grid.GridEvent]) -> None:
+    """Adds the Event Grid events' observations to the batch's VM updates, each under the VM it names (an update of
+    its own for a VM no envelope of the batch spoke for)."""
+    speaking = {vm_id: (batch.key_of[vm_id], update.record) for vm_id, update in batch.updates.items()}
+    per_vm = event_grid.sightings(run.parts.store, events, speaking=speaking)
+    if not per_vm:
+        return
+    groups = run.parts.store.get_vm_groups({s.key for s, _ in per_vm.values()} - set(batch.groups), cached=True)
+    batch.groups.update(groups)
+    for vm_id, (sighting, observations) in per_vm.items():
+        update: VmUpdate | None = batch.updates.get(vm_id)
+        if update is not None:  # its forwarder reported in this batch too: one VM, one update
+            update.observations.extend(observations)
+            update.applied += len(observations)
+            continue
+        stored = batch.groups.get(sighting.key)
+        previous = stored.record.vms.get(vm_id) if stored else None
+        record = previous or VmRecord(
+            identity=sighting.identity, lastSeen=min(o.observed_at for o in observations), agentless=True
+        )
+        batch.updates[vm_id] = VmUpdate(
+            record=record, observations=observations, applied=len(observations), duplicates=0, resumed=False
+        )
+        batch.key_of[vm_id] = sighting.key
+        batch.base[vm_id] = vm_position(previous) if previous else None
+
+
+def set_aside(run: Run, arrivals: Arrivals, failed: dict[str, str]) -> int:
+    """Dead-letters the messages of the VMs whose envelopes could not be read against their position (``failed``:
+    vmId -> why), then stores every dead letter of the batch. Returns how many were dead-lettered."""
+    for vm_id, problem in failed.items():
+        # Whatever broke on this VM's envelopes costs only this VM (its position does not move).
+        for message in arrivals.raw_of.pop(vm_id, []):
+            dead_letter(
+                message,
+                f"processing failed: {problem}",
+                run.now,
+                dead=arrivals.dead,
+                work=run.work,
+                where=f"an envelope of VM {vm_id}",
+            )
+    if arrivals.dead:
+        try:
+            run.parts.store.put_dead_letters(arrivals.dead)
+        except Exception:  # the history rows and log lines keep them; the batch's good messages go on
+            log.exception("could not store %d dead letters", len(arrivals.dead))
+    return len(arrivals.dead)
+
+
+def fold_updates(run: Run, updates: VmBatch) -> set[str]:
     """Observations -> events -> VM positions. Returns the VMs whose cached position turned out stale (not
     written: the caller redoes them)."""
+    now, report, work, fleet = run.now, run.report, run.work, run.fleet
     observations: dict[str, list[Observation]] = defaultdict(list)
     for update in updates.updates.values():
         report.accepted += update.applied
@@ -114,20 +197,20 @@ def fold(ctx: Context, updates: VmBatch, now: datetime, fleet: Fleet, *, report:
             work.rows.append(vm_row(update.record, now, "heartbeat resumed"))
         work.rows.extend(update.rows)
         if update.conflict:
-            update.record = outbox.raise_vm_alert(update.record, "forwarder-conflict", now)
+            update.record = raise_vm_alert(update.record, "forwarder-conflict", now)
             work.vm_alerts.append((update.record, "forwarder-conflict"))
-        health.assess(update, now, work, after=ctx.imds_failing_after, errors=ctx.imds_failing_errors)
+        health.assess(update, now, work, after=run.options.imds_failing_after, errors=run.options.imds_failing_errors)
     fleet.note_vms(update.record for update in updates.updates.values())
-    committed = commit_events(ctx, observations, now, fleet, report=report, batch=updates, work=work)
+    committed = commit_events(run, observations, batch=updates)
     for change in committed:
         work.collect(change)
         keep_sightings(change, observations[change.record.eventId], updates)
         if change.created_from is not None:
             telemetry.event_detected(change.record.eventType)
-    report.events_changed += len(committed) + decide.release_held(ctx, committed, now, fleet, work)
+    report.events_changed += len(committed) + decide.release_held(run, committed)
     # VM positions are written after the events: a crash in between replays the envelopes, which the
     # events' per-VM sequence makes harmless.
-    return save_vm_updates(ctx, updates, report)
+    return save_vm_updates(run, updates)
 
 
 def keep_sightings(change: EventChange, observations: list[Observation], batch: VmBatch) -> None:
@@ -143,7 +226,7 @@ def keep_sightings(change: EventChange, observations: list[Observation], batch: 
             update.record = update.record.model_copy(update={"sightings": sightings})
 
 
-def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[str]:
+def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
     mine: dict[str, dict[str, VmRecord]] = defaultdict(dict)
     for vm_id, update in batch.updates.items():
         if update.applied:
@@ -151,6 +234,7 @@ def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[st
     stale: set[str] = set()
     if not mine:
         return stale
+    store = run.parts.store
 
     def merged(key: str, current: Stored[VmGroupRecord] | None) -> VmGroupRecord:
         vms = dict(current.record.vms) if current else {}
@@ -161,7 +245,7 @@ def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[st
     def groups_now(attempt: int) -> dict[str, Stored[VmGroupRecord]]:
         if attempt == 0:
             return batch.groups
-        groups = ctx.store.get_vm_groups(mine)
+        groups = store.get_vm_groups(mine)
         for key, vms in mine.items():
             stale.update(_set_aside(vms, groups.get(key), batch.base))
         return groups
@@ -171,14 +255,12 @@ def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[st
     ) -> list[tuple[VmGroupRecord, str | None, Iterable[str] | None]]:
         return [(merged(key, groups.get(key)), _etag(groups.get(key)), vms) for key, vms in mine.items() if vms]
 
-    def count() -> None:
-        report.conflicts += 1
-
+    count = run.report.count_conflict
     try:
         commit(
             groups_now,
             all_groups,
-            lambda items, _groups: ctx.store.save_vm_groups(items),
+            lambda items, _groups: store.save_vm_groups(items),
             what="VM groups",
             attempts=BULK_ATTEMPTS,
             on_conflict=count,
@@ -190,7 +272,7 @@ def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[st
     for key, vms in mine.items():
 
         def group_now(_attempt: int, key: str = key, vms: dict[str, VmRecord] = vms) -> Stored[VmGroupRecord] | None:
-            current = ctx.store.get_vm_groups([key]).get(key)
+            current = store.get_vm_groups([key]).get(key)
             stale.update(_set_aside(vms, current, batch.base))
             return current
 
@@ -203,7 +285,7 @@ def save_vm_updates(ctx: Context, batch: VmBatch, report: BatchReport) -> set[st
             commit(
                 group_now,
                 moved,
-                lambda write, current: ctx.store.save_vm_group(write[0], _etag(current), vm_ids=write[1]),
+                lambda write, current: store.save_vm_group(write[0], _etag(current), vm_ids=write[1]),
                 what=f"VM group {key}",
                 on_conflict=count,
             )
@@ -220,18 +302,10 @@ def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | Non
     return change
 
 
-def commit_events(
-    ctx: Context,
-    observations: dict[str, list[Observation]],
-    now: datetime,
-    fleet: Fleet,
-    *,
-    report: BatchReport,
-    batch: VmBatch,
-    work: Work,
-) -> list[EventChange]:
+def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch: VmBatch) -> list[EventChange]:
     if not observations:
         return []
+    now, store, work = run.now, run.parts.store, run.work
 
     failed: set[str] = set()
 
@@ -264,9 +338,9 @@ def commit_events(
         return change
 
     def events_now(attempt: int) -> dict[str, Stored[EventRecord]]:
-        stored = ctx.store.get_events(observations, cached=attempt == 0)
+        stored = store.get_events(observations, cached=attempt == 0)
         wanted = {key for s in stored.values() for key in s.record.groups} - set(batch.groups)
-        groups = {**ctx.store.get_vm_groups(wanted, cached=attempt == 0), **batch.groups}
+        groups = {**store.get_vm_groups(wanted, cached=attempt == 0), **batch.groups}
         return assemble(stored, groups)
 
     changes: list[EventChange] = []
@@ -280,7 +354,7 @@ def commit_events(
             change = apply(current.record if current else None, event_id, items)
             if change is not None:
                 applied.append((change, current))
-        decide.decide_all(ctx, [c for c, _ in applied], now, fleet)
+        decide.decide_all(run, [c for c, _ in applied])
         changes.clear()
         writes = []
         for change, current in applied:
@@ -292,19 +366,16 @@ def commit_events(
                 writes.append((change.record, current.etag if current else None))
         return writes
 
-    def count() -> None:
-        report.conflicts += 1
-
     # Another instance may write some of these events meanwhile (a placement group's VMs sit on several
     # Event Hubs partitions): re-read them all fresh and retry the transaction a few times, then one by one.
     try:
         commit(
             events_now,
             applied_and_decided,
-            lambda writes, _assembled: ctx.store.save_events(writes),
+            lambda writes, _assembled: store.save_events(writes),
             what="events of the batch",
             attempts=BULK_ATTEMPTS,
-            on_conflict=count,
+            on_conflict=run.report.count_conflict,
         )
         return changes
     except ConcurrencyConflict:
@@ -319,10 +390,10 @@ def commit_events(
         ) -> EventChange | None:
             redone = apply(record, event_id, items)
             if redone is not None:
-                decide.decide_all(ctx, [redone], now, fleet)
+                decide.decide_all(run, [redone])
             return redone
 
-        result = commit_event(ctx.store, event_id, redo, on_conflict=report.count_conflict)
+        result = commit_event(store, event_id, redo, on_conflict=run.report.count_conflict)
         if result is not None:
             committed.append(result)
     return committed

@@ -1,4 +1,4 @@
-"""Forwarder health, from the heartbeats that carry it (``forwarder.envelope.ForwarderHealth``): a forwarder alive but
+"""Forwarder health, from the heartbeats that carry it (``contracts.envelope.ForwarderHealth``): a forwarder alive but
 unable to read IMDS misses every event, and only its own report shows it.
 
 Part of fold (a batch applies each VM's envelopes, then its health): records the per-VM health metrics, and moves the
@@ -14,11 +14,11 @@ from datetime import datetime, timedelta
 
 from contracts.envelope import ForwarderHealth
 from coordinator.adapters import telemetry
+from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.model import ImdsFailure
 from coordinator.domain.sightings import VmUpdate
-from coordinator.pipeline import outbox
-from coordinator.pipeline.context import Work
 from coordinator.pipeline.record import vm_row
+from coordinator.pipeline.run import Work
 
 
 def imds_failing(health: ForwarderHealth, at: datetime, *, after: timedelta, errors: int) -> str | None:
@@ -49,7 +49,7 @@ def assess(update: VmUpdate, now: datetime, work: Work, *, after: timedelta, err
     reason = imds_failing(health, at, after=after, errors=errors)
     if reason is not None and record.imdsFailing is None:
         record = record.model_copy(update={"imdsFailing": ImdsFailure(since=at, reason=reason[:1000])})
-        record = outbox.raise_vm_alert(record, "imds-failing", now)
+        record = raise_vm_alert(record, "imds-failing", now)
         row = vm_row(record, now, reason)
         work.rows.append(row.model_copy(update={"Outcome": "imds-failing", "Details": _details(health)}))
         work.vm_alerts.append((record, "imds-failing"))

@@ -23,7 +23,7 @@ from contracts.envelope import Envelope, VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import event_grid
-from coordinator.pipeline.context import Context, Work
+from coordinator.pipeline.run import Run, Work
 from coordinator.state.tables import DeadLetter
 
 log = logging.getLogger("coordinator")
@@ -171,9 +171,11 @@ def dead_letter(
     work.rows.append(HistoryRow(TimeGenerated=now, RecordType="DeadLetter", Reason=reason, Details=details))
 
 
-def read_batch(messages: Sequence[RawMessage], now: datetime, work: Work) -> Arrivals:
+def read_batch(run: Run, messages: Sequence[RawMessage]) -> Arrivals:
     """Validates each message; groups the valid envelopes by VM in arrival order (the batch's order is its Event
     Hubs partition's, whose key is the VM)."""
+    run.enter("ingest")
+    now, work = run.now, run.work
     arrivals = Arrivals()
     for index, message in enumerate(messages):
         telemetry.message_age(message.enqueued_time, now)
@@ -231,25 +233,3 @@ def read_grid(message: RawMessage, parsed: Any, now: datetime, *, arrivals: Arri
         reason = "invalid Event Grid event(s): " + " | ".join(refused[:5])
         more = f" (+{len(refused) - 5} more)" if len(refused) > 5 else ""
         dead_letter(message, reason + more, now, dead=arrivals.dead, work=work, where=f"Event Grid {where}")
-
-
-def set_aside(ctx: Context, arrivals: Arrivals, failed: dict[str, str], now: datetime, work: Work) -> int:
-    """Dead-letters the messages of the VMs whose envelopes could not be read against their position (``failed``:
-    vmId -> why), then stores every dead letter of the batch. Returns how many were dead-lettered."""
-    for vm_id, problem in failed.items():
-        # Whatever broke on this VM's envelopes costs only this VM (its position does not move).
-        for message in arrivals.raw_of.pop(vm_id, []):
-            dead_letter(
-                message,
-                f"processing failed: {problem}",
-                now,
-                dead=arrivals.dead,
-                work=work,
-                where=f"an envelope of VM {vm_id}",
-            )
-    if arrivals.dead:
-        try:
-            ctx.store.put_dead_letters(arrivals.dead)
-        except Exception:  # the history rows and log lines keep them; the batch's good messages go on
-            log.exception("could not store %d dead letters", len(arrivals.dead))
-    return len(arrivals.dead)

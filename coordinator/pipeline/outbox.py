@@ -1,4 +1,4 @@
-"""The cards' outbox, the second half of ``act``: posts the cards committed transitions recorded, and settles them.
+"""Cards, the second step of every run's tail (pipeline/tail.py): posts the cards committed transitions recorded.
 
 A card is recorded in its event's outbox (``pendingAlerts``) by the same write that commits the transition, then
 posted here. The batch path logs the cards it sent in one ``alertsent`` entity (one write per batch); the timer
@@ -18,8 +18,8 @@ from coordinator.adapters.teams import AlertError
 from coordinator.domain.cards import build_card, build_vm_card
 from coordinator.domain.model import AlertKind, EventRecord, SentAlerts, VmGroupRecord, VmRecord, group_key
 from coordinator.domain.sightings import EventChange, clone
-from coordinator.pipeline.context import BatchReport, Context, TickReport, Work
 from coordinator.pipeline.record import alert_row, vm_alert_row
+from coordinator.pipeline.run import Run, Work
 from coordinator.state.commit import commit
 from coordinator.state.events import commit_event, read_event
 from coordinator.state.tables import ConcurrencyConflict, Stored
@@ -35,56 +35,49 @@ TITLED_KINDS: frozenset[str] = frozenset(get_args(AlertKind))
 VmCards = dict[str, dict[str, list[str]]]
 
 
-def post(
-    ctx: Context,
-    work: Work,
-    records: dict[str, EventRecord],
-    now: datetime,
-    report: BatchReport | TickReport,
-    *,
-    settled: dict[str, list[str]] | None,
-    settled_vms: VmCards | None = None,
-) -> None:
-    """Posts ``work``'s cards (``records``: the events as committed; others are read). Without ``settled`` (a batch)
-    the cards sent are logged; with it (the timer) they join what the logs said was sent (``settled_vms`` for VM
-    cards), cleared from the events' and VMs' outboxes."""
-    sent: dict[str, list[str]] = defaultdict(list)
-    if work.alerts:
-        for event_id in {e for e, _ in work.alerts if e not in records}:
-            current = read_event(ctx.store, event_id)
-            if current is not None:
-                records[event_id] = current.record
-        for event_id, kind in work.alerts:
-            if event_id in records and send_card(ctx, records[event_id], kind, now, work=work, report=report):
-                sent[event_id].append(kind)
-    sent_vms = send_vm_cards(ctx, work, now, report)
-    if settled is None:
-        if sent or sent_vms:
-            log_sent(ctx, sent, now, vms=sent_vms)
-        return
+def post_and_log(run: Run) -> None:
+    """A batch's or a person's cards: posted, and those sent logged in one write (the timer clears them from the
+    events' and VMs' outboxes)."""
+    sent, sent_vms = _post(run)
+    if sent or sent_vms:
+        log_sent(run, sent, vms=sent_vms)
+
+
+def post_and_settle(run: Run, settled: dict[str, list[str]], settled_vms: VmCards) -> None:
+    """The timer's cards: posted, then cleared from the outboxes with those the batches' logs say were sent
+    (``settled``, ``settled_vms``)."""
+    sent, sent_vms = _post(run)
     for event_id, kinds in sent.items():
         settled.setdefault(event_id, []).extend(kinds)
-    clear_sent(ctx, settled)
-    settled_vms = settled_vms if settled_vms is not None else {}
+    clear_sent(run, settled)
     for key, vms in sent_vms.items():
         for vm_id, kinds in vms.items():
             settled_vms.setdefault(key, {}).setdefault(vm_id, []).extend(kinds)
-    clear_vm_sent(ctx, settled_vms)
+    clear_vm_sent(run, settled_vms)
 
 
-def raise_vm_alert(vm: VmRecord, kind: AlertKind, now: datetime) -> VmRecord:
-    """The VM with ``kind`` in its outbox: the caller writes it with the VM's position (the condition's own write),
-    and puts it in ``Work.vm_alerts`` to be sent after that write."""
-    if kind in vm.pendingAlerts:
-        return vm
-    return vm.model_copy(update={"pendingAlerts": [*vm.pendingAlerts, kind], "pendingSince": vm.pendingSince or now})
+def _post(run: Run) -> tuple[dict[str, list[str]], VmCards]:
+    """Posts the run's cards (the events as committed; others are read); returns those sent."""
+    run.enter("cards")
+    work = run.work
+    records = dict(work.records)
+    sent: dict[str, list[str]] = defaultdict(list)
+    if work.alerts:
+        for event_id in {e for e, _ in work.alerts if e not in records}:
+            current = read_event(run.parts.store, event_id)
+            if current is not None:
+                records[event_id] = current.record
+        for event_id, kind in work.alerts:
+            if event_id in records and send_card(run, records[event_id], kind):
+                sent[event_id].append(kind)
+    return sent, send_vm_cards(run)
 
 
-def send_vm_cards(ctx: Context, work: Work, now: datetime, report: BatchReport | TickReport) -> VmCards:
-    """Sends the VM cards of ``work``; returns those sent, by group and vmId (an Alert row each, sent or failed)."""
+def send_vm_cards(run: Run) -> VmCards:
+    """Sends the run's VM cards; returns those sent, by group and vmId (an Alert row each, sent or failed)."""
     sent: VmCards = {}
-    for vm, kind in work.vm_alerts:
-        if send_vm_card(ctx, vm, kind, now, report, work=work):
+    for vm, kind in run.work.vm_alerts:
+        if send_vm_card(run, vm, kind):
             vm_id = vm.identity.vmId.lower()
             sent.setdefault(group_key(vm.identity), {}).setdefault(vm_id, []).append(kind)
     return sent
@@ -101,18 +94,16 @@ def vm_card_key(vm: VmRecord, kind: AlertKind) -> str:
     return f"{vm.identity.vmId}-{kind}-{'-'.join(vm.stateConflict)}"
 
 
-def send_vm_card(
-    ctx: Context, vm: VmRecord, kind: AlertKind, now: datetime, report: BatchReport | TickReport, *, work: Work
-) -> bool:
+def send_vm_card(run: Run, vm: VmRecord, kind: AlertKind) -> bool:
     """A card about a VM rather than an event (heartbeat lost, two forwarders as one VM, IMDS failing). A card that
     fails stays in the VM's outbox for the timer."""
-    timeout = int(ctx.heartbeat_timeout.total_seconds()) if kind == "heartbeat-lost" else None
+    now, report, work = run.now, run.report, run.work
+    timeout = int(run.options.heartbeat_timeout.total_seconds()) if kind == "heartbeat-lost" else None
     try:
-        ctx.alerts.send(build_vm_card(kind, vm, now=now, timeout_seconds=timeout), key=vm_card_key(vm, kind))
+        run.parts.alerts.send(build_vm_card(kind, vm, now=now, timeout_seconds=timeout), key=vm_card_key(vm, kind))
     except AlertError as error:
         log.warning("%s card for %s not delivered, kept pending: %s", kind, vm.identity.name, error)
-        if isinstance(report, BatchReport):
-            report.alerts_failed += 1
+        report.alerts_failed += 1
         work.rows.append(vm_alert_row(vm, kind, now, "failed", str(error)))
         telemetry.alert(kind, "failed")
         return False
@@ -134,9 +125,10 @@ def queue_vm_pending(vm: VmRecord, now: datetime, work: Work, settled_vms: VmCar
             work.vm_alerts.append((vm, kind))  # type: ignore[arg-type]
 
 
-def clear_vm_sent(ctx: Context, sent: VmCards) -> None:
+def clear_vm_sent(run: Run, sent: VmCards) -> None:
     """Clears sent cards from the VMs' outboxes: one ETag-checked write per group; a group another instance wrote
     meanwhile is read again."""
+    store = run.parts.store
     for key, vms in sent.items():
 
         def cleared(
@@ -160,9 +152,9 @@ def clear_vm_sent(ctx: Context, sent: VmCards) -> None:
 
         try:
             commit(
-                lambda _attempt, key=key: ctx.store.get_vm_groups([key]).get(key),  # type: ignore[misc]
+                lambda _attempt, key=key: store.get_vm_groups([key]).get(key),  # type: ignore[misc]
                 cleared,
-                lambda write, current: ctx.store.save_vm_group(
+                lambda write, current: store.save_vm_group(
                     write[0], current.etag if current else None, vm_ids=write[1]
                 ),
                 what=f"sent VM cards of {key}",
@@ -171,18 +163,16 @@ def clear_vm_sent(ctx: Context, sent: VmCards) -> None:
             log.warning("VM cards of group %s sent but still marked pending: the timer may send them again", key)
 
 
-def send_card(
-    ctx: Context, record: EventRecord, kind: AlertKind, now: datetime, *, work: Work, report: BatchReport | TickReport
-) -> bool:
-    approve_url = ctx.approve_url(record.eventId) if ctx.approve_url else None
+def send_card(run: Run, record: EventRecord, kind: AlertKind) -> bool:
+    now, report, work = run.now, run.report, run.work
+    approve_url = run.options.approve_url(record.eventId) if run.options.approve_url else None
     card = build_card(kind, record, now=now, approve_url=approve_url)
     key = f"{record.eventId}-{kind}"
     try:
-        ctx.alerts.send(card, key=key)
+        run.parts.alerts.send(card, key=key)
     except AlertError as error:
         log.warning("alert %s not delivered, kept pending: %s", key, error)
-        if isinstance(report, BatchReport):
-            report.alerts_failed += 1
+        report.alerts_failed += 1
         work.rows.append(alert_row(record, kind, now, "failed", str(error)))
         telemetry.alert(kind, "failed")
         return False
@@ -192,9 +182,9 @@ def send_card(
     return True
 
 
-def sent_logs(ctx: Context) -> tuple[list[tuple[str, SentAlerts]], dict[str, list[str]], VmCards]:
+def sent_logs(run: Run) -> tuple[list[tuple[str, SentAlerts]], dict[str, list[str]], VmCards]:
     """The batches' logs of sent cards, and what they say was sent: event cards by EventId, VM cards by group."""
-    logs = ctx.store.sent_alert_logs()
+    logs = run.parts.store.sent_alert_logs()
     settled: dict[str, list[str]] = defaultdict(list)
     settled_vms: VmCards = {}
     for _, entry in logs:
@@ -206,18 +196,19 @@ def sent_logs(ctx: Context) -> tuple[list[tuple[str, SentAlerts]], dict[str, lis
     return logs, settled, settled_vms
 
 
-def log_sent(ctx: Context, sent: dict[str, list[str]], now: datetime, *, vms: VmCards) -> None:
+def log_sent(run: Run, sent: dict[str, list[str]], *, vms: VmCards) -> None:
     try:
-        ctx.store.log_sent_alerts(SentAlerts(sentAt=now, events=dict(sent), vms=vms))
+        run.parts.store.log_sent_alerts(SentAlerts(sentAt=run.now, events=dict(sent), vms=vms))
     except Exception:  # the cards went out; without the log the timer may send them once more
         log.exception("could not record %d sent cards; the timer may send them again", len(sent))
 
 
-def clear_sent(ctx: Context, sent: dict[str, list[str]]) -> None:
+def clear_sent(run: Run, sent: dict[str, list[str]]) -> None:
     """Clears sent cards from the events' outbox: one transaction, event by event when another instance wrote
     one meanwhile."""
     if not sent:
         return
+    store = run.parts.store
 
     def cleared(stored: dict[str, Stored[EventRecord]]) -> list[tuple[EventRecord, str | None]]:
         items = []
@@ -230,9 +221,9 @@ def clear_sent(ctx: Context, sent: dict[str, list[str]]) -> None:
 
     try:
         commit(
-            lambda _attempt: ctx.store.get_events(sent, cached=True),
+            lambda _attempt: store.get_events(sent, cached=True),
             cleared,
-            lambda items, _stored: ctx.store.save_events(items),
+            lambda items, _stored: store.save_events(items),
             what="sent cards",
             attempts=1,
         )
@@ -241,7 +232,7 @@ def clear_sent(ctx: Context, sent: dict[str, list[str]]) -> None:
         pass
     for event_id, kinds in sent.items():
         try:
-            commit_event(ctx.store, event_id, lambda r, kinds=kinds: clear_alerts_pending(r, kinds))  # type: ignore[misc]
+            commit_event(store, event_id, lambda r, kinds=kinds: clear_alerts_pending(r, kinds))  # type: ignore[misc]
         except ConcurrencyConflict:
             log.warning("alerts %s of %s sent but still marked pending: the timer may send them again", kinds, event_id)
 

@@ -2,24 +2,28 @@
 
 Takes an EventId and who is asking (coordinator/http.py has checked the sign-in, role, origin and form token);
 gives a ``ManualApproval`` (status and message) after committing the person's decision with ``commit_event`` and
-sending it through ``act``, or the events summarized for ``GET /api/events``. In dry-run the decision is recorded
-and nothing is sent.
+ending the run with the tail every run ends with (pipeline/tail.py), or the events summarized for
+``GET /api/events``. In dry-run the decision is recorded and nothing is sent.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
 from coordinator.domain.sightings import EventChange, clone
-from coordinator.pipeline import act
-from coordinator.pipeline.context import Context, TickReport, Work
+from coordinator.pipeline import tail
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
-from coordinator.pipeline.record import decision_row, write_history
+from coordinator.pipeline.record import decision_row
+from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event, read_event
+from coordinator.state.tables import TableStateStore
+
+ApproveUrl = Callable[[str], str] | None
 
 
 @dataclass
@@ -29,9 +33,10 @@ class ManualApproval:
     event: dict[str, Any] | None = None
 
 
-def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualApproval:
-    now = ctx.clock()
-    stored = read_event(ctx.store, event_id)
+def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
+    run.enter("person")
+    now, store, dry_run = run.now, run.parts.store, run.dry_run
+    stored = read_event(store, event_id)
     if stored is None:
         return ManualApproval("not-found", f"no event {event_id!r} is known")
     if stored.record.state != "Scheduled":
@@ -55,11 +60,11 @@ def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualAppro
             verdict="approve",
             reason=f"approved by {person} through the coordinator's HTTP endpoint",
             decidedAt=now,
-            dryRun=ctx.dry_run,
+            dryRun=dry_run,
             actor=actor,
         )
         change.rows.append(decision_row(record, now))
-        if ctx.dry_run:  # recorded as the person's decision; nothing is ever sent in dry-run
+        if dry_run:  # recorded as the person's decision; nothing is ever sent in dry-run
             return change
         record.approval = ApprovalRecord(
             decisionId=decision_id,
@@ -70,23 +75,21 @@ def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualAppro
         )
         return change
 
-    report = TickReport()
-    work = Work()
-    change = commit_event(ctx.store, event_id, decide)
+    change = commit_event(store, event_id, decide)
     if change is None:
-        current = read_event(ctx.store, event_id)
+        current = read_event(store, event_id)
         state = current.record.state if current else "gone"
         return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
-    work.rows.extend(change.rows)
-    if not ctx.dry_run:  # in dry-run only the person's decision is logged (by act.act, with nothing to send)
-        work.deliveries.append(event_id)
-    act.act(ctx, work, now, report, last_seen=None)
-    write_history(ctx, work.rows, report)
-    current = read_event(ctx.store, event_id)
-    summary = summarize(ctx, current.record) if current else None
+    run.report.events_changed += 1
+    run.work.rows.extend(change.rows)
+    if not dry_run:  # in dry-run only the person's decision is logged (by the tail, with nothing to send)
+        run.work.deliveries.append(event_id)
+    tail.finish(run)
+    current = read_event(store, event_id)
+    summary = summarize(current.record, approve_url=run.options.approve_url) if current else None
     approved = current is not None and current.record.approval is not None and current.record.approval.delivered
     status: Literal["dry-run", "approved", "sent"]
-    if ctx.dry_run:
+    if dry_run:
         status, message = "dry-run", f"dry run: {person}'s approval of {event_id} recorded, nothing sent"
     elif approved:
         status, message = "approved", f"event {event_id} approved by {person}"
@@ -95,7 +98,7 @@ def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualAppro
     return ManualApproval(status, message, summary)
 
 
-def summarize(ctx: Context, record: EventRecord) -> dict[str, Any]:
+def summarize(record: EventRecord, *, approve_url: ApproveUrl) -> dict[str, Any]:
     return {
         "eventId": record.eventId,
         "eventType": record.eventType,
@@ -112,18 +115,18 @@ def summarize(ctx: Context, record: EventRecord) -> dict[str, Any]:
         "heldBy": held_by(record),
         "failedHooks": {name: dict(s.failedHooks) for name, s in sorted(record.vms.items()) if s.failedHooks},
         "removed": list(record.removed),
-        "approveUrl": ctx.approve_url(record.eventId) if ctx.approve_url else None,
+        "approveUrl": approve_url(record.eventId) if approve_url else None,
     }
 
 
-def pending(ctx: Context) -> list[dict[str, Any]]:
+def pending(store: TableStateStore, *, approve_url: ApproveUrl) -> list[dict[str, Any]]:
     """Open events (not Completed/Canceled), oldest NotBefore first."""
-    groups = {g.record.group: g for g in ctx.store.all_vm_groups()}
-    assembled = assemble({s.record.eventId: s for s in ctx.store.open_events()}, groups)
+    groups = {g.record.group: g for g in store.all_vm_groups()}
+    assembled = assemble({s.record.eventId: s for s in store.open_events()}, groups)
     records = [s.record for s in assembled.values()]
     far = datetime.max.replace(tzinfo=UTC)
     records.sort(key=lambda r: (r.notBefore or far, r.eventId))
-    return [summarize(ctx, r) for r in records]
+    return [summarize(r, approve_url=approve_url) for r in records]
 
 
 def held_by(record: EventRecord) -> dict[str, Any] | None:

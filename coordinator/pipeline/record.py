@@ -15,18 +15,26 @@ from coordinator.adapters import telemetry
 from coordinator.domain.model import ApprovalRecord, EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.domain.sightings import event_row
-from coordinator.pipeline.context import BatchReport, Context, TickReport
+from coordinator.pipeline.run import Run
 
 log = logging.getLogger("coordinator")
 
 
-def write_history(ctx: Context, rows: list[HistoryRow], report: BatchReport | TickReport) -> None:
+def history(run: Run) -> None:
+    """The last step of every run's tail: the run's history rows, written once."""
+    run.enter("history")
+    write(run, run.work.rows)
+    run.work.rows = []
+
+
+def write(run: Run, rows: list[HistoryRow]) -> None:
+    """Hands rows to the history sink (also the approvals' intents, written before they are sent)."""
     if not rows:
         return
     telemetry.history_written(rows)
     try:
-        ctx.history.write(rows)
-        report.history_rows += len(rows)
+        run.parts.history.write(rows)
+        run.report.history_rows += len(rows)
     except Exception:  # history must never stop the pipeline; the sink keeps what it could not send
         log.exception("history: could not write %d rows", len(rows))
 

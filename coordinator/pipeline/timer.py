@@ -4,36 +4,48 @@ Re-evaluates waiting events (``decide``), expires events past NotBefore, retires
 concludes their events, concludes events whose VMs fell silent, retries approvals and cards that failed (``act``,
 ``outbox``), notices VMs whose heartbeat stopped, hourly runs the housekeeping (retention, hybrid connections), and
 sets the fleet's gauges (VMs by condition, open events by type and state).
-Gives a ``TickReport``; every change goes through ``commit_event`` or a VM group's ETag.
+Counts into the run's ``Report``; every change goes through ``commit_event`` or a VM group's ETag. Ends with the
+tail every run ends with (pipeline/tail.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 
 from coordinator.adapters import telemetry
+from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord
 from coordinator.domain.sightings import EventChange, Removal, advance, clone, raise_alert, removals, start_overdue
-from coordinator.pipeline import act, decide, outbox
-from coordinator.pipeline.context import Context, TickReport, Work
-from coordinator.pipeline.decide import Fleet
-from coordinator.pipeline.record import approval_row, unknown_outcome_row, vm_row, write_history
+from coordinator.pipeline import act, decide, outbox, tail
+from coordinator.pipeline.fleet import by_not_before
+from coordinator.pipeline.record import approval_row, unknown_outcome_row, vm_row
+from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event
 from coordinator.state.tables import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 
 
-def tick(ctx: Context) -> TickReport:
+@dataclass
+class Housekeeping:
+    """Hourly, not every tick: the retention purge, and ``cleanup`` (given every VM's hybrid connection and when it
+    last reported: the VMs' hybrid connections no VM needs are deleted). Kept by the coordinator across ticks."""
+
+    cleanup: Callable[[dict[str, datetime], datetime], None] | None = None
+    due: datetime | None = None
+
+
+def tick(run: Run, housekeeping: Housekeeping) -> None:
     """Re-evaluates waiting events, expires, retires VMs that a Terminate/Preempt removed and concludes their
     events, concludes events whose VMs fell silent, retries approvals and alerts that failed, and notices VMs
-    whose heartbeat stopped."""
-    now = ctx.clock()
-    report = TickReport()
-    work = Work()
-    groups = ctx.store.all_vm_groups()
+    whose heartbeat stopped; then the tail."""
+    run.enter("timer")
+    now, store, report, work, fleet = run.now, run.parts.store, run.report, run.work, run.fleet
+    groups = store.all_vm_groups()
     last_seen: dict[str, datetime] = {}
     for group in groups:
         for vm in group.record.vms.values():
@@ -44,30 +56,29 @@ def tick(ctx: Context) -> TickReport:
     silent = frozenset(
         name
         for name, seen in last_seen.items()
-        if seen < now - ctx.heartbeat_timeout and not (name in agentless and name not in reporting)
+        if seen < now - run.options.heartbeat_timeout and not (name in agentless and name not in reporting)
     )
-    fleet = Fleet(ctx.store)
     by_key = {g.record.group: g for g in groups}
-    stored_open = ctx.store.open_events()
+    stored_open = store.open_events()
     fleet.seed([s.record for s in stored_open])
     fleet.seed_census(g.record for g in groups)
     open_events = assemble({s.record.eventId: s for s in stored_open}, by_key)
     report.open_events = len(open_events)
     groups = retire(
-        ctx, groups, removals([s.record for s in open_events.values()], last_seen, now, ctx.retire_grace), now, work
+        run, groups, removals([s.record for s in open_events.values()], last_seen, now, run.options.retire_grace)
     )
     retired = {vm.identity.name: vm.retired.eventId for g in groups for vm in g.record.vms.values() if vm.retired}
     report.vms_retired = sum(1 for row in work.rows if row.Outcome == "retired")
-    logs, settled, settled_vms = outbox.sent_logs(ctx)
+    logs, settled, settled_vms = outbox.sent_logs(run)
     changes: list[EventChange] = []
     # Closest to NotBefore first: when budget is short, the event that would start unapproved soonest gets it.
-    for stored in sorted(open_events.values(), key=lambda s: decide.by_not_before(s.record)):
+    for stored in sorted(open_events.values(), key=lambda s: by_not_before(s.record)):
         record = stored.record
         try:
             change = commit_event(
-                ctx.store,
+                store,
                 record.eventId,
-                lambda r: reconsider(ctx, r, now, fleet, silent=silent, retired=retired, last_seen=last_seen),
+                lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen),
                 read=stored,
             )
         except ConcurrencyConflict:
@@ -92,23 +103,21 @@ def tick(ctx: Context) -> TickReport:
                 work.rows.append(unknown_outcome_row(record, approval, now))
             work.deliveries.append(record.eventId)
         outbox.queue_pending(record, now, work, settled)
-    report.events_changed += decide.release_held(ctx, changes, now, fleet, work)
-    for stored in ctx.store.closed_events_with_pending_alerts():
+    report.events_changed += decide.release_held(run, changes)
+    for stored in store.closed_events_with_pending_alerts():
         outbox.queue_pending(stored.record, now, work, settled)
     for group in groups:
         for vm in group.record.vms.values():
             outbox.queue_vm_pending(vm, now, work, settled_vms)
-    heartbeats(ctx, groups, now, work, report)
-    run_housekeeping(ctx, groups, now, report)
-    act.act(ctx, work, now, report, last_seen=last_seen, settled=settled, settled_vms=settled_vms, fleet=fleet)
-    write_history(ctx, work.rows, report)
+    heartbeats(run, groups)
+    run_housekeeping(run, groups, housekeeping)
+    tail.finish(run, last_seen=last_seen, settled=tail.Settled(settled, settled_vms))
     if logs:
-        ctx.store.delete_sent_alert_logs([key for key, _ in logs])
-    census(ctx, groups, [work.records.get(s.record.eventId, s.record) for s in open_events.values()], now)
-    return report
+        store.delete_sent_alert_logs([key for key, _ in logs])
+    census(run, groups, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
 
 
-def census(ctx: Context, groups: list[Stored[VmGroupRecord]], events: list[EventRecord], now: datetime) -> None:
+def census(run: Run, groups: list[Stored[VmGroupRecord]], events: list[EventRecord]) -> None:
     """The fleet as this tick found it, for the gauges: VMs by condition (each counted once, the first that holds of
     retired, silent, unhealthy, reporting) and open events by type and state."""
     vms: Counter[str] = Counter()
@@ -118,7 +127,7 @@ def census(ctx: Context, groups: list[Stored[VmGroupRecord]], events: list[Event
                 vms["agentless"] += 1
             elif vm.retired is not None:
                 vms["retired"] += 1
-            elif vm.lastSeen < now - ctx.heartbeat_timeout:
+            elif vm.lastSeen < run.now - run.options.heartbeat_timeout:
                 vms["silent"] += 1
             elif vm.imdsFailing is not None:
                 vms["unhealthy"] += 1
@@ -128,10 +137,8 @@ def census(ctx: Context, groups: list[Stored[VmGroupRecord]], events: list[Event
 
 
 def reconsider(
-    ctx: Context,
+    run: Run,
     record: EventRecord | None,
-    now: datetime,
-    fleet: Fleet,
     *,
     silent: frozenset[str],
     retired: dict[str, str],
@@ -139,13 +146,14 @@ def reconsider(
 ) -> EventChange | None:
     if record is None:
         return None
+    now = run.now
     change = EventChange(record=clone(record))
     advance(change, now, silent_vms=silent, retired=retired)
     if record.eventType == "Terminate" and record.approval is not None and record.approval.delivered:
-        act.update_hold(ctx, change, fleet.deletes().values(), now)
+        act.update_hold(run, change)
     if "not-started" not in change.record.alerts and start_overdue(change.record, now, last_seen):
         not_started(change, now)
-    decide.decide(ctx, change, now, fleet)
+    decide.decide(run, change)
     return change
 
 
@@ -170,14 +178,13 @@ def not_started(change: EventChange, now: datetime) -> None:
     raise_alert(change, "not-started", now)
 
 
-def retire(
-    ctx: Context, groups: list[Stored[VmGroupRecord]], found: list[Removal], now: datetime, work: Work
-) -> list[Stored[VmGroupRecord]]:
+def retire(run: Run, groups: list[Stored[VmGroupRecord]], found: list[Removal]) -> list[Stored[VmGroupRecord]]:
     """Marks each removed VM as gone, with the event that removed it (a Heartbeat row, Outcome retired): no
     'heartbeat lost' for it, its events conclude, its hybrid connection goes with the next housekeeping.
     Returns the groups as written (a group another instance changed meanwhile is left for the next tick)."""
     if not found:
         return groups
+    now = run.now
     by_name = {r.vm: r for r in found}
     out = []
     for stored in groups:
@@ -200,7 +207,7 @@ def retire(
             continue
         updated = stored.record.model_copy(update={"vms": {**stored.record.vms, **retiring}})
         try:
-            etag = ctx.store.save_vm_group(updated, stored.etag, vm_ids=retiring)
+            etag = run.parts.store.save_vm_group(updated, stored.etag, vm_ids=retiring)
         except ConcurrencyConflict:
             out.append(stored)  # a VM of the group reported meanwhile: decided again next tick
             continue
@@ -208,7 +215,7 @@ def retire(
         for vm in retiring.values():
             assert vm.retired is not None
             row = vm_row(vm, now, vm.retired.reason)
-            work.rows.append(
+            run.work.rows.append(
                 row.model_copy(
                     update={"Outcome": "retired", "EventId": vm.retired.eventId, "EventType": vm.retired.eventType}
                 )
@@ -216,44 +223,44 @@ def retire(
     return out
 
 
-def heartbeats(
-    ctx: Context, groups: list[Stored[VmGroupRecord]], now: datetime, work: Work, report: TickReport
-) -> None:
-    timeout = int(ctx.heartbeat_timeout.total_seconds())
+def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
+    now, heartbeat_timeout = run.now, run.options.heartbeat_timeout
+    timeout = int(heartbeat_timeout.total_seconds())
     for stored in groups:
         lost = {
-            vm_id: outbox.raise_vm_alert(vm.model_copy(update={"heartbeatLost": True}), "heartbeat-lost", now)
+            vm_id: raise_vm_alert(vm.model_copy(update={"heartbeatLost": True}), "heartbeat-lost", now)
             for vm_id, vm in stored.record.vms.items()
             if not vm.heartbeatLost
             and not vm.agentless
             and vm.retired is None
-            and vm.lastSeen < now - ctx.heartbeat_timeout
+            and vm.lastSeen < now - heartbeat_timeout
         }
         if not lost:
             continue
         updated = stored.record.model_copy(update={"vms": {**stored.record.vms, **lost}})
         try:
-            ctx.store.save_vm_group(updated, stored.etag, vm_ids=lost)
+            run.parts.store.save_vm_group(updated, stored.etag, vm_ids=lost)
         except ConcurrencyConflict:
             continue  # a VM of the group reported meanwhile, or another instance noticed first: next tick
         for vm in lost.values():
-            report.heartbeats_lost += 1
-            work.rows.append(vm_row(vm, now, f"no envelope for more than {timeout} s"))
-            work.vm_alerts.append((vm, "heartbeat-lost"))
+            run.report.heartbeats_lost += 1
+            run.work.rows.append(vm_row(vm, now, f"no envelope for more than {timeout} s"))
+            run.work.vm_alerts.append((vm, "heartbeat-lost"))
 
 
-def run_housekeeping(ctx: Context, groups: list[Stored[VmGroupRecord]], now: datetime, report: TickReport) -> None:
+def run_housekeeping(run: Run, groups: list[Stored[VmGroupRecord]], housekeeping: Housekeeping) -> None:
     """Hourly, not every tick: deletes concluded events older than the retention, and lists ARM resources (the
     VMs' hybrid connections) to delete the stale ones."""
-    if ctx.housekeeping_due is not None and now < ctx.housekeeping_due:
+    now, store = run.now, run.parts.store
+    if housekeeping.due is not None and now < housekeeping.due:
         return
-    ctx.housekeeping_due = now + ctx.housekeeping_interval
+    housekeeping.due = now + run.options.housekeeping_interval
     try:
-        old = ctx.store.concluded_events_before(now - ctx.retention)
-        report.events_purged = ctx.store.delete_events([(s.record.eventId, s.etag) for s in old])
+        old = store.concluded_events_before(now - run.options.retention)
+        run.report.events_purged = store.delete_events([(s.record.eventId, s.etag) for s in old])
     except Exception:  # never let cleanup stop the timer's real work; it runs again next hour
         log.exception("purging concluded events failed")
-    if ctx.housekeeping is None:
+    if housekeeping.cleanup is None:
         return
     last_seen: dict[str, datetime] = {}
     for group in groups:
@@ -263,6 +270,6 @@ def run_housekeeping(ctx: Context, groups: list[Stored[VmGroupRecord]], now: dat
             name = vm.identity.hybrid_connection_name
             last_seen[name] = max(vm.lastSeen, last_seen.get(name, vm.lastSeen))
     try:
-        ctx.housekeeping(last_seen, now)
+        housekeeping.cleanup(last_seen, now)
     except Exception:  # never let cleanup stop the timer's real work; it runs again next hour
         log.exception("housekeeping failed")

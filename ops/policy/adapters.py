@@ -21,7 +21,7 @@ from coordinator.domain.controls import GateResult, GateState
 from coordinator.domain.model import DecisionRecord, EventRecord, VmSighting
 from coordinator.domain.rows import HistoryRow
 from coordinator.domain.sightings import scale_sets_of
-from coordinator.pipeline.decide import facts_of
+from coordinator.pipeline.fleet import facts_of
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -148,7 +148,7 @@ def fleet_view(
     census: Iterable[VmIdentity] = (),
 ) -> rules.FleetView:
     """The fleet view a decision sees: the events impacting VMs (approved or started) and the census (the VMs
-    known, with their domains and tags, as decide.census builds it); ``extra`` goes to FleetView as is."""
+    known, with their domains and tags, as fleet.census builds it); ``extra`` goes to FleetView as is."""
     try:
         view = rules.FleetView(**dict(extra or {}))
         known = {identity.name: facts_of(identity) for identity in census}

@@ -21,7 +21,7 @@ from coordinator.domain.controls import GateResult, GateState
 from coordinator.domain.model import TERMINAL_STATES, DecisionRecord, EventRecord, VmSighting
 from coordinator.domain.rows import HistoryRow
 from coordinator.domain.sightings import pending_delete
-from coordinator.pipeline.decide import holds_budget
+from coordinator.pipeline.fleet import holds_budget
 from ops.policy import adapters
 from ops.policy.adapters import InputError
 

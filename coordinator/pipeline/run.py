@@ -1,0 +1,197 @@
+"""One run of the coordinator: an Event Hubs batch, a timer tick or a person's approval, as one object.
+
+Every stage is a function of the ``Run``: the parts it talks to (``Parts``), the frozen options (``Options``), the
+policy, the run's one ``now``, the fleet as this run sees it (``Fleet``), what the run has committed and still has to
+act on (``Work``) and its counts (``Report``). Nothing else is handed from stage to stage. ``Run.enter`` notes each
+stage as it starts (``Run.stages``), so a test can read the order a run took.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Literal
+
+from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.gates import MonitorReader
+from coordinator.adapters.history import HistorySink
+from coordinator.adapters.teams import AlertSink
+from coordinator.domain import rules
+from coordinator.domain.model import AlertKind, EventRecord, VmRecord
+from coordinator.domain.rows import HistoryRow
+from coordinator.domain.sightings import EventChange
+from coordinator.pipeline.fleet import Fleet
+from coordinator.state.tables import TableStateStore
+
+__all__ = ["Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
+
+# A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
+# long: three of the forwarder's 60 s heartbeats. Shorter than the heartbeat timeout, so no "heartbeat lost" first.
+RETIRE_GRACE = timedelta(seconds=180)
+# Approvals of one batch go out concurrently, each given this long; a listener that does not answer in time is
+# recorded as failed and retried by the timer (the listener is idempotent per decisionId).
+APPROVAL_WORKERS = 16
+APPROVAL_DEADLINE = timedelta(seconds=30)
+# An approval a listener answered "approved" must be seen Started or gone within this (from the answer, or from the
+# end of a platform hold), else a "not-started" card names the listener's answer. A VM on a host of its own starts
+# within seconds of StartRequests; one on a shared host may wait for the other tenants. 5 min is a third of the
+# shortest routine notice (15 min): people hear of it before NotBefore, ordinary short waits stay quiet.
+START_BOUND = timedelta(seconds=300)
+# A heartbeat whose forwarder has had no good IMDS poll for longer than this shows IMDS failing (pipeline/health.py):
+# a forwarder polls every second and heartbeats every minute, so a minute is many failed polls, one heartbeat.
+IMDS_FAILING_AFTER = timedelta(seconds=60)
+# With no good poll at all since the forwarder started (no last good poll to age), this many failed polls in a row.
+IMDS_FAILING_ERRORS = 60
+
+RunKind = Literal["batch", "tick", "person"]
+# The stages in the order a run may enter them; the tail (deliver -> cards -> budgets -> history) ends every run.
+Stage = Literal["ingest", "fold", "decide", "timer", "person", "deliver", "cards", "budgets", "history"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The coordinator's settings, fixed for a run."""
+
+    dry_run: bool = False
+    heartbeat_timeout: timedelta = timedelta(minutes=5)
+    approve_url: Callable[[str], str] | None = None
+    approval_backoff: tuple[float, float] = (5.0, 120.0)
+    housekeeping_interval: timedelta = timedelta(hours=1)
+    retention: timedelta = timedelta(days=30)
+    retire_grace: timedelta = RETIRE_GRACE
+    approval_workers: int = APPROVAL_WORKERS
+    approval_deadline: timedelta = APPROVAL_DEADLINE
+    start_bound: timedelta = START_BOUND
+    imds_failing_after: timedelta = IMDS_FAILING_AFTER
+    imds_failing_errors: int = IMDS_FAILING_ERRORS
+    # With remote acknowledge on: approvals no VM's listener can execute (no VM reported within heartbeat_timeout)
+    # go through the Maintenance RP instead.
+    remote_acknowledge_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.retire_grace >= self.heartbeat_timeout:
+            raise ValueError(
+                f"retire_grace ({self.retire_grace.total_seconds():.0f} s) must be shorter than heartbeat_timeout "
+                f"({self.heartbeat_timeout.total_seconds():.0f} s): a removed VM is retired before it counts as lost"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parts:
+    """What a run talks to: its state, history and card sinks, the approval paths, Azure Monitor for gates."""
+
+    store: TableStateStore
+    history: HistorySink
+    alerts: AlertSink
+    callback: ApprovalCallback
+    # The Maintenance RP's acknowledge (preview), for rules that ask for it and as the fallback (Options).
+    remote_acknowledge: ApprovalCallback | None = None
+    # Azure Monitor, for the policy's alert and logQuery gates (None: such gates read as errors and hold).
+    monitor: MonitorReader | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    # The approval senders' threads, kept for the process (started on first use).
+    pool: Callable[[], concurrent.futures.ThreadPoolExecutor]
+
+
+@dataclass
+class Report:
+    """What a run did, in counts. A batch and a tick count different things: ``as_dict`` gives those of its kind."""
+
+    kind: RunKind
+    received: int = 0
+    accepted: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    open_events: int = 0
+    events_changed: int = 0
+    approvals_sent: int = 0
+    alerts_sent: int = 0
+    alerts_failed: int = 0
+    heartbeats_lost: int = 0
+    vms_retired: int = 0
+    history_rows: int = 0
+    events_purged: int = 0
+    conflicts: int = 0
+
+    def count_conflict(self) -> None:
+        self.conflicts += 1
+
+    def as_dict(self) -> dict[str, int]:
+        counts = {name: value for name, value in asdict(self).items() if name != "kind"}
+        return {name: counts[name] for name in _REPORTED[self.kind]}
+
+
+_REPORTED: dict[RunKind, tuple[str, ...]] = {
+    "batch": (
+        "received",
+        "accepted",
+        "dead_lettered",
+        "duplicates",
+        "events_changed",
+        "approvals_sent",
+        "alerts_sent",
+        "alerts_failed",
+        "history_rows",
+        "conflicts",
+    ),
+    "tick": (
+        "open_events",
+        "events_changed",
+        "approvals_sent",
+        "alerts_sent",
+        "heartbeats_lost",
+        "vms_retired",
+        "history_rows",
+        "events_purged",
+    ),
+    "person": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows"),
+}
+
+
+@dataclass
+class Work:
+    """What a run committed and still has to act on: history rows, cards, approvals to deliver, the records as
+    committed."""
+
+    rows: list[HistoryRow] = field(default_factory=list)
+    alerts: list[tuple[str, AlertKind]] = field(default_factory=list)
+    deliveries: list[str] = field(default_factory=list)
+    records: dict[str, EventRecord] = field(default_factory=dict)
+    # Cards about VMs rather than events (two forwarders reporting as one VM).
+    vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
+
+    def collect(self, change: EventChange) -> None:
+        """Takes in a committed change: its history rows, its record, its cards and (once) its approval."""
+        self.rows.extend(change.rows)
+        self.records[change.record.eventId] = change.record
+        self.alerts.extend((change.record.eventId, kind) for kind in change.alerts)
+        # Only the change that decided the approval sends it. Another instance that re-read the record after a
+        # conflict sees the approval too, and must not send it again.
+        if change.approval_decided and change.record.eventId not in self.deliveries:
+            self.deliveries.append(change.record.eventId)
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One batch, tick or person's approval: everything its stages read and write."""
+
+    kind: RunKind
+    parts: Parts
+    options: Options
+    policy: rules.Policy
+    now: datetime
+    fleet: Fleet
+    work: Work = field(default_factory=Work)
+    report: Report
+    stages: list[Stage] = field(default_factory=list)
+
+    @property
+    def dry_run(self) -> bool:
+        """Nothing is sent: the setting, or the policy's own ``dryRun``."""
+        return self.options.dry_run or self.policy.dryRun
+
+    def enter(self, stage: Stage) -> None:
+        self.stages.append(stage)

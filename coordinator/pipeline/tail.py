@@ -1,0 +1,38 @@
+"""The tail every run ends with, whether a batch, the timer or a person started it, in one place:
+
+1. ``deliver``  the approvals the run's committed writes decided go out, and their outcomes are committed;
+2. ``cards``    the cards those writes recorded are posted (a batch or a person logs what it sent; the timer
+                clears what the logs say was sent);
+3. ``budgets``  the budget slots of events that concluded are freed;
+4. ``history``  the run's history rows are written, last (a failure never stops the pipeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from coordinator.pipeline import act, decide, outbox, record
+from coordinator.pipeline.run import Run
+
+__all__ = ["Settled", "finish"]
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What the batches' logs say was sent, which the timer's tail clears from the outboxes."""
+
+    events: dict[str, list[str]]
+    vms: outbox.VmCards
+
+
+def finish(run: Run, *, last_seen: dict[str, datetime] | None = None, settled: Settled | None = None) -> None:
+    """Ends a run: approvals, cards, budgets, history, in that order. ``last_seen`` (the timer's fresh read of
+    every VM's last envelope) widens who may execute an approval; ``settled`` is the timer's."""
+    act.deliver(run, last_seen=last_seen)
+    if settled is None:
+        outbox.post_and_log(run)
+    else:
+        outbox.post_and_settle(run, settled.events, settled.vms)
+    decide.release_budgets(run)
+    record.history(run)
