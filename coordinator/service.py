@@ -30,7 +30,7 @@ from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.record import write_history
 from coordinator.state.commit import BULK_ATTEMPTS
 from coordinator.state.events import read_event
-from coordinator.state.tables import Stored
+from coordinator.state.store import Stored
 
 log = logging.getLogger("coordinator")
 

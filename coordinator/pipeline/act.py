@@ -28,7 +28,7 @@ from coordinator.pipeline.context import BatchReport, Context, TickReport, Work
 from coordinator.pipeline.decide import Fleet, release_budgets
 from coordinator.pipeline.record import approval_row, platform_hold_row, write_history
 from coordinator.state.events import commit_event, read_event
-from coordinator.state.tables import ConcurrencyConflict
+from coordinator.state.store import ConcurrencyConflict
 
 log = logging.getLogger("coordinator")
 

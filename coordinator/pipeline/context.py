@@ -23,7 +23,7 @@ from coordinator.domain import rules
 from coordinator.domain.model import AlertKind, EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.domain.sightings import EventChange
-from coordinator.state.tables import TableStateStore
+from coordinator.state.store import StateStore
 
 # A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
 # long: three of the forwarder's 60 s heartbeats. Shorter than the heartbeat timeout, so no "heartbeat lost" first.
@@ -113,7 +113,7 @@ class Context:
     def __init__(
         self,
         *,
-        store: TableStateStore,
+        store: StateStore,
         history: HistorySink,
         alerts: AlertSink,
         callback: ApprovalCallback,

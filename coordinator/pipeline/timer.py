@@ -21,7 +21,7 @@ from coordinator.pipeline.context import Context, TickReport, Work
 from coordinator.pipeline.decide import Fleet
 from coordinator.pipeline.record import approval_row, unknown_outcome_row, vm_row, write_history
 from coordinator.state.events import assemble, commit_event
-from coordinator.state.tables import ConcurrencyConflict, Stored
+from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 
