@@ -2,8 +2,9 @@
 
 Every write is conditional, which is what lets parallel coordinator instances decide once:
 
-- An **ETag** is the version of one entity. Every read gives each record with its ETag; every successful write
-  gives a new one, different from every ETag the entity had before (even when the content is the same).
+- An **ETag** is the version of one entity (two entities may have the same one). Every read gives each record
+  with its ETag; every successful write gives a new one, different from every ETag the entity had before (even
+  when the content is the same).
 - **Insert** (``etag`` None): refused with ``ConcurrencyConflict`` when the entity exists.
 - **Update** (``etag`` given): If-Match; refused with ``ConcurrencyConflict`` when the entity changed since that
   ETag was read, or is gone.

@@ -17,7 +17,12 @@ from typing import Any
 
 from azure.core import MatchConditions
 from azure.core.credentials import TokenCredential
-from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceModifiedError
+from azure.core.exceptions import (
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceModifiedError,
+    ResourceNotFoundError,
+)
 from azure.data.tables import TableClient, TableEntity, TableServiceClient, TableTransactionError, UpdateMode
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
@@ -191,7 +196,8 @@ class TableStateStore(StateStore):
                 metadata = self._table.update_entity(
                     entity, mode=mode, etag=etag, match_condition=MatchConditions.IfNotModified
                 )
-        except (ResourceExistsError, ResourceModifiedError) as error:
+        # Not found: deleted since it was read (housekeeping), which a transaction refuses as a conflict too.
+        except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError) as error:
             self._forget(partition, key)
             raise ConcurrencyConflict(f"{partition}/{key} changed") from error
         new_etag = str(metadata["etag"])
