@@ -27,12 +27,12 @@ import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import BaseModel
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord, VmRecord
-from coordinator.state.store import DeadLetter, RecordTooLarge, Stored
+from coordinator.state.store import DeadLetter, R, RecordTooLarge, Stored
 
 EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
@@ -54,7 +54,6 @@ _BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 Entity = dict[str, Any]
 # One entity to write: the entity, the ETag it is conditional on (None: insert), and the record it holds.
 Write = tuple[Entity, str | None, BaseModel]
-R = TypeVar("R", bound=BaseModel)
 
 
 def safe_key(value: str) -> str:

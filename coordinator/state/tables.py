@@ -33,7 +33,6 @@ from coordinator.state.entities import (
     SENT_ALERTS_PARTITION,
     TRANSACTION_LIMIT,
     VM_GROUP_PARTITION,
-    R,
     Write,
     budget_entity,
     budget_from_entity,
@@ -50,7 +49,7 @@ from coordinator.state.entities import (
     sent_alerts_from_entity,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, StateStore, Stored
+from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, StateStore, Stored
 
 CACHE_ENTRIES = 50_000
 # Azure Tables allows at most 15 discrete comparisons per filter: PartitionKey + 14 RowKeys.

@@ -28,7 +28,6 @@ from coordinator.state.entities import (
     TRANSACTION_LIMIT,
     VM_GROUP_PARTITION,
     Entity,
-    R,
     Write,
     budget_entity,
     budget_from_entity,
@@ -45,7 +44,7 @@ from coordinator.state.entities import (
     sent_alerts_from_entity,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, StateStore, Stored
+from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, StateStore, Stored
 
 Key = tuple[str, str]
 
