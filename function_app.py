@@ -25,7 +25,6 @@ from coordinator.adapters import telemetry
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
-from coordinator.state.tables import TableStateStore
 from coordinator.wiring import build_coordinator
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
@@ -119,16 +118,17 @@ def _access() -> http.Access:
         platform_auth=os.environ.get("WEBSITE_AUTH_ENABLED", "").strip().lower() == "true",
         allow_anonymous=settings().allow_anonymous_approval,
         own_origin=settings().public_base_url,
-        form_key=lambda: _form_key(coordinator().store),
+        form_key=lambda: _form_key(coordinator()),
         clock=coordinator().clock,
     )
 
 
 @functools.cache
-def _form_key(store: TableStateStore) -> bytes:
+def _form_key(coordinator: Coordinator) -> bytes:
     # One key for every instance (an approval page served by one instance is posted to another): kept in the
-    # state table, read once per process.
-    return store.shared_key(http.FORM_KEY_NAME)
+    # state table, read once per process (cached by the coordinator: a store is typed by its protocol, which
+    # does not promise to be hashable).
+    return coordinator.store.shared_key(http.FORM_KEY_NAME)
 
 
 def _respond(response: http.Response) -> func.HttpResponse:

@@ -49,7 +49,7 @@ from coordinator.pipeline.run import (
     RunKind,
 )
 from coordinator.state.events import read_event
-from coordinator.state.tables import Stored, TableStateStore
+from coordinator.state.store import StateStore, Stored
 
 __all__ = ["Coordinator"]
 
@@ -68,7 +68,7 @@ class Coordinator:
     def __init__(
         self,
         *,
-        store: TableStateStore,
+        store: StateStore,
         history: HistorySink,
         alerts: AlertSink,
         callback: ApprovalCallback,

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from contracts.envelope import Envelope
 from coordinator.domain.model import AlertKind
 from coordinator.domain.rows import history_schema
-from coordinator.state.tables import TableStateStore
+from coordinator.state.store import StateStore
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.messages import MessageError, decode
 from emulators.eventhubs.partition_log import StoredEvent
@@ -117,7 +117,7 @@ def logged_sightings(history_path: Path) -> set[Sighting]:
     return {(str(vm), str(event_id), str(status)) for vm, event_id, status in rows}
 
 
-def applied_positions(store: TableStateStore) -> dict[str, int]:
+def applied_positions(store: StateStore) -> dict[str, int]:
     return {vm.identity.name: vm.lastSequence for stored in store.all_vm_groups() for vm in stored.record.vms.values()}
 
 
@@ -173,7 +173,7 @@ def collect(
     imds_approvals: list[dict[str, Any]],
     eventhubs: EventHubsEmulator,
     hub: str,
-    store: TableStateStore,
+    store: StateStore,
     history_path: Path,
     envelopes_delivered: int,
     failed_batches: int,

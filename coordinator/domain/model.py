@@ -1,7 +1,7 @@
 """The coordinator's own records: one per EventId (merged from every reporting VM) and one per VM.
 
-Stored as JSON in Table Storage (see tables.py); pydantic at this boundary so that a record written by an older
-coordinator still loads (new fields have defaults) and a corrupt one fails loudly.
+Stored as JSON in Table Storage (see coordinator/state/entities.py); pydantic at this boundary so that a record
+written by an older coordinator still loads (new fields have defaults) and a corrupt one fails loudly.
 """
 
 from __future__ import annotations

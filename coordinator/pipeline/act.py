@@ -27,7 +27,7 @@ from coordinator.pipeline import record as history
 from coordinator.pipeline.record import approval_row, platform_hold_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
-from coordinator.state.tables import ConcurrencyConflict
+from coordinator.state.store import ConcurrencyConflict
 
 log = logging.getLogger("coordinator")
 

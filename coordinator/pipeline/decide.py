@@ -29,7 +29,7 @@ from coordinator.pipeline.fleet import by_not_before
 from coordinator.pipeline.record import decision_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event
-from coordinator.state.tables import ConcurrencyConflict
+from coordinator.state.store import ConcurrencyConflict
 
 log = logging.getLogger("coordinator")
 

@@ -34,7 +34,7 @@ from contracts.document import ScheduledEvent
 from contracts.envelope import VmIdentity
 from coordinator.domain.model import VmRecord, group_key
 from coordinator.domain.sightings import Observation
-from coordinator.state.tables import TableStateStore
+from coordinator.state.store import StateStore
 
 # Below every forwarder state's epoch (they count from 0): a forwarder's sighting of its own VM always wins.
 EVENT_GRID_EPOCH = -1
@@ -175,7 +175,7 @@ def _identity(event: GridEvent, name: str) -> VmIdentity:
     )
 
 
-def _known_vms(store: TableStateStore) -> dict[tuple[str, str, str], tuple[str, VmRecord]]:
+def _known_vms(store: StateStore) -> dict[tuple[str, str, str], tuple[str, VmRecord]]:
     """Every VM a group holds, by (subscription, resource group, name) in lower case -> (group key, record)."""
     known: dict[tuple[str, str, str], tuple[str, VmRecord]] = {}
     for stored in store.all_vm_groups():
@@ -226,7 +226,7 @@ def observations_of(event: GridEvent, identity: VmIdentity) -> list[Observation]
 
 
 def sightings(
-    store: TableStateStore, events: list[GridEvent], *, speaking: dict[str, tuple[str, VmRecord]]
+    store: StateStore, events: list[GridEvent], *, speaking: dict[str, tuple[str, VmRecord]]
 ) -> dict[str, tuple[Sighting, list[Observation]]]:
     """The Event Grid events' observations by the VM they name (vmId, lower case), with the VM's identity and group.
     ``speaking``: the VMs whose forwarder speaks in this batch (vmId -> group key, record), a new one included."""

@@ -19,7 +19,7 @@ from coordinator.domain.controls import VmFacts
 from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord, VmGroupRecord, VmRecord
 from coordinator.domain.sightings import REMOVING_EVENTS, leaving_vms
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
-from coordinator.state.tables import ConcurrencyConflict, Stored, TableStateStore
+from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
 
 log = logging.getLogger("coordinator")
 
@@ -75,7 +75,7 @@ class Fleet:
     """The fleet view for budget rules, loaded at most once per batch/tick and updated as approvals are decided,
     and the fleet-wide budget claims (I/O; the rules themselves stay pure)."""
 
-    def __init__(self, store: TableStateStore) -> None:
+    def __init__(self, store: StateStore) -> None:
         self._store = store
         self._view: rules.FleetView | None = None
         self._open: list[EventRecord] | None = None

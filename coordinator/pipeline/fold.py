@@ -38,7 +38,7 @@ from coordinator.pipeline.record import vm_row
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.events import aggregate, assemble, commit_event
-from coordinator.state.tables import ConcurrencyConflict, Stored
+from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 

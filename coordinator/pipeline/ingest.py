@@ -24,7 +24,7 @@ from coordinator.adapters import telemetry
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import event_grid
 from coordinator.pipeline.run import Run, Work
-from coordinator.state.tables import DeadLetter
+from coordinator.state.store import DeadLetter
 
 log = logging.getLogger("coordinator")
 

@@ -22,7 +22,7 @@ from coordinator.pipeline.record import alert_row, vm_alert_row
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.commit import commit
 from coordinator.state.events import commit_event, read_event
-from coordinator.state.tables import ConcurrencyConflict, Stored
+from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 

@@ -21,7 +21,7 @@ from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.record import decision_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event, read_event
-from coordinator.state.tables import TableStateStore
+from coordinator.state.store import StateStore
 
 ApproveUrl = Callable[[str], str] | None
 
@@ -119,7 +119,7 @@ def summarize(record: EventRecord, *, approve_url: ApproveUrl) -> dict[str, Any]
     }
 
 
-def pending(store: TableStateStore, *, approve_url: ApproveUrl) -> list[dict[str, Any]]:
+def pending(store: StateStore, *, approve_url: ApproveUrl) -> list[dict[str, Any]]:
     """Open events (not Completed/Canceled), oldest NotBefore first."""
     groups = {g.record.group: g for g in store.all_vm_groups()}
     assembled = assemble({s.record.eventId: s for s in store.open_events()}, groups)

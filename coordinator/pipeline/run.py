@@ -24,7 +24,7 @@ from coordinator.domain.model import AlertKind, EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.domain.sightings import EventChange
 from coordinator.pipeline.fleet import Fleet
-from coordinator.state.tables import TableStateStore
+from coordinator.state.store import StateStore
 
 __all__ = ["Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
 
@@ -83,7 +83,7 @@ class Options:
 class Parts:
     """What a run talks to: its state, history and card sinks, the approval paths, Azure Monitor for gates."""
 
-    store: TableStateStore
+    store: StateStore
     history: HistorySink
     alerts: AlertSink
     callback: ApprovalCallback

@@ -25,7 +25,7 @@ from coordinator.pipeline.fleet import by_not_before
 from coordinator.pipeline.record import approval_row, unknown_outcome_row, vm_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event
-from coordinator.state.tables import ConcurrencyConflict, Stored
+from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from coordinator.state.tables import ConcurrencyConflict
+from coordinator.state.store import ConcurrencyConflict
 
 COMMIT_ATTEMPTS = 8
 # A transaction of many entities is retried this often before its entities are committed one by one.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmSighting
 from coordinator.domain.sightings import EventChange
 from coordinator.state.commit import commit
-from coordinator.state.tables import Stored, TableStateStore
+from coordinator.state.store import StateStore, Stored
 
 
 def assemble(
@@ -48,7 +48,7 @@ def _position(sighting: VmSighting) -> tuple[int, int]:
     return (sighting.epoch, sighting.lastSequence)
 
 
-def read_event(store: TableStateStore, event_id: str) -> Stored[EventRecord] | None:
+def read_event(store: StateStore, event_id: str) -> Stored[EventRecord] | None:
     """The event as stored now (fresh read), with its VMs' sightings."""
     stored = store.get_events([event_id])
     if event_id not in stored:
@@ -63,7 +63,7 @@ def aggregate(record: EventRecord) -> str:
 
 
 def commit_event(
-    store: TableStateStore,
+    store: StateStore,
     event_id: str,
     mutate: Callable[[EventRecord | None], EventChange | None],
     *,

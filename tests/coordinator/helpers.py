@@ -1,4 +1,5 @@
-"""Builders for envelopes and Event Hubs events used by the coordinator tests and the wave benchmark."""
+"""Builders for envelopes and Event Hubs events used by the coordinator tests and the wave benchmark, and for the
+records the coordinator stores (the state tests)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import azure.functions as func
 
 from contracts.envelope import SCHEMA
+from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 
 DOC_EVENT_ID = "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
@@ -136,3 +138,14 @@ class MemoryHistory:
 
     def write(self, rows: Sequence[HistoryRow]) -> None:
         self.rows.extend(rows)
+
+
+def event_record(event_id: str, **fields: Any) -> EventRecord:
+    """An event record as the coordinator stores it: a Reboot, Scheduled since DOC_NOW, unless ``fields`` say."""
+    base: dict[str, Any] = {"eventId": event_id, "eventType": "Reboot", "stateSince": DOC_NOW, "createdAt": DOC_NOW}
+    return EventRecord.model_validate({**base, **fields})
+
+
+def vm_position(name: str, *, index: int, **fields: Any) -> VmRecord:
+    """A VM's stored position, ``vm(name, index=index)`` its identity, last seen at DOC_NOW unless ``fields`` say."""
+    return VmRecord.model_validate({"identity": vm(name, index=index), "lastSeen": DOC_NOW, **fields})

@@ -1,0 +1,137 @@
+"""What the stages read and write: the ``StateStore`` protocol, and the values that cross it.
+
+Every write is conditional, which is what lets parallel coordinator instances decide once:
+
+- An **ETag** is the version of one entity (two entities may have the same one). Every read gives each record
+  with its ETag; every successful write gives a new one, different from every ETag the entity had before (even
+  when the content is the same).
+- **Insert** (``etag`` None): refused with ``ConcurrencyConflict`` when the entity exists.
+- **Update** (``etag`` given): If-Match; refused with ``ConcurrencyConflict`` when the entity changed since that
+  ETag was read, or is gone.
+- A refused write changes nothing; the caller reads again and redoes (``commit.commit``).
+- **Several records in one call** (``save_events``, ``save_vm_groups``) are written in transactions of at most 100
+  records (``entities.transactions``): each transaction is all or nothing, and one stale ETag refuses its whole
+  transaction with ``ConcurrencyConflict``, as does a record named twice in it. Transactions before the refused
+  one stay written, those after it are not tried: after a conflict the caller reads every record again.
+- **Too large** a record raises ``RecordTooLarge`` before anything of that call is written.
+- A ``cached`` read may answer with what this instance last read or wrote, older than what is stored: a write
+  with that ETag is then refused, so a stale read never commits. Every other read is fresh.
+
+``TableStateStore`` (coordinator/state/tables.py) keeps this in Azure Table Storage; how records become entities is
+``coordinator/state/entities.py``. tests/coordinator/test_state_contract.py holds every implementation to this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, Protocol, TypeVar
+
+from pydantic import BaseModel
+
+from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
+
+R = TypeVar("R", bound=BaseModel)
+
+
+class ConcurrencyConflict(Exception):
+    """Another writer changed (or created, or deleted) the entity since it was read; re-read and redo."""
+
+
+class RecordTooLarge(ValueError):
+    """The record does not fit in one table entity (1 MiB)."""
+
+
+@dataclass
+class Stored(Generic[R]):
+    """A record as read or written, with the ETag a conditional write of it needs."""
+
+    record: R
+    etag: str | None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message refused at the door: kept with the reason so that a person can look at it; never acted on."""
+
+    reason: str
+    body: bytes
+    received_at: datetime
+    source: dict[str, Any]
+
+
+class StateStore(Protocol):
+    """The coordinator's state: event records, VM groups (every VM's position and sightings), budget claims, the
+    log of sent cards, keys shared by every instance, and dead letters. Keys that come from input may hold any
+    character: a store maps them to valid keys and answers with the keys it was asked for."""
+
+    # events: the record without its ``vms`` (the sightings live with the VM groups; events.assemble puts them
+    # back), so a read answers ``vms`` empty or as this instance last wrote it.
+    def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
+        """The events found, by the id asked for (absent ones are left out)."""
+
+    def get_event(self, event_id: str) -> Stored[EventRecord] | None:
+        """One event, read fresh."""
+
+    def open_events(self) -> list[Stored[EventRecord]]:
+        """Every event not Completed or Canceled, read fresh."""
+
+    def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
+        """Concluded events whose last cards are still in the outbox (open ones come with open_events)."""
+
+    def concluded_events_before(self, cutoff: datetime) -> list[Stored[EventRecord]]:
+        """Completed/Canceled events that concluded (``stateSince``) before ``cutoff`` and have no card left to
+        send."""
+
+    def save_event(self, record: EventRecord, etag: str | None) -> str:
+        """Inserts (``etag`` None) or replaces the event If-Match ``etag``; gives the new ETag."""
+
+    def save_events(self, items: Sequence[tuple[EventRecord, str | None]]) -> list[str]:
+        """``save_event`` for each, in transactions of 100 (all or nothing each); the new ETags in order."""
+
+    def delete_events(self, items: Sequence[tuple[str, str | None]]) -> int:
+        """Deletes each event If-Match its ETag (required: ``ValueError`` without one). One changed since is kept,
+        one already gone counts as deleted; gives how many were deleted."""
+
+    # VM groups: one entity per group, one property per VM, so a write sends only the VMs it moved.
+    def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
+        """The groups found, by the key asked for (absent ones are left out)."""
+
+    def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
+        """Every group, read fresh."""
+
+    def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
+        """Inserts the group with all its VMs (``etag`` None), or merges the VMs ``vm_ids`` (None: every VM of
+        ``record``) into it If-Match ``etag``: VMs not sent keep what is stored. Gives the new ETag."""
+
+    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
+        """``save_vm_group`` for each, in transactions of 100 (all or nothing each); the new ETags in order."""
+
+    # budgets: the claims on one budget domain, always read fresh (a claim decides against what every instance
+    # holds now).
+    def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None: ...
+
+    def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
+        """Inserts (``etag`` None) or replaces the budget If-Match ``etag``; gives the new ETag."""
+
+    # the log of sent cards: one entry per batch that sent cards, cleared in bulk by the timer.
+    def log_sent_alerts(self, record: SentAlerts) -> None:
+        """Adds an entry (never conflicts: each has a key of its own)."""
+
+    def sent_alert_logs(self) -> list[tuple[str, SentAlerts]]:
+        """Every entry with its key, oldest ``sentAt`` first."""
+
+    def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
+        """Deletes the entries, unconditionally, in transactions of 100: a key already gone refuses its
+        transaction (nothing of it deleted) with an error of the store's own."""
+
+    def shared_key(self, name: str) -> bytes:
+        """A random 32-byte key, the same for every instance: the first to ask creates it (insert-only, so the
+        first writer wins and the others read its key)."""
+
+    # dead letters: kept apart from the state, one row per refused message, partitioned by day.
+    def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None: ...
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        """Every dead letter as stored (``entities.dead_letter_entity``), by day then arrival."""

@@ -1,0 +1,193 @@
+"""A ``StateStore`` in memory, for fast tests of what runs on the store (commit, events, the stages).
+
+It keeps the very entities ``TableStateStore`` would (coordinator/state/entities.py builds and reads both), so
+the records that come back, the keys, the columns the queries read and the records refused as too large are the
+same; what it adds is the table's behaviour: a fresh ETag per write, inserts refused when present, If-Match
+updates and deletes, MERGE for VM groups, transactions all or nothing. It has no read cache (a cached read is
+fresh, which the protocol allows). tests/coordinator/test_state_contract.py holds it to the same tests as the
+real store on Azurite.
+
+Here rather than in coordinator/state: nothing deployed or local runs on it (the local mode and the benchmarks run
+Azurite, to be what Azure is), and coordinator/ ships whole in the Functions package.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
+from coordinator.state.entities import (
+    BUDGET_PARTITION,
+    EVENT_PARTITION,
+    KEY_PARTITION,
+    SENT_ALERTS_PARTITION,
+    TRANSACTION_LIMIT,
+    VM_GROUP_PARTITION,
+    Entity,
+    Write,
+    budget_entity,
+    budget_from_entity,
+    chunks,
+    dead_letter_transactions,
+    event_entity,
+    event_from_entity,
+    group_entity,
+    group_from_entity,
+    key_entity,
+    key_from_entity,
+    safe_key,
+    sent_alerts_entity,
+    sent_alerts_from_entity,
+    transactions,
+)
+from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, StateStore, Stored
+
+Key = tuple[str, str]
+
+
+class MemoryStateStore(StateStore):
+    """The state in two dicts (the table and the dead letters), one lock: the stages run on threads."""
+
+    def __init__(self) -> None:
+        self._entities: dict[Key, tuple[Entity, str]] = {}
+        self._dead_letters: dict[Key, Entity] = {}
+        self._lock = threading.Lock()
+        self._versions = itertools.count(1)
+
+    def _new_etag(self) -> str:
+        # Under the lock: every write of any entity gets an ETag no entity had before.
+        return f'W/"{next(self._versions)}"'
+
+    # the table -----------------------------------------------------------------------------------------------
+    def _get(
+        self, partition: str, keys: Iterable[str], parse: Callable[[Entity, str], Stored[R]]
+    ) -> dict[str, Stored[R]]:
+        wanted = list(keys)
+        with self._lock:
+            found = {k: self._entities.get((partition, safe_key(k))) for k in wanted}
+        return {k: parse(dict(hit[0]), hit[1]) for k, hit in found.items() if hit is not None}
+
+    def _scan(self, partition: str, where: Callable[[Entity], bool] = lambda _: True) -> list[tuple[Entity, str]]:
+        """A partition's entities that ``where`` keeps, in RowKey order (the table's)."""
+        with self._lock:
+            rows = [(dict(e), etag) for (p, _), (e, etag) in sorted(self._entities.items()) if p == partition]
+        return [(e, etag) for e, etag in rows if where(e)]
+
+    def _commit(self, writes: Sequence[Write], *, merge: bool = False) -> list[str]:
+        """One transaction: every condition is checked before anything is written."""
+        with self._lock:
+            keys = [(str(e["PartitionKey"]), str(e["RowKey"])) for e, _, _ in writes]
+            if len(set(keys)) < len(keys):
+                raise ConcurrencyConflict("an entity can appear only once in a transaction")
+            for key, (_, etag, _) in zip(keys, writes, strict=True):
+                current = self._entities.get(key)
+                if (current is not None) if etag is None else (current is None or current[1] != etag):
+                    raise ConcurrencyConflict(f"{key[0]}/{key[1]} changed")
+            etags = []
+            for key, (entity, etag, _) in zip(keys, writes, strict=True):
+                # MERGE keeps the properties not sent (a group's other VMs); a REPLACE or an insert does not.
+                stored = {**self._entities[key][0], **entity} if merge and etag is not None else dict(entity)
+                new_etag = self._new_etag()
+                self._entities[key] = (stored, new_etag)
+                etags.append(new_etag)
+            return etags
+
+    def _save_many(self, writes: list[Write], *, merge: bool = False) -> list[str]:
+        return [etag for part in transactions(writes) for etag in self._commit(part, merge=merge)]
+
+    # events --------------------------------------------------------------------------------------------------
+    def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
+        return self._get(EVENT_PARTITION, event_ids, event_from_entity)
+
+    def get_event(self, event_id: str) -> Stored[EventRecord] | None:
+        return self.get_events([event_id]).get(event_id)
+
+    def _events(self, where: Callable[[Entity], bool]) -> list[Stored[EventRecord]]:
+        return [event_from_entity(e, etag) for e, etag in self._scan(EVENT_PARTITION, where)]
+
+    def open_events(self) -> list[Stored[EventRecord]]:
+        return self._events(lambda e: e["Open"] is True)
+
+    def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
+        return self._events(lambda e: e["Open"] is False and e["Pending"] is True)
+
+    def concluded_events_before(self, cutoff: datetime) -> list[Stored[EventRecord]]:
+        return self._events(lambda e: e["Open"] is False and e["Pending"] is False and e["StateSince"] < cutoff)
+
+    def save_event(self, record: EventRecord, etag: str | None) -> str:
+        return self._commit([(event_entity(record), etag, record)])[0]
+
+    def save_events(self, items: Sequence[tuple[EventRecord, str | None]]) -> list[str]:
+        return self._save_many([(event_entity(r), e, r) for r, e in items])
+
+    def delete_events(self, items: Sequence[tuple[str, str | None]]) -> int:
+        deleted = 0
+        for event_id, etag in items:
+            if etag is None:
+                raise ValueError("IfNotModified must be specified with etag.")  # as azure-data-tables says
+            key = (EVENT_PARTITION, safe_key(event_id))
+            with self._lock:
+                current = self._entities.get(key)
+                if current is not None and current[1] != etag:
+                    continue
+                self._entities.pop(key, None)
+            deleted += 1
+        return deleted
+
+    # VM groups -----------------------------------------------------------------------------------------------
+    def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
+        return self._get(VM_GROUP_PARTITION, keys, group_from_entity)
+
+    def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
+        return [group_from_entity(e, etag) for e, etag in self._scan(VM_GROUP_PARTITION)]
+
+    def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
+        return self.save_vm_groups([(record, etag, vm_ids)])[0]
+
+    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
+        return self._save_many([(group_entity(r, None if e is None else v), e, r) for r, e, v in items], merge=True)
+
+    # budgets -------------------------------------------------------------------------------------------------
+    def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
+        return self._get(BUDGET_PARTITION, [scale_set], budget_from_entity).get(scale_set)
+
+    def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
+        return self._commit([(budget_entity(record), etag, record)])[0]
+
+    # sent cards ----------------------------------------------------------------------------------------------
+    def log_sent_alerts(self, record: SentAlerts) -> None:
+        self._commit([(sent_alerts_entity(record), None, record)])
+
+    def sent_alert_logs(self) -> list[tuple[str, SentAlerts]]:
+        return [sent_alerts_from_entity(e) for e, _ in self._scan(SENT_ALERTS_PARTITION)]
+
+    def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
+        for chunk in chunks(keys, TRANSACTION_LIMIT):
+            with self._lock:
+                gone = [k for k in chunk if (SENT_ALERTS_PARTITION, k) not in self._entities]
+                if gone or len(set(chunk)) < len(chunk):  # refused whole, as a table transaction is
+                    raise KeyError(f"sent-alert logs {gone or chunk} gone or named twice")
+                for key in chunk:
+                    del self._entities[(SENT_ALERTS_PARTITION, key)]
+
+    # keys and dead letters -----------------------------------------------------------------------------------
+    def shared_key(self, name: str) -> bytes:
+        with self._lock:
+            key = (KEY_PARTITION, safe_key(name))
+            if key not in self._entities:
+                self._entities[key] = (key_entity(name), self._new_etag())
+            entity = self._entities[key][0]
+        return key_from_entity(entity)
+
+    def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
+        for part in dead_letter_transactions(letters):
+            with self._lock:
+                self._dead_letters.update({(e["PartitionKey"], e["RowKey"]): dict(e) for e in part})
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(self._dead_letters[key]) for key in sorted(self._dead_letters)]

@@ -1,0 +1,407 @@
+"""The StateStore contract (coordinator/state/store.py), held against every store: the in-memory one of the fast
+tests and TableStateStore on Azurite. Each test runs on both, so the in-memory store cannot drift from the real one.
+
+``store`` and ``peer`` are two coordinator instances on the same state: for the table store two clients (each with
+its own read cache) on one table; the in-memory store has no cache, so both are the one store.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import threading
+import uuid
+from datetime import timedelta
+
+import pytest
+from azure.data.tables import TableTransactionError
+
+from coordinator.domain.model import (
+    BudgetClaim,
+    BudgetRecord,
+    EventRecord,
+    SentAlerts,
+    VmGroupRecord,
+    VmRecord,
+    VmSighting,
+)
+from coordinator.state.commit import commit
+from coordinator.state.entities import CHUNK_CHARS, DEAD_LETTER_BODY
+from coordinator.state.store import ConcurrencyConflict, DeadLetter, RecordTooLarge, StateStore, Stored
+from coordinator.state.tables import TableStateStore
+from tests.coordinator.helpers import DOC_NOW, event_record, vm_position
+from tests.coordinator.memory_store import MemoryStateStore
+
+
+@pytest.fixture(params=["memory", "tables"])
+def stores(request: pytest.FixtureRequest) -> tuple[StateStore, StateStore]:
+    if request.param == "memory":
+        memory = MemoryStateStore()
+        return memory, memory
+    azurite = request.getfixturevalue("azurite")  # started only for the table store's runs
+    table = "contract" + uuid.uuid4().hex[:12]
+    first, second = (TableStateStore.from_connection_string(azurite.connection_string, table_name=table) for _ in "ab")
+    return first, second
+
+
+@pytest.fixture
+def store(stores: tuple[StateStore, StateStore]) -> StateStore:
+    return stores[0]
+
+
+@pytest.fixture
+def peer(stores: tuple[StateStore, StateStore]) -> StateStore:
+    return stores[1]
+
+
+def sighting(*, sequence: int = 1, epoch: int = 0, seen: int = 0) -> VmSighting:
+    at = DOC_NOW + timedelta(seconds=seen)
+    return VmSighting(firstSeen=at, lastSeen=at, lastSequence=sequence, status="Scheduled", epoch=epoch)
+
+
+def group(key: str, *vms: VmRecord) -> VmGroupRecord:
+    return VmGroupRecord(group=key, vms={v.identity.vmId.lower(): v for v in vms})
+
+
+def without_sightings(record: EventRecord) -> EventRecord:
+    return record.model_copy(update={"vms": {}})
+
+
+# events ----------------------------------------------------------------------------------------------------------
+def test_an_insert_gives_an_etag_and_the_record_reads_back_without_its_sightings(store, peer):
+    record = event_record("EV-1", vms={"WestNO_0": sighting()}, pendingAlerts=["approved"], groups=["pg:a"])
+
+    etag = store.save_event(record, None)
+
+    for reader in (store, peer):
+        stored = reader.get_event("EV-1")
+        assert stored == Stored(without_sightings(record), etag)  # sightings live with the VM groups
+        assert reader.get_events(["EV-1", "EV-NONE"]) == {"EV-1": stored}
+    assert store.get_event("EV-NONE") is None
+    assert store.get_events([]) == {}
+
+
+def test_an_insert_of_an_entity_that_exists_is_refused_and_changes_nothing(store, peer):
+    etag = store.save_event(event_record("EV-1"), None)
+    budget_etag = store.save_budget(BudgetRecord(scaleSet="web"), None)
+    group_etag = store.save_vm_group(group("pg:a", vm_position("a_0", index=1)), None)
+
+    with pytest.raises(ConcurrencyConflict):
+        peer.save_event(event_record("EV-1", state="Started"), None)
+    with pytest.raises(ConcurrencyConflict):
+        peer.save_budget(BudgetRecord(scaleSet="web", claims={"EV-1": claim("EV-1")}), None)
+    with pytest.raises(ConcurrencyConflict):
+        peer.save_vm_group(group("pg:a", vm_position("a_1", index=2)), None)
+
+    assert store.get_event("EV-1") == Stored(event_record("EV-1"), etag)
+    assert store.get_budget("web") == Stored(BudgetRecord(scaleSet="web"), budget_etag)
+    assert store.get_vm_groups(["pg:a"]) == {"pg:a": Stored(group("pg:a", vm_position("a_0", index=1)), group_etag)}
+
+
+def test_an_update_needs_the_etag_of_what_is_stored_and_every_write_gives_a_new_one(store, peer):
+    first = store.save_event(event_record("EV-1"), None)
+    second = peer.save_event(event_record("EV-1", state="Approved"), first)
+    same_again = peer.save_event(event_record("EV-1", state="Approved"), second)
+
+    assert len({first, second, same_again}) == 3  # a new ETag even when the content is the same
+    with pytest.raises(ConcurrencyConflict):
+        store.save_event(event_record("EV-1", state="Started"), first)
+    with pytest.raises(ConcurrencyConflict):
+        store.save_event(event_record("EV-1", state="Started"), second)
+    assert store.get_event("EV-1") == Stored(event_record("EV-1", state="Approved"), same_again)
+
+
+def test_a_write_on_an_entity_deleted_since_it_was_read_is_a_conflict(store, peer):
+    etag = store.save_event(event_record("EV-1"), None)
+    other = store.save_event(event_record("EV-2"), None)
+    assert peer.delete_events([("EV-1", etag)]) == 1
+
+    with pytest.raises(ConcurrencyConflict):
+        store.save_event(event_record("EV-1", state="Started"), etag)
+    with pytest.raises(ConcurrencyConflict):
+        store.save_events([(event_record("EV-1", state="Started"), etag), (event_record("EV-2"), other)])
+    assert store.get_event("EV-1") is None
+    assert store.get_event("EV-2") == Stored(event_record("EV-2"), other)
+
+
+def test_reads_answer_with_the_ids_asked_for_whatever_characters_they_hold(store):
+    ids = ["EV/1", "EV#2?", "EV\\3", "EV\x074", "E" * 300, *(f"EV-{n:02}" for n in range(20))]
+    etags = store.save_events([(event_record(i), None) for i in ids])
+    keys = ["pg:web", "vmss:sub/rg/web#3", "vm:" + "f" * 250]
+    group_etags = store.save_vm_groups(
+        [(group(k, vm_position(f"v_{n}", index=n)), None, None) for n, k in enumerate(keys)]
+    )
+
+    # More ids than one query may name (14 RowKeys per filter), and some that are no event.
+    found = store.get_events([*ids, "EV-NONE", "EV/NONE"])
+    assert found == {i: Stored(event_record(i), e) for i, e in zip(ids, etags, strict=True)}
+    assert store.get_vm_groups([*keys, "pg:none"]) == {
+        k: Stored(group(k, vm_position(f"v_{n}", index=n)), e)
+        for n, (k, e) in enumerate(zip(keys, group_etags, strict=True))
+    }
+
+
+def test_a_cached_read_never_commits_a_stale_record(store, peer):
+    etag = store.save_event(event_record("EV-1"), None)
+    assert store.get_events(["EV-1"], cached=True)["EV-1"].etag == etag  # what this instance wrote
+    newer = peer.save_event(event_record("EV-1", state="Approved"), peer.get_events(["EV-1"])["EV-1"].etag)
+
+    cached = store.get_events(["EV-1"], cached=True)["EV-1"]
+    if cached.etag == newer:  # this store reads fresh: the write goes through
+        store.save_event(event_record("EV-1", state="Started"), cached.etag)
+        return
+    assert cached.etag == etag  # the instance's own, older write
+    with pytest.raises(ConcurrencyConflict):
+        store.save_event(event_record("EV-1", state="Started"), cached.etag)
+    # The conflict made the next read, cached or not, the stored one.
+    assert store.get_events(["EV-1"], cached=True)["EV-1"] == Stored(event_record("EV-1", state="Approved"), newer)
+
+
+def test_a_transaction_is_all_or_nothing(store, peer):
+    etags = store.save_events([(event_record(i), None) for i in ("EV-1", "EV-2", "EV-3")])
+    moved = peer.save_event(event_record("EV-2", state="Approved"), etags[1])
+
+    with pytest.raises(ConcurrencyConflict):
+        store.save_events(
+            [
+                (event_record("EV-1", state="Started"), etags[0]),
+                (event_record("EV-2", state="Started"), etags[1]),
+                (event_record("EV-3", state="Started"), etags[2]),
+                (event_record("EV-4"), None),
+            ]
+        )
+
+    assert store.get_events(["EV-1", "EV-2", "EV-3", "EV-4"]) == {
+        "EV-1": Stored(event_record("EV-1"), etags[0]),
+        "EV-2": Stored(event_record("EV-2", state="Approved"), moved),
+        "EV-3": Stored(event_record("EV-3"), etags[2]),
+    }
+    written = store.save_events([(event_record("EV-1", state="Started"), etags[0]), (event_record("EV-4"), None)])
+    assert [s.etag for s in store.get_events(["EV-1", "EV-4"]).values()] == written
+
+
+def test_a_record_named_twice_in_one_transaction_refuses_it(store):
+    with pytest.raises(ConcurrencyConflict):
+        store.save_events([(event_record("EV-1"), None), (event_record("EV-2"), None), (event_record("EV-1"), None)])
+    assert store.get_events(["EV-1", "EV-2"]) == {}
+
+
+def test_more_than_100_writes_are_cut_into_transactions_each_all_or_nothing(store, peer):
+    ids = [f"EV-{n:03}" for n in range(105)]
+    etags = store.save_events([(event_record(i), None) for i in ids])
+    assert len(etags) == 105  # (an ETag versions one entity: two entities may have the same one)
+    peer.save_event(event_record("EV-103", state="Approved"), etags[103])
+
+    with pytest.raises(ConcurrencyConflict):
+        store.save_events([(event_record(i, state="Started"), e) for i, e in zip(ids, etags, strict=True)])
+
+    after = store.get_events(ids)
+    assert all(after[i].record.state == "Started" and after[i].etag != etags[n] for n, i in enumerate(ids[:100]))
+    assert after["EV-103"].record.state == "Approved"  # moved by the peer: the second transaction is refused
+    assert all(after[i] == Stored(event_record(i), etags[n]) for n, i in enumerate(ids) if n in (100, 101, 102, 104))
+
+
+def test_a_record_too_large_is_refused_before_anything_is_written(store):
+    large = event_record("EV-LARGE", description="x" * (4 * CHUNK_CHARS))  # split over several properties
+    etag = store.save_event(large, None)
+    assert store.get_event("EV-LARGE") == Stored(large, etag)
+
+    with pytest.raises(RecordTooLarge):
+        store.save_events([(event_record("EV-SMALL"), None), (event_record("EV-HUGE", description="x" * 10**6), None)])
+    assert store.get_events(["EV-SMALL", "EV-HUGE"]) == {}
+
+
+def test_the_queries_find_events_by_state_outbox_and_age(store):
+    cutoff = DOC_NOW - timedelta(days=30)
+    old, recent = DOC_NOW - timedelta(days=40), DOC_NOW - timedelta(days=1)
+    records = [
+        event_record("open-pending", pendingAlerts=["approved"]),
+        event_record("open-started", state="Started", stateSince=old),
+        event_record("open-expired", state="Expired", stateSince=old),
+        event_record("completed-pending", state="Completed", pendingAlerts=["completed"], stateSince=old),
+        event_record("completed-old", state="Completed", stateSince=old),
+        event_record("canceled-old", state="Canceled", stateSince=old),
+        event_record("canceled-recent", state="Canceled", stateSince=recent),
+        event_record("completed-at-cutoff", state="Completed", stateSince=cutoff),
+    ]
+    etags = dict(zip((r.eventId for r in records), store.save_events([(r, None) for r in records]), strict=True))
+
+    def found(stored: list[Stored[EventRecord]]) -> set[str]:
+        assert all(s.etag == etags[s.record.eventId] for s in stored)
+        return {s.record.eventId for s in stored}
+
+    assert found(store.open_events()) == {"open-pending", "open-started", "open-expired"}
+    assert found(store.closed_events_with_pending_alerts()) == {"completed-pending"}
+    assert found(store.concluded_events_before(cutoff)) == {"completed-old", "canceled-old"}
+    by_id = {s.record.eventId: s.record for s in store.open_events()}
+    assert by_id["open-started"] == event_record("open-started", state="Started", stateSince=old)
+
+
+def test_deleting_events_keeps_those_changed_since(store, peer):
+    etags = store.save_events([(event_record(i), None) for i in ("EV-1", "EV-2")])
+    peer.save_event(event_record("EV-2", state="Completed"), etags[1])
+
+    assert store.delete_events([("EV-1", etags[0]), ("EV-2", etags[1]), ("EV-GONE", etags[0])]) == 2
+    assert set(store.get_events(["EV-1", "EV-2"])) == {"EV-2"}
+    assert store.delete_events([]) == 0
+    with pytest.raises(ValueError, match="etag"):
+        store.delete_events([("EV-2", None)])
+
+
+# VM groups -------------------------------------------------------------------------------------------------------
+def test_a_vm_group_is_inserted_whole_and_an_update_merges_only_the_vms_it_sends(store, peer):
+    a, b = vm_position("web_0", index=1), vm_position("web_1", index=2)
+    first = etag = store.save_vm_group(group("pg:web", a, b), None)
+    moved_a, moved_b = a.model_copy(update={"lastSequence": 5}), b.model_copy(update={"lastSequence": 9})
+
+    etag = store.save_vm_group(group("pg:web", moved_a, moved_b), etag, vm_ids=[a.identity.vmId])
+    assert peer.get_vm_groups(["pg:web"])["pg:web"] == Stored(group("pg:web", moved_a, b), etag)
+
+    # Without vm_ids every VM of the record is sent; a VM it does not hold keeps what is stored.
+    c = vm_position("web_2", index=3)
+    etag = peer.save_vm_group(group("pg:web", c), etag)
+    assert store.get_vm_groups(["pg:web"])["pg:web"] == Stored(group("pg:web", moved_a, b, c), etag)
+    assert [s.record.group for s in store.all_vm_groups()] == ["pg:web"]
+
+    with pytest.raises(ConcurrencyConflict):
+        store.save_vm_group(group("pg:web", moved_b), first, vm_ids=[b.identity.vmId])
+    with pytest.raises(ConcurrencyConflict):
+        store.save_vm_group(group("pg:nowhere", a), etag)  # no such group any more (or ever)
+
+
+def test_vm_groups_in_one_call_are_written_all_or_nothing(store, peer):
+    a, b = vm_position("a_0", index=1), vm_position("b_0", index=2)
+    etags = store.save_vm_groups([(group("pg:a", a), None, None), (group("pg:b", b), None, None)])
+    moved = peer.save_vm_group(group("pg:b", b.model_copy(update={"lastSequence": 3})), etags[1])
+
+    later = {"lastSequence": 7}
+    with pytest.raises(ConcurrencyConflict):
+        store.save_vm_groups(
+            [(group("pg:a", a.model_copy(update=later)), etags[0], None), (group("pg:b", b), etags[1], None)]
+        )
+
+    assert {s.record.group: s for s in store.all_vm_groups()} == {
+        "pg:a": Stored(group("pg:a", a), etags[0]),
+        "pg:b": Stored(group("pg:b", b.model_copy(update={"lastSequence": 3})), moved),
+    }
+
+
+def test_a_vms_oldest_sightings_of_events_it_no_longer_lists_make_room(store):
+    sightings = {f"EV-{n:03}": sighting(seen=n) for n in range(400)}  # far more than a property holds
+    position = vm_position("web_0", index=1, listed=["EV-000"], sightings=sightings)
+    etag = store.save_vm_group(group("pg:web", position), None)
+
+    (kept,) = store.get_vm_groups(["pg:web"])["pg:web"].record.vms.values()
+    assert "EV-000" in kept.sightings  # listed: kept, however old
+    assert "EV-001" not in kept.sightings  # the oldest of the rest went first...
+    assert "EV-399" in kept.sightings  # ...and the newest stayed
+    assert len(kept.model_dump_json(exclude_defaults=True)) <= CHUNK_CHARS
+
+    listed_all = position.model_copy(update={"listed": list(sightings)})
+    with pytest.raises(RecordTooLarge):
+        store.save_vm_group(group("pg:web", listed_all), etag)
+    assert store.get_vm_groups(["pg:web"])["pg:web"].etag == etag
+
+
+# budgets ---------------------------------------------------------------------------------------------------------
+def claim(event_id: str) -> BudgetClaim:
+    return BudgetClaim(eventId=event_id, vms=["web_0"], claimedAt=DOC_NOW)
+
+
+def test_a_budget_is_always_read_fresh_and_written_if_match(store, peer):
+    assert store.get_budget("zone:westeurope/1") is None
+    etag = store.save_budget(BudgetRecord(scaleSet="zone:westeurope/1"), None)
+    claimed = BudgetRecord(scaleSet="zone:westeurope/1", claims={"EV-1": claim("EV-1")})
+
+    newer = peer.save_budget(claimed, peer.get_budget("zone:westeurope/1").etag)
+
+    assert store.get_budget("zone:westeurope/1") == Stored(claimed, newer)  # not what this instance wrote
+    with pytest.raises(ConcurrencyConflict):
+        store.save_budget(BudgetRecord(scaleSet="zone:westeurope/1"), etag)
+
+
+def test_racing_writers_through_commit_each_land_once(store, peer):
+    """Two instances on threads, each claiming ten events in one budget: every claim lands, none twice."""
+    store.save_budget(BudgetRecord(scaleSet="web"), None)
+    conflicts = []
+
+    def claim_one(instance: StateStore, event_id: str) -> None:
+        def read(_attempt: int) -> Stored[BudgetRecord]:
+            stored = instance.get_budget("web")
+            assert stored is not None
+            return stored
+
+        def claimed(stored: Stored[BudgetRecord]) -> BudgetRecord:
+            return BudgetRecord(scaleSet="web", claims={**stored.record.claims, event_id: claim(event_id)})
+
+        commit(
+            read,
+            claimed,
+            lambda record, stored: instance.save_budget(record, stored.etag),
+            what="budget web",
+            attempts=100,
+            on_conflict=lambda: conflicts.append(1),
+        )
+
+    def claim_all(instance: StateStore, prefix: str) -> None:
+        for n in range(10):
+            claim_one(instance, f"{prefix}-{n}")
+
+    threads = [threading.Thread(target=claim_all, args=(s, p)) for s, p in ((store, "A"), (peer, "B"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    final = store.get_budget("web")
+    assert final is not None
+    assert sorted(final.record.claims) == sorted(f"{p}-{n}" for p in "AB" for n in range(10))
+    assert conflicts or store is peer  # two clients on one table did collide
+
+
+# the log of sent cards, shared keys, dead letters ----------------------------------------------------------------
+def test_sent_card_logs_come_oldest_first_and_are_deleted_in_whole_transactions(store):
+    for minutes in (2, 0, 1):
+        sent_at = DOC_NOW + timedelta(minutes=minutes)
+        store.log_sent_alerts(SentAlerts(sentAt=sent_at, events={f"EV-{minutes}": ["approved"]}))
+
+    logs = store.sent_alert_logs()
+    assert [entry.sentAt for _, entry in logs] == [DOC_NOW + timedelta(minutes=m) for m in (0, 1, 2)]
+    assert logs[0][1] == SentAlerts(sentAt=DOC_NOW, events={"EV-0": ["approved"]})
+
+    store.delete_sent_alert_logs([key for key, _ in logs[:2]])
+    assert store.sent_alert_logs() == logs[2:]
+    with pytest.raises((KeyError, TableTransactionError)):  # the store's own error
+        store.delete_sent_alert_logs([logs[2][0], logs[0][0]])
+    assert store.sent_alert_logs() == logs[2:]  # nothing of the refused transaction deleted
+    store.delete_sent_alert_logs([])
+
+
+def test_a_shared_key_is_made_once_for_every_instance(store, peer):
+    key = store.shared_key("approval-form")
+
+    assert len(key) == 32
+    assert peer.shared_key("approval-form") == key == store.shared_key("approval-form")
+    assert peer.shared_key("another/purpose#") not in (key, b"")
+
+
+def test_dead_letters_are_kept_in_full_up_to_their_limits(store):
+    day = DOC_NOW.replace(hour=23)
+    letters = [DeadLetter(reason=f"bad {n}", body=b"{", received_at=day, source={"n": n}) for n in range(105)]
+    huge = DeadLetter(reason="r" * 10_000, body=b"z" * 100_000, received_at=day + timedelta(hours=1), source={})
+
+    store.put_dead_letters([*letters, huge])
+    store.put_dead_letters([])
+
+    stored = store.dead_letters()
+    assert len(stored) == 106
+    assert {row["PartitionKey"] for row in stored} == {"2022-04-11", "2022-04-12"}
+    assert all(
+        set(row) == {"PartitionKey", "RowKey", "Reason", "Source", "BodyBase64", "BodyBytes", "BodySha256"}
+        for row in stored
+    )
+    assert sorted(row["Reason"] for row in stored[:105]) == sorted(f"bad {n}" for n in range(105))
+    last = stored[-1]
+    assert (len(last["Reason"]), last["BodyBytes"]) == (8000, 100_000)
+    assert last["BodyBase64"] == base64.b64encode(huge.body[:DEAD_LETTER_BODY]).decode()
+    assert last["BodySha256"] == hashlib.sha256(huge.body).hexdigest()
