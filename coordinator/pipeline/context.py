@@ -19,10 +19,10 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
-from coordinator.domain import rules
+from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import AlertKind, EventRecord, VmRecord
+from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
-from coordinator.domain.sightings import EventChange
 from coordinator.state.tables import TableStateStore
 
 # A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
@@ -117,7 +117,7 @@ class Context:
         history: HistorySink,
         alerts: AlertSink,
         callback: ApprovalCallback,
-        policy: rules.Policy,
+        policy: Policy,
         dry_run: bool = False,
         heartbeat_timeout: timedelta = timedelta(minutes=5),
         approve_url: Callable[[str], str] | None = None,

@@ -2,7 +2,7 @@
 
 Takes the event records ``fold`` has just merged (or the timer re-reads); gives each a ``DecisionRecord`` (a new
 one, and a Decision history row, only when the rule, verdict, hold or reason changed) and, for an approval, an
-``ApprovalRecord`` for ``act`` to send. The rules themselves are pure (domain/rules.py); this module adds the
+``ApprovalRecord`` for ``act`` to send. The rules themselves are pure (domain/evaluation.py); this module adds the
 I/O they need: the fleet view (impacted VMs, and the census of known VMs for tags and budget domains), the
 fleet-wide budget claims per domain, the health gates' results (read once per batch/tick, adapters/gates.py),
 and the pending deletes of a scale set, decided as one unit. Events compete for budget in NotBefore order (the
@@ -20,8 +20,14 @@ from datetime import UTC, datetime, timedelta
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.gates import GateReader
-from coordinator.domain import rules
+from coordinator.domain.budgets import BudgetDomain, budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult, VmFacts
+from coordinator.domain.deletes import REMOVING_EVENTS, couple, leaving_vms
+from coordinator.domain.evaluation import Decision, evaluate, needs_fleet
+from coordinator.domain.fleet_view import FleetView
+from coordinator.domain.history_rows import decision_row
+from coordinator.domain.lifecycle import EventChange, clone, raise_alert
+from coordinator.domain.matching import first_match
 from coordinator.domain.model import (
     ApprovalRecord,
     BudgetClaim,
@@ -31,9 +37,7 @@ from coordinator.domain.model import (
     VmGroupRecord,
     VmRecord,
 )
-from coordinator.domain.sightings import REMOVING_EVENTS, EventChange, clone, leaving_vms, raise_alert
 from coordinator.pipeline.context import Context, Work
-from coordinator.pipeline.record import decision_row
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.events import commit_event
 from coordinator.state.tables import ConcurrencyConflict, Stored, TableStateStore
@@ -97,7 +101,7 @@ class Fleet:
 
     def __init__(self, store: TableStateStore) -> None:
         self._store = store
-        self._view: rules.FleetView | None = None
+        self._view: FleetView | None = None
         self._open: list[EventRecord] | None = None
         self._deletes: dict[str, EventRecord] | None = None
         self._removals: dict[str, EventRecord] = {}
@@ -136,7 +140,7 @@ class Fleet:
             self._open = [stored.record for stored in self._store.open_events()]
         return self._open
 
-    def view(self, *, census: bool = True) -> rules.FleetView:
+    def view(self, *, census: bool = True) -> FleetView:
         """The fleet view; ``census``: with the facts of every known VM (reads the VM groups once), which only
         a policy with tags, percent or domain budgets needs (``Policy.needs_census``)."""
         if self._view is None:
@@ -145,7 +149,7 @@ class Fleet:
                 for r in self._open_events()
                 if waits_for_budget(r)
             )
-            view = rules.FleetView(vms=self._vms() if census else {}, queued=queued)
+            view = FleetView(vms=self._vms() if census else {}, queued=queued)
             for record in self._open_events():
                 if holds_budget(record):
                     view = view.with_event(record)
@@ -170,7 +174,7 @@ class Fleet:
             self._removals[record.eventId] = record
 
     def leaving(self, now: datetime) -> dict[str, str]:
-        """The VMs an open Terminate/Preempt is removing now (sightings.leaving_vms): the open events as read, then
+        """The VMs an open Terminate/Preempt is removing now (deletes.leaving_vms): the open events as read, then
         as this batch/tick changed them (a later version of a record wins)."""
         latest = {r.eventId: r for r in self._open_events()} | self.deletes() | self._removals
         return leaving_vms(latest.values(), now)
@@ -194,7 +198,7 @@ class Fleet:
         if self._view is not None:
             self._view = self._view.with_event(record)
 
-    def claim(self, record: EventRecord, domains: Sequence[rules.BudgetDomain], now: datetime) -> tuple[str, str]:
+    def claim(self, record: EventRecord, domains: Sequence[BudgetDomain], now: datetime) -> tuple[str, str]:
         """Takes this event's slots in every budget domain it counts in, or none. Returns ("", "") when claimed,
         else why not and the domain (claim key) that refused.
 
@@ -212,7 +216,7 @@ class Fleet:
             taken.append(domain.claim_key)
         return "", ""
 
-    def _claim_one(self, domain: rules.BudgetDomain, event_id: str, now: datetime) -> str:
+    def _claim_one(self, domain: BudgetDomain, event_id: str, now: datetime) -> str:
         refused = ""
         key = domain.claim_key
 
@@ -282,8 +286,8 @@ def decide_all(ctx: Context, changes: Sequence[EventChange], now: datetime, flee
         record = change.record
         if record.eventType == "Terminate" and record.state == "Scheduled" and record.approval is None:
             try:
-                view = fleet.view() if ctx.policy.needs_census else rules.FleetView()
-                own = rules.evaluate(ctx.policy, record, view, now, gates=_gate_results(ctx, fleet, record, view, now))
+                view = fleet.view() if ctx.policy.needs_census else FleetView()
+                own = evaluate(ctx.policy, record, view, now, gates=_gate_results(ctx, fleet, record, view, now))
             except Exception:
                 log.exception("event %s: its rule could not be evaluated", record.eventId)
                 continue
@@ -337,7 +341,7 @@ def redecide(ctx: Context, record: EventRecord | None, now: datetime, fleet: Fle
 
 
 def _gate_results(
-    ctx: Context, fleet: Fleet, record: EventRecord, view: rules.FleetView, now: datetime
+    ctx: Context, fleet: Fleet, record: EventRecord, view: FleetView, now: datetime
 ) -> dict[str, GateResult]:
     """The gates of the rule the event matches (and of the rule it matches without tags, which a tag rule that may
     not widen falls back to), read once per batch/tick."""
@@ -345,7 +349,7 @@ def _gate_results(
         return {}
     names: set[str] = set()
     for candidate in (view, view.untagged()):
-        rule = rules.first_match(ctx.policy, record, now, candidate)
+        rule = first_match(ctx.policy, record, now, candidate)
         names.update(rule.gates if rule is not None else [])
     return fleet.gates(ctx).results(sorted(names)) if names else {}
 
@@ -355,19 +359,19 @@ def decide(ctx: Context, change: EventChange, now: datetime, fleet: Fleet) -> No
     if record.state != "Scheduled" or record.approval is not None:
         return
     started = telemetry.now_ns()
-    needed = rules.needs_fleet(ctx.policy, record, now)
-    view = fleet.view(census=ctx.policy.needs_census) if needed else rules.FleetView()
+    needed = needs_fleet(ctx.policy, record, now)
+    view = fleet.view(census=ctx.policy.needs_census) if needed else FleetView()
     gates = _gate_results(ctx, fleet, record, view, now)
-    decision = rules.evaluate(ctx.policy, record, view, now, gates=gates)
+    decision = evaluate(ctx.policy, record, view, now, gates=gates)
     if record.eventType == "Terminate" and record.scaleSets:
-        decision = rules.couple(decision, record, fleet.deletes().values(), now)
-    domains = rules.budget_domains(ctx.policy, decision.rule, record, view)
+        decision = couple(decision, record, fleet.deletes().values(), now)
+    domains = budget_domains(ctx.policy, decision.rule, record, view)
     claimed: list[str] = []
     if decision.verdict == "approve" and not ctx.dry_run and domains:
         # The rule saw budget left in this instance's view; the claim makes that hold across instances.
         refused, full = fleet.claim(record, domains, now)
         if refused:
-            decision = rules.Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
+            decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
         else:
             claimed = [d.claim_key for d in domains]
     previous = record.decision
@@ -413,7 +417,7 @@ def decide(ctx: Context, change: EventChange, now: datetime, fleet: Fleet) -> No
             holdName=decision.holdName,
             holdSince=hold_since,
         )
-        change.rows.append(decision_row(record, now))
+        change.rows.append(decision_row(record=record, now=now))
         change.changed = True
         telemetry.decided(
             record.traceparent,
@@ -452,7 +456,7 @@ def release_budgets(ctx: Context, records: Iterable[EventRecord]) -> None:
             continue
         # Approvals from before budget domains name no keys: their claims were on their scale sets.
         keys = record.approval.budgetKeys or (
-            sorted(rules.impacted_by(record)) if rules.budget_limit(ctx.policy, record.approval.rule) else []
+            sorted(impacted_by(record)) if budget_limit(ctx.policy, record.approval.rule) else []
         )
         if not keys:
             continue

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from coordinator.domain.history_rows import decision_row
+from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
-from coordinator.domain.sightings import EventChange, clone
 from coordinator.pipeline import act
 from coordinator.pipeline.context import Context, TickReport, Work
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
-from coordinator.pipeline.record import decision_row, write_history
+from coordinator.pipeline.record import write_history
 from coordinator.state.events import assemble, commit_event, read_event
 
 
@@ -58,7 +59,7 @@ def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualAppro
             dryRun=ctx.dry_run,
             actor=actor,
         )
-        change.rows.append(decision_row(record, now))
+        change.rows.append(decision_row(record=record, now=now))
         if ctx.dry_run:  # recorded as the person's decision; nothing is ever sent in dry-run
             return change
         record.approval = ApprovalRecord(

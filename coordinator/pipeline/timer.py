@@ -14,12 +14,15 @@ from collections import Counter
 from datetime import datetime
 
 from coordinator.adapters import telemetry
+from coordinator.domain.approvals import start_overdue
+from coordinator.domain.deletes import Removal, removals
+from coordinator.domain.history_rows import approval_row, heartbeat_row
+from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord
-from coordinator.domain.sightings import EventChange, Removal, advance, clone, raise_alert, removals, start_overdue
 from coordinator.pipeline import act, decide, outbox
 from coordinator.pipeline.context import Context, TickReport, Work
 from coordinator.pipeline.decide import Fleet
-from coordinator.pipeline.record import approval_row, unknown_outcome_row, vm_row, write_history
+from coordinator.pipeline.record import write_history
 from coordinator.state.events import assemble, commit_event
 from coordinator.state.tables import ConcurrencyConflict, Stored
 
@@ -89,7 +92,19 @@ def tick(ctx: Context) -> TickReport:
             and record.eventId not in work.deliveries
         ):
             if approval.attempts == 0 and not approval.outcome:
-                work.rows.append(unknown_outcome_row(record, approval, now))
+                work.rows.append(
+                    approval_row(
+                        record=record,
+                        now=now,
+                        rule=approval.rule,
+                        decision_id=approval.decisionId,
+                        actor=approval.actor,
+                        outcome="unknown",
+                        reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
+                        "sender stopped before recording it); sent again with the same decisionId (the listener "
+                        "answers a repeat without approving twice)",
+                    )
+                )
             work.deliveries.append(record.eventId)
         outbox.queue_pending(record, now, work, settled)
     report.events_changed += decide.release_held(ctx, changes, now, fleet, work)
@@ -157,13 +172,14 @@ def not_started(change: EventChange, now: datetime) -> None:
     by = approval.confirmBy.isoformat() if approval.confirmBy else "?"
     change.rows.append(
         approval_row(
-            change.record,
-            approval,
-            now,
+            record=change.record,
+            now=now,
             vm=approval.executor,
-            Actor="platform",
-            Outcome="not-started",
-            Reason=f"{approval.executor}'s listener answered '{approval.outcome}' but no VM saw the event Started or "
+            rule=approval.rule,
+            decision_id=approval.decisionId,
+            actor="platform",
+            outcome="not-started",
+            reason=f"{approval.executor}'s listener answered '{approval.outcome}' but no VM saw the event Started or "
             f"gone by {by}",
         )
     )
@@ -207,10 +223,17 @@ def retire(
         out.append(Stored(updated, etag))
         for vm in retiring.values():
             assert vm.retired is not None
-            row = vm_row(vm, now, vm.retired.reason)
             work.rows.append(
-                row.model_copy(
-                    update={"Outcome": "retired", "EventId": vm.retired.eventId, "EventType": vm.retired.eventType}
+                heartbeat_row(
+                    vm=vm.identity,
+                    now=now,
+                    observed_at=vm.lastSeen,
+                    sequence=vm.lastSequence,
+                    incarnation=vm.lastIncarnation,
+                    outcome="retired",
+                    reason=vm.retired.reason,
+                    event_id=vm.retired.eventId,
+                    event_type=vm.retired.eventType,
                 )
             )
     return out
@@ -238,7 +261,17 @@ def heartbeats(
             continue  # a VM of the group reported meanwhile, or another instance noticed first: next tick
         for vm in lost.values():
             report.heartbeats_lost += 1
-            work.rows.append(vm_row(vm, now, f"no envelope for more than {timeout} s"))
+            work.rows.append(
+                heartbeat_row(
+                    vm=vm.identity,
+                    now=now,
+                    observed_at=vm.lastSeen,
+                    sequence=vm.lastSequence,
+                    incarnation=vm.lastIncarnation,
+                    outcome="lost",
+                    reason=f"no envelope for more than {timeout} s",
+                )
+            )
             work.vm_alerts.append((vm, "heartbeat-lost"))
 
 
