@@ -38,6 +38,8 @@ _REACH: dict[str, int] = {
 
 @dataclass(frozen=True)
 class Decision:
+    """The policy's verdict on one event: the rule and action that gave it, why, and what held it until when."""
+
     rule: str
     action: Action
     verdict: Verdict

@@ -92,6 +92,7 @@ def _observation_row(
     reason: str = "",
     details: dict[str, Any] | None = None,
 ) -> HistoryRow:
+    """The Observation row of ``observation``: its VM and its position (sequence, incarnation) as the VM sent it."""
     return observation_row(
         record=record,
         now=now,
