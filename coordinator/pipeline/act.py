@@ -327,9 +327,9 @@ def update_hold(ctx: Context, change: EventChange, deletes: Iterable[EventRecord
             now=now,
             actor="platform",
             outcome="held" if hold else "released",
-            reason=hold.describe()
-            if hold
-            else "no longer held by the platform: no other delete of its scale set pending",
+            reason=(
+                hold.describe() if hold else "no longer held by the platform: no other delete of its scale set pending"
+            ),
             decision_id=record.approval.decisionId if record.approval else "",
             details=(
                 {"heldBy": hold.eventId, "heldByVm": hold.vm, "until": hold.until.isoformat() if hold.until else None}
