@@ -10,8 +10,10 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from coordinator.domain.controls import VmFacts
+from coordinator.domain.evaluation import evaluate
+from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord
-from coordinator.domain.rules import FleetView, evaluate, parse_policy
+from coordinator.domain.policy_file import parse_policy
 
 NOW = datetime(2026, 11, 18, 10, tzinfo=UTC)  # inside the window (11:00 in Oslo), outside the blackout
 POLICY = parse_policy(

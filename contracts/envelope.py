@@ -101,7 +101,7 @@ class HookReport(BaseModel):
     Forwarders from this version send one report per phase, with ``steps`` (every hook, in the order run): then
     ``outcome`` is the phase's outcome, ``succeeded`` only when every step succeeded (``not-run`` when the phase
     has no hooks). Older forwarders sent one report per hook, without ``steps``: such a report says how one hook
-    ended, not the phase (the coordinator keeps a failure among them, see coordinator/domain/sightings.py).
+    ended, not the phase (the coordinator keeps a failure among them, see coordinator/domain/event_merge.py).
     """
 
     model_config = ConfigDict(extra="allow", frozen=True)

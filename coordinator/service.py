@@ -29,8 +29,8 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
-from coordinator.domain import rules
 from coordinator.domain.model import EventRecord
+from coordinator.domain.policy import Policy
 from coordinator.pipeline import fold, ingest, people, tail, timer
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.ingest import RawMessage
@@ -72,7 +72,7 @@ class Coordinator:
         history: HistorySink,
         alerts: AlertSink,
         callback: ApprovalCallback,
-        policy: rules.Policy,
+        policy: Policy,
         dry_run: bool = False,
         heartbeat_timeout: timedelta = timedelta(minutes=5),
         approve_url: Callable[[str], str] | None = None,

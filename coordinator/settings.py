@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from coordinator.domain.rows import history_schema
-from coordinator.domain.rules import DEFAULT_POLICY_PATH
 
 PREFIX = "COORDINATOR_"
 

@@ -14,7 +14,7 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
-from coordinator.domain.rules import load_policy
+from coordinator.domain.policy_file import load_policy
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
 from coordinator.state.tables import TableStateStore

@@ -23,8 +23,10 @@ from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
 from coordinator.domain.controls import VmFacts
+from coordinator.domain.fleet_view import FleetView
+from coordinator.domain.matching import first_match
 from coordinator.domain.model import EventRecord
-from coordinator.domain.rules import FleetView, HooksOption, Policy, Rule, first_match
+from coordinator.domain.policy import HooksOption, Policy, Rule
 from emulators.imds import VmSpec
 
 Expectation = Literal["approve", "no-approval", "either"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.state.tables import TableStateStore
 from local.expectations import Expected, expect_all
 from local.observe import HistoryTail, collect

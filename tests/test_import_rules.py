@@ -48,9 +48,9 @@ def _lint(copy: Path) -> subprocess.CompletedProcess[str]:
         ("coordinator/pipeline/act.py", "import local.direct_callback", "the Functions app imports no tool"),
         ("coordinator/pipeline/record.py", "import ops.cost", "the Functions app imports no tool"),
         ("coordinator/pipeline/fold.py", "import forwarder.daemon", "share only the contracts"),
-        ("coordinator/domain/sightings.py", "import coordinator.pipeline.fold", "nothing imports up"),
+        ("coordinator/domain/event_merge.py", "import coordinator.pipeline.fold", "nothing imports up"),
         ("coordinator/state/tables.py", "import coordinator.adapters.gates", "nothing imports up"),
-        ("coordinator/domain/rules.py", "import requests", "the coordinator's domain is pure"),
+        ("coordinator/domain/evaluation.py", "import requests", "the coordinator's domain is pure"),
         ("local/timeline.py", "import tests.coordinator.helpers", "nothing imports tests"),
     ],
 )

@@ -1,5 +1,5 @@
 """Health gates, the I/O half: reads each named gate of the policy (an HTTP probe, an Azure Monitor alert rule's
-state, a Log Analytics query) and gives ``GateResult``s for the pure rules (coordinator/domain/rules.py).
+state, a Log Analytics query) and gives ``GateResult``s for the pure rules (coordinator/domain/evaluation.py).
 
 A ``GateReader`` is made per batch/tick (``pipeline/decide.py``'s ``Fleet`` holds one) and reads each gate at
 most once: every event decided in that batch/tick sees the same answer. A gate that cannot be read is an error,

@@ -18,13 +18,15 @@ from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError
-from coordinator.domain import rules
+from coordinator.domain.approvals import choose_executor
+from coordinator.domain.deletes import platform_hold
+from coordinator.domain.evaluation import callback_of, hooks_required
+from coordinator.domain.history_rows import approval_row
+from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transition
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.domain.rows import HistoryRow
-from coordinator.domain.sightings import EventChange, choose_executor, clone, platform_hold, raise_alert, transition
 from coordinator.pipeline import record as history
-from coordinator.pipeline.record import approval_row, platform_hold_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
 from coordinator.state.store import ConcurrencyConflict
@@ -115,7 +117,7 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
         callback=run.parts.callback,
     )
     remote_acknowledge = run.parts.remote_acknowledge
-    remote = rules.callback_of(run.policy, approval.rule) == "remote-acknowledge"
+    remote = callback_of(run.policy, approval.rule) == "remote-acknowledge"
     if remote and remote_acknowledge is None:
         plan.failure = (
             f"rule {approval.rule!r} approves through remote acknowledge, which is off "
@@ -159,16 +161,18 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
             durationInSeconds=record.durationInSeconds,
             notBefore=record.notBefore,
             resources=list(record.resources),
-            hooksRequired=rules.hooks_required(run.policy, approval.rule, record),
+            hooksRequired=hooks_required(run.policy, approval.rule, record),
         ),
     )
     plan.intent = approval_row(
-        record,
-        approval,
-        now,
+        record=record,
+        now=now,
         vm=executor.name,
-        Outcome="sending",
-        Reason=(
+        rule=approval.rule,
+        decision_id=approval.decisionId,
+        actor=approval.actor,
+        outcome="sending",
+        reason=(
             f"acknowledge of {record.eventId} going to ARM for {executor.name} (attempt {approval.attempts + 1})"
             if plan.callback is not run.parts.callback
             else f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})"
@@ -239,14 +243,15 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
     approval.reason = (result.reason if result else failure)[:1000]
     change.rows.append(
         approval_row(
-            record,
-            approval,
-            now,
+            record=record,
+            now=now,
             vm=executor,
-            DecisionId=decision_id,
-            Outcome=approval.outcome,
-            Reason=approval.reason or f"StartRequests accepted by {executor}",
-            DocumentIncarnation=result.documentIncarnation if result else None,
+            rule=approval.rule,
+            decision_id=decision_id,
+            actor=approval.actor,
+            outcome=approval.outcome,
+            reason=approval.reason or f"StartRequests accepted by {executor}",
+            incarnation=result.documentIncarnation if result else None,
         )
     )
     if result is not None and result.outcome == "approved":
@@ -262,10 +267,10 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
                 "Approved",
                 now,
                 f"approved by {approval.actor} through {executor}; confirmed when seen Started or gone",
-                Rule=approval.rule,
-                Actor=approval.actor,
-                DecisionId=decision_id,
-                VmName=executor,
+                rule=approval.rule,
+                actor=approval.actor,
+                decision_id=decision_id,
+                vm=executor,
             )
         return change
     if result is not None and result.outcome == "not-scheduled":
@@ -299,4 +304,20 @@ def update_hold(run: Run, change: EventChange) -> None:
     if hold is None and previous is not None and record.approval is not None and record.approval.delivered:
         # Held, the delete could not start: its time to be seen Started begins when the platform lets it go.
         record.approval.confirmBy = now + run.options.start_bound
-    change.rows.append(platform_hold_row(record, now))
+    change.rows.append(
+        approval_row(
+            record=record,
+            now=now,
+            actor="platform",
+            outcome="held" if hold else "released",
+            reason=(
+                hold.describe() if hold else "no longer held by the platform: no other delete of its scale set pending"
+            ),
+            decision_id=record.approval.decisionId if record.approval else "",
+            details=(
+                {"heldBy": hold.eventId, "heldByVm": hold.vm, "until": hold.until.isoformat() if hold.until else None}
+                if hold
+                else None
+            ),
+        )
+    )

@@ -2,11 +2,11 @@
 
 Takes the event records ``fold`` has just merged (or the timer re-reads); gives each a ``DecisionRecord`` (a new
 one, and a Decision history row, only when the rule, verdict, hold or reason changed) and, for an approval, an
-``ApprovalRecord`` for the tail to deliver. The rules themselves are pure (domain/rules.py); this module adds what
-they need from the run: the fleet view and budget claims (pipeline/fleet.py), the health gates' results (read once
-per run) and the pending deletes of a scale set, decided as one unit. Events compete for budget in NotBefore order
-(the closest first). Runs inside the caller's ETag-checked write, so a decision commits once. ``release_budgets`` is
-the tail's step that frees the slots of concluded events.
+``ApprovalRecord`` for the tail to deliver. The rules themselves are pure (domain/evaluation.py); this module adds
+what they need from the run: the fleet view and budget claims (pipeline/fleet.py), the health gates' results (read
+once per run) and the pending deletes of a scale set, decided as one unit. Events compete for budget in NotBefore
+order (the closest first). Runs inside the caller's ETag-checked write, so a decision commits once.
+``release_budgets`` is the tail's step that frees the slots of concluded events.
 """
 
 from __future__ import annotations
@@ -17,16 +17,20 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from coordinator.adapters import telemetry
-from coordinator.domain import rules
+from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
+from coordinator.domain.deletes import couple
+from coordinator.domain.evaluation import Decision, evaluate, needs_fleet
+from coordinator.domain.fleet_view import FleetView
+from coordinator.domain.history_rows import decision_row
+from coordinator.domain.lifecycle import EventChange, clone, raise_alert
+from coordinator.domain.matching import first_match
 from coordinator.domain.model import (
     ApprovalRecord,
     DecisionRecord,
     EventRecord,
 )
-from coordinator.domain.sightings import EventChange, clone, raise_alert
 from coordinator.pipeline.fleet import by_not_before
-from coordinator.pipeline.record import decision_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event
 from coordinator.state.store import ConcurrencyConflict
@@ -51,8 +55,8 @@ def decide_all(run: Run, changes: Sequence[EventChange]) -> None:
         record = change.record
         if record.eventType == "Terminate" and record.state == "Scheduled" and record.approval is None:
             try:
-                view = fleet.view() if policy.needs_census else rules.FleetView()
-                own = rules.evaluate(policy, record, view, now, gates=_gate_results(run, record, view))
+                view = fleet.view() if policy.needs_census else FleetView()
+                own = evaluate(policy, record, view, now, gates=_gate_results(run, record, view))
             except Exception:
                 log.exception("event %s: its rule could not be evaluated", record.eventId)
                 continue
@@ -106,14 +110,14 @@ def redecide(run: Run, record: EventRecord | None) -> EventChange | None:
     return change
 
 
-def _gate_results(run: Run, record: EventRecord, view: rules.FleetView) -> dict[str, GateResult]:
+def _gate_results(run: Run, record: EventRecord, view: FleetView) -> dict[str, GateResult]:
     """The gates of the rule the event matches (and of the rule it matches without tags, which a tag rule that may
     not widen falls back to), read once per batch/tick."""
     if not run.policy.gates:
         return {}
     names: set[str] = set()
     for candidate in (view, view.untagged()):
-        rule = rules.first_match(run.policy, record, run.now, candidate)
+        rule = first_match(run.policy, record, run.now, candidate)
         names.update(rule.gates if rule is not None else [])
     return run.fleet.gates(run.policy, run.parts.monitor).results(sorted(names)) if names else {}
 
@@ -124,19 +128,19 @@ def decide(run: Run, change: EventChange) -> None:
         return
     now, fleet, policy, dry_run = run.now, run.fleet, run.policy, run.dry_run
     started = telemetry.now_ns()
-    needed = rules.needs_fleet(policy, record, now)
-    view = fleet.view(census=policy.needs_census) if needed else rules.FleetView()
+    needed = needs_fleet(policy, record, now)
+    view = fleet.view(census=policy.needs_census) if needed else FleetView()
     gates = _gate_results(run, record, view)
-    decision = rules.evaluate(policy, record, view, now, gates=gates)
+    decision = evaluate(policy, record, view, now, gates=gates)
     if record.eventType == "Terminate" and record.scaleSets:
-        decision = rules.couple(decision, record, fleet.deletes().values(), now)
-    domains = rules.budget_domains(policy, decision.rule, record, view)
+        decision = couple(decision, record, fleet.deletes().values(), now)
+    domains = budget_domains(policy, decision.rule, record, view)
     claimed: list[str] = []
     if decision.verdict == "approve" and not dry_run and domains:
         # The rule saw budget left in this instance's view; the claim makes that hold across instances.
         refused, full = fleet.claim(record, domains, now)
         if refused:
-            decision = rules.Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
+            decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
         else:
             claimed = [d.claim_key for d in domains]
     previous = record.decision
@@ -182,7 +186,7 @@ def decide(run: Run, change: EventChange) -> None:
             holdName=decision.holdName,
             holdSince=hold_since,
         )
-        change.rows.append(decision_row(record, now))
+        change.rows.append(decision_row(record=record, now=now))
         change.changed = True
         telemetry.decided(
             record.traceparent,
@@ -222,7 +226,7 @@ def release_budgets(run: Run) -> None:
             continue
         # Approvals from before budget domains name no keys: their claims were on their scale sets.
         keys = record.approval.budgetKeys or (
-            sorted(rules.impacted_by(record)) if rules.budget_limit(run.policy, record.approval.rule) else []
+            sorted(impacted_by(record)) if budget_limit(run.policy, record.approval.rule) else []
         )
         if not keys:
             continue

@@ -15,7 +15,7 @@ with ``agentless`` set (no heartbeat is expected of it).
 Trust: these events arrive on the Event Hub every VM may send to, so any VM could forge one. Their sightings sit
 below every forwarder position (epoch ``EVENT_GRID_EPOCH``): a VM's own forwarder always has the last word on its
 own sighting; facts that contradict the record are kept as conflicts by the same rules; an Event Grid sighting is
-never a Relay executor (``sightings.choose_executor``). Status order: sequence = eventTime in microseconds, so a
+never a Relay executor (``approvals.choose_executor``). Status order: sequence = eventTime in microseconds, so a
 duplicate (same Event Grid ``id``, identical payload) or an older status is a no-op. ``Completed`` is folded as
 seen Started then gone; ``Canceled`` as gone.
 """
@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from contracts.document import ScheduledEvent
 from contracts.envelope import VmIdentity
 from coordinator.domain.model import VmRecord, group_key
-from coordinator.domain.sightings import Observation
+from coordinator.domain.observations import Observation
 from coordinator.state.store import StateStore
 
 # Below every forwarder state's epoch (they count from 0): a forwarder's sighting of its own VM always wins.

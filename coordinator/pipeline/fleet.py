@@ -3,7 +3,7 @@ events, the census of known VMs), the open deletes for delete coupling, the VMs 
 and the fleet-wide budget claims per domain (ETag-checked entities, so two instances never over-claim).
 
 Loaded at most once per run and kept current as the run decides (``note``, ``add``); the rules themselves stay pure
-(domain/rules.py).
+(domain/evaluation.py, domain/budgets.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from datetime import UTC, datetime, timedelta
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.gates import GateReader, MonitorReader
-from coordinator.domain import rules
+from coordinator.domain.budgets import BudgetDomain
 from coordinator.domain.controls import VmFacts
+from coordinator.domain.deletes import REMOVING_EVENTS, leaving_vms
+from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord, VmGroupRecord, VmRecord
-from coordinator.domain.sightings import REMOVING_EVENTS, leaving_vms
+from coordinator.domain.policy import Policy
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
 
@@ -77,7 +79,7 @@ class Fleet:
 
     def __init__(self, store: StateStore) -> None:
         self._store = store
-        self._view: rules.FleetView | None = None
+        self._view: FleetView | None = None
         self._open: list[EventRecord] | None = None
         self._deletes: dict[str, EventRecord] | None = None
         self._removals: dict[str, EventRecord] = {}
@@ -85,7 +87,7 @@ class Fleet:
         self._reported: dict[str, VmRecord] = {}
         self._gates: GateReader | None = None
 
-    def gates(self, policy: rules.Policy, monitor: MonitorReader | None) -> GateReader:
+    def gates(self, policy: Policy, monitor: MonitorReader | None) -> GateReader:
         """The gate reader of this batch/tick: each gate read at most once."""
         if self._gates is None:
             self._gates = GateReader(policy.gates, monitor=monitor)
@@ -116,7 +118,7 @@ class Fleet:
             self._open = [stored.record for stored in self._store.open_events()]
         return self._open
 
-    def view(self, *, census: bool = True) -> rules.FleetView:
+    def view(self, *, census: bool = True) -> FleetView:
         """The fleet view; ``census``: with the facts of every known VM (reads the VM groups once), which only
         a policy with tags, percent or domain budgets needs (``Policy.needs_census``)."""
         if self._view is None:
@@ -125,7 +127,7 @@ class Fleet:
                 for r in self._open_events()
                 if waits_for_budget(r)
             )
-            view = rules.FleetView(vms=self._vms() if census else {}, queued=queued)
+            view = FleetView(vms=self._vms() if census else {}, queued=queued)
             for record in self._open_events():
                 if holds_budget(record):
                     view = view.with_event(record)
@@ -174,7 +176,7 @@ class Fleet:
         if self._view is not None:
             self._view = self._view.with_event(record)
 
-    def claim(self, record: EventRecord, domains: Sequence[rules.BudgetDomain], now: datetime) -> tuple[str, str]:
+    def claim(self, record: EventRecord, domains: Sequence[BudgetDomain], now: datetime) -> tuple[str, str]:
         """Takes this event's slots in every budget domain it counts in, or none. Returns ("", "") when claimed,
         else why not and the domain (claim key) that refused.
 
@@ -192,7 +194,7 @@ class Fleet:
             taken.append(domain.claim_key)
         return "", ""
 
-    def _claim_one(self, domain: rules.BudgetDomain, event_id: str, now: datetime) -> str:
+    def _claim_one(self, domain: BudgetDomain, event_id: str, now: datetime) -> str:
         refused = ""
         key = domain.claim_key
 

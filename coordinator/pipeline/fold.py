@@ -1,10 +1,10 @@
 """Fold, the second stage: each VM's envelopes -> observations -> event records and VM positions, committed.
 
 Takes what ``ingest`` gave (the envelopes per VM, the Event Grid events); reads each VM's position (its VM group),
-derives its observations with the pure ``sightings.vm_observations`` (duplicates and stale envelopes dropped by
+derives its observations with the pure ``observations.vm_observations`` (duplicates and stale envelopes dropped by
 (stateId, sequence)) and adds the Event Grid sightings (``event_grid.sightings``); sets aside, as dead letters, the
 messages of a VM whose envelopes could not be read against its position; folds the observations into the event
-records with ``sightings.apply_observations``, has each changed event decided (``decide.decide_all``, inside the
+records with ``event_merge.apply_observations``, has each changed event decided (``decide.decide_all``, inside the
 same ETag-checked write, so that of two instances only one decision commits), and writes the events, then the VM
 positions. The committed ``EventChange``s go into the run's ``Work`` for the tail. VMs whose cached position turned
 out stale (another instance moved them) are redone from a fresh read.
@@ -21,20 +21,13 @@ from typing import Any
 from contracts.envelope import Envelope
 from coordinator.adapters import telemetry
 from coordinator.domain.cards import raise_vm_alert
+from coordinator.domain.event_merge import apply_observations
+from coordinator.domain.history_rows import dead_letter_row, heartbeat_row
+from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, group_key
-from coordinator.domain.rows import HistoryRow
-from coordinator.domain.sightings import (
-    EventChange,
-    Observation,
-    VmUpdate,
-    apply_observations,
-    merge_vm_records,
-    vm_observations,
-    vm_position,
-)
+from coordinator.domain.observations import Observation, VmUpdate, merge_vm_records, vm_observations, vm_position
 from coordinator.pipeline import decide, event_grid, health
 from coordinator.pipeline.ingest import Arrivals, dead_letter
-from coordinator.pipeline.record import vm_row
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.events import aggregate, assemble, commit_event
@@ -194,7 +187,17 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
         for observation in update.observations:
             observations[observation.event_id].append(observation)
         if update.resumed:
-            work.rows.append(vm_row(update.record, now, "heartbeat resumed"))
+            work.rows.append(
+                heartbeat_row(
+                    vm=update.record.identity,
+                    now=now,
+                    observed_at=update.record.lastSeen,
+                    sequence=update.record.lastSequence,
+                    incarnation=update.record.lastIncarnation,
+                    outcome="resumed",
+                    reason="heartbeat resumed",
+                )
+            )
         work.rows.extend(update.rows)
         if update.conflict:
             update.record = raise_vm_alert(update.record, "forwarder-conflict", now)
@@ -321,12 +324,11 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
             vms = sorted({o.vm.name for o in items})
             log.exception("event %s: observations from %s could not be applied", event_id, vms)
             work.rows.append(
-                HistoryRow(
-                    TimeGenerated=now,
-                    RecordType="DeadLetter",
-                    EventId=event_id[:128],
-                    Reason=f"observations could not be applied: {type(error).__name__}: {str(error)[:500]}",
-                    Details={"vms": vms[:20]},
+                dead_letter_row(
+                    now=now,
+                    event_id=event_id[:128],
+                    reason=f"observations could not be applied: {type(error).__name__}: {str(error)[:500]}",
+                    details={"vms": vms[:20]},
                 )
             )
             return None

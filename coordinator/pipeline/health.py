@@ -15,9 +15,9 @@ from datetime import datetime, timedelta
 from contracts.envelope import ForwarderHealth
 from coordinator.adapters import telemetry
 from coordinator.domain.cards import raise_vm_alert
+from coordinator.domain.history_rows import heartbeat_row
 from coordinator.domain.model import ImdsFailure
-from coordinator.domain.sightings import VmUpdate
-from coordinator.pipeline.record import vm_row
+from coordinator.domain.observations import VmUpdate
 from coordinator.pipeline.run import Work
 
 
@@ -50,14 +50,34 @@ def assess(update: VmUpdate, now: datetime, work: Work, *, after: timedelta, err
     if reason is not None and record.imdsFailing is None:
         record = record.model_copy(update={"imdsFailing": ImdsFailure(since=at, reason=reason[:1000])})
         record = raise_vm_alert(record, "imds-failing", now)
-        row = vm_row(record, now, reason)
-        work.rows.append(row.model_copy(update={"Outcome": "imds-failing", "Details": _details(health)}))
+        work.rows.append(
+            heartbeat_row(
+                vm=record.identity,
+                now=now,
+                observed_at=record.lastSeen,
+                sequence=record.lastSequence,
+                incarnation=record.lastIncarnation,
+                outcome="imds-failing",
+                reason=reason,
+                details=_details(health),
+            )
+        )
         work.vm_alerts.append((record, "imds-failing"))
     elif reason is None and record.imdsFailing is not None:
         since = record.imdsFailing.since
         record = record.model_copy(update={"imdsFailing": None})
-        row = vm_row(record, now, f"IMDS polled again (failing since {since.isoformat()})")
-        work.rows.append(row.model_copy(update={"Outcome": "imds-recovered", "Details": _details(health)}))
+        work.rows.append(
+            heartbeat_row(
+                vm=record.identity,
+                now=now,
+                observed_at=record.lastSeen,
+                sequence=record.lastSequence,
+                incarnation=record.lastIncarnation,
+                outcome="imds-recovered",
+                reason=f"IMDS polled again (failing since {since.isoformat()})",
+                details=_details(health),
+            )
+        )
     update.record = record
 
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from contracts.envelope import Envelope, VmIdentity
 from coordinator.adapters import telemetry
-from coordinator.domain.rows import HistoryRow
+from coordinator.domain.history_rows import dead_letter_row
 from coordinator.pipeline import event_grid
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.store import DeadLetter
@@ -168,7 +168,7 @@ def dead_letter(
     log.warning("dead-letter: %s (%s) refused: %s", where, json.dumps(source), reason)
     dead.append(DeadLetter(reason=reason, body=message.body, received_at=now, source=source))
     details = {**source, "bodyBytes": len(message.body), "bodySha256": hashlib.sha256(message.body).hexdigest()}
-    work.rows.append(HistoryRow(TimeGenerated=now, RecordType="DeadLetter", Reason=reason, Details=details))
+    work.rows.append(dead_letter_row(now=now, reason=reason, details=details))
 
 
 def read_batch(run: Run, messages: Sequence[RawMessage]) -> Arrivals:

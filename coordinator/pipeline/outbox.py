@@ -16,9 +16,9 @@ from typing import get_args
 from coordinator.adapters import telemetry
 from coordinator.adapters.teams import AlertError
 from coordinator.domain.cards import build_card, build_vm_card
+from coordinator.domain.history_rows import alert_row
+from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import AlertKind, EventRecord, SentAlerts, VmGroupRecord, VmRecord, group_key
-from coordinator.domain.sightings import EventChange, clone
-from coordinator.pipeline.record import alert_row, vm_alert_row
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.commit import commit
 from coordinator.state.events import commit_event, read_event
@@ -104,11 +104,11 @@ def send_vm_card(run: Run, vm: VmRecord, kind: AlertKind) -> bool:
     except AlertError as error:
         log.warning("%s card for %s not delivered, kept pending: %s", kind, vm.identity.name, error)
         report.alerts_failed += 1
-        work.rows.append(vm_alert_row(vm, kind, now, "failed", str(error)))
+        work.rows.append(alert_row(about=vm.identity, kind=kind, now=now, outcome="failed", reason=str(error)))
         telemetry.alert(kind, "failed")
         return False
     report.alerts_sent += 1
-    work.rows.append(vm_alert_row(vm, kind, now, "sent", ""))
+    work.rows.append(alert_row(about=vm.identity, kind=kind, now=now, outcome="sent"))
     telemetry.alert(kind, "sent")
     return True
 
@@ -173,12 +173,12 @@ def send_card(run: Run, record: EventRecord, kind: AlertKind) -> bool:
     except AlertError as error:
         log.warning("alert %s not delivered, kept pending: %s", key, error)
         report.alerts_failed += 1
-        work.rows.append(alert_row(record, kind, now, "failed", str(error)))
+        work.rows.append(alert_row(about=record, kind=kind, now=now, outcome="failed", reason=str(error)))
         telemetry.alert(kind, "failed")
         return False
     report.alerts_sent += 1
     telemetry.alert(kind, "sent")
-    work.rows.append(alert_row(record, kind, now, "sent", ""))
+    work.rows.append(alert_row(about=record, kind=kind, now=now, outcome="sent"))
     return True
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from coordinator.domain.history_rows import decision_row
+from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
-from coordinator.domain.sightings import EventChange, clone
 from coordinator.pipeline import tail
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
-from coordinator.pipeline.record import decision_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event, read_event
 from coordinator.state.store import StateStore
@@ -63,7 +63,7 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
             dryRun=dry_run,
             actor=actor,
         )
-        change.rows.append(decision_row(record, now))
+        change.rows.append(decision_row(record=record, now=now))
         if dry_run:  # recorded as the person's decision; nothing is ever sent in dry-run
             return change
         record.approval = ApprovalRecord(

@@ -19,10 +19,10 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
-from coordinator.domain import rules
+from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import AlertKind, EventRecord, VmRecord
+from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
-from coordinator.domain.sightings import EventChange
 from coordinator.pipeline.fleet import Fleet
 from coordinator.state.store import StateStore
 
@@ -181,7 +181,7 @@ class Run:
     kind: RunKind
     parts: Parts
     options: Options
-    policy: rules.Policy
+    policy: Policy
     now: datetime
     fleet: Fleet
     work: Work = field(default_factory=Work)

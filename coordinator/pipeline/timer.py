@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from coordinator.adapters import telemetry
+from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
+from coordinator.domain.deletes import Removal, removals
+from coordinator.domain.history_rows import approval_row, heartbeat_row
+from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord
-from coordinator.domain.sightings import EventChange, Removal, advance, clone, raise_alert, removals, start_overdue
 from coordinator.pipeline import act, decide, outbox, tail
 from coordinator.pipeline.fleet import by_not_before
-from coordinator.pipeline.record import approval_row, unknown_outcome_row, vm_row
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
@@ -100,7 +102,19 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
             and record.eventId not in work.deliveries
         ):
             if approval.attempts == 0 and not approval.outcome:
-                work.rows.append(unknown_outcome_row(record, approval, now))
+                work.rows.append(
+                    approval_row(
+                        record=record,
+                        now=now,
+                        rule=approval.rule,
+                        decision_id=approval.decisionId,
+                        actor=approval.actor,
+                        outcome="unknown",
+                        reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
+                        "sender stopped before recording it); sent again with the same decisionId (the listener "
+                        "answers a repeat without approving twice)",
+                    )
+                )
             work.deliveries.append(record.eventId)
         outbox.queue_pending(record, now, work, settled)
     report.events_changed += decide.release_held(run, changes)
@@ -165,13 +179,14 @@ def not_started(change: EventChange, now: datetime) -> None:
     by = approval.confirmBy.isoformat() if approval.confirmBy else "?"
     change.rows.append(
         approval_row(
-            change.record,
-            approval,
-            now,
+            record=change.record,
+            now=now,
             vm=approval.executor,
-            Actor="platform",
-            Outcome="not-started",
-            Reason=f"{approval.executor}'s listener answered '{approval.outcome}' but no VM saw the event Started or "
+            rule=approval.rule,
+            decision_id=approval.decisionId,
+            actor="platform",
+            outcome="not-started",
+            reason=f"{approval.executor}'s listener answered '{approval.outcome}' but no VM saw the event Started or "
             f"gone by {by}",
         )
     )
@@ -214,10 +229,17 @@ def retire(run: Run, groups: list[Stored[VmGroupRecord]], found: list[Removal]) 
         out.append(Stored(updated, etag))
         for vm in retiring.values():
             assert vm.retired is not None
-            row = vm_row(vm, now, vm.retired.reason)
             run.work.rows.append(
-                row.model_copy(
-                    update={"Outcome": "retired", "EventId": vm.retired.eventId, "EventType": vm.retired.eventType}
+                heartbeat_row(
+                    vm=vm.identity,
+                    now=now,
+                    observed_at=vm.lastSeen,
+                    sequence=vm.lastSequence,
+                    incarnation=vm.lastIncarnation,
+                    outcome="retired",
+                    reason=vm.retired.reason,
+                    event_id=vm.retired.eventId,
+                    event_type=vm.retired.eventType,
                 )
             )
     return out
@@ -244,7 +266,17 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
             continue  # a VM of the group reported meanwhile, or another instance noticed first: next tick
         for vm in lost.values():
             run.report.heartbeats_lost += 1
-            run.work.rows.append(vm_row(vm, now, f"no envelope for more than {timeout} s"))
+            run.work.rows.append(
+                heartbeat_row(
+                    vm=vm.identity,
+                    now=now,
+                    observed_at=vm.lastSeen,
+                    sequence=vm.lastSequence,
+                    incarnation=vm.lastIncarnation,
+                    outcome="lost",
+                    reason=f"no envelope for more than {timeout} s",
+                )
+            )
             run.work.vm_alerts.append((vm, "heartbeat-lost"))
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmSighting
-from coordinator.domain.sightings import EventChange
 from coordinator.state.commit import commit
 from coordinator.state.store import StateStore, Stored
 

@@ -14,7 +14,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from coordinator.domain import rules
+from coordinator.domain.policy import Policy
+from coordinator.domain.policy_file import PolicyError, load_policy
 from ops.history import parse_since
 from ops.policy.adapters import InputError
 from ops.policy.cases import CaseResult, cases_path, load_cases, run_case
@@ -70,19 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        policy = rules.load_policy(args.policy)
+        policy = load_policy(args.policy)
         if args.command == "check":
             print(f"{args.policy}: valid, {len(policy.rules)} rules: {', '.join(r.name for r in policy.rules)}")
             return OK
         if args.command == "test":
             return _test(policy, args.policy, args.cases, as_json=args.json)
         return _simulate(policy, args, as_json=args.json)
-    except (rules.PolicyError, InputError) as error:
+    except (PolicyError, InputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return BAD_INPUT
 
 
-def _test(policy: rules.Policy, policy_path: Path, files: list[Path], *, as_json: bool) -> int:
+def _test(policy: Policy, policy_path: Path, files: list[Path], *, as_json: bool) -> int:
     if not files:
         files = [cases_path(policy_path)]
         if not files[0].is_file():
@@ -124,7 +125,7 @@ def _case_json(path: Path, result: CaseResult) -> dict[str, Any]:
     }
 
 
-def _simulate(policy: rules.Policy, args: argparse.Namespace, *, as_json: bool) -> int:
+def _simulate(policy: Policy, args: argparse.Namespace, *, as_json: bool) -> int:
     since, until = _bound("--since", args.since), _bound("--until", args.until)
     history = read_history(args.history)
     result = replay(policy, history.rows, since=since, until=until, gates=args.gates)

@@ -1,4 +1,4 @@
-"""Build what ``rules.evaluate`` takes (EventRecord with its VmSightings, VmIdentity, FleetView) from plain
+"""Build what ``evaluate`` takes (EventRecord with its VmSightings, VmIdentity, FleetView) from plain
 mappings, and decide as the coordinator does (``decide``: the rule, then delete coupling).
 
 The one place the policy tools make models: test cases and history replay both come through here, so a field the
@@ -16,11 +16,14 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from contracts.envelope import VmIdentity
-from coordinator.domain import rules
 from coordinator.domain.controls import GateResult, GateState
+from coordinator.domain.deletes import couple
+from coordinator.domain.evaluation import Decision, evaluate
+from coordinator.domain.event_merge import scale_sets_of
+from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import DecisionRecord, EventRecord, VmSighting
+from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
-from coordinator.domain.sightings import scale_sets_of
 from coordinator.pipeline.fleet import facts_of
 
 M = TypeVar("M", bound=BaseModel)
@@ -40,7 +43,7 @@ _VM_ALIASES = {
     "VmId": "vmId",
     "VmResourceId": "resourceId",
 }
-# The history columns that say who the reporting VM is (coordinator/domain/sightings.py ``_vm_columns``).
+# The history columns that say who the reporting VM is (coordinator/domain/history_rows.py ``vm_columns``).
 HISTORY_VM_COLUMNS = ("VmName", "VmId", "VmResourceId", "ScaleSetName", "PlacementGroupId")
 # IMDS event fields (as Scheduled Events and the history columns name them) -> EventRecord fields.
 _EVENT_ALIASES = {
@@ -146,14 +149,14 @@ def fleet_view(
     extra: Mapping[str, Any] | None = None,
     *,
     census: Iterable[VmIdentity] = (),
-) -> rules.FleetView:
+) -> FleetView:
     """The fleet view a decision sees: the events impacting VMs (approved or started) and the census (the VMs
     known, with their domains and tags, as fleet.census builds it); ``extra`` goes to FleetView as is."""
     try:
-        view = rules.FleetView(**dict(extra or {}))
+        view = FleetView(**dict(extra or {}))
         known = {identity.name: facts_of(identity) for identity in census}
         if known:
-            view = rules.FleetView(view.impacted, {**view.vms, **known}, view.impactedVms, view.queued)
+            view = FleetView(view.impacted, {**view.vms, **known}, view.impactedVms, view.queued)
     except TypeError as error:
         raise InputError(
             f"fleet: {', '.join(map(repr, sorted(extra or {})))} not supported by this coordinator's "
@@ -165,7 +168,7 @@ def fleet_view(
 
 
 def gate_results(
-    policy: rules.Policy, states: Mapping[str, GateState], *, default: GateState | None
+    policy: Policy, states: Mapping[str, GateState], *, default: GateState | None
 ) -> dict[str, GateResult]:
     """The policy's gates as a decision sees them: ``states`` by name, the rest ``default`` (None: left out, which
     the rules read as unknown and hold, as the coordinator does with a gate it could not read)."""
@@ -180,26 +183,26 @@ def gate_results(
 
 
 def decide(
-    policy: rules.Policy,
+    policy: Policy,
     record: EventRecord,
-    fleet: rules.FleetView,
+    fleet: FleetView,
     deletes: Iterable[EventRecord],
     now: datetime,
     *,
     gates: Mapping[str, GateResult] | None = None,
-) -> rules.Decision:
+) -> Decision:
     """The decision pipeline/decide.py makes (without the fleet-wide budget claim): the first matching rule's,
     with these health-gate results, then, for a Terminate, held while another pending delete of its scale set is
     not ready."""
-    decision = rules.evaluate(policy, record, fleet, now, gates=gates)
+    decision = evaluate(policy, record, fleet, now, gates=gates)
     if record.eventType == "Terminate" and record.scaleSets:
-        decision = rules.couple(decision, record, deletes, now)
+        decision = couple(decision, record, deletes, now)
     return decision
 
 
-def own_verdict(policy: rules.Policy, record: EventRecord, now: datetime) -> EventRecord:
+def own_verdict(policy: Policy, record: EventRecord, now: datetime) -> EventRecord:
     """A pending delete with its own rule's decision (as decide_all notes one before coupling the others)."""
-    own = rules.evaluate(policy, record, rules.FleetView(), now)
+    own = evaluate(policy, record, FleetView(), now)
     decision = DecisionRecord(
         decisionId="", rule=own.rule, action=own.action, verdict=own.verdict, reason=own.reason, decidedAt=now
     )

@@ -39,9 +39,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from contracts.envelope import VmIdentity
-from coordinator.domain import rules
 from coordinator.domain.controls import GateState
+from coordinator.domain.evaluation import Decision
 from coordinator.domain.model import EventRecord
+from coordinator.domain.policy import Policy
 from ops.policy import adapters
 from ops.policy.adapters import InputError
 
@@ -87,7 +88,7 @@ class CaseResult:
     line: int
     passed: bool
     expected: Expect
-    got: rules.Decision | None
+    got: Decision | None
     error: str = ""
 
     @property
@@ -138,7 +139,7 @@ def _case_lines(root: yaml.Node | None) -> list[int]:
     return []
 
 
-def run_case(policy: rules.Policy, case: Case, *, line: int = 0) -> CaseResult:
+def run_case(policy: Policy, case: Case, *, line: int = 0) -> CaseResult:
     try:
         now = adapters.aware(case.at)
         identities = {i.name: i for i in (adapters.vm_identity(spec) for spec in case.vms)}

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
-from coordinator.domain import rules
 from coordinator.domain.controls import GateResult, GateState
+from coordinator.domain.deletes import pending_delete
+from coordinator.domain.evaluation import Decision, needs_fleet
+from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import TERMINAL_STATES, DecisionRecord, EventRecord, VmSighting
+from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
-from coordinator.domain.sightings import pending_delete
 from coordinator.pipeline.fleet import holds_budget
 from ops.policy import adapters
 from ops.policy.adapters import InputError
@@ -166,7 +168,7 @@ def _decision(row: HistoryRow) -> DecisionRecord:
 
 
 def replay(
-    policy: rules.Policy,
+    policy: Policy,
     rows: Sequence[HistoryRow],
     *,
     since: datetime | None = None,
@@ -206,7 +208,7 @@ def _points(event: _Event) -> list[tuple[int, datetime, HistoryRow, bool]]:
 
 
 def _replay_event(
-    policy: rules.Policy,
+    policy: Policy,
     event: _Event,
     events: dict[str, _Event],
     result: Replay,
@@ -253,19 +255,19 @@ def _replay_event(
 
 
 def _decide(
-    policy: rules.Policy,
+    policy: Policy,
     record: EventRecord,
     events: dict[str, _Event],
     position: int,
     at: datetime,
     *,
     gates: Mapping[str, GateResult],
-) -> rules.Decision:
-    wants_fleet = rules.needs_fleet(policy, record, at)
+) -> Decision:
+    wants_fleet = needs_fleet(policy, record, at)
     if not wants_fleet and record.eventType != "Terminate":
-        return adapters.decide(policy, record, rules.FleetView(), [], at, gates=gates)
+        return adapters.decide(policy, record, FleetView(), [], at, gates=gates)
     others = [e for e in events.values() if e.event_id != record.eventId and e.open_at(at)]
-    fleet = rules.FleetView()
+    fleet = FleetView()
     if wants_fleet:
         impacting = (r for r in (e.record(position) for e in others) if r is not None and holds_budget(r))
         fleet = adapters.fleet_view(impacting)

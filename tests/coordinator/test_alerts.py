@@ -20,7 +20,7 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.teams import AlertError, TeamsWebhookSink
 from coordinator.domain.cards import MAX_CARD_BYTES, build_card, build_vm_card, card_bytes
 from coordinator.domain.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.model import BudgetClaim, BudgetRecord
-from coordinator.domain.rules import parse_policy
+from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.fleet import CLAIM_LEASE
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator

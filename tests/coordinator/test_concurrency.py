@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

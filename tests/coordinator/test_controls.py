@@ -11,9 +11,13 @@ from typing import Any
 import pytest
 import yaml
 
+from coordinator.domain.budgets import budget_domains
 from coordinator.domain.controls import GateResult, Schedule, VmFacts, limit_for, parse_duration
+from coordinator.domain.evaluation import evaluate
+from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord
-from coordinator.domain.rules import FleetView, Policy, PolicyError, budget_domains, evaluate, parse_policy
+from coordinator.domain.policy import Policy
+from coordinator.domain.policy_file import PolicyError, parse_policy
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)  # a Wednesday, 11:00 in Oslo (CET)
 

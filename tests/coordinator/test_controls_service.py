@@ -17,7 +17,7 @@ import pytest
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import parse_policy
+from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

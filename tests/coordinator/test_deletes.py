@@ -13,8 +13,9 @@ from typing import Any
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
-from coordinator.domain.sightings import state_tag
+from coordinator.domain.observations import state_tag
+from coordinator.domain.policy import Policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

@@ -24,7 +24,7 @@ import function_app
 from contracts.envelope import VmIdentity
 from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import parse_policy
+from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

@@ -19,7 +19,7 @@ from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

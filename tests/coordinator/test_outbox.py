@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.outbox import ALERT_GRACE
 from coordinator.service import Coordinator

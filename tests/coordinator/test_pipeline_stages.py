@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from coordinator.domain.rules import parse_policy
+from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import people, timer
 from coordinator.pipeline.ingest import RawMessage
 from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from coordinator.adapters.history import SqliteHistory
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from ops.policy import adapters
 from ops.policy.__main__ import main
 from ops.policy.exports import read_history

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.remote_acknowledge import API_VERSION, RemoteAcknowledgeSender, acknowledge_target
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import PolicyError, parse_policy
+from coordinator.domain.policy_file import PolicyError, parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

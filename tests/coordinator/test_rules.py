@@ -6,18 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from coordinator.domain.deletes import couple
+from coordinator.domain.evaluation import Decision, evaluate
+from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord, VmSighting
-from coordinator.domain.rules import (
-    DEFAULT_POLICY_PATH,
-    Decision,
-    FleetView,
-    PolicyError,
-    TimeWindow,
-    couple,
-    evaluate,
-    load_policy,
-    parse_policy,
-)
+from coordinator.domain.policy import TimeWindow
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)  # a Wednesday
 

@@ -14,7 +14,8 @@ from azure.functions.eventhub import EventHubTriggerConverter
 from azure.functions.meta import Datum
 
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
+from coordinator.domain.policy import Policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

@@ -6,18 +6,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from contracts.envelope import Envelope
+from coordinator.domain.approvals import choose_executor, start_overdue
+from coordinator.domain.deletes import leaving_vms
+from coordinator.domain.event_merge import apply_observations
+from coordinator.domain.lifecycle import EventChange, advance, clone
 from coordinator.domain.model import ApprovalRecord, EventRecord, PlatformHold, VmRecord
-from coordinator.domain.sightings import (
-    EventChange,
-    advance,
-    apply_observations,
-    choose_executor,
-    clone,
-    leaving_vms,
-    start_overdue,
-    state_tag,
-    vm_observations,
-)
+from coordinator.domain.observations import state_tag, vm_observations
 from tests.coordinator.helpers import DOC_EVENT_ID, DOC_NOW, documented_example, envelope, scheduled_event, vm
 
 

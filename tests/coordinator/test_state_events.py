@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 import pytest
 
+from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, VmSighting
-from coordinator.domain.sightings import EventChange
 from coordinator.state.commit import COMMIT_ATTEMPTS
 from coordinator.state.events import assemble, commit_event, read_event
 from coordinator.state.store import ConcurrencyConflict, Stored

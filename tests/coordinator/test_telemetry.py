@@ -27,7 +27,7 @@ import function_app
 from coordinator.adapters import telemetry
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from coordinator.adapters.teams import AlertError, FolderCardSink
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore

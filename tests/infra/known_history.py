@@ -42,7 +42,8 @@ def vm_columns(name: str) -> dict[str, Any]:
 
 
 class Event:
-    """Builds the rows of one event as the coordinator's event_row/_approval_row do: the event's columns first."""
+    """Builds the rows of one event as the coordinator's builders do (coordinator/domain/history_rows.py): the
+    event's columns on every row about it."""
 
     def __init__(
         self,
@@ -104,23 +105,16 @@ class Event:
         self._row(at, "Transition", PreviousState=previous, Reason=reason)
 
     def approval(self, at: datetime, vm: str, outcome: str, reason: str, rule: str, *, actor: str = "") -> None:
-        # _approval_row: no Resources, DurationInSeconds; VmName is the executor.
-        columns = {key: value for key, value in self.columns.items() if key not in ("Resources", "DurationInSeconds")}
-        self.rows.append(
-            HistoryRow.model_validate(
-                columns
-                | {
-                    "TimeGenerated": at,
-                    "RecordType": "Approval",
-                    "State": self.state,
-                    "VmName": vm,
-                    "Rule": rule,
-                    "DecisionId": f"d-{self.columns['EventId']}",
-                    "Actor": actor or f"rule:{rule}",
-                    "Outcome": outcome,
-                    "Reason": reason,
-                }
-            )
+        # VmName is the executor.
+        self._row(
+            at,
+            "Approval",
+            VmName=vm,
+            Rule=rule,
+            DecisionId=f"d-{self.columns['EventId']}",
+            Actor=actor or f"rule:{rule}",
+            Outcome=outcome,
+            Reason=reason,
         )
 
     def hook(self, at: datetime, vm: str, *, phase: str, outcome: str, hook: str, reason: str) -> None:
@@ -129,21 +123,8 @@ class Event:
         )
 
     def alert(self, at: datetime, kind: str, outcome: str = "sent", reason: str = "") -> None:
-        # _alert_row: carries State (e.g. Expired) but is no Transition: the queries must not count it.
-        self.rows.append(
-            HistoryRow(
-                TimeGenerated=at,
-                RecordType="Alert",
-                EventId=self.columns["EventId"],
-                EventType=self.columns["EventType"],
-                EventSource=self.columns["EventSource"],
-                State=self.state,
-                Action=kind,
-                Actor="teams",
-                Outcome=outcome,
-                Reason=reason,
-            )
-        )
+        # Carries State (e.g. Expired) but is no Transition: the queries must not count it.
+        self._row(at, "Alert", Action=kind, Actor="teams", Outcome=outcome, Reason=reason)
 
 
 def heartbeat(at: datetime, vm: str, outcome: str, last_seen: datetime, reason: str) -> HistoryRow:

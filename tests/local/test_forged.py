@@ -20,7 +20,7 @@ from azure.eventhub import EventData, EventHubProducerClient
 
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import Envelope, HookReport, HookStep
-from coordinator.domain.rules import DEFAULT_POLICY_PATH
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from emulators.imds import Scenario
 from forwarder.imds import identity_of
 from local.runner import wait_until

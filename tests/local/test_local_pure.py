@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contracts.envelope import VmIdentity
-from coordinator.domain.rules import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from emulators.imds import Scenario
 from local.expectations import Expected, expect, expect_all
 from local.observe import cards_written

@@ -1,0 +1,81 @@
+"""Budgets: the domains an ``approve-within-budget`` rule counts an event in, each with the VMs impacted there and
+the limit the rule sets on a domain of its size.
+
+Pure: takes the policy, the event and the fleet view; coordinator/domain/evaluation.py decides with these domains
+and coordinator/pipeline/decide.py claims them fleet-wide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.domain.controls import DomainKind, claim_key, limit_for
+from coordinator.domain.fleet_view import FleetView, scale_set_of
+from coordinator.domain.model import EventRecord
+from coordinator.domain.policy import Policy
+
+__all__ = ["BudgetDomain", "budget_domains", "budget_limit", "impacted_by"]
+
+
+def impacted_by(record: EventRecord) -> dict[str, set[str]]:
+    """The VMs this event impacts, per scale set."""
+    mine: dict[str, set[str]] = {}
+    for name in record.resources:
+        mine.setdefault(scale_set_of(record, name), set()).add(name)
+    return mine
+
+
+def budget_limit(policy: Policy, rule_name: str) -> int | None:
+    """maxImpacted of the named approve-within-budget rule; None for any other rule (or one no longer there, or a
+    percent-only budget: its limit depends on the domain, see ``budget_domains``)."""
+    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    return rule.budget.maxImpacted if rule is not None and rule.budget is not None else None
+
+
+@dataclass(frozen=True)
+class BudgetDomain:
+    """One domain an event's budget rule counts in: its kind and key, the event's VMs in it, the VMs other events
+    impact there, its size (known VMs not retired) and the limit that sets."""
+
+    kind: DomainKind
+    key: str
+    mine: frozenset[str]
+    others: frozenset[str]
+    size: int
+    limit: int
+
+    @property
+    def claim_key(self) -> str:
+        return claim_key(self.kind, self.key)
+
+    def describe(self, count: int) -> str:
+        return f"{self.kind} {self.key or '(none)'!r} would have {count} impacted instances (limit {self.limit})"
+
+
+def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: FleetView) -> list[BudgetDomain]:
+    """The domains the named budget rule counts this event in (empty for any other rule). A scale set's budget
+    counts a VM without a scale set under '' as before; the other kinds skip VMs without that domain (a regional
+    VM has no zone) rather than lump them together."""
+    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    if rule is None or rule.budget is None:
+        return []
+    budget = rule.budget
+    affected = record.resources or sorted(record.vms)
+    ahead = fleet.ahead_of(record)
+    out: list[BudgetDomain] = []
+    for kind in budget.per:
+        keyed: dict[str, set[str]] = {}
+        for name in affected:
+            key = fleet.facts(record, name).domain(kind)
+            if key or kind == "scaleSet":
+                keyed.setdefault(key, set()).add(name)
+        for key, mine in sorted(keyed.items()):
+            if kind == "scaleSet":
+                others = set(fleet.impacted.get(key, frozenset()))
+            else:
+                others = {n for n in fleet.impactedVms if n in fleet.vms and fleet.vms[n].domain(kind) == key}
+            others |= {n for n in ahead if fleet.facts(record, n).domain(kind) == key}
+            members = {n for n, facts in fleet.vms.items() if facts.domain(kind) == key} | mine
+            limit = limit_for(max_impacted=budget.maxImpacted, max_percent=budget.maxPercent, size=len(members))
+            out.append(BudgetDomain(kind, key, frozenset(mine), frozenset(others - mine), len(members), limit))
+    return out

@@ -1,0 +1,251 @@
+"""Evaluation: the policy's decision on one event, with the rule that made it, why, and what held it until when.
+
+Pure: ``evaluate(policy, record, fleet, now, gates=...)`` -> ``Decision``, with no I/O; the gates' results are read
+in coordinator/adapters/gates.py and fed in. The pending deletes of a scale set are coupled afterwards
+(coordinator/domain/deletes.py ``couple``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+from coordinator.domain.budgets import budget_domains
+from coordinator.domain.controls import GateResult
+from coordinator.domain.fleet_view import FleetView
+from coordinator.domain.matching import first_match
+from coordinator.domain.model import EventRecord, Verdict
+from coordinator.domain.policy import Action, Callback, HooksOption, Policy, Rule
+
+__all__ = ["NO_RULE", "Decision", "HoldKind", "callback_of", "evaluate", "hooks_required", "needs_fleet"]
+
+NO_RULE = "(no rule matched)"
+# What held a decision back (Decision.holdKind); "" when nothing did.
+HoldKind = Literal["", "blackout", "window", "gate", "budget", "hooks", "delete"]
+# How far each action goes towards approving: a rule chosen because of a VM's tags may not go further than the rule
+# the same event would get without tags (unless it says trustTags), since tags come from the VM.
+_REACH: dict[str, int] = {
+    "never-approve": 0,
+    "wait-for-person": 1,
+    "approve-after-hooks": 2,
+    "approve-within-budget": 2,
+    "approve-now": 3,
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's verdict on one event: the rule and action that gave it, why, and what held it until when."""
+
+    rule: str
+    action: Action
+    verdict: Verdict
+    reason: str
+    # Set when the rule approves a Terminate but another pending delete of its scale set is not ready (couple()).
+    heldBy: str = ""
+    heldByVm: str = ""
+    heldUntil: datetime | None = None
+    # What held the event back ("" when nothing did), its name (the blackout, gate, budget domain, holding delete)
+    # and since when it holds (set by pipeline/decide.py from the previous decision: the rules are stateless).
+    holdKind: HoldKind = ""
+    holdName: str = ""
+    holdSince: datetime | None = None
+
+
+def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[str]:
+    """The VMs whose prepare hooks an approval by the named rule rested on: for an ``approve-after-hooks`` rule,
+    the affected VMs that reported the prepare phase succeeded (each one's listener checks its own ledger);
+    empty for any other rule. A VM approved past the hook deadline without success is not listed: the decision
+    did not rest on it."""
+    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    if rule is None or rule.action != "approve-after-hooks":
+        return []
+    affected = record.resources or sorted(record.vms)
+    return [n for n in affected if n in record.vms and record.vms[n].hooks.get("prepare") == "succeeded"]
+
+
+def callback_of(policy: Policy, rule_name: str) -> Callback:
+    """The callback the named rule asks for; "relay" for a person's approval or a rule no longer there."""
+    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    return rule.callback if rule is not None else "relay"
+
+
+def needs_fleet(policy: Policy, record: EventRecord, now: datetime) -> bool:
+    if policy.needs_census:
+        return True
+    rule = first_match(policy, record, now)
+    return rule is not None and rule.action == "approve-within-budget"
+
+
+def evaluate(  # noqa: PLR0911 -- one return per action, each explained
+    policy: Policy,
+    record: EventRecord,
+    fleet: FleetView,
+    now: datetime,
+    *,
+    gates: Mapping[str, GateResult] | None = None,
+) -> Decision:
+    """The policy's decision. ``gates``: each named gate's result for this batch/tick (a gate a rule names but
+    missing here counts as an error: not known to pass)."""
+    rule = first_match(policy, record, now, fleet)
+    if rule is None:
+        return Decision(NO_RULE, "wait-for-person", "wait", "no rule matched; a person decides")
+    note = ""
+    if rule.match.tags is not None and not rule.trustTags:
+        plain = first_match(policy, record, now, fleet.untagged())
+        if plain is None or _REACH[plain.action] < _REACH[rule.action]:
+            why = f"rule {plain.name!r}" if plain is not None else "no rule"
+            note = (
+                f"rule {rule.name!r} matched by a VM's tags would approve more than {why} does without tags; tags "
+                "may only restrict (trustTags: false): "
+            )
+            if plain is None:
+                return Decision(NO_RULE, "wait-for-person", "wait", note + "a person decides")
+            rule = plain
+    if rule.action == "approve-now":
+        return _hold(policy, rule, record, now, gates or {}) or Decision(
+            rule.name, rule.action, "approve", f"{note}rule {rule.name!r} approves at once"
+        )
+    if rule.action == "never-approve":
+        return Decision(rule.name, rule.action, "never", f"{note}rule {rule.name!r} lets NotBefore run out")
+    if rule.action == "wait-for-person":
+        return Decision(rule.name, rule.action, "wait", f"{note}rule {rule.name!r} waits for a person")
+    held = _hold(policy, rule, record, now, gates or {})
+    if held is not None and held.verdict == "wait":
+        return held
+    decision = (
+        _after_hooks(rule, record, now)
+        if rule.action == "approve-after-hooks"
+        else _within_budget(policy, rule, record, fleet)
+    )
+    prefix = note + (f"{held.reason}; " if held is not None else "")
+    return dataclasses.replace(decision, reason=prefix + decision.reason) if prefix else decision
+
+
+def _hold(
+    policy: Policy, rule: Rule, record: EventRecord, now: datetime, gates: Mapping[str, GateResult]
+) -> Decision | None:
+    """What keeps this rule from approving now: a blackout (always), the rule's window or a gate (until NotBefore
+    is near, when ``onNotBefore: approve`` lets it go: an approve Decision whose reason says so). None: nothing."""
+    for blackout in policy.blackouts:
+        until = blackout.open_until(now)
+        if until is not None:
+            return Decision(
+                rule.name,
+                rule.action,
+                "wait",
+                f"blackout {blackout.name!r} approves nothing until {until.isoformat()}"
+                + _expiry(record, until, "blackout"),
+                heldUntil=until,
+                holdKind="blackout",
+                holdName=blackout.name,
+            )
+    held: Decision | None = None
+    if rule.window is not None and rule.window.open_until(now) is None:
+        opens = rule.window.next_open(now)
+        held = Decision(
+            rule.name,
+            rule.action,
+            "wait",
+            f"rule {rule.name!r} approves only in its window ({rule.window.schedule!r} for {rule.window.duration}, "
+            f"{rule.window.timeZone}); next opens {opens.isoformat()}",
+            heldUntil=opens,
+            holdKind="window",
+            holdName=rule.name,
+        )
+    for name in [] if held is not None else rule.gates:
+        result = gates.get(name, GateResult("error", "not read this batch/tick"))
+        if result.state != "passing":
+            held = Decision(
+                rule.name,
+                rule.action,
+                "wait",
+                f"gate {name!r} is {result.state}" + (f" ({result.detail[:300]})" if result.detail else ""),
+                holdKind="gate",
+                holdName=name,
+            )
+            break
+    if held is None:
+        return None
+    deadline = record.notBefore - timedelta(seconds=rule.approveBeforeSeconds) if record.notBefore else None
+    if rule.onNotBefore == "approve" and deadline is not None and now >= deadline:
+        return dataclasses.replace(
+            held,
+            verdict="approve",
+            reason=f"{held.reason}; NotBefore {record.notBefore.isoformat() if record.notBefore else ''} is near: "
+            "approved at the deadline (onNotBefore: approve)",
+        )
+    return dataclasses.replace(held, reason=held.reason + _expiry(record, held.heldUntil, "onNotBefore: expire"))
+
+
+def _expiry(record: EventRecord, until: datetime | None, why: str) -> str:
+    """The note that NotBefore comes before the hold ends, so the event will start unapproved."""
+    if record.notBefore is None or (until is not None and record.notBefore >= until):
+        return ""
+    return f"; NotBefore {record.notBefore.isoformat()} comes first: left to expire ({why})"
+
+
+def _after_hooks(rule: Rule, record: EventRecord, now: datetime) -> Decision:
+    options = rule.hooks or HooksOption()
+    affected = record.resources or sorted(record.vms)
+    outcomes = {name: (record.vms[name].hooks.get("prepare", "") if name in record.vms else "") for name in affected}
+    ready = {"succeeded", "not-run"} if options.noHooks == "ready" else {"succeeded"}
+    missing = sorted(name for name, outcome in outcomes.items() if outcome not in ready)
+    if not missing:
+        return Decision(rule.name, rule.action, "approve", f"prepare hooks succeeded on all {len(affected)} VMs")
+    deadline = record.createdAt + timedelta(seconds=options.deadlineSeconds)
+    detail = ", ".join(_hook_state(record, name, outcomes[name]) for name in missing[:10])
+    if now >= deadline:
+        verdict: Verdict = "approve" if options.onDeadline == "approve" else "wait"
+        return Decision(
+            rule.name,
+            rule.action,
+            verdict,
+            f"hook deadline {options.deadlineSeconds} s passed without success on {detail}; onDeadline="
+            f"{options.onDeadline}",
+        )
+    return Decision(
+        rule.name,
+        rule.action,
+        "wait",
+        f"waiting for prepare hooks until {deadline.isoformat()}: {detail}",
+        heldUntil=deadline,
+        holdKind="hooks",
+        holdName=", ".join(missing[:10]),
+    )
+
+
+def _hook_state(record: EventRecord, name: str, outcome: str) -> str:
+    """'web_2=failed (10-check)': the VM, its prepare phase's outcome and the hook that failed it."""
+    if outcome == "not-run":
+        return f"{name}=not-run (no hooks installed; noHooks=wait)"
+    failed = record.vms[name].failedHooks.get("prepare", "") if name in record.vms else ""
+    return f"{name}={outcome or 'none'}" + (f" ({failed})" if failed else "")
+
+
+def _within_budget(policy: Policy, rule: Rule, record: EventRecord, fleet: FleetView) -> Decision:
+    domains = budget_domains(policy, rule.name, record, fleet)
+    for domain in domains:
+        count = len(domain.mine | domain.others)
+        if count > domain.limit:
+            return Decision(
+                rule.name,
+                rule.action,
+                "wait",
+                domain.describe(count),
+                holdKind="budget",
+                holdName=domain.claim_key,
+            )
+    kinds = ", ".join(sorted({d.kind for d in domains})) or "scaleSet"
+    return Decision(rule.name, rule.action, "approve", f"within budget per {kinds} ({_limits(rule)})")
+
+
+def _limits(rule: Rule) -> str:
+    assert rule.budget is not None  # only budget rules get here
+    parts = [f"{rule.budget.maxImpacted} impacted instances"] if rule.budget.maxImpacted is not None else []
+    if rule.budget.maxPercent is not None:
+        parts.append(f"{rule.budget.maxPercent:g}% of the domain")
+    return " and ".join(parts)

@@ -1,0 +1,300 @@
+"""Observations merged into event records: one record per EventId from every VM that reports it.
+
+Pure: takes an event's record (or none yet) and its observations from any number of VMs (coordinator/domain/
+observations.py); gives an ``EventChange`` (coordinator/domain/lifecycle.py) with the VMs' sightings, hook outcomes
+and history rows merged in, and the state advanced. An event's facts come from its first sighting: a sighting that
+contradicts them is kept beside the record as a conflict, never merged over it (every VM of a fleet shares one
+sender identity, so an envelope only claims to be its VM's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from contracts.document import ScheduledEvent
+from coordinator.domain.history_rows import hook_row, observation_row
+from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert, transition
+from coordinator.domain.model import EventRecord, FactConflict, VmSighting
+from coordinator.domain.observations import Observation
+from coordinator.domain.rows import HistoryRow
+
+__all__ = ["apply_observations", "contradictions", "is_impactful", "new_record", "not_before", "scale_sets_of"]
+
+FAILED_OUTCOMES = frozenset({"failed", "timed-out"})
+# Fact conflicts kept on an event record (the count goes on).
+MAX_CONFLICTS = 8
+
+
+def is_impactful(record: EventRecord) -> bool:
+    """DurationInSeconds 0 means 'no interruption' (documented); anything else deserves a person's attention."""
+    return record.durationInSeconds != 0
+
+
+def new_record(observation: Observation, now: datetime) -> EventRecord:
+    event = observation.event
+    if event is None:
+        raise ValueError("a record starts from a 'listed' observation")
+    return EventRecord(
+        eventId=event.EventId,
+        eventType=event.EventType,
+        eventSource=event.EventSource,
+        resourceType=event.ResourceType,
+        resources=list(event.Resources),
+        description=event.Description,
+        durationInSeconds=event.DurationInSeconds,
+        notBefore=not_before(event),
+        state="Scheduled",
+        stateSince=now,
+        createdAt=now,
+    )
+
+
+def apply_observations(
+    record: EventRecord | None, observations: Sequence[Observation], now: datetime
+) -> EventChange | None:
+    """Merges one event's observations (from any number of VMs) into its record. Returns None when there is
+    no record and nothing could start one (a 'gone' or hook report for an event never seen listed)."""
+    ordered = sorted(observations, key=lambda o: (o.observed_at, o.sequence))
+    created: Observation | None = None
+    if record is None:
+        created = next((o for o in ordered if o.kind == "listed"), None)
+        if created is None:
+            return None
+        record = new_record(created, now)
+    record = clone(record)
+    change = EventChange(record=record, changed=created is not None, created_from=created)
+    for observation in ordered:
+        sighting = record.vms.get(observation.vm.name)
+        if observation.kind == "listed":
+            _apply_listed(change, sighting, observation, now)
+        elif observation.kind == "gone":
+            _apply_gone(change, sighting, observation, now)
+        else:
+            _apply_hook(change, sighting, observation, now)
+    if created is not None:
+        if not record.seenScheduled and record.everStarted:
+            raise_alert(change, "started-without-notice", now)
+        elif is_impactful(record):
+            raise_alert(change, "new-event", now)
+    advance(change, now)
+    return change
+
+
+def _observation_row(
+    record: EventRecord,
+    now: datetime,
+    observation: Observation,
+    status: str,
+    *,
+    outcome: str = "",
+    reason: str = "",
+    details: dict[str, Any] | None = None,
+) -> HistoryRow:
+    """The Observation row of ``observation``: its VM and its position (sequence, incarnation) as the VM sent it."""
+    return observation_row(
+        record=record,
+        now=now,
+        vm=observation.vm,
+        status=status,
+        incarnation=observation.incarnation,
+        observed_at=observation.observed_at,
+        sequence=observation.sequence,
+        outcome=outcome,
+        reason=reason,
+        details=details,
+    )
+
+
+def contradictions(record: EventRecord, event: ScheduledEvent) -> dict[str, tuple[str, str]]:
+    """The facts a sighting claims differently from the record, as {fact: (recorded, claimed)}. The facts are what
+    an approval rests on and what IMDS keeps for an event's life: EventType, EventSource, DurationInSeconds,
+    Resources (as a set) and NotBefore while Scheduled (it is "" once Started)."""
+    found: dict[str, tuple[str, str]] = {}
+    if event.EventType != record.eventType:
+        found["EventType"] = (record.eventType, event.EventType)
+    if event.EventSource != record.eventSource:
+        found["EventSource"] = (record.eventSource, event.EventSource)
+    if event.DurationInSeconds != record.durationInSeconds:
+        found["DurationInSeconds"] = (str(record.durationInSeconds), str(event.DurationInSeconds))
+    if event.Resources and set(event.Resources) != set(record.resources):
+        found["Resources"] = (", ".join(sorted(record.resources)), ", ".join(sorted(event.Resources)))
+    claimed = not_before(event)
+    if claimed is not None and record.notBefore is not None and claimed != record.notBefore:
+        found["NotBefore"] = (record.notBefore.isoformat(), claimed.isoformat())
+    return found
+
+
+def _keep_conflict(
+    change: EventChange, observation: Observation, found: dict[str, tuple[str, str]], now: datetime
+) -> None:
+    """A sighting that contradicts the record's facts is kept beside it (once per envelope), logged and alerted;
+    the record, the VM's sighting and the state stay as they were."""
+    record = change.record
+    where = (observation.vm.name, observation.epoch, observation.sequence)
+    if any((c.vm, c.epoch, c.sequence) == where for c in record.conflicts):
+        return
+    record.conflicts = [
+        *record.conflicts,
+        FactConflict(
+            vm=observation.vm.name,
+            observedAt=observation.observed_at,
+            epoch=observation.epoch,
+            sequence=observation.sequence,
+            facts=found,
+        ),
+    ][-MAX_CONFLICTS:]
+    record.conflictCount += 1
+    claims = "; ".join(f"{fact} {claimed!r} (recorded {recorded!r})" for fact, (recorded, claimed) in found.items())
+    change.rows.append(
+        _observation_row(
+            record,
+            now,
+            observation,
+            observation.event.EventStatus if observation.event else "",
+            outcome="conflict",
+            reason=(
+                f"{observation.vm.name} claims {claims}: kept as a conflict, not merged (the record's facts come "
+                "from the first sighting; the VM that executes an approval checks them against its own IMDS)"
+            )[:4000],
+            details={"claimed": {fact: claimed for fact, (_, claimed) in found.items()}},
+        )
+    )
+    change.changed = True
+    raise_alert(change, "facts-conflict", now)
+
+
+def _apply_listed(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
+    event, record = observation.event, change.record
+    if event is None or (sighting is not None and observation.position <= _seen_at(sighting)):
+        return
+    found = contradictions(record, event)
+    if found:
+        _keep_conflict(change, observation, found, now)
+        return
+    if record.state == "Canceled" and not record.everStarted and sighting is not None and sighting.status == "Gone":
+        # An event left for good does not come back (EventIds are not reused): a VM that lists it again after its
+        # 'gone' concluded the event shows that 'gone' was not true (another forwarder state sent it as this VM).
+        # Opened again as Scheduled; a Started sighting moves it on (advance).
+        transition(
+            change,
+            "Scheduled",
+            now,
+            f"listed again by {observation.vm.name} after it was concluded gone: that 'gone' was not its forwarder's",
+        )
+    record.description = event.Description or record.description
+    # NotBefore is "" once Started: keep the one announced while Scheduled.
+    record.notBefore = record.notBefore or not_before(event)
+    if event.EventStatus == "Started":
+        record.everStarted = True
+    else:
+        record.seenScheduled = True
+    record.vms[observation.vm.name] = VmSighting(
+        name=observation.vm.name,
+        vmId=observation.vm.vmId,
+        resourceId=observation.vm.resourceId,
+        scaleSet=observation.vm.vmScaleSetName,
+        placementGroup=observation.vm.placementGroupId,
+        firstSeen=sighting.firstSeen if sighting else observation.observed_at,
+        lastSeen=observation.observed_at,
+        lastSequence=observation.sequence,
+        epoch=observation.epoch,
+        incarnation=observation.incarnation,
+        status=event.EventStatus,
+        hooks=dict(sighting.hooks) if sighting else {},
+        failedHooks=dict(sighting.failedHooks) if sighting else {},
+        hookSequence=sighting.hookSequence if sighting else -1,
+        hookEpoch=sighting.hookEpoch if sighting else 0,
+    )
+    record.scaleSets = scale_sets_of(record)
+    change.rows.append(_observation_row(record, now, observation, event.EventStatus))
+    change.changed = True
+
+
+def _seen_at(sighting: VmSighting) -> tuple[int, int]:
+    return (sighting.epoch, sighting.lastSequence)
+
+
+def not_before(event: ScheduledEvent) -> datetime | None:
+    """NotBefore as an aware UTC datetime, or None (empty once Started, or not a time this code can hold).
+
+    IMDS sends RFC 1123 ("Mon, 11 Apr 2022 22:26:58 GMT"); ISO 8601 is accepted too (Microsoft's mock server); a
+    time without a zone is taken as UTC; a time that cannot be expressed in UTC (year 1 east of Greenwich, year
+    9999 west of it) is dropped rather than allowed to raise later."""
+    value = event.not_before()
+    if value is None and event.NotBefore:
+        try:
+            value = datetime.fromisoformat(event.NotBefore.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if value is None:
+        return None
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:
+        return None
+
+
+def scale_sets_of(record: EventRecord) -> list[str]:
+    """The scale sets of the VMs an event names (a sighting says it; else the '{scale-set}_{instance}' name)."""
+    found = set()
+    for name in record.resources:
+        sighting = record.vms.get(name)
+        if sighting is not None:
+            found.add(sighting.scaleSet)
+        else:
+            head, sep, tail = name.rpartition("_")
+            found.add(head if sep and tail.isdigit() else "")
+    return sorted(found - {""})
+
+
+def _apply_gone(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
+    if sighting is None or observation.position <= _seen_at(sighting):
+        return
+    change.record.vms[observation.vm.name] = sighting.model_copy(
+        update={
+            "status": "Gone",
+            "epoch": observation.epoch,
+            "lastSequence": observation.sequence,
+            "lastSeen": observation.observed_at,
+            "incarnation": observation.incarnation,
+        }
+    )
+    change.rows.append(_observation_row(change.record, now, observation, "Gone"))
+    change.changed = True
+
+
+def _apply_hook(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
+    """A phase report (``steps``) sets the VM's phase outcome. A per-hook report from an older forwarder tells of
+    one hook only: it can fail the phase, but never turn a failure in the same phase back into success."""
+    hook = observation.hook
+    if hook is None or sighting is None or observation.position <= (sighting.hookEpoch, sighting.hookSequence):
+        return
+    hooks, failed_hooks = dict(sighting.hooks), dict(sighting.failedHooks)
+    previous = hooks.get(hook.phase, "")
+    if hook.phase_complete or previous not in FAILED_OUTCOMES:
+        hooks[hook.phase] = hook.outcome
+        failed_hooks.pop(hook.phase, None)
+        if hook.failed_hook:
+            failed_hooks[hook.phase] = hook.failed_hook
+    change.record.vms[observation.vm.name] = sighting.model_copy(
+        update={
+            "hooks": hooks,
+            "failedHooks": failed_hooks,
+            "hookSequence": observation.sequence,
+            "hookEpoch": observation.epoch,
+        }
+    )
+    change.rows.append(
+        hook_row(
+            record=change.record,
+            now=now,
+            vm=observation.vm,
+            observed_at=observation.observed_at,
+            sequence=observation.sequence,
+            hook=hook,
+            phase_outcome=hooks[hook.phase],
+        )
+    )
+    change.changed = True

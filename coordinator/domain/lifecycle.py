@@ -1,0 +1,148 @@
+"""An event's lifecycle: the change being made to its record, its state transitions, the cards they raise, and how
+it concludes from what its VMs said.
+
+Pure: the stages (coordinator/pipeline/) and coordinator/domain/event_merge.py start an ``EventChange`` from a
+``clone`` of the stored record, move it with ``transition`` and ``advance``, and write it with an ETag; the change
+carries its history rows and the cards it raised (``raise_alert``), committed in the same write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from coordinator.domain.history_rows import transition_row
+from coordinator.domain.model import AlertKind, EventRecord, State
+from coordinator.domain.observations import Observation
+from coordinator.domain.rows import HistoryRow
+
+__all__ = ["EventChange", "advance", "clone", "raise_alert", "transition"]
+
+
+@dataclass
+class EventChange:
+    """One event record being changed, with the history rows and the cards the change brings."""
+
+    record: EventRecord
+    rows: list[HistoryRow] = field(default_factory=list)
+    alerts: list[AlertKind] = field(default_factory=list)
+    changed: bool = False
+    # This change (not an earlier write it re-read) decided the approval: only its writer sends it.
+    approval_decided: bool = False
+    # The observation that created the record (None: the record existed): its envelope's trace is the event's.
+    created_from: Observation | None = None
+
+
+def clone(record: EventRecord) -> EventRecord:
+    """A copy safe to change: containers copied, sightings and decisions shared (they are replaced, never
+    changed in place), the approval copied (its attempt counters are). Much cheaper than a deep copy."""
+    return record.model_copy(
+        update={
+            "resources": list(record.resources),
+            "vms": dict(record.vms),
+            "alerts": list(record.alerts),
+            "pendingAlerts": list(record.pendingAlerts),
+            "groups": list(record.groups),
+            "approval": record.approval.model_copy() if record.approval else None,
+        }
+    )
+
+
+def raise_alert(change: EventChange, kind: AlertKind, now: datetime) -> None:
+    """Once per kind per event. The kind goes into the record's outbox (``pendingAlerts``) in the same write as
+    the transition that causes it, so a crash before the card is sent leaves it for the timer, not lost."""
+    record = change.record
+    if kind not in record.alerts:
+        record.alerts.append(kind)
+        record.pendingAlerts.append(kind)
+        record.pendingSince = record.pendingSince or now
+        change.alerts.append(kind)
+        change.changed = True
+
+
+def transition(
+    change: EventChange,
+    to: State,
+    now: datetime,
+    reason: str,
+    *,
+    rule: str = "",
+    actor: str = "",
+    decision_id: str = "",
+    vm: str = "",
+) -> None:
+    """Moves the event to ``to``, with its Transition row; an approval's transition names its rule, actor,
+    decision and executing VM."""
+    record = change.record
+    previous = record.state
+    record.state = to
+    record.stateSince = now
+    change.changed = True
+    change.rows.append(
+        transition_row(
+            record=record,
+            now=now,
+            previous=previous,
+            reason=reason,
+            rule=rule,
+            actor=actor,
+            decision_id=decision_id,
+            vm=vm,
+        )
+    )
+    alert_for: dict[str, AlertKind] = {"Approved": "approved", "Canceled": "canceled", "Expired": "expired"}
+    if to in alert_for:
+        raise_alert(change, alert_for[to], now)
+
+
+def advance(
+    change: EventChange,
+    now: datetime,
+    *,
+    silent_vms: frozenset[str] = frozenset(),
+    retired: dict[str, str] | None = None,
+) -> None:
+    """Derives the state from what the VMs said. ``silent_vms`` are VMs whose forwarder stopped reporting: they
+    count as 'gone' once at least one VM has seen the event leave (a deleted VM never reports again). ``retired``
+    (VM name -> the event that removed it) are VMs known to be gone for good: they count as gone at once, so an
+    event only they reported concludes ("VM removed")."""
+    record = change.record
+    if not record.open:
+        return
+    retired = retired or {}
+    removed_here = {name for name, by in retired.items() if by == record.eventId and name in record.resources}
+    if removed_here - set(record.removed):
+        record.removed = sorted(set(record.removed) | removed_here)
+        change.changed = True
+    sightings = list(record.vms.values())
+    gone = [s for s in sightings if s.status == "Gone" or s.name in retired]
+    remaining = [s for s in sightings if s.status != "Gone" and s.name not in silent_vms and s.name not in retired]
+    approved = record.approval is not None and record.approval.delivered
+    if record.everStarted and record.state not in ("Started",):
+        reason = "seen Started"
+        if not record.seenScheduled:
+            reason = "appeared directly as Started (no notice: e.g. hardware failure)"
+        elif not approved:
+            reason = "seen Started without an approval from here (NotBefore passed or approved elsewhere)"
+        transition(change, "Started", now, reason)
+    # A retired VM counts as gone, but not for an event that names VMs which have not reported it yet (their
+    # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over.
+    unheard = [name for name in record.resources if name not in record.vms and name not in retired]
+    only_retired = not any(s.status == "Gone" for s in gone)
+    if gone and not remaining and not (unheard and only_retired):
+        if record.removed:
+            removed = ", ".join(record.removed)
+            transition(change, "Completed", now, f"VM removed: {removed} left with this {record.eventType}")
+        elif record.everStarted:
+            transition(change, "Completed", now, f"gone from every reporting VM ({len(gone)}) after Started")
+        elif approved:
+            transition(
+                change, "Completed", now, f"gone from every reporting VM ({len(gone)}) after approval; Started not seen"
+            )
+        else:
+            others = sorted({retired[s.name] for s in gone if s.name in retired})
+            why = f" (VM removed by {', '.join(others)})" if others else ""
+            transition(change, "Canceled", now, f"gone from every reporting VM ({len(gone)}) without starting{why}")
+        return
+    if record.state == "Scheduled" and record.notBefore is not None and now >= record.notBefore and not approved:
+        transition(change, "Expired", now, f"NotBefore {record.notBefore.isoformat()} passed without approval")

@@ -1,0 +1,208 @@
+"""The approval policy's schema: rules (ordered, first match wins), what each matches and does, and the fleet
+controls they name, as pydantic models that refuse what they do not know.
+
+Pure data and validation: the YAML file is read in coordinator/domain/policy_file.py, a rule is matched in
+coordinator/domain/matching.py and decided in coordinator/domain/evaluation.py. The controls' own models
+(schedules, gates, domains) are in coordinator/domain/controls.py.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from coordinator.domain.controls import Blackout, DomainKind, Gate, Window
+
+__all__ = [
+    "Action",
+    "BudgetOption",
+    "Callback",
+    "DurationRange",
+    "HooksOption",
+    "Match",
+    "Policy",
+    "Rule",
+    "TimeWindow",
+]
+
+Action = Literal["approve-now", "approve-after-hooks", "approve-within-budget", "wait-for-person", "never-approve"]
+# How a rule's approvals reach the platform: through the VM's listener (Azure Relay; the VM verifies the facts), or
+# through the Maintenance RP's acknowledge (preview; no VM verifies anything: docs/security.md).
+Callback = Literal["relay", "remote-acknowledge"]
+Weekday = Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+WEEKDAYS: tuple[Weekday, ...] = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+MAX_TAG_PATTERNS = 16
+_HOURS = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DurationRange(_Strict):
+    min: int | None = Field(default=None, ge=-1)
+    max: int | None = Field(default=None, ge=-1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DurationRange:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is greater than max {self.max}")
+        return self
+
+    def contains(self, value: int) -> bool:
+        return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+
+
+class TimeWindow(_Strict):
+    """Days and hours in UTC; hours 'HH:MM-HH:MM', end exclusive; an end before the start wraps past midnight."""
+
+    days: list[Weekday] = Field(default_factory=lambda: list(WEEKDAYS), min_length=1)
+    hours: str = "00:00-24:00"
+
+    @field_validator("hours")
+    @classmethod
+    def _hours(cls, value: str) -> str:
+        if not _HOURS.match(value):
+            raise ValueError(f"hours {value!r} must look like '08:00-18:00' (UTC)")
+        return value
+
+    def contains(self, now: datetime) -> bool:
+        match = _HOURS.match(self.hours)
+        assert match is not None  # validated above
+        start = int(match.group(1)) * 60 + int(match.group(2))
+        end = int(match.group(3)) * 60 + int(match.group(4))
+        minute = now.hour * 60 + now.minute
+        day = WEEKDAYS[now.weekday()]
+        if start <= end:
+            return day in self.days and start <= minute < end
+        if minute >= start:
+            return day in self.days
+        # After midnight in a window that started the day before: the window belongs to the previous day.
+        return WEEKDAYS[(now.weekday() - 1) % 7] in self.days and minute < end
+
+
+class Match(_Strict):
+    eventType: list[str] | None = None
+    eventSource: list[str] | None = None
+    durationSeconds: DurationRange | None = None
+    scaleSet: list[str] | None = Field(default=None, description="glob patterns; every affected scale set must match")
+    vmName: list[str] | None = Field(default=None, description="glob patterns; every affected VM must match")
+    window: TimeWindow | None = None
+    tags: dict[str, str] | None = Field(
+        default=None,
+        max_length=MAX_TAG_PATTERNS,
+        description="tag name -> glob of its value ('*': any value); matches when ANY affected VM carries one",
+    )
+
+
+class HooksOption(_Strict):
+    deadlineSeconds: int = Field(default=600, gt=0)
+    onDeadline: Literal["approve", "wait"] = "wait"
+    # A VM whose forwarder reports the phase with no hooks at all (outcome not-run): "wait" treats it like a hook
+    # not yet succeeded (until the deadline), "ready" like success. Default "wait": a VM without hooks cannot be
+    # told from an install that forgot them, and the deadline bounds what waiting costs.
+    noHooks: Literal["wait", "ready"] = "wait"
+
+
+class BudgetOption(_Strict):
+    """At most ``maxImpacted`` VMs, or ``maxPercent`` of a domain's VMs (rounded up), or the smaller of both,
+    impacted at once in each domain of each kind in ``per``."""
+
+    maxImpacted: int | None = Field(default=None, ge=1)
+    maxPercent: float | None = Field(default=None, gt=0, le=100)
+    per: list[DomainKind] = Field(default_factory=lambda: list[DomainKind](["scaleSet"]), min_length=1)
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> BudgetOption:
+        if self.maxImpacted is None and self.maxPercent is None:
+            raise ValueError("a budget needs maxImpacted, maxPercent or both")
+        if len(set(self.per)) != len(self.per):
+            raise ValueError(f"per {self.per} names a domain kind twice")
+        return self
+
+
+class Rule(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    description: str = ""
+    match: Match = Field(default_factory=Match)
+    action: Action
+    hooks: HooksOption | None = None
+    budget: BudgetOption | None = None
+    callback: Callback = "relay"
+    window: Window | None = Field(default=None, description="when this rule may approve (cron + duration + zone)")
+    gates: list[str] = Field(default_factory=list, max_length=8, description="named gates that must pass")
+    # When NotBefore comes while a window or gate holds the event: "expire" (default) lets the platform start it at
+    # NotBefore without the coordinator's approval, recorded as expired with the hold that kept it; "approve"
+    # approves it approveBeforeSeconds before NotBefore (it starts then anyway; the approval is recorded, counted
+    # in budgets and checked by the VM). Default expire: a window or an unhealthy gate says "not now", and an
+    # approval would put the coordinator's name on an impact the operator said they did not want.
+    onNotBefore: Literal["expire", "approve"] = "expire"
+    # Two timer ticks (60 s each) before NotBefore, so the approval is sent before the platform moves on its own.
+    approveBeforeSeconds: int = Field(default=120, ge=60, le=900)
+    # A rule matched through a VM's tags may approve no more than the rule the event gets without tags, unless this
+    # is true (tags come from the VM, which may lie: see docs/coordinator.md, "Tags").
+    trustTags: bool = False
+
+    @model_validator(mode="after")
+    def _options_fit_action(self) -> Rule:
+        if self.callback != "relay" and self.action == "never-approve":
+            raise ValueError("'callback' says how approvals are sent; a 'never-approve' rule sends none")
+        if self.action == "approve-within-budget" and self.budget is None:
+            raise ValueError("action 'approve-within-budget' needs 'budget: {maxImpacted: N}'")
+        if self.budget is not None and self.action != "approve-within-budget":
+            raise ValueError(f"'budget' applies only to 'approve-within-budget', not {self.action!r}")
+        if self.hooks is not None and self.action != "approve-after-hooks":
+            raise ValueError(f"'hooks' applies only to 'approve-after-hooks', not {self.action!r}")
+        if self.action == "approve-within-budget" and (
+            self.match.eventType is None or "Terminate" in self.match.eventType
+        ):
+            raise ValueError(
+                "'approve-within-budget' cannot decide Terminate events: the platform holds an approved delete while "
+                "any other delete of its scale set is pending, so approving deletes N at a time does not pace them "
+                "(they all go once every one is approved or timed out). Give this rule 'match: {eventType: [...]}' "
+                "without Terminate, and decide deletes with another rule (e.g. approve-after-hooks)"
+            )
+        return self
+
+
+class Policy(_Strict):
+    version: Literal[1] = 1
+    dryRun: bool = False
+    blackouts: list[Blackout] = Field(default_factory=list, max_length=32)
+    gates: dict[str, Gate] = Field(default_factory=dict, max_length=16)
+    rules: list[Rule] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _gates_defined(self) -> Policy:
+        for rule in self.rules:
+            unknown = [name for name in rule.gates if name not in self.gates]
+            if unknown:
+                raise ValueError(f"rule {rule.name!r} names gates {unknown} that 'gates:' does not define")
+        return self
+
+    def gates_of(self, rule_name: str) -> list[str]:
+        rule = next((r for r in self.rules if r.name == rule_name), None)
+        return list(rule.gates) if rule is not None else []
+
+    @property
+    def needs_census(self) -> bool:
+        """Whether deciding reads the VMs' facts (the VM groups, once per batch/tick): a rule matches tags, or sets
+        a budget by percent or by a domain other than the scale set (a count per scale set needs only the events)."""
+        return any(
+            rule.match.tags is not None
+            or (rule.budget is not None and (rule.budget.maxPercent is not None or rule.budget.per != ["scaleSet"]))
+            for rule in self.rules
+        )
+
+    @field_validator("rules")
+    @classmethod
+    def _unique_names(cls, rules: list[Rule]) -> list[Rule]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.name in seen:
+                raise ValueError(f"rule name {rule.name!r} is used twice; names identify decisions")
+            seen.add(rule.name)
+        return rules
