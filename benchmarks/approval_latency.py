@@ -29,7 +29,8 @@ from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator
 from forwarder.approver import Approver
 from forwarder.imds import ImdsClient
-from forwarder.relay_listener import RelayListener, SasTokenProvider
+from forwarder.relay_listener import RelayListener
+from forwarder.relay_tokens import SasTokenProvider
 from forwarder.retry import RateLimiter
 
 KEY = "YmVuY2htYXJrLWtleQ=="

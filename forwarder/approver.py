@@ -56,7 +56,7 @@ from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
 from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
-from forwarder.relay_listener import RelayRequest, RelayResponse
+from forwarder.relay_protocol import RelayRequest, RelayResponse
 from forwarder.telemetry import IdTracer, parent
 
 APPROVE_PATH = "/approve"

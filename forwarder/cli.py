@@ -119,7 +119,8 @@ def relay_companions(
         def session() -> ListenerSession:
             # websockets and the listener load here, when a session is first needed, not at the daemon's start.
             from forwarder.approver import Approver  # noqa: PLC0415
-            from forwarder.relay_listener import EntraTokenProvider, RelayListener  # noqa: PLC0415
+            from forwarder.relay_listener import RelayListener  # noqa: PLC0415
+            from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415
 
             nonlocal approver
             if approver is None:

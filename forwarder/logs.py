@@ -1,4 +1,5 @@
-"""Structured logs: one JSON object per line (ts, level, msg, logger, fields) on stderr, for journald.
+"""Structured logs: one JSON object per line (ts, level, msg, logger, fields) on stderr, for journald; and
+`FailureLog`, so that a failure that repeats every second is not a log line every second.
 
 Stdout is left alone because the stdout sink writes envelopes there.
 """
@@ -8,8 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any, TextIO
+
+# While something keeps failing, repeat its log line at most this often (the first failure is always logged).
+FAILURE_LOG_INTERVAL = 60.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -43,3 +48,25 @@ def configure(*, level: str = "INFO", stream: TextIO | None = None) -> None:
 def fields(**values: Any) -> dict[str, Any]:
     """`log.info("msg", extra=fields(a=1))` puts a=1 under "fields" in the JSON line."""
     return {"fields": values}
+
+
+class FailureLog:
+    """Logs the first failure, then at most once a minute while failing, then the recovery."""
+
+    def __init__(self, what: str, *, logger: logging.Logger) -> None:
+        self._what = what
+        self._log = logger
+        self._failures = 0
+        self._last_logged = 0.0
+
+    def failed(self, error: BaseException, **extra: Any) -> None:
+        self._failures += 1
+        now = time.monotonic()
+        if self._failures == 1 or now - self._last_logged >= FAILURE_LOG_INTERVAL:
+            self._last_logged = now
+            self._log.warning(f"{self._what} failing", extra=fields(error=str(error), failures=self._failures, **extra))
+
+    def succeeded(self) -> None:
+        if self._failures:
+            self._log.info(f"{self._what} recovered", extra=fields(failures=self._failures))
+        self._failures = 0

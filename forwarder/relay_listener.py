@@ -12,6 +12,10 @@ There is no maintained Python data-plane SDK for Hybrid Connections, so this spe
 - ``renewToken`` is sent before the token expires; reconnects use exponential backoff with equal jitter
   (``forwarder.retry.Backoff``, the forwarder's one place for retry timing).
 
+This module moves the messages: it holds the control channel (connect, renew, reconnect, stop) and serves each
+request on it or on a rendezvous socket. What the messages say is in ``forwarder/relay_protocol.py`` (no I/O), where
+the token comes from in ``forwarder/relay_tokens.py``.
+
 Why threads and the sync client rather than asyncio: the forwarder daemon is synchronous (a 1 s IMDS poll loop),
 the handler does blocking IMDS calls, and a thread with blocking ``recv(timeout=...)`` is the smallest thing that
 can be started and stopped from it. ``websockets.sync`` already runs its own reader thread, so ``send`` from handler
@@ -24,177 +28,34 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
-from urllib.parse import quote, urlencode, urlsplit
+from typing import Any, Literal
+from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from contracts.sas import sas_token
-from forwarder.credential import RELAY_SCOPE
+from forwarder.relay_protocol import (
+    ControlMessage,
+    Handler,
+    RelayResponse,
+    WireAccept,
+    WireRequest,
+    relay_request,
+    response_frame,
+    with_query,
+)
+from forwarder.relay_tokens import RelayToken, TokenProvider
 from forwarder.retry import Backoff
-
-if TYPE_CHECKING:
-    from azure.core.credentials import TokenCredential
 
 logger = logging.getLogger(__name__)
 
 CONTROL_CHANNEL_LIMIT = 64 * 1024
 # The service answers a request with 504 after 60 s without a response; we give up on a body a little earlier.
 REQUEST_DEADLINE_SECONDS = 60.0
-# RFC 7230 connection headers must not appear in a response (protocol doc, "response" message).
-_HOP_BY_HOP = frozenset({"connection", "content-length", "host", "te", "trailer", "transfer-encoding", "upgrade"})
-_HOP_BY_HOP_CLOSE = _HOP_BY_HOP | {"close"}
-# 502 and 504 are reserved for the service itself.
-_RESERVED_STATUS = frozenset({502, 504})
-
-
-# ----------------------------------------------------------------------------------------------- tokens
-
-
-@dataclass(frozen=True)
-class RelayToken:
-    token: str
-    expires_on: float  # unix seconds
-
-
-class TokenProvider(Protocol):
-    def get_token(self) -> RelayToken:
-        """A token with Listen (VM) or Send (coordinator) rights for the hybrid connection."""
-        ...
-
-
-class SasTokenProvider:
-    """SAS token from a rule name and a key kept in a file (read on every renewal so a rotated key is picked up)."""
-
-    def __init__(self, *, resource_uri: str, key_name: str, key_file: str | Path, lifetime_seconds: int = 3600) -> None:
-        if lifetime_seconds < 60:
-            raise ValueError(f"lifetime_seconds={lifetime_seconds} is too short; use at least 60")
-        self._resource_uri = resource_uri
-        self._key_name = key_name
-        self._key_file = Path(key_file)
-        self._lifetime = lifetime_seconds
-
-    def get_token(self) -> RelayToken:
-        try:
-            key = self._key_file.read_text(encoding="utf-8").strip()
-        except OSError as error:
-            raise RuntimeError(f"cannot read the SAS key file {self._key_file}: {error.strerror}") from error
-        if not key:
-            raise RuntimeError(f"the SAS key file {self._key_file} is empty")
-        expires_on = int(time.time()) + self._lifetime
-        token = sas_token(resource_uri=self._resource_uri, key_name=self._key_name, key=key, expires_on=expires_on)
-        return RelayToken(token, expires_on)
-
-
-class EntraTokenProvider:
-    """Microsoft Entra ID token for https://relay.azure.net, sent raw (no ``Bearer``) as the SDKs do.
-
-    Defaults to the VM's managed identity; pass ``client_id`` for a user-assigned one.
-    """
-
-    def __init__(self, *, credential: TokenCredential | None = None, client_id: str | None = None) -> None:
-        if credential is None:
-            from azure.identity import ManagedIdentityCredential  # noqa: PLC0415 - only SAS users skip the import
-
-            credential = ManagedIdentityCredential(client_id=client_id)
-        self._credential = credential
-
-    def get_token(self) -> RelayToken:
-        access = self._credential.get_token(RELAY_SCOPE)
-        return RelayToken(access.token, float(access.expires_on))
-
-
-# ----------------------------------------------------------------------------------------------- messages
-
-
-class _WireRequest(BaseModel):
-    """A ``request`` control message. Only ``address`` and ``id`` are present when a rendezvous is required."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    address: str = ""
-    id: str = ""
-    requestTarget: str = "/"
-    method: str | None = None
-    requestHeaders: dict[str, str] = Field(default_factory=dict)
-    body: bool = False
-
-
-class _WireAccept(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    address: str
-    id: str = ""
-
-
-class _ControlMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    request: _WireRequest | None = None
-    accept: _WireAccept | None = None
-
-
-@dataclass(frozen=True)
-class RelayRequest:
-    """One HTTP request relayed to this listener. ``path`` is relative to the hybrid connection, without query."""
-
-    id: str
-    method: str
-    target: str
-    path: str
-    headers: Mapping[str, str]
-    body: bytes
-
-
-@dataclass(frozen=True)
-class RelayResponse:
-    status_code: int
-    status_description: str = ""
-    headers: Mapping[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-    @classmethod
-    def json(cls, status_code: int, payload: Any, *, description: str = "") -> RelayResponse:
-        body = json.dumps(payload, separators=(",", ":")).encode("utf-8")
-        return cls(status_code, description, {"Content-Type": "application/json"}, body)
-
-
-Handler = Callable[[RelayRequest], RelayResponse]
-
-
-def _relative_path(target: str, hybrid_connection: str) -> str:
-    path = urlsplit(target).path or "/"
-    prefix = "/" + hybrid_connection.lower()
-    if path.lower() == prefix:
-        return "/"
-    if path.lower().startswith(prefix + "/"):
-        return path[len(prefix) :]
-    return path
-
-
-def _response_frame(request_id: str, response: RelayResponse) -> str:
-    status = 500 if response.status_code in _RESERVED_STATUS else response.status_code
-    headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP_CLOSE}
-    message = {
-        "response": {
-            "requestId": request_id,
-            "statusCode": status,
-            "statusDescription": response.status_description,
-            "responseHeaders": headers,
-            "body": bool(response.body),
-        }
-    }
-    return json.dumps(message, separators=(",", ":"))
-
-
-def _with_query(address: str, params: Mapping[str, str]) -> str:
-    return f"{address}{'&' if '?' in address else '?'}{urlencode(params)}"
 
 
 StatName = Literal[
@@ -218,9 +79,6 @@ class ListenerStats:
     def add(self, name: StatName) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + 1)
-
-
-# ----------------------------------------------------------------------------------------------- listener
 
 
 class RelayListener:
@@ -371,7 +229,7 @@ class RelayListener:
                 logger.warning("relay listener %s: unexpected binary frame ignored", self.hybrid_connection)
                 continue
             try:
-                parsed = _ControlMessage.model_validate_json(message)
+                parsed = ControlMessage.model_validate_json(message)
             except ValidationError as error:
                 self.stats.add("protocol_errors")
                 logger.warning(
@@ -415,7 +273,7 @@ class RelayListener:
         return self._renew_time(token)
 
     def _on_request(
-        self, control: ClientConnection, send_lock: threading.Lock, wire: _WireRequest, pool: ThreadPoolExecutor
+        self, control: ClientConnection, send_lock: threading.Lock, wire: WireRequest, pool: ThreadPoolExecutor
     ) -> None:
         if wire.method is None:
             # Too large or streamed for the control channel: the request waits for us at the rendezvous address.
@@ -438,7 +296,7 @@ class RelayListener:
         self._submit(pool, self._answer_on_control, control, send_lock, wire, body)
 
     def _answer_on_control(
-        self, control: ClientConnection, send_lock: threading.Lock, wire: _WireRequest, body: bytes
+        self, control: ClientConnection, send_lock: threading.Lock, wire: WireRequest, body: bytes
     ) -> None:
         response = self._handle(wire, body)
         try:
@@ -459,7 +317,7 @@ class RelayListener:
                     if isinstance(message, bytes):
                         self.stats.add("protocol_errors")
                         continue
-                    wire = _ControlMessage.model_validate_json(message).request
+                    wire = ControlMessage.model_validate_json(message).request
                     if wire is None or wire.method is None:
                         self.stats.add("protocol_errors")
                         continue
@@ -473,18 +331,10 @@ class RelayListener:
         except (OSError, TimeoutError, WebSocketException, ValidationError) as error:
             logger.warning("relay listener %s: rendezvous failed: %s", self.hybrid_connection, error)
 
-    def _handle(self, wire: _WireRequest, body: bytes) -> RelayResponse:
+    def _handle(self, wire: WireRequest, body: bytes) -> RelayResponse:
         self.stats.add("requests")
-        request = RelayRequest(
-            id=wire.id,
-            method=(wire.method or "GET").upper(),
-            target=wire.requestTarget,
-            path=_relative_path(wire.requestTarget, self.hybrid_connection),
-            headers={k.lower(): v for k, v in wire.requestHeaders.items()},
-            body=body,
-        )
         try:
-            return self._handler(request)
+            return self._handler(relay_request(wire, body, hybrid_connection=self.hybrid_connection))
         except Exception:
             self.stats.add("handler_errors")
             logger.exception("relay listener %s: handler failed on request %s", self.hybrid_connection, wire.id)
@@ -495,15 +345,15 @@ class RelayListener:
         socket: ClientConnection, lock: threading.Lock, request_id: str, response: RelayResponse
     ) -> None:
         with lock:
-            socket.send(_response_frame(request_id, response))
+            socket.send(response_frame(request_id, response))
             if response.body:
                 socket.send(response.body)
 
-    def _decline_accept(self, accept: _WireAccept) -> None:
+    def _decline_accept(self, accept: WireAccept) -> None:
         """WebSocket senders are not part of our protocol: reject with the documented gesture (the handshake is
         expected to fail with HTTP 410)."""
         self.stats.add("declined_accepts")
-        reject = _with_query(
+        reject = with_query(
             accept.address,
             {"sb-hc-statusCode": "403", "sb-hc-statusDescription": "WebSocket senders are not accepted"},
         )

@@ -23,7 +23,7 @@ from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from forwarder.approver import Approver
 from forwarder.imds import ImdsClient
-from forwarder.relay_listener import RelayRequest
+from forwarder.relay_protocol import RelayRequest
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, vm
 from tests.coordinator.helpers import WEB_FLEET as NAMES

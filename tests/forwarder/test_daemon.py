@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -270,29 +271,43 @@ def test_the_startup_heartbeat_does_not_wait_for_the_slow_first_poll(imds: ImdsE
 def test_every_envelope_carries_the_state_id_and_a_new_state_gets_a_new_one(
     imds: ImdsEmulator, harness: MakeHarness
 ) -> None:
+    # The three forwarders share one state directory and one output file, so each wait names the state it is
+    # about: an envelope of an earlier state already in the file must not satisfy it.
     h = harness(imds.url_for("web_0"), name="vm")
     imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
-    wait_for(lambda: h.envelopes("hook"), what="the hook report")
+    kinds = {"heartbeat", "incarnation", "hook"}
+    wait_for(lambda: {e["kind"] for e in h.envelopes()} == kinds, what=f"one envelope of each kind {sorted(kinds)}")
     state_id = h.store.state_id
     assert len(state_id) == 32
-    assert {e["kind"] for e in h.envelopes()} == {"heartbeat", "incarnation", "hook"}
     assert {e["stateId"] for e in h.envelopes()} == {state_id}
     h.stop()
 
     kept = harness(imds.url_for("web_0"), name="vm")  # same state directory: same state, sequence goes on
-    wait_for(lambda: len(kept.envelopes("heartbeat")) == 2, what="the restart's heartbeat")
+    (_, restarted) = wait_for(
+        lambda: len(kept.envelopes("heartbeat")) == 2 and kept.envelopes("heartbeat"), what="the restart's heartbeat"
+    )
     assert kept.store.state_id == state_id
+    assert restarted["stateId"] == state_id
     kept.stop()
     last_sequence = max(e["sequence"] for e in kept.envelopes())
 
     for item in (kept.root / "state").iterdir():  # the state is wiped: a new forwarder, as far as anyone can tell
         item.unlink()
     fresh = harness(imds.url_for("web_0"), name="vm")
-    wait_for(lambda: len(fresh.envelopes("heartbeat")) == 3, what="the fresh forwarder's heartbeat")
-    fresh.wait_incarnation(2)
     assert fresh.store.state_id != state_id
-    new = [e for e in fresh.envelopes() if e["stateId"] == fresh.store.state_id]
-    assert [e["sequence"] for e in new][:2] == [0, 1], "a new state starts its sequence over"
+
+    def of_the_new_state() -> list[dict[str, Any]]:
+        return [e for e in fresh.envelopes() if e["stateId"] == fresh.store.state_id]
+
+    # Its start-up heartbeat, then the document it finds (incarnation 2, the event is still there).
+    new = wait_for(
+        lambda: len(of_the_new_state()) >= 2 and of_the_new_state(),
+        what="the new state's first two envelopes (its start-up heartbeat and incarnation 2)",
+    )
+    assert [(e["kind"], e["sequence"]) for e in new][:2] == [("heartbeat", 0), ("incarnation", 1)], (
+        "a new state starts its sequence over"
+    )
+    assert new[1]["document"]["DocumentIncarnation"] == 2
     assert last_sequence >= 2
 
 
@@ -322,7 +337,9 @@ def test_an_invalid_event_is_set_aside_and_the_valid_ones_go_on(
     # A valid again: it was prepared once already.
     scripted_imds.serve(4, good)
     h.wait_incarnation(4)
-    wait_for(record.exists, what="the prepare hook")
+    # The phase's report is spooled once its hooks have exited, so the record is complete (the file exists as soon
+    # as the hook opens it, before it writes).
+    wait_for(lambda: h.envelopes("hook"), what="the prepare phase's report")
     time.sleep(0.3)
     assert record.read_text().split("\n")[:-1] == [f"{h.settings.hooks_dir}/prepare.d/10-record A"]
     assert h.store.counters()["invalid_events"] == 3

@@ -193,7 +193,8 @@ def test_the_listener_is_imported_only_when_it_first_connects(
             idle = log.read_text(encoding="utf-8")
             assert "forwarder.on_demand" in idle
             assert "websockets" not in idle
-            assert "forwarder.relay_listener" not in idle
+            listener_modules = ("forwarder.relay_listener", "forwarder.relay_protocol", "forwarder.relay_tokens")
+            assert [m for m in listener_modules if m in idle] == []
             imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
             wait_for(lambda: "forwarder.relay_listener" in log.read_text(encoding="utf-8"), what="the import")
             wait_for(lambda: relay.listener_count(_hc(imds)) == 1, what="the listener to connect")

@@ -68,6 +68,17 @@ def wait_message(eventhubs: EventHubsEmulator, incarnation: int, timeout: float 
     return event
 
 
+def wait_span(spans_file: Path, span_id: str) -> dict[str, Any]:
+    """The recorded span with this id. A span reaches the file when it ends, and a message may reach the hub first:
+    `forwarder.send` ends after the send returns, and the sender may send an envelope before the `forwarder.detect`
+    or `forwarder.hooks` span that spooled it has ended. So wait for it."""
+    span: dict[str, Any] = wait_for(
+        lambda: next((s for s in spans(spans_file) if s["spanId"] == span_id), None),
+        what=f"span {span_id!r} in the spans file",
+    )
+    return span
+
+
 def assert_traced(event: StoredEvent, spans_file: Path, *, incarnation: int, event_ids: str) -> None:
     """The message's traceparent is the child of a `forwarder.send` span, itself the child of the
     `forwarder.detect` span of that incarnation: one trace from the detection to the hub."""
@@ -78,20 +89,19 @@ def assert_traced(event: StoredEvent, spans_file: Path, *, incarnation: int, eve
     trace_id, parent_id, flags = match.groups()
     assert int(flags, 16) & 1, "sampled, so that the coordinator records its part"
     assert b"traceparent" not in event.body  # beside the envelope, not in it
-    recorded = spans(spans_file)
-    detect = [s for s in recorded if s["name"] == "forwarder.detect"]
-    detect = [s for s in detect if s["attributes"]["scheduled_events.incarnation"] == incarnation]
-    assert len(detect) == 1, recorded
-    assert detect[0]["traceId"] == trace_id
-    assert detect[0]["parentSpanId"] == ""  # the trace starts at the detection
-    assert detect[0]["attributes"]["scheduled_events.event_ids"] == event_ids
-    assert detect[0]["attributes"]["vm.name"] == "web_0"
-    sent = next(s for s in recorded if s["spanId"] == parent_id)
+    sent = wait_span(spans_file, parent_id)
     assert sent["name"] == "forwarder.send"
     assert sent["traceId"] == trace_id
-    assert sent["parentSpanId"] == detect[0]["spanId"]
     assert "error.type" not in sent["attributes"]
-    for span in (detect[0], sent):
+    detect = wait_span(spans_file, sent["parentSpanId"])
+    detections = [s for s in spans(spans_file) if s["name"] == "forwarder.detect"]
+    of_incarnation = [s for s in detections if s["attributes"]["scheduled_events.incarnation"] == incarnation]
+    assert of_incarnation == [detect], "one detection per incarnation"
+    assert detect["traceId"] == trace_id
+    assert detect["parentSpanId"] == ""  # the trace starts at the detection
+    assert detect["attributes"]["scheduled_events.event_ids"] == event_ids
+    assert detect["attributes"]["vm.name"] == "web_0"
+    for span in (detect, sent):
         assert span["service"] == SERVICE_NAME
         assert 0 < span["startTimeUnixNano"] <= span["endTimeUnixNano"]
         assert set(span) == {
@@ -151,10 +161,9 @@ def test_a_hook_report_joins_the_trace_of_the_change_that_ran_its_hooks(
     assert json.loads(message.body)["hook"]["outcome"] == "succeeded"
     match = TRACEPARENT.match(properties(message)["traceparent"])
     assert match
-    recorded = {s["spanId"]: s for s in spans(spans_file)}
-    sent = recorded[match.group(2)]
-    hooks = recorded[sent["parentSpanId"]]
-    detect = recorded[hooks["parentSpanId"]]
+    sent = wait_span(spans_file, match.group(2))
+    hooks = wait_span(spans_file, sent["parentSpanId"])
+    detect = wait_span(spans_file, hooks["parentSpanId"])
     assert (sent["name"], hooks["name"], detect["name"]) == ("forwarder.send", "forwarder.hooks", "forwarder.detect")
     assert {sent["traceId"], hooks["traceId"], detect["traceId"]} == {match.group(1)}
     assert detect["attributes"]["scheduled_events.incarnation"] == 2

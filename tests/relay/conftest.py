@@ -28,12 +28,8 @@ from emulators.relay.auth import Right
 from emulators.tokens import mint_token
 from forwarder.approver import Approver
 from forwarder.imds import ImdsClient
-from forwarder.relay_listener import (
-    EntraTokenProvider,
-    RelayListener,
-    SasTokenProvider,
-    TokenProvider,
-)
+from forwarder.relay_listener import RelayListener
+from forwarder.relay_tokens import EntraTokenProvider, SasTokenProvider, TokenProvider
 from forwarder.retry import Backoff, RateLimiter
 
 LISTEN_KEY = "bGlzdGVuLWtleS1mb3ItdGVzdHM="

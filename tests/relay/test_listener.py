@@ -18,7 +18,9 @@ from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
-from forwarder.relay_listener import RelayListener, RelayRequest, RelayResponse, RelayToken
+from forwarder.relay_listener import RelayListener
+from forwarder.relay_protocol import RelayRequest, RelayResponse
+from forwarder.relay_tokens import RelayToken
 from tests.relay.conftest import LISTEN_KEY, SEND_KEY, VM_A0, Vm, approval, scheduled_event
 
 

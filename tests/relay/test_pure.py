@@ -19,12 +19,8 @@ from contracts.sas import relay_resource_uri, sas_token
 from coordinator.adapters.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
 from forwarder.approver import Freshness, judge, refuse_stale
-from forwarder.relay_listener import (
-    RelayResponse,
-    SasTokenProvider,
-    _relative_path,
-    _response_frame,
-)
+from forwarder.relay_protocol import RelayResponse, relative_path, response_frame
+from forwarder.relay_tokens import SasTokenProvider
 
 NOW = datetime(2026, 11, 21, 6, 0, tzinfo=UTC)
 KEY = "c2VjcmV0LWtleS1mb3ItdGVzdHMtb25seQ=="
@@ -108,9 +104,7 @@ def test_relay_resource_uri_needs_a_host():
 
 def test_response_frame_drops_hop_by_hop_headers_and_reserved_statuses():
     frame = json.loads(
-        _response_frame(
-            "r1", RelayResponse(502, "x", {"Content-Length": "3", "X-Ok": "1", "Connection": "close"}, b"a")
-        )
+        response_frame("r1", RelayResponse(502, "x", {"Content-Length": "3", "X-Ok": "1", "Connection": "close"}, b"a"))
     )["response"]
     assert frame == {
         "requestId": "r1",
@@ -119,7 +113,7 @@ def test_response_frame_drops_hop_by_hop_headers_and_reserved_statuses():
         "responseHeaders": {"X-Ok": "1"},
         "body": True,
     }
-    assert json.loads(_response_frame("r2", RelayResponse(204)))["response"]["body"] is False
+    assert json.loads(response_frame("r2", RelayResponse(204)))["response"]["body"] is False
 
 
 @pytest.mark.parametrize(
@@ -133,7 +127,7 @@ def test_response_frame_drops_hop_by_hop_headers_and_reserved_statuses():
     ],
 )
 def test_relative_path_strips_the_hybrid_connection(target, expected):
-    assert _relative_path(target, "vm-a") == expected
+    assert relative_path(target, "vm-a") == expected
 
 
 # ---------------------------------------------------------------------------------------------- approval rules

@@ -16,7 +16,7 @@ from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import Right
-from forwarder.relay_listener import EntraTokenProvider
+from forwarder.relay_tokens import EntraTokenProvider
 from tests.relay.conftest import (
     COORDINATOR_IDENTITY,
     VM_A0,

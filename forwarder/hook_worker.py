@@ -1,0 +1,156 @@
+"""The hook worker thread: runs the hook phases the poll loop queued, one at a time, and spools each phase's report.
+
+Takes: the store (its hook ledger, where the poll loop queues a phase in the same transaction as the change that
+needs it), the hook runner, the tracer, the daemon's stop event and its counters, and `spooled`, called after each
+report is spooled (it wakes the sender). Gives: `HookWorker.run` for the thread, `wake()` for the poll loop, and
+`recover_interrupted`, run once at start, before the thread. Phases run on this thread, not the poll loop's, so that
+a hook that takes minutes never holds up the 1 s poll. Each phase is a `forwarder.hooks` span in the trace of the
+change that queued it, and its one `hook` envelope is spooled in the transaction that marks the phase done: a phase
+is reported once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from opentelemetry import trace
+from pydantic import TypeAdapter, ValidationError
+
+from contracts.document import ScheduledEvent
+from contracts.envelope import Envelope, HookPhase, HookReport, HookStep, VmIdentity
+from forwarder import __version__
+from forwarder.durable_state import HookJob, Store
+from forwarder.hooks import HookRunner, phase_report
+from forwarder.logs import fields
+from forwarder.telemetry import TRACEPARENT, TRACESTATE, parent, traceparent
+
+log = logging.getLogger("forwarder")
+
+_STEPS = TypeAdapter(list[HookStep])
+
+
+class HookWorker:
+    """Runs queued phases. `counters` is the daemon's: this thread counts `hooks_run` (phases)."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        runner: HookRunner,
+        tracer: trace.Tracer,
+        counters: dict[str, int],
+        stop: threading.Event,
+        spooled: Callable[[], None],
+    ) -> None:
+        self._store = store
+        self._runner = runner
+        self._tracer = tracer
+        self._counters = counters
+        self._stop = stop
+        self._spooled = spooled
+        self._wake = threading.Event()
+
+    def wake(self) -> None:
+        """A phase was queued (or the daemon is stopping): look at the ledger now."""
+        self._wake.set()
+
+    def recover_interrupted(self, identity: VmIdentity) -> None:
+        """A phase still marked running was cut short by a crash or kill: report it failed, naming the hook that
+        was running (or the phase, when none had started), with the hooks that had finished; never rerun it."""
+        for job in self._store.hook_jobs("running"):
+            phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
+            try:
+                finished = _STEPS.validate_json(job.steps)
+            except ValidationError:
+                # Only this process writes it; an unreadable list loses the finished steps, not the report.
+                log.warning("the finished steps of an interrupted phase are unreadable", extra=fields(phase=phase))
+                finished = []
+            interrupted = HookStep(
+                hook=job.step or f"{phase}.d",
+                outcome="failed",
+                durationSeconds=0.0,
+                outputTail="interrupted: the forwarder stopped while this hook ran; the phase is not run again",
+            )
+            log.warning(
+                "hook phase was interrupted by a forwarder restart",
+                extra=fields(event_id=job.event_id, phase=phase, hook=interrupted.hook),
+            )
+            report = phase_report(job.event_id, phase, [*finished, interrupted])
+            self._spool_report(identity, report, done=job, context=(job.traceparent, job.tracestate))
+
+    def run(self, identity: VmIdentity) -> None:
+        while not self._stop.is_set():
+            jobs = self._store.hook_jobs("pending")
+            if not jobs:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            for job in jobs:
+                if self._stop.is_set():
+                    return
+                self._run_phase(identity, job)
+
+    def _run_phase(self, identity: VmIdentity, job: HookJob) -> None:
+        event = ScheduledEvent.model_validate_json(job.event)
+        phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
+        self._store.mark_hook_running(job)
+
+        def progress(hook: str, finished: tuple[HookStep, ...]) -> None:
+            self._store.mark_hook_running(job, step=hook, steps=_STEPS.dump_json(list(finished)).decode())
+
+        # The phase, in the trace of the change that queued it; its report is sent in that span's context.
+        span = self._tracer.start_span(
+            "forwarder.hooks",
+            context=parent({TRACEPARENT: job.traceparent, TRACESTATE: job.tracestate}),
+            attributes={
+                "vm.name": identity.name,
+                "scheduled_events.event_id": job.event_id,
+                "scheduled_events.hook_phase": phase,
+            },
+        )
+        with trace.use_span(span, end_on_exit=True):
+            try:
+                report = self._runner.run(event, phase=phase, vm_name=identity.name, on_step=progress)
+            except Exception as exc:  # a bug here must not silently end hook processing for good
+                log.exception("running hooks failed", extra=fields(event_id=job.event_id, phase=phase))
+                failed = HookStep(
+                    hook=f"{phase}.d",
+                    outcome="failed",
+                    durationSeconds=0.0,
+                    outputTail=f"the forwarder could not run the hooks: {exc}"[:1024],
+                )
+                report = phase_report(job.event_id, phase, [failed])
+            span.set_attribute("scheduled_events.hook_outcome", report.outcome)
+            self._counters["hooks_run"] += 1
+            self._spool_report(identity, report, done=job, context=traceparent(span))
+
+    def _spool_report(
+        self, identity: VmIdentity, report: HookReport, *, done: HookJob, context: tuple[str, str]
+    ) -> None:
+        """One `hook` envelope per phase, spooled in the same transaction that marks the phase done, with the
+        trace context (traceparent, tracestate) it is sent in."""
+        observed = datetime.now(UTC)
+
+        def build(sequence: int) -> bytes:
+            return Envelope(
+                kind="hook",
+                vm=identity,
+                observedAt=observed,
+                sequence=sequence,
+                forwarder=__version__,
+                stateId=self._store.state_id,
+                hook=report,
+            ).to_json_bytes()
+
+        self._store.enqueue(
+            "hook",
+            build,
+            hook_done=(done.event_id, done.phase),
+            hook_outcome=report.outcome,
+            traceparent=context[0],
+            tracestate=context[1],
+        )
+        self._spooled()

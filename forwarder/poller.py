@@ -1,0 +1,184 @@
+"""One poll: read the document, set aside what is invalid, and on a change spool its `incarnation` envelope and queue
+the hook phases it starts, in one transaction.
+
+Takes: the IMDS client, the store, the tracer, the daemon's counters (this counts `polls` and `changes`), and two
+callbacks: `spooled` (wakes the sender) and `queued` (wakes the hook worker). Gives: `Poller.poll_once(identity)`,
+called by the daemon's poll loop, which owns the cadence, the backoff and the health of the polls; and `document`,
+the last valid document read, which the daemon hands to its companions. The last document is kept in the store, so a
+restart forwards only what changed while it was down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from opentelemetry import trace
+from pydantic import ValidationError
+
+from contracts.document import ScheduledEventsDocument
+from contracts.envelope import Envelope, VmIdentity
+from forwarder import __version__
+from forwarder.changes import Change, detect
+from forwarder.durable_state import HookJob, Store
+from forwarder.imds import ImdsClient, ImdsInvalidResponse, InvalidEvent, read_document
+from forwarder.logs import fields
+from forwarder.telemetry import traceparent
+
+log = logging.getLogger("forwarder")
+
+LAST_DOCUMENT = "last_document"
+
+
+class Poller:
+    """Turns polls into envelopes; called from the poll loop only, so its state needs no lock."""
+
+    def __init__(
+        self,
+        *,
+        imds: ImdsClient,
+        store: Store,
+        tracer: trace.Tracer,
+        counters: dict[str, int],
+        spooled: Callable[[], None],
+        queued: Callable[[], None],
+    ) -> None:
+        self._imds = imds
+        self._store = store
+        self._tracer = tracer
+        self._counters = counters
+        self._spooled = spooled
+        self._queued = queued
+        self._last_document: ScheduledEventsDocument | None = None
+        self._last_canonical: str | None = None
+        self._last_raw: bytes | None = None
+        self._last_bad: bytes | None = None
+        self._bad_events: frozenset[bytes] = frozenset()  # the set-aside events of the last document read
+        self._restore()
+
+    @property
+    def document(self) -> ScheduledEventsDocument | None:
+        """The last valid document read (or remembered from before a restart); None before the first."""
+        return self._last_document
+
+    def _restore(self) -> None:
+        saved = self._store.get_state(LAST_DOCUMENT)
+        if saved is None:
+            return
+        try:
+            self._last_document = ScheduledEventsDocument.model_validate_json(saved)
+            self._last_canonical = saved
+        except ValidationError:
+            # Only this process writes it; if it is unreadable, forwarding the current document once more is the
+            # safe side (a repeated incarnation changes nothing downstream), losing a change is not.
+            log.warning("the remembered document is unreadable; the next document is forwarded as new")
+
+    def poll_once(self, identity: VmIdentity) -> Change | None:
+        """Read the document once; spool an envelope and queue hooks if it changed. Raises ImdsError."""
+        polled_at = time.time_ns()  # the start of the forwarder.detect span, if this poll sees a change
+        raw = self._imds.get_document_bytes()
+        self._counters["polls"] += 1
+        if raw == self._last_raw:
+            return None  # the common case: same bytes as a second ago, nothing parsed, nothing allocated to keep
+        try:
+            parsed = read_document(raw)
+        except ImdsInvalidResponse as exc:
+            if raw != self._last_bad:
+                self._last_bad = raw
+                self._store.reject(str(exc), raw)
+                log.error(
+                    "invalid scheduled-events document set aside; nothing forwarded and no hook run",
+                    extra=fields(reason=str(exc), body=raw[:200].decode("utf-8", errors="replace")),
+                )
+            raise
+        self._last_bad = None
+        document = parsed.document
+        self._set_aside(parsed.invalid)
+        set_aside = frozenset(bad.event_id for bad in parsed.invalid if bad.event_id is not None)
+        change = detect(self._last_document, self._last_canonical, document, vm_name=identity.name, set_aside=set_aside)
+        self._last_raw = raw
+        if change is None:
+            return None
+        observed = datetime.now(UTC)
+
+        def build(sequence: int) -> bytes:
+            return Envelope(
+                kind="incarnation",
+                vm=identity,
+                observedAt=observed,
+                sequence=sequence,
+                forwarder=__version__,
+                stateId=self._store.state_id,
+                document=document,
+            ).to_json_bytes()
+
+        # The approval's trace starts here, at the poll that saw the change; its context is spooled with the
+        # envelope so that it travels with it whenever it is sent, and queued with the hooks it starts.
+        detect_span = self._tracer.start_span(
+            "forwarder.detect",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root, whatever the caller's context
+            start_time=polled_at,
+            attributes={
+                "vm.name": identity.name,
+                "scheduled_events.event_ids": ",".join(e.EventId for e in document.Events),
+                "scheduled_events.incarnation": document.DocumentIncarnation,
+            },
+        )
+        with trace.use_span(detect_span, end_on_exit=True):
+            span_parent, span_state = traceparent(detect_span)
+            jobs = [
+                HookJob(e.EventId, phase, e.model_dump_json(), traceparent=span_parent, tracestate=span_state)
+                for phase, events in (("prepare", change.prepare), ("recover", change.recover))
+                for e in events
+            ]
+            sequence = self._store.enqueue(
+                "incarnation",
+                build,
+                state={LAST_DOCUMENT: change.canonical},
+                hooks=jobs,
+                traceparent=span_parent,
+                tracestate=span_state,
+            )
+            detect_span.set_attribute("scheduled_events.sequence", sequence)
+        self._last_document, self._last_canonical = document, change.canonical
+        self._counters["changes"] += 1
+        log.info(
+            "document changed",
+            extra=fields(
+                incarnation=document.DocumentIncarnation,
+                reason=change.reason,
+                sequence=sequence,
+                events=[f"{e.EventId}:{e.EventType}:{e.EventStatus}" for e in document.Events],
+                prepare=[e.EventId for e in change.prepare],
+                recover=[e.EventId for e in change.recover],
+            ),
+        )
+        for before, after in change.renamed:
+            log.info(
+                "event renamed as it started; same maintenance: no recover for the old id, no prepare for the new",
+                extra=fields(
+                    event_id=before.EventId,
+                    new_event_id=after.EventId,
+                    event_type=after.EventType,
+                    resources=after.Resources,
+                ),
+            )
+        self._spooled()
+        if jobs:
+            self._queued()
+        return change
+
+    def _set_aside(self, invalid: tuple[InvalidEvent, ...]) -> None:
+        """Count, keep and log each invalid event once per distinct content (it stays bad at every poll)."""
+        seen = self._bad_events
+        self._bad_events = frozenset(bad.body for bad in invalid)
+        for bad in invalid:
+            if bad.body in seen:
+                continue
+            self._store.reject(bad.reason, bad.body, counter="invalid_events")
+            log.error(
+                "invalid scheduled event set aside; the document's other events are forwarded, no hook runs for it",
+                extra=fields(reason=bad.reason, event_id=bad.event_id, body=bad.body[:200].decode("utf-8", "replace")),
+            )

@@ -1,0 +1,96 @@
+"""The sender thread: spooled envelopes to the sink, in spool order, for as long as the daemon runs.
+
+Takes: the store (its spool), the sink, the tracer, the daemon's stop event and its counters. Gives: `Sender.run` for
+the thread, and `wake()` for whoever spooled something. A failed send keeps the envelopes in the spool and backs off
+(`forwarder.retry.Backoff`): an outage shows up as a growing spool, never as a lost envelope. On stop it flushes for
+at most `SHUTDOWN_FLUSH_SECONDS`; what is left is sent after the restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from opentelemetry import trace
+
+from contracts.envelope import VmIdentity
+from forwarder.durable_state import Store
+from forwarder.logs import FailureLog, fields
+from forwarder.retry import Backoff
+from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
+from forwarder.telemetry import send_spans
+
+log = logging.getLogger("forwarder")
+
+SHUTDOWN_FLUSH_SECONDS = 5.0
+
+
+class Sender:
+    """Sends the spool through the sink. `counters` is the daemon's: this thread counts `sent` and `send_failures`."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        sink: Sink,
+        tracer: trace.Tracer,
+        batch_max: int,
+        counters: dict[str, int],
+        stop: threading.Event,
+    ) -> None:
+        self._store = store
+        self._sink = sink
+        self._tracer = tracer
+        self._batch_max = batch_max
+        self._counters = counters
+        self._stop = stop
+        self._wake = threading.Event()
+        self._failures = FailureLog("sending to the sink", logger=log)
+
+    def wake(self) -> None:
+        """Something was spooled (or the daemon is stopping): look at the spool now."""
+        self._wake.set()
+
+    def run(self, identity: VmIdentity) -> None:
+        backoff = Backoff(initial=1.0, maximum=60.0)
+        deadline: float | None = None
+        while True:
+            if self._stop.is_set() and deadline is None:
+                deadline = time.monotonic() + SHUTDOWN_FLUSH_SECONDS
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            items = self._store.peek(self._batch_max)
+            if not items:
+                if self._stop.is_set():
+                    break
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                with send_spans(self._tracer, items, vm_name=identity.name) as outgoing:
+                    self._sink.send(outgoing, partition_key=identity.partition_key)
+            except UndeliverableEnvelope as exc:
+                log.error(
+                    "envelope can never be delivered; set aside",
+                    extra=fields(reason=str(exc), sequence=exc.item.sequence),
+                )
+                self._store.reject(f"undeliverable envelope: {exc}", exc.item.body, counter="undeliverable_envelopes")
+                self._store.ack([exc.item])
+            except Exception as exc:  # SinkError, and whatever else an SDK or credential raises: keep spooling
+                self._counters["send_failures"] += 1
+                self._failures.failed(exc, spool_depth=self._store.depth(), unexpected=not isinstance(exc, SinkError))
+                if deadline is not None:
+                    break
+                self._wake.clear()
+                self._stop.wait(backoff.next_delay())
+            else:
+                self._store.ack(items)
+                self._counters["sent"] += len(items)
+                self._failures.succeeded()
+                backoff.reset()
+        depth = self._store.depth()
+        if depth:
+            log.warning(
+                "stopping with unsent envelopes; they are kept and sent after the restart", extra=fields(unsent=depth)
+            )
