@@ -1,5 +1,6 @@
 """Fixtures: the function app wired to Azurite (state), SQLite (history), a cards folder and the IMDS emulator
-(approvals through DirectImdsCallback), each test with its own table."""
+(approvals through DirectImdsCallback), each test with its own table; and, for the fast stage tests, a run's parts
+on the in-memory store (``bench``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
 from local.direct_callback import direct_coordinator
 from tests.coordinator.helpers import DOC_NOW, WEB_FLEET
+from tests.coordinator.runs import Bench
 
 
 class Clock:
@@ -112,3 +114,12 @@ def fleet_imds() -> Iterator[ImdsEmulator]:
     )
     with ImdsEmulator(scenario=scenario, throttle_rps=0) as emulator:
         yield emulator
+
+
+@pytest.fixture
+def bench() -> Iterator[Bench]:
+    """A run's parts on the in-memory store, with stand-ins for the approval path and the card sink
+    (tests/coordinator/runs.py); its approval threads are joined at the end."""
+    parts = Bench()
+    yield parts
+    parts.close()

@@ -19,6 +19,9 @@ DOC_NOT_BEFORE = "Mon, 11 Apr 2022 22:26:58 GMT"
 # The documented example: scheduled a quarter of an hour before NotBefore.
 DOC_NOW = datetime(2022, 4, 11, 22, 11, 58, tzinfo=UTC)
 
+# Every VM the builders make is in this subscription (resource group rg-fleet).
+SUBSCRIPTION = "00000000-0000-0000-0000-000000000001"
+GRID_EVENT_TYPE = "Microsoft.ResourceNotifications.MaintenanceResources.ScheduledEventEmitted"
 
 # The scale set "web" of four VMs in one placement group (the fleet_imds fixture).
 WEB_FLEET = ("web_0", "web_1", "web_2", "web_3")
@@ -28,7 +31,7 @@ def vm(name: str, *, group: str = "avset-westno", scale_set: str = "", index: in
     number = index if index is not None else abs(hash(name)) % 10**8
     vm_id = f"{number:08x}-0000-4000-8000-{number:012x}"
     rg = "rg-fleet"
-    resource = f"/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/{rg}/providers/" + (
+    resource = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/{rg}/providers/" + (
         f"Microsoft.Compute/virtualMachineScaleSets/{scale_set}/virtualMachines/{name.rsplit('_', 1)[-1]}"
         if scale_set
         else f"Microsoft.Compute/virtualMachines/{name}"
@@ -37,7 +40,7 @@ def vm(name: str, *, group: str = "avset-westno", scale_set: str = "", index: in
         "name": name,
         "vmId": vm_id,
         "resourceId": resource,
-        "subscriptionId": "00000000-0000-0000-0000-000000000001",
+        "subscriptionId": SUBSCRIPTION,
         "resourceGroupName": rg,
         "vmScaleSetName": scale_set,
         "location": "norwayeast",
@@ -91,6 +94,44 @@ def envelope(
     if hook is not None:
         data["hook"] = hook
     return data
+
+
+def grid_event(
+    event_id: str = "EV-G",
+    *,
+    status: str = "Scheduled",
+    resources: list[str] | None = None,
+    at: datetime = DOC_NOW,
+    scale_set: str = "web",
+    resource_group: str = "rg-fleet",
+    grid_id: str = "g-1",
+) -> dict[str, Any]:
+    """An Event Grid event of the Maintenance resources topic (the documented sample's shape) naming VMs of a scale
+    set in the helpers' subscription."""
+    resource = (
+        f"/subscriptions/{SUBSCRIPTION}/resourceGroups/{resource_group}/providers/Microsoft.Compute/"
+        f"virtualMachineScaleSets/{scale_set}/providers/microsoft.maintenance/scheduledevents/{event_id}"
+    )
+    return {
+        "id": grid_id,
+        "subject": resource,
+        "eventType": GRID_EVENT_TYPE,
+        "eventTime": at.isoformat(),
+        "data": {
+            "resourceInfo": {
+                "id": resource,
+                "location": "norwayeast",
+                "properties": {
+                    "EventId": event_id,
+                    "EventType": "Freeze",
+                    "Resources": resources or ["web_0"],
+                    "EventStatus": status,
+                    "NotBefore": DOC_NOT_BEFORE,
+                    "DurationInSeconds": 5,
+                },
+            }
+        },
+    }
 
 
 def hub_event(data: dict[str, Any] | bytes, *, partition_key: str | None = None, number: int = 0) -> func.EventHubEvent:

@@ -1,0 +1,242 @@
+"""A ``Run`` (coordinator/pipeline/run.py) on the in-memory store, for the fast tests of each stage
+(tests/coordinator/test_pipeline_*.py): what every stage takes, built without Azurite, a Relay or Teams.
+
+Stand-ins only where a part cannot be local: ``RecordingCallback`` for an approval path (the Relay sender, or the
+Maintenance RP's acknowledge), ``RecordingAlerts`` for the card sink (Teams); history goes to ``MemoryHistory``.
+``put_event`` and ``put_vm`` store state as earlier runs would have left it: an event's record in its entity, each
+VM's position (with its sightings) in its VM group. The scenario tests (test_service.py and the others on Azurite)
+show the same behaviour across every part; these show each module's own.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
+from coordinator.adapters.teams import AlertError
+from coordinator.domain.model import EventRecord, SightingStatus, VmGroupRecord, VmRecord, VmSighting, group_key
+from coordinator.domain.policy import Policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.rows import HistoryRow
+from coordinator.pipeline.fleet import Fleet
+from coordinator.pipeline.ingest import RawMessage
+from coordinator.pipeline.run import Options, Parts, Report, Run, RunKind
+from coordinator.state.events import read_event
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, event_record, vm
+from tests.coordinator.memory_store import MemoryStateStore
+
+# The documented notice: a quarter of an hour.
+NOT_BEFORE = DOC_NOW + timedelta(minutes=15)
+
+
+class RecordingCallback:
+    """A stand-in for an approval path (the Relay sender, or remote acknowledge): records each request with the VM
+    it went to and answers ``outcome`` (or raises ``error``). While ``hold`` is set to an unset ``threading.Event``,
+    each send waits for it: a listener that does not answer in time."""
+
+    def __init__(self, outcome: ApprovalOutcome = "approved", *, error: Exception | None = None) -> None:
+        self.outcome: ApprovalOutcome = outcome
+        self.error = error
+        self.reason = ""
+        self.hold: threading.Event | None = None
+        self.sent: list[tuple[ApprovalRequest, VmIdentity]] = []
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        self.sent.append((request, vm))
+        if self.hold is not None:
+            self.hold.wait(timeout=10)
+        if self.error is not None:
+            raise self.error
+        return ApprovalResult(
+            outcome=self.outcome,
+            eventId=request.eventId,
+            decisionId=request.decisionId,
+            documentIncarnation=7,
+            reason=self.reason,
+        )
+
+    @property
+    def vms(self) -> list[str]:
+        return [vm.name for _, vm in self.sent]
+
+
+class RecordingAlerts:
+    """A stand-in for the card sink (Teams): keeps each card sent with its key, in order; refuses every card with
+    ``AlertError`` while ``failing``."""
+
+    def __init__(self) -> None:
+        self.cards: list[tuple[str, dict[str, Any]]] = []
+        self.failing = False
+
+    def send(self, card: dict[str, Any], *, key: str) -> None:
+        if self.failing:
+            raise AlertError(f"card {key} refused (stand-in)")
+        self.cards.append((key, card))
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for key, _ in self.cards]
+
+
+class Bound(random.Random):
+    """Jitter at one end of its range (``high``: the ceiling, else 0), so a delay shows the backoff itself; notes
+    each range it was asked for."""
+
+    def __init__(self, *, high: bool) -> None:
+        super().__init__()
+        self.high = high
+        self.asked: list[tuple[float, float]] = []
+
+    def uniform(self, a: float, b: float) -> float:
+        self.asked.append((a, b))
+        return b if self.high else a
+
+
+@dataclass
+class Bench:
+    """The parts a run talks to, kept across runs (as the coordinator keeps them): ``run`` starts one as
+    ``Coordinator.start`` does, with ``options`` (and the call's) as its ``Options``."""
+
+    store: MemoryStateStore = field(default_factory=MemoryStateStore)
+    history: MemoryHistory = field(default_factory=MemoryHistory)
+    alerts: RecordingAlerts = field(default_factory=RecordingAlerts)
+    callback: RecordingCallback = field(default_factory=RecordingCallback)
+    remote_acknowledge: RecordingCallback | None = None
+    policy: Policy = field(default_factory=lambda: load_policy(DEFAULT_POLICY_PATH))
+    now: datetime = DOC_NOW
+    options: dict[str, Any] = field(default_factory=dict)
+    # Seeded: the backoff's jitter is the same in every test run.
+    rng: random.Random = field(default_factory=lambda: random.Random(20))
+    _executor: ThreadPoolExecutor | None = None
+
+    def run(self, kind: RunKind = "batch", **options: Any) -> Run:
+        parts = Parts(
+            store=self.store,
+            history=self.history,
+            alerts=self.alerts,
+            callback=self.callback,
+            remote_acknowledge=self.remote_acknowledge,
+            rng=self.rng,
+            pool=self.pool,
+        )
+        return Run(
+            kind=kind,
+            parts=parts,
+            options=Options(**{**self.options, **options}),
+            policy=self.policy,
+            now=self.now,
+            fleet=Fleet(self.store),
+            report=Report(kind=kind),
+        )
+
+    def pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="approval-test")
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    def event(self, event_id: str) -> EventRecord:
+        """The event as stored now, with its VMs' sightings."""
+        stored = read_event(self.store, event_id)
+        assert stored is not None, f"no event {event_id}"
+        return stored.record
+
+    def vm(self, name: str, *, scale_set: str = "") -> VmRecord:
+        """A VM's position as stored now."""
+        who = identity(name, scale_set=scale_set)
+        key = group_key(who)
+        group = self.store.get_vm_groups([key]).get(key)
+        assert group is not None, f"no group {key}"
+        return group.record.vms[who.vmId.lower()]
+
+    def rows(self, record_type: str, **columns: Any) -> list[HistoryRow]:
+        """The history rows of one type (and these column values) the sink holds, in order."""
+        return [
+            row
+            for row in self.history.rows
+            if row.RecordType == record_type and all(getattr(row, name) == value for name, value in columns.items())
+        ]
+
+
+def identity(name: str, *, scale_set: str = "") -> VmIdentity:
+    """The helpers' VM of that name, with a vmId of its own (from the name, stable); a scale set's VMs are in the
+    placement group ``pg-{scale set}``, the others in ``avset-westno``."""
+    group = f"pg-{scale_set}" if scale_set else "avset-westno"
+    data = vm(name, index=zlib.crc32(name.encode()) % 10**8, scale_set=scale_set, group=group)
+    return VmIdentity.model_validate(data)
+
+
+def put_vm(
+    store: MemoryStateStore,
+    name: str,
+    *,
+    scale_set: str = "",
+    last_seen: datetime = DOC_NOW,
+    sightings: Mapping[str, VmSighting] | None = None,
+    **fields: Any,
+) -> VmRecord:
+    """Stores a VM's position in its group (beside the group's other VMs), with ``sightings`` added to those it had."""
+    who = identity(name, scale_set=scale_set)
+    key = group_key(who)
+    current = store.get_vm_groups([key]).get(key)
+    vms = dict(current.record.vms) if current else {}
+    previous = vms.get(who.vmId.lower())
+    record = VmRecord.model_validate(
+        {
+            "identity": who,
+            "lastSequence": 1,
+            "lastSeen": last_seen,
+            **(previous.model_dump() if previous else {}),
+            **fields,
+            "sightings": {**(previous.sightings if previous else {}), **(sightings or {})},
+        }
+    ).model_copy(update={"lastSeen": last_seen})
+    vms[who.vmId.lower()] = record
+    store.save_vm_group(VmGroupRecord(group=key, vms=vms), current.etag if current else None)
+    return record
+
+
+def put_event(
+    store: MemoryStateStore,
+    event_id: str,
+    *,
+    vms: Sequence[str] = ("WestNO_0",),
+    scale_set: str = "",
+    seen: datetime = DOC_NOW,
+    status: SightingStatus = "Scheduled",
+    **fields: Any,
+) -> EventRecord:
+    """Stores an event as a batch would have left it: the record (a Reboot naming ``vms``, Scheduled since DOC_NOW,
+    unless ``fields`` say) in its entity, and each VM's sighting of it (``status``, last seen at ``seen``) with the
+    VM's position. Gives the record as the stages read it."""
+    keys = set()
+    for name in vms:
+        sighting = VmSighting(firstSeen=min(seen, DOC_NOW), lastSeen=seen, lastSequence=1, incarnation=1, status=status)
+        put_vm(store, name, scale_set=scale_set, last_seen=seen, sightings={event_id: sighting})
+        keys.add(group_key(identity(name, scale_set=scale_set)))
+    base: dict[str, Any] = {
+        "resources": list(vms),
+        "groups": sorted(keys),
+        "scaleSets": [scale_set] if scale_set else [],
+    }
+    store.save_event(event_record(event_id, **{**base, **fields}), None)
+    stored = read_event(store, event_id)
+    assert stored is not None
+    return stored.record
+
+
+def message(data: dict[str, Any]) -> RawMessage:
+    """An envelope as the Event Hubs trigger hands it over: partition key = the VM's resource id."""
+    return RawMessage(body=json.dumps(data).encode(), partition_key=str(data["vm"]["resourceId"]).lower())

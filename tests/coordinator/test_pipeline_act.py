@@ -1,0 +1,323 @@
+"""Deliver (coordinator/pipeline/act.py): committed approvals sent through the chosen VM (or the Maintenance RP), and
+each outcome committed to its event: Approved, a retry time with backoff, or a card."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+
+from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.domain.model import ApprovalRecord, EventRecord
+from coordinator.domain.policy_file import parse_policy
+from coordinator.pipeline import act
+from coordinator.pipeline.run import Run
+from tests.coordinator.helpers import DOC_NOW
+from tests.coordinator.runs import NOT_BEFORE, Bench, Bound, RecordingCallback, put_event, put_vm
+
+EVENT = "EV-FREEZE"
+SILENT = DOC_NOW - timedelta(minutes=10)
+
+
+def approval(rule: str = "short-freeze", **fields: Any) -> ApprovalRecord:
+    return ApprovalRecord.model_validate(
+        {
+            "decisionId": "d-1",
+            "rule": rule,
+            "actor": f"rule:{rule}",
+            "decidedAt": DOC_NOW,
+            "nextAttemptAt": DOC_NOW + timedelta(seconds=90),
+            **fields,
+        }
+    )
+
+
+def approved_freeze(bench: Bench, *, seen: datetime = DOC_NOW, rule: str = "short-freeze", **fields: Any) -> None:
+    put_event(
+        bench.store,
+        EVENT,
+        vms=("WestNO_0", "WestNO_1"),
+        seen=seen,
+        eventType="Freeze",
+        durationInSeconds=5,
+        notBefore=NOT_BEFORE,
+        approval=approval(rule),
+        **fields,
+    )
+
+
+def deliver(bench: Bench, *event_ids: str, last_seen: dict[str, datetime] | None = None, **options: Any) -> Run:
+    run = bench.run(**options)
+    run.work.deliveries = list(event_ids or [EVENT])
+    act.deliver(run, last_seen=last_seen)
+    return run
+
+
+def test_an_approval_goes_to_the_first_named_vm_and_its_approved_answer_moves_the_event(bench: Bench):
+    approved_freeze(bench)
+    run = deliver(bench)
+
+    assert bench.callback.vms == ["WestNO_0"]
+    request = bench.callback.sent[0][0]
+    assert (request.eventId, request.decisionId, request.rule, request.expiresAt) == (
+        EVENT,
+        "d-1",
+        "short-freeze",
+        NOT_BEFORE,
+    )
+    assert request.facts is not None
+    assert (request.facts.eventType, request.facts.durationInSeconds, request.facts.resources) == (
+        "Freeze",
+        5,
+        ["WestNO_0", "WestNO_1"],
+    )
+    record = bench.event(EVENT)
+    assert record.state == "Approved"
+    assert record.approval is not None
+    assert (record.approval.delivered, record.approval.attempts, record.approval.executor) == (True, 1, "WestNO_0")
+    # The listener's word is not the platform's: Started (or gone) must follow within start_bound.
+    assert record.approval.confirmBy == DOC_NOW + run.options.start_bound
+    assert record.approval.nextAttemptAt is None
+    assert run.report.approvals_sent == 1
+    assert run.work.alerts == [(EVENT, "approved")]
+    # The intent went to the history before anything was sent; the outcome waits for the tail's history step.
+    assert [(r.Outcome, r.Reason) for r in bench.rows("Approval")] == [
+        ("sending", f"StartRequests for {EVENT} going to WestNO_0 (attempt 1)")
+    ]
+    assert [(r.RecordType, r.Outcome or r.State) for r in run.work.rows] == [
+        ("Approval", "approved"),
+        ("Transition", "Approved"),
+    ]
+    assert run.stages == ["deliver"]
+
+
+def test_dry_run_sends_nothing_and_records_no_attempt(bench: Bench):
+    approved_freeze(bench)
+    run = deliver(bench, dry_run=True)
+    assert bench.callback.sent == []
+    record = bench.event(EVENT)
+    assert record.approval is not None
+    assert (record.state, record.approval.attempts, record.approval.outcome) == ("Scheduled", 0, "")
+    assert run.report.approvals_sent == 0
+    assert bench.history.rows == []
+    assert run.work.rows == []
+
+
+def test_the_policys_dry_run_holds_an_approval_decided_before_it_was_switched_on(bench: Bench):
+    approved_freeze(bench)
+    bench.policy = parse_policy("dryRun: true\nrules:\n  - name: short-freeze\n    action: approve-now\n")
+    deliver(bench)
+    assert bench.callback.sent == []
+
+
+def test_no_vm_reporting_within_the_heartbeat_timeout_is_a_failure_that_says_so(bench: Bench):
+    approved_freeze(bench, seen=SILENT)
+    run = deliver(bench)
+    assert bench.callback.sent == []
+    approval_now = bench.event(EVENT).approval
+    assert approval_now is not None
+    assert approval_now.outcome == "failed"
+    assert approval_now.reason == "no VM of ['WestNO_0', 'WestNO_1'] reported within 300 s"
+    assert approval_now.nextAttemptAt is not None
+    assert approval_now.nextAttemptAt > DOC_NOW
+    # Nothing was sent: no intent row, only the outcome.
+    assert bench.rows("Approval") == []
+    assert [r.Outcome for r in run.work.rows] == ["failed"]
+
+
+def test_the_timers_fresh_last_seen_makes_a_recently_heard_vm_the_executor(bench: Bench):
+    approved_freeze(bench, seen=SILENT)
+    deliver(bench, last_seen={"WestNO_1": DOC_NOW})
+    assert bench.callback.vms == ["WestNO_1"]
+
+
+def test_a_terminate_goes_only_through_the_vm_it_deletes_never_a_peer(bench: Bench):
+    put_event(
+        bench.store,
+        "EV-DEL",
+        vms=("web_0",),
+        scale_set="web",
+        seen=SILENT,
+        eventType="Terminate",
+        notBefore=NOT_BEFORE,
+        approval=approval("terminate-after-prepare-hooks"),
+    )
+    # A peer of the same placement group that lists the delete too, and is alive.
+    peer = bench.event("EV-DEL").vms["web_0"].model_copy(update={"lastSeen": DOC_NOW, "name": ""})
+    put_vm(bench.store, "web_1", scale_set="web", sightings={"EV-DEL": peer})
+    assert set(bench.event("EV-DEL").vms) == {"web_0", "web_1"}
+
+    deliver(bench, "EV-DEL")
+    assert bench.callback.sent == []
+    approval_now = bench.event("EV-DEL").approval
+    assert approval_now is not None
+    assert approval_now.reason.startswith(
+        "a Terminate is approved only through the VM it deletes, and none of ['web_0']"
+    )
+
+
+def test_a_vm_that_a_delete_is_removing_is_never_the_executor(bench: Bench):
+    approved_freeze(bench)
+    put_event(
+        bench.store,
+        "EV-DEL",
+        vms=("WestNO_0",),
+        eventType="Terminate",
+        notBefore=NOT_BEFORE,
+        approval=approval("terminate-after-prepare-hooks", decisionId="d-del"),
+    )
+    deliver(bench)
+    # Its listener may be gone before it answers: the Freeze goes through the other VM.
+    assert bench.callback.vms == ["WestNO_1"]
+
+
+REMOTE_POLICY = """
+rules:
+  - name: arm-freeze
+    match: {eventType: [Freeze]}
+    action: approve-now
+    callback: remote-acknowledge
+  - name: rest
+    action: wait-for-person
+"""
+
+
+def test_a_rule_asking_for_remote_acknowledge_sends_nothing_while_it_is_off(bench: Bench):
+    bench.policy = parse_policy(REMOTE_POLICY)
+    approved_freeze(bench, rule="arm-freeze")
+    deliver(bench)
+    assert bench.callback.sent == []
+    approval_now = bench.event(EVENT).approval
+    assert approval_now is not None
+    assert approval_now.outcome == "failed"
+    assert approval_now.reason == (
+        "rule 'arm-freeze' approves through remote acknowledge, which is off (COORDINATOR_REMOTE_ACKNOWLEDGE); "
+        "nothing sent"
+    )
+
+
+def test_a_rule_asking_for_remote_acknowledge_goes_through_arm_when_it_is_on(bench: Bench):
+    bench.policy = parse_policy(REMOTE_POLICY)
+    bench.remote_acknowledge = RecordingCallback()
+    approved_freeze(bench, rule="arm-freeze")
+    deliver(bench)
+    assert bench.callback.sent == []
+    assert bench.remote_acknowledge.vms == ["WestNO_0"]
+    approval_now = bench.event(EVENT).approval
+    assert approval_now is not None
+    assert approval_now.executor == "arm:WestNO_0"
+    assert bench.rows("Approval")[0].Reason == f"acknowledge of {EVENT} going to ARM for WestNO_0 (attempt 1)"
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_remote_acknowledge_takes_over_when_no_listener_can_only_as_the_fallback(bench: Bench, fallback):
+    bench.remote_acknowledge = RecordingCallback()
+    approved_freeze(bench, seen=SILENT)
+    deliver(bench, remote_acknowledge_fallback=fallback)
+    assert bench.callback.sent == []
+    assert bench.remote_acknowledge.vms == (["WestNO_0"] if fallback else [])
+
+
+def test_failures_back_off_and_the_third_raises_approval_failed(bench: Bench):
+    bench.rng = Bound(high=True)  # the jitter at its ceiling: the delays show the backoff itself
+    bench.callback.error = ApprovalDeliveryError("nobody listening on vm-WestNO_0")
+    approved_freeze(bench)
+    delays, cards = [], []
+    for _ in range(3):
+        run = deliver(bench, approval_backoff=(5.0, 15.0))
+        approval_now = bench.event(EVENT).approval
+        assert approval_now is not None
+        assert approval_now.nextAttemptAt is not None
+        assert (approval_now.outcome, approval_now.reason) == ("failed", "nobody listening on vm-WestNO_0")
+        delays.append((approval_now.nextAttemptAt - DOC_NOW).total_seconds())
+        cards.append([kind for _, kind in run.work.alerts])
+    assert delays == [5.0, 10.0, 15.0]  # doubling from 5 s, capped at 15 s
+    assert cards == [[], [], ["approval-failed"]]
+    assert bench.event(EVENT).state == "Scheduled"
+
+
+def test_the_retry_waits_at_least_a_second_however_the_jitter_falls(bench: Bench):
+    bench.rng = Bound(high=False)
+    bench.callback.error = ApprovalDeliveryError("timeout")
+    approved_freeze(bench)
+    deliver(bench)
+    approval_now = bench.event(EVENT).approval
+    assert approval_now is not None
+    assert approval_now.nextAttemptAt == DOC_NOW + timedelta(seconds=1)
+
+
+def test_a_rejected_approval_raises_approval_refused_once_and_is_retried(bench: Bench):
+    bench.callback.outcome = "rejected"
+    bench.callback.reason = "EventType is 'Reboot' here, the decision rested on 'Freeze'"
+    approved_freeze(bench)
+    first = deliver(bench)
+    second = deliver(bench)
+    record = bench.event(EVENT)
+    assert record.approval is not None
+    assert (record.state, record.approval.delivered, record.approval.attempts) == ("Scheduled", False, 2)
+    assert record.approval.reason == "EventType is 'Reboot' here, the decision rested on 'Freeze'"
+    assert record.approval.nextAttemptAt is not None
+    assert [k for _, k in first.work.alerts] == ["approval-refused"]
+    assert second.work.alerts == []
+
+
+def test_not_scheduled_waits_for_the_vms_next_document_instead_of_retrying(bench: Bench):
+    bench.callback.outcome = "not-scheduled"
+    approved_freeze(bench)
+    deliver(bench)
+    approval_now = bench.event(EVENT).approval
+    assert approval_now is not None
+    assert (approval_now.outcome, approval_now.nextAttemptAt, approval_now.delivered) == ("not-scheduled", None, False)
+
+
+def test_a_listener_that_does_not_answer_within_the_deadline_is_recorded_as_failed(bench: Bench):
+    approved_freeze(bench)
+    bench.callback.hold = threading.Event()
+    try:
+        deliver(bench, approval_deadline=timedelta(milliseconds=50))
+    finally:
+        bench.callback.hold.set()  # its thread finishes on its own (the real sender has its own timeouts)
+    approval_now = bench.event(EVENT).approval
+    assert approval_now is not None
+    assert (approval_now.outcome, approval_now.delivered) == ("failed", False)
+    assert approval_now.reason == "WestNO_0's listener did not answer within 0.05 s; retried (idempotent by decisionId)"
+
+
+def test_an_unexpected_error_in_one_delivery_costs_only_that_delivery(bench: Bench):
+    approved_freeze(bench)
+    bench.callback.error = KeyError("DocumentIncarnation")
+    run = deliver(bench)
+    approval_now = bench.event(EVENT).approval
+    assert approval_now is not None
+    assert approval_now.reason == "KeyError: 'DocumentIncarnation'"
+    assert run.stages == ["deliver"]
+
+
+def test_an_outcome_for_a_superseded_decision_is_not_recorded(bench: Bench):
+    approved_freeze(bench)
+    record = bench.event(EVENT)
+    plan = act.Delivery(event_id=EVENT, decision_id="d-older", executor="WestNO_0", callback=bench.callback)
+    assert act.approval_outcome(bench.run(), record, plan=plan) is None
+    assert act.approval_outcome(bench.run(), None, plan=plan) is None
+
+
+def test_an_approved_delete_held_by_a_pending_sibling_shows_the_platforms_hold(bench: Bench):
+    put_event(
+        bench.store,
+        "EV-DEL-0",
+        vms=("web_0",),
+        scale_set="web",
+        eventType="Terminate",
+        notBefore=NOT_BEFORE,
+        approval=approval("terminate-after-prepare-hooks"),
+    )
+    put_event(bench.store, "EV-DEL-1", vms=("web_1",), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
+    run = deliver(bench, "EV-DEL-0")
+    record: EventRecord = bench.event("EV-DEL-0")
+    assert record.state == "Approved"
+    assert record.platformHold is not None
+    assert (record.platformHold.eventId, record.platformHold.vm) == ("EV-DEL-1", "web_1")
+    held = [r for r in run.work.rows if r.Actor == "platform"]
+    assert [(r.Outcome, (r.Details or {}).get("heldBy")) for r in held] == [("held", "EV-DEL-1")]

@@ -1,0 +1,268 @@
+"""Decide (coordinator/pipeline/decide.py): the policy's verdict on each changed event with what the run knows of the
+fleet: a decision (and its row) only when something changed, budgets claimed fleet-wide before an approval, nothing
+approved in dry-run, the pending deletes of a scale set decided as one unit, budget slots freed at the end."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from coordinator.domain.evaluation import evaluate as real
+from coordinator.domain.lifecycle import EventChange, clone
+from coordinator.domain.model import ApprovalRecord, BudgetClaim, BudgetRecord, DecisionRecord, EventRecord
+from coordinator.domain.policy_file import parse_policy
+from coordinator.pipeline import decide
+from coordinator.pipeline.run import Run
+from tests.coordinator.helpers import DOC_NOW, event_record
+from tests.coordinator.runs import NOT_BEFORE, Bench, put_event
+
+BUDGET = parse_policy(
+    """
+rules:
+  - name: one-at-a-time
+    match: {eventType: [Reboot]}
+    action: approve-within-budget
+    budget: {maxImpacted: 1}
+  - name: short-freeze
+    match: {eventType: [Freeze], durationSeconds: {min: 0, max: 8}}
+    action: approve-now
+  - name: rest
+    action: wait-for-person
+"""
+)
+DELETES = parse_policy("rules:\n  - name: deletes-now\n    match: {eventType: [Terminate]}\n    action: approve-now\n")
+
+
+def change_of(record: EventRecord) -> EventChange:
+    return EventChange(record=clone(record))
+
+
+def decided(run: Run, record: EventRecord) -> EventChange:
+    change = change_of(record)
+    decide.decide(run, change)
+    return change
+
+
+def freeze(event_id: str = "EV-F", **fields: Any) -> EventRecord:
+    return event_record(event_id, eventType="Freeze", durationInSeconds=5, notBefore=NOT_BEFORE, **fields)
+
+
+def test_a_decision_and_its_row_are_written_only_when_something_changed(bench: Bench):
+    reboot = event_record("EV-R", notBefore=NOT_BEFORE)  # the default policy: a person decides
+    first = decided(bench.run(), reboot)
+    assert first.record.decision is not None
+    assert (first.record.decision.rule, first.record.decision.verdict) == ("everything-else-waits", "wait")
+    assert [(r.RecordType, r.Actor) for r in first.rows] == [("Decision", "rule:everything-else-waits")]
+    # Nobody else will approve it: the card with the approval link.
+    assert first.alerts == ["new-event"]
+    assert first.changed
+
+    again = decided(bench.run(), first.record)
+    assert (again.rows, again.alerts, again.changed) == ([], [], False)
+    assert again.record.decision == first.record.decision
+
+    # The same event under another rule (the policy changed): a new decision, a new row.
+    bench.policy = parse_policy("rules:\n  - name: people\n    action: wait-for-person\n")
+    changed = decided(bench.run(), again.record)
+    assert changed.record.decision is not None
+    assert changed.record.decision.decisionId != first.record.decision.decisionId
+    assert [r.Rule for r in changed.rows] == ["people"]
+
+
+def test_an_approving_verdict_writes_the_approval_for_the_tail_to_deliver(bench: Bench):
+    change = decided(bench.run(), freeze())
+    decision, approval = change.record.decision, change.record.approval
+    assert decision is not None
+    assert approval is not None
+    assert (decision.verdict, decision.dryRun) == ("approve", False)
+    assert approval.decisionId == decision.decisionId
+    assert (approval.rule, approval.actor) == ("short-freeze", "rule:short-freeze")
+    # The deciding instance sends at once; the timer takes over only after the grace.
+    assert approval.nextAttemptAt == DOC_NOW + decide.IN_FLIGHT_GRACE
+    assert change.approval_decided
+
+
+def test_only_a_scheduled_event_without_an_approval_is_decided(bench: Bench):
+    started = decided(bench.run(), freeze(state="Started"))
+    assert started.record.decision is None
+    approved = freeze(approval=ApprovalRecord(decisionId="d", rule="r", actor="a", decidedAt=DOC_NOW))
+    assert decided(bench.run(), approved).record.decision is None
+
+
+def test_dry_run_decides_but_never_writes_an_approval_nor_claims_budget(bench: Bench):
+    bench.policy = BUDGET
+    reboot = put_event(bench.store, "EV-R", vms=("web_0",), scale_set="web", notBefore=NOT_BEFORE)
+    for record in (freeze(), reboot):
+        change = decided(bench.run(dry_run=True), record)
+        assert change.record.decision is not None
+        assert (change.record.decision.verdict, change.record.decision.dryRun) == ("approve", True)
+        assert change.record.approval is None
+        assert not change.approval_decided
+        assert change.rows[0].DryRun is True
+    assert bench.store.get_budget("web") is None
+
+
+def other_instances_claim(bench: Bench) -> None:
+    """Another instance approved a Reboot of the scale set a moment ago: its claim is stored, its approval not yet
+    in this instance's view."""
+    claim = BudgetClaim(eventId="EV-OTHER", vms=["web_1"], claimedAt=DOC_NOW)
+    bench.store.save_budget(BudgetRecord(scaleSet="web", claims={"EV-OTHER": claim}), None)
+
+
+def test_a_budget_claim_refused_fleet_wide_turns_the_approval_into_a_wait_held_by_the_budget(bench: Bench):
+    bench.policy = BUDGET
+    other_instances_claim(bench)
+    reboot = put_event(bench.store, "EV-R", vms=("web_0",), scale_set="web", notBefore=NOT_BEFORE)
+
+    change = decided(bench.run(), reboot)
+    decision = change.record.decision
+    assert decision is not None
+    assert (decision.verdict, decision.holdKind, decision.holdName) == ("wait", "budget", "web")
+    assert "held fleet-wide by EV-OTHER" in decision.reason
+    assert decision.holdSince == DOC_NOW
+    assert change.record.approval is None
+    assert not change.approval_decided
+    assert [(r.HoldKind, r.HoldName) for r in change.rows] == [("budget", "web")]
+
+    # Still held a minute later: the same hold, since the same time, no new row.
+    bench.now = DOC_NOW + timedelta(minutes=1)
+    later = decided(bench.run(), change.record)
+    assert later.rows == []
+    assert later.record.decision is not None
+    assert later.record.decision.holdSince == DOC_NOW
+
+
+def test_a_claimed_budget_is_named_on_the_approval_and_held_in_the_store(bench: Bench):
+    bench.policy = BUDGET
+    reboot = put_event(bench.store, "EV-R", vms=("web_0",), scale_set="web", notBefore=NOT_BEFORE)
+    change = decided(bench.run(), reboot)
+    assert change.record.approval is not None
+    assert change.record.approval.budgetKeys == ["web"]
+    stored = bench.store.get_budget("web")
+    assert stored is not None
+    assert list(stored.record.claims) == ["EV-R"]
+
+
+def test_events_competing_for_budget_are_decided_closest_to_not_before_first(bench: Bench):
+    bench.policy = BUDGET
+    later = put_event(bench.store, "EV-A", vms=("web_0",), scale_set="web", notBefore=NOT_BEFORE)
+    sooner = put_event(
+        bench.store, "EV-B", vms=("web_1",), scale_set="web", notBefore=NOT_BEFORE - timedelta(minutes=5)
+    )
+    run = bench.run()
+    changes = [change_of(later), change_of(sooner)]  # arrival order: the later one first
+    decide.decide_all(run, changes)
+    approved = {c.record.eventId for c in changes if c.record.approval is not None}
+    assert approved == {"EV-B"}
+    assert run.stages == ["decide"]
+
+
+def test_a_failure_deciding_one_event_costs_only_that_events_decision(bench: Bench, monkeypatch):
+    def evaluate(policy, record, *args, **kwargs):
+        if record.eventId == "EV-BAD":
+            raise RuntimeError("a rule that cannot be read")
+        return real(policy, record, *args, **kwargs)
+
+    monkeypatch.setattr(decide, "evaluate", evaluate)
+    changes = [change_of(freeze("EV-BAD")), change_of(freeze("EV-GOOD"))]
+    decide.decide_all(bench.run(), changes)
+    assert [c.record.decision is not None for c in changes] == [False, True]
+
+
+def terminate(bench: Bench, event_id: str, vm_name: str, **fields: Any) -> EventRecord:
+    return put_event(
+        bench.store, event_id, vms=(vm_name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE, **fields
+    )
+
+
+def test_a_ready_delete_waits_while_a_sibling_delete_of_its_scale_set_is_not_ready(bench: Bench):
+    bench.policy = DELETES
+    terminate(bench, "EV-T0", "web_0")  # pending, not decided yet (its VM's batch has not come)
+    mine = terminate(bench, "EV-T1", "web_1")
+    change = decided(bench.run(), mine)
+    decision = change.record.decision
+    assert decision is not None
+    assert (decision.verdict, decision.heldBy, decision.holdKind) == ("wait", "EV-T0", "delete")
+    assert change.record.approval is None
+
+
+def test_release_held_redecides_the_deletes_a_changed_delete_held_back(bench: Bench):
+    bench.policy = DELETES
+    terminate(bench, "EV-T0", "web_0")
+    held = DecisionRecord(
+        decisionId="d-held",
+        rule="deletes-now",
+        action="approve-now",
+        verdict="wait",
+        reason="held with the pending deletes of scale set web",
+        decidedAt=DOC_NOW,
+        heldBy="EV-T0",
+        holdKind="delete",
+        holdName="EV-T0",
+    )
+    terminate(bench, "EV-T1", "web_1", decision=held)
+
+    bench.now = DOC_NOW + timedelta(seconds=30)
+    run = bench.run()
+    holder = change_of(bench.event("EV-T0"))
+    decide.decide_all(run, [holder])  # EV-T0's VM reported: it is decided, and approved
+    assert holder.record.approval is not None
+
+    assert decide.release_held(run, [holder]) == 1
+    released = bench.event("EV-T1")
+    assert released.decision is not None
+    assert released.approval is not None
+    assert (released.decision.verdict, released.decision.heldBy) == ("approve", "")
+    # Approved in this same run: the tail delivers it with the one that held it.
+    assert run.work.deliveries == ["EV-T1"]
+
+
+def test_release_held_leaves_deletes_alone_when_no_delete_of_their_scale_set_changed(bench: Bench):
+    bench.policy = DELETES
+    terminate(bench, "EV-T0", "web_0")
+    held = DecisionRecord(
+        decisionId="d",
+        rule="deletes-now",
+        action="approve-now",
+        verdict="wait",
+        reason="held",
+        decidedAt=DOC_NOW,
+        heldBy="EV-T0",
+    )
+    terminate(bench, "EV-T1", "web_1", decision=held)
+    run = bench.run()
+    assert decide.release_held(run, [change_of(freeze())]) == 0
+    assert bench.event("EV-T1").approval is None
+
+
+def concluded(event_id: str, *, keys: list[str], state: str = "Completed") -> EventRecord:
+    approval = ApprovalRecord(decisionId="d", rule="one-at-a-time", actor="rule", decidedAt=DOC_NOW, budgetKeys=keys)
+    return event_record(event_id, resources=["web_0"], state=state, approval=approval)
+
+
+@pytest.mark.parametrize(("state", "released"), [("Completed", True), ("Canceled", True), ("Approved", False)])
+def test_release_budgets_frees_the_slots_of_events_that_concluded(bench: Bench, state, released):
+    bench.policy = BUDGET
+    claim = BudgetClaim(eventId="EV-R", vms=["web_0"], claimedAt=DOC_NOW)
+    bench.store.save_budget(BudgetRecord(scaleSet="web", claims={"EV-R": claim}), None)
+    run = bench.run()
+    run.work.records["EV-R"] = concluded("EV-R", keys=["web"], state=state)
+    decide.release_budgets(run)
+    stored = bench.store.get_budget("web")
+    assert stored is not None
+    assert ("EV-R" not in stored.record.claims) is released
+    assert run.stages == ["budgets"]
+
+
+def test_release_budgets_finds_the_scale_set_of_an_approval_from_before_budget_keys(bench: Bench):
+    bench.policy = BUDGET
+    claim = BudgetClaim(eventId="EV-R", vms=["web_0"], claimedAt=DOC_NOW)
+    bench.store.save_budget(BudgetRecord(scaleSet="web", claims={"EV-R": claim}), None)
+    run = bench.run()
+    run.work.records["EV-R"] = concluded("EV-R", keys=[])
+    decide.release_budgets(run)
+    stored = bench.store.get_budget("web")
+    assert stored is not None
+    assert stored.record.claims == {}

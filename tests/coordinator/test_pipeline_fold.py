@@ -1,0 +1,178 @@
+"""Fold (coordinator/pipeline/fold.py): each VM's envelopes read against its position, folded into event records
+(decided inside the same write) and VM positions; what one VM's envelopes break costs only that VM; duplicates
+counted; a VM whose cached position was stale is redone from a fresh read."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from contracts.envelope import Envelope
+from coordinator.domain.model import VmGroupRecord, VmRecord
+from coordinator.domain.observations import VmUpdate
+from coordinator.domain.observations import vm_observations as real
+from coordinator.pipeline import fold, ingest
+from coordinator.pipeline.ingest import RawMessage
+from coordinator.pipeline.run import Run
+from coordinator.state.store import Stored
+from tests.coordinator.helpers import DOC_NOW, envelope, grid_event, scheduled_event
+from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import Bench, identity, message, put_vm
+
+FREEZE = "EV-FREEZE"
+
+
+def report(name: str, sequence: int, *events: dict[str, Any], **fields: Any) -> RawMessage:
+    """``name``'s forwarder reporting its document (``events``) as envelope ``sequence``."""
+    data = envelope(
+        identity(name).model_dump(),
+        sequence=sequence,
+        incarnation=sequence,
+        events=list(events),
+        observed_at=DOC_NOW + timedelta(seconds=sequence),
+    )
+    return message({**data, **fields})
+
+
+def short_freeze(*names: str) -> dict[str, Any]:
+    return scheduled_event(FREEZE, resources=list(names or ["WestNO_0", "WestNO_1"]))
+
+
+def batch(bench: Bench, messages: Sequence[RawMessage]) -> tuple[Run, fold.VmBatch]:
+    run = bench.run()
+    run.report.received = len(messages)
+    updates = fold.fold(run, ingest.read_batch(run, messages))
+    return run, updates
+
+
+def test_a_batch_is_folded_into_events_and_positions_and_decided_inside_the_write(bench: Bench):
+    run, updates = batch(bench, [report("WestNO_0", 1, short_freeze()), report("WestNO_1", 1, short_freeze())])
+    assert run.stages == ["ingest", "fold", "decide"]
+    record = bench.event(FREEZE)
+    assert set(record.vms) == {"WestNO_0", "WestNO_1"}
+    # Decided in the write that created it: the approval is stored, and this run is the one to send it.
+    assert record.approval is not None
+    assert record.decision is not None
+    assert run.work.deliveries == [FREEZE]
+    assert (run.report.accepted, run.report.events_changed, run.report.duplicates) == (2, 1, 0)
+    assert bench.vm("WestNO_0").lastSequence == 1
+    assert bench.vm("WestNO_0").listed == [FREEZE]
+    assert updates.new_vms == {identity("WestNO_0").vmId.lower(), identity("WestNO_1").vmId.lower()}
+
+    _, again = batch(bench, [report("WestNO_0", 2, short_freeze())])
+    assert again.new_vms == set()
+
+
+def test_duplicates_are_counted_and_not_applied_twice(bench: Bench):
+    first = report("WestNO_0", 1, short_freeze("WestNO_0"))
+    run, _ = batch(bench, [first, first])
+    assert (run.report.accepted, run.report.duplicates) == (1, 1)
+    replay, _ = batch(bench, [first])  # the partition replayed after a restart
+    assert (replay.report.accepted, replay.report.duplicates, replay.report.events_changed) == (0, 1, 0)
+    assert replay.work.deliveries == []
+
+
+def test_a_vm_whose_envelopes_cannot_be_read_is_dead_lettered_and_the_others_go_on(bench: Bench, monkeypatch):
+    broken = identity("WestNO_1").vmId
+
+    def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) -> VmUpdate:
+        ordered = list(envelopes)
+        if ordered[0].vm.vmId == broken:
+            raise RuntimeError("a position this code cannot read")
+        return real(previous, ordered)
+
+    monkeypatch.setattr(fold, "vm_observations", vm_observations)
+    messages = [
+        report("WestNO_0", 1, short_freeze()),
+        report("WestNO_1", 1, short_freeze()),
+        report("WestNO_1", 2, short_freeze()),
+        RawMessage(body=b"{not json", partition_key="nobody"),
+    ]
+    run, updates = batch(bench, messages)
+
+    assert run.report.dead_lettered == 3  # both of WestNO_1's messages, and the one ingest refused
+    letters = bench.store.dead_letters()
+    assert len(letters) == 3
+    reasons = [r.Reason for r in run.work.rows if r.RecordType == "DeadLetter"]
+    assert reasons.count("processing failed: RuntimeError: a position this code cannot read") == 2
+    assert updates.failed == {broken.lower(): "RuntimeError: a position this code cannot read"}
+    # WestNO_0 went on: its sighting, its position. WestNO_1's position did not move.
+    assert set(bench.event(FREEZE).vms) == {"WestNO_0"}
+    assert bench.vm("WestNO_0").lastSequence == 1
+    assert bench.store.get_vm_groups(["pg:avset-westno"])["pg:avset-westno"].record.vms.keys() == {
+        identity("WestNO_0").vmId.lower()
+    }
+
+
+def test_a_vm_back_from_silence_resumes_with_a_row(bench: Bench):
+    put_vm(bench.store, "WestNO_0", last_seen=DOC_NOW - timedelta(minutes=10), heartbeatLost=True)
+    run, updates = batch(bench, [report("WestNO_0", 2)])
+    assert [(r.RecordType, r.Outcome) for r in run.work.rows] == [("Heartbeat", "resumed")]
+    assert updates.updates[identity("WestNO_0").vmId.lower()].resumed
+    assert not bench.vm("WestNO_0").heartbeatLost
+
+
+def test_a_heartbeat_showing_imds_failing_raises_the_vms_card(bench: Bench):
+    health = {"lastGoodPollAt": (DOC_NOW - timedelta(minutes=5)).isoformat(), "consecutivePollErrors": 300}
+    beat = envelope(identity("WestNO_0").model_dump(), sequence=1, kind="heartbeat", observed_at=DOC_NOW)
+    run, _ = batch(bench, [message({**beat, "health": health})])
+    assert [(vm.identity.name, kind) for vm, kind in run.work.vm_alerts] == [("WestNO_0", "imds-failing")]
+    stored = bench.vm("WestNO_0")
+    assert stored.imdsFailing is not None
+    assert stored.pendingAlerts == ["imds-failing"]
+
+
+def test_event_grid_sightings_of_an_unknown_vm_make_it_agentless_and_repeats_count_as_duplicates(bench: Bench):
+    event = grid_event(FREEZE, resources=["web_0"])
+    run, _ = batch(bench, [message_of(event), message_of([event])])
+    assert (run.report.accepted, run.report.duplicates) == (1, 1)
+    record = bench.event(FREEZE)
+    assert list(record.vms) == ["web_0"]
+    sighting = record.vms["web_0"]
+    assert sighting.vmId.startswith("arm-")
+    [group] = bench.store.all_vm_groups()
+    assert [vm.agentless for vm in group.record.vms.values()] == [True]
+
+
+def message_of(body: Any) -> RawMessage:
+    """A message Event Grid routed to the hub: no partition key of a VM."""
+    return RawMessage(body=json.dumps(body).encode())
+
+
+class StaleCacheStore(MemoryStateStore):
+    """Answers a cached read of a VM group with ``cache`` when it holds the group: an instance whose cache is
+    behind, because another instance took over the VMs' partition and wrote meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: dict[str, Stored[VmGroupRecord]] = {}
+
+    def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
+        fresh = super().get_vm_groups(keys)
+        return {key: self.cache.get(key, stored) for key, stored in fresh.items()} if cached else fresh
+
+
+@pytest.mark.parametrize("stale", [True, False])
+def test_a_vm_whose_cached_position_was_stale_is_redone_from_a_fresh_read(stale):
+    store = StaleCacheStore()
+    bench = Bench(store=store)
+    reboot = scheduled_event("EV-R", event_type="Reboot", resources=["WestNO_0"], duration=-1)
+    batch(bench, [report("WestNO_0", 1)])  # listed nothing
+    cached = {group.record.group: group for group in store.all_vm_groups()}
+    batch(bench, [report("WestNO_0", 2, reboot)])  # another instance: the Reboot is listed
+    assert bench.event("EV-R").state == "Scheduled"
+
+    if stale:
+        store.cache = cached  # this instance still holds the position from before the Reboot
+    run, _ = batch(bench, [report("WestNO_0", 3)])  # listed nothing: the Reboot is gone for WestNO_0
+
+    # Read against the stale position the envelope says nothing of the Reboot; redone against the fresh one it
+    # says it is gone, and the event (gone from its only VM without starting) is canceled.
+    assert bench.event("EV-R").state == "Canceled"
+    assert bench.vm("WestNO_0").lastSequence == 3
+    assert run.report.accepted == 1
+    assert (run.report.conflicts > 0) is stale

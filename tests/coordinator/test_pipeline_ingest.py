@@ -1,0 +1,124 @@
+"""Ingest (coordinator/pipeline/ingest.py): a batch's messages read into each VM's envelopes in arrival order; every
+message that fails is set aside as a dead letter with its reason, alone; Event Grid events read beside them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from coordinator.pipeline import ingest
+from coordinator.pipeline.ingest import RawMessage
+from tests.coordinator.helpers import DOC_NOW, envelope, grid_event, scheduled_event
+from tests.coordinator.runs import Bench, identity, message
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def report(name: str, number: int, /, **fields: Any) -> dict[str, Any]:
+    """``name``'s envelope number ``number`` (its sequence and incarnation), with ``fields`` put over it."""
+    return {**envelope(identity(name).model_dump(), sequence=number, incarnation=number), **fields}
+
+
+def read(bench: Bench, *messages: RawMessage) -> tuple[ingest.Arrivals, list[str]]:
+    """What ingest made of the messages, and the reasons of the dead letters it wrote history rows for."""
+    run = bench.run()
+    arrivals = ingest.read_batch(run, messages)
+    assert run.stages == ["ingest"]
+    return arrivals, [row.Reason for row in run.work.rows if row.RecordType == "DeadLetter"]
+
+
+def test_envelopes_are_grouped_per_vm_in_arrival_order_with_their_messages_and_traces(bench: Bench):
+    traced = RawMessage(
+        body=json.dumps(report("WestNO_0", 2)).encode(),
+        partition_key=identity("WestNO_0").resourceId.lower(),
+        traceparent=TRACEPARENT,
+    )
+    untraced = message(report("WestNO_0", 3))
+    garbled = RawMessage(body=untraced.body, partition_key=untraced.partition_key, traceparent="00-not-a-trace")
+    messages = [message(report("WestNO_0", 1)), message(report("WestNO_1", 1)), traced, garbled]
+    arrivals, dead = read(bench, *messages)
+    west0, west1 = identity("WestNO_0").vmId.lower(), identity("WestNO_1").vmId.lower()
+    assert dead == []
+    assert {vm: [e.sequence for e in envelopes] for vm, envelopes in arrivals.by_vm.items()} == {
+        west0: [1, 2, 3],
+        west1: [1],
+    }
+    assert arrivals.raw_of[west0] == [messages[0], traced, garbled]
+    # Only a valid W3C trace context is kept (the forwarder's word, never trusted to be well-formed).
+    assert arrivals.traces == {(west0, 2): TRACEPARENT}
+
+
+def test_unknown_identity_fields_are_not_kept(bench: Bench):
+    data = report("WestNO_0", 1)
+    data["vm"] = {**data["vm"], "hostname": "web-prod-17"}
+    arrivals, _ = read(bench, message(data))
+    [[kept]] = arrivals.by_vm.values()
+    assert "hostname" not in kept.vm.model_dump()
+
+
+@pytest.mark.parametrize(
+    ("partition_key", "reason"),
+    [
+        (None, "refused: no partition key: a forwarder sends with partition key = its vm.resourceId"),
+        ("/subscriptions/x/other-vm", "refused: partition key '/subscriptions/x/other-vm' is not the envelope's"),
+    ],
+)
+def test_an_envelope_is_accepted_only_on_its_own_vms_partition_key(bench: Bench, partition_key, reason):
+    body = json.dumps(report("WestNO_0", 1)).encode()
+    arrivals, dead = read(bench, RawMessage(body=body, partition_key=partition_key))
+    assert arrivals.by_vm == {}
+    [why] = dead
+    assert why.startswith(reason)
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"sequence": 2**63}, "refused: sequence 9223372036854775808… does not fit in 64 bits"),
+        ({"observedAt": (DOC_NOW + timedelta(days=2)).isoformat()}, "refused: observedAt 2022-04-13T22:11:58+00:00"),
+        ({"schema": "scheduled-events.envelope/9"}, "invalid envelope: schema: Value error, envelope schema"),
+        (
+            {"document": {"DocumentIncarnation": 1, "Events": [scheduled_event(f"E{n}") for n in range(101)]}},
+            "refused: document lists 101 events (limit 100)",
+        ),
+    ],
+)
+def test_what_storage_cannot_hold_or_the_contract_refuses_is_set_aside_with_its_reason(bench: Bench, fields, reason):
+    arrivals, dead = read(bench, message(report("WestNO_0", 1, **fields)), message(report("WestNO_1", 1)))
+    [why] = dead
+    assert why.startswith(reason), why
+    # The rest of the batch goes on.
+    assert list(arrivals.by_vm) == [identity("WestNO_1").vmId.lower()]
+
+
+def test_a_dead_letter_keeps_the_message_and_names_it_without_its_body(bench: Bench):
+    body = b"\xff\xfe not text"
+    run = bench.run()
+    arrivals = ingest.read_batch(run, [RawMessage(body=body, partition_key="vm-x", sequence_number=42)])
+    [letter] = arrivals.dead
+    assert (letter.body, letter.received_at, letter.source["sequenceNumber"]) == (body, DOC_NOW, 42)
+    [row] = run.work.rows
+    assert row.Details is not None
+    assert (row.Details["bodyBytes"], row.Details["bodySha256"]) == (len(body), hashlib.sha256(body).hexdigest())
+    assert row.Reason.startswith("invalid envelope: ")
+
+
+def test_event_grid_events_are_read_beside_envelopes_one_bad_event_setting_its_message_aside(bench: Bench):
+    good, again = grid_event("EV-1", grid_id="g-1"), grid_event("EV-1", grid_id="g-1")
+    bad = {"id": "g-bad", "eventType": "Something.Else"}
+    arrivals, dead = read(
+        bench,
+        RawMessage(body=json.dumps([good, bad]).encode()),
+        RawMessage(body=json.dumps(again).encode()),
+        message(report("WestNO_0", 1)),
+    )
+    assert [event.id for event in arrivals.grid] == ["g-1"]
+    # The platform may publish an event twice: counted, not read again.
+    assert arrivals.grid_duplicates == 1
+    [why] = dead
+    assert why.startswith("invalid Event Grid event(s): event 1: eventType: ")
+    assert len(arrivals.by_vm) == 1
