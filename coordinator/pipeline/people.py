@@ -24,9 +24,34 @@ from coordinator.state.events import assemble, commit_event, read_event
 
 @dataclass
 class ManualApproval:
-    status: Literal["approved", "sent", "dry-run", "not-found", "conflict"]
+    status: Literal["approved", "sent", "dry-run", "not-found", "conflict", "already-approved"]
     message: str
     event: dict[str, Any] | None = None
+
+
+def already_approved(ctx: Context, record: EventRecord) -> ManualApproval | None:
+    """The answer to a person approving an event that is approved or being approved (a second click, a second
+    tab, a second approver, a rule's approval on its way): one decision per event, so nothing more is sent. A new
+    decision would be a second approval with its own decisionId, which the VM's listener does not recognise as the
+    first, so IMDS would get StartRequests twice."""
+    approval = record.approval
+    if approval is None:
+        return None
+    if approval.delivered:
+        how = f"StartRequests accepted through {approval.executor}" if approval.executor else "delivered"
+    elif approval.attempts:
+        how = (
+            f"being delivered: attempt {approval.attempts} answered {approval.outcome or 'nothing'}"
+            f"{': ' + approval.reason if approval.reason else ''}; retried until NotBefore"
+        )
+    else:
+        how = "being delivered"
+    return ManualApproval(
+        "already-approved",
+        f"event {record.eventId} is already approved by {approval.actor} at {approval.decidedAt.isoformat()} "
+        f"({how}; now {record.state}); nothing more is sent",
+        summarize(ctx, record),
+    )
 
 
 def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualApproval:
@@ -34,15 +59,14 @@ def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualAppro
     stored = read_event(ctx.store, event_id)
     if stored is None:
         return ManualApproval("not-found", f"no event {event_id!r} is known")
+    if answer := already_approved(ctx, stored.record):
+        return answer
     if stored.record.state != "Scheduled":
         return ManualApproval("conflict", f"event {event_id} is {stored.record.state}; only Scheduled can be approved")
-    if stored.record.approval is not None and stored.record.approval.delivered:
-        return ManualApproval("approved", f"event {event_id} was already approved by {stored.record.approval.actor}")
 
     def decide(record: EventRecord | None) -> EventChange | None:
-        if record is None or record.state != "Scheduled":
-            return None
-        if record.approval is not None and record.approval.delivered:
+        # Checked again inside the conditional write: of two clicks racing past the check above, one decides.
+        if record is None or record.state != "Scheduled" or record.approval is not None:
             return None
         record = clone(record)
         change = EventChange(record=record, changed=True)
@@ -75,6 +99,8 @@ def approve_manually(ctx: Context, event_id: str, *, person: str) -> ManualAppro
     change = commit_event(ctx.store, event_id, decide)
     if change is None:
         current = read_event(ctx.store, event_id)
+        if current is not None and (answer := already_approved(ctx, current.record)):
+            return answer
         state = current.record.state if current else "gone"
         return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
     work.rows.extend(change.rows)
@@ -100,6 +126,7 @@ def summarize(ctx: Context, record: EventRecord) -> dict[str, Any]:
         "eventId": record.eventId,
         "eventType": record.eventType,
         "eventSource": record.eventSource,
+        "description": record.description,
         "state": record.state,
         "stateSince": record.stateSince.isoformat(),
         "notBefore": record.notBefore.isoformat() if record.notBefore else None,
