@@ -84,11 +84,10 @@ class Principal:
 @dataclass(frozen=True)
 class Access:
     """How requests are authenticated. ``platform_auth``: App Service Authentication runs in front of the app
-    (its principal header can be trusted). ``allow_anonymous``: local mode, a request without a principal is
-    the local user with every role. ``own_origin``: ``https://host`` of this app, for the Origin check."""
+    (its principal header can be trusted; locally, its stand-in local/easy_auth.py does). ``own_origin``:
+    ``https://host`` of this app, for the Origin check."""
 
     platform_auth: bool
-    allow_anonymous: bool
     own_origin: str | None
     form_key: Callable[[], bytes]
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
@@ -108,9 +107,6 @@ class _ClientPrincipal(BaseModel):
     name_typ: str = ""
     role_typ: str = ""
     claims: list[_Claim]
-
-
-LOCAL_USER = Principal(name="local-user", object_id="local-user", roles=frozenset({APPROVE_ROLE, READ_ROLE}))
 
 
 def _json(status: int, payload: Any) -> Response:
@@ -174,14 +170,12 @@ def parse_principal(value: str) -> Principal:
 
 def authenticate(headers: Mapping[str, str], access: Access) -> Principal | Response:
     """The signed-in person, or the refusal to send back."""
-    if not access.platform_auth and not access.allow_anonymous:
+    if not access.platform_auth:
         # Without the platform in front, anyone could send the principal header: trust nobody.
         reason = "App Service Authentication is off (WEBSITE_AUTH_ENABLED): no one can sign in"
         return _refusal(503, reason, headers)
     value = _lowered(headers).get(PRINCIPAL_HEADER, "").strip()
     if not value:
-        if access.allow_anonymous:
-            return LOCAL_USER
         return _refusal(401, "sign in first: this app needs an Entra ID sign-in (App Service Authentication)", headers)
     try:
         return parse_principal(value)
