@@ -132,6 +132,8 @@ class LocalHttpServer:
             def _serve(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length > MAX_BODY:
+                    # The body stays unread on the connection: close it rather than read it as the next request.
+                    self.close_connection = True
                     self._write(Answer(413, [("Content-Type", "text/plain; charset=utf-8")], b"body too large\n"))
                     return
                 request = Request(

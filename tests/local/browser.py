@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,14 +46,19 @@ class Browser:
         assert node, "node is not on PATH (Node 20+ is a prerequisite, see README)"
         self.screenshots = screenshots
         screenshots.mkdir(parents=True, exist_ok=True)
-        self._process = subprocess.Popen(
-            [node, str(DRIVER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={"PATH": "/usr/bin:/bin", "CHROMIUM": str(CHROMIUM), "HOME": str(screenshots)},
-        )
+        # Chromium's profile folders go to a home of its own, not among the screenshots.
+        self._home = tempfile.TemporaryDirectory(prefix="browser-home-")
+        # A file, not a pipe: a pipe nobody reads could fill up and stall the driver.
+        self._stderr = Path(self._home.name) / "stderr.txt"
+        with self._stderr.open("w") as stderr:
+            self._process = subprocess.Popen(
+                [node, str(DRIVER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env={"PATH": "/usr/bin:/bin", "CHROMIUM": str(CHROMIUM), "HOME": self._home.name},
+            )
         self._next = 0
         self._lock = threading.Lock()
 
@@ -71,6 +77,7 @@ class Browser:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait(timeout=10)
+        self._home.cleanup()
 
     def call(self, op: str, **arguments: Any) -> Any:
         with self._lock:
@@ -81,8 +88,13 @@ class Browser:
             self._process.stdin.flush()
             line = _read_line(self._process.stdout, STEP_TIMEOUT)
             if not line:
-                stderr = self._process.stderr.read() if self._process.stderr else ""
-                raise AssertionError(f"tools/node/browser.js ended ({self._process.poll()}): {stderr}")
+                # Ended, or stuck in this step: either way no later step could be trusted.
+                self._process.kill()
+                code = self._process.wait(timeout=10)
+                raise AssertionError(
+                    f"tools/node/browser.js gave no answer to {op} (it ended, or said nothing for {STEP_TIMEOUT:g} s; "
+                    f"exit {code}): " + self._stderr.read_text(errors="replace")
+                )
             answer = json.loads(line)
         if not answer["ok"]:
             raise AssertionError(f"browser {op} {arguments}: {answer['error']}")

@@ -15,6 +15,7 @@ coupled to it, for the open-events page.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 import time
@@ -233,10 +234,11 @@ def signed_in(browser: Browser, fleet: Fleet, person: LocalPerson, *, javascript
     return profile
 
 
-def follow_card(fleet: Fleet, ref: str, name: str) -> str:
+def follow_card(fleet: Fleet, ref: str, name: str, work: Path) -> str:
     """The event's Teams card rendered by the Adaptive Cards renderer in Chromium; its "Approve now" button
     clicked: the URL the card hands to the browser."""
-    rendered = render({name: fleet.card(ref)}, SCREENSHOTS)[name]
+    rendered = render({name: fleet.card(ref)}, work)[name]
+    shutil.copy(rendered["screenshot"], SCREENSHOTS / f"{name}.png")
     assert rendered["events"] == []
     assert rendered["text"].splitlines()[0] == "New scheduled event needs a person's approval: Reboot"
     (button,) = rendered["actions"]
@@ -257,8 +259,9 @@ def test_the_local_host_serves_function_apps_http_routes() -> None:
     assert set(ROUTES) == declared
 
 
-def test_a_person_approves_from_the_card(fleet: Fleet, browser: Browser) -> None:
-    url = follow_card(fleet, "approve", "card-new-event")
+@pytest.mark.slow
+def test_a_person_approves_from_the_card(fleet: Fleet, browser: Browser, tmp_path: Path) -> None:
+    url = follow_card(fleet, "approve", "00-card", tmp_path)
     assert url == fleet.approve_url("approve")
     tab = browser.profile(javascript=False).tab()
     signin = tab.goto(url)
@@ -296,6 +299,7 @@ def test_a_person_approves_from_the_card(fleet: Fleet, browser: Browser) -> None
     assert fleet.person_decisions("approve") == [{"Actor": f"person:{APPROVER.upn}"}]
 
 
+@pytest.mark.slow
 def test_clicks_in_two_tabs_at_once_and_a_double_click_approve_once(fleet: Fleet, browser: Browser) -> None:
     profile = signed_in(browser, fleet, APPROVER)
     tabs = [profile.tab() for _ in range(3)]
@@ -325,6 +329,7 @@ def test_clicks_in_two_tabs_at_once_and_a_double_click_approve_once(fleet: Fleet
     assert fleet.person_decisions("double-click") == [{"Actor": f"person:{APPROVER.upn}"}]
 
 
+@pytest.mark.slow
 def test_without_the_approve_role_a_person_sees_why_and_cannot_approve(fleet: Fleet, browser: Browser) -> None:
     url = fleet.approve_url("no-role")
     reader = signed_in(browser, fleet, READER).tab()
@@ -371,6 +376,7 @@ class _HostilePage(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_a_cross_site_page_cannot_approve(fleet: Fleet, browser: Browser) -> None:
     handler = type("Hostile", (_HostilePage,), {"target": fleet.approve_url("cross-site")})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -394,6 +400,7 @@ def test_a_cross_site_page_cannot_approve(fleet: Fleet, browser: Browser) -> Non
     assert fleet.person_decisions("cross-site") == []
 
 
+@pytest.mark.slow
 def test_the_open_events_page_shows_what_holds_each(fleet: Fleet, browser: Browser) -> None:
     profile = signed_in(browser, fleet, APPROVER)
     tab: Tab = profile.tab()
