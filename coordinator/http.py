@@ -246,8 +246,11 @@ def pending_events(coordinator: Coordinator, *, headers: Mapping[str, str], acce
             person=principal.name,
             may_approve=principal.may_approve(),
         )
-        return _page(200, page)
-    return _json(200, {"count": len(events), "events": events})
+        answer = _page(200, page)
+    else:
+        answer = _json(200, {"count": len(events), "events": events})
+    # One URL, two forms of the answer: no cache may hand a script's JSON to a browser or the page to a script.
+    return Response(answer.status, answer.body, answer.content_type, {**answer.headers, "Vary": "Accept"})
 
 
 def approve(

@@ -3,7 +3,7 @@
 Takes an EventId and who is asking (coordinator/http.py has checked the sign-in, role, origin and form token);
 gives a ``ManualApproval`` (status and message) after committing the person's decision with ``commit_event`` and
 sending it through ``act``, or the events summarized for ``GET /api/events``. In dry-run the decision is recorded
-and nothing is sent.
+and nothing is sent. An event approved or being approved is never decided again (``already_approved``).
 """
 
 from __future__ import annotations

@@ -505,11 +505,13 @@ def test_a_browser_gets_pages_and_a_script_json(app: App):
     assert listed.status_code == 200
     assert listed.mimetype == "text/html"
     assert listed.headers["Content-Security-Policy"].startswith("default-src 'none'")
+    assert listed.headers["Vary"] == "Accept"
     body = listed.get_body().decode()
     assert f'data-event-id="{event_id}"' in body
     assert f'href="/api/events/{event_id}/approve">Approve…</a>' in body
     scripted = app.module.pending_events(get("/api/events", headers={**alice, "Accept": "*/*"}))
     assert scripted.mimetype == "application/json"
+    assert scripted.headers["Vary"] == "Accept"
     assert [e["eventId"] for e in json.loads(scripted.get_body())["events"]] == [event_id]
     # Refusals too: a page with the reason for a person, JSON for a script.
     unsigned = app.module.pending_events(get("/api/events", headers={"Accept": BROWSER}))
