@@ -116,7 +116,6 @@ def _access() -> http.Access:
     # is the X-MS-CLIENT-PRINCIPAL header the platform's and not the caller's.
     return http.Access(
         platform_auth=os.environ.get("WEBSITE_AUTH_ENABLED", "").strip().lower() == "true",
-        allow_anonymous=settings().allow_anonymous_approval,
         own_origin=settings().public_base_url,
         form_key=lambda: _form_key(coordinator()),
         clock=coordinator().clock,

@@ -14,6 +14,9 @@ Manual approval: ``GET /api/events/{id}/approve`` shows the event and, to a pers
 form's anti-forgery token (an HMAC over the event, the person and an expiry, keyed with a random key that every
 instance shares through the state table) and come from the app's own origin (``Origin``, else ``Referer``), so
 that no other site can make a signed-in person's browser approve.
+
+A browser (``Accept: text/html``) gets pages (coordinator/pages.py): the open events, an approval's answer, a
+refusal and its reason; a script gets the same answers as JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import base64
 import binascii
 import hashlib
 import hmac
-import html
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from coordinator import pages
 from coordinator.service import Coordinator
 
 PRINCIPAL_HEADER = "x-ms-client-principal"
@@ -50,7 +53,7 @@ _NAME_CLAIMS = (
 )
 _OBJECT_ID_CLAIMS = ("http://schemas.microsoft.com/identity/claims/objectidentifier", "oid")
 _ROLE_CLAIMS = ("roles", "http://schemas.microsoft.com/ws/2008/06/identity/claims/role")
-_STATUS = {"approved": 200, "sent": 202, "dry-run": 200, "not-found": 404, "conflict": 409}
+_STATUS = {"approved": 200, "sent": 202, "dry-run": 200, "not-found": 404, "conflict": 409, "already-approved": 409}
 
 
 # The approval page must not be framed by another site (a framed button can be clicked by a trick).
@@ -81,11 +84,10 @@ class Principal:
 @dataclass(frozen=True)
 class Access:
     """How requests are authenticated. ``platform_auth``: App Service Authentication runs in front of the app
-    (its principal header can be trusted). ``allow_anonymous``: local mode, a request without a principal is
-    the local user with every role. ``own_origin``: ``https://host`` of this app, for the Origin check."""
+    (its principal header can be trusted; locally, its stand-in local/easy_auth.py does). ``own_origin``:
+    ``https://host`` of this app, for the Origin check."""
 
     platform_auth: bool
-    allow_anonymous: bool
     own_origin: str | None
     form_key: Callable[[], bytes]
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
@@ -107,15 +109,42 @@ class _ClientPrincipal(BaseModel):
     claims: list[_Claim]
 
 
-LOCAL_USER = Principal(name="local-user", object_id="local-user", roles=frozenset({APPROVE_ROLE, READ_ROLE}))
-
-
 def _json(status: int, payload: Any) -> Response:
     return Response(status, json.dumps(payload, indent=1))
 
 
+def _page(status: int, page: str) -> Response:
+    return Response(status, page, pages.CONTENT_TYPE, dict(pages.HEADERS))
+
+
 def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
     return {k.lower(): v for k, v in headers.items()}
+
+
+def wants_html(headers: Mapping[str, str]) -> bool:
+    """The caller is a browser: its Accept names text/html at least as high as JSON (a browser's navigation sends
+    ``text/html,…,*/*;q=0.8``; scripts send ``*/*`` or ``application/json`` and get JSON)."""
+    quality: dict[str, float] = {}
+    for item in _lowered(headers).get("accept", "").split(","):
+        kind, *parameters = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for parameter in parameters:
+            name, _, value = parameter.partition("=")
+            if name.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        quality[kind.lower()] = max(q, quality.get(kind.lower(), 0.0))
+    html_q = quality.get("text/html", 0.0)
+    return html_q > 0 and html_q >= quality.get("application/json", 0.0)
+
+
+def _refusal(status: int, reason: str, headers: Mapping[str, str], principal: Principal | None = None) -> Response:
+    """A refusal with its reason: a page for a browser, JSON for a script."""
+    if wants_html(headers):
+        return _page(status, pages.refusal_page(status, reason, person=principal.name if principal else None))
+    return _json(status, {"error": reason})
 
 
 def parse_principal(value: str) -> Principal:
@@ -141,22 +170,24 @@ def parse_principal(value: str) -> Principal:
 
 def authenticate(headers: Mapping[str, str], access: Access) -> Principal | Response:
     """The signed-in person, or the refusal to send back."""
-    if not access.platform_auth and not access.allow_anonymous:
+    if not access.platform_auth:
         # Without the platform in front, anyone could send the principal header: trust nobody.
-        return _json(503, {"error": "App Service Authentication is off (WEBSITE_AUTH_ENABLED): no one can sign in"})
+        reason = "App Service Authentication is off (WEBSITE_AUTH_ENABLED): no one can sign in"
+        return _refusal(503, reason, headers)
     value = _lowered(headers).get(PRINCIPAL_HEADER, "").strip()
     if not value:
-        if access.allow_anonymous:
-            return LOCAL_USER
-        return _json(401, {"error": "sign in first: this app needs an Entra ID sign-in (App Service Authentication)"})
+        return _refusal(401, "sign in first: this app needs an Entra ID sign-in (App Service Authentication)", headers)
     try:
         return parse_principal(value)
     except ValueError as error:
-        return _json(401, {"error": str(error)})
+        return _refusal(401, str(error), headers)
 
 
-def _forbidden(reason: str) -> Response:
-    return _json(403, {"error": reason})
+def _cannot_read(principal: Principal) -> str:
+    return (
+        f"{principal.name} has neither the {READ_ROLE} nor the {APPROVE_ROLE} app role: ask an owner of the app "
+        "registration to assign one (Read to look, Approve to approve)"
+    )
 
 
 def form_token(access: Access, *, event_id: str, principal: Principal, expires: datetime) -> str:
@@ -206,9 +237,20 @@ def pending_events(coordinator: Coordinator, *, headers: Mapping[str, str], acce
     if isinstance(principal, Response):
         return principal
     if not principal.may_read():
-        return _forbidden(f"{principal.name} has neither the {READ_ROLE} nor the {APPROVE_ROLE} app role")
+        return _refusal(403, _cannot_read(principal), headers, principal)
     events = coordinator.pending()
-    return _json(200, {"count": len(events), "events": events})
+    if wants_html(headers):
+        page = pages.pending_page(
+            [pages.EventView.of(event) for event in events],
+            now=access.clock(),
+            person=principal.name,
+            may_approve=principal.may_approve(),
+        )
+        answer = _page(200, page)
+    else:
+        answer = _json(200, {"count": len(events), "events": events})
+    # One URL, two forms of the answer: no cache may hand a script's JSON to a browser or the page to a script.
+    return Response(answer.status, answer.body, answer.content_type, {**answer.headers, "Vary": "Accept"})
 
 
 def approve(
@@ -225,43 +267,46 @@ def approve(
         return principal
     if method.upper() == "GET":
         if not principal.may_read():
-            return _forbidden(f"{principal.name} has neither the {READ_ROLE} nor the {APPROVE_ROLE} app role")
+            return _refusal(403, _cannot_read(principal), headers, principal)
         return _confirmation_page(coordinator, event_id, principal, access)
+    return _approve_now(coordinator, event_id=event_id, principal=principal, headers=headers, body=body, access=access)
+
+
+def _approve_now(
+    coordinator: Coordinator,
+    *,
+    event_id: str,
+    principal: Principal,
+    headers: Mapping[str, str],
+    body: bytes,
+    access: Access,
+) -> Response:
+    """The form's POST: the role, the origin and the token, then the person's decision."""
     if not principal.may_approve():
-        return _forbidden(f"{principal.name} does not have the {APPROVE_ROLE} app role")
+        reason = f"{principal.name} does not have the {APPROVE_ROLE} app role"
+        return _refusal(403, f"{reason}; nothing was approved", headers, principal)
     refused = _check_origin(access, headers) or _check_token(access, event_id=event_id, principal=principal, body=body)
     if refused:
-        return _forbidden(refused)
+        return _refusal(403, f"{refused}; nothing was approved", headers, principal)
     result = coordinator.approve_manually(event_id, person=principal.name)
-    return _json(_STATUS[result.status], {"status": result.status, "message": result.message, "event": result.event})
+    status = _STATUS[result.status]
+    if wants_html(headers):
+        event = pages.EventView.of(result.event) if result.event else None
+        page = pages.result_page(result.status, result.message, event, now=access.clock(), person=principal.name)
+        return _page(status, page)
+    return _json(status, {"status": result.status, "message": result.message, "event": result.event})
 
 
 def _confirmation_page(coordinator: Coordinator, event_id: str, principal: Principal, access: Access) -> Response:
-    stored = coordinator.store.get_event(event_id)
+    stored = coordinator.event(event_id)
     if stored is None:
-        return Response(404, f"<p>No event {html.escape(event_id)} is known.</p>", "text/html; charset=utf-8")
-    record = stored.record
-    rows = "".join(
-        f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
-        for k, v in (
-            ("EventId", record.eventId),
-            ("Type", f"{record.eventType} ({record.eventSource})"),
-            ("State", record.state),
-            ("NotBefore", record.notBefore.isoformat() if record.notBefore else "—"),
-            ("Resources", ", ".join(record.resources)),
-            ("Decision", f"{record.decision.verdict} ({record.decision.rule})" if record.decision else "—"),
-        )
-    )
-    if record.state != "Scheduled":
-        action = f"<p>Only a Scheduled event can be approved; this one is {html.escape(record.state)}.</p>"
-    elif not principal.may_approve():
-        who = html.escape(principal.name)
-        action = f"<p>You ({who}) may look, not approve: that needs the {APPROVE_ROLE} app role.</p>"
-    else:
+        return _page(404, pages.refusal_page(404, f"No event {event_id!r} is known.", person=principal.name))
+    event = pages.EventView.of(coordinator.summarize(stored.record))
+    notice = pages.not_approvable(event)
+    if notice is None and not principal.may_approve():
+        notice = f"You ({principal.name}) may look, not approve: that needs the {APPROVE_ROLE} app role."
+    token = None
+    if notice is None:
         token = form_token(access, event_id=event_id, principal=principal, expires=access.clock() + FORM_TOKEN_LIFETIME)
-        action = (
-            f'<form method="post"><input type="hidden" name="token" value="{html.escape(token)}">'
-            f'<button type="submit">Approve now as {html.escape(principal.name)}</button></form>'
-        )
-    page = f"<!doctype html><title>Approve {html.escape(record.eventId)}</title><table>{rows}</table>{action}"
-    return Response(200, page, "text/html; charset=utf-8")
+    page = pages.approval_page(event, now=access.clock(), person=principal.name, token=token, notice=notice or "")
+    return _page(200, page)

@@ -92,9 +92,6 @@ class CoordinatorSettings(BaseSettings):
         default=86_400, ge=3600, description="delete a VM's hybrid connection after this long without a word"
     )
     retention_days: int = Field(default=30, ge=1, description="delete concluded event records after this long")
-    allow_anonymous_approval: bool = Field(
-        default=False, description="local mode: accept a manual approval without an App Service Authentication user"
-    )
 
     @field_validator("table_endpoint", "logs_ingestion_endpoint", "public_base_url", "relay_endpoint", "arm_endpoint")
     @classmethod

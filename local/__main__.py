@@ -39,6 +39,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".local", help="runtime files (default .local/)")
     parser.add_argument("--policy", type=Path, default=None, help="approval policy (default: coordinator's)")
     parser.add_argument("--no-prepare-hooks", action="store_true", help="give the forwarders no prepare hook")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="the people's pages (approval links, /api/events) behind the sign-in stand-in; 0: a free port",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     parser.add_argument("--quiet", action="store_true", help="no live timeline")
     arguments = parser.parse_args(argv)
@@ -46,6 +52,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--time-scale must be > 0")
     if arguments.timeout <= 0:
         parser.error("--timeout must be > 0")
+    if not 0 <= arguments.http_port <= 65535:
+        parser.error("--http-port must be 0..65535")
     return arguments
 
 
@@ -75,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         timer_interval=arguments.timer_interval,
         prepare_hooks=not arguments.no_prepare_hooks,
         policy_path=arguments.policy,
+        http_port=arguments.http_port,
     )
     _stop_on_sigterm()
     started = time.monotonic()
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"runtime files in {stack.workdir}; forwarder logs in {stack.logs_dir}",
                 flush=True,
             )
+            people = ", ".join(person.upn for person in options.people)
+            print(f"local: open events at {stack.people_url}/api/events (sign in as: {people})", flush=True)
             print(f"{'time':<14}{'event':<19}{'type':<10}{'step':<11}{'since seen':>11}  detail", flush=True)
             follower, finished = follow(stack, timeout=arguments.timeout, printer=printer)
             settle_forwarders(stack)

@@ -1,5 +1,7 @@
 """The local pipeline's parts, started and stopped together: Azurite, the Event Hubs, Relay and IMDS emulators,
-one forwarder process per simulated VM, and the function host (``local.runner``) in front of ``function_app``.
+one forwarder process per simulated VM, and the function host (``local.runner``) in front of ``function_app``, with
+its HTTP routes for people (``local.http_host``) behind the stand-in of App Service Authentication
+(``local.easy_auth``).
 
 Everything lives under one work folder (``.local/`` by default): per-VM state, spool and hooks, logs, the history
 database, Teams cards. ``LocalStack`` is a context manager; leaving it stops every child process it started.
@@ -33,6 +35,8 @@ from emulators.imds.models import HookSpec, VmSpec
 from emulators.relay import RelayEmulator
 from forwarder.durable_state import Store
 from local.direct_callback import direct_coordinator
+from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
+from local.http_host import FunctionsHttpHost, LocalHttpServer
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed
 
@@ -112,6 +116,10 @@ class StackOptions:
     coordinator_env: dict[str, str] = field(default_factory=dict)
     # Tests wrap the trigger to replay the host's misbehaviours (a batch delivered twice, two instances at once).
     ingest_wrapper: Callable[[IngestFunction], IngestFunction] | None = None
+    # The people's pages (approval page, open events) on 127.0.0.1: this port (0: any free one), and who can sign
+    # in at the stand-in of App Service Authentication, with which app roles.
+    http_port: int = 0
+    people: tuple[LocalPerson, ...] = DEFAULT_PEOPLE
 
 
 class WorkdirBusy(RuntimeError):
@@ -194,6 +202,8 @@ class LocalStack:
         self._direct_swap: tuple[ModuleType, Callable[[], Any]] | None = None
         self.imds: ImdsEmulator | None = None
         self.host: FunctionHost | None = None
+        # The HTTP triggers behind the sign-in stand-in: what a person's browser talks to.
+        self.front: LocalHttpServer | None = None
         self.forwarders: dict[str, ForwarderProcess] = {}
         # Publishes the agentless VMs' events as Event Grid would (None when the scenario has no agentless VM).
         self.event_grid: EventGridPublisher | None = None
@@ -222,6 +232,12 @@ class LocalStack:
 
     def vm_dir(self, name: str) -> Path:
         return self.workdir / "vms" / name
+
+    @property
+    def people_url(self) -> str:
+        """Where people open the app: the approval links in the cards and ``/api/events`` start here."""
+        assert self.front is not None
+        return self.front.base_url
 
     @property
     def telemetry_dir(self) -> Path:
@@ -263,9 +279,14 @@ class LocalStack:
             for step in scenario.steps
             if step.wipeForwarderState is not None
         )
+        # Bound before the coordinator is configured: its public URL (the cards' approval links) is this address.
+        self.front = LocalHttpServer(
+            EasyAuthStandIn(FunctionsHttpHost(_function_app), self.options.people), port=self.options.http_port
+        )
         self._configure_coordinator()
         self.host = self._function_host()
         self.host.start()
+        self.front.start()
         agentless = [vm.name for vm in self.imds.vms() if vm.agentless]
         if agentless:
             assert self.eventhubs is not None
@@ -334,6 +355,9 @@ class LocalStack:
 
     def stop(self) -> None:
         self.stop_platform()
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
         if self.event_grid is not None:
             self.event_grid.stop()
         for forwarder in self.forwarders.values():
@@ -388,12 +412,14 @@ class LocalStack:
     def _configure_coordinator(self) -> None:
         assert self.storage is not None
         assert self.imds is not None
+        assert self.front is not None
         env = {
             "COORDINATOR_STORAGE_CONNECTION_STRING": self.storage.connection_string,
             "COORDINATOR_HISTORY_SQLITE_PATH": str(self.history_path),
             "COORDINATOR_CARDS_FOLDER": str(self.cards_dir),
-            "COORDINATOR_ALLOW_ANONYMOUS_APPROVAL": "true",
-            "COORDINATOR_PUBLIC_BASE_URL": "http://127.0.0.1:7071",
+            "COORDINATOR_PUBLIC_BASE_URL": self.front.base_url,
+            # People sign in at the stand-in in front of the app, which tells the app so as App Service does.
+            **PLATFORM_SETTINGS,
             "EVENTHUB_NAME": HUB,
             "EVENTHUB_CONSUMER_GROUP": "$Default",
             # Retire a removed VM after three of the local heartbeat intervals of silence, as Azure's 180 s are three
@@ -548,6 +574,12 @@ class LocalStack:
 
     def iter_forwarders(self) -> Iterator[ForwarderProcess]:
         yield from self.forwarders.values()
+
+
+def _function_app() -> ModuleType:
+    import function_app  # noqa: PLC0415 -- imported after the app settings are in the environment
+
+    return function_app
 
 
 def _reset_function_app() -> None:

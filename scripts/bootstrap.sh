@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the project needs, idempotently: .venv (Python packages), .venv-iac (checkov), tools/node
 # (Azurite, hyco-https, the Kusto language service, the Adaptive Cards renderer, playwright-core) and Debian's
-# chromium (the card rendering test). A stamp of each requirement file's hash skips work already done; safe to run
+# chromium (the card rendering and people's browser tests). A stamp of each requirement file's hash skips work already done; safe to run
 # twice.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,17 +33,17 @@ if ! stamp_ok tools/node/node_modules/.installed "$node_digest"; then
   echo "$node_digest" > tools/node/node_modules/.installed
 fi
 
-# Debian's Chromium, which the card rendering test drives (tools/node/render-cards.js; playwright-core cannot
-# download a browser here). CI runs as root on a fresh machine with apt access. If it cannot be installed, the
-# rest goes on and that test fails saying so (it never skips).
+# Debian's Chromium, which the card rendering and people's browser tests drive (tools/node/render-cards.js and
+# browser.js; playwright-core cannot download a browser here). CI runs as root on a fresh machine with apt access.
+# If it cannot be installed, the rest goes on and those tests fail saying so (they never skip).
 if [ ! -x /usr/bin/chromium ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "bootstrap: apt-get install chromium" >&2
     if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; then
-      echo "bootstrap: could not install chromium; the card rendering test will fail" >&2
+      echo "bootstrap: could not install chromium; the card rendering and browser tests will fail" >&2
     fi
   else
     echo "bootstrap: /usr/bin/chromium is missing and this is not root with apt-get: install Debian's chromium" \
-      "package for the card rendering test" >&2
+      "package for the card rendering and browser tests" >&2
   fi
 fi

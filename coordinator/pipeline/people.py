@@ -3,7 +3,8 @@
 Takes an EventId and who is asking (coordinator/http.py has checked the sign-in, role, origin and form token);
 gives a ``ManualApproval`` (status and message) after committing the person's decision with ``commit_event`` and
 ending the run with the tail every run ends with (pipeline/tail.py), or the events summarized for
-``GET /api/events``. In dry-run the decision is recorded and nothing is sent.
+``GET /api/events``. In dry-run the decision is recorded and nothing is sent. An event approved or being approved is
+never decided again (``already_approved``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,34 @@ ApproveUrl = Callable[[str], str] | None
 
 @dataclass
 class ManualApproval:
-    status: Literal["approved", "sent", "dry-run", "not-found", "conflict"]
+    status: Literal["approved", "sent", "dry-run", "not-found", "conflict", "already-approved"]
     message: str
     event: dict[str, Any] | None = None
+
+
+def already_approved(record: EventRecord, *, approve_url: ApproveUrl) -> ManualApproval | None:
+    """The answer to a person approving an event that is approved or being approved (a second click, a second
+    tab, a second approver, a rule's approval on its way): one decision per event, so nothing more is sent. A new
+    decision would be a second approval with its own decisionId, which the VM's listener does not recognise as the
+    first, so IMDS would get StartRequests twice."""
+    approval = record.approval
+    if approval is None:
+        return None
+    if approval.delivered:
+        how = f"StartRequests accepted through {approval.executor}" if approval.executor else "delivered"
+    elif approval.attempts:
+        how = (
+            f"being delivered: attempt {approval.attempts} answered {approval.outcome or 'nothing'}"
+            f"{': ' + approval.reason if approval.reason else ''}; retried until NotBefore"
+        )
+    else:
+        how = "being delivered"
+    return ManualApproval(
+        "already-approved",
+        f"event {record.eventId} is already approved by {approval.actor} at {approval.decidedAt.isoformat()} "
+        f"({how}; now {record.state}); nothing more is sent",
+        summarize(record, approve_url=approve_url),
+    )
 
 
 def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
@@ -39,15 +65,14 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
     stored = read_event(store, event_id)
     if stored is None:
         return ManualApproval("not-found", f"no event {event_id!r} is known")
+    if answer := already_approved(stored.record, approve_url=run.options.approve_url):
+        return answer
     if stored.record.state != "Scheduled":
         return ManualApproval("conflict", f"event {event_id} is {stored.record.state}; only Scheduled can be approved")
-    if stored.record.approval is not None and stored.record.approval.delivered:
-        return ManualApproval("approved", f"event {event_id} was already approved by {stored.record.approval.actor}")
 
     def decide(record: EventRecord | None) -> EventChange | None:
-        if record is None or record.state != "Scheduled":
-            return None
-        if record.approval is not None and record.approval.delivered:
+        # Checked again inside the conditional write: of two clicks racing past the check above, one decides.
+        if record is None or record.state != "Scheduled" or record.approval is not None:
             return None
         record = clone(record)
         change = EventChange(record=record, changed=True)
@@ -78,6 +103,8 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
     change = commit_event(store, event_id, decide)
     if change is None:
         current = read_event(store, event_id)
+        if current is not None and (answer := already_approved(current.record, approve_url=run.options.approve_url)):
+            return answer
         state = current.record.state if current else "gone"
         return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
     run.report.events_changed += 1
@@ -103,6 +130,7 @@ def summarize(record: EventRecord, *, approve_url: ApproveUrl) -> dict[str, Any]
         "eventId": record.eventId,
         "eventType": record.eventType,
         "eventSource": record.eventSource,
+        "description": record.description,
         "state": record.state,
         "stateSince": record.stateSince.isoformat(),
         "notBefore": record.notBefore.isoformat() if record.notBefore else None,

@@ -288,7 +288,8 @@ def test_a_person_with_the_approve_role_approves_from_the_page_and_is_in_the_his
         "DryRun": 0,
     }
     again = post(app, event_id, {**bob, "Origin": OWN_ORIGIN}, form_token_of(bobs_page))
-    assert again.status_code == 409  # already Approved
+    assert again.status_code == 409  # already approved, by alice
+    assert json.loads(again.get_body())["status"] == "already-approved"
     assert len(app.approvals(event_id)) == 1
     missing = post(app, "nope", {**alice, "Origin": OWN_ORIGIN}, "1.x")
     assert missing.status_code == 403  # the token is checked before the event is even looked up
@@ -439,6 +440,91 @@ def test_dry_run_holds_an_approval_decided_before_it_was_switched_on(app: App):
     assert stored is not None
     assert stored.record.approval is not None
     assert not stored.record.approval.delivered
+
+
+def test_a_second_approval_while_the_first_is_on_its_way_sends_nothing(app: App):
+    """One decision, one StartRequests per event, whatever the clicks: a second click, a second tab or a second
+    approver while the first approval is still being delivered is told so, and decides and sends nothing (a second
+    decision has its own decisionId, so the VM's listener would POST StartRequests again)."""
+    event_id = reboot_waiting_for_a_person(app)
+    working = app.coordinator.callback
+    app.coordinator.callback = _Unreachable()  # the first approval cannot be delivered yet
+    alice = principal(APPROVE_ROLE)
+    bob = principal(APPROVE_ROLE, upn="bob@example.com", oid="0a1b2c3d-0000-4000-8000-000000000002")
+    pages = {"alice": open_page(app, event_id, alice), "bob": open_page(app, event_id, bob)}
+    first = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, form_token_of(pages["alice"]))
+    assert json.loads(first.get_body())["status"] == "sent"
+    app.coordinator.callback = working
+    for who, headers in (("alice", alice), ("bob", bob)):
+        again = post(app, event_id, {**headers, "Origin": OWN_ORIGIN}, form_token_of(pages[who]))
+        assert again.status_code == 409
+        answer = json.loads(again.get_body())
+        assert answer["status"] == "already-approved"
+        assert "is already approved by person:alice@example.com" in answer["message"]
+        assert "attempt 1 answered failed: relay unreachable (test)" in answer["message"]
+        assert answer["message"].endswith("nothing more is sent")
+    assert [d["Actor"] for d in decisions(app, event_id) if d["Rule"] == "manual"] == ["person:alice@example.com"]
+    assert app.approvals(event_id) == []
+    # The page no longer offers the form.
+    reopened = open_page(app, event_id, bob)
+    assert b'name="token"' not in reopened.get_body()
+    assert b"Already approved by person:alice@example.com" in reopened.get_body()
+    # The one decision is delivered by the timer's retry: one StartRequests.
+    app.clock.now = app.clock.now + timedelta(minutes=2)
+    app.module.reevaluate(TimerRequest(past_due=False))
+    assert len(app.approvals(event_id)) == 1
+
+
+BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+
+
+@pytest.mark.parametrize(
+    ("accept", "html"),
+    [
+        (BROWSER, True),
+        ("text/html", True),
+        ("application/json, text/html", True),  # equal preference: a person is looking
+        ("*/*", False),  # curl, requests
+        ("", False),
+        ("application/json", False),
+        ("application/json, text/html;q=0.5", False),
+        ("text/html;q=0", False),
+        ("text/html;q=oops", False),
+    ],
+)
+def test_a_browser_is_told_from_a_script_by_accept(accept: str, html: bool):
+    from coordinator.http import wants_html
+
+    assert wants_html({"Accept": accept}) is html
+
+
+def test_a_browser_gets_pages_and_a_script_json(app: App):
+    event_id = reboot_waiting_for_a_person(app)
+    alice = principal(APPROVE_ROLE)
+    listed = app.module.pending_events(get("/api/events", headers={**alice, "Accept": BROWSER}))
+    assert listed.status_code == 200
+    assert listed.mimetype == "text/html"
+    assert listed.headers["Content-Security-Policy"].startswith("default-src 'none'")
+    assert listed.headers["Vary"] == "Accept"
+    body = listed.get_body().decode()
+    assert f'data-event-id="{event_id}"' in body
+    assert f'href="/api/events/{event_id}/approve">Approve…</a>' in body
+    scripted = app.module.pending_events(get("/api/events", headers={**alice, "Accept": "*/*"}))
+    assert scripted.mimetype == "application/json"
+    assert scripted.headers["Vary"] == "Accept"
+    assert [e["eventId"] for e in json.loads(scripted.get_body())["events"]] == [event_id]
+    # Refusals too: a page with the reason for a person, JSON for a script.
+    unsigned = app.module.pending_events(get("/api/events", headers={"Accept": BROWSER}))
+    assert (unsigned.status_code, unsigned.mimetype) == (401, "text/html")
+    assert b"Sign in first" in unsigned.get_body()
+    assert json.loads(app.module.pending_events(get("/api/events")).get_body())["error"].startswith("sign in first")
+    # The approval's answer: the result page in a browser.
+    page = open_page(app, event_id, alice)
+    approved = post(app, event_id, {**alice, "Origin": OWN_ORIGIN, "Accept": BROWSER}, form_token_of(page))
+    assert (approved.status_code, approved.mimetype) == (200, "text/html")
+    assert b"<h1>Approved</h1>" in approved.get_body()
+    assert f"event {event_id} approved by alice@example.com".encode() in approved.get_body()
+    assert len(app.approvals(event_id)) == 1
 
 
 class _Unreachable:

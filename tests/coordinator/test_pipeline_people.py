@@ -44,8 +44,22 @@ def test_an_event_already_approved_is_not_sent_again(bench: Bench):
     earlier = ApprovalRecord(decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, delivered=True)
     waiting_reboot(bench, approval=earlier)
     result, _ = approve(bench)
-    assert (result.status, result.message) == ("approved", "event EV-R was already approved by rule:r")
+    assert result.status == "already-approved"
+    assert result.message.startswith("event EV-R is already approved by rule:r at ")
+    assert result.message.endswith("nothing more is sent")
     assert bench.callback.sent == []
+
+
+def test_an_event_being_approved_is_not_decided_again(bench: Bench):
+    # A rule's approval on its way (not yet delivered): a person's click must not make a second decision, whose new
+    # decisionId the VM's listener would not recognise as the first.
+    earlier = ApprovalRecord(decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, attempts=1, outcome="failed")
+    waiting_reboot(bench, approval=earlier)
+    result, _ = approve(bench)
+    assert result.status == "already-approved"
+    assert "being delivered: attempt 1 answered failed" in result.message
+    assert bench.callback.sent == []
+    assert bench.rows("Decision") == []
 
 
 def test_a_persons_approval_is_decided_delivered_and_recorded_through_the_tail(bench: Bench):

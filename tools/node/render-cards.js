@@ -15,20 +15,8 @@
 
 const fs = require('fs');
 const path = require('path');
-const { chromium } = require('playwright-core');
+const { launch, BrowserMissing } = require('./chromium');
 
-const EXECUTABLE = process.env.CHROMIUM || '/usr/bin/chromium';
-// As the machine notes say Chromium runs here: no sandbox as root, no GPU, and no background connections (the
-// network is closed, and they would only add refused connections and delays).
-const FLAGS = [
-  '--no-sandbox',
-  '--disable-gpu',
-  '--disable-quic',
-  '--no-first-run',
-  '--disable-background-networking',
-  '--disable-component-update',
-  '--disable-sync',
-];
 const RENDERER = require.resolve('adaptivecards/dist/adaptivecards.min.js');
 // The card column of a Teams channel message on the desktop client is about this wide.
 const CARD_WIDTH = 540;
@@ -36,15 +24,12 @@ const CARD_WIDTH = 540;
 async function main() {
   const input = JSON.parse(fs.readFileSync(0, 'utf8'));
   fs.mkdirSync(input.outDir, { recursive: true });
-  if (!fs.existsSync(EXECUTABLE)) {
-    process.stderr.write(`Chromium not found at ${EXECUTABLE}: bash scripts/bootstrap.sh installs Debian's chromium\n`);
-    return 2;
-  }
   let browser;
   try {
-    browser = await chromium.launch({ executablePath: EXECUTABLE, headless: true, args: FLAGS });
+    browser = await launch();
   } catch (error) {
-    process.stderr.write(`Chromium at ${EXECUTABLE} did not start: ${error.message}\n`);
+    if (!(error instanceof BrowserMissing)) throw error;
+    process.stderr.write(`${error.message}\n`);
     return 2;
   }
   try {
