@@ -416,9 +416,11 @@ class Scenario(BaseModel):
     @model_validator(mode="after")
     def _references(self) -> Scenario:
         names = [vm.name for vm in self.vms]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        # Azure VM names are case-insensitive: web_0 and WEB_0 would be one VM.
+        folded = [name.lower() for name in names]
+        duplicates = sorted({name for name in names if folded.count(name.lower()) > 1})
         if duplicates:
-            raise ValueError(f"vms: duplicate names {duplicates}")
+            raise ValueError(f"vms: duplicate names {duplicates} (VM names are case-insensitive)")
         refs: set[str] = set()
         for index, step in enumerate(self.steps):
             where = f"steps.{index}"
