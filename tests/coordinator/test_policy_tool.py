@@ -254,6 +254,25 @@ def test_the_recorded_policy_replays_with_no_difference(recorded, capsys):
     assert result.compared >= decisions >= 7
 
 
+def test_the_replay_follows_the_rows_times_not_the_order_batches_wrote_them(recorded, tmp_path, capsys):
+    """Each batch stamps its rows with the time it began and writes them last: of two batches side by side, the one
+    that decided first may write after the other (seen in the fleet demo's deletes). Written in the reverse order
+    of their batches, the same rows replay alike."""
+    rows = read_history(recorded).rows
+    batches: dict[Any, list[HistoryRow]] = {}
+    for row in rows:
+        batches.setdefault(row.TimeGenerated, []).append(row)
+    assert len(batches) > 5
+    shuffled = tmp_path / "written-out-of-order.sqlite"
+    store = SqliteHistory(shuffled)
+    store.write([row for batch in reversed(batches.values()) for row in batch])
+    store.close()
+    assert [r.model_dump() for r in read_history(shuffled).rows] == [r.model_dump() for r in rows]
+    code, out, _ = run(capsys, "simulate", "--policy", DEFAULT_POLICY_PATH, "--history", shuffled)
+    assert code == 0, out
+    assert ": 0 would differ" in out
+
+
 def test_a_changed_policy_shows_each_decision_that_would_differ(recorded, tmp_path, capsys):
     code, out, _ = run(capsys, "simulate", "--policy", EXAMPLE, "--history", recorded, "--json")
     assert code == 1
