@@ -250,13 +250,11 @@ def _time_scale(path: Path, args: argparse.Namespace) -> tuple[float, str]:
     except HistoryInputError as error:
         raise CostError(f"--history {path}: {error}") from None
     if args.time_scale is not None:
-        scale = float(args.time_scale)
-    elif run is not None:
-        scale = run.timeScale
-    else:
-        return 1.0, ""
-    where = f"a local run of {run.scenario!r}" if run is not None else "a run"
-    return scale, f" of Azure time ({where} at time scale {scale:g}, {local_run_path(path).name})"
+        return float(args.time_scale), f" of Azure time (--time-scale {args.time_scale:g})"
+    if run is not None:
+        where = f"a local run of {run.scenario!r} at time scale {run.timeScale:g}, {local_run_path(path).name}"
+        return run.timeScale, f" of Azure time ({where})"
+    return 1.0, ""
 
 
 def _positive(name: str, *, allow_zero: bool = False) -> type[float]:
