@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from contracts.envelope import VmIdentity
 from forwarder import __version__, logs
@@ -51,12 +51,36 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         info = ForwarderSettings.model_fields[name]
         if info.annotation is bool:
-            run.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            run.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=_help(name))
         else:
-            run.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"default: {info.default}")
-    once.add_argument("--imds-url", dest="imds_url", default=None)
-    once.add_argument("--imds-first-call-timeout", dest="imds_first_call_timeout", default=None)
+            run.add_argument(flag, dest=name, default=None, metavar=_metavar(name), help=_help(name))
+    for name in ("imds_url", "imds_first_call_timeout"):
+        once.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=None, metavar=_metavar(name), help=_help(name)
+        )
     return parser
+
+
+def _metavar(name: str) -> str:
+    choices = get_args(ForwarderSettings.model_fields[name].annotation)
+    return "{" + ",".join(choices) + "}" if all(isinstance(c, str) for c in choices) and choices else name.upper()
+
+
+def _help(name: str) -> str:
+    """The setting's description, its allowed values or bounds, its default and its environment variable. Not an
+    argparse choices list: every source (flag, environment, file) is validated alike, with the same message."""
+    info = ForwarderSettings.model_fields[name]
+    facts = []
+    choices = get_args(info.annotation)
+    if choices and all(isinstance(c, str) for c in choices):
+        facts.append("one of " + ", ".join(choices))
+    bounds = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    facts.extend(
+        f"{sign} {getattr(rule, key)}" for rule in info.metadata for key, sign in bounds.items() if hasattr(rule, key)
+    )
+    facts.append("no default" if info.default is None else f"default {info.default}")
+    facts.append(f"${ENV_PREFIX}{name.upper()}")
+    return f"{info.description} ({'; '.join(facts)})".replace("%", "%%")
 
 
 def build_credential(settings: ForwarderSettings, imds: ImdsClient) -> TokenCredential:

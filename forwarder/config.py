@@ -29,49 +29,123 @@ class ConfigError(ValueError):
 
 
 class ForwarderSettings(BaseModel):
+    """Every setting, with the description ``python -m forwarder run --help`` shows (docs/forwarder.md's table)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # IMDS
-    imds_url: str = Field(default=DEFAULT_IMDS_URL, pattern=r"^http://[^/?#]+(/[^?#]*)?$")
-    poll_interval: float = Field(default=1.0, ge=0.05, le=60)
-    imds_timeout: float = Field(default=10.0, gt=0, le=120)
-    imds_first_call_timeout: float = Field(default=FIRST_CALL_TIMEOUT, gt=0, le=600)
+    imds_url: str = Field(
+        default=DEFAULT_IMDS_URL,
+        pattern=r"^http://[^/?#]+(/[^?#]*)?$",
+        description="IMDS root, or an emulator's per-VM base URL (http://127.0.0.1:PORT/vm/NAME)",
+    )
+    poll_interval: float = Field(default=1.0, ge=0.05, le=60, description="seconds between reads of the document")
+    imds_timeout: float = Field(default=10.0, gt=0, le=120, description="seconds an IMDS request may take")
+    imds_first_call_timeout: float = Field(
+        default=FIRST_CALL_TIMEOUT,
+        gt=0,
+        le=600,
+        description="seconds the first Scheduled Events call (and the first after 24 h without one) may take: IMDS "
+        "may need up to 2 minutes to wake the service up",
+    )
     # State (spool, sequence, hook ledger)
-    state_dir: Path = Path("/var/lib/scheduled-events-forwarder")
-    spool_max_entries: int = Field(default=10_000, ge=1, le=10_000_000)
-    heartbeat_interval: float = Field(default=60.0, gt=0, le=3600)
+    state_dir: Path = Field(
+        default=Path("/var/lib/scheduled-events-forwarder"),
+        description="the SQLite spool, sequence and hook ledger (the unit's StateDirectory)",
+    )
+    spool_max_entries: int = Field(
+        default=10_000,
+        ge=1,
+        le=10_000_000,
+        description="envelopes kept while Event Hubs cannot be reached; when full, heartbeats are dropped first, then "
+        "the oldest others (logged, counted)",
+    )
+    heartbeat_interval: float = Field(default=60.0, gt=0, le=3600, description="seconds between heartbeats")
     # Where envelopes go
-    sink: SinkKind = "eventhub"
-    jsonl_path: Path | None = None
-    eventhub_namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]+(:\d+)?$")
-    eventhub_name: str | None = Field(default=None, min_length=1, max_length=256)
-    eventhub_connection_string: SecretStr | None = None
-    managed_identity_client_id: str | None = None
+    sink: SinkKind = Field(
+        default="eventhub", description="where envelopes go: Event Hubs, stdout or a JSON-lines file (jsonl_path)"
+    )
+    jsonl_path: Path | None = Field(default=None, description="the file of the jsonl sink")
+    eventhub_namespace: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9.-]+(:\d+)?$",
+        description="fully qualified Event Hubs namespace (NS.servicebus.windows.net), reached with the VM's "
+        "managed identity",
+    )
+    eventhub_name: str | None = Field(default=None, min_length=1, max_length=256, description="the event hub")
+    eventhub_connection_string: SecretStr | None = Field(
+        default=None,
+        description="instead of the managed identity: a SAS connection string, or the local emulator's; never "
+        "echoed (prefer the environment variable: a flag shows in ps)",
+    )
+    managed_identity_client_id: str | None = Field(
+        default=None, description="a user-assigned identity's client id; the system-assigned identity when unset"
+    )
     # "imds": a small IMDS token client sharing the IMDS rate limiter (forwarder/credential.py says why);
     # "azure-identity": ManagedIdentityCredential. Both are the VM's managed identity.
-    credential: CredentialKind = "imds"
-    eventhub_use_tls: bool = True  # false only for a local Event Hubs emulator reached without a connection string
-    send_batch_max: int = Field(default=100, ge=1, le=1000)
+    credential: CredentialKind = Field(
+        default="imds",
+        description="how the managed identity's tokens are taken: the small built-in IMDS token client, or "
+        "azure-identity's ManagedIdentityCredential",
+    )
+    eventhub_use_tls: bool = Field(
+        default=True,
+        description="TLS to Event Hubs; off only for a local emulator reached by namespace, not by connection string",
+    )
+    send_batch_max: int = Field(
+        default=100, ge=1, le=1000, description="envelopes per Event Hubs batch when the spool is replayed"
+    )
     # Hooks
-    hooks_dir: Path = Path("/etc/scheduled-events/hooks")
-    hook_timeout: float = Field(default=120.0, gt=0, le=3600)
+    hooks_dir: Path = Field(
+        default=Path("/etc/scheduled-events/hooks"),
+        description="holds prepare.d/ and recover.d/, whose hooks run in name order",
+    )
+    hook_timeout: float = Field(
+        default=120.0, gt=0, le=3600, description="seconds a hook may run before it is killed (its phase fails)"
+    )
     # Azure Relay listener (approvals back to this VM)
-    relay_enabled: bool = False
-    relay_namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]+(:\d+)?$")
-    relay_hybrid_connection: str | None = Field(default=None, min_length=1, max_length=260)
-    relay_endpoint: str | None = None  # full listener base URI; set only for the local Relay emulator
+    relay_enabled: bool = Field(
+        default=False, description="run the relay listener, which carries the coordinator's approvals to IMDS"
+    )
+    relay_namespace: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9.-]+(:\d+)?$",
+        description="fully qualified Azure Relay namespace (NS.servicebus.windows.net)",
+    )
+    relay_hybrid_connection: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=260,
+        description="this VM's hybrid connection; unset: vm-{vmId}, the one the coordinator sends to",
+    )
+    relay_endpoint: str | None = Field(
+        default=None,
+        description="full listener base URI (default wss://RELAY_NAMESPACE); only for the local Relay emulator",
+    )
     # "on-demand": the listener is connected only while this VM's document holds a Scheduled event it could
     # execute, plus relay_listener_grace_seconds (a listener hour is billed while connected: $9.78 a month always
     # on, cents on demand; docs/relay.md). "always-on": connected for the daemon's whole life.
-    relay_listener_mode: ListenerMode = "on-demand"
+    relay_listener_mode: ListenerMode = Field(
+        default="on-demand",
+        description="on-demand: connected only while the document holds a Scheduled event this VM could approve, "
+        "plus the grace (a listener is billed per connected hour); always-on: for the daemon's life",
+    )
     # 60 s = twice the coordinator's approval deadline (COORDINATOR_APPROVAL_DEADLINE_SECONDS, 30 s): a request
     # still in flight when the event started gets its answer instead of 503s until its deadline, and an event that
     # follows another within a minute reuses the connection. It costs 60 s of listener time per event ($0.0002).
-    relay_listener_grace_seconds: float = Field(default=60.0, ge=0, le=3600)
-    log_level: LogLevel = "INFO"
+    relay_listener_grace_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        le=3600,
+        description="on demand, seconds the listener stays after the last such event is gone or Started",
+    )
+    log_level: LogLevel = Field(default="INFO", description="the JSON log lines' least level, on stderr")
     # Tracing (forwarder/telemetry.py): finished spans appended here as JSON lines; unset = nothing recorded (the
     # trace context is still created and sent). On a VM it must be under state_dir, the unit's one writable place.
-    telemetry_spans_file: Path | None = None
+    telemetry_spans_file: Path | None = Field(
+        default=None,
+        description="append finished spans here as JSON lines (on a VM, under state_dir); unset: none recorded",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ForwarderSettings:

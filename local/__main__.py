@@ -5,7 +5,9 @@ Event Hubs emulator), feeds Event Hubs batches and timer ticks to the same funct
 would call (state in Azurite, history in SQLite, cards in a folder), sends approvals through the Relay emulator back
 to the forwarders, prints a live timeline and a summary with each approval's trace, and writes the run's telemetry
 (spans and metrics, local/telemetry.py) to telemetry.json in the work folder. Exit 0 when every expectation of the run
-held, 1 when one failed or the run did not finish in time, 2 on bad arguments.
+held, 1 when one failed or the run did not finish in time, 2 on bad arguments (a scenario or policy that cannot be
+used is one: it is refused before anything starts). With --json, stdout holds exactly one JSON document, the
+summary; everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from types import FrameType
 
 from emulators.azurite import AzuriteError
 from emulators.imds import Scenario, ScenarioError
-from local.run import follow, history_command, judge, settle_forwarders
+from local.run import follow, history_command, judge, policy_problem, settle_forwarders
 from local.stack import REPO_ROOT, LocalStack, StackOptions, WorkdirBusy
 from local.telemetry import REPORT_FILE, Collector
 
@@ -37,7 +39,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timer-interval", type=float, default=2.0, help="seconds between reevaluate ticks")
     parser.add_argument("--timeout", type=float, default=240.0, help="give up (exit 1) after this many seconds")
     parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".local", help="runtime files (default .local/)")
-    parser.add_argument("--policy", type=Path, default=None, help="approval policy (default: coordinator's)")
+    parser.add_argument(
+        "--policy",
+        type=Path,
+        default=None,
+        help="approval policy (default: the scenario's own, else the coordinator's)",
+    )
     parser.add_argument("--no-prepare-hooks", action="store_true", help="give the forwarders no prepare hook")
     parser.add_argument(
         "--http-port",
@@ -45,7 +52,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="the people's pages (approval links, /api/events) behind the sign-in stand-in; 0: a free port",
     )
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
+    parser.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON document on stdout (the rest on stderr)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no live timeline")
     arguments = parser.parse_args(argv)
     if arguments.time_scale <= 0:
@@ -72,9 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     except ScenarioError as error:
         print(f"local: {error}", file=sys.stderr)
         return EXIT_USAGE
-    if arguments.policy is not None and not arguments.policy.is_file():
-        print(f"local: policy file {arguments.policy} does not exist", file=sys.stderr)
-        return EXIT_USAGE
     options = StackOptions(
         scenario=scenario,
         workdir=arguments.workdir,
@@ -85,26 +91,44 @@ def main(argv: list[str] | None = None) -> int:
         policy_path=arguments.policy,
         http_port=arguments.http_port,
     )
+    # Refused before anything starts: a coordinator given a policy it cannot load fails every batch until --timeout.
+    problem = policy_problem(options)
+    if problem is not None:
+        print(f"local: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    if scenario.policy is not None and not options.scenario_policy:
+        print(
+            f"local: --policy {options.policy} replaces the scenario's own {scenario.policy}: the expectations are "
+            "its rules' alone (the scenario's expect: are for its own)",
+            file=sys.stderr,
+        )
+    # With --json, stdout is the summary's JSON document alone, so that it pipes into jq; people read stderr.
+    human = sys.stderr if arguments.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=human, flush=True)
+
     _stop_on_sigterm()
     started = time.monotonic()
-    printer = None if arguments.quiet else (lambda line: print(line, flush=True))
+    printer = None if arguments.quiet else say
     # Before the stack starts: the coordinator records from its first batch on.
     collector = Collector.install()
     collector.begin()
     try:
         with LocalStack(options) as stack:
             assert stack.imds is not None
-            print(
-                f"local: scenario {scenario.name!r}, {len(scenario.vms)} VMs, time scale {arguments.time_scale:g}; "
-                f"runtime files in {stack.workdir}; forwarder logs in {stack.logs_dir}",
-                flush=True,
+            say(
+                f"local: scenario {scenario.name!r}, {len(scenario.vms)} VMs, time scale {arguments.time_scale:g}, "
+                f"policy {options.policy}; runtime files in {stack.workdir}; forwarder logs in {stack.logs_dir}"
             )
             people = ", ".join(person.upn for person in options.people)
-            print(f"local: open events at {stack.people_url}/api/events (sign in as: {people})", flush=True)
-            print(f"{'time':<14}{'event':<19}{'type':<10}{'step':<11}{'since seen':>11}  detail", flush=True)
+            say(f"local: open events at {stack.people_url}/api/events (sign in as: {people})")
+            if printer is not None:
+                say(f"{'time':<14}{'event':<19}{'type':<10}{'step':<11}{'since seen':>11}  detail")
             follower, finished = follow(stack, timeout=arguments.timeout, printer=printer)
             settle_forwarders(stack)
             follower.pump()
+            follower.flush()
             summary, _facts = judge(stack, follower)
             if not finished:
                 summary.failures.append(
@@ -112,16 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                     + ", ".join(follower.timeline.label(e) for e in follower.timeline.open_events())
                 )
             for line in summary.render():
-                print(line)
+                say(line)
             telemetry = collector.finish(stack.workdir)
             for line in telemetry.render():
-                print(line)
-            print(f"telemetry (spans of each approval, metrics): {stack.workdir / REPORT_FILE}")
-            print(f"cards: {stack.cards_dir} ({len(list(stack.cards_dir.glob('*')))} files)")
-            print(f"query the history: {history_command(stack)}")
-            print(f"run took {time.monotonic() - started:.1f} s")
+                say(line)
+            say(f"telemetry (spans of each approval, metrics): {stack.workdir / REPORT_FILE}")
+            say(f"cards: {stack.cards_dir} ({len(list(stack.cards_dir.glob('*')))} files)")
+            say(f"query the history: {history_command(stack)}")
+            say(f"run took {time.monotonic() - started:.1f} s")
             if arguments.json:
-                print(json.dumps(summary.as_dict(), indent=2, sort_keys=True, default=str))
+                print(json.dumps(summary.as_dict(), indent=2, sort_keys=True, default=str), flush=True)
             return EXIT_OK if summary.ok else EXIT_FAILED
     except KeyboardInterrupt:
         print("local: interrupted; every child process was stopped", file=sys.stderr)

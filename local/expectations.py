@@ -12,11 +12,16 @@ forwarder's hook timeout) is not approved before the rule's hook deadline (``no-
 ``either`` with onDeadline=approve). Delete coupling counts: a Terminate that would be approved but overlaps a
 Terminate of the same scale set that is not expected to be approved waits for it (``either``: the platform may
 start either first).
+
+A scenario run with its own policy says what becomes of the events where the rules alone cannot (``expect`` on a
+create step: a budget, a gate, a window depend on the rest of the run, which the scenario knows): ``with_declared``
+puts its word over the rules', and keeps the rules' own to show a contradiction.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -45,6 +50,8 @@ class Expected:
     approval: Expectation
     rule: str
     terminal_state: str  # the coordinator's state once the event is over: Completed or Canceled
+    # When the scenario declared ``approval``: what the rules alone expected (None when nothing was declared).
+    computed: Expectation | None = None
 
 
 def _parse_time(value: Any) -> datetime | None:
@@ -185,3 +192,11 @@ def expect_all(
         expect(event, policy, prepare_hooks=prepare_hooks, vms=by_name, time_scale=time_scale) for event in events
     ]
     return _coupled(events, expected, by_name)
+
+
+def with_declared(expected: list[Expected], declared: Mapping[str, Expectation]) -> list[Expected]:
+    """The scenario's expectation (by the event's ref, its label) over the rules' one, which is kept in ``computed``."""
+    return [
+        replace(item, approval=declared[item.label], computed=item.approval) if item.label in declared else item
+        for item in expected
+    ]

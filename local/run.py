@@ -5,22 +5,57 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import PolicyError, load_policy
 from coordinator.state.tables import TableStateStore
-from local.expectations import Expected, expect_all
+from local.expectations import Expected, expect_all, with_declared
 from local.observe import HistoryTail, collect
-from local.stack import HUB, LocalStack
+from local.scenario import pages_without_gate
+from local.stack import HUB, LocalStack, StackOptions
 from local.summary import RunFacts, Summary, summarize
-from local.timeline import TERMINAL, Timeline
+from local.timeline import TERMINAL, InTimeOrder, Timeline, moment
+from ops.history import LocalRun, local_run_path
 
 Printer = Callable[[str], None]
+# How long the live timeline holds a line back to print it in time order: longer than the pipeline takes to log a
+# row in all but an outage (detect-to-approve p99 about 1 s, docs/local-mode.md).
+TIMELINE_HOLD = timedelta(seconds=2)
 IMDS_TERMINAL = frozenset({"Completed", "Canceled"})
+
+
+def policy_problem(options: StackOptions) -> str | None:
+    """Why the run's policy cannot be used, in one line naming the file (None when it can): it must exist and
+    load, and each health page of the scenario must be one a gate of it probes."""
+    path = options.policy
+    named = f" (named by scenario {options.scenario.name!r})" if options.policy_path is None else ""
+    if not path.is_file():
+        return f"policy file {path}{named} does not exist"
+    try:
+        policy = load_policy(path)
+    except PolicyError as error:
+        return f"policy {path}{named}: {_one_line(str(error))}"
+    unprobed = pages_without_gate(options.scenario, policy)
+    if unprobed:
+        return f"scenario {options.scenario.name!r}: no HTTP gate of policy {path} probes health pages {unprobed}"
+    return None
+
+
+def _one_line(text: str) -> str:
+    """A several-line message (a heading and one problem per line; YAML's pointer lines) as one line."""
+    parts = [line.strip() for line in text.splitlines() if line.strip() not in ("", "^")]
+    joined = parts[0] if parts else ""
+    for part in parts[1:]:
+        joined += (" " if joined.endswith(":") else "; ") + part
+    return joined
 
 
 def history_command(stack: LocalStack) -> str:
     db = stack.history_path
-    return f".venv/bin/python -m ops.history --db {db} events --since 1h   # or: timeline EVENT_ID | sql QUERY"
+    if db.is_relative_to(Path.cwd()):
+        db = db.relative_to(Path.cwd())  # as a user types it from where they ran the command
+    return f".venv/bin/python -m ops.history --db {db} events --since 1h   # or: timeline EVENT (e.g. its ref)"
 
 
 class Follower:
@@ -31,22 +66,43 @@ class Follower:
         self.timeline = Timeline()
         self.tail = HistoryTail(stack.history_path)
         self._printer = printer
+        self._in_order = InTimeOrder(TIMELINE_HOLD)
+        self._refs: dict[str, str] = {}
+        self._record(self._refs)
         scenario = stack.options.scenario
         last_step = max((step.at for step in scenario.steps), default=0.0)
         self.creates = sum(1 for step in scenario.steps if step.create is not None)
         self.scenario_ends = time.monotonic() + stack.options.lead_in + last_step / stack.options.time_scale
 
+    def _record(self, refs: dict[str, str]) -> None:
+        """What the history cannot say about this run, beside it (``ops.history``, ``ops.cost`` read it)."""
+        options = self.stack.options
+        run = LocalRun(scenario=options.scenario.name, timeScale=options.time_scale, refs=refs)
+        local_run_path(self.stack.history_path).write_text(run.model_dump_json(indent=2) + "\n", encoding="utf-8")
+
     def pump(self) -> None:
         rows = self.tail.new_rows()
         if rows:
             assert self.stack.imds is not None
-            self.timeline.labels.update(
-                {str(e["EventId"]): str(e.get("ref") or e["EventId"][:8]) for e in self.stack.imds.events()}
-            )
+            events = self.stack.imds.events()
+            self.timeline.labels.update({str(e["EventId"]): str(e.get("ref") or e["EventId"][:8]) for e in events})
+            refs = {str(e["ref"]): str(e["EventId"]) for e in events if e.get("ref")}
+            if refs != self._refs:
+                self._refs = refs
+                self._record(refs)
+        now = datetime.now(UTC)
         for row in rows:
-            for line in self.timeline.add(row):
-                if self._printer is not None:
-                    self._printer(line)
+            self._in_order.add(moment(row) or now, self.timeline.add(row))
+        self._print(self._in_order.due(now))
+
+    def flush(self) -> None:
+        """Prints what is held back: the run is over, no earlier row can come."""
+        self._print(self._in_order.flush())
+
+    def _print(self, lines: list[str]) -> None:
+        if self._printer is not None:
+            for line in lines:
+                self._printer(line)
 
     def over(self) -> bool:
         """Every step played, every event over in IMDS, the coordinator has concluded each of them and retired
@@ -93,16 +149,16 @@ def judge(
     assert stack.eventhubs is not None
     assert stack.storage is not None
     assert stack.host is not None
-    policy = load_policy(stack.options.policy_path or DEFAULT_POLICY_PATH)
+    options = stack.options
+    policy = load_policy(options.policy)
     events = stack.imds.events()
     if expected is None:
         expected = expect_all(
-            events,
-            policy,
-            prepare_hooks=stack.options.prepare_hooks,
-            vms=stack.imds.vms(),
-            time_scale=stack.options.time_scale,
+            events, policy, prepare_hooks=options.prepare_hooks, vms=stack.imds.vms(), time_scale=options.time_scale
         )
+        if options.scenario_policy:
+            declared = {ref: approval for ref, (approval, _) in options.scenario.expectations().items()}
+            expected = with_declared(expected, declared)
     store = TableStateStore.from_connection_string(stack.storage.connection_string, table_name="scheduledevents")
     facts = collect(
         expected=expected,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import math
 import os
@@ -23,22 +24,26 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import IO, Any, Self
+from urllib.parse import urlsplit, urlunsplit
 
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.event_grid import EventGridPublisher
-from emulators.imds.models import HookSpec, VmSpec
+from emulators.imds.models import HealthPage, HookSpec, VmSpec
 from emulators.relay import RelayEmulator
 from forwarder.durable_state import Store
 from local.direct_callback import direct_coordinator
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
 from local.http_host import FunctionsHttpHost, LocalHttpServer
 from local.runner import FunctionHost, IngestFunction
-from local.scenario import delayed
+from local.scenario import delayed, served_policy
+from ops.history import LOCAL_RUN_FILE
 
 log = logging.getLogger("local.stack")
 
@@ -64,6 +69,8 @@ echo "prepared $SCHEDULED_EVENT_TYPE $SCHEDULED_EVENT_ID on $VM_NAME"
 """
 # How often the stack looks at the IMDS emulator for removed VMs and at the clock for wipe steps (real seconds).
 PLATFORM_WATCH_INTERVAL = 0.1
+# With health pages, the coordinator's policy: the run's, its gates pointed at the pages the stack serves.
+POLICY_COPY = "policy.yaml"
 # The coordinator retires a removed VM after this many of the forwarders' heartbeat intervals of silence, as in
 # Azure (180 s = three 60 s heartbeats).
 RETIRE_GRACE_HEARTBEATS = 3
@@ -97,6 +104,46 @@ def identity_vm(scenario: Scenario) -> str:
     return next((vm.name for vm in scenario.vms if vm.name not in removable), scenario.vms[0].name)
 
 
+class HealthPages:
+    """The scenario's health pages, each served on its own free loopback port: a GET of any path answers the
+    page's current status, which the scenario's ``healthPage`` steps change."""
+
+    def __init__(self, pages: dict[str, HealthPage]) -> None:
+        self._status = {name: page.status for name, page in pages.items()}
+        self._servers: dict[str, ThreadingHTTPServer] = {}
+        self.served: dict[str, str] = {}  # the URL as the policy names it -> the URL it is served on
+        for name, page in pages.items():
+            server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler(name))
+            self._servers[name] = server
+            served = urlsplit(page.url)._replace(netloc=f"127.0.0.1:{server.server_address[1]}")
+            self.served[page.url] = urlunsplit(served)
+            threading.Thread(target=server.serve_forever, name=f"health-page-{name}", daemon=True).start()
+
+    def _handler(self, name: str) -> type[BaseHTTPRequestHandler]:
+        status = self._status
+
+        class Page(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(status[name])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return  # the coordinator's gate reads are not the run's output
+
+        return Page
+
+    def set(self, name: str, status: int) -> None:
+        self._status[name] = status
+        log.info("health page %s answers %d from now on", name, status)
+
+    def stop(self) -> None:
+        for server in self._servers.values():
+            server.shutdown()
+            server.server_close()
+        self._servers.clear()
+
+
 @dataclass(frozen=True)
 class StackOptions:
     """How the local pipeline runs. Times are real seconds unless named otherwise."""
@@ -120,6 +167,19 @@ class StackOptions:
     # in at the stand-in of App Service Authentication, with which app roles.
     http_port: int = 0
     people: tuple[LocalPerson, ...] = DEFAULT_PEOPLE
+
+    @property
+    def policy(self) -> Path:
+        """The run's approval policy: ``policy_path`` (``--policy``), else the scenario's own, else the default."""
+        if self.policy_path is not None:
+            return self.policy_path
+        return Path(self.scenario.policy) if self.scenario.policy is not None else DEFAULT_POLICY_PATH
+
+    @property
+    def scenario_policy(self) -> bool:
+        """Whether the run uses the policy the scenario names, for which its ``expect``s are written."""
+        own = self.scenario.policy
+        return own is not None and self.policy.resolve() == Path(own).resolve()
 
 
 class WorkdirBusy(RuntimeError):
@@ -207,6 +267,7 @@ class LocalStack:
         self.forwarders: dict[str, ForwarderProcess] = {}
         # Publishes the agentless VMs' events as Event Grid would (None when the scenario has no agentless VM).
         self.event_grid: EventGridPublisher | None = None
+        self.health_pages: HealthPages | None = None
         self._saved_env: dict[str, str | None] = {}
         self._lock: IO[str] | None = None
         # What the stack did as the platform: VMs whose forwarder it killed because IMDS removed them (name ->
@@ -272,13 +333,18 @@ class LocalStack:
             scenario=scenario, time_scale=self.options.time_scale, throttle_rps=self.options.throttle_rps
         )
         self.imds.start()
-        # The emulator plays step `at` (Azure seconds, lead-in included) at started + at / time_scale.
+        # The emulator plays step `at` (Azure seconds, lead-in included) at started + at / time_scale; so does the
+        # stack the steps that are its business.
         started = time.monotonic()
-        wipes = sorted(
-            (started + step.at / self.options.time_scale, step.wipeForwarderState)
-            for step in scenario.steps
-            if step.wipeForwarderState is not None
-        )
+        self.health_pages = HealthPages(self.options.scenario.healthPages)
+        due: list[tuple[float, Callable[[], None]]] = []
+        for step in scenario.steps:
+            at = started + step.at / self.options.time_scale
+            if step.wipeForwarderState is not None:
+                due.append((at, functools.partial(self.wipe_forwarder_state, step.wipeForwarderState)))
+            if step.healthPage is not None:
+                due.append((at, functools.partial(self.health_pages.set, step.healthPage.name, step.healthPage.status)))
+        due.sort(key=lambda item: item[0])
         # Bound before the coordinator is configured: its public URL (the cards' approval links) is this address.
         self.front = LocalHttpServer(
             EasyAuthStandIn(FunctionsHttpHost(_function_app), self.options.people), port=self.options.http_port
@@ -299,14 +365,15 @@ class LocalStack:
                 continue  # no forwarder on it: Event Grid tells the coordinator of its events
             self.forwarders[vm.name] = self._forwarder(vm)
             self.forwarders[vm.name].start()
-        self._watcher = threading.Thread(target=self._watch, args=(wipes,), name="local-platform", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, args=(due,), name="local-platform", daemon=True)
         self._watcher.start()
 
-    def _watch(self, wipes: list[tuple[float, str]]) -> None:
+    def _watch(self, due: list[tuple[float, Callable[[], None]]]) -> None:
         """Plays the platform's part on the VMs' disks and processes: a VM the IMDS emulator removed (Terminate,
         Preempt) is deleted, so its forwarder dies with it (SIGKILL: nothing of it runs on); a wipeForwarderState
-        step kills the forwarder, deletes its state folder and starts it again, as a reimaged disk would."""
-        pending = list(wipes)
+        step kills the forwarder, deletes its state folder and starts it again, as a reimaged disk would; a
+        healthPage step changes what a page answers."""
+        pending = list(due)
         while not self._watch_stop.wait(PLATFORM_WATCH_INTERVAL):
             imds = self.imds
             if imds is None:
@@ -320,8 +387,8 @@ class LocalStack:
                 self._remove(name)
             now = time.monotonic()
             while pending and pending[0][0] <= now:
-                _, name = pending.pop(0)
-                self.wipe_forwarder_state(name)
+                _, action = pending.pop(0)
+                action()
 
     def _remove(self, name: str) -> None:
         with self._forwarders_lock:
@@ -360,6 +427,9 @@ class LocalStack:
             self.front = None
         if self.event_grid is not None:
             self.event_grid.stop()
+        if self.health_pages is not None:
+            self.health_pages.stop()
+            self.health_pages = None
         for forwarder in self.forwarders.values():
             with contextlib.suppress(Exception):
                 forwarder.stop(timeout=5)
@@ -395,7 +465,16 @@ class LocalStack:
             ) from None
         self._lock = lock
         # A run starts clean: the previous run's history, cards, spools and logs would mix with this one's.
-        for name in ("vms", "cards", "logs", "history.sqlite", "history.sqlite-wal", "history.sqlite-shm"):
+        for name in (
+            "vms",
+            "cards",
+            "logs",
+            "history.sqlite",
+            "history.sqlite-wal",
+            "history.sqlite-shm",
+            LOCAL_RUN_FILE,
+            POLICY_COPY,
+        ):
             target = self.workdir / name
             if target.is_dir():
                 shutil.rmtree(target)
@@ -440,8 +519,7 @@ class LocalStack:
             env["COORDINATOR_REMOTE_ACKNOWLEDGE"] = "fallback"
             env["COORDINATOR_ARM_ENDPOINT"] = self.imds.url
             env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
-        if self.options.policy_path is not None:
-            env["COORDINATOR_POLICY_PATH"] = str(self.options.policy_path.resolve())
+        env["COORDINATOR_POLICY_PATH"] = str(self._coordinator_policy().resolve())
         env.update(self.options.coordinator_env)
         for name in _IDENTITY_VARIABLES:
             self._set_env(name, None)
@@ -450,6 +528,15 @@ class LocalStack:
         _reset_function_app()
         if self.relay is None:
             self._approve_directly()
+
+    def _coordinator_policy(self) -> Path:
+        """The run's policy; with health pages, a copy in the work folder whose gates probe them where served."""
+        policy = self.options.policy
+        if self.health_pages is None or not self.health_pages.served:
+            return policy
+        copy = self.workdir / POLICY_COPY
+        copy.write_text(served_policy(policy.read_text(encoding="utf-8"), self.health_pages.served), encoding="utf-8")
+        return copy
 
     def _approve_directly(self) -> None:
         """Without the Relay emulator, approvals go straight into the IMDS emulator (local/direct_callback.py), judged

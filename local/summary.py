@@ -130,6 +130,25 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[rank - 1]
 
 
+def _event_failures(item: Expected, *, made: bool, coordinator: str) -> list[str]:
+    event = f"{item.label} ({item.event_type})"
+    # Whose word the expectation is: the scenario's (an ``expect`` of its step), else the policy's rule.
+    said = "the scenario expects" if item.computed is not None else f"rule {item.rule} says"
+    failures = []
+    if item.approval == "approve" and not made:
+        failures.append(f"{event}: {said} it is approved; it was not")
+    elif item.approval == "no-approval" and made:
+        failures.append(f"{event}: approved, although {said} it is not")
+    if item.computed not in (None, "either", item.approval):
+        failures.append(
+            f"{event}: the scenario expects {item.approval}, but rule {item.rule} alone says {item.computed}: "
+            "the scenario and its policy disagree"
+        )
+    if coordinator != item.terminal_state:
+        failures.append(f"{event}: coordinator state {coordinator}, expected {item.terminal_state}")
+    return failures
+
+
 def summarize(facts: RunFacts) -> Summary:
     failures: list[str] = []
     approved_ids = {str(item["EventId"]) for item in facts.imds_approvals}
@@ -141,18 +160,8 @@ def summarize(facts: RunFacts) -> Summary:
         coordinator = facts.coordinator_states.get(item.event_id, "(never seen)")
         if item.approval == "approve":
             expected_approve += 1
-            if made:
-                expected_made += 1
-            else:
-                failures.append(
-                    f"{item.label} ({item.event_type}): rule {item.rule} should have approved it; it was not"
-                )
-        elif item.approval == "no-approval" and made:
-            failures.append(f"{item.label} ({item.event_type}): approved although rule {item.rule} does not approve")
-        if coordinator != item.terminal_state:
-            failures.append(
-                f"{item.label} ({item.event_type}): coordinator state {coordinator}, expected {item.terminal_state}"
-            )
+            expected_made += made
+        failures.extend(_event_failures(item, made=made, coordinator=coordinator))
         rows.append(
             {
                 "label": item.label,

@@ -181,6 +181,31 @@ def approval_traces(spans: Iterable[SpanRecord]) -> list[dict[str, Any]]:
     return traces
 
 
+def shared_traces(traces: list[dict[str, Any]]) -> list[tuple[list[str], str, list[dict[str, Any]]]]:
+    """The approvals' traces as printed: approvals whose traces share spans (one detection of two events, one batch
+    deciding both) are one block, each span once, times from the block's first span; the rest one block each."""
+    blocks: list[tuple[list[str], str, dict[str, dict[str, Any]]]] = []
+    for item in traces:
+        spans = {span["spanId"]: span for span in item["spans"]}
+        for events, trace_id, held in blocks:
+            shared = next((span_id for span_id in spans if span_id in held), None)
+            if trace_id == item["traceId"] and shared is not None:
+                # Each approval's times count from its own first span: align them on a span both hold.
+                offset = held[shared]["startMs"] - spans[shared]["startMs"]
+                for span_id, span in spans.items():
+                    held.setdefault(span_id, span | {"startMs": span["startMs"] + offset})
+                events.append(item["eventId"])
+                break
+        else:
+            blocks.append(([item["eventId"]], item["traceId"], dict(spans)))
+    printed = []
+    for events, trace_id, held in blocks:
+        first = min(span["startMs"] for span in held.values())
+        ordered = sorted(held.values(), key=lambda span: span["startMs"])
+        printed.append((events, trace_id, [span | {"startMs": span["startMs"] - first} for span in ordered]))
+    return printed
+
+
 def _key(attributes: Mapping[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(attributes.items()))
 
@@ -236,9 +261,9 @@ class Report:
     def render(self) -> list[str]:
         """Per approval, its trace's stages with their durations (the summary prints these)."""
         lines = ["", "── traces (one per approval; ms from the trace's first span) " + "─" * 19]
-        for item in self.traces:
-            lines.append(f"event {item['eventId'][:8]}  trace {item['traceId']}")
-            for span in item["spans"]:
+        for events, trace_id, spans in shared_traces(self.traces):
+            lines.append(f"event{'s' * (len(events) > 1)} {', '.join(e[:8] for e in events)}  trace {trace_id}")
+            for span in spans:
                 start, duration = span["startMs"], span["durationMs"]
                 lines.append(f"  {start:>9,.0f} ms  {span['name']:<26}{duration:>9,.1f} ms  {span['service']}")
         if not self.traces:

@@ -7,10 +7,12 @@ they show what the pipeline adds, not how long the platform's notice was.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 TERMINAL = frozenset({"Completed", "Canceled", "Expired"})
@@ -43,6 +45,40 @@ class EventPath:
         if at is None or self.first_observed is None:
             return None
         return (at - self.first_observed).total_seconds() * 1000.0
+
+
+def moment(row: dict[str, Any]) -> datetime | None:
+    """The time a row's lines show: an observation's when the forwarder observed it, any other row's when it was
+    logged."""
+    logged = parse_time(row.get("TimeGenerated"))
+    if row.get("RecordType") == "Observation":
+        return parse_time(row.get("ObservedAt")) or logged
+    return logged
+
+
+class InTimeOrder:
+    """Holds lines back ``delay`` and lets them out in the order of their times. Rows reach the history in the order
+    their writers finish (each batch, the timer, in parallel), not in the order of the times they show: a batch that
+    began first may log last, and an observation shows when it was observed, before it was logged."""
+
+    def __init__(self, delay: timedelta) -> None:
+        self.delay = delay
+        self._held: list[tuple[datetime, int, str]] = []
+        self._order = itertools.count()  # lines of one time keep the order they came in
+
+    def add(self, at: datetime, lines: list[str]) -> None:
+        for line in lines:
+            heapq.heappush(self._held, (at, next(self._order), line))
+
+    def due(self, now: datetime) -> list[str]:
+        """The lines whose time is ``delay`` or more before ``now``, in time order."""
+        out = []
+        while self._held and self._held[0][0] <= now - self.delay:
+            out.append(heapq.heappop(self._held)[2])
+        return out
+
+    def flush(self) -> list[str]:
+        return [heapq.heappop(self._held)[2] for _ in range(len(self._held))]
 
 
 def details(row: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +195,8 @@ class Timeline:
             return []  # the intent written before the send; the outcome row follows
         if outcome == "held":
             path.held_by = str(details(row).get("heldBy") or path.held_by)
-            return [self._line(at, path, "held", f"held by the platform: {row.get('Reason') or ''}")]
+            # The coordinator's reason says it already: "held by the platform: delete of … pending until …".
+            return [self._line(at, path, "held", str(row.get("Reason") or "held by the platform"))]
         if outcome == "released":
             path.held_by = ""
         if outcome != "approved":
@@ -188,7 +225,7 @@ class Timeline:
 
     def _observation(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
         vm = str(row.get("VmName") or "")
-        observed = parse_time(row.get("ObservedAt")) or at
+        observed = moment(row)
         status = str(row.get("EventStatus") or "")
         first = path.first_observed is None
         if first:

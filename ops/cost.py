@@ -2,9 +2,14 @@
 
     python -m ops.cost [--history .local/history.sqlite] [--price 0.0134] [--grace-seconds 60]
         [--events-per-vm-month 4] [--scheduled-minutes 15] [--vms N] [--period-days D] [--round-up-hours]
+        [--time-scale N]
 
 Takes either the local history (``adapters/history.py``: its ``Observation`` rows say which VM saw which event
 Scheduled, from when, until it saw it Started or gone) or assumed event rates; gives one JSON object with both modes.
+
+A local run (``python -m local``) plays Azure's durations faster by its time scale (a 15-minute notice lasts 15 s at
+60) and says so beside its history (``local-run.json``); its times are stretched back by that scale before anything
+is measured, and the report names the scale. ``--time-scale`` gives it for a history without that record.
 
 A VM's on-demand listener is connected while its document holds a Scheduled event it could approve (its own
 Terminate, any other event of its group: ``forwarder/on_demand.py``) plus the grace period after the last one;
@@ -36,14 +41,16 @@ import math
 import sqlite3
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH
 from coordinator.domain.rows import history_schema
+from ops.history import LOCAL_RUN_FILE, HistoryInputError, LocalRun, local_run_path, read_local_run
 
 PRICE_USD_PER_LISTENER_HOUR = 0.0134
 HOURS_PER_MONTH = 730.0
@@ -67,6 +74,8 @@ class CostReport(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     source: str  # "history" | "assumed rates"
+    # Azure seconds per second of the history's clock: 1 for real time, a local run's time scale for its history.
+    time_scale: float
     price_usd_per_listener_hour: float
     grace_seconds: float
     round_up_hours: bool
@@ -94,11 +103,19 @@ def merged_hours(windows: Iterable[Window], *, grace: timedelta, round_up: bool)
 
 
 def _report(
-    *, source: str, on_demand_hours: float, vms: int, period_days: float, events: float, args: argparse.Namespace
+    *,
+    source: str,
+    on_demand_hours: float,
+    vms: int,
+    period_days: float,
+    events: float,
+    args: argparse.Namespace,
+    time_scale: float = 1.0,
 ) -> CostReport:
     always = HOURS_PER_MONTH  # one connection the whole month: rounding changes nothing
     return CostReport(
         source=source,
+        time_scale=time_scale,
         price_usd_per_listener_hour=args.price,
         grace_seconds=args.grace_seconds,
         round_up_hours=args.round_up_hours,
@@ -131,7 +148,23 @@ def _time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
-def scheduled_windows(rows: Sequence[sqlite3.Row], *, period_end: datetime) -> dict[tuple[str, str], Window]:
+Row = Mapping[str, Any]
+_TIMES = ("NotBefore", "ObservedAt", "TimeGenerated")
+
+
+def stretched(rows: Iterable[Row], *, origin: datetime, scale: float) -> list[Row]:
+    """The rows as Azure would have timed them: each time moved ``scale`` times as far from ``origin``."""
+    if scale == 1:
+        return list(rows)
+
+    def stretch(value: str | None) -> str | None:
+        moment = _time(value)
+        return (origin + (moment - origin) * scale).isoformat() if moment is not None else None
+
+    return [{**dict(row), **{name: stretch(row[name]) for name in _TIMES}} for row in rows]
+
+
+def scheduled_windows(rows: Sequence[Row], *, period_end: datetime) -> dict[tuple[str, str], Window]:
     """(VM, EventId) -> when that VM's listener was needed: from its first sighting of the event Scheduled to its
     first sighting of it Started or gone (else NotBefore, when the platform starts it anyway, else its last
     Scheduled sighting). A Terminate counts only for the VMs it deletes (no peer may approve it)."""
@@ -179,11 +212,14 @@ def from_history(path: Path, args: argparse.Namespace) -> CostReport:
     first, last = _time(span[0]), _time(span[1])
     if first is None or last is None:
         raise CostError(f"--history {path}: the history is empty")
+    scale, played = _time_scale(path, args)
+    last = first + (last - first) * scale
+    rows = stretched(rows, origin=first, scale=scale)
     period_days = args.period_days or (last - first).total_seconds() / 86400
     if period_days * 24 < 1:
         raise CostError(
-            f"--history {path}: it covers {period_days * 24 * 60:.0f} minutes, too little to scale to a month; "
-            "give the period it stands for with --period-days"
+            f"--history {path}: it covers {period_days * 24 * 60:.0f} minutes{played}, too little to scale to a "
+            "month; give the period it stands for with --period-days"
         )
     vms = args.vms or len(names)
     if vms < len(names):
@@ -194,15 +230,31 @@ def from_history(path: Path, args: argparse.Namespace) -> CostReport:
         per_vm[vm].append(window)
     grace = timedelta(seconds=args.grace_seconds)
     hours = sum(merged_hours(w, grace=grace, round_up=args.round_up_hours) for w in per_vm.values())
-    scale = HOURS_PER_MONTH / (period_days * 24) / vms
+    per_vm_month = HOURS_PER_MONTH / (period_days * 24) / vms
     return _report(
         source="history",
-        on_demand_hours=hours * scale,
+        on_demand_hours=hours * per_vm_month,
         vms=vms,
         period_days=period_days,
-        events=len(windows) * scale,
+        events=len(windows) * per_vm_month,
         args=args,
+        time_scale=scale,
     )
+
+
+def _time_scale(path: Path, args: argparse.Namespace) -> tuple[float, str]:
+    """The history's time scale (--time-scale, else the local run's record beside it, else real time) and, for a
+    played one, how to say so."""
+    try:
+        run: LocalRun | None = read_local_run(path)
+    except HistoryInputError as error:
+        raise CostError(f"--history {path}: {error}") from None
+    if args.time_scale is not None:
+        return float(args.time_scale), f" of Azure time (--time-scale {args.time_scale:g})"
+    if run is not None:
+        where = f"a local run of {run.scenario!r} at time scale {run.timeScale:g}, {local_run_path(path).name}"
+        return run.timeScale, f" of Azure time ({where})"
+    return 1.0, ""
 
 
 def _positive(name: str, *, allow_zero: bool = False) -> type[float]:
@@ -249,6 +301,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--period-days", type=_positive("--period-days"), default=None,
                         help="the period the history stands for (default: its first to its last row)")  # fmt: skip
     parser.add_argument("--round-up-hours", action="store_true", help="bill each connection as whole hours")
+    parser.add_argument(
+        "--time-scale",
+        type=_positive("--time-scale"),
+        default=None,
+        help="Azure seconds per second of the history's clock (default: the local run's record beside the history, "
+        f"{LOCAL_RUN_FILE}, else 1: real time)",
+    )
     return parser
 
 
@@ -259,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--vms must be >= 1, got {args.vms}")
     if args.history is not None and args.scheduled_minutes is not None:
         parser.error("--scheduled-minutes is an assumed rate; with --history the history says how long")
+    if args.history is None and args.time_scale is not None:
+        parser.error("--time-scale is the history's; it needs --history")
     try:
         if args.history is not None:
             report = from_history(args.history, args)

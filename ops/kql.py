@@ -112,14 +112,23 @@ def run(con: DuckDBPyConnection, text: str, *, name: str = "query", now: datetim
 
 
 def query_text(file_or_query: str) -> tuple[str, str]:
-    """(name, KQL): a path to an existing file is read (named by its path), anything else is the query itself."""
+    """(name, KQL): a ``.kql`` path or a path to an existing file is read (named by its path), anything else is the
+    query itself."""
     path = Path(file_or_query)
-    if file_or_query.endswith(".kql") or (len(file_or_query) < 4096 and path.is_file()):
+    if file_or_query.endswith(".kql") or _names_a_file(path):
         try:
             return str(path), path.read_text(encoding="utf-8")
         except OSError as error:
             raise KqlQueryError(f"{file_or_query}: cannot read the query file: {error.strerror}") from error
     return "query", file_or_query
+
+
+def _names_a_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        # Text no file can be named (longer than a file name may be, or holding a NUL): a pasted query.
+        return False
 
 
 def rows_for_display(result: KqlResult) -> list[dict[str, Any]]:

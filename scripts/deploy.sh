@@ -23,11 +23,31 @@ cd "$root"
 die() { echo "deploy.sh: $*" >&2; exit 1; }
 say() { echo "deploy.sh: $*" >&2; }
 
+AZ_MINIMUM=2.61.0  # README, Prerequisites
+
+# What every step needs, checked before anything is built or deployed: the Azure CLI, recent enough, with Bicep
+# (main.bicep is compiled by `az deployment`), and a signed-in account.
+preflight() {
+  command -v az >/dev/null 2>&1 \
+    || die "the Azure CLI (az) is not installed: https://learn.microsoft.com/cli/azure/install-azure-cli (>= $AZ_MINIMUM)"
+  local version bicep
+  version="$(az version --query '"azure-cli"' -o tsv 2>/dev/null)" || die "az version failed: reinstall the Azure CLI"
+  [ "$(printf '%s\n%s\n' "$AZ_MINIMUM" "$version" | sort -V | head -n 1)" = "$AZ_MINIMUM" ] \
+    || die "Azure CLI $version is older than $AZ_MINIMUM: az upgrade"
+  # `az bicep version` prints "Bicep CLI version X" when Bicep is there; without it some az versions still exit 0.
+  bicep="$(az bicep version 2>&1 || true)"
+  case "$bicep" in
+    *"Bicep CLI version"*) ;;
+    *) die "Bicep is not installed for the Azure CLI: az bicep install" ;;
+  esac
+  az account show --query id -o tsv >/dev/null 2>&1 || die "not signed in to Azure: az login"
+}
+
 # Step 1 and 2: what the template needs before it runs (exported for main.bicepparam's readEnvironmentVariable).
 prepare() {
+  preflight
   [ -n "${SE_SSH_PUBLIC_KEY:-}" ] || die "set SE_SSH_PUBLIC_KEY to the administrator's OpenSSH public key"
   [ -n "${SE_TEAMS_WORKFLOW_URL:-}" ] || die "set SE_TEAMS_WORKFLOW_URL to the Teams Workflows webhook URL"
-  az account show --query id -o tsv >/dev/null || die "sign in first: az login"
   SE_FORWARDER_PACKAGE_SHA256="$(bash scripts/package-forwarder.sh build | cut -d' ' -f1)"
   bash scripts/package-functions.sh build >/dev/null
   SE_SIGNIN_CLIENT_ID="${SE_SIGNIN_CLIENT_ID:-$(bash scripts/entra-app.sh ensure "${SE_SIGNIN_APP_NAME:-scheduled-events-approvers}")}"

@@ -7,6 +7,7 @@ bad input fails with an error that names the field and the reason.
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from datetime import UTC, datetime
@@ -77,11 +78,58 @@ class ScenarioError(ValueError):
     """A scenario file or control-API body failed validation; the message names the field and the reason."""
 
 
-def describe_validation_error(error: ValidationError, *, source: str) -> str:
-    problems = "; ".join(
-        f"{'.'.join(str(part) for part in item['loc']) or '(root)'}: {item['msg']}" for item in error.errors()
-    )
-    return f"{source} is invalid: {problems}"
+# A model validator's message that names the field it is about first ("steps.2.cancel: ..."): its line is that one's.
+_NAMED_FIELD = re.compile(r"^(?P<path>[A-Za-z_]\w*(?:\.\w+)*): ")
+
+Lines = dict[tuple[str, ...], int]
+
+
+def describe_validation_error(error: ValidationError, *, source: str, lines: Lines | None = None) -> str:
+    """One line naming the source and, per problem, the field, its line in the file when ``lines`` (from
+    ``yaml_lines``) knows it, and the reason."""
+    problems = []
+    for item in error.errors():
+        path = tuple(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        named = _NAMED_FIELD.match(message)
+        if named:
+            path = (*path, *named["path"].split("."))
+            message = message[named.end() :]
+        where = ".".join(path) or "(root)"
+        line = _line_of(path, lines) if lines else None
+        problems.append(f"{where} (line {line}): {message}" if line else f"{where}: {message}")
+    return f"{source} is invalid: {'; '.join(problems)}"
+
+
+def yaml_lines(text: str) -> Lines:
+    """The line of every key and item of a YAML (or JSON) document, by its path of keys and indexes as text."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: Lines = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                lines[(*path, str(key.value))] = key.start_mark.line + 1
+                walk(value, (*path, str(key.value)))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                walk(item, (*path, str(index)))
+
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _line_of(path: tuple[str, ...], lines: Lines) -> int | None:
+    """The line of ``path``, else of its nearest ancestor the file has (a missing field: where it belongs)."""
+    for end in range(len(path), 0, -1):
+        if path[:end] in lines:
+            return lines[path[:end]]
+    return None
 
 
 def _base36(number: int) -> str:
@@ -376,6 +424,27 @@ class StepCreate(EventCreate):
     ref: str | None = None
 
 
+Expectation = Literal["approve", "no-approval", "either"]
+
+
+class HealthPage(BaseModel):
+    """A health page the local runner serves for the scenario, as a gate of its policy probes it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The URL exactly as the policy's gate names it; the runner serves the page on a free port and points the
+    # coordinator's copy of the policy there.
+    url: str = Field(pattern=r"^http://127\.0\.0\.1:\d+/")
+    status: int = Field(default=200, ge=100, le=599)  # what the page answers until a step changes it
+
+
+class HealthPageStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    status: int = Field(ge=100, le=599)
+
+
 class ScenarioStep(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -383,19 +452,30 @@ class ScenarioStep(BaseModel):
     create: StepCreate | None = None
     cancel: str | None = None  # a `ref` of an earlier create step, or an EventId
     fault: FaultSpec | None = None
-    # A VM whose forwarder loses its durable state at this moment. The local runner acts on it; the emulator
-    # only validates it (the VM must exist) and otherwise passes over it.
+    # The local runner's business, which the emulator only validates (the VM or page must exist): a VM whose
+    # forwarder loses its durable state at this moment; a health page that answers another status from now on.
     wipeForwarderState: str | None = None
+    healthPage: HealthPageStatus | None = None
+    # For the local runner: whether the coordinator approves the event this step creates, under the scenario's
+    # policy. "either" only where the platform's own timing makes both outcomes correct, and `because` says why.
+    expect: Expectation | None = None
+    because: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _one_action(self) -> ScenarioStep:
         actions = [name for name in _STEP_ACTIONS if getattr(self, name) is not None]
         if len(actions) != 1:
             raise ValueError(f"a step needs exactly one of {', '.join(_STEP_ACTIONS)} (got {actions or 'none'})")
+        if self.expect is not None and (self.create is None or not self.create.ref):
+            raise ValueError("expect: only a create step with a ref can say what becomes of its event")
+        if self.expect == "either" and self.because is None:
+            raise ValueError("because: an 'either' expectation says why both outcomes are correct")
+        if self.because is not None and self.expect is None:
+            raise ValueError("because: explains an expect, and this step has none")
         return self
 
 
-_STEP_ACTIONS = ("create", "cancel", "fault", "wipeForwarderState")
+_STEP_ACTIONS = ("create", "cancel", "fault", "wipeForwarderState", "healthPage")
 
 
 class Scenario(BaseModel):
@@ -403,6 +483,10 @@ class Scenario(BaseModel):
 
     name: str = "scenario"
     description: str = ""
+    # The approval policy the local runner runs the scenario with (a path relative to the scenario file; made
+    # relative to the working folder by from_file). The emulator itself has no policy.
+    policy: str | None = None
+    healthPages: dict[str, HealthPage] = Field(default_factory=dict)
     scaleSets: dict[str, ScaleSetSpec] = Field(default_factory=dict)
     vms: list[VmSpec] = Field(min_length=1)
     steps: list[ScenarioStep] = Field(default_factory=list)
@@ -416,9 +500,11 @@ class Scenario(BaseModel):
     @model_validator(mode="after")
     def _references(self) -> Scenario:
         names = [vm.name for vm in self.vms]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        # Azure VM names are case-insensitive: web_0 and WEB_0 would be one VM.
+        folded = [name.lower() for name in names]
+        duplicates = sorted({name for name in names if folded.count(name.lower()) > 1})
         if duplicates:
-            raise ValueError(f"vms: duplicate names {duplicates}")
+            raise ValueError(f"vms: duplicate names {duplicates} (VM names are case-insensitive)")
         refs: set[str] = set()
         for index, step in enumerate(self.steps):
             where = f"steps.{index}"
@@ -436,14 +522,16 @@ class Scenario(BaseModel):
                 raise ValueError(f"{where}.fault.vm: unknown VM {step.fault.vm!r}")
             if step.wipeForwarderState is not None and step.wipeForwarderState not in names:
                 raise ValueError(f"{where}.wipeForwarderState: unknown VM {step.wipeForwarderState!r}")
+            if step.healthPage is not None and step.healthPage.name not in self.healthPages:
+                raise ValueError(f"{where}.healthPage.name: no health page {step.healthPage.name!r} in healthPages")
         return self
 
     @classmethod
-    def from_mapping(cls, data: Any, *, source: str = "scenario") -> Scenario:
+    def from_mapping(cls, data: Any, *, source: str = "scenario", lines: Lines | None = None) -> Scenario:
         try:
             return cls.model_validate(data)
         except ValidationError as error:
-            raise ScenarioError(describe_validation_error(error, source=source)) from error
+            raise ScenarioError(describe_validation_error(error, source=source, lines=lines)) from error
 
     @classmethod
     def from_file(cls, path: str | Path) -> Scenario:
@@ -457,7 +545,18 @@ class Scenario(BaseModel):
         except (json.JSONDecodeError, yaml.YAMLError) as error:
             kind = "JSON" if path.suffix == ".json" else "YAML"
             raise ScenarioError(f"scenario {path} is not valid {kind}: {error}") from error
-        return cls.from_mapping(data, source=f"scenario {path}")
+        scenario = cls.from_mapping(data, source=f"scenario {path}", lines=yaml_lines(text))
+        if scenario.policy is None or Path(scenario.policy).is_absolute():
+            return scenario
+        return scenario.model_copy(update={"policy": os.path.normpath(path.parent / scenario.policy)})
+
+    def expectations(self) -> dict[str, tuple[Expectation, str | None]]:
+        """The scenario's ref -> (expect, because) of each create step that says what becomes of its event."""
+        return {
+            step.create.ref: (step.expect, step.because)
+            for step in self.steps
+            if step.expect is not None and step.create is not None and step.create.ref
+        }
 
     @classmethod
     def default(cls) -> Scenario:

@@ -99,6 +99,9 @@ class ImdsEmulator:
             started_min_seconds=started_min_seconds,
             on_fault=self.faults.add,
         )
+        # Azure VM names are case-insensitive (a client may lower-case the URL: Microsoft's JavaScript
+        # @azure/identity does); the scenario refuses two names that differ only in case.
+        self._vm_names = {name.lower(): name for name in self.state.vms}
         self.requests_served: Counter[str] = Counter()
         # The ARM face (emulators/imds/arm.py): injected answers, and what was acknowledged through it.
         self.arm_faults = ArmFaults()
@@ -269,9 +272,10 @@ class ImdsEmulator:
             path = match.group("rest") or "/"
         if name is None:
             return self.first_vm, path
-        if name not in self.state.vms:
+        known = self._vm_names.get(name.lower())
+        if known is None:
             raise _Reply(404, {"error": f"No emulated VM named {name!r}; known: {list(self.state.vms)}"})
-        return name, path
+        return known, path
 
     @staticmethod
     def _api_version(query: dict[str, list[str]], known: tuple[str, ...]) -> str:

@@ -358,7 +358,7 @@ class EmulatorState:
                 self._cancel(canceled, at, by="request")
         elif step.fault is not None:
             self._apply_fault(step.fault)
-        # wipeForwarderState: the local runner's business (the forwarder's disk), nothing changes in IMDS.
+        # wipeForwarderState, healthPage: the local runner's business (a forwarder's disk, a page it serves).
 
     def _apply_fault(self, spec: FaultSpec) -> None:
         if spec.kind == "incarnation-reset":

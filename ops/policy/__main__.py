@@ -158,7 +158,10 @@ def _simulate(policy: Policy, args: argparse.Namespace, *, as_json: bool) -> int
             print(f"set aside: row {number}: {why}")
         for event_id, why in result.failed:
             print(f"not replayed: event {event_id}: {why}")
-        print("not reconstructed from the history:\n  - " + "\n  - ".join(LIMITS))
+        # The same for every run: named once here, listed by --help (a block repeated on every run goes unread).
+        print(f"not reconstructed from a history ({len(LIMITS)} limits): python -m ops.policy simulate --help")
+        if policy.gates:
+            print(f"health gates ({', '.join(sorted(policy.gates))}) taken to be {args.gates} (--gates)")
     return DIFFERENT if result.differences else OK
 
 

@@ -3,8 +3,7 @@
 Takes a path; gives ``HistoryRow``s in the order they were written, and the rows set aside (with the row's number
 and why). Accepted shapes, each with the columns of coordinator/history_columns.json:
 
-- SQLite: the file ``adapters/history.py`` writes (table ScheduledEventsHistory_CL), opened read-only; rows in
-  write order (rowid).
+- SQLite: the file ``adapters/history.py`` writes (table ScheduledEventsHistory_CL), opened read-only.
 - JSON: a list of objects, one per row, as ``az monitor log-analytics query -w WORKSPACE --analytics-query
   "ScheduledEventsHistory_CL" -o json`` prints them (every value may be a string; ``dynamic`` columns as JSON text
   or as JSON); or the Log Analytics query API's response
@@ -14,9 +13,12 @@ and why). Accepted shapes, each with the columns of coordinator/history_columns.
   ISO-8601; dynamic columns are JSON text; booleans true/false.
 
 Columns Log Analytics adds to every table (TenantId, Type, SourceSystem, TableName, _ResourceId, _ItemId, ...) are
-ignored; any other column not in history_columns.json is an error (the export is not of this table). Exported rows
-are ordered by TimeGenerated, rows of one instant in the order the coordinator writes them (observations and hook
-reports before the decision they led to). A row that does not validate is set aside and counted, never fatal.
+ignored; any other column not in history_columns.json is an error (the export is not of this table). Rows are
+ordered by TimeGenerated, rows of one instant in the order the coordinator writes them (observations and hook
+reports before the decision they led to), then in the order they were written. The SQLite store's own order (rowid)
+is not enough: each batch stamps its rows with the time it began and writes them last, so of two batches running side
+by side the one that decided first may write after the other. A row that does not validate is set aside and
+counted, never fatal.
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ def read_history(path: str | Path) -> Rows:
     with path.open("rb") as head:
         magic = head.read(16)
     if magic.startswith(b"SQLite format 3"):
-        return _rows(path, "sqlite", _sqlite(path), ordered=True)
+        return _rows(path, "sqlite", _sqlite(path))
     text = path.read_text(encoding="utf-8-sig", errors="replace")
     if path.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
-        return _rows(path, "json", _json(path, text), ordered=False)
+        return _rows(path, "json", _json(path, text))
     if path.suffix.lower() == ".csv" or "TimeGenerated" in text.split("\n", 1)[0]:
-        return _rows(path, "csv", list(csv.DictReader(text.splitlines())), ordered=False)
+        return _rows(path, "csv", list(csv.DictReader(text.splitlines())))
     raise InputError(f"history {path}: not a SQLite database, JSON or CSV export (see --help for the shapes)")
 
 
@@ -97,7 +99,7 @@ def _json(path: Path, text: str) -> list[dict[str, Any]]:
     raise InputError(f"history {path}: JSON must be a list of row objects or a query response with 'tables'")
 
 
-def _rows(path: Path, kind: str, raw: list[dict[str, Any]], *, ordered: bool) -> Rows:
+def _rows(path: Path, kind: str, raw: list[dict[str, Any]]) -> Rows:
     found = Rows(source=str(path), kind=kind)
     columns = {_column(name) for item in raw for name in item} - {"(row)"}
     unknown = sorted(c for c in columns - set(column_types()) if c not in SYSTEM_COLUMNS and not c.startswith("_"))
@@ -113,9 +115,8 @@ def _rows(path: Path, kind: str, raw: list[dict[str, Any]], *, ordered: bool) ->
             found.rows.append(history_row(item))
         except (InputError, ValidationError, ValueError) as error:
             found.set_aside.append((number, _why(error)))
-    if not ordered:
-        positions = {id(row): i for i, row in enumerate(found.rows)}
-        found.rows.sort(key=lambda r: (r.TimeGenerated, _WRITE_ORDER.get(r.RecordType, 4), positions[id(r)]))
+    positions = {id(row): i for i, row in enumerate(found.rows)}
+    found.rows.sort(key=lambda r: (r.TimeGenerated, _WRITE_ORDER.get(r.RecordType, 4), positions[id(r)]))
     return found
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -229,3 +230,64 @@ def test_the_deployment_leaves_relay_without_any_sas_rule() -> None:
     assert 'die "Relay namespace' in deploy[check:]
     namespace = _body("relay.bicep", "namespace")["properties"]
     assert "disableLocalAuth" not in namespace  # the property does not exist for Relay (2024-01-01 types)
+
+
+FAKE_AZ = """#!/bin/sh
+# Stands in for the Azure CLI (none here): answers the preflight's questions as the test's environment says.
+case "$1 $2" in
+  "version --query") echo "$FAKE_AZ_VERSION" ;;
+  "bicep version") echo "$FAKE_AZ_BICEP" ;;
+  "account show") [ "$FAKE_AZ_SIGNED_IN" = yes ] && echo 00000000-0000-0000-0000-000000000000 || exit 1 ;;
+  *) echo "fake az: not expected: $*" >&2; exit 3 ;;
+esac
+"""
+
+
+PREFLIGHT_CASES = {
+    "no az": (
+        None,
+        "the Azure CLI (az) is not installed: https://learn.microsoft.com/cli/azure/install-azure-cli (>= 2.61.0)",
+    ),
+    "old az": (
+        ("2.50.0", "Bicep CLI version 0.30.23 (ec3612124c)", "yes"),
+        "Azure CLI 2.50.0 is older than 2.61.0: az upgrade",
+    ),
+    "no bicep": (
+        ("2.67.0", 'Bicep CLI not found. Install it now by running "az bicep install".', "yes"),
+        "Bicep is not installed for the Azure CLI: az bicep install",
+    ),
+    "signed out": (("2.67.0", "Bicep CLI version 0.30.23 (ec3612124c)", "no"), "not signed in to Azure: az login"),
+}
+
+
+@pytest.mark.parametrize("case", PREFLIGHT_CASES)
+def test_deploy_checks_the_azure_cli_its_version_bicep_and_the_sign_in_first(tmp_path: Path, case: str) -> None:
+    fake, says = PREFLIGHT_CASES[case]
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    # Only what the script uses before Azure: a machine's own az (if any) stays out of reach.
+    for tool in ("dirname", "sort", "head"):
+        found = shutil.which(tool)
+        assert found is not None
+        (tools / tool).symlink_to(found)
+    environment = {"PATH": str(tools)}
+    if fake is not None:
+        (tools / "az").write_text(FAKE_AZ, encoding="utf-8")
+        (tools / "az").chmod(0o755)
+        environment |= dict(zip(("FAKE_AZ_VERSION", "FAKE_AZ_BICEP", "FAKE_AZ_SIGNED_IN"), fake, strict=True))
+    done = subprocess.run(
+        ["/bin/bash", str(DEPLOY), "rg-test", "westeurope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=environment,
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [f"deploy.sh: {says}"]
+
+
+def test_the_minimum_azure_cli_is_the_one_the_readme_names() -> None:
+    minimum = re.search(r"^AZ_MINIMUM=(\d+)\.(\d+)\.0", DEPLOY.read_text(), flags=re.MULTILINE)
+    assert minimum is not None
+    assert f"Azure CLI ≥ {minimum[1]}.{minimum[2]} with Bicep" in (bm.ROOT / "README.md").read_text()

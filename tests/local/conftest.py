@@ -133,6 +133,7 @@ def run_pipeline(tmp_path: Path) -> Iterator[Runner]:
             raise errors[0]
         settle_forwarders(stack)
         follower.pump()
+        follower.flush()
         summary, facts = judge(stack, follower, expected_dead_letters=expected_dead_letters)
         outcome = Outcome(stack, follower, finished, summary, facts, collector.finish(stack.workdir))
         print("\n".join(summary.render()))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import fcntl
+import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,3 +98,126 @@ def test_a_second_run_on_the_same_work_folder_is_refused(tmp_path: Path) -> None
     assert completed.returncode == 1
     assert "another local run is using" in completed.stderr
     assert not (workdir / "logs").exists(), "the running one's files were touched"
+
+
+def local(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "local", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+BAD_POLICY = "rules:\n  - name: a\n    match: {eventTyp: [Freeze]}\n    action: approve-nw\n"
+
+
+def test_a_bad_policy_is_refused_before_anything_starts_naming_file_and_lines(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_POLICY, encoding="utf-8")
+    started = time.monotonic()
+    done = local("--policy", str(bad), "--workdir", str(tmp_path / "w"))
+    assert time.monotonic() - started < 30, "the run was not refused at once"
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"local: policy {bad}: invalid policy: {bad}:3: rules.0.match.eventTyp: Extra inputs are not permitted; "
+        f"{bad}:4: rules.0.action: Input should be 'approve-now', 'approve-after-hooks', 'approve-within-budget', "
+        "'wait-for-person' or 'never-approve'"
+    ]
+    assert not (tmp_path / "w" / "logs").exists(), "the stack was started"
+
+
+def test_a_scenario_naming_a_bad_or_missing_policy_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text(BAD_POLICY, encoding="utf-8")
+    scenario = tmp_path / "s.yaml"
+    for policy, says in (
+        ("bad.yaml", f"{tmp_path / 'bad.yaml'}:3: rules.0.match.eventTyp"),
+        ("none.yaml", "does not exist"),
+    ):
+        scenario.write_text(f"name: s\npolicy: {policy}\nvms: [{{name: a}}]\n", encoding="utf-8")
+        done = local("--scenario", str(scenario), "--workdir", str(tmp_path / "w"))
+        assert done.returncode == 2
+        assert len(done.stderr.splitlines()) == 1
+        assert "(named by scenario 's')" in done.stderr
+        assert says in done.stderr
+
+
+@pytest.fixture(scope="module")
+def json_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The docs' example scenario (its own policy), once, with --json: as a user pipes it into jq."""
+    workdir = tmp_path_factory.mktemp("json-run")
+    scenario = ROOT / "emulators" / "scenarios" / "documented-example.yaml"
+    done = local("--scenario", str(scenario), "--time-scale", "120", "--json", "--workdir", str(workdir), timeout=240)
+    return done, workdir
+
+
+@pytest.mark.slow
+def test_json_writes_one_document_on_stdout_and_the_rest_on_stderr(
+    json_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, _ = json_run
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["ok"] is True
+    assert [(e["label"], e["expected"], e["imds"]) for e in summary["events"]] == [
+        ("live-migration", "approve", "approved")
+    ]
+    if shutil.which("jq") is not None:
+        piped = subprocess.run(["jq", "-e", ".ok"], input=done.stdout, capture_output=True, text=True, check=False)
+        assert piped.returncode == 0, piped.stderr
+    assert "OK: every expectation of this run held" in done.stderr
+    assert f"policy {ROOT / 'coordinator' / 'policies' / 'default.yaml'};" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_live_timeline_is_in_time_order(json_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    done, _ = json_run
+    clock = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3})  ")
+    times = [match[1] for line in done.stderr.splitlines() if (match := clock.match(line))]
+    assert len(times) >= 4
+    assert times == sorted(times)
+
+
+@pytest.mark.slow
+def test_the_runs_history_answers_to_the_names_the_run_printed(
+    json_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, workdir = json_run
+    event_id = json.loads(done.stdout)["events"][0]["eventId"]
+    db = str(workdir / "history.sqlite")
+    for name in ("live-migration", event_id[:8], event_id.lower()):
+        found = subprocess.run(
+            [sys.executable, "-m", "ops.history", "--db", db, "--json", "timeline", name],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert found.returncode == 0, found.stderr
+        assert "Decision" in {json.loads(line)["RecordType"] for line in found.stdout.splitlines()}
+
+
+@pytest.mark.slow
+def test_the_cost_tool_measures_the_run_in_azure_time(json_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    _, workdir = json_run
+
+    def cost(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "ops.cost", "--history", str(workdir / "history.sqlite"), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    short = cost()
+    assert short.returncode == 2
+    assert "of Azure time (a local run of 'documented-example' at time scale 120, local-run.json)" in short.stderr
+    scaled = cost("--period-days", "30")
+    assert scaled.returncode == 0, scaled.stderr
+    assert json.loads(scaled.stdout)["time_scale"] == 120

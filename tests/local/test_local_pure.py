@@ -195,8 +195,8 @@ def test_summary_of_a_good_run_is_ok() -> None:
 @pytest.mark.parametrize(
     ("changes", "failure"),
     [
-        ({"imds_approvals": []}, "should have approved"),
-        ({"imds_approvals": [{"EventId": "A"}, {"EventId": "B"}]}, "approved although"),
+        ({"imds_approvals": []}, "A (Freeze): rule rule says it is approved; it was not"),
+        ({"imds_approvals": [{"EventId": "A"}, {"EventId": "B"}]}, "B (Freeze): approved, although rule rule says"),
         ({"coordinator_states": {"A": "Started", "B": "Canceled"}}, "coordinator state Started"),
         ({"last_sequence_applied": {"web_0": 4}}, "last envelope sequence sent 5, applied by the coordinator 4"),
         ({"sightings_logged": set()}, "1 event sightings sent but never logged"),
@@ -257,12 +257,12 @@ def test_timeline_skips_the_sending_intent_and_shows_holds_retirements_and_reset
             20,
             Outcome="held",
             Actor="platform",
-            Reason="delete of web_1 pending",
+            Reason="held by the platform: delete of web_1 pending",
             Details=json.dumps({"heldBy": holder, "heldByVm": "web_1"}),
         )
     )
     assert sending == []
-    assert "held by the platform: delete of web_1 pending" in held[0]
+    assert held[0].endswith("  held by the platform: delete of web_1 pending")
     assert timeline.paths[EVENT].held_by == holder
     timeline.add(row("Approval", 30, Outcome="released", Actor="platform", Reason="no longer held"))
     assert timeline.paths[EVENT].held_by == ""

@@ -126,7 +126,7 @@ def test_bad_scenario_file_names_file_and_field(tmp_path):
         Scenario.from_file(path)
     json_path = tmp_path / "s.json"
     json_path.write_text(json.dumps({"vms": [{"name": "a"}], "steps": [{"at": 1}]}), encoding="utf-8")
-    with pytest.raises(ScenarioError, match=r"steps\.0: .*exactly one of create, cancel, fault"):
+    with pytest.raises(ScenarioError, match=r"steps\.0 \(line 1\): .*exactly one of create, cancel, fault"):
         Scenario.from_file(json_path)
 
 
