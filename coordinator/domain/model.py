@@ -92,6 +92,10 @@ class DecisionRecord(BaseModel):
     holdKind: str = ""
     holdName: str = ""
     holdSince: datetime | None = None
+    # Set when this decision withdrew an approval that was never delivered (it was decided again before being sent
+    # again, and its conditions no longer held): which, and why. The Decision row's Reason starts with it; kept apart
+    # from ``reason`` so that the next decision alike writes no row.
+    withdrawal: str = ""
 
 
 class ApprovalRecord(BaseModel):

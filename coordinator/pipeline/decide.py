@@ -17,7 +17,6 @@ approvals.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
@@ -168,6 +167,7 @@ def decide(run: Run, change: EventChange) -> None:
             decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
         else:
             claimed = [d.claim_key for d in domains]
+    withdrew = ""
     if pending is not None:
         if decision.verdict == "approve" and decision.rule == pending.rule:
             renew(change, pending, decision, policy, now)
@@ -177,7 +177,7 @@ def decide(run: Run, change: EventChange) -> None:
         record.approval = None
         change.changed = True
         change.released = [key for key in pending.budgetKeys if key not in claimed]
-        decision = dataclasses.replace(decision, reason=withdrawal(pending, policy, now) + decision.reason)
+        withdrew = withdrawal(pending, policy, now)
     previous = record.decision
     hold_since = (
         previous.holdSince or previous.decidedAt
@@ -186,24 +186,29 @@ def decide(run: Run, change: EventChange) -> None:
         and (previous.holdKind, previous.holdName) == (decision.holdKind, decision.holdName)
         else (now if decision.holdKind else None)
     )
-    # A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), not on
-    # every re-evaluation that finds the same.
-    if previous is None or (
-        previous.rule,
-        previous.verdict,
-        previous.dryRun,
-        previous.heldBy,
-        previous.holdKind,
-        previous.holdName,
-        previous.reason,
-    ) != (
-        decision.rule,
-        decision.verdict,
-        dry_run,
-        decision.heldBy,
-        decision.holdKind,
-        decision.holdName,
-        decision.reason,
+    # A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), or it withdrew
+    # an approval, not on every re-evaluation that finds the same.
+    if (
+        withdrew
+        or previous is None
+        or (
+            previous.rule,
+            previous.verdict,
+            previous.dryRun,
+            previous.heldBy,
+            previous.holdKind,
+            previous.holdName,
+            previous.reason,
+        )
+        != (
+            decision.rule,
+            decision.verdict,
+            dry_run,
+            decision.heldBy,
+            decision.holdKind,
+            decision.holdName,
+            decision.reason,
+        )
     ):
         record.decision = DecisionRecord(
             decisionId=uuid.uuid4().hex,
@@ -220,6 +225,7 @@ def decide(run: Run, change: EventChange) -> None:
             holdKind=decision.holdKind,
             holdName=decision.holdName,
             holdSince=hold_since,
+            withdrawal=withdrew,
         )
         change.rows.append(decision_row(record=record, now=now))
         change.changed = True
