@@ -130,8 +130,8 @@ class RelayApprovalSender:
         if budget <= 0:
             raise ApprovalDeliveryError(
                 f"approval {request.decisionId} for event {request.eventId} expired at {request.deadline.isoformat()}"
-                " (the listener refuses it from "
-                f"{NOT_AFTER_TOLERANCE.total_seconds():g} s before) before it could be sent; decided again when retried"
+                f" (the listener refuses it from {NOT_AFTER_TOLERANCE.total_seconds():g} s before then) and was not "
+                "sent; decided again when retried"
             )
         give_up_at = time.monotonic() + budget
         attempt = 0

@@ -9,6 +9,7 @@ approval-failed card."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -156,6 +157,33 @@ def test_errors_that_outlast_the_deadline_are_reported_for_a_later_retry(
     )
     with pytest.raises(ApprovalDeliveryError, match=r"ARM 500.*retried later"):
         sender.send(request_for(event_id), vm=identity(arm, "solo"))
+    assert arm.approvals() == []
+
+
+def test_nothing_is_acknowledged_past_the_requests_not_after(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    """No VM checks an acknowledge's dates, so the sender does: not within the listener's 2 s tolerance of notAfter,
+    and ARM's 429s are not retried past it either."""
+    event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
+    sender = RemoteAcknowledgeSender(
+        credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW + timedelta(seconds=29)
+    )
+    with pytest.raises(ApprovalDeliveryError, match="not sent: it expired at"):
+        sender.send(request_for(event_id), vm=identity(arm, "solo"))  # notAfter DOC_NOW + 30 s
+    assert arm.arm_status()["requests"] == 0
+    arm.inject_arm_fault(status=429, count=50)
+    started = time.monotonic()
+    late = RemoteAcknowledgeSender(
+        credential=credential,
+        endpoint=arm.url,
+        deadline_seconds=10,
+        backoff=(0.05, 0.1),
+        clock=lambda: DOC_NOW + timedelta(seconds=27),
+    )
+    with pytest.raises(ApprovalDeliveryError, match="ARM 429"):
+        late.send(request_for(event_id), vm=identity(arm, "solo"))
+    assert time.monotonic() - started < 2  # 1 s left before the tolerance, not the 10 s deadline
     assert arm.approvals() == []
 
 
