@@ -32,10 +32,10 @@ __all__ = [
 
 # The timer's period (function_app.py, schedule "0 * * * * *"): a waiting event is decided again once a minute.
 TIMER_PERIOD = timedelta(seconds=60)
-# From the `now` of the run that decides to the approval reaching the VM's listener, with room: the run's own work
-# before its deliver step (a tick with 500 open events took 1.3-2.2 s on Azurite, benchmarks.wave tick_seconds) and
-# the delivery through Relay (p99 6.5 ms to a connected listener, 91 ms to one still connecting; the sender waits at
-# most ~1 s for a listener that is not there yet).
+# From the `now` of the run that decides to the approval reaching the VM's listener: the tick's own work before it
+# sends (benchmarks.deadline_approval on Azurite, load 7.7: 500 open events p50 0.29 s, max 0.41 s; 2,000 open
+# events p50 1.3 s, max 2.3 s) and the delivery through Relay (p99 6.5 ms to a connected listener, 91 ms to one
+# still connecting).
 DELIVERY_TIME = timedelta(seconds=3)
 # An "approve before NotBefore" approval (onNotBefore: approve) is decided, and so sent, only while at least this is
 # left before NotBefore (its send deadline is NotBefore minus this): its delivery, then the listener's tolerance.
