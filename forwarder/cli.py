@@ -123,8 +123,8 @@ def relay_companions(
     """The relay listener (connected on demand or always, `relay_listener_mode`), built by the daemon once the
     identity (and so the default hybrid connection name, `VmIdentity.hybrid_connection_name`) is known. `store`: the
     forwarder's own hook ledger, which the listener checks when a decision rested on this VM's prepare hooks
-    (without it such an approval is refused). `telemetry`: the daemon's, so that the listener's spans go where the
-    forwarder's go."""
+    (without it such an approval is refused), and where it keeps its decision ledger. `telemetry`: the daemon's, so
+    that the listener's spans go where the forwarder's go."""
 
     def build(identity: VmIdentity, imds: ImdsClient) -> Sequence[Companion]:
         if not settings.relay_enabled:
@@ -138,7 +138,7 @@ def relay_companions(
         # One credential for every session: its cached token spares a connect an IMDS token call, which would take
         # the rate limiter's token the approval's StartRequests POST needs (measured: +0.5 s per cold approval).
         credential = build_credential(settings, imds)
-        approver: Approver | None = None  # one for every session: it remembers decisionIds across sessions
+        approver: Approver | None = None  # one for every session (its lock serialises approvals)
 
         def session() -> ListenerSession:
             # websockets and the listener load here, when a session is first needed, not at the daemon's start.
@@ -152,6 +152,9 @@ def relay_companions(
                     imds=imds,
                     vm_name=identity.name,
                     prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+                    # Its decision ledger in the forwarder's state: a decisionId is executed at most once, whatever
+                    # the sessions and restarts in between (in memory without a store).
+                    ledger=store,
                     tracer=telemetry.tracer if telemetry else None,
                 )
             return RelayListener(

@@ -1,5 +1,5 @@
 """The forwarder's durable state: the spool of unsent envelopes, the sequence counter, the last document, the
-hook ledger and counters — one SQLite file in WAL mode.
+hook ledger, the listener's decision ledger and counters — one SQLite file in WAL mode.
 
 Why SQLite rather than segment files: an incarnation change must, all at once or not at all, take the next
 sequence number, spool its envelope, remember the document and queue its hooks. One SQLite transaction gives
@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Literal
 
 from forwarder.logs import fields
 
@@ -34,6 +35,9 @@ CREATE TABLE IF NOT EXISTS hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, s
     outcome TEXT NOT NULL DEFAULT '', PRIMARY KEY (event_id, phase));
 CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, reason TEXT NOT NULL,
     body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS decisions (decision_id TEXT PRIMARY KEY, event_id TEXT NOT NULL, status TEXT NOT NULL,
+    at TEXT NOT NULL, result TEXT NOT NULL DEFAULT '');
+CREATE INDEX IF NOT EXISTS decisions_at ON decisions (at);
 """
 # Columns added after the first release: a database written by an older forwarder gets them on open (and an
 # older forwarder still writes to a newer database: every added column has a default).
@@ -57,6 +61,12 @@ _ADDED_COLUMNS = {
 HOOK_LEDGER_DAYS = 30
 KEEP_REJECTS = 100
 STATE_ID = "state_id"
+# The listener's decision ledger (forwarder/approver.py) keeps an entry this long and at most this many: far longer
+# than any request it accepts stays valid (its notAfter is at most 15 minutes ahead, refused past it), so a request
+# whose entry was dropped is refused on its own dates; a day also outlasts a VM clock that was set back by hours.
+DECISION_LEDGER_KEEP = timedelta(hours=24)
+DECISION_LEDGER_ENTRIES = 10_000
+DecisionStatus = Literal["executing", "approved", "refused"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,19 @@ class HookJob:
     # W3C trace context of the change that queued the phase ("" for none).
     traceparent: str = ""
     tracestate: str = ""
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What the listener did with one decisionId: ``executing`` from just before its StartRequests POST until IMDS
+    answered (an entry left so by a crash is never executed again), ``approved`` (IMDS took it) or ``refused``;
+    ``result`` is the ApprovalResult JSON it answered ("" while executing)."""
+
+    decision_id: str
+    event_id: str
+    status: DecisionStatus
+    at: datetime
+    result: str = ""
 
 
 class Store:
@@ -272,6 +295,39 @@ class Store:
         cutoff = ((now or datetime.now(UTC)) - timedelta(days=HOOK_LEDGER_DAYS)).isoformat()
         with self._tx() as db:
             return db.execute("DELETE FROM hooks WHERE status = 'done' AND updated_at < ?", (cutoff,)).rowcount
+
+    # --- the listener's decision ledger ------------------------------------------------------------------------
+    def decision(self, decision_id: str) -> LedgerEntry | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT decision_id, event_id, status, at, result FROM decisions WHERE decision_id = ?", (decision_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        status: DecisionStatus = row[2]
+        return LedgerEntry(str(row[0]), str(row[1]), status, datetime.fromisoformat(str(row[3])), str(row[4]))
+
+    def remember_decision(
+        self, entry: LedgerEntry, *, keep: timedelta = DECISION_LEDGER_KEEP, max_entries: int = DECISION_LEDGER_ENTRIES
+    ) -> None:
+        """Records (or replaces) the entry, durably before it returns, and forgets entries older than ``keep`` and
+        beyond the newest ``max_entries``."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO decisions (decision_id, event_id, status, at, result) VALUES (?, ?, ?, ?, ?)",
+                (entry.decision_id, entry.event_id, entry.status, entry.at.astimezone(UTC).isoformat(), entry.result),
+            )
+            cutoff = (entry.at - keep).astimezone(UTC).isoformat()
+            db.execute("DELETE FROM decisions WHERE at < ?", (cutoff,))
+            db.execute(
+                "DELETE FROM decisions WHERE decision_id IN (SELECT decision_id FROM decisions ORDER BY at DESC"
+                " LIMIT -1 OFFSET ?)",
+                (max_entries,),
+            )
+
+    def forget_decision(self, decision_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM decisions WHERE decision_id = ?", (decision_id,))
 
     # --- bad input -------------------------------------------------------------------------------------------
     def reject(self, reason: str, body: bytes, *, counter: str = "invalid_documents") -> None:

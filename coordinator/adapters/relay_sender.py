@@ -7,9 +7,10 @@ the W3C ``traceparent`` of the ``coordinator.approval`` span, so that the listen
 
 Retries (``coordinator.retry.backoff_delay``, full jitter) cover what a later attempt can fix: no listener
 connected (502/503), the listener did not answer in time (504), the listener could not reach IMDS (503), connection
-errors and timeouts. They stop at the request's ``expiresAt`` (the event's NotBefore: after it, approving is
-pointless) or ``max_retry_seconds`` (the coordinator's approval deadline), whichever is first. The listener is
-idempotent per decisionId, so a retry after a lost answer never approves twice.
+errors and timeouts. They stop at the request's deadline (its ``notAfter``, less the listener's clock tolerance:
+the listener refuses it from then, contracts/approval.py) or ``max_retry_seconds`` (the coordinator's approval
+deadline), whichever is first; a request already past it is not sent. The listener executes a decisionId at most
+once, so a retry after a lost answer never approves twice.
 
 "No listener" is the usual first answer, not a fault: a VM's listener connects only while its document holds an
 event it could approve (forwarder/on_demand.py), and it sees the event at about the time the coordinator decides.
@@ -32,7 +33,7 @@ import requests
 from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
 from pydantic import ValidationError
 
-from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from contracts.sas import sas_token
 from coordinator.adapters import telemetry
@@ -123,13 +124,14 @@ class RelayApprovalSender:
         hybrid_connection = vm.hybrid_connection_name
         url = f"{endpoint}/{hybrid_connection}/{APPROVE_PATH}"
         body = request.model_dump_json().encode("utf-8")
-        budget = (request.expiresAt - self._clock()).total_seconds()
+        budget = (request.deadline - NOT_AFTER_TOLERANCE - self._clock()).total_seconds()
         if self._max_retry_seconds is not None:
             budget = min(budget, self._max_retry_seconds)
         if budget <= 0:
             raise ApprovalDeliveryError(
-                f"approval {request.decisionId} for event {request.eventId} expired at {request.expiresAt.isoformat()}"
-                " before it could be sent; decide again if the event is still pending"
+                f"approval {request.decisionId} for event {request.eventId} expired at {request.deadline.isoformat()}"
+                f" (the listener refuses it from {NOT_AFTER_TOLERANCE.total_seconds():g} s before then) and was not "
+                "sent; decided again when retried"
             )
         give_up_at = time.monotonic() + budget
         attempt = 0

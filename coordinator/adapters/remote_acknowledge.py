@@ -11,6 +11,9 @@ Unlike the Relay path, no VM checks anything: the platform accepts the acknowled
 seen Started or gone. 429 and 5xx are retried within the request's deadline, honouring Retry-After, with the
 project's backoff; any other 4xx is reported at once with ARM's error code and message (404: no such event on
 that resource; 403: the identity lacks the role; 409: the event cannot be acknowledged now).
+
+No VM checks the request's ``notAfter`` on this path, so the sender does: no attempt starts later than the
+listener's refusal would (``NOT_AFTER_TOLERANCE`` before it), by the coordinator's clock.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from urllib.parse import quote
@@ -25,7 +29,7 @@ from urllib.parse import quote
 import requests
 from azure.core.credentials import TokenCredential
 
-from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.domain.retry import backoff_delay
@@ -100,8 +104,10 @@ class RemoteAcknowledgeSender:
         attempt_timeout: float = 5.0,
         backoff: tuple[float, float] = (0.5, 4.0),
         rng: random.Random | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._credential = credential
+        self._clock = clock
         self._endpoint = endpoint.rstrip("/")
         self._deadline = deadline_seconds
         self._attempt_timeout = attempt_timeout
@@ -118,7 +124,14 @@ class RemoteAcknowledgeSender:
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
         url = self.url(request.eventId, vm)
-        give_up = time.monotonic() + self._deadline
+        # Retries end at the send's own deadline or where a listener would refuse the request, whichever is first.
+        left = (request.deadline - NOT_AFTER_TOLERANCE - self._clock()).total_seconds()
+        if left <= 0:
+            raise ApprovalDeliveryError(
+                f"remote acknowledge of {request.eventId} not sent: it expired at {request.deadline.isoformat()} "
+                f"({request.notAfterReason or 'its deadline'}); decided again when retried"
+            )
+        give_up = time.monotonic() + min(self._deadline, left)
         attempt = 0
         while True:
             token = self._credential.get_token(ARM_SCOPE).token

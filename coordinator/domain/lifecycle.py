@@ -31,6 +31,8 @@ class EventChange:
     approval_decided: bool = False
     # The observation that created the record (None: the record existed): its envelope's trace is the event's.
     created_from: Observation | None = None
+    # The budget claims of an approval this change withdrew (its conditions no longer held): the tail frees them.
+    released: list[str] = field(default_factory=list)
 
 
 def clone(record: EventRecord) -> EventRecord:

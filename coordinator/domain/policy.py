@@ -8,6 +8,8 @@ coordinator/domain/matching.py and decided in coordinator/domain/evaluation.py. 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 from datetime import datetime
 from typing import Literal
@@ -182,6 +184,12 @@ class Policy(_Strict):
             if unknown:
                 raise ValueError(f"rule {rule.name!r} names gates {unknown} that 'gates:' does not define")
         return self
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The policy's version as approvals carry it: a digest of everything it says, not of the file's text (a
+        comment or a reformatted line leaves it alone; any rule, gate, blackout or option changed changes it)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
     def gates_of(self, rule_name: str) -> list[str]:
         rule = next((r for r in self.rules if r.name == rule_name), None)

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError
 from coordinator.domain.approvals import choose_executor
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
+from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transition
 from coordinator.domain.model import EventRecord, VmSighting
@@ -93,7 +94,9 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
             work.collect(change)
 
 
-def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None) -> Delivery | None:
+def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no further, each saying why
+    run: Run, event_id: str, last_seen: dict[str, datetime] | None
+) -> Delivery | None:
     """What to send for one committed approval, read fresh: the executor and the request (None when no VM
     can execute it; the failure says why). Every approval is sent from a plan, so dry-run is held here: an
     approval decided before dry-run was switched on waits."""
@@ -116,6 +119,16 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
         traceparent=record.traceparent,
         callback=run.parts.callback,
     )
+    # Never past what the decision rested on (an approval from before notAfter existed: its NotBefore), nor past the
+    # delivery's own deadline. A retry was decided again in this run before it got here (pipeline/decide.py).
+    kept = Bound(approval.notAfter, approval.notAfterReason) if approval.notAfter else person_bound(record)
+    not_after = request_bound(kept, now, options.approval_deadline)
+    if not sendable(not_after.at, now):
+        plan.failure = (
+            f"not sent: its notAfter {not_after.at.isoformat()} ({not_after.why}) is past or within the listener's "
+            f"{NOT_AFTER_TOLERANCE.total_seconds():g} s tolerance; decided again when retried"
+        )
+        return plan
     remote_acknowledge = run.parts.remote_acknowledge
     remote = callback_of(run.policy, approval.rule) == "remote-acknowledge"
     if remote and remote_acknowledge is None:
@@ -153,7 +166,11 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
         decisionId=approval.decisionId,
         rule=approval.rule[:256],
         issuedAt=now,
-        expiresAt=record.notBefore or now + timedelta(minutes=15),
+        # The same instant as notAfter: a listener of an earlier release reads only expiresAt.
+        expiresAt=not_after.at,
+        notAfter=not_after.at,
+        notAfterReason=not_after.why[:256],
+        policyVersion=approval.policyVersion,
         # What the decision rested on, for the VM to check against its own IMDS document and hook ledger.
         facts=ApprovalFacts(
             eventType=record.eventType,
@@ -177,6 +194,11 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
             if plan.callback is not run.parts.callback
             else f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})"
         ),
+        details={
+            "notAfter": not_after.at.isoformat(),
+            "notAfterReason": not_after.why,
+            "policyVersion": approval.policyVersion,
+        },
     )
     return plan
 

@@ -162,12 +162,16 @@ class Work:
     records: dict[str, EventRecord] = field(default_factory=dict)
     # Cards about VMs rather than events (two forwarders reporting as one VM).
     vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
+    # Budget claims of withdrawn approvals, as (EventId, claim key): freed by the tail's budgets step.
+    releases: list[tuple[str, str]] = field(default_factory=list)
 
     def collect(self, change: EventChange) -> None:
-        """Takes in a committed change: its history rows, its record, its cards and (once) its approval."""
+        """Takes in a committed change: its history rows, its record, its cards, (once) its approval and the claims
+        of an approval it withdrew."""
         self.rows.extend(change.rows)
         self.records[change.record.eventId] = change.record
         self.alerts.extend((change.record.eventId, kind) for kind in change.alerts)
+        self.releases.extend((change.record.eventId, key) for key in change.released)
         # Only the change that decided the approval sends it. Another instance that re-read the record after a
         # conflict sees the approval too, and must not send it again.
         if change.approval_decided and change.record.eventId not in self.deliveries:

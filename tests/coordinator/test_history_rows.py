@@ -248,10 +248,7 @@ def test_a_decision_row_needs_a_decision() -> None:
         decision_row(record=record().model_copy(update={"decision": None}), now=NOW)
 
 
-@pytest.mark.parametrize("path", sorted(COORDINATOR.rglob("*.py")), ids=lambda p: str(p.relative_to(COORDINATOR)))
-def test_only_the_builders_make_history_rows(path: Path) -> None:
-    if path.name == "history_rows.py" and path.parent.name == "domain":
-        return
+def _history_rows_built(path: Path) -> list[int]:
     made: list[int] = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if not isinstance(node, ast.Call):
@@ -261,4 +258,18 @@ def test_only_the_builders_make_history_rows(path: Path) -> None:
             isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "HistoryRow"
         ):
             made.append(node.lineno)
+    return made
+
+
+# Parsed at collection, on the main thread before any test starts one: CPython 3.11.7's AST constructor keeps its
+# recursion bookkeeping per interpreter, and an ast.parse while other threads run (Azurite readers, approval senders)
+# can fail with "SystemError: AST constructor recursion depth mismatch" (fixed in CPython 3.11.8, gh-106905).
+BUILT = {path: _history_rows_built(path) for path in sorted(COORDINATOR.rglob("*.py"))}
+
+
+@pytest.mark.parametrize("path", sorted(BUILT), ids=lambda p: str(p.relative_to(COORDINATOR)))
+def test_only_the_builders_make_history_rows(path: Path) -> None:
+    if path.name == "history_rows.py" and path.parent.name == "domain":
+        return
+    made = BUILT[path]
     assert not made, f"{path}: HistoryRow built on lines {made}; use a builder of coordinator/domain/history_rows.py"

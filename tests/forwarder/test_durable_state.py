@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forwarder.durable_state import HOOK_LEDGER_DAYS, HookJob, SpooledEnvelope, Store
+from forwarder.durable_state import DECISION_LEDGER_KEEP, HOOK_LEDGER_DAYS, HookJob, LedgerEntry, SpooledEnvelope, Store
 
 
 def body(sequence: int) -> bytes:
@@ -190,3 +190,26 @@ def test_a_spool_of_an_older_forwarder_opens_and_keeps_trace_context_from_now_on
         SpooledEnvelope(1, 7, "incarnation", b"{}"),  # the old row: no context, sent as before
         SpooledEnvelope(2, 8, "incarnation", body(8), traceparent, "k=v"),
     ]
+
+
+def test_the_decision_ledger_survives_a_restart_and_stays_bounded_by_age_and_count(tmp_path: Path) -> None:
+    now = datetime(2026, 11, 21, 6, tzinfo=UTC)
+    store = Store(tmp_path / "state.sqlite")
+    store.remember_decision(LedgerEntry("d-1", "E1", "executing", now))
+    store.remember_decision(LedgerEntry("d-1", "E1", "approved", now, '{"outcome": "approved"}'))
+    store.close()
+    reopened = Store(tmp_path / "state.sqlite")  # the forwarder restarted
+    assert reopened.decision("d-1") == LedgerEntry("d-1", "E1", "approved", now, '{"outcome": "approved"}')
+    assert reopened.decision("d-2") is None
+    # An entry older than the ledger keeps goes with the next write; beyond the count, the oldest go first.
+    later = now + DECISION_LEDGER_KEEP + timedelta(seconds=1)
+    reopened.remember_decision(LedgerEntry("d-2", "E2", "refused", later))
+    assert reopened.decision("d-1") is None
+    for index in range(3, 7):
+        reopened.remember_decision(
+            LedgerEntry(f"d-{index}", "E", "refused", later + timedelta(seconds=index)), max_entries=3
+        )
+    assert [reopened.decision(f"d-{i}") is not None for i in range(2, 7)] == [False, False, True, True, True]
+    reopened.forget_decision("d-6")
+    assert reopened.decision("d-6") is None
+    reopened.close()
