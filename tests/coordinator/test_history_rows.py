@@ -261,9 +261,9 @@ def _history_rows_built(path: Path) -> list[int]:
     return made
 
 
-# Parsed at collection, on the main thread before any test starts one: CPython 3.11.7's AST constructor keeps its
-# recursion bookkeeping per interpreter, and an ast.parse while other threads run (Azurite readers, approval senders)
-# can fail with "SystemError: AST constructor recursion depth mismatch" (fixed in CPython 3.11.8, gh-106905).
+# Parsed at collection, before any test starts a thread: in a full run on CPython 3.11.7 an ast.parse made while other
+# threads ran (Azurite readers, approval senders) failed once with "SystemError: AST constructor recursion depth
+# mismatch" (the AST constructor's recursion bookkeeping is not safe there); parsing up front avoids it.
 BUILT = {path: _history_rows_built(path) for path in sorted(COORDINATOR.rglob("*.py"))}
 
 
