@@ -36,6 +36,10 @@ class ForwarderSettings(BaseModel):
     poll_interval: float = Field(default=1.0, ge=0.05, le=60)
     imds_timeout: float = Field(default=10.0, gt=0, le=120)
     imds_first_call_timeout: float = Field(default=FIRST_CALL_TIMEOUT, gt=0, le=600)
+    # Send IMDS attested documents (forwarder/attestor.py): with every envelope, one for the forwarder's state; with
+    # every approval answer, one for the decision. Envelopes wait in the spool until the first one is had. Off only
+    # where the IMDS has no attested endpoint (a coordinator requiring attestation then refuses what is sent).
+    attest: bool = True
     # State (spool, sequence, hook ledger)
     state_dir: Path = Path("/var/lib/scheduled-events-forwarder")
     spool_max_entries: int = Field(default=10_000, ge=1, le=10_000_000)

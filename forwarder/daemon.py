@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import VmIdentity
 from forwarder import __version__
+from forwarder.attestor import Attestor
 from forwarder.config import ForwarderSettings
 from forwarder.durable_state import Store
 from forwarder.heartbeat import PollHealth, spool_heartbeat
@@ -98,6 +99,7 @@ class Forwarder:
         )
         self._polls = PollHealth()
         self._imds_failures = FailureLog("IMDS poll", logger=log)
+        self.attestor = Attestor(imds=imds, state_id=store.state_id) if settings.attest else None
         self._sender = Sender(
             store=store,
             sink=sink,
@@ -105,6 +107,7 @@ class Forwarder:
             batch_max=settings.send_batch_max,
             counters=self.counters,
             stop=self._stop,
+            attestation=self.attestor.current if self.attestor is not None else None,
         )
         self._hook_worker = HookWorker(
             store=store,
@@ -223,6 +226,8 @@ class Forwarder:
         next_poll = time.monotonic()
         while not self._stop.is_set():
             delay = interval
+            if self.attestor is not None:
+                self.attestor.tick()
             try:
                 self._poller.poll_once(identity)
             except ImdsUnavailable as exc:
