@@ -53,6 +53,7 @@ from opentelemetry import trace
 from pydantic import ValidationError
 
 from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
+from contracts.attestation import Attestation, decision_nonce
 from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
@@ -207,6 +208,7 @@ class Approver:
         clock: Callable[[], datetime] = _utcnow,
         max_decisions: int = 10_000,
         tracer: trace.Tracer | None = None,
+        attest: Callable[[str], Attestation] | None = None,
     ) -> None:
         self._imds = imds
         self._vm_name = vm_name  # this VM's IMDS compute name: a Terminate must name it
@@ -215,6 +217,8 @@ class Approver:
         self._clock = clock
         self._max_decisions = max_decisions
         self._tracer = tracer or IdTracer()  # the forwarder's (forwarder/telemetry.py); ids only by default
+        # IMDS's attested document for a nonce (ImdsClient.get_attestation): each answer proves this VM gave it.
+        self._attest = attest
         # One approval at a time: the IMDS calls are quick, and serialising makes "approve once per decision" exact.
         self._lock = threading.Lock()
         self._decisions: OrderedDict[str, _Decision] = OrderedDict()
@@ -243,6 +247,7 @@ class Approver:
             span.set_attribute("scheduled_events.outcome", "unavailable" if refusal.status == 503 else "refused")
             log.warning("approval request refused", extra=fields(**record, ms=_ms(started)))
             return RelayResponse.json(refusal.status, {"error": refusal.reason})
+        result = self._proven(result)
         record.update(status=200, outcome=result.outcome, incarnation=result.documentIncarnation, idempotent=replayed)
         span.set_attribute("scheduled_events.outcome", result.outcome)
         span.set_attribute("scheduled_events.idempotent", replayed)
@@ -278,6 +283,19 @@ class Approver:
                 self.imds_posts += 1
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
             return self._remember(approval, result), False
+
+    def _proven(self, result: ApprovalResult) -> ApprovalResult:
+        """The answer with IMDS's attested document for its decision (contracts.attestation.decision_nonce): the
+        coordinator then knows this VM answered, not another instance listening on this hybrid connection. Without
+        one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends the approval again."""
+        if self._attest is None:
+            return result
+        try:
+            proof = self._attest(decision_nonce(result.decisionId))
+        except (ImdsError, ValueError) as error:
+            log.warning("approval answer without proof", extra=fields(decisionId=result.decisionId, error=str(error)))
+            return result
+        return result.model_copy(update={"attestation": proof})
 
     @staticmethod
     def _imds_call(call: Callable[[], _T]) -> _T:

@@ -35,6 +35,8 @@ class Attestor:
         self._expires_at = 0.0
         self._backoff = Backoff(initial=1.0, maximum=60.0)
         self._failures = FailureLog("IMDS attested document", logger=log)
+        # The poll loop and the sender may both ask; one fetch at a time, the other goes on.
+        self._fetching = threading.Lock()
 
     def current(self) -> Attestation | None:
         """The document to send now (None: none yet, or the last one expired)."""
@@ -43,8 +45,14 @@ class Attestor:
 
     def tick(self) -> None:
         """Fetches a document when none is held or the held one is past half its life (or a retry is due)."""
-        if time.time() < self._renew_at:
+        if time.time() < self._renew_at or not self._fetching.acquire(blocking=False):
             return
+        try:
+            self._fetch()
+        finally:
+            self._fetching.release()
+
+    def _fetch(self) -> None:
         try:
             document = self._imds.get_attestation(self._nonce)
             content = read_content(document)

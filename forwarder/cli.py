@@ -129,6 +129,7 @@ def relay_companions(
                     vm_name=identity.name,
                     prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
                     tracer=telemetry.tracer if telemetry else None,
+                    attest=imds.get_attestation if settings.attest else None,
                 )
             return RelayListener(
                 endpoint=endpoint,

@@ -107,7 +107,7 @@ class Forwarder:
             batch_max=settings.send_batch_max,
             counters=self.counters,
             stop=self._stop,
-            attestation=self.attestor.current if self.attestor is not None else None,
+            attestor=self.attestor,
         )
         self._hook_worker = HookWorker(
             store=store,
@@ -155,6 +155,10 @@ class Forwarder:
                 name=identity.name, resource_id=identity.resourceId, vm_id=identity.vmId, state_id=self.store.state_id
             ),
         )
+        if self.attestor is not None:
+            # Before the first poll, which may wait two minutes for IMDS on the one IMDS connection: the start-up
+            # heartbeat goes out attested. A failure here is asked again by the sender and the poll loop.
+            self.attestor.tick()
         self._hook_worker.recover_interrupted(identity)
         for target, name in ((self._sender.run, "sender"), (self._hook_worker.run, "hooks")):
             thread = threading.Thread(target=target, args=(identity,), name=f"forwarder-{name}", daemon=True)
@@ -226,8 +230,6 @@ class Forwarder:
         next_poll = time.monotonic()
         while not self._stop.is_set():
             delay = interval
-            if self.attestor is not None:
-                self.attestor.tick()
             try:
                 self._poller.poll_once(identity)
             except ImdsUnavailable as exc:
@@ -243,6 +245,9 @@ class Forwarder:
                 self._polls.succeeded()
                 self._imds_failures.succeeded()
                 backoff.reset()
+            # After the poll, so that the first poll is not held up by the first attested document.
+            if self.attestor is not None:
+                self.attestor.tick()
             # After a failed poll too: the last document read still says whether an event is pending.
             self._update_companions()
             now = time.monotonic()

@@ -13,13 +13,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from opentelemetry import trace
 
 from contracts.attestation import Attestation
 from contracts.envelope import VmIdentity
+from forwarder.attestor import Attestor
 from forwarder.durable_state import SpooledEnvelope, Store
 from forwarder.logs import FailureLog, fields
 from forwarder.retry import Backoff
@@ -53,10 +53,10 @@ class Sender:
         batch_max: int,
         counters: dict[str, int],
         stop: threading.Event,
-        attestation: Callable[[], Attestation | None] | None = None,
+        attestor: Attestor | None = None,
     ) -> None:
         self._store = store
-        self._attestation = attestation
+        self._attestor = attestor
         self._unattested = FailureLog("waiting for an IMDS attested document before sending", logger=log)
         self._sink = sink
         self._tracer = tracer
@@ -73,8 +73,11 @@ class Sender:
     def _held(self, attestation: Attestation | None) -> bool:
         """Whether envelopes wait: an attestor is configured and has no document yet (logged once, then each
         minute, and when it ends)."""
-        if self._attestation is not None and attestation is None:
+        if self._attestor is not None and attestation is None:
             self._unattested.failed(RuntimeError("no attested document yet (see the attested document's log)"))
+            # Ask now rather than wait for the poll loop: the start-up heartbeat goes out before the first poll,
+            # which may take two minutes while IMDS wakes Scheduled Events up.
+            self._attestor.tick()
             return True
         self._unattested.succeeded()
         return False
@@ -99,7 +102,7 @@ class Sender:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            attestation = self._attestation() if self._attestation is not None else None
+            attestation = self._attestor.current() if self._attestor is not None else None
             if self._held(attestation):
                 if deadline is not None:
                     break

@@ -12,8 +12,8 @@ coordinator is configured to trust locally, as it trusts Microsoft's roots in Az
 ``/_emulator/pki/issuer.cer`` (the leaf's CA Issuers URL), and a signing certificate for
 ``emulator.metadata.azure.com``.
 
-Keys are RSA 2048 like Azure's, made on first use (the root and issuing CA once per process, shared by the
-emulators of a test session; the signing certificate once per emulator, since it names that emulator's URL).
+Keys are RSA 2048 like Azure's, made once per process on first use (shared by the emulators of a test session);
+each emulator has a signing certificate of its own, since it names that emulator's URL.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ ISSUER_PATH = "/_emulator/pki/issuer.cer"
 ROOT_PATH = "/_emulator/pki/root.pem"
 # Microsoft's sample documents show lifetimes from seconds to 6 hours; 6 hours is the documented sample's.
 DEFAULT_VALIDITY_SECONDS = 6 * 3600.0
+# The emulator's certificates are valid this long before they are made, so that a document dated by a test's
+# hand-driven clock (emulators/imds/clock.py) still falls within them.
+BACKDATED = timedelta(days=3650)
 # sha256WithRSAEncryption, where CMS expects a digest algorithm: what Azure's attested documents carry.
 _AZURE_DIGEST_OID = "1.2.840.113549.1.1.11"
 
@@ -65,6 +68,13 @@ def _name(common_name: str) -> x509.Name:
 
 def _key() -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+@functools.cache
+def _signing_key() -> rsa.RSAPrivateKey:
+    # One key for every emulator of the process (each has a certificate of its own): making an RSA key holds the
+    # interpreter for a noticeable time, which an emulator running beside the code under test must not do often.
+    return _key()
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,7 @@ class CertificateAuthority:
             .issuer_name(root_name)
             .public_key(root_key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(days=1))
+            .not_valid_before(now - BACKDATED)
             .not_valid_after(now + timedelta(days=3650))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(ca_usage, critical=True)
@@ -110,7 +120,7 @@ class CertificateAuthority:
             .issuer_name(root_name)
             .public_key(issuer_key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(days=1))
+            .not_valid_before(now - BACKDATED)
             .not_valid_after(now + timedelta(days=1825))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(ca_usage, critical=True)
@@ -131,14 +141,14 @@ class CertificateAuthority:
     def signer(self, *, issuer_url: str, names: tuple[str, ...] = SIGNER_NAMES, now: datetime | None = None) -> Signer:
         """A signing certificate for ``names`` whose CA Issuers URL is ``issuer_url``."""
         now = now or datetime.now(UTC)
-        key = _key()
+        key = _signing_key()
         certificate = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
             .issuer_name(self.issuer.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(days=1))
+            .not_valid_before(now - BACKDATED)
             .not_valid_after(now + timedelta(days=365))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
