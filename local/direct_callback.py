@@ -21,6 +21,7 @@ import requests
 from pydantic import ValidationError
 
 from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.attestation import ATTESTED_API_VERSION, Attestation, decision_nonce
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
@@ -72,12 +73,15 @@ class DirectImdsCallback:
             document = ScheduledEventsDocument.model_validate_json(current.content)
             outcome, reason = judge(request, document, vm_name=vm.name, prepare_outcome=prepare_outcome)
             if outcome != "approved":
-                return ApprovalResult(
-                    outcome=outcome,
-                    eventId=request.eventId,
-                    decisionId=request.decisionId,
-                    documentIncarnation=document.DocumentIncarnation,
-                    reason=reason,
+                return self._proven(
+                    ApprovalResult(
+                        outcome=outcome,
+                        eventId=request.eventId,
+                        decisionId=request.decisionId,
+                        documentIncarnation=document.DocumentIncarnation,
+                        reason=reason,
+                    ),
+                    vm,
                 )
             posted = self._session.post(
                 url, headers=headers, json={"StartRequests": [{"EventId": request.eventId}]}, timeout=self._timeout
@@ -86,12 +90,28 @@ class DirectImdsCallback:
             raise ApprovalDeliveryError(f"IMDS of {vm.name} unreachable: {type(error).__name__}: {error}") from error
         if posted.status_code != 200:
             raise ApprovalDeliveryError(f"IMDS of {vm.name} answered {posted.status_code} to the StartRequest")
-        return ApprovalResult(
-            outcome="approved",
-            eventId=request.eventId,
-            decisionId=request.decisionId,
-            documentIncarnation=document.DocumentIncarnation,
+        return self._proven(
+            ApprovalResult(
+                outcome="approved",
+                eventId=request.eventId,
+                decisionId=request.decisionId,
+                documentIncarnation=document.DocumentIncarnation,
+            ),
+            vm,
         )
+
+    def _proven(self, result: ApprovalResult, vm: VmIdentity) -> ApprovalResult:
+        """With the VM's attested document for the decision, as its listener answers (forwarder/approver.py)."""
+        url = (
+            f"{self._base}/vm/{quote(vm.name, safe='')}/metadata/attested/document?api-version="
+            f"{ATTESTED_API_VERSION}&nonce={decision_nonce(result.decisionId)}"
+        )
+        try:
+            answer = self._session.get(url, headers={"Metadata": "true"}, timeout=self._timeout)
+            proof = Attestation.model_validate_json(answer.content) if answer.status_code == 200 else None
+        except (requests.RequestException, ValidationError):
+            proof = None  # answered without proof, as a listener whose IMDS refused it
+        return result.model_copy(update={"attestation": proof})
 
 
 def direct_coordinator(
