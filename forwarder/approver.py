@@ -240,6 +240,8 @@ class Approver:
             record.update(eventId=approval.eventId, decisionId=approval.decisionId, rule=approval.rule)
             span.set_attribute("scheduled_events.event_id", approval.eventId)
             span.set_attribute("scheduled_events.decision_id", approval.decisionId)
+            # The proof first: a VM whose delete this approval starts has no IMDS a moment after StartRequests.
+            proof = self._proof(approval.decisionId)
             result, replayed = self._decide(approval)
         except _Refusal as refusal:
             record.update(status=refusal.status, reason=refusal.reason)
@@ -247,7 +249,8 @@ class Approver:
             span.set_attribute("scheduled_events.outcome", "unavailable" if refusal.status == 503 else "refused")
             log.warning("approval request refused", extra=fields(**record, ms=_ms(started)))
             return RelayResponse.json(refusal.status, {"error": refusal.reason})
-        result = self._proven(result)
+        if proof is not None:
+            result = result.model_copy(update={"attestation": proof})
         record.update(status=200, outcome=result.outcome, incarnation=result.documentIncarnation, idempotent=replayed)
         span.set_attribute("scheduled_events.outcome", result.outcome)
         span.set_attribute("scheduled_events.idempotent", replayed)
@@ -284,18 +287,17 @@ class Approver:
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
             return self._remember(approval, result), False
 
-    def _proven(self, result: ApprovalResult) -> ApprovalResult:
-        """The answer with IMDS's attested document for its decision (contracts.attestation.decision_nonce): the
-        coordinator then knows this VM answered, not another instance listening on this hybrid connection. Without
-        one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends the approval again."""
+    def _proof(self, decision_id: str) -> Attestation | None:
+        """IMDS's attested document for the decision (contracts.attestation.decision_nonce), which the answer carries:
+        the coordinator then knows this VM answered, not another instance listening on this hybrid connection.
+        Without one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends again."""
         if self._attest is None:
-            return result
+            return None
         try:
-            proof = self._attest(decision_nonce(result.decisionId))
+            return self._attest(decision_nonce(decision_id))
         except (ImdsError, ValueError) as error:
-            log.warning("approval answer without proof", extra=fields(decisionId=result.decisionId, error=str(error)))
-            return result
-        return result.model_copy(update={"attestation": proof})
+            log.warning("approval answer without proof", extra=fields(decisionId=decision_id, error=str(error)))
+            return None
 
     @staticmethod
     def _imds_call(call: Callable[[], _T]) -> _T:

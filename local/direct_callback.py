@@ -66,6 +66,8 @@ class DirectImdsCallback:
         headers = {"Metadata": "true"}
         ledger = self._hook_ledger
         prepare_outcome = functools.partial(ledger, vm.name) if ledger is not None else None
+        # The proof first, as the listener takes it: a VM whose delete this starts has no IMDS a moment later.
+        proof = self._proof(request.decisionId, vm)
         try:
             current = self._session.get(url, headers=headers, timeout=self._timeout)
             if current.status_code != 200:
@@ -73,15 +75,13 @@ class DirectImdsCallback:
             document = ScheduledEventsDocument.model_validate_json(current.content)
             outcome, reason = judge(request, document, vm_name=vm.name, prepare_outcome=prepare_outcome)
             if outcome != "approved":
-                return self._proven(
-                    ApprovalResult(
-                        outcome=outcome,
-                        eventId=request.eventId,
-                        decisionId=request.decisionId,
-                        documentIncarnation=document.DocumentIncarnation,
-                        reason=reason,
-                    ),
-                    vm,
+                return ApprovalResult(
+                    outcome=outcome,
+                    eventId=request.eventId,
+                    decisionId=request.decisionId,
+                    documentIncarnation=document.DocumentIncarnation,
+                    reason=reason,
+                    attestation=proof,
                 )
             posted = self._session.post(
                 url, headers=headers, json={"StartRequests": [{"EventId": request.eventId}]}, timeout=self._timeout
@@ -90,28 +90,25 @@ class DirectImdsCallback:
             raise ApprovalDeliveryError(f"IMDS of {vm.name} unreachable: {type(error).__name__}: {error}") from error
         if posted.status_code != 200:
             raise ApprovalDeliveryError(f"IMDS of {vm.name} answered {posted.status_code} to the StartRequest")
-        return self._proven(
-            ApprovalResult(
-                outcome="approved",
-                eventId=request.eventId,
-                decisionId=request.decisionId,
-                documentIncarnation=document.DocumentIncarnation,
-            ),
-            vm,
+        return ApprovalResult(
+            outcome="approved",
+            eventId=request.eventId,
+            decisionId=request.decisionId,
+            documentIncarnation=document.DocumentIncarnation,
+            attestation=proof,
         )
 
-    def _proven(self, result: ApprovalResult, vm: VmIdentity) -> ApprovalResult:
-        """With the VM's attested document for the decision, as its listener answers (forwarder/approver.py)."""
+    def _proof(self, decision_id: str, vm: VmIdentity) -> Attestation | None:
+        """The VM's attested document for the decision, as its listener takes it (forwarder/approver.py)."""
         url = (
             f"{self._base}/vm/{quote(vm.name, safe='')}/metadata/attested/document?api-version="
-            f"{ATTESTED_API_VERSION}&nonce={decision_nonce(result.decisionId)}"
+            f"{ATTESTED_API_VERSION}&nonce={decision_nonce(decision_id)}"
         )
         try:
             answer = self._session.get(url, headers={"Metadata": "true"}, timeout=self._timeout)
-            proof = Attestation.model_validate_json(answer.content) if answer.status_code == 200 else None
+            return Attestation.model_validate_json(answer.content) if answer.status_code == 200 else None
         except (requests.RequestException, ValidationError):
-            proof = None  # answered without proof, as a listener whose IMDS refused it
-        return result.model_copy(update={"attestation": proof})
+            return None  # answered without proof, as a listener whose IMDS refused it
 
 
 def direct_coordinator(

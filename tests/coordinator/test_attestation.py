@@ -16,7 +16,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.serialization import Encoding, pkcs7
 
-from contracts.approval import ApprovalResult
+from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import (
     Attestation,
     AttestationError,
@@ -25,8 +25,10 @@ from contracts.attestation import (
     read_content,
     state_nonce,
 )
-from contracts.envelope import Envelope
+from contracts.envelope import Envelope, VmIdentity
+from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.domain.attestation import AttestationRefused, Attestations, AttestationVerifier, TrustAnchors
+from coordinator.pipeline.act import PROOF_ATTEMPTS, send
 from coordinator.pipeline.attest import answer_problem, envelope_problem
 from coordinator.settings import AZURE_IMDS_ROOTS
 from emulators.imds.attested import AttestedDocuments, CertificateAuthority, Signer, default_authority
@@ -298,3 +300,43 @@ def test_an_answer_proves_its_vm_and_its_decision(documents: AttestedDocuments) 
     )
     assert "no attested document" in answer_problem(attestations, answer, **check)
     assert answer_problem(attestations, answer, **{**check, "required": False}) == ""
+
+
+class _Listeners:
+    """An ApprovalCallback whose answers come from a list: the listeners Relay hands the requests to, in turn."""
+
+    def __init__(self, answers: list[ApprovalResult]) -> None:
+        self.answers = answers
+        self.sent = 0
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        self.sent += 1
+        return self.answers.pop(0)
+
+
+def test_an_answer_from_another_instance_is_sent_again_at_once(documents: AttestedDocuments) -> None:
+    """Another instance listens on web_0's hybrid connection and answers "approved" with its own proof: the approval
+    goes again at once, and the answer of web_0's listener is the one recorded; an approval answered only by
+    impostors is a failed delivery, retried later (issue 21 item 5)."""
+    attestations = Attestations(verifier())
+    request = ApprovalRequest(
+        eventId="E", decisionId="d-1", rule="r", issuedAt=NOW, expiresAt=NOW + timedelta(minutes=15)
+    )
+    web_0 = VmIdentity.model_validate(WEB_0)
+
+    def answer(identity: dict[str, Any]) -> ApprovalResult:
+        proof = attested(documents, identity, decision_nonce("d-1"))
+        return ApprovalResult(outcome="approved", eventId="E", decisionId="d-1", attestation=proof)
+
+    def proof(result: ApprovalResult) -> str:
+        return answer_problem(attestations, result, vm_id=web_0.vmId, decision_id="d-1", at=NOW, required=True)
+
+    relay = _Listeners([answer(WEB_1), answer(WEB_1), answer(WEB_0)])
+    result = send(relay, request, web_0, "", proof)
+    assert relay.sent == 3
+    assert result.attestation is not None
+    assert proof(result) == ""
+    impostors = _Listeners([answer(WEB_1) for _ in range(PROOF_ATTEMPTS)])
+    with pytest.raises(ApprovalDeliveryError, match="did not prove they came from web_0"):
+        send(impostors, request, web_0, "", proof)
+    assert impostors.sent == PROOF_ATTEMPTS
