@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts.attestation import Attestation
 from contracts.document import ScheduledEvent
 
 ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected"]
@@ -106,3 +107,6 @@ class ApprovalResult(BaseModel):
     decisionId: str
     documentIncarnation: int | None = None
     reason: str = ""
+    # IMDS's attested document of the answering VM, its nonce contracts.attestation.decision_nonce(decisionId):
+    # proof of which VM answered (optional: a listener older than it, or one whose IMDS refused it, sends none).
+    attestation: Attestation | None = None

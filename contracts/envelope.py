@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts.attestation import Attestation
 from contracts.document import ScheduledEventsDocument
 
 SCHEMA = "scheduled-events.envelope/1"
@@ -182,6 +183,10 @@ class Envelope(BaseModel):
     document: ScheduledEventsDocument | None = None
     hook: HookReport | None = None
     health: ForwarderHealth | None = None  # heartbeats from forwarders that report it
+    # IMDS's attested document of this VM, its nonce contracts.attestation.state_nonce(stateId): Azure's signature
+    # that this forwarder state is this VM's (optional; v1-compatible: forwarders older than it send none). The
+    # forwarder adds it as it sends (forwarder/sender.py), so a replayed envelope carries a document still valid.
+    attestation: Attestation | None = None
 
     @field_validator("schema_")
     @classmethod

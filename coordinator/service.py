@@ -29,6 +29,7 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
+from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import fold, ingest, people, tail, timer
@@ -92,6 +93,8 @@ class Coordinator:
         remote_acknowledge: ApprovalCallback | None = None,
         remote_acknowledge_fallback: bool = False,
         monitor: MonitorReader | None = None,
+        attestations: Attestations | None = None,
+        require_attestation: bool = False,
     ) -> None:
         self.store = store
         self.history = history
@@ -116,9 +119,13 @@ class Coordinator:
         self.remote_acknowledge = remote_acknowledge
         self.remote_acknowledge_fallback = remote_acknowledge_fallback
         self.monitor = monitor
+        self.attestations = attestations
+        self.require_attestation = require_attestation
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        if require_attestation and attestations is None:
+            raise ValueError("require_attestation needs attestations (the verifier and its trust anchors)")
         self.options()  # refuses contradictory settings now, not at the first run
 
     def options(self) -> Options:
@@ -136,6 +143,7 @@ class Coordinator:
             imds_failing_after=self.imds_failing_after,
             imds_failing_errors=self.imds_failing_errors,
             remote_acknowledge_fallback=self.remote_acknowledge_fallback,
+            require_attestation=self.require_attestation,
         )
 
     def start(self, kind: RunKind) -> Run:
@@ -147,6 +155,7 @@ class Coordinator:
             callback=self.callback,
             remote_acknowledge=self.remote_acknowledge,
             monitor=self.monitor,
+            attestations=self.attestations,
             rng=self.rng,
             pool=self._pool,
         )

@@ -65,6 +65,7 @@ from opentelemetry import trace
 from pydantic import ValidationError
 
 from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalOutcome, ApprovalRequest, ApprovalResult
+from contracts.attestation import Attestation, decision_nonce
 from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from forwarder.durable_state import DECISION_LEDGER_ENTRIES, DECISION_LEDGER_KEEP, DecisionStatus, LedgerEntry
 from forwarder.imds import ImdsError
@@ -285,6 +286,7 @@ class Approver:
         clock: Callable[[], datetime] = _utcnow,
         ledger: DecisionLedger | None = None,
         tracer: trace.Tracer | None = None,
+        attest: Callable[[str], Attestation] | None = None,
     ) -> None:
         self._imds = imds
         self._vm_name = vm_name  # this VM's IMDS compute name: a Terminate must name it
@@ -294,6 +296,8 @@ class Approver:
         # What was done with each decisionId: durable (the forwarder's state) in the daemon, in memory without one.
         self._ledger: DecisionLedger = ledger if ledger is not None else MemoryLedger()
         self._tracer = tracer or IdTracer()  # the forwarder's (forwarder/telemetry.py); ids only by default
+        # IMDS's attested document for a nonce (ImdsClient.get_attestation): each answer proves this VM gave it.
+        self._attest = attest
         # One approval at a time: the IMDS calls are quick, and serialising makes "approve once per decision" exact.
         self._lock = threading.Lock()
         self.imds_posts = 0
@@ -320,6 +324,8 @@ class Approver:
             )
             span.set_attribute("scheduled_events.event_id", approval.eventId)
             span.set_attribute("scheduled_events.decision_id", approval.decisionId)
+            # The proof first: a VM whose delete this approval starts has no IMDS a moment after StartRequests.
+            proof = self._proof(approval.decisionId)
             result, replayed = self._decide(approval)
         except _Refusal as refusal:
             record.update(status=refusal.status, reason=refusal.reason)
@@ -327,6 +333,8 @@ class Approver:
             span.set_attribute("scheduled_events.outcome", "unavailable" if refusal.status == 503 else "refused")
             log.warning("approval request refused", extra=fields(**record, ms=_ms(started)))
             return RelayResponse.json(refusal.status, {"error": refusal.reason})
+        if proof is not None:
+            result = result.model_copy(update={"attestation": proof})
         record.update(status=200, outcome=result.outcome, incarnation=result.documentIncarnation, idempotent=replayed)
         span.set_attribute("scheduled_events.outcome", result.outcome)
         span.set_attribute("scheduled_events.idempotent", replayed)
@@ -374,6 +382,18 @@ class Approver:
                 self.imds_posts += 1
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
             return self._remember(approval, "approved" if outcome == "approved" else "refused", result, now), False
+
+    def _proof(self, decision_id: str) -> Attestation | None:
+        """IMDS's attested document for the decision (contracts.attestation.decision_nonce), which the answer carries:
+        the coordinator then knows this VM answered, not another instance listening on this hybrid connection.
+        Without one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends again."""
+        if self._attest is None:
+            return None
+        try:
+            return self._attest(decision_nonce(decision_id))
+        except (ImdsError, ValueError) as error:
+            log.warning("approval answer without proof", extra=fields(decisionId=decision_id, error=str(error)))
+            return None
 
     @staticmethod
     def _imds_call(call: Callable[[], _T]) -> _T:

@@ -156,6 +156,7 @@ def relay_companions(
                     # the sessions and restarts in between (in memory without a store).
                     ledger=store,
                     tracer=telemetry.tracer if telemetry else None,
+                    attest=imds.get_attestation if settings.attest else None,
                 )
             return RelayListener(
                 endpoint=endpoint,

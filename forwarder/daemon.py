@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import VmIdentity
 from forwarder import __version__
+from forwarder.attestor import Attestor
 from forwarder.config import ForwarderSettings
 from forwarder.durable_state import Store
 from forwarder.heartbeat import PollHealth, spool_heartbeat
@@ -98,6 +99,7 @@ class Forwarder:
         )
         self._polls = PollHealth()
         self._imds_failures = FailureLog("IMDS poll", logger=log)
+        self.attestor = Attestor(imds=imds, state_id=store.state_id) if settings.attest else None
         self._sender = Sender(
             store=store,
             sink=sink,
@@ -105,6 +107,7 @@ class Forwarder:
             batch_max=settings.send_batch_max,
             counters=self.counters,
             stop=self._stop,
+            attestor=self.attestor,
         )
         self._hook_worker = HookWorker(
             store=store,
@@ -152,6 +155,10 @@ class Forwarder:
                 name=identity.name, resource_id=identity.resourceId, vm_id=identity.vmId, state_id=self.store.state_id
             ),
         )
+        if self.attestor is not None:
+            # Before the first poll, which may wait two minutes for IMDS on the one IMDS connection: the start-up
+            # heartbeat goes out attested. A failure here is asked again by the sender and the poll loop.
+            self.attestor.tick()
         self._hook_worker.recover_interrupted(identity)
         for target, name in ((self._sender.run, "sender"), (self._hook_worker.run, "hooks")):
             thread = threading.Thread(target=target, args=(identity,), name=f"forwarder-{name}", daemon=True)
@@ -238,6 +245,9 @@ class Forwarder:
                 self._polls.succeeded()
                 self._imds_failures.succeeded()
                 backoff.reset()
+            # After the poll, so that the first poll is not held up by the first attested document.
+            if self.attestor is not None:
+                self.attestor.tick()
             # After a failed poll too: the last document read still says whether an event is pending.
             self._update_companions()
             now = time.monotonic()

@@ -19,6 +19,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from contracts.attestation import ATTESTED_API_VERSION, Attestation, AttestationError, read_content
 from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, VmIdentity
 from forwarder.keepalive import KeepAliveConnection, build_request
@@ -29,6 +30,7 @@ DEFAULT_IMDS_URL = "http://169.254.169.254"
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
 COMPUTE_PATH = "/metadata/instance/compute?api-version=2021-02-01"
 IDENTITY_TOKEN_PATH = "/metadata/identity/oauth2/token?api-version=2018-02-01"  # noqa: S105 - a path
+ATTESTED_PATH = f"/metadata/attested/document?api-version={ATTESTED_API_VERSION}"
 # The first scheduled-events request switches the service on and may take up to two minutes.
 FIRST_CALL_TIMEOUT = 130.0
 # IMDS switches Scheduled Events off after 24 hours without a request; the next call is a first call again.
@@ -278,6 +280,19 @@ class ImdsClient:
             return identity_of(compute)
         except (ValueError, ValidationError) as exc:
             raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
+
+    def get_attestation(self, nonce: str) -> Attestation:
+        """IMDS's attested document signing ``nonce`` (10 digits, contracts.attestation). Raises
+        ImdsInvalidResponse when IMDS signed another nonce (it may answer from its cache): ask again later."""
+        raw = self._request("GET", f"{ATTESTED_PATH}&nonce={nonce}")
+        try:
+            attestation = Attestation.model_validate_json(raw)
+            signed = read_content(attestation).nonce
+        except (ValidationError, AttestationError) as exc:
+            raise ImdsInvalidResponse(f"attested document is invalid: {str(exc)[:300]}") from None
+        if signed != nonce:
+            raise ImdsInvalidResponse(f"IMDS signed nonce {signed!r}, not {nonce!r} (an answer from its cache)")
+        return attestation
 
     def get_token(self, resource: str, *, client_id: str | None = None) -> ManagedIdentityToken:
         """An access token for `resource` from the VM's managed identity (user-assigned when client_id is given)."""

@@ -3,19 +3,24 @@
 Takes: the store (its spool), the sink, the tracer, the daemon's stop event and its counters. Gives: `Sender.run` for
 the thread, and `wake()` for whoever spooled something. A failed send keeps the envelopes in the spool and backs off
 (`forwarder.retry.Backoff`): an outage shows up as a growing spool, never as a lost envelope. On stop it flushes for
-at most `SHUTDOWN_FLUSH_SECONDS`; what is left is sent after the restart.
+at most `SHUTDOWN_FLUSH_SECONDS`; what is left is sent after the restart. With an attestor (forwarder/attestor.py),
+each envelope goes out with the attested document current at the send, and nothing goes out before there is one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+from dataclasses import replace
 
 from opentelemetry import trace
 
+from contracts.attestation import Attestation
 from contracts.envelope import VmIdentity
-from forwarder.durable_state import Store
+from forwarder.attestor import Attestor
+from forwarder.durable_state import SpooledEnvelope, Store
 from forwarder.logs import FailureLog, fields
 from forwarder.retry import Backoff
 from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
@@ -24,6 +29,16 @@ from forwarder.telemetry import send_spans
 log = logging.getLogger("forwarder")
 
 SHUTDOWN_FLUSH_SECONDS = 5.0
+# While there is no attested document to send with (at start, or IMDS refusing it), look again this often.
+ATTESTATION_WAIT_SECONDS = 1.0
+
+
+def attach(item: SpooledEnvelope, attestation: Attestation) -> SpooledEnvelope:
+    """The envelope as it goes on the wire: with the attested document (added here, not in the spool, so that a
+    replay carries a document valid when it is sent)."""
+    body = json.loads(item.body)
+    body["attestation"] = attestation.model_dump(mode="json")
+    return replace(item, body=json.dumps(body, separators=(",", ":")).encode())
 
 
 class Sender:
@@ -38,8 +53,11 @@ class Sender:
         batch_max: int,
         counters: dict[str, int],
         stop: threading.Event,
+        attestor: Attestor | None = None,
     ) -> None:
         self._store = store
+        self._attestor = attestor
+        self._unattested = FailureLog("waiting for an IMDS attested document before sending", logger=log)
         self._sink = sink
         self._tracer = tracer
         self._batch_max = batch_max
@@ -51,6 +69,23 @@ class Sender:
     def wake(self) -> None:
         """Something was spooled (or the daemon is stopping): look at the spool now."""
         self._wake.set()
+
+    def _held(self, attestation: Attestation | None) -> bool:
+        """Whether envelopes wait: an attestor is configured and has no document yet (logged once, then each
+        minute, and when it ends)."""
+        if self._attestor is not None and attestation is None:
+            self._unattested.failed(RuntimeError("no attested document yet (see the attested document's log)"))
+            # Ask now rather than wait for the poll loop: the start-up heartbeat goes out before the first poll,
+            # which may take two minutes while IMDS wakes Scheduled Events up.
+            self._attestor.tick()
+            return True
+        self._unattested.succeeded()
+        return False
+
+    def _send(self, items: list[SpooledEnvelope], identity: VmIdentity, attestation: Attestation | None) -> None:
+        with send_spans(self._tracer, items, vm_name=identity.name) as outgoing:
+            wire = outgoing if attestation is None else [attach(item, attestation) for item in outgoing]
+            self._sink.send(wire, partition_key=identity.partition_key)
 
     def run(self, identity: VmIdentity) -> None:
         backoff = Backoff(initial=1.0, maximum=60.0)
@@ -67,9 +102,14 @@ class Sender:
                 self._wake.wait()
                 self._wake.clear()
                 continue
+            attestation = self._attestor.current() if self._attestor is not None else None
+            if self._held(attestation):
+                if deadline is not None:
+                    break
+                self._stop.wait(ATTESTATION_WAIT_SECONDS)
+                continue
             try:
-                with send_spans(self._tracer, items, vm_name=identity.name) as outgoing:
-                    self._sink.send(outgoing, partition_key=identity.partition_key)
+                self._send(items, identity, attestation)
             except UndeliverableEnvelope as exc:
                 log.error(
                     "envelope can never be delivered; set aside",

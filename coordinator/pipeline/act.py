@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -27,6 +27,7 @@ from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transi
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.domain.rows import HistoryRow
+from coordinator.pipeline import attest
 from coordinator.pipeline import record as history
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -35,6 +36,10 @@ from coordinator.state.store import ConcurrencyConflict
 log = logging.getLogger("coordinator")
 
 APPROVAL_FAILED_AFTER = 3
+# An answer that does not prove it came from the executing VM (another instance listening on its hybrid connection:
+# Relay hands each request to one of the connection's listeners at random) is sent again at once, this many times
+# in all, before the approval counts as failed and waits for its retry.
+PROOF_ATTEMPTS = 4
 
 
 @dataclass
@@ -209,7 +214,8 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> None:
     futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
-            futures[run.parts.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent)] = plan
+            proof = _proof(run, plan.vm, plan.decision_id) if plan.callback is run.parts.callback else None
+            futures[run.parts.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent, proof)] = plan
     if not futures:
         return
     deadline = run.options.approval_deadline.total_seconds()
@@ -230,14 +236,43 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> None:
         )
 
 
-def send(callback: ApprovalCallback, request: ApprovalRequest, vm: VmIdentity, traceparent: str) -> ApprovalResult:
-    """One approval through its callback, as the ``coordinator.approval`` span of the event's trace."""
+def _proof(run: Run, vm: VmIdentity, decision_id: str) -> Callable[[ApprovalResult], str]:
+    """What an answer must prove (pipeline/attest.py): that the executing VM gave it."""
+    return lambda result: attest.answer_problem(
+        run.parts.attestations,
+        result,
+        vm_id=vm.vmId,
+        decision_id=decision_id,
+        at=run.now,
+        required=run.options.require_attestation,
+    )
+
+
+def send(
+    callback: ApprovalCallback,
+    request: ApprovalRequest,
+    vm: VmIdentity,
+    traceparent: str,
+    proof: Callable[[ApprovalResult], str] | None = None,
+) -> ApprovalResult:
+    """One approval through its callback, as the ``coordinator.approval`` span of the event's trace. An answer
+    ``proof`` finds wanting is not the executing VM's: sent again at once (PROOF_ATTEMPTS in all)."""
     with telemetry.approval_span(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
     ) as span:
-        result = callback.send(request, vm=vm)
-        telemetry.approval_answered(span, result.outcome)
-        return result
+        problem = ""
+        for _attempt in range(PROOF_ATTEMPTS if proof else 1):
+            result = callback.send(request, vm=vm)
+            problem = proof(result) if proof else ""
+            if not problem:
+                telemetry.approval_answered(span, result.outcome)
+                return result
+            log.warning("approval of %s: an answer not from %s (%s); sent again", request.eventId, vm.name, problem)
+        telemetry.approval_answered(span, "unproven")
+        raise ApprovalDeliveryError(
+            f"{PROOF_ATTEMPTS} answers on {vm.name}'s hybrid connection did not prove they came from {vm.name}: "
+            f"{problem}; another instance may be listening on it; retried"
+        )
 
 
 def _any_sighting(record: EventRecord) -> VmSighting | None:

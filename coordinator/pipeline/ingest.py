@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from contracts.envelope import Envelope, VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.domain.history_rows import dead_letter_row
-from coordinator.pipeline import event_grid
+from coordinator.pipeline import attest, event_grid
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.store import DeadLetter
 
@@ -192,6 +192,20 @@ def read_batch(run: Run, messages: Sequence[RawMessage]) -> Arrivals:
                 dead=arrivals.dead,
                 work=work,
                 where=f"message {index} of the batch",
+            )
+            continue
+        # Whether the envelope is its VM's (Azure's signature, the bindings). A store that fails here fails the
+        # batch, as it would in fold: nothing is dead-lettered for want of a read.
+        problem = attest.envelope_problem(
+            run.parts.attestations,
+            run.parts.store,
+            envelope,
+            at=message.enqueued_time or now,
+            required=run.options.require_attestation,
+        )
+        if problem:
+            dead_letter(
+                message, problem[:1000], now, dead=arrivals.dead, work=work, where=f"message {index} of the batch"
             )
             continue
         arrivals.by_vm[envelope.vm.vmId.lower()].append(envelope)

@@ -19,6 +19,7 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
+from coordinator.domain.attestation import Attestations
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import AlertKind, EventRecord, VmRecord
 from coordinator.domain.policy import Policy
@@ -70,6 +71,9 @@ class Options:
     # With remote acknowledge on: approvals no VM's listener can execute (no VM reported within heartbeat_timeout)
     # go through the Maintenance RP instead.
     remote_acknowledge_fallback: bool = False
+    # Envelopes and approval answers without an IMDS attested document are refused (pipeline/attest.py). Off here
+    # so that tests of other stages need no documents; COORDINATOR_REQUIRE_ATTESTATION defaults to on.
+    require_attestation: bool = False
 
     def __post_init__(self) -> None:
         if self.retire_grace >= self.heartbeat_timeout:
@@ -92,6 +96,8 @@ class Parts:
     # Azure Monitor, for the policy's alert and logQuery gates (None: such gates read as errors and hold).
     monitor: MonitorReader | None = None
     rng: random.Random = field(default_factory=random.Random)
+    # IMDS attested documents: the verifier and the VM bindings read (pipeline/attest.py). None: not checked.
+    attestations: Attestations | None = None
     # The approval senders' threads, kept for the process (started on first use).
     pool: Callable[[], concurrent.futures.ThreadPoolExecutor]
 

@@ -6,6 +6,7 @@ Layout (one table):
 - PartitionKey ``alertsent``: one entity per batch that sent cards, naming them; the timer clears those
   outbox entries from the events in bulk and deletes the entity (one write per batch instead of one per event).
 - PartitionKey ``key``, RowKey = a name: random keys every instance shares (``shared_key``).
+- PartitionKey ``claim``, RowKey = a name: a value bound to it for good, first writer wins (``claim``).
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
   sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
   VMs report together. An event record's ``vms`` is assembled from its groups on read (events.assemble).
@@ -39,6 +40,7 @@ VM_GROUP_PARTITION = "vmgroup"
 BUDGET_PARTITION = "budget"
 SENT_ALERTS_PARTITION = "alertsent"
 KEY_PARTITION = "key"
+CLAIM_PARTITION = "claim"
 TRANSACTION_LIMIT = 100
 TRANSACTION_CHARS = 3_000_000
 # A string property holds at most 64 KiB (32K UTF-16 code units); larger records are split over Data0..DataN.
@@ -176,6 +178,14 @@ def key_entity(name: str) -> Entity:
 
 def key_from_entity(entity: Entity) -> bytes:
     return base64.b64decode(entity["Key"])
+
+
+def claim_entity(name: str, value: str) -> Entity:
+    return {"PartitionKey": CLAIM_PARTITION, "RowKey": safe_key(name), "Value": value}
+
+
+def claim_from_entity(entity: Entity) -> str:
+    return str(entity["Value"])
 
 
 def dead_letter_entity(letter: DeadLetter) -> Entity:

@@ -130,6 +130,13 @@ class StateStore(Protocol):
         """A random 32-byte key, the same for every instance: the first to ask creates it (insert-only, so the
         first writer wins and the others read its key)."""
 
+    # claims: a value bound to a name for good, first writer wins (which VM a resource id is: pipeline/attest.py).
+    def claim(self, name: str, value: str) -> str:
+        """Binds ``value`` to ``name`` unless a value is bound already (insert-only); gives the value bound."""
+
+    def claimed(self, name: str) -> str | None:
+        """The value bound to ``name``, read fresh (None: nothing yet)."""
+
     # dead letters: kept apart from the state, one row per refused message, partitioned by day.
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None: ...
 

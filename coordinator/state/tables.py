@@ -28,6 +28,7 @@ from azure.data.tables import TableClient, TableEntity, TableServiceClient, Tabl
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
 from coordinator.state.entities import (
     BUDGET_PARTITION,
+    CLAIM_PARTITION,
     EVENT_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
@@ -37,6 +38,8 @@ from coordinator.state.entities import (
     budget_entity,
     budget_from_entity,
     chunks,
+    claim_entity,
+    claim_from_entity,
     dead_letter_transactions,
     event_entity,
     event_from_entity,
@@ -275,6 +278,18 @@ class TableStateStore(StateStore):
         with contextlib.suppress(ResourceExistsError):
             self._table.create_entity(key_entity(name))
         return key_from_entity(self._table.get_entity(KEY_PARTITION, safe_key(name)))
+
+    def claim(self, name: str, value: str) -> str:
+        with contextlib.suppress(ResourceExistsError):
+            self._table.create_entity(claim_entity(name, value))
+            return value
+        return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
+
+    def claimed(self, name: str) -> str | None:
+        try:
+            return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
+        except ResourceNotFoundError:
+            return None
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
 from coordinator.state.entities import (
     BUDGET_PARTITION,
+    CLAIM_PARTITION,
     EVENT_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
@@ -32,6 +33,8 @@ from coordinator.state.entities import (
     budget_entity,
     budget_from_entity,
     chunks,
+    claim_entity,
+    claim_from_entity,
     dead_letter_transactions,
     event_entity,
     event_from_entity,
@@ -182,6 +185,18 @@ class MemoryStateStore(StateStore):
                 self._entities[key] = (key_entity(name), self._new_etag())
             entity = self._entities[key][0]
         return key_from_entity(entity)
+
+    def claim(self, name: str, value: str) -> str:
+        with self._lock:
+            key = (CLAIM_PARTITION, safe_key(name))
+            if key not in self._entities:
+                self._entities[key] = (claim_entity(name, value), self._new_etag())
+            return claim_from_entity(self._entities[key][0])
+
+    def claimed(self, name: str) -> str | None:
+        with self._lock:
+            found = self._entities.get((CLAIM_PARTITION, safe_key(name)))
+        return claim_from_entity(found[0]) if found else None
 
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
         for part in dead_letter_transactions(letters):

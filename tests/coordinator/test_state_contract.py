@@ -385,6 +385,19 @@ def test_a_shared_key_is_made_once_for_every_instance(store, peer):
     assert peer.shared_key("another/purpose#") not in (key, b"")
 
 
+def test_a_claim_binds_the_first_value_for_every_instance(store, peer):
+    assert store.claimed("vm-resource:/subscriptions/s/rg#1") is None
+
+    assert store.claim("vm-resource:/subscriptions/s/rg#1", "vm-a") == "vm-a"
+    assert peer.claim("vm-resource:/subscriptions/s/rg#1", "vm-b") == "vm-a"
+    assert (
+        peer.claimed("vm-resource:/subscriptions/s/rg#1")
+        == store.claimed("vm-resource:/subscriptions/s/rg#1")
+        == "vm-a"
+    )
+    assert store.claimed("vm-resource:another") is None
+
+
 def test_dead_letters_are_kept_in_full_up_to_their_limits(store):
     day = DOC_NOW.replace(hour=23)
     letters = [DeadLetter(reason=f"bad {n}", body=b"{", received_at=day, source={"n": n}) for n in range(105)]

@@ -315,7 +315,8 @@ def test_an_invalid_event_is_set_aside_and_the_valid_ones_go_on(
     scripted_imds: ScriptedImds, harness: MakeHarness, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="forwarder")
-    h = harness(scripted_imds.url, heartbeat_interval=0.2)
+    # The scripted IMDS has no attested endpoint.
+    h = harness(scripted_imds.url, heartbeat_interval=0.2, attest=False)
     record = h.root / "hook-calls"
     for phase in ("prepare", "recover"):
         write_hook(h.settings.hooks_dir / f"{phase}.d", "10-record", f'echo "$0 $SCHEDULED_EVENT_ID" >> {record}\n')
@@ -357,7 +358,7 @@ def test_an_event_renamed_as_it_starts_is_one_maintenance(
     """Microsoft's mock server: the Started event has a new EventId. Prepare runs once before, recover once after,
     nothing in the middle."""
     caplog.set_level(logging.INFO, logger="forwarder")
-    h = harness(scripted_imds.url)
+    h = harness(scripted_imds.url, attest=False)  # the scripted IMDS has no attested endpoint
     record = h.root / "hook-calls"
     for phase in ("prepare", "recover"):
         write_hook(h.settings.hooks_dir / f"{phase}.d", "10-record", f'echo "$0 $SCHEDULED_EVENT_ID" >> {record}\n')
