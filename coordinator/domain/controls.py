@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from fractions import Fraction
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -198,12 +200,14 @@ def claim_key(kind: DomainKind, domain: str) -> str:
     return domain if kind == "scaleSet" else f"{kind}:{domain}"
 
 
-def limit_for(*, max_impacted: int | None, max_percent: float | None, size: int) -> int:
+def limit_for(*, max_impacted: int | None, max_percent: Decimal | int | None, size: int) -> int:
     """At most N, or P% of the domain's size rounded up (as a PodDisruptionBudget's maxUnavailable: 10% of 5 VMs
-    is 1, so a small domain still progresses), or the smaller of both; never below 1."""
+    is 1, so a small domain still progresses), or the smaller of both; never below 1. Exact: P is a decimal and
+    the product a fraction, so no fleet size lands one VM above its limit (tests/coordinator/test_controls.py
+    checks sizes 1..10,000 against a Fraction reference)."""
     limits = []
     if max_impacted is not None:
         limits.append(max_impacted)
     if max_percent is not None:
-        limits.append(max(1, math.ceil(size * max_percent / 100)))
+        limits.append(max(1, math.ceil(size * Fraction(max_percent) / 100)))
     return max(1, min(limits))
