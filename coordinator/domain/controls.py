@@ -18,13 +18,16 @@ from fractions import Fraction
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DomainKind = Literal["scaleSet", "zone", "faultDomain", "updateDomain", "placementGroup"]
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?$")
 # A window or blackout longer than a week is a policy mistake rather than a schedule (a whole week is "always").
 MAX_DURATION = timedelta(days=7)
+# Where a schedule is checked to come at all. The Gregorian calendar repeats every 400 years and a date that exists
+# (29 February included) comes at least every 8; croniter looks 50 years each way.
+_SOME_DAY = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 class _Strict(BaseModel):
@@ -58,6 +61,15 @@ class Schedule(_Strict):
     def _cron(cls, value: str) -> str:
         if len(value.split()) != 5 or not croniter.is_valid(value):
             raise ValueError(f"schedule {value!r} is not a 5-field cron expression (minute hour day month weekday)")
+        # Valid syntax can still name no date ('0 2 30 2 *', 30 February): refused here, where the file names the
+        # line, rather than raised by every decision that asks the window when it opens.
+        try:
+            croniter(value, _SOME_DAY).get_next(datetime)
+            croniter(value, _SOME_DAY).get_prev(datetime)
+        except CroniterBadDateError:
+            raise ValueError(
+                f"schedule {value!r} never comes: no date has that day of the month in those months (e.g. 30 February)"
+            ) from None
         return value
 
     @field_validator("duration")

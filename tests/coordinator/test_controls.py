@@ -127,6 +127,9 @@ def test_todays_days_and_hours_window_still_matches() -> None:
         ({"schedule": "0 2 * * *", "duration": "8d"}, "at most 7 days"),
         ({"schedule": "0 2 * * *", "duration": "soon"}, "must look like"),
         ({"schedule": "0 2 * * *", "duration": "1h", "timeZone": "Mars/Olympus"}, "not an IANA time zone"),
+        # Valid cron syntax naming no date: every decision asking the window when it opens raised, every tick.
+        ({"schedule": "0 2 30 2 *", "duration": "1h"}, "never comes: no date has that day"),
+        ({"schedule": "*/5 * 31 4,6,9,11 *", "duration": "1h"}, "never comes"),
     ],
 )
 def test_a_bad_window_is_refused_naming_the_line(window: dict[str, str], error: str) -> None:
@@ -134,6 +137,16 @@ def test_a_bad_window_is_refused_naming_the_line(window: dict[str, str], error: 
     with pytest.raises(PolicyError, match=error) as caught:
         parse_policy(text)
     assert "<policy>:4: rules.0.window" in str(caught.value)
+
+
+def test_a_schedule_that_comes_rarely_is_not_refused() -> None:
+    leap = Schedule(schedule="0 2 29 2 *", duration="1h")  # every four years (eight across 2100)
+    assert leap.next_open(NOW) == datetime(2028, 2, 29, 2, 0, tzinfo=UTC)
+    either = Schedule(schedule="0 2 30 2 Mon", duration="1h")  # day and weekday both set: either one (cron's OR)
+    assert either.next_open(NOW) == datetime(2027, 2, 1, 2, 0, tzinfo=UTC)  # a Monday of February
+    blackout = {"name": "never", "schedule": "0 0 30 2 *", "duration": "1d"}
+    with pytest.raises(PolicyError, match=r"<policy>:\d+: blackouts.0.schedule: .*never comes"):
+        policy(APPROVE_REBOOTS, blackouts=[blackout])
 
 
 def test_durations() -> None:
