@@ -123,8 +123,8 @@ class StateStore(Protocol):
         """Every entry with its key, oldest ``sentAt`` first."""
 
     def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
-        """Deletes the entries, unconditionally, in transactions of 100: a key already gone refuses its
-        transaction (nothing of it deleted) with an error of the store's own."""
+        """Deletes the entries, unconditionally; one already gone counts as deleted (two timer runs that overlap
+        settle the same logs)."""
 
     def shared_key(self, name: str) -> bytes:
         """A random 32-byte key, the same for every instance: the first to ask creates it (insert-only, so the

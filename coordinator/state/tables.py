@@ -264,10 +264,18 @@ class TableStateStore(StateStore):
         return [sent_alerts_from_entity(e) for e in entities]
 
     def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
-        for chunk in chunks(keys, TRANSACTION_LIMIT):
-            self._table.submit_transaction(
-                [("delete", {"PartitionKey": SENT_ALERTS_PARTITION, "RowKey": key}) for key in chunk]
-            )
+        for chunk in chunks(list(dict.fromkeys(keys)), TRANSACTION_LIMIT):
+            try:
+                self._table.submit_transaction(
+                    [("delete", {"PartitionKey": SENT_ALERTS_PARTITION, "RowKey": key}) for key in chunk]
+                )
+            except TableTransactionError as error:
+                if error.status_code != 404:
+                    raise
+                # One is gone already (a timer run that overlapped this one deleted it), which refuses the whole
+                # transaction: delete them one by one, where the SDK answers a delete of a gone entity as done.
+                for key in chunk:
+                    self._table.delete_entity(SENT_ALERTS_PARTITION, key)
 
     # keys ----------------------------------------------------------------------------------------------------
     def shared_key(self, name: str) -> bytes:

@@ -25,13 +25,11 @@ from coordinator.state.entities import (
     EVENT_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
-    TRANSACTION_LIMIT,
     VM_GROUP_PARTITION,
     Entity,
     Write,
     budget_entity,
     budget_from_entity,
-    chunks,
     dead_letter_transactions,
     event_entity,
     event_from_entity,
@@ -166,13 +164,9 @@ class MemoryStateStore(StateStore):
         return [sent_alerts_from_entity(e) for e, _ in self._scan(SENT_ALERTS_PARTITION)]
 
     def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
-        for chunk in chunks(keys, TRANSACTION_LIMIT):
-            with self._lock:
-                gone = [k for k in chunk if (SENT_ALERTS_PARTITION, k) not in self._entities]
-                if gone or len(set(chunk)) < len(chunk):  # refused whole, as a table transaction is
-                    raise KeyError(f"sent-alert logs {gone or chunk} gone or named twice")
-                for key in chunk:
-                    del self._entities[(SENT_ALERTS_PARTITION, key)]
+        with self._lock:
+            for key in keys:
+                self._entities.pop((SENT_ALERTS_PARTITION, key), None)
 
     # keys and dead letters -----------------------------------------------------------------------------------
     def shared_key(self, name: str) -> bytes:
