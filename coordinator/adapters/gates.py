@@ -3,9 +3,10 @@ state, a Log Analytics query) and gives ``GateResult``s for the pure rules (coor
 
 A ``GateReader`` is made per batch/tick (``pipeline/decide.py``'s ``Fleet`` holds one) and reads each gate at
 most once: every event decided in that batch/tick sees the same answer. A gate that cannot be read is an error,
-which holds like a failing one (an unreadable health signal approves nothing). Azure Monitor is read with the
-coordinator's identity through ``AzureMonitorReader``, whose two calls are the narrowest seam a test can stand in
-for (no local Azure Monitor exists).
+which holds like a failing one (an unreadable health signal approves nothing); so is an answer that is not what the
+gate reads (``{}``, a renamed field, Log Analytics' partial error with HTTP 200), with the reason. Azure Monitor is
+read with the coordinator's identity through ``AzureMonitorReader``, whose two calls are the narrowest seam a test
+can stand in for (no local Azure Monitor exists).
 """
 
 from __future__ import annotations
@@ -28,6 +29,49 @@ ALERTS_API_VERSION = "2019-05-05-preview"
 MONITOR_TIMEOUT_SECONDS = 10.0
 # Bytes of a probe's or query's answer read at most: a gate needs a status or a row count, never a page.
 MAX_ANSWER_BYTES = 1 << 20
+
+
+class GateUnreadable(ValueError):
+    """Azure Monitor answered, but not with what the gate reads (an empty object, a renamed field, a partial error):
+    the gate's state is unknown, so it holds like a failure, with this reason."""
+
+
+def fired_count(body: Any) -> int:
+    """Fired alerts in an Alerts Management list answer (``{"value": [...], "nextLink": ...}``). An answer without
+    the ``value`` list is unreadable: counting it as no alert would pass a gate that no one has read."""
+    if not isinstance(body, dict) or not isinstance(body.get("value"), list):
+        raise GateUnreadable(f"the alerts answer has no 'value' list (keys: {_keys(body)})")
+    fired = len(body["value"])
+    if not fired and body.get("nextLink"):
+        raise GateUnreadable("the alerts answer's first page is empty but names a next page")
+    return fired
+
+
+def query_row_count(body: Any) -> int:
+    """Rows of a Log Analytics query answer (``{"tables": [{"name", "columns", "rows"}]}``). An answer with an
+    ``error`` is unreadable even with HTTP 200 (a partial result: the rows may be missing); so is one without
+    tables, or a table without its ``rows`` list."""
+    if not isinstance(body, dict):
+        raise GateUnreadable(f"the query answer is not an object ({type(body).__name__})")
+    if body.get("error"):
+        error = body["error"]
+        what = (error.get("message") or error.get("code")) if isinstance(error, dict) else error
+        raise GateUnreadable(f"the query answered with an error (a partial result): {str(what)[:200]}")
+    tables = body.get("tables")
+    if not isinstance(tables, list) or not tables:
+        raise GateUnreadable(f"the query answer has no 'tables' list (keys: {_keys(body)})")
+    rows = 0
+    for index, table in enumerate(tables):
+        if not isinstance(table, dict) or not isinstance(table.get("rows"), list):
+            raise GateUnreadable(f"table {index} of the query answer has no 'rows' list")
+        rows += len(table["rows"])
+    return rows
+
+
+def _keys(body: Any) -> str:
+    if not isinstance(body, dict):
+        return f"not an object but {type(body).__name__}"
+    return ", ".join(sorted(str(key)[:40] for key in body)[:10]) or "none"
 
 
 class MonitorReader(Protocol):
@@ -72,8 +116,7 @@ class AzureMonitorReader:
             timeout=MONITOR_TIMEOUT_SECONDS,
         )
         response.raise_for_status()
-        body: Any = response.json()
-        return len(body.get("value", [])) if isinstance(body, dict) else 0
+        return fired_count(response.json())
 
     def query_rows(self, gate: LogQueryGate) -> int:
         response = self._session.post(
@@ -83,9 +126,7 @@ class AzureMonitorReader:
             timeout=MONITOR_TIMEOUT_SECONDS,
         )
         response.raise_for_status()
-        body: Any = response.json()
-        tables = body.get("tables", []) if isinstance(body, dict) else []
-        return sum(len(table.get("rows", [])) for table in tables if isinstance(table, dict))
+        return query_row_count(response.json())
 
 
 class GateReader:
