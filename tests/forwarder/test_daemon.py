@@ -311,6 +311,21 @@ def test_every_envelope_carries_the_state_id_and_a_new_state_gets_a_new_one(
     assert last_sequence >= 2
 
 
+def test_a_document_nested_20000_deep_is_counted_and_the_poll_goes_on(
+    scripted_imds: ScriptedImds, harness: MakeHarness
+) -> None:
+    h = harness(scripted_imds.url, heartbeat_interval=0.2)
+    h.wait_incarnation(1)
+    scripted_imds.document = b'{"DocumentIncarnation": 2, "Events": [' + b"[" * 20_000 + b"]" * 20_000 + b"]}"
+    wait_for(lambda: h.store.counters().get("invalid_documents") == 1, what="the deep document set aside")
+    (reason, _) = h.store.rejects()[0]
+    assert reason == "scheduled-events document is invalid: nested deeper than 64 levels"
+    event = {"EventId": "A", "EventType": "Reboot", "Resources": ["web_0"], "EventStatus": "Scheduled"}
+    scripted_imds.serve(3, event)
+    assert [e["EventId"] for e in h.wait_incarnation(3)["document"]["Events"]] == ["A"]  # still polling
+    assert h.forwarder.counters["imds_errors"] >= 1
+
+
 def test_an_invalid_event_is_set_aside_and_the_valid_ones_go_on(
     scripted_imds: ScriptedImds, harness: MakeHarness, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,0 +1,89 @@
+"""Containment (issue 22): one bad input, record or entity costs only itself. Fast: the in-memory store, the real
+pipeline, an in-process listener that approves what it is asked.
+
+- a document nested 20,000 deep, or larger than a message, is dead-lettered with the bound it broke, in a batch
+  whose other messages go on (json.loads raised RecursionError on an Event Grid body and failed the batch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
+from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
+from coordinator.pipeline.ingest import MAX_MESSAGE_BYTES, RawMessage
+from coordinator.service import Coordinator
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.memory_store import MemoryStateStore
+
+
+class Approves:
+    """Every VM's listener, in process: approves what it is asked, and remembers it."""
+
+    def __init__(self) -> None:
+        self.approved: list[tuple[str, str]] = []
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        self.approved.append((request.eventId, vm.name))
+        return ApprovalResult(outcome="approved", eventId=request.eventId, decisionId=request.decisionId)
+
+
+def build(tmp_path: Path) -> tuple[Coordinator, MemoryStateStore, MemoryHistory, Approves]:
+    store, history, listeners = MemoryStateStore(), MemoryHistory(), Approves()
+    coordinator = Coordinator(
+        store=store,
+        history=history,
+        alerts=FolderCardSink(tmp_path / "cards"),
+        callback=listeners,
+        policy=load_policy(DEFAULT_POLICY_PATH),
+        clock=lambda: DOC_NOW,
+    )
+    return coordinator, store, history, listeners
+
+
+def message(data: dict[str, Any] | list[Any] | bytes, *, partition_key: str | None = None) -> RawMessage:
+    if isinstance(data, bytes):
+        return RawMessage(body=data, partition_key=partition_key)
+    key = partition_key or (str(data["vm"]["resourceId"]).lower() if isinstance(data, dict) else None)
+    return RawMessage(body=json.dumps(data).encode(), partition_key=key)
+
+
+def user_reboot(name: str, index: int, event_id: str, *, sequence: int = 1) -> dict[str, Any]:
+    """A user's Reboot of one VM, which the default policy approves at once."""
+    event = scheduled_event(event_id, source="User", event_type="Reboot", resources=[name], duration=-1)
+    return envelope(vm(name, index=index), sequence=sequence, incarnation=2, events=[event])
+
+
+def deep(levels: int) -> bytes:
+    return b"[" * levels + b"]" * levels
+
+
+# documents beyond their bounds --------------------------------------------------------------------------------------
+def test_a_document_too_deep_or_too_large_is_dead_lettered_with_its_bound_and_the_batch_goes_on(tmp_path):
+    coordinator, store, history, listeners = build(tmp_path)
+    good = user_reboot("good_0", 1, "GOOD-1")
+    grid_event = {"id": "g1", "eventType": "Microsoft.Maintenance.ScheduledEventStatusChanged", "data": {}}
+    nested_grid = [{**grid_event, "data": json.loads(b'{"x": ' + deep(70) + b"}")}]
+    messages = [
+        message(deep(20_000)),  # an "Event Grid array" 20,000 deep: RecursionError, the whole batch failed
+        message(b'{"eventType": "x", "data": ' + deep(20_000) + b"}"),
+        message(nested_grid),  # JSON, but deeper than Event Grid's events are
+        message(b'{"schema": ' + deep(20_000) + b"}", partition_key="x"),  # an envelope: pydantic-core's 200
+        message(b"[" + b" " * MAX_MESSAGE_BYTES + b"]"),
+        message(good),
+    ]
+
+    report = coordinator.process_batch(messages)
+
+    assert report.dead_lettered == 5
+    assert report.accepted == 1
+    reasons = [str(letter["Reason"]) for letter in store.dead_letters()]
+    assert sum(r == "refused: nested deeper than 64 levels" for r in reasons) == 3, reasons
+    assert any("recursion limit exceeded" in r for r in reasons), reasons
+    assert any(f"more than the {MAX_MESSAGE_BYTES} allowed" in r for r in reasons), reasons
+    assert len([r for r in history.rows if r.RecordType == "DeadLetter"]) == 5
+    assert listeners.approved == [("GOOD-1", "good_0")]
