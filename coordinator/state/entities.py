@@ -9,6 +9,8 @@ Layout (one table):
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
   sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
   VMs report together. An event record's ``vms`` is assembled from its groups on read (events.assemble).
+- PartitionKey ``setaside``: whole entities a read could not decode, copied here as they were (with ``Reason``,
+  ``FromPartition``, ``FromRowKey``) before they were deleted; never read by the pipeline, kept for a person.
 One partition per kind lets a batch write all its events (or groups) in one transaction (at most 100 operations,
 all-or-nothing: if any ETag is stale nothing is written and the caller redoes that part one by one).
 Dead letters go to a second table, one row per refused message, one partition per day.
@@ -25,8 +27,8 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from datetime import UTC
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel
@@ -39,6 +41,7 @@ VM_GROUP_PARTITION = "vmgroup"
 BUDGET_PARTITION = "budget"
 SENT_ALERTS_PARTITION = "alertsent"
 KEY_PARTITION = "key"
+SET_ASIDE_PARTITION = "setaside"
 TRANSACTION_LIMIT = 100
 TRANSACTION_CHARS = 3_000_000
 # A string property holds at most 64 KiB (32K UTF-16 code units); larger records are split over Data0..DataN.
@@ -150,13 +153,61 @@ def group_entity(record: VmGroupRecord, vm_ids: Iterable[str] | None = None) -> 
     return entity
 
 
-def group_from_entity(entity: Entity, etag: str | None) -> Stored[VmGroupRecord]:
+def group_from_entity(
+    entity: Entity, etag: str | None, unreadable: dict[str, str] | None = None
+) -> Stored[VmGroupRecord]:
+    """The group with every VM whose property reads as a position; those that do not are left out, and put in
+    ``unreadable`` (property -> why) when given, else raise. A blanked property ("") is a VM set aside."""
     vms = {}
     for name, value in entity.items():
-        if name.startswith(VM_PROPERTY_PREFIX):
-            vm = VmRecord.model_validate_json(str(value))
+        if name.startswith(VM_PROPERTY_PREFIX) and value != "":
+            try:
+                vm = VmRecord.model_validate_json(str(value))
+            except ValueError as error:
+                if unreadable is None:
+                    raise
+                unreadable[name] = _why(error)
+                continue
             vms[vm.identity.vmId.lower()] = vm
     return Stored(VmGroupRecord(group=str(entity["Group"]), vms=vms), etag)
+
+
+def _why(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error)[:500]}"
+
+
+def set_aside_copy(entity: Entity, reason: str, at: datetime) -> Entity:
+    """The whole entity as it was, under partition ``setaside``, with why and where from: a person can read it
+    and, once the cause is fixed, put it back."""
+    origin = f"{entity['PartitionKey']}~{entity['RowKey']}~{at.astimezone(UTC).strftime('%Y%m%dT%H%M%S%f')}"
+    copy = {name: value for name, value in entity.items() if name not in ("PartitionKey", "RowKey")}
+    return {
+        **copy,
+        "PartitionKey": SET_ASIDE_PARTITION,
+        "RowKey": safe_key(origin),
+        "Reason": reason[:DEAD_LETTER_TEXT],
+        "FromPartition": str(entity["PartitionKey"]),
+        "FromRowKey": str(entity["RowKey"]),
+    }
+
+
+def set_aside_letter(entity: Entity, etag: str | None, what: str, reason: str, at: datetime) -> DeadLetter:
+    """The dead letter of an entity (or one VM's property) set aside: the reason, and the entity as JSON."""
+    body = json.dumps(dict(entity), default=str, sort_keys=True).encode("utf-8")
+    return DeadLetter(
+        reason=f"state entity {what} set aside: {reason}"[:DEAD_LETTER_TEXT],
+        body=body,
+        received_at=at,
+        source={"entity": what, "etag": etag},
+    )
+
+
+def decode(entity: Entity, etag: str | None, parse: Callable[[Entity, str | None], Stored[R]]) -> Stored[R] | str:
+    """The entity read as its record, or why it cannot be (any failure of a pure decode is the entity's)."""
+    try:
+        return parse(entity, etag)
+    except Exception as error:  # the entity's alone: the caller sets it aside
+        return _why(error)
 
 
 def sent_alerts_entity(record: SentAlerts) -> Entity:
@@ -165,8 +216,8 @@ def sent_alerts_entity(record: SentAlerts) -> Entity:
     return record_entity(SENT_ALERTS_PARTITION, key, record, {})
 
 
-def sent_alerts_from_entity(entity: Entity) -> tuple[str, SentAlerts]:
-    return str(entity["RowKey"]), record_from_entity(entity, SentAlerts, None).record
+def sent_alerts_from_entity(entity: Entity, etag: str | None) -> Stored[SentAlerts]:
+    return record_from_entity(entity, SentAlerts, etag)
 
 
 def key_entity(name: str) -> Entity:

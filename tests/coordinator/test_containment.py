@@ -2,12 +2,15 @@
 pipeline, an in-process listener that approves what it is asked.
 
 - a document nested 20,000 deep, or larger than a message, is dead-lettered with the bound it broke, in a batch
-  whose other messages go on (json.loads raised RecursionError on an Event Grid body and failed the batch).
+  whose other messages go on (json.loads raised RecursionError on an Event Grid body and failed the batch);
+- an event entity that cannot be read is set aside, and the timer goes on for the rest of the fleet (it raised at
+  every tick).
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,15 @@ class Approves:
         return ApprovalResult(outcome="approved", eventId=request.eventId, decisionId=request.decisionId)
 
 
-def build(tmp_path: Path) -> tuple[Coordinator, MemoryStateStore, MemoryHistory, Approves]:
+class Clock:
+    def __init__(self) -> None:
+        self.now = DOC_NOW
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def build(tmp_path: Path, clock: Clock | None = None) -> tuple[Coordinator, MemoryStateStore, MemoryHistory, Approves]:
     store, history, listeners = MemoryStateStore(), MemoryHistory(), Approves()
     coordinator = Coordinator(
         store=store,
@@ -40,7 +51,7 @@ def build(tmp_path: Path) -> tuple[Coordinator, MemoryStateStore, MemoryHistory,
         alerts=FolderCardSink(tmp_path / "cards"),
         callback=listeners,
         policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
+        clock=clock or Clock(),
     )
     return coordinator, store, history, listeners
 
@@ -87,3 +98,32 @@ def test_a_document_too_deep_or_too_large_is_dead_lettered_with_its_bound_and_th
     assert any(f"more than the {MAX_MESSAGE_BYTES} allowed" in r for r in reasons), reasons
     assert len([r for r in history.rows if r.RecordType == "DeadLetter"]) == 5
     assert listeners.approved == [("GOOD-1", "good_0")]
+
+
+# state entities that cannot be read --------------------------------------------------------------------------------
+def test_an_event_entity_that_cannot_be_read_is_set_aside_and_the_timer_goes_on_for_the_fleet(tmp_path):
+    clock = Clock()
+    coordinator, store, history, _ = build(tmp_path, clock)
+    reboots = []
+    for index, name in enumerate(("web_0", "web_1")):  # a platform Reboot each: the default policy waits
+        event = scheduled_event(f"EV-{name}", event_type="Reboot", resources=[name], duration=-1)
+        reboots.append(message(envelope(vm(name, index=index + 1), sequence=1, incarnation=2, events=[event])))
+    coordinator.process_batch(reboots)
+    key = ("event", "EV-web_0")
+    entity, _ = store._entities[key]
+    store._entities[key] = ({**entity, "Data0": entity["Data0"].replace('"eventType":"Reboot"', '"eventType":7')}, "x")
+
+    clock.now = DOC_NOW + timedelta(hours=1)  # past both NotBefores
+    report = coordinator.tick()  # raised ValidationError, every tick, for the whole fleet
+
+    assert report.set_aside == 1
+    other = coordinator.event("EV-web_1")
+    assert other is not None
+    assert other.record.state == "Expired"  # the rest of the fleet went on
+    assert key not in store._entities
+    (letter,) = store.dead_letters()
+    assert str(letter["Reason"]).startswith("state entity event/EV-web_0 set aside: ValidationError")
+    (row,) = [r for r in history.rows if r.RecordType == "DeadLetter"]
+    assert row.Reason is not None
+    assert row.Reason.startswith("state entity event/EV-web_0 cannot be read and was set aside: ValidationError")
+    assert coordinator.tick().set_aside == 0  # once

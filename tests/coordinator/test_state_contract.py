@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import threading
 import uuid
 from datetime import timedelta
@@ -25,7 +26,7 @@ from coordinator.domain.model import (
     VmSighting,
 )
 from coordinator.state.commit import commit
-from coordinator.state.entities import CHUNK_CHARS, DEAD_LETTER_BODY
+from coordinator.state.entities import CHUNK_CHARS, DEAD_LETTER_BODY, group_entity
 from coordinator.state.store import ConcurrencyConflict, DeadLetter, RecordTooLarge, StateStore, Stored
 from coordinator.state.tables import TableStateStore
 from tests.coordinator.helpers import DOC_NOW, event_record, vm_position
@@ -300,6 +301,50 @@ def test_a_vms_oldest_sightings_of_events_it_no_longer_lists_make_room(store):
     with pytest.raises(RecordTooLarge):
         store.save_vm_group(group("pg:web", listed_all), etag)
     assert store.get_vm_groups(["pg:web"])["pg:web"].etag == etag
+
+
+# entities that cannot be read ------------------------------------------------------------------------------------
+def overwrite(store: StateStore, entity: dict[str, object]) -> None:
+    """Writes an entity as it is, behind the store's back: what damage, or another version's layout, leaves."""
+    if isinstance(store, MemoryStateStore):
+        key = (str(entity["PartitionKey"]), str(entity["RowKey"]))
+        store._entities[key] = ({**store._entities.get(key, ({}, ""))[0], **entity}, 'W/"damaged"')
+    else:
+        assert isinstance(store, TableStateStore)
+        store._table.upsert_entity(entity)
+
+
+def test_an_event_that_cannot_be_read_is_set_aside_and_the_others_are_read(store, peer):
+    store.save_events([(event_record(i), None) for i in ("EV-1", "EV-2", "EV-3")])
+    overwrite(store, {"PartitionKey": "event", "RowKey": "EV-2", "Data0": '{"eventId": "EV-2", "state": 7'})
+
+    assert [s.record.eventId for s in peer.open_events()] == ["EV-1", "EV-3"]  # no exception: the rest goes on
+    (item,) = peer.set_aside()
+    assert item.what == "event/EV-2"
+    assert "ValidationError" in item.reason
+    assert peer.set_aside() == []  # listed once
+    assert store.get_event("EV-2") is None  # moved away, so the event starts afresh from its next sighting
+    assert store.save_event(event_record("EV-2"), None)
+    (letter,) = store.dead_letters()
+    assert str(letter["Reason"]).startswith("state entity event/EV-2 set aside: ValidationError")
+    assert json.loads(base64.b64decode(str(letter["BodyBase64"])))["Data0"] == '{"eventId": "EV-2", "state": 7'
+
+
+def test_a_vm_whose_position_cannot_be_read_is_set_aside_and_its_next_position_overwrites_it(store, peer):
+    a, b = vm_position("web_0", index=1), vm_position("web_1", index=2)
+    store.save_vm_group(group("pg:web", a, b), None)
+    entity = group_entity(group("pg:web", a), [a.identity.vmId])
+    (name,) = (n for n in entity if n.startswith("V_"))
+    overwrite(store, {"PartitionKey": "vmgroup", "RowKey": "pg:web", name: "{not a position"})
+
+    stored = peer.get_vm_groups(["pg:web"])["pg:web"]
+    assert stored.record == group("pg:web", b)
+    assert [item.what for item in peer.set_aside()] == ["vmgroup/pg:web (a VM's position)"]
+    assert [s.record for s in store.all_vm_groups()] == [group("pg:web", b)]  # blanked: not set aside again
+    assert store.set_aside() == peer.set_aside() == []
+    moved = a.model_copy(update={"lastSequence": 9})
+    etag = peer.save_vm_group(group("pg:web", moved, b), stored.etag, vm_ids=[a.identity.vmId])
+    assert store.get_vm_groups(["pg:web"])["pg:web"] == Stored(group("pg:web", moved, b), etag)
 
 
 # budgets ---------------------------------------------------------------------------------------------------------
