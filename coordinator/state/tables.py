@@ -53,7 +53,7 @@ from coordinator.state.entities import (
     set_aside_letter,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, SetAside, StateStore, Stored
+from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, RecordTooLarge, SetAside, StateStore, Stored
 
 log = logging.getLogger("coordinator")
 
@@ -64,6 +64,15 @@ ROWKEYS_PER_QUERY = 14
 
 def _etag(entity: TableEntity) -> str:
     return str(entity.metadata["etag"])
+
+
+# What the service answers for what entities.py should have refused (an entity over 1 MiB, whose other VMs a MERGE
+# does not send, is known only to the table): RecordTooLarge, which the stages contain to its record.
+_TOO_LARGE_CODES = ("PropertyValueTooLarge", "EntityTooLarge", "RequestBodyTooLarge")
+
+
+def _too_large(error: HttpResponseError) -> bool:
+    return error.status_code in (400, 413) and any(code in str(error) for code in _TOO_LARGE_CODES)
 
 
 class TableStateStore(StateStore):
@@ -271,6 +280,10 @@ class TableStateStore(StateStore):
         except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError) as error:
             self._forget(partition, key)
             raise ConcurrencyConflict(f"{partition}/{key} changed") from error
+        except HttpResponseError as error:
+            if _too_large(error):
+                raise RecordTooLarge(f"{partition}/{key}: the table refused it as too large") from error
+            raise
         new_etag = str(metadata["etag"])
         self._remember(partition, key, Stored(record, new_etag))
         return new_etag
@@ -297,6 +310,8 @@ class TableStateStore(StateStore):
             except (TableTransactionError, ResourceExistsError, ResourceModifiedError, HttpResponseError) as error:
                 for entity, _, _ in part:
                     self._forget(str(entity["PartitionKey"]), str(entity["RowKey"]))
+                if _too_large(error):
+                    raise RecordTooLarge(f"transaction of {len(part)} entities refused as too large") from error
                 status = getattr(error, "status_code", None)
                 if (
                     isinstance(error, HttpResponseError)

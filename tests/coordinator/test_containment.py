@@ -4,7 +4,10 @@ pipeline, an in-process listener that approves what it is asked.
 - a document nested 20,000 deep, or larger than a message, is dead-lettered with the bound it broke, in a batch
   whose other messages go on (json.loads raised RecursionError on an Event Grid body and failed the batch);
 - an event entity that cannot be read is set aside, and the timer goes on for the rest of the fleet (it raised at
-  every tick).
+  every tick);
+- a VM's position longer than a table property is split (it failed the batch), one too large to keep even
+  trimmed costs only its VM, and an event record too large costs only that event: the other VMs of the batch keep
+  their sightings and their approvals.
 """
 
 from __future__ import annotations
@@ -127,3 +130,45 @@ def test_an_event_entity_that_cannot_be_read_is_set_aside_and_the_timer_goes_on_
     assert row.Reason is not None
     assert row.Reason.startswith("state entity event/EV-web_0 cannot be read and was set aside: ValidationError")
     assert coordinator.tick().set_aside == 0  # once
+
+
+# records larger than a table holds ---------------------------------------------------------------------------------
+def test_records_too_large_for_the_table_cost_only_their_own_vm_or_event(tmp_path):
+    coordinator, store, history, listeners = build(tmp_path)
+    # Within every bound of the door: 50 tags of 512 + 256 characters and 100 events. Its position is four
+    # properties long: the batch used to fail at the VM-group write, after the events were written.
+    large = vm("large_0", index=1)
+    large["tags"] = {f"t{i:02}" + "n" * 509: "v" * 256 for i in range(50)}
+    listed = [scheduled_event(f"{i:03}" + "E" * 125, event_type="Reboot", resources=["large_0"]) for i in range(100)]
+    # Tags of control characters, six times longer as JSON: no position can hold them (a VM beyond its bounds).
+    poison = vm("poison_0", index=2)
+    poison["tags"] = {f"t{i:02}" + "\x01" * 509: "\x01" * 256 for i in range(50)}
+    # An event whose 600 resource names (of control characters) make a record larger than an entity holds.
+    names = [f"{i:03}" + "\x02" * 253 for i in range(600)]
+    huge = scheduled_event("HUGE", event_type="Reboot", resources=names)
+    messages = [
+        message(envelope(large, sequence=1, incarnation=2, events=listed)),
+        message(
+            envelope(poison, sequence=1, incarnation=2, events=[scheduled_event("POISON", resources=["poison_0"])])
+        ),
+        message(envelope(vm("huge_0", index=3), sequence=1, incarnation=2, events=[huge])),
+        message(user_reboot("good_0", 4, "GOOD-1")),
+    ]
+
+    report = coordinator.process_batch(messages)  # raised RecordTooLarge: every VM lost its sightings
+
+    assert listeners.approved == [("GOOD-1", "good_0")]
+    good = coordinator.event("GOOD-1")
+    assert good is not None
+    assert good.record.state == "Approved"
+    assert "good_0" in good.record.vms  # its sighting, written with its position
+    kept = coordinator.event(listed[99]["EventId"])
+    assert kept is not None
+    assert set(kept.record.vms) == {"large_0"}  # the large VM's position and sightings: split, not refused
+    assert report.dead_lettered == 1
+    (letter,) = store.dead_letters()
+    assert str(letter["Reason"]).startswith("processing failed: its position cannot be stored: VM poison_0's position")
+    assert coordinator.event("HUGE") is None  # set aside, with a DeadLetter row naming it
+    reasons = [r.Reason or "" for r in history.rows if r.RecordType == "DeadLetter"]
+    assert any(r.startswith("observations make a record too large to store: RecordTooLarge") for r in reasons)
+    assert report.accepted == 3  # the poison VM's envelope is not counted as accepted

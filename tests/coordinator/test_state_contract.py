@@ -26,10 +26,10 @@ from coordinator.domain.model import (
     VmSighting,
 )
 from coordinator.state.commit import commit
-from coordinator.state.entities import CHUNK_CHARS, DEAD_LETTER_BODY, group_entity
+from coordinator.state.entities import CHUNK_CHARS, DEAD_LETTER_BODY, MAX_VM_PARTS, group_entity, utf16_units
 from coordinator.state.store import ConcurrencyConflict, DeadLetter, RecordTooLarge, StateStore, Stored
 from coordinator.state.tables import TableStateStore
-from tests.coordinator.helpers import DOC_NOW, event_record, vm_position
+from tests.coordinator.helpers import DOC_NOW, event_record, vm, vm_position
 from tests.coordinator.memory_store import MemoryStateStore
 
 
@@ -286,20 +286,57 @@ def test_vm_groups_in_one_call_are_written_all_or_nothing(store, peer):
     }
 
 
-def test_a_vms_oldest_sightings_of_events_it_no_longer_lists_make_room(store):
-    sightings = {f"EV-{n:03}": sighting(seen=n) for n in range(400)}  # far more than a property holds
-    position = vm_position("web_0", index=1, listed=["EV-000"], sightings=sightings)
+def largest_position(name: str, index: int, **fields: object) -> VmRecord:
+    """The largest position a forwarder within the door's bounds reports: 50 tags of 512 + 256 characters, 100
+    listed events of 128-character ids, each with its sighting and a failed hook's name."""
+    identity = {**vm(name, index=index), "tags": {f"t{i:02}" + "n" * 509: "v" * 256 for i in range(50)}}
+    listed = [f"{i:03}" + "E" * 125 for i in range(100)]
+    hooks = {"hooks": {"prepare": "failed"}, "failedHooks": {"prepare": "h" * 256}}
+    sightings = {e: sighting(seen=n).model_copy(update=hooks) for n, e in enumerate(listed)}
+    return VmRecord.model_validate(
+        {"identity": identity, "lastSeen": DOC_NOW, "listed": listed, "sightings": sightings, **fields}
+    )
+
+
+def test_a_vm_position_longer_than_a_property_is_split_and_read_back_whole(store, peer):
+    large = largest_position("web_0", 1)  # 4 properties' worth: refused whole before (the batch failed)
+    small = vm_position("web_1", index=2)
+    etag = store.save_vm_group(group("pg:web", large, small), None)
+    assert peer.get_vm_groups(["pg:web"])["pg:web"] == Stored(group("pg:web", large, small), etag)
+
+    # Shrunk back into one property: the parts it no longer needs are left behind and never read.
+    shrunk = large.model_copy(update={"listed": [], "sightings": {}})
+    etag = peer.save_vm_group(group("pg:web", shrunk, small), etag, vm_ids=[large.identity.vmId])
+    assert store.get_vm_groups(["pg:web"])["pg:web"] == Stored(group("pg:web", shrunk, small), etag)
+
+    # Characters beyond the BMP take two UTF-16 code units of a property's 32,768: split by those, not characters.
+    astral = vm_position("web_2", index=3, listed=["\U0001f600" * 128], sightings={"\U0001f600" * 128: sighting()})
+    wide = astral.model_copy(
+        update={"identity": astral.identity.model_copy(update={"tags": {"t": "\U0001f600" * 256}})}
+    )
+    wide = wide.model_copy(update={"otherStates": {}, "stateConflict": ["\U0001f600" * 20_000]})
+    etag = store.save_vm_group(group("pg:web", wide), etag, vm_ids=[wide.identity.vmId])
+    assert peer.get_vm_groups(["pg:web"])["pg:web"].record.vms[wide.identity.vmId.lower()] == wide
+
+
+def test_a_vms_oldest_sightings_of_events_it_no_longer_lists_make_room_beyond_its_bound(store):
+    position = largest_position("web_0", 1)
+    gone = {f"GONE-{n:03}": sighting(seen=n - 1000).model_copy(update={"hooks": {"p": "x" * 500}}) for n in range(400)}
+    position = position.model_copy(update={"sightings": {**position.sightings, **gone}})
     etag = store.save_vm_group(group("pg:web", position), None)
 
     (kept,) = store.get_vm_groups(["pg:web"])["pg:web"].record.vms.values()
-    assert "EV-000" in kept.sightings  # listed: kept, however old
-    assert "EV-001" not in kept.sightings  # the oldest of the rest went first...
-    assert "EV-399" in kept.sightings  # ...and the newest stayed
-    assert len(kept.model_dump_json(exclude_defaults=True)) <= CHUNK_CHARS
+    assert set(position.listed) <= set(kept.sightings)  # listed: kept, however old
+    assert "GONE-000" not in kept.sightings  # the oldest of the rest went first...
+    assert "GONE-399" in kept.sightings  # ...and the newest stayed
+    assert kept.identity == position.identity  # tags, what a decision reads, are never trimmed
+    assert utf16_units(kept.model_dump_json(exclude_defaults=True)) <= MAX_VM_PARTS * CHUNK_CHARS
 
-    listed_all = position.model_copy(update={"listed": list(sightings)})
-    with pytest.raises(RecordTooLarge):
-        store.save_vm_group(group("pg:web", listed_all), etag)
+    # Beyond every bound of the door (tags of control characters, six times longer as JSON): refused, nothing written.
+    escaped = {f"t{i:02}" + "\x01" * 509: "\x01" * 256 for i in range(50)}
+    hostile = position.model_copy(update={"identity": position.identity.model_copy(update={"tags": escaped})})
+    with pytest.raises(RecordTooLarge, match=r"web_0's position is .* without what can be trimmed"):
+        store.save_vm_group(group("pg:web", hostile), etag)
     assert store.get_vm_groups(["pg:web"])["pg:web"].etag == etag
 
 
