@@ -15,9 +15,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-import requests
 from azure.core.credentials import TokenCredential
 
+from coordinator.adapters import deadline
 from coordinator.domain.controls import AlertGate, Gate, GateResult, HttpGate, LogQueryGate
 
 log = logging.getLogger("coordinator")
@@ -26,7 +26,9 @@ LOGS_ENDPOINT = "https://api.loganalytics.io"
 ARM_ENDPOINT = "https://management.azure.com"
 # Alerts Management API: the version that lists alerts filtered by alert rule and monitor condition.
 ALERTS_API_VERSION = "2019-05-05-preview"
-MONITOR_TIMEOUT_SECONDS = 10.0
+# The total deadline of one Azure Monitor read (the token, the request, every byte of the answer): a gate is read
+# once per batch or tick, which waits for it.
+MONITOR_DEADLINE_SECONDS = 10.0
 # Bytes of a probe's or query's answer read at most: a gate needs a status or a row count, never a page.
 MAX_ANSWER_BYTES = 1 << 20
 
@@ -92,41 +94,44 @@ class AzureMonitorReader:
         credential: TokenCredential,
         arm_endpoint: str = ARM_ENDPOINT,
         logs_endpoint: str = LOGS_ENDPOINT,
-        session: requests.Session | None = None,
+        deadline_seconds: float = MONITOR_DEADLINE_SECONDS,
     ) -> None:
         self._credential = credential
         self._arm = arm_endpoint.rstrip("/")
         self._logs = logs_endpoint.rstrip("/")
-        self._session = session or requests.Session()
+        self._deadline = deadline_seconds
+        self._session = deadline.session()
 
     def _token(self, endpoint: str) -> str:
         return self._credential.get_token(f"{endpoint}/.default").token
 
     def fired_alerts(self, gate: AlertGate) -> int:
         subscription = gate.alertRuleId.split("/")[2]
-        response = self._session.get(
-            f"{self._arm}/subscriptions/{subscription}/providers/Microsoft.AlertsManagement/alerts",
-            params={
-                "api-version": ALERTS_API_VERSION,
-                "alertRule": gate.alertRuleId,
-                "monitorCondition": "Fired",
-                "timeRange": "1d",
-            },
-            headers={"Authorization": f"Bearer {self._token(self._arm)}"},
-            timeout=MONITOR_TIMEOUT_SECONDS,
-        )
-        response.raise_for_status()
-        return fired_count(response.json())
+        with deadline.deadline(self._deadline, f"alerts of {gate.alertRuleId[-200:]}"):
+            response = self._session.get(
+                f"{self._arm}/subscriptions/{subscription}/providers/Microsoft.AlertsManagement/alerts",
+                params={
+                    "api-version": ALERTS_API_VERSION,
+                    "alertRule": gate.alertRuleId,
+                    "monitorCondition": "Fired",
+                    "timeRange": "1d",
+                },
+                headers={"Authorization": f"Bearer {self._token(self._arm)}"},
+                timeout=self._deadline,
+            )
+            response.raise_for_status()
+            return fired_count(response.json())
 
     def query_rows(self, gate: LogQueryGate) -> int:
-        response = self._session.post(
-            f"{self._logs}/v1/workspaces/{gate.workspaceId}/query",
-            json={"query": gate.query, "timespan": gate.timespan},
-            headers={"Authorization": f"Bearer {self._token(self._logs)}"},
-            timeout=MONITOR_TIMEOUT_SECONDS,
-        )
-        response.raise_for_status()
-        return query_row_count(response.json())
+        with deadline.deadline(self._deadline, f"query of workspace {gate.workspaceId}"):
+            response = self._session.post(
+                f"{self._logs}/v1/workspaces/{gate.workspaceId}/query",
+                json={"query": gate.query, "timespan": gate.timespan},
+                headers={"Authorization": f"Bearer {self._token(self._logs)}"},
+                timeout=self._deadline,
+            )
+            response.raise_for_status()
+            return query_row_count(response.json())
 
 
 class GateReader:
@@ -137,11 +142,10 @@ class GateReader:
         gates: Mapping[str, Gate],
         *,
         monitor: MonitorReader | None = None,
-        session: requests.Session | None = None,
     ) -> None:
         self._gates = gates
         self._monitor = monitor
-        self._session = session or requests.Session()
+        self._session = deadline.session()
         self._results: dict[str, GateResult] = {}
 
     def results(self, names: Iterable[str]) -> dict[str, GateResult]:
@@ -171,7 +175,13 @@ class GateReader:
             return GateResult("error", f"{type(error).__name__}: {str(error)[:200]}")
 
     def _probe(self, gate: HttpGate) -> GateResult:
-        with self._session.get(gate.url, timeout=gate.timeoutSeconds, stream=True, allow_redirects=False) as answer:
+        # timeoutSeconds is the probe's total deadline, answer included: a page that trickles is cut there (the
+        # per-read timeout, a second longer, never speaks first).
+        per_read = gate.timeoutSeconds + 1
+        with (
+            deadline.deadline(gate.timeoutSeconds, f"probe {gate.url[:200]}"),
+            self._session.get(gate.url, timeout=per_read, stream=True, allow_redirects=False) as answer,
+        ):
             answer.raw.read(MAX_ANSWER_BYTES, decode_content=True)
             if answer.status_code in gate.expectStatus:
                 return GateResult("passing", f"HTTP {answer.status_code}")
