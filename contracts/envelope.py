@@ -152,12 +152,17 @@ class ForwarderHealth(BaseModel):
     dropped: int = Field(default=0, ge=0, le=2**63 - 1)  # envelopes the bounded spool evicted since it was made
     sendErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed sends to Event Hubs since the start
     listenerConnected: bool | None = None  # the relay listener's control channel is up (None: no listener)
+    # The forwarder's state directory has been full since this time (None: it can be written): nothing new is
+    # spooled, changes wait in IMDS and this heartbeat was sent from memory; it resumes when there is room.
+    stateFullSince: datetime | None = None
+    stateWriteErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # writes of its state that failed since the start
+    lastStateError: str = Field(default="", max_length=256)
 
-    @field_validator("lastGoodPollAt")
+    @field_validator("lastGoodPollAt", "stateFullSince")
     @classmethod
     def _aware(cls, value: datetime | None) -> datetime | None:
         if value is not None and value.tzinfo is None:
-            raise ValueError("lastGoodPollAt must carry a UTC offset")
+            raise ValueError("times must carry a UTC offset")
         return value
 
     def poll_age_seconds(self, at: datetime) -> float | None:

@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -21,7 +22,7 @@ from forwarder import __version__, logs
 from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
 from forwarder.credential import RELAY_SCOPE, ImdsManagedIdentityCredential
 from forwarder.daemon import Companion, Forwarder
-from forwarder.durable_state import Store
+from forwarder.durable_state import Store, open_store
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import fields
 from forwarder.on_demand import ListenerSession, OnDemandListener
@@ -211,7 +212,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         output = {"identity": identity.model_dump(mode="json"), "document": document.model_dump(mode="json")}
         print(json.dumps(output, indent=2))
         return 0
-    store = Store(settings.spool_path, max_entries=settings.spool_max_entries)
+    stopping = threading.Event()
+    running: list[Forwarder] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal received; stopping", extra=fields(signal=signal.Signals(signum).name))
+        stopping.set()
+        for forwarder in running:
+            forwarder.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    # A full state disk is waited out here, with backoff, rather than crash-looping under systemd.
+    store = open_store(settings.spool_path, max_entries=settings.spool_max_entries, stop=stopping)
+    if store is None:
+        imds.close()
+        return 0
     telemetry = Telemetry(spans_file=settings.telemetry_spans_file)
     forwarder = Forwarder(
         settings=settings,
@@ -221,17 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         companions=relay_companions(settings, store=store, telemetry=telemetry),
         telemetry=telemetry,
     )
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal received; stopping", extra=fields(signal=signal.Signals(signum).name))
+    running.append(forwarder)
+    if stopping.is_set():
         forwarder.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         forwarder.run()
     except Exception:
-        # Unexpected (e.g. the state disk is full): one structured line, then a non-zero exit for systemd to restart.
+        # Unexpected: one structured line, then a non-zero exit for systemd to restart.
         log.exception("forwarder crashed")
         return 1
     return 0

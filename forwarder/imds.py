@@ -19,6 +19,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from contracts import bounded_json
 from contracts.attestation import ATTESTED_API_VERSION, Attestation, AttestationError, read_content
 from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, VmIdentity
@@ -97,9 +98,9 @@ def read_document(raw: bytes) -> ParsedDocument:
     is set aside (in `invalid`) and the others are kept, so that it costs nobody their maintenance window.
     """
     try:
-        data: Any = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise ImdsInvalidResponse(f"scheduled-events document is invalid: Invalid JSON: {exc}", body=raw) from None
+        data: Any = bounded_json.loads(raw, max_bytes=MAX_BODY)
+    except bounded_json.JsonRefused as exc:  # not JSON, or nested too deep to walk safely
+        raise ImdsInvalidResponse(f"scheduled-events document is invalid: {exc}", body=raw) from None
     if not isinstance(data, dict):
         raise ImdsInvalidResponse("scheduled-events document is invalid: document: not a JSON object", body=raw)
     items = data.get("Events", [])
@@ -274,7 +275,7 @@ class ImdsClient:
         """This VM's identity from instance metadata (compute.name is what `Resources` lists; never the hostname)."""
         raw = self._request("GET", COMPUTE_PATH)
         try:
-            compute: Any = json.loads(raw)
+            compute: Any = bounded_json.loads(raw, max_bytes=MAX_BODY)
             if not isinstance(compute, dict):
                 raise ValueError("expected a JSON object")
             return identity_of(compute)

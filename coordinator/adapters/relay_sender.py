@@ -20,7 +20,6 @@ a second; other failures back off up to ``backoff_maximum``.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -33,15 +32,18 @@ import requests
 from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
 from pydantic import ValidationError
 
+from contracts import bounded_json
 from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from contracts.sas import sas_token
-from coordinator.adapters import telemetry
+from coordinator.adapters import deadline, telemetry
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.relay_admin import namespace_for_vm
 from coordinator.domain.retry import backoff_delay
 
 RELAY_SCOPE = "https://relay.azure.net/.default"
+# A listener's answer is a small JSON object; a larger one is not read as its refusal.
+MAX_ANSWER_BYTES = 64 * 1024
 APPROVE_PATH = "approve"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 SAS_LIFETIME_SECONDS = 300
@@ -103,7 +105,7 @@ class RelayApprovalSender:
         self._backoff_maximum = backoff_maximum
         self._listener_wait_maximum = listener_wait_maximum
         self._max_retry_seconds = max_retry_seconds
-        self._session = session or requests.Session()
+        self._session = session or deadline.session()
         self._clock = clock
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
 
@@ -174,11 +176,13 @@ class RelayApprovalSender:
         }
         # W3C trace context (traceparent): the listener's spans join the event's trace (adapters/telemetry.py).
         telemetry.inject(headers)
+        # ``timeout`` is the attempt's total deadline (the answer's every byte included), within the send's.
         try:
-            response = self._session.post(
-                url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))
-            )
-        except requests.RequestException as error:
+            with deadline.deadline(max(0.1, timeout), f"approval POST to {hybrid_connection}"):
+                response = self._session.post(
+                    url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))
+                )
+        except (requests.RequestException, deadline.DeadlineExceeded) as error:
             return _Retryable(f"{type(error).__name__}: {error}")
         status = response.status_code
         if status in RETRYABLE_STATUS:
@@ -236,8 +240,8 @@ def _listener_error(response: requests.Response) -> str | None:
     if not response.headers.get("Content-Type", "").startswith("application/json"):
         return None
     try:
-        payload = json.loads(response.content)
-    except ValueError:
+        payload = bounded_json.loads(response.content, max_bytes=MAX_ANSWER_BYTES)
+    except bounded_json.JsonRefused:
         return None
     if isinstance(payload, dict) and isinstance(payload.get("error"), str):
         return str(payload["error"])

@@ -29,14 +29,18 @@ from urllib.parse import quote
 import requests
 from azure.core.credentials import TokenCredential
 
+from contracts import bounded_json
 from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
+from coordinator.adapters import deadline
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.domain.retry import backoff_delay
 
 API_VERSION = "2023-10-01-preview"
 ARM_SCOPE = "https://management.azure.com/.default"
 ARM_ENDPOINT = "https://management.azure.com"
+# ARM's error answer is a small JSON object; a larger one is quoted, not parsed.
+MAX_ERROR_BYTES = 64 * 1024
 _UNIFORM_INSTANCE = re.compile(
     r"^(?P<scale_set>/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.Compute/"
     r"virtualMachineScaleSets/[^/]+)/virtualMachines/[^/]+$",
@@ -80,9 +84,9 @@ def _retry_after(response: requests.Response) -> float | None:
 def _arm_error(response: requests.Response) -> str:
     """ARM's error shape {"error": {"code", "message"}}, or the first characters of whatever came back."""
     try:
-        error = response.json().get("error", {})
+        error = bounded_json.loads(response.content, max_bytes=MAX_ERROR_BYTES).get("error", {})
         return f"{str(error.get('code', ''))[:100]}: {str(error.get('message', ''))[:400]}"
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError):  # bounded_json.JsonRefused is a ValueError
         return response.text[:300]
 
 
@@ -113,7 +117,7 @@ class RemoteAcknowledgeSender:
         self._attempt_timeout = attempt_timeout
         self._backoff = backoff
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
-        self._session = requests.Session()
+        self._session = deadline.session()
 
     def url(self, event_id: str, vm: VmIdentity) -> str:
         target = acknowledge_target(vm)
@@ -135,11 +139,14 @@ class RemoteAcknowledgeSender:
         attempt = 0
         while True:
             token = self._credential.get_token(ARM_SCOPE).token
+            # Each attempt's total deadline (its answer's every byte included), never past the send's.
+            attempt_deadline = max(0.1, min(self._attempt_timeout, give_up - time.monotonic()))
             try:
-                response = self._session.post(
-                    url, headers={"Authorization": f"Bearer {token}"}, json={}, timeout=self._attempt_timeout
-                )
-            except requests.RequestException as error:
+                with deadline.deadline(attempt_deadline, f"acknowledge of {request.eventId[:128]}"):
+                    response = self._session.post(
+                        url, headers={"Authorization": f"Bearer {token}"}, json={}, timeout=attempt_deadline
+                    )
+            except (requests.RequestException, deadline.DeadlineExceeded) as error:
                 problem = f"ARM unreachable: {type(error).__name__}: {str(error)[:300]}"
                 wait: float | None = None
             else:

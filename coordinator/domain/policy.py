@@ -12,6 +12,7 @@ import functools
 import hashlib
 import re
 from datetime import datetime
+from decimal import Decimal
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -114,7 +115,10 @@ class BudgetOption(_Strict):
     impacted at once in each domain of each kind in ``per``."""
 
     maxImpacted: int | None = Field(default=None, ge=1)
-    maxPercent: float | None = Field(default=None, gt=0, le=100)
+    # A Decimal, not a float: the limit is P% of the domain rounded up, and a float's P is not the P written
+    # (64.4 is 64.400000000000006, so 64.4% of 250 came to 162 where the rule says 161). pydantic reads the number
+    # YAML gives as the shortest decimal that names it: what the operator wrote.
+    maxPercent: Decimal | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
     per: list[DomainKind] = Field(default_factory=lambda: list[DomainKind](["scaleSet"]), min_length=1)
 
     @model_validator(mode="after")

@@ -121,6 +121,8 @@ class Report:
     history_rows: int = 0
     events_purged: int = 0
     conflicts: int = 0
+    # State entities its reads could not decode and set aside (store.py): the rest of the fleet went on.
+    set_aside: int = 0
 
     def count_conflict(self) -> None:
         self.conflicts += 1
@@ -142,6 +144,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "alerts_failed",
         "history_rows",
         "conflicts",
+        "set_aside",
     ),
     "tick": (
         "open_events",
@@ -152,8 +155,9 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "vms_retired",
         "history_rows",
         "events_purged",
+        "set_aside",
     ),
-    "person": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows"),
+    "person": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows", "set_aside"),
 }
 
 

@@ -47,6 +47,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "alerts_failed",
         "history_rows",
         "conflicts",
+        "set_aside",
     ]
     assert set(reports["tick"].as_dict()) == {
         "open_events",
@@ -57,6 +58,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "vms_retired",
         "history_rows",
         "events_purged",
+        "set_aside",
     }
     assert set(reports["person"].as_dict()) == {
         "events_changed",
@@ -64,6 +66,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "alerts_sent",
         "alerts_failed",
         "history_rows",
+        "set_aside",
     }
     # Each name carries its own count (not another's).
     for report in reports.values():
