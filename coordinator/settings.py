@@ -8,6 +8,7 @@ never printed, logged or put in a repr.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -18,6 +19,7 @@ from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from coordinator.domain.rows import history_schema
 
 PREFIX = "COORDINATOR_"
+_RESOURCE_GROUP = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+$", re.IGNORECASE)
 
 
 class SettingsError(ValueError):
@@ -61,6 +63,19 @@ class CoordinatorSettings(BaseSettings):
         default="https://management.azure.com", description="override, e.g. the IMDS emulator (http://127.0.0.1:P)"
     )
 
+    # The census (adapters/census.py): the resource groups whose scale sets and VMs ARM lists for budgets and tag
+    # rules, read with the coordinator's identity. Required by a policy with tags, percent or domain budgets.
+    census_resource_groups: str = Field(
+        default="", description="resource group ids, comma-separated: /subscriptions/{id}/resourceGroups/{name}"
+    )
+    census_refresh_seconds: int = Field(
+        default=300,
+        ge=60,
+        le=3600,
+        description="read the census again this often (the timer); it is read sooner "
+        "for a VM it does not list, and not used once three times this old",
+    )
+
     # Timing and people.
     heartbeat_timeout_seconds: int = Field(default=300, ge=30)
     retire_grace_seconds: int = Field(
@@ -99,6 +114,18 @@ class CoordinatorSettings(BaseSettings):
         if value is not None and not value.startswith(("https://", "http://127.0.0.1", "http://localhost")):
             raise ValueError(f"{value!r} must be an https:// URL (http:// only on loopback)")
         return value.rstrip("/") if value else value
+
+    @field_validator("census_resource_groups")
+    @classmethod
+    def _resource_groups(cls, value: str) -> str:
+        for scope in value.split(","):
+            if scope.strip() and not _RESOURCE_GROUP.match(scope.strip().rstrip("/")):
+                raise ValueError(f"{scope.strip()!r} is not /subscriptions/{{id}}/resourceGroups/{{name}}")
+        return value
+
+    @property
+    def census_scopes(self) -> list[str]:
+        return [scope.strip().rstrip("/") for scope in self.census_resource_groups.split(",") if scope.strip()]
 
     @model_validator(mode="after")
     def _consistent(self) -> CoordinatorSettings:
