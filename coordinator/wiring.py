@@ -105,6 +105,25 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
 
     policy = load_policy(settings.policy_path)
     attestations = build_attestations(settings)
+    census = None
+    if settings.census_scopes:
+        from coordinator.adapters.census import ArmCensusReader, Census  # noqa: PLC0415 -- only when configured
+
+        refresh = timedelta(seconds=settings.census_refresh_seconds)
+        census = Census(
+            ArmCensusReader(
+                credential=credential, resource_groups=settings.census_scopes, arm_endpoint=settings.arm_endpoint
+            ),
+            refresh_every=refresh,
+            usable_for=3 * refresh,
+        )
+    elif policy.needs_census:
+        # What the VMs report of themselves is theirs to forge (one shared sender identity): tags, percent and domain
+        # budgets rest on ARM's census only.
+        raise SettingsError(
+            f"the policy {settings.policy_path} has tags, percent or domain budgets, which read the census from ARM: "
+            "set COORDINATOR_CENSUS_RESOURCE_GROUPS (the fleet's resource group ids)"
+        )
     # Only a policy with alert or logQuery gates reads Azure Monitor (with the app's identity).
     monitor = (
         AzureMonitorReader(credential=credential)
@@ -138,6 +157,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         monitor=monitor,
         attestations=attestations,
         require_attestation=settings.require_attestation,
+        census=census,
     )
 
 

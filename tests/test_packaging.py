@@ -50,6 +50,7 @@ def test_the_staged_app_imports_on_its_own_and_indexes_every_function(tmp_path: 
     assert json.loads(indexed.stdout.splitlines()[-1]) == [
         "approve_event",
         "ingest_envelopes",
+        "ingest_platform_events",
         "pending_events",
         "reevaluate",
     ]

@@ -49,6 +49,9 @@ class Observation:
     hook: HookReport | None = None
     # The VM's forwarder-state epoch (VmRecord.epoch) the sequence belongs to.
     epoch: int = 0
+    # From the platform (an Event Grid event on the platform's own hub), not from a VM: its facts outrank a VM's
+    # (event_merge.py).
+    platform: bool = False
 
     @property
     def position(self) -> tuple[int, int]:

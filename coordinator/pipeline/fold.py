@@ -21,6 +21,7 @@ from typing import Any
 from contracts.envelope import Envelope
 from coordinator.adapters import telemetry
 from coordinator.domain.cards import raise_vm_alert
+from coordinator.domain.census import describe
 from coordinator.domain.event_merge import apply_observations
 from coordinator.domain.history_rows import dead_letter_row, heartbeat_row
 from coordinator.domain.lifecycle import EventChange
@@ -215,6 +216,7 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
             work.vm_alerts.append((update.record, "forwarder-conflict"))
         health.assess(update, now, work, after=run.options.imds_failing_after, errors=run.options.imds_failing_errors)
     fleet.note_vms(update.record for update in updates.updates.values())
+    flag_census(run, updates)
     committed = commit_events(run, observations, batch=updates)
     for change in committed:
         work.collect(change)
@@ -225,6 +227,44 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
     # VM positions are written after the events: a crash in between replays the envelopes, which the
     # events' per-VM sequence makes harmless.
     return save_vm_updates(run, updates)
+
+
+def flag_census(run: Run, batch: VmBatch) -> None:
+    """What a VM's envelopes say of it that ARM's census does not (zone, domains, placement group, scale set, tags,
+    vmId, or the VM itself) is kept as it said it (its identity, for display) and flagged: a Heartbeat row
+    ``census-mismatch`` each time the difference changes (``VmRecord.censusMismatch``). Budgets and tag rules read
+    ARM's facts either way."""
+    for update in batch.updates.values():
+        record = update.record
+        if record.agentless or not update.applied:
+            continue  # an Event Grid sighting says nothing of the VM itself
+        found = run.fleet.disagreements(record.identity)
+        if found is None:
+            return  # no ARM census: the VMs' reports are the census
+        summary = describe(found) if found else ""
+        if summary == record.censusMismatch:
+            continue
+        update.record = record.model_copy(update={"censusMismatch": summary})
+        if not found:
+            continue
+        run.work.rows.append(
+            heartbeat_row(
+                vm=record.identity,
+                now=run.now,
+                observed_at=record.lastSeen,
+                sequence=record.lastSequence,
+                incarnation=record.lastIncarnation,
+                outcome="census-mismatch",
+                reason=(
+                    f"{record.identity.name} reports {summary}: kept as it said, not counted: budgets and tag "
+                    "rules read ARM's census"
+                )[:4000],
+                details={
+                    "arm": {fact: arm for fact, (arm, _) in found.items()},
+                    "reported": {f: r for f, (_, r) in found.items()},
+                },
+            )
+        )
 
 
 def keep_sightings(change: EventChange, observations: list[Observation], batch: VmBatch) -> None:

@@ -51,7 +51,13 @@ def binding(name: str) -> dict[str, Any]:
 
 
 def test_indexed_functions_are_what_the_deployment_expects():
-    assert set(indexed()) == {"ingest_envelopes", "reevaluate", "approve_event", "pending_events"}
+    assert set(indexed()) == {
+        "ingest_envelopes",
+        "ingest_platform_events",
+        "reevaluate",
+        "approve_event",
+        "pending_events",
+    }
     hub = binding("ingest_envelopes")
     assert hub == {
         "direction": "IN",
@@ -63,6 +69,8 @@ def test_indexed_functions_are_what_the_deployment_expects():
         "cardinality": "MANY",
         "consumerGroup": "%EVENTHUB_CONSUMER_GROUP%",
     }
+    # Event Grid's own hub: a trigger of its own, so the coordinator knows which channel a message came from.
+    assert binding("ingest_platform_events") == {**hub, "eventHubName": "%PLATFORM_EVENTHUB_NAME%"}
     timer = binding("reevaluate")
     assert timer["type"] == "timerTrigger"
     assert timer["schedule"] == "0 * * * * *"
