@@ -15,7 +15,7 @@ from contracts.envelope import Envelope
 from coordinator.domain.model import VmGroupRecord, VmRecord
 from coordinator.domain.observations import VmUpdate
 from coordinator.domain.observations import vm_observations as real
-from coordinator.pipeline import fold, ingest
+from coordinator.pipeline import fold, ingest, positions
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
 from coordinator.state.store import Stored
@@ -42,7 +42,9 @@ def short_freeze(*names: str) -> dict[str, Any]:
     return scheduled_event(FREEZE, resources=list(names or ["WestNO_0", "WestNO_1"]))
 
 
-def batch(bench: Bench, messages: Sequence[RawMessage], channel: ingest.Channel = "vms") -> tuple[Run, fold.VmBatch]:
+def batch(
+    bench: Bench, messages: Sequence[RawMessage], channel: ingest.Channel = "vms"
+) -> tuple[Run, positions.VmBatch]:
     run = bench.run()
     run.report.received = len(messages)
     updates = fold.fold(run, ingest.read_batch(run, messages, channel))
@@ -85,7 +87,7 @@ def test_a_vm_whose_envelopes_cannot_be_read_is_dead_lettered_and_the_others_go_
             raise RuntimeError("a position this code cannot read")
         return real(previous, ordered)
 
-    monkeypatch.setattr(fold, "vm_observations", vm_observations)
+    monkeypatch.setattr(positions, "vm_observations", vm_observations)
     messages = [
         report("WestNO_0", 1, short_freeze()),
         report("WestNO_1", 1, short_freeze()),
