@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from contracts.approval import NOT_AFTER_TOLERANCE
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback
@@ -93,6 +94,7 @@ class Coordinator:
         imds_failing_errors: int = IMDS_FAILING_ERRORS,
         remote_acknowledge: ApprovalCallback | None = None,
         remote_acknowledge_fallback: bool = False,
+        not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE,
         monitor: MonitorReader | None = None,
         attestations: Attestations | None = None,
         require_attestation: bool = False,
@@ -120,6 +122,7 @@ class Coordinator:
         self.imds_failing_errors = imds_failing_errors
         self.remote_acknowledge = remote_acknowledge
         self.remote_acknowledge_fallback = remote_acknowledge_fallback
+        self.not_after_tolerance = not_after_tolerance
         self.monitor = monitor
         self.attestations = attestations
         self.require_attestation = require_attestation
@@ -148,6 +151,7 @@ class Coordinator:
             imds_failing_after=self.imds_failing_after,
             imds_failing_errors=self.imds_failing_errors,
             remote_acknowledge_fallback=self.remote_acknowledge_fallback,
+            not_after_tolerance=self.not_after_tolerance,
             require_attestation=self.require_attestation,
         )
 

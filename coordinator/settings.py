@@ -87,6 +87,13 @@ class CoordinatorSettings(BaseSettings):
         description="retire a VM this long after a Terminate/Preempt naming it started (or was approved, or reached "
         "NotBefore) and it fell silent; shorter than the heartbeat timeout",
     )
+    clock_tolerance_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        le=60,
+        description="how far a VM's clock may disagree with the coordinator's: no approval is sent within this of its "
+        "notAfter (the forwarder's not_after_tolerance must match); local mode, on one clock, uses 0.25",
+    )
     approval_deadline_seconds: int = Field(
         default=30, ge=1, le=600, description="how long one approval may take to be answered before it is retried"
     )

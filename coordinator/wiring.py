@@ -64,6 +64,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
             credential=credential,
             attempt_timeout=max(1.0, settings.approval_deadline_seconds - 2.0),
             max_retry_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
+            not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
         )
         if settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group:
             from coordinator.adapters.relay_admin import (  # noqa: PLC0415
@@ -101,6 +102,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
             credential=credential,
             endpoint=settings.arm_endpoint,
             deadline_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
+            not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
         )
 
     policy = load_policy(settings.policy_path)
@@ -149,6 +151,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         retention=timedelta(days=settings.retention_days),
         retire_grace=timedelta(seconds=settings.retire_grace_seconds),
         approval_deadline=timedelta(seconds=settings.approval_deadline_seconds),
+        not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
         start_bound=timedelta(seconds=settings.start_bound_seconds),
         imds_failing_after=timedelta(seconds=settings.imds_failing_seconds),
         imds_failing_errors=settings.imds_failing_poll_errors,

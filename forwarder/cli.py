@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, get_args
@@ -143,7 +144,7 @@ def relay_companions(
 
         def session() -> ListenerSession:
             # websockets and the listener load here, when a session is first needed, not at the daemon's start.
-            from forwarder.approver import Approver  # noqa: PLC0415
+            from forwarder.approver import Approver, Freshness  # noqa: PLC0415
             from forwarder.relay_listener import RelayListener  # noqa: PLC0415
             from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415
 
@@ -158,6 +159,7 @@ def relay_companions(
                     ledger=store,
                     tracer=telemetry.tracer if telemetry else None,
                     attest=imds.get_attestation if settings.attest else None,
+                    freshness=Freshness(not_after_tolerance=timedelta(seconds=settings.not_after_tolerance)),
                 )
             return RelayListener(
                 endpoint=endpoint,

@@ -56,6 +56,13 @@ class ForwarderSettings(BaseModel):
         description="send IMDS attested documents with every envelope and approval answer (off only where IMDS has "
         "no attested endpoint: a coordinator that requires attestation then refuses what is sent)",
     )
+    not_after_tolerance: float = Field(
+        default=2.0,
+        ge=0,
+        le=60,
+        description="seconds this VM's clock may disagree with the coordinator's: the listener refuses an approval "
+        "from this long before its notAfter (the coordinator's COORDINATOR_CLOCK_TOLERANCE_SECONDS must match)",
+    )
     # State (spool, sequence, hook ledger)
     state_dir: Path = Field(
         default=Path("/var/lib/scheduled-events-forwarder"),

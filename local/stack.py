@@ -77,6 +77,8 @@ echo "prepared $SCHEDULED_EVENT_TYPE $SCHEDULED_EVENT_ID on $VM_NAME"
 PLATFORM_WATCH_INTERVAL = 0.1
 # With health pages, the coordinator's policy: the run's, its gates pointed at the pages the stack serves.
 POLICY_COPY = "policy.yaml"
+# Seconds the coordinator and the listeners allow their clocks to disagree: one clock here (2 s in Azure).
+LOCAL_CLOCK_TOLERANCE = 0.25
 # The coordinator retires a removed VM after this many of the forwarders' heartbeat intervals of silence, as in
 # Azure (180 s = three 60 s heartbeats).
 RETIRE_GRACE_HEARTBEATS = 3
@@ -546,6 +548,9 @@ class LocalStack:
             # with a token from the same managed-identity endpoint.
             env["COORDINATOR_REMOTE_ACKNOWLEDGE"] = "fallback"
         env["COORDINATOR_POLICY_PATH"] = str(self._coordinator_policy().resolve())
+        # Every process here reads one clock: the tolerance for clocks that disagree (2 s in Azure) would be two
+        # minutes of a run at 60x, long enough to keep a compressed Terminate notice from being approved at all.
+        env["COORDINATOR_CLOCK_TOLERANCE_SECONDS"] = str(LOCAL_CLOCK_TOLERANCE)
         env.update(self.options.coordinator_env)
         for name in _IDENTITY_VARIABLES:
             self._set_env(name, None)
@@ -702,6 +707,7 @@ class LocalStack:
         # The key travels in the environment, not on the command line where `ps` would show it.
         env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = self.eventhubs.connection_string()
         env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(name)
+        env["SE_FORWARDER_NOT_AFTER_TOLERANCE"] = str(LOCAL_CLOCK_TOLERANCE)  # as the coordinator's (one clock here)
         env["PYTHONPATH"] = str(REPO_ROOT)
         return ForwarderProcess(name=name, command=command, env=env, log_path=self.logs_dir / f"forwarder-{name}.log")
 

@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
 
 import requests
@@ -88,7 +88,11 @@ class RelayApprovalSender:
         session: requests.Session | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: random.Random | None = None,
+        not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE,
     ) -> None:
+        # How far the listener's clock may be ahead of this one: it refuses a request from this long before its
+        # notAfter, so no attempt starts later (COORDINATOR_CLOCK_TOLERANCE_SECONDS, the forwarder's alike).
+        self._tolerance = not_after_tolerance
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         if not endpoints:
             raise ValueError("RelayApprovalSender needs at least one relay endpoint")
@@ -126,13 +130,13 @@ class RelayApprovalSender:
         hybrid_connection = vm.hybrid_connection_name
         url = f"{endpoint}/{hybrid_connection}/{APPROVE_PATH}"
         body = request.model_dump_json().encode("utf-8")
-        budget = (request.deadline - NOT_AFTER_TOLERANCE - self._clock()).total_seconds()
+        budget = (request.deadline - self._tolerance - self._clock()).total_seconds()
         if self._max_retry_seconds is not None:
             budget = min(budget, self._max_retry_seconds)
         if budget <= 0:
             raise ApprovalDeliveryError(
                 f"approval {request.decisionId} for event {request.eventId} expired at {request.deadline.isoformat()}"
-                f" (the listener refuses it from {NOT_AFTER_TOLERANCE.total_seconds():g} s before then) and was not "
+                f" (the listener refuses it from {self._tolerance.total_seconds():g} s before then) and was not "
                 "sent; decided again when retried"
             )
         give_up_at = time.monotonic() + budget

@@ -22,7 +22,7 @@ import random
 import re
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from urllib.parse import quote
 
@@ -109,9 +109,11 @@ class RemoteAcknowledgeSender:
         backoff: tuple[float, float] = (0.5, 4.0),
         rng: random.Random | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE,
     ) -> None:
         self._credential = credential
         self._clock = clock
+        self._tolerance = not_after_tolerance  # as the listener's (relay_sender.py)
         self._endpoint = endpoint.rstrip("/")
         self._deadline = deadline_seconds
         self._attempt_timeout = attempt_timeout
@@ -129,7 +131,7 @@ class RemoteAcknowledgeSender:
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
         url = self.url(request.eventId, vm)
         # Retries end at the send's own deadline or where a listener would refuse the request, whichever is first.
-        left = (request.deadline - NOT_AFTER_TOLERANCE - self._clock()).total_seconds()
+        left = (request.deadline - self._tolerance - self._clock()).total_seconds()
         if left <= 0:
             raise ApprovalDeliveryError(
                 f"remote acknowledge of {request.eventId} not sent: it expired at {request.deadline.isoformat()} "

@@ -87,17 +87,17 @@ def person_bound(record: EventRecord) -> Bound | None:
     return Bound(record.notBefore, "the event's NotBefore") if record.notBefore is not None else None
 
 
-def request_bound(bound: Bound | None, now: datetime, deadline: timedelta) -> Bound:
+def request_bound(bound: Bound | None, now: datetime, deadline: timedelta, *, tolerance: timedelta) -> Bound:
     """A request's notAfter, sent at ``now``: the approval's bound, or the delivery's deadline when that comes first
     (an attempt not answered by then is recorded as failed, and the retry is decided again). The deadline is given
     the listener's tolerance, so that the listener accepts the request for the whole of it."""
     delivery = Bound(
-        now + deadline + NOT_AFTER_TOLERANCE, f"the delivery's deadline, {deadline.total_seconds():g} s after sending"
+        now + deadline + tolerance, f"the delivery's deadline, {deadline.total_seconds():g} s after sending"
     )
     return bound if bound is not None and bound.at <= delivery.at else delivery
 
 
-def sendable(not_after: datetime, now: datetime) -> bool:
-    """Whether a request with this notAfter may still be sent: the listener refuses it from NOT_AFTER_TOLERANCE
-    before its notAfter."""
-    return now < not_after - NOT_AFTER_TOLERANCE
+def sendable(not_after: datetime, now: datetime, *, tolerance: timedelta) -> bool:
+    """Whether a request with this notAfter may still be sent: the listener refuses it from ``tolerance`` (how far
+    the two clocks may disagree; NOT_AFTER_TOLERANCE unless configured) before its notAfter."""
+    return now < not_after - tolerance

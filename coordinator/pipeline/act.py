@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalFacts, ApprovalRequest, ApprovalResult
+from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError
@@ -127,11 +127,12 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
     # Never past what the decision rested on (an approval from before notAfter existed: its NotBefore), nor past the
     # delivery's own deadline. A retry was decided again in this run before it got here (pipeline/decide.py).
     kept = Bound(approval.notAfter, approval.notAfterReason) if approval.notAfter else person_bound(record)
-    not_after = request_bound(kept, now, options.approval_deadline)
-    if not sendable(not_after.at, now):
+    tolerance = options.not_after_tolerance
+    not_after = request_bound(kept, now, options.approval_deadline, tolerance=tolerance)
+    if not sendable(not_after.at, now, tolerance=tolerance):
         plan.failure = (
             f"not sent: its notAfter {not_after.at.isoformat()} ({not_after.why}) is past or within the listener's "
-            f"{NOT_AFTER_TOLERANCE.total_seconds():g} s tolerance; decided again when retried"
+            f"{tolerance.total_seconds():g} s tolerance; decided again when retried"
         )
         return plan
     remote_acknowledge = run.parts.remote_acknowledge

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
+from contracts.approval import NOT_AFTER_TOLERANCE
 from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
@@ -74,6 +75,9 @@ class Options:
     # Envelopes and approval answers without an IMDS attested document are refused (pipeline/attest.py). Off here
     # so that tests of other stages need no documents; COORDINATOR_REQUIRE_ATTESTATION defaults to on.
     require_attestation: bool = False
+    # How far a VM's clock may disagree with the coordinator's: its listener refuses a request from this long before
+    # the request's notAfter, so none is sent later (COORDINATOR_CLOCK_TOLERANCE_SECONDS).
+    not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE
 
     def __post_init__(self) -> None:
         if self.retire_grace >= self.heartbeat_timeout:

@@ -74,12 +74,19 @@ def test_the_bound_is_the_earliest_of_the_conditions_the_approval_rests_on():
 
 def test_the_request_is_bounded_by_the_delivery_too_and_sent_only_before_the_listener_would_refuse_it():
     bound = approval_bound(parse_policy(CONTROLLED), "all", event_record("E1"), DOC_NOW, at_deadline=False)
-    assert request_bound(bound, DOC_NOW, timedelta(seconds=30)).why == "the delivery's deadline, 30 s after sending"
-    assert request_bound(bound, DOC_NOW, timedelta(seconds=30)).at == DOC_NOW + timedelta(seconds=32)
-    assert request_bound(bound, DOC_NOW, timedelta(seconds=90)) == bound
-    assert request_bound(None, DOC_NOW, timedelta(seconds=30)).at == DOC_NOW + timedelta(seconds=32)
-    assert sendable(DOC_NOW + timedelta(seconds=2.001), DOC_NOW)
-    assert not sendable(DOC_NOW + NOT_AFTER_TOLERANCE, DOC_NOW)
+    assert (
+        request_bound(bound, DOC_NOW, timedelta(seconds=30), tolerance=NOT_AFTER_TOLERANCE).why
+        == "the delivery's deadline, 30 s after sending"
+    )
+    assert request_bound(
+        bound, DOC_NOW, timedelta(seconds=30), tolerance=NOT_AFTER_TOLERANCE
+    ).at == DOC_NOW + timedelta(seconds=32)
+    assert request_bound(bound, DOC_NOW, timedelta(seconds=90), tolerance=NOT_AFTER_TOLERANCE) == bound
+    assert request_bound(None, DOC_NOW, timedelta(seconds=30), tolerance=NOT_AFTER_TOLERANCE).at == DOC_NOW + timedelta(
+        seconds=32
+    )
+    assert sendable(DOC_NOW + timedelta(seconds=2.001), DOC_NOW, tolerance=NOT_AFTER_TOLERANCE)
+    assert not sendable(DOC_NOW + NOT_AFTER_TOLERANCE, DOC_NOW, tolerance=NOT_AFTER_TOLERANCE)
 
 
 def test_an_approval_at_the_deadline_is_decided_only_while_it_can_still_be_sent():
@@ -154,9 +161,11 @@ def play(case: Case) -> Landing:
         decision = evaluate(policy, record, FleetView(), tick, gates={})
         if decision.verdict == "approve":
             bound = approval_bound(policy, decision.rule, record, tick, at_deadline=decision.atDeadline)
-            not_after = request_bound(bound, tick, APPROVAL_DEADLINE)
+            not_after = request_bound(bound, tick, APPROVAL_DEADLINE, tolerance=NOT_AFTER_TOLERANCE)
             send_at = tick + timedelta(seconds=case.work)
-            if sendable(not_after.at, tick) and sendable(not_after.at, send_at):
+            if sendable(not_after.at, tick, tolerance=NOT_AFTER_TOLERANCE) and sendable(
+                not_after.at, send_at, tolerance=NOT_AFTER_TOLERANCE
+            ):
                 sent = True
                 request = ApprovalRequest(
                     eventId="E1",
