@@ -154,7 +154,9 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
                 time.sleep(0.5)
 
     scenario = Scenario.from_file(tmp_path / "forged-census.yaml")
-    outcome = run_pipeline(scenario, during=attack, expected_dead_letters=1, time_scale=120.0, timeout=120.0)
+    # Three dead letters: the forged Event Grid event, and the two claims in other VMs' names, which their attested
+    # documents (the liar's own VM's) refuse at the door; its claim about its own zone is attested and accepted.
+    outcome = run_pipeline(scenario, during=attack, expected_dead_letters=3, time_scale=120.0, timeout=120.0)
     summary, stack = outcome.summary, outcome.stack
     assert outcome.finished, f"the run did not finish: open {outcome.follower.timeline.open_events()}"
     # The judge's expectations are the truthful scenario's: only zone-first approved, nothing more.
@@ -165,13 +167,13 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
     flagged = {row["VmName"]: row["Reason"] for row in _rows(stack, "RecordType = 'Heartbeat' AND Outcome = ?",
                                                            "census-mismatch")}  # fmt: skip
     assert "zone '2' (ARM: '1')" in flagged["web_1"]
-    assert "tags '' (ARM: 'scheduled-events:manual')" in flagged["db_0"]
-    assert "tags 'scheduled-events:auto' (ARM: '')" in flagged["batch_0"]
+    assert set(flagged) == {"web_1"}  # the claims in db_0's and batch_0's names never got past attestation
     held = _rows(stack, "RecordType = 'Decision' AND EventId = ? AND HoldKind = 'budget'", ids["zone-second"])
     assert {row["HoldName"] for row in held} == {"zone:westeurope/1"}
     rules = {row["Rule"] for row in _rows(stack, "RecordType = 'Decision' AND EventId = ?", ids["manual-tag"])}
     assert rules == {"manual-by-tag"}
-    [dead] = _rows(stack, "RecordType = 'DeadLetter'")
-    assert dead["Reason"] == GRID_ON_VM_HUB
+    reasons = [str(row["Reason"]) for row in _rows(stack, "RecordType = 'DeadLetter'")]
+    assert reasons.count(GRID_ON_VM_HUB) == 1, reasons
+    assert all(reason.startswith("attestation refused: ") for reason in reasons if reason != GRID_ON_VM_HUB), reasons
     # No VM was added by the forged Event Grid event: the census is ARM's four, and no agentless twin was made.
     assert not _rows(stack, "RecordType = 'Observation' AND VmName LIKE 'web_1%' AND VmName != 'web_1'")
