@@ -19,10 +19,11 @@ from local.telemetry import Collector, Report
 FLEET_DEMO = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "fleet-demo.yaml"
 
 
-def compact_scenario(**extra_steps: Any) -> Scenario:
+def compact_scenario(*, evict_at: int = 120, **extra_steps: Any) -> Scenario:
     """Three VMs and four events, each of a different fate, in about 10 s at time scale 120: a short Freeze on a
     placement group (approve now), a scale-in Terminate (approve after the prepare hook), a Spot eviction (a person
-    would decide; it starts at NotBefore) and a Redeploy canceled before it starts."""
+    would decide; it starts at NotBefore) and a Redeploy canceled before it starts. ``evict_at``: when the Spot
+    eviction appears (scenario seconds)."""
     return Scenario.from_mapping(
         {
             "name": "e2e-compact",
@@ -52,7 +53,7 @@ def compact_scenario(**extra_steps: Any) -> Scenario:
                 # Azure's 30 s Spot notice is ~30 one-second polls; scaled it would be less than one poll of the
                 # forwarders, so 240 Azure seconds keep a few polls inside it (docs/local-mode.md, short notices).
                 {
-                    "at": 120,
+                    "at": evict_at,
                     "create": {"ref": "evict", "EventType": "Preempt", "Resources": ["spot-0"], "NoticeSeconds": 240},
                 },
                 {"at": 180, "create": {"ref": "redeploy", "EventType": "Redeploy", "Resources": ["web_0"]}},
