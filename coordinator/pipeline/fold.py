@@ -16,6 +16,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from contracts.envelope import Envelope
@@ -78,7 +79,7 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
     who resumed)."""
     run.enter("fold")
     report = run.report
-    updates = vm_updates(run, arrivals.by_vm, cached=True, traces=arrivals.traces)
+    updates = vm_updates(run, arrivals.by_vm, cached=True, traces=arrivals.traces, heard=heard_times(run, arrivals))
     add_grid_sightings(run, updates, arrivals.grid)
     report.duplicates += arrivals.grid_duplicates
     report.dead_lettered = set_aside(run, arrivals, updates.failed)
@@ -97,15 +98,34 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         for vm_id in stale:
             report.accepted -= updates.updates[vm_id].applied
             report.duplicates -= updates.updates[vm_id].duplicates
-        redo = vm_updates(run, {vm_id: arrivals.by_vm[vm_id] for vm_id in stale}, cached=False, traces=arrivals.traces)
+        redo = vm_updates(
+            run,
+            {vm_id: arrivals.by_vm[vm_id] for vm_id in stale},
+            cached=False,
+            traces=arrivals.traces,
+            heard=heard_times(run, arrivals),
+        )
         updates.updates.update(redo.updates)
         updates.new_vms = (updates.new_vms - stale) | redo.new_vms
         stale = fold_updates(run, redo)
     return updates
 
 
+def heard_times(run: Run, arrivals: Arrivals) -> dict[str, list[datetime]]:
+    """When the service heard each VM's envelopes: their messages' Event Hubs enqueued times (the run's own clock
+    for a message without one). A VM's freshness is judged by these, never by the VM's observedAt."""
+    return {
+        vm_id: [message.enqueued_time or run.now for message in messages] for vm_id, messages in arrivals.raw_of.items()
+    }
+
+
 def vm_updates(
-    run: Run, by_vm: dict[str, list[Envelope]], *, cached: bool, traces: dict[tuple[str, int], str]
+    run: Run,
+    by_vm: dict[str, list[Envelope]],
+    *,
+    cached: bool,
+    traces: dict[tuple[str, int], str],
+    heard: dict[str, list[datetime]],
 ) -> VmBatch:
     """Each VM's envelopes read against its stored position: its observations and its new position."""
     key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
@@ -115,7 +135,7 @@ def vm_updates(
         stored = groups.get(key_of[vm_id])
         previous = stored.record.vms.get(vm_id) if stored else None
         try:
-            batch.updates[vm_id] = vm_observations(previous, envelopes)
+            batch.updates[vm_id] = vm_observations(previous, envelopes, heard_at=heard[vm_id])
         except Exception as error:  # contained to this VM; the caller dead-letters its envelopes
             log.exception("VM %s: its envelopes could not be read against its position", vm_id)
             batch.failed[vm_id] = f"{type(error).__name__}: {str(error)[:500]}"
