@@ -26,20 +26,23 @@ from typing import Any
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.delivery_queue import DeliveryQueue, QueuedDelivery
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import fold, ingest, people, tail, timer
+from coordinator.pipeline import act, fold, ingest, people, tail, timer
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.run import (
     APPROVAL_DEADLINE,
     APPROVAL_WORKERS,
+    EXECUTOR_SILENCE,
     IMDS_FAILING_AFTER,
     IMDS_FAILING_ERRORS,
+    IN_RUN_DELIVERY,
     RETIRE_GRACE,
     START_BOUND,
     Options,
@@ -92,6 +95,9 @@ class Coordinator:
         remote_acknowledge: ApprovalCallback | None = None,
         remote_acknowledge_fallback: bool = False,
         monitor: MonitorReader | None = None,
+        deliveries: DeliveryQueue | None = None,
+        in_run_delivery: timedelta = IN_RUN_DELIVERY,
+        executor_silence: timedelta = EXECUTOR_SILENCE,
     ) -> None:
         self.store = store
         self.history = history
@@ -116,6 +122,9 @@ class Coordinator:
         self.remote_acknowledge = remote_acknowledge
         self.remote_acknowledge_fallback = remote_acknowledge_fallback
         self.monitor = monitor
+        self.deliveries = deliveries
+        self.in_run_delivery = in_run_delivery
+        self.executor_silence = executor_silence
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -132,6 +141,8 @@ class Coordinator:
             retire_grace=self.retire_grace,
             approval_workers=self.approval_workers,
             approval_deadline=self.approval_deadline,
+            in_run_delivery=self.in_run_delivery,
+            executor_silence=self.executor_silence,
             start_bound=self.start_bound,
             imds_failing_after=self.imds_failing_after,
             imds_failing_errors=self.imds_failing_errors,
@@ -147,6 +158,7 @@ class Coordinator:
             callback=self.callback,
             remote_acknowledge=self.remote_acknowledge,
             monitor=self.monitor,
+            deliveries=self.deliveries,
             rng=self.rng,
             pool=self._pool,
         )
@@ -199,6 +211,15 @@ class Coordinator:
         """The timer's run (pipeline/timer.py), ending with the tail."""
         run = self.start("tick")
         timer.tick(run, self._housekeeping)
+        return run.report
+
+    def continue_delivery(self, message: bytes) -> Report:
+        """An approval a run handed to the delivery queue (``function_app.continue_approval``), delivered with the
+        whole approval deadline while its record still says it was handed over; then the tail. A message that is
+        not a ``QueuedDelivery`` raises (the host retries it, then sets it aside in the poison queue)."""
+        run = self.start("delivery")
+        act.take_over(run, QueuedDelivery.model_validate_json(message))
+        tail.finish(run)
         return run.report
 
     def approve_manually(self, event_id: str, *, person: str) -> ManualApproval:

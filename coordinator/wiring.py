@@ -7,10 +7,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
+from azure.core.credentials import AzureSasCredential
 from azure.identity import DefaultAzureCredential
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
@@ -101,6 +103,14 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
             deadline_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
         )
 
+    deliveries = None
+    if settings.delivery_queue_url is not None:
+        sas = settings.delivery_queue_sas
+        deliveries = StorageQueueDeliveries(
+            queue_url=settings.delivery_queue_url,
+            credential=AzureSasCredential(sas.get_secret_value()) if sas is not None else credential,
+        )
+
     policy = load_policy(settings.policy_path)
     # Only a policy with alert or logQuery gates reads Azure Monitor (with the app's identity).
     monitor = (
@@ -133,4 +143,6 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         remote_acknowledge=remote_acknowledge,
         remote_acknowledge_fallback=settings.remote_acknowledge == "fallback",
         monitor=monitor,
+        deliveries=deliveries,
+        in_run_delivery=timedelta(seconds=settings.in_run_delivery_seconds),
     )

@@ -4,6 +4,12 @@ Takes the run's ``Work`` (events whose approval was decided by a committed write
 ``ApprovalCallback`` (Azure Relay in Azure, or the Maintenance RP's acknowledge) and each outcome committed to its
 event (Approved, or a retry time, or an alert). Only what was committed is acted on, and only the write that
 decided an approval sends it.
+
+Nothing waits for a slow or dead listener: with a delivery queue (``Parts.deliveries``), a batch, tick or person's
+run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue (its record says
+"continued", and the timer leaves it alone for ``HANDOVER_GRACE``); a ``delivery`` run (``take_over``, the queue's
+function) plans it again from the record, through another VM when the one that did not answer has a peer that can
+execute it, and gives it the whole approval deadline. One decisionId throughout: the listener executes it once.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from datetime import datetime, timedelta
 from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
-from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError
+from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BoundedCallback
+from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
 from coordinator.domain.approvals import choose_executor
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
@@ -34,6 +41,14 @@ from coordinator.state.store import ConcurrencyConflict
 log = logging.getLogger("coordinator")
 
 APPROVAL_FAILED_AFTER = 3
+# A handed-over approval is the delivery queue's this long before the timer sends it again: the queue's function
+# picks a message up within its 1 s polling (host.json) and gives it the 30 s approval deadline; 90 s, as a deciding
+# run's own in-flight grace (pipeline/decide.py), leaves room for a retried invocation.
+HANDOVER_GRACE = timedelta(seconds=90)
+# How long past its own time a run waits for a bounded send's answer to come back (the attempt's end, the reply).
+SEND_SLACK = 0.5
+# The answers that say the executor's listener was not reached or did not answer: the next attempt prefers a peer.
+UNANSWERED = frozenset({"failed", "continued"})
 
 
 @dataclass
@@ -52,6 +67,8 @@ class Delivery:
     failure: str = ""
     # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
     traceparent: str = ""
+    # Not answered within the run's time: handed to the delivery queue.
+    continued: bool = False
 
 
 def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
@@ -91,6 +108,43 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
                 )
             run.fleet.note(change.record)
             work.collect(change)
+            if plan.continued:
+                hand_over(run, plan)
+
+
+def hand_over(run: Run, plan: Delivery) -> None:
+    """Puts an approval whose record now says "continued" in the delivery queue. One that cannot be queued is the
+    timer's once ``HANDOVER_GRACE`` has passed (its record's nextAttemptAt)."""
+    queue = run.parts.deliveries
+    assert queue is not None  # continued only with a queue (send_all)
+    try:
+        queue.put(
+            QueuedDelivery(
+                eventId=plan.event_id, decisionId=plan.decision_id, executor=plan.executor, handedOverAt=run.now
+            )
+        )
+    except DeliveryQueueError:
+        log.exception("approval of %s: not queued; the timer sends it again after its grace", plan.event_id)
+        return
+    run.report.deliveries_continued += 1
+
+
+def take_over(run: Run, delivery: QueuedDelivery) -> None:
+    """A ``delivery`` run's own step: the handed-over approval becomes the run's to deliver (the tail sends it) while
+    its record still says it was handed over and not delivered since. A message that comes late, twice, or after
+    the timer took the approval over finds another outcome there and sends nothing."""
+    run.enter("continue")
+    stored = read_event(run.parts.store, delivery.eventId)
+    approval = stored.record.approval if stored is not None else None
+    if (
+        approval is None
+        or approval.decisionId != delivery.decisionId
+        or approval.delivered
+        or approval.outcome != "continued"
+    ):
+        log.info("delivery of %s (%s): nothing to continue", delivery.eventId, delivery.decisionId)
+        return
+    run.work.deliveries.append(delivery.eventId)
 
 
 def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None) -> Delivery | None:
@@ -108,7 +162,11 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
     seen = {name: s.lastSeen for name, s in record.vms.items()}
     if last_seen:
         seen.update({name: last_seen[name] for name in seen if name in last_seen})
-    executor = choose_executor(record, seen, now - options.heartbeat_timeout, leaving=run.fleet.leaving(now))
+    # The VM whose listener did not answer the last attempt: a peer that can execute it goes first.
+    avoid = frozenset({approval.executor}) if approval.outcome in UNANSWERED and approval.executor else frozenset()
+    executor = choose_executor(
+        record, seen, now - options.heartbeat_timeout, leaving=run.fleet.leaving(now), avoid=avoid
+    )
     plan = Delivery(
         event_id=event_id,
         decision_id=approval.decisionId,
@@ -124,9 +182,11 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
             "(COORDINATOR_REMOTE_ACKNOWLEDGE); nothing sent"
         )
         return plan
-    if executor is None and remote_acknowledge is not None and options.remote_acknowledge_fallback:
-        # No VM's listener can execute it (no forwarder reported within heartbeat_timeout, e.g. a VM known only
-        # from Event Grid): acknowledged through ARM instead, unverified by any VM (docs/security.md).
+    gone = executor is not None and executor.name in avoid and seen[executor.name] < now - options.executor_silence
+    if (executor is None or gone) and remote_acknowledge is not None and options.remote_acknowledge_fallback:
+        # No VM's listener can execute it: no forwarder reported within heartbeat_timeout (e.g. a VM known only from
+        # Event Grid), or the only one left did not answer and has been silent for executor_silence (a VM gone, not
+        # a slow Relay): acknowledged through ARM instead, unverified by any VM (docs/security.md).
         remote = True
     if remote:
         target = executor or _any_sighting(record)
@@ -182,38 +242,51 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
 
 
 def send_all(run: Run, plans: Sequence[Delivery]) -> None:
-    """Sends the approvals concurrently, each given ``approval_deadline``. One that has not answered by then is
-    recorded as failed and retried later; its thread finishes on its own (the sender has its own timeouts)."""
+    """Sends the approvals concurrently. With a delivery queue, a batch, tick or person's run gives each
+    ``in_run_delivery`` and marks one not answered by then ``continued`` (``deliver`` hands it over); otherwise,
+    and in the queue's own run, each has ``approval_deadline``, after which it is recorded as failed and retried
+    later. A send not over by then finishes on its own thread (each sender has its own timeouts)."""
     futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
+    handing_over = run.parts.deliveries is not None and run.kind != "delivery"
+    within = (run.options.in_run_delivery if handing_over else run.options.approval_deadline).total_seconds()
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
-            futures[run.parts.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent)] = plan
+            args = (plan.callback, plan.request, plan.vm, plan.traceparent, within)
+            futures[run.parts.pool().submit(send, *args)] = plan
     if not futures:
         return
-    deadline = run.options.approval_deadline.total_seconds()
-    done, late = concurrent.futures.wait(futures, timeout=deadline)
+    # A bounded sender ends by itself within its time; the slack is for its last answer to come back.
+    done, late = concurrent.futures.wait(futures, timeout=within + SEND_SLACK if handing_over else within)
     for future in done:
         plan = futures[future]
         try:
             plan.result = future.result()
         except ApprovalDeliveryError as error:
             plan.failure = str(error)
+            plan.continued = handing_over
         except Exception as error:  # a bug or an odd answer in one delivery costs only that delivery
             log.exception("approval of %s through %s failed", plan.event_id, plan.executor)
             plan.failure = f"{type(error).__name__}: {error}"
     for future in late:
         plan = futures[future]
+        plan.continued = handing_over
         plan.failure = (
-            f"{plan.executor}'s listener did not answer within {deadline:g} s; retried (idempotent by decisionId)"
+            f"{plan.executor}'s listener did not answer within {within:g} s; retried (idempotent by decisionId)"
         )
 
 
-def send(callback: ApprovalCallback, request: ApprovalRequest, vm: VmIdentity, traceparent: str) -> ApprovalResult:
-    """One approval through its callback, as the ``coordinator.approval`` span of the event's trace."""
+def send(
+    callback: ApprovalCallback, request: ApprovalRequest, vm: VmIdentity, traceparent: str, within: float
+) -> ApprovalResult:
+    """One approval through its callback, ended within ``within`` seconds where the callback can be told so, as the
+    ``coordinator.approval`` span of the event's trace."""
     with telemetry.approval_span(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
     ) as span:
-        result = callback.send(request, vm=vm)
+        if isinstance(callback, BoundedCallback):
+            result = callback.send_within(request, vm=vm, seconds=within)
+        else:
+            result = callback.send(request, vm=vm)
         telemetry.approval_answered(span, result.outcome)
         return result
 
@@ -236,6 +309,8 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
     change = EventChange(record=record, changed=True)
     approval = record.approval
     assert approval is not None
+    if plan.continued:
+        return handed_over(run, change, plan)
     approval.attempts += 1
     approval.lastAttemptAt = now
     approval.executor = executor
@@ -286,6 +361,36 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
         raise_alert(change, "approval-refused", now)
     if approval.attempts >= APPROVAL_FAILED_AFTER:
         raise_alert(change, "approval-failed", now)
+    return change
+
+
+def handed_over(run: Run, change: EventChange, plan: Delivery) -> EventChange:
+    """The approval goes on in the delivery queue: its record says so (outcome "continued", the VM that did not
+    answer) and the timer leaves it to the queue for ``HANDOVER_GRACE``. Not counted as a failed attempt: no answer
+    within a run's few seconds is not yet a failure."""
+    now, record = run.now, change.record
+    approval = record.approval
+    assert approval is not None
+    approval.lastAttemptAt = now
+    approval.executor = plan.executor
+    approval.outcome = "continued"
+    approval.reason = (
+        f"no answer within {run.options.in_run_delivery.total_seconds():g} s ({plan.failure[:600]}); continued "
+        "outside this run through the delivery queue, same decisionId"
+    )
+    approval.nextAttemptAt = now + HANDOVER_GRACE
+    change.rows.append(
+        approval_row(
+            record=record,
+            now=now,
+            vm=plan.executor,
+            rule=approval.rule,
+            decision_id=approval.decisionId,
+            actor=approval.actor,
+            outcome="continued",
+            reason=approval.reason,
+        )
+    )
     return change
 
 

@@ -51,7 +51,7 @@ def binding(name: str) -> dict[str, Any]:
 
 
 def test_indexed_functions_are_what_the_deployment_expects():
-    assert set(indexed()) == {"ingest_envelopes", "reevaluate", "approve_event", "pending_events"}
+    assert set(indexed()) == {"ingest_envelopes", "reevaluate", "continue_approval", "approve_event", "pending_events"}
     hub = binding("ingest_envelopes")
     assert hub == {
         "direction": "IN",
@@ -62,6 +62,14 @@ def test_indexed_functions_are_what_the_deployment_expects():
         "eventHubName": "%EVENTHUB_NAME%",
         "cardinality": "MANY",
         "consumerGroup": "%EVENTHUB_CONSUMER_GROUP%",
+    }
+    # Approvals a run handed over (coordinator/adapters/delivery_queue.py), on the host's own storage connection.
+    assert binding("continue_approval") == {
+        "direction": "IN",
+        "type": "queueTrigger",
+        "name": "message",
+        "queueName": "approval-deliveries",
+        "connection": "AzureWebJobsStorage",
     }
     timer = binding("reevaluate")
     assert timer["type"] == "timerTrigger"
@@ -86,6 +94,13 @@ def test_host_json_batches_match_the_function_and_the_benchmark():
     assert hubs["maxEventBatchSize"] == 100
     assert hubs["batchCheckpointFrequency"] == 1
     assert host["extensionBundle"]["version"] == "[4.0.0, 5.0.0)"
+    # The delivery queue: picked up within a second, a failed invocation retried 5 s later, set aside after 5.
+    queues = host["extensions"]["queues"]
+    assert (queues["maxPollingInterval"], queues["visibilityTimeout"], queues["maxDequeueCount"]) == (
+        "00:00:01",
+        "00:00:05",
+        5,
+    )
 
 
 def ingest(app: App, envelopes: Sequence[dict[str, Any] | bytes], start: int = 0) -> None:

@@ -138,6 +138,26 @@ def test_leader_is_the_first_live_vm_in_resources():
     assert choose_executor(record, seen, DOC_NOW - timedelta(minutes=5)) is None
 
 
+def test_an_executor_whose_listener_did_not_answer_is_passed_over_for_a_peer_never_for_a_terminate():
+    """The executing VM died (its listener gone): the approval goes through a peer that can execute it at the next
+    attempt, not after the 5-minute heartbeat timeout (issue 22); a Terminate has no peer to go through."""
+    change, _ = run(documented_example()[1:2] + documented_example()[5:6])
+    record = change.record
+    seen = {"WestNO_0": DOC_NOW, "WestNO_1": DOC_NOW}
+    alive_after = DOC_NOW - timedelta(minutes=5)
+    rerouted = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_0"}))
+    assert rerouted is not None
+    assert rerouted.name == "WestNO_1"
+    # Every VM that could execute it failed to answer: the leader again rather than nobody.
+    again = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_0", "WestNO_1"}))
+    assert again is not None
+    assert again.name == "WestNO_0"
+    delete = record.model_copy(update={"eventType": "Terminate", "resources": ["WestNO_0"]})
+    only = choose_executor(delete, seen, alive_after, avoid=frozenset({"WestNO_0"}))
+    assert only is not None
+    assert only.name == "WestNO_0"
+
+
 def test_a_terminate_is_never_executed_by_a_peer():
     change, _ = run(
         [
