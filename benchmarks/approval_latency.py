@@ -76,6 +76,7 @@ def run(n: int, key_file: str) -> dict[str, float | int]:
                     rule="bench",
                     issuedAt=issued,
                     expiresAt=issued + timedelta(minutes=5),
+                    notAfter=issued + timedelta(minutes=5),
                     facts=ApprovalFacts.of(ScheduledEvent.model_validate(fields)),
                 )
                 started = time.perf_counter()

@@ -121,6 +121,7 @@ def trials(n: int, *, mode: str) -> list[float]:
                     rule="bench",
                     issuedAt=issued,
                     expiresAt=issued + timedelta(minutes=5),
+                    notAfter=issued + timedelta(minutes=5),
                     facts=ApprovalFacts.of(ScheduledEvent.model_validate(fields)),
                 )
                 started = time.perf_counter()

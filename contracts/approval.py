@@ -5,19 +5,30 @@ VM's group (a Terminate: this VM itself), and only when the facts the decision r
 match its fresh document and, where the decision waited for this VM's prepare hooks, its own hook ledger; it
 answers with what it did. IMDS answers 200 to any valid EventId, so an "approved" result means "StartRequests was
 accepted", not "the event started": the coordinator confirms by seeing Started or gone.
+
+An approval expires: ``notAfter`` is the earliest instant at which a condition the decision rested on stops holding
+(the rule's window closes, a blackout opens, the gates' results grow too old, the delivery's deadline, the event's
+NotBefore). The listener refuses a request from ``NOT_AFTER_TOLERANCE`` before it on its own clock, and the
+coordinator's senders start no attempt then: what reaches IMDS was decided on conditions that still held, as long as
+the two clocks agree within the tolerance (docs/security.md, "Approvals expire").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts.attestation import Attestation
 from contracts.document import ScheduledEvent
 
 ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected"]
+# How far the listener's clock and the coordinator's may disagree: a request is refused from this long before its
+# notAfter, and no sender starts an attempt then. Azure keeps a VM's clock and a Functions host's on the platform's
+# time (host time sync), within milliseconds of each other; 2 s leaves room for a VM whose sync lagged.
+NOT_AFTER_TOLERANCE = timedelta(seconds=2)
 
 
 class ApprovalFacts(BaseModel):
@@ -69,9 +80,23 @@ class ApprovalRequest(BaseModel):
     decisionId: str = Field(min_length=1, max_length=128)
     rule: str = Field(min_length=1, max_length=256)
     issuedAt: datetime
+    # The same instant as notAfter in a request of this release, so that a listener of an earlier release, which
+    # reads only this, refuses it past then as well.
     expiresAt: datetime
     # Optional in the model so that an older coordinator's request still parses into a clear refusal, not a 400.
     facts: ApprovalFacts | None = None
+    # Until when the decision's conditions hold, and which condition ends first (module docstring); the listener
+    # refuses a request without it, past it, or dated beyond the event's NotBefore or a fixed maximum.
+    notAfter: datetime | None = None
+    notAfterReason: str = Field(default="", max_length=256)
+    # The policy the decision was made under (a digest of the loaded policy; "" for a person's approval): logged by
+    # the listener, kept in the history, compared by the coordinator before it sends a decision again.
+    policyVersion: str = Field(default="", max_length=64)
+
+    @property
+    def deadline(self) -> datetime:
+        """The instant after which this request must not be executed: the earlier of notAfter and expiresAt."""
+        return min(self.expiresAt, self.notAfter) if self.notAfter is not None else self.expiresAt
 
 
 class ApprovalResult(BaseModel):
@@ -82,3 +107,6 @@ class ApprovalResult(BaseModel):
     decisionId: str
     documentIncarnation: int | None = None
     reason: str = ""
+    # IMDS's attested document of the answering VM, its nonce contracts.attestation.decision_nonce(decisionId):
+    # proof of which VM answered (optional: a listener older than it, or one whose IMDS refused it, sends none).
+    attestation: Attestation | None = None

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts.attestation import Attestation
 from contracts.document import ScheduledEventsDocument
 
 SCHEMA = "scheduled-events.envelope/1"
@@ -151,12 +152,17 @@ class ForwarderHealth(BaseModel):
     dropped: int = Field(default=0, ge=0, le=2**63 - 1)  # envelopes the bounded spool evicted since it was made
     sendErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # failed sends to Event Hubs since the start
     listenerConnected: bool | None = None  # the relay listener's control channel is up (None: no listener)
+    # The forwarder's state directory has been full since this time (None: it can be written): nothing new is
+    # spooled, changes wait in IMDS and this heartbeat was sent from memory; it resumes when there is room.
+    stateFullSince: datetime | None = None
+    stateWriteErrors: int = Field(default=0, ge=0, le=2**63 - 1)  # writes of its state that failed since the start
+    lastStateError: str = Field(default="", max_length=256)
 
-    @field_validator("lastGoodPollAt")
+    @field_validator("lastGoodPollAt", "stateFullSince")
     @classmethod
     def _aware(cls, value: datetime | None) -> datetime | None:
         if value is not None and value.tzinfo is None:
-            raise ValueError("lastGoodPollAt must carry a UTC offset")
+            raise ValueError("times must carry a UTC offset")
         return value
 
     def poll_age_seconds(self, at: datetime) -> float | None:
@@ -182,6 +188,10 @@ class Envelope(BaseModel):
     document: ScheduledEventsDocument | None = None
     hook: HookReport | None = None
     health: ForwarderHealth | None = None  # heartbeats from forwarders that report it
+    # IMDS's attested document of this VM, its nonce contracts.attestation.state_nonce(stateId): Azure's signature
+    # that this forwarder state is this VM's (optional; v1-compatible: forwarders older than it send none). The
+    # forwarder adds it as it sends (forwarder/sender.py), so a replayed envelope carries a document still valid.
+    attestation: Attestation | None = None
 
     @field_validator("schema_")
     @classmethod

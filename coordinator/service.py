@@ -30,6 +30,7 @@ from coordinator.adapters.delivery_queue import DeliveryQueue, QueuedDelivery
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
+from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import act, fold, ingest, people, tail, timer
@@ -98,6 +99,8 @@ class Coordinator:
         deliveries: DeliveryQueue | None = None,
         in_run_delivery: timedelta = IN_RUN_DELIVERY,
         executor_silence: timedelta = EXECUTOR_SILENCE,
+        attestations: Attestations | None = None,
+        require_attestation: bool = False,
     ) -> None:
         self.store = store
         self.history = history
@@ -125,9 +128,13 @@ class Coordinator:
         self.deliveries = deliveries
         self.in_run_delivery = in_run_delivery
         self.executor_silence = executor_silence
+        self.attestations = attestations
+        self.require_attestation = require_attestation
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        if require_attestation and attestations is None:
+            raise ValueError("require_attestation needs attestations (the verifier and its trust anchors)")
         self.options()  # refuses contradictory settings now, not at the first run
 
     def options(self) -> Options:
@@ -147,6 +154,7 @@ class Coordinator:
             imds_failing_after=self.imds_failing_after,
             imds_failing_errors=self.imds_failing_errors,
             remote_acknowledge_fallback=self.remote_acknowledge_fallback,
+            require_attestation=self.require_attestation,
         )
 
     def start(self, kind: RunKind) -> Run:
@@ -159,6 +167,7 @@ class Coordinator:
             remote_acknowledge=self.remote_acknowledge,
             monitor=self.monitor,
             deliveries=self.deliveries,
+            attestations=self.attestations,
             rng=self.rng,
             pool=self._pool,
         )

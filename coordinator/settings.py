@@ -14,10 +14,13 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from coordinator.adapters.issuers import AZURE_ISSUER_URL_PREFIXES
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from coordinator.domain.rows import history_schema
 
 PREFIX = "COORDINATOR_"
+# The roots of Azure's certificates, shipped with the app (coordinator/trust/azure-imds-roots.pem says which).
+AZURE_IMDS_ROOTS = Path(__file__).parent / "trust" / "azure-imds-roots.pem"
 
 
 class SettingsError(ValueError):
@@ -105,6 +108,30 @@ class CoordinatorSettings(BaseSettings):
         default=86_400, ge=3600, description="delete a VM's hybrid connection after this long without a word"
     )
     retention_days: int = Field(default=30, ge=1, description="delete concluded event records after this long")
+    # Attested forwarders (pipeline/attest.py, docs/security.md): IMDS attested documents verified against these.
+    require_attestation: bool = Field(
+        default=True,
+        description="refuse envelopes and approval answers without an IMDS attested document of their VM; off only "
+        "while forwarders older than attestation are replaced (an attested document is verified either way)",
+    )
+    attestation_trust_anchors: Path = Field(
+        default=AZURE_IMDS_ROOTS,
+        description="PEM roots that attested documents must chain to: Azure's (shipped) in Azure, the IMDS "
+        "emulator's root locally",
+    )
+    attestation_intermediates: Path | None = Field(
+        default=None, description="PEM issuing CAs known ahead (else fetched from the allowed CA Issuers URLs)"
+    )
+    attestation_issuer_urls: str = Field(
+        default=",".join(AZURE_ISSUER_URL_PREFIXES),
+        description="comma-separated URL prefixes the signing certificate's CA Issuers URL may be fetched from",
+    )
+    attestation_signer_domain: str = Field(
+        default="metadata.azure.com",
+        pattern=r"^[a-z0-9.-]+$",
+        description="the DNS domain of IMDS's signing certificate (metadata.azure.us, metadata.azure.cn in sovereign "
+        "clouds)",
+    )
 
     @field_validator(
         "table_endpoint",

@@ -15,7 +15,9 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
+from coordinator.adapters.issuers import AiaIssuers
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
+from coordinator.domain.attestation import Attestations, AttestationVerifier, TrustAnchors, load_pem_certificates
 from coordinator.domain.policy_file import load_policy
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
@@ -112,6 +114,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         )
 
     policy = load_policy(settings.policy_path)
+    attestations = build_attestations(settings)
     # Only a policy with alert or logQuery gates reads Azure Monitor (with the app's identity).
     monitor = (
         AzureMonitorReader(credential=credential)
@@ -145,4 +148,27 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         monitor=monitor,
         deliveries=deliveries,
         in_run_delivery=timedelta(seconds=settings.in_run_delivery_seconds),
+        attestations=attestations,
+        require_attestation=settings.require_attestation,
     )
+
+
+def build_attestations(settings: CoordinatorSettings) -> Attestations:
+    """The verifier of IMDS attested documents, from the trust-anchor settings; errors name the setting."""
+    try:
+        roots = load_pem_certificates(settings.attestation_trust_anchors.read_bytes(), "the trust anchors")
+        intermediates = (
+            load_pem_certificates(settings.attestation_intermediates.read_bytes(), "the intermediates")
+            if settings.attestation_intermediates
+            else ()
+        )
+        anchors = TrustAnchors(
+            roots=roots, intermediates=intermediates, signer_domain=settings.attestation_signer_domain
+        )
+    except (OSError, ValueError) as error:
+        raise SettingsError(
+            f"COORDINATOR_ATTESTATION_TRUST_ANCHORS / COORDINATOR_ATTESTATION_INTERMEDIATES: {error}"
+        ) from error
+    prefixes = [p.strip() for p in settings.attestation_issuer_urls.split(",") if p.strip()]
+    issuers = AiaIssuers(prefixes) if prefixes else None
+    return Attestations(AttestationVerifier(anchors, issuers=issuers))

@@ -7,8 +7,10 @@ request that parses is answered ``200`` with an ``ApprovalResult``:
                     and IMDS accepted the StartRequests POST;
 - ``not-found``     the EventId is not in this VM's document (gone, or an event of another group);
 - ``not-scheduled`` the event is already ``Started``;
-- ``rejected``      expired, issued too far in the future or past, a reused decisionId, no Resources, or a
-                    Terminate that does not name this VM.
+- ``rejected``      past its notAfter (or without one), dated beyond the event's NotBefore or further ahead than
+                    any approval may be valid, issued too far in the future or past, a reused decisionId, a
+                    decision whose execution a crash interrupted, no Resources, or a Terminate that does not name
+                    this VM.
 
 Anything that cannot be evaluated gets a 4xx with ``{"error": reason}``: wrong method (405), wrong path (404),
 not JSON (415), too large (413), schema errors named field by field (400). IMDS trouble is a 503 so the sender
@@ -26,11 +28,21 @@ pending deletes, so a peer approving someone else's delete would decide that VM'
 had a say. The listener therefore refuses a Terminate whose ``Resources`` do not include its own IMDS compute
 name (never the hostname).
 
-Idempotency: a decisionId is remembered with its event and result until it expires. The same decision for the
-same event again (a sender retry) gets the stored answer without a second IMDS POST when it was approved; a
-refused one is evaluated again (the document may have caught up). A decisionId already used for a different
-event is a replay and is rejected. Decisions are kept in memory, bounded by count and by their expiry; after a
-restart an old request is still refused once it has expired.
+Expiry: a request carries ``notAfter``, the earliest instant at which a condition its decision rested on stops
+holding (contracts/approval.py). It is refused from ``NOT_AFTER_TOLERANCE`` (2 s) before then on this VM's clock,
+so that what IMDS receives was decided on conditions that still held while the clocks agree within 2 s; refused
+without one (a coordinator older than this listener: upgrade the coordinator first); and refused when dated later
+than the event's NotBefore (+ the tolerance) or more than ``Freshness.max_validity`` (15 min) ahead, so that no
+approval is valid far into the future.
+
+At most once: every decisionId is kept in a decision ledger with its event and what was done (``DecisionLedger``;
+the forwarder's SQLite state, next to the spool, so it survives a restart; bounded to a day and 10,000 entries,
+forwarder/durable_state.py). The ledger says "executing" before the StartRequests POST and "approved" once IMDS took
+it. The same decision for the same event again (a sender retry after a lost answer, or a replay after a restart)
+gets the stored answer without a second POST; one a crash interrupted between the two is never executed again; a
+refused one is evaluated again (the document may have caught up, the coordinator may have decided it again with a
+new notAfter); a decisionId already used for another event is a replay and is rejected. IMDS answering an error to
+the POST leaves the decision unexecuted (503, the sender retries).
 
 Tracing: each request is a ``listener.approve`` span, a child of the request's W3C ``traceparent`` header (the
 coordinator's, so that the approval is one trace from the forwarder's detection of the change to IMDS), or a
@@ -52,8 +64,10 @@ from typing import Protocol, TypeVar
 from opentelemetry import trace
 from pydantic import ValidationError
 
-from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalOutcome, ApprovalRequest, ApprovalResult
+from contracts.attestation import Attestation, decision_nonce
 from contracts.document import ScheduledEvent, ScheduledEventsDocument
+from forwarder.durable_state import DECISION_LEDGER_ENTRIES, DECISION_LEDGER_KEEP, DecisionStatus, LedgerEntry
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
 from forwarder.relay_protocol import RelayRequest, RelayResponse
@@ -74,23 +88,95 @@ class ScheduledEventsSource(Protocol):
     def approve(self, event_ids: Iterable[str]) -> None: ...
 
 
+class DecisionLedger(Protocol):
+    """Where the listener keeps what it did with each decisionId (``forwarder.durable_state.Store``, or
+    ``MemoryLedger``)."""
+
+    def decision(self, decision_id: str) -> LedgerEntry | None: ...
+
+    def remember_decision(self, entry: LedgerEntry) -> None: ...
+
+    def forget_decision(self, decision_id: str) -> None: ...
+
+
+class MemoryLedger:
+    """The decision ledger in memory, with the durable one's bounds: for a listener without a state directory and
+    for tests. Lost on a restart, so only the durable one makes "at most once" hold across restarts."""
+
+    def __init__(self, *, keep: timedelta = DECISION_LEDGER_KEEP, max_entries: int = DECISION_LEDGER_ENTRIES) -> None:
+        self._keep = keep
+        self._max_entries = max_entries
+        self._entries: OrderedDict[str, LedgerEntry] = OrderedDict()
+
+    def decision(self, decision_id: str) -> LedgerEntry | None:
+        return self._entries.get(decision_id)
+
+    def remember_decision(self, entry: LedgerEntry) -> None:
+        self._entries[entry.decision_id] = entry
+        self._entries.move_to_end(entry.decision_id)
+        for key in [k for k, e in self._entries.items() if e.at < entry.at - self._keep]:
+            del self._entries[key]
+        while len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+
+    def forget_decision(self, decision_id: str) -> None:
+        self._entries.pop(decision_id, None)
+
+
 @dataclass(frozen=True)
 class Freshness:
-    """How much clock disagreement and request age are tolerated."""
+    """How much clock disagreement and request age are tolerated, and how far ahead a request may be valid."""
 
     clock_skew: timedelta = timedelta(minutes=2)
     max_age: timedelta = timedelta(minutes=30)
+    # Refused from this long before notAfter (the clocks of this VM and the coordinator may disagree this much).
+    not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE
+    # No request is valid further ahead than this: a coordinator's notAfter is at most its approval deadline (30 s,
+    # at most 10 min) after it sends, and Azure's longest routine notice is 15 min.
+    max_validity: timedelta = timedelta(minutes=15)
 
 
 # ----------------------------------------------------------------------------------------------- pure decisions
 
 
+def refuse_not_after(approval: ApprovalRequest, *, now: datetime, freshness: Freshness) -> str | None:
+    """Why the request's notAfter forbids executing it now: there is none, it lies further ahead than any approval
+    may be valid or past the event's NotBefore, or it has come (from ``not_after_tolerance`` before it, on this VM's
+    clock). None when it allows it."""
+    if approval.notAfter is None:
+        return (
+            "the request names no notAfter, so how long its decision holds is unknown (a coordinator older than this "
+            "listener: upgrade the coordinator)"
+        )
+    if approval.notAfter > now + freshness.max_validity:
+        return (
+            f"notAfter {approval.notAfter.isoformat()} is more than {freshness.max_validity} ahead: no approval is "
+            "valid that long"
+        )
+    not_before = approval.facts.notBefore if approval.facts is not None else None
+    if not_before is not None and approval.notAfter > not_before + freshness.not_after_tolerance:
+        return (
+            f"notAfter {approval.notAfter.isoformat()} is after the event's NotBefore {not_before.isoformat()}: no "
+            "approval is valid past it"
+        )
+    deadline = approval.deadline
+    if now >= deadline - freshness.not_after_tolerance:
+        why = f" ({approval.notAfterReason})" if approval.notAfterReason and deadline == approval.notAfter else ""
+        return (
+            f"expired at {deadline.isoformat()}{why}: refused from {freshness.not_after_tolerance.total_seconds():g} s "
+            "before it on this VM's clock"
+        )
+    return None
+
+
 def refuse_stale(approval: ApprovalRequest, *, now: datetime, freshness: Freshness) -> str | None:
-    """Why the request is too old, too new or already expired; None when its time window is acceptable."""
+    """Why the request's dates forbid executing it now (its notAfter, ``refuse_not_after``; issued too early or too
+    late); None when they allow it."""
     if approval.expiresAt <= approval.issuedAt:
         return f"expiresAt {approval.expiresAt.isoformat()} is not after issuedAt {approval.issuedAt.isoformat()}"
-    if approval.expiresAt <= now:
-        return f"expired at {approval.expiresAt.isoformat()}"
+    expiry = refuse_not_after(approval, now=now, freshness=freshness)
+    if expiry is not None:
+        return expiry
     if approval.issuedAt > now + freshness.clock_skew:
         return f"issuedAt {approval.issuedAt.isoformat()} is in the future beyond the {freshness.clock_skew} skew"
     if approval.issuedAt < now - freshness.max_age - freshness.clock_skew:
@@ -153,13 +239,6 @@ def judge(
 # ----------------------------------------------------------------------------------------------- handler
 
 
-@dataclass(frozen=True)
-class _Decision:
-    eventId: str
-    expiresAt: datetime
-    result: ApprovalResult
-
-
 class _Refusal(Exception):
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(reason)
@@ -205,19 +284,22 @@ class Approver:
         prepare_outcome: PrepareLedger | None = None,
         freshness: Freshness | None = None,
         clock: Callable[[], datetime] = _utcnow,
-        max_decisions: int = 10_000,
+        ledger: DecisionLedger | None = None,
         tracer: trace.Tracer | None = None,
+        attest: Callable[[str], Attestation] | None = None,
     ) -> None:
         self._imds = imds
         self._vm_name = vm_name  # this VM's IMDS compute name: a Terminate must name it
         self._prepare_outcome = prepare_outcome  # this VM's own hook ledger
         self._freshness = freshness or Freshness()
         self._clock = clock
-        self._max_decisions = max_decisions
+        # What was done with each decisionId: durable (the forwarder's state) in the daemon, in memory without one.
+        self._ledger: DecisionLedger = ledger if ledger is not None else MemoryLedger()
         self._tracer = tracer or IdTracer()  # the forwarder's (forwarder/telemetry.py); ids only by default
+        # IMDS's attested document for a nonce (ImdsClient.get_attestation): each answer proves this VM gave it.
+        self._attest = attest
         # One approval at a time: the IMDS calls are quick, and serialising makes "approve once per decision" exact.
         self._lock = threading.Lock()
-        self._decisions: OrderedDict[str, _Decision] = OrderedDict()
         self.imds_posts = 0
 
     def __call__(self, request: RelayRequest) -> RelayResponse:
@@ -233,9 +315,17 @@ class Approver:
         record: dict[str, object] = {"requestId": request.id, "method": request.method, "path": request.path}
         try:
             approval = _parse(request)
-            record.update(eventId=approval.eventId, decisionId=approval.decisionId, rule=approval.rule)
+            record.update(
+                eventId=approval.eventId,
+                decisionId=approval.decisionId,
+                rule=approval.rule,
+                notAfter=approval.notAfter.isoformat() if approval.notAfter else None,
+                policyVersion=approval.policyVersion,
+            )
             span.set_attribute("scheduled_events.event_id", approval.eventId)
             span.set_attribute("scheduled_events.decision_id", approval.decisionId)
+            # The proof first: a VM whose delete this approval starts has no IMDS a moment after StartRequests.
+            proof = self._proof(approval.decisionId)
             result, replayed = self._decide(approval)
         except _Refusal as refusal:
             record.update(status=refusal.status, reason=refusal.reason)
@@ -243,6 +333,8 @@ class Approver:
             span.set_attribute("scheduled_events.outcome", "unavailable" if refusal.status == 503 else "refused")
             log.warning("approval request refused", extra=fields(**record, ms=_ms(started)))
             return RelayResponse.json(refusal.status, {"error": refusal.reason})
+        if proof is not None:
+            result = result.model_copy(update={"attestation": proof})
         record.update(status=200, outcome=result.outcome, incarnation=result.documentIncarnation, idempotent=replayed)
         span.set_attribute("scheduled_events.outcome", result.outcome)
         span.set_attribute("scheduled_events.idempotent", replayed)
@@ -254,30 +346,54 @@ class Approver:
     def _decide(self, approval: ApprovalRequest) -> tuple[ApprovalResult, bool]:
         with self._lock:
             now = self._clock()
-            self._prune(now)
-            prior = self._decisions.get(approval.decisionId)
-            if prior is not None and prior.eventId != approval.eventId:
-                reason = f"decisionId {approval.decisionId!r} was already used for event {prior.eventId!r}"
+            prior = self._ledger.decision(approval.decisionId)
+            if prior is not None and prior.event_id != approval.eventId:
+                reason = f"decisionId {approval.decisionId!r} was already used for event {prior.event_id!r}"
                 return self._result(approval, "rejected", reason, None), False
-            if prior is not None and prior.result.outcome == "approved":
-                return prior.result, True
+            if prior is not None and prior.status == "approved":
+                return ApprovalResult.model_validate_json(prior.result), True
+            if prior is not None and prior.status == "executing":
+                reason = (
+                    f"decision {approval.decisionId!r} was being executed at {prior.at.isoformat()} when this listener "
+                    "stopped; whether IMDS took it is unknown, so it is not executed again (at most once)"
+                )
+                return self._result(approval, "rejected", reason, None), False
             stale = refuse_stale(approval, now=now, freshness=self._freshness)
             if stale is not None:
-                return self._remember(approval, self._result(approval, "rejected", stale, None)), False
+                return self._remember(approval, "refused", self._result(approval, "rejected", stale, None), now), False
             with self._tracer.start_as_current_span("listener.imds_get", kind=trace.SpanKind.CLIENT) as get:
                 document = self._imds_call(self._imds.get_document)
                 get.set_attribute("scheduled_events.incarnation", document.DocumentIncarnation)
             outcome, reason = judge(approval, document, vm_name=self._vm_name, prepare_outcome=self._prepare_outcome)
             if outcome == "approved":
+                # Written (durably) before the POST: a crash from here until IMDS answers leaves "executing", and the
+                # decision is never executed again.
+                self._ledger.remember_decision(LedgerEntry(approval.decisionId, approval.eventId, "executing", now))
                 with self._tracer.start_as_current_span(
                     "listener.start_requests",
                     kind=trace.SpanKind.CLIENT,
                     attributes={"scheduled_events.event_id": approval.eventId},
                 ):
-                    self._imds_call(lambda: self._imds.approve([approval.eventId]))
+                    try:
+                        self._imds_call(lambda: self._imds.approve([approval.eventId]))
+                    except _Refusal:
+                        self._ledger.forget_decision(approval.decisionId)  # IMDS refused or was unreachable
+                        raise
                 self.imds_posts += 1
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
-            return self._remember(approval, result), False
+            return self._remember(approval, "approved" if outcome == "approved" else "refused", result, now), False
+
+    def _proof(self, decision_id: str) -> Attestation | None:
+        """IMDS's attested document for the decision (contracts.attestation.decision_nonce), which the answer carries:
+        the coordinator then knows this VM answered, not another instance listening on this hybrid connection.
+        Without one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends again."""
+        if self._attest is None:
+            return None
+        try:
+            return self._attest(decision_nonce(decision_id))
+        except (ImdsError, ValueError) as error:
+            log.warning("approval answer without proof", extra=fields(decisionId=decision_id, error=str(error)))
+            return None
 
     @staticmethod
     def _imds_call(call: Callable[[], _T]) -> _T:
@@ -298,19 +414,12 @@ class Approver:
             reason=reason,
         )
 
-    def _remember(self, approval: ApprovalRequest, result: ApprovalResult) -> ApprovalResult:
-        self._decisions[approval.decisionId] = _Decision(approval.eventId, approval.expiresAt, result)
-        self._decisions.move_to_end(approval.decisionId)
-        while len(self._decisions) > self._max_decisions:
-            self._decisions.popitem(last=False)
+    def _remember(
+        self, approval: ApprovalRequest, status: DecisionStatus, result: ApprovalResult, now: datetime
+    ) -> ApprovalResult:
+        entry = LedgerEntry(approval.decisionId, approval.eventId, status, now, result.model_dump_json())
+        self._ledger.remember_decision(entry)
         return result
-
-    def _prune(self, now: datetime) -> None:
-        # Once past expiry (plus skew) a request is refused on its own dates, so its decision need not be kept.
-        horizon = now - self._freshness.clock_skew
-        expired = [key for key, decision in self._decisions.items() if decision.expiresAt < horizon]
-        for key in expired:
-            del self._decisions[key]
 
 
 def _ms(started: float) -> float:

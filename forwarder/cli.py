@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -21,7 +22,7 @@ from forwarder import __version__, logs
 from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
 from forwarder.credential import RELAY_SCOPE, ImdsManagedIdentityCredential
 from forwarder.daemon import Companion, Forwarder
-from forwarder.durable_state import Store
+from forwarder.durable_state import Store, open_store
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import fields
 from forwarder.on_demand import ListenerSession, OnDemandListener
@@ -123,8 +124,8 @@ def relay_companions(
     """The relay listener (connected on demand or always, `relay_listener_mode`), built by the daemon once the
     identity (and so the default hybrid connection name, `VmIdentity.hybrid_connection_name`) is known. `store`: the
     forwarder's own hook ledger, which the listener checks when a decision rested on this VM's prepare hooks
-    (without it such an approval is refused). `telemetry`: the daemon's, so that the listener's spans go where the
-    forwarder's go."""
+    (without it such an approval is refused), and where it keeps its decision ledger. `telemetry`: the daemon's, so
+    that the listener's spans go where the forwarder's go."""
 
     def build(identity: VmIdentity, imds: ImdsClient) -> Sequence[Companion]:
         if not settings.relay_enabled:
@@ -138,7 +139,7 @@ def relay_companions(
         # One credential for every session: its cached token spares a connect an IMDS token call, which would take
         # the rate limiter's token the approval's StartRequests POST needs (measured: +0.5 s per cold approval).
         credential = build_credential(settings, imds)
-        approver: Approver | None = None  # one for every session: it remembers decisionIds across sessions
+        approver: Approver | None = None  # one for every session (its lock serialises approvals)
 
         def session() -> ListenerSession:
             # websockets and the listener load here, when a session is first needed, not at the daemon's start.
@@ -152,7 +153,11 @@ def relay_companions(
                     imds=imds,
                     vm_name=identity.name,
                     prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+                    # Its decision ledger in the forwarder's state: a decisionId is executed at most once, whatever
+                    # the sessions and restarts in between (in memory without a store).
+                    ledger=store,
                     tracer=telemetry.tracer if telemetry else None,
+                    attest=imds.get_attestation if settings.attest else None,
                 )
             return RelayListener(
                 endpoint=endpoint,
@@ -207,7 +212,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         output = {"identity": identity.model_dump(mode="json"), "document": document.model_dump(mode="json")}
         print(json.dumps(output, indent=2))
         return 0
-    store = Store(settings.spool_path, max_entries=settings.spool_max_entries)
+    stopping = threading.Event()
+    running: list[Forwarder] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal received; stopping", extra=fields(signal=signal.Signals(signum).name))
+        stopping.set()
+        for forwarder in running:
+            forwarder.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    # A full state disk is waited out here, with backoff, rather than crash-looping under systemd.
+    store = open_store(settings.spool_path, max_entries=settings.spool_max_entries, stop=stopping)
+    if store is None:
+        imds.close()
+        return 0
     telemetry = Telemetry(spans_file=settings.telemetry_spans_file)
     forwarder = Forwarder(
         settings=settings,
@@ -217,17 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         companions=relay_companions(settings, store=store, telemetry=telemetry),
         telemetry=telemetry,
     )
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal received; stopping", extra=fields(signal=signal.Signals(signum).name))
+    running.append(forwarder)
+    if stopping.is_set():
         forwarder.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         forwarder.run()
     except Exception:
-        # Unexpected (e.g. the state disk is full): one structured line, then a non-zero exit for systemd to restart.
+        # Unexpected: one structured line, then a non-zero exit for systemd to restart.
         log.exception("forwarder crashed")
         return 1
     return 0

@@ -48,6 +48,14 @@ class ForwarderSettings(BaseModel):
         description="seconds the first Scheduled Events call (and the first after 24 h without one) may take: IMDS "
         "may need up to 2 minutes to wake the service up",
     )
+    # Send IMDS attested documents (forwarder/attestor.py): with every envelope, one for the forwarder's state; with
+    # every approval answer, one for the decision. Envelopes wait in the spool until the first one is had. Off only
+    # where the IMDS has no attested endpoint (a coordinator requiring attestation then refuses what is sent).
+    attest: bool = Field(
+        default=True,
+        description="send IMDS attested documents with every envelope and approval answer (off only where IMDS has "
+        "no attested endpoint: a coordinator that requires attestation then refuses what is sent)",
+    )
     # State (spool, sequence, hook ledger)
     state_dir: Path = Field(
         default=Path("/var/lib/scheduled-events-forwarder"),

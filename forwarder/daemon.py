@@ -20,8 +20,9 @@ from typing import Any, Protocol, runtime_checkable
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import VmIdentity
 from forwarder import __version__
+from forwarder.attestor import Attestor
 from forwarder.config import ForwarderSettings
-from forwarder.durable_state import Store
+from forwarder.durable_state import Store, StoreFull
 from forwarder.heartbeat import PollHealth, spool_heartbeat
 from forwarder.hook_worker import HookWorker
 from forwarder.hooks import HookRunner
@@ -98,6 +99,8 @@ class Forwarder:
         )
         self._polls = PollHealth()
         self._imds_failures = FailureLog("IMDS poll", logger=log)
+        self.attestor = Attestor(imds=imds, state_id=store.state_id) if settings.attest else None
+        self._state_failures = FailureLog("writing the state (full disk)", logger=log)
         self._sender = Sender(
             store=store,
             sink=sink,
@@ -105,6 +108,7 @@ class Forwarder:
             batch_max=settings.send_batch_max,
             counters=self.counters,
             stop=self._stop,
+            attestor=self.attestor,
         )
         self._hook_worker = HookWorker(
             store=store,
@@ -152,8 +156,11 @@ class Forwarder:
                 name=identity.name, resource_id=identity.resourceId, vm_id=identity.vmId, state_id=self.store.state_id
             ),
         )
-        self._hook_worker.recover_interrupted(identity)
-        for target, name in ((self._sender.run, "sender"), (self._hook_worker.run, "hooks")):
+        if self.attestor is not None:
+            # Before the first poll, which may wait two minutes for IMDS on the one IMDS connection: the start-up
+            # heartbeat goes out attested. A failure here is asked again by the sender and the poll loop.
+            self.attestor.tick()
+        for target, name in ((self._sender.run, "sender"), (self._run_hooks, "hooks")):
             thread = threading.Thread(target=target, args=(identity,), name=f"forwarder-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -165,6 +172,12 @@ class Forwarder:
             self._poll_loop(identity)
         finally:
             self._shutdown()
+
+    def _run_hooks(self, identity: VmIdentity) -> None:
+        # Phases a crash cut short are reported first, on this thread: with a full disk their reports wait for
+        # room, and the poll loop must not.
+        self._hook_worker.recover_interrupted(identity)
+        self._hook_worker.run(identity)
 
     def _wait_for_identity(self) -> VmIdentity | None:
         backoff = Backoff(initial=1.0, maximum=60.0)
@@ -234,10 +247,20 @@ class Forwarder:
                 self.counters["imds_errors"] += 1
                 self._polls.failed(exc)
                 self._imds_failures.failed(exc)
+            except StoreFull as exc:
+                # The change could not be spooled: it is read again from IMDS at the next poll, after a backoff
+                # (a full disk does not clear in a second). Heartbeats go on, from memory, and say so.
+                self._state_failures.failed(exc)
+                delay = backoff.next_delay()
             else:
                 self._polls.succeeded()
                 self._imds_failures.succeeded()
+                if self.store.full_since is None:
+                    self._state_failures.succeeded()
                 backoff.reset()
+            # After the poll, so that the first poll is not held up by the first attested document.
+            if self.attestor is not None:
+                self.attestor.tick()
             # After a failed poll too: the last document read still says whether an event is pending.
             self._update_companions()
             now = time.monotonic()
@@ -260,18 +283,23 @@ class Forwarder:
                     log.exception("a companion failed to update", extra=fields(companion=type(companion).__name__))
 
     def _prune_hook_ledger(self) -> None:
-        pruned = self.store.prune_hooks()
+        try:
+            pruned = self.store.prune_hooks()
+        except StoreFull:
+            return  # tomorrow, or at the next start
         if pruned:
             log.info("hook ledger pruned", extra=fields(forgotten=pruned))
 
     def _heartbeat(self, identity: VmIdentity) -> None:
-        spool_heartbeat(
+        unspooled = spool_heartbeat(
             self.store,
             identity,
             counters=self.counters,
             polls=self._polls,
             listener_connected=self._listener_connected(),
         )
+        if unspooled is not None:
+            self._sender.hold(unspooled)
         self._sender.wake()
 
     def _listener_connected(self) -> bool | None:

@@ -1,5 +1,5 @@
 """The forwarder's durable state: the spool of unsent envelopes, the sequence counter, the last document, the
-hook ledger and counters — one SQLite file in WAL mode.
+hook ledger, the listener's decision ledger and counters — one SQLite file in WAL mode.
 
 Why SQLite rather than segment files: an incarnation change must, all at once or not at all, take the next
 sequence number, spool its envelope, remember the document and queue its hooks. One SQLite transaction gives
@@ -7,11 +7,21 @@ exactly that across kill -9 and power loss (WAL + synchronous=FULL), it ships wi
 the VM), and writes happen only on a change, a heartbeat or a hook report, never per poll, so its cost is nil.
 Delivery is at-least-once: an envelope sent but not yet acknowledged when the process dies is sent again with
 the same sequence, which the consumer uses to drop the duplicate.
+
+A full disk is not a crash: a write that finds the file system full raises `StoreFull` (SQLite's SQLITE_FULL,
+ENOSPC) after rolling back, and the store keeps how long and how often (`full_since`, `write_errors`,
+`last_error`) for the heartbeats. The callers back off and try again; nothing they meant to write is lost (the
+poll loop re-reads the change from IMDS, the hook worker keeps its report). Heartbeats still go out: a block of
+`SEQUENCE_RESERVE` sequence numbers is kept reserved on disk ahead of the last one used, and `take_unspooled()`
+hands them out without writing. The marker file `<spool>.reserve-unused` says none was: a restart that finds it
+gone starts after the reserve, so no sequence is ever used twice (deleting a file needs no space).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sqlite3
 import threading
 import uuid
@@ -20,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Literal
 
 from forwarder.logs import fields
 
@@ -34,6 +45,9 @@ CREATE TABLE IF NOT EXISTS hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, s
     outcome TEXT NOT NULL DEFAULT '', PRIMARY KEY (event_id, phase));
 CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, reason TEXT NOT NULL,
     body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS decisions (decision_id TEXT PRIMARY KEY, event_id TEXT NOT NULL, status TEXT NOT NULL,
+    at TEXT NOT NULL, result TEXT NOT NULL DEFAULT '');
+CREATE INDEX IF NOT EXISTS decisions_at ON decisions (at);
 """
 # Columns added after the first release: a database written by an older forwarder gets them on open (and an
 # older forwarder still writes to a newer database: every added column has a default).
@@ -57,6 +71,30 @@ _ADDED_COLUMNS = {
 HOOK_LEDGER_DAYS = 30
 KEEP_REJECTS = 100
 STATE_ID = "state_id"
+# The listener's decision ledger (forwarder/approver.py) keeps an entry this long and at most this many: far longer
+# than any request it accepts stays valid (its notAfter is at most 15 minutes ahead, refused past it), so a request
+# whose entry was dropped is refused on its own dates; a day also outlasts a VM clock that was set back by hours.
+DECISION_LEDGER_KEEP = timedelta(hours=24)
+DECISION_LEDGER_ENTRIES = 10_000
+DecisionStatus = Literal["executing", "approved", "refused"]
+SEQUENCE = "sequence"
+# The first sequence a restart may use when the marker is gone: what the reserve may have handed out is skipped.
+SEQUENCE_RESERVED = "sequence_reserved"
+# Heartbeats are due every minute: a reserve of 64 reports an hour of a full disk, and costs a write every 32
+# envelopes (and a gap of at most 64 in the sequence after a full disk, which the coordinator takes as it comes).
+SEQUENCE_RESERVE = 64
+# StoreFull.last_error's bound (ForwarderHealth.lastStateError).
+STATE_ERROR_CHARS = 256
+
+
+class StoreFull(Exception):
+    """The state directory's file system is full: nothing of the write was kept; try again later."""
+
+
+def _is_full(error: BaseException) -> bool:
+    if isinstance(error, sqlite3.OperationalError):
+        return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(error)
+    return isinstance(error, OSError) and error.errno == errno.ENOSPC
 
 
 @dataclass(frozen=True)
@@ -84,20 +122,45 @@ class HookJob:
     tracestate: str = ""
 
 
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What the listener did with one decisionId: ``executing`` from just before its StartRequests POST until IMDS
+    answered (an entry left so by a crash is never executed again), ``approved`` (IMDS took it) or ``refused``;
+    ``result`` is the ApprovalResult JSON it answered ("" while executing)."""
+
+    decision_id: str
+    event_id: str
+    status: DecisionStatus
+    at: datetime
+    result: str = ""
+
+
 class Store:
     """Thread-safe (one connection behind a lock; every call is short)."""
 
     def __init__(self, path: Path, *, max_entries: int = 10_000) -> None:
         if max_entries < 1:
             raise ValueError("spool max_entries must be at least 1")
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        # What the heartbeats say of the writes: full since when (None: writable), failures since the start.
+        self.full_since: datetime | None = None
+        self.write_errors = 0
+        self.last_error = ""
+        self._marker = path.with_name(path.name + ".reserve-unused")
+        # Run under the lock once the transaction that queued them has committed (never after a rollback).
+        self._on_commit: list[Callable[[], None]] = []
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.OperationalError, OSError) as error:
+            if _is_full(error):
+                raise StoreFull(f"cannot open the state at {path}: {error}") from error
+            raise
         with self._tx() as db:
             for table, columns in _ADDED_COLUMNS.items():
                 present = {str(row[1]) for row in db.execute(f"PRAGMA table_info({table})")}
@@ -108,6 +171,21 @@ class Store:
             # which is how the coordinator tells "this forwarder lost its state" from a replay of old sequences.
             db.execute("INSERT OR IGNORE INTO state (key, value) VALUES (?, ?)", (STATE_ID, uuid.uuid4().hex))
             self.state_id = str(self._get(db, STATE_ID))
+            sequence = int(self._get(db, SEQUENCE) or 0)
+            reserved = int(self._get(db, SEQUENCE_RESERVED) or 0)
+        # The next sequence, whether spooled or handed out unspooled; the first one the disk does not reserve.
+        self._next = reserved if reserved > sequence and not self._marker.exists() else sequence
+        self._reserved = max(reserved, self._next)
+        if self._next != sequence:
+            log.warning(
+                "the last run handed out reserved sequences while the disk was full; starting after them",
+                extra=fields(sequence=self._next, skipped=self._next - sequence),
+            )
+        try:
+            with self._tx() as db:
+                self._top_up(db, self._next)
+        except StoreFull:
+            log.error("the state directory is full; the spool cannot be written until there is room")
 
     def close(self) -> None:
         with self._lock:
@@ -115,14 +193,70 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction. A full file system raises StoreFull (rolled back) and is counted; the first
+        write that succeeds after it clears ``full_since``."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            self._on_commit.clear()
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except (sqlite3.OperationalError, OSError) as error:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if not _is_full(error):
+                    raise
+                self.write_errors += 1
+                self.last_error = f"{type(error).__name__}: {error}"[:STATE_ERROR_CHARS]
+                if self.full_since is None:
+                    self.full_since = datetime.now(UTC)
+                    log.error("the state directory is full: writes are retried", extra=fields(error=str(error)))
+                raise StoreFull(str(error)) from error
+            for action in self._on_commit:
+                action()
+            if self.full_since is not None:
+                log.info("the state directory can be written again", extra=fields(full_since=str(self.full_since)))
+                self.full_since = None
+
+    def _top_up(self, db: sqlite3.Connection, sequence: int) -> None:
+        """Within a write that makes ``sequence`` the next one: keeps the reserve ahead of it and, once that is
+        committed, the marker that says none of the reserve was handed out (true again now that the next sequence
+        is durable past all that was)."""
+        self._put(db, SEQUENCE, str(sequence))
+        reserved = self._reserved
+        if reserved < sequence + SEQUENCE_RESERVE // 2:
+            reserved = sequence + SEQUENCE_RESERVE
+            self._put(db, SEQUENCE_RESERVED, str(reserved))
+
+        def committed() -> None:
+            self._next, self._reserved = sequence, reserved
+            try:
+                if not self._marker.exists():
+                    self._marker.touch()
+                    _sync_directory(self._marker.parent)
+            except OSError as error:  # no marker: a restart skips the reserve, which is always safe
+                log.warning("the reserve marker could not be written", extra=fields(error=str(error)))
+
+        self._on_commit.append(committed)
+
+    def take_unspooled(self) -> int | None:
+        """A sequence number for an envelope sent without being spooled (a heartbeat while the disk is full), from
+        the reserve; None when it is used up. Writes nothing: it deletes the marker, which a restart reads."""
+        with self._lock:
+            if self._next >= self._reserved:
+                return None
+            try:
+                self._marker.unlink(missing_ok=True)
+                _sync_directory(self._marker.parent)
+            except OSError:
+                return None  # not known to be durable: no sequence outside the spool
+            sequence = self._next
+            self._next += 1
+            return sequence
 
     # --- state -----------------------------------------------------------------------------------------------
     def _get(self, db: sqlite3.Connection, key: str) -> str | None:
@@ -173,12 +307,13 @@ class Store:
         older one said; then the oldest of the others.
         """
         with self._tx() as db:
-            sequence = int(self._get(db, "sequence") or 0)
+            # Past any sequence handed out unspooled meanwhile (the database's own may be behind it).
+            sequence = max(int(self._get(db, SEQUENCE) or 0), self._next)
             db.execute(
                 "INSERT INTO spool (sequence, kind, body, traceparent, tracestate) VALUES (?, ?, ?, ?, ?)",
                 (sequence, kind, build(sequence), traceparent, tracestate),
             )
-            self._put(db, "sequence", str(sequence + 1))
+            self._top_up(db, sequence + 1)
             for key, value in (state or {}).items():
                 self._put(db, key, value)
             now = datetime.now(UTC).isoformat()
@@ -273,6 +408,39 @@ class Store:
         with self._tx() as db:
             return db.execute("DELETE FROM hooks WHERE status = 'done' AND updated_at < ?", (cutoff,)).rowcount
 
+    # --- the listener's decision ledger ------------------------------------------------------------------------
+    def decision(self, decision_id: str) -> LedgerEntry | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT decision_id, event_id, status, at, result FROM decisions WHERE decision_id = ?", (decision_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        status: DecisionStatus = row[2]
+        return LedgerEntry(str(row[0]), str(row[1]), status, datetime.fromisoformat(str(row[3])), str(row[4]))
+
+    def remember_decision(
+        self, entry: LedgerEntry, *, keep: timedelta = DECISION_LEDGER_KEEP, max_entries: int = DECISION_LEDGER_ENTRIES
+    ) -> None:
+        """Records (or replaces) the entry, durably before it returns, and forgets entries older than ``keep`` and
+        beyond the newest ``max_entries``."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO decisions (decision_id, event_id, status, at, result) VALUES (?, ?, ?, ?, ?)",
+                (entry.decision_id, entry.event_id, entry.status, entry.at.astimezone(UTC).isoformat(), entry.result),
+            )
+            cutoff = (entry.at - keep).astimezone(UTC).isoformat()
+            db.execute("DELETE FROM decisions WHERE at < ?", (cutoff,))
+            db.execute(
+                "DELETE FROM decisions WHERE decision_id IN (SELECT decision_id FROM decisions ORDER BY at DESC"
+                " LIMIT -1 OFFSET ?)",
+                (max_entries,),
+            )
+
+    def forget_decision(self, decision_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM decisions WHERE decision_id = ?", (decision_id,))
+
     # --- bad input -------------------------------------------------------------------------------------------
     def reject(self, reason: str, body: bytes, *, counter: str = "invalid_documents") -> None:
         """Set a bad item aside (the last few are kept for inspection) and count it."""
@@ -288,3 +456,26 @@ class Store:
         with self._lock:
             rows = self._db.execute("SELECT reason, body FROM rejects ORDER BY id").fetchall()
         return [(str(r[0]), bytes(r[1])) for r in rows]
+
+
+def _sync_directory(directory: Path) -> None:
+    """Makes a file's creation or removal in ``directory`` durable before anything relies on it."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def open_store(path: Path, *, max_entries: int, stop: threading.Event, first_delay: float = 1.0) -> Store | None:
+    """The store, opened once the file system has room for it (a full disk is waited out with backoff, not a
+    crash loop); None when ``stop`` was set first."""
+    delay = first_delay
+    while not stop.is_set():
+        try:
+            return Store(path, max_entries=max_entries)
+        except StoreFull as error:
+            log.error("the state directory is full; opening again later", extra=fields(error=str(error), delay=delay))
+            stop.wait(delay)
+            delay = min(delay * 2, 60.0)
+    return None

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 from contracts.envelope import Envelope, ForwarderHealth, VmIdentity
 from forwarder import __version__
-from forwarder.durable_state import Store
+from forwarder.durable_state import SpooledEnvelope, Store, StoreFull
 from forwarder.imds import ImdsError
 
 # ForwarderHealth.lastPollError's bound.
@@ -44,25 +44,31 @@ def spool_heartbeat(
     counters: dict[str, int],
     polls: PollHealth,
     listener_connected: bool | None,
-) -> None:
+) -> SpooledEnvelope | None:
     """Spool one heartbeat. `counters` are the daemon's (the store adds its own); `listener_connected` is None
-    when no relay listener is configured."""
+    when no relay listener is configured. When the state directory is full, the heartbeat is built under a
+    sequence of the store's reserve and given back, to be sent from memory (None when the reserve is used up);
+    it says since when the directory is full."""
     stored = store.counters()
     depth = store.depth()
     carried = {"invalid_documents": 0, "invalid_events": 0, **stored, **counters, "spool_depth": depth}
-    health = ForwarderHealth(
-        lastGoodPollAt=polls.last_good_poll,
-        pollErrors=counters["imds_errors"],
-        consecutivePollErrors=polls.consecutive_errors,
-        lastPollError=polls.last_error,
-        spoolDepth=depth,
-        dropped=stored.get("spool_dropped", 0),
-        sendErrors=counters["send_failures"],
-        listenerConnected=listener_connected,
-    )
     observed = datetime.now(UTC)
 
     def build(sequence: int) -> bytes:
+        # The store's own health as it is when the heartbeat is built: after a failed write, that failure too.
+        health = ForwarderHealth(
+            lastGoodPollAt=polls.last_good_poll,
+            pollErrors=counters["imds_errors"],
+            consecutivePollErrors=polls.consecutive_errors,
+            lastPollError=polls.last_error,
+            spoolDepth=depth,
+            dropped=stored.get("spool_dropped", 0),
+            sendErrors=counters["send_failures"],
+            listenerConnected=listener_connected,
+            stateFullSince=store.full_since,
+            stateWriteErrors=store.write_errors,
+            lastStateError=store.last_error,
+        )
         # Unknown envelope fields are kept by contract; the counters let the coordinator see a sick VM.
         return Envelope.model_validate(
             {
@@ -77,4 +83,9 @@ def spool_heartbeat(
             }
         ).to_json_bytes()
 
-    store.enqueue("heartbeat", build)
+    try:
+        store.enqueue("heartbeat", build)
+    except StoreFull:
+        sequence = store.take_unspooled()
+        return None if sequence is None else SpooledEnvelope(-1, sequence, "heartbeat", build(sequence))
+    return None

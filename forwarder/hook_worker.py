@@ -22,9 +22,10 @@ from pydantic import TypeAdapter, ValidationError
 from contracts.document import ScheduledEvent
 from contracts.envelope import Envelope, HookPhase, HookReport, HookStep, VmIdentity
 from forwarder import __version__
-from forwarder.durable_state import HookJob, Store
+from forwarder.durable_state import HookJob, Store, StoreFull
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.logs import fields
+from forwarder.retry import Backoff
 from forwarder.telemetry import TRACEPARENT, TRACESTATE, parent, traceparent
 
 log = logging.getLogger("forwarder")
@@ -82,6 +83,7 @@ class HookWorker:
             self._spool_report(identity, report, done=job, context=(job.traceparent, job.tracestate))
 
     def run(self, identity: VmIdentity) -> None:
+        backoff = Backoff(initial=1.0, maximum=60.0)
         while not self._stop.is_set():
             jobs = self._store.hook_jobs("pending")
             if not jobs:
@@ -91,7 +93,15 @@ class HookWorker:
             for job in jobs:
                 if self._stop.is_set():
                     return
-                self._run_phase(identity, job)
+                try:
+                    self._run_phase(identity, job)
+                except StoreFull:
+                    # Not started (it could not be marked running, so it would run again after a crash): the
+                    # phase stays pending and is tried again when the disk has room.
+                    log.error("a hook phase waits for room on the state disk", extra=fields(event_id=job.event_id))
+                    self._stop.wait(backoff.next_delay())
+                    break
+                backoff.reset()
 
     def _run_phase(self, identity: VmIdentity, job: HookJob) -> None:
         event = ScheduledEvent.model_validate_json(job.event)
@@ -99,7 +109,11 @@ class HookWorker:
         self._store.mark_hook_running(job)
 
         def progress(hook: str, finished: tuple[HookStep, ...]) -> None:
-            self._store.mark_hook_running(job, step=hook, steps=_STEPS.dump_json(list(finished)).decode())
+            try:
+                self._store.mark_hook_running(job, step=hook, steps=_STEPS.dump_json(list(finished)).decode())
+            except StoreFull:
+                # Only what a crash would report as interrupted: the phase goes on.
+                log.warning("the running hook could not be recorded (state disk full)", extra=fields(hook=hook))
 
         # The phase, in the trace of the change that queued it; its report is sent in that span's context.
         span = self._tracer.start_span(
@@ -145,12 +159,21 @@ class HookWorker:
                 hook=report,
             ).to_json_bytes()
 
-        self._store.enqueue(
-            "hook",
-            build,
-            hook_done=(done.event_id, done.phase),
-            hook_outcome=report.outcome,
-            traceparent=context[0],
-            tracestate=context[1],
-        )
+        backoff = Backoff(initial=1.0, maximum=60.0)
+        while True:
+            try:
+                self._store.enqueue(
+                    "hook",
+                    build,
+                    hook_done=(done.event_id, done.phase),
+                    hook_outcome=report.outcome,
+                    traceparent=context[0],
+                    tracestate=context[1],
+                )
+                break
+            except StoreFull:
+                # The phase has run: its report waits here for room, never runs it again. Stopped first, the phase
+                # is still marked running, and the restart reports it interrupted.
+                if self._stop.wait(backoff.next_delay()):
+                    return
         self._spooled()

@@ -19,6 +19,8 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from contracts import bounded_json
+from contracts.attestation import ATTESTED_API_VERSION, Attestation, AttestationError, read_content
 from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, VmIdentity
 from forwarder.keepalive import KeepAliveConnection, build_request
@@ -29,6 +31,7 @@ DEFAULT_IMDS_URL = "http://169.254.169.254"
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
 COMPUTE_PATH = "/metadata/instance/compute?api-version=2021-02-01"
 IDENTITY_TOKEN_PATH = "/metadata/identity/oauth2/token?api-version=2018-02-01"  # noqa: S105 - a path
+ATTESTED_PATH = f"/metadata/attested/document?api-version={ATTESTED_API_VERSION}"
 # The first scheduled-events request switches the service on and may take up to two minutes.
 FIRST_CALL_TIMEOUT = 130.0
 # IMDS switches Scheduled Events off after 24 hours without a request; the next call is a first call again.
@@ -95,9 +98,9 @@ def read_document(raw: bytes) -> ParsedDocument:
     is set aside (in `invalid`) and the others are kept, so that it costs nobody their maintenance window.
     """
     try:
-        data: Any = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise ImdsInvalidResponse(f"scheduled-events document is invalid: Invalid JSON: {exc}", body=raw) from None
+        data: Any = bounded_json.loads(raw, max_bytes=MAX_BODY)
+    except bounded_json.JsonRefused as exc:  # not JSON, or nested too deep to walk safely
+        raise ImdsInvalidResponse(f"scheduled-events document is invalid: {exc}", body=raw) from None
     if not isinstance(data, dict):
         raise ImdsInvalidResponse("scheduled-events document is invalid: document: not a JSON object", body=raw)
     items = data.get("Events", [])
@@ -272,12 +275,25 @@ class ImdsClient:
         """This VM's identity from instance metadata (compute.name is what `Resources` lists; never the hostname)."""
         raw = self._request("GET", COMPUTE_PATH)
         try:
-            compute: Any = json.loads(raw)
+            compute: Any = bounded_json.loads(raw, max_bytes=MAX_BODY)
             if not isinstance(compute, dict):
                 raise ValueError("expected a JSON object")
             return identity_of(compute)
         except (ValueError, ValidationError) as exc:
             raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
+
+    def get_attestation(self, nonce: str) -> Attestation:
+        """IMDS's attested document signing ``nonce`` (10 digits, contracts.attestation). Raises
+        ImdsInvalidResponse when IMDS signed another nonce (it may answer from its cache): ask again later."""
+        raw = self._request("GET", f"{ATTESTED_PATH}&nonce={nonce}")
+        try:
+            attestation = Attestation.model_validate_json(raw)
+            signed = read_content(attestation).nonce
+        except (ValidationError, AttestationError) as exc:
+            raise ImdsInvalidResponse(f"attested document is invalid: {str(exc)[:300]}") from None
+        if signed != nonce:
+            raise ImdsInvalidResponse(f"IMDS signed nonce {signed!r}, not {nonce!r} (an answer from its cache)")
+        return attestation
 
     def get_token(self, resource: str, *, client_id: str | None = None) -> ManagedIdentityToken:
         """An access token for `resource` from the VM's managed identity (user-assigned when client_id is given)."""

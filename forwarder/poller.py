@@ -76,7 +76,8 @@ class Poller:
             log.warning("the remembered document is unreadable; the next document is forwarded as new")
 
     def poll_once(self, identity: VmIdentity) -> Change | None:
-        """Read the document once; spool an envelope and queue hooks if it changed. Raises ImdsError."""
+        """Read the document once; spool an envelope and queue hooks if it changed. Raises ImdsError, and
+        StoreFull when the change could not be spooled (it is read as a change again next time)."""
         polled_at = time.time_ns()  # the start of the forwarder.detect span, if this poll sees a change
         raw = self._imds.get_document_bytes()
         self._counters["polls"] += 1
@@ -86,8 +87,8 @@ class Poller:
             parsed = read_document(raw)
         except ImdsInvalidResponse as exc:
             if raw != self._last_bad:
+                self._store.reject(str(exc), raw)  # before it counts as seen: a full disk retries it
                 self._last_bad = raw
-                self._store.reject(str(exc), raw)
                 log.error(
                     "invalid scheduled-events document set aside; nothing forwarded and no hook run",
                     extra=fields(reason=str(exc), body=raw[:200].decode("utf-8", errors="replace")),
@@ -98,8 +99,8 @@ class Poller:
         self._set_aside(parsed.invalid)
         set_aside = frozenset(bad.event_id for bad in parsed.invalid if bad.event_id is not None)
         change = detect(self._last_document, self._last_canonical, document, vm_name=identity.name, set_aside=set_aside)
-        self._last_raw = raw
         if change is None:
+            self._last_raw = raw
             return None
         observed = datetime.now(UTC)
 
@@ -142,6 +143,9 @@ class Poller:
                 tracestate=span_state,
             )
             detect_span.set_attribute("scheduled_events.sequence", sequence)
+        # Only once the change is spooled: when the store could not take it (StoreFull, a full disk), the same bytes
+        # are read as a change again at the next poll, so it is never lost.
+        self._last_raw = raw
         self._last_document, self._last_canonical = document, change.canonical
         self._counters["changes"] += 1
         log.info(
@@ -172,12 +176,12 @@ class Poller:
 
     def _set_aside(self, invalid: tuple[InvalidEvent, ...]) -> None:
         """Count, keep and log each invalid event once per distinct content (it stays bad at every poll)."""
-        seen = self._bad_events
-        self._bad_events = frozenset(bad.body for bad in invalid)
+        self._bad_events &= frozenset(bad.body for bad in invalid)
         for bad in invalid:
-            if bad.body in seen:
+            if bad.body in self._bad_events:
                 continue
             self._store.reject(bad.reason, bad.body, counter="invalid_events")
+            self._bad_events |= {bad.body}  # once counted (a full disk raises before: counted at the next poll)
             log.error(
                 "invalid scheduled event set aside; the document's other events are forwarded, no hook runs for it",
                 extra=fields(reason=bad.reason, event_id=bad.event_id, body=bad.body[:200].decode("utf-8", "replace")),

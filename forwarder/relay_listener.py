@@ -5,7 +5,10 @@ There is no maintained Python data-plane SDK for Hybrid Connections, so this spe
 
 - control channel ``{endpoint}/$hc/{hc}?sb-hc-action=listen``, token in the ``ServiceBusAuthorization`` header;
 - ``request`` messages (JSON text frame, then the body as one binary message — the WebSocket library reassembles
-  fragments until FIN), answered with a ``response`` text frame and the body as a binary message;
+  fragments until FIN), answered with a ``response`` text frame and the body as a binary message. Each request is
+  framed on its own: one that announces a body and is followed by a text frame is refused (400) and that frame is
+  read as the next message, never as the body (it is the next request: taking it as a body swallowed it); one
+  that is JSON but not a valid request is refused (400) by its id;
 - a ``request`` with only ``address`` is a rendezvous: the request arrives on a WebSocket opened to that address
   and is answered there; a response larger than 64 kB is sent on a rendezvous socket as well;
 - ``accept`` (a WebSocket sender) is not part of our protocol and is declined with the documented reject gesture;
@@ -45,6 +48,7 @@ from forwarder.relay_protocol import (
     WireAccept,
     WireRequest,
     relay_request,
+    request_id_of,
     response_frame,
     with_query,
 )
@@ -218,26 +222,27 @@ class RelayListener:
     def _serve(self, control: ClientConnection, token: RelayToken, pool: ThreadPoolExecutor) -> None:
         send_lock = threading.Lock()
         renew_at = self._renew_time(token)
+        # A text frame read where a request's body was due: the next message, read next.
+        pending: str | None = None
         while not self._stopping.is_set():
-            try:
-                message = control.recv(timeout=max(0.0, renew_at - time.time()))
-            except TimeoutError:
-                renew_at = self._renew(control, send_lock)
-                continue
+            message: str | bytes
+            if pending is not None:
+                message, pending = pending, None
+            else:
+                try:
+                    message = control.recv(timeout=max(0.0, renew_at - time.time()))
+                except TimeoutError:
+                    renew_at = self._renew(control, send_lock)
+                    continue
             if isinstance(message, bytes):
                 self.stats.add("protocol_errors")
                 logger.warning("relay listener %s: unexpected binary frame ignored", self.hybrid_connection)
                 continue
-            try:
-                parsed = ControlMessage.model_validate_json(message)
-            except ValidationError as error:
-                self.stats.add("protocol_errors")
-                logger.warning(
-                    "relay listener %s: malformed control message ignored: %s", self.hybrid_connection, error
-                )
+            parsed = self._parse(control, send_lock, message)
+            if parsed is None:
                 continue
             if parsed.request is not None:
-                self._on_request(control, send_lock, parsed.request, pool)
+                pending = self._on_request(control, send_lock, parsed.request, pool)
             elif parsed.accept is not None:
                 self._submit(pool, self._decline_accept, parsed.accept)
             else:
@@ -272,28 +277,61 @@ class RelayListener:
         self.stats.add("token_renewals")
         return self._renew_time(token)
 
+    def _parse(self, socket: ClientConnection, lock: threading.Lock, message: str) -> ControlMessage | None:
+        """The control message, or None when it is not one: counted, and refused by its id when it has one."""
+        try:
+            return ControlMessage.model_validate_json(message)
+        except ValidationError as error:
+            self.stats.add("protocol_errors")
+            logger.warning("relay listener %s: malformed control message ignored: %s", self.hybrid_connection, error)
+            request_id = request_id_of(message, max_bytes=CONTROL_CHANNEL_LIMIT + 32 * 1024)
+            if request_id is not None:
+                self._refuse(socket, lock, request_id, "malformed request message")
+            return None
+
+    def _read_body(self, socket: ClientConnection, wire: WireRequest) -> tuple[bytes | None, str | None]:
+        """The request's body (b"" when it announced none), or None when it did not arrive as the next frame, a
+        binary one; and a text frame read in its place, which is the next message and not this body."""
+        if not wire.body:
+            return b"", None
+        try:
+            payload = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
+        except TimeoutError:
+            self.stats.add("protocol_errors")
+            logger.warning("relay listener %s: request %s body never arrived", self.hybrid_connection, wire.id)
+            return None, None
+        if isinstance(payload, bytes):
+            return payload, None
+        self.stats.add("protocol_errors")
+        logger.warning(
+            "relay listener %s: request %s announced a body but a text frame came; refused, the frame read as the "
+            "next message",
+            self.hybrid_connection,
+            wire.id,
+        )
+        return None, payload
+
+    def _refuse(self, socket: ClientConnection, lock: threading.Lock, request_id: str, why: str) -> None:
+        try:
+            self._send_response(socket, lock, request_id, RelayResponse.json(400, {"error": why}))
+        except (ConnectionClosed, OSError, WebSocketException) as error:
+            logger.warning("relay listener %s: refusal of %s lost: %s", self.hybrid_connection, request_id, error)
+
     def _on_request(
         self, control: ClientConnection, send_lock: threading.Lock, wire: WireRequest, pool: ThreadPoolExecutor
-    ) -> None:
+    ) -> str | None:
+        """Serves one request; gives back a text frame read where its body was due (the next message)."""
         if wire.method is None:
             # Too large or streamed for the control channel: the request waits for us at the rendezvous address.
             self.stats.add("rendezvous")
             self._submit(pool, self._serve_rendezvous, wire.address)
-            return
-        body = b""
-        if wire.body:
-            try:
-                payload = control.recv(timeout=REQUEST_DEADLINE_SECONDS)
-            except TimeoutError:
-                self.stats.add("protocol_errors")
-                logger.warning("relay listener %s: request %s body never arrived", self.hybrid_connection, wire.id)
-                return
-            if not isinstance(payload, bytes):
-                self.stats.add("protocol_errors")
-                logger.warning("relay listener %s: request %s body was not binary", self.hybrid_connection, wire.id)
-                payload = payload.encode("utf-8")
-            body = payload
+            return None
+        body, following = self._read_body(control, wire)
+        if body is None:
+            self._refuse(control, send_lock, wire.id, "the request's body did not arrive as one binary frame")
+            return following
         self._submit(pool, self._answer_on_control, control, send_lock, wire, body)
+        return None
 
     def _answer_on_control(
         self, control: ClientConnection, send_lock: threading.Lock, wire: WireRequest, body: bytes
@@ -312,23 +350,31 @@ class RelayListener:
         try:
             with connect(address, open_timeout=self._open_timeout, max_size=None, ping_interval=None) as socket:
                 lock = threading.Lock()
+                pending: str | None = None
                 while not self._stopping.is_set():
-                    message = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
+                    message: str | bytes
+                    if pending is not None:
+                        message, pending = pending, None
+                    else:
+                        message = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
                     if isinstance(message, bytes):
                         self.stats.add("protocol_errors")
                         continue
-                    wire = ControlMessage.model_validate_json(message).request
+                    parsed = self._parse(socket, lock, message)
+                    if parsed is None:
+                        continue
+                    wire = parsed.request
                     if wire is None or wire.method is None:
                         self.stats.add("protocol_errors")
                         continue
-                    body = b""
-                    if wire.body:
-                        payload = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
-                        body = payload if isinstance(payload, bytes) else payload.encode("utf-8")
+                    body, pending = self._read_body(socket, wire)
+                    if body is None:
+                        self._refuse(socket, lock, wire.id, "the request's body did not arrive as one binary frame")
+                        continue
                     self._send_response(socket, lock, wire.id, self._handle(wire, body))
         except ConnectionClosed:
             pass  # the sender is done; dropping the socket is how a rendezvous ends
-        except (OSError, TimeoutError, WebSocketException, ValidationError) as error:
+        except (OSError, TimeoutError, WebSocketException) as error:
             logger.warning("relay listener %s: rendezvous failed: %s", self.hybrid_connection, error)
 
     def _handle(self, wire: WireRequest, body: bytes) -> RelayResponse:

@@ -16,6 +16,8 @@ from urllib.parse import urlencode, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts import bounded_json
+
 # RFC 7230 connection headers must not appear in a response (protocol doc, "response" message).
 _HOP_BY_HOP = frozenset({"connection", "content-length", "host", "te", "trailer", "transfer-encoding", "upgrade"})
 _HOP_BY_HOP_CLOSE = _HOP_BY_HOP | {"close"}
@@ -113,6 +115,18 @@ def response_frame(request_id: str, response: RelayResponse) -> str:
         }
     }
     return json.dumps(message, separators=(",", ":"))
+
+
+def request_id_of(message: str, *, max_bytes: int) -> str | None:
+    """The ``request.id`` of a control message that is JSON but not a valid request, so that it can be refused
+    on its own; None when there is none to answer."""
+    try:
+        data = bounded_json.loads(message, max_bytes=max_bytes)
+    except bounded_json.JsonRefused:
+        return None
+    request = data.get("request") if isinstance(data, dict) else None
+    request_id = request.get("id") if isinstance(request, dict) else None
+    return request_id if isinstance(request_id, str) and request_id else None
 
 
 def with_query(address: str, params: Mapping[str, str]) -> str:

@@ -21,6 +21,7 @@ import requests
 from pydantic import ValidationError
 
 from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.attestation import ATTESTED_API_VERSION, Attestation, decision_nonce
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
@@ -48,6 +49,7 @@ class DirectImdsCallback:
         timeout: float = 5.0,
         session: requests.Session | None = None,
         hook_ledger: HookLedger | None = None,
+        prove: bool = True,
     ) -> None:
         host = urlsplit(base_url).hostname
         if host not in ("127.0.0.1", "localhost", "::1"):
@@ -56,6 +58,8 @@ class DirectImdsCallback:
         self._timeout = timeout
         self._session = session or requests.Session()
         self._hook_ledger = hook_ledger
+        # Answer with the VM's attested document for the decision, as its listener does (off: as an older one).
+        self._prove = prove
 
     def _url(self, vm: VmIdentity) -> str:
         return f"{self._base}/vm/{quote(vm.name, safe='')}/metadata/scheduledevents?api-version={API_VERSION}"
@@ -65,6 +69,8 @@ class DirectImdsCallback:
         headers = {"Metadata": "true"}
         ledger = self._hook_ledger
         prepare_outcome = functools.partial(ledger, vm.name) if ledger is not None else None
+        # The proof first, as the listener takes it: a VM whose delete this starts has no IMDS a moment later.
+        proof = self._proof(request.decisionId, vm)
         try:
             current = self._session.get(url, headers=headers, timeout=self._timeout)
             if current.status_code != 200:
@@ -78,6 +84,7 @@ class DirectImdsCallback:
                     decisionId=request.decisionId,
                     documentIncarnation=document.DocumentIncarnation,
                     reason=reason,
+                    attestation=proof,
                 )
             posted = self._session.post(
                 url, headers=headers, json={"StartRequests": [{"EventId": request.eventId}]}, timeout=self._timeout
@@ -91,7 +98,22 @@ class DirectImdsCallback:
             eventId=request.eventId,
             decisionId=request.decisionId,
             documentIncarnation=document.DocumentIncarnation,
+            attestation=proof,
         )
+
+    def _proof(self, decision_id: str, vm: VmIdentity) -> Attestation | None:
+        """The VM's attested document for the decision, as its listener takes it (forwarder/approver.py)."""
+        if not self._prove:
+            return None
+        url = (
+            f"{self._base}/vm/{quote(vm.name, safe='')}/metadata/attested/document?api-version="
+            f"{ATTESTED_API_VERSION}&nonce={decision_nonce(decision_id)}"
+        )
+        try:
+            answer = self._session.get(url, headers={"Metadata": "true"}, timeout=self._timeout)
+            return Attestation.model_validate_json(answer.content) if answer.status_code == 200 else None
+        except (requests.RequestException, ValidationError):
+            return None  # answered without proof, as a listener whose IMDS refused it
 
 
 def direct_coordinator(
@@ -103,7 +125,10 @@ def direct_coordinator(
 
     @functools.cache
     def coordinator() -> Coordinator:
-        callback = DirectImdsCallback(base_url=imds_url, hook_ledger=hook_ledger)
-        return build_coordinator(settings(), callback=callback)
+        current = settings()
+        # Proofs only for a coordinator that requires them: one that does not still verifies a proof it is given,
+        # against trust anchors that, in such a test, need not be the emulator's.
+        callback = DirectImdsCallback(base_url=imds_url, hook_ledger=hook_ledger, prove=current.require_attestation)
+        return build_coordinator(current, callback=callback)
 
     return coordinator

@@ -4,6 +4,7 @@ record of events and approvals. Data flows one way: nothing here writes to the p
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 from collections import Counter
 from datetime import datetime
@@ -58,9 +59,12 @@ class HistoryTail:
             self._db = None
 
 
-def stored_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[tuple[StoredEvent, Envelope]], int]:
+def stored_envelopes(
+    eventhubs: EventHubsEmulator, hub: str, *, refused: frozenset[str] = frozenset()
+) -> tuple[list[tuple[StoredEvent, Envelope]], int]:
     """Every envelope stored in the hub with its stored event (partition by partition, in log order), and how many
-    messages were not a VM's envelope at all (hostile or foreign-keyed ones a test injected)."""
+    messages were not a VM's envelope at all (hostile or foreign-keyed ones a test injected, and those whose body's
+    SHA-256 is in ``refused``: set aside at the door, e.g. in another VM's name without its attested document)."""
     found: list[tuple[StoredEvent, Envelope]] = []
     other = 0
     for stored in eventhubs.all_events(hub):
@@ -70,6 +74,10 @@ def stored_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[tuple
             body: Any = message.body
             data = body if isinstance(body, bytes | str) else bytes(body)
             del message
+            raw = data.encode() if isinstance(data, str) else data
+            if hashlib.sha256(raw).hexdigest() in refused:
+                other += 1
+                continue
             envelope = Envelope.from_json_bytes(data)
         except (MessageError, ValidationError, ValueError, TypeError):
             other += 1
@@ -81,9 +89,11 @@ def stored_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[tuple
     return found, other
 
 
-def sent_envelopes(eventhubs: EventHubsEmulator, hub: str) -> tuple[list[Envelope], int]:
+def sent_envelopes(
+    eventhubs: EventHubsEmulator, hub: str, *, refused: frozenset[str] = frozenset()
+) -> tuple[list[Envelope], int]:
     """What the forwarders' sends achieved: every VM envelope stored in the hub, and the count of other messages."""
-    found, other = stored_envelopes(eventhubs, hub)
+    found, other = stored_envelopes(eventhubs, hub, refused=refused)
     return [envelope for _, envelope in found], other
 
 
@@ -181,7 +191,10 @@ def collect(
     cards_folder: Path | None = None,
     vm_names: dict[str, str] | None = None,
 ) -> RunFacts:
-    envelopes, _ = sent_envelopes(eventhubs, hub)
+    # What the coordinator refused at the door is no VM's word (dead letters are counted against the expected ones).
+    letters = store.dead_letters()
+    refused = frozenset(str(letter["BodySha256"]) for letter in letters)
+    envelopes, _ = sent_envelopes(eventhubs, hub, refused=refused)
     kinds, last_sent, sightings = sent_facts(envelopes)
     latencies: dict[str, list[float]] = {}
     # The approval's moment is when IMDS accepted StartRequests (the emulator records it); the history's Approval
@@ -206,7 +219,7 @@ def collect(
         last_sequence_applied=applied_positions(store),
         sightings_sent=sightings,
         sightings_logged=logged_sightings(history_path),
-        dead_letters=len(store.dead_letters()),
+        dead_letters=len(letters),
         failed_batches=failed_batches,
         expected_dead_letters=expected_dead_letters,
         latencies_ms=latencies,

@@ -31,11 +31,14 @@ from types import ModuleType, TracebackType
 from typing import IO, Any, Self
 from urllib.parse import urlsplit, urlunsplit
 
+import requests
+
 from coordinator.adapters.delivery_queue import DELIVERY_QUEUE
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.attested import ROOT_PATH
 from emulators.imds.event_grid import EventGridPublisher
 from emulators.imds.models import HealthPage, HookSpec, VmSpec
 from emulators.relay import RelayEmulator
@@ -524,6 +527,10 @@ class LocalStack:
             "COORDINATOR_RETIRE_GRACE_SECONDS": str(
                 max(1, math.ceil(RETIRE_GRACE_HEARTBEATS * self.options.heartbeat_interval))
             ),
+            # Attested documents are the IMDS emulator's, so its root is the trust anchor, as Microsoft's roots are
+            # in Azure; its issuing CA is fetched from the signing certificate's CA Issuers URL, on the emulator.
+            "COORDINATOR_ATTESTATION_TRUST_ANCHORS": str(self._imds_root()),
+            "COORDINATOR_ATTESTATION_ISSUER_URLS": self.imds.url + "/_emulator/pki/",
         }
         # Approvals not answered within a run's few seconds continue through the delivery queue, in Azurite.
         env["COORDINATOR_DELIVERY_QUEUE_URL"] = url
@@ -558,6 +565,13 @@ class LocalStack:
         copy = self.workdir / POLICY_COPY
         copy.write_text(served_policy(policy.read_text(encoding="utf-8"), self.health_pages.served), encoding="utf-8")
         return copy
+
+    def _imds_root(self) -> Path:
+        """The IMDS emulator's root certificate, as it serves it, in the work folder."""
+        assert self.imds is not None
+        path = self.workdir / "imds-root.pem"
+        path.write_bytes(requests.get(self.imds.url + ROOT_PATH, timeout=10).content)
+        return path
 
     def _approve_directly(self) -> None:
         """Without the Relay emulator, approvals go straight into the IMDS emulator (local/direct_callback.py), judged

@@ -33,8 +33,11 @@ from azure.core.pipeline.policies import (
     RetryPolicy,
     UserAgentPolicy,
 )
+from azure.core.pipeline.transport import RequestsTransport
 from azure.core.rest import HttpRequest, HttpResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.adapters import deadline
 
 __all__ = [
     "DELIVERY_QUEUE",
@@ -49,6 +52,9 @@ DELIVERY_QUEUE = "approval-deliveries"
 STORAGE_SCOPE = "https://storage.azure.com/.default"
 # Entra ID (Bearer) needs 2017-11-09 or later.
 API_VERSION = "2021-12-02"
+# The total deadline of one Put Message, its retries included: a run hands an approval over after its own 3 s, and
+# the queue must not hold it much longer (one that is not queued is the timer's after its grace).
+PUT_DEADLINE_SECONDS = 5.0
 # A message older than an hour continues nothing: the longest routine notice is 15 minutes, and the timer takes an
 # approval over once its handover grace has passed.
 MESSAGE_TTL = timedelta(hours=1)
@@ -82,7 +88,11 @@ class StorageQueueDeliveries:
     ``AzureSasCredential`` (Azurite)."""
 
     def __init__(
-        self, *, queue_url: str, credential: TokenCredential | AzureSasCredential, timeout: float = 5.0
+        self,
+        *,
+        queue_url: str,
+        credential: TokenCredential | AzureSasCredential,
+        deadline_seconds: float = PUT_DEADLINE_SECONDS,
     ) -> None:
         self.queue_url = queue_url.rstrip("/")
         auth = (
@@ -90,19 +100,20 @@ class StorageQueueDeliveries:
             if isinstance(credential, AzureSasCredential)
             else BearerTokenCredentialPolicy(credential, STORAGE_SCOPE)
         )
-        # Two quick retries: a handover that cannot be queued within seconds is the timer's (its grace), and the
-        # run that hands it over must not wait long for the queue either.
+        # Two quick retries within the total deadline: a handover that cannot be queued within seconds is the
+        # timer's (its grace), and the run that hands it over must not wait long for the queue either.
         self._client: PipelineClient[HttpRequest, HttpResponse] = PipelineClient(
             base_url=self.queue_url,
+            transport=RequestsTransport(session=deadline.session()),
             policies=[
                 HeadersPolicy({"x-ms-version": API_VERSION}),
                 UserAgentPolicy(sdk_moniker="scheduled-events-coordinator/delivery-queue"),
-                RetryPolicy(retry_total=2, retry_backoff_factor=0.2, retry_backoff_max=1, timeout=timeout),
+                RetryPolicy(retry_total=2, retry_backoff_factor=0.2, retry_backoff_max=1, timeout=deadline_seconds),
                 auth,
                 HttpLoggingPolicy(),
             ],
         )
-        self._timeout = timeout
+        self._deadline = deadline_seconds
 
     def put(self, delivery: QueuedDelivery) -> None:
         # Base64 (letters, digits, +, /, =) needs no XML escaping.
@@ -115,8 +126,9 @@ class StorageQueueDeliveries:
             content=f"<QueueMessage><MessageText>{text}</MessageText></QueueMessage>",
         )
         try:
-            response = self._client.send_request(request, connection_timeout=self._timeout, read_timeout=self._timeout)
-        except AzureError as error:
+            with deadline.deadline(self._deadline, f"Put Message to {self.queue_url}"):
+                response = self._client.send_request(request)
+        except (AzureError, deadline.DeadlineExceeded) as error:
             raise DeliveryQueueError(f"the delivery queue {self.queue_url} could not be reached: {error}") from error
         if response.status_code != 201:
             raise DeliveryQueueError(

@@ -3,9 +3,10 @@ state, a Log Analytics query) and gives ``GateResult``s for the pure rules (coor
 
 A ``GateReader`` is made per batch/tick (``pipeline/decide.py``'s ``Fleet`` holds one) and reads each gate at
 most once: every event decided in that batch/tick sees the same answer. A gate that cannot be read is an error,
-which holds like a failing one (an unreadable health signal approves nothing). Azure Monitor is read with the
-coordinator's identity through ``AzureMonitorReader``, whose two calls are the narrowest seam a test can stand in
-for (no local Azure Monitor exists).
+which holds like a failing one (an unreadable health signal approves nothing); so is an answer that is not what the
+gate reads (``{}``, a renamed field, Log Analytics' partial error with HTTP 200), with the reason. Azure Monitor is
+read with the coordinator's identity through ``AzureMonitorReader``, whose two calls are the narrowest seam a test
+can stand in for (no local Azure Monitor exists).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-import requests
 from azure.core.credentials import TokenCredential
 
+from coordinator.adapters import deadline
 from coordinator.domain.controls import AlertGate, Gate, GateResult, HttpGate, LogQueryGate
 
 log = logging.getLogger("coordinator")
@@ -25,9 +26,54 @@ LOGS_ENDPOINT = "https://api.loganalytics.io"
 ARM_ENDPOINT = "https://management.azure.com"
 # Alerts Management API: the version that lists alerts filtered by alert rule and monitor condition.
 ALERTS_API_VERSION = "2019-05-05-preview"
-MONITOR_TIMEOUT_SECONDS = 10.0
+# The total deadline of one Azure Monitor read (the token, the request, every byte of the answer): a gate is read
+# once per batch or tick, which waits for it.
+MONITOR_DEADLINE_SECONDS = 10.0
 # Bytes of a probe's or query's answer read at most: a gate needs a status or a row count, never a page.
 MAX_ANSWER_BYTES = 1 << 20
+
+
+class GateUnreadable(ValueError):
+    """Azure Monitor answered, but not with what the gate reads (an empty object, a renamed field, a partial error):
+    the gate's state is unknown, so it holds like a failure, with this reason."""
+
+
+def fired_count(body: Any) -> int:
+    """Fired alerts in an Alerts Management list answer (``{"value": [...], "nextLink": ...}``). An answer without
+    the ``value`` list is unreadable: counting it as no alert would pass a gate that no one has read."""
+    if not isinstance(body, dict) or not isinstance(body.get("value"), list):
+        raise GateUnreadable(f"the alerts answer has no 'value' list (keys: {_keys(body)})")
+    fired = len(body["value"])
+    if not fired and body.get("nextLink"):
+        raise GateUnreadable("the alerts answer's first page is empty but names a next page")
+    return fired
+
+
+def query_row_count(body: Any) -> int:
+    """Rows of a Log Analytics query answer (``{"tables": [{"name", "columns", "rows"}]}``). An answer with an
+    ``error`` is unreadable even with HTTP 200 (a partial result: the rows may be missing); so is one without
+    tables, or a table without its ``rows`` list."""
+    if not isinstance(body, dict):
+        raise GateUnreadable(f"the query answer is not an object ({type(body).__name__})")
+    if body.get("error"):
+        error = body["error"]
+        what = (error.get("message") or error.get("code")) if isinstance(error, dict) else error
+        raise GateUnreadable(f"the query answered with an error (a partial result): {str(what)[:200]}")
+    tables = body.get("tables")
+    if not isinstance(tables, list) or not tables:
+        raise GateUnreadable(f"the query answer has no 'tables' list (keys: {_keys(body)})")
+    rows = 0
+    for index, table in enumerate(tables):
+        if not isinstance(table, dict) or not isinstance(table.get("rows"), list):
+            raise GateUnreadable(f"table {index} of the query answer has no 'rows' list")
+        rows += len(table["rows"])
+    return rows
+
+
+def _keys(body: Any) -> str:
+    if not isinstance(body, dict):
+        return f"not an object but {type(body).__name__}"
+    return ", ".join(sorted(str(key)[:40] for key in body)[:10]) or "none"
 
 
 class MonitorReader(Protocol):
@@ -48,44 +94,44 @@ class AzureMonitorReader:
         credential: TokenCredential,
         arm_endpoint: str = ARM_ENDPOINT,
         logs_endpoint: str = LOGS_ENDPOINT,
-        session: requests.Session | None = None,
+        deadline_seconds: float = MONITOR_DEADLINE_SECONDS,
     ) -> None:
         self._credential = credential
         self._arm = arm_endpoint.rstrip("/")
         self._logs = logs_endpoint.rstrip("/")
-        self._session = session or requests.Session()
+        self._deadline = deadline_seconds
+        self._session = deadline.session()
 
     def _token(self, endpoint: str) -> str:
         return self._credential.get_token(f"{endpoint}/.default").token
 
     def fired_alerts(self, gate: AlertGate) -> int:
         subscription = gate.alertRuleId.split("/")[2]
-        response = self._session.get(
-            f"{self._arm}/subscriptions/{subscription}/providers/Microsoft.AlertsManagement/alerts",
-            params={
-                "api-version": ALERTS_API_VERSION,
-                "alertRule": gate.alertRuleId,
-                "monitorCondition": "Fired",
-                "timeRange": "1d",
-            },
-            headers={"Authorization": f"Bearer {self._token(self._arm)}"},
-            timeout=MONITOR_TIMEOUT_SECONDS,
-        )
-        response.raise_for_status()
-        body: Any = response.json()
-        return len(body.get("value", [])) if isinstance(body, dict) else 0
+        with deadline.deadline(self._deadline, f"alerts of {gate.alertRuleId[-200:]}"):
+            response = self._session.get(
+                f"{self._arm}/subscriptions/{subscription}/providers/Microsoft.AlertsManagement/alerts",
+                params={
+                    "api-version": ALERTS_API_VERSION,
+                    "alertRule": gate.alertRuleId,
+                    "monitorCondition": "Fired",
+                    "timeRange": "1d",
+                },
+                headers={"Authorization": f"Bearer {self._token(self._arm)}"},
+                timeout=self._deadline,
+            )
+            response.raise_for_status()
+            return fired_count(response.json())
 
     def query_rows(self, gate: LogQueryGate) -> int:
-        response = self._session.post(
-            f"{self._logs}/v1/workspaces/{gate.workspaceId}/query",
-            json={"query": gate.query, "timespan": gate.timespan},
-            headers={"Authorization": f"Bearer {self._token(self._logs)}"},
-            timeout=MONITOR_TIMEOUT_SECONDS,
-        )
-        response.raise_for_status()
-        body: Any = response.json()
-        tables = body.get("tables", []) if isinstance(body, dict) else []
-        return sum(len(table.get("rows", [])) for table in tables if isinstance(table, dict))
+        with deadline.deadline(self._deadline, f"query of workspace {gate.workspaceId}"):
+            response = self._session.post(
+                f"{self._logs}/v1/workspaces/{gate.workspaceId}/query",
+                json={"query": gate.query, "timespan": gate.timespan},
+                headers={"Authorization": f"Bearer {self._token(self._logs)}"},
+                timeout=self._deadline,
+            )
+            response.raise_for_status()
+            return query_row_count(response.json())
 
 
 class GateReader:
@@ -96,11 +142,10 @@ class GateReader:
         gates: Mapping[str, Gate],
         *,
         monitor: MonitorReader | None = None,
-        session: requests.Session | None = None,
     ) -> None:
         self._gates = gates
         self._monitor = monitor
-        self._session = session or requests.Session()
+        self._session = deadline.session()
         self._results: dict[str, GateResult] = {}
 
     def results(self, names: Iterable[str]) -> dict[str, GateResult]:
@@ -130,7 +175,13 @@ class GateReader:
             return GateResult("error", f"{type(error).__name__}: {str(error)[:200]}")
 
     def _probe(self, gate: HttpGate) -> GateResult:
-        with self._session.get(gate.url, timeout=gate.timeoutSeconds, stream=True, allow_redirects=False) as answer:
+        # timeoutSeconds is the probe's total deadline, answer included: a page that trickles is cut there (the
+        # per-read timeout, a second longer, never speaks first).
+        per_read = gate.timeoutSeconds + 1
+        with (
+            deadline.deadline(gate.timeoutSeconds, f"probe {gate.url[:200]}"),
+            self._session.get(gate.url, timeout=per_read, stream=True, allow_redirects=False) as answer,
+        ):
             answer.raw.read(MAX_ANSWER_BYTES, decode_content=True)
             if answer.status_code in gate.expectStatus:
                 return GateResult("passing", f"HTTP {answer.status_code}")

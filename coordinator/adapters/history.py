@@ -18,11 +18,17 @@ from typing import Any, Protocol
 
 from azure.core.credentials import TokenCredential
 from azure.core.exceptions import AzureError
+from azure.core.pipeline.transport import RequestsTransport
 from azure.monitor.ingestion import LogsIngestionClient, LogsUploadError
 
+from coordinator.adapters import deadline
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
 
 log = logging.getLogger("coordinator.adapters.history")
+
+# The total deadline of one upload, the SDK's retries included: history is the last step of every run's tail,
+# which waits for it; rows not sent by then stay pending for the next write.
+UPLOAD_DEADLINE_SECONDS = 15.0
 
 _SQLITE_TYPES = {
     "datetime": "TEXT",
@@ -113,9 +119,13 @@ class LogsIngestionHistory:
         stream_name: str | None = None,
         max_pending: int = 50_000,
         enforce_https: bool = True,
+        deadline_seconds: float = UPLOAD_DEADLINE_SECONDS,
         client: LogsIngestionClient | None = None,
     ) -> None:
-        self._client = client or LogsIngestionClient(endpoint=endpoint, credential=credential)
+        self._client = client or LogsIngestionClient(
+            endpoint=endpoint, credential=credential, transport=RequestsTransport(session=deadline.session())
+        )
+        self._deadline = deadline_seconds
         self._rule_id = rule_id
         self._stream = stream_name or history_schema()["stream"]
         self._max_pending = max_pending
@@ -141,15 +151,18 @@ class LogsIngestionHistory:
                 log.warning("history upload failed for %d rows: %s", len(error.failed_logs), error.error)
 
             try:
-                # enforce_https is a per-call option of the SDK's pipeline (the constructor ignores it).
-                self._client.upload(
-                    rule_id=self._rule_id,
-                    stream_name=self._stream,
-                    logs=logs,
-                    on_error=on_error,
-                    enforce_https=self._enforce_https,
-                )
-            except AzureError as error:
+                # enforce_https is a per-call option of the SDK's pipeline (the constructor ignores it); timeout
+                # bounds its retries, the deadline every byte of every attempt.
+                with deadline.deadline(self._deadline, f"Logs Ingestion upload of {len(logs)} rows"):
+                    self._client.upload(
+                        rule_id=self._rule_id,
+                        stream_name=self._stream,
+                        logs=logs,
+                        on_error=on_error,
+                        enforce_https=self._enforce_https,
+                        timeout=self._deadline,
+                    )
+            except (AzureError, deadline.DeadlineExceeded) as error:
                 log.warning("history upload failed for %d rows: %s", len(logs), error)
                 failed = logs
             if len(failed) > self._max_pending:

@@ -29,13 +29,18 @@ from azure.core.pipeline.policies import (
     RetryPolicy,
     UserAgentPolicy,
 )
+from azure.core.pipeline.transport import RequestsTransport
 from azure.core.rest import HttpRequest, HttpResponse
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters import deadline
 
 API_VERSION = "2024-01-01"
 ARM_ENDPOINT = "https://management.azure.com"
 ARM_SCOPE = "https://management.azure.com/.default"
+# The total deadline of one ARM call, its retries included: a new VM's connection is ensured after its batch, and
+# the hourly housekeeping lists and deletes within a tick.
+ADMIN_DEADLINE_SECONDS = 20.0
 HYBRID_CONNECTION_PREFIX = "vm-"
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -109,6 +114,7 @@ class HybridConnectionAdmin:
         arm_endpoint: str = ARM_ENDPOINT,
         retry_total: int = 5,
         retry_backoff_factor: float = 0.8,
+        deadline_seconds: float = ADMIN_DEADLINE_SECONDS,
     ) -> None:
         parts = urlsplit(arm_endpoint)
         self._insecure_loopback = parts.scheme == "http" and parts.hostname in _LOOPBACK
@@ -118,12 +124,20 @@ class HybridConnectionAdmin:
             f"/subscriptions/{quote(subscription_id, safe='')}/resourceGroups/{quote(resource_group, safe='')}"
             f"/providers/Microsoft.Relay/namespaces/{quote(namespace, safe='')}"
         )
+        self._deadline = deadline_seconds
         self._client: PipelineClient[HttpRequest, HttpResponse] = PipelineClient(
             arm_endpoint.rstrip("/"),
+            transport=RequestsTransport(session=deadline.session()),
             policies=[
                 HeadersPolicy({"Accept": "application/json"}),
                 UserAgentPolicy(sdk_moniker="scheduled-events-coordinator/relay-admin"),
-                RetryPolicy(retry_total=retry_total, retry_backoff_factor=retry_backoff_factor, retry_backoff_max=60),
+                # timeout: the retries' total; deadline (in _send): every byte of every attempt.
+                RetryPolicy(
+                    retry_total=retry_total,
+                    retry_backoff_factor=retry_backoff_factor,
+                    retry_backoff_max=60,
+                    timeout=deadline_seconds,
+                ),
                 BearerTokenCredentialPolicy(credential, ARM_SCOPE),
                 HttpLoggingPolicy(),
             ],
@@ -192,9 +206,13 @@ class HybridConnectionAdmin:
         options: dict[str, Any] = {"enforce_https": False} if self._insecure_loopback else {}
         try:
             request.url = self._client.format_url(request.url)
-            return self._client.send_request(request, **options)
+            # send_request reads the whole answer (stream=False) within the deadline.
+            with deadline.deadline(self._deadline, f"ARM {request.method} {request.url}"):
+                return self._client.send_request(request, **options)
         except AzureError as error:  # raised only after the retry policy gave up
             raise RelayAdminError(f"ARM {request.method} {request.url} failed: {error.message}") from error
+        except deadline.DeadlineExceeded as error:
+            raise RelayAdminError(str(error)) from error
 
 
 def _parse(resource: Mapping[str, Any]) -> HybridConnection:

@@ -7,9 +7,10 @@ the W3C ``traceparent`` of the ``coordinator.approval`` span, so that the listen
 
 Retries (``coordinator.retry.backoff_delay``, full jitter) cover what a later attempt can fix: no listener
 connected (502/503), the listener did not answer in time (504), the listener could not reach IMDS (503), connection
-errors and timeouts. They stop at the request's ``expiresAt`` (the event's NotBefore: after it, approving is
-pointless) or ``max_retry_seconds`` (the coordinator's approval deadline), whichever is first. The listener is
-idempotent per decisionId, so a retry after a lost answer never approves twice.
+errors and timeouts. They stop at the request's deadline (its ``notAfter``, less the listener's clock tolerance:
+the listener refuses it from then, contracts/approval.py) or ``max_retry_seconds`` (the coordinator's approval
+deadline), whichever is first; a request already past it is not sent. The listener executes a decisionId at most
+once, so a retry after a lost answer never approves twice.
 
 "No listener" is the usual first answer, not a fault: a VM's listener connects only while its document holds an
 event it could approve (forwarder/on_demand.py), and it sees the event at about the time the coordinator decides.
@@ -19,7 +20,6 @@ a second; other failures back off up to ``backoff_maximum``.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -33,15 +33,18 @@ import requests
 from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
 from pydantic import ValidationError
 
-from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts import bounded_json
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from contracts.sas import sas_token
-from coordinator.adapters import telemetry
+from coordinator.adapters import deadline, telemetry
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.relay_admin import namespace_for_vm
 from coordinator.domain.retry import backoff_delay
 
 RELAY_SCOPE = "https://relay.azure.net/.default"
+# A listener's answer is a small JSON object; a larger one is not read as its refusal.
+MAX_ANSWER_BYTES = 64 * 1024
 APPROVE_PATH = "approve"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 SAS_LIFETIME_SECONDS = 300
@@ -103,7 +106,7 @@ class RelayApprovalSender:
         self._backoff_maximum = backoff_maximum
         self._listener_wait_maximum = listener_wait_maximum
         self._max_retry_seconds = max_retry_seconds
-        self._session = session or requests.Session()
+        self._session = session or deadline.session()
         self._clock = clock
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
 
@@ -129,13 +132,14 @@ class RelayApprovalSender:
         hybrid_connection = vm.hybrid_connection_name
         url = f"{endpoint}/{hybrid_connection}/{APPROVE_PATH}"
         body = request.model_dump_json().encode("utf-8")
-        budget = min((request.expiresAt - self._clock()).total_seconds(), seconds)
+        budget = min((request.deadline - NOT_AFTER_TOLERANCE - self._clock()).total_seconds(), seconds)
         if self._max_retry_seconds is not None:
             budget = min(budget, self._max_retry_seconds)
         if budget <= 0:
             raise ApprovalDeliveryError(
-                f"approval {request.decisionId} for event {request.eventId} expired at {request.expiresAt.isoformat()}"
-                " before it could be sent; decide again if the event is still pending"
+                f"approval {request.decisionId} for event {request.eventId} expired at {request.deadline.isoformat()}"
+                f" (the listener refuses it from {NOT_AFTER_TOLERANCE.total_seconds():g} s before then) and was not "
+                "sent; decided again when retried"
             )
         give_up_at = time.monotonic() + budget
         attempt = 0
@@ -178,14 +182,13 @@ class RelayApprovalSender:
         }
         # W3C trace context (traceparent): the listener's spans join the event's trace (adapters/telemetry.py).
         telemetry.inject(headers)
+        # ``timeout`` is the attempt's total deadline (the answer's every byte included), within the send's.
         try:
-            response = self._session.post(
-                url,
-                data=body,
-                headers=headers,
-                timeout=(min(self._connect_timeout, max(0.1, timeout)), max(0.1, timeout)),
-            )
-        except requests.RequestException as error:
+            with deadline.deadline(max(0.1, timeout), f"approval POST to {hybrid_connection}"):
+                response = self._session.post(
+                    url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))
+                )
+        except (requests.RequestException, deadline.DeadlineExceeded) as error:
             return _Retryable(f"{type(error).__name__}: {error}")
         status = response.status_code
         if status in RETRYABLE_STATUS:
@@ -243,8 +246,8 @@ def _listener_error(response: requests.Response) -> str | None:
     if not response.headers.get("Content-Type", "").startswith("application/json"):
         return None
     try:
-        payload = json.loads(response.content)
-    except ValueError:
+        payload = bounded_json.loads(response.content, max_bytes=MAX_ANSWER_BYTES)
+    except bounded_json.JsonRefused:
         return None
     if isinstance(payload, dict) and isinstance(payload.get("error"), str):
         return str(payload["error"])

@@ -11,6 +11,9 @@ Unlike the Relay path, no VM checks anything: the platform accepts the acknowled
 seen Started or gone. 429 and 5xx are retried within the request's deadline, honouring Retry-After, with the
 project's backoff; any other 4xx is reported at once with ARM's error code and message (404: no such event on
 that resource; 403: the identity lacks the role; 409: the event cannot be acknowledged now).
+
+No VM checks the request's ``notAfter`` on this path, so the sender does: no attempt starts later than the
+listener's refusal would (``NOT_AFTER_TOLERANCE`` before it), by the coordinator's clock.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from urllib.parse import quote
@@ -25,14 +29,18 @@ from urllib.parse import quote
 import requests
 from azure.core.credentials import TokenCredential
 
-from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts import bounded_json
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
+from coordinator.adapters import deadline
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.domain.retry import backoff_delay
 
 API_VERSION = "2023-10-01-preview"
 ARM_SCOPE = "https://management.azure.com/.default"
 ARM_ENDPOINT = "https://management.azure.com"
+# ARM's error answer is a small JSON object; a larger one is quoted, not parsed.
+MAX_ERROR_BYTES = 64 * 1024
 _UNIFORM_INSTANCE = re.compile(
     r"^(?P<scale_set>/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.Compute/"
     r"virtualMachineScaleSets/[^/]+)/virtualMachines/[^/]+$",
@@ -76,9 +84,9 @@ def _retry_after(response: requests.Response) -> float | None:
 def _arm_error(response: requests.Response) -> str:
     """ARM's error shape {"error": {"code", "message"}}, or the first characters of whatever came back."""
     try:
-        error = response.json().get("error", {})
+        error = bounded_json.loads(response.content, max_bytes=MAX_ERROR_BYTES).get("error", {})
         return f"{str(error.get('code', ''))[:100]}: {str(error.get('message', ''))[:400]}"
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError):  # bounded_json.JsonRefused is a ValueError
         return response.text[:300]
 
 
@@ -100,14 +108,16 @@ class RemoteAcknowledgeSender:
         attempt_timeout: float = 5.0,
         backoff: tuple[float, float] = (0.5, 4.0),
         rng: random.Random | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._credential = credential
+        self._clock = clock
         self._endpoint = endpoint.rstrip("/")
         self._deadline = deadline_seconds
         self._attempt_timeout = attempt_timeout
         self._backoff = backoff
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
-        self._session = requests.Session()
+        self._session = deadline.session()
 
     def url(self, event_id: str, vm: VmIdentity) -> str:
         target = acknowledge_target(vm)
@@ -123,16 +133,26 @@ class RemoteAcknowledgeSender:
         """``send`` that ends within ``seconds`` (or its own deadline, whichever is first): a run's share of the
         approval's time, the rest of which the delivery queue has (coordinator/pipeline/act.py)."""
         url = self.url(request.eventId, vm)
-        give_up = time.monotonic() + min(self._deadline, seconds)
+        # Retries end at the send's own deadline, its run's seconds or where a listener would refuse the request,
+        # whichever is first.
+        left = (request.deadline - NOT_AFTER_TOLERANCE - self._clock()).total_seconds()
+        if left <= 0:
+            raise ApprovalDeliveryError(
+                f"remote acknowledge of {request.eventId} not sent: it expired at {request.deadline.isoformat()} "
+                f"({request.notAfterReason or 'its deadline'}); decided again when retried"
+            )
+        give_up = time.monotonic() + min(self._deadline, left, seconds)
         attempt = 0
         while True:
             token = self._credential.get_token(ARM_SCOPE).token
-            timeout = max(0.1, min(self._attempt_timeout, give_up - time.monotonic()))
+            # Each attempt's total deadline (its answer's every byte included), never past the send's.
+            attempt_deadline = max(0.1, min(self._attempt_timeout, give_up - time.monotonic()))
             try:
-                response = self._session.post(
-                    url, headers={"Authorization": f"Bearer {token}"}, json={}, timeout=timeout
-                )
-            except requests.RequestException as error:
+                with deadline.deadline(attempt_deadline, f"acknowledge of {request.eventId[:128]}"):
+                    response = self._session.post(
+                        url, headers={"Authorization": f"Bearer {token}"}, json={}, timeout=attempt_deadline
+                    )
+            except (requests.RequestException, deadline.DeadlineExceeded) as error:
                 problem = f"ARM unreachable: {type(error).__name__}: {str(error)[:300]}"
                 wait: float | None = None
             else:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import requests
 
+from coordinator.adapters import deadline
 from coordinator.domain.cards import card_bytes
 from coordinator.domain.retry import backoff_delay
 
@@ -55,6 +56,7 @@ class TeamsWebhookSink:
         webhook_url: str,
         attempts: int = 3,
         timeout: float = 10.0,
+        deadline_seconds: float = 30.0,
         backoff_initial: float = 0.5,
         backoff_maximum: float = 8.0,
         session: requests.Session | None = None,
@@ -64,9 +66,11 @@ class TeamsWebhookSink:
         self._url = webhook_url
         self._attempts = attempts
         self._timeout = timeout
+        # The total deadline of one card's send, its retries included: cards are posted by the run's tail.
+        self._deadline = deadline_seconds
         self._initial = backoff_initial
         self._maximum = backoff_maximum
-        self._session = session or requests.Session()
+        self._session = session or deadline.session()
         self._sleep = sleep
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
         for name in ("urllib3.connectionpool", "requests"):
@@ -76,23 +80,34 @@ class TeamsWebhookSink:
     def send(self, card: dict[str, Any], *, key: str) -> None:
         body = card_bytes(card)
         last = ""
-        for attempt in range(self._attempts):
-            if attempt:
-                self._sleep(backoff_delay(attempt - 1, initial=self._initial, maximum=self._maximum, rng=self._rng))
-            try:
-                response = self._session.post(
-                    self._url, data=body, headers={"Content-Type": "application/json"}, timeout=self._timeout
-                )
-            except requests.RequestException as error:
-                last = type(error).__name__
-                continue
-            if response.status_code < 300:
-                return
-            last = f"HTTP {response.status_code}"
-            if response.status_code < 500 and response.status_code != 429:
-                break
-        # The exception text names the card, never the URL (it is a secret).
-        raise AlertError(f"Teams webhook refused card {key}: {last} after {self._attempts} attempts")
+        attempts = 0
+        # The exception texts name the card, never the URL (it is a secret).
+        with deadline.deadline(self._deadline, f"Teams webhook (card {key})") as limit:
+            for attempt in range(self._attempts):
+                if attempt:
+                    delay = backoff_delay(attempt - 1, initial=self._initial, maximum=self._maximum, rng=self._rng)
+                    if delay >= limit.remaining():
+                        break
+                    self._sleep(delay)
+                attempts += 1
+                try:
+                    response = self._session.post(
+                        self._url,
+                        data=body,
+                        headers={"Content-Type": "application/json"},
+                        timeout=min(self._timeout, max(0.1, limit.remaining())),
+                    )
+                except requests.RequestException as error:
+                    last = (
+                        f"no answer within the {self._deadline:g} s deadline" if limit.expired else type(error).__name__
+                    )
+                    continue
+                if response.status_code < 300:
+                    return
+                last = f"HTTP {response.status_code}"
+                if response.status_code < 500 and response.status_code != 429:
+                    break
+        raise AlertError(f"Teams webhook refused card {key}: {last} after {attempts} attempts")
 
 
 class FolderCardSink:

@@ -158,6 +158,11 @@ DROPPED = _gauge(
     "{envelope}",
     "Per VM: envelopes the forwarder's bounded spool evicted since it was made",
 )
+STATE_FULL = _gauge(
+    "scheduled_events.forwarder.state_full",
+    "s",
+    "Per VM: how long the forwarder's state directory has been full at its latest heartbeat (0: it can write)",
+)
 
 # The conditions of the census gauge: each is set every run, zero included, so a condition that ended reads 0.
 VM_CENSUS = ("reporting", "silent", "retired", "unhealthy")
@@ -327,6 +332,8 @@ def forwarder_health(vm: VmIdentity, health: ForwarderHealth, at: datetime) -> N
     POLL_ERRORS.set(health.consecutivePollErrors, attributes)
     SPOOL_DEPTH.set(health.spoolDepth, attributes)
     DROPPED.set(health.dropped, attributes)
+    full = health.stateFullSince
+    STATE_FULL.set(max(0.0, (at - full).total_seconds()) if full is not None else 0.0, attributes)
 
 
 def census(vms: Mapping[str, int], open_events: Mapping[tuple[str, str], int]) -> None:

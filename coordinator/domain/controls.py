@@ -13,16 +13,21 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from fractions import Fraction
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DomainKind = Literal["scaleSet", "zone", "faultDomain", "updateDomain", "placementGroup"]
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?$")
 # A window or blackout longer than a week is a policy mistake rather than a schedule (a whole week is "always").
 MAX_DURATION = timedelta(days=7)
+# Where a schedule is checked to come at all. The Gregorian calendar repeats every 400 years and a date that exists
+# (29 February included) comes at least every 8; croniter looks 50 years each way.
+_SOME_DAY = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 class _Strict(BaseModel):
@@ -56,6 +61,15 @@ class Schedule(_Strict):
     def _cron(cls, value: str) -> str:
         if len(value.split()) != 5 or not croniter.is_valid(value):
             raise ValueError(f"schedule {value!r} is not a 5-field cron expression (minute hour day month weekday)")
+        # Valid syntax can still name no date ('0 2 30 2 *', 30 February): refused here, where the file names the
+        # line, rather than raised by every decision that asks the window when it opens.
+        try:
+            croniter(value, _SOME_DAY).get_next(datetime)
+            croniter(value, _SOME_DAY).get_prev(datetime)
+        except CroniterBadDateError:
+            raise ValueError(
+                f"schedule {value!r} never comes: no date has that day of the month in those months (e.g. 30 February)"
+            ) from None
         return value
 
     @field_validator("duration")
@@ -198,12 +212,14 @@ def claim_key(kind: DomainKind, domain: str) -> str:
     return domain if kind == "scaleSet" else f"{kind}:{domain}"
 
 
-def limit_for(*, max_impacted: int | None, max_percent: float | None, size: int) -> int:
+def limit_for(*, max_impacted: int | None, max_percent: Decimal | int | None, size: int) -> int:
     """At most N, or P% of the domain's size rounded up (as a PodDisruptionBudget's maxUnavailable: 10% of 5 VMs
-    is 1, so a small domain still progresses), or the smaller of both; never below 1."""
+    is 1, so a small domain still progresses), or the smaller of both; never below 1. Exact: P is a decimal and
+    the product a fraction, so no fleet size lands one VM above its limit (tests/coordinator/test_controls.py
+    checks sizes 1..10,000 against a Fraction reference)."""
     limits = []
     if max_impacted is not None:
         limits.append(max_impacted)
     if max_percent is not None:
-        limits.append(max(1, math.ceil(size * max_percent / 100)))
+        limits.append(max(1, math.ceil(size * Fraction(max_percent) / 100)))
     return max(1, min(limits))

@@ -15,6 +15,7 @@ from typing import Literal
 
 from coordinator.domain.budgets import budget_domains
 from coordinator.domain.controls import GateResult
+from coordinator.domain.expiry import SEND_MARGIN, deadline_lead
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.matching import first_match
 from coordinator.domain.model import EventRecord, Verdict
@@ -53,6 +54,9 @@ class Decision:
     holdKind: HoldKind = ""
     holdName: str = ""
     holdSince: datetime | None = None
+    # An approval at the deadline (onNotBefore: approve): its window or gates held, and NotBefore let it go, so they
+    # do not bound it (domain/expiry.py).
+    atDeadline: bool = False
 
 
 def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[str]:
@@ -122,7 +126,11 @@ def evaluate(  # noqa: PLR0911 -- one return per action, each explained
         else _within_budget(policy, rule, record, fleet)
     )
     prefix = note + (f"{held.reason}; " if held is not None else "")
-    return dataclasses.replace(decision, reason=prefix + decision.reason) if prefix else decision
+    if not prefix:
+        return decision
+    # A hold that let the event go is an approval at the deadline.
+    at_deadline = held is not None and decision.verdict == "approve"
+    return dataclasses.replace(decision, reason=prefix + decision.reason, atDeadline=at_deadline)
 
 
 def _hold(
@@ -170,13 +178,22 @@ def _hold(
             break
     if held is None:
         return None
-    deadline = record.notBefore - timedelta(seconds=rule.approveBeforeSeconds) if record.notBefore else None
-    if rule.onNotBefore == "approve" and deadline is not None and now >= deadline:
+    if rule.onNotBefore == "approve" and record.notBefore is not None and now >= record.notBefore - deadline_lead(rule):
+        not_before = record.notBefore.isoformat()
+        send_by = record.notBefore - SEND_MARGIN
+        if now < send_by:
+            return dataclasses.replace(
+                held,
+                verdict="approve",
+                reason=f"{held.reason}; NotBefore {not_before} is near: approved at the deadline (onNotBefore: "
+                f"approve), to be sent by {send_by.isoformat()}",
+                atDeadline=True,
+            )
+        # Past its send deadline an approval could only land after NotBefore, or be refused by the VM: none is made.
         return dataclasses.replace(
             held,
-            verdict="approve",
-            reason=f"{held.reason}; NotBefore {record.notBefore.isoformat() if record.notBefore else ''} is near: "
-            "approved at the deadline (onNotBefore: approve)",
+            reason=f"{held.reason}; NotBefore {not_before} is too near to deliver an approval before it (sent only "
+            f"until {SEND_MARGIN.total_seconds():g} s before): left to expire (onNotBefore: approve)",
         )
     return dataclasses.replace(held, reason=held.reason + _expiry(record, held.heldUntil, "onNotBefore: expire"))
 

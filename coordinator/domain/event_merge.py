@@ -173,15 +173,17 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
     if found:
         _keep_conflict(change, observation, found, now)
         return
-    if record.state == "Canceled" and not record.everStarted and sighting is not None and sighting.status == "Gone":
-        # An event left for good does not come back (EventIds are not reused): a VM that lists it again after its
-        # 'gone' concluded the event shows that 'gone' was not true (another forwarder state sent it as this VM).
-        # Opened again as Scheduled; a Started sighting moves it on (advance).
+    if _wrongly_concluded(record, observation):
+        # An event left for good does not come back (EventIds are not reused): a VM it names that lists it after it
+        # was concluded gone shows that some 'gone' was not true (sent under its name, or by a VM it does not name
+        # before the ones it names had spoken). Opened again; a Started sighting moves it on (advance).
+        approved = record.approval is not None and record.approval.delivered
         transition(
             change,
-            "Scheduled",
+            "Approved" if approved else "Scheduled",
             now,
-            f"listed again by {observation.vm.name} after it was concluded gone: that 'gone' was not its forwarder's",
+            f"listed again by {observation.vm.name}, which it names, after it was concluded "
+            f"{record.state}: that conclusion rested on a 'gone' that was not true",
         )
     record.description = event.Description or record.description
     # NotBefore is "" once Started: keep the one announced while Scheduled.
@@ -211,6 +213,18 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
     record.scaleSets = scale_sets_of(record)
     change.rows.append(_observation_row(record, now, observation, event.EventStatus))
     change.changed = True
+
+
+def _wrongly_concluded(record: EventRecord, observation: Observation) -> bool:
+    """A concluded event that never started, listed again by a VM it names, from that VM's forwarder (not an Event
+    Grid sighting, epoch -1). One that started may still be listed Started by a VM that lags: that is no reopening."""
+    return (
+        record.state in ("Canceled", "Completed")
+        and not record.everStarted
+        and not record.removed
+        and observation.epoch >= 0
+        and observation.vm.name in record.resources
+    )
 
 
 def _seen_at(sighting: VmSighting) -> tuple[int, int]:

@@ -128,7 +128,8 @@ def transition_row(
 
 
 def decision_row(*, record: EventRecord, now: datetime) -> HistoryRow:
-    """The record's decision (``record.decision``, just made): the rule, the verdict, and what held it."""
+    """The record's decision (``record.decision``, just made): the rule, the verdict, what held it, and the approval
+    it withdrew, if it did (the Reason starts with that)."""
     decision = record.decision
     if decision is None:
         raise ValueError(f"event {record.eventId} has no decision to record")
@@ -141,7 +142,7 @@ def decision_row(*, record: EventRecord, now: datetime) -> HistoryRow:
         DecisionId=decision.decisionId,
         Actor=decision.actor,
         Outcome=decision.verdict,
-        Reason=decision.reason,
+        Reason=decision.withdrawal + decision.reason,
         DryRun=decision.dryRun,
         HoldKind=decision.holdKind,
         HoldName=decision.holdName,

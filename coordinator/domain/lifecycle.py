@@ -31,6 +31,8 @@ class EventChange:
     approval_decided: bool = False
     # The observation that created the record (None: the record existed): its envelope's trace is the event's.
     created_from: Observation | None = None
+    # The budget claims of an approval this change withdrew (its conditions no longer held): the tail frees them.
+    released: list[str] = field(default_factory=list)
 
 
 def clone(record: EventRecord) -> EventRecord:
@@ -114,7 +116,10 @@ def advance(
     if removed_here - set(record.removed):
         record.removed = sorted(set(record.removed) | removed_here)
         change.changed = True
-    sightings = list(record.vms.values())
+    # A "gone" counts only from a VM the event names (issue 21): the peers of its placement group see it too, but
+    # whether it is over is the named VMs' to say. Only when none of them reported it (no forwarder there) do the
+    # peers' sightings say it.
+    sightings = [s for s in record.vms.values() if s.name in record.resources] or list(record.vms.values())
     gone = [s for s in sightings if s.status == "Gone" or s.name in retired]
     remaining = [s for s in sightings if s.status != "Gone" and s.name not in silent_vms and s.name not in retired]
     approved = record.approval is not None and record.approval.delivered

@@ -92,6 +92,10 @@ class DecisionRecord(BaseModel):
     holdKind: str = ""
     holdName: str = ""
     holdSince: datetime | None = None
+    # Set when this decision withdrew an approval that was never delivered (it was decided again before being sent
+    # again, and its conditions no longer held): which, and why. The Decision row's Reason starts with it; kept apart
+    # from ``reason`` so that the next decision alike writes no row.
+    withdrawal: str = ""
 
 
 class ApprovalRecord(BaseModel):
@@ -115,6 +119,13 @@ class ApprovalRecord(BaseModel):
     confirmBy: datetime | None = None
     # The budget entities this approval claimed (coordinator/controls.claim_key), released when the event concludes.
     budgetKeys: list[str] = Field(default_factory=list)
+    # Until when the conditions it was decided on hold, and which condition ends first (domain/expiry.py): the
+    # request's notAfter is this or the delivery's deadline. Set again each time a retry is decided again. None in an
+    # approval written before this field: its event's NotBefore bounds it.
+    notAfter: datetime | None = None
+    notAfterReason: str = ""
+    # The policy it was decided under (Policy.fingerprint; "" for a person's approval).
+    policyVersion: str = ""
 
 
 class PlatformHold(BaseModel):

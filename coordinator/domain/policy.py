@@ -8,8 +8,11 @@ coordinator/domain/matching.py and decided in coordinator/domain/evaluation.py. 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 from datetime import datetime
+from decimal import Decimal
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -112,7 +115,10 @@ class BudgetOption(_Strict):
     impacted at once in each domain of each kind in ``per``."""
 
     maxImpacted: int | None = Field(default=None, ge=1)
-    maxPercent: float | None = Field(default=None, gt=0, le=100)
+    # A Decimal, not a float: the limit is P% of the domain rounded up, and a float's P is not the P written
+    # (64.4 is 64.400000000000006, so 64.4% of 250 came to 162 where the rule says 161). pydantic reads the number
+    # YAML gives as the shortest decimal that names it: what the operator wrote.
+    maxPercent: Decimal | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
     per: list[DomainKind] = Field(default_factory=lambda: list[DomainKind](["scaleSet"]), min_length=1)
 
     @model_validator(mode="after")
@@ -182,6 +188,12 @@ class Policy(_Strict):
             if unknown:
                 raise ValueError(f"rule {rule.name!r} names gates {unknown} that 'gates:' does not define")
         return self
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The policy's version as approvals carry it: a digest of everything it says, not of the file's text (a
+        comment or a reformatted line leaves it alone; any rule, gate, blackout or option changed changes it)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
     def gates_of(self, rule_name: str) -> list[str]:
         rule = next((r for r in self.rules if r.name == rule_name), None)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BoundedCallback
@@ -28,11 +29,13 @@ from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelive
 from coordinator.domain.approvals import choose_executor
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
+from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transition
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.domain.rows import HistoryRow
+from coordinator.pipeline import attest
 from coordinator.pipeline import record as history
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -49,6 +52,10 @@ HANDOVER_GRACE = timedelta(seconds=90)
 SEND_SLACK = 0.5
 # The answers that say the executor's listener was not reached or did not answer: the next attempt prefers a peer.
 UNANSWERED = frozenset({"failed", "continued"})
+# An answer that does not prove it came from the executing VM (another instance listening on its hybrid connection:
+# Relay hands each request to one of the connection's listeners at random) is sent again at once, this many times
+# in all, before the approval counts as failed and waits for its retry.
+PROOF_ATTEMPTS = 4
 
 
 @dataclass
@@ -147,7 +154,9 @@ def take_over(run: Run, delivery: QueuedDelivery) -> None:
     run.work.deliveries.append(delivery.eventId)
 
 
-def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None) -> Delivery | None:
+def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no further, each saying why
+    run: Run, event_id: str, last_seen: dict[str, datetime] | None
+) -> Delivery | None:
     """What to send for one committed approval, read fresh: the executor and the request (None when no VM
     can execute it; the failure says why). Every approval is sent from a plan, so dry-run is held here: an
     approval decided before dry-run was switched on waits."""
@@ -174,6 +183,16 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
         traceparent=record.traceparent,
         callback=run.parts.callback,
     )
+    # Never past what the decision rested on (an approval from before notAfter existed: its NotBefore), nor past the
+    # delivery's own deadline. A retry was decided again in this run before it got here (pipeline/decide.py).
+    kept = Bound(approval.notAfter, approval.notAfterReason) if approval.notAfter else person_bound(record)
+    not_after = request_bound(kept, now, options.approval_deadline)
+    if not sendable(not_after.at, now):
+        plan.failure = (
+            f"not sent: its notAfter {not_after.at.isoformat()} ({not_after.why}) is past or within the listener's "
+            f"{NOT_AFTER_TOLERANCE.total_seconds():g} s tolerance; decided again when retried"
+        )
+        return plan
     remote_acknowledge = run.parts.remote_acknowledge
     remote = callback_of(run.policy, approval.rule) == "remote-acknowledge"
     if remote and remote_acknowledge is None:
@@ -213,7 +232,11 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
         decisionId=approval.decisionId,
         rule=approval.rule[:256],
         issuedAt=now,
-        expiresAt=record.notBefore or now + timedelta(minutes=15),
+        # The same instant as notAfter: a listener of an earlier release reads only expiresAt.
+        expiresAt=not_after.at,
+        notAfter=not_after.at,
+        notAfterReason=not_after.why[:256],
+        policyVersion=approval.policyVersion,
         # What the decision rested on, for the VM to check against its own IMDS document and hook ledger.
         facts=ApprovalFacts(
             eventType=record.eventType,
@@ -237,6 +260,11 @@ def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None
             if plan.callback is not run.parts.callback
             else f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})"
         ),
+        details={
+            "notAfter": not_after.at.isoformat(),
+            "notAfterReason": not_after.why,
+            "policyVersion": approval.policyVersion,
+        },
     )
     return plan
 
@@ -251,8 +279,9 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> None:
     within = (run.options.in_run_delivery if handing_over else run.options.approval_deadline).total_seconds()
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
-            args = (plan.callback, plan.request, plan.vm, plan.traceparent, within)
-            futures[run.parts.pool().submit(send, *args)] = plan
+            proof = _proof(run, plan.vm, plan.decision_id) if plan.callback is run.parts.callback else None
+            args = (plan.callback, plan.request, plan.vm, plan.traceparent, proof)
+            futures[run.parts.pool().submit(send, *args, within=within)] = plan
     if not futures:
         return
     # A bounded sender ends by itself within its time; the slack is for its last answer to come back.
@@ -275,20 +304,54 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> None:
         )
 
 
+def _proof(run: Run, vm: VmIdentity, decision_id: str) -> Callable[[ApprovalResult], str]:
+    """What an answer must prove (pipeline/attest.py): that the executing VM gave it."""
+    return lambda result: attest.answer_problem(
+        run.parts.attestations,
+        result,
+        vm_id=vm.vmId,
+        decision_id=decision_id,
+        at=run.now,
+        required=run.options.require_attestation,
+    )
+
+
 def send(
-    callback: ApprovalCallback, request: ApprovalRequest, vm: VmIdentity, traceparent: str, within: float
+    callback: ApprovalCallback,
+    request: ApprovalRequest,
+    vm: VmIdentity,
+    traceparent: str,
+    proof: Callable[[ApprovalResult], str] | None = None,
+    *,
+    within: float,
 ) -> ApprovalResult:
     """One approval through its callback, ended within ``within`` seconds where the callback can be told so, as the
-    ``coordinator.approval`` span of the event's trace."""
+    ``coordinator.approval`` span of the event's trace. An answer ``proof`` finds wanting is not the executing VM's:
+    sent again at once (PROOF_ATTEMPTS in all, within the same seconds)."""
+    give_up = time.monotonic() + within
     with telemetry.approval_span(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
     ) as span:
-        if isinstance(callback, BoundedCallback):
-            result = callback.send_within(request, vm=vm, seconds=within)
-        else:
-            result = callback.send(request, vm=vm)
-        telemetry.approval_answered(span, result.outcome)
-        return result
+        problem, made = "", 0
+        for _attempt in range(PROOF_ATTEMPTS if proof else 1):
+            left = give_up - time.monotonic()
+            if left <= 0:
+                break
+            made += 1
+            if isinstance(callback, BoundedCallback):
+                result = callback.send_within(request, vm=vm, seconds=left)
+            else:
+                result = callback.send(request, vm=vm)
+            problem = proof(result) if proof else ""
+            if not problem:
+                telemetry.approval_answered(span, result.outcome)
+                return result
+            log.warning("approval of %s: an answer not from %s (%s); sent again", request.eventId, vm.name, problem)
+        telemetry.approval_answered(span, "unproven")
+        raise ApprovalDeliveryError(
+            f"{made} answers on {vm.name}'s hybrid connection did not prove they came from {vm.name}: {problem}; "
+            "another instance may be listening on it; retried"
+        )
 
 
 def _any_sighting(record: EventRecord) -> VmSighting | None:

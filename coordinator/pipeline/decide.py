@@ -2,11 +2,17 @@
 
 Takes the event records ``fold`` has just merged (or the timer re-reads); gives each a ``DecisionRecord`` (a new
 one, and a Decision history row, only when the rule, verdict, hold or reason changed) and, for an approval, an
-``ApprovalRecord`` for the tail to deliver. The rules themselves are pure (domain/evaluation.py); this module adds
-what they need from the run: the fleet view and budget claims (pipeline/fleet.py), the health gates' results (read
-once per run) and the pending deletes of a scale set, decided as one unit. Events compete for budget in NotBefore
-order (the closest first). Runs inside the caller's ETag-checked write, so a decision commits once.
-``release_budgets`` is the tail's step that frees the slots of concluded events.
+``ApprovalRecord`` for the tail to deliver, with until when its conditions hold (domain/expiry.py) and the policy's
+version. The rules themselves are pure (domain/evaluation.py); this module adds what they need from the run: the
+fleet view and budget claims (pipeline/fleet.py), the health gates' results (read once per run) and the pending
+deletes of a scale set, decided as one unit. Events compete for budget in NotBefore order (the closest first). Runs
+inside the caller's ETag-checked write, so a decision commits once.
+
+No approval is sent again without being decided again: a rule's approval that was not delivered is decided anew
+when its retry is due (``nextAttemptAt``), with this run's time, gates and policy. The same rule approving confirms
+it (its bound renewed); any other verdict withdraws it, with a Decision row saying why, and its budget claims are
+freed by the tail. ``release_budgets`` is the tail's step that frees the slots of concluded events and withdrawn
+approvals.
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
 from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple
 from coordinator.domain.evaluation import Decision, evaluate, needs_fleet
+from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.history_rows import decision_row
 from coordinator.domain.lifecycle import EventChange, clone, raise_alert
@@ -30,6 +37,7 @@ from coordinator.domain.model import (
     DecisionRecord,
     EventRecord,
 )
+from coordinator.domain.policy import Policy
 from coordinator.pipeline.fleet import by_not_before
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event
@@ -122,11 +130,27 @@ def _gate_results(run: Run, record: EventRecord, view: FleetView) -> dict[str, G
     return run.fleet.gates(run.policy, run.parts.monitor).results(sorted(names)) if names else {}
 
 
+def decided_again(approval: ApprovalRecord, now: datetime, *, dry_run: bool) -> bool:
+    """Whether an approval is decided again now: a rule's approval, not delivered, whose retry is due. Before then a
+    send may be in flight (the deciding run's, or a retry's), and the VM may be executing it. A person's approval is
+    that person's decision, not the policy's; in dry-run nothing is sent, so nothing needs deciding again."""
+    return (
+        not dry_run
+        and not approval.delivered
+        and approval.actor.startswith("rule:")
+        and approval.nextAttemptAt is not None
+        and approval.nextAttemptAt <= now
+    )
+
+
 def decide(run: Run, change: EventChange) -> None:
     record = change.record
-    if record.state != "Scheduled" or record.approval is not None:
+    if record.state != "Scheduled":
         return
     now, fleet, policy, dry_run = run.now, run.fleet, run.policy, run.dry_run
+    pending = record.approval
+    if pending is not None and not decided_again(pending, now, dry_run=dry_run):
+        return
     started = telemetry.now_ns()
     needed = needs_fleet(policy, record, now)
     view = fleet.view(census=policy.needs_census) if needed else FleetView()
@@ -143,6 +167,17 @@ def decide(run: Run, change: EventChange) -> None:
             decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
         else:
             claimed = [d.claim_key for d in domains]
+    withdrew = ""
+    if pending is not None:
+        if decision.verdict == "approve" and decision.rule == pending.rule:
+            renew(change, pending, decision, policy, now)
+            return
+        # Its conditions no longer hold (or another rule decides now): withdrawn before it was ever executed, and its
+        # claims freed by the tail (those this decision claims again excepted).
+        record.approval = None
+        change.changed = True
+        change.released = [key for key in pending.budgetKeys if key not in claimed]
+        withdrew = withdrawal(pending, policy, now)
     previous = record.decision
     hold_since = (
         previous.holdSince or previous.decidedAt
@@ -151,24 +186,29 @@ def decide(run: Run, change: EventChange) -> None:
         and (previous.holdKind, previous.holdName) == (decision.holdKind, decision.holdName)
         else (now if decision.holdKind else None)
     )
-    # A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), not on
-    # every re-evaluation that finds the same.
-    if previous is None or (
-        previous.rule,
-        previous.verdict,
-        previous.dryRun,
-        previous.heldBy,
-        previous.holdKind,
-        previous.holdName,
-        previous.reason,
-    ) != (
-        decision.rule,
-        decision.verdict,
-        dry_run,
-        decision.heldBy,
-        decision.holdKind,
-        decision.holdName,
-        decision.reason,
+    # A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), or it withdrew
+    # an approval, not on every re-evaluation that finds the same.
+    if (
+        withdrew
+        or previous is None
+        or (
+            previous.rule,
+            previous.verdict,
+            previous.dryRun,
+            previous.heldBy,
+            previous.holdKind,
+            previous.holdName,
+            previous.reason,
+        )
+        != (
+            decision.rule,
+            decision.verdict,
+            dry_run,
+            decision.heldBy,
+            decision.holdKind,
+            decision.holdName,
+            decision.reason,
+        )
     ):
         record.decision = DecisionRecord(
             decisionId=uuid.uuid4().hex,
@@ -185,6 +225,7 @@ def decide(run: Run, change: EventChange) -> None:
             holdKind=decision.holdKind,
             holdName=decision.holdName,
             holdSince=hold_since,
+            withdrawal=withdrew,
         )
         change.rows.append(decision_row(record=record, now=now))
         change.changed = True
@@ -203,6 +244,7 @@ def decide(run: Run, change: EventChange) -> None:
             # impactful event's new-event card, raised when it was first seen, is this same card).
             raise_alert(change, "new-event", now)
     if decision.verdict == "approve" and not dry_run and record.decision is not None:
+        bound = approval_bound(policy, decision.rule, record, now, at_deadline=decision.atDeadline)
         record.approval = ApprovalRecord(
             decisionId=record.decision.decisionId,
             rule=decision.rule,
@@ -210,17 +252,53 @@ def decide(run: Run, change: EventChange) -> None:
             decidedAt=now,
             nextAttemptAt=now + IN_FLIGHT_GRACE,
             budgetKeys=claimed,
+            notAfter=bound.at if bound else None,
+            notAfterReason=bound.why if bound else "",
+            policyVersion=policy.fingerprint,
         )
         fleet.add(record)
         change.changed = True
         change.approval_decided = True
 
 
+def renew(change: EventChange, approval: ApprovalRecord, decision: Decision, policy: Policy, now: datetime) -> None:
+    """The rule that approved approves again: the approval stands (same decisionId, so a listener that executed it
+    already answers from its ledger), bounded anew by what holds now, under the policy loaded now."""
+    bound = approval_bound(policy, decision.rule, change.record, now, at_deadline=decision.atDeadline)
+    renewed = (bound.at if bound else None, bound.why if bound else "", policy.fingerprint)
+    if renewed != (approval.notAfter, approval.notAfterReason, approval.policyVersion):
+        approval.notAfter, approval.notAfterReason, approval.policyVersion = renewed
+        change.changed = True
+
+
+def withdrawal(approval: ApprovalRecord, policy: Policy, now: datetime) -> str:
+    """Why an approval was withdrawn, as the start of the decision that replaces it."""
+    held = (
+        f", valid until {approval.notAfter.isoformat()} ({approval.notAfterReason})"
+        if approval.notAfter is not None and approval.notAfter <= now
+        else ""
+    )
+    changed = (
+        f"; the policy changed since (version {approval.policyVersion}, now {policy.fingerprint})"
+        if approval.policyVersion and approval.policyVersion != policy.fingerprint
+        else ""
+    )
+    return (
+        f"approval {approval.decisionId} by rule {approval.rule!r} (decided {approval.decidedAt.isoformat()}{held}, "
+        f"not delivered{changed}) withdrawn, decided again: "
+    )
+
+
 def release_budgets(run: Run) -> None:
-    """The third step of every run's tail: frees the budget slots of the run's events that concluded. Best effort:
-    a claim left behind (a crash here, or a conclusion by a path that does not pass here) lapses once its event no
-    longer holds an approval."""
+    """The third step of every run's tail: frees the budget slots of the run's events that concluded, and of the
+    approvals it withdrew. Best effort: a claim left behind (a crash here, or a conclusion by a path that does not
+    pass here) lapses once its event no longer holds an approval."""
     run.enter("budgets")
+    for event_id, key in run.work.releases:
+        try:
+            run.fleet.release(key, event_id)
+        except Exception:  # the claim lapses by itself; the run's real work is done
+            log.exception("budget of %s: releasing the claim of withdrawn %s failed", key, event_id)
     for record in run.work.records.values():
         if record.open or record.approval is None:
             continue

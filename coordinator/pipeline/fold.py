@@ -31,8 +31,9 @@ from coordinator.pipeline import decide, event_grid, health
 from coordinator.pipeline.ingest import Arrivals, dead_letter
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
+from coordinator.state.entities import vm_json
 from coordinator.state.events import aggregate, assemble, commit_event
-from coordinator.state.store import ConcurrencyConflict, Stored
+from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Stored
 
 log = logging.getLogger("coordinator")
 
@@ -45,6 +46,9 @@ class VmBatch:
     new_vms: set[str] = field(default_factory=set)
     # VMs whose envelopes could not be processed, and why (dead-lettered by the caller).
     failed: dict[str, str] = field(default_factory=dict)
+    # VMs whose new position could not be written (too large even split and trimmed: entities.vm_json), and why:
+    # dead-lettered after the others' positions were written.
+    too_large: dict[str, str] = field(default_factory=dict)
     # Each VM's (epoch, lastSequence) in the position its observations were derived from (None: no position).
     base: dict[str, tuple[int, int] | None] = field(default_factory=dict)
     # The trace context each envelope arrived with, by (vmId, sequence) (ingest.Arrivals.traces).
@@ -108,6 +112,11 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         updates.updates.update(redo.updates)
         updates.new_vms = (updates.new_vms - stale) | redo.new_vms
         stale = fold_updates(run, redo)
+        updates.too_large.update(redo.too_large)
+    if updates.too_large:
+        for vm_id in updates.too_large:
+            report.accepted -= updates.updates[vm_id].applied
+        report.dead_lettered += set_aside(run, arrivals, updates.too_large, first=len(arrivals.dead))
     return updates
 
 
@@ -174,9 +183,10 @@ def add_grid_sightings(run: Run, batch: VmBatch, events: list[event_grid.GridEve
         batch.base[vm_id] = vm_position(previous) if previous else None
 
 
-def set_aside(run: Run, arrivals: Arrivals, failed: dict[str, str]) -> int:
-    """Dead-letters the messages of the VMs whose envelopes could not be read against their position (``failed``:
-    vmId -> why), then stores every dead letter of the batch. Returns how many were dead-lettered."""
+def set_aside(run: Run, arrivals: Arrivals, failed: dict[str, str], *, first: int = 0) -> int:
+    """Dead-letters the messages of the VMs whose envelopes could not be processed (``failed``: vmId -> why), then
+    stores the batch's dead letters from the ``first`` on (those before were stored already). Returns how many it
+    stored."""
     for vm_id, problem in failed.items():
         # Whatever broke on this VM's envelopes costs only this VM (its position does not move).
         for message in arrivals.raw_of.pop(vm_id, []):
@@ -188,12 +198,13 @@ def set_aside(run: Run, arrivals: Arrivals, failed: dict[str, str]) -> int:
                 work=run.work,
                 where=f"an envelope of VM {vm_id}",
             )
-    if arrivals.dead:
+    letters = arrivals.dead[first:]
+    if letters:
         try:
-            run.parts.store.put_dead_letters(arrivals.dead)
+            run.parts.store.put_dead_letters(letters)
         except Exception:  # the history rows and log lines keep them; the batch's good messages go on
-            log.exception("could not store %d dead letters", len(arrivals.dead))
-    return len(arrivals.dead)
+            log.exception("could not store %d dead letters", len(letters))
+    return len(letters)
 
 
 def fold_updates(run: Run, updates: VmBatch) -> set[str]:
@@ -250,6 +261,9 @@ def keep_sightings(change: EventChange, observations: list[Observation], batch: 
 
 
 def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
+    """Writes the VMs' new positions; returns the VMs whose cached position turned out stale (not written). A
+    position too large to store costs only its VM (``batch.too_large``), never the batch: the others' positions and
+    sightings are written (the events were written before, with what that VM's envelopes said)."""
     mine: dict[str, dict[str, VmRecord]] = defaultdict(dict)
     for vm_id, update in batch.updates.items():
         if update.applied:
@@ -257,6 +271,33 @@ def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
     stale: set[str] = set()
     if not mine:
         return stale
+    try:
+        write_vm_groups(run, batch, mine, stale)
+        return stale
+    except RecordTooLarge:
+        pass
+    for vms in mine.values():
+        for vm_id, record in list(vms.items()):
+            try:
+                vm_json(record)
+            except RecordTooLarge as error:
+                log.error("VM %s: its position cannot be stored and is set aside: %s", vm_id, error)
+                batch.too_large[vm_id] = f"its position cannot be stored: {error}"
+                del vms[vm_id]
+    # One group at a time: a group the table refuses as a whole (an entity over 1 MiB) costs only the VMs this batch
+    # moved in it.
+    for key, vms in mine.items():
+        try:
+            write_vm_groups(run, batch, {key: vms}, stale)
+        except RecordTooLarge as error:
+            log.error("VM group %s: refused as too large; its VMs of this batch are set aside: %s", key, error)
+            batch.too_large.update(dict.fromkeys(vms, f"its VM group {key} cannot be stored: {error}"))
+    return stale
+
+
+def write_vm_groups(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord]], stale: set[str]) -> None:
+    """The groups' moved VMs in one transaction (retried on conflicts), else group by group, merging per VM; adds
+    to ``stale`` the VMs another instance moved meanwhile. Raises ``RecordTooLarge``."""
     store = run.parts.store
 
     def merged(key: str, current: Stored[VmGroupRecord] | None) -> VmGroupRecord:
@@ -288,7 +329,7 @@ def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
             attempts=BULK_ATTEMPTS,
             on_conflict=count,
         )
-        return stale
+        return
     except ConcurrencyConflict:
         pass
     # Another instance wrote one of these groups (its VMs sit on other Event Hubs partitions): merge per VM.
@@ -314,7 +355,6 @@ def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
             )
         except ConcurrencyConflict:
             log.warning("VM group %s: not written (contended); its VMs' next envelopes move it", key)
-    return stale
 
 
 def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | None:
@@ -325,32 +365,37 @@ def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | Non
     return change
 
 
-def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch: VmBatch) -> list[EventChange]:
-    if not observations:
-        return []
-    now, store, work = run.now, run.parts.store, run.work
+@dataclass
+class _Applier:
+    """Applies a batch's observations to one event at a time; an event whose observations cannot be applied, or
+    whose record would be too large to store, is set aside for the rest of the batch (logged, a DeadLetter row)
+    and the others go on."""
 
-    failed: set[str] = set()
+    run: Run
+    batch: VmBatch
+    failed: set[str] = field(default_factory=set)
 
-    def apply(record: EventRecord | None, event_id: str, items: list[Observation]) -> EventChange | None:
-        if event_id in failed:
-            return None
-        try:
-            change = start_trace(apply_observations(record, items, now), batch)
-        except Exception as error:
-            # Contained to this event: its observations are set aside (logged, a DeadLetter row); the rest
-            # of the batch goes on.
-            failed.add(event_id)
-            vms = sorted({o.vm.name for o in items})
-            log.exception("event %s: observations from %s could not be applied", event_id, vms)
-            work.rows.append(
-                dead_letter_row(
-                    now=now,
-                    event_id=event_id[:128],
-                    reason=f"observations could not be applied: {type(error).__name__}: {str(error)[:500]}",
-                    details={"vms": vms[:20]},
-                )
+    def set_aside(self, event_id: str, items: list[Observation], what: str, error: Exception) -> None:
+        self.failed.add(event_id)
+        vms = sorted({o.vm.name for o in items})
+        log.error("event %s: observations from %s %s: %s", event_id, vms, what, error, exc_info=error)
+        self.run.work.rows.append(
+            dead_letter_row(
+                now=self.run.now,
+                event_id=event_id[:128],
+                reason=f"observations {what}: {type(error).__name__}: {str(error)[:500]}",
+                details={"vms": vms[:20]},
             )
+        )
+
+    def apply(self, record: EventRecord | None, event_id: str, items: list[Observation]) -> EventChange | None:
+        if event_id in self.failed:
+            return None
+        batch = self.batch
+        try:
+            change = start_trace(apply_observations(record, items, self.run.now), batch)
+        except Exception as error:
+            self.set_aside(event_id, items, "could not be applied", error)
             return None
         if change is not None:
             reporting = {batch.key_of[o.vm.vmId.lower()] for o in items if o.vm.vmId.lower() in batch.key_of}
@@ -358,6 +403,13 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
                 change.record.groups = sorted(set(change.record.groups) | reporting)
                 change.changed = True
         return change
+
+
+def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch: VmBatch) -> list[EventChange]:
+    if not observations:
+        return []
+    store = run.parts.store
+    applier = _Applier(run, batch)
 
     def events_now(attempt: int) -> dict[str, Stored[EventRecord]]:
         stored = store.get_events(observations, cached=attempt == 0)
@@ -373,7 +425,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         applied: list[tuple[EventChange, Stored[EventRecord] | None]] = []
         for event_id, items in observations.items():
             current = assembled.get(event_id)
-            change = apply(current.record if current else None, event_id, items)
+            change = applier.apply(current.record if current else None, event_id, items)
             if change is not None:
                 applied.append((change, current))
         decide.decide_all(run, [c for c, _ in applied])
@@ -402,7 +454,16 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         return changes
     except ConcurrencyConflict:
         pass
-    # Another instance keeps writing these events: redo each one on its own from a fresh read.
+    except RecordTooLarge:
+        pass  # an event too large for its entity: each on its own, where it is set aside
+    return _commit_one_by_one(run, applier, changes, observations)
+
+
+def _commit_one_by_one(
+    run: Run, applier: _Applier, changes: list[EventChange], observations: dict[str, list[Observation]]
+) -> list[EventChange]:
+    """Each event redone on its own from a fresh read: another instance keeps writing some of them, or one of them
+    is too large to store (set aside)."""
     committed = []
     for change in list(changes):
         event_id = change.record.eventId
@@ -410,12 +471,16 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         def redo(
             record: EventRecord | None, event_id: str = event_id, items: list[Observation] = observations[event_id]
         ) -> EventChange | None:
-            redone = apply(record, event_id, items)
+            redone = applier.apply(record, event_id, items)
             if redone is not None:
                 decide.decide_all(run, [redone])
             return redone
 
-        result = commit_event(store, event_id, redo, on_conflict=run.report.count_conflict)
+        try:
+            result = commit_event(run.parts.store, event_id, redo, on_conflict=run.report.count_conflict)
+        except RecordTooLarge as error:
+            applier.set_aside(event_id, observations[event_id], "make a record too large to store", error)
+            continue
         if result is not None:
             committed.append(result)
     return committed

@@ -19,15 +19,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from contracts import bounded_json
 from contracts.envelope import Envelope, VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.domain.history_rows import dead_letter_row
-from coordinator.pipeline import event_grid
+from coordinator.pipeline import attest, event_grid
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.store import DeadLetter
 
 log = logging.getLogger("coordinator")
 
+# Event Hubs carries at most 1 MB per message (Premium and Dedicated; 256 KB on Standard): a larger body is not a
+# forwarder's, and none is parsed. The envelope's own parser (pydantic-core) refuses more than 200 levels of nesting;
+# an Event Grid body is read with contracts.bounded_json (64 levels).
+MAX_MESSAGE_BYTES = 1 << 20
 MAX_EVENTS_PER_DOCUMENT = 100
 MAX_RESOURCES_PER_EVENT = 1000
 # Bounds on what one envelope may carry, so that nothing it holds can break a write for others: Table Storage,
@@ -179,7 +184,14 @@ def read_batch(run: Run, messages: Sequence[RawMessage]) -> Arrivals:
     arrivals = Arrivals()
     for index, message in enumerate(messages):
         telemetry.message_age(message.enqueued_time, now)
-        if (parsed := _event_grid_body(message.body)) is not None:
+        try:
+            parsed = _event_grid_body(message.body)
+        except bounded_json.JsonRefused as error:  # too large or too deep to read: this message's alone
+            dead_letter(
+                message, f"refused: {error}", now, dead=arrivals.dead, work=work, where=f"message {index} of the batch"
+            )
+            continue
+        if parsed is not None:
             read_grid(message, parsed, now, arrivals=arrivals, work=work, where=f"message {index} of the batch")
             continue
         try:
@@ -194,6 +206,20 @@ def read_batch(run: Run, messages: Sequence[RawMessage]) -> Arrivals:
                 where=f"message {index} of the batch",
             )
             continue
+        # Whether the envelope is its VM's (Azure's signature, the bindings). A store that fails here fails the
+        # batch, as it would in fold: nothing is dead-lettered for want of a read.
+        problem = attest.envelope_problem(
+            run.parts.attestations,
+            run.parts.store,
+            envelope,
+            at=message.enqueued_time or now,
+            required=run.options.require_attestation,
+        )
+        if problem:
+            dead_letter(
+                message, problem[:1000], now, dead=arrivals.dead, work=work, where=f"message {index} of the batch"
+            )
+            continue
         arrivals.by_vm[envelope.vm.vmId.lower()].append(envelope)
         arrivals.raw_of[envelope.vm.vmId.lower()].append(message)
         if traceparent := telemetry.valid_traceparent(message.traceparent):
@@ -203,13 +229,17 @@ def read_batch(run: Run, messages: Sequence[RawMessage]) -> Arrivals:
 
 def _event_grid_body(body: bytes) -> Any | None:
     """The parsed body when it is Event Grid's (an array, or an object with eventType and no schema), else None.
-    A cheap look first: every envelope carries "schema", and most messages are envelopes."""
+    A cheap look first: every envelope carries "schema", and most messages are envelopes. Raises ``JsonRefused``
+    for a body larger than a message can be, or nested deeper than ``bounded_json.MAX_DEPTH`` (``json.loads``
+    raised RecursionError on 20,000 levels, which failed the whole batch)."""
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise bounded_json.JsonRefused(f"the message is {len(body)} bytes, more than the {MAX_MESSAGE_BYTES} allowed")
     head = body.lstrip()[:1]
     if head != b"[" and not (b'"eventType"' in body and b'"schema"' not in body):
         return None
     try:
-        parsed = json.loads(body)
-    except ValueError:
+        parsed = bounded_json.loads(body, max_bytes=MAX_MESSAGE_BYTES)
+    except bounded_json.NotJson:
         return None  # refused by the envelope path, with its reason
     return parsed if event_grid.is_event_grid(parsed) else None
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from coordinator.domain.expiry import person_bound
 from coordinator.domain.history_rows import decision_row
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
@@ -91,12 +92,15 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
         change.rows.append(decision_row(record=record, now=now))
         if dry_run:  # recorded as the person's decision; nothing is ever sent in dry-run
             return change
+        bound = person_bound(record)
         record.approval = ApprovalRecord(
             decisionId=decision_id,
             rule="manual",
             actor=actor,
             decidedAt=now,
             nextAttemptAt=now + IN_FLIGHT_GRACE,
+            notAfter=bound.at if bound else None,
+            notAfterReason=bound.why if bound else "",
         )
         return change
 

@@ -1,7 +1,8 @@
 """Record history: the rows of a batch, tick or person's request, written last.
 
 Takes the ``HistoryRow``s the stages built (each with its type's builder in coordinator/domain/history_rows.py) and
-hands them to the history sink. A history failure is logged and never stops the pipeline.
+hands them to the history sink. A history failure is logged and never stops the pipeline. The state entities the
+run's reads set aside (unreadable: store.py says how) are counted here and get their ``DeadLetter`` row.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from coordinator.adapters import telemetry
+from coordinator.domain.history_rows import dead_letter_row
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.run import Run
 
@@ -18,6 +20,10 @@ log = logging.getLogger("coordinator")
 def history(run: Run) -> None:
     """The last step of every run's tail: the run's history rows, written once."""
     run.enter("history")
+    for item in run.parts.store.set_aside():
+        run.report.set_aside += 1
+        reason = f"state entity {item.what} cannot be read and was set aside: {item.reason}"
+        run.work.rows.append(dead_letter_row(now=run.now, reason=reason[:2000], details={"entity": item.what}))
     write(run, run.work.rows)
     run.work.rows = []
 

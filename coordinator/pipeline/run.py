@@ -20,6 +20,7 @@ from coordinator.adapters.delivery_queue import DeliveryQueue
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
+from coordinator.domain.attestation import Attestations
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import AlertKind, EventRecord, VmRecord
 from coordinator.domain.policy import Policy
@@ -84,6 +85,9 @@ class Options:
     # With remote acknowledge on: approvals no VM's listener can execute (no VM reported within heartbeat_timeout)
     # go through the Maintenance RP instead.
     remote_acknowledge_fallback: bool = False
+    # Envelopes and approval answers without an IMDS attested document are refused (pipeline/attest.py). Off here
+    # so that tests of other stages need no documents; COORDINATOR_REQUIRE_ATTESTATION defaults to on.
+    require_attestation: bool = False
 
     def __post_init__(self) -> None:
         if self.retire_grace >= self.heartbeat_timeout:
@@ -109,6 +113,8 @@ class Parts:
     # approval deadline for its own, as before the queue).
     deliveries: DeliveryQueue | None = None
     rng: random.Random = field(default_factory=random.Random)
+    # IMDS attested documents: the verifier and the VM bindings read (pipeline/attest.py). None: not checked.
+    attestations: Attestations | None = None
     # The approval senders' threads, kept for the process (started on first use).
     pool: Callable[[], concurrent.futures.ThreadPoolExecutor]
 
@@ -134,6 +140,8 @@ class Report:
     conflicts: int = 0
     # Approvals handed to the delivery queue (no answer within in_run_delivery).
     deliveries_continued: int = 0
+    # State entities its reads could not decode and set aside (store.py): the rest of the fleet went on.
+    set_aside: int = 0
 
     def count_conflict(self) -> None:
         self.conflicts += 1
@@ -155,6 +163,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "alerts_failed",
         "history_rows",
         "conflicts",
+        "set_aside",
         "deliveries_continued",
     ),
     "tick": (
@@ -166,6 +175,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "vms_retired",
         "history_rows",
         "events_purged",
+        "set_aside",
         "deliveries_continued",
     ),
     "person": (
@@ -174,9 +184,10 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "alerts_sent",
         "alerts_failed",
         "history_rows",
+        "set_aside",
         "deliveries_continued",
     ),
-    "delivery": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows"),
+    "delivery": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows", "set_aside"),
 }
 
 
@@ -191,12 +202,16 @@ class Work:
     records: dict[str, EventRecord] = field(default_factory=dict)
     # Cards about VMs rather than events (two forwarders reporting as one VM).
     vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
+    # Budget claims of withdrawn approvals, as (EventId, claim key): freed by the tail's budgets step.
+    releases: list[tuple[str, str]] = field(default_factory=list)
 
     def collect(self, change: EventChange) -> None:
-        """Takes in a committed change: its history rows, its record, its cards and (once) its approval."""
+        """Takes in a committed change: its history rows, its record, its cards, (once) its approval and the claims
+        of an approval it withdrew."""
         self.rows.extend(change.rows)
         self.records[change.record.eventId] = change.record
         self.alerts.extend((change.record.eventId, kind) for kind in change.alerts)
+        self.releases.extend((change.record.eventId, key) for key in change.released)
         # Only the change that decided the approval sends it. Another instance that re-read the record after a
         # conflict sees the approval too, and must not send it again.
         if change.approval_decided and change.record.eventId not in self.deliveries:

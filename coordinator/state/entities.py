@@ -6,9 +6,12 @@ Layout (one table):
 - PartitionKey ``alertsent``: one entity per batch that sent cards, naming them; the timer clears those
   outbox entries from the events in bulk and deletes the entity (one write per batch instead of one per event).
 - PartitionKey ``key``, RowKey = a name: random keys every instance shares (``shared_key``).
+- PartitionKey ``claim``, RowKey = a name: a value bound to it for good, first writer wins (``claim``).
 - PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
   sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
   VMs report together. An event record's ``vms`` is assembled from its groups on read (events.assemble).
+- PartitionKey ``setaside``: whole entities a read could not decode, copied here as they were (with ``Reason``,
+  ``FromPartition``, ``FromRowKey``) before they were deleted; never read by the pipeline, kept for a person.
 One partition per kind lets a batch write all its events (or groups) in one transaction (at most 100 operations,
 all-or-nothing: if any ETag is stale nothing is written and the caller redoes that part one by one).
 Dead letters go to a second table, one row per refused message, one partition per day.
@@ -25,8 +28,8 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from datetime import UTC
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel
@@ -39,12 +42,23 @@ VM_GROUP_PARTITION = "vmgroup"
 BUDGET_PARTITION = "budget"
 SENT_ALERTS_PARTITION = "alertsent"
 KEY_PARTITION = "key"
+CLAIM_PARTITION = "claim"
+SET_ASIDE_PARTITION = "setaside"
 TRANSACTION_LIMIT = 100
 TRANSACTION_CHARS = 3_000_000
-# A string property holds at most 64 KiB (32K UTF-16 code units); larger records are split over Data0..DataN.
+# Table Storage keeps strings as UTF-16: a string property holds 64 KiB, 32,768 code units (a character beyond the
+# BMP takes two), and an entity 1 MiB. Records are cut into properties of CHUNK_CHARS code units (Data0..DataN),
+# at most MAX_CHUNKS of them: 16 x 30,000 x 2 bytes leaves room for the keys and columns within 1 MiB.
 CHUNK_CHARS = 30_000
-MAX_CHUNKS = 30
+MAX_CHUNKS = 16
 VM_PROPERTY_PREFIX = "V_"
+# A VM's position longer than a property is split: its property holds "#<parts>#" and the first part, the others
+# follow as W_<hash>_<n> (not V_: a reader of the group's VMs skips them). Stale parts left by a longer position
+# are never read (the count says how many). At most MAX_VM_PARTS, so that one VM cannot fill its group's entity:
+# the largest position a forwarder can report (100 listed events with their sightings, 50 tags of 512 + 256
+# characters) is about 120,000 code units, 4 parts.
+VM_PART_PREFIX = "W_"
+MAX_VM_PARTS = 6
 # A dead letter keeps the body's first 16 KiB (base64: 21,848 characters), the reason and source up to 8,000
 # characters each: every property fits a string property and the entity its 1 MiB, however large the message.
 DEAD_LETTER_BODY = 16 * 1024
@@ -64,13 +78,36 @@ def safe_key(value: str) -> str:
     return _BAD_KEY.sub("_", value[:150]) + "~" + digest
 
 
+def utf16_units(text: str) -> int:
+    """How much of a property ``text`` takes: UTF-16 code units (two for a character beyond the BMP)."""
+    return len(text) if text.isascii() else len(text.encode("utf-16-le")) // 2
+
+
+def split_units(text: str, size: int = CHUNK_CHARS) -> list[str]:
+    """``text`` cut into pieces of at most ``size`` UTF-16 code units (never inside a character)."""
+    if text.isascii():
+        return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+    pieces, start, units = [], 0, 0
+    for index, char in enumerate(text):
+        width = 2 if ord(char) > 0xFFFF else 1
+        if units + width > size:
+            pieces.append(text[start:index])
+            start, units = index, 0
+        units += width
+    pieces.append(text[start:])
+    return pieces
+
+
 def record_entity(
     partition: str, key: str, record: BaseModel, extra: dict[str, Any], *, exclude: set[str] | None = None
 ) -> Entity:
     data = record.model_dump_json(exclude_defaults=True, exclude=exclude)
-    chunks = [data[i : i + CHUNK_CHARS] for i in range(0, len(data), CHUNK_CHARS)] or [""]
+    chunks = split_units(data)
     if len(chunks) > MAX_CHUNKS:
-        raise RecordTooLarge(f"record {partition}/{key} is {len(data)} characters; the entity limit is 1 MiB")
+        raise RecordTooLarge(
+            f"record {partition}/{key} is {utf16_units(data)} UTF-16 code units; an entity holds 1 MiB "
+            f"({MAX_CHUNKS} properties of {CHUNK_CHARS})"
+        )
     entity: Entity = {"PartitionKey": partition, "RowKey": safe_key(key), "Chunks": len(chunks)}
     entity.update({f"Data{i}": chunk for i, chunk in enumerate(chunks)})
     entity.update(extra)
@@ -118,22 +155,60 @@ def _vm_property(vm_id: str) -> str:
     return VM_PROPERTY_PREFIX + hashlib.blake2b(vm_id.encode("utf-8"), digest_size=10).hexdigest()
 
 
-def _vm_json(vm: VmRecord) -> str:
+def vm_json(vm: VmRecord) -> str:
+    """A VM's position as stored: whole, or without what it keeps only for convenience when that would pass
+    MAX_VM_PARTS properties. Trimmed, in this order: its sightings of events it no longer lists, oldest first (kept a
+    week for the "gone from every VM" check; the events concluded long before), then the forwarder states it left,
+    longest ago first (one that speaks again is taken for a new state, as after PAST_STATES). Never its identity,
+    tags, listed events or their sightings: what a decision reads. Raises ``RecordTooLarge`` naming the VM when
+    those alone pass the bound (only a forwarder beyond every bound of the envelope's door can send that)."""
     data = vm.model_dump_json(exclude_defaults=True)
-    if len(data) <= CHUNK_CHARS:
+    limit = MAX_VM_PARTS * CHUNK_CHARS
+    excess = utf16_units(data) - limit
+    if excess <= 0:
         return data
-    # Sightings of events the VM no longer lists are kept only for a week's "gone" checks: drop the oldest of
-    # them rather than refuse the VM's position (its listed events, at most 100, always fit).
-    kept = dict(vm.sightings)
-    for event_id, _ in sorted(kept.items(), key=lambda item: item[1].lastSeen):
-        if len(data) <= CHUNK_CHARS:
-            break
-        if event_id not in vm.listed:
-            del kept[event_id]
-            data = vm.model_copy(update={"sightings": kept}).model_dump_json(exclude_defaults=True)
-    if len(data) > CHUNK_CHARS:
-        raise RecordTooLarge(f"VM {vm.identity.name}'s position is {len(data)} characters; a property holds 30,000")
-    return data
+    kept, others = dict(vm.sightings), dict(vm.otherStates)
+    droppable = [("sighting", e) for e, _ in sorted(kept.items(), key=lambda i: i[1].lastSeen) if e not in vm.listed]
+    droppable += [("state", state_id) for state_id, _ in sorted(others.items(), key=lambda i: i[1].lastSeen)]
+    for kind, name in droppable:
+        dropped = kept.pop(name) if kind == "sighting" else others.pop(name)
+        # An estimate ("name":{...},), measured once it says enough was dropped; trimmed further if it falls short.
+        excess -= utf16_units(dropped.model_dump_json(exclude_defaults=True)) + utf16_units(name) + 4
+        if excess <= 0:
+            data = vm.model_copy(update={"sightings": kept, "otherStates": others}).model_dump_json(
+                exclude_defaults=True
+            )
+            excess = utf16_units(data) - limit
+            if excess <= 0:
+                return data
+    data = vm.model_copy(update={"sightings": kept, "otherStates": others}).model_dump_json(exclude_defaults=True)
+    raise RecordTooLarge(
+        f"VM {vm.identity.name[:64]}'s position is {utf16_units(data)} UTF-16 code units without what can be "
+        f"trimmed; at most {limit} ({MAX_VM_PARTS} properties) are kept per VM"
+    )
+
+
+def vm_properties(vm: VmRecord) -> dict[str, str]:
+    """The properties that hold one VM of its group: one, or its position split over several (``vm_json``)."""
+    name = _vm_property(vm.identity.vmId.lower())
+    data = vm_json(vm)
+    if utf16_units(data) <= CHUNK_CHARS:
+        return {name: data}
+    parts = split_units(data, CHUNK_CHARS - 8)  # room for the count before the first part
+    suffix = name.removeprefix(VM_PROPERTY_PREFIX)
+    properties = {name: f"#{len(parts)}#{parts[0]}"}
+    properties.update({f"{VM_PART_PREFIX}{suffix}_{n}": part for n, part in enumerate(parts[1:], start=1)})
+    return properties
+
+
+def _vm_value(entity: Entity, name: str) -> str:
+    """A VM's position as stored under property ``name``, its parts joined."""
+    value = str(entity[name])
+    if not value.startswith("#"):
+        return value
+    count, _, first = value[1:].partition("#")
+    suffix = name.removeprefix(VM_PROPERTY_PREFIX)
+    return first + "".join(str(entity[f"{VM_PART_PREFIX}{suffix}_{n}"]) for n in range(1, int(count)))
 
 
 def group_entity(record: VmGroupRecord, vm_ids: Iterable[str] | None = None) -> Entity:
@@ -146,17 +221,65 @@ def group_entity(record: VmGroupRecord, vm_ids: Iterable[str] | None = None) -> 
         "Vms": len(record.vms),
     }
     for vm_id in record.vms if vm_ids is None else vm_ids:
-        entity[_vm_property(vm_id)] = _vm_json(record.vms[vm_id])
+        entity.update(vm_properties(record.vms[vm_id]))
     return entity
 
 
-def group_from_entity(entity: Entity, etag: str | None) -> Stored[VmGroupRecord]:
+def group_from_entity(
+    entity: Entity, etag: str | None, unreadable: dict[str, str] | None = None
+) -> Stored[VmGroupRecord]:
+    """The group with every VM whose property reads as a position; those that do not are left out, and put in
+    ``unreadable`` (property -> why) when given, else raise. A blanked property ("") is a VM set aside."""
     vms = {}
     for name, value in entity.items():
-        if name.startswith(VM_PROPERTY_PREFIX):
-            vm = VmRecord.model_validate_json(str(value))
+        if name.startswith(VM_PROPERTY_PREFIX) and value != "":
+            try:
+                vm = VmRecord.model_validate_json(_vm_value(entity, name))
+            except (ValueError, KeyError) as error:
+                if unreadable is None:
+                    raise
+                unreadable[name] = _why(error)
+                continue
             vms[vm.identity.vmId.lower()] = vm
     return Stored(VmGroupRecord(group=str(entity["Group"]), vms=vms), etag)
+
+
+def _why(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error)[:500]}"
+
+
+def set_aside_copy(entity: Entity, reason: str, at: datetime) -> Entity:
+    """The whole entity as it was, under partition ``setaside``, with why and where from: a person can read it
+    and, once the cause is fixed, put it back."""
+    origin = f"{entity['PartitionKey']}~{entity['RowKey']}~{at.astimezone(UTC).strftime('%Y%m%dT%H%M%S%f')}"
+    copy = {name: value for name, value in entity.items() if name not in ("PartitionKey", "RowKey")}
+    return {
+        **copy,
+        "PartitionKey": SET_ASIDE_PARTITION,
+        "RowKey": safe_key(origin),
+        "Reason": reason[:DEAD_LETTER_TEXT],
+        "FromPartition": str(entity["PartitionKey"]),
+        "FromRowKey": str(entity["RowKey"]),
+    }
+
+
+def set_aside_letter(entity: Entity, etag: str | None, what: str, reason: str, at: datetime) -> DeadLetter:
+    """The dead letter of an entity (or one VM's property) set aside: the reason, and the entity as JSON."""
+    body = json.dumps(dict(entity), default=str, sort_keys=True).encode("utf-8")
+    return DeadLetter(
+        reason=f"state entity {what} set aside: {reason}"[:DEAD_LETTER_TEXT],
+        body=body,
+        received_at=at,
+        source={"entity": what, "etag": etag},
+    )
+
+
+def decode(entity: Entity, etag: str | None, parse: Callable[[Entity, str | None], Stored[R]]) -> Stored[R] | str:
+    """The entity read as its record, or why it cannot be (any failure of a pure decode is the entity's)."""
+    try:
+        return parse(entity, etag)
+    except Exception as error:  # the entity's alone: the caller sets it aside
+        return _why(error)
 
 
 def sent_alerts_entity(record: SentAlerts) -> Entity:
@@ -165,8 +288,8 @@ def sent_alerts_entity(record: SentAlerts) -> Entity:
     return record_entity(SENT_ALERTS_PARTITION, key, record, {})
 
 
-def sent_alerts_from_entity(entity: Entity) -> tuple[str, SentAlerts]:
-    return str(entity["RowKey"]), record_from_entity(entity, SentAlerts, None).record
+def sent_alerts_from_entity(entity: Entity, etag: str | None) -> Stored[SentAlerts]:
+    return record_from_entity(entity, SentAlerts, etag)
 
 
 def key_entity(name: str) -> Entity:
@@ -176,6 +299,14 @@ def key_entity(name: str) -> Entity:
 
 def key_from_entity(entity: Entity) -> bytes:
     return base64.b64decode(entity["Key"])
+
+
+def claim_entity(name: str, value: str) -> Entity:
+    return {"PartitionKey": CLAIM_PARTITION, "RowKey": safe_key(name), "Value": value}
+
+
+def claim_from_entity(entity: Entity) -> str:
+    return str(entity["Value"])
 
 
 def dead_letter_entity(letter: DeadLetter) -> Entity:

@@ -16,6 +16,13 @@ Every write is conditional, which is what lets parallel coordinator instances de
 - **Too large** a record raises ``RecordTooLarge`` before anything of that call is written.
 - A ``cached`` read may answer with what this instance last read or wrote, older than what is stored: a write
   with that ETag is then refused, so a stale read never commits. Every other read is fresh.
+- **An entity a read cannot decode** (damaged, or written in a layout this code does not read) is left out of
+  what the read answers, so that one bad entity costs only itself: a whole entity (an event, a log of sent
+  cards) is copied whole to partition ``setaside`` and deleted If-Match its ETag (the event starts afresh from
+  its next sighting); one VM of a VM group is blanked (its next position overwrites it). Each is dead-lettered
+  (the dead-letter table: the reason and the entity), logged at ERROR, and listed by ``set_aside()`` for the run
+  to count and write a ``DeadLetter`` history row. A budget is the exception: one that cannot be read raises,
+  holding the decisions it counts (read as empty, it would approve beyond its limit).
 
 ``TableStateStore`` (coordinator/state/tables.py) keeps this in Azure Table Storage; how records become entities is
 ``coordinator/state/entities.py``. tests/coordinator/test_state_contract.py holds every implementation to this.
@@ -59,6 +66,14 @@ class DeadLetter:
     body: bytes
     received_at: datetime
     source: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """A stored entity, or one VM of a VM group, that a read could not decode and set aside."""
+
+    what: str  # "event/EV-1", "vmgroup/pg:web (a VM's position)"
+    reason: str
 
 
 class StateStore(Protocol):
@@ -123,12 +138,22 @@ class StateStore(Protocol):
         """Every entry with its key, oldest ``sentAt`` first."""
 
     def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
-        """Deletes the entries, unconditionally, in transactions of 100: a key already gone refuses its
-        transaction (nothing of it deleted) with an error of the store's own."""
+        """Deletes the entries, unconditionally; one already gone counts as deleted (two timer runs that overlap
+        settle the same logs)."""
 
     def shared_key(self, name: str) -> bytes:
         """A random 32-byte key, the same for every instance: the first to ask creates it (insert-only, so the
         first writer wins and the others read its key)."""
+
+    # claims: a value bound to a name for good, first writer wins (which VM a resource id is: pipeline/attest.py).
+    def claim(self, name: str, value: str) -> str:
+        """Binds ``value`` to ``name`` unless a value is bound already (insert-only); gives the value bound."""
+
+    def claimed(self, name: str) -> str | None:
+        """The value bound to ``name``, read fresh (None: nothing yet)."""
+
+    def set_aside(self) -> list[SetAside]:
+        """The entities reads set aside since the last call (each listed once, to the run that asks)."""
 
     # dead letters: kept apart from the state, one row per refused message, partitioned by day.
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None: ...

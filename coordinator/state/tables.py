@@ -9,10 +9,11 @@ caller re-reads. It saves most reads when several batches touch the same event (
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from azure.core import MatchConditions
@@ -28,6 +29,7 @@ from azure.data.tables import TableClient, TableEntity, TableServiceClient, Tabl
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
 from coordinator.state.entities import (
     BUDGET_PARTITION,
+    CLAIM_PARTITION,
     EVENT_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
@@ -37,7 +39,10 @@ from coordinator.state.entities import (
     budget_entity,
     budget_from_entity,
     chunks,
+    claim_entity,
+    claim_from_entity,
     dead_letter_transactions,
+    decode,
     event_entity,
     event_from_entity,
     group_entity,
@@ -47,9 +52,13 @@ from coordinator.state.entities import (
     safe_key,
     sent_alerts_entity,
     sent_alerts_from_entity,
+    set_aside_copy,
+    set_aside_letter,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, StateStore, Stored
+from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, RecordTooLarge, SetAside, StateStore, Stored
+
+log = logging.getLogger("coordinator")
 
 CACHE_ENTRIES = 50_000
 # Azure Tables allows at most 15 discrete comparisons per filter: PartitionKey + 14 RowKeys.
@@ -58,6 +67,15 @@ ROWKEYS_PER_QUERY = 14
 
 def _etag(entity: TableEntity) -> str:
     return str(entity.metadata["etag"])
+
+
+# What the service answers for what entities.py should have refused (an entity over 1 MiB, whose other VMs a MERGE
+# does not send, is known only to the table): RecordTooLarge, which the stages contain to its record.
+_TOO_LARGE_CODES = ("PropertyValueTooLarge", "EntityTooLarge", "RequestBodyTooLarge")
+
+
+def _too_large(error: HttpResponseError) -> bool:
+    return error.status_code in (400, 413) and any(code in str(error) for code in _TOO_LARGE_CODES)
 
 
 class TableStateStore(StateStore):
@@ -70,6 +88,7 @@ class TableStateStore(StateStore):
         self._cache: OrderedDict[tuple[str, str], Stored[Any]] = OrderedDict()
         # The Functions worker runs invocations on a thread pool and shares this store between them.
         self._cache_lock = threading.Lock()
+        self._set_aside: list[SetAside] = []
 
     @classmethod
     def from_connection_string(cls, connection_string: str, *, table_name: str) -> TableStateStore:
@@ -109,7 +128,7 @@ class TableStateStore(StateStore):
 
     # reads ---------------------------------------------------------------------------------------------------
     def _get_many(
-        self, partition: str, keys: Iterable[str], parse: Callable[[Any, str], Stored[R]], *, cached: bool
+        self, partition: str, keys: Iterable[str], parse: Callable[[Any, str | None], Stored[R]], *, cached: bool
     ) -> dict[str, Stored[R]]:
         wanted = sorted({safe_key(k) for k in keys})
         found: dict[str, Stored[R]] = {}
@@ -127,15 +146,75 @@ class TableStateStore(StateStore):
                 clauses.append(f"RowKey eq @r{i}")
             # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
             query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
-            for entity in self._table.query_entities(query, parameters=parameters):
-                stored = parse(entity, _etag(entity))
-                found[str(entity["RowKey"])] = stored
-                self._remember(partition, str(entity["RowKey"]), stored)
+            for key, stored in self._decoded(self._table.query_entities(query, parameters=parameters), parse):
+                found[key] = stored
+                self._remember(partition, key, stored)
         return found
 
     def _query_events(self, query: str, **parameters: Any) -> list[Stored[EventRecord]]:
         entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION, **parameters})
-        return [event_from_entity(e, _etag(e)) for e in entities]
+        return [stored for _, stored in self._decoded(entities, event_from_entity)]
+
+    # entities that cannot be read -----------------------------------------------------------------------------
+    def _decoded(
+        self, entities: Iterable[TableEntity], parse: Callable[[Any, str | None], Stored[R]]
+    ) -> list[tuple[str, Stored[R]]]:
+        """Each entity read as its record, by RowKey; one that cannot be is set aside and left out."""
+        out = []
+        for entity in entities:
+            stored = decode(entity, _etag(entity), parse)
+            if isinstance(stored, str):
+                self._set_aside_entity(entity, stored)
+            else:
+                out.append((str(entity["RowKey"]), stored))
+        return out
+
+    def _group(self, entity: Any, etag: str | None) -> Stored[VmGroupRecord]:
+        """A VM group without the VMs whose property cannot be read: those are blanked (each VM's next position
+        overwrites its property) and set aside; the ETag is the blanking write's."""
+        unreadable: dict[str, str] = {}
+        stored = group_from_entity(entity, etag, unreadable)
+        if not unreadable:
+            return stored
+        what = f"{VM_GROUP_PARTITION}/{entity['RowKey']} (a VM's position)"
+        for name, reason in unreadable.items():
+            self._note_set_aside(what, reason, {name: entity[name]}, etag)
+        blank = {"PartitionKey": VM_GROUP_PARTITION, "RowKey": entity["RowKey"], **dict.fromkeys(unreadable, "")}
+        try:
+            metadata = self._table.update_entity(
+                blank, mode=UpdateMode.MERGE, etag=etag, match_condition=MatchConditions.IfNotModified
+            )
+        except (ResourceModifiedError, ResourceNotFoundError):
+            return stored  # written since: the next read sees what it holds now
+        return Stored(stored.record, str(metadata["etag"]))
+
+    def _set_aside_entity(self, entity: Any, reason: str) -> None:
+        """Copies the entity whole to partition ``setaside``, then deletes it If-Match the ETag it was read with
+        (one rewritten since is left to the next read); a copy that fails leaves it where it is."""
+        partition, key, etag = str(entity["PartitionKey"]), str(entity["RowKey"]), _etag(entity)
+        self._note_set_aside(f"{partition}/{key}", reason, entity, etag)
+        self._forget(partition, key)
+        try:
+            self._table.upsert_entity(set_aside_copy(entity, reason, datetime.now(UTC)))
+            self._table.delete_entity(partition, key, etag=etag, match_condition=MatchConditions.IfNotModified)
+        except (ResourceModifiedError, ResourceNotFoundError):
+            return
+        except HttpResponseError:
+            log.exception("state entity %s/%s: could not be moved aside; left out of this read", partition, key)
+
+    def _note_set_aside(self, what: str, reason: str, entity: Any, etag: str | None) -> None:
+        log.error("state entity %s cannot be read and is set aside: %s", what, reason)
+        try:
+            self.put_dead_letters([set_aside_letter(entity, etag, what, reason, datetime.now(UTC))])
+        except HttpResponseError:
+            log.exception("state entity %s: its dead letter could not be stored", what)
+        with self._cache_lock:
+            self._set_aside.append(SetAside(what, reason))
+
+    def set_aside(self) -> list[SetAside]:
+        with self._cache_lock:
+            taken, self._set_aside = self._set_aside, []
+        return taken
 
     def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
         ids = list(event_ids)
@@ -147,11 +226,16 @@ class TableStateStore(StateStore):
 
     def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
         wanted = list(keys)
-        by_key = self._get_many(VM_GROUP_PARTITION, wanted, group_from_entity, cached=cached)
+        by_key = self._get_many(VM_GROUP_PARTITION, wanted, self._group, cached=cached)
         return {k: by_key[safe_key(k)] for k in wanted if safe_key(k) in by_key}
 
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
-        return self._get_many(BUDGET_PARTITION, [scale_set], budget_from_entity, cached=False).get(safe_key(scale_set))
+        # Read without setting aside: a budget that cannot be read raises, which holds the decisions it counts
+        # (read as empty, it would approve beyond its limit).
+        parameters = {"pk": BUDGET_PARTITION, "rk": safe_key(scale_set)}
+        for entity in self._table.query_entities("PartitionKey eq @pk and RowKey eq @rk", parameters=parameters):
+            return budget_from_entity(entity, _etag(entity))
+        return None
 
     def open_events(self) -> list[Stored[EventRecord]]:
         return self._query_events("PartitionKey eq @pk and Open eq true")
@@ -182,7 +266,7 @@ class TableStateStore(StateStore):
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": VM_GROUP_PARTITION})
-        return [group_from_entity(e, _etag(e)) for e in entities]
+        return [stored for _, stored in self._decoded(entities, self._group)]
 
     # writes --------------------------------------------------------------------------------------------------
     def _save_one(self, write: Write, *, mode: UpdateMode = UpdateMode.REPLACE) -> str:
@@ -199,6 +283,10 @@ class TableStateStore(StateStore):
         except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError) as error:
             self._forget(partition, key)
             raise ConcurrencyConflict(f"{partition}/{key} changed") from error
+        except HttpResponseError as error:
+            if _too_large(error):
+                raise RecordTooLarge(f"{partition}/{key}: the table refused it as too large") from error
+            raise
         new_etag = str(metadata["etag"])
         self._remember(partition, key, Stored(record, new_etag))
         return new_etag
@@ -225,6 +313,8 @@ class TableStateStore(StateStore):
             except (TableTransactionError, ResourceExistsError, ResourceModifiedError, HttpResponseError) as error:
                 for entity, _, _ in part:
                     self._forget(str(entity["PartitionKey"]), str(entity["RowKey"]))
+                if _too_large(error):
+                    raise RecordTooLarge(f"transaction of {len(part)} entities refused as too large") from error
                 status = getattr(error, "status_code", None)
                 if (
                     isinstance(error, HttpResponseError)
@@ -261,13 +351,21 @@ class TableStateStore(StateStore):
 
     def sent_alert_logs(self) -> list[tuple[str, SentAlerts]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": SENT_ALERTS_PARTITION})
-        return [sent_alerts_from_entity(e) for e in entities]
+        return [(key, stored.record) for key, stored in self._decoded(entities, sent_alerts_from_entity)]
 
     def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
-        for chunk in chunks(keys, TRANSACTION_LIMIT):
-            self._table.submit_transaction(
-                [("delete", {"PartitionKey": SENT_ALERTS_PARTITION, "RowKey": key}) for key in chunk]
-            )
+        for chunk in chunks(list(dict.fromkeys(keys)), TRANSACTION_LIMIT):
+            try:
+                self._table.submit_transaction(
+                    [("delete", {"PartitionKey": SENT_ALERTS_PARTITION, "RowKey": key}) for key in chunk]
+                )
+            except TableTransactionError as error:
+                if error.status_code != 404:
+                    raise
+                # One is gone already (a timer run that overlapped this one deleted it), which refuses the whole
+                # transaction: delete them one by one, where the SDK answers a delete of a gone entity as done.
+                for key in chunk:
+                    self._table.delete_entity(SENT_ALERTS_PARTITION, key)
 
     # keys ----------------------------------------------------------------------------------------------------
     def shared_key(self, name: str) -> bytes:
@@ -275,6 +373,18 @@ class TableStateStore(StateStore):
         with contextlib.suppress(ResourceExistsError):
             self._table.create_entity(key_entity(name))
         return key_from_entity(self._table.get_entity(KEY_PARTITION, safe_key(name)))
+
+    def claim(self, name: str, value: str) -> str:
+        with contextlib.suppress(ResourceExistsError):
+            self._table.create_entity(claim_entity(name, value))
+            return value
+        return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
+
+    def claimed(self, name: str) -> str | None:
+        try:
+            return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
+        except ResourceNotFoundError:
+            return None
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from emulators.imds.models import FaultSpec
 
-Endpoint = Literal["scheduledevents", "instance", "identity"]
+Endpoint = Literal["scheduledevents", "instance", "identity", "attested"]
 
 # IMDS's documented limit: about 5 requests per second per VM; above it, 429.
 DEFAULT_THROTTLE_RPS = 5.0

@@ -395,7 +395,7 @@ class EventCreate(BaseModel):
 
 
 FaultKind = Literal["first-call-delay", "error-burst", "hang", "malformed-json", "incarnation-reset", "throttle"]
-FaultEndpoint = Literal["scheduledevents", "instance", "identity", "all"]
+FaultEndpoint = Literal["scheduledevents", "instance", "identity", "attested", "all"]
 
 
 class FaultSpec(BaseModel):

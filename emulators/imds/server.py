@@ -22,6 +22,14 @@ from urllib.parse import parse_qs, quote, urlsplit
 from pydantic import BaseModel, ValidationError
 
 from emulators.imds.arm import ACKNOWLEDGE, API_VERSIONS, ArmFault, ArmFaults, arm_error, check_token, vms_of
+from emulators.imds.attested import (
+    DEFAULT_VALIDITY_SECONDS,
+    ISSUER_PATH,
+    ROOT_PATH,
+    AttestedDocuments,
+    CertificateAuthority,
+    NonceError,
+)
 from emulators.imds.clock import Clock, SystemClock
 from emulators.imds.faults import DEFAULT_THROTTLE_RPS, Endpoint, FaultDecision, FaultPlan
 from emulators.imds.models import (
@@ -34,6 +42,7 @@ from emulators.imds.models import (
 )
 from emulators.imds.state import DEFAULT_STARTED_MIN_SECONDS, EmulatorInputError, EmulatorState
 from emulators.imds.versions import (
+    ATTESTED_VERSIONS,
     IDENTITY_VERSIONS,
     INSTANCE_VERSIONS,
     SCHEDULED_EVENTS_VERSIONS,
@@ -85,8 +94,14 @@ class ImdsEmulator:
         clock: Clock | None = None,
         started_min_seconds: float = DEFAULT_STARTED_MIN_SECONDS,
         throttle_rps: float = DEFAULT_THROTTLE_RPS,
+        authority: CertificateAuthority | None = None,
+        attested_validity_seconds: float = DEFAULT_VALIDITY_SECONDS,
+        attested_cache_seconds: float = 0.0,
     ) -> None:
         self.scenario = scenario or Scenario.default()
+        self._authority = authority
+        self._attested_options = (attested_validity_seconds, attested_cache_seconds)
+        self._attested: AttestedDocuments | None = None
         self.time_scale = time_scale
         self.clock: Clock = clock or SystemClock()
         self.faults = FaultPlan(throttle_rps=throttle_rps, time_scale=time_scale)
@@ -172,6 +187,26 @@ class ImdsEmulator:
 
     # ---- control (Python) ------------------------------------------------------------------------------------
 
+    @property
+    def attested(self) -> AttestedDocuments:
+        """The attested endpoint's signer (emulators/imds/attested.py), made on first use: its certificate names
+        this emulator's issuer URL, so it exists only once the port is known."""
+        with self._lock:
+            if self._attested is None:
+                validity, cache = self._attested_options
+                self._attested = AttestedDocuments(
+                    issuer_url=self.url + ISSUER_PATH,
+                    authority=self._authority,
+                    validity_seconds=validity,
+                    cache_seconds=cache,
+                )
+            return self._attested
+
+    @property
+    def root_pem(self) -> bytes:
+        """The root a verifier trusts for this emulator's attested documents (also served at ROOT_PATH)."""
+        return self.attested.authority.root_pem
+
     def create_event(self, spec: EventCreate | dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
         """Schedules an event; returns its global summary (with EventId). Fields as in EventCreate, e.g.
         ``create_event(EventType="Freeze", Resources=["WestNO_0"], NoticeSeconds=60)``."""
@@ -220,11 +255,8 @@ class ImdsEmulator:
         query = parse_qs(parts.query, keep_blank_values=True)
         path = parts.path.rstrip("/") or "/"
         vm_name, path = self._resolve_vm(path, handler.headers.get(VM_HEADER))
-        if path.startswith("/_emulator/arm"):
-            status, arm = self._arm_control(method, path, handler)
-            return status, json.dumps(arm).encode(), _JSON
         if path.startswith("/_emulator"):
-            return self._control(method, path, handler)
+            return self._emulator_routes(method, path, handler)
         if (acknowledge := ACKNOWLEDGE.match(path)) is not None:
             return self._acknowledge(method, acknowledge, query, handler)
         with self._lock:
@@ -248,6 +280,8 @@ class ImdsEmulator:
             status, body = self._scheduled_events(method, vm_name, query, handler)
         elif endpoint == "instance":
             return self._instance(method, vm_name, path, query, decision)
+        elif endpoint == "attested":
+            status, body = self._attested_document(method, vm_name, query)
         else:
             status, body = self._token(method, vm_name, query)
         if decision.malformed and status == 200 and body is not None:
@@ -347,6 +381,40 @@ class ImdsEmulator:
         if decision.malformed:
             text = text[: max(1, len(text) // 2)]
         return 200, text.encode(), _JSON
+
+    def _emulator_routes(self, method: str, path: str, handler: _Handler) -> tuple[int, bytes, str]:
+        """The emulator's own routes: the ARM face's control, the attested documents' PKI, the control API."""
+        if path.startswith("/_emulator/arm"):
+            status, arm = self._arm_control(method, path, handler)
+            return status, json.dumps(arm).encode(), _JSON
+        if path.startswith("/_emulator/pki/"):
+            return self._pki(method, path)
+        return self._control(method, path, handler)
+
+    def _pki(self, method: str, path: str) -> tuple[int, bytes, str]:
+        if method != "GET":
+            raise _Reply(405, {"error": "Method not allowed"})
+        if path == ISSUER_PATH:
+            # What the signing certificate's CA Issuers URL names (DER, as Microsoft's PKI serves .crt files).
+            return 200, self.attested.authority.issuer_der, "application/pkix-cert"
+        if path == ROOT_PATH:
+            return 200, self.root_pem, "application/x-pem-file"
+        raise _Reply(404, {"error": f"no PKI route {path}"})
+
+    def _attested_document(self, method: str, vm_name: str, query: dict[str, list[str]]) -> tuple[int, dict[str, Any]]:
+        if method != "GET":
+            raise _Reply(405, {"error": "Method not allowed"})
+        self._api_version(query, ATTESTED_VERSIONS)
+        nonces = query.get("nonce")
+        if nonces is not None and len(nonces) > 1:
+            raise _bad_request("Requests with duplicate query parameter names are not accepted")
+        with self._lock:
+            vm = self.state.vms[vm_name].compute()
+            now = self.clock.now()
+        try:
+            return 200, self.attested.document(vm, nonce=nonces[0] if nonces else None, now=now)
+        except NonceError as error:
+            raise _bad_request(str(error)) from error
 
     def _token(self, method: str, vm_name: str, query: dict[str, list[str]]) -> tuple[int, dict[str, Any]]:
         if method != "GET":
@@ -497,6 +565,8 @@ def _endpoint_of(path: str) -> Endpoint | None:
         return "instance"
     if path == "/metadata/identity/oauth2/token":
         return "identity"
+    if path == "/metadata/attested/document":
+        return "attested"
     return None
 
 

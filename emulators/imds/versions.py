@@ -65,6 +65,9 @@ INSTANCE_VERSIONS: tuple[str, ...] = (
 
 IDENTITY_VERSIONS: tuple[str, ...] = ("2018-02-01", "2019-08-01")
 
+# The attested category came with 2018-10-01: an instance version older than that is not one of its versions.
+ATTESTED_VERSIONS: tuple[str, ...] = tuple(v for v in INSTANCE_VERSIONS if v >= "2018-10-01")
+
 
 def newest(versions: tuple[str, ...], count: int = 3) -> list[str]:
     return sorted(versions, reverse=True)[:count]

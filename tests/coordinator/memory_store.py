@@ -16,23 +16,25 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
 from coordinator.state.entities import (
     BUDGET_PARTITION,
+    CLAIM_PARTITION,
     EVENT_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
-    TRANSACTION_LIMIT,
     VM_GROUP_PARTITION,
     Entity,
     Write,
     budget_entity,
     budget_from_entity,
-    chunks,
+    claim_entity,
+    claim_from_entity,
     dead_letter_transactions,
+    decode,
     event_entity,
     event_from_entity,
     group_entity,
@@ -42,9 +44,11 @@ from coordinator.state.entities import (
     safe_key,
     sent_alerts_entity,
     sent_alerts_from_entity,
+    set_aside_copy,
+    set_aside_letter,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, StateStore, Stored
+from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, SetAside, StateStore, Stored
 
 Key = tuple[str, str]
 
@@ -57,6 +61,7 @@ class MemoryStateStore(StateStore):
         self._dead_letters: dict[Key, Entity] = {}
         self._lock = threading.Lock()
         self._versions = itertools.count(1)
+        self._set_aside: list[SetAside] = []
 
     def _new_etag(self) -> str:
         # Under the lock: every write of any entity gets an ETag no entity had before.
@@ -64,18 +69,64 @@ class MemoryStateStore(StateStore):
 
     # the table -----------------------------------------------------------------------------------------------
     def _get(
-        self, partition: str, keys: Iterable[str], parse: Callable[[Entity, str], Stored[R]]
+        self, partition: str, keys: Iterable[str], parse: Callable[[Entity, str | None], Stored[R]]
     ) -> dict[str, Stored[R]]:
         wanted = list(keys)
         with self._lock:
             found = {k: self._entities.get((partition, safe_key(k))) for k in wanted}
-        return {k: parse(dict(hit[0]), hit[1]) for k, hit in found.items() if hit is not None}
+        decoded = {k: self._decode(dict(hit[0]), hit[1], parse) for k, hit in found.items() if hit is not None}
+        return {k: stored for k, stored in decoded.items() if stored is not None}
 
     def _scan(self, partition: str, where: Callable[[Entity], bool] = lambda _: True) -> list[tuple[Entity, str]]:
         """A partition's entities that ``where`` keeps, in RowKey order (the table's)."""
         with self._lock:
             rows = [(dict(e), etag) for (p, _), (e, etag) in sorted(self._entities.items()) if p == partition]
         return [(e, etag) for e, etag in rows if where(e)]
+
+    def _decoded(
+        self, partition: str, parse: Callable[[Entity, str | None], Stored[R]], where: Callable[[Entity], bool]
+    ) -> list[tuple[str, Stored[R]]]:
+        decoded = [(str(e["RowKey"]), self._decode(e, etag, parse)) for e, etag in self._scan(partition, where)]
+        return [(key, stored) for key, stored in decoded if stored is not None]
+
+    # entities that cannot be read, as TableStateStore sets them aside -----------------------------------------
+    def _decode(self, entity: Entity, etag: str, parse: Callable[[Entity, str | None], Stored[R]]) -> Stored[R] | None:
+        stored = decode(entity, etag, parse)
+        if not isinstance(stored, str):
+            return stored
+        key = (str(entity["PartitionKey"]), str(entity["RowKey"]))
+        self._note(f"{key[0]}/{key[1]}", stored, entity, etag)
+        with self._lock:
+            copy = set_aside_copy(entity, stored, datetime.now(UTC))
+            self._entities[(copy["PartitionKey"], copy["RowKey"])] = (copy, self._new_etag())
+            if key in self._entities and self._entities[key][1] == etag:
+                del self._entities[key]
+        return None
+
+    def _group(self, entity: Entity, etag: str | None) -> Stored[VmGroupRecord]:
+        unreadable: dict[str, str] = {}
+        stored = group_from_entity(entity, etag, unreadable)
+        if not unreadable:
+            return stored
+        for name, reason in unreadable.items():
+            self._note(f"{VM_GROUP_PARTITION}/{entity['RowKey']} (a VM's position)", reason, {name: entity[name]}, etag)
+        key = (VM_GROUP_PARTITION, str(entity["RowKey"]))
+        with self._lock:
+            if key not in self._entities or self._entities[key][1] != etag:
+                return stored
+            new_etag = self._new_etag()
+            self._entities[key] = ({**self._entities[key][0], **dict.fromkeys(unreadable, "")}, new_etag)
+        return Stored(stored.record, new_etag)
+
+    def _note(self, what: str, reason: str, entity: Entity, etag: str | None) -> None:
+        self.put_dead_letters([set_aside_letter(entity, etag, what, reason, datetime.now(UTC))])
+        with self._lock:
+            self._set_aside.append(SetAside(what, reason))
+
+    def set_aside(self) -> list[SetAside]:
+        with self._lock:
+            taken, self._set_aside = self._set_aside, []
+        return taken
 
     def _commit(self, writes: Sequence[Write], *, merge: bool = False) -> list[str]:
         """One transaction: every condition is checked before anything is written."""
@@ -107,7 +158,7 @@ class MemoryStateStore(StateStore):
         return self.get_events([event_id]).get(event_id)
 
     def _events(self, where: Callable[[Entity], bool]) -> list[Stored[EventRecord]]:
-        return [event_from_entity(e, etag) for e, etag in self._scan(EVENT_PARTITION, where)]
+        return [stored for _, stored in self._decoded(EVENT_PARTITION, event_from_entity, where)]
 
     def open_events(self) -> list[Stored[EventRecord]]:
         return self._events(lambda e: e["Open"] is True)
@@ -140,10 +191,10 @@ class MemoryStateStore(StateStore):
 
     # VM groups -----------------------------------------------------------------------------------------------
     def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
-        return self._get(VM_GROUP_PARTITION, keys, group_from_entity)
+        return self._get(VM_GROUP_PARTITION, keys, self._group)
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
-        return [group_from_entity(e, etag) for e, etag in self._scan(VM_GROUP_PARTITION)]
+        return [stored for _, stored in self._decoded(VM_GROUP_PARTITION, self._group, lambda _: True)]
 
     def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
         return self.save_vm_groups([(record, etag, vm_ids)])[0]
@@ -153,7 +204,9 @@ class MemoryStateStore(StateStore):
 
     # budgets -------------------------------------------------------------------------------------------------
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
-        return self._get(BUDGET_PARTITION, [scale_set], budget_from_entity).get(scale_set)
+        with self._lock:
+            hit = self._entities.get((BUDGET_PARTITION, safe_key(scale_set)))
+        return budget_from_entity(dict(hit[0]), hit[1]) if hit is not None else None
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._commit([(budget_entity(record), etag, record)])[0]
@@ -163,16 +216,13 @@ class MemoryStateStore(StateStore):
         self._commit([(sent_alerts_entity(record), None, record)])
 
     def sent_alert_logs(self) -> list[tuple[str, SentAlerts]]:
-        return [sent_alerts_from_entity(e) for e, _ in self._scan(SENT_ALERTS_PARTITION)]
+        logs = self._decoded(SENT_ALERTS_PARTITION, sent_alerts_from_entity, lambda _: True)
+        return [(key, stored.record) for key, stored in logs]
 
     def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
-        for chunk in chunks(keys, TRANSACTION_LIMIT):
-            with self._lock:
-                gone = [k for k in chunk if (SENT_ALERTS_PARTITION, k) not in self._entities]
-                if gone or len(set(chunk)) < len(chunk):  # refused whole, as a table transaction is
-                    raise KeyError(f"sent-alert logs {gone or chunk} gone or named twice")
-                for key in chunk:
-                    del self._entities[(SENT_ALERTS_PARTITION, key)]
+        with self._lock:
+            for key in keys:
+                self._entities.pop((SENT_ALERTS_PARTITION, key), None)
 
     # keys and dead letters -----------------------------------------------------------------------------------
     def shared_key(self, name: str) -> bytes:
@@ -182,6 +232,18 @@ class MemoryStateStore(StateStore):
                 self._entities[key] = (key_entity(name), self._new_etag())
             entity = self._entities[key][0]
         return key_from_entity(entity)
+
+    def claim(self, name: str, value: str) -> str:
+        with self._lock:
+            key = (CLAIM_PARTITION, safe_key(name))
+            if key not in self._entities:
+                self._entities[key] = (claim_entity(name, value), self._new_etag())
+            return claim_from_entity(self._entities[key][0])
+
+    def claimed(self, name: str) -> str | None:
+        with self._lock:
+            found = self._entities.get((CLAIM_PARTITION, safe_key(name)))
+        return claim_from_entity(found[0]) if found else None
 
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
         for part in dead_letter_transactions(letters):

@@ -4,7 +4,10 @@ decision names."""
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from coordinator.domain.controls import GateResult, Schedule, VmFacts, limit_for
 from coordinator.domain.evaluation import evaluate
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord
-from coordinator.domain.policy import Policy
+from coordinator.domain.policy import BudgetOption, Policy
 from coordinator.domain.policy_file import PolicyError, parse_policy
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)  # a Wednesday, 11:00 in Oslo (CET)
@@ -124,6 +127,9 @@ def test_todays_days_and_hours_window_still_matches() -> None:
         ({"schedule": "0 2 * * *", "duration": "8d"}, "at most 7 days"),
         ({"schedule": "0 2 * * *", "duration": "soon"}, "must look like"),
         ({"schedule": "0 2 * * *", "duration": "1h", "timeZone": "Mars/Olympus"}, "not an IANA time zone"),
+        # Valid cron syntax naming no date: every decision asking the window when it opens raised, every tick.
+        ({"schedule": "0 2 30 2 *", "duration": "1h"}, "never comes: no date has that day"),
+        ({"schedule": "*/5 * 31 4,6,9,11 *", "duration": "1h"}, "never comes"),
     ],
 )
 def test_a_bad_window_is_refused_naming_the_line(window: dict[str, str], error: str) -> None:
@@ -131,6 +137,16 @@ def test_a_bad_window_is_refused_naming_the_line(window: dict[str, str], error: 
     with pytest.raises(PolicyError, match=error) as caught:
         parse_policy(text)
     assert "<policy>:4: rules.0.window" in str(caught.value)
+
+
+def test_a_schedule_that_comes_rarely_is_not_refused() -> None:
+    leap = Schedule(schedule="0 2 29 2 *", duration="1h")  # every four years (eight across 2100)
+    assert leap.next_open(NOW) == datetime(2028, 2, 29, 2, 0, tzinfo=UTC)
+    either = Schedule(schedule="0 2 30 2 Mon", duration="1h")  # day and weekday both set: either one (cron's OR)
+    assert either.next_open(NOW) == datetime(2027, 2, 1, 2, 0, tzinfo=UTC)  # a Monday of February
+    blackout = {"name": "never", "schedule": "0 0 30 2 *", "duration": "1d"}
+    with pytest.raises(PolicyError, match=r"<policy>:\d+: blackouts.0.schedule: .*never comes"):
+        policy(APPROVE_REBOOTS, blackouts=[blackout])
 
 
 def test_durations() -> None:
@@ -211,6 +227,50 @@ def test_a_percent_budget_takes_its_size_from_the_known_vms_of_the_domain_rounde
     assert "zone 'westeurope/1' would have 3 impacted instances (limit 2)" in held.reason
     assert limit_for(max_impacted=None, max_percent=10, size=5) == 1
     assert limit_for(max_impacted=3, max_percent=50, size=10) == 3
+
+
+# Percents an operator writes, among them those whose float is just above the decimal (64.4 is 64.400000000000006:
+# 64.4% of 250 is 161 exactly, the float's ceil gave 162).
+PERCENTS = [
+    "64.4",
+    "0.1",
+    "0.01",
+    "1",
+    "2.5",
+    "7",
+    "10",
+    "12.5",
+    "14.3",
+    "28.6",
+    "33.3",
+    "33.33",
+    "50",
+    "57.1",
+    "66.67",
+    "70.1",
+    "80.5",
+    "99.9",
+    "99.99",
+    "100",
+]
+
+
+def test_a_percent_budget_is_exact_for_every_fleet_size() -> None:
+    """maxPercent as the policy file gives it (YAML reads it as a float), against the rule computed in fractions
+    from the text the operator wrote: P% of the size, rounded up, never below 1."""
+    assert limit_for(max_impacted=None, max_percent=Decimal("64.4"), size=250) == 161
+    for text in PERCENTS:
+        read = BudgetOption.model_validate(yaml.safe_load(f"maxPercent: {text}")).maxPercent
+        exact = Fraction(text)
+        for size in range(1, 10_001):
+            expected = max(1, math.ceil(size * exact / 100))
+            assert limit_for(max_impacted=None, max_percent=read, size=size) == expected, (text, size)
+
+
+def test_a_percent_that_is_not_a_finite_number_is_refused() -> None:
+    for value in (".nan", ".inf", "0", "100.01", "-5"):
+        with pytest.raises(PolicyError, match="maxPercent"):
+            policy(budget_rule(maxPercent=yaml.safe_load(value)))
 
 
 def test_vms_without_a_domain_of_that_kind_are_not_lumped_together() -> None:

@@ -72,15 +72,21 @@ def coordinator(
     for name, value in imds.identity_environment("web_0").items():
         monkeypatch.setenv(name, value)
     history = MemoryHistory()
+    clock = Clock(DOC_NOW)
     coordinator = Coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),
         callback=DirectImdsCallback(base_url=imds.url),
         policy=parse_policy(POLICY),
-        clock=Clock(DOC_NOW),
+        clock=clock,
+        # The same clock as the coordinator's: it checks the requests' notAfter.
         remote_acknowledge=RemoteAcknowledgeSender(
-            credential=ManagedIdentityCredential(), endpoint=imds.url, deadline_seconds=3, backoff=(0.05, 0.1)
+            credential=ManagedIdentityCredential(),
+            endpoint=imds.url,
+            deadline_seconds=3,
+            backoff=(0.05, 0.1),
+            clock=clock,
         ),
         remote_acknowledge_fallback=True,
     )

@@ -30,6 +30,8 @@ class Endpoint(http.server.BaseHTTPRequestHandler):
     delay = 0.0
     rows = 0
     fired = 0
+    # When set, Azure Monitor's answer instead of the documented shape (HTTP 200).
+    answer: Any = None
     seen: list[dict[str, Any]]
 
     def do_GET(self) -> None:
@@ -37,7 +39,9 @@ class Endpoint(http.server.BaseHTTPRequestHandler):
         cls.seen.append({"path": self.path, "auth": self.headers.get("Authorization")})
         time.sleep(cls.delay)
         if "/providers/Microsoft.AlertsManagement/alerts" in self.path:
-            self._json({"value": [{"id": f"alert-{i}"} for i in range(cls.fired)]})
+            self._json(
+                cls.answer if cls.answer is not None else {"value": [{"id": f"alert-{i}"} for i in range(cls.fired)]}
+            )
             return
         self.send_response(cls.status)
         self.end_headers()
@@ -47,9 +51,10 @@ class Endpoint(http.server.BaseHTTPRequestHandler):
         cls = type(self)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cls.seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-        self._json({"tables": [{"name": "PrimaryResult", "columns": [], "rows": [[i] for i in range(cls.rows)]}]})
+        tables = [{"name": "PrimaryResult", "columns": [], "rows": [[i] for i in range(cls.rows)]}]
+        self._json(cls.answer if cls.answer is not None else {"tables": tables})
 
-    def _json(self, data: dict[str, Any]) -> None:
+    def _json(self, data: Any) -> None:
         raw = json.dumps(data).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -102,7 +107,7 @@ def test_an_unreachable_or_slow_probe_is_an_error_within_its_timeout(endpoint):
     started = time.monotonic()
     slow = GateReader(http_gate(url + "/health", timeoutSeconds=0.5)).results(["health"])["health"]
     assert slow.state == "error"
-    assert "Timeout" in slow.detail
+    assert "total deadline of 0.5 s" in slow.detail
     assert time.monotonic() - started < 2.5
 
 
@@ -142,3 +147,40 @@ def test_alert_and_log_query_gates_read_azure_monitor_with_the_coordinators_iden
     query_call = next(s for s in page.seen if s["path"] == f"/v1/workspaces/{WORKSPACE}/query")
     assert query_call["body"] == {"query": "AppRequests | where Success == false", "timespan": "PT15M"}
     assert set(credential.scopes) == {f"{url}/.default"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "answer", "reason"),
+    [
+        ("alert", {}, "the alerts answer has no 'value' list (keys: none)"),
+        ("alert", {"values": []}, "no 'value' list (keys: values)"),
+        ("alert", {"value": None}, "no 'value' list"),
+        ("alert", [], "no 'value' list (keys: not an object but list)"),
+        ("alert", {"value": [], "nextLink": "https://management.azure.com/next"}, "first page is empty"),
+        ("query", {}, "the query answer has no 'tables' list (keys: none)"),
+        ("query", {"tables": []}, "no 'tables' list"),
+        ("query", {"Tables": [{"rows": []}]}, "no 'tables' list (keys: Tables)"),
+        ("query", {"tables": [{"name": "PrimaryResult", "Rows": []}]}, "table 0 of the query answer has no 'rows'"),
+        # Log Analytics' partial error: HTTP 200, the rows so far, and an error saying the result is incomplete.
+        (
+            "query",
+            {
+                "tables": [{"name": "PrimaryResult", "columns": [], "rows": []}],
+                "error": {"code": "PartialError", "message": "There were some errors when processing your query."},
+            },
+            "answered with an error (a partial result): There were some errors",
+        ),
+    ],
+)
+def test_an_azure_monitor_answer_the_gate_cannot_read_holds_with_the_reason(endpoint, kind, answer, reason):
+    url, page = endpoint
+    page.answer = answer
+    monitor = AzureMonitorReader(credential=StandInCredential(), arm_endpoint=url, logs_endpoint=url)
+    gate = (
+        Gate(alert=AlertGate(alertRuleId=RULE))
+        if kind == "alert"
+        else Gate(logQuery=LogQueryGate(workspaceId=WORKSPACE, query="AppRequests | where Success == false"))
+    )
+    result = GateReader({"g": gate}, monitor=monitor).results(["g"])["g"]
+    assert result.state == "error"  # holds, as a failing gate does; an unreadable signal approves nothing
+    assert reason in result.detail

@@ -47,6 +47,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "alerts_failed",
         "history_rows",
         "conflicts",
+        "set_aside",
         "deliveries_continued",
     ]
     assert set(reports["tick"].as_dict()) == {
@@ -58,6 +59,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "vms_retired",
         "history_rows",
         "events_purged",
+        "set_aside",
         "deliveries_continued",
     }
     assert set(reports["person"].as_dict()) == {
@@ -66,6 +68,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "alerts_sent",
         "alerts_failed",
         "history_rows",
+        "set_aside",
         "deliveries_continued",
     }
     # The delivery queue's run (function_app.continue_approval).
@@ -75,6 +78,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "alerts_sent",
         "alerts_failed",
         "history_rows",
+        "set_aside",
     }
     # Each name carries its own count (not another's).
     for report in reports.values():

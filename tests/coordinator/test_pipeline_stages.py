@@ -60,6 +60,7 @@ def test_a_tick_and_a_person_end_with_the_same_tail(azurite, imds, tmp_path):
         "vms_retired",
         "history_rows",
         "events_purged",
+        "set_aside",
         "deliveries_continued",
     }
 

@@ -1,13 +1,22 @@
 """A policy cannot be ambiguous: a key given twice in one mapping is an error naming the line, never a silent
-"last one wins" (plain YAML's behaviour)."""
+"last one wins" (plain YAML's behaviour). Nor can it cost every instance its recursion limit or minutes of CPU: a
+document nested thousands deep or an alias bomb is refused at once, naming the line."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
+from coordinator.domain.policy_file import (
+    DEFAULT_POLICY_PATH,
+    MAX_DEPTH,
+    MAX_NODES,
+    PolicyError,
+    load_policy,
+    parse_policy,
+)
 
 
 @pytest.mark.parametrize(
@@ -46,3 +55,46 @@ def test_the_same_key_in_different_mappings_is_fine(tmp_path: Path) -> None:
     )
     assert [rule.name for rule in load_policy(path).rules] == ["a", "b"]
     assert load_policy(DEFAULT_POLICY_PATH).rules
+
+
+def alias_bomb(levels: int) -> str:
+    """Ten times more values at each level: a few hundred bytes naming 10**levels values."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nrules: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Raised RecursionError (flow and block style).
+        ("rules: " + "[" * 20_000 + "]" * 20_000 + "\n", f"p.yaml:1: nested deeper than {MAX_DEPTH} levels"),
+        ("rules:\n" + "".join(" " * i + "- \n" for i in range(1, 1_000)), "p.yaml:33: nested deeper than"),
+        # Parsed for more than 30 s.
+        (alias_bomb(9), f"p.yaml:5: expands to more than {MAX_NODES} values (aliases included)"),
+        # An alias adds the depth of what it names.
+        (
+            "a: &a " + "[" * 20 + "1" + "]" * 20 + "\nrules: " + "[" * 13 + "*a" + "]" * 13 + "\n",
+            "p.yaml:2: nested deeper",
+        ),
+        # A node that holds itself (PyYAML builds it; nothing could walk it).
+        ("rules: &r [{name: a, action: approve-now, more: *r}]\n", "p.yaml:1: alias *r names no node before it"),
+        ("x" * (1 << 20) + "\n", "p.yaml: the policy is 1048577 characters (limit 1048576)"),
+    ],
+)
+def test_a_policy_too_deep_or_too_large_once_expanded_is_refused_at_once(text: str, expected: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(PolicyError) as caught:
+        parse_policy(text, source="p.yaml")
+    assert expected in str(caught.value)
+    assert time.monotonic() - started < 2
+
+
+def test_aliases_within_bounds_are_fine() -> None:
+    text = (
+        "gates: {health: {http: {url: 'https://health.example/ok'}}}\n"
+        "rules:\n"
+        "  - {name: a, action: approve-now, gates: &gated [health]}\n"
+        "  - {name: b, action: wait-for-person, gates: *gated}\n"
+    )
+    assert [rule.gates for rule in parse_policy(text).rules] == [["health"], ["health"]]

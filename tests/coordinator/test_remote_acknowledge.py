@@ -9,6 +9,7 @@ approval-failed card."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -83,7 +84,8 @@ def request_for(event_id: str) -> ApprovalRequest:
         decisionId=str(uuid.uuid4()),
         rule="test",
         issuedAt=DOC_NOW,
-        expiresAt=DOC_NOW,
+        expiresAt=DOC_NOW + timedelta(seconds=30),
+        notAfter=DOC_NOW + timedelta(seconds=30),
         facts=ApprovalFacts(
             eventType="Freeze", eventSource="Platform", durationInSeconds=5, notBefore=None, resources=["web_0"]
         ),
@@ -118,7 +120,7 @@ def test_an_acknowledge_on_the_scale_set_approves_the_event_as_its_vm_would(
     arm: ImdsEmulator, credential: ManagedIdentityCredential
 ) -> None:
     event_id = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
     result = sender.send(request_for(event_id), vm=identity(arm, "web_1"))
     assert result.outcome == "approved"
     assert "Maintenance RP" in result.reason
@@ -134,7 +136,9 @@ def test_throttling_and_server_errors_are_retried_honouring_retry_after(
     event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
     arm.inject_arm_fault(status=429, count=1, retryAfterSeconds=1)
     arm.inject_arm_fault(status=503, count=1)
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, deadline_seconds=10, backoff=(0.05, 0.1))
+    sender = RemoteAcknowledgeSender(
+        credential=credential, endpoint=arm.url, deadline_seconds=10, backoff=(0.05, 0.1), clock=lambda: DOC_NOW
+    )
     result = sender.send(request_for(event_id), vm=identity(arm, "solo"))
     assert result.outcome == "approved"
     status = arm.arm_status()
@@ -148,9 +152,38 @@ def test_errors_that_outlast_the_deadline_are_reported_for_a_later_retry(
 ) -> None:
     event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
     arm.inject_arm_fault(status=500, count=50)
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, deadline_seconds=0.5, backoff=(0.1, 0.2))
+    sender = RemoteAcknowledgeSender(
+        credential=credential, endpoint=arm.url, deadline_seconds=0.5, backoff=(0.1, 0.2), clock=lambda: DOC_NOW
+    )
     with pytest.raises(ApprovalDeliveryError, match=r"ARM 500.*retried later"):
         sender.send(request_for(event_id), vm=identity(arm, "solo"))
+    assert arm.approvals() == []
+
+
+def test_nothing_is_acknowledged_past_the_requests_not_after(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    """No VM checks an acknowledge's dates, so the sender does: not within the listener's 2 s tolerance of notAfter,
+    and ARM's 429s are not retried past it either."""
+    event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
+    sender = RemoteAcknowledgeSender(
+        credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW + timedelta(seconds=29)
+    )
+    with pytest.raises(ApprovalDeliveryError, match="not sent: it expired at"):
+        sender.send(request_for(event_id), vm=identity(arm, "solo"))  # notAfter DOC_NOW + 30 s
+    assert arm.arm_status()["requests"] == 0
+    arm.inject_arm_fault(status=429, count=50)
+    started = time.monotonic()
+    late = RemoteAcknowledgeSender(
+        credential=credential,
+        endpoint=arm.url,
+        deadline_seconds=10,
+        backoff=(0.05, 0.1),
+        clock=lambda: DOC_NOW + timedelta(seconds=27),
+    )
+    with pytest.raises(ApprovalDeliveryError, match="ARM 429"):
+        late.send(request_for(event_id), vm=identity(arm, "solo"))
+    assert time.monotonic() - started < 2  # 1 s left before the tolerance, not the 10 s deadline
     assert arm.approvals() == []
 
 
@@ -166,7 +199,9 @@ def test_refusals_are_reported_at_once_with_arm_reason(
         arm.inject_arm_fault(status=fault, count=1)
     else:
         event_id = str(uuid.uuid4()).upper()
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, deadline_seconds=10)
+    sender = RemoteAcknowledgeSender(
+        credential=credential, endpoint=arm.url, deadline_seconds=10, clock=lambda: DOC_NOW
+    )
     with pytest.raises(ApprovalDeliveryError, match=expected):
         sender.send(request_for(event_id), vm=identity(arm, "solo"))
     assert arm.arm_status()["requests"] == 1  # not retried
@@ -186,15 +221,17 @@ def make_coordinator(
     azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path, **options: Any
 ) -> tuple[Coordinator, MemoryHistory]:
     history = MemoryHistory()
+    clock = Clock(DOC_NOW)
     coordinator = Coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),
         callback=DirectImdsCallback(base_url=arm.url),
         policy=parse_policy(options.pop("policy", REMOTE_POLICY)),
-        clock=Clock(DOC_NOW),
+        clock=clock,
+        # The same clock as the coordinator's: it checks the requests' notAfter.
         remote_acknowledge=RemoteAcknowledgeSender(
-            credential=credential, endpoint=arm.url, deadline_seconds=3, backoff=(0.05, 0.1)
+            credential=credential, endpoint=arm.url, deadline_seconds=3, backoff=(0.05, 0.1), clock=clock
         ),
         **options,
     )

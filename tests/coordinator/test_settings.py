@@ -72,3 +72,22 @@ def test_the_delivery_queue_settings_go_together(monkeypatch: pytest.MonkeyPatch
     settings = CoordinatorSettings.from_env()
     assert settings.delivery_queue_sas is not None
     assert "sig=x" not in repr(settings)
+
+
+def test_attestation_is_required_by_default_against_azures_roots(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from coordinator.wiring import build_attestations
+
+    monkeypatch.setenv("COORDINATOR_STORAGE_CONNECTION_STRING", AZURITE)
+    settings = CoordinatorSettings.from_env()
+    assert settings.require_attestation is True
+    assert settings.attestation_signer_domain == "metadata.azure.com"
+    attestations = build_attestations(settings)
+    assert len(attestations.verifier.anchors.roots) == 4
+    # A trust-anchor file that is missing or not PEM stops the start, naming the setting.
+    monkeypatch.setenv("COORDINATOR_ATTESTATION_TRUST_ANCHORS", str(tmp_path / "missing.pem"))
+    with pytest.raises(SettingsError, match="COORDINATOR_ATTESTATION_TRUST_ANCHORS"):
+        build_attestations(CoordinatorSettings.from_env())
+    (tmp_path / "bad.pem").write_text("not a certificate")
+    monkeypatch.setenv("COORDINATOR_ATTESTATION_TRUST_ANCHORS", str(tmp_path / "bad.pem"))
+    with pytest.raises(SettingsError, match="not a PEM bundle of certificates"):
+        build_attestations(CoordinatorSettings.from_env())

@@ -383,3 +383,42 @@ def test_an_event_closed_by_a_forged_gone_opens_again_when_its_vm_lists_it():
     assert real.record.state == "Started"
     transitions = [(r.PreviousState, r.State) for r in real.rows if r.RecordType == "Transition"]
     assert transitions == [("Canceled", "Scheduled"), ("Scheduled", "Started")]
+
+
+def test_a_gone_counts_only_from_a_vm_the_event_names():
+    """A peer of the placement group sees the event too, but its 'gone' does not conclude an event the VM it names
+    still lists (issue 21 item 6)."""
+    named, peer = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    freeze = scheduled_event(resources=["WestNO_0"])
+    first, vms = run(
+        [
+            envelope(named, sequence=1, incarnation=2, events=[freeze]),
+            envelope(peer, sequence=1, incarnation=2, events=[freeze]),
+        ]
+    )
+    assert first is not None
+    peer_gone, vms = run([envelope(peer, sequence=2, incarnation=3, events=[])], vm_records=vms, record=first.record)
+    assert peer_gone is not None
+    assert peer_gone.record.state == "Scheduled"
+    named_gone, _ = run(
+        [envelope(named, sequence=2, incarnation=3, events=[])], vm_records=vms, record=peer_gone.record
+    )
+    assert named_gone is not None
+    assert named_gone.record.state == "Canceled"
+
+
+def test_an_event_concluded_by_a_peer_before_its_vm_spoke_opens_again_when_its_vm_lists_it():
+    """Only a peer had reported it when the peer said 'gone' (its VM's forwarder was late): Canceled; the VM it names
+    lists it: opened again, though that VM never had a sighting to be 'gone' (it stayed Canceled before)."""
+    named, peer = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    freeze = scheduled_event(resources=["WestNO_0"])
+    first, vms = run([envelope(peer, sequence=1, incarnation=2, events=[freeze])])
+    assert first is not None
+    gone, vms = run([envelope(peer, sequence=2, incarnation=3, events=[])], vm_records=vms, record=first.record)
+    assert gone is not None
+    assert gone.record.state == "Canceled"
+    again, _ = run([envelope(named, sequence=1, incarnation=2, events=[freeze])], vm_records=vms, record=gone.record)
+    assert again is not None
+    assert again.record.state == "Scheduled"
+    (reopened,) = [r for r in again.rows if r.RecordType == "Transition"]
+    assert "listed again by WestNO_0, which it names" in reopened.Reason

@@ -4,6 +4,7 @@ that writes its envelopes to a JSON-lines file (the dry-run sink, a real one).""
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -211,3 +212,41 @@ def scripted_imds() -> Iterator[ScriptedImds]:
     server = ScriptedImds().start()
     yield server
     server.stop()
+
+
+class FullDisk:
+    """Stands for the store's SQLite connection on a file system with no room: while ``full``, every statement that
+    writes raises SQLite's own error for it ("database or disk is full", SQLITE_FULL); reads go through."""
+
+    WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "ALTER", "CREATE")
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.full = False
+
+    def _check(self, sql: str) -> None:
+        if self.full and sql.lstrip().split(None, 1)[0].upper() in self.WRITES:
+            raise sqlite3.OperationalError("database or disk is full")
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        self._check(sql)
+        return self.db.execute(sql, *args)
+
+    def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        self._check(sql)
+        return self.db.executemany(sql, *args)
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.db.in_transaction
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def fill_disk(store: Store) -> FullDisk:
+    """Puts ``store`` on a full disk (``.full = False`` makes room again)."""
+    disk = FullDisk(store._db)
+    store._db = disk  # type: ignore[assignment]
+    disk.full = True
+    return disk

@@ -17,7 +17,7 @@ from contracts.envelope import Envelope
 from emulators.imds import ImdsEmulator
 from forwarder import daemon
 from forwarder.durable_state import HookJob, Store
-from tests.forwarder.conftest import Harness, ScriptedImds, wait_for, write_hook
+from tests.forwarder.conftest import Harness, ScriptedImds, fill_disk, wait_for, write_hook
 
 MakeHarness = Callable[..., Harness]
 
@@ -311,11 +311,27 @@ def test_every_envelope_carries_the_state_id_and_a_new_state_gets_a_new_one(
     assert last_sequence >= 2
 
 
+def test_a_document_nested_20000_deep_is_counted_and_the_poll_goes_on(
+    scripted_imds: ScriptedImds, harness: MakeHarness
+) -> None:
+    h = harness(scripted_imds.url, heartbeat_interval=0.2, attest=False)  # no attested endpoint there
+    h.wait_incarnation(1)
+    scripted_imds.document = b'{"DocumentIncarnation": 2, "Events": [' + b"[" * 20_000 + b"]" * 20_000 + b"]}"
+    wait_for(lambda: h.store.counters().get("invalid_documents") == 1, what="the deep document set aside")
+    (reason, _) = h.store.rejects()[0]
+    assert reason == "scheduled-events document is invalid: nested deeper than 64 levels"
+    event = {"EventId": "A", "EventType": "Reboot", "Resources": ["web_0"], "EventStatus": "Scheduled"}
+    scripted_imds.serve(3, event)
+    assert [e["EventId"] for e in h.wait_incarnation(3)["document"]["Events"]] == ["A"]  # still polling
+    assert h.forwarder.counters["imds_errors"] >= 1
+
+
 def test_an_invalid_event_is_set_aside_and_the_valid_ones_go_on(
     scripted_imds: ScriptedImds, harness: MakeHarness, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="forwarder")
-    h = harness(scripted_imds.url, heartbeat_interval=0.2)
+    # The scripted IMDS has no attested endpoint.
+    h = harness(scripted_imds.url, heartbeat_interval=0.2, attest=False)
     record = h.root / "hook-calls"
     for phase in ("prepare", "recover"):
         write_hook(h.settings.hooks_dir / f"{phase}.d", "10-record", f'echo "$0 $SCHEDULED_EVENT_ID" >> {record}\n')
@@ -357,7 +373,7 @@ def test_an_event_renamed_as_it_starts_is_one_maintenance(
     """Microsoft's mock server: the Started event has a new EventId. Prepare runs once before, recover once after,
     nothing in the middle."""
     caplog.set_level(logging.INFO, logger="forwarder")
-    h = harness(scripted_imds.url)
+    h = harness(scripted_imds.url, attest=False)  # the scripted IMDS has no attested endpoint
     record = h.root / "hook-calls"
     for phase in ("prepare", "recover"):
         write_hook(h.settings.hooks_dir / f"{phase}.d", "10-record", f'echo "$0 $SCHEDULED_EVENT_ID" >> {record}\n')
@@ -412,3 +428,43 @@ def test_the_hook_ledger_is_pruned_at_start_and_then_periodically(
     assert h.store.hook_status("OLD", "prepare") is None
     wait_for(lambda: len(prunes) >= 3, what="periodic prunes")
     assert prunes[0] == 1
+
+
+def test_a_full_disk_backs_off_reports_it_in_heartbeats_resumes_and_loses_nothing(
+    scripted_imds: ScriptedImds, harness: MakeHarness
+) -> None:
+    """It crash-looped: the spool's write raised out of the poll loop. Now the change waits in IMDS, heartbeats go
+    out from memory saying since when the disk is full, and once there is room the change is forwarded and its
+    hooks run, once."""
+    h = harness(scripted_imds.url, heartbeat_interval=0.2, attest=False)  # no attested endpoint there
+    record = h.root / "hook-calls"
+    write_hook(h.settings.hooks_dir / "prepare.d", "10-record", f'echo "$SCHEDULED_EVENT_ID" >> {record}\n')
+    h.wait_incarnation(1)
+    disk = fill_disk(h.store)
+    event = {"EventId": "A", "EventType": "Reboot", "Resources": ["web_0"], "EventStatus": "Scheduled"}
+    scripted_imds.serve(2, event)
+
+    full = wait_for(
+        lambda: [b for b in h.envelopes("heartbeat") if b["health"].get("stateFullSince")],
+        what="a heartbeat from memory",
+    )
+    assert full[0]["health"]["stateWriteErrors"] >= 1
+    assert "disk is full" in full[0]["health"]["lastStateError"]
+    time.sleep(1.0)
+    assert h.incarnations() == [1]  # not spooled, not lost: still in IMDS
+    assert not h.forwarder.stopping
+
+    disk.full = False
+    assert [e["EventId"] for e in h.wait_incarnation(2, timeout=30)["document"]["Events"]] == ["A"]
+    wait_for(lambda: record.exists() and record.read_text() == "A\n", what="the prepare hook, once")
+    recovered = wait_for(
+        lambda: [
+            b
+            for b in h.envelopes("heartbeat")[len(full) :]
+            if b["health"]["stateWriteErrors"] and not b["health"].get("stateFullSince")
+        ],
+        what="a heartbeat after the disk has room",
+    )
+    assert recovered[0]["health"]["lastStateError"]
+    sequences = [e["sequence"] for e in h.envelopes()]
+    assert sequences == sorted(set(sequences)), "sequences keep increasing, none used twice"

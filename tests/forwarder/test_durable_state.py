@@ -1,15 +1,27 @@
-"""The SQLite spool and state: order, sequence across reopen, bounded with a counter, hook ledger."""
+"""The SQLite spool and state: order, sequence across reopen, bounded with a counter, hook ledger, a full disk."""
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from forwarder.durable_state import HOOK_LEDGER_DAYS, HookJob, SpooledEnvelope, Store
+from forwarder import durable_state
+from forwarder.durable_state import (
+    DECISION_LEDGER_KEEP,
+    HOOK_LEDGER_DAYS,
+    SEQUENCE_RESERVE,
+    HookJob,
+    LedgerEntry,
+    SpooledEnvelope,
+    Store,
+    StoreFull,
+)
+from tests.forwarder.conftest import fill_disk
 
 
 def body(sequence: int) -> bytes:
@@ -190,3 +202,89 @@ def test_a_spool_of_an_older_forwarder_opens_and_keeps_trace_context_from_now_on
         SpooledEnvelope(1, 7, "incarnation", b"{}"),  # the old row: no context, sent as before
         SpooledEnvelope(2, 8, "incarnation", body(8), traceparent, "k=v"),
     ]
+
+
+def test_the_decision_ledger_survives_a_restart_and_stays_bounded_by_age_and_count(tmp_path: Path) -> None:
+    now = datetime(2026, 11, 21, 6, tzinfo=UTC)
+    store = Store(tmp_path / "state.sqlite")
+    store.remember_decision(LedgerEntry("d-1", "E1", "executing", now))
+    store.remember_decision(LedgerEntry("d-1", "E1", "approved", now, '{"outcome": "approved"}'))
+    store.close()
+    reopened = Store(tmp_path / "state.sqlite")  # the forwarder restarted
+    assert reopened.decision("d-1") == LedgerEntry("d-1", "E1", "approved", now, '{"outcome": "approved"}')
+    assert reopened.decision("d-2") is None
+    # An entry older than the ledger keeps goes with the next write; beyond the count, the oldest go first.
+    later = now + DECISION_LEDGER_KEEP + timedelta(seconds=1)
+    reopened.remember_decision(LedgerEntry("d-2", "E2", "refused", later))
+    assert reopened.decision("d-1") is None
+    for index in range(3, 7):
+        reopened.remember_decision(
+            LedgerEntry(f"d-{index}", "E", "refused", later + timedelta(seconds=index)), max_entries=3
+        )
+    assert [reopened.decision(f"d-{i}") is not None for i in range(2, 7)] == [False, False, True, True, True]
+    reopened.forget_decision("d-6")
+    assert reopened.decision("d-6") is None
+    reopened.close()
+
+
+def test_a_full_disk_refuses_the_write_whole_and_the_reserve_hands_out_sequences_never_used_twice(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    assert [store.enqueue("heartbeat", body) for _ in range(3)] == [0, 1, 2]
+    disk = fill_disk(store)
+
+    with pytest.raises(StoreFull):
+        store.enqueue("incarnation", body, state={"last_document": "{}"})
+    assert store.depth() == 3  # nothing of it kept
+    assert store.get_state("last_document") is None
+    assert store.full_since is not None
+    assert store.write_errors == 1
+    assert "disk is full" in store.last_error
+    # Sequences for what is sent without being spooled (heartbeats): the reserve, never one spooled.
+    assert [store.take_unspooled() for _ in range(2)] == [3, 4]
+
+    # The process dies while the disk is full: the next one starts after the whole reserve (kept up to 64).
+    store.close()
+    again = Store(tmp_path / "s.sqlite")
+    assert again.enqueue("heartbeat", body) == SEQUENCE_RESERVE
+    again.close()
+
+    # Room again in the same process: spooling goes on after what the reserve handed out.
+    store = Store(tmp_path / "t.sqlite")
+    store.enqueue("heartbeat", body)
+    disk = fill_disk(store)
+    assert store.take_unspooled() == 1
+    disk.full = False
+    assert store.enqueue("heartbeat", body) == 2
+    assert store.full_since is None
+    store.close()
+    assert Store(tmp_path / "t.sqlite").enqueue("heartbeat", body) == 3  # the reserve unused again: no gap
+
+
+def test_the_reserve_runs_out_rather_than_reuse_a_sequence(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    fill_disk(store)
+    taken = [store.take_unspooled() for _ in range(SEQUENCE_RESERVE + 5)]
+    assert taken[:SEQUENCE_RESERVE] == list(range(SEQUENCE_RESERVE))
+    assert taken[SEQUENCE_RESERVE:] == [None] * 5
+
+
+def test_a_store_that_cannot_be_opened_for_want_of_room_is_waited_for_not_crashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts: list[int] = []
+
+    def full_then_room(path: Path, *, max_entries: int) -> Store:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise StoreFull("database or disk is full")
+        return Store(path, max_entries=max_entries)
+
+    monkeypatch.setattr(durable_state, "Store", full_then_room)
+    stop = threading.Event()
+    store = durable_state.open_store(tmp_path / "s.sqlite", max_entries=10, stop=stop, first_delay=0.01)
+    assert store is not None
+    assert len(attempts) == 3
+    stop.set()
+    assert durable_state.open_store(tmp_path / "t.sqlite", max_entries=10, stop=stop) is None  # stopped meanwhile

@@ -11,6 +11,7 @@ from contracts.envelope import MAX_TAG_VALUE, MAX_TAGS
 from emulators.imds import ImdsEmulator, Scenario
 from forwarder.imds import (
     IDLE_DISABLE_SECONDS,
+    MAX_BODY,
     ImdsClient,
     ImdsInvalidResponse,
     ImdsUnavailable,
@@ -217,6 +218,11 @@ def test_one_invalid_event_is_set_aside_and_named() -> None:
         (b'{"Events": []}', "DocumentIncarnation: Field required"),
         (b'{"DocumentIncarnation": "two", "Events": []}', "DocumentIncarnation: Input should be a valid integer"),
         (b'{"DocumentIncarnation": 2, "Events": {}}', "Events: Input should be a valid list"),
+        # Raised RecursionError (no ValueError) out of the poll; now refused like any invalid document.
+        (b"[" * 20_000 + b"]" * 20_000, "nested deeper than 64 levels"),
+        (b'{"DocumentIncarnation": 2, "Events": [' + b"[" * 900 + b"]" * 900 + b"]}", "nested deeper than 64"),
+        (b'{"DocumentIncarnation": 2, "Events": [], "x": ' + b"[" * 64 + b"]" * 64 + b"}", "nested deeper than 64"),
+        (b" " * (MAX_BODY + 1), f"more than the {MAX_BODY} allowed"),
     ],
 )
 def test_a_document_invalid_as_a_whole_is_still_refused(raw: bytes, reason: str) -> None:

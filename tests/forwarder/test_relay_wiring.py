@@ -59,6 +59,7 @@ def _request(created: dict[str, object]) -> ApprovalRequest:
         rule="test",
         issuedAt=now,
         expiresAt=now + timedelta(minutes=5),
+        notAfter=now + timedelta(minutes=5),
         facts=facts_of(created),
     )
 

@@ -106,7 +106,7 @@ def start_vm(
                 key_name="listen",
                 key_file=key_file,
             )
-        approver = Approver(imds=client, vm_name=identity.name)
+        approver = Approver(imds=client, vm_name=identity.name, ledger=options.pop("ledger", None))
         options.setdefault("backoff", Backoff(initial=0.05, maximum=0.5))
         listener = RelayListener(
             endpoint=ws_endpoint(relay),
@@ -172,13 +172,17 @@ def approval(
     facts: ApprovalFacts | None = None,
 ) -> ApprovalRequest:
     issued_at = issued or datetime.now(UTC)
+    facts = facts or _CREATED.get(event_id)
+    # As the coordinator dates it: never past the event's NotBefore.
+    not_after = min(issued_at + valid_for, facts.notBefore or issued_at + valid_for) if facts else issued_at + valid_for
     return ApprovalRequest(
         eventId=event_id,
         decisionId=decision or f"d-{uuid.uuid4()}",
         rule="tests",
         issuedAt=issued_at,
         expiresAt=issued_at + valid_for,
-        facts=facts or _CREATED.get(event_id),
+        notAfter=not_after,
+        facts=facts,
     )
 
 

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import requests
@@ -20,6 +21,7 @@ from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
+from forwarder.durable_state import LedgerEntry, Store
 from tests.relay.conftest import (
     SEND_KEY,
     VM_A0,
@@ -94,6 +96,61 @@ def test_same_decision_again_is_idempotent_and_another_event_with_it_is_a_replay
     assert "already used for event" in replay.reason
     assert approved_ids(imds) == [first]
     assert vm.approver.imds_posts == 1
+
+
+def test_a_decision_replayed_after_the_listener_restarts_is_not_executed_again(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], sender: RelayApprovalSender, tmp_path: Path
+) -> None:
+    """The listener's decision ledger lives in the forwarder's state, next to the spool: a decision it executed is
+    answered from there after a restart, without a second StartRequests; one whose execution a crash interrupted is
+    never executed."""
+    state = tmp_path / "state" / "forwarder.sqlite"
+    store = Store(state)
+    vm = start_vm(VM_A0, auth="sas", ledger=store)
+    event_id = scheduled_event(imds, VM_A0)
+    request = approval(event_id, decision="decision-1")
+    assert sender.send(request, vm=vm.identity).outcome == "approved"
+    vm.listener.stop(timeout=5)
+    store.close()
+
+    restarted = Store(state)  # the forwarder process started again, with its state directory
+    again = start_vm(VM_A0, auth="sas", ledger=restarted)
+    replayed = sender.send(request, vm=again.identity)
+    assert (replayed.outcome, replayed.decisionId) == ("approved", "decision-1")  # the stored answer
+    assert approved_ids(imds) == [event_id]  # one StartRequests in all
+    assert again.approver.imds_posts == 0
+
+    # A crash between "executing" and IMDS's answer: whether IMDS took it is unknown, so it is never executed.
+    other = scheduled_event(imds, VM_A0)
+    restarted.remember_decision(LedgerEntry("decision-2", other, "executing", datetime.now(UTC)))
+    interrupted = sender.send(approval(other, decision="decision-2"), vm=again.identity)
+    assert interrupted.outcome == "rejected"
+    assert "not executed again (at most once)" in interrupted.reason
+    assert approved_ids(imds) == [event_id]
+
+
+def test_the_listener_refuses_a_request_past_its_not_after_or_dated_far_ahead(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], relay: RelayEmulator
+) -> None:
+    """Whatever the sender believes (its clock behind), the listener's own clock decides: a request whose notAfter
+    has come is refused, and so is one dated year 9999; nothing reaches IMDS."""
+    vm = start_vm(VM_A0)
+    event_id = scheduled_event(imds, VM_A0)
+    now = datetime.now(UTC)
+    late = approval(event_id, issued=now - timedelta(seconds=40), valid_for=timedelta(seconds=41))
+    far = approval(event_id).model_copy(update={"notAfter": datetime(9999, 12, 31, tzinfo=UTC)})
+    with RelayApprovalSender(
+        endpoint=relay.base_url,
+        credential=AzureNamedKeyCredential("send", SEND_KEY),
+        clock=lambda: now - timedelta(minutes=1),
+    ) as behind:
+        refused_late = behind.send(late, vm=vm.identity)
+        refused_far = behind.send(far, vm=vm.identity)
+    assert refused_late.outcome == "rejected"
+    assert refused_late.reason.startswith("expired at")
+    assert refused_far.outcome == "rejected"
+    assert "9999-12-31T00:00:00+00:00 is more than 0:15:00 ahead" in refused_far.reason
+    assert imds.approvals() == []
 
 
 @pytest.mark.parametrize(
@@ -302,8 +359,8 @@ def test_sender_gives_up_at_the_requests_deadline_saying_no_listener_connected(
         RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender,
         pytest.raises(ApprovalDeliveryError, match=r"no listener connected within 2\.0 s"),
     ):
-        # expiresAt (the event's NotBefore, or the approval deadline) 2 s away: the sender waits that long, no more.
-        sender.send(approval(event_id, valid_for=timedelta(seconds=2)), vm=identity)
+        # notAfter 4 s away: the sender waits until the listener would refuse it (2 s before), no more.
+        sender.send(approval(event_id, valid_for=timedelta(seconds=4)), vm=identity)
     assert 1.0 <= time.monotonic() - started <= 2.5
     assert approved_ids(imds) == []
 
@@ -320,7 +377,7 @@ def test_a_send_given_seconds_ends_within_them_however_the_listener_hangs(
     started = time.monotonic()
     with (
         RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender,
-        pytest.raises(ApprovalDeliveryError, match="timed out"),
+        pytest.raises(ApprovalDeliveryError, match=r"could not reach web_0 .* after 1 attempts"),
     ):
         sender.send_within(approval(event_id), vm=vm.identity, seconds=1.0)
     assert time.monotonic() - started <= 1.6

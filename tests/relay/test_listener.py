@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import requests
@@ -229,3 +230,58 @@ def test_garbage_from_the_relay_is_counted_and_skipped() -> None:
     }
     assert answers[1] == b"daolyap"
     assert listener.stats.protocol_errors == 3
+
+
+def fake_relay(script: Callable[[ServerConnection], None]) -> Callable[[], None]:
+    """Runs ``script`` as the relay's side of a control channel against a RelayListener (echo handler) until it
+    returns; gives the function that stops both."""
+    server = serve(script, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.socket.getsockname()[1]
+    listener = RelayListener(
+        endpoint=f"ws://127.0.0.1:{port}", hybrid_connection="vm-x", token_provider=StaticToken(), handler=echo
+    ).start()
+
+    def stop() -> None:
+        listener.stop(timeout=5)
+        server.shutdown()
+
+    return stop
+
+
+def request_frame(request_id: str, *, body: bool) -> str:
+    wire = {"id": request_id, "method": "POST", "requestTarget": f"/vm-x/{request_id}", "requestHeaders": {}}
+    return json.dumps({"request": {**wire, "body": body}})
+
+
+def test_a_request_whose_body_is_not_a_binary_frame_is_refused_alone_and_the_next_is_answered() -> None:
+    """FAKE relay: a request that announces a body, followed by the next request's text frame instead of it. The
+    listener took that frame for the body: the first was answered with the second's JSON reversed, and the second
+    was never answered. Each request is now framed on its own."""
+    answers: dict[str, tuple[dict[str, Any], bytes]] = {}
+
+    def script(connection: ServerConnection) -> None:
+        connection.send(request_frame("r1", body=True))
+        connection.send(request_frame("r2", body=True))  # where r1's body was due
+        connection.send(b"second")
+        # A request that is JSON but not a valid one, with an id to refuse it by; its body frame is set aside.
+        connection.send(json.dumps({"request": {"id": "r3", "method": "POST", "requestHeaders": {"x": 5}}}))
+        connection.send(b"orphan")
+        connection.send(request_frame("r4", body=False))
+        while len(answers) < 4:
+            frame = json.loads(connection.recv(timeout=5))["response"]
+            body = connection.recv(timeout=5) if frame["body"] else b""
+            answers[frame["requestId"]] = (frame, body if isinstance(body, bytes) else body.encode())
+        connection.recv(timeout=5)  # until the listener closes
+
+    stop = fake_relay(script)
+    try:
+        assert wait_for(lambda: len(answers) == 4)
+    finally:
+        stop()
+    assert answers["r1"][0]["statusCode"] == 400
+    assert json.loads(answers["r1"][1]) == {"error": "the request's body did not arrive as one binary frame"}
+    assert (answers["r2"][0]["statusCode"], answers["r2"][1]) == (201, b"dnoces")
+    assert answers["r3"][0]["statusCode"] == 400
+    assert json.loads(answers["r3"][1]) == {"error": "malformed request message"}
+    assert answers["r4"][0]["statusCode"] == 201

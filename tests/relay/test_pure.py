@@ -18,7 +18,8 @@ from contracts.envelope import VmIdentity
 from contracts.sas import relay_resource_uri, sas_token
 from coordinator.adapters.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
-from forwarder.approver import Freshness, judge, refuse_stale
+from forwarder.approver import Freshness, MemoryLedger, judge, refuse_stale
+from forwarder.durable_state import LedgerEntry
 from forwarder.relay_protocol import RelayResponse, relative_path, response_frame
 from forwarder.relay_tokens import SasTokenProvider
 
@@ -33,6 +34,7 @@ def approval(**changes: object) -> ApprovalRequest:
         "rule": "approve-freeze",
         "issuedAt": NOW - timedelta(seconds=5),
         "expiresAt": NOW + timedelta(minutes=10),
+        "notAfter": NOW + timedelta(minutes=10),
     }
     values.update(changes)
     return ApprovalRequest.model_validate(values)
@@ -152,6 +154,57 @@ def test_stale_requests_are_refused(changes, reason):
 
 def test_small_clock_skew_is_tolerated():
     assert refuse_stale(approval(issuedAt=NOW + timedelta(seconds=90)), now=NOW, freshness=Freshness()) is None
+
+
+def test_a_request_is_refused_from_the_tolerance_before_its_not_after():
+    """The listener never executes a decision past its notAfter: from 2 s before it (the clock tolerance), on its own
+    clock, it refuses, naming the condition that ended."""
+    just_in_time = approval(notAfter=NOW + timedelta(seconds=2.001), notAfterReason="blackout 'night' opens")
+    assert refuse_stale(just_in_time, now=NOW, freshness=Freshness()) is None
+    too_late = approval(notAfter=NOW + timedelta(seconds=2), notAfterReason="blackout 'night' opens")
+    reason = refuse_stale(too_late, now=NOW, freshness=Freshness()) or ""
+    assert reason.startswith(f"expired at {(NOW + timedelta(seconds=2)).isoformat()} (blackout 'night' opens)")
+    assert "refused from 2 s before it" in reason
+    # expiresAt counts too when it is the earlier (a request as any coordinator dates it).
+    assert "expired at" in (refuse_stale(approval(expiresAt=NOW), now=NOW, freshness=Freshness()) or "")
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"notAfter": None}, "names no notAfter"),
+        # No far-future approvals: year 9999, or anything more than 15 minutes ahead.
+        ({"notAfter": datetime(9999, 12, 31, tzinfo=UTC)}, "is more than 0:15:00 ahead"),
+        ({"notAfter": NOW + timedelta(minutes=15, seconds=1)}, "is more than 0:15:00 ahead"),
+        # Never past the event's NotBefore (+ the tolerance), even within 15 minutes.
+        (
+            {
+                "notAfter": NOW + timedelta(minutes=5, seconds=3),
+                "facts": {
+                    "eventType": "Freeze",
+                    "eventSource": "Platform",
+                    "durationInSeconds": 5,
+                    "notBefore": NOW + timedelta(minutes=5),
+                    "resources": ["WestNO_0"],
+                },
+            },
+            "is after the event's NotBefore",
+        ),
+    ],
+)
+def test_a_request_without_a_not_after_or_dated_too_far_is_refused(changes, reason):
+    assert reason in (refuse_stale(approval(**changes), now=NOW, freshness=Freshness()) or "")
+
+
+def test_the_memory_ledger_keeps_the_durable_ones_bounds():
+    ledger = MemoryLedger(keep=timedelta(hours=1), max_entries=2)
+    ledger.remember_decision(LedgerEntry("d-1", "E1", "approved", NOW))
+    ledger.remember_decision(LedgerEntry("d-2", "E2", "refused", NOW + timedelta(minutes=1)))
+    assert ledger.decision("d-1") is not None
+    ledger.remember_decision(LedgerEntry("d-3", "E3", "refused", NOW + timedelta(minutes=2)))
+    assert [ledger.decision(f"d-{i}") is not None for i in (1, 2, 3)] == [False, True, True]
+    ledger.remember_decision(LedgerEntry("d-4", "E4", "refused", NOW + timedelta(hours=1, minutes=2)))
+    assert [ledger.decision(f"d-{i}") is not None for i in (2, 3, 4)] == [False, True, True]
 
 
 def decided(raw: dict[str, object], **changes: object) -> ApprovalRequest:

@@ -1,0 +1,160 @@
+"""A total deadline for an outbound HTTP call, however the other side answers.
+
+requests, urllib3 and azure-core bound each socket operation (connect, each read), not the call: a server that
+sends a byte every few seconds holds a call for as long as it likes (a health gate that trickled held a batch for
+over two minutes). Here every call goes through a session whose connections know the deadline of the block they
+are used in: ``with deadline(seconds, what):`` arms a timer, and when it fires every socket the block is using is
+shut down, which ends at once any read or write it is blocked in. What the interrupted call raised becomes
+``DeadlineExceeded``, naming the call and its deadline. A connection the block opens after the deadline is shut
+at once, so a library's own retries end too.
+
+``session()`` is a ``requests.Session`` with such connections; an azure-core client takes it as its transport
+(``RequestsTransport(session=session())``). Each adapter states its deadline where it makes the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.poolmanager import PoolManager
+
+__all__ = ["Deadline", "DeadlineExceeded", "deadline", "session"]
+
+
+class DeadlineExceeded(TimeoutError):
+    """The call had no complete answer within its total deadline."""
+
+
+class Deadline:
+    """One block's deadline: the connections used in it, and whether it has passed."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds = seconds
+        self.what = what
+        self._ends = time.monotonic() + seconds
+        self._lock = threading.Lock()
+        self._connections: list[HTTPConnection] = []
+        self._expired = False
+        self._closed = False
+
+    @property
+    def expired(self) -> bool:
+        return self._expired
+
+    def remaining(self) -> float:
+        return max(0.0, self._ends - time.monotonic())
+
+    def watch(self, connection: HTTPConnection) -> None:
+        with self._lock:
+            if not self._expired:
+                self._connections.append(connection)
+                return
+        _shut(connection)
+
+    def expire(self) -> None:
+        with self._lock:
+            if self._closed:
+                return  # the block ended first: its connections may already serve another call
+            self._expired = True
+            connections = list(self._connections)
+        for connection in connections:
+            _shut(connection)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._connections.clear()
+
+    def error(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"{self.what}: no complete answer within its total deadline of {self.seconds:.3g} s")
+
+
+def _shut(connection: HTTPConnection) -> None:
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            # socket.socket's own shutdown, also for a TLS socket: its reads fail at once, and the TLS object is
+            # left to the thread that is reading.
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+_active = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str) -> Iterator[Deadline]:
+    """Every HTTP call made in this block through a ``session()`` ends within ``seconds`` in all; one cut short
+    raises ``DeadlineExceeded`` (from what it raised). Blocks nest: the inner one's connections obey both."""
+    limit = Deadline(seconds, what)
+    outer: list[Deadline] = getattr(_active, "deadlines", [])
+    _active.deadlines = [*outer, limit]
+    timer = threading.Timer(max(0.0, seconds), limit.expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield limit
+    except Exception as error:
+        if limit.expired and not isinstance(error, DeadlineExceeded):
+            raise limit.error() from error
+        raise
+    finally:
+        timer.cancel()
+        limit.close()
+        _active.deadlines = outer
+
+
+def _watch(connection: HTTPConnection) -> None:
+    for limit in getattr(_active, "deadlines", ()):
+        limit.watch(connection)
+
+
+class _HTTPConnection(HTTPConnection):
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _watch(self)
+        super().request(*args, **kwargs)
+
+
+class _HTTPSConnection(HTTPSConnection):
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _watch(self)
+        super().request(*args, **kwargs)
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
+_POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
+
+
+class _DeadlineAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = _POOLS
+
+    def proxy_manager_for(self, *args: Any, **kwargs: Any) -> PoolManager:
+        manager: PoolManager = super().proxy_manager_for(*args, **kwargs)
+        manager.pool_classes_by_scheme = _POOLS
+        return manager
+
+
+def session() -> requests.Session:
+    """A requests session whose calls a ``deadline`` block can cut short."""
+    made = requests.Session()
+    adapter = _DeadlineAdapter()
+    made.mount("http://", adapter)
+    made.mount("https://", adapter)
+    return made

@@ -1,0 +1,315 @@
+"""Verifying IMDS attested documents: which VM (vmId) signed what (the nonce), when, under whose key.
+
+An attested document (contracts/attestation.py) is a PKCS7 SignedData from IMDS. It proves something only if:
+
+1. the signature over its content verifies with the signing certificate it carries (Azure's documents have no
+   signed attributes and sign the content itself; signed attributes, if a document has them, are checked too);
+2. that certificate names a host of the configured signer domain (``*.metadata.azure.com`` in Azure's public
+   cloud; ``metadata.azure.us``, ``metadata.azure.cn`` in the sovereign ones) and chains, at the document's
+   creation time, to a configured root: Microsoft's in Azure, the IMDS emulator's own locally (``TrustAnchors``).
+   The PKCS7 holds only the signing certificate: its issuer comes from the configured intermediates or, failing
+   those, from ``IssuerSource`` (coordinator/adapters/issuers.py fetches the certificate's CA Issuers URL, only
+   from allowed prefixes); a fetched certificate is trusted only if it chains to a root;
+3. its vmId, nonce and validity are the expected ones (``AttestationVerifier.verify``): the nonce ties the document
+   to one forwarder state or one decision, so a document made for anything else proves nothing here.
+
+Pure apart from the injected ``IssuerSource``; verified signatures are cached by their bytes (a forwarder sends the
+same document with every envelope until it renews it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from asn1crypto import cms as asn1_cms
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.x509 import DNSName
+from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
+
+from contracts.attestation import Attestation, AttestationError, AttestedContent, signed_content
+
+__all__ = [
+    "AttestationRefused",
+    "AttestationVerifier",
+    "Attestations",
+    "Attested",
+    "IssuerSource",
+    "TrustAnchors",
+    "load_pem_certificates",
+]
+
+# Clocks of the VM, IMDS, Event Hubs and the coordinator disagree by seconds; this is generous for them and still
+# short beside a document's life.
+CLOCK_SKEW = timedelta(minutes=5)
+# A document valid longer than this is not one IMDS gives (its documents live from seconds to a few hours).
+MAX_VALIDITY = timedelta(hours=24)
+CACHE_SIZE = 4096
+# Bindings of resource ids and vmIds (pipeline/attest.py) kept by each instance once read: they never change, so a
+# fleet of this many VMs costs no reads.
+BINDINGS_CACHED = 100_000
+
+# What a SignerInfo may name as its digest: the digests, and (as Azure writes it) sha256WithRSAEncryption.
+_DIGESTS: dict[str, hashes.HashAlgorithm] = {
+    "2.16.840.1.101.3.4.2.1": hashes.SHA256(),
+    "2.16.840.1.101.3.4.2.2": hashes.SHA384(),
+    "2.16.840.1.101.3.4.2.3": hashes.SHA512(),
+    "1.2.840.113549.1.1.11": hashes.SHA256(),
+    "1.2.840.113549.1.1.12": hashes.SHA384(),
+    "1.2.840.113549.1.1.13": hashes.SHA512(),
+}
+
+IssuerSource = Callable[[x509.Certificate], Sequence[x509.Certificate]]
+
+
+class AttestationRefused(AttestationError):
+    """The document does not prove what it must; the message says what and, where it helps, what to check."""
+
+
+def load_pem_certificates(data: bytes, what: str) -> tuple[x509.Certificate, ...]:
+    try:
+        certificates = tuple(x509.load_pem_x509_certificates(data))
+    except ValueError as error:
+        raise ValueError(f"{what} is not a PEM bundle of certificates: {error}") from error
+    return certificates
+
+
+@dataclass(frozen=True)
+class TrustAnchors:
+    """The roots an attested document must chain to, intermediates known ahead, and the signer's DNS domain."""
+
+    roots: tuple[x509.Certificate, ...]
+    intermediates: tuple[x509.Certificate, ...] = ()
+    signer_domain: str = "metadata.azure.com"
+
+    def __post_init__(self) -> None:
+        if not self.roots:
+            raise ValueError("attestation trust anchors need at least one root certificate")
+
+    def signer_name(self, certificate: x509.Certificate) -> str | None:
+        """The certificate's DNS name within the signer domain (None: it is not a signer of that domain)."""
+        try:
+            names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            return None
+        domain = self.signer_domain.lower()
+        for name in names.get_values_for_type(x509.DNSName):
+            lowered = name.lower()
+            if lowered == domain or lowered.endswith("." + domain):
+                return name
+        return None
+
+
+@dataclass(frozen=True)
+class Attested:
+    """What a verified document says."""
+
+    vm_id: str
+    nonce: str
+    created_on: datetime
+    expires_on: datetime
+    subscription_id: str
+    signer: str
+
+
+def _signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.Certificate, ...]]:
+    """(content, signing certificate, other certificates carried) of a SignedData whose signature verifies."""
+    try:
+        info = asn1_cms.ContentInfo.load(der, strict=True)
+        if info["content_type"].native != "signed_data":
+            raise AttestationRefused("the PKCS7 is not a SignedData")
+        signed = info["content"]
+        content = signed_content(der)
+        carried = [c.chosen for c in signed["certificates"] if c.name == "certificate"]
+        signer_infos = list(signed["signer_infos"])
+    except AttestationError:
+        raise
+    except (ValueError, TypeError, KeyError) as error:
+        raise AttestationRefused(f"the PKCS7 cannot be read: {str(error)[:200]}") from error
+    if len(signer_infos) != 1:
+        raise AttestationRefused(f"the PKCS7 has {len(signer_infos)} signers; IMDS signs with one")
+    signer_info = signer_infos[0]
+    sid = signer_info["sid"]
+    if sid.name == "issuer_and_serial_number":
+        wanted = (sid.chosen["issuer"].dump(), sid.chosen["serial_number"].native)
+        chosen = [c for c in carried if (c.issuer.dump(), c.serial_number) == wanted]
+    else:
+        chosen = [c for c in carried if c.key_identifier == sid.chosen.native]
+    if not chosen:
+        raise AttestationRefused("the PKCS7 does not carry the certificate that signed it")
+    certificate = x509.load_der_x509_certificate(chosen[0].dump())
+    others = tuple(x509.load_der_x509_certificate(c.dump()) for c in carried if c is not chosen[0])
+    digest = _DIGESTS.get(signer_info["digest_algorithm"]["algorithm"].dotted)
+    if digest is None:
+        raise AttestationRefused(
+            f"digest algorithm {signer_info['digest_algorithm']['algorithm'].dotted} is not one IMDS uses"
+        )
+    signed_bytes = content
+    attributes = signer_info["signed_attrs"]
+    if attributes.native:
+        values = {a["type"].native: a["values"][0].native for a in attributes}
+        if values.get("content_type") != "data":
+            raise AttestationRefused("the signed attributes do not name the content as data")
+        hasher = hashes.Hash(digest)
+        hasher.update(content)
+        if values.get("message_digest") != hasher.finalize():
+            raise AttestationRefused("the content's digest is not the one that was signed")
+        # The signature covers the attributes as a SET, not as the [0] they are written with.
+        signed_bytes = attributes.untag().dump(force=True)
+    _check_signature(certificate, bytes(signer_info["signature"].native), signed_bytes, digest)
+    return content, certificate, others
+
+
+def _check_signature(
+    certificate: x509.Certificate, signature: bytes, data: bytes, digest: hashes.HashAlgorithm
+) -> None:
+    key = certificate.public_key()
+    try:
+        if isinstance(key, rsa.RSAPublicKey):
+            key.verify(signature, data, padding.PKCS1v15(), digest)
+        elif isinstance(key, ec.EllipticCurvePublicKey):
+            key.verify(signature, data, ec.ECDSA(digest))
+        else:
+            raise AttestationRefused(f"the signing key is a {type(key).__name__}, not RSA or EC")
+    except InvalidSignature as error:
+        raise AttestationRefused(
+            "the signature does not verify: the document was changed or not signed by IMDS"
+        ) from error
+
+
+class AttestationVerifier:
+    """Verifies attested documents against ``anchors``; thread-safe (approval answers are read on many threads)."""
+
+    def __init__(
+        self,
+        anchors: TrustAnchors,
+        *,
+        issuers: IssuerSource | None = None,
+        skew: timedelta = CLOCK_SKEW,
+        max_validity: timedelta = MAX_VALIDITY,
+    ) -> None:
+        self.anchors = anchors
+        self._issuers = issuers
+        self.skew = skew
+        self.max_validity = max_validity
+        self._store = Store(list(anchors.roots))
+        self._cache: OrderedDict[bytes, Attested] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def signed(self, attestation: Attestation) -> Attested:
+        """What the document says, once its signature and its signer's chain are verified (no expectation checked:
+        see ``verify``)."""
+        key = hashlib.sha256(attestation.signature.encode()).digest()
+        with self._lock:
+            if (hit := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+                return hit
+        attested = self._verify_signed(attestation)
+        with self._lock:
+            self._cache[key] = attested
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return attested
+
+    def verify(self, attestation: Attestation, *, vm_id: str, nonce: str, at: datetime) -> Attested:
+        """The document, verified, for VM ``vm_id`` with ``nonce``, valid at ``at`` (within the clock skew), and not
+        valid for longer than IMDS makes documents valid. Raises ``AttestationRefused`` saying what failed."""
+        attested = self.signed(attestation)
+        if attested.vm_id.lower() != vm_id.lower():
+            raise AttestationRefused(f"the document is IMDS's of VM {attested.vm_id}, not of VM {vm_id}")
+        if attested.nonce != nonce:
+            raise AttestationRefused(
+                f"the document signs nonce {attested.nonce!r}, not {nonce!r}: it was made for another forwarder "
+                "state or decision (or IMDS answered from its cache)"
+            )
+        if attested.expires_on <= attested.created_on or attested.expires_on - attested.created_on > self.max_validity:
+            raise AttestationRefused(
+                f"the document claims validity from {attested.created_on.isoformat()} to "
+                f"{attested.expires_on.isoformat()}, longer than IMDS gives ({self.max_validity}): not IMDS's"
+            )
+        if attested.created_on > at + self.skew:
+            raise AttestationRefused(
+                f"the document was created at {attested.created_on.isoformat()}, after {at.isoformat()} (more than "
+                f"{self.skew} ahead): a clock far off, or not IMDS's"
+            )
+        if at > attested.expires_on + self.skew:
+            raise AttestationRefused(
+                f"the document expired at {attested.expires_on.isoformat()} (checked at {at.isoformat()}): the "
+                "forwarder must attest again before its document expires"
+            )
+        return attested
+
+    def _verify_signed(self, attestation: Attestation) -> Attested:
+        content_bytes, certificate, carried = _signer_info(attestation.der())
+        try:
+            content = AttestedContent.model_validate_json(content_bytes)
+        except ValueError as error:
+            raise AttestationRefused(
+                f"the signed content is not IMDS's attested document: {str(error)[:200]}"
+            ) from error
+        created, expires = content.created_on(), content.expires_on()
+        name = self.anchors.signer_name(certificate)
+        if name is None:
+            raise AttestationRefused(
+                f"signed by {certificate.subject.rfc4514_string()[:200]}, not by a certificate of "
+                f"*.{self.anchors.signer_domain} (COORDINATOR_ATTESTATION_SIGNER_DOMAIN)"
+            )
+        known = (*self.anchors.intermediates, *carried)
+        try:
+            self._chain(certificate, name, known, created)
+        except VerificationError as first:
+            if self._issuers is None:
+                raise AttestationRefused(self._untrusted(name, first)) from first
+            fetched = tuple(self._issuers(certificate))
+            try:
+                self._chain(certificate, name, (*known, *fetched), created)
+            except VerificationError as error:
+                raise AttestationRefused(self._untrusted(name, error)) from error
+        return Attested(
+            vm_id=content.vmId,
+            nonce=content.nonce,
+            created_on=created,
+            expires_on=expires,
+            subscription_id=content.subscriptionId,
+            signer=name,
+        )
+
+    def _chain(
+        self, certificate: x509.Certificate, name: str, intermediates: Sequence[x509.Certificate], at: datetime
+    ) -> None:
+        verifier = PolicyBuilder().store(self._store).time(at).build_server_verifier(DNSName(name))
+        verifier.verify(certificate, list(intermediates))
+
+    def _untrusted(self, name: str, error: VerificationError) -> str:
+        return (
+            f"the signing certificate {name} does not chain to a configured root ({str(error)[:200]}): check "
+            "COORDINATOR_ATTESTATION_TRUST_ANCHORS (Microsoft's roots in Azure, the IMDS emulator's locally) and "
+            "the issuer URLs allowed"
+        )
+
+
+class Attestations:
+    """The verifier, and the VM bindings this instance has read (pipeline/attest.py), kept for the process."""
+
+    def __init__(self, verifier: AttestationVerifier) -> None:
+        self.verifier = verifier
+        self._bound: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def remembered(self, name: str) -> str | None:
+        with self._lock:
+            return self._bound.get(name)
+
+    def remember(self, name: str, value: str) -> str:
+        with self._lock:
+            if len(self._bound) >= BINDINGS_CACHED:
+                self._bound.clear()
+            self._bound[name] = value
+        return value

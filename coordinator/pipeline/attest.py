@@ -1,0 +1,111 @@
+"""Who speaks: envelopes and approval answers held to IMDS attested documents (docs/security.md, *Attested
+forwarders*).
+
+Every VM of a fleet shares one Event Hubs identity and one Relay identity, so a name in an envelope or an answer is
+a claim. Azure's signature settles it:
+
+- **An envelope** carries an attested document of its VM (``vm.vmId``) whose nonce is ``state_nonce(stateId)``,
+  valid when Event Hubs took the message in; ``envelope_problem`` checks it. The first attested envelope of a VM
+  binds its resource id to its vmId for good (``StateStore.claim``, both ways, first writer wins), so no other VM
+  can speak under that name, nor that VM under another. With ``COORDINATOR_REQUIRE_ATTESTATION`` (the default in
+  Azure and locally) an envelope without a document is refused; with it off, such an envelope is taken as before,
+  except under a name already bound to another vmId.
+- **An answer** to an approval carries a fresh document whose nonce is ``decision_nonce(decisionId)``: the answer
+  of the VM the approval went to, or of another instance listening on its hybrid connection (``answer_problem``).
+
+What fails is refused with a reason that names what to check, never the stateId (the history shows only digests).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from contracts.approval import ApprovalResult
+from contracts.attestation import AttestationError, decision_nonce, state_nonce
+from contracts.envelope import Envelope
+from coordinator.domain.attestation import Attestations
+from coordinator.state.store import StateStore
+
+
+def _resource_claim(resource_id: str) -> str:
+    return f"vm-resource:{resource_id.lower()}"
+
+
+def _vm_claim(vm_id: str) -> str:
+    return f"vm-id:{vm_id.lower()}"
+
+
+def _bound(attestations: Attestations, store: StateStore, name: str) -> str | None:
+    known = attestations.remembered(name)
+    if known is None and (found := store.claimed(name)) is not None:
+        known = attestations.remember(name, found)
+    return known
+
+
+def _bind(attestations: Attestations, store: StateStore, name: str, value: str) -> str:
+    return attestations.remembered(name) or attestations.remember(name, store.claim(name, value))
+
+
+def binding_problem(attestations: Attestations, store: StateStore, envelope: Envelope, *, claim: bool) -> str:
+    """Why this envelope may not speak under its name ("" when it may): the name is another VM's, or its VM
+    speaks under another name. ``claim``: bind the name and the VM to each other where free (an attested
+    envelope); a refused envelope binds nothing."""
+    vm_id, resource = envelope.vm.vmId.lower(), envelope.vm.resourceId.lower()
+    named = _bound(attestations, store, _vm_claim(vm_id))
+    owner = _bound(attestations, store, _resource_claim(resource))
+    if claim and None in (named, owner) and named in (None, resource) and owner in (None, vm_id):
+        named = _bind(attestations, store, _vm_claim(vm_id), resource)
+        owner = _bind(attestations, store, _resource_claim(resource), vm_id)
+    if named is not None and named != resource:
+        return (
+            f"VM {envelope.vm.vmId} is bound to {named[:300]} (its first attested envelope): it speaks under "
+            "another VM's name here; refused"
+        )
+    if owner is not None and owner != vm_id:
+        return (
+            f"{envelope.vm.name} ({resource[:300]}) is VM {owner} (bound by its first attested envelope), not VM "
+            f"{envelope.vm.vmId}: another VM speaks under its name; refused. A VM deleted and created again under "
+            "the same resource id gets a new vmId: delete the state table's 'claim' rows of that name and vmId"
+        )
+    return ""
+
+
+def envelope_problem(
+    attestations: Attestations | None, store: StateStore, envelope: Envelope, *, at: datetime, required: bool
+) -> str:
+    """Why the envelope is not accepted ("" when it is). ``at``: when Event Hubs took the message in (the
+    coordinator's time when unknown), which a document valid when sent covers however late the batch runs."""
+    if attestations is None:
+        return ""  # no verifier configured (unit tests of other stages)
+    if envelope.attestation is None:
+        if required:
+            return (
+                "unattested: the envelope carries no IMDS attested document for its forwarder state, and "
+                "COORDINATOR_REQUIRE_ATTESTATION is on (a forwarder older than attestation, or one whose IMDS "
+                "refused it: see its log)"
+            )
+        return binding_problem(attestations, store, envelope, claim=False)
+    try:
+        attestations.verifier.verify(
+            envelope.attestation, vm_id=envelope.vm.vmId, nonce=state_nonce(envelope.stateId), at=at
+        )
+    except AttestationError as error:
+        return f"attestation refused: {error}"
+    return binding_problem(attestations, store, envelope, claim=True)
+
+
+def answer_problem(
+    attestations: Attestations | None, result: ApprovalResult, *, vm_id: str, decision_id: str, at: datetime,
+    required: bool,
+) -> str:  # fmt: skip
+    """Why an approval's answer is not the executing VM's ("" when it is): no proof (when required), or a document
+    of another VM, or one made for another decision."""
+    if attestations is None:
+        return ""
+    if result.attestation is None:
+        return "the answer carries no attested document (proof of which VM answered)" if required else ""
+    try:
+        attestations.verifier.verify(result.attestation, vm_id=vm_id, nonce=decision_nonce(decision_id), at=at)
+    except AttestationError as error:
+        return f"the answer's proof is refused: {error}"
+    return ""
