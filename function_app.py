@@ -1,7 +1,9 @@
 """Azure Functions entry points (Python v2 programming model). Thin: each function hands its input to coordinator.
 
 App settings the triggers read: ``EventHubConnection__fullyQualifiedNamespace`` (identity-based connection; the
-app's identity needs "Azure Event Hubs Data Receiver" on the hub), ``EVENTHUB_NAME``, ``EVENTHUB_CONSUMER_GROUP``;
+app's identity needs "Azure Event Hubs Data Receiver" on each hub), ``EVENTHUB_NAME`` (the VMs' envelopes),
+``PLATFORM_EVENTHUB_NAME`` (Event Grid's scheduled events: a hub only the system topic may send to),
+``EVENTHUB_CONSUMER_GROUP`` (the coordinator's, on both);
 everything else is ``COORDINATOR_*`` (coordinator/settings.py). With ``APPLICATIONINSIGHTS_CONNECTION_STRING`` set,
 the coordinator's spans and metrics (adapters/telemetry.py) go to Application Insights through the Azure Monitor
 OpenTelemetry distro, configured once here; ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` (``Authorization=AAD;
@@ -103,6 +105,26 @@ def ingest_envelopes(events: list[func.EventHubEvent]) -> None:
     properties = application_properties(events)
     report = coordinator().process_batch([_raw(e, p) for e, p in zip(events, properties, strict=True)])
     log.info("batch %s", json.dumps(report.as_dict()))
+
+
+# Event Grid's own channel: the system topic's event subscription delivers to this hub, where only its identity has
+# Data Sender (infra/modules/eventhubs.bicep); an Event Grid event on the VMs' hub is dead-lettered instead.
+@app.function_name("ingest_platform_events")
+@app.retry(
+    strategy="exponential_backoff", max_retry_count="5", minimum_interval="00:00:02", maximum_interval="00:01:00"
+)
+@app.event_hub_message_trigger(
+    arg_name="events",
+    event_hub_name="%PLATFORM_EVENTHUB_NAME%",
+    connection="EventHubConnection",
+    cardinality=func.Cardinality.MANY,
+    consumer_group="%EVENTHUB_CONSUMER_GROUP%",
+)
+def ingest_platform_events(events: list[func.EventHubEvent]) -> None:
+    properties = application_properties(events)
+    messages = [_raw(e, p) for e, p in zip(events, properties, strict=True)]
+    report = coordinator().process_batch(messages, channel="platform")
+    log.info("platform batch %s", json.dumps(report.as_dict()))
 
 
 @app.function_name("reevaluate")

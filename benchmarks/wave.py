@@ -128,8 +128,8 @@ def _coordinator(env: dict[str, str], imds_url: str, totals: Counter[str]) -> An
     coordinator.clock = lambda: START + timedelta(seconds=30)
     original = coordinator.process_batch
 
-    def counted(messages: Any) -> Any:
-        report = original(messages)
+    def counted(messages: Any, **channel: Any) -> Any:
+        report = original(messages, **channel)
         totals.update(report.as_dict())
         return report
 

@@ -26,6 +26,7 @@ from typing import Any
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.census import Census
 from coordinator.adapters.delivery_queue import DeliveryQueue, QueuedDelivery
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
@@ -33,9 +34,9 @@ from coordinator.adapters.teams import AlertSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import act, fold, ingest, people, tail, timer
+from coordinator.pipeline import fold, handover, ingest, people, tail, timer
 from coordinator.pipeline.fleet import Fleet
-from coordinator.pipeline.ingest import RawMessage
+from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.run import (
     APPROVAL_DEADLINE,
@@ -101,6 +102,7 @@ class Coordinator:
         executor_silence: timedelta = EXECUTOR_SILENCE,
         attestations: Attestations | None = None,
         require_attestation: bool = False,
+        census: Census | None = None,
     ) -> None:
         self.store = store
         self.history = history
@@ -130,6 +132,9 @@ class Coordinator:
         self.executor_silence = executor_silence
         self.attestations = attestations
         self.require_attestation = require_attestation
+        # ARM's census of the fleet (adapters/census.py), kept in memory for this instance's runs; None: the census
+        # is what the VMs report (tests and tools that build the coordinator by hand).
+        self.census = census
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -171,13 +176,14 @@ class Coordinator:
             rng=self.rng,
             pool=self._pool,
         )
+        now = self.clock()
         return Run(
             kind=kind,
             parts=parts,
             options=self.options(),
             policy=self.policy,
-            now=self.clock(),
-            fleet=Fleet(self.store),
+            now=now,
+            fleet=Fleet(self.store, census=self.census.at(now) if self.census is not None else None),
             report=Report(kind=kind),
         )
 
@@ -190,16 +196,17 @@ class Coordinator:
                 )
             return self._executor
 
-    def process_batch(self, messages: Sequence[RawMessage]) -> Report:
-        """One Event Hubs batch (cardinality many). Bad messages are dead-lettered; the rest goes on."""
+    def process_batch(self, messages: Sequence[RawMessage], *, channel: Channel = "vms") -> Report:
+        """One Event Hubs batch (cardinality many) from the VMs' hub or, ``channel="platform"``, from Event Grid's.
+        Bad messages are dead-lettered; the rest goes on."""
         with telemetry.batch_span(len(messages), ((m.traceparent, m.tracestate) for m in messages)):
-            return self.run_batch(messages).report
+            return self.run_batch(messages, channel=channel).report
 
-    def run_batch(self, messages: Sequence[RawMessage]) -> Run:
+    def run_batch(self, messages: Sequence[RawMessage], *, channel: Channel = "vms") -> Run:
         """The batch as a run: ingest -> fold (decide inside its write) -> the tail."""
         run = self.start("batch")
         run.report.received = len(messages)
-        arrivals = ingest.read_batch(run, messages)
+        arrivals = ingest.read_batch(run, messages, channel)
         updates = fold.fold(run, arrivals)
         tail.finish(run)
         if self.on_new_vm is not None:
@@ -219,7 +226,11 @@ class Coordinator:
     def tick(self) -> Report:
         """The timer's run (pipeline/timer.py), ending with the tail."""
         run = self.start("tick")
+        if self.census is not None:
+            self.census.refresh_if_due(run.now)
         timer.tick(run, self._housekeeping)
+        if self.census is not None and run.report.vms_retired:
+            self.census.membership_changed()  # the scale sets shrank: read again at the next tick
         return run.report
 
     def continue_delivery(self, message: bytes) -> Report:
@@ -227,7 +238,7 @@ class Coordinator:
         whole approval deadline while its record still says it was handed over; then the tail. A message that is
         not a ``QueuedDelivery`` raises (the host retries it, then sets it aside in the poison queue)."""
         run = self.start("delivery")
-        act.take_over(run, QueuedDelivery.model_validate_json(message))
+        handover.take_over(run, QueuedDelivery.model_validate_json(message))
         tail.finish(run)
         return run.report
 

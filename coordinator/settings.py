@@ -8,6 +8,7 @@ never printed, logged or put in a repr.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +22,7 @@ from coordinator.domain.rows import history_schema
 PREFIX = "COORDINATOR_"
 # The roots of Azure's certificates, shipped with the app (coordinator/trust/azure-imds-roots.pem says which).
 AZURE_IMDS_ROOTS = Path(__file__).parent / "trust" / "azure-imds-roots.pem"
+_RESOURCE_GROUP = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+$", re.IGNORECASE)
 
 
 class SettingsError(ValueError):
@@ -69,6 +71,19 @@ class CoordinatorSettings(BaseSettings):
         default=None, description="https://{account}.queue.core.windows.net/approval-deliveries"
     )
     delivery_queue_sas: SecretStr | None = Field(default=None, description="Azurite / local only")
+
+    # The census (adapters/census.py): the resource groups whose scale sets and VMs ARM lists for budgets and tag
+    # rules, read with the coordinator's identity. Required by a policy with tags, percent or domain budgets.
+    census_resource_groups: str = Field(
+        default="", description="resource group ids, comma-separated: /subscriptions/{id}/resourceGroups/{name}"
+    )
+    census_refresh_seconds: int = Field(
+        default=300,
+        ge=60,
+        le=3600,
+        description="read the census again this often (the timer); it is read sooner "
+        "for a VM it does not list, and not used once three times this old",
+    )
 
     # Timing and people.
     heartbeat_timeout_seconds: int = Field(default=300, ge=30)
@@ -146,6 +161,18 @@ class CoordinatorSettings(BaseSettings):
         if value is not None and not value.startswith(("https://", "http://127.0.0.1", "http://localhost")):
             raise ValueError(f"{value!r} must be an https:// URL (http:// only on loopback)")
         return value.rstrip("/") if value else value
+
+    @field_validator("census_resource_groups")
+    @classmethod
+    def _resource_groups(cls, value: str) -> str:
+        for scope in value.split(","):
+            if scope.strip() and not _RESOURCE_GROUP.match(scope.strip().rstrip("/")):
+                raise ValueError(f"{scope.strip()!r} is not /subscriptions/{{id}}/resourceGroups/{{name}}")
+        return value
+
+    @property
+    def census_scopes(self) -> list[str]:
+        return [scope.strip().rstrip("/") for scope in self.census_resource_groups.split(",") if scope.strip()]
 
     @model_validator(mode="after")
     def _consistent(self) -> CoordinatorSettings:

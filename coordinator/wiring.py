@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
-from azure.core.credentials import AzureSasCredential
+from azure.core.credentials import AzureSasCredential, TokenCredential
 from azure.identity import DefaultAzureCredential
 
 from contracts.envelope import VmIdentity
@@ -105,16 +105,27 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
             deadline_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
         )
 
-    deliveries = None
-    if settings.delivery_queue_url is not None:
-        sas = settings.delivery_queue_sas
-        deliveries = StorageQueueDeliveries(
-            queue_url=settings.delivery_queue_url,
-            credential=AzureSasCredential(sas.get_secret_value()) if sas is not None else credential,
-        )
-
     policy = load_policy(settings.policy_path)
     attestations = build_attestations(settings)
+    census = None
+    if settings.census_scopes:
+        from coordinator.adapters.census import ArmCensusReader, Census  # noqa: PLC0415 -- only when configured
+
+        refresh = timedelta(seconds=settings.census_refresh_seconds)
+        census = Census(
+            ArmCensusReader(
+                credential=credential, resource_groups=settings.census_scopes, arm_endpoint=settings.arm_endpoint
+            ),
+            refresh_every=refresh,
+            usable_for=3 * refresh,
+        )
+    elif policy.needs_census:
+        # What the VMs report of themselves is theirs to forge (one shared sender identity): tags, percent and domain
+        # budgets rest on ARM's census only.
+        raise SettingsError(
+            f"the policy {settings.policy_path} has tags, percent or domain budgets, which read the census from ARM: "
+            "set COORDINATOR_CENSUS_RESOURCE_GROUPS (the fleet's resource group ids)"
+        )
     # Only a policy with alert or logQuery gates reads Azure Monitor (with the app's identity).
     monitor = (
         AzureMonitorReader(credential=credential)
@@ -146,10 +157,22 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         remote_acknowledge=remote_acknowledge,
         remote_acknowledge_fallback=settings.remote_acknowledge == "fallback",
         monitor=monitor,
-        deliveries=deliveries,
+        deliveries=build_deliveries(settings, credential),
         in_run_delivery=timedelta(seconds=settings.in_run_delivery_seconds),
         attestations=attestations,
         require_attestation=settings.require_attestation,
+        census=census,
+    )
+
+
+def build_deliveries(settings: CoordinatorSettings, credential: TokenCredential) -> StorageQueueDeliveries | None:
+    """The delivery queue, when one is configured: with the managed identity in Azure, a SAS for Azurite."""
+    if settings.delivery_queue_url is None:
+        return None
+    sas = settings.delivery_queue_sas
+    return StorageQueueDeliveries(
+        queue_url=settings.delivery_queue_url,
+        credential=AzureSasCredential(sas.get_secret_value()) if sas is not None else credential,
     )
 
 

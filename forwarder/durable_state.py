@@ -32,41 +32,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
+from forwarder import state_schema
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.durable_state")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, sequence INTEGER NOT NULL,
-    kind TEXT NOT NULL, body BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS hooks (event_id TEXT NOT NULL, phase TEXT NOT NULL, status TEXT NOT NULL,
-    event TEXT NOT NULL, updated_at TEXT NOT NULL, step TEXT NOT NULL DEFAULT '', steps TEXT NOT NULL DEFAULT '[]',
-    outcome TEXT NOT NULL DEFAULT '', PRIMARY KEY (event_id, phase));
-CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, reason TEXT NOT NULL,
-    body BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS decisions (decision_id TEXT PRIMARY KEY, event_id TEXT NOT NULL, status TEXT NOT NULL,
-    at TEXT NOT NULL, result TEXT NOT NULL DEFAULT '');
-CREATE INDEX IF NOT EXISTS decisions_at ON decisions (at);
-"""
-# Columns added after the first release: a database written by an older forwarder gets them on open (and an
-# older forwarder still writes to a newer database: every added column has a default).
-_ADDED_COLUMNS = {
-    "hooks": {
-        "step": "TEXT NOT NULL DEFAULT ''",
-        "steps": "TEXT NOT NULL DEFAULT '[]'",
-        "outcome": "TEXT NOT NULL DEFAULT ''",
-        # The trace context of the change that queued the phase: its hook report joins that trace.
-        "traceparent": "TEXT NOT NULL DEFAULT ''",
-        "tracestate": "TEXT NOT NULL DEFAULT ''",
-    },
-    # The W3C trace context of the change that spooled the envelope, so that a replay after an outage or a
-    # restart still carries it ("" for envelopes that start no trace, and for rows spooled by older forwarders).
-    "spool": {
-        "traceparent": "TEXT NOT NULL DEFAULT ''",
-        "tracestate": "TEXT NOT NULL DEFAULT ''",
-    },
-}
 # A finished hook is remembered this long, far longer than any event stays in a document.
 HOOK_LEDGER_DAYS = 30
 KEEP_REJECTS = 100
@@ -156,17 +126,13 @@ class Store:
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
+            self._db.executescript(state_schema.SCHEMA)
         except (sqlite3.OperationalError, OSError) as error:
             if _is_full(error):
                 raise StoreFull(f"cannot open the state at {path}: {error}") from error
             raise
         with self._tx() as db:
-            for table, columns in _ADDED_COLUMNS.items():
-                present = {str(row[1]) for row in db.execute(f"PRAGMA table_info({table})")}
-                for column, definition in columns.items():
-                    if column not in present:
-                        db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            state_schema.migrate(db)
             # Created with the database and kept in it: a wiped or re-created state directory gets a new one,
             # which is how the coordinator tells "this forwarder lost its state" from a replay of old sequences.
             db.execute("INSERT OR IGNORE INTO state (key, value) VALUES (?, ?)", (STATE_ID, uuid.uuid4().hex))

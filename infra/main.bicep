@@ -137,6 +137,7 @@ param teamsWorkflowUrl string
 // The one definition of the history table (path relative to this file).
 var historySchema = loadJsonContent('../coordinator/history_columns.json')
 var eventHubName = 'scheduled-events'
+var platformHubName = 'scheduled-events-platform'
 var consumerGroupName = 'coordinator'
 var stateTableName = 'scheduledevents'
 
@@ -177,6 +178,7 @@ module eventHubs 'modules/eventhubs.bicep' = {
     namePrefix: namePrefix
     tags: tags
     hubName: eventHubName
+    platformHubName: platformHubName
     partitionCount: eventHubPartitionCount
     retentionDays: eventHubRetentionDays
     consumerGroupName: consumerGroupName
@@ -251,6 +253,7 @@ module functionApp 'modules/functionapp.bicep' = {
     appInsightsName: monitoring.outputs.appInsightsName
     eventHubNamespace: eventHubs.outputs.fullyQualifiedNamespace
     eventHubName: eventHubs.outputs.hubName
+    platformEventHubName: eventHubs.outputs.platformHubName
     consumerGroupName: eventHubs.outputs.consumerGroupName
     stateTableName: stateTableName
     relayNamespace: relay.outputs.fullyQualifiedNamespace

@@ -56,6 +56,9 @@ log = logging.getLogger("local.stack")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HUB = "scheduled-events"
 PARTITIONS = 4
+# Event Grid's own hub (infra/modules/eventhubs.bicep): the platform's events, which no VM can send (ingest.py).
+PLATFORM_HUB = "scheduled-events-platform"
+PLATFORM_PARTITIONS = 2
 # Variables that would steer azure-identity away from the VM (IMDS) managed-identity flow the forwarders use.
 _IDENTITY_VARIABLES = (
     "IDENTITY_ENDPOINT",
@@ -103,6 +106,11 @@ def removable_vms(scenario: Scenario) -> set[str]:
         if step.create is not None and step.create.EventType in ("Terminate", "Preempt")
         for name in step.create.Resources
     }
+
+
+def census_scopes(scenario: Scenario) -> list[str]:
+    """The resource groups of the scenario's VMs, as the census' scopes (the deployment's one resource group)."""
+    return sorted({f"/subscriptions/{vm.subscriptionId}/resourceGroups/{vm.resourceGroupName}" for vm in scenario.vms})
 
 
 def identity_vm(scenario: Scenario) -> str:
@@ -270,6 +278,8 @@ class LocalStack:
         self._direct_swap: tuple[ModuleType, Callable[[], Any]] | None = None
         self.imds: ImdsEmulator | None = None
         self.host: FunctionHost | None = None
+        # The second trigger, on Event Grid's own hub (function_app.ingest_platform_events).
+        self.platform_host: FunctionHost | None = None
         # The HTTP triggers behind the sign-in stand-in: what a person's browser talks to.
         self.front: LocalHttpServer | None = None
         self.forwarders: dict[str, ForwarderProcess] = {}
@@ -334,7 +344,7 @@ class LocalStack:
         self._prepare_workdir()
         self.azurite = Azurite()
         self.storage = self.azurite.start()
-        self.eventhubs = EventHubsEmulator(hubs={HUB: PARTITIONS})
+        self.eventhubs = EventHubsEmulator(hubs={HUB: PARTITIONS, PLATFORM_HUB: PLATFORM_PARTITIONS})
         self.eventhubs.start()
         if self.options.relay:
             self.relay = RelayEmulator()
@@ -363,12 +373,17 @@ class LocalStack:
         self._configure_coordinator()
         self.host = self._function_host()
         self.host.start()
+        self.platform_host = self._platform_host()
+        self.platform_host.start()
         self.front.start()
         agentless = [vm.name for vm in self.imds.vms() if vm.agentless]
         if agentless:
             assert self.eventhubs is not None
             self.event_grid = EventGridPublisher(
-                self.imds, connection_string=self.eventhubs.connection_string(), eventhub_name=HUB, vms=agentless
+                self.imds,
+                connection_string=self.eventhubs.connection_string(),
+                eventhub_name=PLATFORM_HUB,
+                vms=agentless,
             )
             self.event_grid.start()
         for vm in self.imds.vms():
@@ -444,10 +459,11 @@ class LocalStack:
         for forwarder in self.forwarders.values():
             with contextlib.suppress(Exception):
                 forwarder.stop(timeout=5)
-        if self.host is not None:
-            with contextlib.suppress(Exception):
-                self.host.stop()
-            self.host = None
+        for host in (self.host, self.platform_host):
+            if host is not None:
+                with contextlib.suppress(Exception):
+                    host.stop()
+        self.host = self.platform_host = None
         _reset_function_app()
         if self._direct_swap is not None:
             module, original = self._direct_swap
@@ -521,7 +537,16 @@ class LocalStack:
             # People sign in at the stand-in in front of the app, which tells the app so as App Service does.
             **PLATFORM_SETTINGS,
             "EVENTHUB_NAME": HUB,
+            "PLATFORM_EVENTHUB_NAME": PLATFORM_HUB,
             "EVENTHUB_CONSUMER_GROUP": "$Default",
+            # The census (budgets, tag rules) from the IMDS emulator's ARM face, read with the coordinator's managed
+            # identity as in Azure: the scenario's resource groups, the same VMs IMDS serves.
+            "COORDINATOR_CENSUS_RESOURCE_GROUPS": ",".join(census_scopes(self.options.scenario)),
+            "COORDINATOR_ARM_ENDPOINT": self.imds.url,
+            # The coordinator's DefaultAzureCredential takes the managed-identity (IMDS) flow against the IMDS
+            # emulator; the tokens it mints are Entra-shaped JWTs the emulators verify. Through a VM no delete
+            # removes: a removed VM's token endpoint answers nothing.
+            "AZURE_POD_IDENTITY_AUTHORITY_HOST": self.imds.url_for(identity_vm(self.options.scenario)),
             # Retire a removed VM after three of the local heartbeat intervals of silence, as Azure's 180 s are three
             # 60 s heartbeats: the run then sees the coordinator conclude the events of the VMs deletes removed.
             "COORDINATOR_RETIRE_GRACE_SECONDS": str(
@@ -537,16 +562,10 @@ class LocalStack:
         env["COORDINATOR_DELIVERY_QUEUE_SAS"] = sas
         if self.relay is not None:
             env["COORDINATOR_RELAY_ENDPOINT"] = self.relay.base_url
-            # The coordinator's DefaultAzureCredential takes the managed-identity (IMDS) flow against the IMDS
-            # emulator; the token it mints is an Entra-shaped JWT the Relay emulator verifies. Through a VM no delete
-            # removes: a removed VM's token endpoint answers nothing.
-            env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
         if any(vm.agentless for vm in self.options.scenario.vms):
             # Agentless VMs are approved through the Maintenance RP's acknowledge: the IMDS emulator's ARM face,
             # with a token from the same managed-identity endpoint.
             env["COORDINATOR_REMOTE_ACKNOWLEDGE"] = "fallback"
-            env["COORDINATOR_ARM_ENDPOINT"] = self.imds.url
-            env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
         env["COORDINATOR_POLICY_PATH"] = str(self._coordinator_policy().resolve())
         env.update(self.options.coordinator_env)
         for name in _IDENTITY_VARIABLES:
@@ -633,6 +652,19 @@ class LocalStack:
             timer=function_app.reevaluate,
             timer_interval=self.options.timer_interval,
             queue_trigger=trigger,
+        )
+
+    def _platform_host(self) -> FunctionHost:
+        """The Event Grid trigger: its own consumer of its own hub, as the Functions host runs each trigger."""
+        import function_app  # noqa: PLC0415 -- imported after the app settings are in the environment
+
+        assert self.eventhubs is not None
+        assert self.storage is not None
+        return FunctionHost(
+            eventhub_connection_string=self.eventhubs.connection_string(),
+            eventhub_name=PLATFORM_HUB,
+            storage_connection_string=self.storage.connection_string,
+            ingest=function_app.ingest_platform_events,
         )
 
     # ---- forwarders ------------------------------------------------------------------------------------------

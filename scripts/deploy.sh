@@ -11,6 +11,8 @@
 #      size, so that no new instance boots before its package is uploaded;
 #   4. the app registration trusts the Functions app's sign-in identity (federated credential) and redirects to it;
 #   5. Relay: delete the namespace's built-in SAS rule (Relay has no switch to turn SAS off) and check none is left;
+#      Event Grid: no Data Sender on the VMs' hub for the system topic (a deployment from before Event Grid had its
+#      own hub granted it there; an incremental deployment deletes nothing);
 #   6. upload the forwarder package (to its own storage account, with your Entra identity) and publish the app;
 #   7. deploy again with INSTANCE_COUNT (default: the scale set's current size, 0 on the first run).
 # Then give people their role:  bash scripts/entra-app.sh assign "$SE_SIGNIN_CLIENT_ID" alice@contoso.com Approve
@@ -71,6 +73,20 @@ finish() {
   fi
   [ "$(az relay namespace authorization-rule list -g "$group" --namespace-name "$relay" --query 'length(@)' -o tsv)" = "0" ] \
     || die "Relay namespace $relay still has SAS rules: delete them (only Entra ID may reach Relay)"
+
+  # Event Grid delivers to its own hub now, where only the system topic may send: a grant an older deployment gave it
+  # on the VMs' hub is removed (the template no longer declares it, and an incremental deployment deletes nothing).
+  local namespace hub topics principal
+  namespace="$(out eventHubNamespace)"; namespace="${namespace%%.*}"
+  hub="$(az eventhubs eventhub show -g "$group" --namespace-name "$namespace" -n "$(out eventHubName)" --query id -o tsv)"
+  topics="$(az eventgrid system-topic list -g "$group" \
+    --query "[?topicType=='Microsoft.ResourceNotifications.MaintenanceResources'].identity.principalId" -o tsv)"
+  for principal in $topics; do
+    if [ "$(az role assignment list --assignee "$principal" --scope "$hub" --query 'length(@)' -o tsv)" != "0" ]; then
+      az role assignment delete --assignee "$principal" --scope "$hub" --role "Azure Event Hubs Data Sender"
+      say "removed the Event Grid topic's Data Sender on the VMs' hub (it delivers to its own hub)"
+    fi
+  done
 
   # Upload with your own identity: a data role on the one package container (granted once; it can take minutes
   # to apply, hence the retries). The coordinator has no role on this account.

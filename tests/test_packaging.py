@@ -51,6 +51,7 @@ def test_the_staged_app_imports_on_its_own_and_indexes_every_function(tmp_path: 
         "approve_event",
         "continue_approval",
         "ingest_envelopes",
+        "ingest_platform_events",
         "pending_events",
         "reevaluate",
     ]

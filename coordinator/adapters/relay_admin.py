@@ -4,9 +4,9 @@ One hybrid connection per VM (``VmIdentity.hybrid_connection_name``): Relay spre
 its listeners at random, so only a connection of its own addresses one VM. The coordinator creates it when it first
 sees the VM and deletes it once the VM is gone or has been silent too long.
 
-ARM is called directly (``Microsoft.Relay/namespaces/hybridConnections@2024-01-01``) through an azure-core
-pipeline: four REST calls do not justify the generated azure-mgmt-relay client and its models, and the api-version
-stays the one the Bicep templates use. azure-core's RetryPolicy retries throttling and 5xx and honours Retry-After.
+ARM is called directly (``Microsoft.Relay/namespaces/hybridConnections@2024-01-01``) through the project's ARM
+pipeline (arm.py: azure-core's RetryPolicy retries throttling and 5xx and honours Retry-After): four REST calls do
+not justify the generated azure-mgmt-relay client and its models.
 """
 
 from __future__ import annotations
@@ -17,32 +17,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-from azure.core import PipelineClient
 from azure.core.credentials import TokenCredential
 from azure.core.exceptions import AzureError
-from azure.core.pipeline.policies import (
-    BearerTokenCredentialPolicy,
-    HeadersPolicy,
-    HttpLoggingPolicy,
-    RetryPolicy,
-    UserAgentPolicy,
-)
-from azure.core.pipeline.transport import RequestsTransport
 from azure.core.rest import HttpRequest, HttpResponse
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters import deadline
+from coordinator.adapters.arm import ARM_ENDPOINT, ArmClient
 
 API_VERSION = "2024-01-01"
-ARM_ENDPOINT = "https://management.azure.com"
-ARM_SCOPE = "https://management.azure.com/.default"
 # The total deadline of one ARM call, its retries included: a new VM's connection is ensured after its batch, and
 # the hourly housekeeping lists and deletes within a tick.
 ADMIN_DEADLINE_SECONDS = 20.0
 HYBRID_CONNECTION_PREFIX = "vm-"
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def namespace_for_vm(vm: VmIdentity, namespaces: Sequence[str]) -> str:
@@ -116,31 +105,17 @@ class HybridConnectionAdmin:
         retry_backoff_factor: float = 0.8,
         deadline_seconds: float = ADMIN_DEADLINE_SECONDS,
     ) -> None:
-        parts = urlsplit(arm_endpoint)
-        self._insecure_loopback = parts.scheme == "http" and parts.hostname in _LOOPBACK
-        if parts.scheme != "https" and not self._insecure_loopback:
-            raise ValueError(f"arm_endpoint {arm_endpoint!r} must be https:// (http:// only on loopback for tests)")
         self._namespace_path = (
             f"/subscriptions/{quote(subscription_id, safe='')}/resourceGroups/{quote(resource_group, safe='')}"
             f"/providers/Microsoft.Relay/namespaces/{quote(namespace, safe='')}"
         )
-        self._deadline = deadline_seconds
-        self._client: PipelineClient[HttpRequest, HttpResponse] = PipelineClient(
-            arm_endpoint.rstrip("/"),
-            transport=RequestsTransport(session=deadline.session()),
-            policies=[
-                HeadersPolicy({"Accept": "application/json"}),
-                UserAgentPolicy(sdk_moniker="scheduled-events-coordinator/relay-admin"),
-                # timeout: the retries' total; deadline (in _send): every byte of every attempt.
-                RetryPolicy(
-                    retry_total=retry_total,
-                    retry_backoff_factor=retry_backoff_factor,
-                    retry_backoff_max=60,
-                    timeout=deadline_seconds,
-                ),
-                BearerTokenCredentialPolicy(credential, ARM_SCOPE),
-                HttpLoggingPolicy(),
-            ],
+        self._client = ArmClient(
+            credential=credential,
+            moniker="relay-admin",
+            endpoint=arm_endpoint,
+            retry_total=retry_total,
+            retry_backoff_factor=retry_backoff_factor,
+            deadline_seconds=deadline_seconds,
         )
 
     def close(self) -> None:
@@ -203,12 +178,8 @@ class HybridConnectionAdmin:
         return self._send(HttpRequest(method, url, json=body))
 
     def _send(self, request: HttpRequest) -> HttpResponse:
-        options: dict[str, Any] = {"enforce_https": False} if self._insecure_loopback else {}
         try:
-            request.url = self._client.format_url(request.url)
-            # send_request reads the whole answer (stream=False) within the deadline.
-            with deadline.deadline(self._deadline, f"ARM {request.method} {request.url}"):
-                return self._client.send_request(request, **options)
+            return self._client.send(request)
         except AzureError as error:  # raised only after the retry policy gave up
             raise RelayAdminError(f"ARM {request.method} {request.url} failed: {error.message}") from error
         except deadline.DeadlineExceeded as error:

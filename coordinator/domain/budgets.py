@@ -70,7 +70,8 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
             if key or kind == "scaleSet":
                 keyed.setdefault(key, set()).add(name)
         for key, mine in sorted(keyed.items()):
-            if kind == "scaleSet":
+            if kind == "scaleSet" and not fleet.authoritative:
+                # Without ARM's census a VM's scale set is its events' sightings' (``impacted`` is keyed by them).
                 others = set(fleet.impacted.get(key, frozenset()))
             else:
                 others = {n for n in fleet.impactedVms if n in fleet.vms and fleet.vms[n].domain(kind) == key}

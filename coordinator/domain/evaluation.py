@@ -25,7 +25,7 @@ __all__ = ["NO_RULE", "Decision", "HoldKind", "callback_of", "evaluate", "hooks_
 
 NO_RULE = "(no rule matched)"
 # What held a decision back (Decision.holdKind); "" when nothing did.
-HoldKind = Literal["", "blackout", "window", "gate", "budget", "hooks", "delete"]
+HoldKind = Literal["", "blackout", "window", "gate", "budget", "hooks", "delete", "census"]
 # How far each action goes towards approving: a rule chosen because of a VM's tags may not go further than the rule
 # the same event would get without tags (unless it says trustTags), since tags come from the VM.
 _REACH: dict[str, int] = {

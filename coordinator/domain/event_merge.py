@@ -4,7 +4,10 @@ Pure: takes an event's record (or none yet) and its observations from any number
 observations.py); gives an ``EventChange`` (coordinator/domain/lifecycle.py) with the VMs' sightings, hook outcomes
 and history rows merged in, and the state advanced. An event's facts come from its first sighting: a sighting that
 contradicts them is kept beside the record as a conflict, never merged over it (every VM of a fleet shares one
-sender identity, so an envelope only claims to be its VM's).
+sender identity, so an envelope only claims to be its VM's). One exception: the platform outranks the VMs. The
+first Event Grid sighting (``Observation.platform``: from the hub only the system topic may send to) that
+contradicts facts a VM reported replaces them, and the VM's claim becomes the conflict; from then on the facts are
+the platform's (``EventRecord.factsFrom``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def new_record(observation: Observation, now: datetime) -> EventRecord:
     if event is None:
         raise ValueError("a record starts from a 'listed' observation")
     return EventRecord(
+        factsFrom="platform" if observation.platform else "vm",
         eventId=event.EventId,
         eventType=event.EventType,
         eventSource=event.EventSource,
@@ -165,12 +169,59 @@ def _keep_conflict(
     raise_alert(change, "facts-conflict", now)
 
 
+def _platform_facts(
+    change: EventChange, observation: Observation, found: dict[str, tuple[str, str]], now: datetime
+) -> None:
+    """The platform's facts replace those a VM reported first; the VMs' claim is kept as the conflict (with the
+    facts as (recorded, claimed): the platform's now, the VMs' before), logged and alerted like any other."""
+    event, record = observation.event, change.record
+    assert event is not None
+    reporters = sorted(name for name, sighting in record.vms.items() if sighting.epoch >= 0) or ["a VM"]
+    record.eventType = event.EventType
+    record.eventSource = event.EventSource
+    record.durationInSeconds = event.DurationInSeconds
+    record.resources = list(event.Resources) or record.resources
+    record.notBefore = not_before(event) or record.notBefore
+    record.factsFrom = "platform"
+    facts = {fact: (claimed, recorded) for fact, (recorded, claimed) in found.items()}
+    record.conflicts = [
+        *record.conflicts,
+        FactConflict(
+            vm=", ".join(reporters)[:256],
+            observedAt=record.createdAt,
+            epoch=observation.epoch,
+            sequence=observation.sequence,
+            facts=facts,
+        ),
+    ][-MAX_CONFLICTS:]
+    record.conflictCount += 1
+    claims = "; ".join(f"{fact} {vms!r} (platform {platform!r})" for fact, (platform, vms) in facts.items())
+    change.rows.append(
+        _observation_row(
+            record,
+            now,
+            observation,
+            event.EventStatus,
+            outcome="conflict",
+            reason=(
+                f"Event Grid (the platform) contradicts the facts {', '.join(reporters)} reported first: {claims}; the "
+                "platform's replace them and the VMs' claim is kept as the conflict"
+            )[:4000],
+            details={"replaced": {fact: vms for fact, (_, vms) in facts.items()}, "source": "event-grid"},
+        )
+    )
+    change.changed = True
+    raise_alert(change, "facts-conflict", now)
+
+
 def _apply_listed(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
     event, record = observation.event, change.record
     if event is None or (sighting is not None and observation.position <= _seen_at(sighting)):
         return
     found = contradictions(record, event)
-    if found:
+    if found and observation.platform and record.factsFrom == "vm":
+        _platform_facts(change, observation, found, now)
+    elif found:
         _keep_conflict(change, observation, found, now)
         return
     if _wrongly_concluded(record, observation):

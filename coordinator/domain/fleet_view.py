@@ -23,7 +23,9 @@ class FleetView:
     """What other events do to the fleet right now: per scale set, the VM names impacted by an Approved or
     Started event (the budget rule counts these); every impacted VM (``impactedVms``, for the other domain kinds);
     and the census, the facts of every VM the coordinator knows that is not retired (``vms``: domain sizes for
-    percent budgets, tags and domains for rules)."""
+    percent budgets, tags and domains for rules). ``authoritative``: the census is ARM's (coordinator/adapters/
+    census.py), so a VM it does not list has no facts at all, whatever its own reports say (not counted in any
+    domain, no tags), and each VM's scale set is ARM's too."""
 
     impacted: dict[str, frozenset[str]] = field(default_factory=dict)
     vms: Mapping[str, VmFacts] = field(default_factory=dict)
@@ -32,6 +34,7 @@ class FleetView:
     # later in that order counts their VMs as taken, so a freed slot goes to the event closest to its NotBefore
     # even when a later one is decided first (a new event's batch before the timer's tick).
     queued: tuple[tuple[datetime, str, frozenset[str]], ...] = ()
+    authoritative: bool = False
 
     def with_event(self, record: EventRecord) -> FleetView:
         impacted = {k: set(v) for k, v in self.impacted.items()}
@@ -42,6 +45,7 @@ class FleetView:
             self.vms,
             self.impactedVms | frozenset(record.resources),
             tuple(q for q in self.queued if q[1] != record.eventId),
+            self.authoritative,
         )
 
     def ahead_of(self, record: EventRecord) -> set[str]:
@@ -50,10 +54,13 @@ class FleetView:
         return {vm for not_before, event_id, vms in self.queued if (not_before, event_id) < mine for vm in vms}
 
     def facts(self, record: EventRecord, name: str) -> VmFacts:
-        """A VM's facts: from the census, else what the event's own sighting (or the VM's name) says."""
+        """A VM's facts: from the census; else none when the census is ARM's (a VM ARM does not list is not
+        counted), else what the event's own sighting (or the VM's name) says."""
         known = self.vms.get(name)
         if known is not None:
             return known
+        if self.authoritative:
+            return VmFacts()
         sighting = record.vms.get(name)
         return VmFacts(scaleSet=scale_set_of(record, name), placementGroup=sighting.placementGroup if sighting else "")
 
@@ -63,6 +70,7 @@ class FleetView:
             {name: dataclasses.replace(facts, tags={}) for name, facts in self.vms.items()},
             self.impactedVms,
             self.queued,
+            self.authoritative,
         )
 
 

@@ -189,6 +189,9 @@ class EventRecord(BaseModel):
     platformHold: PlatformHold | None = None
     # The VMs this event removed (Terminate/Preempt, then silent): they will never report it gone.
     removed: list[str] = Field(default_factory=list)
+    # Where the facts on record come from: "vm" (a VM's first sighting) until Event Grid, the platform, reports the
+    # event; its facts then replace a VM's (event_merge.py), "platform".
+    factsFrom: Literal["vm", "platform"] = "vm"
     # Sightings that contradicted the facts on record (the latest MAX_CONFLICTS kept; ``conflictCount`` counts all).
     conflicts: list[FactConflict] = Field(default_factory=list)
     conflictCount: int = 0
@@ -272,6 +275,9 @@ class VmRecord(BaseModel):
     # Known only from Event Grid (pipeline/event_grid.py): no forwarder reported as this VM, so no heartbeat is
     # expected of it and no listener can execute its approvals (remote acknowledge can).
     agentless: bool = False
+    # What this VM says of itself (its identity above, kept for display) that ARM's census does not, as last flagged
+    # (domain/census.describe; "" while they agree): a Heartbeat row census-mismatch is written when it changes.
+    censusMismatch: str = ""
     # This VM's sighting of each event it reported (the event record's ``vms`` entries live here, so that a
     # batch writes an event only when the event itself changes, and a VM's sightings with its position).
     sightings: dict[str, VmSighting] = Field(default_factory=dict)

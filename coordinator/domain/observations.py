@@ -53,6 +53,9 @@ class Observation:
     # observed_at is the VM's own clock, and a VM whose clock runs 6 minutes slow is not 6 minutes silent. None
     # when observed_at is the platform's clock already (an Event Grid eventTime).
     heard_at: datetime | None = None
+    # From the platform (an Event Grid event on the platform's own hub), not from a VM: its facts outrank a VM's
+    # (event_merge.py).
+    platform: bool = False
 
     @property
     def position(self) -> tuple[int, int]:

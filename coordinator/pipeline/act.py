@@ -6,10 +6,10 @@ event (Approved, or a retry time, or an alert). Only what was committed is acted
 decided an approval sends it.
 
 Nothing waits for a slow or dead listener: with a delivery queue (``Parts.deliveries``), a batch, tick or person's
-run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue (its record says
-"continued", and the timer leaves it alone for ``HANDOVER_GRACE``); a ``delivery`` run (``take_over``, the queue's
-function) plans it again from the record, through another VM when the one that did not answer has a peer that can
-execute it, and gives it the whole approval deadline. One decisionId throughout: the listener executes it once.
+run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue
+(pipeline/handover.py); a ``delivery`` run plans it again from the record, through another VM when the one that did
+not answer has a peer that can execute it, and gives it the whole approval deadline. One decisionId throughout:
+the listener executes it once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalFacts, ApprovalReque
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BoundedCallback
-from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
 from coordinator.domain.approvals import choose_executor
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
@@ -35,7 +34,7 @@ from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transi
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline import attest
+from coordinator.pipeline import attest, handover
 from coordinator.pipeline import record as history
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -44,10 +43,6 @@ from coordinator.state.store import ConcurrencyConflict
 log = logging.getLogger("coordinator")
 
 APPROVAL_FAILED_AFTER = 3
-# A handed-over approval is the delivery queue's this long before the timer sends it again: the queue's function
-# picks a message up within its 1 s polling (host.json) and gives it the 30 s approval deadline; 90 s, as a deciding
-# run's own in-flight grace (pipeline/decide.py), leaves room for a retried invocation.
-HANDOVER_GRACE = timedelta(seconds=90)
 # How long past its own time a run waits for a bounded send's answer to come back (the attempt's end, the reply).
 SEND_SLACK = 0.5
 # The answers that say the executor's listener was not reached or did not answer: the next attempt prefers a peer.
@@ -116,42 +111,7 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
             run.fleet.note(change.record)
             work.collect(change)
             if plan.continued:
-                hand_over(run, plan)
-
-
-def hand_over(run: Run, plan: Delivery) -> None:
-    """Puts an approval whose record now says "continued" in the delivery queue. One that cannot be queued is the
-    timer's once ``HANDOVER_GRACE`` has passed (its record's nextAttemptAt)."""
-    queue = run.parts.deliveries
-    assert queue is not None  # continued only with a queue (send_all)
-    try:
-        queue.put(
-            QueuedDelivery(
-                eventId=plan.event_id, decisionId=plan.decision_id, executor=plan.executor, handedOverAt=run.now
-            )
-        )
-    except DeliveryQueueError:
-        log.exception("approval of %s: not queued; the timer sends it again after its grace", plan.event_id)
-        return
-    run.report.deliveries_continued += 1
-
-
-def take_over(run: Run, delivery: QueuedDelivery) -> None:
-    """A ``delivery`` run's own step: the handed-over approval becomes the run's to deliver (the tail sends it) while
-    its record still says it was handed over and not delivered since. A message that comes late, twice, or after
-    the timer took the approval over finds another outcome there and sends nothing."""
-    run.enter("continue")
-    stored = read_event(run.parts.store, delivery.eventId)
-    approval = stored.record.approval if stored is not None else None
-    if (
-        approval is None
-        or approval.decisionId != delivery.decisionId
-        or approval.delivered
-        or approval.outcome != "continued"
-    ):
-        log.info("delivery of %s (%s): nothing to continue", delivery.eventId, delivery.decisionId)
-        return
-    run.work.deliveries.append(delivery.eventId)
+                handover.put(run, event_id=plan.event_id, decision_id=plan.decision_id, executor=plan.executor)
 
 
 def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no further, each saying why
@@ -373,7 +333,7 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
     approval = record.approval
     assert approval is not None
     if plan.continued:
-        return handed_over(run, change, plan)
+        return handover.handed_over(run, change, executor=plan.executor, failure=plan.failure)
     approval.attempts += 1
     approval.lastAttemptAt = now
     approval.executor = executor
@@ -424,36 +384,6 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
         raise_alert(change, "approval-refused", now)
     if approval.attempts >= APPROVAL_FAILED_AFTER:
         raise_alert(change, "approval-failed", now)
-    return change
-
-
-def handed_over(run: Run, change: EventChange, plan: Delivery) -> EventChange:
-    """The approval goes on in the delivery queue: its record says so (outcome "continued", the VM that did not
-    answer) and the timer leaves it to the queue for ``HANDOVER_GRACE``. Not counted as a failed attempt: no answer
-    within a run's few seconds is not yet a failure."""
-    now, record = run.now, change.record
-    approval = record.approval
-    assert approval is not None
-    approval.lastAttemptAt = now
-    approval.executor = plan.executor
-    approval.outcome = "continued"
-    approval.reason = (
-        f"no answer within {run.options.in_run_delivery.total_seconds():g} s ({plan.failure[:600]}); continued "
-        "outside this run through the delivery queue, same decisionId"
-    )
-    approval.nextAttemptAt = now + HANDOVER_GRACE
-    change.rows.append(
-        approval_row(
-            record=record,
-            now=now,
-            vm=plan.executor,
-            rule=approval.rule,
-            decision_id=approval.decisionId,
-            actor=approval.actor,
-            outcome="continued",
-            reason=approval.reason,
-        )
-    )
     return change
 
 

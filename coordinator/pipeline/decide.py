@@ -4,9 +4,10 @@ Takes the event records ``fold`` has just merged (or the timer re-reads); gives 
 one, and a Decision history row, only when the rule, verdict, hold or reason changed) and, for an approval, an
 ``ApprovalRecord`` for the tail to deliver, with until when its conditions hold (domain/expiry.py) and the policy's
 version. The rules themselves are pure (domain/evaluation.py); this module adds what they need from the run: the
-fleet view and budget claims (pipeline/fleet.py), the health gates' results (read once per run) and the pending
-deletes of a scale set, decided as one unit. Events compete for budget in NotBefore order (the closest first). Runs
-inside the caller's ETag-checked write, so a decision commits once.
+fleet view and budget claims (pipeline/fleet.py), the health gates' results (read once per run), the census (ARM's:
+an approval that rests on it waits while it cannot be read) and the pending deletes of a scale set, decided as one
+unit. Events compete for budget in NotBefore order (the closest first). Runs inside the caller's ETag-checked write,
+so a decision commits once.
 
 No approval is sent again without being decided again: a rule's approval that was not delivered is decided anew
 when its retry is due (``nextAttemptAt``), with this run's time, gates and policy. The same rule approving confirms
@@ -156,6 +157,13 @@ def decide(run: Run, change: EventChange) -> None:
     view = fleet.view(census=policy.needs_census) if needed else FleetView()
     gates = _gate_results(run, record, view)
     decision = evaluate(policy, record, view, now, gates=gates)
+    unusable = fleet.census_unusable() if needed and decision.verdict == "approve" else ""
+    if unusable:
+        # A census that cannot be read approves nothing resting on it, as an unreadable gate: without the VMs' tags a
+        # tag that holds an event back would not, and a percent budget's domain size would be a guess.
+        decision = Decision(
+            decision.rule, decision.action, "wait", f"{unusable}: {decision.reason}", holdKind="census", holdName="arm"
+        )
     if record.eventType == "Terminate" and record.scaleSets:
         decision = couple(decision, record, fleet.deletes().values(), now)
     domains = budget_domains(policy, decision.rule, record, view)

@@ -12,10 +12,12 @@ that name in that subscription and resource group) is that VM, with its vmId: on
 is agentless: an identity is made from its ARM id (vmId ``arm-`` + a hash of it), kept in its scale set's group
 with ``agentless`` set (no heartbeat is expected of it).
 
-Trust: these events arrive on the Event Hub every VM may send to, so any VM could forge one. Their sightings sit
-below every forwarder position (epoch ``EVENT_GRID_EPOCH``): a VM's own forwarder always has the last word on its
-own sighting; facts that contradict the record are kept as conflicts by the same rules; an Event Grid sighting is
-never a Relay executor (``approvals.choose_executor``). Status order: sequence = eventTime in microseconds, so a
+Trust: these events arrive on the platform's own Event Hub, which only the system topic's identity may send to (an
+Event Grid event on the VMs' hub is dead-lettered in ingest.py), so their facts are the platform's: they replace
+facts a VM reported first, whose claim is then kept as the conflict (domain/event_merge.py). Their sightings still
+sit below every forwarder position (epoch ``EVENT_GRID_EPOCH``): a VM's own forwarder has the last word on its own
+status (Event Grid may publish late or twice); an Event Grid sighting is never a Relay executor
+(``approvals.choose_executor``). Status order: sequence = eventTime in microseconds, so a
 duplicate (same Event Grid ``id``, identical payload) or an older status is a no-op. ``Completed`` is folded as
 seen Started then gone; ``Canceled`` as gone.
 """
@@ -207,6 +209,7 @@ def observations_of(event: GridEvent, identity: VmIdentity) -> list[Observation]
             observed_at=event.eventTime,
             event=scheduled,
             epoch=EVENT_GRID_EPOCH,
+            platform=True,
         )
 
     gone = Observation(
@@ -216,6 +219,7 @@ def observations_of(event: GridEvent, identity: VmIdentity) -> list[Observation]
         sequence=micros,
         observed_at=event.eventTime,
         epoch=EVENT_GRID_EPOCH,
+        platform=True,
     )
     if properties.EventStatus in ("Scheduled", "Started"):
         return [listed(properties.EventStatus, micros)]

@@ -4,6 +4,12 @@ and the fleet-wide budget claims per domain (ETag-checked entities, so two insta
 
 Loaded at most once per run and kept current as the run decides (``note``, ``add``); the rules themselves stay pure
 (domain/evaluation.py, domain/budgets.py).
+
+The census: with ARM's (``census``, coordinator/adapters/census.py, the deployed setting) the facts budgets and tag
+rules read are ARM's alone. What envelopes say of a VM never enters it (every VM shares one sender identity: a VM
+can claim any zone, tags or name); a VM ARM does not list is not counted and has no tags; a VM met in a batch that
+ARM does not list yet makes the census read again (rate-limited). Without it (tests and tools that build the
+coordinator by hand), the census is what the VMs last reported, kept in their VM groups.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters.census import CensusView
 from coordinator.adapters.gates import GateReader, MonitorReader
 from coordinator.domain.budgets import BudgetDomain
+from coordinator.domain.census import disagreements
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS, leaving_vms
 from coordinator.domain.fleet_view import FleetView
@@ -77,8 +85,9 @@ class Fleet:
     """The fleet view for budget rules, loaded at most once per batch/tick and updated as approvals are decided,
     and the fleet-wide budget claims (I/O; the rules themselves stay pure)."""
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, census: CensusView | None = None) -> None:
         self._store = store
+        self._arm = census
         self._view: FleetView | None = None
         self._open: list[EventRecord] | None = None
         self._deletes: dict[str, EventRecord] | None = None
@@ -94,18 +103,37 @@ class Fleet:
         return self._gates
 
     def seed_census(self, groups: Iterable[VmGroupRecord]) -> None:
-        """The VM groups the caller has just read (saves reading them again)."""
-        self._census = census(groups)
+        """The VM groups the caller has just read (saves reading them again; ARM's census does not come from them)."""
+        if self._arm is None:
+            self._census = census(groups)
 
     def note_vms(self, records: Iterable[VmRecord]) -> None:
         """The VMs of this batch as their envelopes just said (their positions are written after the events are
-        decided, so the stored census does not have them yet: a new VM's first event is decided with its tags)."""
+        decided, so the stored census does not have them yet: a new VM's first event is decided with its tags).
+        With ARM's census, what they say stays out of it: a VM it does not list yet makes it read ARM again."""
+        if self._arm is not None:
+            if self._arm.ensure(record.identity.name for record in records if record.retired is None):
+                self._census = None
+            self._view = None
+            return
         for record in records:
             self._reported[record.identity.name] = record
         self._census = None if self._census is None else self._census | census_of(self._reported.values())
         self._view = None
 
+    def census_unusable(self) -> str:
+        """Why ARM's census cannot be decided on now ("" when it can, or when there is none: the reported one)."""
+        if self._arm is None or self._arm.usable():
+            return ""
+        return self._arm.why_not_usable()
+
+    def disagreements(self, identity: VmIdentity) -> dict[str, tuple[str, str]] | None:
+        """What a VM says of itself that ARM does not (domain/census.py); None without ARM's census."""
+        return None if self._arm is None else disagreements(identity, self._arm.entry(identity.name))
+
     def _vms(self) -> dict[str, VmFacts]:
+        if self._census is None and self._arm is not None:
+            self._census = self._arm.facts()
         if self._census is None:
             stored = census(stored.record for stored in self._store.all_vm_groups())
             self._census = {name: facts for name, facts in stored.items() if name not in self._reported} | census_of(
@@ -120,14 +148,16 @@ class Fleet:
 
     def view(self, *, census: bool = True) -> FleetView:
         """The fleet view; ``census``: with the facts of every known VM (reads the VM groups once), which only
-        a policy with tags, percent or domain budgets needs (``Policy.needs_census``)."""
+        a policy with tags, percent or domain budgets needs (``Policy.needs_census``). ARM's census, held in
+        memory, is always in the view: it also says each VM's scale set for a scale set's budget."""
         if self._view is None:
             queued = tuple(
                 (by_not_before(r)[0], r.eventId, frozenset(r.resources))
                 for r in self._open_events()
                 if waits_for_budget(r)
             )
-            view = FleetView(vms=self._vms() if census else {}, queued=queued)
+            arm = self._arm is not None
+            view = FleetView(vms=self._vms() if census or arm else {}, queued=queued, authoritative=arm)
             for record in self._open_events():
                 if holds_budget(record):
                     view = view.with_event(record)

@@ -14,68 +14,26 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
-from contracts.envelope import Envelope
 from coordinator.adapters import telemetry
 from coordinator.domain.cards import raise_vm_alert
+from coordinator.domain.census import describe
 from coordinator.domain.event_merge import apply_observations
 from coordinator.domain.history_rows import dead_letter_row, heartbeat_row
 from coordinator.domain.lifecycle import EventChange
-from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, group_key
-from coordinator.domain.observations import Observation, VmUpdate, merge_vm_records, vm_observations, vm_position
+from coordinator.domain.model import EventRecord, VmRecord
+from coordinator.domain.observations import Observation, VmUpdate, vm_position
 from coordinator.pipeline import decide, event_grid, health
 from coordinator.pipeline.ingest import Arrivals, dead_letter
+from coordinator.pipeline.positions import VmBatch, save_vm_updates, vm_updates
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
-from coordinator.state.entities import vm_json
 from coordinator.state.events import aggregate, assemble, commit_event
 from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Stored
 
 log = logging.getLogger("coordinator")
-
-
-@dataclass
-class VmBatch:
-    groups: dict[str, Stored[VmGroupRecord]]
-    key_of: dict[str, str]
-    updates: dict[str, VmUpdate] = field(default_factory=dict)
-    new_vms: set[str] = field(default_factory=set)
-    # VMs whose envelopes could not be processed, and why (dead-lettered by the caller).
-    failed: dict[str, str] = field(default_factory=dict)
-    # VMs whose new position could not be written (too large even split and trimmed: entities.vm_json), and why:
-    # dead-lettered after the others' positions were written.
-    too_large: dict[str, str] = field(default_factory=dict)
-    # Each VM's (epoch, lastSequence) in the position its observations were derived from (None: no position).
-    base: dict[str, tuple[int, int] | None] = field(default_factory=dict)
-    # The trace context each envelope arrived with, by (vmId, sequence) (ingest.Arrivals.traces).
-    traces: dict[tuple[str, int], str] = field(default_factory=dict)
-
-
-def _etag(stored: Stored[Any] | None) -> str | None:
-    return stored.etag if stored else None
-
-
-def _set_aside(
-    mine: dict[str, VmRecord], current: Stored[VmGroupRecord] | None, base: dict[str, tuple[int, int] | None]
-) -> set[str]:
-    """After a conflict on a VM group: takes out of ``mine`` the VMs not to write. Those already at this batch's
-    position (written by an earlier part of this batch, or by an instance that processed the same envelopes), and
-    those another instance moved since the position this batch started from: returned, to be redone."""
-    stale = set()
-    for vm_id, record in list(mine.items()):
-        fresh = current.record.vms.get(vm_id) if current else None
-        if fresh is None:
-            continue
-        if vm_position(fresh) == vm_position(record):
-            del mine[vm_id]
-        elif vm_position(fresh) != base.get(vm_id):
-            stale.add(vm_id)
-            del mine[vm_id]
-    return stale
 
 
 def fold(run: Run, arrivals: Arrivals) -> VmBatch:
@@ -126,34 +84,6 @@ def heard_times(run: Run, arrivals: Arrivals) -> dict[str, list[datetime]]:
     return {
         vm_id: [message.enqueued_time or run.now for message in messages] for vm_id, messages in arrivals.raw_of.items()
     }
-
-
-def vm_updates(
-    run: Run,
-    by_vm: dict[str, list[Envelope]],
-    *,
-    cached: bool,
-    traces: dict[tuple[str, int], str],
-    heard: dict[str, list[datetime]],
-) -> VmBatch:
-    """Each VM's envelopes read against its stored position: its observations and its new position."""
-    key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
-    groups = run.parts.store.get_vm_groups(set(key_of.values()), cached=cached)
-    batch = VmBatch(groups=groups, key_of=key_of, traces=traces)
-    for vm_id, envelopes in by_vm.items():
-        stored = groups.get(key_of[vm_id])
-        previous = stored.record.vms.get(vm_id) if stored else None
-        try:
-            batch.updates[vm_id] = vm_observations(previous, envelopes, heard_at=heard[vm_id])
-        except Exception as error:  # contained to this VM; the caller dead-letters its envelopes
-            log.exception("VM %s: its envelopes could not be read against its position", vm_id)
-            batch.failed[vm_id] = f"{type(error).__name__}: {str(error)[:500]}"
-            del key_of[vm_id]
-            continue
-        batch.base[vm_id] = vm_position(previous) if previous else None
-        if previous is None:
-            batch.new_vms.add(vm_id)
-    return batch
 
 
 def add_grid_sightings(run: Run, batch: VmBatch, events: list[event_grid.GridEvent]) -> None:
@@ -235,6 +165,7 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
             work.vm_alerts.append((update.record, "forwarder-conflict"))
         health.assess(update, now, work, after=run.options.imds_failing_after, errors=run.options.imds_failing_errors)
     fleet.note_vms(update.record for update in updates.updates.values())
+    flag_census(run, updates)
     committed = commit_events(run, observations, batch=updates)
     for change in committed:
         work.collect(change)
@@ -245,6 +176,44 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
     # VM positions are written after the events: a crash in between replays the envelopes, which the
     # events' per-VM sequence makes harmless.
     return save_vm_updates(run, updates)
+
+
+def flag_census(run: Run, batch: VmBatch) -> None:
+    """What a VM's envelopes say of it that ARM's census does not (zone, domains, placement group, scale set, tags,
+    vmId, or the VM itself) is kept as it said it (its identity, for display) and flagged: a Heartbeat row
+    ``census-mismatch`` each time the difference changes (``VmRecord.censusMismatch``). Budgets and tag rules read
+    ARM's facts either way."""
+    for update in batch.updates.values():
+        record = update.record
+        if record.agentless or not update.applied:
+            continue  # an Event Grid sighting says nothing of the VM itself
+        found = run.fleet.disagreements(record.identity)
+        if found is None:
+            return  # no ARM census: the VMs' reports are the census
+        summary = describe(found) if found else ""
+        if summary == record.censusMismatch:
+            continue
+        update.record = record.model_copy(update={"censusMismatch": summary})
+        if not found:
+            continue
+        run.work.rows.append(
+            heartbeat_row(
+                vm=record.identity,
+                now=run.now,
+                observed_at=record.lastSeen,
+                sequence=record.lastSequence,
+                incarnation=record.lastIncarnation,
+                outcome="census-mismatch",
+                reason=(
+                    f"{record.identity.name} reports {summary}: kept as it said, not counted: budgets and tag "
+                    "rules read ARM's census"
+                )[:4000],
+                details={
+                    "arm": {fact: arm for fact, (arm, _) in found.items()},
+                    "reported": {f: r for f, (_, r) in found.items()},
+                },
+            )
+        )
 
 
 def keep_sightings(change: EventChange, observations: list[Observation], batch: VmBatch) -> None:
@@ -258,103 +227,6 @@ def keep_sightings(change: EventChange, observations: list[Observation], batch: 
             )
             sightings = {**update.record.sightings, change.record.eventId: compact}
             update.record = update.record.model_copy(update={"sightings": sightings})
-
-
-def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
-    """Writes the VMs' new positions; returns the VMs whose cached position turned out stale (not written). A
-    position too large to store costs only its VM (``batch.too_large``), never the batch: the others' positions and
-    sightings are written (the events were written before, with what that VM's envelopes said)."""
-    mine: dict[str, dict[str, VmRecord]] = defaultdict(dict)
-    for vm_id, update in batch.updates.items():
-        if update.applied:
-            mine[batch.key_of[vm_id]][vm_id] = update.record
-    stale: set[str] = set()
-    if not mine:
-        return stale
-    try:
-        write_vm_groups(run, batch, mine, stale)
-        return stale
-    except RecordTooLarge:
-        pass
-    for vms in mine.values():
-        for vm_id, record in list(vms.items()):
-            try:
-                vm_json(record)
-            except RecordTooLarge as error:
-                log.error("VM %s: its position cannot be stored and is set aside: %s", vm_id, error)
-                batch.too_large[vm_id] = f"its position cannot be stored: {error}"
-                del vms[vm_id]
-    # One group at a time: a group the table refuses as a whole (an entity over 1 MiB) costs only the VMs this batch
-    # moved in it.
-    for key, vms in mine.items():
-        try:
-            write_vm_groups(run, batch, {key: vms}, stale)
-        except RecordTooLarge as error:
-            log.error("VM group %s: refused as too large; its VMs of this batch are set aside: %s", key, error)
-            batch.too_large.update(dict.fromkeys(vms, f"its VM group {key} cannot be stored: {error}"))
-    return stale
-
-
-def write_vm_groups(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord]], stale: set[str]) -> None:
-    """The groups' moved VMs in one transaction (retried on conflicts), else group by group, merging per VM; adds
-    to ``stale`` the VMs another instance moved meanwhile. Raises ``RecordTooLarge``."""
-    store = run.parts.store
-
-    def merged(key: str, current: Stored[VmGroupRecord] | None) -> VmGroupRecord:
-        vms = dict(current.record.vms) if current else {}
-        for vm_id, record in mine[key].items():
-            vms[vm_id] = merge_vm_records(record, vms[vm_id]) if vm_id in vms else record
-        return VmGroupRecord(group=key, vms=vms)
-
-    def groups_now(attempt: int) -> dict[str, Stored[VmGroupRecord]]:
-        if attempt == 0:
-            return batch.groups
-        groups = store.get_vm_groups(mine)
-        for key, vms in mine.items():
-            stale.update(_set_aside(vms, groups.get(key), batch.base))
-        return groups
-
-    def all_groups(
-        groups: dict[str, Stored[VmGroupRecord]],
-    ) -> list[tuple[VmGroupRecord, str | None, Iterable[str] | None]]:
-        return [(merged(key, groups.get(key)), _etag(groups.get(key)), vms) for key, vms in mine.items() if vms]
-
-    count = run.report.count_conflict
-    try:
-        commit(
-            groups_now,
-            all_groups,
-            lambda items, _groups: store.save_vm_groups(items),
-            what="VM groups",
-            attempts=BULK_ATTEMPTS,
-            on_conflict=count,
-        )
-        return
-    except ConcurrencyConflict:
-        pass
-    # Another instance wrote one of these groups (its VMs sit on other Event Hubs partitions): merge per VM.
-    for key, vms in mine.items():
-
-        def group_now(_attempt: int, key: str = key, vms: dict[str, VmRecord] = vms) -> Stored[VmGroupRecord] | None:
-            current = store.get_vm_groups([key]).get(key)
-            stale.update(_set_aside(vms, current, batch.base))
-            return current
-
-        def moved(
-            current: Stored[VmGroupRecord] | None, key: str = key, vms: dict[str, VmRecord] = vms
-        ) -> tuple[VmGroupRecord, dict[str, VmRecord]] | None:
-            return (merged(key, current), vms) if vms else None
-
-        try:
-            commit(
-                group_now,
-                moved,
-                lambda write, current: store.save_vm_group(write[0], _etag(current), vm_ids=write[1]),
-                what=f"VM group {key}",
-                on_conflict=count,
-            )
-        except ConcurrencyConflict:
-            log.warning("VM group %s: not written (contended); its VMs' next envelopes move it", key)
 
 
 def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | None:

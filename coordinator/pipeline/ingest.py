@@ -1,9 +1,15 @@
 """Ingest, the first stage: Event Hubs messages (bytes) -> validated envelopes, grouped per VM in arrival order.
 
-Takes a batch of ``RawMessage``; gives each VM's envelopes in the order of its Event Hubs partition (the partition
-key is the VM), and sets aside every message that fails: a dead letter (one log line naming the message and the
-reason, a row in the dead-letter table, a ``DeadLetter`` history row), counted, while the rest of the batch goes on.
-Deduplication by (stateId, sequence) happens next, against each VM's stored position (coordinator/pipeline/fold.py).
+Takes a batch of ``RawMessage`` and the channel it came on; gives each VM's envelopes in the order of its Event Hubs
+partition (the partition key is the VM), and sets aside every message that fails: a dead letter (one log line naming
+the message and the reason, a row in the dead-letter table, a ``DeadLetter`` history row), counted, while the rest
+of the batch goes on. Deduplication by (stateId, sequence) happens next, against each VM's stored position
+(coordinator/pipeline/fold.py).
+
+Two channels, two hubs (infra/modules/eventhubs.bicep): ``vms``, the hub every VM's identity may send to, carries
+envelopes only; ``platform``, the hub only the Event Grid system topic's identity may send to, carries Event Grid's
+events only. An Event Grid event on the VMs' hub can only have been sent by a VM (or by an event subscription still
+pointing there): it is dead-lettered with that reason, never read. So what Event Grid says is the platform's.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -44,6 +50,15 @@ MAX_TEXT_CHARS = 4096
 # clock far ahead would make the VM look alive for ever.
 EARLIEST_OBSERVED = datetime(2000, 1, 1, tzinfo=UTC)
 MAX_CLOCK_AHEAD = timedelta(days=1)
+
+# The hub a batch came from (function_app.py has one trigger per hub): the VMs', or the platform's (Event Grid).
+Channel = Literal["vms", "platform"]
+GRID_ON_VM_HUB = (
+    "an Event Grid event on the VMs' hub: Event Grid delivers to the platform's own hub, which no VM may send to, so "
+    "this one was sent with the VMs' shared identity (a forgery), or by an event subscription still delivering to "
+    "the VMs' hub; not read"
+)
+ENVELOPE_ON_PLATFORM_HUB = "not an Event Grid event: the platform's hub carries only Event Grid's scheduled events"
 
 
 @dataclass(frozen=True)
@@ -176,35 +191,31 @@ def dead_letter(
     work.rows.append(dead_letter_row(now=now, reason=reason, details=details))
 
 
-def read_batch(run: Run, messages: Sequence[RawMessage]) -> Arrivals:
+def read_batch(run: Run, messages: Sequence[RawMessage], channel: Channel = "vms") -> Arrivals:
     """Validates each message; groups the valid envelopes by VM in arrival order (the batch's order is its Event
-    Hubs partition's, whose key is the VM)."""
+    Hubs partition's, whose key is the VM). ``channel``: the hub the batch came from; each carries one kind."""
     run.enter("ingest")
     now, work = run.now, run.work
     arrivals = Arrivals()
     for index, message in enumerate(messages):
         telemetry.message_age(message.enqueued_time, now)
+        where = f"message {index} of the batch"
         try:
-            parsed = _event_grid_body(message.body)
+            grid = _event_grid_body(message.body)
         except bounded_json.JsonRefused as error:  # too large or too deep to read: this message's alone
-            dead_letter(
-                message, f"refused: {error}", now, dead=arrivals.dead, work=work, where=f"message {index} of the batch"
-            )
+            dead_letter(message, f"refused: {error}", now, dead=arrivals.dead, work=work, where=where)
             continue
-        if parsed is not None:
-            read_grid(message, parsed, now, arrivals=arrivals, work=work, where=f"message {index} of the batch")
+        if grid is not None and channel == "platform":
+            read_grid(message, grid, now, arrivals=arrivals, work=work, where=where)
+            continue
+        if grid is not None or channel == "platform":
+            reason = GRID_ON_VM_HUB if grid is not None else ENVELOPE_ON_PLATFORM_HUB
+            dead_letter(message, reason, now, dead=arrivals.dead, work=work, where=f"{where} ({channel} channel)")
             continue
         try:
             envelope = validate(message, now)
         except Exception as error:  # any failure is this message's alone: set aside, counted
-            dead_letter(
-                message,
-                _dead_letter_reason(error),
-                now,
-                dead=arrivals.dead,
-                work=work,
-                where=f"message {index} of the batch",
-            )
+            dead_letter(message, _dead_letter_reason(error), now, dead=arrivals.dead, work=work, where=where)
             continue
         # Whether the envelope is its VM's (Azure's signature, the bindings). A store that fails here fails the
         # batch, as it would in fold: nothing is dead-lettered for want of a read.
@@ -245,10 +256,10 @@ def _event_grid_body(body: bytes) -> Any | None:
 
 
 def read_grid(message: RawMessage, parsed: Any, now: datetime, *, arrivals: Arrivals, work: Work, where: str) -> None:
-    """Each Event Grid event of one message on its own: the bad ones set the message aside as one dead letter
-    naming each bad event and its reason (one per refused message, as for envelopes), a repeated Event Grid id is
-    counted as a duplicate, the good ones go on. No partition-key check: the platform sends without the VM's key
-    (docs/security.md says what an Event Grid event can and cannot do)."""
+    """Each Event Grid event of one message (from the platform's hub) on its own: the bad ones set the message aside
+    as one dead letter naming each bad event and its reason (one per refused message, as for envelopes), a repeated
+    Event Grid id is counted as a duplicate, the good ones go on. No partition-key check: the platform sends without
+    the VM's key (docs/security.md says what an Event Grid event can and cannot do)."""
     seen = {event.id for event in arrivals.grid}
     refused = []
     for position, item in enumerate(event_grid.read_events(parsed)):

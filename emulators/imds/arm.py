@@ -1,5 +1,6 @@
 """The IMDS emulator's ARM face: the Maintenance RP's scheduled-event acknowledge (preview), for the coordinator's
-remote-acknowledge callback (coordinator/adapters/remote_acknowledge.py).
+remote-acknowledge callback (coordinator/adapters/remote_acknowledge.py), and the Compute RP's lists of scale sets
+and VMs, for the coordinator's census (coordinator/adapters/census.py).
 
 Takes ``POST {vm or scale set id}/providers/Microsoft.Maintenance/scheduledevents/{eventId}/acknowledge
 ?api-version=2023-10-01-preview`` with ``Authorization: Bearer <token>``; gives what ARM gives, in ARM's error shape
@@ -9,14 +10,24 @@ resource's VMs do not see, 200 ``{"value": "Successfully Approved"}`` (the spec'
 then approved in the emulator's state exactly as one of the resource's VMs POSTing StartRequests would, so its
 lifecycle proceeds. Injected ARM faults (``ArmFault``: 429 with Retry-After, 5xx, 403, 409…) answer the next
 acknowledges first, after the token check.
+
+The lists (``GET {resource group}/providers/Microsoft.Compute/virtualMachineScaleSets``,
+``…/virtualMachineScaleSets/{name}/virtualMachines`` for a Uniform scale set's instances and
+``…/virtualMachines`` for Flexible members and standalone VMs, each with ``$expand=instanceView``) are built from the
+same ``VmSpec``s that IMDS serves, so what a VM's instance metadata says and what ARM lists agree unless a test
+makes them differ (``ImdsEmulator.update_vm``), and a VM a delete removed is no longer listed. They page with
+``nextLink`` (``$skiptoken``) and answer the token, api-version and injected faults (``target: read``) as the
+acknowledge does.
 """
 
 from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +42,16 @@ ACKNOWLEDGE = re.compile(
     r"/providers/microsoft\.maintenance/scheduledevents/(?P<event>[^/]+)/acknowledge$",
     re.IGNORECASE,
 )
+# Compute api-versions the lists answer (the coordinator's census uses the one its Bicep deploys the scale set with).
+COMPUTE_API_VERSIONS = ("2024-07-01", "2024-11-01", "2025-04-01")
+_GROUP = r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/microsoft\.compute"
+SCALE_SETS = re.compile(_GROUP + r"/virtualmachinescalesets$", re.IGNORECASE)
+SCALE_SET_VMS = re.compile(_GROUP + r"/virtualmachinescalesets/(?P<name>[^/]+)/virtualmachines$", re.IGNORECASE)
+VIRTUAL_MACHINES = re.compile(_GROUP + r"/virtualmachines$", re.IGNORECASE)
+_UNIFORM_ID = re.compile(r"/virtualMachineScaleSets/(?P<scale_set>[^/]+)/virtualMachines/(?P<instance>[^/]+)$", re.I)
+# Items per page of a list (ARM pages its lists; the census must follow nextLink).
+DEFAULT_PAGE_SIZE = 100
+ArmTarget = Literal["acknowledge", "read"]
 _FAULT_CODES = {
     403: "AuthorizationFailed",
     404: "NotFound",
@@ -42,13 +63,15 @@ _FAULT_CODES = {
 
 
 class ArmFault(BaseModel):
-    """Answer the next ``count`` acknowledges with ``status`` (and Retry-After, when given)."""
+    """Answer the next ``count`` acknowledges (``target: acknowledge``, the default) or list reads (``read``) with
+    ``status`` (and Retry-After, when given)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     status: int = Field(ge=400, le=599)
     count: int = Field(default=1, ge=1, le=1000)
     retryAfterSeconds: int | None = Field(default=None, ge=0, le=3600)
+    target: ArmTarget = "acknowledge"
 
 
 @dataclass
@@ -66,23 +89,24 @@ class ArmFaults:
     """The queue of injected ARM answers (the caller holds the emulator's lock)."""
 
     def __init__(self) -> None:
-        self._queue: deque[ArmFault] = deque()
+        self._queues: dict[ArmTarget, deque[ArmFault]] = {"acknowledge": deque(), "read": deque()}
         self.answered = 0
 
     def add(self, fault: ArmFault) -> None:
-        self._queue.extend([fault.model_copy(update={"count": 1})] * fault.count)
+        self._queues[fault.target].extend([fault.model_copy(update={"count": 1})] * fault.count)
 
-    def take(self) -> ArmAnswer | None:
-        if not self._queue:
+    def take(self, target: ArmTarget = "acknowledge") -> ArmAnswer | None:
+        queue = self._queues[target]
+        if not queue:
             return None
-        fault = self._queue.popleft()
+        fault = queue.popleft()
         self.answered += 1
         headers = {"Retry-After": str(fault.retryAfterSeconds)} if fault.retryAfterSeconds is not None else {}
         code = _FAULT_CODES.get(fault.status, "InjectedFault")
         return arm_error(fault.status, code, f"injected by the emulator ({fault.status})", headers)
 
     def pending(self) -> int:
-        return len(self._queue)
+        return sum(len(queue) for queue in self._queues.values())
 
 
 def check_token(authorization: str | None) -> ArmAnswer | None:
@@ -130,3 +154,174 @@ def vms_of(resource: re.Match[str], vms: dict[str, VmSpec]) -> list[str]:
         elif vm.resourceId.lower() == resource.group("resource").lower() or vm.name.lower() == name:
             found.append(vm.name)
     return found
+
+
+# ---- the Compute RP's lists (the coordinator's census) ----------------------------------------------------------
+
+
+def _in_group(vm: VmSpec, subscription: str, group: str) -> bool:
+    return vm.subscriptionId.lower() == subscription.lower() and vm.resourceGroupName.lower() == group.lower()
+
+
+def _group_id(vm: VmSpec) -> str:
+    return f"/subscriptions/{vm.subscriptionId}/resourceGroups/{vm.resourceGroupName}"
+
+
+def _scale_set_id(vm: VmSpec) -> str:
+    return f"{_group_id(vm)}/providers/Microsoft.Compute/virtualMachineScaleSets/{vm.vmScaleSetName}"
+
+
+def uniform_instance(vm: VmSpec) -> str | None:
+    """The instance id of a Uniform scale set's VM (its resource id is the scale set's, with
+    ``/virtualMachines/{instance}``), else None (a Flexible member or a standalone VM is a VM resource of its own)."""
+    match = _UNIFORM_ID.search(vm.resourceId)
+    return match.group("instance") if match and vm.vmScaleSetName else None
+
+
+def _instance_view(vm: VmSpec, *, placement_group: bool) -> dict[str, Any]:
+    view: dict[str, Any] = {
+        "platformUpdateDomain": int(vm.platformUpdateDomain),
+        "platformFaultDomain": int(vm.platformFaultDomain),
+        "computerName": vm.computerName,
+        "osName": "ubuntu" if vm.osType == "Linux" else "Windows Server 2022 Datacenter",
+        "statuses": [
+            {"code": "ProvisioningState/succeeded", "level": "Info", "displayStatus": "Provisioning succeeded"},
+            {"code": "PowerState/running", "level": "Info", "displayStatus": "VM running"},
+        ],
+    }
+    if placement_group and vm.placementGroupId:
+        view["placementGroupId"] = vm.placementGroupId
+    return view
+
+
+def _common(vm: VmSpec) -> dict[str, Any]:
+    resource: dict[str, Any] = {"name": vm.name, "id": vm.resourceId, "location": vm.location, "tags": dict(vm.tags)}
+    if vm.zone:
+        resource["zones"] = [vm.zone]
+    return resource
+
+
+def scale_set_vm_resource(vm: VmSpec, *, expand: bool) -> dict[str, Any]:
+    """A Uniform instance as ``VirtualMachineScaleSetVMs_List`` gives it (``$expand=instanceView``: with its fault
+    and update domain and placement group)."""
+    properties: dict[str, Any] = {
+        "vmId": vm.vmId,
+        "provisioningState": "Succeeded",
+        "latestModelApplied": True,
+        "osProfile": {"computerName": vm.computerName},
+    }
+    if expand:
+        properties["instanceView"] = _instance_view(vm, placement_group=True)
+    return {
+        **_common(vm),
+        "type": "Microsoft.Compute/virtualMachineScaleSets/virtualMachines",
+        "instanceId": uniform_instance(vm),
+        "sku": {"name": vm.vmSize, "tier": "Standard"},
+        "properties": properties,
+    }
+
+
+def vm_resource(vm: VmSpec, *, expand: bool) -> dict[str, Any]:
+    """A VM as ``VirtualMachines_List`` gives it: a Flexible scale set's member names its scale set
+    (``properties.virtualMachineScaleSet``) and fault domain; a standalone VM in a placement group is in the
+    availability set of that name (``properties.availabilitySet``)."""
+    properties: dict[str, Any] = {
+        "vmId": vm.vmId,
+        "provisioningState": "Succeeded",
+        "hardwareProfile": {"vmSize": vm.vmSize},
+        "osProfile": {"computerName": vm.computerName},
+    }
+    if vm.vmScaleSetName:
+        properties["virtualMachineScaleSet"] = {"id": _scale_set_id(vm)}
+        properties["platformFaultDomain"] = int(vm.platformFaultDomain)
+    elif vm.placementGroupId:
+        properties["availabilitySet"] = {
+            "id": f"{_group_id(vm)}/providers/Microsoft.Compute/availabilitySets/{vm.placementGroupId}"
+        }
+    if expand:
+        properties["instanceView"] = _instance_view(vm, placement_group=False)
+    return {**_common(vm), "type": "Microsoft.Compute/virtualMachines", "properties": properties}
+
+
+def scale_set_resources(vms: Iterable[VmSpec], subscription: str, group: str) -> list[dict[str, Any]]:
+    """The scale sets of a resource group, as ``VirtualMachineScaleSets_List`` gives them: Uniform when its
+    instances are scale-set VMs, else Flexible."""
+    found: dict[str, dict[str, Any]] = {}
+    for vm in vms:
+        if not vm.vmScaleSetName or not _in_group(vm, subscription, group):
+            continue
+        mode = "Uniform" if uniform_instance(vm) is not None else "Flexible"
+        entry = found.setdefault(
+            vm.vmScaleSetName.lower(),
+            {
+                "name": vm.vmScaleSetName,
+                "id": _scale_set_id(vm),
+                "type": "Microsoft.Compute/virtualMachineScaleSets",
+                "location": vm.location,
+                "properties": {"orchestrationMode": mode, "provisioningState": "Succeeded"},
+            },
+        )
+        if mode == "Uniform":
+            entry["properties"]["orchestrationMode"] = "Uniform"
+    return sorted(found.values(), key=lambda item: str(item["name"]).lower())
+
+
+def list_answer(
+    path: str, query: dict[str, list[str]], vms: Iterable[VmSpec], *, base_url: str, page_size: int
+) -> ArmAnswer | None:
+    """The answer to a list read at ``path`` (None: not a list route). ``vms``: the VMs that exist now (a removed
+    one is deleted, so no list shows it)."""
+    live = list(vms)
+    if (match := SCALE_SETS.match(path)) is not None:
+        items = scale_set_resources(live, match.group("subscription"), match.group("group"))
+    elif (match := SCALE_SET_VMS.match(path)) is not None:
+        subscription, group, name = match.group("subscription"), match.group("group"), match.group("name")
+        members = [
+            vm for vm in live if _in_group(vm, subscription, group) and vm.vmScaleSetName.lower() == name.lower()
+        ]
+        if not members:
+            return arm_error(
+                404,
+                "ResourceNotFound",
+                f"The Resource 'Microsoft.Compute/virtualMachineScaleSets/{name}'"
+                f" under resource group '{group}' was not found.",
+            )
+        if any(uniform_instance(vm) is None for vm in members):
+            # The emulator's choice (unverified): a Flexible scale set's members are VMs of their own, listed
+            # with the resource group's VMs; its instance list is refused rather than answered empty.
+            return arm_error(
+                400,
+                "OperationNotAllowed",
+                f"Scale set {name} is in Flexible orchestration mode: list "
+                "its VMs with the resource group's virtualMachines",
+            )
+        expand = _expands(query)
+        items = [scale_set_vm_resource(vm, expand=expand) for vm in members]
+    elif (match := VIRTUAL_MACHINES.match(path)) is not None:
+        subscription, group = match.group("subscription"), match.group("group")
+        expand = _expands(query)
+        items = [
+            vm_resource(vm, expand=expand)
+            for vm in live
+            if _in_group(vm, subscription, group) and uniform_instance(vm) is None
+        ]
+    else:
+        return None
+    if query.get("$filter"):
+        return arm_error(400, "InvalidParameter", "the emulator's lists take no $filter")
+    skip = (query.get("$skiptoken") or ["0"])[0]
+    start = int(skip) if skip.isdigit() else 0
+    page: dict[str, Any] = {"value": items[start : start + page_size]}
+    if start + page_size < len(items):
+        rest = "&".join(
+            f"{quote(key, safe='$')}={quote(value, safe='')}"
+            for key, values in sorted(query.items())
+            if key != "$skiptoken"
+            for value in values
+        )
+        page["nextLink"] = f"{base_url}{path}?{rest}&$skiptoken={start + page_size}"
+    return ArmAnswer(200, page, {})
+
+
+def _expands(query: dict[str, list[str]]) -> bool:
+    return any(value.lower() == "instanceview" for value in query.get("$expand", []))

@@ -15,13 +15,25 @@ import re
 import threading
 import time
 from collections import Counter
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, quote, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
-from emulators.imds.arm import ACKNOWLEDGE, API_VERSIONS, ArmFault, ArmFaults, arm_error, check_token, vms_of
+from emulators.imds.arm import (
+    ACKNOWLEDGE,
+    API_VERSIONS,
+    COMPUTE_API_VERSIONS,
+    DEFAULT_PAGE_SIZE,
+    ArmFault,
+    ArmFaults,
+    arm_error,
+    check_token,
+    list_answer,
+    vms_of,
+)
 from emulators.imds.attested import (
     DEFAULT_VALIDITY_SECONDS,
     ISSUER_PATH,
@@ -53,6 +65,7 @@ from emulators.tokens import mint_token
 VM_HEADER = "X-Emulator-VM"
 _VM_PREFIX = re.compile(r"^/vm/(?P<name>[^/]+)(?P<rest>/.*)?$")
 _CANCEL = re.compile(r"^/_emulator/events/(?P<id>[^/]+)/cancel$")
+_VM_CONTROL = re.compile(r"^/_emulator/vms/(?P<name>[^/]+)$")
 _MAX_BODY = 64 * 1024
 TOKEN_LIFETIME_SECONDS = 3600
 _JSON = "application/json; charset=utf-8"
@@ -97,6 +110,7 @@ class ImdsEmulator:
         authority: CertificateAuthority | None = None,
         attested_validity_seconds: float = DEFAULT_VALIDITY_SECONDS,
         attested_cache_seconds: float = 0.0,
+        arm_page_size: int = DEFAULT_PAGE_SIZE,
     ) -> None:
         self.scenario = scenario or Scenario.default()
         self._authority = authority
@@ -122,6 +136,9 @@ class ImdsEmulator:
         self.arm_faults = ArmFaults()
         self.arm_acknowledged: list[dict[str, Any]] = []
         self.arm_requests = 0
+        # The Compute lists the census reads (arm.list_answer): pages of this many items; reads answered.
+        self.arm_page_size = arm_page_size
+        self.arm_reads = 0
         self.requests_unanswered: Counter[str] = Counter()  # per removed VM
         self._port = port
         self._server: ThreadingHTTPServer | None = None
@@ -239,6 +256,21 @@ class ImdsEmulator:
     def vms(self) -> list[VmSpec]:
         return list(self.state.vms.values())
 
+    def update_vm(self, name: str, **changes: Any) -> VmSpec:
+        """Changes what Azure knows of a VM (its tags, zone, fault or update domain, placement group…): its instance
+        metadata and the ARM face's lists both say the new values from now on (a tag edited in the portal, a VM
+        redeployed elsewhere). Its name, ids and scale set stay."""
+        with self._lock:
+            return self.state.update_vm(name, changes)
+
+    def add_vm(self, spec: VmSpec | dict[str, Any]) -> VmSpec:
+        """A VM that joins now (a scale-out): IMDS answers for it and the ARM face lists it."""
+        parsed = _parse(VmSpec, spec, source="VM")
+        with self._lock:
+            self.state.add_vm(parsed)
+            self._vm_names[parsed.name.lower()] = parsed.name
+        return parsed
+
     def removed_vms(self) -> dict[str, dict[str, Any]]:
         """VMs gone for good, each with the event that removed it and when: ``{vm: {EventId, EventType, at}}``."""
         with self._lock:
@@ -257,8 +289,8 @@ class ImdsEmulator:
         vm_name, path = self._resolve_vm(path, handler.headers.get(VM_HEADER))
         if path.startswith("/_emulator"):
             return self._emulator_routes(method, path, handler)
-        if (acknowledge := ACKNOWLEDGE.match(path)) is not None:
-            return self._acknowledge(method, acknowledge, query, handler)
+        if path.lower().startswith("/subscriptions/"):
+            return self._arm(method, path, query, handler)
         with self._lock:
             now = self.clock.now()
             self.state.advance(now)  # scenario steps that fell due (deletes, faults) apply to this very request
@@ -455,6 +487,7 @@ class ImdsEmulator:
         with self._lock:
             return {
                 "requests": self.arm_requests,
+                "reads": self.arm_reads,
                 "acknowledged": list(self.arm_acknowledged),
                 "faultsPending": self.arm_faults.pending(),
                 "faultsAnswered": self.arm_faults.answered,
@@ -500,6 +533,37 @@ class ImdsEmulator:
             )
         return 200, json.dumps({"value": "Successfully Approved"}).encode(), _JSON
 
+    def _arm(self, method: str, path: str, query: dict[str, list[str]], handler: _Handler) -> tuple[int, bytes, str]:
+        """The ARM face: the acknowledge, else the Compute RP's lists of scale sets and VMs (arm.list_answer), from
+        the VMs that exist now."""
+        acknowledge = ACKNOWLEDGE.match(path)
+        if acknowledge is not None:
+            return self._acknowledge(method, acknowledge, query, handler)
+        if method != "GET":
+            raise _Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
+        version = (query.get("api-version") or [""])[0]
+        if version not in COMPUTE_API_VERSIONS:
+            wrong = arm_error(
+                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(COMPUTE_API_VERSIONS)}"
+            )
+            raise _Reply(wrong.status, wrong.body)
+        refusal = check_token(handler.headers.get("Authorization"))
+        if refusal is not None:
+            raise _Reply(refusal.status, refusal.body, refusal.headers)
+        with self._lock:
+            fault = self.arm_faults.take("read")
+            if fault is not None:
+                raise _Reply(fault.status, fault.body, fault.headers)
+            self.state.advance(self.clock.now())  # a delete that fell due has removed its VMs from the lists
+            live = [vm for name, vm in self.state.vms.items() if name not in self.state.removed]
+            listed = list_answer(path, query, live, base_url=self.url, page_size=self.arm_page_size)
+            if listed is None:
+                raise _Reply(404, arm_error(404, "InvalidResourceType", f"no ARM route {path}").body)
+            self.arm_reads += 1
+        if listed.status != 200:
+            raise _Reply(listed.status, listed.body, listed.headers)
+        return listed.status, json.dumps(listed.body).encode(), _JSON
+
     def _arm_control(self, method: str, path: str, handler: _Handler) -> tuple[int, dict[str, Any]]:
         if path == "/_emulator/arm" and method == "GET":
             return 200, self.arm_status()
@@ -507,6 +571,26 @@ class ImdsEmulator:
             self.inject_arm_fault(_parse(ArmFault, _json_body(handler), source="ARM fault"))
             return 201, self.arm_status()
         raise _Reply(404, {"error": f"no control route {method} {path}"})
+
+    def _vm_control(self, method: str, path: str, handler: _Handler, now: datetime) -> tuple[int, Any] | None:
+        """``GET /_emulator/vms``, ``POST /_emulator/vms`` (a VM joins) and ``PUT /_emulator/vms/{name}`` (fields of
+        a VM change); None for any other route."""
+        if path == "/_emulator/vms" and method == "GET":
+            with self._lock:
+                result = self.state.vm_summaries(now)
+            for item in result:
+                item["requests"] = self.requests_served[item["name"]]
+                item["requestsUnanswered"] = self.requests_unanswered[item["name"]]
+            return 200, result
+        if path == "/_emulator/vms" and method == "POST":
+            return 201, self.add_vm(_json_body(handler)).model_dump()
+        match = _VM_CONTROL.match(path)
+        if match is None or method != "PUT":
+            return None
+        changes = _json_body(handler)
+        if not isinstance(changes, dict):
+            raise EmulatorInputError("the body is the VM's fields to change, as a JSON object")
+        return 200, self.update_vm(match.group("name"), **changes).model_dump()
 
     def _fault_listing(self) -> dict[str, Any]:
         with self._lock:
@@ -528,12 +612,8 @@ class ImdsEmulator:
                 result = self.cancel_event(match.group("id"))
             elif path == "/_emulator/approvals" and method == "GET":
                 result = self.approvals()
-            elif path == "/_emulator/vms" and method == "GET":
-                with self._lock:
-                    result = self.state.vm_summaries(now)
-                for item in result:
-                    item["requests"] = self.requests_served[item["name"]]
-                    item["requestsUnanswered"] = self.requests_unanswered[item["name"]]
+            elif (vms := self._vm_control(method, path, handler, now)) is not None:
+                status, result = vms
             elif path == "/_emulator/faults" and method == "POST":
                 self.inject_fault(_parse(FaultSpec, _json_body(handler), source="fault"))
                 status, result = 201, self._fault_listing()

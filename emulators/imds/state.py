@@ -22,6 +22,8 @@ from datetime import datetime, timedelta
 from email.utils import format_datetime
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from emulators.imds.models import (
     DEFAULT_DURATION_SECONDS,
     DEFAULT_NOTICE_SECONDS,
@@ -34,6 +36,7 @@ from emulators.imds.models import (
     StartRequestsBody,
     VmSpec,
     default_description,
+    describe_validation_error,
 )
 from emulators.imds.versions import EventView, event_view
 
@@ -604,6 +607,32 @@ class EmulatorState:
         self._release_approved(now)
         self._settle(now)
         return accepted
+
+    def update_vm(self, vm_name: str, changes: dict[str, Any]) -> VmSpec:
+        """The VM with ``changes`` applied (validated as a whole); who it is (name, ids, scale set) cannot change."""
+        if vm_name not in self.vms:
+            raise EmulatorInputError(f"no VM {vm_name!r}; known VMs: {list(self.vms)}")
+        fixed = sorted(
+            set(changes)
+            & {"name", "vmId", "resourceId", "subscriptionId", "resourceGroupName", "vmScaleSetName", "computerName"}
+        )
+        if fixed:
+            raise EmulatorInputError(f"{fixed} say which VM this is and cannot change; add another VM instead")
+        try:
+            spec = VmSpec.model_validate({**self.vms[vm_name].model_dump(), **changes})
+        except ValidationError as error:
+            raise EmulatorInputError(describe_validation_error(error, source=f"VM {vm_name}")) from error
+        # Who sees an event is settled when it is created: a changed placement group counts for later events.
+        self.vms[vm_name] = spec
+        return spec
+
+    def add_vm(self, spec: VmSpec) -> None:
+        """A VM that joins now (scale-out): it sees the events created from now on."""
+        if spec.name.lower() in {name.lower() for name in self.vms}:
+            raise EmulatorInputError(f"a VM named {spec.name!r} exists already (names are case-insensitive)")
+        self.vms[spec.name] = spec
+        self.incarnations[spec.name] = 1
+        self._signatures[spec.name] = "[]"
 
     def reset_incarnation(self, vm_name: str | None) -> None:
         """As after IMDS was disabled for 24 hours: the VM's counter starts over."""

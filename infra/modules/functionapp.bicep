@@ -51,6 +51,9 @@ param eventHubNamespace string
 @description('Event hub that carries the envelopes.')
 param eventHubName string
 
+@description('Event hub of Event Grid\'s scheduled events (the platform\'s channel; the second trigger).')
+param platformEventHubName string
+
 @description('Consumer group of the coordinator.')
 param consumerGroupName string
 
@@ -214,6 +217,7 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
     EventHubConnection__credential: 'managedidentity'
     EventHubConnection__clientId: identityClientId
     EVENTHUB_NAME: eventHubName
+    PLATFORM_EVENTHUB_NAME: platformEventHubName
     EVENTHUB_CONSUMER_GROUP: consumerGroupName
     // Application Insights: the connection string carries no secret here because the component has local auth
     // disabled; telemetry is accepted only with the identity's Entra token.
@@ -234,6 +238,9 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
     COORDINATOR_RELAY_NAMESPACE: relayNamespace
     COORDINATOR_RELAY_SUBSCRIPTION_ID: subscription().subscriptionId
     COORDINATOR_RELAY_RESOURCE_GROUP: resourceGroup().name
+    // The census (budgets, tag rules) is read from ARM in this resource group, where the scale set and, in Flexible
+    // mode, its VMs are (vmss.bicep grants the read).
+    COORDINATOR_CENSUS_RESOURCE_GROUPS: resourceGroup().id
     COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: string(heartbeatTimeoutSeconds)
     COORDINATOR_IMDS_FAILING_SECONDS: string(imdsFailingSeconds)
     COORDINATOR_REMOTE_ACKNOWLEDGE: remoteAcknowledge

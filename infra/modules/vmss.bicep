@@ -55,7 +55,7 @@ param enableEventGridPublishing bool
 @description('Preview: the coordinator may acknowledge this scale set\'s scheduled events through the Maintenance RP.')
 param enableRemoteAcknowledge bool
 
-@description('Principal id of the coordinator identity (acknowledges scheduled events when enableRemoteAcknowledge).')
+@description('Principal id of the coordinator identity (reads the census; acknowledges scheduled events when enableRemoteAcknowledge).')
 param coordinatorPrincipalId string
 
 @description('Subnet of the instances.')
@@ -267,6 +267,49 @@ resource coordinatorAcknowledger 'Microsoft.Authorization/roleAssignments@2022-0
   scope: vmss
   properties: {
     roleDefinitionId: scheduledEventAcknowledger.id
+    principalId: coordinatorPrincipalId
+    principalType: 'ServicePrincipal'
+  }
+}
+
+// The census (coordinator/adapters/census.py): the coordinator lists the scale sets, a Uniform scale set's instances and
+// the resource group's VMs (a Flexible scale set's members are VMs of the resource group) with their instance views,
+// to read zones, fault and update domains, placement groups and tags from Azure rather than from the VMs. A custom
+// role with those reads alone, not Reader: Reader on the resource group would also read every other resource's
+// configuration here (Key Vault, storage, the Functions app, the Relay namespace). The instanceView reads are listed
+// in case the Compute RP checks them for $expand=instanceView (not verified in Azure).
+resource vmCensusReader 'Microsoft.Authorization/roleDefinitions@2022-04-01' = {
+  name: guid(resourceGroup().id, 'scheduled-events-vm-census-reader')
+  properties: {
+    roleName: 'Scheduled Events VM Census Reader (${resourceGroup().name})'
+    description: 'Read virtual machines and scale sets (and their instance views); nothing else.'
+    type: 'CustomRole'
+    assignableScopes: [
+      resourceGroup().id
+    ]
+    permissions: [
+      {
+        actions: [
+          'Microsoft.Compute/virtualMachineScaleSets/read'
+          'Microsoft.Compute/virtualMachineScaleSets/virtualMachines/read'
+          'Microsoft.Compute/virtualMachineScaleSets/virtualMachines/instanceView/read'
+          'Microsoft.Compute/virtualMachines/read'
+          'Microsoft.Compute/virtualMachines/instanceView/read'
+        ]
+        notActions: []
+        dataActions: []
+        notDataActions: []
+      }
+    ]
+  }
+}
+
+// The census reads on this resource group (its scope: a list of the group's VMs is authorized there, and a
+// Flexible scale set's members are not children of the scale set): the coordinator reads the fleet's facts from ARM.
+resource coordinatorCensusReader 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
+  name: guid(resourceGroup().id, coordinatorPrincipalId, 'scheduled-events-vm-census-reader')
+  properties: {
+    roleDefinitionId: vmCensusReader.id
     principalId: coordinatorPrincipalId
     principalType: 'ServicePrincipal'
   }

@@ -1,9 +1,11 @@
-"""Event Grid as a source (preview): ScheduledEventEmitted events beside envelopes, folded into the same records.
+"""Event Grid as a source (preview): ScheduledEventEmitted events on the platform's own hub (``channel="platform"``),
+folded into the same records as the envelopes of the VMs' hub.
 
 The real coordinator on Azurite; the IMDS emulator's ARM face approves the agentless VM's event (remote acknowledge
-as the fallback when no VM's listener can execute it). The last test runs the whole path over the Event Hubs
-emulator: the IMDS emulator publishes its events as Event Grid would (arrays, duplicates), the local Functions host
-consumes them."""
+as the fallback when no VM's listener can execute it). The platform's facts outrank a VM's, and an Event Grid event
+on the VMs' hub is a forgery, set aside. The last test runs the whole path over the Event Hubs emulator: the IMDS
+emulator publishes its events as Event Grid would (arrays, duplicates) to the platform's hub, the local Functions
+host consumes them."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender
 from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline.ingest import RawMessage
+from coordinator.pipeline.ingest import GRID_ON_VM_HUB, Channel, RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
@@ -47,7 +49,7 @@ rules:
   - name: rest-wait
     action: wait-for-person
 """
-HUB = "scheduled-events"
+PLATFORM_HUB = "scheduled-events-platform"
 
 
 @pytest.fixture
@@ -155,7 +157,7 @@ def test_an_agentless_vm_gets_a_record_a_decision_history_and_an_approval_throug
 ) -> None:
     service, history = coordinator
     event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
-    batch = service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW))])
+    batch = service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW))], channel="platform")
     assert batch.dead_lettered == 0
     stored = service.event(event_id)
     assert stored is not None
@@ -172,11 +174,11 @@ def test_an_agentless_vm_gets_a_record_a_decision_history_and_an_approval_throug
     assert stored.record.state == "Approved"
     imds.clock.advance(1)  # type: ignore[attr-defined]
     assert next(e for e in imds.events() if e["EventId"] == event_id)["state"] == "Started"
-    service.process_batch([raw(grid(imds, event_id, "Started", DOC_NOW + timedelta(seconds=1)))])
+    service.process_batch([raw(grid(imds, event_id, "Started", DOC_NOW + timedelta(seconds=1)))], channel="platform")
     started = service.event(event_id)
     assert started is not None
     assert started.record.state == "Started"
-    service.process_batch([raw(grid(imds, event_id, "Completed", DOC_NOW + timedelta(seconds=30)))])
+    service.process_batch([raw(grid(imds, event_id, "Completed", DOC_NOW + timedelta(seconds=30)))], channel="platform")
     completed = service.event(event_id)
     assert completed is not None
     assert completed.record.state == "Completed"
@@ -193,29 +195,81 @@ def test_a_vm_seen_on_both_paths_is_one_vm_with_one_record(
     service, _ = coordinator
     service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
     event_id = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)["EventId"]
-    messages = [raw(grid(imds, event_id, "Scheduled", DOC_NOW)), report(imds, "web_1", 1)]
-    for message in reversed(messages) if not grid_first else messages:
-        service.process_batch([message])
+    messages: list[tuple[RawMessage, Channel]] = [
+        (raw(grid(imds, event_id, "Scheduled", DOC_NOW)), "platform"),
+        (report(imds, "web_1", 1), "vms"),
+    ]
+    for message, channel in reversed(messages) if not grid_first else messages:
+        service.process_batch([message], channel=channel)
     stored = service.event(event_id)
     assert stored is not None
     assert list(stored.record.vms) == ["web_1"]
     # The forwarder's sighting, with the VM's own vmId, is the record's.
     assert stored.record.vms["web_1"].vmId == identity(imds, "web_1").vmId
     assert stored.record.vms["web_1"].epoch >= 0
-    # Both in one batch: one VM, one sighting.
-    other = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)["EventId"]
-    service.process_batch([raw(grid(imds, other, "Scheduled", DOC_NOW)), report(imds, "web_1", 2)])
-    both = service.event(other)
-    assert both is not None
-    assert list(both.record.vms) == ["web_1"]
-    assert both.record.vms["web_1"].vmId == identity(imds, "web_1").vmId
-    # A VM whose very first envelope comes in the same batch as the Event Grid event: no agentless twin is made.
+    # A VM whose very first envelope comes right after the Event Grid event: the forwarder's identity wins.
     first = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
-    service.process_batch([raw(grid(imds, first, "Scheduled", DOC_NOW)), report(imds, "web_0", 1)])
+    service.process_batch([report(imds, "web_0", 1)])
+    service.process_batch([raw(grid(imds, first, "Scheduled", DOC_NOW))], channel="platform")
     vms = [vm for group in service.store.all_vm_groups() for vm in group.record.vms.values()]
     assert sorted((vm.identity.name, vm.agentless) for vm in vms if vm.identity.name == "web_0") == [("web_0", False)]
     if not grid_first:  # web_1's forwarder reported before Event Grid ever named it: no agentless twin either
         assert [vm.agentless for vm in vms if vm.identity.name == "web_1"] == [False]
+
+
+def test_an_event_grid_event_on_the_vms_hub_is_a_forgery_set_aside_and_adds_no_vm(
+    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
+) -> None:
+    service, history = coordinator
+    event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    forged = grid(imds, event_id, "Scheduled", DOC_NOW)
+    forged["data"]["resourceInfo"]["properties"]["Resources"] = [f"web_{n}" for n in range(1000)]
+    web_1 = identity(imds, "web_1").resourceId.lower()
+    batch = service.process_batch([raw(forged, partition_key=web_1), raw([forged])])
+    assert batch.dead_lettered == 2
+    assert [r.Reason for r in history.rows if r.RecordType == "DeadLetter"] == [GRID_ON_VM_HUB, GRID_ON_VM_HUB]
+    assert service.event(event_id) is None
+    assert list(service.store.all_vm_groups()) == [], "no VM added, agentless or not"
+    assert imds.approvals() == []
+    assert imds.arm_status()["acknowledged"] == []
+
+
+def test_the_platforms_facts_outrank_what_a_vm_reported_first(
+    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
+) -> None:
+    service, history = coordinator
+    event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    # web_1 sees web_0's short Freeze (one placement group) and reports it first, as a Reboot: a person would wait.
+    vm = identity(imds, "web_1")
+    document = imds.document("web_1")
+    lie = [{**e, "EventType": "Reboot", "DurationInSeconds": -1} for e in document["Events"]]
+    data = envelope(vm.model_dump(), sequence=1, incarnation=document["DocumentIncarnation"], events=lie)
+    service.process_batch([raw(data, partition_key=vm.resourceId.lower())])
+    believed = service.event(event_id)
+    assert believed is not None
+    assert (believed.record.eventType, believed.record.factsFrom) == ("Reboot", "vm")
+    assert believed.record.decision is not None
+    assert believed.record.decision.verdict == "wait"
+    # The platform's event, on its own hub: its facts replace the VM's, the VM's claim is the conflict, the truth is
+    # decided again and approved (through the VM it concerns, whose IMDS shows the same Freeze).
+    service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW))], channel="platform")
+    stored = service.event(event_id)
+    assert stored is not None
+    record = stored.record
+    assert (record.eventType, record.durationInSeconds, record.factsFrom) == ("Freeze", 5, "platform")
+    assert record.conflicts[-1].vm == "web_1"
+    assert record.conflicts[-1].facts["EventType"] == ("Freeze", "Reboot")
+    assert record.decision is not None
+    assert record.decision.rule == "freeze-now"
+    assert [a["EventId"] for a in imds.approvals()] == [event_id]
+    [row] = [r for r in history.rows if r.RecordType == "Observation" and r.Outcome == "conflict"]
+    assert (row.Reason or "").startswith("Event Grid (the platform) contradicts the facts web_1 reported first")
+    # A VM repeating the lie later is a conflict against the platform's facts, which stay.
+    again = envelope(vm.model_dump(), sequence=2, incarnation=document["DocumentIncarnation"] + 1, events=lie)
+    service.process_batch([raw(again, partition_key=vm.resourceId.lower())])
+    after = service.event(event_id)
+    assert after is not None
+    assert (after.record.eventType, after.record.conflictCount) == ("Freeze", 2)
 
 
 def test_duplicates_are_ignored_and_canceled_concludes(
@@ -225,14 +279,14 @@ def test_duplicates_are_ignored_and_canceled_concludes(
     service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
     event_id = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
     scheduled = grid(imds, event_id, "Scheduled", DOC_NOW)
-    first = service.process_batch([raw(scheduled), raw([scheduled])])
+    first = service.process_batch([raw(scheduled), raw([scheduled])], channel="platform")
     assert first.duplicates == 1
-    service.process_batch([raw(scheduled)])  # again in a later batch: same eventTime, not newer
+    service.process_batch([raw(scheduled)], channel="platform")  # again in a later batch: not newer
     observations = [r for r in history.rows if r.EventId == event_id and r.RecordType == "Observation"]
     assert len(observations) == 1
     # An older status arriving late changes nothing either.
-    service.process_batch([raw(grid(imds, event_id, "Canceled", DOC_NOW + timedelta(seconds=5)))])
-    service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW + timedelta(seconds=2)))])
+    service.process_batch([raw(grid(imds, event_id, "Canceled", DOC_NOW + timedelta(seconds=5)))], channel="platform")
+    service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW + timedelta(seconds=2)))], channel="platform")
     stored = service.event(event_id)
     assert stored is not None
     assert stored.record.state == "Canceled"
@@ -253,14 +307,10 @@ def test_malformed_event_grid_events_are_dead_lettered_with_reasons_while_the_re
     wrong_id = grid(imds, good, "Scheduled", DOC_NOW)
     wrong_id["data"]["resourceInfo"]["id"] = wrong_id["data"]["resourceInfo"]["id"].replace(good, str(uuid.uuid4()))
     batch = service.process_batch(
-        [
-            raw([no_status, grid(imds, good, "Scheduled", DOC_NOW), exploded]),
-            raw(other_type),
-            raw(wrong_id),
-            raw([]),
-            report(imds, "web_1", 1),
-        ]
+        [raw([no_status, grid(imds, good, "Scheduled", DOC_NOW), exploded]), raw(other_type), raw(wrong_id), raw([])],
+        channel="platform",
     )
+    service.process_batch([report(imds, "web_1", 1)])
     assert batch.dead_lettered == 4  # one per refused message; the array's good event went on
     reasons = [r.Reason or "" for r in history.rows if r.RecordType == "DeadLetter"]
     assert all(reason.startswith("invalid Event Grid event") for reason in reasons), reasons
@@ -297,21 +347,21 @@ def test_the_event_grid_source_end_to_end_over_the_event_hubs_emulator(
 
     def ingest(events: list[func.EventHubEvent]) -> None:
         with lock:
-            service.process_batch([function_app._raw(e, {}) for e in events])
+            service.process_batch([function_app._raw(e, {}) for e in events], channel="platform")
             received.append(len(events))
 
-    with EventHubsEmulator(hubs={HUB: 2}) as eventhubs:
+    with EventHubsEmulator(hubs={PLATFORM_HUB: 2}) as eventhubs:
         publisher = EventGridPublisher(
             imds,
             connection_string=eventhubs.connection_string(),
-            eventhub_name=HUB,
+            eventhub_name=PLATFORM_HUB,
             vms=["web_0"],
             duplicate=True,
             as_array=True,
         )
         host = FunctionHost(
             eventhub_connection_string=eventhubs.connection_string(),
-            eventhub_name=HUB,
+            eventhub_name=PLATFORM_HUB,
             storage_connection_string=azurite.connection_string,
             ingest=ingest,
             checkpoint_container=f"grid-{uuid.uuid4().hex[:8]}",

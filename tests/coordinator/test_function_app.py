@@ -51,7 +51,14 @@ def binding(name: str) -> dict[str, Any]:
 
 
 def test_indexed_functions_are_what_the_deployment_expects():
-    assert set(indexed()) == {"ingest_envelopes", "reevaluate", "continue_approval", "approve_event", "pending_events"}
+    assert set(indexed()) == {
+        "ingest_envelopes",
+        "ingest_platform_events",
+        "reevaluate",
+        "continue_approval",
+        "approve_event",
+        "pending_events",
+    }
     hub = binding("ingest_envelopes")
     assert hub == {
         "direction": "IN",
@@ -71,6 +78,8 @@ def test_indexed_functions_are_what_the_deployment_expects():
         "queueName": "approval-deliveries",
         "connection": "AzureWebJobsStorage",
     }
+    # Event Grid's own hub: a trigger of its own, so the coordinator knows which channel a message came from.
+    assert binding("ingest_platform_events") == {**hub, "eventHubName": "%PLATFORM_EVENTHUB_NAME%"}
     timer = binding("reevaluate")
     assert timer["type"] == "timerTrigger"
     assert timer["schedule"] == "0 * * * * *"

@@ -16,7 +16,7 @@ from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain.model import ApprovalRecord, EventRecord
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline import act
+from coordinator.pipeline import act, handover
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW
 from tests.coordinator.runs import (
@@ -376,7 +376,7 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
     assert record.approval is not None
     assert (record.state, record.approval.outcome, record.approval.executor) == ("Scheduled", "continued", "WestNO_0")
     # Not a failed attempt, and the timer leaves it to the queue for the handover grace.
-    assert (record.approval.attempts, record.approval.nextAttemptAt) == (0, DOC_NOW + act.HANDOVER_GRACE)
+    assert (record.approval.attempts, record.approval.nextAttemptAt) == (0, DOC_NOW + handover.HANDOVER_GRACE)
     assert bench.deliveries is not None
     assert bench.deliveries.queued == [
         QueuedDelivery(eventId=EVENT, decisionId="d-1", executor="WestNO_0", handedOverAt=DOC_NOW)
@@ -388,7 +388,7 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
 
     # The queue's run: the whole approval deadline, through a peer of the VM that did not answer.
     continued = bench.run("delivery")
-    act.take_over(continued, bench.deliveries.queued[0])
+    handover.take_over(continued, bench.deliveries.queued[0])
     act.deliver(continued, last_seen=None)
     assert callback.vms[-1] == "WestNO_1"
     assert callback.within[-1] == pytest.approx(continued.options.approval_deadline.total_seconds(), abs=0.1)
@@ -398,7 +398,7 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
     assert continued.stages == ["continue", "deliver"]
     # A message delivered twice (queues are at least once) finds the approval delivered: nothing more is sent.
     again = bench.run("delivery")
-    act.take_over(again, bench.deliveries.queued[0])
+    handover.take_over(again, bench.deliveries.queued[0])
     assert again.work.deliveries == []
 
 
@@ -419,7 +419,7 @@ def test_a_handover_that_cannot_be_queued_is_the_timers_after_its_grace(bench: B
     run = deliver(bench, in_run_delivery=timedelta(milliseconds=100))
     record = bench.event(EVENT)
     assert record.approval is not None
-    assert (record.approval.outcome, record.approval.nextAttemptAt) == ("continued", DOC_NOW + act.HANDOVER_GRACE)
+    assert (record.approval.outcome, record.approval.nextAttemptAt) == ("continued", DOC_NOW + handover.HANDOVER_GRACE)
     assert run.report.deliveries_continued == 0
 
 
@@ -441,7 +441,7 @@ def test_a_terminate_whose_vm_did_not_answer_is_continued_through_that_vm_never_
     (queued,) = bench.deliveries.queued
 
     continued = bench.run("delivery", approval_deadline=timedelta(milliseconds=200))
-    act.take_over(continued, queued)
+    handover.take_over(continued, queued)
     act.deliver(continued, last_seen=None)
     assert callback.vms == ["web_0", "web_0"]
     approval_now = bench.event("EV-DEL").approval

@@ -15,7 +15,7 @@ from contracts.envelope import Envelope
 from coordinator.domain.model import VmGroupRecord, VmRecord
 from coordinator.domain.observations import VmUpdate
 from coordinator.domain.observations import vm_observations as real
-from coordinator.pipeline import act, fold, ingest
+from coordinator.pipeline import act, fold, ingest, positions
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
 from coordinator.state.store import Stored
@@ -42,10 +42,12 @@ def short_freeze(*names: str) -> dict[str, Any]:
     return scheduled_event(FREEZE, resources=list(names or ["WestNO_0", "WestNO_1"]))
 
 
-def batch(bench: Bench, messages: Sequence[RawMessage]) -> tuple[Run, fold.VmBatch]:
+def batch(
+    bench: Bench, messages: Sequence[RawMessage], channel: ingest.Channel = "vms"
+) -> tuple[Run, positions.VmBatch]:
     run = bench.run()
     run.report.received = len(messages)
-    updates = fold.fold(run, ingest.read_batch(run, messages))
+    updates = fold.fold(run, ingest.read_batch(run, messages, channel))
     return run, updates
 
 
@@ -87,7 +89,7 @@ def test_a_vm_whose_envelopes_cannot_be_read_is_dead_lettered_and_the_others_go_
             raise RuntimeError("a position this code cannot read")
         return real(previous, ordered, heard_at=heard_at)
 
-    monkeypatch.setattr(fold, "vm_observations", vm_observations)
+    monkeypatch.setattr(positions, "vm_observations", vm_observations)
     messages = [
         report("WestNO_0", 1, short_freeze()),
         report("WestNO_1", 1, short_freeze()),
@@ -130,7 +132,7 @@ def test_a_heartbeat_showing_imds_failing_raises_the_vms_card(bench: Bench):
 
 def test_event_grid_sightings_of_an_unknown_vm_make_it_agentless_and_repeats_count_as_duplicates(bench: Bench):
     event = grid_event(FREEZE, resources=["web_0"])
-    run, _ = batch(bench, [message_of(event), message_of([event])])
+    run, _ = batch(bench, [message_of(event), message_of([event])], "platform")
     assert (run.report.accepted, run.report.duplicates) == (1, 1)
     record = bench.event(FREEZE)
     assert list(record.vms) == ["web_0"]
@@ -141,7 +143,7 @@ def test_event_grid_sightings_of_an_unknown_vm_make_it_agentless_and_repeats_cou
 
 
 def message_of(body: Any) -> RawMessage:
-    """A message Event Grid routed to the hub: no partition key of a VM."""
+    """A message Event Grid routed to its hub: no partition key of a VM."""
     return RawMessage(body=json.dumps(body).encode())
 
 

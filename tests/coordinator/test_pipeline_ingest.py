@@ -23,10 +23,11 @@ def report(name: str, number: int, /, **fields: Any) -> dict[str, Any]:
     return {**envelope(identity(name).model_dump(), sequence=number, incarnation=number), **fields}
 
 
-def read(bench: Bench, *messages: RawMessage) -> tuple[ingest.Arrivals, list[str]]:
-    """What ingest made of the messages, and the reasons of the dead letters it wrote history rows for."""
+def read(bench: Bench, *messages: RawMessage, channel: ingest.Channel = "vms") -> tuple[ingest.Arrivals, list[str]]:
+    """What ingest made of the messages from the hub of ``channel``, and the reasons of the dead letters it wrote
+    history rows for."""
     run = bench.run()
-    arrivals = ingest.read_batch(run, messages)
+    arrivals = ingest.read_batch(run, messages, channel)
     assert run.stages == ["ingest"]
     return arrivals, [row.Reason for row in run.work.rows if row.RecordType == "DeadLetter"]
 
@@ -107,18 +108,35 @@ def test_a_dead_letter_keeps_the_message_and_names_it_without_its_body(bench: Be
     assert row.Reason.startswith("invalid envelope: ")
 
 
-def test_event_grid_events_are_read_beside_envelopes_one_bad_event_setting_its_message_aside(bench: Bench):
+def test_event_grid_events_are_read_from_the_platforms_hub_one_bad_event_setting_its_message_aside(bench: Bench):
     good, again = grid_event("EV-1", grid_id="g-1"), grid_event("EV-1", grid_id="g-1")
     bad = {"id": "g-bad", "eventType": "Something.Else"}
     arrivals, dead = read(
         bench,
         RawMessage(body=json.dumps([good, bad]).encode()),
         RawMessage(body=json.dumps(again).encode()),
-        message(report("WestNO_0", 1)),
+        channel="platform",
     )
     assert [event.id for event in arrivals.grid] == ["g-1"]
     # The platform may publish an event twice: counted, not read again.
     assert arrivals.grid_duplicates == 1
     [why] = dead
     assert why.startswith("invalid Event Grid event(s): event 1: eventType: ")
-    assert len(arrivals.by_vm) == 1
+    assert arrivals.by_vm == {}
+
+
+def test_each_hub_carries_one_kind_an_event_grid_event_on_the_vms_hub_is_a_forgery_set_aside(bench: Bench):
+    forged = grid_event("EV-1", grid_id="g-1", resources=[f"ghost_{n}" for n in range(1000)])
+    arrivals, dead = read(
+        bench,
+        RawMessage(body=json.dumps(forged).encode(), partition_key=identity("WestNO_0").resourceId.lower()),
+        RawMessage(body=json.dumps([forged]).encode()),
+        message(report("WestNO_0", 1)),
+    )
+    assert arrivals.grid == []
+    assert list(arrivals.by_vm) == [identity("WestNO_0").vmId.lower()]
+    assert dead == [ingest.GRID_ON_VM_HUB, ingest.GRID_ON_VM_HUB]
+    assert "no VM may send to" in ingest.GRID_ON_VM_HUB
+    # And an envelope on Event Grid's hub is no envelope of the platform's.
+    arrivals, dead = read(bench, message(report("WestNO_0", 2)), channel="platform")
+    assert (arrivals.by_vm, arrivals.grid, dead) == ({}, [], [ingest.ENVELOPE_ON_PLATFORM_HUB])

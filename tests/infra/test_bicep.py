@@ -43,6 +43,7 @@ VM = "vmIdentityPrincipalId"
 COORDINATOR = "coordinatorIdentityPrincipalId"
 LOGIC_APP = "teamsPoster.identity"
 EVENT_GRID_TOPIC = "maintenanceTopic.identity"
+RESOURCE_GROUP = "(the module's resource group)"
 EXPECTED_ASSIGNMENTS = {
     (VM, "Azure Event Hubs Data Sender", "Microsoft.EventHub/namespaces/eventhubs"),
     (VM, "Azure Relay Listener", "Microsoft.Relay/namespaces"),
@@ -56,6 +57,8 @@ EXPECTED_ASSIGNMENTS = {
     (COORDINATOR, "Monitoring Metrics Publisher", "Microsoft.Insights/dataCollectionRules"),
     (COORDINATOR, "Monitoring Metrics Publisher", "Microsoft.Insights/components"),
     (COORDINATOR, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
+    # The census: reads of the resource group's scale sets and VMs (a scope-less assignment is the resource group's).
+    (COORDINATOR, "custom:vmCensusReader", RESOURCE_GROUP),
     (LOGIC_APP, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
     # Preview paths, each deployed only when its parameter asks for it.
     (COORDINATOR, "custom:scheduledEventAcknowledger", "Microsoft.Compute/virtualMachineScaleSets"),
@@ -334,10 +337,13 @@ def test_role_assignments_are_exactly_the_least_privilege_set() -> None:
         body = bm.resource_body(resource)
         properties = body["properties"]
         assert properties["principalType"] == "ServicePrincipal", f"{path.name}:{symbol}"
-        scope = bm.accessor_chain(body["scope"])
-        assert scope, f"{path.name}:{symbol}: scope must be a resource of the module"
-        assert len(scope) == 1, f"{path.name}:{symbol}: scope must be a resource of the module"
-        scope_type = model["resources"][scope[0]]["type"]
+        if "scope" not in body:
+            scope_type = RESOURCE_GROUP
+        else:
+            scope = bm.accessor_chain(body["scope"])
+            assert scope, f"{path.name}:{symbol}: scope must be a resource of the module"
+            assert len(scope) == 1, f"{path.name}:{symbol}: scope must be a resource of the module"
+            scope_type = model["resources"][scope[0]]["type"]
         role = _role_label(path, model, properties["roleDefinitionId"], roles)
         actual.add((_principal_label(path, properties["principalId"]), role, scope_type))
     assert actual == EXPECTED_ASSIGNMENTS
@@ -367,6 +373,45 @@ def test_custom_relay_role_only_manages_hybrid_connections() -> None:
     assert operands["operand_1"]["function"]["type"] == "resource_group"
     assert operands["operand_1"]["function"]["parameters"] == {"resource_group_name": None, "subscription_id": None}
     assert operands["operand_2"] == "id"
+
+
+def test_census_role_only_reads_virtual_machines_and_scale_sets() -> None:
+    definition = bm.resource_body(bm.parse(MODULES / "vmss.bicep")["resources"]["vmCensusReader"])
+    (permissions,) = definition["properties"]["permissions"]
+    assert sorted(permissions["actions"]) == [
+        "Microsoft.Compute/virtualMachineScaleSets/read",
+        "Microsoft.Compute/virtualMachineScaleSets/virtualMachines/instanceView/read",
+        "Microsoft.Compute/virtualMachineScaleSets/virtualMachines/read",
+        "Microsoft.Compute/virtualMachines/instanceView/read",
+        "Microsoft.Compute/virtualMachines/read",
+    ]
+    assert (permissions["notActions"], permissions["dataActions"], permissions["notDataActions"]) == ([], [], [])
+    (scope,) = definition["properties"]["assignableScopes"]
+    assert scope["operator"]["operands"]["operand_1"]["function"]["type"] == "resource_group"
+
+
+def test_event_grid_has_its_own_hub_that_only_the_system_topic_may_send_to() -> None:
+    model = bm.parse(MODULES / "eventhubs.bicep")
+    resources = model["resources"]
+    subscription = bm.resource_body(resources["maintenanceToHub"])["properties"]["deliveryWithResourceIdentity"]
+    assert bm.accessor_chain(subscription["destination"]["properties"]["resourceId"]) == ["platformHub", "id"]
+    senders = {}
+    for symbol, resource in resources.items():
+        body = bm.resource_body(resource)
+        if resource["type"] == "Microsoft.Authorization/roleAssignments" and "Sender" in json.dumps(body):
+            senders[symbol] = (bm.accessor_chain(body["scope"]), bm.accessor_chain(body["properties"]["principalId"]))
+    # The VMs send to the envelopes' hub only; the system topic's identity alone sends to the platform's hub.
+    assert senders == {
+        "vmSender": (["hub"], ["vmPrincipalId"]),
+        "topicSender": (["platformHub"], ["maintenanceTopic", "identity", "principalId"]),
+    }
+    receivers = {
+        str(bm.accessor_chain(bm.resource_body(r)["scope"]))
+        for r in resources.values()
+        if r["type"] == "Microsoft.Authorization/roleAssignments" and "Receiver" in json.dumps(bm.resource_body(r))
+    }
+    assert receivers == {str(["hub"]), str(["platformHub"])}, "the coordinator reads both hubs"
+    assert bm.resource_body(resources["platformConsumerGroup"])["name"] == "consumerGroupName"
 
 
 # --- no keys ---------------------------------------------------------------------------------------------------

@@ -232,6 +232,18 @@ def test_the_deployment_leaves_relay_without_any_sas_rule() -> None:
     assert "disableLocalAuth" not in namespace  # the property does not exist for Relay (2024-01-01 types)
 
 
+def test_the_deployment_leaves_no_event_grid_grant_on_the_vms_hub() -> None:
+    # Upgrading a deployment from before Event Grid had its own hub: the template no longer grants the system topic
+    # Data Sender on the VMs' hub, and the deployment removes the grant an older template made there.
+    deploy = DEPLOY.read_text(encoding="utf-8")
+    step = deploy[deploy.index("Event Grid delivers to its own hub now") :]
+    assert "Microsoft.ResourceNotifications.MaintenanceResources" in step
+    assert (
+        'az role assignment delete --assignee "$principal" --scope "$hub" --role "Azure Event Hubs Data Sender"' in step
+    )
+    assert step.index("out eventHubName") < step.index("role assignment delete")
+
+
 FAKE_AZ = """#!/bin/sh
 # Stands in for the Azure CLI (none here): answers the preflight's questions as the test's environment says.
 case "$1 $2" in
