@@ -24,6 +24,7 @@ from opentelemetry import trace
 
 from coordinator import http
 from coordinator.adapters import telemetry
+from coordinator.adapters.delivery_queue import DELIVERY_QUEUE
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
@@ -131,6 +132,17 @@ def ingest_platform_events(events: list[func.EventHubEvent]) -> None:
 def reevaluate(timer: func.TimerRequest) -> None:
     report = coordinator().tick()
     log.info("tick %s (past due: %s)", json.dumps(report.as_dict()), timer.past_due)
+
+
+# Approvals a batch, tick or person's approval could not deliver within its few seconds (coordinator/adapters/
+# delivery_queue.py). The host's queue trigger (host.json "queues") retries a failed invocation after its
+# visibilityTimeout and sets a message aside in approval-deliveries-poison after maxDequeueCount; the approval's record
+# keeps it for the timer meanwhile. AzureWebJobsStorage is the host's identity-based storage connection.
+@app.function_name("continue_approval")
+@app.queue_trigger(arg_name="message", queue_name=DELIVERY_QUEUE, connection="AzureWebJobsStorage")
+def continue_approval(message: func.QueueMessage) -> None:
+    report = coordinator().continue_delivery(message.get_body())
+    log.info("delivery %s (dequeued %s times)", json.dumps(report.as_dict()), message.dequeue_count)
 
 
 def _access() -> http.Access:

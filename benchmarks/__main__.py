@@ -10,9 +10,10 @@ Headline keys: detect_to_approve_ms_p50/p99 and pipeline_added_ms_p99 (pipeline_
 approval_ms_p50/p99 (approval_latency), forwarder_rss_ratio_to_bare_poller and forwarder_cpu_ratio_to_bare_poller
 (forwarder_footprint, beside a bare `requests` poller in the same run), cold_listener_approval_ms_p50/p99 (an
 approval sent as the forwarder sees the event, its on-demand listener not yet connected: cold_listener),
-callback_cost_usd_per_vm_month and callback_cost_usd_per_vm_month_always_on (the cost model's default rates:
-callback_cost). ``details`` holds every figure of every benchmark; ``errors`` names any
-benchmark that failed (the exit code is then 1).
+dead_listeners_approval_ms_p50/p99 and dead_listeners_missed (the whole pipeline with one VM in ten whose listener
+never answers: the other VMs' approvals, dead_listeners), callback_cost_usd_per_vm_month and
+callback_cost_usd_per_vm_month_always_on (the cost model's default rates: callback_cost). ``details`` holds every
+figure of every benchmark; ``errors`` names any benchmark that failed (the exit code is then 1).
 """
 
 from __future__ import annotations
@@ -99,6 +100,19 @@ BENCHES = (
             "cold_listener_approval_ms_p99": "cold_listener_approval_ms_p99",
         },
         600,
+    ),
+    Bench(
+        "dead_listeners",
+        "benchmarks.dead_listeners",
+        ("--events", "40"),
+        ("--events", "12"),
+        3,
+        {
+            "detect_to_approve_ms_p50": "dead_listeners_approval_ms_p50",
+            "detect_to_approve_ms_p99": "dead_listeners_approval_ms_p99",
+            "live_missed": "dead_listeners_missed",
+        },
+        300,
     ),
     Bench(
         "callback_cost",

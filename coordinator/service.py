@@ -28,21 +28,24 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.census import Census
+from coordinator.adapters.delivery_queue import DeliveryQueue, QueuedDelivery
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import fold, ingest, people, tail, timer
+from coordinator.pipeline import fold, handover, ingest, people, tail, timer
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.run import (
     APPROVAL_DEADLINE,
     APPROVAL_WORKERS,
+    EXECUTOR_SILENCE,
     IMDS_FAILING_AFTER,
     IMDS_FAILING_ERRORS,
+    IN_RUN_DELIVERY,
     RETIRE_GRACE,
     START_BOUND,
     Options,
@@ -96,6 +99,9 @@ class Coordinator:
         remote_acknowledge_fallback: bool = False,
         not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE,
         monitor: MonitorReader | None = None,
+        deliveries: DeliveryQueue | None = None,
+        in_run_delivery: timedelta = IN_RUN_DELIVERY,
+        executor_silence: timedelta = EXECUTOR_SILENCE,
         attestations: Attestations | None = None,
         require_attestation: bool = False,
         census: Census | None = None,
@@ -124,6 +130,9 @@ class Coordinator:
         self.remote_acknowledge_fallback = remote_acknowledge_fallback
         self.not_after_tolerance = not_after_tolerance
         self.monitor = monitor
+        self.deliveries = deliveries
+        self.in_run_delivery = in_run_delivery
+        self.executor_silence = executor_silence
         self.attestations = attestations
         self.require_attestation = require_attestation
         # ARM's census of the fleet (adapters/census.py), kept in memory for this instance's runs; None: the census
@@ -147,6 +156,8 @@ class Coordinator:
             retire_grace=self.retire_grace,
             approval_workers=self.approval_workers,
             approval_deadline=self.approval_deadline,
+            in_run_delivery=self.in_run_delivery,
+            executor_silence=self.executor_silence,
             start_bound=self.start_bound,
             imds_failing_after=self.imds_failing_after,
             imds_failing_errors=self.imds_failing_errors,
@@ -164,6 +175,7 @@ class Coordinator:
             callback=self.callback,
             remote_acknowledge=self.remote_acknowledge,
             monitor=self.monitor,
+            deliveries=self.deliveries,
             attestations=self.attestations,
             rng=self.rng,
             pool=self._pool,
@@ -223,6 +235,15 @@ class Coordinator:
         timer.tick(run, self._housekeeping)
         if self.census is not None and run.report.vms_retired:
             self.census.membership_changed()  # the scale sets shrank: read again at the next tick
+        return run.report
+
+    def continue_delivery(self, message: bytes) -> Report:
+        """An approval a run handed to the delivery queue (``function_app.continue_approval``), delivered with the
+        whole approval deadline while its record still says it was handed over; then the tail. A message that is
+        not a ``QueuedDelivery`` raises (the host retries it, then sets it aside in the poison queue)."""
+        run = self.start("delivery")
+        handover.take_over(run, QueuedDelivery.model_validate_json(message))
+        tail.finish(run)
         return run.report
 
     def approve_manually(self, event_id: str, *, person: str) -> ManualApproval:

@@ -65,6 +65,12 @@ class CoordinatorSettings(BaseSettings):
     arm_endpoint: str = Field(
         default="https://management.azure.com", description="override, e.g. the IMDS emulator (http://127.0.0.1:P)"
     )
+    # Approvals not answered within in_run_delivery_seconds continue through this Azure Storage queue
+    # (adapters/delivery_queue.py): the queue's URL, reached with the managed identity; a SAS only for Azurite.
+    delivery_queue_url: str | None = Field(
+        default=None, description="https://{account}.queue.core.windows.net/approval-deliveries"
+    )
+    delivery_queue_sas: SecretStr | None = Field(default=None, description="Azurite / local only")
 
     # The census (adapters/census.py): the resource groups whose scale sets and VMs ARM lists for budgets and tag
     # rules, read with the coordinator's identity. Required by a policy with tags, percent or domain budgets.
@@ -96,6 +102,13 @@ class CoordinatorSettings(BaseSettings):
     )
     approval_deadline_seconds: int = Field(
         default=30, ge=1, le=600, description="how long one approval may take to be answered before it is retried"
+    )
+    in_run_delivery_seconds: float = Field(
+        default=3.0,
+        ge=0.5,
+        le=60,
+        description="with a delivery queue: how long a batch, tick or person's approval waits for an approval's "
+        "answer before it hands it to the queue",
     )
     start_bound_seconds: int = Field(
         default=300,
@@ -142,7 +155,14 @@ class CoordinatorSettings(BaseSettings):
         "clouds)",
     )
 
-    @field_validator("table_endpoint", "logs_ingestion_endpoint", "public_base_url", "relay_endpoint", "arm_endpoint")
+    @field_validator(
+        "table_endpoint",
+        "logs_ingestion_endpoint",
+        "public_base_url",
+        "relay_endpoint",
+        "arm_endpoint",
+        "delivery_queue_url",
+    )
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("https://", "http://127.0.0.1", "http://localhost")):
@@ -175,6 +195,13 @@ class CoordinatorSettings(BaseSettings):
                 "COORDINATOR_RETIRE_GRACE_SECONDS must be shorter than COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: a "
                 "removed VM is retired before it would count as a lost heartbeat"
             )
+        if self.in_run_delivery_seconds >= self.approval_deadline_seconds:
+            raise ValueError(
+                "COORDINATOR_IN_RUN_DELIVERY_SECONDS must be shorter than COORDINATOR_APPROVAL_DEADLINE_SECONDS: the "
+                "delivery queue continues an approval with the whole deadline"
+            )
+        if self.delivery_queue_sas is not None and self.delivery_queue_url is None:
+            raise ValueError("COORDINATOR_DELIVERY_QUEUE_SAS needs COORDINATOR_DELIVERY_QUEUE_URL")
         if self.teams_webhook_url is not None and self.cards_folder is not None:
             raise ValueError("set COORDINATOR_TEAMS_WEBHOOK_URL or COORDINATOR_CARDS_FOLDER, not both")
         return self

@@ -7,10 +7,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
+from azure.core.credentials import AzureSasCredential, TokenCredential
 from azure.identity import DefaultAzureCredential
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.adapters.issuers import AiaIssuers
@@ -158,9 +160,22 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         remote_acknowledge=remote_acknowledge,
         remote_acknowledge_fallback=settings.remote_acknowledge == "fallback",
         monitor=monitor,
+        deliveries=build_deliveries(settings, credential),
+        in_run_delivery=timedelta(seconds=settings.in_run_delivery_seconds),
         attestations=attestations,
         require_attestation=settings.require_attestation,
         census=census,
+    )
+
+
+def build_deliveries(settings: CoordinatorSettings, credential: TokenCredential) -> StorageQueueDeliveries | None:
+    """The delivery queue, when one is configured: with the managed identity in Azure, a SAS for Azurite."""
+    if settings.delivery_queue_url is None:
+        return None
+    sas = settings.delivery_queue_sas
+    return StorageQueueDeliveries(
+        queue_url=settings.delivery_queue_url,
+        credential=AzureSasCredential(sas.get_secret_value()) if sas is not None else credential,
     )
 
 

@@ -1,13 +1,17 @@
 """Launches Azurite (the Azure Storage emulator, from tools/node) on free loopback ports.
 
-Used by the test suite (tests/conftest.py) and by the local mode. Blob and Table only: the coordinator keeps its
-state in Table Storage and the Event Hubs checkpoint store uses Blob. In-memory persistence: nothing is left on
-disk and ``--location`` must not be given with it (Azurite refuses the combination).
+Used by the test suite (tests/conftest.py) and by the local mode. The coordinator keeps its state in Table Storage,
+continues slow approvals through a Storage queue (``queue_sas`` signs for it), and the Event Hubs checkpoint store
+uses Blob. In-memory persistence: nothing is left on disk and ``--location`` must not be given with it (Azurite
+refuses the combination).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -16,8 +20,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AZURITE_BIN = REPO_ROOT / "tools" / "node" / "node_modules" / ".bin" / "azurite"
@@ -58,6 +64,7 @@ def _accepts(port: int) -> bool:
 class AzuriteEndpoints:
     blob_port: int
     table_port: int
+    queue_port: int
 
     @property
     def blob_endpoint(self) -> str:
@@ -68,11 +75,39 @@ class AzuriteEndpoints:
         return f"http://127.0.0.1:{self.table_port}/{DEV_ACCOUNT}"
 
     @property
+    def queue_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.queue_port}/{DEV_ACCOUNT}"
+
+    def queue_sas(self, *, expiry: datetime) -> str:
+        """An account SAS for every operation on the development account's queues, valid until ``expiry`` (aware):
+        the query string the coordinator's delivery queue and the local host's queue trigger use."""
+        return account_sas(services="q", permissions="rwdlacup", expiry=expiry)
+
+    @property
     def connection_string(self) -> str:
         return (
             f"DefaultEndpointsProtocol=http;AccountName={DEV_ACCOUNT};AccountKey={DEV_KEY};"
-            f"BlobEndpoint={self.blob_endpoint};TableEndpoint={self.table_endpoint};"
+            f"BlobEndpoint={self.blob_endpoint};TableEndpoint={self.table_endpoint};QueueEndpoint={self.queue_endpoint};"
         )
+
+
+def account_sas(*, services: str, permissions: str, expiry: datetime) -> str:
+    """An account SAS of the development account (Azure Storage's account SAS, version 2019-02-02: the string to
+    sign is the account, permissions, services, resource types, start, expiry, IP, protocol and version, one a line,
+    signed with HMAC-SHA256 under the account key)."""
+    version = "2019-02-02"
+    fields = {
+        "sv": version,
+        "ss": services,
+        "srt": "sco",
+        "sp": permissions,
+        "se": expiry.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "spr": "https,http",
+    }
+    signed = "\n".join((DEV_ACCOUNT, permissions, services, "sco", "", fields["se"], "", fields["spr"], version, ""))
+    digest = hmac.new(base64.b64decode(DEV_KEY), signed.encode(), hashlib.sha256).digest()
+    fields["sig"] = base64.b64encode(digest).decode()
+    return "&".join(f"{name}={quote(value, safe='')}" for name, value in fields.items())
 
 
 class Azurite:
@@ -117,7 +152,9 @@ class Azurite:
                 # moment later: a port can accept because another process holds it while Azurite is exiting.
                 if all(_accepts(port) for port in (blob_port, queue_port, table_port)) and not _exits(process, 0.2):
                     self._process = process
-                    self._endpoints = AzuriteEndpoints(blob_port=blob_port, table_port=table_port)
+                    self._endpoints = AzuriteEndpoints(
+                        blob_port=blob_port, table_port=table_port, queue_port=queue_port
+                    )
                     return self._endpoints
                 time.sleep(0.05)
             if process.poll() is None:

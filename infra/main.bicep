@@ -247,6 +247,7 @@ module functionApp 'modules/functionapp.bicep' = {
     signInIdentityClientId: identities.outputs.signInIdentityClientId
     blobEndpoint: storage.outputs.blobEndpoint
     queueEndpoint: storage.outputs.queueEndpoint
+    deliveryQueueUrl: storage.outputs.deliveryQueueUrl
     tableEndpoint: storage.outputs.tableEndpoint
     deploymentContainerUrl: storage.outputs.deploymentContainerUrl
     appInsightsName: monitoring.outputs.appInsightsName

@@ -1,5 +1,6 @@
 """What the Functions host does for ``function_app``, done locally: an Event Hubs consumer hands batches to
-``ingest_envelopes`` and a timer calls ``reevaluate``.
+``ingest_envelopes``, a timer calls ``reevaluate`` and the delivery queue's trigger calls ``continue_approval``
+(local/queue_trigger.py).
 
 The consumer is the real ``azure-eventhub`` ``EventHubConsumerClient`` with checkpoints in Azurite through
 ``BlobCheckpointStore``, as the host's Event Hubs extension keeps them in the app's storage account. Batches have the
@@ -30,6 +31,7 @@ from azure.functions.timer import TimerRequest
 from azure.storage.blob import BlobServiceClient
 
 from forwarder.retry import Backoff
+from local.queue_trigger import QueueTrigger
 
 log = logging.getLogger("local.runner")
 
@@ -85,6 +87,9 @@ class RunnerStats:
     retries: int = 0
     ticks: int = 0
     failed_ticks: int = 0
+    # The longest invocation of each trigger, in seconds: what one run kept its partition (or the timer) waiting.
+    slowest_batch: float = 0.0
+    slowest_tick: float = 0.0
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -110,6 +115,7 @@ class FunctionHost:
         ingest: IngestFunction,
         timer: TimerFunction | None = None,
         timer_interval: float = 2.0,
+        queue_trigger: QueueTrigger | None = None,
         consumer_group: str = "$Default",
         checkpoint_container: str = "azure-webjobs-eventhub",
         max_batch_size: int = 100,
@@ -121,6 +127,8 @@ class FunctionHost:
         self._ingest = ingest
         self._timer = timer
         self._timer_interval = timer_interval
+        # The delivery queue's trigger (continue_approval), polled beside the Event Hubs trigger and the timer.
+        self.queue_trigger = queue_trigger
         self._max_batch_size = max_batch_size
         self._max_attempts = max_attempts
         self._retry = (retry_initial, retry_maximum)
@@ -163,12 +171,16 @@ class FunctionHost:
             tick = threading.Thread(target=self._tick_loop, name="local-timer-trigger", daemon=True)
             self._threads.append(tick)
             tick.start()
+        if self.queue_trigger is not None:
+            self.queue_trigger.start()
 
     def stop(self) -> None:
         self._stopping.set()
         self._client.close()
         for thread in self._threads:
             thread.join(timeout=15)
+        if self.queue_trigger is not None:
+            self.queue_trigger.stop()
 
     def _receive(self) -> None:
         # No max_wait_time: the SDK then hands over what has arrived at once instead of holding it for the wait.
@@ -194,6 +206,7 @@ class FunctionHost:
         """One invocation of the trigger with the host's retry policy; True if the function succeeded."""
         backoff = Backoff(initial=self._retry[0], maximum=self._retry[1], rng=self._rng)
         for attempt in range(1, self._max_attempts + 1):
+            started = time.monotonic()
             try:
                 self._ingest(batch)
             except Exception as error:
@@ -208,6 +221,7 @@ class FunctionHost:
             with self._lock:
                 self.stats.batches += 1
                 self.stats.events += len(batch)
+                self.stats.slowest_batch = max(self.stats.slowest_batch, time.monotonic() - started)
             return True
         with self._lock:
             self.stats.failed_batches += 1
@@ -220,6 +234,7 @@ class FunctionHost:
 
     def tick(self) -> None:
         assert self._timer is not None
+        started = time.monotonic()
         try:
             self._timer(TimerRequest(past_due=False))
         except Exception as error:
@@ -230,6 +245,7 @@ class FunctionHost:
             return
         with self._lock:
             self.stats.ticks += 1
+            self.stats.slowest_tick = max(self.stats.slowest_tick, time.monotonic() - started)
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout: float, interval: float = 0.1) -> bool:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -32,6 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
+from coordinator.adapters.delivery_queue import DELIVERY_QUEUE
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
@@ -44,6 +46,7 @@ from forwarder.durable_state import Store
 from local.direct_callback import direct_coordinator
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
 from local.http_host import FunctionsHttpHost, LocalHttpServer
+from local.queue_trigger import QueueSettings, QueueTrigger, StorageQueue
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed, served_policy
 from ops.history import LOCAL_RUN_FILE
@@ -82,6 +85,8 @@ LOCAL_CLOCK_TOLERANCE = 0.25
 # The coordinator retires a removed VM after this many of the forwarders' heartbeat intervals of silence, as in
 # Azure (180 s = three 60 s heartbeats).
 RETIRE_GRACE_HEARTBEATS = 3
+# The Azurite SAS the coordinator's delivery queue and the local queue trigger use: longer than any local run.
+QUEUE_SAS_LIFETIME = timedelta(days=1)
 
 
 def hook_script(hook: HookSpec) -> str:
@@ -283,6 +288,9 @@ class LocalStack:
         # Publishes the agentless VMs' events as Event Grid would (None when the scenario has no agentless VM).
         self.event_grid: EventGridPublisher | None = None
         self.health_pages: HealthPages | None = None
+        # The coordinator's delivery queue and its poison queue, in Azurite (local/queue_trigger.py).
+        self.delivery_queue: StorageQueue | None = None
+        self.poison_queue: StorageQueue | None = None
         self._saved_env: dict[str, str | None] = {}
         self._lock: IO[str] | None = None
         # What the stack did as the platform: VMs whose forwarder it killed because IMDS removed them (name ->
@@ -463,6 +471,10 @@ class LocalStack:
             module, original = self._direct_swap
             setattr(module, "coordinator", original)  # noqa: B010 -- a module attribute the type checker cannot see
             self._direct_swap = None
+        for queue in (self.delivery_queue, self.poison_queue):
+            if queue is not None:
+                queue.close()
+        self.delivery_queue = self.poison_queue = None
         for part in (self.imds, self.relay, self.eventhubs, self.azurite):
             if part is not None:
                 with contextlib.suppress(Exception):
@@ -513,6 +525,12 @@ class LocalStack:
         assert self.storage is not None
         assert self.imds is not None
         assert self.front is not None
+        sas = self.storage.queue_sas(expiry=datetime.now(UTC) + QUEUE_SAS_LIFETIME)
+        url = f"{self.storage.queue_endpoint}/{DELIVERY_QUEUE}"
+        self.delivery_queue = StorageQueue(queue_url=url, sas=sas)
+        self.poison_queue = StorageQueue(queue_url=f"{url}-poison", sas=sas)
+        for queue in (self.delivery_queue, self.poison_queue):
+            queue.create()
         env = {
             "COORDINATOR_STORAGE_CONNECTION_STRING": self.storage.connection_string,
             "COORDINATOR_HISTORY_SQLITE_PATH": str(self.history_path),
@@ -541,6 +559,9 @@ class LocalStack:
             "COORDINATOR_ATTESTATION_TRUST_ANCHORS": str(self._imds_root()),
             "COORDINATOR_ATTESTATION_ISSUER_URLS": self.imds.url + "/_emulator/pki/",
         }
+        # Approvals not answered within a run's few seconds continue through the delivery queue, in Azurite.
+        env["COORDINATOR_DELIVERY_QUEUE_URL"] = url
+        env["COORDINATOR_DELIVERY_QUEUE_SAS"] = sas
         if self.relay is not None:
             env["COORDINATOR_RELAY_ENDPOINT"] = self.relay.base_url
         if any(vm.agentless for vm in self.options.scenario.vms):
@@ -620,6 +641,14 @@ class LocalStack:
         ingest: IngestFunction = function_app.ingest_envelopes
         if self.options.ingest_wrapper is not None:
             ingest = self.options.ingest_wrapper(ingest)
+        assert self.delivery_queue is not None
+        assert self.poison_queue is not None
+        trigger = QueueTrigger(
+            queue=self.delivery_queue,
+            poison=self.poison_queue,
+            function=function_app.continue_approval,
+            settings=QueueSettings.from_host_json(REPO_ROOT / "host.json"),
+        )
         return FunctionHost(
             eventhub_connection_string=self.eventhubs.connection_string(),
             eventhub_name=HUB,
@@ -627,6 +656,7 @@ class LocalStack:
             ingest=ingest,
             timer=function_app.reevaluate,
             timer_interval=self.options.timer_interval,
+            queue_trigger=trigger,
         )
 
     def _platform_host(self) -> FunctionHost:
@@ -668,10 +698,12 @@ class LocalStack:
         (home / "state").mkdir(parents=True, exist_ok=True)
         hooks = home / "hooks"
         self._install_hooks(vm, hooks)
+        # A VM whose clock is off runs the forwarder through the local launcher that skews its clock.
+        launcher = ["forwarder"] if not vm.clockSkewSeconds else ["local.skewed_forwarder", f"{vm.clockSkewSeconds:g}"]
         command = [
             sys.executable,
             "-m",
-            "forwarder",
+            *launcher,
             "run",
             "--imds-url",
             self.imds.url_for(name),

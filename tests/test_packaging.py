@@ -49,6 +49,7 @@ def test_the_staged_app_imports_on_its_own_and_indexes_every_function(tmp_path: 
     assert indexed.returncode == 0, indexed.stderr
     assert json.loads(indexed.stdout.splitlines()[-1]) == [
         "approve_event",
+        "continue_approval",
         "ingest_envelopes",
         "ingest_platform_events",
         "pending_events",

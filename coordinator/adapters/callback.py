@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
@@ -15,6 +15,15 @@ class ApprovalCallback(Protocol):
         Raises ``ApprovalDeliveryError`` when the VM could not be reached (nobody listening, timeout);
         the caller retries until the event's NotBefore.
         """
+        ...
+
+
+@runtime_checkable
+class BoundedCallback(ApprovalCallback, Protocol):
+    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
+        """``send``, ended (answered, or ``ApprovalDeliveryError``) within ``seconds``: a run gives each approval a
+        few seconds and hands the rest to the delivery queue (coordinator/pipeline/act.py), which must not find the
+        run's own attempt still going."""
         ...
 
 

@@ -21,6 +21,7 @@ a second; other failures back off up to ``backoff_maximum``.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -126,11 +127,16 @@ class RelayApprovalSender:
         return namespace_for_vm(vm, self._endpoints)
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        return self.send_within(request, vm=vm, seconds=math.inf)
+
+    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
+        """``send`` that ends within ``seconds`` (attempts, their connects and the waits between them): a run's
+        share of the approval's time, the rest of which the delivery queue has (coordinator/pipeline/act.py)."""
         endpoint = self.endpoint_for(vm)
         hybrid_connection = vm.hybrid_connection_name
         url = f"{endpoint}/{hybrid_connection}/{APPROVE_PATH}"
         body = request.model_dump_json().encode("utf-8")
-        budget = (request.deadline - self._tolerance - self._clock()).total_seconds()
+        budget = min((request.deadline - self._tolerance - self._clock()).total_seconds(), seconds)
         if self._max_retry_seconds is not None:
             budget = min(budget, self._max_retry_seconds)
         if budget <= 0:

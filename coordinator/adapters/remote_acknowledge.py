@@ -129,15 +129,21 @@ class RemoteAcknowledgeSender:
         )
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        return self.send_within(request, vm=vm, seconds=self._deadline)
+
+    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
+        """``send`` that ends within ``seconds`` (or its own deadline, whichever is first): a run's share of the
+        approval's time, the rest of which the delivery queue has (coordinator/pipeline/act.py)."""
         url = self.url(request.eventId, vm)
-        # Retries end at the send's own deadline or where a listener would refuse the request, whichever is first.
+        # Retries end at the send's own deadline, its run's seconds or where a listener would refuse the request,
+        # whichever is first.
         left = (request.deadline - self._tolerance - self._clock()).total_seconds()
         if left <= 0:
             raise ApprovalDeliveryError(
                 f"remote acknowledge of {request.eventId} not sent: it expired at {request.deadline.isoformat()} "
                 f"({request.notAfterReason or 'its deadline'}); decided again when retried"
             )
-        give_up = time.monotonic() + min(self._deadline, left)
+        give_up = time.monotonic() + min(self._deadline, left, seconds)
         attempt = 0
         while True:
             token = self._credential.get_token(ARM_SCOPE).token

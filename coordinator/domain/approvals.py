@@ -20,12 +20,17 @@ def choose_executor(
     alive_after: datetime,
     *,
     leaving: dict[str, str] | None = None,
+    avoid: frozenset[str] = frozenset(),
 ) -> VmSighting | None:
     """Which VM executes the approval: the first VM in Resources whose forwarder reported recently (the leader
     the docs suggest); otherwise any recently reporting VM that still lists the event (same placement group,
     since the event reached it). Never a VM that another event is removing (``leaving_vms``). A Terminate is
     approved only through the VM it deletes ("every VM in the scale set is only approving the EventID relevant for
-    that VM only"): never a peer, so None when that VM is silent."""
+    that VM only"): never a peer, so None when that VM is silent.
+
+    ``avoid``: VMs whose listener did not answer the approval's last attempt (hung, gone, its VM dead): any other
+    VM that can execute it goes first, so that an approval whose executor died is rerouted within one attempt
+    rather than after the heartbeat timeout; an avoided VM only when none is left (a Terminate's own VM)."""
     leaving = leaving or {}
     candidates = {
         name: s
@@ -36,10 +41,13 @@ def choose_executor(
         and last_seen.get(name, s.lastSeen) >= alive_after
         and leaving.get(name, record.eventId) == record.eventId
     }
+    if record.eventType == "Terminate":
+        candidates = {name: s for name, s in candidates.items() if name in record.resources}
+    candidates = {name: s for name, s in candidates.items() if name not in avoid} or candidates
     for name in record.resources:
         if name in candidates:
             return candidates[name]
-    if not candidates or record.eventType == "Terminate":
+    if not candidates:
         return None
     return max(candidates.values(), key=lambda s: (last_seen.get(s.name, s.lastSeen), s.name))
 

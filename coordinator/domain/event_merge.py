@@ -249,8 +249,9 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
         resourceId=observation.vm.resourceId,
         scaleSet=observation.vm.vmScaleSetName,
         placementGroup=observation.vm.placementGroupId,
-        firstSeen=sighting.firstSeen if sighting else observation.observed_at,
-        lastSeen=observation.observed_at,
+        # The service's clock, not the VM's: a sighting's freshness says whether its VM can execute an approval.
+        firstSeen=sighting.firstSeen if sighting else observation.seen_at,
+        lastSeen=observation.seen_at,
         lastSequence=observation.sequence,
         epoch=observation.epoch,
         incarnation=observation.incarnation,
@@ -322,7 +323,7 @@ def _apply_gone(change: EventChange, sighting: VmSighting | None, observation: O
             "status": "Gone",
             "epoch": observation.epoch,
             "lastSequence": observation.sequence,
-            "lastSeen": observation.observed_at,
+            "lastSeen": observation.seen_at,
             "incarnation": observation.incarnation,
         }
     )

@@ -9,7 +9,7 @@ state reset, two states speaking in turn). Re-reading an envelope the position a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
@@ -49,6 +49,10 @@ class Observation:
     hook: HookReport | None = None
     # The VM's forwarder-state epoch (VmRecord.epoch) the sequence belongs to.
     epoch: int = 0
+    # When the service heard it (the message's Event Hubs enqueued time), which a VM's freshness is judged by:
+    # observed_at is the VM's own clock, and a VM whose clock runs 6 minutes slow is not 6 minutes silent. None
+    # when observed_at is the platform's clock already (an Event Grid eventTime).
+    heard_at: datetime | None = None
     # From the platform (an Event Grid event on the platform's own hub), not from a VM: its facts outrank a VM's
     # (event_merge.py).
     platform: bool = False
@@ -56,6 +60,11 @@ class Observation:
     @property
     def position(self) -> tuple[int, int]:
         return (self.epoch, self.sequence)
+
+    @property
+    def seen_at(self) -> datetime:
+        """When the service last heard of this VM through this observation, by the service's clock."""
+        return self.heard_at or self.observed_at
 
 
 @dataclass
@@ -167,7 +176,9 @@ class _Position:
         return True
 
 
-def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) -> VmUpdate:
+def vm_observations(
+    previous: VmRecord | None, envelopes: Iterable[Envelope], *, heard_at: Sequence[datetime]
+) -> VmUpdate:
     """Reads one VM's envelopes in arrival order (the Event Hubs partition's order: partition key = the VM), drops
     what the VM record already holds (duplicates by (stateId, sequence), stale deliveries), and turns the rest into
     observations, including 'gone' for events that a newer document of the same forwarder state no longer lists.
@@ -177,11 +188,15 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
     that lost its state (accepted, its position starts there, a history row says so), and one under a state the VM
     had left is accepted when its sequence is new for that state: two states speaking in turn is a conflict
     (a history row and a card), never a reason to drop either. No sequence, however large, under one state moves
-    another state's position."""
+    another state's position.
+
+    ``heard_at`` gives, for each envelope, when the service heard it (its message's Event Hubs enqueued time): the
+    VM's ``lastSeen`` and its sightings' are those times, so that its freshness is judged by the service's clock,
+    never by the VM's ``observedAt`` (kept in the history as what the VM said)."""
     ordered = list(envelopes)
     if not ordered:
         raise ValueError("vm_observations needs at least one envelope")
-    record = previous or VmRecord(identity=ordered[0].vm, lastSeen=ordered[0].observedAt, stateId=ordered[0].stateId)
+    record = previous or VmRecord(identity=ordered[0].vm, lastSeen=heard_at[0], stateId=ordered[0].stateId)
     position = _Position(
         state_id=record.stateId,
         epoch=record.epoch,
@@ -197,7 +212,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
     rows: list[HistoryRow] = []
     applied = duplicates = 0
     health: tuple[ForwarderHealth, datetime] | None = None
-    for envelope in ordered:
+    for envelope, heard in zip(ordered, heard_at, strict=True):
         if not position.enter(envelope, rows):
             duplicates += 1
             continue
@@ -205,7 +220,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
         if envelope.health is not None:
             health = (envelope.health, envelope.observedAt)
         position.last_sequence = envelope.sequence
-        position.last_seen = max(position.last_seen, envelope.observedAt)
+        position.last_seen = max(position.last_seen, heard)
         identity = envelope.vm
         epoch = position.epoch
         if envelope.kind == "incarnation" and envelope.document is not None:
@@ -226,6 +241,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                         incarnation=document.DocumentIncarnation,
                         event=event,
                         epoch=epoch,
+                        heard_at=heard,
                     )
                 )
             for event_id in position.listed:
@@ -239,6 +255,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                             observed_at=envelope.observedAt,
                             incarnation=document.DocumentIncarnation,
                             epoch=epoch,
+                            heard_at=heard,
                         )
                     )
             position.listed = now_listed
@@ -252,6 +269,7 @@ def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) ->
                     observed_at=envelope.observedAt,
                     hook=envelope.hook,
                     epoch=epoch,
+                    heard_at=heard,
                 )
             )
     # Sightings of events this VM no longer lists are kept a week (the event concludes long before) for the

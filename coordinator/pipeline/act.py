@@ -4,12 +4,19 @@ Takes the run's ``Work`` (events whose approval was decided by a committed write
 ``ApprovalCallback`` (Azure Relay in Azure, or the Maintenance RP's acknowledge) and each outcome committed to its
 event (Approved, or a retry time, or an alert). Only what was committed is acted on, and only the write that
 decided an approval sends it.
+
+Nothing waits for a slow or dead listener: with a delivery queue (``Parts.deliveries``), a batch, tick or person's
+run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue
+(pipeline/handover.py); a ``delivery`` run plans it again from the record, through another VM when the one that did
+not answer has a peer that can execute it, and gives it the whole approval deadline. One decisionId throughout:
+the listener executes it once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -17,7 +24,7 @@ from datetime import datetime, timedelta
 from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
-from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError
+from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BoundedCallback
 from coordinator.domain.approvals import choose_executor
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
@@ -27,7 +34,7 @@ from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transi
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline import attest
+from coordinator.pipeline import attest, handover
 from coordinator.pipeline import record as history
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -36,6 +43,10 @@ from coordinator.state.store import ConcurrencyConflict
 log = logging.getLogger("coordinator")
 
 APPROVAL_FAILED_AFTER = 3
+# How long past its own time a run waits for a bounded send's answer to come back (the attempt's end, the reply).
+SEND_SLACK = 0.5
+# The answers that say the executor's listener was not reached or did not answer: the next attempt prefers a peer.
+UNANSWERED = frozenset({"failed", "continued"})
 # An answer that does not prove it came from the executing VM (another instance listening on its hybrid connection:
 # Relay hands each request to one of the connection's listeners at random) is sent again at once, this many times
 # in all, before the approval counts as failed and waits for its retry.
@@ -58,6 +69,8 @@ class Delivery:
     failure: str = ""
     # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
     traceparent: str = ""
+    # Not answered within the run's time: handed to the delivery queue.
+    continued: bool = False
 
 
 def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
@@ -97,6 +110,8 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
                 )
             run.fleet.note(change.record)
             work.collect(change)
+            if plan.continued:
+                handover.put(run, event_id=plan.event_id, decision_id=plan.decision_id, executor=plan.executor)
 
 
 def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no further, each saying why
@@ -116,7 +131,11 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
     seen = {name: s.lastSeen for name, s in record.vms.items()}
     if last_seen:
         seen.update({name: last_seen[name] for name in seen if name in last_seen})
-    executor = choose_executor(record, seen, now - options.heartbeat_timeout, leaving=run.fleet.leaving(now))
+    # The VM whose listener did not answer the last attempt: a peer that can execute it goes first.
+    avoid = frozenset({approval.executor}) if approval.outcome in UNANSWERED and approval.executor else frozenset()
+    executor = choose_executor(
+        record, seen, now - options.heartbeat_timeout, leaving=run.fleet.leaving(now), avoid=avoid
+    )
     plan = Delivery(
         event_id=event_id,
         decision_id=approval.decisionId,
@@ -143,9 +162,11 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
             "(COORDINATOR_REMOTE_ACKNOWLEDGE); nothing sent"
         )
         return plan
-    if executor is None and remote_acknowledge is not None and options.remote_acknowledge_fallback:
-        # No VM's listener can execute it (no forwarder reported within heartbeat_timeout, e.g. a VM known only
-        # from Event Grid): acknowledged through ARM instead, unverified by any VM (docs/security.md).
+    gone = executor is not None and executor.name in avoid and seen[executor.name] < now - options.executor_silence
+    if (executor is None or gone) and remote_acknowledge is not None and options.remote_acknowledge_fallback:
+        # No VM's listener can execute it: no forwarder reported within heartbeat_timeout (e.g. a VM known only from
+        # Event Grid), or the only one left did not answer and has been silent for executor_silence (a VM gone, not
+        # a slow Relay): acknowledged through ARM instead, unverified by any VM (docs/security.md).
         remote = True
     if remote:
         target = executor or _any_sighting(record)
@@ -210,30 +231,37 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
 
 
 def send_all(run: Run, plans: Sequence[Delivery]) -> None:
-    """Sends the approvals concurrently, each given ``approval_deadline``. One that has not answered by then is
-    recorded as failed and retried later; its thread finishes on its own (the sender has its own timeouts)."""
+    """Sends the approvals concurrently. With a delivery queue, a batch, tick or person's run gives each
+    ``in_run_delivery`` and marks one not answered by then ``continued`` (``deliver`` hands it over); otherwise,
+    and in the queue's own run, each has ``approval_deadline``, after which it is recorded as failed and retried
+    later. A send not over by then finishes on its own thread (each sender has its own timeouts)."""
     futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
+    handing_over = run.parts.deliveries is not None and run.kind != "delivery"
+    within = (run.options.in_run_delivery if handing_over else run.options.approval_deadline).total_seconds()
     for plan in plans:
         if plan.request is not None and plan.vm is not None:
             proof = _proof(run, plan.vm, plan.decision_id) if plan.callback is run.parts.callback else None
-            futures[run.parts.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent, proof)] = plan
+            args = (plan.callback, plan.request, plan.vm, plan.traceparent, proof)
+            futures[run.parts.pool().submit(send, *args, within=within)] = plan
     if not futures:
         return
-    deadline = run.options.approval_deadline.total_seconds()
-    done, late = concurrent.futures.wait(futures, timeout=deadline)
+    # A bounded sender ends by itself within its time; the slack is for its last answer to come back.
+    done, late = concurrent.futures.wait(futures, timeout=within + SEND_SLACK if handing_over else within)
     for future in done:
         plan = futures[future]
         try:
             plan.result = future.result()
         except ApprovalDeliveryError as error:
             plan.failure = str(error)
+            plan.continued = handing_over
         except Exception as error:  # a bug or an odd answer in one delivery costs only that delivery
             log.exception("approval of %s through %s failed", plan.event_id, plan.executor)
             plan.failure = f"{type(error).__name__}: {error}"
     for future in late:
         plan = futures[future]
+        plan.continued = handing_over
         plan.failure = (
-            f"{plan.executor}'s listener did not answer within {deadline:g} s; retried (idempotent by decisionId)"
+            f"{plan.executor}'s listener did not answer within {within:g} s; retried (idempotent by decisionId)"
         )
 
 
@@ -255,15 +283,26 @@ def send(
     vm: VmIdentity,
     traceparent: str,
     proof: Callable[[ApprovalResult], str] | None = None,
+    *,
+    within: float,
 ) -> ApprovalResult:
-    """One approval through its callback, as the ``coordinator.approval`` span of the event's trace. An answer
-    ``proof`` finds wanting is not the executing VM's: sent again at once (PROOF_ATTEMPTS in all)."""
+    """One approval through its callback, ended within ``within`` seconds where the callback can be told so, as the
+    ``coordinator.approval`` span of the event's trace. An answer ``proof`` finds wanting is not the executing VM's:
+    sent again at once (PROOF_ATTEMPTS in all, within the same seconds)."""
+    give_up = time.monotonic() + within
     with telemetry.approval_span(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
     ) as span:
-        problem = ""
+        problem, made = "", 0
         for _attempt in range(PROOF_ATTEMPTS if proof else 1):
-            result = callback.send(request, vm=vm)
+            left = give_up - time.monotonic()
+            if left <= 0:
+                break
+            made += 1
+            if isinstance(callback, BoundedCallback):
+                result = callback.send_within(request, vm=vm, seconds=left)
+            else:
+                result = callback.send(request, vm=vm)
             problem = proof(result) if proof else ""
             if not problem:
                 telemetry.approval_answered(span, result.outcome)
@@ -271,8 +310,8 @@ def send(
             log.warning("approval of %s: an answer not from %s (%s); sent again", request.eventId, vm.name, problem)
         telemetry.approval_answered(span, "unproven")
         raise ApprovalDeliveryError(
-            f"{PROOF_ATTEMPTS} answers on {vm.name}'s hybrid connection did not prove they came from {vm.name}: "
-            f"{problem}; another instance may be listening on it; retried"
+            f"{made} answers on {vm.name}'s hybrid connection did not prove they came from {vm.name}: {problem}; "
+            "another instance may be listening on it; retried"
         )
 
 
@@ -294,6 +333,8 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
     change = EventChange(record=record, changed=True)
     approval = record.approval
     assert approval is not None
+    if plan.continued:
+        return handover.handed_over(run, change, executor=plan.executor, failure=plan.failure)
     approval.attempts += 1
     approval.lastAttemptAt = now
     approval.executor = executor

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from coordinator.adapters import telemetry
 from coordinator.domain.cards import raise_vm_alert
@@ -40,7 +41,7 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
     who resumed)."""
     run.enter("fold")
     report = run.report
-    updates = vm_updates(run, arrivals.by_vm, cached=True, traces=arrivals.traces)
+    updates = vm_updates(run, arrivals.by_vm, cached=True, traces=arrivals.traces, heard=heard_times(run, arrivals))
     add_grid_sightings(run, updates, arrivals.grid)
     report.duplicates += arrivals.grid_duplicates
     report.dead_lettered = set_aside(run, arrivals, updates.failed)
@@ -59,7 +60,13 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         for vm_id in stale:
             report.accepted -= updates.updates[vm_id].applied
             report.duplicates -= updates.updates[vm_id].duplicates
-        redo = vm_updates(run, {vm_id: arrivals.by_vm[vm_id] for vm_id in stale}, cached=False, traces=arrivals.traces)
+        redo = vm_updates(
+            run,
+            {vm_id: arrivals.by_vm[vm_id] for vm_id in stale},
+            cached=False,
+            traces=arrivals.traces,
+            heard=heard_times(run, arrivals),
+        )
         updates.updates.update(redo.updates)
         updates.new_vms = (updates.new_vms - stale) | redo.new_vms
         stale = fold_updates(run, redo)
@@ -69,6 +76,14 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
             report.accepted -= updates.updates[vm_id].applied
         report.dead_lettered += set_aside(run, arrivals, updates.too_large, first=len(arrivals.dead))
     return updates
+
+
+def heard_times(run: Run, arrivals: Arrivals) -> dict[str, list[datetime]]:
+    """When the service heard each VM's envelopes: their messages' Event Hubs enqueued times (the run's own clock
+    for a message without one). A VM's freshness is judged by these, never by the VM's observedAt."""
+    return {
+        vm_id: [message.enqueued_time or run.now for message in messages] for vm_id, messages in arrivals.raw_of.items()
+    }
 
 
 def add_grid_sightings(run: Run, batch: VmBatch, events: list[event_grid.GridEvent]) -> None:

@@ -11,6 +11,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from contracts.envelope import Envelope
@@ -67,9 +68,15 @@ def _set_aside(
 
 
 def vm_updates(
-    run: Run, by_vm: dict[str, list[Envelope]], *, cached: bool, traces: dict[tuple[str, int], str]
+    run: Run,
+    by_vm: dict[str, list[Envelope]],
+    *,
+    cached: bool,
+    traces: dict[tuple[str, int], str],
+    heard: dict[str, list[datetime]],
 ) -> VmBatch:
-    """Each VM's envelopes read against its stored position: its observations and its new position."""
+    """Each VM's envelopes read against its stored position: its observations and its new position, its freshness
+    from ``heard`` (when the service heard each envelope: fold.heard_times)."""
     key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
     groups = run.parts.store.get_vm_groups(set(key_of.values()), cached=cached)
     batch = VmBatch(groups=groups, key_of=key_of, traces=traces)
@@ -77,7 +84,7 @@ def vm_updates(
         stored = groups.get(key_of[vm_id])
         previous = stored.record.vms.get(vm_id) if stored else None
         try:
-            batch.updates[vm_id] = vm_observations(previous, envelopes)
+            batch.updates[vm_id] = vm_observations(previous, envelopes, heard_at=heard[vm_id])
         except Exception as error:  # contained to this VM; the caller dead-letters its envelopes
             log.exception("VM %s: its envelopes could not be read against its position", vm_id)
             batch.failed[vm_id] = f"{type(error).__name__}: {str(error)[:500]}"

@@ -17,6 +17,7 @@ from typing import Literal
 
 from contracts.approval import NOT_AFTER_TOLERANCE
 from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.delivery_queue import DeliveryQueue
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
 from coordinator.adapters.teams import AlertSink
@@ -33,10 +34,20 @@ __all__ = ["Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
 # A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
 # long: three of the forwarder's 60 s heartbeats. Shorter than the heartbeat timeout, so no "heartbeat lost" first.
 RETIRE_GRACE = timedelta(seconds=180)
-# Approvals of one batch go out concurrently, each given this long; a listener that does not answer in time is
+# Approvals of one run go out concurrently, each given this long; a listener that does not answer in time is
 # recorded as failed and retried by the timer (the listener is idempotent per decisionId).
 APPROVAL_WORKERS = 16
 APPROVAL_DEADLINE = timedelta(seconds=30)
+# With a delivery queue (Parts.deliveries), a batch, tick or person's approval gives each approval only this long and
+# hands what has not been answered to the queue, whose run has the whole approval deadline: the partition's next
+# batch and the next tick wait for no listener. A listener answers in 5-41 ms (p50-p99, benchmarks.approval_latency)
+# and an on-demand one connecting as the approval is sent within 0.1 s (benchmarks.cold_listener); 3 s leaves the
+# sender two or three of its 1 s "no listener" retries, while a hung listener costs the next batch at most 3 s.
+IN_RUN_DELIVERY = timedelta(seconds=3)
+# A VM whose listener did not answer the approval's last attempt is passed over for a peer that can execute it at
+# once; it counts as gone, so that its approval may go through remote acknowledge (no VM checks that), only once it
+# has also been silent this long: two and a half of the forwarder's 60 s heartbeats, not a slow Relay or network.
+EXECUTOR_SILENCE = timedelta(seconds=150)
 # An approval a listener answered "approved" must be seen Started or gone within this (from the answer, or from the
 # end of a platform hold), else a "not-started" card names the listener's answer. A VM on a host of its own starts
 # within seconds of StartRequests; one on a shared host may wait for the other tenants. 5 min is a third of the
@@ -48,9 +59,10 @@ IMDS_FAILING_AFTER = timedelta(seconds=60)
 # With no good poll at all since the forwarder started (no last good poll to age), this many failed polls in a row.
 IMDS_FAILING_ERRORS = 60
 
-RunKind = Literal["batch", "tick", "person"]
+# "delivery": an approval a run handed to the delivery queue, continued (function_app.continue_approval).
+RunKind = Literal["batch", "tick", "person", "delivery"]
 # The stages in the order a run may enter them; the tail (deliver -> cards -> budgets -> history) ends every run.
-Stage = Literal["ingest", "fold", "decide", "timer", "person", "deliver", "cards", "budgets", "history"]
+Stage = Literal["ingest", "fold", "decide", "timer", "person", "continue", "deliver", "cards", "budgets", "history"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +78,8 @@ class Options:
     retire_grace: timedelta = RETIRE_GRACE
     approval_workers: int = APPROVAL_WORKERS
     approval_deadline: timedelta = APPROVAL_DEADLINE
+    in_run_delivery: timedelta = IN_RUN_DELIVERY
+    executor_silence: timedelta = EXECUTOR_SILENCE
     start_bound: timedelta = START_BOUND
     imds_failing_after: timedelta = IMDS_FAILING_AFTER
     imds_failing_errors: int = IMDS_FAILING_ERRORS
@@ -99,6 +113,9 @@ class Parts:
     remote_acknowledge: ApprovalCallback | None = None
     # Azure Monitor, for the policy's alert and logQuery gates (None: such gates read as errors and hold).
     monitor: MonitorReader | None = None
+    # Where approvals a run could not deliver within in_run_delivery continue (None: each run waits the whole
+    # approval deadline for its own, as before the queue).
+    deliveries: DeliveryQueue | None = None
     rng: random.Random = field(default_factory=random.Random)
     # IMDS attested documents: the verifier and the VM bindings read (pipeline/attest.py). None: not checked.
     attestations: Attestations | None = None
@@ -125,6 +142,8 @@ class Report:
     history_rows: int = 0
     events_purged: int = 0
     conflicts: int = 0
+    # Approvals handed to the delivery queue (no answer within in_run_delivery).
+    deliveries_continued: int = 0
     # State entities its reads could not decode and set aside (store.py): the rest of the fleet went on.
     set_aside: int = 0
 
@@ -149,6 +168,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "history_rows",
         "conflicts",
         "set_aside",
+        "deliveries_continued",
     ),
     "tick": (
         "open_events",
@@ -160,8 +180,18 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "history_rows",
         "events_purged",
         "set_aside",
+        "deliveries_continued",
     ),
-    "person": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows", "set_aside"),
+    "person": (
+        "events_changed",
+        "approvals_sent",
+        "alerts_sent",
+        "alerts_failed",
+        "history_rows",
+        "set_aside",
+        "deliveries_continued",
+    ),
+    "delivery": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows", "set_aside"),
 }
 
 

@@ -218,6 +218,9 @@ class VmSpec(BaseModel):
     # Read by the local runner (which installs these hooks for the VM's forwarder); the emulator only validates
     # them. None: the runner's default hooks.
     hooks: VmHooks | None = None
+    # How far the VM's clock is off (read by the local runner, whose forwarder for this VM stamps its envelopes with
+    # that clock): a VM whose clock drifted. Seconds, negative = slow.
+    clockSkewSeconds: float = Field(default=0, ge=-86_400, le=86_400)
     # A VM without the forwarder (read by the local runner, which starts none for it): its scale set publishes to
     # Event Grid, so the coordinator learns of its events from the Event Grid events the runner has this emulator
     # publish (emulators/imds/event_grid.py), and approves them through the ARM face (remote acknowledge).

@@ -33,6 +33,9 @@ param blobEndpoint string
 @description('Storage account queue endpoint (host storage).')
 param queueEndpoint string
 
+@description('URL of the delivery queue (approvals a run could not deliver within its few seconds).')
+param deliveryQueueUrl string
+
 @description('Storage account table endpoint (coordinator state).')
 param tableEndpoint string
 
@@ -203,7 +206,8 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
   parent: site
   name: 'appsettings'
   properties: {
-    // Host storage, identity-based (blob: leases, timer monitor, Event Hubs checkpoints).
+    // Host storage, identity-based (blob: leases, timer monitor, Event Hubs checkpoints; queue: the delivery queue's
+    // trigger).
     AzureWebJobsStorage__credential: 'managedidentity'
     AzureWebJobsStorage__clientId: identityClientId
     AzureWebJobsStorage__blobServiceUri: blobEndpoint
@@ -240,6 +244,9 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
     COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: string(heartbeatTimeoutSeconds)
     COORDINATOR_IMDS_FAILING_SECONDS: string(imdsFailingSeconds)
     COORDINATOR_REMOTE_ACKNOWLEDGE: remoteAcknowledge
+    // Approvals not answered within a run's few seconds continue through this queue (function_app.continue_approval,
+    // on the host storage connection above).
+    COORDINATOR_DELIVERY_QUEUE_URL: deliveryQueueUrl
     // App Service Authentication: the sign-in identity's client id stands in for a client secret (the app
     // registration holds a federated credential for it), and only accounts of the one tenant are accepted.
     OVERRIDE_USE_MI_FIC_ASSERTION_CLIENTID: signInIdentityClientId

@@ -18,6 +18,8 @@ param stateTableNames array
 param coordinatorPrincipalId string
 
 var roles = loadJsonContent('../roles.json')
+// The delivery queue's name, as function_app.py's queue trigger and coordinator/adapters/delivery_queue.py name it.
+var deliveryQueueName = 'approval-deliveries'
 var accountName = take('${toLower(replace(namePrefix, '-', ''))}st${uniqueString(resourceGroup().id)}', 24)
 
 resource account 'Microsoft.Storage/storageAccounts@2023-05-01' = {
@@ -81,6 +83,19 @@ resource stateTables 'Microsoft.Storage/storageAccounts/tableServices/tables@202
   name: tableName
 }]
 
+resource queueService 'Microsoft.Storage/storageAccounts/queueServices@2023-05-01' = {
+  parent: account
+  name: 'default'
+}
+
+// Approvals a batch, tick or person's approval could not deliver within its few seconds continue through the
+// delivery queue (coordinator/adapters/delivery_queue.py, function_app.continue_approval); the Functions host moves
+// a message whose invocations kept failing to the poison queue (host.json maxDequeueCount).
+resource deliveryQueues 'Microsoft.Storage/storageAccounts/queueServices/queues@2023-05-01' = [for queueName in [deliveryQueueName, '${deliveryQueueName}-poison']: {
+  parent: queueService
+  name: queueName
+}]
+
 // Blob Data Owner on the account: the Functions host creates its own containers (leases, checkpoints) at run
 // time and reads the deployment package; documented requirement for identity-based AzureWebJobsStorage.
 resource hostBlobOwner 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
@@ -104,8 +119,21 @@ resource stateTableContributor 'Microsoft.Authorization/roleAssignments@2022-04-
   }
 }]
 
+// Queue Data Contributor on the two delivery queues only, not the account: the coordinator puts what a run hands
+// over; its Functions host's queue trigger (the same identity) reads, deletes and sets aside.
+resource deliveryQueueContributor 'Microsoft.Authorization/roleAssignments@2022-04-01' = [for i in range(0, 2): {
+  name: guid(deliveryQueues[i].id, coordinatorPrincipalId, roles.storageQueueDataContributor.id)
+  scope: deliveryQueues[i]
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', roles.storageQueueDataContributor.id)
+    principalId: coordinatorPrincipalId
+    principalType: 'ServicePrincipal'
+  }
+}]
+
 output accountName string = account.name
 output blobEndpoint string = account.properties.primaryEndpoints.blob
 output queueEndpoint string = account.properties.primaryEndpoints.queue
+output deliveryQueueUrl string = '${account.properties.primaryEndpoints.queue}${deliveryQueueName}'
 output tableEndpoint string = account.properties.primaryEndpoints.table
 output deploymentContainerUrl string = '${account.properties.primaryEndpoints.blob}${deploymentContainer.name}'

@@ -2,7 +2,8 @@
 (tests/coordinator/test_pipeline_*.py): what every stage takes, built without Azurite, a Relay or Teams.
 
 Stand-ins only where a part cannot be local: ``RecordingCallback`` for an approval path (the Relay sender, or the
-Maintenance RP's acknowledge), ``RecordingAlerts`` for the card sink (Teams); history goes to ``MemoryHistory``.
+Maintenance RP's acknowledge), ``RecordingAlerts`` for the card sink (Teams), ``MemoryDeliveries`` for the delivery
+queue (a Storage queue); history goes to ``MemoryHistory``.
 ``put_event`` and ``put_vm`` store state as earlier runs would have left it: an event's record in its entity, each
 VM's position (with its sightings) in its VM group. The scenario tests (test_service.py and the others on Azurite)
 show the same behaviour across every part; these show each module's own.
@@ -22,6 +23,7 @@ from typing import Any
 
 from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
+from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
 from coordinator.adapters.teams import AlertError
 from coordinator.domain.model import EventRecord, SightingStatus, VmGroupRecord, VmRecord, VmSighting, group_key
 from coordinator.domain.policy import Policy
@@ -69,6 +71,20 @@ class RecordingCallback:
         return [vm.name for _, vm in self.sent]
 
 
+class MemoryDeliveries:
+    """A stand-in for the delivery queue (an Azure Storage queue): keeps what each run handed over, in order;
+    refuses with ``DeliveryQueueError`` while ``failing``."""
+
+    def __init__(self) -> None:
+        self.queued: list[QueuedDelivery] = []
+        self.failing = False
+
+    def put(self, delivery: QueuedDelivery) -> None:
+        if self.failing:
+            raise DeliveryQueueError("the queue is unreachable (stand-in)")
+        self.queued.append(delivery)
+
+
 class RecordingAlerts:
     """A stand-in for the card sink (Teams): keeps each card sent with its key, in order; refuses every card with
     ``AlertError`` while ``failing``."""
@@ -111,6 +127,7 @@ class Bench:
     alerts: RecordingAlerts = field(default_factory=RecordingAlerts)
     callback: RecordingCallback = field(default_factory=RecordingCallback)
     remote_acknowledge: RecordingCallback | None = None
+    deliveries: MemoryDeliveries | None = None
     policy: Policy = field(default_factory=lambda: load_policy(DEFAULT_POLICY_PATH))
     now: datetime = DOC_NOW
     options: dict[str, Any] = field(default_factory=dict)
@@ -125,6 +142,7 @@ class Bench:
             alerts=self.alerts,
             callback=self.callback,
             remote_acknowledge=self.remote_acknowledge,
+            deliveries=self.deliveries,
             rng=self.rng,
             pool=self.pool,
         )

@@ -332,11 +332,11 @@ def test_an_answer_from_another_instance_is_sent_again_at_once(documents: Attest
         return answer_problem(attestations, result, vm_id=web_0.vmId, decision_id="d-1", at=NOW, required=True)
 
     relay = _Listeners([answer(WEB_1), answer(WEB_1), answer(WEB_0)])
-    result = send(relay, request, web_0, "", proof)
+    result = send(relay, request, web_0, "", proof, within=30)
     assert relay.sent == 3
     assert result.attestation is not None
     assert proof(result) == ""
     impostors = _Listeners([answer(WEB_1) for _ in range(PROOF_ATTEMPTS)])
     with pytest.raises(ApprovalDeliveryError, match="did not prove they came from web_0"):
-        send(impostors, request, web_0, "", proof)
+        send(impostors, request, web_0, "", proof, within=30)
     assert impostors.sent == PROOF_ATTEMPTS

@@ -14,12 +14,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from azure.core.credentials import AccessToken, AzureNamedKeyCredential
+from azure.core.credentials import AccessToken, AzureNamedKeyCredential, AzureSasCredential
 
 from contracts.approval import ApprovalFacts, ApprovalRequest
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.deadline import DeadlineExceeded, deadline, session
+from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery, StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader, GateReader
 from coordinator.adapters.history import LogsIngestionHistory
 from coordinator.adapters.relay_admin import HybridConnectionAdmin, RelayAdminError
@@ -184,4 +185,17 @@ def test_a_trickling_arm_gives_up_the_hybrid_connection_call_at_its_deadline(tri
     elapsed, error = timed(lambda: admin.get("vm-1"))
     assert elapsed < 1 + SLACK
     assert isinstance(error, RelayAdminError)
+    assert "total deadline of 1 s" in str(error)
+
+
+def test_a_trickling_delivery_queue_fails_the_handover_at_its_deadline(trickle):
+    """The timer takes an approval the queue did not take over: the run that hands it over waits no longer."""
+    url = f"{trickle.url}/approval-deliveries"
+    # A SAS: azure-core sends no bearer token over plain HTTP.
+    sas = AzureSasCredential("sv=2019-02-02&sig=x")
+    queue = StorageQueueDeliveries(queue_url=url, credential=sas, deadline_seconds=1)
+    delivery = QueuedDelivery(eventId="EV-1", decisionId="d-1", handedOverAt=DOC_NOW)
+    elapsed, error = timed(lambda: queue.put(delivery))
+    assert elapsed < 1 + SLACK
+    assert isinstance(error, DeliveryQueueError)
     assert "total deadline of 1 s" in str(error)

@@ -55,6 +55,7 @@ def test_indexed_functions_are_what_the_deployment_expects():
         "ingest_envelopes",
         "ingest_platform_events",
         "reevaluate",
+        "continue_approval",
         "approve_event",
         "pending_events",
     }
@@ -68,6 +69,14 @@ def test_indexed_functions_are_what_the_deployment_expects():
         "eventHubName": "%EVENTHUB_NAME%",
         "cardinality": "MANY",
         "consumerGroup": "%EVENTHUB_CONSUMER_GROUP%",
+    }
+    # Approvals a run handed over (coordinator/adapters/delivery_queue.py), on the host's own storage connection.
+    assert binding("continue_approval") == {
+        "direction": "IN",
+        "type": "queueTrigger",
+        "name": "message",
+        "queueName": "approval-deliveries",
+        "connection": "AzureWebJobsStorage",
     }
     # Event Grid's own hub: a trigger of its own, so the coordinator knows which channel a message came from.
     assert binding("ingest_platform_events") == {**hub, "eventHubName": "%PLATFORM_EVENTHUB_NAME%"}
@@ -94,6 +103,13 @@ def test_host_json_batches_match_the_function_and_the_benchmark():
     assert hubs["maxEventBatchSize"] == 100
     assert hubs["batchCheckpointFrequency"] == 1
     assert host["extensionBundle"]["version"] == "[4.0.0, 5.0.0)"
+    # The delivery queue: picked up within a second, a failed invocation retried 5 s later, set aside after 5.
+    queues = host["extensions"]["queues"]
+    assert (queues["maxPollingInterval"], queues["visibilityTimeout"], queues["maxDequeueCount"]) == (
+        "00:00:01",
+        "00:00:05",
+        5,
+    )
 
 
 def ingest(app: App, envelopes: Sequence[dict[str, Any] | bytes], start: int = 0) -> None:

@@ -4,18 +4,30 @@ each outcome committed to its event: Approved, a retry time with backoff, or a c
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain.model import ApprovalRecord, EventRecord
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline import act
+from coordinator.pipeline import act, handover
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW
-from tests.coordinator.runs import NOT_BEFORE, Bench, Bound, RecordingCallback, put_event, put_vm
+from tests.coordinator.runs import (
+    NOT_BEFORE,
+    Bench,
+    Bound,
+    MemoryDeliveries,
+    RecordingCallback,
+    put_event,
+    put_vm,
+)
 
 EVENT = "EV-FREEZE"
 SILENT = DOC_NOW - timedelta(minutes=10)
@@ -320,3 +332,141 @@ def test_an_approved_delete_held_by_a_pending_sibling_shows_the_platforms_hold(b
     assert (record.platformHold.eventId, record.platformHold.vm) == ("EV-DEL-1", "web_1")
     held = [r for r in run.work.rows if r.Actor == "platform"]
     assert [(r.Outcome, (r.Details or {}).get("heldBy")) for r in held] == [("held", "EV-DEL-1")]
+
+
+class DeadListeners(RecordingCallback):
+    """An approval path on which the listeners of ``dead`` never answer (hung, or gone with their VM): a bounded
+    sender, told how long each send may take, gives up then, as the Relay sender does."""
+
+    def __init__(self, *dead: str) -> None:
+        super().__init__()
+        self.dead = set(dead)
+        self.within: list[float] = []
+
+    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
+        self.within.append(seconds)
+        if vm.name in self.dead:
+            self.sent.append((request, vm))
+            time.sleep(seconds)
+            raise ApprovalDeliveryError(f"no listener connected within {seconds:.1f} s ({vm.name})")
+        return self.send(request, vm=vm)
+
+
+def queued_bench(bench: Bench, *dead: str) -> DeadListeners:
+    bench.deliveries = MemoryDeliveries()
+    bench.callback = DeadListeners(*dead)
+    return bench.callback
+
+
+def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_continues_in_the_queue(bench: Bench):
+    """A listener that did not answer held its whole batch (~28 s), so an unrelated event of the next batch with
+    20 s of notice expired (issue 22): now the run gives it in_run_delivery, hands it to the delivery queue, and
+    the queue's run delivers it through a peer that can execute it."""
+    callback = queued_bench(bench, "WestNO_0")
+    approved_freeze(bench)
+    put_event(bench.store, "EV-OTHER", vms=("Other_0",), eventType="Freeze", notBefore=NOT_BEFORE, approval=approval())
+    started = time.monotonic()
+    run = deliver(bench, EVENT, "EV-OTHER", in_run_delivery=timedelta(milliseconds=300))
+    held = time.monotonic() - started
+
+    assert held < 1.0, f"the run waited {held:.1f} s for a listener that does not answer"
+    assert callback.within == pytest.approx([0.3, 0.3], abs=0.05)
+    assert bench.event("EV-OTHER").state == "Approved"  # the other VM's approval was not held
+    record = bench.event(EVENT)
+    assert record.approval is not None
+    assert (record.state, record.approval.outcome, record.approval.executor) == ("Scheduled", "continued", "WestNO_0")
+    # Not a failed attempt, and the timer leaves it to the queue for the handover grace.
+    assert (record.approval.attempts, record.approval.nextAttemptAt) == (0, DOC_NOW + handover.HANDOVER_GRACE)
+    assert bench.deliveries is not None
+    assert bench.deliveries.queued == [
+        QueuedDelivery(eventId=EVENT, decisionId="d-1", executor="WestNO_0", handedOverAt=DOC_NOW)
+    ]
+    assert run.report.deliveries_continued == 1
+    (row,) = [r for r in run.work.rows if r.Outcome == "continued"]
+    assert row.VmName == "WestNO_0"
+    assert row.Reason.startswith("no answer within 0.3 s (no listener connected within 0.3 s (WestNO_0)); continued")
+
+    # The queue's run: the whole approval deadline, through a peer of the VM that did not answer.
+    continued = bench.run("delivery")
+    handover.take_over(continued, bench.deliveries.queued[0])
+    act.deliver(continued, last_seen=None)
+    assert callback.vms[-1] == "WestNO_1"
+    assert callback.within[-1] == pytest.approx(continued.options.approval_deadline.total_seconds(), abs=0.1)
+    record = bench.event(EVENT)
+    assert record.approval is not None
+    assert (record.state, record.approval.executor, record.approval.attempts) == ("Approved", "WestNO_1", 1)
+    assert continued.stages == ["continue", "deliver"]
+    # A message delivered twice (queues are at least once) finds the approval delivered: nothing more is sent.
+    again = bench.run("delivery")
+    handover.take_over(again, bench.deliveries.queued[0])
+    assert again.work.deliveries == []
+
+
+def test_without_a_delivery_queue_a_run_waits_the_whole_deadline_as_before(bench: Bench):
+    callback = DeadListeners()
+    bench.callback = callback
+    approved_freeze(bench)
+    deliver(bench)
+    assert callback.within == pytest.approx([bench.run().options.approval_deadline.total_seconds()], abs=0.1)
+    assert bench.event(EVENT).state == "Approved"
+
+
+def test_a_handover_that_cannot_be_queued_is_the_timers_after_its_grace(bench: Bench):
+    queued_bench(bench, "WestNO_0")
+    assert bench.deliveries is not None
+    bench.deliveries.failing = True
+    approved_freeze(bench)
+    run = deliver(bench, in_run_delivery=timedelta(milliseconds=100))
+    record = bench.event(EVENT)
+    assert record.approval is not None
+    assert (record.approval.outcome, record.approval.nextAttemptAt) == ("continued", DOC_NOW + handover.HANDOVER_GRACE)
+    assert run.report.deliveries_continued == 0
+
+
+def test_a_terminate_whose_vm_did_not_answer_is_continued_through_that_vm_never_a_peer(bench: Bench):
+    callback = queued_bench(bench, "web_0")
+    put_event(
+        bench.store,
+        "EV-DEL",
+        vms=("web_0",),
+        scale_set="web",
+        eventType="Terminate",
+        notBefore=NOT_BEFORE,
+        approval=approval("terminate-after-prepare-hooks"),
+    )
+    peer = bench.event("EV-DEL").vms["web_0"].model_copy(update={"name": ""})
+    put_vm(bench.store, "web_1", scale_set="web", sightings={"EV-DEL": peer})
+    deliver(bench, "EV-DEL", in_run_delivery=timedelta(milliseconds=100))
+    assert bench.deliveries is not None
+    (queued,) = bench.deliveries.queued
+
+    continued = bench.run("delivery", approval_deadline=timedelta(milliseconds=200))
+    handover.take_over(continued, queued)
+    act.deliver(continued, last_seen=None)
+    assert callback.vms == ["web_0", "web_0"]
+    approval_now = bench.event("EV-DEL").approval
+    assert approval_now is not None
+    assert (approval_now.outcome, approval_now.executor) == ("failed", "web_0")
+
+
+@pytest.mark.parametrize(("silent_for", "through"), [(timedelta(minutes=3), "arm:web_0"), (timedelta(0), "web_0")])
+def test_a_terminate_whose_vm_is_gone_goes_through_remote_acknowledge_where_it_is_the_fallback(
+    bench: Bench, silent_for: timedelta, through: str
+):
+    """Gone: its listener did not answer the last attempt and it has been silent for executor_silence (150 s, two
+    and a half heartbeats); a listener that merely did not answer, of a VM still heard, is tried again."""
+    bench.remote_acknowledge = RecordingCallback()
+    put_event(
+        bench.store,
+        "EV-DEL",
+        vms=("web_0",),
+        scale_set="web",
+        seen=DOC_NOW - silent_for,
+        eventType="Terminate",
+        notBefore=NOT_BEFORE,
+        approval=approval("terminate-after-prepare-hooks", outcome="continued", executor="web_0"),
+    )
+    deliver(bench, "EV-DEL", remote_acknowledge_fallback=True)
+    approval_now = bench.event("EV-DEL").approval
+    assert approval_now is not None
+    assert approval_now.executor == through

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -15,7 +15,7 @@ from contracts.envelope import Envelope
 from coordinator.domain.model import VmGroupRecord, VmRecord
 from coordinator.domain.observations import VmUpdate
 from coordinator.domain.observations import vm_observations as real
-from coordinator.pipeline import fold, ingest, positions
+from coordinator.pipeline import act, fold, ingest, positions
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
 from coordinator.state.store import Stored
@@ -81,11 +81,13 @@ def test_duplicates_are_counted_and_not_applied_twice(bench: Bench):
 def test_a_vm_whose_envelopes_cannot_be_read_is_dead_lettered_and_the_others_go_on(bench: Bench, monkeypatch):
     broken = identity("WestNO_1").vmId
 
-    def vm_observations(previous: VmRecord | None, envelopes: Iterable[Envelope]) -> VmUpdate:
+    def vm_observations(
+        previous: VmRecord | None, envelopes: Iterable[Envelope], *, heard_at: Sequence[datetime]
+    ) -> VmUpdate:
         ordered = list(envelopes)
         if ordered[0].vm.vmId == broken:
             raise RuntimeError("a position this code cannot read")
-        return real(previous, ordered)
+        return real(previous, ordered, heard_at=heard_at)
 
     monkeypatch.setattr(positions, "vm_observations", vm_observations)
     messages = [
@@ -178,3 +180,25 @@ def test_a_vm_whose_cached_position_was_stale_is_redone_from_a_fresh_read(stale)
     assert bench.vm("WestNO_0").lastSequence == 3
     assert run.report.accepted == 1
     assert (run.report.conflicts > 0) is stale
+
+
+def test_a_vm_whose_clock_runs_six_minutes_slow_is_fresh_by_the_enqueued_time_and_executes(bench: Bench):
+    """Freshness is the service's clock (the message's Event Hubs enqueued time), not the VM's observedAt: a VM
+    whose clock runs 6 minutes slow, past the 5-minute heartbeat timeout, was judged silent, its approval had no
+    executor and its event expired (issue 22)."""
+    slow = DOC_NOW - timedelta(minutes=6)
+    events = [short_freeze("WestNO_0")]
+    data = envelope(identity("WestNO_0").model_dump(), sequence=1, incarnation=1, events=events, observed_at=slow)
+    enqueued = RawMessage(
+        body=json.dumps(data).encode(), partition_key=identity("WestNO_0").resourceId.lower(), enqueued_time=DOC_NOW
+    )
+    run, _ = batch(bench, [enqueued])
+
+    assert bench.vm("WestNO_0").lastSeen == DOC_NOW
+    assert bench.event(FREEZE).vms["WestNO_0"].lastSeen == DOC_NOW
+    # What the VM said stays in the history as it said it.
+    (row,) = [r for r in run.work.rows if r.RecordType == "Observation"]
+    assert row.ObservedAt == slow
+    act.deliver(run, last_seen=None)
+    assert bench.callback.vms == ["WestNO_0"]
+    assert bench.event(FREEZE).state == "Approved"

@@ -33,7 +33,7 @@ def test_options_take_a_shorter_retire_grace_and_are_frozen():
 
 def test_each_kind_of_run_reports_its_own_counts():
     counts = {field.name: index for index, field in enumerate(dataclasses.fields(Report)) if field.name != "kind"}
-    reports = {kind: Report(kind=kind, **counts) for kind in ("batch", "tick", "person")}
+    reports = {kind: Report(kind=kind, **counts) for kind in ("batch", "tick", "person", "delivery")}
 
     batch = reports["batch"].as_dict()
     assert list(batch) == [
@@ -48,6 +48,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "history_rows",
         "conflicts",
         "set_aside",
+        "deliveries_continued",
     ]
     assert set(reports["tick"].as_dict()) == {
         "open_events",
@@ -59,8 +60,19 @@ def test_each_kind_of_run_reports_its_own_counts():
         "history_rows",
         "events_purged",
         "set_aside",
+        "deliveries_continued",
     }
     assert set(reports["person"].as_dict()) == {
+        "events_changed",
+        "approvals_sent",
+        "alerts_sent",
+        "alerts_failed",
+        "history_rows",
+        "set_aside",
+        "deliveries_continued",
+    }
+    # The delivery queue's run (function_app.continue_approval).
+    assert set(reports["delivery"].as_dict()) == {
         "events_changed",
         "approvals_sent",
         "alerts_sent",

@@ -61,6 +61,7 @@ def test_a_tick_and_a_person_end_with_the_same_tail(azurite, imds, tmp_path):
         "history_rows",
         "events_purged",
         "set_aside",
+        "deliveries_continued",
     }
 
     person = coordinator.start("person")

@@ -3,6 +3,8 @@ retired, events expired, approvals retried and found not started, the hourly hou
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -10,7 +12,7 @@ from coordinator.domain.model import ApprovalRecord, Retirement
 from coordinator.pipeline import timer
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW
-from tests.coordinator.runs import NOT_BEFORE, Bench, identity, put_event, put_vm
+from tests.coordinator.runs import NOT_BEFORE, Bench, MemoryDeliveries, identity, put_event, put_vm
 
 TAIL = ["deliver", "cards", "budgets", "history"]
 
@@ -191,3 +193,31 @@ def test_a_failing_cleanup_does_not_stop_the_tick(bench: Bench):
     run = tick(bench, housekeeping=timer.Housekeeping(cleanup=cleanup))
     assert run.stages == ["timer", *TAIL]
     assert bench.event("EV-R").state == "Expired"
+
+
+def test_a_tick_waits_for_no_absent_listener_and_leaves_the_handed_over_approval_to_the_queue(bench: Bench):
+    """Every tick waited ~30 s for one absent listener (issue 22): now it gives the retry in_run_delivery, hands it
+    to the delivery queue, and the ticks within the handover grace do not send it again."""
+    bench.deliveries = MemoryDeliveries()
+    bench.callback.hold = threading.Event()  # WestNO_0's listener does not answer
+    bench.options = {"in_run_delivery": timedelta(milliseconds=200)}
+    put_event(
+        bench.store,
+        "EV-F",
+        eventType="Freeze",
+        durationInSeconds=5,
+        notBefore=NOT_BEFORE,
+        approval=approval(attempts=1, outcome="failed", nextAttemptAt=DOC_NOW),
+    )
+    try:
+        started = time.monotonic()
+        run = tick(bench)
+        held = time.monotonic() - started
+        assert held < 1.5, f"the tick waited {held:.1f} s for an absent listener"
+        assert bench.callback.vms == ["WestNO_0"]
+        assert run.report.deliveries_continued == 1
+        assert [d.eventId for d in bench.deliveries.queued] == ["EV-F"]
+        tick(bench, DOC_NOW + timedelta(seconds=60))
+        assert bench.callback.vms == ["WestNO_0"], "sent again while the queue has it"
+    finally:
+        bench.callback.hold.set()

@@ -56,6 +56,24 @@ def test_inconsistent_settings_name_the_variables_that_go_together(monkeypatch: 
         CoordinatorSettings.from_env()
 
 
+def test_the_delivery_queue_settings_go_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COORDINATOR_STORAGE_CONNECTION_STRING", AZURITE)
+    monkeypatch.setenv("COORDINATOR_IN_RUN_DELIVERY_SECONDS", "30")
+    with pytest.raises(SettingsError, match="COORDINATOR_IN_RUN_DELIVERY_SECONDS must be shorter than"):
+        CoordinatorSettings.from_env()
+    monkeypatch.delenv("COORDINATOR_IN_RUN_DELIVERY_SECONDS")
+    monkeypatch.setenv("COORDINATOR_DELIVERY_QUEUE_SAS", "sv=2019-02-02&sig=x")
+    with pytest.raises(SettingsError, match="COORDINATOR_DELIVERY_QUEUE_SAS needs COORDINATOR_DELIVERY_QUEUE_URL"):
+        CoordinatorSettings.from_env()
+    monkeypatch.setenv("COORDINATOR_DELIVERY_QUEUE_URL", "http://queues.example/approval-deliveries")
+    with pytest.raises(SettingsError, match="COORDINATOR_DELIVERY_QUEUE_URL"):
+        CoordinatorSettings.from_env()
+    monkeypatch.setenv("COORDINATOR_DELIVERY_QUEUE_URL", "https://fleet.queue.core.windows.net/approval-deliveries")
+    settings = CoordinatorSettings.from_env()
+    assert settings.delivery_queue_sas is not None
+    assert "sig=x" not in repr(settings)
+
+
 def test_attestation_is_required_by_default_against_azures_roots(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     from coordinator.wiring import build_attestations
 

@@ -11,12 +11,17 @@ from coordinator.domain.deletes import leaving_vms
 from coordinator.domain.event_merge import apply_observations
 from coordinator.domain.lifecycle import EventChange, advance, clone
 from coordinator.domain.model import ApprovalRecord, EventRecord, PlatformHold, VmRecord
-from coordinator.domain.observations import state_tag, vm_observations
+from coordinator.domain.observations import VmUpdate, state_tag, vm_observations
 from tests.coordinator.helpers import DOC_EVENT_ID, DOC_NOW, documented_example, envelope, scheduled_event, vm
 
 
 def envelopes(items: list[dict[str, Any]]) -> list[Envelope]:
     return [Envelope.model_validate(e) for e in items]
+
+
+def observe(previous: VmRecord | None, items: list[Envelope]) -> VmUpdate:
+    """A VM's envelopes as a batch reads them, each heard when its VM says it observed it (a clock in sync)."""
+    return vm_observations(previous, items, heard_at=[e.observedAt for e in items])
 
 
 def run(
@@ -32,7 +37,7 @@ def run(
         by_vm.setdefault(e.vm.vmId, []).append(e)
     observations = []
     for vm_id, group in by_vm.items():
-        update = vm_observations(vm_records.get(vm_id), group)
+        update = observe(vm_records.get(vm_id), group)
         vm_records[vm_id] = update.record
         observations += update.observations
     change = apply_observations(record, [o for o in observations if o.event_id == DOC_EVENT_ID], now)
@@ -69,7 +74,7 @@ def test_duplicates_and_stale_envelopes_change_nothing():
     # Out of order: incarnation 3 (Started) seen before a late incarnation 2 of the same VM.
     started, vms2 = run(items[2:3])
     assert started.record.state == "Started"
-    late = vm_observations(vms2[items[2]["vm"]["vmId"]], envelopes(items[1:2]))
+    late = observe(vms2[items[2]["vm"]["vmId"]], envelopes(items[1:2]))
     assert late.duplicates == 1
     assert late.observations == []
 
@@ -133,6 +138,26 @@ def test_leader_is_the_first_live_vm_in_resources():
     assert choose_executor(record, seen, DOC_NOW - timedelta(minutes=5)) is None
 
 
+def test_an_executor_whose_listener_did_not_answer_is_passed_over_for_a_peer_never_for_a_terminate():
+    """The executing VM died (its listener gone): the approval goes through a peer that can execute it at the next
+    attempt, not after the 5-minute heartbeat timeout (issue 22); a Terminate has no peer to go through."""
+    change, _ = run(documented_example()[1:2] + documented_example()[5:6])
+    record = change.record
+    seen = {"WestNO_0": DOC_NOW, "WestNO_1": DOC_NOW}
+    alive_after = DOC_NOW - timedelta(minutes=5)
+    rerouted = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_0"}))
+    assert rerouted is not None
+    assert rerouted.name == "WestNO_1"
+    # Every VM that could execute it failed to answer: the leader again rather than nobody.
+    again = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_0", "WestNO_1"}))
+    assert again is not None
+    assert again.name == "WestNO_0"
+    delete = record.model_copy(update={"eventType": "Terminate", "resources": ["WestNO_0"]})
+    only = choose_executor(delete, seen, alive_after, avoid=frozenset({"WestNO_0"}))
+    assert only is not None
+    assert only.name == "WestNO_0"
+
+
 def test_a_terminate_is_never_executed_by_a_peer():
     change, _ = run(
         [
@@ -160,11 +185,11 @@ def test_envelopes_are_read_in_arrival_order_and_a_new_state_restarts_the_positi
         data["stateId"] = state
         return data
 
-    first = vm_observations(None, envelopes([item("a", 5), item("a", 6)]))
+    first = observe(None, envelopes([item("a", 5), item("a", 6)]))
     assert (first.record.stateId, first.record.lastSequence, first.record.epoch) == ("a", 6, 0)
     # Arrival order: b's 1 and 2 (a forwarder that lost its state), a late delivery of a's 6 (dropped: a has left
     # it behind), b's 2 again (a duplicate).
-    second = vm_observations(first.record, envelopes([item("b", 1), item("b", 2), item("a", 6), item("b", 2)]))
+    second = observe(first.record, envelopes([item("b", 1), item("b", 2), item("a", 6), item("b", 2)]))
     assert (second.applied, second.duplicates) == (2, 2)
     assert (second.record.stateId, second.record.lastSequence, second.record.epoch) == ("b", 2, 1)
     assert list(second.record.otherStates) == ["a"]
@@ -173,7 +198,7 @@ def test_envelopes_are_read_in_arrival_order_and_a_new_state_restarts_the_positi
     assert not second.conflict
     # a speaks again with a sequence new for a: not a replay, a second writer. Heard at a's own position (a new
     # epoch, so its positions compare after b's), a conflict row and one alert; b is kept with its position.
-    third = vm_observations(second.record, envelopes([item("a", 7), item("b", 3), item("a", 8)]))
+    third = observe(second.record, envelopes([item("a", 7), item("b", 3), item("a", 8)]))
     assert (third.applied, third.duplicates) == (3, 0)
     assert (third.record.stateId, third.record.lastSequence, third.record.epoch) == ("a", 8, 4)
     assert third.record.otherStates["b"].lastSequence == 3
@@ -181,15 +206,15 @@ def test_envelopes_are_read_in_arrival_order_and_a_new_state_restarts_the_positi
     assert third.conflict
     assert third.record.stateConflict == sorted([state_tag("a"), state_tag("b")])
     # The same pair speaking again later is the same conflict: no new alert.
-    fourth = vm_observations(third.record, envelopes([item("b", 4)]))
+    fourth = observe(third.record, envelopes([item("b", 4)]))
     assert (fourth.applied, fourth.conflict) == (1, False)
     # No sequence under another state silences a: a forged state with a huge sequence is a new state; a's next
     # envelope is still heard.
-    fifth = vm_observations(fourth.record, envelopes([item("forged", 2**62), item("a", 9)]))
+    fifth = observe(fourth.record, envelopes([item("forged", 2**62), item("a", 9)]))
     assert (fifth.applied, fifth.duplicates) == (2, 0)
     assert (fifth.record.stateId, fifth.record.lastSequence) == ("a", 9)
     # Without a stateId (older forwarders), as before: by sequence.
-    legacy = vm_observations(None, envelopes([item("", 3), item("", 2), item("", 4)]))
+    legacy = observe(None, envelopes([item("", 3), item("", 2), item("", 4)]))
     assert (legacy.applied, legacy.duplicates, legacy.record.lastSequence) == (2, 1, 4)
 
 
@@ -221,12 +246,12 @@ def test_a_sighting_that_contradicts_the_facts_is_kept_as_a_conflict_not_merged(
     assert "EventType 'Freeze' (recorded 'Reboot')" in row.Reason
     assert change.alerts == ["facts-conflict"]
     # The same envelope delivered again is the same conflict; a further one is counted, the card is not repeated.
-    again = apply_observations(record, vm_observations(None, envelopes([item])).observations, DOC_NOW)
+    again = apply_observations(record, observe(None, envelopes([item])).observations, DOC_NOW)
     assert again is not None
     assert again.record.conflictCount == 1
     assert not again.alerts
     later = envelope(w1, sequence=2, incarnation=3, events=[forged])
-    third = apply_observations(record, vm_observations(vms[w1["vmId"]], envelopes([later])).observations, DOC_NOW)
+    third = apply_observations(record, observe(vms[w1["vmId"]], envelopes([later])).observations, DOC_NOW)
     assert third is not None
     assert third.record.conflictCount == 2
     assert not third.alerts

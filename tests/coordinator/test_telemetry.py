@@ -379,8 +379,9 @@ def test_a_vm_card_that_failed_stays_in_the_vms_outbox_until_the_timer_sends_it(
         ("heartbeat-lost", "sent"),
     ]
     assert pending(coordinator) == []
+    # Keyed by when the VM was last heard: its heartbeat's enqueued time (DOC_NOW - 2 s), the service's clock.
     assert [p.name.split("-heartbeat-lost-")[1] for p in (tmp_path / "cards").glob("*heartbeat-lost*")] == [
-        "20220411T221158.json"
+        "20220411T221156.json"
     ]
     clock.now += timedelta(seconds=60)
     coordinator.tick()

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pytest
 
 from coordinator import wiring
+from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.history import LogsIngestionHistory, SqliteHistory
 from coordinator.adapters.relay_sender import RelayApprovalSender
@@ -212,3 +213,25 @@ rules:
     coordinator = build({**local, "policy_path": str(policy)})
     assert isinstance(coordinator.monitor, AzureMonitorReader)
     assert [rule.name for rule in coordinator.policy.rules] == ["gated"]
+
+
+def test_the_delivery_queue_is_built_with_the_managed_identity_or_an_azurite_sas(build, local):
+    """Approvals a run could not deliver in its few seconds continue through the delivery queue; without one, each
+    run waits the whole deadline (as before the queue)."""
+    assert build(local).deliveries is None
+    azure = build(
+        {**local, "delivery_queue_url": "https://fleet.queue.core.windows.net/approval-deliveries/"},
+    )
+    assert isinstance(azure.deliveries, StorageQueueDeliveries)
+    assert azure.deliveries.queue_url == "https://fleet.queue.core.windows.net/approval-deliveries"
+    assert azure.options().in_run_delivery == timedelta(seconds=3)
+    azurite = build(
+        {
+            **local,
+            "delivery_queue_url": "http://127.0.0.1:10001/devstoreaccount1/approval-deliveries",
+            "delivery_queue_sas": "sv=2019-02-02&sig=x",
+            "in_run_delivery_seconds": "1.5",
+        }
+    )
+    assert isinstance(azurite.deliveries, StorageQueueDeliveries)
+    assert azurite.options().in_run_delivery == timedelta(seconds=1.5)

@@ -32,6 +32,7 @@ DOCUMENTED_BUILT_IN_ROLES = {
     "b7e6dc6d-f1e8-4753-8033-0f276bb0955b": "Storage Blob Data Owner",
     "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1": "Storage Blob Data Reader",
     "0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3": "Storage Table Data Contributor",
+    "974c5e8b-45b9-4653-ba55-5f855dd0fb88": "Storage Queue Data Contributor",
     "3913510d-42f4-4e42-8a64-420c390055eb": "Monitoring Metrics Publisher",
     "4633458b-17de-408f-b874-0445c86b69e6": "Key Vault Secrets User",
 }
@@ -52,6 +53,7 @@ EXPECTED_ASSIGNMENTS = {
     (COORDINATOR, CUSTOM_RELAY_ROLE, "Microsoft.Relay/namespaces"),
     (COORDINATOR, "Storage Blob Data Owner", "Microsoft.Storage/storageAccounts"),
     (COORDINATOR, "Storage Table Data Contributor", "Microsoft.Storage/storageAccounts/tableServices/tables"),
+    (COORDINATOR, "Storage Queue Data Contributor", "Microsoft.Storage/storageAccounts/queueServices/queues"),
     (COORDINATOR, "Monitoring Metrics Publisher", "Microsoft.Insights/dataCollectionRules"),
     (COORDINATOR, "Monitoring Metrics Publisher", "Microsoft.Insights/components"),
     (COORDINATOR, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
@@ -504,7 +506,18 @@ def test_app_settings_are_the_ones_the_coordinator_and_function_app_read() -> No
     assert expressions, "function_app.py has no %setting% binding expressions any more?"
     assert expressions <= set(settings)
     for connection in re.findall(r'connection="(\w+)"', function_app):
-        assert f"{connection}__fullyQualifiedNamespace" in settings
+        # Event Hubs connections name their namespace; the host storage connection (the delivery queue's trigger)
+        # its queue service.
+        suffix = "queueServiceUri" if connection == "AzureWebJobsStorage" else "fullyQualifiedNamespace"
+        assert f"{connection}__{suffix}" in settings
+
+
+def test_the_delivery_queue_is_the_one_the_coordinator_and_its_trigger_name() -> None:
+    from coordinator.adapters.delivery_queue import DELIVERY_QUEUE
+
+    storage = bm.parse(MODULES / "storage.bicep")
+    assert storage["variables"]["deliveryQueueName"]["value"] == DELIVERY_QUEUE
+    assert _app_settings()["COORDINATOR_DELIVERY_QUEUE_URL"] == "deliveryQueueUrl"
 
 
 # --- history table ---------------------------------------------------------------------------------------------

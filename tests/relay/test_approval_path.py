@@ -365,6 +365,26 @@ def test_sender_gives_up_at_the_requests_deadline_saying_no_listener_connected(
     assert approved_ids(imds) == []
 
 
+def test_a_send_given_seconds_ends_within_them_however_the_listener_hangs(
+    imds: ImdsEmulator, start_vm: Callable[..., Vm], relay: RelayEmulator
+) -> None:
+    """A run gives each approval a few seconds, then hands it to the delivery queue (coordinator/pipeline/act.py):
+    the send must be over by then, even while a connected listener never answers (the attempt's own timeout would
+    be 70 s), so that the queue's attempt never meets the run's."""
+    vm = start_vm(VM_A0)
+    relay.set_listener_fault(vm.identity.hybrid_connection_name, dead=True)
+    event_id = scheduled_event(imds, VM_A0)
+    started = time.monotonic()
+    with (
+        RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender,
+        pytest.raises(ApprovalDeliveryError, match=r"could not reach web_0 .* after 1 attempts"),
+    ):
+        sender.send_within(approval(event_id), vm=vm.identity, seconds=1.0)
+    assert time.monotonic() - started <= 1.6
+    relay.set_listener_fault(vm.identity.hybrid_connection_name)
+    assert approved_ids(imds) == []
+
+
 def imds_identity(imds: ImdsEmulator, vm_name: str) -> VmIdentity:
     return imds_client(imds, vm_name).get_identity()
 

@@ -1,0 +1,90 @@
+"""The handover: an approval a run could not deliver within its own seconds goes on outside the run.
+
+A batch, tick or person's approval gives each approval ``in_run_delivery`` (3 s, pipeline/act.py); one not answered
+by then is handed over: its record says so (outcome "continued", the VM that did not answer), the timer leaves it to
+the delivery queue for ``HANDOVER_GRACE``, and a ``QueuedDelivery`` goes to the queue (adapters/delivery_queue.py).
+The queue's function (function_app.continue_approval) starts a ``delivery`` run, whose first step is ``take_over``;
+its tail sends the approval again (act.plan_delivery: through a peer of the VM that did not answer when it has one)
+with the whole approval deadline. One decisionId throughout: the listener executes it once.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
+from coordinator.domain.history_rows import approval_row
+from coordinator.domain.lifecycle import EventChange
+from coordinator.pipeline.run import Run
+from coordinator.state.events import read_event
+
+__all__ = ["HANDOVER_GRACE", "handed_over", "put", "take_over"]
+
+log = logging.getLogger("coordinator")
+
+# A handed-over approval is the delivery queue's this long before the timer sends it again: the queue's function
+# picks a message up within its 1 s polling (host.json) and gives it the 30 s approval deadline; 90 s, as a deciding
+# run's own in-flight grace (pipeline/decide.py), leaves room for a retried invocation.
+HANDOVER_GRACE = timedelta(seconds=90)
+
+
+def handed_over(run: Run, change: EventChange, *, executor: str, failure: str) -> EventChange:
+    """The approval goes on in the delivery queue: its record says so (outcome "continued", ``executor``, the VM
+    that did not answer) and the timer leaves it to the queue for ``HANDOVER_GRACE``. Not counted as a failed
+    attempt: no answer within a run's few seconds is not yet a failure."""
+    now, record = run.now, change.record
+    approval = record.approval
+    assert approval is not None
+    approval.lastAttemptAt = now
+    approval.executor = executor
+    approval.outcome = "continued"
+    approval.reason = (
+        f"no answer within {run.options.in_run_delivery.total_seconds():g} s ({failure[:600]}); continued "
+        "outside this run through the delivery queue, same decisionId"
+    )
+    approval.nextAttemptAt = now + HANDOVER_GRACE
+    change.rows.append(
+        approval_row(
+            record=record,
+            now=now,
+            vm=executor,
+            rule=approval.rule,
+            decision_id=approval.decisionId,
+            actor=approval.actor,
+            outcome="continued",
+            reason=approval.reason,
+        )
+    )
+    return change
+
+
+def put(run: Run, *, event_id: str, decision_id: str, executor: str) -> None:
+    """Puts an approval whose record now says "continued" in the delivery queue. One that cannot be queued is the
+    timer's once ``HANDOVER_GRACE`` has passed (its record's nextAttemptAt)."""
+    queue = run.parts.deliveries
+    assert queue is not None  # handed over only with a queue (act.send_all)
+    try:
+        queue.put(QueuedDelivery(eventId=event_id, decisionId=decision_id, executor=executor, handedOverAt=run.now))
+    except DeliveryQueueError:
+        log.exception("approval of %s: not queued; the timer sends it again after its grace", event_id)
+        return
+    run.report.deliveries_continued += 1
+
+
+def take_over(run: Run, delivery: QueuedDelivery) -> None:
+    """A ``delivery`` run's own step: the handed-over approval becomes the run's to deliver (the tail sends it) while
+    its record still says it was handed over and not delivered since. A message that comes late, twice, or after
+    the timer took the approval over finds another outcome there and sends nothing."""
+    run.enter("continue")
+    stored = read_event(run.parts.store, delivery.eventId)
+    approval = stored.record.approval if stored is not None else None
+    if (
+        approval is None
+        or approval.decisionId != delivery.decisionId
+        or approval.delivered
+        or approval.outcome != "continued"
+    ):
+        log.info("delivery of %s (%s): nothing to continue", delivery.eventId, delivery.decisionId)
+        return
+    run.work.deliveries.append(delivery.eventId)
