@@ -29,10 +29,12 @@ from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.event_grid import EventGridPublisher
-from emulators.imds.models import HookSpec, VmSpec
+from emulators.imds.models import LOCAL_STEP_ACTIONS, HookSpec, ScenarioStep, VmSpec
 from emulators.relay import RelayEmulator
 from forwarder.durable_state import Store
 from local.direct_callback import direct_coordinator
+from local.gates import GateServer, local_gate_names
+from local.platform import Platform
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed
 
@@ -128,6 +130,7 @@ class ForwarderProcess:
         self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self.paused = False
 
     @property
     def pid(self) -> int | None:
@@ -157,13 +160,27 @@ class ForwarderProcess:
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait(timeout=10)
+        self.paused = False
         self._close_log()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process is frozen (its hooks, in sessions of their own, run on)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
+        self.paused = False
 
     def stop(self, *, timeout: float = 10.0) -> int | None:
         """SIGTERM (the forwarder finishes its send and exits), SIGKILL after ``timeout``."""
         process = self._process
         if process is None:
             return None
+        if self.paused:
+            self.resume()  # a stopped process would hold the SIGTERM until continued
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
@@ -182,6 +199,8 @@ class ForwarderProcess:
 
 class LocalStack:
     """Starts the whole local pipeline; ``stop()`` (or leaving the ``with``) ends every part it started."""
+
+    hub = HUB
 
     def __init__(self, options: StackOptions) -> None:
         self.options = options
@@ -206,6 +225,13 @@ class LocalStack:
         self._forwarders_lock = threading.Lock()
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        # The local steps' player (faults, hostile senders) and its log; the policy's local gate pages, if any.
+        self.platform = Platform(self)
+        self.gates: GateServer | None = None
+
+    @property
+    def retire_grace_seconds(self) -> int:
+        return max(1, math.ceil(RETIRE_GRACE_HEARTBEATS * self.options.heartbeat_interval))
 
     # ---- paths -----------------------------------------------------------------------------------------------
     @property
@@ -258,11 +284,11 @@ class LocalStack:
         self.imds.start()
         # The emulator plays step `at` (Azure seconds, lead-in included) at started + at / time_scale.
         started = time.monotonic()
-        wipes = sorted(
-            (started + step.at / self.options.time_scale, step.wipeForwarderState)
-            for step in scenario.steps
-            if step.wipeForwarderState is not None
-        )
+        local_steps = [
+            (started + step.at / self.options.time_scale, index, step)
+            for index, step in enumerate(scenario.steps)
+            if any(getattr(step, action) is not None for action in LOCAL_STEP_ACTIONS)
+        ]
         self._configure_coordinator()
         self.host = self._function_host()
         self.host.start()
@@ -278,14 +304,16 @@ class LocalStack:
                 continue  # no forwarder on it: Event Grid tells the coordinator of its events
             self.forwarders[vm.name] = self._forwarder(vm)
             self.forwarders[vm.name].start()
-        self._watcher = threading.Thread(target=self._watch, args=(wipes,), name="local-platform", daemon=True)
+            self.platform.record("forwarder-start", vm=vm.name)
+        self._watcher = threading.Thread(target=self._watch, args=(local_steps,), name="local-platform", daemon=True)
         self._watcher.start()
 
-    def _watch(self, wipes: list[tuple[float, str]]) -> None:
+    def _watch(self, steps: list[tuple[float, int, ScenarioStep]]) -> None:
         """Plays the platform's part on the VMs' disks and processes: a VM the IMDS emulator removed (Terminate,
         Preempt) is deleted, so its forwarder dies with it (SIGKILL: nothing of it runs on); a wipeForwarderState
-        step kills the forwarder, deletes its state folder and starts it again, as a reimaged disk would."""
-        pending = list(wipes)
+        step kills the forwarder, deletes its state folder and starts it again, as a reimaged disk would; the other
+        local steps (faults, hostile senders) are played by ``self.platform``."""
+        pending = sorted(steps, key=lambda item: (item[0], item[1]))
         while not self._watch_stop.wait(PLATFORM_WATCH_INTERVAL):
             imds = self.imds
             if imds is None:
@@ -299,8 +327,8 @@ class LocalStack:
                 self._remove(name)
             now = time.monotonic()
             while pending and pending[0][0] <= now:
-                _, name = pending.pop(0)
-                self.wipe_forwarder_state(name)
+                _, _, step = pending.pop(0)
+                self.platform.play(step)
 
     def _remove(self, name: str) -> None:
         with self._forwarders_lock:
@@ -308,6 +336,7 @@ class LocalStack:
             if forwarder is not None:
                 forwarder.kill()
             self.removed[name] = time.monotonic()
+        self.platform.record("forwarder-kill", vm=name, reason="removed")
         log.info("VM %s removed by the platform: its forwarder was killed", name)
 
     def wipe_forwarder_state(self, name: str) -> None:
@@ -323,14 +352,24 @@ class LocalStack:
             state.mkdir(parents=True, exist_ok=True)
             forwarder.start()
             self.wiped.append((name, time.monotonic()))
+        self.platform.record("forwarder-start", vm=name)
         log.info("forwarder state of %s wiped; the forwarder started again", name)
 
+    def restart_forwarder(self, name: str) -> None:
+        """Starts ``name``'s forwarder again on the state it had (after a crash); not for a removed VM."""
+        with self._forwarders_lock:
+            if name in self.removed:
+                return
+            self.forwarders[name].start()
+        self.platform.record("forwarder-start", vm=name)
+
     def stop_platform(self) -> None:
-        """No more removals or wipes: the run is being settled."""
+        """No more removals, wipes or faults (those still on end now): the run is being settled."""
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
             self._watcher = None
+        self.platform.finish()
 
     def stop(self) -> None:
         self.stop_platform()
@@ -348,6 +387,9 @@ class LocalStack:
             module, original = self._direct_swap
             setattr(module, "coordinator", original)  # noqa: B010 -- a module attribute the type checker cannot see
             self._direct_swap = None
+        if self.gates is not None:
+            self.gates.stop()
+            self.gates = None
         for part in (self.imds, self.relay, self.eventhubs, self.azurite):
             if part is not None:
                 with contextlib.suppress(Exception):
@@ -398,9 +440,7 @@ class LocalStack:
             "EVENTHUB_CONSUMER_GROUP": "$Default",
             # Retire a removed VM after three of the local heartbeat intervals of silence, as Azure's 180 s are three
             # 60 s heartbeats: the run then sees the coordinator conclude the events of the VMs deletes removed.
-            "COORDINATOR_RETIRE_GRACE_SECONDS": str(
-                max(1, math.ceil(RETIRE_GRACE_HEARTBEATS * self.options.heartbeat_interval))
-            ),
+            "COORDINATOR_RETIRE_GRACE_SECONDS": str(self.retire_grace_seconds),
         }
         if self.relay is not None:
             env["COORDINATOR_RELAY_ENDPOINT"] = self.relay.base_url
@@ -415,7 +455,7 @@ class LocalStack:
             env["COORDINATOR_ARM_ENDPOINT"] = self.imds.url
             env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(identity_vm(self.options.scenario))
         if self.options.policy_path is not None:
-            env["COORDINATOR_POLICY_PATH"] = str(self.options.policy_path.resolve())
+            env["COORDINATOR_POLICY_PATH"] = str(self._served_policy(self.options.policy_path))
         env.update(self.options.coordinator_env)
         for name in _IDENTITY_VARIABLES:
             self._set_env(name, None)
@@ -424,6 +464,19 @@ class LocalStack:
         _reset_function_app()
         if self.relay is None:
             self._approve_directly()
+
+    def _served_policy(self, path: Path) -> Path:
+        """The policy the coordinator reads: ``path``, or, when it names local gate pages
+        (``http://local-gates/{name}``), a copy in the work folder pointing at the pages this stack serves."""
+        text = path.read_text(encoding="utf-8")
+        names = local_gate_names(text)
+        if not names:
+            return path.resolve()
+        self.gates = GateServer(names)
+        self.gates.start()
+        served = self.workdir / "policy.yaml"
+        served.write_text(self.gates.rewrite_policy(text), encoding="utf-8")
+        return served
 
     def _approve_directly(self) -> None:
         """Without the Relay emulator, approvals go straight into the IMDS emulator (local/direct_callback.py), judged
@@ -504,10 +557,12 @@ class LocalStack:
         (home / "state").mkdir(parents=True, exist_ok=True)
         hooks = home / "hooks"
         self._install_hooks(vm, hooks)
+        # A VM whose clock is off runs the forwarder through the local launcher that skews its clock.
+        launcher = ["forwarder"] if not vm.clockSkewSeconds else ["local.skewed_forwarder", f"{vm.clockSkewSeconds:g}"]
         command = [
             sys.executable,
             "-m",
-            "forwarder",
+            *launcher,
             "run",
             "--imds-url",
             self.imds.url_for(name),

@@ -126,6 +126,18 @@ class RelayEmulator:
         ``rendezvous.request``/``rendezvous.response`` and ``accepted``/``rejected`` for WebSocket senders."""
         return self._call(self._counters())
 
+    def set_listener_fault(self, name: str, *, delay_seconds: float = 0.0, dead: bool = False) -> None:
+        """Requests to hybrid connection ``name`` are held ``delay_seconds`` before they reach its listener, or
+        never reach it (``dead``: the sender waits out the response timeout or its own deadline); both unset: as
+        normal. What a slow or hung listener looks like to a sender."""
+        self._call(self._listener_fault(name, delay_seconds, dead))
+
+    async def _listener_fault(self, name: str, delay: float, dead: bool) -> None:
+        if delay > 0 or dead:
+            self._service.listener_faults[name] = (delay, dead)
+        else:
+            self._service.listener_faults.pop(name, None)
+
     def create_hybrid_connection(self, name: str, *, requires_client_authorization: bool = True) -> None:
         self._call(self._declare(name, requires_client_authorization))
 

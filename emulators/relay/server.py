@@ -297,6 +297,9 @@ class RelayService:
         self.counters: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[None]] = set()
         self.sessions: set[SenderSession] = set()
+        # Injected listener behaviour per hybrid connection (tests, the local runner): (delay before a request is
+        # delivered, whether it is never delivered). Not a Relay feature: a slow or dead listener, seen from Relay.
+        self.listener_faults: dict[str, tuple[float, bool]] = {}
         self._server: Server | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -814,6 +817,7 @@ class RelayService:
         listener.pending[pending.id] = pending
         try:
             async with asyncio.timeout(self.response_timeout):
+                await self._injected_fault(listener)
                 async with listener.send_lock:
                     if pending.rendezvous_first:
                         announcement = RequestMessage(address=pending.message.address, id=pending.id)
@@ -846,6 +850,14 @@ class RelayService:
             self.requests.pop(pending.id, None)
             listener.pending.pop(pending.id, None)
         return self._relayed(response, body)
+
+    async def _injected_fault(self, listener: Listener) -> None:
+        """A slow listener's delay, or a dead one's silence (the caller's timeout, or the sender, ends it)."""
+        delay, dead = self.listener_faults.get(listener.hybrid_connection.name, (0.0, False))
+        if dead:
+            await asyncio.Event().wait()
+        if delay > 0:
+            await asyncio.sleep(delay)
 
     async def _exchange_on_rendezvous(
         self, session: SenderSession, conn: ServerConnection, message: RequestMessage, body: bytes
