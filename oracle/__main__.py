@@ -49,6 +49,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=120.0, help="scenario runs: the time scale (120)")
     parser.add_argument("--json", action="store_true", help="end with the counts and findings as JSON")
     parser.add_argument("--quiet", action="store_true", help="no per-event table")
+    parser.add_argument("--explain", action="store_true", help="each event's facts, states and allowed sets too")
     arguments = parser.parse_args(argv)
     if arguments.command == "check" and arguments.truth is None:
         parser.error("check needs the truth.json to judge")
@@ -69,7 +70,7 @@ class Tally:
         self.unfinished: list[str] = []
         self.seconds: list[float] = []
 
-    def add(self, name: str, result: RunResult, reproduce: str, *, quiet: bool) -> None:
+    def add(self, name: str, result: RunResult, reproduce: str, *, quiet: bool, explain: bool = False) -> None:
         self.runs += 1
         self.seconds.append(result.seconds)
         report = result.report
@@ -77,7 +78,8 @@ class Tally:
         print(header + " " + "─" * max(0, 100 - len(header)), flush=True)
         if not result.finished:
             self.unfinished.append(name)
-        for line in report.lines() if not quiet else report.lines()[-len(report.findings) - 1 :]:
+        lines = report.lines(explain=explain)
+        for line in lines if not quiet else lines[-len(report.findings) - 1 :]:
             print(line, flush=True)
         self.counts.update(report.counts())
         for finding in report.findings:
@@ -119,7 +121,7 @@ def _scenario_run(path: Path, policy: Path | None, arguments: argparse.Namespace
         scenario, workdir=arguments.workdir / path.stem, policy_path=policy, time_scale=arguments.time_scale
     )
     command = f"python -m oracle --scenario {path}" + (f" --policy {policy}" if policy else "")
-    tally.add(path.stem, result, command, quiet=arguments.quiet)
+    tally.add(path.stem, result, command, quiet=arguments.quiet, explain=arguments.explain)
 
 
 def _seed_run(seed: int, arguments: argparse.Namespace, tally: Tally) -> None:
@@ -130,7 +132,9 @@ def _seed_run(seed: int, arguments: argparse.Namespace, tally: Tally) -> None:
     result = run_scenario(
         plan.scenario, workdir=folder / "run", policy_path=policy, time_scale=plan.time_scale, timeout=plan.timeout
     )
-    tally.add(f"seed {seed}", result, f"python -m oracle --seed {seed}", quiet=arguments.quiet)
+    tally.add(
+        f"seed {seed}", result, f"python -m oracle --seed {seed}", quiet=arguments.quiet, explain=arguments.explain
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if arguments.command == "check":
         report = check(Truth.read(arguments.truth), Bounds())
-        for line in report.lines():
+        for line in report.lines(explain=arguments.explain):
             print(line)
         return EXIT_OK if report.ok else EXIT_FAILED
     tally = Tally()

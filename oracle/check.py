@@ -14,17 +14,19 @@ allowed) judges WRONG; the **lower** set (only what the policy surely allows) de
 - a gate the local gate server does not serve (its state is unknown), a trickling gate (its status is 200, its body
   may not arrive within the timeout), a gate slow by close to its timeout;
 - hooks whose forwarder was killed or stopped while they ran (the phase may be reported interrupted);
-- budgets: a slot is counted taken in the upper set only when another event's approval was accepted long enough
-  before (its decision surely came first) and its event is still live in IMDS; in the lower set every event that may
+- budgets: a slot is counted taken in the upper set only when another event's approval was accepted before (so
+  it was decided before) and its event is still live in IMDS; in the lower set every event that may
   hold a slot counts (approved or started, until well after IMDS concluded it: the coordinator learns it late, and a
   removed VM only at its retirement) and so does every other Scheduled event of the domain that some rule might
-  approve (the coordinator serves events closest to NotBefore first, among those it has seen: the oracle does not
-  replay that order);
+  approve and that comes first (closer to its NotBefore: the coordinator serves those first; an event behind it
+  that was decided before this one was seen holds its slot as an approved one);
 - deletes of a scale set are approved together: a Terminate is due only while every other Scheduled Terminate of its
   scale set is surely allowed too, but approving one early is not wrong by the policy (the platform holds it);
 - an event a forged envelope was about (docs/security.md: a lying VM can make the coordinator wait);
-- anything a fault touches: an Event Hubs or Relay outage or a storage stall (and ``recover`` seconds after it:
-  reconnects, the approval's retry backoff), every VM that could execute the approval down, dead or removed.
+- anything a fault touches: an Event Hubs or Relay outage or a storage stall (and after it, twice its length plus
+  ``recover`` seconds: the clients' doubling backoff and reconnects; after a Relay outage also ``retry``, the timer's
+  first retry of an approval that failed meanwhile), every VM that could execute the approval down, dead or
+  removed.
 
 **Due.** An approval is due once the event has been, for ``latency`` seconds without interruption (plus the slowest
 delay every executor's listener or the rule's gate adds), surely allowed, reported by a VM whose forwarder runs,
@@ -32,9 +34,10 @@ executable by a VM whose forwarder runs and whose listener answers, and free of 
 not accepted while the event was Scheduled is MISSED; one accepted after the due time is LATE.
 
 **Lost.** Every document content a forwarder read whole from IMDS (the emulator records it) that listed or dropped an
-event must have an Observation row of that VM at that DocumentIncarnation, unless the forwarder died for good or its
-state was wiped before it could send it (within ``send`` seconds, longer across an Event Hubs outage), or it was
-killed right after the read (the read may never have reached its spool).
+event, and that lasted at least a poll and a half (a shorter one may have been read only by the VM's listener, which
+reads the document before it approves), must have an Observation row of that VM at that DocumentIncarnation, unless
+the forwarder died for good or its state was wiped before it could send it (within ``send`` seconds, longer across an
+Event Hubs outage), or it was killed right after the read (the read may never have reached its spool).
 """
 
 from __future__ import annotations
@@ -68,7 +71,11 @@ class Bounds:
 
     latency: float = 5.0  # from surely allowed and reportable to StartRequests accepted: poll, hub, decide, relay
     slack: float = 3.0  # from a decision to its StartRequests accepted, when nothing slows the delivery
-    recover: float = 30.0  # after an outage or stall ends: reconnects, the approval's retries with backoff
+    # After an outage or stall of L seconds: clients retrying with doubling backoff try again within about 2 L, then
+    # reconnect (``recover``); an approval that failed meanwhile is retried by the timer (``retry``: its first
+    # backoff, coordinator/domain/retry.py).
+    recover: float = 5.0
+    retry: float = 10.0
     boot: float = 4.0  # a forwarder restarted: until it has read IMDS and its listener can take a request
     conclude: float = 10.0  # IMDS concluded an event: until the coordinator surely knows
     send: float = 3.0  # a document read: until its envelope is surely in the hub (outside outages)
@@ -118,12 +125,31 @@ class Report:
     def ok(self) -> bool:
         return not self.findings
 
-    def lines(self) -> list[str]:
+    def _explain(self, verdict: EventVerdict) -> list[str]:
+        def spans(intervals: Intervals) -> str:
+            shown = [f"[{lo - self.start:+.1f}, {hi - self.start:+.1f})" for lo, hi in intervals.spans]
+            return " ".join(shown).replace("inf", "end") or "none"
+
+        event = verdict.event
+        not_before = f"{seconds(event.notBefore) - self.start:+.1f}s" if event.notBefore is not None else "-"
+        states = ", ".join(f"{t.state} {seconds(t.at) - self.start:+.1f}s ({t.reason})" for t in event.transitions)
+        return [
+            f"{event.eventId} {event.eventSource} {event.durationInSeconds}s on {', '.join(event.resources)}; "
+            f"seen by {', '.join(event.viewers)}; NotBefore {not_before}",
+            f"states: {states}",
+            f"allowed (upper, judges wrong): {spans(verdict.upper)}",
+            f"surely allowed and deliverable (lower, decides due): {spans(verdict.lower)}",
+        ]
+
+    def lines(self, *, explain: bool = False) -> list[str]:
+        """The events (with ``explain``: each one's facts, allowed sets and states), the counts, the findings."""
         out = [f"{'event':<24}{'type':<10}{'rule':<34}{'outcome':<12}due      approvals"]
         for v in self.verdicts:
             due = f"+{v.due - self.start:6.1f}s" if v.due is not None else "   -    "
             made = ", ".join(f"+{seconds(a.at) - self.start:.1f}s {a.vm}/{a.via}" for a in v.approvals) or "-"
             out.append(f"{v.label:<24}{v.event.eventType:<10}{v.rule[:33]:<34}{v.outcome:<12}{due} {made}")
+            if explain:
+                out.extend(f"    {line}" for line in self._explain(v))
         counts = self.counts()
         out.append(
             "oracle: "
@@ -559,17 +585,27 @@ class _Judge:
             approved = run.first_approval.get(other.eventId, INF)
             concluded = run.concluded(other)
             if not surely:
-                if approved <= at - run.slack and concluded > at:
+                # Its decision came before ``at`` (it was accepted by then, and decided before that), and the
+                # coordinator cannot have concluded it (IMDS had not).
+                if approved <= at < concluded:
                     taken |= names
                 continue
             lag = run.bounds.conclude + (
                 run.truth.options.retireGraceSeconds if other.eventType in ("Terminate", "Preempt") else 0.0
             )
             holds = (approved <= at + run.slack or run.started_at(other) <= at) and concluded + lag > at
-            competes = at in run.scheduled(other) and self._may_approve(other, at)
+            competes = at in run.scheduled(other) and self._ahead(other) and self._may_approve(other, at)
             if holds or competes:
                 taken |= names
         return taken
+
+    def _ahead(self, other: Event) -> bool:
+        """Whether ``other`` comes first for a budget slot: closer to its NotBefore (then by EventId)."""
+
+        def order(event: Event) -> tuple[float, str]:
+            return (seconds(event.notBefore) if event.notBefore is not None else INF, event.eventId)
+
+        return order(other) < order(self.event)
 
     def _may_approve(self, other: Event, at: float) -> bool:
         rule, _ = choose(self.run.policy, other, self.run.vms, at)
@@ -650,11 +686,18 @@ def _coupled(run: _Run, judges: dict[str, _Judge], event: Event) -> Intervals:
 def _impediments(run: _Run, event: Event) -> Intervals:
     """What keeps the pipeline from approving this event, through no fault of the coordinator's design: outages
     and stalls (with their recovery), and forged envelopes about the event (which may make it wait)."""
-    services = ("eventhubs", "storage", "relay") if run.relayed(event) else ("eventhubs", "storage")
-    blocked = run.outages(*services).extended(after=run.bounds.recover)
+    blocked = EMPTY
+    for outage in run.truth.outages:
+        if outage.service == "relay" and not run.relayed(event):
+            continue
+        begin = seconds(outage.span.begin)
+        end = seconds(outage.span.end) if outage.span.end is not None else run.end
+        after = run.bounds.recover + 2 * (end - begin) + (run.bounds.retry if outage.service == "relay" else 0.0)
+        blocked = blocked | Intervals(((begin, end + after),))
     for forgery in run.truth.forgeries:
-        if forgery.about in event.resources or event.eventId in forgery.events:
-            blocked = blocked | Intervals(((seconds(forgery.at) - run.slack, INF),))
+        # A sequence hijack silences no one (sequences compare within a forwarder state); the other lies may.
+        if forgery.kind != "sequence" and (forgery.about in event.resources or event.eventId in forgery.events):
+            blocked = blocked | Intervals(((seconds(forgery.at), INF),))
     return blocked
 
 
@@ -707,18 +750,28 @@ def _incarnation_findings(run: _Run) -> tuple[list[Finding], int]:
     eh_out = run.outages("eventhubs")
     findings = []
     checked = 0
+    # When each content gave way to the next (a removed VM's last one lasts until its removal).
+    ends: dict[tuple[str, int], float] = {}
+    for inc in run.truth.incarnations:
+        ends[(inc.vm, inc.serial - 1)] = seconds(inc.at)
+    shortest = 1.5 * run.truth.options.pollInterval
     for inc in run.truth.incarnations:
         vm = run.vms.get(inc.vm)
         if vm is None or vm.agentless or inc.firstServed is None or not (inc.listed or inc.gone):
+            continue
+        lasted = min(ends.get((inc.vm, inc.serial), run.end), run.removal(inc.vm)) - seconds(inc.at)
+        if lasted < shortest:
+            # Shorter than a poll and a half: the read may have been the listener's (it reads the document before
+            # it approves, and the approval ends this content), not the poll loop's, which sends what it reads.
             continue
         served, last = seconds(inc.firstServed), seconds(inc.lastServed or inc.firstServed)
         # Until its envelope is surely in the hub: the send bound, stretched across an outage it met.
         until = served + run.bounds.send
         for lo, hi in eh_out.spans:
             if lo <= until and hi >= served:
-                until = max(until, hi + run.bounds.recover)
-        ends = [seconds(t) for t in run.truth.permanentKills.get(inc.vm, []) + run.truth.wipes.get(inc.vm, [])]
-        if any(served <= end <= until for end in ends):
+                until = max(until, hi + 2 * (hi - lo) + run.bounds.recover)
+        ended = [seconds(t) for t in run.truth.permanentKills.get(inc.vm, []) + run.truth.wipes.get(inc.vm, [])]
+        if any(served <= end <= until for end in ended):
             continue
         kills = [seconds(k) for k in run.truth.kills.get(inc.vm, [])]
         if any(served < kill <= served + 1.0 and last <= kill for kill in kills):

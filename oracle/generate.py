@@ -40,6 +40,8 @@ __all__ = ["Plan", "generate"]
 TIME_SCALE = 120.0
 GATE_URL = "http://local-gates/health"
 # Opens every minute for a minute: always open. Opens once a year on 1 January at midnight: closed in any run but one.
+SERVICE_FAULTS = ("storage", "eventhubs", "relay")
+VM_FAULTS = ("kill", "kill", "stop", "stop", "slow-listener", "slow-listener", "dead-listener", "dead-listener", "imds")
 ALWAYS = {"schedule": "* * * * *", "duration": "1m"}
 NEVER = {"schedule": "0 0 1 1 *", "duration": "1m"}
 
@@ -122,7 +124,7 @@ def _fleet(draw: _Draw) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         tagged["tags"] = {"scheduled-events": "manual"}
         draw.note(f"{tagged['name']} tagged manual")
     _hooks(draw, vms)
-    if draw.chance(0.25):
+    if draw.chance(0.35):
         skewed = draw.pick(vms)
         skewed["clockSkewSeconds"] = draw.pick([-420, -30, 30, 400])
         draw.note(f"{skewed['name']} clock {skewed['clockSkewSeconds']:+d} s")
@@ -258,25 +260,32 @@ def _events(draw: _Draw, vms: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "failure":
             create = {"EventType": "Reboot", "Resources": [draw.pick(regular)["name"]], "EventStatus": "Started"}
         else:
-            event_type = kind.split("-")[0]
-            first = draw.pick(regular)
-            group = [first]
-            if first.get("placementGroupId") and draw.chance(0.4):
-                group = [
-                    vm
-                    for vm in regular
-                    if vm.get("placementGroupId") == first["placementGroupId"]
-                    and vm.get("platformUpdateDomain", 0) == first.get("platformUpdateDomain", 0)
-                ][:3]
-            create = {"EventType": event_type, "Resources": [vm["name"] for vm in group], "NoticeSeconds": notice}
-            if kind.endswith("user"):
-                create["EventSource"] = "User"
-            if event_type == "Freeze":
-                create["DurationInSeconds"] = draw.pick([5, 8, 30, -1])
+            create = _maintenance(draw, kind, regular, notice)
             if draw.chance(0.15):
                 steps.append({"at": at + notice // 2, "cancel": ref})
         steps.append({"at": at, "create": {"ref": ref, **create}})
     return steps
+
+
+def _maintenance(draw: _Draw, kind: str, regular: list[dict[str, Any]], notice: int) -> dict[str, Any]:
+    """A Freeze, Reboot or Redeploy (platform, or a user's) of one VM or of VMs sharing its placement group and
+    update domain (platform maintenance walks one update domain at a time)."""
+    event_type = kind.split("-", maxsplit=1)[0]
+    first = draw.pick(regular)
+    group = [first]
+    if first.get("placementGroupId") and draw.chance(0.4):
+        group = [
+            vm
+            for vm in regular
+            if vm.get("placementGroupId") == first["placementGroupId"]
+            and vm.get("platformUpdateDomain", 0) == first.get("platformUpdateDomain", 0)
+        ][:3]
+    create = {"EventType": event_type, "Resources": [vm["name"] for vm in group], "NoticeSeconds": notice}
+    if kind.endswith("user"):
+        create["EventSource"] = "User"
+    if event_type == "Freeze":
+        create["DurationInSeconds"] = draw.pick([5, 8, 30, -1])
+    return create
 
 
 def _deletes(draw: _Draw, regular: list[dict[str, Any]], ref: str) -> list[dict[str, Any]]:
@@ -297,7 +306,9 @@ def _faults(draw: _Draw, vms: list[dict[str, Any]], gated: bool) -> list[dict[st
     steps: list[dict[str, Any]] = []
     for _ in range(draw.rng.randint(0, 3)):
         at = draw.rng.randrange(0, 601, 30)
-        kind = draw.pick(["kill", "stop", "storage", "eventhubs", "relay", "slow-listener", "dead-listener", "imds"])
+        # Faults of one VM or listener are drawn more often than outages of a whole service: an outage leaves every
+        # approval during it either way, while one VM's fault must delay no other VM's approval.
+        kind = draw.pick([*SERVICE_FAULTS, *VM_FAULTS])
         vm = draw.pick(names)
         if kind == "kill":
             step = {"signal": {"vm": vm, "signal": "KILL", "seconds": draw.pick([1, 2, 4])}}
@@ -308,7 +319,7 @@ def _faults(draw: _Draw, vms: list[dict[str, Any]], gated: bool) -> list[dict[st
         elif kind in ("eventhubs", "relay"):
             step = {"outage": {"service": kind, "seconds": draw.pick([2, 4])}}
         elif kind == "slow-listener":
-            step = {"listener": {"vm": vm, "delaySeconds": draw.pick([3, 8])}}
+            step = {"listener": {"vm": vm, "delaySeconds": draw.pick([3, 8, 25])}}
         elif kind == "dead-listener":
             step = {"listener": {"vm": vm, "dead": True, "seconds": draw.pick([0, 10])}}
         else:
@@ -327,7 +338,7 @@ def _faults(draw: _Draw, vms: list[dict[str, Any]], gated: bool) -> list[dict[st
         for _ in range(draw.rng.randint(1, 2)):
             at = draw.rng.randrange(0, 601, 60)
             state = draw.pick(["failing", "passing", "slow", "slow", "trickle", "dead"])
-            delay = {"slow": draw.pick([1, 8]), "trickle": 6}.get(state, 0)
+            delay = {"slow": draw.pick([1, 8]), "trickle": draw.pick([6, 20])}.get(state, 0)
             steps.append({"at": at, "gate": {"name": "health", "state": state, "delaySeconds": delay}})
             draw.note(f"at {at}: gate {state} {delay or ''}".rstrip())
     return steps
