@@ -15,13 +15,14 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from azure.eventhub import EventData, EventHubProducerClient
 
 from contracts.document import ScheduledEventsDocument
-from contracts.envelope import Envelope, HookReport, HookStep, VmIdentity
+from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, Envelope, HookReport, HookStep, VmIdentity
 from emulators.imds.models import ForgeStep, ListenerStep, OutageStep, ScenarioStep, SignalStep
 from emulators.relay import RelayEmulator
 from forwarder.imds import identity_of
@@ -198,13 +199,13 @@ class Platform:
         except Exception:  # the forger's VM is gone: it sends nothing
             return
         events = [e for e in seen["Events"] if step.about in e.get("Resources", [])]
-        envelopes = forged(step, victim=victim, forger=forger, incarnation=seen["DocumentIncarnation"], events=events)
+        messages = forged(step, victim=victim, forger=forger, incarnation=seen["DocumentIncarnation"], events=events)
         producer = EventHubProducerClient.from_connection_string(eventhubs.connection_string(self.stack.hub))
         try:
             with producer:
-                for envelope in envelopes:
-                    batch = producer.create_batch(partition_key=envelope.vm.partition_key)
-                    batch.add(EventData(envelope.to_json_bytes()))
+                for body, key in messages:
+                    batch = producer.create_batch(partition_key=key)
+                    batch.add(EventData(body))
                     producer.send_batch(batch)
         except Exception:  # an outage: the forger gives up, as the real forwarder would not
             log.warning("forged envelope of %s not sent", step.by, exc_info=True)
@@ -215,7 +216,7 @@ class Platform:
             about=step.about,
             kind=step.kind,
             events=[str(e["EventId"]) for e in events],
-            sent=len(envelopes),
+            sent=len(messages),
         )
 
     # ---- the end ---------------------------------------------------------------------------------------------
@@ -258,37 +259,99 @@ class Platform:
 
 def forged(
     step: ForgeStep, *, victim: VmIdentity, forger: VmIdentity, incarnation: int, events: list[dict[str, Any]]
-) -> list[Envelope]:
-    """The envelopes a forger on ``forger`` sends about ``victim`` (see ``ForgeStep``), each under a state of its
-    own with a sequence no forwarder reaches."""
+) -> list[tuple[bytes, str]]:
+    """The messages (body, partition key) a forger on ``forger`` sends about ``victim`` (see ``ForgeStep``), each
+    under a state of its own with a sequence no forwarder reaches."""
     state = uuid.uuid4().hex
     sequences = iter(range(FORGED_SEQUENCE, FORGED_SEQUENCE + 1_000))
 
-    def envelope(vm: VmIdentity, **fields: Any) -> Envelope:
-        return Envelope(
+    def envelope(vm: VmIdentity, **fields: Any) -> tuple[bytes, str]:
+        sent = Envelope(
             vm=vm, observedAt=now_utc(), sequence=next(sequences), forwarder=FORGER, stateId=state, **fields
         )
+        return sent.to_json_bytes(), vm.partition_key
 
     def document(items: list[dict[str, Any]]) -> ScheduledEventsDocument:
         return ScheduledEventsDocument.model_validate({"DocumentIncarnation": incarnation + 1, "Events": items})
 
-    if step.kind == "sequence":
-        return [envelope(victim, kind="heartbeat")]
-    if step.kind == "gone":
-        return [envelope(victim, kind="incarnation", document=document([]))]
-    if not events:
-        return []
-    if step.kind == "relabel":
-        relabelled = [{**e, "EventType": "Freeze", "DurationInSeconds": 5} for e in events]
-        return [envelope(victim, kind="incarnation", document=document(relabelled))]
-    if step.kind == "user":
-        claimed = [{**e, "EventSource": "User"} for e in events]
-        return [envelope(forger, kind="incarnation", document=document(claimed))]
-    reports = []
-    for event in events:
+    def hooks() -> list[tuple[bytes, str]]:
         step_ = HookStep(hook="10-drain", outcome="succeeded", durationSeconds=0.1, exitCode=0)
-        hook = HookReport(
-            eventId=str(event["EventId"]), phase="prepare", outcome="succeeded", durationSeconds=0.1, steps=[step_]
-        )
-        reports.append(envelope(victim, kind="hook", hook=hook))
-    return reports
+        return [
+            envelope(
+                victim,
+                kind="hook",
+                hook=HookReport(
+                    eventId=str(e["EventId"]), phase="prepare", outcome="succeeded", durationSeconds=0.1, steps=[step_]
+                ),
+            )
+            for e in events
+        ]
+
+    kinds: dict[str, Callable[[], list[tuple[bytes, str]]]] = {
+        "sequence": lambda: [envelope(victim, kind="heartbeat")],
+        "gone": lambda: [envelope(victim, kind="incarnation", document=document([]))],
+        "deep": lambda: [_deep(forger, state)],
+        "oversized": lambda: [
+            envelope(_longest_tags(forger), kind="incarnation", document=document(_many_events(forger)))
+        ],
+        # The lies about the victim's own events need events to lie about (those the forger's IMDS shows).
+        "relabel": lambda: (
+            [
+                envelope(
+                    victim,
+                    kind="incarnation",
+                    document=document([{**e, "EventType": "Freeze", "DurationInSeconds": 5} for e in events]),
+                )
+            ]
+            if events
+            else []
+        ),
+        "user": lambda: (
+            [envelope(forger, kind="incarnation", document=document([{**e, "EventSource": "User"} for e in events]))]
+            if events
+            else []
+        ),
+        "hook": hooks,
+    }
+    return kinds[step.kind]()
+
+
+# How deep the forger nests its document: far beyond any parser's recursion limit.
+DEEP = 20_000
+
+
+def _deep(vm: VmIdentity, state: str) -> tuple[bytes, str]:
+    """An envelope whose document's one event is a list nested ``DEEP`` deep: well-formed JSON no schema allows."""
+    head = Envelope(
+        vm=vm, observedAt=now_utc(), sequence=FORGED_SEQUENCE, forwarder=FORGER, stateId=state, kind="heartbeat"
+    )
+    text = head.to_json_bytes().decode()
+    nested = "[" * DEEP + "]" * DEEP
+    body = text[:-1] + f', "document": {{"DocumentIncarnation": 1, "Events": [{nested}]}}}}'
+    return body.replace('"kind":"heartbeat"', '"kind":"incarnation"').encode(), vm.partition_key
+
+
+def _longest_tags(vm: VmIdentity) -> VmIdentity:
+    """The VM's identity with as many tags as the envelope allows, each name and value as long as allowed."""
+    tags = {f"{index:03d}".ljust(MAX_TAG_NAME, "t"): "v" * MAX_TAG_VALUE for index in range(MAX_TAGS)}
+    return vm.model_copy(update={"tags": tags})
+
+
+def _many_events(vm: VmIdentity) -> list[dict[str, Any]]:
+    """As many events as the coordinator accepts in one document, each naming the VM."""
+    return [
+        {
+            "EventId": str(uuid.uuid4()).upper(),
+            "EventType": "Freeze",
+            "ResourceType": "VirtualMachine",
+            "Resources": [vm.name],
+            "EventStatus": "Scheduled",
+            "NotBefore": "",
+            "DurationInSeconds": 5,
+            "EventSource": "Platform",
+        }
+        for _ in range(MAX_EVENTS)
+    ]
+
+
+MAX_EVENTS = 100

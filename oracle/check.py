@@ -286,7 +286,9 @@ class _Run:
         listener = max((f.delaySeconds for f in self.truth.listenerFaults), default=0.0)
         gate = max((g.delaySeconds for g in self.truth.gates), default=0.0)
         stalls = [hi - lo for lo, hi in self.outages("storage").spans]
-        return self.bounds.slack + listener + gate + max(stalls, default=0.0)
+        # The Relay sender waits out an outage (no listener) within the approval's deadline, then delivers.
+        relay = [hi - lo + self.bounds.recover for lo, hi in self.outages("relay").spans]
+        return self.bounds.slack + listener + gate + max(stalls, default=0.0) + max(relay, default=0.0)
 
     def removal(self, vm: str) -> float:
         removed = self.truth.removals.get(vm)
@@ -721,6 +723,7 @@ def _approval_findings(run: _Run, judges: dict[str, _Judge]) -> list[Finding]:
             why = f"the event was {approval.statusBefore} (it left Scheduled at +{left:.1f}s)"
         distance = judge.upper.distance(at)
         outside = f"; nearest allowed instant {distance:.1f} s away" if distance != INF else "; never allowed"
+        outside += _history_note(run, event, at)
         findings.append(
             Finding(
                 "wrong",
@@ -743,6 +746,20 @@ def _approval_findings(run: _Run, judges: dict[str, _Judge]) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _history_note(run: _Run, event: Event, at: float) -> str:
+    """What the coordinator's history says of this approval: when it decided to approve, how often it sent it."""
+    ids = {event.eventId.upper(), *(former.upper() for former in event.formerIds)}
+    steps = [step for step in run.truth.history if step.eventId.upper() in ids and seconds(step.at) <= at + 1.0]
+    decided = [step for step in steps if step.kind == "Decision" and step.outcome == "approve"]
+    sent = [step for step in steps if step.kind == "Approval" and step.outcome == "sending"]
+    if not decided:
+        return ""
+    note = f"; history: decided approve at +{seconds(decided[-1].at) - run.start:.1f}s"
+    if len(sent) > 1:
+        note += f", sent {len(sent)} times (last: {sent[-1].reason[:80]})"
+    return note
 
 
 def _incarnation_findings(run: _Run) -> tuple[list[Finding], int]:

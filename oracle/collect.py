@@ -20,6 +20,7 @@ from oracle.truth import (
     Event,
     Forgery,
     GateChange,
+    HistoryStep,
     Hook,
     Incarnation,
     ListenerFault,
@@ -154,6 +155,33 @@ def observations(history: Path) -> list[Observation]:
     ]
 
 
+def history_steps(history: Path) -> list[HistoryStep]:
+    if not history.exists():
+        return []
+    db = sqlite3.connect(f"file:{history}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            f'SELECT TimeGenerated, RecordType, EventId, Outcome, VmName, Reason FROM "{TABLE}" '  # noqa: S608
+            "WHERE RecordType IN ('Decision', 'Approval') ORDER BY rowid"
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        db.close()
+    return [
+        HistoryStep(
+            at=_time(at),
+            kind=kind,
+            eventId=str(event_id),
+            outcome=str(outcome or ""),
+            vm=str(vm or ""),
+            reason=str(reason or "")[:300],
+        )
+        for at, kind, event_id, outcome, vm, reason in rows
+        if event_id
+    ]
+
+
 def _event(summary: dict[str, Any]) -> Event:
     return Event(
         eventId=str(summary["EventId"]),
@@ -243,4 +271,5 @@ def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Trut
         gates=gates,
         forgeries=facts.forgeries,
         observations=observations(stack.history_path),
+        history=history_steps(stack.history_path),
     )

@@ -20,7 +20,9 @@ still varies with the machine). The knobs, each drawn per seed:
   an Event Hubs or Relay outage, a slow or dead listener, IMDS faults (5xx burst, hang, garbled body, incarnation
   reset); the gate's page failing, slow, trickling or dead while it plays;
 - **hostile input** (sometimes): a VM forges envelopes about another VM of its placement group (relabelled facts,
-  claimed user-initiated, a hook success, a false "gone", a sequence hijack), within the fleet's shared identity.
+  claimed user-initiated, a hook success, a false "gone", a sequence hijack), within the fleet's shared identity;
+  or sends, under its own identity, a document nested 20,000 deep or one as large as the door lets in (100 events,
+  50 tags of the longest names and values).
 """
 
 from __future__ import annotations
@@ -345,8 +347,21 @@ def _faults(draw: _Draw, vms: list[dict[str, Any]], gated: bool) -> list[dict[st
 
 
 def _forgeries(draw: _Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if not draw.chance(0.3):
-        return []
+    """Lies about a peer's events (within the placement group, whose events the forger's IMDS shows), and messages
+    under the forger's own identity that no schema allows (too deep) or that are as large as the door lets in."""
+    steps = []
+    if draw.chance(0.3):
+        steps.extend(_lies(draw, vms, events))
+    if draw.chance(0.2):
+        by = draw.pick(vms)["name"]
+        kind = draw.pick(["deep", "oversized"])
+        at = draw.rng.randrange(0, 481, 30)
+        steps.append({"at": at, "forge": {"by": by, "about": by, "kind": kind}})
+        draw.note(f"at {at}: {by} sends {kind}")
+    return steps
+
+
+def _lies(draw: _Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[str, list[str]] = {}
     for vm in vms:
         if vm.get("placementGroupId") and not vm.get("isolated"):

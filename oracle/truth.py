@@ -20,6 +20,7 @@ __all__ = [
     "Event",
     "Forgery",
     "GateChange",
+    "HistoryStep",
     "Hook",
     "Incarnation",
     "ListenerFault",
@@ -151,6 +152,19 @@ class Observation(_Data):
     status: str
 
 
+class HistoryStep(_Data):
+    """A Decision or Approval row of the history: what the coordinator says it decided and sent, and when. Not
+    truth: the oracle judges by IMDS; these rows only explain a finding (when the approval was decided, how often
+    it was sent)."""
+
+    at: datetime
+    kind: Literal["Decision", "Approval"]
+    eventId: str
+    outcome: str = ""
+    vm: str = ""
+    reason: str = ""
+
+
 class Options(_Data):
     """How the run was played: what bounds the pipeline's timing."""
 
@@ -187,6 +201,7 @@ class Truth(_Data):
     gates: list[GateChange] = Field(default_factory=list)
     forgeries: list[Forgery] = Field(default_factory=list)
     observations: list[Observation] = Field(default_factory=list)
+    history: list[HistoryStep] = Field(default_factory=list)
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=1), encoding="utf-8")

@@ -442,7 +442,7 @@ class GateStep(BaseModel):
     delaySeconds: float = Field(default=0, ge=0, le=600)
 
 
-ForgeKind = Literal["relabel", "user", "hook", "gone", "sequence"]
+ForgeKind = Literal["relabel", "user", "hook", "gone", "sequence", "deep", "oversized"]
 
 
 class ForgeStep(BaseModel):
@@ -450,7 +450,9 @@ class ForgeStep(BaseModel):
     forged but well-formed envelope about the events its own IMDS shows for VM ``about``: ``relabel`` (as a 5 s
     Freeze, under ``about``'s identity, a state of its own and a huge sequence), ``user`` (claimed user-initiated,
     under its own identity), ``hook`` (``about``'s prepare hooks reported succeeded), ``gone`` (``about``'s document
-    claimed empty) or ``sequence`` (a heartbeat as ``about`` with a new state and sequence 2**62)."""
+    claimed empty) or ``sequence`` (a heartbeat as ``about`` with a new state and sequence 2**62); or, under its own
+    identity, ``deep`` (a document nested 20,000 deep) or ``oversized`` (100 events and 50 tags of the longest names
+    and values the envelope allows)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
