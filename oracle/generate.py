@@ -13,9 +13,10 @@ still varies with the machine). The knobs, each drawn per seed:
   rule (approve-now up to 8 or 30 s), a Reboot/Redeploy budget (count or percent, per scale set, zone, fault or update
   domain or placement group), a Preempt rule, wait-for-person for the rest; maybe a window (always open, or closed,
   with onNotBefore approve or expire), a health gate on a rule, a blackout (always or never open), dry run (rarely);
-- **events** (3-6 within the first 480 Azure seconds): Freeze (5, 8, 30 or -1 s), platform or user Reboot and
-  Redeploy, Preempt of the Spot VM, Terminate of scale-set instances (sometimes two at once), a hardware failure
-  (created Started), a cancel; notices of 900-1500 Azure seconds (600-900 for Terminate, the scale set's);
+- **events** (4-7 within the first 480 Azure seconds, weighted towards those a rule approves): Freeze (5, 8, 30 or
+  -1 s), platform or user Reboot and Redeploy, Preempt of the Spot VM, Terminate of scale-set instances (sometimes two
+  at once), a hardware failure (created Started), a cancel; notices of 900-1500 Azure seconds (600-900 for
+  Terminate, the scale set's);
 - **faults** (0-3): SIGKILL (restarted) or SIGSTOP (continued) of a forwarder, a storage stall (SIGSTOP of Azurite),
   an Event Hubs or Relay outage, a slow or dead listener, IMDS faults (5xx burst, hang, garbled body, incarnation
   reset); the gate's page failing, slow, trickling or dead while it plays;
@@ -181,7 +182,7 @@ def _policy(draw: _Draw, vms: list[dict[str, Any]]) -> dict[str, Any]:
         action = "approve-now" if terminate == "now" else "wait-for-person"
         rules.append({"name": f"terminate-{terminate}", "match": {"eventType": ["Terminate"]}, "action": action})
         draw.note(f"terminate {action}")
-    if draw.chance(0.6):
+    if draw.chance(0.8):
         rules.append({"name": "user-initiated", "match": {"eventSource": ["User"]}, "action": "approve-now"})
     freeze: dict[str, Any] = {
         "name": "short-freeze",
@@ -233,13 +234,15 @@ def _events(draw: _Draw, vms: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {vm["name"]: vm for vm in vms}
     removed: set[str] = set()
     steps: list[dict[str, Any]] = []
-    count = draw.rng.randint(3, 6)
+    count = draw.rng.randint(4, 7)
     times = sorted(draw.rng.randrange(0, 481, 30) for _ in range(count))
     for index, at in enumerate(times):
         ref = f"e{index}"
         alive = [vm for vm in vms if vm["name"] not in removed]
         regular = [vm for vm in alive if vm.get("priority", "Regular") == "Regular"]
-        kinds = ["Freeze", "Freeze", "Reboot", "Redeploy", "Reboot-user", "Terminate", "Preempt", "failure"]
+        # Weighted towards events some rule approves (short Freezes, users' reboots, deletes): those can be due.
+        kinds = ["Freeze", "Freeze", "Freeze", "Reboot", "Redeploy", "Reboot-user", "Reboot-user", "Terminate"]
+        kinds += ["Terminate", "Preempt", "failure"]
         kind = draw.pick(kinds)
         notice = draw.pick([900, 1200, 1500])
         if not regular and kind != "Preempt":
