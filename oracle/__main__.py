@@ -139,7 +139,13 @@ def _seed_run(seed: int, arguments: argparse.Namespace, tally: Tally) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     arguments = _arguments(argv)
-    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The pipeline's own logs (a batch that failed, a listener that left) go to a file: the output is the verdict.
+    arguments.workdir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.WARNING,
+        filename=arguments.workdir / "oracle.log",
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
     if arguments.command == "check":
         report = check(Truth.read(arguments.truth), Bounds())
         for line in report.lines(explain=arguments.explain):

@@ -129,7 +129,7 @@ def _fleet(draw: _Draw) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     _hooks(draw, vms)
     if draw.chance(0.35):
         skewed = draw.pick(vms)
-        skewed["clockSkewSeconds"] = draw.pick([-420, -30, 30, 400])
+        skewed["clockSkewSeconds"] = draw.pick([-420, -420, -30, 30, 400])
         draw.note(f"{skewed['name']} clock {skewed['clockSkewSeconds']:+d} s")
     return vms, scale_sets
 
@@ -306,15 +306,17 @@ def _deletes(draw: _Draw, regular: list[dict[str, Any]], ref: str) -> list[dict[
     return deletes
 
 
-def _faults(draw: _Draw, vms: list[dict[str, Any]], gated: bool) -> list[dict[str, Any]]:
+def _faults(draw: _Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]], gated: bool) -> list[dict[str, Any]]:
     names = [vm["name"] for vm in vms]
+    # A fault is worth most on a VM some event names, before its events are decided: their peers must take over.
+    named = [name for step in events if "create" in step for name in step["create"]["Resources"]] or names
     steps: list[dict[str, Any]] = []
     for _ in range(draw.rng.randint(0, 3)):
-        at = draw.rng.randrange(0, 601, 30)
+        at = draw.rng.randrange(0, 421, 30)
         # Faults of one VM or listener are drawn more often than outages of a whole service: an outage leaves every
         # approval during it either way, while one VM's fault must delay no other VM's approval.
         kind = draw.pick([*SERVICE_FAULTS, *VM_FAULTS])
-        vm = draw.pick(names)
+        vm = draw.pick(named if draw.chance(0.7) else names)
         if kind == "kill":
             step = {"signal": {"vm": vm, "signal": "KILL", "seconds": draw.pick([1, 2, 4])}}
         elif kind == "stop":
@@ -326,7 +328,7 @@ def _faults(draw: _Draw, vms: list[dict[str, Any]], gated: bool) -> list[dict[st
         elif kind == "slow-listener":
             step = {"listener": {"vm": vm, "delaySeconds": draw.pick([3, 8, 25])}}
         elif kind == "dead-listener":
-            step = {"listener": {"vm": vm, "dead": True, "seconds": draw.pick([0, 10])}}
+            step = {"listener": {"vm": vm, "dead": True, "seconds": draw.pick([0, 0, 10])}}
         else:
             fault = draw.pick(
                 [
@@ -394,7 +396,7 @@ def generate(seed: int) -> Plan:
     policy = _policy(draw, vms)
     events = _events(draw, vms)
     gated = "gates" in policy
-    steps = events + _faults(draw, vms, gated) + _forgeries(draw, vms, events)
+    steps = events + _faults(draw, vms, events, gated) + _forgeries(draw, vms, events)
     steps.sort(key=lambda step: step["at"])
     data = {
         "name": f"seed-{seed}",
