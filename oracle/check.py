@@ -31,13 +31,16 @@ allowed) judges WRONG; the **lower** set (only what the policy surely allows) de
 **Due.** An approval is due once the event has been, for ``latency`` seconds without interruption (plus the slowest
 delay every executor's listener or the rule's gate adds), surely allowed, reported by a VM whose forwarder runs,
 executable by a VM whose forwarder runs and whose listener answers, and free of every fault above. A due approval
-not accepted while the event was Scheduled is MISSED; one accepted after the due time is LATE.
+not accepted while the event was Scheduled is MISSED; one accepted after the due time is LATE. What is no excuse: a
+slow or dead listener, or a stopped forwarder, when another VM that sees the event could execute it; another VM's
+slow listener, gate or oversized envelope; a VM's clock skew (freshness is for the service's clock to judge).
 
-**Lost.** Every document content a forwarder read whole from IMDS (the emulator records it) that listed or dropped an
-event, and that lasted at least a poll and a half (a shorter one may have been read only by the VM's listener, which
-reads the document before it approves), must have an Observation row of that VM at that DocumentIncarnation, unless
-the forwarder died for good or its state was wiped before it could send it (within ``send`` seconds, longer across an
-Event Hubs outage), or it was killed right after the read (the read may never have reached its spool).
+**Lost.** Every document content a forwarder read whole from IMDS (the emulator records it) that listed an event, or
+dropped one the forwarder's previous read listed, and that lasted at least a poll and a half (a shorter one may have
+been read only by the VM's listener, which reads the document before it approves), must have an Observation row of
+that VM at that DocumentIncarnation, unless the forwarder died for good or its state was wiped before it could send
+it (within ``send`` seconds, longer across an Event Hubs outage), or it was killed right after the read (the read
+may never have reached its spool).
 """
 
 from __future__ import annotations
@@ -50,18 +53,17 @@ from fractions import Fraction
 from functools import cached_property
 from typing import Literal
 
-from coordinator.domain.policy import Policy, Rule
+from coordinator.domain.policy import HooksOption, Policy, Rule
 from coordinator.domain.policy_file import parse_policy
 from oracle.calendar import cron_periods
 from oracle.intervals import EMPTY, Intervals, seconds
 from oracle.rules import choose, match_breakpoints
-from oracle.truth import Approval, Event, Hook, Span, Truth, Vm
+from oracle.truth import Approval, Event, Hook, Incarnation, Span, Truth, Vm
 
 __all__ = ["Bounds", "EventVerdict", "Finding", "FindingKind", "Report", "check"]
 
 FindingKind = Literal["wrong", "missed", "duplicate", "late", "lost"]
 KINDS: tuple[FindingKind, ...] = ("wrong", "missed", "duplicate", "late", "lost")
-DOMAIN_KINDS = ("scaleSet", "zone", "faultDomain", "updateDomain", "placementGroup")
 INF = math.inf
 
 
@@ -101,7 +103,6 @@ class EventVerdict:
     lower: Intervals
     due: float | None
     approvals: list[Approval]
-    note: str = ""
 
     @property
     def outcome(self) -> str:
@@ -386,8 +387,9 @@ class _Run:
         return list(event.resources) if event.eventType == "Terminate" else list(event.viewers)
 
     def executable(self, event: Event) -> tuple[Intervals, float]:
-        """When some VM that may execute the approval can (forwarder up, listener not dead, not removed), and the
-        delay the slowest of those listeners adds when only slow ones are left (the oracle takes the slowest)."""
+        """When some VM that may execute the approval can (forwarder up, listener not dead, not removed; or the
+        acknowledge API for an agentless VM), and the delay the quickest of them adds (a slow listener delays an
+        approval only when no quicker VM could execute it)."""
         out = EMPTY
         delays = []
         for name in self.candidates(event):
@@ -395,15 +397,17 @@ class _Run:
             if vm is not None and vm.agentless:
                 if self.truth.options.remoteAcknowledgeFallback:
                     out = out | Intervals(((self.start - 3600, self.removal(name)),))
+                    delays.append(0.0)
                 continue
             if name not in self.up:
                 continue
-            usable = self.up[name] - self.dead.get(name, EMPTY)
-            if self.removed_by(event, name):
+            up = self.up[name]
+            if self.removed_by(event, name) and up:
                 # Removed by this very event once it started: its own approval is what removed it.
-                usable = usable | Intervals(((usable.spans[-1][0], INF),)) if usable else usable
+                up = up | Intervals(((up.spans[-1][0], INF),))
             else:
-                usable = usable - Intervals(((self.removal(name), INF),))
+                up = up - Intervals(((self.removal(name), INF),))
+            usable = up - self.dead.get(name, EMPTY)
             if usable:
                 delays.append(self.listener_delay(name))
             out = out | usable
@@ -528,19 +532,17 @@ class _Judge:
 
     def hooks_allow(self, rule: Rule, at: float, *, surely: bool) -> tuple[bool, str]:
         run, event = self.run, self.event
-        deadline_seconds = rule.hooks.deadlineSeconds if rule.hooks is not None else 600
-        on_deadline = rule.hooks.onDeadline if rule.hooks is not None else "wait"
-        no_hooks = rule.hooks.noHooks if rule.hooks is not None else "wait"
+        options = rule.hooks or HooksOption()  # the schema's defaults are the documented ones
         created = seconds(event.transitions[0].at)
         first_sighting = self.reported if surely else created
-        if on_deadline == "approve" and at >= first_sighting + deadline_seconds:
+        if options.onDeadline == "approve" and at >= first_sighting + options.deadlineSeconds:
             return True, ""
         ready = self.hooks_ready(surely=surely)
         waiting = []
         for name in event.resources:
             vm = run.vms.get(name)
             outcome = run.hook_outcome(vm) if vm is not None else "unknown"
-            if outcome == "not-run" and no_hooks == "ready":
+            if outcome == "not-run" and options.noHooks == "ready":
                 if surely and at < self.reported:
                     waiting.append(f"{name} not reported yet")
                 continue
@@ -764,7 +766,6 @@ def _history_note(run: _Run, event: Event, at: float) -> str:
 
 def _incarnation_findings(run: _Run) -> tuple[list[Finding], int]:
     rows = {(o.vm, o.incarnation, o.eventId.upper(), o.status) for o in run.truth.observations}
-    eh_out = run.outages("eventhubs")
     findings = []
     checked = 0
     # When each content gave way to the next (a removed VM's last one lasts until its removal).
@@ -772,45 +773,61 @@ def _incarnation_findings(run: _Run) -> tuple[list[Finding], int]:
     for inc in run.truth.incarnations:
         ends[(inc.vm, inc.serial - 1)] = seconds(inc.at)
     shortest = 1.5 * run.truth.options.pollInterval
-    for inc in run.truth.incarnations:
+    # Per VM, what the poll loop last read: an event is gone for the forwarder when the document it last read listed
+    # it and this one does not (not when IMDS's previous content did: the forwarder may never have read that one).
+    read_before: dict[str, tuple[float, set[str]]] = {}
+    for inc in sorted(run.truth.incarnations, key=lambda i: (i.vm, i.serial)):
         vm = run.vms.get(inc.vm)
-        if vm is None or vm.agentless or inc.firstServed is None or not (inc.listed or inc.gone):
+        if vm is None or vm.agentless or inc.firstServed is None:
             continue
         lasted = min(ends.get((inc.vm, inc.serial), run.end), run.removal(inc.vm)) - seconds(inc.at)
         if lasted < shortest:
             # Shorter than a poll and a half: the read may have been the listener's (it reads the document before
             # it approves, and the approval ends this content), not the poll loop's, which sends what it reads.
             continue
-        served, last = seconds(inc.firstServed), seconds(inc.lastServed or inc.firstServed)
-        # Until its envelope is surely in the hub: the send bound, stretched across an outage it met.
-        until = served + run.bounds.send
-        for lo, hi in eh_out.spans:
-            if lo <= until and hi >= served:
-                until = max(until, hi + 2 * (hi - lo) + run.bounds.recover)
-        ended = [seconds(t) for t in run.truth.permanentKills.get(inc.vm, []) + run.truth.wipes.get(inc.vm, [])]
-        if any(served <= end <= until for end in ended):
-            continue
-        kills = [seconds(k) for k in run.truth.kills.get(inc.vm, [])]
-        if any(served < kill <= served + 1.0 and last <= kill for kill in kills):
-            # Killed right after it first read it, never read again: the read may not have reached the spool, and
-            # what the forwarder read after its restart was another content.
-            continue
-        checked += 1
-        wanted = {(inc.vm, inc.incarnation, event_id.upper(), status) for event_id, status in inc.listed}
-        wanted |= {(inc.vm, inc.incarnation, event_id.upper(), "Gone") for event_id in inc.gone}
-        if not wanted & rows:
-            listed = ", ".join(f"{e[:8]} {s}" for e, s in inc.listed) or "nothing"
-            gone = f"; gone {', '.join(e[:8] for e in inc.gone)}" if inc.gone else ""
-            findings.append(
-                Finding(
-                    "lost",
-                    inc.listed[0][0] if inc.listed else inc.gone[0],
-                    inc.vm,
-                    f"incarnation {inc.incarnation} (read at +{served - run.start:.1f}s: lists {listed}{gone}) "
-                    "has no Observation row",
-                )
-            )
+        served = seconds(inc.firstServed)
+        listed_ids = {event_id.upper() for event_id, _ in inc.listed}
+        before_at, before = read_before.get(inc.vm, (-INF, set()))
+        if any(before_at < seconds(wipe) <= served for wipe in run.truth.wipes.get(inc.vm, [])):
+            before = set()  # a wiped forwarder starts with no document
+        read_before[inc.vm] = (served, listed_ids)
+        gone = sorted(before - listed_ids)
+        if (inc.listed or gone) and _must_reach_history(run, inc, served):
+            checked += 1
+            wanted = {(inc.vm, inc.incarnation, event_id.upper(), status) for event_id, status in inc.listed}
+            wanted |= {(inc.vm, inc.incarnation, event_id, "Gone") for event_id in gone}
+            if not wanted & rows:
+                findings.append(_lost(run, inc, served, gone))
     return findings, checked
+
+
+def _must_reach_history(run: _Run, inc: Incarnation, served: float) -> bool:
+    """Whether a document the forwarder read must have reached the history: not when the forwarder died for good or
+    lost its state before its envelope surely reached the hub (the send bound, stretched across an outage it met),
+    nor when it was killed right after the read and never read that content again (the read may not have reached
+    its spool, and what it read after its restart was another content)."""
+    until = served + run.bounds.send
+    for lo, hi in run.outages("eventhubs").spans:
+        if lo <= until and hi >= served:
+            until = max(until, hi + 2 * (hi - lo) + run.bounds.recover)
+    ended = [seconds(t) for t in run.truth.permanentKills.get(inc.vm, []) + run.truth.wipes.get(inc.vm, [])]
+    if any(served <= end <= until for end in ended):
+        return False
+    last = seconds(inc.lastServed or inc.firstServed or inc.at)
+    kills = [seconds(k) for k in run.truth.kills.get(inc.vm, [])]
+    return not any(served < kill <= served + 1.0 and last <= kill for kill in kills)
+
+
+def _lost(run: _Run, inc: Incarnation, served: float, gone: list[str]) -> Finding:
+    listed = ", ".join(f"{e[:8]} {s}" for e, s in inc.listed) or "nothing"
+    left = f"; gone {', '.join(e[:8] for e in gone)}" if gone else ""
+    return Finding(
+        "lost",
+        inc.listed[0][0] if inc.listed else gone[0],
+        inc.vm,
+        f"incarnation {inc.incarnation} (read at +{served - run.start:.1f}s: lists {listed}{left}) has no "
+        "Observation row",
+    )
 
 
 def check(truth: Truth, bounds: Bounds | None = None) -> Report:

@@ -356,3 +356,13 @@ def test_intervals_and_calendars() -> None:
     assert spans.spans == ((seconds(monday + timedelta(hours=22)), seconds(monday + timedelta(hours=26))),)
     periods = cron_periods("0 * * * *", "30m", "UTC", seconds(monday), seconds(monday + timedelta(hours=2)))
     assert len(periods.spans) == 2
+
+
+def test_a_delete_whose_own_listener_dies_before_it_is_due_is_either_way() -> None:
+    delete = event("delete", "Terminate", ["web_0"], 1, 16, viewers=["web_0", "web_1"])
+    faults = [ListenerFault(vm="web_0", span=Span(begin=at(5)), dead=True)]
+    # The delete removes web_0 at NotBefore: its forwarder dies then, but its listener was dead before.
+    runs = {"web_0": [Span(begin=at(-10), end=at(16))], "web_1": [Span(begin=at(-10))], "web_2": [Span(begin=at(-10))]}
+    report = check(truth([delete], [], listenerFaults=faults, removals={"web_0": at(16)}, forwarderRuns=runs))
+    assert report.findings == []
+    assert due(report, "delete") is None
