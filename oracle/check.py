@@ -13,7 +13,8 @@ allowed) judges WRONG; the **lower** set (only what the policy surely allows) de
 **Either** (neither wrong if made nor missed if not), and why:
 - a gate the local gate server does not serve (its state is unknown), a trickling gate (its status is 200, its body
   may not arrive within the timeout), a gate slow by close to its timeout;
-- hooks whose forwarder was killed or stopped while they ran (the phase may be reported interrupted);
+- hooks whose forwarder was killed or stopped while they ran or before their report was sent (the phase may be
+  reported interrupted, or its report arrive after the restart);
 - budgets: a slot is counted taken in the upper set only when another event's approval was accepted before (so
   it was decided before) and its event is still live in IMDS; in the lower set every event that may
   hold a slot counts (approved or started, until well after IMDS concluded it: the coordinator learns it late, and a
@@ -503,8 +504,8 @@ class _Judge:
             if not seen:
                 continue
             done = seen.spans[0][0] + run.hook_queue(vm, event)
-            if run.down.get(name, EMPTY) & Intervals(((created, done + 0.5),)):
-                continue  # the phase may have been interrupted: reported failed
+            if run.down.get(name, EMPTY) & Intervals(((created, done + run.bounds.send),)):
+                continue  # the phase, or its report, may have been interrupted (reported failed, or late)
             ready[name] = done
         return ready
 
