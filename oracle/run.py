@@ -3,8 +3,10 @@ senders, gate pages), follow it until every event is over, settle the forwarders
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,10 +20,25 @@ from oracle.truth import Truth
 
 __all__ = ["SCENARIOS", "RunResult", "policy_for", "run_scenario"]
 
-log = logging.getLogger("oracle.run")
-
 SCENARIOS = REPO_ROOT / "emulators" / "scenarios"
 TRUTH_FILE = "truth.json"
+# The coordinator's and runner's warnings and errors during the run (a batch that failed, a delivery that did not
+# arrive): what a finding's diagnosis starts from.
+PIPELINE_LOG = "pipeline.log"
+
+
+@contextlib.contextmanager
+def _pipeline_log(path: Path) -> Iterator[None]:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def policy_for(scenario_path: Path) -> Path | None:
@@ -63,7 +80,7 @@ def run_scenario(
         forwarder_log_level="WARNING",
     )
     started = datetime.now(UTC)
-    with LocalStack(options) as stack:
+    with LocalStack(options) as stack, _pipeline_log(stack.workdir / PIPELINE_LOG):
         _follower, finished = follow(stack, timeout=timeout)
         settle_forwarders(stack)
         truth = collect(stack, started=started, scenario=scenario)
