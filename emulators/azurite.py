@@ -125,6 +125,11 @@ class Azurite:
             raise AzuriteError("Azurite is not running; call start() first")
         return self._endpoints
 
+    @property
+    def pid(self) -> int | None:
+        """The node process's id while it runs (the local runner stops it to play a storage stall)."""
+        return self._process.pid if self._process is not None else None
+
     def start(self) -> AzuriteEndpoints:
         if not self._binary.exists():
             raise AzuriteError(f"{self._binary} not found; run scripts/bootstrap.sh to install tools/node")

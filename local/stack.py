@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import logging
 import math
 import os
@@ -40,12 +39,14 @@ from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.attested import ROOT_PATH
 from emulators.imds.event_grid import EventGridPublisher
-from emulators.imds.models import HealthPage, HookSpec, VmSpec
+from emulators.imds.models import LOCAL_STEP_ACTIONS, HealthPage, HookSpec, ScenarioStep, VmSpec
 from emulators.relay import RelayEmulator
 from forwarder.durable_state import Store
 from local.direct_callback import direct_coordinator
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
+from local.gates import GateServer, local_gate_names
 from local.http_host import FunctionsHttpHost, LocalHttpServer
+from local.platform import Platform
 from local.queue_trigger import QueueSettings, QueueTrigger, StorageQueue
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed, served_policy
@@ -214,6 +215,7 @@ class ForwarderProcess:
         self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self.paused = False
 
     @property
     def pid(self) -> int | None:
@@ -243,13 +245,27 @@ class ForwarderProcess:
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait(timeout=10)
+        self.paused = False
         self._close_log()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process is frozen (its hooks, in sessions of their own, run on)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
+        self.paused = False
 
     def stop(self, *, timeout: float = 10.0) -> int | None:
         """SIGTERM (the forwarder finishes its send and exits), SIGKILL after ``timeout``."""
         process = self._process
         if process is None:
             return None
+        if self.paused:
+            self.resume()  # a stopped process would hold the SIGTERM until continued
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
@@ -268,6 +284,8 @@ class ForwarderProcess:
 
 class LocalStack:
     """Starts the whole local pipeline; ``stop()`` (or leaving the ``with``) ends every part it started."""
+
+    hub = HUB
 
     def __init__(self, options: StackOptions) -> None:
         self.options = options
@@ -300,6 +318,13 @@ class LocalStack:
         self._forwarders_lock = threading.Lock()
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        # The local steps' player (faults, hostile senders) and its log; the policy's local gate pages, if any.
+        self.platform = Platform(self)
+        self.gates: GateServer | None = None
+
+    @property
+    def retire_grace_seconds(self) -> int:
+        return max(1, math.ceil(RETIRE_GRACE_HEARTBEATS * self.options.heartbeat_interval))
 
     # ---- paths -----------------------------------------------------------------------------------------------
     @property
@@ -360,14 +385,11 @@ class LocalStack:
         # stack the steps that are its business.
         started = time.monotonic()
         self.health_pages = HealthPages(self.options.scenario.healthPages)
-        due: list[tuple[float, Callable[[], None]]] = []
-        for step in scenario.steps:
-            at = started + step.at / self.options.time_scale
-            if step.wipeForwarderState is not None:
-                due.append((at, functools.partial(self.wipe_forwarder_state, step.wipeForwarderState)))
-            if step.healthPage is not None:
-                due.append((at, functools.partial(self.health_pages.set, step.healthPage.name, step.healthPage.status)))
-        due.sort(key=lambda item: item[0])
+        local_steps = [
+            (started + step.at / self.options.time_scale, index, step)
+            for index, step in enumerate(scenario.steps)
+            if any(getattr(step, action) is not None for action in LOCAL_STEP_ACTIONS)
+        ]
         # Bound before the coordinator is configured: its public URL (the cards' approval links) is this address.
         self.front = LocalHttpServer(
             EasyAuthStandIn(FunctionsHttpHost(_function_app), self.options.people), port=self.options.http_port
@@ -393,15 +415,16 @@ class LocalStack:
                 continue  # no forwarder on it: Event Grid tells the coordinator of its events
             self.forwarders[vm.name] = self._forwarder(vm)
             self.forwarders[vm.name].start()
-        self._watcher = threading.Thread(target=self._watch, args=(due,), name="local-platform", daemon=True)
+            self.platform.record("forwarder-start", vm=vm.name)
+        self._watcher = threading.Thread(target=self._watch, args=(local_steps,), name="local-platform", daemon=True)
         self._watcher.start()
 
-    def _watch(self, due: list[tuple[float, Callable[[], None]]]) -> None:
+    def _watch(self, steps: list[tuple[float, int, ScenarioStep]]) -> None:
         """Plays the platform's part on the VMs' disks and processes: a VM the IMDS emulator removed (Terminate,
         Preempt) is deleted, so its forwarder dies with it (SIGKILL: nothing of it runs on); a wipeForwarderState
-        step kills the forwarder, deletes its state folder and starts it again, as a reimaged disk would; a
-        healthPage step changes what a page answers."""
-        pending = list(due)
+        step kills the forwarder, deletes its state folder and starts it again, as a reimaged disk would; the other
+        local steps (faults, hostile senders) are played by ``self.platform``."""
+        pending = sorted(steps, key=lambda item: (item[0], item[1]))
         while not self._watch_stop.wait(PLATFORM_WATCH_INTERVAL):
             imds = self.imds
             if imds is None:
@@ -415,8 +438,12 @@ class LocalStack:
                 self._remove(name)
             now = time.monotonic()
             while pending and pending[0][0] <= now:
-                _, action = pending.pop(0)
-                action()
+                _, _, step = pending.pop(0)
+                if step.healthPage is not None:
+                    assert self.health_pages is not None  # made before the steps are played
+                    self.health_pages.set(step.healthPage.name, step.healthPage.status)
+                else:
+                    self.platform.play(step)
 
     def _remove(self, name: str) -> None:
         with self._forwarders_lock:
@@ -424,6 +451,7 @@ class LocalStack:
             if forwarder is not None:
                 forwarder.kill()
             self.removed[name] = time.monotonic()
+        self.platform.record("forwarder-kill", vm=name, reason="removed")
         log.info("VM %s removed by the platform: its forwarder was killed", name)
 
     def wipe_forwarder_state(self, name: str) -> None:
@@ -439,14 +467,33 @@ class LocalStack:
             state.mkdir(parents=True, exist_ok=True)
             forwarder.start()
             self.wiped.append((name, time.monotonic()))
+        self.platform.record("forwarder-start", vm=name)
         log.info("forwarder state of %s wiped; the forwarder started again", name)
 
+    def restart_forwarder(self, name: str) -> None:
+        """Starts ``name``'s forwarder again on the state it had (after a crash); not for a removed VM."""
+        with self._forwarders_lock:
+            if name in self.removed:
+                return
+            self.forwarders[name].start()
+        self.platform.record("forwarder-start", vm=name)
+
     def stop_platform(self) -> None:
-        """No more removals or wipes: the run is being settled."""
+        """No more removals, wipes or faults (those still on end now): the run is being settled."""
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
             self._watcher = None
+        self.platform.finish()
+
+    def _stop_pages(self) -> None:
+        """The pages the stack serves for the policy's gates: the scenario's health pages and the local gate pages."""
+        if self.health_pages is not None:
+            self.health_pages.stop()
+            self.health_pages = None
+        if self.gates is not None:
+            self.gates.stop()
+            self.gates = None
 
     def stop(self) -> None:
         self.stop_platform()
@@ -455,9 +502,7 @@ class LocalStack:
             self.front = None
         if self.event_grid is not None:
             self.event_grid.stop()
-        if self.health_pages is not None:
-            self.health_pages.stop()
-            self.health_pages = None
+        self._stop_pages()
         for forwarder in self.forwarders.values():
             with contextlib.suppress(Exception):
                 forwarder.stop(timeout=5)
@@ -551,9 +596,7 @@ class LocalStack:
             "AZURE_POD_IDENTITY_AUTHORITY_HOST": self.imds.url_for(identity_vm(self.options.scenario)),
             # Retire a removed VM after three of the local heartbeat intervals of silence, as Azure's 180 s are three
             # 60 s heartbeats: the run then sees the coordinator conclude the events of the VMs deletes removed.
-            "COORDINATOR_RETIRE_GRACE_SECONDS": str(
-                max(1, math.ceil(RETIRE_GRACE_HEARTBEATS * self.options.heartbeat_interval))
-            ),
+            "COORDINATOR_RETIRE_GRACE_SECONDS": str(self.retire_grace_seconds),
             # Attested documents are the IMDS emulator's, so its root is the trust anchor, as Microsoft's roots are
             # in Azure; its issuing CA is fetched from the signing certificate's CA Issuers URL, on the emulator.
             "COORDINATOR_ATTESTATION_TRUST_ANCHORS": str(self._imds_root()),
@@ -568,7 +611,7 @@ class LocalStack:
             # Agentless VMs are approved through the Maintenance RP's acknowledge: the IMDS emulator's ARM face,
             # with a token from the same managed-identity endpoint.
             env["COORDINATOR_REMOTE_ACKNOWLEDGE"] = "fallback"
-        env["COORDINATOR_POLICY_PATH"] = str(self._coordinator_policy().resolve())
+        env["COORDINATOR_POLICY_PATH"] = str(self._coordinator_policy())
         # Every process here reads one clock: the tolerance for clocks that disagree (2 s in Azure) would be two
         # minutes of a run at 60x, long enough to keep a compressed Terminate notice from being approved at all.
         env["COORDINATOR_CLOCK_TOLERANCE_SECONDS"] = str(LOCAL_CLOCK_TOLERANCE)
@@ -582,13 +625,24 @@ class LocalStack:
             self._approve_directly()
 
     def _coordinator_policy(self) -> Path:
-        """The run's policy; with health pages, a copy in the work folder whose gates probe them where served."""
+        """The policy the coordinator reads: the run's, or a copy in the work folder whose gates probe what this stack
+        serves: the scenario's health pages (``healthPages``) and the local gate pages (``http://local-gates/{name}``,
+        local/gates.py)."""
         policy = self.options.policy
-        if self.health_pages is None or not self.health_pages.served:
-            return policy
+        text = policy.read_text(encoding="utf-8")
+        served = text
+        if self.health_pages is not None and self.health_pages.served:
+            served = served_policy(served, self.health_pages.served)
+        names = local_gate_names(served)
+        if names:
+            self.gates = GateServer(names)
+            self.gates.start()
+            served = self.gates.rewrite_policy(served)
+        if served == text:
+            return policy.resolve()
         copy = self.workdir / POLICY_COPY
-        copy.write_text(served_policy(policy.read_text(encoding="utf-8"), self.health_pages.served), encoding="utf-8")
-        return copy
+        copy.write_text(served, encoding="utf-8")
+        return copy.resolve()
 
     def _imds_root(self) -> Path:
         """The IMDS emulator's root certificate, as it serves it, in the work folder."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("contracts", "coordinator", "forwarder", "ops", "local", "emulators", "benchmarks", "tests")
+PACKAGES = ("contracts", "coordinator", "forwarder", "ops", "local", "oracle", "emulators", "benchmarks", "tests")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
@@ -47,6 +47,9 @@ def _lint(copy: Path) -> subprocess.CompletedProcess[str]:
         ("forwarder/daemon.py", "import coordinator.service", "the forwarder (installed alone on each VM)"),
         ("coordinator/pipeline/act.py", "import local.direct_callback", "the Functions app imports no tool"),
         ("coordinator/pipeline/record.py", "import ops.cost", "the Functions app imports no tool"),
+        ("coordinator/service.py", "import oracle.check", "the Functions app imports no tool"),
+        ("forwarder/daemon.py", "import oracle.truth", "the forwarder (installed alone on each VM)"),
+        ("oracle/check.py", "import tests.coordinator.helpers", "nothing imports tests"),
         ("coordinator/pipeline/fold.py", "import forwarder.daemon", "share only the contracts"),
         ("coordinator/domain/event_merge.py", "import coordinator.pipeline.fold", "nothing imports up"),
         ("coordinator/state/tables.py", "import coordinator.adapters.gates", "nothing imports up"),

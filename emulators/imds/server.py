@@ -253,6 +253,19 @@ class ImdsEmulator:
         with self._lock:
             return self.state.approval_summaries(self.clock.now())
 
+    def truth(self) -> dict[str, Any]:
+        """What happened, as an oracle reads it: every event with its states and times (``transitions``), every
+        accepted approval with its VM, time and path (``via``: imds or arm), and every VM's every document content
+        with when it began and when a client first and last read it whole (``incarnations``)."""
+        with self._lock:
+            now = self.clock.now()
+            return {
+                "events": self.state.event_summaries(now),
+                "approvals": self.state.approval_summaries(now),
+                "incarnations": self.state.incarnation_summaries(now),
+                "removedVms": self.state.removal_summaries(now),
+            }
+
     def vms(self) -> list[VmSpec]:
         return list(self.state.vms.values())
 
@@ -309,7 +322,7 @@ class ImdsEmulator:
             self.requests_served[vm_name] += 1
         self._carry_out(decision)
         if endpoint == "scheduledevents":
-            status, body = self._scheduled_events(method, vm_name, query, handler)
+            status, body = self._scheduled_events(method, vm_name, query, handler, whole=not decision.malformed)
         elif endpoint == "instance":
             return self._instance(method, vm_name, path, query, decision)
         elif endpoint == "attested":
@@ -367,12 +380,13 @@ class ImdsEmulator:
         return versions[0]
 
     def _scheduled_events(
-        self, method: str, vm_name: str, query: dict[str, list[str]], handler: _Handler
+        self, method: str, vm_name: str, query: dict[str, list[str]], handler: _Handler, *, whole: bool
     ) -> tuple[int, dict[str, Any] | None]:
         version = self._api_version(query, SCHEDULED_EVENTS_VERSIONS)
         if method == "GET":
             with self._lock:
-                return 200, self.state.document(vm_name, version, self.clock.now())
+                # A garbled answer (malformed-json fault) is not a document the client could read.
+                return 200, self.state.document(vm_name, version, self.clock.now(), served=whole)
         if method != "POST":
             raise _Reply(405, {"error": "Method not allowed"})
         raw = handler.read_body()
@@ -527,7 +541,7 @@ class ImdsEmulator:
                 )
                 raise _Reply(answer.status, answer.body)
             body = StartRequestsBody.model_validate({"StartRequests": [{"EventId": event_id}]})
-            self.state.approve(vm_name, body, now)
+            self.state.approve(vm_name, body, now, via="arm")
             self.arm_acknowledged.append(
                 {"EventId": event_id.upper(), "resource": acknowledge.group("resource"), "vm": vm_name}
             )
@@ -610,8 +624,8 @@ class ImdsEmulator:
                 result = self.events()
             elif (match := _CANCEL.match(path)) and method == "POST":
                 result = self.cancel_event(match.group("id"))
-            elif path == "/_emulator/approvals" and method == "GET":
-                result = self.approvals()
+            elif path in ("/_emulator/approvals", "/_emulator/log") and method == "GET":
+                result = self.approvals() if path.endswith("approvals") else self.truth()
             elif (vms := self._vm_control(method, path, handler, now)) is not None:
                 status, result = vms
             elif path == "/_emulator/faults" and method == "POST":

@@ -44,6 +44,8 @@ LifecycleState = Literal["Scheduled", "Started", "Completed", "Canceled"]
 # "automatic-approval": a user event created Started (the scheduledEventsPolicy approves user reboots/redeploys).
 StartReason = Literal["approval", "notBefore", "hardware-failure", "automatic-approval"]
 CancelReason = Literal["request", "vms-removed"]
+# How an accepted approval reached the emulator: a VM's StartRequests POST, or the ARM face's acknowledge.
+ApprovalPath = Literal["imds", "arm"]
 # The event types whose impact deletes the VM.
 REMOVING_TYPES = frozenset({"Terminate", "Preempt"})
 # Planned platform maintenance walks update domains one at a time, so its Resources stay within one.
@@ -122,6 +124,12 @@ class EventRecord:
     # Terminate/Preempt: when its Resources are gone (set when it starts), and whether that has been applied.
     vms_gone_at: datetime | None = None
     vms_gone: bool = False
+    # Every state the event took, with when and why (the truth an oracle judges the pipeline against).
+    transitions: list[tuple[datetime, LifecycleState, str]] = field(default_factory=list)
+
+    def enter(self, state: LifecycleState, at: datetime, reason: str) -> None:
+        self.status = state
+        self.transitions.append((at, state, reason))
 
     @property
     def live(self) -> bool:
@@ -175,6 +183,8 @@ class EventRecord:
             "formerEventIds": list(self.former_ids),
             "canceledBy": self.canceled_by,
             "vmsRemovedAt": _iso(self.vms_gone_at) if self.vms_gone else None,
+            "viewers": sorted(self.viewers),
+            "transitions": [{"at": _iso(at), "state": state, "reason": why} for at, state, why in self.transitions],
         }
 
 
@@ -185,6 +195,7 @@ class ApprovalRecord:
     at: datetime
     incarnation: int
     status_before: LifecycleState
+    via: ApprovalPath = "imds"
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -193,6 +204,35 @@ class ApprovalRecord:
             "at": _iso(self.at),
             "incarnation": self.incarnation,
             "statusBefore": self.status_before,
+            "via": self.via,
+        }
+
+
+@dataclass
+class IncarnationRecord:
+    """One document content a VM's IMDS had: its DocumentIncarnation (which may start over after a reset, so
+    ``serial`` counts them per VM), since when, the events it listed, the events the one before listed that it no
+    longer does, and when it was first and last served in a whole 200 answer (a client read it)."""
+
+    vm: str
+    incarnation: int
+    serial: int
+    at: datetime
+    listed: tuple[tuple[str, str], ...]
+    gone: tuple[str, ...]
+    first_served: datetime | None = None
+    last_served: datetime | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "vm": self.vm,
+            "incarnation": self.incarnation,
+            "serial": self.serial,
+            "at": _iso(self.at),
+            "listed": [{"EventId": event_id, "EventStatus": status} for event_id, status in self.listed],
+            "gone": list(self.gone),
+            "firstServed": _iso(self.first_served),
+            "lastServed": _iso(self.last_served),
         }
 
 
@@ -233,6 +273,10 @@ class EmulatorState:
         self._dirty: set[str] = set()  # VMs whose document content may have changed since the last refresh
         self._on_fault = on_fault
         self._new_event_id = new_event_id or (lambda: str(uuid.uuid4()).upper())
+        # Every document content of every VM (its first: incarnation 1, no events).
+        self.incarnation_log: dict[str, list[IncarnationRecord]] = {
+            name: [IncarnationRecord(name, 1, 0, start, (), ())] for name in self.vms
+        }
 
     # ---- time ------------------------------------------------------------------------------------------------
 
@@ -282,7 +326,7 @@ class EmulatorState:
 
     def _start_event(self, record: EventRecord, at: datetime, reason: StartReason) -> None:
         self._dirty |= record.viewers
-        record.status = "Started"
+        record.enter("Started", at, reason)
         record.started_at = at
         record.started_by = reason
         hold = max(float(record.duration), self.started_min_seconds)
@@ -302,7 +346,7 @@ class EmulatorState:
 
     def _remove(self, record: EventRecord, at: datetime) -> None:
         self._dirty |= record.viewers
-        record.status = "Completed"
+        record.enter("Completed", at, "impact over")
         record.removed_at = at
         record.remove_at = None
 
@@ -361,7 +405,8 @@ class EmulatorState:
                 self._cancel(canceled, at, by="request")
         elif step.fault is not None:
             self._apply_fault(step.fault)
-        # wipeForwarderState, healthPage: the local runner's business (a forwarder's disk, a page it serves).
+        # wipeForwarderState, healthPage, signal, outage, listener, gate, forge: the local runner's business (a
+        # forwarder's disk, a page it serves, faults it plays: local/platform.py); nothing changes in IMDS.
 
     def _apply_fault(self, spec: FaultSpec) -> None:
         if spec.kind == "incarnation-reset":
@@ -371,7 +416,7 @@ class EmulatorState:
 
     def _cancel(self, record: EventRecord, at: datetime, *, by: CancelReason) -> None:
         self._dirty |= record.viewers
-        record.status = "Canceled"
+        record.enter("Canceled", at, by)
         record.removed_at = at
         record.canceled_by = by
 
@@ -476,6 +521,7 @@ class EmulatorState:
         record.viewers = frozenset(
             name for name in self.vms if name not in self.removed and self.visible_to(record, name)
         )
+        record.transitions.append((at, "Scheduled", "created"))
         self._dirty |= record.viewers
         self.events[event_id] = record
         self._keys[event_id] = event_id
@@ -507,6 +553,8 @@ class EmulatorState:
         """Moves scenario time 0 to ``now`` (the server calls it on start) if nothing has happened yet."""
         if self._next_step == 0 and not self.events and now > self._start:
             self._start = self._now = now
+            for log in self.incarnation_log.values():
+                log[0].at = now
 
     def _live_for(self, vm_name: str) -> list[EventRecord]:
         return [record for record in self.events.values() if record.live and vm_name in record.viewers]
@@ -518,6 +566,14 @@ class EmulatorState:
             if signature != self._signatures[name]:
                 self._signatures[name] = signature
                 self.incarnations[name] += 1
+                self._log_incarnation(name)
+
+    def _log_incarnation(self, vm_name: str) -> None:
+        log = self.incarnation_log[vm_name]
+        listed = tuple((record.event_id, record.status) for record in self._live_for(vm_name))
+        now_ids = {event_id for event_id, _ in listed}
+        gone = tuple(event_id for event_id, _ in log[-1].listed if event_id not in now_ids)
+        log.append(IncarnationRecord(vm_name, self.incarnations[vm_name], len(log), self._now, listed, gone))
 
     # ---- public operations -----------------------------------------------------------------------------------
 
@@ -530,11 +586,17 @@ class EmulatorState:
         self.advance(now)
         self._refresh_views()
 
-    def document(self, vm_name: str, api_version: str, now: datetime) -> dict[str, Any]:
+    def document(self, vm_name: str, api_version: str, now: datetime, *, served: bool = False) -> dict[str, Any]:
+        """The VM's document now; ``served``: a client reads it in a whole answer (recorded in the incarnation
+        log, so that what a forwarder saw can be told from what it could not have seen)."""
         self.advance(now)
         self._require_present(vm_name)
         view = event_view(api_version)
         events = [record.render(view) for record in self._live_for(vm_name) if view.shows_type(record.event_type)]
+        if served:
+            current = self.incarnation_log[vm_name][-1]
+            current.first_served = current.first_served or now
+            current.last_served = now
         return {"DocumentIncarnation": self.incarnations[vm_name], "Events": events}
 
     def create_event(self, spec: EventCreate, now: datetime, *, ref: str | None = None) -> EventRecord:
@@ -568,7 +630,9 @@ class EmulatorState:
         ordered = sorted(candidates, key=lambda name: name not in record.resources)
         return next((name for name in ordered if name in record.viewers and name not in self.removed), None)
 
-    def approve(self, vm_name: str, body: StartRequestsBody, now: datetime) -> list[ApprovalRecord]:
+    def approve(
+        self, vm_name: str, body: StartRequestsBody, now: datetime, *, via: ApprovalPath = "imds"
+    ) -> list[ApprovalRecord]:
         """IMDS POST StartRequests. All ids must be valid for this VM (live, visible to it, and the id the event
         has now), else nothing is applied and EmulatorInputError names the bad ids; approving an already approved
         or Started event is accepted (200), as the docs say. The approval is recorded when accepted, even when the
@@ -596,6 +660,7 @@ class EmulatorState:
                     at=now,
                     incarnation=self.incarnations[vm_name],
                     status_before=record.status,
+                    via=via,
                 )
             )
             record.approved_by.append(vm_name)
@@ -638,6 +703,8 @@ class EmulatorState:
         """As after IMDS was disabled for 24 hours: the VM's counter starts over."""
         for name in [vm_name] if vm_name is not None else list(self.vms):
             self.incarnations[name] = 1
+            if name not in self.removed:
+                self._log_incarnation(name)
 
     def apply_fault(self, spec: FaultSpec, now: datetime) -> None:
         self.advance(now)
@@ -652,6 +719,10 @@ class EmulatorState:
     def approval_summaries(self, now: datetime) -> list[dict[str, Any]]:
         self.advance(now)
         return [approval.summary() for approval in self.approvals]
+
+    def incarnation_summaries(self, now: datetime) -> list[dict[str, Any]]:
+        self.advance(now)
+        return [entry.summary() for log in self.incarnation_log.values() for entry in log]
 
     def removal_summaries(self, now: datetime) -> dict[str, dict[str, Any]]:
         self.advance(now)

@@ -817,7 +817,7 @@ class RelayService:
         listener.pending[pending.id] = pending
         try:
             async with asyncio.timeout(self.response_timeout):
-                await self._injected_fault(listener)
+                await self._injected_fault(pending)
                 async with listener.send_lock:
                     if pending.rendezvous_first:
                         announcement = RequestMessage(address=pending.message.address, id=pending.id)
@@ -851,11 +851,13 @@ class RelayService:
             listener.pending.pop(pending.id, None)
         return self._relayed(response, body)
 
-    async def _injected_fault(self, listener: Listener) -> None:
-        """A slow listener's delay, or a dead one's silence (the caller's timeout, or the sender, ends it)."""
-        delay, dead = self.listener_faults.get(listener.hybrid_connection.name, (0.0, False))
+    async def _injected_fault(self, pending: PendingRequest) -> None:
+        """A slow listener's delay, or a dead one's silence: the caller's timeout ends it, or the listener leaving
+        (its failure is raised here, as for a request it had taken)."""
+        delay, dead = self.listener_faults.get(pending.listener.hybrid_connection.name, (0.0, False))
         if dead:
-            await asyncio.Event().wait()
+            await asyncio.wait({pending.result})
+            pending.result.result()
         if delay > 0:
             await asyncio.sleep(delay)
 

@@ -412,3 +412,29 @@ def test_invariants_hold_for_any_sequence_of_operations(operations):
             for event in document["Events"]:
                 assert vm in state.events[event["EventId"]].viewers
     _check_history(state)
+
+
+def test_every_document_content_every_state_and_every_approval_path_are_recorded():
+    state = new_state(started_min_seconds=120)
+    event = state.create_event(EventCreate(EventType="Freeze", Resources=["web_0"]), at(0))
+    state.document("web_0", "2020-07-01", at(1), served=True)
+    state.document("web_0", "2020-07-01", at(2))  # not served: a control read, or a garbled answer
+    approve(state, "web_1", event.event_id, when=at(3))
+    state.reset_incarnation("web_0")
+    log = [entry.summary() for entry in state.incarnation_log["web_0"]]
+    assert [(e["incarnation"], e["serial"]) for e in log] == [(1, 0), (2, 1), (3, 2), (1, 3)]
+    assert log[1]["listed"] == [{"EventId": event.event_id, "EventStatus": "Scheduled"}]
+    assert (log[1]["firstServed"], log[1]["lastServed"]) == (at(1).isoformat().replace("+00:00", "Z"),) * 2
+    assert log[2]["listed"] == [{"EventId": event.event_id, "EventStatus": "Started"}]
+    assert log[2]["firstServed"] is None
+    assert log[3]["listed"] == log[2]["listed"]  # the counter started over; the content did not change
+    summary = state.event_summaries(at(200))[0]
+    assert [(t["state"], t["reason"]) for t in summary["transitions"]] == [
+        ("Scheduled", "created"),
+        ("Started", "approval"),
+        ("Completed", "impact over"),
+    ]
+    assert summary["viewers"] == ["web_0", "web_1", "web_2"]
+    assert state.approval_summaries(at(200))[0]["via"] == "imds"
+    last = [e for e in state.incarnation_summaries(at(200)) if e["vm"] == "web_0"][-1]
+    assert (last["listed"], last["gone"]) == ([], [event.event_id])

@@ -300,3 +300,26 @@ def test_chunked_or_header_heavy_requests_go_over_rendezvous(relay: RelayEmulato
 
     asyncio.run(scenario())
     assert relay.counters()["rendezvous.request"] == 2
+
+
+def test_an_injected_slow_listener_gets_the_request_late_and_a_dead_one_never(relay: RelayEmulator) -> None:
+    async def scenario() -> None:
+        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        await asyncio.to_thread(relay.set_listener_fault, "vm-a", delay_seconds=0.5)
+        started = asyncio.get_running_loop().time()
+        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        incoming = await listener.next_request()
+        assert asyncio.get_running_loop().time() - started >= 0.5
+        await listener.respond(incoming.request["id"], 200)
+        assert (await sending).status_code == 200
+        await asyncio.to_thread(relay.set_listener_fault, "vm-a", dead=True)
+        response = await http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)})
+        assert response.status_code == 504  # the response timeout (5 s here); the listener saw nothing
+        await asyncio.to_thread(relay.set_listener_fault, "vm-a")
+        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        incoming = await listener.next_request()
+        await listener.respond(incoming.request["id"], 204)
+        assert (await sending).status_code == 204
+        await listener.close()
+
+    asyncio.run(scenario())

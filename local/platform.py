@@ -1,0 +1,357 @@
+"""The local runner's faults and hostile senders, played from a scenario's local steps (emulators/imds/models.py:
+``signal``, ``outage``, ``listener``, ``gate``, ``forge``) while the stack runs, and logged with their wall-clock
+times: the part of the truth an oracle needs besides IMDS's own record (which processes were down when, which
+services were out, which listeners slow or dead, which gate answered what, who forged what).
+
+Each fault that lasts ends on a timer, so the stack's watch loop never waits; ``finish`` ends every fault still on
+(continues stopped processes, restarts killed forwarders, brings services back) before the run is settled, so a
+forwarder's spool can still be sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from azure.eventhub import EventData, EventHubProducerClient
+
+from contracts.document import ScheduledEventsDocument
+from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, Envelope, HookReport, HookStep, VmIdentity
+from emulators.imds.models import ForgeStep, ListenerStep, OutageStep, ScenarioStep, SignalStep
+from emulators.relay import RelayEmulator
+from forwarder.imds import identity_of
+
+if TYPE_CHECKING:
+    from local.stack import LocalStack
+
+log = logging.getLogger("local.platform")
+
+# Sequences no forwarder reaches: a forger's envelopes are never dropped as stale.
+FORGED_SEQUENCE = 2**62
+FORGER = "scheduled-events-forwarder/0.1.0"
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+class Platform:
+    """Plays the local steps on ``stack``; ``log`` holds one dict per thing done: ``at`` (ISO, UTC), ``action``
+    and what it was done to. Actions: ``forwarder-start``, ``forwarder-kill``, ``forwarder-stop``,
+    ``forwarder-cont``, ``storage-stop``, ``storage-cont``, ``outage-begin``, ``outage-end``, ``listener``,
+    ``gate``, ``forge``, ``wipe``."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        self.stack = stack
+        self.log: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._timers: dict[str, threading.Timer] = {}
+        # Injected Relay listener behaviour per VM, kept to be applied again to a Relay started after an outage.
+        self.listener_faults: dict[str, tuple[float, bool]] = {}
+
+    def record(self, action: str, **details: Any) -> None:
+        with self._lock:
+            self.log.append({"at": now_utc().isoformat(), "action": action, **details})
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+    def play(self, step: ScenarioStep) -> None:
+        try:
+            if step.wipeForwarderState is not None:
+                self.record("wipe", vm=step.wipeForwarderState)
+                self.stack.wipe_forwarder_state(step.wipeForwarderState)
+            elif step.signal is not None:
+                self._signal(step.signal)
+            elif step.outage is not None:
+                self._outage(step.outage)
+            elif step.listener is not None:
+                self._listener(step.listener)
+            elif step.gate is not None:
+                if self.stack.gates is None:
+                    log.warning("gate step for %s: the policy serves no local gate", step.gate.name)
+                    return
+                self.stack.gates.set(step.gate.name, step.gate.state, step.gate.delaySeconds)
+                self.record("gate", name=step.gate.name, state=step.gate.state, delaySeconds=step.gate.delaySeconds)
+            elif step.forge is not None:
+                threading.Thread(target=self._forge, args=(step.forge,), name="local-forger", daemon=True).start()
+        except Exception:  # a step that cannot be played is logged; the run goes on
+            log.exception("local step not played: %s", step.model_dump(exclude_none=True))
+
+    def _later(self, key: str, seconds: float, action: Any) -> None:
+        timer = threading.Timer(seconds, self._fire, args=(key, action))
+        timer.daemon = True
+        with self._lock:
+            self._timers[key] = timer
+        timer.start()
+
+    def _fire(self, key: str, action: Any) -> None:
+        with self._lock:
+            if self._timers.pop(key, None) is None:
+                return  # finish() fired it already
+        action()
+
+    def _signal(self, step: SignalStep) -> None:
+        if step.target == "storage":
+            azurite = self.stack.azurite
+            pid = azurite.pid if azurite is not None else None
+            if pid is None:
+                return
+            os.kill(pid, signal.SIGSTOP)
+            self.record("storage-stop", seconds=step.seconds)
+            self._later("storage", step.seconds, lambda: self._continue_storage(pid))
+            return
+        assert step.vm is not None  # validated: a forwarder's signal names its VM
+        name = step.vm
+        if name in self.stack.removed or name not in self.stack.forwarders:
+            return
+        forwarder = self.stack.forwarders[name]
+        if step.signal == "KILL":
+            forwarder.kill()
+            self.record("forwarder-kill", vm=name, reason="signal")
+            if step.seconds > 0:
+                self._later(f"forwarder:{name}", step.seconds, lambda: self.stack.restart_forwarder(name))
+            return
+        forwarder.pause()
+        self.record("forwarder-stop", vm=name)
+        self._later(f"forwarder:{name}", step.seconds, lambda: self._continue(name))
+
+    def _continue(self, name: str) -> None:
+        self.stack.forwarders[name].resume()
+        self.record("forwarder-cont", vm=name)
+
+    def _continue_storage(self, pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        self.record("storage-cont")
+
+    def _outage(self, step: OutageStep) -> None:
+        if step.service == "eventhubs":
+            eventhubs = self.stack.eventhubs
+            if eventhubs is None:
+                return
+            eventhubs.stop()  # every connection drops; the port stays reserved for the restart
+            self.record("outage-begin", service="eventhubs")
+            self._later("outage:eventhubs", step.seconds, self._eventhubs_back)
+            return
+        relay = self.stack.relay
+        if relay is None:
+            return
+        port = relay.port
+        relay.stop()
+        self.record("outage-begin", service="relay")
+        self._later("outage:relay", step.seconds, lambda: self._relay_back(port))
+
+    def _eventhubs_back(self) -> None:
+        if self.stack.eventhubs is not None:
+            self.stack.eventhubs.start()
+            self.record("outage-end", service="eventhubs")
+
+    def _relay_back(self, port: int) -> None:
+        relay = RelayEmulator(port=port)
+        relay.start()
+        self.stack.relay = relay
+        for hybrid_connection, (delay, dead) in self.listener_faults.items():
+            relay.set_listener_fault(hybrid_connection, delay_seconds=delay, dead=dead)
+        self.record("outage-end", service="relay")
+
+    def _listener(self, step: ListenerStep) -> None:
+        imds = self.stack.imds
+        if imds is None:
+            return
+        vm = next(spec for spec in imds.vms() if spec.name == step.vm)
+        hybrid_connection = f"vm-{vm.vmId.lower()}"
+        self._set_listener(step.vm, hybrid_connection, step.delaySeconds, step.dead)
+        if step.seconds > 0 and (step.delaySeconds > 0 or step.dead):
+            self._later(
+                f"listener:{step.vm}", step.seconds, lambda: self._set_listener(step.vm, hybrid_connection, 0.0, False)
+            )
+
+    def _set_listener(self, vm: str, hybrid_connection: str, delay: float, dead: bool) -> None:
+        if delay > 0 or dead:
+            self.listener_faults[hybrid_connection] = (delay, dead)
+        else:
+            self.listener_faults.pop(hybrid_connection, None)
+        relay = self.stack.relay
+        if relay is not None:
+            try:
+                relay.set_listener_fault(hybrid_connection, delay_seconds=delay, dead=dead)
+            except RuntimeError:  # the relay is out; applied again when it is back
+                log.debug("relay out: listener fault of %s kept for later", vm)
+        self.record("listener", vm=vm, delaySeconds=delay, dead=dead)
+
+    # ---- forged envelopes ------------------------------------------------------------------------------------
+    def _forge(self, step: ForgeStep) -> None:
+        imds, eventhubs = self.stack.imds, self.stack.eventhubs
+        if imds is None or eventhubs is None or step.by in self.stack.removed:
+            return
+        specs = {spec.name: spec for spec in imds.vms()}
+        victim = identity_of(specs[step.about].compute())
+        forger = identity_of(specs[step.by].compute())
+        try:
+            seen = imds.document(step.by)
+        except Exception:  # the forger's VM is gone: it sends nothing
+            return
+        events = [e for e in seen["Events"] if step.about in e.get("Resources", [])]
+        messages = forged(step, victim=victim, forger=forger, incarnation=seen["DocumentIncarnation"], events=events)
+        producer = EventHubProducerClient.from_connection_string(eventhubs.connection_string(self.stack.hub))
+        try:
+            with producer:
+                for body, key in messages:
+                    batch = producer.create_batch(partition_key=key)
+                    batch.add(EventData(body))
+                    producer.send_batch(batch)
+        except Exception:  # an outage: the forger gives up, as the real forwarder would not
+            log.warning("forged envelope of %s not sent", step.by, exc_info=True)
+            return
+        self.record(
+            "forge",
+            by=step.by,
+            about=step.about,
+            kind=step.kind,
+            events=[str(e["EventId"]) for e in events],
+            sent=len(messages),
+        )
+
+    # ---- the end ---------------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Ends every fault still on, now (the run is being settled)."""
+        with self._lock:
+            pending = dict(self._timers)
+            self._timers.clear()
+        for timer in pending.values():
+            timer.cancel()
+        for key in pending:
+            try:
+                self._end(key)
+            except Exception:
+                log.exception("fault %s not ended", key)
+
+    def _end(self, key: str) -> None:
+        kind, _, name = key.partition(":")
+        if kind == "storage":
+            azurite = self.stack.azurite
+            if azurite is not None and azurite.pid is not None:
+                self._continue_storage(azurite.pid)
+        elif kind == "forwarder":
+            forwarder = self.stack.forwarders[name]
+            if forwarder.paused:
+                self._continue(name)
+            elif not forwarder.running and name not in self.stack.removed:
+                self.stack.restart_forwarder(name)
+        elif kind == "outage" and name == "eventhubs":
+            self._eventhubs_back()
+        elif kind == "outage":
+            relay = self.stack.relay
+            self._relay_back(relay.port if relay is not None else 0)
+        elif kind == "listener":
+            imds = self.stack.imds
+            vm = next(spec for spec in imds.vms() if spec.name == name) if imds is not None else None
+            if vm is not None:
+                self._set_listener(name, f"vm-{vm.vmId.lower()}", 0.0, False)
+
+
+def forged(
+    step: ForgeStep, *, victim: VmIdentity, forger: VmIdentity, incarnation: int, events: list[dict[str, Any]]
+) -> list[tuple[bytes, str]]:
+    """The messages (body, partition key) a forger on ``forger`` sends about ``victim`` (see ``ForgeStep``), each
+    under a state of its own with a sequence no forwarder reaches."""
+    state = uuid.uuid4().hex
+    sequences = iter(range(FORGED_SEQUENCE, FORGED_SEQUENCE + 1_000))
+
+    def envelope(vm: VmIdentity, **fields: Any) -> tuple[bytes, str]:
+        sent = Envelope(
+            vm=vm, observedAt=now_utc(), sequence=next(sequences), forwarder=FORGER, stateId=state, **fields
+        )
+        return sent.to_json_bytes(), vm.partition_key
+
+    def document(items: list[dict[str, Any]]) -> ScheduledEventsDocument:
+        return ScheduledEventsDocument.model_validate({"DocumentIncarnation": incarnation + 1, "Events": items})
+
+    def hooks() -> list[tuple[bytes, str]]:
+        step_ = HookStep(hook="10-drain", outcome="succeeded", durationSeconds=0.1, exitCode=0)
+        return [
+            envelope(
+                victim,
+                kind="hook",
+                hook=HookReport(
+                    eventId=str(e["EventId"]), phase="prepare", outcome="succeeded", durationSeconds=0.1, steps=[step_]
+                ),
+            )
+            for e in events
+        ]
+
+    kinds: dict[str, Callable[[], list[tuple[bytes, str]]]] = {
+        "sequence": lambda: [envelope(victim, kind="heartbeat")],
+        "gone": lambda: [envelope(victim, kind="incarnation", document=document([]))],
+        "deep": lambda: [_deep(forger, state)],
+        "oversized": lambda: [
+            envelope(_longest_tags(forger), kind="incarnation", document=document(_many_events(forger)))
+        ],
+        # The lies about the victim's own events need events to lie about (those the forger's IMDS shows).
+        "relabel": lambda: (
+            [
+                envelope(
+                    victim,
+                    kind="incarnation",
+                    document=document([{**e, "EventType": "Freeze", "DurationInSeconds": 5} for e in events]),
+                )
+            ]
+            if events
+            else []
+        ),
+        "user": lambda: (
+            [envelope(forger, kind="incarnation", document=document([{**e, "EventSource": "User"} for e in events]))]
+            if events
+            else []
+        ),
+        "hook": hooks,
+    }
+    return kinds[step.kind]()
+
+
+# How deep the forger nests its document: far beyond any parser's recursion limit.
+DEEP = 20_000
+
+
+def _deep(vm: VmIdentity, state: str) -> tuple[bytes, str]:
+    """An envelope whose document's one event is a list nested ``DEEP`` deep: well-formed JSON no schema allows."""
+    head = Envelope(
+        vm=vm, observedAt=now_utc(), sequence=FORGED_SEQUENCE, forwarder=FORGER, stateId=state, kind="heartbeat"
+    )
+    text = head.to_json_bytes().decode()
+    nested = "[" * DEEP + "]" * DEEP
+    body = text[:-1] + f', "document": {{"DocumentIncarnation": 1, "Events": [{nested}]}}}}'
+    return body.replace('"kind":"heartbeat"', '"kind":"incarnation"').encode(), vm.partition_key
+
+
+def _longest_tags(vm: VmIdentity) -> VmIdentity:
+    """The VM's identity with as many tags as the envelope allows, each name and value as long as allowed."""
+    tags = {f"{index:03d}".ljust(MAX_TAG_NAME, "t"): "v" * MAX_TAG_VALUE for index in range(MAX_TAGS)}
+    return vm.model_copy(update={"tags": tags})
+
+
+def _many_events(vm: VmIdentity) -> list[dict[str, Any]]:
+    """As many events as the coordinator accepts in one document, each naming the VM."""
+    return [
+        {
+            "EventId": str(uuid.uuid4()).upper(),
+            "EventType": "Freeze",
+            "ResourceType": "VirtualMachine",
+            "Resources": [vm.name],
+            "EventStatus": "Scheduled",
+            "NotBefore": "",
+            "DurationInSeconds": 5,
+            "EventSource": "Platform",
+        }
+        for _ in range(MAX_EVENTS)
+    ]
+
+
+MAX_EVENTS = 100

@@ -1,0 +1,275 @@
+"""The truth of a finished local run, gathered from the stack: the IMDS emulator's record, the platform's log (local/
+platform.py), the local gate pages' log, the scenario's VMs, the policy the coordinator read and the history's
+Observation rows. ``platform_facts`` (pure) turns the platform's log into spans."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
+from emulators.imds.models import Scenario, VmSpec
+from local.expectations import HOOK_TIMEOUT_SECONDS
+from local.observe import TABLE
+from local.stack import LocalStack
+from oracle.truth import (
+    Approval,
+    Event,
+    Forgery,
+    GateChange,
+    HistoryStep,
+    Hook,
+    Incarnation,
+    ListenerFault,
+    Observation,
+    Options,
+    Outage,
+    Span,
+    Transition,
+    Truth,
+    Vm,
+)
+
+__all__ = ["PlatformFacts", "collect", "platform_facts", "vm_of"]
+
+
+def _time(value: Any) -> datetime:
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+
+
+def vm_of(spec: VmSpec) -> Vm:
+    return Vm(
+        name=spec.name,
+        scaleSet=spec.vmScaleSetName,
+        location=spec.location,
+        zone=spec.zone,
+        faultDomain=spec.platformFaultDomain,
+        updateDomain=spec.platformUpdateDomain,
+        placementGroup=spec.placementGroupId,
+        tags=dict(spec.tags),
+        prepare=None
+        if spec.hooks is None
+        else [Hook(name=h.name, exitCode=h.exitCode, seconds=h.seconds) for h in spec.hooks.prepare],
+        agentless=spec.agentless,
+        clockSkewSeconds=spec.clockSkewSeconds,
+    )
+
+
+class PlatformFacts:
+    """The platform's log as spans: forwarder runs, kills (and those for good), wipes, outages, listener faults,
+    forgeries. ``read`` takes the log's entries in order."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[Span]] = {}
+        self.kills: dict[str, list[datetime]] = {}
+        self.permanent_kills: dict[str, list[datetime]] = {}
+        self.wipes: dict[str, list[datetime]] = {}
+        self.outages: list[Outage] = []
+        self.listener_faults: list[ListenerFault] = []
+        self.forgeries: list[Forgery] = []
+        self._running: dict[str, datetime] = {}
+        self._out: dict[str, datetime] = {}
+        self._listeners: dict[str, tuple[datetime, float, bool]] = {}
+
+    def read(self, entry: dict[str, Any]) -> None:
+        at, action = _time(entry["at"]), str(entry["action"])
+        vm = str(entry.get("vm", ""))
+        if action in ("forwarder-start", "forwarder-cont"):
+            self._running.setdefault(vm, at)
+            if action == "forwarder-start":
+                self.permanent_kills.pop(vm, None)  # a kill followed by a start on the same state loses nothing
+        elif action in ("forwarder-kill", "forwarder-stop"):
+            begun = self._running.pop(vm, None)
+            if begun is not None:
+                self.runs.setdefault(vm, []).append(Span(begin=begun, end=at))
+            if action == "forwarder-kill":
+                self.permanent_kills.setdefault(vm, []).append(at)
+                self.kills.setdefault(vm, []).append(at)
+        elif action == "wipe":
+            self.wipes.setdefault(vm, []).append(at)
+        elif action in ("outage-begin", "storage-stop"):
+            self._out[str(entry.get("service", "storage"))] = at
+        elif action in ("outage-end", "storage-cont"):
+            self._outage(str(entry.get("service", "storage")), at)
+        elif action == "listener":
+            self._listener(vm, at)
+            self._listeners[vm] = (at, float(entry.get("delaySeconds", 0.0)), bool(entry.get("dead", False)))
+        elif action == "forge":
+            events = [str(e) for e in entry.get("events", [])]
+            forgery = Forgery(
+                at=at, by=str(entry["by"]), about=str(entry["about"]), kind=str(entry["kind"]), events=events
+            )
+            self.forgeries.append(forgery)
+
+    def _outage(self, service: str, at: datetime | None) -> None:
+        begun = self._out.pop(service, None)
+        if begun is not None:
+            span = Span(begin=begun, end=at)
+            self.outages.append(Outage(service=service, span=span))
+
+    def _listener(self, vm: str, at: datetime | None) -> None:
+        begun = self._listeners.pop(vm, None)
+        if begun is not None and (begun[1] > 0 or begun[2]):
+            span = Span(begin=begun[0], end=at)
+            self.listener_faults.append(ListenerFault(vm=vm, span=span, delaySeconds=begun[1], dead=begun[2]))
+
+    def close(self) -> None:
+        """What is still on when the log ends lasts until the run's end."""
+        for vm, begun in self._running.items():
+            self.runs.setdefault(vm, []).append(Span(begin=begun))
+        self._running.clear()
+        for service in list(self._out):
+            self._outage(service, None)
+        for vm in list(self._listeners):
+            self._listener(vm, None)
+
+
+def platform_facts(log: list[dict[str, Any]]) -> PlatformFacts:
+    facts = PlatformFacts()
+    for entry in log:
+        facts.read(entry)
+    facts.close()
+    return facts
+
+
+def observations(history: Path) -> list[Observation]:
+    if not history.exists():
+        return []
+    db = sqlite3.connect(f"file:{history}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            f'SELECT VmName, DocumentIncarnation, EventId, EventStatus FROM "{TABLE}" '  # noqa: S608 -- fixed name
+            "WHERE RecordType = 'Observation'"
+        ).fetchall()
+    except sqlite3.OperationalError:  # the coordinator never wrote a row
+        return []
+    finally:
+        db.close()
+    return [
+        Observation(vm=str(vm), incarnation=int(n), eventId=str(event_id), status=str(status))
+        for vm, n, event_id, status in rows
+        if vm is not None and n is not None
+    ]
+
+
+def history_steps(history: Path) -> list[HistoryStep]:
+    if not history.exists():
+        return []
+    db = sqlite3.connect(f"file:{history}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            f'SELECT TimeGenerated, RecordType, EventId, Outcome, VmName, Reason FROM "{TABLE}" '  # noqa: S608
+            "WHERE RecordType IN ('Decision', 'Approval') ORDER BY rowid"
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        db.close()
+    return [
+        HistoryStep(
+            at=_time(at),
+            kind=kind,
+            eventId=str(event_id),
+            outcome=str(outcome or ""),
+            vm=str(vm or ""),
+            reason=str(reason or "")[:300],
+        )
+        for at, kind, event_id, outcome, vm, reason in rows
+        if event_id
+    ]
+
+
+def _event(summary: dict[str, Any]) -> Event:
+    return Event(
+        eventId=str(summary["EventId"]),
+        formerIds=[str(e) for e in summary.get("formerEventIds", [])],
+        ref=summary.get("ref"),
+        eventType=str(summary["EventType"]),
+        eventSource=str(summary["EventSource"]),
+        durationInSeconds=int(summary["DurationInSeconds"]),
+        resources=[str(n) for n in summary["Resources"]],
+        viewers=[str(n) for n in summary.get("viewers", [])],
+        notBefore=_time_or_none(summary.get("NotBefore")),
+        transitions=[
+            Transition(at=_time(t["at"]), state=t["state"], reason=str(t.get("reason", "")))
+            for t in summary["transitions"]
+        ],
+    )
+
+
+def _time_or_none(value: Any) -> datetime | None:
+    if not value:
+        return None
+    text = str(value)
+    if text.endswith("GMT"):
+        return parsedate_to_datetime(text).astimezone(UTC)
+    return _time(text)
+
+
+def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Truth:
+    """The truth of the run ``stack`` played (call it once the run is settled, before the stack stops)."""
+    assert stack.imds is not None
+    record = stack.imds.truth()
+    facts = platform_facts(stack.platform.log)
+    options = stack.options
+    policy_path = stack.workdir / "policy.yaml" if stack.gates is not None else options.policy_path
+    policy = (policy_path or DEFAULT_POLICY_PATH).read_text(encoding="utf-8")
+    gates = [
+        GateChange(at=change.at, name=change.name, state=change.behaviour, delaySeconds=change.delay_seconds)
+        for change in (stack.gates.log if stack.gates is not None else [])
+    ]
+    return Truth(
+        scenario=scenario.name,
+        started=started,
+        ended=datetime.now(UTC),
+        policy=policy,
+        options=Options(
+            timeScale=options.time_scale,
+            pollInterval=options.poll_interval,
+            timerInterval=options.timer_interval,
+            heartbeatInterval=options.heartbeat_interval,
+            hookTimeoutSeconds=HOOK_TIMEOUT_SECONDS,
+            defaultPrepareHook=options.prepare_hooks,
+            retireGraceSeconds=float(stack.retire_grace_seconds),
+            remoteAcknowledgeFallback=any(vm.agentless for vm in scenario.vms),
+        ),
+        vms=[vm_of(spec) for spec in scenario.vms],
+        events=[_event(summary) for summary in record["events"]],
+        approvals=[
+            Approval(
+                eventId=str(a["EventId"]),
+                vm=str(a["vm"]),
+                at=_time(a["at"]),
+                via=a.get("via", "imds"),
+                statusBefore=str(a.get("statusBefore", "Scheduled")),
+            )
+            for a in record["approvals"]
+        ],
+        incarnations=[
+            Incarnation(
+                vm=str(i["vm"]),
+                incarnation=int(i["incarnation"]),
+                serial=int(i["serial"]),
+                at=_time(i["at"]),
+                listed=[(str(e["EventId"]), str(e["EventStatus"])) for e in i["listed"]],
+                gone=[str(e) for e in i["gone"]],
+                firstServed=_time_or_none(i.get("firstServed")),
+                lastServed=_time_or_none(i.get("lastServed")),
+            )
+            for i in record["incarnations"]
+        ],
+        forwarderRuns=facts.runs,
+        kills=facts.kills,
+        permanentKills=facts.permanent_kills,
+        wipes=facts.wipes,
+        removals={vm: _time(r["at"]) for vm, r in record["removedVms"].items()},
+        outages=facts.outages,
+        listenerFaults=facts.listener_faults,
+        gates=gates,
+        forgeries=facts.forgeries,
+        observations=observations(stack.history_path),
+        history=history_steps(stack.history_path),
+    )
