@@ -13,6 +13,12 @@ approval sent as the forwarder sees the event, its on-demand listener not yet co
 callback_cost_usd_per_vm_month and callback_cost_usd_per_vm_month_always_on (the cost model's default rates:
 callback_cost). ``details`` holds every figure of every benchmark; ``errors`` names any
 benchmark that failed (the exit code is then 1).
+
+Ratios (issue 23), each the median over rounds of the ratio within one round, with its target in ``ratios``:
+wave_10k_over_raw_replay (the wave ÷ the same Table writes replayed raw), wave_10k_census_over_default (the wave
+under a census policy ÷ the default policy), wave_terminate_20k_over_2x10k (a Terminate wave of 20k ÷ twice 10k).
+Benchmarks of one group run in turns (one run of each, then the next round), so that a ratio between them is taken
+under the same load of this shared machine.
 """
 
 from __future__ import annotations
@@ -39,6 +45,18 @@ class Bench:
     runs: int
     headline: dict[str, str]  # the benchmark's key -> the aggregated key
     timeout: float
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``numerator``'s figure ÷ (``factor`` × ``denominator``'s), per round, then the median; met when ≤ target."""
+
+    key: str
+    numerator: tuple[str, str]
+    denominator: tuple[str, str] | None
+    target: float
+    factor: float = 1.0
 
 
 BENCHES = (
@@ -55,7 +73,46 @@ BENCHES = (
         },
         300,
     ),
-    Bench("wave", "benchmarks.wave", (), ("--vms", "1000"), 3, {"wave_seconds": "wave_{vms}_seconds"}, 600),
+    Bench(
+        "wave",
+        "benchmarks.wave",
+        ("--replay",),
+        ("--vms", "1000", "--replay"),
+        3,
+        {"wave_seconds": "wave_{vms}_seconds", "busiest_partition_ops_per_s": "wave_{vms}_busiest_partition_ops_per_s"},
+        600,
+        group="wave",
+    ),
+    Bench(
+        "wave_census",
+        "benchmarks.wave",
+        ("--policy", "census"),
+        ("--vms", "1000", "--policy", "census"),
+        3,
+        {"wave_seconds": "wave_{vms}_census_seconds"},
+        600,
+        group="wave",
+    ),
+    Bench(
+        "wave_terminate",
+        "benchmarks.wave",
+        ("--event-type", "Terminate"),
+        ("--vms", "1000", "--event-type", "Terminate"),
+        3,
+        {"wave_seconds": "wave_{vms}_terminate_seconds"},
+        600,
+        group="terminate",
+    ),
+    Bench(
+        "wave_terminate_2x",
+        "benchmarks.wave",
+        ("--event-type", "Terminate", "--vms", "20000"),
+        ("--vms", "2000", "--event-type", "Terminate"),
+        3,
+        {"wave_seconds": "wave_{vms}_terminate_seconds"},
+        900,
+        group="terminate",
+    ),
     Bench(
         "forwarder_footprint",
         "benchmarks.forwarder_footprint",
@@ -115,6 +172,37 @@ BENCHES = (
 )
 
 
+RATIOS = (
+    Ratio("wave_10k_over_raw_replay", ("wave", "wave_over_replay"), None, 3.0),
+    Ratio("wave_10k_census_over_default", ("wave_census", "wave_seconds"), ("wave", "wave_seconds"), 1.2),
+    Ratio(
+        "wave_terminate_20k_over_2x10k",
+        ("wave_terminate_2x", "wave_seconds"),
+        ("wave_terminate", "wave_seconds"),
+        1.1,
+        factor=2.0,
+    ),
+)
+
+
+def ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each ratio whose benchmarks ran: per round (the i-th run of each), then the median."""
+    out: dict[str, dict[str, Any]] = {}
+    for ratio in RATIOS:
+        top = runs.get(ratio.numerator[0], [])
+        bottom = runs.get(ratio.denominator[0], []) if ratio.denominator else top
+        values = []
+        for upper, lower in zip(top, bottom, strict=False):
+            value = upper.get(ratio.numerator[1])
+            base = lower.get(ratio.denominator[1]) if ratio.denominator else 1.0
+            if isinstance(value, int | float) and isinstance(base, int | float) and base:
+                values.append(value / (ratio.factor * base))
+        if values:
+            median = round(statistics.median(values), 3)
+            out[ratio.key] = {"value": median, "target": ratio.target, "met": median <= ratio.target, "rounds": values}
+    return out
+
+
 def run_once(bench: Bench, *, quick: bool) -> dict[str, Any]:
     command = [sys.executable, "-m", bench.module, *(bench.quick if quick else bench.full)]
     completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=bench.timeout, check=False)
@@ -147,17 +235,27 @@ def main(argv: list[str] | None = None) -> int:
     details: dict[str, Any] = {}
     errors: dict[str, str] = {}
     started = time.monotonic()
-    for bench in BENCHES:
-        if args.only and bench.name not in args.only:
+    chosen = [b for b in BENCHES if not args.only or b.name in args.only]
+    runs_of: dict[str, list[dict[str, Any]]] = {b.name: [] for b in chosen}
+    done: set[str] = set()
+    for bench in chosen:
+        if bench.name in done:
             continue
-        runs = 1 if args.quick else (args.runs or bench.runs)
-        results: list[dict[str, Any]] = []
-        try:
-            for _ in range(runs):
-                results.append(run_once(bench, quick=args.quick))
-        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as error:
-            errors[bench.name] = str(error)
-            print(f"benchmarks: {bench.name} failed: {error}", file=sys.stderr)
+        # The benchmarks of its group, in turns: round 1 of each, then round 2...
+        turn = [b for b in chosen if b.group and b.group == bench.group] or [bench]
+        rounds = 1 if args.quick else (args.runs or max(b.runs for b in turn))
+        for _ in range(rounds):
+            for member in turn:
+                if member.name in errors:
+                    continue
+                try:
+                    runs_of[member.name].append(run_once(member, quick=args.quick))
+                except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as error:
+                    errors[member.name] = str(error)
+                    print(f"benchmarks: {member.name} failed: {error}", file=sys.stderr)
+        done.update(b.name for b in turn)
+    for bench in chosen:
+        results = runs_of[bench.name]
         if not results:
             continue
         merged = median_of(results)
@@ -165,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         details[bench.name] = merged
         for source, target in bench.headline.items():
             vms = merged.get("wave_envelopes", 10_000)
-            name = target.format(vms="10k" if vms == 10_000 else str(vms))
+            name = target.format(vms=f"{vms // 1000}k" if vms % 1000 == 0 else str(vms))
             output[name] = merged.get(source)
+    output["ratios"] = ratios(runs_of)
+    for key, ratio in output["ratios"].items():
+        output[key] = ratio["value"]
     output["details"] = details
     output["errors"] = errors
     output["seconds"] = round(time.monotonic() - started, 1)

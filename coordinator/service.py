@@ -32,7 +32,7 @@ from coordinator.adapters.teams import AlertSink
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import fold, ingest, people, tail, timer
-from coordinator.pipeline.fleet import Fleet
+from coordinator.pipeline.fleet import Fleet, FleetCache
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.run import (
@@ -117,6 +117,8 @@ class Coordinator:
         self.remote_acknowledge_fallback = remote_acknowledge_fallback
         self.monitor = monitor
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
+        # The open events and the census, kept across runs (pipeline/fleet.py); a new one for a replaced store.
+        self._fleet = FleetCache(store)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.options()  # refuses contradictory settings now, not at the first run
@@ -150,13 +152,15 @@ class Coordinator:
             rng=self.rng,
             pool=self._pool,
         )
+        if self._fleet.store is not self.store:
+            self._fleet = FleetCache(self.store)
         return Run(
             kind=kind,
             parts=parts,
             options=self.options(),
             policy=self.policy,
             now=self.clock(),
-            fleet=Fleet(self.store),
+            fleet=Fleet(self.store, self._fleet),
             report=Report(kind=kind),
         )
 

@@ -295,7 +295,7 @@ def update_hold(run: Run, change: EventChange) -> None:
     and again when the hold is lifted or moves to another pending delete."""
     now = run.now
     record = change.record
-    hold = platform_hold(record, run.fleet.deletes().values(), now)
+    hold = platform_hold(record, run.fleet.deletes_of(record.scaleSets), now)
     previous = record.platformHold
     if (hold.eventId if hold else "") == (previous.eventId if previous else ""):
         return

@@ -133,7 +133,7 @@ def decide(run: Run, change: EventChange) -> None:
     gates = _gate_results(run, record, view)
     decision = evaluate(policy, record, view, now, gates=gates)
     if record.eventType == "Terminate" and record.scaleSets:
-        decision = couple(decision, record, fleet.deletes().values(), now)
+        decision = couple(decision, record, fleet.deletes_of(record.scaleSets), now)
     domains = budget_domains(policy, decision.rule, record, view)
     claimed: list[str] = []
     if decision.verdict == "approve" and not dry_run and domains:

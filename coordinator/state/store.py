@@ -16,6 +16,9 @@ Every write is conditional, which is what lets parallel coordinator instances de
 - **Too large** a record raises ``RecordTooLarge`` before anything of that call is written.
 - A ``cached`` read may answer with what this instance last read or wrote, older than what is stored: a write
   with that ETag is then refused, so a stale read never commits. Every other read is fresh.
+- **Changes** (``events_changed_since``, ``vm_groups_changed_since``): every record written at or after a time
+  of the store's own clock (the ``watermark`` an earlier answer gave, less an overlap the caller chooses), so that
+  an instance keeps the open events and the census current by reading what changed, not the whole fleet.
 
 ``TableStateStore`` (coordinator/state/tables.py) keeps this in Azure Table Storage; how records become entities is
 ``coordinator/state/entities.py``. tests/coordinator/test_state_contract.py holds every implementation to this.
@@ -52,6 +55,15 @@ class Stored(Generic[R]):
 
 
 @dataclass(frozen=True)
+class Changed(Generic[R]):
+    """Records written since a time, and the store's time to ask from next (the latest write among them; None
+    when there was none to see)."""
+
+    records: list[Stored[R]]
+    watermark: datetime | None
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     """A message refused at the door: kept with the reason so that a person can look at it; never acted on."""
 
@@ -77,6 +89,10 @@ class StateStore(Protocol):
     def open_events(self) -> list[Stored[EventRecord]]:
         """Every event not Completed or Canceled, read fresh."""
 
+    def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
+        """``since`` None: every open event (as ``open_events``). Else every event written at or after ``since``
+        (the store's clock), open or concluded."""
+
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
         """Concluded events whose last cards are still in the outbox (open ones come with open_events)."""
 
@@ -100,6 +116,9 @@ class StateStore(Protocol):
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         """Every group, read fresh."""
+
+    def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
+        """``since`` None: every group (as ``all_vm_groups``). Else every group written at or after ``since``."""
 
     def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
         """Inserts the group with all its VMs (``etag`` None), or merges the VMs ``vm_ids`` (None: every VM of

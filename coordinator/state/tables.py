@@ -49,7 +49,7 @@ from coordinator.state.entities import (
     sent_alerts_from_entity,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, StateStore, Stored
+from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R, StateStore, Stored
 
 CACHE_ENTRIES = 50_000
 # Azure Tables allows at most 15 discrete comparisons per filter: PartitionKey + 14 RowKeys.
@@ -133,6 +133,32 @@ class TableStateStore(StateStore):
                 self._remember(partition, str(entity["RowKey"]), stored)
         return found
 
+    def _changed(self, partition: str, since: datetime, parse: Callable[[Any, str], Stored[R]]) -> Changed[R]:
+        """What changed in a partition since a time of the service's clock. An entity this instance wrote or read
+        at the same ETag comes from the cache, unparsed (most of what changed in a wave is this instance's own
+        writes); the rest is parsed and cached, so cached reads are as fresh as this answer."""
+        entities = self._table.query_entities(
+            "PartitionKey eq @pk and Timestamp ge @since", parameters={"pk": partition, "since": since}
+        )
+        found: list[Stored[R]] = []
+        latest: datetime | None = None
+        for entity in entities:
+            key, etag = str(entity["RowKey"]), _etag(entity)
+            stamp = entity.metadata.get("timestamp")
+            if stamp is not None and (latest is None or stamp > latest):
+                latest = stamp
+            hit = self._cached(partition, key)
+            if hit is None or hit.etag != etag:
+                hit = parse(entity, etag)
+                self._remember(partition, key, hit)
+            found.append(hit)
+        return Changed(found, latest)
+
+    @staticmethod
+    def _latest(entities: list[TableEntity]) -> datetime | None:
+        stamps = [stamp for e in entities if (stamp := e.metadata.get("timestamp")) is not None]
+        return max(stamps) if stamps else None
+
     def _query_events(self, query: str, **parameters: Any) -> list[Stored[EventRecord]]:
         entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION, **parameters})
         return [event_from_entity(e, _etag(e)) for e in entities]
@@ -155,6 +181,17 @@ class TableStateStore(StateStore):
 
     def open_events(self) -> list[Stored[EventRecord]]:
         return self._query_events("PartitionKey eq @pk and Open eq true")
+
+    def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
+        if since is not None:
+            return self._changed(EVENT_PARTITION, since, event_from_entity)
+        entities = list(
+            self._table.query_entities("PartitionKey eq @pk and Open eq true", parameters={"pk": EVENT_PARTITION})
+        )
+        found = [event_from_entity(e, _etag(e)) for e in entities]
+        for stored, entity in zip(found, entities, strict=True):
+            self._remember(EVENT_PARTITION, str(entity["RowKey"]), stored)
+        return Changed(found, self._latest(entities))
 
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
         return self._query_events("PartitionKey eq @pk and Open eq false and Pending eq true")
@@ -183,6 +220,15 @@ class TableStateStore(StateStore):
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": VM_GROUP_PARTITION})
         return [group_from_entity(e, _etag(e)) for e in entities]
+
+    def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
+        if since is not None:
+            return self._changed(VM_GROUP_PARTITION, since, group_from_entity)
+        entities = list(self._table.query_entities("PartitionKey eq @pk", parameters={"pk": VM_GROUP_PARTITION}))
+        found = [group_from_entity(e, _etag(e)) for e in entities]
+        for stored, entity in zip(found, entities, strict=True):
+            self._remember(VM_GROUP_PARTITION, str(entity["RowKey"]), stored)
+        return Changed(found, self._latest(entities))
 
     # writes --------------------------------------------------------------------------------------------------
     def _save_one(self, write: Write, *, mode: UpdateMode = UpdateMode.REPLACE) -> str:

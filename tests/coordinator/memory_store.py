@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
@@ -44,7 +44,7 @@ from coordinator.state.entities import (
     sent_alerts_from_entity,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, StateStore, Stored
+from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R, StateStore, Stored
 
 Key = tuple[str, str]
 
@@ -57,10 +57,31 @@ class MemoryStateStore(StateStore):
         self._dead_letters: dict[Key, Entity] = {}
         self._lock = threading.Lock()
         self._versions = itertools.count(1)
+        # When each entity was last written, by the store's clock (the table's Timestamp): strictly increasing.
+        self._stamps: dict[Key, datetime] = {}
+        self._clock = datetime.min.replace(tzinfo=UTC)
 
-    def _new_etag(self) -> str:
-        # Under the lock: every write of any entity gets an ETag no entity had before.
+    def _new_etag(self, key: Key) -> str:
+        # Under the lock: every write of any entity gets an ETag no entity had before, and a later Timestamp.
+        self._clock = max(datetime.now(UTC), self._clock + timedelta(microseconds=1))
+        self._stamps[key] = self._clock
         return f'W/"{next(self._versions)}"'
+
+    def _changed(
+        self,
+        partition: str,
+        since: datetime | None,
+        parse: Callable[[Entity, str], Stored[R]],
+        where: Callable[[Entity], bool],
+    ) -> Changed[R]:
+        with self._lock:
+            rows = [
+                (dict(e), etag, self._stamps[key])
+                for key, (e, etag) in sorted(self._entities.items())
+                if key[0] == partition and (since is None or self._stamps[key] >= since)
+            ]
+        rows = [row for row in rows if since is not None or where(row[0])]
+        return Changed([parse(e, etag) for e, etag, _ in rows], max((stamp for *_, stamp in rows), default=None))
 
     # the table -----------------------------------------------------------------------------------------------
     def _get(
@@ -91,7 +112,7 @@ class MemoryStateStore(StateStore):
             for key, (entity, etag, _) in zip(keys, writes, strict=True):
                 # MERGE keeps the properties not sent (a group's other VMs); a REPLACE or an insert does not.
                 stored = {**self._entities[key][0], **entity} if merge and etag is not None else dict(entity)
-                new_etag = self._new_etag()
+                new_etag = self._new_etag(key)
                 self._entities[key] = (stored, new_etag)
                 etags.append(new_etag)
             return etags
@@ -111,6 +132,9 @@ class MemoryStateStore(StateStore):
 
     def open_events(self) -> list[Stored[EventRecord]]:
         return self._events(lambda e: e["Open"] is True)
+
+    def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
+        return self._changed(EVENT_PARTITION, since, event_from_entity, lambda e: e["Open"] is True)
 
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
         return self._events(lambda e: e["Open"] is False and e["Pending"] is True)
@@ -144,6 +168,9 @@ class MemoryStateStore(StateStore):
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         return [group_from_entity(e, etag) for e, etag in self._scan(VM_GROUP_PARTITION)]
+
+    def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
+        return self._changed(VM_GROUP_PARTITION, since, group_from_entity, lambda _: True)
 
     def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
         return self.save_vm_groups([(record, etag, vm_ids)])[0]
@@ -179,7 +206,7 @@ class MemoryStateStore(StateStore):
         with self._lock:
             key = (KEY_PARTITION, safe_key(name))
             if key not in self._entities:
-                self._entities[key] = (key_entity(name), self._new_etag())
+                self._entities[key] = (key_entity(name), self._new_etag(key))
             entity = self._entities[key][0]
         return key_from_entity(entity)
 
