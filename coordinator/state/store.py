@@ -17,8 +17,9 @@ Every write is conditional, which is what lets parallel coordinator instances de
 - A ``cached`` read may answer with what this instance last read or wrote, older than what is stored: a write
   with that ETag is then refused, so a stale read never commits. Every other read is fresh.
 - **Changes** (``events_changed_since``, ``vm_groups_changed_since``): every record written at or after a time
-  of the store's own clock (the ``watermark`` an earlier answer gave, less an overlap the caller chooses), so that
-  an instance keeps the open events and the census current by reading what changed, not the whole fleet.
+  of the store's own clock, compared to the millisecond (Azurite's precision): the ``watermark`` an earlier answer
+  gave, less an overlap the caller chooses. An instance keeps the open events and the census current that way,
+  reading what changed, not the whole fleet.
 
 ``TableStateStore`` (coordinator/state/tables.py) keeps this in Azure Table Storage; how records become entities is
 ``coordinator/state/entities.py``. tests/coordinator/test_state_contract.py holds every implementation to this.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -405,3 +406,29 @@ def test_dead_letters_are_kept_in_full_up_to_their_limits(store):
     assert (len(last["Reason"]), last["BodyBytes"]) == (8000, 100_000)
     assert last["BodyBase64"] == base64.b64encode(huge.body[:DEAD_LETTER_BODY]).decode()
     assert last["BodySha256"] == hashlib.sha256(huge.body).hexdigest()
+
+
+# changes ---------------------------------------------------------------------------------------------------------
+def test_changes_since_a_watermark_give_what_any_instance_wrote_after_it_and_nothing_older(store, peer):
+    store.save_event(event_record("EV-OLD"), None)
+    store.save_event(event_record("EV-DONE", state="Completed"), None)
+    store.save_vm_group(group("pg:old", vm_position("WestNO_0", index=1)), None)
+
+    events, groups = store.events_changed_since(None), store.vm_groups_changed_since(None)
+
+    assert [s.record.eventId for s in events.records] == ["EV-OLD"]  # the first load: every open event
+    assert [s.record.group for s in groups.records] == ["pg:old"]  # every group
+    assert events.watermark is not None
+    assert groups.watermark is not None
+    # Azurite compares Timestamps to the millisecond: what is 1 ms later is later.
+    after = max(events.watermark, groups.watermark) + timedelta(milliseconds=1)
+    time.sleep(0.005)  # the next writes come after ``after``
+    etag = peer.save_event(event_record("EV-NEW", state="Canceled"), None)
+    peer.save_vm_group(group("pg:new", vm_position("WestNO_1", index=2)), None)
+
+    changed = store.events_changed_since(after)
+    assert [(s.record.eventId, s.etag) for s in changed.records] == [("EV-NEW", etag)]  # concluded ones too
+    assert changed.watermark is not None
+    assert changed.watermark >= after
+    assert [s.record.group for s in store.vm_groups_changed_since(after).records] == ["pg:new"]
+    assert store.events_changed_since(changed.watermark + timedelta(milliseconds=1)).records == []
