@@ -16,7 +16,8 @@ benchmark that failed (the exit code is then 1).
 
 Ratios (issue 23), each the median over rounds of the ratio within one round, with its target in ``ratios``:
 wave_10k_over_raw_replay (the wave ÷ the same Table writes replayed raw), wave_10k_census_over_default (the wave
-under a census policy ÷ the default policy), wave_terminate_20k_over_2x10k (a Terminate wave of 20k ÷ twice 10k).
+under a census policy ÷ the default policy), wave_terminate_20k_over_2x10k (a Terminate wave of 20k ÷ twice 10k),
+coordinator_hop_over_conditional_write (a batch's arrival to its approval leaving ÷ one If-Match write, p50: hop).
 Benchmarks of one group run in turns (one run of each, then the next round), so that a ratio between them is taken
 under the same load of this shared machine.
 """
@@ -114,6 +115,15 @@ BENCHES = (
         group="terminate",
     ),
     Bench(
+        "hop",
+        "benchmarks.hop",
+        ("--n", "500"),
+        ("--n", "100"),
+        3,
+        {"hop_ms_p50": "coordinator_hop_ms_p50", "hop_ms_p99": "coordinator_hop_ms_p99"},
+        300,
+    ),
+    Bench(
         "forwarder_footprint",
         "benchmarks.forwarder_footprint",
         ("--seconds", "120", "--warmup", "10", "--sink", "eventhub"),
@@ -174,6 +184,7 @@ BENCHES = (
 
 RATIOS = (
     Ratio("wave_10k_over_raw_replay", ("wave", "wave_over_replay"), None, 3.0),
+    Ratio("coordinator_hop_over_conditional_write", ("hop", "hop_over_conditional_write"), None, 2.5),
     Ratio("wave_10k_census_over_default", ("wave_census", "wave_seconds"), ("wave", "wave_seconds"), 1.2),
     Ratio(
         "wave_terminate_20k_over_2x10k",

@@ -4,6 +4,13 @@ Takes the run's ``Work`` (events whose approval was decided by a committed write
 ``ApprovalCallback`` (Azure Relay in Azure, or the Maintenance RP's acknowledge) and each outcome committed to its
 event (Approved, or a retry time, or an alert). Only what was committed is acted on, and only the write that
 decided an approval sends it.
+
+An approval leaves right after its deciding write (``send_decided``, called by fold before the VM positions are
+written): the record that write committed, and its ETag, are what the delivery is planned from and what its outcome
+is written against, with no re-read; history comes last, in the tail. Before, a batch made 5 Table requests (a fresh
+re-read of the event and its groups among them) and committed the history before an approval left: the
+coordinator's hop was 12-14 times one conditional write. A crash after the deciding write leaves the approval
+record itself (``nextAttemptAt``): the timer sends it again after the in-flight grace, with its history rows.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
@@ -25,57 +31,34 @@ from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transition
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
-from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline import record as history
-from coordinator.pipeline.run import Run
+from coordinator.pipeline.run import Delivery, Run
 from coordinator.state.events import commit_event, read_event
-from coordinator.state.store import ConcurrencyConflict
+from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 
 APPROVAL_FAILED_AFTER = 3
 
 
-@dataclass
-class Delivery:
-    """One approval on its way: what is sent, to whom, and what came back."""
-
-    event_id: str
-    decision_id: str
-    executor: str
-    # The path it takes: the Relay sender (Parts.callback) or the Maintenance RP's acknowledge (remote_acknowledge).
-    callback: ApprovalCallback
-    vm: VmIdentity | None = None
-    request: ApprovalRequest | None = None
-    intent: HistoryRow | None = None
-    result: ApprovalResult | None = None
-    failure: str = ""
-    # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
-    traceparent: str = ""
-
-
 def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
-    """Sends the run's committed approvals and commits each outcome to its event (``run.work`` collects the
-    changes: their rows, cards and records).
-
-    The intent (the approval record, written by the deciding write, and an Approval history row) is recorded
-    before anything is sent, so a coordinator that dies right after sending still leaves its history; approvals go
-    out concurrently (a bounded pool, each with its own deadline), so a slow or absent listener holds up nothing
-    else."""
+    """Sends the run's committed approvals not sent yet, then commits each outcome to its event (``run.work``
+    collects the changes: their rows, cards and records)."""
     run.enter("deliver")
+    send_decided(run, last_seen=last_seen)
     work = run.work
-    plans = [plan for event_id in work.deliveries if (plan := plan_delivery(run, event_id, last_seen))]
-    intents = [plan.intent for plan in plans if plan.intent is not None]
-    if intents:
-        history.write(run, [*work.rows, *intents])
-        work.rows = []
-    send_all(run, plans)
-    for plan in plans:
+    for plan in work.sent:
+        if plan.intent is not None:
+            work.rows.append(plan.intent)
+        known = work.records.get(plan.event_id)
+        etag = work.etags.get(plan.event_id)
         try:
             change = commit_event(
                 run.parts.store,
                 plan.event_id,
                 lambda r, plan=plan: approval_outcome(run, r, plan=plan),  # type: ignore[misc]
+                # The record as this run committed it, and that write's ETag: no re-read unless another wrote since.
+                read=Stored(known, etag) if known is not None and etag is not None else None,
+                etags=work.etags,
             )
         except ConcurrencyConflict:
             log.warning("approval of %s: outcome not recorded (contended); the timer reconciles", plan.event_id)
@@ -93,14 +76,30 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
             work.collect(change)
 
 
+def send_decided(run: Run, *, last_seen: dict[str, datetime] | None = None) -> None:
+    """Sends the approvals committed so far and not sent yet, concurrently (a bounded pool, each with its own
+    deadline: a slow or absent listener holds up nothing else); their outcomes are committed by ``deliver``."""
+    work = run.work
+    going = {plan.event_id for plan in work.sent}
+    plans = [
+        plan
+        for event_id in work.deliveries
+        if event_id not in going and (plan := plan_delivery(run, event_id, last_seen))
+    ]
+    send_all(run, plans)
+    work.sent.extend(plans)
+
+
 def plan_delivery(run: Run, event_id: str, last_seen: dict[str, datetime] | None) -> Delivery | None:
-    """What to send for one committed approval, read fresh: the executor and the request (None when no VM
-    can execute it; the failure says why). Every approval is sent from a plan, so dry-run is held here: an
-    approval decided before dry-run was switched on waits."""
+    """What to send for one committed approval: the executor and the request (None when no VM can execute it; the
+    failure says why), from the record as this run committed it (read fresh only when the run holds none). Every
+    approval is sent from a plan, so dry-run is held here: an approval decided before dry-run was switched on
+    waits."""
     if run.dry_run:
         return None
     now, options = run.now, run.options
-    stored = read_event(run.parts.store, event_id)
+    known = run.work.records.get(event_id)
+    stored = Stored(known, run.work.etags.get(event_id)) if known is not None else read_event(run.parts.store, event_id)
     if stored is None or stored.record.approval is None or stored.record.approval.delivered:
         return None
     record = stored.record

@@ -91,7 +91,7 @@ def release_held(run: Run, changes: Sequence[EventChange]) -> int:
         if event_id in here:
             continue
         try:
-            change = commit_event(run.parts.store, event_id, lambda r: redecide(run, r))
+            change = commit_event(run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags)
         except ConcurrencyConflict:
             log.warning("held delete %s: contended; the timer decides it again", event_id)
             continue

@@ -182,6 +182,19 @@ class FleetCache:
             for record in records:
                 self._put_event(record)
 
+    def probably_new(self, event_ids: Iterable[str], groups: Iterable[Stored[VmGroupRecord]]) -> set[str]:
+        """The events that are neither open as this instance knows (none when it has not loaded them) nor sighted
+        by any VM of ``groups``: most likely new, so a batch inserts them without reading them first (an insert
+        is refused when the event exists, and then the batch reads)."""
+        with self._lock:
+            if self._events_at is None:
+                return set()
+            unknown = {event_id for event_id in event_ids if event_id not in self._events}
+        for group in groups:
+            for vm in group.record.vms.values():
+                unknown -= vm.sightings.keys()
+        return unknown
+
     def open_events(self, *, force: bool = False) -> dict[str, EventRecord]:
         with self._lock:
             self._refresh_events(force=force)

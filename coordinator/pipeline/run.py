@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
@@ -26,7 +28,7 @@ from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet import Fleet
 from coordinator.state.store import StateStore
 
-__all__ = ["Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
+__all__ = ["Delivery", "Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
 
 # A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
 # long: three of the forwarder's 60 s heartbeats. Shorter than the heartbeat timeout, so no "heartbeat lost" first.
@@ -152,14 +154,35 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
 
 
 @dataclass
+class Delivery:
+    """One approval on its way (pipeline/act.py): what is sent, to whom, and what came back."""
+
+    event_id: str
+    decision_id: str
+    executor: str
+    # The path it takes: the Relay sender (Parts.callback) or the Maintenance RP's acknowledge (remote_acknowledge).
+    callback: ApprovalCallback
+    vm: VmIdentity | None = None
+    request: ApprovalRequest | None = None
+    intent: HistoryRow | None = None
+    result: ApprovalResult | None = None
+    failure: str = ""
+    # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
+    traceparent: str = ""
+
+
+@dataclass
 class Work:
     """What a run committed and still has to act on: history rows, cards, approvals to deliver, the records as
-    committed."""
+    committed (and the ETag of each one this run wrote: the next write of it is conditional on that, not on a
+    re-read), the approvals sent whose outcome is still to be committed."""
 
     rows: list[HistoryRow] = field(default_factory=list)
     alerts: list[tuple[str, AlertKind]] = field(default_factory=list)
     deliveries: list[str] = field(default_factory=list)
     records: dict[str, EventRecord] = field(default_factory=dict)
+    etags: dict[str, str] = field(default_factory=dict)
+    sent: list[Delivery] = field(default_factory=list)
     # Cards about VMs rather than events (two forwarders reporting as one VM).
     vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
 

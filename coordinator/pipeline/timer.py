@@ -21,7 +21,7 @@ from coordinator.adapters import telemetry
 from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
-from coordinator.domain.history_rows import approval_row, heartbeat_row
+from coordinator.domain.history_rows import approval_row, decision_row, heartbeat_row
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord
 from coordinator.pipeline import act, decide, outbox, tail
@@ -86,6 +86,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
                 record.eventId,
                 lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen),
                 read=stored,
+                etags=work.etags,
             )
         except ConcurrencyConflict:
             log.warning("event %s: contended; the next tick tries again", record.eventId)
@@ -96,30 +97,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
             changes.append(change)
             fleet.note(change.record)
             record = change.record
-        approval = record.approval
-        if (
-            approval is not None
-            and not approval.delivered
-            and record.state == "Scheduled"
-            and approval.nextAttemptAt is not None
-            and approval.nextAttemptAt <= now
-            and record.eventId not in work.deliveries
-        ):
-            if approval.attempts == 0 and not approval.outcome:
-                work.rows.append(
-                    approval_row(
-                        record=record,
-                        now=now,
-                        rule=approval.rule,
-                        decision_id=approval.decisionId,
-                        actor=approval.actor,
-                        outcome="unknown",
-                        reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
-                        "sender stopped before recording it); sent again with the same decisionId (the listener "
-                        "answers a repeat without approving twice)",
-                    )
-                )
-            work.deliveries.append(record.eventId)
+        retry_due(run, record)
         outbox.queue_pending(record, now, work, settled)
     report.events_changed += decide.release_held(run, changes)
     for stored in store.closed_events_with_pending_alerts():
@@ -133,6 +111,40 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     if logs:
         store.delete_sent_alert_logs([key for key, _ in logs])
     census(run, known, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
+
+
+def retry_due(run: Run, record: EventRecord) -> None:
+    """Queues the delivery of an approval whose next attempt is due (a failed one, or one whose sender stopped
+    between the deciding write and recording the outcome: in flight past its grace)."""
+    now, work = run.now, run.work
+    approval = record.approval
+    if (
+        approval is not None
+        and not approval.delivered
+        and record.state == "Scheduled"
+        and approval.nextAttemptAt is not None
+        and approval.nextAttemptAt <= now
+        and record.eventId not in work.deliveries
+    ):
+        if approval.attempts == 0 and not approval.outcome:
+            # The deciding run stopped between its write and its history (history follows the send): its
+            # Decision row, at the time it was decided, then what is known of the send.
+            if record.decision is not None and record.decision.decisionId == approval.decisionId:
+                work.rows.append(decision_row(record=record, now=record.decision.decidedAt))
+            work.rows.append(
+                approval_row(
+                    record=record,
+                    now=now,
+                    rule=approval.rule,
+                    decision_id=approval.decisionId,
+                    actor=approval.actor,
+                    outcome="unknown",
+                    reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
+                    "sender stopped before recording it); sent again with the same decisionId (the listener "
+                    "answers a repeat without approving twice)",
+                )
+            )
+        work.deliveries.append(record.eventId)
 
 
 def due_groups(
