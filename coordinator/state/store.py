@@ -10,9 +10,10 @@ Every write is conditional, which is what lets parallel coordinator instances de
   ETag was read, or is gone.
 - A refused write changes nothing; the caller reads again and redoes (``commit.commit``).
 - **Several records in one call** (``save_events``, ``save_vm_groups``) are written in transactions of at most 100
-  records (``entities.transactions``): each transaction is all or nothing, and one stale ETag refuses its whole
-  transaction with ``ConcurrencyConflict``, as does a record named twice in it. Transactions before the refused
-  one stay written, those after it are not tried: after a conflict the caller reads every record again.
+  records of one partition each (``entities.transactions``): each transaction is all or nothing, and one stale
+  ETag refuses its whole transaction with ``ConcurrencyConflict``, as does a record named twice in it.
+  Transactions before the refused one stay written, those after it are not tried: after a conflict the caller
+  reads every record again.
 - **Too large** a record raises ``RecordTooLarge`` before anything of that call is written.
 - A ``cached`` read may answer with what this instance last read or wrote, older than what is stored: a write
   with that ETag is then refused, so a stale read never commits. Every other read is fresh.

@@ -35,10 +35,13 @@ from coordinator.state.entities import (
     dead_letter_transactions,
     event_entity,
     event_from_entity,
+    event_partition,
     group_entity,
     group_from_entity,
+    group_partition,
     key_entity,
     key_from_entity,
+    partitions_of,
     safe_key,
     sent_alerts_entity,
     sent_alerts_from_entity,
@@ -47,6 +50,8 @@ from coordinator.state.entities import (
 from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R, StateStore, Stored
 
 Key = tuple[str, str]
+# Partitions that are one partition (the others are a kind spread over several: entities.partitions_of).
+_SINGLE = frozenset({BUDGET_PARTITION, SENT_ALERTS_PARTITION, KEY_PARTITION})
 
 
 class MemoryStateStore(StateStore):
@@ -69,33 +74,36 @@ class MemoryStateStore(StateStore):
 
     def _changed(
         self,
-        partition: str,
+        kind: str,
         since: datetime | None,
         parse: Callable[[Entity, str], Stored[R]],
         where: Callable[[Entity], bool],
     ) -> Changed[R]:
+        low, high = partitions_of(kind)
         with self._lock:
             rows = [
                 (dict(e), etag, self._stamps[key])
                 for key, (e, etag) in sorted(self._entities.items())
-                if key[0] == partition and (since is None or self._stamps[key] >= since)
+                if low <= key[0] < high and (since is None or self._stamps[key] >= since)
             ]
         rows = [row for row in rows if since is not None or where(row[0])]
         return Changed([parse(e, etag) for e, etag, _ in rows], max((stamp for *_, stamp in rows), default=None))
 
     # the table -----------------------------------------------------------------------------------------------
     def _get(
-        self, partition: str, keys: Iterable[str], parse: Callable[[Entity, str], Stored[R]]
+        self, partition_of: Callable[[str], str], keys: Iterable[str], parse: Callable[[Entity, str], Stored[R]]
     ) -> dict[str, Stored[R]]:
         wanted = list(keys)
         with self._lock:
-            found = {k: self._entities.get((partition, safe_key(k))) for k in wanted}
+            found = {k: self._entities.get((partition_of(k), safe_key(k))) for k in wanted}
         return {k: parse(dict(hit[0]), hit[1]) for k, hit in found.items() if hit is not None}
 
     def _scan(self, partition: str, where: Callable[[Entity], bool] = lambda _: True) -> list[tuple[Entity, str]]:
-        """A partition's entities that ``where`` keeps, in RowKey order (the table's)."""
+        """The entities of one partition, or of every partition of a kind (``partitions_of``), that ``where``
+        keeps, in (PartitionKey, RowKey) order (the table's)."""
+        low, high = (partition, partition + "\0") if partition in _SINGLE else partitions_of(partition)
         with self._lock:
-            rows = [(dict(e), etag) for (p, _), (e, etag) in sorted(self._entities.items()) if p == partition]
+            rows = [(dict(e), etag) for (p, _), (e, etag) in sorted(self._entities.items()) if low <= p < high]
         return [(e, etag) for e, etag in rows if where(e)]
 
     def _commit(self, writes: Sequence[Write], *, merge: bool = False) -> list[str]:
@@ -118,11 +126,15 @@ class MemoryStateStore(StateStore):
             return etags
 
     def _save_many(self, writes: list[Write], *, merge: bool = False) -> list[str]:
-        return [etag for part in transactions(writes) for etag in self._commit(part, merge=merge)]
+        etags: dict[int, str] = {}
+        for positions in transactions(writes):
+            for index, etag in zip(positions, self._commit([writes[i] for i in positions], merge=merge), strict=True):
+                etags[index] = etag
+        return [etags[i] for i in range(len(writes))]
 
     # events --------------------------------------------------------------------------------------------------
     def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
-        return self._get(EVENT_PARTITION, event_ids, event_from_entity)
+        return self._get(event_partition, event_ids, event_from_entity)
 
     def get_event(self, event_id: str) -> Stored[EventRecord] | None:
         return self.get_events([event_id]).get(event_id)
@@ -153,7 +165,7 @@ class MemoryStateStore(StateStore):
         for event_id, etag in items:
             if etag is None:
                 raise ValueError("IfNotModified must be specified with etag.")  # as azure-data-tables says
-            key = (EVENT_PARTITION, safe_key(event_id))
+            key = (event_partition(event_id), safe_key(event_id))
             with self._lock:
                 current = self._entities.get(key)
                 if current is not None and current[1] != etag:
@@ -164,7 +176,7 @@ class MemoryStateStore(StateStore):
 
     # VM groups -----------------------------------------------------------------------------------------------
     def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
-        return self._get(VM_GROUP_PARTITION, keys, group_from_entity)
+        return self._get(group_partition, keys, group_from_entity)
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         return [group_from_entity(e, etag) for e, etag in self._scan(VM_GROUP_PARTITION)]
@@ -180,7 +192,7 @@ class MemoryStateStore(StateStore):
 
     # budgets -------------------------------------------------------------------------------------------------
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
-        return self._get(BUDGET_PARTITION, [scale_set], budget_from_entity).get(scale_set)
+        return self._get(lambda _: BUDGET_PARTITION, [scale_set], budget_from_entity).get(scale_set)
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._commit([(budget_entity(record), etag, record)])[0]
