@@ -90,6 +90,7 @@ class KnownVm:
     last_seen: datetime
     agentless: bool
     retired_by: str  # the event that removed it ("" while it is not retired)
+    retired_at: datetime | None
     heartbeat_lost: bool
     imds_failing: bool
     pending_since: datetime | None
@@ -105,6 +106,7 @@ class KnownVm:
             last_seen=vm.lastSeen,
             agentless=vm.agentless,
             retired_by=vm.retired.eventId if vm.retired is not None else "",
+            retired_at=vm.retired.at if vm.retired is not None else None,
             heartbeat_lost=vm.heartbeatLost,
             imds_failing=vm.imdsFailing is not None,
             pending_since=vm.pendingSince,
@@ -253,6 +255,12 @@ class FleetCache:
             for group in groups:
                 self._put_group(group)
 
+    def forget_vms(self, vm_ids: Iterable[str]) -> None:
+        """VMs whose positions housekeeping removed (retired long ago: none is in the census)."""
+        with self._lock:
+            for vm_id in vm_ids:
+                self._vms.pop(vm_id, None)
+
     def known_census(self) -> Census:
         """The census, loaded on first need and refreshed by change (the live object: read, never iterated
         while another thread may change it, except through its own copying methods)."""
@@ -391,7 +399,7 @@ class Fleet:
             claims = dict(stored.record.claims) if stored else {}
             if event_id in claims:
                 return None
-            live = self._live(claims, now)
+            live = self.live(claims, now)
             impacted = set(domain.mine) | domain.others
             for claim in live.values():
                 impacted.update(claim.vms)
@@ -414,7 +422,9 @@ class Fleet:
             return f"budget {key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer"
         return refused
 
-    def _live(self, claims: dict[str, BudgetClaim], now: datetime) -> dict[str, BudgetClaim]:
+    def live(self, claims: dict[str, BudgetClaim], now: datetime) -> dict[str, BudgetClaim]:
+        """The claims that still count: those within their lease, and older ones whose event (read fresh) still
+        holds an approval."""
         old = [event_id for event_id, claim in claims.items() if claim.claimedAt < now - CLAIM_LEASE]
         events = self._store.get_events(old) if old else {}
         return {

@@ -116,6 +116,8 @@ class Report:
     vms_retired: int = 0
     history_rows: int = 0
     events_purged: int = 0
+    vms_purged: int = 0
+    budgets_purged: int = 0
     conflicts: int = 0
 
     def count_conflict(self) -> None:
@@ -148,6 +150,8 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "vms_retired",
         "history_rows",
         "events_purged",
+        "vms_purged",
+        "budgets_purged",
     ),
     "person": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows"),
 }

@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
 from coordinator.domain.approvals import start_overdue
@@ -33,13 +33,26 @@ from coordinator.state.store import ConcurrencyConflict, Stored
 log = logging.getLogger("coordinator")
 
 
+# A retired VM's position (its group's property) is removed this long after it was retired: its sightings served the
+# "gone" checks of the events it reported, which are kept a week after a VM stops listing an event, and by then its
+# events have concluded (a removed VM's events conclude at the next tick) and its hybrid connection is deleted.
+RETIRED_RETENTION = timedelta(days=7)
+# Housekeeping removes at most this many groups' retired VMs (each a read and a write) and this many budget
+# entities per run, so that a backlog (a scale set deleted at once) never makes one tick long; what is left is
+# taken up by the next tick.
+PURGE_GROUPS_PER_RUN = 200
+PURGE_BUDGETS_PER_RUN = 200
+
+
 @dataclass
 class Housekeeping:
     """Hourly, not every tick: the retention purge, and ``cleanup`` (given every VM's hybrid connection and when it
-    last reported: the VMs' hybrid connections no VM needs are deleted). Kept by the coordinator across ticks."""
+    last reported: the VMs' hybrid connections no VM needs are deleted). Kept by the coordinator across ticks.
+    ``backlog``: the last purge left work for the next tick."""
 
     cleanup: Callable[[dict[str, datetime], datetime], None] | None = None
     due: datetime | None = None
+    backlog: bool = False
 
 
 def tick(run: Run, housekeeping: Housekeeping) -> None:
@@ -311,11 +324,53 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
             run.work.vm_alerts.append((vm, "heartbeat-lost"))
 
 
+def purge_retired(run: Run, known: list[KnownVm]) -> bool:
+    """Removes the positions of VMs retired longer than ``RETIRED_RETENTION`` from their groups (a group left with
+    none is deleted), each group If-Match its fresh ETag, at most ``PURGE_GROUPS_PER_RUN`` groups. Returns whether
+    more is left."""
+    cutoff = run.now - RETIRED_RETENTION
+    due = sorted({vm.group for vm in known if vm.retired_at is not None and vm.retired_at < cutoff})
+    store, cache = run.parts.store, run.fleet.cache
+    fresh = store.get_vm_groups(due[:PURGE_GROUPS_PER_RUN])
+    for key in due[:PURGE_GROUPS_PER_RUN]:
+        stored = fresh.get(key)
+        if stored is None:  # gone already (another instance's housekeeping)
+            cache.forget_vms(vm.vm_id for vm in known if vm.group == key and vm.retired_at is not None)
+            continue
+        vms = stored.record.vms
+        gone = {i for i, vm in vms.items() if vm.retired is not None and vm.retired.at < cutoff}
+        kept = {i: vm for i, vm in vms.items() if i not in gone}
+        try:
+            store.prune_vm_group(VmGroupRecord(group=key, vms=kept), stored.etag or "")
+        except ConcurrencyConflict:
+            continue  # a VM of the group reported meanwhile: the next run
+        cache.forget_vms(gone)
+        run.report.vms_purged += len(gone)
+    return len(due) > PURGE_GROUPS_PER_RUN
+
+
+def purge_budgets(run: Run) -> bool:
+    """Deletes the budget entities whose claims were all released (or lapsed: ``Fleet.live``), each If-Match its
+    ETag, at most ``PURGE_BUDGETS_PER_RUN``. Returns whether more is left."""
+    spent = [s for s in run.parts.store.budgets() if not run.fleet.live(dict(s.record.claims), run.now)]
+    for stored in spent[:PURGE_BUDGETS_PER_RUN]:
+        if run.parts.store.delete_budget(stored.record.scaleSet, stored.etag or ""):
+            run.report.budgets_purged += 1
+    return len(spent) > PURGE_BUDGETS_PER_RUN
+
+
 def run_housekeeping(run: Run, known: list[KnownVm], housekeeping: Housekeeping) -> None:
-    """Hourly, not every tick: deletes concluded events older than the retention, and lists ARM resources (the
-    VMs' hybrid connections) to delete the stale ones."""
+    """Hourly, not every tick: deletes concluded events older than the retention, the positions of VMs retired
+    longer than ``RETIRED_RETENTION`` and the budget entities no claim holds (bounded: a backlog goes on at the next
+    tick), and lists ARM resources (the VMs' hybrid connections) to delete the stale ones."""
     now, store = run.now, run.parts.store
-    if housekeeping.due is not None and now < housekeeping.due:
+    hourly = housekeeping.due is None or now >= housekeeping.due
+    if hourly or housekeeping.backlog:
+        try:
+            housekeeping.backlog = purge_retired(run, known) | purge_budgets(run)
+        except Exception:  # never let cleanup stop the timer's real work; it runs again next time
+            log.exception("purging retired VMs and released budgets failed")
+    if not hourly:
         return
     housekeeping.due = now + run.options.housekeeping_interval
     try:

@@ -126,6 +126,11 @@ class StateStore(Protocol):
         """Inserts the group with all its VMs (``etag`` None), or merges the VMs ``vm_ids`` (None: every VM of
         ``record``) into it If-Match ``etag``: VMs not sent keep what is stored. Gives the new ETag."""
 
+    def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
+        """Replaces the group If-Match ``etag`` with only the VMs of ``record`` (the VMs not in it are removed, which
+        a merge cannot do), or deletes it when ``record`` has none; gives the new ETag (None: deleted).
+        ``ConcurrencyConflict`` when the group changed since or is gone."""
+
     def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
         """``save_vm_group`` for each, in transactions of 100 (all or nothing each); the new ETags in order."""
 
@@ -135,6 +140,12 @@ class StateStore(Protocol):
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         """Inserts (``etag`` None) or replaces the budget If-Match ``etag``; gives the new ETag."""
+
+    def budgets(self) -> list[Stored[BudgetRecord]]:
+        """Every budget domain's entity, read fresh (housekeeping removes those whose claims were all released)."""
+
+    def delete_budget(self, key: str, etag: str) -> bool:
+        """Deletes the budget If-Match ``etag``; False when it changed since (kept), True when deleted or gone."""
 
     # the log of sent cards: one entry per batch that sent cards, cleared in bulk by the timer.
     def log_sent_alerts(self, record: SentAlerts) -> None:

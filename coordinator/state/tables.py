@@ -313,6 +313,31 @@ class TableStateStore(StateStore):
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._save_one((budget_entity(record), etag, record))
 
+    def budgets(self) -> list[Stored[BudgetRecord]]:
+        entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": BUDGET_PARTITION})
+        return [budget_from_entity(e, _etag(e)) for e in entities]
+
+    def delete_budget(self, key: str, etag: str) -> bool:
+        try:
+            self._table.delete_entity(
+                BUDGET_PARTITION, safe_key(key), etag=etag, match_condition=MatchConditions.IfNotModified
+            )
+        except ResourceModifiedError:
+            return False
+        return True
+
+    def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
+        partition, key = group_partition(record.group), safe_key(record.group)
+        if record.vms:
+            return self._save_one((group_entity(record), etag, record), mode=UpdateMode.REPLACE)
+        try:
+            self._table.delete_entity(partition, key, etag=etag, match_condition=MatchConditions.IfNotModified)
+        except ResourceModifiedError as error:
+            raise ConcurrencyConflict(f"{partition}/{key} changed") from error
+        finally:
+            self._forget(partition, key)
+        return None
+
     def log_sent_alerts(self, record: SentAlerts) -> None:
         self._table.create_entity(sent_alerts_entity(record))
 

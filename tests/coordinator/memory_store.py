@@ -187,6 +187,17 @@ class MemoryStateStore(StateStore):
     def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
         return self.save_vm_groups([(record, etag, vm_ids)])[0]
 
+    def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
+        if record.vms:
+            return self._commit([(group_entity(record), etag, record)])[0]
+        key = (group_partition(record.group), safe_key(record.group))
+        with self._lock:
+            current = self._entities.get(key)
+            if current is None or current[1] != etag:
+                raise ConcurrencyConflict(f"{key[0]}/{key[1]} changed")
+            del self._entities[key]
+        return None
+
     def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
         return self._save_many([(group_entity(r, None if e is None else v), e, r) for r, e, v in items], merge=True)
 
@@ -196,6 +207,17 @@ class MemoryStateStore(StateStore):
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._commit([(budget_entity(record), etag, record)])[0]
+
+    def budgets(self) -> list[Stored[BudgetRecord]]:
+        return [budget_from_entity(e, etag) for e, etag in self._scan(BUDGET_PARTITION)]
+
+    def delete_budget(self, key: str, etag: str) -> bool:
+        with self._lock:
+            current = self._entities.get((BUDGET_PARTITION, safe_key(key)))
+            if current is not None and current[1] != etag:
+                return False
+            self._entities.pop((BUDGET_PARTITION, safe_key(key)), None)
+        return True
 
     # sent cards ----------------------------------------------------------------------------------------------
     def log_sent_alerts(self, record: SentAlerts) -> None:

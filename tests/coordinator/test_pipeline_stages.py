@@ -60,6 +60,8 @@ def test_a_tick_and_a_person_end_with_the_same_tail(azurite, imds, tmp_path):
         "vms_retired",
         "history_rows",
         "events_purged",
+        "vms_purged",
+        "budgets_purged",
     }
 
     person = coordinator.start("person")

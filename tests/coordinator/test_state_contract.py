@@ -459,3 +459,31 @@ def test_changes_since_a_watermark_give_what_any_instance_wrote_after_it_and_not
     assert changed.watermark >= after
     assert [s.record.group for s in store.vm_groups_changed_since(after).records] == ["pg:new"]
     assert store.events_changed_since(changed.watermark + timedelta(milliseconds=1)).records == []
+
+
+# housekeeping ----------------------------------------------------------------------------------------------------
+def test_a_pruned_group_keeps_only_the_vms_given_and_goes_when_none_is_left(store, peer):
+    a, b = vm_position("a_0", index=1), vm_position("b_0", index=2)
+    etag = store.save_vm_group(group("pg:web", a, b), None)
+    moved = peer.save_vm_group(group("pg:web", a, b), etag, vm_ids=[a.identity.vmId])
+    with pytest.raises(ConcurrencyConflict):
+        store.prune_vm_group(group("pg:web", b), etag)  # changed since: kept whole
+
+    pruned = store.prune_vm_group(group("pg:web", b), moved)
+
+    assert pruned is not None
+    assert store.get_vm_groups(["pg:web"]) == {"pg:web": Stored(group("pg:web", b), pruned)}
+    assert store.prune_vm_group(group("pg:web"), pruned) is None
+    assert store.get_vm_groups(["pg:web"]) == {}
+
+
+def test_budgets_are_listed_and_deleted_only_unchanged(store, peer):
+    claim = BudgetClaim(eventId="EV-1", vms=["web_0"], claimedAt=DOC_NOW)
+    empty = store.save_budget(BudgetRecord(scaleSet="web"), None)
+    held = store.save_budget(BudgetRecord(scaleSet="zone:westeurope/1", claims={"EV-1": claim}), None)
+    assert {s.record.scaleSet: s.etag for s in store.budgets()} == {"web": empty, "zone:westeurope/1": held}
+
+    changed = peer.save_budget(BudgetRecord(scaleSet="web", claims={"EV-1": claim}), empty)
+    assert store.delete_budget("web", empty) is False
+    assert store.delete_budget("web", changed) is True
+    assert [s.record.scaleSet for s in store.budgets()] == ["zone:westeurope/1"]
