@@ -19,7 +19,10 @@ wave_10k_over_raw_replay (the wave ÷ the same Table writes replayed raw), wave_
 under a census policy ÷ the default policy), wave_terminate_20k_over_2x10k (a Terminate wave of 20k ÷ twice 10k),
 coordinator_hop_over_conditional_write (a batch's arrival to its approval leaving ÷ one If-Match write, p50: hop),
 pipeline_added_p99_over_bare_hops_p99 (pipeline_latency's pipeline_added p99 ÷ the sum of the p99s of its hops run
-bare: eventhub_hop, hop, approval_latency).
+bare: eventhub_hop, hop, approval_latency), wave_50k_per_envelope_over_10k and wave_100k_per_envelope_over_10k
+(time per envelope at 50k and 100k VMs ÷ at 10k: flat within 20% when linear). The 100k wave also gives the
+timer's tick at 100k VMs (tick_100k_seconds: the warm tick, what changed since the last one; tick_100k_first_seconds:
+the first tick of an instance, which loads every VM once) and the busiest Table partition's rate.
 Benchmarks of one group run in turns (one run of each, then the next round), so that a ratio between them is taken
 under the same load of this shared machine.
 """
@@ -128,6 +131,42 @@ BENCHES = (
         900,
         group="terminate",
     ),
+    # Time per envelope at 10k, 50k and 100k VMs, run in turns once each: flat when the coordinator is linear.
+    Bench(
+        "wave_scale_10k",
+        "benchmarks.wave",
+        (),
+        ("--vms", "1000"),
+        1,
+        {"seconds_per_1k_envelopes": "wave_10k_seconds_per_1k_envelopes"},
+        900,
+        group="scale",
+    ),
+    Bench(
+        "wave_50k",
+        "benchmarks.wave",
+        ("--vms", "50000"),
+        ("--vms", "2000"),
+        1,
+        {"wave_seconds": "wave_{vms}_seconds", "busiest_partition_ops_per_s": "wave_{vms}_busiest_partition_ops_per_s"},
+        1800,
+        group="scale",
+    ),
+    Bench(
+        "wave_100k",
+        "benchmarks.wave",
+        ("--vms", "100000"),
+        ("--vms", "4000"),
+        1,
+        {
+            "wave_seconds": "wave_{vms}_seconds",
+            "busiest_partition_ops_per_s": "wave_{vms}_busiest_partition_ops_per_s",
+            "tick_seconds": "tick_{vms}_first_seconds",
+            "tick_again_seconds": "tick_{vms}_seconds",
+        },
+        3600,
+        group="scale",
+    ),
     Bench(
         "hop",
         "benchmarks.hop",
@@ -208,6 +247,18 @@ RATIOS = (
         (("wave_terminate", "wave_seconds"),),
         1.1,
         factor=2.0,
+    ),
+    Ratio(
+        "wave_50k_per_envelope_over_10k",
+        ("wave_50k", "seconds_per_1k_envelopes"),
+        (("wave_scale_10k", "seconds_per_1k_envelopes"),),
+        1.2,
+    ),
+    Ratio(
+        "wave_100k_per_envelope_over_10k",
+        ("wave_100k", "seconds_per_1k_envelopes"),
+        (("wave_scale_10k", "seconds_per_1k_envelopes"),),
+        1.2,
     ),
     # The pipeline's added p99 against its hops' p99 measured bare: Event Hubs, the coordinator, the Relay approval.
     Ratio(

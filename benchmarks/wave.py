@@ -2,7 +2,7 @@
 
 10,000 VMs in placement groups of 20 each report one Scheduled event (500 distinct events): every VM of a group
 sees its group's event within about a second of the others, groups start 50 ms apart, and the envelopes are spread
-over Event Hubs partitions by VM resource id (the forwarder's partition key), then cut into batches of 100
+over Event Hubs partitions by VM resource id (the forwarder's partition key), then cut into batches of 200
 (host.json maxEventBatchSize) per partition and fed to ``function_app.ingest_envelopes`` as ``func.EventHubEvent``
 lists. The events are Reboot/Redeploy/long Freeze, which the default policy leaves to a person: the figure covers
 state, rules, history (SQLite) and alerts (cards folder), not approvals (benchmarks/approval_latency.py does those).
@@ -260,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--vms", type=int, default=10_000)
     parser.add_argument("--group-size", type=int, default=20)
     parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=200, help="envelopes per batch (host.json maxEventBatchSize)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--group-spacing-ms", type=float, default=50.0, help="time between placement groups")
     parser.add_argument(

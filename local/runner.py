@@ -96,7 +96,7 @@ class FunctionHost:
 
     :keyword eventhub_connection_string: namespace connection string (the Event Hubs emulator's).
     :keyword storage_connection_string: Azurite; checkpoints and ownership go to ``checkpoint_container``.
-    :keyword max_batch_size: the host's ``maxEventBatchSize`` (host.json); 100 by default, as in Azure.
+    :keyword max_batch_size: the host's ``maxEventBatchSize`` (host.json); 200 by default, as in Azure.
     :keyword max_attempts: tries per batch (1 + the app's retry count).
     :keyword socket_timeout: the consumer's AMQP socket read timeout; it bounds how long a delivery waits.
     """
@@ -112,7 +112,7 @@ class FunctionHost:
         timer_interval: float = 2.0,
         consumer_group: str = "$Default",
         checkpoint_container: str = "azure-webjobs-eventhub",
-        max_batch_size: int = 100,
+        max_batch_size: int = 200,
         socket_timeout: float = 0.005,
         max_attempts: int = 6,
         retry_initial: float = 0.2,
