@@ -42,11 +42,12 @@ class Ops:
             else:
                 self.reads += len(partitions)
 
-    def busiest(self) -> dict[str, Any]:
-        """The partition and second with the most entity operations."""
-        if not self.per_second:
+    def busiest(self, *, since: int = 0) -> dict[str, Any]:
+        """The partition and second (from ``since``, a wall-clock second) with the most entity operations."""
+        counts = Counter({key: n for key, n in self.per_second.items() if key[1] >= since})
+        if not counts:
             return {"busiest_partition": None, "busiest_partition_ops_per_s": 0}
-        (partition, _), ops = self.per_second.most_common(1)[0]
+        (partition, _), ops = counts.most_common(1)[0]
         return {"busiest_partition": partition, "busiest_partition_ops_per_s": ops}
 
     def summary(self) -> dict[str, Any]:
