@@ -4,9 +4,9 @@
 
 The Event Hubs emulator with the local stack's partitions; a producer sends each envelope-sized event as the forwarder
 does (``create_batch(partition_key=<the VM's resource id>)``, ``send_batch``), one VM after another, 0.1-0.3 s apart;
-a consumer configured as the local runner's (``local/runner.py``: greedy load balancing, a 5 ms socket timeout, no
-``max_wait_time``, batches of up to 100) receives them. The time from the send's start to the batch callback is the
-hop that pipeline_latency's ``pipeline_added`` spends in Event Hubs, with nothing else on it.
+a consumer configured as the local runner's (``local/runner.py``: greedy load balancing every 2 s, a 5 ms socket
+timeout, no ``max_wait_time``, batches of up to 100) receives them. The time from the send's start to the batch
+callback is the hop that pipeline_latency's ``pipeline_added`` spends in Event Hubs, with nothing else on it.
 
 Prints one JSON object: eventhub_hop_ms_p50/p99, events.
 """
@@ -41,7 +41,11 @@ def run(events: int, seed: int) -> dict[str, Any]:
 
     with EventHubsEmulator(hubs={HUB: PARTITIONS}) as emulator:
         consumer = EventHubConsumerClient.from_connection_string(
-            emulator.connection_string(HUB), consumer_group="$Default", socket_timeout=0.005
+            emulator.connection_string(HUB),
+            consumer_group="$Default",
+            socket_timeout=0.005,
+            load_balancing_strategy="greedy",
+            load_balancing_interval=2.0,
         )
         thread = threading.Thread(
             target=consumer.receive_batch,
@@ -55,7 +59,7 @@ def run(events: int, seed: int) -> dict[str, Any]:
             warm = producer.create_batch(partition_key="warm-up")
             warm.add(EventData("warm-up"))
             producer.send_batch(warm)
-            time.sleep(3.0)  # the consumer claims its partitions
+            time.sleep(5.0)  # the consumer claims every partition (greedy, every 2 s) before the first is sent
             for number in range(events):
                 batch = producer.create_batch(partition_key=f"/subscriptions/s/virtualmachines/vm-{number % 10}")
                 event = EventData(body)
