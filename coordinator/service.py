@@ -36,7 +36,7 @@ from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import fold, handover, ingest, people, tail, timer
-from coordinator.pipeline.fleet import Fleet
+from coordinator.pipeline.fleet import Fleet, FleetCache
 from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.run import (
@@ -139,6 +139,8 @@ class Coordinator:
         # is what the VMs report (tests and tools that build the coordinator by hand).
         self.census = census
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
+        # The open events and the census, kept across runs (pipeline/fleet.py); a new one for a replaced store.
+        self._fleet = FleetCache(store)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         if require_attestation and attestations is None:
@@ -181,13 +183,15 @@ class Coordinator:
             pool=self._pool,
         )
         now = self.clock()
+        if self._fleet.store is not self.store:
+            self._fleet = FleetCache(self.store)
         return Run(
             kind=kind,
             parts=parts,
             options=self.options(),
             policy=self.policy,
             now=now,
-            fleet=Fleet(self.store, census=self.census.at(now) if self.census is not None else None),
+            fleet=Fleet(self.store, self._fleet, census=self.census.at(now) if self.census is not None else None),
             report=Report(kind=kind),
         )
 

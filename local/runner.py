@@ -8,13 +8,18 @@ host's shape for ``cardinality=many``: up to ``max_batch_size`` ``func.EventHubE
 partition key, sequence number, enqueued time and offset, sharing the batch's trigger metadata whose
 ``PropertiesArray`` holds the messages' application properties (the forwarder's W3C trace context). A batch the
 function raises on is retried with backoff (the app's ``@app.retry`` policy); when retries run out it is counted as
-failed and the checkpoint moves on, as the host does.
+failed and the checkpoint moves on, as the host does. Each partition's batches run on a thread of their own, in
+order, as the host runs partitions side by side: on the consumer's one thread, a batch waiting for its approval's
+answer held up every other partition's envelopes (the pipeline's added p99 was 429 ms against 26 ms for Event Hubs
+alone, 8 ms for the coordinator and 22 ms for the Relay approval, benchmarks/eventhub_hop.py, hop.py,
+approval_latency.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import random
 import threading
 import time
@@ -101,7 +106,7 @@ class FunctionHost:
 
     :keyword eventhub_connection_string: namespace connection string (the Event Hubs emulator's).
     :keyword storage_connection_string: Azurite; checkpoints and ownership go to ``checkpoint_container``.
-    :keyword max_batch_size: the host's ``maxEventBatchSize`` (host.json); 100 by default, as in Azure.
+    :keyword max_batch_size: the host's ``maxEventBatchSize`` (host.json); 200 by default, as in Azure.
     :keyword max_attempts: tries per batch (1 + the app's retry count).
     :keyword socket_timeout: the consumer's AMQP socket read timeout; it bounds how long a delivery waits.
     """
@@ -118,7 +123,7 @@ class FunctionHost:
         queue_trigger: QueueTrigger | None = None,
         consumer_group: str = "$Default",
         checkpoint_container: str = "azure-webjobs-eventhub",
-        max_batch_size: int = 100,
+        max_batch_size: int = 200,
         socket_timeout: float = 0.005,
         max_attempts: int = 6,
         retry_initial: float = 0.2,
@@ -162,6 +167,9 @@ class FunctionHost:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rng = random.Random()  # noqa: S311 -- jitter, not security
+        # One queue and thread per partition: batches of a partition in order, partitions side by side.
+        Work = tuple[PartitionContext, EventData, list[func.EventHubEvent]] | None
+        self._partitions: dict[str, queue.SimpleQueue[Work]] = {}
 
     def start(self) -> None:
         receive = threading.Thread(target=self._receive, name="local-eventhub-trigger", daemon=True)
@@ -177,6 +185,9 @@ class FunctionHost:
     def stop(self) -> None:
         self._stopping.set()
         self._client.close()
+        with self._lock:
+            for work in self._partitions.values():
+                work.put(None)
         for thread in self._threads:
             thread.join(timeout=15)
         if self.queue_trigger is not None:
@@ -198,9 +209,24 @@ class FunctionHost:
     def _on_batch(self, context: PartitionContext, events: Sequence[EventData]) -> None:
         if not events:
             return
-        batch = to_function_batch(events)
-        self.deliver(batch)
-        context.update_checkpoint(events[-1])
+        with self._lock:
+            work = self._partitions.get(context.partition_id)
+            if work is None:
+                work = self._partitions[context.partition_id] = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._partition_loop, args=(work,), name=f"partition-{context.partition_id}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+        work.put((context, events[-1], to_function_batch(events)))
+
+    def _partition_loop(self, work: queue.SimpleQueue[Any]) -> None:
+        """One partition's batches, in order; its checkpoint after each (the host checkpoints after the function)."""
+        while (item := work.get()) is not None:
+            context, last, batch = item
+            self.deliver(batch)
+            if not self._stopping.is_set():
+                context.update_checkpoint(last)
 
     def deliver(self, batch: list[func.EventHubEvent]) -> bool:
         """One invocation of the trigger with the host's retry policy; True if the function succeeded."""

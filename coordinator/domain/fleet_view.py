@@ -8,14 +8,77 @@ budgets (domains and their sizes) and evaluation.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import get_args
 
-from coordinator.domain.controls import VmFacts
+from coordinator.domain.controls import DomainKind, VmFacts
 from coordinator.domain.model import EventRecord
 
-__all__ = ["FleetView", "scale_set_of"]
+__all__ = ["Census", "FleetView", "scale_set_of"]
+
+_KINDS: tuple[DomainKind, ...] = get_args(DomainKind)
+
+
+class Census(Mapping[str, VmFacts]):
+    """The facts of every known VM that is not retired, by name, with the members of each budget domain indexed:
+    a percent budget asks its domain's size once per decision, and scanning a 100,000-VM census for it made every
+    decision cost the fleet's size (a wave quadratic). Kept by the coordinator instance across runs and changed
+    one VM at a time (``put``, ``drop``); safe to read while another thread changes it (reads take the lock or
+    copy)."""
+
+    def __init__(self, vms: Iterable[tuple[str, VmFacts]] = ()) -> None:
+        self._vms: dict[str, VmFacts] = {}
+        self._members: dict[tuple[DomainKind, str], set[str]] = {}
+        self._lock = threading.Lock()
+        for name, facts in vms:
+            self.put(name, facts)
+
+    def put(self, name: str, facts: VmFacts) -> None:
+        with self._lock:
+            old = self._vms.get(name)
+            if old == facts:
+                return
+            if old is not None:
+                self._unindex(name, old)
+            self._vms[name] = facts
+            for kind in _KINDS:
+                self._members.setdefault((kind, facts.domain(kind)), set()).add(name)
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            old = self._vms.pop(name, None)
+            if old is not None:
+                self._unindex(name, old)
+
+    def _unindex(self, name: str, facts: VmFacts) -> None:
+        for kind in _KINDS:
+            members = self._members.get((kind, facts.domain(kind)))
+            if members is not None:
+                members.discard(name)
+
+    def members(self, kind: DomainKind, key: str) -> set[str]:
+        """The known VMs in one domain (a copy)."""
+        with self._lock:
+            return set(self._members.get((kind, key), ()))
+
+    def __getitem__(self, name: str) -> VmFacts:
+        return self._vms[name]
+
+    def get(self, name: str, default: VmFacts | None = None) -> VmFacts | None:  # type: ignore[override]
+        return self._vms.get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._vms
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._vms))
+
+    def __len__(self) -> int:
+        return len(self._vms)
 
 
 @dataclass(frozen=True)
@@ -35,18 +98,58 @@ class FleetView:
     # even when a later one is decided first (a new event's batch before the timer's tick).
     queued: tuple[tuple[datetime, str, frozenset[str]], ...] = ()
     authoritative: bool = False
+    # The view without the VMs' tags (``untagged``): what a rule matched by a tag may not exceed.
+    tagless: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        holding: Iterable[EventRecord],
+        *,
+        vms: Mapping[str, VmFacts] | None = None,
+        queued: tuple[tuple[datetime, str, frozenset[str]], ...] = (),
+        authoritative: bool = False,
+    ) -> FleetView:
+        """The view with the VMs of ``holding`` (events that hold their VMs) impacted, built in one pass (adding
+        them one by one with ``with_event`` copies the view each time)."""
+        impacted: dict[str, set[str]] = {}
+        every: set[str] = set()
+        taken: set[str] = set()
+        for record in holding:
+            taken.add(record.eventId)
+            every.update(record.resources)
+            for name in record.resources:
+                impacted.setdefault(scale_set_of(record, name), set()).add(name)
+        return cls(
+            {k: frozenset(v) for k, v in impacted.items() if k},
+            vms if vms is not None else {},
+            frozenset(every),
+            tuple(q for q in queued if q[1] not in taken),
+            authoritative,
+        )
 
     def with_event(self, record: EventRecord) -> FleetView:
-        impacted = {k: set(v) for k, v in self.impacted.items()}
+        impacted = dict(self.impacted)
+        mine: dict[str, set[str]] = {}
         for name in record.resources:
-            impacted.setdefault(scale_set_of(record, name), set()).add(name)
+            mine.setdefault(scale_set_of(record, name), set()).add(name)
+        for key, names in mine.items():
+            if key:
+                impacted[key] = impacted.get(key, frozenset()) | names
         return FleetView(
-            {k: frozenset(v) for k, v in impacted.items() if k},
+            impacted,
             self.vms,
             self.impactedVms | frozenset(record.resources),
             tuple(q for q in self.queued if q[1] != record.eventId),
             self.authoritative,
+            self.tagless,
         )
+
+    def members(self, kind: DomainKind, key: str) -> set[str]:
+        """The known VMs in one budget domain (a ``Census`` answers from its index; a plain mapping is scanned)."""
+        if isinstance(self.vms, Census):
+            return self.vms.members(kind, key)
+        return {name for name, facts in self.vms.items() if facts.domain(kind) == key}
 
     def ahead_of(self, record: EventRecord) -> set[str]:
         """The VMs of the events queued for budget ahead of this one (closer to their NotBefore)."""
@@ -58,20 +161,15 @@ class FleetView:
         counted), else what the event's own sighting (or the VM's name) says."""
         known = self.vms.get(name)
         if known is not None:
-            return known
+            return dataclasses.replace(known, tags={}) if self.tagless and known.tags else known
         if self.authoritative:
             return VmFacts()
         sighting = record.vms.get(name)
         return VmFacts(scaleSet=scale_set_of(record, name), placementGroup=sighting.placementGroup if sighting else "")
 
     def untagged(self) -> FleetView:
-        return FleetView(
-            self.impacted,
-            {name: dataclasses.replace(facts, tags={}) for name, facts in self.vms.items()},
-            self.impactedVms,
-            self.queued,
-            self.authoritative,
-        )
+        """The same view with every VM's tags left out (the census is not copied: ``facts`` leaves them out)."""
+        return dataclasses.replace(self, tagless=True)
 
 
 def scale_set_of(record: EventRecord, vm_name: str) -> str:

@@ -5,8 +5,15 @@ Takes the run's ``Work`` (events whose approval was decided by a committed write
 event (Approved, or a retry time, or an alert). Only what was committed is acted on, and only the write that
 decided an approval sends it.
 
-Nothing waits for a slow or dead listener: with a delivery queue (``Parts.deliveries``), a batch, tick or person's
-run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue
+An approval leaves right after its deciding write (``send_decided``, called by fold before the VM positions are
+written): the record that write committed, and its ETag, are what the delivery is planned from and what its outcome
+is written against, with no re-read; history comes last, in the tail. Before, a batch made 5 Table requests (a fresh
+re-read of the event and its groups among them) and committed the history before an approval left: the
+coordinator's hop was 12-14 times one conditional write. A crash after the deciding write leaves the approval
+record itself (``nextAttemptAt``): the timer sends it again after the in-flight grace, with its history rows.
+
+Nothing waits for a slow or dead listener either: with a delivery queue (``Parts.deliveries``), a batch, tick or
+person's run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue
 (pipeline/handover.py); a ``delivery`` run plans it again from the record, through another VM when the one that did
 not answer has a peer that can execute it, and gives it the whole approval deadline. One decisionId throughout:
 the listener executes it once.
@@ -18,7 +25,6 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
@@ -33,12 +39,10 @@ from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transition
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.retry import backoff_delay
-from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import attest, handover
-from coordinator.pipeline import record as history
-from coordinator.pipeline.run import Run
+from coordinator.pipeline.run import Delivery, Run
 from coordinator.state.events import commit_event, read_event
-from coordinator.state.store import ConcurrencyConflict
+from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 
@@ -53,48 +57,25 @@ UNANSWERED = frozenset({"failed", "continued"})
 PROOF_ATTEMPTS = 4
 
 
-@dataclass
-class Delivery:
-    """One approval on its way: what is sent, to whom, and what came back."""
-
-    event_id: str
-    decision_id: str
-    executor: str
-    # The path it takes: the Relay sender (Parts.callback) or the Maintenance RP's acknowledge (remote_acknowledge).
-    callback: ApprovalCallback
-    vm: VmIdentity | None = None
-    request: ApprovalRequest | None = None
-    intent: HistoryRow | None = None
-    result: ApprovalResult | None = None
-    failure: str = ""
-    # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
-    traceparent: str = ""
-    # Not answered within the run's time: handed to the delivery queue.
-    continued: bool = False
-
-
 def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
-    """Sends the run's committed approvals and commits each outcome to its event (``run.work`` collects the
-    changes: their rows, cards and records).
-
-    The intent (the approval record, written by the deciding write, and an Approval history row) is recorded
-    before anything is sent, so a coordinator that dies right after sending still leaves its history; approvals go
-    out concurrently (a bounded pool, each with its own deadline), so a slow or absent listener holds up nothing
-    else."""
+    """Sends the run's committed approvals not sent yet, then commits each outcome to its event (``run.work``
+    collects the changes: their rows, cards and records)."""
     run.enter("deliver")
+    send_decided(run, last_seen=last_seen)
     work = run.work
-    plans = [plan for event_id in work.deliveries if (plan := plan_delivery(run, event_id, last_seen))]
-    intents = [plan.intent for plan in plans if plan.intent is not None]
-    if intents:
-        history.write(run, [*work.rows, *intents])
-        work.rows = []
-    send_all(run, plans)
-    for plan in plans:
+    for plan in work.sent:
+        if plan.intent is not None:
+            work.rows.append(plan.intent)
+        known = work.records.get(plan.event_id)
+        etag = work.etags.get(plan.event_id)
         try:
             change = commit_event(
                 run.parts.store,
                 plan.event_id,
                 lambda r, plan=plan: approval_outcome(run, r, plan=plan),  # type: ignore[misc]
+                # The record as this run committed it, and that write's ETag: no re-read unless another wrote since.
+                read=Stored(known, etag) if known is not None and etag is not None else None,
+                etags=work.etags,
             )
         except ConcurrencyConflict:
             log.warning("approval of %s: outcome not recorded (contended); the timer reconciles", plan.event_id)
@@ -114,19 +95,40 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
                 handover.put(run, event_id=plan.event_id, decision_id=plan.decision_id, executor=plan.executor)
 
 
+def send_decided(
+    run: Run, *, last_seen: dict[str, datetime] | None = None, unstorable: frozenset[str] = frozenset()
+) -> None:
+    """Sends the approvals committed so far and not sent yet, concurrently (a bounded pool, each with its own
+    deadline: a slow or absent listener holds up nothing else); their outcomes are committed by ``deliver``."""
+    work = run.work
+    going = {plan.event_id for plan in work.sent}
+    plans = [
+        plan
+        for event_id in work.deliveries
+        if event_id not in going and (plan := plan_delivery(run, event_id, last_seen, unstorable=unstorable))
+    ]
+    send_all(run, plans)
+    work.sent.extend(plans)
+
+
 def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no further, each saying why
-    run: Run, event_id: str, last_seen: dict[str, datetime] | None
+    run: Run, event_id: str, last_seen: dict[str, datetime] | None, *, unstorable: frozenset[str] = frozenset()
 ) -> Delivery | None:
-    """What to send for one committed approval, read fresh: the executor and the request (None when no VM
-    can execute it; the failure says why). Every approval is sent from a plan, so dry-run is held here: an
-    approval decided before dry-run was switched on waits."""
+    """What to send for one committed approval: the executor and the request (None when no VM can execute it; the
+    failure says why), from the record as this run committed it (read fresh only when the run holds none). Every
+    approval is sent from a plan, so dry-run is held here: an approval decided before dry-run was switched on
+    waits."""
     if run.dry_run:
         return None
     now, options = run.now, run.options
-    stored = read_event(run.parts.store, event_id)
+    known = run.work.records.get(event_id)
+    stored = Stored(known, run.work.etags.get(event_id)) if known is not None else read_event(run.parts.store, event_id)
     if stored is None or stored.record.approval is None or stored.record.approval.delivered:
         return None
     record = stored.record
+    if unstorable & record.vms.keys():
+        # VMs whose positions this batch cannot store: their sightings are not kept, so none is an executor.
+        record = record.model_copy(update={"vms": {n: s for n, s in record.vms.items() if n not in unstorable}})
     approval = stored.record.approval
     seen = {name: s.lastSeen for name, s in record.vms.items()}
     if last_seen:
@@ -394,7 +396,7 @@ def update_hold(run: Run, change: EventChange) -> None:
     and again when the hold is lifted or moves to another pending delete."""
     now = run.now
     record = change.record
-    hold = platform_hold(record, run.fleet.deletes().values(), now)
+    hold = platform_hold(record, run.fleet.deletes_of(record.scaleSets), now)
     previous = record.platformHold
     if (hold.eventId if hold else "") == (previous.eventId if previous else ""):
         return

@@ -100,7 +100,7 @@ def release_held(run: Run, changes: Sequence[EventChange]) -> int:
         if event_id in here:
             continue
         try:
-            change = commit_event(run.parts.store, event_id, lambda r: redecide(run, r))
+            change = commit_event(run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags)
         except ConcurrencyConflict:
             log.warning("held delete %s: contended; the timer decides it again", event_id)
             continue
@@ -165,7 +165,7 @@ def decide(run: Run, change: EventChange) -> None:
             decision.rule, decision.action, "wait", f"{unusable}: {decision.reason}", holdKind="census", holdName="arm"
         )
     if record.eventType == "Terminate" and record.scaleSets:
-        decision = couple(decision, record, fleet.deletes().values(), now)
+        decision = couple(decision, record, fleet.deletes_of(record.scaleSets), now)
     domains = budget_domains(policy, decision.rule, record, view)
     claimed: list[str] = []
     if decision.verdict == "approve" and not dry_run and domains:

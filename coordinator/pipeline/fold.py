@@ -25,9 +25,9 @@ from coordinator.domain.history_rows import dead_letter_row, heartbeat_row
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.observations import Observation, VmUpdate, vm_position
-from coordinator.pipeline import decide, event_grid, health
+from coordinator.pipeline import act, decide, event_grid, health
 from coordinator.pipeline.ingest import Arrivals, dead_letter
-from coordinator.pipeline.positions import VmBatch, save_vm_updates, vm_updates
+from coordinator.pipeline.positions import VmBatch, save_vm_updates, unstorable, vm_updates
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.events import aggregate, assemble, commit_event
@@ -173,6 +173,10 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
         if change.created_from is not None:
             telemetry.event_detected(change.record.eventType)
     report.events_changed += len(committed) + decide.release_held(run, committed)
+    # The approvals just decided leave now, before anything else is written: the VM positions follow the send.
+    # A VM whose position cannot be stored (set aside below) is no executor: its sightings are not written.
+    deciding = {name for event_id in work.deliveries if (r := work.records.get(event_id)) for name in r.vms}
+    act.send_decided(run, unstorable=unstorable(updates, deciding) if deciding else frozenset())
     # VM positions are written after the events: a crash in between replays the envelopes, which the
     # events' per-VM sequence makes harmless.
     return save_vm_updates(run, updates)
@@ -237,6 +241,13 @@ def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | Non
     return change
 
 
+def save_events(run: Run, writes: list[tuple[EventRecord, str | None]]) -> None:
+    """Writes the batch's events in transactions, and keeps the ETag each deciding write gave: what the approval's
+    outcome is written against, with no re-read."""
+    for (record, _), etag in zip(writes, run.parts.store.save_events(writes), strict=True):
+        run.work.etags[record.eventId] = etag
+
+
 @dataclass
 class _Applier:
     """Applies a batch's observations to one event at a time; an event whose observations cannot be applied, or
@@ -284,7 +295,12 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
     applier = _Applier(run, batch)
 
     def events_now(attempt: int) -> dict[str, Stored[EventRecord]]:
-        stored = store.get_events(observations, cached=attempt == 0)
+        # First attempt: an event no VM of the batch's groups has sighted and that is not among the open events the
+        # instance knows is taken as new and inserted without reading it first (the insert is refused if another
+        # instance made it; then everything is read). That read was one of the two Table requests before a new
+        # event's approval left, at about the price of the deciding write itself.
+        fresh = run.fleet.cache.probably_new(observations, batch.groups.values()) if attempt == 0 else set()
+        stored = store.get_events(set(observations) - fresh, cached=attempt == 0)
         wanted = {key for s in stored.values() for key in s.record.groups} - set(batch.groups)
         groups = {**store.get_vm_groups(wanted, cached=attempt == 0), **batch.groups}
         return assemble(stored, groups)
@@ -318,7 +334,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         commit(
             events_now,
             applied_and_decided,
-            lambda writes, _assembled: store.save_events(writes),
+            lambda writes, _assembled: save_events(run, writes),
             what="events of the batch",
             attempts=BULK_ATTEMPTS,
             on_conflict=run.report.count_conflict,
@@ -349,7 +365,9 @@ def _commit_one_by_one(
             return redone
 
         try:
-            result = commit_event(run.parts.store, event_id, redo, on_conflict=run.report.count_conflict)
+            result = commit_event(
+                run.parts.store, event_id, redo, on_conflict=run.report.count_conflict, etags=run.work.etags
+            )
         except RecordTooLarge as error:
             applier.set_aside(event_id, observations[event_id], "make a record too large to store", error)
             continue

@@ -104,7 +104,7 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
         )
         return change
 
-    change = commit_event(store, event_id, decide)
+    change = commit_event(store, event_id, decide, etags=run.work.etags)
     if change is None:
         current = read_event(store, event_id)
         if current is not None and (answer := already_approved(current.record, approve_url=run.options.approve_url)):
@@ -113,6 +113,7 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
         return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
     run.report.events_changed += 1
     run.work.rows.extend(change.rows)
+    run.work.records[event_id] = change.record  # what the delivery is planned from, with its ETag: no re-read
     if not dry_run:  # in dry-run only the person's decision is logged (by the tail, with nothing to send)
         run.work.deliveries.append(event_id)
     tail.finish(run)

@@ -96,6 +96,21 @@ def vm_updates(
     return batch
 
 
+def unstorable(batch: VmBatch, names: set[str]) -> frozenset[str]:
+    """The VMs among ``names`` whose new position cannot be stored even trimmed (``save_vm_updates`` will set them
+    aside): their sightings are not written, so none of them executes an approval decided in this batch (the
+    approvals leave before the positions are written)."""
+    found = set()
+    for update in batch.updates.values():
+        name = update.record.identity.name
+        if update.applied and name in names:
+            try:
+                vm_json(update.record)
+            except RecordTooLarge:
+                found.add(name)
+    return frozenset(found)
+
+
 def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
     """Writes the VMs' new positions; returns the VMs whose cached position turned out stale (not written). A
     position too large to store costs only its VM (``batch.too_large``), never the batch: the others' positions and

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
-from contracts.approval import NOT_AFTER_TOLERANCE
+from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.delivery_queue import DeliveryQueue
 from coordinator.adapters.gates import MonitorReader
@@ -29,7 +30,7 @@ from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet import Fleet
 from coordinator.state.store import StateStore
 
-__all__ = ["Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
+__all__ = ["Delivery", "Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
 
 # A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
 # long: three of the forwarder's 60 s heartbeats. Shorter than the heartbeat timeout, so no "heartbeat lost" first.
@@ -141,6 +142,8 @@ class Report:
     vms_retired: int = 0
     history_rows: int = 0
     events_purged: int = 0
+    vms_purged: int = 0
+    budgets_purged: int = 0
     conflicts: int = 0
     # Approvals handed to the delivery queue (no answer within in_run_delivery).
     deliveries_continued: int = 0
@@ -179,6 +182,8 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "vms_retired",
         "history_rows",
         "events_purged",
+        "vms_purged",
+        "budgets_purged",
         "set_aside",
         "deliveries_continued",
     ),
@@ -196,14 +201,37 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
 
 
 @dataclass
+class Delivery:
+    """One approval on its way (pipeline/act.py): what is sent, to whom, and what came back."""
+
+    event_id: str
+    decision_id: str
+    executor: str
+    # The path it takes: the Relay sender (Parts.callback) or the Maintenance RP's acknowledge (remote_acknowledge).
+    callback: ApprovalCallback
+    vm: VmIdentity | None = None
+    request: ApprovalRequest | None = None
+    intent: HistoryRow | None = None
+    result: ApprovalResult | None = None
+    failure: str = ""
+    # The event's trace (EventRecord.traceparent): the approval's span and the listener's continue it.
+    traceparent: str = ""
+    # Not answered within the run's time: handed to the delivery queue.
+    continued: bool = False
+
+
+@dataclass
 class Work:
     """What a run committed and still has to act on: history rows, cards, approvals to deliver, the records as
-    committed."""
+    committed (and the ETag of each one this run wrote: the next write of it is conditional on that, not on a
+    re-read), the approvals sent whose outcome is still to be committed."""
 
     rows: list[HistoryRow] = field(default_factory=list)
     alerts: list[tuple[str, AlertKind]] = field(default_factory=list)
     deliveries: list[str] = field(default_factory=list)
     records: dict[str, EventRecord] = field(default_factory=dict)
+    etags: dict[str, str] = field(default_factory=dict)
+    sent: list[Delivery] = field(default_factory=list)
     # Cards about VMs rather than events (two forwarders reporting as one VM).
     vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
     # Budget claims of withdrawn approvals, as (EventId, claim key): freed by the tail's budgets step.

@@ -4,7 +4,8 @@
 2. ``cards``    the cards those writes recorded are posted (a batch or a person logs what it sent; the timer
                 clears what the logs say was sent);
 3. ``budgets``  the budget slots of events that concluded are freed;
-4. ``history``  the run's history rows are written, last (a failure never stops the pipeline).
+4. ``history``  the run's history rows are written, last (a failure never stops the pipeline);
+then what the run committed goes into the instance's fleet cache for its next runs (pipeline/fleet.py).
 """
 
 from __future__ import annotations
@@ -36,3 +37,4 @@ def finish(run: Run, *, last_seen: dict[str, datetime] | None = None, settled: S
         outbox.post_and_settle(run, settled.events, settled.vms)
     decide.release_budgets(run)
     record.history(run)
+    run.fleet.absorb(run.work.records.values())

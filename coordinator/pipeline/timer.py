@@ -1,4 +1,5 @@
-"""The timer (every minute): what no envelope triggers. Takes every VM group and open event, read fresh.
+"""The timer (every minute): what no envelope triggers. Takes what changed since the last tick (the instance's fleet
+cache, pipeline/fleet.py) and the records of what is due.
 
 Re-evaluates waiting events (``decide``), expires events past NotBefore, retires VMs a Terminate/Preempt removed and
 concludes their events, concludes events whose VMs fell silent, retries approvals and cards that failed (``act``,
@@ -14,17 +15,17 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
 from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
-from coordinator.domain.history_rows import approval_row, heartbeat_row
+from coordinator.domain.history_rows import approval_row, decision_row, heartbeat_row
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord
 from coordinator.pipeline import act, decide, outbox, tail
-from coordinator.pipeline.fleet import by_not_before
+from coordinator.pipeline.fleet import KnownVm, by_not_before
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
@@ -32,13 +33,26 @@ from coordinator.state.store import ConcurrencyConflict, Stored
 log = logging.getLogger("coordinator")
 
 
+# A retired VM's position (its group's property) is removed this long after it was retired: its sightings served the
+# "gone" checks of the events it reported, which are kept a week after a VM stops listing an event, and by then its
+# events have concluded (a removed VM's events conclude at the next tick) and its hybrid connection is deleted.
+RETIRED_RETENTION = timedelta(days=7)
+# Housekeeping removes at most this many groups' retired VMs (each a read and a write) and this many budget
+# entities per run, so that a backlog (a scale set deleted at once) never makes one tick long; what is left is
+# taken up by the next tick.
+PURGE_GROUPS_PER_RUN = 200
+PURGE_BUDGETS_PER_RUN = 200
+
+
 @dataclass
 class Housekeeping:
     """Hourly, not every tick: the retention purge, and ``cleanup`` (given every VM's hybrid connection and when it
-    last reported: the VMs' hybrid connections no VM needs are deleted). Kept by the coordinator across ticks."""
+    last reported: the VMs' hybrid connections no VM needs are deleted). Kept by the coordinator across ticks.
+    ``backlog``: the last purge left work for the next tick."""
 
     cleanup: Callable[[dict[str, datetime], datetime], None] | None = None
     due: datetime | None = None
+    backlog: bool = False
 
 
 def tick(run: Run, housekeeping: Housekeeping) -> None:
@@ -47,29 +61,32 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     whose heartbeat stopped; then the tail."""
     run.enter("timer")
     now, store, report, work, fleet = run.now, run.parts.store, run.report, run.work, run.fleet
-    groups = store.all_vm_groups()
+    # What changed since the last tick, not the whole fleet: the instance's cache of every VM (a summary each) and
+    # of the open events is refreshed by change (reading every VM group each minute cost 9.1 s per tick at 50,000
+    # VMs); whole records are read only for what is due here, mostly from the store's cache.
+    known = fleet.cache.vms(force=True)
     last_seen: dict[str, datetime] = {}
-    for group in groups:
-        for vm in group.record.vms.values():
-            last_seen[vm.identity.name] = max(vm.lastSeen, last_seen.get(vm.identity.name, vm.lastSeen))
+    for vm in known:
+        last_seen[vm.name] = max(vm.last_seen, last_seen.get(vm.name, vm.last_seen))
     # A VM known only from Event Grid has no heartbeat to miss: its statuses (Completed, Canceled) say when it is done.
-    agentless = {vm.identity.name for g in groups for vm in g.record.vms.values() if vm.agentless}
-    reporting = {vm.identity.name for g in groups for vm in g.record.vms.values() if not vm.agentless}
+    agentless = {vm.name for vm in known if vm.agentless}
+    reporting = {vm.name for vm in known if not vm.agentless}
     silent = frozenset(
         name
         for name, seen in last_seen.items()
         if seen < now - run.options.heartbeat_timeout and not (name in agentless and name not in reporting)
     )
-    by_key = {g.record.group: g for g in groups}
-    stored_open = store.open_events()
-    fleet.seed([s.record for s in stored_open])
-    fleet.seed_census(g.record for g in groups)
-    open_events = assemble({s.record.eventId: s for s in stored_open}, by_key)
+    open_ids = sorted(fleet.cache.open_events(force=True))
+    read = store.get_events(open_ids, cached=True)
+    fleet.cache.absorb(s.record for s in read.values())  # one the cache still held open may have concluded
+    stored_open = {event_id: s for event_id, s in read.items() if s.record.open}
+    found = removals([s.record for s in stored_open.values()], last_seen, now, run.options.retire_grace)
+    groups = due_groups(run, known, stored_open, {r.vm for r in found})
+    open_events = assemble(stored_open, {g.record.group: g for g in groups})
     report.open_events = len(open_events)
-    groups = retire(
-        run, groups, removals([s.record for s in open_events.values()], last_seen, now, run.options.retire_grace)
-    )
-    retired = {vm.identity.name: vm.retired.eventId for g in groups for vm in g.record.vms.values() if vm.retired}
+    groups = retire(run, groups, found)
+    retired = {vm.name: vm.retired_by for vm in known if vm.retired_by}
+    retired.update({vm.identity.name: vm.retired.eventId for g in groups for vm in g.record.vms.values() if vm.retired})
     report.vms_retired = sum(1 for row in work.rows if row.Outcome == "retired")
     logs, settled, settled_vms = outbox.sent_logs(run)
     changes: list[EventChange] = []
@@ -82,6 +99,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
                 record.eventId,
                 lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen),
                 read=stored,
+                etags=work.etags,
             )
         except ConcurrencyConflict:
             log.warning("event %s: contended; the next tick tries again", record.eventId)
@@ -92,61 +110,86 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
             changes.append(change)
             fleet.note(change.record)
             record = change.record
-        approval = record.approval
-        if (
-            approval is not None
-            and not approval.delivered
-            and record.state == "Scheduled"
-            and approval.nextAttemptAt is not None
-            and approval.nextAttemptAt <= now
-            and record.eventId not in work.deliveries
-        ):
-            if approval.attempts == 0 and not approval.outcome:
-                work.rows.append(
-                    approval_row(
-                        record=record,
-                        now=now,
-                        rule=approval.rule,
-                        decision_id=approval.decisionId,
-                        actor=approval.actor,
-                        outcome="unknown",
-                        reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
-                        "sender stopped before recording it); sent again with the same decisionId (the listener "
-                        "answers a repeat without approving twice)",
-                    )
-                )
-            work.deliveries.append(record.eventId)
+        retry_due(run, record)
         outbox.queue_pending(record, now, work, settled)
     report.events_changed += decide.release_held(run, changes)
     for stored in store.closed_events_with_pending_alerts():
         outbox.queue_pending(stored.record, now, work, settled)
     for group in groups:
-        for vm in group.record.vms.values():
-            outbox.queue_vm_pending(vm, now, work, settled_vms)
+        for position in group.record.vms.values():
+            outbox.queue_vm_pending(position, now, work, settled_vms)
     heartbeats(run, groups)
-    run_housekeeping(run, groups, housekeeping)
+    run_housekeeping(run, known, housekeeping)
     tail.finish(run, last_seen=last_seen, settled=tail.Settled(settled, settled_vms))
     if logs:
         store.delete_sent_alert_logs([key for key, _ in logs])
-    census(run, groups, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
+    census(run, known, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
 
 
-def census(run: Run, groups: list[Stored[VmGroupRecord]], events: list[EventRecord]) -> None:
+def retry_due(run: Run, record: EventRecord) -> None:
+    """Queues the delivery of an approval whose next attempt is due (a failed one, or one whose sender stopped
+    between the deciding write and recording the outcome: in flight past its grace)."""
+    now, work = run.now, run.work
+    approval = record.approval
+    if (
+        approval is not None
+        and not approval.delivered
+        and record.state == "Scheduled"
+        and approval.nextAttemptAt is not None
+        and approval.nextAttemptAt <= now
+        and record.eventId not in work.deliveries
+    ):
+        if approval.attempts == 0 and not approval.outcome:
+            # The deciding run stopped between its write and its history (history follows the send): its
+            # Decision row, at the time it was decided, then what is known of the send.
+            if record.decision is not None and record.decision.decisionId == approval.decisionId:
+                work.rows.append(decision_row(record=record, now=record.decision.decidedAt))
+            work.rows.append(
+                approval_row(
+                    record=record,
+                    now=now,
+                    rule=approval.rule,
+                    decision_id=approval.decisionId,
+                    actor=approval.actor,
+                    outcome="unknown",
+                    reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
+                    "sender stopped before recording it); sent again with the same decisionId (the listener "
+                    "answers a repeat without approving twice)",
+                )
+            )
+        work.deliveries.append(record.eventId)
+
+
+def due_groups(
+    run: Run, known: list[KnownVm], events: dict[str, Stored[EventRecord]], retiring: set[str]
+) -> list[Stored[VmGroupRecord]]:
+    """The VM groups this tick needs whole: those of the open events (their sightings), of the VMs to retire, of
+    the VMs whose heartbeat is now lost, and of the VMs with cards pending. Read from the store's cache, which the
+    refresh has just brought up to date; a group changed since fails its ETag when written."""
+    timeout = run.now - run.options.heartbeat_timeout
+    keys = {key for stored in events.values() for key in stored.record.groups}
+    for vm in known:
+        lost = not vm.heartbeat_lost and not vm.agentless and not vm.retired_by and vm.last_seen < timeout
+        if lost or vm.pending or (vm.name in retiring and not vm.retired_by):
+            keys.add(vm.group)
+    return list(run.parts.store.get_vm_groups(keys, cached=True).values())
+
+
+def census(run: Run, known: list[KnownVm], events: list[EventRecord]) -> None:
     """The fleet as this tick found it, for the gauges: VMs by condition (each counted once, the first that holds of
     retired, silent, unhealthy, reporting) and open events by type and state."""
     vms: Counter[str] = Counter()
-    for group in groups:
-        for vm in group.record.vms.values():
-            if vm.agentless:
-                vms["agentless"] += 1
-            elif vm.retired is not None:
-                vms["retired"] += 1
-            elif vm.lastSeen < run.now - run.options.heartbeat_timeout:
-                vms["silent"] += 1
-            elif vm.imdsFailing is not None:
-                vms["unhealthy"] += 1
-            else:
-                vms["reporting"] += 1
+    for vm in known:
+        if vm.agentless:
+            vms["agentless"] += 1
+        elif vm.retired_by:
+            vms["retired"] += 1
+        elif vm.last_seen < run.now - run.options.heartbeat_timeout:
+            vms["silent"] += 1
+        elif vm.imds_failing:
+            vms["unhealthy"] += 1
+        else:
+            vms["reporting"] += 1
     telemetry.census(vms, Counter((e.eventType, e.state) for e in events if e.open))
 
 
@@ -227,6 +270,7 @@ def retire(run: Run, groups: list[Stored[VmGroupRecord]], found: list[Removal]) 
             out.append(stored)  # a VM of the group reported meanwhile: decided again next tick
             continue
         out.append(Stored(updated, etag))
+        run.fleet.cache.groups_written([updated])
         for vm in retiring.values():
             assert vm.retired is not None
             run.work.rows.append(
@@ -280,11 +324,53 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
             run.work.vm_alerts.append((vm, "heartbeat-lost"))
 
 
-def run_housekeeping(run: Run, groups: list[Stored[VmGroupRecord]], housekeeping: Housekeeping) -> None:
-    """Hourly, not every tick: deletes concluded events older than the retention, and lists ARM resources (the
-    VMs' hybrid connections) to delete the stale ones."""
+def purge_retired(run: Run, known: list[KnownVm]) -> bool:
+    """Removes the positions of VMs retired longer than ``RETIRED_RETENTION`` from their groups (a group left with
+    none is deleted), each group If-Match its fresh ETag, at most ``PURGE_GROUPS_PER_RUN`` groups. Returns whether
+    more is left."""
+    cutoff = run.now - RETIRED_RETENTION
+    due = sorted({vm.group for vm in known if vm.retired_at is not None and vm.retired_at < cutoff})
+    store, cache = run.parts.store, run.fleet.cache
+    fresh = store.get_vm_groups(due[:PURGE_GROUPS_PER_RUN])
+    for key in due[:PURGE_GROUPS_PER_RUN]:
+        stored = fresh.get(key)
+        if stored is None:  # gone already (another instance's housekeeping)
+            cache.forget_vms(vm.vm_id for vm in known if vm.group == key and vm.retired_at is not None)
+            continue
+        vms = stored.record.vms
+        gone = {i for i, vm in vms.items() if vm.retired is not None and vm.retired.at < cutoff}
+        kept = {i: vm for i, vm in vms.items() if i not in gone}
+        try:
+            store.prune_vm_group(VmGroupRecord(group=key, vms=kept), stored.etag or "")
+        except ConcurrencyConflict:
+            continue  # a VM of the group reported meanwhile: the next run
+        cache.forget_vms(gone)
+        run.report.vms_purged += len(gone)
+    return len(due) > PURGE_GROUPS_PER_RUN
+
+
+def purge_budgets(run: Run) -> bool:
+    """Deletes the budget entities whose claims were all released (or lapsed: ``Fleet.live``), each If-Match its
+    ETag, at most ``PURGE_BUDGETS_PER_RUN``. Returns whether more is left."""
+    spent = [s for s in run.parts.store.budgets() if not run.fleet.live(dict(s.record.claims), run.now)]
+    for stored in spent[:PURGE_BUDGETS_PER_RUN]:
+        if run.parts.store.delete_budget(stored.record.scaleSet, stored.etag or ""):
+            run.report.budgets_purged += 1
+    return len(spent) > PURGE_BUDGETS_PER_RUN
+
+
+def run_housekeeping(run: Run, known: list[KnownVm], housekeeping: Housekeeping) -> None:
+    """Hourly, not every tick: deletes concluded events older than the retention, the positions of VMs retired
+    longer than ``RETIRED_RETENTION`` and the budget entities no claim holds (bounded: a backlog goes on at the next
+    tick), and lists ARM resources (the VMs' hybrid connections) to delete the stale ones."""
     now, store = run.now, run.parts.store
-    if housekeeping.due is not None and now < housekeeping.due:
+    hourly = housekeeping.due is None or now >= housekeeping.due
+    if hourly or housekeeping.backlog:
+        try:
+            housekeeping.backlog = purge_retired(run, known) | purge_budgets(run)
+        except Exception:  # never let cleanup stop the timer's real work; it runs again next time
+            log.exception("purging retired VMs and released budgets failed")
+    if not hourly:
         return
     housekeeping.due = now + run.options.housekeeping_interval
     try:
@@ -295,12 +381,11 @@ def run_housekeeping(run: Run, groups: list[Stored[VmGroupRecord]], housekeeping
     if housekeeping.cleanup is None:
         return
     last_seen: dict[str, datetime] = {}
-    for group in groups:
-        for vm in group.record.vms.values():
-            if vm.retired is not None:
-                continue  # left out: a connection the fleet does not know is deleted (hybrid_connections_to_delete)
-            name = vm.identity.hybrid_connection_name
-            last_seen[name] = max(vm.lastSeen, last_seen.get(name, vm.lastSeen))
+    for vm in known:
+        if vm.retired_by:
+            continue  # left out: a connection the fleet does not know is deleted (hybrid_connections_to_delete)
+        name = vm.hybrid_connection
+        last_seen[name] = max(vm.last_seen, last_seen.get(name, vm.last_seen))
     try:
         housekeeping.cleanup(last_seen, now)
     except Exception:  # never let cleanup stop the timer's real work; it runs again next hour

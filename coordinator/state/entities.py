@@ -1,19 +1,23 @@
 """How the coordinator's records are laid out as Table Storage entities, both ways, and cut into transactions.
 
 Layout (one table):
-- PartitionKey ``event``, RowKey = EventId: the merged EventRecord as JSON, plus ``State``/``Open`` for queries.
+- PartitionKey ``event-<n>`` (``event_partition``: n a hash of the EventId), RowKey = EventId: the merged
+  EventRecord as JSON, plus ``State``/``Open`` for queries.
 - PartitionKey ``budget``, RowKey = scale set: the fleet-wide claims on its "at most N impacted" budget.
 - PartitionKey ``alertsent``: one entity per batch that sent cards, naming them; the timer clears those
   outbox entries from the events in bulk and deletes the entity (one write per batch instead of one per event).
 - PartitionKey ``key``, RowKey = a name: random keys every instance shares (``shared_key``).
 - PartitionKey ``claim``, RowKey = a name: a value bound to it for good, first writer wins (``claim``).
-- PartitionKey ``vmgroup``, RowKey = placement group (or scale set, or lone VM): every VM's position (last
-  sequence/incarnation, listed events, last seen) and its sighting of each event in one entity, since a group's
-  VMs report together. An event record's ``vms`` is assembled from its groups on read (events.assemble).
+- PartitionKey ``vmgroup-<n>`` (``group_partition``: n a hash of the group's key), RowKey = placement group (or
+  scale set, or lone VM): every VM's position (last sequence/incarnation, listed events, last seen) and its
+  sighting of each event in one entity, since a group's VMs report together. An event record's ``vms`` is
+  assembled from its groups on read (events.assemble).
 - PartitionKey ``setaside``: whole entities a read could not decode, copied here as they were (with ``Reason``,
   ``FromPartition``, ``FromRowKey``) before they were deleted; never read by the pipeline, kept for a person.
-One partition per kind lets a batch write all its events (or groups) in one transaction (at most 100 operations,
-all-or-nothing: if any ETag is stale nothing is written and the caller redoes that part one by one).
+Events and VM groups are each spread over ``PARTITIONS`` partitions: Table Storage serves about 2,000 entity
+operations per second per partition, and one partition per kind put every event (and every group) of a
+100,000-VM wave on one server's share. A batch writes its events (or groups) in one transaction per partition (at
+most 100 operations, all-or-nothing: if any ETag is stale nothing of it is written and the caller redoes).
 Dead letters go to a second table, one row per refused message, one partition per day.
 
 Pure: every store builds and reads its entities here (TableStateStore, and the in-memory store of the tests), so
@@ -28,6 +32,7 @@ import json
 import os
 import re
 import uuid
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +44,11 @@ from coordinator.state.store import DeadLetter, R, RecordTooLarge, Stored
 
 EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
+# Partitions per kind. More spreads the load further but cuts a batch's writes into more transactions (each a
+# request): a 10,000-VM wave batch of 100 envelopes writes about 30 groups and 25 events, so 4 partitions keep about
+# 8 groups per transaction, and a 100,000-VM wave's busiest partition at a quarter of the table's operations
+# (benchmarks/wave.py prints the busiest partition's rate).
+PARTITIONS = 4
 BUDGET_PARTITION = "budget"
 SENT_ALERTS_PARTITION = "alertsent"
 KEY_PARTITION = "key"
@@ -68,6 +78,21 @@ _BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 Entity = dict[str, Any]
 # One entity to write: the entity, the ETag it is conditional on (None: insert), and the record it holds.
 Write = tuple[Entity, str | None, BaseModel]
+
+
+def event_partition(event_id: str) -> str:
+    """The partition an event lives in: from its id alone, so that every instance finds (and creates) it there."""
+    return f"{EVENT_PARTITION}-{zlib.crc32(event_id.encode('utf-8')) % PARTITIONS}"
+
+
+def group_partition(group: str) -> str:
+    """The partition a VM group lives in, from its key."""
+    return f"{VM_GROUP_PARTITION}-{zlib.crc32(group.encode('utf-8')) % PARTITIONS}"
+
+
+def partitions_of(kind: str) -> tuple[str, str]:
+    """The range of PartitionKeys of one kind (``ge`` the first, ``lt`` the second): every partition of it."""
+    return f"{kind}-", f"{kind}."
 
 
 def safe_key(value: str) -> str:
@@ -122,7 +147,7 @@ def record_from_entity(entity: Entity, model: type[R], etag: str | None) -> Stor
 
 def event_entity(record: EventRecord) -> Entity:
     return record_entity(
-        EVENT_PARTITION,
+        event_partition(record.eventId),
         record.eventId,
         record,
         # Columns for the queries (open events, pending cards, housekeeping).
@@ -215,7 +240,7 @@ def group_entity(record: VmGroupRecord, vm_ids: Iterable[str] | None = None) -> 
     """One property per VM, so that a write can MERGE just the VMs it moved (a batch moves a few of a group's
     VMs: the rest of the group is neither serialized nor sent)."""
     entity: Entity = {
-        "PartitionKey": VM_GROUP_PARTITION,
+        "PartitionKey": group_partition(record.group),
         "RowKey": safe_key(record.group),
         "Group": record.group,
         "Vms": len(record.vms),
@@ -339,19 +364,25 @@ def _entity_chars(entity: Entity) -> int:
     return sum(len(str(value)) for value in entity.values())
 
 
-def transactions(items: list[Write]) -> Iterator[list[Write]]:
-    """Cuts writes into transactions of at most 100 operations and about 3 MB (the service's limit is 4 MiB)."""
-    part: list[Write] = []
-    size = 0
-    for item in items:
-        chars = _entity_chars(item[0])
-        if part and (len(part) == TRANSACTION_LIMIT or size + chars > TRANSACTION_CHARS):
+def transactions(items: list[Write]) -> Iterator[list[int]]:
+    """Cuts writes into transactions, given as positions in ``items``: one partition each (a transaction cannot
+    span two), at most 100 operations and about 3 MB (the service's limit is 4 MiB); partitions in the order they
+    first appear."""
+    by_partition: dict[str, list[int]] = {}
+    for index, item in enumerate(items):
+        by_partition.setdefault(str(item[0]["PartitionKey"]), []).append(index)
+    for positions in by_partition.values():
+        part: list[int] = []
+        size = 0
+        for index in positions:
+            chars = _entity_chars(items[index][0])
+            if part and (len(part) == TRANSACTION_LIMIT or size + chars > TRANSACTION_CHARS):
+                yield part
+                part, size = [], 0
+            part.append(index)
+            size += chars
+        if part:
             yield part
-            part, size = [], 0
-        part.append(item)
-        size += chars
-    if part:
-        yield part
 
 
 def chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:

@@ -69,10 +69,12 @@ def commit_event(
     *,
     read: Stored[EventRecord] | None = None,
     on_conflict: Callable[[], None] | None = None,
+    etags: dict[str, str] | None = None,
 ) -> EventChange | None:
-    """Read-modify-write of one event with its ETag; ``read`` is a record just read fresh (the first attempt
-    uses it instead of reading again); ``on_conflict`` is called for each write that met a newer one. Raises
-    ``ConcurrencyConflict`` when every attempt met a newer write."""
+    """Read-modify-write of one event with its ETag; ``read`` is a record just read fresh or written (the first
+    attempt uses it instead of reading again); ``on_conflict`` is called for each write that met a newer one;
+    ``etags`` receives the new ETag of what was written. Raises ``ConcurrencyConflict`` when every attempt met a
+    newer write."""
 
     def current(attempt: int) -> Stored[EventRecord] | None:
         return read if attempt == 0 and read is not None else read_event(store, event_id)
@@ -82,6 +84,8 @@ def commit_event(
         return change if change is not None and change.changed else None
 
     def write(change: EventChange, stored: Stored[EventRecord] | None) -> None:
-        store.save_event(change.record, stored.etag if stored else None)
+        etag = store.save_event(change.record, stored.etag if stored else None)
+        if etags is not None:
+            etags[event_id] = etag
 
     return commit(current, changed, write, what=f"event {event_id}", on_conflict=on_conflict)

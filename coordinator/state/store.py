@@ -10,9 +10,10 @@ Every write is conditional, which is what lets parallel coordinator instances de
   ETag was read, or is gone.
 - A refused write changes nothing; the caller reads again and redoes (``commit.commit``).
 - **Several records in one call** (``save_events``, ``save_vm_groups``) are written in transactions of at most 100
-  records (``entities.transactions``): each transaction is all or nothing, and one stale ETag refuses its whole
-  transaction with ``ConcurrencyConflict``, as does a record named twice in it. Transactions before the refused
-  one stay written, those after it are not tried: after a conflict the caller reads every record again.
+  records of one partition each (``entities.transactions``): each transaction is all or nothing, and one stale
+  ETag refuses its whole transaction with ``ConcurrencyConflict``, as does a record named twice in it.
+  Transactions before the refused one stay written, those after it are not tried: after a conflict the caller
+  reads every record again.
 - **Too large** a record raises ``RecordTooLarge`` before anything of that call is written.
 - A ``cached`` read may answer with what this instance last read or wrote, older than what is stored: a write
   with that ETag is then refused, so a stale read never commits. Every other read is fresh.
@@ -23,6 +24,10 @@ Every write is conditional, which is what lets parallel coordinator instances de
   (the dead-letter table: the reason and the entity), logged at ERROR, and listed by ``set_aside()`` for the run
   to count and write a ``DeadLetter`` history row. A budget is the exception: one that cannot be read raises,
   holding the decisions it counts (read as empty, it would approve beyond its limit).
+- **Changes** (``events_changed_since``, ``vm_groups_changed_since``): every record written at or after a time
+  of the store's own clock, compared to the millisecond (Azurite's precision): the ``watermark`` an earlier answer
+  gave, less an overlap the caller chooses. An instance keeps the open events and the census current that way,
+  reading what changed, not the whole fleet.
 
 ``TableStateStore`` (coordinator/state/tables.py) keeps this in Azure Table Storage; how records become entities is
 ``coordinator/state/entities.py``. tests/coordinator/test_state_contract.py holds every implementation to this.
@@ -59,6 +64,15 @@ class Stored(Generic[R]):
 
 
 @dataclass(frozen=True)
+class Changed(Generic[R]):
+    """Records written since a time, and the store's time to ask from next (the latest write among them; None
+    when there was none to see)."""
+
+    records: list[Stored[R]]
+    watermark: datetime | None
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     """A message refused at the door: kept with the reason so that a person can look at it; never acted on."""
 
@@ -92,6 +106,10 @@ class StateStore(Protocol):
     def open_events(self) -> list[Stored[EventRecord]]:
         """Every event not Completed or Canceled, read fresh."""
 
+    def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
+        """``since`` None: every open event (as ``open_events``). Else every event written at or after ``since``
+        (the store's clock), open or concluded."""
+
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
         """Concluded events whose last cards are still in the outbox (open ones come with open_events)."""
 
@@ -116,9 +134,17 @@ class StateStore(Protocol):
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         """Every group, read fresh."""
 
+    def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
+        """``since`` None: every group (as ``all_vm_groups``). Else every group written at or after ``since``."""
+
     def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
         """Inserts the group with all its VMs (``etag`` None), or merges the VMs ``vm_ids`` (None: every VM of
         ``record``) into it If-Match ``etag``: VMs not sent keep what is stored. Gives the new ETag."""
+
+    def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
+        """Replaces the group If-Match ``etag`` with only the VMs of ``record`` (the VMs not in it are removed, which
+        a merge cannot do), or deletes it when ``record`` has none; gives the new ETag (None: deleted).
+        ``ConcurrencyConflict`` when the group changed since or is gone."""
 
     def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
         """``save_vm_group`` for each, in transactions of 100 (all or nothing each); the new ETags in order."""
@@ -129,6 +155,12 @@ class StateStore(Protocol):
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         """Inserts (``etag`` None) or replaces the budget If-Match ``etag``; gives the new ETag."""
+
+    def budgets(self) -> list[Stored[BudgetRecord]]:
+        """Every budget domain's entity, read fresh (housekeeping removes those whose claims were all released)."""
+
+    def delete_budget(self, key: str, etag: str) -> bool:
+        """Deletes the budget If-Match ``etag``; False when it changed since (kept), True when deleted or gone."""
 
     # the log of sent cards: one entry per batch that sent cards, cleared in bulk by the timer.
     def log_sent_alerts(self, record: SentAlerts) -> None:

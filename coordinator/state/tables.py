@@ -45,10 +45,13 @@ from coordinator.state.entities import (
     decode,
     event_entity,
     event_from_entity,
+    event_partition,
     group_entity,
     group_from_entity,
+    group_partition,
     key_entity,
     key_from_entity,
+    partitions_of,
     safe_key,
     sent_alerts_entity,
     sent_alerts_from_entity,
@@ -56,7 +59,16 @@ from coordinator.state.entities import (
     set_aside_letter,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, RecordTooLarge, SetAside, StateStore, Stored
+from coordinator.state.store import (
+    Changed,
+    ConcurrencyConflict,
+    DeadLetter,
+    R,
+    RecordTooLarge,
+    SetAside,
+    StateStore,
+    Stored,
+)
 
 log = logging.getLogger("coordinator")
 
@@ -128,32 +140,90 @@ class TableStateStore(StateStore):
 
     # reads ---------------------------------------------------------------------------------------------------
     def _get_many(
-        self, partition: str, keys: Iterable[str], parse: Callable[[Any, str | None], Stored[R]], *, cached: bool
+        self,
+        partition_of: Callable[[str], str],
+        keys: Iterable[str],
+        parse: Callable[[Any, str | None], Stored[R]],
+        *,
+        cached: bool,
     ) -> dict[str, Stored[R]]:
-        wanted = sorted({safe_key(k) for k in keys})
+        """The records found by the keys asked for (``partition_of`` gives each one's partition)."""
+        by_partition: dict[str, set[str]] = {}
+        for key in keys:
+            by_partition.setdefault(partition_of(key), set()).add(safe_key(key))
         found: dict[str, Stored[R]] = {}
-        if cached:
-            for key in wanted:
-                hit = self._cached(partition, key)
-                if hit is not None:
-                    found[key] = hit
-            wanted = [k for k in wanted if k not in found]
-        for chunk in chunks(wanted, ROWKEYS_PER_QUERY):
-            parameters: dict[str, Any] = {"pk": partition}
-            clauses = []
-            for i, key in enumerate(chunk):
-                parameters[f"r{i}"] = key
-                clauses.append(f"RowKey eq @r{i}")
-            # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
-            query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
-            for key, stored in self._decoded(self._table.query_entities(query, parameters=parameters), parse):
-                found[key] = stored
-                self._remember(partition, key, stored)
+        for partition, safe_keys in by_partition.items():
+            wanted = sorted(safe_keys)
+            if cached:
+                for key in wanted:
+                    hit = self._cached(partition, key)
+                    if hit is not None:
+                        found[key] = hit
+                wanted = [k for k in wanted if k not in found]
+            for chunk in chunks(wanted, ROWKEYS_PER_QUERY):
+                parameters: dict[str, Any] = {"pk": partition}
+                clauses = []
+                for i, key in enumerate(chunk):
+                    parameters[f"r{i}"] = key
+                    clauses.append(f"RowKey eq @r{i}")
+                # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
+                query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
+                for key, stored in self._decoded(self._table.query_entities(query, parameters=parameters), parse):
+                    found[key] = stored
+                    self._remember(partition, key, stored)
         return found
 
-    def _query_events(self, query: str, **parameters: Any) -> list[Stored[EventRecord]]:
-        entities = self._table.query_entities(query, parameters={"pk": EVENT_PARTITION, **parameters})
-        return [stored for _, stored in self._decoded(entities, event_from_entity)]
+    def _query(self, kind: str, condition: str = "", **parameters: Any) -> Iterable[TableEntity]:
+        """The entities of every partition of one kind (a range of PartitionKeys) that meet ``condition``."""
+        low, high = partitions_of(kind)
+        query = "PartitionKey ge @low and PartitionKey lt @high" + (f" and {condition}" if condition else "")
+        return self._table.query_entities(query, parameters={"low": low, "high": high, **parameters})
+
+    def _loaded(self, entities: Iterable[TableEntity], parse: Callable[[Any, str | None], Stored[R]]) -> Changed[R]:
+        """Every entity parsed and cached (one that cannot be read is set aside and left out), with the latest
+        write time among them."""
+        found: list[Stored[R]] = []
+        latest: datetime | None = None
+        for entity in entities:
+            stamp = entity.metadata.get("timestamp")
+            if stamp is not None and (latest is None or stamp > latest):
+                latest = stamp
+            stored = decode(entity, _etag(entity), parse)
+            if isinstance(stored, str):
+                self._set_aside_entity(entity, stored)
+                continue
+            self._remember(str(entity["PartitionKey"]), str(entity["RowKey"]), stored)
+            found.append(stored)
+        return Changed(found, latest)
+
+    def _changed(self, kind: str, since: datetime, parse: Callable[[Any, str | None], Stored[R]]) -> Changed[R]:
+        """What changed in a partition since a time of the service's clock. An entity this instance wrote or read
+        at the same ETag comes from the cache, unparsed (most of what changed in a wave is this instance's own
+        writes); the rest is parsed and cached, so cached reads are as fresh as this answer. One that cannot be
+        read is set aside and left out."""
+        found: list[Stored[R]] = []
+        latest: datetime | None = None
+        for entity in self._query(kind, "Timestamp ge @since", since=since):
+            partition, key, etag = str(entity["PartitionKey"]), str(entity["RowKey"]), _etag(entity)
+            stamp = entity.metadata.get("timestamp")
+            if stamp is not None and (latest is None or stamp > latest):
+                latest = stamp
+            hit = self._cached(partition, key)
+            if hit is None or hit.etag != etag:
+                decoded = decode(entity, etag, parse)
+                if isinstance(decoded, str):
+                    self._set_aside_entity(entity, decoded)
+                    continue
+                hit = decoded
+                self._remember(partition, key, hit)
+            found.append(hit)
+        return Changed(found, latest)
+
+    def _query_events(self, condition: str, **parameters: Any) -> list[Stored[EventRecord]]:
+        return [
+            stored
+            for _, stored in self._decoded(self._query(EVENT_PARTITION, condition, **parameters), event_from_entity)
+        ]
 
     # entities that cannot be read -----------------------------------------------------------------------------
     def _decoded(
@@ -176,10 +246,10 @@ class TableStateStore(StateStore):
         stored = group_from_entity(entity, etag, unreadable)
         if not unreadable:
             return stored
-        what = f"{VM_GROUP_PARTITION}/{entity['RowKey']} (a VM's position)"
+        what = f"{entity['PartitionKey']}/{entity['RowKey']} (a VM's position)"
         for name, reason in unreadable.items():
             self._note_set_aside(what, reason, {name: entity[name]}, etag)
-        blank = {"PartitionKey": VM_GROUP_PARTITION, "RowKey": entity["RowKey"], **dict.fromkeys(unreadable, "")}
+        blank = {"PartitionKey": entity["PartitionKey"], "RowKey": entity["RowKey"], **dict.fromkeys(unreadable, "")}
         try:
             metadata = self._table.update_entity(
                 blank, mode=UpdateMode.MERGE, etag=etag, match_condition=MatchConditions.IfNotModified
@@ -218,7 +288,7 @@ class TableStateStore(StateStore):
 
     def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
         ids = list(event_ids)
-        by_key = self._get_many(EVENT_PARTITION, ids, event_from_entity, cached=cached)
+        by_key = self._get_many(event_partition, ids, event_from_entity, cached=cached)
         return {i: by_key[safe_key(i)] for i in ids if safe_key(i) in by_key}
 
     def get_event(self, event_id: str) -> Stored[EventRecord] | None:
@@ -226,7 +296,7 @@ class TableStateStore(StateStore):
 
     def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
         wanted = list(keys)
-        by_key = self._get_many(VM_GROUP_PARTITION, wanted, self._group, cached=cached)
+        by_key = self._get_many(group_partition, wanted, self._group, cached=cached)
         return {k: by_key[safe_key(k)] for k in wanted if safe_key(k) in by_key}
 
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
@@ -238,35 +308,41 @@ class TableStateStore(StateStore):
         return None
 
     def open_events(self) -> list[Stored[EventRecord]]:
-        return self._query_events("PartitionKey eq @pk and Open eq true")
+        return self._query_events("Open eq true")
+
+    def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
+        if since is not None:
+            return self._changed(EVENT_PARTITION, since, event_from_entity)
+        return self._loaded(self._query(EVENT_PARTITION, "Open eq true"), event_from_entity)
 
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
-        return self._query_events("PartitionKey eq @pk and Open eq false and Pending eq true")
+        return self._query_events("Open eq false and Pending eq true")
 
     def concluded_events_before(self, cutoff: datetime) -> list[Stored[EventRecord]]:
-        query = "PartitionKey eq @pk and Open eq false and Pending eq false and StateSince lt @cutoff"
-        return self._query_events(query, cutoff=cutoff)
+        return self._query_events("Open eq false and Pending eq false and StateSince lt @cutoff", cutoff=cutoff)
 
     def delete_events(self, items: Sequence[tuple[str, str | None]]) -> int:
         deleted = 0
         for event_id, etag in items:
-            key = safe_key(event_id)
+            partition, key = event_partition(event_id), safe_key(event_id)
             try:
                 # The SDK refuses If-Match without an ETag (ValueError) and answers a delete of a gone entity
                 # as done.
-                self._table.delete_entity(
-                    EVENT_PARTITION, key, etag=etag, match_condition=MatchConditions.IfNotModified
-                )
+                self._table.delete_entity(partition, key, etag=etag, match_condition=MatchConditions.IfNotModified)
             except ResourceModifiedError:
                 continue
             finally:
-                self._forget(EVENT_PARTITION, key)
+                self._forget(partition, key)
             deleted += 1
         return deleted
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
-        entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": VM_GROUP_PARTITION})
-        return [stored for _, stored in self._decoded(entities, self._group)]
+        return [stored for _, stored in self._decoded(self._query(VM_GROUP_PARTITION), self._group)]
+
+    def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
+        if since is not None:
+            return self._changed(VM_GROUP_PARTITION, since, self._group)
+        return self._loaded(self._query(VM_GROUP_PARTITION), self._group)
 
     # writes --------------------------------------------------------------------------------------------------
     def _save_one(self, write: Write, *, mode: UpdateMode = UpdateMode.REPLACE) -> str:
@@ -291,11 +367,12 @@ class TableStateStore(StateStore):
         self._remember(partition, key, Stored(record, new_etag))
         return new_etag
 
-    def _save_many(self, items: list[Write], *, mode: UpdateMode = UpdateMode.REPLACE) -> list[str]:
-        etags: list[str] = []
-        for part in transactions(items):
+    def _save_many(self, writes: list[Write], *, mode: UpdateMode = UpdateMode.REPLACE) -> list[str]:
+        etags: dict[int, str] = {}
+        for positions in transactions(writes):
+            part = [writes[i] for i in positions]
             if len(part) == 1:
-                etags.append(self._save_one(part[0], mode=mode))
+                etags[positions[0]] = self._save_one(part[0], mode=mode)
                 continue
             operations: list[Any] = []
             for entity, etag, _ in part:
@@ -323,11 +400,11 @@ class TableStateStore(StateStore):
                 ):
                     raise
                 raise ConcurrencyConflict(f"transaction of {len(part)} entities refused: {error}") from error
-            for (entity, _, record), result in zip(part, results, strict=True):
+            for index, (entity, _, record), result in zip(positions, part, results, strict=True):
                 etag = str(result["etag"])
                 self._remember(str(entity["PartitionKey"]), str(entity["RowKey"]), Stored(record, etag))
-                etags.append(etag)
-        return etags
+                etags[index] = etag
+        return [etags[i] for i in range(len(writes))]
 
     def save_event(self, record: EventRecord, etag: str | None) -> str:
         return self._save_one((event_entity(record), etag, record))
@@ -345,6 +422,31 @@ class TableStateStore(StateStore):
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._save_one((budget_entity(record), etag, record))
+
+    def budgets(self) -> list[Stored[BudgetRecord]]:
+        entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": BUDGET_PARTITION})
+        return [budget_from_entity(e, _etag(e)) for e in entities]
+
+    def delete_budget(self, key: str, etag: str) -> bool:
+        try:
+            self._table.delete_entity(
+                BUDGET_PARTITION, safe_key(key), etag=etag, match_condition=MatchConditions.IfNotModified
+            )
+        except ResourceModifiedError:
+            return False
+        return True
+
+    def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
+        partition, key = group_partition(record.group), safe_key(record.group)
+        if record.vms:
+            return self._save_one((group_entity(record), etag, record), mode=UpdateMode.REPLACE)
+        try:
+            self._table.delete_entity(partition, key, etag=etag, match_condition=MatchConditions.IfNotModified)
+        except ResourceModifiedError as error:
+            raise ConcurrencyConflict(f"{partition}/{key} changed") from error
+        finally:
+            self._forget(partition, key)
+        return None
 
     def log_sent_alerts(self, record: SentAlerts) -> None:
         self._table.create_entity(sent_alerts_entity(record))

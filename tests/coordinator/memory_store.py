@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
@@ -26,6 +26,7 @@ from coordinator.state.entities import (
     EVENT_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
+    SET_ASIDE_PARTITION,
     VM_GROUP_PARTITION,
     Entity,
     Write,
@@ -37,10 +38,13 @@ from coordinator.state.entities import (
     decode,
     event_entity,
     event_from_entity,
+    event_partition,
     group_entity,
     group_from_entity,
+    group_partition,
     key_entity,
     key_from_entity,
+    partitions_of,
     safe_key,
     sent_alerts_entity,
     sent_alerts_from_entity,
@@ -48,9 +52,11 @@ from coordinator.state.entities import (
     set_aside_letter,
     transactions,
 )
-from coordinator.state.store import ConcurrencyConflict, DeadLetter, R, SetAside, StateStore, Stored
+from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R, SetAside, StateStore, Stored
 
 Key = tuple[str, str]
+# Partitions that are one partition (the others are a kind spread over several: entities.partitions_of).
+_SINGLE = frozenset({BUDGET_PARTITION, SENT_ALERTS_PARTITION, KEY_PARTITION, CLAIM_PARTITION, SET_ASIDE_PARTITION})
 
 
 class MemoryStateStore(StateStore):
@@ -62,25 +68,52 @@ class MemoryStateStore(StateStore):
         self._lock = threading.Lock()
         self._versions = itertools.count(1)
         self._set_aside: list[SetAside] = []
+        # When each entity was last written, by the store's clock (the table's Timestamp): strictly increasing.
+        self._stamps: dict[Key, datetime] = {}
+        self._clock = datetime.min.replace(tzinfo=UTC)
 
-    def _new_etag(self) -> str:
-        # Under the lock: every write of any entity gets an ETag no entity had before.
+    def _new_etag(self, key: Key) -> str:
+        # Under the lock: every write of any entity gets an ETag no entity had before, and a later Timestamp.
+        self._clock = max(datetime.now(UTC), self._clock + timedelta(microseconds=1))
+        self._stamps[key] = self._clock
         return f'W/"{next(self._versions)}"'
+
+    def _changed(
+        self,
+        kind: str,
+        since: datetime | None,
+        parse: Callable[[Entity, str | None], Stored[R]],
+        where: Callable[[Entity], bool],
+    ) -> Changed[R]:
+        low, high = partitions_of(kind)
+        with self._lock:
+            rows = [
+                (dict(e), etag, self._stamps[key])
+                for key, (e, etag) in sorted(self._entities.items())
+                if low <= key[0] < high and (since is None or self._stamps[key] >= since)
+            ]
+        rows = [row for row in rows if since is not None or where(row[0])]
+        decoded = [self._decode(e, etag, parse) for e, etag, _ in rows]
+        return Changed(
+            [stored for stored in decoded if stored is not None], max((stamp for *_, stamp in rows), default=None)
+        )
 
     # the table -----------------------------------------------------------------------------------------------
     def _get(
-        self, partition: str, keys: Iterable[str], parse: Callable[[Entity, str | None], Stored[R]]
+        self, partition_of: Callable[[str], str], keys: Iterable[str], parse: Callable[[Entity, str | None], Stored[R]]
     ) -> dict[str, Stored[R]]:
         wanted = list(keys)
         with self._lock:
-            found = {k: self._entities.get((partition, safe_key(k))) for k in wanted}
+            found = {k: self._entities.get((partition_of(k), safe_key(k))) for k in wanted}
         decoded = {k: self._decode(dict(hit[0]), hit[1], parse) for k, hit in found.items() if hit is not None}
         return {k: stored for k, stored in decoded.items() if stored is not None}
 
     def _scan(self, partition: str, where: Callable[[Entity], bool] = lambda _: True) -> list[tuple[Entity, str]]:
-        """A partition's entities that ``where`` keeps, in RowKey order (the table's)."""
+        """The entities of one partition, or of every partition of a kind (``partitions_of``), that ``where``
+        keeps, in (PartitionKey, RowKey) order (the table's)."""
+        low, high = (partition, partition + "\0") if partition in _SINGLE else partitions_of(partition)
         with self._lock:
-            rows = [(dict(e), etag) for (p, _), (e, etag) in sorted(self._entities.items()) if p == partition]
+            rows = [(dict(e), etag) for (p, _), (e, etag) in sorted(self._entities.items()) if low <= p < high]
         return [(e, etag) for e, etag in rows if where(e)]
 
     def _decoded(
@@ -98,7 +131,8 @@ class MemoryStateStore(StateStore):
         self._note(f"{key[0]}/{key[1]}", stored, entity, etag)
         with self._lock:
             copy = set_aside_copy(entity, stored, datetime.now(UTC))
-            self._entities[(copy["PartitionKey"], copy["RowKey"])] = (copy, self._new_etag())
+            copy_key = (str(copy["PartitionKey"]), str(copy["RowKey"]))
+            self._entities[copy_key] = (copy, self._new_etag(copy_key))
             if key in self._entities and self._entities[key][1] == etag:
                 del self._entities[key]
         return None
@@ -109,12 +143,14 @@ class MemoryStateStore(StateStore):
         if not unreadable:
             return stored
         for name, reason in unreadable.items():
-            self._note(f"{VM_GROUP_PARTITION}/{entity['RowKey']} (a VM's position)", reason, {name: entity[name]}, etag)
-        key = (VM_GROUP_PARTITION, str(entity["RowKey"]))
+            self._note(
+                f"{entity['PartitionKey']}/{entity['RowKey']} (a VM's position)", reason, {name: entity[name]}, etag
+            )
+        key = (str(entity["PartitionKey"]), str(entity["RowKey"]))
         with self._lock:
             if key not in self._entities or self._entities[key][1] != etag:
                 return stored
-            new_etag = self._new_etag()
+            new_etag = self._new_etag(key)
             self._entities[key] = ({**self._entities[key][0], **dict.fromkeys(unreadable, "")}, new_etag)
         return Stored(stored.record, new_etag)
 
@@ -142,17 +178,21 @@ class MemoryStateStore(StateStore):
             for key, (entity, etag, _) in zip(keys, writes, strict=True):
                 # MERGE keeps the properties not sent (a group's other VMs); a REPLACE or an insert does not.
                 stored = {**self._entities[key][0], **entity} if merge and etag is not None else dict(entity)
-                new_etag = self._new_etag()
+                new_etag = self._new_etag(key)
                 self._entities[key] = (stored, new_etag)
                 etags.append(new_etag)
             return etags
 
     def _save_many(self, writes: list[Write], *, merge: bool = False) -> list[str]:
-        return [etag for part in transactions(writes) for etag in self._commit(part, merge=merge)]
+        etags: dict[int, str] = {}
+        for positions in transactions(writes):
+            for index, etag in zip(positions, self._commit([writes[i] for i in positions], merge=merge), strict=True):
+                etags[index] = etag
+        return [etags[i] for i in range(len(writes))]
 
     # events --------------------------------------------------------------------------------------------------
     def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
-        return self._get(EVENT_PARTITION, event_ids, event_from_entity)
+        return self._get(event_partition, event_ids, event_from_entity)
 
     def get_event(self, event_id: str) -> Stored[EventRecord] | None:
         return self.get_events([event_id]).get(event_id)
@@ -162,6 +202,9 @@ class MemoryStateStore(StateStore):
 
     def open_events(self) -> list[Stored[EventRecord]]:
         return self._events(lambda e: e["Open"] is True)
+
+    def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
+        return self._changed(EVENT_PARTITION, since, event_from_entity, lambda e: e["Open"] is True)
 
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
         return self._events(lambda e: e["Open"] is False and e["Pending"] is True)
@@ -180,7 +223,7 @@ class MemoryStateStore(StateStore):
         for event_id, etag in items:
             if etag is None:
                 raise ValueError("IfNotModified must be specified with etag.")  # as azure-data-tables says
-            key = (EVENT_PARTITION, safe_key(event_id))
+            key = (event_partition(event_id), safe_key(event_id))
             with self._lock:
                 current = self._entities.get(key)
                 if current is not None and current[1] != etag:
@@ -191,13 +234,27 @@ class MemoryStateStore(StateStore):
 
     # VM groups -----------------------------------------------------------------------------------------------
     def get_vm_groups(self, keys: Iterable[str], *, cached: bool = False) -> dict[str, Stored[VmGroupRecord]]:
-        return self._get(VM_GROUP_PARTITION, keys, self._group)
+        return self._get(group_partition, keys, self._group)
 
     def all_vm_groups(self) -> list[Stored[VmGroupRecord]]:
         return [stored for _, stored in self._decoded(VM_GROUP_PARTITION, self._group, lambda _: True)]
 
+    def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
+        return self._changed(VM_GROUP_PARTITION, since, self._group, lambda _: True)
+
     def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
         return self.save_vm_groups([(record, etag, vm_ids)])[0]
+
+    def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
+        if record.vms:
+            return self._commit([(group_entity(record), etag, record)])[0]
+        key = (group_partition(record.group), safe_key(record.group))
+        with self._lock:
+            current = self._entities.get(key)
+            if current is None or current[1] != etag:
+                raise ConcurrencyConflict(f"{key[0]}/{key[1]} changed")
+            del self._entities[key]
+        return None
 
     def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
         return self._save_many([(group_entity(r, None if e is None else v), e, r) for r, e, v in items], merge=True)
@@ -210,6 +267,17 @@ class MemoryStateStore(StateStore):
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._commit([(budget_entity(record), etag, record)])[0]
+
+    def budgets(self) -> list[Stored[BudgetRecord]]:
+        return [budget_from_entity(e, etag) for e, etag in self._scan(BUDGET_PARTITION)]
+
+    def delete_budget(self, key: str, etag: str) -> bool:
+        with self._lock:
+            current = self._entities.get((BUDGET_PARTITION, safe_key(key)))
+            if current is not None and current[1] != etag:
+                return False
+            self._entities.pop((BUDGET_PARTITION, safe_key(key)), None)
+        return True
 
     # sent cards ----------------------------------------------------------------------------------------------
     def log_sent_alerts(self, record: SentAlerts) -> None:
@@ -229,7 +297,7 @@ class MemoryStateStore(StateStore):
         with self._lock:
             key = (KEY_PARTITION, safe_key(name))
             if key not in self._entities:
-                self._entities[key] = (key_entity(name), self._new_etag())
+                self._entities[key] = (key_entity(name), self._new_etag(key))
             entity = self._entities[key][0]
         return key_from_entity(entity)
 
@@ -237,7 +305,7 @@ class MemoryStateStore(StateStore):
         with self._lock:
             key = (CLAIM_PARTITION, safe_key(name))
             if key not in self._entities:
-                self._entities[key] = (claim_entity(name, value), self._new_etag())
+                self._entities[key] = (claim_entity(name, value), self._new_etag(key))
             return claim_from_entity(self._entities[key][0])
 
     def claimed(self, name: str) -> str | None:

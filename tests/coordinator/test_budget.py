@@ -44,8 +44,8 @@ class ViewInterleavingStore(TableStateStore):
 
     interleave: Any = None
 
-    def open_events(self) -> Any:
-        result = super().open_events()
+    def events_changed_since(self, since: Any) -> Any:
+        result = super().events_changed_since(since)
         action, self.interleave = self.interleave, None
         if action is not None:
             action()

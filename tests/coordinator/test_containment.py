@@ -23,6 +23,7 @@ from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import MAX_MESSAGE_BYTES, RawMessage
 from coordinator.service import Coordinator
+from coordinator.state.entities import event_partition
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 
@@ -112,7 +113,7 @@ def test_an_event_entity_that_cannot_be_read_is_set_aside_and_the_timer_goes_on_
         event = scheduled_event(f"EV-{name}", event_type="Reboot", resources=[name], duration=-1)
         reboots.append(message(envelope(vm(name, index=index + 1), sequence=1, incarnation=2, events=[event])))
     coordinator.process_batch(reboots)
-    key = ("event", "EV-web_0")
+    key = (event_partition("EV-web_0"), "EV-web_0")
     entity, _ = store._entities[key]
     store._entities[key] = ({**entity, "Data0": entity["Data0"].replace('"eventType":"Reboot"', '"eventType":7')}, "x")
 
@@ -125,10 +126,10 @@ def test_an_event_entity_that_cannot_be_read_is_set_aside_and_the_timer_goes_on_
     assert other.record.state == "Expired"  # the rest of the fleet went on
     assert key not in store._entities
     (letter,) = store.dead_letters()
-    assert str(letter["Reason"]).startswith("state entity event/EV-web_0 set aside: ValidationError")
+    assert str(letter["Reason"]).startswith(f"state entity {key[0]}/EV-web_0 set aside: ValidationError")
     (row,) = [r for r in history.rows if r.RecordType == "DeadLetter"]
     assert row.Reason is not None
-    assert row.Reason.startswith("state entity event/EV-web_0 cannot be read and was set aside: ValidationError")
+    assert row.Reason.startswith(f"state entity {key[0]}/EV-web_0 cannot be read and was set aside: ValidationError")
     assert coordinator.tick().set_aside == 0  # once
 
 

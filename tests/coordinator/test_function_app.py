@@ -100,7 +100,7 @@ def test_host_json_batches_match_the_function_and_the_benchmark():
 
     host = json.loads((Path(__file__).resolve().parents[2] / "host.json").read_text())
     hubs = host["extensions"]["eventHubs"]
-    assert hubs["maxEventBatchSize"] == 100
+    assert hubs["maxEventBatchSize"] == 200
     assert hubs["batchCheckpointFrequency"] == 1
     assert host["extensionBundle"]["version"] == "[4.0.0, 5.0.0)"
     # The delivery queue: picked up within a second, a failed invocation retried 5 s later, set aside after 5.

@@ -17,7 +17,7 @@ from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain.model import ApprovalRecord, EventRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import act, handover
-from coordinator.pipeline.run import Run
+from coordinator.pipeline.run import Delivery, Run
 from tests.coordinator.helpers import DOC_NOW
 from tests.coordinator.runs import (
     NOT_BEFORE,
@@ -93,11 +93,13 @@ def test_an_approval_goes_to_the_first_named_vm_and_its_approved_answer_moves_th
     assert record.approval.nextAttemptAt is None
     assert run.report.approvals_sent == 1
     assert run.work.alerts == [(EVENT, "approved")]
-    # The intent went to the history before anything was sent; the outcome waits for the tail's history step.
-    assert [(r.Outcome, r.Reason) for r in bench.rows("Approval")] == [
+    # The approval left before any history was written: its intent and outcome wait for the tail's history step.
+    assert bench.rows("Approval") == []
+    assert [(r.Outcome, r.Reason) for r in run.work.rows if r.Outcome == "sending"] == [
         ("sending", f"StartRequests for {EVENT} going to WestNO_0 (attempt 1)")
     ]
     assert [(r.RecordType, r.Outcome or r.State) for r in run.work.rows] == [
+        ("Approval", "sending"),
         ("Approval", "approved"),
         ("Transition", "Approved"),
     ]
@@ -213,13 +215,13 @@ def test_a_rule_asking_for_remote_acknowledge_goes_through_arm_when_it_is_on(ben
     bench.policy = parse_policy(REMOTE_POLICY)
     bench.remote_acknowledge = RecordingCallback()
     approved_freeze(bench, rule="arm-freeze")
-    deliver(bench)
+    run = deliver(bench)
     assert bench.callback.sent == []
     assert bench.remote_acknowledge.vms == ["WestNO_0"]
     approval_now = bench.event(EVENT).approval
     assert approval_now is not None
     assert approval_now.executor == "arm:WestNO_0"
-    assert bench.rows("Approval")[0].Reason == f"acknowledge of {EVENT} going to ARM for WestNO_0 (attempt 1)"
+    assert run.work.rows[0].Reason == f"acknowledge of {EVENT} going to ARM for WestNO_0 (attempt 1)"
 
 
 @pytest.mark.parametrize("fallback", [False, True])
@@ -309,7 +311,7 @@ def test_an_unexpected_error_in_one_delivery_costs_only_that_delivery(bench: Ben
 def test_an_outcome_for_a_superseded_decision_is_not_recorded(bench: Bench):
     approved_freeze(bench)
     record = bench.event(EVENT)
-    plan = act.Delivery(event_id=EVENT, decision_id="d-older", executor="WestNO_0", callback=bench.callback)
+    plan = Delivery(event_id=EVENT, decision_id="d-older", executor="WestNO_0", callback=bench.callback)
     assert act.approval_outcome(bench.run(), record, plan=plan) is None
     assert act.approval_outcome(bench.run(), None, plan=plan) is None
 

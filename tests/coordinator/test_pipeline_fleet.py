@@ -130,13 +130,13 @@ def test_deletes_and_leaving_vms_follow_what_the_run_decided():
     store = MemoryStateStore()
     put_event(store, "EV-DEL", vms=("web_0",), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
     fleet = Fleet(store)
-    assert list(fleet.deletes()) == ["EV-DEL"]
+    assert [r.eventId for r in fleet.deletes_of(["web"])] == ["EV-DEL"]
     assert fleet.leaving(DOC_NOW) == {}
     # This run decided to approve the delete: web_0 is leaving from that write on.
-    decided = fleet.deletes()["EV-DEL"].model_copy(update={"approval": APPROVAL})
+    decided = fleet.deletes_of(["web"])[0].model_copy(update={"approval": APPROVAL})
     fleet.note(decided)
     assert fleet.leaving(DOC_NOW) == {"web_0": "EV-DEL"}
-    assert fleet.deletes()["EV-DEL"].approval == APPROVAL
+    assert fleet.deletes_of(["web"])[0].approval == APPROVAL
 
 
 def test_held_in_names_the_pending_deletes_of_those_scale_sets_held_by_another():

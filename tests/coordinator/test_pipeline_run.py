@@ -61,6 +61,8 @@ def test_each_kind_of_run_reports_its_own_counts():
         "events_purged",
         "set_aside",
         "deliveries_continued",
+        "vms_purged",
+        "budgets_purged",
     }
     assert set(reports["person"].as_dict()) == {
         "events_changed",

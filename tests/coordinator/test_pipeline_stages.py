@@ -62,6 +62,8 @@ def test_a_tick_and_a_person_end_with_the_same_tail(azurite, imds, tmp_path):
         "events_purged",
         "set_aside",
         "deliveries_continued",
+        "vms_purged",
+        "budgets_purged",
     }
 
     person = coordinator.start("person")

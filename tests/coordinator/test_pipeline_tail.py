@@ -97,8 +97,9 @@ def test_the_tail_delivers_then_posts_cards_then_frees_budgets_then_writes_histo
     finally:
         bench.close()
     assert run.stages == TAIL
-    # The approval's intent (with the rows so far) is in the history before anything is sent; the rest is last.
-    assert journal.entries == ["history", "deliver", "cards", "budgets", "history"]
+    # The approval leaves first (issue 23: right after its deciding write); every history row, its intent among
+    # them, is written last.
+    assert journal.entries == ["deliver", "cards", "budgets", "history"]
     assert [r.RecordType for r in bench.history.rows] == ["DeadLetter", "Approval", "Approval", "Transition", "Alert"]
     assert bench.alerts.keys == ["EV-F-approved"]
     budget = bench.store.get_budget("web")

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -26,7 +29,15 @@ from coordinator.domain.model import (
     VmSighting,
 )
 from coordinator.state.commit import commit
-from coordinator.state.entities import CHUNK_CHARS, DEAD_LETTER_BODY, MAX_VM_PARTS, group_entity, utf16_units
+from coordinator.state.entities import (
+    CHUNK_CHARS,
+    DEAD_LETTER_BODY,
+    MAX_VM_PARTS,
+    event_partition,
+    group_entity,
+    group_partition,
+    utf16_units,
+)
 from coordinator.state.store import ConcurrencyConflict, DeadLetter, RecordTooLarge, StateStore, Stored
 from coordinator.state.tables import TableStateStore
 from tests.coordinator.helpers import DOC_NOW, event_record, vm, vm_position
@@ -61,6 +72,14 @@ def sighting(*, sequence: int = 1, epoch: int = 0, seen: int = 0) -> VmSighting:
 
 def group(key: str, *vms: VmRecord) -> VmGroupRecord:
     return VmGroupRecord(group=key, vms={v.identity.vmId.lower(): v for v in vms})
+
+
+def one_partition(prefix: str, count: int, partition_of: Callable[[str], str] = event_partition) -> list[str]:
+    """``count`` keys starting with ``prefix`` that share one partition: a transaction is all or nothing within one
+    partition (events and VM groups are spread over several, entities.PARTITIONS)."""
+    keys = (f"{prefix}{n:03}" for n in itertools.count())
+    first = next(keys)
+    return [first, *itertools.islice((k for k in keys if partition_of(k) == partition_of(first)), count - 1)]
 
 
 def without_sightings(record: EventRecord) -> EventRecord:
@@ -158,46 +177,64 @@ def test_a_cached_read_never_commits_a_stale_record(store, peer):
 
 
 def test_a_transaction_is_all_or_nothing(store, peer):
-    etags = store.save_events([(event_record(i), None) for i in ("EV-1", "EV-2", "EV-3")])
-    moved = peer.save_event(event_record("EV-2", state="Approved"), etags[1])
+    one, two, three, four = one_partition("EV-", 4)
+    etags = store.save_events([(event_record(i), None) for i in (one, two, three)])
+    moved = peer.save_event(event_record(two, state="Approved"), etags[1])
 
     with pytest.raises(ConcurrencyConflict):
         store.save_events(
             [
-                (event_record("EV-1", state="Started"), etags[0]),
-                (event_record("EV-2", state="Started"), etags[1]),
-                (event_record("EV-3", state="Started"), etags[2]),
-                (event_record("EV-4"), None),
+                (event_record(one, state="Started"), etags[0]),
+                (event_record(two, state="Started"), etags[1]),
+                (event_record(three, state="Started"), etags[2]),
+                (event_record(four), None),
             ]
         )
 
-    assert store.get_events(["EV-1", "EV-2", "EV-3", "EV-4"]) == {
-        "EV-1": Stored(event_record("EV-1"), etags[0]),
-        "EV-2": Stored(event_record("EV-2", state="Approved"), moved),
-        "EV-3": Stored(event_record("EV-3"), etags[2]),
+    assert store.get_events([one, two, three, four]) == {
+        one: Stored(event_record(one), etags[0]),
+        two: Stored(event_record(two, state="Approved"), moved),
+        three: Stored(event_record(three), etags[2]),
     }
-    written = store.save_events([(event_record("EV-1", state="Started"), etags[0]), (event_record("EV-4"), None)])
-    assert [s.etag for s in store.get_events(["EV-1", "EV-4"]).values()] == written
+    written = store.save_events([(event_record(one, state="Started"), etags[0]), (event_record(four), None)])
+    assert [s.etag for s in store.get_events([one, four]).values()] == written
+
+
+def test_writes_to_several_partitions_are_one_transaction_each_and_give_their_etags_in_order(store, peer):
+    ids = [f"EV-{n}" for n in range(12)]
+    assert len({event_partition(i) for i in ids}) > 1
+    etags = store.save_events([(event_record(i), None) for i in ids])
+
+    assert [store.get_events([i])[i].etag for i in ids] == etags
+    moved = peer.save_event(event_record(ids[-1], state="Approved"), etags[-1])
+    with pytest.raises(ConcurrencyConflict):
+        store.save_events([(event_record(i, state="Started"), e) for i, e in zip(ids, etags, strict=True)])
+    after = store.get_events(ids)
+    assert after[ids[-1]] == Stored(event_record(ids[-1], state="Approved"), moved)
+    refused = [i for i in ids[:-1] if event_partition(i) == event_partition(ids[-1])]
+    assert refused
+    assert all(after[i].record.state == "Scheduled" for i in refused)  # its whole partition's transaction
 
 
 def test_a_record_named_twice_in_one_transaction_refuses_it(store):
+    one, two = one_partition("EV-", 2)
     with pytest.raises(ConcurrencyConflict):
-        store.save_events([(event_record("EV-1"), None), (event_record("EV-2"), None), (event_record("EV-1"), None)])
-    assert store.get_events(["EV-1", "EV-2"]) == {}
+        store.save_events([(event_record(one), None), (event_record(two), None), (event_record(one), None)])
+    assert store.get_events([one, two]) == {}
 
 
 def test_more_than_100_writes_are_cut_into_transactions_each_all_or_nothing(store, peer):
-    ids = [f"EV-{n:03}" for n in range(105)]
+    ids = one_partition("EV-", 105)
     etags = store.save_events([(event_record(i), None) for i in ids])
     assert len(etags) == 105  # (an ETag versions one entity: two entities may have the same one)
-    peer.save_event(event_record("EV-103", state="Approved"), etags[103])
+    peer.save_event(event_record(ids[103], state="Approved"), etags[103])
 
     with pytest.raises(ConcurrencyConflict):
         store.save_events([(event_record(i, state="Started"), e) for i, e in zip(ids, etags, strict=True)])
 
     after = store.get_events(ids)
     assert all(after[i].record.state == "Started" and after[i].etag != etags[n] for n, i in enumerate(ids[:100]))
-    assert after["EV-103"].record.state == "Approved"  # moved by the peer: the second transaction is refused
+    assert after[ids[103]].record.state == "Approved"  # moved by the peer: the second transaction is refused
     assert all(after[i] == Stored(event_record(i), etags[n]) for n, i in enumerate(ids) if n in (100, 101, 102, 104))
 
 
@@ -269,20 +306,19 @@ def test_a_vm_group_is_inserted_whole_and_an_update_merges_only_the_vms_it_sends
         store.save_vm_group(group("pg:nowhere", a), etag)  # no such group any more (or ever)
 
 
-def test_vm_groups_in_one_call_are_written_all_or_nothing(store, peer):
+def test_vm_groups_in_one_partition_are_written_all_or_nothing(store, peer):
     a, b = vm_position("a_0", index=1), vm_position("b_0", index=2)
-    etags = store.save_vm_groups([(group("pg:a", a), None, None), (group("pg:b", b), None, None)])
-    moved = peer.save_vm_group(group("pg:b", b.model_copy(update={"lastSequence": 3})), etags[1])
+    ka, kb = one_partition("pg:", 2, group_partition)
+    etags = store.save_vm_groups([(group(ka, a), None, None), (group(kb, b), None, None)])
+    moved = peer.save_vm_group(group(kb, b.model_copy(update={"lastSequence": 3})), etags[1])
 
     later = {"lastSequence": 7}
     with pytest.raises(ConcurrencyConflict):
-        store.save_vm_groups(
-            [(group("pg:a", a.model_copy(update=later)), etags[0], None), (group("pg:b", b), etags[1], None)]
-        )
+        store.save_vm_groups([(group(ka, a.model_copy(update=later)), etags[0], None), (group(kb, b), etags[1], None)])
 
     assert {s.record.group: s for s in store.all_vm_groups()} == {
-        "pg:a": Stored(group("pg:a", a), etags[0]),
-        "pg:b": Stored(group("pg:b", b.model_copy(update={"lastSequence": 3})), moved),
+        ka: Stored(group(ka, a), etags[0]),
+        kb: Stored(group(kb, b.model_copy(update={"lastSequence": 3})), moved),
     }
 
 
@@ -353,17 +389,19 @@ def overwrite(store: StateStore, entity: dict[str, object]) -> None:
 
 def test_an_event_that_cannot_be_read_is_set_aside_and_the_others_are_read(store, peer):
     store.save_events([(event_record(i), None) for i in ("EV-1", "EV-2", "EV-3")])
-    overwrite(store, {"PartitionKey": "event", "RowKey": "EV-2", "Data0": '{"eventId": "EV-2", "state": 7'})
+    overwrite(
+        store, {"PartitionKey": event_partition("EV-2"), "RowKey": "EV-2", "Data0": '{"eventId": "EV-2", "state": 7'}
+    )
 
     assert [s.record.eventId for s in peer.open_events()] == ["EV-1", "EV-3"]  # no exception: the rest goes on
     (item,) = peer.set_aside()
-    assert item.what == "event/EV-2"
+    assert item.what == f"{event_partition('EV-2')}/EV-2"
     assert "ValidationError" in item.reason
     assert peer.set_aside() == []  # listed once
     assert store.get_event("EV-2") is None  # moved away, so the event starts afresh from its next sighting
     assert store.save_event(event_record("EV-2"), None)
     (letter,) = store.dead_letters()
-    assert str(letter["Reason"]).startswith("state entity event/EV-2 set aside: ValidationError")
+    assert str(letter["Reason"]).startswith(f"state entity {event_partition('EV-2')}/EV-2 set aside: ValidationError")
     assert json.loads(base64.b64decode(str(letter["BodyBase64"])))["Data0"] == '{"eventId": "EV-2", "state": 7'
 
 
@@ -372,11 +410,11 @@ def test_a_vm_whose_position_cannot_be_read_is_set_aside_and_its_next_position_o
     store.save_vm_group(group("pg:web", a, b), None)
     entity = group_entity(group("pg:web", a), [a.identity.vmId])
     (name,) = (n for n in entity if n.startswith("V_"))
-    overwrite(store, {"PartitionKey": "vmgroup", "RowKey": "pg:web", name: "{not a position"})
+    overwrite(store, {"PartitionKey": group_partition("pg:web"), "RowKey": "pg:web", name: "{not a position"})
 
     stored = peer.get_vm_groups(["pg:web"])["pg:web"]
     assert stored.record == group("pg:web", b)
-    assert [item.what for item in peer.set_aside()] == ["vmgroup/pg:web (a VM's position)"]
+    assert [item.what for item in peer.set_aside()] == [f"{group_partition('pg:web')}/pg:web (a VM's position)"]
     assert [s.record for s in store.all_vm_groups()] == [group("pg:web", b)]  # blanked: not set aside again
     assert store.set_aside() == peer.set_aside() == []
     moved = a.model_copy(update={"lastSequence": 9})
@@ -500,3 +538,57 @@ def test_dead_letters_are_kept_in_full_up_to_their_limits(store):
     assert (len(last["Reason"]), last["BodyBytes"]) == (8000, 100_000)
     assert last["BodyBase64"] == base64.b64encode(huge.body[:DEAD_LETTER_BODY]).decode()
     assert last["BodySha256"] == hashlib.sha256(huge.body).hexdigest()
+
+
+# changes ---------------------------------------------------------------------------------------------------------
+def test_changes_since_a_watermark_give_what_any_instance_wrote_after_it_and_nothing_older(store, peer):
+    store.save_event(event_record("EV-OLD"), None)
+    store.save_event(event_record("EV-DONE", state="Completed"), None)
+    store.save_vm_group(group("pg:old", vm_position("WestNO_0", index=1)), None)
+
+    events, groups = store.events_changed_since(None), store.vm_groups_changed_since(None)
+
+    assert [s.record.eventId for s in events.records] == ["EV-OLD"]  # the first load: every open event
+    assert [s.record.group for s in groups.records] == ["pg:old"]  # every group
+    assert events.watermark is not None
+    assert groups.watermark is not None
+    # Azurite compares Timestamps to the millisecond: what is 1 ms later is later.
+    after = max(events.watermark, groups.watermark) + timedelta(milliseconds=1)
+    time.sleep(0.005)  # the next writes come after ``after``
+    etag = peer.save_event(event_record("EV-NEW", state="Canceled"), None)
+    peer.save_vm_group(group("pg:new", vm_position("WestNO_1", index=2)), None)
+
+    changed = store.events_changed_since(after)
+    assert [(s.record.eventId, s.etag) for s in changed.records] == [("EV-NEW", etag)]  # concluded ones too
+    assert changed.watermark is not None
+    assert changed.watermark >= after
+    assert [s.record.group for s in store.vm_groups_changed_since(after).records] == ["pg:new"]
+    assert store.events_changed_since(changed.watermark + timedelta(milliseconds=1)).records == []
+
+
+# housekeeping ----------------------------------------------------------------------------------------------------
+def test_a_pruned_group_keeps_only_the_vms_given_and_goes_when_none_is_left(store, peer):
+    a, b = vm_position("a_0", index=1), vm_position("b_0", index=2)
+    etag = store.save_vm_group(group("pg:web", a, b), None)
+    moved = peer.save_vm_group(group("pg:web", a, b), etag, vm_ids=[a.identity.vmId])
+    with pytest.raises(ConcurrencyConflict):
+        store.prune_vm_group(group("pg:web", b), etag)  # changed since: kept whole
+
+    pruned = store.prune_vm_group(group("pg:web", b), moved)
+
+    assert pruned is not None
+    assert store.get_vm_groups(["pg:web"]) == {"pg:web": Stored(group("pg:web", b), pruned)}
+    assert store.prune_vm_group(group("pg:web"), pruned) is None
+    assert store.get_vm_groups(["pg:web"]) == {}
+
+
+def test_budgets_are_listed_and_deleted_only_unchanged(store, peer):
+    claim = BudgetClaim(eventId="EV-1", vms=["web_0"], claimedAt=DOC_NOW)
+    empty = store.save_budget(BudgetRecord(scaleSet="web"), None)
+    held = store.save_budget(BudgetRecord(scaleSet="zone:westeurope/1", claims={"EV-1": claim}), None)
+    assert {s.record.scaleSet: s.etag for s in store.budgets()} == {"web": empty, "zone:westeurope/1": held}
+
+    changed = peer.save_budget(BudgetRecord(scaleSet="web", claims={"EV-1": claim}), empty)
+    assert store.delete_budget("web", empty) is False
+    assert store.delete_budget("web", changed) is True
+    assert [s.record.scaleSet for s in store.budgets()] == ["zone:westeurope/1"]
