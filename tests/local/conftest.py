@@ -19,11 +19,11 @@ from local.telemetry import Collector, Report
 FLEET_DEMO = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "fleet-demo.yaml"
 
 
-def compact_scenario(*, evict_at: int = 120, **extra_steps: Any) -> Scenario:
+def compact_scenario(*, evict_at: int = 120, redeploy_at: int = 180, **extra_steps: Any) -> Scenario:
     """Three VMs and four events, each of a different fate, in about 10 s at time scale 120: a short Freeze on a
     placement group (approve now), a scale-in Terminate (approve after the prepare hook), a Spot eviction (a person
-    would decide; it starts at NotBefore) and a Redeploy canceled before it starts. ``evict_at``: when the Spot
-    eviction appears (scenario seconds)."""
+    would decide; it starts at NotBefore) and a Redeploy canceled before it starts (240 scenario seconds later).
+    ``evict_at``, ``redeploy_at``: when the Spot eviction and the Redeploy appear (scenario seconds)."""
     return Scenario.from_mapping(
         {
             "name": "e2e-compact",
@@ -56,8 +56,8 @@ def compact_scenario(*, evict_at: int = 120, **extra_steps: Any) -> Scenario:
                     "at": evict_at,
                     "create": {"ref": "evict", "EventType": "Preempt", "Resources": ["spot-0"], "NoticeSeconds": 240},
                 },
-                {"at": 180, "create": {"ref": "redeploy", "EventType": "Redeploy", "Resources": ["web_0"]}},
-                {"at": 420, "cancel": "redeploy"},
+                {"at": redeploy_at, "create": {"ref": "redeploy", "EventType": "Redeploy", "Resources": ["web_0"]}},
+                {"at": redeploy_at + 240, "cancel": "redeploy"},
             ],
         }
     )
