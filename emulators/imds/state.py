@@ -698,6 +698,8 @@ class EmulatorState:
         self.vms[spec.name] = spec
         self.incarnations[spec.name] = 1
         self._signatures[spec.name] = "[]"
+        # Its documents' record for the oracle starts with its first, as for the scenario's VMs at the start.
+        self.incarnation_log[spec.name] = [IncarnationRecord(spec.name, 1, 0, self._now, (), ())]
 
     def reset_incarnation(self, vm_name: str | None) -> None:
         """As after IMDS was disabled for 24 hours: the VM's counter starts over."""
