@@ -58,7 +58,7 @@ FREEZE = "{name: r, match: {eventType: [Freeze]}, action: "
 
 
 def state(key: str, *claims: BudgetClaim, **fields: object) -> BudgetRecord:
-    return BudgetRecord(scaleSet=key, claims={c.eventId: c for c in claims}, **fields)  # type: ignore[arg-type]
+    return BudgetRecord(scaleSet=key, claims={c.eventId: c for c in claims}, **fields)
 
 
 RATE = PaceDomain(
