@@ -545,3 +545,16 @@ def test_simulate_takes_every_gate_in_the_state_given(recorded, tmp_path, capsys
     assert difference["eventType"] == "Freeze"
     assert (difference["simulated"]["rule"], difference["simulated"]["verdict"]) == ("short-freeze", "wait")
     assert "app-health" in difference["simulated"]["reason"]
+
+
+def test_the_rate_and_sequence_cases_pass_and_a_changed_rate_fails_them(capsys, tmp_path):
+    """What-if covers rate and sequence budgets: the cases give their state (``fleet.paced``)."""
+    policies = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "policies"
+    code, out, _ = run(capsys, "test", policies / "rate-and-zones.yaml")
+    assert (code, out.splitlines()[-1]) == (0, "5 cases: 5 passed, 0 failed, 0 errors")
+    looser = tmp_path / "looser.yaml"
+    looser.write_text((policies / "rate-and-zones.yaml").read_text().replace("maxApprovals: 2", "maxApprovals: 3"))
+    code, out, _ = run(capsys, "test", looser, policies / "rate-and-zones.tests.yaml")
+    assert code == 1
+    assert "FAIL" in out
+    assert "a third Freeze in the hour waits" in next(line for line in out.splitlines() if line.startswith("FAIL"))
