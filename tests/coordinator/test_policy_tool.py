@@ -247,7 +247,7 @@ def test_the_recorded_policy_replays_with_no_difference(recorded, capsys):
     assert code == 0
     assert "6 events" in out
     assert ": 0 would differ" in out
-    assert "not reconstructed from a history (7 limits): python -m ops.policy simulate --help" in out
+    assert "not reconstructed from a history (8 limits): python -m ops.policy simulate --help" in out
     assert "health-gate results" not in out, "the limits are listed by --help, not repeated by every run"
     result = replay(load_policy(DEFAULT_POLICY_PATH), read_history(recorded).rows)
     decisions = len([r for r in read_history(recorded).rows if r.RecordType == "Decision"])
