@@ -3,9 +3,9 @@
 For every event the IMDS emulator created, the policy's first matching rule says whether the coordinator should
 approve it: ``approve`` (approve-now; approve-after-hooks when the forwarders have a prepare hook that succeeds),
 ``no-approval`` (wait-for-person, never-approve, no rule; and every event that appeared already Started) or
-``either`` (a budget rule depends on the rest of the fleet; a rule with a window or gates, or a policy with
-blackouts, depends on the time and on health; a notice too short for any pipeline to act on). Rules match the
-scenario VMs' tags as the coordinator matches the tags their forwarders report.
+``either`` (a budget rule, a rate or a sequence depends on the rest of the fleet; a rule with a window or gates, or a
+policy with blackouts, depends on the time and on health; a notice too short for any pipeline to act on). Rules match
+the scenario VMs' tags as the coordinator matches the tags their forwarders report.
 
 Scenario hooks count: an approve-after-hooks event one of whose VMs has a prepare hook that fails (or outlasts the
 forwarder's hook timeout) is not approved before the rule's hook deadline (``no-approval`` with onDeadline=wait,
@@ -120,6 +120,8 @@ def expect(
         approval = "either" if options.onDeadline == "approve" and options.deadlineSeconds < notice else "no-approval"
     elif (
         rule.action == "approve-within-budget"
+        or rule.rate is not None
+        or rule.sequence is not None
         or rule.window is not None
         or rule.gates
         or policy.blackouts

@@ -55,7 +55,7 @@ from fractions import Fraction
 from functools import cached_property
 from typing import Literal
 
-from coordinator.domain.policy import HooksOption, Policy, Rule
+from coordinator.domain.policy import HooksOption, Policy, RateOption, Rule, SequenceOption
 from coordinator.domain.policy_file import parse_policy
 from oracle.calendar import cron_periods
 from oracle.intervals import EMPTY, Intervals, seconds
@@ -469,6 +469,7 @@ class _Judge:
             points.extend(seconds(t.at) + retire for t in other.transitions)
         for approval in run.truth.approvals:
             points.extend(seconds(approval.at) + d for d in (0.0, run.slack, -run.slack))
+        points.extend(self._pacing_points())
         for removed in run.truth.removals.values():
             points.extend(seconds(removed) + d for d in (0.0, -run.truth.options.retireGraceSeconds - 10.0))
         created = seconds(event.transitions[0].at)
@@ -479,6 +480,19 @@ class _Judge:
                 points.extend(created + rule.hooks.deadlineSeconds + d for d in (0.0, self.reported - created))
         points.extend(self.hooks_ready(surely=True).values())
         points.extend(self.hooks_ready(surely=False).values())
+        return points
+
+    def _pacing_points(self) -> list[float]:
+        """Where a rate's period or a sequence's gap ends, after an approval or a transition."""
+        run, points = self.run, list[float]()
+        for rule in run.policy.rules:
+            lengths = [float(rule.rate.periodSeconds)] if rule.rate is not None else []
+            lengths += [float(rule.sequence.gapSeconds)] if rule.sequence is not None else []
+            for length in lengths:
+                points.extend(seconds(a.at) + length + d for a in run.truth.approvals for d in (0.0, -run.slack))
+                for other in run.truth.events:
+                    for t in other.transitions:
+                        points.extend(seconds(t.at) + length + d for d in (run.slack, run.bounds.conclude))
         return points
 
     @cached_property
@@ -525,12 +539,105 @@ class _Judge:
             if not (rule.onNotBefore == "approve" and at >= deadline):
                 return False, held
         if rule.action == "approve-now":
+            ok, why = True, ""
+        elif rule.action == "approve-after-hooks":
+            ok, why = self.hooks_allow(rule, at, surely=surely)
+        elif rule.action == "approve-within-budget":
+            ok, why = self.budget_allows(rule, at, surely=surely)
+        else:
+            return False, f"rule {rule.name!r} does not approve ({rule.action})"
+        if ok and rule.rate is not None:
+            ok, why = self.rate_allows(rule, rule.rate, at, surely=surely)
+        if ok and rule.sequence is not None:
+            ok, why = self.sequence_allows(rule, rule.sequence, at, surely=surely)
+        return ok, why
+
+    def _in_progress(
+        self, rule: Rule, sequence: SequenceOption, at: float
+    ) -> tuple[set[str], list[set[str]], list[tuple[float, set[str]]]]:
+        """For ``sequence_allows``: the domains surely in progress, each maybe in progress (one set per event), and
+        (concluded, domains) of the rule's approved events concluded by ``at``."""
+        run = self.run
+        sure: set[str] = set()
+        maybe: list[set[str]] = []
+        gaps: list[tuple[float, set[str]]] = []
+        for other in run.truth.events:
+            domains = self._keys(other, sequence.per)
+            if other.eventId == self.event.eventId or not domains:
+                continue
+            approved = run.first_approval.get(other.eventId, INF)
+            concluded = run.concluded(other)
+            if approved < INF and self._same_rule(other, rule, approved):
+                if approved <= at < concluded:
+                    sure |= domains
+                if approved - run.slack <= at < concluded + run.bounds.conclude:
+                    maybe.append(domains)
+                if concluded <= at:
+                    gaps.append((concluded, domains))
+            elif at in run.could_be_scheduled(other) and self._same_rule(other, rule, at):
+                maybe.append(domains)
+        return sure, maybe, gaps
+
+    # ---- pacing: rate and sequence (docs/oracle.md, *Rate and sequence budgets*) -------------------------------
+    def _same_rule(self, other: Event, rule: Rule, at: float) -> bool:
+        chosen, _ = choose(self.run.policy, other, self.run.vms, at)
+        return chosen is not None and chosen.name == rule.name
+
+    def _keys(self, event: Event, per: str) -> set[str]:
+        """The domains of ``per`` an event's VMs are in ('' for the fleet; a scale set counts VMs without one under
+        '', the other kinds leave them out)."""
+        if per == "fleet":
+            return {""}
+        keys = {self.run.domain(self.run.vms[n], per) for n in event.resources if n in self.run.vms}
+        return keys if per == "scaleSet" else keys - {""}
+
+    def rate_allows(self, rule: Rule, rate: RateOption, at: float, *, surely: bool) -> tuple[bool, str]:
+        """Upper: fewer than the maximum of the rule's other approvals surely count at ``at`` (accepted by then,
+        and decided at most ``slack`` before that, so counted until then plus the period). Lower: fewer than the
+        maximum of the rule's other events were Scheduled at any time in the period before ``at`` (give or take the
+        slack): each may hold a claim, accepted or not."""
+        run, period = self.run, float(rate.periodSeconds)
+        for key in sorted(self._keys(self.event, rate.per)):
+            count = 0
+            for other in run.truth.events:
+                if other.eventId == self.event.eventId or key not in self._keys(other, rate.per):
+                    continue
+                if not surely:
+                    approved = run.first_approval.get(other.eventId, INF)
+                    counts = approved <= at < approved - run.slack + period and self._same_rule(other, rule, approved)
+                else:
+                    recent = run.could_be_scheduled(other) & Intervals(((at - period - run.slack, at + run.slack),))
+                    counts = bool(recent) and self._same_rule(other, rule, at)
+                count += counts
+            if count >= rate.maxApprovals:
+                return False, f"rate of {rule.name!r} {key or 'fleet'}: {count} approvals (at most {rate.maxApprovals})"
+        return True, ""
+
+    def sequence_allows(self, rule: Rule, sequence: SequenceOption, at: float, *, surely: bool) -> tuple[bool, str]:
+        """One domain at a time. In progress surely: the domains of the rule's other approved events from their
+        acceptance to their conclusion in IMDS; maybe: from ``slack`` before the acceptance to ``conclude`` after
+        the conclusion (the coordinator learns it late), and every other Scheduled event of the rule (it may be
+        approved first). Upper (surely held): something surely in progress and no maybe-in-progress set covers the
+        event's domains; or nothing surely in progress and a gap surely running after a domain that does not cover
+        them. Lower (surely allowed): every domain of the event surely in progress; or each maybe (and each gap that
+        may run) covering the event's domains."""
+        mine = self._keys(self.event, sequence.per)
+        if not mine:
             return True, ""
-        if rule.action == "approve-after-hooks":
-            return self.hooks_allow(rule, at, surely=surely)
-        if rule.action == "approve-within-budget":
-            return self.budget_allows(rule, at, surely=surely)
-        return False, f"rule {rule.name!r} does not approve ({rule.action})"
+        gap, conclude = float(sequence.gapSeconds), self.run.bounds.conclude
+        sure, maybe, gaps = self._in_progress(rule, sequence, at)
+        held = ""
+        if not surely:
+            running = [d for c, d in gaps if c <= at < c + gap]
+            if sure and not mine <= set().union(*maybe):
+                held = f"{', '.join(sorted(sure))} in progress"
+            elif not sure and running and not any(mine <= d for _, d in gaps):
+                held = f"the gap after {', '.join(sorted(running[0]))}"
+        elif not mine <= sure:
+            blocking = [d for d in maybe if not mine <= d]
+            blocking += [d for c, d in gaps if at < c + conclude + gap and not mine <= d]
+            held = f"{', '.join(sorted(blocking[0]))} may be in progress" if blocking else ""
+        return not held, f"sequence of {rule.name!r}: {held}" if held else ""
 
     def hooks_allow(self, rule: Rule, at: float, *, surely: bool) -> tuple[bool, str]:
         run, event = self.run, self.event

@@ -19,9 +19,19 @@ from coordinator.domain.expiry import SEND_MARGIN, deadline_lead
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.matching import first_match
 from coordinator.domain.model import EventRecord, Verdict
+from coordinator.domain.pacing import PaceHold, pace_domains, pace_hold
 from coordinator.domain.policy import Action, Callback, HooksOption, Policy, Rule
 
-__all__ = ["NO_RULE", "Decision", "HoldKind", "callback_of", "evaluate", "hooks_required", "needs_fleet"]
+__all__ = [
+    "NO_RULE",
+    "Decision",
+    "HoldKind",
+    "callback_of",
+    "evaluate",
+    "hooks_required",
+    "needs_fleet",
+    "paced_hold",
+]
 
 NO_RULE = "(no rule matched)"
 # What held a decision back (Decision.holdKind); "" when nothing did.
@@ -84,7 +94,7 @@ def needs_fleet(policy: Policy, record: EventRecord, now: datetime) -> bool:
     return rule is not None and rule.action == "approve-within-budget"
 
 
-def evaluate(  # noqa: PLR0911 -- one return per action, each explained
+def evaluate(
     policy: Policy,
     record: EventRecord,
     fleet: FleetView,
@@ -93,7 +103,39 @@ def evaluate(  # noqa: PLR0911 -- one return per action, each explained
     gates: Mapping[str, GateResult] | None = None,
 ) -> Decision:
     """The policy's decision. ``gates``: each named gate's result for this batch/tick (a gate a rule names but
-    missing here counts as an error: not known to pass)."""
+    missing here counts as an error: not known to pass). An approval is then paced by the rule's rate and sequence
+    as far as the view knows their state (``FleetView.paced``; the coordinator claims them afterwards)."""
+    decision = _evaluate(policy, record, fleet, now, gates or {})
+    if decision.verdict != "approve":
+        return decision
+    for domain in pace_domains(policy, decision.rule, record, fleet):
+        hold = pace_hold(domain, fleet.paced.get(domain.key), record.eventId, now)
+        if hold is not None:
+            return paced_hold(decision, record, hold)
+    return decision
+
+
+def paced_hold(decision: Decision, record: EventRecord, hold: PaceHold) -> Decision:
+    """The approval ``decision`` held by a rate or sequence: a budget hold named by its key, until when it is known."""
+    return Decision(
+        decision.rule,
+        decision.action,
+        "wait",
+        # Until a sequence's domain concludes is not known: whether NotBefore comes first is not either.
+        hold.reason + (_expiry(record, hold.until, "a budget holds it") if hold.until is not None else ""),
+        heldUntil=hold.until,
+        holdKind="budget",
+        holdName=hold.key,
+    )
+
+
+def _evaluate(  # noqa: PLR0911 -- one return per action, each explained
+    policy: Policy,
+    record: EventRecord,
+    fleet: FleetView,
+    now: datetime,
+    gates: Mapping[str, GateResult],
+) -> Decision:
     rule = first_match(policy, record, now, fleet)
     if rule is None:
         return Decision(NO_RULE, "wait-for-person", "wait", "no rule matched; a person decides")
@@ -110,14 +152,14 @@ def evaluate(  # noqa: PLR0911 -- one return per action, each explained
                 return Decision(NO_RULE, "wait-for-person", "wait", note + "a person decides")
             rule = plain
     if rule.action == "approve-now":
-        return _hold(policy, rule, record, now, gates or {}) or Decision(
+        return _hold(policy, rule, record, now, gates) or Decision(
             rule.name, rule.action, "approve", f"{note}rule {rule.name!r} approves at once"
         )
     if rule.action == "never-approve":
         return Decision(rule.name, rule.action, "never", f"{note}rule {rule.name!r} lets NotBefore run out")
     if rule.action == "wait-for-person":
         return Decision(rule.name, rule.action, "wait", f"{note}rule {rule.name!r} waits for a person")
-    held = _hold(policy, rule, record, now, gates or {})
+    held = _hold(policy, rule, record, now, gates)
     if held is not None and held.verdict == "wait":
         return held
     decision = (

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import get_args
 
 from coordinator.domain.controls import DomainKind, VmFacts
-from coordinator.domain.model import EventRecord
+from coordinator.domain.model import BudgetRecord, EventRecord
 
 __all__ = ["Census", "FleetView", "scale_set_of"]
 
@@ -100,6 +100,9 @@ class FleetView:
     authoritative: bool = False
     # The view without the VMs' tags (``untagged``): what a rule matched by a tag may not exceed.
     tagless: bool = False
+    # The rate and sequence budgets' state by claim key (coordinator/domain/pacing.py), where the caller has it:
+    # ops/policy's test cases give it; the coordinator leaves it empty and claims them fleet-wide after the rules.
+    paced: Mapping[str, BudgetRecord] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -136,13 +139,11 @@ class FleetView:
         for key, names in mine.items():
             if key:
                 impacted[key] = impacted.get(key, frozenset()) | names
-        return FleetView(
-            impacted,
-            self.vms,
-            self.impactedVms | frozenset(record.resources),
-            tuple(q for q in self.queued if q[1] != record.eventId),
-            self.authoritative,
-            self.tagless,
+        return dataclasses.replace(
+            self,
+            impacted=impacted,
+            impactedVms=self.impactedVms | frozenset(record.resources),
+            queued=tuple(q for q in self.queued if q[1] != record.eventId),
         )
 
     def members(self, kind: DomainKind, key: str) -> set[str]:

@@ -302,6 +302,8 @@ class BudgetClaim(BaseModel):
     eventId: str
     vms: list[str]
     claimedAt: datetime
+    # A sequence's claim: the domains (keys) the event touches, in progress while the claim lives.
+    domains: list[str] = Field(default_factory=list)
 
 
 class BudgetRecord(BaseModel):
@@ -314,6 +316,11 @@ class BudgetRecord(BaseModel):
 
     scaleSet: str
     claims: dict[str, BudgetClaim] = Field(default_factory=dict)
+    # A rate budget's period when last claimed (housekeeping keeps the entity while a claim is within it).
+    periodSeconds: int = 0
+    # A sequence: the domains of the event that concluded last, and when (its gap runs from then).
+    lastDomains: list[str] = Field(default_factory=list)
+    doneAt: datetime | None = None
 
 
 class SentAlerts(BaseModel):

@@ -27,7 +27,9 @@ __all__ = [
     "HooksOption",
     "Match",
     "Policy",
+    "RateOption",
     "Rule",
+    "SequenceOption",
     "TimeWindow",
 ]
 
@@ -130,6 +132,32 @@ class BudgetOption(_Strict):
         return self
 
 
+# Where a rate budget counts: one count for the whole fleet, or one per domain of a kind (domain/controls.py).
+RateScope = Literal["fleet", "scaleSet", "zone", "faultDomain", "updateDomain", "placementGroup"]
+# The domains a sequence walks one at a time: those the platform itself walks (zones, fault and update domains).
+SequenceKind = Literal["zone", "faultDomain", "updateDomain"]
+# A sequence's gap, and a rate's period, are bounded: longer is a schedule (a window), not pacing; housekeeping keeps a
+# sequence's state this long after its last event concluded (coordinator/pipeline/timer.py).
+MAX_PACING_SECONDS = 86400
+
+
+class RateOption(_Strict):
+    """At most ``maxApprovals`` approvals by this rule in any ``periodSeconds`` (a sliding window: an approval
+    counts from when it was decided until ``periodSeconds`` later, whatever became of its event), per ``per``."""
+
+    maxApprovals: int = Field(ge=1)
+    periodSeconds: int = Field(ge=1, le=MAX_PACING_SECONDS)
+    per: RateScope = "fleet"
+
+
+class SequenceOption(_Strict):
+    """One domain of kind ``per`` at a time: an event touching a domain other than those this rule's approved
+    events are in waits until every one of them has concluded, and then ``gapSeconds`` more."""
+
+    per: SequenceKind
+    gapSeconds: int = Field(default=0, ge=0, le=MAX_PACING_SECONDS)
+
+
 class Rule(_Strict):
     name: str = Field(min_length=1, max_length=128)
     description: str = ""
@@ -137,6 +165,10 @@ class Rule(_Strict):
     action: Action
     hooks: HooksOption | None = None
     budget: BudgetOption | None = None
+    # Pacing, on any rule that approves (coordinator/domain/pacing.py): at most N approvals per period, and one
+    # domain at a time. Both hold fleet-wide (claimed with ETags) and count this rule's approvals only.
+    rate: RateOption | None = None
+    sequence: SequenceOption | None = None
     callback: Callback = "relay"
     window: Window | None = Field(default=None, description="when this rule may approve (cron + duration + zone)")
     gates: list[str] = Field(default_factory=list, max_length=8, description="named gates that must pass")
@@ -160,6 +192,15 @@ class Rule(_Strict):
             raise ValueError("action 'approve-within-budget' needs 'budget: {maxImpacted: N}'")
         if self.budget is not None and self.action != "approve-within-budget":
             raise ValueError(f"'budget' applies only to 'approve-within-budget', not {self.action!r}")
+        paced = [name for name, option in (("rate", self.rate), ("sequence", self.sequence)) if option is not None]
+        if paced and self.action in ("wait-for-person", "never-approve"):
+            raise ValueError(f"{' and '.join(paced)} pace a rule's approvals; a {self.action!r} rule makes none")
+        if paced and (self.match.eventType is None or "Terminate" in self.match.eventType):
+            raise ValueError(
+                f"{' and '.join(paced)} cannot pace Terminate events: the platform holds an approved delete while any "
+                "other delete of its scale set is pending, so approving deletes one at a time does not pace them. "
+                "Give this rule 'match: {eventType: [...]}' without Terminate"
+            )
         if self.hooks is not None and self.action != "approve-after-hooks":
             raise ValueError(f"'hooks' applies only to 'approve-after-hooks', not {self.action!r}")
         if self.action == "approve-within-budget" and (
@@ -202,10 +243,13 @@ class Policy(_Strict):
     @property
     def needs_census(self) -> bool:
         """Whether deciding reads the VMs' facts (the VM groups, once per batch/tick): a rule matches tags, or sets
-        a budget by percent or by a domain other than the scale set (a count per scale set needs only the events)."""
+        a budget by percent or by a domain other than the scale set (a count per scale set needs only the events),
+        or paces by zone, fault or update domain (a sequence always; a rate per such a domain)."""
         return any(
             rule.match.tags is not None
             or (rule.budget is not None and (rule.budget.maxPercent is not None or rule.budget.per != ["scaleSet"]))
+            or rule.sequence is not None
+            or (rule.rate is not None and rule.rate.per not in ("fleet", "scaleSet"))
             for rule in self.rules
         )
 

@@ -27,7 +27,7 @@ from coordinator.adapters import telemetry
 from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple
-from coordinator.domain.evaluation import Decision, evaluate, needs_fleet
+from coordinator.domain.evaluation import Decision, evaluate, needs_fleet, paced_hold
 from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.history_rows import decision_row
@@ -38,6 +38,7 @@ from coordinator.domain.model import (
     DecisionRecord,
     EventRecord,
 )
+from coordinator.domain.pacing import pace_domains
 from coordinator.domain.policy import Policy
 from coordinator.pipeline.fleet import by_not_before
 from coordinator.pipeline.run import Run
@@ -166,15 +167,7 @@ def decide(run: Run, change: EventChange) -> None:
         )
     if record.eventType == "Terminate" and record.scaleSets:
         decision = couple(decision, record, fleet.deletes_of(record.scaleSets), now)
-    domains = budget_domains(policy, decision.rule, record, view)
-    claimed: list[str] = []
-    if decision.verdict == "approve" and not dry_run and domains:
-        # The rule saw budget left in this instance's view; the claim makes that hold across instances.
-        refused, full = fleet.claim(record, domains, now)
-        if refused:
-            decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
-        else:
-            claimed = [d.claim_key for d in domains]
+    decision, claimed = claim(run, record, decision, view)
     withdrew = ""
     if pending is not None:
         if decision.verdict == "approve" and decision.rule == pending.rule:
@@ -269,6 +262,33 @@ def decide(run: Run, change: EventChange) -> None:
         change.approval_decided = True
 
 
+def claim(run: Run, record: EventRecord, decision: Decision, view: FleetView) -> tuple[Decision, list[str]]:
+    """An approval's fleet-wide claims: the keys claimed, or the decision held by the budget that refused."""
+    now, fleet, policy, dry_run = run.now, run.fleet, run.policy, run.dry_run
+    domains = budget_domains(policy, decision.rule, record, view)
+    claimed: list[str] = []
+    if decision.verdict == "approve" and not dry_run and domains:
+        # The rule saw budget left in this instance's view; the claim makes that hold across instances.
+        refused, full = fleet.claim(record, domains, now)
+        if refused:
+            decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
+        else:
+            claimed = [d.claim_key for d in domains]
+    paces = pace_domains(policy, decision.rule, record, view)
+    if decision.verdict == "approve" and not dry_run and paces:
+        # The rule's rate and sequence, whose state only the claim entities hold: claimed after the impact budgets
+        # (which are given back when pacing holds the event).
+        hold = fleet.pace(record, paces, now)
+        if hold is not None:
+            for key in claimed:
+                fleet.release(key, record.eventId)
+            claimed = []
+            decision = paced_hold(decision, record, hold)
+        else:
+            claimed += [p.key for p in paces]
+    return decision, claimed
+
+
 def renew(change: EventChange, approval: ApprovalRecord, decision: Decision, policy: Policy, now: datetime) -> None:
     """The rule that approved approves again: the approval stands (same decisionId, so a listener that executed it
     already answers from its ledger), bounded anew by what holds now, under the policy loaded now."""
@@ -318,6 +338,7 @@ def release_budgets(run: Run) -> None:
             continue
         for key in keys:
             try:
-                run.fleet.release(key, record.eventId)
+                # Concluded: a sequence's gap runs from now on; a rate's approval counts until it ages out.
+                run.fleet.release(key, record.eventId, concluded_at=record.stateSince)
             except Exception:  # the claim lapses by itself; the batch's real work is done
                 log.exception("budget of %s: releasing the claim of %s failed", key, record.eventId)

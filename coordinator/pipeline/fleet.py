@@ -35,7 +35,8 @@ from coordinator.domain.controls import VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS, leaving_vms
 from coordinator.domain.fleet_view import Census, FleetView
 from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord, VmGroupRecord, VmRecord
-from coordinator.domain.policy import Policy
+from coordinator.domain.pacing import PaceDomain, PaceHold, claimed, is_rate, is_sequence, pace_hold, released, settled
+from coordinator.domain.policy import MAX_PACING_SECONDS, Policy
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
 
@@ -73,12 +74,15 @@ def facts_of(identity: VmIdentity) -> VmFacts:
 
 
 def waits_for_budget(record: EventRecord) -> bool:
-    """A Scheduled event whose last decision was held by a budget: it is queued for the next free slot."""
+    """A Scheduled event whose last decision was held by an impact budget: it is queued for the next free slot. One
+    held by a rate or sequence is not: its VMs are no reason for another rule's budget to count them taken."""
     return (
         record.state == "Scheduled"
         and record.approval is None
         and record.decision is not None
         and record.decision.holdKind == "budget"
+        and not is_rate(record.decision.holdName)
+        and not is_sequence(record.decision.holdName)
     )
 
 
@@ -466,6 +470,73 @@ class Fleet:
             return f"budget {key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer"
         return refused
 
+    def pace(self, record: EventRecord, domains: Sequence[PaceDomain], now: datetime) -> PaceHold | None:
+        """Takes this event's claims on its rule's rate and sequence keys, or none: None when claimed, else what
+        held it. Each key is one entity written with its ETag after checking its live claims (``pace_hold``), so of
+        two instances that both see the last slot free one write fails and re-reads it taken."""
+        taken: list[str] = []
+        for domain in sorted(domains, key=lambda d: d.key):
+            hold = self._pace_one(domain, record.eventId, now)
+            if hold is not None:
+                for key in taken:
+                    self.release(key, record.eventId)
+                return hold
+            taken.append(domain.key)
+        return None
+
+    def _pace_one(self, domain: PaceDomain, event_id: str, now: datetime) -> PaceHold | None:
+        hold: PaceHold | None = None
+
+        def claim(stored: Stored[BudgetRecord] | None) -> BudgetRecord | None:
+            nonlocal hold
+            state = self.settle(stored.record, now) if stored is not None else None
+            if state is not None and event_id in state.claims:
+                hold = None
+                return None
+            hold = pace_hold(domain, state, event_id, now)
+            return None if hold is not None else claimed(domain, state, event_id, now)
+
+        try:
+            commit(
+                lambda _attempt: self._store.get_budget(domain.key),
+                claim,
+                lambda record, stored: self._store.save_budget(record, stored.etag if stored else None),
+                what=f"budget of {domain.key}",
+            )
+        except ConcurrencyConflict:
+            return PaceHold(
+                domain.key,
+                f"budget {domain.key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer",
+                None,
+            )
+        return hold
+
+    def settle(self, state: BudgetRecord, now: datetime) -> BudgetRecord:
+        """A rate or sequence key's state without the claims that lapsed: past ``CLAIM_LEASE``, a claim counts only
+        while its event (read fresh) holds its approval, a rate's also once concluded (until it ages out); a
+        sequence's concluded event is done (its gap from when it concluded), which covers a release that never ran."""
+        old = [event_id for event_id, claim in state.claims.items() if claim.claimedAt < now - CLAIM_LEASE]
+        events = {k: v.record for k, v in self._store.get_events(old).items()} if old else {}
+        gone: dict[str, datetime | None] = {}
+        for event_id in old:
+            event = events.get(event_id)
+            if event is None or event.approval is None:
+                gone[event_id] = None
+            elif not event.open and is_sequence(state.scaleSet):
+                gone[event_id] = event.stateSince
+        return settled(state, gone) if gone else state
+
+    def spent(self, state: BudgetRecord, now: datetime) -> bool:
+        """Whether housekeeping may delete a budget entity: no claim counts any more, and, for a sequence, its last
+        domain concluded longer ago than any gap may last (a rate's claims count only within its period)."""
+        if is_rate(state.scaleSet):
+            period = timedelta(seconds=state.periodSeconds)
+            return not any(c.claimedAt > now - period for c in self.settle(state, now).claims.values())
+        if is_sequence(state.scaleSet):
+            quiet = state.doneAt is None or state.doneAt < now - timedelta(seconds=MAX_PACING_SECONDS)
+            return quiet and not self.settle(state, now).claims
+        return not self.live(dict(state.claims), now)
+
     def live(self, claims: dict[str, BudgetClaim], now: datetime) -> dict[str, BudgetClaim]:
         """The claims that still count: those within their lease, and older ones whose event (read fresh) still
         holds an approval."""
@@ -477,17 +548,19 @@ class Fleet:
             if event_id not in old or (event_id in events and holds_budget(events[event_id].record))
         }
 
-    def release(self, key: str, event_id: str) -> None:
-        def released(stored: Stored[BudgetRecord] | None) -> BudgetRecord | None:
+    def release(self, key: str, event_id: str, *, concluded_at: datetime | None = None) -> None:
+        """Frees the event's claim on ``key``. ``concluded_at``: the event concluded then (a rate's claim stays until
+        it ages out; a sequence's gap runs from then); None: its approval was withdrawn, it never ran."""
+
+        def release(stored: Stored[BudgetRecord] | None) -> BudgetRecord | None:
             if stored is None or event_id not in stored.record.claims:
                 return None
-            claims = {k: v for k, v in stored.record.claims.items() if k != event_id}
-            return BudgetRecord(scaleSet=key, claims=claims)
+            return released(stored.record, event_id, concluded_at=concluded_at)
 
         try:
             commit(
                 lambda _attempt: self._store.get_budget(key),
-                released,
+                release,
                 lambda record, stored: self._store.save_budget(record, stored.etag if stored else None),
                 what=f"budget of {key}",
             )

@@ -9,6 +9,7 @@ model that does not have such a field (yet) is refused with an ``InputError`` na
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -21,7 +22,7 @@ from coordinator.domain.deletes import couple
 from coordinator.domain.evaluation import Decision, evaluate
 from coordinator.domain.event_merge import scale_sets_of
 from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.model import DecisionRecord, EventRecord, VmSighting
+from coordinator.domain.model import BudgetRecord, DecisionRecord, EventRecord, VmSighting
 from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet import facts_of
@@ -151,12 +152,17 @@ def fleet_view(
     census: Iterable[VmIdentity] = (),
 ) -> FleetView:
     """The fleet view a decision sees: the events impacting VMs (approved or started) and the census (the VMs
-    known, with their domains and tags, as fleet.census builds it); ``extra`` goes to FleetView as is."""
+    known, with their domains and tags, as fleet.census builds it); ``extra`` goes to FleetView as is, but for
+    ``paced``: the rate and sequence budgets' state by key, each ``{claims: {EventId: {claimedAt, domains}},
+    lastDomains, doneAt}`` (the claim entities' shape; coordinator/domain/pacing.py)."""
+    fields = dict(extra or {})
+    if "paced" in fields:
+        fields["paced"] = _paced(fields["paced"])
     try:
-        view = FleetView(**dict(extra or {}))
+        view = FleetView(**fields)
         known = {identity.name: facts_of(identity) for identity in census}
         if known:
-            view = FleetView(view.impacted, {**view.vms, **known}, view.impactedVms, view.queued)
+            view = dataclasses.replace(view, vms={**view.vms, **known})
     except TypeError as error:
         raise InputError(
             f"fleet: {', '.join(map(repr, sorted(extra or {})))} not supported by this coordinator's "
@@ -165,6 +171,22 @@ def fleet_view(
     for record in impacting:
         view = view.with_event(record)
     return view
+
+
+def _paced(value: Any) -> dict[str, BudgetRecord]:
+    if not isinstance(value, Mapping):
+        raise InputError("fleet.paced: a mapping of budget keys (e.g. 'rate:RULE:fleet') to their claims")
+    out: dict[str, BudgetRecord] = {}
+    for key, state in value.items():
+        data = dict(state or {})
+        claims = {
+            str(event_id): {"eventId": str(event_id), "vms": [], **dict(claim or {})}
+            for event_id, claim in dict(data.pop("claims", {}) or {}).items()
+        }
+        out[str(key)] = _build(
+            BudgetRecord, {"scaleSet": str(key), "claims": claims, **data}, what=f"fleet.paced {key}"
+        )
+    return out
 
 
 def gate_results(

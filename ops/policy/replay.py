@@ -42,6 +42,8 @@ LIMITS = (
     "policy is taken to be in the state --gates gives (default passing)",
     "an event's first row is when it was first seen (createdAt, from which hook deadlines count)",
     "decisions by a person (Actor person:...) are not compared; events never seen Scheduled were never decided",
+    "rate and sequence budgets' claims are not reconstructed: a simulated decision is paced by none (test cases give "
+    "their state as fleet.paced)",
 )
 _PHASE_STAYS = re.compile(r"the (\w+) phase stays ([\w-]+)")
 

@@ -247,7 +247,7 @@ def test_the_recorded_policy_replays_with_no_difference(recorded, capsys):
     assert code == 0
     assert "6 events" in out
     assert ": 0 would differ" in out
-    assert "not reconstructed from a history (7 limits): python -m ops.policy simulate --help" in out
+    assert "not reconstructed from a history (8 limits): python -m ops.policy simulate --help" in out
     assert "health-gate results" not in out, "the limits are listed by --help, not repeated by every run"
     result = replay(load_policy(DEFAULT_POLICY_PATH), read_history(recorded).rows)
     decisions = len([r for r in read_history(recorded).rows if r.RecordType == "Decision"])
@@ -545,3 +545,16 @@ def test_simulate_takes_every_gate_in_the_state_given(recorded, tmp_path, capsys
     assert difference["eventType"] == "Freeze"
     assert (difference["simulated"]["rule"], difference["simulated"]["verdict"]) == ("short-freeze", "wait")
     assert "app-health" in difference["simulated"]["reason"]
+
+
+def test_the_rate_and_sequence_cases_pass_and_a_changed_rate_fails_them(capsys, tmp_path):
+    """What-if covers rate and sequence budgets: the cases give their state (``fleet.paced``)."""
+    policies = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "policies"
+    code, out, _ = run(capsys, "test", policies / "rate-and-zones.yaml")
+    assert (code, out.splitlines()[-1]) == (0, "5 cases: 5 passed, 0 failed, 0 errors")
+    looser = tmp_path / "looser.yaml"
+    looser.write_text((policies / "rate-and-zones.yaml").read_text().replace("maxApprovals: 2", "maxApprovals: 3"))
+    code, out, _ = run(capsys, "test", looser, policies / "rate-and-zones.tests.yaml")
+    assert code == 1
+    assert "FAIL" in out
+    assert "a third Freeze in the hour waits" in next(line for line in out.splitlines() if line.startswith("FAIL"))

@@ -58,7 +58,7 @@ def test_a_run_names_the_limits_in_one_line_and_help_lists_them(tmp_path: Path) 
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].endswith(": 0 would differ")
-    assert lines[1:] == ["not reconstructed from a history (7 limits): python -m ops.policy simulate --help"]
+    assert lines[1:] == ["not reconstructed from a history (8 limits): python -m ops.policy simulate --help"]
     listed = " ".join(simulate("--help").stdout.split())
     for limit in LIMITS:
         assert " ".join(limit.split()) in listed
