@@ -24,11 +24,14 @@ from pydantic import BaseModel, ValidationError
 
 from emulators.imds.arm import (
     ACKNOWLEDGE,
+    ACKNOWLEDGE_LIST,
     API_VERSIONS,
     COMPUTE_API_VERSIONS,
     DEFAULT_PAGE_SIZE,
+    LIST_API_VERSIONS,
     ArmFault,
     ArmFaults,
+    ScheduledEventsIdList,
     arm_error,
     check_token,
     list_answer,
@@ -507,44 +510,80 @@ class ImdsEmulator:
                 "faultsAnswered": self.arm_faults.answered,
             }
 
-    def _acknowledge(
-        self, method: str, acknowledge: re.Match[str], query: dict[str, list[str]], handler: _Handler
-    ) -> tuple[int, bytes, str]:
-        """The Maintenance RP's acknowledge: approves the event as a StartRequests from one of the resource's VMs
-        that sees it would."""
+    def _arm_checks(
+        self, method: str, query: dict[str, list[str]], handler: _Handler, versions: tuple[str, ...]
+    ) -> None:
+        """What every ARM POST answers before it acts: the method, the api-version, the token, then an injected
+        fault (which raises)."""
         with self._lock:
             self.arm_requests += 1
         if method != "POST":
             raise _Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
         version = (query.get("api-version") or [""])[0]
-        if version not in API_VERSIONS:
+        if version not in versions:
             answer = arm_error(
-                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(API_VERSIONS)}"
+                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(versions)}"
             )
             raise _Reply(answer.status, answer.body)
         refusal = check_token(handler.headers.get("Authorization"))
         if refusal is not None:
             raise _Reply(refusal.status, refusal.body, refusal.headers)
-        event_id = acknowledge.group("event")
+
+    def _acknowledge_one(self, event_id: str, resource: re.Match[str], now: datetime) -> str | None:
+        """Approves the event as a StartRequests from one of the resource's VMs that sees it would (the caller holds
+        the lock); else the reason it cannot (ARM's 404)."""
+        vm_name = self.state.acknowledging_vm(event_id, vms_of(resource, self.state.vms), now)
+        if vm_name is None:
+            return (
+                f"Scheduled event {event_id} was not found on {resource.group('resource')} "
+                "(unknown, concluded, or not an event of this resource)"
+            )
+        body = StartRequestsBody.model_validate({"StartRequests": [{"EventId": event_id}]})
+        self.state.approve(vm_name, body, now, via="arm")
+        self.arm_acknowledged.append(
+            {"EventId": event_id.upper(), "resource": resource.group("resource"), "vm": vm_name}
+        )
+        return None
+
+    def _acknowledge(
+        self, method: str, acknowledge: re.Match[str], query: dict[str, list[str]], handler: _Handler
+    ) -> tuple[int, bytes, str]:
+        """The Maintenance RP's acknowledge of one event (``ScheduledEvents_Acknowledge``)."""
+        self._arm_checks(method, query, handler, API_VERSIONS)
+        with self._lock:
+            fault = self.arm_faults.take()
+            if fault is not None:
+                raise _Reply(fault.status, fault.body, fault.headers)
+            problem = self._acknowledge_one(acknowledge.group("event"), acknowledge, self.clock.now())
+        if problem is not None:
+            raise _Reply(404, arm_error(404, "NotFound", problem).body)
+        return 200, json.dumps({"value": "Successfully Approved"}).encode(), _JSON
+
+    def _acknowledge_list(
+        self, method: str, resource: re.Match[str], query: dict[str, list[str]], handler: _Handler
+    ) -> tuple[int, bytes, str]:
+        """The list form (``ScheduledEvents_AcknowledgeList``): every event it can acknowledge is; those it cannot
+        are named in the error's ``details``."""
+        self._arm_checks(method, query, handler, LIST_API_VERSIONS)
+        try:
+            ids = ScheduledEventsIdList.model_validate(_json_body(handler)).value
+        except (ValidationError, EmulatorInputError) as error:
+            raise _Reply(
+                400, arm_error(400, "InvalidRequestContent", f"the body is not a ScheduledEventsIdList: {error}").body
+            ) from error
         with self._lock:
             fault = self.arm_faults.take()
             if fault is not None:
                 raise _Reply(fault.status, fault.body, fault.headers)
             now = self.clock.now()
-            vm_name = self.state.acknowledging_vm(event_id, vms_of(acknowledge, self.state.vms), now)
-            if vm_name is None:
-                answer = arm_error(
-                    404,
-                    "NotFound",
-                    f"Scheduled event {event_id} was not found on {acknowledge.group('resource')} "
-                    "(unknown, concluded, or not an event of this resource)",
-                )
-                raise _Reply(answer.status, answer.body)
-            body = StartRequestsBody.model_validate({"StartRequests": [{"EventId": event_id}]})
-            self.state.approve(vm_name, body, now, via="arm")
-            self.arm_acknowledged.append(
-                {"EventId": event_id.upper(), "resource": acknowledge.group("resource"), "vm": vm_name}
-            )
+            failed = [
+                {"target": event_id, "code": "NotFound", "message": problem}
+                for event_id in dict.fromkeys(ids)
+                if (problem := self._acknowledge_one(event_id, resource, now)) is not None
+            ]
+        if failed:
+            message = f"{len(failed)} of {len(set(ids))} scheduled events could not be acknowledged"
+            raise _Reply(400, {"error": {"code": "BadRequest", "message": message, "details": failed}})
         return 200, json.dumps({"value": "Successfully Approved"}).encode(), _JSON
 
     def _arm(self, method: str, path: str, query: dict[str, list[str]], handler: _Handler) -> tuple[int, bytes, str]:
@@ -553,6 +592,9 @@ class ImdsEmulator:
         acknowledge = ACKNOWLEDGE.match(path)
         if acknowledge is not None:
             return self._acknowledge(method, acknowledge, query, handler)
+        listed_events = ACKNOWLEDGE_LIST.match(path)
+        if listed_events is not None:
+            return self._acknowledge_list(method, listed_events, query, handler)
         if method != "GET":
             raise _Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
         version = (query.get("api-version") or [""])[0]
