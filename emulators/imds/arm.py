@@ -248,6 +248,9 @@ def vm_resource(vm: VmSpec, *, expand: bool) -> dict[str, Any]:
         "hardwareProfile": {"vmSize": vm.vmSize},
         "osProfile": {"computerName": vm.computerName},
     }
+    if vm.priority != "Regular":
+        # A Spot VM says so (a Uniform instance does not: its scale set's model does, drills.scale_set_resource).
+        properties["priority"] = vm.priority
     if vm.vmScaleSetName:
         properties["virtualMachineScaleSet"] = {"id": _scale_set_id(vm)}
         properties["platformFaultDomain"] = int(vm.platformFaultDomain)
