@@ -13,7 +13,8 @@ Several events of one resource go in one request (``send_many``): the list form 
 (``ScheduledEvents_AcknowledgeList``), 200 as above, or an error whose ``error.details`` names each event that
 failed (``target``, ``code``, ``message``). An event a failed list names is failed with its own code; one it does
 not name is acknowledged again alone, since the spec does not say whether an error answer approved the others
-(acknowledging twice is harmless: the event is approved already).
+(acknowledging twice is harmless: the event is approved already); a refusal that names none (403, 404, 400…)
+sends each alone, so the list form is never worse than single acknowledges.
 
 Unlike the Relay path, no VM checks anything: the platform accepts the acknowledge for whatever event id it names
 (docs/security.md says what that trades away). A 200/202 is, like IMDS's 200, not proof: success is still the event
@@ -248,14 +249,9 @@ class RemoteAcknowledgeSender:
             for index, request, _ in items:
                 outcomes[index] = _approved(request, vm, f"ARM {response.status_code}, a list of {len(ids)} events")
             return
+        # A refusal naming no event (the list form not allowed where the single one is, e.g. a role that holds
+        # only the acknowledge action): each event goes alone, as if named, so the list is never worse than singles.
         failed = _event_errors(response)
-        if not failed:
-            refusal = _refusal(response)
-            for index, request, _ in items:
-                outcomes[index] = ApprovalDeliveryError(
-                    f"remote acknowledge of {request.eventId} (a list of {len(ids)}) refused: {refusal}"
-                )
-            return
         for index, request, item_vm in items:
             error = failed.get(request.eventId.upper())
             if error is not None:

@@ -392,3 +392,20 @@ def test_a_wave_acknowledged_in_one_list_when_every_event_is_acknowledgeable(
     approved = [r for r in history.rows if r.RecordType == "Approval" and r.Outcome == "approved"]
     assert sorted(r.EventId for r in approved) == sorted(ids)
     assert all("a list of 2 events" in (r.Reason or "") for r in approved)
+
+
+def test_a_list_refused_as_a_whole_falls_back_to_single_acknowledges(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    """A refusal that names no event (here a 403: a role allowing only the single form) sends each event alone."""
+    ids = [
+        arm.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=900)["EventId"] for vm in ("web_0", "web_1")
+    ]
+    arm.inject_arm_fault(status=403, count=1)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    outcomes = sender.send_many(
+        [(request_for(i), identity(arm, vm)) for i, vm in zip(ids, ("web_0", "web_1"), strict=True)], seconds=5
+    )
+    assert [getattr(outcome, "outcome", None) for outcome in outcomes] == ["approved", "approved"]
+    assert arm.arm_status()["requests"] == 3
+    assert sorted(a["EventId"] for a in arm.approvals()) == sorted(ids)
