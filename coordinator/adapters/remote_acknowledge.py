@@ -216,7 +216,7 @@ class RemoteAcknowledgeSender:
                 live.append(index)
         if len(live) == 1:
             request, vm = items[live[0]]
-            outcomes[live[0]] = _caught(lambda: self.send_within(request, vm=vm, seconds=seconds))
+            outcomes[live[0]] = self._alone(request, vm, seconds)
         elif live:
             self._send_list([(index, *items[index]) for index in live], seconds, outcomes)
         return [outcome if outcome is not None else ApprovalDeliveryError("not sent") for outcome in outcomes]
@@ -250,7 +250,7 @@ class RemoteAcknowledgeSender:
                 outcomes[index] = _approved(request, vm, f"ARM {response.status_code}, a list of {len(ids)} events")
             return
         # A refusal naming no event (the list form not allowed where the single one is, e.g. a role that holds
-        # only the acknowledge action): each event goes alone, as if named, so the list is never worse than singles.
+        # only the acknowledge action): each event goes alone, so the list is never worse than single acknowledges.
         failed = _event_errors(response)
         for index, request, item_vm in items:
             error = failed.get(request.eventId.upper())
@@ -261,12 +261,15 @@ class RemoteAcknowledgeSender:
                 )
                 continue
             # Not named among the list's errors: acknowledged alone, within what is left of the time.
-            left = seconds - (time.monotonic() - started)
-            outcomes[index] = _caught(
-                lambda request=request, item_vm=item_vm, left=left: self.send_within(  # type: ignore[misc]
-                    request, vm=item_vm, seconds=max(0.1, left)
-                )
-            )
+            outcomes[index] = self._alone(request, item_vm, seconds - (time.monotonic() - started))
+
+    def _alone(
+        self, request: ApprovalRequest, vm: VmIdentity, seconds: float
+    ) -> ApprovalResult | ApprovalDeliveryError:
+        try:
+            return self.send_within(request, vm=vm, seconds=max(0.1, seconds))
+        except ApprovalDeliveryError as error:
+            return error
 
     def _left(self, request: ApprovalRequest) -> float:
         """Seconds until a listener would refuse the request: no attempt starts later, by the coordinator's clock."""
@@ -334,10 +337,3 @@ def _approved(request: ApprovalRequest, vm: VmIdentity, how: str) -> ApprovalRes
 def _refusal(response: requests.Response) -> str:
     meaning = _MEANING.get(response.status_code, "refused")
     return f"ARM {response.status_code} ({meaning}): {_arm_error(response)}"
-
-
-def _caught(send: Callable[[], ApprovalResult]) -> ApprovalResult | ApprovalDeliveryError:
-    try:
-        return send()
-    except ApprovalDeliveryError as error:
-        return error
