@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from contracts.approval import ApprovalRequest, ApprovalResult
@@ -24,6 +25,21 @@ class BoundedCallback(ApprovalCallback, Protocol):
         """``send``, ended (answered, or ``ApprovalDeliveryError``) within ``seconds``: a run gives each approval a
         few seconds and hands the rest to the delivery queue (coordinator/pipeline/act.py), which must not find the
         run's own attempt still going."""
+        ...
+
+
+@runtime_checkable
+class BatchCallback(BoundedCallback, Protocol):
+    def batch_key(self, vm: VmIdentity) -> str:
+        """Approvals whose VMs share this key may go in one ``send_many`` (the Maintenance RP's list acknowledge:
+        the events of one resource)."""
+        ...
+
+    def send_many(
+        self, items: Sequence[tuple[ApprovalRequest, VmIdentity]], *, seconds: float
+    ) -> list[ApprovalResult | ApprovalDeliveryError]:
+        """Several approvals of one ``batch_key`` in one request, ended within ``seconds``; each one's outcome, in
+        the order given (an ``ApprovalDeliveryError`` for one that failed, as ``send`` would have raised it)."""
         ...
 
 

@@ -22,15 +22,17 @@ the listener executes it once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
-from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BoundedCallback
+from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BatchCallback, BoundedCallback
 from coordinator.domain.approvals import choose_executor
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
@@ -236,35 +238,87 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> None:
     """Sends the approvals concurrently. With a delivery queue, a batch, tick or person's run gives each
     ``in_run_delivery`` and marks one not answered by then ``continued`` (``deliver`` hands it over); otherwise,
     and in the queue's own run, each has ``approval_deadline``, after which it is recorded as failed and retried
-    later. A send not over by then finishes on its own thread (each sender has its own timeouts)."""
-    futures: dict[concurrent.futures.Future[ApprovalResult], Delivery] = {}
+    later. A send not over by then finishes on its own thread (each sender has its own timeouts). Approvals through
+    a callback that takes several at once (the Maintenance RP's list acknowledge) go together, one request per
+    resource, each with its own outcome."""
     handing_over = run.parts.deliveries is not None and run.kind != "delivery"
     within = (run.options.in_run_delivery if handing_over else run.options.approval_deadline).total_seconds()
-    for plan in plans:
-        if plan.request is not None and plan.vm is not None:
-            proof = _proof(run, plan.vm, plan.decision_id) if plan.callback is run.parts.callback else None
-            args = (plan.callback, plan.request, plan.vm, plan.traceparent, proof)
-            futures[run.parts.pool().submit(send, *args, within=within)] = plan
+    futures = _submit(run, plans, within)
     if not futures:
         return
     # A bounded sender ends by itself within its time; the slack is for its last answer to come back.
     done, late = concurrent.futures.wait(futures, timeout=within + SEND_SLACK if handing_over else within)
     for future in done:
-        plan = futures[future]
+        group = futures[future]
         try:
-            plan.result = future.result()
+            answer = future.result()
         except ApprovalDeliveryError as error:
-            plan.failure = str(error)
-            plan.continued = handing_over
+            answer = [error] * len(group)
         except Exception as error:  # a bug or an odd answer in one delivery costs only that delivery
-            log.exception("approval of %s through %s failed", plan.event_id, plan.executor)
-            plan.failure = f"{type(error).__name__}: {error}"
+            log.exception("approval of %s through %s failed", group[0].event_id, group[0].executor)
+            answer = [RuntimeError(f"{type(error).__name__}: {error}")] * len(group)
+        for plan, outcome in zip(group, answer if isinstance(answer, list) else [answer], strict=True):
+            if isinstance(outcome, ApprovalResult):
+                plan.result = outcome
+            else:
+                plan.failure = str(outcome)
+                plan.continued = handing_over and isinstance(outcome, ApprovalDeliveryError)
     for future in late:
-        plan = futures[future]
-        plan.continued = handing_over
-        plan.failure = (
-            f"{plan.executor}'s listener did not answer within {within:g} s; retried (idempotent by decisionId)"
-        )
+        for plan in futures[future]:
+            plan.continued = handing_over
+            plan.failure = (
+                f"{plan.executor}'s listener did not answer within {within:g} s; retried (idempotent by decisionId)"
+            )
+
+
+def _submit(run: Run, plans: Sequence[Delivery], within: float) -> dict[concurrent.futures.Future[Any], list[Delivery]]:
+    """Each plan's send on the run's pool; those of one resource through a ``BatchCallback`` as one send."""
+    futures: dict[concurrent.futures.Future[Any], list[Delivery]] = {}
+    batches: dict[tuple[int, str], list[Delivery]] = {}
+    for plan in plans:
+        if plan.request is None or plan.vm is None:
+            continue
+        callback = plan.callback
+        if isinstance(callback, BatchCallback) and callback is not run.parts.callback:
+            # No VM answers on this path, so there is no answer to prove (_proof): only the resource groups them.
+            batches.setdefault((id(callback), callback.batch_key(plan.vm)), []).append(plan)
+            continue
+        proof = _proof(run, plan.vm, plan.decision_id) if callback is run.parts.callback else None
+        futures[
+            run.parts.pool().submit(send, callback, plan.request, plan.vm, plan.traceparent, proof, within=within)
+        ] = [plan]
+    for group in batches.values():
+        plan = group[0]
+        if len(group) == 1 and plan.request is not None and plan.vm is not None:
+            futures[
+                run.parts.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent, within=within)
+            ] = group
+        else:
+            futures[run.parts.pool().submit(send_batch, group, within=within)] = group
+    return futures
+
+
+def send_batch(plans: Sequence[Delivery], *, within: float) -> list[ApprovalResult | ApprovalDeliveryError]:
+    """Approvals of one resource through one ``BatchCallback`` request, each as its own ``coordinator.approval``
+    span of its event's trace."""
+    callback = plans[0].callback
+    assert isinstance(callback, BatchCallback)  # send_all groups only these
+    items = [(plan.request, plan.vm) for plan in plans if plan.request is not None and plan.vm is not None]
+    with contextlib.ExitStack() as spans:
+        opened = [
+            spans.enter_context(
+                telemetry.approval_span(
+                    plan.traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
+                )
+            )
+            for plan, (request, vm) in zip(plans, items, strict=True)
+        ]
+        outcomes = callback.send_many(items, seconds=within)
+        for span, outcome in zip(opened, outcomes, strict=True):
+            telemetry.approval_answered(
+                span, "failed" if isinstance(outcome, ApprovalDeliveryError) else outcome.outcome
+            )
+    return outcomes
 
 
 def _proof(run: Run, vm: VmIdentity, decision_id: str) -> Callable[[ApprovalResult], str]:

@@ -1,13 +1,19 @@
-"""The IMDS emulator's ARM face: the Maintenance RP's scheduled-event acknowledge (preview), for the coordinator's
+"""The IMDS emulator's ARM face: the Maintenance RP's scheduled-event acknowledge, for the coordinator's
 remote-acknowledge callback (coordinator/adapters/remote_acknowledge.py), and the Compute RP's lists of scale sets
-and VMs, for the coordinator's census (coordinator/adapters/census.py).
+and VMs, for the coordinator's census (coordinator/adapters/census.py). The Compute RP's operations that drills
+trigger (restart, redeploy, delete instances, simulateEviction) are in emulators/imds/drills.py.
 
-Takes ``POST {vm or scale set id}/providers/Microsoft.Maintenance/scheduledevents/{eventId}/acknowledge
-?api-version=2023-10-01-preview`` with ``Authorization: Bearer <token>``; gives what ARM gives, in ARM's error shape
-``{"error": {"code", "message"}}``: 401 without a valid token, 403 for a token of another audience (the brief's
-choice; real ARM may answer 401 ``InvalidAuthenticationTokenAudience``, unverified), 404 for an event that the
-resource's VMs do not see, 200 ``{"value": "Successfully Approved"}`` (the spec's example) otherwise. The event is
-then approved in the emulator's state exactly as one of the resource's VMs POSTing StartRequests would, so its
+Takes ``POST {vm or scale set id}/providers/Microsoft.Maintenance/scheduledevents/{eventId}/acknowledge ?api-
+version=2025-11-01`` (or the preview 2023-10-01-preview) with ``Authorization: Bearer <token>``, and the list form
+``POST {vm or scale set id}/providers/Microsoft.Maintenance/scheduledevents?api-version=2025-11-01`` with
+``{"value": [eventIds]}`` (the spec's example bodies, ``ScheduledEvents_AcknowledgeList``): every event it can
+acknowledge is acknowledged; when any cannot, the answer is the spec's ``ScheduledEventsListAcknowledgeError`` with
+one ``details`` entry (``target``, ``code``, ``message``) per event that failed, with status 400 and code
+``BadRequest`` (the emulator's choice: the spec gives neither). The single form gives what ARM gives, in ARM's error
+shape ``{"error": {"code", "message"}}``: 401 without a valid token, 403 for a token of another audience (the
+brief's choice; real ARM may answer 401 ``InvalidAuthenticationTokenAudience``, unverified), 404 for an event that
+the resource's VMs do not see, 200 ``{"value": "Successfully Approved"}`` (the spec's example) otherwise. The event
+is then approved in the emulator's state exactly as one of the resource's VMs POSTing StartRequests would, so its
 lifecycle proceeds. Injected ARM faults (``ArmFault``: 429 with Retry-After, 5xx, 403, 409…) answer the next
 acknowledges first, after the token check.
 
@@ -35,13 +41,16 @@ from emulators.imds.models import VmSpec
 from emulators.tokens import TokenError, verify_token
 
 ARM_AUDIENCE = "https://management.azure.com"
-API_VERSIONS = ("2023-10-01-preview",)
-ACKNOWLEDGE = re.compile(
+API_VERSIONS = ("2023-10-01-preview", "2025-11-01")
+# The list form is in the stable version only.
+LIST_API_VERSIONS = ("2025-11-01",)
+_ACKNOWLEDGED_RESOURCE = (
     r"^(?P<resource>/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/"
     r"microsoft\.compute/(?P<kind>virtualmachines|virtualmachinescalesets)/(?P<name>[^/]+))"
-    r"/providers/microsoft\.maintenance/scheduledevents/(?P<event>[^/]+)/acknowledge$",
-    re.IGNORECASE,
+    r"/providers/microsoft\.maintenance/scheduledevents"
 )
+ACKNOWLEDGE = re.compile(_ACKNOWLEDGED_RESOURCE + r"/(?P<event>[^/]+)/acknowledge$", re.IGNORECASE)
+ACKNOWLEDGE_LIST = re.compile(_ACKNOWLEDGED_RESOURCE + r"$", re.IGNORECASE)
 # Compute api-versions the lists answer (the coordinator's census uses the one its Bicep deploys the scale set with).
 COMPUTE_API_VERSIONS = ("2024-07-01", "2024-11-01", "2025-04-01")
 _GROUP = r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/microsoft\.compute"
@@ -60,6 +69,14 @@ _FAULT_CODES = {
     500: "InternalServerError",
     503: "ServiceUnavailable",
 }
+
+
+class ScheduledEventsIdList(BaseModel):
+    """The list acknowledge's body (the spec's ``ScheduledEventsIdList``: ``value`` required)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    value: list[str] = Field(min_length=1, max_length=1000)
 
 
 class ArmFault(BaseModel):
@@ -231,6 +248,9 @@ def vm_resource(vm: VmSpec, *, expand: bool) -> dict[str, Any]:
         "hardwareProfile": {"vmSize": vm.vmSize},
         "osProfile": {"computerName": vm.computerName},
     }
+    if vm.priority != "Regular":
+        # A Spot VM says so (a Uniform instance does not: its scale set's model does, drills.scale_set_resource).
+        properties["priority"] = vm.priority
     if vm.vmScaleSetName:
         properties["virtualMachineScaleSet"] = {"id": _scale_set_id(vm)}
         properties["platformFaultDomain"] = int(vm.platformFaultDomain)

@@ -319,6 +319,11 @@ class ScaleSetSpec(BaseModel):
     # terminateNotificationProfile: enable + notBeforeTimeout (PT5M..PT15M)
     terminateNotification: bool = True
     terminateNotBeforeSeconds: float = Field(default=300, ge=300, le=900)
+    # scheduledEventsPolicy.userInitiatedReboot / userInitiatedRedeploy.automaticallyApprove: a user's restart or
+    # redeploy (a drill's, emulators/imds/drills.py) is then created Started, without notice. The project's Bicep
+    # sets both false, so that the coordinator's rules see them.
+    automaticallyApproveUserReboot: bool = False
+    automaticallyApproveUserRedeploy: bool = False
     # A GPU scale set with one fault domain: every instance receives only its own events.
     isolated: bool = False
 

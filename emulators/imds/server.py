@@ -24,11 +24,15 @@ from pydantic import BaseModel, ValidationError
 
 from emulators.imds.arm import (
     ACKNOWLEDGE,
+    ACKNOWLEDGE_LIST,
     API_VERSIONS,
     COMPUTE_API_VERSIONS,
     DEFAULT_PAGE_SIZE,
+    LIST_API_VERSIONS,
+    ArmAnswer,
     ArmFault,
     ArmFaults,
+    ScheduledEventsIdList,
     arm_error,
     check_token,
     list_answer,
@@ -43,6 +47,7 @@ from emulators.imds.attested import (
     NonceError,
 )
 from emulators.imds.clock import Clock, SystemClock
+from emulators.imds.drills import INSTANCE_EVICTION, OPERATION, SCALE_SET, SCALE_SET_ACTION, VM_EVICTION, Drills
 from emulators.imds.faults import DEFAULT_THROTTLE_RPS, Endpoint, FaultDecision, FaultPlan
 from emulators.imds.models import (
     EventCreate,
@@ -73,7 +78,8 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 class _Reply(Exception):
-    """Ends a request early with a status and a JSON body (the error shapes of the real service)."""
+    """Ends a request with a status, a JSON body (none for 204) and headers: the error shapes of the real service,
+    and ARM's answers that carry headers (a long-running operation's ``Azure-AsyncOperation``)."""
 
     def __init__(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
         super().__init__(status)
@@ -139,6 +145,8 @@ class ImdsEmulator:
         # The Compute lists the census reads (arm.list_answer): pages of this many items; reads answered.
         self.arm_page_size = arm_page_size
         self.arm_reads = 0
+        # The Compute RP's operations drills trigger (emulators/imds/drills.py).
+        self.drills = Drills()
         self.requests_unanswered: Counter[str] = Counter()  # per removed VM
         self._port = port
         self._server: ThreadingHTTPServer | None = None
@@ -507,44 +515,80 @@ class ImdsEmulator:
                 "faultsAnswered": self.arm_faults.answered,
             }
 
-    def _acknowledge(
-        self, method: str, acknowledge: re.Match[str], query: dict[str, list[str]], handler: _Handler
-    ) -> tuple[int, bytes, str]:
-        """The Maintenance RP's acknowledge: approves the event as a StartRequests from one of the resource's VMs
-        that sees it would."""
+    def _arm_checks(
+        self, method: str, query: dict[str, list[str]], handler: _Handler, versions: tuple[str, ...]
+    ) -> None:
+        """What every ARM POST answers before it acts: the method, the api-version, the token, then an injected
+        fault (which raises)."""
         with self._lock:
             self.arm_requests += 1
         if method != "POST":
             raise _Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
         version = (query.get("api-version") or [""])[0]
-        if version not in API_VERSIONS:
+        if version not in versions:
             answer = arm_error(
-                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(API_VERSIONS)}"
+                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(versions)}"
             )
             raise _Reply(answer.status, answer.body)
         refusal = check_token(handler.headers.get("Authorization"))
         if refusal is not None:
             raise _Reply(refusal.status, refusal.body, refusal.headers)
-        event_id = acknowledge.group("event")
+
+    def _acknowledge_one(self, event_id: str, resource: re.Match[str], now: datetime) -> str | None:
+        """Approves the event as a StartRequests from one of the resource's VMs that sees it would (the caller holds
+        the lock); else the reason it cannot (ARM's 404)."""
+        vm_name = self.state.acknowledging_vm(event_id, vms_of(resource, self.state.vms), now)
+        if vm_name is None:
+            return (
+                f"Scheduled event {event_id} was not found on {resource.group('resource')} "
+                "(unknown, concluded, or not an event of this resource)"
+            )
+        body = StartRequestsBody.model_validate({"StartRequests": [{"EventId": event_id}]})
+        self.state.approve(vm_name, body, now, via="arm")
+        self.arm_acknowledged.append(
+            {"EventId": event_id.upper(), "resource": resource.group("resource"), "vm": vm_name}
+        )
+        return None
+
+    def _acknowledge(
+        self, method: str, acknowledge: re.Match[str], query: dict[str, list[str]], handler: _Handler
+    ) -> tuple[int, bytes, str]:
+        """The Maintenance RP's acknowledge of one event (``ScheduledEvents_Acknowledge``)."""
+        self._arm_checks(method, query, handler, API_VERSIONS)
+        with self._lock:
+            fault = self.arm_faults.take()
+            if fault is not None:
+                raise _Reply(fault.status, fault.body, fault.headers)
+            problem = self._acknowledge_one(acknowledge.group("event"), acknowledge, self.clock.now())
+        if problem is not None:
+            raise _Reply(404, arm_error(404, "NotFound", problem).body)
+        return 200, json.dumps({"value": "Successfully Approved"}).encode(), _JSON
+
+    def _acknowledge_list(
+        self, method: str, resource: re.Match[str], query: dict[str, list[str]], handler: _Handler
+    ) -> tuple[int, bytes, str]:
+        """The list form (``ScheduledEvents_AcknowledgeList``): every event it can acknowledge is; those it cannot
+        are named in the error's ``details``."""
+        self._arm_checks(method, query, handler, LIST_API_VERSIONS)
+        try:
+            ids = ScheduledEventsIdList.model_validate(_json_body(handler)).value
+        except (ValidationError, EmulatorInputError) as error:
+            raise _Reply(
+                400, arm_error(400, "InvalidRequestContent", f"the body is not a ScheduledEventsIdList: {error}").body
+            ) from error
         with self._lock:
             fault = self.arm_faults.take()
             if fault is not None:
                 raise _Reply(fault.status, fault.body, fault.headers)
             now = self.clock.now()
-            vm_name = self.state.acknowledging_vm(event_id, vms_of(acknowledge, self.state.vms), now)
-            if vm_name is None:
-                answer = arm_error(
-                    404,
-                    "NotFound",
-                    f"Scheduled event {event_id} was not found on {acknowledge.group('resource')} "
-                    "(unknown, concluded, or not an event of this resource)",
-                )
-                raise _Reply(answer.status, answer.body)
-            body = StartRequestsBody.model_validate({"StartRequests": [{"EventId": event_id}]})
-            self.state.approve(vm_name, body, now, via="arm")
-            self.arm_acknowledged.append(
-                {"EventId": event_id.upper(), "resource": acknowledge.group("resource"), "vm": vm_name}
-            )
+            failed = [
+                {"target": event_id, "code": "NotFound", "message": problem}
+                for event_id in dict.fromkeys(ids)
+                if (problem := self._acknowledge_one(event_id, resource, now)) is not None
+            ]
+        if failed:
+            message = f"{len(failed)} of {len(set(ids))} scheduled events could not be acknowledged"
+            raise _Reply(400, {"error": {"code": "BadRequest", "message": message, "details": failed}})
         return 200, json.dumps({"value": "Successfully Approved"}).encode(), _JSON
 
     def _arm(self, method: str, path: str, query: dict[str, list[str]], handler: _Handler) -> tuple[int, bytes, str]:
@@ -553,6 +597,13 @@ class ImdsEmulator:
         acknowledge = ACKNOWLEDGE.match(path)
         if acknowledge is not None:
             return self._acknowledge(method, acknowledge, query, handler)
+        listed_events = ACKNOWLEDGE_LIST.match(path)
+        if listed_events is not None:
+            return self._acknowledge_list(method, listed_events, query, handler)
+        drill = self._drill(method, path, query, handler)
+        if drill is not None:
+            # Through _Reply, the one way an answer carries headers (a long-running operation's among them).
+            raise _Reply(drill.status, drill.body, drill.headers)
         if method != "GET":
             raise _Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
         version = (query.get("api-version") or [""])[0]
@@ -577,6 +628,43 @@ class ImdsEmulator:
         if listed.status != 200:
             raise _Reply(listed.status, listed.body, listed.headers)
         return listed.status, json.dumps(listed.body).encode(), _JSON
+
+    def _drill(  # noqa: PLR0911 -- one return per route and per refusal
+        self, method: str, path: str, query: dict[str, list[str]], handler: _Handler
+    ) -> ArmAnswer | None:
+        """The Compute RP's operations a drill triggers, their status and the scale set they read
+        (emulators/imds/drills.py); None for any other route."""
+        action = SCALE_SET_ACTION.match(path)
+        eviction = INSTANCE_EVICTION.match(path) or VM_EVICTION.match(path)
+        operation = OPERATION.match(path)
+        scale_set = SCALE_SET.match(path)
+        if action is None and eviction is None and operation is None and scale_set is None:
+            return None
+        wanted = "POST" if action is not None or eviction is not None else "GET"
+        if method != wanted:
+            return arm_error(405, "MethodNotAllowed", f"{method} is not allowed here")
+        version = (query.get("api-version") or [""])[0]
+        if version not in COMPUTE_API_VERSIONS:
+            return arm_error(
+                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(COMPUTE_API_VERSIONS)}"
+            )
+        refusal = check_token(handler.headers.get("Authorization"))
+        if refusal is not None:
+            return refusal
+        body = _json_body(handler) if action is not None else None
+        with self._lock:
+            self.arm_requests += 1
+            now = self.clock.now()
+            self.state.advance(now)
+            if action is not None:
+                return self.drills.act(action, body, self.state, now, base_url=self.url, version=version)
+            if eviction is not None:
+                return self.drills.evict(eviction, self.state, now)
+            if operation is not None:
+                monitor = (query.get("monitor") or [""])[0].lower() == "true"
+                return self.drills.status(operation, self.state, now, monitor=monitor)
+            assert scale_set is not None
+            return self.drills.scale_set(scale_set, self.state)
 
     def _arm_control(self, method: str, path: str, handler: _Handler) -> tuple[int, dict[str, Any]]:
         if path == "/_emulator/arm" and method == "GET":
@@ -728,7 +816,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         except _Reply as reply:
-            status, body, content_type = reply.status, json.dumps(reply.body).encode(), _JSON
+            status, content_type = reply.status, _JSON
+            body = b"" if status == 204 else json.dumps(reply.body).encode()
             headers = reply.headers
         except EmulatorInputError as error:
             status, body, content_type = 400, json.dumps({"error": str(error)}).encode(), _JSON

@@ -472,3 +472,52 @@ def test_a_terminate_whose_vm_is_gone_goes_through_remote_acknowledge_where_it_i
     approval_now = bench.event("EV-DEL").approval
     assert approval_now is not None
     assert approval_now.executor == through
+
+
+class RecordingBatch(RecordingCallback):
+    """A stand-in for remote acknowledge's list form: every VM's events share one resource; each ``send_many``
+    is recorded, and the events in ``refuse`` fail on their own."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.batches: list[list[str]] = []
+
+    def batch_key(self, vm: VmIdentity) -> str:
+        return "one-scale-set"
+
+    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
+        return self.send(request, vm=vm)
+
+    def send_many(self, items: Any, *, seconds: float) -> list[ApprovalResult | ApprovalDeliveryError]:
+        self.batches.append([request.eventId for request, _ in items])
+        return [
+            ApprovalDeliveryError(f"{request.eventId}: NotFound")
+            if request.eventId in self.refuse
+            else self.send(request, vm=vm)
+            for request, vm in items
+        ]
+
+
+def test_remote_acknowledges_of_one_resource_go_in_one_request_each_outcome_its_own(bench: Bench):
+    bench.policy = parse_policy(REMOTE_POLICY)
+    batch = RecordingBatch(refuse=frozenset({"EV-B"}))
+    bench.remote_acknowledge = batch
+    for event_id in ("EV-A", "EV-B"):
+        put_event(
+            bench.store,
+            event_id,
+            vms=("WestNO_0", "WestNO_1"),
+            seen=DOC_NOW,
+            eventType="Freeze",
+            durationInSeconds=5,
+            notBefore=NOT_BEFORE,
+            approval=approval("arm-freeze"),
+        )
+    deliver(bench, "EV-A", "EV-B")
+    assert batch.batches == [["EV-A", "EV-B"]]
+    assert bench.callback.sent == []
+    approved, refused = bench.event("EV-A"), bench.event("EV-B")
+    assert approved.state == "Approved"
+    assert refused.approval is not None
+    assert (refused.approval.outcome, refused.approval.reason) == ("failed", "EV-B: NotFound")

@@ -299,3 +299,113 @@ def test_without_remote_acknowledge_the_rule_sends_nothing(
     assert "remote acknowledge, which is off" in (failed[-1].Reason or "")
     assert arm.arm_status()["requests"] == 0
     assert arm.approvals() == []
+
+
+def test_the_stable_api_version_is_used_and_the_list_form_takes_only_it(arm: ImdsEmulator) -> None:
+    assert API_VERSION == "2025-11-01"
+    token, _ = mint_token(audience="https://management.azure.com", identity_resource_id="/arm-test")
+    target = acknowledge_target(identity(arm, "web_0"))
+    url = f"{arm.url}{target}/providers/Microsoft.Maintenance/scheduledevents?api-version=2023-10-01-preview"
+    answer = requests.post(url, json={"value": ["X"]}, headers={"Authorization": f"Bearer {token}"}, timeout=5)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "InvalidApiVersionParameter"
+
+
+def test_the_list_form_acknowledges_several_events_of_a_resource_in_one_request(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    first = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    second = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    assert sender.batch_key(identity(arm, "web_0")) == sender.batch_key(identity(arm, "web_1"))
+    outcomes = sender.send_many(
+        [(request_for(first), identity(arm, "web_0")), (request_for(second), identity(arm, "web_1"))], seconds=5
+    )
+    assert [getattr(outcome, "outcome", None) for outcome in outcomes] == ["approved", "approved"]
+    assert all("a list of 2 events" in getattr(outcome, "reason", "") for outcome in outcomes)
+    assert arm.arm_status()["requests"] == 1
+    assert sorted(a["EventId"] for a in arm.approvals()) == sorted([first, second])
+    with pytest.raises(ValueError, match="one resource"):
+        sender.send_many(
+            [(request_for(first), identity(arm, "web_0")), (request_for(second), identity(arm, "solo"))], seconds=5
+        )
+
+
+def test_a_lists_per_event_errors_fail_those_events_alone(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    """The list names the event it could not acknowledge (its code and message); the event it does not name is
+    acknowledged again alone (the spec does not say whether an error answer approved it), so it ends approved."""
+    real = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    unknown = str(uuid.uuid4()).upper()
+    expired = request_for(str(uuid.uuid4()).upper()).model_copy(update={"notAfter": DOC_NOW, "expiresAt": DOC_NOW})
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    vm = identity(arm, "web_0")
+    outcomes = sender.send_many(
+        [(request_for(real), vm), (request_for(unknown), vm), (expired, vm), (request_for(unknown.lower()), vm)],
+        seconds=5,
+    )
+    approved, refused, not_sent, refused_too = outcomes
+    assert getattr(approved, "outcome", None) == "approved"
+    assert isinstance(refused, ApprovalDeliveryError)
+    assert f"remote acknowledge of {unknown} refused in a list of 3 (ARM 400): NotFound" in str(refused)
+    assert isinstance(not_sent, ApprovalDeliveryError)
+    assert "not sent: it expired" in str(not_sent)
+    assert isinstance(refused_too, ApprovalDeliveryError)
+    assert arm.arm_status()["requests"] == 2  # the list, then the real event alone
+    assert [a["EventId"] for a in arm.approvals()] == [real, real]
+
+
+def test_a_waves_acknowledges_go_in_one_list_per_resource_each_outcome_committed(
+    azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path
+) -> None:
+    """Three Freezes decided in one batch: the two of scale set web in one list acknowledge (one of them canceled
+    meanwhile, which the list names), the standalone VM's alone; each event's outcome is its own."""
+    coordinator, history = make_coordinator(azurite, arm, credential, tmp_path)
+    on_web_0 = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    on_web_1 = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    on_solo = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
+    batch = [report(arm, "web_0", 1), report(arm, "web_1", 1), report(arm, "solo", 1)]
+    arm.cancel_event(on_web_1)
+    coordinator.process_batch(batch)
+    status = arm.arm_status()
+    assert status["requests"] == 3  # web's list, web_0's event again alone (not named among the errors), solo's
+    assert sorted({a["EventId"] for a in status["acknowledged"]}) == sorted([on_web_0, on_solo])
+    outcomes = {
+        r.EventId: r for r in history.rows if r.RecordType == "Approval" and r.Outcome in ("approved", "failed")
+    }
+    assert outcomes[on_web_0].Outcome == "approved"
+    assert outcomes[on_solo].Outcome == "approved"
+    assert outcomes[on_web_1].Outcome == "failed"
+    assert "refused in a list of 2 (ARM 400): NotFound" in (outcomes[on_web_1].Reason or "")
+
+
+def test_a_wave_acknowledged_in_one_list_when_every_event_is_acknowledgeable(
+    azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path
+) -> None:
+    coordinator, history = make_coordinator(azurite, arm, credential, tmp_path)
+    ids = [
+        arm.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=900)["EventId"] for vm in ("web_0", "web_1")
+    ]
+    coordinator.process_batch([report(arm, "web_0", 1), report(arm, "web_1", 1)])
+    assert arm.arm_status()["requests"] == 1
+    approved = [r for r in history.rows if r.RecordType == "Approval" and r.Outcome == "approved"]
+    assert sorted(r.EventId for r in approved) == sorted(ids)
+    assert all("a list of 2 events" in (r.Reason or "") for r in approved)
+
+
+def test_a_list_refused_as_a_whole_falls_back_to_single_acknowledges(
+    arm: ImdsEmulator, credential: ManagedIdentityCredential
+) -> None:
+    """A refusal that names no event (here a 403: a role allowing only the single form) sends each event alone."""
+    ids = [
+        arm.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=900)["EventId"] for vm in ("web_0", "web_1")
+    ]
+    arm.inject_arm_fault(status=403, count=1)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    outcomes = sender.send_many(
+        [(request_for(i), identity(arm, vm)) for i, vm in zip(ids, ("web_0", "web_1"), strict=True)], seconds=5
+    )
+    assert [getattr(outcome, "outcome", None) for outcome in outcomes] == ["approved", "approved"]
+    assert arm.arm_status()["requests"] == 3
+    assert sorted(a["EventId"] for a in arm.approvals()) == sorted(ids)

@@ -1,0 +1,101 @@
+"""A drill of each kind through the whole local pipeline (real processes and protocols): ``python -m ops.drill
+--confirm`` calls the IMDS emulator's ARM face, which produces the scheduled event; the VMs' forwarders report it,
+the coordinator decides it by the default policy and approves it through the VM's listener, and the drill's
+long-running operation ends once the platform did what it was asked. One stack runs all four kinds."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from emulators.imds import Scenario
+from local.stack import LocalStack, StackOptions
+from ops.drill.__main__ import main
+
+SCALE_SETS = (
+    "/subscriptions/00000000-0000-0000-0000-00000000e001/resourceGroups/rg-scheduled-events/providers/"
+    "Microsoft.Compute/virtualMachineScaleSets/"
+)
+# 10x: Azure's 30 s Spot notice is 3 s here, a few of the forwarders' one-second polls (docs/local-mode.md).
+TIME_SCALE = 10.0
+
+
+def decisions(stack: LocalStack, event_id: str) -> list[dict[str, Any]]:
+    with sqlite3.connect(stack.history_path) as db:
+        db.row_factory = sqlite3.Row
+        query = "SELECT * FROM ScheduledEventsHistory_CL WHERE RecordType = 'Decision' AND EventId = ? ORDER BY rowid"
+        return [dict(row) for row in db.execute(query, (event_id,)).fetchall()]
+
+
+def wait_for(check: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.2)
+    return check()
+
+
+@pytest.mark.slow
+def test_a_drill_of_each_kind_reaches_the_coordinator_and_is_decided_by_the_policy(tmp_path: Path) -> None:
+    scenario = Scenario.from_mapping(
+        {
+            "name": "drills",
+            "vms": [
+                {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
+                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
+                {"name": "web_2", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
+                {"name": "spot_0", "vmScaleSetName": "spot", "priority": "Spot", "isolated": True},
+            ],
+        }
+    )
+    options = StackOptions(
+        scenario=scenario, workdir=tmp_path / "run", time_scale=TIME_SCALE, timer_interval=1.0, heartbeat_interval=2.0
+    )
+    with LocalStack(options) as stack:
+        imds = stack.imds
+        assert imds is not None
+        # The forwarders first read their (empty) documents, so that each drill's event is a change they report.
+        assert wait_for(lambda: all(imds.requests_served[vm.name] for vm in scenario.vms), 30)
+        drills = [
+            ("reboot", "web", "web_0"),
+            ("redeploy", "web", "web_1"),
+            ("delete", "web", "web_2"),
+            ("evict", "spot", "spot_0"),
+        ]
+        started = time.monotonic()
+        for kind, scale_set, vm in drills:
+            arguments = [kind, "--scale-set", SCALE_SETS + scale_set, "--vm", vm, "--confirm", "--timeout", "60"]
+            assert main([*arguments, "--endpoint", imds.url]) == 0, kind
+        drilled = {entry["action"]: entry["eventIds"][0] for entry in imds.drills.log}
+        expected = {
+            "restart": ("user-initiated", "approve"),
+            "redeploy": ("user-initiated", "approve"),
+            "delete": ("terminate-after-prepare-hooks", "approve"),
+            # A Spot eviction is the platform's: the default policy leaves it to a person; it starts at NotBefore.
+            "simulateEviction": ("everything-else-waits", "wait"),
+        }
+        for action, (rule, verdict) in expected.items():
+            event_id = drilled[action]
+            rows = wait_for(
+                lambda event_id=event_id, verdict=verdict: [
+                    row for row in decisions(stack, event_id) if row["Outcome"] == verdict
+                ],
+                30,
+            )
+            assert rows, f"{action}: no {verdict} decision for {event_id}: {decisions(stack, event_id)}"
+            assert rows[-1]["Rule"] == rule, rows[-1]
+        approved = {approval["EventId"]: approval for approval in imds.approvals()}
+        for action in ("restart", "redeploy", "delete"):
+            assert approved[drilled[action]]["via"] == "imds", action  # StartRequests from the VM's listener
+        assert drilled["simulateEviction"] not in approved
+        events = {event["EventId"]: event for event in imds.events()}
+        assert events[drilled["restart"]]["startedBy"] == "approval"
+        assert events[drilled["simulateEviction"]]["EventType"] == "Preempt"
+        assert "web_2" in imds.removed_vms()
+        print(f"four drills confirmed and followed to their end in {time.monotonic() - started:.1f} s")
