@@ -94,6 +94,11 @@ class HookStep(BaseModel):
     durationSeconds: float = Field(ge=0)
     exitCode: int | None = None
     outputTail: str = Field(default="", max_length=STEP_OUTPUT_TAIL)
+    # The seconds the hook was given (its time to the event's NotBefore less the forwarder's margin, at most the
+    # configured maximum) and the share of them it used (>= 1: it was stopped at its budget). None from forwarders
+    # older than budgets (v1-compatible).
+    budgetSeconds: float | None = Field(default=None, ge=0)
+    budgetUsed: float | None = Field(default=None, ge=0)
 
 
 class HookReport(BaseModel):
@@ -115,6 +120,9 @@ class HookReport(BaseModel):
     exitCode: int | None = None
     outputTail: str = Field(default="", max_length=4096)
     steps: list[HookStep] | None = Field(default=None, max_length=MAX_HOOK_STEPS)
+    # The phase's budget when it started (its first hook's) and the share of it the phase's hooks used together.
+    budgetSeconds: float | None = Field(default=None, ge=0)
+    budgetUsed: float | None = Field(default=None, ge=0)
 
     @property
     def phase_complete(self) -> bool:

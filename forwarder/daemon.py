@@ -86,7 +86,12 @@ class Forwarder:
         self.sink = sink
         # Owned by the daemon (shut down with it); given when the listener shares it (cli.main).
         self.telemetry = telemetry or Telemetry(spans_file=settings.telemetry_spans_file)
-        self.hooks = HookRunner(hooks_dir=settings.hooks_dir, timeout=settings.hook_timeout)
+        self.hooks = HookRunner(
+            hooks_dir=settings.hooks_dir,
+            timeout=settings.hook_timeout,
+            margin=settings.hook_deadline_margin,
+            grace=settings.hook_kill_grace,
+        )
         self._companion_factory = companions
         self._companions: list[Companion] = []
         self._stop = threading.Event()

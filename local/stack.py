@@ -779,6 +779,11 @@ class LocalStack:
             str(hooks),
             "--hook-timeout",
             "30",
+            # The margin and grace are Azure seconds like the notices they are cut from: scaled with them.
+            "--hook-deadline-margin",
+            f"{5 / options.time_scale:g}",
+            "--hook-kill-grace",
+            f"{3 / options.time_scale:g}",
             "--log-level",
             options.forwarder_log_level,
             "--telemetry-spans-file",
