@@ -131,6 +131,17 @@ class ForwarderSettings(BaseModel):
     hook_kill_grace: float = Field(
         default=3.0, ge=0, le=60, description="seconds between a hook's SIGTERM at its budget and its SIGKILL"
     )
+    # Proof of impact (forwarder/impact.py)
+    impact_tick: float = Field(
+        default=0.1,
+        ge=0.01,
+        le=5,
+        description="seconds between the clock readings that measure a Freeze's pause (only while one is listed)",
+    )
+    boot_time_file: Path = Field(
+        default=Path("/proc/stat"),
+        description="where the VM's boot time is read (its 'btime' line), to tell a reboot from a restart",
+    )
     # Azure Relay listener (approvals back to this VM)
     relay_enabled: bool = Field(
         default=False, description="run the relay listener, which carries the coordinator's approvals to IMDS"
