@@ -262,6 +262,8 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
         failedHooks=dict(sighting.failedHooks) if sighting else {},
         hookSequence=sighting.hookSequence if sighting else -1,
         hookEpoch=sighting.hookEpoch if sighting else 0,
+        impactSeconds=sighting.impactSeconds if sighting else None,
+        impactMeasure=sighting.impactMeasure if sighting else "",
     )
     record.scaleSets = scale_sets_of(record)
     change.rows.append(_observation_row(record, now, observation, event.EventStatus))
