@@ -19,7 +19,9 @@ SCHEMA = "scheduled-events.envelope/1"
 SCHEMA_VERSION = 1
 _SCHEMA_PATTERN = re.compile(r"^scheduled-events\.envelope/(\d+)$")
 
-EnvelopeKind = Literal["incarnation", "heartbeat", "hook"]
+# "impact" was added within version 1: a coordinator older than it dead-letters an impact envelope alone (each
+# message is validated on its own), and every other envelope of the VM still counts.
+EnvelopeKind = Literal["incarnation", "heartbeat", "hook", "impact"]
 HookPhase = Literal["prepare", "recover"]
 HookOutcome = Literal["succeeded", "failed", "timed-out", "not-run"]
 
@@ -94,6 +96,11 @@ class HookStep(BaseModel):
     durationSeconds: float = Field(ge=0)
     exitCode: int | None = None
     outputTail: str = Field(default="", max_length=STEP_OUTPUT_TAIL)
+    # The seconds the hook was given (its time to the event's NotBefore less the forwarder's margin, at most the
+    # configured maximum) and the share of them it used (>= 1: it was stopped at its budget). None from forwarders
+    # older than budgets (v1-compatible).
+    budgetSeconds: float | None = Field(default=None, ge=0)
+    budgetUsed: float | None = Field(default=None, ge=0)
 
 
 class HookReport(BaseModel):
@@ -115,6 +122,9 @@ class HookReport(BaseModel):
     exitCode: int | None = None
     outputTail: str = Field(default="", max_length=4096)
     steps: list[HookStep] | None = Field(default=None, max_length=MAX_HOOK_STEPS)
+    # The phase's budget when it started (its first hook's) and the share of it the phase's hooks used together.
+    budgetSeconds: float | None = Field(default=None, ge=0)
+    budgetUsed: float | None = Field(default=None, ge=0)
 
     @property
     def phase_complete(self) -> bool:
@@ -135,6 +145,42 @@ def phase_outcome(steps: list[HookStep]) -> HookOutcome:
     if not steps:
         return "not-run"
     return next((s.outcome for s in steps if s.outcome != "succeeded"), "succeeded")
+
+
+ImpactMeasure = Literal["pause", "restart"]
+ImpactClock = Literal["monotonic", "wall"]
+
+
+class ImpactReport(BaseModel):
+    """What an event did to the VM that sends it, measured by its forwarder (forwarder/impact.py).
+
+    ``pause`` (a Freeze): the longest stretch the forwarder's process did not run while the event was listed,
+    from the gaps between its ticks on both clocks; ``clock`` says which gave the figure (the larger).
+    ``restart`` (a Reboot or Redeploy): from its last poll before the VM went down to its first poll after it came
+    back, by the wall clock (a monotonic clock starts again at boot), the boot between them (``bootTime``).
+    ``announcedSeconds`` is the event's DurationInSeconds as IMDS said it (-1: not said)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    eventId: str = Field(min_length=1, max_length=128)
+    eventType: str = Field(min_length=1, max_length=32)
+    measure: ImpactMeasure
+    announcedSeconds: int = -1
+    measuredSeconds: float = Field(ge=0)
+    # The stretch measured: its last sign of life before, its first after (UTC).
+    start: datetime
+    end: datetime
+    clock: ImpactClock = "wall"
+    monotonicGapSeconds: float | None = Field(default=None, ge=0)
+    wallGapSeconds: float | None = None
+    bootTime: datetime | None = None  # restart: when the VM booted again
+
+    @field_validator("start", "end", "bootTime")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("times must carry a UTC offset")
+        return value
 
 
 class ForwarderHealth(BaseModel):
@@ -187,6 +233,7 @@ class Envelope(BaseModel):
     stateId: str = Field(default="", max_length=64, pattern=r"^[0-9A-Za-z._-]*$")
     document: ScheduledEventsDocument | None = None
     hook: HookReport | None = None
+    impact: ImpactReport | None = None
     health: ForwarderHealth | None = None  # heartbeats from forwarders that report it
     # IMDS's attested document of this VM, its nonce contracts.attestation.state_nonce(stateId): Azure's signature
     # that this forwarder state is this VM's (optional; v1-compatible: forwarders older than it send none). The
@@ -218,6 +265,8 @@ class Envelope(BaseModel):
             raise ValueError("an 'incarnation' envelope needs 'document'")
         if self.kind == "hook" and self.hook is None:
             raise ValueError("a 'hook' envelope needs 'hook'")
+        if self.kind == "impact" and self.impact is None:
+            raise ValueError("an 'impact' envelope needs 'impact'")
         return self
 
     def to_json_bytes(self) -> bytes:

@@ -116,7 +116,31 @@ class ForwarderSettings(BaseModel):
         description="holds prepare.d/ and recover.d/, whose hooks run in name order",
     )
     hook_timeout: float = Field(
-        default=120.0, gt=0, le=3600, description="seconds a hook may run before it is killed (its phase fails)"
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="the most seconds a hook is given (its budget is less when NotBefore is nearer); at its budget "
+        "it gets SIGTERM, then SIGKILL after hook_kill_grace (its phase fails)",
+    )
+    hook_deadline_margin: float = Field(
+        default=5.0,
+        ge=0,
+        le=600,
+        description="seconds before the event's NotBefore by which every prepare hook has been stopped",
+    )
+    hook_kill_grace: float = Field(
+        default=3.0, ge=0, le=60, description="seconds between a hook's SIGTERM at its budget and its SIGKILL"
+    )
+    # Proof of impact (forwarder/impact.py)
+    impact_tick: float = Field(
+        default=0.1,
+        ge=0.01,
+        le=5,
+        description="seconds between the clock readings that measure a Freeze's pause (only while one is listed)",
+    )
+    boot_time_file: Path = Field(
+        default=Path("/proc/stat"),
+        description="where the VM's boot time is read (its 'btime' line), to tell a reboot from a restart",
     )
     # Azure Relay listener (approvals back to this VM)
     relay_enabled: bool = Field(

@@ -27,6 +27,7 @@ from forwarder.heartbeat import PollHealth, spool_heartbeat
 from forwarder.hook_worker import HookWorker
 from forwarder.hooks import HookRunner
 from forwarder.imds import ImdsClient, ImdsError, ImdsInvalidResponse, ImdsUnavailable
+from forwarder.impact import ImpactMeter
 from forwarder.logs import FailureLog, fields
 from forwarder.poller import Poller
 from forwarder.retry import Backoff
@@ -86,7 +87,12 @@ class Forwarder:
         self.sink = sink
         # Owned by the daemon (shut down with it); given when the listener shares it (cli.main).
         self.telemetry = telemetry or Telemetry(spans_file=settings.telemetry_spans_file)
-        self.hooks = HookRunner(hooks_dir=settings.hooks_dir, timeout=settings.hook_timeout)
+        self.hooks = HookRunner(
+            hooks_dir=settings.hooks_dir,
+            timeout=settings.hook_timeout,
+            margin=settings.hook_deadline_margin,
+            grace=settings.hook_kill_grace,
+        )
         self._companion_factory = companions
         self._companions: list[Companion] = []
         self._stop = threading.Event()
@@ -118,6 +124,13 @@ class Forwarder:
             stop=self._stop,
             spooled=self._sender.wake,
         )
+        self._impact = ImpactMeter(
+            store=store,
+            tick=settings.impact_tick,
+            boot_time_file=settings.boot_time_file,
+            stop=self._stop,
+            spooled=self._sender.wake,
+        )
         self._poller = Poller(
             imds=imds,
             store=store,
@@ -132,6 +145,7 @@ class Forwarder:
         self._stop.set()
         self._sender.wake()
         self._hook_worker.wake()
+        self._impact.wake()
 
     @property
     def stopping(self) -> bool:
@@ -164,6 +178,9 @@ class Forwarder:
             thread = threading.Thread(target=target, args=(identity,), name=f"forwarder-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        impact = threading.Thread(target=self._impact.run, name="forwarder-impact", daemon=True)
+        impact.start()
+        self._threads.append(impact)
         try:
             # "This VM's forwarder is up" as soon as it knows who it is: the first scheduled-events call may take
             # two minutes while IMDS wakes the service up, and the coordinator should not think the VM silent.
@@ -236,6 +253,8 @@ class Forwarder:
         next_poll = time.monotonic()
         while not self._stop.is_set():
             delay = interval
+            # Before the poll: a pause or a restart is reported ahead of the change that shows its event gone.
+            self._impact.before_poll(identity)
             try:
                 self._poller.poll_once(identity)
             except ImdsUnavailable as exc:
@@ -255,6 +274,8 @@ class Forwarder:
             else:
                 self._polls.succeeded()
                 self._imds_failures.succeeded()
+                if self._poller.document is not None:
+                    self._impact.polled(self._poller.document, identity)
                 if self.store.full_since is None:
                     self._state_failures.succeeded()
                 backoff.reset()

@@ -53,6 +53,9 @@ SEQUENCE_RESERVED = "sequence_reserved"
 # Heartbeats are due every minute: a reserve of 64 reports an hour of a full disk, and costs a write every 32
 # envelopes (and a gap of at most 64 in the sequence after a full disk, which the coordinator takes as it comes).
 SEQUENCE_RESERVE = 64
+# forwarder/impact.py's watch of a Reboot or Redeploy of this VM (JSON; "" when none): the event and the last poll
+# before the VM went down, which must outlive the reboot to measure its downtime.
+IMPACT_RESTART = "impact.restart"
 # StoreFull.last_error's bound (ForwarderHealth.lastStateError).
 STATE_ERROR_CHARS = 256
 
@@ -238,6 +241,11 @@ class Store:
     def get_state(self, key: str) -> str | None:
         with self._lock:
             return self._get(self._db, key)
+
+    def put_state(self, key: str, value: str) -> None:
+        """Keeps one value of the state, durably (raises StoreFull without room)."""
+        with self._tx() as db:
+            self._put(db, key, value)
 
     def _bump(self, db: sqlite3.Connection, counter: str, by: int = 1) -> None:
         current = int(self._get(db, f"counter.{counter}") or 0)

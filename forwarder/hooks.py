@@ -1,5 +1,10 @@
 """Local prepare/recover hooks: executables in `{hooks_dir}/prepare.d` and `{hooks_dir}/recover.d`, run in name
-order with the event as JSON on stdin and as SCHEDULED_EVENT_* environment variables, each under a timeout.
+order with the event as JSON on stdin and as SCHEDULED_EVENT_* environment variables, each within its budget.
+
+A hook's budget is the time left to the event's NotBefore less a margin, at most the configured maximum (a recover
+phase, or an event already Started, has the maximum). At the budget the hook's process group gets SIGTERM, and
+SIGKILL after a grace; the budget is counted so that the KILL lands the margin before NotBefore: a hook that runs
+past NotBefore cannot happen, whatever it does with the TERM.
 
 Only the runner lives here; which events need hooks is decided in forwarder/changes.py, and the once-per-event
 ledger is kept in forwarder/durable_state.py.
@@ -16,6 +21,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from contracts.document import ScheduledEvent
@@ -37,7 +43,9 @@ OUTPUT_TAIL = 2048
 _INHERITED = ("PATH", "LANG", "LC_ALL", "TZ", "HOME")
 
 
-def hook_environment(event: ScheduledEvent, *, phase: HookPhase, vm_name: str) -> dict[str, str]:
+def hook_environment(
+    event: ScheduledEvent, *, phase: HookPhase, vm_name: str, budget: float, deadline: datetime
+) -> dict[str, str]:
     env = {k: os.environ[k] for k in _INHERITED if k in os.environ}
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.update(
@@ -50,9 +58,25 @@ def hook_environment(event: ScheduledEvent, *, phase: HookPhase, vm_name: str) -
         SCHEDULED_EVENT_RESOURCES=",".join(event.Resources),
         SCHEDULED_EVENT_DESCRIPTION=event.Description,
         SCHEDULED_EVENT_PHASE=phase,
+        # What the hook has: SIGTERM comes after BUDGET_SECONDS, at DEADLINE (UTC, ISO 8601), SIGKILL a grace later.
+        SCHEDULED_EVENT_BUDGET_SECONDS=f"{budget:.3f}",
+        SCHEDULED_EVENT_DEADLINE=deadline.isoformat(timespec="milliseconds"),
         VM_NAME=vm_name,
     )
     return env
+
+
+def phase_deadline(
+    event: ScheduledEvent, phase: HookPhase, *, now: datetime, monotonic: float, margin: float, grace: float
+) -> float | None:
+    """The monotonic time by which a phase's last hook must have been sent SIGTERM: NotBefore less the margin and
+    the grace (so that its SIGKILL, a grace later, still lands the margin before NotBefore). None when the phase
+    has no NotBefore to keep (recover, or an event already Started): then only the maximum bounds each hook. The
+    wall clock is read once, here; from then on the monotonic clock counts, so a clock step cannot stretch it."""
+    not_before = event.not_before() if phase == "prepare" else None
+    if not_before is None:
+        return None
+    return monotonic + (not_before - now).total_seconds() - margin - grace
 
 
 def phase_report(
@@ -70,24 +94,40 @@ def phase_report(
     shown = failed if failed is not None else len(steps) - 1
     if shown >= 0:
         tail = tails[shown] if shown < len(tails) else steps[shown].outputTail
+    budget = steps[0].budgetSeconds if steps else None
+    duration = round(sum(s.durationSeconds for s in steps), 3)
     return HookReport(
         eventId=event_id,
         phase=phase,
         outcome=phase_outcome(list(steps)),
         hook=steps[failed].hook if failed is not None else "",
-        durationSeconds=round(sum(s.durationSeconds for s in steps), 3),
+        durationSeconds=duration,
         exitCode=steps[shown].exitCode if shown >= 0 else None,
         outputTail=tail[-OUTPUT_TAIL:],
         steps=list(steps),
+        budgetSeconds=budget,
+        budgetUsed=budget_used(duration, budget),
     )
 
 
-class HookRunner:
-    """Runs one phase's hooks for one event, sequentially; `stop()` kills a running hook (on shutdown)."""
+def budget_used(duration: float, budget: float | None) -> float | None:
+    """The share of its budget a hook (or a phase) used; None without a budget."""
+    if budget is None:
+        return None
+    return round(duration / budget, 3) if budget > 0 else (0.0 if duration <= 0 else 1.0)
 
-    def __init__(self, *, hooks_dir: Path, timeout: float) -> None:
+
+class HookRunner:
+    """Runs one phase's hooks for one event, sequentially; `stop()` kills a running hook (on shutdown).
+
+    ``timeout`` is the most any hook is given; ``margin`` how long before NotBefore every hook of a prepare phase
+    must be gone; ``grace`` the time between a hook's SIGTERM and its SIGKILL."""
+
+    def __init__(self, *, hooks_dir: Path, timeout: float, margin: float = 5.0, grace: float = 3.0) -> None:
         self.hooks_dir = hooks_dir
         self.timeout = timeout
+        self.margin = margin
+        self.grace = grace
         self._lock = threading.Lock()
         self._current: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
@@ -135,13 +175,15 @@ class HookRunner:
             step = HookStep(hook=f"{phase}.d", outcome="failed", durationSeconds=0.0, outputTail=reason)
             return phase_report(event.EventId, phase, (step,))
         stdin = json.dumps(event.model_dump(mode="json")).encode("utf-8")
-        env = hook_environment(event, phase=phase, vm_name=vm_name)
+        deadline = phase_deadline(
+            event, phase, now=datetime.now(UTC), monotonic=time.monotonic(), margin=self.margin, grace=self.grace
+        )
         steps: list[HookStep] = []
         tails: list[str] = []
         for path in hooks:
             if on_step is not None:
                 on_step(path.name, tuple(steps))
-            step, tail = self._run_one(path, event, phase=phase, stdin=stdin, env=env)
+            step, tail = self._run_one(path, event, phase=phase, stdin=stdin, vm_name=vm_name, deadline=deadline)
             steps.append(step)
             tails.append(tail)
         report = phase_report(event.EventId, phase, steps, tails=tails)
@@ -161,15 +203,43 @@ class HookRunner:
         return report
 
     def _run_one(
-        self, path: Path, event: ScheduledEvent, *, phase: HookPhase, stdin: bytes, env: dict[str, str]
+        self,
+        path: Path,
+        event: ScheduledEvent,
+        *,
+        phase: HookPhase,
+        stdin: bytes,
+        vm_name: str,
+        deadline: float | None,
     ) -> tuple[HookStep, str]:
-        """One hook: its step, and the last OUTPUT_TAIL characters of its output (the step keeps less)."""
+        """One hook within its budget: its step, and the last OUTPUT_TAIL characters of its output (the step keeps
+        less)."""
         started = time.monotonic()
+        budget = self.timeout if deadline is None else max(0.0, min(self.timeout, deadline - started))
         with self._lock:
             if self._stopping.is_set():
                 return self._step(
                     event, phase, path, "failed", duration=0.0, exit_code=None, tail="not started: stopping"
                 )
+            if budget <= 0:
+                # Too close to NotBefore for this hook to end in time: starting it would be the one way to run past.
+                return self._step(
+                    event,
+                    phase,
+                    path,
+                    "timed-out",
+                    duration=0.0,
+                    exit_code=None,
+                    tail="not started: no time left before NotBefore (less its margin and grace)",
+                    budget=0.0,
+                )
+            env = hook_environment(
+                event,
+                phase=phase,
+                vm_name=vm_name,
+                budget=budget,
+                deadline=datetime.now(UTC) + timedelta(seconds=budget),
+            )
             try:
                 # A session of its own, so that a timeout kills the hook's children too.
                 process = subprocess.Popen(  # noqa: S603 - the operator's own executables from the hooks folder
@@ -186,13 +256,18 @@ class HookRunner:
                     event, phase, path, "failed", duration=0.0, exit_code=None, tail=f"cannot start: {exc}"
                 )
             self._current = process
-        timed_out = False
+        timed_out = killed = False
         try:
-            output, _ = process.communicate(stdin, timeout=self.timeout)
+            output, _ = process.communicate(stdin, timeout=budget)
         except subprocess.TimeoutExpired:
             timed_out = True
-            self._kill(process)
-            output, _ = process.communicate()
+            self._signal(process, signal.SIGTERM)
+            try:
+                output, _ = process.communicate(timeout=self.grace)
+            except subprocess.TimeoutExpired:
+                killed = True
+                self._kill(process)
+                output, _ = process.communicate()
         finally:
             with self._lock:
                 self._current = None
@@ -201,13 +276,16 @@ class HookRunner:
         outcome: HookOutcome
         if timed_out:
             outcome = "timed-out"
-            tail = (tail + f"\n[killed after {self.timeout:g} s]").lstrip("\n")
+            how = f"SIGKILL {self.grace:g} s later" if killed else "it ended on SIGTERM"
+            tail = (tail + f"\n[stopped at its budget of {budget:.1f} s: SIGTERM, {how}]").lstrip("\n")
         elif self._stopping.is_set() and process.returncode < 0:
             outcome = "failed"
             tail = (tail + "\n[killed: forwarder stopped while the hook ran]").lstrip("\n")
         else:
             outcome = "succeeded" if process.returncode == 0 else "failed"
-        return self._step(event, phase, path, outcome, duration=duration, exit_code=process.returncode, tail=tail)
+        return self._step(
+            event, phase, path, outcome, duration=duration, exit_code=process.returncode, tail=tail, budget=budget
+        )
 
     @staticmethod
     def _step(
@@ -219,6 +297,7 @@ class HookRunner:
         duration: float,
         exit_code: int | None,
         tail: str,
+        budget: float | None = None,
     ) -> tuple[HookStep, str]:
         tail = tail[-OUTPUT_TAIL:]
         step = HookStep(
@@ -227,6 +306,8 @@ class HookRunner:
             durationSeconds=round(duration, 3),
             exitCode=exit_code,
             outputTail=tail[-STEP_OUTPUT_TAIL:],
+            budgetSeconds=None if budget is None else round(budget, 3),
+            budgetUsed=budget_used(duration, budget),
         )
         level = logging.INFO if outcome == "succeeded" else logging.WARNING
         log.log(
@@ -239,14 +320,20 @@ class HookRunner:
                 outcome=outcome,
                 exit_code=exit_code,
                 duration_s=step.durationSeconds,
+                budget_s=step.budgetSeconds,
             ),
         )
         return step, tail
 
     @staticmethod
-    def _kill(process: subprocess.Popen[bytes]) -> None:
+    def _signal(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+        """``sig`` to the hook's whole session (its children too)."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+            os.killpg(process.pid, sig)
+
+    @classmethod
+    def _kill(cls, process: subprocess.Popen[bytes]) -> None:
+        cls._signal(process, signal.SIGKILL)
 
     def stop(self) -> None:
         with self._lock:

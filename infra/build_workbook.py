@@ -26,6 +26,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("notice-vs-time-to-approve.kql", "Mean notice vs mean time to approve, per type (30 days)"),
     ("hooks-failing.kql", "VMs with failing hooks (7 days)"),
     ("silent-forwarders.kql", "Silent forwarders"),
+    ("announced-vs-measured.kql", "Impact: announced vs measured, per event and VM (30 days)"),
     ("event-timeline.kql", "Timeline of one EventId (set the EventId parameter)"),
 )
 # The coordinator's metrics (coordinator/adapters/telemetry.py) from Application Insights, whose workspace holds them in

@@ -14,9 +14,11 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from azure.eventhub import EventData, EventHubProducerClient
@@ -37,8 +39,23 @@ FORGED_SEQUENCE = 2**62
 FORGER = "scheduled-events-forwarder/0.1.0"
 
 
+# A Freeze pauses its VMs for its DurationInSeconds in real seconds, not scaled: the time scale compresses the
+# waiting (notices, hours between events), and a pause compressed 60 times (5 s -> 83 ms) would be below what a VM
+# can tell from its own scheduling. At most this long, so a scenario's long Freeze does not stall a run.
+FREEZE_MAX_SECONDS = 30.0
+# How long a Reboot or Redeploy keeps a VM down (real seconds), from its forwarder's stop to its start.
+REBOOT_SECONDS = 2.0
+RESTARTING_TYPES = ("Reboot", "Redeploy")
+
+
 def now_utc() -> datetime:
     return datetime.now(UTC)
+
+
+def write_boot_time(path: Path, at: float) -> None:
+    """A /proc/stat-shaped file whose ``btime`` is ``at`` (whole seconds, as the kernel writes it): the boot time
+    the VM's forwarder reads (its ``boot_time_file``)."""
+    path.write_text(f"btime {int(at)}\n", encoding="ascii")
 
 
 class Platform:
@@ -119,6 +136,52 @@ class Platform:
         forwarder.pause()
         self.record("forwarder-stop", vm=name)
         self._later(f"forwarder:{name}", step.seconds, lambda: self._continue(name))
+
+    # ---- what an event does to its VMs --------------------------------------------------------------------------
+    def event_started(self, event: dict[str, Any]) -> None:
+        """An event the IMDS emulator started (its global summary): a Freeze pauses the forwarders of its VMs
+        (SIGSTOP, SIGCONT after its duration); a Reboot or Redeploy stops them (SIGTERM, as a shutdown would) and
+        starts them again ``REBOOT_SECONDS`` later with a new boot time. Logged as forwarder-stop and -cont or -start
+        (the oracle's record of when a forwarder ran), with the event and, on the way back, the time it was out."""
+        event_type, event_id = str(event["EventType"]), str(event["EventId"])
+        names = [n for n in event["Resources"] if n in self.stack.forwarders and n not in self.stack.removed]
+        if event_type == "Freeze":
+            seconds = min(float(event.get("DurationInSeconds") or 0), FREEZE_MAX_SECONDS)
+            if seconds <= 0:
+                return
+            for name in names:
+                self.stack.forwarders[name].pause()
+                stopped = time.monotonic()
+                self.record("forwarder-stop", vm=name, reason="freeze", eventId=event_id)
+                self._later(
+                    f"forwarder:{name}",
+                    seconds,
+                    lambda name=name, stopped=stopped: self._thaw(name, event_id, stopped),
+                )
+        elif event_type in RESTARTING_TYPES:
+            for name in names:
+                threading.Thread(
+                    target=self._reboot, args=(name, event_id), name=f"local-reboot-{name}", daemon=True
+                ).start()
+
+    def _thaw(self, name: str, event_id: str, stopped: float) -> None:
+        self.stack.forwarders[name].resume()
+        self.record(
+            "forwarder-cont", vm=name, reason="freeze", eventId=event_id, paused=round(time.monotonic() - stopped, 3)
+        )
+
+    def _reboot(self, name: str, event_id: str) -> None:
+        self.stack.forwarders[name].stop()
+        stopped = time.monotonic()
+        self.record("forwarder-stop", vm=name, reason="reboot", eventId=event_id)
+        self._later(f"forwarder:{name}", REBOOT_SECONDS, lambda: self._boot(name, event_id, stopped))
+
+    def _boot(self, name: str, event_id: str, stopped: float) -> None:
+        write_boot_time(self.stack.boot_time_file(name), time.time())
+        self.stack.restart_forwarder(name)
+        self.record(
+            "forwarder-start", vm=name, reason="reboot", eventId=event_id, down=round(time.monotonic() - stopped, 3)
+        )
 
     def _continue(self, name: str) -> None:
         self.stack.forwarders[name].resume()

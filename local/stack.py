@@ -46,7 +46,7 @@ from local.direct_callback import direct_coordinator
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
 from local.gates import GateServer, local_gate_names
 from local.http_host import FunctionsHttpHost, LocalHttpServer
-from local.platform import Platform
+from local.platform import Platform, write_boot_time
 from local.queue_trigger import QueueSettings, QueueTrigger, StorageQueue
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed, served_policy
@@ -315,6 +315,9 @@ class LocalStack:
         # monotonic time) and forwarder states it wiped (name, monotonic time), for the summary and the tests.
         self.removed: dict[str, float] = {}
         self.wiped: list[tuple[str, float]] = []
+        # The events whose start the platform played on their VMs (by ref, else EventId: a started event may be
+        # renamed).
+        self._started: set[str] = set()
         self._forwarders_lock = threading.Lock()
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -436,6 +439,7 @@ class LocalStack:
                 continue
             for name in sorted(set(removed) - set(self.removed)):
                 self._remove(name)
+            self._started_events(imds)
             now = time.monotonic()
             while pending and pending[0][0] <= now:
                 _, _, step = pending.pop(0)
@@ -444,6 +448,25 @@ class LocalStack:
                     self.health_pages.set(step.healthPage.name, step.healthPage.status)
                 else:
                     self.platform.play(step)
+
+    def _started_events(self, imds: ImdsEmulator) -> None:
+        """Each event IMDS started since the last look does to its VMs what the platform would (local/platform.py:
+        a Freeze pauses their forwarders, a Reboot or Redeploy restarts them with a new boot time)."""
+        try:
+            events = imds.events()
+        except Exception:  # the emulator is stopping
+            log.debug("events not readable", exc_info=True)
+            return
+        for event in events:
+            key = str(event.get("ref") or event["EventId"])
+            if event.get("startedAt") and key not in self._started:
+                self._started.add(key)
+                self.platform.event_started(event)
+
+    def boot_time_file(self, name: str) -> Path:
+        """The VM's /proc/stat as its forwarder reads it (``--boot-time-file``): the platform writes a new boot time
+        when it reboots the VM."""
+        return self.vm_dir(name) / "boot-stat"
 
     def _remove(self, name: str) -> None:
         with self._forwarders_lock:
@@ -750,6 +773,7 @@ class LocalStack:
         name = vm.name
         home = self.vm_dir(name)
         (home / "state").mkdir(parents=True, exist_ok=True)
+        write_boot_time(self.boot_time_file(name), time.time() - 3600)  # booted an hour ago
         hooks = home / "hooks"
         self._install_hooks(vm, hooks)
         # A VM whose clock is off runs the forwarder through the local launcher that skews its clock.
@@ -779,10 +803,17 @@ class LocalStack:
             str(hooks),
             "--hook-timeout",
             "30",
+            # The margin and grace are Azure seconds like the notices they are cut from: scaled with them.
+            "--hook-deadline-margin",
+            f"{5 / options.time_scale:g}",
+            "--hook-kill-grace",
+            f"{3 / options.time_scale:g}",
             "--log-level",
             options.forwarder_log_level,
             "--telemetry-spans-file",
             str(self.telemetry_dir / f"spans-{name}.jsonl"),
+            "--boot-time-file",
+            str(self.boot_time_file(name)),
         ]
         if self.relay is not None:
             command += ["--relay-enabled", "--relay-endpoint", self.relay.base_url.replace("http://", "ws://", 1)]

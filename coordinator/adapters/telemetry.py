@@ -163,6 +163,12 @@ STATE_FULL = _gauge(
     "s",
     "Per VM: how long the forwarder's state directory has been full at its latest heartbeat (0: it can write)",
 )
+IMPACT = _histogram(
+    "scheduled_events.impact.measured",
+    "s",
+    "What events did to VMs, measured (Impact rows): a Freeze's pause, a Reboot's downtime, how long a removed VM "
+    "was heard after its removal began; by type and measure",
+)
 
 # The conditions of the census gauge: each is set every run, zero included, so a condition that ended reads 0.
 VM_CENSUS = ("reporting", "silent", "retired", "unhealthy")
@@ -321,6 +327,10 @@ def history_written(rows: Iterable[HistoryRow]) -> None:
             DEAD_LETTERS.add(1, {REASON: _reason_class(row.Reason)})
         elif row.RecordType == "Heartbeat":
             VM_CONDITIONS.add(1, {CONDITION: row.Outcome})
+        elif row.RecordType == "Impact" and row.MeasuredSeconds is not None:
+            IMPACT.record(
+                row.MeasuredSeconds, {EVENT_TYPE: row.EventType, "scheduled_events.impact": row.ImpactMeasure}
+            )
 
 
 def forwarder_health(vm: VmIdentity, health: ForwarderHealth, at: datetime) -> None:

@@ -21,6 +21,7 @@ _TITLES: dict[str, tuple[str, str]] = {
     "started-without-notice": ("Event started without notice", "Attention"),
     "canceled": ("Event canceled", "Default"),
     "expired": ("Event expired unapproved", "Warning"),
+    "completed": ("Event completed, its impact measured", "Good"),
     "approval-failed": ("Approval failed", "Attention"),
     "approval-refused": ("Approval refused by the VM", "Attention"),
     "not-started": ("Approved, but not started", "Attention"),
@@ -154,6 +155,15 @@ def build_card(
         )
     if record.removed:
         facts.append(_fact("Removed", ", ".join(record.removed[:20])))
+    impacts = [
+        f"{name}: {sighting.impactMeasure} {sighting.impactSeconds:.1f} s"
+        for name, sighting in sorted(record.vms.items())
+        if sighting.impactSeconds is not None
+    ]
+    if impacts:
+        announced = "not announced" if record.durationInSeconds < 0 else f"announced {record.durationInSeconds} s"
+        shown_impacts = "; ".join(impacts[:20]) + (f" … (+{len(impacts) - 20})" if len(impacts) > 20 else "")
+        facts.append(_fact("Impact measured", f"{shown_impacts} ({announced})"))
     body: list[dict[str, Any]] = [
         {
             "type": "TextBlock",

@@ -38,6 +38,8 @@ class Removal:
     event_id: str
     event_type: str
     reason: str
+    # When the removal went ahead, as far as the coordinator knows (removal_start), for the VM's Impact row.
+    started: datetime | None = None
 
 
 def removal_evidence(record: EventRecord, now: datetime) -> str | None:
@@ -54,6 +56,15 @@ def removal_evidence(record: EventRecord, now: datetime) -> str | None:
     if record.approval is not None and record.approval.delivered and record.platformHold is None:
         return "approved through the platform and not held by another pending delete"
     return None
+
+
+def removal_start(record: EventRecord) -> datetime | None:
+    """When a delete went ahead, as far as the coordinator knows: its approval's decision, if it was delivered,
+    else its NotBefore (the platform goes then whatever happens); None when neither is known."""
+    times = [record.notBefore] if record.notBefore is not None else []
+    if record.approval is not None and record.approval.delivered:
+        times.append(record.approval.decidedAt)
+    return min(times, default=None)
 
 
 def leaving_vms(events: Iterable[EventRecord], now: datetime) -> dict[str, str]:
@@ -94,6 +105,7 @@ def removals(
                     f"removed by {record.eventType} {record.eventId} ({evidence}); silent since {seen.isoformat()}"
                     f" (more than {int(grace.total_seconds())} s)"
                 ),
+                started=removal_start(record),
             )
     return sorted(found.values(), key=lambda r: r.vm)
 

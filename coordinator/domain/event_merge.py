@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from contracts.document import ScheduledEvent
-from coordinator.domain.history_rows import hook_row, observation_row
+from coordinator.domain.history_rows import hook_row, impact_row, observation_row
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert, transition
 from coordinator.domain.model import EventRecord, FactConflict, VmSighting
 from coordinator.domain.observations import Observation
@@ -75,6 +75,8 @@ def apply_observations(
             _apply_listed(change, sighting, observation, now)
         elif observation.kind == "gone":
             _apply_gone(change, sighting, observation, now)
+        elif observation.kind == "impact":
+            _apply_impact(change, sighting, observation, now)
         else:
             _apply_hook(change, sighting, observation, now)
     if created is not None:
@@ -260,6 +262,8 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
         failedHooks=dict(sighting.failedHooks) if sighting else {},
         hookSequence=sighting.hookSequence if sighting else -1,
         hookEpoch=sighting.hookEpoch if sighting else 0,
+        impactSeconds=sighting.impactSeconds if sighting else None,
+        impactMeasure=sighting.impactMeasure if sighting else "",
     )
     record.scaleSets = scale_sets_of(record)
     change.rows.append(_observation_row(record, now, observation, event.EventStatus))
@@ -361,6 +365,37 @@ def _apply_hook(change: EventChange, sighting: VmSighting | None, observation: O
             sequence=observation.sequence,
             hook=hook,
             phase_outcome=hooks[hook.phase],
+        )
+    )
+    change.changed = True
+
+
+def _apply_impact(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
+    """A VM's measure of what the event did to it: the largest it reported is kept on its sighting (a Freeze that
+    paused it twice is reported as each longer pause is seen), each report kept as an Impact row."""
+    impact = observation.impact
+    if impact is None or sighting is None:
+        return
+    if sighting.impactSeconds is not None and impact.measuredSeconds <= sighting.impactSeconds:
+        return  # a replay, or a shorter pause than one already reported
+    change.record.vms[observation.vm.name] = sighting.model_copy(
+        update={"impactSeconds": impact.measuredSeconds, "impactMeasure": impact.measure}
+    )
+    change.rows.append(
+        impact_row(
+            record=change.record,
+            now=now,
+            vm=observation.vm,
+            measure=impact.measure,
+            measured_seconds=impact.measuredSeconds,
+            start=impact.start,
+            end=impact.end,
+            observed_at=observation.observed_at,
+            sequence=observation.sequence,
+            actor="forwarder",
+            details=impact.model_dump(
+                mode="json", include={"clock", "monotonicGapSeconds", "wallGapSeconds", "bootTime", "announcedSeconds"}
+            ),
         )
     )
     change.changed = True

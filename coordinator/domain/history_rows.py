@@ -24,13 +24,16 @@ __all__ = [
     "decision_row",
     "heartbeat_row",
     "hook_row",
+    "impact_row",
     "observation_row",
     "transition_row",
     "vm_columns",
 ]
 
 # The history's row types (history_columns.json lists them in RecordType's description).
-RecordType = Literal["Observation", "Transition", "Decision", "Approval", "Hook", "Heartbeat", "DeadLetter", "Alert"]
+RecordType = Literal[
+    "Observation", "Transition", "Decision", "Approval", "Hook", "Heartbeat", "DeadLetter", "Alert", "Impact"
+]
 
 # What a VM card's Alert row says about an event: nothing.
 _NO_EVENT: dict[str, Any] = {
@@ -291,4 +294,40 @@ def alert_row(
         Actor="teams",
         Outcome=outcome,
         Reason=reason,
+    )
+
+
+def impact_row(
+    *,
+    record: EventRecord,
+    now: datetime,
+    vm: VmIdentity,
+    measure: str,
+    measured_seconds: float,
+    start: datetime | None,
+    end: datetime | None,
+    observed_at: datetime,
+    sequence: int,
+    actor: str,
+    details: dict[str, Any] | None = None,
+) -> HistoryRow:
+    """What ``record`` did to ``vm``: the announced DurationInSeconds (an event column) beside the measured
+    seconds, how they were measured (``pause``, ``restart`` or ``removed``) and the stretch measured. ``actor``
+    says who measured it: the VM's forwarder, or the coordinator for a VM that is gone."""
+    announced = "not announced" if record.durationInSeconds < 0 else f"announced {record.durationInSeconds} s"
+    return HistoryRow(
+        TimeGenerated=now,
+        RecordType="Impact",
+        **_event_columns(record),
+        **vm_columns(vm),
+        ObservedAt=observed_at,
+        Sequence=sequence,
+        Actor=actor,
+        Outcome=measure,
+        Reason=f"{record.eventType} {measure}: measured {measured_seconds:.1f} s, {announced}",
+        ImpactMeasure=measure,
+        MeasuredSeconds=round(measured_seconds, 3),
+        ImpactStart=start,
+        ImpactEnd=end,
+        Details=details,
     )

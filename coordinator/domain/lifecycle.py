@@ -95,6 +95,9 @@ def transition(
     alert_for: dict[str, AlertKind] = {"Approved": "approved", "Canceled": "canceled", "Expired": "expired"}
     if to in alert_for:
         raise_alert(change, alert_for[to], now)
+    elif to == "Completed" and any(s.impactSeconds is not None for s in record.vms.values()):
+        # What the event did, measured, beside what was announced: only when some VM's impact is known.
+        raise_alert(change, "completed", now)
 
 
 def advance(

@@ -24,6 +24,7 @@ AlertKind = Literal[
     "started-without-notice",
     "canceled",
     "expired",
+    "completed",
     "approval-failed",
     "approval-refused",
     "not-started",
@@ -59,6 +60,10 @@ class VmSighting(BaseModel):
     failedHooks: dict[str, str] = Field(default_factory=dict)
     hookSequence: int = -1
     hookEpoch: int = 0
+    # What the event did to this VM as the VM measured it (forwarder/impact.py): the largest report's seconds and
+    # how it was measured (pause | restart); None: no report (yet).
+    impactSeconds: float | None = None
+    impactMeasure: str = ""
 
     def identity(self) -> VmIdentity:
         return VmIdentity(

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from contracts.document import ScheduledEvent
-from contracts.envelope import Envelope, ForwarderHealth, HookReport, VmIdentity
+from contracts.envelope import Envelope, ForwarderHealth, HookReport, ImpactReport, VmIdentity
 from coordinator.domain.history_rows import heartbeat_row
 from coordinator.domain.model import ForwarderState, VmRecord
 from coordinator.domain.rows import HistoryRow
@@ -31,7 +31,7 @@ __all__ = [
     "vm_position",
 ]
 
-ObservationKind = Literal["listed", "gone", "hook"]
+ObservationKind = Literal["listed", "gone", "hook", "impact"]
 SIGHTING_RETENTION = timedelta(days=7)
 # Forwarder states a VM left that are remembered with their positions (a late delivery from one is dropped).
 PAST_STATES = 4
@@ -47,6 +47,7 @@ class Observation:
     incarnation: int = 0
     event: ScheduledEvent | None = None
     hook: HookReport | None = None
+    impact: ImpactReport | None = None
     # The VM's forwarder-state epoch (VmRecord.epoch) the sequence belongs to.
     epoch: int = 0
     # When the service heard it (the message's Event Hubs enqueued time), which a VM's freshness is judged by:
@@ -268,6 +269,19 @@ def vm_observations(
                     sequence=envelope.sequence,
                     observed_at=envelope.observedAt,
                     hook=envelope.hook,
+                    epoch=epoch,
+                    heard_at=heard,
+                )
+            )
+        elif envelope.kind == "impact" and envelope.impact is not None:
+            observations.append(
+                Observation(
+                    kind="impact",
+                    event_id=envelope.impact.eventId,
+                    vm=envelope.vm,
+                    sequence=envelope.sequence,
+                    observed_at=envelope.observedAt,
+                    impact=envelope.impact,
                     epoch=epoch,
                     heard_at=heard,
                 )

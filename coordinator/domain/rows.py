@@ -61,6 +61,10 @@ class HistoryRow(BaseModel):
     HeldUntil: datetime | None = None
     DryRun: bool | None = None
     Details: dict[str, Any] | None = None
+    ImpactMeasure: str = ""
+    MeasuredSeconds: float | None = None
+    ImpactStart: datetime | None = None
+    ImpactEnd: datetime | None = None
 
     def to_log(self) -> dict[str, Any]:
         """The Logs Ingestion shape: ISO-8601 datetimes, JSON for dynamic columns, empty values left out."""

@@ -21,9 +21,9 @@ from coordinator.adapters import telemetry
 from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
-from coordinator.domain.history_rows import approval_row, decision_row, heartbeat_row
+from coordinator.domain.history_rows import approval_row, decision_row, heartbeat_row, impact_row
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
-from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord
+from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.pipeline import act, decide, outbox, tail
 from coordinator.pipeline.fleet import KnownVm, by_not_before
 from coordinator.pipeline.run import Run
@@ -84,7 +84,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     groups = due_groups(run, known, stored_open, {r.vm for r in found})
     open_events = assemble(stored_open, {g.record.group: g for g in groups})
     report.open_events = len(open_events)
-    groups = retire(run, groups, found)
+    groups = retire(run, groups, found, {event_id: s.record for event_id, s in stored_open.items()})
     retired = {vm.name: vm.retired_by for vm in known if vm.retired_by}
     retired.update({vm.identity.name: vm.retired.eventId for g in groups for vm in g.record.vms.values() if vm.retired})
     report.vms_retired = sum(1 for row in work.rows if row.Outcome == "retired")
@@ -236,10 +236,14 @@ def not_started(change: EventChange, now: datetime) -> None:
     raise_alert(change, "not-started", now)
 
 
-def retire(run: Run, groups: list[Stored[VmGroupRecord]], found: list[Removal]) -> list[Stored[VmGroupRecord]]:
+def retire(
+    run: Run, groups: list[Stored[VmGroupRecord]], found: list[Removal], events: dict[str, EventRecord]
+) -> list[Stored[VmGroupRecord]]:
     """Marks each removed VM as gone, with the event that removed it (a Heartbeat row, Outcome retired): no
-    'heartbeat lost' for it, its events conclude, its hybrid connection goes with the next housekeeping.
-    Returns the groups as written (a group another instance changed meanwhile is left for the next tick)."""
+    'heartbeat lost' for it, its events conclude, its hybrid connection goes with the next housekeeping. The end
+    of the VM is that event's impact on it, measured here since the VM cannot: an Impact row (``removed``) and the
+    VM's sighting of the event, for the card when the event concludes. Returns the groups as written (a group
+    another instance changed meanwhile is left for the next tick)."""
     if not found:
         return groups
     now = run.now
@@ -247,16 +251,7 @@ def retire(run: Run, groups: list[Stored[VmGroupRecord]], found: list[Removal]) 
     out = []
     for stored in groups:
         retiring = {
-            vm_id: vm.model_copy(
-                update={
-                    "retired": Retirement(
-                        eventId=by_name[vm.identity.name].event_id,
-                        eventType=by_name[vm.identity.name].event_type,
-                        at=now,
-                        reason=by_name[vm.identity.name].reason,
-                    )
-                }
-            )
+            vm_id: _retired(vm, by_name[vm.identity.name], now)
             for vm_id, vm in stored.record.vms.items()
             if vm.retired is None and vm.identity.name in by_name
         }
@@ -286,7 +281,38 @@ def retire(run: Run, groups: list[Stored[VmGroupRecord]], found: list[Removal]) 
                     event_type=vm.retired.eventType,
                 )
             )
+            record = events.get(vm.retired.eventId)
+            sighting = vm.sightings.get(vm.retired.eventId)
+            if record is not None and sighting is not None and sighting.impactSeconds is not None:
+                run.work.rows.append(
+                    impact_row(
+                        record=record,
+                        now=now,
+                        vm=vm.identity,
+                        measure="removed",
+                        measured_seconds=sighting.impactSeconds,
+                        start=by_name[vm.identity.name].started,
+                        end=vm.lastSeen,
+                        observed_at=vm.lastSeen,
+                        sequence=vm.lastSequence,
+                        actor="coordinator",
+                    )
+                )
     return out
+
+
+def _retired(vm: VmRecord, removal: Removal, now: datetime) -> VmRecord:
+    """``vm`` retired by ``removal``, with the end it measured on the VM's sighting of the event: how long the VM
+    was heard after the removal went ahead (its last envelope; 0 when it fell silent before)."""
+    sightings = dict(vm.sightings)
+    sighting = sightings.get(removal.event_id)
+    if sighting is not None and removal.started is not None:
+        lived = max(0.0, (vm.lastSeen - removal.started).total_seconds())
+        sightings[removal.event_id] = sighting.model_copy(
+            update={"impactSeconds": round(lived, 3), "impactMeasure": "removed"}
+        )
+    retirement = Retirement(eventId=removal.event_id, eventType=removal.event_type, at=now, reason=removal.reason)
+    return vm.model_copy(update={"retired": retirement, "sightings": sightings})
 
 
 def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:

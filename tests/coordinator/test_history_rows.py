@@ -23,6 +23,7 @@ from coordinator.domain.history_rows import (
     decision_row,
     heartbeat_row,
     hook_row,
+    impact_row,
     observation_row,
     transition_row,
 )
@@ -39,6 +40,7 @@ PYTHON_TYPES: dict[str, tuple[type, ...]] = {
     "long": (int,),
     "boolean": (bool,),
     "dynamic": (list, dict),
+    "real": (float,),
 }
 
 
@@ -169,6 +171,33 @@ CASES: dict[Callable[..., HistoryRow], list[Callable[[], HistoryRow]]] = {
             event_id="E1",
             event_type="Terminate",
             details={"epoch": 1},
+        ),
+    ],
+    impact_row: [
+        lambda: impact_row(
+            record=record(),
+            now=NOW,
+            vm=VM,
+            measure="removed",
+            measured_seconds=0.0,
+            start=None,
+            end=NOW,
+            observed_at=NOW,
+            sequence=9,
+            actor="coordinator",
+        ),
+        lambda: impact_row(
+            record=record(),
+            now=NOW,
+            vm=VM,
+            measure="pause",
+            measured_seconds=5.02,
+            start=NOW - timedelta(seconds=5.1),
+            end=NOW,
+            observed_at=NOW,
+            sequence=9,
+            actor="forwarder",
+            details={"clock": "monotonic"},
         ),
     ],
     dead_letter_row: [

@@ -123,6 +123,43 @@ def test_hook_reports_are_recorded_once_per_vm():
     assert not replay.changed
 
 
+def test_impact_reports_keep_each_vms_longest_through_later_sightings_and_card_the_completion():
+    items = documented_example()
+    scheduled, vms = run(items[:2])
+    identity = items[0]["vm"]
+
+    def impact(sequence: int, seconds: float) -> dict[str, Any]:
+        report = {
+            "eventId": DOC_EVENT_ID,
+            "eventType": "Freeze",
+            "measure": "pause",
+            "announcedSeconds": 5,
+            "measuredSeconds": seconds,
+            "start": DOC_NOW.isoformat(),
+            "end": (DOC_NOW + timedelta(seconds=seconds)).isoformat(),
+            "clock": "monotonic",
+        }
+        return {**envelope(identity, sequence=sequence, kind="impact"), "impact": report}
+
+    measured, vms = run([impact(20, 1.0), impact(21, 4.0), impact(22, 2.0)], vm_records=vms, record=scheduled.record)
+    assert measured is not None
+    sighting = measured.record.vms["WestNO_0"]
+    assert (sighting.impactSeconds, sighting.impactMeasure) == (4.0, "pause")
+    rows = [r for r in measured.rows if r.RecordType == "Impact"]
+    assert [(r.VmName, r.MeasuredSeconds, r.DurationInSeconds, r.ImpactMeasure, r.Actor) for r in rows] == [
+        ("WestNO_0", 1.0, scheduled.record.durationInSeconds, "pause", "forwarder"),
+        ("WestNO_0", 4.0, scheduled.record.durationInSeconds, "pause", "forwarder"),
+    ]
+    # The rest of the example (Started, then gone from both VMs): the sighting keeps its measure, and the completion
+    # raises the card that shows it.
+    later = [{**e, "sequence": e["sequence"] + 30} for e in items[2:]]
+    completed, _ = run(later, now=DOC_NOW + timedelta(minutes=3), vm_records=vms, record=measured.record)
+    assert completed is not None
+    assert completed.record.state == "Completed"
+    assert completed.record.vms["WestNO_0"].impactSeconds == 4.0
+    assert completed.alerts == ["completed"]
+
+
 def test_leader_is_the_first_live_vm_in_resources():
     change, _ = run(documented_example()[1:2] + documented_example()[5:6])
     record = change.record

@@ -122,6 +122,20 @@ class Event:
             at, "Hook", HookPhase=phase, Outcome=outcome, ObservedAt=at, Actor=hook, Reason=reason, **vm_columns(vm)
         )
 
+    def impact(self, at: datetime, vm: str, measure: str, seconds: float, *, start: datetime, end: datetime) -> None:
+        self._row(
+            at,
+            "Impact",
+            ObservedAt=at,
+            Actor="coordinator" if measure == "removed" else "forwarder",
+            Outcome=measure,
+            ImpactMeasure=measure,
+            MeasuredSeconds=seconds,
+            ImpactStart=start,
+            ImpactEnd=end,
+            **vm_columns(vm),
+        )
+
     def alert(self, at: datetime, kind: str, outcome: str = "sent", reason: str = "") -> None:
         # Carries State (e.g. Expired) but is no Transition: the queries must not count it.
         self._row(at, "Alert", Action=kind, Actor="teams", Outcome=outcome, Reason=reason)
@@ -154,6 +168,10 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     freeze.approval(ago(minutes=119), "web_0", "approved", "StartRequests accepted", "short-freeze")
     freeze.observed(ago(minutes=110), "web_0", "Started", incarnation=2)
     freeze.moved(ago(minutes=110), "Started", "seen Started by web_0")
+    # web_0 paused twice (its longer pause reported last), web_1 longer than announced.
+    freeze.impact(ago(minutes=109), "web_0", "pause", 1.2, start=ago(minutes=109, seconds=2), end=ago(minutes=109))
+    freeze.impact(ago(minutes=108), "web_0", "pause", 4.8, start=ago(minutes=108, seconds=5), end=ago(minutes=108))
+    freeze.impact(ago(minutes=108), "web_1", "pause", 6.25, start=ago(minutes=108, seconds=7), end=ago(minutes=108))
     freeze.observed(ago(minutes=100), "web_0", "Gone", incarnation=3)
     freeze.moved(ago(minutes=100), "Completed", "gone from every VM")
     rows += freeze.rows
@@ -197,6 +215,8 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     terminate.moved(ago(minutes=50), "Started", "seen Started by web_3")
     rows += terminate.rows
     rows.append(heartbeat(ago(minutes=40), "web_3", "lost", ago(minutes=50), "no envelope for 600 s"))
+    terminate.impact(ago(minutes=39), "web_3", "removed", 420.0, start=ago(minutes=57), end=ago(minutes=50))
+    rows += terminate.rows[-1:]
 
     redeploy = Event("redeploy-db0", "Redeploy", ["db_0"], ago(minutes=20))
     redeploy.observed(ago(minutes=30), "db_0")
@@ -226,6 +246,8 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     user.moved(ago(days=3) + timedelta(minutes=1), "Approved", "approved by rule user-initiated")
     user.observed(ago(days=3) + timedelta(minutes=2), "web_1", "Started", incarnation=2)
     user.moved(ago(days=3) + timedelta(minutes=2), "Started", "seen Started by web_1")
+    down = ago(days=3) + timedelta(minutes=2, seconds=5)
+    user.impact(down + timedelta(seconds=95), "web_1", "restart", 93.5, start=down, end=down + timedelta(seconds=93.5))
     rows += user.rows
 
     rows += [

@@ -75,6 +75,13 @@ def _approval(outcome: str, kind: str, actor: str = "") -> Callable[[], list[His
     return rows
 
 
+def _completed() -> list[HistoryRow]:
+    event = _event("Freeze")
+    event.impact(NOW, "web_0", "pause", 5.0, start=NOW - timedelta(seconds=5), end=NOW)
+    event.moved(NOW, "Completed", "gone from every reporting VM (1) after Started")
+    return _with_card(event, "completed")
+
+
 def _facts_conflict() -> list[HistoryRow]:
     event = _event()
     event.observed(NOW, "web_1", outcome="conflict")
@@ -88,6 +95,7 @@ CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "started-without-notice": _started_without_notice,
     "canceled": _moved_to("Canceled", "canceled"),
     "expired": _moved_to("Expired", "expired"),
+    "completed": _completed,
     "approval-failed": _approval("failed", "approval-failed"),
     "approval-refused": _approval("rejected", "approval-refused"),
     "not-started": _approval("not-started", "not-started", actor="platform"),

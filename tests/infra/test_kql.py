@@ -32,6 +32,7 @@ REQUIRED = {
     "hooks-failing.kql",
     "event-timeline.kql",
     "silent-forwarders.kql",
+    "announced-vs-measured.kql",
 }
 
 

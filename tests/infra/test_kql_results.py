@@ -129,7 +129,7 @@ def test_event_timeline(con: DuckDBPyConnection) -> None:
     times = [row["TimeGenerated"] for row in rows]
     assert times == sorted(times)
     assert times[0] == ago(minutes=60)
-    assert times[-1] == ago(minutes=50)
+    assert times[-1] == ago(minutes=39)  # its VM's end, measured once the VM was retired
     # Rows written at the same instant come in no defined order (as in Kusto): compare them as a multiset.
     assert sorted((row["RecordType"], row["State"], row["Outcome"], row["Actor"]) for row in rows) == sorted([
         ("Observation", "Scheduled", "", "platform"),
@@ -143,6 +143,7 @@ def test_event_timeline(con: DuckDBPyConnection) -> None:
         ("Alert", "Approved", "sent", "teams"),
         ("Observation", "Approved", "", "platform"),
         ("Transition", "Started", "", ""),
+        ("Impact", "Started", "removed", "coordinator"),
     ])  # fmt: skip
 
 
@@ -229,7 +230,7 @@ def test_cli_runs_a_query_file_and_a_query_text(history_db: Path) -> None:
     table = done.stdout.splitlines()
     assert table[0].split() == ["RecordType", "n"]
     assert sorted(line.split()[0] for line in table[1:]) == sorted(
-        ["Alert", "Approval", "Decision", "Heartbeat", "Hook", "Observation", "Transition"]
+        ["Alert", "Approval", "Decision", "Heartbeat", "Hook", "Impact", "Observation", "Transition"]
     )
 
 
@@ -247,3 +248,20 @@ def test_cli_names_the_query_that_fails(history_db: Path, tmp_path: Path) -> Non
     done = run_cli("--db", str(history_db), "kql", str(tmp_path / "missing.kql"))
     assert done.returncode == 2
     assert "missing.kql: cannot read the query file" in done.stderr
+
+
+def test_announced_vs_measured(con: DuckDBPyConnection) -> None:
+    # Per event and VM, its longest measure: web_0's second pause, web_1's beyond the 5 s announced; a Reboot's
+    # downtime with nothing announced; the removed VM heard 7 minutes after its removal began.
+    rows = shipped(con, "announced-vs-measured.kql")
+    assert [{k: v for k, v in row.items() if k != "ImpactStart"} for row in rows] == [
+        {"EventType": "Freeze", "EventId": "freeze-web", "VmName": "web_0", "Measure": "pause",
+         "AnnouncedSeconds": 5, "MeasuredSeconds": 4.8, "OverAnnounced": False},
+        {"EventType": "Freeze", "EventId": "freeze-web", "VmName": "web_1", "Measure": "pause",
+         "AnnouncedSeconds": 5, "MeasuredSeconds": 6.3, "OverAnnounced": True},
+        {"EventType": "Reboot", "EventId": "reboot-user", "VmName": "web_1", "Measure": "restart",
+         "AnnouncedSeconds": -1, "MeasuredSeconds": 93.5, "OverAnnounced": False},
+        {"EventType": "Terminate", "EventId": "terminate-web3", "VmName": "web_3", "Measure": "removed",
+         "AnnouncedSeconds": -1, "MeasuredSeconds": 420.0, "OverAnnounced": False},
+    ]  # fmt: skip
+    assert rows[0]["ImpactStart"] == ago(minutes=108, seconds=5)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections import Counter
+from typing import Any
 
 import pytest
 
 from emulators.imds import Scenario
+from local.platform import REBOOT_SECONDS
+from local.stack import LocalStack
 from tests.local.conftest import FLEET_DEMO, Runner
 
 
@@ -48,3 +52,62 @@ def test_fleet_demo_ends_with_the_right_decisions_and_history(run_pipeline: Runn
     assert approved_events == 5
     assert {"Observation", "Decision", "Approval", "Transition", "Hook"} <= set(kinds)
     assert any(stack.cards_dir.iterdir()), "no Teams card was written"
+    assert_impacts(stack, {row["label"]: row["eventId"] for row in summary.events})
+
+
+def assert_impacts(stack: LocalStack, event_ids: dict[str, str]) -> None:
+    """Proof of impact (issue 24): an Impact row per affected VM. The Freeze's pause as each VM measured it is within
+    0.5 s of the pause the platform made (SIGSTOP to SIGCONT of its forwarder); the user Reboot's downtime is at
+    least the time the platform kept the VM down and at most that plus a poll and a start; the VMs the deletes and
+    the eviction removed have their end, from the coordinator. The Freeze's completed card says what it measured."""
+    with sqlite3.connect(stack.history_path) as db:
+        db.row_factory = sqlite3.Row
+        rows = [
+            dict(row)
+            for row in db.execute(
+                "SELECT EventId, EventType, VmName, ImpactMeasure, DurationInSeconds, MeasuredSeconds, Actor "
+                "FROM ScheduledEventsHistory_CL WHERE RecordType = 'Impact'"
+            )
+        ]
+    impacts: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:  # a VM that paused twice reports each longer pause: its longest counts
+        key = (row["EventId"], row["VmName"])
+        if key not in impacts or row["MeasuredSeconds"] > impacts[key]["MeasuredSeconds"]:
+            impacts[key] = row
+    paused = {
+        entry["vm"]: float(entry["paused"])
+        for entry in stack.platform.log
+        if entry["action"] == "forwarder-cont" and entry.get("reason") == "freeze"
+    }
+    down = {
+        entry["vm"]: float(entry["down"])
+        for entry in stack.platform.log
+        if entry["action"] == "forwarder-start" and entry.get("reason") == "reboot"
+    }
+    freeze = event_ids["freeze-web"]
+    assert set(paused) == {"web_0", "web_1"}
+    for vm, seconds in paused.items():
+        impact = impacts[(freeze, vm)]
+        assert (impact["ImpactMeasure"], impact["DurationInSeconds"], impact["Actor"]) == ("pause", 5, "forwarder")
+        print(f"Freeze pause on {vm}: platform {seconds:.3f} s, measured {impact['MeasuredSeconds']:.3f} s")
+        assert abs(impact["MeasuredSeconds"] - seconds) <= 0.5
+    reboot = impacts[(event_ids["user-reboot"], "db-0")]
+    print(f"Reboot downtime of db-0: platform {down['db-0']:.3f} s, measured {reboot['MeasuredSeconds']:.3f} s")
+    assert (reboot["ImpactMeasure"], reboot["DurationInSeconds"]) == ("restart", -1)
+    assert REBOOT_SECONDS <= down["db-0"] <= reboot["MeasuredSeconds"] <= down["db-0"] + 1.0 + 5.0
+    for label, vm in (("scale-in-1", "web_1"), ("scale-in-2", "web_2"), ("scale-in-3", "web_3"),
+                      ("spot-eviction", "batch-spot-0")):  # fmt: skip
+        removed = impacts[(event_ids[label], vm)]
+        assert (removed["ImpactMeasure"], removed["Actor"]) == ("removed", "coordinator")
+        assert removed["MeasuredSeconds"] >= 0
+    card = json.loads((stack.cards_dir / f"{freeze}-completed.json").read_text(encoding="utf-8"))
+    facts = {f["title"]: f["value"] for block in card_blocks(card) for f in block.get("facts", [])}
+    assert facts["Impact measured"].startswith("web_0: pause ")
+    assert "web_1: pause " in facts["Impact measured"]
+
+
+def card_blocks(card: dict[str, Any]) -> list[dict[str, Any]]:
+    """The body blocks of a card as the local Teams sink writes it (the message with its one attachment)."""
+    content = card["attachments"][0]["content"] if "attachments" in card else card
+    blocks: list[dict[str, Any]] = content["body"]
+    return blocks

@@ -1,0 +1,147 @@
+"""Proof of impact on the VM (forwarder/impact.py), with the forwarder as a real process against the IMDS emulator:
+a Freeze's pause measured from SIGSTOP/SIGCONT, a Reboot's downtime across a restart with a new boot time, a
+forwarder restarted without a reboot reporting nothing, and the boot time read from a /proc/stat-shaped file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from contracts.envelope import Envelope
+from emulators.imds import ImdsEmulator
+from forwarder.impact import read_boot_time
+from tests.forwarder.conftest import read_envelopes, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(imds: ImdsEmulator, home: Path) -> subprocess.Popen[bytes]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "forwarder", "run",
+            "--imds-url", imds.url_for("web_0"),
+            "--poll-interval", "0.2",
+            "--sink", "jsonl", "--jsonl-path", str(home / "out.jsonl"),
+            "--state-dir", str(home / "state"),
+            "--hooks-dir", str(home / "hooks"),
+            "--boot-time-file", str(home / "stat"),
+            "--heartbeat-interval", "3600",
+        ],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=(home / "forwarder.log").open("ab"),
+    )  # fmt: skip
+
+
+def boot(home: Path, at: float) -> None:
+    (home / "stat").write_text(f"cpu  1 2 3\nbtime {int(at)}\nprocesses 9\n", encoding="ascii")
+
+
+def envelopes(home: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_envelopes(home / "out.jsonl") if e["kind"] == kind]
+
+
+def listed(home: Path, event_id: str) -> bool:
+    return any(event_id in str(e["document"]) for e in envelopes(home, "incarnation"))
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=15)
+
+
+def test_a_freezes_pause_is_measured_within_a_tick(imds: ImdsEmulator, tmp_path: Path) -> None:
+    boot(tmp_path, time.time() - 3600)
+    process = start(imds, tmp_path)
+    try:
+        freeze = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900, DurationInSeconds=9)
+        wait_for(lambda: listed(tmp_path, freeze["EventId"]), what="the Freeze forwarded")
+        time.sleep(0.5)  # a few ticks
+        process.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        time.sleep(2.0)
+        process.send_signal(signal.SIGCONT)
+        paused = time.monotonic() - stopped
+        (envelope,) = wait_for(lambda: envelopes(tmp_path, "impact"), what="the impact report")
+    finally:
+        stop(process)
+    impact = Envelope.from_mapping(envelope).impact
+    assert impact is not None
+    assert (impact.eventId, impact.eventType, impact.measure) == (freeze["EventId"], "Freeze", "pause")
+    assert impact.announcedSeconds == 9
+    assert abs(impact.measuredSeconds - paused) <= 0.2
+    # A stopped process: the kernel ran on, both clocks saw the same gap.
+    assert impact.monotonicGapSeconds is not None
+    assert impact.wallGapSeconds is not None
+    assert abs(impact.monotonicGapSeconds - impact.wallGapSeconds) < 0.05
+    assert abs((impact.end - impact.start).total_seconds() - impact.wallGapSeconds) < 0.01
+
+
+def test_a_reboots_downtime_is_measured_across_the_restart(imds: ImdsEmulator, tmp_path: Path) -> None:
+    boot(tmp_path, time.time() - 3600)
+    process = start(imds, tmp_path)
+    reboot = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
+    try:
+        wait_for(lambda: listed(tmp_path, reboot["EventId"]), what="the Reboot forwarded")
+        time.sleep(0.5)
+    finally:
+        down = datetime.now(UTC)
+        stop(process)
+    time.sleep(1.5)
+    booted = time.time()
+    boot(tmp_path, booted)
+    process = start(imds, tmp_path)
+    try:
+        (envelope,) = wait_for(lambda: envelopes(tmp_path, "impact"), what="the impact report")
+        up = datetime.now(UTC)
+        time.sleep(0.5)  # the report is sent once
+        assert len(envelopes(tmp_path, "impact")) == 1
+    finally:
+        stop(process)
+    impact = Envelope.from_mapping(envelope).impact
+    assert impact is not None
+    assert (impact.eventId, impact.eventType, impact.measure, impact.clock) == (
+        reboot["EventId"],
+        "Reboot",
+        "restart",
+        "wall",
+    )
+    assert impact.bootTime == datetime.fromtimestamp(int(booted), UTC)
+    # From its last poll (within a poll of the stop) to its first poll after the start.
+    assert (down - impact.start).total_seconds() <= 0.2 + 0.1
+    assert impact.end <= up
+    assert 1.5 <= impact.measuredSeconds <= (up - impact.start).total_seconds()
+
+
+def test_a_forwarder_restart_without_a_reboot_reports_nothing(imds: ImdsEmulator, tmp_path: Path) -> None:
+    boot(tmp_path, time.time() - 3600)
+    process = start(imds, tmp_path)
+    reboot = imds.create_event(EventType="Redeploy", Resources=["web_0"], NoticeSeconds=900)
+    try:
+        wait_for(lambda: listed(tmp_path, reboot["EventId"]), what="the Redeploy forwarded")
+    finally:
+        stop(process)
+    process = start(imds, tmp_path)  # same boot time: only the forwarder restarted
+    try:
+        wait_for(lambda: len(envelopes(tmp_path, "heartbeat")) >= 2, what="the second start")
+        time.sleep(1.0)
+    finally:
+        stop(process)
+    assert envelopes(tmp_path, "impact") == []
+
+
+def test_the_boot_time_is_read_from_proc_stat_or_a_file_like_it(tmp_path: Path) -> None:
+    real = read_boot_time(Path("/proc/stat"))
+    assert real is not None
+    assert real < datetime.now(UTC)
+    boot(tmp_path, 1_800_000_000)
+    assert read_boot_time(tmp_path / "stat") == datetime.fromtimestamp(1_800_000_000, UTC)
+    assert read_boot_time(tmp_path / "missing") is None
