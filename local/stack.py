@@ -40,6 +40,7 @@ from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.attested import ROOT_PATH
 from emulators.imds.event_grid import EventGridPublisher
 from emulators.imds.models import LOCAL_STEP_ACTIONS, HealthPage, HookSpec, ScenarioStep, VmSpec
+from emulators.imds.state import DEFAULT_STARTED_MIN_SECONDS
 from emulators.relay import RelayEmulator
 from forwarder.durable_state import Store
 from local.direct_callback import direct_coordinator
@@ -186,6 +187,9 @@ class StackOptions:
     # in at the stand-in of App Service Authentication, with which app roles.
     http_port: int = 0
     people: tuple[LocalPerson, ...] = DEFAULT_PEOPLE
+    # Azure seconds a Started event stays listed at least (the docs' ~10 minutes). A run at a low time scale may
+    # shorten it: at 10x the default keeps every started event in the documents for a minute of real time.
+    started_min_seconds: float = DEFAULT_STARTED_MIN_SECONDS
 
     @property
     def policy(self) -> Path:
@@ -381,7 +385,10 @@ class LocalStack:
             self.relay.start()
         scenario = delayed(self.options.scenario, seconds=self.options.lead_in * self.options.time_scale)
         self.imds = ImdsEmulator(
-            scenario=scenario, time_scale=self.options.time_scale, throttle_rps=self.options.throttle_rps
+            scenario=scenario,
+            time_scale=self.options.time_scale,
+            throttle_rps=self.options.throttle_rps,
+            started_min_seconds=self.options.started_min_seconds,
         )
         self.imds.start()
         # The emulator plays step `at` (Azure seconds, lead-in included) at started + at / time_scale; so does the

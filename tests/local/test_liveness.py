@@ -19,6 +19,9 @@ from tests.local.conftest import Outcome, Runner
 
 # At time scale 10 a notice of 200 Azure seconds is 20 real seconds: the short notice of the issue's missed event.
 SCALE = 10.0
+# A started event stays listed 60 Azure seconds (6 s here) rather than the docs' ~10 minutes: the runs end when
+# every event is over, and nothing here is about how long a started event stays.
+STARTED_MIN = 60.0
 
 
 def imds_time(value: str) -> datetime:
@@ -95,7 +98,14 @@ def test_a_dead_listener_delays_no_other_vms_approval_and_its_own_goes_through_a
         assert stack.relay is not None
         stack.relay.set_listener_fault(hybrid_connection(stack, "a_0"), dead=True)
 
-    outcome = run_pipeline(scenario, time_scale=SCALE, during=hang_a_0s_listener, timeout=120.0, policy_path=policy)
+    outcome = run_pipeline(
+        scenario,
+        time_scale=SCALE,
+        started_min_seconds=STARTED_MIN,
+        during=hang_a_0s_listener,
+        timeout=120.0,
+        policy_path=policy,
+    )
     other, dead = event(outcome, "other"), event(outcome, "dead")
     seen = {row["label"]: row for row in outcome.summary.events}
     assert outcome.stack.host is not None
@@ -150,7 +160,9 @@ def test_an_approval_whose_executor_died_goes_through_a_peer_of_its_placement_gr
         figures["approved_after_s"] = time.monotonic() - started
         stack.forwarders["a_0"].start()  # the VM comes back and sees its event over: the event concludes
 
-    outcome = run_pipeline(scenario, time_scale=SCALE, during=kill_a_0_then_approve, timeout=120.0)
+    outcome = run_pipeline(
+        scenario, time_scale=SCALE, started_min_seconds=STARTED_MIN, during=kill_a_0_then_approve, timeout=120.0
+    )
     reboot = event(outcome, "reboot")
     print(
         f"figures: the person's run took {figures['person_run_s']:.2f} s; approved through {reboot['approvedBy']} "
@@ -189,7 +201,7 @@ def test_a_vm_whose_clock_runs_six_minutes_slow_is_judged_by_the_services_clock(
             ],
         }
     )
-    outcome = run_pipeline(scenario, time_scale=SCALE, timeout=120.0)
+    outcome = run_pipeline(scenario, time_scale=SCALE, started_min_seconds=STARTED_MIN, timeout=120.0)
     slow = event(outcome, "slow")
     seen = {row["label"]: row for row in outcome.summary.events}
     print(f"figures: approved through {slow['approvedBy']}, {seen['slow']['approvedAfterSeenMs']} ms after seen")
