@@ -39,9 +39,11 @@ FORGED_SEQUENCE = 2**62
 FORGER = "scheduled-events-forwarder/0.1.0"
 
 
-# A Freeze pauses its VMs for its DurationInSeconds in real seconds, not scaled: the time scale compresses the
-# waiting (notices, hours between events), and a pause compressed 60 times (5 s -> 83 ms) would be below what a VM
-# can tell from its own scheduling. At most this long, so a scenario's long Freeze does not stall a run.
+# A Freeze pauses its VMs for its DurationInSeconds on the run's time scale, as everything else in the run is, but
+# at least FREEZE_MIN_SECONDS of real time: a pause compressed 60 times (5 s -> 83 ms) would be below what a VM can
+# tell from its own scheduling. An unscaled pause (5 s at 120x is 10 Azure minutes) outlives a started event's stay
+# in the documents and NotBefore, and makes timelines Azure never produces. At most FREEZE_MAX_SECONDS.
+FREEZE_MIN_SECONDS = 1.0
 FREEZE_MAX_SECONDS = 30.0
 # How long a Reboot or Redeploy keeps a VM down (real seconds), from its forwarder's stop to its start.
 REBOOT_SECONDS = 2.0
@@ -50,6 +52,13 @@ RESTARTING_TYPES = ("Reboot", "Redeploy")
 
 def now_utc() -> datetime:
     return datetime.now(UTC)
+
+
+def freeze_seconds(duration: float, time_scale: float) -> float:
+    """Real seconds a Freeze of ``duration`` Azure seconds pauses its VMs in a run at ``time_scale``."""
+    if duration <= 0:
+        return 0.0
+    return min(duration, FREEZE_MAX_SECONDS, max(duration / time_scale, FREEZE_MIN_SECONDS))
 
 
 def write_boot_time(path: Path, at: float) -> None:
@@ -146,7 +155,7 @@ class Platform:
         event_type, event_id = str(event["EventType"]), str(event["EventId"])
         names = [n for n in event["Resources"] if n in self.stack.forwarders and n not in self.stack.removed]
         if event_type == "Freeze":
-            seconds = min(float(event.get("DurationInSeconds") or 0), FREEZE_MAX_SECONDS)
+            seconds = freeze_seconds(float(event.get("DurationInSeconds") or 0), self.stack.options.time_scale)
             if seconds <= 0:
                 return
             for name in names:

@@ -47,7 +47,7 @@ from local.direct_callback import direct_coordinator
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
 from local.gates import GateServer, local_gate_names
 from local.http_host import FunctionsHttpHost, LocalHttpServer
-from local.platform import Platform, write_boot_time
+from local.platform import REBOOT_SECONDS, Platform, write_boot_time
 from local.queue_trigger import QueueSettings, QueueTrigger, StorageQueue
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed, served_policy
@@ -162,6 +162,10 @@ class HealthPages:
             server.shutdown()
             server.server_close()
         self._servers.clear()
+
+
+# Real seconds a forwarder process takes from its start to its first poll, with this machine's margin.
+RESTART_SECONDS = 4.0
 
 
 @dataclass(frozen=True)
@@ -388,7 +392,12 @@ class LocalStack:
             scenario=scenario,
             time_scale=self.options.time_scale,
             throttle_rps=self.options.throttle_rps,
-            started_min_seconds=self.options.started_min_seconds,
+            # A started event stays listed at least while its VMs are out because of it (a Reboot's REBOOT_SECONDS, a
+            # Freeze's pause of at least a second) and their forwarders start and poll again, in real seconds: else
+            # a VM back from its Reboot finds its event gone and the coordinator never sees it start.
+            started_min_seconds=max(
+                self.options.started_min_seconds, (REBOOT_SECONDS + RESTART_SECONDS) * self.options.time_scale
+            ),
         )
         self.imds.start()
         # The emulator plays step `at` (Azure seconds, lead-in included) at started + at / time_scale; so does the

@@ -10,4 +10,6 @@ export PATH="$root/.venv/bin:$PATH"
 echo "== ruff"; ruff check .
 echo "== mypy"; mypy .
 echo "== import rules"; lint-imports --no-cache
-echo "== pytest"; pytest "$@"
+# Two workers (PYTEST_WORKERS to change): the whole-stack runs keep to one of them, in turn (tests/conftest.py),
+# the rest share both. Suite time on 2 cores: see README, *Tests*.
+echo "== pytest"; pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
