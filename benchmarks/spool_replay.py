@@ -82,7 +82,7 @@ def run(count: int) -> dict[str, object]:
             identity = identity_of(imds.vms()[0].compute())
             state = Path(tmp) / "state"
             state.mkdir()
-            fill_spool(state / "forwarder.sqlite", identity, count)
+            fill_spool(state / "forwarder.sqlite", VmIdentity.of(identity), count)
             env = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
             env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = eventhubs.connection_string()
             command = [sys.executable, "-m", "forwarder", "run", "--imds-url", imds.url_for("replay_0"),

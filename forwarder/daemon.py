@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from contracts.document import ScheduledEventsDocument
-from contracts.envelope import VmIdentity
+from contracts.wire import ScheduledEventsDocument, VmIdentity
 from forwarder import __version__
 from forwarder.attestor import Attestor
 from forwarder.config import ForwarderSettings

@@ -18,14 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from contracts.document import ScheduledEvent
-from contracts.envelope import (
+from contracts.wire import (
     MAX_HOOK_STEPS,
     STEP_OUTPUT_TAIL,
     HookOutcome,
     HookPhase,
     HookReport,
     HookStep,
+    ScheduledEvent,
     phase_outcome,
 )
 from forwarder.logs import fields
@@ -134,7 +134,7 @@ class HookRunner:
             log.error("too many hooks", extra=fields(event_id=event.EventId, phase=phase, hooks=len(hooks)))
             step = HookStep(hook=f"{phase}.d", outcome="failed", durationSeconds=0.0, outputTail=reason)
             return phase_report(event.EventId, phase, (step,))
-        stdin = json.dumps(event.model_dump(mode="json")).encode("utf-8")
+        stdin = json.dumps(event.to_mapping()).encode("utf-8")
         env = hook_environment(event, phase=phase, vm_name=vm_name)
         steps: list[HookStep] = []
         tails: list[str] = []

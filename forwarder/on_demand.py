@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from contracts.document import ScheduledEventsDocument
+from contracts.wire import ScheduledEventsDocument
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.listener")

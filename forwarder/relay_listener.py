@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
-from pydantic import ValidationError
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
+from contracts.checks import Invalid
 from forwarder.relay_protocol import (
     ControlMessage,
     Handler,
@@ -280,8 +280,8 @@ class RelayListener:
     def _parse(self, socket: ClientConnection, lock: threading.Lock, message: str) -> ControlMessage | None:
         """The control message, or None when it is not one: counted, and refused by its id when it has one."""
         try:
-            return ControlMessage.model_validate_json(message)
-        except ValidationError as error:
+            return ControlMessage.from_json_bytes(message)
+        except Invalid as error:
             self.stats.add("protocol_errors")
             logger.warning("relay listener %s: malformed control message ignored: %s", self.hybrid_connection, error)
             request_id = request_id_of(message, max_bytes=CONTROL_CHANNEL_LIMIT + 32 * 1024)

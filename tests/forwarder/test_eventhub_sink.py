@@ -33,7 +33,7 @@ def hub_envelopes(eventhubs: EventHubsEmulator) -> list[dict[str, Any]]:
 
 
 def test_batches_go_to_one_partition_in_order(eventhubs: EventHubsEmulator) -> None:
-    sink = EventHubSink.from_connection_string(eventhubs.connection_string(HUB))
+    sink = EventHubSink.from_connection_string(eventhubs.rest_connection_string(HUB))
     try:
         items = [SpooledEnvelope(i, i, "heartbeat", json.dumps({"sequence": i}).encode()) for i in range(5)]
         sink.send(items[:2], partition_key="/subscriptions/s/vm/a")
@@ -47,7 +47,7 @@ def test_batches_go_to_one_partition_in_order(eventhubs: EventHubsEmulator) -> N
 
 
 def test_unreachable_hub_is_a_sink_error(eventhubs: EventHubsEmulator) -> None:
-    connection_string = eventhubs.connection_string(HUB)
+    connection_string = eventhubs.rest_connection_string(HUB)
     eventhubs.stop()
     sink = EventHubSink.from_connection_string(connection_string)
     try:
@@ -60,7 +60,7 @@ def test_unreachable_hub_is_a_sink_error(eventhubs: EventHubsEmulator) -> None:
 def test_outage_spools_and_replays_in_order(
     imds: ImdsEmulator, eventhubs: EventHubsEmulator, harness: Callable[..., Harness]
 ) -> None:
-    sink = EventHubSink.from_connection_string(eventhubs.connection_string(HUB))
+    sink = EventHubSink.from_connection_string(eventhubs.rest_connection_string(HUB))
     h = harness(imds.url_for("web_0"), sink=sink, heartbeat_interval=0.3)
     wait_for(lambda: any(e["kind"] == "incarnation" for e in hub_envelopes(eventhubs)), what="first envelope")
     eventhubs.stop()

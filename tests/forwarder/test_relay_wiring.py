@@ -20,6 +20,7 @@ import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 
 from contracts.approval import ApprovalRequest
+from contracts.envelope import VmIdentity
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
@@ -82,7 +83,7 @@ def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
     h.wait_incarnation(2)
     # The sender is called as soon as the forwarder has seen the event: it waits out the listener's connect.
     with RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender:
-        result = sender.send(_request(created), vm=identity)
+        result = sender.send(_request(created), vm=VmIdentity.of(identity))
     assert result.outcome == "approved"
     assert [a["EventId"] for a in imds.approvals()] == [created["EventId"]]
     wait_for(
