@@ -46,8 +46,9 @@ class TokenCredential(Protocol):
     def get_token(self, *scopes: str, **kwargs: Any) -> Token: ...
 
 
-# Event Hubs' Entra ID scope (the sender's token; the managed identity needs "Azure Event Hubs Data Sender").
-EVENTHUBS_SCOPE = "https://eventhubs.azure.net/.default"
+# Event Hubs' Entra ID scope (the sender's token; the managed identity needs "Azure Event Hubs Data Sender"), spelt
+# as azure-eventhub asks for it: resource "https://eventhubs.azure.net/".
+EVENTHUBS_SCOPE = "https://eventhubs.azure.net//.default"
 
 
 def scope_to_resource(scope: str) -> str:

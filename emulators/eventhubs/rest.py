@@ -14,8 +14,10 @@ a token that is missing, expired, badly signed or for another audience; 403 for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Collection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -73,10 +75,23 @@ class RestFrontDoor:
         self._stats = stats
         self._sas = (sas_key_name, sas_key)
         self._senders = None if data_senders is None else frozenset(data_senders)
+        # Open client connections: an outage (stop) drops them, as the service's would, kept-alive or not.
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
         front = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with front._lock:
+                    front._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with front._lock:
+                    front._connections.discard(self.connection)
+                super().finish()
 
             def do_POST(self) -> None:
                 status, reason = front.handle(self)
@@ -104,6 +119,10 @@ class RestFrontDoor:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:
+            for connection in self._connections:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=10)
 
     def handle(self, request: BaseHTTPRequestHandler) -> tuple[int, str]:

@@ -1,9 +1,11 @@
-"""The production send path: `EventHubSink` around a real `EventHubProducerClient`, over AMQP to the local Event
-Hubs emulator — including an outage (the emulator stopped), with the spool replaying in order afterwards."""
+"""The production send path: `EventHubSink`, Event Hubs' REST API to the local Event Hubs emulator, with the VM's
+managed identity from the IMDS emulator (audience and role checked) — including an outage (the emulator stopped),
+with the spool replaying in order afterwards, and the events read back over AMQP as the coordinator reads them."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,7 +13,8 @@ import pytest
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
-from forwarder.credential import ImdsManagedIdentityCredential
+from emulators.tokens import verify_token
+from forwarder.credential import EVENTHUBS_SCOPE, RELAY_SCOPE, ImdsManagedIdentityCredential
 from forwarder.durable_state import SpooledEnvelope
 from forwarder.eventhub import EventHubSink
 from forwarder.imds import ImdsClient, ImdsInvalidResponse
@@ -85,7 +88,7 @@ def test_managed_identity_from_imds_end_to_end(imds: ImdsEmulator, eventhubs: Ev
     imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
     credential = ImdsManagedIdentityCredential(imds=imds_client)
     sink = EventHubSink.with_credential(
-        fully_qualified_namespace=f"127.0.0.1:{eventhubs.port}", eventhub_name=HUB, credential=credential, use_tls=False
+        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=credential, use_tls=False
     )
     try:
         sink.send([SpooledEnvelope(1, 0, "heartbeat", b'{"sequence":0}')], partition_key="pk")
@@ -106,22 +109,82 @@ def test_user_assigned_identity_must_exist(imds: ImdsEmulator) -> None:
         credential.get_token("https://eventhubs.azure.net//.default")
 
 
-def test_azure_identity_credential_against_the_emulator(
-    imds: ImdsEmulator, eventhubs: EventHubsEmulator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`credential: azure-identity` — ManagedIdentityCredential, pointed at the emulator's token endpoint."""
-    for key, value in imds.identity_environment("web_1").items():
-        monkeypatch.setenv(key, value)
-    from azure.identity import ManagedIdentityCredential
+def test_a_token_for_another_audience_is_refused(imds: ImdsEmulator, eventhubs: EventHubsEmulator) -> None:
+    """The emulator checks the audience as Event Hubs does: a Relay token is no Event Hubs token (401)."""
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    relay_only = ImdsManagedIdentityCredential(imds=imds_client)
+
+    class WrongAudience:
+        def get_token(self, *scopes: str, **_: Any) -> Any:
+            return relay_only.get_token(RELAY_SCOPE)
 
     sink = EventHubSink.with_credential(
-        fully_qualified_namespace=f"127.0.0.1:{eventhubs.port}",
-        eventhub_name=HUB,
-        credential=ManagedIdentityCredential(),
-        use_tls=False,
+        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=WrongAudience(), use_tls=False
     )
     try:
-        sink.send([SpooledEnvelope(1, 0, "heartbeat", b'{"sequence":0}')], partition_key="pk")
+        with pytest.raises(SinkError, match="401.*[Aa]udience"):
+            sink.send([SpooledEnvelope(1, 0, "heartbeat", b"{}")], partition_key="pk")
     finally:
         sink.close()
-    assert len(eventhubs.all_events(HUB)) == 1
+    assert eventhubs.all_events(HUB) == []
+
+
+def test_an_identity_without_the_data_sender_role_is_refused(imds: ImdsEmulator) -> None:
+    """Role assignments as RBAC has them: web_0's identity holds "Azure Event Hubs Data Sender", another does not."""
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    credential = ImdsManagedIdentityCredential(imds=imds_client)
+    token = credential.get_token(EVENTHUBS_SCOPE).token
+    identity = verify_token(token, audience="https://eventhubs.azure.net")["xms_mirid"]
+    for senders, delivered in (([identity], 1), (["/subscriptions/s/someone-else"], 0)):
+        with EventHubsEmulator(hubs={HUB: 2}, data_senders=senders) as emulator:
+            sink = EventHubSink.with_credential(
+                fully_qualified_namespace=emulator.rest_namespace,
+                eventhub_name=HUB,
+                credential=credential,
+                use_tls=False,
+            )
+            try:
+                if delivered:
+                    sink.send([SpooledEnvelope(1, 0, "heartbeat", b"{}")], partition_key="pk")
+                else:
+                    with pytest.raises(SinkError, match="403.*Data Sender"):
+                        sink.send([SpooledEnvelope(1, 0, "heartbeat", b"{}")], partition_key="pk")
+            finally:
+                sink.close()
+            assert len(emulator.all_events(HUB)) == delivered
+
+
+def test_the_trace_context_travels_as_application_properties(eventhubs: EventHubsEmulator) -> None:
+    """Read back over AMQP, as the coordinator's trigger reads it: the body, the key and the W3C properties."""
+    from azure.eventhub import EventHubConsumerClient
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    sink = EventHubSink.from_connection_string(eventhubs.rest_connection_string(HUB))
+    try:
+        sink.send(
+            [SpooledEnvelope(1, 0, "incarnation", b'{"sequence":0}', traceparent=parent, tracestate="k=v")],
+            partition_key="/subscriptions/s/vm/a",
+        )
+    finally:
+        sink.close()
+    received: list[Any] = []
+    consumer = EventHubConsumerClient.from_connection_string(
+        eventhubs.connection_string(HUB), consumer_group="$Default"
+    )
+
+    def on_event(_: Any, event: Any) -> None:
+        if event is not None:
+            received.append(event)
+
+    with consumer:
+        thread = threading.Thread(
+            target=consumer.receive, kwargs={"on_event": on_event, "starting_position": "-1", "max_wait_time": 0.5}
+        )
+        thread.start()
+        wait_for(lambda: bool(received), what="the event over AMQP")
+        consumer.close()
+        thread.join(10)
+    event = received[0]
+    assert event.body_as_json() == {"sequence": 0}
+    assert event.partition_key == b"/subscriptions/s/vm/a"  # as the SDK gives it
+    assert event.properties == {b"traceparent": parent.encode(), b"tracestate": b"k=v"}
