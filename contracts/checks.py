@@ -90,6 +90,8 @@ class Choice(Check):
         return value
 
     def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
+        if len(self.values) == 1:
+            return {"const": self.values[0], "type": "string"}
         return {"enum": list(self.values), "type": "string"}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Container
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -44,7 +44,7 @@ class EventHubsEmulator:
         host: str = "127.0.0.1",
         port: int = 0,
         rest_port: int = 0,
-        data_senders: Collection[str] | None = None,
+        data_senders: Container[str] | None = None,
     ) -> None:
         self._hubs = dict(hubs if hubs is not None else DEFAULT_HUBS)
         if not self._hubs:

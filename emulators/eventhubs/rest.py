@@ -19,7 +19,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Collection
+from collections.abc import Container
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -66,7 +66,7 @@ class RestFrontDoor:
         stats: BrokerStats,
         sas_key_name: str,
         sas_key: str,
-        data_senders: Collection[str] | None,
+        data_senders: Container[str] | None,
         host: str,
         port: int,
     ) -> None:
@@ -74,7 +74,7 @@ class RestFrontDoor:
         self._store = store
         self._stats = stats
         self._sas = (sas_key_name, sas_key)
-        self._senders = None if data_senders is None else frozenset(data_senders)
+        self._senders = data_senders
         # Open client connections: an outage (stop) drops them, as the service's would, kept-alive or not.
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()

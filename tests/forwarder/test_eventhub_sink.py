@@ -122,7 +122,7 @@ def test_a_token_for_another_audience_is_refused(imds: ImdsEmulator, eventhubs: 
         fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=WrongAudience(), use_tls=False
     )
     try:
-        with pytest.raises(SinkError, match="401.*[Aa]udience"):
+        with pytest.raises(SinkError, match=r"401.*[Aa]udience"):
             sink.send([SpooledEnvelope(1, 0, "heartbeat", b"{}")], partition_key="pk")
     finally:
         sink.close()
@@ -147,7 +147,7 @@ def test_an_identity_without_the_data_sender_role_is_refused(imds: ImdsEmulator)
                 if delivered:
                     sink.send([SpooledEnvelope(1, 0, "heartbeat", b"{}")], partition_key="pk")
                 else:
-                    with pytest.raises(SinkError, match="403.*Data Sender"):
+                    with pytest.raises(SinkError, match=r"403.*Data Sender"):
                         sink.send([SpooledEnvelope(1, 0, "heartbeat", b"{}")], partition_key="pk")
             finally:
                 sink.close()
