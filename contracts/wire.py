@@ -13,7 +13,6 @@ import dataclasses
 import re
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from email.utils import parsedate_to_datetime
 from typing import Literal, get_args
 
 from contracts.attested import MAX_SIGNATURE_CHARS, AttestationError, parse_timestamp, signed_content
@@ -46,6 +45,10 @@ def parse_not_before(value: str) -> datetime | None:
     text = value.strip()
     if not text:
         return None
+    # Here, not at the top: the email package costs an idle forwarder about 1 MiB, and NotBefore is read only when
+    # an event is judged.
+    from email.utils import parsedate_to_datetime  # noqa: PLC0415
+
     try:
         parsed = parsedate_to_datetime(text)
     except (TypeError, ValueError):

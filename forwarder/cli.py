@@ -149,7 +149,7 @@ def relay_companions(
         approver: Approver | None = None  # one for every session (its lock serialises approvals)
 
         def session() -> ListenerSession:
-            # websockets and the listener load here, when a session is first needed, not at the daemon's start.
+            # The listener and its WebSocket client load here, when a session is first needed, not at the start.
             from forwarder.approver import Approver, Freshness  # noqa: PLC0415
             from forwarder.relay_listener import RelayListener  # noqa: PLC0415
             from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415

@@ -227,7 +227,6 @@ class Forwarder:
             thread.join(SHUTDOWN_FLUSH_SECONDS + 5)
         self._drain.set()
         self.sink.close()
-        self.telemetry.shutdown()
         self.imds.close()
         depth = self.store.depth()
         self.store.close()
