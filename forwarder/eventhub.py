@@ -20,7 +20,7 @@ from contracts.sas import sas_token
 from forwarder.credential import EVENTHUBS_SCOPE, TokenCredential
 from forwarder.durable_state import SpooledEnvelope
 from forwarder.imds import ImdsError
-from forwarder.keepalive import KeepAliveConnection, build_request
+from forwarder.keepalive import KeepAliveConnection, build_request, tls_context
 from forwarder.sinks import SinkError, UndeliverableEnvelope
 
 API_VERSION = "2014-01"
@@ -49,11 +49,7 @@ class EventHubSink:
             raise ValueError(
                 f"event hubs endpoint {endpoint!r} must be https://NAMESPACE (http:// only for an emulator)"
             )
-        tls = None
-        if parts.scheme == "https":
-            import ssl  # noqa: PLC0415 - only over TLS (every VM; not the local emulator)
-
-            tls = ssl.create_default_context()
+        tls = tls_context() if parts.scheme == "https" else None
         port = parts.port or (443 if tls else 80)
         self._conn = KeepAliveConnection(parts.hostname, port, max_body=64 * 1024, tls=tls)
         self._authority = parts.netloc

@@ -71,6 +71,20 @@ def _parse_head(lines: list[bytes]) -> _Head:
     return _Head(int(parts[1]), length, chunked, close, retry_after)
 
 
+_TLS: list[ssl.SSLContext] = []
+
+
+def tls_context() -> ssl.SSLContext:
+    """The process's one TLS client context (system CAs, hostname checks), made at first use: Event Hubs and the
+    Relay listener share it, since each context loads the CA store again (about 1.9 MiB) and ssl itself is only
+    loaded by a forwarder that speaks TLS (every VM; not the loopback emulators)."""
+    if not _TLS:
+        import ssl  # noqa: PLC0415
+
+        _TLS.append(ssl.create_default_context())
+    return _TLS[0]
+
+
 def build_request(
     method: str,
     host: str,

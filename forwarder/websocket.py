@@ -5,7 +5,8 @@ and close, masking, a bound on a message's size, ``recv`` with a timeout, and pi
 Why not the ``websockets`` package (which it used before): loading its synchronous client costs a connected listener
 about 4 MiB of the daemon's memory (it imports ssl, its proxy support pulls urllib.request, http.client, the email
 parser and importlib.metadata), for a channel that carries a few small JSON frames an hour; the daemon must stay as
-small as a bare poller (docs/forwarder.md, *Footprint*). Over ``wss://`` (Azure Relay) ssl is loaded, at connect.
+small as a bare poller (docs/forwarder.md, *Footprint*). Over ``wss://`` (Azure Relay) it uses the process's one TLS
+context (``keepalive.tls_context``).
 
 The names follow ``websockets`` (``connect``, ``ClientConnection``, ``ConnectionClosed``, ``InvalidStatus`` with
 ``response.status_code``), so the listener (forwarder/relay_listener.py) reads as it did. Tested against the Relay
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 from urllib.parse import urlsplit
+
+from forwarder.keepalive import tls_context
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 _CONTINUATION, _TEXT, _BINARY, _CLOSE, _PING, _PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
@@ -89,9 +92,7 @@ def connect(
     sock = raw
     try:
         if secure:
-            import ssl  # noqa: PLC0415 - only over TLS (Azure Relay), not on the loopback emulator
-
-            sock = ssl.create_default_context().wrap_socket(raw, server_hostname=parts.hostname)
+            sock = tls_context().wrap_socket(raw, server_hostname=parts.hostname)
         key = base64.b64encode(os.urandom(16)).decode("ascii")
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
