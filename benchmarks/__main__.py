@@ -6,9 +6,10 @@ check of the numbers, not the numbers themselves.
 
 Headline keys: detect_to_approve_ms_p50/p99 and pipeline_added_ms_p99 (pipeline_latency), wave_10k_seconds
 (wave; wave_<N>_seconds when --quick uses fewer VMs), forwarder_rss_mib and forwarder_cpu_s_per_hour
-(forwarder_footprint, with a live AMQP connection to the Event Hubs emulator), spool_replay_per_s (spool_replay),
-approval_ms_p50/p99 (approval_latency), forwarder_rss_ratio_to_bare_poller and forwarder_cpu_ratio_to_bare_poller
-(forwarder_footprint, beside a bare `requests` poller in the same run), cold_listener_approval_ms_p50/p99 (an
+(forwarder_footprint: tracing off, listener idle, sending through the Event Hubs emulator's REST API),
+spool_replay_per_s (spool_replay), approval_ms_p50/p99 (approval_latency), forwarder_rss_ratio_to_bare_poller and
+forwarder_cpu_ratio_to_bare_poller (forwarder_footprint, beside a bare `requests` poller in the same run: the worst of
+tracing off and on, listener idle and connected), cold_listener_approval_ms_p50/p99 (an
 approval sent as the forwarder sees the event, its on-demand listener not yet connected: cold_listener),
 dead_listeners_approval_ms_p50/p99 and dead_listeners_missed (the whole pipeline with one VM in ten whose listener
 never answers: the other VMs' approvals, dead_listeners), callback_cost_usd_per_vm_month and

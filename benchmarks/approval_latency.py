@@ -23,6 +23,7 @@ from azure.core.credentials import AzureNamedKeyCredential
 
 from contracts.approval import ApprovalFacts, ApprovalRequest
 from contracts.document import ScheduledEvent
+from contracts.envelope import VmIdentity
 from contracts.sas import relay_resource_uri
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
@@ -48,7 +49,7 @@ def run(n: int, key_file: str) -> dict[str, float | int]:
         relay = RelayEmulator(sas_keys={"bench": KEY})
         relay.start()
         client = ImdsClient(base_url=imds.url_for("bench_0"), limiter=RateLimiter(per_second=100_000, burst=1_000))
-        identity = client.get_identity()
+        identity = VmIdentity.of(client.get_identity())
         endpoint = relay.base_url.replace("http://", "ws://")
         hc = identity.hybrid_connection_name
         listener = RelayListener(

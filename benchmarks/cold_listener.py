@@ -34,6 +34,7 @@ from azure.core.credentials import AzureNamedKeyCredential
 from benchmarks.approval_latency import percentile
 from contracts.approval import ApprovalFacts, ApprovalRequest
 from contracts.document import ScheduledEvent
+from contracts.envelope import VmIdentity
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
@@ -97,7 +98,7 @@ def trials(n: int, *, mode: str) -> list[float]:
         timings: list[float] = []
         try:
             client = ImdsClient(base_url=imds.url_for(vm))
-            identity = client.get_identity()
+            identity = VmIdentity.of(client.get_identity())
             client.close()
             hc = identity.hybrid_connection_name
             if mode == "always-on":

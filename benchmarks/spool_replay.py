@@ -82,11 +82,12 @@ def run(count: int) -> dict[str, object]:
             identity = identity_of(imds.vms()[0].compute())
             state = Path(tmp) / "state"
             state.mkdir()
-            fill_spool(state / "forwarder.sqlite", identity, count)
+            fill_spool(state / "forwarder.sqlite", VmIdentity.of(identity), count)
             env = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
-            env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = eventhubs.connection_string()
+            # The VM's managed identity, as in Azure: a token from the IMDS emulator, Event Hubs' REST API.
             command = [sys.executable, "-m", "forwarder", "run", "--imds-url", imds.url_for("replay_0"),
                        "--state-dir", str(state), "--sink", "eventhub", "--eventhub-name", HUB,
+                       "--eventhub-namespace", eventhubs.rest_namespace, "--no-eventhub-use-tls",
                        "--hooks-dir", str(Path(tmp) / "hooks"), "--log-level", "WARNING"]  # fmt: skip
             process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             try:

@@ -16,11 +16,12 @@ the two clocks agree within the tolerance (docs/security.md, "Approvals expire")
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts import wire
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEvent
 
@@ -28,7 +29,7 @@ ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected"]
 # How far the listener's clock and the coordinator's may disagree: a request is refused from this long before its
 # notAfter, and no sender starts an attempt then. Azure keeps a VM's clock and a Functions host's on the platform's
 # time (host time sync), within milliseconds of each other; 2 s leaves room for a VM whose sync lagged.
-NOT_AFTER_TOLERANCE = timedelta(seconds=2)
+NOT_AFTER_TOLERANCE = wire.NOT_AFTER_TOLERANCE
 
 
 class ApprovalFacts(BaseModel):

@@ -15,48 +15,41 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
-import re
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-# The attested endpoint came with 2018-10-01; this version also signs subscriptionId and sku.
-ATTESTED_API_VERSION = "2021-02-01"
-NONCE_DIGITS = 10
-NONCE_PATTERN = re.compile(r"^[0-9]{10}$")
-# A PKCS7 of Azure's shape (content + the signing certificate) is about 2-3 KB of base64; this bounds what an
-# envelope or an approval answer may carry.
-MAX_SIGNATURE_CHARS = 16384
-# IMDS writes its timestamps as "11/28/18 00:16:17 -0000" (month/day/two-digit year, UTC).
-_TIMESTAMP_FORMAT = "%m/%d/%y %H:%M:%S %z"
+from contracts.attested import (
+    ATTESTED_API_VERSION,
+    MAX_SIGNATURE_CHARS,
+    NONCE_DIGITS,
+    NONCE_PATTERN,
+    AttestationError,
+    decision_nonce,
+    format_timestamp,
+    parse_timestamp,
+    signed_content,
+    state_nonce,
+)
 
-
-class AttestationError(ValueError):
-    """An attested document that cannot be read or does not say what it must (the message says which)."""
-
-
-def _nonce(purpose: str, value: str) -> str:
-    # A purpose per use, so that a document asked for one use is never the answer for another; the first 64 bits
-    # of SHA-256, cut to the 10 digits IMDS takes (about 33 bits: a nonce names, it is not a secret).
-    digest = hashlib.sha256(f"scheduled-events/{purpose}/v1\n{value}".encode()).digest()
-    return str(int.from_bytes(digest[:8], "big") % 10**NONCE_DIGITS).zfill(NONCE_DIGITS)
-
-
-def state_nonce(state_id: str) -> str:
-    """The nonce a forwarder asks IMDS to sign for its state: binds ``stateId`` to the VM that holds it."""
-    if not state_id:
-        raise AttestationError("a forwarder state without a stateId cannot be attested")
-    return _nonce("state", state_id)
-
-
-def decision_nonce(decision_id: str) -> str:
-    """The nonce a listener asks IMDS to sign when it answers an approval: proves which VM answered."""
-    if not decision_id:
-        raise AttestationError("an approval without a decisionId cannot be proven")
-    return _nonce("decision", decision_id)
+__all__ = [
+    "ATTESTED_API_VERSION",
+    "MAX_SIGNATURE_CHARS",
+    "NONCE_DIGITS",
+    "NONCE_PATTERN",
+    "Attestation",
+    "AttestationError",
+    "AttestedContent",
+    "AttestedTimes",
+    "decision_nonce",
+    "format_timestamp",
+    "parse_timestamp",
+    "read_content",
+    "signed_content",
+    "state_nonce",
+]
 
 
 class Attestation(BaseModel):
@@ -98,18 +91,6 @@ class AttestedContent(BaseModel):
         return parse_timestamp(self.timeStamp.expiresOn, "expiresOn")
 
 
-def format_timestamp(moment: datetime) -> str:
-    """A time as IMDS writes it in the signed document (``11/28/18 00:16:17 -0000``)."""
-    return moment.astimezone(UTC).strftime("%m/%d/%y %H:%M:%S -0000")
-
-
-def parse_timestamp(value: str, what: str) -> datetime:
-    try:
-        return datetime.strptime(value, _TIMESTAMP_FORMAT).astimezone(UTC)
-    except ValueError as error:
-        raise AttestationError(f"timeStamp.{what} {value[:40]!r} is not IMDS's 'MM/DD/YY HH:MM:SS -0000'") from error
-
-
 def read_content(attestation: Attestation) -> AttestedContent:
     """The signed document's content, **not verified**: what a forwarder needs to see that IMDS signed the nonce it
     asked for (IMDS may answer from its cache with an earlier one) and when the document expires."""
@@ -118,50 +99,3 @@ def read_content(attestation: Attestation) -> AttestedContent:
         return AttestedContent.model_validate(json.loads(content))
     except (ValueError, ValidationError) as error:
         raise AttestationError(f"the signed content is not IMDS's attested document: {str(error)[:300]}") from error
-
-
-# A CMS ContentInfo (RFC 5652) holding a SignedData, read with the least DER it takes to reach the encapsulated
-# content: the forwarder needs no ASN.1 library to read what it asked for (the coordinator parses it all).
-_SEQUENCE, _SET, _OCTET_STRING, _OID, _INTEGER, _EXPLICIT_0 = 0x30, 0x31, 0x04, 0x06, 0x02, 0xA0
-_SIGNED_DATA_OID = bytes.fromhex("2a864886f70d010702")  # 1.2.840.113549.1.7.2
-
-
-def _tlv(data: bytes, offset: int) -> tuple[int, int, int]:
-    """(tag, start of value, end of value) of the DER element at ``offset``."""
-    if offset + 2 > len(data):
-        raise AttestationError("truncated PKCS7")
-    tag, length = data[offset], data[offset + 1]
-    start = offset + 2
-    if length & 0x80:
-        count = length & 0x7F
-        if count == 0 or count > 4 or start + count > len(data):
-            raise AttestationError("PKCS7 is not DER (indefinite or oversized length)")
-        length = int.from_bytes(data[start : start + count], "big")
-        start += count
-    if start + length > len(data):
-        raise AttestationError("truncated PKCS7")
-    return tag, start, start + length
-
-
-def _expect(data: bytes, offset: int, tag: int, what: str) -> tuple[int, int]:
-    found, start, end = _tlv(data, offset)
-    if found != tag:
-        raise AttestationError(f"PKCS7: {what} expected (tag {tag:#04x}), found tag {found:#04x}")
-    return start, end
-
-
-def signed_content(der: bytes) -> bytes:
-    """The encapsulated content of a DER SignedData (not verified)."""
-    start, _ = _expect(der, 0, _SEQUENCE, "ContentInfo")
-    oid_start, oid_end = _expect(der, start, _OID, "contentType")
-    if der[oid_start:oid_end] != _SIGNED_DATA_OID:
-        raise AttestationError("PKCS7 is not a SignedData")
-    inner, _ = _expect(der, oid_end, _EXPLICIT_0, "content [0]")
-    signed, _ = _expect(der, inner, _SEQUENCE, "SignedData")
-    _, after_version = _expect(der, signed, _INTEGER, "version")
-    _, after_digests = _expect(der, after_version, _SET, "digestAlgorithms")
-    encap, _ = _expect(der, after_digests, _SEQUENCE, "encapContentInfo")
-    _, after_type = _expect(der, encap, _OID, "eContentType")
-    explicit, _ = _expect(der, after_type, _EXPLICIT_0, "eContent [0]")
-    value_start, value_end = _expect(der, explicit, _OCTET_STRING, "eContent")
-    return der[value_start:value_end]

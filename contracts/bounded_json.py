@@ -3,17 +3,17 @@ document on the VM, an Event Grid message in the coordinator).
 
 Python's ``json.loads`` recurses once per level: a document nested 20,000 deep raises ``RecursionError``, which is
 no ``ValueError``, so it escaped the handlers that set a bad document aside, and whatever walks a document of 900
-levels after it was parsed may raise it later. Here the parse is pydantic-core's (jiter, which refuses more than
-200 levels with a ``ValueError``), the size is checked before it and the depth after it, without recursion, and
+levels after it was parsed may raise it later. Here the parse is the standard library's (no pydantic-core, which
+the on-VM forwarder does not load: contracts/checks.py), its ``RecursionError`` turned into a refusal; the size is
+checked before it and the depth after it, without recursion, and
 every refusal is a ``JsonRefused`` (a ``ValueError``) whose message says which bound, for the caller to name the
 document.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
-
-from pydantic_core import from_json
 
 __all__ = ["MAX_DEPTH", "JsonRefused", "NotJson", "depth_of", "loads"]
 
@@ -51,10 +51,10 @@ def loads(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> A
     if len(data) > max_bytes:
         raise JsonRefused(f"{len(data)} bytes, more than the {max_bytes} allowed")
     try:
-        value = from_json(data)
+        value = json.loads(data)
+    except RecursionError:
+        raise JsonRefused(f"nested deeper than {max_depth} levels") from None
     except ValueError as error:
-        if "recursion limit" in str(error):
-            raise JsonRefused(f"nested deeper than {max_depth} levels") from None
         raise NotJson(f"Invalid JSON: {str(error)[:200]}") from None
     if depth_of(value, limit=max_depth) > max_depth:
         raise JsonRefused(f"nested deeper than {max_depth} levels")

@@ -5,33 +5,16 @@ Field names keep IMDS's PascalCase so that a document round-trips unchanged; unk
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
+from contracts.wire import EVENT_TYPES, parse_not_before
+
+__all__ = ["EVENT_TYPES", "EventStatus", "ScheduledEvent", "ScheduledEventsDocument", "parse_not_before"]
+
 EventStatus = Literal["Scheduled", "Started"]
-
-
-def parse_not_before(value: str) -> datetime | None:
-    """An RFC 1123 or ISO 8601 time with a zone, as an aware UTC datetime; None otherwise (see ``not_before``)."""
-    text = value.strip()
-    if not text:
-        return None
-    try:
-        parsed = parsedate_to_datetime(text)
-    except (TypeError, ValueError):
-        try:
-            # Python 3.11's fromisoformat takes "Z" and offsets, and more than six fractional digits (.NET's seven).
-            parsed = datetime.fromisoformat(text)
-        except ValueError:
-            return None
-    # parsedate_to_datetime gives a naive datetime for "-0000" ("UTC, but the source's zone is unknown").
-    if parsed.tzinfo is None:
-        return parsed.replace(tzinfo=UTC) if text.endswith("-0000") else None
-    return parsed.astimezone(UTC)
 
 
 class ScheduledEvent(BaseModel):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts import wire
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEventsDocument
 
@@ -70,6 +71,11 @@ class VmIdentity(BaseModel):
     def __hash__(self) -> int:
         # Frozen but holding a dict: hashed by who the VM is.
         return hash((self.resourceId.lower(), self.vmId))
+
+    @classmethod
+    def of(cls, identity: wire.VmIdentity) -> VmIdentity:
+        """The identity a forwarder read (contracts/wire.py), as the coordinator's model."""
+        return cls.model_validate(identity.to_mapping())
 
     @property
     def partition_key(self) -> str:

@@ -62,11 +62,18 @@ from datetime import UTC, datetime, timedelta
 from typing import Protocol, TypeVar
 
 from opentelemetry import trace
-from pydantic import ValidationError
 
-from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalOutcome, ApprovalRequest, ApprovalResult
-from contracts.attestation import Attestation, decision_nonce
-from contracts.document import ScheduledEvent, ScheduledEventsDocument
+from contracts.attested import decision_nonce
+from contracts.checks import Invalid
+from contracts.wire import (
+    NOT_AFTER_TOLERANCE,
+    ApprovalOutcome,
+    ApprovalRequest,
+    ApprovalResult,
+    Attestation,
+    ScheduledEvent,
+    ScheduledEventsDocument,
+)
 from forwarder.durable_state import DECISION_LEDGER_ENTRIES, DECISION_LEDGER_KEEP, DecisionStatus, LedgerEntry
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
@@ -261,11 +268,9 @@ def _parse(request: RelayRequest) -> ApprovalRequest:
     if len(request.body) > MAX_BODY:
         raise _Refusal(413, f"body of {len(request.body)} bytes exceeds {MAX_BODY}")
     try:
-        approval = ApprovalRequest.model_validate_json(request.body)
-    except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in item['loc']) or 'body'}: {item['msg']}" for item in error.errors()[:5]
-        )
+        approval = ApprovalRequest.from_json_bytes(request.body)
+    except Invalid as error:
+        problems = "; ".join(f"{loc or 'body'}: {message}" for loc, message in error.problems[:5])
         raise _Refusal(400, f"approval request is invalid: {problems}") from None
     for name, value in (("issuedAt", approval.issuedAt), ("expiresAt", approval.expiresAt)):
         if value.tzinfo is None:
@@ -334,14 +339,14 @@ class Approver:
             log.warning("approval request refused", extra=fields(**record, ms=_ms(started)))
             return RelayResponse.json(refusal.status, {"error": refusal.reason})
         if proof is not None:
-            result = result.model_copy(update={"attestation": proof})
+            result = result.replace(attestation=proof)
         record.update(status=200, outcome=result.outcome, incarnation=result.documentIncarnation, idempotent=replayed)
         span.set_attribute("scheduled_events.outcome", result.outcome)
         span.set_attribute("scheduled_events.idempotent", replayed)
         if result.reason:
             record["reason"] = result.reason
         log.info("approval request answered", extra=fields(**record, ms=_ms(started)))
-        return RelayResponse(200, "OK", {"Content-Type": "application/json"}, result.model_dump_json().encode())
+        return RelayResponse(200, "OK", {"Content-Type": "application/json"}, result.to_json_bytes())
 
     def _decide(self, approval: ApprovalRequest) -> tuple[ApprovalResult, bool]:
         with self._lock:
@@ -351,7 +356,7 @@ class Approver:
                 reason = f"decisionId {approval.decisionId!r} was already used for event {prior.event_id!r}"
                 return self._result(approval, "rejected", reason, None), False
             if prior is not None and prior.status == "approved":
-                return ApprovalResult.model_validate_json(prior.result), True
+                return ApprovalResult.from_json_bytes(prior.result), True
             if prior is not None and prior.status == "executing":
                 reason = (
                     f"decision {approval.decisionId!r} was being executed at {prior.at.isoformat()} when this listener "
@@ -417,7 +422,7 @@ class Approver:
     def _remember(
         self, approval: ApprovalRequest, status: DecisionStatus, result: ApprovalResult, now: datetime
     ) -> ApprovalResult:
-        entry = LedgerEntry(approval.decisionId, approval.eventId, status, now, result.model_dump_json())
+        entry = LedgerEntry(approval.decisionId, approval.eventId, status, now, result.to_json_bytes().decode())
         self._ledger.remember_decision(entry)
         return result
 

@@ -15,7 +15,8 @@ import threading
 import time
 from datetime import UTC, datetime
 
-from contracts.attestation import Attestation, read_content, state_nonce
+from contracts.attested import state_nonce
+from contracts.wire import Attestation, read_content
 from forwarder.imds import ImdsClient, ImdsError
 from forwarder.logs import FailureLog
 from forwarder.retry import Backoff

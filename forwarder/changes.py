@@ -9,14 +9,14 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from contracts.document import ScheduledEvent, ScheduledEventsDocument
+from contracts.wire import ScheduledEvent, ScheduledEventsDocument
 
 ChangeReason = Literal["first", "up", "down", "content"]
 
 
 def canonical(document: ScheduledEventsDocument) -> str:
     """The document's content independent of key order and whitespace (what "same content" means)."""
-    return json.dumps(document.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return json.dumps(document.to_mapping(), sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)

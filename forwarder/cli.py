@@ -13,15 +13,17 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import Field
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
-from contracts.envelope import VmIdentity
+from contracts.checks import Check, Choice, Flag, Maybe, Number
+from contracts.wire import VmIdentity
 from forwarder import __version__, logs
 from forwarder.config import ENV_PREFIX, FIELDS, ConfigError, ForwarderSettings, load_settings
-from forwarder.credential import RELAY_SCOPE, ImdsManagedIdentityCredential
+from forwarder.credential import RELAY_SCOPE, ImdsManagedIdentityCredential, TokenCredential
 from forwarder.daemon import Companion, Forwarder
 from forwarder.durable_state import Store, open_store
 from forwarder.imds import ImdsClient, ImdsError
@@ -31,8 +33,6 @@ from forwarder.sinks import JsonLinesSink, Sink
 from forwarder.telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from azure.core.credentials import TokenCredential
-
     from forwarder.approver import Approver
 
 log = logging.getLogger("forwarder")
@@ -51,8 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", type=Path, help=f"YAML or JSON settings file (also ${ENV_PREFIX}CONFIG)")
     for name in FIELDS:
         flag = "--" + name.replace("_", "-")
-        info = ForwarderSettings.model_fields[name]
-        if info.annotation is bool:
+        if isinstance(_check(name), Flag):
             run.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=_help(name))
         else:
             run.add_argument(flag, dest=name, default=None, metavar=_metavar(name), help=_help(name))
@@ -63,37 +62,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _setting(name: str) -> Field[Any]:
+    return next(f for f in ForwarderSettings.specs() if f.name == name)
+
+
+def _check(name: str) -> Check:
+    check: Check = _setting(name).metadata["check"]
+    return check.inner if isinstance(check, Maybe) else check
+
+
 def _metavar(name: str) -> str:
-    choices = get_args(ForwarderSettings.model_fields[name].annotation)
-    return "{" + ",".join(choices) + "}" if all(isinstance(c, str) for c in choices) and choices else name.upper()
+    check = _check(name)
+    return "{" + ",".join(check.values) + "}" if isinstance(check, Choice) else name.upper()
 
 
 def _help(name: str) -> str:
     """The setting's description, its allowed values or bounds, its default and its environment variable. Not an
     argparse choices list: every source (flag, environment, file) is validated alike, with the same message."""
-    info = ForwarderSettings.model_fields[name]
+    info, check = _setting(name), _check(name)
     facts = []
-    choices = get_args(info.annotation)
-    if choices and all(isinstance(c, str) for c in choices):
-        facts.append("one of " + ", ".join(choices))
-    bounds = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-    facts.extend(
-        f"{sign} {getattr(rule, key)}" for rule in info.metadata for key, sign in bounds.items() if hasattr(rule, key)
-    )
+    if isinstance(check, Choice):
+        facts.append("one of " + ", ".join(check.values))
+    if isinstance(check, Number):
+        bounds = {">=": check.ge, ">": check.gt, "<=": check.le}
+        facts.extend(f"{sign} {_plain(bound)}" for sign, bound in bounds.items() if bound is not None)
     facts.append("no default" if info.default is None else f"default {info.default}")
     facts.append(f"${ENV_PREFIX}{name.upper()}")
-    return f"{info.description} ({'; '.join(facts)})".replace("%", "%%")
+    return f"{info.metadata['description']} ({'; '.join(facts)})".replace("%", "%%")
+
+
+def _plain(bound: float) -> str:
+    """A bound as it was written (60, not 60.0)."""
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
 
 
 def build_credential(settings: ForwarderSettings, imds: ImdsClient) -> TokenCredential:
     """The VM's managed identity (user-assigned when managed_identity_client_id is set), shared by the Event Hubs
     producer and the relay listener."""
-    client_id = settings.managed_identity_client_id
-    if settings.credential == "azure-identity":
-        from azure.identity import ManagedIdentityCredential  # noqa: PLC0415 - ~15 MiB, only when chosen
-
-        return ManagedIdentityCredential(client_id=client_id) if client_id else ManagedIdentityCredential()
-    return ImdsManagedIdentityCredential(imds=imds, client_id=client_id)
+    return ImdsManagedIdentityCredential(imds=imds, client_id=settings.managed_identity_client_id)
 
 
 def build_sink(settings: ForwarderSettings, imds: ImdsClient) -> Sink:
@@ -102,7 +108,7 @@ def build_sink(settings: ForwarderSettings, imds: ImdsClient) -> Sink:
     if settings.sink == "jsonl":
         assert settings.jsonl_path is not None  # checked by ForwarderSettings
         return JsonLinesSink(path=settings.jsonl_path)
-    from forwarder.eventhub import EventHubSink  # noqa: PLC0415 - the SDK is loaded only when this sink is chosen
+    from forwarder.eventhub import EventHubSink  # noqa: PLC0415 - loaded (with ssl) only when this sink is chosen
 
     if settings.eventhub_connection_string is not None:
         return EventHubSink.from_connection_string(
@@ -143,7 +149,7 @@ def relay_companions(
         approver: Approver | None = None  # one for every session (its lock serialises approvals)
 
         def session() -> ListenerSession:
-            # websockets and the listener load here, when a session is first needed, not at the daemon's start.
+            # The listener and its WebSocket client load here, when a session is first needed, not at the start.
             from forwarder.approver import Approver, Freshness  # noqa: PLC0415
             from forwarder.relay_listener import RelayListener  # noqa: PLC0415
             from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415
@@ -211,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_IMDS
         finally:
             imds.close()
-        output = {"identity": identity.model_dump(mode="json"), "document": document.model_dump(mode="json")}
+        output = {"identity": identity.to_mapping(), "document": document.to_mapping()}
         print(json.dumps(output, indent=2))
         return 0
     stopping = threading.Event()

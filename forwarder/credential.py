@@ -1,19 +1,19 @@
-"""The VM's managed identity as an azure-core `TokenCredential`, read straight from IMDS.
+"""The VM's managed identity, read straight from IMDS: the tokens of the Event Hubs sender (forwarder/eventhub.py)
+and of the relay listener (forwarder/relay_tokens.py).
 
-Why not azure-identity's ManagedIdentityCredential by default: on a VM it does the same IMDS call, but importing
-it (msal, cryptography, requests) adds ~15 MiB to a daemon whose budget is 48 MiB, and its IMDS calls would
-bypass the process-wide IMDS rate limiter that the poll loop and the approvals share. The forwarder only ever
-runs on an Azure VM (it needs IMDS Scheduled Events), so the other environments azure-identity covers do not
-apply. `credential: azure-identity` in the settings switches to ManagedIdentityCredential.
+Why not azure-identity's ManagedIdentityCredential: on a VM it does the same IMDS call, but importing it (msal,
+cryptography, requests, azure-core) adds ~17 MiB to a daemon that must stay as small as a bare poller, and its IMDS
+calls would bypass the process-wide IMDS rate limiter that the poll loop and the approvals share. The forwarder
+only ever runs on an Azure VM (it needs IMDS Scheduled Events), so the other environments azure-identity covers do
+not apply. ``get_token(scope)`` has azure-core's ``TokenCredential`` shape, so an azure-identity credential can
+stand in for it where a test needs one.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
-
-from azure.core.credentials import AccessToken
+from typing import Any, NamedTuple, Protocol
 
 from forwarder.imds import ImdsClient
 
@@ -21,6 +21,34 @@ from forwarder.imds import ImdsClient
 REFRESH_MARGIN_SECONDS = 300
 # Azure Relay's Entra ID scope (the listener's token; fetched ahead by the on-demand listener's warm-up).
 RELAY_SCOPE = "https://relay.azure.net/.default"
+
+
+class AccessToken(NamedTuple):
+    """azure-core's ``AccessToken``: the token and when it expires (unix seconds)."""
+
+    token: str
+    expires_on: int
+
+
+class Token(Protocol):
+    """A token as ``AccessToken`` (this module's or azure-core's) holds it."""
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def expires_on(self) -> int: ...
+
+
+class TokenCredential(Protocol):
+    """What the sender and the listener take a token from (azure-core's ``TokenCredential`` shape)."""
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> Token: ...
+
+
+# Event Hubs' Entra ID scope (the sender's token; the managed identity needs "Azure Event Hubs Data Sender"), spelt
+# as azure-eventhub asks for it: resource "https://eventhubs.azure.net/".
+EVENTHUBS_SCOPE = "https://eventhubs.azure.net//.default"
 
 
 def scope_to_resource(scope: str) -> str:

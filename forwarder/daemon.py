@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from contracts.document import ScheduledEventsDocument
-from contracts.envelope import VmIdentity
+from contracts.wire import ScheduledEventsDocument, VmIdentity
 from forwarder import __version__
 from forwarder.attestor import Attestor
 from forwarder.config import ForwarderSettings
@@ -96,6 +95,9 @@ class Forwarder:
         self._companion_factory = companions
         self._companions: list[Companion] = []
         self._stop = threading.Event()
+        # The sender's own stop, set once nothing more can be spooled (`_shutdown`): a heartbeat the poll loop was
+        # writing when the signal came, or a hook report, goes out with the stop's flush, not after the restart.
+        self._drain = threading.Event()
         self._threads: list[threading.Thread] = []
         self.identity: VmIdentity | None = None
         # One dict for the three threads: each key is written by one of them (the poll loop, the sender, the hook
@@ -113,7 +115,7 @@ class Forwarder:
             tracer=self.telemetry.tracer,
             batch_max=settings.send_batch_max,
             counters=self.counters,
-            stop=self._stop,
+            stop=self._drain,
             attestor=self.attestor,
         )
         self._hook_worker = HookWorker(
@@ -143,7 +145,6 @@ class Forwarder:
     # --- lifecycle ---------------------------------------------------------------------------------------
     def stop(self) -> None:
         self._stop.set()
-        self._sender.wake()
         self._hook_worker.wake()
         self._impact.wake()
 
@@ -235,10 +236,14 @@ class Forwarder:
             except Exception:
                 log.exception("a companion failed to stop", extra=fields(companion=type(companion).__name__))
         self.hooks.stop()
-        for thread in self._threads:
+        # The sender (the first thread) last: it flushes what the others spooled.
+        for thread in reversed(self._threads):
+            if thread is self._threads[0]:
+                self._drain.set()
+                self._sender.wake()
             thread.join(SHUTDOWN_FLUSH_SECONDS + 5)
+        self._drain.set()
         self.sink.close()
-        self.telemetry.shutdown()
         self.imds.close()
         depth = self.store.depth()
         self.store.close()

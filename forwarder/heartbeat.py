@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from contracts.envelope import Envelope, ForwarderHealth, VmIdentity
+from contracts.wire import Envelope, ForwarderHealth, VmIdentity
 from forwarder import __version__
 from forwarder.durable_state import SpooledEnvelope, Store, StoreFull
 from forwarder.imds import ImdsError
@@ -70,7 +70,7 @@ def spool_heartbeat(
             lastStateError=store.last_error,
         )
         # Unknown envelope fields are kept by contract; the counters let the coordinator see a sick VM.
-        return Envelope.model_validate(
+        return Envelope.from_mapping(
             {
                 "kind": "heartbeat",
                 "vm": identity,

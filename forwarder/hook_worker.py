@@ -11,16 +11,16 @@ is reported once.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 
 from opentelemetry import trace
-from pydantic import TypeAdapter, ValidationError
 
-from contracts.document import ScheduledEvent
-from contracts.envelope import Envelope, HookPhase, HookReport, HookStep, VmIdentity
+from contracts.checks import Invalid, Many, Nested
+from contracts.wire import Envelope, HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
 from forwarder import __version__
 from forwarder.durable_state import HookJob, Store, StoreFull
 from forwarder.hooks import HookRunner, phase_report
@@ -30,7 +30,7 @@ from forwarder.telemetry import TRACEPARENT, TRACESTATE, parent, traceparent
 
 log = logging.getLogger("forwarder")
 
-_STEPS = TypeAdapter(list[HookStep])
+_STEPS = Many(Nested(HookStep))  # the finished steps of a running phase, kept in its ledger row
 
 
 class HookWorker:
@@ -64,8 +64,8 @@ class HookWorker:
         for job in self._store.hook_jobs("running"):
             phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
             try:
-                finished = _STEPS.validate_json(job.steps)
-            except ValidationError:
+                finished = _STEPS.read(json.loads(job.steps))
+            except (Invalid, ValueError):
                 # Only this process writes it; an unreadable list loses the finished steps, not the report.
                 log.warning("the finished steps of an interrupted phase are unreadable", extra=fields(phase=phase))
                 finished = []
@@ -104,13 +104,15 @@ class HookWorker:
                 backoff.reset()
 
     def _run_phase(self, identity: VmIdentity, job: HookJob) -> None:
-        event = ScheduledEvent.model_validate_json(job.event)
+        event = ScheduledEvent.from_json_bytes(job.event)
         phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
         self._store.mark_hook_running(job)
 
         def progress(hook: str, finished: tuple[HookStep, ...]) -> None:
             try:
-                self._store.mark_hook_running(job, step=hook, steps=_STEPS.dump_json(list(finished)).decode())
+                self._store.mark_hook_running(
+                    job, step=hook, steps=json.dumps(_STEPS.dump(finished, exclude_none=False), separators=(",", ":"))
+                )
             except StoreFull:
                 # Only what a crash would report as interrupted: the phase goes on.
                 log.warning("the running hook could not be recorded (state disk full)", extra=fields(hook=hook))

@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from contracts.document import ScheduledEvent
-from contracts.envelope import (
+from contracts.wire import (
     MAX_HOOK_STEPS,
     STEP_OUTPUT_TAIL,
     HookOutcome,
     HookPhase,
     HookReport,
     HookStep,
+    ScheduledEvent,
     phase_outcome,
 )
 from forwarder.logs import fields
@@ -174,7 +174,7 @@ class HookRunner:
             log.error("too many hooks", extra=fields(event_id=event.EventId, phase=phase, hooks=len(hooks)))
             step = HookStep(hook=f"{phase}.d", outcome="failed", durationSeconds=0.0, outputTail=reason)
             return phase_report(event.EventId, phase, (step,))
-        stdin = json.dumps(event.model_dump(mode="json")).encode("utf-8")
+        stdin = json.dumps(event.to_mapping()).encode("utf-8")
         deadline = phase_deadline(
             event, phase, now=datetime.now(UTC), monotonic=time.monotonic(), margin=self.margin, grace=self.grace
         )

@@ -17,12 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
 from contracts import bounded_json
-from contracts.attestation import ATTESTED_API_VERSION, Attestation, AttestationError, read_content
-from contracts.document import ScheduledEvent, ScheduledEventsDocument
-from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, VmIdentity
+from contracts.attested import ATTESTED_API_VERSION, AttestationError
+from contracts.checks import Invalid
+from contracts.wire import (
+    MAX_TAG_NAME,
+    MAX_TAG_VALUE,
+    MAX_TAGS,
+    Attestation,
+    ScheduledEvent,
+    ScheduledEventsDocument,
+    VmIdentity,
+    read_content,
+)
 from forwarder.keepalive import KeepAliveConnection, build_request
 from forwarder.logs import fields
 from forwarder.retry import IMDS_LIMITER, Backoff, RateLimiter
@@ -62,17 +69,20 @@ class ImdsInvalidResponse(ImdsError):
         self.body = body
 
 
-class ManagedIdentityToken(BaseModel):
+@dataclass(frozen=True)
+class ManagedIdentityToken:
     """The IMDS token endpoint's answer (the fields the forwarder uses; IMDS sends numbers as strings)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
 
     access_token: str
     expires_on: int
 
-
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'document'}: {err['msg']}" for err in exc.errors()[:5])
+    @classmethod
+    def from_json_bytes(cls, raw: bytes) -> ManagedIdentityToken:
+        data: Any = bounded_json.loads(raw, max_bytes=MAX_BODY)
+        token, expires = (data.get("access_token"), data.get("expires_on")) if isinstance(data, dict) else (None, None)
+        if not isinstance(token, str) or not token or not isinstance(expires, int | str) or isinstance(expires, bool):
+            raise ValueError("access_token and expires_on are required")
+        return cls(token, int(expires))
 
 
 @dataclass(frozen=True)
@@ -106,23 +116,23 @@ def read_document(raw: bytes) -> ParsedDocument:
     items = data.get("Events", [])
     try:
         # The document without its events: DocumentIncarnation, Events being a list, and the unknown fields.
-        ScheduledEventsDocument.model_validate({**data, "Events": items if not isinstance(items, list) else []})
-    except ValidationError as exc:
-        raise ImdsInvalidResponse(f"scheduled-events document is invalid: {_problems(exc)}", body=raw) from None
+        ScheduledEventsDocument.from_mapping({**data, "Events": items if not isinstance(items, list) else []})
+    except Invalid as exc:
+        raise ImdsInvalidResponse(f"scheduled-events document is invalid: {exc}", body=raw) from None
     valid: list[Any] = []
     invalid: list[InvalidEvent] = []
     for index, item in enumerate(items):
         try:
-            ScheduledEvent.model_validate(item)
-        except ValidationError as exc:
+            ScheduledEvent.from_mapping(item)
+        except Invalid as exc:
             event_id = item.get("EventId") if isinstance(item, dict) else None
             event_id = event_id[:128] if isinstance(event_id, str) and event_id else None
             which = f"event {event_id!r} (Events[{index}])" if event_id else f"event at Events[{index}] (no EventId)"
             body = json.dumps(item, sort_keys=True, separators=(",", ":")).encode("utf-8")
-            invalid.append(InvalidEvent(event_id, f"{which} is invalid: {_problems(exc)}", body))
+            invalid.append(InvalidEvent(event_id, f"{which} is invalid: {exc}", body))
         else:
             valid.append(item)
-    document = ScheduledEventsDocument.model_validate({**data, "Events": valid})
+    document = ScheduledEventsDocument.from_mapping({**data, "Events": valid})
     return ParsedDocument(document, tuple(invalid))
 
 
@@ -163,11 +173,12 @@ def tags_of(compute: dict[str, Any]) -> dict[str, str]:
 
 
 def identity_of(compute: dict[str, Any]) -> VmIdentity:
-    """A VM's identity from its instance metadata's ``compute`` object. Raises ValidationError."""
+    """A VM's identity from its instance metadata's ``compute`` object. Raises Invalid."""
     # Only the identity fields: the rest of compute (osProfile, ...) has no business in envelopes; IMDS's ``tags``
     # is a 'name:value;...' string, the identity's a mapping (tags_of).
-    fields_ = {k: v for k, v in compute.items() if k in VmIdentity.model_fields and k != "tags"}
-    return VmIdentity.model_validate({**fields_, "tags": tags_of(compute)})
+    known = {f.name for f in VmIdentity.specs()}
+    fields_ = {k: v for k, v in compute.items() if k in known and k != "tags"}
+    return VmIdentity.from_mapping({**fields_, "tags": tags_of(compute)})
 
 
 class ImdsClient:
@@ -279,7 +290,7 @@ class ImdsClient:
             if not isinstance(compute, dict):
                 raise ValueError("expected a JSON object")
             return identity_of(compute)
-        except (ValueError, ValidationError) as exc:
+        except ValueError as exc:  # Invalid is a ValueError
             raise ImdsInvalidResponse(f"instance metadata (compute) is invalid: {exc}", body=raw) from None
 
     def get_attestation(self, nonce: str) -> Attestation:
@@ -287,9 +298,9 @@ class ImdsClient:
         ImdsInvalidResponse when IMDS signed another nonce (it may answer from its cache): ask again later."""
         raw = self._request("GET", f"{ATTESTED_PATH}&nonce={nonce}")
         try:
-            attestation = Attestation.model_validate_json(raw)
+            attestation = Attestation.from_json_bytes(raw)
             signed = read_content(attestation).nonce
-        except (ValidationError, AttestationError) as exc:
+        except (Invalid, AttestationError) as exc:
             raise ImdsInvalidResponse(f"attested document is invalid: {str(exc)[:300]}") from None
         if signed != nonce:
             raise ImdsInvalidResponse(f"IMDS signed nonce {signed!r}, not {nonce!r} (an answer from its cache)")
@@ -302,9 +313,9 @@ class ImdsClient:
             path += f"&client_id={quote(client_id, safe='')}"
         raw = self._request("GET", path)
         try:
-            return ManagedIdentityToken.model_validate_json(raw)
-        except ValidationError as exc:
-            raise ImdsInvalidResponse(f"managed identity token answer is invalid: {exc.error_count()} errors") from None
+            return ManagedIdentityToken.from_json_bytes(raw)
+        except ValueError as exc:
+            raise ImdsInvalidResponse(f"managed identity token answer is invalid: {exc}") from None
 
     def approve(self, event_ids: Iterable[str], *, attempts: int = 3, backoff: Backoff | None = None) -> None:
         """POST StartRequests for these events. IMDS answers 200 to any valid EventId, even one already approved

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from contracts.document import ScheduledEventsDocument
-from contracts.envelope import Envelope, ImpactClock, ImpactReport, VmIdentity
+from contracts.wire import Envelope, ImpactClock, ImpactReport, ScheduledEventsDocument, VmIdentity
 from forwarder import __version__
 from forwarder.durable_state import IMPACT_RESTART, Store, StoreFull
 from forwarder.logs import fields

@@ -3,8 +3,9 @@
 #   sudo forwarder/install.sh --eventhub-namespace NS.servicebus.windows.net --eventhub-name scheduled-events \
 #        [--client-id UAMI_CLIENT_ID] [--relay-namespace NS.servicebus.windows.net]
 # Creates the se-forwarder system user, a venv under /opt/scheduled-events-forwarder with forwarder/requirements.lock
-# (pinned and hashed: pip install --require-hashes, so every VM runs the same dependencies; scripts/lock-forwarder.sh),
-# the hook folders, /etc/scheduled-events/forwarder.yaml (kept if it exists) and the hardened systemd unit, then
+# (pinned and hashed: pip install --require-hashes, so every VM runs the same dependencies; scripts/lock-forwarder.sh)
+# from the wheels the package carries (forwarder/wheels/, scripts/package-forwarder.sh; --no-index: no internet), the
+# hook folders, /etc/scheduled-events/forwarder.yaml (kept if it exists) and the hardened systemd unit, then
 # enables and starts it. Safe to run again (upgrades the code and the venv, keeps the settings and the spool).
 # --root DIR installs into DIR instead of / (image building, tests): no user, no chown, no systemctl.
 # --skip-venv leaves the venv alone (tests; or when the image already has it).
@@ -60,8 +61,10 @@ done
 
 if [ "$skip_venv" -eq 0 ]; then
   [ -x "$opt/venv/bin/python" ] || "$python" -m venv "$opt/venv"
-  "$opt/venv/bin/pip" install --quiet --disable-pip-version-check --require-hashes --no-deps \
-    -r "$opt/app/forwarder/requirements.lock"
+  [ -d "$src/forwarder/wheels" ] || die "no forwarder/wheels/: install from the package scripts/package-forwarder.sh builds"
+  # No index: only the wheels the package carries, each checked against the lock's hashes.
+  "$opt/venv/bin/pip" install --quiet --disable-pip-version-check --no-index --find-links "$src/forwarder/wheels" \
+    --require-hashes --no-deps -r "$opt/app/forwarder/requirements.lock"
 fi
 
 if [ ! -f "$config" ]; then

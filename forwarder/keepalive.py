@@ -1,4 +1,5 @@
-"""A minimal HTTP/1.1 client connection for IMDS: one kept-alive socket, prebuilt requests, small parser.
+"""A minimal HTTP/1.1 client connection for IMDS (and, over TLS, the Event Hubs REST API: forwarder/eventhub.py):
+one kept-alive socket, prebuilt requests, small parser.
 
 Why not http.client: the forwarder wakes up once a second for one tiny GET, and at that rate the cost is cold
 Python code, not the network. http.client (request building with validation, the email-package header parser)
@@ -10,7 +11,12 @@ and never consults proxy settings (IMDS must not be reached through a proxy).
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ssl
 
 MAX_HEAD = 64 * 1024
 _CRLF = b"\r\n"
@@ -65,9 +71,37 @@ def _parse_head(lines: list[bytes]) -> _Head:
     return _Head(int(parts[1]), length, chunked, close, retry_after)
 
 
-def build_request(method: str, host: str, path: str, *, body: bytes = b"", content_type: str = "") -> bytes:
-    """The complete request bytes (build once, send many times)."""
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Metadata: true", "Accept-Encoding: identity"]
+_TLS: list[ssl.SSLContext] = []
+
+
+def tls_context() -> ssl.SSLContext:
+    """The process's one TLS client context (system CAs, hostname checks), made at first use: Event Hubs and the
+    Relay listener share it, since each context loads the CA store again (about 1.9 MiB) and ssl itself is only
+    loaded by a forwarder that speaks TLS (every VM; not the loopback emulators)."""
+    if not _TLS:
+        import ssl  # noqa: PLC0415
+
+        _TLS.append(ssl.create_default_context())
+    return _TLS[0]
+
+
+def build_request(
+    method: str,
+    host: str,
+    path: str,
+    *,
+    body: bytes = b"",
+    content_type: str = "",
+    headers: Sequence[tuple[str, str]] = (("Metadata", "true"),),
+) -> bytes:
+    """The complete request bytes (build once, send many times). ``headers``: IMDS's ``Metadata: true`` unless
+    told otherwise."""
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        f"Host: {host}",
+        *(f"{k}: {v}" for k, v in headers),
+        "Accept-Encoding: identity",
+    ]
     if body or method not in ("GET", "HEAD"):
         lines.append(f"Content-Length: {len(body)}")
     if content_type:
@@ -78,8 +112,9 @@ def build_request(method: str, host: str, path: str, *, body: bytes = b"", conte
 class KeepAliveConnection:
     """Not thread-safe: the caller serialises requests (ImdsClient holds a lock)."""
 
-    def __init__(self, host: str, port: int, *, max_body: int) -> None:
+    def __init__(self, host: str, port: int, *, max_body: int, tls: ssl.SSLContext | None = None) -> None:
         self._address = (host, port)
+        self._tls = tls
         self._max_body = max_body
         self._sock: socket.socket | None = None
         self._timeout: float | None = None
@@ -126,8 +161,9 @@ class KeepAliveConnection:
     def _send(self, request: bytes, timeout: float) -> tuple[list[bytes], bytes]:
         """Send the request; return the response's head lines and what was read after them."""
         if self._sock is None:
-            self._sock = socket.create_connection(self._address, timeout=timeout)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = socket.create_connection(self._address, timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock if self._tls is None else self._tls.wrap_socket(sock, server_hostname=self._address[0])
             self._timeout = timeout
         elif timeout != self._timeout:
             self._sock.settimeout(timeout)

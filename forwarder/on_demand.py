@@ -1,7 +1,7 @@
 """The relay listener, connected only while this VM could execute an approval (or always, by configuration).
 
 Takes each document the poll loop holds (``update``) and a factory of listener sessions (``forwarder.relay_listener.
-RelayListener``, built — and its imports, ``websockets`` among them, loaded — only when first needed); gives a
+RelayListener``, built — and its imports loaded — only when first needed); gives a
 daemon companion whose ``connected`` the heartbeat reports (``ForwarderHealth.listenerConnected``).
 
 Why: Azure bills a hybrid-connection listener per hour it is connected (about $0.0134/h, $9.78 a month always on),
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from contracts.document import ScheduledEventsDocument
+from contracts.wire import ScheduledEventsDocument
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.listener")

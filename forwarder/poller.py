@@ -16,10 +16,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from opentelemetry import trace
-from pydantic import ValidationError
 
-from contracts.document import ScheduledEventsDocument
-from contracts.envelope import Envelope, VmIdentity
+from contracts.checks import Invalid
+from contracts.wire import Envelope, ScheduledEventsDocument, VmIdentity
 from forwarder import __version__
 from forwarder.changes import Change, detect
 from forwarder.durable_state import HookJob, Store
@@ -68,9 +67,9 @@ class Poller:
         if saved is None:
             return
         try:
-            self._last_document = ScheduledEventsDocument.model_validate_json(saved)
+            self._last_document = ScheduledEventsDocument.from_json_bytes(saved)
             self._last_canonical = saved
-        except ValidationError:
+        except Invalid:
             # Only this process writes it; if it is unreadable, forwarding the current document once more is the
             # safe side (a repeated incarnation changes nothing downstream), losing a change is not.
             log.warning("the remembered document is unreadable; the next document is forwarded as new")
@@ -130,7 +129,7 @@ class Poller:
         with trace.use_span(detect_span, end_on_exit=True):
             span_parent, span_state = traceparent(detect_span)
             jobs = [
-                HookJob(e.EventId, phase, e.model_dump_json(), traceparent=span_parent, tracestate=span_state)
+                HookJob(e.EventId, phase, e.to_json_bytes().decode(), traceparent=span_parent, tracestate=span_state)
                 for phase, events in (("prepare", change.prepare), ("recover", change.recover))
                 for e in events
             ]

@@ -1,4 +1,5 @@
-"""Azure Relay Hybrid Connections listener (the HTTP request/response gesture), on the ``websockets`` sync client.
+"""Azure Relay Hybrid Connections listener (the HTTP request/response gesture), on the forwarder's own small
+WebSocket client (forwarder/websocket.py says why not the ``websockets`` package).
 
 There is no maintained Python data-plane SDK for Hybrid Connections, so this speaks the protocol itself
 (learn: azure-relay/relay-hybrid-connections-protocol):
@@ -21,8 +22,8 @@ the token comes from in ``forwarder/relay_tokens.py``.
 
 Why threads and the sync client rather than asyncio: the forwarder daemon is synchronous (a 1 s IMDS poll loop),
 the handler does blocking IMDS calls, and a thread with blocking ``recv(timeout=...)`` is the smallest thing that
-can be started and stopped from it. ``websockets.sync`` already runs its own reader thread, so ``send`` from handler
-threads while the listener thread sits in ``recv`` is supported; a lock keeps each response's frames together.
+can be started and stopped from it. The client's ``send`` is thread-safe, so handler threads answer while the listener
+thread sits in ``recv``; a lock keeps each response's frames together.
 """
 
 from __future__ import annotations
@@ -37,10 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
-from pydantic import ValidationError
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
-from websockets.sync.client import ClientConnection, connect
-
+from contracts.checks import Invalid
 from forwarder.relay_protocol import (
     ControlMessage,
     Handler,
@@ -54,6 +52,14 @@ from forwarder.relay_protocol import (
 )
 from forwarder.relay_tokens import RelayToken, TokenProvider
 from forwarder.retry import Backoff
+from forwarder.websocket import (
+    ClientConnection,
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidStatus,
+    WebSocketException,
+    connect,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +190,6 @@ class RelayListener:
                 open_timeout=self._open_timeout,
                 ping_interval=self._ping_interval,
                 max_size=CONTROL_CHANNEL_LIMIT + 32 * 1024,
-                legacy=True,  # this thread owns the connection's lifetime, not a with-block
             )
         except InvalidStatus as error:
             status = error.response.status_code
@@ -280,8 +285,8 @@ class RelayListener:
     def _parse(self, socket: ClientConnection, lock: threading.Lock, message: str) -> ControlMessage | None:
         """The control message, or None when it is not one: counted, and refused by its id when it has one."""
         try:
-            return ControlMessage.model_validate_json(message)
-        except ValidationError as error:
+            return ControlMessage.from_json_bytes(message)
+        except Invalid as error:
             self.stats.add("protocol_errors")
             logger.warning("relay listener %s: malformed control message ignored: %s", self.hybrid_connection, error)
             request_id = request_id_of(message, max_bytes=CONTROL_CHANNEL_LIMIT + 32 * 1024)

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from contracts import bounded_json
+from contracts.checks import Flag, Maybe, Nested, Record, Text, TextMap, spec
 
 # RFC 7230 connection headers must not appear in a response (protocol doc, "response" message).
 _HOP_BY_HOP = frozenset({"connection", "content-length", "host", "te", "trailer", "transfer-encoding", "upgrade"})
@@ -25,31 +24,34 @@ _HOP_BY_HOP_CLOSE = _HOP_BY_HOP | {"close"}
 _RESERVED_STATUS = frozenset({502, 504})
 
 
-class WireRequest(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class WireRequest(Record):
     """A ``request`` control message. Only ``address`` and ``id`` are present when a rendezvous is required."""
 
-    model_config = ConfigDict(extra="ignore")
+    EXTRA = "ignore"
 
-    address: str = ""
-    id: str = ""
-    requestTarget: str = "/"
-    method: str | None = None
-    requestHeaders: dict[str, str] = Field(default_factory=dict)
-    body: bool = False
-
-
-class WireAccept(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    address: str
-    id: str = ""
+    address: str = spec(Text(), "")
+    id: str = spec(Text(), "")
+    requestTarget: str = spec(Text(), "/")
+    method: str | None = spec(Maybe(Text()), None)
+    requestHeaders: dict[str, str] = spec(TextMap(), factory=dict)
+    body: bool = spec(Flag(), False)
 
 
-class ControlMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+@dataclass(frozen=True, kw_only=True)
+class WireAccept(Record):
+    EXTRA = "ignore"
 
-    request: WireRequest | None = None
-    accept: WireAccept | None = None
+    address: str = spec(Text())
+    id: str = spec(Text(), "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlMessage(Record):
+    EXTRA = "ignore"
+
+    request: WireRequest | None = spec(Maybe(Nested(WireRequest)), None)
+    accept: WireAccept | None = spec(Maybe(Nested(WireAccept)), None)
 
 
 @dataclass(frozen=True)

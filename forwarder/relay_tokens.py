@@ -10,13 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from contracts.sas import sas_token
-from forwarder.credential import RELAY_SCOPE
-
-if TYPE_CHECKING:
-    from azure.core.credentials import TokenCredential
+from forwarder.credential import RELAY_SCOPE, TokenCredential
 
 
 @dataclass(frozen=True)
@@ -57,14 +54,10 @@ class SasTokenProvider:
 class EntraTokenProvider:
     """Microsoft Entra ID token for https://relay.azure.net, sent raw (no ``Bearer``) as the SDKs do.
 
-    Defaults to the VM's managed identity; pass ``client_id`` for a user-assigned one.
+    ``credential``: the VM's managed identity (forwarder/credential.py), or any azure-core ``TokenCredential``.
     """
 
-    def __init__(self, *, credential: TokenCredential | None = None, client_id: str | None = None) -> None:
-        if credential is None:
-            from azure.identity import ManagedIdentityCredential  # noqa: PLC0415 - only SAS users skip the import
-
-            credential = ManagedIdentityCredential(client_id=client_id)
+    def __init__(self, *, credential: TokenCredential) -> None:
         self._credential = credential
 
     def get_token(self) -> RelayToken:

@@ -19,8 +19,7 @@ from dataclasses import replace
 
 from opentelemetry import trace
 
-from contracts.attestation import Attestation
-from contracts.envelope import VmIdentity
+from contracts.wire import Attestation, VmIdentity
 from forwarder.attestor import Attestor
 from forwarder.durable_state import SpooledEnvelope, Store, StoreFull
 from forwarder.logs import FailureLog, fields
@@ -39,7 +38,7 @@ def attach(item: SpooledEnvelope, attestation: Attestation) -> SpooledEnvelope:
     """The envelope as it goes on the wire: with the attested document (added here, not in the spool, so that a
     replay carries a document valid when it is sent)."""
     body = json.loads(item.body)
-    body["attestation"] = attestation.model_dump(mode="json")
+    body["attestation"] = attestation.to_mapping()
     return replace(item, body=json.dumps(body, separators=(",", ":")).encode())
 
 

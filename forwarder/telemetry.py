@@ -2,15 +2,18 @@
 
 Takes: the `telemetry_spans_file` setting (None = export off). Gives: `Telemetry`, with the tracer the daemon
 and the listener use (`tracer`), `traceparent(span)` to put a span's context on the wire, `parent(headers)` to
-continue a context read from the wire, `send_spans(...)` around a send of spooled envelopes, and `shutdown()`.
+continue a context read from the wire, and `send_spans(...)` around a send of spooled envelopes.
 With export on, each finished span is appended to the spans file as one JSON line (`span_line`; format in
 docs/forwarder.md).
 
 Why two tracers. The trace context must exist even with export off: the forwarder's trace id is the one the
 coordinator's and the listener's spans join, so an id-less no-op tracer would break the trace downstream.
-`IdTracer` gives every span valid random W3C ids and records nothing; it needs only `opentelemetry-api`
-(~0.2 MiB). Recording needs `opentelemetry-sdk` (~0.9 MiB more, measured in benchmarks/forwarder_footprint.py),
-imported only when a spans file is configured, so a forwarder with telemetry off never loads it.
+`IdTracer` gives every span valid random W3C ids and records nothing; it needs only `opentelemetry-api`.
+`RecordingTracer` gives the same ids and writes each span as it ends. Why not the OpenTelemetry SDK for that (as
+before): it cost a recording forwarder about 1.9 MiB (it loads psutil, the metrics API and the semantic
+conventions) for a line per span, a few spans per change; the daemon must stay as small as a bare poller
+(docs/forwarder.md, *Footprint*). The spans are the API's (`trace.Span`), so `use_span`, the propagator and the
+listener's spans work on them unchanged.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from __future__ import annotations
 import json
 import random
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -30,11 +33,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util import types
 
 from forwarder.durable_state import SpooledEnvelope
-
-if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
-    from opentelemetry.sdk.trace.export import SpanExporter
 
 SERVICE_NAME = "scheduled-events-forwarder"
 TRACEPARENT = "traceparent"
@@ -72,14 +70,92 @@ class IdTracer(trace.NoOpTracer):
         return trace.NonRecordingSpan(span_context)
 
 
+class RecordedSpan(trace.NonRecordingSpan):
+    """A span that keeps its name, parent, times and attributes, and is written (``on_end``) when it ends."""
+
+    def __init__(
+        self,
+        name: str,
+        context: trace.SpanContext,
+        *,
+        parent: trace.SpanContext | None,
+        start_time: int,
+        attributes: types.Attributes,
+        on_end: Callable[[RecordedSpan], None],
+    ) -> None:
+        super().__init__(context)
+        self.name = name
+        self.parent = parent
+        self.start_time = start_time
+        self.end_time: int | None = None
+        self.attributes: dict[str, types.AttributeValue] = dict(attributes or {})
+        self._on_end = on_end
+
+    def is_recording(self) -> bool:
+        return self.end_time is None
+
+    def set_attribute(self, key: str, value: types.AttributeValue) -> None:
+        if self.end_time is None:
+            self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, types.AttributeValue]) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+    def update_name(self, name: str) -> None:
+        self.name = name
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_time is None:
+            self.end_time = end_time if end_time is not None else time.time_ns()
+            self._on_end(self)
+
+
+class RecordingTracer(IdTracer):
+    """`IdTracer`'s ids, with every span recorded and appended to ``path`` as one JSON line when it ends (the file
+    is opened per span: spans are rare, and a rotated or removed file is simply created again)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+
+    def start_span(  # noqa: PLR0917 - the API's signature
+        self,
+        name: str,
+        context: Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: types.Attributes = None,
+        links: trace._Links = None,
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+    ) -> trace.Span:
+        above = trace.get_current_span(context).get_span_context()
+        ids = super().start_span(name, context).get_span_context()
+        return RecordedSpan(
+            name,
+            ids,
+            parent=above if above.is_valid else None,
+            start_time=start_time if start_time is not None else time.time_ns(),
+            attributes=attributes,
+            on_end=self._write,
+        )
+
+    def _write(self, span: RecordedSpan) -> None:
+        try:
+            with self._lock, self._path.open("a", encoding="utf-8") as out:
+                out.write(span_line(span) + "\n")
+        except OSError:
+            pass  # tracing never stops the forwarder; the next span tries again
+
+
 def _hex(value: int, width: int) -> str:
     return format(value, f"0{width}x")
 
 
-def span_line(span: ReadableSpan) -> str:
+def span_line(span: RecordedSpan) -> str:
     """One finished span as the spans file's JSON line (what the local collector reads)."""
     context = span.get_span_context()
-    assert context is not None  # an SDK span always has one
     parent = span.parent
     attributes = {k: v for k, v in (span.attributes or {}).items() if isinstance(v, str | bool | int | float)}
     return json.dumps(
@@ -97,54 +173,18 @@ def span_line(span: ReadableSpan) -> str:
     )
 
 
-def _exporter(path: Path) -> SpanExporter:
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: PLC0415 - export is on
-
-    class JsonLinesSpanExporter(SpanExporter):
-        """Appends each span as one JSON line; the file is opened per export (spans are rare: a change, an
-        approval), so a rotated or removed file is simply created again."""
-
-        def __init__(self) -> None:
-            self._lock = threading.Lock()
-
-        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-            text = "".join(span_line(span) + "\n" for span in spans)
-            try:
-                with self._lock, path.open("a", encoding="utf-8") as out:
-                    out.write(text)
-            except OSError:
-                return SpanExportResult.FAILURE
-            return SpanExportResult.SUCCESS
-
-    return JsonLinesSpanExporter()
-
-
 class Telemetry:
     """The tracer and its lifetime. `Telemetry()` records nothing (ids only); `Telemetry(spans_file=PATH)`
-    records every span with the OpenTelemetry SDK and appends it to PATH when it ends."""
+    records every span and appends it to PATH when it ends (synchronously: no export thread, no queue to lose on a
+    kill)."""
 
     def __init__(self, *, spans_file: Path | None = None) -> None:
         self.spans_file = spans_file
-        self._provider: SdkTracerProvider | None = None
         if spans_file is None:
             self.tracer: trace.Tracer = IdTracer()
             return
-        # Only here: a forwarder with telemetry off never imports the SDK.
-        from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
-        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
-        from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: PLC0415
-
         spans_file.parent.mkdir(parents=True, exist_ok=True)
-        # Resource(...) rather than Resource.create(): no resource detectors, no entry-point scan at start.
-        provider = TracerProvider(resource=Resource({"service.name": SERVICE_NAME}), shutdown_on_exit=False)
-        # Synchronous: a line per span, a few per change; no export thread, no queue to lose on a kill.
-        provider.add_span_processor(SimpleSpanProcessor(_exporter(spans_file)))
-        self._provider = provider
-        self.tracer = provider.get_tracer("forwarder")
-
-    def shutdown(self) -> None:
-        if self._provider is not None:
-            self._provider.shutdown()
+        self.tracer = RecordingTracer(spans_file)
 
 
 def traceparent(span: trace.Span) -> tuple[str, str]:

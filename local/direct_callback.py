@@ -20,6 +20,7 @@ from urllib.parse import quote, urlsplit
 import requests
 from pydantic import ValidationError
 
+from contracts import wire
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import ATTESTED_API_VERSION, Attestation, decision_nonce
 from contracts.document import ScheduledEventsDocument
@@ -76,7 +77,13 @@ class DirectImdsCallback:
             if current.status_code != 200:
                 raise ApprovalDeliveryError(f"IMDS of {vm.name} answered {current.status_code} to GET")
             document = ScheduledEventsDocument.model_validate_json(current.content)
-            outcome, reason = judge(request, document, vm_name=vm.name, prepare_outcome=prepare_outcome)
+            # The listener's own judgement, on what the listener reads (contracts/wire.py).
+            outcome, reason = judge(
+                wire.ApprovalRequest.from_mapping(request.model_dump()),
+                wire.ScheduledEventsDocument.from_mapping(document.model_dump()),
+                vm_name=vm.name,
+                prepare_outcome=prepare_outcome,
+            )
             if outcome != "approved":
                 return ApprovalResult(
                     outcome=outcome,

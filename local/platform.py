@@ -264,8 +264,8 @@ class Platform:
         if imds is None or eventhubs is None or step.by in self.stack.removed:
             return
         specs = {spec.name: spec for spec in imds.vms()}
-        victim = identity_of(specs[step.about].compute())
-        forger = identity_of(specs[step.by].compute())
+        victim = VmIdentity.of(identity_of(specs[step.about].compute()))
+        forger = VmIdentity.of(identity_of(specs[step.by].compute()))
         try:
             seen = imds.document(step.by)
         except Exception:  # the forger's VM is gone: it sends nothing

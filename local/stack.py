@@ -382,7 +382,11 @@ class LocalStack:
         self._prepare_workdir()
         self.azurite = Azurite()
         self.storage = self.azurite.start()
-        self.eventhubs = EventHubsEmulator(hubs={HUB: PARTITIONS, PLATFORM_HUB: PLATFORM_PARTITIONS})
+        # "Azure Event Hubs Data Sender" held by the fleet's VMs (those the IMDS emulator knows, added ones too), as
+        # the Bicep assigns it to the fleet's identity: no other identity sends to the hub.
+        self.eventhubs = EventHubsEmulator(
+            hubs={HUB: PARTITIONS, PLATFORM_HUB: PLATFORM_PARTITIONS}, data_senders=_FleetIdentities(self)
+        )
         self.eventhubs.start()
         if self.options.relay:
             self.relay = RelayEmulator()
@@ -813,6 +817,11 @@ class LocalStack:
             str(options.heartbeat_interval),
             "--sink",
             "eventhub",
+            # The VM's managed identity, as in Azure: Event Hubs' REST API with a token from the IMDS emulator's
+            # identity endpoint, which the Event Hubs emulator checks (audience, role). No key on the VM.
+            "--eventhub-namespace",
+            self.eventhubs.rest_namespace,
+            "--no-eventhub-use-tls",
             "--eventhub-name",
             HUB,
             "--hooks-dir",
@@ -833,19 +842,24 @@ class LocalStack:
         ]
         if self.relay is not None:
             command += ["--relay-enabled", "--relay-endpoint", self.relay.base_url.replace("http://", "ws://", 1)]
-        env = {
-            k: v for k, v in os.environ.items() if k not in _IDENTITY_VARIABLES and not k.startswith("SE_FORWARDER_")
-        }
-        env = {k: v for k, v in env.items() if not k.startswith("COORDINATOR_")}
-        # The key travels in the environment, not on the command line where `ps` would show it.
-        env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = self.eventhubs.connection_string()
-        env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = self.imds.url_for(name)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SE_FORWARDER_", "COORDINATOR_"))}
         env["SE_FORWARDER_NOT_AFTER_TOLERANCE"] = str(LOCAL_CLOCK_TOLERANCE)  # as the coordinator's (one clock here)
         env["PYTHONPATH"] = str(REPO_ROOT)
         return ForwarderProcess(name=name, command=command, env=env, log_path=self.logs_dir / f"forwarder-{name}.log")
 
     def iter_forwarders(self) -> Iterator[ForwarderProcess]:
         yield from self.forwarders.values()
+
+
+class _FleetIdentities:
+    """The managed identities of the stack's VMs (the IMDS emulator's tokens name the VM's resource id)."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        self._stack = stack
+
+    def __contains__(self, identity: object) -> bool:
+        imds = self._stack.imds
+        return imds is not None and any(vm.resourceId == identity for vm in imds.vms())
 
 
 def _function_app() -> ModuleType:

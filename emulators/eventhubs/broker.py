@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import selectors
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,13 @@ class Broker:
         self._peers: list[_Peer] = []
         self._round_robin: dict[str, int] = {}
         self._selector = selectors.DefaultSelector()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def call_soon(self, call: Callable[[], None]) -> None:
+        """Thread-safe: run ``call`` on the broker thread (the REST front door's publishes, eventhubs/rest.py)."""
+        self._calls.put(call)
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"x")
 
     # ---------------------------------------------------------------- loop
 
@@ -176,6 +184,8 @@ class Broker:
                     elif key.fileobj is self._wake_reader:
                         with contextlib.suppress(BlockingIOError):
                             self._wake_reader.recv(64)
+                        while not self._calls.empty():
+                            self._calls.get_nowait()()
                     else:
                         peer: _Peer = key.data
                         if mask & selectors.EVENT_READ:
@@ -476,22 +486,26 @@ class Broker:
             _LOG.warning("rejected a %d-byte transfer to %s: %s", len(payload), target.hub, error)
             self._rejected.append(RejectedTransfer(hub=target.hub, reason=str(error), payload=payload))
             return DECODE_ERROR, str(error)
-        partitions = self._store.partitions(target.hub)
-        if target.partition is not None:
-            log = partitions[int(target.partition)]
+        self.store_events(target.hub, events, partition=target.partition)
+        return None
+
+    def store_events(self, hub: str, events: list[tuple[bytes, str | None]], *, partition: str | None = None) -> None:
+        """Appends a batch (encoded messages with their partition key) to its partition and feeds the receivers."""
+        partitions = self._store.partitions(hub)
+        if partition is not None:
+            log = partitions[int(partition)]
         elif events[0][1] is not None:
             log = partitions[partition_for_key(events[0][1], len(partitions))]
         else:
             # Without a key the service spreads whole batches over partitions; a batch stays together, in order.
-            turn = self._round_robin.get(target.hub, 0)
-            self._round_robin[target.hub] = turn + 1
+            turn = self._round_robin.get(hub, 0)
+            self._round_robin[hub] = turn + 1
             log = partitions[turn % len(partitions)]
         stored = log.append(events, now_ms=int(time.time() * 1000))
         self._stats.events_stored += len(stored)
         for _, subscription in self._subscriptions():
             if subscription.log is log:
                 self._pump(subscription)
-        return None
 
     def _pump(self, subscription: _Subscription) -> None:
         link, log = subscription.link, subscription.log

@@ -5,12 +5,14 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
+from collections.abc import Container
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from emulators.eventhubs.broker import Broker, BrokerStats
 from emulators.eventhubs.partition_log import EventStore, RejectedTransfer, StoredEvent
+from emulators.eventhubs.rest import RestFrontDoor
 
 DEFAULT_HUBS: dict[str, int] = {"scheduled-events": 4}
 DEFAULT_CONSUMER_GROUP = "$Default"
@@ -25,7 +27,11 @@ class EventHubsEmulator:
     connection (as an outage would); ``start()`` again serves the same events on the same port. Without
     ``data_dir`` events live in memory for the life of this object; with it they are kept in append-only
     per-partition files and survive a new emulator on the same directory. ``sas_key`` defaults to a random key
-    (it appears in the connection string, as the real namespace's key does in the portal)."""
+    (it appears in the connection string, as the real namespace's key does in the portal).
+
+    The REST API (``POST /{hub}/messages``, emulators/eventhubs/rest.py) is served on ``rest_port`` beside AMQP;
+    ``rest_namespace`` is what a sender names as its namespace (plain HTTP). ``data_senders``: the Entra identities
+    (``xms_mirid``) holding "Azure Event Hubs Data Sender"; None: every valid token's identity does."""
 
     def __init__(
         self,
@@ -37,6 +43,8 @@ class EventHubsEmulator:
         sas_key: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        rest_port: int = 0,
+        data_senders: Container[str] | None = None,
     ) -> None:
         self._hubs = dict(hubs if hubs is not None else DEFAULT_HUBS)
         if not self._hubs:
@@ -54,6 +62,9 @@ class EventHubsEmulator:
         self._rejected: deque[RejectedTransfer] = deque(maxlen=REJECTED_KEPT)
         self._broker: Broker | None = None
         self._thread: threading.Thread | None = None
+        self._rest_port = rest_port
+        self._rest: RestFrontDoor | None = None
+        self.data_senders = data_senders
 
     @property
     def port(self) -> int:
@@ -81,12 +92,33 @@ class EventHubsEmulator:
             self._thread = threading.Thread(target=broker.serve, name=f"eventhubs-emulator:{broker.port}", daemon=True)
             self._broker = broker
             self._thread.start()
+            self._rest = RestFrontDoor(
+                broker=broker,
+                store=self._store,
+                stats=self.stats,
+                sas_key_name=self.sas_key_name,
+                sas_key=self.sas_key,
+                data_senders=self.data_senders,
+                host=self._host,
+                port=self._rest_port,
+            )
+            self._rest_port = self._rest.port
+            self._rest.start()
         return self.connection_string()
+
+    @property
+    def rest_namespace(self) -> str:
+        """``127.0.0.1:PORT``: the REST API's namespace (plain HTTP; after the first ``start()``)."""
+        if not self._rest_port:
+            raise RuntimeError("the emulator has no REST port yet; call start() first")
+        return f"{self._host}:{self._rest_port}"
 
     def stop(self) -> None:
         """Drops every client connection and stops listening (idempotent). Stored events stay."""
-        broker, thread = self._broker, self._thread
-        self._broker, self._thread = None, None
+        broker, thread, rest = self._broker, self._thread, self._rest
+        self._broker, self._thread, self._rest = None, None, None
+        if rest is not None:
+            rest.stop()
         if broker is not None:
             broker.request_stop()
         if thread is not None:
@@ -109,6 +141,11 @@ class EventHubsEmulator:
                 raise KeyError(f"no event hub named {hub!r}; configured: {sorted(self._hubs)}")
             value += f";EntityPath={hub}"
         return value
+
+    def rest_connection_string(self, hub: str | None = None) -> str:
+        """The connection string of a REST sender (forwarder/eventhub.py): the same key, the REST API's port."""
+        amqp = self.connection_string(hub)
+        return amqp.replace(f"sb://{self._host}:{self._port};", f"sb://{self.rest_namespace};", 1)
 
     def events(self, hub: str, partition: int | str) -> list[StoredEvent]:
         """What is stored in one partition, in order."""

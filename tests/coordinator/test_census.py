@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from azure.core.credentials import AccessToken
 
+from contracts.envelope import VmIdentity
 from coordinator.adapters.census import ArmCensusReader, Census, CensusError, resource_group_id
 from coordinator.domain.census import CensusEntry, describe, disagreements
 from coordinator.domain.controls import VmFacts
@@ -101,7 +102,7 @@ def test_every_kind_of_vm_is_read_with_the_facts_its_instance_metadata_shows(arm
     # The same model serves IMDS and ARM: what each VM's forwarder reports of itself agrees with its entry.
     for spec in arm.vms():
         if spec.name in entries:
-            assert disagreements(identity_of(spec.compute()), entries[spec.name]) == {}, spec.name
+            assert disagreements(VmIdentity.of(identity_of(spec.compute())), entries[spec.name]) == {}, spec.name
     assert entries["web_1"].vmId == next(s.vmId for s in arm.vms() if s.name == "web_1")
     # Scale sets (one page of two), web's instances (two pages: three), the group's VMs (one page of two).
     assert arm.arm_status()["reads"] == 4
@@ -208,14 +209,16 @@ def test_a_census_never_read_is_not_usable_and_says_why(arm: ImdsEmulator) -> No
 def test_what_a_vm_says_of_itself_is_compared_with_arms_entry(arm: ImdsEmulator) -> None:
     entries = by_name(reader(arm).read())
     spec = next(s for s in arm.vms() if s.name == "web_1")
-    claimed = identity_of(spec.compute()).model_copy(update={"zone": "3", "tags": {"scheduled-events": "manual"}})
+    claimed = VmIdentity.of(identity_of(spec.compute())).model_copy(
+        update={"zone": "3", "tags": {"scheduled-events": "manual"}}
+    )
     found = disagreements(claimed, entries["web_1"])
     assert found == {"zone": ("2", "3"), "tags": ("", "scheduled-events:manual")}
     assert describe(found) == "tags 'scheduled-events:manual' (ARM: ''); zone '3' (ARM: '2')"
     assert disagreements(claimed, None) == {"listed": ("no", "yes")}
     # Tag names compare without case, as Azure's do; an update domain an older forwarder did not send is no claim.
     spec0 = next(s for s in arm.vms() if s.name == "web_0")
-    upper = identity_of(spec0.compute()).model_copy(
+    upper = VmIdentity.of(identity_of(spec0.compute())).model_copy(
         update={"tags": {"TIER": "front", "Scheduled-Events": "auto"}, "platformUpdateDomain": ""}
     )
     assert disagreements(upper, entries["web_0"]) == {}

@@ -97,7 +97,7 @@ def report(imds: ImdsEmulator, name: str, sequence: int, changes: Mapping[str, A
     """``name``'s envelope as its forwarder sends it (its identity from its instance metadata, its document), with
     ``changes`` put over its identity."""
     spec = next(vm for vm in imds.vms() if vm.name == name)
-    identity = identity_of(spec.compute()).model_copy(update=dict(changes or {}))
+    identity = VmIdentity.of(identity_of(spec.compute())).model_copy(update=dict(changes or {}))
     document = imds.document(name)
     data = envelope(
         identity.model_dump(), sequence=sequence, incarnation=document["DocumentIncarnation"], events=document["Events"]
@@ -117,7 +117,7 @@ def ghost(imds: ImdsEmulator, number: int, facts: Mapping[str, Any]) -> RawMessa
     template = next(vm for vm in imds.vms() if vm.name == "web_0")
     identity = VmIdentity.model_validate(
         {
-            **identity_of(template.compute()).model_dump(),
+            **identity_of(template.compute()).to_mapping(),
             "name": f"web_{100 + number}",
             "vmId": str(uuid.uuid5(uuid.NAMESPACE_URL, f"ghost-{number}")),
             "resourceId": template.resourceId.rsplit("/", 1)[0] + f"/{100 + number}",

@@ -390,8 +390,10 @@ def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
     example = parse_policy(section[start : section.index("```", start)])
     assert [rule.name for rule in example.rules] == ["weekday-web", "freezes-paced", "terminate"]
     paced = example.rules[1]
-    assert paced.rate is not None and (paced.rate.maxApprovals, paced.rate.periodSeconds) == (2, 3600)
-    assert paced.sequence is not None and (paced.sequence.per, paced.sequence.gapSeconds) == ("zone", 600)
+    assert paced.rate is not None
+    assert (paced.rate.maxApprovals, paced.rate.periodSeconds) == (2, 3600)
+    assert paced.sequence is not None
+    assert (paced.sequence.per, paced.sequence.gapSeconds) == ("zone", 600)
     assert set(example.gates) == {"app-health", "no-cpu-alert", "no-errors"}
 
 

@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from contracts import wire
 from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalFacts, ApprovalRequest
 from coordinator.domain.evaluation import evaluate
 from coordinator.domain.expiry import (
@@ -177,7 +178,14 @@ def play(case: Case) -> Landing:
                     facts=facts,
                 )
                 arrival = send_at + timedelta(seconds=case.delivery)
-                if refuse_stale(request, now=arrival + timedelta(seconds=case.skew), freshness=Freshness()) is None:
+                if (
+                    refuse_stale(
+                        wire.ApprovalRequest.from_mapping(request.model_dump()),
+                        now=arrival + timedelta(seconds=case.skew),
+                        freshness=Freshness(),
+                    )
+                    is None
+                ):
                     return Landing(sent=True, landed_at=arrival)
         tick += TIMER_PERIOD
     return Landing(sent=sent, landed_at=None)

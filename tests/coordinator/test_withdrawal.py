@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from contracts import wire
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
@@ -52,7 +53,9 @@ class Listener:
         self.requests.append(request)
         if self.down:
             raise ApprovalDeliveryError(f"no listener connected on {vm.name}")
-        refused = refuse_stale(request, now=self.clock(), freshness=Freshness())
+        refused = refuse_stale(
+            wire.ApprovalRequest.from_mapping(request.model_dump()), now=self.clock(), freshness=Freshness()
+        )
         if refused is not None:
             return ApprovalResult(
                 outcome="rejected", eventId=request.eventId, decisionId=request.decisionId, reason=refused

@@ -76,7 +76,7 @@ class Harness:
             "heartbeat_interval": 3600,
         }
         values.update(overrides)
-        self.settings = ForwarderSettings.model_validate(values)
+        self.settings = ForwarderSettings.from_mapping(values)
         self.imds = ImdsClient(
             base_url=self.settings.imds_url,
             timeout=self.settings.imds_timeout,

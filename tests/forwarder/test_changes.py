@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contracts.document import ScheduledEventsDocument
+from contracts.wire import ScheduledEventsDocument
 from forwarder.changes import canonical, detect
 
 
 def doc(incarnation: int, *events: dict[str, Any]) -> ScheduledEventsDocument:
-    return ScheduledEventsDocument.model_validate({"DocumentIncarnation": incarnation, "Events": list(events)})
+    return ScheduledEventsDocument.from_mapping({"DocumentIncarnation": incarnation, "Events": list(events)})
 
 
 def event(event_id: str, *resources: str, status: str = "Scheduled") -> dict[str, Any]:
@@ -63,11 +63,11 @@ def test_same_incarnation_different_content_is_a_change() -> None:
 
 
 def test_key_order_and_whitespace_are_not_content() -> None:
-    one = ScheduledEventsDocument.model_validate_json(
+    one = ScheduledEventsDocument.from_json_bytes(
         '{"DocumentIncarnation": 2, "Events": [{"EventId": "A", "EventType": "Freeze", '
         '"EventStatus": "Scheduled", "Resources": ["x"]}]}'
     )
-    two = ScheduledEventsDocument.model_validate_json(
+    two = ScheduledEventsDocument.from_json_bytes(
         '{"Events":[{"Resources":["x"],"EventType":"Freeze","EventStatus":"Scheduled","EventId":"A"}],"DocumentIncarnation":2}'
     )
     assert detect(one, canonical(one), two, vm_name="x") is None
@@ -84,7 +84,7 @@ def test_events_of_other_vms_never_run_hooks_here() -> None:
 
 def test_unknown_fields_count_as_content() -> None:
     before = doc(1, event("A", "web_0"))
-    after = ScheduledEventsDocument.model_validate(
+    after = ScheduledEventsDocument.from_mapping(
         {"DocumentIncarnation": 1, "Events": [{**event("A", "web_0"), "NewField": 1}]}
     )
     change = detect(before, canonical(before), after, vm_name="web_0")

@@ -8,10 +8,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import get_args
 
 import pytest
 
+from contracts.checks import Choice
 from forwarder.config import ENV_PREFIX, FIELDS, ForwarderSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,14 +39,15 @@ def help_of(command: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", FIELDS)
 def test_every_run_flag_says_what_it_sets_its_values_its_default_and_its_variable(name: str) -> None:
     text = help_of("run")["--" + name.replace("_", "-")]
-    info = ForwarderSettings.model_fields[name]
-    assert info.description
-    assert " ".join(info.description.split()) in text
+    info = next(f for f in ForwarderSettings.specs() if f.name == name)
+    description = info.metadata["description"]
+    assert description
+    assert " ".join(description.split()) in text
     assert f"${ENV_PREFIX}{name.upper()}" in text
     assert ("no default" if info.default is None else f"default {info.default}") in text
-    choices = get_args(info.annotation)
-    if choices and all(isinstance(choice, str) for choice in choices):
-        assert "one of " + ", ".join(choices) in text
+    check = info.metadata["check"]
+    if isinstance(check, Choice):
+        assert "one of " + ", ".join(check.values) in text
 
 
 def test_once_flags_have_help_too() -> None:

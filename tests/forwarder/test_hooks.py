@@ -8,7 +8,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from contracts.document import ScheduledEvent
+from contracts.wire import ScheduledEvent
 from forwarder.hooks import HookRunner
 
 # The local stack's time scale: Azure's 30 s of a Preempt's notice and 10 minutes of a Terminate's, in real seconds.
@@ -17,7 +17,7 @@ TIME_SCALE = 60.0
 
 def event(event_type: str, notice: float, *, status: str = "Scheduled") -> ScheduledEvent:
     not_before = datetime.now(UTC) + timedelta(seconds=notice)
-    return ScheduledEvent.model_validate(
+    return ScheduledEvent.from_mapping(
         {
             "EventId": f"{event_type}-1",
             "EventType": event_type,

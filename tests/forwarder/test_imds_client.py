@@ -33,7 +33,7 @@ def test_document_identity_and_approval(imds: ImdsEmulator) -> None:
     assert identity.name == "web_1"
     assert identity.vmScaleSetName == "web"
     assert identity.resourceId.endswith("/virtualMachineScaleSets/web/virtualMachines/1")
-    assert identity.model_extra == {}  # osProfile, tags etc. stay out of envelopes
+    assert identity.extras == {}  # osProfile, tags etc. stay out of envelopes
     document = imds_client.get_document()
     assert [e.EventId for e in document.Events] == [created["EventId"]]
     imds_client.approve([created["EventId"]])
@@ -199,7 +199,7 @@ def test_one_invalid_event_is_set_aside_and_named() -> None:
     ).encode()
     parsed = read_document(raw)
     assert [e.EventId for e in parsed.document.Events] == ["ok"]
-    assert parsed.document.model_extra == {"Unknown": 1}
+    assert parsed.document.extras == {"Unknown": 1}
     bad, not_an_object, too_long = parsed.invalid
     assert bad.event_id == "bad"
     assert bad.reason.startswith("event 'bad' (Events[1]) is invalid: Resources: Input should be a valid list")

@@ -4,10 +4,13 @@ root; the settings file it writes must load)."""
 from __future__ import annotations
 
 import configparser
+import json
+import platform
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,60 @@ def test_the_lock_pins_every_requirement_with_hashes() -> None:
     install = (ROOT / "forwarder" / "install.sh").read_text()
     assert "--require-hashes --no-deps" in install
     assert '-r "$opt/app/forwarder/requirements.lock"' in install
+
+
+@pytest.mark.slow
+def test_the_package_installs_without_an_index_and_runs(tmp_path: Path) -> None:
+    """The built package carries its wheels: install.sh makes the venv with `pip --no-index --require-hashes`
+    (no package index at all), and the installed forwarder runs: `--help`, and `once` against the IMDS emulator.
+    Built here for this interpreter; the deployment's package is built for the VM image's (Python 3.12, x86_64)."""
+    from emulators.imds import ImdsEmulator
+
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "package-forwarder.sh"), str(tmp_path / "out"), "--python", version,
+         "--arch", platform.machine()],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    package = Path(built.stdout.split()[1])
+    unpacked = tmp_path / "package"
+    unpacked.mkdir()
+    with tarfile.open(package) as archive:
+        archive.extractall(unpacked, filter="data")
+    wheels = sorted(p.name for p in (unpacked / "forwarder" / "wheels").iterdir())
+    assert {name.split("-")[0].lower() for name in wheels} == {"opentelemetry_api", "pyyaml", "typing_extensions"}
+    scratch = tmp_path / "root"
+    # No index anywhere: a configured index or proxy cannot be what makes the install work.
+    offline = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHON": sys.executable,
+        "PIP_CONFIG_FILE": "/dev/null",
+        "PIP_NO_INDEX": "1",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+    }
+    subprocess.run(
+        ["bash", str(unpacked / "forwarder" / "install.sh"), "--root", str(scratch),
+         "--eventhub-namespace", "ns1.servicebus.windows.net"],
+        capture_output=True, text=True, check=True, env=offline, timeout=300,
+    )  # fmt: skip
+    opt = scratch / "opt" / "scheduled-events-forwarder"
+    installed = subprocess.run(
+        [str(opt / "venv" / "bin" / "python"), "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
+        capture_output=True, text=True, check=True, env=offline,
+    )  # fmt: skip
+    names = {canonicalize_name(line.split("==")[0]) for line in installed.stdout.splitlines()} - {"pip", "setuptools"}
+    assert names == {"opentelemetry-api", "pyyaml", "typing-extensions"}
+    # As the unit runs it: the venv's Python, the app on PYTHONPATH, nothing from this checkout.
+    unit_env = {**offline, "PYTHONPATH": str(opt / "app")}
+    python = str(opt / "venv" / "bin" / "python")
+    help_text = subprocess.run(
+        [python, "-m", "forwarder", "run", "--help"], capture_output=True, text=True, check=True, env=unit_env, cwd=opt
+    )
+    assert "--eventhub-namespace" in help_text.stdout
+    with ImdsEmulator() as imds:
+        once = subprocess.run(
+            [python, "-m", "forwarder", "once", "--imds-url", imds.url_for(imds.first_vm)],
+            capture_output=True, text=True, check=True, env=unit_env, cwd=opt, timeout=60,
+        )  # fmt: skip
+    assert json.loads(once.stdout)["identity"]["name"] == imds.first_vm

@@ -20,6 +20,7 @@ import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 
 from contracts.approval import ApprovalRequest
+from contracts.envelope import VmIdentity
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
@@ -82,7 +83,7 @@ def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
     h.wait_incarnation(2)
     # The sender is called as soon as the forwarder has seen the event: it waits out the listener's connect.
     with RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender:
-        result = sender.send(_request(created), vm=identity)
+        result = sender.send(_request(created), vm=VmIdentity.of(identity))
     assert result.outcome == "approved"
     assert [a["EventId"] for a in imds.approvals()] == [created["EventId"]]
     wait_for(
@@ -169,8 +170,8 @@ def test_always_on_listener_stays_connected(
 def test_the_listener_is_imported_only_when_it_first_connects(
     imds: ImdsEmulator, relay: RelayEmulator, tmp_path: Path
 ) -> None:
-    """On demand, an idle forwarder (relay on, no event) never loads websockets or the listener: `-X importtime`
-    of a real `python -m forwarder run`; they load when an event it could approve appears."""
+    """On demand, an idle forwarder (relay on, no event) never loads its WebSocket client or the listener:
+    `-X importtime` of a real `python -m forwarder run`; they load when an event it could approve appears."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
     output = tmp_path / "envelopes.jsonl"
     environment.update(
@@ -193,8 +194,12 @@ def test_the_listener_is_imported_only_when_it_first_connects(
             time.sleep(1.0)  # ten more polls, idle
             idle = log.read_text(encoding="utf-8")
             assert "forwarder.on_demand" in idle
-            assert "websockets" not in idle
-            listener_modules = ("forwarder.relay_listener", "forwarder.relay_protocol", "forwarder.relay_tokens")
+            listener_modules = (
+                "forwarder.relay_listener",
+                "forwarder.relay_protocol",
+                "forwarder.relay_tokens",
+                "forwarder.websocket",
+            )
             assert [m for m in listener_modules if m in idle] == []
             imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
             wait_for(lambda: "forwarder.relay_listener" in log.read_text(encoding="utf-8"), what="the import")
@@ -202,7 +207,9 @@ def test_the_listener_is_imported_only_when_it_first_connects(
         finally:
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=20) == 0
-    assert "websockets.sync.client" in log.read_text(encoding="utf-8")
+    connected = log.read_text(encoding="utf-8")
+    assert "forwarder.websocket" in connected
+    assert "websockets" not in connected  # the package: the listener has its own small client
 
 
 def _hc(imds: ImdsEmulator) -> str:

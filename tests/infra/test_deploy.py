@@ -140,14 +140,21 @@ def test_a_vm_installs_only_the_package_with_the_deployments_digest(tmp_path: Pa
 
 
 def test_the_forwarder_package_is_reproducible_and_holds_the_installer(tmp_path: Path) -> None:
+    # A second clone: the same sources elsewhere, every file written at another time.
+    clone = tmp_path / "clone"
+    for part in ("forwarder", "contracts", "scripts"):
+        shutil.copytree(bm.ROOT / part, clone / part, ignore=shutil.ignore_patterns("__pycache__", "wheels"))
+    (clone / ".venv").symlink_to(bm.ROOT / ".venv")
+    for copied in clone.rglob("*"):
+        os.utime(copied, (1_700_000_000, 1_700_000_000), follow_symlinks=False)
     digests = []
-    for name in ("a", "b"):
+    for name, root in (("a", bm.ROOT), ("b", clone)):
         result = subprocess.run(
-            ["bash", str(SCRIPTS / "package-forwarder.sh"), str(tmp_path / name)],
+            ["bash", str(root / "scripts" / "package-forwarder.sh"), str(tmp_path / name)],
             capture_output=True,
             text=True,
             check=True,
-            cwd=bm.ROOT,
+            cwd=root,
         )
         digest, path = result.stdout.split()
         assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == digest
@@ -157,6 +164,11 @@ def test_the_forwarder_package_is_reproducible_and_holds_the_installer(tmp_path:
         names = archive.getnames()
     assert "forwarder/install.sh" in names
     assert not [n for n in names if "__pycache__" in n]
+    # Its dependencies for the VM image (Ubuntu 24.04: CPython 3.12, x86_64), installed without an index.
+    wheels = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("forwarder/wheels/") and n.endswith(".whl"))
+    assert [w.split("-")[0].lower() for w in wheels] == ["opentelemetry_api", "pyyaml", "typing_extensions"]
+    assert "-cp312-cp312-manylinux" in wheels[1]
+    assert wheels[1].endswith("_x86_64.whl")
 
 
 # --- one command -----------------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def test_a_thousand_hostile_envelopes_among_good_ones_are_set_aside(run_pipeline
         assert stack.eventhubs is not None
         vms = stack.imds.vms()
         target = vms[0]
-        identity = identity_of(target.compute())
+        identity = VmIdentity.of(identity_of(target.compute()))
         others = [identity_of(vm.compute()).partition_key for vm in vms[1:]]
         messages = _hostile_batch(identity, others, count)
         wait_for_event(stack, "freeze")

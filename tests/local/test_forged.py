@@ -23,7 +23,7 @@ from azure.eventhub import EventData, EventHubProducerClient
 
 from contracts.attestation import ATTESTED_API_VERSION, Attestation, state_nonce
 from contracts.document import ScheduledEventsDocument
-from contracts.envelope import Envelope, HookReport, HookStep
+from contracts.envelope import Envelope, HookReport, HookStep, VmIdentity
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from emulators.imds import Scenario
 from forwarder.imds import identity_of
@@ -114,7 +114,7 @@ class Attacker:
         assert stack.eventhubs is not None
         self.stack = stack
         self.imds = stack.imds
-        self.vms = {spec.name: identity_of(spec.compute()) for spec in stack.imds.vms()}
+        self.vms = {spec.name: VmIdentity.of(identity_of(spec.compute())) for spec in stack.imds.vms()}
         self.producer = EventHubProducerClient.from_connection_string(stack.eventhubs.connection_string(HUB))
         # A state of its own (it cannot read web_0's), with a sequence no forwarder reaches, attested by its own
         # IMDS: a document naming web_1's vmId (no IMDS signs another VM's).

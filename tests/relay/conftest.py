@@ -27,6 +27,7 @@ from emulators.relay import RelayEmulator
 from emulators.relay.auth import Right
 from emulators.tokens import mint_token
 from forwarder.approver import Approver
+from forwarder.credential import ImdsManagedIdentityCredential
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayListener
 from forwarder.relay_tokens import EntraTokenProvider, SasTokenProvider, TokenProvider
@@ -95,9 +96,8 @@ def start_vm(
         identity = client.get_identity()
         hybrid_connection = identity.hybrid_connection_name
         if token_provider is None and auth == "entra":
-            for name, value in imds.identity_environment(vm_name).items():
-                monkeypatch.setenv(name, value)
-            token_provider = EntraTokenProvider()
+            # The VM's managed identity as the forwarder takes it: a token from the IMDS emulator's endpoint.
+            token_provider = EntraTokenProvider(credential=ImdsManagedIdentityCredential(imds=client))
         elif token_provider is None:
             key_file = tmp_path / f"{vm_name}.key"
             key_file.write_text(LISTEN_KEY)
@@ -117,7 +117,7 @@ def start_vm(
         )
         started.append(listener.start())
         assert listener.wait_connected(wait), "the listener did not connect to the relay emulator"
-        return Vm(identity, listener, approver)
+        return Vm(VmIdentity.of(identity), listener, approver)
 
     yield start
     for listener in started:

@@ -386,7 +386,7 @@ def test_a_send_given_seconds_ends_within_them_however_the_listener_hangs(
 
 
 def imds_identity(imds: ImdsEmulator, vm_name: str) -> VmIdentity:
-    return imds_client(imds, vm_name).get_identity()
+    return VmIdentity.of(imds_client(imds, vm_name).get_identity())
 
 
 def test_every_request_is_logged_once_with_its_outcome(

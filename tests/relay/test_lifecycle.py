@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 
+from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.relay_admin import HybridConnectionAdmin, hybrid_connections_to_delete
 from coordinator.adapters.relay_sender import RelayApprovalSender
@@ -56,7 +57,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
 def test_create_use_find_silent_and_delete(
     imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm]
 ) -> None:
-    web0, web1 = imds_client(imds, VM_A0).get_identity(), imds_client(imds, VM_A1).get_identity()
+    web0, web1 = (VmIdentity.of(imds_client(imds, vm).get_identity()) for vm in (VM_A0, VM_A1))
     admin = HybridConnectionAdmin(
         credential=MintedCredential("https://management.azure.com"),
         subscription_id="00000000-0000-0000-0000-00000000e001",

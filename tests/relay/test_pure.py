@@ -12,10 +12,9 @@ from urllib.parse import unquote
 
 import pytest
 
-from contracts.approval import ApprovalFacts, ApprovalRequest
-from contracts.document import ScheduledEvent, ScheduledEventsDocument
 from contracts.envelope import VmIdentity
 from contracts.sas import relay_resource_uri, sas_token
+from contracts.wire import ApprovalFacts, ApprovalRequest, ScheduledEvent, ScheduledEventsDocument
 from coordinator.adapters.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
 from forwarder.approver import Freshness, MemoryLedger, judge, refuse_stale
@@ -37,11 +36,11 @@ def approval(**changes: object) -> ApprovalRequest:
         "notAfter": NOW + timedelta(minutes=10),
     }
     values.update(changes)
-    return ApprovalRequest.model_validate(values)
+    return ApprovalRequest.from_mapping(values)
 
 
 def document(*events: dict[str, object]) -> ScheduledEventsDocument:
-    return ScheduledEventsDocument.model_validate({"DocumentIncarnation": 7, "Events": list(events)})
+    return ScheduledEventsDocument.from_mapping({"DocumentIncarnation": 7, "Events": list(events)})
 
 
 def event(
@@ -209,8 +208,8 @@ def test_the_memory_ledger_keeps_the_durable_ones_bounds():
 
 def decided(raw: dict[str, object], **changes: object) -> ApprovalRequest:
     """The request a coordinator sends for `raw` (an event as IMDS lists it), the facts taken from it."""
-    facts = ApprovalFacts.of(ScheduledEvent.model_validate(raw))
-    return approval(eventId=raw["EventId"], facts=facts.model_copy(update=changes))
+    facts = ApprovalFacts.of(ScheduledEvent.from_mapping(raw))
+    return approval(eventId=raw["EventId"], facts=facts.replace(**changes))
 
 
 def test_judge():

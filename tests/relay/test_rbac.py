@@ -1,7 +1,8 @@
 """Sender authentication is the Relay's job: with Entra RBAC, only the coordinator's identity may send.
 
 The Relay emulator models role assignments: the VM's managed identity holds "Azure Relay Listener", the
-coordinator's identity "Azure Relay Sender". The VM's token comes from the real ManagedIdentityCredential.
+coordinator's identity "Azure Relay Sender". The VM's listener takes its token as the forwarder does (its IMDS
+credential); the VM trying to send uses azure-identity's ManagedIdentityCredential, pointed at the IMDS emulator.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def relay() -> Iterator[RelayEmulator]:
 
 
 def test_only_the_coordinator_identity_can_send(
-    imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm]
+    imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    vm = start_vm(VM_A0)  # Entra: ManagedIdentityCredential served by the IMDS emulator
+    vm = start_vm(VM_A0)  # Entra: the VM's managed identity, a token from the IMDS emulator
+    for name, value in imds.identity_environment(VM_A0).items():
+        monkeypatch.setenv(name, value)
     event_id = scheduled_event(imds, VM_A0)
     with (
         RelayApprovalSender(endpoint=relay.base_url, credential=ManagedIdentityCredential()) as vm_as_sender,

@@ -1,0 +1,140 @@
+"""The listener's WebSocket client (forwarder/websocket.py) against a real server (the `websockets` package's, as
+the Relay emulator uses) and against scripted handshake answers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from websockets.sync.server import ServerConnection, serve
+
+from forwarder.websocket import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException, connect
+
+
+@pytest.fixture
+def server() -> Iterator[Callable[[Callable[[ServerConnection], None]], str]]:
+    """Starts a websockets server with the given handler; gives its ws:// URI."""
+    running: list[Any] = []
+
+    def start(handler: Callable[[ServerConnection], None]) -> str:
+        instance = serve(handler, "127.0.0.1", 0, max_size=None)
+        running.append(instance)
+        threading.Thread(target=instance.serve_forever, daemon=True).start()
+        return f"ws://127.0.0.1:{instance.socket.getsockname()[1]}/$hc/vm-a?sb-hc-action=listen"
+
+    yield start
+    for instance in running:
+        instance.shutdown()
+
+
+def echo(ws: ServerConnection) -> None:
+    for message in ws:
+        ws.send(message)
+
+
+def test_text_and_binary_messages_both_ways_with_headers(server: Any) -> None:
+    seen: dict[str, str] = {}
+
+    def handler(ws: ServerConnection) -> None:
+        assert ws.request is not None
+        seen["auth"] = ws.request.headers["ServiceBusAuthorization"]
+        seen["path"] = ws.request.path
+        echo(ws)
+
+    with connect(server(handler), additional_headers={"ServiceBusAuthorization": "SharedAccessSignature x"}) as ws:
+        ws.send('{"request":{}}')
+        assert ws.recv(5) == '{"request":{}}'
+        ws.send(b"\x00" * 70_000)  # a 64-bit length, masked
+        assert ws.recv(5) == b"\x00" * 70_000
+    assert seen == {"auth": "SharedAccessSignature x", "path": "/$hc/vm-a?sb-hc-action=listen"}
+
+
+def test_a_fragmented_message_is_one_message_and_a_ping_is_answered(server: Any) -> None:
+    ponged = threading.Event()
+
+    def handler(ws: ServerConnection) -> None:
+        ws.send(iter(["one ", "two ", "three"]))  # three frames, FIN on the last
+        if ws.ping().wait(5):
+            ponged.set()
+        ws.send("after the ping")
+        echo(ws)
+
+    with connect(server(handler)) as ws:
+        assert ws.recv(5) == "one two three"
+        assert ws.recv(5) == "after the ping"  # the ping was answered while waiting for this
+    assert ponged.is_set()
+
+
+def test_recv_times_out_and_the_connection_stays_usable_sending_pings(server: Any) -> None:
+    with connect(server(echo), ping_interval=0.1) as ws:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            ws.recv(0.5)
+        assert time.monotonic() - started >= 0.5
+        ws.send("still here")
+        assert ws.recv(5) == "still here"
+
+
+def test_the_servers_close_and_a_close_from_another_thread_end_recv(server: Any) -> None:
+    def closing(ws: ServerConnection) -> None:
+        ws.recv()
+        ws.close(4001, "renew your token")
+
+    with connect(server(closing)) as ws:
+        ws.send("x")
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(5)
+    assert closed.value.rcvd is not None
+    assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (4001, "renew your token")
+
+    ws = connect(server(echo))
+    threading.Timer(0.2, ws.close).start()
+    with pytest.raises(ConnectionClosed):
+        ws.recv(5)
+    with pytest.raises(ConnectionClosed):
+        ws.send("after close")
+
+
+def test_a_message_over_max_size_is_refused(server: Any) -> None:
+    def big(ws: ServerConnection) -> None:
+        ws.send("x" * 2000)
+        time.sleep(1)
+
+    with connect(server(big), max_size=1000) as ws, pytest.raises(WebSocketException, match="larger than 1000"):
+        ws.recv(5)
+
+
+def _scripted(answer: bytes) -> str:
+    """A server that answers the handshake with ``answer`` and closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_once() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+        listener.close()
+
+    threading.Thread(target=serve_once, daemon=True).start()
+    return f"ws://127.0.0.1:{listener.getsockname()[1]}/"
+
+
+def test_a_refused_handshake_is_invalid_status_with_its_code() -> None:
+    uri = _scripted(b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\n\r\nno such 1")
+    with pytest.raises(InvalidStatus) as refused:
+        connect(uri, open_timeout=5)
+    assert refused.value.response.status_code == 404
+    assert refused.value.response.body == b"no such 1"
+
+
+def test_a_wrong_accept_key_is_an_invalid_handshake() -> None:
+    uri = _scripted(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Accept: not-the-key\r\n\r\n"
+    )
+    with pytest.raises(InvalidHandshake, match="Accept"):
+        connect(uri, open_timeout=5)

@@ -1,0 +1,227 @@
+"""The forwarder's standard-library records (contracts/wire.py) are the contracts' pydantic models, restated: the
+same JSON schema, the same documents accepted and refused, the same envelopes written and read."""
+
+from __future__ import annotations
+
+import json
+import string
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, ValidationError
+
+from contracts import approval, attestation, document, envelope, wire
+from contracts.checks import Invalid, Record
+
+PAIRS: list[tuple[type[Record], type[BaseModel]]] = [
+    (wire.ScheduledEvent, document.ScheduledEvent),
+    (wire.ScheduledEventsDocument, document.ScheduledEventsDocument),
+    (wire.VmIdentity, envelope.VmIdentity),
+    (wire.HookStep, envelope.HookStep),
+    (wire.HookReport, envelope.HookReport),
+    (wire.ForwarderHealth, envelope.ForwarderHealth),
+    (wire.Envelope, envelope.Envelope),
+    (wire.Attestation, attestation.Attestation),
+    (wire.AttestedContent, attestation.AttestedContent),
+    (wire.ApprovalFacts, approval.ApprovalFacts),
+    (wire.ApprovalRequest, approval.ApprovalRequest),
+    (wire.ApprovalResult, approval.ApprovalResult),
+]
+
+
+def _without_prose(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {k: _without_prose(v) for k, v in schema.items() if k not in ("title", "description")}
+    if isinstance(schema, list):
+        return [_without_prose(v) for v in schema]
+    return schema
+
+
+@pytest.mark.parametrize(("record", "model"), PAIRS, ids=[record.__name__ for record, _ in PAIRS])
+def test_each_record_has_its_models_json_schema(record: type[Record], model: type[BaseModel]) -> None:
+    """Field names, types, bounds, defaults, what is required and what happens to unknown fields: all equal. A
+    field added to one side only, a bound changed, an envelope kind added to one side: this fails."""
+    assert record.json_schema() == _without_prose(model.model_json_schema(by_alias=True))
+
+
+def _both(record: type[Record], model: type[BaseModel], data: Any) -> tuple[Any, Any]:
+    """What each side makes of ``data``: its JSON form, or "refused"."""
+    try:
+        ours: Any = record.from_mapping(data).to_mapping()
+    except Invalid:
+        ours = "refused"
+    try:
+        theirs: Any = model.model_validate(data).model_dump(mode="json", by_alias=True)
+    except ValidationError:
+        theirs = "refused"
+    return ours, theirs
+
+
+_TEXT = st.text(alphabet=string.ascii_letters + string.digits + " -:", max_size=140)
+_EVENT = st.fixed_dictionaries(
+    {
+        "EventId": _TEXT,
+        "EventType": st.sampled_from(["Reboot", "Redeploy", "Freeze", "Preempt", "Terminate", "", "X" * 65]),
+        "EventStatus": st.sampled_from(["Scheduled", "Started", "Canceled"]),
+    },
+    optional={
+        "Resources": st.lists(_TEXT, max_size=3) | st.just("web_0"),
+        "NotBefore": st.just("Mon, 19 Sep 2016 18:29:47 GMT") | st.just(""),
+        "DurationInSeconds": st.integers(-1, 10**6) | st.just("9") | st.just(1.5),
+        "Description": _TEXT,
+        "Unknown": st.integers() | _TEXT,
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {"DocumentIncarnation": st.integers(0, 2**40) | st.just(None)},
+        optional={"Events": st.lists(_EVENT, max_size=3), "Extra": _TEXT},
+    )
+)
+def test_documents_are_accepted_refused_and_kept_alike(data: dict[str, Any]) -> None:
+    ours, theirs = _both(wire.ScheduledEventsDocument, document.ScheduledEventsDocument, data)
+    if isinstance(data.get("Events"), list) and any(e.get("DurationInSeconds") == "9" for e in data["Events"]):
+        # pydantic's lax mode reads the string "9" as 9; the forwarder refuses it. IMDS writes numbers as numbers.
+        assert ours == "refused"
+        return
+    assert ours == theirs
+
+
+def _vm(**changes: Any) -> wire.VmIdentity:
+    values: dict[str, Any] = {
+        "name": "web_0",
+        "vmId": "0f1e2d3c",
+        "resourceId": "/subscriptions/s/resourceGroups/g/providers/Microsoft.Compute/virtualMachines/web_0",
+        "zone": "2",
+        "tags": {"scheduled-events": "manual", "ünïcode": "välue"},
+    }
+    return wire.VmIdentity(**{**values, **changes})
+
+
+def _envelopes() -> list[wire.Envelope]:
+    observed = datetime(2026, 11, 26, 7, 0, 1, 123456, tzinfo=UTC)
+    doc = wire.ScheduledEventsDocument.from_mapping(
+        {
+            "DocumentIncarnation": 4,
+            "Events": [
+                {"EventId": "A", "EventType": "Reboot", "EventStatus": "Scheduled", "Resources": ["web_0"], "New": 1}
+            ],
+            "Future": {"x": [1, 2]},
+        }
+    )
+    steps = [
+        wire.HookStep(hook="10-drain", outcome="succeeded", durationSeconds=0.25, exitCode=0),
+        wire.HookStep(hook="20-check", outcome="timed-out", durationSeconds=120.0, outputTail="late"),
+    ]
+    report = wire.HookReport(
+        eventId="A", phase="prepare", outcome="timed-out", hook="20-check", durationSeconds=120.25, steps=steps
+    )
+    health = wire.ForwarderHealth(
+        lastGoodPollAt=observed - timedelta(seconds=1),
+        pollErrors=3,
+        listenerConnected=False,
+        stateFullSince=observed.astimezone(timezone(timedelta(hours=2))),
+    )
+    proof = wire.Attestation(encoding="pkcs7", signature="TUlJQg==")
+    common: dict[str, Any] = {"vm": _vm(), "observedAt": observed, "forwarder": "0.1.0", "stateId": "abc.123"}
+    return [
+        wire.Envelope(kind="incarnation", sequence=1, document=doc, attestation=proof, **common),
+        wire.Envelope(kind="hook", sequence=2, hook=report, **common),
+        wire.Envelope.from_mapping(
+            {"kind": "heartbeat", "sequence": 3, "health": health, "counters": {"polls": 7}, **common}
+        ),
+    ]
+
+
+@pytest.mark.parametrize("sent", _envelopes(), ids=lambda e: e.kind)
+def test_an_envelope_the_forwarder_writes_is_the_one_the_coordinator_reads(sent: wire.Envelope) -> None:
+    """Byte for byte: the coordinator's model reads it and writes the same bytes back (unknown fields kept)."""
+    written = sent.to_json_bytes()
+    read = envelope.Envelope.from_json_bytes(written)
+    assert read.to_json_bytes() == written
+    assert read.vm.partition_key == sent.vm.partition_key
+    assert read.vm.hybrid_connection_name == sent.vm.hybrid_connection_name
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"kind": "incarnation"}, "needs 'document'"),
+        ({"kind": "hook"}, "needs 'hook'"),
+        ({"kind": "census"}, "Input should be"),
+        ({"schema": "scheduled-events.envelope/2"}, "scheduled-events.envelope/2"),
+        ({"schema": "something-else/1"}, "something-else/1"),
+        ({"observedAt": "2026-11-26T07:00:00"}, "UTC offset"),
+        ({"sequence": -1}, "greater than or equal to 0"),
+        ({"stateId": "a/b"}, "should match pattern"),
+        ({"vm": {"name": "x", "vmId": "y", "resourceId": "z", "tags": {f"t{i}": "" for i in range(51)}}}, "at most 50"),
+        ({"vm": {"name": "x", "vmId": "y", "resourceId": "z", "tags": {"t": "v" * 257}}}, "values at most 256"),
+    ],
+)
+def test_what_the_coordinator_refuses_the_forwarder_never_writes(changes: dict[str, Any], needle: str) -> None:
+    data = {
+        "kind": "heartbeat",
+        "vm": _vm().to_mapping(),
+        "observedAt": "2026-11-26T07:00:00Z",
+        "sequence": 0,
+        "forwarder": "0.1.0",
+        **changes,
+    }
+    with pytest.raises(ValidationError):
+        envelope.Envelope.from_mapping(data)
+    with pytest.raises(Invalid, match=needle):
+        wire.Envelope.from_mapping(data)
+
+
+def test_an_approval_request_the_coordinator_writes_is_read_alike() -> None:
+    event = document.ScheduledEvent(
+        EventId="A",
+        EventType="Reboot",
+        EventStatus="Scheduled",
+        Resources=["web_0"],
+        NotBefore="Mon, 19 Sep 2016 18:29:47 GMT",
+    )
+    now = datetime(2026, 11, 26, 7, tzinfo=UTC)
+    sent = approval.ApprovalRequest(
+        eventId="A",
+        decisionId="d-1",
+        rule="approve-within-budget",
+        issuedAt=now,
+        expiresAt=now + timedelta(seconds=30),
+        notAfter=now + timedelta(seconds=20),
+        facts=approval.ApprovalFacts.of(event, hooks_required=["web_0"]),
+        policyVersion="abc",
+    )
+    read = wire.ApprovalRequest.from_json_bytes(sent.model_dump_json())
+    assert read.to_mapping() == json.loads(sent.model_dump_json()) | {
+        "issuedAt": "2026-11-26T07:00:00Z",
+        "expiresAt": "2026-11-26T07:00:30Z",
+        "notAfter": "2026-11-26T07:00:20Z",
+    }
+    assert read.deadline == sent.deadline
+    assert read.facts is not None
+    assert read.facts.differences(wire.ScheduledEvent.from_mapping(event.model_dump())) == []
+    answer = wire.ApprovalResult(outcome="approved", eventId="A", decisionId="d-1", documentIncarnation=3)
+    assert approval.ApprovalResult.model_validate_json(answer.to_json_bytes()).model_dump_json().encode() == (
+        answer.to_json_bytes()
+    )
+
+
+def test_the_forwarder_process_loads_no_pydantic_and_no_azure_sdk() -> None:
+    """What the import rule (pyproject: forwarder-tiny) says, seen in a real interpreter: the daemon's imports and
+    the listener's (loaded at its first connect) bring neither in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, forwarder.cli, forwarder.eventhub, forwarder.approver, forwarder.relay_listener;"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'pydantic_core', 'azure', 'requests'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.strip() == "[]"
