@@ -30,7 +30,9 @@ name (never the hostname).
 
 Expiry: a request carries ``notAfter``, the earliest instant at which a condition its decision rested on stops
 holding (contracts/approval.py). It is refused from ``NOT_AFTER_TOLERANCE`` (2 s) before then on this VM's clock,
-so that what IMDS receives was decided on conditions that still held while the clocks agree within 2 s; refused
+so that what IMDS receives was decided on conditions that still held while the clocks agree within 2 s (checked
+when the request arrives and again right before the StartRequests POST: once a request lapses, the coordinator may
+send the event to another VM, docs/coordinator.md *Liveness*); refused
 without one (a coordinator older than this listener: upgrade the coordinator first); and refused when dated later
 than the event's NotBefore (+ the tolerance) or more than ``Freshness.max_validity`` (15 min) ahead, so that no
 approval is valid far into the future.
@@ -365,6 +367,11 @@ class Approver:
                 document = self._imds_call(self._imds.get_document)
                 get.set_attribute("scheduled_events.incarnation", document.DocumentIncarnation)
             outcome, reason = judge(approval, document, vm_name=self._vm_name, prepare_outcome=self._prepare_outcome)
+            lapsed = refuse_not_after(approval, now=self._clock(), freshness=self._freshness)
+            if outcome == "approved" and lapsed is not None:
+                # Checked again right before the POST: the fresh read may have waited (IMDS's rate limit, a slow
+                # answer), and once a request lapses the coordinator may send the event to a peer.
+                outcome, reason = "rejected", lapsed
             if outcome == "approved":
                 # Written (durably) before the POST: a crash from here until IMDS answers leaves "executing", and the
                 # decision is never executed again.

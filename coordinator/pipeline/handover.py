@@ -11,7 +11,7 @@ with the whole approval deadline. One decisionId throughout: the listener execut
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
 from coordinator.domain.history_rows import approval_row
@@ -29,10 +29,11 @@ log = logging.getLogger("coordinator")
 HANDOVER_GRACE = timedelta(seconds=90)
 
 
-def handed_over(run: Run, change: EventChange, *, executor: str, failure: str) -> EventChange:
+def handed_over(run: Run, change: EventChange, *, executor: str, failure: str, waiting: bool = False) -> EventChange:
     """The approval goes on in the delivery queue: its record says so (outcome "continued", ``executor``, the VM
     that did not answer) and the timer leaves it to the queue for ``HANDOVER_GRACE``. Not counted as a failed
-    attempt: no answer within a run's few seconds is not yet a failure."""
+    attempt: no answer within a run's few seconds is not yet a failure. ``waiting``: not sent at all, since the
+    VM that did not answer may still execute its request (act.reroute_at); the message waits until then."""
     now, record = run.now, change.record
     approval = record.approval
     assert approval is not None
@@ -40,7 +41,9 @@ def handed_over(run: Run, change: EventChange, *, executor: str, failure: str) -
     approval.executor = executor
     approval.outcome = "continued"
     approval.reason = (
-        f"no answer within {run.options.in_run_delivery.total_seconds():g} s ({failure[:600]}); continued "
+        f"{failure[:600]}; continued through the delivery queue, same decisionId"
+        if waiting
+        else f"no answer within {run.options.in_run_delivery.total_seconds():g} s ({failure[:600]}); continued "
         "outside this run through the delivery queue, same decisionId"
     )
     approval.nextAttemptAt = now + HANDOVER_GRACE
@@ -59,13 +62,18 @@ def handed_over(run: Run, change: EventChange, *, executor: str, failure: str) -
     return change
 
 
-def put(run: Run, *, event_id: str, decision_id: str, executor: str) -> None:
-    """Puts an approval whose record now says "continued" in the delivery queue. One that cannot be queued is the
-    timer's once ``HANDOVER_GRACE`` has passed (its record's nextAttemptAt)."""
+def put(run: Run, *, event_id: str, decision_id: str, executor: str, visible_at: datetime | None = None) -> None:
+    """Puts an approval whose record now says "continued" in the delivery queue (visible from ``visible_at``, when
+    it waits for an earlier request to lapse). One that cannot be queued is the timer's once ``HANDOVER_GRACE`` has
+    passed (its record's nextAttemptAt)."""
     queue = run.parts.deliveries
-    assert queue is not None  # handed over only with a queue (act.send_all)
+    assert queue is not None  # handed over only with a queue (act.send_all, act.plan_delivery)
+    delay = max(visible_at - run.now, timedelta(0)) if visible_at is not None else timedelta(0)
     try:
-        queue.put(QueuedDelivery(eventId=event_id, decisionId=decision_id, executor=executor, handedOverAt=run.now))
+        queue.put(
+            QueuedDelivery(eventId=event_id, decisionId=decision_id, executor=executor, handedOverAt=run.now),
+            delay=delay,
+        )
     except DeliveryQueueError:
         log.exception("approval of %s: not queued; the timer sends it again after its grace", event_id)
         return

@@ -7,7 +7,9 @@ import hashlib
 import hmac
 import json
 import random
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from urllib.parse import unquote
 
 import pytest
@@ -18,9 +20,9 @@ from contracts.envelope import VmIdentity
 from contracts.sas import relay_resource_uri, sas_token
 from coordinator.adapters.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
-from forwarder.approver import Freshness, MemoryLedger, judge, refuse_stale
+from forwarder.approver import Approver, Freshness, MemoryLedger, judge, refuse_stale
 from forwarder.durable_state import LedgerEntry
-from forwarder.relay_protocol import RelayResponse, relative_path, response_frame
+from forwarder.relay_protocol import RelayRequest, RelayResponse, relative_path, response_frame
 from forwarder.relay_tokens import SasTokenProvider
 
 NOW = datetime(2026, 11, 21, 6, 0, tzinfo=UTC)
@@ -331,3 +333,48 @@ def test_which_hybrid_connections_to_delete():
         existing, last_seen=last_seen, gone=["VM-GONE"], now=NOW, silence_limit=timedelta(days=1)
     )
     assert doomed == ["vm-gone", "vm-silent", "vm-unknown"]
+
+
+def test_a_request_that_lapses_while_the_fresh_document_is_read_is_not_executed():
+    """Once a request lapses the coordinator may send the event to a peer (pipeline/act.py reroute_at): the listener
+    checks notAfter again right before its POST, so a read that waited (IMDS's rate limit) cannot make two VMs
+    execute one event."""
+
+    class SlowImds:
+        def __init__(self) -> None:
+            self.posts: list[list[str]] = []
+
+        def get_document(self) -> ScheduledEventsDocument:
+            clock.now += timedelta(seconds=1)  # the read waited a second
+            return document(event())
+
+        def approve(self, event_ids: Iterable[str]) -> None:
+            self.posts.append(list(event_ids))
+
+    class Clock:
+        now = NOW
+
+        def __call__(self) -> datetime:
+            return self.now
+
+    clock, imds = Clock(), SlowImds()
+    approver = Approver(imds=imds, vm_name="WestNO_0", clock=clock)
+    facts = ApprovalFacts(eventType="Freeze", eventSource="Platform", durationInSeconds=-1, notBefore=None,
+                          resources=["WestNO_0"])  # fmt: skip
+
+    def relay(request: ApprovalRequest) -> dict[str, Any]:
+        body = request.model_dump_json().encode()
+        headers = {"Content-Type": "application/json"}
+        answer = approver(RelayRequest("r", "POST", "/vm/approve", "/approve", headers, body))
+        answer_body: dict[str, Any] = json.loads(answer.body)
+        return answer_body
+
+    # Valid on arrival (2.5 s before notAfter, the tolerance 2 s), lapsed once the read is done.
+    lapsing = approval(notAfter=NOW + timedelta(seconds=2.5), expiresAt=NOW + timedelta(seconds=2.5), facts=facts)
+    answer = relay(lapsing)
+    assert (answer["outcome"], imds.posts) == ("rejected", [])
+    assert str(answer["reason"]).startswith("expired at")
+    # With time to spare it is executed, once.
+    clock.now = NOW
+    assert relay(approval(decisionId="d-2", facts=facts))["outcome"] == "approved"
+    assert imds.posts == [["E1"]]
