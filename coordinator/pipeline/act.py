@@ -145,8 +145,13 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
         seen.update({name: last_seen[name] for name in seen if name in last_seen})
     # The VM whose listener did not answer the last attempt: a peer that can execute it goes first.
     avoid = frozenset({approval.executor}) if approval.outcome in UNANSWERED and approval.executor else frozenset()
-    executor = choose_executor(
-        record, seen, now - options.heartbeat_timeout, leaving=run.fleet.leaving(now), avoid=avoid
+    alive_after, leaving = now - options.heartbeat_timeout, run.fleet.leaving(now)
+    executor = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid)
+    # Another VM that could execute it if this one does not answer (a reroute waits for this request to lapse).
+    peer = (
+        choose_executor(record, seen, alive_after, leaving=leaving, avoid=frozenset({executor.name}))
+        if executor
+        else None
     )
     plan = Delivery(
         event_id=event_id,
@@ -159,9 +164,11 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
     # delivery's own deadline. A retry was decided again in this run before it got here (pipeline/decide.py).
     kept = Bound(approval.notAfter, approval.notAfterReason) if approval.notAfter else person_bound(record)
     tolerance = options.not_after_tolerance
-    # A request is valid only as long as its sender waits for it (the run's few seconds when it hands over): once
-    # it lapses, a peer may be sent the event without two valid approvals existing at once (``reroute_at``).
-    valid_for = options.in_run_delivery if hands_over(run) else options.approval_deadline
+    # A request a run hands over is valid only as long as the run waits for it when a peer could take over: once it
+    # lapses, the peer may be sent the event without two valid approvals existing at once (``reroute_at``). With no
+    # peer it keeps the whole deadline: a slow listener (Relay holding it 3 s) may still execute it (oracle seed 15).
+    rerouteable = peer is not None and executor is not None and peer.name != executor.name
+    valid_for = options.in_run_delivery if hands_over(run) and rerouteable else options.approval_deadline
     not_after = request_bound(kept, now, valid_for, tolerance=tolerance)
     if not sendable(not_after.at, now, tolerance=tolerance):
         plan.failure = (
