@@ -55,6 +55,9 @@ UNANSWERED = frozenset({"failed", "continued"})
 # listener checks notAfter again right before its StartRequests POST (forwarder/approver.py), and this covers that
 # POST's own way to IMDS (the process's IMDS rate limiter may hold it a token or two, 0.5 s each) (*Liveness*).
 REROUTE_MARGIN = timedelta(seconds=1)
+# How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
+# the Relay holds 3 s (oracle seed 15) still executes it; a peer that reports the event later waits this much more.
+UNPEERED_ALLOWANCE = timedelta(seconds=3)
 # An answer that does not prove it came from the executing VM (another instance listening on its hybrid connection:
 # Relay hands each request to one of the connection's listeners at random) is sent again at once, this many times
 # in all, before the approval counts as failed and waits for its retry.
@@ -147,12 +150,6 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
     avoid = frozenset({approval.executor}) if approval.outcome in UNANSWERED and approval.executor else frozenset()
     alive_after, leaving = now - options.heartbeat_timeout, run.fleet.leaving(now)
     executor = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid)
-    # Another VM that could execute it if this one does not answer (a reroute waits for this request to lapse).
-    peer = (
-        choose_executor(record, seen, alive_after, leaving=leaving, avoid=frozenset({executor.name}))
-        if executor
-        else None
-    )
     plan = Delivery(
         event_id=event_id,
         decision_id=approval.decisionId,
@@ -164,11 +161,7 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
     # delivery's own deadline. A retry was decided again in this run before it got here (pipeline/decide.py).
     kept = Bound(approval.notAfter, approval.notAfterReason) if approval.notAfter else person_bound(record)
     tolerance = options.not_after_tolerance
-    # A request a run hands over is valid only as long as the run waits for it when a peer could take over: once it
-    # lapses, the peer may be sent the event without two valid approvals existing at once (``reroute_at``). With no
-    # peer it keeps the whole deadline: a slow listener (Relay holding it 3 s) may still execute it (oracle seed 15).
-    rerouteable = peer is not None and executor is not None and peer.name != executor.name
-    valid_for = options.in_run_delivery if hands_over(run) and rerouteable else options.approval_deadline
+    valid_for = _valid_for(run, record, seen, executor, alive_after=alive_after, leaving=leaving)
     not_after = request_bound(kept, now, valid_for, tolerance=tolerance)
     if not sendable(not_after.at, now, tolerance=tolerance):
         plan.failure = (
@@ -269,6 +262,29 @@ def _waits(run: Run, plan: Delivery, open_request: OpenRequest | None) -> bool:
     )
     plan.executor = open_request.executor
     return True
+
+
+def _valid_for(
+    run: Run,
+    record: EventRecord,
+    seen: dict[str, datetime],
+    executor: VmSighting | None,
+    *,
+    alive_after: datetime,
+    leaving: dict[str, str],
+) -> timedelta:
+    """How long a request sent now is valid. One a run hands over, only about as long as the run waits for it: once
+    it lapses, a peer may be sent the event without two valid approvals existing at once (``reroute_at``). As long
+    exactly when a peer that could take over is known; ``UNPEERED_ALLOWANCE`` longer when none is yet (a listener
+    the Relay holds a few seconds still executes it, oracle seed 15; a peer that reports the event later waits at
+    most that much more). The queue's and the timer's sends: the whole approval deadline."""
+    options = run.options
+    if not hands_over(run):
+        return options.approval_deadline
+    avoid = frozenset({executor.name}) if executor is not None else frozenset()
+    peer = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid) if executor else None
+    known = peer is not None and executor is not None and peer.name != executor.name
+    return options.in_run_delivery + (timedelta(0) if known else UNPEERED_ALLOWANCE)
 
 
 def hands_over(run: Run) -> bool:

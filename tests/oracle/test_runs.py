@@ -13,11 +13,11 @@ from emulators.imds import Scenario
 from oracle.generate import generate
 from oracle.run import SCENARIOS, RunResult, policy_for, run_scenario
 
-# Few, so the suite stays short (each about 25 s): seed 6 (a Relay outage, a killed forwarder, a slow listener).
-# Seed 5 (a stopped forwarder, an IMDS 5xx burst, a gated rule whose window is closed with onNotBefore: approve) found
-# a missed approval in one full run on 2026-11-26 (short-freeze due at +10.4 s, none made; it passed in another run):
-# not diagnosed yet, so it is left out of the suite until it is (README, "Not done yet"; python -m oracle --seed 5).
-SEEDS = (6,)
+# Few, so the suite stays short (each about 25 s): seed 6 (a Relay outage, a killed forwarder, a slow listener) and
+# seed 5 (a stopped and a killed forwarder, an IMDS 5xx burst, a gated rule whose window is closed with onNotBefore:
+# approve, a forged sequence): four approvals rerouted to one peer at once, whose listener read IMDS once for each
+# within its rate limit, so the fourth missed its NotBefore (docs/coordinator.md, Liveness).
+SEEDS = (5, 6)
 ASSERTED = ("wrong", "missed", "duplicate", "lost")
 
 
