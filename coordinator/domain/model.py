@@ -131,7 +131,7 @@ class ApprovalRecord(BaseModel):
 class OpenRequest(BaseModel):
     """A request sent to a VM's listener (or to ARM) and not answered: that VM may still execute it until ``until``
     (the request's notAfter, the coordinator's clock). No other VM, and no other decision, is sent the event before
-    then (pipeline/act.py, ``reroute_at``): two executors never hold a valid approval for one event at once."""
+    then (domain/approvals.py, ``reroute_at``): two executors never hold a valid approval for one event at once."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -31,7 +31,7 @@ from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BoundedCallback
-from coordinator.domain.approvals import choose_executor
+from coordinator.domain.approvals import choose_executor, reroute_at
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
@@ -51,13 +51,9 @@ APPROVAL_FAILED_AFTER = 3
 SEND_SLACK = 0.5
 # The answers that say the executor's listener was not reached or did not answer: the next attempt prefers a peer.
 UNANSWERED = frozenset({"failed", "continued"})
-# After an unanswered request's notAfter, how long before another VM (or another decision) is sent the event: the
-# listener checks notAfter again right before its StartRequests POST (forwarder/approver.py), and this covers that
-# POST's own way to IMDS (the process's IMDS rate limiter may hold it a token or two, 0.5 s each) (*Liveness*).
-REROUTE_MARGIN = timedelta(seconds=1)
 # How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
 # the Relay holds 3 s (oracle seed 15) still executes it; a peer that reports the event later waits this much more.
-UNPEERED_ALLOWANCE = timedelta(seconds=3)
+UNPEERED_ALLOWANCE = timedelta(seconds=2)
 # An answer that does not prove it came from the executing VM (another instance listening on its hybrid connection:
 # Relay hands each request to one of the connection's listeners at random) is sent again at once, this many times
 # in all, before the approval counts as failed and waits for its retry.
@@ -290,17 +286,6 @@ def _valid_for(
 def hands_over(run: Run) -> bool:
     """Whether the run gives an approval only ``in_run_delivery`` and hands one not answered to the delivery queue."""
     return run.parts.deliveries is not None and run.kind != "delivery"
-
-
-def reroute_at(open_request: OpenRequest | None, executor: str, decision_id: str, now: datetime) -> datetime | None:
-    """When a request for ``decision_id`` may go to ``executor``, if not now: a request another VM (or the same VM
-    for another decision) has not answered may still be executed by it until its notAfter (its listener refuses it
-    from then, its clock within the tolerance of ours; ``REROUTE_MARGIN`` more for a POST it began just before).
-    The same executor and decision again is always safe: its listener executes a decisionId once."""
-    if open_request is None or (open_request.executor, open_request.decisionId) == (executor, decision_id):
-        return None
-    free = open_request.until + REROUTE_MARGIN
-    return free if now < free else None
 
 
 def send_all(run: Run, plans: Sequence[Delivery]) -> None:

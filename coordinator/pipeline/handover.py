@@ -14,12 +14,14 @@ import logging
 from datetime import datetime, timedelta
 
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
+from coordinator.domain.approvals import REROUTE_MARGIN
 from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange
+from coordinator.domain.model import EventRecord
 from coordinator.pipeline.run import Run
 from coordinator.state.events import read_event
 
-__all__ = ["HANDOVER_GRACE", "handed_over", "put", "take_over"]
+__all__ = ["HANDOVER_GRACE", "LAPSE_WAIT_MAX", "handed_over", "lapse_wait", "put", "take_over"]
 
 log = logging.getLogger("coordinator")
 
@@ -27,13 +29,17 @@ log = logging.getLogger("coordinator")
 # picks a message up within its 1 s polling (host.json) and gives it the 30 s approval deadline; 90 s, as a deciding
 # run's own in-flight grace (pipeline/decide.py), leaves room for a retried invocation.
 HANDOVER_GRACE = timedelta(seconds=90)
+# A delivery run whose approval waits for the unanswered request to lapse (domain/approvals.py, reroute_at) waits for
+# it before it starts, when that is this close, rather than putting its message back: a message's invisibility is in
+# whole seconds and the trigger polls every second, which cost up to 2 s more (oracle seed 17: a Freeze missed).
+LAPSE_WAIT_MAX = timedelta(seconds=10)
 
 
 def handed_over(run: Run, change: EventChange, *, executor: str, failure: str, waiting: bool = False) -> EventChange:
     """The approval goes on in the delivery queue: its record says so (outcome "continued", ``executor``, the VM
     that did not answer) and the timer leaves it to the queue for ``HANDOVER_GRACE``. Not counted as a failed
     attempt: no answer within a run's few seconds is not yet a failure. ``waiting``: not sent at all, since the
-    VM that did not answer may still execute its request (act.reroute_at); the message waits until then."""
+    VM that did not answer may still execute its request (approvals.reroute_at); the message waits until then."""
     now, record = run.now, change.record
     approval = record.approval
     assert approval is not None
@@ -78,6 +84,17 @@ def put(run: Run, *, event_id: str, decision_id: str, executor: str, visible_at:
         log.exception("approval of %s: not queued; the timer sends it again after its grace", event_id)
         return
     run.report.deliveries_continued += 1
+
+
+def lapse_wait(record: EventRecord | None, delivery: QueuedDelivery, now: datetime) -> timedelta:
+    """How long a delivery run waits before it starts: until the request the handed-over approval left unanswered
+    has lapsed (its notAfter + REROUTE_MARGIN), when that is within ``LAPSE_WAIT_MAX``; else no time (the run puts
+    its message back, or sends through the same VM, which needs no wait)."""
+    open_request = record.openRequest if record is not None else None
+    if open_request is None or open_request.decisionId != delivery.decisionId:
+        return timedelta(0)
+    wait = open_request.until + REROUTE_MARGIN - now
+    return wait if timedelta(0) < wait <= LAPSE_WAIT_MAX else timedelta(0)
 
 
 def take_over(run: Run, delivery: QueuedDelivery) -> None:

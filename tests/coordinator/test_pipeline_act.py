@@ -14,6 +14,7 @@ from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.delivery_queue import QueuedDelivery
+from coordinator.domain import approvals
 from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import act, handover
@@ -402,14 +403,14 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
     handover.take_over(early, bench.deliveries.queued[0])
     act.deliver(early, last_seen=None)
     assert callback.vms == ["WestNO_0", "Other_0"]
-    assert bench.deliveries.delays[-1] == lapsed + act.REROUTE_MARGIN - DOC_NOW
+    assert bench.deliveries.delays[-1] == lapsed + approvals.REROUTE_MARGIN - DOC_NOW
     waiting = bench.event(EVENT).approval
     assert waiting is not None
     assert (waiting.outcome, waiting.executor, waiting.attempts) == ("continued", "WestNO_0", 0)
     assert "may be executed until" in waiting.reason
 
     # Then: the whole approval deadline, through a peer of the VM that did not answer.
-    bench.now = lapsed + act.REROUTE_MARGIN
+    bench.now = lapsed + approvals.REROUTE_MARGIN
     continued = bench.run("delivery")
     handover.take_over(continued, bench.deliveries.queued[-1])
     act.deliver(continued, last_seen=None)
@@ -442,9 +443,9 @@ def test_no_second_executor_while_an_unanswered_request_may_still_be_executed(
     until = DOC_NOW + timedelta(seconds=5)
     open_request = OpenRequest(executor="vm-a", decisionId="d-1", until=until)
     now = until + timedelta(seconds=after)
-    expected = until + act.REROUTE_MARGIN if waits else None
-    assert act.reroute_at(open_request, executor, decision, now) == expected
-    assert act.reroute_at(None, executor, decision, now) is None
+    expected = until + approvals.REROUTE_MARGIN if waits else None
+    assert approvals.reroute_at(open_request, executor, decision, now) == expected
+    assert approvals.reroute_at(None, executor, decision, now) is None
 
 
 def test_a_request_stays_open_until_answered_and_only_the_same_executors_extends_it():
@@ -550,3 +551,29 @@ def test_a_terminate_whose_vm_is_gone_goes_through_remote_acknowledge_where_it_i
     approval_now = bench.event("EV-DEL").approval
     assert approval_now is not None
     assert approval_now.executor == through
+
+
+@pytest.mark.parametrize(
+    ("until", "decision", "wait"),
+    [
+        (3.0, "d-1", 4.0),  # lapses in 3 s: the delivery run waits for it (+ the margin) rather than requeue
+        (9.5, "d-1", 0.0),  # beyond LAPSE_WAIT_MAX: the message goes back to the queue, invisible until then
+        (-1.0, "d-1", 0.0),  # lapsed already
+        (3.0, "d-2", 0.0),  # another decision's request: not this message's to wait for
+    ],
+)
+def test_a_delivery_run_waits_a_few_seconds_for_the_unanswered_request_to_lapse(
+    until: float, decision: str, wait: float
+):
+    record = EventRecord.model_validate(
+        {
+            "eventId": EVENT,
+            "eventType": "Freeze",
+            "stateSince": DOC_NOW,
+            "createdAt": DOC_NOW,
+            "openRequest": {"executor": "vm-a", "decisionId": decision, "until": DOC_NOW + timedelta(seconds=until)},
+        }
+    )
+    delivery = QueuedDelivery(eventId=EVENT, decisionId="d-1", executor="vm-a", handedOverAt=DOC_NOW)
+    assert handover.lapse_wait(record, delivery, DOC_NOW) == timedelta(seconds=wait)
+    assert handover.lapse_wait(None, delivery, DOC_NOW) == timedelta(0)
