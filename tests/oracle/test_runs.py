@@ -13,11 +13,10 @@ from emulators.imds import Scenario
 from oracle.generate import generate
 from oracle.run import SCENARIOS, RunResult, policy_for, run_scenario
 
-# Few, so the suite stays short (each about 25 s): seed 6 (a Relay outage, a killed forwarder, a slow listener) and
-# seed 5 (a stopped and a killed forwarder, an IMDS 5xx burst, a gated rule whose window is closed with onNotBefore:
-# approve, a forged sequence): four approvals rerouted to one peer at once, whose listener read IMDS once for each
-# within its rate limit, so the fourth missed its NotBefore (docs/coordinator.md, Liveness).
-SEEDS = (5, 6)
+# Few, so the suite stays short (each about 25 s): seed 6 (a Relay outage, a killed forwarder, a slow listener).
+# Seeds 5, 15, 17 and 41 found what the regression scenarios rerouted-while-the-slow-listener-executes and
+# slow-or-dead-listener-before-a-peer-reports now show in less time; `python -m oracle --seeds 100` runs them all.
+SEEDS = (6,)
 ASSERTED = ("wrong", "missed", "duplicate", "lost")
 
 
