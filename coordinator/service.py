@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -245,8 +246,13 @@ class Coordinator:
         """An approval a run handed to the delivery queue (``function_app.continue_approval``), delivered with the
         whole approval deadline while its record still says it was handed over; then the tail. A message that is
         not a ``QueuedDelivery`` raises (the host retries it, then sets it aside in the poison queue)."""
+        delivery = QueuedDelivery.model_validate_json(message)
+        stored = read_event(self.store, delivery.eventId)
+        wait = handover.lapse_wait(stored.record if stored is not None else None, delivery, self.clock())
+        if wait:
+            time.sleep(wait.total_seconds())  # the unanswered request lapses in a few seconds (handover.lapse_wait)
         run = self.start("delivery")
-        handover.take_over(run, QueuedDelivery.model_validate_json(message))
+        handover.take_over(run, delivery)
         tail.finish(run)
         return run.report
 

@@ -30,7 +30,9 @@ name (never the hostname).
 
 Expiry: a request carries ``notAfter``, the earliest instant at which a condition its decision rested on stops
 holding (contracts/approval.py). It is refused from ``NOT_AFTER_TOLERANCE`` (2 s) before then on this VM's clock,
-so that what IMDS receives was decided on conditions that still held while the clocks agree within 2 s; refused
+so that what IMDS receives was decided on conditions that still held while the clocks agree within 2 s (checked
+when the request arrives and again right before the StartRequests POST: once a request lapses, the coordinator may
+send the event to another VM, docs/coordinator.md *Liveness*); refused
 without one (a coordinator older than this listener: upgrade the coordinator first); and refused when dated later
 than the event's NotBefore (+ the tolerance) or more than ``Freshness.max_validity`` (15 min) ahead, so that no
 approval is valid far into the future.
@@ -306,6 +308,12 @@ class Approver:
         # One approval at a time: the IMDS calls are quick, and serialising makes "approve once per decision" exact.
         self._lock = threading.Lock()
         self.imds_posts = 0
+        # The last document read (with when its read began, monotonic) and the events POSTed since: a request that
+        # arrived before that read is judged on it (as fresh as one read on its arrival), unless its own event was
+        # POSTed since. Approvals that arrive together then cost one read, not one each, of IMDS's ~5 requests/s.
+        self._document: tuple[float, ScheduledEventsDocument] | None = None
+        self._posted_since: set[str] = set()
+        self.imds_reads = 0
 
     def __call__(self, request: RelayRequest) -> RelayResponse:
         with self._tracer.start_as_current_span(
@@ -330,8 +338,9 @@ class Approver:
             span.set_attribute("scheduled_events.event_id", approval.eventId)
             span.set_attribute("scheduled_events.decision_id", approval.decisionId)
             # The proof first: a VM whose delete this approval starts has no IMDS a moment after StartRequests.
+            arrived = time.monotonic()
             proof = self._proof(approval.decisionId)
-            result, replayed = self._decide(approval)
+            result, replayed = self._decide(approval, arrived)
         except _Refusal as refusal:
             record.update(status=refusal.status, reason=refusal.reason)
             # 503: IMDS could not be asked (the sender retries); 4xx: the request could not be evaluated.
@@ -348,7 +357,7 @@ class Approver:
         log.info("approval request answered", extra=fields(**record, ms=_ms(started)))
         return RelayResponse(200, "OK", {"Content-Type": "application/json"}, result.to_json_bytes())
 
-    def _decide(self, approval: ApprovalRequest) -> tuple[ApprovalResult, bool]:
+    def _decide(self, approval: ApprovalRequest, arrived: float) -> tuple[ApprovalResult, bool]:
         with self._lock:
             now = self._clock()
             prior = self._ledger.decision(approval.decisionId)
@@ -366,10 +375,13 @@ class Approver:
             stale = refuse_stale(approval, now=now, freshness=self._freshness)
             if stale is not None:
                 return self._remember(approval, "refused", self._result(approval, "rejected", stale, None), now), False
-            with self._tracer.start_as_current_span("listener.imds_get", kind=trace.SpanKind.CLIENT) as get:
-                document = self._imds_call(self._imds.get_document)
-                get.set_attribute("scheduled_events.incarnation", document.DocumentIncarnation)
+            document = self._fresh_document(approval.eventId, arrived)
             outcome, reason = judge(approval, document, vm_name=self._vm_name, prepare_outcome=self._prepare_outcome)
+            lapsed = refuse_not_after(approval, now=self._clock(), freshness=self._freshness)
+            if outcome == "approved" and lapsed is not None:
+                # Checked again right before the POST: the fresh read may have waited (IMDS's rate limit, a slow
+                # answer), and once a request lapses the coordinator may send the event to a peer.
+                outcome, reason = "rejected", lapsed
             if outcome == "approved":
                 # Written (durably) before the POST: a crash from here until IMDS answers leaves "executing", and the
                 # decision is never executed again.
@@ -379,14 +391,30 @@ class Approver:
                     kind=trace.SpanKind.CLIENT,
                     attributes={"scheduled_events.event_id": approval.eventId},
                 ):
+                    self._posted_since.add(approval.eventId.upper())
                     try:
                         self._imds_call(lambda: self._imds.approve([approval.eventId]))
                     except _Refusal:
                         self._ledger.forget_decision(approval.decisionId)  # IMDS refused or was unreachable
+                        self._document = None  # what IMDS holds now is unknown
                         raise
                 self.imds_posts += 1
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
             return self._remember(approval, "approved" if outcome == "approved" else "refused", result, now), False
+
+    def _fresh_document(self, event_id: str, arrived: float) -> ScheduledEventsDocument:
+        """This VM's document as read after the request arrived (``arrived``, monotonic): the last one read, when
+        its read began since then and its event was not POSTed since, else read now (called under the lock)."""
+        last = self._document
+        if last is not None and last[0] >= arrived and event_id.upper() not in self._posted_since:
+            return last[1]
+        began = time.monotonic()
+        with self._tracer.start_as_current_span("listener.imds_get", kind=trace.SpanKind.CLIENT) as get:
+            document = self._imds_call(self._imds.get_document)
+            get.set_attribute("scheduled_events.incarnation", document.DocumentIncarnation)
+        self.imds_reads += 1
+        self._document, self._posted_since = (began, document), set()
+        return document
 
     def _proof(self, decision_id: str) -> Attestation | None:
         """IMDS's attested document for the decision (contracts.attestation.decision_nonce), which the answer carries:

@@ -19,6 +19,7 @@ Messages are base64 text, the Functions queue trigger's default encoding.
 from __future__ import annotations
 
 import base64
+import math
 from datetime import datetime, timedelta
 from typing import Protocol
 
@@ -77,8 +78,9 @@ class DeliveryQueueError(RuntimeError):
 
 
 class DeliveryQueue(Protocol):
-    def put(self, delivery: QueuedDelivery) -> None:
-        """Queue one delivery to continue now; ``DeliveryQueueError`` when it could not be queued."""
+    def put(self, delivery: QueuedDelivery, *, delay: timedelta = timedelta(0)) -> None:
+        """Queue one delivery to continue now, or once ``delay`` has passed; ``DeliveryQueueError`` when it could
+        not be queued."""
         ...
 
 
@@ -115,13 +117,17 @@ class StorageQueueDeliveries:
         )
         self._deadline = deadline_seconds
 
-    def put(self, delivery: QueuedDelivery) -> None:
+    def put(self, delivery: QueuedDelivery, *, delay: timedelta = timedelta(0)) -> None:
         # Base64 (letters, digits, +, /, =) needs no XML escaping.
         text = base64.b64encode(delivery.model_dump_json().encode()).decode()
+        params = {"messagettl": str(int(MESSAGE_TTL.total_seconds()))}
+        if delay > timedelta(0):
+            # Put Message's initial invisibility, whole seconds: rounded up, never visible before the delay.
+            params["visibilitytimeout"] = str(math.ceil(delay.total_seconds()))
         request = HttpRequest(
             "POST",
             f"{self.queue_url}/messages",
-            params={"messagettl": str(int(MESSAGE_TTL.total_seconds()))},
+            params=params,
             headers={"Content-Type": "application/xml"},
             content=f"<QueueMessage><MessageText>{text}</MessageText></QueueMessage>",
         )

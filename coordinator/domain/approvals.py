@@ -1,17 +1,23 @@
 """An approval's way after the decision: through which VM it is sent, and when the platform is late to start it.
 
-Pure: takes an event record and when its VMs last reported; gives the executing VM (``choose_executor``) and
-whether a delivered approval's Started is overdue (``start_overdue``: the listener's word is not the platform's).
+Pure: takes an event record and when its VMs last reported; gives the executing VM (``choose_executor``), when
+another VM may be sent it after one that did not answer (``reroute_at``), and whether a delivered approval's Started
+is overdue (``start_overdue``: the listener's word is not the platform's).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from coordinator.domain.deletes import REMOVING_EVENTS
-from coordinator.domain.model import EventRecord, VmSighting
+from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
 
-__all__ = ["choose_executor", "start_overdue"]
+__all__ = ["REROUTE_MARGIN", "choose_executor", "reroute_at", "start_overdue"]
+
+# After an unanswered request's notAfter, how long before another VM (or another decision) is sent the event: the
+# listener checks notAfter again right before its StartRequests POST (forwarder/approver.py), and this covers that
+# POST's own way to IMDS (the process's IMDS rate limiter may hold it a token or two, 0.5 s each) (*Liveness*).
+REROUTE_MARGIN = timedelta(seconds=1)
 
 
 def choose_executor(
@@ -75,3 +81,14 @@ def start_overdue(record: EventRecord, now: datetime, last_seen: dict[str, datet
         since = approval.confirmBy
         return any(seen >= since for name in record.resources if (seen := last_seen.get(name)) is not None)
     return True
+
+
+def reroute_at(open_request: OpenRequest | None, executor: str, decision_id: str, now: datetime) -> datetime | None:
+    """When a request for ``decision_id`` may go to ``executor``, if not now: a request another VM (or the same VM
+    for another decision) has not answered may still be executed by it until its notAfter (its listener refuses it
+    from then, its clock within the tolerance of ours; ``REROUTE_MARGIN`` more for a POST it began just before).
+    The same executor and decision again is always safe: its listener executes a decisionId once."""
+    if open_request is None or (open_request.executor, open_request.decisionId) == (executor, decision_id):
+        return None
+    free = open_request.until + REROUTE_MARGIN
+    return free if now < free else None

@@ -133,6 +133,18 @@ class ApprovalRecord(BaseModel):
     policyVersion: str = ""
 
 
+class OpenRequest(BaseModel):
+    """A request sent to a VM's listener (or to ARM) and not answered: that VM may still execute it until ``until``
+    (the request's notAfter, the coordinator's clock). No other VM, and no other decision, is sent the event before
+    then (domain/approvals.py, ``reroute_at``): two executors never hold a valid approval for one event at once."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    executor: str
+    decisionId: str
+    until: datetime
+
+
 class PlatformHold(BaseModel):
     """An approved delete the platform does not start while another delete of its scale set is pending."""
 
@@ -203,6 +215,8 @@ class EventRecord(BaseModel):
     # The W3C traceparent of the envelope that first reported the event ("" if it carried none, or from a
     # coordinator older than this field): the decision's and the approval's spans continue that trace.
     traceparent: str = ""
+    # The last request sent that its executor did not answer, while it may still be executed (OpenRequest).
+    openRequest: OpenRequest | None = None
 
     @property
     def open(self) -> bool:

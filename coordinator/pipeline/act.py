@@ -33,13 +33,13 @@ from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BatchCallback, BoundedCallback
-from coordinator.domain.approvals import choose_executor
+from coordinator.domain.approvals import choose_executor, reroute_at
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transition
-from coordinator.domain.model import EventRecord, VmSighting
+from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.pipeline import attest, handover
 from coordinator.pipeline.run import Delivery, Run
@@ -53,6 +53,9 @@ APPROVAL_FAILED_AFTER = 3
 SEND_SLACK = 0.5
 # The answers that say the executor's listener was not reached or did not answer: the next attempt prefers a peer.
 UNANSWERED = frozenset({"failed", "continued"})
+# How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
+# the Relay holds 3 s (oracle seed 15) still executes it; a peer that reports the event later waits this much more.
+UNPEERED_ALLOWANCE = timedelta(seconds=2)
 # An answer that does not prove it came from the executing VM (another instance listening on its hybrid connection:
 # Relay hands each request to one of the connection's listeners at random) is sent again at once, this many times
 # in all, before the approval counts as failed and waits for its retry.
@@ -94,7 +97,13 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
             run.fleet.note(change.record)
             work.collect(change)
             if plan.continued:
-                handover.put(run, event_id=plan.event_id, decision_id=plan.decision_id, executor=plan.executor)
+                handover.put(
+                    run,
+                    event_id=plan.event_id,
+                    decision_id=plan.decision_id,
+                    executor=plan.executor,
+                    visible_at=plan.wait_until,
+                )
 
 
 def send_decided(
@@ -113,7 +122,7 @@ def send_decided(
     work.sent.extend(plans)
 
 
-def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no further, each saying why
+def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason a plan goes no further, each saying why
     run: Run, event_id: str, last_seen: dict[str, datetime] | None, *, unstorable: frozenset[str] = frozenset()
 ) -> Delivery | None:
     """What to send for one committed approval: the executor and the request (None when no VM can execute it; the
@@ -137,9 +146,8 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
         seen.update({name: last_seen[name] for name in seen if name in last_seen})
     # The VM whose listener did not answer the last attempt: a peer that can execute it goes first.
     avoid = frozenset({approval.executor}) if approval.outcome in UNANSWERED and approval.executor else frozenset()
-    executor = choose_executor(
-        record, seen, now - options.heartbeat_timeout, leaving=run.fleet.leaving(now), avoid=avoid
-    )
+    alive_after, leaving = now - options.heartbeat_timeout, run.fleet.leaving(now)
+    executor = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid)
     plan = Delivery(
         event_id=event_id,
         decision_id=approval.decisionId,
@@ -151,7 +159,8 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
     # delivery's own deadline. A retry was decided again in this run before it got here (pipeline/decide.py).
     kept = Bound(approval.notAfter, approval.notAfterReason) if approval.notAfter else person_bound(record)
     tolerance = options.not_after_tolerance
-    not_after = request_bound(kept, now, options.approval_deadline, tolerance=tolerance)
+    valid_for = _valid_for(run, record, seen, executor, alive_after=alive_after, leaving=leaving)
+    not_after = request_bound(kept, now, valid_for, tolerance=tolerance)
     if not sendable(not_after.at, now, tolerance=tolerance):
         plan.failure = (
             f"not sent: its notAfter {not_after.at.isoformat()} ({not_after.why}) is past or within the listener's "
@@ -190,6 +199,8 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
             )
         else:
             plan.failure = f"no VM of {sorted(record.vms)[:10]} reported within {within}"
+        return plan
+    if _waits(run, plan, record.openRequest):
         return plan
     plan.vm = executor.identity()
     plan.request = ApprovalRequest(
@@ -234,6 +245,51 @@ def plan_delivery(  # noqa: PLR0911 -- one return per reason a plan goes no furt
     return plan
 
 
+def _waits(run: Run, plan: Delivery, open_request: OpenRequest | None) -> bool:
+    """Whether the plan must wait for an unanswered request to lapse (``reroute_at``); if so, it says until when,
+    and waits in the delivery queue (a message visible from then), else for the timer."""
+    reroute = reroute_at(open_request, plan.executor, plan.decision_id, run.now)
+    if reroute is None or open_request is None:
+        return False
+    plan.wait_until = reroute
+    plan.continued = run.parts.deliveries is not None
+    plan.failure = (
+        f"not sent to {plan.executor} yet: {open_request.executor}'s unanswered request ({open_request.decisionId}) "
+        f"may be executed until {open_request.until.isoformat()}; sent from {reroute.isoformat()} (one valid "
+        "approval per event at a time)"
+    )
+    plan.executor = open_request.executor
+    return True
+
+
+def _valid_for(
+    run: Run,
+    record: EventRecord,
+    seen: dict[str, datetime],
+    executor: VmSighting | None,
+    *,
+    alive_after: datetime,
+    leaving: dict[str, str],
+) -> timedelta:
+    """How long a request sent now is valid. One a run hands over, only about as long as the run waits for it: once
+    it lapses, a peer may be sent the event without two valid approvals existing at once (``reroute_at``). As long
+    exactly when a peer that could take over is known; ``UNPEERED_ALLOWANCE`` longer when none is yet (a listener
+    the Relay holds a few seconds still executes it, oracle seed 15; a peer that reports the event later waits at
+    most that much more). The queue's and the timer's sends: the whole approval deadline."""
+    options = run.options
+    if not hands_over(run):
+        return options.approval_deadline
+    avoid = frozenset({executor.name}) if executor is not None else frozenset()
+    peer = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid) if executor else None
+    known = peer is not None and executor is not None and peer.name != executor.name
+    return options.in_run_delivery + (timedelta(0) if known else UNPEERED_ALLOWANCE)
+
+
+def hands_over(run: Run) -> bool:
+    """Whether the run gives an approval only ``in_run_delivery`` and hands one not answered to the delivery queue."""
+    return run.parts.deliveries is not None and run.kind != "delivery"
+
+
 def send_all(run: Run, plans: Sequence[Delivery]) -> None:
     """Sends the approvals concurrently. With a delivery queue, a batch, tick or person's run gives each
     ``in_run_delivery`` and marks one not answered by then ``continued`` (``deliver`` hands it over); otherwise,
@@ -241,7 +297,7 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> None:
     later. A send not over by then finishes on its own thread (each sender has its own timeouts). Approvals through
     a callback that takes several at once (the Maintenance RP's list acknowledge) go together, one request per
     resource, each with its own outcome."""
-    handing_over = run.parts.deliveries is not None and run.kind != "delivery"
+    handing_over = hands_over(run)
     within = (run.options.in_run_delivery if handing_over else run.options.approval_deadline).total_seconds()
     futures = _submit(run, plans, within)
     if not futures:
@@ -383,14 +439,22 @@ def _any_sighting(record: EventRecord) -> VmSighting | None:
 def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventChange | None:
     decision_id, executor, result, failure = plan.decision_id, plan.executor, plan.result, plan.failure
     if record is None or record.approval is None or record.approval.decisionId != decision_id:
-        return None
+        return _superseded(record, plan)
     now = run.now
     record = clone(record)
     change = EventChange(record=record, changed=True)
     approval = record.approval
     assert approval is not None
+    record.openRequest = open_after(record.openRequest, plan)
+    if plan.wait_until is not None and not plan.continued:
+        # No queue to wait in: the timer sends it once the earlier request has lapsed (not an attempt).
+        approval.nextAttemptAt = max(plan.wait_until, now)
+        approval.reason = plan.failure[:1000]
+        return change
     if plan.continued:
-        return handover.handed_over(run, change, executor=plan.executor, failure=plan.failure)
+        return handover.handed_over(
+            run, change, executor=plan.executor, failure=plan.failure, waiting=plan.wait_until is not None
+        )
     approval.attempts += 1
     approval.lastAttemptAt = now
     approval.executor = executor
@@ -442,6 +506,36 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
     if approval.attempts >= APPROVAL_FAILED_AFTER:
         raise_alert(change, "approval-failed", now)
     return change
+
+
+def _superseded(record: EventRecord | None, plan: Delivery) -> EventChange | None:
+    """An outcome for an approval withdrawn while it was on its way is not recorded, but the request it left
+    unanswered is: it may still be executed until its notAfter."""
+    if record is None:
+        return None
+    opened = open_after(record.openRequest, plan)
+    if opened == record.openRequest:
+        return None
+    record = clone(record)
+    record.openRequest = opened
+    return EventChange(record=record, changed=True)
+
+
+def open_after(open_request: OpenRequest | None, plan: Delivery) -> OpenRequest | None:
+    """The event's unanswered request after this plan: a request sent and not answered (no answer in time, or a
+    failure after it may have reached the listener) stays open until its notAfter; an answer closes it."""
+    request = plan.request
+    if request is None or plan.vm is None:
+        return open_request  # nothing sent (a plan that waits, or one no VM could take)
+    if plan.result is not None:
+        return None
+    until = request.deadline
+    if open_request is not None and (open_request.executor, open_request.decisionId) == (
+        plan.executor,
+        request.decisionId,
+    ):
+        until = max(until, open_request.until)
+    return OpenRequest(executor=plan.executor, decisionId=request.decisionId, until=until)
 
 
 def update_hold(run: Run, change: EventChange) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
+from coordinator.domain.approvals import choose_executor
 from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple
@@ -145,13 +146,29 @@ def decided_again(approval: ApprovalRecord, now: datetime, *, dry_run: bool) -> 
     )
 
 
+def executor_found(run: Run, record: EventRecord, approval: ApprovalRecord) -> bool:
+    """Whether a rule's approval whose last attempt found no VM to send it through (nothing sent, so nothing in
+    flight) now has one: decided again and sent by the run that brought that VM's sighting, not at its retry (a
+    Terminate whose own VM reported just after a peer waited for its backoff and the timer, and missed NotBefore:
+    oracle seed 90)."""
+    if run.dry_run or approval.delivered or not approval.actor.startswith("rule:"):
+        return False
+    if approval.outcome != "failed" or approval.executor:
+        return False
+    now = run.now
+    seen = {name: sighting.lastSeen for name, sighting in record.vms.items()}
+    alive_after = now - run.options.heartbeat_timeout
+    return choose_executor(record, seen, alive_after, leaving=run.fleet.leaving(now)) is not None
+
+
 def decide(run: Run, change: EventChange) -> None:
     record = change.record
     if record.state != "Scheduled":
         return
     now, fleet, policy, dry_run = run.now, run.fleet, run.policy, run.dry_run
     pending = record.approval
-    if pending is not None and not decided_again(pending, now, dry_run=dry_run):
+    found = pending is not None and executor_found(run, record, pending)
+    if pending is not None and not found and not decided_again(pending, now, dry_run=dry_run):
         return
     started = telemetry.now_ns()
     needed = needs_fleet(policy, record, now)
@@ -172,6 +189,8 @@ def decide(run: Run, change: EventChange) -> None:
     if pending is not None:
         if decision.verdict == "approve" and decision.rule == pending.rule:
             renew(change, pending, decision, policy, now)
+            # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it.
+            change.approval_decided = change.approval_decided or found
             return
         # Its conditions no longer hold (or another rule decides now): withdrawn before it was ever executed, and its
         # claims freed by the tail (those this decision claims again excepted).

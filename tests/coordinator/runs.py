@@ -77,12 +77,14 @@ class MemoryDeliveries:
 
     def __init__(self) -> None:
         self.queued: list[QueuedDelivery] = []
+        self.delays: list[timedelta] = []
         self.failing = False
 
-    def put(self, delivery: QueuedDelivery) -> None:
+    def put(self, delivery: QueuedDelivery, *, delay: timedelta = timedelta(0)) -> None:
         if self.failing:
             raise DeliveryQueueError("the queue is unreachable (stand-in)")
         self.queued.append(delivery)
+        self.delays.append(delay)
 
 
 class RecordingAlerts:

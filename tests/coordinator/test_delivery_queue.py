@@ -5,6 +5,7 @@ run refuses a message that is not a handed-over delivery (the host retries it, t
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -34,6 +35,23 @@ def test_a_handed_over_delivery_is_one_base64_json_message(azurite: AzuriteEndpo
     queue, sas = queue_of(azurite)
     queue.create()
     StorageQueueDeliveries(queue_url=queue.url, credential=AzureSasCredential(sas)).put(DELIVERY)
+    (message,) = queue.get(16, 30)
+    assert QueuedDelivery.model_validate_json(base64.b64decode(message["MessageText"])) == DELIVERY
+    queue.close()
+
+
+def test_a_delivery_that_waits_is_invisible_until_its_delay_has_passed(azurite: AzuriteEndpoints):
+    """A reroute waits for the unanswered request to lapse (pipeline/act.py reroute_at): the message is not
+    visible before then, in whole seconds rounded up."""
+    queue, sas = queue_of(azurite)
+    queue.create()
+    StorageQueueDeliveries(queue_url=queue.url, credential=AzureSasCredential(sas)).put(
+        DELIVERY, delay=timedelta(seconds=1.2)
+    )
+    assert queue.get(16, 30) == []
+    time.sleep(1.5)
+    assert queue.get(16, 30) == []  # 2 s: rounded up
+    time.sleep(0.7)
     (message,) = queue.get(16, 30)
     assert QueuedDelivery.model_validate_json(base64.b64decode(message["MessageText"])) == DELIVERY
     queue.close()

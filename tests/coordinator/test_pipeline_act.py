@@ -14,7 +14,8 @@ from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.delivery_queue import QueuedDelivery
-from coordinator.domain.model import ApprovalRecord, EventRecord
+from coordinator.domain import approvals
+from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import act, handover
 from coordinator.pipeline.run import Delivery, Run
@@ -244,8 +245,10 @@ def test_failures_back_off_and_the_third_raises_approval_failed(bench: Bench):
         assert approval_now is not None
         assert approval_now.nextAttemptAt is not None
         assert (approval_now.outcome, approval_now.reason) == ("failed", "nobody listening on vm-WestNO_0")
-        delays.append((approval_now.nextAttemptAt - DOC_NOW).total_seconds())
+        delays.append((approval_now.nextAttemptAt - bench.now).total_seconds())
         cards.append([kind for _, kind in run.work.alerts])
+        # The next attempt (through a peer) once the failed request has surely lapsed (act.reroute_at).
+        bench.now += timedelta(minutes=1)
     assert delays == [5.0, 10.0, 15.0]  # doubling from 5 s, capped at 15 s
     assert cards == [[], [], ["approval-failed"]]
     assert bench.event(EVENT).state == "Scheduled"
@@ -388,20 +391,96 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
     assert row.VmName == "WestNO_0"
     assert row.Reason.startswith("no answer within 0.3 s (no listener connected within 0.3 s (WestNO_0)); continued")
 
-    # The queue's run: the whole approval deadline, through a peer of the VM that did not answer.
+    # The request it left is valid for the run's time only (plus the listener's tolerance): after it, and a margin
+    # for a POST begun just before, no longer executable by WestNO_0.
+    tolerance = run.options.not_after_tolerance
+    lapsed = DOC_NOW + timedelta(milliseconds=300) + tolerance
+    assert record.openRequest is not None
+    assert (record.openRequest.executor, record.openRequest.until) == ("WestNO_0", lapsed)
+
+    # The queue's run before then sends nothing to a peer: the message waits in the queue until it has lapsed.
+    early = bench.run("delivery")
+    handover.take_over(early, bench.deliveries.queued[0])
+    act.deliver(early, last_seen=None)
+    assert callback.vms == ["WestNO_0", "Other_0"]
+    assert bench.deliveries.delays[-1] == lapsed + approvals.REROUTE_MARGIN - DOC_NOW
+    waiting = bench.event(EVENT).approval
+    assert waiting is not None
+    assert (waiting.outcome, waiting.executor, waiting.attempts) == ("continued", "WestNO_0", 0)
+    assert "may be executed until" in waiting.reason
+
+    # Then: the whole approval deadline, through a peer of the VM that did not answer.
+    bench.now = lapsed + approvals.REROUTE_MARGIN
     continued = bench.run("delivery")
-    handover.take_over(continued, bench.deliveries.queued[0])
+    handover.take_over(continued, bench.deliveries.queued[-1])
     act.deliver(continued, last_seen=None)
     assert callback.vms[-1] == "WestNO_1"
     assert callback.within[-1] == pytest.approx(continued.options.approval_deadline.total_seconds(), abs=0.1)
     record = bench.event(EVENT)
     assert record.approval is not None
     assert (record.state, record.approval.executor, record.approval.attempts) == ("Approved", "WestNO_1", 1)
+    assert record.openRequest is None  # answered
     assert continued.stages == ["continue", "deliver"]
     # A message delivered twice (queues are at least once) finds the approval delivered: nothing more is sent.
     again = bench.run("delivery")
-    handover.take_over(again, bench.deliveries.queued[0])
+    handover.take_over(again, bench.deliveries.queued[-1])
     assert again.work.deliveries == []
+
+
+@pytest.mark.parametrize(
+    ("executor", "decision", "after", "waits"),
+    [
+        ("vm-a", "d-1", 0.0, False),  # the same request again: its listener executes a decisionId once
+        ("vm-b", "d-1", 0.0, True),  # a peer while vm-a may still execute it
+        ("vm-a", "d-2", 0.0, True),  # another decision through the same VM: its ledger does not know it
+        ("vm-b", "d-1", 0.999, True),  # within the margin after its notAfter
+        ("vm-b", "d-1", 1.0, False),  # lapsed, and the margin passed
+    ],
+)
+def test_no_second_executor_while_an_unanswered_request_may_still_be_executed(
+    executor: str, decision: str, after: float, waits: bool
+):
+    until = DOC_NOW + timedelta(seconds=5)
+    open_request = OpenRequest(executor="vm-a", decisionId="d-1", until=until)
+    now = until + timedelta(seconds=after)
+    expected = until + approvals.REROUTE_MARGIN if waits else None
+    assert approvals.reroute_at(open_request, executor, decision, now) == expected
+    assert approvals.reroute_at(None, executor, decision, now) is None
+
+
+def test_a_request_stays_open_until_answered_and_only_the_same_executors_extends_it():
+    sent = Delivery(event_id=EVENT, decision_id="d-1", executor="vm-a", callback=RecordingCallback())
+    sent.vm = VmIdentity(name="vm-a", vmId="00000000-0000-0000-0000-000000000001", resourceId="/vm/vm-a")
+    sent.request = ApprovalRequest(
+        eventId=EVENT,
+        decisionId="d-1",
+        rule="r",
+        issuedAt=DOC_NOW,
+        expiresAt=DOC_NOW + timedelta(seconds=5),
+        notAfter=DOC_NOW + timedelta(seconds=5),
+    )
+    opened = act.open_after(None, sent)
+    assert opened == OpenRequest(executor="vm-a", decisionId="d-1", until=DOC_NOW + timedelta(seconds=5))
+    later = OpenRequest(executor="vm-a", decisionId="d-1", until=DOC_NOW + timedelta(seconds=9))
+    assert act.open_after(later, sent) == later  # a shorter request again does not shorten it
+    sent.result = ApprovalResult(outcome="not-found", eventId=EVENT, decisionId="d-1")
+    assert act.open_after(later, sent) is None
+    waiting = Delivery(event_id=EVENT, decision_id="d-1", executor="vm-a", callback=RecordingCallback())
+    assert act.open_after(later, waiting) == later  # nothing sent
+
+
+def test_a_handed_over_request_with_no_peer_yet_stays_valid_a_few_seconds_longer(bench: Bench):
+    """No peer to take over yet: a listener the Relay holds longer than the run waits (oracle seed 15: 3 s) still
+    executes the first request, and a peer that reports the event later waits only a few seconds more."""
+    queued_bench(bench, "Other_0")
+    put_event(bench.store, "EV-OTHER", vms=("Other_0",), eventType="Freeze", notBefore=NOT_BEFORE, approval=approval())
+    run = deliver(bench, "EV-OTHER", in_run_delivery=timedelta(milliseconds=100))
+    record = bench.event("EV-OTHER")
+    assert record.approval is not None
+    assert record.approval.outcome == "continued"
+    assert record.openRequest is not None
+    valid = run.options.in_run_delivery + act.UNPEERED_ALLOWANCE + run.options.not_after_tolerance
+    assert record.openRequest.until == DOC_NOW + valid
 
 
 def test_without_a_delivery_queue_a_run_waits_the_whole_deadline_as_before(bench: Bench):
@@ -521,3 +600,29 @@ def test_remote_acknowledges_of_one_resource_go_in_one_request_each_outcome_its_
     assert approved.state == "Approved"
     assert refused.approval is not None
     assert (refused.approval.outcome, refused.approval.reason) == ("failed", "EV-B: NotFound")
+
+
+@pytest.mark.parametrize(
+    ("until", "decision", "wait"),
+    [
+        (3.0, "d-1", 4.0),  # lapses in 3 s: the delivery run waits for it (+ the margin) rather than requeue
+        (9.5, "d-1", 0.0),  # beyond LAPSE_WAIT_MAX: the message goes back to the queue, invisible until then
+        (-1.0, "d-1", 0.0),  # lapsed already
+        (3.0, "d-2", 0.0),  # another decision's request: not this message's to wait for
+    ],
+)
+def test_a_delivery_run_waits_a_few_seconds_for_the_unanswered_request_to_lapse(
+    until: float, decision: str, wait: float
+):
+    record = EventRecord.model_validate(
+        {
+            "eventId": EVENT,
+            "eventType": "Freeze",
+            "stateSince": DOC_NOW,
+            "createdAt": DOC_NOW,
+            "openRequest": {"executor": "vm-a", "decisionId": decision, "until": DOC_NOW + timedelta(seconds=until)},
+        }
+    )
+    delivery = QueuedDelivery(eventId=EVENT, decisionId="d-1", executor="vm-a", handedOverAt=DOC_NOW)
+    assert handover.lapse_wait(record, delivery, DOC_NOW) == timedelta(seconds=wait)
+    assert handover.lapse_wait(None, delivery, DOC_NOW) == timedelta(0)

@@ -266,3 +266,33 @@ def test_release_budgets_finds_the_scale_set_of_an_approval_from_before_budget_k
     stored = bench.store.get_budget("web")
     assert stored is not None
     assert stored.record.claims == {}
+
+
+def test_an_approval_that_found_no_executor_is_sent_by_the_run_that_brings_one(bench: Bench):
+    """A Terminate's own VM reported just after a peer: the approval found no VM to go through, and waited for its
+    retry's backoff and the timer, past NotBefore (oracle seed 90). Nothing was sent, so nothing is in flight: the
+    run that brings the VM's sighting sends it, same decision."""
+    bench.policy = DELETES
+    failed = ApprovalRecord(
+        decisionId="d-1",
+        rule="deletes-now",
+        actor="rule:deletes-now",
+        decidedAt=DOC_NOW,
+        attempts=1,
+        outcome="failed",
+        nextAttemptAt=DOC_NOW + timedelta(seconds=5),
+    )
+    record = put_event(
+        bench.store, "EV-T", vms=("web_0",), eventType="Terminate", notBefore=NOT_BEFORE, approval=failed
+    )
+    change = decided(bench.run(), record)
+    assert change.approval_decided
+    assert change.record.approval is not None
+    assert change.record.approval.decisionId == "d-1"
+    # Its VM silent (no executor still), or an attempt that reached a VM: the retry waits for its time.
+    bench.now = DOC_NOW + timedelta(minutes=10)
+    silent = decided(bench.run(), record.model_copy(update={"notBefore": bench.now + timedelta(minutes=5)}))
+    assert not silent.approval_decided
+    bench.now = DOC_NOW
+    sent = record.model_copy(update={"approval": failed.model_copy(update={"executor": "web_0"})})
+    assert not decided(bench.run(), sent).approval_decided

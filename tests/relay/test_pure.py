@@ -7,19 +7,23 @@ import hashlib
 import hmac
 import json
 import random
+import threading
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from urllib.parse import unquote
 
 import pytest
 
 from contracts.envelope import VmIdentity
 from contracts.sas import relay_resource_uri, sas_token
-from contracts.wire import ApprovalFacts, ApprovalRequest, ScheduledEvent, ScheduledEventsDocument
+from contracts.wire import ApprovalFacts, ApprovalRequest, Attestation, ScheduledEvent, ScheduledEventsDocument
 from coordinator.adapters.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
-from forwarder.approver import Freshness, MemoryLedger, judge, refuse_stale
+from forwarder.approver import Approver, Freshness, MemoryLedger, judge, refuse_stale
 from forwarder.durable_state import LedgerEntry
-from forwarder.relay_protocol import RelayResponse, relative_path, response_frame
+from forwarder.imds import ImdsInvalidResponse
+from forwarder.relay_protocol import RelayRequest, RelayResponse, relative_path, response_frame
 from forwarder.relay_tokens import SasTokenProvider
 
 NOW = datetime(2026, 11, 21, 6, 0, tzinfo=UTC)
@@ -330,3 +334,126 @@ def test_which_hybrid_connections_to_delete():
         existing, last_seen=last_seen, gone=["VM-GONE"], now=NOW, silence_limit=timedelta(days=1)
     )
     assert doomed == ["vm-gone", "vm-silent", "vm-unknown"]
+
+
+def test_a_request_that_lapses_while_the_fresh_document_is_read_is_not_executed():
+    """Once a request lapses the coordinator may send the event to a peer (pipeline/act.py reroute_at): the listener
+    checks notAfter again right before its POST, so a read that waited (IMDS's rate limit) cannot make two VMs
+    execute one event."""
+
+    class SlowImds:
+        def __init__(self) -> None:
+            self.posts: list[list[str]] = []
+
+        def get_document(self) -> ScheduledEventsDocument:
+            clock.now += timedelta(seconds=1)  # the read waited a second
+            return document(event())
+
+        def approve(self, event_ids: Iterable[str]) -> None:
+            self.posts.append(list(event_ids))
+
+    class Clock:
+        now = NOW
+
+        def __call__(self) -> datetime:
+            return self.now
+
+    clock, imds = Clock(), SlowImds()
+    approver = Approver(imds=imds, vm_name="WestNO_0", clock=clock)
+    facts = ApprovalFacts(eventType="Freeze", eventSource="Platform", durationInSeconds=-1, notBefore=None,
+                          resources=["WestNO_0"])  # fmt: skip
+
+    def relay(request: ApprovalRequest) -> dict[str, Any]:
+        body = request.to_json_bytes()
+        headers = {"Content-Type": "application/json"}
+        answer = approver(RelayRequest("r", "POST", "/vm/approve", "/approve", headers, body))
+        answer_body: dict[str, Any] = json.loads(answer.body)
+        return answer_body
+
+    # Valid on arrival (2.5 s before notAfter, the tolerance 2 s), lapsed once the read is done.
+    lapsing = approval(notAfter=NOW + timedelta(seconds=2.5), expiresAt=NOW + timedelta(seconds=2.5), facts=facts)
+    answer = relay(lapsing)
+    assert (answer["outcome"], imds.posts) == ("rejected", [])
+    assert str(answer["reason"]).startswith("expired at")
+    # With time to spare it is executed, once.
+    clock.now = NOW
+    assert relay(approval(decisionId="d-2", facts=facts))["outcome"] == "approved"
+    assert imds.posts == [["E1"]]
+
+
+class _ApprovingImds:
+    """A stand-in IMDS: an approved event is Started in every later read."""
+
+    def __init__(self, *event_ids: str) -> None:
+        self.started: set[str] = set()
+        self.event_ids = event_ids
+        self.posts: list[list[str]] = []
+
+    def get_document(self) -> ScheduledEventsDocument:
+        return document(*(event(e, "Started" if e in self.started else "Scheduled") for e in self.event_ids))
+
+    def approve(self, event_ids: Iterable[str]) -> None:
+        self.posts.append(list(event_ids))
+        self.started.update(event_ids)
+
+
+def _together(approver: Approver, *requests: ApprovalRequest) -> list[str]:
+    """The requests arrive at once (their proofs are made together), then are decided one at a time."""
+    answers: dict[int, str] = {}
+
+    def relay(index: int, request: ApprovalRequest) -> None:
+        body = request.to_json_bytes()
+        relayed = RelayRequest(
+            str(index), "POST", "/vm/approve", "/approve", {"Content-Type": "application/json"}, body
+        )
+        answers[index] = json.loads(approver(relayed).body)["outcome"]
+
+    threads = [threading.Thread(target=relay, args=(i, r)) for i, r in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    return [answers[i] for i in range(len(requests))]
+
+
+def _request(event_id: str = "E1", decision_id: str = "d-1") -> ApprovalRequest:
+    facts = ApprovalFacts.of(document(event(event_id)).Events[0])
+    return approval(eventId=event_id, decisionId=decision_id, facts=facts)
+
+
+def _approver(imds: _ApprovingImds, arriving: int) -> Approver:
+    barrier = threading.Barrier(arriving)
+    calls = iter(range(1_000))
+
+    def attest(nonce: str) -> Attestation:
+        if next(calls) < arriving:
+            barrier.wait(5)  # the first ``arriving`` requests have all arrived before any is decided
+        raise ImdsInvalidResponse("no attested document here")
+
+    return Approver(imds=imds, vm_name="WestNO_0", clock=lambda: NOW, attest=attest)
+
+
+def test_approvals_that_arrive_together_are_judged_on_one_read_made_after_they_arrived():
+    """IMDS allows ~5 requests/s per VM: a peer executing several approvals at once read the document once each,
+    and a burst of four took 8-10 s (oracle seeds 5 and 41). A document whose read began after a request arrived
+    is as fresh as one read on its arrival."""
+    imds = _ApprovingImds("E1", "E2", "E3")
+    approver = _approver(imds, 3)
+    requests = [_request(e, f"d-{e}") for e in ("E1", "E2", "E3")]
+    assert _together(approver, *requests) == ["approved", "approved", "approved"]
+    assert sorted(map(tuple, imds.posts)) == [("E1",), ("E2",), ("E3",)]
+    assert approver.imds_reads == 1
+    # A request that arrives later is judged on a read made after it arrived.
+    assert _together(approver, _request("E1", "d-late"))[0] == "not-scheduled"
+    assert approver.imds_reads == 2
+
+
+def test_an_event_posted_since_the_shared_read_is_read_again():
+    """Two decisions for one event arriving together (a person's and a rule's, or a reroute): the second is judged
+    on a read made after the first's POST, and finds it Started."""
+    imds = _ApprovingImds("E1")
+    approver = _approver(imds, 2)
+    outcomes = _together(approver, _request(decision_id="d-a"), _request(decision_id="d-b"))
+    assert sorted(outcomes) == ["approved", "not-scheduled"]
+    assert imds.posts == [["E1"]]
+    assert approver.imds_reads == 2
