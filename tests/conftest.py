@@ -18,11 +18,3 @@ def azurite() -> Iterator[AzuriteEndpoints]:
     with Azurite() as endpoints:
         yield endpoints
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under xdist (scripts/test.sh runs two workers with ``--dist loadgroup``), every whole-stack run (marked
-    ``slow``) goes to one worker, one at a time: their latency assertions are made for a machine running one stack at
-    once. Every other test is spread over the workers, beside them."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("stacks"))

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from tests.local.conftest import Runner, compact_scenario
 
 
+@pytest.mark.slow
 def test_each_forwarder_writes_its_spans_to_the_telemetry_folder(run_pipeline: Runner) -> None:
     outcome = run_pipeline(compact_scenario())
     assert outcome.summary.ok, outcome.summary.failures
