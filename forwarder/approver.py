@@ -77,7 +77,7 @@ from contracts.wire import (
     ScheduledEventsDocument,
 )
 from forwarder.durable_state import DECISION_LEDGER_ENTRIES, DECISION_LEDGER_KEEP, DecisionStatus, LedgerEntry
-from forwarder.imds import ImdsError
+from forwarder.imds import ImdsDeadlinePassed, ImdsError
 from forwarder.logs import fields
 from forwarder.relay_protocol import RelayRequest, RelayResponse
 from forwarder.telemetry import IdTracer, parent
@@ -94,7 +94,9 @@ class ScheduledEventsSource(Protocol):
 
     def get_document(self) -> ScheduledEventsDocument: ...
 
-    def approve(self, event_ids: Iterable[str]) -> None: ...
+    def approve(self, event_ids: Iterable[str], *, before: float | None = None) -> None:
+        """StartRequests, none of whose attempts starts at or after ``before`` (monotonic; ImdsDeadlinePassed)."""
+        ...
 
 
 class DecisionLedger(Protocol):
@@ -255,6 +257,14 @@ class _Refusal(Exception):
         self.reason = reason
 
 
+class _Lapsed(Exception):
+    """The request's validity ended before its StartRequests could go out: refused, nothing sent."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 def _utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -392,13 +402,20 @@ class Approver:
                     attributes={"scheduled_events.event_id": approval.eventId},
                 ):
                     self._posted_since.add(approval.eventId.upper())
+                    # The last instant the POST may start: the check above is not the last word while the POST waits
+                    # for IMDS's rate limit or a retry, and a reroute to a peer follows the lapse by 1 s.
+                    before = time.monotonic() + self._remaining(approval)
                     try:
-                        self._imds_call(lambda: self._imds.approve([approval.eventId]))
+                        self._imds_call(lambda: self._imds.approve([approval.eventId], before=before))
+                    except _Lapsed as lapse:
+                        self._ledger.forget_decision(approval.decisionId)  # nothing was sent
+                        outcome, reason = "rejected", lapse.reason
                     except _Refusal:
                         self._ledger.forget_decision(approval.decisionId)  # IMDS refused or was unreachable
                         self._document = None  # what IMDS holds now is unknown
                         raise
-                self.imds_posts += 1
+                if outcome == "approved":
+                    self.imds_posts += 1
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
             return self._remember(approval, "approved" if outcome == "approved" else "refused", result, now), False
 
@@ -428,10 +445,17 @@ class Approver:
             log.warning("approval answer without proof", extra=fields(decisionId=decision_id, error=str(error)))
             return None
 
+    def _remaining(self, approval: ApprovalRequest) -> float:
+        """Seconds, by this VM's clock, until the request is refused as expired (``refuse_not_after``)."""
+        until = approval.deadline - self._freshness.not_after_tolerance
+        return (until - self._clock()).total_seconds()
+
     @staticmethod
     def _imds_call(call: Callable[[], _T]) -> _T:
         try:
             return call()
+        except ImdsDeadlinePassed as error:
+            raise _Lapsed(f"expired while waiting to reach IMDS: {error}") from error
         except ImdsError as error:
             raise _Refusal(503, f"IMDS is unavailable, retry: {error}") from error
 

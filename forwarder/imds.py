@@ -61,6 +61,11 @@ class ImdsUnavailable(ImdsError):
         self.retry_after = retry_after
 
 
+class ImdsDeadlinePassed(ImdsError):
+    """A StartRequests POST that could only start after its deadline (its approval lapsed while it waited for the
+    rate limiter or a retry): not sent, since the coordinator may by then have sent the event to a peer."""
+
+
 class ImdsInvalidResponse(ImdsError):
     """IMDS answered, but with something that is not a valid document (or a 4xx): never act on it."""
 
@@ -230,8 +235,9 @@ class ImdsClient:
     def _drop(self) -> None:
         self._conn.close()
 
-    def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
-        """One request; returns the 200 body or raises ImdsUnavailable / ImdsInvalidResponse."""
+    def _request(self, method: str, path: str, body: bytes | None = None, *, before: float | None = None) -> bytes:
+        """One request; returns the 200 body or raises ImdsUnavailable / ImdsInvalidResponse, or ImdsDeadlinePassed
+        when it could go out only at or after ``before`` (monotonic)."""
         if body is None:
             request = self._requests.get((method, path))
             if request is None:
@@ -243,6 +249,8 @@ class ImdsClient:
             )
         events = path.startswith(SCHEDULED_EVENTS_PATH.partition("?")[0])
         self._limiter.acquire()
+        if before is not None and time.monotonic() >= before:
+            raise ImdsDeadlinePassed(f"IMDS {method} {path} not sent: its deadline passed while it waited its turn")
         with self._lock:
             timeout = self._timeout if self._awake(events=events) else self._first_call_timeout
             try:
@@ -317,9 +325,17 @@ class ImdsClient:
         except ValueError as exc:
             raise ImdsInvalidResponse(f"managed identity token answer is invalid: {exc}") from None
 
-    def approve(self, event_ids: Iterable[str], *, attempts: int = 3, backoff: Backoff | None = None) -> None:
+    def approve(
+        self,
+        event_ids: Iterable[str],
+        *,
+        attempts: int = 3,
+        backoff: Backoff | None = None,
+        before: float | None = None,
+    ) -> None:
         """POST StartRequests for these events. IMDS answers 200 to any valid EventId, even one already approved
-        elsewhere, so success means "accepted", not "started": confirm by watching the document."""
+        elsewhere, so success means "accepted", not "started": confirm by watching the document. No attempt starts
+        at or after ``before`` (monotonic; ImdsDeadlinePassed): an approval's validity ends there."""
         ids = list(event_ids)
         if not ids:
             raise ValueError("approve() needs at least one event id")
@@ -327,11 +343,15 @@ class ImdsClient:
         backoff = backoff or Backoff(initial=0.5, maximum=5.0)
         for attempt in range(1, attempts + 1):
             try:
-                self._request("POST", SCHEDULED_EVENTS_PATH, body)
+                self._request("POST", SCHEDULED_EVENTS_PATH, body, before=before)
             except ImdsUnavailable as exc:
                 if attempt == attempts:
                     raise
                 delay = backoff.next_delay(retry_after=exc.retry_after)
+                if before is not None and time.monotonic() + delay >= before:
+                    raise ImdsDeadlinePassed(
+                        f"IMDS approval not retried: its deadline comes before {delay:.2f} s"
+                    ) from exc
                 log.warning("IMDS approval failed; retrying", extra=fields(error=str(exc), delay_s=round(delay, 2)))
                 time.sleep(delay)
             else:

@@ -13,6 +13,7 @@ from forwarder.imds import (
     IDLE_DISABLE_SECONDS,
     MAX_BODY,
     ImdsClient,
+    ImdsDeadlinePassed,
     ImdsInvalidResponse,
     ImdsUnavailable,
     read_document,
@@ -86,6 +87,23 @@ def test_approve_retries_transient_errors(imds: ImdsEmulator) -> None:
     created = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
     imds.inject_fault(kind="error-burst", vm="web_0", status=500, count=2)
     client(imds).approve([created["EventId"]], backoff=Backoff(initial=0.01, maximum=0.02))
+    assert len(imds.approvals()) == 1
+
+
+def test_approve_sends_no_attempt_past_its_deadline(imds: ImdsEmulator) -> None:
+    """An approval's validity ends at ``before``: a POST that would start later (its retry's backoff reaching past
+    it, or its turn at the rate limiter) is not sent, since the coordinator may by then have sent the event to a
+    peer (forwarder/approver.py)."""
+    created = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
+    with pytest.raises(ImdsDeadlinePassed, match="deadline passed"):
+        client(imds).approve([created["EventId"]], before=time.monotonic() - 0.001)
+    imds.inject_fault(kind="error-burst", vm="web_0", status=500, count=1)
+    with pytest.raises(ImdsDeadlinePassed, match="not retried"):
+        client(imds).approve(
+            [created["EventId"]], backoff=Backoff(initial=1.0, maximum=1.0), before=time.monotonic() + 0.5
+        )
+    assert imds.approvals() == []
+    client(imds).approve([created["EventId"]], before=time.monotonic() + 5)
     assert len(imds.approvals()) == 1
 
 

@@ -8,6 +8,7 @@ import hmac
 import json
 import random
 import threading
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,7 +23,7 @@ from coordinator.adapters.relay_admin import hybrid_connections_to_delete, names
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
 from forwarder.approver import Approver, Freshness, MemoryLedger, judge, refuse_stale
 from forwarder.durable_state import LedgerEntry
-from forwarder.imds import ImdsInvalidResponse
+from forwarder.imds import ImdsDeadlinePassed, ImdsInvalidResponse
 from forwarder.relay_protocol import RelayRequest, RelayResponse, relative_path, response_frame
 from forwarder.relay_tokens import SasTokenProvider
 
@@ -349,7 +350,7 @@ def test_a_request_that_lapses_while_the_fresh_document_is_read_is_not_executed(
             clock.now += timedelta(seconds=1)  # the read waited a second
             return document(event())
 
-        def approve(self, event_ids: Iterable[str]) -> None:
+        def approve(self, event_ids: Iterable[str], *, before: float | None = None) -> None:
             self.posts.append(list(event_ids))
 
     class Clock:
@@ -392,7 +393,7 @@ class _ApprovingImds:
     def get_document(self) -> ScheduledEventsDocument:
         return document(*(event(e, "Started" if e in self.started else "Scheduled") for e in self.event_ids))
 
-    def approve(self, event_ids: Iterable[str]) -> None:
+    def approve(self, event_ids: Iterable[str], *, before: float | None = None) -> None:
         self.posts.append(list(event_ids))
         self.started.update(event_ids)
 
@@ -457,3 +458,29 @@ def test_an_event_posted_since_the_shared_read_is_read_again():
     assert sorted(outcomes) == ["approved", "not-scheduled"]
     assert imds.posts == [["E1"]]
     assert approver.imds_reads == 2
+
+
+def test_a_request_that_lapses_while_its_post_waits_its_turn_is_refused_and_not_sent():
+    """The POST waits for IMDS's rate limit (or a retry) after the last check: the listener gives it the request's
+    own deadline, and a POST that could only start after it is not sent and the request is refused as expired."""
+
+    class QueuedImds(_ApprovingImds):
+        def approve(self, event_ids: Iterable[str], *, before: float | None = None) -> None:
+            assert before is not None
+            if before - time.monotonic() < 60:  # the limiter's queue here is a minute long
+                raise ImdsDeadlinePassed("IMDS POST not sent: its deadline passed while it waited its turn")
+            super().approve(event_ids)
+
+    imds = QueuedImds("E1")
+    approver = Approver(imds=imds, vm_name="WestNO_0", clock=lambda: NOW)
+    short = approval(notAfter=NOW + timedelta(seconds=30), facts=_request().facts)
+    answer = json.loads(
+        approver(
+            RelayRequest(
+                "r", "POST", "/vm/approve", "/approve", {"Content-Type": "application/json"}, short.to_json_bytes()
+            )
+        ).body
+    )
+    assert (answer["outcome"], imds.posts) == ("rejected", [])
+    assert "expired while waiting to reach IMDS" in answer["reason"]
+    assert approver.imds_posts == 0
