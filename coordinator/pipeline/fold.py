@@ -71,6 +71,13 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         updates.new_vms = (updates.new_vms - stale) | redo.new_vms
         stale = fold_updates(run, redo)
         updates.too_large.update(redo.too_large)
+    # With this batch's hook results now in its VMs' positions, its scale sets' deletes are read again: a run
+    # deciding a sibling delete side by side could not see them (decide.approve_together).
+    deleting = {s for r in run.work.records.values() if r.eventType == "Terminate" and r.open for s in r.scaleSets}
+    released = decide.approve_together(run, deleting)
+    if released:
+        report.events_changed += released
+        act.send_decided(run)
     if updates.too_large:
         for vm_id in updates.too_large:
             report.accepted -= updates.updates[vm_id].applied
