@@ -22,6 +22,7 @@ __all__ = [
     "leaving_vms",
     "pending_delete",
     "platform_hold",
+    "ready_to_go",
     "removal_evidence",
     "removals",
 ]

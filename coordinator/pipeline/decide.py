@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
 from coordinator.domain.approvals import choose_executor
 from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
-from coordinator.domain.deletes import couple
+from coordinator.domain.deletes import couple, pending_delete, ready_to_go
 from coordinator.domain.evaluation import Decision, evaluate, needs_fleet, paced_hold
 from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
@@ -43,7 +43,7 @@ from coordinator.domain.pacing import pace_domains
 from coordinator.domain.policy import Policy
 from coordinator.pipeline.fleet import by_not_before
 from coordinator.pipeline.run import Run
-from coordinator.state.events import commit_event
+from coordinator.state.events import commit_event, read_event
 from coordinator.state.store import ConcurrencyConflict
 
 log = logging.getLogger("coordinator")
@@ -105,6 +105,55 @@ def release_held(run: Run, changes: Sequence[EventChange]) -> int:
             change = commit_event(run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags)
         except ConcurrencyConflict:
             log.warning("held delete %s: contended; the timer decides it again", event_id)
+            continue
+        if change is not None:
+            released += 1
+            fleet.note(change.record)
+            run.work.collect(change)
+    return released
+
+
+def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
+    """The pending deletes of these scale sets approved together when fresh reads show every one ready (its own
+    rule approves it), after this run wrote its VM positions. Two runs deciding sibling deletes side by side (a
+    scale set's VMs sit on several Event Hubs partitions) each read the other's delete as it was before: its hook
+    result lives in its VM's position, written at the end of its run, so each held its own delete by the other's,
+    or approved some and left the rest held, and ``release_held`` re-decides only what this run saw held (the
+    fleet demo's scale-in-2 expired that way). Each run reads again once its own positions are written, so the
+    later of two such runs sees both hooks and approves the set. A set not all ready is left as it is (no
+    decision flips back to waiting on a read that misses a sibling's hook).
+
+    ``scale_sets``: those where this run decided a delete ready (approved or held only by another delete). Only the
+    deletes this run does not know ready are read again, one at a time, closest NotBefore first, until one is
+    still not ready: a wave's batch reads about one. Returns how many changed."""
+    fleet, store, now, policy = run.fleet, run.parts.store, run.now, run.policy
+    wanted = set(scale_sets)
+    pending = sorted(
+        (r for r in fleet.deletes_of(wanted) if pending_delete(r, now)) if wanted else (), key=by_not_before
+    )
+    if not pending:
+        return 0
+    for record in pending:
+        if ready_to_go(record):
+            continue
+        stored = read_event(store, record.eventId)
+        if stored is None or not pending_delete(stored.record, now):
+            continue  # approved or gone meanwhile: it holds nothing
+        fresh = stored.record
+        view = fleet.view() if policy.needs_census else FleetView()
+        own = evaluate(policy, fresh, view, now, gates=_gate_results(run, fresh, view))
+        if own.verdict != "approve":
+            return 0
+        provisional = DecisionRecord(
+            decisionId="", rule=own.rule, action=own.action, verdict=own.verdict, reason=own.reason, decidedAt=now
+        )
+        fleet.note(fresh.model_copy(update={"decision": provisional}))
+    released = 0
+    for record in pending:
+        try:
+            change = commit_event(store, record.eventId, lambda r: redecide(run, r), etags=run.work.etags)
+        except ConcurrencyConflict:
+            log.warning("held delete %s: contended; the timer decides it again", record.eventId)
             continue
         if change is not None:
             released += 1

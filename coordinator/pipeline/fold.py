@@ -20,6 +20,7 @@ from datetime import datetime
 from coordinator.adapters import telemetry
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.census import describe
+from coordinator.domain.deletes import ready_to_go
 from coordinator.domain.event_merge import apply_observations
 from coordinator.domain.history_rows import dead_letter_row, heartbeat_row
 from coordinator.domain.lifecycle import EventChange
@@ -71,6 +72,18 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         updates.new_vms = (updates.new_vms - stale) | redo.new_vms
         stale = fold_updates(run, redo)
         updates.too_large.update(redo.too_large)
+    # With this batch's hook results now in its VMs' positions, its scale sets' deletes are read again: a run
+    # deciding a sibling delete side by side could not see them (decide.approve_together).
+    deleting = {
+        scale_set
+        for r in run.work.records.values()
+        if r.eventType == "Terminate" and r.open and (r.approval is not None or ready_to_go(r))
+        for scale_set in r.scaleSets
+    }
+    released = decide.approve_together(run, deleting)
+    if released:
+        report.events_changed += released
+        act.send_decided(run)
     if updates.too_large:
         for vm_id in updates.too_large:
             report.accepted -= updates.updates[vm_id].applied

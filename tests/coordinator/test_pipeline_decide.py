@@ -237,6 +237,49 @@ def test_release_held_leaves_deletes_alone_when_no_delete_of_their_scale_set_cha
     assert bench.event("EV-T1").approval is None
 
 
+def held_by(holder: str, reason: str = "held with the pending deletes of scale set web") -> DecisionRecord:
+    return DecisionRecord(
+        decisionId="d-held",
+        rule="deletes-now",
+        action="approve-now",
+        verdict="wait",
+        reason=reason,
+        decidedAt=DOC_NOW,
+        heldBy=holder,
+        holdKind="delete",
+        holdName=holder,
+    )
+
+
+def test_approve_together_approves_the_set_when_fresh_reads_show_every_delete_ready(bench: Bench):
+    bench.policy = DELETES
+    terminate(bench, "EV-T0", "web_0")
+    terminate(bench, "EV-T1", "web_1", decision=held_by("EV-T0"))
+    run = bench.run()
+    # This run's view of EV-T0 is as an earlier run left it (not ready); what is stored now says it is.
+    waiting = DecisionRecord(
+        decisionId="d0", rule="r", action="wait", verdict="wait", reason="waiting for hooks", decidedAt=DOC_NOW
+    )
+    run.fleet.note(bench.event("EV-T0").model_copy(update={"decision": waiting}))
+    assert decide.approve_together(run, ["web"]) == 2
+    for event_id in ("EV-T0", "EV-T1"):
+        record = bench.event(event_id)
+        assert record.approval is not None, event_id
+    assert sorted(run.work.deliveries) == ["EV-T0", "EV-T1"]
+
+
+def test_approve_together_leaves_a_set_alone_while_one_delete_is_still_not_ready(bench: Bench):
+    # The default policy: EV-T0's VM has not reported its hooks, so it is not ready; EV-T1 stays held as it was.
+    terminate(bench, "EV-T0", "web_0")
+    before = terminate(bench, "EV-T1", "web_1", decision=held_by("EV-T0"))
+    run = bench.run()
+    assert decide.approve_together(run, ["web"]) == 0
+    after = bench.event("EV-T1")
+    assert after.decision == before.decision
+    assert after.approval is None
+    assert run.work.rows == []
+
+
 def concluded(event_id: str, *, keys: list[str], state: str = "Completed") -> EventRecord:
     approval = ApprovalRecord(decisionId="d", rule="one-at-a-time", actor="rule", decidedAt=DOC_NOW, budgetKeys=keys)
     return event_record(event_id, resources=["web_0"], state=state, approval=approval)

@@ -21,7 +21,7 @@ from coordinator.pipeline.run import Run
 from coordinator.state.store import Stored
 from tests.coordinator.helpers import DOC_NOW, envelope, grid_event, scheduled_event
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import Bench, identity, message, put_vm
+from tests.coordinator.runs import NOT_BEFORE, Bench, identity, message, put_event, put_vm
 
 FREEZE = "EV-FREEZE"
 
@@ -202,3 +202,55 @@ def test_a_vm_whose_clock_runs_six_minutes_slow_is_fresh_by_the_enqueued_time_an
     act.deliver(run, last_seen=None)
     assert bench.callback.vms == ["WestNO_0"]
     assert bench.event(FREEZE).state == "Approved"
+
+
+class SideBySide(MemoryStateStore):
+    """Runs ``between`` once, when a run first writes its events: another run's whole batch, decided before this
+    one's write and after this one's reads (two partitions' runs of one instance side by side)."""
+
+    between: Any = None
+
+    def save_events(self, items: Any) -> list[str]:
+        action, self.between = self.between, None
+        if action is not None:
+            action()
+        return super().save_events(items)
+
+
+def hooked(name: str, event_id: str) -> RawMessage:
+    """``name``'s forwarder reporting that its prepare hook for ``event_id`` succeeded."""
+    hook = {"eventId": event_id, "phase": "prepare", "outcome": "succeeded", "durationSeconds": 2.0, "steps": []}
+    data = envelope(
+        identity(name, scale_set="web").model_dump(),
+        sequence=2,
+        kind="hook",
+        hook=hook,
+        observed_at=DOC_NOW + timedelta(seconds=2),
+    )
+    return message(data)
+
+
+def test_sibling_deletes_ready_in_runs_side_by_side_are_approved_together():
+    """The fleet demo's lost scale-in-2: web_1's and web_3's hooks succeed in two runs at once. Each decides its
+    delete before the other's hook is in a VM position, so each holds its own by the other (and neither sees the
+    other held, so ``release_held`` has nothing to release); the later run, reading its scale set again once its
+    positions are written, approves both."""
+    bench = Bench(store=SideBySide())
+    store = bench.store
+    assert isinstance(store, SideBySide)
+    for name in ("web_1", "web_3"):
+        put_event(store, f"EV-{name}", vms=(name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
+    first, second = bench.run(), bench.run()
+    store.between = lambda: fold.fold(second, ingest.read_batch(second, [hooked("web_3", "EV-web_3")], "vms"))
+    fold.fold(first, ingest.read_batch(first, [hooked("web_1", "EV-web_1")], "vms"))
+    for name in ("web_1", "web_3"):
+        record = bench.event(f"EV-{name}")
+        assert record.vms[name].hooks["prepare"] == "succeeded"
+        assert record.decision is not None
+        assert (record.decision.verdict, record.decision.heldBy) == ("approve", ""), record.decision.reason
+        assert record.approval is not None
+    # The second run held its delete by the first's; the first approved both and sent both, each through its VM.
+    rows = [(r.EventId, r.Outcome) for r in second.work.rows + first.work.rows if r.RecordType == "Decision"]
+    assert rows == [("EV-web_3", "wait"), ("EV-web_1", "wait"), ("EV-web_1", "approve"), ("EV-web_3", "approve")]
+    assert sorted(first.work.deliveries) == ["EV-web_1", "EV-web_3"]
+    assert sorted(vm.name for _, vm in bench.callback.sent) == ["web_1", "web_3"]
