@@ -116,14 +116,20 @@ def trials(n: int, *, mode: str) -> list[float]:
                 fields = {k: v for k, v in created.items() if k[:1].isupper()} | {"EventStatus": "Scheduled"}
                 wait(lambda e=event_id: seen_scheduled(envelopes, e), timeout=30, what="the forwarder to see the event")
                 issued = datetime.now(UTC)
+                facts = ApprovalFacts.of(ScheduledEvent.model_validate(fields))
+                # At 600x the day of notice is 144 real seconds: the approval is valid until NotBefore at the latest,
+                # as the coordinator bounds it (the listener refuses a notAfter past the event's NotBefore).
+                not_after = issued + timedelta(minutes=5)
+                if facts.notBefore is not None:
+                    not_after = min(not_after, facts.notBefore)
                 request = ApprovalRequest(
                     eventId=event_id,
                     decisionId=f"cold-{mode}-{index}",
                     rule="bench",
                     issuedAt=issued,
                     expiresAt=issued + timedelta(minutes=5),
-                    notAfter=issued + timedelta(minutes=5),
-                    facts=ApprovalFacts.of(ScheduledEvent.model_validate(fields)),
+                    notAfter=not_after,
+                    facts=facts,
                 )
                 started = time.perf_counter()
                 result = sender.send(request, vm=identity)
