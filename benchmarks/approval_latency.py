@@ -48,7 +48,7 @@ def run(n: int, key_file: str) -> dict[str, float | int]:
     with ImdsEmulator(scenario=scenario, throttle_rps=1_000_000, time_scale=600) as imds:
         relay = RelayEmulator(sas_keys={"bench": KEY})
         relay.start()
-        client = ImdsClient(base_url=imds.url_for("bench_0"), limiter=RateLimiter(per_second=100_000, burst=1_000))
+        client = ImdsClient(base_url=imds.url_for("bench_0"), limiter=RateLimiter(requests=100_000))
         identity = VmIdentity.of(client.get_identity())
         endpoint = relay.base_url.replace("http://", "ws://")
         hc = identity.hybrid_connection_name

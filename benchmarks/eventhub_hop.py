@@ -1,14 +1,17 @@
-"""The bare Event Hubs hop of the local pipeline: a forwarder's send to the local trigger's batch callback.
+"""The bare Event Hubs hop of the local pipeline: a forwarder's send to the local trigger's function call.
 
-    .venv/bin/python -m benchmarks.eventhub_hop [--events 300]
+    .venv/bin/python -m benchmarks.eventhub_hop [--events 300] [--vms 10]
 
-The Event Hubs emulator with the local stack's partitions; a producer sends each envelope-sized event as the forwarder
-does (``create_batch(partition_key=<the VM's resource id>)``, ``send_batch``), one VM after another, 0.1-0.3 s apart;
-a consumer configured as the local runner's (``local/runner.py``: greedy load balancing every 2 s, a 5 ms socket
-timeout, no ``max_wait_time``, batches of up to 100) receives them. The time from the send's start to the batch
-callback is the hop that pipeline_latency's ``pipeline_added`` spends in Event Hubs, with nothing else on it.
+Both ends are the pipeline's own code, with nothing else running: the sender is the forwarder's sink
+(``forwarder.eventhub.EventHubSink.with_credential``: a POST to the Event Hubs emulator's REST API over a kept-alive
+connection, with a managed-identity token from the IMDS emulator's identity endpoint, as local/stack.py starts each
+forwarder), one sink per simulated VM, each VM's envelope-sized event sent under its partition key (the VM's resource
+id), one VM after another, 0.1-0.3 s apart. The receiver is the local runner's ``FunctionHost`` (local/runner.py: the
+``EventHubConsumerClient`` over AMQP with checkpoints in Azurite, a thread per partition) whose function only notes
+the arrival. The time from the send's start to the function's call is the hop that pipeline_latency's
+``pipeline_added`` spends in Event Hubs and the trigger, without the forwarder's poll, spool and the coordinator.
 
-Prints one JSON object: eventhub_hop_ms_p50/p99, events.
+Prints one JSON object: eventhub_hop_ms_p50/p99, events, missed.
 """
 
 from __future__ import annotations
@@ -21,58 +24,80 @@ import threading
 import time
 from typing import Any
 
-from azure.eventhub import EventData, EventHubConsumerClient, EventHubProducerClient, PartitionContext
+import azure.functions as func
 
 from benchmarks.approval_latency import percentile
+from emulators.azurite import Azurite
 from emulators.eventhubs.emulator import EventHubsEmulator
+from emulators.imds import ImdsEmulator, Scenario, VmSpec
+from forwarder.credential import ImdsManagedIdentityCredential
+from forwarder.durable_state import SpooledEnvelope
+from forwarder.eventhub import EventHubSink
+from forwarder.imds import ImdsClient
+from local.runner import FunctionHost
 from local.stack import HUB, PARTITIONS
 
+# What the senders' first token and the consumer's partition claims (greedy, every 2 s) take before the first timed
+# send: real seconds.
+SETTLE_SECONDS = 5.0
 
-def run(events: int, seed: int) -> dict[str, Any]:
+
+def run(events: int, vms: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     arrivals: dict[int, float] = {}
-    attached = threading.Event()
+    lock = threading.Lock()
 
-    def on_batch(_context: PartitionContext, batch: list[EventData]) -> None:
-        attached.set()
+    def ingest(batch: list[func.EventHubEvent]) -> None:
         now = time.perf_counter()
-        for event in batch:
-            arrivals[int((event.properties or {})[b"n"])] = now
+        with lock:
+            for event in batch:
+                number = json.loads(event.get_body()).get("n")
+                if isinstance(number, int):
+                    arrivals[number] = now
 
-    with EventHubsEmulator(hubs={HUB: PARTITIONS}) as emulator:
-        consumer = EventHubConsumerClient.from_connection_string(
-            emulator.connection_string(HUB),
-            consumer_group="$Default",
-            socket_timeout=0.005,
-            load_balancing_strategy="greedy",
-            load_balancing_interval=2.0,
-        )
-        thread = threading.Thread(
-            target=consumer.receive_batch,
-            kwargs={"on_event_batch": on_batch, "max_batch_size": 100, "starting_position": "@latest"},
-            daemon=True,
-        )
-        thread.start()
-        sent: dict[int, float] = {}
-        body = json.dumps({"schema": "scheduled-events.envelope/1", "pad": "x" * 1500})
-        with EventHubProducerClient.from_connection_string(emulator.connection_string(HUB)) as producer:
-            warm = producer.create_batch(partition_key="warm-up")
-            warm.add(EventData("warm-up"))
-            producer.send_batch(warm)
-            time.sleep(5.0)  # the consumer claims every partition (greedy, every 2 s) before the first is sent
-            for number in range(events):
-                batch = producer.create_batch(partition_key=f"/subscriptions/s/virtualmachines/vm-{number % 10}")
-                event = EventData(body)
-                event.properties = {"n": number}
-                batch.add(event)
-                sent[number] = time.perf_counter()
-                producer.send_batch(batch)
-                time.sleep(rng.uniform(0.1, 0.3))
-        deadline = time.monotonic() + 10
-        while len(arrivals) < events and time.monotonic() < deadline:
-            time.sleep(0.01)
-        consumer.close()
-        thread.join(10)
+    scenario = Scenario(name="eventhub-hop", vms=[VmSpec(name=f"hop_{i}") for i in range(vms)])
+    with ImdsEmulator(scenario=scenario) as imds, Azurite() as storage:
+        senders = {vm.resourceId for vm in imds.vms()}
+        with EventHubsEmulator(hubs={HUB: PARTITIONS}, data_senders=senders) as eventhubs:
+            host = FunctionHost(
+                eventhub_connection_string=eventhubs.connection_string(),
+                eventhub_name=HUB,
+                storage_connection_string=storage.connection_string,
+                ingest=ingest,
+            )
+            host.start()
+            # One sink per VM, as each forwarder process has its own, with the VM's own token (cached per sink).
+            sinks = [
+                (
+                    vm.resourceId.lower(),
+                    EventHubSink.with_credential(
+                        fully_qualified_namespace=eventhubs.rest_namespace,
+                        eventhub_name=HUB,
+                        credential=ImdsManagedIdentityCredential(imds=ImdsClient(base_url=imds.url_for(vm.name))),
+                        use_tls=False,
+                    ),
+                )
+                for vm in imds.vms()
+            ]
+            pad = "x" * 1500  # about an envelope's size
+            sent: dict[int, float] = {}
+            try:
+                for key, sink in sinks:  # each sink's token and connection, before the timed sends
+                    sink.send([SpooledEnvelope(-1, 0, "warm-up", b'{"n": null}')], partition_key=key)
+                time.sleep(SETTLE_SECONDS)
+                for number in range(events):
+                    key, sink = sinks[number % len(sinks)]
+                    body = json.dumps({"n": number, "pad": pad}).encode()
+                    sent[number] = time.perf_counter()
+                    sink.send([SpooledEnvelope(number, number, "incarnation", body)], partition_key=key)
+                    time.sleep(rng.uniform(0.1, 0.3))
+                deadline = time.monotonic() + 10
+                while len(arrivals) < events and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                for _, sink in sinks:
+                    sink.close()
+                host.stop()
     samples = [(arrivals[n] - sent[n]) * 1000 for n in sent if n in arrivals]
     if not samples:
         raise RuntimeError("no event arrived")
@@ -81,16 +106,18 @@ def run(events: int, seed: int) -> dict[str, Any]:
         "eventhub_hop_ms_p99": round(percentile(samples, 0.99), 2),
         "events": len(samples),
         "missed": events - len(samples),
+        "vms": vms,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.eventhub_hop", description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=300)
+    parser.add_argument("--vms", type=int, default=10, help="simulated VMs, one sink (and token) each")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    print(json.dumps(run(args.events, args.seed)))
+    print(json.dumps(run(args.events, args.vms, args.seed)))
     return 0
 
 

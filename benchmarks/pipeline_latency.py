@@ -1,5 +1,5 @@
 """Detect-to-approve latency through the whole local pipeline (local.stack): an event appears in the IMDS emulator,
-a forwarder process polling once a second sees it, sends it over AMQP to the Event Hubs emulator, the function host
+a forwarder process polling once a second sees it, POSTs it to the Event Hubs emulator's REST API, the function host
 consumes it (azure-eventhub consumer, checkpoints in Azurite) and calls function_app.ingest_envelopes, the
 coordinator decides with a policy that approves at once, sends the approval through the Relay emulator to the VM's
 listener, which POSTs StartRequests to IMDS.
@@ -12,9 +12,10 @@ Targets: detect_to_approve p99 < 1,200 ms, pipeline_added p99 < 150 ms. Events a
 relative to the forwarders' polls (``--spacing``, 0.8-1.6 s apart by default, round-robin over the VMs; python -m
 benchmarks runs 300 events over 10 VMs 0.2-0.4 s apart, so that the p99 is not the second-worst of a few dozen).
 to_coordinator_ms_* splits off the part up to the coordinator's decision (forwarder send, Event Hubs, consumer,
-trigger); the rest is the coordinator, the Relay round trip and the VM's two IMDS calls (a fresh GET, then the
-StartRequests POST), which share the forwarder's process-wide IMDS rate limiter with the 1/s poll
-(forwarder.retry.IMDS_LIMITER).
+trigger), itself split at the Event Hubs emulator's store into to_hub_ms_* (the forwarder's spool and REST POST) and
+hub_to_decision_ms_* (the consumer, the trigger's partition thread, the coordinator up to its decision); the rest is
+the coordinator, the Relay round trip and the VM's two IMDS calls (a fresh GET, then the StartRequests POST), which
+share the forwarder's process-wide IMDS rate limiter with the 1/s poll (forwarder.retry.IMDS_LIMITER).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from emulators.imds import Scenario, VmSpec
-from local.observe import sent_envelopes
+from local.observe import sent_envelopes, stored_envelopes
 from local.runner import wait_until
 from local.stack import HUB, LocalStack, StackOptions
 from local.summary import percentile
@@ -92,12 +93,14 @@ def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8
             approvals = {str(item["EventId"]): _time(item["at"]) for item in imds.approvals()}
             scheduled = {str(e["EventId"]): _time(e["scheduledAt"]) for e in imds.events()}
             observed: dict[str, datetime] = {}
-            for envelope in sent_envelopes(eventhubs, HUB)[0]:
+            enqueued: dict[str, datetime] = {}  # when Event Hubs stored the first envelope that showed the event
+            for stored, envelope in stored_envelopes(eventhubs, HUB)[0]:
                 if envelope.document is None:
                     continue
                 for item in envelope.document.Events:
                     if item.EventId not in observed or envelope.observedAt < observed[item.EventId]:
                         observed[item.EventId] = envelope.observedAt
+                        enqueued[item.EventId] = stored.enqueued_time
             with sqlite3.connect(stack.history_path) as db:
                 decided = {
                     str(event_id): _time(str(at))
@@ -113,6 +116,12 @@ def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8
             to_coordinator = [
                 (decided[e] - observed[e]).total_seconds() * 1000 for e in created if e in decided and e in observed
             ]
+            # The same split in two at the Event Hubs emulator's store: the forwarder's spool and POST, then the
+            # consumer, the trigger's partition thread and the coordinator up to its decision.
+            to_hub = [(enqueued[e] - observed[e]).total_seconds() * 1000 for e in created if e in enqueued]
+            hub_to_decision = [
+                (decided[e] - enqueued[e]).total_seconds() * 1000 for e in created if e in decided and e in enqueued
+            ]
             missed = len(created) - len(detect)
     if not detect or not added:
         raise RuntimeError(f"no approval measured ({missed} of {len(created)} missing)")
@@ -124,6 +133,10 @@ def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8
         # observedAt -> the coordinator's batch that decided it (forwarder send, Event Hubs, consumer, trigger)
         "to_coordinator_ms_p50": round(percentile(to_coordinator, 0.5), 1) if to_coordinator else None,
         "to_coordinator_ms_p99": round(percentile(to_coordinator, 0.99), 1) if to_coordinator else None,
+        "to_hub_ms_p50": round(percentile(to_hub, 0.5), 1) if to_hub else None,
+        "to_hub_ms_p99": round(percentile(to_hub, 0.99), 1) if to_hub else None,
+        "hub_to_decision_ms_p50": round(percentile(hub_to_decision, 0.5), 1) if hub_to_decision else None,
+        "hub_to_decision_ms_p99": round(percentile(hub_to_decision, 0.99), 1) if hub_to_decision else None,
         "events": len(created),
         "approvals_missed": missed,
         "finished": finished,

@@ -81,7 +81,7 @@ class Harness:
             base_url=self.settings.imds_url,
             timeout=self.settings.imds_timeout,
             first_call_timeout=self.settings.imds_first_call_timeout,
-            limiter=limiter or RateLimiter(per_second=500, burst=10),
+            limiter=limiter or RateLimiter(requests=500),
         )
         self.store = Store(self.settings.spool_path, max_entries=self.settings.spool_max_entries)
         self.sink = sink or JsonLinesSink(path=self.output)

@@ -94,7 +94,7 @@ def test_outage_spools_and_replays_in_order(
 
 def test_managed_identity_from_imds_end_to_end(imds: ImdsEmulator, eventhubs: EventHubsEmulator) -> None:
     """The production auth path: an Entra token from the VM's IMDS token endpoint, put to the hub's CBS node."""
-    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(requests=100))
     credential = ImdsManagedIdentityCredential(imds=imds_client)
     sink = EventHubSink.with_credential(
         fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=credential, use_tls=False
@@ -112,7 +112,7 @@ def test_managed_identity_from_imds_end_to_end(imds: ImdsEmulator, eventhubs: Ev
 
 
 def test_user_assigned_identity_must_exist(imds: ImdsEmulator) -> None:
-    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(requests=100))
     credential = ImdsManagedIdentityCredential(imds=imds_client, client_id="00000000-0000-0000-0000-000000000000")
     with pytest.raises(ImdsInvalidResponse, match="Identity not found"):
         credential.get_token("https://eventhubs.azure.net//.default")
@@ -120,7 +120,7 @@ def test_user_assigned_identity_must_exist(imds: ImdsEmulator) -> None:
 
 def test_a_token_for_another_audience_is_refused(imds: ImdsEmulator, eventhubs: EventHubsEmulator) -> None:
     """The emulator checks the audience as Event Hubs does: a Relay token is no Event Hubs token (401)."""
-    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(requests=100))
     relay_only = ImdsManagedIdentityCredential(imds=imds_client)
 
     class WrongAudience:
@@ -140,7 +140,7 @@ def test_a_token_for_another_audience_is_refused(imds: ImdsEmulator, eventhubs: 
 
 def test_an_identity_without_the_data_sender_role_is_refused(imds: ImdsEmulator) -> None:
     """Role assignments as RBAC has them: web_0's identity holds "Azure Event Hubs Data Sender", another does not."""
-    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(per_second=100, burst=5))
+    imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(requests=100))
     credential = ImdsManagedIdentityCredential(imds=imds_client)
     token = credential.get_token(EVENTHUBS_SCOPE).token
     identity = verify_token(token, audience="https://eventhubs.azure.net")["xms_mirid"]

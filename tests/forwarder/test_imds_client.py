@@ -24,7 +24,7 @@ from tests.forwarder.conftest import ScriptedImds
 
 
 def client(imds: ImdsEmulator, vm: str = "web_0", **options: object) -> ImdsClient:
-    return ImdsClient(base_url=imds.url_for(vm), limiter=RateLimiter(per_second=500, burst=10), **options)  # type: ignore[arg-type]
+    return ImdsClient(base_url=imds.url_for(vm), limiter=RateLimiter(requests=500), **options)  # type: ignore[arg-type]
 
 
 def test_document_identity_and_approval(imds: ImdsEmulator) -> None:
@@ -117,32 +117,37 @@ def test_non_http_base_url_is_refused() -> None:
         ImdsClient(base_url="https://169.254.169.254")
 
 
-def test_rate_limiter_spaces_requests() -> None:
-    limiter = RateLimiter(per_second=20, burst=1)
-    started = time.monotonic()
+def test_rate_limiter_keeps_any_window_within_its_requests() -> None:
+    limiter = RateLimiter(requests=2, per_seconds=0.1)
+    sent = []
     for _ in range(6):
         limiter.acquire()
-    assert time.monotonic() - started >= 0.24  # 5 waits of 50 ms after the first token
+        sent.append(time.monotonic())
+    assert sent[1] - sent[0] < 0.05  # two at once
+    for index in range(2, 6):  # each later one a full window after the one two before it
+        assert sent[index] - sent[index - 2] >= 0.1 - 1e-3
 
 
 def test_default_rate_stays_under_the_imds_throttle(imds: ImdsEmulator) -> None:
     imds.inject_fault(kind="throttle", requestsPerSecond=5)
     imds_client = ImdsClient(base_url=imds.url_for("web_0"))  # the process-wide limiter
-    for _ in range(10):  # as fast as the limiter lets it: a burst of 3, then 2/s (3.5 s)
+    for _ in range(10):  # as fast as the limiter lets it: 4 in any second (about 2 s)
         imds_client.get_document_bytes()
 
 
 def test_an_approval_just_after_a_poll_is_not_held_back() -> None:
-    """The approver's fresh GET and its StartRequests POST follow the poll by a few hundred ms at most: both must
-    go out at once, or every approval waits for the limiter."""
-    limiter = RateLimiter(per_second=IMDS_LIMITER.per_second, burst=IMDS_LIMITER.burst)  # its shape, own bucket
+    """The approver's attested document (the answer's proof), its fresh GET and its StartRequests POST follow the poll
+    by a few hundred ms at most: all three must go out at once, or every approval waits for the limiter (and the
+    coordinator's batch holds its partition meanwhile)."""
+    limiter = RateLimiter(requests=IMDS_LIMITER.requests, per_seconds=IMDS_LIMITER.per_seconds)  # its shape, own window
     limiter.acquire()  # the poll that saw the event
     time.sleep(0.1)  # envelope -> Event Hubs -> coordinator -> Relay
     started = time.monotonic()
+    limiter.acquire()  # approver: the attested document for the proof
     limiter.acquire()  # approver: GET the current document
     limiter.acquire()  # approver: POST StartRequests
     assert time.monotonic() - started < 0.05
-    assert IMDS_LIMITER.burst + IMDS_LIMITER.per_second <= 5  # never more than IMDS's ~5 in any one-second window
+    assert IMDS_LIMITER.requests / IMDS_LIMITER.per_seconds < 5  # under IMDS's ~5 in any one-second window
 
 
 def test_backoff_grows_with_jitter_and_honours_retry_after() -> None:
@@ -253,7 +258,7 @@ def test_get_document_keeps_the_valid_events_for_the_approver(scripted_imds: Scr
     """The approver reads documents the same way: one bad event never blocks the approval of another."""
     good = {"EventId": "ok", "EventType": "Freeze", "Resources": ["web_0"], "EventStatus": "Scheduled"}
     scripted_imds.serve(3, good, {**good, "EventId": "bad", "DurationInSeconds": "long"})
-    imds_client = ImdsClient(base_url=scripted_imds.url, limiter=RateLimiter(per_second=500, burst=10))
+    imds_client = ImdsClient(base_url=scripted_imds.url, limiter=RateLimiter(requests=500))
     document = imds_client.get_document()
     assert (document.DocumentIncarnation, [e.EventId for e in document.Events]) == (3, ["ok"])
 

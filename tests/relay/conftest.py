@@ -74,7 +74,7 @@ def ws_endpoint(relay: RelayEmulator) -> str:
 
 def imds_client(imds: ImdsEmulator, vm_name: str) -> ImdsClient:
     # Own limiter: the process-wide one would make tests wait on each other.
-    return ImdsClient(base_url=imds.url_for(vm_name), timeout=5.0, limiter=RateLimiter(per_second=1000, burst=100))
+    return ImdsClient(base_url=imds.url_for(vm_name), timeout=5.0, limiter=RateLimiter(requests=1000))
 
 
 @dataclass
