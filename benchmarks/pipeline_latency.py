@@ -79,8 +79,11 @@ def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8
             time.sleep(1.0)  # past the first documents' processing
             created: list[str] = []
             for index in range(events):
+                # DurationInSeconds -1 (not announced): the local platform pauses a Freeze's VMs only for an
+                # announced duration (local.platform.freeze_seconds), and a listener paused before its answer holds
+                # its partition's batch; this measures the pipeline's hops, not the Freeze's pause.
                 event = imds.create_event(
-                    EventType="Freeze", Resources=[names[index % len(names)]], DurationInSeconds=5
+                    EventType="Freeze", Resources=[names[index % len(names)]], DurationInSeconds=-1
                 )
                 created.append(str(event["EventId"]))
                 time.sleep(rng.uniform(*spacing))

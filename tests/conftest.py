@@ -17,4 +17,3 @@ def azurite() -> Iterator[AzuriteEndpoints]:
     """
     with Azurite() as endpoints:
         yield endpoints
-
