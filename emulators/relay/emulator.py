@@ -123,7 +123,9 @@ class RelayEmulator:
 
     def counters(self) -> dict[str, int]:
         """Counts by kind: ``refused.<what>`` for bad input set aside (handshakes, requests, listener frames),
-        ``rendezvous.request``/``rendezvous.response`` and ``accepted``/``rejected`` for WebSocket senders."""
+        ``rendezvous.request``/``rendezvous.response`` and ``accepted``/``rejected`` for WebSocket senders, and
+        ``listener.<hybrid connection>`` for the listeners that connected to each (an on-demand listener may come
+        and go between two looks at ``listener_count``)."""
         return self._call(self._counters())
 
     def set_listener_fault(self, name: str, *, delay_seconds: float = 0.0, dead: bool = False) -> None:

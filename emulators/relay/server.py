@@ -457,6 +457,7 @@ class RelayService:
             conn=connection, hybrid_connection=hybrid_connection, expires_at=role.expires_at, client_id=role.client_id
         )
         hybrid_connection.listeners.append(connection.listener)
+        self.counters[f"listener.{hybrid_connection.name.lower()}"] += 1
         return None
 
     def _sender_token(self, headers: Iterable[tuple[str, str]], query: str, *, allow_authorization: bool) -> str | None:
