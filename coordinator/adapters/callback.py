@@ -44,4 +44,12 @@ class BatchCallback(BoundedCallback, Protocol):
 
 
 class ApprovalDeliveryError(RuntimeError):
-    """The approval did not reach the VM; safe to retry (the listener is idempotent)."""
+    """The approval did not reach the VM; safe to retry (the listener is idempotent).
+
+    ``unreached``: no attempt can have reached the VM's listener (every connect refused, or the relay answered
+    that no listener was connected), so the VM cannot be executing it: another VM may be sent the event at once
+    (pipeline/act.py ``open_after``). Otherwise an attempt may have reached it and it may still execute it."""
+
+    def __init__(self, message: str, *, unreached: bool = False) -> None:
+        super().__init__(message)
+        self.unreached = unreached

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import requests
 from azure.core.credentials import AzureNamedKeyCredential, TokenCredential
 from pydantic import ValidationError
+from urllib3.exceptions import NewConnectionError
 
 from contracts import bounded_json
 from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
@@ -59,6 +60,8 @@ class _Retryable:
 
     reason: str
     no_listener: bool = False
+    # The request cannot have reached a listener: its connection was refused, or the relay had no listener.
+    unreached: bool = False
 
 
 class RelayApprovalSender:
@@ -147,6 +150,7 @@ class RelayApprovalSender:
             )
         give_up_at = time.monotonic() + budget
         attempt = 0
+        reached = False  # whether some attempt may have reached the VM's listener
         while True:
             attempt += 1
             remaining = give_up_at - time.monotonic()
@@ -158,6 +162,7 @@ class RelayApprovalSender:
                 )  # fmt: skip
                 return outcome
             failure = outcome
+            reached = reached or not failure.unreached
             maximum = self._listener_wait_maximum if failure.no_listener else self._backoff_maximum
             delay = backoff_delay(attempt - 1, initial=self._backoff_initial, maximum=maximum, rng=self._rng)
             if time.monotonic() + delay >= give_up_at:
@@ -168,7 +173,8 @@ class RelayApprovalSender:
                 )
                 raise ApprovalDeliveryError(
                     f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
-                    f"{url} after {attempt} attempts: {why}; the caller may retry until NotBefore"
+                    f"{url} after {attempt} attempts: {why}; the caller may retry until NotBefore",
+                    unreached=not reached,
                 )
             log.warning(
                 "approval %s for event %s: attempt %d failed (%s); retrying in %.2f s",
@@ -193,13 +199,13 @@ class RelayApprovalSender:
                     url, data=body, headers=headers, timeout=(self._connect_timeout, max(0.1, timeout))
                 )
         except (requests.RequestException, deadline.DeadlineExceeded) as error:
-            return _Retryable(f"{type(error).__name__}: {error}")
+            # A connection never made (refused, no route, its connect timed out) carried nothing to anyone.
+            return _Retryable(f"{type(error).__name__}: {error}", unreached=_never_connected(error))
         status = response.status_code
         if status in RETRYABLE_STATUS:
             relayed = _listener_error(response) is not None  # the listener's own 503: it could not reach IMDS
-            return _Retryable(
-                f"HTTP {status} {_short(response.text)}", no_listener=status in (502, 503) and not relayed
-            )
+            no_listener = status in (502, 503) and not relayed
+            return _Retryable(f"HTTP {status} {_short(response.text)}", no_listener=no_listener, unreached=no_listener)
         if status == 200:
             return self._result(response, request)
         error_body = _listener_error(response)
@@ -243,6 +249,16 @@ class RelayApprovalSender:
                 f"not {request.eventId}/{request.decisionId}"
             )
         return result
+
+
+def _never_connected(error: Exception) -> bool:
+    """Whether the POST failed before its connection was made (so before any byte of it was sent)."""
+    if isinstance(error, requests.ConnectTimeout):
+        return True
+    if isinstance(error, requests.ConnectionError):
+        reason = getattr(error.args[0], "reason", None) if error.args else None
+        return isinstance(reason, NewConnectionError)
+    return False
 
 
 def _listener_error(response: requests.Response) -> str | None:

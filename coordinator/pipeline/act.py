@@ -319,6 +319,7 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> None:
             else:
                 plan.failure = str(outcome)
                 plan.continued = handing_over and isinstance(outcome, ApprovalDeliveryError)
+                plan.unreached = isinstance(outcome, ApprovalDeliveryError) and outcome.unreached
     for future in late:
         for plan in futures[future]:
             plan.continued = handing_over
@@ -523,12 +524,15 @@ def _superseded(record: EventRecord | None, plan: Delivery) -> EventChange | Non
 
 def open_after(open_request: OpenRequest | None, plan: Delivery) -> OpenRequest | None:
     """The event's unanswered request after this plan: a request sent and not answered (no answer in time, or a
-    failure after it may have reached the listener) stays open until its notAfter; an answer closes it."""
+    failure after it may have reached the listener) stays open until its notAfter; an answer closes it, and one
+    that reached no listener (connections refused, the relay had none) leaves things as they were."""
     request = plan.request
     if request is None or plan.vm is None:
         return open_request  # nothing sent (a plan that waits, or one no VM could take)
     if plan.result is not None:
         return None
+    if plan.unreached:
+        return open_request  # it reached no listener: nobody can be executing it
     until = request.deadline
     if open_request is not None and (open_request.executor, open_request.decisionId) == (
         plan.executor,

@@ -218,6 +218,8 @@ class Delivery:
     traceparent: str = ""
     # Not answered within the run's time: handed to the delivery queue.
     continued: bool = False
+    # Failed without reaching the VM's listener (ApprovalDeliveryError.unreached): it cannot be executing it.
+    unreached: bool = False
     # Not sent: another VM (or decision) may still execute an earlier request until then (approvals.reroute_at).
     wait_until: datetime | None = None
 

@@ -467,6 +467,10 @@ def test_a_request_stays_open_until_answered_and_only_the_same_executors_extends
     assert act.open_after(later, sent) is None
     waiting = Delivery(event_id=EVENT, decision_id="d-1", executor="vm-a", callback=RecordingCallback())
     assert act.open_after(later, waiting) == later  # nothing sent
+    # Sent, but it reached no listener (connections refused, the relay had none): nothing new is open.
+    sent.result, sent.unreached = None, True
+    assert act.open_after(None, sent) is None
+    assert act.open_after(later, sent) == later
 
 
 def test_a_handed_over_request_with_no_peer_yet_stays_valid_a_few_seconds_longer(bench: Bench):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -320,9 +321,32 @@ def test_sender_gives_up_with_a_delivery_error(imds: ImdsEmulator, relay: RelayE
             backoff_maximum=0.1,
             max_retry_seconds=0.5,
         ) as impatient,
-        pytest.raises(ApprovalDeliveryError, match="HTTP 503"),
+        pytest.raises(ApprovalDeliveryError, match="HTTP 503") as failed,
     ):
         impatient.send(approval(scheduled_event(imds, VM_A0)), vm=identity)
+    # The relay said no listener was connected, every time: nobody can be executing it.
+    assert failed.value.unreached
+
+
+def test_a_send_whose_connections_are_refused_reached_no_one(imds: ImdsEmulator) -> None:
+    """The Relay down (connections refused): the failure says no listener can have the request, so another VM may
+    be sent the event at once rather than after this request lapses (coordinator/pipeline/act.py open_after)."""
+    identity = imds_identity(imds, VM_A0)
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    with (
+        RelayApprovalSender(
+            endpoint=f"http://127.0.0.1:{port}",
+            credential=AzureNamedKeyCredential("send", SEND_KEY),
+            backoff_initial=0.05,
+            backoff_maximum=0.1,
+            max_retry_seconds=0.5,
+        ) as sender,
+        pytest.raises(ApprovalDeliveryError, match="ConnectionError") as failed,
+    ):
+        sender.send(approval(scheduled_event(imds, VM_A0)), vm=identity)
+    assert failed.value.unreached
 
 
 def test_sender_finds_a_late_listener_within_its_short_no_listener_cap(
@@ -377,9 +401,10 @@ def test_a_send_given_seconds_ends_within_them_however_the_listener_hangs(
     started = time.monotonic()
     with (
         RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender,
-        pytest.raises(ApprovalDeliveryError, match=r"could not reach web_0 .* after 1 attempts"),
+        pytest.raises(ApprovalDeliveryError, match=r"could not reach web_0 .* after 1 attempts") as failed,
     ):
         sender.send_within(approval(event_id), vm=vm.identity, seconds=1.0)
+    assert not failed.value.unreached  # the listener got it and did not answer: it may still execute it
     assert time.monotonic() - started <= 1.6
     relay.set_listener_fault(vm.identity.hybrid_connection_name)
     assert approved_ids(imds) == []
