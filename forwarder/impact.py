@@ -217,6 +217,10 @@ class ImpactMeter:
                 if watch.started and watch.largest is None:
                     self._pending.append(self._pause_report(event_id, watch, None))
             if self._freezes:
+                if self._last is None:
+                    # This poll is the first sign of life to measure from: a pause right after it (a Freeze
+                    # approved at once) would otherwise come before the tick thread's first reading, unseen.
+                    self._last = (time.monotonic(), datetime.now(UTC))
                 self._armed.set()
             else:
                 self._armed.clear()

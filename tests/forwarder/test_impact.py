@@ -8,14 +8,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from contracts.envelope import Envelope
+from contracts.wire import ScheduledEventsDocument, VmIdentity
 from emulators.imds import ImdsEmulator
-from forwarder.impact import read_boot_time
+from forwarder.durable_state import Store
+from forwarder.impact import ImpactMeter, read_boot_time
 from tests.forwarder.conftest import read_envelopes, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,3 +148,26 @@ def test_the_boot_time_is_read_from_proc_stat_or_a_file_like_it(tmp_path: Path) 
     boot(tmp_path, 1_800_000_000)
     assert read_boot_time(tmp_path / "stat") == datetime.fromtimestamp(1_800_000_000, UTC)
     assert read_boot_time(tmp_path / "missing") is None
+
+
+def test_a_pause_right_after_the_poll_that_lists_the_freeze_is_measured(tmp_path: Path) -> None:
+    """A Freeze approved at once starts within the poll that listed it: the VM may be paused before the tick thread
+    has read the clocks even once. The poll is the sign of life the pause is measured from."""
+    store = Store(tmp_path / "state.db")
+    meter = ImpactMeter(
+        store=store, tick=0.1, boot_time_file=tmp_path / "stat", stop=threading.Event(), spooled=lambda: None
+    )
+    vm = VmIdentity(name="web_0", vmId="00000000-0000-0000-0000-000000000001", resourceId="/vm/web_0")
+    freeze = {
+        "EventId": "F1", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["web_0"],
+        "EventStatus": "Started", "NotBefore": "", "Description": "", "EventSource": "Platform",
+        "DurationInSeconds": 1,
+    }  # fmt: skip
+    meter.polled(ScheduledEventsDocument.from_mapping({"DocumentIncarnation": 2, "Events": [freeze]}), vm)
+    time.sleep(0.8)  # paused before any tick (the tick thread is not even running here)
+    meter.before_poll(vm)
+    (spooled,) = store.peek(10)
+    report = Envelope.from_json_bytes(spooled.body).impact
+    assert report is not None
+    assert (report.eventId, report.measure) == ("F1", "pause")
+    assert 0.6 <= report.measuredSeconds <= 1.0
