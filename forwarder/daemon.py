@@ -259,7 +259,7 @@ class Forwarder:
         while not self._stop.is_set():
             delay = interval
             # Before the poll: a pause or a restart is reported ahead of the change that shows its event gone.
-            self._impact.before_poll(identity)
+            self._impact.before_poll(identity, due=next_poll)
             try:
                 self._poller.poll_once(identity)
             except ImdsUnavailable as exc:

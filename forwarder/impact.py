@@ -136,6 +136,7 @@ class ImpactMeter:
         self._lock = threading.Lock()
         self._armed = threading.Event()
         self._last: tuple[float, datetime] | None = None
+        self._late: _Gap | None = None  # how late the current poll started (before_poll), when a pause
         self._freezes: dict[str, _FreezeWatch] = {}
         self._pending: list[ImpactReport] = []
         self._restart = _Restart.load(store.get_state(IMPACT_RESTART))
@@ -188,10 +189,19 @@ class ImpactMeter:
         )
 
     # --- the poll loop ------------------------------------------------------------------------------------
-    def before_poll(self, identity: VmIdentity) -> None:
+    def before_poll(self, identity: VmIdentity, *, due: float | None = None) -> None:
         """Looks at the clocks once more (the poll loop may run before the tick thread after a stop) and spools
         what was measured, before the poll that may show the event gone. The first call after a start reports
-        the restart that a watch from before it and a later boot time show."""
+        the restart that a watch from before it and a later boot time show. ``due`` (monotonic): when this poll
+        was due; how late it starts is how long the loop did not run while it slept, a pause that ``polled``
+        gives a Freeze first seen Started (the VM paused before its forwarder ever saw the Freeze listed: a peer
+        approved it at once)."""
+        late = time.monotonic() - due if due is not None else 0.0
+        wall = datetime.now(UTC)
+        with self._lock:
+            self._late = (
+                _Gap(wall - timedelta(seconds=late), wall, late, late) if late >= self.tick + PAUSE_FLOOR else None
+            )
         self._tick()
         if self._after_start:
             self._after_start = False
@@ -209,8 +219,13 @@ class ImpactMeter:
         with self._lock:
             freezes = {e.EventId: e for e in mine if e.EventType == "Freeze"}
             for event_id, event in freezes.items():
+                first = event_id not in self._freezes
                 watch = self._freezes.setdefault(event_id, _FreezeWatch(event.EventType, event.DurationInSeconds))
                 watch.started |= event.EventStatus == "Started"
+                if first and watch.started and self._late is not None:
+                    watch.largest = self._late
+                    self._pending.append(self._pause_report(event_id, watch, self._late))
+                    watch.reported = self._late.pause(self.tick)
             for event_id in [k for k in self._freezes if k not in freezes]:
                 watch = self._freezes.pop(event_id)
                 # Over without a pause seen: "it did not hurt" is worth saying too (a canceled one is not).

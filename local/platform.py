@@ -44,6 +44,11 @@ FORGER = "scheduled-events-forwarder/0.1.0"
 # tell from its own scheduling. An unscaled pause (5 s at 120x is 10 Azure minutes) outlives a started event's stay
 # in the documents and NotBefore, and makes timelines Azure never produces. At most FREEZE_MAX_SECONDS.
 FREEZE_MIN_SECONDS = 1.0
+# How long after a Freeze starts its VMs are paused (real seconds): a poll interval and a little, so that each VM's
+# forwarder has seen the event listed (a peer may approve it at once) and measures the pause from its own clock
+# readings. Azure does not document the onset; a VM paused before it ever saw its Freeze can only bound the pause
+# from its late poll (forwarder/impact.py).
+FREEZE_ONSET_SECONDS = 1.2
 FREEZE_MAX_SECONDS = 30.0
 # How long a Reboot or Redeploy keeps a VM down (real seconds), from its forwarder's stop to its start.
 REBOOT_SECONDS = 2.0
@@ -159,19 +164,24 @@ class Platform:
             if seconds <= 0:
                 return
             for name in names:
-                self.stack.forwarders[name].pause()
-                stopped = time.monotonic()
-                self.record("forwarder-stop", vm=name, reason="freeze", eventId=event_id)
                 self._later(
                     f"forwarder:{name}",
-                    seconds,
-                    lambda name=name, stopped=stopped: self._thaw(name, event_id, stopped),
+                    FREEZE_ONSET_SECONDS,
+                    lambda name=name, seconds=seconds: self._freeze(name, event_id, seconds),
                 )
         elif event_type in RESTARTING_TYPES:
             for name in names:
                 threading.Thread(
                     target=self._reboot, args=(name, event_id), name=f"local-reboot-{name}", daemon=True
                 ).start()
+
+    def _freeze(self, name: str, event_id: str, seconds: float) -> None:
+        if name in self.stack.removed:
+            return
+        self.stack.forwarders[name].pause()
+        stopped = time.monotonic()
+        self.record("forwarder-stop", vm=name, reason="freeze", eventId=event_id)
+        self._later(f"forwarder:{name}", seconds, lambda: self._thaw(name, event_id, stopped))
 
     def _thaw(self, name: str, event_id: str, stopped: float) -> None:
         self.stack.forwarders[name].resume()

@@ -171,3 +171,38 @@ def test_a_pause_right_after_the_poll_that_lists_the_freeze_is_measured(tmp_path
     assert report is not None
     assert (report.eventId, report.measure) == ("F1", "pause")
     assert 0.6 <= report.measuredSeconds <= 1.0
+
+
+def test_a_pause_before_the_freeze_was_first_seen_is_measured_from_the_late_poll(tmp_path: Path) -> None:
+    """A peer approved the Freeze at once: this VM was paused before its forwarder ever saw it listed, and its
+    first sight of it is Started. The poll due during the pause starts late by the pause: that lateness is its
+    measure."""
+    store = Store(tmp_path / "state.db")
+    meter = ImpactMeter(
+        store=store, tick=0.1, boot_time_file=tmp_path / "stat", stop=threading.Event(), spooled=lambda: None
+    )
+    vm = VmIdentity(name="web_1", vmId="00000000-0000-0000-0000-000000000002", resourceId="/vm/web_1")
+    freeze = {
+        "EventId": "F1", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["web_1"],
+        "EventStatus": "Started", "NotBefore": "", "Description": "", "EventSource": "Platform",
+        "DurationInSeconds": 1,
+    }  # fmt: skip
+    due = time.monotonic()
+    time.sleep(0.8)  # the poll due now runs 0.8 s late: the process was stopped
+    meter.before_poll(vm, due=due)
+    meter.polled(ScheduledEventsDocument.from_mapping({"DocumentIncarnation": 2, "Events": [freeze]}), vm)
+    meter.before_poll(vm, due=time.monotonic())  # the next poll, on time, spools it
+    (spooled,) = store.peek(10)
+    report = Envelope.from_json_bytes(spooled.body).impact
+    assert report is not None
+    assert (report.eventId, report.measure) == ("F1", "pause")
+    assert 0.6 <= report.measuredSeconds <= 1.0
+    # On time, a poll's lateness is no pause: a Freeze first seen Started then reports none from it.
+    quiet = ImpactMeter(
+        store=Store(tmp_path / "quiet.db"), tick=0.1, boot_time_file=tmp_path / "stat", stop=threading.Event(),
+        spooled=lambda: None,
+    )  # fmt: skip
+    quiet.before_poll(vm, due=time.monotonic())
+    quiet.polled(ScheduledEventsDocument.from_mapping({"DocumentIncarnation": 2, "Events": [freeze]}), vm)
+    quiet.before_poll(vm, due=time.monotonic())
+    assert Store(tmp_path / "quiet.db").peek(10) == []
