@@ -150,27 +150,46 @@ def test_the_boot_time_is_read_from_proc_stat_or_a_file_like_it(tmp_path: Path) 
     assert read_boot_time(tmp_path / "missing") is None
 
 
-def test_a_pause_right_after_the_poll_that_lists_the_freeze_is_measured(tmp_path: Path) -> None:
-    """A Freeze approved at once starts within the poll that listed it: the VM may be paused before the tick thread
-    has read the clocks even once. The poll is the sign of life the pause is measured from."""
-    store = Store(tmp_path / "state.db")
-    meter = ImpactMeter(
+VM = VmIdentity(name="web_0", vmId="00000000-0000-0000-0000-000000000001", resourceId="/vm/web_0")
+# A Freeze of web_0 as its forwarder first sees it: already Started.
+STARTED_FREEZE = ScheduledEventsDocument.from_mapping(
+    {
+        "DocumentIncarnation": 2,
+        "Events": [
+            {
+                "EventId": "F1", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["web_0"],
+                "EventStatus": "Started", "NotBefore": "", "Description": "", "EventSource": "Platform",
+                "DurationInSeconds": 1,
+            }
+        ],
+    }
+)  # fmt: skip
+
+
+def meter_on(store: Store, tmp_path: Path) -> ImpactMeter:
+    """A meter whose tick thread does not run: only the poll loop's calls read the clocks."""
+    return ImpactMeter(
         store=store, tick=0.1, boot_time_file=tmp_path / "stat", stop=threading.Event(), spooled=lambda: None
     )
-    vm = VmIdentity(name="web_0", vmId="00000000-0000-0000-0000-000000000001", resourceId="/vm/web_0")
-    freeze = {
-        "EventId": "F1", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["web_0"],
-        "EventStatus": "Started", "NotBefore": "", "Description": "", "EventSource": "Platform",
-        "DurationInSeconds": 1,
-    }  # fmt: skip
-    meter.polled(ScheduledEventsDocument.from_mapping({"DocumentIncarnation": 2, "Events": [freeze]}), vm)
-    time.sleep(0.8)  # paused before any tick (the tick thread is not even running here)
-    meter.before_poll(vm)
+
+
+def spooled_pause(store: Store) -> float:
     (spooled,) = store.peek(10)
     report = Envelope.from_json_bytes(spooled.body).impact
     assert report is not None
     assert (report.eventId, report.measure) == ("F1", "pause")
-    assert 0.6 <= report.measuredSeconds <= 1.0
+    return report.measuredSeconds
+
+
+def test_a_pause_right_after_the_poll_that_lists_the_freeze_is_measured(tmp_path: Path) -> None:
+    """A Freeze approved at once starts within the poll that listed it: the VM may be paused before the tick thread
+    has read the clocks even once. The poll is the sign of life the pause is measured from."""
+    store = Store(tmp_path / "state.db")
+    meter = meter_on(store, tmp_path)
+    meter.polled(STARTED_FREEZE, VM)
+    time.sleep(0.8)  # paused before any tick (the tick thread is not even running here)
+    meter.before_poll(VM)
+    assert 0.6 <= spooled_pause(store) <= 1.0
 
 
 def test_a_pause_before_the_freeze_was_first_seen_is_measured_from_the_late_poll(tmp_path: Path) -> None:
@@ -178,31 +197,17 @@ def test_a_pause_before_the_freeze_was_first_seen_is_measured_from_the_late_poll
     first sight of it is Started. The poll due during the pause starts late by the pause: that lateness is its
     measure."""
     store = Store(tmp_path / "state.db")
-    meter = ImpactMeter(
-        store=store, tick=0.1, boot_time_file=tmp_path / "stat", stop=threading.Event(), spooled=lambda: None
-    )
-    vm = VmIdentity(name="web_1", vmId="00000000-0000-0000-0000-000000000002", resourceId="/vm/web_1")
-    freeze = {
-        "EventId": "F1", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["web_1"],
-        "EventStatus": "Started", "NotBefore": "", "Description": "", "EventSource": "Platform",
-        "DurationInSeconds": 1,
-    }  # fmt: skip
+    meter = meter_on(store, tmp_path)
     due = time.monotonic()
     time.sleep(0.8)  # the poll due now runs 0.8 s late: the process was stopped
-    meter.before_poll(vm, due=due)
-    meter.polled(ScheduledEventsDocument.from_mapping({"DocumentIncarnation": 2, "Events": [freeze]}), vm)
-    meter.before_poll(vm, due=time.monotonic())  # the next poll, on time, spools it
-    (spooled,) = store.peek(10)
-    report = Envelope.from_json_bytes(spooled.body).impact
-    assert report is not None
-    assert (report.eventId, report.measure) == ("F1", "pause")
-    assert 0.6 <= report.measuredSeconds <= 1.0
+    meter.before_poll(VM, due=due)
+    meter.polled(STARTED_FREEZE, VM)
+    meter.before_poll(VM, due=time.monotonic())  # the next poll, on time, spools it
+    assert 0.6 <= spooled_pause(store) <= 1.0
     # On time, a poll's lateness is no pause: a Freeze first seen Started then reports none from it.
-    quiet = ImpactMeter(
-        store=Store(tmp_path / "quiet.db"), tick=0.1, boot_time_file=tmp_path / "stat", stop=threading.Event(),
-        spooled=lambda: None,
-    )  # fmt: skip
-    quiet.before_poll(vm, due=time.monotonic())
-    quiet.polled(ScheduledEventsDocument.from_mapping({"DocumentIncarnation": 2, "Events": [freeze]}), vm)
-    quiet.before_poll(vm, due=time.monotonic())
-    assert Store(tmp_path / "quiet.db").peek(10) == []
+    quiet_store = Store(tmp_path / "quiet.db")
+    quiet = meter_on(quiet_store, tmp_path)
+    quiet.before_poll(VM, due=time.monotonic())
+    quiet.polled(STARTED_FREEZE, VM)
+    quiet.before_poll(VM, due=time.monotonic())
+    assert quiet_store.peek(10) == []
