@@ -73,6 +73,8 @@ class Follower:
         last_step = max((step.at for step in scenario.steps), default=0.0)
         self.creates = sum(1 for step in scenario.steps if step.create is not None)
         self.scenario_ends = time.monotonic() + stack.options.lead_in + last_step / stack.options.time_scale
+        # What the last look at ``over`` still waited for: what a run that timed out names.
+        self.waits: list[str] = ["a first look"]
 
     def _record(self, refs: dict[str, str]) -> None:
         """What the history cannot say about this run, beside it (``ops.history``, ``ops.cost`` read it)."""
@@ -107,16 +109,35 @@ class Follower:
     def over(self) -> bool:
         """Every step played, every event over in IMDS, the coordinator has concluded each of them and retired
         every VM a delete removed (a removed VM's events conclude with its retirement)."""
+        self.waits = self.waiting_for()
+        return not self.waits
+
+    def waiting_for(self) -> list[str]:
+        """What keeps the run from being over, named (empty when it is): a run that times out says why."""
         assert self.stack.imds is not None
         if time.monotonic() < self.scenario_ends:
-            return False
+            return ["the scenario's last step"]
         events = self.stack.imds.events()
-        if len(events) < self.creates or any(e.get("state") not in IMDS_TERMINAL for e in events):
-            return False
-        if not set(self.stack.imds.removed_vms()) <= self.timeline.retired:
-            return False
+        waits: list[str] = []
+        if len(events) < self.creates:
+            waits.append(f"{self.creates - len(events)} events the scenario creates")
+        label = self.timeline.labels
+        waits += [
+            f"IMDS to end {label.get(str(e['EventId']), e['EventId'])} ({e.get('state')})"
+            for e in events
+            if e.get("state") not in IMDS_TERMINAL
+        ]
+        unretired = set(self.stack.imds.removed_vms()) - self.timeline.retired
+        waits += [f"the retirement of {vm}" for vm in sorted(unretired)]
         paths = self.timeline.paths
-        return all(str(e["EventId"]) in paths and paths[str(e["EventId"])].state in TERMINAL for e in events)
+        for e in events:
+            event_id = str(e["EventId"])
+            name = label.get(event_id, event_id)
+            if event_id not in paths:
+                waits.append(f"a history row for {name}")
+            elif paths[event_id].state not in TERMINAL:
+                waits.append(f"the coordinator to conclude {name} ({paths[event_id].state})")
+        return waits
 
 
 def follow(

@@ -18,5 +18,5 @@ status=0
 echo "== pytest: all but the whole-stack runs, on ${PYTEST_WORKERS:-2} workers"
 pytest -n "${PYTEST_WORKERS:-2}" -m "not slow" "$@" || { code=$?; [ "$code" -eq 5 ] || status=$code; }
 echo "== pytest: the whole-stack runs, one at a time"
-pytest -m slow "$@" || { code=$?; [ "$code" -eq 5 ] || [ "$status" -ne 0 ] || status=$code; }
+pytest -m slow --durations=50 "$@" || { code=$?; [ "$code" -eq 5 ] || [ "$status" -ne 0 ] || status=$code; }
 exit "$status"

@@ -109,7 +109,7 @@ def test_an_approval_decided_before_its_gate_failed_is_not_executed_after_it(
         # still pending.
         coordinator_env={"COORDINATOR_APPROVAL_DEADLINE_SECONDS": "4"},
     )
-    assert outcome.finished, "the scenario did not finish in time"
+    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     events = {row["label"]: row for row in outcome.summary.events}
     gated, control = events["gated"], events["control"]

@@ -211,7 +211,7 @@ def test_one_vms_forgeries_in_another_vms_name_approve_nothing_and_delay_no_one(
         _scenario(), during=attack, expected_dead_letters=6, timeout=150.0, policy_path=_policy(tmp_path)
     )
     summary, stack = outcome.summary, outcome.stack
-    assert outcome.finished, f"the run did not finish: open {outcome.follower.timeline.open_events()}"
+    assert outcome.finished, f"the run did not finish: waiting for {outcome.follower.waits}"
     # The judge's expectations come from the truthful scenario: no approval the truth would not make, every one it
     # makes, every envelope web_0 sent applied, and the forgeries set aside.
     assert summary.ok, summary.failures

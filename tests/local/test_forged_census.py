@@ -158,7 +158,7 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
     # documents (the liar's own VM's) refuse at the door; its claim about its own zone is attested and accepted.
     outcome = run_pipeline(scenario, during=attack, expected_dead_letters=3, time_scale=120.0, timeout=120.0)
     summary, stack = outcome.summary, outcome.stack
-    assert outcome.finished, f"the run did not finish: open {outcome.follower.timeline.open_events()}"
+    assert outcome.finished, f"the run did not finish: waiting for {outcome.follower.waits}"
     # The judge's expectations are the truthful scenario's: only zone-first approved, nothing more.
     assert summary.ok, summary.failures
     assert stack.imds is not None

@@ -38,7 +38,7 @@ def imds_time(value: str) -> datetime:
 @pytest.mark.slow
 def test_a_failing_hook_among_several_keeps_its_delete_unapproved(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "failing-hook.yaml"), **FAST)
-    assert outcome.finished, "the scenario did not finish in time"
+    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     events = by_label(outcome)
     failing, passing = events["failing-delete"], events["passing-delete"]
@@ -60,7 +60,7 @@ def test_a_failing_hook_among_several_keeps_its_delete_unapproved(run_pipeline: 
 @pytest.mark.slow
 def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "coupled-deletes.yaml"), **FAST)
-    assert outcome.finished, "the scenario did not finish in time"
+    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     events = by_label(outcome)
     imds = outcome.stack.imds
@@ -97,7 +97,7 @@ def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pip
 @pytest.mark.slow
 def test_a_lone_spot_vm_evicted_is_retired_without_a_heartbeat_lost_card(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "spot-eviction.yaml"), **FAST)
-    assert outcome.finished, "the scenario did not finish in time"
+    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     eviction = by_label(outcome)["eviction"]
     assert eviction["approvedThrough"] is None  # a person would decide; nobody did
@@ -112,7 +112,7 @@ def test_a_lone_spot_vm_evicted_is_retired_without_a_heartbeat_lost_card(run_pip
 @pytest.mark.slow
 def test_a_wiped_forwarder_is_reset_and_its_later_events_still_decided(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "wiped-forwarder.yaml"), **FAST)
-    assert outcome.finished, "the scenario did not finish in time"
+    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     assert [name for name, _ in outcome.stack.wiped] == ["web_0"]
     resets = rows(outcome, "RecordType = 'Heartbeat' AND Outcome = 'reset' AND VmName = 'web_0'")
