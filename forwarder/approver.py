@@ -59,6 +59,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, TypeVar
@@ -84,6 +86,14 @@ from forwarder.telemetry import IdTracer, parent
 
 APPROVE_PATH = "/approve"
 MAX_BODY = 16 * 1024
+# How long one decision's proof answers its requests: requests arriving together and quick resends share one. Short,
+# because the listener cannot read the signed document's expiresOn and Microsoft's samples show lifetimes from
+# seconds to 6 hours (emulators/imds/attested.py); a coordinator refuses an expired proof and sends again.
+PROOF_REUSE_SECONDS = 10.0
+PROOF_ENTRIES = 16
+# How long a request waits for the proof another request for its decision is asking IMDS for (the IMDS client's
+# own deadline is shorter); without it the answer goes without proof.
+PROOF_WAIT_SECONDS = 15.0
 
 log = logging.getLogger("forwarder.approver")
 _T = TypeVar("_T")
@@ -315,6 +325,10 @@ class Approver:
         self._tracer = tracer or IdTracer()  # the forwarder's (forwarder/telemetry.py); ids only by default
         # IMDS's attested document for a nonce (ImdsClient.get_attestation): each answer proves this VM gave it.
         self._attest = attest
+        # The last proofs made, by decisionId (monotonic time made): requests for one decision share one (_proof).
+        self._proofs: OrderedDict[str, tuple[float, Attestation]] = OrderedDict()
+        self._making: dict[str, Future[Attestation | None]] = {}  # proofs being asked for, by decisionId
+        self._proof_lock = threading.Lock()
         # One approval at a time: the IMDS calls are quick, and serialising makes "approve once per decision" exact.
         self._lock = threading.Lock()
         self.imds_posts = 0
@@ -436,14 +450,41 @@ class Approver:
     def _proof(self, decision_id: str) -> Attestation | None:
         """IMDS's attested document for the decision (contracts.attestation.decision_nonce), which the answer carries:
         the coordinator then knows this VM answered, not another instance listening on this hybrid connection.
-        Without one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends again."""
+        Without one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends again.
+
+        One document per decision, shared by every request for it within ``PROOF_REUSE_SECONDS``: the nonce names
+        the decision, not the request. Three runs sending one decision at once each spent one of the VM's IMDS
+        requests on it, and the POST behind them lapsed (oracle seed 56)."""
         if self._attest is None:
             return None
+        with self._proof_lock:
+            kept = self._proofs.get(decision_id)
+            if kept is not None and time.monotonic() - kept[0] < PROOF_REUSE_SECONDS:
+                return kept[1]
+            making = self._making.get(decision_id)
+            mine = making is None
+            if making is None:
+                making = self._making[decision_id] = Future()
+        if not mine:
+            try:  # another request for this decision is asking IMDS: its answer is this one's too
+                return making.result(timeout=PROOF_WAIT_SECONDS)
+            except FutureTimeout:
+                return None
+        made = time.monotonic()
+        proof: Attestation | None = None
         try:
-            return self._attest(decision_nonce(decision_id))
+            proof = self._attest(decision_nonce(decision_id))
         except (ImdsError, ValueError) as error:
             log.warning("approval answer without proof", extra=fields(decisionId=decision_id, error=str(error)))
-            return None
+        finally:
+            with self._proof_lock:
+                del self._making[decision_id]
+                if proof is not None:
+                    self._proofs[decision_id] = (made, proof)
+                    while len(self._proofs) > PROOF_ENTRIES:
+                        self._proofs.popitem(last=False)
+            making.set_result(proof)
+        return proof
 
     def _remaining(self, approval: ApprovalRequest) -> float:
         """Seconds, by this VM's clock, until the request is refused as expired (``refuse_not_after``)."""

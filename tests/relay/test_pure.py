@@ -16,6 +16,7 @@ from urllib.parse import unquote
 
 import pytest
 
+from contracts.attested import decision_nonce
 from contracts.envelope import VmIdentity
 from contracts.sas import relay_resource_uri, sas_token
 from contracts.wire import ApprovalFacts, ApprovalRequest, Attestation, ScheduledEvent, ScheduledEventsDocument
@@ -484,3 +485,26 @@ def test_a_request_that_lapses_while_its_post_waits_its_turn_is_refused_and_not_
     assert (answer["outcome"], imds.posts) == ("rejected", [])
     assert "expired while waiting to reach IMDS" in answer["reason"]
     assert approver.imds_posts == 0
+
+
+def test_requests_for_one_decision_arriving_together_share_one_proof():
+    """The nonce names the decision: three runs sending one decision at once each spent one of the VM's IMDS
+    requests on its proof, and the POST behind them lapsed (oracle seed 56). One attested call answers them all."""
+    imds = _ApprovingImds("E1")
+    made: list[str] = []
+    lock = threading.Lock()
+
+    def attest(nonce: str) -> Attestation:
+        with lock:
+            made.append(nonce)
+        time.sleep(0.2)  # IMDS's answer takes a moment: the other requests arrive while it is made
+        return Attestation(encoding="pkcs7", signature="c2lnbmVk")
+
+    approver = Approver(imds=imds, vm_name="WestNO_0", clock=lambda: NOW, attest=attest)
+    same = _request(decision_id="d-same")
+    assert sorted(_together(approver, same, same, same)) == ["approved", "approved", "approved"]
+    assert made == [decision_nonce("d-same")]
+    assert imds.posts == [["E1"]]
+    # Another decision gets its own proof.
+    _together(approver, _request(decision_id="d-other"))
+    assert made == [decision_nonce("d-same"), decision_nonce("d-other")]
