@@ -17,13 +17,16 @@ approval_latency.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
 import random
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +45,9 @@ log = logging.getLogger("local.runner")
 
 # Azurite 3.35 accepts blob API versions up to this one (docs: local-tooling.md §3).
 AZURITE_BLOB_API_VERSION = "2025-11-05"
+# A function invocation running longer than this gets its thread's stack logged (once, as a warning; a run's
+# pipeline.log keeps warnings): a partition that stalls then says where.
+SLOW_INVOCATION_SECONDS = 8.0
 
 IngestFunction = Callable[[list[func.EventHubEvent]], None]
 TimerFunction = Callable[[func.TimerRequest], None]
@@ -226,7 +232,8 @@ class FunctionHost:
             context, last, batch = item
             self.deliver(batch)
             if not self._stopping.is_set():
-                context.update_checkpoint(last)
+                with _stack_if_slow("update_checkpoint"):
+                    context.update_checkpoint(last)
 
     def deliver(self, batch: list[func.EventHubEvent]) -> bool:
         """One invocation of the trigger with the host's retry policy; True if the function succeeded."""
@@ -234,7 +241,8 @@ class FunctionHost:
         for attempt in range(1, self._max_attempts + 1):
             started = time.monotonic()
             try:
-                self._ingest(batch)
+                with _stack_if_slow(f"ingest_envelopes ({len(batch)} events, attempt {attempt})"):
+                    self._ingest(batch)
             except Exception as error:
                 with self._lock:
                     self.stats.retries += 1
@@ -262,7 +270,8 @@ class FunctionHost:
         assert self._timer is not None
         started = time.monotonic()
         try:
-            self._timer(TimerRequest(past_due=False))
+            with _stack_if_slow("reevaluate"):
+                self._timer(TimerRequest(past_due=False))
         except Exception as error:
             with self._lock:
                 self.stats.failed_ticks += 1
@@ -272,6 +281,25 @@ class FunctionHost:
         with self._lock:
             self.stats.ticks += 1
             self.stats.slowest_tick = max(self.stats.slowest_tick, time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def _stack_if_slow(what: str) -> Iterator[None]:
+    """Logs where the calling thread is if ``what`` is still running after ``SLOW_INVOCATION_SECONDS``."""
+    thread = threading.get_ident()
+
+    def report() -> None:
+        frame = sys._current_frames().get(thread)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
+        log.warning("%s still running after %g s, at:\n%s", what, SLOW_INVOCATION_SECONDS, stack)
+
+    timer = threading.Timer(SLOW_INVOCATION_SECONDS, report)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout: float, interval: float = 0.1) -> bool:

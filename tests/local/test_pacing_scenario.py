@@ -35,7 +35,7 @@ def test_one_zone_at_a_time_and_two_freezes_an_hour_hold_exactly(tmp_path: Path)
         for step in truth.history
         if step.kind == "Decision" and step.outcome == "wait" and step.eventId.upper() in refs
     }
-    assert set(holds) == {"zone-two-waits", "freeze-3", "freeze-4"}
+    assert set(holds) == {"zone-two-waits", "freeze-3", "freeze-4"}, holds
     assert f"sequence {SEQUENCE!r}: zone westeurope/1 in progress" in holds["zone-two-waits"]
     assert ids["zone-one-first"] in holds["zone-two-waits"]
     for ref in ("freeze-3", "freeze-4"):
