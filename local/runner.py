@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import azure.functions as func
@@ -215,6 +216,10 @@ class FunctionHost:
     def _on_batch(self, context: PartitionContext, events: Sequence[EventData]) -> None:
         if not events:
             return
+        enqueued = events[0].enqueued_time
+        waited = (datetime.now(UTC) - enqueued).total_seconds() if enqueued is not None else 0.0
+        if waited > SLOW_INVOCATION_SECONDS:  # the consumer, not the function, held it: say so in pipeline.log
+            log.warning("partition %s: a batch enqueued %.1f s ago reached the trigger", context.partition_id, waited)
         with self._lock:
             work = self._partitions.get(context.partition_id)
             if work is None:

@@ -164,6 +164,11 @@ class HealthPages:
         self._servers.clear()
 
 
+def _quietly(stop: Callable[[], None]) -> None:
+    with contextlib.suppress(Exception):
+        stop()
+
+
 # Real seconds a forwarder process takes from its start to its first poll, with this machine's margin.
 RESTART_SECONDS = 4.0
 
@@ -549,10 +554,17 @@ class LocalStack:
         for forwarder in self.forwarders.values():
             with contextlib.suppress(Exception):
                 forwarder.stop(timeout=5)
-        for host in (self.host, self.platform_host):
-            if host is not None:
-                with contextlib.suppress(Exception):
-                    host.stop()
+        # Side by side: each host's consumer takes about a second to close its links (twice that under load), and
+        # every whole-stack test pays it at teardown.
+        stopping = [
+            threading.Thread(target=_quietly, args=(host.stop,), name="stop-host", daemon=True)
+            for host in (self.host, self.platform_host)
+            if host is not None
+        ]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join(timeout=30)
         self.host = self.platform_host = None
         _reset_function_app()
         if self._direct_swap is not None:
