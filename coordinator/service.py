@@ -36,7 +36,7 @@ from coordinator.adapters.teams import AlertSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import fold, handover, ingest, people, tail, timer
+from coordinator.pipeline import delivery, fold, handover, ingest, people, tail, timer
 from coordinator.pipeline.fleet import Fleet, FleetCache
 from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
@@ -246,13 +246,13 @@ class Coordinator:
         """An approval a run handed to the delivery queue (``function_app.continue_approval``), delivered with the
         whole approval deadline while its record still says it was handed over; then the tail. A message that is
         not a ``QueuedDelivery`` raises (the host retries it, then sets it aside in the poison queue)."""
-        delivery = QueuedDelivery.model_validate_json(message)
-        stored = read_event(self.store, delivery.eventId)
-        wait = handover.lapse_wait(stored.record if stored is not None else None, delivery, self.clock())
+        queued = QueuedDelivery.model_validate_json(message)
+        stored = read_event(self.store, queued.eventId)
+        wait = handover.lapse_wait(stored.record if stored is not None else None, queued, self.clock())
         if wait:
             time.sleep(wait.total_seconds())  # the unanswered request lapses in a few seconds (handover.lapse_wait)
         run = self.start("delivery")
-        handover.take_over(run, delivery)
+        delivery.take_over(run, queued)
         tail.finish(run)
         return run.report
 

@@ -210,14 +210,17 @@ def executor_found(run: Run, record: EventRecord, approval: ApprovalRecord) -> b
     return choose_executor(record, seen, alive_after, leaving=run.fleet.leaving(now)) is not None
 
 
-def decide(run: Run, change: EventChange) -> None:
+def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
+    """The policy's verdict on one event, into ``change``. ``again``: a rule's approval not delivered is decided
+    anew now whatever its retry time (a delivery run sends it again: pipeline/handover.py)."""
     record = change.record
     if record.state != "Scheduled":
         return
     now, fleet, policy, dry_run = run.now, run.fleet, run.policy, run.dry_run
     pending = record.approval
     found = pending is not None and executor_found(run, record, pending)
-    if pending is not None and not found and not decided_again(pending, now, dry_run=dry_run):
+    forced = again and pending is not None and not pending.delivered and pending.actor.startswith("rule:")
+    if pending is not None and not found and not forced and not decided_again(pending, now, dry_run=dry_run):
         return
     started = telemetry.now_ns()
     needed = needs_fleet(policy, record, now)

@@ -3,9 +3,9 @@
 A batch, tick or person's approval gives each approval ``in_run_delivery`` (3 s, pipeline/act.py); one not answered
 by then is handed over: its record says so (outcome "continued", the VM that did not answer), the timer leaves it to
 the delivery queue for ``HANDOVER_GRACE``, and a ``QueuedDelivery`` goes to the queue (adapters/delivery_queue.py).
-The queue's function (function_app.continue_approval) starts a ``delivery`` run, whose first step is ``take_over``;
-its tail sends the approval again (act.plan_delivery: through a peer of the VM that did not answer when it has one)
-with the whole approval deadline. One decisionId throughout: the listener executes it once.
+The queue's function (function_app.continue_approval) starts a ``delivery`` run (pipeline/delivery.py), which decides
+it again; its tail sends the approval again (act.plan_delivery: through a peer of the VM that did not answer when it
+has one) with the whole approval deadline. One decisionId throughout: the listener executes it once.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord
 from coordinator.pipeline.run import Run
-from coordinator.state.events import read_event
 
-__all__ = ["HANDOVER_GRACE", "LAPSE_WAIT_MAX", "handed_over", "lapse_wait", "put", "take_over"]
+__all__ = ["HANDOVER_GRACE", "LAPSE_WAIT_MAX", "handed_over", "lapse_wait", "put"]
 
 log = logging.getLogger("coordinator")
 
@@ -95,21 +94,3 @@ def lapse_wait(record: EventRecord | None, delivery: QueuedDelivery, now: dateti
         return timedelta(0)
     wait = open_request.until + REROUTE_MARGIN - now
     return wait if timedelta(0) < wait <= LAPSE_WAIT_MAX else timedelta(0)
-
-
-def take_over(run: Run, delivery: QueuedDelivery) -> None:
-    """A ``delivery`` run's own step: the handed-over approval becomes the run's to deliver (the tail sends it) while
-    its record still says it was handed over and not delivered since. A message that comes late, twice, or after
-    the timer took the approval over finds another outcome there and sends nothing."""
-    run.enter("continue")
-    stored = read_event(run.parts.store, delivery.eventId)
-    approval = stored.record.approval if stored is not None else None
-    if (
-        approval is None
-        or approval.decisionId != delivery.decisionId
-        or approval.delivered
-        or approval.outcome != "continued"
-    ):
-        log.info("delivery of %s (%s): nothing to continue", delivery.eventId, delivery.decisionId)
-        return
-    run.work.deliveries.append(delivery.eventId)

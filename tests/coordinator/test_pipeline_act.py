@@ -3,8 +3,10 @@ each outcome committed to its event: Approved, a retry time with backoff, or a c
 
 from __future__ import annotations
 
+import http.server
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -17,7 +19,7 @@ from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain import approvals
 from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline import act, handover
+from coordinator.pipeline import act, delivery, handover
 from coordinator.pipeline.run import Delivery, Run
 from tests.coordinator.helpers import DOC_NOW
 from tests.coordinator.runs import (
@@ -400,7 +402,7 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
 
     # The queue's run before then sends nothing to a peer: the message waits in the queue until it has lapsed.
     early = bench.run("delivery")
-    handover.take_over(early, bench.deliveries.queued[0])
+    delivery.take_over(early, bench.deliveries.queued[0])
     act.deliver(early, last_seen=None)
     assert callback.vms == ["WestNO_0", "Other_0"]
     assert bench.deliveries.delays[-1] == lapsed + approvals.REROUTE_MARGIN - DOC_NOW
@@ -412,7 +414,7 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
     # Then: the whole approval deadline, through a peer of the VM that did not answer.
     bench.now = lapsed + approvals.REROUTE_MARGIN
     continued = bench.run("delivery")
-    handover.take_over(continued, bench.deliveries.queued[-1])
+    delivery.take_over(continued, bench.deliveries.queued[-1])
     act.deliver(continued, last_seen=None)
     assert callback.vms[-1] == "WestNO_1"
     assert callback.within[-1] == pytest.approx(continued.options.approval_deadline.total_seconds(), abs=0.1)
@@ -423,7 +425,7 @@ def test_a_listener_that_does_not_answer_holds_its_run_only_in_run_delivery_and_
     assert continued.stages == ["continue", "deliver"]
     # A message delivered twice (queues are at least once) finds the approval delivered: nothing more is sent.
     again = bench.run("delivery")
-    handover.take_over(again, bench.deliveries.queued[-1])
+    delivery.take_over(again, bench.deliveries.queued[-1])
     assert again.work.deliveries == []
 
 
@@ -508,8 +510,20 @@ def test_a_handover_that_cannot_be_queued_is_the_timers_after_its_grace(bench: B
     assert run.report.deliveries_continued == 0
 
 
+TERMINATE_NOW = parse_policy(
+    """
+version: 1
+rules:
+  - name: terminate-now
+    match: {eventType: [Terminate]}
+    action: approve-now
+"""
+)
+
+
 def test_a_terminate_whose_vm_did_not_answer_is_continued_through_that_vm_never_a_peer(bench: Bench):
     callback = queued_bench(bench, "web_0")
+    bench.policy = TERMINATE_NOW  # the delivery run decides it again: its rule still approves it
     put_event(
         bench.store,
         "EV-DEL",
@@ -517,7 +531,7 @@ def test_a_terminate_whose_vm_did_not_answer_is_continued_through_that_vm_never_
         scale_set="web",
         eventType="Terminate",
         notBefore=NOT_BEFORE,
-        approval=approval("terminate-after-prepare-hooks"),
+        approval=approval("terminate-now"),
     )
     peer = bench.event("EV-DEL").vms["web_0"].model_copy(update={"name": ""})
     put_vm(bench.store, "web_1", scale_set="web", sightings={"EV-DEL": peer})
@@ -526,7 +540,7 @@ def test_a_terminate_whose_vm_did_not_answer_is_continued_through_that_vm_never_
     (queued,) = bench.deliveries.queued
 
     continued = bench.run("delivery", approval_deadline=timedelta(milliseconds=200))
-    handover.take_over(continued, queued)
+    delivery.take_over(continued, queued)
     act.deliver(continued, last_seen=None)
     assert callback.vms == ["web_0", "web_0"]
     approval_now = bench.event("EV-DEL").approval
@@ -630,3 +644,73 @@ def test_a_delivery_run_waits_a_few_seconds_for_the_unanswered_request_to_lapse(
     delivery = QueuedDelivery(eventId=EVENT, decisionId="d-1", executor="vm-a", handedOverAt=DOC_NOW)
     assert handover.lapse_wait(record, delivery, DOC_NOW) == timedelta(seconds=wait)
     assert handover.lapse_wait(None, delivery, DOC_NOW) == timedelta(0)
+
+
+class HealthPage(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(type(self).status)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+@pytest.fixture
+def health() -> Iterator[tuple[str, type[HealthPage]]]:
+    page = type("Page", (HealthPage,), {"status": 200})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/health", page
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("passing", [True, False])
+def test_a_handed_over_approval_is_decided_again_before_the_delivery_run_sends_it(
+    bench: Bench, health: tuple[str, type[HealthPage]], passing: bool
+):
+    """The delivery run continues a send decided seconds before: its rule is asked again with the run's gates. A
+    gate that stopped passing meanwhile let a resend through a VM back from the dead execute it (oracle seed 8);
+    now the approval is withdrawn and nothing more is sent. Still passing: sent again, same decisionId."""
+    url, page = health
+    bench.policy = parse_policy(
+        f"""
+version: 1
+gates:
+  health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 2}}}}
+rules:
+  - name: gated-freeze
+    match: {{eventType: [Freeze]}}
+    action: approve-now
+    gates: [health]
+"""
+    )
+    callback = queued_bench(bench, "WestNO_0", "WestNO_1")
+    approved_freeze(bench, rule="gated-freeze")
+    deliver(bench, in_run_delivery=timedelta(milliseconds=100))
+    assert bench.deliveries is not None
+    (queued,) = bench.deliveries.queued
+    callback.dead.clear()  # the VMs are back
+    page.status = 200 if passing else 503
+
+    record = bench.event(EVENT)
+    assert record.openRequest is not None
+    bench.now = record.openRequest.until + approvals.REROUTE_MARGIN  # the request it left has lapsed
+    continued = bench.run("delivery")
+    delivery.take_over(continued, queued)
+    act.deliver(continued, last_seen=None)
+    record = bench.event(EVENT)
+    if passing:
+        assert [request.decisionId for request, _ in callback.sent] == ["d-1", "d-1"]
+        assert record.approval is not None
+        assert record.approval.delivered
+    else:
+        assert [request.decisionId for request, _ in callback.sent] == ["d-1"]
+        assert record.approval is None
+        assert record.decision is not None
+        assert record.decision.verdict == "wait"
+        assert record.decision.withdrawal.startswith("approval d-1 by rule 'gated-freeze'")
+        assert "withdrawn" in record.decision.withdrawal
+        assert "gate 'health' is failing" in record.decision.reason
