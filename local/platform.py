@@ -82,7 +82,9 @@ class Platform:
         self.stack = stack
         self.log: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._timers: dict[str, threading.Timer] = {}
+        # What is still to come, by what it ends (``forwarder:NAME``, ``storage``, ``outage:…``): several per key at
+        # once (a Freeze's onset pending while a Reboot's boot is), each fired once (finish() ends what is left).
+        self._timers: dict[str, list[threading.Timer]] = {}
         # Injected Relay listener behaviour per VM, kept to be applied again to a Relay started after an outage.
         self.listener_faults: dict[str, tuple[float, bool]] = {}
 
@@ -114,16 +116,22 @@ class Platform:
             log.exception("local step not played: %s", step.model_dump(exclude_none=True))
 
     def _later(self, key: str, seconds: float, action: Any) -> None:
-        timer = threading.Timer(seconds, self._fire, args=(key, action))
+        timer = threading.Timer(seconds, lambda: self._fire(key, timer, action))
         timer.daemon = True
         with self._lock:
-            self._timers[key] = timer
+            self._timers.setdefault(key, []).append(timer)
         timer.start()
 
-    def _fire(self, key: str, action: Any) -> None:
+    def _fire(self, key: str, timer: threading.Timer, action: Any) -> None:
+        # One timer per action, not one per key: with one per key, a Freeze's onset that fired while a Reboot's
+        # boot was pending took the boot's place, and the VM's forwarder never started again (oracle seeds 43, 79).
         with self._lock:
-            if self._timers.pop(key, None) is None:
-                return  # finish() fired it already
+            pending = self._timers.get(key, [])
+            if timer not in pending:
+                return  # finish() ended it already
+            pending.remove(timer)
+            if not pending:
+                del self._timers[key]
         action()
 
     def _signal(self, step: SignalStep) -> None:
@@ -176,8 +184,8 @@ class Platform:
                 ).start()
 
     def _freeze(self, name: str, event_id: str, seconds: float) -> None:
-        if name in self.stack.removed:
-            return
+        if name in self.stack.removed or not self.stack.forwarders[name].running:
+            return  # removed, or down for a Reboot meanwhile: nothing runs to pause
         self.stack.forwarders[name].pause()
         stopped = time.monotonic()
         self.record("forwarder-stop", vm=name, reason="freeze", eventId=event_id)
@@ -307,8 +315,9 @@ class Platform:
         with self._lock:
             pending = dict(self._timers)
             self._timers.clear()
-        for timer in pending.values():
-            timer.cancel()
+        for timers in pending.values():
+            for timer in timers:
+                timer.cancel()
         for key in pending:
             try:
                 self._end(key)
