@@ -78,6 +78,7 @@ class Tally:
         print(header + " " + "─" * max(0, 100 - len(header)), flush=True)
         if not result.finished:
             self.unfinished.append(name)
+            print(f"still waiting for: {'; '.join(result.waiting) or '?'}", flush=True)
         lines = report.lines(explain=explain)
         for line in lines if not quiet else lines[-len(report.findings) - 1 :]:
             print(line, flush=True)

@@ -54,6 +54,8 @@ class RunResult:
     finished: bool
     seconds: float
     workdir: Path
+    # What the run still waited for when it timed out (local.run.Follower.waiting_for); empty when it finished.
+    waiting: tuple[str, ...] = ()
 
 
 def run_scenario(
@@ -81,9 +83,10 @@ def run_scenario(
     )
     started = datetime.now(UTC)
     with LocalStack(options) as stack, _pipeline_log(stack.workdir / PIPELINE_LOG):
-        _follower, finished = follow(stack, timeout=timeout)
+        follower, finished = follow(stack, timeout=timeout)
+        waiting = () if finished else tuple(follower.waits)
         settle_forwarders(stack)
         truth = collect(stack, started=started, scenario=scenario)
     truth.write(stack.workdir / TRUTH_FILE)
     report = check(truth, bounds)
-    return RunResult(truth, report, finished, time.monotonic() - began, stack.workdir)
+    return RunResult(truth, report, finished, time.monotonic() - began, stack.workdir, waiting)

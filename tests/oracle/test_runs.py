@@ -23,7 +23,7 @@ ASSERTED = ("wrong", "missed", "duplicate", "lost")
 def assert_kept(result: RunResult) -> None:
     print("\n".join(result.report.lines()))
     print(f"figures: {result.seconds:.1f} s, truth in {result.workdir / 'truth.json'}")
-    assert result.finished, "the run did not finish in time"
+    assert result.finished, f"the run did not finish in time: waiting for {list(result.waiting)}"
     failures = [finding.line() for finding in result.report.findings if finding.kind in ASSERTED]
     assert failures == []
 
