@@ -218,6 +218,15 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
         return
     now, fleet, policy, dry_run = run.now, run.fleet, run.policy, run.dry_run
     pending = record.approval
+    if pending is not None and pending.decisionId in run.work.decided and not pending.delivered:
+        # This run decided it in an earlier attempt of this same write, which landed though its answer was lost (a
+        # timed-out insert retried and refused as "already exists"): not another run's approval in flight, but this
+        # run's to send, with its Decision row. Left alone, it waited for the timer's in-flight grace (90 s) and a
+        # short Freeze's approval was never sent (oracle seed 56, e1: no Decision row, no approval).
+        if record.decision is not None and record.decision.decisionId == pending.decisionId:
+            change.rows.append(decision_row(record=record, now=now))
+        change.approval_decided = change.changed = True
+        return
     found = pending is not None and executor_found(run, record, pending)
     forced = again and pending is not None and not pending.delivered and pending.actor.startswith("rule:")
     if pending is not None and not found and not forced and not decided_again(pending, now, dry_run=dry_run):
@@ -331,6 +340,7 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
         fleet.add(record)
         change.changed = True
         change.approval_decided = True
+        run.work.decided.add(record.approval.decisionId)
 
 
 def claim(run: Run, record: EventRecord, decision: Decision, view: FleetView) -> tuple[Decision, list[str]]:

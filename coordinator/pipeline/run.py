@@ -240,6 +240,9 @@ class Work:
     vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
     # Budget claims of withdrawn approvals, as (EventId, claim key): freed by the tail's budgets step.
     releases: list[tuple[str, str]] = field(default_factory=list)
+    # The decisionIds of the approvals this run decided, in any attempt of its writes: one whose write landed while
+    # its answer was lost is met again on the retry's re-read, and is still this run's to send (decide.decide).
+    decided: set[str] = field(default_factory=set)
 
     def collect(self, change: EventChange) -> None:
         """Takes in a committed change: its history rows, its record, its cards, (once) its approval and the claims

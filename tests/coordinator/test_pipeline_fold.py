@@ -18,7 +18,7 @@ from coordinator.domain.observations import vm_observations as real
 from coordinator.pipeline import act, fold, ingest, positions
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
-from coordinator.state.store import Stored
+from coordinator.state.store import ConcurrencyConflict, Stored
 from tests.coordinator.helpers import DOC_NOW, envelope, grid_event, scheduled_event
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import NOT_BEFORE, Bench, identity, message, put_event, put_vm
@@ -67,6 +67,36 @@ def test_a_batch_is_folded_into_events_and_positions_and_decided_inside_the_writ
 
     _, again = batch(bench, [report("WestNO_0", 2, short_freeze())])
     assert again.new_vms == set()
+
+
+class LostAnswer(MemoryStateStore):
+    """The first events write lands, and its answer is lost: the caller sees a conflict, as a timed-out insert
+    retried by the Table SDK is refused "already exists" (its first try had landed)."""
+
+    lost = True
+
+    def save_events(self, items: Any) -> list[str]:
+        etags = super().save_events(items)
+        if self.lost:
+            self.lost = False
+            raise ConcurrencyConflict("EntityAlreadyExists (the first try landed; its answer was lost)")
+        return etags
+
+
+def test_an_approval_whose_deciding_write_landed_unseen_is_still_sent_by_its_run():
+    """Oracle seed 56 (e1): the run retried the write, re-read the event, found its own approval there and took it
+    for another run's in flight: no Decision row, nothing sent, and the timer's 90 s grace outlived the notice."""
+    bench = Bench(store=LostAnswer())
+    run, _ = batch(bench, [report("WestNO_0", 1, short_freeze())])
+    record = bench.event(FREEZE)
+    assert record.approval is not None
+    assert record.decision is not None
+    assert run.work.deliveries == [FREEZE]
+    decisions = [r for r in run.work.rows if r.RecordType == "Decision"]
+    assert [(r.DecisionId, r.Outcome) for r in decisions] == [(record.approval.decisionId, "approve")]
+    act.deliver(run, last_seen=None)
+    assert bench.callback.vms == ["WestNO_0"]
+    assert bench.event(FREEZE).state == "Approved"
 
 
 def test_duplicates_are_counted_and_not_applied_twice(bench: Bench):
