@@ -10,7 +10,6 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from emulators.imds.models import Scenario, VmSpec
 from local.expectations import HOOK_TIMEOUT_SECONDS
 from local.observe import TABLE
@@ -215,8 +214,10 @@ def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Trut
     record = stack.imds.truth()
     facts = platform_facts(stack.platform.log)
     options = stack.options
-    policy_path = stack.workdir / "policy.yaml" if stack.gates is not None else options.policy_path
-    policy = (policy_path or DEFAULT_POLICY_PATH).read_text(encoding="utf-8")
+    # The policy the run used: the one with the local gates' addresses, else StackOptions.policy (--policy, else the
+    # scenario's own, else the default; the scenario's own was missed when only ``policy_path`` was read).
+    policy_path = stack.workdir / "policy.yaml" if stack.gates is not None else options.policy
+    policy = policy_path.read_text(encoding="utf-8")
     gates = [
         GateChange(at=change.at, name=change.name, state=change.behaviour, delaySeconds=change.delay_seconds)
         for change in (stack.gates.log if stack.gates is not None else [])

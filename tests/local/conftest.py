@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,11 @@ from local.run import Follower, follow, judge, settle_forwarders
 from local.stack import LocalStack, StackOptions
 from local.summary import RunFacts, Summary
 from local.telemetry import Collector, Report
+from oracle.check import check
+from oracle.collect import collect
+
+# What the oracle's judgement of a run must not find (late approvals are printed, not asserted: tests/oracle).
+PROMISE_BROKEN = ("wrong", "missed", "duplicate", "lost")
 
 FLEET_DEMO = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "fleet-demo.yaml"
 
@@ -98,6 +104,7 @@ def run_pipeline(tmp_path: Path) -> Iterator[Runner]:
         timeout: float = 90.0,
         during: Callable[[LocalStack], None] | None = None,
         expected_dead_letters: int = 0,
+        oracle: bool = False,
         **options: Any,
     ) -> Outcome:
         stack = LocalStack(
@@ -114,6 +121,7 @@ def run_pipeline(tmp_path: Path) -> Iterator[Runner]:
         stacks.append(stack)
         collector = Collector.install()
         collector.begin()
+        started = datetime.now(UTC)
         stack.start()
         errors: list[BaseException] = []
         worker = None
@@ -133,6 +141,13 @@ def run_pipeline(tmp_path: Path) -> Iterator[Runner]:
         if errors:
             raise errors[0]
         settle_forwarders(stack)
+        if oracle:
+            # The oracle's own reading of the run (oracle/check.py), beside the scenario's exact expectations: the
+            # shipped scenarios each run once in the suite, here or in tests/oracle.
+            report = check(collect(stack, started=started, scenario=scenario))
+            print("\n".join(report.lines()))
+            broken = [finding.line() for finding in report.findings if finding.kind in PROMISE_BROKEN]
+            assert broken == [], "the oracle found the promise broken:\n" + "\n".join(broken)
         follower.pump()
         follower.flush()
         summary, facts = judge(stack, follower, expected_dead_letters=expected_dead_letters)

@@ -26,7 +26,9 @@ def rows(outcome: Outcome, where: str, *args: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_an_agentless_vm_is_approved_through_remote_acknowledge(run_pipeline: Runner) -> None:
-    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "agentless-vm.yaml"), time_scale=120.0, timeout=90.0)
+    outcome = run_pipeline(
+        Scenario.from_file(SCENARIOS / "agentless-vm.yaml"), time_scale=120.0, timeout=90.0, oracle=True
+    )
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     events = {row["label"]: row for row in outcome.summary.events}

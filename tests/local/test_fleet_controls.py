@@ -26,7 +26,9 @@ def rows(outcome: Outcome, where: str, *args: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_budget_tag_gate_and_window_each_hold_what_they_should(run_pipeline: Runner) -> None:
-    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "fleet-controls.yaml"), time_scale=120.0, timeout=90.0)
+    outcome = run_pipeline(
+        Scenario.from_file(SCENARIOS / "fleet-controls.yaml"), time_scale=120.0, timeout=90.0, oracle=True
+    )
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     events = {row["label"]: row for row in outcome.summary.events}

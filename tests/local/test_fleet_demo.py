@@ -17,7 +17,7 @@ from tests.local.conftest import FLEET_DEMO, Runner
 
 @pytest.mark.slow
 def test_fleet_demo_ends_with_the_right_decisions_and_history(run_pipeline: Runner) -> None:
-    outcome = run_pipeline(Scenario.from_file(FLEET_DEMO), time_scale=60.0, timeout=120.0)
+    outcome = run_pipeline(Scenario.from_file(FLEET_DEMO), time_scale=60.0, timeout=120.0, oracle=True)
     summary, stack = outcome.summary, outcome.stack
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert summary.ok, summary.failures

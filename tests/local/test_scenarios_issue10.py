@@ -37,7 +37,7 @@ def imds_time(value: str) -> datetime:
 
 @pytest.mark.slow
 def test_a_failing_hook_among_several_keeps_its_delete_unapproved(run_pipeline: Runner) -> None:
-    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "failing-hook.yaml"), **FAST)
+    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "failing-hook.yaml"), oracle=True, **FAST)
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     events = by_label(outcome)
@@ -59,7 +59,7 @@ def test_a_failing_hook_among_several_keeps_its_delete_unapproved(run_pipeline: 
 
 @pytest.mark.slow
 def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pipeline: Runner) -> None:
-    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "coupled-deletes.yaml"), **FAST)
+    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "coupled-deletes.yaml"), oracle=True, **FAST)
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     events = by_label(outcome)
@@ -96,7 +96,7 @@ def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pip
 
 @pytest.mark.slow
 def test_a_lone_spot_vm_evicted_is_retired_without_a_heartbeat_lost_card(run_pipeline: Runner) -> None:
-    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "spot-eviction.yaml"), **FAST)
+    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "spot-eviction.yaml"), oracle=True, **FAST)
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     eviction = by_label(outcome)["eviction"]
@@ -111,7 +111,7 @@ def test_a_lone_spot_vm_evicted_is_retired_without_a_heartbeat_lost_card(run_pip
 
 @pytest.mark.slow
 def test_a_wiped_forwarder_is_reset_and_its_later_events_still_decided(run_pipeline: Runner) -> None:
-    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "wiped-forwarder.yaml"), **FAST)
+    outcome = run_pipeline(Scenario.from_file(SCENARIOS / "wiped-forwarder.yaml"), oracle=True, **FAST)
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     assert [name for name, _ in outcome.stack.wiped] == ["web_0"]

@@ -43,6 +43,14 @@ def test_every_regression_scenario_keeps_the_promise(path: Path, tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_the_documented_example_keeps_the_promise(tmp_path: Path) -> None:
+    """The one shipped scenario no end-to-end test plays (the others run under the oracle there: run_pipeline's
+    ``oracle=True``, or above)."""
+    path = SCENARIOS / "documented-example.yaml"
+    assert_kept(run_scenario(Scenario.from_file(path), workdir=tmp_path, policy_path=policy_for(path)))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_generated_runs_keep_the_promise(seed: int, tmp_path: Path) -> None:
     plan = generate(seed)
