@@ -29,8 +29,9 @@ def assert_kept(result: RunResult) -> None:
 
 
 # The regression scenarios, each what the oracle once found (their files say so on their first line). The other
-# shipped scenarios run end to end in their own tests with exact expectations (tests/local/), and all of them under
-# the oracle with `python -m oracle --all-scenarios` (about 8 minutes here): the suite keeps to these (about 25 s each).
+# shipped scenarios run end to end in their own tests with exact expectations and the oracle's judgement too
+# (tests/local/, run_pipeline's ``oracle=True``), documented-example here; `python -m oracle --all-scenarios` plays
+# them all again (about 8 minutes here).
 REGRESSIONS = sorted(
     path for path in SCENARIOS.glob("*.yaml") if path.read_text(encoding="utf-8").startswith("# Found by the oracle")
 )
