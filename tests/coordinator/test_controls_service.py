@@ -4,14 +4,11 @@ NotBefore, a VM's tag asks for a person, and a gate read from a local HTTP healt
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -43,27 +40,6 @@ def zoned() -> Iterator[ImdsEmulator]:
     scenario = Scenario.model_validate({"name": "controls", "vms": VMS})
     with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
         yield emulator
-
-
-class Health(http.server.BaseHTTPRequestHandler):
-    status = 503
-
-    def do_GET(self) -> None:
-        self.send_response(type(self).status)
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
-
-
-@pytest.fixture
-def health() -> Iterator[tuple[str, type[Health]]]:
-    handler = type("HealthPage", (Health,), {"status": 503})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/health", handler
-    server.shutdown()
 
 
 def build(azurite: AzuriteEndpoints, imds: ImdsEmulator, policy: str, tmp: Path) -> tuple[Coordinator, MemoryHistory]:
@@ -176,6 +152,7 @@ def test_a_failing_gate_holds_since_it_first_failed_and_the_timer_approves_once_
     azurite, zoned, tmp_path, health
 ):
     url, page = health
+    page.status = 503
     policy = f"""
 gates:
   app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 2}}}}

@@ -3,10 +3,8 @@ each outcome committed to its event: Approved, a retry time with backoff, or a c
 
 from __future__ import annotations
 
-import http.server
 import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -31,6 +29,7 @@ from tests.coordinator.runs import (
     put_event,
     put_vm,
 )
+from tests.health_page import HealthPage
 
 EVENT = "EV-FREEZE"
 SILENT = DOC_NOW - timedelta(minutes=10)
@@ -644,27 +643,6 @@ def test_a_delivery_run_waits_a_few_seconds_for_the_unanswered_request_to_lapse(
     delivery = QueuedDelivery(eventId=EVENT, decisionId="d-1", executor="vm-a", handedOverAt=DOC_NOW)
     assert handover.lapse_wait(record, delivery, DOC_NOW) == timedelta(seconds=wait)
     assert handover.lapse_wait(None, delivery, DOC_NOW) == timedelta(0)
-
-
-class HealthPage(http.server.BaseHTTPRequestHandler):
-    status = 200
-
-    def do_GET(self) -> None:
-        self.send_response(type(self).status)
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
-
-
-@pytest.fixture
-def health() -> Iterator[tuple[str, type[HealthPage]]]:
-    page = type("Page", (HealthPage,), {"status": 200})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/health", page
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.mark.parametrize("passing", [True, False])

@@ -5,10 +5,7 @@ Decision row saying why, and never executed, while a Freeze of another VM after 
 
 from __future__ import annotations
 
-import http.server
 import sqlite3
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,7 @@ from emulators.imds import Scenario
 from emulators.relay import RelayEmulator
 from local.runner import wait_until
 from local.stack import LocalStack
+from tests.health_page import HealthPage
 from tests.local.conftest import Runner
 
 POLICY = """
@@ -39,26 +37,6 @@ SCENARIO = {
         },
     ],
 }
-
-
-class HealthPage(http.server.BaseHTTPRequestHandler):
-    status = 200
-
-    def do_GET(self) -> None:
-        self.send_response(type(self).status)
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
-
-
-@pytest.fixture
-def health() -> Iterator[tuple[str, type[HealthPage]]]:
-    handler = type("Page", (HealthPage,), {"status": 200})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/health", handler
-    server.shutdown()
 
 
 def rows(history: Path, where: str, *args: Any) -> list[dict[str, Any]]:
