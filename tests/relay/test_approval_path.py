@@ -311,16 +311,21 @@ def test_sender_retries_until_a_listener_is_there(
     assert approved_ids(imds) == [event_id]
 
 
+def _impatient(endpoint: str) -> RelayApprovalSender:
+    """A sender that gives up on "no listener" after half a second."""
+    return RelayApprovalSender(
+        endpoint=endpoint,
+        credential=AzureNamedKeyCredential("send", SEND_KEY),
+        backoff_initial=0.05,
+        backoff_maximum=0.1,
+        max_retry_seconds=0.5,
+    )
+
+
 def test_sender_gives_up_with_a_delivery_error(imds: ImdsEmulator, relay: RelayEmulator) -> None:
     identity = imds_identity(imds, VM_A0)
     with (
-        RelayApprovalSender(
-            endpoint=relay.base_url,
-            credential=AzureNamedKeyCredential("send", SEND_KEY),
-            backoff_initial=0.05,
-            backoff_maximum=0.1,
-            max_retry_seconds=0.5,
-        ) as impatient,
+        _impatient(relay.base_url) as impatient,
         pytest.raises(ApprovalDeliveryError, match="HTTP 503") as failed,
     ):
         impatient.send(approval(scheduled_event(imds, VM_A0)), vm=identity)
@@ -336,13 +341,7 @@ def test_a_send_whose_connections_are_refused_reached_no_one(imds: ImdsEmulator)
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     with (
-        RelayApprovalSender(
-            endpoint=f"http://127.0.0.1:{port}",
-            credential=AzureNamedKeyCredential("send", SEND_KEY),
-            backoff_initial=0.05,
-            backoff_maximum=0.1,
-            max_retry_seconds=0.5,
-        ) as sender,
+        _impatient(f"http://127.0.0.1:{port}") as sender,
         pytest.raises(ApprovalDeliveryError, match="ConnectionError") as failed,
     ):
         sender.send(approval(scheduled_event(imds, VM_A0)), vm=identity)
