@@ -106,6 +106,7 @@ class Coordinator:
         attestations: Attestations | None = None,
         require_attestation: bool = False,
         census: Census | None = None,
+        after_batch: concurrent.futures.Executor | None = None,
     ) -> None:
         self.store = store
         self.history = history
@@ -139,6 +140,10 @@ class Coordinator:
         # ARM's census of the fleet (adapters/census.py), kept in memory for this instance's runs; None: the census
         # is what the VMs report (tests and tools that build the coordinator by hand).
         self.census = census
+        # Where a batch's tail runs once the batch has returned (Options.tail_after_batch); None: each batch ends
+        # with its own tail. wiring.py gives the deployed app one.
+        self.after_batch = after_batch
+        self._tails: set[concurrent.futures.Future[None]] = set()
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
         # The open events and the census, kept across runs (pipeline/fleet.py); a new one for a replaced store.
         self._fleet = FleetCache(store)
@@ -167,6 +172,7 @@ class Coordinator:
             remote_acknowledge_fallback=self.remote_acknowledge_fallback,
             not_after_tolerance=self.not_after_tolerance,
             require_attestation=self.require_attestation,
+            tail_after_batch=self.after_batch is not None,
         )
 
     def start(self, kind: RunKind) -> Run:
@@ -217,13 +223,64 @@ class Coordinator:
         run.report.received = len(messages)
         arrivals = ingest.read_batch(run, messages, channel)
         updates = fold.fold(run, arrivals)
-        tail.finish(run)
+        if self.after_batch is None:
+            tail.finish(run)
+        else:
+            self._finish_later(run)
         if self.on_new_vm is not None:
             # New VMs, and VMs back from silence (housekeeping may have removed what was set up for them).
             for vm_id, update in updates.updates.items():
                 if vm_id in updates.new_vms or update.resumed:
                     self._new_vm(update.record.identity)
         return run
+
+    def _finish_later(self, batch: Run) -> None:
+        """The batch's tail, after the batch (docs/coordinator.md, *The tail after the batch*): its approvals are on
+        their way and its events and VM positions written; the answers are awaited and committed, the cards posted,
+        the budgets freed and the history written while its partition goes on. What it decided is in the fleet
+        cache before the next batch starts. A process that stops first leaves the approval records (the timer sends
+        them again after their in-flight grace, same decisionIds) and the cards in the events' outboxes (the timer
+        posts them); the rows of the history not yet written are what is lost."""
+        assert self.after_batch is not None
+        batch.fleet.absorb(batch.work.records.values())
+
+        def finish() -> None:
+            try:
+                tail.finish(batch)
+                log.info("batch tail %s", batch.report.as_dict())
+            except Exception:
+                log.exception("the tail of a batch of %d messages failed", batch.report.received)
+
+        try:
+            future = self.after_batch.submit(finish)
+        except RuntimeError:  # shut down: the process is stopping
+            log.warning("the tail of a batch of %d messages not run: stopping", batch.report.received)
+            return
+        with self._pool_lock:
+            self._tails.add(future)
+        future.add_done_callback(self._tail_done)
+
+    def _tail_done(self, future: concurrent.futures.Future[None]) -> None:
+        with self._pool_lock:
+            self._tails.discard(future)
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Waits for the tails of the batches that have returned (``after_batch``); True when none is left. For a
+        host that stops, and for whoever reads a batch's outcomes and history right after it."""
+        with self._pool_lock:
+            tails = list(self._tails)
+        return not concurrent.futures.wait(tails, timeout=timeout).not_done
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Lets the batches' tails end (at most ``timeout``), then stops this instance's threads."""
+        if not self.drain(timeout):
+            log.warning("stopping with batch tails still running after %.0f s: the timer recovers them", timeout)
+        if self.after_batch is not None:
+            self.after_batch.shutdown(wait=False, cancel_futures=True)
+        with self._pool_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
 
     def _new_vm(self, vm: VmIdentity) -> None:
         assert self.on_new_vm is not None

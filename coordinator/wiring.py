@@ -4,6 +4,7 @@ emulator locally); a caller may hand in another ``ApprovalCallback`` (local/dire
 
 from __future__ import annotations
 
+import concurrent.futures
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
@@ -19,6 +20,7 @@ from coordinator.adapters.issuers import AiaIssuers
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
 from coordinator.domain.attestation import Attestations, AttestationVerifier, TrustAnchors, load_pem_certificates
 from coordinator.domain.policy_file import load_policy
+from coordinator.pipeline.run import APPROVAL_WORKERS
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
 from coordinator.state.tables import TableStateStore
@@ -165,6 +167,9 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         attestations=attestations,
         require_attestation=settings.require_attestation,
         census=census,
+        # A batch returns once its approvals are sent and its positions written; its tail runs on these threads
+        # (each mostly waits: for its approvals' answers, at most IN_RUN_DELIVERY + slack, and its sinks).
+        after_batch=concurrent.futures.ThreadPoolExecutor(max_workers=APPROVAL_WORKERS, thread_name_prefix="tail"),
     )
 
 

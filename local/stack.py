@@ -889,5 +889,7 @@ def _reset_function_app() -> None:
     coordinator = module.coordinator
     if coordinator.cache_info().currsize:
         with contextlib.suppress(Exception):
+            coordinator().close()  # the batches' tails end first: they write history
+        with contextlib.suppress(Exception):
             coordinator().history.close()
     coordinator.cache_clear()

@@ -42,7 +42,7 @@ from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transi
 from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.pipeline import attest, handover
-from coordinator.pipeline.run import Delivery, Run
+from coordinator.pipeline.run import Delivery, Run, Sending
 from coordinator.state.events import commit_event, read_event
 from coordinator.state.store import ConcurrencyConflict, Stored
 
@@ -68,6 +68,10 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
     run.enter("deliver")
     send_decided(run, last_seen=last_seen)
     work = run.work
+    for sending in work.sending:  # a batch's sends, answered while the batch was returning (tail_after_batch)
+        await_answers(sending)
+        work.sent.extend(sending.plans)
+    work.sending = []
     for plan in work.sent:
         if plan.intent is not None:
             work.rows.append(plan.intent)
@@ -110,16 +114,29 @@ def send_decided(
     run: Run, *, last_seen: dict[str, datetime] | None = None, unstorable: frozenset[str] = frozenset()
 ) -> None:
     """Sends the approvals committed so far and not sent yet, concurrently (a bounded pool, each with its own
-    deadline: a slow or absent listener holds up nothing else); their outcomes are committed by ``deliver``."""
+    deadline: a slow or absent listener holds up nothing else); their outcomes are committed by ``deliver``. A
+    batch whose tail runs after it (``tail_after_batch``) does not wait here: its tail awaits the answers."""
     work = run.work
-    going = {plan.event_id for plan in work.sent}
+    going = {plan.event_id for plan in work.sent} | {p.event_id for s in work.sending for p in s.plans}
     plans = [
         plan
         for event_id in work.deliveries
         if event_id not in going and (plan := plan_delivery(run, event_id, last_seen, unstorable=unstorable))
     ]
-    send_all(run, plans)
+    sending = send_all(run, plans)
+    if sending is not None and tail_after_batch(run):
+        work.sending.append(sending)
+        in_flight = {id(plan) for plan in sending.plans}
+        work.sent.extend(plan for plan in plans if id(plan) not in in_flight)
+        return
+    if sending is not None:
+        await_answers(sending)
     work.sent.extend(plans)
+
+
+def tail_after_batch(run: Run) -> bool:
+    """Whether this run is a batch whose tail runs after it returns (Options.tail_after_batch)."""
+    return run.options.tail_after_batch and run.kind == "batch"
 
 
 def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason a plan goes no further, each saying why
@@ -290,20 +307,28 @@ def hands_over(run: Run) -> bool:
     return run.parts.deliveries is not None and run.kind != "delivery"
 
 
-def send_all(run: Run, plans: Sequence[Delivery]) -> None:
-    """Sends the approvals concurrently. With a delivery queue, a batch, tick or person's run gives each
-    ``in_run_delivery`` and marks one not answered by then ``continued`` (``deliver`` hands it over); otherwise,
-    and in the queue's own run, each has ``approval_deadline``, after which it is recorded as failed and retried
-    later. A send not over by then finishes on its own thread (each sender has its own timeouts). Approvals through
-    a callback that takes several at once (the Maintenance RP's list acknowledge) go together, one request per
-    resource, each with its own outcome."""
+def send_all(run: Run, plans: Sequence[Delivery]) -> Sending | None:
+    """Sends the approvals concurrently; ``await_answers`` collects their answers. With a delivery queue, a batch,
+    tick or person's run gives each ``in_run_delivery`` and marks one not answered by then ``continued`` (``deliver``
+    hands it over); otherwise, and in the queue's own run, each has ``approval_deadline``, after which it is recorded
+    as failed and retried later. A send not over by then finishes on its own thread (each sender has its own
+    timeouts). Approvals through a callback that takes several at once (the Maintenance RP's list acknowledge) go
+    together, one request per resource, each with its own outcome."""
     handing_over = hands_over(run)
     within = (run.options.in_run_delivery if handing_over else run.options.approval_deadline).total_seconds()
     futures = _submit(run, plans, within)
     if not futures:
-        return
+        return None
     # A bounded sender ends by itself within its time; the slack is for its last answer to come back.
-    done, late = concurrent.futures.wait(futures, timeout=within + SEND_SLACK if handing_over else within)
+    until = time.monotonic() + within + (SEND_SLACK if handing_over else 0.0)
+    return Sending(futures=futures, handing_over=handing_over, within=within, until=until)
+
+
+def await_answers(sending: Sending) -> None:
+    """Waits for the sends' answers until their deadline and sets each plan's result, or its failure (continued:
+    to be handed over, when the run hands over)."""
+    futures, handing_over, within = sending.futures, sending.handing_over, sending.within
+    done, late = concurrent.futures.wait(futures, timeout=max(0.0, sending.until - time.monotonic()))
     for future in done:
         group = futures[future]
         try:

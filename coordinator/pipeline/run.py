@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
@@ -30,7 +30,7 @@ from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet import Fleet
 from coordinator.state.store import StateStore
 
-__all__ = ["Delivery", "Options", "Parts", "Report", "Run", "RunKind", "Stage", "Work"]
+__all__ = ["Delivery", "Options", "Parts", "Report", "Run", "RunKind", "Sending", "Stage", "Work"]
 
 # A VM named by a Terminate/Preempt that started (or was approved, or reached NotBefore) is retired once silent this
 # long: three of the forwarder's 60 s heartbeats. Shorter than the heartbeat timeout, so no "heartbeat lost" first.
@@ -93,6 +93,11 @@ class Options:
     # How far a VM's clock may disagree with the coordinator's: its listener refuses a request from this long before
     # the request's notAfter, so none is sent later (COORDINATOR_CLOCK_TOLERANCE_SECONDS).
     not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE
+    # A batch returns once its approvals are sent and its VM positions written; its tail (the answers awaited and
+    # committed, cards, budgets, history) runs after it on the Coordinator's ``after_batch`` executor, so that its
+    # partition's next batch waits for no listener, card sink or history upload (docs/coordinator.md, *The tail
+    # after the batch*). Off: each batch ends with its own tail (the stages' tests read its outcomes at once).
+    tail_after_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.retire_grace >= self.heartbeat_timeout:
@@ -225,6 +230,22 @@ class Delivery:
 
 
 @dataclass
+class Sending:
+    """Approvals on their way, sent together: each send's future and the plans it carries, and until when (the
+    ``time.monotonic()`` clock) their answers are awaited."""
+
+    futures: dict[concurrent.futures.Future[Any], list[Delivery]]
+    # Whether one not answered by then is handed to the delivery queue (act.hands_over), else recorded as failed.
+    handing_over: bool
+    within: float
+    until: float
+
+    @property
+    def plans(self) -> list[Delivery]:
+        return [plan for group in self.futures.values() for plan in group]
+
+
+@dataclass
 class Work:
     """What a run committed and still has to act on: history rows, cards, approvals to deliver, the records as
     committed (and the ETag of each one this run wrote: the next write of it is conditional on that, not on a
@@ -236,6 +257,9 @@ class Work:
     records: dict[str, EventRecord] = field(default_factory=dict)
     etags: dict[str, str] = field(default_factory=dict)
     sent: list[Delivery] = field(default_factory=list)
+    # Sends whose answers the tail awaits (Options.tail_after_batch: a batch's tail, after the batch returned);
+    # ``deliver`` moves their plans to ``sent`` once answered.
+    sending: list[Sending] = field(default_factory=list)
     # Cards about VMs rather than events (two forwarders reporting as one VM).
     vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
     # Budget claims of withdrawn approvals, as (EventId, claim key): freed by the tail's budgets step.

@@ -114,6 +114,7 @@ def test_host_json_batches_match_the_function_and_the_benchmark():
 
 def ingest(app: App, envelopes: Sequence[dict[str, Any] | bytes], start: int = 0) -> None:
     app.module.ingest_envelopes([hub_event(e, number=start + i) for i, e in enumerate(envelopes)])
+    assert app.coordinator.drain(), "the batch's tail did not end within 30 s"  # it runs after the batch
 
 
 def transitions(app: App, event_id: str) -> list[tuple[str, str]]:

@@ -1,0 +1,178 @@
+"""The tail after the batch (Options.tail_after_batch, ``Coordinator(after_batch=...)``): a batch returns once its
+approvals are sent and its positions written, so the partition's next batch waits for no listener; its tail commits
+each outcome (the Approval row, the transition, its card) when the answer comes, and writes its history; a tail
+that never ran (the process stopped) leaves the approvals to the timer after their in-flight grace, with the same
+decisionId. On the in-memory store, with the approval path a stand-in (``RecordingCallback``: the Relay and a VM's
+listener cannot be in a fast test)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.envelope import VmIdentity
+from coordinator.domain.model import EventRecord
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
+from coordinator.pipeline.decide import IN_FLIGHT_GRACE
+from coordinator.pipeline.ingest import RawMessage
+from coordinator.service import Coordinator
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import RecordingAlerts, RecordingCallback, message
+
+
+class HeldFor(RecordingCallback):
+    """A listener that does not answer for one VM until ``release`` is set (the others answer at once)."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__()
+        self.held = held
+        self.release = threading.Event()
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        self.sent.append((request, vm))
+        if vm.name == self.held:
+            self.release.wait(timeout=10)
+        return ApprovalResult(
+            outcome="approved", eventId=request.eventId, decisionId=request.decisionId, documentIncarnation=1
+        )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = DOC_NOW
+
+    def __call__(self) -> object:
+        return self.now
+
+
+@pytest.fixture
+def after_batch() -> Iterator[ThreadPoolExecutor]:
+    executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tail-test")
+    yield executor
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+def coordinator_with(callback: RecordingCallback, after_batch: ThreadPoolExecutor, clock: Clock) -> Coordinator:
+    return Coordinator(
+        store=MemoryStateStore(),
+        history=MemoryHistory(),
+        alerts=RecordingAlerts(),
+        callback=callback,
+        policy=load_policy(DEFAULT_POLICY_PATH),
+        clock=clock,  # type: ignore[arg-type]
+        after_batch=after_batch,
+    )
+
+
+def event(coordinator: Coordinator, event_id: str) -> EventRecord:
+    stored = coordinator.event(event_id)
+    assert stored is not None, f"no event {event_id}"
+    return stored.record
+
+
+def eventually(check: Callable[[], bool], *, within: float = 5.0) -> bool:
+    give_up = time.monotonic() + within
+    while time.monotonic() < give_up:
+        if check():
+            return True
+        time.sleep(0.02)
+    return check()
+
+
+def outcomes(coordinator: Coordinator, event_id: str) -> list[str]:
+    history = coordinator.history
+    assert isinstance(history, MemoryHistory)
+    return [row.Outcome for row in history.rows if row.RecordType == "Approval" and row.EventId == event_id]
+
+
+def test_a_batch_returns_once_its_approval_is_sent_and_its_tail_commits_the_answer_after_it(
+    after_batch: ThreadPoolExecutor,
+):
+    callback = HeldFor("WestNO_0")
+    coordinator = coordinator_with(callback, after_batch, Clock())
+    started = time.monotonic()
+    run = coordinator.run_batch([message_of("WestNO_0", 1, "EV-A")])
+    returned = time.monotonic() - started
+
+    # Returned with the listener still holding the request: not waited for (a batch's own wait was up to 3.5 s).
+    assert returned < 1.0
+    assert not callback.release.is_set()
+    assert run.report.approvals_sent == 0  # its tail waits for the answer
+    assert eventually(lambda: len(callback.sent) == 1)
+    record = event(coordinator, "EV-A")
+    assert record.state == "Scheduled"
+    assert record.approval is not None
+    assert not record.approval.delivered
+    assert outcomes(coordinator, "EV-A") == []  # the history is the tail's, written once the answer is in
+
+    callback.release.set()
+    assert eventually(lambda: event(coordinator, "EV-A").state == "Approved")
+    approval = event(coordinator, "EV-A").approval
+    assert approval is not None
+    assert (approval.delivered, approval.outcome, approval.attempts) == (True, "approved", 1)
+    assert eventually(lambda: outcomes(coordinator, "EV-A") == ["sending", "approved"])
+    assert run.stages[-4:] == ["deliver", "cards", "budgets", "history"]
+    assert run.report.approvals_sent == 1
+    assert [request.decisionId for request, _ in callback.sent] == [approval.decisionId]
+
+
+def test_the_next_batch_is_decided_and_answered_while_a_listener_still_holds_the_first(after_batch: ThreadPoolExecutor):
+    callback = HeldFor("WestNO_0")
+    coordinator = coordinator_with(callback, after_batch, Clock())
+    coordinator.run_batch([message_of("WestNO_0", 1, "EV-A")])
+    coordinator.run_batch([message_of("WestNO_1", 2, "EV-B")])
+
+    assert eventually(lambda: event(coordinator, "EV-B").state == "Approved")
+    assert event(coordinator, "EV-A").state == "Scheduled"  # its listener has not answered yet
+    callback.release.set()
+    assert eventually(lambda: event(coordinator, "EV-A").state == "Approved")
+    assert eventually(lambda: outcomes(coordinator, "EV-A") == outcomes(coordinator, "EV-B") == ["sending", "approved"])
+
+
+def test_approvals_of_a_tail_that_never_ran_are_sent_again_by_the_timer_after_the_in_flight_grace(
+    after_batch: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture
+):
+    """The process stops before the batch's tail runs (its executor shut down): the approval record the batch
+    committed is what the timer sends again, once its in-flight grace has passed, with the same decisionId (the
+    listener executes it once and answers from its ledger)."""
+    callback, clock = RecordingCallback(), Clock()
+    coordinator = coordinator_with(callback, after_batch, clock)
+    after_batch.shutdown(wait=True)
+    coordinator.run_batch([message_of("WestNO_0", 1, "EV-A")])
+    assert "the tail of a batch of 1 messages not run: stopping" in caplog.text
+    assert eventually(lambda: len(callback.sent) == 1)
+    first = event(coordinator, "EV-A").approval
+    assert first is not None
+    assert not first.delivered
+
+    clock.now = DOC_NOW + IN_FLIGHT_GRACE - timedelta(seconds=1)
+    coordinator.tick()
+    assert len(callback.sent) == 1  # still in flight as far as anyone knows
+    clock.now = DOC_NOW + IN_FLIGHT_GRACE + timedelta(seconds=1)
+    coordinator.tick()
+    assert [request.decisionId for request, _ in callback.sent] == [first.decisionId] * 2
+    assert event(coordinator, "EV-A").state == "Approved"
+
+
+def message_of(name: str, index: int, event_id: str) -> RawMessage:
+    """A VM's envelope listing a short Freeze of itself alone (the default policy approves it at once)."""
+    event = scheduled_event(event_id, resources=[name])
+    return message(envelope(vm(name, index=index), sequence=1, incarnation=1, events=[event]))
+
+
+def test_close_lets_the_tails_end_first(after_batch: ThreadPoolExecutor):
+    callback = HeldFor("WestNO_0")
+    coordinator = coordinator_with(callback, after_batch, Clock())
+    coordinator.run_batch([message_of("WestNO_0", 1, "EV-A")])
+    assert not coordinator.drain(timeout=0.2)  # its tail awaits the held answer
+    threading.Timer(0.3, callback.release.set).start()
+    coordinator.close(timeout=5)
+    assert outcomes(coordinator, "EV-A") == ["sending", "approved"]
+    assert event(coordinator, "EV-A").state == "Approved"
