@@ -4,9 +4,10 @@
 
 The outage is simulated where it leaves its trace: the forwarder's own SQLite spool (forwarder.durable_state.Store, the
 same API the daemon uses) holds N incarnation envelopes that could not be sent. Then ``python -m forwarder run``
-starts with the Event Hubs emulator up and sends them, in order, in batches of ``send_batch_max`` (100) over
-AMQP. The rate is measured on the emulator's enqueue times from the first to the last replayed envelope, so
-process start-up and the first connection are not part of it.
+starts with the Event Hubs emulator up and sends them, in order, in batches of ``send_batch_max`` (100), one POST
+to Event Hubs' REST API each (forwarder/eventhub.py, with the IMDS emulator's managed-identity token). The rate is
+measured on the emulator's enqueue times from the first to the last replayed envelope, so process start-up and the
+first connection are not part of it.
 
 Prints one JSON object: {spool_replay_per_s, envelopes, replay_seconds, in_order}.
 """

@@ -120,9 +120,10 @@ def test_a_dead_listener_delays_no_other_vms_approval_and_its_own_goes_through_a
     assert other["startedBy"] != "NotBefore"
     assert latency is not None
     assert latency < 6000, "another VM's approval waited for the dead listener"
-    # The batch that decided a_0's Freeze waited its 3 s for a_0, and no run waited longer (with a busy machine's
-    # slack).
-    assert 3.0 <= stats.slowest_batch < 6.0
+    # No batch waited for a_0: the one that decided its Freeze returned once the approval was sent, and its tail
+    # gave a_0 the 3 s after it (docs/coordinator.md, *The tail after the batch*; before, that batch took 3-6 s,
+    # now about 0.1 s; the bound leaves a busy machine's first batches their slack).
+    assert stats.slowest_batch < 3.0
     assert stats.slowest_tick < 6.0
     # The dead listener's own approval: handed over, then through the peer of its placement group.
     assert dead["approvedBy"] == ["a_1"]
