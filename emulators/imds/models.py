@@ -616,7 +616,9 @@ class Scenario(BaseModel):
         if duplicates:
             raise ValueError(f"vms: duplicate names {duplicates} (VM names are case-insensitive)")
         refs: set[str] = set()
-        for index, step in enumerate(self.steps):
+        # In the order they play (by time; the file's order among steps of one time): a cancel needs its create
+        # played before it.
+        for index, step in sorted(enumerate(self.steps), key=lambda item: item[1].at):
             where = f"steps.{index}"
             if step.create is not None:
                 unknown = [name for name in step.create.Resources if name not in names]

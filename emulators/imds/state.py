@@ -268,6 +268,9 @@ class EmulatorState:
         self._start = start
         self._now = start
         self._next_step = 0
+        # The steps in time order, each with its index in the file (errors name it): a step listed after a later
+        # one was applied late, so an event created and canceled between them was never in any document.
+        self._steps = sorted(enumerate(scenario.steps), key=lambda item: item[1].at)
         self._refs: dict[str, str] = {}
         self.step_errors: list[str] = []
         self._dirty: set[str] = set()  # VMs whose document content may have changed since the last refresh
@@ -314,8 +317,8 @@ class EmulatorState:
                     and not self._terminate_blocked(record, record.start_after)
                 ):
                     candidates.append((record.start_after, 1, functools.partial(self._start_approved, record)))
-        if self._next_step < len(self.scenario.steps):
-            step_at = self._start + self.scaled(self.scenario.steps[self._next_step].at)
+        if self._next_step < len(self._steps):
+            step_at = self._start + self.scaled(self._steps[self._next_step][1].at)
             candidates.append((step_at, 2, self._run_step))
         if not candidates:
             return None
@@ -386,7 +389,7 @@ class EmulatorState:
                 self._start_event(record, at, "approval")
 
     def _run_step(self, at: datetime) -> None:
-        step = self.scenario.steps[self._next_step]
+        index, step = self._steps[self._next_step]
         self._next_step += 1
         if step.create is not None:
             spec = EventCreate.model_validate(step.create.model_dump(exclude={"ref"}))
@@ -394,7 +397,7 @@ class EmulatorState:
                 record = self._create(spec, at, ref=step.create.ref)
             except EmulatorInputError as error:
                 # Set aside and counted; the rest of the scenario keeps playing.
-                self.step_errors.append(f"steps.{self._next_step - 1}.create: {error}")
+                self.step_errors.append(f"steps.{index}.create: {error}")
                 return
             if step.create.ref:
                 self._refs[step.create.ref] = record.event_id

@@ -286,6 +286,28 @@ def test_scenario_steps_run_at_their_offsets_and_bad_steps_are_set_aside():
     assert "Spot" in state.step_errors[0]
 
 
+def test_scenario_steps_play_in_time_order_whatever_their_order_in_the_file():
+    """A step listed after a later one is played at its own time: the Freeze created at 2 and canceled at 5 is in
+    the documents between them (played in list order, both waited for the step at 10 and it never was)."""
+    scenario = fleet(
+        steps=[
+            {"at": 10, "create": {"EventType": "Reboot", "Resources": ["web_0"]}},
+            {"at": 5, "cancel": "f"},
+            {"at": 2, "create": {"ref": "f", "EventType": "Freeze", "Resources": ["web_1"]}},
+            {"at": 3, "create": {"EventType": "Preempt", "Resources": ["web_1"]}},  # not a Spot VM
+        ]
+    )
+    state = new_state(scenario)
+    assert list(statuses(state, "web_1", at(2.5)).values()) == ["Scheduled"]
+    assert statuses(state, "web_1", at(6)) == {}
+    assert [(s["EventType"], s["state"]) for s in state.event_summaries(at(11))] == [
+        ("Freeze", "Canceled"),
+        ("Reboot", "Scheduled"),
+    ]
+    assert len(state.step_errors) == 1
+    assert "steps.3.create" in state.step_errors[0]  # its place in the file
+
+
 def test_create_refuses_unknown_vms_and_terminate_outside_a_scale_set():
     state = new_state()
     with pytest.raises(EmulatorInputError, match="unknown VMs"):
