@@ -250,8 +250,14 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
     if pending is not None:
         if decision.verdict == "approve" and decision.rule == pending.rule:
             renew(change, pending, decision, policy, now)
-            # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it.
-            change.approval_decided = change.approval_decided or found
+            if found:
+                # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it,
+                # and its write says so (in flight until the grace, as a new approval): another run that reads it
+                # before this one's outcome is committed must not send it again (oracle seed 8, since a batch's
+                # outcomes are committed after it: a second batch's send renewed the request's validity past a
+                # gate that failed meanwhile).
+                pending.outcome, pending.nextAttemptAt = "", now + IN_FLIGHT_GRACE
+                change.approval_decided = change.changed = True
             return
         # Its conditions no longer hold (or another rule decides now): withdrawn before it was ever executed, and its
         # claims freed by the tail (those this decision claims again excepted).

@@ -14,6 +14,7 @@ from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, BudgetClaim, BudgetRecord, DecisionRecord, EventRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import decide
+from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW, event_record
 from tests.coordinator.runs import NOT_BEFORE, Bench, put_event
@@ -332,6 +333,11 @@ def test_an_approval_that_found_no_executor_is_sent_by_the_run_that_brings_one(b
     assert change.approval_decided
     assert change.record.approval is not None
     assert change.record.approval.decisionId == "d-1"
+    # In flight from this write on: a run that reads it before the outcome is committed sends nothing (oracle seed 8:
+    # a second send renewed the request past a gate that failed meanwhile).
+    assert (change.record.approval.outcome, change.record.approval.nextAttemptAt) == ("", DOC_NOW + IN_FLIGHT_GRACE)
+    assert change.changed
+    assert not decided(bench.run(), change.record).approval_decided
     # Its VM silent (no executor still), or an attempt that reached a VM: the retry waits for its time.
     bench.now = DOC_NOW + timedelta(minutes=10)
     silent = decided(bench.run(), record.model_copy(update={"notBefore": bench.now + timedelta(minutes=5)}))
