@@ -388,18 +388,18 @@ class _Run:
         """The VMs whose listener may execute the approval: a Terminate's own VM only, else any VM that sees it."""
         return list(event.resources) if event.eventType == "Terminate" else list(event.viewers)
 
-    def executable(self, event: Event) -> tuple[Intervals, float]:
-        """When some VM that may execute the approval can (forwarder up, listener not dead, not removed; or the
-        acknowledge API for an agentless VM), and the delay the quickest of them adds (a slow listener delays an
-        approval only when no quicker VM could execute it)."""
-        out = EMPTY
-        delays = []
+    def executable(self, event: Event) -> list[tuple[Intervals, float]]:
+        """When each VM that may execute the approval can (forwarder up, listener not dead, not removed; or the
+        acknowledge API for an agentless VM), each with the delay its listener adds. Kept per VM: a slow listener
+        delays an approval only while no quicker VM could execute it, and a quick one that died no longer can (seed
+        114: web_1's listener died 0.5 s after the Freeze appeared, and web_0's, 25 s slow, was left: judged by
+        web_1's delay, the Freeze was due 25 s too early)."""
+        out: list[tuple[Intervals, float]] = []
         for name in self.candidates(event):
             vm = self.vms.get(name)
             if vm is not None and vm.agentless:
                 if self.truth.options.remoteAcknowledgeFallback:
-                    out = out | Intervals(((self.start - 3600, self.removal(name)),))
-                    delays.append(0.0)
+                    out.append((Intervals(((self.start - 3600, self.removal(name)),)), 0.0))
                 continue
             if name not in self.up:
                 continue
@@ -411,9 +411,8 @@ class _Run:
                 up = up - Intervals(((self.removal(name), INF),))
             usable = up - self.dead.get(name, EMPTY)
             if usable:
-                delays.append(self.listener_delay(name))
-            out = out | usable
-        return out, (min(delays) if delays else 0.0)
+                out.append((usable, self.listener_delay(name)))
+        return out
 
     @staticmethod
     def removed_by(event: Event, name: str) -> bool:
@@ -948,13 +947,16 @@ def check(truth: Truth, bounds: Bounds | None = None) -> Report:
         judge = judges[event.eventId]
         created = seconds(event.transitions[0].at)
         rule, why = choose(run.policy, event, run.vms, created)
-        executable, delay = run.executable(event)
         gates = run.policy.gates_of(rule.name) if rule is not None else []
-        extra = delay + run.gate_delay(gates)
-        lower = (_coupled(run, judges, event) & Intervals(((judge.reported, INF),)) & executable) - _impediments(
-            run, event
-        )
-        due = lower.first_run(run.bounds.latency + extra)
+        allowed = (_coupled(run, judges, event) & Intervals(((judge.reported, INF),))) - _impediments(run, event)
+        lower, due = EMPTY, None
+        for usable, delay in run.executable(event):
+            # Due through one VM that stays usable for the whole latency its listener (and the rule's gate) adds.
+            through = allowed & usable
+            lower = lower | through
+            first = through.first_run(run.bounds.latency + delay + run.gate_delay(gates))
+            if first is not None and (due is None or first < due):
+                due = first
         left = run.left_scheduled(event)
         could = run.could_be_scheduled(event)
         if due is not None and (not could or due >= could.spans[-1][1]):

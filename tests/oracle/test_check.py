@@ -276,6 +276,22 @@ def test_a_dead_listener_is_no_excuse_when_another_vm_that_sees_the_event_can_ex
     assert kinds(check(truth([shared], [], listenerFaults=faults))) == ["missed"]
 
 
+def test_a_slow_listener_left_alone_when_the_quick_one_dies_delays_what_is_due() -> None:
+    """Seed 114: web_1's listener died 0.5 s after the Freeze appeared, and web_0's answers 25 s late; the approval,
+    valid a few seconds, can be executed by neither in time. Judged by the quick one's delay it was due at +6 s."""
+    shared = event("shared", "Freeze", ["web_0"], 1, 16, viewers=["web_0", "web_1"])
+    faults = [
+        ListenerFault(vm="web_0", span=Span(begin=at(1)), delaySeconds=25.0),
+        ListenerFault(vm="web_1", span=Span(begin=at(1.5)), dead=True),
+    ]
+    report = check(truth([shared], [], listenerFaults=faults))
+    assert report.findings == []
+    assert due(report, "shared") is None
+    # The quick listener alive throughout: due at its own latency, whatever the slow one adds.
+    alive = [faults[0]]
+    assert kinds(check(truth([shared], [], listenerFaults=alive))) == ["missed"]
+
+
 def test_a_terminate_is_due_only_once_every_pending_delete_of_its_scale_set_is_ready() -> None:
     vms = fleet(web_1=Vm(name="web_1", scaleSet="web", prepare=[Hook(name="10-check", exitCode=1)]))
     ready = event("ready", "Terminate", ["web_0"], 1, 20)
