@@ -242,7 +242,7 @@ class Coordinator:
         them again after their in-flight grace, same decisionIds) and the cards in the events' outboxes (the timer
         posts them); the rows of the history not yet written are what is lost."""
         assert self.after_batch is not None
-        batch.fleet.absorb(batch.work.records.values())
+        batch.fleet.absorb(batch.work.uncached())
 
         def finish() -> None:
             try:

@@ -267,6 +267,16 @@ class Work:
     # The decisionIds of the approvals this run decided, in any attempt of its writes: one whose write landed while
     # its answer was lost is met again on the retry's re-read, and is still this run's to send (decide.decide).
     decided: set[str] = field(default_factory=set)
+    # The records this run put into the instance's fleet cache, as put: a batch puts what it committed there before
+    # it returns, and its tail, after it, only what it committed since (``uncached``): put again, the batch's own
+    # records could overwrite newer ones a later batch cached meanwhile.
+    cached: dict[str, EventRecord] = field(default_factory=dict)
+
+    def uncached(self) -> list[EventRecord]:
+        """The records committed since the run last put them into the fleet cache, now counted as put there."""
+        fresh = [r for event_id, r in self.records.items() if self.cached.get(event_id) is not r]
+        self.cached.update((r.eventId, r) for r in fresh)
+        return fresh
 
     def collect(self, change: EventChange) -> None:
         """Takes in a committed change: its history rows, its record, its cards, (once) its approval and the claims

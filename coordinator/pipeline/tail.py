@@ -37,4 +37,4 @@ def finish(run: Run, *, last_seen: dict[str, datetime] | None = None, settled: S
         outbox.post_and_settle(run, settled.events, settled.vms)
     decide.release_budgets(run)
     record.history(run)
-    run.fleet.absorb(run.work.records.values())
+    run.fleet.absorb(run.work.uncached())

@@ -123,3 +123,16 @@ def test_a_run_notes_each_stage_it_enters_in_order(bench: Bench):
     run.enter("timer")
     run.enter("deliver")
     assert run.stages == ["timer", "deliver"]
+
+
+def test_work_hands_the_fleet_cache_only_what_it_committed_since_it_last_did():
+    """A batch puts its records into the fleet cache before it returns; its tail, after it, only the records it
+    committed since: put again, the batch's could overwrite newer ones a later batch cached meanwhile."""
+    work = Work()
+    first, other = event_record("EV-1"), event_record("EV-2")
+    work.records.update({"EV-1": first, "EV-2": other})
+    assert work.uncached() == [first, other]
+    assert work.uncached() == []
+    answered = first.model_copy(update={"state": "Approved"})
+    work.records["EV-1"] = answered  # the tail committed the answer to EV-1
+    assert work.uncached() == [answered]
