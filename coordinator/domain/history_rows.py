@@ -10,10 +10,10 @@ tests/coordinator/test_history_rows.py checks that, and that each RecordType bel
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from contracts.envelope import HookReport, VmIdentity
-from coordinator.domain.model import EventRecord
+from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 
 __all__ = [
@@ -273,6 +273,20 @@ def heartbeat_row(
         EventType=event_type,
         Details=details,
     )
+
+
+class Position(TypedDict):
+    """Where a VM stands (its last envelope's time, sequence and incarnation), as ``heartbeat_row`` takes it."""
+
+    vm: VmIdentity
+    observed_at: datetime
+    sequence: int
+    incarnation: int | None
+
+
+def position_of(vm: VmRecord) -> Position:
+    """A VM's stored position, for a Heartbeat row about it: ``heartbeat_row(**position_of(vm), ...)``."""
+    return Position(vm=vm.identity, observed_at=vm.lastSeen, sequence=vm.lastSequence, incarnation=vm.lastIncarnation)
 
 
 def dead_letter_row(*, now: datetime, reason: str, details: dict[str, Any], event_id: str = "") -> HistoryRow:

@@ -22,7 +22,7 @@ from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.census import describe
 from coordinator.domain.deletes import ready_to_go
 from coordinator.domain.event_merge import apply_observations
-from coordinator.domain.history_rows import dead_letter_row, heartbeat_row
+from coordinator.domain.history_rows import dead_letter_row, heartbeat_row, position_of
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.observations import Observation, VmUpdate, vm_position
@@ -163,11 +163,8 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
         if update.resumed:
             work.rows.append(
                 heartbeat_row(
-                    vm=update.record.identity,
+                    **position_of(update.record),
                     now=now,
-                    observed_at=update.record.lastSeen,
-                    sequence=update.record.lastSequence,
-                    incarnation=update.record.lastIncarnation,
                     outcome="resumed",
                     reason="heartbeat resumed",
                 )
@@ -215,11 +212,8 @@ def flag_census(run: Run, batch: VmBatch) -> None:
             continue
         run.work.rows.append(
             heartbeat_row(
-                vm=record.identity,
+                **position_of(record),
                 now=run.now,
-                observed_at=record.lastSeen,
-                sequence=record.lastSequence,
-                incarnation=record.lastIncarnation,
                 outcome="census-mismatch",
                 reason=(
                     f"{record.identity.name} reports {summary}: kept as it said, not counted: budgets and tag "

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from contracts.envelope import ForwarderHealth
 from coordinator.adapters import telemetry
 from coordinator.domain.cards import raise_vm_alert
-from coordinator.domain.history_rows import heartbeat_row
+from coordinator.domain.history_rows import heartbeat_row, position_of
 from coordinator.domain.model import ImdsFailure
 from coordinator.domain.observations import VmUpdate
 from coordinator.pipeline.run import Work
@@ -52,11 +52,8 @@ def assess(update: VmUpdate, now: datetime, work: Work, *, after: timedelta, err
         record = raise_vm_alert(record, "imds-failing", now)
         work.rows.append(
             heartbeat_row(
-                vm=record.identity,
+                **position_of(record),
                 now=now,
-                observed_at=record.lastSeen,
-                sequence=record.lastSequence,
-                incarnation=record.lastIncarnation,
                 outcome="imds-failing",
                 reason=reason,
                 details=_details(health),
@@ -68,11 +65,8 @@ def assess(update: VmUpdate, now: datetime, work: Work, *, after: timedelta, err
         record = record.model_copy(update={"imdsFailing": None})
         work.rows.append(
             heartbeat_row(
-                vm=record.identity,
+                **position_of(record),
                 now=now,
-                observed_at=record.lastSeen,
-                sequence=record.lastSequence,
-                incarnation=record.lastIncarnation,
                 outcome="imds-recovered",
                 reason=f"IMDS polled again (failing since {since.isoformat()})",
                 details=_details(health),

@@ -21,7 +21,7 @@ from coordinator.adapters import telemetry
 from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
-from coordinator.domain.history_rows import approval_row, decision_row, heartbeat_row, impact_row
+from coordinator.domain.history_rows import approval_row, decision_row, heartbeat_row, impact_row, position_of
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.pipeline import act, decide, outbox, tail
@@ -270,11 +270,8 @@ def retire(
             assert vm.retired is not None
             run.work.rows.append(
                 heartbeat_row(
-                    vm=vm.identity,
+                    **position_of(vm),
                     now=now,
-                    observed_at=vm.lastSeen,
-                    sequence=vm.lastSequence,
-                    incarnation=vm.lastIncarnation,
                     outcome="retired",
                     reason=vm.retired.reason,
                     event_id=vm.retired.eventId,
@@ -338,11 +335,8 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
             run.report.heartbeats_lost += 1
             run.work.rows.append(
                 heartbeat_row(
-                    vm=vm.identity,
+                    **position_of(vm),
                     now=now,
-                    observed_at=vm.lastSeen,
-                    sequence=vm.lastSequence,
-                    incarnation=vm.lastIncarnation,
                     outcome="lost",
                     reason=f"no envelope for more than {timeout} s",
                 )

@@ -25,9 +25,10 @@ from coordinator.domain.history_rows import (
     hook_row,
     impact_row,
     observation_row,
+    position_of,
     transition_row,
 )
-from coordinator.domain.model import DecisionRecord, EventRecord
+from coordinator.domain.model import DecisionRecord, EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)
@@ -87,6 +88,7 @@ VM = VmIdentity(
     vmScaleSetName="web",
     placementGroupId="pg-web",
 )
+POSITION = VmRecord(identity=VM, lastSequence=9, lastSeen=NOW - timedelta(seconds=30), lastIncarnation=4)
 PHASE = HookReport(
     eventId="E1",
     phase="prepare",
@@ -302,3 +304,18 @@ def test_only_the_builders_make_history_rows(path: Path) -> None:
         return
     made = BUILT[path]
     assert not made, f"{path}: HistoryRow built on lines {made}; use a builder of coordinator/domain/history_rows.py"
+
+
+def test_a_heartbeat_row_at_a_vms_stored_position():
+    assert heartbeat_row(
+        **position_of(POSITION), now=NOW, outcome="lost", reason="silent", event_id="E1"
+    ) == heartbeat_row(
+        vm=VM,
+        now=NOW,
+        observed_at=NOW - timedelta(seconds=30),
+        sequence=9,
+        incarnation=4,
+        outcome="lost",
+        reason="silent",
+        event_id="E1",
+    )
