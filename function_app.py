@@ -104,6 +104,7 @@ def application_properties(events: list[func.EventHubEvent]) -> list[Mapping[str
 def ingest_envelopes(events: list[func.EventHubEvent]) -> None:
     properties = application_properties(events)
     report = coordinator().process_batch([_raw(e, p) for e, p in zip(events, properties, strict=True)])
+    # What the batch did before it returned; its tail (answers, cards, history) logs "batch tail" with the rest.
     log.info("batch %s", json.dumps(report.as_dict()))
 
 

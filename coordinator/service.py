@@ -16,6 +16,7 @@ See docs/architecture.md.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import random
 import threading
@@ -247,7 +248,7 @@ class Coordinator:
         def finish() -> None:
             try:
                 tail.finish(batch)
-                log.info("batch tail %s", batch.report.as_dict())
+                log.info("batch tail %s", json.dumps(batch.report.as_dict()))
             except Exception:
                 log.exception("the tail of a batch of %d messages failed", batch.report.received)
 
