@@ -16,7 +16,8 @@ Nothing waits for a slow or dead listener either: with a delivery queue (``Parts
 person's run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue
 (pipeline/handover.py); a ``delivery`` run plans it again from the record, through another VM when the one that did
 not answer has a peer that can execute it, and gives it the whole approval deadline. One decisionId throughout:
-the listener executes it once.
+the listener executes it once. A batch does not even wait for those 3 s: its sends are ``Sending``s its tail awaits
+after the batch has returned (``tail_after_batch``; docs/coordinator.md, *The tail after the batch*).
 """
 
 from __future__ import annotations
