@@ -154,7 +154,8 @@ def follow(
     while time.monotonic() < deadline:
         follower.pump()
         if done(follower):
-            # One more look: rows written while we checked.
+            # One more look: rows written while we checked, and those of the batches' tails still running.
+            stack.drain()
             time.sleep(interval)
             follower.pump()
             return follower, True
@@ -170,6 +171,7 @@ def judge(
     assert stack.eventhubs is not None
     assert stack.storage is not None
     assert stack.host is not None
+    stack.drain()  # the history rows of the batches' tails
     options = stack.options
     policy = load_policy(options.policy)
     events = stack.imds.events()

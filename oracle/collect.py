@@ -211,6 +211,7 @@ def _time_or_none(value: Any) -> datetime | None:
 def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Truth:
     """The truth of the run ``stack`` played (call it once the run is settled, before the stack stops)."""
     assert stack.imds is not None
+    stack.drain()  # the history rows of the batches' tails
     record = stack.imds.truth()
     facts = platform_facts(stack.platform.log)
     options = stack.options
