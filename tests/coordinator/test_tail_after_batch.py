@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -22,6 +22,7 @@ from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
+from local.runner import wait_until
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import RecordingAlerts, RecordingCallback, message
@@ -77,15 +78,6 @@ def event(coordinator: Coordinator, event_id: str) -> EventRecord:
     return stored.record
 
 
-def eventually(check: Callable[[], bool], *, within: float = 5.0) -> bool:
-    give_up = time.monotonic() + within
-    while time.monotonic() < give_up:
-        if check():
-            return True
-        time.sleep(0.02)
-    return check()
-
-
 def outcomes(coordinator: Coordinator, event_id: str) -> list[str]:
     history = coordinator.history
     assert isinstance(history, MemoryHistory)
@@ -105,7 +97,7 @@ def test_a_batch_returns_once_its_approval_is_sent_and_its_tail_commits_the_answ
     assert returned < 1.0
     assert not callback.release.is_set()
     assert run.report.approvals_sent == 0  # its tail waits for the answer
-    assert eventually(lambda: len(callback.sent) == 1)
+    assert wait_until(lambda: len(callback.sent) == 1, timeout=5.0, interval=0.02)
     record = event(coordinator, "EV-A")
     assert record.state == "Scheduled"
     assert record.approval is not None
@@ -113,11 +105,11 @@ def test_a_batch_returns_once_its_approval_is_sent_and_its_tail_commits_the_answ
     assert outcomes(coordinator, "EV-A") == []  # the history is the tail's, written once the answer is in
 
     callback.release.set()
-    assert eventually(lambda: event(coordinator, "EV-A").state == "Approved")
+    assert wait_until(lambda: event(coordinator, "EV-A").state == "Approved", timeout=5.0, interval=0.02)
     approval = event(coordinator, "EV-A").approval
     assert approval is not None
     assert (approval.delivered, approval.outcome, approval.attempts) == (True, "approved", 1)
-    assert eventually(lambda: outcomes(coordinator, "EV-A") == ["sending", "approved"])
+    assert wait_until(lambda: outcomes(coordinator, "EV-A") == ["sending", "approved"], timeout=5.0, interval=0.02)
     assert run.stages[-4:] == ["deliver", "cards", "budgets", "history"]
     assert run.report.approvals_sent == 1
     assert [request.decisionId for request, _ in callback.sent] == [approval.decisionId]
@@ -129,11 +121,15 @@ def test_the_next_batch_is_decided_and_answered_while_a_listener_still_holds_the
     coordinator.run_batch([message_of("WestNO_0", 1, "EV-A")])
     coordinator.run_batch([message_of("WestNO_1", 2, "EV-B")])
 
-    assert eventually(lambda: event(coordinator, "EV-B").state == "Approved")
+    assert wait_until(lambda: event(coordinator, "EV-B").state == "Approved", timeout=5.0, interval=0.02)
     assert event(coordinator, "EV-A").state == "Scheduled"  # its listener has not answered yet
     callback.release.set()
-    assert eventually(lambda: event(coordinator, "EV-A").state == "Approved")
-    assert eventually(lambda: outcomes(coordinator, "EV-A") == outcomes(coordinator, "EV-B") == ["sending", "approved"])
+    assert wait_until(lambda: event(coordinator, "EV-A").state == "Approved", timeout=5.0, interval=0.02)
+    assert wait_until(
+        lambda: outcomes(coordinator, "EV-A") == outcomes(coordinator, "EV-B") == ["sending", "approved"],
+        timeout=5.0,
+        interval=0.02,
+    )
 
 
 def test_approvals_of_a_tail_that_never_ran_are_sent_again_by_the_timer_after_the_in_flight_grace(
@@ -147,7 +143,7 @@ def test_approvals_of_a_tail_that_never_ran_are_sent_again_by_the_timer_after_th
     after_batch.shutdown(wait=True)
     coordinator.run_batch([message_of("WestNO_0", 1, "EV-A")])
     assert "the tail of a batch of 1 messages not run: stopping" in caplog.text
-    assert eventually(lambda: len(callback.sent) == 1)
+    assert wait_until(lambda: len(callback.sent) == 1, timeout=5.0, interval=0.02)
     first = event(coordinator, "EV-A").approval
     assert first is not None
     assert not first.delivered
