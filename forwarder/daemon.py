@@ -243,6 +243,7 @@ class Forwarder:
                 self._sender.wake()
             thread.join(SHUTDOWN_FLUSH_SECONDS + 5)
         self._drain.set()
+        self._impact.mark_alive()  # a clean stop (a shutdown, a reboot) is the exact start of a downtime
         self.sink.close()
         self.imds.close()
         depth = self.store.depth()
@@ -317,6 +318,7 @@ class Forwarder:
             log.info("hook ledger pruned", extra=fields(forgotten=pruned))
 
     def _heartbeat(self, identity: VmIdentity) -> None:
+        self._impact.mark_alive()  # a hard reset's downtime is measured from here: at most a heartbeat early
         unspooled = spool_heartbeat(
             self.store,
             identity,

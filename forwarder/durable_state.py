@@ -56,6 +56,9 @@ SEQUENCE_RESERVE = 64
 # forwarder/impact.py's watch of a Reboot or Redeploy of this VM (JSON; "" when none): the event and the last poll
 # before the VM went down, which must outlive the reboot to measure its downtime.
 IMPACT_RESTART = "impact.restart"
+# forwarder/impact.py's last sign of life that outlives a reboot (ISO time of the last poll, written at each heartbeat
+# and at a clean stop): the lower bound of a downtime whose event this VM never saw listed before it went down.
+IMPACT_ALIVE = "impact.alive"
 # StoreFull.last_error's bound (ForwarderHealth.lastStateError).
 STATE_ERROR_CHARS = 256
 

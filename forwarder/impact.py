@@ -14,6 +14,12 @@
   boot time (``btime`` of /proc/stat, or the file the settings name) and, when the VM booted after that last poll,
   reports the downtime: from the last poll before to its first poll after, on the wall clock (the monotonic clock
   starts again at boot).
+- **A Reboot or Redeploy this VM never saw listed** (approved, by a peer or at once, and started between two polls):
+  no watch was kept, but the last sign of life was (``IMPACT_ALIVE``: the last poll's time, written at each heartbeat
+  and at a clean stop, so no disk write per poll). When the VM booted after it and the first document after the
+  start lists a Reboot or Redeploy of this VM as Started (Azure keeps it listed about 10 minutes after it started),
+  the downtime is reported from that last sign of life: exact after a clean shutdown, at most a heartbeat early
+  after a hard reset.
 
 Reports are spooled on the poll loop's thread, before its next poll (``before_poll``), so a pause is reported
 before the change that shows the Freeze gone, and the coordinator has it when the event completes. A Preempt's or
@@ -31,9 +37,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from contracts.wire import Envelope, ImpactClock, ImpactReport, ScheduledEventsDocument, VmIdentity
+from contracts.wire import Envelope, ImpactClock, ImpactReport, ScheduledEvent, ScheduledEventsDocument, VmIdentity
 from forwarder import __version__
-from forwarder.durable_state import IMPACT_RESTART, Store, StoreFull
+from forwarder.durable_state import IMPACT_ALIVE, IMPACT_RESTART, Store, StoreFull
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.impact")
@@ -116,6 +122,37 @@ class _Restart:
             return None
 
 
+@dataclass(frozen=True)
+class _Alive:
+    """The last sign of life kept across a reboot: the last poll's time and the boot it was in (a boot time names
+    a boot: another one is a reboot, whatever the clocks say)."""
+
+    last_poll: datetime
+    boot: datetime | None
+
+    def dump(self) -> str:
+        return json.dumps(
+            {"lastPollAt": self.last_poll.isoformat(), "bootTime": self.boot.isoformat() if self.boot else None}
+        )
+
+    @classmethod
+    def load(cls, text: str | None) -> _Alive | None:
+        if not text:
+            return None
+        try:
+            data = json.loads(text)
+            boot = data.get("bootTime")
+            return cls(datetime.fromisoformat(str(data["lastPollAt"])), datetime.fromisoformat(boot) if boot else None)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("the remembered last sign of life is unreadable; an unseen restart is not measured")
+            return None
+
+    def rebooted_by(self, booted: datetime) -> bool:
+        if self.boot is not None:
+            return booted != self.boot
+        return booted > self.last_poll - timedelta(seconds=BOOT_TIME_RESOLUTION)
+
+
 class ImpactMeter:
     """One VM's meter. ``run`` is the tick thread; the poll loop calls ``before_poll`` and ``polled(document)``."""
 
@@ -140,6 +177,11 @@ class ImpactMeter:
         self._freezes: dict[str, _FreezeWatch] = {}
         self._pending: list[ImpactReport] = []
         self._restart = _Restart.load(store.get_state(IMPACT_RESTART))
+        self._alive = _Alive.load(store.get_state(IMPACT_ALIVE))  # the last sign of life before this start
+        self._booted: datetime | None = None  # this boot's time, read at the first poll
+        self._last_poll: datetime | None = None
+        self._unseen_boot: datetime | None = None  # booted after it with no watch: the first document tells
+        self._reported: set[str] = set()  # restarts reported since this start: not watched again
         self._after_start = True
 
     # --- the tick thread ----------------------------------------------------------------------------------
@@ -240,7 +282,12 @@ class ImpactMeter:
             else:
                 self._armed.clear()
                 self._last = None
-        restarting = next((e for e in mine if e.EventType in RESTARTING_TYPES), None)
+        self._last_poll = now
+        if self._unseen_boot is not None:
+            self._unseen_restart(mine, now)
+        restarting = next(
+            (e for e in mine if e.EventType in RESTARTING_TYPES and e.EventId not in self._reported), None
+        )
         try:
             if restarting is not None:
                 self._restart = _Restart(restarting.EventId, restarting.EventType, restarting.DurationInSeconds, now)
@@ -253,15 +300,45 @@ class ImpactMeter:
         except StoreFull:
             log.warning("the restart watch could not be kept (state disk full)")
 
+    def mark_alive(self) -> None:
+        """Keeps the last poll's time across a reboot (at each heartbeat and at a clean stop): the lower bound of a
+        downtime this VM had no watch for."""
+        if self._last_poll is None:
+            return
+        try:
+            self._store.put_state(IMPACT_ALIVE, _Alive(self._last_poll, self._booted).dump())
+        except StoreFull:
+            log.warning("the last sign of life could not be kept (state disk full)")
+
     def _restarted(self) -> None:
         watch = self._restart
+        booted = self._booted = read_boot_time(self._boot_time_file)
         if watch is None:
+            if booted is not None and self._alive is not None and self._alive.rebooted_by(booted):
+                self._unseen_boot = booted
             return
-        booted = read_boot_time(self._boot_time_file)
-        if booted is None or booted <= watch.last_poll - timedelta(seconds=BOOT_TIME_RESOLUTION):
+        if booted is None or not self._booted_after(booted, watch.last_poll):
             return  # the forwarder restarted, the VM did not: the watch goes on
-        now = datetime.now(UTC)
+        self._report_restart(watch, booted, datetime.now(UTC))
+
+    @staticmethod
+    def _booted_after(booted: datetime, alive: datetime) -> bool:
+        return booted > alive - timedelta(seconds=BOOT_TIME_RESOLUTION)
+
+    def _unseen_restart(self, mine: list[ScheduledEvent], now: datetime) -> None:
+        """The first document after a boot no watch expected: a Reboot or Redeploy of this VM listed as Started is
+        what took it down, from the last sign of life before it (none listed: a reboot of the guest's own)."""
+        booted, self._unseen_boot = self._unseen_boot, None
+        started = next((e for e in mine if e.EventType in RESTARTING_TYPES and e.EventStatus == "Started"), None)
+        if started is None or booted is None or self._alive is None:
+            return
+        watch = _Restart(started.EventId, started.EventType, started.DurationInSeconds, self._alive.last_poll)
+        log.info("a restart this VM never saw listed", extra=fields(event_id=started.EventId))
+        self._report_restart(watch, booted, now)
+
+    def _report_restart(self, watch: _Restart, booted: datetime, now: datetime) -> None:
         self._restart = None
+        self._reported.add(watch.event_id)
         with self._lock:
             self._pending.append(
                 ImpactReport(
@@ -292,8 +369,10 @@ class ImpactMeter:
                 impact=report,
             ).to_json_bytes()
 
-        # A restart's report clears its watch in the same transaction: it is reported once.
-        state = {IMPACT_RESTART: ""} if report.measure == "restart" else None
+        # A restart's report clears its watch and moves the last sign of life past the boot in the same transaction:
+        # it is reported once, whichever way it was found.
+        alive = _Alive(observed, report.bootTime).dump()
+        state = {IMPACT_RESTART: "", IMPACT_ALIVE: alive} if report.measure == "restart" else None
         try:
             self._store.enqueue("impact", build, state=state)
         except StoreFull:

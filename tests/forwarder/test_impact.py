@@ -141,6 +141,64 @@ def test_a_forwarder_restart_without_a_reboot_reports_nothing(imds: ImdsEmulator
     assert envelopes(tmp_path, "impact") == []
 
 
+def test_a_reboot_never_seen_listed_is_measured_from_the_last_sign_of_life(imds: ImdsEmulator, tmp_path: Path) -> None:
+    """A Reboot approved by a peer (or at once) and started between two polls: the forwarder never saw it listed
+    and kept no watch. Its clean stop kept the last poll's time; after the boot the first document lists the Reboot
+    as Started, and that names the downtime's event. A second start on the same boot reports nothing more."""
+    boot(tmp_path, time.time() - 3600)
+    process = start(imds, tmp_path)
+    try:
+        wait_for(lambda: envelopes(tmp_path, "heartbeat"), what="the forwarder up")
+        time.sleep(0.5)  # a few polls
+    finally:
+        down = datetime.now(UTC)
+        stop(process)
+    reboot = imds.create_event(EventType="Reboot", Resources=["web_0"], EventStatus="Started", DurationInSeconds=-1)
+    time.sleep(1.5)
+    booted = time.time()
+    boot(tmp_path, booted)
+    process = start(imds, tmp_path)
+    try:
+        (envelope,) = wait_for(lambda: envelopes(tmp_path, "impact"), what="the impact report")
+        up = datetime.now(UTC)
+    finally:
+        stop(process)
+    impact = Envelope.from_mapping(envelope).impact
+    assert impact is not None
+    assert (impact.eventId, impact.eventType, impact.measure) == (reboot["EventId"], "Reboot", "restart")
+    assert impact.bootTime == datetime.fromtimestamp(int(booted), UTC)
+    assert (down - impact.start).total_seconds() <= 0.2 + 0.1  # the last poll before the stop
+    assert 1.5 <= impact.measuredSeconds <= (up - impact.start).total_seconds()
+    process = start(imds, tmp_path)  # the same boot, the Reboot still listed: measured once
+    try:
+        wait_for(lambda: len(envelopes(tmp_path, "heartbeat")) >= 3, what="the third start")
+        time.sleep(1.0)
+    finally:
+        stop(process)
+    assert len(envelopes(tmp_path, "impact")) == 1
+
+
+def test_a_reboot_of_the_guests_own_reports_nothing(imds: ImdsEmulator, tmp_path: Path) -> None:
+    """The VM booted after its last sign of life but its first document lists no Started Reboot or Redeploy of it
+    (a reboot from inside the guest, or an event still only Scheduled): no event to name, no report."""
+    boot(tmp_path, time.time() - 3600)
+    process = start(imds, tmp_path)
+    try:
+        wait_for(lambda: envelopes(tmp_path, "heartbeat"), what="the forwarder up")
+        time.sleep(0.5)
+    finally:
+        stop(process)
+    imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)  # Scheduled, not what rebooted it
+    boot(tmp_path, time.time() + 1)
+    process = start(imds, tmp_path)
+    try:
+        wait_for(lambda: len(envelopes(tmp_path, "incarnation")) >= 2, what="the Reboot forwarded")
+        time.sleep(1.0)
+    finally:
+        stop(process)
+    assert envelopes(tmp_path, "impact") == []
+
+
 def test_the_boot_time_is_read_from_proc_stat_or_a_file_like_it(tmp_path: Path) -> None:
     real = read_boot_time(Path("/proc/stat"))
     assert real is not None
