@@ -23,4 +23,12 @@ echo "== pytest: all but the whole-stack runs, on ${PYTEST_WORKERS:-2} workers"
 pytest -n "${PYTEST_WORKERS:-2}" -m "not slow" "$@" || { code=$?; [ "$code" -eq 5 ] || status=$code; }
 echo "== pytest: the whole-stack runs, one at a time"
 pytest -m slow --durations=50 --reruns 1 --reruns-delay 2 "$@" || { code=$?; [ "$code" -eq 5 ] || [ "$status" -ne 0 ] || status=$code; }
+# Every benchmark, short and once: it must run, give its keys and be valid (its run what it claims to measure: no
+# dead-lettered wave, the approvals it expects); no figure is asserted (figures: python -m benchmarks --record).
+# Only for the whole suite (no extra arguments).
+if [ $# -eq 0 ]; then
+  echo "== benchmarks --quick: every benchmark runs and is valid"
+  mkdir -p .local
+  python -m benchmarks --quick > .local/benchmarks-quick.json || { code=$?; [ "$status" -ne 0 ] || status=$code; }
+fi
 exit "$status"

@@ -1,0 +1,424 @@
+"""What ``python -m benchmarks`` runs and what each figure means: the benchmarks (their arguments, full and quick),
+the ratios between them, and the figures the README's table shows, each with its one meaning and its target.
+
+A ratio keeps the meaning written here. Changing what a ratio divides by is a new ratio with a new key, never the
+same key made to pass (docs/changelog.md keeps the history of figures).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["BENCHES", "FIGURES", "RATIOS", "Bench", "Figure", "Ratio", "Target"]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    module: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    runs: int
+    headline: dict[str, str]  # the benchmark's key -> the aggregated key ({vms}: 10k, 1k...)
+    timeout: float
+    group: str = ""
+    quick_timeout: float = 240.0
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``numerator``'s figure ÷ (``factor`` × the sum of the ``denominator`` figures; none: 1), per round, then the
+    median over rounds; met when ≤ target. Each figure is (benchmark, key). ``meaning`` is what the ratio says."""
+
+    key: str
+    numerator: tuple[str, str]
+    denominator: tuple[tuple[str, str], ...]
+    target: float
+    meaning: str
+    factor: float = 1.0
+
+
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<": operator.lt,
+    "≤": operator.le,
+    "=": operator.eq,
+    "≥": operator.ge,
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    op: str
+    value: float
+
+    def met(self, measured: float) -> bool:
+        return _COMPARE[self.op](measured, self.value)
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.value:g}"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the README's figures: the key in the output, what it measures, its unit, its target (None: none)."""
+
+    key: str
+    what: str
+    unit: str
+    target: Target | None = None
+
+
+# --- the benchmarks -----------------------------------------------------------------------------------------------
+_WAVE_HEADLINE = {
+    "wave_seconds": "wave_{vms}_seconds",
+    "busiest_partition_ops_per_s": "wave_{vms}_busiest_partition_ops_per_s",
+}
+
+BENCHES = (
+    Bench(
+        "pipeline_latency",
+        "benchmarks.pipeline_latency",
+        ("--events", "300", "--vms", "10", "--spacing", "0.2", "0.4"),
+        ("--events", "10"),
+        3,
+        {
+            "detect_to_approve_ms_p50": "detect_to_approve_ms_p50",
+            "detect_to_approve_ms_p99": "detect_to_approve_ms_p99",
+            "pipeline_added_ms_p99": "pipeline_added_ms_p99",
+        },
+        600,
+        group="pipeline",
+    ),
+    Bench(
+        "eventhub_hop",
+        "benchmarks.eventhub_hop",
+        ("--events", "300"),
+        ("--events", "50"),
+        3,
+        {"eventhub_hop_ms_p99": "eventhub_hop_ms_p99"},
+        300,
+        group="pipeline",
+    ),
+    Bench(
+        "hop",
+        "benchmarks.hop",
+        ("--n", "500"),
+        ("--n", "100"),
+        3,
+        {"hop_ms_p50": "coordinator_hop_ms_p50", "hop_ms_p99": "coordinator_hop_ms_p99"},
+        600,
+        group="pipeline",
+    ),
+    Bench(
+        "approval_latency",
+        "benchmarks.approval_latency",
+        ("--n", "1000"),
+        ("--n", "100"),
+        3,
+        {"approval_ms_p50": "approval_ms_p50", "approval_ms_p99": "approval_ms_p99"},
+        300,
+        group="pipeline",
+    ),
+    Bench(
+        "cold_listener",
+        "benchmarks.cold_listener",
+        ("--n", "20"),
+        ("--n", "5"),
+        1,
+        {
+            "cold_listener_approval_ms_p50": "cold_listener_approval_ms_p50",
+            "cold_listener_approval_ms_p99": "cold_listener_approval_ms_p99",
+        },
+        600,
+    ),
+    Bench(
+        "wave",
+        "benchmarks.wave",
+        ("--replay",),
+        ("--vms", "1000", "--replay"),
+        3,
+        _WAVE_HEADLINE,
+        900,
+        group="wave",
+    ),
+    Bench(
+        "wave_cold",
+        "benchmarks.wave",
+        ("--bindings", "cold"),
+        ("--vms", "1000", "--bindings", "cold"),
+        3,
+        {"wave_seconds": "wave_{vms}_cold_seconds"},
+        900,
+        group="wave",
+    ),
+    Bench(
+        "wave_census",
+        "benchmarks.wave",
+        ("--policy", "census"),
+        ("--vms", "1000", "--policy", "census"),
+        3,
+        {"wave_seconds": "wave_{vms}_census_seconds"},
+        900,
+        group="wave",
+    ),
+    Bench(
+        "wave_terminate",
+        "benchmarks.wave",
+        ("--event-type", "Terminate"),
+        ("--vms", "1000", "--event-type", "Terminate"),
+        3,
+        {"wave_seconds": "wave_{vms}_terminate_seconds"},
+        900,
+        group="terminate",
+    ),
+    Bench(
+        "wave_terminate_2x",
+        "benchmarks.wave",
+        ("--event-type", "Terminate", "--vms", "20000"),
+        ("--vms", "2000", "--event-type", "Terminate"),
+        3,
+        {"wave_seconds": "wave_{vms}_terminate_seconds"},
+        1200,
+        group="terminate",
+    ),
+    # Time per envelope at 10k, 50k and 100k VMs, run in turns once each: flat when the coordinator is linear.
+    Bench(
+        "wave_scale_10k",
+        "benchmarks.wave",
+        (),
+        ("--vms", "1000"),
+        1,
+        {"seconds_per_1k_envelopes": "wave_10k_seconds_per_1k_envelopes"},
+        900,
+        group="scale",
+    ),
+    Bench("wave_50k", "benchmarks.wave", ("--vms", "50000"), ("--vms", "2000"), 1, _WAVE_HEADLINE, 2400, group="scale"),
+    Bench(
+        "wave_100k",
+        "benchmarks.wave",
+        ("--vms", "100000"),
+        ("--vms", "4000"),
+        1,
+        {
+            **_WAVE_HEADLINE,
+            "tick_seconds": "tick_{vms}_first_seconds",
+            "tick_again_seconds": "tick_{vms}_seconds",
+        },
+        3600,
+        group="scale",
+        quick_timeout=400,
+    ),
+    Bench(
+        "forwarder_footprint",
+        "benchmarks.forwarder_footprint",
+        ("--seconds", "120", "--warmup", "10", "--sink", "eventhub"),
+        ("--seconds", "15", "--warmup", "5", "--sink", "eventhub"),
+        1,
+        {
+            "forwarder_rss_mib": "forwarder_rss_mib",
+            "forwarder_cpu_s_per_hour": "forwarder_cpu_s_per_hour",
+            "forwarder_rss_ratio_to_bare_poller": "forwarder_rss_ratio_to_bare_poller",
+            "forwarder_cpu_ratio_to_bare_poller": "forwarder_cpu_ratio_to_bare_poller",
+        },
+        400,
+    ),
+    Bench(
+        "spool_replay",
+        "benchmarks.spool_replay",
+        ("--envelopes", "5000"),
+        ("--envelopes", "1000"),
+        3,
+        {"spool_replay_per_s": "spool_replay_per_s"},
+        300,
+    ),
+    Bench(
+        "dead_listeners",
+        "benchmarks.dead_listeners",
+        ("--events", "40"),
+        ("--events", "12"),
+        3,
+        {
+            "detect_to_approve_ms_p50": "dead_listeners_approval_ms_p50",
+            "detect_to_approve_ms_p99": "dead_listeners_approval_ms_p99",
+            "live_missed": "dead_listeners_missed",
+        },
+        300,
+    ),
+    Bench(
+        "callback_cost",
+        "benchmarks.callback_cost",
+        (),
+        (),
+        1,
+        {
+            "callback_cost_usd_per_vm_month": "callback_cost_usd_per_vm_month",
+            "callback_cost_usd_per_vm_month_always_on": "callback_cost_usd_per_vm_month_always_on",
+        },
+        60,
+    ),
+)
+
+
+# --- the ratios ---------------------------------------------------------------------------------------------------
+RATIOS = (
+    Ratio(
+        "wave_10k_over_raw_replay",
+        ("wave", "wave_over_replay"),
+        (),
+        3.0,
+        "the 10k wave as shipped (attested, census, bindings warm) ÷ the same Table writes replayed by "
+        "benchmarks/table_ops.py's replay against the same Azurite",
+    ),
+    Ratio(
+        "wave_10k_cold_over_warm",
+        ("wave_cold", "wave_seconds"),
+        (("wave", "wave_seconds"),),
+        1.3,
+        "the 10k wave whose VMs were never bound (each VM's first attested envelope binds it) ÷ the same wave with "
+        "every VM bound and known to the instance",
+    ),
+    Ratio(
+        "wave_10k_census_over_default",
+        ("wave_census", "wave_seconds"),
+        (("wave", "wave_seconds"),),
+        1.2,
+        "the 10k wave under a policy that reads the census (a tag rule, percent budgets per scale set, zone and "
+        "update domain) ÷ the default policy; both with ARM's census configured as deployed",
+    ),
+    Ratio(
+        "wave_terminate_20k_over_2x10k",
+        ("wave_terminate_2x", "wave_seconds"),
+        (("wave_terminate", "wave_seconds"),),
+        1.1,
+        "a Terminate wave of 20k VMs ÷ twice a Terminate wave of 10k (delete coupling stays linear)",
+        factor=2.0,
+    ),
+    Ratio(
+        "wave_terminate_20k_over_2x10k_cpu",
+        ("wave_terminate_2x", "coordinator_cpu_seconds"),
+        (("wave_terminate", "coordinator_cpu_seconds"),),
+        1.1,
+        "the same in the coordinator's own CPU seconds (Azurite's operations cost more as its table grows)",
+        factor=2.0,
+    ),
+    Ratio(
+        "wave_50k_per_envelope_over_10k",
+        ("wave_50k", "seconds_per_1k_envelopes"),
+        (("wave_scale_10k", "seconds_per_1k_envelopes"),),
+        1.2,
+        "wall time per envelope of a 50k-VM wave ÷ of a 10k-VM wave, run in turns",
+    ),
+    Ratio(
+        "wave_100k_per_envelope_over_10k",
+        ("wave_100k", "seconds_per_1k_envelopes"),
+        (("wave_scale_10k", "seconds_per_1k_envelopes"),),
+        1.2,
+        "wall time per envelope of a 100k-VM wave ÷ of a 10k-VM wave, run in turns",
+    ),
+    Ratio(
+        "wave_100k_cpu_per_envelope_over_10k",
+        ("wave_100k", "coordinator_cpu_seconds_per_1k_envelopes"),
+        (("wave_scale_10k", "coordinator_cpu_seconds_per_1k_envelopes"),),
+        1.2,
+        "the coordinator's CPU per envelope at 100k VMs ÷ at 10k",
+    ),
+    Ratio(
+        "coordinator_hop_over_conditional_write",
+        ("hop", "hop_over_conditional_write"),
+        (),
+        2.5,
+        "the coordinator's hop (an envelope's batch reaching it to its approval leaving) on events going through "
+        "the whole stack as shipped (attestation, tracing, the real Relay callback) ÷ one If-Match write, p50 "
+        "÷ p50, in one run",
+    ),
+    Ratio(
+        "pipeline_added_p99_over_bare_hops_p99",
+        ("pipeline_latency", "pipeline_added_ms_p99"),
+        (
+            ("eventhub_hop", "eventhub_hop_ms_p99"),
+            ("hop", "hop_ms_p99"),
+            ("approval_latency", "approval_ms_p99"),
+        ),
+        1.5,
+        "the pipeline's added p99 (forwarder's observedAt → StartRequests recorded) ÷ the sum of its bare hops' p99: "
+        "Event Hubs (eventhub_hop), the coordinator (hop), Relay to a CONNECTED listener (approval_latency). An "
+        "on-demand listener's connect is part of what the pipeline adds, not of the bare hop",
+    ),
+)
+
+
+# --- the README's figures -----------------------------------------------------------------------------------------
+FIGURES = (
+    Figure(
+        "detect_to_approve_ms_p99",
+        "IMDS change → approval recorded by IMDS, whole local pipeline at 1 poll/s, listeners on demand (p99)",
+        "ms",
+        Target("<", 1200),
+    ),
+    Figure(
+        "pipeline_added_ms_p99",
+        "the same minus the poll wait: the forwarder's observedAt → approval recorded (p99)",
+        "ms",
+        Target("<", 150),
+    ),
+    Figure(
+        "wave_10k_seconds",
+        "10,000-VM wave (500 events), attested envelopes, ARM's census, bindings warm, batches of 200, Azurite",
+        "s",
+        Target("<", 10),
+    ),
+    Figure("wave_10k_cold_seconds", "the same wave, no VM bound before it", "s"),
+    Figure("wave_10k_census_seconds", "the same wave under a census policy", "s"),
+    Figure("wave_100k_seconds", "100,000-VM wave (5,000 events), as the 10k wave", "s"),
+    Figure(
+        "wave_100k_busiest_partition_ops_per_s",
+        "the 100k wave's busiest Table partition (entity operations per second)",
+        "ops/s",
+        Target("<", 2000),
+    ),
+    Figure("tick_100k_seconds", "the timer's tick at 100,000 VMs (warm: what changed since the last)", "s"),
+    Figure("tick_100k_first_seconds", "an instance's first tick at 100,000 VMs (loads every VM once)", "s"),
+    Figure("coordinator_hop_ms_p50", "the coordinator's hop in the whole stack (p50)", "ms"),
+    Figure(
+        "approval_ms_p99",
+        "decision → approval recorded by IMDS through Relay, connected listener (p99)",
+        "ms",
+        Target("<", 50),
+    ),
+    Figure(
+        "cold_listener_approval_ms_p99",
+        "approval to a VM whose on-demand listener is not yet connected (p99)",
+        "ms",
+        Target("≤", 2000),
+    ),
+    Figure(
+        "eventhub_hop_ms_p99", "forwarder's send through Event Hubs (REST, managed identity) to the trigger (p99)", "ms"
+    ),
+    Figure(
+        "dead_listeners_approval_ms_p99",
+        "IMDS change → approval with one VM in ten whose listener never answers: the others' events (p99)",
+        "ms",
+    ),
+    Figure(
+        "dead_listeners_missed", "events of live VMs not approved in time beside dead listeners", "", Target("=", 0)
+    ),
+    Figure(
+        "forwarder_rss_ratio_to_bare_poller",
+        "forwarder RSS ÷ a bare requests poller in the same run (worst of tracing off/on, listener idle/connected)",
+        "×",
+        Target("≤", 1.0),
+    ),
+    Figure(
+        "forwarder_cpu_ratio_to_bare_poller", "forwarder CPU ÷ the bare poller's, the same way", "×", Target("≤", 0.5)
+    ),
+    Figure("spool_replay_per_s", "spool replay after an outage, in order", "envelopes/s"),
+    Figure(
+        "callback_cost_usd_per_vm_month",
+        "Relay listener cost per VM-month, on demand, the cost model's default rates",
+        "$",
+        Target("≤", 0.10),
+    ),
+    *(Figure(r.key, r.meaning, "×", Target("≤", r.target)) for r in RATIOS),
+)

@@ -1,0 +1,20 @@
+"""A benchmark module for tests of ``python -m benchmarks``'s own rules: prints what its arguments say.
+
+python -m tests.benchmarks.fake_bench valid|invalid|silent|crash|no-verdict
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "crash":
+        raise SystemExit("the fake benchmark crashed as asked")
+    result: dict[str, object] = {"seconds": 1.5, "wave_envelopes": 1000}
+    if mode != "no-verdict":
+        result["problems"] = ["accepted 0 of 1000 envelopes"] if mode == "invalid" else []
+    if mode != "silent":
+        print(json.dumps(result))
+    sys.exit(1 if mode == "invalid" else 0)

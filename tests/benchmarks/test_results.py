@@ -1,0 +1,114 @@
+"""``python -m benchmarks``'s own rules: a run that is not what it claims fails naming why, every figure the
+README shows has one meaning and a producer, and the README's figures table is the results file's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.__main__ import BenchmarkFailed, ratios, run, run_once
+from benchmarks.catalog import BENCHES, FIGURES, RATIOS, Bench
+from benchmarks.results import README, RESULTS, readme_with_table, record, table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake(mode: str) -> Bench:
+    return Bench("fake", "tests.benchmarks.fake_bench", (mode,), (mode,), 1, {"seconds": "fake_seconds"}, 60)
+
+
+def test_a_valid_run_gives_its_figures() -> None:
+    assert run_once(fake("valid"), quick=True)["seconds"] == 1.5
+    output = run([fake("valid")], quick=True, runs=None)
+    assert (output["fake_seconds"], output["errors"]) == (1.5, {})
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("invalid", "its run is not what it measures: accepted 0 of 1000 envelopes"),
+        ("silent", "exited 0: no JSON"),
+        ("crash", "the fake benchmark crashed as asked"),
+        ("no-verdict", "says nothing of its run's validity"),
+    ],
+)
+def test_a_run_that_is_not_what_it_claims_fails_naming_why(mode: str, says: str) -> None:
+    with pytest.raises(BenchmarkFailed, match=says):
+        run_once(fake(mode), quick=True)
+    output = run([fake(mode)], quick=True, runs=None)
+    assert says in output["errors"]["fake"]
+    assert "fake_seconds" not in output
+
+
+def test_every_figure_has_one_producer_and_every_ratio_names_benchmarks_that_exist() -> None:
+    names = {b.name for b in BENCHES}
+    produced = {template.format(vms="10k") for b in BENCHES for template in b.headline.values()}
+    produced |= {template.format(vms="100k") for b in BENCHES for template in b.headline.values()}
+    produced |= {r.key for r in RATIOS}
+    keys = [f.key for f in FIGURES]
+    assert len(keys) == len(set(keys))
+    assert set(keys) <= produced, set(keys) - produced
+    for ratio in RATIOS:
+        assert {name for name, _ in (ratio.numerator, *ratio.denominator)} <= names, ratio.key
+        assert ratio.meaning
+
+
+def test_a_ratio_is_the_median_of_its_rounds_and_says_whether_it_met_its_target() -> None:
+    runs: dict[str, list[dict[str, Any]]] = {
+        "wave": [{"wave_seconds": 10.0}, {"wave_seconds": 10.0}, {"wave_seconds": 10.0}],
+        "wave_cold": [{"wave_seconds": 12.0}, {"wave_seconds": 20.0}, {"wave_seconds": 14.0}],
+    }
+    cold = ratios(runs)["wave_10k_cold_over_warm"]
+    assert (cold["value"], cold["rounds"], cold["met"]) == (1.4, [1.2, 2.0, 1.4], False)
+
+
+def test_a_record_keeps_each_figure_with_its_target_and_where_it_was_measured(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n" + table({}) + "\n\nafter\n", encoding="utf-8")
+    results = tmp_path / "results.json"
+    output = {
+        "wave_10k_seconds": 12.5,
+        "approval_ms_p99": 4.0,
+        "ratios": {"wave_10k_cold_over_warm": {"value": 1.1, "target": 1.3, "met": True, "rounds": [1.1]}},
+        "wave_10k_cold_over_warm": 1.1,
+        "details": {"wave": {"wave_seconds": 12.5}},
+        "errors": {},
+        "seconds": 3.0,
+    }
+    record(output, argv=["--only", "wave"], path=results, readme=readme)
+    written = json.loads(results.read_text(encoding="utf-8"))
+    wave = written["figures"]["wave_10k_seconds"]
+    assert (wave["value"], wave["target"], wave["met"]) == (12.5, "< 10", False)
+    assert wave["commit"] == written["commit"] != "unknown"
+    assert written["figures"]["approval_ms_p99"]["met"] is True
+    assert written["figures"]["wave_10k_cold_over_warm"]["rounds"] == [1.1]
+    text = readme.read_text(encoding="utf-8")
+    assert "| 12.5 s | < 10 s | **missed** |" in text
+    assert text.endswith("\n\nafter\n")
+    # A later run of other benchmarks keeps these figures, each with where it was measured.
+    record({"spool_replay_per_s": 5000.0, "details": {}, "errors": {}}, argv=[], path=results, readme=readme)
+    again = json.loads(results.read_text(encoding="utf-8"))
+    assert again["figures"]["wave_10k_seconds"] == wave
+    assert len(again["runs"]) == 2
+
+
+def test_a_readme_without_the_table_s_place_is_refused_saying_where_it_goes() -> None:
+    with pytest.raises(ValueError, match="figures table"):
+        readme_with_table("# no table here\n", {})
+
+
+def test_the_readme_s_figures_are_the_results_file_s_and_name_a_commit_of_this_history() -> None:
+    results = json.loads(RESULTS.read_text(encoding="utf-8"))
+    assert readme_with_table(README.read_text(encoding="utf-8"), results) == README.read_text(encoding="utf-8"), (
+        "README.md's figures table is not benchmarks/results.json's: run .venv/bin/python -m benchmarks.results"
+    )
+    commits = {entry["commit"] for entry in results["figures"].values()}
+    assert results["figures"], "benchmarks/results.json records no figure"
+    if (ROOT / ".git").exists():
+        for commit in commits:
+            known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, check=False)
+            assert known.returncode == 0, f"benchmarks/results.json names commit {commit}, not in this history"
