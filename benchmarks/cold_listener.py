@@ -5,13 +5,19 @@
 The real race, on loopback: a real `python -m forwarder run` process (relay listener on demand, 1 poll/s, envelopes
 to a JSON-lines file) polls the IMDS emulator; an event is created there; the moment the forwarder's envelope
 listing it is written (the forwarder has seen it, and has started connecting its listener), the coordinator's
-``RelayApprovalSender`` sends the approval — as the coordinator would if it decided at once — and the clock runs
+``RelayApprovalSender`` sends the approval — the request the coordinator would send if it decided at once
+(``benchmarks.approval_latency.approval_request``: notAfter from ``coordinator.domain.expiry``) — and the clock runs
 until the listener's answer (approved, through the Relay emulator and IMDS). Then the event starts, the listener
 leaves after its grace period (0.5 s here), and the next trial begins with no listener connected.
 
-With ``--mode both`` the same trials run against an always-on listener too, and ``cold_listener_extra_ms_p50/p99``
-is the difference: the cost of connecting on demand. Prints one JSON object: cold_listener_approval_ms_p50/p99
-(the on-demand figures), warm_listener_approval_ms_p50/p99, n.
+The default measures the on-demand listener alone (``listener: "on-demand"``). With ``--mode both`` the same
+trials run against an always-on listener too (``warm_listener: "connected"``), and ``cold_listener_extra_ms_p50/p99``
+is the difference: the cost of connecting on demand (``--mode always-on``: that one alone, ``listener:
+"connected"``). Prints one JSON object: cold_listener_approval_ms_p50/p99/max (the on-demand figures),
+warm_listener_approval_ms_p50/p99/max, n, samples, and ``problems`` (exit 1 when not empty): an approval not
+answered "approved" or not recorded by IMDS for its event and VM, the listener in another mode than the one measured
+(on demand: connected before the event, not once per event, or never leaving; always-on: not connected, or
+connecting again), the forwarder exiting, fewer samples than asked.
 """
 
 from __future__ import annotations
@@ -25,16 +31,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from azure.core.credentials import AzureNamedKeyCredential
 
-from benchmarks.approval_latency import percentile
-from contracts.approval import ApprovalFacts, ApprovalRequest
-from contracts.document import ScheduledEvent
+from benchmarks.approval_latency import approval_request, percentile
+from benchmarks.checks import approvals_problems, finish, too_few
 from contracts.envelope import VmIdentity
+from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
@@ -44,6 +51,12 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = "Y29sZC1saXN0ZW5lci1iZW5jaA=="
 GRACE_SECONDS = 0.5
 REFILL_SECONDS = 3.0
+# A day of notice, 144 real seconds at 600x: the request is valid for the seconds of its delivery, well inside it.
+NOTICE_SECONDS = 86_400
+
+
+class Timeout(Exception):
+    """A wait that did not end: what the trial waited for did not happen."""
 
 
 def wait(predicate: Any, *, timeout: float, what: str, step: float = 0.002) -> Any:
@@ -53,7 +66,7 @@ def wait(predicate: Any, *, timeout: float, what: str, step: float = 0.002) -> A
         if value:
             return value
         time.sleep(step)
-    raise SystemExit(f"timed out after {timeout} s waiting for {what}")
+    raise Timeout(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def seen_scheduled(envelopes: Path, event_id: str) -> bool:
@@ -67,7 +80,20 @@ def seen_scheduled(envelopes: Path, event_id: str) -> bool:
     return False
 
 
-def trials(n: int, *, mode: str) -> list[float]:
+@dataclass
+class Trials:
+    """One mode's trials: the timings and what the run recorded against them."""
+
+    mode: str
+    timings: list[float] = field(default_factory=list)
+    expected: dict[str, list[str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def trials(n: int, *, mode: str, forwarder_mode: str | None = None) -> Trials:
+    """``n`` approvals to a real forwarder whose listener is ``mode`` (on-demand or always-on). ``forwarder_mode``
+    (tests only) starts the forwarder in another mode than the one the trials claim to measure."""
+    done = Trials(mode=mode)
     relay = RelayEmulator(sas_keys={"send": KEY})
     relay.start()
     # Emulated time runs 600x (a day of notice is 144 s): approved events finish and leave the document quickly.
@@ -83,7 +109,7 @@ def trials(n: int, *, mode: str) -> list[float]:
             SE_FORWARDER_JSONL_PATH=str(envelopes),
             SE_FORWARDER_RELAY_ENABLED="true",
             SE_FORWARDER_RELAY_ENDPOINT=relay.base_url.replace("http://", "ws://", 1),
-            SE_FORWARDER_RELAY_LISTENER_MODE=mode,
+            SE_FORWARDER_RELAY_LISTENER_MODE=forwarder_mode or mode,
             SE_FORWARDER_RELAY_LISTENER_GRACE_SECONDS=str(GRACE_SECONDS),
         )
         process = subprocess.Popen(
@@ -95,55 +121,110 @@ def trials(n: int, *, mode: str) -> list[float]:
         )
         # The production sender (its "no listener" retries capped at 1 s), with a SAS key for the emulator.
         sender = RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", KEY))
-        timings: list[float] = []
         try:
             client = ImdsClient(base_url=imds.url_for(vm))
             identity = VmIdentity.of(client.get_identity())
             client.close()
-            hc = identity.hybrid_connection_name
-            if mode == "always-on":
-                wait(lambda: relay.listener_count(hc) == 1, timeout=30, what="the always-on listener")
-            for index in range(n):
-                if mode == "on-demand":
-                    wait(lambda: relay.listener_count(hc) == 0, timeout=30, what="the listener to leave", step=0.05)
-                # The forwarder's IMDS rate limiter (forwarder/retry.py: 4 in any second, shared by the poll, the
-                # attestor, the relay token and the approver); back-to-back approvals would fill its window and
-                # measure the limiter, so each trial starts with it empty, as a VM's rare approval does.
-                time.sleep(REFILL_SECONDS)
-                created = imds.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=86_400)
-                event_id = created["EventId"]
-                fields = {k: v for k, v in created.items() if k[:1].isupper()} | {"EventStatus": "Scheduled"}
-                wait(lambda e=event_id: seen_scheduled(envelopes, e), timeout=30, what="the forwarder to see the event")
-                issued = datetime.now(UTC)
-                facts = ApprovalFacts.of(ScheduledEvent.model_validate(fields))
-                # At 600x the day of notice is 144 real seconds: the approval is valid until NotBefore at the latest,
-                # as the coordinator bounds it (the listener refuses a notAfter past the event's NotBefore).
-                not_after = issued + timedelta(minutes=5)
-                if facts.notBefore is not None:
-                    not_after = min(not_after, facts.notBefore)
-                request = ApprovalRequest(
-                    eventId=event_id,
-                    decisionId=f"cold-{mode}-{index}",
-                    rule="bench",
-                    issuedAt=issued,
-                    expiresAt=issued + timedelta(minutes=5),
-                    notAfter=not_after,
-                    facts=facts,
-                )
-                started = time.perf_counter()
-                result = sender.send(request, vm=identity)
-                timings.append((time.perf_counter() - started) * 1000)
-                if result.outcome != "approved":
-                    raise SystemExit(f"trial {index} ({mode}) was {result.outcome}: {result.reason}")
+            run_trials(n, done, Rig(imds=imds, relay=relay, sender=sender, vm=identity, envelopes=envelopes))
+            if process.poll() is not None:
+                done.problems.append(f"the forwarder exited with {process.returncode} during the {mode} trials")
+            done.problems += approvals_problems(imds.approvals(), done.expected)
         finally:
             sender.close()
             process.terminate()
             process.wait(15)
             relay.stop()
-    return timings
+    done.problems += too_few(f"{mode} approvals", len(done.timings), n)
+    return done
+
+
+@dataclass
+class Rig:
+    """What the trials run against: the emulators, the coordinator's sender, the VM, its forwarder's envelopes."""
+
+    imds: ImdsEmulator
+    relay: RelayEmulator
+    sender: RelayApprovalSender
+    vm: VmIdentity
+    envelopes: Path
+
+    @property
+    def listeners(self) -> int:
+        return self.relay.listener_count(self.vm.hybrid_connection_name)
+
+    @property
+    def connections(self) -> int:
+        """How many times a listener connected to the VM's hybrid connection so far."""
+        return self.relay.counters().get(f"listener.{self.vm.hybrid_connection_name.lower()}", 0)
+
+    def left(self, what: str) -> None:
+        """Waits for the on-demand listener to leave (its grace after its last event)."""
+        wait(lambda: self.listeners == 0, timeout=max(10.0, 10 * GRACE_SECONDS), what=what, step=0.05)
+
+
+def run_trials(n: int, done: Trials, rig: Rig) -> None:
+    """The trials, one after another; the first that cannot go on as the mode says ends them, named in problems."""
+    try:
+        if done.mode == "always-on":
+            wait(lambda: rig.listeners == 1, timeout=30, what="the always-on listener to connect")
+        for index in range(n):
+            if not trial(index, done, rig):
+                return
+        if done.mode == "on-demand":  # and it leaves once its last event is gone
+            rig.left("the listener to leave after its last event (it is not on demand)")
+        elif rig.listeners != 1:
+            done.problems.append("the always-on listener was not connected after the trials")
+    except Timeout as error:
+        done.problems.append(f"{done.mode} trials stopped after {len(done.timings)}: {error}")
+
+
+def trial(index: int, done: Trials, rig: Rig) -> bool:
+    """One approval, timed; False when the listener is not in the mode measured and the trials cannot go on."""
+    mode = done.mode
+    if mode == "on-demand":
+        rig.left("the listener to leave after its grace (it is not on demand)")
+    elif rig.listeners != 1:
+        done.problems.append(f"trial {index}: the always-on listener was not connected")
+    # The forwarder's IMDS rate limiter (forwarder/retry.py: 4 in any second, shared by the poll, the attestor, the
+    # relay token and the approver); back-to-back approvals would fill its window and measure the limiter, so each
+    # trial starts with it empty, as a VM's rare approval does.
+    time.sleep(REFILL_SECONDS)
+    if mode == "on-demand" and rig.listeners != 0:
+        done.problems.append(f"trial {index}: the listener connected before any event (not on demand)")
+        return False
+    connected_before = rig.connections
+    created = rig.imds.create_event(EventType="Freeze", Resources=[rig.vm.name], NoticeSeconds=NOTICE_SECONDS)
+    event_id = str(created["EventId"])
+    wait(lambda: seen_scheduled(rig.envelopes, event_id), timeout=30, what="the forwarder to see the event")
+    request = approval_request(created, decision_id=f"cold-{mode}-{index}", now=datetime.now(UTC))
+    if request is None:
+        done.problems.append(f"trial {index}: the coordinator would not send this approval (notAfter)")
+        return True
+    done.expected[event_id] = [rig.vm.name]
+    started = time.perf_counter()
+    try:
+        result = rig.sender.send(request, vm=rig.vm)
+    except ApprovalDeliveryError as error:
+        done.problems.append(f"trial {index} ({mode}): not delivered: {str(error)[:300]}")
+        return True
+    took = (time.perf_counter() - started) * 1000
+    if result.outcome != "approved":
+        done.problems.append(f"trial {index} ({mode}) was {result.outcome}: {result.reason[:300]}")
+        return True
+    opened = rig.connections - connected_before
+    if mode == "on-demand" and opened != 1:
+        done.problems.append(
+            f"trial {index}: the listener connected {opened} times for the event, not once (on demand)"
+        )
+    if mode == "always-on" and opened != 0:
+        done.problems.append(f"trial {index}: the always-on listener connected again ({opened} times)")
+    done.timings.append(took)
+    return True
 
 
 def figures(prefix: str, timings: list[float]) -> dict[str, float]:
+    if not timings:
+        return {}
     return {
         f"{prefix}_approval_ms_p50": round(statistics.median(timings), 1),
         f"{prefix}_approval_ms_p99": round(percentile(timings, 0.99), 1),
@@ -151,25 +232,38 @@ def figures(prefix: str, timings: list[float]) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=20, help="approvals per mode (default 20)")
-    parser.add_argument("--mode", choices=("on-demand", "always-on", "both"), default="both")
-    args = parser.parse_args()
-    if args.n < 1:
-        parser.error(f"--n must be >= 1, got {args.n}")
-    logging.basicConfig(level=logging.ERROR)
-    result: dict[str, Any] = {"n": args.n, "grace_seconds": GRACE_SECONDS}
-    if args.mode in ("on-demand", "both"):
-        result |= figures("cold_listener", trials(args.n, mode="on-demand"))
-    if args.mode in ("always-on", "both"):
-        result |= figures("warm_listener", trials(args.n, mode="always-on"))
-    if args.mode == "both":
+def run(n: int, *, mode: str = "on-demand", forwarder_mode: str | None = None) -> dict[str, Any]:
+    """``forwarder_mode`` (tests only): the forwarder's listener mode when it is not the one measured."""
+    result: dict[str, Any] = {"n": n, "grace_seconds": GRACE_SECONDS, "listener": "on-demand"}
+    problems: list[str] = []
+    if mode in ("on-demand", "both"):
+        cold = trials(n, mode="on-demand", forwarder_mode=forwarder_mode)
+        result |= figures("cold_listener", cold.timings) | {"samples": len(cold.timings)}
+        problems += cold.problems
+    if mode in ("always-on", "both"):
+        warm = trials(n, mode="always-on", forwarder_mode=forwarder_mode)
+        result |= figures("warm_listener", warm.timings) | {"warm_samples": len(warm.timings)}
+        result["warm_listener"] = "connected"
+        problems += warm.problems
+    if mode == "always-on":
+        result["listener"] = "connected"
+    if mode == "both" and not problems:
         for stat in ("p50", "p99"):
             extra = result[f"cold_listener_approval_ms_{stat}"] - result[f"warm_listener_approval_ms_{stat}"]
             result[f"cold_listener_extra_ms_{stat}"] = round(extra, 1)
-    print(json.dumps(result))
+    return result | {"problems": problems}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cold_listener", description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=20, help="approvals per mode (default 20)")
+    parser.add_argument("--mode", choices=("on-demand", "always-on", "both"), default="on-demand")
+    args = parser.parse_args(argv)
+    if args.n < 1:
+        parser.error(f"--n must be >= 1, got {args.n}")
+    logging.basicConfig(level=logging.ERROR)
+    return finish(lambda: run(args.n, mode=args.mode))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -19,12 +19,17 @@ the OpenTelemetry SDK), `_connected` (listener always on: websockets and the lis
 (imports, first connections). With --event-every N an event is scheduled every N s on each forwarder's VM, so
 that the change path (spool write, send, hook report) is measured too; heartbeats (every 60 s) are always part of
 it.
+
+``listener_modes`` says each configuration's listener ("on-demand" and idle, or "connected"), and ``problems`` (exit
+1 when not empty) names what keeps the run from being what it claims: a forwarder or the bare poller exiting, not
+polling once a second, a listener in another mode than its configuration's (an idle one connected, a connected one
+not connected at a sample), a forwarder whose envelopes did not reach Event Hubs, a traced configuration that
+recorded no span (or an untraced one that did), a forwarder not exiting 0 on SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -34,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.checks import finish
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.models import VmSpec
@@ -56,6 +62,8 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
+# The forwarder's relay_listener_mode for each configuration's listener (tests change it to break a run).
+LISTENER_MODES = {"idle": "on-demand", "connected": "always-on"}
 CONFIGURATIONS = {
     # suffix of the figures: (tracing, listener)
     "": (False, "idle"),
@@ -65,8 +73,10 @@ CONFIGURATIONS = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.forwarder_footprint", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--seconds", type=float, default=120.0, help="measured time after the warm-up")
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--sink", choices=("eventhub", "stdout"), default="eventhub")
@@ -83,13 +93,13 @@ def main() -> None:
         default="all",
         help="run one configuration (default: all four side by side, in one run)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     chosen = {
         suffix: config
         for suffix, config in CONFIGURATIONS.items()
         if args.only in ("all", suffix.strip("_") or "production")
     }
-    print(json.dumps(measure(args, chosen)))
+    return finish(lambda: measure(args, chosen))
 
 
 def _env(base: dict[str, str], **values: str) -> dict[str, str]:
@@ -101,6 +111,7 @@ FLEET = Scenario(name="footprint", vms=[VmSpec(name=f"vm_{i}", vmScaleSetName="v
 
 
 def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]]) -> dict[str, Any]:  # noqa: PLR0912, PLR0915 - one run, in order
+    problems: list[str] = []
     relay = RelayEmulator()
     relay.start()
     imds_emulator = ImdsEmulator(scenario=FLEET, time_scale=60)
@@ -119,7 +130,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
                 SE_FORWARDER_RELAY_ENABLED="true",
                 SE_FORWARDER_RELAY_ENDPOINT=relay.base_url.replace("http://", "ws://", 1),
                 # idle: on demand (the default), never connected without an event; connected: for the daemon's life.
-                SE_FORWARDER_RELAY_LISTENER_MODE="on-demand" if listener == "idle" else "always-on",
+                SE_FORWARDER_RELAY_LISTENER_MODE=LISTENER_MODES[listener],
             )
             if tracing:
                 spans_files[suffix] = home / "state" / "spans.jsonl"
@@ -147,8 +158,12 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
             stderr=subprocess.DEVNULL,
         )
         polled = dict(zip(configurations, vms, strict=False))
+        hybrid = {suffix: f"vm-{imds.state.vms[vm].vmId.lower()}" for suffix, vm in polled.items()}
+        wrong_mode: dict[str, int] = {}
         try:
             time.sleep(args.warmup)
+            if _exited(processes, bare, problems, when="during the warm-up"):
+                return {"problems": problems}
             polls_before = {suffix: imds.requests_served[vm] for suffix, vm in polled.items()}
             cpu_before = {suffix: cpu_seconds(p.pid) for suffix, p in processes.items()}
             bare_before = cpu_seconds(bare.pid)
@@ -157,12 +172,14 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
             bare_samples: list[float] = []
             next_event = started
             while (elapsed := time.monotonic() - started) < args.seconds:
+                if _exited(processes, bare, problems, when="during the measurement"):
+                    return {"problems": problems}
                 for suffix, process in processes.items():
-                    if process.poll() is not None:
-                        raise SystemExit(f"the forwarder{suffix} exited with {process.returncode}")
                     samples[suffix].append(rss_mib(process.pid))
-                if bare.poll() is not None:
-                    raise SystemExit(f"the bare poller exited with {bare.returncode}")
+                    connected = relay.listener_count(hybrid[suffix]) > 0
+                    # An on-demand listener connects for an event: with --event-every only the connected are checked.
+                    if connected != (configurations[suffix][1] == "connected") and (connected or not args.event_every):
+                        wrong_mode[suffix] = wrong_mode.get(suffix, 0) + 1
                 if args.event_every and time.monotonic() >= next_event:
                     for vm in polled.values():
                         imds.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=60)
@@ -178,8 +195,16 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
             for process in (*processes.values(), bare):
                 process.wait(15)
             relay.stop()
-        delivered = len(hubs.all_events("scheduled-events"))
+        stored = hubs.all_events("scheduled-events")
+        delivered = len(stored)
+        keys = {str(event.partition_key or "").lower() for event in stored}
+        silent = [
+            s.strip("_") or "production"
+            for s, vm in polled.items()
+            if imds.state.vms[vm].resourceId.lower() not in keys
+        ]
         spans = {s: len(f.read_text().splitlines()) if f.exists() else 0 for s, f in spans_files.items()}
+        untraced = [home for home in Path(scratch).iterdir() if (home / "state" / "spans.jsonl").exists()]
     bare_per_hour = bare_cpu / elapsed * 3600
     result: dict[str, Any] = {
         "bare_poller_rss_mib": round(max(bare_samples), 1),
@@ -190,7 +215,32 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
         "event_every_s": args.event_every,
         "envelopes_delivered": delivered if args.sink == "eventhub" else None,
         "exit_codes_after_sigterm": {s.strip("_") or "production": p.returncode for s, p in processes.items()},
+        "listener_modes": {
+            s.strip("_") or "production": "connected" if listener == "connected" else "on-demand"
+            for s, (_, listener) in configurations.items()
+        },
     }
+    for suffix, count in wrong_mode.items():
+        claimed = configurations[suffix][1]
+        problems.append(
+            f"forwarder{suffix or '_production'}: its listener was {'not ' if claimed == 'connected' else ''}connected "
+            f"at {count} of {len(samples[suffix])} samples, though its configuration's is {claimed}"
+        )
+    if args.sink == "eventhub" and silent:
+        problems.append(f"no envelope of {', '.join(silent)} reached Event Hubs")
+    for suffix, process in processes.items():
+        name = suffix.strip("_") or "production"
+        if process.returncode != 0:
+            problems.append(f"forwarder {name} exited {process.returncode} on SIGTERM, not 0")
+        rate = polls[suffix] / elapsed
+        if not 0.8 <= rate <= 1.2:
+            problems.append(f"forwarder {name} polled {rate:.2f} times a second, not once")
+        if configurations[suffix][0] and not spans.get(suffix):
+            problems.append(f"forwarder {name} is traced but recorded no span")
+    traced_homes = {(s.strip("_") or "production") for s, (tracing, _) in configurations.items() if tracing}
+    stray = [home.name for home in untraced if home.name not in traced_homes]
+    if stray:
+        problems.append(f"untraced forwarders recorded spans: {', '.join(stray)}")
     for suffix in processes:
         # The headline ratios (below) are the worst configuration's; each configuration's own carry its suffix.
         ratio = suffix or "_production"
@@ -220,8 +270,20 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
         result["tracing_rss_cost_mib"] = round(result["forwarder_rss_mib_tracing"] - result["forwarder_rss_mib"], 1)
     if "_connected" in processes and "" in processes:
         result["listener_rss_cost_mib"] = round(result["forwarder_rss_mib_connected"] - result["forwarder_rss_mib"], 1)
-    return result
+    return result | {"problems": problems}
+
+
+def _exited(
+    processes: dict[str, subprocess.Popen[bytes]], bare: subprocess.Popen[bytes], problems: list[str], *, when: str
+) -> bool:
+    """Whether a forwarder or the bare poller has exited (named in ``problems``)."""
+    exited = [f"forwarder{s or '_production'} ({p.returncode})" for s, p in processes.items() if p.poll() is not None]
+    if bare.poll() is not None:
+        exited.append(f"the bare poller ({bare.returncode})")
+    if exited:
+        problems.append(f"exited {when}: {', '.join(exited)}")
+    return bool(exited)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

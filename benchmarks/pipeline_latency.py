@@ -16,12 +16,18 @@ trigger), itself split at the Event Hubs emulator's store into to_hub_ms_* (the 
 hub_to_decision_ms_* (the consumer, the trigger's partition thread, the coordinator up to its decision); the rest is
 the coordinator, the Relay round trip and the VM's two IMDS calls (a fresh GET, then the StartRequests POST), which
 share the forwarder's process-wide IMDS rate limiter with the 1/s poll (forwarder.retry.IMDS_LIMITER).
+
+The forwarders' listeners connect on demand, as shipped (``listener: "on-demand"``). ``problems`` (exit 1 when not
+empty) names what keeps the run from being what it claims: events not approved in IMDS by their VM (or twice), not
+decided "approve" by the policy's rule, envelopes dead-lettered (the history's rows and the coordinator's batch
+reports), failed batches, a listener connected before any event (not on demand), fewer samples than events. The
+events start once the coordinator has taken every VM's first envelope, so that its cold start is not in the figures
+(started after the first envelopes were only sent, a short run's first events took 2-3 s to their decision).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import sqlite3
@@ -31,12 +37,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.checks import approvals_problems, batch_reports, finish, on_demand_problems, stack_problems, too_few
 from emulators.imds import Scenario, VmSpec
-from local.observe import sent_envelopes, stored_envelopes
+from local.observe import stored_envelopes
 from local.runner import wait_until
 from local.stack import HUB, LocalStack, StackOptions
 from local.summary import percentile
 
+RULE = "approve-everything"
 APPROVE_ALL = """version: 1
 rules:
   - name: approve-everything
@@ -50,8 +58,15 @@ def _time(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8, 1.6)) -> dict[str, Any]:
+def run(
+    *,
+    events: int,
+    vms: int,
+    seed: int,
+    spacing: tuple[float, float] = (0.8, 1.6),
+) -> dict[str, Any]:
     rng = random.Random(seed)
+    problems: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         policy = Path(tmp) / "approve-all.yaml"
         policy.write_text(APPROVE_ALL, encoding="utf-8")
@@ -66,18 +81,22 @@ def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8
             policy_path=policy,
             prepare_hooks=False,
         )
-        with LocalStack(options) as stack:
+        with batch_reports() as reports, LocalStack(options) as stack:
             assert stack.imds is not None
             assert stack.eventhubs is not None
-            imds, eventhubs = stack.imds, stack.eventhubs
+            imds = stack.imds
             names = [vm.name for vm in imds.vms()]
-            # Ready once every forwarder has sent its first envelope. Their Relay listeners connect on demand (the
-            # default): only when an event appears, so the listener's connect is inside the measured latency.
-            ready = wait_until(lambda: len(sent_envelopes(eventhubs, HUB)[0]) >= len(names), timeout=60)
+            # Ready once the coordinator has taken every forwarder's first envelope (its first batch builds it and its
+            # clients): the events measure the pipeline warm. The VMs' Relay
+            # listeners connect on demand (the default): only when an event appears, so the listener's connect is
+            # inside the measured latency.
+            ready = wait_until(lambda: reports.accepted() >= len(names), timeout=60)
             if not ready:
-                raise RuntimeError("the forwarders did not report within 60 s; see their logs in the work folder")
+                raise RuntimeError("the coordinator took no envelope of some VMs within 60 s; see the work folder")
             time.sleep(1.0)  # past the first documents' processing
+            problems += on_demand_problems(stack)
             created: list[str] = []
+            owner: dict[str, str] = {}
             for index in range(events):
                 # DurationInSeconds -1 (not announced): the local platform pauses a Freeze's VMs only for an
                 # announced duration (local.platform.freeze_seconds), and a listener paused before its answer holds
@@ -86,6 +105,7 @@ def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8
                     EventType="Freeze", Resources=[names[index % len(names)]], DurationInSeconds=-1
                 )
                 created.append(str(event["EventId"]))
+                owner[str(event["EventId"])] = names[index % len(names)]
                 time.sleep(rng.uniform(*spacing))
 
             def approved() -> bool:
@@ -93,58 +113,78 @@ def run(*, events: int, vms: int, seed: int, spacing: tuple[float, float] = (0.8
                 return all(event_id in seen for event_id in created)
 
             finished = wait_until(approved, timeout=30)
-            approvals = {str(item["EventId"]): _time(item["at"]) for item in imds.approvals()}
-            scheduled = {str(e["EventId"]): _time(e["scheduledAt"]) for e in imds.events()}
-            observed: dict[str, datetime] = {}
-            enqueued: dict[str, datetime] = {}  # when Event Hubs stored the first envelope that showed the event
-            for stored, envelope in stored_envelopes(eventhubs, HUB)[0]:
-                if envelope.document is None:
-                    continue
-                for item in envelope.document.Events:
-                    if item.EventId not in observed or envelope.observedAt < observed[item.EventId]:
-                        observed[item.EventId] = envelope.observedAt
-                        enqueued[item.EventId] = stored.enqueued_time
-            with sqlite3.connect(stack.history_path) as db:
-                decided = {
-                    str(event_id): _time(str(at))
-                    for event_id, at in db.execute(
-                        "SELECT EventId, min(TimeGenerated) FROM ScheduledEventsHistory_CL "
-                        "WHERE RecordType = 'Decision' GROUP BY EventId"
-                    ).fetchall()
-                }
-            detect = [(approvals[e] - scheduled[e]).total_seconds() * 1000 for e in created if e in approvals]
-            added = [
-                (approvals[e] - observed[e]).total_seconds() * 1000 for e in created if e in approvals and e in observed
-            ]
-            to_coordinator = [
-                (decided[e] - observed[e]).total_seconds() * 1000 for e in created if e in decided and e in observed
-            ]
-            # The same split in two at the Event Hubs emulator's store: the forwarder's spool and POST, then the
-            # consumer, the trigger's partition thread and the coordinator up to its decision.
-            to_hub = [(enqueued[e] - observed[e]).total_seconds() * 1000 for e in created if e in enqueued]
-            hub_to_decision = [
-                (decided[e] - enqueued[e]).total_seconds() * 1000 for e in created if e in decided and e in enqueued
-            ]
+            spans = _timings(stack, created)
+            detect, added = spans["detect"], spans["added"]
             missed = len(created) - len(detect)
-    if not detect or not added:
-        raise RuntimeError(f"no approval measured ({missed} of {len(created)} missing)")
-    return {
-        "detect_to_approve_ms_p50": round(percentile(detect, 0.5), 1),
-        "detect_to_approve_ms_p99": round(percentile(detect, 0.99), 1),
-        "pipeline_added_ms_p50": round(percentile(added, 0.5), 1),
-        "pipeline_added_ms_p99": round(percentile(added, 0.99), 1),
-        # observedAt -> the coordinator's batch that decided it (forwarder send, Event Hubs, consumer, trigger)
-        "to_coordinator_ms_p50": round(percentile(to_coordinator, 0.5), 1) if to_coordinator else None,
-        "to_coordinator_ms_p99": round(percentile(to_coordinator, 0.99), 1) if to_coordinator else None,
-        "to_hub_ms_p50": round(percentile(to_hub, 0.5), 1) if to_hub else None,
-        "to_hub_ms_p99": round(percentile(to_hub, 0.99), 1) if to_hub else None,
-        "hub_to_decision_ms_p50": round(percentile(hub_to_decision, 0.5), 1) if hub_to_decision else None,
-        "hub_to_decision_ms_p99": round(percentile(hub_to_decision, 0.99), 1) if hub_to_decision else None,
+            stack.drain()
+            problems += approvals_problems(imds.approvals(), {e: [vm] for e, vm in owner.items()})
+            problems += stack_problems(stack, created, rule=RULE)
+            problems += reports.problems()
+            envelopes = reports.figures()
+            retries = stack.host.stats.retries if stack.host is not None else 0
+    problems += too_few("detect-to-approve samples", len(detect), events)
+    problems += too_few("pipeline-added samples", len(added), events)
+    result: dict[str, Any] = {"listener": "on-demand"}
+    # detect and added are the headline; to_coordinator: observedAt -> the coordinator's batch that decided it
+    # (forwarder send, Event Hubs, consumer, trigger), split at the hub's store into to_hub and hub_to_decision.
+    for name, values in spans.items():
+        key = {"detect": "detect_to_approve", "added": "pipeline_added"}.get(name, name)
+        result[f"{key}_ms_p50"] = round(percentile(values, 0.5), 1) if values else None
+        result[f"{key}_ms_p99"] = round(percentile(values, 0.99), 1) if values else None
+    return result | {
         "events": len(created),
         "approvals_missed": missed,
         "finished": finished,
         "vms": vms,
+        **envelopes,
         "poll_interval_s": 1.0,
+        "batch_retries": retries,
+        "problems": problems,
+    }
+
+
+def _timings(stack: LocalStack, created: list[str]) -> dict[str, list[float]]:
+    """Per created event: detect (created in IMDS -> approval recorded by IMDS), added (the forwarder's observedAt ->
+    approval recorded), and the splits to the coordinator's decision and the Event Hubs emulator's store."""
+    assert stack.imds is not None
+    assert stack.eventhubs is not None
+    imds, eventhubs = stack.imds, stack.eventhubs
+    approvals = {str(item["EventId"]): _time(item["at"]) for item in imds.approvals()}
+    scheduled = {str(e["EventId"]): _time(e["scheduledAt"]) for e in imds.events()}
+    observed: dict[str, datetime] = {}
+    enqueued: dict[str, datetime] = {}  # when Event Hubs stored the first envelope that showed the event
+    for stored, envelope in stored_envelopes(eventhubs, HUB)[0]:
+        if envelope.document is None:
+            continue
+        for item in envelope.document.Events:
+            if item.EventId not in observed or envelope.observedAt < observed[item.EventId]:
+                observed[item.EventId] = envelope.observedAt
+                enqueued[item.EventId] = stored.enqueued_time
+    with sqlite3.connect(stack.history_path) as db:
+        decided = {
+            str(event_id): _time(str(at))
+            for event_id, at in db.execute(
+                "SELECT EventId, min(TimeGenerated) FROM ScheduledEventsHistory_CL "
+                "WHERE RecordType = 'Decision' GROUP BY EventId"
+            ).fetchall()
+        }
+    detect = [(approvals[e] - scheduled[e]).total_seconds() * 1000 for e in created if e in approvals]
+    added = [(approvals[e] - observed[e]).total_seconds() * 1000 for e in created if e in approvals and e in observed]
+    to_coordinator = [
+        (decided[e] - observed[e]).total_seconds() * 1000 for e in created if e in decided and e in observed
+    ]
+    # The same split in two at the Event Hubs emulator's store: the forwarder's spool and POST, then the
+    # consumer, the trigger's partition thread and the coordinator up to its decision.
+    to_hub = [(enqueued[e] - observed[e]).total_seconds() * 1000 for e in created if e in enqueued]
+    hub_to_decision = [
+        (decided[e] - enqueued[e]).total_seconds() * 1000 for e in created if e in decided and e in enqueued
+    ]
+    return {
+        "detect": detect,
+        "added": added,
+        "to_coordinator": to_coordinator,
+        "to_hub": to_hub,
+        "hub_to_decision": hub_to_decision,
     }
 
 
@@ -157,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     spacing = (args.spacing[0], args.spacing[1])
-    print(json.dumps(run(events=args.events, vms=args.vms, seed=args.seed, spacing=spacing)))
-    return 0
+    return finish(lambda: run(events=args.events, vms=args.vms, seed=args.seed, spacing=spacing))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ to Event Hubs' REST API each (forwarder/eventhub.py, with the IMDS emulator's ma
 measured on the emulator's enqueue times from the first to the last replayed envelope, so process start-up and the
 first connection are not part of it.
 
-Prints one JSON object: {spool_replay_per_s, envelopes, replay_seconds, in_order}.
+Prints one JSON object: {spool_replay_per_s, envelopes (asked), replayed, replay_seconds, in_order, problems}.
+``problems`` (exit 1 when not empty): the forwarder exiting before the spool was sent, spooled envelopes not
+replayed within 120 s (or replayed twice), not in the spool's order, envelopes left in the spool afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +24,9 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+from benchmarks.checks import finish
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import Envelope, VmIdentity
 from emulators.eventhubs import EventHubsEmulator
@@ -74,7 +77,10 @@ def fill_spool(path: Path, identity: VmIdentity, count: int) -> None:
         store.close()
 
 
-def run(count: int) -> dict[str, object]:
+def run(count: int, *, extra_args: tuple[str, ...] = (), timeout: float = 120.0) -> dict[str, Any]:
+    """``extra_args`` (tests only): more flags for the forwarder; ``timeout``: seconds the replay may take."""
+    problems: list[str] = []
+    left = 0
     scenario = Scenario(name="replay", vms=[VmSpec(name="replay_0")])
     with tempfile.TemporaryDirectory() as tmp, ImdsEmulator(scenario=scenario, throttle_rps=0) as imds:
         eventhubs = EventHubsEmulator(hubs={HUB: 4})
@@ -89,18 +95,22 @@ def run(count: int) -> dict[str, object]:
             command = [sys.executable, "-m", "forwarder", "run", "--imds-url", imds.url_for("replay_0"),
                        "--state-dir", str(state), "--sink", "eventhub", "--eventhub-name", HUB,
                        "--eventhub-namespace", eventhubs.rest_namespace, "--no-eventhub-use-tls",
-                       "--hooks-dir", str(Path(tmp) / "hooks"), "--log-level", "WARNING"]  # fmt: skip
+                       "--hooks-dir", str(Path(tmp) / "hooks"), "--log-level", "WARNING", *extra_args]  # fmt: skip
             process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             try:
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + timeout
                 while len(eventhubs.all_events(HUB)) < count and time.monotonic() < deadline:
                     if process.poll() is not None:
-                        raise RuntimeError(f"the forwarder exited: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                        errors = process.stderr.read().decode()[-600:] if process.stderr else ""
+                        problems.append(f"the forwarder exited with {process.returncode} before the spool was sent: "
+                                        f"{errors}")  # fmt: skip
+                        break
                     time.sleep(0.1)
             finally:
                 process.terminate()
                 process.wait(timeout=15)
             found, _ = stored_envelopes(eventhubs, HUB)
+            left = _left_in_spool(state / "forwarder.sqlite")
         finally:
             eventhubs.stop()
     # One VM, one partition key: the log order is the order the forwarder sent in.
@@ -108,20 +118,41 @@ def run(count: int) -> dict[str, object]:
     sequences = [sequence for _, sequence in replayed]
     in_order = sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
     seconds = (replayed[-1][0] - replayed[0][0]) / 1000 if len(replayed) > 1 else 0.0
+    distinct = len(set(sequences))
+    if distinct < count:
+        problems.append(f"{count - distinct} of {count} spooled envelopes not replayed within {timeout:g} s")
+    if len(sequences) > distinct:
+        problems.append(f"{len(sequences) - distinct} envelopes replayed more than once")
+    if sequences != sorted(sequences):
+        problems.append("envelopes not replayed in the spool's order")
+    if left:
+        problems.append(f"{left} envelopes left in the spool after the replay")
+    if seconds <= 0:
+        problems.append("no replay time measured (fewer than two envelopes replayed)")
     return {
         "spool_replay_per_s": round((len(replayed) - 1) / seconds, 1) if seconds > 0 else None,
-        "envelopes": len(replayed),
+        "envelopes": count,
+        "replayed": len(replayed),
         "replay_seconds": round(seconds, 3),
         "in_order": in_order,
+        "problems": problems,
     }
+
+
+def _left_in_spool(path: Path) -> int:
+    """Envelopes still in the forwarder's spool (its process has exited)."""
+    store = Store(path)
+    try:
+        return len(store.peek(1_000_000))
+    finally:
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.spool_replay", description=__doc__.splitlines()[0])
     parser.add_argument("--envelopes", type=int, default=5000, help="envelopes in the spool (default 5000)")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.envelopes)))
-    return 0
+    return finish(lambda: run(args.envelopes))
 
 
 if __name__ == "__main__":
