@@ -7,6 +7,30 @@ from collections.abc import Mapping
 from coordinator.domain.policy import Policy
 from emulators.imds import Scenario
 
+# How long a VM that a Terminate or Preempt removes goes on running after its event turned Started, in a scenario that
+# does not say (its vmGoneAfterStartedSeconds; the emulator's default is 0, the instant it starts). In Azure a delete or
+# an eviction is an operation of seconds, not an instant: the platform stops the VM, then deletes it, and the guest runs
+# until it is stopped, so a listener finishes what it was doing: the one that executed the delete's own approval sends
+# its answer (milliseconds), one judging another event's approval reads IMDS and answers (its reads are limited to 2 a
+# second, shared with the poll). Removed at the instant it started, the VM's forwarder was killed before its answer
+# left in one fleet-demo run of three (2026-11-28: the relay's 502, "the listener disconnected before responding").
+# DELETE_SECONDS Azure seconds, and at least DELETE_REAL_SECONDS of real time: what a listener takes is real time, which
+# the compressed clock does not shorten (at 60x, 10 Azure seconds are 0.17 s); with 0.5 s, a listener still judging a
+# Freeze sent through it when its own delete started was killed with it (tests/local/test_faults.py, compact scenario),
+# whose reroute then had to wait for the request to lapse (docs/coordinator.md, *A lost answer*). A scenario that sets
+# the field keeps it: 0 plays a VM that dies before its answer leaves, which the coordinator records as a lost answer.
+DELETE_SECONDS = 10.0
+DELETE_REAL_SECONDS = 2.0
+
+
+def deletes_take_time(scenario: Scenario, *, time_scale: float) -> Scenario:
+    """The scenario with its deleted and evicted VMs running on for a while after their event started (above), unless
+    it says how long itself."""
+    if "vmGoneAfterStartedSeconds" in scenario.model_fields_set:
+        return scenario
+    seconds = max(DELETE_SECONDS, DELETE_REAL_SECONDS * time_scale)
+    return scenario.model_copy(update={"vmGoneAfterStartedSeconds": seconds})
+
 
 def delayed(scenario: Scenario, *, seconds: float) -> Scenario:
     """The same scenario with every step ``seconds`` (Azure seconds, i.e. scaled by the emulator) later."""

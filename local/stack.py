@@ -50,7 +50,7 @@ from local.http_host import FunctionsHttpHost, LocalHttpServer
 from local.platform import REBOOT_SECONDS, Platform, write_boot_time
 from local.queue_trigger import QueueSettings, QueueTrigger, StorageQueue
 from local.runner import FunctionHost, IngestFunction
-from local.scenario import delayed, served_policy
+from local.scenario import delayed, deletes_take_time, served_policy
 from ops.history import LOCAL_RUN_FILE
 
 log = logging.getLogger("local.stack")
@@ -397,6 +397,7 @@ class LocalStack:
             self.relay = RelayEmulator()
             self.relay.start()
         scenario = delayed(self.options.scenario, seconds=self.options.lead_in * self.options.time_scale)
+        scenario = deletes_take_time(scenario, time_scale=self.options.time_scale)
         self.imds = ImdsEmulator(
             scenario=scenario,
             time_scale=self.options.time_scale,

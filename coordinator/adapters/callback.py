@@ -48,8 +48,14 @@ class ApprovalDeliveryError(RuntimeError):
 
     ``unreached``: no attempt can have reached the VM's listener (every connect refused, or the relay answered
     that no listener was connected), so the VM cannot be executing it: another VM may be sent the event at once
-    (pipeline/act.py ``open_after``). Otherwise an attempt may have reached it and it may still execute it."""
+    (pipeline/act.py ``open_after``). Otherwise an attempt may have reached it and it may still execute it.
 
-    def __init__(self, message: str, *, unreached: bool = False) -> None:
+    ``answer_lost``: an attempt reached the listener, which went away before it answered (the relay's 502: the
+    listener disconnected with the request outstanding). Its outcome is unknown, not failed: the listener may have
+    had IMDS accept StartRequests just before it went (a VM deleted by the Terminate it executed), and no retry can
+    tell once that VM is gone (domain/lifecycle.py ``lost_answer``)."""
+
+    def __init__(self, message: str, *, unreached: bool = False, answer_lost: bool = False) -> None:
         super().__init__(message)
-        self.unreached = unreached
+        self.unreached = unreached and not answer_lost
+        self.answer_lost = answer_lost

@@ -16,6 +16,11 @@ once, so a retry after a lost answer never approves twice.
 event it could approve (forwarder/on_demand.py), and it sees the event at about the time the coordinator decides.
 Those retries are capped at ``listener_wait_maximum`` (1 s) so that a listener that connects is found within about
 a second; other failures back off up to ``backoff_maximum``.
+
+The relay's own 502 is retried the same way, but it is not "no listener": the relay gives it when the listener went
+away (or broke the protocol) with the request outstanding, so the request reached it and its answer was lost
+(``ApprovalDeliveryError.answer_lost``), as from a listener whose VM was deleted by the Terminate it had just
+executed. Its 503 says that no listener was connected: the request reached nobody (``unreached``).
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class _Retryable:
     no_listener: bool = False
     # The request cannot have reached a listener: its connection was refused, or the relay had no listener.
     unreached: bool = False
+    # The request reached a listener, which went away before it answered (the relay's 502): its answer was lost.
+    lost: bool = False
 
 
 class RelayApprovalSender:
@@ -151,6 +158,7 @@ class RelayApprovalSender:
         give_up_at = time.monotonic() + budget
         attempt = 0
         reached = False  # whether some attempt may have reached the VM's listener
+        lost = ""  # the first attempt whose answer was lost (it reached the listener, which went away): why
         while True:
             attempt += 1
             remaining = give_up_at - time.monotonic()
@@ -163,14 +171,23 @@ class RelayApprovalSender:
                 return outcome
             failure = outcome
             reached = reached or not failure.unreached
+            lost = lost or (f"attempt {attempt}: {failure.reason}" if failure.lost else "")
             maximum = self._listener_wait_maximum if failure.no_listener else self._backoff_maximum
             delay = backoff_delay(attempt - 1, initial=self._backoff_initial, maximum=maximum, rng=self._rng)
             if time.monotonic() + delay >= give_up_at:
                 why = (
                     f"no listener connected within {budget:.1f} s, the request's deadline ({failure.reason})"
-                    if failure.no_listener
+                    if failure.no_listener and not failure.lost
                     else failure.reason
                 )
+                if lost:
+                    raise ApprovalDeliveryError(
+                        f"approval {request.decisionId} for event {request.eventId} reached {vm.name}'s listener, "
+                        f"whose answer was lost ({lost}; the relay's 502: the listener went away with the request "
+                        f"outstanding), so IMDS may have accepted StartRequests; no answer after {attempt} attempts "
+                        f"via {url} (last: {why})",
+                        answer_lost=True,
+                    )
                 raise ApprovalDeliveryError(
                     f"approval {request.decisionId} for event {request.eventId} could not reach {vm.name} via "
                     f"{url} after {attempt} attempts: {why}; the caller may retry until NotBefore",
@@ -205,7 +222,15 @@ class RelayApprovalSender:
         if status in RETRYABLE_STATUS:
             relayed = _listener_error(response) is not None  # the listener's own 503: it could not reach IMDS
             no_listener = status in (502, 503) and not relayed
-            return _Retryable(f"HTTP {status} {_short(response.text)}", no_listener=no_listener, unreached=no_listener)
+            # The relay's 503: no listener was connected. Its 502: the listener went away (or broke the protocol)
+            # with the request outstanding, so it had the request: retried as briefly, but its answer was lost.
+            lost = status == 502 and not relayed
+            return _Retryable(
+                f"HTTP {status} {_short(response.text)}",
+                no_listener=no_listener,
+                unreached=no_listener and not lost,
+                lost=lost,
+            )
         if status == 200:
             return self._result(response, request)
         error_body = _listener_error(response)

@@ -243,6 +243,7 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
     record.notBefore = record.notBefore or not_before(event)
     if event.EventStatus == "Started":
         record.everStarted = True
+        record.startedSeenAt = record.startedSeenAt or observation.seen_at
     else:
         record.seenScheduled = True
     record.vms[observation.vm.name] = VmSighting(

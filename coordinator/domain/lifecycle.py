@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from coordinator.domain.history_rows import transition_row
-from coordinator.domain.model import AlertKind, EventRecord, State
+from coordinator.domain.history_rows import approval_row, transition_row
+from coordinator.domain.model import AlertKind, EventRecord, LostAnswer, State
 from coordinator.domain.observations import Observation
 from coordinator.domain.rows import HistoryRow
 
-__all__ = ["EventChange", "advance", "clone", "raise_alert", "transition"]
+__all__ = ["EventChange", "advance", "clone", "lost_answer", "raise_alert", "started_unanswered", "transition"]
 
 
 @dataclass
@@ -131,8 +131,10 @@ def advance(
         if not record.seenScheduled:
             reason = "appeared directly as Started (no notice: e.g. hardware failure)"
         elif not approved:
-            reason = "seen Started without an approval from here (NotBefore passed or approved elsewhere)"
+            reason = _started_unapproved(record)
         transition(change, "Started", now, reason)
+        if not approved and (row := started_unanswered(record, now)) is not None:
+            change.rows.append(row)
     # A retired VM counts as gone, but not for an event that names VMs which have not reported it yet (their
     # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over.
     unheard = [name for name in record.resources if name not in record.vms and name not in retired]
@@ -154,3 +156,89 @@ def advance(
         return
     if record.state == "Scheduled" and record.notBefore is not None and now >= record.notBefore and not approved:
         transition(change, "Expired", now, f"NotBefore {record.notBefore.isoformat()} passed without approval")
+
+
+def lost_answer(change: EventChange, now: datetime, *, executor: str, reason: str) -> None:
+    """A request of the event's approval reached ``executor``'s listener, which went away before it answered (the
+    relay's 502): its outcome is unknown, IMDS may have accepted it. Kept on the approval (its decision's first such
+    request); when the event was already seen Started, the row that says what that means comes now
+    (``started_unanswered``), else with the Started transition (``advance``). Nothing is sent because of it."""
+    approval = change.record.approval
+    if approval is None or approval.lostAnswer is not None:
+        return
+    approval.lostAnswer = LostAnswer(executor=executor, sentAt=now, reason=reason[:1000])
+    change.changed = True
+    if change.record.state != "Scheduled" and (row := started_unanswered(change.record, now)) is not None:
+        change.rows.append(row)
+
+
+def started_unanswered(record: EventRecord, now: datetime) -> HistoryRow | None:
+    """The Approval row (Actor platform, Outcome ``started``) of an event seen Started before its NotBefore after a
+    request of its approval reached its executor and the answer was lost (``lost_answer``); None otherwise.
+
+    The platform starts an event before its NotBefore once StartRequests for it is accepted, and only a listener's
+    answer says that this approval's was: with that answer lost (a VM deleted by the Terminate it had just executed
+    answers nothing, and no retry can reach it), the early start is the only sign. The row says what is known: the
+    request reached the executor, its answer was lost, the event started early. It claims no approval (Outcome
+    ``approved`` is the listener's answer) and moves the event to no Approved state."""
+    approval = record.approval
+    lost = approval.lostAnswer if approval is not None else None
+    started, not_before = record.startedSeenAt, record.notBefore
+    if approval is None or approval.delivered or lost is None or started is None or not_before is None:
+        return None
+    if started >= not_before:
+        return None  # at or after NotBefore the platform starts it whatever: the start says nothing of the request
+    early = (not_before - started).total_seconds()
+    only = (
+        f"; a Terminate is executed only by the VM it deletes, {lost.executor}"
+        if record.eventType == "Terminate"
+        else ""
+    )
+    return approval_row(
+        record=record,
+        now=now,
+        vm=lost.executor,
+        rule=approval.rule,
+        decision_id=approval.decisionId,
+        actor="platform",
+        outcome="started",
+        reason=(
+            f"seen Started at {started.isoformat()}, {early:.1f} s before its NotBefore {not_before.isoformat()}, "
+            f"after approval {approval.decisionId}, sent at {lost.sentAt.isoformat()}, reached {lost.executor}'s "
+            f"listener, whose answer was lost{only}: started early, as an accepted StartRequests starts it; most "
+            f"likely this approval's, not confirmed by any answer ({lost.reason[:600]})"
+        ),
+        details={
+            "requestSentAt": lost.sentAt.isoformat(),
+            "startedSeenAt": started.isoformat(),
+            "notBefore": not_before.isoformat(),
+            "secondsBeforeNotBefore": round(early, 3),
+        },
+    )
+
+
+def _started_unapproved(record: EventRecord) -> str:
+    """The Started transition's reason when no listener's answer says that the event's approval was executed."""
+    approval = record.approval
+    if approval is not None and approval.lostAnswer is not None:
+        lost = approval.lostAnswer
+        early = (
+            record.startedSeenAt is not None
+            and record.notBefore is not None
+            and record.startedSeenAt < record.notBefore
+        )
+        when = (
+            "before its NotBefore: most likely that approval's start (unconfirmed)"
+            if early
+            else "at or after NotBefore"
+        )
+        return (
+            f"seen Started {when}, after approval {approval.decisionId} reached {lost.executor}, whose answer was lost"
+        )
+    if approval is not None and approval.outcome in ("", "continued"):
+        to = f" to {approval.executor}" if approval.executor else ""
+        return (
+            f"seen Started while approval {approval.decisionId}{to} awaited its answer (NotBefore passed, approved "
+            "elsewhere, or that approval; its answer, if one comes, is recorded)"
+        )
+    return "seen Started without an approval from here (NotBefore passed or approved elsewhere)"

@@ -103,6 +103,18 @@ class DecisionRecord(BaseModel):
     withdrawal: str = ""
 
 
+class LostAnswer(BaseModel):
+    """A request that reached its executor's listener and whose answer never came back: the listener went away with
+    it outstanding (the VM deleted by the Terminate it had just executed, for one). Which VM, when the run sent it
+    (its time), and what the sender saw."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    executor: str
+    sentAt: datetime
+    reason: str = ""
+
+
 class ApprovalRecord(BaseModel):
     """The approval being delivered. ``outcome`` is the listener's answer; delivery is retried until NotBefore."""
 
@@ -131,6 +143,9 @@ class ApprovalRecord(BaseModel):
     notAfterReason: str = ""
     # The policy it was decided under (Policy.fingerprint; "" for a person's approval).
     policyVersion: str = ""
+    # Set when a request of this decision reached its executor's listener, which went away before answering (the
+    # relay's 502): its outcome is unknown, IMDS may have accepted it (domain/lifecycle.py, ``lost_answer``).
+    lostAnswer: LostAnswer | None = None
 
 
 class OpenRequest(BaseModel):
@@ -188,6 +203,9 @@ class EventRecord(BaseModel):
     stateSince: datetime
     createdAt: datetime
     everStarted: bool = False
+    # When the coordinator first heard a VM list the event Started (the service's clock: the sighting's Event Hubs
+    # enqueued time); None until then, and in a record written before this field.
+    startedSeenAt: datetime | None = None
     seenScheduled: bool = False
     vms: dict[str, VmSighting] = Field(default_factory=dict)
     decision: DecisionRecord | None = None

@@ -39,7 +39,7 @@ from coordinator.domain.deletes import platform_hold
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
-from coordinator.domain.lifecycle import EventChange, clone, raise_alert, transition
+from coordinator.domain.lifecycle import EventChange, clone, lost_answer, raise_alert, transition
 from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
 from coordinator.domain.retry import backoff_delay
 from coordinator.pipeline import attest, handover
@@ -52,8 +52,9 @@ log = logging.getLogger("coordinator")
 APPROVAL_FAILED_AFTER = 3
 # How long past its own time a run waits for a bounded send's answer to come back (the attempt's end, the reply).
 SEND_SLACK = 0.5
-# The answers that say the executor's listener was not reached or did not answer: the next attempt prefers a peer.
-UNANSWERED = frozenset({"failed", "continued"})
+# The answers that say the executor's listener was not reached or did not answer (unknown: it went away before
+# answering): the next attempt prefers a peer.
+UNANSWERED = frozenset({"failed", "continued", "unknown"})
 # How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
 # the Relay holds 3 s (oracle seed 15) still executes it; a peer that reports the event later waits this much more.
 UNPEERED_ALLOWANCE = timedelta(seconds=2)
@@ -346,6 +347,7 @@ def await_answers(sending: Sending) -> None:
                 plan.failure = str(outcome)
                 plan.continued = handing_over and isinstance(outcome, ApprovalDeliveryError)
                 plan.unreached = isinstance(outcome, ApprovalDeliveryError) and outcome.unreached
+                plan.answer_lost = isinstance(outcome, ApprovalDeliveryError) and outcome.answer_lost
     for future in late:
         for plan in futures[future]:
             plan.continued = handing_over
@@ -464,6 +466,17 @@ def _any_sighting(record: EventRecord) -> VmSighting | None:
 
 
 def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventChange | None:
+    """One delivery's outcome committed to its event. A request whose answer was lost (it reached the listener,
+    which went away) is kept on the approval after the outcome's own row (lifecycle.lost_answer): with the event
+    already seen Started before its NotBefore, the row that says so."""
+    change = _outcome(run, record, plan=plan)
+    approval = change.record.approval if change is not None else None
+    if change is not None and plan.answer_lost and approval is not None and approval.decisionId == plan.decision_id:
+        lost_answer(change, run.now, executor=plan.executor, reason=plan.failure)
+    return change
+
+
+def _outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventChange | None:
     decision_id, executor, result, failure = plan.decision_id, plan.executor, plan.result, plan.failure
     if record is None or record.approval is None or record.approval.decisionId != decision_id:
         return _superseded(record, plan)
@@ -485,7 +498,10 @@ def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) ->
     approval.attempts += 1
     approval.lastAttemptAt = now
     approval.executor = executor
-    approval.outcome = result.outcome if result else "failed"
+    # Not answered after a request of this decision reached the listener, which went away: unknown, not failed (IMDS
+    # may have accepted it; docs/coordinator.md, *A lost answer*).
+    unknown = plan.answer_lost or approval.lostAnswer is not None
+    approval.outcome = result.outcome if result else ("unknown" if unknown else "failed")
     approval.reason = (result.reason if result else failure)[:1000]
     change.rows.append(
         approval_row(

@@ -25,7 +25,8 @@ log = logging.getLogger("coordinator")
 def take_over(run: Run, delivery: QueuedDelivery) -> None:
     """A ``delivery`` run's own step: the handed-over approval becomes the run's to deliver (the tail sends it) while
     its record still says it was handed over and not delivered since. A message that comes late, twice, or after
-    the timer took the approval over finds another outcome there and sends nothing.
+    the timer took the approval over finds another outcome there and sends nothing; so does one whose event is no
+    longer Scheduled (seen Started meanwhile: nothing is left to approve, as for the timer's retries).
 
     A rule's approval is decided again first, with this run's time, gates and policy (decide.decide), as every
     other resend is: it goes out only if its rule still approves it (same decisionId, its bound renewed), and is
@@ -41,6 +42,7 @@ def take_over(run: Run, delivery: QueuedDelivery) -> None:
             or approval.decisionId != delivery.decisionId
             or approval.delivered
             or approval.outcome != "continued"
+            or record.state != "Scheduled"
         ):
             return None
         change = EventChange(record=clone(record))

@@ -225,6 +225,8 @@ class Delivery:
     continued: bool = False
     # Failed without reaching the VM's listener (ApprovalDeliveryError.unreached): it cannot be executing it.
     unreached: bool = False
+    # Reached the VM's listener, which went away before answering (ApprovalDeliveryError.answer_lost): unknown.
+    answer_lost: bool = False
     # Not sent: another VM (or decision) may still execute an earlier request until then (approvals.reroute_at).
     wait_until: datetime | None = None
 

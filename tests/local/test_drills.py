@@ -97,5 +97,6 @@ def test_a_drill_of_each_kind_reaches_the_coordinator_and_is_decided_by_the_poli
         events = {event["EventId"]: event for event in imds.events()}
         assert events[drilled["restart"]]["startedBy"] == "approval"
         assert events[drilled["simulateEviction"]]["EventType"] == "Preempt"
-        assert "web_2" in imds.removed_vms()
+        # The delete removes web_2 some seconds after it started, as in Azure (local/scenario.py, deletes_take_time).
+        assert wait_for(lambda: "web_2" in imds.removed_vms(), 10)
         print(f"four drills confirmed and followed to their end in {time.monotonic() - started:.1f} s")

@@ -42,14 +42,31 @@ def test_fleet_demo_ends_with_the_right_decisions_and_history(run_pipeline: Runn
     assert max(Counter(a["EventId"] for a in approvals).values()) == 1
     with sqlite3.connect(stack.history_path) as db:
         kinds = dict(db.execute("SELECT RecordType, count(*) FROM ScheduledEventsHistory_CL GROUP BY 1").fetchall())
-        approved_events, approved_rows = db.execute(
-            "SELECT count(DISTINCT EventId), count(*) FROM ScheduledEventsHistory_CL "
-            "WHERE RecordType = 'Approval' AND Outcome = 'approved'"
-        ).fetchone()
+        answered = dict(
+            db.execute(
+                "SELECT EventId, count(*) FROM ScheduledEventsHistory_CL "
+                "WHERE RecordType = 'Approval' AND Outcome = 'approved' GROUP BY 1"
+            ).fetchall()
+        )
+        # A listener whose VM the Terminate it executed deleted may never answer (its answer lost: the relay's 502):
+        # its approval is then shown by the platform's start before NotBefore (Actor platform, Outcome started).
+        started = {
+            event_id
+            for (event_id,) in db.execute(
+                "SELECT DISTINCT EventId FROM ScheduledEventsHistory_CL "
+                "WHERE RecordType = 'Approval' AND Actor = 'platform' AND Outcome = 'started'"
+            ).fetchall()
+        }
     # The timer and a batch may both deliver the same decision; the listener is idempotent per decisionId, so IMDS
-    # still sees one StartRequests per event (asserted above). Figure printed for the report.
-    print(f"approval deliveries recorded: {approved_rows} for {approved_events} events")
-    assert approved_events == 5
+    # still sees one StartRequests per event (asserted above). Figures printed for the report.
+    print(
+        f"approval deliveries recorded: {sum(answered.values())} for {len(answered)} events; "
+        f"started after a lost answer: {len(started)} ({', '.join(sorted(started)) or 'none'})"
+    )
+    # Every event IMDS approved has its approval in the history, and nothing else has: answered by its listener, or,
+    # its answer lost, shown by its start before NotBefore.
+    imds_approved = {row["eventId"] for row in summary.events if row["imds"] == "approved"}
+    assert set(answered) | started == imds_approved
     assert {"Observation", "Decision", "Approval", "Transition", "Hook"} <= set(kinds)
     assert any(stack.cards_dir.iterdir()), "no Teams card was written"
     assert_impacts(stack, {row["label"]: row["eventId"] for row in summary.events})
