@@ -105,7 +105,7 @@ BENCHES = (
         "hop",
         "benchmarks.hop",
         ("--n", "500"),
-        ("--n", "100"),
+        ("--n", "30"),
         3,
         {"hop_ms_p50": "coordinator_hop_ms_p50", "hop_ms_p99": "coordinator_hop_ms_p99"},
         600,
@@ -204,12 +204,12 @@ BENCHES = (
         900,
         group="scale",
     ),
-    Bench("wave_50k", "benchmarks.wave", ("--vms", "50000"), ("--vms", "2000"), 1, _WAVE_HEADLINE, 2400, group="scale"),
+    Bench("wave_50k", "benchmarks.wave", ("--vms", "50000"), ("--vms", "1000"), 1, _WAVE_HEADLINE, 2400, group="scale"),
     Bench(
         "wave_100k",
         "benchmarks.wave",
         ("--vms", "100000"),
-        ("--vms", "4000"),
+        ("--vms", "2000"),
         1,
         {
             **_WAVE_HEADLINE,

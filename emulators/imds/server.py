@@ -32,6 +32,7 @@ from emulators.imds.arm import (
     ArmAnswer,
     ArmFault,
     ArmFaults,
+    ArmLists,
     ScheduledEventsIdList,
     arm_error,
     check_token,
@@ -145,6 +146,7 @@ class ImdsEmulator:
         # The Compute lists the census reads (arm.list_answer): pages of this many items; reads answered.
         self.arm_page_size = arm_page_size
         self.arm_reads = 0
+        self._lists: tuple[tuple[int, int, int], ArmLists] | None = None
         # The Compute RP's operations drills trigger (emulators/imds/drills.py).
         self.drills = Drills()
         self.requests_unanswered: Counter[str] = Counter()  # per removed VM
@@ -620,14 +622,22 @@ class ImdsEmulator:
             if fault is not None:
                 raise _Reply(fault.status, fault.body, fault.headers)
             self.state.advance(self.clock.now())  # a delete that fell due has removed its VMs from the lists
-            live = [vm for name, vm in self.state.vms.items() if name not in self.state.removed]
-            listed = list_answer(path, query, live, base_url=self.url, page_size=self.arm_page_size)
+            listed = list_answer(path, query, self._arm_lists(), base_url=self.url, page_size=self.arm_page_size)
             if listed is None:
                 raise _Reply(404, arm_error(404, "InvalidResourceType", f"no ARM route {path}").body)
             self.arm_reads += 1
         if listed.status != 200:
             raise _Reply(listed.status, listed.body, listed.headers)
         return listed.status, json.dumps(listed.body).encode(), _JSON
+
+    def _arm_lists(self) -> ArmLists:
+        """The VMs that exist now, indexed for the lists; made again only when a VM was added, changed or removed
+        (the caller holds the lock)."""
+        version = (len(self.state.vms), len(self.state.removed), self.state.vm_changes)
+        if self._lists is None or self._lists[0] != version:
+            live = (vm for name, vm in self.state.vms.items() if name not in self.state.removed)
+            self._lists = (version, ArmLists(live))
+        return self._lists[1]
 
     def _drill(  # noqa: PLR0911 -- one return per route and per refusal
         self, method: str, path: str, query: dict[str, list[str]], handler: _Handler

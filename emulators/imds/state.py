@@ -263,6 +263,9 @@ class EmulatorState:
         self._keys: dict[str, str] = {}
         self.approvals: list[ApprovalRecord] = []
         self.removed: dict[str, VmRemoval] = {}
+        # VMs changed (update_vm) or added (add_vm) so far: with the counts of VMs and removals, what says that the
+        # ARM face's lists must be made again.
+        self.vm_changes = 0
         self.incarnations: dict[str, int] = dict.fromkeys(self.vms, 1)
         self._signatures: dict[str, str] = dict.fromkeys(self.vms, "[]")
         self._start = start
@@ -692,6 +695,7 @@ class EmulatorState:
             raise EmulatorInputError(describe_validation_error(error, source=f"VM {vm_name}")) from error
         # Who sees an event is settled when it is created: a changed placement group counts for later events.
         self.vms[vm_name] = spec
+        self.vm_changes += 1
         return spec
 
     def add_vm(self, spec: VmSpec) -> None:
@@ -699,6 +703,7 @@ class EmulatorState:
         if spec.name.lower() in {name.lower() for name in self.vms}:
             raise EmulatorInputError(f"a VM named {spec.name!r} exists already (names are case-insensitive)")
         self.vms[spec.name] = spec
+        self.vm_changes += 1
         self.incarnations[spec.name] = 1
         self._signatures[spec.name] = "[]"
         # Its documents' record for the oracle starts with its first, as for the scenario's VMs at the start.

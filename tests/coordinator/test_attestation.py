@@ -239,6 +239,18 @@ def test_an_attested_envelope_is_accepted_and_binds_its_name_to_its_vm(documents
     assert store.claimed(f"vm-id:{WEB_0['vmId']}") == WEB_0["resourceId"].lower()
 
 
+def test_an_instance_keeps_the_bindings_of_a_fleet_of_100k_vms() -> None:
+    # Two bindings a VM (its resource id's and its vmId's): 200,000 for 100,000 VMs, none forgotten and read again.
+    attestations = Attestations(verifier())
+    prefix = "vm-resource:/subscriptions/s/resourcegroups/g/providers/microsoft.compute/virtualmachines/vm"
+    for n in range(100_000):
+        attestations.remember(f"{prefix}{n}", f"id-{n}")
+        attestations.remember(f"vm-id:id-{n}", f"vm{n}")
+    assert attestations.remembered(f"{prefix}0") == "id-0"
+    assert attestations.remembered("vm-id:id-0") == "vm0"
+    assert attestations.remembered(f"{prefix}99999") == "id-99999"
+
+
 def test_an_unattested_envelope_is_refused_when_required_and_taken_when_not(documents: AttestedDocuments) -> None:
     store, attestations = MemoryStateStore(), Attestations(verifier())
     plain = Envelope.model_validate({**envelope(WEB_0, sequence=1, incarnation=1), "stateId": STATE})

@@ -149,3 +149,19 @@ def test_a_vm_changed_or_added_is_seen_by_imds_and_arm_alike(imds: ImdsEmulator)
     assert "web_7" in [vm["name"] for vm in every(imds, f"{COMPUTE}/virtualMachineScaleSets/web/virtualMachines")]
     again = requests.post(f"{imds.url}/_emulator/vms", json={"name": "WEB_7"}, timeout=5)
     assert again.status_code == 400
+
+
+def test_the_lists_follow_every_change_after_a_read(imds: ImdsEmulator) -> None:
+    # The lists are indexed once per state of the VMs (emulators/imds/arm.py ArmLists): each change is seen by the next
+    # read, not only by the first read after the emulator started.
+    def web() -> list[dict[str, Any]]:
+        return every(imds, f"{COMPUTE}/virtualMachineScaleSets/web/virtualMachines")
+
+    assert [vm["name"] for vm in web()] == ["web_0", "web_1", "web_2"]
+    imds.update_vm("web_2", zone="3")
+    assert web()[2]["zones"] == ["3"]
+    imds.add_vm({"name": "web_7", "vmScaleSetName": "web", "subscriptionId": SUB, "resourceGroupName": "rg-fleet"})
+    assert [vm["name"] for vm in web()] == ["web_0", "web_1", "web_2", "web_7"]
+    imds.create_event(EventType="Terminate", Resources=["web_1"], NotBefore="2026-01-05T12:01:00Z")
+    imds.clock.advance(120)  # type: ignore[attr-defined]
+    assert [vm["name"] for vm in web()] == ["web_0", "web_2", "web_7"]

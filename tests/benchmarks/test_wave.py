@@ -1,0 +1,67 @@
+"""benchmarks.wave: a small wave through the coordinator as shipped (attested envelopes, ARM's census) that measures
+what it claims, and waves the coordinator must refuse reported as problems, so the validity check can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from benchmarks import wave
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    code = wave.main(list(argv))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    result: dict[str, Any] = json.loads(lines[-1])
+    return code, result
+
+
+def test_a_warm_wave_is_accepted_whole_and_decided_by_its_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    environment = dict(os.environ)
+
+    code, result = run(capsys, "--vms", "200")
+
+    assert result["problems"] == []
+    assert code == 0
+    assert result["bindings"] == "warm"
+    assert result["accepted"] == result["wave_envelopes"] == 200
+    assert result["dead_lettered"] == 0
+    assert result["distinct_events"] == 10
+    assert result["event_states"] == {"Scheduled": 10}
+    # ARM's census lists what IMDS serves; every VM bound before the clock, none read again during the wave.
+    assert result["census_vms"] == 200
+    assert result["binding_rows"] == 400
+    assert result["binding_table_ops"] == 0
+    assert result["prep_seconds"] > 0
+    assert os.environ == environment  # the coordinator's settings were put back
+
+
+def test_a_cold_wave_binds_every_vm_under_the_census_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    code, result = run(capsys, "--vms", "100", "--bindings", "cold", "--policy", "census", "--event-type", "Terminate")
+
+    assert result["problems"] == []
+    assert code == 0
+    assert result["bindings"] == "cold"
+    assert result["accepted"] == 100
+    assert result["binding_rows"] == 200
+    assert result["binding_table_ops"] == 200  # a resource id and a vmId bound per VM during the wave
+
+
+@pytest.mark.parametrize(
+    ("sabotage", "reason"),
+    [("unsigned", "unattested"), ("foreign-anchor", "does not chain to a configured root")],
+)
+def test_a_wave_the_coordinator_refuses_is_reported_and_exits_1(
+    capsys: pytest.CaptureFixture[str], sabotage: str, reason: str
+) -> None:
+    code, result = run(capsys, "--vms", "40", "--sabotage", sabotage)
+
+    assert code == 1
+    problems = result["problems"]
+    assert "accepted 0 of 40 envelopes" in problems
+    assert "dead_lettered 40 (expected 0)" in problems
+    assert "distinct events 0 (expected 2)" in problems
+    assert any(reason in problem for problem in problems), problems
