@@ -118,7 +118,8 @@ def _row(figure: Figure, entry: dict[str, Any] | None) -> str:
     where = f"{str(entry.get('commit', ''))[:10]}{dirty}, {str(entry.get('date', ''))[:10]}"
     rounds = entry.get("rounds")
     shown = _number(entry["value"]) + unit + (f" (rounds {', '.join(_number(r) for r in rounds)})" if rounds else "")
-    return f"| {figure.what} (`{figure.key}`) | {shown} | {target}{unit} | {verdict} | {where} |"
+    target_unit = unit if figure.target else ""
+    return f"| {figure.what} (`{figure.key}`) | {shown} | {target}{target_unit} | {verdict} | {where} |"
 
 
 def table(results: dict[str, Any]) -> str:
