@@ -22,17 +22,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from benchmarks.catalog import BENCHES, RATIOS, Bench
+from benchmarks.checks import KEEP
 from benchmarks.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
+# Each run's output and work folder, deleted once the run was valid (.local/ is not in git).
+KEPT = ROOT / ".local" / "benchmarks"
 
 
 class BenchmarkFailed(Exception):
@@ -61,12 +67,33 @@ def ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
 
 
 def run_once(bench: Bench, *, quick: bool) -> dict[str, Any]:
+    """One run in its own process. Its output and work folder are kept under ``.local/benchmarks/`` and deleted when
+    the run was valid: an invalid one is named with the folder that holds its evidence."""
+    keep = KEPT / f"{bench.name}-{datetime.now(UTC):%Y%m%dT%H%M%S%f}"
+    try:
+        result = _run_once(bench, quick=quick, keep=keep)
+    except BenchmarkFailed as error:
+        raise BenchmarkFailed(f"{error} (its output and files: {keep.relative_to(ROOT)})") from error
+    shutil.rmtree(keep, ignore_errors=True)
+    return result
+
+
+def _run_once(bench: Bench, *, quick: bool, keep: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", bench.module, *(bench.quick if quick else bench.full)]
     timeout = bench.quick_timeout if quick else bench.timeout
+    keep.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, KEEP: str(keep / "work")}
     try:
-        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+        completed = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False, env=env
+        )
     except subprocess.TimeoutExpired as error:
+        for name, output in (("stdout", error.stdout), ("stderr", error.stderr)):
+            text = output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+            (keep / name).write_text(text, encoding="utf-8")
         raise BenchmarkFailed(f"{' '.join(command[1:])} did not finish within {timeout:.0f} s") from error
+    (keep / "stdout").write_text(completed.stdout, encoding="utf-8")
+    (keep / "stderr").write_text(completed.stderr, encoding="utf-8")
     lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
     result: dict[str, Any] = {}
     if lines:

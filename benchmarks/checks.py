@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sqlite3
 import sys
+import tempfile
 import threading
 import traceback
 from collections import Counter
@@ -31,6 +33,23 @@ TABLE = str(history_schema()["table"])
 
 # At most this many problems of one kind are named one by one; the rest are counted.
 NAMED = 5
+# Where a run keeps its files (python -m benchmarks sets it per run, and deletes the folder when the run was valid).
+KEEP = "BENCHMARKS_KEEP"
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[Path]:
+    """A run's work folder: a temporary one, or ``$BENCHMARKS_KEEP`` when set, so that what an invalid run leaves
+    (the stack's logs, its history, the forwarders' state) can be read after it: a run that fails once in hundreds
+    of events is diagnosed from its own files, not rerun until it passes."""
+    keep = os.environ.get(KEEP)
+    if keep:
+        path = Path(keep)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp)
 
 
 def emit(result: dict[str, Any], problems: list[str]) -> int:

@@ -30,7 +30,6 @@ import argparse
 import logging
 import random
 import sqlite3
-import tempfile
 import time
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -42,6 +41,7 @@ from benchmarks.checks import (
     batch_reports,
     finish,
     on_demand_problems,
+    scratch,
     some,
     stack_problems,
     too_few,
@@ -74,7 +74,7 @@ def run(
     """``kill`` (tests only): VMs whose listener is dead although the run counts them live."""
     rng = random.Random(seed)
     problems: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch() as tmp:
         policy = Path(tmp) / "approve-all.yaml"
         policy.write_text(APPROVE_ALL, encoding="utf-8")
         # Each VM in a placement group of its own: a dead listener's events have no peer to go through.

@@ -53,7 +53,6 @@ import json
 import logging
 import random
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,6 +71,7 @@ from benchmarks.checks import (
     batch_reports,
     finish,
     history_rows,
+    scratch,
     some,
     stack_problems,
     too_few,
@@ -275,7 +275,7 @@ def run(
 ) -> dict[str, Any]:
     """``coordinator_env`` and ``workdir`` are for the tests (e.g. a policy that never approves, a run's files kept)."""
     clock = HopClock()
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch() as tmp:
         policy = Path(tmp) / "approve-all.yaml"
         policy.write_text(APPROVE_ALL, encoding="utf-8")
         scenario = Scenario(name="hop", vms=[VmSpec(name=f"hop_{i}", placementGroupId=f"pg-{i}") for i in range(vms)])

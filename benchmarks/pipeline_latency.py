@@ -31,13 +31,20 @@ import argparse
 import logging
 import random
 import sqlite3
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.checks import approvals_problems, batch_reports, finish, on_demand_problems, stack_problems, too_few
+from benchmarks.checks import (
+    approvals_problems,
+    batch_reports,
+    finish,
+    on_demand_problems,
+    scratch,
+    stack_problems,
+    too_few,
+)
 from emulators.imds import Scenario, VmSpec
 from local.observe import stored_envelopes
 from local.runner import wait_until
@@ -67,7 +74,7 @@ def run(
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     problems: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch() as tmp:
         policy = Path(tmp) / "approve-all.yaml"
         policy.write_text(APPROVE_ALL, encoding="utf-8")
         scenario = Scenario(name="latency", vms=[VmSpec(name=f"bench_{i}") for i in range(vms)])

@@ -132,7 +132,12 @@ def advance(
             reason = "appeared directly as Started (no notice: e.g. hardware failure)"
         elif not approved:
             reason = _started_unapproved(record)
+        went_unapproved = record.seenScheduled and record.state == "Scheduled" and _went_at_not_before(record, now)
         transition(change, "Started", now, reason)
+        if went_unapproved:
+            # Its NotBefore passed without approval: the same card whether a run saw it Expired first or its first
+            # sight after NotBefore is Started (which of the two comes first is only the timer's and the VM's timing).
+            raise_alert(change, "expired", now)
         if not approved and (row := started_unanswered(record, now)) is not None:
             change.rows.append(row)
     # A retired VM counts as gone, but not for an event that names VMs which have not reported it yet (their
@@ -215,6 +220,16 @@ def started_unanswered(record: EventRecord, now: datetime) -> HistoryRow | None:
             "secondsBeforeNotBefore": round(early, 3),
         },
     )
+
+
+def _went_at_not_before(record: EventRecord, now: datetime) -> bool:
+    """Started at or after its NotBefore with no approval from here that may have started it (none, or one that
+    failed or was refused; one awaiting or having lost its answer may be what started it)."""
+    approval = record.approval
+    if approval is not None and (approval.lostAnswer is not None or approval.outcome in ("", "continued")):
+        return False
+    started = record.startedSeenAt or now
+    return record.notBefore is not None and started >= record.notBefore
 
 
 def _started_unapproved(record: EventRecord) -> str:

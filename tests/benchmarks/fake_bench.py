@@ -8,8 +8,14 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.checks import scratch
+
 if __name__ == "__main__":
     mode = sys.argv[1]
+    with scratch() as work:  # what a run leaves, kept when it is invalid
+        (work / "stack.log").write_text(f"the fake benchmark's {mode} run", encoding="utf-8")
+    if mode == "invalid":
+        print(f"the fake benchmark runs {mode}", file=sys.stderr)
     if mode == "crash":
         raise SystemExit("the fake benchmark crashed as asked")
     result: dict[str, object] = {"seconds": 1.5, "wave_envelopes": 1000}

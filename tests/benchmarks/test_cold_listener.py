@@ -1,5 +1,8 @@
 """benchmarks.cold_listener: approvals to a forwarder's on-demand listener, and a listener in another mode than the
-one measured reported as a problem."""
+one measured reported as a problem.
+
+A short valid run of the benchmark is `python -m benchmarks --quick`'s (the test command runs it, and fails on
+any problem it names); here, what must make a run invalid."""
 
 from __future__ import annotations
 
@@ -11,17 +14,6 @@ from benchmarks import cold_listener
 @pytest.fixture(autouse=True)
 def short_trials(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cold_listener, "REFILL_SECONDS", 1.0)
-
-
-@pytest.mark.slow
-def test_a_short_run_measures_the_on_demand_listener() -> None:
-    result = cold_listener.run(2)
-
-    assert result["problems"] == []
-    assert result["listener"] == "on-demand"
-    assert result["samples"] == 2
-    assert result["cold_listener_approval_ms_p50"] > 0
-    assert result["cold_listener_approval_ms_p99"] >= result["cold_listener_approval_ms_p50"]
 
 
 @pytest.mark.slow

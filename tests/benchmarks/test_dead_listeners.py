@@ -1,21 +1,14 @@
 """benchmarks.dead_listeners: live VMs' approvals beside a dead listener, and a live VM whose listener is dead too
-reported as missed."""
+reported as missed.
+
+A short valid run of the benchmark is `python -m benchmarks --quick`'s (the test command runs it, and fails on
+any problem it names); here, what must make a run invalid."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks import dead_listeners
-
-
-@pytest.mark.slow
-def test_a_short_run_approves_the_live_vms_and_never_the_dead_one() -> None:
-    result = dead_listeners.run(events=4, vms=2, dead=1, in_run_seconds=3.0, seed=7)
-
-    assert result["problems"] == []
-    assert (result["live_events"], result["dead_events"], result["live_missed"]) == (2, 2, 0)
-    assert result["deliveries_continued"] >= 1
-    assert result["detect_to_approve_ms_p50"] > 0
 
 
 @pytest.mark.slow

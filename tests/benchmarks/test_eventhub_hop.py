@@ -1,4 +1,7 @@
-"""benchmarks.eventhub_hop: a forwarder's send to the trigger's call, and events that never arrive reported."""
+"""benchmarks.eventhub_hop: a forwarder's send to the trigger's call, and events that never arrive reported.
+
+A short valid run of the benchmark is `python -m benchmarks --quick`'s (the test command runs it, and fails on
+any problem it names); here, what must make a run invalid."""
 
 from __future__ import annotations
 
@@ -10,15 +13,6 @@ import pytest
 
 from benchmarks import eventhub_hop
 from local.runner import FunctionHost
-
-
-@pytest.mark.slow
-def test_a_short_run_times_every_event() -> None:
-    result = eventhub_hop.run(6, 2, 7)
-
-    assert result["problems"] == []
-    assert result["samples"] == 6
-    assert result["eventhub_hop_ms_p99"] >= result["eventhub_hop_ms_p50"] > 0
 
 
 @pytest.mark.slow

@@ -1,5 +1,8 @@
 """benchmarks.forwarder_footprint: real forwarders beside a bare poller, and a listener in another mode than its
-configuration's reported as a problem."""
+configuration's reported as a problem.
+
+A short valid run of the benchmark is `python -m benchmarks --quick`'s (the test command runs it, and fails on
+any problem it names); here, what must make a run invalid."""
 
 from __future__ import annotations
 
@@ -11,16 +14,6 @@ from benchmarks import forwarder_footprint
 
 SHORT = argparse.Namespace(seconds=6.0, warmup=3.0, sink="eventhub", auth="imds", event_every=0.0)
 IDLE_AND_CONNECTED = {suffix: forwarder_footprint.CONFIGURATIONS[suffix] for suffix in ("", "_connected")}
-
-
-@pytest.mark.slow
-def test_a_short_run_measures_idle_and_connected_forwarders() -> None:
-    result = forwarder_footprint.measure(SHORT, IDLE_AND_CONNECTED)
-
-    assert result["problems"] == []
-    assert result["listener_modes"] == {"production": "on-demand", "connected": "connected"}
-    for key in ("forwarder_rss_mib", "forwarder_rss_ratio_to_bare_poller", "forwarder_rss_mib_connected"):
-        assert result[key] > 0
 
 
 @pytest.mark.slow

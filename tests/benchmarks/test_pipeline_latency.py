@@ -1,5 +1,8 @@
 """benchmarks.pipeline_latency: detect-to-approve through the whole local stack, and a run whose listeners are not on
-demand reported as a problem."""
+demand reported as a problem.
+
+A short valid run of the benchmark is `python -m benchmarks --quick`'s (the test command runs it, and fails on
+any problem it names); here, what must make a run invalid."""
 
 from __future__ import annotations
 
@@ -9,16 +12,6 @@ import pytest
 
 from benchmarks import pipeline_latency
 from local.stack import ForwarderProcess, LocalStack
-
-
-@pytest.mark.slow
-def test_a_short_run_approves_every_event_through_on_demand_listeners() -> None:
-    result = pipeline_latency.run(events=3, vms=2, seed=7, spacing=(0.5, 0.8))
-
-    assert result["problems"] == []
-    assert result["listener"] == "on-demand"
-    for key in ("detect_to_approve_ms_p50", "detect_to_approve_ms_p99", "pipeline_added_ms_p99"):
-        assert result[key] > 0
 
 
 @pytest.mark.slow

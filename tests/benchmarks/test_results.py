@@ -4,12 +4,14 @@ README shows has one meaning and a producer, and the README's figures table is t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import benchmarks.__main__ as benchmarks_main
 from benchmarks.__main__ import BenchmarkFailed, ratios, run, run_once
 from benchmarks.catalog import BENCHES, FIGURES, RATIOS, Bench
 from benchmarks.results import README, RESULTS, readme_with_table, record, table
@@ -42,6 +44,24 @@ def test_a_run_that_is_not_what_it_claims_fails_naming_why(mode: str, says: str)
     output = run([fake(mode)], quick=True, runs=None)
     assert says in output["errors"]["fake"]
     assert "fake_seconds" not in output
+
+
+def test_an_invalid_run_keeps_its_output_and_files_and_a_valid_one_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(benchmarks_main, "KEPT", ROOT / ".local" / "test-kept" / tmp_path.name)
+    kept = benchmarks_main.KEPT
+    try:
+        run_once(fake("valid"), quick=True)
+        assert not kept.exists() or not any(kept.iterdir())
+        with pytest.raises(BenchmarkFailed, match=r"its output and files: \.local/test-kept/") as failed:
+            run_once(fake("invalid"), quick=True)
+        folder = ROOT / str(failed.value).rsplit("its output and files: ", 1)[1].rstrip(")")
+        assert "runs invalid" in (folder / "stderr").read_text()
+        assert '"problems"' in (folder / "stdout").read_text()
+        assert (folder / "work" / "stack.log").read_text() == "the fake benchmark's invalid run"
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def test_every_figure_has_one_producer_and_every_ratio_names_benchmarks_that_exist() -> None:

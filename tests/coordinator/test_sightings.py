@@ -108,6 +108,33 @@ def test_canceled_when_gone_without_starting_and_expired_when_not_before_passes(
     assert "canceled" in canceled.alerts
 
 
+def test_first_seen_started_after_not_before_unapproved_cards_it_as_expired_as_a_tick_would_have():
+    """Whether a run sees the event Expired before its Started sighting depends only on the timer's and the VM's
+    timing (the failing-hook scenario one run in four): people get the same card either way."""
+    items = documented_example()
+    scheduled, vms = run(items[:2])
+    identity = items[0]["vm"]
+    after = DOC_NOW + timedelta(minutes=16)  # NotBefore 22:26:58 passed, nobody approved, no tick in between
+    started = envelope(
+        identity, sequence=12, incarnation=3, events=[scheduled_event(status="Started")], observed_at=after
+    )
+    went, _ = run([started], vm_records=vms, record=scheduled.record, now=after)
+    assert went.record.state == "Started"
+    assert "expired" in went.alerts
+    # Seen Started before its NotBefore without an approval from here: approved elsewhere, not expired.
+    early, _ = run(items[:3], now=DOC_NOW + timedelta(minutes=1))
+    assert early.record.state == "Started"
+    assert "expired" not in early.alerts
+    # An approval awaiting its answer may be what started it: not expired either.
+    pending, vms = run(items[:2])
+    pending.record.approval = ApprovalRecord(
+        decisionId="d-1", rule="r", actor="rule:r", decidedAt=DOC_NOW, executor="WestNO_0", outcome=""
+    )
+    went_pending, _ = run([started], vm_records=vms, record=pending.record, now=after)
+    assert went_pending.record.state == "Started"
+    assert "expired" not in went_pending.alerts
+
+
 def test_hook_reports_are_recorded_once_per_vm():
     items = documented_example()
     scheduled, vms = run(items[:2])
