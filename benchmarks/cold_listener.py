@@ -238,11 +238,15 @@ def run(n: int, *, mode: str = "on-demand", forwarder_mode: str | None = None) -
     problems: list[str] = []
     if mode in ("on-demand", "both"):
         cold = trials(n, mode="on-demand", forwarder_mode=forwarder_mode)
-        result |= figures("cold_listener", cold.timings) | {"samples": len(cold.timings)}
+        # An invalid run's timings are no figures (e.g. an always-on listener slow to connect, timed as if on demand,
+        # then found connected after the trials).
+        result |= (figures("cold_listener", cold.timings) if not cold.problems else {}) | {"samples": len(cold.timings)}
         problems += cold.problems
     if mode in ("always-on", "both"):
         warm = trials(n, mode="always-on", forwarder_mode=forwarder_mode)
-        result |= figures("warm_listener", warm.timings) | {"warm_samples": len(warm.timings)}
+        result |= (figures("warm_listener", warm.timings) if not warm.problems else {}) | {
+            "warm_samples": len(warm.timings)
+        }
         result["warm_listener"] = "connected"
         problems += warm.problems
     if mode == "always-on":
