@@ -127,19 +127,7 @@ def advance(
     remaining = [s for s in sightings if s.status != "Gone" and s.name not in silent_vms and s.name not in retired]
     approved = record.approval is not None and record.approval.delivered
     if record.everStarted and record.state not in ("Started",):
-        reason = "seen Started"
-        if not record.seenScheduled:
-            reason = "appeared directly as Started (no notice: e.g. hardware failure)"
-        elif not approved:
-            reason = _started_unapproved(record)
-        went_unapproved = record.seenScheduled and record.state == "Scheduled" and _went_at_not_before(record, now)
-        transition(change, "Started", now, reason)
-        if went_unapproved:
-            # Its NotBefore passed without approval: the same card whether a run saw it Expired first or its first
-            # sight after NotBefore is Started (which of the two comes first is only the timer's and the VM's timing).
-            raise_alert(change, "expired", now)
-        if not approved and (row := started_unanswered(record, now)) is not None:
-            change.rows.append(row)
+        _seen_started(change, now, approved=approved)
     # A retired VM counts as gone, but not for an event that names VMs which have not reported it yet (their
     # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over.
     unheard = [name for name in record.resources if name not in record.vms and name not in retired]
@@ -161,6 +149,23 @@ def advance(
         return
     if record.state == "Scheduled" and record.notBefore is not None and now >= record.notBefore and not approved:
         transition(change, "Expired", now, f"NotBefore {record.notBefore.isoformat()} passed without approval")
+
+
+def _seen_started(change: EventChange, now: datetime, *, approved: bool) -> None:
+    record = change.record
+    reason = "seen Started"
+    if not record.seenScheduled:
+        reason = "appeared directly as Started (no notice: e.g. hardware failure)"
+    elif not approved:
+        reason = _started_unapproved(record)
+    went_unapproved = record.seenScheduled and record.state == "Scheduled" and _went_at_not_before(record, now)
+    transition(change, "Started", now, reason)
+    if went_unapproved:
+        # Its NotBefore passed without approval: the same card whether a run saw it Expired first or its first
+        # sight after NotBefore is Started (which of the two comes first is only the timer's and the VM's timing).
+        raise_alert(change, "expired", now)
+    if not approved and (row := started_unanswered(record, now)) is not None:
+        change.rows.append(row)
 
 
 def lost_answer(change: EventChange, now: datetime, *, executor: str, reason: str) -> None:
