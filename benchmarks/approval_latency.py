@@ -47,7 +47,7 @@ from coordinator.domain.evaluation import hooks_required
 from coordinator.domain.expiry import approval_bound, request_bound, sendable
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline.act import UNPEERED_ALLOWANCE
+from coordinator.pipeline.plan import UNPEERED_ALLOWANCE
 from coordinator.pipeline.run import IN_RUN_DELIVERY
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator

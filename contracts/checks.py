@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from datetime import datetime
-from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
 R = TypeVar("R", bound="Record")
@@ -116,6 +116,8 @@ class Number(Check):
                 ) from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.bad(f"Input should be a valid {kind}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self.bad("Input should be a finite number")  # Infinity and NaN are not JSON
         if self.integer and isinstance(value, float):
             if not value.is_integer():
                 raise self.bad("Input should be a valid integer, got a number with a fractional part")
@@ -185,54 +187,6 @@ class Moment(Check):
         # pydantic's form: UTC as "Z", fractions only when there are some.
         text = value.isoformat()
         return text[:-6] + "Z" if value.utcoffset() is not None and not value.utcoffset() else text
-
-
-@dataclasses.dataclass(frozen=True)
-class FilePath(Check):
-    def read(self, value: Any) -> Any:
-        if isinstance(value, Path):
-            return value
-        if not isinstance(value, str):
-            raise self.bad("Input is not a valid path")
-        return Path(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"format": "path", "type": "string"}
-
-    def dump(self, value: Any, *, exclude_none: bool) -> Any:
-        return str(value)
-
-
-class Secret:
-    """A value never shown: ``str()`` and ``repr()`` hide it (pydantic's SecretStr)."""
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def get_secret_value(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('**********')"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
-
-
-@dataclasses.dataclass(frozen=True)
-class SecretText(Check):
-    def read(self, value: Any) -> Any:
-        if isinstance(value, Secret):
-            return value
-        if not isinstance(value, str):
-            raise self.bad("Input should be a valid string")
-        return Secret(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"format": "password", "type": "string", "writeOnly": True}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,6 +90,10 @@ class VmIdentity(BaseModel):
 
 MAX_HOOK_STEPS = 32
 STEP_OUTPUT_TAIL = 1024
+# Every figure of seconds an envelope carries is finite and at most a week: no hook, pause or restart lasts
+# longer, a larger figure is a clock that stepped, and ``Infinity`` or ``NaN`` (which Python's and pydantic's JSON
+# parsers read) is not JSON for any sink the figure goes on to.
+MAX_SECONDS = 7 * 24 * 3600
 
 
 class HookStep(BaseModel):
@@ -99,14 +103,14 @@ class HookStep(BaseModel):
 
     hook: str = Field(min_length=1, max_length=256)
     outcome: HookOutcome
-    durationSeconds: float = Field(ge=0)
+    durationSeconds: float = Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)
     exitCode: int | None = None
     outputTail: str = Field(default="", max_length=STEP_OUTPUT_TAIL)
     # The seconds the hook was given (its time to the event's NotBefore less the forwarder's margin, at most the
     # configured maximum) and the share of them it used (>= 1: it was stopped at its budget). None from forwarders
     # older than budgets (v1-compatible).
-    budgetSeconds: float | None = Field(default=None, ge=0)
-    budgetUsed: float | None = Field(default=None, ge=0)
+    budgetSeconds: float | None = Field(default=None, ge=0, le=MAX_SECONDS, allow_inf_nan=False)
+    budgetUsed: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class HookReport(BaseModel):
@@ -124,13 +128,13 @@ class HookReport(BaseModel):
     phase: HookPhase
     outcome: HookOutcome
     hook: str = ""
-    durationSeconds: float = Field(ge=0)
+    durationSeconds: float = Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)
     exitCode: int | None = None
     outputTail: str = Field(default="", max_length=4096)
     steps: list[HookStep] | None = Field(default=None, max_length=MAX_HOOK_STEPS)
     # The phase's budget when it started (its first hook's) and the share of it the phase's hooks used together.
-    budgetSeconds: float | None = Field(default=None, ge=0)
-    budgetUsed: float | None = Field(default=None, ge=0)
+    budgetSeconds: float | None = Field(default=None, ge=0, le=MAX_SECONDS, allow_inf_nan=False)
+    budgetUsed: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @property
     def phase_complete(self) -> bool:
@@ -171,14 +175,14 @@ class ImpactReport(BaseModel):
     eventId: str = Field(min_length=1, max_length=128)
     eventType: str = Field(min_length=1, max_length=32)
     measure: ImpactMeasure
-    announcedSeconds: int = -1
-    measuredSeconds: float = Field(ge=0)
+    announcedSeconds: int = Field(default=-1, ge=-1, le=MAX_SECONDS)
+    measuredSeconds: float = Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)
     # The stretch measured: its last sign of life before, its first after (UTC).
     start: datetime
     end: datetime
     clock: ImpactClock = "wall"
-    monotonicGapSeconds: float | None = Field(default=None, ge=0)
-    wallGapSeconds: float | None = None
+    monotonicGapSeconds: float | None = Field(default=None, ge=0, le=MAX_SECONDS, allow_inf_nan=False)
+    wallGapSeconds: float | None = Field(default=None, ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)
     bootTime: datetime | None = None  # restart: when the VM booted again
 
     @field_validator("start", "end", "bootTime")

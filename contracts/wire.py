@@ -32,7 +32,9 @@ MAX_TAG_NAME = 512
 MAX_TAG_VALUE = 256
 MAX_HOOK_STEPS = 32
 STEP_OUTPUT_TAIL = 1024
+MAX_SECONDS = 7 * 24 * 3600  # contracts.envelope.MAX_SECONDS: a figure of seconds is finite and at most a week
 _COUNT = Number(integer=True, ge=0, le=2**63 - 1)
+_SECONDS = Number(ge=0, le=MAX_SECONDS)
 
 
 # --- the IMDS document (contracts/document.py) ---
@@ -174,10 +176,10 @@ class VmIdentity(Record):
 class HookStep(Record):
     hook: str = spec(Text(1, 256))
     outcome: HookOutcome = spec(Choice(get_args(HookOutcome)))
-    durationSeconds: float = spec(Number(ge=0))
+    durationSeconds: float = spec(_SECONDS)
     exitCode: int | None = spec(Maybe(Number(integer=True)), None)
     outputTail: str = spec(Text(max_length=STEP_OUTPUT_TAIL), "")
-    budgetSeconds: float | None = spec(Maybe(Number(ge=0)), None)
+    budgetSeconds: float | None = spec(Maybe(_SECONDS), None)
     budgetUsed: float | None = spec(Maybe(Number(ge=0)), None)
 
 
@@ -187,11 +189,11 @@ class HookReport(Record):
     phase: HookPhase = spec(Choice(get_args(HookPhase)))
     outcome: HookOutcome = spec(Choice(get_args(HookOutcome)))
     hook: str = spec(Text(), "")
-    durationSeconds: float = spec(Number(ge=0))
+    durationSeconds: float = spec(_SECONDS)
     exitCode: int | None = spec(Maybe(Number(integer=True)), None)
     outputTail: str = spec(Text(max_length=4096), "")
     steps: list[HookStep] | None = spec(Maybe(Many(Nested(HookStep), MAX_HOOK_STEPS)), None)
-    budgetSeconds: float | None = spec(Maybe(Number(ge=0)), None)
+    budgetSeconds: float | None = spec(Maybe(_SECONDS), None)
     budgetUsed: float | None = spec(Maybe(Number(ge=0)), None)
 
 
@@ -214,13 +216,13 @@ class ImpactReport(Record):
     eventId: str = spec(Text(1, 128))
     eventType: str = spec(Text(1, 32))
     measure: ImpactMeasure = spec(Choice(get_args(ImpactMeasure)))
-    announcedSeconds: int = spec(Number(integer=True), -1)
-    measuredSeconds: float = spec(Number(ge=0))
+    announcedSeconds: int = spec(Number(integer=True, ge=-1, le=MAX_SECONDS), -1)
+    measuredSeconds: float = spec(_SECONDS)
     start: datetime = spec(Moment(_AWARE))
     end: datetime = spec(Moment(_AWARE))
     clock: ImpactClock = spec(Choice(get_args(ImpactClock)), "wall")
-    monotonicGapSeconds: float | None = spec(Maybe(Number(ge=0)), None)
-    wallGapSeconds: float | None = spec(Maybe(Number()), None)
+    monotonicGapSeconds: float | None = spec(Maybe(_SECONDS), None)
+    wallGapSeconds: float | None = spec(Maybe(Number(ge=-MAX_SECONDS, le=MAX_SECONDS)), None)
     bootTime: datetime | None = spec(Maybe(Moment(_AWARE)), None)
 
 
@@ -349,6 +351,7 @@ class ApprovalResult(Record):
 __all__ = [
     "ENVELOPE_KINDS",
     "MAX_HOOK_STEPS",
+    "MAX_SECONDS",
     "MAX_TAGS",
     "MAX_TAG_NAME",
     "MAX_TAG_VALUE",

@@ -37,7 +37,7 @@ from coordinator.adapters.teams import AlertSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import delivery, fold, handover, ingest, people, tail, timer
+from coordinator.pipeline import delivery, fold, handover, ingest, people, record, tail, timer
 from coordinator.pipeline.fleet import Fleet, FleetCache
 from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
@@ -237,12 +237,14 @@ class Coordinator:
 
     def _finish_later(self, batch: Run) -> None:
         """The batch's tail, after the batch (docs/coordinator.md, *The tail after the batch*): its approvals are on
-        their way and its events and VM positions written; the answers are awaited and committed, the cards posted,
-        the budgets freed and the history written while its partition goes on. What it decided is in the fleet
-        cache before the next batch starts. A process that stops first leaves the approval records (the timer sends
-        them again after their in-flight grace, same decisionIds) and the cards in the events' outboxes (the timer
-        posts them); the rows of the history not yet written are what is lost."""
+        their way, its events and VM positions written, and every history row it made in the outbox (most with the
+        write they describe; the rest staged here); the answers are awaited and committed, the cards posted, the
+        budgets freed and the history written while its partition goes on. What it decided is in the fleet cache
+        before the next batch starts. A process that stops first leaves the approval records (the timer sends them
+        again after their in-flight grace, same decisionIds), the cards in the events' outboxes and the rows in the
+        outbox: the timer posts and writes them."""
         assert self.after_batch is not None
+        record.stage_loose(batch)
         batch.fleet.absorb(batch.work.uncached())
 
         def finish() -> None:

@@ -13,19 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from contracts.checks import (
-    Choice,
-    FilePath,
-    Flag,
-    Invalid,
-    Maybe,
-    Number,
-    Record,
-    Secret,
-    SecretText,
-    Text,
-    spec,
-)
+from contracts.checks import Choice, Flag, Invalid, Maybe, Number, Record, Text, spec
+from contracts.setting_checks import FilePath, Secret, SecretText
 from forwarder.imds import DEFAULT_IMDS_URL, FIRST_CALL_TIMEOUT
 
 ENV_PREFIX = "SE_FORWARDER_"

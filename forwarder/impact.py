@@ -36,8 +36,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-from contracts.wire import Envelope, ImpactClock, ImpactReport, ScheduledEvent, ScheduledEventsDocument, VmIdentity
+from contracts.checks import Invalid
+from contracts.wire import (
+    MAX_SECONDS,
+    Envelope,
+    ImpactClock,
+    ImpactReport,
+    ScheduledEvent,
+    ScheduledEventsDocument,
+    VmIdentity,
+)
 from forwarder import __version__
 from forwarder.durable_state import IMPACT_ALIVE, IMPACT_RESTART, Store, StoreFull
 from forwarder.logs import fields
@@ -62,6 +72,20 @@ def read_boot_time(path: Path) -> datetime | None:
         if name == "btime" and value.strip().isdigit():
             return datetime.fromtimestamp(int(value.strip()), UTC)
     return None
+
+
+def _report(**measured: Any) -> list[ImpactReport]:
+    """The report, or none when the contract cannot carry what was measured: seconds beyond a week are a clock that
+    stepped, not an event's impact (contracts.envelope.MAX_SECONDS), and a DurationInSeconds beyond it is sent as
+    not announced (-1)."""
+    announced = measured.get("announcedSeconds", -1)
+    if not -1 <= announced <= MAX_SECONDS:
+        measured["announcedSeconds"] = -1
+    try:
+        return [ImpactReport(**measured)]
+    except Invalid as error:
+        log.warning("an impact not reported: %s", error, extra=fields(event_id=measured.get("eventId")))
+        return []
 
 
 @dataclass
@@ -212,12 +236,12 @@ class ImpactMeter:
             for event_id, watch in self._freezes.items():
                 if watch.largest is None or gap.pause(self.tick) > watch.largest.pause(self.tick):
                     watch.largest = gap
-                    self._pending.append(self._pause_report(event_id, watch, gap))
+                    self._pending.extend(self._pause_report(event_id, watch, gap))
                     watch.reported = gap.pause(self.tick)
 
-    def _pause_report(self, event_id: str, watch: _FreezeWatch, gap: _Gap | None) -> ImpactReport:
+    def _pause_report(self, event_id: str, watch: _FreezeWatch, gap: _Gap | None) -> list[ImpactReport]:
         now = datetime.now(UTC)
-        return ImpactReport(
+        return _report(
             eventId=event_id,
             eventType=watch.event_type,
             measure="pause",
@@ -266,13 +290,13 @@ class ImpactMeter:
                 watch.started |= event.EventStatus == "Started"
                 if first and watch.started and self._late is not None:
                     watch.largest = self._late
-                    self._pending.append(self._pause_report(event_id, watch, self._late))
+                    self._pending.extend(self._pause_report(event_id, watch, self._late))
                     watch.reported = self._late.pause(self.tick)
             for event_id in [k for k in self._freezes if k not in freezes]:
                 watch = self._freezes.pop(event_id)
                 # Over without a pause seen: "it did not hurt" is worth saying too (a canceled one is not).
                 if watch.started and watch.largest is None:
-                    self._pending.append(self._pause_report(event_id, watch, None))
+                    self._pending.extend(self._pause_report(event_id, watch, None))
             if self._freezes:
                 if self._last is None:
                     # This poll is the first sign of life to measure from: a pause right after it (a Freeze
@@ -339,21 +363,26 @@ class ImpactMeter:
     def _report_restart(self, watch: _Restart, booted: datetime, now: datetime) -> None:
         self._restart = None
         self._reported.add(watch.event_id)
+        reports = _report(
+            eventId=watch.event_id,
+            eventType=watch.event_type,
+            measure="restart",
+            announcedSeconds=watch.announced,
+            measuredSeconds=round(max(0.0, (now - watch.last_poll).total_seconds()), 3),
+            start=watch.last_poll,
+            end=now,
+            clock="wall",
+            wallGapSeconds=round((now - watch.last_poll).total_seconds(), 3),
+            bootTime=booted,
+        )
+        if not reports:
+            # Nothing to spool, so nothing clears the watch with it: cleared here, or every start tries again.
+            try:
+                self._store.put_state(IMPACT_RESTART, "")
+            except StoreFull:
+                log.warning("the restart watch could not be cleared (state disk full)")
         with self._lock:
-            self._pending.append(
-                ImpactReport(
-                    eventId=watch.event_id,
-                    eventType=watch.event_type,
-                    measure="restart",
-                    announcedSeconds=watch.announced,
-                    measuredSeconds=round(max(0.0, (now - watch.last_poll).total_seconds()), 3),
-                    start=watch.last_poll,
-                    end=now,
-                    clock="wall",
-                    wallGapSeconds=round((now - watch.last_poll).total_seconds(), 3),
-                    bootTime=booted,
-                )
-            )
+            self._pending.extend(reports)
 
     def _spool(self, identity: VmIdentity, report: ImpactReport) -> None:
         observed = datetime.now(UTC)

@@ -5,8 +5,9 @@ sends a byte every few seconds holds a call for as long as it likes (a health ga
 over two minutes). Here every call goes through a session whose connections know the deadline of the block they
 are used in: ``with deadline(seconds, what):`` arms a timer, and when it fires every socket the block is using is
 shut down, which ends at once any read or write it is blocked in. What the interrupted call raised becomes
-``DeadlineExceeded``, naming the call and its deadline. A connection the block opens after the deadline is shut
-at once, so a library's own retries end too.
+``DeadlineExceeded``, naming the call and its deadline, and so does a block that ends without an error after its
+deadline passed (a call cut inside the headers may look complete). A connection the block opens after the deadline
+is shut at once, so a library's own retries end too.
 
 ``session()`` is a ``requests.Session`` with such connections; an azure-core client takes it as its transport
 (``RequestsTransport(session=session())``). Each adapter states its deadline where it makes the call.
@@ -102,6 +103,11 @@ def deadline(seconds: float, what: str) -> Iterator[Deadline]:
     timer.start()
     try:
         yield limit
+        if limit.expired:
+            # The block ended without an error, but its sockets were shut midway: what it read may be a part taken
+            # for the whole (http.client reads a stream that ends inside the headers as their end, and a status
+            # 200 then stands on nothing). An expired deadline is an unreadable answer, whatever was received.
+            raise limit.error()
     except Exception as error:
         if limit.expired and not isinstance(error, DeadlineExceeded):
             raise limit.error() from error

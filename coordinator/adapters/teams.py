@@ -82,31 +82,32 @@ class TeamsWebhookSink:
         last = ""
         attempts = 0
         # The exception texts name the card, never the URL (it is a secret).
-        with deadline.deadline(self._deadline, f"Teams webhook (card {key})") as limit:
-            for attempt in range(self._attempts):
-                if attempt:
-                    delay = backoff_delay(attempt - 1, initial=self._initial, maximum=self._maximum, rng=self._rng)
-                    if delay >= limit.remaining():
+        try:
+            with deadline.deadline(self._deadline, f"Teams webhook (card {key})") as limit:
+                for attempt in range(self._attempts):
+                    if attempt:
+                        delay = backoff_delay(attempt - 1, initial=self._initial, maximum=self._maximum, rng=self._rng)
+                        if delay >= limit.remaining():
+                            break
+                        self._sleep(delay)
+                    attempts += 1
+                    try:
+                        response = self._session.post(
+                            self._url,
+                            data=body,
+                            headers={"Content-Type": "application/json"},
+                            timeout=min(self._timeout, max(0.1, limit.remaining())),
+                        )
+                    except requests.RequestException as error:
+                        last = type(error).__name__  # past the deadline, the block's end says so
+                        continue
+                    if response.status_code < 300:
+                        return
+                    last = f"HTTP {response.status_code}"
+                    if response.status_code < 500 and response.status_code != 429:
                         break
-                    self._sleep(delay)
-                attempts += 1
-                try:
-                    response = self._session.post(
-                        self._url,
-                        data=body,
-                        headers={"Content-Type": "application/json"},
-                        timeout=min(self._timeout, max(0.1, limit.remaining())),
-                    )
-                except requests.RequestException as error:
-                    last = (
-                        f"no answer within the {self._deadline:g} s deadline" if limit.expired else type(error).__name__
-                    )
-                    continue
-                if response.status_code < 300:
-                    return
-                last = f"HTTP {response.status_code}"
-                if response.status_code < 500 and response.status_code != 429:
-                    break
+        except deadline.DeadlineExceeded:  # whatever the last attempt seemed to get, it was not read whole
+            last = f"no answer within the {self._deadline:g} s deadline"
         raise AlertError(f"Teams webhook refused card {key}: {last} after {attempts} attempts")
 
 

@@ -14,7 +14,10 @@ An attested document (contracts/attestation.py) is a PKCS7 SignedData from IMDS.
    to one forwarder state or one decision, so a document made for anything else proves nothing here.
 
 Pure apart from the injected ``IssuerSource``; verified signatures are cached by their bytes (a forwarder sends the
-same document with every envelope until it renews it).
+same document with every envelope until it renews it). Whatever fails while a document is read or checked, however
+deep in the DER (asn1crypto and cryptography parse parts only when they are first used), is an
+``AttestationRefused`` saying what could not be read: a document is evidence, and evidence that cannot be read
+proves nothing, so it never raises anything else.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from asn1crypto import cms as asn1_cms
+from asn1crypto import x509 as asn1_x509
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
@@ -52,10 +56,11 @@ CLOCK_SKEW = timedelta(minutes=5)
 # A document valid longer than this is not one IMDS gives (its documents live from seconds to a few hours).
 MAX_VALIDITY = timedelta(hours=24)
 CACHE_SIZE = 4096
-# Bindings of resource ids and vmIds (pipeline/attest.py) kept by each instance once read: they never change, so a
-# fleet of 100,000 VMs costs no reads. Two a VM (its resource id's and its vmId's): kept at 100,000, they were all
-# cleared at the 50,001st VM, and a fleet of 100,000 read its bindings again and again (benchmarks/wave.py).
-BINDINGS_CACHED = 2 * 100_000
+# Bindings of resource ids, names and vmIds (pipeline/attest.py) kept by each instance once read: they never change,
+# so a fleet of 100,000 VMs costs no reads. Four a VM (its resource id's and name's vmId, its vmId's resource id and
+# name): kept at 100,000 for two a VM, they were all cleared at the 50,001st VM, and a fleet of 100,000 read its
+# bindings again and again (benchmarks/wave.py).
+BINDINGS_CACHED = 4 * 100_000
 
 # What a SignerInfo may name as its digest: the digests, and (as Azure writes it) sha256WithRSAEncryption.
 _DIGESTS: dict[str, hashes.HashAlgorithm] = {
@@ -120,20 +125,41 @@ class Attested:
     signer: str
 
 
+def _unreadable(what: str, error: Exception) -> AttestationRefused:
+    return AttestationRefused(f"{what} cannot be read: {type(error).__name__}: {str(error)[:200]}")
+
+
+def _certificate(value: asn1_x509.Certificate, what: str) -> x509.Certificate:
+    """A carried certificate, every part of it read now: cryptography reads extensions only when first asked for
+    them, so a damaged one (a byte changed inside its Authority Information Access) is refused here as this
+    certificate's, not raised later from the signer-name or chain check."""
+    try:
+        certificate = x509.load_der_x509_certificate(value.dump())
+        for extension in certificate.extensions:
+            _ = extension.value
+    except Exception as error:
+        raise _unreadable(what, error) from error
+    return certificate
+
+
 def _signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.Certificate, ...]]:
     """(content, signing certificate, other certificates carried) of a SignedData whose signature verifies."""
     try:
-        info = asn1_cms.ContentInfo.load(der, strict=True)
-        if info["content_type"].native != "signed_data":
-            raise AttestationRefused("the PKCS7 is not a SignedData")
-        signed = info["content"]
-        content = signed_content(der)
-        carried = [c.chosen for c in signed["certificates"] if c.name == "certificate"]
-        signer_infos = list(signed["signer_infos"])
+        return _read_signer_info(der)
     except AttestationError:
         raise
-    except (ValueError, TypeError, KeyError) as error:
-        raise AttestationRefused(f"the PKCS7 cannot be read: {str(error)[:200]}") from error
+    except Exception as error:  # asn1crypto parses each part when first used: any of them may be damaged
+        raise _unreadable("the PKCS7", error) from error
+
+
+def _read_signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.Certificate, ...]]:
+    info = asn1_cms.ContentInfo.load(der, strict=True)
+    if info["content_type"].native != "signed_data":
+        raise AttestationRefused("the PKCS7 is not a SignedData")
+    signed = info["content"]
+    content = signed_content(der)
+    carried = [c.chosen for c in signed["certificates"] if c.name == "certificate"]
+    signer_infos = list(signed["signer_infos"])
     if len(signer_infos) != 1:
         raise AttestationRefused(f"the PKCS7 has {len(signer_infos)} signers; IMDS signs with one")
     signer_info = signer_infos[0]
@@ -145,8 +171,8 @@ def _signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.Certif
         chosen = [c for c in carried if c.key_identifier == sid.chosen.native]
     if not chosen:
         raise AttestationRefused("the PKCS7 does not carry the certificate that signed it")
-    certificate = x509.load_der_x509_certificate(chosen[0].dump())
-    others = tuple(x509.load_der_x509_certificate(c.dump()) for c in carried if c is not chosen[0])
+    certificate = _certificate(chosen[0], "the signing certificate")
+    others = tuple(_certificate(c, "a certificate the PKCS7 carries") for c in carried if c is not chosen[0])
     digest = _DIGESTS.get(signer_info["digest_algorithm"]["algorithm"].dotted)
     if digest is None:
         raise AttestationRefused(
@@ -154,8 +180,11 @@ def _signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.Certif
         )
     signed_bytes = content
     attributes = signer_info["signed_attrs"]
-    if attributes.native:
-        values = {a["type"].native: a["values"][0].native for a in attributes}
+    try:
+        values = {a["type"].native: a["values"][0].native for a in attributes} if attributes.native else None
+    except Exception as error:  # e.g. the message digest written as an INTEGER, not an OCTET STRING
+        raise _unreadable("the signed attributes", error) from error
+    if values is not None:
         if values.get("content_type") != "data":
             raise AttestationRefused("the signed attributes do not name the content as data")
         hasher = hashes.Hash(digest)
@@ -212,7 +241,12 @@ class AttestationVerifier:
             if (hit := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)
                 return hit
-        attested = self._verify_signed(attestation)
+        try:
+            attested = self._verify_signed(attestation)
+        except AttestationError:
+            raise
+        except Exception as error:  # whatever else a damaged document breaks: refused, never raised on
+            raise _unreadable("the document", error) from error
         with self._lock:
             self._cache[key] = attested
             while len(self._cache) > CACHE_SIZE:

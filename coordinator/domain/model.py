@@ -235,6 +235,9 @@ class EventRecord(BaseModel):
     traceparent: str = ""
     # The last request sent that its executor did not answer, while it may still be executed (OpenRequest).
     openRequest: OpenRequest | None = None
+    # How many times the record was written (the store counts each write: state/entities.py, ``revised``): of two
+    # copies of one event, the one with the higher revision is the newer (pipeline/fleet_cache.py keeps only it).
+    revision: int = 0
 
     @property
     def open(self) -> bool:

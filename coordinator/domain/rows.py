@@ -1,17 +1,20 @@
 """One history row: the columns of coordinator/history_columns.json as a pydantic model (pure, no I/O).
 
-The JSON file is the single definition; a test checks that this model's fields are exactly its columns.
+The JSON file is the single definition; a test checks that this model's fields are exactly its columns. Every row
+has a stable ``RecordId`` from the moment it is built (a hash of its other columns): the outbox keeps rows with it, and
+an upload made twice adds nothing to a store that keeps rows by it (docs/coordinator.md, *The outbox*).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 COLUMNS_FILE = Path(__file__).parent.parent / "history_columns.json"
 
@@ -65,6 +68,16 @@ class HistoryRow(BaseModel):
     MeasuredSeconds: float | None = None
     ImpactStart: datetime | None = None
     ImpactEnd: datetime | None = None
+    RecordId: str = ""
+
+    @model_validator(mode="after")
+    def _identified(self) -> HistoryRow:
+        # From the content, not at random: the same row built twice by one run (a write redone after a conflict
+        # re-derives its rows at the run's one ``now``) is one row.
+        if not self.RecordId:
+            digest = hashlib.sha256(self.model_dump_json(exclude={"RecordId"}).encode("utf-8")).hexdigest()
+            object.__setattr__(self, "RecordId", digest[:32])  # frozen: set once, while it is being built
+        return self
 
     def to_log(self) -> dict[str, Any]:
         """The Logs Ingestion shape: ISO-8601 datetimes, JSON for dynamic columns, empty values left out."""

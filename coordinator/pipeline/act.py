@@ -6,11 +6,12 @@ event (Approved, or a retry time, or an alert). Only what was committed is acted
 decided an approval sends it.
 
 An approval leaves right after its deciding write (``send_decided``, called by fold before the VM positions are
-written): the record that write committed, and its ETag, are what the delivery is planned from and what its outcome
-is written against, with no re-read; history comes last, in the tail. Before, a batch made 5 Table requests (a fresh
-re-read of the event and its groups among them) and committed the history before an approval left: the
-coordinator's hop was 12-14 times one conditional write. A crash after the deciding write leaves the approval
-record itself (``nextAttemptAt``): the timer sends it again after the in-flight grace, with its history rows.
+written): the plan made before that write (pipeline/plan.py, ``intend``: its intent row committed with the write, in
+the outbox), and the record and ETag the write gave, are what is sent and what its outcome is written against, with
+no re-read; the outcome's rows are committed with the outcome, and the history is uploaded last, in the tail. Before,
+a batch made 5 Table requests (a fresh re-read of the event and its groups among them) and committed the history
+before an approval left: the coordinator's hop was 12-14 times one conditional write. A crash after the deciding
+write leaves the approval record itself (``nextAttemptAt``): the timer sends it again after the in-flight grace.
 
 Nothing waits for a slow or dead listener either: with a delivery queue (``Parts.deliveries``), a batch, tick or
 person's run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue
@@ -30,21 +31,19 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from contracts.approval import ApprovalFacts, ApprovalRequest, ApprovalResult
+from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BatchCallback, BoundedCallback
-from coordinator.domain.approvals import choose_executor, reroute_at
 from coordinator.domain.deletes import platform_hold
-from coordinator.domain.evaluation import callback_of, hooks_required
-from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange, clone, lost_answer, raise_alert, transition
-from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
+from coordinator.domain.model import EventRecord, OpenRequest
 from coordinator.domain.retry import backoff_delay
 from coordinator.pipeline import attest, handover
+from coordinator.pipeline.plan import hands_over, plan_delivery
 from coordinator.pipeline.run import Delivery, Run, Sending
-from coordinator.state.events import commit_event, read_event
+from coordinator.state.events import commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
@@ -52,12 +51,6 @@ log = logging.getLogger("coordinator")
 APPROVAL_FAILED_AFTER = 3
 # How long past its own time a run waits for a bounded send's answer to come back (the attempt's end, the reply).
 SEND_SLACK = 0.5
-# The answers that say the executor's listener was not reached or did not answer (unknown: it went away before
-# answering): the next attempt prefers a peer.
-UNANSWERED = frozenset({"failed", "continued", "unknown"})
-# How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
-# the Relay holds 3 s (oracle seed 15) still executes it; a peer that reports the event later waits this much more.
-UNPEERED_ALLOWANCE = timedelta(seconds=2)
 # An answer that does not prove it came from the executing VM (another instance listening on its hybrid connection:
 # Relay hands each request to one of the connection's listeners at random) is sent again at once, this many times
 # in all, before the approval counts as failed and waits for its retry.
@@ -75,8 +68,6 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
         work.sent.extend(sending.plans)
     work.sending = []
     for plan in work.sent:
-        if plan.intent is not None:
-            work.rows.append(plan.intent)
         known = work.records.get(plan.event_id)
         etag = work.etags.get(plan.event_id)
         try:
@@ -87,10 +78,13 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
                 # The record as this run committed it, and that write's ETag: no re-read unless another wrote since.
                 read=Stored(known, etag) if known is not None and etag is not None else None,
                 etags=work.etags,
+                outbox=run.outbox(),
             )
         except ConcurrencyConflict:
             log.warning("approval of %s: outcome not recorded (contended); the timer reconciles", plan.event_id)
-            continue
+            change = None
+        if change is None and plan.intent is not None:
+            work.rows.append(plan.intent)  # a send with no outcome written: its intent goes with the run's rows
         if change is not None:
             run.report.approvals_sent += 1
             if any(row.RecordType == "Transition" and row.State == "Approved" for row in change.rows):
@@ -123,7 +117,7 @@ def send_decided(
     plans = [
         plan
         for event_id in work.deliveries
-        if event_id not in going and (plan := plan_delivery(run, event_id, last_seen, unstorable=unstorable))
+        if event_id not in going and (plan := _plan(run, event_id, last_seen, unstorable=unstorable))
     ]
     sending = send_all(run, plans)
     if sending is not None and tail_after_batch(run):
@@ -136,177 +130,21 @@ def send_decided(
     work.sent.extend(plans)
 
 
+def _plan(
+    run: Run, event_id: str, last_seen: dict[str, datetime] | None, *, unstorable: frozenset[str]
+) -> Delivery | None:
+    """The plan its deciding write committed (plan.intend), when it is for the approval committed; else made now."""
+    planned = run.work.planned.pop(event_id, None)
+    record = run.work.records.get(event_id)
+    approval = record.approval if record is not None else None
+    if planned is not None and approval is not None and planned.decision_id == approval.decisionId:
+        return planned
+    return plan_delivery(run, event_id, last_seen, unstorable=unstorable)
+
+
 def tail_after_batch(run: Run) -> bool:
     """Whether this run is a batch whose tail runs after it returns (Options.tail_after_batch)."""
     return run.options.tail_after_batch and run.kind == "batch"
-
-
-def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason a plan goes no further, each saying why
-    run: Run, event_id: str, last_seen: dict[str, datetime] | None, *, unstorable: frozenset[str] = frozenset()
-) -> Delivery | None:
-    """What to send for one committed approval: the executor and the request (None when no VM can execute it; the
-    failure says why), from the record as this run committed it (read fresh only when the run holds none). Every
-    approval is sent from a plan, so dry-run is held here: an approval decided before dry-run was switched on
-    waits."""
-    if run.dry_run:
-        return None
-    now, options = run.now, run.options
-    known = run.work.records.get(event_id)
-    stored = Stored(known, run.work.etags.get(event_id)) if known is not None else read_event(run.parts.store, event_id)
-    if stored is None or stored.record.approval is None or stored.record.approval.delivered:
-        return None
-    record = stored.record
-    if unstorable & record.vms.keys():
-        # VMs whose positions this batch cannot store: their sightings are not kept, so none is an executor.
-        record = record.model_copy(update={"vms": {n: s for n, s in record.vms.items() if n not in unstorable}})
-    approval = stored.record.approval
-    seen = {name: s.lastSeen for name, s in record.vms.items()}
-    if last_seen:
-        seen.update({name: last_seen[name] for name in seen if name in last_seen})
-    # The VM whose listener did not answer the last attempt: a peer that can execute it goes first.
-    avoid = frozenset({approval.executor}) if approval.outcome in UNANSWERED and approval.executor else frozenset()
-    alive_after, leaving = now - options.heartbeat_timeout, run.fleet.leaving(now)
-    executor = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid)
-    plan = Delivery(
-        event_id=event_id,
-        decision_id=approval.decisionId,
-        executor=executor.name if executor else "",
-        traceparent=record.traceparent,
-        callback=run.parts.callback,
-    )
-    # Never past what the decision rested on (an approval from before notAfter existed: its NotBefore), nor past the
-    # delivery's own deadline. A retry was decided again in this run before it got here (pipeline/decide.py).
-    kept = Bound(approval.notAfter, approval.notAfterReason) if approval.notAfter else person_bound(record)
-    tolerance = options.not_after_tolerance
-    valid_for = _valid_for(run, record, seen, executor, alive_after=alive_after, leaving=leaving)
-    not_after = request_bound(kept, now, valid_for, tolerance=tolerance)
-    if not sendable(not_after.at, now, tolerance=tolerance):
-        plan.failure = (
-            f"not sent: its notAfter {not_after.at.isoformat()} ({not_after.why}) is past or within the listener's "
-            f"{tolerance.total_seconds():g} s tolerance; decided again when retried"
-        )
-        return plan
-    remote_acknowledge = run.parts.remote_acknowledge
-    remote = callback_of(run.policy, approval.rule) == "remote-acknowledge"
-    if remote and remote_acknowledge is None:
-        plan.failure = (
-            f"rule {approval.rule!r} approves through remote acknowledge, which is off "
-            "(COORDINATOR_REMOTE_ACKNOWLEDGE); nothing sent"
-        )
-        return plan
-    gone = executor is not None and executor.name in avoid and seen[executor.name] < now - options.executor_silence
-    if (executor is None or gone) and remote_acknowledge is not None and options.remote_acknowledge_fallback:
-        # No VM's listener can execute it: no forwarder reported within heartbeat_timeout (e.g. a VM known only from
-        # Event Grid), or the only one left did not answer and has been silent for executor_silence (a VM gone, not
-        # a slow Relay): acknowledged through ARM instead, unverified by any VM (docs/security.md).
-        remote = True
-    if remote:
-        target = executor or _any_sighting(record)
-        if target is None:
-            plan.failure = f"no VM of {record.resources[:5]} is known: no resource to acknowledge the event on"
-            return plan
-        executor = target
-        plan.executor = f"arm:{target.name}"
-        assert remote_acknowledge is not None  # remote only when it is on (both branches above)
-        plan.callback = remote_acknowledge
-    if executor is None:
-        within = f"{options.heartbeat_timeout.total_seconds():.0f} s"
-        if record.eventType == "Terminate":
-            plan.failure = (
-                f"a Terminate is approved only through the VM it deletes, and none of {record.resources[:5]} "
-                f"reported within {within} (no peer may approve it)"
-            )
-        else:
-            plan.failure = f"no VM of {sorted(record.vms)[:10]} reported within {within}"
-        return plan
-    if _waits(run, plan, record.openRequest):
-        return plan
-    plan.vm = executor.identity()
-    plan.request = ApprovalRequest(
-        eventId=record.eventId,
-        decisionId=approval.decisionId,
-        rule=approval.rule[:256],
-        issuedAt=now,
-        # The same instant as notAfter: a listener of an earlier release reads only expiresAt.
-        expiresAt=not_after.at,
-        notAfter=not_after.at,
-        notAfterReason=not_after.why[:256],
-        policyVersion=approval.policyVersion,
-        # What the decision rested on, for the VM to check against its own IMDS document and hook ledger.
-        facts=ApprovalFacts(
-            eventType=record.eventType,
-            eventSource=record.eventSource,
-            durationInSeconds=record.durationInSeconds,
-            notBefore=record.notBefore,
-            resources=list(record.resources),
-            hooksRequired=hooks_required(run.policy, approval.rule, record),
-        ),
-    )
-    plan.intent = approval_row(
-        record=record,
-        now=now,
-        vm=executor.name,
-        rule=approval.rule,
-        decision_id=approval.decisionId,
-        actor=approval.actor,
-        outcome="sending",
-        reason=(
-            f"acknowledge of {record.eventId} going to ARM for {executor.name} (attempt {approval.attempts + 1})"
-            if plan.callback is not run.parts.callback
-            else f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})"
-        ),
-        details={
-            "notAfter": not_after.at.isoformat(),
-            "notAfterReason": not_after.why,
-            "policyVersion": approval.policyVersion,
-        },
-    )
-    return plan
-
-
-def _waits(run: Run, plan: Delivery, open_request: OpenRequest | None) -> bool:
-    """Whether the plan must wait for an unanswered request to lapse (``reroute_at``); if so, it says until when,
-    and waits in the delivery queue (a message visible from then), else for the timer."""
-    reroute = reroute_at(open_request, plan.executor, plan.decision_id, run.now)
-    if reroute is None or open_request is None:
-        return False
-    plan.wait_until = reroute
-    plan.continued = run.parts.deliveries is not None
-    plan.failure = (
-        f"not sent to {plan.executor} yet: {open_request.executor}'s unanswered request ({open_request.decisionId}) "
-        f"may be executed until {open_request.until.isoformat()}; sent from {reroute.isoformat()} (one valid "
-        "approval per event at a time)"
-    )
-    plan.executor = open_request.executor
-    return True
-
-
-def _valid_for(
-    run: Run,
-    record: EventRecord,
-    seen: dict[str, datetime],
-    executor: VmSighting | None,
-    *,
-    alive_after: datetime,
-    leaving: dict[str, str],
-) -> timedelta:
-    """How long a request sent now is valid. One a run hands over, only about as long as the run waits for it: once
-    it lapses, a peer may be sent the event without two valid approvals existing at once (``reroute_at``). As long
-    exactly when a peer that could take over is known; ``UNPEERED_ALLOWANCE`` longer when none is yet (a listener
-    the Relay holds a few seconds still executes it, oracle seed 15; a peer that reports the event later waits at
-    most that much more). The queue's and the timer's sends: the whole approval deadline."""
-    options = run.options
-    if not hands_over(run):
-        return options.approval_deadline
-    avoid = frozenset({executor.name}) if executor is not None else frozenset()
-    peer = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid) if executor else None
-    known = peer is not None and executor is not None and peer.name != executor.name
-    return options.in_run_delivery + (timedelta(0) if known else UNPEERED_ALLOWANCE)
-
-
-def hands_over(run: Run) -> bool:
-    """Whether the run gives an approval only ``in_run_delivery`` and hands one not answered to the delivery queue."""
-    return run.parts.deliveries is not None and run.kind != "delivery"
 
 
 def send_all(run: Run, plans: Sequence[Delivery]) -> Sending | None:
@@ -456,20 +294,14 @@ def send(
         )
 
 
-def _any_sighting(record: EventRecord) -> VmSighting | None:
-    """A VM the event names (else any that reported it): whose resource (its scale set, or itself) an acknowledge
-    names."""
-    for name in record.resources:
-        if name in record.vms:
-            return record.vms[name]
-    return next(iter(record.vms.values()), None)
-
-
 def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventChange | None:
-    """One delivery's outcome committed to its event. A request whose answer was lost (it reached the listener,
-    which went away) is kept on the approval after the outcome's own row (lifecycle.lost_answer): with the event
-    already seen Started before its NotBefore, the row that says so."""
+    """One delivery's outcome committed to its event, after the intent row of a send its deciding write did not carry
+    (a retry's, planned after that write). A request whose answer was lost (it reached the listener, which went
+    away) is kept on the approval after the outcome's own row (lifecycle.lost_answer): with the event already seen
+    Started before its NotBefore, the row that says so."""
     change = _outcome(run, record, plan=plan)
+    if change is not None and plan.intent is not None:
+        change.rows.insert(0, plan.intent)
     approval = change.record.approval if change is not None else None
     if change is not None and plan.answer_lost and approval is not None and approval.decisionId == plan.decision_id:
         lost_answer(change, run.now, executor=plan.executor, reason=plan.failure)

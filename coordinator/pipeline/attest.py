@@ -14,17 +14,36 @@ a claim. Azure's signature settles it:
   of the VM the approval went to, or of another instance listening on its hybrid connection (``answer_problem``).
 
 What fails is refused with a reason that names what to check, never the stateId (the history shows only digests).
+A document that cannot be read is refused like one that does not verify (the verifier refuses, never raises); the
+bindings are the state store's, and a store that fails raises ``StoreOutage``: the one failure at the door that is
+not the message's own, so the batch fails and is delivered again (ingest.read_batch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
+from typing import TypeVar
 
 from contracts.approval import ApprovalResult
 from contracts.attestation import AttestationError, decision_nonce, state_nonce
 from contracts.envelope import Envelope
 from coordinator.domain.attestation import Attestations
 from coordinator.state.store import StateStore
+
+T = TypeVar("T")
+
+
+class StoreOutage(Exception):
+    """The state store failed while a message was read at the door: nothing in the message is at fault, and no
+    message is refused for want of a read, so the batch fails (Event Hubs delivers it again)."""
+
+
+def _store(call: Callable[[], T], what: str) -> T:
+    try:
+        return call()
+    except Exception as error:
+        raise StoreOutage(f"the state store failed to {what}: {type(error).__name__}: {str(error)[:300]}") from error
 
 
 def _resource_claim(resource_id: str) -> str:
@@ -37,13 +56,15 @@ def _vm_claim(vm_id: str) -> str:
 
 def _bound(attestations: Attestations, store: StateStore, name: str) -> str | None:
     known = attestations.remembered(name)
-    if known is None and (found := store.claimed(name)) is not None:
+    if known is None and (found := _store(lambda: store.claimed(name), "read a binding")) is not None:
         known = attestations.remember(name, found)
     return known
 
 
 def _bind(attestations: Attestations, store: StateStore, name: str, value: str) -> str:
-    return attestations.remembered(name) or attestations.remember(name, store.claim(name, value))
+    return attestations.remembered(name) or attestations.remember(
+        name, _store(lambda: store.claim(name, value), "write a binding")
+    )
 
 
 def binding_problem(attestations: Attestations, store: StateStore, envelope: Envelope, *, claim: bool) -> str:

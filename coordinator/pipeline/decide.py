@@ -41,6 +41,7 @@ from coordinator.domain.model import (
 )
 from coordinator.domain.pacing import pace_domains
 from coordinator.domain.policy import Policy
+from coordinator.pipeline import plan
 from coordinator.pipeline.fleet import by_not_before
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -102,7 +103,9 @@ def release_held(run: Run, changes: Sequence[EventChange]) -> int:
         if event_id in here:
             continue
         try:
-            change = commit_event(run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags)
+            change = commit_event(
+                run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags, outbox=run.outbox()
+            )
         except ConcurrencyConflict:
             log.warning("held delete %s: contended; the timer decides it again", event_id)
             continue
@@ -151,7 +154,9 @@ def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
     released = 0
     for record in pending:
         try:
-            change = commit_event(store, record.eventId, lambda r: redecide(run, r), etags=run.work.etags)
+            change = commit_event(
+                store, record.eventId, lambda r: redecide(run, r), etags=run.work.etags, outbox=run.outbox()
+            )
         except ConcurrencyConflict:
             log.warning("held delete %s: contended; the timer decides it again", record.eventId)
             continue
@@ -163,11 +168,13 @@ def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
 
 
 def redecide(run: Run, record: EventRecord | None) -> EventChange | None:
+    """The event decided again, inside its write; an approval it decides planned before that write (its intent
+    row committed with it: plan.intend)."""
     if record is None:
         return None
     change = EventChange(record=clone(record))
     decide(run, change)
-    return change
+    return plan.intend(run, change)
 
 
 def _gate_results(run: Run, record: EventRecord, view: FleetView) -> dict[str, GateResult]:

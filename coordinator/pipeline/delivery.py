@@ -12,9 +12,10 @@ import logging
 from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import EventRecord
-from coordinator.pipeline import decide
+from coordinator.pipeline import decide, plan
+from coordinator.pipeline.positions import last_heard
 from coordinator.pipeline.run import Run
-from coordinator.state.events import commit_event
+from coordinator.state.events import commit_event, read_event
 from coordinator.state.store import ConcurrencyConflict
 
 __all__ = ["take_over"]
@@ -48,10 +49,22 @@ def take_over(run: Run, delivery: QueuedDelivery) -> None:
         change = EventChange(record=clone(record))
         decide.decide(run, change, again=True)
         change.changed = True  # committed even when it decides the same: the ETag says no other run took it meanwhile
-        return change
+        # Planned before this write, so that its intent row is committed with it (plan.intend).
+        return plan.intend(run, change, standing=True)
 
+    stored = read_event(run.parts.store, delivery.eventId)
+    if stored is not None:
+        # Its executor judged by when the service last heard each VM (heartbeats count), as the timer judges it.
+        run.heard = last_heard(run.parts.store, stored.record)
     try:
-        change = commit_event(run.parts.store, delivery.eventId, continued, etags=run.work.etags)
+        change = commit_event(
+            run.parts.store,
+            delivery.eventId,
+            continued,
+            read=stored,
+            etags=run.work.etags,
+            outbox=run.outbox(),
+        )
     except ConcurrencyConflict:
         log.warning("delivery of %s (%s): contended; the timer sends it after its grace", *_ids(delivery))
         return

@@ -2,12 +2,10 @@
 events, the census of known VMs), the open deletes for delete coupling, the VMs leaving, the health gates read once,
 and the fleet-wide budget claims per domain (ETag-checked entities, so two instances never over-claim).
 
-The open events and the census are kept by the coordinator instance across runs (``FleetCache``) and refreshed with
-what changed since (``StateStore.events_changed_since``, ``vm_groups_changed_since``), not read whole per run:
-re-reading and re-parsing every VM group in every batch made a 10,000-VM wave under a census policy take 54-74 s
-instead of 6-7 s, and doubling the fleet quadrupled it. Each run (``Fleet``) takes the cache as it is when it first
-needs it and keeps it current as the run decides (``note``, ``add``); what the run committed goes back into the
-cache at its end (``absorb``). The rules themselves stay pure (domain/evaluation.py, domain/budgets.py).
+The open events and the census are kept by the coordinator instance across runs (``FleetCache``,
+pipeline/fleet_cache.py). Each run (``Fleet``) takes the cache as it is when it first needs it and keeps it current
+as the run decides (``note``, ``add``); what the run committed goes back into the cache at its end (``absorb``). The
+rules themselves stay pure (domain/evaluation.py, domain/budgets.py).
 
 The census: with ARM's (``census``, coordinator/adapters/census.py, the deployed setting) the facts budgets and tag
 rules read are ARM's alone. What envelopes say of a VM never enters it (every VM shares one sender identity: a VM
@@ -20,296 +18,48 @@ coordinator by hand), the census is what the VMs last reported, kept in their VM
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.census import CensusView
 from coordinator.adapters.gates import GateReader, MonitorReader
 from coordinator.domain.budgets import BudgetDomain
-from coordinator.domain.census import CensusEntry, disagreements
+from coordinator.domain.census import disagreements
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS, leaving_vms
-from coordinator.domain.fleet_view import Census, FleetView
-from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord, VmGroupRecord, VmRecord
+from coordinator.domain.fleet_view import FleetView
+from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord, VmRecord
 from coordinator.domain.pacing import PaceDomain, PaceHold, claimed, is_rate, is_sequence, pace_hold, released, settled
 from coordinator.domain.policy import MAX_PACING_SECONDS, Policy
+from coordinator.pipeline.fleet_cache import (
+    FleetCache,
+    KnownVm,
+    by_not_before,
+    facts_of,
+    holds_budget,
+    waits_for_budget,
+)
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
+
+# What the cache holds, as the runs and tools have always imported it from here.
+__all__ = [
+    "CLAIM_LEASE",
+    "Fleet",
+    "FleetCache",
+    "KnownVm",
+    "by_not_before",
+    "facts_of",
+    "holds_budget",
+    "waits_for_budget",
+]
 
 log = logging.getLogger("coordinator")
 
 # A budget claim counts unconditionally this long (its approval is written right after it); then only while its
 # event holds an approval.
 CLAIM_LEASE = timedelta(seconds=90)
-# How late an instance sees what other instances wrote: the cache asks for changes at most this often (its own
-# writes it sees at once; the timer asks on every tick). Budget claims are checked fleet-wide by ETag whatever the
-# view says, so this only delays when approvals by other rules, new VMs and their tags on other instances count.
-# One query per 5 s costs a wave nothing measurable; asking per batch re-downloads the batch's own writes.
-REFRESH_EVERY = 5.0
-# Changes are asked for from this long before the latest one seen: writers commit concurrently, so a write stamped
-# earlier can become visible after a later one. An unchanged ETag in the overlap is not parsed again.
-OVERLAP = timedelta(seconds=5)
-
-
-def by_not_before(record: EventRecord) -> tuple[datetime, str]:
-    """Competing events are decided closest to NotBefore first (none: last), then by EventId, so that when budget
-    is short it goes to the event that would otherwise start unapproved soonest."""
-    return (record.notBefore or datetime.max.replace(tzinfo=UTC), record.eventId)
-
-
-def facts_of(identity: VmIdentity) -> VmFacts:
-    return VmFacts(
-        scaleSet=identity.vmScaleSetName,
-        zone=identity.zone,
-        location=identity.location,
-        faultDomain=identity.platformFaultDomain,
-        updateDomain=identity.platformUpdateDomain,
-        placementGroup=identity.placementGroupId,
-        tags=dict(identity.tags),
-    )
-
-
-def waits_for_budget(record: EventRecord) -> bool:
-    """A Scheduled event whose last decision was held by an impact budget: it is queued for the next free slot. One
-    held by a rate or sequence is not: its VMs are no reason for another rule's budget to count them taken."""
-    return (
-        record.state == "Scheduled"
-        and record.approval is None
-        and record.decision is not None
-        and record.decision.holdKind == "budget"
-        and not is_rate(record.decision.holdName)
-        and not is_sequence(record.decision.holdName)
-    )
-
-
-def holds_budget(record: EventRecord) -> bool:
-    """An event impacts its VMs from the approval until it is gone. An Expired event whose approval was decided
-    keeps its slots too: the platform starts it at NotBefore anyway."""
-    return record.open and (record.state in ("Approved", "Started") or record.approval is not None)
-
-
-@dataclass(frozen=True, slots=True)
-class KnownVm:
-    """What the timer needs of every VM without holding its whole record (a VM's record with its sightings is about
-    4.4 KB in memory; this is a tenth of it): where it is kept, when it last spoke, and its conditions."""
-
-    name: str
-    vm_id: str
-    group: str
-    last_seen: datetime
-    agentless: bool
-    retired_by: str  # the event that removed it ("" while it is not retired)
-    retired_at: datetime | None
-    heartbeat_lost: bool
-    imds_failing: bool
-    pending_since: datetime | None
-    pending: bool
-    hybrid_connection: str
-
-    @classmethod
-    def of(cls, group: str, vm: VmRecord) -> KnownVm:
-        return cls(
-            name=vm.identity.name,
-            vm_id=vm.identity.vmId.lower(),
-            group=group,
-            last_seen=vm.lastSeen,
-            agentless=vm.agentless,
-            retired_by=vm.retired.eventId if vm.retired is not None else "",
-            retired_at=vm.retired.at if vm.retired is not None else None,
-            heartbeat_lost=vm.heartbeatLost,
-            imds_failing=vm.imdsFailing is not None,
-            pending_since=vm.pendingSince,
-            pending=bool(vm.pendingAlerts),
-            hybrid_connection=vm.identity.hybrid_connection_name,
-        )
-
-
-class FleetCache:
-    """The open events and the VMs of the fleet, kept by one coordinator instance across its runs and refreshed
-    with what changed (the store's write times), at most every ``REFRESH_EVERY`` seconds unless forced (the timer).
-    Each is loaded whole once, on first need: the events by any run, the VMs by a census policy or the timer.
-    Shared by the runs on the Functions worker's threads: every access takes the lock."""
-
-    def __init__(self, store: StateStore, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.store = store
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._events: dict[str, EventRecord] = {}
-        self._deletes: dict[str, dict[str, EventRecord]] = {}  # open Terminates, by scale set
-        self._removing: dict[str, EventRecord] = {}  # open Terminates and Preempts
-        self._holding: dict[str, EventRecord] = {}
-        self._queued: dict[str, EventRecord] = {}
-        self._events_mark: datetime | None = None
-        self._events_at: float | None = None  # when last refreshed (None: never loaded)
-        self.census = Census()
-        self._vms: dict[str, KnownVm] = {}  # by vmId, lower case
-        self._groups_mark: datetime | None = None
-        self._groups_at: float | None = None
-        # ARM's census, indexed (``arm_census``), and the snapshot it was built from.
-        self._arm_census = Census()
-        self._arm_entries: Mapping[str, CensusEntry] | None = None
-
-    # events --------------------------------------------------------------------------------------------------
-    def _refresh_events(self, *, force: bool) -> None:
-        now = self._clock()
-        if self._events_at is not None and not force and now - self._events_at < REFRESH_EVERY:
-            return
-        since = None if self._events_at is None or self._events_mark is None else self._events_mark - OVERLAP
-        changed = self.store.events_changed_since(since)
-        if since is None:  # every open event: what the cache held and is not among them has concluded
-            for held in (self._events, self._removing, self._holding, self._queued):
-                held.clear()
-            self._deletes.clear()
-        self._events_at = now
-        if changed.watermark is not None:
-            self._events_mark = max(changed.watermark, self._events_mark or changed.watermark)
-        for stored in changed.records:
-            self._put_event(stored.record)
-
-    def _put_event(self, record: EventRecord) -> None:
-        event_id = record.eventId
-        old = self._events.pop(event_id, None)
-        if old is not None and old.eventType == "Terminate":
-            for scale_set in old.scaleSets or [""]:
-                self._deletes.get(scale_set, {}).pop(event_id, None)
-        self._removing.pop(event_id, None)
-        self._holding.pop(event_id, None)
-        self._queued.pop(event_id, None)
-        if not record.open:
-            return
-        self._events[event_id] = record
-        if record.eventType == "Terminate":
-            for scale_set in record.scaleSets or [""]:
-                self._deletes.setdefault(scale_set, {})[event_id] = record
-        if record.eventType in REMOVING_EVENTS:
-            self._removing[event_id] = record
-        if holds_budget(record):
-            self._holding[event_id] = record
-        if waits_for_budget(record):
-            self._queued[event_id] = record
-
-    def absorb(self, records: Iterable[EventRecord]) -> None:
-        """Records a run committed (or read fresh): seen at once by the next run of this instance."""
-        with self._lock:
-            if self._events_at is None:
-                return  # not loaded yet: the first load reads them
-            for record in records:
-                self._put_event(record)
-
-    def probably_new(self, event_ids: Iterable[str], groups: Iterable[Stored[VmGroupRecord]]) -> set[str]:
-        """The events that are neither open as this instance knows (none when it has not loaded them) nor sighted
-        by any VM of ``groups``: most likely new, so a batch inserts them without reading them first (an insert
-        is refused when the event exists, and then the batch reads)."""
-        with self._lock:
-            if self._events_at is None:
-                return set()
-            unknown = {event_id for event_id in event_ids if event_id not in self._events}
-        for group in groups:
-            for vm in group.record.vms.values():
-                unknown -= vm.sightings.keys()
-        return unknown
-
-    def open_events(self, *, force: bool = False) -> dict[str, EventRecord]:
-        with self._lock:
-            self._refresh_events(force=force)
-            return dict(self._events)
-
-    def budget_events(self) -> tuple[list[EventRecord], list[EventRecord]]:
-        """The open events that hold their VMs (impacted) and those queued for budget."""
-        with self._lock:
-            self._refresh_events(force=False)
-            return list(self._holding.values()), list(self._queued.values())
-
-    def deletes_of(self, scale_sets: Iterable[str]) -> dict[str, EventRecord]:
-        """The open Terminates of these scale sets (delete coupling looks at one scale set's deletes; scanning
-        every open delete for each decision made a Terminate wave quadratic)."""
-        with self._lock:
-            self._refresh_events(force=False)
-            return {i: r for s in set(scale_sets) for i, r in self._deletes.get(s, {}).items()}
-
-    def removing(self) -> dict[str, EventRecord]:
-        with self._lock:
-            self._refresh_events(force=False)
-            return dict(self._removing)
-
-    # VMs -----------------------------------------------------------------------------------------------------
-    def _refresh_groups(self, *, force: bool) -> None:
-        now = self._clock()
-        if self._groups_at is not None and not force and now - self._groups_at < REFRESH_EVERY:
-            return
-        since = None if self._groups_at is None or self._groups_mark is None else self._groups_mark - OVERLAP
-        changed = self.store.vm_groups_changed_since(since)
-        if since is None:
-            self._vms.clear()
-            self.census = Census()
-        self._groups_at = now
-        if changed.watermark is not None:
-            self._groups_mark = max(changed.watermark, self._groups_mark or changed.watermark)
-        for stored in changed.records:
-            self._put_group(stored.record)
-
-    def _put_group(self, group: VmGroupRecord) -> None:
-        for vm_id, vm in group.vms.items():
-            old = self._vms.get(vm_id)
-            if old is not None and old.name != vm.identity.name:
-                self.census.drop(old.name)
-            self._vms[vm_id] = KnownVm.of(group.group, vm)
-            if vm.retired is None:
-                self.census.put(vm.identity.name, facts_of(vm.identity))
-            else:
-                self.census.drop(vm.identity.name)
-
-    def groups_written(self, groups: Iterable[VmGroupRecord]) -> None:
-        """VM groups a run wrote (the timer's retirements and lost heartbeats): seen at once."""
-        with self._lock:
-            if self._groups_at is None:
-                return
-            for group in groups:
-                self._put_group(group)
-
-    def forget_vms(self, vm_ids: Iterable[str]) -> None:
-        """VMs whose positions housekeeping removed (retired long ago: none is in the census)."""
-        with self._lock:
-            for vm_id in vm_ids:
-                self._vms.pop(vm_id, None)
-
-    def known_census(self) -> Census:
-        """The census, loaded on first need and refreshed by change (the live object: read, never iterated
-        while another thread may change it, except through its own copying methods)."""
-        with self._lock:
-            self._refresh_groups(force=False)
-            return self.census
-
-    def vms(self, *, force: bool = False) -> list[KnownVm]:
-        with self._lock:
-            self._refresh_groups(force=force)
-            return list(self._vms.values())
-
-    def arm_census(self, arm: CensusView) -> Census:
-        """ARM's census as an indexed ``Census``, rebuilt only when ARM's snapshot changes (a read of ARM),
-        kept across runs like the reported one (the live object: read, never iterated while another thread may
-        change it)."""
-        entries = arm.entries()
-        with self._lock:
-            if self._arm_entries is not entries:
-                self._arm_census = Census(arm.facts().items())
-                self._arm_entries = entries
-            return self._arm_census
-
-    def note_vms(self, records: Iterable[VmRecord]) -> None:
-        """The VMs of a batch as their envelopes just said: in the census at once (their positions are written
-        after the events are decided, so a new VM's first event is decided with its tags). Only once the census
-        is loaded: its first load reads them."""
-        with self._lock:
-            if self._groups_at is None:
-                return
-            for record in records:
-                if record.retired is None:
-                    self.census.put(record.identity.name, facts_of(record.identity))
 
 
 class Fleet:
@@ -342,6 +92,11 @@ class Fleet:
         self._reported.extend(records)
         self.cache.note_vms(self._reported)
         self._view = None
+
+    @property
+    def arm(self) -> CensusView | None:
+        """ARM's census as this run sees it (None without one): the door reads each VM's name from it."""
+        return self._arm
 
     def census_unusable(self) -> str:
         """Why ARM's census cannot be decided on now ("" when it can, or when there is none: the reported one)."""

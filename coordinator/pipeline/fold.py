@@ -5,8 +5,9 @@ derives its observations with the pure ``observations.vm_observations`` (duplica
 (stateId, sequence)) and adds the Event Grid sightings (``event_grid.sightings``); sets aside, as dead letters, the
 messages of a VM whose envelopes could not be read against its position; folds the observations into the event
 records with ``event_merge.apply_observations``, has each changed event decided (``decide.decide_all``, inside the
-same ETag-checked write, so that of two instances only one decision commits), and writes the events, then the VM
-positions. The committed ``EventChange``s go into the run's ``Work`` for the tail. VMs whose cached position turned
+same ETag-checked write, so that of two instances only one decision commits; an approval it decides is planned
+there too: plan.intend), and writes the events, each with its rows in the outbox, then the VM positions, with
+theirs. The committed ``EventChange``s go into the run's ``Work`` for the tail. VMs whose cached position turned
 out stale (another instance moved them) are redone from a fresh read.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -26,15 +28,19 @@ from coordinator.domain.history_rows import dead_letter_row, heartbeat_row, posi
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.observations import Observation, VmUpdate, vm_position
-from coordinator.pipeline import act, decide, event_grid, health
+from coordinator.pipeline import act, decide, event_grid, health, plan
 from coordinator.pipeline.ingest import Arrivals, dead_letter
 from coordinator.pipeline.positions import VmBatch, save_vm_updates, unstorable, vm_updates
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.events import aggregate, assemble, commit_event
-from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Stored
+from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Staged, Stored
 
 log = logging.getLogger("coordinator")
+
+# The rows an event's write leaves to the VM positions: they describe sightings, which are stored there. A replay of
+# envelopes whose positions were not written makes them again, and only them.
+SIGHTINGS = frozenset({"Observation"})
 
 
 def fold(run: Run, arrivals: Arrivals) -> VmBatch:
@@ -231,7 +237,8 @@ def keep_sightings(change: EventChange, observations: list[Observation], batch: 
     for observation in observations:
         update = batch.updates.get(observation.vm.vmId.lower())
         sighting = change.record.vms.get(observation.vm.name)
-        if update is not None and sighting is not None:
+        # Only the VM's own sighting goes with its position: the name may hold another VM's (event_merge.py).
+        if update is not None and sighting is not None and sighting.vmId.lower() in ("", observation.vm.vmId.lower()):
             # Stored without the identity fields: the VM's position says them once.
             compact = sighting.model_copy(
                 update={"name": "", "vmId": "", "resourceId": "", "scaleSet": "", "placementGroup": ""}
@@ -248,10 +255,10 @@ def start_trace(change: EventChange | None, batch: VmBatch) -> EventChange | Non
     return change
 
 
-def save_events(run: Run, writes: list[tuple[EventRecord, str | None]]) -> None:
-    """Writes the batch's events in transactions, and keeps the ETag each deciding write gave: what the approval's
-    outcome is written against, with no re-read."""
-    for (record, _), etag in zip(writes, run.parts.store.save_events(writes), strict=True):
+def save_events(run: Run, writes: list[tuple[EventRecord, str | None]], staged: Sequence[Staged] = ()) -> None:
+    """Writes the batch's events in transactions, each with its rows (``staged``), and keeps the ETag each deciding
+    write gave: what the approval's outcome is written against, with no re-read."""
+    for (record, _), etag in zip(writes, run.parts.store.save_events(writes, staged=staged), strict=True):
         run.work.etags[record.eventId] = etag
 
 
@@ -313,6 +320,8 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         return assemble(stored, groups)
 
     changes: list[EventChange] = []
+    outbox = run.outbox(leave=SIGHTINGS)
+    staging: list[Staged] = []
 
     def applied_and_decided(
         assembled: dict[str, Stored[EventRecord]],
@@ -325,14 +334,20 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
                 applied.append((change, current))
         decide.decide_all(run, [c for c, _ in applied])
         changes.clear()
+        staging.clear()
         writes = []
         for change, current in applied:
             if not change.changed:
                 continue
+            if change.approval_decided:
+                # Planned before the write, so that its intent row is committed with it (plan.intend).
+                plan.intend(run, change, unstorable=unstorable(batch, set(change.record.vms)))
             changes.append(change)
-            # Only the event itself is written here; new sightings go with the VM positions.
+            # Only the event itself is written here, with the rows of what it records (transitions, decisions, the
+            # intent); new sightings go with the VM positions, and their Observation rows with them (SIGHTINGS).
             if current is None or aggregate(change.record) != aggregate(current.record):
                 writes.append((change.record, current.etag if current else None))
+                staging.extend(outbox.pieces(f"event:{change.record.eventId}", change.rows))
         return writes
 
     # Another instance may write some of these events meanwhile (a placement group's VMs sit on several
@@ -341,11 +356,12 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         commit(
             events_now,
             applied_and_decided,
-            lambda writes, _assembled: save_events(run, writes),
+            lambda writes, _assembled: save_events(run, writes, staging),
             what="events of the batch",
             attempts=BULK_ATTEMPTS,
             on_conflict=run.report.count_conflict,
         )
+        outbox.written.extend(staging)
         return changes
     except ConcurrencyConflict:
         pass
@@ -369,11 +385,18 @@ def _commit_one_by_one(
             redone = applier.apply(record, event_id, items)
             if redone is not None:
                 decide.decide_all(run, [redone])
+                if redone.approval_decided:
+                    plan.intend(run, redone, unstorable=unstorable(applier.batch, set(redone.record.vms)))
             return redone
 
         try:
             result = commit_event(
-                run.parts.store, event_id, redo, on_conflict=run.report.count_conflict, etags=run.work.etags
+                run.parts.store,
+                event_id,
+                redo,
+                on_conflict=run.report.count_conflict,
+                etags=run.work.etags,
+                outbox=run.outbox(leave=SIGHTINGS),
             )
         except RecordTooLarge as error:
             applier.set_aside(event_id, observations[event_id], "make a record too large to store", error)

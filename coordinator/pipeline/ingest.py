@@ -30,6 +30,7 @@ from contracts.envelope import Envelope, VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.domain.history_rows import dead_letter_row
 from coordinator.pipeline import attest, event_grid
+from coordinator.pipeline.attest import StoreOutage
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.store import DeadLetter
 
@@ -193,49 +194,63 @@ def dead_letter(
 
 def read_batch(run: Run, messages: Sequence[RawMessage], channel: Channel = "vms") -> Arrivals:
     """Validates each message; groups the valid envelopes by VM in arrival order (the batch's order is its Event
-    Hubs partition's, whose key is the VM). ``channel``: the hub the batch came from; each carries one kind."""
+    Hubs partition's, whose key is the VM). ``channel``: the hub the batch came from; each carries one kind.
+
+    One boundary per message: whatever is raised while one message is read, validated, verified or bound is that
+    message's alone, and sets it aside as a dead letter with the reason; the batch goes on. A state store that
+    fails (``StoreOutage``) is the one exception: nothing in the message is at fault, so the batch fails, saying
+    so, and Event Hubs delivers it again."""
     run.enter("ingest")
-    now, work = run.now, run.work
+    now = run.now
     arrivals = Arrivals()
     for index, message in enumerate(messages):
-        telemetry.message_age(message.enqueued_time, now)
         where = f"message {index} of the batch"
         try:
-            grid = _event_grid_body(message.body)
-        except bounded_json.JsonRefused as error:  # too large or too deep to read: this message's alone
-            dead_letter(message, f"refused: {error}", now, dead=arrivals.dead, work=work, where=where)
-            continue
-        if grid is not None and channel == "platform":
-            read_grid(message, grid, now, arrivals=arrivals, work=work, where=where)
-            continue
-        if grid is not None or channel == "platform":
-            reason = GRID_ON_VM_HUB if grid is not None else ENVELOPE_ON_PLATFORM_HUB
-            dead_letter(message, reason, now, dead=arrivals.dead, work=work, where=f"{where} ({channel} channel)")
-            continue
-        try:
-            envelope = validate(message, now)
-        except Exception as error:  # any failure is this message's alone: set aside, counted
-            dead_letter(message, _dead_letter_reason(error), now, dead=arrivals.dead, work=work, where=where)
-            continue
-        # Whether the envelope is its VM's (Azure's signature, the bindings). A store that fails here fails the
-        # batch, as it would in fold: nothing is dead-lettered for want of a read.
-        problem = attest.envelope_problem(
-            run.parts.attestations,
-            run.parts.store,
-            envelope,
-            at=message.enqueued_time or now,
-            required=run.options.require_attestation,
-        )
-        if problem:
-            dead_letter(
-                message, problem[:1000], now, dead=arrivals.dead, work=work, where=f"message {index} of the batch"
-            )
-            continue
-        arrivals.by_vm[envelope.vm.vmId.lower()].append(envelope)
-        arrivals.raw_of[envelope.vm.vmId.lower()].append(message)
-        if traceparent := telemetry.valid_traceparent(message.traceparent):
-            arrivals.traces[(envelope.vm.vmId.lower(), envelope.sequence)] = traceparent
+            telemetry.message_age(message.enqueued_time, now)
+            _read_message(run, message, channel, arrivals, where)
+        except StoreOutage as outage:
+            log.error("batch of %d messages failed at %s: %s; it will be delivered again", len(messages), where, outage)
+            raise
+        except Exception as error:  # this message's alone: set aside with its reason, counted
+            dead_letter(message, _dead_letter_reason(error), now, dead=arrivals.dead, work=run.work, where=where)
     return arrivals
+
+
+def _read_message(run: Run, message: RawMessage, channel: Channel, arrivals: Arrivals, where: str) -> None:
+    """One message into ``arrivals``: its envelope under its VM, its Event Grid events, or a dead letter. Adds to
+    ``arrivals`` only once nothing more can fail, so a message that raises leaves nothing of itself there."""
+    now, work = run.now, run.work
+    try:
+        grid = _event_grid_body(message.body)
+    except bounded_json.JsonRefused as error:  # too large or too deep to read
+        dead_letter(message, f"refused: {error}", now, dead=arrivals.dead, work=work, where=where)
+        return
+    if grid is not None and channel == "platform":
+        read_grid(message, grid, now, arrivals=arrivals, work=work, where=where)
+        return
+    if grid is not None or channel == "platform":
+        reason = GRID_ON_VM_HUB if grid is not None else ENVELOPE_ON_PLATFORM_HUB
+        dead_letter(message, reason, now, dead=arrivals.dead, work=work, where=f"{where} ({channel} channel)")
+        return
+    envelope = validate(message, now)
+    # Whether the envelope is its VM's (Azure's signature, the bindings): a refusal is a reason; a store that
+    # fails raises StoreOutage, as it would in fold: nothing is dead-lettered for want of a read.
+    problem = attest.envelope_problem(
+        run.parts.attestations,
+        run.parts.store,
+        envelope,
+        at=message.enqueued_time or now,
+        required=run.options.require_attestation,
+    )
+    if problem:
+        dead_letter(message, problem[:1000], now, dead=arrivals.dead, work=work, where=where)
+        return
+    vm_id = envelope.vm.vmId.lower()
+    traceparent = telemetry.valid_traceparent(message.traceparent)
+    arrivals.by_vm[vm_id].append(envelope)
+    arrivals.raw_of[vm_id].append(message)
+    if traceparent:
+        arrivals.traces[(vm_id, envelope.sequence)] = traceparent
 
 
 def _event_grid_body(body: bytes) -> Any | None:
@@ -261,15 +276,18 @@ def read_grid(message: RawMessage, parsed: Any, now: datetime, *, arrivals: Arri
     Event Grid id is counted as a duplicate, the good ones go on. No partition-key check: the platform sends without
     the VM's key (docs/security.md says what an Event Grid event can and cannot do)."""
     seen = {event.id for event in arrivals.grid}
-    refused = []
+    refused, good, duplicates = [], [], 0
     for position, item in enumerate(event_grid.read_events(parsed)):
         if isinstance(item, Exception):
             refused.append(f"event {position}: {event_grid.describe(item)}")
         elif item.id in seen:
-            arrivals.grid_duplicates += 1
+            duplicates += 1
         else:
             seen.add(item.id)
-            arrivals.grid.append(item)
+            good.append(item)
+    # Taken in only once the whole message was read: one that raises midway leaves none of its events behind.
+    arrivals.grid.extend(good)
+    arrivals.grid_duplicates += duplicates
     if refused:
         reason = "invalid Event Grid event(s): " + " | ".join(refused[:5])
         more = f" (+{len(refused) - 5} more)" if len(refused) > 5 else ""

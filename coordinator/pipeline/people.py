@@ -19,8 +19,9 @@ from coordinator.domain.expiry import person_bound
 from coordinator.domain.history_rows import decision_row
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
-from coordinator.pipeline import tail
+from coordinator.pipeline import plan, tail
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
+from coordinator.pipeline.positions import last_heard
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event, read_event
 from coordinator.state.store import StateStore
@@ -102,9 +103,14 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
             notAfter=bound.at if bound else None,
             notAfterReason=bound.why if bound else "",
         )
+        change.approval_decided = True
         return change
 
-    change = commit_event(store, event_id, decide, etags=run.work.etags)
+    # Its executor judged by when the service last heard each VM (heartbeats count), as the timer judges it.
+    run.heard = last_heard(store, stored.record)
+    change = commit_event(
+        store, event_id, lambda r: plan.intend(run, decide(r)), etags=run.work.etags, outbox=run.outbox()
+    )
     if change is None:
         current = read_event(store, event_id)
         if current is not None and (answer := already_approved(current.record, approve_url=run.options.approve_url)):
@@ -112,10 +118,9 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
         state = current.record.state if current else "gone"
         return ManualApproval("conflict", f"event {event_id} changed meanwhile (now {state}); nothing sent")
     run.report.events_changed += 1
-    run.work.rows.extend(change.rows)
-    run.work.records[event_id] = change.record  # what the delivery is planned from, with its ETag: no re-read
-    if not dry_run:  # in dry-run only the person's decision is logged (by the tail, with nothing to send)
-        run.work.deliveries.append(event_id)
+    # Its rows, its record (what the delivery is planned from, with its ETag: no re-read) and, unless in dry-run
+    # (only the person's decision is logged), its delivery.
+    run.work.collect(change)
     tail.finish(run)
     current = read_event(store, event_id)
     summary = summarize(current.record, approve_url=run.options.approve_url) if current else None

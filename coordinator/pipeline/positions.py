@@ -1,6 +1,7 @@
 """VM positions, read and written for ``fold``: each VM's envelopes read against its stored position (its VM group)
 into observations and a new position (``vm_updates``, the pure ``observations.vm_observations``), and the new
-positions written back after the events, one ETag-checked write per group (``save_vm_updates``). A VM another
+positions written back after the events, one ETag-checked write per group (``save_vm_updates``), with the rows they
+describe in the outbox (``rows_near``). A VM another
 instance moved meanwhile is returned as stale, for fold to redo from a fresh read; a VM whose position cannot be
 stored even split and trimmed (``entities.vm_json``) is set aside, and the others' positions are written.
 """
@@ -15,14 +16,16 @@ from datetime import datetime
 from typing import Any
 
 from contracts.envelope import Envelope
-from coordinator.domain.model import VmGroupRecord, VmRecord, group_key
+from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, group_key
 from coordinator.domain.observations import VmUpdate, merge_vm_records, vm_observations, vm_position
+from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.entities import vm_json
-from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Stored
+from coordinator.state.staged import Outbox
+from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Staged, StateStore, Stored
 
-__all__ = ["VmBatch", "save_vm_updates", "vm_updates"]
+__all__ = ["VmBatch", "last_heard", "save_vm_updates", "vm_updates"]
 
 log = logging.getLogger("coordinator")
 
@@ -65,6 +68,21 @@ def _set_aside(
             stale.add(vm_id)
             del mine[vm_id]
     return stale
+
+
+def last_heard(store: StateStore, record: EventRecord) -> dict[str, datetime]:
+    """When the service last heard each VM that reported the event: its position's ``lastSeen`` (every envelope moves
+    it, heartbeats included), as the timer judges every VM. A VM's sighting of an event moves only with what it
+    lists: a person approving 10 minutes after the event was listed found its VM "not reported within 300 s" while
+    it sent a heartbeat every minute. Read from the store's cache (the caller has just read these groups)."""
+    heard: dict[str, datetime] = {}
+    for stored in store.get_vm_groups(record.groups, cached=True).values():
+        for vm in stored.record.vms.values():
+            name = vm.identity.name
+            # Only the VM that holds the sighting: another vmId once heard under its name says nothing of it.
+            if name in record.vms and record.vms[name].vmId.lower() in ("", vm.identity.vmId.lower()):
+                heard[name] = max(vm.lastSeen, heard.get(name, vm.lastSeen))
+    return heard
 
 
 def vm_updates(
@@ -146,6 +164,22 @@ def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
     return stale
 
 
+def rows_near(
+    run: Run, outbox: Outbox, mine: dict[str, dict[str, VmRecord]], keys: list[str], *, loose: bool
+) -> list[Staged]:
+    """The run's rows not in the outbox yet, as entries near the groups of ``keys`` that are written: a VM's rows
+    (its Heartbeat, Hook, Impact and Observation rows) with its group, so that a replay of its envelopes, which
+    starts from its stored position, makes them again only if they were not stored; with ``loose``, the rows of no
+    VM written here (dead letters) with the first group."""
+    owner = {vm_id: key for key in keys for vm_id in mine[key]}
+    near: dict[str, list[HistoryRow]] = defaultdict(list)
+    for row in run.work.unstaged():
+        key = owner.get(row.VmId.lower()) or (keys[0] if loose and keys else None)
+        if key is not None:
+            near[key].append(row)
+    return [piece for key, rows in near.items() for piece in outbox.pieces(f"group:{key}", rows)]
+
+
 def write_vm_groups(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord]], stale: set[str]) -> None:
     """The groups' moved VMs in one transaction (retried on conflicts), else group by group, merging per VM; adds
     to ``stale`` the VMs another instance moved meanwhile. Raises ``RecordTooLarge``."""
@@ -170,16 +204,24 @@ def write_vm_groups(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord
     ) -> list[tuple[VmGroupRecord, str | None, Iterable[str] | None]]:
         return [(merged(key, groups.get(key)), _etag(groups.get(key)), vms) for key, vms in mine.items() if vms]
 
+    outbox = run.outbox()
+    staging: list[Staged] = []
+
+    def save_all(items: list[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> None:
+        staging[:] = rows_near(run, outbox, mine, [record.group for record, _, _ in items], loose=True)
+        store.save_vm_groups(items, staged=staging)
+
     count = run.report.count_conflict
     try:
         commit(
             groups_now,
             all_groups,
-            lambda items, _groups: store.save_vm_groups(items),
+            lambda items, _groups: save_all(items),
             what="VM groups",
             attempts=BULK_ATTEMPTS,
             on_conflict=count,
         )
+        outbox.written.extend(staging)
         return
     except ConcurrencyConflict:
         pass
@@ -196,13 +238,14 @@ def write_vm_groups(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord
         ) -> tuple[VmGroupRecord, dict[str, VmRecord]] | None:
             return (merged(key, current), vms) if vms else None
 
+        def save_one(
+            write: tuple[VmGroupRecord, dict[str, VmRecord]], current: Stored[VmGroupRecord] | None, key: str = key
+        ) -> None:
+            staging[:] = rows_near(run, outbox, mine, [key], loose=False)
+            store.save_vm_group(write[0], _etag(current), vm_ids=write[1], staged=staging)
+
         try:
-            commit(
-                group_now,
-                moved,
-                lambda write, current: store.save_vm_group(write[0], _etag(current), vm_ids=write[1]),
-                what=f"VM group {key}",
-                on_conflict=count,
-            )
+            commit(group_now, moved, save_one, what=f"VM group {key}", on_conflict=count)
+            outbox.written.extend(staging)
         except ConcurrencyConflict:
             log.warning("VM group %s: not written (contended); its VMs' next envelopes move it", key)

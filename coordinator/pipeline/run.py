@@ -28,7 +28,8 @@ from coordinator.domain.model import AlertKind, EventRecord, VmRecord
 from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet import Fleet
-from coordinator.state.store import StateStore
+from coordinator.state.staged import Outbox
+from coordinator.state.store import Staged, StateStore
 
 __all__ = ["Delivery", "Options", "Parts", "Report", "Run", "RunKind", "Sending", "Stage", "Work"]
 
@@ -154,6 +155,8 @@ class Report:
     deliveries_continued: int = 0
     # State entities its reads could not decode and set aside (store.py): the rest of the fleet went on.
     set_aside: int = 0
+    # Outbox entries the timer took over from runs that did not write them (pipeline/record.py, ``adopt``).
+    history_adopted: int = 0
 
     def count_conflict(self) -> None:
         self.conflicts += 1
@@ -191,6 +194,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "budgets_purged",
         "set_aside",
         "deliveries_continued",
+        "history_adopted",
     ),
     "person": (
         "events_changed",
@@ -273,6 +277,22 @@ class Work:
     # it returns, and its tail, after it, only what it committed since (``uncached``): put again, the batch's own
     # records could overwrite newer ones a later batch cached meanwhile.
     cached: dict[str, EventRecord] = field(default_factory=dict)
+    # The deliveries planned before the writes that decide them (plan.intend), by EventId: ``planning`` holds each
+    # with the change it was planned for until that change is committed (``collect``), then ``planned`` until sent.
+    planning: dict[str, tuple[EventChange, Delivery]] = field(default_factory=dict)
+    planned: dict[str, Delivery] = field(default_factory=dict)
+    # The outbox entries this run stored (with the writes their rows describe, or alone): deleted once the history
+    # has the rows (pipeline/record.py). Those the timer took over from a run that stopped are among them.
+    staged: list[Staged] = field(default_factory=list)
+
+    def unstaged(self) -> list[HistoryRow]:
+        """The run's rows not in the outbox yet."""
+        kept = {row.RecordId for entry in self.staged for row in entry.rows}
+        return [row for row in self.rows if row.RecordId not in kept]
+
+    def intend(self, change: EventChange, plan: Delivery) -> None:
+        """A plan for the approval ``change`` holds, made before the change is written: sent only if it commits."""
+        self.planning[change.record.eventId] = (change, plan)
 
     def uncached(self) -> list[EventRecord]:
         """The records committed since the run last put them into the fleet cache, now counted as put there."""
@@ -291,6 +311,10 @@ class Work:
         # conflict sees the approval too, and must not send it again.
         if change.approval_decided and change.record.eventId not in self.deliveries:
             self.deliveries.append(change.record.eventId)
+        planning = self.planning.get(change.record.eventId)
+        if planning is not None and planning[0] is change:
+            del self.planning[change.record.eventId]
+            self.planned[change.record.eventId] = planning[1]
 
 
 @dataclass(kw_only=True)
@@ -306,6 +330,14 @@ class Run:
     work: Work = field(default_factory=Work)
     report: Report
     stages: list[Stage] = field(default_factory=list)
+    # When the service last heard VMs this run read the positions of (positions.last_heard: heartbeats count): an
+    # approval's executor is judged by these, as the timer judges every VM, not by when it last listed a change.
+    heard: dict[str, datetime] = field(default_factory=dict)
+
+    def outbox(self, *, leave: frozenset[str] = frozenset()) -> Outbox:
+        """Where a write of this run notes the outbox entries it stores (``Work.staged``), at the run's time;
+        ``leave``: the RecordTypes that write does not store."""
+        return Outbox(at=self.now, written=self.work.staged, leave=leave)
 
     @property
     def dry_run(self) -> bool:

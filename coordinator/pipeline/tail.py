@@ -4,7 +4,8 @@
 2. ``cards``    the cards those writes recorded are posted (a batch or a person logs what it sent; the timer
                 clears what the logs say was sent);
 3. ``budgets``  the budget slots of events that concluded are freed;
-4. ``history``  the run's history rows are written, last (a failure never stops the pipeline);
+4. ``history``  the run's history rows, each already in the state's outbox, are written, last, and their entries
+                deleted (a failure never stops the pipeline: the timer writes them);
 then what the run committed goes into the instance's fleet cache for its next runs (pipeline/fleet.py).
 """
 

@@ -21,11 +21,13 @@ from coordinator.adapters import telemetry
 from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
-from coordinator.domain.history_rows import approval_row, decision_row, heartbeat_row, impact_row, position_of
+from coordinator.domain.history_rows import approval_row, heartbeat_row, impact_row, position_of
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
-from coordinator.pipeline import act, decide, outbox, tail
+from coordinator.domain.rows import HistoryRow
+from coordinator.pipeline import act, decide, outbox, plan, tail
 from coordinator.pipeline.fleet import KnownVm, by_not_before
+from coordinator.pipeline.record import adopt
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
@@ -61,6 +63,8 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     whose heartbeat stopped; then the tail."""
     run.enter("timer")
     now, store, report, work, fleet = run.now, run.parts.store, run.report, run.work, run.fleet
+    # Rows a run stored in the outbox and did not write (it stopped, or its sink failed): written by this tick's tail.
+    adopt(run)
     # What changed since the last tick, not the whole fleet: the instance's cache of every VM (a summary each) and
     # of the open events is refreshed by change (reading every VM group each minute cost 9.1 s per tick at 50,000
     # VMs); whole records are read only for what is due here, mostly from the store's cache.
@@ -68,6 +72,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     last_seen: dict[str, datetime] = {}
     for vm in known:
         last_seen[vm.name] = max(vm.last_seen, last_seen.get(vm.name, vm.last_seen))
+    run.heard = last_seen  # an approval this tick decides is planned (plan.intend) by these
     # A VM known only from Event Grid has no heartbeat to miss: its statuses (Completed, Canceled) say when it is done.
     agentless = {vm.name for vm in known if vm.agentless}
     reporting = {vm.name for vm in known if not vm.agentless}
@@ -100,6 +105,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
                 lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen),
                 read=stored,
                 etags=work.etags,
+                outbox=run.outbox(),
             )
         except ConcurrencyConflict:
             log.warning("event %s: contended; the next tick tries again", record.eventId)
@@ -140,10 +146,8 @@ def retry_due(run: Run, record: EventRecord) -> None:
         and record.eventId not in work.deliveries
     ):
         if approval.attempts == 0 and not approval.outcome:
-            # The deciding run stopped between its write and its history (history follows the send): its
-            # Decision row, at the time it was decided, then what is known of the send.
-            if record.decision is not None and record.decision.decisionId == approval.decisionId:
-                work.rows.append(decision_row(record=record, now=record.decision.decidedAt))
+            # The deciding run stopped before it recorded an outcome: its Decision and intent rows were committed
+            # with its deciding write (the outbox); what is known of the send is that nothing answered it.
             work.rows.append(
                 approval_row(
                     record=record,
@@ -211,7 +215,7 @@ def reconsider(
     if "not-started" not in change.record.alerts and start_overdue(change.record, now, last_seen):
         not_started(change, now)
     decide.decide(run, change)
-    return change
+    return plan.intend(run, change)
 
 
 def not_started(change: EventChange, now: datetime) -> None:
@@ -259,43 +263,54 @@ def retire(
             out.append(stored)
             continue
         updated = stored.record.model_copy(update={"vms": {**stored.record.vms, **retiring}})
+        rows = [row for vm in retiring.values() for row in _retired_rows(vm, events, by_name, now)]
+        outbox = run.outbox()
+        staged = outbox.pieces(f"group:{updated.group}", rows)
         try:
-            etag = run.parts.store.save_vm_group(updated, stored.etag, vm_ids=retiring)
+            etag = run.parts.store.save_vm_group(updated, stored.etag, vm_ids=retiring, staged=staged)
         except ConcurrencyConflict:
             out.append(stored)  # a VM of the group reported meanwhile: decided again next tick
             continue
+        outbox.written.extend(staged)
         out.append(Stored(updated, etag))
         run.fleet.cache.groups_written([updated])
-        for vm in retiring.values():
-            assert vm.retired is not None
-            run.work.rows.append(
-                heartbeat_row(
-                    **position_of(vm),
-                    now=now,
-                    outcome="retired",
-                    reason=vm.retired.reason,
-                    event_id=vm.retired.eventId,
-                    event_type=vm.retired.eventType,
-                )
-            )
-            record = events.get(vm.retired.eventId)
-            sighting = vm.sightings.get(vm.retired.eventId)
-            if record is not None and sighting is not None and sighting.impactSeconds is not None:
-                run.work.rows.append(
-                    impact_row(
-                        record=record,
-                        now=now,
-                        vm=vm.identity,
-                        measure="removed",
-                        measured_seconds=sighting.impactSeconds,
-                        start=by_name[vm.identity.name].started,
-                        end=vm.lastSeen,
-                        observed_at=vm.lastSeen,
-                        sequence=vm.lastSequence,
-                        actor="coordinator",
-                    )
-                )
+        run.work.rows.extend(rows)
     return out
+
+
+def _retired_rows(
+    vm: VmRecord, events: dict[str, EventRecord], by_name: dict[str, Removal], now: datetime
+) -> list[HistoryRow]:
+    """A retired VM's Heartbeat row (Outcome retired) and, when its end was measured, its Impact row."""
+    assert vm.retired is not None
+    rows = [
+        heartbeat_row(
+            **position_of(vm),
+            now=now,
+            outcome="retired",
+            reason=vm.retired.reason,
+            event_id=vm.retired.eventId,
+            event_type=vm.retired.eventType,
+        )
+    ]
+    record = events.get(vm.retired.eventId)
+    sighting = vm.sightings.get(vm.retired.eventId)
+    if record is not None and sighting is not None and sighting.impactSeconds is not None:
+        rows.append(
+            impact_row(
+                record=record,
+                now=now,
+                vm=vm.identity,
+                measure="removed",
+                measured_seconds=sighting.impactSeconds,
+                start=by_name[vm.identity.name].started,
+                end=vm.lastSeen,
+                observed_at=vm.lastSeen,
+                sequence=vm.lastSequence,
+                actor="coordinator",
+            )
+        )
+    return rows
 
 
 def _retired(vm: VmRecord, removal: Removal, now: datetime) -> VmRecord:
@@ -327,20 +342,20 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
         if not lost:
             continue
         updated = stored.record.model_copy(update={"vms": {**stored.record.vms, **lost}})
+        rows = [
+            heartbeat_row(**position_of(vm), now=now, outcome="lost", reason=f"no envelope for more than {timeout} s")
+            for vm in lost.values()
+        ]
+        outbox = run.outbox()
+        staged = outbox.pieces(f"group:{updated.group}", rows)
         try:
-            run.parts.store.save_vm_group(updated, stored.etag, vm_ids=lost)
+            run.parts.store.save_vm_group(updated, stored.etag, vm_ids=lost, staged=staged)
         except ConcurrencyConflict:
             continue  # a VM of the group reported meanwhile, or another instance noticed first: next tick
+        outbox.written.extend(staged)
+        run.work.rows.extend(rows)
         for vm in lost.values():
             run.report.heartbeats_lost += 1
-            run.work.rows.append(
-                heartbeat_row(
-                    **position_of(vm),
-                    now=now,
-                    outcome="lost",
-                    reason=f"no envelope for more than {timeout} s",
-                )
-            )
             run.work.vm_alerts.append((vm, "heartbeat-lost"))
 
 

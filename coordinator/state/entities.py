@@ -12,6 +12,10 @@ Layout (one table):
   scale set, or lone VM): every VM's position (last sequence/incarnation, listed events, last seen) and its
   sighting of each event in one entity, since a group's VMs report together. An event record's ``vms`` is
   assembled from its groups on read (events.assemble).
+- The outbox (``staged.py``): history rows kept until the history has them, RowKey ``!<id>`` (no event's or group's
+  key begins with ``!``: ``safe_key``), in the partition of the record they were written with (an event's, a VM
+  group's: one transaction holds both) or in PartitionKey ``outbox`` when written alone. Reads of events and
+  groups leave the ``!`` range out.
 - PartitionKey ``setaside``: whole entities a read could not decode, copied here as they were (with ``Reason``,
   ``FromPartition``, ``FromRowKey``) before they were deleted; never read by the pipeline, kept for a person.
 Events and VM groups are each spread over ``PARTITIONS`` partitions: Table Storage serves about 2,000 entity
@@ -54,6 +58,10 @@ SENT_ALERTS_PARTITION = "alertsent"
 KEY_PARTITION = "key"
 CLAIM_PARTITION = "claim"
 SET_ASIDE_PARTITION = "setaside"
+# The first character of an outbox entry's RowKey, and the one after it: the range reads of the outbox take and
+# reads of events and groups leave out.
+STAGED_MARK = "!"
+PAST_STAGED = chr(ord(STAGED_MARK) + 1)
 TRANSACTION_LIMIT = 100
 TRANSACTION_CHARS = 3_000_000
 # Table Storage keeps strings as UTF-16: a string property holds 64 KiB, 32,768 code units (a character beyond the
@@ -96,11 +104,13 @@ def partitions_of(kind: str) -> tuple[str, str]:
 
 
 def safe_key(value: str) -> str:
-    """A table key for an id that may hold characters Table Storage forbids (ids come from untrusted input)."""
-    if value and len(value) <= 200 and not _BAD_KEY.search(value):
+    """A table key for an id that may hold characters Table Storage forbids (ids come from untrusted input). None
+    begins with ``STAGED_MARK`` (the outbox's range)."""
+    if value and len(value) <= 200 and not _BAD_KEY.search(value) and not value.startswith(STAGED_MARK):
         return value
     digest = hashlib.sha256(value.encode("utf-8")).hexdigest()[:16]
-    return _BAD_KEY.sub("_", value[:150]) + "~" + digest
+    head = _BAD_KEY.sub("_", value[:150])
+    return ("_" + head[1:] if head.startswith(STAGED_MARK) else head) + "~" + digest
 
 
 def utf16_units(text: str) -> int:
@@ -143,6 +153,14 @@ def record_from_entity(entity: Entity, model: type[R], etag: str | None) -> Stor
     chunks = int(entity.get("Chunks", 1))
     data = "".join(str(entity[f"Data{i}"]) for i in range(chunks))
     return Stored(model.model_validate_json(data), etag)
+
+
+def revised(record: EventRecord) -> EventRecord:
+    """The record as a write stores it: one revision past the one it was read at (``EventRecord.revision``). Set on
+    the record itself, which every writer has just made (a change works on a copy, ``lifecycle.clone``), so that
+    what the writer keeps is what was stored."""
+    record.revision += 1
+    return record
 
 
 def event_entity(record: EventRecord) -> Entity:
@@ -364,22 +382,35 @@ def _entity_chars(entity: Entity) -> int:
     return sum(len(str(value)) for value in entity.values())
 
 
+def is_staged(write: Write) -> bool:
+    return str(write[0]["RowKey"]).startswith(STAGED_MARK)
+
+
 def transactions(items: list[Write]) -> Iterator[list[int]]:
     """Cuts writes into transactions, given as positions in ``items``: one partition each (a transaction cannot
     span two), at most 100 operations and about 3 MB (the service's limit is 4 MiB); partitions in the order they
-    first appear."""
-    by_partition: dict[str, list[int]] = {}
+    first appear. An outbox entry stays in the transaction of the record before it (``with_staged``)."""
+    by_partition: dict[str, list[list[int]]] = {}
+    unit_of: dict[int, list[int]] = {}
     for index, item in enumerate(items):
-        by_partition.setdefault(str(item[0]["PartitionKey"]), []).append(index)
-    for positions in by_partition.values():
+        partition = str(item[0]["PartitionKey"])
+        before = index - 1
+        if is_staged(item) and before in unit_of and str(items[before][0]["PartitionKey"]) == partition:
+            unit = unit_of[before]
+            unit.append(index)
+        else:
+            unit = [index]
+            by_partition.setdefault(partition, []).append(unit)
+        unit_of[index] = unit
+    for units in by_partition.values():
         part: list[int] = []
         size = 0
-        for index in positions:
-            chars = _entity_chars(items[index][0])
-            if part and (len(part) == TRANSACTION_LIMIT or size + chars > TRANSACTION_CHARS):
+        for unit in units:
+            chars = sum(_entity_chars(items[index][0]) for index in unit)
+            if part and (len(part) + len(unit) > TRANSACTION_LIMIT or size + chars > TRANSACTION_CHARS):
                 yield part
                 part, size = [], 0
-            part.append(index)
+            part.extend(unit)
             size += chars
         if part:
             yield part

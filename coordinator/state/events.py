@@ -3,16 +3,18 @@
 An event's entity holds the record without its per-VM sightings, which live with the VMs' positions (VM groups);
 ``assemble`` puts them back. ``commit_event`` is ``commit.commit`` for one event: every single-event
 read-modify-write (a held delete re-decided, an approval's outcome, a tick's re-evaluation, a person's approval, an
-outbox entry cleared) goes through it.
+outbox entry cleared) goes through it, the change's history rows stored with it (``outbox``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmSighting
 from coordinator.state.commit import commit
+from coordinator.state.staged import Outbox
 from coordinator.state.store import StateStore, Stored
 
 
@@ -23,14 +25,21 @@ def assemble(
     out: dict[str, Stored[EventRecord]] = {}
     for event_id, stored in events.items():
         vms: dict[str, VmSighting] = {}
+        ranks: dict[str, tuple[bool, datetime, tuple[int, int]]] = {}
         for key in stored.record.groups:
             group = groups.get(key)
             for vm in group.record.vms.values() if group else ():
                 sighting = vm.sightings.get(event_id)
-                seen = vms.get(vm.identity.name)
-                # Two records of one VM name (an agentless one from Event Grid, made before the VM's forwarder first
-                # reported): the later position wins, and a forwarder's is above every Event Grid one.
-                if sighting is not None and (seen is None or _position(sighting) > _position(seen)):
+                if sighting is None:
+                    continue
+                # Two records of one VM name: an agentless one from Event Grid, made before the VM's forwarder first
+                # reported (a forwarder's is above every Event Grid one), or two vmIds, of which the door now admits
+                # one under the name (a VM created again; a name ARM's census gave its real VM after another had
+                # claimed it): the VM heard last holds it. Positions of two VMs never compare: a sequence of 2^62
+                # under one would silence the other.
+                rank = (sighting.epoch >= 0, vm.lastSeen, _position(sighting))
+                if vm.identity.name not in ranks or rank > ranks[vm.identity.name]:
+                    ranks[vm.identity.name] = rank
                     vms[vm.identity.name] = sighting.model_copy(
                         update={
                             "name": vm.identity.name,
@@ -70,11 +79,12 @@ def commit_event(
     read: Stored[EventRecord] | None = None,
     on_conflict: Callable[[], None] | None = None,
     etags: dict[str, str] | None = None,
+    outbox: Outbox | None = None,
 ) -> EventChange | None:
     """Read-modify-write of one event with its ETag; ``read`` is a record just read fresh or written (the first
     attempt uses it instead of reading again); ``on_conflict`` is called for each write that met a newer one;
-    ``etags`` receives the new ETag of what was written. Raises ``ConcurrencyConflict`` when every attempt met a
-    newer write."""
+    ``etags`` receives the new ETag of what was written; ``outbox``: the change's history rows are stored with it, in
+    one transaction, and noted there. Raises ``ConcurrencyConflict`` when every attempt met a newer write."""
 
     def current(attempt: int) -> Stored[EventRecord] | None:
         return read if attempt == 0 and read is not None else read_event(store, event_id)
@@ -84,7 +94,10 @@ def commit_event(
         return change if change is not None and change.changed else None
 
     def write(change: EventChange, stored: Stored[EventRecord] | None) -> None:
-        etag = store.save_event(change.record, stored.etag if stored else None)
+        staged = outbox.pieces(f"event:{event_id}", change.rows) if outbox is not None else []
+        etag = store.save_event(change.record, stored.etag if stored else None, staged=staged)
+        if outbox is not None:
+            outbox.written.extend(staged)
         if etags is not None:
             etags[event_id] = etag
 

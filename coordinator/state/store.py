@@ -29,6 +29,12 @@ Every write is conditional, which is what lets parallel coordinator instances de
   gave, less an overlap the caller chooses. An instance keeps the open events and the census current that way,
   reading what changed, not the whole fleet.
 
+- **The outbox** (``Staged``): history rows kept in the state until the history has them. A write of events or VM
+  groups takes the rows that describe it (``staged``, each naming its record in ``near``) and stores them in the
+  same transaction as that record: both are written or neither (a refused write stores no rows). Rows of no record
+  are stored alone (``stage``). ``outbox`` reads every entry back, ``unstage`` deletes entries once the history has
+  their rows (one already gone counts as deleted). Reads of events and VM groups never see them.
+
 ``TableStateStore`` (coordinator/state/tables.py) keeps this in Azure Table Storage; how records become entities is
 ``coordinator/state/entities.py``. tests/coordinator/test_state_contract.py holds every implementation to this.
 """
@@ -43,6 +49,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from pydantic import BaseModel
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
+from coordinator.domain.rows import HistoryRow
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -90,6 +97,18 @@ class SetAside:
     reason: str
 
 
+@dataclass(frozen=True)
+class Staged:
+    """History rows in the outbox: stored with the write of the record whose change they describe (``near``:
+    ``event:<EventId>`` or ``group:<key>``), or alone (``near`` ""), under an ``id`` no other entry has; ``at``: when
+    the writer staged them (its clock), which the timer reads to leave a running tail's rows to that tail."""
+
+    near: str
+    id: str
+    rows: tuple[HistoryRow, ...]
+    at: datetime
+
+
 class StateStore(Protocol):
     """The coordinator's state: event records, VM groups (every VM's position and sightings), budget claims, the
     log of sent cards, keys shared by every instance, and dead letters. Keys that come from input may hold any
@@ -117,11 +136,15 @@ class StateStore(Protocol):
         """Completed/Canceled events that concluded (``stateSince``) before ``cutoff`` and have no card left to
         send."""
 
-    def save_event(self, record: EventRecord, etag: str | None) -> str:
-        """Inserts (``etag`` None) or replaces the event If-Match ``etag``; gives the new ETag."""
+    def save_event(self, record: EventRecord, etag: str | None, *, staged: Sequence[Staged] = ()) -> str:
+        """Inserts (``etag`` None) or replaces the event If-Match ``etag``, with ``staged`` (near the event) in the
+        same transaction; gives the new ETag. The record's ``revision`` is set one past the one it carried."""
 
-    def save_events(self, items: Sequence[tuple[EventRecord, str | None]]) -> list[str]:
-        """``save_event`` for each, in transactions of 100 (all or nothing each); the new ETags in order."""
+    def save_events(
+        self, items: Sequence[tuple[EventRecord, str | None]], *, staged: Sequence[Staged] = ()
+    ) -> list[str]:
+        """``save_event`` for each, in transactions of 100 (all or nothing each; each event with what is staged near
+        it, which must be one of them); the new ETags in order."""
 
     def delete_events(self, items: Sequence[tuple[str, str | None]]) -> int:
         """Deletes each event If-Match its ETag (required: ``ValueError`` without one). One changed since is kept,
@@ -137,17 +160,31 @@ class StateStore(Protocol):
     def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
         """``since`` None: every group (as ``all_vm_groups``). Else every group written at or after ``since``."""
 
-    def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
+    def save_vm_group(
+        self,
+        record: VmGroupRecord,
+        etag: str | None,
+        *,
+        vm_ids: Iterable[str] | None = None,
+        staged: Sequence[Staged] = (),
+    ) -> str:
         """Inserts the group with all its VMs (``etag`` None), or merges the VMs ``vm_ids`` (None: every VM of
-        ``record``) into it If-Match ``etag``: VMs not sent keep what is stored. Gives the new ETag."""
+        ``record``) into it If-Match ``etag``: VMs not sent keep what is stored. ``staged`` (near the group) in the
+        same transaction. Gives the new ETag."""
 
     def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
         """Replaces the group If-Match ``etag`` with only the VMs of ``record`` (the VMs not in it are removed, which
         a merge cannot do), or deletes it when ``record`` has none; gives the new ETag (None: deleted).
         ``ConcurrencyConflict`` when the group changed since or is gone."""
 
-    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
-        """``save_vm_group`` for each, in transactions of 100 (all or nothing each); the new ETags in order."""
+    def save_vm_groups(
+        self,
+        items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]],
+        *,
+        staged: Sequence[Staged] = (),
+    ) -> list[str]:
+        """``save_vm_group`` for each, in transactions of 100 (all or nothing each; each group with what is staged
+        near it, which must be one of them); the new ETags in order."""
 
     # budgets: the claims on one budget domain, always read fresh (a claim decides against what every instance
     # holds now).
@@ -172,6 +209,16 @@ class StateStore(Protocol):
     def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
         """Deletes the entries, unconditionally; one already gone counts as deleted (two timer runs that overlap
         settle the same logs)."""
+
+    # the outbox: history rows kept until the history has them.
+    def stage(self, staged: Sequence[Staged]) -> None:
+        """Stores each entry on its own (as near its record when it names one, which need not exist)."""
+
+    def outbox(self) -> list[Staged]:
+        """Every entry, read fresh, oldest ``at`` first."""
+
+    def unstage(self, staged: Iterable[Staged]) -> None:
+        """Deletes the entries, unconditionally; one already gone counts as deleted."""
 
     def shared_key(self, name: str) -> bytes:
         """A random 32-byte key, the same for every instance: the first to ask creates it (insert-only, so the

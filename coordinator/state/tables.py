@@ -1,7 +1,9 @@
 """The ``StateStore`` in Azure Table Storage (Azurite locally) through azure-data-tables, with ETag optimistic
 concurrency: the entities are those of ``entities.py``, the semantics those of ``store.py``.
 
-Reads may come from a bounded in-process cache of (record, ETag). That is safe because every write is
+The history outbox's writes, reads and deletes are ``table_outbox.TableOutbox``'s, and the log of sent cards, the
+shared keys, the claims and the dead letters ``table_logs.TableLogs``'s, both mixed in (store.py says what each
+does). Reads may come from a bounded in-process cache of (record, ETag). That is safe because every write is
 conditional on the ETag: a decision taken on a stale record never commits; the conflict evicts the entry and the
 caller re-reads. It saves most reads when several batches touch the same event (a maintenance wave).
 """
@@ -26,35 +28,26 @@ from azure.core.exceptions import (
 )
 from azure.data.tables import TableClient, TableEntity, TableServiceClient, TableTransactionError, UpdateMode
 
-from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
+from coordinator.domain.model import BudgetRecord, EventRecord, VmGroupRecord
 from coordinator.state.entities import (
     BUDGET_PARTITION,
-    CLAIM_PARTITION,
     EVENT_PARTITION,
-    KEY_PARTITION,
-    SENT_ALERTS_PARTITION,
-    TRANSACTION_LIMIT,
+    PAST_STAGED,
+    STAGED_MARK,
     VM_GROUP_PARTITION,
     Write,
     budget_entity,
     budget_from_entity,
     chunks,
-    claim_entity,
-    claim_from_entity,
-    dead_letter_transactions,
     decode,
-    event_entity,
     event_from_entity,
     event_partition,
     group_entity,
     group_from_entity,
     group_partition,
-    key_entity,
-    key_from_entity,
+    is_staged,
     partitions_of,
     safe_key,
-    sent_alerts_entity,
-    sent_alerts_from_entity,
     set_aside_copy,
     set_aside_letter,
     transactions,
@@ -62,13 +55,14 @@ from coordinator.state.entities import (
 from coordinator.state.store import (
     Changed,
     ConcurrencyConflict,
-    DeadLetter,
     R,
     RecordTooLarge,
     SetAside,
     StateStore,
     Stored,
 )
+from coordinator.state.table_logs import TableLogs
+from coordinator.state.table_outbox import TableOutbox
 
 log = logging.getLogger("coordinator")
 
@@ -90,7 +84,7 @@ def _too_large(error: HttpResponseError) -> bool:
     return error.status_code in (400, 413) and any(code in str(error) for code in _TOO_LARGE_CODES)
 
 
-class TableStateStore(StateStore):
+class TableStateStore(TableOutbox, TableLogs, StateStore):
     """State records in one table. Construct with ``from_connection_string`` (Azurite) or ``from_endpoint``
     (Azure, managed identity: the identity needs "Storage Table Data Contributor" on the account)."""
 
@@ -174,10 +168,15 @@ class TableStateStore(StateStore):
         return found
 
     def _query(self, kind: str, condition: str = "", **parameters: Any) -> Iterable[TableEntity]:
-        """The entities of every partition of one kind (a range of PartitionKeys) that meet ``condition``."""
+        """The entities of every partition of one kind (a range of PartitionKeys) that meet ``condition``, the outbox
+        entries kept there left out."""
         low, high = partitions_of(kind)
-        query = "PartitionKey ge @low and PartitionKey lt @high" + (f" and {condition}" if condition else "")
-        return self._table.query_entities(query, parameters={"low": low, "high": high, **parameters})
+        query = "PartitionKey ge @low and PartitionKey lt @high and ( RowKey lt @mark or RowKey ge @past )" + (
+            f" and {condition}" if condition else ""
+        )
+        return self._table.query_entities(
+            query, parameters={"low": low, "high": high, "mark": STAGED_MARK, "past": PAST_STAGED, **parameters}
+        )
 
     def _loaded(self, entities: Iterable[TableEntity], parse: Callable[[Any, str | None], Stored[R]]) -> Changed[R]:
         """Every entity parsed and cached (one that cannot be read is set aside and left out), with the latest
@@ -400,25 +399,12 @@ class TableStateStore(StateStore):
                 ):
                     raise
                 raise ConcurrencyConflict(f"transaction of {len(part)} entities refused: {error}") from error
-            for index, (entity, _, record), result in zip(positions, part, results, strict=True):
+            for index, write, result in zip(positions, part, results, strict=True):
                 etag = str(result["etag"])
-                self._remember(str(entity["PartitionKey"]), str(entity["RowKey"]), Stored(record, etag))
+                if not is_staged(write):
+                    self._remember(str(write[0]["PartitionKey"]), str(write[0]["RowKey"]), Stored(write[2], etag))
                 etags[index] = etag
         return [etags[i] for i in range(len(writes))]
-
-    def save_event(self, record: EventRecord, etag: str | None) -> str:
-        return self._save_one((event_entity(record), etag, record))
-
-    def save_events(self, items: Sequence[tuple[EventRecord, str | None]]) -> list[str]:
-        return self._save_many([(event_entity(r), e, r) for r, e in items])
-
-    def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
-        return self.save_vm_groups([(record, etag, vm_ids)])[0]
-
-    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
-        # ``record`` is the whole group as it is after the write (kept in the cache); only ``vm_ids`` are sent.
-        writes: list[Write] = [(group_entity(r, None if e is None else v), e, r) for r, e, v in items]
-        return self._save_many(writes, mode=UpdateMode.MERGE)
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._save_one((budget_entity(record), etag, record))
@@ -447,51 +433,3 @@ class TableStateStore(StateStore):
         finally:
             self._forget(partition, key)
         return None
-
-    def log_sent_alerts(self, record: SentAlerts) -> None:
-        self._table.create_entity(sent_alerts_entity(record))
-
-    def sent_alert_logs(self) -> list[tuple[str, SentAlerts]]:
-        entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": SENT_ALERTS_PARTITION})
-        return [(key, stored.record) for key, stored in self._decoded(entities, sent_alerts_from_entity)]
-
-    def delete_sent_alert_logs(self, keys: Sequence[str]) -> None:
-        for chunk in chunks(list(dict.fromkeys(keys)), TRANSACTION_LIMIT):
-            try:
-                self._table.submit_transaction(
-                    [("delete", {"PartitionKey": SENT_ALERTS_PARTITION, "RowKey": key}) for key in chunk]
-                )
-            except TableTransactionError as error:
-                if error.status_code != 404:
-                    raise
-                # One is gone already (a timer run that overlapped this one deleted it), which refuses the whole
-                # transaction: delete them one by one, where the SDK answers a delete of a gone entity as done.
-                for key in chunk:
-                    self._table.delete_entity(SENT_ALERTS_PARTITION, key)
-
-    # keys ----------------------------------------------------------------------------------------------------
-    def shared_key(self, name: str) -> bytes:
-        # Readable only by identities with data access to this table (e.g. the approval form's anti-forgery key).
-        with contextlib.suppress(ResourceExistsError):
-            self._table.create_entity(key_entity(name))
-        return key_from_entity(self._table.get_entity(KEY_PARTITION, safe_key(name)))
-
-    def claim(self, name: str, value: str) -> str:
-        with contextlib.suppress(ResourceExistsError):
-            self._table.create_entity(claim_entity(name, value))
-            return value
-        return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
-
-    def claimed(self, name: str) -> str | None:
-        try:
-            return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
-        except ResourceNotFoundError:
-            return None
-
-    # dead letters --------------------------------------------------------------------------------------------
-    def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
-        for part in dead_letter_transactions(letters):
-            self._dead_letters.submit_transaction([("upsert", e) for e in part])
-
-    def dead_letters(self) -> list[dict[str, Any]]:
-        return [dict(e) for e in self._dead_letters.list_entities()]

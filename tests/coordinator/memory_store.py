@@ -27,6 +27,7 @@ from coordinator.state.entities import (
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
     SET_ASIDE_PARTITION,
+    STAGED_MARK,
     VM_GROUP_PARTITION,
     Entity,
     Write,
@@ -42,9 +43,11 @@ from coordinator.state.entities import (
     group_entity,
     group_from_entity,
     group_partition,
+    is_staged,
     key_entity,
     key_from_entity,
     partitions_of,
+    revised,
     safe_key,
     sent_alerts_entity,
     sent_alerts_from_entity,
@@ -52,11 +55,21 @@ from coordinator.state.entities import (
     set_aside_letter,
     transactions,
 )
-from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R, SetAside, StateStore, Stored
+from coordinator.state.staged import (
+    OUTBOX_PARTITION,
+    staged_entity,
+    staged_from_entity,
+    staged_partition,
+    staged_partitions,
+    with_staged,
+)
+from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R, SetAside, Staged, StateStore, Stored
 
 Key = tuple[str, str]
 # Partitions that are one partition (the others are a kind spread over several: entities.partitions_of).
-_SINGLE = frozenset({BUDGET_PARTITION, SENT_ALERTS_PARTITION, KEY_PARTITION, CLAIM_PARTITION, SET_ASIDE_PARTITION})
+_SINGLE = frozenset(
+    {BUDGET_PARTITION, SENT_ALERTS_PARTITION, KEY_PARTITION, CLAIM_PARTITION, SET_ASIDE_PARTITION, OUTBOX_PARTITION}
+)
 
 
 class MemoryStateStore(StateStore):
@@ -90,7 +103,9 @@ class MemoryStateStore(StateStore):
             rows = [
                 (dict(e), etag, self._stamps[key])
                 for key, (e, etag) in sorted(self._entities.items())
-                if low <= key[0] < high and (since is None or self._stamps[key] >= since)
+                if low <= key[0] < high
+                and not key[1].startswith(STAGED_MARK)
+                and (since is None or self._stamps[key] >= since)
             ]
         rows = [row for row in rows if since is not None or where(row[0])]
         decoded = [self._decode(e, etag, parse) for e, etag, _ in rows]
@@ -109,11 +124,16 @@ class MemoryStateStore(StateStore):
         return {k: stored for k, stored in decoded.items() if stored is not None}
 
     def _scan(self, partition: str, where: Callable[[Entity], bool] = lambda _: True) -> list[tuple[Entity, str]]:
-        """The entities of one partition, or of every partition of a kind (``partitions_of``), that ``where``
-        keeps, in (PartitionKey, RowKey) order (the table's)."""
-        low, high = (partition, partition + "\0") if partition in _SINGLE else partitions_of(partition)
+        """The entities of one partition, or of every partition of a kind (``partitions_of``, the outbox entries kept
+        there left out), that ``where`` keeps, in (PartitionKey, RowKey) order (the table's)."""
+        single = partition in _SINGLE
+        low, high = (partition, partition + "\0") if single else partitions_of(partition)
         with self._lock:
-            rows = [(dict(e), etag) for (p, _), (e, etag) in sorted(self._entities.items()) if low <= p < high]
+            rows = [
+                (dict(e), etag)
+                for (p, r), (e, etag) in sorted(self._entities.items())
+                if low <= p < high and (single or not r.startswith(STAGED_MARK))
+            ]
         return [(e, etag) for e, etag in rows if where(e)]
 
     def _decoded(
@@ -190,6 +210,13 @@ class MemoryStateStore(StateStore):
                 etags[index] = etag
         return [etags[i] for i in range(len(writes))]
 
+    def _save_with_staged(
+        self, writes: list[Write], staged: Sequence[Staged], near: Callable[[Any], str], *, merge: bool = False
+    ) -> list[str]:
+        together = with_staged(writes, staged, near)
+        etags = self._save_many(together, merge=merge)
+        return [etag for write, etag in zip(together, etags, strict=True) if not is_staged(write)]
+
     # events --------------------------------------------------------------------------------------------------
     def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
         return self._get(event_partition, event_ids, event_from_entity)
@@ -212,11 +239,14 @@ class MemoryStateStore(StateStore):
     def concluded_events_before(self, cutoff: datetime) -> list[Stored[EventRecord]]:
         return self._events(lambda e: e["Open"] is False and e["Pending"] is False and e["StateSince"] < cutoff)
 
-    def save_event(self, record: EventRecord, etag: str | None) -> str:
-        return self._commit([(event_entity(record), etag, record)])[0]
+    def save_event(self, record: EventRecord, etag: str | None, *, staged: Sequence[Staged] = ()) -> str:
+        return self.save_events([(record, etag)], staged=staged)[0]
 
-    def save_events(self, items: Sequence[tuple[EventRecord, str | None]]) -> list[str]:
-        return self._save_many([(event_entity(r), e, r) for r, e in items])
+    def save_events(
+        self, items: Sequence[tuple[EventRecord, str | None]], *, staged: Sequence[Staged] = ()
+    ) -> list[str]:
+        writes: list[Write] = [(event_entity(revised(r)), e, r) for r, e in items]
+        return self._save_with_staged(writes, staged, lambda r: f"event:{r.eventId}")
 
     def delete_events(self, items: Sequence[tuple[str, str | None]]) -> int:
         deleted = 0
@@ -242,8 +272,15 @@ class MemoryStateStore(StateStore):
     def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
         return self._changed(VM_GROUP_PARTITION, since, self._group, lambda _: True)
 
-    def save_vm_group(self, record: VmGroupRecord, etag: str | None, *, vm_ids: Iterable[str] | None = None) -> str:
-        return self.save_vm_groups([(record, etag, vm_ids)])[0]
+    def save_vm_group(
+        self,
+        record: VmGroupRecord,
+        etag: str | None,
+        *,
+        vm_ids: Iterable[str] | None = None,
+        staged: Sequence[Staged] = (),
+    ) -> str:
+        return self.save_vm_groups([(record, etag, vm_ids)], staged=staged)[0]
 
     def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
         if record.vms:
@@ -256,8 +293,36 @@ class MemoryStateStore(StateStore):
             del self._entities[key]
         return None
 
-    def save_vm_groups(self, items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]]) -> list[str]:
-        return self._save_many([(group_entity(r, None if e is None else v), e, r) for r, e, v in items], merge=True)
+    def save_vm_groups(
+        self,
+        items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]],
+        *,
+        staged: Sequence[Staged] = (),
+    ) -> list[str]:
+        writes: list[Write] = [(group_entity(r, None if e is None else v), e, r) for r, e, v in items]
+        return self._save_with_staged(writes, staged, lambda r: f"group:{r.group}", merge=True)
+
+    # the outbox ----------------------------------------------------------------------------------------------
+    def stage(self, staged: Sequence[Staged]) -> None:
+        for entry in staged:
+            self._commit([(staged_entity(entry), None, VmGroupRecord(group=""))])
+
+    def outbox(self) -> list[Staged]:
+        found: list[Staged] = []
+        for partition in staged_partitions():
+            with self._lock:
+                entities = [
+                    dict(e)
+                    for (p, r), (e, _) in sorted(self._entities.items())
+                    if p == partition and r.startswith(STAGED_MARK)
+                ]
+            found.extend(staged_from_entity(entity) for entity in entities)
+        return sorted(found, key=lambda entry: entry.at)
+
+    def unstage(self, staged: Iterable[Staged]) -> None:
+        with self._lock:
+            for entry in staged:
+                self._entities.pop((staged_partition(entry.near), STAGED_MARK + entry.id), None)
 
     # budgets -------------------------------------------------------------------------------------------------
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:

@@ -22,7 +22,7 @@ from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.deadline import DeadlineExceeded, deadline, session
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery, StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader, GateReader
-from coordinator.adapters.history import LogsIngestionHistory
+from coordinator.adapters.history import HistoryError, LogsIngestionHistory
 from coordinator.adapters.relay_admin import HybridConnectionAdmin, RelayAdminError
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender
@@ -38,9 +38,11 @@ VM = VmIdentity.model_validate(vm("web_0", index=1))
 
 class Trickle:
     """An HTTP server that answers every request a byte every 0.2 s (a 200 with a body that never seems to end,
-    for 30 s): each read gets a byte well within any per-read timeout."""
+    for 30 s): each read gets a byte well within any per-read timeout. ``stall_after``: sends that many bytes of
+    the answer at once, then nothing for 10 s."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_after: int | None = None) -> None:
+        self.stall_after = stall_after
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.requests = 0
@@ -59,6 +61,10 @@ class Trickle:
         answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n" + b" " * 200
         try:
             connection.recv(65536)
+            if self.stall_after is not None:
+                connection.sendall(answer[: self.stall_after])
+                time.sleep(10)
+                return
             for byte in answer:
                 connection.sendall(bytes([byte]))
                 time.sleep(0.2)
@@ -74,6 +80,14 @@ class Trickle:
 @pytest.fixture
 def trickle() -> Iterator[Trickle]:
     server = Trickle()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def stall() -> Iterator[Trickle]:
+    """A health page that sends its status line and one header, then stalls inside its headers."""
+    server = Trickle(stall_after=len(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"))
     yield server
     server.close()
 
@@ -122,6 +136,23 @@ def test_a_trickling_health_gate_is_an_error_at_its_timeout(trickle):
     assert "total deadline of 1 s" in results["health"].detail
 
 
+def test_an_answer_cut_inside_its_headers_is_no_answer(stall):
+    """The deadline shuts the socket; http.client takes the end of the stream for the end of the headers, and a
+    200 stood on a status line alone."""
+    with pytest.raises(DeadlineExceeded, match="total deadline of 1 s"), deadline(1.0, "stall"):
+        session().get(stall.url, timeout=5)
+
+
+def test_a_health_gate_that_stalls_inside_its_headers_holds_at_its_timeout(stall):
+    """It passed at its 5 s deadline: an expired deadline is an unreadable answer, whatever was received."""
+    elapsed, results = timed(
+        lambda: GateReader({"health": Gate(http=HttpGate(url=stall.url, timeoutSeconds=1))}).results(["health"])
+    )
+    assert elapsed < 1 + SLACK
+    assert results["health"].state == "error"
+    assert "total deadline of 1 s" in results["health"].detail
+
+
 def test_a_trickling_azure_monitor_is_an_error_at_its_deadline(trickle):
     monitor = AzureMonitorReader(credential=Token(), arm_endpoint=trickle.url, deadline_seconds=1)
     rule = "/subscriptions/s/resourceGroups/rg/providers/microsoft.insights/metricAlerts/cpu"
@@ -142,14 +173,14 @@ def test_a_trickling_teams_webhook_fails_the_card_at_its_deadline(trickle):
     assert "secret" not in str(error)
 
 
-def test_a_trickling_logs_ingestion_keeps_the_rows_for_the_next_write(trickle):
+def test_a_trickling_logs_ingestion_gives_the_rows_back_at_its_deadline(trickle):
     sink = LogsIngestionHistory(
         endpoint=trickle.url, rule_id="dcr-1", credential=Token(), enforce_https=False, deadline_seconds=1
     )
     rows = [dead_letter_row(now=DOC_NOW, reason="r", details={})]
-    elapsed, _ = timed(lambda: sink.write(rows))
+    elapsed, error = timed(lambda: sink.write(rows))
     assert elapsed < 1 + SLACK
-    assert sink.pending == 1
+    assert isinstance(error, HistoryError)  # the rows stay in the outbox for the timer
 
 
 def test_a_trickling_relay_gives_up_the_approval_at_its_deadline(trickle):

@@ -18,7 +18,7 @@ import pytest
 from azure.core.credentials import AccessToken
 from azure.monitor.ingestion import LogsIngestionClient
 
-from coordinator.adapters.history import LogsIngestionHistory, SqliteHistory
+from coordinator.adapters.history import HistoryError, LogsIngestionHistory, SqliteHistory
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
 from ops.history import main, parse_since
 
@@ -175,13 +175,56 @@ def test_logs_ingestion_upload_with_the_real_sdk(capture):
     assert logs[1]["TimeGenerated"] == "2026-11-20T12:00:01Z"
     assert set().union(*logs) <= set(column_types())  # only declared columns (the DCR drops unknown ones)
 
-    # The service refuses once: the rows stay pending and go with the next write; nothing is lost.
+    assert [row["RecordId"] for row in logs] == [row.RecordId for row in rows()]
+
+    # The service refuses: the write says so (the rows stay in the outbox, and the timer writes them again).
     capture.fail_next = 1
-    sink.write(rows()[:1])
-    assert sink.pending == 1
-    sink.write(rows()[1:2])
-    assert sink.pending == 0
-    assert [r["RecordType"] for r in capture.calls[-1]["logs"]] == ["Observation", "Transition"]
+    with pytest.raises(HistoryError):
+        sink.write(rows()[:1])
+
+
+def test_a_row_that_is_not_json_is_set_aside_alone_and_the_rest_is_uploaded(capture, caplog):
+    """``measuredSeconds: Infinity`` (or 1e308 past a float) made the SDK write ``Infinity``, which is not JSON: a
+    strict endpoint refused the whole upload, and every later one that carried it again."""
+    client = LogsIngestionClient(endpoint=capture.url, credential=StaticTokenCredential(), retry_total=0)
+    sink = LogsIngestionHistory(
+        endpoint=capture.url, rule_id="dcr-1", credential=StaticTokenCredential(), enforce_https=False, client=client
+    )
+    poison = HistoryRow(TimeGenerated=NOW, RecordType="Impact", EventId="E1", MeasuredSeconds=float("inf"))
+    past = HistoryRow(TimeGenerated=NOW, RecordType="Impact", EventId="E2", MeasuredSeconds=float("1e308") * 10)
+    sink.write([*rows()[:2], poison, past, rows()[2]])
+    assert [row["RecordType"] for row in capture.calls[-1]["logs"]] == ["Observation", "Transition", "Observation"]
+    assert sink.set_aside == 2
+    assert f"row {poison.RecordId} (Impact, event 'E1') cannot be serialised and is set aside" in caplog.text
+
+
+def test_the_local_store_keeps_a_row_once_and_sets_aside_one_it_cannot_hold(tmp_path, caplog):
+    store = SqliteHistory(tmp_path / "h.sqlite")
+    store.write(rows())
+    store.write(rows())  # a retried upload, an outbox written twice: nothing more
+    big = HistoryRow(TimeGenerated=NOW, RecordType="Impact", EventId="E3", DurationInSeconds=2**70)
+    inf = HistoryRow(TimeGenerated=NOW, RecordType="Impact", EventId="E4", MeasuredSeconds=float("inf"))
+    store.write([big, inf, HistoryRow(TimeGenerated=NOW, RecordType="Heartbeat", VmName="c")])
+    table = history_schema()["table"]
+    found = store.query(f'SELECT RecordType, EventId, RecordId FROM "{table}" ORDER BY rowid')
+    store.close()
+    assert [(r["RecordType"], r["EventId"]) for r in found] == [
+        ("Observation", "E1"),
+        ("Transition", "E1"),
+        ("Observation", "E0"),
+        ("Heartbeat", None),
+    ]
+    assert [r["RecordId"] for r in found[:3]] == [row.RecordId for row in rows()]
+    assert store.set_aside == 2
+    assert f"row {big.RecordId} (Impact, event 'E3') cannot be serialised" in caplog.text
+
+
+def test_a_row_has_one_id_for_one_content():
+    again = rows()
+    assert [row.RecordId for row in rows()] == [row.RecordId for row in again]
+    assert len({row.RecordId for row in again}) == 3
+    assert HistoryRow.model_validate_json(again[1].model_dump_json()).RecordId == again[1].RecordId
+    assert HistoryRow(TimeGenerated=NOW, RecordType="Observation", RecordId="given").RecordId == "given"
 
 
 def test_a_store_made_before_the_hold_columns_gets_them_and_keeps_its_rows(tmp_path):

@@ -280,23 +280,31 @@ def test_a_coordinator_that_dies_after_sending_is_reconciled_by_the_timer_with_i
     dying = build(_DiesAfterSending(DirectImdsCallback(base_url=imds.url)), DOC_NOW)
     with pytest.raises(KeyboardInterrupt):
         dying.process_batch([_good(NAMES[1], 2, 1, event_id)])
-    # The approval left right after the deciding write; the history follows the send, so none was written.
+    # The approval left right after the deciding write, which stored its Decision and intent rows in the outbox; the
+    # history is written last, so none was written.
     assert [r for r in history.rows if r.EventId == event_id] == []
+    kept = [(r.RecordType, r.Outcome) for entry in dying.store.outbox() for r in entry.rows if r.EventId == event_id]
+    assert kept == [("Decision", "approve"), ("Approval", "sending")]
     assert len([a for a in imds.approvals() if a["EventId"] == event_id]) == 1
     # Event Hubs delivers the batch again (no checkpoint was written): the VM positions, which follow the send, are
-    # written; the approval already decided is not decided or sent again.
+    # written with the sighting's Observation row; the approval already decided is not decided or sent again.
     later = build(DirectImdsCallback(base_url=imds.url), DOC_NOW + timedelta(minutes=2))
     later.process_batch([_good(NAMES[1], 2, 1, event_id)])
     assert [r.RecordType for r in history.rows if r.EventId == event_id] == ["Observation"]
     assert len([a for a in imds.approvals() if a["EventId"] == event_id]) == 1
-    # The timer: the approval record is durable and has no outcome, so it is unknown; its Decision row is written at
-    # the time it was decided, it is sent again with the same decisionId and the outcome written.
+    # The timer writes the rows the dying batch kept, at the time they were made; the approval record is durable and
+    # has no outcome, so it is unknown, sent again with the same decisionId and the outcome written.
     later.tick()
     rows = [r for r in history.rows if r.EventId == event_id]
-    assert [(r.RecordType, r.Outcome) for r in rows][1:3] == [("Decision", "approve"), ("Approval", "unknown")]
-    assert rows[1].TimeGenerated == DOC_NOW
-    outcomes = [r.Outcome for r in rows if r.RecordType == "Approval"]
+    assert len({r.RecordId for r in rows}) == len(rows)  # none twice
+    assert [(r.RecordType, r.Outcome, r.TimeGenerated) for r in rows if r.TimeGenerated == DOC_NOW] == [
+        ("Decision", "approve", DOC_NOW),
+        ("Approval", "sending", DOC_NOW),
+    ]
+    outcomes = [r.Outcome for r in rows if r.RecordType == "Approval" and r.TimeGenerated > DOC_NOW]
+    assert outcomes[0] == "unknown"
     assert outcomes[-1] in ("approved", "not-scheduled")
+    assert later.store.outbox() == []
     stored = later.event(event_id)
     assert stored is not None
     assert stored.record.approval is not None

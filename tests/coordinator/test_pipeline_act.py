@@ -17,7 +17,7 @@ from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain import approvals
 from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline import act, delivery, handover
+from coordinator.pipeline import act, delivery, handover, plan
 from coordinator.pipeline.run import Delivery, Run
 from tests.coordinator.helpers import DOC_NOW
 from tests.coordinator.runs import (
@@ -484,7 +484,7 @@ def test_a_handed_over_request_with_no_peer_yet_stays_valid_a_few_seconds_longer
     assert record.approval is not None
     assert record.approval.outcome == "continued"
     assert record.openRequest is not None
-    valid = run.options.in_run_delivery + act.UNPEERED_ALLOWANCE + run.options.not_after_tolerance
+    valid = run.options.in_run_delivery + plan.UNPEERED_ALLOWANCE + run.options.not_after_tolerance
     assert record.openRequest.until == DOC_NOW + valid
 
 
@@ -692,3 +692,28 @@ rules:
         assert record.decision.withdrawal.startswith("approval d-1 by rule 'gated-freeze'")
         assert "withdrawn" in record.decision.withdrawal
         assert "gate 'health' is failing" in record.decision.reason
+
+
+def test_a_delivery_run_finds_the_vm_by_its_heartbeats_as_the_timer_does():
+    """Issue 33: a person's approval handed over, continued 10 minutes after WestNO_0 listed the event, while
+    WestNO_0 heartbeats every minute: the delivery run sends it through WestNO_0 (before: no VM reported within
+    300 s, as it judged WestNO_0 by its sighting's last change)."""
+    bench = Bench(deliveries=MemoryDeliveries())
+    approval = ApprovalRecord(
+        decisionId="d-1",
+        rule="manual",
+        actor="person:ops@example.com",
+        decidedAt=DOC_NOW,
+        outcome="continued",
+        executor="WestNO_0",
+    )
+    put_event(bench.store, EVENT, vms=("WestNO_0",), notBefore=NOT_BEFORE, approval=approval)
+    bench.now = DOC_NOW + timedelta(minutes=10)
+    put_vm(bench.store, "WestNO_0", last_seen=bench.now - timedelta(seconds=30))
+    run = bench.run("delivery")
+    delivery.take_over(run, QueuedDelivery(eventId=EVENT, decisionId="d-1", executor="WestNO_0", handedOverAt=DOC_NOW))
+    act.deliver(run, last_seen=None)
+    assert bench.callback.vms == ["WestNO_0"]
+    record = bench.event(EVENT)
+    assert record.approval is not None
+    assert (record.state, record.approval.outcome) == ("Approved", "approved")

@@ -75,8 +75,8 @@ class LostAnswer(MemoryStateStore):
 
     lost = True
 
-    def save_events(self, items: Any) -> list[str]:
-        etags = super().save_events(items)
+    def save_events(self, items: Any, **kw: Any) -> list[str]:
+        etags = super().save_events(items, **kw)
         if self.lost:
             self.lost = False
             raise ConcurrencyConflict("EntityAlreadyExists (the first try landed; its answer was lost)")
@@ -240,11 +240,11 @@ class SideBySide(MemoryStateStore):
 
     between: Any = None
 
-    def save_events(self, items: Any) -> list[str]:
+    def save_events(self, items: Any, **kw: Any) -> list[str]:
         action, self.between = self.between, None
         if action is not None:
             action()
-        return super().save_events(items)
+        return super().save_events(items, **kw)
 
 
 def hooked(name: str, event_id: str) -> RawMessage:

@@ -140,3 +140,42 @@ def test_each_hub_carries_one_kind_an_event_grid_event_on_the_vms_hub_is_a_forge
     # And an envelope on Event Grid's hub is no envelope of the platform's.
     arrivals, dead = read(bench, message(report("WestNO_0", 2)), channel="platform")
     assert (arrivals.by_vm, arrivals.grid, dead) == ({}, [], [ingest.ENVELOPE_ON_PLATFORM_HUB])
+
+
+def measured(name: str, number: int, payload: str, **fields: Any) -> dict[str, Any]:
+    """``name``'s impact report of a 5 s Freeze, or its prepare hooks' report, with ``fields`` put over it."""
+    data = envelope(identity(name).model_dump(), sequence=number, kind=payload)
+    at = DOC_NOW.isoformat()
+    if payload == "impact":
+        base = {"eventType": "Freeze", "measure": "pause", "measuredSeconds": 5.2, "start": at, "end": at}
+    else:
+        base = {"phase": "prepare", "outcome": "succeeded", "durationSeconds": 1.5, "budgetSeconds": 60}
+    data[payload] = {"eventId": "E1", **base, **fields}
+    return data
+
+
+@pytest.mark.parametrize(
+    ("payload", "field", "value", "why"),
+    [
+        ("impact", "measuredSeconds", float("inf"), "Input should be a finite number"),
+        ("impact", "measuredSeconds", float("nan"), "Input should be a finite number"),
+        ("impact", "measuredSeconds", 1e308, "Input should be less than or equal to 604800"),
+        ("impact", "measuredSeconds", 604_800.5, "Input should be less than or equal to 604800"),
+        ("impact", "wallGapSeconds", float("-inf"), "Input should be a finite number"),
+        ("impact", "monotonicGapSeconds", 1e308, "Input should be less than or equal to 604800"),
+        ("impact", "announcedSeconds", 2**62, "Input should be less than or equal to 604800"),
+        ("hook", "durationSeconds", float("inf"), "Input should be a finite number"),
+        ("hook", "budgetSeconds", 1e308, "Input should be less than or equal to 604800"),
+        ("hook", "budgetUsed", float("inf"), "Input should be a finite number"),
+    ],
+)
+def test_seconds_are_finite_and_at_most_a_week_or_the_message_is_set_aside_naming_the_field(
+    bench: Bench, payload: str, field: str, value: float, why: str
+):
+    """``measuredSeconds: Infinity`` was accepted (1e308 too), and its row written as ``Infinity``, which is not
+    JSON: a strict Logs Ingestion endpoint refused that row and every row sent with it, at every later write."""
+    bad = message(measured("WestNO_0", 1, payload, **{field: value}))  # json.dumps writes Infinity and NaN
+    arrivals, dead = read(bench, bad, message(measured("WestNO_1", 1, payload)))
+    [reason] = dead
+    assert reason.startswith(f"invalid envelope: {payload}.{field}: {why}"), reason
+    assert list(arrivals.by_vm) == [identity("WestNO_1").vmId.lower()]

@@ -11,7 +11,7 @@ from coordinator.domain.model import ApprovalRecord, DecisionRecord, PlatformHol
 from coordinator.pipeline import people
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW, event_record
-from tests.coordinator.runs import NOT_BEFORE, Bench, put_event
+from tests.coordinator.runs import NOT_BEFORE, Bench, put_event, put_vm
 
 TAIL = ["deliver", "cards", "budgets", "history"]
 PERSON = "ops@example.com"
@@ -150,3 +150,30 @@ def test_held_by_names_the_platform_or_the_coordinator_or_nothing():
     assert held is not None
     assert (held["by"], held["eventId"], held["until"]) == ("coordinator", "EV-T2", None)
     assert people.held_by(event_record("EV-R")) is None
+
+
+def test_a_person_approving_long_after_the_event_was_listed_finds_its_vm_by_its_heartbeats(bench: Bench):
+    """Issue 33: approved 10 minutes after WestNO_0 listed the event (its sighting's last change), while WestNO_0
+    sent a heartbeat every minute (its position): the timer counts it alive, and so does the person's run. Before,
+    the person got "no VM of ['WestNO_0'] reported within 300 s"."""
+    waiting_reboot(bench)
+    bench.now = DOC_NOW + timedelta(minutes=10)
+    put_vm(bench.store, "WestNO_0", last_seen=bench.now - timedelta(seconds=40))  # its last heartbeat
+    result, _ = approve(bench)
+    assert (result.status, result.message) == ("approved", f"event EV-R approved by {PERSON}")
+    assert bench.callback.vms == ["WestNO_0"]
+    approval = bench.event("EV-R").approval
+    assert approval is not None
+    assert "reported within" not in approval.reason
+
+
+def test_a_person_approving_while_its_vm_is_silent_still_finds_no_executor(bench: Bench):
+    waiting_reboot(bench)
+    bench.now = DOC_NOW + timedelta(minutes=10)
+    put_vm(bench.store, "WestNO_0", last_seen=DOC_NOW + timedelta(minutes=4))  # silent for 6 minutes
+    result, _ = approve(bench)
+    assert result.status == "sent"
+    assert bench.callback.vms == []
+    approval = bench.event("EV-R").approval
+    assert approval is not None
+    assert approval.reason == "no VM of ['WestNO_0'] reported within 300 s"

@@ -63,6 +63,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "deliveries_continued",
         "vms_purged",
         "budgets_purged",
+        "history_adopted",
     }
     assert set(reports["person"].as_dict()) == {
         "events_changed",

@@ -64,6 +64,7 @@ def test_a_tick_and_a_person_end_with_the_same_tail(azurite, imds, tmp_path):
         "deliveries_continued",
         "vms_purged",
         "budgets_purged",
+        "history_adopted",
     }
 
     person = coordinator.start("person")

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from coordinator.domain.model import ApprovalRecord, Retirement
+from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import timer
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW
@@ -221,3 +222,26 @@ def test_a_tick_waits_for_no_absent_listener_and_leaves_the_handed_over_approval
         assert bench.callback.vms == ["WestNO_0"], "sent again while the queue has it"
     finally:
         bench.callback.hold.set()
+
+
+def test_an_approval_the_timer_decides_is_sent_through_a_vm_it_hears_by_its_heartbeats(bench: Bench):
+    """The tick plans an approval it decides before its write (its intent committed with it), by when it last heard
+    each VM (heartbeats count), as it judges every VM: WestNO_0 listed the Reboot 19 minutes ago, heartbeats since."""
+    bench.policy = parse_policy(
+        """
+version: 1
+blackouts:
+  - {name: nightly, schedule: "0 22 * * *", duration: 30m, timeZone: UTC}
+rules:
+  - {name: reboots, match: {eventType: [Reboot]}, action: approve-now}
+"""
+    )
+    put_event(bench.store, "EV-R", vms=("WestNO_0",), notBefore=DOC_NOW + timedelta(hours=1))
+    after = DOC_NOW.replace(minute=31, second=0)  # the blackout over (22:00-22:30)
+    put_vm(bench.store, "WestNO_0", last_seen=after - timedelta(seconds=20))
+    tick(bench, after)
+    assert bench.callback.vms == ["WestNO_0"]
+    assert [(r.RecordType, r.Outcome) for r in bench.rows("Approval")] == [
+        ("Approval", "sending"),
+        ("Approval", "approved"),
+    ]

@@ -119,7 +119,8 @@ def test_read_event_reads_the_event_and_its_groups_fresh():
 
     stored = read_event(store, "EV-1")
     assert stored == Stored(
-        event_record("EV-1", groups=["pg:avset-westno"], vms={"WestNO_0": as_assembled(vm0, "EV-1")}), etag
+        event_record("EV-1", groups=["pg:avset-westno"], vms={"WestNO_0": as_assembled(vm0, "EV-1")}, revision=1),
+        etag,
     )
 
 

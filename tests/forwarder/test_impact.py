@@ -4,20 +4,21 @@ forwarder restarted without a reboot reporting nothing, and the boot time read f
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from contracts.envelope import Envelope
 from contracts.wire import ScheduledEventsDocument, VmIdentity
 from emulators.imds import ImdsEmulator
-from forwarder.durable_state import Store
+from forwarder.durable_state import IMPACT_RESTART, Store
 from forwarder.impact import ImpactMeter, read_boot_time
 from tests.forwarder.conftest import read_envelopes, wait_for
 
@@ -269,3 +270,31 @@ def test_a_pause_before_the_freeze_was_first_seen_is_measured_from_the_late_poll
     quiet.polled(STARTED_FREEZE, VM)
     quiet.before_poll(VM, due=time.monotonic())
     assert quiet_store.peek(10) == []
+
+
+def test_a_measure_beyond_a_week_is_a_clock_that_stepped_and_is_not_reported(tmp_path: Path) -> None:
+    """The contract bounds every figure of seconds to a week (contracts.envelope.MAX_SECONDS): a restart whose last
+    poll the wall clock puts 8 days back is not an event's downtime. The meter reports nothing, and goes on; an
+    announced DurationInSeconds the contract cannot carry is sent as not announced (-1)."""
+    store = Store(tmp_path / "state.db")
+    now = datetime.now(UTC)
+    for name, days, announced in (("R-LATE", 8, 30), ("R-SAID", 0, 10**9)):
+        store.put_state(
+            IMPACT_RESTART,
+            json.dumps(
+                {
+                    "eventId": name,
+                    "eventType": "Reboot",
+                    "announced": announced,
+                    "lastPollAt": (now - timedelta(days=days, seconds=5)).isoformat(),
+                }
+            ),
+        )
+        boot(tmp_path, now.timestamp() - 1)
+        meter_on(store, tmp_path).before_poll(VM)
+        assert store.get_state(IMPACT_RESTART) == ""  # the watch ends either way: the next start reports nothing
+    (spooled,) = store.peek(10)
+    report = Envelope.from_json_bytes(spooled.body).impact
+    assert report is not None
+    assert (report.eventId, report.announcedSeconds) == ("R-SAID", -1)
+    assert 4 <= report.measuredSeconds <= 60

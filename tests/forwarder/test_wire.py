@@ -225,3 +225,40 @@ def test_the_forwarder_process_loads_no_pydantic_and_no_azure_sdk() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        (("impact", "measuredSeconds"), float("inf"), "impact.measuredSeconds: Input should be a finite number"),
+        (("impact", "measuredSeconds"), float("nan"), "impact.measuredSeconds: Input should be a finite number"),
+        (("impact", "measuredSeconds"), 1e308, "impact.measuredSeconds: Input should be less than or equal to 604800"),
+        (("impact", "wallGapSeconds"), -604_801, "impact.wallGapSeconds: Input should be greater than or equal to"),
+        (("impact", "announcedSeconds"), 2**40, "impact.announcedSeconds: Input should be less than or equal to"),
+        (("hook", "budgetUsed"), float("inf"), "hook.budgetUsed: Input should be a finite number"),
+        (("hook", "durationSeconds"), 604_800.5, "hook.durationSeconds: Input should be less than or equal to"),
+    ],
+)
+def test_seconds_are_finite_and_at_most_a_week_on_both_sides(path: tuple[str, str], value: float, needle: str) -> None:
+    """What the coordinator refuses at its door (``Infinity`` was taken, and its row was not JSON), the forwarder
+    never writes: both name the field."""
+    at = "2026-11-26T07:00:00Z"
+    payloads: dict[str, dict[str, Any]] = {
+        "impact": {"eventId": "A", "eventType": "Freeze", "measure": "pause", "measuredSeconds": 5.0, "start": at,
+                   "end": at},
+        "hook": {"eventId": "A", "phase": "prepare", "outcome": "succeeded", "durationSeconds": 1.0},
+    }  # fmt: skip
+    kind, field = path
+    data = {
+        "kind": kind,
+        "vm": _vm().to_mapping(),
+        "observedAt": at,
+        "sequence": 0,
+        "forwarder": "0.1.0",
+        kind: {**payloads[kind], field: value},
+    }
+    wire.Envelope.from_mapping({**data, kind: payloads[kind]})  # the same report within bounds is taken
+    with pytest.raises(ValidationError, match=needle.split(": ", 1)[1]):
+        envelope.Envelope.from_mapping(data)
+    with pytest.raises(Invalid, match=needle):
+        wire.Envelope.from_mapping(data)
