@@ -15,28 +15,22 @@ import os
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from azure.eventhub import EventData, EventHubProducerClient
 
-from contracts.document import ScheduledEventsDocument
-from contracts.envelope import MAX_TAG_NAME, MAX_TAG_VALUE, MAX_TAGS, Envelope, HookReport, HookStep, VmIdentity
+from contracts.envelope import VmIdentity
 from emulators.imds.models import ForgeStep, ListenerStep, OutageStep, ScenarioStep, SignalStep
 from emulators.relay import RelayEmulator
 from forwarder.imds import identity_of
+from local import forgeries
 
 if TYPE_CHECKING:
     from local.stack import LocalStack
 
 log = logging.getLogger("local.platform")
-
-# Sequences no forwarder reaches: a forger's envelopes are never dropped as stale.
-FORGED_SEQUENCE = 2**62
-FORGER = "scheduled-events-forwarder/0.1.0"
 
 
 # A Freeze pauses its VMs for its DurationInSeconds on the run's time scale, as everything else in the run is, but
@@ -87,6 +81,7 @@ class Platform:
         self._timers: dict[str, list[threading.Timer]] = {}
         # Injected Relay listener behaviour per VM, kept to be applied again to a Relay started after an outage.
         self.listener_faults: dict[str, tuple[float, bool]] = {}
+        self.liars: list[tuple[ForgeStep, forgeries.LyingListener]] = []
 
     def record(self, action: str, **details: Any) -> None:
         with self._lock:
@@ -276,7 +271,7 @@ class Platform:
                 log.debug("relay out: listener fault of %s kept for later", vm)
         self.record("listener", vm=vm, delaySeconds=delay, dead=dead)
 
-    # ---- forged envelopes ------------------------------------------------------------------------------------
+    # ---- forged envelopes and a lying listener (local/forgeries.py) -------------------------------------------
     def _forge(self, step: ForgeStep) -> None:
         imds, eventhubs = self.stack.imds, self.stack.eventhubs
         if imds is None or eventhubs is None or step.by in self.stack.removed:
@@ -284,12 +279,23 @@ class Platform:
         specs = {spec.name: spec for spec in imds.vms()}
         victim = VmIdentity.of(identity_of(specs[step.about].compute()))
         forger = VmIdentity.of(identity_of(specs[step.by].compute()))
+        if step.kind == "liar":
+            self._lie(step, victim)
+            return
         try:
             seen = imds.document(step.by)
+            events = [e for e in seen["Events"] if step.about in e.get("Resources", [])]
+            messages = forgeries.forged(
+                step,
+                victim=victim,
+                forger=forger,
+                incarnation=seen["DocumentIncarnation"],
+                events=events,
+                attest=lambda state: forgeries.attestation_of(imds.url_for(step.by), state),
+            )
         except Exception:  # the forger's VM is gone: it sends nothing
+            log.warning("forgery of %s not made", step.by, exc_info=True)
             return
-        events = [e for e in seen["Events"] if step.about in e.get("Resources", [])]
-        messages = forged(step, victim=victim, forger=forger, incarnation=seen["DocumentIncarnation"], events=events)
         producer = EventHubProducerClient.from_connection_string(eventhubs.connection_string(self.stack.hub))
         try:
             with producer:
@@ -307,11 +313,28 @@ class Platform:
             kind=step.kind,
             events=[str(e["EventId"]) for e in events],
             sent=len(messages),
+            digests=[forgeries.digest(body) for body, _ in messages],
         )
+
+    def _lie(self, step: ForgeStep, victim: VmIdentity) -> None:
+        relay, imds = self.stack.relay, self.stack.imds
+        if relay is None or imds is None:
+            return
+        liar = forgeries.LyingListener(
+            relay_endpoint=relay.base_url.replace("http://", "ws://", 1),
+            hybrid_connection=victim.hybrid_connection_name,
+            vm_url=imds.url_for(step.by),
+        ).start()
+        self.liars.append((step, liar))
+        self.record("forge", by=step.by, about=step.about, kind=step.kind, events=[], sent=0)
 
     # ---- the end ---------------------------------------------------------------------------------------------
     def finish(self) -> None:
         """Ends every fault still on, now (the run is being settled)."""
+        for step, liar in self.liars:
+            liar.stop()
+            self.record("liar", by=step.by, about=step.about, answered=[list(a) for a in liar.answered])
+        self.liars.clear()
         with self._lock:
             pending = dict(self._timers)
             self._timers.clear()
@@ -346,103 +369,3 @@ class Platform:
             vm = next(spec for spec in imds.vms() if spec.name == name) if imds is not None else None
             if vm is not None:
                 self._set_listener(name, f"vm-{vm.vmId.lower()}", 0.0, False)
-
-
-def forged(
-    step: ForgeStep, *, victim: VmIdentity, forger: VmIdentity, incarnation: int, events: list[dict[str, Any]]
-) -> list[tuple[bytes, str]]:
-    """The messages (body, partition key) a forger on ``forger`` sends about ``victim`` (see ``ForgeStep``), each
-    under a state of its own with a sequence no forwarder reaches."""
-    state = uuid.uuid4().hex
-    sequences = iter(range(FORGED_SEQUENCE, FORGED_SEQUENCE + 1_000))
-
-    def envelope(vm: VmIdentity, **fields: Any) -> tuple[bytes, str]:
-        sent = Envelope(
-            vm=vm, observedAt=now_utc(), sequence=next(sequences), forwarder=FORGER, stateId=state, **fields
-        )
-        return sent.to_json_bytes(), vm.partition_key
-
-    def document(items: list[dict[str, Any]]) -> ScheduledEventsDocument:
-        return ScheduledEventsDocument.model_validate({"DocumentIncarnation": incarnation + 1, "Events": items})
-
-    def hooks() -> list[tuple[bytes, str]]:
-        step_ = HookStep(hook="10-drain", outcome="succeeded", durationSeconds=0.1, exitCode=0)
-        return [
-            envelope(
-                victim,
-                kind="hook",
-                hook=HookReport(
-                    eventId=str(e["EventId"]), phase="prepare", outcome="succeeded", durationSeconds=0.1, steps=[step_]
-                ),
-            )
-            for e in events
-        ]
-
-    kinds: dict[str, Callable[[], list[tuple[bytes, str]]]] = {
-        "sequence": lambda: [envelope(victim, kind="heartbeat")],
-        "gone": lambda: [envelope(victim, kind="incarnation", document=document([]))],
-        "deep": lambda: [_deep(forger, state)],
-        "oversized": lambda: [
-            envelope(_longest_tags(forger), kind="incarnation", document=document(_many_events(forger)))
-        ],
-        # The lies about the victim's own events need events to lie about (those the forger's IMDS shows).
-        "relabel": lambda: (
-            [
-                envelope(
-                    victim,
-                    kind="incarnation",
-                    document=document([{**e, "EventType": "Freeze", "DurationInSeconds": 5} for e in events]),
-                )
-            ]
-            if events
-            else []
-        ),
-        "user": lambda: (
-            [envelope(forger, kind="incarnation", document=document([{**e, "EventSource": "User"} for e in events]))]
-            if events
-            else []
-        ),
-        "hook": hooks,
-    }
-    return kinds[step.kind]()
-
-
-# How deep the forger nests its document: far beyond any parser's recursion limit.
-DEEP = 20_000
-
-
-def _deep(vm: VmIdentity, state: str) -> tuple[bytes, str]:
-    """An envelope whose document's one event is a list nested ``DEEP`` deep: well-formed JSON no schema allows."""
-    head = Envelope(
-        vm=vm, observedAt=now_utc(), sequence=FORGED_SEQUENCE, forwarder=FORGER, stateId=state, kind="heartbeat"
-    )
-    text = head.to_json_bytes().decode()
-    nested = "[" * DEEP + "]" * DEEP
-    body = text[:-1] + f', "document": {{"DocumentIncarnation": 1, "Events": [{nested}]}}}}'
-    return body.replace('"kind":"heartbeat"', '"kind":"incarnation"').encode(), vm.partition_key
-
-
-def _longest_tags(vm: VmIdentity) -> VmIdentity:
-    """The VM's identity with as many tags as the envelope allows, each name and value as long as allowed."""
-    tags = {f"{index:03d}".ljust(MAX_TAG_NAME, "t"): "v" * MAX_TAG_VALUE for index in range(MAX_TAGS)}
-    return vm.model_copy(update={"tags": tags})
-
-
-def _many_events(vm: VmIdentity) -> list[dict[str, Any]]:
-    """As many events as the coordinator accepts in one document, each naming the VM."""
-    return [
-        {
-            "EventId": str(uuid.uuid4()).upper(),
-            "EventType": "Freeze",
-            "ResourceType": "VirtualMachine",
-            "Resources": [vm.name],
-            "EventStatus": "Scheduled",
-            "NotBefore": "",
-            "DurationInSeconds": 5,
-            "EventSource": "Platform",
-        }
-        for _ in range(MAX_EVENTS)
-    ]
-
-
-MAX_EVENTS = 100

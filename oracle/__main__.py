@@ -1,7 +1,8 @@
 """python -m oracle — the promise checked: approve exactly when the policy allows, never otherwise, in time, once,
 and lose no document a forwarder read.
 
-  python -m oracle --seeds N [--start S]     N generated runs (fleets, policies, events, hooks, faults, forgeries)
+  python -m oracle --seeds N [--start S]     N generated runs (fleets, policies, events, hooks, faults, forgeries,
+                                             attackers with root on a VM; --no-attackers: without them)
   python -m oracle --seed S                  one generated run again (the reproduction of a finding)
   python -m oracle --scenario FILE [--policy FILE]   one scenario (its policy: policies/<name> beside it)
   python -m oracle --all-scenarios           every scenario in emulators/scenarios/
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from emulators.imds import Scenario, ScenarioError
 from local.stack import REPO_ROOT
+from oracle import attacks
 from oracle.check import KINDS, Bounds, check
 from oracle.generate import generate
 from oracle.run import SCENARIOS, RunResult, policy_for, run_scenario
@@ -48,6 +50,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save", type=Path, help="write each generated run's scenario and policy to this folder")
     parser.add_argument("--time-scale", type=float, default=120.0, help="scenario runs: the time scale (120)")
     parser.add_argument("--json", action="store_true", help="end with the counts and findings as JSON")
+    parser.add_argument(
+        "--no-attackers", action="store_true", help="generated runs without the attackers with root on a VM"
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-event table")
     parser.add_argument("--explain", action="store_true", help="each event's facts, states and allowed sets too")
     arguments = parser.parse_args(argv)
@@ -69,6 +74,7 @@ class Tally:
         self.runs = 0
         self.unfinished: list[str] = []
         self.seconds: list[float] = []
+        self.attacks: list[attacks.AttackOutcome] = []
 
     def add(self, name: str, result: RunResult, reproduce: str, *, quiet: bool, explain: bool = False) -> None:
         self.runs += 1
@@ -82,6 +88,9 @@ class Tally:
         lines = report.lines(explain=explain)
         for line in lines if not quiet else lines[-len(report.findings) - 1 :]:
             print(line, flush=True)
+        for outcome in (played := attacks.outcomes(result.truth, report)):
+            print(outcome.line(report.start), flush=True)
+        self.attacks.extend(played)
         self.counts.update(report.counts())
         for finding in report.findings:
             self.findings.append(
@@ -102,6 +111,7 @@ class Tally:
             f"oracle: {self.runs} runs in {total:.0f} s ({total / max(1, self.runs):.1f} s per run, "
             f"max {max(self.seconds, default=0.0):.1f} s)",
             "counts: " + ", ".join(f"{kind} {self.counts[kind]}" for kind in KINDS),
+            attacks.summary(self.attacks),
         ]
         if self.unfinished:
             lines.append(f"runs that did not finish in time: {', '.join(self.unfinished)}")
@@ -112,7 +122,7 @@ class Tally:
 
     @property
     def ok(self) -> bool:
-        return not self.findings and not self.unfinished
+        return not self.findings and not self.unfinished and not any(o.breach for o in self.attacks)
 
 
 def _scenario_run(path: Path, policy: Path | None, arguments: argparse.Namespace, tally: Tally) -> None:
@@ -126,7 +136,7 @@ def _scenario_run(path: Path, policy: Path | None, arguments: argparse.Namespace
 
 
 def _seed_run(seed: int, arguments: argparse.Namespace, tally: Tally) -> None:
-    plan = generate(seed)
+    plan = generate(seed, attackers=not arguments.no_attackers)
     folder = arguments.workdir / f"seed-{seed}"
     folder.mkdir(parents=True, exist_ok=True)
     policy = plan.write(arguments.save or folder)
@@ -173,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"took {time.monotonic() - started:.0f} s")
     if arguments.json:
-        print(json.dumps({"counts": dict(tally.counts), "runs": tally.runs, "findings": tally.findings}, indent=1))
+        played = [
+            {"kind": o.forgery.kind, "by": o.forgery.by, "about": o.forgery.about, "sent": o.forgery.sent,
+             "refused": len(o.refused), "answered": len(o.forgery.answered), "breach": o.breach,
+             "harmless": o.harmless}
+            for o in tally.attacks
+        ]  # fmt: skip
+        verdict = {"counts": dict(tally.counts), "runs": tally.runs, "findings": tally.findings, "attacks": played}
+        print(json.dumps(verdict, indent=1))
     return EXIT_OK if tally.ok else EXIT_FAILED
 
 

@@ -60,7 +60,7 @@ from coordinator.domain.policy_file import parse_policy
 from oracle.calendar import cron_periods
 from oracle.intervals import EMPTY, Intervals, seconds
 from oracle.rules import choose, match_breakpoints
-from oracle.truth import Approval, Event, Hook, Incarnation, Span, Truth, Vm
+from oracle.truth import MAY_DELAY, Approval, Event, Hook, Incarnation, Span, Truth, Vm
 
 __all__ = ["Bounds", "EventVerdict", "Finding", "FindingKind", "Report", "check"]
 
@@ -807,8 +807,8 @@ def _impediments(run: _Run, event: Event) -> Intervals:
         after = run.bounds.recover + 2 * (end - begin) + (run.bounds.retry if outage.service == "relay" else 0.0)
         blocked = blocked | Intervals(((begin, end + after),))
     for forgery in run.truth.forgeries:
-        # A sequence hijack silences no one (sequences compare within a forwarder state); the other lies may.
-        if forgery.kind != "sequence" and (forgery.about in event.resources or event.eventId in forgery.events):
+        # Only the lies that may make the coordinator wait (truth.MAY_DELAY) excuse a delay.
+        if forgery.kind in MAY_DELAY and (forgery.about in event.resources or event.eventId in forgery.events):
             blocked = blocked | Intervals(((seconds(forgery.at), INF),))
     return blocked
 

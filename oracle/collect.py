@@ -4,6 +4,7 @@ Observation rows. ``platform_facts`` (pure) turns the platform's log into spans.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -16,6 +17,7 @@ from local.observe import TABLE
 from local.stack import LocalStack
 from oracle.truth import (
     Approval,
+    DeadLetter,
     Event,
     Forgery,
     GateChange,
@@ -99,9 +101,24 @@ class PlatformFacts:
         elif action == "forge":
             events = [str(e) for e in entry.get("events", [])]
             forgery = Forgery(
-                at=at, by=str(entry["by"]), about=str(entry["about"]), kind=str(entry["kind"]), events=events
+                at=at,
+                by=str(entry["by"]),
+                about=str(entry["about"]),
+                kind=str(entry["kind"]),
+                events=events,
+                sent=int(entry.get("sent", 0)),
+                digests=[str(d) for d in entry.get("digests", [])],
             )
             self.forgeries.append(forgery)
+        elif action == "liar":
+            self._liar(entry)
+
+    def _liar(self, entry: dict[str, Any]) -> None:
+        """What a lying listener answered, on the forgery that started it."""
+        answered = [(str(e), str(d)) for e, d in entry.get("answered", [])]
+        for index, forgery in enumerate(self.forgeries):
+            if (forgery.kind, forgery.by, forgery.about) == ("liar", entry.get("by"), entry.get("about")):
+                self.forgeries[index] = forgery.model_copy(update={"answered": answered})
 
     def _outage(self, service: str, at: datetime | None) -> None:
         begun = self._out.pop(service, None)
@@ -152,6 +169,30 @@ def observations(history: Path) -> list[Observation]:
         for vm, n, event_id, status in rows
         if vm is not None and n is not None
     ]
+
+
+def dead_letters(history: Path) -> list[DeadLetter]:
+    """The history's DeadLetter rows: why each message was set aside, and its body's digest."""
+    if not history.exists():
+        return []
+    db = sqlite3.connect(f"file:{history}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            f"SELECT TimeGenerated, Reason, Details FROM \"{TABLE}\" WHERE RecordType = 'DeadLetter'"  # noqa: S608
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        db.close()
+    letters = []
+    for at, reason, details in rows:
+        try:
+            found = json.loads(details) if isinstance(details, str) else (details or {})
+        except ValueError:
+            found = {}
+        sha = found.get("bodySha256", "") if isinstance(found, dict) else ""
+        letters.append(DeadLetter(at=_time(at), reason=str(reason or "")[:1000], sha256=str(sha)))
+    return letters
 
 
 def history_steps(history: Path) -> list[HistoryStep]:
@@ -272,6 +313,7 @@ def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Trut
         listenerFaults=facts.listener_faults,
         gates=gates,
         forgeries=facts.forgeries,
+        deadLetters=dead_letters(stack.history_path),
         observations=observations(stack.history_path),
         history=history_steps(stack.history_path),
     )

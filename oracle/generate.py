@@ -23,7 +23,11 @@ still varies with the machine). The knobs, each drawn per seed:
 - **hostile input** (sometimes): a VM forges envelopes about another VM of its placement group (relabelled facts,
   claimed user-initiated, a hook success, a false "gone", a sequence hijack), within the fleet's shared identity;
   or sends, under its own identity, a document nested 20,000 deep or one as large as the door lets in (100 events,
-  50 tags of the longest names and values).
+  50 tags of the longest names and values);
+- **attackers with root on a fleet VM** (``attackers``, on by default; 6 seeds in 10, from a stream of their own):
+  1-2 of another VM's name with its own identity (a relabelled listing, a silencing one at 2^62, forged hook and
+  impact reports), a squatter on another VM's resource id, a damaged attested document, a lying listener on
+  another VM's hybrid connection (local/forgeries.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import yaml
 
 from coordinator.domain.policy_file import parse_policy
 from emulators.imds import Scenario
+from oracle import hostile
 
 __all__ = ["Plan", "generate"]
 
@@ -351,52 +356,19 @@ def _faults(draw: _Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]]
     return steps
 
 
-def _forgeries(draw: _Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Lies about a peer's events (within the placement group, whose events the forger's IMDS shows), and messages
-    under the forger's own identity that no schema allows (too deep) or that are as large as the door lets in."""
-    steps = []
-    if draw.chance(0.3):
-        steps.extend(_lies(draw, vms, events))
-    if draw.chance(0.2):
-        by = draw.pick(vms)["name"]
-        kind = draw.pick(["deep", "oversized"])
-        at = draw.rng.randrange(0, 481, 30)
-        steps.append({"at": at, "forge": {"by": by, "about": by, "kind": kind}})
-        draw.note(f"at {at}: {by} sends {kind}")
-    return steps
-
-
-def _lies(draw: _Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    groups: dict[str, list[str]] = {}
-    for vm in vms:
-        if vm.get("placementGroupId") and not vm.get("isolated"):
-            groups.setdefault(vm["placementGroupId"], []).append(vm["name"])
-    pairs = [(a, b) for members in groups.values() for a in members for b in members if a != b]
-    targets = [e for e in events if "create" in e and e["create"].get("EventStatus") != "Started"]
-    if not pairs or not targets:
-        return []
-    steps = []
-    for _ in range(draw.rng.randint(1, 2)):
-        target = draw.pick(targets)
-        victims = target["create"]["Resources"]
-        candidates = [(by, about) for by, about in pairs if about in victims]
-        if not candidates:
-            continue
-        by, about = draw.pick(candidates)
-        kind = draw.pick(["relabel", "user", "hook", "gone", "sequence"])
-        at = target["at"] + 60
-        steps.append({"at": at, "forge": {"by": by, "about": about, "kind": kind}})
-        draw.note(f"at {at}: {by} forges {kind} about {about}")
-    return steps
-
-
-def generate(seed: int) -> Plan:
+def generate(seed: int, *, attackers: bool = True) -> Plan:
     draw = _Draw(seed)
     vms, scale_sets = _fleet(draw)
     policy = _policy(draw, vms)
     events = _events(draw, vms)
     gated = "gates" in policy
-    steps = events + _faults(draw, vms, events, gated) + _forgeries(draw, vms, events)
+    steps = events + _faults(draw, vms, events, gated) + hostile.forgeries(draw, vms, events)
+    if attackers:
+        # A stream of their own: a seed's plan is the same with or without them.
+        rooted = _Draw(0)
+        rooted.rng.seed(f"attackers-{seed}")
+        steps += hostile.attackers(rooted, vms, events)
+        draw.knobs.extend(rooted.knobs)
     steps.sort(key=lambda step: step["at"])
     data = {
         "name": f"seed-{seed}",

@@ -16,7 +16,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "MAY_DELAY",
     "Approval",
+    "DeadLetter",
     "Event",
     "Forgery",
     "GateChange",
@@ -135,12 +137,33 @@ class GateChange(_Data):
     delaySeconds: float = 0.0
 
 
+# The forgeries that may make the coordinator wait for an event they are about (docs/security.md: a lying VM can): the
+# lies without root, as they were judged before attestation refused them at the door. A sequence hijack silences no
+# one (sequences compare within a forwarder state), and no lie with root on the forger's VM may delay another VM's
+# event (issue 34: each is refused at the door, or its answers are not taken for the VM's).
+MAY_DELAY = frozenset({"relabel", "user", "hook", "gone", "deep", "oversized"})
+
+
 class Forgery(_Data):
+    """What a hostile process on VM ``by`` did about VM ``about`` (local/forgeries.py): the messages it sent (their
+    bodies' SHA-256, as dead letters name them), or, a lying listener, the requests it answered."""
+
     at: datetime
     by: str
     about: str
     kind: str
     events: list[str]
+    sent: int = 0
+    digests: list[str] = Field(default_factory=list)
+    answered: list[tuple[str, str]] = Field(default_factory=list)  # (eventId, decisionId)
+
+
+class DeadLetter(_Data):
+    """A message the coordinator set aside (a DeadLetter history row): why, and its body's SHA-256."""
+
+    at: datetime
+    reason: str
+    sha256: str = ""
 
 
 class Observation(_Data):
@@ -200,6 +223,7 @@ class Truth(_Data):
     listenerFaults: list[ListenerFault] = Field(default_factory=list)
     gates: list[GateChange] = Field(default_factory=list)
     forgeries: list[Forgery] = Field(default_factory=list)
+    deadLetters: list[DeadLetter] = Field(default_factory=list)
     observations: list[Observation] = Field(default_factory=list)
     history: list[HistoryStep] = Field(default_factory=list)
 

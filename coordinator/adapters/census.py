@@ -277,6 +277,7 @@ class ArmCensusReader:
 class _Snapshot:
     entries: Mapping[str, CensusEntry] = field(default_factory=dict)  # by name, lower case
     read_at: datetime | None = None
+    by_resource: Mapping[str, CensusEntry] = field(default_factory=dict)  # by resource id, lower case
 
 
 class Census:
@@ -341,10 +342,12 @@ class Census:
                 self.error = f"{type(error).__name__}: {str(error)[:500]}"
             return False
         by_name: dict[str, CensusEntry] = {}
+        by_resource: dict[str, CensusEntry] = {}
         for entry in entries:
             by_name.setdefault(entry.name.lower(), entry)
+            by_resource.setdefault(entry.resourceId.lower(), entry)
         with self._lock:
-            self._snapshot = _Snapshot(entries=by_name, read_at=now)
+            self._snapshot = _Snapshot(entries=by_name, read_at=now, by_resource=by_resource)
             self.error = ""
             self.reads += 1
         log.info("census: %d VMs in %s read from ARM (%s)", len(by_name), ", ".join(self.scopes), why)
@@ -353,6 +356,9 @@ class Census:
     def snapshot(self) -> tuple[Mapping[str, CensusEntry], datetime | None]:
         snapshot = self._snapshot
         return snapshot.entries, snapshot.read_at
+
+    def snapshot_by_resource(self) -> Mapping[str, CensusEntry]:
+        return self._snapshot.by_resource
 
 
 class CensusView:
@@ -373,6 +379,11 @@ class CensusView:
 
     def entry(self, name: str) -> CensusEntry | None:
         return self.entries().get(name.lower())
+
+    def entry_of_resource(self, resource_id: str) -> CensusEntry | None:
+        """The VM ARM lists under ``resource_id`` (any case), from the last good read (read first if none yet)."""
+        self.entries()
+        return self.census.snapshot_by_resource().get(resource_id.lower())
 
     def facts(self) -> dict[str, VmFacts]:
         """Every listed VM's facts, by its name as ARM spells it."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from contracts.envelope import VmIdentity
 from coordinator.domain.controls import VmFacts
 
-__all__ = ["CensusEntry", "describe", "disagreements"]
+__all__ = ["CensusEntry", "describe", "disagreements", "identity_problem"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,37 @@ def disagreements(reported: VmIdentity, listed: CensusEntry | None) -> dict[str,
     if _tags(arm.tags) != _tags(reported.tags):
         found["tags"] = (_text(arm.tags), _text(reported.tags))
     return found
+
+
+def identity_problem(reported: VmIdentity, by_name: CensusEntry | None, by_resource: CensusEntry | None) -> str | None:
+    """Whether the name, resource id and vmId an envelope claims together are one VM as ARM lists it: "" when they
+    are, the reason when they are not, None when ARM lists neither the name nor the resource id (a VM that joined
+    since the last read, or one outside the census' scopes: the bindings decide, pipeline/attest.py).
+
+    Every VM shares one sender identity and attests only its own vmId, so the name in its envelope is its claim:
+    taken as written, a VM with root on itself could speak as another with its own identity (take the approvals of
+    the other's events, silence it, report its hooks).
+    ``by_name``: ARM's VM of the reported name; ``by_resource``: ARM's VM of the reported resource id."""
+    if by_name is None and by_resource is None:
+        return None
+    resource = reported.resourceId.lower()[:300]
+    if by_resource is None:
+        assert by_name is not None
+        return (
+            f"vm.name {reported.name[:64]!r} is not its resource id's name: ARM lists {by_name.name[:64]!r} as "
+            f"{by_name.resourceId[:300]}, and no VM as {resource}; refused"
+        )
+    if by_resource.name.lower() != reported.name.lower():
+        return (
+            f"vm.name {reported.name[:64]!r} is not its resource id's name: ARM names {resource} "
+            f"{by_resource.name[:64]!r}: a VM speaks under another VM's name; refused"
+        )
+    if by_resource.vmId and by_resource.vmId.lower() != reported.vmId.lower():
+        return (
+            f"vmId {reported.vmId[:64]} is not its resource id's: ARM lists {resource} as VM {by_resource.vmId[:64]}: "
+            "another VM speaks under its name; refused"
+        )
+    return ""
 
 
 def _text(tags: Mapping[str, str]) -> str:

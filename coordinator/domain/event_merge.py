@@ -8,6 +8,12 @@ sender identity, so an envelope only claims to be its VM's). One exception: the 
 first Event Grid sighting (``Observation.platform``: from the hub only the system topic may send to) that
 contradicts facts a VM reported replaces them, and the VM's claim becomes the conflict; from then on the facts are
 the platform's (``EventRecord.factsFrom``).
+
+An event's sightings are kept by VM name, and each belongs to one VM: the vmId whose envelopes made it. Only that
+VM's observations move it (its position, hooks, impact, "gone"): the door admits a VM under a name only when ARM's
+census or the name's binding says the name is that vmId's (pipeline/attest.py), so an observation of another vmId
+under a held name is that name's VM now (a VM created again, or a name ARM gave its real VM after another had
+claimed it), whose listing starts its own sighting; positions of two VMs never compare.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from contracts.document import ScheduledEvent
+from coordinator.domain.deletes import REMOVING_EVENTS
 from coordinator.domain.history_rows import hook_row, impact_row, observation_row
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert, transition
 from coordinator.domain.model import EventRecord, FactConflict, VmSighting
@@ -216,9 +223,20 @@ def _platform_facts(
     raise_alert(change, "facts-conflict", now)
 
 
+def _same_vm(sighting: VmSighting, observation: Observation) -> bool:
+    """Whether ``sighting`` is the observation's VM's (a sighting read without its identity counts as its own)."""
+    return not sighting.vmId or sighting.vmId.lower() == observation.vm.vmId.lower()
+
+
 def _apply_listed(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
     event, record = observation.event, change.record
-    if event is None or (sighting is not None and observation.position <= _seen_at(sighting)):
+    if event is None:
+        return
+    if sighting is not None and not _same_vm(sighting, observation):
+        if observation.epoch < 0 and sighting.epoch >= 0:
+            return  # an Event Grid sighting is below every forwarder's, whoever it is taken for
+        sighting = None  # another VM's sighting under this name: this VM's starts here (module docstring)
+    elif sighting is not None and observation.position <= _seen_at(sighting):
         return
     found = contradictions(record, event)
     if found and observation.platform and record.factsFrom == "vm":
@@ -243,7 +261,11 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
     record.notBefore = record.notBefore or not_before(event)
     if event.EventStatus == "Started":
         record.everStarted = True
-        record.startedSeenAt = record.startedSeenAt or observation.seen_at
+        if observation.vm.name in record.resources or record.eventType in REMOVING_EVENTS:
+            # When it started is the named VMs' to say: a peer's Started (it may lie) would date an early start, which
+            # the history then ties to a lost answer (lifecycle.started_unanswered). A delete or an eviction is the
+            # exception: the VM it names is gone as it starts, and only its peers see it Started.
+            record.startedSeenAt = record.startedSeenAt or observation.seen_at
     else:
         record.seenScheduled = True
     record.vms[observation.vm.name] = VmSighting(
@@ -321,7 +343,7 @@ def scale_sets_of(record: EventRecord) -> list[str]:
 
 
 def _apply_gone(change: EventChange, sighting: VmSighting | None, observation: Observation, now: datetime) -> None:
-    if sighting is None or observation.position <= _seen_at(sighting):
+    if sighting is None or not _same_vm(sighting, observation) or observation.position <= _seen_at(sighting):
         return
     change.record.vms[observation.vm.name] = sighting.model_copy(
         update={
@@ -340,7 +362,12 @@ def _apply_hook(change: EventChange, sighting: VmSighting | None, observation: O
     """A phase report (``steps``) sets the VM's phase outcome. A per-hook report from an older forwarder tells of
     one hook only: it can fail the phase, but never turn a failure in the same phase back into success."""
     hook = observation.hook
-    if hook is None or sighting is None or observation.position <= (sighting.hookEpoch, sighting.hookSequence):
+    if (
+        hook is None
+        or sighting is None
+        or not _same_vm(sighting, observation)
+        or observation.position <= (sighting.hookEpoch, sighting.hookSequence)
+    ):
         return
     hooks, failed_hooks = dict(sighting.hooks), dict(sighting.failedHooks)
     previous = hooks.get(hook.phase, "")
@@ -375,7 +402,7 @@ def _apply_impact(change: EventChange, sighting: VmSighting | None, observation:
     """A VM's measure of what the event did to it: the largest it reported is kept on its sighting (a Freeze that
     paused it twice is reported as each longer pause is seen), each report kept as an Impact row."""
     impact = observation.impact
-    if impact is None or sighting is None:
+    if impact is None or sighting is None or not _same_vm(sighting, observation):
         return
     if sighting.impactSeconds is not None and impact.measuredSeconds <= sighting.impactSeconds:
         return  # a replay, or a shorter pause than one already reported

@@ -5,11 +5,16 @@ Every VM of a fleet shares one Event Hubs identity and one Relay identity, so a 
 a claim. Azure's signature settles it:
 
 - **An envelope** carries an attested document of its VM (``vm.vmId``) whose nonce is ``state_nonce(stateId)``,
-  valid when Event Hubs took the message in; ``envelope_problem`` checks it. The first attested envelope of a VM
-  binds its resource id to its vmId for good (``StateStore.claim``, both ways, first writer wins), so no other VM
-  can speak under that name, nor that VM under another. With ``COORDINATOR_REQUIRE_ATTESTATION`` (the default in
-  Azure and locally) an envelope without a document is refused; with it off, such an envelope is taken as before,
-  except under a name already bound to another vmId.
+  valid when Event Hubs took the message in; ``envelope_problem`` checks it. With ``COORDINATOR_REQUIRE_ATTESTATION``
+  (the default in Azure and locally) an envelope without a document is refused; with it off, such an envelope is
+  taken as before, except under a name or resource id already bound to another vmId.
+- **Its name is Azure's.** IMDS signs only the vmId: the name and resource id beside it are the VM's claim, and every
+  VM shares one sender identity. With ARM's census, its name, resource id and vmId must be one VM as ARM lists them
+  (``domain/census.identity_problem``; a VM ARM does not list yet makes the census read again). Without a census,
+  or for a VM it does not list, the first attested envelope of a VM binds its resource id and its name to its vmId,
+  both ways, for good (``StateStore.claim``, first writer wins): no other VM can speak under that name or resource
+  id, nor that VM under another. ARM outranks a binding: a resource id claimed before its VM spoke, or a VM created
+  again under one name (a new vmId), is ARM's once the census lists it.
 - **An answer** to an approval carries a fresh document whose nonce is ``decision_nonce(decisionId)``: the answer
   of the VM the approval went to, or of another instance listening on its hybrid connection (``answer_problem``).
 
@@ -28,7 +33,9 @@ from typing import TypeVar
 from contracts.approval import ApprovalResult
 from contracts.attestation import AttestationError, decision_nonce, state_nonce
 from contracts.envelope import Envelope
+from coordinator.adapters.census import CensusView
 from coordinator.domain.attestation import Attestations
+from coordinator.domain.census import identity_problem
 from coordinator.state.store import StateStore
 
 T = TypeVar("T")
@@ -54,6 +61,14 @@ def _vm_claim(vm_id: str) -> str:
     return f"vm-id:{vm_id.lower()}"
 
 
+def _name_claim(name: str) -> str:
+    return f"vm-name:{name.lower()}"
+
+
+def _vm_name_claim(vm_id: str) -> str:
+    return f"vm-id-name:{vm_id.lower()}"
+
+
 def _bound(attestations: Attestations, store: StateStore, name: str) -> str | None:
     known = attestations.remembered(name)
     if known is None and (found := _store(lambda: store.claimed(name), "read a binding")) is not None:
@@ -68,15 +83,23 @@ def _bind(attestations: Attestations, store: StateStore, name: str, value: str) 
 
 
 def binding_problem(attestations: Attestations, store: StateStore, envelope: Envelope, *, claim: bool) -> str:
-    """Why this envelope may not speak under its name ("" when it may): the name is another VM's, or its VM
-    speaks under another name. ``claim``: bind the name and the VM to each other where free (an attested
-    envelope); a refused envelope binds nothing."""
-    vm_id, resource = envelope.vm.vmId.lower(), envelope.vm.resourceId.lower()
-    named = _bound(attestations, store, _vm_claim(vm_id))
-    owner = _bound(attestations, store, _resource_claim(resource))
-    if claim and None in (named, owner) and named in (None, resource) and owner in (None, vm_id):
-        named = _bind(attestations, store, _vm_claim(vm_id), resource)
-        owner = _bind(attestations, store, _resource_claim(resource), vm_id)
+    """Why this envelope may not speak under its name ("" when it may): the resource id or the name is another
+    VM's, or its VM speaks under another resource id or name. ``claim``: bind them to each other where free (an
+    attested envelope); a refused envelope binds nothing."""
+    vm_id, resource, name = envelope.vm.vmId.lower(), envelope.vm.resourceId.lower(), envelope.vm.name.lower()
+    wanted = {
+        _vm_claim(vm_id): resource,
+        _resource_claim(resource): vm_id,
+        _vm_name_claim(vm_id): name,
+        _name_claim(name): vm_id,
+    }
+    bound = {key: _bound(attestations, store, key) for key in wanted}
+    if claim and None in bound.values() and all(bound[key] in (None, value) for key, value in wanted.items()):
+        # Each claim is insert-only: of two envelopes racing for one name, the later reads the earlier's value
+        # and is refused below (what it bound names only itself).
+        bound = {key: _bind(attestations, store, key, value) for key, value in wanted.items()}
+    named, owner = bound[_vm_claim(vm_id)], bound[_resource_claim(resource)]
+    called, holder = bound[_vm_name_claim(vm_id)], bound[_name_claim(name)]
     if named is not None and named != resource:
         return (
             f"VM {envelope.vm.vmId} is bound to {named[:300]} (its first attested envelope): it speaks under "
@@ -88,16 +111,59 @@ def binding_problem(attestations: Attestations, store: StateStore, envelope: Env
             f"{envelope.vm.vmId}: another VM speaks under its name; refused. A VM deleted and created again under "
             "the same resource id gets a new vmId: delete the state table's 'claim' rows of that name and vmId"
         )
+    if called is not None and called != name:
+        return (
+            f"VM {envelope.vm.vmId} is named {called[:64]!r} (its first attested envelope), not "
+            f"{envelope.vm.name[:64]!r}: it speaks under another VM's name here; refused"
+        )
+    if holder is not None and holder != vm_id:
+        return (
+            f"vm.name {envelope.vm.name[:64]!r} is VM {holder} (bound by its first attested envelope), not VM "
+            f"{envelope.vm.vmId}: another VM speaks under its name; refused"
+        )
     return ""
 
 
+def census_problem(census: CensusView, envelope: Envelope) -> str | None:
+    """What ARM's census says of the envelope's name, resource id and vmId together (``identity_problem``): None
+    when ARM lists neither, even after reading it again (rate-limited: a flood of invented names costs one read
+    per interval)."""
+    vm = envelope.vm
+    verdict = identity_problem(vm, census.entry(vm.name), census.entry_of_resource(vm.resourceId))
+    if verdict is None and census.ensure([vm.name]):
+        verdict = identity_problem(vm, census.entry(vm.name), census.entry_of_resource(vm.resourceId))
+    return verdict
+
+
+def identity_problem_of(
+    attestations: Attestations, store: StateStore, envelope: Envelope, *, claim: bool, census: CensusView | None
+) -> str:
+    """Why the envelope's name, resource id and vmId are not one VM's ("" when they are): ARM's census when it
+    lists the VM (the bindings are then written where free, for a later instance whose census cannot be read, and
+    never outrank it), else the bindings."""
+    verdict = census_problem(census, envelope) if census is not None else None
+    if verdict is None:
+        return binding_problem(attestations, store, envelope, claim=claim)
+    if not verdict and claim:
+        binding_problem(attestations, store, envelope, claim=True)
+    return verdict
+
+
 def envelope_problem(
-    attestations: Attestations | None, store: StateStore, envelope: Envelope, *, at: datetime, required: bool
+    attestations: Attestations | None,
+    store: StateStore,
+    envelope: Envelope,
+    *,
+    at: datetime,
+    required: bool,
+    census: CensusView | None = None,
 ) -> str:
     """Why the envelope is not accepted ("" when it is). ``at``: when Event Hubs took the message in (the
-    coordinator's time when unknown), which a document valid when sent covers however late the batch runs."""
+    coordinator's time when unknown), which a document valid when sent covers however late the batch runs.
+    ``census``: ARM's, when the coordinator has one: the VM's name, resource id and vmId are checked against it."""
     if attestations is None:
-        return ""  # no verifier configured (unit tests of other stages)
+        # No verifier configured (unit tests of other stages): ARM's census still names the VMs.
+        return (census_problem(census, envelope) or "") if census is not None else ""
     if envelope.attestation is None:
         if required:
             return (
@@ -105,14 +171,14 @@ def envelope_problem(
                 "COORDINATOR_REQUIRE_ATTESTATION is on (a forwarder older than attestation, or one whose IMDS "
                 "refused it: see its log)"
             )
-        return binding_problem(attestations, store, envelope, claim=False)
+        return identity_problem_of(attestations, store, envelope, claim=False, census=census)
     try:
         attestations.verifier.verify(
             envelope.attestation, vm_id=envelope.vm.vmId, nonce=state_nonce(envelope.stateId), at=at
         )
     except AttestationError as error:
         return f"attestation refused: {error}"
-    return binding_problem(attestations, store, envelope, claim=True)
+    return identity_problem_of(attestations, store, envelope, claim=True, census=census)
 
 
 def answer_problem(

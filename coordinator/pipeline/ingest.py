@@ -233,14 +233,16 @@ def _read_message(run: Run, message: RawMessage, channel: Channel, arrivals: Arr
         dead_letter(message, reason, now, dead=arrivals.dead, work=work, where=f"{where} ({channel} channel)")
         return
     envelope = validate(message, now)
-    # Whether the envelope is its VM's (Azure's signature, the bindings): a refusal is a reason; a store that
-    # fails raises StoreOutage, as it would in fold: nothing is dead-lettered for want of a read.
+    # Whether the envelope is its VM's (Azure's signature; its name, resource id and vmId as ARM's census or the
+    # bindings have them): a refusal is a reason; a store that fails raises StoreOutage, as it would in fold:
+    # nothing is dead-lettered for want of a read.
     problem = attest.envelope_problem(
         run.parts.attestations,
         run.parts.store,
         envelope,
         at=message.enqueued_time or now,
         required=run.options.require_attestation,
+        census=run.fleet.arm,
     )
     if problem:
         dead_letter(message, problem[:1000], now, dead=arrivals.dead, work=work, where=where)

@@ -517,7 +517,9 @@ class GateStep(BaseModel):
     delaySeconds: float = Field(default=0, ge=0, le=600)
 
 
-ForgeKind = Literal["relabel", "user", "hook", "gone", "sequence", "deep", "oversized"]
+# Without root on the forger's VM (no attested document), then with it (its own document; local/forgeries.py).
+_Unrooted = Literal["relabel", "user", "hook", "gone", "sequence", "deep", "oversized"]
+ForgeKind = _Unrooted | Literal["name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar"]
 
 
 class ForgeStep(BaseModel):
@@ -527,7 +529,8 @@ class ForgeStep(BaseModel):
     under its own identity), ``hook`` (``about``'s prepare hooks reported succeeded), ``gone`` (``about``'s document
     claimed empty) or ``sequence`` (a heartbeat as ``about`` with a new state and sequence 2**62); or, under its own
     identity, ``deep`` (a document nested 20,000 deep) or ``oversized`` (100 events and 50 tags of the longest names
-    and values the envelope allows)."""
+    and values the envelope allows). With root on ``by`` (its own attested document on each envelope, issue 34):
+    ``name``, ``silence``, ``name-hook``, ``name-impact``, ``squat``, ``malformed``, ``liar`` (local/forgeries.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

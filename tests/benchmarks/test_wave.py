@@ -33,7 +33,7 @@ def test_a_warm_wave_is_accepted_whole_and_decided_by_its_policy(capsys: pytest.
     assert result["event_states"] == {"Scheduled": 10}
     # ARM's census lists what IMDS serves; every VM bound before the clock, none read again during the wave.
     assert result["census_vms"] == 200
-    assert result["binding_rows"] == 400
+    assert result["binding_rows"] == 800  # four per VM: its resource id, name and vmId bound both ways
     assert result["binding_table_ops"] == 0
     assert result["prep_seconds"] > 0
     assert os.environ == environment  # the coordinator's settings were put back
@@ -46,8 +46,8 @@ def test_a_cold_wave_binds_every_vm_under_the_census_policy(capsys: pytest.Captu
     assert code == 0
     assert result["bindings"] == "cold"
     assert result["accepted"] == 100
-    assert result["binding_rows"] == 200
-    assert result["binding_table_ops"] == 200  # a resource id and a vmId bound per VM during the wave
+    assert result["binding_rows"] == 400
+    assert result["binding_table_ops"] == 400  # four bindings per VM during the wave
 
 
 @pytest.mark.parametrize(
