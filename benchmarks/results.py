@@ -32,11 +32,10 @@ END = "<!-- end of figures -->"
 _TARGETS = {figure.key: figure for figure in FIGURES}
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, strip: bool = True) -> str:
     try:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
-        ).stdout.strip()
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30).stdout
+        return out.strip() if strip else out
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -44,11 +43,10 @@ def _git(*args: str) -> str:
 def where_measured(argv: list[str]) -> dict[str, Any]:
     """The commit and what else was true when a run measured: uncommitted changes other than the results file and
     the README (which the record itself writes) make the record say ``dirty``."""
-    changed = [
-        line[3:]
-        for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
-        if line[3:] not in ("benchmarks/results.json", "README.md")
-    ]
+    # Each entry is two status letters, a space and the path; not stripped (" M README.md" would lose its first
+    # letter's place and read as "EADME.md", a change).
+    entries = _git("status", "--porcelain", "-z", "--untracked-files=no", strip=False).split("\0")
+    changed = [entry[3:] for entry in entries if entry[3:] not in ("", "benchmarks/results.json", "README.md")]
     return {
         "commit": _git("rev-parse", "HEAD") or "unknown",
         "dirty": bool(changed),

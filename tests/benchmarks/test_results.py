@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import benchmarks.__main__ as benchmarks_main
+import benchmarks.results as results_module
 from benchmarks.__main__ import BenchmarkFailed, ratios, run, run_once
 from benchmarks.catalog import BENCHES, FIGURES, RATIOS, Bench
 from benchmarks.results import README, RESULTS, readme_with_table, record, table
@@ -132,3 +133,22 @@ def test_the_readme_s_figures_are_the_results_file_s_and_name_a_commit_of_this_h
         for commit in commits:
             known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, check=False)
             assert known.returncode == 0, f"benchmarks/results.json names commit {commit}, not in this history"
+
+
+def test_a_record_is_dirty_only_for_changes_it_did_not_write_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README and the results file are what a record writes: a second record in the same tree is still clean."""
+    (tmp_path / "benchmarks").mkdir()
+    for name in ("README.md", "benchmarks/results.json", "code.py"):
+        (tmp_path / name).write_text("a\n", encoding="utf-8")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "."], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], cwd=tmp_path, check=True)
+    monkeypatch.setattr(results_module, "ROOT", tmp_path)
+    (tmp_path / "README.md").write_text("b\n", encoding="utf-8")
+    (tmp_path / "benchmarks/results.json").write_text("b\n", encoding="utf-8")
+    assert results_module.where_measured([])["dirty"] is False
+    (tmp_path / "code.py").write_text("b\n", encoding="utf-8")
+    assert results_module.where_measured([])["dirty"] is True
