@@ -38,7 +38,8 @@ from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import delivery, fold, handover, ingest, people, record, tail, timer
-from coordinator.pipeline.fleet import Fleet, FleetCache
+from coordinator.pipeline.fleet import Fleet
+from coordinator.pipeline.fleet_cache import FleetCache
 from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.run import (

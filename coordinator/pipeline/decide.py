@@ -42,7 +42,7 @@ from coordinator.domain.model import (
 from coordinator.domain.pacing import pace_domains
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import plan
-from coordinator.pipeline.fleet import by_not_before
+from coordinator.pipeline.fleet_cache import by_not_before
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
 from coordinator.state.store import ConcurrencyConflict

@@ -34,26 +34,12 @@ from coordinator.domain.pacing import PaceDomain, PaceHold, claimed, is_rate, is
 from coordinator.domain.policy import MAX_PACING_SECONDS, Policy
 from coordinator.pipeline.fleet_cache import (
     FleetCache,
-    KnownVm,
     by_not_before,
-    facts_of,
     holds_budget,
     waits_for_budget,
 )
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
-
-# What the cache holds, as the runs and tools have always imported it from here.
-__all__ = [
-    "CLAIM_LEASE",
-    "Fleet",
-    "FleetCache",
-    "KnownVm",
-    "by_not_before",
-    "facts_of",
-    "holds_budget",
-    "waits_for_budget",
-]
 
 log = logging.getLogger("coordinator")
 

@@ -26,7 +26,7 @@ from coordinator.domain.lifecycle import EventChange, advance, clone, raise_aler
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import act, decide, outbox, plan, tail
-from coordinator.pipeline.fleet import KnownVm, by_not_before
+from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
 from coordinator.pipeline.record import adopt
 from coordinator.pipeline.run import Run
 from coordinator.state.events import assemble, commit_event

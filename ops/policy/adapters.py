@@ -25,7 +25,7 @@ from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import BudgetRecord, DecisionRecord, EventRecord, VmSighting
 from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline.fleet import facts_of
+from coordinator.pipeline.fleet_cache import facts_of
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -23,7 +23,7 @@ from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import TERMINAL_STATES, DecisionRecord, EventRecord, VmSighting
 from coordinator.domain.policy import Policy
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline.fleet import holds_budget
+from coordinator.pipeline.fleet_cache import holds_budget
 from ops.policy import adapters
 from ops.policy.adapters import InputError
 

@@ -15,7 +15,8 @@ from coordinator.domain.model import (
     Retirement,
     VmRecord,
 )
-from coordinator.pipeline.fleet import CLAIM_LEASE, Fleet, by_not_before
+from coordinator.pipeline.fleet import CLAIM_LEASE, Fleet
+from coordinator.pipeline.fleet_cache import by_not_before
 from coordinator.state.commit import COMMIT_ATTEMPTS
 from coordinator.state.store import ConcurrencyConflict
 from tests.coordinator.helpers import DOC_NOW, event_record
