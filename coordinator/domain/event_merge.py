@@ -237,6 +237,10 @@ def _apply_listed(change: EventChange, sighting: VmSighting | None, observation:
             return  # an Event Grid sighting is below every forwarder's, whoever it is taken for
         sighting = None  # another VM's sighting under this name: this VM's starts here (module docstring)
     elif sighting is not None and observation.position <= _seen_at(sighting):
+        # Behind the VM's sighting (merged by time, a state it left can come after it): nothing to merge, but a lie
+        # is still a lie, kept as a conflict (once per envelope).
+        if found := contradictions(record, event):
+            _keep_conflict(change, observation, found, now)
         return
     found = contradictions(record, event)
     if found and observation.platform and record.factsFrom == "vm":

@@ -486,3 +486,34 @@ def test_an_event_concluded_by_a_peer_before_its_vm_spoke_opens_again_when_its_v
     assert again.record.state == "Scheduled"
     (reopened,) = [r for r in again.rows if r.RecordType == "Transition"]
     assert "listed again by WestNO_0, which it names" in reopened.Reason
+
+
+def test_a_contradicting_sighting_behind_its_vms_newer_position_is_still_kept_as_a_conflict():
+    """A process on a VM (its own attested identity, a forwarder state of its own) lies about a peer's event before
+    the VM's real forwarder first speaks; both arrive in one batch. The real forwarder's state is the VM's newer
+    position, yet said it earlier (observedAt): merged by time, the lie sits behind the VM's truthful sighting. It is
+    still a contradiction of the facts, kept as a conflict with its row and card, never silently dropped."""
+    w0, w1 = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
+    truth = scheduled_event(event_type="Reboot", duration=-1)
+    first, vms = run([envelope(w0, sequence=1, incarnation=2, events=[truth])])
+    assert first is not None
+    lie = envelope(
+        w1,
+        sequence=2**62,
+        incarnation=2,
+        events=[{**truth, "EventSource": "User"}],
+        observed_at=DOC_NOW + timedelta(seconds=2),
+    )
+    lie["stateId"] = "forged"
+    honest = envelope(w1, sequence=1, incarnation=2, events=[truth], observed_at=DOC_NOW + timedelta(seconds=1))
+    honest["stateId"] = "real"
+    change, _ = run([lie, honest], vm_records=vms, record=first.record)
+    assert change is not None
+    record = change.record
+    assert record.eventSource == "Platform"
+    assert record.vms["WestNO_1"].epoch == 1, "the VM's sighting is its real forwarder's"
+    assert record.conflictCount == 1
+    assert record.conflicts[0].facts == {"EventSource": ("Platform", "User")}
+    (row,) = [r for r in change.rows if r.Outcome == "conflict"]
+    assert (row.RecordType, row.VmName) == ("Observation", "WestNO_1")
+    assert change.alerts == ["facts-conflict"]
