@@ -9,7 +9,6 @@ zero approvals the truth would not make, every one it makes, and the forged Even
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 import uuid
 from pathlib import Path
@@ -18,14 +17,13 @@ from typing import Any
 import pytest
 from azure.eventhub import EventData
 
-from contracts.document import ScheduledEventsDocument
 from coordinator.pipeline.ingest import GRID_ON_VM_HUB
 from emulators.imds import Scenario
 from emulators.imds.event_grid import EVENT_TYPE
 from local.runner import wait_until
 from local.stack import LocalStack
 from tests.local.conftest import Runner
-from tests.local.test_forged import Attacker
+from tests.local.forging import Forger, history_rows
 
 SCENARIO = """
 name: forged-census
@@ -70,13 +68,6 @@ rules:
 """
 
 
-def _rows(stack: LocalStack, where: str, *args: Any) -> list[dict[str, Any]]:
-    with sqlite3.connect(f"file:{stack.history_path}?mode=ro", uri=True) as db:
-        db.row_factory = sqlite3.Row
-        query = f'SELECT * FROM "ScheduledEventsHistory_CL" WHERE {where} ORDER BY rowid'
-        return [dict(row) for row in db.execute(query, args).fetchall()]
-
-
 def _event_id(stack: LocalStack, ref: str) -> str:
     assert stack.imds is not None
     imds = stack.imds
@@ -84,20 +75,12 @@ def _event_id(stack: LocalStack, ref: str) -> str:
     return next(str(e["EventId"]) for e in imds.events() if e.get("ref") == ref)
 
 
-class Liar(Attacker):
-    """The attacker of test_forged.py, lying about VMs' identities rather than events' facts."""
-
-    def listing(self, event_ids: set[str]) -> ScheduledEventsDocument:
-        """web_1's real document (it sees every VM's events) with only these events."""
-        document = self.imds.document("web_1")
-        events = [e for e in document["Events"] if e["EventId"] in event_ids]
-        return ScheduledEventsDocument.model_validate(
-            {"DocumentIncarnation": document["DocumentIncarnation"], "Events": events}
-        )
+class Liar(Forger):
+    """A forger with root on web_1, lying about VMs' identities rather than events' facts."""
 
     def claim(self, vm: str, event_ids: set[str], **identity: Any) -> None:
         """An envelope under ``vm``'s name listing those events, with ``identity`` put over the VM's."""
-        envelope = self.envelope(vm, kind="incarnation", document=self.listing(event_ids))
+        envelope = self.envelope(self.vms[vm], kind="incarnation", document=self.listing(event_ids))
         self.send(envelope.model_copy(update={"vm": envelope.vm.model_copy(update=identity)}))
 
     def grid_on_the_vms_hub(self, event_id: str) -> None:
@@ -138,7 +121,7 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
     ids: dict[str, str] = {}
 
     def attack(stack: LocalStack) -> None:
-        liar = Liar(stack)
+        liar = Liar(stack, on="web_1")
         with liar.producer:
             for ref in ("zone-first", "manual-tag", "untagged"):
                 ids[ref] = _event_id(stack, ref)
@@ -164,16 +147,16 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
     assert stack.imds is not None
     assert {str(a["EventId"]) for a in stack.imds.approvals()} == {ids["zone-first"]}
     # What each lie left: the VMs' claims kept as said and flagged against ARM's census; the decisions on ARM's.
-    flagged = {row["VmName"]: row["Reason"] for row in _rows(stack, "RecordType = 'Heartbeat' AND Outcome = ?",
+    flagged = {row["VmName"]: row["Reason"] for row in history_rows(stack, "RecordType = 'Heartbeat' AND Outcome = ?",
                                                            "census-mismatch")}  # fmt: skip
     assert "zone '2' (ARM: '1')" in flagged["web_1"]
     assert set(flagged) == {"web_1"}  # the claims in db_0's and batch_0's names never got past attestation
-    held = _rows(stack, "RecordType = 'Decision' AND EventId = ? AND HoldKind = 'budget'", ids["zone-second"])
+    held = history_rows(stack, "RecordType = 'Decision' AND EventId = ? AND HoldKind = 'budget'", ids["zone-second"])
     assert {row["HoldName"] for row in held} == {"zone:westeurope/1"}
-    rules = {row["Rule"] for row in _rows(stack, "RecordType = 'Decision' AND EventId = ?", ids["manual-tag"])}
+    rules = {row["Rule"] for row in history_rows(stack, "RecordType = 'Decision' AND EventId = ?", ids["manual-tag"])}
     assert rules == {"manual-by-tag"}
-    reasons = [str(row["Reason"]) for row in _rows(stack, "RecordType = 'DeadLetter'")]
+    reasons = [str(row["Reason"]) for row in history_rows(stack, "RecordType = 'DeadLetter'")]
     assert reasons.count(GRID_ON_VM_HUB) == 1, reasons
     assert all(reason.startswith("attestation refused: ") for reason in reasons if reason != GRID_ON_VM_HUB), reasons
     # No VM was added by the forged Event Grid event: the census is ARM's four, and no agentless twin was made.
-    assert not _rows(stack, "RecordType = 'Observation' AND VmName LIKE 'web_1%' AND VmName != 'web_1'")
+    assert not history_rows(stack, "RecordType = 'Observation' AND VmName LIKE 'web_1%' AND VmName != 'web_1'")
