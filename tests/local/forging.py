@@ -27,14 +27,19 @@ TABLE = "ScheduledEventsHistory_CL"
 
 
 def history_rows(stack: LocalStack, where: str, *args: Any) -> list[dict[str, Any]]:
-    """The history's rows matching ``where``, in the order written; none while the history has no file yet (a test
-    that polls it may look before the first row)."""
+    """The history's rows matching ``where``, in the order written; none while the history has no file or table yet
+    (a test that polls it may look before the first row)."""
     if not stack.history_path.exists():
         return []
-    with sqlite3.connect(f"file:{stack.history_path}?mode=ro", uri=True) as db:
-        db.row_factory = sqlite3.Row
-        query = f'SELECT * FROM "{TABLE}" WHERE {where} ORDER BY rowid'
-        return [dict(row) for row in db.execute(query, args).fetchall()]
+    try:
+        with sqlite3.connect(f"file:{stack.history_path}?mode=ro", uri=True) as db:
+            db.row_factory = sqlite3.Row
+            query = f'SELECT * FROM "{TABLE}" WHERE {where} ORDER BY rowid'
+            return [dict(row) for row in db.execute(query, args).fetchall()]
+    except sqlite3.OperationalError as error:
+        if "no such table" in str(error):  # the file is there, its table not yet
+            return []
+        raise
 
 
 def hooks_wait_policy(tmp_path: Path) -> Path:
