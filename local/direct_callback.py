@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 import requests
@@ -30,6 +31,7 @@ from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
 from coordinator.wiring import build_coordinator
 from forwarder.approver import judge
+from forwarder.durable_state import Store
 
 API_VERSION = "2020-07-01"
 
@@ -121,6 +123,22 @@ class DirectImdsCallback:
             return Attestation.model_validate_json(answer.content) if answer.status_code == 200 else None
         except (requests.RequestException, ValidationError):
             return None  # answered without proof, as a listener whose IMDS refused it
+
+
+def forwarder_hook_ledger(vms_dir: Path) -> HookLedger:
+    """Each VM's hook ledger as its forwarder keeps it, in ``vms_dir/NAME/state`` (the local stack's layout)."""
+
+    def ledger(vm: str, event_id: str) -> str | None:
+        path = vms_dir / vm / "state" / "forwarder.sqlite"
+        if not path.exists():
+            return None
+        store = Store(path)
+        try:
+            return store.hook_outcome(event_id, "prepare")
+        finally:
+            store.close()
+
+    return ledger
 
 
 def direct_coordinator(

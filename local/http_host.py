@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,17 +101,28 @@ class FunctionsHttpHost:
 
 class LocalHttpServer:
     """``handler`` served on 127.0.0.1:``port`` (0: any free port) from a thread per request, as the host serves
-    requests concurrently. The port is bound at construction, so ``base_url`` is known before ``start``."""
+    requests concurrently. The port is bound at construction, so ``base_url`` is known before ``start``; or it serves
+    ``listening``, a socket bound and listening already (another process's, which it handed over: ``fileno``)."""
 
-    def __init__(self, handler: Handler, *, port: int = 0) -> None:
+    def __init__(self, handler: Handler, *, port: int = 0, listening: socket.socket | None = None) -> None:
         self._handler = handler
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._request_handler())
+        if listening is None:
+            self._server = ThreadingHTTPServer(("127.0.0.1", port), self._request_handler())
+        else:
+            self._server = ThreadingHTTPServer(listening.getsockname(), self._request_handler(), False)
+            self._server.socket.close()
+            self._server.socket = listening
+            self._server.server_address = listening.getsockname()
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def fileno(self) -> int:
+        """The listening socket, for a process that serves it instead of this one (local/host.py)."""
+        return self._server.fileno()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._server.serve_forever, name="local-http-trigger", daemon=True)

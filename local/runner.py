@@ -116,6 +116,7 @@ class FunctionHost:
     :keyword max_batch_size: the host's ``maxEventBatchSize`` (host.json); 200 by default, as in Azure.
     :keyword max_attempts: tries per batch (1 + the app's retry count).
     :keyword socket_timeout: the consumer's AMQP socket read timeout; it bounds how long a delivery waits.
+    :keyword ownership_expiry: seconds before another instance may take a partition this one stopped renewing.
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class FunctionHost:
         max_attempts: int = 6,
         retry_initial: float = 0.2,
         retry_maximum: float = 2.0,
+        ownership_expiry: float | None = None,
     ) -> None:
         self._ingest = ingest
         self._timer = timer
@@ -159,6 +161,8 @@ class FunctionHost:
             checkpoint_store=store,
             load_balancing_strategy="greedy",
             load_balancing_interval=2.0,
+            # How long a partition stays claimed by an instance that stopped renewing it (None: the SDK's 12 s).
+            partition_ownership_expiration_interval=ownership_expiry,
             # The sync client visits its partitions in turn on one thread and each visit waits up to socket_timeout
             # (0.2 s by default) for a delivery, so an event waited for the other partitions' waits (~0.5 s at the
             # default, ~70 ms at 20 ms); the Functions host's consumer has no such wait. 5 ms costs about 200

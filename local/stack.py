@@ -42,13 +42,14 @@ from emulators.imds.event_grid import EventGridPublisher
 from emulators.imds.models import LOCAL_STEP_ACTIONS, HealthPage, HookSpec, ScenarioStep, VmSpec
 from emulators.imds.state import DEFAULT_STARTED_MIN_SECONDS
 from emulators.relay import RelayEmulator
-from forwarder.durable_state import Store
-from local.direct_callback import direct_coordinator
+from local.direct_callback import direct_coordinator, forwarder_hook_ledger
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
 from local.gates import GateServer, local_gate_names
+from local.host import HostProcessOptions, function_hosts
+from local.host_process import CoordinatorProcess
 from local.http_host import FunctionsHttpHost, LocalHttpServer
 from local.platform import REBOOT_SECONDS, Platform, write_boot_time
-from local.queue_trigger import QueueSettings, QueueTrigger, StorageQueue
+from local.queue_trigger import StorageQueue
 from local.runner import FunctionHost, IngestFunction
 from local.scenario import delayed, deletes_take_time, served_policy
 from ops.history import LOCAL_RUN_FILE
@@ -199,6 +200,8 @@ class StackOptions:
     # Azure seconds a Started event stays listed at least (the docs' ~10 minutes). A run at a low time scale may
     # shorten it: at 10x the default keeps every started event in the documents for a minute of real time.
     started_min_seconds: float = DEFAULT_STARTED_MIN_SECONDS
+    # The function host in a process of its own, which a test may SIGKILL and start again (local/host_process.py).
+    coordinator_process: HostProcessOptions | None = None
 
     @property
     def policy(self) -> Path:
@@ -315,6 +318,8 @@ class LocalStack:
         self.platform_host: FunctionHost | None = None
         # The HTTP triggers behind the sign-in stand-in: what a person's browser talks to.
         self.front: LocalHttpServer | None = None
+        # With coordinator_process: the process running host, platform host and front instead of this one.
+        self.coordinator_process: CoordinatorProcess | None = None
         self.forwarders: dict[str, ForwarderProcess] = {}
         # Publishes the agentless VMs' events as Event Grid would (None when the scenario has no agentless VM).
         self.event_grid: EventGridPublisher | None = None
@@ -424,11 +429,14 @@ class LocalStack:
             EasyAuthStandIn(FunctionsHttpHost(_function_app), self.options.people), port=self.options.http_port
         )
         self._configure_coordinator()
-        self.host = self._function_host()
-        self.host.start()
-        self.platform_host = self._platform_host()
-        self.platform_host.start()
-        self.front.start()
+        if self.options.coordinator_process is not None:
+            self.coordinator_process = CoordinatorProcess.for_stack(self, self.options.coordinator_process)
+            self.coordinator_process.start()
+        else:
+            self.host, self.platform_host = self._function_hosts()
+            self.host.start()
+            self.platform_host.start()
+            self.front.start()
         agentless = [vm.name for vm in self.imds.vms() if vm.agentless]
         if agentless:
             assert self.eventhubs is not None
@@ -554,8 +562,20 @@ class LocalStack:
         drained: bool = module.coordinator().drain(timeout)
         return drained
 
+    def kill_coordinator(self) -> None:
+        """SIGKILL of the coordinator's process (``coordinator_process``), as a crash ends a Functions instance."""
+        assert self.coordinator_process is not None, "the coordinator runs in this process"
+        self.coordinator_process.kill()
+
+    def start_coordinator(self) -> None:
+        """A new coordinator process, resuming from the checkpoints and the state the last one committed."""
+        assert self.coordinator_process is not None, "the coordinator runs in this process"
+        self.coordinator_process.start()
+
     def stop(self) -> None:
         self.stop_platform()
+        if self.coordinator_process is not None:
+            self.coordinator_process.stop()
         if self.front is not None:
             self.front.stop()
             self.front = None
@@ -724,18 +744,9 @@ class LocalStack:
 
         assert self.imds is not None
 
-        def hook_ledger(vm: str, event_id: str) -> str | None:
-            path = self.vm_dir(vm) / "state" / "forwarder.sqlite"
-            if not path.exists():
-                return None
-            store = Store(path)
-            try:
-                return store.hook_outcome(event_id, "prepare")
-            finally:
-                store.close()
-
         self._direct_swap = (function_app, function_app.coordinator)
-        function_app.coordinator = direct_coordinator(function_app.settings, self.imds.url, hook_ledger=hook_ledger)
+        ledger = forwarder_hook_ledger(self.workdir / "vms")
+        function_app.coordinator = direct_coordinator(function_app.settings, self.imds.url, hook_ledger=ledger)
 
     def _set_env(self, name: str, value: str | None) -> None:
         if name not in self._saved_env:
@@ -753,43 +764,22 @@ class LocalStack:
                 os.environ[name] = value
         self._saved_env.clear()
 
-    def _function_host(self) -> FunctionHost:
+    def _function_hosts(self) -> tuple[FunctionHost, FunctionHost]:
+        """The VMs' trigger (with the timer and the delivery queue's) and Event Grid's, in this process."""
         import function_app  # noqa: PLC0415 -- imported after the app settings are in the environment
 
         assert self.eventhubs is not None
-        assert self.storage is not None
+        assert self.delivery_queue is not None
+        assert self.poison_queue is not None
         ingest: IngestFunction = function_app.ingest_envelopes
         if self.options.ingest_wrapper is not None:
             ingest = self.options.ingest_wrapper(ingest)
-        assert self.delivery_queue is not None
-        assert self.poison_queue is not None
-        trigger = QueueTrigger(
-            queue=self.delivery_queue,
-            poison=self.poison_queue,
-            function=function_app.continue_approval,
-            settings=QueueSettings.from_host_json(REPO_ROOT / "host.json"),
-        )
-        return FunctionHost(
+        return function_hosts(
+            function_app,
             eventhub_connection_string=self.eventhubs.connection_string(),
-            eventhub_name=HUB,
-            storage_connection_string=self.storage.connection_string,
-            ingest=ingest,
-            timer=function_app.reevaluate,
+            queues=(self.delivery_queue, self.poison_queue),
             timer_interval=self.options.timer_interval,
-            queue_trigger=trigger,
-        )
-
-    def _platform_host(self) -> FunctionHost:
-        """The Event Grid trigger: its own consumer of its own hub, as the Functions host runs each trigger."""
-        import function_app  # noqa: PLC0415 -- imported after the app settings are in the environment
-
-        assert self.eventhubs is not None
-        assert self.storage is not None
-        return FunctionHost(
-            eventhub_connection_string=self.eventhubs.connection_string(),
-            eventhub_name=PLATFORM_HUB,
-            storage_connection_string=self.storage.connection_string,
-            ingest=function_app.ingest_platform_events,
+            ingest=ingest,
         )
 
     # ---- forwarders ------------------------------------------------------------------------------------------
