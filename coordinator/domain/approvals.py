@@ -1,7 +1,8 @@
 """An approval's way after the decision: through which VM it is sent, and when the platform is late to start it.
 
 Pure: takes an event record and when its VMs last reported; gives the executing VM (``choose_executor``), when
-another VM may be sent it after one that did not answer (``reroute_at``), and whether a delivered approval's Started
+another VM may be sent it after one that did not answer (``reroute_at``), how long a request that a peer may have to
+take over stays valid when NotBefore is near (``reroutable_within``), and whether a delivered approval's Started
 is overdue (``start_overdue``: the listener's word is not the platform's).
 """
 
@@ -12,12 +13,27 @@ from datetime import datetime, timedelta
 from coordinator.domain.deletes import REMOVING_EVENTS
 from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
 
-__all__ = ["REROUTE_MARGIN", "choose_executor", "reroute_at", "start_overdue"]
+__all__ = [
+    "MIN_REQUEST_VALIDITY",
+    "REROUTE_LEAD",
+    "REROUTE_MARGIN",
+    "choose_executor",
+    "reroutable_within",
+    "reroute_at",
+    "start_overdue",
+]
 
 # After an unanswered request's notAfter, how long before another VM (or another decision) is sent the event: the
 # listener checks notAfter again right before its StartRequests POST (forwarder/approver.py), and this covers that
 # POST's own way to IMDS (the process's IMDS rate limiter may hold it a token or two, 0.5 s each) (*Liveness*).
 REROUTE_MARGIN = timedelta(seconds=1)
+# From the instant a peer may be sent the event to its listener's StartRequests: the delivery run that takes the
+# approval over (already waiting for that instant, pipeline/handover.py lapse_wait: a read, a decision, a write; 0.1 s
+# alone, around a second on two loaded cores) and the peer's listener (its IMDS read and POST, 0.1-0.3 s).
+REROUTE_LEAD = timedelta(seconds=1.5)
+# The shortest validity a first request is given however near NotBefore is: a listener that answers does so in 5-41
+# ms, one connecting as it is sent within 0.1 s, and the relay sender's "no listener" retries come within 1 s.
+MIN_REQUEST_VALIDITY = timedelta(seconds=1.5)
 
 
 def choose_executor(
@@ -92,3 +108,18 @@ def reroute_at(open_request: OpenRequest | None, executor: str, decision_id: str
         return None
     free = open_request.until + REROUTE_MARGIN
     return free if now < free else None
+
+
+def reroutable_within(
+    valid_for: timedelta, not_before: datetime | None, now: datetime, *, tolerance: timedelta
+) -> timedelta:
+    """How long a request sent at ``now`` that a peer may have to take over stays valid (its notAfter is ``now`` +
+    this + ``tolerance``, request_bound): ``valid_for``, but no longer than lets a peer still execute the event
+    before its NotBefore once the request has lapsed (``REROUTE_MARGIN`` after its notAfter, reroute_at): the peer's
+    way there (``REROUTE_LEAD``) and its own request's tolerance before NotBefore. A validity fixed whatever NotBefore
+    is would keep a dead listener's request open past a near NotBefore, and no peer could be sent the event in time.
+    Never shortened below ``MIN_REQUEST_VALIDITY``: a listener that answers at all does so within it."""
+    if not_before is None:
+        return valid_for
+    room = not_before - now - 2 * tolerance - REROUTE_MARGIN - REROUTE_LEAD
+    return min(valid_for, max(MIN_REQUEST_VALIDITY, room))

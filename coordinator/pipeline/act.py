@@ -8,17 +8,16 @@ decided an approval sends it.
 An approval leaves right after its deciding write (``send_decided``, called by fold before the VM positions are
 written): the plan made before that write (pipeline/plan.py, ``intend``: its intent row committed with the write, in
 the outbox), and the record and ETag the write gave, are what is sent and what its outcome is written against, with
-no re-read; the outcome's rows are committed with the outcome, and the history is uploaded last, in the tail. Before,
-a batch made 5 Table requests (a fresh re-read of the event and its groups among them) and committed the history
-before an approval left: the coordinator's hop was 12-14 times one conditional write. A crash after the deciding
-write leaves the approval record itself (``nextAttemptAt``): the timer sends it again after the in-flight grace.
+no re-read; the outcome's rows are committed with the outcome, and the history is uploaded last, in the tail. A
+crash after the deciding write leaves the approval record itself (``nextAttemptAt``): the timer sends it again.
 
 Nothing waits for a slow or dead listener either: with a delivery queue (``Parts.deliveries``), a batch, tick or
-person's run gives each approval ``in_run_delivery`` (3 s) and hands one not answered by then to the queue
-(pipeline/handover.py); a ``delivery`` run plans it again from the record, through another VM when the one that did
-not answer has a peer that can execute it, and gives it the whole approval deadline. One decisionId throughout:
-the listener executes it once. A batch does not even wait for those 3 s: its sends are ``Sending``s its tail awaits
-after the batch has returned (``tail_after_batch``; docs/coordinator.md, *The tail after the batch*).
+person's run gives each approval ``in_run_delivery`` (3 s; less when NotBefore is near, plan.answer_wait) and hands
+one not answered by then to the queue (pipeline/handover.py); a ``delivery`` run plans it again from the record,
+through another VM when the one that did not answer has a peer that can execute it, and gives it the whole approval
+deadline. One decisionId throughout: the listener executes it once. A batch does not even wait for those 3 s: its
+sends are ``Sending``s its tail awaits after the batch has returned (``tail_after_batch``; docs/coordinator.md,
+*The tail after the batch*).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from coordinator.domain.lifecycle import EventChange, clone, lost_answer, raise_
 from coordinator.domain.model import EventRecord, OpenRequest
 from coordinator.domain.retry import backoff_delay
 from coordinator.pipeline import attest, handover
-from coordinator.pipeline.plan import hands_over, plan_delivery
+from coordinator.pipeline.plan import answer_wait, hands_over, plan_delivery
 from coordinator.pipeline.run import Delivery, Run, Sending
 from coordinator.state.events import commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
@@ -206,8 +205,9 @@ def _submit(run: Run, plans: Sequence[Delivery], within: float) -> dict[concurre
             batches.setdefault((id(callback), callback.batch_key(plan.vm)), []).append(plan)
             continue
         proof = _proof(run, plan.vm, plan.decision_id) if callback is run.parts.callback else None
+        wait = answer_wait(run, plan.request, within)
         futures[
-            run.parts.pool().submit(send, callback, plan.request, plan.vm, plan.traceparent, proof, within=within)
+            run.parts.pool().submit(send, callback, plan.request, plan.vm, plan.traceparent, proof, within=wait)
         ] = [plan]
     for group in batches.values():
         plan = group[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from contracts.approval import ApprovalFacts, ApprovalRequest
-from coordinator.domain.approvals import choose_executor, reroute_at
+from coordinator.domain.approvals import choose_executor, reroutable_within, reroute_at
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
@@ -22,7 +22,7 @@ from coordinator.pipeline.run import Delivery, Run
 from coordinator.state.events import read_event
 from coordinator.state.store import Stored
 
-__all__ = ["UNANSWERED", "UNPEERED_ALLOWANCE", "hands_over", "intend", "plan_delivery"]
+__all__ = ["UNANSWERED", "UNPEERED_ALLOWANCE", "answer_wait", "hands_over", "intend", "plan_delivery"]
 
 # The answers that say the executor's listener was not reached or did not answer (unknown: it went away before
 # answering): the next attempt prefers a peer.
@@ -209,14 +209,28 @@ def _valid_for(
     it lapses, a peer may be sent the event without two valid approvals existing at once (``reroute_at``). As long
     exactly when a peer that could take over is known; ``UNPEERED_ALLOWANCE`` longer when none is yet (a listener
     the Relay holds a few seconds still executes it, oracle seed 15; a peer that reports the event later waits at
-    most that much more). The queue's and the timer's sends: the whole approval deadline."""
+    most that much more). Either way short enough, when NotBefore is near, that a peer can still execute the event
+    before it once the request lapsed (approvals.reroutable_within). The queue's and the timer's sends: the whole
+    approval deadline."""
     options = run.options
     if not hands_over(run):
         return options.approval_deadline
     avoid = frozenset({executor.name}) if executor is not None else frozenset()
     peer = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid) if executor else None
     known = peer is not None and executor is not None and peer.name != executor.name
-    return options.in_run_delivery + (timedelta(0) if known else UNPEERED_ALLOWANCE)
+    valid_for = options.in_run_delivery + (timedelta(0) if known else UNPEERED_ALLOWANCE)
+    if record.eventType == "Terminate" and len(record.resources) <= 1:
+        return valid_for  # only its own VM may ever execute it (choose_executor): no peer to leave room for
+    return reroutable_within(valid_for, record.notBefore, run.now, tolerance=options.not_after_tolerance)
+
+
+def answer_wait(run: Run, request: ApprovalRequest, within: float) -> float:
+    """How long a send waits for its answer: ``within``, but in a run that hands over no longer than the listener may
+    still execute the request (it refuses it from its notAfter less the tolerance; sooner when NotBefore is near,
+    approvals.reroutable_within): handed over sooner, it is sooner the delivery run's to send through a peer."""
+    if not hands_over(run) or request.notAfter is None:
+        return within
+    return min(within, (request.notAfter - run.options.not_after_tolerance - run.now).total_seconds())
 
 
 def hands_over(run: Run) -> bool:
