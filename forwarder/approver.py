@@ -61,8 +61,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
 from opentelemetry import trace
@@ -70,15 +69,14 @@ from opentelemetry import trace
 from contracts.attested import decision_nonce
 from contracts.checks import Invalid
 from contracts.wire import (
-    NOT_AFTER_TOLERANCE,
     ApprovalOutcome,
     ApprovalRequest,
     ApprovalResult,
     Attestation,
-    ScheduledEvent,
     ScheduledEventsDocument,
 )
-from forwarder.durable_state import DECISION_LEDGER_ENTRIES, DECISION_LEDGER_KEEP, DecisionStatus, LedgerEntry
+from forwarder.approval_rules import Freshness, PrepareLedger, judge, refuse_not_after, refuse_stale
+from forwarder.decisions import DecisionLedger, DecisionStatus, LedgerEntry, MemoryLedger
 from forwarder.imds import ImdsDeadlinePassed, ImdsError
 from forwarder.logs import fields
 from forwarder.relay_protocol import RelayRequest, RelayResponse
@@ -107,154 +105,6 @@ class ScheduledEventsSource(Protocol):
     def approve(self, event_ids: Iterable[str], *, before: float | None = None) -> None:
         """StartRequests, none of whose attempts starts at or after ``before`` (monotonic; ImdsDeadlinePassed)."""
         ...
-
-
-class DecisionLedger(Protocol):
-    """Where the listener keeps what it did with each decisionId (``forwarder.durable_state.Store``, or
-    ``MemoryLedger``)."""
-
-    def decision(self, decision_id: str) -> LedgerEntry | None: ...
-
-    def remember_decision(self, entry: LedgerEntry) -> None: ...
-
-    def forget_decision(self, decision_id: str) -> None: ...
-
-
-class MemoryLedger:
-    """The decision ledger in memory, with the durable one's bounds: for a listener without a state directory and
-    for tests. Lost on a restart, so only the durable one makes "at most once" hold across restarts."""
-
-    def __init__(self, *, keep: timedelta = DECISION_LEDGER_KEEP, max_entries: int = DECISION_LEDGER_ENTRIES) -> None:
-        self._keep = keep
-        self._max_entries = max_entries
-        self._entries: OrderedDict[str, LedgerEntry] = OrderedDict()
-
-    def decision(self, decision_id: str) -> LedgerEntry | None:
-        return self._entries.get(decision_id)
-
-    def remember_decision(self, entry: LedgerEntry) -> None:
-        self._entries[entry.decision_id] = entry
-        self._entries.move_to_end(entry.decision_id)
-        for key in [k for k, e in self._entries.items() if e.at < entry.at - self._keep]:
-            del self._entries[key]
-        while len(self._entries) > self._max_entries:
-            self._entries.popitem(last=False)
-
-    def forget_decision(self, decision_id: str) -> None:
-        self._entries.pop(decision_id, None)
-
-
-@dataclass(frozen=True)
-class Freshness:
-    """How much clock disagreement and request age are tolerated, and how far ahead a request may be valid."""
-
-    clock_skew: timedelta = timedelta(minutes=2)
-    max_age: timedelta = timedelta(minutes=30)
-    # Refused from this long before notAfter (the clocks of this VM and the coordinator may disagree this much).
-    not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE
-    # No request is valid further ahead than this: a coordinator's notAfter is at most its approval deadline (30 s,
-    # at most 10 min) after it sends, and Azure's longest routine notice is 15 min.
-    max_validity: timedelta = timedelta(minutes=15)
-
-
-# ----------------------------------------------------------------------------------------------- pure decisions
-
-
-def refuse_not_after(approval: ApprovalRequest, *, now: datetime, freshness: Freshness) -> str | None:
-    """Why the request's notAfter forbids executing it now: there is none, it lies further ahead than any approval
-    may be valid or past the event's NotBefore, or it has come (from ``not_after_tolerance`` before it, on this VM's
-    clock). None when it allows it."""
-    if approval.notAfter is None:
-        return (
-            "the request names no notAfter, so how long its decision holds is unknown (a coordinator older than this "
-            "listener: upgrade the coordinator)"
-        )
-    if approval.notAfter > now + freshness.max_validity:
-        return (
-            f"notAfter {approval.notAfter.isoformat()} is more than {freshness.max_validity} ahead: no approval is "
-            "valid that long"
-        )
-    not_before = approval.facts.notBefore if approval.facts is not None else None
-    if not_before is not None and approval.notAfter > not_before + freshness.not_after_tolerance:
-        return (
-            f"notAfter {approval.notAfter.isoformat()} is after the event's NotBefore {not_before.isoformat()}: no "
-            "approval is valid past it"
-        )
-    deadline = approval.deadline
-    if now >= deadline - freshness.not_after_tolerance:
-        why = f" ({approval.notAfterReason})" if approval.notAfterReason and deadline == approval.notAfter else ""
-        return (
-            f"expired at {deadline.isoformat()}{why}: refused from {freshness.not_after_tolerance.total_seconds():g} s "
-            "before it on this VM's clock"
-        )
-    return None
-
-
-def refuse_stale(approval: ApprovalRequest, *, now: datetime, freshness: Freshness) -> str | None:
-    """Why the request's dates forbid executing it now (its notAfter, ``refuse_not_after``; issued too early or too
-    late); None when they allow it."""
-    if approval.expiresAt <= approval.issuedAt:
-        return f"expiresAt {approval.expiresAt.isoformat()} is not after issuedAt {approval.issuedAt.isoformat()}"
-    expiry = refuse_not_after(approval, now=now, freshness=freshness)
-    if expiry is not None:
-        return expiry
-    if approval.issuedAt > now + freshness.clock_skew:
-        return f"issuedAt {approval.issuedAt.isoformat()} is in the future beyond the {freshness.clock_skew} skew"
-    if approval.issuedAt < now - freshness.max_age - freshness.clock_skew:
-        return f"issuedAt {approval.issuedAt.isoformat()} is older than {freshness.max_age}"
-    return None
-
-
-PrepareLedger = Callable[[str], str | None]
-
-
-def refuse_facts(
-    approval: ApprovalRequest, event: ScheduledEvent, *, vm_name: str, prepare_outcome: PrepareLedger | None
-) -> str | None:
-    """Why the decision's facts do not hold on this VM (its IMDS document, its own hook ledger); None when they
-    do. One VM's word to the coordinator never reaches IMDS unchecked: this is the last line of defence."""
-    facts = approval.facts
-    if facts is None:
-        return "the request names no facts to check against this VM's IMDS document (upgrade the coordinator)"
-    differences = facts.differences(event)
-    if differences:
-        return "facts differ from this VM's IMDS document: " + "; ".join(differences)
-    if vm_name in facts.hooksRequired:
-        outcome = prepare_outcome(event.EventId) if prepare_outcome is not None else None
-        if outcome != "succeeded":
-            return (
-                f"the decision rested on {vm_name}'s prepare hooks, and its own ledger says "
-                f"{outcome or 'they have not finished'}"
-            )
-    return None
-
-
-def judge(
-    approval: ApprovalRequest,
-    document: ScheduledEventsDocument,
-    *,
-    vm_name: str,
-    prepare_outcome: PrepareLedger | None = None,
-) -> tuple[ApprovalOutcome, str]:
-    """Whether the event may be approved on this VM (`vm_name`: its IMDS compute name), on a fresh document.
-    `prepare_outcome(event_id)` reads this VM's own hook ledger: the prepare phase's outcome, None if not finished."""
-    event = document.event(approval.eventId)
-    if event is None:
-        return "not-found", "the event is not in this VM's scheduled-events document"
-    if event.EventStatus != "Scheduled":
-        return "not-scheduled", f"the event is {event.EventStatus}"
-    if not event.Resources:
-        return "rejected", "the event names no Resources, so its reach is unknown"
-    if event.EventType == "Terminate" and not event.concerns(vm_name):
-        deleted = ", ".join(event.Resources)
-        return "rejected", (
-            f"Terminate of {deleted} can be approved only by {' or '.join(event.Resources)} itself, not by "
-            f"{vm_name} (Azure: each VM approves only the EventId relevant to it)"
-        )
-    refusal = refuse_facts(approval, event, vm_name=vm_name, prepare_outcome=prepare_outcome)
-    if refusal is not None:
-        return "rejected", refusal
-    return "approved", ""
 
 
 # ----------------------------------------------------------------------------------------------- handler

@@ -150,7 +150,8 @@ def relay_companions(
 
         def session() -> ListenerSession:
             # The listener and its WebSocket client load here, when a session is first needed, not at the start.
-            from forwarder.approver import Approver, Freshness  # noqa: PLC0415
+            from forwarder.approval_rules import Freshness  # noqa: PLC0415
+            from forwarder.approver import Approver  # noqa: PLC0415
             from forwarder.relay_listener import RelayListener  # noqa: PLC0415
             from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415
 

@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
 
 from forwarder import state_schema
+from forwarder.decisions import DECISION_LEDGER_ENTRIES, DECISION_LEDGER_KEEP, DecisionStatus, LedgerEntry
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.durable_state")
@@ -41,12 +41,6 @@ log = logging.getLogger("forwarder.durable_state")
 HOOK_LEDGER_DAYS = 30
 KEEP_REJECTS = 100
 STATE_ID = "state_id"
-# The listener's decision ledger (forwarder/approver.py) keeps an entry this long and at most this many: far longer
-# than any request it accepts stays valid (its notAfter is at most 15 minutes ahead, refused past it), so a request
-# whose entry was dropped is refused on its own dates; a day also outlasts a VM clock that was set back by hours.
-DECISION_LEDGER_KEEP = timedelta(hours=24)
-DECISION_LEDGER_ENTRIES = 10_000
-DecisionStatus = Literal["executing", "approved", "refused"]
 SEQUENCE = "sequence"
 # The first sequence a restart may use when the marker is gone: what the reserve may have handed out is skipped.
 SEQUENCE_RESERVED = "sequence_reserved"
@@ -96,19 +90,6 @@ class HookJob:
     # W3C trace context of the change that queued the phase ("" for none).
     traceparent: str = ""
     tracestate: str = ""
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """What the listener did with one decisionId: ``executing`` from just before its StartRequests POST until IMDS
-    answered (an entry left so by a crash is never executed again), ``approved`` (IMDS took it) or ``refused``;
-    ``result`` is the ApprovalResult JSON it answered ("" while executing)."""
-
-    decision_id: str
-    event_id: str
-    status: DecisionStatus
-    at: datetime
-    result: str = ""
 
 
 class Store:
@@ -253,10 +234,6 @@ class Store:
     def _bump(self, db: sqlite3.Connection, counter: str, by: int = 1) -> None:
         current = int(self._get(db, f"counter.{counter}") or 0)
         self._put(db, f"counter.{counter}", str(current + by))
-
-    def bump(self, counter: str, by: int = 1) -> None:
-        with self._tx() as db:
-            self._bump(db, counter, by)
 
     def counters(self) -> dict[str, int]:
         with self._lock:

@@ -3,9 +3,9 @@
 In Azure the coordinator cannot reach a VM's IMDS (169.254.169.254 answers only inside the VM); approvals travel
 through Azure Relay to the VM's listener (coordinator/adapters/relay_sender.py -> forwarder/approver.py). This stand-in
 plays that listener without the Relay: it reads the VM's current document from the emulator's per-VM URL, judges
-the request with the listener's own rules (``forwarder.approver.judge``: listed, still Scheduled, names Resources, a
-Terminate only through the VM it deletes, and the decision's facts against the document and the VM's hook ledger),
-and only then POSTs ``{"StartRequests": [{"EventId": ...}]}``.
+the request with the listener's own rules (``forwarder.approval_rules.judge``: listed, still Scheduled, names
+Resources, a Terminate only through the VM it deletes, and the decision's facts against the document and the VM's
+hook ledger), and only then POSTs ``{"StartRequests": [{"EventId": ...}]}``.
 
 It is not in the Functions package (scripts/package-functions.sh ships coordinator/ only); the local runner, the
 benchmarks and the coordinator's tests wire it in with ``approve_directly``.
@@ -30,7 +30,7 @@ from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
 from coordinator.wiring import build_coordinator
-from forwarder.approver import judge
+from forwarder.approval_rules import judge
 from forwarder.durable_state import Store
 
 API_VERSION = "2020-07-01"

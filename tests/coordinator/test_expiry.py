@@ -24,7 +24,7 @@ from coordinator.domain.expiry import (
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.run import APPROVAL_DEADLINE
-from forwarder.approver import Freshness, refuse_stale
+from forwarder.approval_rules import Freshness, refuse_stale
 from tests.coordinator.helpers import DOC_NOW, event_record
 
 NOT_BEFORE = DOC_NOW + timedelta(minutes=15)  # 22:26:58; DOC_NOW is 22:11:58 UTC

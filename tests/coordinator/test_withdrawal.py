@@ -23,7 +23,7 @@ from coordinator.domain.model import EventRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from forwarder.approver import Freshness, refuse_stale
+from forwarder.approval_rules import Freshness, refuse_stale
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore

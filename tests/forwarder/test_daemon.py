@@ -158,6 +158,7 @@ def test_no_hooks_installed_reports_not_run(imds: ImdsEmulator, harness: MakeHar
 def test_a_hook_runs_once_per_event_across_restarts(imds: ImdsEmulator, harness: MakeHarness) -> None:
     h = harness(imds.url_for("web_0"), name="vm")
     write_hook(h.settings.hooks_dir / "prepare.d", "10-count", f"echo run >> {h.root}/runs\n")
+    h.wait_incarnation(1)  # its first document read before the event exists (a loaded machine polls late)
     imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
     wait_for(lambda: h.envelopes("hook"), what="first report")
     h.stop()

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 
 from forwarder import durable_state
+from forwarder.decisions import DECISION_LEDGER_KEEP, LedgerEntry
 from forwarder.durable_state import (
-    DECISION_LEDGER_KEEP,
     HOOK_LEDGER_DAYS,
     SEQUENCE_RESERVE,
     HookJob,
-    LedgerEntry,
     SpooledEnvelope,
     Store,
     StoreFull,

@@ -1,4 +1,4 @@
-"""The local-only DirectImdsCallback judges as a VM's listener does (forwarder.approver.judge), then approves."""
+"""The local-only DirectImdsCallback judges as a VM's listener does (forwarder.approval_rules.judge), then approves."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from emulators.relay.auth import create_sas_token
-from forwarder.durable_state import LedgerEntry, Store
+from forwarder.decisions import LedgerEntry
+from forwarder.durable_state import Store
 from tests.relay.conftest import (
     SEND_KEY,
     VM_A0,

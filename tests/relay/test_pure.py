@@ -22,8 +22,9 @@ from contracts.sas import relay_resource_uri, sas_token
 from contracts.wire import ApprovalFacts, ApprovalRequest, Attestation, ScheduledEvent, ScheduledEventsDocument
 from coordinator.adapters.relay_admin import hybrid_connections_to_delete, namespace_for_vm
 from emulators.relay.auth import AuthError, Right, SasRule, TokenChecker, create_sas_token
-from forwarder.approver import Approver, Freshness, MemoryLedger, judge, refuse_stale
-from forwarder.durable_state import LedgerEntry
+from forwarder.approval_rules import Freshness, judge, refuse_stale
+from forwarder.approver import Approver
+from forwarder.decisions import LedgerEntry, MemoryLedger
 from forwarder.imds import ImdsDeadlinePassed, ImdsInvalidResponse
 from forwarder.relay_protocol import RelayRequest, RelayResponse, relative_path, response_frame
 from forwarder.relay_tokens import SasTokenProvider
