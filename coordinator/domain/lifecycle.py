@@ -16,7 +16,16 @@ from coordinator.domain.model import AlertKind, EventRecord, LostAnswer, State
 from coordinator.domain.observations import Observation
 from coordinator.domain.rows import HistoryRow
 
-__all__ = ["EventChange", "advance", "clone", "lost_answer", "raise_alert", "started_unanswered", "transition"]
+__all__ = [
+    "EventChange",
+    "advance",
+    "clone",
+    "lost_answer",
+    "raise_alert",
+    "sender_gone",
+    "started_unanswered",
+    "transition",
+]
 
 
 @dataclass
@@ -180,6 +189,44 @@ def lost_answer(change: EventChange, now: datetime, *, executor: str, reason: st
     change.changed = True
     if change.record.state != "Scheduled" and (row := started_unanswered(change.record, now)) is not None:
         change.rows.append(row)
+
+
+def sender_gone(change: EventChange, now: datetime) -> None:
+    """An approval decided and never answered (no outcome: its sender stopped between the deciding write and
+    recording one) whose event left Scheduled before the timer's retry was due: nothing sends it again, so nothing
+    would say what became of it. Once its in-flight grace (``nextAttemptAt``) has passed, one Approval row says what is
+    known, outcome ``unknown``: the listener may have executed it (its ledger knows), the event started or ended
+    without it."""
+    record = change.record
+    approval = record.approval
+    if approval is None or not record.awaiting_outcome or record.state == "Scheduled":
+        return
+    if approval.nextAttemptAt is not None and approval.nextAttemptAt > now:
+        return
+    to = f" to {approval.executor}" if approval.executor else ""
+    approval.outcome = "unknown"
+    approval.reason = (
+        f"approval decided at {approval.decidedAt.isoformat()}{to} has no recorded outcome (its sender stopped before "
+        f"recording one, or it waited for an earlier request to lapse), and the event was {record.state} before a "
+        f"retry was due (seen Started "
+        f"{record.startedSeenAt.isoformat() if record.startedSeenAt else 'never'}, NotBefore "
+        f"{record.notBefore.isoformat() if record.notBefore else 'none'}); whether its StartRequests was made only "
+        "the listener's ledger knows"
+    )
+    approval.nextAttemptAt = None
+    change.rows.append(
+        approval_row(
+            record=record,
+            now=now,
+            vm=approval.executor,
+            rule=approval.rule,
+            decision_id=approval.decisionId,
+            actor=approval.actor,
+            outcome="unknown",
+            reason=approval.reason,
+        )
+    )
+    change.changed = True
 
 
 def started_unanswered(record: EventRecord, now: datetime) -> HistoryRow | None:

@@ -244,6 +244,13 @@ class EventRecord(BaseModel):
         return self.state not in TERMINAL_STATES
 
     @property
+    def awaiting_outcome(self) -> bool:
+        """An approval decided whose outcome no run has recorded yet (lifecycle.sender_gone says what became of it
+        once the event has left Scheduled): the timer keeps such an event in view after it concluded."""
+        approval = self.approval
+        return approval is not None and not approval.delivered and not approval.outcome
+
+    @property
     def scale_sets(self) -> set[str]:
         return {s.scaleSet for s in self.vms.values() if s.scaleSet}
 

@@ -22,7 +22,7 @@ from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
 from coordinator.domain.history_rows import approval_row, heartbeat_row, impact_row, position_of
-from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert
+from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert, sender_gone
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import act, decide, outbox, plan, tail
@@ -120,7 +120,8 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
         outbox.queue_pending(record, now, work, settled)
     report.events_changed += decide.release_held(run, changes)
     for stored in store.closed_events_with_pending_alerts():
-        outbox.queue_pending(stored.record, now, work, settled)
+        record = concluded_unanswered(run, stored)
+        outbox.queue_pending(record, now, work, settled)
     for group in groups:
         for position in group.record.vms.values():
             outbox.queue_vm_pending(position, now, work, settled_vms)
@@ -130,6 +131,32 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     if logs:
         store.delete_sent_alert_logs([key for key, _ in logs])
     census(run, known, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
+
+
+def concluded_unanswered(run: Run, stored: Stored[EventRecord]) -> EventRecord:
+    """A concluded event still awaiting its approval's outcome (kept in view by the store's Pending column): once the
+    approval's grace has passed, its ``unknown`` row (lifecycle.sender_gone), written with the record."""
+    record = stored.record
+    if run.dry_run or not record.awaiting_outcome:
+        return record
+
+    def settle(current: EventRecord | None) -> EventChange | None:
+        if current is None:
+            return None
+        change = EventChange(record=clone(current))
+        sender_gone(change, run.now)
+        return change if change.changed else None
+
+    try:
+        change = commit_event(
+            run.parts.store, record.eventId, settle, read=stored, etags=run.work.etags, outbox=run.outbox()
+        )
+    except ConcurrencyConflict:
+        return record  # another run moved it: the next tick looks again
+    if change is None:
+        return record
+    run.work.collect(change)
+    return change.record
 
 
 def retry_due(run: Run, record: EventRecord) -> None:
@@ -210,6 +237,8 @@ def reconsider(
     now = run.now
     change = EventChange(record=clone(record))
     advance(change, now, silent_vms=silent, retired=retired)
+    if not run.dry_run:
+        sender_gone(change, now)
     if record.eventType == "Terminate" and record.approval is not None and record.approval.delivered:
         act.update_hold(run, change)
     if "not-started" not in change.record.alerts and start_overdue(change.record, now, last_seen):

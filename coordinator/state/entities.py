@@ -173,7 +173,8 @@ def event_entity(record: EventRecord) -> Entity:
             "State": record.state,
             "Open": record.open,
             "EventType": record.eventType,
-            "Pending": bool(record.pendingAlerts),
+            # Cards to send, or an approval's outcome to record: the timer keeps the event in view once concluded.
+            "Pending": bool(record.pendingAlerts) or record.awaiting_outcome,
             "StateSince": record.stateSince,
         },
         # The per-VM sightings are stored with each VM's position (VmGroupRecord), not here.

@@ -161,3 +161,63 @@ def test_a_tick_that_runs_while_a_tail_is_still_writing_leaves_its_rows_to_it():
     coordinator(store, history, listener, DOC_NOW + OUTBOX_GRACE - timedelta(seconds=1)).tick()
     assert kinds(of(history, "EV-A"), DOC_NOW) == []
     assert store.outbox() != []
+
+
+def test_an_approval_whose_sender_died_gets_an_outcome_row_when_its_event_started_before_any_retry():
+    """The process dies while the approval is on its way (the listener executed it), and the VM reports the event
+    Started before the in-flight grace has passed: no retry comes (the event left Scheduled), so nothing would ever
+    record the approval's outcome. The timer records what is known, once: an Approval row ``unknown``."""
+    store, history, listener = MemoryStateStore(), MemoryHistory(), Listener()
+    listener.dies = True
+    with pytest.raises(KeyboardInterrupt):
+        coordinator(store, history, listener, DOC_NOW).run_batch([freeze("EV-A")])
+    listener.dies = False
+    started = scheduled_event("EV-A", resources=["WestNO_0"], status="Started")
+    seen = DOC_NOW + timedelta(seconds=5)
+    coordinator(store, history, listener, seen).run_batch(
+        [
+            freeze("EV-A"),  # the batch again (no checkpoint), then the VM's next document
+            message(envelope(vm("WestNO_0", index=1), sequence=2, incarnation=2, events=[started])),
+        ]
+    )
+    later = DOC_NOW + IN_FLIGHT_GRACE + timedelta(seconds=1)
+    coordinator(store, history, listener, later).tick()
+    coordinator(store, history, listener, later + timedelta(minutes=1)).tick()
+    rows = of(history, "EV-A")
+    approvals = [(row.Outcome, row.TimeGenerated) for row in rows if row.RecordType == "Approval"]
+    assert approvals == [("sending", DOC_NOW), ("unknown", later)], approvals
+    (unknown,) = [row for row in rows if row.RecordType == "Approval" and row.Outcome == "unknown"]
+    assert "Started" in unknown.Reason
+    assert unknown.DecisionId == next(r.DecisionId for r in rows if r.RecordType == "Decision")
+    assert listener.executed["EV-A"] == [unknown.DecisionId]  # nothing sent again
+    assert store.outbox() == []
+
+
+def test_an_approval_whose_sender_died_gets_an_outcome_row_when_its_event_concluded_before_any_retry():
+    """As above, but the short Freeze is over (gone from the VM's document: Completed) before the grace has passed:
+    the concluded event stays in the timer's view until its approval's outcome is recorded, then leaves it."""
+    store, history, listener = MemoryStateStore(), MemoryHistory(), Listener()
+    listener.dies = True
+    with pytest.raises(KeyboardInterrupt):
+        coordinator(store, history, listener, DOC_NOW).run_batch([freeze("EV-A")])
+    listener.dies = False
+    started = scheduled_event("EV-A", resources=["WestNO_0"], status="Started")
+    identity = vm("WestNO_0", index=1)
+    seen = DOC_NOW + timedelta(seconds=5)
+    coordinator(store, history, listener, seen).run_batch(
+        [
+            message(envelope(identity, sequence=2, incarnation=2, events=[started])),
+            message(envelope(identity, sequence=3, incarnation=3, events=[])),
+        ]
+    )
+    (record,) = [s.record for s in store.closed_events_with_pending_alerts()]
+    assert (record.state, record.awaiting_outcome) == ("Completed", True)
+    coordinator(store, history, listener, seen + timedelta(seconds=1)).tick()  # within the grace: not yet
+    later = DOC_NOW + IN_FLIGHT_GRACE + timedelta(seconds=1)
+    coordinator(store, history, listener, later).tick()
+    coordinator(store, history, listener, later + timedelta(minutes=1)).tick()
+    approvals = [(row.Outcome, row.TimeGenerated) for row in of(history, "EV-A") if row.RecordType == "Approval"]
+    assert approvals == [("sending", DOC_NOW), ("unknown", later)], approvals
+    assert store.closed_events_with_pending_alerts() == []
+    assert len(listener.executed["EV-A"]) == 1
+    assert store.outbox() == []

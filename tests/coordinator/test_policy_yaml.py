@@ -4,7 +4,6 @@ document nested thousands deep or an alias bomb is refused at once, naming the l
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -82,12 +81,12 @@ def alias_bomb(levels: int) -> str:
         ("x" * (1 << 20) + "\n", "p.yaml: the policy is 1048577 characters (limit 1048576)"),
     ],
 )
+# A bound on the whole test, not a timing assertion: an expansion that is not refused early runs for hours.
+@pytest.mark.timeout(60)
 def test_a_policy_too_deep_or_too_large_once_expanded_is_refused_at_once(text: str, expected: str) -> None:
-    started = time.monotonic()
     with pytest.raises(PolicyError) as caught:
         parse_policy(text, source="p.yaml")
     assert expected in str(caught.value)
-    assert time.monotonic() - started < 2
 
 
 def test_aliases_within_bounds_are_fine() -> None:
