@@ -127,7 +127,12 @@ def left_behind(connection: str, tmp: str, histories: list[str]) -> dict[str, An
         history.close()
     return {
         "states": Counter(s.record.state for s in store.open_events()),
-        "claims": sum(1 for _ in table.query_entities(f"PartitionKey eq '{CLAIM_PARTITION}'", select=["RowKey"])),
+        "claims": sum(
+            1
+            for _ in table.query_entities(
+                f"PartitionKey ge '{CLAIM_PARTITION}-' and PartitionKey lt '{CLAIM_PARTITION}.'", select=["RowKey"]
+            )
+        ),
         "cards": len(os.listdir(f"{tmp}/cards")) if os.path.isdir(f"{tmp}/cards") else 0,
         "rows": rows,
     }

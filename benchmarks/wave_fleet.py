@@ -32,8 +32,8 @@ import azure.functions as func
 
 from contracts.attestation import state_nonce
 from contracts.envelope import SCHEMA
-from coordinator.pipeline.attest import _resource_claim, _vm_claim
-from coordinator.state.entities import claim_entity
+from coordinator.pipeline.bindings import Wanted, remember
+from coordinator.state.entities import claim_entity, claim_transactions
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.imds.attested import CertificateAuthority
 from forwarder.imds import identity_of
@@ -162,22 +162,23 @@ def coordinator_env(
 
 
 def seed_bindings(coordinator: Any, identities: Iterable[Mapping[str, Any]], *, table: bool = True) -> int:
-    """Every VM's binding (its resource id to its vmId and back) remembered by the instance and, with ``table``,
-    written to the state table in entity group transactions of 100: the state its VMs' first attested envelopes leave
-    (pipeline/attest.py ``binding_problem``), reached without that path's four Table round trips a VM (two reads, two
-    inserts), which ``--bindings cold`` measures. Every binding is in the one partition ``claim``, where Azurite finds
-    an entity by scanning the partition: writing them costs O(rows) each, about 65 s for 10,000 VMs and over an hour
-    for 100,000 (Azure Table Storage indexes the keys). Returns the rows written."""
-    pairs: list[tuple[str, str]] = []
+    """Every VM's four bindings (its resource id's and name's vmId, its vmId's resource id and name) remembered by the
+    instance and, with ``table``, written to the state table in entity group transactions of 100 per partition: the
+    state its VMs' first attested envelopes leave (pipeline/bindings.py), reached without the door's checks, which
+    ``--bindings cold`` measures. Azurite finds an entity by scanning its partition: 100,000 VMs' bindings take long
+    to write (Azure Table Storage indexes the keys). Returns the rows written."""
+    pairs: dict[str, str] = {}
     for identity in identities:
-        resource, vm_id = str(identity["resourceId"]).lower(), str(identity["vmId"]).lower()
-        pairs += [(_resource_claim(resource), vm_id), (_vm_claim(vm_id), resource)]
+        vm = Wanted(
+            str(identity["vmId"]).lower(), str(identity["resourceId"]).lower(), str(identity["name"]).lower(), True
+        )
+        pairs.update(vm.claims())
     if table:
         client = coordinator.store._table
-        for start in range(0, len(pairs), 100):
-            client.submit_transaction([("create", claim_entity(n, v)) for n, v in pairs[start : start + 100]])
-    for name, value in pairs:
-        coordinator.attestations.remember(name, value)
+        for part in claim_transactions([claim_entity(n, v) for n, v in pairs.items()]):
+            client.submit_transaction([("create", e) for e in part])
+    for name, value in pairs.items():
+        remember(coordinator.attestations.bindings, name, value)
     return len(pairs) if table else 0
 
 

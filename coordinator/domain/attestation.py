@@ -39,6 +39,7 @@ from cryptography.x509 import DNSName
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from contracts.attestation import Attestation, AttestationError, AttestedContent, signed_content
+from coordinator.domain.bindings import BindingCache
 
 __all__ = [
     "AttestationRefused",
@@ -55,12 +56,9 @@ __all__ = [
 CLOCK_SKEW = timedelta(minutes=5)
 # A document valid longer than this is not one IMDS gives (its documents live from seconds to a few hours).
 MAX_VALIDITY = timedelta(hours=24)
-CACHE_SIZE = 4096
-# Bindings of resource ids, names and vmIds (pipeline/attest.py) kept by each instance once read: they never change,
-# so a fleet of 100,000 VMs costs no reads. Four a VM (its resource id's and name's vmId, its vmId's resource id and
-# name): kept at 100,000 for two a VM, they were all cleared at the 50,001st VM, and a fleet of 100,000 read its
-# bindings again and again (benchmarks/wave.py).
-BINDINGS_CACHED = 4 * 100_000
+# Verified documents kept: one a VM (a forwarder sends the same document until it renews it), for a fleet of 100,000.
+# Fewer than the fleet, a wave evicted each VM's document before its VM spoke again and verified every one again.
+CACHE_SIZE = 100_000
 
 # What a SignerInfo may name as its digest: the digests, and (as Azure writes it) sha256WithRSAEncryption.
 _DIGESTS: dict[str, hashes.HashAlgorithm] = {
@@ -331,20 +329,8 @@ class AttestationVerifier:
 
 
 class Attestations:
-    """The verifier, and the VM bindings this instance has read (pipeline/attest.py), kept for the process."""
+    """The verifier, and the VM bindings this instance knows (pipeline/bindings.py), kept for the process."""
 
-    def __init__(self, verifier: AttestationVerifier) -> None:
+    def __init__(self, verifier: AttestationVerifier, bindings: BindingCache | None = None) -> None:
         self.verifier = verifier
-        self._bound: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def remembered(self, name: str) -> str | None:
-        with self._lock:
-            return self._bound.get(name)
-
-    def remember(self, name: str, value: str) -> str:
-        with self._lock:
-            if len(self._bound) >= BINDINGS_CACHED:
-                self._bound.clear()
-            self._bound[name] = value
-        return value
+        self.bindings = bindings if bindings is not None else BindingCache()

@@ -12,7 +12,8 @@ a claim. Azure's signature settles it:
   VM shares one sender identity. With ARM's census, its name, resource id and vmId must be one VM as ARM lists them
   (``domain/census.identity_problem``; a VM ARM does not list yet makes the census read again). Without a census,
   or for a VM it does not list, the first attested envelope of a VM binds its resource id and its name to its vmId,
-  both ways, for good (``StateStore.claim``, first writer wins): no other VM can speak under that name or resource
+  both ways, for good (insert-only claims, first writer wins; a batch's are read and written together:
+  pipeline/bindings.py): no other VM can speak under that name or resource
   id, nor that VM under another. ARM outranks a binding: a resource id claimed before its VM spoke, or a VM created
   again under one name (a new vmId), is ARM's once the census lists it.
 - **An answer** to an approval carries a fresh document whose nonce is ``decision_nonce(decisionId)``: the answer
@@ -26,9 +27,9 @@ not the message's own, so the batch fails and is delivered again (ingest.read_ba
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import TypeVar
 
 from contracts.approval import ApprovalResult
 from contracts.attestation import AttestationError, decision_nonce, state_nonce
@@ -36,70 +37,52 @@ from contracts.envelope import Envelope
 from coordinator.adapters.census import CensusView
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.census import identity_problem
+from coordinator.pipeline.bindings import (
+    StoreOutage,
+    Wanted,
+    name_claim,
+    resolve,
+    resource_claim,
+    vm_claim,
+    vm_name_claim,
+)
 from coordinator.state.store import StateStore
 
-T = TypeVar("T")
+__all__ = ["Pending", "StoreOutage", "answer_problem", "binding_problems", "door_problem", "envelope_problem"]
 
 
-class StoreOutage(Exception):
-    """The state store failed while a message was read at the door: nothing in the message is at fault, and no
-    message is refused for want of a read, so the batch fails (Event Hubs delivers it again)."""
+@dataclass(frozen=True)
+class Pending:
+    """An envelope through every check but its bindings: whether it binds its VM (attested), and the census'
+    verdict when ARM's census decided ("" accepted: the bindings are then only written; None: they decide)."""
+
+    envelope: Envelope
+    claim: bool
+    verdict: str | None = None
+
+    def wanted(self) -> Wanted:
+        vm = self.envelope.vm
+        return Wanted(vm.vmId.lower(), vm.resourceId.lower(), vm.name.lower(), self.claim)
 
 
-def _store(call: Callable[[], T], what: str) -> T:
-    try:
-        return call()
-    except Exception as error:
-        raise StoreOutage(f"the state store failed to {what}: {type(error).__name__}: {str(error)[:300]}") from error
+def binding_problems(attestations: Attestations, store: StateStore, pending: Sequence[Pending]) -> list[str]:
+    """Each envelope's verdict ("" accepted), its batch's bindings read and written together (pipeline/bindings.py):
+    the census' when it decided, else why its name is not its own. A refused envelope binds nothing."""
+    if not pending:
+        return []
+    bound = resolve(attestations.bindings, store, [item.wanted() for item in pending])
+    return [
+        item.verdict if item.verdict is not None else _binding_verdict(item.envelope, values)
+        for item, values in zip(pending, bound, strict=True)
+    ]
 
 
-def _resource_claim(resource_id: str) -> str:
-    return f"vm-resource:{resource_id.lower()}"
-
-
-def _vm_claim(vm_id: str) -> str:
-    return f"vm-id:{vm_id.lower()}"
-
-
-def _name_claim(name: str) -> str:
-    return f"vm-name:{name.lower()}"
-
-
-def _vm_name_claim(vm_id: str) -> str:
-    return f"vm-id-name:{vm_id.lower()}"
-
-
-def _bound(attestations: Attestations, store: StateStore, name: str) -> str | None:
-    known = attestations.remembered(name)
-    if known is None and (found := _store(lambda: store.claimed(name), "read a binding")) is not None:
-        known = attestations.remember(name, found)
-    return known
-
-
-def _bind(attestations: Attestations, store: StateStore, name: str, value: str) -> str:
-    return attestations.remembered(name) or attestations.remember(
-        name, _store(lambda: store.claim(name, value), "write a binding")
-    )
-
-
-def binding_problem(attestations: Attestations, store: StateStore, envelope: Envelope, *, claim: bool) -> str:
+def _binding_verdict(envelope: Envelope, bound: dict[str, str | None]) -> str:
     """Why this envelope may not speak under its name ("" when it may): the resource id or the name is another
-    VM's, or its VM speaks under another resource id or name. ``claim``: bind them to each other where free (an
-    attested envelope); a refused envelope binds nothing."""
+    VM's, or its VM speaks under another resource id or name."""
     vm_id, resource, name = envelope.vm.vmId.lower(), envelope.vm.resourceId.lower(), envelope.vm.name.lower()
-    wanted = {
-        _vm_claim(vm_id): resource,
-        _resource_claim(resource): vm_id,
-        _vm_name_claim(vm_id): name,
-        _name_claim(name): vm_id,
-    }
-    bound = {key: _bound(attestations, store, key) for key in wanted}
-    if claim and None in bound.values() and all(bound[key] in (None, value) for key, value in wanted.items()):
-        # Each claim is insert-only: of two envelopes racing for one name, the later reads the earlier's value
-        # and is refused below (what it bound names only itself).
-        bound = {key: _bind(attestations, store, key, value) for key, value in wanted.items()}
-    named, owner = bound[_vm_claim(vm_id)], bound[_resource_claim(resource)]
-    called, holder = bound[_vm_name_claim(vm_id)], bound[_name_claim(name)]
+    named, owner = bound[vm_claim(vm_id)], bound[resource_claim(resource)]
+    called, holder = bound[vm_name_claim(vm_id)], bound[name_claim(name)]
     if named is not None and named != resource:
         return (
             f"VM {envelope.vm.vmId} is bound to {named[:300]} (its first attested envelope): it speaks under "
@@ -135,18 +118,44 @@ def census_problem(census: CensusView, envelope: Envelope) -> str | None:
     return verdict
 
 
-def identity_problem_of(
-    attestations: Attestations, store: StateStore, envelope: Envelope, *, claim: bool, census: CensusView | None
-) -> str:
-    """Why the envelope's name, resource id and vmId are not one VM's ("" when they are): ARM's census when it
-    lists the VM (the bindings are then written where free, for a later instance whose census cannot be read, and
-    never outrank it), else the bindings."""
+def door_problem(
+    attestations: Attestations | None,
+    envelope: Envelope,
+    *,
+    at: datetime,
+    required: bool,
+    census: CensusView | None = None,
+) -> str | Pending:
+    """Why the envelope is not accepted ("" when it is), as far as it is known without its bindings: else what
+    they must decide (``binding_problems``). ``at``: when Event Hubs took the message in (the coordinator's time
+    when unknown), which a document valid when sent covers however late the batch runs. ``census``: ARM's, when the
+    coordinator has one: the VM's name, resource id and vmId are checked against it, and it outranks the bindings
+    (which are still written where free, for a later instance whose census cannot be read)."""
+    if attestations is None:
+        # No verifier configured (unit tests of other stages): ARM's census still names the VMs.
+        return (census_problem(census, envelope) or "") if census is not None else ""
+    if envelope.attestation is None:
+        if required:
+            return (
+                "unattested: the envelope carries no IMDS attested document for its forwarder state, and "
+                "COORDINATOR_REQUIRE_ATTESTATION is on (a forwarder older than attestation, or one whose IMDS "
+                "refused it: see its log)"
+            )
+        claim = False
+    else:
+        try:
+            attestations.verifier.verify(
+                envelope.attestation, vm_id=envelope.vm.vmId, nonce=state_nonce(envelope.stateId), at=at
+            )
+        except AttestationError as error:
+            return f"attestation refused: {error}"
+        claim = True
     verdict = census_problem(census, envelope) if census is not None else None
-    if verdict is None:
-        return binding_problem(attestations, store, envelope, claim=claim)
-    if not verdict and claim:
-        binding_problem(attestations, store, envelope, claim=True)
-    return verdict
+    if verdict:
+        return verdict
+    if verdict == "" and not claim:
+        return ""
+    return Pending(envelope, claim, verdict)
 
 
 def envelope_problem(
@@ -158,27 +167,11 @@ def envelope_problem(
     required: bool,
     census: CensusView | None = None,
 ) -> str:
-    """Why the envelope is not accepted ("" when it is). ``at``: when Event Hubs took the message in (the
-    coordinator's time when unknown), which a document valid when sent covers however late the batch runs.
-    ``census``: ARM's, when the coordinator has one: the VM's name, resource id and vmId are checked against it."""
-    if attestations is None:
-        # No verifier configured (unit tests of other stages): ARM's census still names the VMs.
-        return (census_problem(census, envelope) or "") if census is not None else ""
-    if envelope.attestation is None:
-        if required:
-            return (
-                "unattested: the envelope carries no IMDS attested document for its forwarder state, and "
-                "COORDINATOR_REQUIRE_ATTESTATION is on (a forwarder older than attestation, or one whose IMDS "
-                "refused it: see its log)"
-            )
-        return identity_problem_of(attestations, store, envelope, claim=False, census=census)
-    try:
-        attestations.verifier.verify(
-            envelope.attestation, vm_id=envelope.vm.vmId, nonce=state_nonce(envelope.stateId), at=at
-        )
-    except AttestationError as error:
-        return f"attestation refused: {error}"
-    return identity_problem_of(attestations, store, envelope, claim=True, census=census)
+    """Why the envelope is not accepted ("" when it is): ``door_problem``, then its bindings alone."""
+    found = door_problem(attestations, envelope, at=at, required=required, census=census)
+    if isinstance(found, str) or attestations is None:
+        return found if isinstance(found, str) else ""
+    return binding_problems(attestations, store, [found])[0]
 
 
 def answer_problem(

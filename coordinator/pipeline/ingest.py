@@ -203,50 +203,85 @@ def read_batch(run: Run, messages: Sequence[RawMessage], channel: Channel = "vms
     run.enter("ingest")
     now = run.now
     arrivals = Arrivals()
+    pending: list[tuple[RawMessage, str, attest.Pending]] = []
     for index, message in enumerate(messages):
         where = f"message {index} of the batch"
         try:
             telemetry.message_age(message.enqueued_time, now)
-            _read_message(run, message, channel, arrivals, where)
+            found = _read_message(run, message, channel, arrivals, where)
         except StoreOutage as outage:
             log.error("batch of %d messages failed at %s: %s; it will be delivered again", len(messages), where, outage)
             raise
         except Exception as error:  # this message's alone: set aside with its reason, counted
             dead_letter(message, _dead_letter_reason(error), now, dead=arrivals.dead, work=run.work, where=where)
+            continue
+        if found is not None:
+            pending.append((message, where, found))
+    _bind(run, pending, arrivals, len(messages))
     return arrivals
 
 
-def _read_message(run: Run, message: RawMessage, channel: Channel, arrivals: Arrivals, where: str) -> None:
-    """One message into ``arrivals``: its envelope under its VM, its Event Grid events, or a dead letter. Adds to
-    ``arrivals`` only once nothing more can fail, so a message that raises leaves nothing of itself there."""
+def _read_message(
+    run: Run, message: RawMessage, channel: Channel, arrivals: Arrivals, where: str
+) -> attest.Pending | None:
+    """One message into ``arrivals``: its envelope under its VM, its Event Grid events, or a dead letter; or, for an
+    envelope whose bindings decide, what they must (``_bind`` takes it in). Adds to ``arrivals`` only once nothing
+    more can fail, so a message that raises leaves nothing of itself there."""
     now, work = run.now, run.work
     try:
         grid = _event_grid_body(message.body)
     except bounded_json.JsonRefused as error:  # too large or too deep to read
         dead_letter(message, f"refused: {error}", now, dead=arrivals.dead, work=work, where=where)
-        return
+        return None
     if grid is not None and channel == "platform":
         read_grid(message, grid, now, arrivals=arrivals, work=work, where=where)
-        return
+        return None
     if grid is not None or channel == "platform":
         reason = GRID_ON_VM_HUB if grid is not None else ENVELOPE_ON_PLATFORM_HUB
         dead_letter(message, reason, now, dead=arrivals.dead, work=work, where=f"{where} ({channel} channel)")
-        return
+        return None
     envelope = validate(message, now)
     # Whether the envelope is its VM's (Azure's signature; its name, resource id and vmId as ARM's census or the
-    # bindings have them): a refusal is a reason; a store that fails raises StoreOutage, as it would in fold:
-    # nothing is dead-lettered for want of a read.
-    problem = attest.envelope_problem(
+    # bindings have them): a refusal is a reason; the bindings are decided for the whole batch at once (_bind).
+    found = attest.door_problem(
         run.parts.attestations,
-        run.parts.store,
         envelope,
         at=message.enqueued_time or now,
         required=run.options.require_attestation,
         census=run.fleet.arm,
     )
-    if problem:
-        dead_letter(message, problem[:1000], now, dead=arrivals.dead, work=work, where=where)
+    if isinstance(found, attest.Pending):
+        return found
+    if found:
+        dead_letter(message, found[:1000], now, dead=arrivals.dead, work=work, where=where)
+    else:
+        _admit(message, envelope, arrivals)
+    return None
+
+
+def _bind(run: Run, pending: list[tuple[RawMessage, str, attest.Pending]], arrivals: Arrivals, size: int) -> None:
+    """The batch's envelopes whose bindings decide, their bindings read and written together: each accepted or
+    dead-lettered with its reason, in the batch's order. A store that fails raises StoreOutage, as it would in
+    fold: nothing is dead-lettered for want of a read."""
+    attestations = run.parts.attestations
+    if not pending or attestations is None:
         return
+    try:
+        problems = attest.binding_problems(attestations, run.parts.store, [item for _, _, item in pending])
+    except StoreOutage as outage:
+        log.error(
+            "batch of %d messages failed at the bindings of %s and %d more: %s; it will be delivered again",
+            size, pending[0][1], len(pending) - 1, outage,
+        )  # fmt: skip
+        raise
+    for (message, where, item), problem in zip(pending, problems, strict=True):
+        if problem:
+            dead_letter(message, problem[:1000], run.now, dead=arrivals.dead, work=run.work, where=where)
+        else:
+            _admit(message, item.envelope, arrivals)
+
+
+def _admit(message: RawMessage, envelope: Envelope, arrivals: Arrivals) -> None:
     vm_id = envelope.vm.vmId.lower()
     traceparent = telemetry.valid_traceparent(message.traceparent)
     arrivals.by_vm[vm_id].append(envelope)

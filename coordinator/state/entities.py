@@ -7,7 +7,8 @@ Layout (one table):
 - PartitionKey ``alertsent``: one entity per batch that sent cards, naming them; the timer clears those
   outbox entries from the events in bulk and deletes the entity (one write per batch instead of one per event).
 - PartitionKey ``key``, RowKey = a name: random keys every instance shares (``shared_key``).
-- PartitionKey ``claim``, RowKey = a name: a value bound to it for good, first writer wins (``claim``).
+- PartitionKey ``claim-<n>`` (``claim_partition``: n a hash of the name), RowKey = a name: a value bound to it for
+  good, first writer wins (``claim``), and the name itself (a RowKey may be a digest of it).
 - PartitionKey ``vmgroup-<n>`` (``group_partition``: n a hash of the group's key), RowKey = placement group (or
   scale set, or lone VM): every VM's position (last sequence/incarnation, listed events, last seen) and its
   sighting of each event in one entity, since a group's VMs report together. An event record's ``vms`` is
@@ -57,6 +58,11 @@ BUDGET_PARTITION = "budget"
 SENT_ALERTS_PARTITION = "alertsent"
 KEY_PARTITION = "key"
 CLAIM_PARTITION = "claim"
+# Four claims a VM, bound when its first attested envelope arrives: a batch's new VMs are written in one transaction
+# per partition, and an instance reads a partition whole to know which names are free (domain/bindings.py). 8 keeps
+# a 200-envelope batch of new VMs at about 100 claims a partition (one transaction each), and a 100,000-VM fleet's
+# 400,000 claims at 50,000 a partition.
+CLAIM_PARTITIONS = 8
 SET_ASIDE_PARTITION = "setaside"
 # The first character of an outbox entry's RowKey, and the one after it: the range reads of the outbox take and
 # reads of events and groups leave out.
@@ -345,12 +351,33 @@ def key_from_entity(entity: Entity) -> bytes:
     return base64.b64decode(entity["Key"])
 
 
+def claim_partition(name: str) -> str:
+    """The partition a claim lives in: from its name alone, so that every instance finds (and binds) it there."""
+    return f"{CLAIM_PARTITION}-{zlib.crc32(name.encode('utf-8')) % CLAIM_PARTITIONS}"
+
+
 def claim_entity(name: str, value: str) -> Entity:
-    return {"PartitionKey": CLAIM_PARTITION, "RowKey": safe_key(name), "Value": value}
+    return {"PartitionKey": claim_partition(name), "RowKey": safe_key(name), "Name": name, "Value": value}
 
 
 def claim_from_entity(entity: Entity) -> str:
     return str(entity["Value"])
+
+
+def claim_transactions(entities: list[Entity]) -> Iterator[list[Entity]]:
+    """Claims cut into transactions: one partition each, at most 100."""
+    by_partition: dict[str, list[Entity]] = {}
+    for entity in entities:
+        by_partition.setdefault(str(entity["PartitionKey"]), []).append(entity)
+    for group in by_partition.values():
+        for start in range(0, len(group), TRANSACTION_LIMIT):
+            yield group[start : start + TRANSACTION_LIMIT]
+
+
+def claim_name(entity: Entity) -> str | None:
+    """The name a claim binds (None: an entity without one is not a claim this code wrote)."""
+    name = entity.get("Name")
+    return name if isinstance(name, str) else None
 
 
 def dead_letter_entity(letter: DeadLetter) -> Entity:

@@ -231,6 +231,14 @@ class StateStore(Protocol):
     def claimed(self, name: str) -> str | None:
         """The value bound to ``name``, read fresh (None: nothing yet)."""
 
+    def claims_in(self, partition: str) -> dict[str, str]:
+        """Every claim of one partition (``entities.claim_partition``), name to value, read fresh."""
+
+    def claim_many(self, items: Sequence[tuple[str, str]]) -> dict[str, str]:
+        """``claim`` for each (names distinct): the value bound to each name, its own or the one bound before. In
+        transactions of at most 100 claims of one partition: one that a name bound already refuses is sent again
+        without it, so every other claim is still written, and that name answers with the value it holds."""
+
     def set_aside(self) -> list[SetAside]:
         """The entities reads set aside since the last call (each listed once, to the run that asks)."""
 

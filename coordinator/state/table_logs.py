@@ -14,13 +14,16 @@ from azure.data.tables import TableClient, TableEntity, TableTransactionError
 
 from coordinator.domain.model import SentAlerts
 from coordinator.state.entities import (
-    CLAIM_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
     TRANSACTION_LIMIT,
+    Entity,
     chunks,
     claim_entity,
     claim_from_entity,
+    claim_name,
+    claim_partition,
+    claim_transactions,
     dead_letter_transactions,
     key_entity,
     key_from_entity,
@@ -75,13 +78,46 @@ class TableLogs:
         with contextlib.suppress(ResourceExistsError):
             self._table.create_entity(claim_entity(name, value))
             return value
-        return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
+        return claim_from_entity(self._table.get_entity(claim_partition(name), safe_key(name)))
 
     def claimed(self, name: str) -> str | None:
         try:
-            return claim_from_entity(self._table.get_entity(CLAIM_PARTITION, safe_key(name)))
+            return claim_from_entity(self._table.get_entity(claim_partition(name), safe_key(name)))
         except ResourceNotFoundError:
             return None
+
+    def claims_in(self, partition: str) -> dict[str, str]:
+        entities = self._table.query_entities(
+            "PartitionKey eq @pk", parameters={"pk": partition}, select=["Name", "Value"]
+        )
+        return {name: claim_from_entity(e) for e in entities if (name := claim_name(e)) is not None}
+
+    def claim_many(self, items: Sequence[tuple[str, str]]) -> dict[str, str]:
+        bound: dict[str, str] = {}
+        for part in claim_transactions([claim_entity(name, value) for name, value in dict(items).items()]):
+            self._claim_transaction(part, bound)
+        return bound
+
+    def _claim_transaction(self, part: list[Entity], bound: dict[str, str]) -> None:
+        """One partition's claims inserted together, into ``bound``. The whole transaction is refused for one name
+        bound already: its value is read and the rest sent again. An index that names an entity not there is not
+        trusted: each claim is then made alone."""
+        while part:
+            try:
+                self._table.submit_transaction([("create", e) for e in part])
+            except TableTransactionError as error:
+                if error.status_code != 409:
+                    raise
+                taken = part.pop(error.index if 0 <= error.index < len(part) else 0)
+                found = self.claimed(str(taken["Name"]))
+                if found is None:
+                    for entity in (taken, *part):
+                        bound[str(entity["Name"])] = self.claim(str(entity["Name"]), str(entity["Value"]))
+                    return
+                bound[str(taken["Name"])] = found
+                continue
+            bound.update({str(e["Name"]): str(e["Value"]) for e in part})
+            return
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:

@@ -22,7 +22,6 @@ from typing import Any
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
 from coordinator.state.entities import (
     BUDGET_PARTITION,
-    CLAIM_PARTITION,
     EVENT_PARTITION,
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
@@ -35,6 +34,8 @@ from coordinator.state.entities import (
     budget_from_entity,
     claim_entity,
     claim_from_entity,
+    claim_name,
+    claim_partition,
     dead_letter_transactions,
     decode,
     event_entity,
@@ -67,9 +68,7 @@ from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R,
 
 Key = tuple[str, str]
 # Partitions that are one partition (the others are a kind spread over several: entities.partitions_of).
-_SINGLE = frozenset(
-    {BUDGET_PARTITION, SENT_ALERTS_PARTITION, KEY_PARTITION, CLAIM_PARTITION, SET_ASIDE_PARTITION, OUTBOX_PARTITION}
-)
+_SINGLE = frozenset({BUDGET_PARTITION, SENT_ALERTS_PARTITION, KEY_PARTITION, SET_ASIDE_PARTITION, OUTBOX_PARTITION})
 
 
 class MemoryStateStore(StateStore):
@@ -368,15 +367,24 @@ class MemoryStateStore(StateStore):
 
     def claim(self, name: str, value: str) -> str:
         with self._lock:
-            key = (CLAIM_PARTITION, safe_key(name))
+            key = (claim_partition(name), safe_key(name))
             if key not in self._entities:
                 self._entities[key] = (claim_entity(name, value), self._new_etag(key))
             return claim_from_entity(self._entities[key][0])
 
     def claimed(self, name: str) -> str | None:
         with self._lock:
-            found = self._entities.get((CLAIM_PARTITION, safe_key(name)))
+            found = self._entities.get((claim_partition(name), safe_key(name)))
         return claim_from_entity(found[0]) if found else None
+
+    def claims_in(self, partition: str) -> dict[str, str]:
+        with self._lock:
+            found = [e for (p, _), (e, _) in self._entities.items() if p == partition]
+        return {name: claim_from_entity(e) for e in found if (name := claim_name(e)) is not None}
+
+    def claim_many(self, items: Sequence[tuple[str, str]]) -> dict[str, str]:
+        # Each transaction's outcome, once its refused claims are left out, is each claim's alone.
+        return {name: self.claim(name, value) for name, value in dict(items).items()}
 
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
         for part in dead_letter_transactions(letters):

@@ -30,6 +30,7 @@ from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.domain.attestation import AttestationRefused, Attestations, AttestationVerifier, TrustAnchors
 from coordinator.pipeline.act import PROOF_ATTEMPTS, send
 from coordinator.pipeline.attest import answer_problem, envelope_problem
+from coordinator.pipeline.bindings import remember
 from coordinator.settings import AZURE_IMDS_ROOTS
 from emulators.imds.attested import AttestedDocuments, CertificateAuthority, Signer, default_authority
 from tests.coordinator.helpers import envelope, vm
@@ -240,15 +241,17 @@ def test_an_attested_envelope_is_accepted_and_binds_its_name_to_its_vm(documents
 
 
 def test_an_instance_keeps_the_bindings_of_a_fleet_of_100k_vms() -> None:
-    # Two bindings a VM (its resource id's and its vmId's): 200,000 for 100,000 VMs, none forgotten and read again.
-    attestations = Attestations(verifier())
+    # Four bindings a VM: 400,000 for 100,000 VMs, none forgotten and read again.
+    cache = Attestations(verifier()).bindings
     prefix = "vm-resource:/subscriptions/s/resourcegroups/g/providers/microsoft.compute/virtualmachines/vm"
     for n in range(100_000):
-        attestations.remember(f"{prefix}{n}", f"id-{n}")
-        attestations.remember(f"vm-id:id-{n}", f"vm{n}")
-    assert attestations.remembered(f"{prefix}0") == "id-0"
-    assert attestations.remembered("vm-id:id-0") == "vm0"
-    assert attestations.remembered(f"{prefix}99999") == "id-99999"
+        for name, value in ((f"{prefix}{n}", f"id-{n}"), (f"vm-id:id-{n}", f"vm{n}")):
+            remember(cache, name, value)
+            remember(cache, name.replace("vm-", "vm-name-", 1), value)
+    assert cache.get(f"{prefix}0") == "id-0"
+    assert cache.get("vm-id:id-0") == "vm0"
+    assert cache.get(f"{prefix}99999") == "id-99999"
+    assert len(cache) == 400_000
 
 
 def test_an_unattested_envelope_is_refused_when_required_and_taken_when_not(documents: AttestedDocuments) -> None:

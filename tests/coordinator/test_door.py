@@ -93,6 +93,9 @@ class FailingClaims(MemoryStateStore):
     def claimed(self, name: str) -> str | None:
         raise ConnectionError("the table endpoint refused the connection (stand-in)")
 
+    def claims_in(self, partition: str) -> dict[str, str]:
+        raise ConnectionError("the table endpoint refused the connection (stand-in)")
+
 
 def test_a_state_store_that_fails_fails_the_batch_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Nothing is dead-lettered for want of a read: the batch fails, to be delivered again, and the log says

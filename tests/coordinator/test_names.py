@@ -39,7 +39,7 @@ from coordinator.pipeline.act import send
 from coordinator.pipeline.attest import answer_problem
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.state.entities import CLAIM_PARTITION, safe_key
+from coordinator.state.entities import claim_partition, safe_key
 from coordinator.state.events import assemble
 from coordinator.state.store import Stored
 from tests.coordinator.attested import DOCUMENTS, verifier
@@ -259,14 +259,14 @@ def test_without_a_census_a_squatter_that_speaks_first_holds_a_name_and_approves
     assert len(reasons) == 5, reasons
     assert all("delete the state table's 'claim' rows" in r for r in reasons), reasons
     assert run.listeners.sent == []
-    # The operator deletes the squatter's claim rows (entities.CLAIM_PARTITION); a new instance reads them afresh.
+    # The operator deletes the squatter's claim rows (entities.claim_partition); a new instance reads them afresh.
     for name in (
         f"vm-resource:{str(WEB_0['resourceId']).lower()}",
         "vm-name:web_0",
         f"vm-id:{squatter['vmId']}",
         f"vm-id-name:{squatter['vmId']}",
     ):
-        run.store._entities.pop((CLAIM_PARTITION, safe_key(name)), None)
+        run.store._entities.pop((claim_partition(name), safe_key(name)), None)
     again = fleet(tmp_path, arm=False, store=run.store)
     again.send(WEB_0, [freeze("EV-FREEZE")])
     assert again.listeners.sent == [("EV-FREEZE", "web_0", f"vm-{WEB_0['vmId']}")]

@@ -33,6 +33,7 @@ from coordinator.state.entities import (
     CHUNK_CHARS,
     DEAD_LETTER_BODY,
     MAX_VM_PARTS,
+    claim_partition,
     event_partition,
     group_entity,
     group_partition,
@@ -525,6 +526,23 @@ def test_a_claim_binds_the_first_value_for_every_instance(store, peer):
         == "vm-a"
     )
     assert store.claimed("vm-resource:another") is None
+
+
+def test_claims_made_together_keep_the_first_values_and_write_every_other(store, peer):
+    # One name bound already by another instance, in the middle of a partition's transaction: the transaction is
+    # refused whole by the table, sent again without it, and that name answers with the value it holds.
+    names = [f"vm-name:web_{n}" for n in range(250)]
+    taken = [n for n in names if claim_partition(n) == claim_partition(names[0])][3]
+    assert peer.claim(taken, "vm-other") == "vm-other"
+
+    bound = store.claim_many([(name, f"vm-{name}") for name in names])
+
+    assert bound == {name: "vm-other" if name == taken else f"vm-{name}" for name in names}
+    assert {name: peer.claimed(name) for name in names} == bound
+    assert store.claim_many([(names[1], "vm-late")]) == {names[1]: f"vm-{names[1]}"}
+    partition = claim_partition(names[0])
+    assert store.claims_in(partition) == {n: v for n, v in bound.items() if claim_partition(n) == partition}
+    assert store.claims_in("claim-none") == {}
 
 
 def test_dead_letters_are_kept_in_full_up_to_their_limits(store):

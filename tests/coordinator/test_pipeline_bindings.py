@@ -1,0 +1,106 @@
+"""A batch's bindings (coordinator/pipeline/bindings.py): read by partition, remembered (misses too), written
+together, insert-only, each claim judged by what the table holds."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, cast
+
+from contracts.envelope import Envelope
+from coordinator.domain.attestation import Attestations
+from coordinator.domain.bindings import BindingCache
+from coordinator.pipeline.attest import Pending, binding_problems
+from coordinator.pipeline.bindings import Wanted, name_claim, resolve
+from coordinator.state.entities import CLAIM_PARTITIONS
+from tests.coordinator.helpers import envelope, vm
+from tests.coordinator.memory_store import MemoryStateStore
+
+
+class Counting(MemoryStateStore):
+    """Counts the claim calls; ``before_write`` runs once, before the first write (another instance, meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.before_write: Any = None
+
+    def claimed(self, name: str) -> str | None:
+        self.calls["claimed"] += 1
+        return super().claimed(name)
+
+    def claims_in(self, partition: str) -> dict[str, str]:
+        self.calls["claims_in"] += 1
+        return super().claims_in(partition)
+
+    def claim_many(self, items: Sequence[tuple[str, str]]) -> dict[str, str]:
+        self.calls["claim_many"] += 1
+        if self.before_write is not None:
+            self.before_write, meanwhile = None, self.before_write
+            meanwhile()
+        return super().claim_many(items)
+
+
+def wanted(n: int, *, claim: bool = True, name: str | None = None) -> Wanted:
+    return Wanted(f"id-{n}", f"/subscriptions/s/vm{n}", name or f"vm{n}", claim)
+
+
+def test_a_batch_of_new_vms_reads_each_partition_once_and_writes_its_claims_together() -> None:
+    store, cache = Counting(), BindingCache()
+    bound = resolve(cache, store, [wanted(n) for n in range(200)])
+
+    assert store.calls == {"claims_in": CLAIM_PARTITIONS, "claim_many": 1}
+    assert all(values == wanted(n).claims() for n, values in enumerate(bound))
+    assert store.claimed(name_claim("vm7")) == "id-7"
+    # Known now, by this instance: the same VMs again cost nothing.
+    store.calls.clear()
+    assert resolve(cache, store, [wanted(n) for n in range(200)]) == bound
+    assert store.calls == {}
+
+
+def test_a_miss_is_remembered() -> None:
+    # Envelopes that bind nothing (unattested, attestation not required) find their names free: read once.
+    store, cache = Counting(), BindingCache()
+    now = [0.0]
+    for _ in range(2):
+        assert resolve(cache, store, [wanted(1, claim=False)], clock=lambda: now[0]) == [
+            dict.fromkeys(wanted(1).claims())
+        ]
+        now[0] += 30.0
+    reads = store.calls["claims_in"]
+    assert 0 < reads <= 4
+    # ...and read again once the partitions' read is older than a check that binds nothing may take.
+    now[0] = 61.0
+    resolve(cache, store, [wanted(1, claim=False)], clock=lambda: now[0])
+    assert store.calls["claims_in"] == 2 * reads
+
+
+def test_a_claim_bound_meanwhile_by_another_instance_is_not_bound_over_and_the_others_are_written() -> None:
+    """Another instance binds vm3's name to its own VM after this one read the partitions: the grouped write is
+    refused for that name alone; vm3 is judged by the name's holder (refused), every other VM is bound."""
+    store, cache = Counting(), BindingCache()
+    store.before_write = lambda: store.claim(name_claim("vm3"), "id-squatter")
+    identities = [vm(f"vm{n}", index=n) for n in range(6)]
+    attestations = Attestations(cast(Any, None), cache)
+    pending = [
+        Pending(Envelope.model_validate({**envelope(i, sequence=1, incarnation=1), "stateId": "s"}), claim=True)
+        for i in identities
+    ]
+
+    problems = binding_problems(attestations, store, pending)
+
+    assert [bool(p) for p in problems] == [False, False, False, True, False, False]
+    assert "another VM speaks under its name" in problems[3]
+    assert store.claimed(name_claim("vm3")) == "id-squatter"
+    assert all(store.claimed(name_claim(f"vm{n}")) == str(identities[n]["vmId"]).lower() for n in (0, 1, 2, 4, 5))
+
+
+def test_two_vms_of_one_batch_claiming_one_name_bind_it_once() -> None:
+    store, cache = Counting(), BindingCache()
+    first, second = wanted(1, name="web"), wanted(2, name="web")
+    bound = resolve(cache, store, [first, second])
+    assert bound[0] == first.claims()
+    assert bound[1][name_claim("web")] == "id-1"
+    # The refused one binds nothing of its own.
+    assert bound[1]["vm-id:id-2"] is None
+    assert store.claimed("vm-id:id-2") is None
