@@ -161,8 +161,7 @@ def relay_companions(
                     imds=imds,
                     vm_name=identity.name,
                     prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
-                    # Its decision ledger in the forwarder's state: a decisionId is executed at most once, whatever
-                    # the sessions and restarts in between (in memory without a store).
+                    # Its decision ledger (the forwarder's state; in memory without one): once per decisionId.
                     ledger=store,
                     tracer=telemetry.tracer if telemetry else None,
                     attest=imds.get_attestation if settings.attest else None,

@@ -29,6 +29,7 @@ from coordinator.pipeline import act, decide, outbox, plan, tail
 from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
 from coordinator.pipeline.record import adopt
 from coordinator.pipeline.run import Run
+from coordinator.pipeline.unanswered import concluded_unanswered, retry_due
 from coordinator.state.events import assemble, commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
 
@@ -120,8 +121,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
         outbox.queue_pending(record, now, work, settled)
     report.events_changed += decide.release_held(run, changes)
     for stored in store.closed_events_with_pending_alerts():
-        record = concluded_unanswered(run, stored)
-        outbox.queue_pending(record, now, work, settled)
+        outbox.queue_pending(concluded_unanswered(run, stored), now, work, settled)
     for group in groups:
         for position in group.record.vms.values():
             outbox.queue_vm_pending(position, now, work, settled_vms)
@@ -131,64 +131,6 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     if logs:
         store.delete_sent_alert_logs([key for key, _ in logs])
     census(run, known, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
-
-
-def concluded_unanswered(run: Run, stored: Stored[EventRecord]) -> EventRecord:
-    """A concluded event still awaiting its approval's outcome (kept in view by the store's Pending column): once the
-    approval's grace has passed, its ``unknown`` row (lifecycle.sender_gone), written with the record."""
-    record = stored.record
-    if run.dry_run or not record.awaiting_outcome:
-        return record
-
-    def settle(current: EventRecord | None) -> EventChange | None:
-        if current is None:
-            return None
-        change = EventChange(record=clone(current))
-        sender_gone(change, run.now)
-        return change if change.changed else None
-
-    try:
-        change = commit_event(
-            run.parts.store, record.eventId, settle, read=stored, etags=run.work.etags, outbox=run.outbox()
-        )
-    except ConcurrencyConflict:
-        return record  # another run moved it: the next tick looks again
-    if change is None:
-        return record
-    run.work.collect(change)
-    return change.record
-
-
-def retry_due(run: Run, record: EventRecord) -> None:
-    """Queues the delivery of an approval whose next attempt is due (a failed one, or one whose sender stopped
-    between the deciding write and recording the outcome: in flight past its grace)."""
-    now, work = run.now, run.work
-    approval = record.approval
-    if (
-        approval is not None
-        and not approval.delivered
-        and record.state == "Scheduled"
-        and approval.nextAttemptAt is not None
-        and approval.nextAttemptAt <= now
-        and record.eventId not in work.deliveries
-    ):
-        if approval.attempts == 0 and not approval.outcome:
-            # The deciding run stopped before it recorded an outcome: its Decision and intent rows were committed
-            # with its deciding write (the outbox); what is known of the send is that nothing answered it.
-            work.rows.append(
-                approval_row(
-                    record=record,
-                    now=now,
-                    rule=approval.rule,
-                    decision_id=approval.decisionId,
-                    actor=approval.actor,
-                    outcome="unknown",
-                    reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
-                    "sender stopped before recording it); sent again with the same decisionId (the listener "
-                    "answers a repeat without approving twice)",
-                )
-            )
-        work.deliveries.append(record.eventId)
 
 
 def due_groups(
