@@ -19,6 +19,7 @@ from coordinator.domain.cards import build_card, build_vm_card
 from coordinator.domain.history_rows import alert_row
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import AlertKind, EventRecord, SentAlerts, VmGroupRecord, VmRecord, group_key
+from coordinator.pipeline.record import stage_loose
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.commit import commit
 from coordinator.state.events import commit_event, read_event
@@ -40,6 +41,9 @@ def post_and_log(run: Run) -> None:
     events' and VMs' outboxes)."""
     sent, sent_vms = _post(run)
     if sent or sent_vms:
+        # Their Alert rows are stored before the log that keeps any run from posting them again: a process that
+        # stops between the two steps loses neither a card nor its row.
+        stage_loose(run)
         log_sent(run, sent, vms=sent_vms)
 
 
@@ -47,6 +51,8 @@ def post_and_settle(run: Run, settled: dict[str, list[str]], settled_vms: VmCard
     """The timer's cards: posted, then cleared from the outboxes with those the batches' logs say were sent
     (``settled``, ``settled_vms``)."""
     sent, sent_vms = _post(run)
+    if sent or sent_vms:
+        stage_loose(run)  # as post_and_log: the rows before the outboxes forget the cards
     for event_id, kinds in sent.items():
         settled.setdefault(event_id, []).extend(kinds)
     clear_sent(run, settled)

@@ -20,6 +20,7 @@ from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.record import OUTBOX_GRACE
 from coordinator.service import Coordinator
+from coordinator.state.store import SetAside
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import RecordingAlerts, message
@@ -50,11 +51,13 @@ def coordinator(
     listener: Listener,
     now: datetime,
     after_batch: ThreadPoolExecutor | None = None,
+    *,
+    alerts: RecordingAlerts | None = None,
 ) -> Coordinator:
     return Coordinator(
         store=store,
         history=history,
-        alerts=RecordingAlerts(),
+        alerts=alerts or RecordingAlerts(),
         callback=listener,
         policy=load_policy(DEFAULT_POLICY_PATH),
         clock=lambda: now,
@@ -220,4 +223,39 @@ def test_an_approval_whose_sender_died_gets_an_outcome_row_when_its_event_conclu
     assert approvals == [("sending", DOC_NOW), ("unknown", later)], approvals
     assert store.closed_events_with_pending_alerts() == []
     assert len(listener.executed["EV-A"]) == 1
+    assert store.outbox() == []
+
+
+class StopsAfterCards(MemoryStateStore):
+    """The state store of a process that stops right after its cards were posted and logged as sent, before the
+    rest of its tail (``stopping``: the next read of set-aside entities, the history step's first)."""
+
+    stopping = False
+
+    def set_aside(self) -> list[SetAside]:
+        if self.stopping:
+            self.stopping = False
+            raise KeyboardInterrupt  # stands for the coordinator's process being killed
+        return super().set_aside()
+
+
+def test_a_cards_alert_row_survives_a_process_that_stops_after_logging_the_card_sent():
+    """The card is posted and logged as sent (so no run posts it again), then the process stops before its history
+    step: the card's Alert row was stored in the outbox before the log, and the timer writes it, once."""
+    store, listener = StopsAfterCards(), Listener()
+    store.stopping = True
+    alerts = RecordingAlerts()
+    with pytest.raises(KeyboardInterrupt):
+        coordinator(store, MemoryHistory(), listener, DOC_NOW, alerts=alerts).run_batch([reboot("EV-R")])
+    assert len(alerts.cards) == 1
+    assert store.sent_alert_logs(), "the card was logged as sent"
+    history = MemoryHistory()
+    later = DOC_NOW + OUTBOX_GRACE + timedelta(seconds=1)
+    timer = coordinator(store, history, listener, later, alerts=alerts)
+    timer.tick()
+    timer.tick()
+    assert [(row.RecordType, row.Outcome) for row in of(history, "EV-R") if row.RecordType == "Alert"] == [
+        ("Alert", "sent")
+    ]
+    assert len(alerts.cards) == 1, "the card was not posted again"
     assert store.outbox() == []
