@@ -26,10 +26,11 @@ from pathlib import Path
 from emulators.imds import Scenario, ScenarioError
 from local.stack import REPO_ROOT
 from oracle import attacks
-from oracle.check import KINDS, Bounds, check
+from oracle.check import check
 from oracle.generate import generate
 from oracle.run import SCENARIOS, RunResult, policy_for, run_scenario
 from oracle.truth import Truth
+from oracle.verdict import KINDS, Bounds
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_WORKDIR = REPO_ROOT / ".local" / "oracle"

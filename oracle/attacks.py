@@ -1,7 +1,8 @@
 """Each attack of a run and what came of it (pure): the forged envelopes the door refused, and why; those it heard;
 what a lying listener answered, and whether the events it lied about were approved in IMDS all the same; and the
 oracle's findings on the events each attack was about. The oracle prints one line per attack after the run's
-verdict; the judgement itself (wrong, missed, duplicate, late, lost) stays oracle/check.py's, from the truth.
+verdict; the judgement itself (wrong, missed, duplicate, late, lost) stays oracle/check.py's (and the modules it
+calls), from the truth.
 
 An attack with root on the forger's VM (issue 34) **breaches** when the coordinator took what it sent in another VM's
 name (an envelope heard under another VM's name or resource id, or with a damaged document) or a lying listener's
@@ -14,9 +15,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from oracle.check import Finding, Report
 from oracle.intervals import seconds
 from oracle.truth import Forgery, Truth
+from oracle.verdict import Finding, Report
 
 __all__ = ["AttackOutcome", "outcomes", "summary"]
 

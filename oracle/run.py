@@ -14,9 +14,10 @@ from pathlib import Path
 from emulators.imds import Scenario
 from local.run import follow, settle_forwarders
 from local.stack import REPO_ROOT, LocalStack, StackOptions
-from oracle.check import Bounds, Report, check
+from oracle.check import check
 from oracle.collect import collect
 from oracle.truth import Truth
+from oracle.verdict import Bounds, Report
 
 __all__ = ["SCENARIOS", "RunResult", "policy_for", "run_scenario"]
 

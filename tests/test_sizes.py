@@ -22,7 +22,6 @@ LARGE_MODULES: dict[str, tuple[int, str]] = {
     "emulators/imds/server.py": (856, "the IMDS HTTP face, its control API and its ARM face"),
     "emulators/relay/server.py": (978, "the Relay emulator's listener, WebSocket and HTTP sender sides"),
     "local/stack.py": (896, "the local stack's processes, emulators, settings and host wiring"),
-    "oracle/check.py": (996, "the oracle's verdict: what is allowed, due, and each approval and document judged"),
 }
 
 # Function (path:qualified name) -> (lines at most, why it is still over).
@@ -32,7 +31,7 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "benchmarks/forwarder_footprint.py:measure": (161, "each forwarder mode started, sampled and compared"),
     "benchmarks/hop.py:figures": (62, "the whole-stack hop's figures from one run's spans"),
     "benchmarks/pipeline_latency.py:run": (83, "one benchmark run, its stack and its figures"),
-    "benchmarks/wave.py:_run": (84, "one wave: prepare, send, drain, count"),
+    "benchmarks/wave.py:_run": (86, "one wave: prepare, send, drain, count"),
     "coordinator/domain/cards.py:build_card": (78, "one Adaptive Card's facts, in the order people read them"),
     "coordinator/domain/evaluation.py:_hold": (63, "each hold kind's reason, one branch each"),
     "coordinator/domain/event_merge.py:_apply_listed": (71, "a sighting merged: conflicts, reopening, Started"),

@@ -1,5 +1,5 @@
 """Rate and sequence budgets through the whole local pipeline (real processes and protocols), with the rate-and-zones
-scenario as it ships and under the oracle, which judges them by its own reading of the policy (oracle/check.py): one
+scenario as it ships and under the oracle, which judges them by its own reading of the policy (oracle/allowed.py): one
 zone at a time for Reboots, two Freezes an hour. Every outcome is exact; the history says which budget held what."""
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from oracle.allowed import _limit
 from oracle.calendar import cron_periods, utc_window_spans
-from oracle.check import Bounds, Report, _limit, check
+from oracle.check import check
 from oracle.collect import platform_facts
 from oracle.intervals import Intervals, seconds
 from oracle.truth import (
@@ -28,6 +29,7 @@ from oracle.truth import (
     Truth,
     Vm,
 )
+from oracle.verdict import Bounds, Report
 
 T0 = datetime(2026, 11, 26, 12, 0, 0, tzinfo=UTC)
 POLICY = """

@@ -1,6 +1,6 @@
 """The whole local stack under the oracle: the regression scenarios of emulators/scenarios/ (each with its own policy)
 and a bounded number of generated seeds, each asserting no wrong, missed, duplicate approval and no lost incarnation
-(late approvals are printed, not asserted: their bound is a target, see oracle/check.py). A scenario that shows a
+(late approvals are printed, not asserted: their bound is a target, oracle.verdict.Bounds). A scenario that shows a
 failure the pipeline still has fails here until the pipeline is fixed: those are the regression scenarios."""
 
 from __future__ import annotations
