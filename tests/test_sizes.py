@@ -20,7 +20,6 @@ LARGE_MODULES: dict[str, tuple[int, str]] = {
     "emulators/imds/models.py": (710, "every validated input of the IMDS emulator (VMs, events, faults, scenarios)"),
     "emulators/imds/state.py": (755, "the emulator's event lifecycle and the platform actions it plays"),
     "emulators/imds/server.py": (856, "the IMDS HTTP face, its control API and its ARM face"),
-    "emulators/relay/server.py": (978, "the Relay emulator's listener, WebSocket and HTTP sender sides"),
     "local/stack.py": (896, "the local stack's processes, emulators, settings and host wiring"),
 }
 

@@ -11,7 +11,8 @@ from typing import Any, Self, TypeVar
 from urllib.parse import quote
 
 from emulators.relay.auth import ALL_RIGHTS, Right, SasRule, TokenChecker
-from emulators.relay.server import ACCEPT_TIMEOUT, RelayService
+from emulators.relay.namespace import ACCEPT_TIMEOUT
+from emulators.relay.server import RelayService
 
 _T = TypeVar("_T")
 

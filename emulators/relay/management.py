@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from emulators.relay.httpwire import HttpAnswer, HttpRequest, json_answer, service_error
+from emulators.relay.namespace import HybridConnection, Namespace
 from emulators.tokens import TokenError, verify_token
-
-if TYPE_CHECKING:
-    from emulators.relay.server import HybridConnection, RelayService
 
 CONTROL_PREFIX = "/_emulator/hybridConnections"
 ARM_AUDIENCE = "https://management.azure.com"
@@ -33,7 +31,7 @@ _ARM_PATH = re.compile(
 )
 
 
-async def handle_management(service: RelayService, request: HttpRequest) -> HttpAnswer | None:
+async def handle_management(service: Namespace, request: HttpRequest) -> HttpAnswer | None:
     """The answer to a management request, or None when the request is for a hybrid connection (a sender)."""
     if request.path == CONTROL_PREFIX or request.path.startswith(CONTROL_PREFIX + "/"):
         return await _control_api(service, request)
@@ -43,7 +41,7 @@ async def handle_management(service: RelayService, request: HttpRequest) -> Http
     return None
 
 
-def _describe(service: RelayService, hybrid_connection: HybridConnection) -> dict[str, Any]:
+def _describe(service: Namespace, hybrid_connection: HybridConnection) -> dict[str, Any]:
     return {
         "name": hybrid_connection.name,
         "declared": hybrid_connection.declared,
@@ -68,7 +66,7 @@ def _requires_client_authorization(body: bytes, *, nested: bool) -> bool | str:
     return value if isinstance(value, bool) else "requiresClientAuthorization must be true or false"
 
 
-async def _control_api(service: RelayService, request: HttpRequest) -> HttpAnswer:  # noqa: PLR0911 - per outcome
+async def _control_api(service: Namespace, request: HttpRequest) -> HttpAnswer:  # noqa: PLR0911 - per outcome
     name = unquote(request.path.removeprefix(CONTROL_PREFIX)).strip("/")
     if not name:
         if request.method != "GET":
@@ -100,7 +98,7 @@ def _arm_error(status: int, code: str, message: str) -> HttpAnswer:
     return json_answer(status, {"error": {"code": code, "message": message}})
 
 
-def _arm_resource(service: RelayService, namespace_path: str, hybrid_connection: HybridConnection) -> dict[str, Any]:
+def _arm_resource(service: Namespace, namespace_path: str, hybrid_connection: HybridConnection) -> dict[str, Any]:
     properties: dict[str, Any] = {
         "createdAt": hybrid_connection.created_at,
         "updatedAt": hybrid_connection.updated_at,
@@ -118,7 +116,7 @@ def _arm_resource(service: RelayService, namespace_path: str, hybrid_connection:
 
 
 async def _arm_api(  # noqa: PLR0911 - one return per ARM outcome
-    service: RelayService, request: HttpRequest, namespace_path: str, name: str
+    service: Namespace, request: HttpRequest, namespace_path: str, name: str
 ) -> HttpAnswer:
     query = dict(parse_qsl(request.query, keep_blank_values=True))
     if not query.get("api-version"):

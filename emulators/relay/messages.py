@@ -6,7 +6,9 @@ Service → listener: ``accept``, ``request``. Listener → service: ``response`
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -27,6 +29,8 @@ HOP_BY_HOP_HEADERS = frozenset(
     }
 )
 FORBIDDEN_LISTENER_STATUS = frozenset({502, 504})
+# The sender's relay token: checked by the service, never forwarded to the listener.
+AUTH_HEADERS = frozenset({"servicebusauthorization"})
 
 
 class _Wire(BaseModel):
@@ -124,3 +128,20 @@ def request_id_of(text: str) -> str | None:
     except (ValueError, KeyError, TypeError):
         return None
     return value if isinstance(value, str) else None
+
+
+def strip_sb_query(query: str) -> str:
+    """The query string without any ``sb-hc-`` parameter, otherwise byte-for-byte as the sender wrote it."""
+    kept = [part for part in query.split("&") if part and not unquote(part).lower().startswith("sb-hc-")]
+    return "&".join(kept)
+
+
+def merge_headers(headers: Iterable[tuple[str, str]], drop: Callable[[str], bool]) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for name, value in headers:
+        if drop(name.lower()):
+            continue
+        first = names.setdefault(name.lower(), name)
+        merged[first] = f"{merged[first]}, {value}" if first in merged else value
+    return merged
