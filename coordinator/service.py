@@ -237,7 +237,7 @@ class Coordinator:
         return run
 
     def _finish_later(self, batch: Run) -> None:
-        """The batch's tail, after the batch (docs/coordinator.md, *The tail after the batch*): its approvals are on
+        """The batch's tail, after the batch (docs/liveness.md, *The tail after the batch*): its approvals are on
         their way, its events and VM positions written, and every history row it made in the outbox (most with the
         write they describe; the rest staged here); the answers are awaited and committed, the cards posted, the
         budgets freed and the history written while its partition goes on. What it decided is in the fleet cache

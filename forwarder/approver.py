@@ -32,7 +32,7 @@ Expiry: a request carries ``notAfter``, the earliest instant at which a conditio
 holding (contracts/approval.py). It is refused from ``NOT_AFTER_TOLERANCE`` (2 s) before then on this VM's clock,
 so that what IMDS receives was decided on conditions that still held while the clocks agree within 2 s (checked
 when the request arrives and again right before the StartRequests POST: once a request lapses, the coordinator may
-send the event to another VM, docs/coordinator.md *Liveness*); refused
+send the event to another VM, docs/liveness.md *Liveness*); refused
 without one (a coordinator older than this listener: upgrade the coordinator first); and refused when dated later
 than the event's NotBefore (+ the tolerance) or more than ``Freshness.max_validity`` (15 min) ahead, so that no
 approval is valid far into the future.

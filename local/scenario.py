@@ -17,7 +17,7 @@ from emulators.imds import Scenario
 # DELETE_SECONDS Azure seconds, and at least DELETE_REAL_SECONDS of real time: what a listener takes is real time, which
 # the compressed clock does not shorten (at 60x, 10 Azure seconds are 0.17 s); with 0.5 s, a listener still judging a
 # Freeze sent through it when its own delete started was killed with it (tests/local/test_faults.py, compact scenario),
-# whose reroute then had to wait for the request to lapse (docs/coordinator.md, *A lost answer*). A scenario that sets
+# whose reroute then had to wait for the request to lapse (docs/liveness.md, *A lost answer*). A scenario that sets
 # the field keeps it: 0 plays a VM that dies before its answer leaves, which the coordinator records as a lost answer.
 DELETE_SECONDS = 10.0
 DELETE_REAL_SECONDS = 2.0

@@ -39,8 +39,8 @@ from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.attested import ROOT_PATH
 from emulators.imds.event_grid import EventGridPublisher
+from emulators.imds.lifecycle import DEFAULT_STARTED_MIN_SECONDS
 from emulators.imds.models import LOCAL_STEP_ACTIONS, HealthPage, HookSpec, ScenarioStep, VmSpec
-from emulators.imds.state import DEFAULT_STARTED_MIN_SECONDS
 from emulators.relay import RelayEmulator
 from local.direct_callback import direct_coordinator, forwarder_hook_ledger
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
@@ -554,7 +554,7 @@ class LocalStack:
 
     def drain(self, timeout: float = 10.0) -> bool:
         """Waits for the tails of the batches processed so far (their answers, cards and history rows: they run after
-        each batch, docs/coordinator.md *The tail after the batch*); True when none is left. Whoever reads the
+        each batch, docs/liveness.md *The tail after the batch*); True when none is left. Whoever reads the
         history to judge a run calls it first."""
         module = sys.modules.get("function_app")
         if module is None or not module.coordinator.cache_info().currsize:

@@ -1,4 +1,4 @@
-"""When a policy's periods are open, computed by the oracle itself from the documented meaning (docs/coordinator.md,
+"""When a policy's periods are open, computed by the oracle itself from the documented meaning (docs/policy.md,
 *Windows and blackouts*, *Policy reference*), not with the coordinator's code: a cron schedule read in its IANA
 zone opens a period of ``duration`` at each start; a rule's ``match.window`` is UTC days and hours, end exclusive,
 wrapping past midnight.

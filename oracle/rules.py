@@ -1,4 +1,4 @@
-"""Which rule of the policy decides an event at a given time, by the documented matching (docs/coordinator.md,
+"""Which rule of the policy decides an event at a given time, by the documented matching (docs/policy.md,
 *Policy reference*, *Tags*), written again here rather than taken from the coordinator: the oracle reads the policy
 file with the coordinator's schema (the file format is the contract) but not its matching code.
 

@@ -5,7 +5,7 @@ decision's span; act: the approval's span, latency and notice; outbox: cards; ti
 the history rows say happened). Without an SDK configured these calls cost next to nothing (the API's no-op
 providers); function_app.py configures the Azure Monitor distro once when ``APPLICATIONINSIGHTS_CONNECTION_STRING`` is
 set, and ``python -m local`` collects the same telemetry in-process (local/telemetry.py). Metric names, units and
-attributes are a contract with the workbook (infra/build_workbook.py) and docs/coordinator.md, *Telemetry*.
+attributes are a contract with the workbook (infra/build_workbook.py) and docs/operations.md, *Telemetry*.
 
 Traces: each approval is one trace, started by the forwarder that first reported the event (``forwarder.detect``);
 its W3C ``traceparent`` arrives in the Event Hubs message's application properties, is kept on the event record

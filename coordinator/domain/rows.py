@@ -2,7 +2,7 @@
 
 The JSON file is the single definition; a test checks that this model's fields are exactly its columns. Every row
 has a stable ``RecordId`` from the moment it is built (a hash of its other columns): the outbox keeps rows with it, and
-an upload made twice adds nothing to a store that keeps rows by it (docs/coordinator.md, *The outbox*).
+an upload made twice adds nothing to a store that keeps rows by it (docs/liveness.md, *The outbox*).
 """
 
 from __future__ import annotations

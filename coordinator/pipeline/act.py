@@ -16,7 +16,7 @@ person's run gives each approval ``in_run_delivery`` (3 s; less when NotBefore i
 one not answered by then to the queue (pipeline/handover.py); a ``delivery`` run plans it again from the record,
 through another VM when the one that did not answer has a peer that can execute it, and gives it the whole approval
 deadline. One decisionId throughout: the listener executes it once. A batch does not even wait for those 3 s: its
-sends are ``Sending``s its tail awaits after the batch has returned (``tail_after_batch``; docs/coordinator.md,
+sends are ``Sending``s its tail awaits after the batch has returned (``tail_after_batch``; docs/liveness.md,
 *The tail after the batch*).
 """
 
@@ -331,7 +331,7 @@ def _outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventCh
     approval.lastAttemptAt = now
     approval.executor = executor
     # Not answered after a request of this decision reached the listener, which went away: unknown, not failed (IMDS
-    # may have accepted it; docs/coordinator.md, *A lost answer*).
+    # may have accepted it; docs/liveness.md, *A lost answer*).
     unknown = plan.answer_lost or approval.lostAnswer is not None
     approval.outcome = result.outcome if result else ("unknown" if unknown else "failed")
     approval.reason = (result.reason if result else failure)[:1000]

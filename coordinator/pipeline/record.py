@@ -1,6 +1,6 @@
 """Record history: the rows of a batch, tick or person's request, kept in the outbox, then written last.
 
-Every row is in the state's outbox before the history sink sees it (docs/coordinator.md, *The outbox*): the rows of
+Every row is in the state's outbox before the history sink sees it (docs/liveness.md, *The outbox*): the rows of
 a write are stored with that write, in its transaction (an event's rows with the event, a VM's with its group:
 ``commit_event``, fold, positions), and the run's other rows (``stage_loose``) on their own, before a batch returns
 and before a run writes its history. The last step of every run's tail writes the run's rows to the sink and then

@@ -96,7 +96,7 @@ class Options:
     not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE
     # A batch returns once its approvals are sent and its VM positions written; its tail (the answers awaited and
     # committed, cards, budgets, history) runs after it on the Coordinator's ``after_batch`` executor, so that its
-    # partition's next batch waits for no listener, card sink or history upload (docs/coordinator.md, *The tail
+    # partition's next batch waits for no listener, card sink or history upload (docs/liveness.md, *The tail
     # after the batch*). Off: each batch ends with its own tail (the stages' tests read its outcomes at once).
     tail_after_batch: bool = False
 

@@ -384,7 +384,7 @@ def test_a_freed_slot_goes_to_the_queued_event_closest_to_its_notbefore() -> Non
 
 
 def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "coordinator.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text(encoding="utf-8")
     section = text[text.index("### Policy reference") :]
     start = section.index("```yaml") + len("```yaml")
     example = parse_policy(section[start : section.index("```", start)])

@@ -1,6 +1,6 @@
 """A dead executor's approval when NotBefore is near: the first request must lapse early enough that the delivery
 run can still send the event through a peer, and the peer execute it, before NotBefore (pipeline/plan.py
-``_valid_for``, domain/approvals.py ``reroutable_within``; docs/coordinator.md, *Liveness*)."""
+``_valid_for``, domain/approvals.py ``reroutable_within``; docs/liveness.md, *Liveness*)."""
 
 from __future__ import annotations
 

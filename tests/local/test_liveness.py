@@ -121,7 +121,7 @@ def test_a_dead_listener_delays_no_other_vms_approval_and_its_own_goes_through_a
     assert latency is not None
     assert latency < 6000, "another VM's approval waited for the dead listener"
     # No batch waited for a_0: the one that decided its Freeze returned once the approval was sent, and its tail
-    # gave a_0 the 3 s after it (docs/coordinator.md, *The tail after the batch*; before, that batch took 3-6 s,
+    # gave a_0 the 3 s after it (docs/liveness.md, *The tail after the batch*; before, that batch took 3-6 s,
     # now about 0.1 s; the bound leaves a busy machine's first batches their slack).
     assert stats.slowest_batch < 3.0
     assert stats.slowest_tick < 6.0
