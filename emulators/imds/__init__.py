@@ -4,8 +4,9 @@ control API. See docs/imds-emulator.md."""
 
 from emulators.imds.clock import Clock, ManualClock, SystemClock
 from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, VmSpec
+from emulators.imds.records import EmulatorInputError
 from emulators.imds.server import VM_HEADER, ImdsEmulator
-from emulators.imds.state import EmulatorInputError, EmulatorState
+from emulators.imds.state import EmulatorState
 
 __all__ = [
     "VM_HEADER",

@@ -13,9 +13,9 @@ import threading
 from types import FrameType
 
 from emulators.imds.faults import DEFAULT_THROTTLE_RPS
+from emulators.imds.lifecycle import DEFAULT_STARTED_MIN_SECONDS
 from emulators.imds.models import Scenario, ScenarioError
 from emulators.imds.server import ImdsEmulator
-from emulators.imds.state import DEFAULT_STARTED_MIN_SECONDS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from emulators.imds.emulator_core import EmulatorCore
 from emulators.imds.models import (
     StartRequestsBody,
 )
-from emulators.imds.state import EmulatorInputError
+from emulators.imds.records import EmulatorInputError
 from emulators.imds.wire import JSON, Reply, RequestHandler, json_body, parse_model
 
 

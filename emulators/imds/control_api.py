@@ -13,7 +13,7 @@ from emulators.imds.models import (
     EventCreate,
     FaultSpec,
 )
-from emulators.imds.state import EmulatorInputError
+from emulators.imds.records import EmulatorInputError
 from emulators.imds.wire import JSON, Reply, RequestHandler, json_body, parse_model
 
 _CANCEL = re.compile(r"^/_emulator/events/(?P<id>[^/]+)/cancel$")

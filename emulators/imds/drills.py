@@ -42,7 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from emulators.imds.arm import ArmAnswer, arm_error, uniform_instance
 from emulators.imds.models import EventCreate, EventTypeName, ScaleSetSpec, VmSpec
-from emulators.imds.state import EmulatorInputError, EmulatorState
+from emulators.imds.records import EmulatorInputError
+from emulators.imds.state import EmulatorState
 
 _SCALE_SET = (
     r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/microsoft\.compute"

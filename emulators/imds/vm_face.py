@@ -22,7 +22,7 @@ from emulators.imds.models import (
     VmSpec,
     describe_validation_error,
 )
-from emulators.imds.state import EmulatorInputError
+from emulators.imds.records import EmulatorInputError
 from emulators.imds.versions import (
     ATTESTED_VERSIONS,
     IDENTITY_VERSIONS,

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from emulators.imds.models import (
     describe_validation_error,
 )
-from emulators.imds.state import EmulatorInputError
+from emulators.imds.records import EmulatorInputError
 
 MAX_BODY = 64 * 1024
 JSON = "application/json; charset=utf-8"

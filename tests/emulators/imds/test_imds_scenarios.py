@@ -13,7 +13,8 @@ import pytest
 import requests
 
 from emulators.imds.models import Scenario, ScenarioError, StartRequestsBody
-from emulators.imds.state import EmulatorState, VmRemovedError
+from emulators.imds.records import VmRemovedError
+from emulators.imds.state import EmulatorState
 
 ROOT = Path(__file__).resolve().parents[3]
 SCENARIOS = ROOT / "emulators" / "scenarios"

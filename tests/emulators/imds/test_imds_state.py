@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, StartRequestsBody, VmSpec
-from emulators.imds.state import EmulatorInputError, EmulatorState, VmRemovedError
+from emulators.imds.records import EmulatorInputError, VmRemovedError
+from emulators.imds.state import EmulatorState
 
 T0 = datetime(2026, 3, 2, 10, 0, 0, tzinfo=UTC)
 
