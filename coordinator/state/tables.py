@@ -61,6 +61,7 @@ from coordinator.state.store import (
     StateStore,
     Stored,
 )
+from coordinator.state.table_batch import TransactionTableClient
 from coordinator.state.table_logs import TableLogs
 from coordinator.state.table_outbox import TableOutbox
 
@@ -98,22 +99,29 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
 
     @classmethod
     def from_connection_string(cls, connection_string: str, *, table_name: str) -> TableStateStore:
-        service = TableServiceClient.from_connection_string(connection_string)
-        return cls._from_service(service, table_name)
+        def client(name: str) -> TableClient:
+            return TransactionTableClient.from_connection_string(connection_string, table_name=name)
+
+        return cls._from_service(TableServiceClient.from_connection_string(connection_string), client, table_name)
 
     @classmethod
     def from_endpoint(cls, endpoint: str, *, credential: TokenCredential, table_name: str) -> TableStateStore:
-        return cls._from_service(TableServiceClient(endpoint=endpoint, credential=credential), table_name)
+        def client(name: str) -> TableClient:
+            return TransactionTableClient(endpoint=endpoint, table_name=name, credential=credential)
+
+        service = TableServiceClient(endpoint=endpoint, credential=credential)
+        return cls._from_service(service, client, table_name)
 
     @classmethod
-    def _from_service(cls, service: TableServiceClient, table_name: str) -> TableStateStore:
-        store = cls(
-            table=service.get_table_client(table_name),
-            dead_letters=service.get_table_client(f"{table_name}deadletters"),
-        )
-        for client in (store._table, store._dead_letters):
+    def _from_service(
+        cls, service: TableServiceClient, client: Callable[[str], TableClient], table_name: str
+    ) -> TableStateStore:
+        """The store on its table and its dead letters' (each created if missing); their transactions are
+        table_batch.py's."""
+        store = cls(table=client(table_name), dead_letters=client(f"{table_name}deadletters"))
+        for table in (store._table, store._dead_letters):
             with contextlib.suppress(ResourceExistsError):
-                service.create_table(client.table_name)
+                service.create_table(table.table_name)
         return store
 
     # cache ---------------------------------------------------------------------------------------------------

@@ -545,6 +545,31 @@ def test_claims_made_together_keep_the_first_values_and_write_every_other(store,
     assert store.claims_in("claim-none") == {}
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_claim_bound_already_at_either_end_of_a_transaction_keeps_its_value(store, peer, where):
+    # The table names the refused operation by its index in the transaction; at 0 and at the last one too.
+    names = [
+        n for n in (f"vm-name:db_{n}" for n in range(400)) if claim_partition(n) == claim_partition("vm-name:db_0")
+    ]
+    names = names[:12]
+    taken = names[0] if where == "first" else names[-1]
+    assert peer.claim(taken, "vm-other") == "vm-other"
+
+    bound = store.claim_many([(name, f"vm-{name}") for name in names])
+
+    assert bound == {name: "vm-other" if name == taken else f"vm-{name}" for name in names}
+    assert {name: peer.claimed(name) for name in names} == bound
+
+
+def test_nothing_to_write_writes_nothing(store):
+    assert store.save_events([]) == []
+    assert store.save_vm_groups([]) == []
+    assert store.claim_many([]) == {}
+    store.unstage([])
+    store.delete_sent_alert_logs([])
+    assert store.events_changed_since(None).records == []
+
+
 def test_dead_letters_are_kept_in_full_up_to_their_limits(store):
     day = DOC_NOW.replace(hour=23)
     letters = [DeadLetter(reason=f"bad {n}", body=b"{", received_at=day, source={"n": n}) for n in range(105)]
