@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from contracts.document import ScheduledEvent
 from contracts.envelope import Envelope, ForwarderHealth, HookReport, ImpactReport, VmIdentity
@@ -223,69 +223,9 @@ def vm_observations(
         position.last_sequence = envelope.sequence
         position.last_seen = max(position.last_seen, heard)
         identity = envelope.vm
-        epoch = position.epoch
         if envelope.kind == "incarnation" and envelope.document is not None:
-            document = envelope.document
-            last_incarnation = document.DocumentIncarnation
-            now_listed: list[str] = []
-            for event in document.Events:
-                if event.EventId in now_listed:
-                    continue
-                now_listed.append(event.EventId)
-                observations.append(
-                    Observation(
-                        kind="listed",
-                        event_id=event.EventId,
-                        vm=envelope.vm,
-                        sequence=envelope.sequence,
-                        observed_at=envelope.observedAt,
-                        incarnation=document.DocumentIncarnation,
-                        event=event,
-                        epoch=epoch,
-                        heard_at=heard,
-                    )
-                )
-            for event_id in position.listed:
-                if event_id not in now_listed:
-                    observations.append(
-                        Observation(
-                            kind="gone",
-                            event_id=event_id,
-                            vm=envelope.vm,
-                            sequence=envelope.sequence,
-                            observed_at=envelope.observedAt,
-                            incarnation=document.DocumentIncarnation,
-                            epoch=epoch,
-                            heard_at=heard,
-                        )
-                    )
-            position.listed = now_listed
-        elif envelope.kind == "hook" and envelope.hook is not None:
-            observations.append(
-                Observation(
-                    kind="hook",
-                    event_id=envelope.hook.eventId,
-                    vm=envelope.vm,
-                    sequence=envelope.sequence,
-                    observed_at=envelope.observedAt,
-                    hook=envelope.hook,
-                    epoch=epoch,
-                    heard_at=heard,
-                )
-            )
-        elif envelope.kind == "impact" and envelope.impact is not None:
-            observations.append(
-                Observation(
-                    kind="impact",
-                    event_id=envelope.impact.eventId,
-                    vm=envelope.vm,
-                    sequence=envelope.sequence,
-                    observed_at=envelope.observedAt,
-                    impact=envelope.impact,
-                    epoch=epoch,
-                    heard_at=heard,
-                )
-            )
+            last_incarnation = envelope.document.DocumentIncarnation
+        observations.extend(_observed(envelope, position, heard))
     # Sightings of events this VM no longer lists are kept a week (the event concludes long before) for the
     # record's "gone from every VM" check, then dropped.
     keep_after = minus(position.last_seen, SIGHTING_RETENTION)
@@ -319,6 +259,41 @@ def vm_observations(
         conflict=position.conflict,
         health=health,
     )
+
+
+def _observed(envelope: Envelope, position: _Position, heard: datetime) -> list[Observation]:
+    """One applied envelope's observations at the VM's position: each event its document lists, each event its
+    state listed before and no longer does ('gone'; the position's list moves on), or its hook or impact report."""
+
+    def observation(kind: ObservationKind, event_id: str, **extra: Any) -> Observation:
+        return Observation(
+            kind=kind,
+            event_id=event_id,
+            vm=envelope.vm,
+            sequence=envelope.sequence,
+            observed_at=envelope.observedAt,
+            epoch=position.epoch,
+            heard_at=heard,
+            **extra,
+        )
+
+    if envelope.kind == "hook" and envelope.hook is not None:
+        return [observation("hook", envelope.hook.eventId, hook=envelope.hook)]
+    if envelope.kind == "impact" and envelope.impact is not None:
+        return [observation("impact", envelope.impact.eventId, impact=envelope.impact)]
+    if envelope.kind != "incarnation" or envelope.document is None:
+        return []
+    document = envelope.document
+    found: list[Observation] = []
+    now_listed: list[str] = []
+    for event in document.Events:
+        if event.EventId not in now_listed:
+            now_listed.append(event.EventId)
+            found.append(observation("listed", event.EventId, incarnation=document.DocumentIncarnation, event=event))
+    gone = [event_id for event_id in position.listed if event_id not in now_listed]
+    found += [observation("gone", e, incarnation=document.DocumentIncarnation) for e in gone]
+    position.listed = now_listed
+    return found
 
 
 def minus(moment: datetime, delta: timedelta) -> datetime:
