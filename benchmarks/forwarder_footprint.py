@@ -42,7 +42,7 @@ from typing import Any
 from benchmarks.checks import finish
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.models import VmSpec
+from emulators.imds.vm_models import VmSpec
 from emulators.relay import RelayEmulator
 
 ROOT = Path(__file__).resolve().parents[1]

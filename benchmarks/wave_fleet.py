@@ -37,7 +37,7 @@ from coordinator.state.entities import claim_entity, claim_transactions
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.imds.attested import CertificateAuthority
 from forwarder.imds import identity_of
-from local.stack import census_scopes, identity_vm
+from local.scenario import census_scopes, identity_vm
 
 START = datetime(2026, 11, 20, 1, 0, tzinfo=UTC)
 SUBSCRIPTION = "00000000-0000-0000-0000-000000000001"

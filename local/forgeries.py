@@ -51,7 +51,7 @@ from contracts.envelope import (
     ImpactReport,
     VmIdentity,
 )
-from emulators.imds.models import ForgeStep
+from emulators.imds.local_steps import ForgeStep
 from forwarder.credential import ImdsManagedIdentityCredential
 from forwarder.imds import ImdsClient
 from forwarder.relay_listener import RelayListener

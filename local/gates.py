@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from emulators.imds.models import GateBehaviour
+from emulators.imds.local_steps import GateBehaviour
 
 LOCAL_GATES = "http://local-gates/"
 _LOCAL_GATE_URL = re.compile(r"http://local-gates/([A-Za-z0-9_.-]+)")

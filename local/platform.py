@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from azure.eventhub import EventData, EventHubProducerClient
 
 from contracts.envelope import VmIdentity
-from emulators.imds.models import ForgeStep, ListenerStep, OutageStep, ScenarioStep, SignalStep
+from emulators.imds.local_steps import ForgeStep, ListenerStep, OutageStep, SignalStep
+from emulators.imds.models import ScenarioStep
 from emulators.relay import RelayEmulator
 from forwarder.imds import identity_of
 from local import forgeries

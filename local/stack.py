@@ -40,7 +40,9 @@ from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.attested import ROOT_PATH
 from emulators.imds.event_grid import EventGridPublisher
 from emulators.imds.lifecycle import DEFAULT_STARTED_MIN_SECONDS
-from emulators.imds.models import LOCAL_STEP_ACTIONS, HealthPage, HookSpec, ScenarioStep, VmSpec
+from emulators.imds.local_steps import LOCAL_STEP_ACTIONS, HealthPage
+from emulators.imds.models import ScenarioStep
+from emulators.imds.vm_models import HookSpec, VmSpec
 from emulators.relay import RelayEmulator
 from local.direct_callback import direct_coordinator, forwarder_hook_ledger
 from local.easy_auth import DEFAULT_PEOPLE, PLATFORM_SETTINGS, EasyAuthStandIn, LocalPerson
@@ -51,7 +53,7 @@ from local.http_host import FunctionsHttpHost, LocalHttpServer
 from local.platform import REBOOT_SECONDS, Platform, write_boot_time
 from local.queue_trigger import StorageQueue
 from local.runner import FunctionHost, IngestFunction
-from local.scenario import delayed, deletes_take_time, served_policy
+from local.scenario import census_scopes, delayed, deletes_take_time, identity_vm, served_policy
 from ops.history import LOCAL_RUN_FILE
 
 log = logging.getLogger("local.stack")
@@ -101,28 +103,6 @@ def hook_script(hook: HookSpec) -> str:
         f"sleep {shlex.quote(f'{hook.seconds:g}')}\n"
         f"exit {hook.exitCode}\n"
     )
-
-
-def removable_vms(scenario: Scenario) -> set[str]:
-    """VMs a Terminate or Preempt of the scenario names: they may stop answering IMDS during the run."""
-    return {
-        name
-        for step in scenario.steps
-        if step.create is not None and step.create.EventType in ("Terminate", "Preempt")
-        for name in step.create.Resources
-    }
-
-
-def census_scopes(scenario: Scenario) -> list[str]:
-    """The resource groups of the scenario's VMs, as the census' scopes (the deployment's one resource group)."""
-    return sorted({f"/subscriptions/{vm.subscriptionId}/resourceGroups/{vm.resourceGroupName}" for vm in scenario.vms})
-
-
-def identity_vm(scenario: Scenario) -> str:
-    """The VM whose token endpoint the coordinator's managed identity uses: one no delete of the scenario removes
-    (a removed VM answers nothing, its token endpoint included); the first VM when every VM may go."""
-    removable = removable_vms(scenario)
-    return next((vm.name for vm in scenario.vms if vm.name not in removable), scenario.vms[0].name)
 
 
 class HealthPages:

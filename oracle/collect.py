@@ -11,7 +11,8 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
-from emulators.imds.models import Scenario, VmSpec
+from emulators.imds.models import Scenario
+from emulators.imds.vm_models import VmSpec
 from local.expectations import HOOK_TIMEOUT_SECONDS
 from local.observe import TABLE
 from local.stack import LocalStack

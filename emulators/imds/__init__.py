@@ -3,10 +3,11 @@ approval, lifecycle, Terminate rules), instance metadata, managed-identity token
 control API. See docs/imds-emulator.md."""
 
 from emulators.imds.clock import Clock, ManualClock, SystemClock
-from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, VmSpec
+from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError
 from emulators.imds.records import EmulatorInputError
 from emulators.imds.server import VM_HEADER, ImdsEmulator
 from emulators.imds.state import EmulatorState
+from emulators.imds.vm_models import VmSpec
 
 __all__ = [
     "VM_HEADER",

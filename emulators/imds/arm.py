@@ -37,7 +37,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from emulators.imds.models import VmSpec
+from emulators.imds.vm_models import VmSpec
 from emulators.tokens import TokenError, verify_token
 
 ARM_AUDIENCE = "https://management.azure.com"

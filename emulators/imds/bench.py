@@ -17,9 +17,10 @@ from datetime import UTC, datetime, timedelta
 
 import requests
 
-from emulators.imds.models import EventCreate, Scenario, VmSpec
+from emulators.imds.models import EventCreate, Scenario
 from emulators.imds.server import ImdsEmulator
 from emulators.imds.state import EmulatorState
+from emulators.imds.vm_models import VmSpec
 
 
 def _http(requests_total: int, threads: int) -> dict[str, float]:

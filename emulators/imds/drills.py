@@ -41,9 +41,10 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from emulators.imds.arm import ArmAnswer, arm_error, uniform_instance
-from emulators.imds.models import EventCreate, EventTypeName, ScaleSetSpec, VmSpec
+from emulators.imds.models import EventCreate, EventTypeName
 from emulators.imds.records import EmulatorInputError
 from emulators.imds.state import EmulatorState
+from emulators.imds.vm_models import ScaleSetSpec, VmSpec
 
 _SCALE_SET = (
     r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/microsoft\.compute"

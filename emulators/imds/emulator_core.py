@@ -24,13 +24,9 @@ from emulators.imds.clock import Clock, SystemClock
 from emulators.imds.drills import Drills
 from emulators.imds.faults import DEFAULT_THROTTLE_RPS, FaultPlan
 from emulators.imds.lifecycle import DEFAULT_STARTED_MIN_SECONDS
-from emulators.imds.models import (
-    EventCreate,
-    FaultSpec,
-    Scenario,
-    VmSpec,
-)
+from emulators.imds.models import EventCreate, FaultSpec, Scenario
 from emulators.imds.state import EmulatorState
+from emulators.imds.vm_models import VmSpec
 from emulators.imds.wire import RequestHandler, parse_model
 
 

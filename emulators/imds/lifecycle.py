@@ -25,9 +25,7 @@ from emulators.imds.models import (
     DEFAULT_NOTICE_SECONDS,
     EventCreate,
     FaultSpec,
-    ScaleSetSpec,
     Scenario,
-    VmSpec,
     default_description,
 )
 from emulators.imds.records import (
@@ -43,6 +41,7 @@ from emulators.imds.records import (
     VmRemoval,
     iso_or_none,
 )
+from emulators.imds.vm_models import ScaleSetSpec, VmSpec
 
 # The docs' rough timeline: Started → removed about 10 minutes later. The emulator keeps a Started event at least
 # this long (Azure seconds, scaled) even when DurationInSeconds is shorter, so a 1-per-second poller sees it.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from collections import Counter
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -18,6 +17,17 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from emulators.imds.local_steps import (
+    ForgeStep,
+    GateStep,
+    HealthPage,
+    HealthPageStatus,
+    ListenerStep,
+    OutageStep,
+    SignalStep,
+)
+from emulators.imds.vm_models import GUID, ScaleSetSpec, VmSpec
 
 EventTypeName = Literal["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"]
 EventSourceName = Literal["Platform", "User"]
@@ -64,15 +74,6 @@ def default_description(event_type: str, *, source: str, created_started: bool) 
         "Preempt": DESCRIPTION_EVICTION,
         "Terminate": DESCRIPTION_SCALE_IN,
     }[event_type]
-
-
-DEFAULT_SUBSCRIPTION = "00000000-0000-0000-0000-00000000e001"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SCALE_SET_NAME = re.compile(r"^.+_(?P<instance>\d+)$")
-_GUID = re.compile(r"^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$")
-# run-parts runs only files whose names consist of these characters (Debian run-parts, default "lanana" rules
-# aside); the forwarder's hook folders follow run-parts, so a scenario's hook names must too.
-_HOOK_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 class ScenarioError(ValueError):
@@ -133,202 +134,6 @@ def _line_of(path: tuple[str, ...], lines: Lines) -> int | None:
     return None
 
 
-def _base36(number: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    text = ""
-    while True:
-        number, rest = divmod(number, 36)
-        text = digits[rest] + text
-        if number == 0:
-            return text
-
-
-class HookSpec(BaseModel):
-    """One hook file of a VM's prepare or recover folder as a scenario describes it: the local runner installs a
-    script of this name that sleeps ``seconds`` (real seconds) and exits with ``exitCode``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1, max_length=64)
-    exitCode: int = Field(ge=0, le=255)
-    seconds: float = Field(default=0, ge=0, le=3600)
-
-    @field_validator("name")
-    @classmethod
-    def _run_parts_name(cls, value: str) -> str:
-        if not _HOOK_NAME.match(value):
-            raise ValueError(f"{value!r} is not a run-parts file name (letters, digits, '_' and '-' only)")
-        return value
-
-
-class VmHooks(BaseModel):
-    """The hooks of one VM, per phase, in the order run-parts runs them (by name)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prepare: list[HookSpec] = Field(default_factory=list)
-    recover: list[HookSpec] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _unique_names(self) -> VmHooks:
-        for phase in ("prepare", "recover"):
-            names = [hook.name for hook in getattr(self, phase)]
-            twice = sorted({name for name in names if names.count(name) > 1})
-            if twice:
-                raise ValueError(f"{phase}: hook names {twice} appear twice (one folder cannot hold two files)")
-        return self
-
-
-def _domain_number(value: Any) -> Any:
-    """Fault and update domains are numbers that IMDS serves as strings; a scenario may write either."""
-    if isinstance(value, bool):
-        return value  # left for pydantic to refuse
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("must be a number >= 0")
-        return str(value)
-    if isinstance(value, str) and not value.isdigit():
-        raise ValueError(f"{value!r} is not a number >= 0")
-    return value
-
-
-class VmSpec(BaseModel):
-    """One simulated VM. Only ``name`` is required; the rest is derived the way Azure names things."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    vmId: str = ""
-    resourceId: str = ""
-    subscriptionId: str = DEFAULT_SUBSCRIPTION
-    resourceGroupName: str = "rg-scheduled-events"
-    vmScaleSetName: str = ""
-    location: str = "westeurope"
-    zone: str = ""
-    platformFaultDomain: str = "0"
-    platformUpdateDomain: str = "0"
-    placementGroupId: str = ""
-    computerName: str = ""
-    priority: Literal["Regular", "Spot", "Low"] = "Regular"
-    vmSize: str = "Standard_D2s_v5"
-    osType: Literal["Linux", "Windows"] = "Linux"
-    tags: dict[str, str] = Field(default_factory=dict)
-    # The docs: VMs placed individually in a zone and GPU scale sets with one fault domain receive only their
-    # own events, not those of the rest of their placement group.
-    isolated: bool = False
-    # Read by the local runner (which installs these hooks for the VM's forwarder); the emulator only validates
-    # them. None: the runner's default hooks.
-    hooks: VmHooks | None = None
-    # How far the VM's clock is off (read by the local runner, whose forwarder for this VM stamps its envelopes with
-    # that clock): a VM whose clock drifted. Seconds, negative = slow.
-    clockSkewSeconds: float = Field(default=0, ge=-86_400, le=86_400)
-    # A VM without the forwarder (read by the local runner, which starts none for it): its scale set publishes to
-    # Event Grid, so the coordinator learns of its events from the Event Grid events the runner has this emulator
-    # publish (emulators/imds/event_grid.py), and approves them through the ARM face (remote acknowledge).
-    agentless: bool = False
-
-    domains_are_numbers = field_validator("platformFaultDomain", "platformUpdateDomain", mode="before")(_domain_number)
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-64 letters, digits, '_', '.', '-' and start with a letter or digit")
-        return value
-
-    @model_validator(mode="after")
-    def _derive(self) -> VmSpec:
-        derived: dict[str, str] = {}
-        if not self.vmId:
-            derived["vmId"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"emulated-vm:{self.name}"))
-        match = _SCALE_SET_NAME.match(self.name)
-        scale_set = self.vmScaleSetName
-        if not self.resourceId:
-            prefix = f"/subscriptions/{self.subscriptionId}/resourceGroups/{self.resourceGroupName}/providers"
-            if scale_set and match:
-                derived["resourceId"] = (
-                    f"{prefix}/Microsoft.Compute/virtualMachineScaleSets/{scale_set}"
-                    f"/virtualMachines/{match.group('instance')}"
-                )
-            else:
-                derived["resourceId"] = f"{prefix}/Microsoft.Compute/virtualMachines/{self.name}"
-        if not self.computerName:
-            # Deliberately different from `name` (as on real scale sets: prefix + base-36 instance id), so
-            # that code matching Resources against the hostname is caught.
-            if scale_set and match:
-                derived["computerName"] = f"{scale_set.replace('_', '-')}{_base36(int(match.group('instance'))):0>6}"
-            else:
-                derived["computerName"] = f"{self.name.lower().replace('_', '-')}-host"
-        for key, value in derived.items():
-            object.__setattr__(self, key, value)
-        if self.computerName == self.name:
-            raise ValueError("computerName must differ from name (hostname misuse would go unnoticed)")
-        return self
-
-    @property
-    def client_id(self) -> str:
-        """The client id of the VM's system-assigned identity (stable per resource id)."""
-        return str(uuid.uuid5(uuid.NAMESPACE_OID, f"client:{self.resourceId.lower()}"))
-
-    def compute(self) -> dict[str, Any]:
-        """The `compute` object of instance metadata (every value a string, as IMDS sends them)."""
-        publisher, offer, sku = (
-            ("Canonical", "ubuntu-24_04-lts", "server")
-            if self.osType == "Linux"
-            else (
-                "MicrosoftWindowsServer",
-                "WindowsServer",
-                "2022-datacenter",
-            )
-        )
-        return {
-            "azEnvironment": "AzurePublicCloud",
-            "computerName": self.computerName,
-            "isHostCompatibilityLayerVm": "false",
-            "location": self.location,
-            "name": self.name,
-            "offer": offer,
-            "osProfile": {
-                "adminUsername": "azureuser",
-                "computerName": self.computerName,
-                "disablePasswordAuthentication": "true",
-            },
-            "osType": self.osType,
-            "placementGroupId": self.placementGroupId,
-            "platformFaultDomain": self.platformFaultDomain,
-            "platformUpdateDomain": self.platformUpdateDomain,
-            "priority": self.priority,
-            "provider": "Microsoft.Compute",
-            "publisher": publisher,
-            "resourceGroupName": self.resourceGroupName,
-            "resourceId": self.resourceId,
-            "sku": sku,
-            "subscriptionId": self.subscriptionId,
-            "tags": ";".join(f"{key}:{value}" for key, value in sorted(self.tags.items())),
-            "tagsList": [{"name": key, "value": value} for key, value in sorted(self.tags.items())],
-            "version": "latest",
-            "vmId": self.vmId,
-            "vmScaleSetName": self.vmScaleSetName,
-            "vmSize": self.vmSize,
-            "zone": self.zone,
-        }
-
-
-class ScaleSetSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # terminateNotificationProfile: enable + notBeforeTimeout (PT5M..PT15M)
-    terminateNotification: bool = True
-    terminateNotBeforeSeconds: float = Field(default=300, ge=300, le=900)
-    # scheduledEventsPolicy.userInitiatedReboot / userInitiatedRedeploy.automaticallyApprove: a user's restart or
-    # redeploy (a drill's, emulators/imds/drills.py) is then created Started, without notice. The project's Bicep
-    # sets both false, so that the coordinator's rules see them.
-    automaticallyApproveUserReboot: bool = False
-    automaticallyApproveUserRedeploy: bool = False
-    # A GPU scale set with one fault domain: every instance receives only its own events.
-    isolated: bool = False
-
-
 class EventCreate(BaseModel):
     """A request to schedule an event (control API body or scenario `create` step)."""
 
@@ -381,7 +186,7 @@ class EventCreate(BaseModel):
     @field_validator("EventId")
     @classmethod
     def _guid(cls, value: str | None) -> str | None:
-        if value is not None and not _GUID.match(value):
+        if value is not None and not GUID.match(value):
             raise ValueError("EventId must be a GUID")
         return value.upper() if value else value
 
@@ -436,109 +241,6 @@ class StepCreate(EventCreate):
 Expectation = Literal["approve", "no-approval", "either"]
 
 
-class HealthPage(BaseModel):
-    """A health page the local runner serves for the scenario, as a gate of its policy probes it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # The URL exactly as the policy's gate names it; the runner serves the page on a free port and points the
-    # coordinator's copy of the policy there.
-    url: str = Field(pattern=r"^http://127\.0\.0\.1:\d+/")
-    status: int = Field(default=200, ge=100, le=599)  # what the page answers until a step changes it
-
-
-class HealthPageStatus(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    status: int = Field(ge=100, le=599)
-
-
-class SignalStep(BaseModel):
-    """For the local runner: a process of the pipeline receives a signal. ``forwarder`` (one VM's): KILL (restarted
-    ``seconds`` later from the same state folder, or never with 0: a crash, or an OOM kill that systemd brings back)
-    or STOP (continued ``seconds`` later: a VM paused, the process frozen). ``storage`` (Azurite, the coordinator's
-    state): STOP only (a storage stall; Azure Storage does not lose what it acknowledged, and Azurite keeps it in
-    memory). ``seconds`` are real seconds (the timeouts and backoffs they test are real)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    target: Literal["forwarder", "storage"] = "forwarder"
-    vm: str | None = None
-    signal: Literal["KILL", "STOP"]
-    seconds: float = Field(ge=0, le=600)
-
-    @model_validator(mode="after")
-    def _fits_target(self) -> SignalStep:
-        if self.target == "forwarder" and self.vm is None:
-            raise ValueError("a forwarder's signal names its vm")
-        if self.target == "storage" and (self.vm is not None or self.signal != "STOP"):
-            raise ValueError("storage takes STOP only, and no vm")
-        if self.signal == "STOP" and self.seconds <= 0:
-            raise ValueError("a STOP needs seconds > 0 (the process is continued then)")
-        return self
-
-
-class OutageStep(BaseModel):
-    """For the local runner: the Event Hubs or Relay emulator stops (every connection drops) and starts again on the
-    same port ``seconds`` (real) later."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    service: Literal["eventhubs", "relay"]
-    seconds: float = Field(gt=0, le=600)
-
-
-class ListenerStep(BaseModel):
-    """For the local runner: requests to this VM's Relay listener are held ``delaySeconds`` (real) before the
-    Relay emulator delivers them (a slow listener), or never delivered (``dead``: the sender waits out its own
-    deadline), for ``seconds`` (real; 0: the rest of the run). delaySeconds 0 and dead false: back to normal."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    vm: str
-    delaySeconds: float = Field(default=0, ge=0, le=600)
-    dead: bool = False
-    seconds: float = Field(default=0, ge=0, le=3600)
-
-
-GateBehaviour = Literal["passing", "failing", "slow", "trickle", "dead"]
-
-
-class GateStep(BaseModel):
-    """For the local runner: the local health page of a policy gate whose URL is ``http://local-gates/{name}``
-    answers, from now on: ``passing`` (200), ``failing`` (503), ``slow`` (200 after ``delaySeconds``), ``trickle``
-    (200 at once, then its body a byte at a time for ``delaySeconds``) or ``dead`` (accepts and never answers)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1, max_length=64)
-    state: GateBehaviour
-    delaySeconds: float = Field(default=0, ge=0, le=600)
-
-
-# Without root on the forger's VM (no attested document), then with it (its own document; local/forgeries.py).
-_Unrooted = Literal["relabel", "user", "hook", "gone", "sequence", "deep", "oversized"]
-ForgeKind = _Unrooted | Literal["name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar"]
-
-
-class ForgeStep(BaseModel):
-    """For the local runner: a process on VM ``by``, holding the fleet's shared Event Hubs sender identity, sends a
-    forged but well-formed envelope about the events its own IMDS shows for VM ``about``: ``relabel`` (as a 5 s
-    Freeze, under ``about``'s identity, a state of its own and a huge sequence), ``user`` (claimed user-initiated,
-    under its own identity), ``hook`` (``about``'s prepare hooks reported succeeded), ``gone`` (``about``'s document
-    claimed empty) or ``sequence`` (a heartbeat as ``about`` with a new state and sequence 2**62); or, under its own
-    identity, ``deep`` (a document nested 20,000 deep) or ``oversized`` (100 events and 50 tags of the longest names
-    and values the envelope allows). With root on ``by`` (its own attested document on each envelope, issue 34):
-    ``name``, ``silence``, ``name-hook``, ``name-impact``, ``squat``, ``malformed``, ``liar`` (local/forgeries.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    by: str
-    about: str
-    kind: ForgeKind
-
-
 class ScenarioStep(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -587,9 +289,6 @@ _STEP_ACTIONS = (
     "gate",
     "forge",
 )
-# The step kinds only the local runner plays (local/stack.py, local/platform.py); the emulator validates them and
-# passes over them.
-LOCAL_STEP_ACTIONS = ("wipeForwarderState", "healthPage", "signal", "outage", "listener", "gate", "forge")
 
 
 class Scenario(BaseModel):
@@ -633,7 +332,7 @@ class Scenario(BaseModel):
                     if step.create.ref in refs:
                         raise ValueError(f"{where}.create.ref: {step.create.ref!r} used twice")
                     refs.add(step.create.ref)
-            if step.cancel is not None and step.cancel not in refs and not _GUID.match(step.cancel):
+            if step.cancel is not None and step.cancel not in refs and not GUID.match(step.cancel):
                 raise ValueError(f"{where}.cancel: {step.cancel!r} is no earlier create ref")
             if step.fault is not None and step.fault.vm is not None and step.fault.vm not in names:
                 raise ValueError(f"{where}.fault.vm: unknown VM {step.fault.vm!r}")

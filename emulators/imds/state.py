@@ -10,13 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from emulators.imds.lifecycle import Lifecycle
-from emulators.imds.models import (
-    EventCreate,
-    FaultSpec,
-    StartRequestsBody,
-    VmSpec,
-    describe_validation_error,
-)
+from emulators.imds.models import EventCreate, FaultSpec, StartRequestsBody, describe_validation_error
 from emulators.imds.records import (
     ApprovalPath,
     ApprovalRecord,
@@ -26,6 +20,7 @@ from emulators.imds.records import (
     VmRemovedError,
 )
 from emulators.imds.versions import event_view
+from emulators.imds.vm_models import VmSpec
 
 
 class EmulatorState(Lifecycle):

@@ -17,11 +17,7 @@ from emulators.imds.attested import (
 )
 from emulators.imds.emulator_core import EmulatorCore
 from emulators.imds.faults import Endpoint, FaultDecision
-from emulators.imds.models import (
-    StartRequestsBody,
-    VmSpec,
-    describe_validation_error,
-)
+from emulators.imds.models import StartRequestsBody, describe_validation_error
 from emulators.imds.records import EmulatorInputError
 from emulators.imds.versions import (
     ATTESTED_VERSIONS,
@@ -30,6 +26,7 @@ from emulators.imds.versions import (
     SCHEDULED_EVENTS_VERSIONS,
     newest,
 )
+from emulators.imds.vm_models import VmSpec
 from emulators.imds.wire import JSON, Reply, RequestHandler, bad_request
 from emulators.tokens import mint_token
 

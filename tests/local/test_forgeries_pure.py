@@ -11,7 +11,7 @@ import pytest
 
 from contracts.attestation import Attestation
 from contracts.envelope import Envelope, VmIdentity
-from emulators.imds.models import ForgeStep
+from emulators.imds.local_steps import ForgeStep
 from local.forgeries import ATTESTED, FORGED_SEQUENCE, forged
 from tests.coordinator.helpers import vm
 

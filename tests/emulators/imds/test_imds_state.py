@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, StartRequestsBody, VmSpec
+from emulators.imds.models import EventCreate, FaultSpec, Scenario, ScenarioError, StartRequestsBody
 from emulators.imds.records import EmulatorInputError, VmRemovedError
 from emulators.imds.state import EmulatorState
+from emulators.imds.vm_models import VmSpec
 
 T0 = datetime(2026, 3, 2, 10, 0, 0, tzinfo=UTC)
 
