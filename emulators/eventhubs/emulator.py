@@ -10,7 +10,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from emulators.eventhubs.broker import Broker, BrokerStats
+from emulators.eventhubs.broker import Broker
+from emulators.eventhubs.broker_state import BrokerStats
 from emulators.eventhubs.partition_log import EventStore, RejectedTransfer, StoredEvent
 from emulators.eventhubs.rest import RestFrontDoor
 

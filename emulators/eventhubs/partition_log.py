@@ -13,7 +13,7 @@ import json
 import logging
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -257,7 +257,3 @@ class EventStore:
         if not partition_id.isdigit() or int(partition_id) >= len(partitions):
             raise KeyError(f"event hub {hub!r} has no partition {partition_id!r} (it has 0..{len(partitions) - 1})")
         return partitions[int(partition_id)]
-
-    def all_partitions(self) -> Iterable[PartitionLog]:
-        for partitions in self._hubs.values():
-            yield from partitions

@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 from proton import Message, symbol
 
 from emulators.eventhubs.auth import AuthError, validate_jwt, validate_sas_token
-from emulators.eventhubs.broker import MAX_MESSAGE_SIZE, Broker, BrokerStats
+from emulators.eventhubs.broker import Broker
+from emulators.eventhubs.broker_state import MAX_MESSAGE_SIZE, BrokerStats
 from emulators.eventhubs.partition_log import EventStore
 
 _LOG = logging.getLogger("emulators.eventhubs.rest")

@@ -7,7 +7,7 @@ from azure.eventhub import EventData
 from azure.eventhub.exceptions import AuthenticationError, EventHubError
 
 from emulators.eventhubs import EventHubsEmulator
-from emulators.eventhubs.broker import partition_for_key
+from emulators.eventhubs.links import partition_for_key
 from tests.emulators.eventhubs.conftest import HUB, producer
 
 
