@@ -48,7 +48,8 @@ from benchmarks.checks import (
 )
 from emulators.imds import Scenario, VmSpec
 from local.runner import wait_until
-from local.stack import LocalStack, StackOptions
+from local.stack import LocalStack
+from local.stack_options import StackOptions
 from local.summary import percentile
 
 RULE = "approve-everything"

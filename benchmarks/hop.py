@@ -80,7 +80,8 @@ from coordinator.adapters.relay_sender import RelayApprovalSender
 from coordinator.state.tables import TableStateStore
 from emulators.imds import Scenario, VmSpec
 from local.runner import IngestFunction, wait_until
-from local.stack import LocalStack, StackOptions
+from local.stack import LocalStack
+from local.stack_options import StackOptions
 from local.telemetry import Collector
 
 RULE = "approve-everything"

@@ -24,8 +24,10 @@ from types import FrameType
 from emulators.azurite import AzuriteError
 from emulators.imds import Scenario, ScenarioError
 from local.run import follow, history_command, judge, policy_problem, settle_forwarders
-from local.stack import REPO_ROOT, LocalStack, StackOptions, WorkdirBusy
+from local.stack import REPO_ROOT, LocalStack
+from local.stack_options import StackOptions
 from local.telemetry import REPORT_FILE, Collector
+from local.workdir import WorkdirBusy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_SCENARIO = REPO_ROOT / "emulators" / "scenarios" / "fleet-demo.yaml"

@@ -12,16 +12,33 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, Protocol
 
+from emulators.eventhubs import EventHubsEmulator
+from emulators.imds import ImdsEmulator
+from emulators.relay import RelayEmulator
 from local.host import REPO_ROOT, HostProcessOptions, HostSpec
-
-if TYPE_CHECKING:
-    from local.stack import LocalStack
+from local.http_host import LocalHttpServer
+from local.stack_options import StackOptions
 
 log = logging.getLogger("local.host_process")
 
 SPEC_FILE = "coordinator-host.json"
+
+
+class HostedStack(Protocol):
+    """What the coordinator's process is built from: the stack's options, emulators, front door and folders
+    (``local.stack.LocalStack``)."""
+
+    options: StackOptions
+    eventhubs: EventHubsEmulator | None
+    front: LocalHttpServer | None
+    imds: ImdsEmulator | None
+    relay: RelayEmulator | None
+    workdir: Path
+
+    @property
+    def logs_dir(self) -> Path: ...
 
 
 class CoordinatorProcess:
@@ -40,7 +57,7 @@ class CoordinatorProcess:
         self.kills = 0
 
     @classmethod
-    def for_stack(cls, stack: LocalStack, options: HostProcessOptions) -> CoordinatorProcess:
+    def for_stack(cls, stack: HostedStack, options: HostProcessOptions) -> CoordinatorProcess:
         """The stack's host as a process: its hubs, timer, people and approval path (the Relay, else straight into
         the IMDS emulator); the app settings are those ``stack`` put in this process's environment."""
         if stack.options.ingest_wrapper is not None:

@@ -26,7 +26,8 @@ from emulators.imds import Scenario
 from local.durability import KillVerdict, at_rest, judge_kills
 from local.host import HostProcessOptions
 from local.run import Follower
-from local.stack import LocalStack, StackOptions
+from local.stack import LocalStack
+from local.stack_options import StackOptions
 
 log = logging.getLogger("local.kill")
 

@@ -17,19 +17,22 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from azure.eventhub import EventData, EventHubProducerClient
 
 from contracts.envelope import VmIdentity
+from emulators.azurite import Azurite
+from emulators.eventhubs import EventHubsEmulator
+from emulators.imds import ImdsEmulator
 from emulators.imds.local_steps import ForgeStep, ListenerStep, OutageStep, SignalStep
 from emulators.imds.models import ScenarioStep
 from emulators.relay import RelayEmulator
 from forwarder.imds import identity_of
 from local import forgeries
-
-if TYPE_CHECKING:
-    from local.stack import LocalStack
+from local.forwarders import ForwarderProcess
+from local.gates import GateServer
+from local.stack_options import StackOptions
 
 log = logging.getLogger("local.platform")
 
@@ -67,13 +70,33 @@ def write_boot_time(path: Path, at: float) -> None:
     path.write_text(f"btime {int(at)}\n", encoding="ascii")
 
 
+class PlatformStack(Protocol):
+    """What the platform plays on: the stack's emulators, gate pages and forwarders (``local.stack.LocalStack``)."""
+
+    options: StackOptions
+    hub: str
+    azurite: Azurite | None
+    eventhubs: EventHubsEmulator | None
+    relay: RelayEmulator | None
+    imds: ImdsEmulator | None
+    gates: GateServer | None
+    forwarders: dict[str, ForwarderProcess]
+    removed: dict[str, float]
+
+    def boot_time_file(self, name: str) -> Path: ...
+
+    def wipe_forwarder_state(self, name: str) -> None: ...
+
+    def restart_forwarder(self, name: str) -> None: ...
+
+
 class Platform:
     """Plays the local steps on ``stack``; ``log`` holds one dict per thing done: ``at`` (ISO, UTC), ``action``
     and what it was done to. Actions: ``forwarder-start``, ``forwarder-kill``, ``forwarder-stop``,
     ``forwarder-cont``, ``storage-stop``, ``storage-cont``, ``outage-begin``, ``outage-end``, ``listener``,
     ``gate``, ``forge``, ``wipe``."""
 
-    def __init__(self, stack: LocalStack) -> None:
+    def __init__(self, stack: PlatformStack) -> None:
         self.stack = stack
         self.log: list[dict[str, Any]] = []
         self._lock = threading.Lock()

@@ -13,7 +13,8 @@ from coordinator.state.tables import TableStateStore
 from local.expectations import Expected, expect_all, with_declared
 from local.observe import HistoryTail, collect
 from local.scenario import pages_without_gate
-from local.stack import HUB, LocalStack, StackOptions
+from local.stack import HUB, LocalStack
+from local.stack_options import StackOptions
 from local.summary import RunFacts, Summary, summarize
 from local.timeline import TERMINAL, InTimeOrder, Timeline, moment
 from ops.history import LocalRun, local_run_path

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from emulators.imds import Scenario
 from local.run import follow, settle_forwarders
-from local.stack import REPO_ROOT, LocalStack, StackOptions
+from local.stack import REPO_ROOT, LocalStack
+from local.stack_options import StackOptions
 from oracle.check import check
 from oracle.collect import collect
 from oracle.truth import Truth

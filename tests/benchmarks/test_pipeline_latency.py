@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from benchmarks import pipeline_latency
-from local.stack import ForwarderProcess, LocalStack
+from local.forwarders import ForwarderProcess
+from local.stack import LocalStack
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ import pytest
 
 from emulators.imds import Scenario
 from local.run import Follower, follow, judge, settle_forwarders
-from local.stack import LocalStack, StackOptions
+from local.stack import LocalStack
+from local.stack_options import StackOptions
 from local.summary import RunFacts, Summary
 from local.telemetry import Collector, Report
 from oracle.check import check

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from emulators.imds import Scenario
-from local.stack import LocalStack, StackOptions
+from local.stack import LocalStack
+from local.stack_options import StackOptions
 from ops.drill.__main__ import main
 
 SCALE_SETS = (

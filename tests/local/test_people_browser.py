@@ -32,7 +32,8 @@ from coordinator.http import APPROVE_ROLE, READ_ROLE
 from emulators.imds import Scenario
 from local.easy_auth import LocalPerson
 from local.http_host import ROUTES
-from local.stack import LocalStack, StackOptions
+from local.stack import LocalStack
+from local.stack_options import StackOptions
 from tests.coordinator.test_card_rendering import render
 from tests.local.browser import Browser, Profile, Tab
 
