@@ -108,6 +108,16 @@ class RunnerStats:
         return {k: v for k, v in self.__dict__.items() if k != "errors"} | {"errors": self.errors[-5:]}
 
 
+def _checkpoint_store(storage_connection_string: str, container_name: str) -> BlobCheckpointStore:
+    """The trigger's checkpoint store in its blob container, made if it does not exist yet (as the host does)."""
+    blobs = BlobServiceClient.from_connection_string(storage_connection_string, api_version=AZURITE_BLOB_API_VERSION)
+    container = blobs.get_container_client(container_name)
+    if not container.exists():
+        container.create_container()
+    blobs.close()
+    return BlobCheckpointStore.from_connection_string(storage_connection_string, container_name)
+
+
 class FunctionHost:
     """Consumes ``eventhub_name`` and calls ``ingest`` per batch; calls ``timer`` every ``timer_interval`` seconds.
 
@@ -146,14 +156,7 @@ class FunctionHost:
         self._max_batch_size = max_batch_size
         self._max_attempts = max_attempts
         self._retry = (retry_initial, retry_maximum)
-        blobs = BlobServiceClient.from_connection_string(
-            storage_connection_string, api_version=AZURITE_BLOB_API_VERSION
-        )
-        container = blobs.get_container_client(checkpoint_container)
-        if not container.exists():
-            container.create_container()
-        blobs.close()
-        store = BlobCheckpointStore.from_connection_string(storage_connection_string, checkpoint_container)
+        store = _checkpoint_store(storage_connection_string, checkpoint_container)
         self._client = EventHubConsumerClient.from_connection_string(
             eventhub_connection_string,
             consumer_group=consumer_group,

@@ -256,10 +256,9 @@ def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Trut
     stack.drain()  # the history rows of the batches' tails
     record = stack.imds.truth()
     facts = platform_facts(stack.platform.log)
-    options = stack.options
     # The policy the run used: the one with the local gates' addresses, else StackOptions.policy (--policy, else the
     # scenario's own, else the default; the scenario's own was missed when only ``policy_path`` was read).
-    policy_path = stack.workdir / "policy.yaml" if stack.gates is not None else options.policy
+    policy_path = stack.workdir / "policy.yaml" if stack.gates is not None else stack.options.policy
     policy = policy_path.read_text(encoding="utf-8")
     gates = [
         GateChange(at=change.at, name=change.name, state=change.behaviour, delaySeconds=change.delay_seconds)
@@ -270,41 +269,11 @@ def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Trut
         started=started,
         ended=datetime.now(UTC),
         policy=policy,
-        options=Options(
-            timeScale=options.time_scale,
-            pollInterval=options.poll_interval,
-            timerInterval=options.timer_interval,
-            heartbeatInterval=options.heartbeat_interval,
-            hookTimeoutSeconds=HOOK_TIMEOUT_SECONDS,
-            defaultPrepareHook=options.prepare_hooks,
-            retireGraceSeconds=float(stack.retire_grace_seconds),
-            remoteAcknowledgeFallback=any(vm.agentless for vm in scenario.vms),
-        ),
+        options=_options(stack, scenario),
         vms=[vm_of(spec) for spec in scenario.vms],
         events=[_event(summary) for summary in record["events"]],
-        approvals=[
-            Approval(
-                eventId=str(a["EventId"]),
-                vm=str(a["vm"]),
-                at=_time(a["at"]),
-                via=a.get("via", "imds"),
-                statusBefore=str(a.get("statusBefore", "Scheduled")),
-            )
-            for a in record["approvals"]
-        ],
-        incarnations=[
-            Incarnation(
-                vm=str(i["vm"]),
-                incarnation=int(i["incarnation"]),
-                serial=int(i["serial"]),
-                at=_time(i["at"]),
-                listed=[(str(e["EventId"]), str(e["EventStatus"])) for e in i["listed"]],
-                gone=[str(e) for e in i["gone"]],
-                firstServed=_time_or_none(i.get("firstServed")),
-                lastServed=_time_or_none(i.get("lastServed")),
-            )
-            for i in record["incarnations"]
-        ],
+        approvals=[_approval(summary) for summary in record["approvals"]],
+        incarnations=[_incarnation(summary) for summary in record["incarnations"]],
         forwarderRuns=facts.runs,
         kills=facts.kills,
         permanentKills=facts.permanent_kills,
@@ -317,4 +286,44 @@ def collect(stack: LocalStack, *, started: datetime, scenario: Scenario) -> Trut
         deadLetters=dead_letters(stack.history_path),
         observations=observations(stack.history_path),
         history=history_steps(stack.history_path),
+    )
+
+
+def _options(stack: LocalStack, scenario: Scenario) -> Options:
+    """The run's settings the oracle's bounds depend on."""
+    options = stack.options
+    return Options(
+        timeScale=options.time_scale,
+        pollInterval=options.poll_interval,
+        timerInterval=options.timer_interval,
+        heartbeatInterval=options.heartbeat_interval,
+        hookTimeoutSeconds=HOOK_TIMEOUT_SECONDS,
+        defaultPrepareHook=options.prepare_hooks,
+        retireGraceSeconds=float(stack.retire_grace_seconds),
+        remoteAcknowledgeFallback=any(vm.agentless for vm in scenario.vms),
+    )
+
+
+def _approval(summary: dict[str, Any]) -> Approval:
+    """An approval the IMDS emulator accepted, from its summary."""
+    return Approval(
+        eventId=str(summary["EventId"]),
+        vm=str(summary["vm"]),
+        at=_time(summary["at"]),
+        via=summary.get("via", "imds"),
+        statusBefore=str(summary.get("statusBefore", "Scheduled")),
+    )
+
+
+def _incarnation(summary: dict[str, Any]) -> Incarnation:
+    """One document content of a VM and when a client read it whole, from the IMDS emulator's summary."""
+    return Incarnation(
+        vm=str(summary["vm"]),
+        incarnation=int(summary["incarnation"]),
+        serial=int(summary["serial"]),
+        at=_time(summary["at"]),
+        listed=[(str(e["EventId"]), str(e["EventStatus"])) for e in summary["listed"]],
+        gone=[str(e) for e in summary["gone"]],
+        firstServed=_time_or_none(summary.get("firstServed")),
+        lastServed=_time_or_none(summary.get("lastServed")),
     )

@@ -38,7 +38,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "coordinator/pipeline/timer.py:tick": (73, "the timer's steps in the order they must run"),
     "coordinator/service.py:Coordinator.__init__": (80, "the coordinator's 32 keyword options (issue 36, item 2)"),
     "coordinator/wiring.py:build_coordinator": (145, "the composition root: every setting to its part"),
-    "emulators/imds/drills.py:Drills.act": (66, "each drill action on the emulated scale set"),
     "forwarder/cli.py:relay_companions": (61, "the listener's companions built from the settings"),
     "forwarder/daemon.py:Forwarder.__init__": (71, "the forwarder's parts built from its settings"),
     "forwarder/hooks.py:HookRunner._run_one": (84, "one hook process: start, budget, kill, report"),
@@ -46,8 +45,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "local/__main__.py:main": (80, "the local command's options and its run"),
     "local/expectations.py:expect": (65, "each scenario expectation checked"),
     "local/forgeries.py:forged": (103, "each forgery kind's envelope"),
-    "local/runner.py:FunctionHost.__init__": (62, "the local function host's triggers"),
-    "oracle/collect.py:collect": (68, "one run's truth collected from every source"),
     "oracle/generate.py:_policy": (77, "a generated policy, rule by rule"),
 }
 

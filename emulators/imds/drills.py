@@ -127,29 +127,9 @@ class Drills:
         if refusal is not None:
             return refusal
         profile = state.scenario.scaleSets.get(members[0].vmScaleSetName, ScaleSetSpec())
-        event_type = _EVENT_OF[action]
-        specs = []
-        for vm in chosen:
-            if event_type == "Terminate" and (not profile.terminateNotification or vm.priority != "Regular"):
-                why = "terminate notifications are off" if not profile.terminateNotification else "it is a Spot VM"
-                return arm_error(
-                    409,
-                    "OperationNotAllowed",
-                    f"the emulator models deletes only where they raise a Terminate; deleting {vm.name} would not "
-                    f"({why})",
-                )
-            automatic = (event_type == "Reboot" and profile.automaticallyApproveUserReboot) or (
-                event_type == "Redeploy" and profile.automaticallyApproveUserRedeploy
-            )
-            specs.append(
-                EventCreate(
-                    EventType=event_type,
-                    Resources=[vm.name],
-                    EventSource="User",
-                    DurationInSeconds=-1,
-                    EventStatus="Started" if automatic else "Scheduled",
-                )
-            )
+        specs = _event_specs(chosen, _EVENT_OF[action], profile)
+        if isinstance(specs, ArmAnswer):
+            return specs
         try:
             events = [state.create_event(spec, now) for spec in specs]
         except EmulatorInputError as error:
@@ -165,16 +145,7 @@ class Drills:
         )
         self.operations[operation.id] = operation
         self._log(action, match.group("name"), operation.vms, operation.event_ids, operation.id)
-        url = (
-            f"{base_url}/subscriptions/{quote(operation.subscription)}/providers/Microsoft.Compute/locations/"
-            f"{quote(operation.location)}/operations/{operation.id}?api-version={version}"
-        )
-        headers = {
-            "Azure-AsyncOperation": url,
-            "Location": url + "&monitor=true",
-            "Retry-After": str(RETRY_AFTER_SECONDS),
-        }
-        return ArmAnswer(202, {}, headers)
+        return _accepted(operation, base_url=base_url, version=version)
 
     def evict(self, match: re.Match[str], state: EmulatorState, now: datetime) -> ArmAnswer:
         """simulateEviction of one Spot VM: 204 and a Preempt."""
@@ -287,6 +258,49 @@ def scale_set_resource(members: list[VmSpec], spec: ScaleSetSpec | None) -> dict
             },
         },
     }
+
+
+def _event_specs(
+    chosen: list[VmSpec], event_type: EventTypeName, profile: ScaleSetSpec
+) -> list[EventCreate] | ArmAnswer:
+    """One user event per instance (Started at once where the scale set approves it automatically), or ARM's refusal
+    of a delete the emulator cannot model."""
+    specs = []
+    for vm in chosen:
+        if event_type == "Terminate" and (not profile.terminateNotification or vm.priority != "Regular"):
+            why = "terminate notifications are off" if not profile.terminateNotification else "it is a Spot VM"
+            return arm_error(
+                409,
+                "OperationNotAllowed",
+                f"the emulator models deletes only where they raise a Terminate; deleting {vm.name} would not ({why})",
+            )
+        automatic = (event_type == "Reboot" and profile.automaticallyApproveUserReboot) or (
+            event_type == "Redeploy" and profile.automaticallyApproveUserRedeploy
+        )
+        specs.append(
+            EventCreate(
+                EventType=event_type,
+                Resources=[vm.name],
+                EventSource="User",
+                DurationInSeconds=-1,
+                EventStatus="Started" if automatic else "Scheduled",
+            )
+        )
+    return specs
+
+
+def _accepted(operation: Operation, *, base_url: str, version: str) -> ArmAnswer:
+    """202 with the long-running operation's status URL (and its monitor URL), as the Compute RP answers."""
+    url = (
+        f"{base_url}/subscriptions/{quote(operation.subscription)}/providers/Microsoft.Compute/locations/"
+        f"{quote(operation.location)}/operations/{operation.id}?api-version={version}"
+    )
+    headers = {
+        "Azure-AsyncOperation": url,
+        "Location": url + "&monitor=true",
+        "Retry-After": str(RETRY_AFTER_SECONDS),
+    }
+    return ArmAnswer(202, {}, headers)
 
 
 def _members(match: re.Match[str], state: EmulatorState, *, include_removed: bool) -> list[VmSpec]:
