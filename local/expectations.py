@@ -103,22 +103,42 @@ def expect(
     fleet = FleetView(vms={name: VmFacts(scaleSet=vm.vmScaleSetName, tags=vm.tags) for name, vm in (vms or {}).items()})
     rule = first_match(policy, record, scheduled_at, fleet)
     rule_name = rule.name if rule is not None else "(no rule matched)"
-    approval: Expectation
+    approval = _by_rule(event, record, rule, policy, prepare_hooks=prepare_hooks, vms=vms or {}, time_scale=time_scale)
+    not_before = _parse_time(event.get("NotBefore"))
+    if approval == "approve" and (
+        not_before is None or (not_before - scheduled_at).total_seconds() < MIN_NOTICE_SECONDS
+    ):
+        approval = "either"
+    if approval == "approve" and event.get("state") == "Canceled":
+        approval = "either"
+    return Expected(record.eventId, label, record.eventType, approval, rule_name, terminal)
+
+
+def _by_rule(
+    event: dict[str, Any],
+    record: EventRecord,
+    rule: Rule | None,
+    policy: Policy,
+    *,
+    prepare_hooks: bool,
+    vms: dict[str, VmSpec],
+    time_scale: float,
+) -> Expectation:
+    """What the rule that decides the event makes of it, before its notice and its end are considered."""
+    scheduled_at = record.createdAt
     if (
         event.get("startedBy") == "hardware-failure"
         or rule is None
         or rule.action in ("wait-for-person", "never-approve")
     ):
-        approval = "no-approval"
-    elif rule.action == "approve-after-hooks" and any(
-        prepare_fails((vms or {}).get(name), rule) for name in record.resources
-    ):
+        return "no-approval"
+    if rule.action == "approve-after-hooks" and any(prepare_fails(vms.get(name), rule) for name in record.resources):
         options = rule.hooks or HooksOption()
         not_before = _parse_time(event.get("NotBefore"))
         notice = (not_before - scheduled_at).total_seconds() / time_scale if not_before is not None else math.inf
         # The deadline is real seconds from the coordinator's first sighting: it passes within the notice or not.
-        approval = "either" if options.onDeadline == "approve" and options.deadlineSeconds < notice else "no-approval"
-    elif (
+        return "either" if options.onDeadline == "approve" and options.deadlineSeconds < notice else "no-approval"
+    if (
         rule.action == "approve-within-budget"
         or rule.rate is not None
         or rule.sequence is not None
@@ -128,20 +148,11 @@ def expect(
         or (
             rule.action == "approve-after-hooks"
             and not prepare_hooks
-            and any(prepare_fails((vms or {}).get(name), rule) is None for name in record.resources)
+            and any(prepare_fails(vms.get(name), rule) is None for name in record.resources)
         )
     ):
-        approval = "either"
-    else:
-        approval = "approve"
-    not_before = _parse_time(event.get("NotBefore"))
-    if approval == "approve" and (
-        not_before is None or (not_before - scheduled_at).total_seconds() < MIN_NOTICE_SECONDS
-    ):
-        approval = "either"
-    if approval == "approve" and event.get("state") == "Canceled":
-        approval = "either"
-    return Expected(record.eventId, label, record.eventType, approval, rule_name, terminal)
+        return "either"
+    return "approve"
 
 
 def _span(event: dict[str, Any]) -> tuple[datetime, datetime]:
