@@ -157,6 +157,7 @@ def _hooks(draw: _Draw, vms: list[dict[str, Any]]) -> None:
 
 
 def _policy(draw: _Draw, vms: list[dict[str, Any]]) -> dict[str, Any]:
+    """A policy drawn rule by rule, then what holds one of its approving rules and the whole policy."""
     rules: list[dict[str, Any]] = []
     policy: dict[str, Any] = {"version": 1}
     if any("tags" in vm for vm in vms) and draw.chance(0.8):
@@ -167,26 +168,7 @@ def _policy(draw: _Draw, vms: list[dict[str, Any]]) -> dict[str, Any]:
                 "action": draw.pick(["wait-for-person", "never-approve"]),
             }
         )
-    terminate = draw.pick(["hooks", "hooks", "hooks", "now", "wait"])
-    if terminate == "hooks":
-        hooks = {
-            "deadlineSeconds": draw.pick([3, 240]),
-            "onDeadline": draw.pick(["approve", "wait"]),
-            "noHooks": draw.pick(["wait", "ready"]),
-        }
-        rules.append(
-            {
-                "name": "terminate-after-hooks",
-                "match": {"eventType": ["Terminate"]},
-                "action": "approve-after-hooks",
-                "hooks": hooks,
-            }
-        )
-        draw.note(f"terminate hooks {hooks['deadlineSeconds']}s/{hooks['onDeadline']}/noHooks {hooks['noHooks']}")
-    else:
-        action = "approve-now" if terminate == "now" else "wait-for-person"
-        rules.append({"name": f"terminate-{terminate}", "match": {"eventType": ["Terminate"]}, "action": action})
-        draw.note(f"terminate {action}")
+    rules.append(_terminate_rule(draw))
     if draw.chance(0.8):
         rules.append({"name": "user-initiated", "match": {"eventSource": ["User"]}, "action": "approve-now"})
     freeze: dict[str, Any] = {
@@ -195,6 +177,42 @@ def _policy(draw: _Draw, vms: list[dict[str, Any]]) -> dict[str, Any]:
         "action": "approve-now",
     }
     rules.append(freeze)
+    budget_rule = _budget_rule(draw)
+    if draw.chance(0.7):
+        rules.append(budget_rule)
+        draw.note(f"budget {budget_rule['budget']}")
+    rules.append(
+        {"name": "spot", "match": {"eventType": ["Preempt"]}, "action": draw.pick(["approve-now", "wait-for-person"])}
+    )
+    rules.append({"name": "everything-else-waits", "action": "wait-for-person"})
+    _holds(draw, rules, policy)
+    policy["rules"] = rules
+    return policy
+
+
+def _terminate_rule(draw: _Draw) -> dict[str, Any]:
+    """Deletes approved after their hooks (most often), at once, or by a person."""
+    terminate = draw.pick(["hooks", "hooks", "hooks", "now", "wait"])
+    if terminate != "hooks":
+        action = "approve-now" if terminate == "now" else "wait-for-person"
+        draw.note(f"terminate {action}")
+        return {"name": f"terminate-{terminate}", "match": {"eventType": ["Terminate"]}, "action": action}
+    hooks = {
+        "deadlineSeconds": draw.pick([3, 240]),
+        "onDeadline": draw.pick(["approve", "wait"]),
+        "noHooks": draw.pick(["wait", "ready"]),
+    }
+    draw.note(f"terminate hooks {hooks['deadlineSeconds']}s/{hooks['onDeadline']}/noHooks {hooks['noHooks']}")
+    return {
+        "name": "terminate-after-hooks",
+        "match": {"eventType": ["Terminate"]},
+        "action": "approve-after-hooks",
+        "hooks": hooks,
+    }
+
+
+def _budget_rule(draw: _Draw) -> dict[str, Any]:
+    """Reboots and Redeploys within a budget of one domain kind: at most N, or a percent."""
     budget_rule: dict[str, Any] = {
         "name": "reboot-budget",
         "match": {"eventType": ["Reboot", "Redeploy"]},
@@ -205,13 +223,11 @@ def _policy(draw: _Draw, vms: list[dict[str, Any]]) -> dict[str, Any]:
         budget_rule["budget"]["maxImpacted"] = draw.pick([1, 2])
     else:
         budget_rule["budget"]["maxPercent"] = draw.pick([34, 50, 64.4])
-    if draw.chance(0.7):
-        rules.append(budget_rule)
-        draw.note(f"budget {budget_rule['budget']}")
-    rules.append(
-        {"name": "spot", "match": {"eventType": ["Preempt"]}, "action": draw.pick(["approve-now", "wait-for-person"])}
-    )
-    rules.append({"name": "everything-else-waits", "action": "wait-for-person"})
+    return budget_rule
+
+
+def _holds(draw: _Draw, rules: list[dict[str, Any]], policy: dict[str, Any]) -> None:
+    """Maybe a window or a gate on one approving rule, a blackout, dry run."""
     held = draw.pick(
         [r for r in rules if r["action"] in ("approve-now", "approve-within-budget", "approve-after-hooks")]
     )
@@ -231,8 +247,6 @@ def _policy(draw: _Draw, vms: list[dict[str, Any]]) -> dict[str, Any]:
     if draw.chance(0.05):
         policy["dryRun"] = True
         draw.note("dry run")
-    policy["rules"] = rules
-    return policy
 
 
 def _events(draw: _Draw, vms: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -44,7 +44,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "forwarder/poller.py:Poller.poll_once": (98, "one poll: read, compare, spool, queue hooks, measure impact"),
     "local/__main__.py:main": (80, "the local command's options and its run"),
     "local/forgeries.py:forged": (103, "each forgery kind's envelope"),
-    "oracle/generate.py:_policy": (77, "a generated policy, rule by rule"),
 }
 
 
