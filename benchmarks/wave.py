@@ -59,7 +59,6 @@ from azure.data.tables import TableServiceClient
 from benchmarks.table_ops import CountingTable, Ops, replay
 from benchmarks.wave_checks import left_behind, problems
 from benchmarks.wave_fleet import (
-    IDENTITY_VARIABLES,
     START,
     Environment,
     Message,
@@ -73,6 +72,7 @@ from benchmarks.wave_fleet import (
 from coordinator.state.entities import CLAIM_PARTITION
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
+from local.coordinator_setup import IDENTITY_VARIABLES
 
 # Up to this many VMs, a warm wave's bindings are written to the table before it (--warm-up auto): 40,000 rows in the
 # one partition Azurite scans per write took 190 s, 100,000 would take about 20 minutes, 200,000 over an hour.

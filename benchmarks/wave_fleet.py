@@ -65,19 +65,6 @@ rules:
     match: {}
     action: wait-for-person
 """
-# Identity settings of other flows that would take precedence over the managed identity (local/stack.py clears them).
-IDENTITY_VARIABLES = (
-    "IDENTITY_ENDPOINT",
-    "IDENTITY_HEADER",
-    "IMDS_ENDPOINT",
-    "MSI_ENDPOINT",
-    "MSI_SECRET",
-    "AZURE_FEDERATED_TOKEN_FILE",
-    "AZURE_CLIENT_ID",
-    "AZURE_CLIENT_SECRET",
-    "AZURE_TENANT_ID",
-    "AZURE_CLIENT_CERTIFICATE_PATH",
-)
 
 
 def vm_name(group: int, index: int) -> str:
