@@ -104,6 +104,64 @@ def damaged(attestation: Attestation) -> Attestation:
     return Attestation(encoding="pkcs7", signature=base64.b64encode(bytes(der)).decode())
 
 
+class _Forgery:
+    """One forgery's envelopes: under a state of its own, with sequences no forwarder reaches, carrying the forger's
+    proof (if any), about the events the forger's IMDS shows at ``incarnation``."""
+
+    def __init__(self, state: str, proof: Attestation | None, incarnation: int, events: list[dict[str, Any]]) -> None:
+        self._state = state
+        self._proof = proof
+        self._incarnation = incarnation
+        self._events = events
+        self._sequences = iter(range(FORGED_SEQUENCE, FORGED_SEQUENCE + 1_000))
+
+    def envelope(self, vm: VmIdentity, *, key: str | None = None, **fields: Any) -> Message:
+        sent = Envelope(
+            vm=vm,
+            attestation=self._proof,
+            observedAt=now_utc(),
+            sequence=next(self._sequences),
+            forwarder=FORGER,
+            stateId=self._state,
+            **fields,
+        )
+        return sent.to_json_bytes(), key or vm.partition_key
+
+    def document(self, items: list[dict[str, Any]]) -> ScheduledEventsDocument:
+        return ScheduledEventsDocument.model_validate({"DocumentIncarnation": self._incarnation + 1, "Events": items})
+
+    def hooks(self, vm: VmIdentity) -> list[Message]:
+        done = HookStep(hook="10-drain", outcome="succeeded", durationSeconds=0.1, exitCode=0)
+        return [
+            self.envelope(
+                vm,
+                kind="hook",
+                hook=HookReport(
+                    eventId=str(e["EventId"]), phase="prepare", outcome="succeeded", durationSeconds=0.1, steps=[done]
+                ),
+            )
+            for e in self._events
+        ]
+
+    def impacts(self, vm: VmIdentity) -> list[Message]:
+        start = now_utc()
+        return [
+            self.envelope(
+                vm,
+                kind="impact",
+                impact=ImpactReport(
+                    eventId=str(e["EventId"]),
+                    eventType=str(e["EventType"]),
+                    measure="pause",
+                    measuredSeconds=3600,
+                    start=start,
+                    end=start + timedelta(hours=1),
+                ),
+            )
+            for e in self._events
+        ]
+
+
 def forged(
     step: ForgeStep,
     *,
@@ -116,57 +174,11 @@ def forged(
     """The messages (body, partition key) a forger on ``forger`` sends about ``victim``, each under a state of its
     own with a sequence no forwarder reaches. ``attest``: the forger's IMDS, for the kinds in ``ATTESTED``."""
     state = uuid.uuid4().hex
-    sequences = iter(range(FORGED_SEQUENCE, FORGED_SEQUENCE + 1_000))
     proof = attest(state) if attest is not None and step.kind in ATTESTED else None
     if proof is not None and step.kind == "malformed":
         proof = damaged(proof)
-
-    def envelope(vm: VmIdentity, *, key: str | None = None, **fields: Any) -> Message:
-        sent = Envelope(
-            vm=vm,
-            attestation=proof,
-            observedAt=now_utc(),
-            sequence=next(sequences),
-            forwarder=FORGER,
-            stateId=state,
-            **fields,
-        )
-        return sent.to_json_bytes(), key or vm.partition_key
-
-    def document(items: list[dict[str, Any]]) -> ScheduledEventsDocument:
-        return ScheduledEventsDocument.model_validate({"DocumentIncarnation": incarnation + 1, "Events": items})
-
-    def hooks(vm: VmIdentity) -> list[Message]:
-        done = HookStep(hook="10-drain", outcome="succeeded", durationSeconds=0.1, exitCode=0)
-        return [
-            envelope(
-                vm,
-                kind="hook",
-                hook=HookReport(
-                    eventId=str(e["EventId"]), phase="prepare", outcome="succeeded", durationSeconds=0.1, steps=[done]
-                ),
-            )
-            for e in events
-        ]
-
-    def impacts(vm: VmIdentity) -> list[Message]:
-        start = now_utc()
-        return [
-            envelope(
-                vm,
-                kind="impact",
-                impact=ImpactReport(
-                    eventId=str(e["EventId"]),
-                    eventType=str(e["EventType"]),
-                    measure="pause",
-                    measuredSeconds=3600,
-                    start=start,
-                    end=start + timedelta(hours=1),
-                ),
-            )
-            for e in events
-        ]
-
+    forgery = _Forgery(state, proof, incarnation, events)
+    envelope, document = forgery.envelope, forgery.document
     # The forger's own vmId and resource id (its partition key) under the victim's name: what its own document and
     # its own key allow.
     as_victim = forger.model_copy(update={"name": victim.name})
@@ -185,7 +197,7 @@ def forged(
             if events
             else []
         ),
-        "hook": lambda: hooks(victim),
+        "hook": lambda: forgery.hooks(victim),
         "name": lambda: [envelope(as_victim, kind="incarnation", document=document(short))] if events else [],
         "silence": lambda: (
             [
@@ -195,8 +207,8 @@ def forged(
             if events
             else []
         ),
-        "name-hook": lambda: hooks(as_victim),
-        "name-impact": lambda: impacts(as_victim),
+        "name-hook": lambda: forgery.hooks(as_victim),
+        "name-impact": lambda: forgery.impacts(as_victim),
         "squat": lambda: [
             envelope(
                 victim.model_copy(update={"vmId": forger.vmId}),

@@ -43,7 +43,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "forwarder/hooks.py:HookRunner._run_one": (84, "one hook process: start, budget, kill, report"),
     "forwarder/poller.py:Poller.poll_once": (98, "one poll: read, compare, spool, queue hooks, measure impact"),
     "local/__main__.py:main": (80, "the local command's options and its run"),
-    "local/forgeries.py:forged": (103, "each forgery kind's envelope"),
 }
 
 
