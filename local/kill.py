@@ -37,15 +37,18 @@ RUN_TIMEOUT = 150.0
 # The dead instance's claims expire this fast, and a killed run's rows and cards are taken over by the timer this
 # long after: shortened from the SDK's 12 s and the coordinator's 60 s and 30 s so that a run settles within a test.
 HOST_OPTIONS = HostProcessOptions(ownership_expiry=3.0, outbox_grace=6.0, alert_grace=6.0)
-# A 15-minute notice lasts 60 s here: a run killed between its deciding write and its send is sent again by the
-# timer (the approval's in-flight grace, 30 s real) well before NotBefore, as in Azure (30 s of 15 minutes).
 TIME_SCALE = 15.0
+# An hour's notice (240 s here): a run killed between its deciding write and its send is sent again by the timer
+# once the approval's in-flight grace has passed (90 s, real seconds: decide.IN_FLIGHT_GRACE) well before NotBefore,
+# as in Azure, where that grace is a tenth of a Freeze's 15 minutes. At 15x a 15-minute notice (60 s) would end
+# before the grace and the event would go unapproved for a reason of the compressed clock alone.
+NOTICE_SECONDS = 3600
 
 
 def kill_scenario() -> Scenario:
     """Four VMs, eight events the default policy approves at once (5 s Freezes, Reboots a person asked for), one
-    every 45 scenario seconds (3 s at 15x), each with a notice of 15 minutes (60 s here): longer than a crashed
-    instance takes to be replaced and its decided sends retried, so each is still approvable after a kill."""
+    every 45 scenario seconds (3 s at 15x), each with ``NOTICE_SECONDS`` of notice: longer than a crashed instance
+    takes to be replaced and its decided sends retried, so each is still approvable after a kill."""
     vms = [{"name": f"web_{i}", "vmScaleSetName": "web", "placementGroupId": f"pg-{i}"} for i in range(4)]
     steps = []
     for index in range(8):
@@ -54,7 +57,7 @@ def kill_scenario() -> Scenario:
             create = {"ref": f"freeze-{index}", "EventType": "Freeze", "Resources": [vm], "DurationInSeconds": 5}
         else:
             create = {"ref": f"reboot-{index}", "EventType": "Reboot", "Resources": [vm], "EventSource": "User"}
-        steps.append({"at": 45 * index, "create": create})
+        steps.append({"at": 45 * index, "create": {**create, "NoticeSeconds": NOTICE_SECONDS}})
     return Scenario.from_mapping({"name": "kill-coordinator", "vms": vms, "steps": steps})
 
 
