@@ -279,7 +279,8 @@ RATIOS = (
         (),
         3.0,
         "the 10k wave as shipped (attested, census, bindings warm) ÷ the same Table writes replayed by "
-        "benchmarks/table_ops.py's replay against the same Azurite",
+        "benchmarks/table_ops.py's replay against the same Azurite, through the store's own $batch transport "
+        "(coordinator/state/table_batch.py; not yet a raw socket client)",
     ),
     Ratio(
         "wave_10k_cold_over_warm",

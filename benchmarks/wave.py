@@ -70,6 +70,7 @@ from benchmarks.wave_fleet import (
     seed_bindings,
 )
 from coordinator.state.entities import CLAIM_PARTITION
+from coordinator.state.table_batch import TransactionTableClient
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
 from local.coordinator_setup import IDENTITY_VARIABLES
@@ -353,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result["problems"] else 0
 
 
+def _replay_floor(connection: str, recorded: list[tuple[str, Any]]) -> float:
+    """The wave's writes again, through the store's own $batch transport (the SDK's made the floor the slower)."""
+    TableServiceClient.from_connection_string(connection).create_table("wavereplay")
+    return replay(TransactionTableClient.from_connection_string(connection, table_name="wavereplay"), recorded)
+
+
 def _run(args: argparse.Namespace, environment: Environment) -> dict[str, Any]:
     started = time.perf_counter()
     ops = Ops(record=args.replay)
@@ -385,9 +392,7 @@ def _run(args: argparse.Namespace, environment: Environment) -> dict[str, Any]:
         census = function_app.coordinator().census
         listed = len(census.snapshot()[0]) if census is not None else 0
         if args.replay:
-            seconds_raw = replay(
-                TableServiceClient.from_connection_string(connection).create_table("wavereplay"), ops.recorded
-            )
+            seconds_raw = _replay_floor(connection, ops.recorded)
             outcome.extra |= {
                 "replay_seconds": round(seconds_raw, 3),
                 "wave_over_replay": round(outcome.seconds / seconds_raw, 2),
