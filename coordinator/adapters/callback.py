@@ -48,7 +48,7 @@ class ApprovalDeliveryError(RuntimeError):
 
     ``unreached``: no attempt can have reached the VM's listener (every connect refused, or the relay answered
     that no listener was connected), so the VM cannot be executing it: another VM may be sent the event at once
-    (pipeline/act.py ``open_after``). Otherwise an attempt may have reached it and it may still execute it.
+    (pipeline/attempt.py ``open_after``). Otherwise an attempt may have reached it and it may still execute it.
 
     ``answer_lost``: an attempt reached the listener, which went away before it answered (the relay's 502: the
     listener disconnected with the request outstanding). Its outcome is unknown, not failed: the listener may have

@@ -27,19 +27,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BatchCallback, BoundedCallback
-from coordinator.domain.deletes import platform_hold
-from coordinator.domain.history_rows import approval_row
-from coordinator.domain.lifecycle import EventChange, clone, lost_answer, raise_alert, transition
-from coordinator.domain.model import EventRecord, OpenRequest
-from coordinator.domain.retry import backoff_delay
 from coordinator.pipeline import attest, handover
+from coordinator.pipeline.attempt import approval_outcome
 from coordinator.pipeline.plan import answer_wait, hands_over, plan_delivery
 from coordinator.pipeline.run import Delivery, Run, Sending
 from coordinator.state.events import commit_event
@@ -47,7 +43,6 @@ from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
 
-APPROVAL_FAILED_AFTER = 3
 # How long past its own time a run waits for a bounded send's answer to come back (the attempt's end, the reply).
 SEND_SLACK = 0.5
 # An unproven answer (a lying listener beside the VM's on its hybrid connection, which Relay picks at random) is sent
@@ -131,7 +126,7 @@ def send_decided(
 def _plan(
     run: Run, event_id: str, last_seen: dict[str, datetime] | None, *, unstorable: frozenset[str]
 ) -> Delivery | None:
-    """The plan its deciding write committed (plan.intend), when it is for the approval committed; else made now."""
+    """The plan its deciding write committed (attempt.intend), when it is for the approval committed; else made now."""
     planned = run.work.planned.pop(event_id, None)
     record = run.work.records.get(event_id)
     approval = record.approval if record is not None else None
@@ -292,159 +287,3 @@ def send(
             f"{made} answers on {vm.name}'s hybrid connection did not prove they came from {vm.name}: {problem}; "
             "another instance may be listening on it; retried"
         )
-
-
-def approval_outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventChange | None:
-    """One delivery's outcome committed to its event, after the intent row of a send its deciding write did not carry
-    (a retry's, planned after that write). A request whose answer was lost (it reached the listener, which went
-    away) is kept on the approval after the outcome's own row (lifecycle.lost_answer): with the event already seen
-    Started before its NotBefore, the row that says so."""
-    change = _outcome(run, record, plan=plan)
-    if change is not None and plan.intent is not None:
-        change.rows.insert(0, plan.intent)
-    approval = change.record.approval if change is not None else None
-    if change is not None and plan.answer_lost and approval is not None and approval.decisionId == plan.decision_id:
-        lost_answer(change, run.now, executor=plan.executor, reason=plan.failure)
-    return change
-
-
-def _outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventChange | None:
-    decision_id, executor, result, failure = plan.decision_id, plan.executor, plan.result, plan.failure
-    if record is None or record.approval is None or record.approval.decisionId != decision_id:
-        return _superseded(record, plan)
-    now = run.now
-    record = clone(record)
-    change = EventChange(record=record, changed=True)
-    approval = record.approval
-    assert approval is not None
-    record.openRequest = open_after(record.openRequest, plan)
-    if plan.wait_until is not None and not plan.continued:
-        # No queue to wait in: the timer sends it once the earlier request has lapsed (not an attempt).
-        approval.nextAttemptAt = max(plan.wait_until, now)
-        approval.reason = plan.failure[:1000]
-        return change
-    if plan.continued:
-        return handover.handed_over(
-            run, change, executor=plan.executor, failure=plan.failure, waiting=plan.wait_until is not None
-        )
-    approval.attempts += 1
-    approval.lastAttemptAt = now
-    approval.executor = executor
-    # Not answered after a request of this decision reached the listener, which went away: unknown, not failed (IMDS
-    # may have accepted it; docs/liveness.md, *A lost answer*).
-    unknown = plan.answer_lost or approval.lostAnswer is not None
-    approval.outcome = result.outcome if result else ("unknown" if unknown else "failed")
-    approval.reason = (result.reason if result else failure)[:1000]
-    change.rows.append(
-        approval_row(
-            record=record,
-            now=now,
-            vm=executor,
-            rule=approval.rule,
-            decision_id=decision_id,
-            actor=approval.actor,
-            outcome=approval.outcome,
-            reason=approval.reason or f"StartRequests accepted by {executor}",
-            incarnation=result.documentIncarnation if result else None,
-        )
-    )
-    if result is not None and result.outcome == "approved":
-        # "approved" is the listener's word that IMDS took StartRequests; the platform's is Started or gone.
-        approval.delivered = True
-        approval.nextAttemptAt = None
-        approval.confirmBy = now + run.options.start_bound
-        # Set before the transition, so that the "approved" card says what holds it.
-        update_hold(run, change)
-        if record.state == "Scheduled":
-            transition(
-                change,
-                "Approved",
-                now,
-                f"approved by {approval.actor} through {executor}; confirmed when seen Started or gone",
-                rule=approval.rule,
-                actor=approval.actor,
-                decision_id=decision_id,
-                vm=executor,
-            )
-        return change
-    if result is not None and result.outcome == "not-scheduled":
-        # The VM sees it Started already; its next document moves the state.
-        approval.nextAttemptAt = None
-    else:
-        initial, maximum = run.options.approval_backoff
-        delay = backoff_delay(approval.attempts - 1, initial=initial, maximum=maximum, rng=run.parts.rng)
-        approval.nextAttemptAt = now + timedelta(seconds=max(1.0, delay))
-    if result is not None and result.outcome == "rejected":
-        # The VM found the decision's facts untrue of its own IMDS document or hook ledger: one card per event
-        # (the reason is in the history's Approval row); retries go on in case the record was merely behind.
-        raise_alert(change, "approval-refused", now)
-    if approval.attempts >= APPROVAL_FAILED_AFTER:
-        raise_alert(change, "approval-failed", now)
-    return change
-
-
-def _superseded(record: EventRecord | None, plan: Delivery) -> EventChange | None:
-    """An outcome for an approval withdrawn while it was on its way is not recorded, but the request it left
-    unanswered is: it may still be executed until its notAfter."""
-    if record is None:
-        return None
-    opened = open_after(record.openRequest, plan)
-    if opened == record.openRequest:
-        return None
-    record = clone(record)
-    record.openRequest = opened
-    return EventChange(record=record, changed=True)
-
-
-def open_after(open_request: OpenRequest | None, plan: Delivery) -> OpenRequest | None:
-    """The event's unanswered request after this plan: a request sent and not answered (no answer in time, or a
-    failure after it may have reached the listener) stays open until its notAfter; an answer closes it, and one
-    that reached no listener (connections refused, the relay had none) leaves things as they were."""
-    request = plan.request
-    if request is None or plan.vm is None:
-        return open_request  # nothing sent (a plan that waits, or one no VM could take)
-    if plan.result is not None:
-        return None
-    if plan.unreached:
-        return open_request  # it reached no listener: nobody can be executing it
-    until = request.deadline
-    if open_request is not None and (open_request.executor, open_request.decisionId) == (
-        plan.executor,
-        request.decisionId,
-    ):
-        until = max(until, open_request.until)
-    return OpenRequest(executor=plan.executor, decisionId=request.decisionId, until=until)
-
-
-def update_hold(run: Run, change: EventChange) -> None:
-    """Shows an approved delete that the platform holds because another delete of its scale set is pending:
-    on the record (the card and summarize() read it) and as an Approval row (Actor platform, Outcome held),
-    and again when the hold is lifted or moves to another pending delete."""
-    now = run.now
-    record = change.record
-    hold = platform_hold(record, run.fleet.deletes_of(record.scaleSets), now)
-    previous = record.platformHold
-    if (hold.eventId if hold else "") == (previous.eventId if previous else ""):
-        return
-    record.platformHold = hold
-    change.changed = True
-    if hold is None and previous is not None and record.approval is not None and record.approval.delivered:
-        # Held, the delete could not start: its time to be seen Started begins when the platform lets it go.
-        record.approval.confirmBy = now + run.options.start_bound
-    change.rows.append(
-        approval_row(
-            record=record,
-            now=now,
-            actor="platform",
-            outcome="held" if hold else "released",
-            reason=(
-                hold.describe() if hold else "no longer held by the platform: no other delete of its scale set pending"
-            ),
-            decision_id=record.approval.decisionId if record.approval else "",
-            details=(
-                {"heldBy": hold.eventId, "heldByVm": hold.vm, "until": hold.until.isoformat() if hold.until else None}
-                if hold
-                else None
-            ),
-        )
-    )

@@ -41,7 +41,7 @@ from coordinator.domain.model import (
 )
 from coordinator.domain.pacing import pace_domains
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import plan
+from coordinator.pipeline import attempt
 from coordinator.pipeline.fleet_cache import by_not_before
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -169,12 +169,12 @@ def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
 
 def redecide(run: Run, record: EventRecord | None) -> EventChange | None:
     """The event decided again, inside its write; an approval it decides planned before that write (its intent
-    row committed with it: plan.intend)."""
+    row committed with it: attempt.intend)."""
     if record is None:
         return None
     change = EventChange(record=clone(record))
     decide(run, change)
-    return plan.intend(run, change)
+    return attempt.intend(run, change)
 
 
 def _gate_results(run: Run, record: EventRecord, view: FleetView) -> dict[str, GateResult]:

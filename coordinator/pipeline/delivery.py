@@ -12,7 +12,7 @@ import logging
 from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import EventRecord
-from coordinator.pipeline import decide, plan
+from coordinator.pipeline import attempt, decide
 from coordinator.pipeline.positions import last_heard
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -49,8 +49,8 @@ def take_over(run: Run, delivery: QueuedDelivery) -> None:
         change = EventChange(record=clone(record))
         decide.decide(run, change, again=True)
         change.changed = True  # committed even when it decides the same: the ETag says no other run took it meanwhile
-        # Planned before this write, so that its intent row is committed with it (plan.intend).
-        return plan.intend(run, change, standing=True)
+        # Planned before this write, so that its intent row is committed with it (attempt.intend).
+        return attempt.intend(run, change, standing=True)
 
     stored = read_event(run.parts.store, delivery.eventId)
     if stored is not None:
@@ -73,8 +73,8 @@ def take_over(run: Run, delivery: QueuedDelivery) -> None:
         return
     run.work.collect(change)
     approval = change.record.approval
-    if approval is not None and approval.decisionId == delivery.decisionId:
-        run.work.deliveries.append(delivery.eventId)
+    if approval is not None and approval.decisionId == delivery.decisionId and delivery.eventId in run.work.planned:
+        run.work.deliveries.append(delivery.eventId)  # planned (attempt.intend), not settled with the write
 
 
 def _ids(delivery: QueuedDelivery) -> tuple[str, str]:

@@ -6,7 +6,7 @@ derives its observations with the pure ``observations.vm_observations`` (duplica
 messages of a VM whose envelopes could not be read against its position; folds the observations into the event
 records with ``event_merge.apply_observations``, has each changed event decided (``decide.decide_all``, inside the
 same ETag-checked write, so that of two instances only one decision commits; an approval it decides is planned
-there too: plan.intend), and writes the events, each with its rows in the outbox, then the VM positions, with
+there too: attempt.intend), and writes the events, each with its rows in the outbox, then the VM positions, with
 theirs. The committed ``EventChange``s go into the run's ``Work`` for the tail. VMs whose cached position turned
 out stale (another instance moved them) are redone from a fresh read.
 """
@@ -28,7 +28,7 @@ from coordinator.domain.history_rows import dead_letter_row, heartbeat_row, posi
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.observations import Observation, VmUpdate, vm_position
-from coordinator.pipeline import act, decide, event_grid, health, plan
+from coordinator.pipeline import act, attempt, decide, event_grid, health
 from coordinator.pipeline.ingest import Arrivals, dead_letter
 from coordinator.pipeline.positions import VmBatch, save_vm_updates, unstorable, vm_updates
 from coordinator.pipeline.run import Run
@@ -340,8 +340,8 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
             if not change.changed:
                 continue
             if change.approval_decided:
-                # Planned before the write, so that its intent row is committed with it (plan.intend).
-                plan.intend(run, change, unstorable=unstorable(batch, set(change.record.vms)))
+                # Planned before the write, so that its intent row is committed with it (attempt.intend).
+                attempt.intend(run, change, unstorable=unstorable(batch, set(change.record.vms)))
             changes.append(change)
             # Only the event itself is written here, with the rows of what it records (transitions, decisions, the
             # intent); new sightings go with the VM positions, and their Observation rows with them (SIGHTINGS).
@@ -386,7 +386,7 @@ def _commit_one_by_one(
             if redone is not None:
                 decide.decide_all(run, [redone])
                 if redone.approval_decided:
-                    plan.intend(run, redone, unstorable=unstorable(applier.batch, set(redone.record.vms)))
+                    attempt.intend(run, redone, unstorable=unstorable(applier.batch, set(redone.record.vms)))
             return redone
 
         try:

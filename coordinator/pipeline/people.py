@@ -19,7 +19,7 @@ from coordinator.domain.expiry import person_bound
 from coordinator.domain.history_rows import decision_row
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
-from coordinator.pipeline import plan, tail
+from coordinator.pipeline import attempt, tail
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.positions import last_heard
 from coordinator.pipeline.run import Run
@@ -109,7 +109,7 @@ def approve_manually(run: Run, event_id: str, *, person: str) -> ManualApproval:
     # Its executor judged by when the service last heard each VM (heartbeats count), as the timer judges it.
     run.heard = last_heard(store, stored.record)
     change = commit_event(
-        store, event_id, lambda r: plan.intend(run, decide(r)), etags=run.work.etags, outbox=run.outbox()
+        store, event_id, lambda r: attempt.intend(run, decide(r)), etags=run.work.etags, outbox=run.outbox()
     )
     if change is None:
         current = read_event(store, event_id)

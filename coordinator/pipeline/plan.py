@@ -1,7 +1,7 @@
 """Plan, the part of delivering an approval that decides what is sent: through which VM (or ARM), with which request
 and until when it holds, or why nothing can be sent now. ``act`` sends the plans and commits their outcomes.
 
-An approval decided by a write is planned before that write (``intend``): its intent row (the Approval row
+An approval decided by a write is planned before that write (``attempt.intend``): its intent row (the Approval row
 "sending") is committed with the deciding write, in the outbox beside the Decision row, and ``act.send_decided`` sends
 that very plan right after the write. A process that stops between the write and the send leaves the approval record
 and both rows; one that stops after the send leaves nothing unrecorded that the VM may have executed.
@@ -16,13 +16,12 @@ from coordinator.domain.approvals import choose_executor, reroutable_within, rer
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
-from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
 from coordinator.pipeline.run import Delivery, Run
 from coordinator.state.events import read_event
 from coordinator.state.store import Stored
 
-__all__ = ["UNANSWERED", "UNPEERED_ALLOWANCE", "answer_wait", "hands_over", "intend", "plan_delivery"]
+__all__ = ["UNANSWERED", "UNPEERED_ALLOWANCE", "answer_wait", "hands_over", "plan_delivery"]
 
 # The answers that say the executor's listener was not reached or did not answer (unknown: it went away before
 # answering): the next attempt prefers a peer.
@@ -30,24 +29,6 @@ UNANSWERED = frozenset({"failed", "continued", "unknown"})
 # How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
 # the Relay holds 3 s (oracle seed 15) still executes it; a peer that reports the event later waits this much more.
 UNPEERED_ALLOWANCE = timedelta(seconds=2)
-
-
-def intend(
-    run: Run, change: EventChange | None, *, unstorable: frozenset[str] = frozenset(), standing: bool = False
-) -> EventChange | None:
-    """Plans the delivery of the approval ``change`` decides (``standing``: of the approval it holds, decided before:
-    a delivery run's), before the change is written: its intent row joins the change's rows, committed with it, and
-    the plan is this run's to send once the change is committed (``Work.collect``). Returns the change."""
-    if change is None or change.record.approval is None or not (change.approval_decided or standing):
-        return change
-    record = change.record
-    plan = plan_delivery(run, record.eventId, None, unstorable=unstorable, deciding=record)
-    if plan is not None:
-        if plan.intent is not None:
-            change.rows.append(plan.intent)
-            plan.intent = None  # written with the deciding write, not again with the outcome
-        run.work.intend(change, plan)
-    return change
 
 
 def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason a plan goes no further, each saying why

@@ -277,7 +277,7 @@ class Work:
     # it returns, and its tail, after it, only what it committed since (``uncached``): put again, the batch's own
     # records could overwrite newer ones a later batch cached meanwhile.
     cached: dict[str, EventRecord] = field(default_factory=dict)
-    # The deliveries planned before the writes that decide them (plan.intend), by EventId: ``planning`` holds each
+    # The deliveries planned before the writes that decide them (attempt.intend), by EventId: ``planning`` holds each
     # with the change it was planned for until that change is committed (``collect``), then ``planned`` until sent.
     planning: dict[str, tuple[EventChange, Delivery]] = field(default_factory=dict)
     planned: dict[str, Delivery] = field(default_factory=dict)

@@ -25,7 +25,7 @@ from coordinator.domain.history_rows import approval_row, heartbeat_row, impact_
 from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert, sender_gone
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline import act, decide, outbox, plan, tail
+from coordinator.pipeline import attempt, decide, outbox, tail
 from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
 from coordinator.pipeline.record import adopt
 from coordinator.pipeline.run import Run
@@ -73,7 +73,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     last_seen: dict[str, datetime] = {}
     for vm in known:
         last_seen[vm.name] = max(vm.last_seen, last_seen.get(vm.name, vm.last_seen))
-    run.heard = last_seen  # an approval this tick decides is planned (plan.intend) by these
+    run.heard = last_seen  # an approval this tick decides is planned (attempt.intend) by these
     # A VM known only from Event Grid has no heartbeat to miss: its statuses (Completed, Canceled) say when it is done.
     agentless = {vm.name for vm in known if vm.agentless}
     reporting = {vm.name for vm in known if not vm.agentless}
@@ -182,11 +182,11 @@ def reconsider(
     if not run.dry_run:
         sender_gone(change, now)
     if record.eventType == "Terminate" and record.approval is not None and record.approval.delivered:
-        act.update_hold(run, change)
+        attempt.update_hold(run, change)
     if "not-started" not in change.record.alerts and start_overdue(change.record, now, last_seen):
         not_started(change, now)
     decide.decide(run, change)
-    return plan.intend(run, change)
+    return attempt.intend(run, change)
 
 
 def not_started(change: EventChange, now: datetime) -> None:

@@ -17,7 +17,7 @@ from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain import approvals
 from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline import act, delivery, handover, plan
+from coordinator.pipeline import act, attempt, delivery, handover, plan
 from coordinator.pipeline.run import Delivery, Run
 from tests.coordinator.helpers import DOC_NOW
 from tests.coordinator.runs import (
@@ -316,8 +316,8 @@ def test_an_outcome_for_a_superseded_decision_is_not_recorded(bench: Bench):
     approved_freeze(bench)
     record = bench.event(EVENT)
     plan = Delivery(event_id=EVENT, decision_id="d-older", executor="WestNO_0", callback=bench.callback)
-    assert act.approval_outcome(bench.run(), record, plan=plan) is None
-    assert act.approval_outcome(bench.run(), None, plan=plan) is None
+    assert attempt.approval_outcome(bench.run(), record, plan=plan) is None
+    assert attempt.approval_outcome(bench.run(), None, plan=plan) is None
 
 
 def test_an_approved_delete_held_by_a_pending_sibling_shows_the_platforms_hold(bench: Bench):
@@ -460,18 +460,18 @@ def test_a_request_stays_open_until_answered_and_only_the_same_executors_extends
         expiresAt=DOC_NOW + timedelta(seconds=5),
         notAfter=DOC_NOW + timedelta(seconds=5),
     )
-    opened = act.open_after(None, sent)
+    opened = attempt.open_after(None, sent)
     assert opened == OpenRequest(executor="vm-a", decisionId="d-1", until=DOC_NOW + timedelta(seconds=5))
     later = OpenRequest(executor="vm-a", decisionId="d-1", until=DOC_NOW + timedelta(seconds=9))
-    assert act.open_after(later, sent) == later  # a shorter request again does not shorten it
+    assert attempt.open_after(later, sent) == later  # a shorter request again does not shorten it
     sent.result = ApprovalResult(outcome="not-found", eventId=EVENT, decisionId="d-1")
-    assert act.open_after(later, sent) is None
+    assert attempt.open_after(later, sent) is None
     waiting = Delivery(event_id=EVENT, decision_id="d-1", executor="vm-a", callback=RecordingCallback())
-    assert act.open_after(later, waiting) == later  # nothing sent
+    assert attempt.open_after(later, waiting) == later  # nothing sent
     # Sent, but it reached no listener (connections refused, the relay had none): nothing new is open.
     sent.result, sent.unreached = None, True
-    assert act.open_after(None, sent) is None
-    assert act.open_after(later, sent) == later
+    assert attempt.open_after(None, sent) is None
+    assert attempt.open_after(later, sent) == later
 
 
 def test_a_handed_over_request_with_no_peer_yet_stays_valid_a_few_seconds_longer(bench: Bench):

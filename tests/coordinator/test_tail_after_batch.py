@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -18,7 +18,7 @@ import pytest
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.domain.model import EventRecord
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
+from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
@@ -172,3 +172,58 @@ def test_close_lets_the_tails_end_first(after_batch: ThreadPoolExecutor):
     coordinator.close(timeout=5)
     assert outcomes(coordinator, "EV-A") == ["sending", "approved"]
     assert event(coordinator, "EV-A").state == "Approved"
+
+
+DELETES_NOW = parse_policy(
+    "rules:\n  - name: deletes-now\n    match: {eventType: [Terminate]}\n    action: approve-now\n"
+)
+
+
+class HeldTails:
+    """An ``after_batch`` executor whose tails run only when released: the next batch comes first."""
+
+    def __init__(self) -> None:
+        self.tails: list[tuple[Callable[[], None], Future[None]]] = []
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        future: Future[None] = Future()
+        self.tails.append((fn, future))
+        return future
+
+    def release(self) -> None:
+        tails, self.tails = self.tails, []
+        for fn, future in tails:
+            fn()
+            future.set_result(None)
+
+
+def test_a_delete_a_peer_reported_first_is_sent_by_its_own_vms_batch_before_the_peers_tail_ran():
+    """A Terminate heard first from a peer is decided at once and finds no VM to go through (only the VM it deletes
+    may execute it). Its own VM's batch comes before the peer's tail: the write that decided it says nothing was
+    sent, so that batch sends it (before, it read an approval in flight and sent nothing: the tail's "failed" came
+    after it, and the VM's later unchanged documents decided nothing, so the delete went unapproved)."""
+    callback, tails = RecordingCallback(), HeldTails()
+    coordinator = Coordinator(
+        store=MemoryStateStore(),
+        history=MemoryHistory(),
+        alerts=RecordingAlerts(),
+        callback=callback,
+        policy=DELETES_NOW,
+        clock=Clock(),  # type: ignore[arg-type]
+        after_batch=tails,  # type: ignore[arg-type]
+    )
+    terminate = scheduled_event("EV-T", event_type="Terminate", resources=["WestNO_0"], source="User")
+    coordinator.run_batch([message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=1, events=[terminate]))])
+    decided = event(coordinator, "EV-T").approval
+    assert decided is not None
+    assert callback.sent == []  # no VM to send it through yet
+    assert "none of ['WestNO_0'] reported" in decided.reason
+
+    coordinator.run_batch([message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=1, events=[terminate]))])
+    assert [(request.decisionId, sent_to.name) for request, sent_to in callback.sent] == [
+        (decided.decisionId, "WestNO_0")
+    ]
+    tails.release()
+    assert event(coordinator, "EV-T").state == "Approved"
+    # The failed attempt once (written with the decision), then the send through the VM it deletes.
+    assert outcomes(coordinator, "EV-T") == ["failed", "sending", "approved"]

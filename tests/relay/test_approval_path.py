@@ -336,7 +336,7 @@ def test_sender_gives_up_with_a_delivery_error(imds: ImdsEmulator, relay: RelayE
 
 def test_a_send_whose_connections_are_refused_reached_no_one(imds: ImdsEmulator) -> None:
     """The Relay down (connections refused): the failure says no listener can have the request, so another VM may
-    be sent the event at once rather than after this request lapses (coordinator/pipeline/act.py open_after)."""
+    be sent the event at once rather than after this request lapses (coordinator/pipeline/attempt.py open_after)."""
     identity = imds_identity(imds, VM_A0)
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
