@@ -112,23 +112,7 @@ def _apply(run: Run, change: EventChange, plan: Delivery) -> None:
         )
     )
     if result is not None and result.outcome == "approved":
-        # "approved" is the listener's word that IMDS took StartRequests; the platform's is Started or gone.
-        approval.delivered = True
-        approval.nextAttemptAt = None
-        approval.confirmBy = now + run.options.start_bound
-        # Set before the transition, so that the "approved" card says what holds it.
-        update_hold(run, change)
-        if record.state == "Scheduled":
-            transition(
-                change,
-                "Approved",
-                now,
-                f"approved by {approval.actor} through {executor}; confirmed when seen Started or gone",
-                rule=approval.rule,
-                actor=approval.actor,
-                decision_id=decision_id,
-                vm=executor,
-            )
+        _approved(run, change, executor)
         return
     if result is not None and result.outcome == "not-scheduled":
         # The VM sees it Started already; its next document moves the state.
@@ -143,6 +127,29 @@ def _apply(run: Run, change: EventChange, plan: Delivery) -> None:
         raise_alert(change, "approval-refused", now)
     if approval.attempts >= APPROVAL_FAILED_AFTER:
         raise_alert(change, "approval-failed", now)
+
+
+def _approved(run: Run, change: EventChange, executor: str) -> None:
+    """ "approved" is the listener's word that IMDS took StartRequests; the platform's is Started or gone."""
+    now, record = run.now, change.record
+    approval = record.approval
+    assert approval is not None
+    approval.delivered = True
+    approval.nextAttemptAt = None
+    approval.confirmBy = now + run.options.start_bound
+    # Set before the transition, so that the "approved" card says what holds it.
+    update_hold(run, change)
+    if record.state == "Scheduled":
+        transition(
+            change,
+            "Approved",
+            now,
+            f"approved by {approval.actor} through {executor}; confirmed when seen Started or gone",
+            rule=approval.rule,
+            actor=approval.actor,
+            decision_id=approval.decisionId,
+            vm=executor,
+        )
 
 
 def _superseded(record: EventRecord | None, plan: Delivery) -> EventChange | None:
