@@ -37,7 +37,7 @@ from coordinator.adapters.teams import AlertSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import delivery, fold, handover, ingest, people, record, tail, timer
+from coordinator.pipeline import delivery, fold, handover, ingest, outbox, people, record, tail, timer
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.fleet_cache import FleetCache
 from coordinator.pipeline.ingest import Channel, RawMessage
@@ -60,13 +60,23 @@ from coordinator.pipeline.run import (
 from coordinator.state.events import read_event
 from coordinator.state.store import StateStore, Stored
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "set_graces"]
 
 log = logging.getLogger("coordinator")
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def set_graces(*, history: timedelta | None = None, cards: timedelta | None = None) -> None:
+    """For the whole process: after how long the timer takes over a run's history rows left in the outbox
+    (``record.OUTBOX_GRACE``, 60 s) and its cards left unsent (``outbox.ALERT_GRACE``, 30 s), read at each tick.
+    Local stacks shorten them (local/host.py); the deployed app keeps them. None leaves one as it is."""
+    if history is not None:
+        record.OUTBOX_GRACE = history
+    if cards is not None:
+        outbox.ALERT_GRACE = cards
 
 
 class Coordinator:

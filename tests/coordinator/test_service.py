@@ -10,14 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import azure.functions as func
+import pytest
 from azure.functions.eventhub import EventHubTriggerConverter
 from azure.functions.meta import Datum
 
 from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy import Policy
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
+from coordinator.pipeline import outbox, record
 from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
+from coordinator.service import Coordinator, set_graces
 from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
@@ -266,3 +268,17 @@ def test_hourly_housekeeping_deletes_concluded_events_after_the_retention(azurit
     still = coordinator.event("EV-OPEN")  # open (Expired by now): never purged
     assert still is not None
     assert still.record.state == "Expired"
+
+
+def test_set_graces_shortens_what_the_timer_waits_for_and_none_keeps_a_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(record, "OUTBOX_GRACE", record.OUTBOX_GRACE)  # both put back after the test
+    monkeypatch.setattr(outbox, "ALERT_GRACE", outbox.ALERT_GRACE)
+
+    def graces() -> tuple[timedelta, timedelta]:
+        return record.OUTBOX_GRACE, outbox.ALERT_GRACE
+
+    cards = outbox.ALERT_GRACE
+    set_graces(history=timedelta(seconds=6))
+    assert graces() == (timedelta(seconds=6), cards)
+    set_graces(cards=timedelta(seconds=2))
+    assert graces() == (timedelta(seconds=6), timedelta(seconds=2))
