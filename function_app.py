@@ -22,13 +22,19 @@ from typing import Any
 import azure.functions as func
 from opentelemetry import trace
 
-from coordinator import http
-from coordinator.adapters import telemetry
-from coordinator.adapters.delivery_queue import DELIVERY_QUEUE
-from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
-from coordinator.settings import CoordinatorSettings
-from coordinator.wiring import build_coordinator
+from coordinator import (
+    DELIVERY_QUEUE,
+    FORM_KEY_NAME,
+    Access,
+    Coordinator,
+    CoordinatorSettings,
+    RawMessage,
+    Response,
+    approve,
+    build_coordinator,
+)
+from coordinator import SERVICE_NAME as COORDINATOR_SERVICE_NAME
+from coordinator import pending_events as pending_events_page
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 log = logging.getLogger("function_app")
@@ -45,7 +51,7 @@ def _configure_telemetry() -> None:
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource  # noqa: PLC0415
 
     # Logs already reach Application Insights through the Functions host; the distro adds spans and metrics.
-    configure_azure_monitor(resource=Resource.create({SERVICE_NAME: telemetry.SERVICE_NAME}), disable_logging=True)
+    configure_azure_monitor(resource=Resource.create({SERVICE_NAME: COORDINATOR_SERVICE_NAME}), disable_logging=True)
 
 
 _configure_telemetry()
@@ -146,10 +152,10 @@ def continue_approval(message: func.QueueMessage) -> None:
     log.info("delivery %s (dequeued %s times)", json.dumps(report.as_dict()), message.dequeue_count)
 
 
-def _access() -> http.Access:
+def _access() -> Access:
     # WEBSITE_AUTH_ENABLED is injected by App Service when its authentication runs in front of the app; only then
     # is the X-MS-CLIENT-PRINCIPAL header the platform's and not the caller's.
-    return http.Access(
+    return Access(
         platform_auth=os.environ.get("WEBSITE_AUTH_ENABLED", "").strip().lower() == "true",
         own_origin=settings().public_base_url,
         form_key=lambda: _form_key(coordinator()),
@@ -162,10 +168,10 @@ def _form_key(coordinator: Coordinator) -> bytes:
     # One key for every instance (an approval page served by one instance is posted to another): kept in the
     # state table, read once per process (cached by the coordinator: a store is typed by its protocol, which
     # does not promise to be hashable).
-    return coordinator.store.shared_key(http.FORM_KEY_NAME)
+    return coordinator.store.shared_key(FORM_KEY_NAME)
 
 
-def _respond(response: http.Response) -> func.HttpResponse:
+def _respond(response: Response) -> func.HttpResponse:
     return func.HttpResponse(
         response.body,
         status_code=response.status,
@@ -182,7 +188,7 @@ def _respond(response: http.Response) -> func.HttpResponse:
 @app.route(route="events/{event_id}/approve", methods=["GET", "POST"], auth_level=func.AuthLevel.ANONYMOUS)
 def approve_event(req: func.HttpRequest) -> func.HttpResponse:
     return _respond(
-        http.approve(
+        approve(
             coordinator(),
             method=req.method,
             event_id=req.route_params.get("event_id", ""),
@@ -196,4 +202,4 @@ def approve_event(req: func.HttpRequest) -> func.HttpResponse:
 @app.function_name("pending_events")
 @app.route(route="events", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)
 def pending_events(req: func.HttpRequest) -> func.HttpResponse:
-    return _respond(http.pending_events(coordinator(), headers=dict(req.headers), access=_access()))
+    return _respond(pending_events_page(coordinator(), headers=dict(req.headers), access=_access()))

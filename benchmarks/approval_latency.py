@@ -41,14 +41,18 @@ from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalFacts, ApprovalReque
 from contracts.document import ScheduledEvent
 from contracts.envelope import VmIdentity
 from contracts.sas import relay_resource_uri
-from coordinator.adapters.callback import ApprovalCallback
-from coordinator.adapters.relay_sender import RelayApprovalSender
-from coordinator.domain.evaluation import hooks_required
-from coordinator.domain.expiry import approval_bound, request_bound, sendable
-from coordinator.domain.model import EventRecord
-from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline.plan import UNPEERED_ALLOWANCE
-from coordinator.pipeline.run import IN_RUN_DELIVERY
+from coordinator import (
+    IN_RUN_DELIVERY,
+    UNPEERED_ALLOWANCE,
+    ApprovalCallback,
+    EventRecord,
+    RelayApprovalSender,
+    approval_bound,
+    hooks_required,
+    parse_policy,
+    request_bound,
+    sendable,
+)
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.relay import RelayEmulator
 from forwarder.approver import Approver

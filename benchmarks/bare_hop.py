@@ -64,11 +64,7 @@ from benchmarks.table_ops import CountingTable, Ops
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import Attestation, decision_nonce, state_nonce
 from contracts.envelope import SCHEMA, VmIdentity
-from coordinator.pipeline.ingest import RawMessage
-from coordinator.pipeline.run import Report
-from coordinator.service import Coordinator
-from coordinator.settings import CoordinatorSettings
-from coordinator.wiring import build_coordinator
+from coordinator import Coordinator, CoordinatorSettings, RawMessage, Report, build_coordinator
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from forwarder.imds import identity_of

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coordinator.domain.rows import history_schema
+from coordinator import history_schema
 
 if TYPE_CHECKING:
     from local.stack import LocalStack

@@ -41,8 +41,7 @@ from azure.core.credentials import AzureNamedKeyCredential
 from benchmarks.approval_latency import approval_request, percentile
 from benchmarks.checks import approvals_problems, finish, too_few
 from contracts.envelope import VmIdentity
-from coordinator.adapters.callback import ApprovalDeliveryError
-from coordinator.adapters.relay_sender import RelayApprovalSender
+from coordinator import ApprovalDeliveryError, RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
 from forwarder.imds import ImdsClient

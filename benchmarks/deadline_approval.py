@@ -29,12 +29,7 @@ from typing import Any
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import SCHEMA, VmIdentity
-from coordinator.adapters.history import SqliteHistory
-from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
-from coordinator.state.tables import TableStateStore
+from coordinator import Coordinator, FolderCardSink, RawMessage, SqliteHistory, TableStateStore, parse_policy
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator, Scenario
 from local.direct_callback import DirectImdsCallback

@@ -76,8 +76,7 @@ from benchmarks.checks import (
     stack_problems,
     too_few,
 )
-from coordinator.adapters.relay_sender import RelayApprovalSender
-from coordinator.state.tables import TableStateStore
+from coordinator import RelayApprovalSender, TableStateStore
 from emulators.imds import Scenario, VmSpec
 from local.runner import IngestFunction, wait_until
 from local.stack import LocalStack

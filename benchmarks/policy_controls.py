@@ -9,11 +9,7 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
-from coordinator.domain.controls import VmFacts
-from coordinator.domain.evaluation import evaluate
-from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.model import EventRecord
-from coordinator.domain.policy_file import parse_policy
+from coordinator import EventRecord, FleetView, VmFacts, evaluate, parse_policy
 
 NOW = datetime(2026, 11, 18, 10, tzinfo=UTC)  # inside the window (11:00 in Oslo), outside the blackout
 POLICY = parse_policy(

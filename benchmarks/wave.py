@@ -69,8 +69,7 @@ from benchmarks.wave_fleet import (
     prepare,
     seed_bindings,
 )
-from coordinator.state.entities import CLAIM_PARTITION
-from coordinator.state.table_batch import TransactionTableClient
+from coordinator import CLAIM_PARTITION, TransactionTableClient
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
 from local.coordinator_setup import IDENTITY_VARIABLES

@@ -16,9 +16,7 @@ from typing import Any
 
 from azure.data.tables import TableServiceClient
 
-from coordinator.adapters.history import SqliteHistory
-from coordinator.state.entities import CLAIM_PARTITION
-from coordinator.state.tables import TableStateStore
+from coordinator import CLAIM_PARTITION, SqliteHistory, TableStateStore
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,7 @@ import azure.functions as func
 
 from contracts.attestation import state_nonce
 from contracts.envelope import SCHEMA
-from coordinator.pipeline.bindings import Wanted, remember
-from coordinator.state.entities import claim_entity, claim_transactions
+from coordinator import Wanted, remember
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.imds.attested import CertificateAuthority
 from forwarder.imds import identity_of
@@ -161,9 +160,7 @@ def seed_bindings(coordinator: Any, identities: Iterable[Mapping[str, Any]], *, 
         )
         pairs.update(vm.claims())
     if table:
-        client = coordinator.store._table
-        for part in claim_transactions([claim_entity(n, v) for n, v in pairs.items()]):
-            client.submit_transaction([("create", e) for e in part])
+        coordinator.store.claim_many(list(pairs.items()))  # transactions of 100 claims of one partition
     for name, value in pairs.items():
         remember(coordinator.attestations.bindings, name, value)
     return len(pairs) if table else 0

@@ -14,7 +14,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
+from coordinator import DEFAULT_POLICY_PATH, load_policy
 from ops.policy.exports import read_history
 from ops.policy.replay import replay
 

@@ -26,10 +26,7 @@ from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import ATTESTED_API_VERSION, Attestation, decision_nonce
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import VmIdentity
-from coordinator.adapters.callback import ApprovalDeliveryError
-from coordinator.service import Coordinator
-from coordinator.settings import CoordinatorSettings
-from coordinator.wiring import build_coordinator
+from coordinator import ApprovalDeliveryError, Coordinator, CoordinatorSettings, build_coordinator
 from forwarder.approval_rules import judge
 from forwarder.durable_state import Store
 

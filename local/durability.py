@@ -15,7 +15,7 @@ from typing import Any
 
 from azure.storage.blob import BlobServiceClient
 
-from coordinator.state.tables import TableStateStore
+from coordinator import TableStateStore
 from local.observe import TABLE, cards_written, logged_sightings, sent_envelopes, sent_facts
 from local.runner import AZURITE_BLOB_API_VERSION
 from local.stack import HUB, LocalStack

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, quote, urlsplit
 
-from coordinator.http import APPROVE_ROLE, READ_ROLE
+from coordinator import APPROVE_ROLE, READ_ROLE
 from local.http_host import Answer, Handler, Request
 
 # What App Service puts in the app's environment when its authentication is on.

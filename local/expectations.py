@@ -27,11 +27,7 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
-from coordinator.domain.controls import VmFacts
-from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.matching import first_match
-from coordinator.domain.model import EventRecord
-from coordinator.domain.policy import HooksOption, Policy, Rule
+from coordinator import EventRecord, FleetView, HooksOption, Policy, Rule, VmFacts, first_match
 from emulators.imds import VmSpec
 
 Expectation = Literal["approve", "no-approval", "either"]

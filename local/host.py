@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
-from coordinator.pipeline import outbox, record
+from coordinator import set_graces
 from local.direct_callback import direct_coordinator, forwarder_hook_ledger
 from local.easy_auth import EasyAuthStandIn, LocalPerson
 from local.http_host import FunctionsHttpHost, LocalHttpServer
@@ -122,11 +122,11 @@ def function_hosts(
 
 
 def _apply_graces(options: HostProcessOptions) -> None:
-    # The coordinator reads both graces from its modules at each tick; the deployed app keeps their values.
-    if options.outbox_grace is not None:
-        record.OUTBOX_GRACE = timedelta(seconds=options.outbox_grace)
-    if options.alert_grace is not None:
-        outbox.ALERT_GRACE = timedelta(seconds=options.alert_grace)
+    # The coordinator reads both graces at each tick; the deployed app keeps their values.
+    set_graces(
+        history=None if options.outbox_grace is None else timedelta(seconds=options.outbox_grace),
+        cards=None if options.alert_grace is None else timedelta(seconds=options.alert_grace),
+    )
 
 
 def serve(spec: HostSpec) -> None:

@@ -14,9 +14,7 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from contracts.envelope import Envelope
-from coordinator.domain.model import AlertKind
-from coordinator.domain.rows import history_schema
-from coordinator.state.store import StateStore
+from coordinator import AlertKind, StateStore, history_schema
 from emulators.eventhubs import EventHubsEmulator
 from emulators.eventhubs.messages import MessageError, decode
 from emulators.eventhubs.partition_log import StoredEvent

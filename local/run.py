@@ -8,8 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from coordinator.domain.policy_file import PolicyError, load_policy
-from coordinator.state.tables import TableStateStore
+from coordinator import PolicyError, TableStateStore, load_policy
 from local.expectations import Expected, expect_all, with_declared
 from local.observe import HistoryTail, collect
 from local.scenario import pages_without_gate

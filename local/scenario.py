@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from coordinator.domain.policy import Policy
+from coordinator import Policy
 from emulators.imds import Scenario
 
 # How long a VM that a Terminate or Preempt removes goes on running after its event turned Started, in a scenario that

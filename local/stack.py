@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import IO, Any, Self
 
-from coordinator.adapters.delivery_queue import DELIVERY_QUEUE
+from coordinator import DELIVERY_QUEUE
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
+from coordinator import DEFAULT_POLICY_PATH
 from emulators.imds import Scenario
 from emulators.imds.lifecycle import DEFAULT_STARTED_MIN_SECONDS
 from local.easy_auth import DEFAULT_PEOPLE, LocalPerson

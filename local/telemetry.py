@@ -51,13 +51,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from coordinator.adapters import telemetry as coordinator_telemetry
+from coordinator import EVENT_ID as COORDINATOR_EVENT_ID
+from coordinator import SERVICE_NAME as COORDINATOR_SERVICE_NAME
 
 TELEMETRY_DIR = "telemetry"
 REPORT_FILE = "telemetry.json"
 APPROVAL_SPAN = "coordinator.approval"
 # The attributes that tie a span to one event (the forwarder's detection lists the events of its document).
-EVENT_ID = coordinator_telemetry.EVENT_ID
+EVENT_ID = COORDINATOR_EVENT_ID
 EVENT_IDS = "scheduled_events.event_ids"
 
 
@@ -281,7 +282,7 @@ class Collector:
     _lock = threading.Lock()
 
     def __init__(self) -> None:
-        resource = Resource.create({SERVICE_NAME: coordinator_telemetry.SERVICE_NAME})
+        resource = Resource.create({SERVICE_NAME: COORDINATOR_SERVICE_NAME})
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))

@@ -48,8 +48,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from coordinator.adapters.history import DEFAULT_SQLITE_PATH
-from coordinator.domain.rows import history_schema
+from coordinator import DEFAULT_SQLITE_PATH, history_schema
 from ops.history import LOCAL_RUN_FILE, HistoryInputError, LocalRun, local_run_path, read_local_run
 
 PRICE_USD_PER_LISTENER_HOUR = 0.0134

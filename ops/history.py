@@ -24,8 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from coordinator.adapters.history import DEFAULT_SQLITE_PATH
-from coordinator.domain.rows import history_schema
+from coordinator import DEFAULT_SQLITE_PATH, history_schema
 
 OK, NO_MATCH, BAD_INPUT = 0, 1, 2
 _SINCE = re.compile(r"^(\d+)([smhd])$")

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coordinator.domain.rows import column_types, history_schema
+from coordinator import column_types, history_schema
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection

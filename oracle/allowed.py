@@ -37,7 +37,7 @@ from decimal import Decimal
 from fractions import Fraction
 from functools import cached_property
 
-from coordinator.domain.policy import HooksOption, RateOption, Rule, SequenceOption
+from coordinator import HooksOption, RateOption, Rule, SequenceOption
 from oracle.facts import INF, Facts
 from oracle.intervals import EMPTY, Intervals, seconds
 from oracle.rules import choose, match_breakpoints

@@ -9,8 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from coordinator.domain.policy import Policy, Rule
-from coordinator.domain.policy_file import parse_policy
+from coordinator import Policy, Rule, parse_policy
 from oracle.calendar import cron_periods
 from oracle.intervals import EMPTY, Intervals, seconds
 from oracle.truth import Event, Hook, Span, Truth, Vm

@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from coordinator.domain.policy_file import parse_policy
+from coordinator import parse_policy
 from emulators.imds import Scenario
 from oracle import hostile
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 
-from coordinator.domain.policy import Match, Policy, Rule
+from coordinator import Match, Policy, Rule
 from oracle.calendar import utc_window_spans
 from oracle.intervals import Intervals
 from oracle.truth import Event, Vm

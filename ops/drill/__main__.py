@@ -18,7 +18,7 @@ from typing import Any
 from azure.core.exceptions import AzureError
 from azure.identity import DefaultAzureCredential
 
-from coordinator.adapters.arm import ARM_ENDPOINT, ArmClient
+from coordinator import ARM_ENDPOINT, ArmClient
 from ops.drill.calls import Outcome, execute, read_instances, read_scale_set
 from ops.drill.plan import KINDS, DrillInputError, check_scale_set_id, choose, describe, plan
 

@@ -16,7 +16,7 @@ from typing import Any
 from azure.core.rest import HttpRequest, HttpResponse
 from pydantic import ValidationError
 
-from coordinator.adapters.arm import ArmClient
+from coordinator import ArmClient
 from ops.drill.plan import COMPUTE_API_VERSION, Call, DrillInputError, Instance, ScaleSet
 
 # Polls of an operation are at least this far apart and at most this (ARM's Retry-After within these bounds).

@@ -14,8 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from coordinator.domain.policy import Policy
-from coordinator.domain.policy_file import PolicyError, load_policy
+from coordinator import Policy, PolicyError, load_policy
 from ops.history import parse_since
 from ops.policy.adapters import InputError
 from ops.policy.cases import CaseResult, cases_path, load_cases, run_case

@@ -17,15 +17,22 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from contracts.envelope import VmIdentity
-from coordinator.domain.controls import GateResult, GateState
-from coordinator.domain.deletes import couple
-from coordinator.domain.evaluation import Decision, evaluate
-from coordinator.domain.event_merge import scale_sets_of
-from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.model import BudgetRecord, DecisionRecord, EventRecord, VmSighting
-from coordinator.domain.policy import Policy
-from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline.fleet_cache import facts_of
+from coordinator import (
+    BudgetRecord,
+    Decision,
+    DecisionRecord,
+    EventRecord,
+    FleetView,
+    GateResult,
+    GateState,
+    HistoryRow,
+    Policy,
+    VmSighting,
+    couple,
+    evaluate,
+    facts_of,
+    scale_sets_of,
+)
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -39,10 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from contracts.envelope import VmIdentity
-from coordinator.domain.controls import GateState
-from coordinator.domain.evaluation import Decision
-from coordinator.domain.model import EventRecord
-from coordinator.domain.policy import Policy
+from coordinator import Decision, EventRecord, GateState, Policy
 from ops.policy import adapters
 from ops.policy.adapters import InputError
 

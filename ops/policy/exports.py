@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from coordinator.domain.rows import HistoryRow, column_types, history_schema
+from coordinator import HistoryRow, column_types, history_schema
 from ops.policy.adapters import InputError
 
 # Columns Log Analytics gives every table (and `az ... query` adds TableName): not part of the history's schema.

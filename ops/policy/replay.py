@@ -16,14 +16,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
-from coordinator.domain.controls import GateResult, GateState
-from coordinator.domain.deletes import pending_delete
-from coordinator.domain.evaluation import Decision, needs_fleet
-from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.model import TERMINAL_STATES, DecisionRecord, EventRecord, VmSighting
-from coordinator.domain.policy import Policy
-from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline.fleet_cache import holds_budget
+from coordinator import (
+    TERMINAL_STATES,
+    Decision,
+    DecisionRecord,
+    EventRecord,
+    FleetView,
+    GateResult,
+    GateState,
+    HistoryRow,
+    Policy,
+    VmSighting,
+    holds_budget,
+    needs_fleet,
+    pending_delete,
+)
 from ops.policy import adapters
 from ops.policy.adapters import InputError
 
