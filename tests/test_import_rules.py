@@ -58,6 +58,8 @@ def _lint(copy: Path) -> subprocess.CompletedProcess[str]:
         ("coordinator/state/tables.py", "import coordinator.adapters.gates", "nothing imports up"),
         ("coordinator/domain/evaluation.py", "import requests", "the coordinator's domain is pure"),
         ("local/timeline.py", "import tests.coordinator.helpers", "nothing imports tests"),
+        ("ops/cost.py", "import coordinator.domain.model", "outside the coordinator, only its face is imported"),
+        ("local/run.py", "from coordinator import http", "outside the coordinator, only its face is imported"),
     ],
 )
 def test_the_import_rules_hold_and_a_forbidden_import_breaks_them(
