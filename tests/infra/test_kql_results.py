@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,6 +19,7 @@ from duckdb import DuckDBPyConnection
 
 from infra import build_workbook
 from ops import kql
+from tests.commands import python_m
 from tests.infra import bicep_model as bm
 from tests.infra.known_history import vm_columns, write_known_history
 from tests.infra.kql_language import analyze
@@ -202,14 +202,7 @@ def test_strings_read_as_empty_never_null(con: DuckDBPyConnection) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ops.history", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-        cwd=bm.ROOT,
-    )
+    return python_m("ops.history", *args)
 
 
 def test_cli_runs_a_query_file_and_a_query_text(history_db: Path) -> None:

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.commands import ROOT, python_m
+
+
+def local(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return python_m("local", *args, timeout=timeout)
 
 
 def children_of_run(workdir: Path) -> list[str]:
@@ -26,28 +30,14 @@ def children_of_run(workdir: Path) -> list[str]:
 def test_a_bad_scenario_is_refused_with_the_reason(tmp_path: Path) -> None:
     scenario = tmp_path / "bad.yaml"
     scenario.write_text("name: bad\nvms: []\n", encoding="utf-8")
-    completed = subprocess.run(
-        [sys.executable, "-m", "local", "--scenario", str(scenario), "--workdir", str(tmp_path / "w")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    completed = local("--scenario", str(scenario), "--workdir", str(tmp_path / "w"))
     assert completed.returncode == 2
     assert "bad.yaml" in completed.stderr
     assert "vms" in completed.stderr
 
 
 def test_a_missing_policy_file_is_refused(tmp_path: Path) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "local", "--policy", str(tmp_path / "none.yaml"), "--workdir", str(tmp_path / "w")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    completed = local("--policy", str(tmp_path / "none.yaml"), "--workdir", str(tmp_path / "w"))
     assert completed.returncode == 2
     assert "none.yaml does not exist" in completed.stderr
 
@@ -87,28 +77,10 @@ def test_a_second_run_on_the_same_work_folder_is_refused(tmp_path: Path) -> None
     workdir.mkdir()
     with (workdir / ".lock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as a running `python -m local` holds it
-        completed = subprocess.run(
-            [sys.executable, "-m", "local", "--workdir", str(workdir)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        completed = local("--workdir", str(workdir))
     assert completed.returncode == 1
     assert "another local run is using" in completed.stderr
     assert not (workdir / "logs").exists(), "the running one's files were touched"
-
-
-def local(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "local", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 BAD_POLICY = "rules:\n  - name: a\n    match: {eventTyp: [Freeze]}\n    action: approve-nw\n"
@@ -189,14 +161,7 @@ def test_the_runs_history_answers_to_the_names_the_run_printed(
     event_id = json.loads(done.stdout)["events"][0]["eventId"]
     db = str(workdir / "history.sqlite")
     for name in ("live-migration", event_id[:8], event_id.lower()):
-        found = subprocess.run(
-            [sys.executable, "-m", "ops.history", "--db", db, "--json", "timeline", name],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        found = python_m("ops.history", "--db", db, "--json", "timeline", name)
         assert found.returncode == 0, found.stderr
         assert "Decision" in {json.loads(line)["RecordType"] for line in found.stdout.splitlines()}
 
@@ -206,14 +171,7 @@ def test_the_cost_tool_measures_the_run_in_azure_time(json_run: tuple[subprocess
     _, workdir = json_run
 
     def cost(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "ops.cost", "--history", str(workdir / "history.sqlite"), *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        return python_m("ops.cost", "--history", str(workdir / "history.sqlite"), *args)
 
     short = cost()
     assert short.returncode == 2

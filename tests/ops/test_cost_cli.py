@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -13,15 +12,13 @@ from typing import Any
 from coordinator.adapters.history import SqliteHistory
 from coordinator.domain.rows import HistoryRow
 from ops.history import LOCAL_RUN_FILE
+from tests.commands import python_m
 
-ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def cost(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ops.cost", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
-    )
+    return python_m("ops.cost", *args)
 
 
 def write_history(folder: Path, *, scale: float, span: timedelta) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -15,8 +14,8 @@ import pytest
 from coordinator.adapters.history import SqliteHistory
 from coordinator.domain.rows import HistoryRow
 from ops.history import LOCAL_RUN_FILE
+from tests.commands import python_m
 
-ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime.now(UTC).replace(microsecond=0)
 FREEZE = "4A0FA015-D90C-4E58-8325-EA20A7142413"
 REBOOT = "4A0FB016-0000-4000-8000-000000000001"
@@ -27,14 +26,7 @@ LONG_REASON = (
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ops.history", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return python_m("ops.history", *args)
 
 
 @pytest.fixture

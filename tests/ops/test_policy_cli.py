@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -13,22 +12,15 @@ from coordinator.adapters.history import SqliteHistory
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from coordinator.domain.rows import HistoryRow
 from ops.policy.replay import LIMITS
+from tests.commands import ROOT, python_m
 
-ROOT = Path(__file__).resolve().parents[2]
 FLEET_CONTROLS = ROOT / "emulators" / "scenarios" / "policies" / "fleet-controls.yaml"
 EVENT = "0F6412ED-40AC-459F-B16B-6C8807B60A58"
 
 
 def simulate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ops.policy", "simulate", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, "COLUMNS": "1000"},  # --help unwrapped: a hyphenated word is not split across lines
-    )
+    # --help unwrapped: a hyphenated word is not split across lines.
+    return python_m("ops.policy", "simulate", *args, env={**os.environ, "COLUMNS": "1000"})
 
 
 def history(tmp_path: Path) -> Path:

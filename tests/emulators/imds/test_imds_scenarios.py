@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 import requests
@@ -15,8 +14,8 @@ import requests
 from emulators.imds.models import Scenario, ScenarioError, StartRequestsBody
 from emulators.imds.records import VmRemovedError
 from emulators.imds.state import EmulatorState
+from tests.commands import ROOT, python_m
 
-ROOT = Path(__file__).resolve().parents[3]
 SCENARIOS = ROOT / "emulators" / "scenarios"
 T0 = datetime(2026, 3, 2, 10, 0, 0, tzinfo=UTC)
 
@@ -173,13 +172,6 @@ def test_command_line_prints_its_url_serves_and_stops_on_sigterm():
 def test_command_line_refuses_a_bad_scenario(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("vms: []\n", encoding="utf-8")
-    result = subprocess.run(
-        [sys.executable, "-m", "emulators.imds", "--scenario", str(path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = python_m("emulators.imds", "--scenario", str(path), timeout=30)
     assert result.returncode == 2
     assert "vms" in json.loads(result.stderr)["error"]
