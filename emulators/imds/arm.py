@@ -126,6 +126,19 @@ class ArmFaults:
         return sum(len(queue) for queue in self._queues.values())
 
 
+def refusal(
+    method: str, wanted: str, query: dict[str, list[str]], authorization: str | None, versions: tuple[str, ...]
+) -> ArmAnswer | None:
+    """What ARM answers a request before it acts, if anything: the wrong method, an api-version the route does not
+    take, then a missing or wrong token, in that order."""
+    if method != wanted:
+        return arm_error(405, "MethodNotAllowed", f"{method} is not allowed here")
+    version = (query.get("api-version") or [""])[0]
+    if version not in versions:
+        return arm_error(400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(versions)}")
+    return check_token(authorization)
+
+
 def check_token(authorization: str | None) -> ArmAnswer | None:
     """None when the bearer token is valid and for ARM; else the refusal."""
     if not authorization or not authorization.startswith("Bearer "):

@@ -22,8 +22,8 @@ from emulators.imds.arm import (
     ArmLists,
     ScheduledEventsIdList,
     arm_error,
-    check_token,
     list_answer,
+    refusal,
     vms_of,
 )
 from emulators.imds.drills import INSTANCE_EVICTION, OPERATION, SCALE_SET, SCALE_SET_ACTION, VM_EVICTION
@@ -61,17 +61,7 @@ class ArmFace(EmulatorCore):
         fault (which raises)."""
         with self._lock:
             self.arm_requests += 1
-        if method != "POST":
-            raise Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
-        version = (query.get("api-version") or [""])[0]
-        if version not in versions:
-            answer = arm_error(
-                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(versions)}"
-            )
-            raise Reply(answer.status, answer.body)
-        refusal = check_token(handler.headers.get("Authorization"))
-        if refusal is not None:
-            raise Reply(refusal.status, refusal.body, refusal.headers)
+        _end_with(refusal(method, "POST", query, handler.headers.get("Authorization"), versions))
 
     def _acknowledge_one(self, event_id: str, resource: re.Match[str], now: datetime) -> str | None:
         """Approves the event as a StartRequests from one of the resource's VMs that sees it would (the caller holds
@@ -95,9 +85,7 @@ class ArmFace(EmulatorCore):
         """The Maintenance RP's acknowledge of one event (``ScheduledEvents_Acknowledge``)."""
         self._arm_checks(method, query, handler, API_VERSIONS)
         with self._lock:
-            fault = self.arm_faults.take()
-            if fault is not None:
-                raise Reply(fault.status, fault.body, fault.headers)
+            _end_with(self.arm_faults.take())
             problem = self._acknowledge_one(acknowledge.group("event"), acknowledge, self.clock.now())
         if problem is not None:
             raise Reply(404, arm_error(404, "NotFound", problem).body)
@@ -116,9 +104,7 @@ class ArmFace(EmulatorCore):
                 400, arm_error(400, "InvalidRequestContent", f"the body is not a ScheduledEventsIdList: {error}").body
             ) from error
         with self._lock:
-            fault = self.arm_faults.take()
-            if fault is not None:
-                raise Reply(fault.status, fault.body, fault.headers)
+            _end_with(self.arm_faults.take())
             now = self.clock.now()
             failed = [
                 {"target": event_id, "code": "NotFound", "message": problem}
@@ -141,25 +127,10 @@ class ArmFace(EmulatorCore):
         listed_events = ACKNOWLEDGE_LIST.match(path)
         if listed_events is not None:
             return self._acknowledge_list(method, listed_events, query, handler)
-        drill = self._drill(method, path, query, handler)
-        if drill is not None:
-            # Through Reply, the one way an answer carries headers (a long-running operation's among them).
-            raise Reply(drill.status, drill.body, drill.headers)
-        if method != "GET":
-            raise Reply(405, arm_error(405, "MethodNotAllowed", f"{method} is not allowed here").body)
-        version = (query.get("api-version") or [""])[0]
-        if version not in COMPUTE_API_VERSIONS:
-            wrong = arm_error(
-                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(COMPUTE_API_VERSIONS)}"
-            )
-            raise Reply(wrong.status, wrong.body)
-        refusal = check_token(handler.headers.get("Authorization"))
-        if refusal is not None:
-            raise Reply(refusal.status, refusal.body, refusal.headers)
+        _end_with(self._drill(method, path, query, handler))
+        _end_with(refusal(method, "GET", query, handler.headers.get("Authorization"), COMPUTE_API_VERSIONS))
         with self._lock:
-            fault = self.arm_faults.take("read")
-            if fault is not None:
-                raise Reply(fault.status, fault.body, fault.headers)
+            _end_with(self.arm_faults.take("read"))
             self.state.advance(self.clock.now())  # a delete that fell due has removed its VMs from the lists
             listed = list_answer(path, query, self._arm_lists(), base_url=self.url, page_size=self.arm_page_size)
             if listed is None:
@@ -178,9 +149,7 @@ class ArmFace(EmulatorCore):
             self._lists = (version, ArmLists(live))
         return self._lists[1]
 
-    def _drill(  # noqa: PLR0911 -- one return per route and per refusal
-        self, method: str, path: str, query: dict[str, list[str]], handler: RequestHandler
-    ) -> ArmAnswer | None:
+    def _drill(self, method: str, path: str, query: dict[str, list[str]], handler: RequestHandler) -> ArmAnswer | None:
         """The Compute RP's operations a drill triggers, their status and the scale set they read
         (emulators/imds/drills.py); None for any other route."""
         action = SCALE_SET_ACTION.match(path)
@@ -190,16 +159,10 @@ class ArmFace(EmulatorCore):
         if action is None and eviction is None and operation is None and scale_set is None:
             return None
         wanted = "POST" if action is not None or eviction is not None else "GET"
-        if method != wanted:
-            return arm_error(405, "MethodNotAllowed", f"{method} is not allowed here")
-        version = (query.get("api-version") or [""])[0]
-        if version not in COMPUTE_API_VERSIONS:
-            return arm_error(
-                400, "InvalidApiVersionParameter", f"api-version {version!r} is not one of {list(COMPUTE_API_VERSIONS)}"
-            )
-        refusal = check_token(handler.headers.get("Authorization"))
-        if refusal is not None:
-            return refusal
+        refused = refusal(method, wanted, query, handler.headers.get("Authorization"), COMPUTE_API_VERSIONS)
+        if refused is not None:
+            return refused
+        version = query["api-version"][0]
         body = json_body(handler) if action is not None else None
         with self._lock:
             self.arm_requests += 1
@@ -222,3 +185,10 @@ class ArmFace(EmulatorCore):
             self.inject_arm_fault(parse_model(ArmFault, json_body(handler), source="ARM fault"))
             return 201, self.arm_status()
         raise Reply(404, {"error": f"no control route {method} {path}"})
+
+
+def _end_with(answer: ArmAnswer | None) -> None:
+    """Ends the request with ``answer``, if there is one: through Reply, the one way an answer carries its headers
+    (a long-running operation's, a fault's Retry-After)."""
+    if answer is not None:
+        raise Reply(answer.status, answer.body, answer.headers)
