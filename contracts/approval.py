@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,7 +24,7 @@ from contracts import wire
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEvent
 
-ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected"]
+ApprovalOutcome = wire.ApprovalOutcome
 # How far the listener's clock and the coordinator's may disagree: a request is refused from this long before its
 # notAfter, and no sender starts an attempt then. Azure keeps a VM's clock and a Functions host's on the platform's
 # time (host time sync), within milliseconds of each other; 2 s leaves room for a VM whose sync lagged.
@@ -50,28 +49,12 @@ class ApprovalFacts(BaseModel):
 
     @classmethod
     def of(cls, event: ScheduledEvent, *, hooks_required: Iterable[str] = ()) -> ApprovalFacts:
-        return cls(
-            eventType=event.EventType,
-            eventSource=event.EventSource,
-            durationInSeconds=event.DurationInSeconds,
-            notBefore=event.not_before(),
-            resources=list(event.Resources),
-            hooksRequired=list(hooks_required),
-        )
+        return cls(**wire.facts_of(event, hooks_required))
 
     def differences(self, event: ScheduledEvent) -> list[str]:
         """Where this VM's IMDS document disagrees with the facts, each as 'FIELD is X here, the decision rested
         on Y' (empty when they agree). Resources are compared as sets; NotBefore as instants."""
-        seen = ApprovalFacts.of(event)
-        pairs: list[tuple[str, object, object]] = [
-            ("EventType", seen.eventType, self.eventType),
-            ("EventSource", seen.eventSource, self.eventSource),
-            ("DurationInSeconds", seen.durationInSeconds, self.durationInSeconds),
-            ("NotBefore", seen.notBefore, self.notBefore),
-            ("Resources", sorted(set(seen.resources)), sorted(set(self.resources))),
-        ]
-        return [f"{name} is {here!r} here, the decision rested on {decided!r}" for name, here, decided in pairs
-                if here != decided]  # fmt: skip
+        return wire.facts_differences(ApprovalFacts.of(event), self)
 
 
 class ApprovalRequest(BaseModel):

@@ -6,15 +6,12 @@ Field names keep IMDS's PascalCase so that a document round-trips unchanged; unk
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.wire import EVENT_TYPES, parse_not_before
+from contracts.wire import EVENT_TYPES, EventStatus, parse_not_before
 
 __all__ = ["EVENT_TYPES", "EventStatus", "ScheduledEvent", "ScheduledEventsDocument", "parse_not_before"]
-
-EventStatus = Literal["Scheduled", "Started"]
 
 
 class ScheduledEvent(BaseModel):

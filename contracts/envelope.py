@@ -6,9 +6,8 @@ envelopes stay in order. Unknown fields are kept; a newer schema version is refu
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,26 +15,24 @@ from contracts import wire
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEventsDocument
 
-SCHEMA = "scheduled-events.envelope/1"
-SCHEMA_VERSION = 1
-_SCHEMA_PATTERN = re.compile(r"^scheduled-events\.envelope/(\d+)$")
-
-# "impact" was added within version 1: a coordinator older than it dead-letters an impact envelope alone (each
-# message is validated on its own), and every other envelope of the VM still counts.
-EnvelopeKind = Literal["incarnation", "heartbeat", "hook", "impact"]
-HookPhase = Literal["prepare", "recover"]
-HookOutcome = Literal["succeeded", "failed", "timed-out", "not-run"]
+# The kinds and bounds are declared once, in contracts/wire.py (which the forwarder imports without pydantic).
+SCHEMA = wire.SCHEMA
+SCHEMA_VERSION = wire.SCHEMA_VERSION
+EnvelopeKind = wire.EnvelopeKind
+HookPhase = wire.HookPhase
+HookOutcome = wire.HookOutcome
+ImpactMeasure = wire.ImpactMeasure
+ImpactClock = wire.ImpactClock
+MAX_TAGS = wire.MAX_TAGS
+MAX_TAG_NAME = wire.MAX_TAG_NAME
+MAX_TAG_VALUE = wire.MAX_TAG_VALUE
+MAX_HOOK_STEPS = wire.MAX_HOOK_STEPS
+STEP_OUTPUT_TAIL = wire.STEP_OUTPUT_TAIL
+MAX_SECONDS = wire.MAX_SECONDS
 
 
 class UnsupportedEnvelopeVersion(ValueError):
     """The envelope was written by a newer forwarder than this code understands."""
-
-
-# Azure's own limits on a resource's tags (50 per resource; name 512, value 256 characters): a VM reporting more
-# is not telling the truth, and its envelope is refused at the door.
-MAX_TAGS = 50
-MAX_TAG_NAME = 512
-MAX_TAG_VALUE = 256
 
 
 class VmIdentity(BaseModel):
@@ -86,14 +83,6 @@ class VmIdentity(BaseModel):
         """The VM's own Azure Relay hybrid connection (one per VM: a connection spreads requests among its
         listeners at random, so a shared one cannot address a VM). vmId is unique and stable for the VM's life."""
         return f"vm-{self.vmId.lower()}"
-
-
-MAX_HOOK_STEPS = 32
-STEP_OUTPUT_TAIL = 1024
-# Every figure of seconds an envelope carries is finite and at most a week: no hook, pause or restart lasts
-# longer, a larger figure is a clock that stepped, and ``Infinity`` or ``NaN`` (which Python's and pydantic's JSON
-# parsers read) is not JSON for any sink the figure goes on to.
-MAX_SECONDS = 7 * 24 * 3600
 
 
 class HookStep(BaseModel):
@@ -147,18 +136,6 @@ class HookReport(BaseModel):
         if self.steps is None:
             return self.hook if self.outcome in ("failed", "timed-out") else ""
         return next((s.hook for s in self.steps if s.outcome != "succeeded"), "")
-
-
-def phase_outcome(steps: list[HookStep]) -> HookOutcome:
-    """A phase succeeded only if every one of its hooks succeeded, whatever their order; the first hook that did
-    not succeed gives the phase its outcome; no hooks at all is ``not-run`` (the policy says what that means)."""
-    if not steps:
-        return "not-run"
-    return next((s.outcome for s in steps if s.outcome != "succeeded"), "succeeded")
-
-
-ImpactMeasure = Literal["pause", "restart"]
-ImpactClock = Literal["monotonic", "wall"]
 
 
 class ImpactReport(BaseModel):
@@ -253,7 +230,7 @@ class Envelope(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _known_version(cls, value: str) -> str:
-        match = _SCHEMA_PATTERN.match(value)
+        match = wire.SCHEMA_PATTERN.match(value)
         if not match:
             raise ValueError(f"schema {value!r} is not a scheduled-events envelope")
         if int(match.group(1)) > SCHEMA_VERSION:

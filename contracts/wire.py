@@ -2,37 +2,46 @@
 why). Each record restates one of the pydantic models, field for field; tests/forwarder/test_wire.py checks that
 their JSON schemas are equal and that envelopes and documents round-trip alike, so the contract is still one.
 
-To add an envelope kind: its payload record here (as ``HookReport``), its name in ``ENVELOPE_KINDS``, an optional
-``spec`` on ``Envelope`` and its line in ``Envelope.validate``; then the same in contracts/envelope.py, and the
-schema test tells whether the two agree.
+To add an envelope kind: its name in ``EnvelopeKind`` (which both restatements read), its payload record here (as
+``HookReport``), an optional ``spec`` on ``Envelope`` and its line in ``Envelope.validate``; then the same in
+contracts/envelope.py, and the schema test tells whether the two agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from contracts.attested import MAX_SIGNATURE_CHARS, AttestationError, parse_timestamp, signed_content
 from contracts.checks import Choice, Flag, Invalid, Many, Maybe, Moment, Nested, Number, Record, Text, TextMap, spec
 
+# The contract's names, kinds and bounds, declared once: the pydantic models (contracts/envelope.py, document.py,
+# approval.py) import them from here, since this module may import nothing of pydantic.
 SCHEMA = "scheduled-events.envelope/1"
 SCHEMA_VERSION = 1
-_SCHEMA_PATTERN = re.compile(r"^scheduled-events\.envelope/(\d+)$")
+SCHEMA_PATTERN = re.compile(r"^scheduled-events\.envelope/(\d+)$")
+# "impact" was added within version 1: a coordinator older than it dead-letters an impact envelope alone (each
+# message is validated on its own), and every other envelope of the VM still counts.
 EnvelopeKind = Literal["incarnation", "heartbeat", "hook", "impact"]
 HookPhase = Literal["prepare", "recover"]
 HookOutcome = Literal["succeeded", "failed", "timed-out", "not-run"]
 EventStatus = Literal["Scheduled", "Started"]
 ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected"]
 ENVELOPE_KINDS: tuple[str, ...] = get_args(EnvelopeKind)
+# Azure's own limits on a resource's tags (50 per resource; name 512, value 256 characters): a VM reporting more
+# is not telling the truth, and its envelope is refused at the door.
 MAX_TAGS = 50
 MAX_TAG_NAME = 512
 MAX_TAG_VALUE = 256
 MAX_HOOK_STEPS = 32
 STEP_OUTPUT_TAIL = 1024
-MAX_SECONDS = 7 * 24 * 3600  # contracts.envelope.MAX_SECONDS: a figure of seconds is finite and at most a week
+# Every figure of seconds an envelope carries is finite and at most a week: no hook, pause or restart lasts
+# longer, a larger figure is a clock that stepped, and ``Infinity`` or ``NaN`` (which Python's and pydantic's JSON
+# parsers read) is not JSON for any sink the figure goes on to.
+MAX_SECONDS = 7 * 24 * 3600
 _COUNT = Number(integer=True, ge=0, le=2**63 - 1)
 _SECONDS = Number(ge=0, le=MAX_SECONDS)
 
@@ -197,14 +206,22 @@ class HookReport(Record):
     budgetUsed: float | None = spec(Maybe(Number(ge=0)), None)
 
 
-def phase_outcome(steps: list[HookStep]) -> HookOutcome:
-    """contracts.envelope.phase_outcome: the first hook that did not succeed gives the phase its outcome."""
+class _Step(Protocol):
+    @property
+    def outcome(self) -> HookOutcome: ...
+
+
+def phase_outcome(steps: Sequence[_Step]) -> HookOutcome:
+    """A phase succeeded only if every one of its hooks succeeded, whatever their order; the first hook that did
+    not succeed gives the phase its outcome; no hooks at all is ``not-run`` (the policy says what that means). For
+    both models' steps (contracts/envelope.py's and these)."""
     if not steps:
         return "not-run"
     return next((s.outcome for s in steps if s.outcome != "succeeded"), "succeeded")
 
 
 _AWARE = "times must carry a UTC offset"
+# What an event did to the VM that sends it, and by which clock (contracts.envelope.ImpactReport says how).
 ImpactMeasure = Literal["pause", "restart"]
 ImpactClock = Literal["monotonic", "wall"]
 
@@ -259,7 +276,7 @@ class Envelope(Record):
     attestation: Attestation | None = spec(Maybe(Nested(Attestation)), None)
 
     def validate(self) -> None:
-        match = _SCHEMA_PATTERN.match(self.schema_)
+        match = SCHEMA_PATTERN.match(self.schema_)
         if not match or int(match.group(1)) > SCHEMA_VERSION:
             raise Invalid([("schema", f"Value error, schema {self.schema_!r} is not {SCHEMA!r} or older")])
         # The payload each kind needs (an envelope kind without one needs no line).
@@ -294,27 +311,65 @@ class ApprovalFacts(Record):
 
     @classmethod
     def of(cls, event: ScheduledEvent, *, hooks_required: Iterable[str] = ()) -> ApprovalFacts:
-        return cls(
-            eventType=event.EventType,
-            eventSource=event.EventSource,
-            durationInSeconds=event.DurationInSeconds,
-            notBefore=event.not_before(),
-            resources=list(event.Resources),
-            hooksRequired=list(hooks_required),
-        )
+        return cls(**facts_of(event, hooks_required))
 
     def differences(self, event: ScheduledEvent) -> list[str]:
         """contracts.approval.ApprovalFacts.differences."""
-        seen = ApprovalFacts.of(event)
-        pairs: list[tuple[str, object, object]] = [
-            ("EventType", seen.eventType, self.eventType),
-            ("EventSource", seen.eventSource, self.eventSource),
-            ("DurationInSeconds", seen.durationInSeconds, self.durationInSeconds),
-            ("NotBefore", seen.notBefore, self.notBefore),
-            ("Resources", sorted(set(seen.resources)), sorted(set(self.resources))),
-        ]
-        return [f"{name} is {here!r} here, the decision rested on {decided!r}" for name, here, decided in pairs
-                if here != decided]  # fmt: skip
+        return facts_differences(ApprovalFacts.of(event), self)
+
+
+class _Event(Protocol):
+    """An IMDS event, as either model holds it (contracts/document.py's or this module's)."""
+
+    @property
+    def EventType(self) -> str: ...
+    @property
+    def EventSource(self) -> str: ...
+    @property
+    def DurationInSeconds(self) -> int: ...
+    @property
+    def Resources(self) -> list[str]: ...
+    def not_before(self) -> datetime | None: ...
+
+
+class _Facts(Protocol):
+    """Approval facts, as either model holds them (contracts/approval.py's or this module's)."""
+
+    @property
+    def eventType(self) -> str: ...
+    @property
+    def eventSource(self) -> str: ...
+    @property
+    def durationInSeconds(self) -> int: ...
+    @property
+    def notBefore(self) -> datetime | None: ...
+    @property
+    def resources(self) -> list[str]: ...
+
+
+def facts_of(event: _Event, hooks_required: Iterable[str]) -> dict[str, Any]:
+    """The fields of ApprovalFacts for an IMDS event, for both models' ``of``."""
+    return {
+        "eventType": event.EventType,
+        "eventSource": event.EventSource,
+        "durationInSeconds": event.DurationInSeconds,
+        "notBefore": event.not_before(),
+        "resources": list(event.Resources),
+        "hooksRequired": list(hooks_required),
+    }
+
+
+def facts_differences(seen: _Facts, decided: _Facts) -> list[str]:
+    """Where the facts a VM sees disagree with those a decision rested on, for both models' ``differences``."""
+    pairs: list[tuple[str, object, object]] = [
+        ("EventType", seen.eventType, decided.eventType),
+        ("EventSource", seen.eventSource, decided.eventSource),
+        ("DurationInSeconds", seen.durationInSeconds, decided.durationInSeconds),
+        ("NotBefore", seen.notBefore, decided.notBefore),
+        ("Resources", sorted(set(seen.resources)), sorted(set(decided.resources))),
+    ]
+    return [f"{name} is {here!r} here, the decision rested on {rested!r}" for name, here, rested in pairs
+            if here != rested]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
