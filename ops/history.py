@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from coordinator import DEFAULT_SQLITE_PATH, history_schema
+from ops import command
 
 OK, NO_MATCH, BAD_INPUT = 0, 1, 2
 _SINCE = re.compile(r"^(\d+)([smhd])$")
@@ -272,10 +273,4 @@ def _command(connection: sqlite3.Connection, args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:
-        # The reader left (e.g. `| head`): what it did not read is not an error of this command. Python's
-        # documented way out: point stdout at devnull so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
+    command.run(main)

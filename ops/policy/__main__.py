@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from coordinator import Policy, PolicyError, load_policy
+from ops import command
 from ops.history import parse_since
 from ops.policy.adapters import InputError
 from ops.policy.cases import CaseResult, cases_path, load_cases, run_case
@@ -205,10 +205,4 @@ def _summary(result: Replay, source: str, kind: str, rows: int, set_aside: list[
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:
-        # The reader left (e.g. `| head`): what it did not read is not an error of this command. Python's
-        # documented way out: point stdout at devnull so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
+    command.run(main)
