@@ -4,10 +4,15 @@ that writes its envelopes to a JSON-lines file (the dry-run sink, a real one).""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,6 +27,7 @@ from forwarder.imds import ImdsClient
 from forwarder.retry import RateLimiter
 from forwarder.sinks import JsonLinesSink, Sink
 
+ROOT = Path(__file__).resolve().parents[2]
 THREE_VMS = Scenario(
     name="three",
     vms=[
@@ -46,6 +52,36 @@ def read_envelopes(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@contextmanager
+def forwarder_importing(imds: ImdsEmulator, home: Path, **env: str) -> Iterator[Path]:
+    """A real `python -X importtime -m forwarder run` for web_0 (a jsonl sink in ``home``, polling every 0.1 s, none of
+    this process's SE_FORWARDER_* settings), from when it has forwarded the first document: yields its import log
+    (its stderr), which grows while it runs; SIGTERM at the end, on which it must exit 0."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
+    output = home / "envelopes.jsonl"
+    environment.update(
+        SE_FORWARDER_IMDS_URL=imds.url_for("web_0"),
+        SE_FORWARDER_SINK="jsonl",
+        SE_FORWARDER_JSONL_PATH=str(output),
+        SE_FORWARDER_STATE_DIR=str(home / "state"),
+        SE_FORWARDER_HOOKS_DIR=str(home / "hooks"),
+        SE_FORWARDER_POLL_INTERVAL="0.1",
+        **env,
+    )
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "stderr.log"
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "forwarder", "run"], cwd=ROOT, env=environment, stderr=stderr
+        )
+        try:
+            wait_for(lambda: output.exists() and b'"incarnation"' in output.read_bytes(), timeout=30, what="a poll")
+            yield log
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 0
 
 
 class Harness:

@@ -6,10 +6,6 @@ then forwards the event as Started. Stopping the forwarder closes the listener."
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,10 +24,9 @@ from forwarder.cli import relay_companions
 from forwarder.config import ForwarderSettings, load_settings
 from forwarder.imds import ImdsClient
 from forwarder.on_demand import OnDemandListener
-from tests.forwarder.conftest import Harness, wait_for
+from tests.forwarder.conftest import Harness, forwarder_importing, wait_for
 from tests.relay.conftest import facts_of
 
-ROOT = Path(__file__).resolve().parents[2]
 SEND_KEY = "c2VuZC1rZXktZm9yLWZvcndhcmRlci10ZXN0cw=="
 
 
@@ -172,41 +167,24 @@ def test_the_listener_is_imported_only_when_it_first_connects(
 ) -> None:
     """On demand, an idle forwarder (relay on, no event) never loads its WebSocket client or the listener:
     `-X importtime` of a real `python -m forwarder run`; they load when an event it could approve appears."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
-    output = tmp_path / "envelopes.jsonl"
-    environment.update(
-        SE_FORWARDER_IMDS_URL=imds.url_for("web_0"),
-        SE_FORWARDER_SINK="jsonl",
-        SE_FORWARDER_JSONL_PATH=str(output),
-        SE_FORWARDER_STATE_DIR=str(tmp_path / "state"),
-        SE_FORWARDER_HOOKS_DIR=str(tmp_path / "hooks"),
-        SE_FORWARDER_POLL_INTERVAL="0.1",
-        SE_FORWARDER_RELAY_ENABLED="true",
-        SE_FORWARDER_RELAY_ENDPOINT=relay.base_url.replace("http://", "ws://"),
-    )
-    log = tmp_path / "stderr.log"
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-X", "importtime", "-m", "forwarder", "run"], cwd=ROOT, env=environment, stderr=stderr
+    relay_on = {
+        "SE_FORWARDER_RELAY_ENABLED": "true",
+        "SE_FORWARDER_RELAY_ENDPOINT": relay.base_url.replace("http://", "ws://"),
+    }
+    with forwarder_importing(imds, tmp_path, **relay_on) as log:
+        time.sleep(1.0)  # ten more polls, idle
+        idle = log.read_text(encoding="utf-8")
+        assert "forwarder.on_demand" in idle
+        listener_modules = (
+            "forwarder.relay_listener",
+            "forwarder.relay_protocol",
+            "forwarder.relay_tokens",
+            "forwarder.websocket",
         )
-        try:
-            wait_for(lambda: output.exists() and b'"incarnation"' in output.read_bytes(), timeout=30, what="a poll")
-            time.sleep(1.0)  # ten more polls, idle
-            idle = log.read_text(encoding="utf-8")
-            assert "forwarder.on_demand" in idle
-            listener_modules = (
-                "forwarder.relay_listener",
-                "forwarder.relay_protocol",
-                "forwarder.relay_tokens",
-                "forwarder.websocket",
-            )
-            assert [m for m in listener_modules if m in idle] == []
-            imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
-            wait_for(lambda: "forwarder.relay_listener" in log.read_text(encoding="utf-8"), what="the import")
-            wait_for(lambda: relay.listener_count(_hc(imds)) == 1, what="the listener to connect")
-        finally:
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=20) == 0
+        assert [m for m in listener_modules if m in idle] == []
+        imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
+        wait_for(lambda: "forwarder.relay_listener" in log.read_text(encoding="utf-8"), what="the import")
+        wait_for(lambda: relay.listener_count(_hc(imds)) == 1, what="the listener to connect")
     connected = log.read_text(encoding="utf-8")
     assert "forwarder.websocket" in connected
     assert "websockets" not in connected  # the package: the listener has its own small client

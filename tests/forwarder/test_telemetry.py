@@ -5,11 +5,7 @@ a forwarder with telemetry off never loads the OpenTelemetry SDK."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,9 +20,8 @@ from emulators.eventhubs.partition_log import StoredEvent
 from emulators.imds import ImdsEmulator
 from forwarder.eventhub import EventHubSink
 from forwarder.telemetry import SERVICE_NAME
-from tests.forwarder.conftest import Harness, wait_for, write_hook
+from tests.forwarder.conftest import Harness, forwarder_importing, wait_for, write_hook
 
-ROOT = Path(__file__).resolve().parents[2]
 HUB = "scheduled-events"
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 MakeHarness = Callable[..., Harness]
@@ -271,28 +266,8 @@ def test_health_counts_what_the_spool_dropped_and_failed_sends(
 
 def _forwarder_imports(imds: ImdsEmulator, tmp_path: Path, **env: str) -> str:
     """Runs `python -X importtime -m forwarder run` until it has forwarded the first document; its import log."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("SE_FORWARDER_")}
-    output = tmp_path / "envelopes.jsonl"
-    environment.update(
-        SE_FORWARDER_IMDS_URL=imds.url_for("web_0"),
-        SE_FORWARDER_SINK="jsonl",
-        SE_FORWARDER_JSONL_PATH=str(output),
-        SE_FORWARDER_STATE_DIR=str(tmp_path / "state"),
-        SE_FORWARDER_HOOKS_DIR=str(tmp_path / "hooks"),
-        SE_FORWARDER_POLL_INTERVAL="0.1",
-        **env,
-    )
-    tmp_path.mkdir(parents=True)
-    log = tmp_path / "stderr.log"
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-X", "importtime", "-m", "forwarder", "run"], cwd=ROOT, env=environment, stderr=stderr
-        )
-        try:
-            wait_for(lambda: output.exists() and b'"incarnation"' in output.read_bytes(), timeout=30, what="a change")
-        finally:
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=20) == 0
+    with forwarder_importing(imds, tmp_path, **env) as log:
+        pass
     return log.read_text(encoding="utf-8")
 
 
