@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from emulators.imds import Scenario
+from local.observe import TABLE
 from local.run import Follower, follow, judge, settle_forwarders
 from local.stack import LocalStack
 from local.stack_options import StackOptions
@@ -23,7 +25,24 @@ from oracle.collect import collect
 # What the oracle's judgement of a run must not find (late approvals are printed, not asserted: tests/oracle).
 PROMISE_BROKEN = ("wrong", "missed", "duplicate", "lost")
 
-FLEET_DEMO = Path(__file__).resolve().parents[2] / "emulators" / "scenarios" / "fleet-demo.yaml"
+SCENARIOS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios"
+FLEET_DEMO = SCENARIOS / "fleet-demo.yaml"
+
+
+def history_rows(stack: LocalStack, where: str, *args: Any) -> list[dict[str, Any]]:
+    """The history's rows matching ``where``, in the order written; none while the history has no file or table yet
+    (a test that polls it may look before the first row)."""
+    if not stack.history_path.exists():
+        return []
+    try:
+        with sqlite3.connect(f"file:{stack.history_path}?mode=ro", uri=True) as db:
+            db.row_factory = sqlite3.Row
+            query = f'SELECT * FROM "{TABLE}" WHERE {where} ORDER BY rowid'
+            return [dict(row) for row in db.execute(query, args).fetchall()]
+    except sqlite3.OperationalError as error:
+        if "no such table" in str(error):  # the file is there, its table not yet
+            return []
+        raise
 
 
 def compact_scenario(*, evict_at: int = 120, redeploy_at: int = 180, **extra_steps: Any) -> Scenario:

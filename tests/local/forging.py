@@ -6,7 +6,6 @@ sequences from 2^62 (no forwarder reaches them), and sends envelopes in any name
 
 from __future__ import annotations
 
-import sqlite3
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,25 +20,7 @@ from forwarder.imds import identity_of
 from local.forgeries import FORGED_SEQUENCE, attestation_of
 from local.stack import HUB, LocalStack
 
-__all__ = ["TABLE", "Forger", "history_rows", "hooks_wait_policy"]
-
-TABLE = "ScheduledEventsHistory_CL"
-
-
-def history_rows(stack: LocalStack, where: str, *args: Any) -> list[dict[str, Any]]:
-    """The history's rows matching ``where``, in the order written; none while the history has no file or table yet
-    (a test that polls it may look before the first row)."""
-    if not stack.history_path.exists():
-        return []
-    try:
-        with sqlite3.connect(f"file:{stack.history_path}?mode=ro", uri=True) as db:
-            db.row_factory = sqlite3.Row
-            query = f'SELECT * FROM "{TABLE}" WHERE {where} ORDER BY rowid'
-            return [dict(row) for row in db.execute(query, args).fetchall()]
-    except sqlite3.OperationalError as error:
-        if "no such table" in str(error):  # the file is there, its table not yet
-            return []
-        raise
+__all__ = ["Forger", "hooks_wait_policy"]
 
 
 def hooks_wait_policy(tmp_path: Path) -> Path:

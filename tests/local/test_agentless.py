@@ -5,23 +5,10 @@ forwarder keep the Relay path."""
 
 from __future__ import annotations
 
-import sqlite3
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from emulators.imds import Scenario
-from tests.local.conftest import Outcome, Runner
-
-SCENARIOS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios"
-
-
-def rows(outcome: Outcome, where: str, *args: Any) -> list[dict[str, Any]]:
-    with sqlite3.connect(outcome.stack.history_path) as db:
-        db.row_factory = sqlite3.Row
-        query = f"SELECT * FROM ScheduledEventsHistory_CL WHERE {where} ORDER BY rowid"
-        return [dict(row) for row in db.execute(query, args).fetchall()]
+from tests.local.conftest import SCENARIOS, Runner, history_rows
 
 
 @pytest.mark.slow
@@ -40,9 +27,11 @@ def test_an_agentless_vm_is_approved_through_remote_acknowledge(run_pipeline: Ru
     assert imds is not None
     assert [a["EventId"] for a in imds.arm_status()["acknowledged"]] == [agentless["eventId"]]
     assert relayed["approvedThrough"] in ("web_0", "web_2")
-    approval = rows(outcome, "RecordType = 'Approval' AND EventId = ? AND Outcome = 'approved'", agentless["eventId"])
+    approval = history_rows(
+        outcome.stack, "RecordType = 'Approval' AND EventId = ? AND Outcome = 'approved'", agentless["eventId"]
+    )
     assert approval
     assert "Maintenance RP" in approval[-1]["Reason"]
-    observed = rows(outcome, "RecordType = 'Observation' AND EventId = ?", agentless["eventId"])
+    observed = history_rows(outcome.stack, "RecordType = 'Observation' AND EventId = ?", agentless["eventId"])
     assert {row["VmName"] for row in observed} == {"web_1"}
     assert not [card for card in outcome.summary.cards if card["kind"] == "heartbeat-lost"]

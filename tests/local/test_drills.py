@@ -5,7 +5,6 @@ long-running operation ends once the platform did what it was asked. One stack r
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from emulators.imds import Scenario
 from local.stack import LocalStack
 from local.stack_options import StackOptions
 from ops.drill.__main__ import main
+from tests.local.conftest import history_rows
 
 SCALE_SETS = (
     "/subscriptions/00000000-0000-0000-0000-00000000e001/resourceGroups/rg-scheduled-events/providers/"
@@ -26,10 +26,7 @@ TIME_SCALE = 10.0
 
 
 def decisions(stack: LocalStack, event_id: str) -> list[dict[str, Any]]:
-    with sqlite3.connect(stack.history_path) as db:
-        db.row_factory = sqlite3.Row
-        query = "SELECT * FROM ScheduledEventsHistory_CL WHERE RecordType = 'Decision' AND EventId = ? ORDER BY rowid"
-        return [dict(row) for row in db.execute(query, (event_id,)).fetchall()]
+    return history_rows(stack, "RecordType = 'Decision' AND EventId = ?", event_id)
 
 
 def wait_for(check: Any, timeout: float) -> Any:

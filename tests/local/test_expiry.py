@@ -5,9 +5,7 @@ Decision row saying why, and never executed, while a Freeze of another VM after 
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,7 +14,7 @@ from emulators.relay import RelayEmulator
 from local.runner import wait_until
 from local.stack import LocalStack
 from tests.health_page import HealthPage
-from tests.local.conftest import Runner
+from tests.local.conftest import Runner, history_rows
 
 POLICY = """
 gates:
@@ -39,18 +37,6 @@ SCENARIO = {
 }
 
 
-def rows(history: Path, where: str, *args: Any) -> list[dict[str, Any]]:
-    if not history.exists():
-        return []
-    try:
-        with sqlite3.connect(history) as db:
-            db.row_factory = sqlite3.Row
-            query = f"SELECT * FROM ScheduledEventsHistory_CL WHERE {where} ORDER BY rowid"
-            return [dict(row) for row in db.execute(query, args).fetchall()]
-    except sqlite3.OperationalError:  # the table is not there yet
-        return []
-
-
 @pytest.mark.slow
 def test_an_approval_decided_before_its_gate_failed_is_not_executed_after_it(
     run_pipeline: Runner, health: tuple[str, type[HealthPage]], tmp_path: Path
@@ -67,7 +53,7 @@ def test_an_approval_decided_before_its_gate_failed_is_not_executed_after_it(
         # The Reboot is approved (the gate passes) and its delivery fails: nobody can be reached through the Relay.
         assert wait_until(
             lambda: bool(
-                rows(stack.history_path, "RecordType = 'Approval' AND EventType = 'Reboot' AND Outcome = 'failed'")
+                history_rows(stack, "RecordType = 'Approval' AND EventType = 'Reboot' AND Outcome = 'failed'")
             ),
             timeout=30,
             interval=0.05,
@@ -94,13 +80,12 @@ def test_an_approval_decided_before_its_gate_failed_is_not_executed_after_it(
     assert gated["approvedThrough"] is None  # never executed
     assert control["approvedThrough"] == "web_0"  # the Relay path works again
 
-    history = outcome.stack.history_path
-    decisions = rows(history, "RecordType = 'Decision' AND EventId = ?", gated["eventId"])
+    decisions = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", gated["eventId"])
     assert [(row["Outcome"], row["HoldKind"]) for row in decisions] == [("approve", None), ("wait", "gate")]
     first, withdrawal = decisions
     assert withdrawal["Reason"].startswith(f"approval {first['DecisionId']} by rule 'gated-reboot'")
     assert "withdrawn, decided again: gate 'app-health' is failing (HTTP 503" in withdrawal["Reason"]
-    approvals = rows(history, "RecordType = 'Approval' AND EventId = ?", gated["eventId"])
+    approvals = history_rows(outcome.stack, "RecordType = 'Approval' AND EventId = ?", gated["eventId"])
     assert "approved" not in {row["Outcome"] for row in approvals}
     assert {row["DecisionId"] for row in approvals} == {first["DecisionId"]}
     print(f"figures: the gated Reboot's approval rows {[row['Outcome'] for row in approvals]}; withdrawn, not executed")

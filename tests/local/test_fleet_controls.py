@@ -5,23 +5,10 @@ Redeploy and passing the next, a closed window). Here the history's rows say whi
 
 from __future__ import annotations
 
-import sqlite3
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from emulators.imds import Scenario
-from tests.local.conftest import Outcome, Runner
-
-SCENARIOS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios"
-
-
-def rows(outcome: Outcome, where: str, *args: Any) -> list[dict[str, Any]]:
-    with sqlite3.connect(outcome.stack.history_path) as db:
-        db.row_factory = sqlite3.Row
-        query = f"SELECT * FROM ScheduledEventsHistory_CL WHERE {where} ORDER BY rowid"
-        return [dict(row) for row in db.execute(query, args).fetchall()]
+from tests.local.conftest import SCENARIOS, Runner, history_rows
 
 
 @pytest.mark.slow
@@ -44,27 +31,26 @@ def test_budget_tag_gate_and_window_each_hold_what_they_should(run_pipeline: Run
     # Budget: one Reboot at a time in zone 1. web_0's went at once; web_1's was held by the zone until NotBefore.
     first, second = events["zone-first"], events["zone-second"]
     assert first["approvedThrough"] == "web_0"
-    budget_holds = rows(outcome, "RecordType = 'Decision' AND HoldKind = 'budget'")
+    budget_holds = history_rows(outcome.stack, "RecordType = 'Decision' AND HoldKind = 'budget'")
     assert {row["HoldName"] for row in budget_holds} == {"zone:westeurope/1"}
     assert {row["EventId"] for row in budget_holds} == {second["eventId"]}
 
     # Tag: db_0 asked for a person; nobody approved.
     manual = events["manual-tag"]
-    assert {row["Rule"] for row in rows(outcome, "RecordType = 'Decision' AND EventId = ?", manual["eventId"])} == {
-        "manual-by-tag"
-    }
+    manual_decisions = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", manual["eventId"])
+    assert {row["Rule"] for row in manual_decisions} == {"manual-by-tag"}
 
     # Gate: held while the page said 503 (named, with since when); the Redeploy after it recovered went at once.
-    decisions = rows(outcome, "RecordType = 'Decision' AND EventId = ?", events["gated"]["eventId"])
+    decisions = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", events["gated"]["eventId"])
     assert {(row["Outcome"], row["HoldKind"], row["HoldName"]) for row in decisions} == {("wait", "gate", "app-health")}
     assert decisions[0]["HoldSince"] is not None
     assert "HTTP 503" in decisions[0]["Reason"]
-    healthy = rows(outcome, "RecordType = 'Decision' AND EventId = ?", events["gated-healthy"]["eventId"])
+    healthy = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", events["gated-healthy"]["eventId"])
     assert [(row["Outcome"], row["HoldKind"]) for row in healthy] == [("approve", None)]
     assert events["gated-healthy"]["approvedThrough"] == "app_1"
 
     # Window: closed for the whole run; the Freeze waited, named its window and its next opening, and expired.
-    held = rows(outcome, "RecordType = 'Decision' AND EventId = ?", events["windowed"]["eventId"])
+    held = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", events["windowed"]["eventId"])
     assert [(row["HoldKind"], row["HoldName"]) for row in held] == [("window", "freeze-in-the-night")]
     assert held[0]["HeldUntil"].endswith("T00:00:00+00:00")  # 01:00 Oslo on 1 January = 00:00 UTC
     assert "left to expire (onNotBefore: expire)" in held[0]["Reason"]

@@ -20,8 +20,8 @@ from contracts.envelope import HookReport, HookStep
 from emulators.imds import Scenario
 from local.runner import wait_until
 from local.stack import LocalStack
-from tests.local.conftest import Runner
-from tests.local.forging import Forger, history_rows, hooks_wait_policy
+from tests.local.conftest import Runner, history_rows
+from tests.local.forging import Forger, hooks_wait_policy
 
 
 def _scenario() -> Scenario:

@@ -22,8 +22,8 @@ from emulators.imds import Scenario
 from emulators.imds.event_grid import EVENT_TYPE
 from local.runner import wait_until
 from local.stack import LocalStack
-from tests.local.conftest import Runner
-from tests.local.forging import Forger, history_rows
+from tests.local.conftest import Runner, history_rows
+from tests.local.forging import Forger
 
 SCENARIO = """
 name: forged-census

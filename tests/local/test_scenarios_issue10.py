@@ -4,27 +4,17 @@ several, coupled deletes, a lone Spot VM evicted, a forwarder whose state is wip
 from __future__ import annotations
 
 import json
-import sqlite3
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from emulators.imds import Scenario
-from tests.local.conftest import Outcome, Runner
+from tests.local.conftest import SCENARIOS, Outcome, Runner, history_rows
 
-SCENARIOS = Path(__file__).resolve().parents[2] / "emulators" / "scenarios"
 # Time scale 120 and the fixture's 2 s heartbeats (a removed VM is retired after three): short runs.
 FAST = {"time_scale": 120.0, "timeout": 90.0}
-
-
-def rows(outcome: Outcome, where: str, *args: Any) -> list[dict[str, Any]]:
-    with sqlite3.connect(outcome.stack.history_path) as db:
-        db.row_factory = sqlite3.Row
-        query = f"SELECT * FROM ScheduledEventsHistory_CL WHERE {where} ORDER BY rowid"
-        return [dict(row) for row in db.execute(query, args).fetchall()]
 
 
 def by_label(outcome: Outcome) -> dict[str, dict[str, Any]]:
@@ -46,9 +36,9 @@ def test_a_failing_hook_among_several_keeps_its_delete_unapproved(run_pipeline: 
     assert failing["expected"] == "no-approval"
     assert failing["approvedThrough"] is None
     assert passing["approvedThrough"] == "api_0"
-    hooks = rows(outcome, "RecordType = 'Hook' AND EventId = ?", failing["eventId"])
+    hooks = history_rows(outcome.stack, "RecordType = 'Hook' AND EventId = ?", failing["eventId"])
     assert [row["Outcome"] for row in hooks if row["HookPhase"] == "prepare"] == ["failed"]
-    decisions = rows(outcome, "RecordType = 'Decision' AND EventId = ?", failing["eventId"])
+    decisions = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", failing["eventId"])
     assert any("web_0=failed (10-check)" in str(row["Reason"]) for row in decisions), decisions
     assert {row["Outcome"] for row in decisions} == {"wait"}
     cards = [card for card in outcome.summary.cards if card["eventId"] == failing["eventId"]]
@@ -74,9 +64,11 @@ def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pip
     assert set(together) <= set(approvals)
     started = {str(e["EventId"]): imds_time(str(e["startedAt"])) for e in imds.events() if e.get("startedAt")}
     assert abs((started[together[0]] - started[together[1]]).total_seconds()) < 1.0
-    held_rows = rows(outcome, "RecordType = 'Decision' AND EventId = ?", together[0])
+    held_rows = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", together[0])
     held_by_coordinator = any(json.loads(row["Details"] or "{}").get("heldBy") == together[1] for row in held_rows)
-    held_by_platform = rows(outcome, "RecordType = 'Approval' AND Outcome = 'held' AND EventId = ?", together[0])
+    held_by_platform = history_rows(
+        outcome.stack, "RecordType = 'Approval' AND Outcome = 'held' AND EventId = ?", together[0]
+    )
     if held_by_coordinator:
         assert abs((approvals[together[0]] - approvals[together[1]]).total_seconds()) < 1.0
     else:
@@ -85,7 +77,7 @@ def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pip
     pending, held = events["pending"], events["held"]
     assert pending["approvedThrough"] is None
     assert held["approvedThrough"] == "api_1"
-    held_decisions = rows(outcome, "RecordType = 'Decision' AND EventId = ?", held["eventId"])
+    held_decisions = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", held["eventId"])
     assert any(json.loads(row["Details"] or "{}").get("heldBy") == pending["eventId"] for row in held_decisions)
     # Released when the pending delete's NotBefore passed (the platform goes then, whatever happens), not before.
     pending_not_before = next(
@@ -104,7 +96,7 @@ def test_a_lone_spot_vm_evicted_is_retired_without_a_heartbeat_lost_card(run_pip
     assert eviction["coordinator"] == "Completed"
     assert "spot-0" in outcome.stack.removed
     assert not outcome.stack.forwarders["spot-0"].running
-    retired = rows(outcome, "RecordType = 'Heartbeat' AND Outcome = 'retired'")
+    retired = history_rows(outcome.stack, "RecordType = 'Heartbeat' AND Outcome = 'retired'")
     assert [(row["VmName"], row["EventId"]) for row in retired] == [("spot-0", eviction["eventId"])]
     assert not [card for card in outcome.summary.cards if card["kind"] == "heartbeat-lost"]
 
@@ -115,7 +107,7 @@ def test_a_wiped_forwarder_is_reset_and_its_later_events_still_decided(run_pipel
     assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
     assert outcome.summary.ok, outcome.summary.failures
     assert [name for name, _ in outcome.stack.wiped] == ["web_0"]
-    resets = rows(outcome, "RecordType = 'Heartbeat' AND Outcome = 'reset' AND VmName = 'web_0'")
+    resets = history_rows(outcome.stack, "RecordType = 'Heartbeat' AND Outcome = 'reset' AND VmName = 'web_0'")
     assert len(resets) == 1
     info = json.loads(resets[0]["Details"])
     assert info["oldState"] != info["newState"]
