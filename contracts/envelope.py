@@ -15,20 +15,46 @@ from contracts import wire
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEventsDocument
 
-# The kinds and bounds are declared once, in contracts/wire.py (which the forwarder imports without pydantic).
-SCHEMA = wire.SCHEMA
-SCHEMA_VERSION = wire.SCHEMA_VERSION
-EnvelopeKind = wire.EnvelopeKind
-HookPhase = wire.HookPhase
-HookOutcome = wire.HookOutcome
-ImpactMeasure = wire.ImpactMeasure
-ImpactClock = wire.ImpactClock
-MAX_TAGS = wire.MAX_TAGS
-MAX_TAG_NAME = wire.MAX_TAG_NAME
-MAX_TAG_VALUE = wire.MAX_TAG_VALUE
-MAX_HOOK_STEPS = wire.MAX_HOOK_STEPS
-STEP_OUTPUT_TAIL = wire.STEP_OUTPUT_TAIL
-MAX_SECONDS = wire.MAX_SECONDS
+# The kinds and bounds are declared once, in contracts/wire.py (which the forwarder imports without pydantic), and
+# exported here as well.
+from contracts.wire import (
+    MAX_HOOK_STEPS,
+    MAX_SECONDS,
+    MAX_TAG_NAME,
+    MAX_TAG_VALUE,
+    MAX_TAGS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STEP_OUTPUT_TAIL,
+    EnvelopeKind,
+    HookOutcome,
+    HookPhase,
+    ImpactClock,
+    ImpactMeasure,
+)
+
+__all__ = [
+    "MAX_HOOK_STEPS",
+    "MAX_SECONDS",
+    "MAX_TAGS",
+    "MAX_TAG_NAME",
+    "MAX_TAG_VALUE",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "STEP_OUTPUT_TAIL",
+    "Envelope",
+    "EnvelopeKind",
+    "ForwarderHealth",
+    "HookOutcome",
+    "HookPhase",
+    "HookReport",
+    "HookStep",
+    "ImpactClock",
+    "ImpactMeasure",
+    "ImpactReport",
+    "UnsupportedEnvelopeVersion",
+    "VmIdentity",
+]
 
 
 class UnsupportedEnvelopeVersion(ValueError):
