@@ -159,7 +159,7 @@ def _access() -> Access:
         platform_auth=os.environ.get("WEBSITE_AUTH_ENABLED", "").strip().lower() == "true",
         own_origin=settings().public_base_url,
         form_key=lambda: _form_key(coordinator()),
-        clock=coordinator().clock,
+        clock=coordinator().parts.clock,
     )
 
 
@@ -168,7 +168,7 @@ def _form_key(coordinator: Coordinator) -> bytes:
     # One key for every instance (an approval page served by one instance is posted to another): kept in the
     # state table, read once per process (cached by the coordinator: a store is typed by its protocol, which
     # does not promise to be hashable).
-    return coordinator.store.shared_key(FORM_KEY_NAME)
+    return coordinator.parts.store.shared_key(FORM_KEY_NAME)
 
 
 def _respond(response: Response) -> func.HttpResponse:

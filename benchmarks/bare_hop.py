@@ -226,10 +226,10 @@ def run(n: int, *, forged: int = 0) -> dict[str, Any]:
         stand_in = StandIn(imds, ops, {str(vm.identity["name"]): vm.compute for vm in fleet})
         coordinator = build_coordinator(settings(azurite.connection_string, imds, folder), callback=stand_in)
         try:
-            if not coordinator.require_attestation or coordinator.attestations is None:
+            if not coordinator.options.require_attestation or coordinator.parts.attestations is None:
                 measured.problems.append("the coordinator does not require attested envelopes (not as shipped)")
-            table = coordinator.store._table  # type: ignore[attr-defined]
-            coordinator.store._table = CountingTable(table, ops)  # type: ignore[attr-defined]
+            table = coordinator.parts.store._table  # type: ignore[attr-defined]
+            coordinator.parts.store._table = CountingTable(table, ops)  # type: ignore[attr-defined]
             now = datetime.now(UTC)
             for first in range(0, n, WARM_BATCH):  # known and bound: positions stored, bindings claimed
                 batch = [envelope(vm, 1, [], now) for vm in fleet[first : first + WARM_BATCH]]

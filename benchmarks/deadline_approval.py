@@ -29,7 +29,16 @@ from typing import Any
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import SCHEMA, VmIdentity
-from coordinator import Coordinator, FolderCardSink, RawMessage, SqliteHistory, TableStateStore, parse_policy
+from coordinator import (
+    Coordinator,
+    FolderCardSink,
+    Options,
+    Parts,
+    RawMessage,
+    SqliteHistory,
+    TableStateStore,
+    parse_policy,
+)
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator, Scenario
 from local.direct_callback import DirectImdsCallback
@@ -89,18 +98,17 @@ def run(open_events: int, trials: int) -> dict[str, Any]:
     offset = [timedelta(0)]
     with tempfile.TemporaryDirectory() as tmp, Azurite() as azurite, ImdsEmulator(scenario=scenario) as imds:
         callback = Timed(DirectImdsCallback(base_url=imds.url))
-        coordinator = Coordinator(
+        parts = Parts(
             store=TableStateStore.from_connection_string(
                 azurite.connection_string, table_name="deadline" + uuid.uuid4().hex[:8]
             ),
             history=SqliteHistory(Path(tmp) / "history.sqlite"),
             alerts=FolderCardSink(Path(tmp) / "cards"),
             callback=callback,
-            policy=parse_policy(POLICY),
             clock=lambda: datetime.now(UTC) + offset[0],
-            # The clock is moved up to half an hour ahead: the VMs' last envelopes must still count as recent.
-            heartbeat_timeout=timedelta(hours=1),
         )
+        # The clock is moved up to half an hour ahead: the VMs' last envelopes must still count as recent.
+        coordinator = Coordinator(parts, Options(heartbeat_timeout=timedelta(hours=1)), parse_policy(POLICY))
         for name in waiting:
             imds.create_event(EventType="Redeploy", Resources=[name], NoticeSeconds=NOTICE_SECONDS)
         messages = [report(imds, name, 1) for name in waiting]

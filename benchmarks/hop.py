@@ -203,11 +203,11 @@ class HopClock:
             import function_app
 
             coordinator = function_app.coordinator()
-            callback = coordinator.callback
+            callback = coordinator.parts.callback
             for name in ("send", "send_within"):
                 if hasattr(callback, name):
                     setattr(callback, name, self._noting(getattr(callback, name), type(callback).__name__))
-            store = coordinator.store
+            store = coordinator.parts.store
             if not isinstance(store, TableStateStore):
                 raise TypeError(f"the coordinator's state is {type(store).__name__}, not Table Storage")
             self.table = store._table
@@ -424,10 +424,12 @@ def wiring_problems() -> list[str]:
 
     coordinator = function_app.coordinator()
     problems = []
-    if not coordinator.require_attestation or coordinator.attestations is None:
+    if not coordinator.options.require_attestation or coordinator.parts.attestations is None:
         problems.append("the coordinator does not require and verify attested envelopes")
-    if not isinstance(coordinator.callback, RelayApprovalSender):
-        problems.append(f"the coordinator's callback is {type(coordinator.callback).__name__}, not the Relay sender")
+    if not isinstance(coordinator.parts.callback, RelayApprovalSender):
+        problems.append(
+            f"the coordinator's callback is {type(coordinator.parts.callback).__name__}, not the Relay sender"
+        )
     return problems
 
 

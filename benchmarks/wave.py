@@ -49,7 +49,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -105,7 +105,7 @@ def _coordinator(env: dict[str, str], imds_url: str, reports: list[Any], environ
     function_app.settings.cache_clear()
     function_app.coordinator = direct_coordinator(function_app.settings, imds_url)
     coordinator = function_app.coordinator()
-    coordinator.clock = lambda: WARM_UP_AT
+    coordinator.parts = replace(coordinator.parts, clock=lambda: WARM_UP_AT)
     original = coordinator.process_batch
 
     def kept(messages: Any, **channel: Any) -> Any:
@@ -120,7 +120,7 @@ def _coordinator(env: dict[str, str], imds_url: str, reports: list[Any], environ
 def _read_census(function_app: Any) -> float:
     """The instance's first read of ARM's census (the emulator's ARM face), before the clock; its seconds."""
     started = time.perf_counter()
-    census = function_app.coordinator().census
+    census = function_app.coordinator().parts.census
     if census is not None and not census.refresh(WARM_UP_AT, why="the wave's instance starts"):
         raise RuntimeError(f"the census could not be read from the IMDS emulator's ARM face: {census.error}")
     return time.perf_counter() - started
@@ -184,7 +184,8 @@ def _instance(
     _read_census(function_app)
     warmed = _warm_up(function_app, [warm], args, reports, {})
     work = batches(mine, args.batch)
-    function_app.coordinator().clock = lambda: WAVE_AT
+    coordinator = function_app.coordinator()
+    coordinator.parts = replace(coordinator.parts, clock=lambda: WAVE_AT)
     ready.release()
     go.wait()
     _feed(function_app, [work], threads=False)
@@ -197,12 +198,12 @@ def _tick(function_app: Any) -> tuple[dict[str, Any], dict[str, int]]:
     open event and checks heartbeats. That is work the batches leave for later, so it is measured too; then the
     tick after it (the instance's fleet cache is warm: it reads what changed). Also the two ticks' counts."""
     coordinator = function_app.coordinator()
-    coordinator.clock = lambda: START + timedelta(seconds=90)
+    coordinator.parts = replace(coordinator.parts, clock=lambda: START + timedelta(seconds=90))
     started = time.perf_counter()
     report = coordinator.tick()
     seconds = time.perf_counter() - started
     # The next minute's tick: what changed since the last one (nothing here), the steady state.
-    coordinator.clock = lambda: START + timedelta(seconds=150)
+    coordinator.parts = replace(coordinator.parts, clock=lambda: START + timedelta(seconds=150))
     again = time.perf_counter()
     second = coordinator.tick()
     again_seconds = time.perf_counter() - again
@@ -213,7 +214,7 @@ def _tick(function_app: Any) -> tuple[dict[str, Any], dict[str, int]]:
         "tick_again_seconds": round(again_seconds, 3),
         "tick_events_changed": report.events_changed,
         "tick_alerts_sent": report.alerts_sent,
-        "cards_pending_after_tick": sum(1 for s in coordinator.store.open_events() if s.record.pendingAlerts),
+        "cards_pending_after_tick": sum(1 for s in coordinator.parts.store.open_events() if s.record.pendingAlerts),
     }, dict(counts)
 
 
@@ -269,10 +270,10 @@ def _in_process(
     warm_started = time.perf_counter()
     warmed = _warm_up(function_app, prepared.warm, args, reports, prepared.timings)
     prepared.timings["warm_up_seconds"] = time.perf_counter() - warm_started  # the seeding included
-    store = coordinator.store
+    store = coordinator.parts.store
     store._table = CountingTable(store._table, ops)
     work = [batches(p, args.batch) for p in prepared.work]
-    coordinator.clock = lambda: WAVE_AT
+    coordinator.parts = replace(coordinator.parts, clock=lambda: WAVE_AT)
     prepared.timings["prep_seconds"] = time.perf_counter() - started
     profile = cProfile.Profile() if args.profile else None
     wave_started, cpu_started = time.perf_counter(), time.process_time()
@@ -388,7 +389,7 @@ def _run(args: argparse.Namespace, environment: Environment) -> dict[str, Any]:
         tick_from = int(time.time()) + 1
         tick, tick_totals = _tick(function_app)
         during_wave["tick_busiest_partition_ops_per_s"] = ops.busiest(since=tick_from)["busiest_partition_ops_per_s"]
-        census = function_app.coordinator().census
+        census = function_app.coordinator().parts.census
         listed = len(census.snapshot()[0]) if census is not None else 0
         if args.replay:
             seconds_raw = _replay_floor(connection, ops.recorded)
@@ -397,7 +398,7 @@ def _run(args: argparse.Namespace, environment: Environment) -> dict[str, Any]:
                 "wave_over_replay": round(outcome.seconds / seconds_raw, 2),
             }
         function_app.coordinator().close()
-        function_app.coordinator().history.close()
+        function_app.coordinator().parts.history.close()
         left = left_behind(connection, tmp, outcome.histories)
     found = problems(
         args,

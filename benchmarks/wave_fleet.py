@@ -160,9 +160,9 @@ def seed_bindings(coordinator: Any, identities: Iterable[Mapping[str, Any]], *, 
         )
         pairs.update(vm.claims())
     if table:
-        coordinator.store.claim_many(list(pairs.items()))  # transactions of 100 claims of one partition
+        coordinator.parts.store.claim_many(list(pairs.items()))  # transactions of 100 claims of one partition
     for name, value in pairs.items():
-        remember(coordinator.attestations.bindings, name, value)
+        remember(coordinator.parts.attestations.bindings, name, value)
     return len(pairs) if table else 0
 
 

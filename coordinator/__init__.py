@@ -11,7 +11,8 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: ``import coordinator`` imports nothing
 
-# running the coordinator: settings, wiring, a run's input and report, the people's routes, telemetry's names
+# running the coordinator: settings, wiring, its parts and options, a run's input and report, the people's routes,
+# telemetry's names
 __all__ = [
     "APPROVE_ROLE",
     "DELIVERY_QUEUE",
@@ -22,6 +23,8 @@ __all__ = [
     "Access",
     "Coordinator",
     "CoordinatorSettings",
+    "Options",
+    "Parts",
     "RawMessage",
     "Report",
     "Response",
@@ -129,7 +132,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "coordinator.pipeline.fleet_cache": ("facts_of", "holds_budget"),
     "coordinator.pipeline.ingest": ("RawMessage",),
     "coordinator.pipeline.plan": ("UNPEERED_ALLOWANCE",),
-    "coordinator.pipeline.run": ("IN_RUN_DELIVERY", "Report"),
+    "coordinator.pipeline.run": ("IN_RUN_DELIVERY", "Options", "Parts", "Report"),
     "coordinator.service": ("Coordinator", "set_graces"),
     "coordinator.settings": ("CoordinatorSettings",),
     "coordinator.state.entities": ("CLAIM_PARTITION",),
@@ -171,7 +174,7 @@ if TYPE_CHECKING:
     from coordinator.pipeline.fleet_cache import facts_of, holds_budget
     from coordinator.pipeline.ingest import RawMessage
     from coordinator.pipeline.plan import UNPEERED_ALLOWANCE
-    from coordinator.pipeline.run import IN_RUN_DELIVERY, Report
+    from coordinator.pipeline.run import IN_RUN_DELIVERY, Options, Parts, Report
     from coordinator.service import Coordinator, set_graces
     from coordinator.settings import CoordinatorSettings
     from coordinator.state.entities import CLAIM_PARTITION

@@ -18,23 +18,15 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from contracts.approval import NOT_AFTER_TOLERANCE
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
-from coordinator.adapters.callback import ApprovalCallback
-from coordinator.adapters.census import Census
-from coordinator.adapters.delivery_queue import DeliveryQueue, QueuedDelivery
-from coordinator.adapters.gates import MonitorReader
-from coordinator.adapters.history import HistorySink
-from coordinator.adapters.teams import AlertSink
-from coordinator.domain.attestation import Attestations
+from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import delivery, fold, handover, ingest, outbox, people, record, tail, timer
@@ -42,31 +34,13 @@ from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.fleet_cache import FleetCache
 from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
-from coordinator.pipeline.run import (
-    APPROVAL_DEADLINE,
-    APPROVAL_WORKERS,
-    EXECUTOR_SILENCE,
-    IMDS_FAILING_AFTER,
-    IMDS_FAILING_ERRORS,
-    IN_RUN_DELIVERY,
-    RETIRE_GRACE,
-    START_BOUND,
-    Options,
-    Parts,
-    Report,
-    Run,
-    RunKind,
-)
+from coordinator.pipeline.run import Options, Parts, Report, Run, RunKind
 from coordinator.state.events import read_event
-from coordinator.state.store import StateStore, Stored
+from coordinator.state.store import Stored
 
 __all__ = ["Coordinator", "set_graces"]
 
 log = logging.getLogger("coordinator")
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def set_graces(*, history: timedelta | None = None, cards: timedelta | None = None) -> None:
@@ -80,137 +54,74 @@ def set_graces(*, history: timedelta | None = None, cards: timedelta | None = No
 
 
 class Coordinator:
-    """Fleet logic behind the Functions app. All options are keyword-only; ``clock`` lets tests move time.
-    Attributes without a leading underscore may be replaced (a slower callback, another clock, another policy):
-    each run takes them as they are when it starts."""
+    """Fleet logic behind the Functions app: ``Coordinator(parts, options, policy)``, the three built once
+    (``wiring.py``, from the settings), and the instance's own machinery: ``after_batch``, the executor a batch's
+    tail runs on once the batch has returned (with ``Options.tail_after_batch``; None: each batch ends with its own
+    tail), ``on_new_vm`` and ``housekeeping`` (a new VM's hybrid connection made, silent VMs' deleted: wiring.py).
+
+    Each run takes ``parts``, ``options`` and ``policy`` as they are when it starts. To replace one (a slower
+    callback, another clock, another policy), assign it whole between runs:
+    ``coordinator.parts = dataclasses.replace(coordinator.parts, callback=slower)``. A replacement is checked as
+    the constructor checks (contradictory settings are refused at once, not at the first run), and a replaced
+    store gets a fresh fleet cache."""
 
     def __init__(
         self,
-        *,
-        store: StateStore,
-        history: HistorySink,
-        alerts: AlertSink,
-        callback: ApprovalCallback,
+        parts: Parts,
+        options: Options,
         policy: Policy,
-        dry_run: bool = False,
-        heartbeat_timeout: timedelta = timedelta(minutes=5),
-        approve_url: Callable[[str], str] | None = None,
-        approval_backoff: tuple[float, float] = (5.0, 120.0),
+        *,
+        after_batch: concurrent.futures.Executor | None = None,
         on_new_vm: Callable[[VmIdentity], None] | None = None,
         housekeeping: Callable[[dict[str, datetime], datetime], None] | None = None,
-        housekeeping_interval: timedelta = timedelta(hours=1),
-        retention: timedelta = timedelta(days=30),
-        clock: Callable[[], datetime] = utcnow,
-        rng: random.Random | None = None,
-        retire_grace: timedelta = RETIRE_GRACE,
-        approval_workers: int = APPROVAL_WORKERS,
-        approval_deadline: timedelta = APPROVAL_DEADLINE,
-        start_bound: timedelta = START_BOUND,
-        imds_failing_after: timedelta = IMDS_FAILING_AFTER,
-        imds_failing_errors: int = IMDS_FAILING_ERRORS,
-        remote_acknowledge: ApprovalCallback | None = None,
-        remote_acknowledge_fallback: bool = False,
-        not_after_tolerance: timedelta = NOT_AFTER_TOLERANCE,
-        monitor: MonitorReader | None = None,
-        deliveries: DeliveryQueue | None = None,
-        in_run_delivery: timedelta = IN_RUN_DELIVERY,
-        executor_silence: timedelta = EXECUTOR_SILENCE,
-        attestations: Attestations | None = None,
-        require_attestation: bool = False,
-        census: Census | None = None,
-        after_batch: concurrent.futures.Executor | None = None,
     ) -> None:
-        self.store = store
-        self.history = history
-        self.alerts = alerts
-        self.callback = callback
+        _refuse_contradictions(parts, options, after_batch)
+        self._parts = parts
+        self._options = options
         self.policy = policy
-        self.dry_run = dry_run
-        self.heartbeat_timeout = heartbeat_timeout
-        self.approve_url = approve_url
-        self.approval_backoff = approval_backoff
-        self.on_new_vm = on_new_vm
-        self.housekeeping_interval = housekeeping_interval
-        self.retention = retention
-        self.clock = clock
-        self.rng = rng or random.Random()  # noqa: S311 -- jitter, not security
-        self.retire_grace = retire_grace
-        self.approval_workers = approval_workers
-        self.approval_deadline = approval_deadline
-        self.start_bound = start_bound
-        self.imds_failing_after = imds_failing_after
-        self.imds_failing_errors = imds_failing_errors
-        self.remote_acknowledge = remote_acknowledge
-        self.remote_acknowledge_fallback = remote_acknowledge_fallback
-        self.not_after_tolerance = not_after_tolerance
-        self.monitor = monitor
-        self.deliveries = deliveries
-        self.in_run_delivery = in_run_delivery
-        self.executor_silence = executor_silence
-        self.attestations = attestations
-        self.require_attestation = require_attestation
-        # ARM's census of the fleet (adapters/census.py), kept in memory for this instance's runs; None: the census
-        # is what the VMs report (tests and tools that build the coordinator by hand).
-        self.census = census
-        # Where a batch's tail runs once the batch has returned (Options.tail_after_batch); None: each batch ends
-        # with its own tail. wiring.py gives the deployed app one.
         self.after_batch = after_batch
+        self.on_new_vm = on_new_vm
         self._tails: set[concurrent.futures.Future[None]] = set()
         self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
         # The open events and the census, kept across runs (pipeline/fleet.py); a new one for a replaced store.
-        self._fleet = FleetCache(store)
+        self._fleet = FleetCache(parts.store)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        if require_attestation and attestations is None:
-            raise ValueError("require_attestation needs attestations (the verifier and its trust anchors)")
-        self.options()  # refuses contradictory settings now, not at the first run
 
+    @property
+    def parts(self) -> Parts:
+        """What the runs talk to (``Parts``); replaced whole, between runs."""
+        return self._parts
+
+    @parts.setter
+    def parts(self, parts: Parts) -> None:
+        _refuse_contradictions(parts, self._options, self.after_batch)
+        self._parts = parts
+
+    @property
     def options(self) -> Options:
-        return Options(
-            dry_run=self.dry_run,
-            heartbeat_timeout=self.heartbeat_timeout,
-            approve_url=self.approve_url,
-            approval_backoff=self.approval_backoff,
-            housekeeping_interval=self.housekeeping_interval,
-            retention=self.retention,
-            retire_grace=self.retire_grace,
-            approval_workers=self.approval_workers,
-            approval_deadline=self.approval_deadline,
-            in_run_delivery=self.in_run_delivery,
-            executor_silence=self.executor_silence,
-            start_bound=self.start_bound,
-            imds_failing_after=self.imds_failing_after,
-            imds_failing_errors=self.imds_failing_errors,
-            remote_acknowledge_fallback=self.remote_acknowledge_fallback,
-            not_after_tolerance=self.not_after_tolerance,
-            require_attestation=self.require_attestation,
-            tail_after_batch=self.after_batch is not None,
-        )
+        """The runs' settings (``Options``); replaced whole, between runs."""
+        return self._options
+
+    @options.setter
+    def options(self, options: Options) -> None:
+        _refuse_contradictions(self._parts, options, self.after_batch)
+        self._options = options
 
     def start(self, kind: RunKind) -> Run:
-        """A new run with the parts and settings as they are now."""
-        parts = Parts(
-            store=self.store,
-            history=self.history,
-            alerts=self.alerts,
-            callback=self.callback,
-            remote_acknowledge=self.remote_acknowledge,
-            monitor=self.monitor,
-            deliveries=self.deliveries,
-            attestations=self.attestations,
-            rng=self.rng,
-            pool=self._pool,
-        )
-        now = self.clock()
-        if self._fleet.store is not self.store:
-            self._fleet = FleetCache(self.store)
+        """A new run with the parts, options and policy as they are now."""
+        parts = self._parts
+        now = parts.clock()
+        if self._fleet.store is not parts.store:
+            self._fleet = FleetCache(parts.store)
         return Run(
             kind=kind,
             parts=parts,
-            options=self.options(),
+            options=self._options,
             policy=self.policy,
             now=now,
-            fleet=Fleet(self.store, self._fleet, census=self.census.at(now) if self.census is not None else None),
+            fleet=Fleet(parts.store, self._fleet, census=parts.census.at(now) if parts.census is not None else None),
+            pool=self._pool,
             report=Report(kind=kind),
         )
 
@@ -219,7 +130,7 @@ class Coordinator:
         with self._pool_lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.approval_workers, thread_name_prefix="approval"
+                    max_workers=self._options.approval_workers, thread_name_prefix="approval"
                 )
             return self._executor
 
@@ -306,11 +217,12 @@ class Coordinator:
     def tick(self) -> Report:
         """The timer's run (pipeline/timer.py), ending with the tail."""
         run = self.start("tick")
-        if self.census is not None:
-            self.census.refresh_if_due(run.now)
+        census = run.parts.census
+        if census is not None:
+            census.refresh_if_due(run.now)
         timer.tick(run, self._housekeeping)
-        if self.census is not None and run.report.vms_retired:
-            self.census.membership_changed()  # the scale sets shrank: read again at the next tick
+        if census is not None and run.report.vms_retired:
+            census.membership_changed()  # the scale sets shrank: read again at the next tick
         return run.report
 
     def continue_delivery(self, message: bytes) -> Report:
@@ -318,8 +230,8 @@ class Coordinator:
         whole approval deadline while its record still says it was handed over; then the tail. A message that is
         not a ``QueuedDelivery`` raises (the host retries it, then sets it aside in the poison queue)."""
         queued = QueuedDelivery.model_validate_json(message)
-        stored = read_event(self.store, queued.eventId)
-        wait = handover.lapse_wait(stored.record if stored is not None else None, queued, self.clock())
+        stored = read_event(self.parts.store, queued.eventId)
+        wait = handover.lapse_wait(stored.record if stored is not None else None, queued, self.parts.clock())
         if wait:
             time.sleep(wait.total_seconds())  # the unanswered request lapses in a few seconds (handover.lapse_wait)
         run = self.start("delivery")
@@ -333,11 +245,22 @@ class Coordinator:
 
     def event(self, event_id: str) -> Stored[EventRecord] | None:
         """The event as stored now (fresh read), with its VMs' sightings."""
-        return read_event(self.store, event_id)
+        return read_event(self.parts.store, event_id)
 
     def summarize(self, record: EventRecord) -> dict[str, Any]:
-        return people.summarize(record, approve_url=self.approve_url)
+        return people.summarize(record, approve_url=self.options.approve_url)
 
     def pending(self) -> list[dict[str, Any]]:
         """Open events (not Completed/Canceled), oldest NotBefore first."""
-        return people.pending(self.store, approve_url=self.approve_url)
+        return people.pending(self.parts.store, approve_url=self.options.approve_url)
+
+
+def _refuse_contradictions(parts: Parts, options: Options, after_batch: concurrent.futures.Executor | None) -> None:
+    """Settings that cannot go together, refused when the coordinator is built (or a part or option replaced), not
+    at the first run. ``Options`` checks its own (``Options.__post_init__``)."""
+    if options.require_attestation and parts.attestations is None:
+        raise ValueError("require_attestation needs attestations (the verifier and its trust anchors)")
+    if options.tail_after_batch != (after_batch is not None):
+        raise ValueError(
+            "Options.tail_after_batch goes with the after_batch executor the batches' tails run on: both or neither"
+        )

@@ -1,10 +1,12 @@
-"""Builds a Coordinator from settings: Azure implementations in Azure, local ones (Azurite, SQLite, a cards
-folder) in the local mode. The only place that chooses between them. Approvals go through Azure Relay (the Relay
-emulator locally); a caller may hand in another ``ApprovalCallback`` (local/direct_callback.py, never deployed)."""
+"""Builds a Coordinator from settings: its ``Parts`` (Azure implementations in Azure, local ones (Azurite, SQLite, a
+cards folder) in the local mode) and its ``Options`` (``build_options``, one line per setting), once. The only place
+that chooses between them. Approvals go through Azure Relay (the Relay emulator locally); a caller may hand in
+another ``ApprovalCallback`` (local/direct_callback.py, never deployed)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
@@ -20,7 +22,7 @@ from coordinator.adapters.issuers import AiaIssuers
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
 from coordinator.domain.attestation import Attestations, AttestationVerifier, TrustAnchors, load_pem_certificates
 from coordinator.domain.policy_file import load_policy
-from coordinator.pipeline.run import APPROVAL_WORKERS
+from coordinator.pipeline.run import APPROVAL_WORKERS, Options, Parts
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings, SettingsError
 from coordinator.state.tables import TableStateStore
@@ -136,22 +138,35 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         if any(gate.alert is not None or gate.logQuery is not None for gate in policy.gates.values())
         else None
     )
-    base = settings.public_base_url
-
-    def approve_url(event_id: str) -> str:
-        return f"{base}/api/events/{quote(event_id, safe='')}/approve"
-
-    return Coordinator(
+    parts = Parts(
         store=store,
         history=history,
         alerts=alerts,
         callback=callback,
-        policy=policy,
-        dry_run=settings.dry_run,
-        heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
-        approve_url=approve_url if base else None,
+        remote_acknowledge=remote_acknowledge,
+        monitor=monitor,
+        deliveries=build_deliveries(settings, credential),
+        attestations=attestations,
+        census=census,
+    )
+    return Coordinator(
+        parts,
+        build_options(settings),
+        policy,
+        # A batch returns once its approvals are sent and its positions written; its tail runs on these threads
+        # (each mostly waits: for its approvals' answers, at most IN_RUN_DELIVERY + slack, and its sinks).
+        after_batch=concurrent.futures.ThreadPoolExecutor(max_workers=APPROVAL_WORKERS, thread_name_prefix="tail"),
         on_new_vm=on_new_vm,
         housekeeping=housekeeping,
+    )
+
+
+def build_options(settings: CoordinatorSettings) -> Options:
+    """The runs' options from the settings, one line each (the rest keep ``Options``' defaults)."""
+    return Options(
+        dry_run=settings.dry_run,
+        heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
+        approve_url=approve_links(settings.public_base_url),
         retention=timedelta(days=settings.retention_days),
         retire_grace=timedelta(seconds=settings.retire_grace_seconds),
         approval_deadline=timedelta(seconds=settings.approval_deadline_seconds),
@@ -159,18 +174,23 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         start_bound=timedelta(seconds=settings.start_bound_seconds),
         imds_failing_after=timedelta(seconds=settings.imds_failing_seconds),
         imds_failing_errors=settings.imds_failing_poll_errors,
-        remote_acknowledge=remote_acknowledge,
         remote_acknowledge_fallback=settings.remote_acknowledge == "fallback",
-        monitor=monitor,
-        deliveries=build_deliveries(settings, credential),
         in_run_delivery=timedelta(seconds=settings.in_run_delivery_seconds),
-        attestations=attestations,
         require_attestation=settings.require_attestation,
-        census=census,
-        # A batch returns once its approvals are sent and its positions written; its tail runs on these threads
-        # (each mostly waits: for its approvals' answers, at most IN_RUN_DELIVERY + slack, and its sinks).
-        after_batch=concurrent.futures.ThreadPoolExecutor(max_workers=APPROVAL_WORKERS, thread_name_prefix="tail"),
+        # The deployed coordinator runs each batch's tail after the batch (build_coordinator's after_batch).
+        tail_after_batch=True,
     )
+
+
+def approve_links(base: str | None) -> Callable[[str], str] | None:
+    """An event's approval page on the app's public URL, for the cards; None without one (no link)."""
+    if not base:
+        return None
+
+    def approve_url(event_id: str) -> str:
+        return f"{base}/api/events/{quote(event_id, safe='')}/approve"
+
+    return approve_url
 
 
 def build_deliveries(settings: CoordinatorSettings, credential: TokenCredential) -> StorageQueueDeliveries | None:

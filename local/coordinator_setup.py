@@ -217,5 +217,5 @@ def reset_function_app() -> None:
         with contextlib.suppress(Exception):
             coordinator().close()  # the batches' tails end first: they write history
         with contextlib.suppress(Exception):
-            coordinator().history.close()
+            coordinator().parts.history.close()
     coordinator.cache_clear()

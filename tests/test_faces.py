@@ -48,6 +48,8 @@ EXPORTED = [
     "HooksOption",
     "IN_RUN_DELIVERY",
     "Match",
+    "Options",
+    "Parts",
     "Policy",
     "PolicyError",
     "READ_ROLE",

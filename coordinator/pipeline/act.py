@@ -201,17 +201,14 @@ def _submit(run: Run, plans: Sequence[Delivery], within: float) -> dict[concurre
             continue
         proof = _proof(run, plan.vm, plan.decision_id) if callback is run.parts.callback else None
         wait = answer_wait(run, plan.request, within)
-        futures[
-            run.parts.pool().submit(send, callback, plan.request, plan.vm, plan.traceparent, proof, within=wait)
-        ] = [plan]
+        futures[run.pool().submit(send, callback, plan.request, plan.vm, plan.traceparent, proof, within=wait)] = [plan]
     for group in batches.values():
         plan = group[0]
         if len(group) == 1 and plan.request is not None and plan.vm is not None:
-            futures[
-                run.parts.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent, within=within)
-            ] = group
+            future = run.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent, within=within)
+            futures[future] = group
         else:
-            futures[run.parts.pool().submit(send_batch, group, within=within)] = group
+            futures[run.pool().submit(send_batch, group, within=within)] = group
     return futures
 
 

@@ -12,12 +12,13 @@ import concurrent.futures
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.census import Census
 from coordinator.adapters.delivery_queue import DeliveryQueue
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
@@ -67,9 +68,15 @@ RunKind = Literal["batch", "tick", "person", "delivery"]
 Stage = Literal["ingest", "fold", "decide", "timer", "person", "continue", "deliver", "cards", "budgets", "history"]
 
 
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """The coordinator's settings, fixed for a run."""
+    """The coordinator's settings, built once (``wiring.py``, from ``CoordinatorSettings``) and fixed for a run.
+    Each has its default here, so that a test names only what it changes: ``Options(heartbeat_timeout=...)``. A new
+    setting is one field in ``settings.py``, one here and one line in ``wiring.build_options``."""
 
     dry_run: bool = False
     heartbeat_timeout: timedelta = timedelta(minutes=5)
@@ -97,7 +104,8 @@ class Options:
     # A batch returns once its approvals are sent and its VM positions written; its tail (the answers awaited and
     # committed, cards, budgets, history) runs after it on the Coordinator's ``after_batch`` executor, so that its
     # partition's next batch waits for no listener, card sink or history upload (docs/liveness.md, *The tail
-    # after the batch*). Off: each batch ends with its own tail (the stages' tests read its outcomes at once).
+    # after the batch*). Off: each batch ends with its own tail (the stages' tests read its outcomes at once). On
+    # only with that executor (the Coordinator refuses the one without the other).
     tail_after_batch: bool = False
 
     def __post_init__(self) -> None:
@@ -110,7 +118,9 @@ class Options:
 
 @dataclass(frozen=True, kw_only=True)
 class Parts:
-    """What a run talks to: its state, history and card sinks, the approval paths, Azure Monitor for gates."""
+    """What a run talks to: its state, history and card sinks, the approval paths, Azure Monitor for gates, ARM's
+    census, the clock its ``now`` is read from and the backoff's jitter. Built once (``wiring.py``); a coordinator's
+    runs take them as they are when each starts (``Coordinator.parts``, replaced with ``dataclasses.replace``)."""
 
     store: StateStore
     history: HistorySink
@@ -126,8 +136,11 @@ class Parts:
     rng: random.Random = field(default_factory=random.Random)
     # IMDS attested documents: the verifier and the VM bindings read (pipeline/attest.py). None: not checked.
     attestations: Attestations | None = None
-    # The approval senders' threads, kept for the process (started on first use).
-    pool: Callable[[], concurrent.futures.ThreadPoolExecutor]
+    # ARM's census of the fleet (adapters/census.py), kept in memory for the instance's runs; None: the census is
+    # what the VMs report (tests and tools that build the coordinator by hand).
+    census: Census | None = None
+    # Each run's ``now`` is read from it as the run starts; tests move it.
+    clock: Callable[[], datetime] = utcnow
 
 
 @dataclass
@@ -327,6 +340,8 @@ class Run:
     policy: Policy
     now: datetime
     fleet: Fleet
+    # The approval senders' threads, the instance's, kept for the process (started on first use).
+    pool: Callable[[], concurrent.futures.ThreadPoolExecutor]
     work: Work = field(default_factory=Work)
     report: Report
     stages: list[Stage] = field(default_factory=list)

@@ -31,6 +31,7 @@ from coordinator.service import Coordinator
 from emulators.imds.attested import AttestedDocuments, default_authority
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import make_coordinator
 
 CA = default_authority()
 ISSUER_URL = "http://127.0.0.1:9/_emulator/pki/issuer.cer"
@@ -78,7 +79,7 @@ class Door:
 
 def door(cards: Path, store: MemoryStateStore | None = None) -> Door:
     store, history, listeners = store or MemoryStateStore(), MemoryHistory(), Approves()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=store,
         history=history,
         alerts=FolderCardSink(cards),

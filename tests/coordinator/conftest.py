@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from types import ModuleType
@@ -101,7 +101,7 @@ def app(
     function_app.settings.cache_clear()
     function_app.coordinator.cache_clear()
     clock = Clock(DOC_NOW)
-    function_app.coordinator().clock = clock
+    function_app.coordinator().parts = replace(function_app.coordinator().parts, clock=clock)
     yield App(function_app, clock, table, tmp_path / "history.sqlite", tmp_path / "cards", imds)
     function_app.settings.cache_clear()
     function_app.coordinator.cache_clear()

@@ -6,7 +6,8 @@ Maintenance RP's acknowledge), ``RecordingAlerts`` for the card sink (Teams), ``
 queue (a Storage queue); history goes to ``MemoryHistory``.
 ``put_event`` and ``put_vm`` store state as earlier runs would have left it: an event's record in its entity, each
 VM's position (with its sightings) in its VM group. The scenario tests (test_service.py and the others on Azurite)
-show the same behaviour across every part; these show each module's own.
+show the same behaviour across every part; these show each module's own. ``make_coordinator`` builds theirs from one
+keyword per part or option.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import json
 import random
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -32,6 +33,7 @@ from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Options, Parts, Report, Run, RunKind
+from coordinator.service import Coordinator
 from coordinator.state.events import read_event
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, event_record, vm
 from tests.coordinator.memory_store import MemoryStateStore
@@ -146,7 +148,6 @@ class Bench:
             remote_acknowledge=self.remote_acknowledge,
             deliveries=self.deliveries,
             rng=self.rng,
-            pool=self.pool,
         )
         return Run(
             kind=kind,
@@ -155,6 +156,7 @@ class Bench:
             policy=self.policy,
             now=self.now,
             fleet=Fleet(self.store),
+            pool=self.pool,
             report=Report(kind=kind),
         )
 
@@ -188,6 +190,26 @@ class Bench:
             for row in self.history.rows
             if row.RecordType == record_type and all(getattr(row, name) == value for name, value in columns.items())
         ]
+
+
+def make_coordinator(
+    *,
+    policy: Policy,
+    after_batch: Executor | None = None,
+    on_new_vm: Callable[[VmIdentity], None] | None = None,
+    housekeeping: Callable[[dict[str, datetime], datetime], None] | None = None,
+    **settings: Any,
+) -> Coordinator:
+    """A ``Coordinator(parts, options, policy)`` from one keyword per part or option, as the scenario tests name
+    them: each of ``settings`` goes to ``Parts`` or ``Options`` by its field's name (a name of neither is refused);
+    ``Options.tail_after_batch`` is on with an ``after_batch`` executor, as in wiring.py."""
+    in_parts = {part.name for part in fields(Parts)}
+    parts = Parts(**{name: value for name, value in settings.items() if name in in_parts})
+    options = Options(
+        tail_after_batch=after_batch is not None,
+        **{name: value for name, value in settings.items() if name not in in_parts},
+    )
+    return Coordinator(parts, options, policy, after_batch=after_batch, on_new_vm=on_new_vm, housekeeping=housekeeping)
 
 
 def identity(name: str, *, scale_set: str = "") -> VmIdentity:

@@ -22,10 +22,10 @@ from coordinator.domain.cards import MAX_CARD_BYTES, build_card, build_vm_card, 
 from coordinator.domain.model import AlertKind, ApprovalRecord, DecisionRecord, EventRecord, VmRecord
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 SCHEMA = json.loads((Path(__file__).with_name("adaptive_card_subset.schema.json")).read_text())
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
@@ -131,7 +131,7 @@ def test_webhook_retries_with_backoff_and_keeps_the_url_secret(webhook: Webhook,
 def test_a_failing_webhook_never_blocks_the_pipeline(azurite, imds, webhook: Webhook):
     store = TableStateStore.from_connection_string(azurite.connection_string, table_name="al" + uuid.uuid4().hex[:12])
     clock = [DOC_NOW]
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=store,
         history=MemoryHistory(),
         alerts=TeamsWebhookSink(webhook_url=webhook.url, sleep=lambda _: None),

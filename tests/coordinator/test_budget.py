@@ -24,6 +24,7 @@ from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 POLICY = parse_policy(
     """
@@ -63,7 +64,7 @@ def coordinator(
 ) -> tuple[Coordinator, MemoryHistory]:
     history = MemoryHistory()
     return (
-        Coordinator(
+        make_coordinator(
             store=store_class.from_connection_string(azurite.connection_string, table_name=table),
             history=history,
             alerts=FolderCardSink(cards),
@@ -100,8 +101,8 @@ def test_an_instance_whose_view_is_stale_cannot_take_a_slot_another_instance_cla
     a, history_a = coordinator(azurite, imds, table, tmp_path / "a", clock, store_class=ViewInterleavingStore)
     b, _ = coordinator(azurite, imds, table, tmp_path / "b", clock)
     first, second = reboot_on(imds, "WestNO_0"), reboot_on(imds, "WestNO_1")
-    assert isinstance(a.store, ViewInterleavingStore)
-    a.store.interleave = lambda: b.process_batch([report("WestNO_1", 1, [second])])
+    assert isinstance(a.parts.store, ViewInterleavingStore)
+    a.parts.store.interleave = lambda: b.process_batch([report("WestNO_1", 1, [second])])
 
     a.process_batch([report("WestNO_0", 1, [first])])
 
@@ -141,7 +142,7 @@ def test_two_instances_racing_approve_one_at_a_time_and_completion_frees_the_slo
     assert len(first) == 1
     winner = next(name for name, event_id in ids.items() if event_id == first[0])
     loser = next(name for name in ids if name != winner)
-    budget = a.store.get_budget("westno")
+    budget = a.parts.store.get_budget("westno")
     assert budget is not None
     assert list(budget.record.claims) == first
 
@@ -153,14 +154,14 @@ def test_two_instances_racing_approve_one_at_a_time_and_completion_frees_the_slo
     done = a.event(ids[winner])
     assert done is not None
     assert done.record.state == "Completed"
-    budget = a.store.get_budget("westno")
+    budget = a.parts.store.get_budget("westno")
     assert budget is not None
     assert budget.record.claims == {}
 
     clock.now += timedelta(seconds=20)
     b.tick()
     assert approved(imds, list(ids.values())) == [*first, ids[loser]]
-    budget = b.store.get_budget("westno")
+    budget = b.parts.store.get_budget("westno")
     assert budget is not None
     assert list(budget.record.claims) == [ids[loser]]
 
@@ -170,7 +171,7 @@ def test_a_claim_left_without_an_approval_lapses_after_its_lease(azurite, imds, 
     a, _ = coordinator(azurite, imds, table, tmp_path / "a", clock)
     # What a crash between the claim and the approval's write leaves behind: a claim whose event holds nothing.
     ghost = BudgetClaim(eventId="GHOST-EVENT", vms=["WestNO_1"], claimedAt=DOC_NOW)
-    a.store.save_budget(BudgetRecord(scaleSet="westno", claims={"GHOST-EVENT": ghost}), None)
+    a.parts.store.save_budget(BudgetRecord(scaleSet="westno", claims={"GHOST-EVENT": ghost}), None)
     event_id = reboot_on(imds, "WestNO_0")
 
     a.process_batch([report("WestNO_0", 1, [event_id])])
@@ -179,6 +180,6 @@ def test_a_claim_left_without_an_approval_lapses_after_its_lease(azurite, imds, 
     clock.now = DOC_NOW + CLAIM_LEASE + timedelta(seconds=1)
     a.tick()
     assert approved(imds, [event_id]) == [event_id]
-    budget = a.store.get_budget("westno")
+    budget = a.parts.store.get_budget("westno")
     assert budget is not None
     assert list(budget.record.claims) == [event_id]

@@ -35,7 +35,7 @@ from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, grid_event
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import RecordingAlerts
+from tests.coordinator.runs import RecordingAlerts, make_coordinator
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000c0502"
 GROUP = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-fleet"
@@ -136,7 +136,7 @@ def run(
     lies = lies or Lies()
     reader = ArmCensusReader(credential=MintedCredential(), resource_groups=[GROUP], arm_endpoint=imds.url)
     history = MemoryHistory()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=MemoryStateStore(),
         history=history,
         alerts=RecordingAlerts(),
@@ -274,8 +274,8 @@ def test_names_no_vm_has_do_not_widen_a_percent_budget() -> None:
     assert len(lied.approved) == 1
     assert all(reason.startswith(name) for name, reason in mismatches(lied).items())
     assert "ARM lists no VM of this name" in mismatches(lied)["web_100"]
-    assert lied.coordinator.census is not None
-    assert lied.coordinator.census.reads <= 2, "the unknown names cost one read of ARM at most"
+    assert lied.coordinator.parts.census is not None
+    assert lied.coordinator.parts.census.reads <= 2, "the unknown names cost one read of ARM at most"
 
 
 def test_an_event_grid_event_naming_a_thousand_vms_adds_none_to_the_census() -> None:
@@ -285,7 +285,7 @@ def test_an_event_grid_event_naming_a_thousand_vms_adds_none_to_the_census() -> 
     lies = Lies(platform=[thousand])
     truth, lied = same_approvals(policy, events, lies)
     assert len(truth.approved) == 1
-    census = lied.coordinator.census
+    census = lied.coordinator.parts.census
     assert census is not None
     assert census.reads <= 2, "the thousand names cost one read of ARM at most"
     assert sorted(census.at(DOC_NOW).facts()) == sorted(vm["name"] for vm in VMS)
@@ -326,6 +326,6 @@ def test_a_census_that_cannot_be_read_approves_nothing_resting_on_it(fleet: Imds
     # Once ARM answers, the timer reads it again and the event is decided on it.
     fleet.arm_faults = type(fleet.arm_faults)()
     coordinator = outcome.coordinator
-    coordinator.clock.now = DOC_NOW + timedelta(minutes=1)  # type: ignore[attr-defined]
+    coordinator.parts.clock.now = DOC_NOW + timedelta(minutes=1)  # type: ignore[attr-defined]
     coordinator.tick()
     assert {a["EventId"] for a in fleet.approvals()} == set(outcome.refs)

@@ -16,6 +16,7 @@ from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 
 class InterleavingStore(TableStateStore):
@@ -34,7 +35,7 @@ class InterleavingStore(TableStateStore):
 
 def make(azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, tmp: Any, store_class: type[TableStateStore]):
     history = MemoryHistory()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=store_class.from_connection_string(azurite.connection_string, table_name=table),
         history=history,
         alerts=FolderCardSink(tmp),
@@ -60,8 +61,8 @@ def test_an_interleaved_write_is_refused_by_etag_and_the_event_is_decided_once(a
     from_0 = message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[freeze]))
     from_1 = message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=[freeze]))
 
-    assert isinstance(a.store, InterleavingStore)
-    a.store.interleave = lambda: b.process_batch([from_1])
+    assert isinstance(a.parts.store, InterleavingStore)
+    a.parts.store.interleave = lambda: b.process_batch([from_1])
     report = a.process_batch([from_0])
 
     assert report.conflicts >= 1  # A's first write met B's ETag
@@ -129,5 +130,5 @@ def test_a_vm_moved_by_another_instance_is_redone_from_its_fresh_position(azurit
     assert stored is not None
     assert stored.record.vms["WestNO_1"].status == "Gone"
     assert stored.record.state == "Canceled"
-    positions = a.store.get_vm_groups(["pg:avset-westno"])["pg:avset-westno"].record.vms
+    positions = a.parts.store.get_vm_groups(["pg:avset-westno"])["pg:avset-westno"].record.vms
     assert {vm.identity.name: vm.lastSequence for vm in positions.values()} == {"WestNO_0": 1, "WestNO_1": 3}

@@ -26,6 +26,7 @@ from coordinator.service import Coordinator
 from coordinator.state.entities import event_partition
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import make_coordinator
 
 
 class Approves:
@@ -49,7 +50,7 @@ class Clock:
 
 def build(tmp_path: Path, clock: Clock | None = None) -> tuple[Coordinator, MemoryStateStore, MemoryHistory, Approves]:
     store, history, listeners = MemoryStateStore(), MemoryHistory(), Approves()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=store,
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),

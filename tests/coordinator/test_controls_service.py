@@ -25,6 +25,7 @@ from forwarder.imds import tags_of
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
+from tests.coordinator.runs import make_coordinator
 
 VMS = [
     {"name": "web_0", "vmScaleSetName": "web", "zone": "1", "platformUpdateDomain": "0"},
@@ -45,7 +46,7 @@ def zoned() -> Iterator[ImdsEmulator]:
 def build(azurite: AzuriteEndpoints, imds: ImdsEmulator, policy: str, tmp: Path) -> tuple[Coordinator, MemoryHistory]:
     history = MemoryHistory()
     return (
-        Coordinator(
+        make_coordinator(
             store=TableStateStore.from_connection_string(
                 azurite.connection_string, table_name="controls" + uuid.uuid4().hex[:12]
             ),
@@ -97,7 +98,7 @@ rules:
     assert (held.record.decision.holdKind, held.record.decision.holdName) == ("budget", "zone:westeurope/1")
     row = next(r for r in history.rows if r.RecordType == "Decision" and r.EventId == second)
     assert (row.HoldKind, row.HoldName, row.Outcome) == ("budget", "zone:westeurope/1", "wait")
-    budget = coordinator.store.get_budget("zone:westeurope/1")
+    budget = coordinator.parts.store.get_budget("zone:westeurope/1")
     assert budget is not None
     assert list(budget.record.claims) == [first]
 
@@ -166,8 +167,8 @@ rules:
     event_id = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
 
     coordinator.process_batch([report(zoned, "web_0", 1)])
-    assert isinstance(coordinator.clock, Clock)
-    coordinator.clock.now += timedelta(seconds=60)
+    assert isinstance(coordinator.parts.clock, Clock)
+    coordinator.parts.clock.now += timedelta(seconds=60)
     coordinator.tick()
 
     assert approved(zoned) == []
@@ -179,7 +180,7 @@ rules:
     assert "gate 'app-health' is failing (HTTP 503, expected [200])" in decision.reason
 
     page.status = 200
-    coordinator.clock.now += timedelta(seconds=60)
+    coordinator.parts.clock.now += timedelta(seconds=60)
     coordinator.tick()
     assert approved(zoned) == [event_id]
     rows = [r for r in history.rows if r.RecordType == "Decision" and r.EventId == event_id]

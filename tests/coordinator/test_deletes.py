@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ from coordinator.domain.observations import state_tag
 from coordinator.domain.policy import Policy
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
@@ -27,6 +27,7 @@ from forwarder.relay_protocol import RelayRequest
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, vm
 from tests.coordinator.helpers import WEB_FLEET as NAMES
+from tests.coordinator.runs import make_coordinator
 
 IDENTITY = {name: vm(name, scale_set="web", group="pg-web", index=100 + i) for i, name in enumerate(NAMES)}
 
@@ -52,7 +53,7 @@ class Harness:
         # Each VM's own hook ledger (what its listener checks before approving on the strength of its hooks): the
         # outcome its reports told, a failure sticking as in the forwarder's ledger.
         self.ledger: dict[tuple[str, str], str] = {}
-        self.coordinator = Coordinator(
+        self.coordinator = make_coordinator(
             store=TableStateStore.from_connection_string(
                 azurite.connection_string, table_name="d" + uuid.uuid4().hex[:12]
             ),
@@ -388,7 +389,7 @@ def test_a_forged_hook_report_cannot_approve_a_delete_the_vm_itself_did_not_drai
     name. The coordinator believes it, but web_2's own listener checks its own hook ledger and refuses."""
     h = Harness(azurite, fleet_imds, tmp_path)
     listeners = _Listeners(fleet_imds, h.clock)
-    h.coordinator.callback = listeners
+    h.coordinator.parts = replace(h.coordinator.parts, callback=listeners)
     event_id = terminate(fleet_imds, "web_2")
     listeners.ledgers["web_2"][event_id] = "failed"  # what really happened on web_2: 10-check failed
     h.coordinator.process_batch([h.document("web_2", {event_id})])
@@ -416,7 +417,7 @@ def test_a_type_flipped_by_one_vm_is_refused_by_the_vm_that_approves(azurite, fl
     once. The approving VM's own IMDS document shows a Reboot: it refuses, naming the facts."""
     h = Harness(azurite, fleet_imds, tmp_path)
     listeners = _Listeners(fleet_imds, h.clock)
-    h.coordinator.callback = listeners
+    h.coordinator.parts = replace(h.coordinator.parts, callback=listeners)
     created = fleet_imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900, DurationInSeconds=-1)
     event_id = str(created["EventId"])
     forged = dict(h.imds.document("web_0")["Events"][0], EventType="Freeze", DurationInSeconds=5)

@@ -15,12 +15,11 @@ from pydantic import ValidationError
 
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery, StorageQueueDeliveries
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
-from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
 from local.queue_trigger import StorageQueue
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import RecordingAlerts, RecordingCallback
+from tests.coordinator.runs import RecordingAlerts, RecordingCallback, make_coordinator
 
 DELIVERY = QueuedDelivery(eventId="EV-1", decisionId="d-1", executor="WestNO_0", handedOverAt=DOC_NOW)
 
@@ -66,7 +65,7 @@ def test_a_queue_that_is_not_there_is_an_error_that_names_it(azurite: AzuriteEnd
 
 
 def test_the_queues_run_refuses_a_message_that_is_no_handed_over_delivery_and_ignores_a_stale_one():
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=MemoryStateStore(),
         history=MemoryHistory(),
         alerts=RecordingAlerts(),

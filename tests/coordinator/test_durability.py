@@ -23,7 +23,7 @@ from coordinator.service import Coordinator
 from coordinator.state.store import SetAside
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import RecordingAlerts, message
+from tests.coordinator.runs import RecordingAlerts, make_coordinator, message
 
 
 class Listener:
@@ -54,7 +54,7 @@ def coordinator(
     *,
     alerts: RecordingAlerts | None = None,
 ) -> Coordinator:
-    return Coordinator(
+    return make_coordinator(
         store=store,
         history=history,
         alerts=alerts or RecordingAlerts(),

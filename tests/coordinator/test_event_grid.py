@@ -39,6 +39,7 @@ from local.direct_callback import DirectImdsCallback
 from local.runner import FunctionHost
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
+from tests.coordinator.runs import make_coordinator
 
 POLICY = """
 version: 1
@@ -75,7 +76,7 @@ def coordinator(
         monkeypatch.setenv(name, value)
     history = MemoryHistory()
     clock = Clock(DOC_NOW)
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),
@@ -183,9 +184,9 @@ def test_an_agentless_vm_gets_a_record_a_decision_history_and_an_approval_throug
     assert completed is not None
     assert completed.record.state == "Completed"
     # No heartbeat is expected of an agentless VM: the timer raises no heartbeat-lost card for it.
-    service.clock.now = DOC_NOW + timedelta(hours=1)  # type: ignore[attr-defined]
+    service.parts.clock.now = DOC_NOW + timedelta(hours=1)  # type: ignore[attr-defined]
     service.tick()
-    assert not [p.name for p in service.alerts.folder.glob("*heartbeat-lost*")]  # type: ignore[attr-defined]
+    assert not [p.name for p in service.parts.alerts.folder.glob("*heartbeat-lost*")]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("grid_first", [False, True])
@@ -211,7 +212,7 @@ def test_a_vm_seen_on_both_paths_is_one_vm_with_one_record(
     first = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
     service.process_batch([report(imds, "web_0", 1)])
     service.process_batch([raw(grid(imds, first, "Scheduled", DOC_NOW))], channel="platform")
-    vms = [vm for group in service.store.all_vm_groups() for vm in group.record.vms.values()]
+    vms = [vm for group in service.parts.store.all_vm_groups() for vm in group.record.vms.values()]
     assert sorted((vm.identity.name, vm.agentless) for vm in vms if vm.identity.name == "web_0") == [("web_0", False)]
     if not grid_first:  # web_1's forwarder reported before Event Grid ever named it: no agentless twin either
         assert [vm.agentless for vm in vms if vm.identity.name == "web_1"] == [False]
@@ -229,7 +230,7 @@ def test_an_event_grid_event_on_the_vms_hub_is_a_forgery_set_aside_and_adds_no_v
     assert batch.dead_lettered == 2
     assert [r.Reason for r in history.rows if r.RecordType == "DeadLetter"] == [GRID_ON_VM_HUB, GRID_ON_VM_HUB]
     assert service.event(event_id) is None
-    assert list(service.store.all_vm_groups()) == [], "no VM added, agentless or not"
+    assert list(service.parts.store.all_vm_groups()) == [], "no VM added, agentless or not"
     assert imds.approvals() == []
     assert imds.arm_status()["acknowledged"] == []
 
@@ -322,7 +323,7 @@ def test_malformed_event_grid_events_are_dead_lettered_with_reasons_while_the_re
     assert "empty array" in joined
     assert "event 0: " in joined
     assert "event 2: " in joined
-    assert len(service.store.dead_letters()) == 4
+    assert len(service.parts.store.dead_letters()) == 4
     for event_id in (good, listed):  # the valid event of the array and the envelope went on
         stored = service.event(event_id)
         assert stored is not None

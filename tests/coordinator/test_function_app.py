@@ -8,6 +8,7 @@ import html
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from functools import cache
 from pathlib import Path
@@ -133,7 +134,7 @@ def test_documented_example_through_the_function_ends_as_one_event_logged_once(a
     wn0, wn1 = items[:4], items[4:]
     # Incarnations 1 and 2 from both VMs: the short Freeze is approved at once (rule short-freeze), once.
     ingest(app, [wn0[0], wn1[0], wn0[1], wn1[1]])
-    record = app.coordinator.store.get_event(DOC_EVENT_ID)
+    record = app.coordinator.parts.store.get_event(DOC_EVENT_ID)
     assert record is not None
     assert record.record.state == "Approved"
     assert record.record.approval is not None
@@ -142,7 +143,7 @@ def test_documented_example_through_the_function_ends_as_one_event_logged_once(a
     # Incarnation 3 (Started) then 4 (gone) from both.
     ingest(app, [wn0[2], wn1[2]], start=10)
     ingest(app, [wn0[3], wn1[3]], start=20)
-    final = app.coordinator.store.get_event(DOC_EVENT_ID)
+    final = app.coordinator.parts.store.get_event(DOC_EVENT_ID)
     assert final is not None
     assert final.record.state == "Completed"
     expected = [("Scheduled", "Approved"), ("Approved", "Started"), ("Started", "Completed")]
@@ -171,7 +172,7 @@ def test_hostile_message_is_dead_lettered_and_the_rest_of_the_batch_goes_on(app:
     ingest(app, [b"\xff\xfe not json", good])
     # A VM may report only for itself: the partition key (its resource id) must match the envelope's VM.
     app.module.ingest_envelopes([hub_event(spoofed, partition_key="/subscriptions/x/virtualmachines/other")])
-    store = app.coordinator.store
+    store = app.coordinator.parts.store
     assert store.get_event("EV-GOOD") is not None
     assert store.get_event("EV-SPOOF") is None
     letters = store.dead_letters()
@@ -187,7 +188,7 @@ def test_timer_expires_unapproved_events_and_notices_lost_heartbeats(app: App):
     reboot = scheduled_event("EV-REBOOT", event_type="Reboot", duration=-1)
     identities = [vm("WestNO_0", index=1), vm("WestNO_1", index=2)]
     ingest(app, [envelope(i, sequence=1, incarnation=2, events=[reboot]) for i in identities])
-    record = app.coordinator.store.get_event("EV-REBOOT")
+    record = app.coordinator.parts.store.get_event("EV-REBOOT")
     assert record is not None
     assert record.record.decision is not None
     assert record.record.decision.rule == "everything-else-waits"
@@ -196,7 +197,7 @@ def test_timer_expires_unapproved_events_and_notices_lost_heartbeats(app: App):
 
     app.clock.now = DOC_NOW + timedelta(minutes=16)  # NotBefore passed; both forwarders silent for 16 minutes
     app.module.reevaluate(TimerRequest(past_due=False))
-    record = app.coordinator.store.get_event("EV-REBOOT")
+    record = app.coordinator.parts.store.get_event("EV-REBOOT")
     assert record is not None
     assert record.record.state == "Expired"
     cards = app.card_files()
@@ -415,7 +416,7 @@ def test_a_missing_forged_foreign_or_expired_token_is_refused(app: App):
 def test_every_instance_shares_the_form_key(app: App):
     from coordinator.state.tables import TableStateStore
 
-    first = app.coordinator.store.shared_key("approval-form")
+    first = app.coordinator.parts.store.shared_key("approval-form")
     # Another instance: its own client on the same table (the key was created once, by whoever came first).
     settings = app.module.settings()
     assert settings.storage_connection_string is not None
@@ -429,7 +430,7 @@ def test_every_instance_shares_the_form_key(app: App):
 
 def test_dry_run_records_the_persons_decision_and_sends_nothing(app: App):
     event_id = reboot_waiting_for_a_person(app)
-    app.coordinator.dry_run = True
+    app.coordinator.options = replace(app.coordinator.options, dry_run=True)
     alice = principal(APPROVE_ROLE)
     answer = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, form_token_of(open_page(app, event_id, alice)))
     assert answer.status_code == 200, answer.get_body()
@@ -442,7 +443,7 @@ def test_dry_run_records_the_persons_decision_and_sends_nothing(app: App):
     }
     app.module.reevaluate(TimerRequest(past_due=False))
     assert app.approvals(event_id) == []
-    stored = app.coordinator.store.get_event(event_id)
+    stored = app.coordinator.parts.store.get_event(event_id)
     assert stored is not None
     assert stored.record.state == "Scheduled"
     assert stored.record.approval is None
@@ -451,17 +452,17 @@ def test_dry_run_records_the_persons_decision_and_sends_nothing(app: App):
 def test_dry_run_holds_an_approval_decided_before_it_was_switched_on(app: App):
     event_id = reboot_waiting_for_a_person(app)
     # Decided and committed, but not yet delivered (e.g. Relay was down); then the coordinator restarts in dry-run.
-    app.coordinator.callback = _Unreachable()
+    app.coordinator.parts = replace(app.coordinator.parts, callback=_Unreachable())
     alice = principal(APPROVE_ROLE)
     answer = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, form_token_of(open_page(app, event_id, alice)))
     assert json.loads(answer.get_body())["status"] == "sent"
     app.module.coordinator.cache_clear()
-    app.module.coordinator().clock = app.clock
-    app.module.coordinator().dry_run = True
+    app.module.coordinator().parts = replace(app.module.coordinator().parts, clock=app.clock)
+    app.module.coordinator().options = replace(app.module.coordinator().options, dry_run=True)
     app.clock.now = app.clock.now + timedelta(minutes=2)  # past the retry time of the pending delivery
     app.module.reevaluate(TimerRequest(past_due=False))
     assert app.approvals(event_id) == []
-    stored = app.coordinator.store.get_event(event_id)
+    stored = app.coordinator.parts.store.get_event(event_id)
     assert stored is not None
     assert stored.record.approval is not None
     assert not stored.record.approval.delivered
@@ -472,14 +473,15 @@ def test_a_second_approval_while_the_first_is_on_its_way_sends_nothing(app: App)
     approver while the first approval is still being delivered is told so, and decides and sends nothing (a second
     decision has its own decisionId, so the VM's listener would POST StartRequests again)."""
     event_id = reboot_waiting_for_a_person(app)
-    working = app.coordinator.callback
-    app.coordinator.callback = _Unreachable()  # the first approval cannot be delivered yet
+    working = app.coordinator.parts.callback
+    # The first approval cannot be delivered yet.
+    app.coordinator.parts = replace(app.coordinator.parts, callback=_Unreachable())
     alice = principal(APPROVE_ROLE)
     bob = principal(APPROVE_ROLE, upn="bob@example.com", oid="0a1b2c3d-0000-4000-8000-000000000002")
     pages = {"alice": open_page(app, event_id, alice), "bob": open_page(app, event_id, bob)}
     first = post(app, event_id, {**alice, "Origin": OWN_ORIGIN}, form_token_of(pages["alice"]))
     assert json.loads(first.get_body())["status"] == "sent"
-    app.coordinator.callback = working
+    app.coordinator.parts = replace(app.coordinator.parts, callback=working)
     for who, headers in (("alice", alice), ("bob", bob)):
         again = post(app, event_id, {**headers, "Origin": OWN_ORIGIN}, form_token_of(pages[who]))
         assert again.status_code == 409
@@ -572,7 +574,7 @@ def test_terminate_is_approved_after_every_prepare_hook(app: App, monkeypatch: p
     with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as fleet:
         builder = direct_coordinator(app.module.settings, fleet.url, hook_ledger=lambda v, e: ledger.get((v, e)))
         monkeypatch.setattr(app.module, "coordinator", builder)
-        app.module.coordinator().clock = app.clock
+        app.module.coordinator().parts = replace(app.module.coordinator().parts, clock=app.clock)
         event_id = fleet.create_event(EventType="Terminate", Resources=["web_0", "web_1"], NoticeSeconds=900)["EventId"]
         document = fleet.document("web_0")
         identities = [vm(n, group="pg-web", scale_set="web", index=i + 1) for i, n in enumerate(("web_0", "web_1"))]
@@ -585,6 +587,6 @@ def test_terminate_is_approved_after_every_prepare_hook(app: App, monkeypatch: p
         ledger[("web_1", event_id)] = "succeeded"
         ingest(app, [envelope(identities[1], sequence=2, kind="hook", hook=hook)], start=6)
         assert len([a for a in fleet.approvals() if a["EventId"] == event_id]) == 1
-    stored = app.coordinator.store.get_event(event_id)
+    stored = app.coordinator.parts.store.get_event(event_id)
     assert stored is not None
     assert stored.record.state == "Approved"

@@ -25,6 +25,7 @@ from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 NAMES = ("WestNO_0", "WestNO_1")
 
@@ -62,7 +63,7 @@ def test_garbage_among_good_envelopes(azurite, imds, tmp_path):
     table = "hostile" + uuid.uuid4().hex[:10]
     store = TableStateStore.from_connection_string(azurite.connection_string, table_name=table)
     history = MemoryHistory()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=store,
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),
@@ -159,7 +160,7 @@ HOSTILE: dict[str, Any] = {
 def test_one_bad_message_costs_no_other_vm_anything(azurite, imds, tmp_path):
     store = TableStateStore.from_connection_string(azurite.connection_string, table_name="c" + uuid.uuid4().hex[:12])
     history = MemoryHistory()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=store,
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),
@@ -224,7 +225,7 @@ class _SlowFor:
 
 def test_a_slow_listener_holds_up_nothing_else(azurite, imds, tmp_path):
     callback = _SlowFor(DirectImdsCallback(base_url=imds.url), NAMES[0])
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="l" + uuid.uuid4().hex[:12]),
         history=MemoryHistory(),
         alerts=FolderCardSink(tmp_path / "cards"),
@@ -267,7 +268,7 @@ def test_a_coordinator_that_dies_after_sending_is_reconciled_by_the_timer_with_i
     history = MemoryHistory()
 
     def build(callback: Any, now: datetime) -> Coordinator:
-        return Coordinator(
+        return make_coordinator(
             store=TableStateStore.from_connection_string(azurite.connection_string, table_name=table),
             history=history,
             alerts=FolderCardSink(tmp_path / "cards"),
@@ -283,7 +284,9 @@ def test_a_coordinator_that_dies_after_sending_is_reconciled_by_the_timer_with_i
     # The approval left right after the deciding write, which stored its Decision and intent rows in the outbox; the
     # history is written last, so none was written.
     assert [r for r in history.rows if r.EventId == event_id] == []
-    kept = [(r.RecordType, r.Outcome) for entry in dying.store.outbox() for r in entry.rows if r.EventId == event_id]
+    kept = [
+        (r.RecordType, r.Outcome) for entry in dying.parts.store.outbox() for r in entry.rows if r.EventId == event_id
+    ]
     assert kept == [("Decision", "approve"), ("Approval", "sending")]
     assert len([a for a in imds.approvals() if a["EventId"] == event_id]) == 1
     # Event Hubs delivers the batch again (no checkpoint was written): the VM positions, which follow the send, are
@@ -304,7 +307,7 @@ def test_a_coordinator_that_dies_after_sending_is_reconciled_by_the_timer_with_i
     outcomes = [r.Outcome for r in rows if r.RecordType == "Approval" and r.TimeGenerated > DOC_NOW]
     assert outcomes[0] == "unknown"
     assert outcomes[-1] in ("approved", "not-scheduled")
-    assert later.store.outbox() == []
+    assert later.parts.store.outbox() == []
     stored = later.event(event_id)
     assert stored is not None
     assert stored.record.approval is not None

@@ -15,6 +15,7 @@ from coordinator.service import Coordinator
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, event_record, vm_position
 from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import make_coordinator
 
 
 class Refusing:
@@ -36,11 +37,11 @@ def group(key: str, *vms: VmRecord) -> VmGroupRecord:
 
 
 def coordinator(store: MemoryStateStore, tmp_path: Path, clock: Clock) -> Coordinator:
-    return Coordinator(
+    return make_coordinator(
         store=store,
         history=MemoryHistory(),
         alerts=FolderCardSink(tmp_path),
-        callback=Refusing(),  # type: ignore[arg-type]
+        callback=Refusing(),
         policy=load_policy(DEFAULT_POLICY_PATH),
         clock=clock,
     )

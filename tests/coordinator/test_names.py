@@ -45,6 +45,7 @@ from coordinator.state.store import Stored
 from tests.coordinator.attested import DOCUMENTS, verifier
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import make_coordinator
 
 WEB_0 = vm("web_0", index=1, group="pg-web", scale_set="web")
 WEB_1 = vm("web_1", index=2, group="pg-web", scale_set="web")
@@ -123,7 +124,7 @@ class Fleet:
 
 def fleet(tmp_path: Path, *, arm: bool = True, store: MemoryStateStore | None = None) -> Fleet:
     store, history, listeners = store or MemoryStateStore(), MemoryHistory(), Listeners()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=store,
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),

@@ -22,6 +22,7 @@ from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 
 class Killed(BaseException):
@@ -41,7 +42,7 @@ class KillingSink(FolderCardSink):
 
 def restart(azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, cards: Path, clock: Clock) -> Coordinator:
     """A fresh instance: a new store (no cache) and history, as after a crash."""
-    return Coordinator(
+    return make_coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name=table),
         history=MemoryHistory(),
         alerts=KillingSink(cards),
@@ -52,8 +53,10 @@ def restart(azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, cards: Pa
 
 
 def sent(coordinator: Coordinator) -> list[tuple[str, str]]:
-    assert isinstance(coordinator.history, MemoryHistory)
-    return [(r.EventId, r.Action) for r in coordinator.history.rows if r.RecordType == "Alert" and r.Outcome == "sent"]
+    assert isinstance(coordinator.parts.history, MemoryHistory)
+    return [
+        (r.EventId, r.Action) for r in coordinator.parts.history.rows if r.RecordType == "Alert" and r.Outcome == "sent"
+    ]
 
 
 def reboot(sequence: int, listed: bool) -> RawMessage:
@@ -68,22 +71,22 @@ def test_a_card_lost_to_a_crash_after_the_write_is_sent_once_by_the_timer(azurit
     clock = Clock(DOC_NOW)
     cards = tmp_path / "cards"
     first = restart(azurite, imds, table, cards, clock)
-    assert isinstance(first.alerts, KillingSink)
+    assert isinstance(first.parts.alerts, KillingSink)
     if kill_at == "canceled":
         first.process_batch([reboot(1, listed=True)])
         assert sent(first) == [("EV-OUTBOX", "new-event")]
         clock.now += ALERT_GRACE * 2
         first.tick()  # the batch logged the card as sent: the timer clears it from the outbox and sends nothing
         assert sent(first) == [("EV-OUTBOX", "new-event")]
-        stored = first.store.get_event("EV-OUTBOX")
+        stored = first.parts.store.get_event("EV-OUTBOX")
         assert stored is not None
         assert stored.record.pendingAlerts == []
-        assert first.store.sent_alert_logs() == []
-    first.alerts.armed = True
+        assert first.parts.store.sent_alert_logs() == []
+    first.parts.alerts.armed = True
     with pytest.raises(Killed):
         first.process_batch([reboot(2, listed=kill_at == "new-event")])
 
-    stored = first.store.get_event("EV-OUTBOX")
+    stored = first.parts.store.get_event("EV-OUTBOX")
     assert stored is not None
     assert stored.record.pendingAlerts == [kill_at]  # committed with the transition, not sent
     assert stored.record.state == ("Scheduled" if kill_at == "new-event" else "Canceled")
@@ -99,7 +102,7 @@ def test_a_card_lost_to_a_crash_after_the_write_is_sent_once_by_the_timer(azurit
     second.tick()
     assert sent(second) == [("EV-OUTBOX", kill_at)]
     assert sorted(p.name for p in cards.glob("*.json")) == sorted([*cards_before, f"EV-OUTBOX-{kill_at}.json"])
-    stored = second.store.get_event("EV-OUTBOX")
+    stored = second.parts.store.get_event("EV-OUTBOX")
     assert stored is not None
     assert stored.record.pendingAlerts == []
     assert stored.record.pendingSince is None

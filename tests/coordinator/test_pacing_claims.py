@@ -25,6 +25,7 @@ from emulators.imds.clock import ManualClock
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 POLICY = parse_policy(
     """
@@ -52,7 +53,7 @@ def coordinator(
 ) -> tuple[Coordinator, MemoryHistory]:
     history = MemoryHistory()
     return (
-        Coordinator(
+        make_coordinator(
             store=TableStateStore.from_connection_string(azurite.connection_string, table_name=table),
             history=history,
             alerts=FolderCardSink(cards),
@@ -124,7 +125,7 @@ def test_four_instances_racing_for_a_rate_of_two_approve_two_and_the_timer_the_r
     assert errors == []
     first = approved(imds, list(ids.values()))
     assert len(first) == 2, "a rate of 2 approved more (or fewer) across instances"
-    claims = instances[0].store.get_budget(RATE_KEY)
+    claims = instances[0].parts.store.get_budget(RATE_KEY)
     assert claims is not None
     assert sorted(claims.record.claims) == sorted(first)
     held = [event_id for event_id in ids.values() if event_id not in first]
@@ -190,7 +191,7 @@ def test_one_zone_at_a_time_across_instances_then_the_next_zone_after_its_gap(az
     clock.now += timedelta(seconds=1)
     a.tick()
     assert approved(imds, [zone_2]) == [zone_2]
-    sequence = a.store.get_budget(SEQUENCE_KEY)
+    sequence = a.parts.store.get_budget(SEQUENCE_KEY)
     assert sequence is not None
     assert ([c.domains for c in sequence.record.claims.values()], sequence.record.lastDomains) == (
         [["norwayeast/2"]],
@@ -215,7 +216,7 @@ def test_housekeeping_keeps_a_rate_while_it_counts_and_deletes_it_after(azurite,
     a.process_batch([report("web_0", 2, {})])  # concluded
     clock.now += timedelta(seconds=10)
     a.tick()  # the first tick's housekeeping: the concluded Freeze's approval still counts in the rate
-    assert a.store.get_budget(RATE_KEY) is not None
+    assert a.parts.store.get_budget(RATE_KEY) is not None
     clock.now += timedelta(hours=1)
     a.tick()  # the next hour's: nothing counts any more
-    assert a.store.get_budget(RATE_KEY) is None
+    assert a.parts.store.get_budget(RATE_KEY) is None

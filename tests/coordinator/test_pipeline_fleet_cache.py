@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -16,11 +17,10 @@ from coordinator.domain.policy_file import parse_policy
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet_cache import FleetCache
 from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
 from local.runner import wait_until
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, event_record, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import RecordingAlerts, RecordingCallback, message
+from tests.coordinator.runs import RecordingAlerts, RecordingCallback, make_coordinator, message
 
 POLICY = parse_policy(
     """
@@ -112,7 +112,7 @@ def test_a_slow_tail_does_not_bring_back_an_event_that_completed_meanwhile(after
     budget slot freed); batch 1's tail ends and absorbs its Approved copy. Batch 3's Reboot of the same scale set
     must find the budget free, not held by EV-A."""
     history = HeldHistory()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=MemoryStateStore(),
         history=history,
         alerts=RecordingAlerts(),
@@ -128,13 +128,13 @@ def test_a_slow_tail_does_not_bring_back_an_event_that_completed_meanwhile(after
         return stored.record.state if stored is not None else "none"
 
     assert wait_until(lambda: state("EV-A") == "Approved", timeout=5.0, interval=0.02)
-    coordinator.clock = lambda: DOC_NOW + timedelta(seconds=30)
+    coordinator.parts = replace(coordinator.parts, clock=lambda: DOC_NOW + timedelta(seconds=30))
     coordinator.run_batch([reboot_of("WestNO_0", 1, 2, None)])
     assert state("EV-A") == "Completed"
     history.release.set()
     assert coordinator.drain(timeout=5.0)
 
-    coordinator.clock = lambda: DOC_NOW + timedelta(seconds=31)
+    coordinator.parts = replace(coordinator.parts, clock=lambda: DOC_NOW + timedelta(seconds=31))
     coordinator.run_batch([reboot_of("WestNO_1", 2, 1, "EV-B")])
     assert coordinator.drain(timeout=5.0)
     record = coordinator.event("EV-B")

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
 from emulators.tokens import mint_token
 from local.direct_callback import DirectImdsCallback
+from tests.coordinator import runs
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
 
@@ -222,7 +224,7 @@ def make_coordinator(
 ) -> tuple[Coordinator, MemoryHistory]:
     history = MemoryHistory()
     clock = Clock(DOC_NOW)
-    coordinator = Coordinator(
+    coordinator = runs.make_coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
         history=history,
         alerts=FolderCardSink(tmp_path / "cards"),
@@ -268,7 +270,7 @@ def test_a_refused_acknowledge_is_in_the_history_and_after_three_attempts_on_the
     azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path
 ) -> None:
     coordinator, history = make_coordinator(azurite, arm, credential, tmp_path)
-    clock = coordinator.clock
+    clock = coordinator.parts.clock
     assert isinstance(clock, Clock)
     event_id = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
     arm.inject_arm_fault(status=403, count=3)
@@ -277,7 +279,7 @@ def test_a_refused_acknowledge_is_in_the_history_and_after_three_attempts_on_the
     assert failed
     assert "ARM 403" in (failed[-1].Reason or "")
     for _ in range(2):
-        clock.now += timedelta(seconds=coordinator.approval_backoff[1] + 1)
+        clock.now += timedelta(seconds=coordinator.options.approval_backoff[1] + 1)
         coordinator.tick()
     failed_cards = [p.read_text() for p in (tmp_path / "cards").glob(f"{event_id}-approval-failed.json")]
     assert len(failed_cards) == 1
@@ -291,7 +293,7 @@ def test_without_remote_acknowledge_the_rule_sends_nothing(
     azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path
 ) -> None:
     coordinator, history = make_coordinator(azurite, arm, credential, tmp_path)
-    coordinator.remote_acknowledge = None
+    coordinator.parts = replace(coordinator.parts, remote_acknowledge=None)
     arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)
     coordinator.process_batch([report(arm, "solo", 1)])
     failed = [r for r in history.rows if r.RecordType == "Approval" and r.Outcome == "failed"]

@@ -26,6 +26,7 @@ from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import App
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 
 class Clock:
@@ -41,7 +42,7 @@ def build(
 ) -> tuple[Coordinator, MemoryHistory, Clock]:
     clock = Clock()
     history = MemoryHistory()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="s" + uuid.uuid4().hex[:12]),
         history=history,
         alerts=FolderCardSink(tmp),
@@ -73,7 +74,7 @@ def test_failed_delivery_is_retried_by_the_timer_until_it_lands(azurite, imds, t
             raw(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=[freeze])),
         ]
     )
-    stored = coordinator.store.get_event(event_id)
+    stored = coordinator.parts.store.get_event(event_id)
     assert stored is not None
     assert stored.record.state == "Scheduled"
     approval = stored.record.approval
@@ -87,7 +88,7 @@ def test_failed_delivery_is_retried_by_the_timer_until_it_lands(azurite, imds, t
     assert approvals(imds, event_id) == 0
     clock.now = DOC_NOW + timedelta(minutes=2)
     coordinator.tick()
-    stored = coordinator.store.get_event(event_id)
+    stored = coordinator.parts.store.get_event(event_id)
     assert stored is not None
     assert stored.record.state == "Approved"
     assert stored.record.approval is not None
@@ -106,7 +107,7 @@ def test_dry_run_decides_and_logs_but_sends_nothing(azurite, imds, tmp_path):
     coordinator.tick()
     decisions = [r for r in history.rows if r.RecordType == "Decision"]
     assert [(d.Rule, d.Outcome, d.DryRun) for d in decisions] == [("short-freeze", "approve", True)]
-    stored = coordinator.store.get_event(event_id)
+    stored = coordinator.parts.store.get_event(event_id)
     assert stored is not None
     assert stored.record.approval is None
     assert stored.record.state == "Scheduled"
@@ -218,7 +219,7 @@ def test_new_and_returning_vms_are_set_up_and_housekeeping_runs_hourly(azurite, 
     seen: list[str] = []
     cleanups: list[dict[str, Any]] = []
     clock = Clock()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=TableStateStore.from_connection_string(
             azurite.connection_string, table_name="hk" + uuid.uuid4().hex[:12]
         ),
@@ -246,7 +247,7 @@ def test_new_and_returning_vms_are_set_up_and_housekeeping_runs_hourly(azurite, 
 
 def test_hourly_housekeeping_deletes_concluded_events_after_the_retention(azurite, imds, tmp_path):
     coordinator, _, clock = build(azurite, imds, tmp_path)
-    assert coordinator.retention == timedelta(days=30)
+    assert coordinator.options.retention == timedelta(days=30)
     web = vm("WestNO_0", index=1)
     listed = [scheduled_event("EV-DONE", event_type="Reboot", duration=-1)]
     coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=listed))])

@@ -1,6 +1,6 @@
-"""The tail after the batch (Options.tail_after_batch, ``Coordinator(after_batch=...)``): a batch returns once its
-approvals are sent and its positions written, so the partition's next batch waits for no listener; its tail commits
-each outcome (the Approval row, the transition, its card) when the answer comes, and writes its history; a tail
+"""The tail after the batch (Options.tail_after_batch, with ``Coordinator(..., after_batch=...)``): a batch returns
+once its approvals are sent and its positions written, so the partition's next batch waits for no listener; its tail
+commits each outcome (the Approval row, the transition, its card) when the answer comes, and writes its history; a tail
 that never ran (the process stopped) leaves the approvals to the timer after their in-flight grace, with the same
 decisionId. On the in-memory store, with the approval path a stand-in (``RecordingCallback``: the Relay and a VM's
 listener cannot be in a fast test)."""
@@ -25,7 +25,7 @@ from coordinator.service import Coordinator
 from local.runner import wait_until
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import RecordingAlerts, RecordingCallback, message
+from tests.coordinator.runs import RecordingAlerts, RecordingCallback, make_coordinator, message
 
 
 class HeldFor(RecordingCallback):
@@ -61,13 +61,13 @@ def after_batch() -> Iterator[ThreadPoolExecutor]:
 
 
 def coordinator_with(callback: RecordingCallback, after_batch: ThreadPoolExecutor, clock: Clock) -> Coordinator:
-    return Coordinator(
+    return make_coordinator(
         store=MemoryStateStore(),
         history=MemoryHistory(),
         alerts=RecordingAlerts(),
         callback=callback,
         policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=clock,  # type: ignore[arg-type]
+        clock=clock,
         after_batch=after_batch,
     )
 
@@ -79,7 +79,7 @@ def event(coordinator: Coordinator, event_id: str) -> EventRecord:
 
 
 def outcomes(coordinator: Coordinator, event_id: str) -> list[str]:
-    history = coordinator.history
+    history = coordinator.parts.history
     assert isinstance(history, MemoryHistory)
     return [row.Outcome for row in history.rows if row.RecordType == "Approval" and row.EventId == event_id]
 
@@ -203,13 +203,13 @@ def test_a_delete_a_peer_reported_first_is_sent_by_its_own_vms_batch_before_the_
     sent, so that batch sends it (before, it read an approval in flight and sent nothing: the tail's "failed" came
     after it, and the VM's later unchanged documents decided nothing, so the delete went unapproved)."""
     callback, tails = RecordingCallback(), HeldTails()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=MemoryStateStore(),
         history=MemoryHistory(),
         alerts=RecordingAlerts(),
         callback=callback,
         policy=DELETES_NOW,
-        clock=Clock(),  # type: ignore[arg-type]
+        clock=Clock(),
         after_batch=tails,  # type: ignore[arg-type]
     )
     terminate = scheduled_event("EV-T", event_type="Terminate", resources=["WestNO_0"], source="User")

@@ -10,6 +10,7 @@ import json
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,6 +38,7 @@ from local.direct_callback import DirectImdsCallback
 from local.telemetry import Collector, metric_values
 from tests.coordinator.conftest import App, Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.runs import make_coordinator
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SPAN = "b7ad6b7169203331"
@@ -54,7 +56,7 @@ def collector() -> Collector:
 def build(azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp: Path) -> tuple[Coordinator, MemoryHistory, Clock]:
     clock = Clock(DOC_NOW)
     history = MemoryHistory()
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="s" + uuid.uuid4().hex[:12]),
         history=history,
         alerts=FolderCardSink(tmp / "cards"),
@@ -135,7 +137,7 @@ def test_an_approval_the_timer_sends_again_continues_the_events_trace(
     azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp_path: Path, collector: Collector
 ) -> None:
     coordinator, _history, clock = build(azurite, imds, tmp_path)
-    coordinator.approval_backoff = (5.0, 60.0)
+    coordinator.options = replace(coordinator.options, approval_backoff=(5.0, 60.0))
     event_id = imds.create_event(EventType="Freeze", Resources=["WestNO_0", "WestNO_1"], NoticeSeconds=900)["EventId"]
     imds.inject_fault(kind="error-burst", vm="WestNO_0", count=1, status=503)
     freeze = scheduled_event(event_id)
@@ -261,9 +263,8 @@ def test_the_relay_request_carries_the_approval_spans_traceparent(
 ) -> None:
     coordinator, _history, clock = build(azurite, imds, tmp_path)
     endpoint, seen = listener
-    coordinator.callback = RelayApprovalSender(
-        endpoint=endpoint, credential=AzureNamedKeyCredential("send", "c2VjcmV0"), clock=clock
-    )
+    sender = RelayApprovalSender(endpoint=endpoint, credential=AzureNamedKeyCredential("send", "c2VjcmV0"), clock=clock)
+    coordinator.parts = replace(coordinator.parts, callback=sender)
     freeze = scheduled_event("EV-RELAYTRACE")
     coordinator.process_batch(
         [message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=[freeze]), TRACEPARENT)]
@@ -341,7 +342,7 @@ def test_imds_failing_is_carded_once_per_episode(
 
 
 def pending(coordinator: Coordinator) -> list[str]:
-    (vm_record,) = [v for g in coordinator.store.all_vm_groups() for v in g.record.vms.values()]
+    (vm_record,) = [v for g in coordinator.parts.store.all_vm_groups() for v in g.record.vms.values()]
     return vm_record.pendingAlerts
 
 
@@ -362,7 +363,7 @@ def test_a_vm_card_that_failed_stays_in_the_vms_outbox_until_the_timer_sends_it(
     azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp_path: Path
 ) -> None:
     coordinator, history, clock = build(azurite, imds, tmp_path)
-    coordinator.alerts = FlakySink(FolderCardSink(tmp_path / "cards"), failures=1)
+    coordinator.parts = replace(coordinator.parts, alerts=FlakySink(FolderCardSink(tmp_path / "cards"), failures=1))
     coordinator.process_batch([message(heartbeat(1, good_poll_ago=1, errors=0))])
     clock.now = DOC_NOW + timedelta(minutes=6)
     coordinator.tick()  # silent for 6 min > 300 s: lost; the card fails

@@ -5,6 +5,7 @@ and an envelope without a partition key is not a forwarder's. Over Azurite and t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import timedelta
 
 from coordinator.pipeline.ingest import RawMessage
@@ -14,7 +15,7 @@ from tests.coordinator.test_deletes import IDENTITY, Harness, _Listeners
 
 def test_an_approval_not_followed_by_started_raises_one_card_naming_the_listeners_answer(azurite, fleet_imds, tmp_path):
     h = Harness(azurite, fleet_imds, tmp_path, start_bound=timedelta(minutes=5))
-    h.coordinator.callback = _Listeners(fleet_imds, h.clock)
+    h.coordinator.parts = replace(h.coordinator.parts, callback=_Listeners(fleet_imds, h.clock))
     # A user-initiated Reboot (approved at once by the default policy) that the platform does not start when asked:
     # IMDS answers 200 to StartRequests, the event waits for its NotBefore.
     event_id = str(

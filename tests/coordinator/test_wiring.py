@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -97,26 +97,26 @@ def build(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Coordinator
 
     yield build_from
     for coordinator in made:
-        if isinstance(coordinator.history, SqliteHistory):
-            coordinator.history.close()
+        if isinstance(coordinator.parts.history, SqliteHistory):
+            coordinator.parts.history.close()
 
 
 def test_the_local_mode_gets_azurite_sqlite_a_cards_folder_and_the_relay_emulator(build, local, tmp_path):
     coordinator = build(local)
     assert LocalTables.reached == [Reached("connection string", AZURITE, "localstate")]
-    assert isinstance(coordinator.store, MemoryStateStore)
-    assert isinstance(coordinator.history, SqliteHistory)
-    assert coordinator.history.path == tmp_path / "history.sqlite"
-    assert isinstance(coordinator.alerts, FolderCardSink)
-    assert coordinator.alerts.folder == tmp_path / "cards"
-    assert isinstance(coordinator.callback, RelayApprovalSender)
+    assert isinstance(coordinator.parts.store, MemoryStateStore)
+    assert isinstance(coordinator.parts.history, SqliteHistory)
+    assert coordinator.parts.history.path == tmp_path / "history.sqlite"
+    assert isinstance(coordinator.parts.alerts, FolderCardSink)
+    assert coordinator.parts.alerts.folder == tmp_path / "cards"
+    assert isinstance(coordinator.parts.callback, RelayApprovalSender)
     # Without a namespace there is no hybrid connection to manage, no remote acknowledge, no monitor to read.
     assert coordinator.on_new_vm is None
-    assert (coordinator.remote_acknowledge, coordinator.remote_acknowledge_fallback) == (None, False)
-    assert coordinator.monitor is None
+    assert (coordinator.parts.remote_acknowledge, coordinator.options.remote_acknowledge_fallback) == (None, False)
+    assert coordinator.parts.monitor is None
     assert coordinator.policy == load_policy(DEFAULT_POLICY_PATH)
     # The parts make a coordinator that runs: a tick on an empty fleet.
-    coordinator.clock = lambda: DOC_NOW
+    coordinator.parts = replace(coordinator.parts, clock=lambda: DOC_NOW)
     assert coordinator.tick().as_dict()["open_events"] == 0
 
 
@@ -133,7 +133,7 @@ def test_every_timing_and_switch_reaches_the_runs_options(build, local):
         "retention_days": "7",
     }
     coordinator = build(variables)
-    options = coordinator.options()
+    options = coordinator.options
     assert options.dry_run is True
     assert options.heartbeat_timeout == timedelta(seconds=600)
     assert options.retire_grace == timedelta(seconds=200)
@@ -145,17 +145,20 @@ def test_every_timing_and_switch_reaches_the_runs_options(build, local):
     assert options.approve_url is not None
     # An EventId is one path segment, whatever it holds.
     assert options.approve_url("EV/1 ?") == "http://127.0.0.1:7071/api/events/EV%2F1%20%3F/approve"
+    # A batch's tail runs after it, on the coordinator's own threads.
+    assert options.tail_after_batch is True
+    assert coordinator.after_batch is not None
 
 
 def test_without_a_public_url_cards_carry_no_approve_link(build, local):
     coordinator = build({k: v for k, v in local.items() if k != "public_base_url"})
-    assert coordinator.options().approve_url is None
+    assert coordinator.options.approve_url is None
 
 
 def test_a_given_callback_is_the_approval_path_and_the_relay_is_not_needed(build, local):
     callback = RecordingCallback()
     coordinator = build({k: v for k, v in local.items() if k != "relay_endpoint"}, callback=callback)
-    assert coordinator.callback is callback
+    assert coordinator.parts.callback is callback
 
 
 def test_no_approval_path_at_all_is_a_settings_error_naming_the_variables(monkeypatch, local):
@@ -180,20 +183,20 @@ def test_azure_gets_a_managed_identity_teams_logs_ingestion_and_the_relay_with_i
     [reached] = LocalTables.reached
     assert (reached.how, reached.where, reached.table) == ("endpoint", variables["table_endpoint"], "fleetstate")
     assert reached.credential is not None
-    assert isinstance(coordinator.history, LogsIngestionHistory)
-    assert isinstance(coordinator.alerts, TeamsWebhookSink)
-    assert isinstance(coordinator.callback, RelayApprovalSender)
+    assert isinstance(coordinator.parts.history, LogsIngestionHistory)
+    assert isinstance(coordinator.parts.alerts, TeamsWebhookSink)
+    assert isinstance(coordinator.parts.callback, RelayApprovalSender)
     # Each new VM gets its hybrid connection (the namespace, subscription and resource group say where).
     assert coordinator.on_new_vm is not None
-    assert isinstance(coordinator.remote_acknowledge, RemoteAcknowledgeSender)
-    assert coordinator.remote_acknowledge_fallback is True
+    assert isinstance(coordinator.parts.remote_acknowledge, RemoteAcknowledgeSender)
+    assert coordinator.options.remote_acknowledge_fallback is True
 
 
 @pytest.mark.parametrize(("mode", "sender", "fallback"), [("off", False, False), ("rules", True, False)])
 def test_remote_acknowledge_is_built_only_when_on_and_falls_back_only_when_told(build, local, mode, sender, fallback):
     coordinator = build({**local, "remote_acknowledge": mode})
-    assert isinstance(coordinator.remote_acknowledge, RemoteAcknowledgeSender) is sender
-    assert coordinator.remote_acknowledge_fallback is fallback
+    assert isinstance(coordinator.parts.remote_acknowledge, RemoteAcknowledgeSender) is sender
+    assert coordinator.options.remote_acknowledge_fallback is fallback
 
 
 def test_azure_monitor_is_read_only_for_a_policy_with_alert_or_log_query_gates(build, local, tmp_path):
@@ -211,20 +214,20 @@ rules:
 """
     )
     coordinator = build({**local, "policy_path": str(policy)})
-    assert isinstance(coordinator.monitor, AzureMonitorReader)
+    assert isinstance(coordinator.parts.monitor, AzureMonitorReader)
     assert [rule.name for rule in coordinator.policy.rules] == ["gated"]
 
 
 def test_the_delivery_queue_is_built_with_the_managed_identity_or_an_azurite_sas(build, local):
     """Approvals a run could not deliver in its few seconds continue through the delivery queue; without one, each
     run waits the whole deadline (as before the queue)."""
-    assert build(local).deliveries is None
+    assert build(local).parts.deliveries is None
     azure = build(
         {**local, "delivery_queue_url": "https://fleet.queue.core.windows.net/approval-deliveries/"},
     )
-    assert isinstance(azure.deliveries, StorageQueueDeliveries)
-    assert azure.deliveries.queue_url == "https://fleet.queue.core.windows.net/approval-deliveries"
-    assert azure.options().in_run_delivery == timedelta(seconds=3)
+    assert isinstance(azure.parts.deliveries, StorageQueueDeliveries)
+    assert azure.parts.deliveries.queue_url == "https://fleet.queue.core.windows.net/approval-deliveries"
+    assert azure.options.in_run_delivery == timedelta(seconds=3)
     azurite = build(
         {
             **local,
@@ -233,5 +236,5 @@ def test_the_delivery_queue_is_built_with_the_managed_identity_or_an_azurite_sas
             "in_run_delivery_seconds": "1.5",
         }
     )
-    assert isinstance(azurite.deliveries, StorageQueueDeliveries)
-    assert azurite.options().in_run_delivery == timedelta(seconds=1.5)
+    assert isinstance(azurite.parts.deliveries, StorageQueueDeliveries)
+    assert azurite.options.in_run_delivery == timedelta(seconds=1.5)

@@ -27,6 +27,7 @@ from forwarder.approval_rules import Freshness, refuse_stale
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import make_coordinator
 
 EVENT = "E-EXPIRY"
 # DOC_NOW is 22:11:58 UTC; the event's NotBefore 22:26:58. The timer's retry runs 90 s later, at 22:13:28.
@@ -80,7 +81,7 @@ def build(policy: str, tmp: Path, *, monitor: Monitor | None = None) -> tuple[Co
     clock = Clock(DOC_NOW)
     history = MemoryHistory()
     listener = Listener(clock)
-    coordinator = Coordinator(
+    coordinator = make_coordinator(
         store=MemoryStateStore(),
         history=history,
         alerts=FolderCardSink(tmp / "cards"),
@@ -124,7 +125,7 @@ def decided_then_undelivered(coordinator: Coordinator, listener: Listener) -> Ap
 
 
 def retried(coordinator: Coordinator, listener: Listener, *, after: timedelta = RETRY) -> None:
-    clock = coordinator.clock
+    clock = coordinator.parts.clock
     assert isinstance(clock, Clock)
     clock.now = DOC_NOW + after
     listener.down = False
@@ -237,12 +238,12 @@ rules:
 """
     coordinator, history, listener = build(policy, tmp_path)
     first = decided_then_undelivered(coordinator, listener)
-    claims = coordinator.store.get_budget("web")
+    claims = coordinator.parts.store.get_budget("web")
     assert claims is not None
     assert list(claims.record.claims) == [EVENT]
     retried(coordinator, listener)
     withdrawn(coordinator, history, first.decisionId)
-    claims = coordinator.store.get_budget("web")
+    claims = coordinator.parts.store.get_budget("web")
     assert claims is not None
     assert claims.record.claims == {}
 
