@@ -99,6 +99,12 @@ class Outcome:
     # The run's spans (each approval's trace) and metrics, as written to telemetry.json.
     telemetry: Report
 
+    def judged_ok(self) -> dict[str, dict[str, Any]]:
+        """Asserts the run finished in time and held every expectation; its events (the summary's rows) by label."""
+        assert self.finished, f"the scenario did not finish in time: waiting for {self.follower.waits}"
+        assert self.summary.ok, self.summary.failures
+        return {row["label"]: row for row in self.summary.events}
+
     def figures(self) -> str:
         s = self.summary
         return (

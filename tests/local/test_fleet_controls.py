@@ -16,9 +16,7 @@ def test_budget_tag_gate_and_window_each_hold_what_they_should(run_pipeline: Run
     outcome = run_pipeline(
         Scenario.from_file(SCENARIOS / "fleet-controls.yaml"), time_scale=120.0, timeout=90.0, oracle=True
     )
-    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
-    assert outcome.summary.ok, outcome.summary.failures
-    events = {row["label"]: row for row in outcome.summary.events}
+    events = outcome.judged_ok()
     assert {label: row["expected"] for label, row in events.items()} == {
         "zone-first": "approve",
         "manual-tag": "no-approval",

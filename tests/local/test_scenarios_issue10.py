@@ -6,19 +6,14 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
 
 import pytest
 
 from emulators.imds import Scenario
-from tests.local.conftest import SCENARIOS, Outcome, Runner, history_rows
+from tests.local.conftest import SCENARIOS, Runner, history_rows
 
 # Time scale 120 and the fixture's 2 s heartbeats (a removed VM is retired after three): short runs.
 FAST = {"time_scale": 120.0, "timeout": 90.0}
-
-
-def by_label(outcome: Outcome) -> dict[str, dict[str, Any]]:
-    return {row["label"]: row for row in outcome.summary.events}
 
 
 def imds_time(value: str) -> datetime:
@@ -28,9 +23,7 @@ def imds_time(value: str) -> datetime:
 @pytest.mark.slow
 def test_a_failing_hook_among_several_keeps_its_delete_unapproved(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "failing-hook.yaml"), oracle=True, **FAST)
-    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
-    assert outcome.summary.ok, outcome.summary.failures
-    events = by_label(outcome)
+    events = outcome.judged_ok()
     failing, passing = events["failing-delete"], events["passing-delete"]
     # The hook deadline (4 minutes, real) is far beyond the notice: no approval, and the expectation said so.
     assert failing["expected"] == "no-approval"
@@ -50,9 +43,7 @@ def test_a_failing_hook_among_several_keeps_its_delete_unapproved(run_pipeline: 
 @pytest.mark.slow
 def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "coupled-deletes.yaml"), oracle=True, **FAST)
-    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
-    assert outcome.summary.ok, outcome.summary.failures
-    events = by_label(outcome)
+    events = outcome.judged_ok()
     imds = outcome.stack.imds
     assert imds is not None
     approvals = {str(a["EventId"]): imds_time(str(a["at"])) for a in imds.approvals()}
@@ -89,9 +80,7 @@ def test_coupled_deletes_go_together_and_a_pending_one_holds_a_ready_one(run_pip
 @pytest.mark.slow
 def test_a_lone_spot_vm_evicted_is_retired_without_a_heartbeat_lost_card(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "spot-eviction.yaml"), oracle=True, **FAST)
-    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
-    assert outcome.summary.ok, outcome.summary.failures
-    eviction = by_label(outcome)["eviction"]
+    eviction = outcome.judged_ok()["eviction"]
     assert eviction["approvedThrough"] is None  # a person would decide; nobody did
     assert eviction["coordinator"] == "Completed"
     assert "spot-0" in outcome.stack.removed
@@ -104,15 +93,13 @@ def test_a_lone_spot_vm_evicted_is_retired_without_a_heartbeat_lost_card(run_pip
 @pytest.mark.slow
 def test_a_wiped_forwarder_is_reset_and_its_later_events_still_decided(run_pipeline: Runner) -> None:
     outcome = run_pipeline(Scenario.from_file(SCENARIOS / "wiped-forwarder.yaml"), oracle=True, **FAST)
-    assert outcome.finished, f"the scenario did not finish in time: waiting for {outcome.follower.waits}"
-    assert outcome.summary.ok, outcome.summary.failures
+    events = outcome.judged_ok()
     assert [name for name, _ in outcome.stack.wiped] == ["web_0"]
     resets = history_rows(outcome.stack, "RecordType = 'Heartbeat' AND Outcome = 'reset' AND VmName = 'web_0'")
     assert len(resets) == 1
     info = json.loads(resets[0]["Details"])
     assert info["oldState"] != info["newState"]
     assert info["newSequence"] < info["lastSequence"]
-    events = by_label(outcome)
     assert events["before-wipe"]["approvedThrough"] == "web_0"
     after = events["after-wipe"]
     assert after["approvedThrough"] == "web_0"
