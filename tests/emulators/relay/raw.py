@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import pytest
 import requests
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from emulators.relay import RelayEmulator, create_sas_token
 
@@ -32,6 +34,11 @@ class RawListener:
 
     def __init__(self, ws: ClientConnection) -> None:
         self.ws = ws
+
+    @classmethod
+    async def on(cls, relay: RelayEmulator, path: str = "vm-a", *, ttl: float = 3600) -> RawListener:
+        """A listener on ``path`` with a valid token for it."""
+        return await cls.open(relay.listen_url(path), sas(relay, path, ttl=ttl))
 
     @classmethod
     async def open(cls, url: str, token: str | None, *, in_query: bool = False) -> RawListener:
@@ -85,3 +92,31 @@ async def http(method: str, url: str, **kwargs: Any) -> requests.Response:
     """A real HTTP request from a worker thread, so that listeners on this loop keep running."""
     kwargs.setdefault("timeout", 20)
     return await asyncio.to_thread(requests.request, method, url, **kwargs)
+
+
+def send_get(relay: RelayEmulator, path: str = "vm-a") -> asyncio.Task[requests.Response]:
+    """A sender's GET to ``path`` with a valid token, under way: its response is awaited later, while a listener on
+    this loop takes the request."""
+    return asyncio.create_task(http("GET", relay.send_url(path), headers={"Authorization": sas(relay)}))
+
+
+async def round_trip(
+    relay: RelayEmulator, listener: RawListener, status: int = 200, body: bytes = b"", *, fragments: int = 1
+) -> requests.Response:
+    """One GET to vm-a through the relay, answered by ``listener`` with ``status`` and ``body``: what the sender
+    got."""
+    sending = send_get(relay)
+    incoming = await listener.next_request()
+    await listener.respond(incoming.request["id"], status, body, fragments=fragments)
+    return await sending
+
+
+async def assert_deleted(relay: RelayEmulator, listener: RawListener, path: str) -> None:
+    """``path``'s hybrid connection is gone: its listener's control channel was closed with 1001 (going away) and a
+    new listener is refused with 404."""
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(listener.ws.recv(), 5)
+    assert listener.ws.close_code == 1001
+    with pytest.raises(InvalidStatus) as refused:
+        await RawListener.on(relay, path)
+    assert refused.value.response.status_code == 404

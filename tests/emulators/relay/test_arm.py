@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
 import requests
 from azure.core.credentials import AccessToken
-from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.relay_admin import HybridConnectionAdmin
 from emulators.relay import RelayEmulator
 from emulators.tokens import mint_token
-from tests.emulators.relay.raw import RawListener, sas
+from tests.emulators.relay.raw import RawListener, assert_deleted
 
 NAMESPACE = "/subscriptions/sub-1/resourceGroups/rg-se/providers/Microsoft.Relay/namespaces/relay-se"
 COORDINATOR = "/subscriptions/sub-1/resourceGroups/rg-se/providers/Microsoft.Web/sites/coordinator"
@@ -41,17 +39,12 @@ def test_arm_create_get_list_delete(make_relay) -> None:
     assert _arm(relay, "PUT", "vm-1", json=body).status_code == 200
 
     async def listen_then_delete() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-1"), sas(relay, "vm-1"))
+        listener = await RawListener.on(relay, "vm-1")
         assert (await asyncio.to_thread(_arm, relay, "GET", "vm-1")).json()["properties"]["listenerCount"] == 1
         listing = (await asyncio.to_thread(_arm, relay, "GET")).json()
         assert [item["name"] for item in listing["value"]] == ["vm-1"]
         assert (await asyncio.to_thread(_arm, relay, "DELETE", "vm-1")).status_code == 200
-        with pytest.raises(ConnectionClosed):
-            await asyncio.wait_for(listener.ws.recv(), 5)
-        assert listener.ws.close_code == 1001
-        with pytest.raises(InvalidStatus) as refused:
-            await RawListener.open(relay.listen_url("vm-1"), sas(relay, "vm-1"))
-        assert refused.value.response.status_code == 404
+        await assert_deleted(relay, listener, "vm-1")
 
     asyncio.run(listen_then_delete())
     assert _arm(relay, "DELETE", "vm-1").status_code == 204

@@ -157,7 +157,7 @@ def test_http_sender_checks_the_token(make_relay) -> None:
     jwt_expired, _ = mint_token(audience="https://relay.azure.net", identity_resource_id=VM, lifetime_seconds=-30)
 
     async def statuses() -> list[int]:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
 
         async def serve() -> None:
             while True:
@@ -187,7 +187,7 @@ def test_anonymous_senders_when_the_hybrid_connection_allows_them(relay: RelayEm
     relay.create_hybrid_connection("public", requires_client_authorization=False)
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("public"), sas(relay, "public"))
+        listener = await RawListener.on(relay, "public")
         sending = asyncio.create_task(
             http("GET", relay.send_url("public"), headers={"Authorization": "Basic end-to-end"})
         )

@@ -13,12 +13,12 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from emulators.relay import RelayEmulator
-from tests.emulators.relay.raw import RawListener, http, sas
+from tests.emulators.relay.raw import RawListener, http, round_trip, sas, send_get
 
 
 def test_request_and_response_travel_on_the_control_channel(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         sending = asyncio.create_task(
             http(
                 "POST",
@@ -60,7 +60,7 @@ def test_request_and_response_travel_on_the_control_channel(relay: RelayEmulator
 
 def test_authorization_header_carrying_the_relay_token_is_stripped(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         sending = asyncio.create_task(
             http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay, "vm-a")})
         )
@@ -76,11 +76,8 @@ def test_authorization_header_carrying_the_relay_token_is_stripped(relay: RelayE
 
 def test_fragmented_response_body_is_reassembled(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
-        incoming = await listener.next_request()
-        await listener.respond(incoming.request["id"], 200, b"0123456789" * 300, fragments=7)
-        response = await sending
+        listener = await RawListener.on(relay)
+        response = await round_trip(relay, listener, 200, b"0123456789" * 300, fragments=7)
         assert response.content == b"0123456789" * 300
         await listener.close()
 
@@ -91,7 +88,7 @@ def test_large_request_is_announced_and_delivered_over_rendezvous(relay: RelayEm
     payload = bytes(range(256)) * 400  # 100 kB: above the 64 kB control-channel limit
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         sending = asyncio.create_task(
             http("PUT", relay.send_url("vm-a") + "/blob", data=payload, headers={"Authorization": sas(relay)})
         )
@@ -118,7 +115,7 @@ def test_listener_may_answer_a_control_channel_request_over_rendezvous(relay: Re
     big = b"x" * (200 * 1024)
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         sending = asyncio.create_task(
             http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay), "Connection": "close"})
         )
@@ -141,7 +138,7 @@ def test_listener_may_answer_a_control_channel_request_over_rendezvous(relay: Re
 
 def test_later_requests_of_a_sender_connection_follow_its_rendezvous_socket(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         with requests.Session() as session:
             session.headers["Authorization"] = sas(relay)
             sending = asyncio.create_task(asyncio.to_thread(session.get, relay.send_url("vm-a") + "/1", timeout=10))
@@ -185,7 +182,7 @@ def test_listener_that_does_not_respond_yields_504(make_relay) -> None:
     relay = make_relay(response_timeout=0.4)
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         response = await http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)})
         assert response.status_code == 504
         assert "Via" not in response.headers
@@ -196,8 +193,8 @@ def test_listener_that_does_not_respond_yields_504(make_relay) -> None:
 
 def test_listener_answering_502_or_garbage_is_a_protocol_error(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        listener = await RawListener.on(relay)
+        sending = send_get(relay)
         incoming = await listener.next_request()
         await listener.ws.send(json.dumps({"response": {"requestId": incoming.request["id"], "statusCode": 502}}))
         response = await sending
@@ -205,15 +202,12 @@ def test_listener_answering_502_or_garbage_is_a_protocol_error(relay: RelayEmula
         assert "Via" not in response.headers
         assert "502 and 504 are reserved" in response.text
 
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        sending = send_get(relay)
         incoming = await listener.next_request()
         await listener.ws.send('{"response": {"requestId": "' + incoming.request["id"] + '", "statusCode": "x"}}')
         assert (await sending).status_code == 502
         # The control channel survives bad frames: the next request is served normally.
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
-        incoming = await listener.next_request()
-        await listener.respond(incoming.request["id"], 200, b"ok")
-        assert (await sending).content == b"ok"
+        assert (await round_trip(relay, listener, 200, b"ok")).content == b"ok"
         await listener.close()
 
     asyncio.run(scenario())
@@ -222,8 +216,8 @@ def test_listener_answering_502_or_garbage_is_a_protocol_error(relay: RelayEmula
 
 def test_listener_disconnecting_mid_request_yields_502(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        listener = await RawListener.on(relay)
+        sending = send_get(relay)
         await listener.next_request()
         await listener.close()
         assert (await sending).status_code == 502
@@ -233,7 +227,7 @@ def test_listener_disconnecting_mid_request_yields_502(relay: RelayEmulator) -> 
 
 def test_requests_are_spread_at_random_among_listeners(relay: RelayEmulator) -> None:
     async def scenario() -> Counter[int]:
-        listeners = [await RawListener.open(relay.listen_url("fleet"), sas(relay, "fleet")) for _ in range(3)]
+        listeners = [await RawListener.on(relay, "fleet") for _ in range(3)]
         served: Counter[int] = Counter()
 
         async def serve(index: int, listener: RawListener) -> None:
@@ -261,11 +255,8 @@ def test_requests_are_spread_at_random_among_listeners(relay: RelayEmulator) -> 
 
 def test_response_body_above_64kb_on_the_control_channel_is_refused(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
-        incoming = await listener.next_request()
-        await listener.respond(incoming.request["id"], 200, b"y" * (64 * 1024 + 1))
-        response = await sending
+        listener = await RawListener.on(relay)
+        response = await round_trip(relay, listener, 200, b"y" * (64 * 1024 + 1))
         assert response.status_code == 502
         assert "rendezvous" in response.text
         await listener.close()
@@ -279,7 +270,7 @@ def test_chunked_or_header_heavy_requests_go_over_rendezvous(relay: RelayEmulato
         yield b"part-2"
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         cases: list[tuple[Iterator[bytes] | bytes, dict[str, str]]] = [
             (chunks(), {}),
             (b"small", {"X-Big": "h" * (33 * 1024)}),
@@ -304,10 +295,10 @@ def test_chunked_or_header_heavy_requests_go_over_rendezvous(relay: RelayEmulato
 
 def test_an_injected_slow_listener_gets_the_request_late_and_a_dead_one_never(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         await asyncio.to_thread(relay.set_listener_fault, "vm-a", delay_seconds=0.5)
         started = asyncio.get_running_loop().time()
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
+        sending = send_get(relay)
         incoming = await listener.next_request()
         assert asyncio.get_running_loop().time() - started >= 0.5
         await listener.respond(incoming.request["id"], 200)
@@ -316,10 +307,7 @@ def test_an_injected_slow_listener_gets_the_request_late_and_a_dead_one_never(re
         response = await http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)})
         assert response.status_code == 504  # the response timeout (5 s here); the listener saw nothing
         await asyncio.to_thread(relay.set_listener_fault, "vm-a")
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
-        incoming = await listener.next_request()
-        await listener.respond(incoming.request["id"], 204)
-        assert (await sending).status_code == 204
+        assert (await round_trip(relay, listener, 204)).status_code == 204
         await listener.close()
 
     asyncio.run(scenario())

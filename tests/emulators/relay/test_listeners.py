@@ -11,7 +11,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from emulators.relay import RelayEmulator
 from emulators.tokens import mint_token
-from tests.emulators.relay.raw import RawListener, http, sas
+from tests.emulators.relay.raw import RawListener, assert_deleted, http, round_trip, sas
 
 
 def test_the_26th_listener_is_refused_and_a_freed_slot_is_reusable(relay: RelayEmulator) -> None:
@@ -24,7 +24,7 @@ def test_the_26th_listener_is_refused_and_a_freed_slot_is_reusable(relay: RelayE
         assert refused.value.response.status_code == 403
         assert b"QuotaExceeded" in refused.value.response.body
         # Other hybrid connections are not affected by one being full.
-        other = await RawListener.open(relay.listen_url("quiet"), sas(relay, "quiet"))
+        other = await RawListener.on(relay, "quiet")
         await listeners[0].close()
         for _ in range(100):
             if relay.listener_count("crowded") == 24:
@@ -57,7 +57,7 @@ def test_concurrent_handshakes_cannot_exceed_the_cap(relay: RelayEmulator) -> No
 
 def test_idle_control_channel_is_closed_with_1008_when_its_token_expires(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a", ttl=2.0))
+        listener = await RawListener.on(relay, ttl=2.0)
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(listener.ws.recv(), 5)
         assert listener.ws.close_code == 1008
@@ -68,15 +68,12 @@ def test_idle_control_channel_is_closed_with_1008_when_its_token_expires(relay: 
 
 def test_renew_token_keeps_the_channel_open_past_the_first_expiry(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a", ttl=2.0))
+        listener = await RawListener.on(relay, ttl=2.0)
         await listener.ws.send(json.dumps({"renewToken": {"token": sas(relay, "vm-a", ttl=60)}}))
         # No reply to a successful renewal; the channel outlives the first token and still serves requests.
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(listener.ws.recv(), 2.5)
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
-        incoming = await listener.next_request()
-        await listener.respond(incoming.request["id"], 200, b"still here")
-        assert (await sending).content == b"still here"
+        assert (await round_trip(relay, listener, 200, b"still here")).content == b"still here"
         await listener.close()
 
     asyncio.run(scenario())
@@ -106,7 +103,7 @@ def test_invalid_renew_token_closes_the_channel_with_1008(relay: RelayEmulator, 
     }[bad]
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         await listener.ws.send(json.dumps({"renewToken": {"token": replacement}}))
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(listener.ws.recv(), 5)
@@ -119,8 +116,8 @@ def test_invalid_renew_token_closes_the_channel_with_1008(relay: RelayEmulator, 
 
 def test_deleting_a_hybrid_connection_closes_its_listeners_with_1001(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        doomed = [await RawListener.open(relay.listen_url("vm-gone"), sas(relay, "vm-gone")) for _ in range(2)]
-        survivor = await RawListener.open(relay.listen_url("vm-kept"), sas(relay, "vm-kept"))
+        doomed = [await RawListener.on(relay, "vm-gone") for _ in range(2)]
+        survivor = await RawListener.on(relay, "vm-kept")
         response = await http("DELETE", relay.base_url + "/_emulator/hybridConnections/vm-gone")
         assert response.status_code == 200
         for listener in doomed:
@@ -140,7 +137,7 @@ def test_require_known_serves_only_declared_hybrid_connections(make_relay) -> No
 
     async def scenario() -> None:
         with pytest.raises(InvalidStatus) as refused:
-            await RawListener.open(relay.listen_url("vm-1"), sas(relay, "vm-1"))
+            await RawListener.on(relay, "vm-1")
         assert refused.value.response.status_code == 404
         assert (await http("GET", relay.send_url("vm-1"), headers={"Authorization": sas(relay)})).status_code == 404
 
@@ -153,18 +150,13 @@ def test_require_known_serves_only_declared_hybrid_connections(make_relay) -> No
             "listenerCount": 0,
         }
         assert (await http("PUT", control + "vm-1")).status_code == 200
-        listener = await RawListener.open(relay.listen_url("vm-1"), sas(relay, "vm-1"))
+        listener = await RawListener.on(relay, "vm-1")
         assert (await http("GET", control + "vm-1")).json()["listenerCount"] == 1
         listing = (await http("GET", control.rstrip("/"))).json()
         assert sorted(item["name"] for item in listing) == ["vm-0", "vm-1"]
 
         assert (await http("DELETE", control + "vm-1")).status_code == 200
-        with pytest.raises(ConnectionClosed):
-            await asyncio.wait_for(listener.ws.recv(), 5)
-        assert listener.ws.close_code == 1001
-        with pytest.raises(InvalidStatus) as refused:
-            await RawListener.open(relay.listen_url("vm-1"), sas(relay, "vm-1"))
-        assert refused.value.response.status_code == 404
+        await assert_deleted(relay, listener, "vm-1")
 
     asyncio.run(scenario())
 
@@ -181,15 +173,12 @@ def test_control_api_refuses_bad_input(relay: RelayEmulator) -> None:
 
 def test_unknown_control_messages_and_stray_frames_are_counted_not_fatal(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         await listener.ws.send('{"hello": {}}')
         await listener.ws.send("{not json")
         await listener.ws.send(b"stray bytes")
         await listener.ws.send(json.dumps({"response": {"requestId": "nobody", "statusCode": 200, "body": False}}))
-        sending = asyncio.create_task(http("GET", relay.send_url("vm-a"), headers={"Authorization": sas(relay)}))
-        incoming = await listener.next_request()
-        await listener.respond(incoming.request["id"], 200, b"fine")
-        assert (await sending).content == b"fine"
+        assert (await round_trip(relay, listener, 200, b"fine")).content == b"fine"
         await listener.close()
 
     asyncio.run(scenario())

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -18,16 +21,27 @@ async def _connect_sender(relay: RelayEmulator, suffix: str = "", query: str = "
     return await connect(url, additional_headers={"X-App": "approver"})
 
 
+@asynccontextmanager
+async def _bridged(
+    relay: RelayEmulator, suffix: str = "", query: str = ""
+) -> AsyncIterator[tuple[RawListener, dict[str, Any], ClientConnection, ClientConnection]]:
+    """A sender to vm-a accepted by a listener there: (the listener, its accept message, the sender's socket, the
+    accepted socket), the two sockets bridged; the listener's control channel is closed after."""
+    listener = await RawListener.on(relay)
+    sender_task = asyncio.create_task(_connect_sender(relay, suffix, query))
+    accept = (await listener.next_message())["accept"]
+    async with connect(accept["address"]) as accepted:
+        yield listener, accept, await sender_task, accepted
+    await listener.close()
+
+
 def test_accepted_sender_is_bridged_to_the_listener(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sender_task = asyncio.create_task(_connect_sender(relay, "/approve", "&round=3"))
-        accept = (await listener.next_message())["accept"]
-        assert accept["connectHeaders"]["X-App"] == "approver"
-        assert "sb-hc-token" not in accept["address"]
-        assert accept["address"].startswith(f"ws://127.0.0.1:{relay.port}/$hc/vm-a/approve?round=3&sb-hc-action=accept")
-        async with connect(accept["address"]) as accepted:
-            sender = await sender_task
+        async with _bridged(relay, "/approve", "&round=3") as (_, accept, sender, accepted):
+            assert accept["connectHeaders"]["X-App"] == "approver"
+            assert "sb-hc-token" not in accept["address"]
+            address = f"ws://127.0.0.1:{relay.port}/$hc/vm-a/approve?round=3&sb-hc-action=accept"
+            assert accept["address"].startswith(address)
             await sender.send("approve E1")
             assert await accepted.recv() == "approve E1"
             await accepted.send(b"\x00done")
@@ -38,7 +52,6 @@ def test_accepted_sender_is_bridged_to_the_listener(relay: RelayEmulator) -> Non
                 await asyncio.wait_for(sender.recv(), 5)
             assert sender.close_code == 4000
             assert sender.close_reason == "finished"
-        await listener.close()
 
     asyncio.run(scenario())
     assert relay.counters()["accepted"] == 1
@@ -46,23 +59,18 @@ def test_accepted_sender_is_bridged_to_the_listener(relay: RelayEmulator) -> Non
 
 def test_sender_closing_closes_the_listener_side(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sender_task = asyncio.create_task(_connect_sender(relay))
-        accept = (await listener.next_message())["accept"]
-        async with connect(accept["address"]) as accepted:
-            sender = await sender_task
+        async with _bridged(relay) as (_, _, sender, accepted):
             await sender.close()
             with pytest.raises(ConnectionClosed):
                 await asyncio.wait_for(accepted.recv(), 5)
             assert accepted.close_code == 1000
-        await listener.close()
 
     asyncio.run(scenario())
 
 
 def test_rejecting_listener_gets_410_and_the_sender_gets_its_status(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         sender_task = asyncio.create_task(_connect_sender(relay))
         accept = (await listener.next_message())["accept"]
         reject = accept["address"] + "&sb-hc-statusCode=409&sb-hc-statusDescription=" + quote("busy approving")
@@ -87,7 +95,7 @@ def test_sender_times_out_when_the_listener_never_accepts(make_relay) -> None:
     relay = make_relay(accept_timeout=0.5)
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         with pytest.raises(InvalidStatus) as refused:
             await _connect_sender(relay)
         assert refused.value.response.status_code == 504
@@ -111,11 +119,7 @@ def test_sender_without_listener_or_token_is_refused(relay: RelayEmulator) -> No
 
 def test_deleting_the_hybrid_connection_closes_bridged_sockets_with_1001(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
-        sender_task = asyncio.create_task(_connect_sender(relay))
-        accept = (await listener.next_message())["accept"]
-        async with connect(accept["address"]) as accepted:
-            sender = await sender_task
+        async with _bridged(relay) as (listener, _, sender, accepted):
             relay_delete = asyncio.to_thread(relay.delete_hybrid_connection, "vm-a")
             assert await relay_delete
             for socket in (sender, accepted, listener.ws):
@@ -145,7 +149,7 @@ def test_unknown_actions_and_paths_are_refused(relay: RelayEmulator) -> None:
 
 def test_senders_sharing_an_sb_hc_id_get_separate_rendezvous(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         senders = [asyncio.create_task(_connect_sender(relay, query="&sb-hc-id=same")) for _ in range(2)]
         accepts = [(await listener.next_message())["accept"] for _ in range(2)]
         assert [item["id"] for item in accepts] == ["same", "same"]
@@ -165,7 +169,7 @@ def test_senders_sharing_an_sb_hc_id_get_separate_rendezvous(relay: RelayEmulato
 
 def test_sender_gets_502_at_once_when_the_listener_leaves_before_accepting(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         sender_task = asyncio.create_task(_connect_sender(relay))
         assert "accept" in await listener.next_message()
         await listener.close()

@@ -48,7 +48,7 @@ def test_expect_100_continue_and_head(relay: RelayEmulator) -> None:
     token = sas(relay, "vm-a").encode()
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         head = (
             b"POST /vm-a/x HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 5\r\nConnection: close\r\n"
             b"ServiceBusAuthorization: " + token + b"\r\n\r\n"
@@ -122,7 +122,7 @@ def test_a_sender_that_half_closes_after_its_request_still_gets_the_answer(relay
             return received
 
     async def scenario() -> None:
-        listener = await RawListener.open(relay.listen_url("vm-a"), sas(relay, "vm-a"))
+        listener = await RawListener.on(relay)
         sending = asyncio.create_task(asyncio.to_thread(half_closed_exchange))
         incoming = await listener.next_request()
         await listener.respond(incoming.request["id"], 200, b"answered")
