@@ -304,7 +304,7 @@ class Approver:
 
         One document per decision, shared by every request for it within ``PROOF_REUSE_SECONDS``: the nonce names
         the decision, not the request. Three runs sending one decision at once each spent one of the VM's IMDS
-        requests on it, and the POST behind them lapsed (oracle seed 56)."""
+        requests on it, and the POST behind them lapsed."""
         if self._attest is None:
             return None
         with self._proof_lock:

@@ -13,7 +13,7 @@ from emulators.imds import Scenario
 # until it is stopped, so a listener finishes what it was doing: the one that executed the delete's own approval sends
 # its answer (milliseconds), one judging another event's approval reads IMDS and answers (its reads are limited to 2 a
 # second, shared with the poll). Removed at the instant it started, the VM's forwarder was killed before its answer
-# left in one fleet-demo run of three (2026-11-28: the relay's 502, "the listener disconnected before responding").
+# left in one fleet-demo run of three (the relay's 502, "the listener disconnected before responding").
 # DELETE_SECONDS Azure seconds, and at least DELETE_REAL_SECONDS of real time: what a listener takes is real time, which
 # the compressed clock does not shorten (at 60x, 10 Azure seconds are 0.17 s); with 0.5 s, a listener still judging a
 # Freeze sent through it when its own delete started was killed with it (tests/local/test_faults.py, compact scenario),

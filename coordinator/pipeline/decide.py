@@ -205,8 +205,7 @@ def decided_again(approval: ApprovalRecord, now: datetime, *, dry_run: bool) -> 
 def executor_found(run: Run, record: EventRecord, approval: ApprovalRecord) -> bool:
     """Whether a rule's approval whose last attempt found no VM to send it through (nothing sent, so nothing in
     flight) now has one: decided again and sent by the run that brought that VM's sighting, not at its retry (a
-    Terminate whose own VM reported just after a peer waited for its backoff and the timer, and missed NotBefore:
-    oracle seed 90)."""
+    Terminate whose own VM reported just after a peer waited for its backoff and the timer, and missed NotBefore)."""
     if run.dry_run or approval.delivered or not approval.actor.startswith("rule:"):
         return False
     if approval.outcome != "failed" or approval.executor:
@@ -229,7 +228,7 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
         # This run decided it in an earlier attempt of this same write, which landed though its answer was lost (a
         # timed-out insert retried and refused as "already exists"): not another run's approval in flight, but this
         # run's to send, with its Decision row. Left alone, it waited for the timer's in-flight grace (90 s) and a
-        # short Freeze's approval was never sent (oracle seed 56, e1: no Decision row, no approval).
+        # short Freeze's approval was never sent (no Decision row, no approval).
         if record.decision is not None and record.decision.decisionId == pending.decisionId:
             change.rows.append(decision_row(record=record, now=now))
         change.approval_decided = change.changed = True
@@ -260,9 +259,8 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
             if found:
                 # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it,
                 # and its write says so (in flight until the grace, as a new approval): another run that reads it
-                # before this one's outcome is committed must not send it again (oracle seed 8, since a batch's
-                # outcomes are committed after it: a second batch's send renewed the request's validity past a
-                # gate that failed meanwhile).
+                # before this one's outcome is committed must not send it again (a batch's outcomes are committed
+                # after it: a second batch's send renewed the request's validity past a gate that failed meanwhile).
                 pending.outcome, pending.nextAttemptAt = "", now + IN_FLIGHT_GRACE
                 change.approval_decided = change.changed = True
             return

@@ -32,7 +32,7 @@ def take_over(run: Run, delivery: QueuedDelivery) -> None:
     A rule's approval is decided again first, with this run's time, gates and policy (decide.decide), as every
     other resend is: it goes out only if its rule still approves it (same decisionId, its bound renewed), and is
     withdrawn otherwise. The send it continues was decided seconds ago, and a gate that stopped passing meanwhile
-    let a resend through a VM back from the dead execute it (oracle seed 8)."""
+    let a resend through a VM back from the dead execute it."""
     run.enter("continue")
 
     def continued(record: EventRecord | None) -> EventChange | None:

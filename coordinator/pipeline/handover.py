@@ -30,7 +30,7 @@ log = logging.getLogger("coordinator")
 HANDOVER_GRACE = timedelta(seconds=90)
 # A delivery run whose approval waits for the unanswered request to lapse (domain/approvals.py, reroute_at) waits for
 # it before it starts, when that is this close, rather than putting its message back: a message's invisibility is in
-# whole seconds and the trigger polls every second, which cost up to 2 s more (oracle seed 17: a Freeze missed).
+# whole seconds and the trigger polls every second, which cost up to 2 s more (enough to miss a short Freeze).
 LAPSE_WAIT_MAX = timedelta(seconds=10)
 
 

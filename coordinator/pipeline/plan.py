@@ -27,7 +27,7 @@ __all__ = ["UNANSWERED", "UNPEERED_ALLOWANCE", "answer_wait", "hands_over", "pla
 # answering): the next attempt prefers a peer.
 UNANSWERED = frozenset({"failed", "continued", "unknown"})
 # How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
-# the Relay holds 3 s (oracle seed 15) still executes it; a peer that reports the event later waits this much more.
+# the Relay holds 3 s still executes it; a peer that reports the event later waits this much more.
 UNPEERED_ALLOWANCE = timedelta(seconds=2)
 
 
@@ -189,7 +189,7 @@ def _valid_for(
     """How long a request sent now is valid. One a run hands over, only about as long as the run waits for it: once
     it lapses, a peer may be sent the event without two valid approvals existing at once (``reroute_at``). As long
     exactly when a peer that could take over is known; ``UNPEERED_ALLOWANCE`` longer when none is yet (a listener
-    the Relay holds a few seconds still executes it, oracle seed 15; a peer that reports the event later waits at
+    the Relay holds a few seconds still executes it; a peer that reports the event later waits at
     most that much more). Either way short enough, when NotBefore is near, that a peer can still execute the event
     before it once the request lapsed (approvals.reroutable_within). The queue's and the timer's sends: the whole
     approval deadline."""

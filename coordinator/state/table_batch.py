@@ -2,7 +2,7 @@
 
 Why: ``TableClient.submit_transaction`` builds its multipart/mixed body with Python's ``email`` generator (each
 operation an ``HttpRequest`` run through its own policies, then flattened) and parses the answer with the ``email``
-parser, which dominates the coordinator's CPU. Measured on Azurite (cProfile, 2026-11-28): the cold 2,000-VM wave
+parser, which dominates the coordinator's CPU. Measured on Azurite (cProfile): the cold 2,000-VM wave
 (``benchmarks.wave --vms 2000 --bindings cold --mode serial``) spent 30.1 s of its 41.5 s batches in 188
 ``submit_transaction`` calls, 12.3 s building bodies and 8.6 s parsing answers, against 3.5 s waiting on the socket;
 ``benchmarks.bare_hop``, whose deciding write is a transaction with its outbox entry, spent 19 s of 23 s of batches
