@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -56,16 +57,22 @@ def imds() -> Iterator[ImdsEmulator]:
         yield emulator
 
 
-@pytest.fixture
-def relay() -> Iterator[RelayEmulator]:
-    emulator = RelayEmulator(
+@contextmanager
+def keyed_relay(**options: Any) -> Iterator[RelayEmulator]:
+    """A Relay emulator whose SAS keys are the tests' "listen" and "send", each with that one right."""
+    with RelayEmulator(
         sas_keys={"listen": LISTEN_KEY, "send": SEND_KEY},
         sas_rights={"listen": frozenset({Right.LISTEN}), "send": frozenset({Right.SEND})},
         response_timeout=5.0,
-    )
-    emulator.start()
-    yield emulator
-    emulator.stop()
+        **options,
+    ) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def relay() -> Iterator[RelayEmulator]:
+    with keyed_relay() as emulator:
+        yield emulator
 
 
 def ws_endpoint(relay: RelayEmulator) -> str:

@@ -19,9 +19,7 @@ from coordinator.adapters.relay_admin import HybridConnectionAdmin, hybrid_conne
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
-from emulators.relay.auth import Right
 from tests.relay.conftest import (
-    LISTEN_KEY,
     SEND_KEY,
     VM_A0,
     VM_A1,
@@ -29,6 +27,7 @@ from tests.relay.conftest import (
     Vm,
     approval,
     imds_client,
+    keyed_relay,
     scheduled_event,
 )
 
@@ -36,15 +35,8 @@ from tests.relay.conftest import (
 @pytest.fixture
 def relay() -> Iterator[RelayEmulator]:
     """Overrides conftest's relay: hybrid connections must be created (through ARM) before use."""
-    emulator = RelayEmulator(
-        sas_keys={"listen": LISTEN_KEY, "send": SEND_KEY},
-        sas_rights={"listen": frozenset({Right.LISTEN}), "send": frozenset({Right.SEND})},
-        response_timeout=5.0,
-        require_known=True,
-    )
-    emulator.start()
-    yield emulator
-    emulator.stop()
+    with keyed_relay(require_known=True) as emulator:
+        yield emulator
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
