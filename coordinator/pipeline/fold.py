@@ -54,6 +54,8 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
     report.dead_lettered = set_aside(run, arrivals, updates.failed)
     stale = fold_updates(run, updates)
     for _attempt in range(BULK_ATTEMPTS):
+        # Their sightings were not written with their positions: what the run derived for them goes.
+        run.work.forget(stale)
         if stale - arrivals.by_vm.keys():
             # Only Event Grid spoke for these in this batch: nothing to redo them from; the platform's next
             # event for them (or their forwarder) writes their sightings.
@@ -62,8 +64,8 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         if not stale:
             break
         # Another instance moved these VMs since this one cached their group (a partition changed hands):
-        # what was derived from the old positions may miss a 'gone'. Redo them from the fresh positions;
-        # re-applying what was already applied is a no-op.
+        # what was derived from the old positions may miss a 'gone'. Redo them from the fresh positions: the events'
+        # own facts re-applied are a no-op; their sightings, stored with the positions, are derived again.
         for vm_id in stale:
             report.accepted -= updates.updates[vm_id].applied
             report.duplicates -= updates.updates[vm_id].duplicates
@@ -78,6 +80,10 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         updates.new_vms = (updates.new_vms - stale) | redo.new_vms
         stale = fold_updates(run, redo)
         updates.too_large.update(redo.too_large)
+    if stale:
+        # Still moved by another instance after every redo: their next envelopes start from the stored positions.
+        log.warning("positions of %s not written (contended)", sorted(stale))
+        run.work.forget(stale)
     # With this batch's hook results now in its VMs' positions, its scale sets' deletes are read again: a run
     # deciding a sibling delete side by side could not see them (decide.approve_together).
     deleting = {

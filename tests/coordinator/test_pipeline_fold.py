@@ -212,6 +212,28 @@ def test_a_vm_whose_cached_position_was_stale_is_redone_from_a_fresh_read(stale)
     assert (run.report.conflicts > 0) is stale
 
 
+def test_a_stale_vms_sighting_is_written_once_as_redone_not_also_as_first_derived():
+    """A VM's sightings are stored with its position; redone from a fresh read, its rows are derived again. The
+    first pass's rows went too: kept, the 'gone' was written twice, once with the event's state as the stale
+    position had it (a kill test found the doubled rows in the history)."""
+    store = StaleCacheStore()
+    bench = Bench(store=store)
+    reboot = scheduled_event("EV-R", event_type="Reboot", resources=["WestNO_0"], duration=-1)
+    batch(bench, [report("WestNO_0", 1, reboot)])
+    cached = {group.record.group: group for group in store.all_vm_groups()}
+    batch(bench, [report("WestNO_0", 2, reboot)])  # another instance: the same document again
+    store.cache = cached  # this instance still holds the position from before it
+
+    run, _ = batch(bench, [report("WestNO_0", 3)])  # listed nothing: the Reboot is gone for WestNO_0
+
+    assert run.report.conflicts > 0
+    assert bench.event("EV-R").state == "Canceled"
+    staged = [row for entry in run.work.staged for row in entry.rows]
+    gone = [(row.State, row.Sequence) for row in staged if row.RecordType == "Observation"]
+    assert gone == [("Canceled", 3)]
+    assert sorted(row.RecordType for row in run.work.rows) == ["Observation", "Transition"]
+
+
 def test_a_vm_whose_clock_runs_six_minutes_slow_is_fresh_by_the_enqueued_time_and_executes(bench: Bench):
     """Freshness is the service's clock (the message's Event Hubs enqueued time), not the VM's observedAt: a VM
     whose clock runs 6 minutes slow, past the 5-minute heartbeat timeout, was judged silent, its approval had no
