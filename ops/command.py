@@ -1,4 +1,6 @@
-"""How an operator tool's ``python -m`` entry ends, the same for each."""
+"""How an operator tool's entry ends, the same for each, whether run as ``python -m ops.…`` from a checkout or as the
+console command ``pip install ".[ops]"`` gives (``sefleet-policy``, ``sefleet-history``, ``sefleet-cost``,
+``sefleet-drill``: pyproject.toml ``[project.scripts]``)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,14 @@ import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
+
+__all__ = ["prog", "run"]
+
+
+def prog(module: str) -> str:
+    """The name a tool's usage lines show: its console command when run as one, else ``python -m module``."""
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return invoked if invoked.startswith("sefleet-") else f"python -m {module}"
 
 
 def run(main: Callable[[], int]) -> NoReturn:

@@ -44,11 +44,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict
 
 from coordinator import DEFAULT_SQLITE_PATH, history_schema
+from ops import command
 from ops.history import LOCAL_RUN_FILE, HistoryInputError, LocalRun, local_run_path, read_local_run
 
 PRICE_USD_PER_LISTENER_HOUR = 0.0134
@@ -271,7 +272,7 @@ def _positive(name: str, *, allow_zero: bool = False) -> type[float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ops.cost", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=command.prog("ops.cost"), description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--history", type=Path, help=f"the local history (SQLite), e.g. {DEFAULT_SQLITE_PATH}")
     source.add_argument(
@@ -335,5 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> NoReturn:
+    """The console command ``sefleet-cost``."""
+    command.run(main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

@@ -20,7 +20,7 @@ import sqlite3
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -194,7 +194,7 @@ def _print(rows: list[dict[str, Any]], *, as_json: bool) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ops.history",
+        prog=command.prog("ops.history"),
         description="Query the local history (read-only).",
         epilog="exit codes: 0 done, 1 no event matches (timeline), 2 bad input (the database, the query, an option)",
     )
@@ -272,5 +272,10 @@ def _command(connection: sqlite3.Connection, args: argparse.Namespace) -> int:
     return OK
 
 
-if __name__ == "__main__":
+def cli() -> NoReturn:
+    """The console command ``sefleet-history``."""
     command.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -23,7 +23,7 @@ venv_install() {  # venv_install DIR REQUIREMENTS...
   fi
 }
 
-venv_install .venv requirements-dev.txt requirements.txt forwarder/requirements.txt
+venv_install .venv requirements-dev.txt requirements.txt forwarder/requirements.txt ops/requirements.txt
 venv_install .venv-iac requirements-iac.txt
 
 node_digest="$(cat tools/node/package.json tools/node/package-lock.json | sha256sum | cut -d' ' -f1)"

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
-from azure.core.exceptions import AzureError
+from azure.core.exceptions import AzureError, ClientAuthenticationError
 from azure.identity import DefaultAzureCredential
 
 from coordinator import ARM_ENDPOINT, ArmClient
+from ops import command
 from ops.drill.calls import Outcome, execute, read_instances, read_scale_set
 from ops.drill.plan import KINDS, DrillInputError, check_scale_set_id, choose, describe, plan
 
@@ -42,7 +44,7 @@ example:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ops.drill",
+        prog=command.prog("ops.drill"),
         description="Trigger a real scheduled event on chosen VMs of a scale set through ARM, to rehearse hooks "
         "and policies. A dry run (the default) prints what it would do and sends nothing.",
         epilog=EPILOG,
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", default=ARM_ENDPOINT, help="ARM's endpoint (the IMDS emulator's locally)")
     parser.add_argument("--json", action="store_true", help="one JSON object: the plan and the outcomes")
     args = parser.parse_args(argv)
+    # Each credential DefaultAzureCredential tried, logged as a warning (~30 lines) before the error says it again:
+    # the one line below says what to do.
+    logging.getLogger("azure.identity").setLevel(logging.ERROR)
     try:
         scale_set_id = check_scale_set_id(args.scale_set)
         client = ArmClient(credential=DefaultAzureCredential(), moniker="drill", endpoint=args.endpoint)
@@ -69,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, client, scale_set_id)
     except DrillInputError as error:
         print(f"error: {error}", file=sys.stderr)
+        return BAD_INPUT
+    except ClientAuthenticationError as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(
+            f"error: no Azure credential: {first[:300]} Sign in with `az login` (or run where a managed identity "
+            "or the AZURE_CLIENT_ID/AZURE_TENANT_ID variables are set), then run again.",
+            file=sys.stderr,
+        )
         return BAD_INPUT
     except AzureError as error:
         print(f"error: ARM: {type(error).__name__}: {str(error)[:500]}", file=sys.stderr)
@@ -112,5 +125,10 @@ def _run(args: argparse.Namespace, client: ArmClient, scale_set_id: str) -> int:
     return OK if all(outcome.ok for outcome in outcomes) else FAILED
 
 
+def cli() -> NoReturn:
+    """The console command ``sefleet-drill``."""
+    command.run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

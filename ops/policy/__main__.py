@@ -11,7 +11,7 @@ import json
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from coordinator import Policy, PolicyError, load_policy
 from ops import command
@@ -36,7 +36,7 @@ examples:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ops.policy",
+        prog=command.prog("ops.policy"),
         description="Check an approval policy, run its test cases, or replay recorded events through it (what-if).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -204,5 +204,10 @@ def _summary(result: Replay, source: str, kind: str, rows: int, set_aside: list[
     }
 
 
-if __name__ == "__main__":
+def cli() -> NoReturn:
+    """The console command ``sefleet-policy``."""
     command.run(main)
+
+
+if __name__ == "__main__":
+    cli()
