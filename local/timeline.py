@@ -103,7 +103,15 @@ def _clock(at: datetime | None) -> str:
 def _since(path: EventPath, at: datetime | None) -> str:
     if at is None or path.first_observed is None:
         return ""
+    # Two clocks: a VM's observedAt is its own, a step's time the service's. A step logged "before" the event was
+    # observed means that VM's clock runs ahead; the path then starts at the earliest moment either shows (a latency
+    # is never negative).
+    path.first_observed = min(path.first_observed, at)
     return f"+{(at - path.first_observed).total_seconds() * 1000.0:,.0f} ms"
+
+
+def _ms(delta: timedelta) -> str:
+    return f"{delta.total_seconds() * 1000.0:,.0f} ms"
 
 
 class Timeline:
@@ -228,7 +236,8 @@ class Timeline:
         observed = moment(row)
         status = str(row.get("EventStatus") or "")
         first = path.first_observed is None
-        if first:
+        if first or (observed is not None and path.first_observed is not None and observed < path.first_observed):
+            # Rows come in the order their writers finish: a VM that observed earlier may be logged later.
             path.first_observed = observed
             if observed is not None:
                 path.steps["seen"] = observed
@@ -241,7 +250,10 @@ class Timeline:
                 except ValueError:
                     resources = [resources]
             affected = ", ".join(resources) if isinstance(resources, list) else ""
-            logged = f"logged {_since(path, at)}" if at is not None else ""
+            if at is not None and observed is not None and at < observed:
+                logged = f"logged {_ms(observed - at)} before it by the service's clock ({vm}'s clock runs ahead)"
+            else:
+                logged = f"logged {_since(path, at)}" if at is not None else ""
             return [self._line(observed, path, "seen", f"{status} by {vm}; affects {affected}; {logged}".rstrip("; "))]
         return []
 

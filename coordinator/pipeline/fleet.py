@@ -91,8 +91,11 @@ class Fleet:
         return self._arm.why_not_usable()
 
     def disagreements(self, identity: VmIdentity) -> dict[str, tuple[str, str]] | None:
-        """What a VM says of itself that ARM does not (domain/census.py); None without ARM's census."""
-        return None if self._arm is None else disagreements(identity, self._arm.entry(identity.name))
+        """What a VM says of itself that ARM does not (domain/census.py); None without ARM's census, or while it is
+        not usable (never read, or too old: a census that could not be read lists no VM, yet says nothing of one)."""
+        if self._arm is None or not self._arm.usable():
+            return None
+        return disagreements(identity, self._arm.entry(identity.name))
 
     def view(self, *, census: bool = True) -> FleetView:
         """The fleet view; ``census``: with the facts of every known VM (loaded once per instance, then refreshed

@@ -215,7 +215,7 @@ def flag_census(run: Run, batch: VmBatch) -> None:
             continue  # an Event Grid sighting says nothing of the VM itself
         found = run.fleet.disagreements(record.identity)
         if found is None:
-            return  # no ARM census: the VMs' reports are the census
+            return  # no ARM census, or none usable now: nothing to hold the VMs' reports to
         summary = describe(found) if found else ""
         if summary == record.censusMismatch:
             continue

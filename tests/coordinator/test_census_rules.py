@@ -323,6 +323,9 @@ def test_a_census_that_cannot_be_read_approves_nothing_resting_on_it(fleet: Imds
     assert (decision.HoldKind, decision.HoldName, decision.Outcome) == ("census", "arm", "wait")
     assert "the census from ARM" in (decision.Reason or "")
     assert "403" in (decision.Reason or "")
+    # Nothing was read, so nothing is said of the VMs: a census never read lists no VM, and every VM of a local
+    # demo whose first read failed was flagged "ARM lists no VM of this name".
+    assert mismatches(outcome) == {}
     # Once ARM answers, the timer reads it again and the event is decided on it.
     fleet.arm_faults = type(fleet.arm_faults)()
     coordinator = outcome.coordinator

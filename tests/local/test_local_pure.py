@@ -63,6 +63,26 @@ def test_timeline_follows_an_event_from_seen_to_completed_with_latencies() -> No
     assert timeline.open_events() == []
 
 
+def test_timeline_never_prints_a_negative_latency_when_a_vms_clock_runs_ahead() -> None:
+    """A VM's observedAt is its own clock, each step's time the service's: with the VM 141 ms ahead, the demo's
+    timeline printed "logged +-141 ms"."""
+    timeline = Timeline(labels={EVENT: "freeze-web"})
+    lines: list[str] = []
+    for item in [
+        row("Observation", 100, ObservedAt=at(241), VmName="web_0", EventStatus="Scheduled", Resources='["web_0"]'),
+        row("Decision", 150, Rule="short-freeze", Outcome="approve", Reason="at once"),
+        row("Observation", 160, ObservedAt=at(50), VmName="web_1", EventStatus="Scheduled"),
+        row("Approval", 400, Outcome="approved", VmName="web_1"),
+    ]:
+        lines.extend(timeline.add(item))
+    assert "logged 141 ms before it by the service's clock (web_0's clock runs ahead)" in lines[0]
+    assert all("+-" not in line for line in lines)
+    # The decision, logged before web_0 observed the event, starts the path; web_1, observed earlier still, then does.
+    assert "+0 ms" in lines[1]
+    assert "+350 ms" in lines[2]
+    assert timeline.paths[EVENT].latency_ms("approved") == pytest.approx(350.0)
+
+
 def test_timeline_counts_dead_letters_and_shows_failed_approvals() -> None:
     timeline = Timeline()
     dead = timeline.add({"RecordType": "DeadLetter", "TimeGenerated": at(0), "Reason": "invalid envelope: vm"})
