@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
@@ -15,12 +16,14 @@ from azure.identity import DefaultAzureCredential
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalCallback
+from coordinator.adapters.census import ArmCensusReader, Census
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.adapters.issuers import AiaIssuers
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
 from coordinator.domain.attestation import Attestations, AttestationVerifier, TrustAnchors, load_pem_certificates
+from coordinator.domain.policy import Policy
 from coordinator.domain.policy_file import load_policy
 from coordinator.pipeline.run import APPROVAL_WORKERS, Options, Parts
 from coordinator.service import Coordinator
@@ -29,125 +32,20 @@ from coordinator.state.tables import TableStateStore
 
 
 def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallback | None = None) -> Coordinator:
+    """The composition root: each part from its settings (one builder each, below), then the coordinator."""
     credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
-    if settings.storage_connection_string is not None:
-        store = TableStateStore.from_connection_string(
-            settings.storage_connection_string.get_secret_value(), table_name=settings.state_table
-        )
-    else:
-        assert settings.table_endpoint is not None  # settings validation: exactly one of the two
-        store = TableStateStore.from_endpoint(
-            settings.table_endpoint, credential=credential, table_name=settings.state_table
-        )
-
-    history: HistorySink
-    if settings.logs_ingestion_endpoint and settings.logs_dcr_immutable_id:
-        history = LogsIngestionHistory(
-            endpoint=settings.logs_ingestion_endpoint,
-            rule_id=settings.logs_dcr_immutable_id,
-            stream_name=settings.logs_stream,
-            credential=credential,
-        )
-    else:
-        history = SqliteHistory(settings.history_sqlite_path or DEFAULT_SQLITE_PATH)
-
-    alerts: AlertSink
-    if settings.teams_webhook_url is not None:
-        alerts = TeamsWebhookSink(webhook_url=settings.teams_webhook_url.get_secret_value())
-    else:
-        alerts = FolderCardSink(settings.cards_folder or ".local/cards")
-
-    on_new_vm = None
-    housekeeping = None
-    if callback is None and (settings.relay_namespace or settings.relay_endpoint):
-        from coordinator.adapters.relay_sender import RelayApprovalSender  # noqa: PLC0415 -- only when Relay is configured
-
-        endpoint = settings.relay_endpoint or f"https://{settings.relay_namespace}"
-        # The sender gives up a little before the coordinator's per-approval deadline, so a listener that never
-        # answers does not keep a worker of the approval pool busy much past it.
-        callback = RelayApprovalSender(
-            endpoint=endpoint,
-            credential=credential,
-            attempt_timeout=max(1.0, settings.approval_deadline_seconds - 2.0),
-            max_retry_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
-            not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
-        )
-        if settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group:
-            from coordinator.adapters.relay_admin import (  # noqa: PLC0415
-                HybridConnectionAdmin,
-                hybrid_connections_to_delete,
-            )
-
-            admin = HybridConnectionAdmin(
-                credential=credential,
-                subscription_id=settings.relay_subscription_id,
-                resource_group=settings.relay_resource_group,
-                namespace=settings.relay_namespace.split(".")[0],
-            )
-
-            def on_new_vm(vm: VmIdentity) -> None:
-                admin.ensure(vm)
-
-            def housekeeping(last_seen: dict[str, datetime], now: datetime) -> None:
-                existing = [connection.name for connection in admin.list()]
-                silence = timedelta(seconds=settings.hybrid_connection_silence_seconds)
-                for name in hybrid_connections_to_delete(existing, last_seen=last_seen, now=now, silence_limit=silence):
-                    admin.delete(name)
-
-    elif callback is None:
-        raise SettingsError(
-            "no approval path: set COORDINATOR_RELAY_NAMESPACE (Azure) or COORDINATOR_RELAY_ENDPOINT (the Relay "
-            "emulator)"
-        )
-
-    remote_acknowledge = None
-    if settings.remote_acknowledge != "off":
-        from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender  # noqa: PLC0415 -- only when enabled
-
-        remote_acknowledge = RemoteAcknowledgeSender(
-            credential=credential,
-            endpoint=settings.arm_endpoint,
-            deadline_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
-            not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
-        )
-
     policy = load_policy(settings.policy_path)
-    attestations = build_attestations(settings)
-    census = None
-    if settings.census_scopes:
-        from coordinator.adapters.census import ArmCensusReader, Census  # noqa: PLC0415 -- only when configured
-
-        refresh = timedelta(seconds=settings.census_refresh_seconds)
-        census = Census(
-            ArmCensusReader(
-                credential=credential, resource_groups=settings.census_scopes, arm_endpoint=settings.arm_endpoint
-            ),
-            refresh_every=refresh,
-            usable_for=3 * refresh,
-        )
-    elif policy.needs_census:
-        # What the VMs report of themselves is theirs to forge (one shared sender identity): tags, percent and domain
-        # budgets rest on ARM's census only.
-        raise SettingsError(
-            f"the policy {settings.policy_path} has tags, percent or domain budgets, which read the census from ARM: "
-            "set COORDINATOR_CENSUS_RESOURCE_GROUPS (the fleet's resource group ids)"
-        )
-    # Only a policy with alert or logQuery gates reads Azure Monitor (with the app's identity).
-    monitor = (
-        AzureMonitorReader(credential=credential)
-        if any(gate.alert is not None or gate.logQuery is not None for gate in policy.gates.values())
-        else None
-    )
+    path = build_approval_path(settings, credential, callback)
     parts = Parts(
-        store=store,
-        history=history,
-        alerts=alerts,
-        callback=callback,
-        remote_acknowledge=remote_acknowledge,
-        monitor=monitor,
+        store=build_store(settings, credential),
+        history=build_history(settings, credential),
+        alerts=build_alerts(settings),
+        callback=path.callback,
+        remote_acknowledge=build_remote_acknowledge(settings, credential),
+        monitor=build_monitor(policy, credential),
         deliveries=build_deliveries(settings, credential),
-        attestations=attestations,
-        census=census,
+        attestations=build_attestations(settings),
+        census=build_census(settings, credential, needed=policy.needs_census),
     )
     return Coordinator(
         parts,
@@ -156,9 +54,135 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         # A batch returns once its approvals are sent and its positions written; its tail runs on these threads
         # (each mostly waits: for its approvals' answers, at most IN_RUN_DELIVERY + slack, and its sinks).
         after_batch=concurrent.futures.ThreadPoolExecutor(max_workers=APPROVAL_WORKERS, thread_name_prefix="tail"),
-        on_new_vm=on_new_vm,
-        housekeeping=housekeeping,
+        on_new_vm=path.on_new_vm,
+        housekeeping=path.housekeeping,
     )
+
+
+def build_store(settings: CoordinatorSettings, credential: TokenCredential) -> TableStateStore:
+    """The state table: Azurite's connection string locally, the account's endpoint and the identity in Azure."""
+    if settings.storage_connection_string is not None:
+        return TableStateStore.from_connection_string(
+            settings.storage_connection_string.get_secret_value(), table_name=settings.state_table
+        )
+    assert settings.table_endpoint is not None  # settings validation: exactly one of the two
+    return TableStateStore.from_endpoint(
+        settings.table_endpoint, credential=credential, table_name=settings.state_table
+    )
+
+
+def build_history(settings: CoordinatorSettings, credential: TokenCredential) -> HistorySink:
+    """Log Analytics through the Logs Ingestion API when its endpoint and rule are set, else SQLite."""
+    if settings.logs_ingestion_endpoint and settings.logs_dcr_immutable_id:
+        return LogsIngestionHistory(
+            endpoint=settings.logs_ingestion_endpoint,
+            rule_id=settings.logs_dcr_immutable_id,
+            stream_name=settings.logs_stream,
+            credential=credential,
+        )
+    return SqliteHistory(settings.history_sqlite_path or DEFAULT_SQLITE_PATH)
+
+
+def build_alerts(settings: CoordinatorSettings) -> AlertSink:
+    """Teams through its workflow's webhook when set, else a folder of cards."""
+    if settings.teams_webhook_url is not None:
+        return TeamsWebhookSink(webhook_url=settings.teams_webhook_url.get_secret_value())
+    return FolderCardSink(settings.cards_folder or ".local/cards")
+
+
+@dataclass(frozen=True)
+class ApprovalPath:
+    """How approvals reach the VMs, and the hooks that keep each VM's hybrid connection (Azure Relay only)."""
+
+    callback: ApprovalCallback
+    on_new_vm: Callable[[VmIdentity], None] | None = None
+    housekeeping: Callable[[dict[str, datetime], datetime], None] | None = None
+
+
+def build_approval_path(
+    settings: CoordinatorSettings, credential: TokenCredential, callback: ApprovalCallback | None
+) -> ApprovalPath:
+    """The caller's callback when it hands one in; else Azure Relay (the emulator locally), with the hybrid
+    connections managed through ARM when the namespace's resource group is known."""
+    if callback is not None:
+        return ApprovalPath(callback)
+    if not (settings.relay_namespace or settings.relay_endpoint):
+        raise SettingsError(
+            "no approval path: set COORDINATOR_RELAY_NAMESPACE (Azure) or COORDINATOR_RELAY_ENDPOINT (the Relay "
+            "emulator)"
+        )
+    from coordinator.adapters.relay_sender import RelayApprovalSender  # noqa: PLC0415 -- only when Relay is configured
+
+    endpoint = settings.relay_endpoint or f"https://{settings.relay_namespace}"
+    # The sender gives up a little before the coordinator's per-approval deadline, so a listener that never answers
+    # does not keep a worker of the approval pool busy much past it.
+    sender = RelayApprovalSender(
+        endpoint=endpoint,
+        credential=credential,
+        attempt_timeout=max(1.0, settings.approval_deadline_seconds - 2.0),
+        max_retry_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
+        not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
+    )
+    if not (settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group):
+        return ApprovalPath(sender)
+    from coordinator.adapters.relay_admin import HybridConnectionAdmin, hybrid_connections_to_delete  # noqa: PLC0415
+
+    admin = HybridConnectionAdmin(
+        credential=credential,
+        subscription_id=settings.relay_subscription_id,
+        resource_group=settings.relay_resource_group,
+        namespace=settings.relay_namespace.split(".")[0],
+    )
+    silence = timedelta(seconds=settings.hybrid_connection_silence_seconds)
+
+    def housekeeping(last_seen: dict[str, datetime], now: datetime) -> None:
+        existing = [connection.name for connection in admin.list()]
+        for name in hybrid_connections_to_delete(existing, last_seen=last_seen, now=now, silence_limit=silence):
+            admin.delete(name)
+
+    def on_new_vm(vm: VmIdentity) -> None:
+        admin.ensure(vm)
+
+    return ApprovalPath(sender, on_new_vm=on_new_vm, housekeeping=housekeeping)
+
+
+def build_remote_acknowledge(settings: CoordinatorSettings, credential: TokenCredential) -> ApprovalCallback | None:
+    """The Maintenance RP's acknowledge (preview), only when enabled."""
+    if settings.remote_acknowledge == "off":
+        return None
+    from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender  # noqa: PLC0415 -- only when enabled
+
+    return RemoteAcknowledgeSender(
+        credential=credential,
+        endpoint=settings.arm_endpoint,
+        deadline_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
+        not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
+    )
+
+
+def build_census(settings: CoordinatorSettings, credential: TokenCredential, *, needed: bool) -> Census | None:
+    """ARM's census of the configured resource groups; none when unset, which a policy that ``needed`` it refuses:
+    what the VMs report of themselves is theirs to forge (one shared sender identity), so tags, percent and domain
+    budgets rest on ARM's census only."""
+    if not settings.census_scopes:
+        if needed:
+            raise SettingsError(
+                f"the policy {settings.policy_path} has tags, percent or domain budgets, which read the census from "
+                "ARM: set COORDINATOR_CENSUS_RESOURCE_GROUPS (the fleet's resource group ids)"
+            )
+        return None
+    refresh = timedelta(seconds=settings.census_refresh_seconds)
+    reader = ArmCensusReader(
+        credential=credential, resource_groups=settings.census_scopes, arm_endpoint=settings.arm_endpoint
+    )
+    return Census(reader, refresh_every=refresh, usable_for=3 * refresh)
+
+
+def build_monitor(policy: Policy, credential: TokenCredential) -> AzureMonitorReader | None:
+    """Azure Monitor, read with the app's identity, only for a policy with alert or logQuery gates."""
+    if any(gate.alert is not None or gate.logQuery is not None for gate in policy.gates.values()):
+        return AzureMonitorReader(credential=credential)
+    return None
 
 
 def build_options(settings: CoordinatorSettings) -> Options:

@@ -35,7 +35,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "coordinator/pipeline/plan.py:plan_delivery": (127, "one reason a plan goes no further per branch"),
     "coordinator/pipeline/positions.py:write_vm_groups": (69, "groups written in one transaction, else one by one"),
     "coordinator/pipeline/timer.py:tick": (73, "the timer's steps in the order they must run"),
-    "coordinator/wiring.py:build_coordinator": (131, "the composition root: every setting to its part"),
     "forwarder/cli.py:relay_companions": (61, "the listener's companions built from the settings"),
     "forwarder/daemon.py:Forwarder.__init__": (71, "the forwarder's parts built from its settings"),
     "forwarder/hooks.py:HookRunner._run_one": (84, "one hook process: start, budget, kill, report"),
