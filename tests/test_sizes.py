@@ -29,7 +29,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "coordinator/domain/evaluation.py:_hold": (63, "each hold kind's reason, one branch each"),
     "coordinator/domain/event_merge.py:_apply_listed": (71, "a sighting merged: conflicts, reopening, Started"),
     "coordinator/domain/observations.py:vm_observations": (82, "one VM's envelopes read in order against its position"),
-    "coordinator/pipeline/decide.py:decide": (137, "one event decided: retries, withdrawals, holds, budgets"),
     "coordinator/pipeline/fold.py:commit_events": (66, "a batch's events committed with their outbox rows"),
     "coordinator/pipeline/people.py:approve_manually": (72, "a person's approval: checks, decision, send"),
     "coordinator/pipeline/plan.py:plan_delivery": (127, "one reason a plan goes no further per branch"),

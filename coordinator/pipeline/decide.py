@@ -222,26 +222,57 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
     record = change.record
     if record.state != "Scheduled":
         return
-    now, fleet, policy, dry_run = run.now, run.fleet, run.policy, run.dry_run
     pending = record.approval
     if pending is not None and pending.decisionId in run.work.decided and not pending.delivered:
-        # This run decided it in an earlier attempt of this same write, which landed though its answer was lost (a
-        # timed-out insert retried and refused as "already exists"): not another run's approval in flight, but this
-        # run's to send, with its Decision row. Left alone, it waited for the timer's in-flight grace (90 s) and a
-        # short Freeze's approval was never sent (no Decision row, no approval).
-        if record.decision is not None and record.decision.decisionId == pending.decisionId:
-            change.rows.append(decision_row(record=record, now=now))
-        change.approval_decided = change.changed = True
+        _decided_by_this_run(run, change, pending)
         return
     found = pending is not None and executor_found(run, record, pending)
     forced = again and pending is not None and not pending.delivered and pending.actor.startswith("rule:")
-    if pending is not None and not found and not forced and not decided_again(pending, now, dry_run=dry_run):
+    if pending is not None and not found and not forced and not decided_again(pending, run.now, dry_run=run.dry_run):
         return
     started = telemetry.now_ns()
+    decision, claimed = _verdict(run, record)
+    withdrew = ""
+    if pending is not None:
+        if decision.verdict == "approve" and decision.rule == pending.rule:
+            renew(change, pending, decision, run.policy, run.now)
+            if found:
+                # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it,
+                # and its write says so (in flight until the grace, as a new approval): another run that reads it
+                # before this one's outcome is committed must not send it again (a batch's outcomes are committed
+                # after it: a second batch's send renewed the request's validity past a gate that failed meanwhile).
+                pending.outcome, pending.nextAttemptAt = "", run.now + IN_FLIGHT_GRACE
+                change.approval_decided = change.changed = True
+            return
+        # Its conditions no longer hold (or another rule decides now): withdrawn before it was ever executed, and its
+        # claims freed by the tail (those this decision claims again excepted).
+        record.approval = None
+        change.changed = True
+        change.released = [key for key in pending.budgetKeys if key not in claimed]
+        withdrew = withdrawal(pending, run.policy, run.now)
+    _record_decision(run, change, decision, withdrew=withdrew, started=started)
+    if decision.verdict == "approve" and not run.dry_run and record.decision is not None:
+        _approve(run, change, decision, claimed)
+
+
+def _decided_by_this_run(run: Run, change: EventChange, pending: ApprovalRecord) -> None:
+    """This run decided ``pending`` in an earlier attempt of this same write, which landed though its answer was lost
+    (a timed-out insert retried and refused as "already exists"): not another run's approval in flight, but this
+    run's to send, with its Decision row. Left alone, it waited for the timer's in-flight grace (90 s) and a short
+    Freeze's approval was never sent (no Decision row, no approval)."""
+    record = change.record
+    if record.decision is not None and record.decision.decisionId == pending.decisionId:
+        change.rows.append(decision_row(record=record, now=run.now))
+    change.approval_decided = change.changed = True
+
+
+def _verdict(run: Run, record: EventRecord) -> tuple[Decision, list[str]]:
+    """The policy's decision on the fleet as it is (gates read, the census usable, deletes coupled), and the budget
+    keys an approval claims (or the decision held by the budget that refused)."""
+    now, fleet, policy = run.now, run.fleet, run.policy
     needed = needs_fleet(policy, record, now)
     view = fleet.view(census=policy.needs_census) if needed else FleetView()
-    gates = _gate_results(run, record, view)
-    decision = evaluate(policy, record, view, now, gates=gates)
+    decision = evaluate(policy, record, view, now, gates=_gate_results(run, record, view))
     unusable = fleet.census_unusable() if needed and decision.verdict == "approve" else ""
     if unusable:
         # A census that cannot be read approves nothing resting on it, as an unreadable gate: without the VMs' tags a
@@ -251,107 +282,90 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
         )
     if record.eventType == "Terminate" and record.scaleSets:
         decision = couple(decision, record, fleet.deletes_of(record.scaleSets), now)
-    decision, claimed = claim(run, record, decision, view)
-    withdrew = ""
-    if pending is not None:
-        if decision.verdict == "approve" and decision.rule == pending.rule:
-            renew(change, pending, decision, policy, now)
-            if found:
-                # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it,
-                # and its write says so (in flight until the grace, as a new approval): another run that reads it
-                # before this one's outcome is committed must not send it again (a batch's outcomes are committed
-                # after it: a second batch's send renewed the request's validity past a gate that failed meanwhile).
-                pending.outcome, pending.nextAttemptAt = "", now + IN_FLIGHT_GRACE
-                change.approval_decided = change.changed = True
-            return
-        # Its conditions no longer hold (or another rule decides now): withdrawn before it was ever executed, and its
-        # claims freed by the tail (those this decision claims again excepted).
-        record.approval = None
-        change.changed = True
-        change.released = [key for key in pending.budgetKeys if key not in claimed]
-        withdrew = withdrawal(pending, policy, now)
+    return claim(run, record, decision, view)
+
+
+def _record_decision(run: Run, change: EventChange, decision: Decision, *, withdrew: str, started: int) -> None:
+    """A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), or it
+    withdrew an approval; not on every re-evaluation that finds the same."""
+    record, now, dry_run = change.record, run.now, run.dry_run
     previous = record.decision
-    hold_since = (
-        previous.holdSince or previous.decidedAt
-        if previous is not None
-        and decision.holdKind
-        and (previous.holdKind, previous.holdName) == (decision.holdKind, decision.holdName)
-        else (now if decision.holdKind else None)
-    )
-    # A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), or it withdrew
-    # an approval, not on every re-evaluation that finds the same.
+    hold_since = now if decision.holdKind else None
     if (
-        withdrew
-        or previous is None
-        or (
-            previous.rule,
-            previous.verdict,
-            previous.dryRun,
-            previous.heldBy,
-            previous.holdKind,
-            previous.holdName,
-            previous.reason,
-        )
-        != (
-            decision.rule,
-            decision.verdict,
-            dry_run,
-            decision.heldBy,
+        previous is not None
+        and decision.holdKind
+        and (previous.holdKind, previous.holdName)
+        == (
             decision.holdKind,
             decision.holdName,
-            decision.reason,
         )
     ):
-        record.decision = DecisionRecord(
-            decisionId=uuid.uuid4().hex,
-            rule=decision.rule,
-            action=decision.action,
-            verdict=decision.verdict,
-            reason=decision.reason,
-            decidedAt=now,
-            dryRun=dry_run,
-            actor=f"rule:{decision.rule}",
-            heldBy=decision.heldBy,
-            heldByVm=decision.heldByVm,
-            heldUntil=decision.heldUntil,
-            holdKind=decision.holdKind,
-            holdName=decision.holdName,
-            holdSince=hold_since,
-            withdrawal=withdrew,
-        )
-        change.rows.append(decision_row(record=record, now=now))
-        change.changed = True
-        telemetry.decided(
-            record.traceparent,
-            started_ns=started,
-            event_id=record.eventId,
-            event_type=record.eventType,
-            rule=decision.rule,
-            verdict=decision.verdict,
-            action=decision.action,
-            dry_run=dry_run,
-        )
-        if decision.action == "wait-for-person":
-            # Nobody else will approve it: the card that says so, with the approval link (once per event: an
-            # impactful event's new-event card, raised when it was first seen, is this same card).
-            raise_alert(change, "new-event", now)
-    if decision.verdict == "approve" and not dry_run and record.decision is not None:
-        bound = approval_bound(policy, decision.rule, record, now, at_deadline=decision.atDeadline)
-        record.approval = ApprovalRecord(
-            decisionId=record.decision.decisionId,
-            rule=decision.rule,
-            actor=f"rule:{decision.rule}",
-            decidedAt=now,
-            nextAttemptAt=now + IN_FLIGHT_GRACE,
-            budgetKeys=claimed,
-            notAfter=bound.at if bound else None,
-            notAfterReason=bound.why if bound else "",
-            policyVersion=policy.fingerprint,
-        )
-        fleet.add(record)
-        change.changed = True
-        change.approval_decided = True
-        run.work.decided.add(record.approval.decisionId)
+        hold_since = previous.holdSince or previous.decidedAt  # held by the same hold since then
+    if (
+        not withdrew
+        and previous is not None
+        and _decision_key(previous, previous.dryRun) == _decision_key(decision, dry_run)
+    ):
+        return
+    record.decision = DecisionRecord(
+        decisionId=uuid.uuid4().hex,
+        rule=decision.rule,
+        action=decision.action,
+        verdict=decision.verdict,
+        reason=decision.reason,
+        decidedAt=now,
+        dryRun=dry_run,
+        actor=f"rule:{decision.rule}",
+        heldBy=decision.heldBy,
+        heldByVm=decision.heldByVm,
+        heldUntil=decision.heldUntil,
+        holdKind=decision.holdKind,
+        holdName=decision.holdName,
+        holdSince=hold_since,
+        withdrawal=withdrew,
+    )
+    change.rows.append(decision_row(record=record, now=now))
+    change.changed = True
+    telemetry.decided(
+        record.traceparent,
+        started_ns=started,
+        event_id=record.eventId,
+        event_type=record.eventType,
+        rule=decision.rule,
+        verdict=decision.verdict,
+        action=decision.action,
+        dry_run=dry_run,
+    )
+    if decision.action == "wait-for-person":
+        # Nobody else will approve it: the card that says so, with the approval link (once per event: an impactful
+        # event's new-event card, raised when it was first seen, is this same card).
+        raise_alert(change, "new-event", now)
+
+
+def _decision_key(d: Decision | DecisionRecord, dry_run: bool) -> tuple[object, ...]:
+    return (d.rule, d.verdict, dry_run, d.heldBy, d.holdKind, d.holdName, d.reason)
+
+
+def _approve(run: Run, change: EventChange, decision: Decision, claimed: list[str]) -> None:
+    """The approval of the decision just recorded, claiming ``claimed``, for this run to send."""
+    record, now, policy = change.record, run.now, run.policy
+    assert record.decision is not None
+    bound = approval_bound(policy, decision.rule, record, now, at_deadline=decision.atDeadline)
+    record.approval = ApprovalRecord(
+        decisionId=record.decision.decisionId,
+        rule=decision.rule,
+        actor=f"rule:{decision.rule}",
+        decidedAt=now,
+        nextAttemptAt=now + IN_FLIGHT_GRACE,
+        budgetKeys=claimed,
+        notAfter=bound.at if bound else None,
+        notAfterReason=bound.why if bound else "",
+        policyVersion=policy.fingerprint,
+    )
+    run.fleet.add(record)
+    change.changed = True
+    change.approval_decided = True
+    run.work.decided.add(record.approval.decisionId)
 
 
 def claim(run: Run, record: EventRecord, decision: Decision, view: FleetView) -> tuple[Decision, list[str]]:
