@@ -31,7 +31,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "coordinator/domain/observations.py:vm_observations": (82, "one VM's envelopes read in order against its position"),
     "coordinator/pipeline/fold.py:commit_events": (66, "a batch's events committed with their outbox rows"),
     "coordinator/pipeline/people.py:approve_manually": (72, "a person's approval: checks, decision, send"),
-    "coordinator/pipeline/plan.py:plan_delivery": (127, "one reason a plan goes no further per branch"),
     "coordinator/pipeline/positions.py:write_vm_groups": (69, "groups written in one transaction, else one by one"),
     "coordinator/pipeline/timer.py:tick": (73, "the timer's steps in the order they must run"),
     "forwarder/cli.py:relay_companions": (61, "the listener's companions built from the settings"),

@@ -16,7 +16,8 @@ from coordinator.domain.approvals import choose_executor, reroutable_within, rer
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
 from coordinator.domain.history_rows import approval_row
-from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
+from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest, VmSighting
+from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.run import Delivery, Run
 from coordinator.state.events import read_event
 from coordinator.state.store import Stored
@@ -31,7 +32,7 @@ UNANSWERED = frozenset({"failed", "continued", "unknown"})
 UNPEERED_ALLOWANCE = timedelta(seconds=2)
 
 
-def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason a plan goes no further, each saying why
+def plan_delivery(
     run: Run,
     event_id: str,
     last_seen: dict[str, datetime] | None,
@@ -45,16 +46,15 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
     here: an approval decided before dry-run was switched on waits."""
     if run.dry_run:
         return None
-    now, options = run.now, run.options
     known = deciding or run.work.records.get(event_id)
     stored = Stored(known, run.work.etags.get(event_id)) if known is not None else read_event(run.parts.store, event_id)
     if stored is None or stored.record.approval is None or stored.record.approval.delivered:
         return None
+    now, options, approval = run.now, run.options, stored.record.approval
     record = stored.record
     if unstorable & record.vms.keys():
         # VMs whose positions this batch cannot store: their sightings are not kept, so none is an executor.
         record = record.model_copy(update={"vms": {n: s for n, s in record.vms.items() if n not in unstorable}})
-    approval = stored.record.approval
     # When each VM was last heard: its sighting, or later, its position (heartbeats count), as the timer judges it.
     seen = {name: s.lastSeen for name, s in record.vms.items()}
     for heard in (run.heard, last_seen or {}):
@@ -82,15 +82,30 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
             f"{tolerance.total_seconds():g} s tolerance; decided again when retried"
         )
         return plan
-    remote_acknowledge = run.parts.remote_acknowledge
-    remote = callback_of(run.policy, approval.rule) == "remote-acknowledge"
+    gone = executor is not None and executor.name in avoid and seen[executor.name] < now - options.executor_silence
+    executor = _route(run, plan, record, approval.rule, executor, gone=gone)
+    if executor is None or _waits(run, plan, record.openRequest):
+        return plan
+    plan.vm = executor.identity()
+    plan.request = _request(run, record, approval, not_after)
+    plan.intent = _intent(run, plan, record, approval, executor=executor.name, not_after=not_after)
+    return plan
+
+
+def _route(
+    run: Run, plan: Delivery, record: EventRecord, rule: str, executor: VmSighting | None, *, gone: bool
+) -> VmSighting | None:
+    """Which way the plan goes: the VM's listener (``executor``), or ARM's acknowledge when the rule says so or, as a
+    fallback, when no listener can execute it (``gone``: the only one left did not answer and has been silent).
+    None when it can go neither way; the plan's failure says why."""
+    options, remote_acknowledge = run.options, run.parts.remote_acknowledge
+    remote = callback_of(run.policy, rule) == "remote-acknowledge"
     if remote and remote_acknowledge is None:
         plan.failure = (
-            f"rule {approval.rule!r} approves through remote acknowledge, which is off "
-            "(COORDINATOR_REMOTE_ACKNOWLEDGE); nothing sent"
+            f"rule {rule!r} approves through remote acknowledge, which is off (COORDINATOR_REMOTE_ACKNOWLEDGE); "
+            "nothing sent"
         )
-        return plan
-    gone = executor is not None and executor.name in avoid and seen[executor.name] < now - options.executor_silence
+        return None
     if (executor is None or gone) and remote_acknowledge is not None and options.remote_acknowledge_fallback:
         # No VM's listener can execute it: no forwarder reported within heartbeat_timeout (e.g. a VM known only from
         # Event Grid), or the only one left did not answer and has been silent for executor_silence (a VM gone, not
@@ -100,11 +115,10 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
         target = executor or _any_sighting(record)
         if target is None:
             plan.failure = f"no VM of {record.resources[:5]} is known: no resource to acknowledge the event on"
-            return plan
-        executor = target
-        plan.executor = f"arm:{target.name}"
+            return None
         assert remote_acknowledge is not None  # remote only when it is on (both branches above)
-        plan.callback = remote_acknowledge
+        plan.executor, plan.callback = f"arm:{target.name}", remote_acknowledge
+        return target
     if executor is None:
         within = f"{options.heartbeat_timeout.total_seconds():.0f} s"
         if record.eventType == "Terminate":
@@ -114,21 +128,22 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
             )
         else:
             plan.failure = f"no VM of {sorted(record.vms)[:10]} reported within {within}"
-        return plan
-    if _waits(run, plan, record.openRequest):
-        return plan
-    plan.vm = executor.identity()
-    plan.request = ApprovalRequest(
+    return executor
+
+
+def _request(run: Run, record: EventRecord, approval: ApprovalRecord, not_after: Bound) -> ApprovalRequest:
+    """The StartRequests the executor is asked to make, with what the decision rested on for the VM to check against
+    its own IMDS document and hook ledger."""
+    return ApprovalRequest(
         eventId=record.eventId,
         decisionId=approval.decisionId,
         rule=approval.rule[:256],
-        issuedAt=now,
+        issuedAt=run.now,
         # The same instant as notAfter: a listener of an earlier release reads only expiresAt.
         expiresAt=not_after.at,
         notAfter=not_after.at,
         notAfterReason=not_after.why[:256],
         policyVersion=approval.policyVersion,
-        # What the decision rested on, for the VM to check against its own IMDS document and hook ledger.
         facts=ApprovalFacts(
             eventType=record.eventType,
             eventSource=record.eventSource,
@@ -138,18 +153,25 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
             hooksRequired=hooks_required(run.policy, approval.rule, record),
         ),
     )
-    plan.intent = approval_row(
+
+
+def _intent(
+    run: Run, plan: Delivery, record: EventRecord, approval: ApprovalRecord, *, executor: str, not_after: Bound
+) -> HistoryRow:
+    """The Approval row "sending", committed before the request leaves."""
+    attempt = approval.attempts + 1
+    return approval_row(
         record=record,
-        now=now,
-        vm=executor.name,
+        now=run.now,
+        vm=executor,
         rule=approval.rule,
         decision_id=approval.decisionId,
         actor=approval.actor,
         outcome="sending",
         reason=(
-            f"acknowledge of {record.eventId} going to ARM for {executor.name} (attempt {approval.attempts + 1})"
+            f"acknowledge of {record.eventId} going to ARM for {executor} (attempt {attempt})"
             if plan.callback is not run.parts.callback
-            else f"StartRequests for {record.eventId} going to {executor.name} (attempt {approval.attempts + 1})"
+            else f"StartRequests for {record.eventId} going to {executor} (attempt {attempt})"
         ),
         details={
             "notAfter": not_after.at.isoformat(),
@@ -157,7 +179,6 @@ def plan_delivery(  # noqa: PLR0911, PLR0912 -- one return (and test) per reason
             "policyVersion": approval.policyVersion,
         },
     )
-    return plan
 
 
 def _waits(run: Run, plan: Delivery, open_request: OpenRequest | None) -> bool:
