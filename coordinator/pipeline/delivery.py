@@ -2,7 +2,7 @@
 continued by the queue's function (function_app.continue_approval, ``CoordinatorService.continue_delivery``).
 
 Its own step is ``take_over``; the tail (pipeline/tail.py) then sends the approval with the whole approval deadline,
-through a peer of the VM that did not answer when it has one (act.plan_delivery).
+through a peer of the VM that did not answer when it has one (plan.plan_delivery).
 """
 
 from __future__ import annotations

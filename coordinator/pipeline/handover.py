@@ -4,7 +4,7 @@ A batch, tick or person's approval gives each approval ``in_run_delivery`` (3 s,
 by then is handed over: its record says so (outcome "continued", the VM that did not answer), the timer leaves it to
 the delivery queue for ``HANDOVER_GRACE``, and a ``QueuedDelivery`` goes to the queue (adapters/delivery_queue.py).
 The queue's function (function_app.continue_approval) starts a ``delivery`` run (pipeline/delivery.py), which decides
-it again; its tail sends the approval again (act.plan_delivery: through a peer of the VM that did not answer when it
+it again; its tail sends the approval again (plan.plan_delivery: through a peer of the VM that did not answer when it
 has one) with the whole approval deadline. One decisionId throughout: the listener executes it once.
 """
 
@@ -72,7 +72,7 @@ def put(run: Run, *, event_id: str, decision_id: str, executor: str, visible_at:
     it waits for an earlier request to lapse). One that cannot be queued is the timer's once ``HANDOVER_GRACE`` has
     passed (its record's nextAttemptAt)."""
     queue = run.parts.deliveries
-    assert queue is not None  # handed over only with a queue (act.send_all, act.plan_delivery)
+    assert queue is not None  # handed over only with a queue (act.send_all, plan.plan_delivery)
     delay = max(visible_at - run.now, timedelta(0)) if visible_at is not None else timedelta(0)
     try:
         queue.put(

@@ -144,7 +144,7 @@ class Landing:
 
 def play(case: Case) -> Landing:
     """The case through the real code, tick by tick until NotBefore: the rule (evaluate), the approval's bound
-    (approval_bound), the request (request_bound) and its send (sendable) as act.plan_delivery and the senders check
+    (approval_bound), the request (request_bound) and its send (sendable) as plan.plan_delivery and the senders check
     them, and the listener's own check (refuse_stale) on the VM's clock. A refused or unsent approval is decided again
     at the next tick, as the timer's retry is."""
     policy = parse_policy(
