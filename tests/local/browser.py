@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Self
 
@@ -23,13 +23,14 @@ STEP_TIMEOUT = 60.0
 
 @dataclass(frozen=True)
 class Navigation:
-    """A page as the person sees it after a step: where it is, the HTTP status of its document, its text, and how
-    many form POSTs the step sent."""
+    """A page as the person sees it after a step: where it is, the HTTP status of its document, its text, how many
+    form POSTs the step sent and the status of each one's answer."""
 
     url: str
     status: int
     text: str
     posts: int
+    answers: list[int] = field(default_factory=list)
 
     def words(self) -> str:
         """The text with its layout whitespace (table cells, line breaks) as single spaces."""

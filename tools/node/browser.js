@@ -17,7 +17,7 @@
 //        screenshot {page, path}              -> {path}        the whole page as PNG
 //        fetch {context, url, accept}         -> {status, contentType, body}   a script's GET with the context's cookies
 //   navigation: {url, status (the last document's), text (the body's innerText), posts (form POSTs the page sent
-//                since the previous step)}
+//                since the previous step), answers (the HTTP status of each of those POSTs' answers, in order)}
 //
 // Exit 2 with a message on stderr if Chromium cannot start; CHROMIUM names the browser (default /usr/bin/chromium).
 'use strict';
@@ -41,14 +41,17 @@ async function main() {
   const pages = new Map();
   const status = new Map(); // page id -> status of its last main-document response
   const posts = new Map(); // page id -> form POSTs sent since the last step
+  const answers = new Map(); // page id -> the statuses of those POSTs' answers
   let next = 0;
 
   async function navigation(id) {
     const page = pages.get(id);
     await page.waitForLoadState('load');
     const sent = posts.get(id);
+    const answered = answers.get(id);
     posts.set(id, 0);
-    return { url: page.url(), status: status.get(id), text: await page.innerText('body'), posts: sent };
+    answers.set(id, []);
+    return { url: page.url(), status: status.get(id), text: await page.innerText('body'), posts: sent, answers: answered };
   }
 
   async function clickable(page, text) {
@@ -70,6 +73,7 @@ async function main() {
       page.on('response', (response) => {
         if (response.request().isNavigationRequest() && response.frame() === page.mainFrame()) {
           status.set(id, response.status());
+          if (response.request().method() === 'POST') answers.get(id).push(response.status());
         }
       });
       page.on('request', (request) => {
@@ -77,6 +81,7 @@ async function main() {
       });
       pages.set(id, page);
       posts.set(id, 0);
+      answers.set(id, []);
       return { page: id };
     },
     async goto({ page, url }) {
@@ -102,7 +107,9 @@ async function main() {
         if (!String(error).includes('ERR_ABORTED')) throw error;
       });
       await Promise.all([first, target.dblclick()]);
-      // Wait until nothing is loading any more: the answer shown is the last submit's.
+      // Wait until nothing is loading any more. The page shown is the last navigation's: when the first answer loads
+      // before the second click, that click lands on the answer page (and may follow a link there); every submit's
+      // own answer is in `answers`.
       await pages.get(page).waitForLoadState('networkidle');
       return navigation(page);
     },
