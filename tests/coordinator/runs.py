@@ -20,12 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
-from coordinator.adapters.teams import AlertError
+from coordinator.adapters.teams import AlertError, FolderCardSink
 from coordinator.domain.model import EventRecord, SightingStatus, VmGroupRecord, VmRecord, VmSighting, group_key
 from coordinator.domain.policy import Policy
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
@@ -35,6 +36,10 @@ from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Options, Parts, Report, Run, RunKind
 from coordinator.service import Coordinator
 from coordinator.state.events import read_event
+from coordinator.state.tables import TableStateStore
+from emulators.azurite import AzuriteEndpoints
+from emulators.imds import ImdsEmulator
+from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, event_record, vm
 from tests.coordinator.memory_store import MemoryStateStore
 
@@ -210,6 +215,32 @@ def make_coordinator(
         **{name: value for name, value in settings.items() if name not in in_parts},
     )
     return Coordinator(parts, options, policy, after_batch=after_batch, on_new_vm=on_new_vm, housekeeping=housekeeping)
+
+
+def table_coordinator(
+    azurite: AzuriteEndpoints,
+    imds: ImdsEmulator,
+    table: str,
+    cards: Path,
+    clock: Callable[[], datetime],
+    *,
+    policy: Policy,
+    store_class: type[TableStateStore] = TableStateStore,
+) -> tuple[Coordinator, MemoryHistory]:
+    """One instance of a fleet that shares an Azurite ``table``: approvals straight into the IMDS emulator, cards
+    to the folder ``cards``, and a history of its own (given back with it)."""
+    history = MemoryHistory()
+    return (
+        make_coordinator(
+            store=store_class.from_connection_string(azurite.connection_string, table_name=table),
+            history=history,
+            alerts=FolderCardSink(cards),
+            callback=DirectImdsCallback(base_url=imds.url),
+            policy=policy,
+            clock=clock,
+        ),
+        history,
+    )
 
 
 def identity(name: str, *, scale_set: str = "") -> VmIdentity:

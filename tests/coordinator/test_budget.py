@@ -7,24 +7,21 @@ import json
 import threading
 import uuid
 from datetime import timedelta
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import pytest
 
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.model import BudgetClaim, BudgetRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.fleet import CLAIM_LEASE
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
-from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
-from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.runs import table_coordinator
 
 POLICY = parse_policy(
     """
@@ -53,27 +50,8 @@ class ViewInterleavingStore(TableStateStore):
         return result
 
 
-def coordinator(
-    azurite: AzuriteEndpoints,
-    imds: ImdsEmulator,
-    table: str,
-    cards: Path,
-    clock: Clock,
-    *,
-    store_class: type[TableStateStore] = TableStateStore,
-) -> tuple[Coordinator, MemoryHistory]:
-    history = MemoryHistory()
-    return (
-        make_coordinator(
-            store=store_class.from_connection_string(azurite.connection_string, table_name=table),
-            history=history,
-            alerts=FolderCardSink(cards),
-            callback=DirectImdsCallback(base_url=imds.url),
-            policy=POLICY,
-            clock=clock,
-        ),
-        history,
-    )
+# Every instance in these tests shares the budget's policy.
+coordinator = partial(table_coordinator, policy=POLICY)
 
 
 def reboot_on(imds: ImdsEmulator, name: str) -> str:

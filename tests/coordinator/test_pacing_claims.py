@@ -10,22 +10,18 @@ import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
+from functools import partial
 
 import pytest
 
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.state.tables import TableStateStore
-from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
-from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.runs import table_coordinator
 
 POLICY = parse_policy(
     """
@@ -48,21 +44,8 @@ DURATION = {"Freeze": 5, "Reboot": -1}
 VMS = {name: vm(name, scale_set="web", index=i + 1) | {"zone": zone} for i, (name, zone) in enumerate(ZONES.items())}
 
 
-def coordinator(
-    azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, cards: Path, clock: Clock
-) -> tuple[Coordinator, MemoryHistory]:
-    history = MemoryHistory()
-    return (
-        make_coordinator(
-            store=TableStateStore.from_connection_string(azurite.connection_string, table_name=table),
-            history=history,
-            alerts=FolderCardSink(cards),
-            callback=DirectImdsCallback(base_url=imds.url),
-            policy=POLICY,
-            clock=clock,
-        ),
-        history,
-    )
+# Every instance in these tests shares the pacing policy.
+coordinator = partial(table_coordinator, policy=POLICY)
 
 
 def create(imds: ImdsEmulator, event_type: str, name: str) -> str:
