@@ -7,16 +7,14 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
-from local.direct_callback import DirectImdsCallback
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.runs import table_coordinator
 
 
 class InterleavingStore(TableStateStore):
@@ -34,16 +32,9 @@ class InterleavingStore(TableStateStore):
 
 
 def make(azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, tmp: Any, store_class: type[TableStateStore]):
-    history = MemoryHistory()
-    coordinator = make_coordinator(
-        store=store_class.from_connection_string(azurite.connection_string, table_name=table),
-        history=history,
-        alerts=FolderCardSink(tmp),
-        callback=DirectImdsCallback(base_url=imds.url),
-        policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
+    return table_coordinator(
+        azurite, imds, table, tmp, lambda: DOC_NOW, policy=load_policy(DEFAULT_POLICY_PATH), store_class=store_class
     )
-    return coordinator, history
 
 
 def message(data: dict[str, Any]) -> RawMessage:
