@@ -243,6 +243,27 @@ def table_coordinator(
     )
 
 
+def batches_at_once(batches: Sequence[tuple[Coordinator, list[RawMessage]]], *, timeout: float = 60) -> None:
+    """Each instance processes its batch on a thread of its own, all let go together (a barrier), as the instances
+    of one fleet race; an error on any thread fails the test here."""
+    barrier = threading.Barrier(len(batches))
+    errors: list[BaseException] = []
+
+    def run(instance: Coordinator, batch: list[RawMessage]) -> None:
+        try:
+            barrier.wait()
+            instance.process_batch(batch)
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in batches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert errors == []
+
+
 def identity(name: str, *, scale_set: str = "") -> VmIdentity:
     """The helpers' VM of that name, with a vmId of its own (from the name, stable); a scale set's VMs are in the
     placement group ``pg-{scale set}``, the others in ``avset-westno``."""
