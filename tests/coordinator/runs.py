@@ -21,7 +21,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
@@ -76,6 +76,38 @@ class RecordingCallback:
     @property
     def vms(self) -> list[str]:
         return [vm.name for _, vm in self.sent]
+
+
+class DeadFor(RecordingCallback):
+    """A bounded approval path (``send_within``, as the Relay sender's) on which the listeners of ``dead`` fail each
+    request as ``fail`` says; the others answer as ``RecordingCallback``. Notes how long each send was given."""
+
+    def __init__(self, *dead: str) -> None:
+        super().__init__()
+        self.dead = set(dead)
+        self.within: list[float] = []
+
+    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
+        self.within.append(seconds)
+        if vm.name in self.dead:
+            self.sent.append((request, vm))
+            self.fail(vm, seconds)
+        return self.send(request, vm=vm)
+
+    def fail(self, vm: VmIdentity, seconds: float) -> NoReturn:
+        raise NotImplementedError
+
+
+class AnswersInTurn:
+    """An approval path whose answers come from a list, one a request: the listeners Relay hands them to, in turn."""
+
+    def __init__(self, answers: list[ApprovalResult]) -> None:
+        self.answers = answers
+        self.sent = 0
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        self.sent += 1
+        return self.answers.pop(0)
 
 
 class MemoryDeliveries:

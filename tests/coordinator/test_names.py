@@ -45,7 +45,7 @@ from coordinator.state.store import Stored
 from tests.coordinator.attested import DOCUMENTS, verifier
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import AnswersInTurn, make_coordinator
 
 WEB_0 = vm("web_0", index=1, group="pg-web", scale_set="web")
 WEB_1 = vm("web_1", index=2, group="pg-web", scale_set="web")
@@ -365,18 +365,6 @@ def test_a_record_is_assembled_with_the_sighting_of_the_vm_heard_last_under_a_na
 # ---- a lying listener on another VM's hybrid connection ---------------------------------------------------------
 
 
-class _Relay:
-    """The listeners Relay hands the requests for web_0 to, in turn: a liar's answers first, then web_0's."""
-
-    def __init__(self, answers: list[ApprovalResult]) -> None:
-        self.answers = answers
-        self.sent = 0
-
-    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
-        self.sent += 1
-        return self.answers.pop(0)
-
-
 def test_a_lying_listener_beside_the_vms_own_does_not_hold_its_approval() -> None:
     """web_1, with root, listens on web_0's hybrid connection and answers "approved" with its own proof (the best its
     IMDS signs). Relay picks one of the two listeners at random: the liar took the first 6 requests here (1 time in
@@ -397,6 +385,6 @@ def test_a_lying_listener_beside_the_vms_own_does_not_hold_its_approval() -> Non
     def proof(result: ApprovalResult) -> str:
         return answer_problem(attestations, result, vm_id=web_0.vmId, decision_id="d-1", at=DOC_NOW, required=True)
 
-    relay = _Relay([answer(WEB_1) for _ in range(6)] + [answer(WEB_0)])
+    relay = AnswersInTurn([answer(WEB_1) for _ in range(6)] + [answer(WEB_0)])
     result = send(relay, request, web_0, "", proof, within=30)
     assert (relay.sent, proof(result)) == (7, "")
