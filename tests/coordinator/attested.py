@@ -46,6 +46,17 @@ def verifier() -> AttestationVerifier:
     return AttestationVerifier(TrustAnchors(roots=(CA.root,)), issuers=lambda _c: [CA.issuer])
 
 
+def proven_approval(request: ApprovalRequest, vm: VmIdentity) -> ApprovalResult:
+    """What ``vm``'s own listener answers: approved, with the document IMDS signs for that VM and this decision."""
+    proof = DOCUMENTS.document(vm.model_dump(), nonce=decision_nonce(request.decisionId), now=DOC_NOW)
+    return ApprovalResult(
+        outcome="approved",
+        eventId=request.eventId,
+        decisionId=request.decisionId,
+        attestation=Attestation.model_validate(proof),
+    )
+
+
 class Approves:
     """Every VM's listener, in process: approves what it is asked, and remembers it; each answer carries the VM's
     document for the decision (the proof of which VM answered)."""
@@ -55,13 +66,7 @@ class Approves:
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
         self.approved.append((request.eventId, vm.name))
-        proof = DOCUMENTS.document(vm.model_dump(), nonce=decision_nonce(request.decisionId), now=DOC_NOW)
-        return ApprovalResult(
-            outcome="approved",
-            eventId=request.eventId,
-            decisionId=request.decisionId,
-            attestation=Attestation.model_validate(proof),
-        )
+        return proven_approval(request, vm)
 
 
 @dataclass

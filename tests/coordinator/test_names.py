@@ -42,7 +42,7 @@ from coordinator.service import Coordinator
 from coordinator.state.entities import claim_partition, safe_key
 from coordinator.state.events import assemble
 from coordinator.state.store import Stored
-from tests.coordinator.attested import DOCUMENTS, verifier
+from tests.coordinator.attested import DOCUMENTS, proven_approval, verifier
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import AnswersInTurn, make_coordinator
@@ -63,13 +63,7 @@ class Listeners:
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
         self.sent.append((request.eventId, vm.name, vm.hybrid_connection_name))
-        proof = DOCUMENTS.document(vm.model_dump(), nonce=decision_nonce(request.decisionId), now=DOC_NOW)
-        return ApprovalResult(
-            outcome="approved",
-            eventId=request.eventId,
-            decisionId=request.decisionId,
-            attestation=Attestation.model_validate(proof),
-        )
+        return proven_approval(request, vm)
 
 
 class Arm:
