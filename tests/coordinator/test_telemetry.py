@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -39,6 +39,7 @@ from local.telemetry import Collector, metric_values
 from tests.coordinator.conftest import App, Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.runs import make_coordinator
+from tests.loopback import QuietHandler
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SPAN = "b7ad6b7169203331"
@@ -222,7 +223,7 @@ class _Bytes:
         self.bytes = items
 
 
-class _Listener(BaseHTTPRequestHandler):
+class _Listener(QuietHandler):
     """A hybrid connection's listener as the sender sees it: answers 'approved' and keeps the request headers."""
 
     seen: ClassVar[list[dict[str, str]]] = []
@@ -233,14 +234,7 @@ class _Listener(BaseHTTPRequestHandler):
         answer = json.dumps(
             {"outcome": "approved", "eventId": body["eventId"], "decisionId": body["decisionId"], "reason": ""}
         ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *_: object) -> None:
-        return
+        self.respond(200, answer)
 
 
 @pytest.fixture
