@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 from opentelemetry import trace
 
 from contracts.checks import Invalid, Many, Nested
-from contracts.wire import HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
+from contracts.wire import Envelope, HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
+from forwarder import __version__
 from forwarder.durable_state import HookJob, Store, StoreFull
-from forwarder.envelopes import envelope_builder
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.logs import fields
 from forwarder.retry import Backoff
@@ -150,7 +150,16 @@ class HookWorker:
         trace context (traceparent, tracestate) it is sent in."""
         observed = datetime.now(UTC)
 
-        build = envelope_builder(self._store, identity, "hook", observed, hook=report)
+        def build(sequence: int) -> bytes:
+            return Envelope(
+                kind="hook",
+                vm=identity,
+                observedAt=observed,
+                sequence=sequence,
+                forwarder=__version__,
+                stateId=self._store.state_id,
+                hook=report,
+            ).to_json_bytes()
 
         backoff = Backoff(initial=1.0, maximum=60.0)
         while True:
