@@ -249,6 +249,13 @@ def make_coordinator(
     return Coordinator(parts, options, policy, after_batch=after_batch, on_new_vm=on_new_vm, housekeeping=housekeeping)
 
 
+def folder_coordinator(cards: Path, *, policy: Policy | None = None, **settings: Any) -> Coordinator:
+    """``make_coordinator`` with its cards written to the folder ``cards``, on ``policy`` (None: the default
+    policy file's); ``settings`` name the other parts and options."""
+    policy = policy if policy is not None else load_policy(DEFAULT_POLICY_PATH)
+    return make_coordinator(alerts=FolderCardSink(cards), policy=policy, **settings)
+
+
 def table_coordinator(
     azurite: AzuriteEndpoints,
     imds: ImdsEmulator,
@@ -262,17 +269,10 @@ def table_coordinator(
     """One instance of a fleet that shares an Azurite ``table``: approvals straight into the IMDS emulator, cards
     to the folder ``cards``, and a history of its own (given back with it)."""
     history = MemoryHistory()
-    return (
-        make_coordinator(
-            store=store_class.from_connection_string(azurite.connection_string, table_name=table),
-            history=history,
-            alerts=FolderCardSink(cards),
-            callback=DirectImdsCallback(base_url=imds.url),
-            policy=policy,
-            clock=clock,
-        ),
-        history,
-    )
+    store = store_class.from_connection_string(azurite.connection_string, table_name=table)
+    callback = DirectImdsCallback(base_url=imds.url)
+    coordinator = folder_coordinator(cards, policy=policy, store=store, history=history, callback=callback, clock=clock)
+    return coordinator, history
 
 
 def batches_at_once(batches: Sequence[tuple[Coordinator, list[RawMessage]]], *, timeout: float = 60) -> None:

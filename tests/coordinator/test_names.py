@@ -26,14 +26,12 @@ from contracts.attestation import Attestation, decision_nonce, state_nonce
 from contracts.document import ScheduledEvent
 from contracts.envelope import HookReport, VmIdentity
 from coordinator.adapters.census import Census
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.event_merge import apply_observations
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, VmSighting
 from coordinator.domain.observations import Observation
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.act import send
 from coordinator.pipeline.attest import answer_problem
@@ -42,10 +40,10 @@ from coordinator.service import Coordinator
 from coordinator.state.entities import claim_partition, safe_key
 from coordinator.state.events import assemble
 from coordinator.state.store import Stored
-from tests.coordinator.attested import DOCUMENTS, proven_approval, verifier
+from tests.coordinator.attested import DOCUMENTS, attested_coordinator, proven_approval, verifier
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import AnswersInTurn, make_coordinator
+from tests.coordinator.runs import AnswersInTurn
 
 WEB_0 = vm("web_0", index=1, group="pg-web", scale_set="web")
 WEB_1 = vm("web_1", index=2, group="pg-web", scale_set="web")
@@ -118,16 +116,8 @@ class Fleet:
 
 def fleet(tmp_path: Path, *, arm: bool = True, store: MemoryStateStore | None = None) -> Fleet:
     store, history, listeners = store or MemoryStateStore(), MemoryHistory(), Listeners()
-    coordinator = make_coordinator(
-        store=store,
-        history=history,
-        alerts=FolderCardSink(tmp_path / "cards"),
-        callback=listeners,
-        policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
-        attestations=Attestations(verifier()),
-        require_attestation=True,
-        census=Census(Arm()) if arm else None,
+    coordinator = attested_coordinator(
+        tmp_path / "cards", store, history, listeners, census=Census(Arm()) if arm else None
     )
     return Fleet(coordinator, store, history, listeners)
 
