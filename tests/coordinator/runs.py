@@ -263,15 +263,23 @@ def table_coordinator(
     cards: Path,
     clock: Callable[[], datetime],
     *,
-    policy: Policy,
+    policy: Policy | None = None,
     store_class: type[TableStateStore] = TableStateStore,
+    **settings: Any,
 ) -> tuple[Coordinator, MemoryHistory]:
     """One instance of a fleet that shares an Azurite ``table``: approvals straight into the IMDS emulator, cards
-    to the folder ``cards``, and a history of its own (given back with it)."""
+    to the folder ``cards``, and a history of its own (given back with it); ``policy`` and ``settings`` as
+    ``folder_coordinator`` takes them."""
     history = MemoryHistory()
-    store = store_class.from_connection_string(azurite.connection_string, table_name=table)
-    callback = DirectImdsCallback(base_url=imds.url)
-    coordinator = folder_coordinator(cards, policy=policy, store=store, history=history, callback=callback, clock=clock)
+    coordinator = folder_coordinator(
+        cards,
+        policy=policy,
+        store=store_class.from_connection_string(azurite.connection_string, table_name=table),
+        history=history,
+        callback=DirectImdsCallback(base_url=imds.url),
+        clock=clock,
+        **settings,
+    )
     return coordinator, history
 
 
