@@ -49,10 +49,12 @@ def approval(rule: str = "short-freeze", **fields: Any) -> ApprovalRecord:
     )
 
 
-def approved_freeze(bench: Bench, *, seen: datetime = DOC_NOW, rule: str = "short-freeze", **fields: Any) -> None:
+def approved_freeze(
+    bench: Bench, *, event_id: str = EVENT, seen: datetime = DOC_NOW, rule: str = "short-freeze", **fields: Any
+) -> None:
     put_event(
         bench.store,
-        EVENT,
+        event_id,
         vms=("WestNO_0", "WestNO_1"),
         seen=seen,
         eventType="Freeze",
@@ -592,16 +594,7 @@ def test_remote_acknowledges_of_one_resource_go_in_one_request_each_outcome_its_
     batch = RecordingBatch(refuse=frozenset({"EV-B"}))
     bench.remote_acknowledge = batch
     for event_id in ("EV-A", "EV-B"):
-        put_event(
-            bench.store,
-            event_id,
-            vms=("WestNO_0", "WestNO_1"),
-            seen=DOC_NOW,
-            eventType="Freeze",
-            durationInSeconds=5,
-            notBefore=NOT_BEFORE,
-            approval=approval("arm-freeze"),
-        )
+        approved_freeze(bench, event_id=event_id, rule="arm-freeze")
     deliver(bench, "EV-A", "EV-B")
     assert batch.batches == [["EV-A", "EV-B"]]
     assert bench.callback.sent == []
