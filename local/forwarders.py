@@ -9,9 +9,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO
 
 from emulators.imds.vm_models import HookSpec, VmSpec
+from local.child import ChildProcess
 from local.host import REPO_ROOT
 from local.stack_options import LOCAL_CLOCK_TOLERANCE, StackOptions
 
@@ -120,40 +120,20 @@ def forwarder_env() -> dict[str, str]:
     return env
 
 
-class ForwarderProcess:
+class ForwarderProcess(ChildProcess):
     """``python -m forwarder run`` for one simulated VM, its state, spool and hooks under ``workdir/vms/NAME``."""
 
     def __init__(self, *, name: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        super().__init__(log_path)
         self.name = name
         self._command = command
         self._env = env
-        self.log_path = log_path
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
         self.paused = False
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def start(self) -> None:
         if self.running:
             return
-        self._log = self.log_path.open("ab")
-        # The command is this interpreter running the project's own module; nothing from outside reaches it.
-        self._process = subprocess.Popen(  # noqa: S603
-            self._command,
-            env=self._env,
-            cwd=REPO_ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches the runner, which stops the forwarders in order
-        )
+        self._spawn(self._command, self._env)
 
     def kill(self) -> None:
         """SIGKILL, as a crash or an OOM kill would: no shutdown code runs."""
@@ -190,8 +170,3 @@ class ForwarderProcess:
                 process.wait(timeout=10)
         self._close_log()
         return process.returncode
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None

@@ -12,11 +12,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Protocol
+from typing import Protocol
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
+from local.child import ChildProcess
 from local.host import REPO_ROOT, HostProcessOptions, HostSpec
 from local.http_host import LocalHttpServer
 from local.stack_options import StackOptions
@@ -41,18 +42,16 @@ class HostedStack(Protocol):
     def logs_dir(self) -> Path: ...
 
 
-class CoordinatorProcess:
+class CoordinatorProcess(ChildProcess):
     """``python -m local.host SPEC``: the function host of ``function_app`` in a child process of its own, serving the
     people's routes on the listening socket ``http_fd`` (held by the stack, so requests wait in its backlog while no
     instance runs). Its output goes to ``log_path``, each instance appending."""
 
     def __init__(self, spec: HostSpec, *, spec_path: Path, log_path: Path) -> None:
+        super().__init__(log_path)
         self.spec = spec
         self.spec_path = spec_path
-        self.log_path = log_path
         spec.write(spec_path)
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
         self.starts = 0
         self.kills = 0
 
@@ -76,35 +75,18 @@ class CoordinatorProcess:
         )
         return cls(spec, spec_path=stack.workdir / SPEC_FILE, log_path=stack.logs_dir / "coordinator.log")
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
     def start(self) -> None:
         """A new instance (nothing when one runs)."""
         if self.running:
             return
         self._close_log()
-        self._log = self.log_path.open("ab")
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO_ROOT)
-        # The command is this interpreter running the project's own module; nothing from outside reaches it.
-        self._process = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", "local.host", str(self.spec_path)],
-            env=env,
-            cwd=REPO_ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            pass_fds=(self.spec.http_fd,),
-            start_new_session=True,  # Ctrl-C reaches the runner, which stops the host in order
+        process = self._spawn(
+            [sys.executable, "-m", "local.host", str(self.spec_path)], env, pass_fds=(self.spec.http_fd,)
         )
         self.starts += 1
-        log.info("coordinator host started (pid %d)", self._process.pid)
+        log.info("coordinator host started (pid %d)", process.pid)
 
     def kill(self) -> None:
         """SIGKILL, as a crash, an OOM kill or a recycled instance: nothing of the host runs on, no tail finishes."""
@@ -131,8 +113,3 @@ class CoordinatorProcess:
                 process.wait(timeout=10)
         self._close_log()
         return process.returncode
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import http.server
-from typing import Any
+from tests.loopback import QuietHandler
 
 
-class HealthPage(http.server.BaseHTTPRequestHandler):
+class HealthPage(QuietHandler):
     """A health gate's page: answers every GET with ``status`` (set it on the class the fixture yields)."""
 
     status = 200
@@ -14,6 +13,3 @@ class HealthPage(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.send_response(type(self).status)
         self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return

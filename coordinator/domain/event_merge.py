@@ -139,6 +139,12 @@ def contradictions(record: EventRecord, event: ScheduledEvent) -> dict[str, tupl
     return found
 
 
+def _add_conflict(record: EventRecord, conflict: FactConflict) -> None:
+    """Kept on the record: the latest MAX_CONFLICTS conflicts, and the count of them all."""
+    record.conflicts = [*record.conflicts, conflict][-MAX_CONFLICTS:]
+    record.conflictCount += 1
+
+
 def _keep_conflict(
     change: EventChange, observation: Observation, found: dict[str, tuple[str, str]], now: datetime
 ) -> None:
@@ -148,8 +154,8 @@ def _keep_conflict(
     where = (observation.vm.name, observation.epoch, observation.sequence)
     if any((c.vm, c.epoch, c.sequence) == where for c in record.conflicts):
         return
-    record.conflicts = [
-        *record.conflicts,
+    _add_conflict(
+        record,
         FactConflict(
             vm=observation.vm.name,
             observedAt=observation.observed_at,
@@ -157,8 +163,7 @@ def _keep_conflict(
             sequence=observation.sequence,
             facts=found,
         ),
-    ][-MAX_CONFLICTS:]
-    record.conflictCount += 1
+    )
     claims = "; ".join(f"{fact} {claimed!r} (recorded {recorded!r})" for fact, (recorded, claimed) in found.items())
     change.rows.append(
         _observation_row(
@@ -193,8 +198,8 @@ def _platform_facts(
     record.notBefore = not_before(event) or record.notBefore
     record.factsFrom = "platform"
     facts = {fact: (claimed, recorded) for fact, (recorded, claimed) in found.items()}
-    record.conflicts = [
-        *record.conflicts,
+    _add_conflict(
+        record,
         FactConflict(
             vm=", ".join(reporters)[:256],
             observedAt=record.createdAt,
@@ -202,8 +207,7 @@ def _platform_facts(
             sequence=observation.sequence,
             facts=facts,
         ),
-    ][-MAX_CONFLICTS:]
-    record.conflictCount += 1
+    )
     claims = "; ".join(f"{fact} {vms!r} (platform {platform!r})" for fact, (platform, vms) in facts.items())
     change.rows.append(
         _observation_row(

@@ -93,18 +93,31 @@ def state_tag(state_id: str) -> str:
     return hashlib.sha256(state_id.encode()).hexdigest()[:12] if state_id else "(none)"
 
 
-def _reset_row(vm: VmIdentity, envelope: Envelope, old_state: str, last_sequence: int, epoch: int) -> HistoryRow:
-    old, new = state_tag(old_state), state_tag(envelope.stateId)
+def _forwarder_row(
+    vm: VmIdentity, envelope: Envelope, outcome: str, reason: str, details: dict[str, Any]
+) -> HistoryRow:
+    """A row the forwarder's own envelope speaks for: its time and sequence are the envelope's."""
     return heartbeat_row(
         vm=vm,
         now=envelope.observedAt,
         observed_at=envelope.observedAt,
         sequence=envelope.sequence,
         actor="forwarder",
-        outcome="reset",
-        reason=f"forwarder state changed from {old} to {new} after sequence {last_sequence}: a forwarder that lost "
+        outcome=outcome,
+        reason=reason,
+        details=details,
+    )
+
+
+def _reset_row(vm: VmIdentity, envelope: Envelope, old_state: str, last_sequence: int, epoch: int) -> HistoryRow:
+    old, new = state_tag(old_state), state_tag(envelope.stateId)
+    return _forwarder_row(
+        vm,
+        envelope,
+        "reset",
+        f"forwarder state changed from {old} to {new} after sequence {last_sequence}: a forwarder that lost "
         f"its state; its position restarts at sequence {envelope.sequence}",
-        details={
+        {
             "oldState": old,
             "newState": new,
             "lastSequence": last_sequence,
@@ -116,17 +129,14 @@ def _reset_row(vm: VmIdentity, envelope: Envelope, old_state: str, last_sequence
 
 def _conflict_row(vm: VmIdentity, envelope: Envelope, current: str, known: ForwarderState, epoch: int) -> HistoryRow:
     old, new = state_tag(current), state_tag(envelope.stateId)
-    return heartbeat_row(
-        vm=vm,
-        now=envelope.observedAt,
-        observed_at=envelope.observedAt,
-        sequence=envelope.sequence,
-        actor="forwarder",
-        outcome="conflict",
-        reason=f"forwarder state {new}, which this VM had left at sequence {known.lastSequence}, speaks again "
+    return _forwarder_row(
+        vm,
+        envelope,
+        "conflict",
+        f"forwarder state {new}, which this VM had left at sequence {known.lastSequence}, speaks again "
         f"(sequence {envelope.sequence}) after state {old}: two forwarders send as {vm.name} (a forged identity or a "
         "cloned disk); each is heard at its own position, neither can silence the other",
-        details={
+        {
             "state": new,
             "otherState": old,
             "lastSequence": known.lastSequence,

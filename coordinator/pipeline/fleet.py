@@ -18,7 +18,7 @@ coordinator by hand), the census is what the VMs last reported, kept in their VM
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 
 from contracts.envelope import VmIdentity
@@ -204,12 +204,7 @@ class Fleet:
 
         try:
             # A conflict means another instance claimed or released meanwhile: decide again on what it wrote.
-            commit(
-                lambda _attempt: self._store.get_budget(key),
-                claimed,
-                lambda record, stored: self._store.save_budget(record, stored.etag if stored else None),
-                what=f"budget of {key}",
-            )
+            self._commit_budget(key, claimed)
         except ConcurrencyConflict:
             return f"budget {key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer"
         return refused
@@ -241,12 +236,7 @@ class Fleet:
             return None if hold is not None else claimed(domain, state, event_id, now)
 
         try:
-            commit(
-                lambda _attempt: self._store.get_budget(domain.key),
-                claim,
-                lambda record, stored: self._store.save_budget(record, stored.etag if stored else None),
-                what=f"budget of {domain.key}",
-            )
+            self._commit_budget(domain.key, claim)
         except ConcurrencyConflict:
             return PaceHold(
                 domain.key,
@@ -254,6 +244,16 @@ class Fleet:
                 None,
             )
         return hold
+
+    def _commit_budget(self, key: str, change: Callable[[Stored[BudgetRecord] | None], BudgetRecord | None]) -> None:
+        """``change`` on the budget entity ``key``: read fresh, written If-Match, decided again on a conflict
+        (ConcurrencyConflict once the attempts are spent); ``change`` gives None to write nothing."""
+        commit(
+            lambda _attempt: self._store.get_budget(key),
+            change,
+            lambda record, stored: self._store.save_budget(record, stored.etag if stored else None),
+            what=f"budget of {key}",
+        )
 
     def settle(self, state: BudgetRecord, now: datetime) -> BudgetRecord:
         """A rate or sequence key's state without the claims that lapsed: past ``CLAIM_LEASE``, a claim counts only
@@ -302,11 +302,6 @@ class Fleet:
             return released(stored.record, event_id, concluded_at=concluded_at)
 
         try:
-            commit(
-                lambda _attempt: self._store.get_budget(key),
-                release,
-                lambda record, stored: self._store.save_budget(record, stored.etag if stored else None),
-                what=f"budget of {key}",
-            )
+            self._commit_budget(key, release)
         except ConcurrencyConflict:
             log.warning("budget of %s: claim of %s not released (contended); it lapses by itself", key, event_id)

@@ -41,6 +41,7 @@ Every write is conditional, which is what lets parallel coordinator instances de
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -95,6 +96,24 @@ class SetAside:
 
     what: str  # "event/EV-1", "vmgroup/pg:web (a VM's position)"
     reason: str
+
+
+class SetAsideLog:
+    """What a store set aside since it was last asked (``StateStore.set_aside``). Thread-safe: the Functions worker
+    runs invocations on a thread pool that share one store."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._taken: list[SetAside] = []
+
+    def add(self, what: str, reason: str) -> None:
+        with self._lock:
+            self._taken.append(SetAside(what, reason))
+
+    def take(self) -> list[SetAside]:
+        with self._lock:
+            taken, self._taken = self._taken, []
+        return taken
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from coordinator.state.store import (
     R,
     RecordTooLarge,
     SetAside,
+    SetAsideLog,
     StateStore,
     Stored,
 )
@@ -95,7 +96,7 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
         self._cache: OrderedDict[tuple[str, str], Stored[Any]] = OrderedDict()
         # The Functions worker runs invocations on a thread pool and shares this store between them.
         self._cache_lock = threading.Lock()
-        self._set_aside: list[SetAside] = []
+        self._set_aside = SetAsideLog()
 
     @classmethod
     def from_connection_string(cls, connection_string: str, *, table_name: str) -> TableStateStore:
@@ -285,13 +286,10 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
             self.put_dead_letters([set_aside_letter(entity, etag, what, reason, datetime.now(UTC))])
         except HttpResponseError:
             log.exception("state entity %s: its dead letter could not be stored", what)
-        with self._cache_lock:
-            self._set_aside.append(SetAside(what, reason))
+        self._set_aside.add(what, reason)
 
     def set_aside(self) -> list[SetAside]:
-        with self._cache_lock:
-            taken, self._set_aside = self._set_aside, []
-        return taken
+        return self._set_aside.take()
 
     def get_events(self, event_ids: Iterable[str], *, cached: bool = False) -> dict[str, Stored[EventRecord]]:
         ids = list(event_ids)

@@ -7,13 +7,12 @@ import threading
 from collections import deque
 from collections.abc import Container
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 from emulators.eventhubs.broker import Broker
 from emulators.eventhubs.broker_state import BrokerStats
 from emulators.eventhubs.partition_log import EventStore, RejectedTransfer, StoredEvent
 from emulators.eventhubs.rest import RestFrontDoor
+from emulators.served import Served
 
 DEFAULT_HUBS: dict[str, int] = {"scheduled-events": 4}
 DEFAULT_CONSUMER_GROUP = "$Default"
@@ -21,7 +20,7 @@ DEFAULT_SAS_KEY_NAME = "RootManageSharedAccessKey"
 REJECTED_KEPT = 1000  # set-aside transfers kept for inspection; older ones are only counted in stats
 
 
-class EventHubsEmulator:
+class EventHubsEmulator(Served):
     """An Event Hubs namespace on 127.0.0.1 that the real ``azure-eventhub`` clients talk to over AMQP 1.0.
 
     ``start()`` runs the broker on a thread and returns the namespace connection string; ``stop()`` drops every
@@ -159,12 +158,3 @@ class EventHubsEmulator:
     def rejected(self) -> list[RejectedTransfer]:
         """Transfers refused as undecodable, with the reason (the latest 1,000; older ones are only counted)."""
         return list(self._rejected)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self.stop()

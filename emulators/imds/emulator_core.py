@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from http.server import ThreadingHTTPServer
-from typing import Any, Self
+from typing import Any
 from urllib.parse import quote
 
 from emulators.imds.arm import (
@@ -28,9 +28,10 @@ from emulators.imds.models import EventCreate, FaultSpec, Scenario
 from emulators.imds.state import EmulatorState
 from emulators.imds.vm_models import VmSpec
 from emulators.imds.wire import RequestHandler, parse_model
+from emulators.served import Served
 
 
-class EmulatorCore:
+class EmulatorCore(Served):
     """The emulator's state and every face's shared parts; every request takes ``_lock`` around the pure state
     (``EmulatorState``), so the state machine stays single-threaded."""
 
@@ -109,13 +110,6 @@ class EmulatorCore:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
     @property
     def port(self) -> int:

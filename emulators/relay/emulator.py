@@ -6,18 +6,18 @@ import asyncio
 import random
 import threading
 from collections.abc import Coroutine, Mapping
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from emulators.relay.auth import ALL_RIGHTS, Right, SasRule, TokenChecker
 from emulators.relay.namespace import ACCEPT_TIMEOUT
 from emulators.relay.server import RelayService
+from emulators.served import Served
 
 _T = TypeVar("_T")
 
 
-class RelayEmulator:
+class RelayEmulator(Served):
     """An Azure Relay namespace with Hybrid Connections on 127.0.0.1, speaking the documented protocol.
 
     ``sas_keys`` maps SAS rule name → key; ``sas_rights`` optionally restricts a rule's rights (default: all).
@@ -84,15 +84,6 @@ class RelayEmulator:
             thread.join(timeout=10)
             loop.close()
             self._loop = self._thread = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # ---- addresses -------------------------------------------------------------------------------------------
 

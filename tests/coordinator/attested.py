@@ -23,15 +23,13 @@ from cryptography.hazmat.primitives.serialization import Encoding, pkcs7
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import Attestation, decision_nonce, format_timestamp, state_nonce
 from contracts.envelope import VmIdentity
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.attestation import Attestations, AttestationVerifier, TrustAnchors
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from emulators.imds.attested import AttestedDocuments, default_authority
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import folder_coordinator
 
 CA = default_authority()
 ISSUER_URL = "http://127.0.0.1:9/_emulator/pki/issuer.cer"
@@ -46,6 +44,17 @@ def verifier() -> AttestationVerifier:
     return AttestationVerifier(TrustAnchors(roots=(CA.root,)), issuers=lambda _c: [CA.issuer])
 
 
+def proven_approval(request: ApprovalRequest, vm: VmIdentity) -> ApprovalResult:
+    """What ``vm``'s own listener answers: approved, with the document IMDS signs for that VM and this decision."""
+    proof = DOCUMENTS.document(vm.model_dump(), nonce=decision_nonce(request.decisionId), now=DOC_NOW)
+    return ApprovalResult(
+        outcome="approved",
+        eventId=request.eventId,
+        decisionId=request.decisionId,
+        attestation=Attestation.model_validate(proof),
+    )
+
+
 class Approves:
     """Every VM's listener, in process: approves what it is asked, and remembers it; each answer carries the VM's
     document for the decision (the proof of which VM answered)."""
@@ -55,13 +64,7 @@ class Approves:
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
         self.approved.append((request.eventId, vm.name))
-        proof = DOCUMENTS.document(vm.model_dump(), nonce=decision_nonce(request.decisionId), now=DOC_NOW)
-        return ApprovalResult(
-            outcome="approved",
-            eventId=request.eventId,
-            decisionId=request.decisionId,
-            attestation=Attestation.model_validate(proof),
-        )
+        return proven_approval(request, vm)
 
 
 @dataclass
@@ -79,17 +82,24 @@ class Door:
 
 def door(cards: Path, store: MemoryStateStore | None = None) -> Door:
     store, history, listeners = store or MemoryStateStore(), MemoryHistory(), Approves()
-    coordinator = make_coordinator(
+    return Door(attested_coordinator(cards, store, history, listeners), store, history, listeners)
+
+
+def attested_coordinator(
+    cards: Path, store: MemoryStateStore, history: MemoryHistory, callback: Any, **settings: Any
+) -> Coordinator:
+    """A coordinator on the default policy that requires attested envelopes (as in Azure and locally), at DOC_NOW;
+    ``settings`` name more parts or options."""
+    return folder_coordinator(
+        cards,
         store=store,
         history=history,
-        alerts=FolderCardSink(cards),
-        callback=listeners,
-        policy=load_policy(DEFAULT_POLICY_PATH),
+        callback=callback,
         clock=lambda: DOC_NOW,
         attestations=Attestations(verifier()),
         require_attestation=True,
+        **settings,
     )
-    return Door(coordinator, store, history, listeners)
 
 
 def identity(name: str, index: int) -> dict[str, Any]:

@@ -64,7 +64,17 @@ from coordinator.state.staged import (
     staged_partitions,
     with_staged,
 )
-from coordinator.state.store import Changed, ConcurrencyConflict, DeadLetter, R, SetAside, Staged, StateStore, Stored
+from coordinator.state.store import (
+    Changed,
+    ConcurrencyConflict,
+    DeadLetter,
+    R,
+    SetAside,
+    SetAsideLog,
+    Staged,
+    StateStore,
+    Stored,
+)
 
 Key = tuple[str, str]
 # Partitions that are one partition (the others are a kind spread over several: entities.partitions_of).
@@ -79,7 +89,7 @@ class MemoryStateStore(StateStore):
         self._dead_letters: dict[Key, Entity] = {}
         self._lock = threading.Lock()
         self._versions = itertools.count(1)
-        self._set_aside: list[SetAside] = []
+        self._set_aside = SetAsideLog()
         # When each entity was last written, by the store's clock (the table's Timestamp): strictly increasing.
         self._stamps: dict[Key, datetime] = {}
         self._clock = datetime.min.replace(tzinfo=UTC)
@@ -175,13 +185,10 @@ class MemoryStateStore(StateStore):
 
     def _note(self, what: str, reason: str, entity: Entity, etag: str | None) -> None:
         self.put_dead_letters([set_aside_letter(entity, etag, what, reason, datetime.now(UTC))])
-        with self._lock:
-            self._set_aside.append(SetAside(what, reason))
+        self._set_aside.add(what, reason)
 
     def set_aside(self) -> list[SetAside]:
-        with self._lock:
-            taken, self._set_aside = self._set_aside, []
-        return taken
+        return self._set_aside.take()
 
     def _commit(self, writes: Sequence[Write], *, merge: bool = False) -> list[str]:
         """One transaction: every condition is checked before anything is written."""

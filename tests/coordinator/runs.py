@@ -20,12 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from contracts.approval import ApprovalOutcome, ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
-from coordinator.adapters.teams import AlertError
+from coordinator.adapters.teams import AlertError, FolderCardSink
 from coordinator.domain.model import EventRecord, SightingStatus, VmGroupRecord, VmRecord, VmSighting, group_key
 from coordinator.domain.policy import Policy
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
@@ -35,6 +36,10 @@ from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Options, Parts, Report, Run, RunKind
 from coordinator.service import Coordinator
 from coordinator.state.events import read_event
+from coordinator.state.tables import TableStateStore
+from emulators.azurite import AzuriteEndpoints
+from emulators.imds import ImdsEmulator
+from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, event_record, vm
 from tests.coordinator.memory_store import MemoryStateStore
 
@@ -71,6 +76,38 @@ class RecordingCallback:
     @property
     def vms(self) -> list[str]:
         return [vm.name for _, vm in self.sent]
+
+
+class DeadFor(RecordingCallback):
+    """A bounded approval path (``send_within``, as the Relay sender's) on which the listeners of ``dead`` fail each
+    request as ``fail`` says; the others answer as ``RecordingCallback``. Notes how long each send was given."""
+
+    def __init__(self, *dead: str) -> None:
+        super().__init__()
+        self.dead = set(dead)
+        self.within: list[float] = []
+
+    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
+        self.within.append(seconds)
+        if vm.name in self.dead:
+            self.sent.append((request, vm))
+            self.fail(vm, seconds)
+        return self.send(request, vm=vm)
+
+    def fail(self, vm: VmIdentity, seconds: float) -> NoReturn:
+        raise NotImplementedError
+
+
+class AnswersInTurn:
+    """An approval path whose answers come from a list, one a request: the listeners Relay hands them to, in turn."""
+
+    def __init__(self, answers: list[ApprovalResult]) -> None:
+        self.answers = answers
+        self.sent = 0
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        self.sent += 1
+        return self.answers.pop(0)
 
 
 class MemoryDeliveries:
@@ -210,6 +247,61 @@ def make_coordinator(
         **{name: value for name, value in settings.items() if name not in in_parts},
     )
     return Coordinator(parts, options, policy, after_batch=after_batch, on_new_vm=on_new_vm, housekeeping=housekeeping)
+
+
+def folder_coordinator(cards: Path, *, policy: Policy | None = None, **settings: Any) -> Coordinator:
+    """``make_coordinator`` with its cards written to the folder ``cards``, on ``policy`` (None: the default
+    policy file's); ``settings`` name the other parts and options."""
+    policy = policy if policy is not None else load_policy(DEFAULT_POLICY_PATH)
+    return make_coordinator(alerts=FolderCardSink(cards), policy=policy, **settings)
+
+
+def table_coordinator(
+    azurite: AzuriteEndpoints,
+    imds: ImdsEmulator,
+    table: str,
+    cards: Path,
+    clock: Callable[[], datetime],
+    *,
+    policy: Policy | None = None,
+    store_class: type[TableStateStore] = TableStateStore,
+    **settings: Any,
+) -> tuple[Coordinator, MemoryHistory]:
+    """One instance of a fleet that shares an Azurite ``table``: approvals straight into the IMDS emulator, cards
+    to the folder ``cards``, and a history of its own (given back with it); ``policy`` and ``settings`` as
+    ``folder_coordinator`` takes them."""
+    history = MemoryHistory()
+    coordinator = folder_coordinator(
+        cards,
+        policy=policy,
+        store=store_class.from_connection_string(azurite.connection_string, table_name=table),
+        history=history,
+        callback=DirectImdsCallback(base_url=imds.url),
+        clock=clock,
+        **settings,
+    )
+    return coordinator, history
+
+
+def batches_at_once(batches: Sequence[tuple[Coordinator, list[RawMessage]]], *, timeout: float = 60) -> None:
+    """Each instance processes its batch on a thread of its own, all let go together (a barrier), as the instances
+    of one fleet race; an error on any thread fails the test here."""
+    barrier = threading.Barrier(len(batches))
+    errors: list[BaseException] = []
+
+    def run(instance: Coordinator, batch: list[RawMessage]) -> None:
+        try:
+            barrier.wait()
+            instance.process_batch(batch)
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in batches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert errors == []
 
 
 def identity(name: str, *, scale_set: str = "") -> VmIdentity:

@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, get_args
 
@@ -26,6 +26,7 @@ from coordinator.state.tables import TableStateStore
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.runs import make_coordinator
+from tests.loopback import QuietHandler
 
 SCHEMA = json.loads((Path(__file__).with_name("adaptive_card_subset.schema.json")).read_text())
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
@@ -84,16 +85,10 @@ class Webhook:
         self.bodies: list[Any] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                status = outer.statuses.pop(0) if outer.statuses else 202
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
+                self.respond(outer.statuses.pop(0) if outer.statuses else 202)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -35,6 +35,7 @@ from coordinator.settings import AZURE_IMDS_ROOTS
 from emulators.imds.attested import AttestedDocuments, CertificateAuthority, Signer, default_authority
 from tests.coordinator.helpers import envelope, vm
 from tests.coordinator.memory_store import MemoryStateStore
+from tests.coordinator.runs import AnswersInTurn
 
 NOW = datetime(2026, 3, 2, 10, 0, 0, tzinfo=UTC)
 CA = default_authority()
@@ -317,18 +318,6 @@ def test_an_answer_proves_its_vm_and_its_decision(documents: AttestedDocuments) 
     assert answer_problem(attestations, answer, **{**check, "required": False}) == ""
 
 
-class _Listeners:
-    """An ApprovalCallback whose answers come from a list: the listeners Relay hands the requests to, in turn."""
-
-    def __init__(self, answers: list[ApprovalResult]) -> None:
-        self.answers = answers
-        self.sent = 0
-
-    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
-        self.sent += 1
-        return self.answers.pop(0)
-
-
 def test_an_answer_from_another_instance_is_sent_again_at_once(documents: AttestedDocuments) -> None:
     """Another instance listens on web_0's hybrid connection and answers "approved" with its own proof: the approval
     goes again at once, and the answer of web_0's listener is the one recorded; an approval answered only by
@@ -346,12 +335,12 @@ def test_an_answer_from_another_instance_is_sent_again_at_once(documents: Attest
     def proof(result: ApprovalResult) -> str:
         return answer_problem(attestations, result, vm_id=web_0.vmId, decision_id="d-1", at=NOW, required=True)
 
-    relay = _Listeners([answer(WEB_1), answer(WEB_1), answer(WEB_0)])
+    relay = AnswersInTurn([answer(WEB_1), answer(WEB_1), answer(WEB_0)])
     result = send(relay, request, web_0, "", proof, within=30)
     assert relay.sent == 3
     assert result.attestation is not None
     assert proof(result) == ""
-    impostors = _Listeners([answer(WEB_1) for _ in range(PROOF_ATTEMPTS)])
+    impostors = AnswersInTurn([answer(WEB_1) for _ in range(PROOF_ATTEMPTS)])
     with pytest.raises(ApprovalDeliveryError, match="did not prove they came from web_0"):
         send(impostors, request, web_0, "", proof, within=30)
     assert impostors.sent == PROOF_ATTEMPTS

@@ -4,27 +4,22 @@ per scale set before approving, release them when the event concludes, and a cla
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from datetime import timedelta
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import pytest
 
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.model import BudgetClaim, BudgetRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.fleet import CLAIM_LEASE
 from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
-from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
-from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.runs import batches_at_once, table_coordinator
 
 POLICY = parse_policy(
     """
@@ -53,27 +48,8 @@ class ViewInterleavingStore(TableStateStore):
         return result
 
 
-def coordinator(
-    azurite: AzuriteEndpoints,
-    imds: ImdsEmulator,
-    table: str,
-    cards: Path,
-    clock: Clock,
-    *,
-    store_class: type[TableStateStore] = TableStateStore,
-) -> tuple[Coordinator, MemoryHistory]:
-    history = MemoryHistory()
-    return (
-        make_coordinator(
-            store=store_class.from_connection_string(azurite.connection_string, table_name=table),
-            history=history,
-            alerts=FolderCardSink(cards),
-            callback=DirectImdsCallback(base_url=imds.url),
-            policy=POLICY,
-            clock=clock,
-        ),
-        history,
-    )
+# Every instance in these tests shares the budget's policy.
+coordinator = partial(table_coordinator, policy=POLICY)
 
 
 def reboot_on(imds: ImdsEmulator, name: str) -> str:
@@ -122,22 +98,7 @@ def test_two_instances_racing_approve_one_at_a_time_and_completion_frees_the_slo
     a, _ = coordinator(azurite, imds, table, tmp_path / "a", clock)
     b, _ = coordinator(azurite, imds, table, tmp_path / "b", clock)
     ids = {"WestNO_0": reboot_on(imds, "WestNO_0"), "WestNO_1": reboot_on(imds, "WestNO_1")}
-    barrier = threading.Barrier(2)
-    errors: list[BaseException] = []
-
-    def run(instance: Coordinator, name: str) -> None:
-        try:
-            barrier.wait()
-            instance.process_batch([report(name, 1, [ids[name]])])
-        except BaseException as error:  # surfaced below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(a, "WestNO_0")), threading.Thread(target=run, args=(b, "WestNO_1"))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert errors == []
+    batches_at_once([(a, [report("WestNO_0", 1, [ids["WestNO_0"]])]), (b, [report("WestNO_1", 1, [ids["WestNO_1"]])])])
     first = approved(imds, list(ids.values()))
     assert len(first) == 1
     winner = next(name for name, event_id in ids.items() if event_id == first[0])

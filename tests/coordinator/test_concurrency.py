@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
-from local.direct_callback import DirectImdsCallback
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.runs import batches_at_once, table_coordinator
 
 
 class InterleavingStore(TableStateStore):
@@ -34,16 +30,9 @@ class InterleavingStore(TableStateStore):
 
 
 def make(azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, tmp: Any, store_class: type[TableStateStore]):
-    history = MemoryHistory()
-    coordinator = make_coordinator(
-        store=store_class.from_connection_string(azurite.connection_string, table_name=table),
-        history=history,
-        alerts=FolderCardSink(tmp),
-        callback=DirectImdsCallback(base_url=imds.url),
-        policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
+    return table_coordinator(
+        azurite, imds, table, tmp, lambda: DOC_NOW, policy=load_policy(DEFAULT_POLICY_PATH), store_class=store_class
     )
-    return coordinator, history
 
 
 def message(data: dict[str, Any]) -> RawMessage:
@@ -86,22 +75,7 @@ def test_two_instances_in_threads_approve_each_event_once(azurite, imds, tmp_pat
     events = [scheduled_event(i) for i in ids]
     batch_a = [message(envelope(vm("WestNO_0", index=1), sequence=1, incarnation=2, events=events))]
     batch_b = [message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=2, events=events))]
-    barrier = threading.Barrier(2)
-    errors: list[BaseException] = []
-
-    def run(coordinator: Coordinator, batch: list[RawMessage]) -> None:
-        try:
-            barrier.wait()
-            coordinator.process_batch(batch)
-        except BaseException as error:  # surfaced below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(a, batch_a)), threading.Thread(target=run, args=(b, batch_b))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert errors == []
+    batches_at_once([(a, batch_a), (b, batch_b)])
     approvals = [x["EventId"] for x in imds.approvals() if x["EventId"] in ids]
     assert sorted(approvals) == sorted(ids)  # each once
     for event_id in ids:

@@ -19,14 +19,12 @@ from typing import Any
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
-from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import MAX_MESSAGE_BYTES, RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.entities import event_partition
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import folder_coordinator
 
 
 class Approves:
@@ -50,12 +48,11 @@ class Clock:
 
 def build(tmp_path: Path, clock: Clock | None = None) -> tuple[Coordinator, MemoryStateStore, MemoryHistory, Approves]:
     store, history, listeners = MemoryStateStore(), MemoryHistory(), Approves()
-    coordinator = make_coordinator(
+    coordinator = folder_coordinator(
+        tmp_path / "cards",
         store=store,
         history=history,
-        alerts=FolderCardSink(tmp_path / "cards"),
         callback=listeners,
-        policy=load_policy(DEFAULT_POLICY_PATH),
         clock=clock or Clock(),
     )
     return coordinator, store, history, listeners

@@ -13,19 +13,16 @@ from pathlib import Path
 import pytest
 
 from contracts.envelope import VmIdentity
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
 from forwarder.imds import tags_of
-from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import table_coordinator
 
 VMS = [
     {"name": "web_0", "vmScaleSetName": "web", "zone": "1", "platformUpdateDomain": "0"},
@@ -44,20 +41,8 @@ def zoned() -> Iterator[ImdsEmulator]:
 
 
 def build(azurite: AzuriteEndpoints, imds: ImdsEmulator, policy: str, tmp: Path) -> tuple[Coordinator, MemoryHistory]:
-    history = MemoryHistory()
-    return (
-        make_coordinator(
-            store=TableStateStore.from_connection_string(
-                azurite.connection_string, table_name="controls" + uuid.uuid4().hex[:12]
-            ),
-            history=history,
-            alerts=FolderCardSink(tmp / "cards"),
-            callback=DirectImdsCallback(base_url=imds.url),
-            policy=parse_policy(policy),
-            clock=Clock(DOC_NOW),
-        ),
-        history,
-    )
+    table = "controls" + uuid.uuid4().hex[:12]
+    return table_coordinator(azurite, imds, table, tmp / "cards", Clock(DOC_NOW), policy=parse_policy(policy))
 
 
 def report(imds: ImdsEmulator, name: str, sequence: int) -> RawMessage:

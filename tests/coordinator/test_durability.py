@@ -77,6 +77,17 @@ def reboot(event_id: str, name: str = "WestNO_0") -> RawMessage:
     return message(envelope(vm(name, index=1), sequence=1, incarnation=1, events=[event]))
 
 
+def died_sending_freeze() -> tuple[MemoryStateStore, MemoryHistory, Listener]:
+    """A batch that decided EV-A, a Freeze of WestNO_0, and whose process died as the listener's answer came back
+    (the listener executed it). The listener answers again from then on."""
+    store, history, listener = MemoryStateStore(), MemoryHistory(), Listener()
+    listener.dies = True
+    with pytest.raises(KeyboardInterrupt):
+        coordinator(store, history, listener, DOC_NOW).run_batch([freeze("EV-A")])
+    listener.dies = False
+    return store, history, listener
+
+
 def of(history: MemoryHistory, event_id: str) -> list[HistoryRow]:
     rows = [row for row in history.rows if row.EventId == event_id]
     assert len({row.RecordId for row in rows}) == len(rows), "a row written twice"
@@ -115,15 +126,11 @@ def test_a_batch_that_dies_sending_is_replayed_and_each_row_is_written_once():
     Hubs delivers the batch again to another instance (no checkpoint): the sighting's Observation row is made again
     (its position was never written, nor its row), the Decision and the intent are not (they were committed with
     the deciding write)."""
-    store, history, listener = MemoryStateStore(), MemoryHistory(), Listener()
-    listener.dies = True
-    with pytest.raises(KeyboardInterrupt):
-        coordinator(store, history, listener, DOC_NOW).run_batch([freeze("EV-A")])
+    store, history, listener = died_sending_freeze()
     assert history.rows == []
     kept = [(r.RecordType, r.Outcome) for entry in store.outbox() for r in entry.rows]
     assert kept == [("Decision", "approve"), ("Approval", "sending")]
 
-    listener.dies = False
     replayed = DOC_NOW + timedelta(seconds=30)
     coordinator(store, history, listener, replayed).run_batch([freeze("EV-A")])
     later = DOC_NOW + IN_FLIGHT_GRACE + timedelta(seconds=1)
@@ -170,11 +177,7 @@ def test_an_approval_whose_sender_died_gets_an_outcome_row_when_its_event_starte
     """The process dies while the approval is on its way (the listener executed it), and the VM reports the event
     Started before the in-flight grace has passed: no retry comes (the event left Scheduled), so nothing would ever
     record the approval's outcome. The timer records what is known, once: an Approval row ``unknown``."""
-    store, history, listener = MemoryStateStore(), MemoryHistory(), Listener()
-    listener.dies = True
-    with pytest.raises(KeyboardInterrupt):
-        coordinator(store, history, listener, DOC_NOW).run_batch([freeze("EV-A")])
-    listener.dies = False
+    store, history, listener = died_sending_freeze()
     started = scheduled_event("EV-A", resources=["WestNO_0"], status="Started")
     seen = DOC_NOW + timedelta(seconds=5)
     coordinator(store, history, listener, seen).run_batch(
@@ -199,11 +202,7 @@ def test_an_approval_whose_sender_died_gets_an_outcome_row_when_its_event_starte
 def test_an_approval_whose_sender_died_gets_an_outcome_row_when_its_event_concluded_before_any_retry():
     """As above, but the short Freeze is over (gone from the VM's document: Completed) before the grace has passed:
     the concluded event stays in the timer's view until its approval's outcome is recorded, then leaves it."""
-    store, history, listener = MemoryStateStore(), MemoryHistory(), Listener()
-    listener.dies = True
-    with pytest.raises(KeyboardInterrupt):
-        coordinator(store, history, listener, DOC_NOW).run_batch([freeze("EV-A")])
-    listener.dies = False
+    store, history, listener = died_sending_freeze()
     started = scheduled_event("EV-A", resources=["WestNO_0"], status="Started")
     identity = vm("WestNO_0", index=1)
     seen = DOC_NOW + timedelta(seconds=5)

@@ -25,21 +25,18 @@ from azure.identity import ManagedIdentityCredential
 import function_app
 from contracts.envelope import VmIdentity
 from coordinator.adapters.remote_acknowledge import RemoteAcknowledgeSender
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import GRID_ON_VM_HUB, Channel, RawMessage
 from coordinator.service import Coordinator
-from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
 from emulators.imds.event_grid import EVENT_TYPE, EventGridPublisher
-from local.direct_callback import DirectImdsCallback
 from local.runner import FunctionHost
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import table_coordinator
 
 POLICY = """
 version: 1
@@ -74,15 +71,14 @@ def coordinator(
 ) -> tuple[Coordinator, MemoryHistory]:
     for name, value in imds.identity_environment("web_0").items():
         monkeypatch.setenv(name, value)
-    history = MemoryHistory()
     clock = Clock(DOC_NOW)
-    coordinator = make_coordinator(
-        store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
-        history=history,
-        alerts=FolderCardSink(tmp_path / "cards"),
-        callback=DirectImdsCallback(base_url=imds.url),
+    return table_coordinator(
+        azurite,
+        imds,
+        "t" + uuid.uuid4().hex[:16],
+        tmp_path / "cards",
+        clock,
         policy=parse_policy(POLICY),
-        clock=clock,
         # The same clock as the coordinator's: it checks the requests' notAfter.
         remote_acknowledge=RemoteAcknowledgeSender(
             credential=ManagedIdentityCredential(),
@@ -93,7 +89,6 @@ def coordinator(
         ),
         remote_acknowledge_fallback=True,
     )
-    return coordinator, history
 
 
 def identity(imds: ImdsEmulator, name: str) -> VmIdentity:

@@ -16,6 +16,7 @@ from azure.core.credentials import AccessToken
 
 from coordinator.adapters.gates import AzureMonitorReader, GateReader
 from coordinator.domain.controls import AlertGate, Gate, HttpGate, LogQueryGate
+from tests.loopback import QuietHandler
 
 WORKSPACE = "11111111-2222-3333-4444-555555555555"
 RULE = "/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/rg/providers/microsoft.insights/" + (
@@ -23,7 +24,7 @@ RULE = "/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/rg/pr
 )
 
 
-class Endpoint(http.server.BaseHTTPRequestHandler):
+class Endpoint(QuietHandler):
     """The local health page and the Azure Monitor stand-in: answers by path, records what it was asked."""
 
     status = 200
@@ -55,15 +56,7 @@ class Endpoint(http.server.BaseHTTPRequestHandler):
         self._json(cls.answer if cls.answer is not None else {"tables": tables})
 
     def _json(self, data: Any) -> None:
-        raw = json.dumps(data).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
+        self.respond(200, json.dumps(data).encode())
 
 
 @pytest.fixture

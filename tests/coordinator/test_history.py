@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from azure.monitor.ingestion import LogsIngestionClient
 from coordinator.adapters.history import HistoryError, LogsIngestionHistory, SqliteHistory
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
 from ops.history import main, parse_since
+from tests.loopback import QuietHandler
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
@@ -111,7 +112,7 @@ class CaptureServer:
         self.fail_next = 0
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.headers.get("Content-Encoding") == "gzip":
@@ -121,12 +122,7 @@ class CaptureServer:
                 )
                 status = 503 if outer.fail_next else 204
                 outer.fail_next = max(0, outer.fail_next - 1)
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
+                self.respond(status)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -18,14 +18,13 @@ from hypothesis import strategies as st
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.tables import TableStateStore
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import folder_coordinator, table_coordinator
 
 NAMES = ("WestNO_0", "WestNO_1")
 
@@ -61,16 +60,10 @@ garbage = st.one_of(
 
 def test_garbage_among_good_envelopes(azurite, imds, tmp_path):
     table = "hostile" + uuid.uuid4().hex[:10]
-    store = TableStateStore.from_connection_string(azurite.connection_string, table_name=table)
-    history = MemoryHistory()
-    coordinator = make_coordinator(
-        store=store,
-        history=history,
-        alerts=FolderCardSink(tmp_path / "cards"),
-        callback=DirectImdsCallback(base_url=imds.url),
-        policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
+    coordinator, history = table_coordinator(
+        azurite, imds, table, tmp_path / "cards", lambda: DOC_NOW, policy=load_policy(DEFAULT_POLICY_PATH)
     )
+    store = coordinator.parts.store
     approvals_before = len(imds.approvals())
     totals = {"bad": 0, "good": 0}
     sequence = iter(range(1, 1_000_000))
@@ -158,16 +151,11 @@ HOSTILE: dict[str, Any] = {
 
 
 def test_one_bad_message_costs_no_other_vm_anything(azurite, imds, tmp_path):
-    store = TableStateStore.from_connection_string(azurite.connection_string, table_name="c" + uuid.uuid4().hex[:12])
-    history = MemoryHistory()
-    coordinator = make_coordinator(
-        store=store,
-        history=history,
-        alerts=FolderCardSink(tmp_path / "cards"),
-        callback=DirectImdsCallback(base_url=imds.url),
-        policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
+    table = "c" + uuid.uuid4().hex[:12]
+    coordinator, history = table_coordinator(
+        azurite, imds, table, tmp_path / "cards", lambda: DOC_NOW, policy=load_policy(DEFAULT_POLICY_PATH)
     )
+    store = coordinator.parts.store
     good_ids = [imds.create_event(EventType="Reboot", EventSource="User", Resources=[n])["EventId"] for n in NAMES]
     oversized = b"{" + b"\xff" * 300_000  # malformed and far larger than a table property
     messages = [RawMessage(body=oversized, partition_key=None), _good(NAMES[0], 1, 7, good_ids[0])]
@@ -225,12 +213,11 @@ class _SlowFor:
 
 def test_a_slow_listener_holds_up_nothing_else(azurite, imds, tmp_path):
     callback = _SlowFor(DirectImdsCallback(base_url=imds.url), NAMES[0])
-    coordinator = make_coordinator(
+    coordinator = folder_coordinator(
+        tmp_path / "cards",
         store=TableStateStore.from_connection_string(azurite.connection_string, table_name="l" + uuid.uuid4().hex[:12]),
         history=MemoryHistory(),
-        alerts=FolderCardSink(tmp_path / "cards"),
         callback=callback,
-        policy=load_policy(DEFAULT_POLICY_PATH),
         clock=lambda: DOC_NOW,
         approval_deadline=timedelta(seconds=0.5),
     )
@@ -268,12 +255,11 @@ def test_a_coordinator_that_dies_after_sending_is_reconciled_by_the_timer_with_i
     history = MemoryHistory()
 
     def build(callback: Any, now: datetime) -> Coordinator:
-        return make_coordinator(
+        return folder_coordinator(
+            tmp_path / "cards",
             store=TableStateStore.from_connection_string(azurite.connection_string, table_name=table),
             history=history,
-            alerts=FolderCardSink(tmp_path / "cards"),
             callback=callback,
-            policy=load_policy(DEFAULT_POLICY_PATH),
             clock=lambda: now,
         )
 

@@ -26,14 +26,12 @@ from contracts.attestation import Attestation, decision_nonce, state_nonce
 from contracts.document import ScheduledEvent
 from contracts.envelope import HookReport, VmIdentity
 from coordinator.adapters.census import Census
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.event_merge import apply_observations
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, VmSighting
 from coordinator.domain.observations import Observation
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.act import send
 from coordinator.pipeline.attest import answer_problem
@@ -42,10 +40,10 @@ from coordinator.service import Coordinator
 from coordinator.state.entities import claim_partition, safe_key
 from coordinator.state.events import assemble
 from coordinator.state.store import Stored
-from tests.coordinator.attested import DOCUMENTS, verifier
+from tests.coordinator.attested import DOCUMENTS, attested_coordinator, proven_approval, verifier
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import AnswersInTurn
 
 WEB_0 = vm("web_0", index=1, group="pg-web", scale_set="web")
 WEB_1 = vm("web_1", index=2, group="pg-web", scale_set="web")
@@ -63,13 +61,7 @@ class Listeners:
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
         self.sent.append((request.eventId, vm.name, vm.hybrid_connection_name))
-        proof = DOCUMENTS.document(vm.model_dump(), nonce=decision_nonce(request.decisionId), now=DOC_NOW)
-        return ApprovalResult(
-            outcome="approved",
-            eventId=request.eventId,
-            decisionId=request.decisionId,
-            attestation=Attestation.model_validate(proof),
-        )
+        return proven_approval(request, vm)
 
 
 class Arm:
@@ -124,16 +116,8 @@ class Fleet:
 
 def fleet(tmp_path: Path, *, arm: bool = True, store: MemoryStateStore | None = None) -> Fleet:
     store, history, listeners = store or MemoryStateStore(), MemoryHistory(), Listeners()
-    coordinator = make_coordinator(
-        store=store,
-        history=history,
-        alerts=FolderCardSink(tmp_path / "cards"),
-        callback=listeners,
-        policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
-        attestations=Attestations(verifier()),
-        require_attestation=True,
-        census=Census(Arm()) if arm else None,
+    coordinator = attested_coordinator(
+        tmp_path / "cards", store, history, listeners, census=Census(Arm()) if arm else None
     )
     return Fleet(coordinator, store, history, listeners)
 
@@ -365,18 +349,6 @@ def test_a_record_is_assembled_with_the_sighting_of_the_vm_heard_last_under_a_na
 # ---- a lying listener on another VM's hybrid connection ---------------------------------------------------------
 
 
-class _Relay:
-    """The listeners Relay hands the requests for web_0 to, in turn: a liar's answers first, then web_0's."""
-
-    def __init__(self, answers: list[ApprovalResult]) -> None:
-        self.answers = answers
-        self.sent = 0
-
-    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
-        self.sent += 1
-        return self.answers.pop(0)
-
-
 def test_a_lying_listener_beside_the_vms_own_does_not_hold_its_approval() -> None:
     """web_1, with root, listens on web_0's hybrid connection and answers "approved" with its own proof (the best its
     IMDS signs). Relay picks one of the two listeners at random: the liar took the first 6 requests here (1 time in
@@ -397,6 +369,6 @@ def test_a_lying_listener_beside_the_vms_own_does_not_hold_its_approval() -> Non
     def proof(result: ApprovalResult) -> str:
         return answer_problem(attestations, result, vm_id=web_0.vmId, decision_id="d-1", at=DOC_NOW, required=True)
 
-    relay = _Relay([answer(WEB_1) for _ in range(6)] + [answer(WEB_0)])
+    relay = AnswersInTurn([answer(WEB_1) for _ in range(6)] + [answer(WEB_0)])
     result = send(relay, request, web_0, "", proof, within=30)
     assert (relay.sent, proof(result)) == (7, "")

@@ -6,26 +6,20 @@ released on withdrawal, kept by a rate on conclusion, and housekeeping deletes t
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
+from functools import partial
 
 import pytest
 
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
-from coordinator.service import Coordinator
-from coordinator.state.tables import TableStateStore
-from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
-from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
+from tests.coordinator.runs import batches_at_once, table_coordinator
 
 POLICY = parse_policy(
     """
@@ -48,21 +42,8 @@ DURATION = {"Freeze": 5, "Reboot": -1}
 VMS = {name: vm(name, scale_set="web", index=i + 1) | {"zone": zone} for i, (name, zone) in enumerate(ZONES.items())}
 
 
-def coordinator(
-    azurite: AzuriteEndpoints, imds: ImdsEmulator, table: str, cards: Path, clock: Clock
-) -> tuple[Coordinator, MemoryHistory]:
-    history = MemoryHistory()
-    return (
-        make_coordinator(
-            store=TableStateStore.from_connection_string(azurite.connection_string, table_name=table),
-            history=history,
-            alerts=FolderCardSink(cards),
-            callback=DirectImdsCallback(base_url=imds.url),
-            policy=POLICY,
-            clock=clock,
-        ),
-        history,
-    )
+# Every instance in these tests shares the pacing policy.
+coordinator = partial(table_coordinator, policy=POLICY)
 
 
 def create(imds: ImdsEmulator, event_type: str, name: str) -> str:
@@ -107,22 +88,7 @@ def test_four_instances_racing_for_a_rate_of_two_approve_two_and_the_timer_the_r
     clock = Clock(DOC_NOW)
     instances = [coordinator(azurite, imds, table, tmp_path / str(i), clock)[0] for i in range(4)]
     ids = {name: create(imds, "Freeze", name) for name in VMS}
-    barrier = threading.Barrier(4)
-    errors: list[BaseException] = []
-
-    def run(instance: Coordinator, name: str) -> None:
-        try:
-            barrier.wait()
-            instance.process_batch([report(name, 1, {ids[name]: "Freeze"})])
-        except BaseException as error:  # surfaced below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(c, name)) for c, name in zip(instances, VMS, strict=True)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert errors == []
+    batches_at_once([(c, [report(name, 1, {ids[name]: "Freeze"})]) for c, name in zip(instances, VMS, strict=True)])
     first = approved(imds, list(ids.values()))
     assert len(first) == 2, "a rate of 2 approved more (or fewer) across instances"
     claims = instances[0].parts.store.get_budget(RATE_KEY)

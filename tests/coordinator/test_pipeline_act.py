@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -24,6 +24,7 @@ from tests.coordinator.runs import (
     NOT_BEFORE,
     Bench,
     Bound,
+    DeadFor,
     MemoryDeliveries,
     RecordingCallback,
     put_event,
@@ -48,10 +49,12 @@ def approval(rule: str = "short-freeze", **fields: Any) -> ApprovalRecord:
     )
 
 
-def approved_freeze(bench: Bench, *, seen: datetime = DOC_NOW, rule: str = "short-freeze", **fields: Any) -> None:
+def approved_freeze(
+    bench: Bench, *, event_id: str = EVENT, seen: datetime = DOC_NOW, rule: str = "short-freeze", **fields: Any
+) -> None:
     put_event(
         bench.store,
-        EVENT,
+        event_id,
         vms=("WestNO_0", "WestNO_1"),
         seen=seen,
         eventType="Freeze",
@@ -340,22 +343,13 @@ def test_an_approved_delete_held_by_a_pending_sibling_shows_the_platforms_hold(b
     assert [(r.Outcome, (r.Details or {}).get("heldBy")) for r in held] == [("held", "EV-DEL-1")]
 
 
-class DeadListeners(RecordingCallback):
+class DeadListeners(DeadFor):
     """An approval path on which the listeners of ``dead`` never answer (hung, or gone with their VM): a bounded
     sender, told how long each send may take, gives up then, as the Relay sender does."""
 
-    def __init__(self, *dead: str) -> None:
-        super().__init__()
-        self.dead = set(dead)
-        self.within: list[float] = []
-
-    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
-        self.within.append(seconds)
-        if vm.name in self.dead:
-            self.sent.append((request, vm))
-            time.sleep(seconds)
-            raise ApprovalDeliveryError(f"no listener connected within {seconds:.1f} s ({vm.name})")
-        return self.send(request, vm=vm)
+    def fail(self, vm: VmIdentity, seconds: float) -> NoReturn:
+        time.sleep(seconds)
+        raise ApprovalDeliveryError(f"no listener connected within {seconds:.1f} s ({vm.name})")
 
 
 def queued_bench(bench: Bench, *dead: str) -> DeadListeners:
@@ -600,16 +594,7 @@ def test_remote_acknowledges_of_one_resource_go_in_one_request_each_outcome_its_
     batch = RecordingBatch(refuse=frozenset({"EV-B"}))
     bench.remote_acknowledge = batch
     for event_id in ("EV-A", "EV-B"):
-        put_event(
-            bench.store,
-            event_id,
-            vms=("WestNO_0", "WestNO_1"),
-            seen=DOC_NOW,
-            eventType="Freeze",
-            durationInSeconds=5,
-            notBefore=NOT_BEFORE,
-            approval=approval("arm-freeze"),
-        )
+        approved_freeze(bench, event_id=event_id, rule="arm-freeze")
     deliver(bench, "EV-A", "EV-B")
     assert batch.batches == [["EV-A", "EV-B"]]
     assert bench.callback.sent == []

@@ -107,9 +107,14 @@ def test_an_event_past_not_before_without_approval_expires_with_its_card(bench: 
     assert "EV-R-expired" in bench.alerts.keys
 
 
+def put_freeze(bench: Bench, **fields: Any) -> None:
+    """EV-F, a 5-second Freeze of WestNO_0 not before NOT_BEFORE, as its batch left it (``fields`` add to it)."""
+    put_event(bench.store, "EV-F", eventType="Freeze", durationInSeconds=5, notBefore=NOT_BEFORE, **fields)
+
+
 def test_an_undecided_event_is_decided_and_its_approval_delivered(bench: Bench):
     # Its batch's decision failed (the rules could not be read then): the timer decides it.
-    put_event(bench.store, "EV-F", vms=("WestNO_0",), eventType="Freeze", durationInSeconds=5, notBefore=NOT_BEFORE)
+    put_freeze(bench)
     run = tick(bench)
     assert bench.callback.vms == ["WestNO_0"]
     assert bench.event("EV-F").state == "Approved"
@@ -122,14 +127,7 @@ def approval(**fields: Any) -> ApprovalRecord:
 
 
 def test_an_approval_whose_sender_stopped_is_sent_again_when_due_and_not_before(bench: Bench):
-    put_event(
-        bench.store,
-        "EV-F",
-        eventType="Freeze",
-        durationInSeconds=5,
-        notBefore=NOT_BEFORE,
-        approval=approval(nextAttemptAt=DOC_NOW + timedelta(seconds=90)),
-    )
+    put_freeze(bench, approval=approval(nextAttemptAt=DOC_NOW + timedelta(seconds=90)))
     tick(bench, DOC_NOW + timedelta(seconds=60))
     assert bench.callback.sent == []
 
@@ -141,12 +139,8 @@ def test_an_approval_whose_sender_stopped_is_sent_again_when_due_and_not_before(
 
 
 def test_an_approved_event_not_seen_started_in_time_raises_not_started_once(bench: Bench):
-    put_event(
-        bench.store,
-        "EV-F",
-        eventType="Freeze",
-        durationInSeconds=5,
-        notBefore=NOT_BEFORE,
+    put_freeze(
+        bench,
         state="Approved",
         approval=approval(delivered=True, outcome="approved", executor="WestNO_0", confirmBy=DOC_NOW),
     )
@@ -202,14 +196,7 @@ def test_a_tick_waits_for_no_absent_listener_and_leaves_the_handed_over_approval
     bench.deliveries = MemoryDeliveries()
     bench.callback.hold = threading.Event()  # WestNO_0's listener does not answer
     bench.options = {"in_run_delivery": timedelta(milliseconds=200)}
-    put_event(
-        bench.store,
-        "EV-F",
-        eventType="Freeze",
-        durationInSeconds=5,
-        notBefore=NOT_BEFORE,
-        approval=approval(attempts=1, outcome="failed", nextAttemptAt=DOC_NOW),
-    )
+    put_freeze(bench, approval=approval(attempts=1, outcome="failed", nextAttemptAt=DOC_NOW))
     try:
         started = time.monotonic()
         run = tick(bench)

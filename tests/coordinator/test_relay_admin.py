@@ -21,6 +21,7 @@ from azure.core.credentials import AccessToken
 from contracts.envelope import VmIdentity
 from coordinator.adapters.relay_admin import API_VERSION, HybridConnectionAdmin, RelayAdminError
 from emulators.tokens import TokenError, mint_token, verify_token
+from tests.loopback import QuietHandler
 
 NAMESPACE_PATH = "/subscriptions/sub-1/resourceGroups/rg-se/providers/Microsoft.Relay/namespaces/relay-se"
 VM = VmIdentity(
@@ -53,14 +54,9 @@ class FakeArm:
 
 
 def _handler(arm: FakeArm) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def _reply(self, status: int, body: Any = None) -> None:
-            data = b"" if body is None else json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.respond(status, b"" if body is None else json.dumps(body).encode())
 
         def _serve(self, method: str) -> None:
             url = urlsplit(self.path)
@@ -122,9 +118,6 @@ def _handler(arm: FakeArm) -> type[BaseHTTPRequestHandler]:
 
         def do_DELETE(self) -> None:
             self._serve("DELETE")
-
-        def log_message(self, *_: Any) -> None:
-            pass
 
     return Handler
 

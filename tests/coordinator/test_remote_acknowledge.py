@@ -25,16 +25,13 @@ from contracts.approval import ApprovalFacts, ApprovalRequest
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.remote_acknowledge import API_VERSION, RemoteAcknowledgeSender, acknowledge_target
-from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import PolicyError, parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator, Scenario
 from emulators.imds.clock import ManualClock
 from emulators.tokens import mint_token
-from local.direct_callback import DirectImdsCallback
 from tests.coordinator import runs
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
@@ -222,22 +219,20 @@ def test_a_rule_option_is_validated() -> None:
 def make_coordinator(
     azurite: AzuriteEndpoints, arm: ImdsEmulator, credential: ManagedIdentityCredential, tmp_path: Path, **options: Any
 ) -> tuple[Coordinator, MemoryHistory]:
-    history = MemoryHistory()
     clock = Clock(DOC_NOW)
-    coordinator = runs.make_coordinator(
-        store=TableStateStore.from_connection_string(azurite.connection_string, table_name="t" + uuid.uuid4().hex[:16]),
-        history=history,
-        alerts=FolderCardSink(tmp_path / "cards"),
-        callback=DirectImdsCallback(base_url=arm.url),
+    return runs.table_coordinator(
+        azurite,
+        arm,
+        "t" + uuid.uuid4().hex[:16],
+        tmp_path / "cards",
+        clock,
         policy=parse_policy(options.pop("policy", REMOTE_POLICY)),
-        clock=clock,
         # The same clock as the coordinator's: it checks the requests' notAfter.
         remote_acknowledge=RemoteAcknowledgeSender(
             credential=credential, endpoint=arm.url, deadline_seconds=3, backoff=(0.05, 0.1), clock=clock
         ),
         **options,
     )
-    return coordinator, history
 
 
 def report(arm: ImdsEmulator, name: str, sequence: int) -> RawMessage:

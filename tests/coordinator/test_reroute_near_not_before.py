@@ -5,17 +5,17 @@ run can still send the event through a peer, and the peer execute it, before Not
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import NoReturn
 
 import pytest
 
-from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.domain import approvals
 from coordinator.domain.model import ApprovalRecord, EventRecord, VmSighting
 from coordinator.pipeline import act, delivery, handover
 from tests.coordinator.helpers import DOC_NOW
-from tests.coordinator.runs import Bench, MemoryDeliveries, RecordingCallback, put_event, put_vm
+from tests.coordinator.runs import Bench, DeadFor, MemoryDeliveries, put_event, put_vm
 
 EVENT = "EV-NEAR"
 # What the reroute takes once the request has lapsed: the delivery run (a read, a decision, a write) and the peer's
@@ -23,21 +23,12 @@ EVENT = "EV-NEAR"
 PEER_WAY = timedelta(seconds=1.5)
 
 
-class LostAnswers(RecordingCallback):
+class LostAnswers(DeadFor):
     """The listeners of ``dead`` lose every request: the relay answers 502 at once (its request reached the
-    listener, which may still execute it until its notAfter). Notes how long each send was given."""
+    listener, which may still execute it until its notAfter)."""
 
-    def __init__(self, *dead: str) -> None:
-        super().__init__()
-        self.dead = set(dead)
-        self.within: list[float] = []
-
-    def send_within(self, request: ApprovalRequest, *, vm: VmIdentity, seconds: float) -> ApprovalResult:
-        self.within.append(seconds)
-        if vm.name in self.dead:
-            self.sent.append((request, vm))
-            raise ApprovalDeliveryError(f"{vm.name}'s listener disconnected before responding", answer_lost=True)
-        return self.send(request, vm=vm)
+    def fail(self, vm: VmIdentity, seconds: float) -> NoReturn:
+        raise ApprovalDeliveryError(f"{vm.name}'s listener disconnected before responding", answer_lost=True)
 
 
 def a_freeze_seen_only_by_its_dead_vm(bench: Bench, notice: timedelta) -> EventRecord:

@@ -26,7 +26,7 @@ from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import App
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import make_coordinator, table_coordinator
 
 
 class Clock:
@@ -41,16 +41,9 @@ def build(
     azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp: Path, *, policy: Policy | None = None, dry_run: bool = False
 ) -> tuple[Coordinator, MemoryHistory, Clock]:
     clock = Clock()
-    history = MemoryHistory()
-    coordinator = make_coordinator(
-        store=TableStateStore.from_connection_string(azurite.connection_string, table_name="s" + uuid.uuid4().hex[:12]),
-        history=history,
-        alerts=FolderCardSink(tmp),
-        callback=DirectImdsCallback(base_url=imds.url),
-        policy=policy or load_policy(DEFAULT_POLICY_PATH),
-        dry_run=dry_run,
-        approval_backoff=(5.0, 60.0),
-        clock=clock,
+    table = "s" + uuid.uuid4().hex[:12]
+    coordinator, history = table_coordinator(
+        azurite, imds, table, tmp, clock, policy=policy, dry_run=dry_run, approval_backoff=(5.0, 60.0)
     )
     return coordinator, history, clock
 

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,17 +28,15 @@ import function_app
 from coordinator.adapters import telemetry
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from coordinator.adapters.teams import AlertError, FolderCardSink
-from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
 from emulators.imds import ImdsEmulator
-from local.direct_callback import DirectImdsCallback
 from local.telemetry import Collector, metric_values
 from tests.coordinator.conftest import App, Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
-from tests.coordinator.runs import make_coordinator
+from tests.coordinator.runs import table_coordinator
+from tests.loopback import QuietHandler
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SPAN = "b7ad6b7169203331"
@@ -55,15 +53,13 @@ def collector() -> Collector:
 
 def build(azurite: AzuriteEndpoints, imds: ImdsEmulator, tmp: Path) -> tuple[Coordinator, MemoryHistory, Clock]:
     clock = Clock(DOC_NOW)
-    history = MemoryHistory()
-    coordinator = make_coordinator(
-        store=TableStateStore.from_connection_string(azurite.connection_string, table_name="s" + uuid.uuid4().hex[:12]),
-        history=history,
-        alerts=FolderCardSink(tmp / "cards"),
-        callback=DirectImdsCallback(base_url=imds.url),
-        policy=load_policy(DEFAULT_POLICY_PATH),
+    coordinator, history = table_coordinator(
+        azurite,
+        imds,
+        "s" + uuid.uuid4().hex[:12],
+        tmp / "cards",
+        clock,
         approve_url=lambda event_id: f"http://127.0.0.1:7071/api/events/{event_id}/approve",
-        clock=clock,
     )
     return coordinator, history, clock
 
@@ -222,7 +218,7 @@ class _Bytes:
         self.bytes = items
 
 
-class _Listener(BaseHTTPRequestHandler):
+class _Listener(QuietHandler):
     """A hybrid connection's listener as the sender sees it: answers 'approved' and keeps the request headers."""
 
     seen: ClassVar[list[dict[str, str]]] = []
@@ -233,14 +229,7 @@ class _Listener(BaseHTTPRequestHandler):
         answer = json.dumps(
             {"outcome": "approved", "eventId": body["eventId"], "decisionId": body["decisionId"], "reason": ""}
         ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *_: object) -> None:
-        return
+        self.respond(200, answer)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,6 +26,7 @@ from forwarder.durable_state import Store
 from forwarder.imds import ImdsClient
 from forwarder.retry import RateLimiter
 from forwarder.sinks import JsonLinesSink, Sink
+from tests.loopback import QuietHandler
 
 ROOT = Path(__file__).resolve().parents[2]
 THREE_VMS = Scenario(
@@ -200,28 +201,18 @@ class ScriptedImds:
         self.document = b'{"DocumentIncarnation": 1, "Events": []}'
         scripted = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
                 if self.headers.get("Metadata") != "true":
-                    self._answer(400, b'{"error": "Metadata header required"}')
+                    self.respond(400, b'{"error": "Metadata header required"}')
                 elif self.path.startswith("/metadata/instance/compute"):
-                    self._answer(200, json.dumps(ScriptedImds.COMPUTE).encode())
+                    self.respond(200, json.dumps(ScriptedImds.COMPUTE).encode())
                 elif self.path.startswith("/metadata/scheduledevents"):
-                    self._answer(200, scripted.document)
+                    self.respond(200, scripted.document)
                 else:
-                    self._answer(404, b"{}")
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
+                    self.respond(404, b"{}")
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

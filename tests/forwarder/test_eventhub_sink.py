@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from forwarder.imds import ImdsClient, ImdsInvalidResponse
 from forwarder.retry import RateLimiter
 from forwarder.sinks import SinkError
 from tests.forwarder.conftest import Harness, wait_for
+from tests.loopback import QuietHandler
 
 HUB = "scheduled-events"
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,17 +237,12 @@ def test_over_https_the_server_certificate_is_verified(tmp_path: Path) -> None:
     cert_file, key_file = _self_signed(tmp_path)
     received: list[bytes] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:
             received.append(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(201)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
+            self.respond(201)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

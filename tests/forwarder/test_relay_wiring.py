@@ -11,10 +11,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 
+from contracts import wire
 from contracts.approval import ApprovalRequest
 from contracts.envelope import VmIdentity
 from coordinator.adapters.relay_sender import RelayApprovalSender
@@ -47,6 +49,16 @@ def _settings(imds: ImdsEmulator, relay: RelayEmulator, vm: str = "web_0", **fla
     )
 
 
+def _web_0(
+    harness: Callable[..., Harness], settings: ForwarderSettings, **overrides: Any
+) -> tuple[Harness, wire.VmIdentity]:
+    """web_0's forwarder started with the relay companions of ``settings``, and the identity it read."""
+    h = harness(settings.imds_url, companions=relay_companions(settings), **overrides)
+    identity = h.forwarder.identity
+    assert identity is not None
+    return h, identity
+
+
 def _request(created: dict[str, object]) -> ApprovalRequest:
     now = datetime.now(UTC)
     return ApprovalRequest(
@@ -63,10 +75,7 @@ def _request(created: dict[str, object]) -> ApprovalRequest:
 def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    settings = _settings(imds, relay, relay_listener_grace_seconds=1.0)
-    h = harness(imds.url_for("web_0"), companions=relay_companions(settings), heartbeat_interval=0.2)
-    identity = h.forwarder.identity
-    assert identity is not None
+    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_grace_seconds=1.0), heartbeat_interval=0.2)
     hc = identity.hybrid_connection_name
     # No event: no listener, and the heartbeats say so.
     wait_for(lambda: len(h.envelopes("heartbeat")) >= 3, what="three heartbeats")
@@ -100,10 +109,7 @@ def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
 def test_on_demand_listener_stays_for_the_grace_period(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    settings = _settings(imds, relay, relay_listener_grace_seconds=3.0)
-    h = harness(imds.url_for("web_0"), companions=relay_companions(settings))
-    identity = h.forwarder.identity
-    assert identity is not None
+    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_grace_seconds=3.0))
     hc = identity.hybrid_connection_name
     created = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
     wait_for(lambda: relay.listener_count(hc) == 1, what="the listener to connect")
@@ -119,10 +125,7 @@ def test_on_demand_listener_stays_for_the_grace_period(
 def test_on_demand_listener_ignores_a_peers_terminate_but_connects_for_its_group(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    settings = _settings(imds, relay, relay_listener_grace_seconds=0.0)
-    h = harness(imds.url_for("web_0"), companions=relay_companions(settings))
-    identity = h.forwarder.identity
-    assert identity is not None
+    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_grace_seconds=0.0))
     hc = identity.hybrid_connection_name
     imds.create_event(EventType="Terminate", Resources=["web_1"], NoticeSeconds=900)
     document = h.wait_incarnation(2)["document"]
@@ -139,10 +142,7 @@ def test_on_demand_listener_ignores_a_peers_terminate_but_connects_for_its_group
 def test_always_on_listener_stays_connected(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    settings = _settings(imds, relay, relay_listener_mode="always-on")
-    h = harness(imds.url_for("web_0"), companions=relay_companions(settings), heartbeat_interval=0.2)
-    identity = h.forwarder.identity
-    assert identity is not None
+    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_mode="always-on"), heartbeat_interval=0.2)
     hc = identity.hybrid_connection_name
     wait_for(lambda: relay.listener_count(hc) == 1, what="the listener to connect")
     wait_for(
