@@ -52,30 +52,21 @@ def _etag(stored: Stored[Any] | None) -> str | None:
 
 
 def _set_aside(
-    run: Run,
-    mine: dict[str, VmRecord],
-    current: Stored[VmGroupRecord] | None,
-    base: dict[str, tuple[int, int] | None],
+    mine: dict[str, VmRecord], current: Stored[VmGroupRecord] | None, base: dict[str, tuple[int, int] | None]
 ) -> set[str]:
     """After a conflict on a VM group: takes out of ``mine`` the VMs not to write. Those already at this batch's
-    position (written by an earlier part of this batch, or by an instance that processed the same envelopes): their
-    rows went with that write (``rows_near``), so this run's are dropped (``Work.forget``; kept, another instance's
-    replay of the same envelopes wrote each twice, with two ``now``s and so two RecordIds). And those another instance
-    moved since the position this batch started from: returned, to be redone."""
+    position (written by an earlier part of this batch, or by an instance that processed the same envelopes), and
+    those another instance moved since the position this batch started from: returned, to be redone."""
     stale = set()
-    written = set()
     for vm_id, record in list(mine.items()):
         fresh = current.record.vms.get(vm_id) if current else None
         if fresh is None:
             continue
         if vm_position(fresh) == vm_position(record):
-            written.add(vm_id)
             del mine[vm_id]
         elif vm_position(fresh) != base.get(vm_id):
             stale.add(vm_id)
             del mine[vm_id]
-    if written:
-        run.work.forget(written)
     return stale
 
 
@@ -205,7 +196,7 @@ def write_vm_groups(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord
             return batch.groups
         groups = store.get_vm_groups(mine)
         for key, vms in mine.items():
-            stale.update(_set_aside(run, vms, groups.get(key), batch.base))
+            stale.update(_set_aside(vms, groups.get(key), batch.base))
         return groups
 
     def all_groups(
@@ -239,7 +230,7 @@ def write_vm_groups(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord
 
         def group_now(_attempt: int, key: str = key, vms: dict[str, VmRecord] = vms) -> Stored[VmGroupRecord] | None:
             current = store.get_vm_groups([key]).get(key)
-            stale.update(_set_aside(run, vms, current, batch.base))
+            stale.update(_set_aside(vms, current, batch.base))
             return current
 
         def moved(

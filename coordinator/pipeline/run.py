@@ -305,10 +305,9 @@ class Work:
 
     def forget(self, vm_ids: set[str]) -> None:
         """Drops what this run derived for ``vm_ids`` (lowercase vmIds) and has not staged: their rows and VM cards.
-        Their positions are not written by this run: another instance moved them (their sightings, and so these
-        rows, are derived again from the fresh positions, or by a later batch), or already wrote them where this run
-        would have, with their rows (fold.fold, positions.write_vm_groups). Kept, each was written twice, with two
-        RecordIds."""
+        Their positions were not written (another instance moved them): their sightings, and so these rows, are
+        derived again from the fresh positions, or by a later batch. Kept, they were written twice (once as derived
+        from the stale position), each with its own RecordId."""
         kept = {row.RecordId for entry in self.staged for row in entry.rows}
         self.rows = [row for row in self.rows if row.RecordId in kept or row.VmId.lower() not in vm_ids]
         self.vm_alerts = [(r, kind) for r, kind in self.vm_alerts if r.identity.vmId.lower() not in vm_ids]

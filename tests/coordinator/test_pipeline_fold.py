@@ -282,27 +282,6 @@ def hooked(name: str, event_id: str) -> RawMessage:
     return message(data)
 
 
-def test_a_vm_another_instance_already_moved_to_the_same_position_has_its_rows_written_once():
-    """Two instances fold the same envelope (a partition handed over, its last batch delivered again): the one that
-    writes the VM's position second finds it already there, and its own rows of that VM (here the Hook row) are
-    not written again beside those the first wrote with the position."""
-    bench = Bench(store=SideBySide())
-    store = bench.store
-    assert isinstance(store, SideBySide)
-    put_event(store, "EV-web_0", vms=("web_0",), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
-    first, second = bench.run(), bench.run()
-    store.between = lambda: fold.fold(second, ingest.read_batch(second, [hooked("web_0", "EV-web_0")], "vms"))
-    fold.fold(first, ingest.read_batch(first, [hooked("web_0", "EV-web_0")], "vms"))
-
-    assert first.report.conflicts > 0
-    assert bench.vm("web_0", scale_set="web").sightings["EV-web_0"].hooks == {"prepare": "succeeded"}
-    written = [row for run in (first, second) for entry in run.work.staged for row in entry.rows]
-    hooks = [row for row in written if row.RecordType == "Hook"] + [
-        row for run in (first, second) for row in run.work.unstaged() if row.RecordType == "Hook"
-    ]
-    assert [(row.VmName, row.Outcome) for row in hooks] == [("web_0", "succeeded")]
-
-
 def test_sibling_deletes_ready_in_runs_side_by_side_are_approved_together():
     """The fleet demo's lost scale-in-2: web_1's and web_3's hooks succeed in two runs at once. Each decides its
     delete before the other's hook is in a VM position, so each holds its own by the other (and neither sees the
