@@ -41,7 +41,8 @@ At most once: every decisionId is kept in a decision ledger with its event and w
 the forwarder's SQLite state, next to the spool, so it survives a restart; bounded to a day and 10,000 entries,
 forwarder/durable_state.py). The ledger says "executing" before the StartRequests POST and "approved" once IMDS took
 it. The same decision for the same event again (a sender retry after a lost answer, or a replay after a restart)
-gets the stored answer without a second POST; one a crash interrupted between the two is never executed again; a
+gets the stored answer without a second POST; one a crash interrupted between the two is judged again on a document
+read now, so it is POSTed again only while the event is still Scheduled (StartRequests starts an event once); a
 refused one is evaluated again (the document may have caught up, the coordinator may have decided it again with a
 new notAfter); a decisionId already used for another event is a replay and is rejected. IMDS answering an error to
 the POST leaves the decision unexecuted (503, the sender retries).
@@ -240,12 +241,10 @@ class Approver:
                 return self._result(approval, "rejected", reason, None), False
             if prior is not None and prior.status == "approved":
                 return ApprovalResult.from_json_bytes(prior.result), True
-            if prior is not None and prior.status == "executing":
-                reason = (
-                    f"decision {approval.decisionId!r} was being executed at {prior.at.isoformat()} when this listener "
-                    "stopped; whether IMDS took it is unknown, so it is not executed again (at most once)"
-                )
-                return self._result(approval, "rejected", reason, None), False
+            # A decision left "executing" by a crash is judged again like a new one: whether IMDS took the first POST
+            # is unknown, but StartRequests acts once per event (a started event is no longer Scheduled), and the
+            # judgement below needs the event still Scheduled in a document read now, so a second POST can only
+            # start what the first did not (refusing it instead lost the approval until NotBefore).
             stale = refuse_stale(approval, now=now, freshness=self._freshness)
             if stale is not None:
                 return self._remember(approval, "refused", self._result(approval, "rejected", stale, None), now), False
@@ -257,8 +256,8 @@ class Approver:
                 # answer), and once a request lapses the coordinator may send the event to a peer.
                 outcome, reason = "rejected", lapsed
             if outcome == "approved":
-                # Written (durably) before the POST: a crash from here until IMDS answers leaves "executing", and the
-                # decision is never executed again.
+                # Written (durably) before the POST: a crash from here until IMDS answers leaves "executing", judged
+                # again on the next request for it.
                 self._ledger.remember_decision(LedgerEntry(approval.decisionId, approval.eventId, "executing", now))
                 with self._tracer.start_as_current_span(
                     "listener.start_requests",

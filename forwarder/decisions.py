@@ -32,8 +32,8 @@ DecisionStatus = Literal["executing", "approved", "refused"]
 @dataclass(frozen=True)
 class LedgerEntry:
     """What the listener did with one decisionId: ``executing`` from just before its StartRequests POST until IMDS
-    answered (an entry left so by a crash is never executed again), ``approved`` (IMDS took it) or ``refused``;
-    ``result`` is the ApprovalResult JSON it answered ("" while executing)."""
+    answered (an entry left so by a crash is judged again, on a fresh document), ``approved`` (IMDS took it) or
+    ``refused``; ``result`` is the ApprovalResult JSON it answered ("" while executing)."""
 
     decision_id: str
     event_id: str

@@ -105,7 +105,7 @@ def test_a_decision_replayed_after_the_listener_restarts_is_not_executed_again(
 ) -> None:
     """The listener's decision ledger lives in the forwarder's state, next to the spool: a decision it executed is
     answered from there after a restart, without a second StartRequests; one whose execution a crash interrupted is
-    never executed."""
+    judged again on a document read now: POSTed while its event is still Scheduled, refused once it started."""
     state = tmp_path / "state" / "forwarder.sqlite"
     store = Store(state)
     vm = start_vm(VM_A0, auth="sas", ledger=store)
@@ -122,13 +122,21 @@ def test_a_decision_replayed_after_the_listener_restarts_is_not_executed_again(
     assert approved_ids(imds) == [event_id]  # one StartRequests in all
     assert again.approver.imds_posts == 0
 
-    # A crash between "executing" and IMDS's answer: whether IMDS took it is unknown, so it is never executed.
+    # A crash between "executing" and IMDS's answer, IMDS never reached: the event is still Scheduled, so the retry
+    # starts it (refused, the rule's approval was lost until NotBefore).
     other = scheduled_event(imds, VM_A0)
     restarted.remember_decision(LedgerEntry("decision-2", other, "executing", datetime.now(UTC)))
     interrupted = sender.send(approval(other, decision="decision-2"), vm=again.identity)
-    assert interrupted.outcome == "rejected"
-    assert "not executed again (at most once)" in interrupted.reason
-    assert approved_ids(imds) == [event_id]
+    assert (interrupted.outcome, interrupted.reason) == ("approved", "")
+    assert approved_ids(imds) == [event_id, other]
+    assert again.approver.imds_posts == 1
+
+    # The same crash after IMDS took the POST: the event is no longer Scheduled, so nothing is POSTed again.
+    restarted.remember_decision(LedgerEntry("decision-3", event_id, "executing", datetime.now(UTC)))
+    taken = sender.send(approval(event_id, decision="decision-3"), vm=again.identity)
+    assert (taken.outcome, taken.reason) == ("not-scheduled", "the event is Started")
+    assert approved_ids(imds) == [event_id, other]
+    assert again.approver.imds_posts == 1
 
 
 def test_the_listener_refuses_a_request_past_its_not_after_or_dated_far_ahead(
