@@ -8,6 +8,7 @@ carries its history rows and the cards it raised (``raise_alert``), committed in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -115,11 +116,13 @@ def advance(
     *,
     silent_vms: frozenset[str] = frozenset(),
     retired: dict[str, str] | None = None,
+    heard: Mapping[str, datetime] | None = None,
 ) -> None:
     """Derives the state from what the VMs said. ``silent_vms`` are VMs whose forwarder stopped reporting: they
     count as 'gone' once at least one VM has seen the event leave (a deleted VM never reports again). ``retired``
     (VM name -> the event that removed it) are VMs known to be gone for good: they count as gone at once, so an
-    event only they reported concludes ("VM removed")."""
+    event only they reported concludes ("VM removed"). ``heard``: when the service last heard each VM that has a
+    forwarder (the timer's fleet view; None in a batch, which does not have it)."""
     record = change.record
     if not record.open:
         return
@@ -131,7 +134,8 @@ def advance(
     # A "gone" counts only from a VM the event names (issue 21): the peers of its placement group see it too, but
     # whether it is over is the named VMs' to say. Only when none of them reported it (no forwarder there) do the
     # peers' sightings say it.
-    sightings = [s for s in record.vms.values() if s.name in record.resources] or list(record.vms.values())
+    named = [s for s in record.vms.values() if s.name in record.resources]
+    sightings = named or list(record.vms.values())
     gone = [s for s in sightings if s.status == "Gone" or s.name in retired]
     remaining = [s for s in sightings if s.status != "Gone" and s.name not in silent_vms and s.name not in retired]
     approved = record.approval is not None and record.approval.delivered
@@ -141,7 +145,8 @@ def advance(
     # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over.
     unheard = [name for name in record.resources if name not in record.vms and name not in retired]
     only_retired = not any(s.status == "Gone" for s in gone)
-    if gone and not remaining and not (unheard and only_retired):
+    waiting = not named and _named_may_still_list(record, heard, silent_vms, retired)
+    if gone and not remaining and not (unheard and only_retired) and not waiting:
         if record.removed:
             removed = ", ".join(record.removed)
             transition(change, "Completed", now, f"VM removed: {removed} left with this {record.eventType}")
@@ -158,6 +163,26 @@ def advance(
         return
     if record.state == "Scheduled" and record.notBefore is not None and now >= record.notBefore and not approved:
         transition(change, "Expired", now, f"NotBefore {record.notBefore.isoformat()} passed without approval")
+
+
+def _named_may_still_list(
+    record: EventRecord, heard: Mapping[str, datetime] | None, silent: frozenset[str], retired: dict[str, str]
+) -> bool:
+    """Whether a VM the event names, none of which reported it, may still list it, so the peers' 'gone' does not
+    conclude it yet: a named VM with a forwarder that has not been heard since the event was first seen (its
+    envelope listing it may be on its way), or, in a batch (``heard`` None), any named VM: the timer, which knows
+    who has a forwarder and when each was last heard, concludes it. A named VM without a forwarder, silent or
+    removed never lists it."""
+    if heard is None:
+        return any(name not in retired for name in record.resources)
+    first_seen = min((s.firstSeen for s in record.vms.values()), default=None)
+    return any(
+        name in heard
+        and name not in silent
+        and name not in retired
+        and (first_seen is None or heard[name] < first_seen)
+        for name in record.resources
+    )
 
 
 def _seen_started(change: EventChange, now: datetime, *, approved: bool) -> None:

@@ -76,11 +76,11 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     run.heard = last_seen  # an approval this tick decides is planned (attempt.intend) by these
     # A VM known only from Event Grid has no heartbeat to miss: its statuses (Completed, Canceled) say when it is done.
     agentless = {vm.name for vm in known if vm.agentless}
-    reporting = {vm.name for vm in known if not vm.agentless}
+    heard = {vm.name: last_seen[vm.name] for vm in known if not vm.agentless}  # the VMs with a forwarder
     silent = frozenset(
         name
         for name, seen in last_seen.items()
-        if seen < now - run.options.heartbeat_timeout and not (name in agentless and name not in reporting)
+        if seen < now - run.options.heartbeat_timeout and not (name in agentless and name not in heard)
     )
     open_ids = sorted(fleet.cache.open_events(force=True))
     read = store.get_events(open_ids, cached=True)
@@ -103,7 +103,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
             change = commit_event(
                 store,
                 record.eventId,
-                lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen),
+                lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen, heard=heard),
                 read=stored,
                 etags=work.etags,
                 outbox=run.outbox(),
@@ -173,12 +173,13 @@ def reconsider(
     silent: frozenset[str],
     retired: dict[str, str],
     last_seen: dict[str, datetime],
+    heard: dict[str, datetime],
 ) -> EventChange | None:
     if record is None:
         return None
     now = run.now
     change = EventChange(record=clone(record))
-    advance(change, now, silent_vms=silent, retired=retired)
+    advance(change, now, silent_vms=silent, retired=retired, heard=heard)
     if not run.dry_run:
         sender_gone(change, now)
     if record.eventType == "Terminate" and record.approval is not None and record.approval.delivered:

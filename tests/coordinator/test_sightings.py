@@ -471,21 +471,34 @@ def test_a_gone_counts_only_from_a_vm_the_event_names():
     assert named_gone.record.state == "Canceled"
 
 
-def test_an_event_concluded_by_a_peer_before_its_vm_spoke_opens_again_when_its_vm_lists_it():
-    """Only a peer had reported it when the peer said 'gone' (its VM's forwarder was late): Canceled; the VM it names
-    lists it: opened again, though that VM never had a sighting to be 'gone' (it stayed Canceled before)."""
+def test_a_peers_gone_concludes_only_once_the_vm_it_names_cannot_still_list_it():
+    """Only a peer has reported the event when the peer says 'gone' (the VM it names has a late forwarder, or none).
+    A batch does not conclude it (it does not know who has a forwarder); the timer does once the named VM cannot
+    still list it: no forwarder, fallen silent, or heard since the event was first seen without listing it. Its VM
+    listing it later finds it open (it used to be Canceled by the peer, with its card, and opened again)."""
     named, peer = vm("WestNO_0", index=1), vm("WestNO_1", index=2)
     freeze = scheduled_event(resources=["WestNO_0"])
     first, vms = run([envelope(peer, sequence=1, incarnation=2, events=[freeze])])
     assert first is not None
     gone, vms = run([envelope(peer, sequence=2, incarnation=3, events=[])], vm_records=vms, record=first.record)
     assert gone is not None
-    assert gone.record.state == "Canceled"
-    again, _ = run([envelope(named, sequence=1, incarnation=2, events=[freeze])], vm_records=vms, record=gone.record)
-    assert again is not None
-    assert again.record.state == "Scheduled"
-    (reopened,) = [r for r in again.rows if r.RecordType == "Transition"]
-    assert "listed again by WestNO_0, which it names" in reopened.Reason
+    assert gone.record.state == "Scheduled"
+    seen = gone.record.vms["WestNO_1"].firstSeen
+    second = timedelta(seconds=1)
+
+    def tick(heard: dict[str, datetime], silent: frozenset[str] = frozenset()) -> str:
+        change = EventChange(record=clone(gone.record))
+        advance(change, DOC_NOW + timedelta(seconds=30), silent_vms=silent, heard=heard)
+        return change.record.state
+
+    assert tick({"WestNO_0": seen - second, "WestNO_1": seen}) == "Scheduled"  # its listing may be on its way
+    assert tick({"WestNO_1": seen}) == "Canceled"  # no forwarder on WestNO_0
+    assert tick({"WestNO_0": seen + second, "WestNO_1": seen}) == "Canceled"  # heard since, not listing it
+    assert tick({"WestNO_0": seen - second}, silent=frozenset({"WestNO_0"})) == "Canceled"
+    listed, _ = run([envelope(named, sequence=1, incarnation=2, events=[freeze])], vm_records=vms, record=gone.record)
+    assert listed is not None
+    assert listed.record.state == "Scheduled"
+    assert [r for r in listed.rows if r.RecordType == "Transition"] == []
 
 
 def test_a_contradicting_sighting_behind_its_vms_newer_position_is_still_kept_as_a_conflict():
