@@ -234,6 +234,30 @@ def test_a_stale_vms_sighting_is_written_once_as_redone_not_also_as_first_derive
     assert sorted(row.RecordType for row in run.work.rows) == ["Observation", "Transition"]
 
 
+def test_one_envelope_folded_by_two_instances_is_one_row_of_what_the_vm_said():
+    """A partition handed over while its last batch was in flight: the new owner folds the same envelope a second
+    later, from a cached position the old owner has since moved to that envelope. Both derive the VM's rows (the
+    new owner's write of the position is set aside, its rows are not: they may be its own lost-answer attempt's);
+    what the VM said is one fact, so both runs' rows of it carry one RecordId (two rows before, at two ``now``)."""
+    store = StaleCacheStore()
+    bench = Bench(store=store)
+    reboot = scheduled_event("EV-R", event_type="Reboot", resources=["WestNO_0"], duration=-1)
+    batch(bench, [report("WestNO_0", 1, reboot)])
+    store.cache = {group.record.group: group for group in store.all_vm_groups()}  # the new owner's, from before
+    gone = report("WestNO_0", 2)  # listed nothing: the Reboot is gone for WestNO_0
+    old_owner, _ = batch(bench, [gone])
+    bench.now = DOC_NOW + timedelta(seconds=1)
+    new_owner, _ = batch(bench, [gone])
+
+    def said(run: Run) -> list[tuple[str, datetime, int | None]]:
+        return [(r.RecordId, r.TimeGenerated, r.Sequence) for r in run.work.rows if r.RecordType == "Observation"]
+
+    first, second = said(old_owner), said(new_owner)
+    assert [sequence for _, _, sequence in first + second] == [2, 2]
+    assert first[0][1] != second[0][1], "two runs at two `now`"
+    assert first[0][0] == second[0][0]
+
+
 def test_a_vm_whose_clock_runs_six_minutes_slow_is_fresh_by_the_enqueued_time_and_executes(bench: Bench):
     """Freshness is the service's clock (the message's Event Hubs enqueued time), not the VM's observedAt: a VM
     whose clock runs 6 minutes slow, past the 5-minute heartbeat timeout, was judged silent, its approval had no
