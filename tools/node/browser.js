@@ -23,20 +23,14 @@
 'use strict';
 
 const readline = require('readline');
-const { launch, BrowserMissing } = require('./chromium');
+const { exitWith, launchOrExplain } = require('./chromium');
 
 const VIEWPORT = { width: 1280, height: 800 };
 const TIMEOUT_MS = 30000;
 
 async function main() {
-  let browser;
-  try {
-    browser = await launch();
-  } catch (error) {
-    if (!(error instanceof BrowserMissing)) throw error;
-    process.stderr.write(`${error.message}\n`);
-    return 2;
-  }
+  const browser = await launchOrExplain();
+  if (browser === null) return 2;
   const contexts = new Map();
   const pages = new Map();
   const status = new Map(); // page id -> status of its last main-document response
@@ -151,12 +145,4 @@ async function main() {
   return 0;
 }
 
-main().then(
-  (code) => {
-    process.exitCode = code;
-  },
-  (error) => {
-    process.stderr.write(`${error.stack || error}\n`);
-    process.exitCode = 1;
-  },
-);
+exitWith(main);
