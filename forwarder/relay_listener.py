@@ -1,5 +1,5 @@
-"""Azure Relay Hybrid Connections listener (the HTTP request/response gesture), on the forwarder's own small
-WebSocket client (forwarder/websocket.py says why not the ``websockets`` package).
+"""Azure Relay Hybrid Connections listener (the HTTP request/response gesture), on the forwarder's small WebSocket
+client over ``wsproto`` (forwarder/websocket.py says why not the ``websockets`` package).
 
 There is no maintained Python data-plane SDK for Hybrid Connections, so this speaks the protocol itself
 (learn: azure-relay/relay-hybrid-connections-protocol):

@@ -80,12 +80,21 @@ def test_request_bytes() -> None:
 
 
 def test_content_length_split_across_segments_and_kept_alive(serve: list[ScriptedServer]) -> None:
-    split = [b"HTTP/1.1 200 OK\r\nConte", b'nt-Length: 11\r\n\r\n{"a":', b" 12345}"]
+    split = [b"HTTP/1.1 200 OK\r\nConte", b'nt-Length: 12\r\n\r\n{"a":', b" 12345}"]
     server, conn = connect(serve, [split, OK])
-    assert conn.exchange(REQUEST, timeout=2).body == b'{"a": 12345}'[:11]
+    assert conn.exchange(REQUEST, timeout=2).body == b'{"a": 12345}'
     assert conn.exchange(REQUEST, timeout=2).body == b"{}"
     assert server.connections == 1
     assert server.requests == [REQUEST, REQUEST]
+
+
+def test_bytes_beyond_the_content_length_are_not_read_as_the_next_answer(serve: list[ScriptedServer]) -> None:
+    surplus = [b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"a": 12345}']
+    server, conn = connect(serve, [surplus, OK])
+    response = conn.exchange(REQUEST, timeout=2)
+    assert (response.body, response.close) == (b'{"a": 12345', True)  # out of step: the connection is dropped
+    assert conn.exchange(REQUEST, timeout=2).body == b"{}"
+    assert server.connections == 2
 
 
 def test_chunked_body_with_trailer(serve: list[ScriptedServer]) -> None:
@@ -129,6 +138,13 @@ def test_a_fresh_connection_closed_without_answer_is_an_error(serve: list[Script
 def test_not_http_is_a_protocol_error(serve: list[ScriptedServer]) -> None:
     _, conn = connect(serve, [[b"SSH-2.0-OpenSSH\r\n\r\n"]])
     with pytest.raises(HttpProtocolError, match=r"not an HTTP/1\.x status line"):
+        conn.exchange(REQUEST, timeout=2)
+
+
+def test_oversized_headers_are_a_protocol_error(serve: list[ScriptedServer]) -> None:
+    endless_head = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 100_000
+    _, conn = connect(serve, [[endless_head, b""]])
+    with pytest.raises(HttpProtocolError, match="response headers are too large"):
         conn.exchange(REQUEST, timeout=2)
 
 
