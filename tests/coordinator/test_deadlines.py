@@ -127,6 +127,23 @@ def test_the_deadline_cuts_a_trickling_answer_that_per_read_timeouts_let_through
         session().get(trickle.url, timeout=0.5)
 
 
+def test_a_request_made_after_the_deadline_fails_before_it_is_sent(trickle):
+    """The block's deadline passed before its request was made (a slow token, a retry's backoff, a starved thread):
+    the connection is not open yet, so there is no socket to shut; the request must not run its course (a trickling
+    answer held such a call for 55 s)."""
+
+    def late() -> None:
+        with deadline(0.2, "late"):
+            time.sleep(0.4)
+            session().get(trickle.url, timeout=5)
+
+    elapsed, error = timed(late)
+    assert elapsed < 0.4 + SLACK
+    assert isinstance(error, DeadlineExceeded)
+    assert "late: no complete answer" in str(error)
+    assert trickle.requests == 0
+
+
 def test_a_trickling_health_gate_is_an_error_at_its_timeout(trickle):
     elapsed, results = timed(
         lambda: GateReader({"health": Gate(http=HttpGate(url=trickle.url, timeoutSeconds=1))}).results(["health"])
