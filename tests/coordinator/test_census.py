@@ -19,11 +19,11 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.census import ArmCensusReader, Census, CensusError, resource_group_id
 from coordinator.domain.census import CensusEntry, describe, disagreements
 from coordinator.domain.controls import VmFacts
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from emulators.tokens import mint_token
 from forwarder.imds import identity_of
 from tests.coordinator.helpers import DOC_NOW
+from tests.coordinator.runs import imds_serving
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000c0501"
 GROUP = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-fleet"
@@ -57,15 +57,10 @@ class MintedCredential:
 
 @pytest.fixture
 def arm() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "census",
-            "scaleSets": {"web": {"terminateNotification": True}},
-            "vms": [{"subscriptionId": SUBSCRIPTION, "resourceGroupName": "rg-fleet", **vm} for vm in VMS],
-        }
-    )
+    vms = [{"subscriptionId": SUBSCRIPTION, "resourceGroupName": "rg-fleet", **vm} for vm in VMS]
+    scale_sets = {"web": {"terminateNotification": True}}
     # Two VMs a page: every list the census reads takes more than one.
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW), arm_page_size=2) as emulator:
+    with imds_serving("census", vms, scale_sets=scale_sets, arm_page_size=2) as emulator:
         yield emulator
 
 

@@ -30,31 +30,26 @@ from coordinator.adapters.teams import AlertError, TeamsWebhookSink
 from coordinator.domain.controls import AlertGate, Gate, HttpGate
 from coordinator.domain.history_rows import dead_letter_row
 from tests.coordinator.helpers import DOC_NOW, vm
+from tests.loopback import SocketServer
 
 # Within this of the deadline: a thread's wake-up and the shutdown of its socket, on a loaded 2-core machine.
 SLACK = 1.5
 VM = VmIdentity.model_validate(vm("web_0", index=1))
 
 
-class Trickle:
+class Trickle(SocketServer):
     """An HTTP server that answers every request a byte every 0.2 s (a 200 with a body that never seems to end,
     for 30 s): each read gets a byte well within any per-read timeout. ``stall_after``: sends that many bytes of
     the answer at once, then nothing for 10 s."""
 
     def __init__(self, stall_after: int | None = None) -> None:
         self.stall_after = stall_after
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.requests = 0
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+    def handle(self, connection: socket.socket) -> None:
+        threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
 
     def _answer(self, connection: socket.socket) -> None:
         self.requests += 1
@@ -72,9 +67,6 @@ class Trickle:
             pass
         finally:
             connection.close()
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 @pytest.fixture

@@ -4,51 +4,41 @@ path to it) may produce, split across packets, and connections closed under it."
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from forwarder.keepalive import HttpProtocolError, KeepAliveConnection, build_request
+from tests.loopback import SocketServer
 
 REQUEST = build_request("GET", "127.0.0.1", "/metadata/scheduledevents?api-version=2020-07-01")
 
 
-class ScriptedServer:
+class ScriptedServer(SocketServer):
     """Answers each request with the next scripted reply (a list of pieces sent as separate segments; an empty last
-    piece closes the connection after it); a reply of None closes the connection without answering."""
+    piece closes the connection after it); a reply of None closes the connection without answering. One connection
+    at a time."""
 
     def __init__(self, replies: list[list[bytes] | None]) -> None:
         self.replies = replies
         self.requests: list[bytes] = []
         self.connections = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed at teardown
-            self.connections += 1
-            with conn:
-                while data := conn.recv(65536):
-                    self.requests.append(data)
-                    reply = self.replies.pop(0) if self.replies else None
-                    if reply is None:
-                        break
-                    for piece in reply:
-                        conn.sendall(piece)
-                        time.sleep(0.01)  # separate TCP segments
-                    if reply and reply[-1] == b"":  # an empty last piece: close after this reply
-                        break
-
-    def close(self) -> None:
-        self._listener.close()
+    def handle(self, connection: socket.socket) -> None:
+        self.connections += 1
+        with connection:
+            while data := connection.recv(65536):
+                self.requests.append(data)
+                reply = self.replies.pop(0) if self.replies else None
+                if reply is None:
+                    break
+                for piece in reply:
+                    connection.sendall(piece)
+                    time.sleep(0.01)  # separate TCP segments
+                if reply and reply[-1] == b"":  # an empty last piece: close after this reply
+                    break
 
 
 @pytest.fixture

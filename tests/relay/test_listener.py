@@ -22,16 +22,8 @@ from emulators.relay.auth import create_sas_token
 from forwarder.relay_listener import RelayListener
 from forwarder.relay_protocol import RelayRequest, RelayResponse
 from forwarder.relay_tokens import RelayToken
+from tests.polling import wait_for
 from tests.relay.conftest import LISTEN_KEY, SEND_KEY, VM_A0, Vm, approval, scheduled_event
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def send(relay: RelayEmulator, hc: str, path: str, body: bytes = b"", method: str = "POST") -> requests.Response:
