@@ -63,42 +63,48 @@ _SEQUENCE, _SET, _OCTET_STRING, _OID, _INTEGER, _EXPLICIT_0 = 0x30, 0x31, 0x04, 
 _SIGNED_DATA_OID = bytes.fromhex("2a864886f70d010702")  # 1.2.840.113549.1.7.2
 
 
-def _tlv(data: bytes, offset: int) -> tuple[int, int, int]:
-    """(tag, start of value, end of value) of the DER element at ``offset``."""
-    if offset + 2 > len(data):
+def _tlv(data: bytes, offset: int, limit: int) -> tuple[int, int, int]:
+    """(tag, start of value, end of value) of the DER element at ``offset``, which must end by ``limit`` (the end of
+    the element that holds it): a length that reaches past its parent, or is not in DER's shortest form, is a
+    document changed in transit or not IMDS's, whatever its signature says of the content."""
+    if offset + 2 > limit:
         raise AttestationError("truncated PKCS7")
     tag, length = data[offset], data[offset + 1]
     start = offset + 2
     if length & 0x80:
         count = length & 0x7F
-        if count == 0 or count > 4 or start + count > len(data):
+        if count == 0 or count > 4 or start + count > limit:
             raise AttestationError("PKCS7 is not DER (indefinite or oversized length)")
         length = int.from_bytes(data[start : start + count], "big")
+        if length < 0x80 or data[start] == 0:
+            raise AttestationError("PKCS7 is not DER (a length not in its shortest form)")
         start += count
-    if start + length > len(data):
-        raise AttestationError("truncated PKCS7")
+    if start + length > limit:
+        raise AttestationError("truncated PKCS7 (an element runs past the one that holds it)")
     return tag, start, start + length
 
 
-def _expect(data: bytes, offset: int, tag: int, what: str) -> tuple[int, int]:
-    found, start, end = _tlv(data, offset)
+def _expect(data: bytes, offset: int, tag: int, what: str, limit: int) -> tuple[int, int]:
+    found, start, end = _tlv(data, offset, limit)
     if found != tag:
         raise AttestationError(f"PKCS7: {what} expected (tag {tag:#04x}), found tag {found:#04x}")
     return start, end
 
 
 def signed_content(der: bytes) -> bytes:
-    """The encapsulated content of a DER SignedData (not verified)."""
-    start, _ = _expect(der, 0, _SEQUENCE, "ContentInfo")
-    oid_start, oid_end = _expect(der, start, _OID, "contentType")
+    """The encapsulated content of a DER SignedData (not verified), each element read within the one that holds it."""
+    start, end = _expect(der, 0, _SEQUENCE, "ContentInfo", len(der))
+    oid_start, oid_end = _expect(der, start, _OID, "contentType", end)
     if der[oid_start:oid_end] != _SIGNED_DATA_OID:
         raise AttestationError("PKCS7 is not a SignedData")
-    inner, _ = _expect(der, oid_end, _EXPLICIT_0, "content [0]")
-    signed, _ = _expect(der, inner, _SEQUENCE, "SignedData")
-    _, after_version = _expect(der, signed, _INTEGER, "version")
-    _, after_digests = _expect(der, after_version, _SET, "digestAlgorithms")
-    encap, _ = _expect(der, after_digests, _SEQUENCE, "encapContentInfo")
-    _, after_type = _expect(der, encap, _OID, "eContentType")
-    explicit, _ = _expect(der, after_type, _EXPLICIT_0, "eContent [0]")
-    value_start, value_end = _expect(der, explicit, _OCTET_STRING, "eContent")
+    inner, inner_end = _expect(der, oid_end, _EXPLICIT_0, "content [0]", end)
+    signed, signed_end = _expect(der, inner, _SEQUENCE, "SignedData", inner_end)
+    _, after_version = _expect(der, signed, _INTEGER, "version", signed_end)
+    _, after_digests = _expect(der, after_version, _SET, "digestAlgorithms", signed_end)
+    encap, encap_end = _expect(der, after_digests, _SEQUENCE, "encapContentInfo", signed_end)
+    _, after_type = _expect(der, encap, _OID, "eContentType", encap_end)
+    explicit, explicit_end = _expect(der, after_type, _EXPLICIT_0, "eContent [0]", encap_end)
+    value_start, value_end = _expect(der, explicit, _OCTET_STRING, "eContent", explicit_end)
+    if value_end != explicit_end:
+        raise AttestationError("PKCS7: eContent [0] holds more than its OCTET STRING")
     return der[value_start:value_end]

@@ -167,6 +167,26 @@ def test_a_chain_proven_once_proves_nothing_after_its_signer_expired() -> None:
                      vm_id=WEB_0["vmId"], nonce="1234567890", at=later)  # fmt: skip
 
 
+def test_a_document_framed_otherwise_than_in_der_is_refused_though_its_content_verifies(
+    documents: AttestedDocuments,
+) -> None:
+    der = attested(documents, WEB_0, "1234567890").der()
+    content = der.index(b'{"licenseType"')
+    # eContent [0] (A0 82 len len) holding the OCTET STRING (04 82 len len) of the content, as IMDS frames it.
+    header = der[content - 8 : content - 4]
+    length = int.from_bytes(header[2:], "big")
+    assert header[:2] == bytes([0xA0, 0x82])
+    assert length > 0xFF
+    for framing, why in (
+        (bytes([0xA0, 0x82, 0x00, length & 0xFF]), "shortest form"),  # a long form with a leading zero byte
+        (bytes([0xA0, 0x82]) + (length - 1).to_bytes(2, "big"), "runs past"),  # the OCTET STRING outruns its [0]
+    ):
+        changed = der[: content - 8] + framing + der[content - 4 :]
+        document = Attestation(encoding="pkcs7", signature=base64.b64encode(changed).decode())
+        with pytest.raises(AttestationError, match=why):
+            verifier().verify(document, vm_id=WEB_0["vmId"], nonce="1234567890", at=NOW)
+
+
 def test_a_signer_outside_the_signer_domain_is_refused(documents: AttestedDocuments) -> None:
     stranger = CA.signer(issuer_url=ISSUER_URL, names=("metadata.example.com",))
     document = signed(stranger, content(WEB_0["vmId"], "1234567890", NOW, timedelta(hours=1)))
