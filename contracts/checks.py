@@ -1,11 +1,7 @@
-"""Records validated with the standard library only: what the on-VM forwarder reads and writes without pydantic.
-
-pydantic with the contracts' models costs a forwarder about 13 MiB of resident memory, more than the whole rest of
-it (docs/forwarder.md, *Footprint*). The coordinator keeps the pydantic models (contracts/envelope.py, document.py,
-approval.py, attestation.py): they are the contract. ``contracts/wire.py`` restates them as ``Record`` dataclasses
-whose fields carry a ``Check``, and ``tests/forwarder/test_wire.py`` holds the two to one contract: each record's
-JSON schema (``Record.json_schema``, in pydantic's form) equals its model's, and documents and envelopes round-trip
-through both alike.
+"""Records validated with the standard library only: the forwarder's settings (forwarder/config.py) and the Relay
+control messages (forwarder/relay_protocol.py), read without pydantic on the VM (docs/forwarder.md, *Footprint*).
+The contracts' records (contracts/schema_record.py) build on ``Record`` and ``Invalid`` but take their checks from
+the pydantic models' JSON schemas, not from here.
 
 A check reads a JSON value (or an already typed one, so that a record built in code is validated the same way) and
 returns the typed value, or raises ``Invalid`` with pydantic's message and location ("EventStatus: Input should be
@@ -37,12 +33,9 @@ def _inside(key: str | int, error: Invalid) -> list[tuple[str, str]]:
 
 
 class Check:
-    """Reads one field's value; ``schema`` is the JSON schema fragment pydantic writes for the same field."""
+    """Reads one field's value."""
 
     def read(self, value: Any) -> Any:
-        raise NotImplementedError
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
@@ -73,10 +66,6 @@ class Text(Check):
             raise self.bad(f"String should match pattern '{self.pattern}'")
         return value
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {"maxLength": self.max_length, "minLength": self.min_length, "pattern": self.pattern}
-        return {**{k: v for k, v in bounds.items() if v is not None}, "type": "string"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Choice(Check):
@@ -88,11 +77,6 @@ class Choice(Check):
             listed = shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
             raise self.bad(f"Input should be {listed}")
         return value
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        if len(self.values) == 1:
-            return {"const": self.values[0], "type": "string"}
-        return {"enum": list(self.values), "type": "string"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +114,6 @@ class Number(Check):
             raise self.bad(f"Input should be less than or equal to {self.le}")
         return value if self.integer else float(value)
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {"exclusiveMinimum": self.gt, "maximum": self.le, "minimum": self.ge}
-        return {**{k: v for k, v in bounds.items() if v is not None}, "type": "integer" if self.integer else "number"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Flag(Check):
@@ -158,9 +138,6 @@ class Flag(Check):
             raise self.bad("Input should be a valid boolean")
         return value
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "boolean"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Moment(Check):
@@ -179,9 +156,6 @@ class Moment(Check):
         if self.aware and value.tzinfo is None:
             raise self.bad(f"Value error, {self.aware}")
         return value
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"format": "date-time", "type": "string"}
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
         # pydantic's form: UTC as "Z", fractions only when there are some.
@@ -212,10 +186,6 @@ class Many(Check):
         if problems:
             raise Invalid(problems)
         return items
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {} if self.max_length is None else {"maxItems": self.max_length}
-        return {"items": self.item.schema(defs), **bounds, "type": "array"}
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
         return [self.item.dump(v, exclude_none=exclude_none) for v in value]
@@ -250,10 +220,6 @@ class TextMap(Check):
                 )
         return dict(value)
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {} if self.max_length is None else {"maxProperties": self.max_length}
-        return {"additionalProperties": {"type": "string"}, **bounds, "type": "object"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Nested(Check):
@@ -265,10 +231,6 @@ class Nested(Check):
         if isinstance(value, self.record):
             return value
         return self.record.from_mapping(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        self.record.json_schema(defs)
-        return {"$ref": f"#/$defs/{self.record.__name__}"}
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
         return value.to_mapping(exclude_none=exclude_none)
@@ -282,9 +244,6 @@ class Maybe(Check):
 
     def read(self, value: Any) -> Any:
         return None if value is None else self.inner.read(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"anyOf": [self.inner.schema(defs), {"type": "null"}]}
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
         return None if value is None else self.inner.dump(value, exclude_none=exclude_none)
@@ -384,33 +343,3 @@ class Record:
         if self.extras:
             object.__setattr__(copy, "_extras", self.extras)
         return copy
-
-    @classmethod
-    def json_schema(cls, defs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The record's JSON schema in pydantic's form without titles and descriptions (the contract test's view)."""
-        own = defs is None
-        defs = {} if defs is None else defs
-        properties: dict[str, Any] = {}
-        required: list[str] = []
-        for field in cls.specs():
-            key = field.metadata["alias"] or field.name
-            prop = field.metadata["check"].schema(defs)
-            if field.default is not dataclasses.MISSING:
-                prop["default"] = (
-                    field.metadata["check"].dump(field.default, exclude_none=False)
-                    if field.default is not None
-                    else None
-                )
-            elif field.default_factory is dataclasses.MISSING:
-                required.append(key)
-            properties[key] = prop
-        schema: dict[str, Any] = {"properties": properties}
-        if cls.EXTRA != "ignore":
-            schema["additionalProperties"] = cls.EXTRA == "allow"
-        if required:
-            schema["required"] = required
-        schema["type"] = "object"
-        if own:
-            return {"$defs": defs, **schema} if defs else schema
-        defs[cls.__name__] = schema
-        return {"$ref": f"#/$defs/{cls.__name__}"}

@@ -7,17 +7,17 @@ envelopes stay in order. Unknown fields are kept; a newer schema version is refu
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contracts import wire
+from contracts import wire_rules
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEventsDocument
 
-# The kinds and bounds are declared once, in contracts/wire.py (which the forwarder imports without pydantic), and
-# exported here as well.
-from contracts.wire import (
+# The kinds and bounds are declared once, in contracts/wire_rules.py (which the forwarder imports without pydantic),
+# and exported here as well.
+from contracts.wire_rules import (
     MAX_HOOK_STEPS,
     MAX_SECONDS,
     MAX_TAG_NAME,
@@ -55,6 +55,10 @@ __all__ = [
     "UnsupportedEnvelopeVersion",
     "VmIdentity",
 ]
+
+
+class _Mapped(Protocol):
+    def to_mapping(self) -> dict[str, Any]: ...
 
 
 class UnsupportedEnvelopeVersion(ValueError):
@@ -96,8 +100,8 @@ class VmIdentity(BaseModel):
         return hash((self.resourceId.lower(), self.vmId))
 
     @classmethod
-    def of(cls, identity: wire.VmIdentity) -> VmIdentity:
-        """The identity a forwarder read (contracts/wire.py), as the coordinator's model."""
+    def of(cls, identity: _Mapped) -> VmIdentity:
+        """The identity a forwarder read (contracts/wire.py's record), as the coordinator's model."""
         return cls.model_validate(identity.to_mapping())
 
     @property
@@ -256,7 +260,7 @@ class Envelope(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _known_version(cls, value: str) -> str:
-        match = wire.SCHEMA_PATTERN.match(value)
+        match = wire_rules.SCHEMA_PATTERN.match(value)
         if not match:
             raise ValueError(f"schema {value!r} is not a scheduled-events envelope")
         if int(match.group(1)) > SCHEMA_VERSION:
