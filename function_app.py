@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import azure.functions as func
@@ -96,17 +96,33 @@ def application_properties(events: list[func.EventHubEvent]) -> list[Mapping[str
     return [{} for _ in events]
 
 
-@app.function_name("ingest_envelopes")
-@app.retry(
-    strategy="exponential_backoff", max_retry_count="5", minimum_interval="00:00:02", maximum_interval="00:01:00"
-)
-@app.event_hub_message_trigger(
-    arg_name="events",
-    event_hub_name="%EVENTHUB_NAME%",
-    connection="EventHubConnection",
-    cardinality=func.Cardinality.MANY,
-    consumer_group="%EVENTHUB_CONSUMER_GROUP%",
-)
+_BatchFunction = Callable[[list[func.EventHubEvent]], None]
+
+
+def _hub_trigger(event_hub_name: str) -> Callable[[_BatchFunction], Any]:
+    """The function, named as it is, triggered by batches of many events of ``event_hub_name`` (a binding expression)
+    with the coordinator's consumer group, each batch retried with backoff while it raises."""
+
+    def register(function: _BatchFunction) -> Any:
+        trigger = app.event_hub_message_trigger(
+            arg_name="events",
+            event_hub_name=event_hub_name,
+            connection="EventHubConnection",
+            cardinality=func.Cardinality.MANY,
+            consumer_group="%EVENTHUB_CONSUMER_GROUP%",
+        )
+        retry = app.retry(
+            strategy="exponential_backoff",
+            max_retry_count="5",
+            minimum_interval="00:00:02",
+            maximum_interval="00:01:00",
+        )
+        return app.function_name(function.__name__)(retry(trigger(function)))
+
+    return register
+
+
+@_hub_trigger("%EVENTHUB_NAME%")
 def ingest_envelopes(events: list[func.EventHubEvent]) -> None:
     properties = application_properties(events)
     report = coordinator().process_batch([_raw(e, p) for e, p in zip(events, properties, strict=True)])
@@ -116,17 +132,7 @@ def ingest_envelopes(events: list[func.EventHubEvent]) -> None:
 
 # Event Grid's own channel: the system topic's event subscription delivers to this hub, where only its identity has
 # Data Sender (infra/modules/eventhubs.bicep); an Event Grid event on the VMs' hub is dead-lettered instead.
-@app.function_name("ingest_platform_events")
-@app.retry(
-    strategy="exponential_backoff", max_retry_count="5", minimum_interval="00:00:02", maximum_interval="00:01:00"
-)
-@app.event_hub_message_trigger(
-    arg_name="events",
-    event_hub_name="%PLATFORM_EVENTHUB_NAME%",
-    connection="EventHubConnection",
-    cardinality=func.Cardinality.MANY,
-    consumer_group="%EVENTHUB_CONSUMER_GROUP%",
-)
+@_hub_trigger("%PLATFORM_EVENTHUB_NAME%")
 def ingest_platform_events(events: list[func.EventHubEvent]) -> None:
     properties = application_properties(events)
     messages = [_raw(e, p) for e, p in zip(events, properties, strict=True)]

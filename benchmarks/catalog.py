@@ -71,10 +71,34 @@ class Figure:
 
 
 # --- the benchmarks -----------------------------------------------------------------------------------------------
+def _as_is(*keys: str) -> dict[str, str]:
+    """A headline of figures kept under the benchmark's own keys."""
+    return {key: key for key in keys}
+
+
 _WAVE_HEADLINE = {
     "wave_seconds": "wave_{vms}_seconds",
     "busiest_partition_ops_per_s": "wave_{vms}_busiest_partition_ops_per_s",
 }
+_TERMINATE_HEADLINE = {"wave_seconds": "wave_{vms}_terminate_seconds"}
+
+
+def _wave(
+    name: str,
+    *args: str,
+    headline: dict[str, str],
+    group: str,
+    vms: int | None = None,
+    quick_vms: int = 300,
+    runs: int = 3,
+    timeout: float = 900,
+    quick_timeout: float = 240.0,
+) -> Bench:
+    """A run of benchmarks/wave.py with ``args``, at ``vms`` VMs (None: the wave's 10,000), quick at ``quick_vms``."""
+    full = (*(() if vms is None else ("--vms", str(vms))), *args)
+    quick = ("--vms", str(quick_vms), *args)
+    return Bench(name, "benchmarks.wave", full, quick, runs, headline, timeout, group, quick_timeout)
+
 
 BENCHES = (
     Bench(
@@ -83,11 +107,7 @@ BENCHES = (
         ("--events", "300", "--vms", "10", "--spacing", "0.2", "0.4"),
         ("--events", "10"),
         3,
-        {
-            "detect_to_approve_ms_p50": "detect_to_approve_ms_p50",
-            "detect_to_approve_ms_p99": "detect_to_approve_ms_p99",
-            "pipeline_added_ms_p99": "pipeline_added_ms_p99",
-        },
+        _as_is("detect_to_approve_ms_p50", "detect_to_approve_ms_p99", "pipeline_added_ms_p99"),
         600,
         group="pipeline",
     ),
@@ -97,7 +117,7 @@ BENCHES = (
         ("--events", "300"),
         ("--events", "20"),
         3,
-        {"eventhub_hop_ms_p99": "eventhub_hop_ms_p99"},
+        _as_is("eventhub_hop_ms_p99"),
         300,
         group="pipeline",
     ),
@@ -127,7 +147,7 @@ BENCHES = (
         ("--n", "1000"),
         ("--n", "100"),
         3,
-        {"approval_ms_p50": "approval_ms_p50", "approval_ms_p99": "approval_ms_p99"},
+        _as_is("approval_ms_p50", "approval_ms_p99"),
         300,
         group="pipeline",
     ),
@@ -137,86 +157,42 @@ BENCHES = (
         ("--n", "20"),
         ("--n", "3"),
         1,
-        {
-            "cold_listener_approval_ms_p50": "cold_listener_approval_ms_p50",
-            "cold_listener_approval_ms_p99": "cold_listener_approval_ms_p99",
-        },
+        _as_is("cold_listener_approval_ms_p50", "cold_listener_approval_ms_p99"),
         600,
     ),
-    Bench(
-        "wave",
-        "benchmarks.wave",
-        ("--replay",),
-        ("--vms", "300", "--replay"),
-        3,
-        _WAVE_HEADLINE,
-        900,
-        group="wave",
-    ),
-    Bench(
-        "wave_cold",
-        "benchmarks.wave",
-        ("--bindings", "cold"),
-        ("--vms", "300", "--bindings", "cold"),
-        3,
-        {"wave_seconds": "wave_{vms}_cold_seconds"},
-        900,
-        group="wave",
-    ),
-    Bench(
-        "wave_census",
-        "benchmarks.wave",
-        ("--policy", "census"),
-        ("--vms", "300", "--policy", "census"),
-        3,
-        {"wave_seconds": "wave_{vms}_census_seconds"},
-        900,
-        group="wave",
-    ),
-    Bench(
-        "wave_terminate",
-        "benchmarks.wave",
-        ("--event-type", "Terminate"),
-        ("--vms", "300", "--event-type", "Terminate"),
-        3,
-        {"wave_seconds": "wave_{vms}_terminate_seconds"},
-        900,
-        group="terminate",
-    ),
-    Bench(
+    _wave("wave", "--replay", headline=_WAVE_HEADLINE, group="wave"),
+    _wave("wave_cold", "--bindings", "cold", headline={"wave_seconds": "wave_{vms}_cold_seconds"}, group="wave"),
+    _wave("wave_census", "--policy", "census", headline={"wave_seconds": "wave_{vms}_census_seconds"}, group="wave"),
+    _wave("wave_terminate", "--event-type", "Terminate", headline=_TERMINATE_HEADLINE, group="terminate"),
+    _wave(
         "wave_terminate_2x",
-        "benchmarks.wave",
-        ("--event-type", "Terminate", "--vms", "20000"),
-        ("--vms", "600", "--event-type", "Terminate"),
-        3,
-        {"wave_seconds": "wave_{vms}_terminate_seconds"},
-        1200,
+        "--event-type",
+        "Terminate",
+        vms=20000,
+        quick_vms=600,
+        headline=_TERMINATE_HEADLINE,
+        timeout=1200,
         group="terminate",
     ),
     # Time per envelope at 10k, 50k and 100k VMs, run in turns once each: flat when the coordinator is linear.
-    Bench(
+    _wave(
         "wave_scale_10k",
-        "benchmarks.wave",
-        (),
-        ("--vms", "300"),
-        1,
-        {"seconds_per_1k_envelopes": "wave_10k_seconds_per_1k_envelopes"},
-        900,
+        runs=1,
+        headline={"seconds_per_1k_envelopes": "wave_10k_seconds_per_1k_envelopes"},
         group="scale",
     ),
-    Bench("wave_50k", "benchmarks.wave", ("--vms", "50000"), ("--vms", "500"), 1, _WAVE_HEADLINE, 2400, group="scale"),
-    Bench(
+    _wave("wave_50k", vms=50000, quick_vms=500, runs=1, headline=_WAVE_HEADLINE, timeout=2400, group="scale"),
+    _wave(
         "wave_100k",
-        "benchmarks.wave",
-        ("--vms", "100000"),
-        ("--vms", "1000"),
-        1,
-        {
+        vms=100000,
+        quick_vms=1000,
+        runs=1,
+        headline={
             **_WAVE_HEADLINE,
             "tick_seconds": "tick_{vms}_first_seconds",
             "tick_again_seconds": "tick_{vms}_seconds",
         },
-        3600,
+        timeout=3600,
         group="scale",
         quick_timeout=400,
     ),
@@ -226,12 +202,12 @@ BENCHES = (
         ("--seconds", "120", "--warmup", "10", "--sink", "eventhub"),
         ("--seconds", "15", "--warmup", "5", "--sink", "eventhub"),
         1,
-        {
-            "forwarder_rss_mib": "forwarder_rss_mib",
-            "forwarder_cpu_s_per_hour": "forwarder_cpu_s_per_hour",
-            "forwarder_rss_ratio_to_bare_poller": "forwarder_rss_ratio_to_bare_poller",
-            "forwarder_cpu_ratio_to_bare_poller": "forwarder_cpu_ratio_to_bare_poller",
-        },
+        _as_is(
+            "forwarder_rss_mib",
+            "forwarder_cpu_s_per_hour",
+            "forwarder_rss_ratio_to_bare_poller",
+            "forwarder_cpu_ratio_to_bare_poller",
+        ),
         400,
     ),
     Bench(
@@ -240,7 +216,7 @@ BENCHES = (
         ("--envelopes", "5000"),
         ("--envelopes", "1000"),
         3,
-        {"spool_replay_per_s": "spool_replay_per_s"},
+        _as_is("spool_replay_per_s"),
         300,
     ),
     Bench(
@@ -262,10 +238,7 @@ BENCHES = (
         (),
         (),
         1,
-        {
-            "callback_cost_usd_per_vm_month": "callback_cost_usd_per_vm_month",
-            "callback_cost_usd_per_vm_month_always_on": "callback_cost_usd_per_vm_month_always_on",
-        },
+        _as_is("callback_cost_usd_per_vm_month", "callback_cost_usd_per_vm_month_always_on"),
         60,
     ),
 )

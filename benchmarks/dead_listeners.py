@@ -31,7 +31,6 @@ import logging
 import random
 import sqlite3
 import time
-from datetime import datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
@@ -46,27 +45,15 @@ from benchmarks.checks import (
     stack_problems,
     too_few,
 )
+from benchmarks.stack_runs import RULE, stack_options, utc, wait_warm
 from emulators.imds import Scenario, VmSpec
 from local.runner import wait_until
 from local.stack import LocalStack
-from local.stack_options import StackOptions
 from local.summary import percentile
 
-RULE = "approve-everything"
 # Real seconds of a Freeze's notice (15 minutes at the time scale of 60): an approval the runs give less than this is
 # handed to the delivery queue when its listener does not answer.
 NOTICE_SECONDS = 15.0
-APPROVE_ALL = """version: 1
-rules:
-  - name: approve-everything
-    description: benchmark policy - every event is approved at once
-    match: {}
-    action: approve-now
-"""
-
-
-def _time(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
 def run(
@@ -76,21 +63,14 @@ def run(
     rng = random.Random(seed)
     problems: list[str] = []
     with scratch() as tmp:
-        policy = Path(tmp) / "approve-all.yaml"
-        policy.write_text(APPROVE_ALL, encoding="utf-8")
         # Each VM in a placement group of its own: a dead listener's events have no peer to go through.
         scenario = Scenario(
             name="dead-listeners", vms=[VmSpec(name=f"bench_{i}", placementGroupId=f"pg-{i}") for i in range(vms)]
         )
-        options = StackOptions(
-            scenario=scenario,
-            workdir=Path(tmp) / "local",
-            time_scale=60.0,  # a Freeze's 15-minute notice lasts 15 s; Started events leave after 10 s
-            poll_interval=1.0,
-            heartbeat_interval=60.0,
+        options = stack_options(
+            Path(tmp),
+            scenario,
             timer_interval=5.0,
-            policy_path=policy,
-            prepare_hooks=False,
             coordinator_env={"COORDINATOR_IN_RUN_DELIVERY_SECONDS": f"{in_run_seconds:g}"},
         )
         with batch_reports() as reports, LocalStack(options) as stack:
@@ -105,12 +85,7 @@ def run(
             for vm in imds.vms():
                 if vm.name in dead_vms | kill:
                     relay.set_listener_fault(f"vm-{vm.vmId.lower()}", dead=True)
-            # Ready once the coordinator has taken every forwarder's first envelope (its first batch builds it and its
-            # clients): the events measure the pipeline warm.
-            ready = wait_until(lambda: reports.accepted() >= len(names), timeout=60)
-            if not ready:
-                raise RuntimeError("the coordinator took no envelope of some VMs within 60 s; see the work folder")
-            time.sleep(1.0)  # past the first documents' processing
+            wait_warm(lambda: reports.accepted() >= len(names))
             problems += on_demand_problems(stack)
             created: dict[str, str] = {}
             for index in range(events):
@@ -171,10 +146,10 @@ def _latencies(live: list[str], summaries: dict[str, dict[str, Any]]) -> tuple[l
     for event_id in live:
         summary = summaries[event_id]
         approved_at = summary["approvedAt"]
-        if not approved_at or _time(approved_at) >= parsedate_to_datetime(summary["NotBefore"]):
+        if not approved_at or utc(approved_at) >= parsedate_to_datetime(summary["NotBefore"]):
             missed.append(event_id)
             continue
-        latencies.append((_time(approved_at) - _time(summary["scheduledAt"])).total_seconds() * 1000)
+        latencies.append((utc(approved_at) - utc(summary["scheduledAt"])).total_seconds() * 1000)
     return latencies, missed
 
 

@@ -76,6 +76,7 @@ from benchmarks.checks import (
     stack_problems,
     too_few,
 )
+from benchmarks.stack_runs import RULE, stack_options, utc, wait_warm
 from coordinator import RelayApprovalSender, TableStateStore
 from emulators.imds import Scenario, VmSpec
 from local.runner import IngestFunction, wait_until
@@ -83,14 +84,6 @@ from local.stack import LocalStack
 from local.stack_options import StackOptions
 from local.telemetry import Collector
 
-RULE = "approve-everything"
-APPROVE_ALL = f"""version: 1
-rules:
-  - name: {RULE}
-    description: benchmark policy - every event is approved at once
-    match: {{}}
-    action: approve-now
-"""
 # Real seconds the last events' approvals are waited for once every event was created.
 APPROVALS_WAIT = 20.0
 PROBE = {"PartitionKey": "benchmark-probe", "RowKey": "conditional-write"}
@@ -276,21 +269,15 @@ def run(
     """``coordinator_env`` and ``workdir`` are for the tests (e.g. a policy that never approves, a run's files kept)."""
     clock = HopClock()
     with scratch() as tmp:
-        policy = Path(tmp) / "approve-all.yaml"
-        policy.write_text(APPROVE_ALL, encoding="utf-8")
         scenario = Scenario(name="hop", vms=[VmSpec(name=f"hop_{i}", placementGroupId=f"pg-{i}") for i in range(vms)])
-        options = StackOptions(
-            scenario=scenario,
+        options = stack_options(
+            Path(tmp),
+            scenario,
             workdir=workdir or Path(tmp) / "local",
-            time_scale=60.0,  # a Freeze's 15 minutes of notice are 15 s
             # A started event leaves the documents 6 s after it starts (the stack's least), so that a VM's document
             # lists its new event beside a few others, not a dozen (events_listed_p50 says how many).
             started_min_seconds=360.0,
-            poll_interval=1.0,
-            heartbeat_interval=60.0,
             timer_interval=60.0,  # once a minute, as deployed
-            policy_path=policy,
-            prepare_hooks=False,
             ingest_wrapper=clock.wrap,
             coordinator_env=coordinator_env or {},
         )
@@ -309,13 +296,9 @@ def measure(options: StackOptions, clock: HopClock, *, n: int, spacing: tuple[fl
         assert stack.host is not None
         imds = stack.imds
         names = [vm.name for vm in imds.vms()]
-        # Ready once the coordinator has taken every forwarder's first envelope (its first batch builds it and its
-        # clients): the hops are measured warm.
-        ready = wait_until(lambda: reports.accepted() >= len(names) and clock.table is not None, timeout=60)
-        if not ready or clock.table is None:
-            raise RuntimeError("the coordinator took no envelope of some VMs within 60 s; see the work folder")
-        time.sleep(1.0)  # past the first documents' processing
+        wait_warm(lambda: reports.accepted() >= len(names) and clock.table is not None)
         table = clock.table
+        assert table is not None
         etag = str(table.upsert_entity({**PROBE, "Value": -1})["etag"])
         for index in range(n):
             wait_until(clock.idle, timeout=2.0, interval=0.005)
@@ -338,8 +321,7 @@ def measure(options: StackOptions, clock: HopClock, *, n: int, spacing: tuple[fl
         history = stack.history_path
         for row in sorted(history_rows(history, "Approval"), key=lambda row: str(row["TimeGenerated"])):
             if row["Outcome"] == "sending":
-                at = datetime.fromisoformat(str(row["TimeGenerated"]).replace("Z", "+00:00"))
-                recorded.sending_at.setdefault(str(row["EventId"]), at)
+                recorded.sending_at.setdefault(str(row["EventId"]), utc(str(row["TimeGenerated"])))
         problems = recorded.problems
         problems += stack_problems(stack, recorded.created, rule=RULE)
         problems += wiring_problems()

@@ -45,25 +45,12 @@ from benchmarks.checks import (
     stack_problems,
     too_few,
 )
+from benchmarks.stack_runs import RULE, stack_options, utc, wait_warm
 from emulators.imds import Scenario, VmSpec
 from local.observe import stored_envelopes
 from local.runner import wait_until
 from local.stack import HUB, LocalStack
-from local.stack_options import StackOptions
 from local.summary import percentile
-
-RULE = "approve-everything"
-APPROVE_ALL = """version: 1
-rules:
-  - name: approve-everything
-    description: benchmark policy - every event is approved at once
-    match: {}
-    action: approve-now
-"""
-
-
-def _time(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
 def run(
@@ -76,32 +63,16 @@ def run(
     rng = random.Random(seed)
     problems: list[str] = []
     with scratch() as tmp:
-        policy = Path(tmp) / "approve-all.yaml"
-        policy.write_text(APPROVE_ALL, encoding="utf-8")
         scenario = Scenario(name="latency", vms=[VmSpec(name=f"bench_{i}") for i in range(vms)])
-        options = StackOptions(
-            scenario=scenario,
-            workdir=Path(tmp) / "local",
-            time_scale=60.0,  # a Freeze's 15-minute notice lasts 15 s; Started events leave after 10 s
-            poll_interval=1.0,
-            heartbeat_interval=60.0,
-            timer_interval=30.0,
-            policy_path=policy,
-            prepare_hooks=False,
-        )
+        options = stack_options(Path(tmp), scenario, timer_interval=30.0)
         with batch_reports() as reports, LocalStack(options) as stack:
             assert stack.imds is not None
             assert stack.eventhubs is not None
             imds = stack.imds
             names = [vm.name for vm in imds.vms()]
-            # Ready once the coordinator has taken every forwarder's first envelope (its first batch builds it and its
-            # clients): the events measure the pipeline warm. The VMs' Relay
-            # listeners connect on demand (the default): only when an event appears, so the listener's connect is
-            # inside the measured latency.
-            ready = wait_until(lambda: reports.accepted() >= len(names), timeout=60)
-            if not ready:
-                raise RuntimeError("the coordinator took no envelope of some VMs within 60 s; see the work folder")
-            time.sleep(1.0)  # past the first documents' processing
+            # The VMs' Relay listeners connect on demand (the default): only when an event appears, so the listener's
+            # connect is inside the measured latency.
+            wait_warm(lambda: reports.accepted() >= len(names))
             problems += on_demand_problems(stack)
             created: list[str] = []
             owner: dict[str, str] = {}
@@ -157,8 +128,8 @@ def _timings(stack: LocalStack, created: list[str]) -> dict[str, list[float]]:
     assert stack.imds is not None
     assert stack.eventhubs is not None
     imds, eventhubs = stack.imds, stack.eventhubs
-    approvals = {str(item["EventId"]): _time(item["at"]) for item in imds.approvals()}
-    scheduled = {str(e["EventId"]): _time(e["scheduledAt"]) for e in imds.events()}
+    approvals = {str(item["EventId"]): utc(item["at"]) for item in imds.approvals()}
+    scheduled = {str(e["EventId"]): utc(e["scheduledAt"]) for e in imds.events()}
     observed: dict[str, datetime] = {}
     enqueued: dict[str, datetime] = {}  # when Event Hubs stored the first envelope that showed the event
     for stored, envelope in stored_envelopes(eventhubs, HUB)[0]:
@@ -170,7 +141,7 @@ def _timings(stack: LocalStack, created: list[str]) -> dict[str, list[float]]:
                 enqueued[item.EventId] = stored.enqueued_time
     with sqlite3.connect(stack.history_path) as db:
         decided = {
-            str(event_id): _time(str(at))
+            str(event_id): utc(str(at))
             for event_id, at in db.execute(
                 "SELECT EventId, min(TimeGenerated) FROM ScheduledEventsHistory_CL "
                 "WHERE RecordType = 'Decision' GROUP BY EventId"

@@ -49,7 +49,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -57,10 +57,9 @@ import azure.functions as func
 from azure.data.tables import TableServiceClient
 
 from benchmarks.table_ops import CountingTable, Ops, replay
-from benchmarks.wave_checks import left_behind, problems
+from benchmarks.wave_checks import Outcome, left_behind, problems
 from benchmarks.wave_fleet import (
     START,
-    Environment,
     Message,
     Prepared,
     batches,
@@ -72,7 +71,7 @@ from benchmarks.wave_fleet import (
 from coordinator import CLAIM_PARTITION, TransactionTableClient
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
-from local.coordinator_setup import IDENTITY_VARIABLES
+from local.coordinator_setup import AppSettings
 
 # Up to this many VMs, a warm wave's bindings are written to the table before it (--warm-up auto): 40,000 rows in the
 # one partition Azurite scans per write took 190 s, 100,000 would take about 20 minutes, 200,000 over an hour.
@@ -82,23 +81,10 @@ WARM_UP_AT = START - timedelta(seconds=30)
 WAVE_AT = START + timedelta(seconds=30)
 
 
-@dataclass
-class Outcome:
-    """What the timed part did."""
-
-    seconds: float
-    cpu: float
-    drained: bool
-    histories: list[str]
-    totals: Counter[str] = field(default_factory=Counter)
-    warmed: Counter[str] = field(default_factory=Counter)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _coordinator(env: dict[str, str], imds_url: str, reports: list[Any], environment: Environment) -> Any:
+def _coordinator(env: dict[str, str], imds_url: str, reports: list[Any], environment: AppSettings) -> Any:
     """``function_app`` with a coordinator built afresh from ``env`` (approvals straight into the IMDS emulator);
     every batch's report is kept in ``reports`` (its tail adds to it after the batch returns)."""
-    environment.set({**dict.fromkeys(IDENTITY_VARIABLES), **env})
+    environment.apply(env)
     import function_app
     from local.direct_callback import direct_coordinator
 
@@ -180,7 +166,7 @@ def _instance(
 ) -> None:  # fmt: skip
     """One Functions instance owning one partition, in its own process (how the host scales out)."""
     reports: list[Any] = []
-    function_app = _coordinator(env, imds_url, reports, Environment())
+    function_app = _coordinator(env, imds_url, reports, AppSettings())
     _read_census(function_app)
     warmed = _warm_up(function_app, [warm], args, reports, {})
     work = batches(mine, args.batch)
@@ -342,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         args.warm_up = "table" if args.vms <= TABLE_WARM_UP_VMS else "memory"
     import function_app
 
-    environment, built = Environment(), function_app.coordinator
+    environment, built = AppSettings(), function_app.coordinator
     try:
         result = _run(args, environment)
     finally:
@@ -360,7 +346,7 @@ def _replay_floor(connection: str, recorded: list[tuple[str, Any]]) -> float:
     return replay(TransactionTableClient.from_connection_string(connection, table_name="wavereplay"), recorded)
 
 
-def _run(args: argparse.Namespace, environment: Environment) -> dict[str, Any]:
+def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
     started = time.perf_counter()
     ops = Ops(record=args.replay)
     reports: list[Any] = []
@@ -401,15 +387,7 @@ def _run(args: argparse.Namespace, environment: Environment) -> dict[str, Any]:
         function_app.coordinator().parts.history.close()
         left = left_behind(connection, tmp, outcome.histories)
     found = problems(
-        args,
-        envelopes=prepared.envelopes,
-        totals=outcome.totals,
-        warmed=outcome.warmed,
-        drained=outcome.drained,
-        left=left,
-        tick_totals=tick_totals,
-        during_wave=during_wave,
-        listed=listed,
+        args, prepared.envelopes, outcome, left=left, tick_totals=tick_totals, during_wave=during_wave, listed=listed
     )
     states: Counter[str] = left["states"]
     return {

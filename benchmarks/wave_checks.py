@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from azure.data.tables import TableServiceClient
@@ -136,25 +136,39 @@ def left_behind(connection: str, tmp: str, histories: list[str]) -> dict[str, An
     }
 
 
+@dataclass
+class Outcome:
+    """What the timed part did."""
+
+    seconds: float
+    cpu: float
+    drained: bool
+    histories: list[str]
+    totals: Counter[str] = field(default_factory=Counter)
+    warmed: Counter[str] = field(default_factory=Counter)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 def problems(
-    args: Any, *, envelopes: int, totals: Mapping[str, int], warmed: Mapping[str, int], drained: bool,
-    left: Mapping[str, Any], tick_totals: Mapping[str, int], during_wave: Mapping[str, Any], listed: int,
+    args: Any, envelopes: int, outcome: Outcome, *, left: Mapping[str, Any], tick_totals: Mapping[str, int],
+    during_wave: Mapping[str, Any], listed: int,
 ) -> list[str]:  # fmt: skip
     """Everything the wave left otherwise than its policy must (``check``), and what the warm-up and the
     census must have done."""
     found = []
-    if args.bindings == "warm" and warmed.get("accepted", 0) != args.vms:
-        found.append(f"warm-up: accepted {warmed.get('accepted', 0)} of {args.vms} heartbeats")
+    warmed = outcome.warmed.get("accepted", 0)
+    if args.bindings == "warm" and warmed != args.vms:
+        found.append(f"warm-up: accepted {warmed} of {args.vms} heartbeats")
     if listed != args.vms:
         found.append(f"ARM's census lists {listed} VMs (expected {args.vms})")
     found += check(
         expected(args, envelopes),
-        totals=totals,
+        totals=outcome.totals,
         tick_totals=tick_totals,
         states=left["states"],
         rows=left["rows"],
         claims=left["claims"],
-        tails_drained=drained,
+        tails_drained=outcome.drained,
     )
     if args.bindings == "warm" and during_wave["binding_table_ops"]:
         found.append(

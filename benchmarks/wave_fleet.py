@@ -16,7 +16,6 @@ hands the coordinator. Whether a wave measured the product is benchmarks/wave_ch
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 import uuid
@@ -164,30 +163,6 @@ def seed_bindings(coordinator: Any, identities: Iterable[Mapping[str, Any]], *, 
     for name, value in pairs.items():
         remember(coordinator.parts.attestations.bindings, name, value)
     return len(pairs) if table else 0
-
-
-class Environment:
-    """Sets the coordinator's settings in ``os.environ`` (the Functions host's app settings) and puts back what was
-    there before on ``restore``."""
-
-    def __init__(self) -> None:
-        self._saved: dict[str, str | None] = {}
-
-    def set(self, values: Mapping[str, str | None]) -> None:
-        for name, value in values.items():
-            self._saved.setdefault(name, os.environ.get(name))
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-    def restore(self) -> None:
-        for name, value in self._saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        self._saved.clear()
 
 
 # ---- the envelopes ------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""A minimal HTTP/1.1 client connection for IMDS (and, over TLS, the Event Hubs REST API: forwarder/eventhub.py):
-one kept-alive socket, prebuilt requests, small parser.
+"""An HTTP/1.1 client connection for IMDS (and, over TLS, the Event Hubs REST API: forwarder/eventhub.py): one
+kept-alive socket, prebuilt requests, the responses parsed by h11 (sans-IO: it reads bytes we hand it, never the
+socket, so the socket, its timeouts and the TLS context stay ours).
 
 Why not http.client: the forwarder wakes up once a second for one tiny GET, and at that rate the cost is cold
 Python code, not the network. http.client (request building with validation, the email-package header parser)
-runs ~550 µs of CPU per cold poll; this runs ~200 µs, which is what keeps the daemon near 1 CPU-second per hour.
-It speaks just what an IMDS answer needs — Content-Length, chunked or read-to-close bodies, Connection: close —
-and never consults proxy settings (IMDS must not be reached through a proxy).
+runs ~530 µs of CPU per cold poll, prebuilt request bytes with h11's parser ~420 µs (the hand-written parser h11
+replaced: ~150 µs), and it loads the email package (+0.4 MiB). It never consults proxy settings (IMDS must not be
+reached through a proxy).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# h11 0.16: +0.4 MiB RSS (python -c), +0.15-0.3 ms CPU a poll (footprint: 2.1 -> 2.7-3.0 CPU-s/h, 0.22x -> 0.3x).
+import h11
+
 if TYPE_CHECKING:
     import ssl
 
-MAX_HEAD = 64 * 1024
-_CRLF = b"\r\n"
+MAX_HEAD = 64 * 1024  # a response head (or a chunk header) larger than this is refused
 
 
 class HttpProtocolError(OSError):
@@ -36,39 +39,6 @@ class Response:
     body: bytes
     retry_after: str | None
     close: bool
-
-
-@dataclass(frozen=True)
-class _Head:
-    status: int
-    length: int | None
-    chunked: bool
-    close: bool
-    retry_after: str | None
-
-
-def _parse_head(lines: list[bytes]) -> _Head:
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise HttpProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-    length: int | None = None
-    chunked = False
-    close = parts[0] == b"HTTP/1.0"
-    retry_after: str | None = None
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            if not value.strip().isdigit():
-                raise HttpProtocolError(f"bad Content-Length {value[:20]!r}")
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = b"chunked" in value.lower()
-        elif name == b"connection":
-            close = value.strip().lower() == b"close"
-        elif name == b"retry-after":
-            retry_after = value.strip().decode("latin-1")
-    return _Head(int(parts[1]), length, chunked, close, retry_after)
 
 
 _TLS: list[ssl.SSLContext] = []
@@ -117,12 +87,17 @@ class KeepAliveConnection:
         self._tls = tls
         self._max_body = max_body
         self._sock: socket.socket | None = None
+        self._http: h11.Connection | None = None
         self._timeout: float | None = None
+        # What h11 is told was sent, by method: it reads a response only after a request, and the method decides
+        # whether one has a body (HEAD); the bytes on the wire are the prebuilt ones.
+        self._sent: dict[bytes, h11.Request] = {}
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._http = None
 
     def exchange(self, request: bytes, *, timeout: float) -> Response:
         """Send one request and read its response. A kept-alive connection that the server closed while idle is
@@ -145,86 +120,68 @@ class KeepAliveConnection:
             raise
 
     def _exchange(self, request: bytes, timeout: float) -> Response:
-        lines, rest = self._send(request, timeout)
-        head = _parse_head(lines)
-        if head.chunked:
-            body = self._read_chunked(rest)
-        elif head.length is not None:
-            body = self._read_exact(rest, min(head.length, self._max_body + 1))
-        else:
-            body = self._read_to_close(rest)
-        close = head.close or (head.length is None and not head.chunked) or len(body) > self._max_body
-        if close:
-            self.close()
-        return Response(status=head.status, body=body, retry_after=head.retry_after, close=close)
+        sock, http = self._connection(timeout)
+        method = request[: request.find(b" ")]
+        if method not in self._sent:
+            self._sent[method] = h11.Request(method=method, target="/", headers=[("Host", self._address[0])])
+        http.send(self._sent[method])
+        http.send(h11.EndOfMessage())
+        try:
+            sock.sendall(request)
+            data = sock.recv(65536)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise _IdleConnectionClosed(str(exc)) from exc
+        if not data:
+            raise _IdleConnectionClosed("the server closed the connection before answering")
+        head: h11.Response | None = None
+        body = bytearray()
+        while True:
+            http.receive_data(data)
+            while (event := self._next(http, head, closed=not data)) is not h11.NEED_DATA:
+                if isinstance(event, h11.Response):
+                    head = event
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > self._max_body:  # cut: the caller sees max_body + 1 and the socket is dropped
+                        return self._done(head, bytes(body[: self._max_body + 1]), close=True)
+                elif isinstance(event, h11.EndOfMessage):
+                    return self._done(head, bytes(body), close=http.their_state is not h11.DONE)
+            data = sock.recv(65536)
 
-    def _send(self, request: bytes, timeout: float) -> tuple[list[bytes], bytes]:
-        """Send the request; return the response's head lines and what was read after them."""
-        if self._sock is None:
+    def _connection(self, timeout: float) -> tuple[socket.socket, h11.Connection]:
+        if self._sock is None or self._http is None:
             sock = socket.create_connection(self._address, timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock if self._tls is None else self._tls.wrap_socket(sock, server_hostname=self._address[0])
+            self._http = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
             self._timeout = timeout
         elif timeout != self._timeout:
             self._sock.settimeout(timeout)
             self._timeout = timeout
+        return self._sock, self._http
+
+    @staticmethod
+    def _next(http: h11.Connection, head: h11.Response | None, *, closed: bool) -> object:
+        """h11's next event, its refusals said as HttpProtocolError."""
         try:
-            self._sock.sendall(request)
-            buffer = self._sock.recv(65536)
-        except (ConnectionResetError, BrokenPipeError) as exc:
-            raise _IdleConnectionClosed(str(exc)) from exc
-        if not buffer:
-            raise _IdleConnectionClosed("the server closed the connection before answering")
-        while (end := buffer.find(b"\r\n\r\n")) < 0:
-            if len(buffer) > MAX_HEAD:
-                raise HttpProtocolError("response headers are too large")
-            buffer += self._recv()
-        return buffer[:end].split(_CRLF), buffer[end + 4 :]
+            return http.next_event()
+        except h11.RemoteProtocolError as exc:
+            if closed:
+                raise HttpProtocolError("the server closed the connection in the middle of a response") from exc
+            if exc.error_status_hint == 431:
+                raise HttpProtocolError("response headers are too large") from exc
+            if head is None:
+                raise HttpProtocolError(f"not an HTTP/1.x status line and headers: {exc}") from exc
+            raise HttpProtocolError(f"malformed response body: {exc}") from exc
 
-    def _recv(self) -> bytes:
-        assert self._sock is not None
-        data = self._sock.recv(65536)
-        if not data:
-            raise HttpProtocolError("the server closed the connection in the middle of a response")
-        return data
-
-    def _read_exact(self, rest: bytes, length: int) -> bytes:
-        while len(rest) < length:
-            rest += self._recv()
-        return rest[:length]
-
-    def _read_to_close(self, rest: bytes) -> bytes:
-        assert self._sock is not None
-        chunks = [rest]
-        size = len(rest)
-        while size <= self._max_body and (data := self._sock.recv(65536)):
-            chunks.append(data)
-            size += len(data)
-        return b"".join(chunks)
-
-    def _read_chunked(self, rest: bytes) -> bytes:
-        body = bytearray()
-        while True:
-            while (end := rest.find(_CRLF)) < 0:
-                rest += self._recv()
-            size_field = rest[:end].split(b";", 1)[0].strip()
-            try:
-                size = int(size_field, 16)
-            except ValueError:
-                raise HttpProtocolError(f"bad chunk size {size_field[:20]!r}") from None
-            rest = rest[end + 2 :]
-            if size == 0:
-                # Optional trailers, then the empty line that ends the message.
-                while (end := rest.find(_CRLF)) != 0:
-                    if end < 0:
-                        rest += self._recv()
-                    else:
-                        rest = rest[end + 2 :]
-                return bytes(body)
-            while len(rest) < size + 2:
-                rest += self._recv()
-            body += rest[:size]
-            if len(body) > self._max_body:
-                self.close()
-                return bytes(body)
-            rest = rest[size + 2 :]
+    def _done(self, head: h11.Response | None, body: bytes, *, close: bool) -> Response:
+        assert head is not None  # h11 gives the head before any body
+        retry_after = next((v.decode("latin-1") for k, v in head.headers if k == b"retry-after"), None)
+        http = self._http
+        # Bytes after the response (more than its Content-Length said) leave the stream out of step: not reused.
+        if close or http is None or http.our_state is not h11.DONE or http.trailing_data[0]:
+            self.close()
+            close = True
+        else:
+            http.start_next_cycle()
+        return Response(status=head.status_code, body=body, retry_after=retry_after, close=close)

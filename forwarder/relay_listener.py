@@ -1,5 +1,5 @@
-"""Azure Relay Hybrid Connections listener (the HTTP request/response gesture), on the forwarder's own small
-WebSocket client (forwarder/websocket.py says why not the ``websockets`` package).
+"""Azure Relay Hybrid Connections listener (the HTTP request/response gesture), on the forwarder's small WebSocket
+client over ``wsproto`` (forwarder/websocket.py says why not the ``websockets`` package).
 
 There is no maintained Python data-plane SDK for Hybrid Connections, so this speaks the protocol itself
 (learn: azure-relay/relay-hybrid-connections-protocol):
@@ -133,6 +133,7 @@ class RelayListener:
         self._thread: threading.Thread | None = None
         self._in_flight = 0
         self._idle = threading.Condition()
+        self._drain_seconds = 0.0
         self.stats = ListenerStats()
 
     # -- lifecycle
@@ -147,9 +148,9 @@ class RelayListener:
     def stop(self, timeout: float = 10.0) -> None:
         """Let requests in flight finish and answer (up to half of ``timeout``), then close the control channel
         cleanly (close code 1000) and wait for the thread."""
+        self._drain_seconds = timeout / 2
         self._stopping.set()
-        with self._idle:
-            self._idle.wait_for(lambda: self._in_flight == 0, timeout / 2)
+        self._drain()
         with self._state_lock:
             control = self._control
         if control is not None:
@@ -219,10 +220,17 @@ class RelayListener:
                 logger.warning("relay listener %s: channel closed (%s %s)", self.hybrid_connection, code, reason)
         finally:
             self._connected.clear()
+            if self._stopping.is_set():
+                # stop() may land between a request's dispatch and its answer; the answer goes out on this channel.
+                self._drain()
             with self._state_lock:
                 self._control = None
             control.close()
         return True
+
+    def _drain(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, self._drain_seconds)
 
     def _serve(self, control: ClientConnection, token: RelayToken, pool: ThreadPoolExecutor) -> None:
         send_lock = threading.Lock()

@@ -365,24 +365,19 @@ class Judge:
         ok, held = self.rule_allows(rule, at, surely=surely)
         return ok, "" if ok else f"{why}: {held}"
 
+    def _allowed_within(self, span: Intervals, *, surely: bool) -> Intervals:
+        """The moments of ``span`` at which the policy allows the event (``surely``, or may), over the run and an hour
+        either side."""
+        run = self.run
+        allowed = Intervals.where(
+            self.breakpoints, run.start - 3600, run.end + 3600, lambda t: self.allows(t, surely=surely)[0]
+        )
+        return allowed & span
+
     @cached_property
     def upper(self) -> Intervals:
-        run = self.run
-        span = run.scheduled(self.event)
-        return (
-            Intervals.where(
-                self.breakpoints, run.start - 3600, run.end + 3600, lambda t: self.allows(t, surely=False)[0]
-            )
-            & span
-        )
+        return self._allowed_within(self.run.scheduled(self.event), surely=False)
 
     @cached_property
     def own_lower(self) -> Intervals:
-        run = self.run
-        span = run.could_be_scheduled(self.event)
-        return (
-            Intervals.where(
-                self.breakpoints, run.start - 3600, run.end + 3600, lambda t: self.allows(t, surely=True)[0]
-            )
-            & span
-        )
+        return self._allowed_within(self.run.could_be_scheduled(self.event), surely=True)

@@ -152,19 +152,21 @@ def platform_facts(log: list[dict[str, Any]]) -> PlatformFacts:
     return facts
 
 
-def observations(history: Path) -> list[Observation]:
+def _history_rows(history: Path, columns: str, where: str) -> list[Any]:
+    """The run's history rows ``where`` (SQL), their ``columns``; none when the coordinator never wrote a row."""
     if not history.exists():
         return []
     db = sqlite3.connect(f"file:{history}?mode=ro", uri=True)
     try:
-        rows = db.execute(
-            f'SELECT VmName, DocumentIncarnation, EventId, EventStatus FROM "{TABLE}" '  # noqa: S608 -- fixed name
-            "WHERE RecordType = 'Observation'"
-        ).fetchall()
-    except sqlite3.OperationalError:  # the coordinator never wrote a row
+        return db.execute(f'SELECT {columns} FROM "{TABLE}" WHERE {where}').fetchall()  # noqa: S608 -- fixed SQL
+    except sqlite3.OperationalError:  # no table yet
         return []
     finally:
         db.close()
+
+
+def observations(history: Path) -> list[Observation]:
+    rows = _history_rows(history, "VmName, DocumentIncarnation, EventId, EventStatus", "RecordType = 'Observation'")
     return [
         Observation(vm=str(vm), incarnation=int(n), eventId=str(event_id), status=str(status))
         for vm, n, event_id, status in rows
@@ -174,17 +176,7 @@ def observations(history: Path) -> list[Observation]:
 
 def dead_letters(history: Path) -> list[DeadLetter]:
     """The history's DeadLetter rows: why each message was set aside, and its body's digest."""
-    if not history.exists():
-        return []
-    db = sqlite3.connect(f"file:{history}?mode=ro", uri=True)
-    try:
-        rows = db.execute(
-            f"SELECT TimeGenerated, Reason, Details FROM \"{TABLE}\" WHERE RecordType = 'DeadLetter'"  # noqa: S608
-        ).fetchall()
-    except sqlite3.OperationalError:
-        return []
-    finally:
-        db.close()
+    rows = _history_rows(history, "TimeGenerated, Reason, Details", "RecordType = 'DeadLetter'")
     letters = []
     for at, reason, details in rows:
         try:
@@ -197,18 +189,11 @@ def dead_letters(history: Path) -> list[DeadLetter]:
 
 
 def history_steps(history: Path) -> list[HistoryStep]:
-    if not history.exists():
-        return []
-    db = sqlite3.connect(f"file:{history}?mode=ro", uri=True)
-    try:
-        rows = db.execute(
-            f'SELECT TimeGenerated, RecordType, EventId, Outcome, VmName, Reason FROM "{TABLE}" '  # noqa: S608
-            "WHERE RecordType IN ('Decision', 'Approval') ORDER BY rowid"
-        ).fetchall()
-    except sqlite3.OperationalError:
-        return []
-    finally:
-        db.close()
+    rows = _history_rows(
+        history,
+        "TimeGenerated, RecordType, EventId, Outcome, VmName, Reason",
+        "RecordType IN ('Decision', 'Approval') ORDER BY rowid",
+    )
     return [
         HistoryStep(
             at=_time(at),

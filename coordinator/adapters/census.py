@@ -64,6 +64,10 @@ API_VERSION = "2025-04-01"
 _RESOURCE_GROUP = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+$", re.IGNORECASE)
 # Pages followed per list at most: a list that never ends (a loop of nextLinks) is an error, not a hang.
 MAX_PAGES = 1000
+# While the instance's first read is on its way (another run asked first), a run that needs the census waits for it
+# this long at most rather than deciding without one: it would hold every census rule's event ("never read") while
+# the other run approves beside it. Shorter than a batch's approval deadline (30 s).
+FIRST_READ_WAIT = timedelta(seconds=10)
 REFRESH_EVERY = timedelta(minutes=5)
 MIN_INTERVAL = timedelta(seconds=30)
 USABLE_FOR = timedelta(minutes=15)
@@ -301,6 +305,7 @@ class Census:
         self._snapshot = _Snapshot()
         self._lock = threading.Lock()
         self._attempted: datetime | None = None
+        self._reading: threading.Event | None = None  # set once the read in flight ends
         self._stale = False
         self.error = ""  # why the last read failed; "" after a good one
         self.reads = 0
@@ -327,13 +332,29 @@ class Census:
 
     def refresh(self, now: datetime, *, why: str) -> bool:
         """Reads ARM now unless another read was attempted less than ``min_interval`` ago (the first read is never
-        held back). True when a good read replaced the census."""
+        held back; while it is on its way, another caller waits for it, ``FIRST_READ_WAIT`` at most). True when a
+        good read replaced the census."""
         with self._lock:
+            in_flight = self._reading if self._snapshot.read_at is None else None
             first = self._snapshot.read_at is None and self._attempted is None
-            if not first and self._attempted is not None and now - self._attempted < self.min_interval:
+            limited = self._attempted is not None and now - self._attempted < self.min_interval
+            if in_flight is None and not first and limited:
                 return False
-            self._attempted = now
-            self._stale = False
+            if in_flight is None:
+                self._attempted, self._stale = now, False
+                self._reading = threading.Event()
+        if in_flight is not None:
+            in_flight.wait(FIRST_READ_WAIT.total_seconds())
+            return False  # another caller's read: the snapshot is what it left
+        try:
+            return self._read(now, why=why)
+        finally:
+            with self._lock:
+                done, self._reading = self._reading, None
+            if done is not None:
+                done.set()
+
+    def _read(self, now: datetime, *, why: str) -> bool:
         try:
             entries = self._reader.read()
         except Exception as error:  # kept as the reason; the last good census stays in use while it is usable

@@ -6,8 +6,9 @@ over two minutes). Here every call goes through a session whose connections know
 are used in: ``with deadline(seconds, what):`` arms a timer, and when it fires every socket the block is using is
 shut down, which ends at once any read or write it is blocked in. What the interrupted call raised becomes
 ``DeadlineExceeded``, naming the call and its deadline, and so does a block that ends without an error after its
-deadline passed (a call cut inside the headers may look complete). A connection the block opens after the deadline
-is shut at once, so a library's own retries end too.
+deadline passed (a call cut inside the headers may look complete). A request the block makes after the deadline
+fails before it is sent (shutting its connection could not stop it: it is not connected yet), so a library's own
+retries end too.
 
 ``session()`` is a ``requests.Session`` with such connections; an azure-core client takes it as its transport
 (``RequestsTransport(session=session())``). Each adapter states its deadline where it makes the call.
@@ -55,11 +56,15 @@ class Deadline:
         return max(0.0, self._ends - time.monotonic())
 
     def watch(self, connection: HTTPConnection) -> None:
+        """Registers a connection about to send a request; past the deadline, refuses the request."""
         with self._lock:
             if not self._expired:
                 self._connections.append(connection)
                 return
         _shut(connection)
+        # Called before http.client connects: a connection not yet open has no socket to shut, and the request
+        # would run its whole course (a trickling answer held a call made 0.2 s late for 55 s).
+        raise self.error()
 
     def expire(self) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from azure.core.rest import HttpRequest, HttpResponse
 from contracts.envelope import VmIdentity
 from coordinator.adapters import deadline
 from coordinator.adapters.arm import ARM_ENDPOINT, ArmClient
+from coordinator.adapters.closing import Closing
 
 API_VERSION = "2024-01-01"
 # The total deadline of one ARM call, its retries included: a new VM's connection is ensured after its batch, and
@@ -86,7 +87,7 @@ class RelayAdminError(RuntimeError):
     """An ARM call on the Relay namespace failed; the message says which and what to check."""
 
 
-class HybridConnectionAdmin:
+class HybridConnectionAdmin(Closing):
     """Creates, lists and deletes the per-VM hybrid connections of one Relay namespace through ARM.
 
     :keyword credential: an identity with "Azure Relay Owner" (or Contributor) on the namespace.
@@ -120,12 +121,6 @@ class HybridConnectionAdmin:
 
     def close(self) -> None:
         self._client.close()
-
-    def __enter__(self) -> HybridConnectionAdmin:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
 
     def ensure(self, vm: VmIdentity) -> HybridConnection:
         """Create the VM's hybrid connection if it is missing or differs; a no-op (one GET) when it is in place."""

@@ -45,8 +45,9 @@ from contracts.envelope import VmIdentity
 from contracts.sas import sas_token
 from coordinator.adapters import deadline, telemetry
 from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.closing import Closing
 from coordinator.adapters.relay_admin import namespace_for_vm
-from coordinator.domain.retry import backoff_delay
+from coordinator.domain.retry import Backoff
 
 RELAY_SCOPE = "https://relay.azure.net/.default"
 # A listener's answer is a small JSON object; a larger one is not read as its refusal.
@@ -71,7 +72,7 @@ class _Retryable:
     lost: bool = False
 
 
-class RelayApprovalSender:
+class RelayApprovalSender(Closing):
     """``ApprovalCallback`` over Azure Relay.
 
     :keyword endpoint: namespace base URL (``https://{ns}.servicebus.windows.net``; ``http://127.0.0.1:P`` for the
@@ -116,22 +117,14 @@ class RelayApprovalSender:
         self._credential = credential
         self._attempt_timeout = attempt_timeout
         self._connect_timeout = connect_timeout
-        self._backoff_initial = backoff_initial
-        self._backoff_maximum = backoff_maximum
+        self._backoff = Backoff(backoff_initial, backoff_maximum, rng or random.Random())  # noqa: S311 - jitter
         self._listener_wait_maximum = listener_wait_maximum
         self._max_retry_seconds = max_retry_seconds
         self._session = session or deadline.session()
         self._clock = clock
-        self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
 
     def close(self) -> None:
         self._session.close()
-
-    def __enter__(self) -> RelayApprovalSender:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
 
     def endpoint_for(self, vm: VmIdentity) -> str:
         return namespace_for_vm(vm, self._endpoints)
@@ -172,8 +165,8 @@ class RelayApprovalSender:
             failure = outcome
             reached = reached or not failure.unreached
             lost = lost or (f"attempt {attempt}: {failure.reason}" if failure.lost else "")
-            maximum = self._listener_wait_maximum if failure.no_listener else self._backoff_maximum
-            delay = backoff_delay(attempt - 1, initial=self._backoff_initial, maximum=maximum, rng=self._rng)
+            cap = self._listener_wait_maximum if failure.no_listener else None
+            delay = self._backoff.delay(attempt - 1, maximum=cap)
             if time.monotonic() + delay >= give_up_at:
                 why = (
                     f"no listener connected within {budget:.1f} s, the request's deadline ({failure.reason})"

@@ -46,7 +46,7 @@ from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalRes
 from contracts.envelope import VmIdentity
 from coordinator.adapters import deadline
 from coordinator.adapters.callback import ApprovalDeliveryError
-from coordinator.domain.retry import backoff_delay
+from coordinator.domain.retry import Backoff
 
 API_VERSION = "2025-11-01"
 ARM_SCOPE = "https://management.azure.com/.default"
@@ -172,8 +172,7 @@ class RemoteAcknowledgeSender:
         self._endpoint = endpoint.rstrip("/")
         self._deadline = deadline_seconds
         self._attempt_timeout = attempt_timeout
-        self._backoff = backoff
-        self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
+        self._backoff = Backoff(*backoff, rng or random.Random())  # noqa: S311 -- jitter, not security
         self._session = deadline.session()
 
     def url(self, event_id: str, vm: VmIdentity) -> str:
@@ -307,7 +306,7 @@ class RemoteAcknowledgeSender:
                     return _Answer(response, attempts=attempt + 1)
                 problem = f"ARM {response.status_code}: {_arm_error(response)}"
                 wait = _retry_after(response)
-            delay = backoff_delay(attempt, initial=self._backoff[0], maximum=self._backoff[1], rng=self._rng)
+            delay = self._backoff.delay(attempt)
             delay = max(delay, wait or 0.0)
             attempt += 1
             if time.monotonic() + delay > give_up:

@@ -17,7 +17,7 @@ import requests
 
 from coordinator.adapters import deadline
 from coordinator.domain.cards import card_bytes
-from coordinator.domain.retry import backoff_delay
+from coordinator.domain.retry import Backoff
 
 __all__ = ["AlertError", "AlertSink", "FolderCardSink", "TeamsWebhookSink"]
 
@@ -68,11 +68,9 @@ class TeamsWebhookSink:
         self._timeout = timeout
         # The total deadline of one card's send, its retries included: cards are posted by the run's tail.
         self._deadline = deadline_seconds
-        self._initial = backoff_initial
-        self._maximum = backoff_maximum
+        self._backoff = Backoff(backoff_initial, backoff_maximum, rng or random.Random())  # noqa: S311 -- jitter
         self._session = session or deadline.session()
         self._sleep = sleep
-        self._rng = rng or random.Random()  # noqa: S311 -- jitter, not security
         for name in ("urllib3.connectionpool", "requests"):
             if _REDACT not in logging.getLogger(name).filters:
                 logging.getLogger(name).addFilter(_REDACT)
@@ -86,7 +84,7 @@ class TeamsWebhookSink:
             with deadline.deadline(self._deadline, f"Teams webhook (card {key})") as limit:
                 for attempt in range(self._attempts):
                     if attempt:
-                        delay = backoff_delay(attempt - 1, initial=self._initial, maximum=self._maximum, rng=self._rng)
+                        delay = self._backoff.delay(attempt - 1)
                         if delay >= limit.remaining():
                             break
                         self._sleep(delay)

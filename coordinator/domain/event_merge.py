@@ -100,12 +100,11 @@ def _observation_row(
     now: datetime,
     observation: Observation,
     status: str,
-    *,
-    outcome: str = "",
-    reason: str = "",
-    details: dict[str, Any] | None = None,
+    conflict: tuple[str, dict[str, Any]] | None = None,
 ) -> HistoryRow:
-    """The Observation row of ``observation``: its VM and its position (sequence, incarnation) as the VM sent it."""
+    """The Observation row of ``observation``: its VM and its position (sequence, incarnation) as the VM sent it.
+    ``conflict``: the reason and details of a sighting kept as a conflict (Outcome conflict)."""
+    reason, details = conflict or ("", None)
     return observation_row(
         record=record,
         now=now,
@@ -114,8 +113,8 @@ def _observation_row(
         incarnation=observation.incarnation,
         observed_at=observation.observed_at,
         sequence=observation.sequence,
-        outcome=outcome,
-        reason=reason,
+        outcome="conflict" if conflict else "",
+        reason=reason[:4000],
         details=details,
     )
 
@@ -139,12 +138,6 @@ def contradictions(record: EventRecord, event: ScheduledEvent) -> dict[str, tupl
     return found
 
 
-def _add_conflict(record: EventRecord, conflict: FactConflict) -> None:
-    """Kept on the record: the latest MAX_CONFLICTS conflicts, and the count of them all."""
-    record.conflicts = [*record.conflicts, conflict][-MAX_CONFLICTS:]
-    record.conflictCount += 1
-
-
 def _keep_conflict(
     change: EventChange, observation: Observation, found: dict[str, tuple[str, str]], now: datetime
 ) -> None:
@@ -154,8 +147,11 @@ def _keep_conflict(
     where = (observation.vm.name, observation.epoch, observation.sequence)
     if any((c.vm, c.epoch, c.sequence) == where for c in record.conflicts):
         return
-    _add_conflict(
-        record,
+    claims = "; ".join(f"{fact} {claimed!r} (recorded {recorded!r})" for fact, (recorded, claimed) in found.items())
+    _conflict(
+        change,
+        observation,
+        now,
         FactConflict(
             vm=observation.vm.name,
             observedAt=observation.observed_at,
@@ -163,24 +159,10 @@ def _keep_conflict(
             sequence=observation.sequence,
             facts=found,
         ),
+        reason=f"{observation.vm.name} claims {claims}: kept as a conflict, not merged (the record's facts come "
+        "from the first sighting; the VM that executes an approval checks them against its own IMDS)",
+        details={"claimed": {fact: claimed for fact, (_, claimed) in found.items()}},
     )
-    claims = "; ".join(f"{fact} {claimed!r} (recorded {recorded!r})" for fact, (recorded, claimed) in found.items())
-    change.rows.append(
-        _observation_row(
-            record,
-            now,
-            observation,
-            observation.event.EventStatus if observation.event else "",
-            outcome="conflict",
-            reason=(
-                f"{observation.vm.name} claims {claims}: kept as a conflict, not merged (the record's facts come "
-                "from the first sighting; the VM that executes an approval checks them against its own IMDS)"
-            )[:4000],
-            details={"claimed": {fact: claimed for fact, (_, claimed) in found.items()}},
-        )
-    )
-    change.changed = True
-    raise_alert(change, "facts-conflict", now)
 
 
 def _platform_facts(
@@ -198,8 +180,11 @@ def _platform_facts(
     record.notBefore = not_before(event) or record.notBefore
     record.factsFrom = "platform"
     facts = {fact: (claimed, recorded) for fact, (recorded, claimed) in found.items()}
-    _add_conflict(
-        record,
+    claims = "; ".join(f"{fact} {vms!r} (platform {platform!r})" for fact, (platform, vms) in facts.items())
+    _conflict(
+        change,
+        observation,
+        now,
         FactConflict(
             vm=", ".join(reporters)[:256],
             observedAt=record.createdAt,
@@ -207,20 +192,29 @@ def _platform_facts(
             sequence=observation.sequence,
             facts=facts,
         ),
+        reason=f"Event Grid (the platform) contradicts the facts {', '.join(reporters)} reported first: {claims}; "
+        "the platform's replace them and the VMs' claim is kept as the conflict",
+        details={"replaced": {fact: vms for fact, (_, vms) in facts.items()}, "source": "event-grid"},
     )
-    claims = "; ".join(f"{fact} {vms!r} (platform {platform!r})" for fact, (platform, vms) in facts.items())
+
+
+def _conflict(
+    change: EventChange,
+    observation: Observation,
+    now: datetime,
+    conflict: FactConflict,
+    *,
+    reason: str,
+    details: dict[str, Any],
+) -> None:
+    """Keeps ``conflict`` on the record (the latest MAX_CONFLICTS, and the count of them all), with the sighting's
+    Observation row (Outcome conflict: ``reason`` and ``details`` say what was claimed) and the card."""
+    record = change.record
+    record.conflicts = [*record.conflicts, conflict][-MAX_CONFLICTS:]
+    record.conflictCount += 1
     change.rows.append(
         _observation_row(
-            record,
-            now,
-            observation,
-            event.EventStatus,
-            outcome="conflict",
-            reason=(
-                f"Event Grid (the platform) contradicts the facts {', '.join(reporters)} reported first: {claims}; the "
-                "platform's replace them and the VMs' claim is kept as the conflict"
-            )[:4000],
-            details={"replaced": {fact: vms for fact, (_, vms) in facts.items()}, "source": "event-grid"},
+            record, now, observation, observation.event.EventStatus if observation.event else "", (reason, details)
         )
     )
     change.changed = True

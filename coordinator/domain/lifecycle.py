@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from coordinator.domain.history_rows import approval_row, transition_row
 from coordinator.domain.model import AlertKind, EventRecord, LostAnswer, State
@@ -20,6 +21,7 @@ from coordinator.domain.rows import HistoryRow
 __all__ = [
     "EventChange",
     "advance",
+    "approval_step",
     "clone",
     "lost_answer",
     "raise_alert",
@@ -60,6 +62,35 @@ def clone(record: EventRecord) -> EventRecord:
     )
 
 
+def approval_step(
+    record: EventRecord,
+    now: datetime,
+    *,
+    outcome: str,
+    reason: str,
+    vm: str = "",
+    actor: str = "",
+    incarnation: int | None = None,
+    details: dict[str, Any] | None = None,
+) -> HistoryRow:
+    """The Approval row of a step of the record's approval: its rule and decision, and its actor unless ``actor``
+    names another (the platform's word on it); ``vm`` the VM the step concerns ("" when none)."""
+    approval = record.approval
+    assert approval is not None
+    return approval_row(
+        record=record,
+        now=now,
+        vm=vm,
+        rule=approval.rule,
+        decision_id=approval.decisionId,
+        actor=actor or approval.actor,
+        outcome=outcome,
+        reason=reason,
+        incarnation=incarnation,
+        details=details,
+    )
+
+
 def raise_alert(change: EventChange, kind: AlertKind, now: datetime) -> None:
     """Once per kind per event. The kind goes into the record's outbox (``pendingAlerts``) in the same write as
     the transition that causes it, so a crash before the card is sent leaves it for the timer, not lost."""
@@ -72,36 +103,21 @@ def raise_alert(change: EventChange, kind: AlertKind, now: datetime) -> None:
         change.changed = True
 
 
-def transition(
-    change: EventChange,
-    to: State,
-    now: datetime,
-    reason: str,
-    *,
-    rule: str = "",
-    actor: str = "",
-    decision_id: str = "",
-    vm: str = "",
-) -> None:
-    """Moves the event to ``to``, with its Transition row; an approval's transition names its rule, actor,
-    decision and executing VM."""
+def transition(change: EventChange, to: State, now: datetime, reason: str, *, executor: str = "") -> None:
+    """Moves the event to ``to``, with its Transition row; an approval's transition (``executor``: the VM that
+    executed it) names the approval's rule, actor and decision, and that VM."""
     record = change.record
     previous = record.state
     record.state = to
     record.stateSince = now
     change.changed = True
-    change.rows.append(
-        transition_row(
-            record=record,
-            now=now,
-            previous=previous,
-            reason=reason,
-            rule=rule,
-            actor=actor,
-            decision_id=decision_id,
-            vm=vm,
-        )
+    approval = record.approval if executor else None
+    approved = (
+        {"rule": approval.rule, "actor": approval.actor, "decision_id": approval.decisionId, "vm": executor}
+        if approval is not None
+        else {}
     )
+    change.rows.append(transition_row(record=record, now=now, previous=previous, reason=reason, **approved))
     alert_for: dict[str, AlertKind] = {"Approved": "approved", "Canceled": "canceled", "Expired": "expired"}
     if to in alert_for:
         raise_alert(change, alert_for[to], now)
@@ -239,18 +255,7 @@ def sender_gone(change: EventChange, now: datetime) -> None:
         "the listener's ledger knows"
     )
     approval.nextAttemptAt = None
-    change.rows.append(
-        approval_row(
-            record=record,
-            now=now,
-            vm=approval.executor,
-            rule=approval.rule,
-            decision_id=approval.decisionId,
-            actor=approval.actor,
-            outcome="unknown",
-            reason=approval.reason,
-        )
-    )
+    change.rows.append(approval_step(record, now, vm=approval.executor, outcome="unknown", reason=approval.reason))
     change.changed = True
 
 
@@ -276,12 +281,10 @@ def started_unanswered(record: EventRecord, now: datetime) -> HistoryRow | None:
         if record.eventType == "Terminate"
         else ""
     )
-    return approval_row(
-        record=record,
-        now=now,
+    return approval_step(
+        record,
+        now,
         vm=lost.executor,
-        rule=approval.rule,
-        decision_id=approval.decisionId,
         actor="platform",
         outcome="started",
         reason=(

@@ -93,56 +93,33 @@ def state_tag(state_id: str) -> str:
     return hashlib.sha256(state_id.encode()).hexdigest()[:12] if state_id else "(none)"
 
 
-def _forwarder_row(
-    vm: VmIdentity, envelope: Envelope, outcome: str, reason: str, details: dict[str, Any]
-) -> HistoryRow:
-    """A row the forwarder's own envelope speaks for: its time and sequence are the envelope's."""
+def _state_row(envelope: Envelope, outcome: str, left: str, last_sequence: int, epoch: int) -> HistoryRow:
+    """The row of a VM's forwarder state change, which the envelope speaks for (its time and sequence): ``reset``, a
+    new state after ``left`` (at ``last_sequence``), or ``conflict``, a state the VM had left at ``last_sequence``
+    speaking again after ``left``. ``epoch``: the VM's epoch after it."""
+    old, new = state_tag(left), state_tag(envelope.stateId)
+    if outcome == "reset":
+        reason = (
+            f"forwarder state changed from {old} to {new} after sequence {last_sequence}: a forwarder that lost "
+            f"its state; its position restarts at sequence {envelope.sequence}"
+        )
+        states = {"oldState": old, "newState": new}
+    else:
+        reason = (
+            f"forwarder state {new}, which this VM had left at sequence {last_sequence}, speaks again (sequence "
+            f"{envelope.sequence}) after state {old}: two forwarders send as {envelope.vm.name} (a forged identity "
+            "or a cloned disk); each is heard at its own position, neither can silence the other"
+        )
+        states = {"state": new, "otherState": old}
     return heartbeat_row(
-        vm=vm,
+        vm=envelope.vm,
         now=envelope.observedAt,
         observed_at=envelope.observedAt,
         sequence=envelope.sequence,
         actor="forwarder",
         outcome=outcome,
         reason=reason,
-        details=details,
-    )
-
-
-def _reset_row(vm: VmIdentity, envelope: Envelope, old_state: str, last_sequence: int, epoch: int) -> HistoryRow:
-    old, new = state_tag(old_state), state_tag(envelope.stateId)
-    return _forwarder_row(
-        vm,
-        envelope,
-        "reset",
-        f"forwarder state changed from {old} to {new} after sequence {last_sequence}: a forwarder that lost "
-        f"its state; its position restarts at sequence {envelope.sequence}",
-        {
-            "oldState": old,
-            "newState": new,
-            "lastSequence": last_sequence,
-            "newSequence": envelope.sequence,
-            "epoch": epoch,
-        },
-    )
-
-
-def _conflict_row(vm: VmIdentity, envelope: Envelope, current: str, known: ForwarderState, epoch: int) -> HistoryRow:
-    old, new = state_tag(current), state_tag(envelope.stateId)
-    return _forwarder_row(
-        vm,
-        envelope,
-        "conflict",
-        f"forwarder state {new}, which this VM had left at sequence {known.lastSequence}, speaks again "
-        f"(sequence {envelope.sequence}) after state {old}: two forwarders send as {vm.name} (a forged identity or a "
-        "cloned disk); each is heard at its own position, neither can silence the other",
-        {
-            "state": new,
-            "otherState": old,
-            "lastSequence": known.lastSequence,
-            "newSequence": envelope.sequence,
-            "epoch": epoch,
-        },
+        details={**states, "lastSequence": last_sequence, "newSequence": envelope.sequence, "epoch": epoch},
     )
 
 
@@ -172,10 +149,10 @@ class _Position:
         )
         self.epoch += 1
         if known is None:
-            rows.append(_reset_row(envelope.vm, envelope, self.state_id, self.last_sequence, self.epoch))
+            rows.append(_state_row(envelope, "reset", self.state_id, self.last_sequence, self.epoch))
             self.last_sequence = -1  # the events the old state listed are 'gone' if the new one does not list them
         else:
-            rows.append(_conflict_row(envelope.vm, envelope, self.state_id, known, self.epoch))
+            rows.append(_state_row(envelope, "conflict", self.state_id, known.lastSequence, self.epoch))
             pair = sorted({state_tag(self.state_id), state_tag(envelope.stateId)})
             self.conflict = self.conflict or pair != self.state_conflict
             self.state_conflict = pair

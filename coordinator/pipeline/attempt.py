@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from coordinator.domain.deletes import platform_hold
 from coordinator.domain.history_rows import approval_row
-from coordinator.domain.lifecycle import EventChange, clone, lost_answer, raise_alert, transition
+from coordinator.domain.lifecycle import EventChange, approval_step, clone, lost_answer, raise_alert, transition
 from coordinator.domain.model import EventRecord, OpenRequest
 from coordinator.domain.retry import backoff_delay
 from coordinator.pipeline import handover
@@ -74,7 +74,7 @@ def _outcome(run: Run, record: EventRecord | None, *, plan: Delivery) -> EventCh
 
 def _apply(run: Run, change: EventChange, plan: Delivery) -> None:
     """The plan's outcome on its own approval, in ``change`` (its record already a copy)."""
-    decision_id, executor, result, failure = plan.decision_id, plan.executor, plan.result, plan.failure
+    executor, result, failure = plan.executor, plan.result, plan.failure
     now, record = run.now, change.record
     change.changed = True
     approval = record.approval
@@ -99,13 +99,10 @@ def _apply(run: Run, change: EventChange, plan: Delivery) -> None:
     approval.outcome = result.outcome if result else ("unknown" if unknown else "failed")
     approval.reason = (result.reason if result else failure)[:1000]
     change.rows.append(
-        approval_row(
-            record=record,
-            now=now,
+        approval_step(
+            record,
+            now,
             vm=executor,
-            rule=approval.rule,
-            decision_id=decision_id,
-            actor=approval.actor,
             outcome=approval.outcome,
             reason=approval.reason or f"StartRequests accepted by {executor}",
             incarnation=result.documentIncarnation if result else None,
@@ -145,10 +142,7 @@ def _approved(run: Run, change: EventChange, executor: str) -> None:
             "Approved",
             now,
             f"approved by {approval.actor} through {executor}; confirmed when seen Started or gone",
-            rule=approval.rule,
-            actor=approval.actor,
-            decision_id=approval.decisionId,
-            vm=executor,
+            executor=executor,
         )
 
 

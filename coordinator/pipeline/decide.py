@@ -61,26 +61,17 @@ def decide_all(run: Run, changes: Sequence[EventChange]) -> None:
     costs only that event's decision (its observations are still written; the timer decides it again). Events are
     decided closest to NotBefore first (``by_not_before``): the first decided takes the budget left."""
     run.enter("decide")
-    now, fleet, policy = run.now, run.fleet, run.policy
+    fleet = run.fleet
     changes = sorted(changes, key=lambda c: by_not_before(c.record))
     for change in changes:
         record = change.record
         if record.eventType == "Terminate" and record.state == "Scheduled" and record.approval is None:
             try:
-                view = fleet.view() if policy.needs_census else FleetView()
-                own = evaluate(policy, record, view, now, gates=_gate_results(run, record, view))
+                own = _own_verdict(run, record)
             except Exception:
                 log.exception("event %s: its rule could not be evaluated", record.eventId)
                 continue
-            provisional = DecisionRecord(
-                decisionId="",
-                rule=own.rule,
-                action=own.action,
-                verdict=own.verdict,
-                reason=own.reason,
-                decidedAt=now,
-            )
-            fleet.note(record.model_copy(update={"decision": provisional}))
+            _note_provisionally(run, record, own)
         else:
             fleet.note(record)
     for change in changes:
@@ -95,25 +86,9 @@ def release_held(run: Run, changes: Sequence[EventChange]) -> int:
     """Deletes held back by a delete that changed here (approved, ready, started, gone, expired) are decided
     again at once, not on the next timer run: once the last pending delete of a scale set is ready, all of
     them are approved in this same batch or tick. Returns how many changed."""
-    fleet = run.fleet
     touched = {scale_set for c in changes if c.record.eventType == "Terminate" for scale_set in c.record.scaleSets}
     here = {c.record.eventId for c in changes}
-    released = 0
-    for event_id in fleet.held_in(touched, run.now):
-        if event_id in here:
-            continue
-        try:
-            change = commit_event(
-                run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags, outbox=run.outbox()
-            )
-        except ConcurrencyConflict:
-            log.warning("held delete %s: contended; the timer decides it again", event_id)
-            continue
-        if change is not None:
-            released += 1
-            fleet.note(change.record)
-            run.work.collect(change)
-    return released
+    return _redecide_each(run, [e for e in run.fleet.held_in(touched, run.now) if e not in here])
 
 
 def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
@@ -129,7 +104,7 @@ def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
     ``scale_sets``: those where this run decided a delete ready (approved or held only by another delete). Only the
     deletes this run does not know ready are read again, one at a time, closest NotBefore first, until one is
     still not ready: a wave's batch reads about one. Returns how many changed."""
-    fleet, store, now, policy = run.fleet, run.parts.store, run.now, run.policy
+    fleet, store, now = run.fleet, run.parts.store, run.now
     wanted = set(scale_sets)
     pending = sorted(
         (r for r in fleet.deletes_of(wanted) if pending_delete(r, now)) if wanted else (), key=by_not_before
@@ -142,27 +117,43 @@ def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
         stored = read_event(store, record.eventId)
         if stored is None or not pending_delete(stored.record, now):
             continue  # approved or gone meanwhile: it holds nothing
-        fresh = stored.record
-        view = fleet.view() if policy.needs_census else FleetView()
-        own = evaluate(policy, fresh, view, now, gates=_gate_results(run, fresh, view))
+        own = _own_verdict(run, stored.record)
         if own.verdict != "approve":
             return 0
-        provisional = DecisionRecord(
-            decisionId="", rule=own.rule, action=own.action, verdict=own.verdict, reason=own.reason, decidedAt=now
-        )
-        fleet.note(fresh.model_copy(update={"decision": provisional}))
+        _note_provisionally(run, stored.record, own)
+    return _redecide_each(run, [record.eventId for record in pending])
+
+
+def _own_verdict(run: Run, record: EventRecord) -> Decision:
+    """The verdict of a pending delete's own rule (its gates read), before deletes are coupled: whether it is ready."""
+    view = run.fleet.view() if run.policy.needs_census else FleetView()
+    return evaluate(run.policy, record, view, run.now, gates=_gate_results(run, record, view))
+
+
+def _note_provisionally(run: Run, record: EventRecord, own: Decision) -> None:
+    """The fleet view sees ``record`` with its own rule's verdict (a decision with no id, never written), so that
+    its sibling deletes decided after it see whether it is ready."""
+    provisional = DecisionRecord(
+        decisionId="", rule=own.rule, action=own.action, verdict=own.verdict, reason=own.reason, decidedAt=run.now
+    )
+    run.fleet.note(record.model_copy(update={"decision": provisional}))
+
+
+def _redecide_each(run: Run, event_ids: Iterable[str]) -> int:
+    """Each event decided again in its own write (``redecide``), noted in the fleet view and collected; one
+    contended is left to the timer. Returns how many changed."""
     released = 0
-    for record in pending:
+    for event_id in event_ids:
         try:
             change = commit_event(
-                store, record.eventId, lambda r: redecide(run, r), etags=run.work.etags, outbox=run.outbox()
+                run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags, outbox=run.outbox()
             )
         except ConcurrencyConflict:
-            log.warning("held delete %s: contended; the timer decides it again", record.eventId)
+            log.warning("held delete %s: contended; the timer decides it again", event_id)
             continue
         if change is not None:
             released += 1
-            fleet.note(change.record)
+            run.fleet.note(change.record)
             run.work.collect(change)
     return released
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from contracts.document import ScheduledEvent
 from contracts.envelope import VmIdentity
 from coordinator.domain.model import VmRecord, group_key
-from coordinator.domain.observations import Observation
+from coordinator.domain.observations import Observation, ObservationKind
 from coordinator.state.store import StateStore
 
 # Below every forwarder state's epoch (they count from 0): a forwarder's sighting of its own VM always wins.
@@ -195,14 +195,9 @@ def observations_of(event: GridEvent, identity: VmIdentity) -> list[Observation]
     properties = event.data.resourceInfo.properties
     micros = int(event.eventTime.timestamp() * 1_000_000)
 
-    def listed(status: Literal["Scheduled", "Started"], sequence: int) -> Observation:
-        # NotBefore is "" once Started, as IMDS shows it (the record keeps the one announced while Scheduled).
-        not_before = "" if status == "Started" else properties.NotBefore
-        scheduled = ScheduledEvent.model_validate(
-            {**properties.model_dump(), "EventStatus": status, "NotBefore": not_before}
-        )
+    def observation(kind: ObservationKind, sequence: int, scheduled: ScheduledEvent | None = None) -> Observation:
         return Observation(
-            kind="listed",
+            kind=kind,
             event_id=properties.EventId,
             vm=identity,
             sequence=sequence,
@@ -212,15 +207,15 @@ def observations_of(event: GridEvent, identity: VmIdentity) -> list[Observation]
             platform=True,
         )
 
-    gone = Observation(
-        kind="gone",
-        event_id=properties.EventId,
-        vm=identity,
-        sequence=micros,
-        observed_at=event.eventTime,
-        epoch=EVENT_GRID_EPOCH,
-        platform=True,
-    )
+    def listed(status: Literal["Scheduled", "Started"], sequence: int) -> Observation:
+        # NotBefore is "" once Started, as IMDS shows it (the record keeps the one announced while Scheduled).
+        not_before = "" if status == "Started" else properties.NotBefore
+        scheduled = ScheduledEvent.model_validate(
+            {**properties.model_dump(), "EventStatus": status, "NotBefore": not_before}
+        )
+        return observation("listed", sequence, scheduled)
+
+    gone = observation("gone", micros)
     if properties.EventStatus in ("Scheduled", "Started"):
         return [listed(properties.EventStatus, micros)]
     if properties.EventStatus == "Completed":

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Generic, TypeVar
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.census import CensusView
@@ -28,7 +29,7 @@ from coordinator.domain.deletes import REMOVING_EVENTS
 from coordinator.domain.fleet_view import Census
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord
 from coordinator.domain.pacing import is_rate, is_sequence
-from coordinator.state.store import StateStore, Stored
+from coordinator.state.store import Changed, StateStore, Stored
 
 __all__ = [
     "OVERLAP",
@@ -53,6 +54,8 @@ OVERLAP = timedelta(seconds=5)
 # tail absorbs its records seconds after it committed them): the newest that many, far more than conclude while a
 # tail runs.
 CONCLUDED_KEPT = 100_000
+
+R = TypeVar("R", bound=EventRecord | VmGroupRecord)
 
 
 def by_not_before(record: EventRecord) -> tuple[datetime, str]:
@@ -90,6 +93,37 @@ def holds_budget(record: EventRecord) -> bool:
     """An event impacts its VMs from the approval until it is gone. An Expired event whose approval was decided
     keeps its slots too: the platform starts it at NotBefore anyway."""
     return record.open and (record.state in ("Approved", "Started") or record.approval is not None)
+
+
+class _Part(Generic[R]):
+    """One part of the cache (the open events, the VMs) and how far it has read the store: when it was last
+    refreshed (the instance's clock; None: never loaded) and the latest write time (the store's clock) it has seen.
+    ``changed_since`` reads the store, ``clear`` empties the part before it is read whole, ``put`` holds a record."""
+
+    def __init__(
+        self,
+        changed_since: Callable[[datetime | None], Changed[R]],
+        clear: Callable[[], None],
+        put: Callable[[R], None],
+    ) -> None:
+        self._changed_since, self._clear, self._put = changed_since, clear, put
+        self.at: float | None = None
+        self.mark: datetime | None = None
+
+    def refresh(self, now: float, *, force: bool) -> None:
+        """Puts what changed since the mark (less ``OVERLAP``), unless refreshed less than ``REFRESH_EVERY`` ago and
+        not forced; the first load reads everything."""
+        if self.at is not None and not force and now - self.at < REFRESH_EVERY:
+            return
+        since = None if self.at is None or self.mark is None else self.mark - OVERLAP
+        changed = self._changed_since(since)
+        if since is None:  # everything: what the part held and is not among it is gone
+            self._clear()
+        self.at = now
+        if changed.watermark is not None:
+            self.mark = max(changed.watermark, self.mark or changed.watermark)
+        for stored in changed.records:
+            self._put(stored.record)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,32 +179,23 @@ class FleetCache:
         self._queued: dict[str, EventRecord] = {}
         # Concluded events, by the revision that concluded them (the newest CONCLUDED_KEPT): no older copy opens one.
         self._concluded: OrderedDict[str, int] = OrderedDict()
-        self._events_mark: datetime | None = None
-        self._events_at: float | None = None  # when last refreshed (None: never loaded)
+        self._events_part = _Part(store.events_changed_since, self._clear_events, self._put_event)
         self.census = Census()
         self._vms: dict[str, KnownVm] = {}  # by vmId, lower case
-        self._groups_mark: datetime | None = None
-        self._groups_at: float | None = None
+        self._groups_part = _Part(store.vm_groups_changed_since, self._clear_groups, self._put_group)
         # ARM's census, indexed (``arm_census``), and the snapshot it was built from.
         self._arm_census = Census()
         self._arm_entries: Mapping[str, CensusEntry] | None = None
 
     # events --------------------------------------------------------------------------------------------------
     def _refresh_events(self, *, force: bool) -> None:
-        now = self._clock()
-        if self._events_at is not None and not force and now - self._events_at < REFRESH_EVERY:
-            return
-        since = None if self._events_at is None or self._events_mark is None else self._events_mark - OVERLAP
-        changed = self.store.events_changed_since(since)
-        if since is None:  # every open event: what the cache held and is not among them has concluded
-            for held in (self._events, self._removing, self._holding, self._queued):
-                held.clear()
-            self._deletes.clear()
-        self._events_at = now
-        if changed.watermark is not None:
-            self._events_mark = max(changed.watermark, self._events_mark or changed.watermark)
-        for stored in changed.records:
-            self._put_event(stored.record)
+        self._events_part.refresh(self._clock(), force=force)
+
+    def _clear_events(self) -> None:
+        """Before every open event is read: what the cache held and is not among them has concluded."""
+        for held in (self._events, self._removing, self._holding, self._queued):
+            held.clear()
+        self._deletes.clear()
 
     def _put_event(self, record: EventRecord) -> None:
         """Holds ``record`` in place of the event's copy, unless the copy is newer (a higher revision) or the event
@@ -209,7 +234,7 @@ class FleetCache:
     def absorb(self, records: Iterable[EventRecord]) -> None:
         """Records a run committed (or read fresh): seen at once by the next run of this instance."""
         with self._lock:
-            if self._events_at is None:
+            if self._events_part.at is None:
                 return  # not loaded yet: the first load reads them
             for record in records:
                 self._put_event(record)
@@ -219,7 +244,7 @@ class FleetCache:
         by any VM of ``groups``: most likely new, so a batch inserts them without reading them first (an insert
         is refused when the event exists, and then the batch reads)."""
         with self._lock:
-            if self._events_at is None:
+            if self._events_part.at is None:
                 return set()
             unknown = {event_id for event_id in event_ids if event_id not in self._events}
         for group in groups:
@@ -252,19 +277,11 @@ class FleetCache:
 
     # VMs -----------------------------------------------------------------------------------------------------
     def _refresh_groups(self, *, force: bool) -> None:
-        now = self._clock()
-        if self._groups_at is not None and not force and now - self._groups_at < REFRESH_EVERY:
-            return
-        since = None if self._groups_at is None or self._groups_mark is None else self._groups_mark - OVERLAP
-        changed = self.store.vm_groups_changed_since(since)
-        if since is None:
-            self._vms.clear()
-            self.census = Census()
-        self._groups_at = now
-        if changed.watermark is not None:
-            self._groups_mark = max(changed.watermark, self._groups_mark or changed.watermark)
-        for stored in changed.records:
-            self._put_group(stored.record)
+        self._groups_part.refresh(self._clock(), force=force)
+
+    def _clear_groups(self) -> None:
+        self._vms.clear()
+        self.census = Census()
 
     def _put_group(self, group: VmGroupRecord) -> None:
         for vm_id, vm in group.vms.items():
@@ -280,7 +297,7 @@ class FleetCache:
     def groups_written(self, groups: Iterable[VmGroupRecord]) -> None:
         """VM groups a run wrote (the timer's retirements and lost heartbeats): seen at once."""
         with self._lock:
-            if self._groups_at is None:
+            if self._groups_part.at is None:
                 return
             for group in groups:
                 self._put_group(group)
@@ -319,7 +336,7 @@ class FleetCache:
         after the events are decided, so a new VM's first event is decided with its tags). Only once the census
         is loaded: its first load reads them."""
         with self._lock:
-            if self._groups_at is None:
+            if self._groups_part.at is None:
                 return
             for record in records:
                 if record.retired is None:

@@ -15,8 +15,7 @@ from datetime import datetime, timedelta
 
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery
 from coordinator.domain.approvals import REROUTE_MARGIN
-from coordinator.domain.history_rows import approval_row
-from coordinator.domain.lifecycle import EventChange
+from coordinator.domain.lifecycle import EventChange, approval_step
 from coordinator.domain.model import EventRecord
 from coordinator.pipeline.run import Run
 
@@ -52,18 +51,7 @@ def handed_over(run: Run, change: EventChange, *, executor: str, failure: str, w
         "outside this run through the delivery queue, same decisionId"
     )
     approval.nextAttemptAt = now + HANDOVER_GRACE
-    change.rows.append(
-        approval_row(
-            record=record,
-            now=now,
-            vm=executor,
-            rule=approval.rule,
-            decision_id=approval.decisionId,
-            actor=approval.actor,
-            outcome="continued",
-            reason=approval.reason,
-        )
-    )
+    change.rows.append(approval_step(record, now, vm=executor, outcome="continued", reason=approval.reason))
     return change
 
 

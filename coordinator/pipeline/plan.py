@@ -15,7 +15,7 @@ from contracts.approval import ApprovalFacts, ApprovalRequest
 from coordinator.domain.approvals import choose_executor, reroutable_within, reroute_at
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
-from coordinator.domain.history_rows import approval_row
+from coordinator.domain.lifecycle import approval_step
 from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest, VmSighting
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.run import Delivery, Run
@@ -160,13 +160,10 @@ def _intent(
 ) -> HistoryRow:
     """The Approval row "sending", committed before the request leaves."""
     attempt = approval.attempts + 1
-    return approval_row(
-        record=record,
-        now=run.now,
+    return approval_step(
+        record,
+        run.now,
         vm=executor,
-        rule=approval.rule,
-        decision_id=approval.decisionId,
-        actor=approval.actor,
         outcome="sending",
         reason=(
             f"acknowledge of {record.eventId} going to ARM for {executor} (attempt {attempt})"

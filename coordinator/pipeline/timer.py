@@ -21,8 +21,8 @@ from coordinator.adapters import telemetry
 from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
-from coordinator.domain.history_rows import approval_row, heartbeat_row, impact_row, position_of
-from coordinator.domain.lifecycle import EventChange, advance, clone, raise_alert, sender_gone
+from coordinator.domain.history_rows import heartbeat_row, impact_row, position_of
+from coordinator.domain.lifecycle import EventChange, advance, approval_step, clone, raise_alert, sender_gone
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import attempt, decide, outbox, tail
@@ -197,12 +197,10 @@ def not_started(change: EventChange, now: datetime) -> None:
     assert approval is not None
     by = approval.confirmBy.isoformat() if approval.confirmBy else "?"
     change.rows.append(
-        approval_row(
-            record=change.record,
-            now=now,
+        approval_step(
+            change.record,
+            now,
             vm=approval.executor,
-            rule=approval.rule,
-            decision_id=approval.decisionId,
             actor="platform",
             outcome="not-started",
             reason=f"{approval.executor}'s listener answered '{approval.outcome}' but no VM saw the event Started or "

@@ -5,8 +5,7 @@ reconsider). The listener executes a decisionId once, so sending one again appro
 
 from __future__ import annotations
 
-from coordinator.domain.history_rows import approval_row
-from coordinator.domain.lifecycle import EventChange, clone, sender_gone
+from coordinator.domain.lifecycle import EventChange, approval_step, clone, sender_gone
 from coordinator.domain.model import EventRecord
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event
@@ -58,12 +57,9 @@ def retry_due(run: Run, record: EventRecord) -> None:
             # The deciding run stopped before it recorded an outcome: its Decision and intent rows were committed
             # with its deciding write (the outbox); what is known of the send is that nothing answered it.
             work.rows.append(
-                approval_row(
-                    record=record,
-                    now=now,
-                    rule=approval.rule,
-                    decision_id=approval.decisionId,
-                    actor=approval.actor,
+                approval_step(
+                    record,
+                    now,
                     outcome="unknown",
                     reason=f"approval decided at {approval.decidedAt.isoformat()} has no recorded outcome (the "
                     "sender stopped before recording it); sent again with the same decisionId (the listener "

@@ -189,7 +189,8 @@ class StateStore(Protocol):
     ) -> str:
         """Inserts the group with all its VMs (``etag`` None), or merges the VMs ``vm_ids`` (None: every VM of
         ``record``) into it If-Match ``etag``: VMs not sent keep what is stored. ``staged`` (near the group) in the
-        same transaction. Gives the new ETag."""
+        same transaction. Gives the new ETag: ``save_vm_groups`` of one."""
+        return self.save_vm_groups([(record, etag, vm_ids)], staged=staged)[0]
 
     def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
         """Replaces the group If-Match ``etag`` with only the VMs of ``record`` (the VMs not in it are removed, which

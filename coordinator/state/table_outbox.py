@@ -61,16 +61,6 @@ class TableOutbox:
         writes: list[Write] = [(event_entity(revised(r)), e, r) for r, e in items]
         return self._save_with_staged(writes, staged, lambda r: f"event:{r.eventId}", UpdateMode.REPLACE)
 
-    def save_vm_group(
-        self,
-        record: VmGroupRecord,
-        etag: str | None,
-        *,
-        vm_ids: Iterable[str] | None = None,
-        staged: Sequence[Staged] = (),
-    ) -> str:
-        return self.save_vm_groups([(record, etag, vm_ids)], staged=staged)[0]
-
     def save_vm_groups(
         self,
         items: Sequence[tuple[VmGroupRecord, str | None, Iterable[str] | None]],

@@ -30,6 +30,7 @@ from emulators.eventhubs.auth import AuthError, validate_jwt, validate_sas_token
 from emulators.eventhubs.broker import Broker
 from emulators.eventhubs.broker_state import MAX_MESSAGE_SIZE, BrokerStats
 from emulators.eventhubs.partition_log import EventStore
+from emulators.status_error import StatusError
 
 _LOG = logging.getLogger("emulators.eventhubs.rest")
 BATCH_CONTENT_TYPE = "application/vnd.microsoft.servicebus.json"
@@ -37,11 +38,8 @@ _PARTITION_KEY = symbol("x-opt-partition-key")
 DATA_SENDER_ROLE = "Azure Event Hubs Data Sender"
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
+class _Refused(StatusError):
+    """A REST send refused: ``status`` and ``reason`` are the answer."""
 
 
 def encode_event(body: bytes, *, partition_key: str | None, properties: dict[str, Any] | None) -> bytes:

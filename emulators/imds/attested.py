@@ -77,6 +77,59 @@ def _signing_key() -> rsa.RSAPrivateKey:
     return _key()
 
 
+# What a CA's key may sign: certificates and CRLs (and its own signatures).
+_CA_USAGE = x509.KeyUsage(
+    digital_signature=True,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    key_cert_sign=True,
+    crl_sign=True,
+    encipher_only=False,
+    decipher_only=False,
+)
+
+
+def _certificate(
+    subject: x509.Name, issuer: x509.Name, key: rsa.RSAPublicKey, *, now: datetime, days: int
+) -> x509.CertificateBuilder:
+    """``key``'s certificate for ``subject`` by ``issuer``, valid from ``BACKDATED`` before ``now`` to ``days`` after
+    it; the extensions are the caller's."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATED)
+        .not_valid_after(now + timedelta(days=days))
+    )
+
+
+def _ca_certificate(
+    name: x509.Name,
+    key: rsa.RSAPrivateKey,
+    *,
+    by: tuple[x509.Name, rsa.RSAPrivateKey],
+    days: int,
+    path_length: int | None,
+    now: datetime,
+) -> x509.Certificate:
+    """A CA's certificate: ``key``'s, named ``name``, signed by ``by`` (its CA's name and key; a root's own)."""
+    issuer_name, issuer_key = by
+    builder = (
+        _certificate(name, issuer_name, key.public_key(), now=now, days=days)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=path_length), critical=True)
+        .add_extension(_CA_USAGE, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    )
+    if issuer_key is not key:
+        authority = x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key())
+        builder = builder.add_extension(authority, critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
 @dataclass(frozen=True)
 class CertificateAuthority:
     """A root and an issuing CA: what signs the emulator's signing certificates."""
@@ -89,44 +142,10 @@ class CertificateAuthority:
     def create(cls, *, label: str = "IMDS Emulator", now: datetime | None = None) -> CertificateAuthority:
         now = now or datetime.now(UTC)
         root_key, issuer_key = _key(), _key()
-        root_name, issuer_name = _name(f"{label} Root CA"), _name(f"{label} Issuing CA 01")
-        ca_usage = x509.KeyUsage(
-            digital_signature=True,
-            content_commitment=False,
-            key_encipherment=False,
-            data_encipherment=False,
-            key_agreement=False,
-            key_cert_sign=True,
-            crl_sign=True,
-            encipher_only=False,
-            decipher_only=False,
-        )
-        root = (
-            x509.CertificateBuilder()
-            .subject_name(root_name)
-            .issuer_name(root_name)
-            .public_key(root_key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - BACKDATED)
-            .not_valid_after(now + timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(ca_usage, critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(root_key.public_key()), critical=False)
-            .sign(root_key, hashes.SHA256())
-        )
-        issuer = (
-            x509.CertificateBuilder()
-            .subject_name(issuer_name)
-            .issuer_name(root_name)
-            .public_key(issuer_key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - BACKDATED)
-            .not_valid_after(now + timedelta(days=1825))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(ca_usage, critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(issuer_key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(root_key.public_key()), critical=False)
-            .sign(root_key, hashes.SHA256())
+        root_name = _name(f"{label} Root CA")
+        root = _ca_certificate(root_name, root_key, by=(root_name, root_key), days=3650, path_length=None, now=now)
+        issuer = _ca_certificate(
+            _name(f"{label} Issuing CA 01"), issuer_key, by=(root_name, root_key), days=1825, path_length=0, now=now
         )
         return cls(root=root, issuer=issuer, issuer_key=issuer_key)
 
@@ -142,14 +161,9 @@ class CertificateAuthority:
         """A signing certificate for ``names`` whose CA Issuers URL is ``issuer_url``."""
         now = now or datetime.now(UTC)
         key = _signing_key()
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
         certificate = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-            .issuer_name(self.issuer.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - BACKDATED)
-            .not_valid_after(now + timedelta(days=365))
+            _certificate(subject, self.issuer.subject, key.public_key(), now=now, days=365)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(

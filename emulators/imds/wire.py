@@ -80,12 +80,13 @@ class RequestHandler(BaseHTTPRequestHandler):
         if length:
             self._body = self.rfile.read(length)
 
-    def _dispatch(self, method: str) -> None:
+    def _dispatch(self) -> None:
+        """Any method the emulator serves: the emulator answers the request (its method is ``self.command``)."""
         emulator: _Emulator = self.server.emulator  # type: ignore[attr-defined]
         headers: dict[str, str] = {}
         try:
             self._take_body()
-            status, body, content_type = emulator.handle_request(self, method)
+            status, body, content_type = emulator.handle_request(self, self.command)
         except NoAnswer:
             self.close_connection = True
             return
@@ -103,17 +104,7 @@ class RequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
-
-    def do_PUT(self) -> None:
-        self._dispatch("PUT")
+    do_GET = do_POST = do_DELETE = do_PUT = _dispatch
 
     def log_message(self, format: str, *args: Any) -> None:
         # Silence the per-request stderr lines; the control API and /_emulator/vms carry the counts.

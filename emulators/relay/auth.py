@@ -18,6 +18,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import jwt
 
+from emulators.status_error import StatusError
 from emulators.tokens import TokenError, verify_token
 
 RELAY_AUDIENCE = "https://relay.azure.net"
@@ -35,13 +36,8 @@ class Right(StrEnum):
 ALL_RIGHTS: frozenset[Right] = frozenset(Right)
 
 
-class AuthError(Exception):
+class AuthError(StatusError):
     """The token does not allow the action; ``status`` is what the service answers (401 or 403)."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -39,18 +39,17 @@ from emulators.relay.namespace import (
     SenderSession,
     log,
 )
+from emulators.status_error import StatusError
 
 # Handled by the gateway itself (it already answered 100 Continue), so not forwarded.
 _GATEWAY_HEADERS = frozenset({"expect"})
 
 
-class _Refusal(Exception):
+class _Refusal(StatusError):
     """The service refuses a sender's request itself (no listener involved); answered with ``status``."""
 
     def __init__(self, status: int, reason: str, *, log_line: str | None = None) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
+        super().__init__(status, reason)
         self.log_line = log_line or reason
 
 

@@ -15,17 +15,14 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from emulators.status_error import StatusError
+
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
-class HttpError(Exception):
+class HttpError(StatusError):
     """The sender's request cannot be read; answer ``status`` and close."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -121,38 +121,27 @@ def close_reason(text: str) -> str:
     return text.encode()[:123].decode(errors="ignore")
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class Namespace:
     """The relay namespace: hybrid connections, their listeners and the exchanges in flight (one event loop)."""
 
-    def __init__(
-        self,
-        *,
-        checker: TokenChecker,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        response_timeout: float = 60.0,
-        accept_timeout: float = ACCEPT_TIMEOUT,
-        require_known: bool = False,
-        rng: random.Random | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.checker = checker
-        self.host = host
-        self.port = port
-        self.response_timeout = response_timeout
-        self.accept_timeout = accept_timeout
-        self.require_known = require_known
-        self.rng = rng or random.Random()
-        self.clock = clock
-        self.hybrid_connections: dict[str, HybridConnection] = {}
-        self.requests: dict[str, PendingRequest] = {}
-        self.accepts: dict[str, PendingAccept] = {}
-        self.counters: Counter[str] = Counter()
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.sessions: set[SenderSession] = set()
-        # Injected listener behaviour per hybrid connection (tests, the local runner): (delay before a request is
-        # delivered, whether it is never delivered). Not a Relay feature: a slow or dead listener, seen from Relay.
-        self.listener_faults: dict[str, tuple[float, bool]] = {}
+    checker: TokenChecker
+    host: str = "127.0.0.1"
+    port: int = 0
+    response_timeout: float = 60.0
+    accept_timeout: float = ACCEPT_TIMEOUT
+    require_known: bool = False
+    rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = time.time
+    hybrid_connections: dict[str, HybridConnection] = field(default_factory=dict, init=False)
+    requests: dict[str, PendingRequest] = field(default_factory=dict, init=False)
+    accepts: dict[str, PendingAccept] = field(default_factory=dict, init=False)
+    counters: Counter[str] = field(default_factory=Counter, init=False)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    sessions: set[SenderSession] = field(default_factory=set, init=False)
+    # Injected listener behaviour per hybrid connection (tests, the local runner): (delay before a request is
+    # delivered, whether it is never delivered). Not a Relay feature: a slow or dead listener, seen from Relay.
+    listener_faults: dict[str, tuple[float, bool]] = field(default_factory=dict, init=False)
 
     @property
     def authority(self) -> str:

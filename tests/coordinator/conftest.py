@@ -17,11 +17,10 @@ import pytest
 from coordinator.adapters.history import SqliteHistory
 from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from local.direct_callback import direct_coordinator
-from tests.coordinator.helpers import DOC_NOW, WEB_FLEET
-from tests.coordinator.runs import Bench
+from tests.coordinator.helpers import DOC_NOW, WEB_FLEET, web_vms
+from tests.coordinator.runs import Bench, imds_serving
 
 
 class Clock:
@@ -34,18 +33,8 @@ class Clock:
 
 @pytest.fixture(scope="session")
 def imds() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "coordinator-tests",
-            "vms": [
-                {"name": "WestNO_0", "placementGroupId": "avset-westno"},
-                {"name": "WestNO_1", "placementGroupId": "avset-westno"},
-            ],
-        }
-    )
-    # The emulator's clock stands at the coordinator's (DOC_NOW): an event created with a 900 s notice has the
-    # documented NotBefore, so the facts the coordinator decides on are those each VM's IMDS shows.
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+    vms = [{"name": name, "placementGroupId": "avset-westno"} for name in ("WestNO_0", "WestNO_1")]
+    with imds_serving("coordinator-tests", vms) as emulator:
         yield emulator
 
 
@@ -109,13 +98,7 @@ def app(
 
 @pytest.fixture  # one fleet per test: an approved Terminate removes its VM from the emulator for good
 def fleet_imds() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "coordinator-deletes",
-            "vms": [{"name": n, "vmScaleSetName": "web", "placementGroupId": "pg-web"} for n in WEB_FLEET],
-        }
-    )
-    with ImdsEmulator(scenario=scenario, throttle_rps=0) as emulator:
+    with imds_serving("coordinator-deletes", web_vms(*WEB_FLEET), clock=None) as emulator:
         yield emulator
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import azure.functions as func
 
 from contracts.envelope import SCHEMA
-from coordinator.domain.model import EventRecord, VmRecord
+from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 
 DOC_EVENT_ID = "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
@@ -25,6 +25,26 @@ GRID_EVENT_TYPE = "Microsoft.ResourceNotifications.MaintenanceResources.Schedule
 
 # The scale set "web" of four VMs in one placement group (the fleet_imds fixture).
 WEB_FLEET = ("web_0", "web_1", "web_2", "web_3")
+
+
+def web_vms(*names: str) -> list[dict[str, str]]:
+    """The IMDS emulator's VMs ``names`` of scale set web, in its placement group pg-web."""
+    return [{"name": name, "vmScaleSetName": "web", "placementGroupId": "pg-web"} for name in names]
+
+
+# A policy's first rules when a VM's scheduled-events tag decides (issue 21): "manual" waits for a person, "auto" (a
+# tag these rules trust) approves at once. A policy goes on with rules of its own.
+BY_TAG = """
+version: 1
+rules:
+  - name: manual-by-tag
+    match: {tags: {scheduled-events: manual}}
+    action: wait-for-person
+  - name: auto-by-tag
+    match: {tags: {scheduled-events: auto}}
+    action: approve-now
+    trustTags: true
+"""
 
 
 def vm(name: str, *, group: str = "avset-westno", scale_set: str = "", index: int | None = None) -> dict[str, Any]:
@@ -185,6 +205,20 @@ def event_record(event_id: str, **fields: Any) -> EventRecord:
     """An event record as the coordinator stores it: a Reboot, Scheduled since DOC_NOW, unless ``fields`` say."""
     base: dict[str, Any] = {"eventId": event_id, "eventType": "Reboot", "stateSince": DOC_NOW, "createdAt": DOC_NOW}
     return EventRecord.model_validate({**base, **fields})
+
+
+def decision_record(**fields: Any) -> DecisionRecord:
+    """A decision as an event's record holds it: rule "r" (approve-now) holds the event, decided at DOC_NOW, unless
+    ``fields`` say."""
+    held = dict(decisionId="d", rule="r", action="approve-now", verdict="wait", reason="held", decidedAt=DOC_NOW)
+    return DecisionRecord.model_validate({**held, **fields})
+
+
+def approval_record(**fields: Any) -> ApprovalRecord:
+    """An approval as an event's record holds it: decision "d" of rule "r", decided at DOC_NOW, unless ``fields``
+    say."""
+    approved = dict(decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW)
+    return ApprovalRecord.model_validate({**approved, **fields})
 
 
 def vm_position(name: str, *, index: int, **fields: Any) -> VmRecord:

@@ -7,7 +7,7 @@ queue (a Storage queue); history goes to ``MemoryHistory``.
 ``put_event`` and ``put_vm`` store state as earlier runs would have left it: an event's record in its entity, each
 VM's position (with its sightings) in its VM group. The scenario tests (test_service.py and the others on Azurite)
 show the same behaviour across every part; these show each module's own. ``make_coordinator`` builds theirs from one
-keyword per part or option.
+keyword per part or option, and ``imds_serving`` serves their VMs on the IMDS emulator, on the coordinator's clock.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import json
 import random
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -38,7 +39,8 @@ from coordinator.service import Coordinator
 from coordinator.state.events import read_event
 from coordinator.state.tables import TableStateStore
 from emulators.azurite import AzuriteEndpoints
-from emulators.imds import ImdsEmulator
+from emulators.imds import ImdsEmulator, Scenario
+from emulators.imds.clock import ManualClock
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, event_record, vm
 from tests.coordinator.memory_store import MemoryStateStore
@@ -283,6 +285,20 @@ def table_coordinator(
     return coordinator, history
 
 
+@contextmanager
+def imds_serving(
+    name: str, vms: Sequence[Mapping[str, Any]], *, scale_sets: Mapping[str, Any] | None = None, **options: Any
+) -> Iterator[ImdsEmulator]:
+    """The IMDS emulator (and its ARM) serving the scenario ``name``: ``vms``, in ``scale_sets``, unthrottled. Its
+    clock stands at the coordinator's (DOC_NOW) unless ``options`` say (``clock=None``: the system's): an event
+    created with a 900 s notice has the documented NotBefore, so the facts the coordinator decides on are those each
+    VM's IMDS shows. ``options`` are the emulator's."""
+    scenario = Scenario.model_validate({"name": name, "vms": list(vms), "scaleSets": dict(scale_sets or {})})
+    clock = options.pop("clock", ManualClock(DOC_NOW))
+    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=clock, **options) as emulator:
+        yield emulator
+
+
 def batches_at_once(batches: Sequence[tuple[Coordinator, list[RawMessage]]], *, timeout: float = 60) -> None:
     """Each instance processes its batch on a thread of its own, all let go together (a barrier), as the instances
     of one fleet race; an error on any thread fails the test here."""
@@ -369,6 +385,13 @@ def put_event(
     stored = read_event(store, event_id)
     assert stored is not None
     return stored.record
+
+
+def put_terminate(store: MemoryStateStore, event_id: str, vm_name: str, **fields: Any) -> EventRecord:
+    """``put_event`` of a Terminate of ``vm_name``, a VM of scale set web, with the documented notice (NOT_BEFORE)."""
+    return put_event(
+        store, event_id, vms=(vm_name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE, **fields
+    )
 
 
 def message(data: dict[str, Any]) -> RawMessage:

@@ -20,13 +20,12 @@ from contracts.envelope import VmIdentity
 from coordinator.domain.cards import CARD_VERSION, build_card, build_vm_card
 from coordinator.domain.model import (
     AlertKind,
-    ApprovalRecord,
-    DecisionRecord,
     EventRecord,
     FactConflict,
     ImdsFailure,
     VmRecord,
 )
+from tests.coordinator.helpers import approval_record, decision_record
 from tests.infra import bicep_model as bm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +52,7 @@ TITLES = {
 
 
 def record() -> EventRecord:
+    decided = {"decisionId": "d-1", "rule": "everything-else-waits", "decidedAt": NOW}
     return EventRecord(
         eventId="3F2A9C1E-0B7D-4E55-9A21-6C0D2B8E4F10",
         eventType="Reboot",
@@ -63,22 +63,15 @@ def record() -> EventRecord:
         notBefore=NOW + timedelta(minutes=15),
         stateSince=NOW,
         createdAt=NOW,
-        decision=DecisionRecord(
-            decisionId="d-1",
-            rule="everything-else-waits",
-            action="wait-for-person",
-            verdict="approve",
-            reason="approved by alice@contoso.com",
-            decidedAt=NOW,
+        decision=decision_record(
+            action="wait-for-person", verdict="approve", reason="approved by alice@contoso.com", **decided
         ),
-        approval=ApprovalRecord(
-            decisionId="d-1",
-            rule="everything-else-waits",
+        approval=approval_record(
             actor="person:alice@contoso.com",
-            decidedAt=NOW,
             outcome="approved",
             executor="web_0",
             confirmBy=NOW + timedelta(minutes=5),
+            **decided,
         ),
         conflicts=[FactConflict(vm="web_1", observedAt=NOW, sequence=7, facts={"EventType": ("Reboot", "Redeploy")})],
         conflictCount=1,

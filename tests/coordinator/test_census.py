@@ -7,6 +7,7 @@ old."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -18,11 +19,11 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.census import ArmCensusReader, Census, CensusError, resource_group_id
 from coordinator.domain.census import CensusEntry, describe, disagreements
 from coordinator.domain.controls import VmFacts
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from emulators.tokens import mint_token
 from forwarder.imds import identity_of
 from tests.coordinator.helpers import DOC_NOW
+from tests.coordinator.runs import imds_serving
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000c0501"
 GROUP = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-fleet"
@@ -56,15 +57,10 @@ class MintedCredential:
 
 @pytest.fixture
 def arm() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "census",
-            "scaleSets": {"web": {"terminateNotification": True}},
-            "vms": [{"subscriptionId": SUBSCRIPTION, "resourceGroupName": "rg-fleet", **vm} for vm in VMS],
-        }
-    )
+    vms = [{"subscriptionId": SUBSCRIPTION, "resourceGroupName": "rg-fleet", **vm} for vm in VMS]
+    scale_sets = {"web": {"terminateNotification": True}}
     # Two VMs a page: every list the census reads takes more than one.
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW), arm_page_size=2) as emulator:
+    with imds_serving("census", vms, scale_sets=scale_sets, arm_page_size=2) as emulator:
         yield emulator
 
 
@@ -204,6 +200,41 @@ def test_a_census_never_read_is_not_usable_and_says_why(arm: ImdsEmulator) -> No
     assert not view.usable()
     assert "never read" in view.why_not_usable()
     assert "403" in view.why_not_usable()
+
+
+class SlowReader:
+    """The ARM census reader of a slow first read: ``read`` blocks until the test lets it go."""
+
+    scopes = ("/subscriptions/s/resourceGroups/g",)
+
+    def __init__(self, entries: list[CensusEntry]) -> None:
+        self.entries, self.reading, self.go, self.reads = entries, threading.Event(), threading.Event(), 0
+
+    def read(self) -> list[CensusEntry]:
+        self.reads += 1
+        self.reading.set()
+        self.go.wait(5)
+        return self.entries
+
+
+def test_a_run_that_needs_the_census_while_its_first_read_is_on_its_way_waits_for_it(arm: ImdsEmulator) -> None:
+    """Two runs of one instance side by side: the second needs the census while the first's read is still on its
+    way. It waits for that read rather than find it "never read" and hold every census rule's event."""
+    slow = SlowReader(reader(arm).read())
+    census = Census(slow)
+    first = threading.Thread(target=lambda: census.at(DOC_NOW).entries())
+    first.start()
+    assert slow.reading.wait(5)
+    usable: list[bool] = []
+    second = threading.Thread(target=lambda: usable.append(census.at(DOC_NOW).usable()))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second run waits for the read in flight"
+    slow.go.set()
+    first.join(5)
+    second.join(5)
+    assert usable == [True]
+    assert slow.reads == 1
 
 
 def test_what_a_vm_says_of_itself_is_compared_with_arms_entry(arm: ImdsEmulator) -> None:

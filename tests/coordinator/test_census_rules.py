@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,15 +28,14 @@ from coordinator.adapters.census import ArmCensusReader, Census
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from emulators.tokens import mint_token
 from forwarder.imds import identity_of
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, grid_event
+from tests.coordinator.helpers import BY_TAG, DOC_NOW, MemoryHistory, envelope, grid_event
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import RecordingAlerts, make_coordinator
+from tests.coordinator.runs import RecordingAlerts, imds_serving, make_coordinator
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000c0502"
 GROUP = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-fleet"
@@ -83,14 +83,14 @@ class Outcome:
 
 @pytest.fixture
 def fleet() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "census-rules",
-            "vms": [{"subscriptionId": SUBSCRIPTION, "resourceGroupName": "rg-fleet", **vm} for vm in VMS],
-        }
-    )
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+    with serving() as emulator:
         yield emulator
+
+
+def serving() -> AbstractContextManager[ImdsEmulator]:
+    """The IMDS emulator (and ARM) serving VMS, in the fleet's resource group."""
+    vms = [{"subscriptionId": SUBSCRIPTION, "resourceGroupName": "rg-fleet", **vm} for vm in VMS]
+    return imds_serving("census-rules", vms)
 
 
 def report(imds: ImdsEmulator, name: str, sequence: int, changes: Mapping[str, Any] | None = None) -> RawMessage:
@@ -165,13 +165,7 @@ def both(policy: str, events: list[dict[str, Any]], lies: Lies, *, arm: bool = T
     """The truthful run and the lying one, each on a fresh emulator."""
     outcomes = []
     for told in (Lies(), lies):
-        scenario = Scenario.model_validate(
-            {
-                "name": "census-rules",
-                "vms": [{"subscriptionId": SUBSCRIPTION, "resourceGroupName": "rg-fleet", **vm} for vm in VMS],
-            }
-        )
-        with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as imds:
+        with serving() as imds:
             outcomes.append(run(imds, policy, events, told, arm=arm))
     truth, lied = outcomes
     return truth, lied
@@ -228,21 +222,14 @@ def test_a_vm_lying_about_its_fault_domain_changes_no_fault_domain_budget() -> N
     assert "faultDomain '1' (ARM: '0')" in mismatches(lied)["web_1"]
 
 
-TAG_RULES = """
-version: 1
-rules:
-  - name: manual-by-tag
-    match: {tags: {scheduled-events: manual}}
-    action: wait-for-person
-  - name: auto-by-tag
-    match: {tags: {scheduled-events: auto}}
-    action: approve-now
-    trustTags: true
-  - name: reboots-by-budget
+TAG_RULES = (
+    BY_TAG
+    + """  - name: reboots-by-budget
     match: {eventType: [Reboot]}
     action: approve-within-budget
     budget: {maxImpacted: 5}
 """
+)
 
 
 def test_a_vm_lying_about_tags_neither_escapes_a_tag_nor_earns_one_even_where_tags_are_trusted() -> None:

@@ -21,6 +21,7 @@ from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import BudgetOption, Policy
 from coordinator.domain.policy_file import PolicyError, parse_policy
+from tests.coordinator.helpers import decision_record
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)  # a Wednesday, 11:00 in Oslo (CET)
 
@@ -399,14 +400,10 @@ def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
 
 def test_a_card_names_what_held_the_event_since_and_until_when() -> None:
     from coordinator.domain.cards import build_card
-    from coordinator.domain.model import DecisionRecord
 
     held = record()
-    held.decision = DecisionRecord(
-        decisionId="d",
+    held.decision = decision_record(
         rule="reboots",
-        action="approve-now",
-        verdict="wait",
         reason="gate 'app-health' is failing (HTTP 503, expected [200])",
         decidedAt=NOW,
         holdKind="gate",

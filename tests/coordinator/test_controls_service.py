@@ -9,22 +9,23 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from contracts.envelope import VmIdentity
+from coordinator.domain.model import DecisionRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from forwarder.imds import tags_of
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
-from tests.coordinator.runs import table_coordinator
+from tests.coordinator.runs import imds_serving, table_coordinator
 
-VMS = [
+VMS: list[dict[str, Any]] = [
     {"name": "web_0", "vmScaleSetName": "web", "zone": "1", "platformUpdateDomain": "0"},
     {"name": "web_1", "vmScaleSetName": "web", "zone": "3", "platformUpdateDomain": "0"},
     {"name": "api_0", "vmScaleSetName": "api", "zone": "1", "platformUpdateDomain": "0"},
@@ -35,8 +36,7 @@ VMS = [
 
 @pytest.fixture
 def zoned() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate({"name": "controls", "vms": VMS})
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+    with imds_serving("controls", VMS) as emulator:
         yield emulator
 
 
@@ -60,6 +60,22 @@ def approved(imds: ImdsEmulator) -> list[str]:
     return [a["EventId"] for a in imds.approvals()]
 
 
+def reboots(coordinator: Coordinator, imds: ImdsEmulator, *notices: tuple[str, int]) -> list[str]:
+    """A Reboot of each VM named, with its notice (seconds), then one batch in which each VM reports it: the events'
+    ids, in that order."""
+    events = [imds.create_event(EventType="Reboot", Resources=[vm], NoticeSeconds=s)["EventId"] for vm, s in notices]
+    coordinator.process_batch([report(imds, vm, 1) for vm, _ in notices])
+    return events
+
+
+def decision_of(coordinator: Coordinator, event_id: str) -> DecisionRecord:
+    """The decision the coordinator stored for the event (it has one)."""
+    stored = coordinator.event(event_id)
+    assert stored is not None
+    assert stored.record.decision is not None
+    return stored.record.decision
+
+
 def test_a_zone_budget_holds_across_scale_sets_and_the_history_names_the_domain(azurite, zoned, tmp_path):
     policy = """
 rules:
@@ -77,10 +93,8 @@ rules:
     coordinator.process_batch([report(zoned, "api_0", 1), report(zoned, "api_1", 1)])
 
     assert sorted(approved(zoned)) == sorted([first, other_zone])
-    held = coordinator.event(second)
-    assert held is not None
-    assert held.record.decision is not None
-    assert (held.record.decision.holdKind, held.record.decision.holdName) == ("budget", "zone:westeurope/1")
+    held = decision_of(coordinator, second)
+    assert (held.holdKind, held.holdName) == ("budget", "zone:westeurope/1")
     row = next(r for r in history.rows if r.RecordType == "Decision" and r.EventId == second)
     assert (row.HoldKind, row.HoldName, row.Outcome) == ("budget", "zone:westeurope/1", "wait")
     budget = coordinator.parts.store.get_budget("zone:westeurope/1")
@@ -99,16 +113,10 @@ rules:
     coordinator, _ = build(azurite, zoned, policy, tmp_path)
     # web_0 and web_1: update domain 0 of scale set web (10% of 2 VMs, rounded up: 1 at a time). The later one
     # is reported first in the batch; the sooner one still gets the slot.
-    later = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=1800)["EventId"]
-    sooner = zoned.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=600)["EventId"]
-
-    coordinator.process_batch([report(zoned, "web_0", 1), report(zoned, "web_1", 1)])
+    later, sooner = reboots(coordinator, zoned, ("web_0", 1800), ("web_1", 600))
 
     assert approved(zoned) == [sooner]
-    waiting = coordinator.event(later)
-    assert waiting is not None
-    assert waiting.record.decision is not None
-    assert waiting.record.decision.holdName == "updateDomain:web/0"
+    assert decision_of(coordinator, later).holdName == "updateDomain:web/0"
 
 
 def test_a_vm_tag_asking_for_a_person_holds_its_event(azurite, zoned, tmp_path):
@@ -122,16 +130,10 @@ rules:
     action: approve-now
 """
     coordinator, _ = build(azurite, zoned, policy, tmp_path)
-    manual = zoned.create_event(EventType="Reboot", Resources=["db_0"], NoticeSeconds=900)["EventId"]
-    plain = zoned.create_event(EventType="Reboot", Resources=["api_1"], NoticeSeconds=900)["EventId"]
-
-    coordinator.process_batch([report(zoned, "db_0", 1), report(zoned, "api_1", 1)])
+    manual, plain = reboots(coordinator, zoned, ("db_0", 900), ("api_1", 900))
 
     assert approved(zoned) == [plain]
-    held = coordinator.event(manual)
-    assert held is not None
-    assert held.record.decision is not None
-    assert held.record.decision.rule == "tagged-manual"
+    assert decision_of(coordinator, manual).rule == "tagged-manual"
 
 
 def test_a_failing_gate_holds_since_it_first_failed_and_the_timer_approves_once_it_passes(
@@ -149,18 +151,13 @@ rules:
     gates: [app-health]
 """
     coordinator, history = build(azurite, zoned, policy, tmp_path)
-    event_id = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
-
-    coordinator.process_batch([report(zoned, "web_0", 1)])
+    (event_id,) = reboots(coordinator, zoned, ("web_0", 900))
     assert isinstance(coordinator.parts.clock, Clock)
     coordinator.parts.clock.now += timedelta(seconds=60)
     coordinator.tick()
 
     assert approved(zoned) == []
-    held = coordinator.event(event_id)
-    assert held is not None
-    assert held.record.decision is not None
-    decision = held.record.decision
+    decision = decision_of(coordinator, event_id)
     assert (decision.holdKind, decision.holdName, decision.holdSince) == ("gate", "app-health", DOC_NOW)
     assert "gate 'app-health' is failing (HTTP 503, expected [200])" in decision.reason
 

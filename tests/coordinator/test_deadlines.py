@@ -30,31 +30,26 @@ from coordinator.adapters.teams import AlertError, TeamsWebhookSink
 from coordinator.domain.controls import AlertGate, Gate, HttpGate
 from coordinator.domain.history_rows import dead_letter_row
 from tests.coordinator.helpers import DOC_NOW, vm
+from tests.loopback import SocketServer
 
 # Within this of the deadline: a thread's wake-up and the shutdown of its socket, on a loaded 2-core machine.
 SLACK = 1.5
 VM = VmIdentity.model_validate(vm("web_0", index=1))
 
 
-class Trickle:
+class Trickle(SocketServer):
     """An HTTP server that answers every request a byte every 0.2 s (a 200 with a body that never seems to end,
     for 30 s): each read gets a byte well within any per-read timeout. ``stall_after``: sends that many bytes of
     the answer at once, then nothing for 10 s."""
 
     def __init__(self, stall_after: int | None = None) -> None:
         self.stall_after = stall_after
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.requests = 0
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+    def handle(self, connection: socket.socket) -> None:
+        threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
 
     def _answer(self, connection: socket.socket) -> None:
         self.requests += 1
@@ -72,9 +67,6 @@ class Trickle:
             pass
         finally:
             connection.close()
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 @pytest.fixture
@@ -125,6 +117,23 @@ def test_the_deadline_cuts_a_trickling_answer_that_per_read_timeouts_let_through
     match = r"trickle: no complete answer within its total deadline of 1 s"
     with pytest.raises(DeadlineExceeded, match=match), deadline(1.0, "trickle"):
         session().get(trickle.url, timeout=0.5)
+
+
+def test_a_request_made_after_the_deadline_fails_before_it_is_sent(trickle):
+    """The block's deadline passed before its request was made (a slow token, a retry's backoff, a starved thread):
+    the connection is not open yet, so there is no socket to shut; the request must not run its course (a trickling
+    answer held such a call for 55 s)."""
+
+    def late() -> None:
+        with deadline(0.2, "late"):
+            time.sleep(0.4)
+            session().get(trickle.url, timeout=5)
+
+    elapsed, error = timed(late)
+    assert elapsed < 0.4 + SLACK
+    assert isinstance(error, DeadlineExceeded)
+    assert "late: no complete answer" in str(error)
+    assert trickle.requests == 0
 
 
 def test_a_trickling_health_gate_is_an_error_at_its_timeout(trickle):

@@ -35,15 +35,12 @@ from tests.coordinator.helpers import DOC_NOW, envelope, grid_event
 EXAMPLES = 150
 _names = itertools.count(1000)
 
+# Numbers no field takes: not finite, or too large for any (a double's edge, beyond a 64-bit integer).
+BEYOND_ANY = [float("inf"), float("-inf"), float("nan"), 1e308, -1e308, 2**64]
 # Values no field of an envelope, an impact report or an Event Grid event takes where a number, a time or a name is
 # expected, and some that one takes and another does not.
-HOSTILE = [
-    float("inf"),
-    float("-inf"),
-    float("nan"),
-    1e308,
-    -1e308,
-    2**64,
+HOSTILE: list[Any] = [
+    *BEYOND_ANY,
     -(2**63) - 1,
     604_800.5,
     -1,
@@ -177,12 +174,7 @@ def spoiled(data: Any, *, skip: tuple[str, ...] = ()) -> st.SearchStrategy[Any]:
 # An impact's figures of seconds, and values none of them takes: not finite, beyond a week either way, not numbers.
 IMPACT_SECONDS = ("measuredSeconds", "monotonicGapSeconds", "wallGapSeconds", "announcedSeconds")
 NOT_SECONDS = [
-    float("inf"),
-    float("-inf"),
-    float("nan"),
-    1e308,
-    -1e308,
-    2**64,
+    *BEYOND_ANY,
     604_800.5,
     -604_800.5,
     "",

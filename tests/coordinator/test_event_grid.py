@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,13 @@ from coordinator.pipeline.ingest import GRID_ON_VM_HUB, Channel, RawMessage
 from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from emulators.imds.event_grid import EVENT_TYPE, EventGridPublisher
 from local.runner import FunctionHost
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
-from tests.coordinator.runs import table_coordinator
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, web_vms
+from tests.coordinator.runs import imds_serving, table_coordinator
+from tests.polling import poll
 
 POLICY = """
 version: 1
@@ -52,16 +51,7 @@ PLATFORM_HUB = "scheduled-events-platform"
 
 @pytest.fixture
 def imds() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "event-grid",
-            "vms": [
-                {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
-                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
-            ],
-        }
-    )
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+    with imds_serving("event-grid", web_vms("web_0", "web_1")) as emulator:
         yield emulator
 
 
@@ -89,6 +79,25 @@ def coordinator(
         ),
         remote_acknowledge_fallback=True,
     )
+
+
+@pytest.fixture
+def waiting(coordinator: tuple[Coordinator, MemoryHistory]) -> tuple[Coordinator, MemoryHistory]:
+    """The coordinator on a policy of one rule: every event waits for a person."""
+    service, _ = coordinator
+    service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
+    return coordinator
+
+
+def create(imds: ImdsEmulator, event_type: str, vm: str) -> str:
+    """An event of ``event_type`` for ``vm``, with a quarter of an hour's notice: its id."""
+    return str(imds.create_event(EventType=event_type, Resources=[vm], NoticeSeconds=900)["EventId"])
+
+
+def scheduled(imds: ImdsEmulator, event_type: str, vm: str) -> tuple[str, dict[str, Any]]:
+    """``create``'s event, and the platform's Event Grid event listing it Scheduled at DOC_NOW."""
+    event_id = create(imds, event_type, vm)
+    return event_id, grid(imds, event_id, "Scheduled", DOC_NOW)
 
 
 def identity(imds: ImdsEmulator, name: str) -> VmIdentity:
@@ -152,8 +161,8 @@ def test_an_agentless_vm_gets_a_record_a_decision_history_and_an_approval_throug
     coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
 ) -> None:
     service, history = coordinator
-    event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
-    batch = service.process_batch([raw(grid(imds, event_id, "Scheduled", DOC_NOW))], channel="platform")
+    event_id, listed = scheduled(imds, "Freeze", "web_0")
+    batch = service.process_batch([raw(listed)], channel="platform")
     assert batch.dead_lettered == 0
     stored = service.event(event_id)
     assert stored is not None
@@ -186,11 +195,10 @@ def test_an_agentless_vm_gets_a_record_a_decision_history_and_an_approval_throug
 
 @pytest.mark.parametrize("grid_first", [False, True])
 def test_a_vm_seen_on_both_paths_is_one_vm_with_one_record(
-    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator, grid_first: bool
+    waiting: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator, grid_first: bool
 ) -> None:
-    service, _ = coordinator
-    service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
-    event_id = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    service, _ = waiting
+    event_id = create(imds, "Reboot", "web_1")
     messages: list[tuple[RawMessage, Channel]] = [
         (raw(grid(imds, event_id, "Scheduled", DOC_NOW)), "platform"),
         (report(imds, "web_1", 1), "vms"),
@@ -204,7 +212,7 @@ def test_a_vm_seen_on_both_paths_is_one_vm_with_one_record(
     assert stored.record.vms["web_1"].vmId == identity(imds, "web_1").vmId
     assert stored.record.vms["web_1"].epoch >= 0
     # A VM whose very first envelope comes right after the Event Grid event: the forwarder's identity wins.
-    first = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    first = create(imds, "Reboot", "web_0")
     service.process_batch([report(imds, "web_0", 1)])
     service.process_batch([raw(grid(imds, first, "Scheduled", DOC_NOW))], channel="platform")
     vms = [vm for group in service.parts.store.all_vm_groups() for vm in group.record.vms.values()]
@@ -217,8 +225,7 @@ def test_an_event_grid_event_on_the_vms_hub_is_a_forgery_set_aside_and_adds_no_v
     coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
 ) -> None:
     service, history = coordinator
-    event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
-    forged = grid(imds, event_id, "Scheduled", DOC_NOW)
+    event_id, forged = scheduled(imds, "Freeze", "web_0")
     forged["data"]["resourceInfo"]["properties"]["Resources"] = [f"web_{n}" for n in range(1000)]
     web_1 = identity(imds, "web_1").resourceId.lower()
     batch = service.process_batch([raw(forged, partition_key=web_1), raw([forged])])
@@ -234,7 +241,7 @@ def test_the_platforms_facts_outrank_what_a_vm_reported_first(
     coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
 ) -> None:
     service, history = coordinator
-    event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    event_id = create(imds, "Freeze", "web_0")
     # web_1 sees web_0's short Freeze (one placement group) and reports it first, as a Reboot: a person would wait.
     vm = identity(imds, "web_1")
     document = imds.document("web_1")
@@ -269,15 +276,13 @@ def test_the_platforms_facts_outrank_what_a_vm_reported_first(
 
 
 def test_duplicates_are_ignored_and_canceled_concludes(
-    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
+    waiting: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
 ) -> None:
-    service, history = coordinator
-    service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
-    event_id = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
-    scheduled = grid(imds, event_id, "Scheduled", DOC_NOW)
-    first = service.process_batch([raw(scheduled), raw([scheduled])], channel="platform")
+    service, history = waiting
+    event_id, listed = scheduled(imds, "Reboot", "web_0")
+    first = service.process_batch([raw(listed), raw([listed])], channel="platform")
     assert first.duplicates == 1
-    service.process_batch([raw(scheduled)], channel="platform")  # again in a later batch: not newer
+    service.process_batch([raw(listed)], channel="platform")  # again in a later batch: not newer
     observations = [r for r in history.rows if r.EventId == event_id and r.RecordType == "Observation"]
     assert len(observations) == 1
     # An older status arriving late changes nothing either.
@@ -290,12 +295,11 @@ def test_duplicates_are_ignored_and_canceled_concludes(
 
 
 def test_malformed_event_grid_events_are_dead_lettered_with_reasons_while_the_rest_goes_on(
-    coordinator: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
+    waiting: tuple[Coordinator, MemoryHistory], imds: ImdsEmulator
 ) -> None:
-    service, history = coordinator
-    service.policy = parse_policy("version: 1\nrules:\n  - name: wait\n    action: wait-for-person\n")
-    good = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
-    listed = imds.create_event(EventType="Reboot", Resources=["web_1"], NoticeSeconds=900)["EventId"]
+    service, history = waiting
+    good = create(imds, "Reboot", "web_0")
+    listed = create(imds, "Reboot", "web_1")
     no_status = grid(imds, good, "Scheduled", DOC_NOW)
     del no_status["data"]["resourceInfo"]["properties"]["EventStatus"]
     exploded = grid(imds, good, "Exploded", DOC_NOW)
@@ -325,15 +329,6 @@ def test_malformed_event_grid_events_are_dead_lettered_with_reasons_while_the_re
         assert stored.record.state == "Scheduled"
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 def test_the_event_grid_source_end_to_end_over_the_event_hubs_emulator(
     azurite: AzuriteEndpoints, imds: ImdsEmulator, coordinator: tuple[Coordinator, MemoryHistory]
 ) -> None:
@@ -345,6 +340,10 @@ def test_the_event_grid_source_end_to_end_over_the_event_hubs_emulator(
         with lock:
             service.process_batch([function_app._raw(e, {}) for e in events], channel="platform")
             received.append(len(events))
+
+    def state(event_id: str) -> str | None:
+        stored = service.event(event_id)
+        return stored.record.state if stored is not None else None
 
     with EventHubsEmulator(hubs={PLATFORM_HUB: 2}) as eventhubs:
         publisher = EventGridPublisher(
@@ -364,15 +363,15 @@ def test_the_event_grid_source_end_to_end_over_the_event_hubs_emulator(
         )
         host.start()
         try:
-            event_id = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+            event_id = create(imds, "Freeze", "web_0")
             assert publisher.publish() == 2, imds.events()  # Scheduled, twice (a platform duplicate)
-            assert wait_until(lambda: bool(imds.arm_status()["acknowledged"]))
+            assert poll(lambda: bool(imds.arm_status()["acknowledged"]), timeout=20, interval=0.1)
             imds.clock.advance(1)  # type: ignore[attr-defined]
             assert publisher.publish() == 2, imds.events()  # Started
-            assert wait_until(lambda: (e := service.event(event_id)) is not None and e.record.state == "Started")
+            assert poll(lambda: state(event_id) == "Started", timeout=20, interval=0.1)
             imds.clock.advance(700)  # type: ignore[attr-defined]  # Started stays listed 600 s (the emulator)
             assert publisher.publish() == 2, imds.events()  # Completed
-            assert wait_until(lambda: (e := service.event(event_id)) is not None and e.record.state == "Completed")
+            assert poll(lambda: state(event_id) == "Completed", timeout=20, interval=0.1)
         finally:
             host.stop()
             publisher.stop()

@@ -21,8 +21,6 @@ import pytest
 from azure.functions.timer import TimerRequest
 
 from coordinator.http import APPROVE_ROLE, READ_ROLE
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
 from local.direct_callback import direct_coordinator
 from tests.coordinator.conftest import App
 from tests.coordinator.helpers import (
@@ -33,7 +31,9 @@ from tests.coordinator.helpers import (
     hub_event,
     scheduled_event,
     vm,
+    web_vms,
 )
+from tests.coordinator.runs import imds_serving
 
 TABLE = "ScheduledEventsHistory_CL"
 
@@ -564,14 +564,8 @@ class _Unreachable:
 def test_terminate_is_approved_after_every_prepare_hook(app: App, monkeypatch: pytest.MonkeyPatch):
     """A scale-in deleting two VMs: approved through the function once both prepare phases succeeded, and each
     deleted VM's own ledger (checked before approving) agrees."""
-    scenario = Scenario.model_validate(
-        {
-            "name": "function-app-deletes",
-            "vms": [{"name": n, "vmScaleSetName": "web", "placementGroupId": "pg-web"} for n in ("web_0", "web_1")],
-        }
-    )
     ledger: dict[tuple[str, str], str] = {}
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as fleet:
+    with imds_serving("function-app-deletes", web_vms("web_0", "web_1")) as fleet:
         builder = direct_coordinator(app.module.settings, fleet.url, hook_ledger=lambda v, e: ledger.get((v, e)))
         monkeypatch.setattr(app.module, "coordinator", builder)
         app.module.coordinator().parts = replace(app.module.coordinator().parts, clock=app.clock)

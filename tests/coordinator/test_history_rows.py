@@ -28,8 +28,9 @@ from coordinator.domain.history_rows import (
     position_of,
     transition_row,
 )
-from coordinator.domain.model import DecisionRecord, EventRecord, VmRecord
+from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
+from tests.coordinator.helpers import decision_record
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)
 COORDINATOR = Path(__file__).resolve().parents[2] / "coordinator"
@@ -43,6 +44,12 @@ PYTHON_TYPES: dict[str, tuple[type, ...]] = {
     "dynamic": (list, dict),
     "real": (float,),
 }
+
+
+# The rule that decided the record's event, as its decision names it.
+DECIDED = {"decisionId": "d1", "rule": "deletes", "actor": "rule:deletes"}
+# The approval of that decision through web_0, as its Transition and Approval rows name it.
+APPROVED = {"rule": DECIDED["rule"], "actor": DECIDED["actor"], "decision_id": DECIDED["decisionId"], "vm": "web_0"}
 
 
 def record(*, held: bool = True) -> EventRecord:
@@ -67,16 +74,7 @@ def record(*, held: bool = True) -> EventRecord:
         notBefore=NOW + timedelta(minutes=15),
         stateSince=NOW,
         createdAt=NOW,
-        decision=DecisionRecord(
-            decisionId="d1",
-            rule="deletes",
-            action="approve-after-hooks",
-            verdict="wait",
-            reason="waiting",
-            decidedAt=NOW,
-            actor="rule:deletes",
-            **hold,
-        ),
+        decision=decision_record(action="approve-after-hooks", reason="waiting", decidedAt=NOW, **DECIDED, **hold),
     )
 
 
@@ -121,16 +119,7 @@ CASES: dict[Callable[..., HistoryRow], list[Callable[[], HistoryRow]]] = {
     ],
     transition_row: [
         lambda: transition_row(record=record(), now=NOW, previous="Scheduled", reason="seen Started"),
-        lambda: transition_row(
-            record=record(),
-            now=NOW,
-            previous="Scheduled",
-            reason="approved",
-            rule="deletes",
-            actor="rule:deletes",
-            decision_id="d1",
-            vm="web_0",
-        ),
+        lambda: transition_row(record=record(), now=NOW, previous="Scheduled", reason="approved", **APPROVED),
     ],
     decision_row: [
         lambda: decision_row(record=record(), now=NOW),
@@ -143,12 +132,9 @@ CASES: dict[Callable[..., HistoryRow], list[Callable[[], HistoryRow]]] = {
             now=NOW,
             outcome="approved",
             reason="StartRequests accepted by web_0",
-            vm="web_0",
-            rule="deletes",
-            decision_id="d1",
-            actor="rule:deletes",
             incarnation=5,
             details={"heldBy": "E2"},
+            **APPROVED,
         ),
     ],
     hook_row: [

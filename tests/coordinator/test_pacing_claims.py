@@ -15,11 +15,10 @@ import pytest
 
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
-from tests.coordinator.runs import batches_at_once, table_coordinator
+from tests.coordinator.runs import batches_at_once, imds_serving, table_coordinator
 
 POLICY = parse_policy(
     """
@@ -72,8 +71,7 @@ def imds() -> Iterator[ImdsEmulator]:
         {"name": name, "vmScaleSetName": "web", "placementGroupId": "avset-westno", "zone": zone}
         for name, zone in ZONES.items()
     ]
-    scenario = Scenario.model_validate({"name": "pacing-tests", "vms": vms})
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+    with imds_serving("pacing-tests", vms) as emulator:
         yield emulator
 
 

@@ -19,7 +19,7 @@ from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import act, attempt, delivery, handover, plan
 from coordinator.pipeline.run import Delivery, Run
-from tests.coordinator.helpers import DOC_NOW
+from tests.coordinator.helpers import DOC_NOW, approval_record
 from tests.coordinator.runs import (
     NOT_BEFORE,
     Bench,
@@ -28,6 +28,7 @@ from tests.coordinator.runs import (
     MemoryDeliveries,
     RecordingCallback,
     put_event,
+    put_terminate,
     put_vm,
 )
 from tests.health_page import HealthPage
@@ -37,16 +38,14 @@ SILENT = DOC_NOW - timedelta(minutes=10)
 
 
 def approval(rule: str = "short-freeze", **fields: Any) -> ApprovalRecord:
-    return ApprovalRecord.model_validate(
-        {
-            "decisionId": "d-1",
-            "rule": rule,
-            "actor": f"rule:{rule}",
-            "decidedAt": DOC_NOW,
-            "nextAttemptAt": DOC_NOW + timedelta(seconds=90),
-            **fields,
-        }
-    )
+    """Rule ``rule``'s approval "d-1", its next attempt 90 s after DOC_NOW, unless ``fields`` say."""
+    first = {
+        "decisionId": "d-1",
+        "rule": rule,
+        "actor": f"rule:{rule}",
+        "nextAttemptAt": DOC_NOW + timedelta(seconds=90),
+    }
+    return approval_record(**{**first, **fields})
 
 
 def approved_freeze(
@@ -152,16 +151,7 @@ def test_the_timers_fresh_last_seen_makes_a_recently_heard_vm_the_executor(bench
 
 
 def test_a_terminate_goes_only_through_the_vm_it_deletes_never_a_peer(bench: Bench):
-    put_event(
-        bench.store,
-        "EV-DEL",
-        vms=("web_0",),
-        scale_set="web",
-        seen=SILENT,
-        eventType="Terminate",
-        notBefore=NOT_BEFORE,
-        approval=approval("terminate-after-prepare-hooks"),
-    )
+    put_terminate(bench.store, "EV-DEL", "web_0", seen=SILENT, approval=approval("terminate-after-prepare-hooks"))
     # A peer of the same placement group that lists the delete too, and is alive.
     peer = bench.event("EV-DEL").vms["web_0"].model_copy(update={"lastSeen": DOC_NOW, "name": ""})
     put_vm(bench.store, "web_1", scale_set="web", sightings={"EV-DEL": peer})
@@ -324,16 +314,8 @@ def test_an_outcome_for_a_superseded_decision_is_not_recorded(bench: Bench):
 
 
 def test_an_approved_delete_held_by_a_pending_sibling_shows_the_platforms_hold(bench: Bench):
-    put_event(
-        bench.store,
-        "EV-DEL-0",
-        vms=("web_0",),
-        scale_set="web",
-        eventType="Terminate",
-        notBefore=NOT_BEFORE,
-        approval=approval("terminate-after-prepare-hooks"),
-    )
-    put_event(bench.store, "EV-DEL-1", vms=("web_1",), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
+    put_terminate(bench.store, "EV-DEL-0", "web_0", approval=approval("terminate-after-prepare-hooks"))
+    put_terminate(bench.store, "EV-DEL-1", "web_1")
     run = deliver(bench, "EV-DEL-0")
     record: EventRecord = bench.event("EV-DEL-0")
     assert record.state == "Approved"
@@ -517,15 +499,7 @@ rules:
 def test_a_terminate_whose_vm_did_not_answer_is_continued_through_that_vm_never_a_peer(bench: Bench):
     callback = queued_bench(bench, "web_0")
     bench.policy = TERMINATE_NOW  # the delivery run decides it again: its rule still approves it
-    put_event(
-        bench.store,
-        "EV-DEL",
-        vms=("web_0",),
-        scale_set="web",
-        eventType="Terminate",
-        notBefore=NOT_BEFORE,
-        approval=approval("terminate-now"),
-    )
+    put_terminate(bench.store, "EV-DEL", "web_0", approval=approval("terminate-now"))
     peer = bench.event("EV-DEL").vms["web_0"].model_copy(update={"name": ""})
     put_vm(bench.store, "web_1", scale_set="web", sightings={"EV-DEL": peer})
     deliver(bench, "EV-DEL", in_run_delivery=timedelta(milliseconds=100))
@@ -548,16 +522,8 @@ def test_a_terminate_whose_vm_is_gone_goes_through_remote_acknowledge_where_it_i
     """Gone: its listener did not answer the last attempt and it has been silent for executor_silence (150 s, two
     and a half heartbeats); a listener that merely did not answer, of a VM still heard, is tried again."""
     bench.remote_acknowledge = RecordingCallback()
-    put_event(
-        bench.store,
-        "EV-DEL",
-        vms=("web_0",),
-        scale_set="web",
-        seen=DOC_NOW - silent_for,
-        eventType="Terminate",
-        notBefore=NOT_BEFORE,
-        approval=approval("terminate-after-prepare-hooks", outcome="continued", executor="web_0"),
-    )
+    answered = approval("terminate-after-prepare-hooks", outcome="continued", executor="web_0")
+    put_terminate(bench.store, "EV-DEL", "web_0", seen=DOC_NOW - silent_for, approval=answered)
     deliver(bench, "EV-DEL", remote_acknowledge_fallback=True)
     approval_now = bench.event("EV-DEL").approval
     assert approval_now is not None
@@ -684,13 +650,8 @@ def test_a_delivery_run_finds_the_vm_by_its_heartbeats_as_the_timer_does():
     WestNO_0 heartbeats every minute: the delivery run sends it through WestNO_0 (before: no VM reported within
     300 s, as it judged WestNO_0 by its sighting's last change)."""
     bench = Bench(deliveries=MemoryDeliveries())
-    approval = ApprovalRecord(
-        decisionId="d-1",
-        rule="manual",
-        actor="person:ops@example.com",
-        decidedAt=DOC_NOW,
-        outcome="continued",
-        executor="WestNO_0",
+    approval = approval_record(
+        decisionId="d-1", rule="manual", actor="person:ops@example.com", outcome="continued", executor="WestNO_0"
     )
     put_event(bench.store, EVENT, vms=("WestNO_0",), notBefore=NOT_BEFORE, approval=approval)
     bench.now = DOC_NOW + timedelta(minutes=10)

@@ -16,8 +16,8 @@ from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import decide
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.run import Run
-from tests.coordinator.helpers import DOC_NOW, event_record
-from tests.coordinator.runs import NOT_BEFORE, Bench, put_event
+from tests.coordinator.helpers import DOC_NOW, decision_record, event_record
+from tests.coordinator.runs import NOT_BEFORE, Bench, put_event, put_terminate
 
 BUDGET = parse_policy(
     """
@@ -172,16 +172,10 @@ def test_a_failure_deciding_one_event_costs_only_that_events_decision(bench: Ben
     assert [c.record.decision is not None for c in changes] == [False, True]
 
 
-def terminate(bench: Bench, event_id: str, vm_name: str, **fields: Any) -> EventRecord:
-    return put_event(
-        bench.store, event_id, vms=(vm_name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE, **fields
-    )
-
-
 def test_a_ready_delete_waits_while_a_sibling_delete_of_its_scale_set_is_not_ready(bench: Bench):
     bench.policy = DELETES
-    terminate(bench, "EV-T0", "web_0")  # pending, not decided yet (its VM's batch has not come)
-    mine = terminate(bench, "EV-T1", "web_1")
+    put_terminate(bench.store, "EV-T0", "web_0")  # pending, not decided yet (its VM's batch has not come)
+    mine = put_terminate(bench.store, "EV-T1", "web_1")
     change = decided(bench.run(), mine)
     decision = change.record.decision
     assert decision is not None
@@ -189,21 +183,17 @@ def test_a_ready_delete_waits_while_a_sibling_delete_of_its_scale_set_is_not_rea
     assert change.record.approval is None
 
 
+def held_by(holder: str, reason: str = "held with the pending deletes of scale set web") -> DecisionRecord:
+    """Rule deletes-now's decision on a delete that ``holder``, a pending delete of its scale set, holds back."""
+    return decision_record(
+        decisionId="d-held", rule="deletes-now", reason=reason, heldBy=holder, holdKind="delete", holdName=holder
+    )
+
+
 def test_release_held_redecides_the_deletes_a_changed_delete_held_back(bench: Bench):
     bench.policy = DELETES
-    terminate(bench, "EV-T0", "web_0")
-    held = DecisionRecord(
-        decisionId="d-held",
-        rule="deletes-now",
-        action="approve-now",
-        verdict="wait",
-        reason="held with the pending deletes of scale set web",
-        decidedAt=DOC_NOW,
-        heldBy="EV-T0",
-        holdKind="delete",
-        holdName="EV-T0",
-    )
-    terminate(bench, "EV-T1", "web_1", decision=held)
+    put_terminate(bench.store, "EV-T0", "web_0")
+    put_terminate(bench.store, "EV-T1", "web_1", decision=held_by("EV-T0"))
 
     bench.now = DOC_NOW + timedelta(seconds=30)
     run = bench.run()
@@ -222,45 +212,20 @@ def test_release_held_redecides_the_deletes_a_changed_delete_held_back(bench: Be
 
 def test_release_held_leaves_deletes_alone_when_no_delete_of_their_scale_set_changed(bench: Bench):
     bench.policy = DELETES
-    terminate(bench, "EV-T0", "web_0")
-    held = DecisionRecord(
-        decisionId="d",
-        rule="deletes-now",
-        action="approve-now",
-        verdict="wait",
-        reason="held",
-        decidedAt=DOC_NOW,
-        heldBy="EV-T0",
-    )
-    terminate(bench, "EV-T1", "web_1", decision=held)
+    put_terminate(bench.store, "EV-T0", "web_0")
+    put_terminate(bench.store, "EV-T1", "web_1", decision=decision_record(rule="deletes-now", heldBy="EV-T0"))
     run = bench.run()
     assert decide.release_held(run, [change_of(freeze())]) == 0
     assert bench.event("EV-T1").approval is None
 
 
-def held_by(holder: str, reason: str = "held with the pending deletes of scale set web") -> DecisionRecord:
-    return DecisionRecord(
-        decisionId="d-held",
-        rule="deletes-now",
-        action="approve-now",
-        verdict="wait",
-        reason=reason,
-        decidedAt=DOC_NOW,
-        heldBy=holder,
-        holdKind="delete",
-        holdName=holder,
-    )
-
-
 def test_approve_together_approves_the_set_when_fresh_reads_show_every_delete_ready(bench: Bench):
     bench.policy = DELETES
-    terminate(bench, "EV-T0", "web_0")
-    terminate(bench, "EV-T1", "web_1", decision=held_by("EV-T0"))
+    put_terminate(bench.store, "EV-T0", "web_0")
+    put_terminate(bench.store, "EV-T1", "web_1", decision=held_by("EV-T0"))
     run = bench.run()
     # This run's view of EV-T0 is as an earlier run left it (not ready); what is stored now says it is.
-    waiting = DecisionRecord(
-        decisionId="d0", rule="r", action="wait", verdict="wait", reason="waiting for hooks", decidedAt=DOC_NOW
-    )
+    waiting = decision_record(decisionId="d0", action="wait", reason="waiting for hooks")
     run.fleet.note(bench.event("EV-T0").model_copy(update={"decision": waiting}))
     assert decide.approve_together(run, ["web"]) == 2
     for event_id in ("EV-T0", "EV-T1"):
@@ -271,8 +236,8 @@ def test_approve_together_approves_the_set_when_fresh_reads_show_every_delete_re
 
 def test_approve_together_leaves_a_set_alone_while_one_delete_is_still_not_ready(bench: Bench):
     # The default policy: EV-T0's VM has not reported its hooks, so it is not ready; EV-T1 stays held as it was.
-    terminate(bench, "EV-T0", "web_0")
-    before = terminate(bench, "EV-T1", "web_1", decision=held_by("EV-T0"))
+    put_terminate(bench.store, "EV-T0", "web_0")
+    before = put_terminate(bench.store, "EV-T1", "web_1", decision=held_by("EV-T0"))
     run = bench.run()
     assert decide.approve_together(run, ["web"]) == 0
     after = bench.event("EV-T1")

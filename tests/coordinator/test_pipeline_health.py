@@ -61,14 +61,20 @@ def update(report: ForwarderHealth | None, *, failing_since: bool = False) -> Vm
     )
 
 
+def assessed(report: ForwarderHealth | None, *, failing_since: bool = False) -> tuple[VmUpdate, Work]:
+    """``update(report, failing_since=...)`` after ``health.assess``, and the work it left for the run."""
+    work = Work()
+    vm = update(report, failing_since=failing_since)
+    health.assess(vm, DOC_NOW, work, after=AFTER, errors=60)
+    return vm, work
+
+
 BAD = ForwarderHealth(lastGoodPollAt=DOC_NOW - timedelta(minutes=2), consecutivePollErrors=120)
 GOOD = ForwarderHealth(lastGoodPollAt=DOC_NOW, consecutivePollErrors=0)
 
 
 def test_assess_raises_the_flag_once_with_a_heartbeat_row_and_a_card():
-    work = Work()
-    vm = update(BAD)
-    health.assess(vm, DOC_NOW, work, after=AFTER, errors=60)
+    vm, work = assessed(BAD)
     assert vm.record.imdsFailing is not None
     assert vm.record.imdsFailing.since == DOC_NOW
     assert vm.record.pendingAlerts == ["imds-failing"]
@@ -79,18 +85,13 @@ def test_assess_raises_the_flag_once_with_a_heartbeat_row_and_a_card():
 
 
 def test_assess_says_nothing_more_while_imds_keeps_failing():
-    work = Work()
-    vm = update(BAD, failing_since=True)
-    before = vm.record
-    health.assess(vm, DOC_NOW, work, after=AFTER, errors=60)
-    assert vm.record == before
+    vm, work = assessed(BAD, failing_since=True)
+    assert vm.record == update(BAD, failing_since=True).record
     assert (work.rows, work.vm_alerts) == ([], [])
 
 
 def test_assess_clears_the_flag_on_a_good_poll_with_a_recovered_row_and_no_card():
-    work = Work()
-    vm = update(GOOD, failing_since=True)
-    health.assess(vm, DOC_NOW, work, after=AFTER, errors=60)
+    vm, work = assessed(GOOD, failing_since=True)
     assert vm.record.imdsFailing is None
     assert [(r.Outcome, r.Reason) for r in work.rows] == [
         ("imds-recovered", f"IMDS polled again (failing since {(DOC_NOW - timedelta(minutes=5)).isoformat()})")
@@ -99,9 +100,6 @@ def test_assess_clears_the_flag_on_a_good_poll_with_a_recovered_row_and_no_card(
 
 
 def test_assess_leaves_a_vm_without_a_health_report_alone():
-    work = Work()
-    vm = update(None, failing_since=True)
-    before = vm.record
-    health.assess(vm, DOC_NOW, work, after=AFTER, errors=60)
-    assert vm.record == before
+    vm, work = assessed(None, failing_since=True)
+    assert vm.record == update(None, failing_since=True).record
     assert work.rows == []

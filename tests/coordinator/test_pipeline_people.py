@@ -7,10 +7,10 @@ from datetime import timedelta
 from typing import Any
 
 from coordinator.adapters.callback import ApprovalDeliveryError
-from coordinator.domain.model import ApprovalRecord, DecisionRecord, PlatformHold
+from coordinator.domain.model import PlatformHold
 from coordinator.pipeline import people
 from coordinator.pipeline.run import Run
-from tests.coordinator.helpers import DOC_NOW, event_record
+from tests.coordinator.helpers import DOC_NOW, approval_record, decision_record, event_record
 from tests.coordinator.runs import NOT_BEFORE, Bench, put_event, put_vm
 
 TAIL = ["deliver", "cards", "budgets", "history"]
@@ -41,7 +41,7 @@ def test_only_a_scheduled_event_can_be_approved(bench: Bench):
 
 
 def test_an_event_already_approved_is_not_sent_again(bench: Bench):
-    earlier = ApprovalRecord(decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, delivered=True)
+    earlier = approval_record(delivered=True)
     waiting_reboot(bench, approval=earlier)
     result, _ = approve(bench)
     assert result.status == "already-approved"
@@ -53,7 +53,7 @@ def test_an_event_already_approved_is_not_sent_again(bench: Bench):
 def test_an_event_being_approved_is_not_decided_again(bench: Bench):
     # A rule's approval on its way (not yet delivered): a person's click must not make a second decision, whose new
     # decisionId the VM's listener would not recognise as the first.
-    earlier = ApprovalRecord(decisionId="d", rule="r", actor="rule:r", decidedAt=DOC_NOW, attempts=1, outcome="failed")
+    earlier = approval_record(attempts=1, outcome="failed")
     waiting_reboot(bench, approval=earlier)
     result, _ = approve(bench)
     assert result.status == "already-approved"
@@ -135,15 +135,8 @@ def test_held_by_names_the_platform_or_the_coordinator_or_nothing():
         "until": NOT_BEFORE.isoformat(),
         "reason": hold.describe(),
     }
-    decision = DecisionRecord(
-        decisionId="d",
-        rule="r",
-        action="approve-after-hooks",
-        verdict="wait",
-        reason="held with the pending deletes",
-        decidedAt=DOC_NOW,
-        heldBy="EV-T2",
-        heldByVm="web_2",
+    decision = decision_record(
+        action="approve-after-hooks", reason="held with the pending deletes", heldBy="EV-T2", heldByVm="web_2"
     )
     coordinator = event_record("EV-T0", eventType="Terminate", decision=decision)
     held = people.held_by(coordinator)

@@ -232,3 +232,22 @@ rules:
         ("Approval", "sending"),
         ("Approval", "approved"),
     ]
+
+
+def test_a_peers_gone_concludes_at_the_tick_once_the_named_vm_was_heard_without_listing_it(bench: Bench):
+    """WestNO_1, a peer, reported WestNO_0's Reboot and then its leaving; WestNO_0 has a forwarder. Until WestNO_0
+    is heard after the event was first seen (its envelope listing the event may be on its way) the tick leaves it
+    open; once heard without listing it, the tick concludes it."""
+    put_vm(bench.store, "WestNO_0", last_seen=DOC_NOW - timedelta(seconds=10))
+    put_event(bench.store, "EV-PEER", vms=["WestNO_1"], status="Gone", resources=["WestNO_0"])
+    tick(bench, DOC_NOW + timedelta(seconds=30))
+    assert bench.event("EV-PEER").state == "Scheduled"
+    put_vm(bench.store, "WestNO_0", last_seen=DOC_NOW + timedelta(seconds=20))
+    tick(bench, DOC_NOW + timedelta(seconds=40))
+    assert bench.event("EV-PEER").state == "Canceled"
+
+
+def test_a_peers_gone_concludes_at_the_tick_when_the_named_vm_has_no_forwarder(bench: Bench):
+    put_event(bench.store, "EV-PEER", vms=["WestNO_1"], status="Gone", resources=["WestNO_0"])
+    tick(bench, DOC_NOW + timedelta(seconds=30))
+    assert bench.event("EV-PEER").state == "Canceled"

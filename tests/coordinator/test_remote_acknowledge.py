@@ -29,12 +29,11 @@ from coordinator.domain.policy_file import PolicyError, parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from emulators.azurite import AzuriteEndpoints
-from emulators.imds import ImdsEmulator, Scenario
-from emulators.imds.clock import ManualClock
+from emulators.imds import ImdsEmulator
 from emulators.tokens import mint_token
 from tests.coordinator import runs
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, web_vms
 
 REMOTE_POLICY = """
 version: 1
@@ -50,17 +49,8 @@ rules:
 
 @pytest.fixture
 def arm() -> Iterator[ImdsEmulator]:
-    scenario = Scenario.model_validate(
-        {
-            "name": "remote-acknowledge",
-            "vms": [
-                {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
-                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-web"},
-                {"name": "solo", "placementGroupId": "pg-solo"},
-            ],
-        }
-    )
-    with ImdsEmulator(scenario=scenario, throttle_rps=0, clock=ManualClock(DOC_NOW)) as emulator:
+    vms = [*web_vms("web_0", "web_1"), {"name": "solo", "placementGroupId": "pg-solo"}]
+    with runs.imds_serving("remote-acknowledge", vms) as emulator:
         yield emulator
 
 

@@ -13,6 +13,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from contracts import wire
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
@@ -97,6 +99,13 @@ def build(policy: str, tmp: Path, *, monitor: Monitor | None = None) -> tuple[Co
     return coordinator, history, listener
 
 
+def in_window(schedule: str, duration: str, **options: Any) -> str:
+    """A policy of one rule, freeze-in-window: a Freeze is approved now inside the window ``schedule`` (cron) lasting
+    ``duration``; ``options`` are the rule's others."""
+    rule = {"name": "freeze-in-window", "match": {"eventType": ["Freeze"]}, "action": "approve-now"}
+    return yaml.safe_dump({"rules": [{**rule, "window": {"schedule": schedule, "duration": duration}, **options}]})
+
+
 def report(coordinator: Coordinator) -> None:
     """web_0 reports the Freeze (NotBefore 22:26:58, documented example) through its forwarder."""
     identity = vm("web_0", scale_set="web", index=1)
@@ -170,14 +179,7 @@ rules: [{name: freeze-now, match: {eventType: [Freeze]}, action: approve-now}]
 
 
 def test_an_approval_decided_in_a_window_is_withdrawn_once_the_window_closed(tmp_path):
-    policy = """
-rules:
-  - name: freeze-in-window
-    match: {eventType: [Freeze]}
-    action: approve-now
-    window: {schedule: "0 22 * * *", duration: 13m}
-"""
-    coordinator, history, listener = build(policy, tmp_path)
+    coordinator, history, listener = build(in_window("0 22 * * *", "13m"), tmp_path)
     first = decided_then_undelivered(coordinator, listener)
     assert (first.notAfter, first.notAfterReason) == (
         datetime.fromisoformat("2022-04-11T22:13:00+00:00"),
@@ -251,14 +253,7 @@ rules:
 def test_an_approval_that_could_not_reach_the_listener_before_its_not_after_is_not_sent(tmp_path):
     """The window closes 2 s after the decision: within the listener's tolerance, so it is not sent at all (the
     listener would refuse it), and the retry withdraws it."""
-    policy = """
-rules:
-  - name: freeze-in-window
-    match: {eventType: [Freeze]}
-    action: approve-now
-    window: {schedule: "0 22 * * *", duration: 12m}
-"""
-    coordinator, history, listener = build(policy, tmp_path)
+    coordinator, history, listener = build(in_window("0 22 * * *", "12m"), tmp_path)
     report(coordinator)
     assert listener.requests == []
     failed = [r for r in history.rows if r.RecordType == "Approval" and r.Outcome == "failed"]
@@ -291,15 +286,7 @@ rules: [{name: people, match: {eventType: [Freeze]}, action: wait-for-person}]
 def test_an_approval_at_the_deadline_is_not_made_when_too_near_not_before(tmp_path):
     """onNotBefore: approve, the window closed: a tick 4 s before NotBefore (inside the 5 s send margin) approves
     nothing; the event is left to expire."""
-    policy = """
-rules:
-  - name: freeze-in-window
-    match: {eventType: [Freeze]}
-    action: approve-now
-    window: {schedule: "0 3 * * *", duration: 1h}
-    onNotBefore: approve
-    approveBeforeSeconds: 60
-"""
+    policy = in_window("0 3 * * *", "1h", onNotBefore="approve", approveBeforeSeconds=60)
     coordinator, _, listener = build(policy, tmp_path)
     listener.down = True
     report(coordinator)  # 15 minutes before NotBefore: held by the window

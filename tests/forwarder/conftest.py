@@ -10,7 +10,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
@@ -19,6 +18,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from forwarder.config import ForwarderSettings
 from forwarder.daemon import CompanionFactory, Forwarder
@@ -27,6 +27,7 @@ from forwarder.imds import ImdsClient
 from forwarder.retry import RateLimiter
 from forwarder.sinks import JsonLinesSink, Sink
 from tests.loopback import QuietHandler
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 THREE_VMS = Scenario(
@@ -39,14 +40,20 @@ THREE_VMS = Scenario(
 )
 
 
-def wait_for(predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+# The forwarders' hub in the Event Hubs emulator of the ``eventhubs`` fixture.
+HUB = "scheduled-events"
+
+
+@pytest.fixture
+def eventhubs() -> Iterator[EventHubsEmulator]:
+    """The Event Hubs emulator with the forwarders' hub (HUB, 4 partitions)."""
+    with EventHubsEmulator(hubs={HUB: 4}) as emulator:
+        yield emulator
+
+
+def hub_envelopes(eventhubs: EventHubsEmulator) -> list[dict[str, Any]]:
+    """Every envelope the hub holds, as the emulator lists its events."""
+    return [json.loads(event.body) for event in eventhubs.all_events(HUB)]
 
 
 def read_envelopes(path: Path) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ from contracts.envelope import Envelope
 from emulators.imds import ImdsEmulator
 from forwarder import daemon
 from forwarder.durable_state import HookJob, Store
-from tests.forwarder.conftest import Harness, ScriptedImds, fill_disk, wait_for, write_hook
+from tests.forwarder.conftest import Harness, ScriptedImds, fill_disk, write_hook
+from tests.polling import wait_for
 
 MakeHarness = Callable[..., Harness]
 

@@ -11,7 +11,7 @@ import ssl
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -28,21 +28,11 @@ from forwarder.eventhub import EventHubSink
 from forwarder.imds import ImdsClient, ImdsInvalidResponse
 from forwarder.retry import RateLimiter
 from forwarder.sinks import SinkError
-from tests.forwarder.conftest import Harness, wait_for
+from tests.forwarder.conftest import HUB, Harness, hub_envelopes
 from tests.loopback import QuietHandler
+from tests.polling import wait_for
 
-HUB = "scheduled-events"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def eventhubs() -> Iterator[EventHubsEmulator]:
-    with EventHubsEmulator(hubs={HUB: 4}) as emulator:
-        yield emulator
-
-
-def hub_envelopes(eventhubs: EventHubsEmulator) -> list[dict[str, Any]]:
-    return [json.loads(event.body) for event in eventhubs.all_events(HUB)]
 
 
 def test_batches_go_to_one_partition_in_order(eventhubs: EventHubsEmulator) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,8 @@ from contracts.wire import ScheduledEventsDocument, VmIdentity
 from emulators.imds import ImdsEmulator
 from forwarder.durable_state import IMPACT_RESTART, Store
 from forwarder.impact import ImpactMeter, read_boot_time
-from tests.forwarder.conftest import read_envelopes, wait_for
+from tests.forwarder.conftest import read_envelopes
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,10 +65,33 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=15)
 
 
+@contextmanager
+def running(imds: ImdsEmulator, home: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The forwarder's process while the block runs, stopped cleanly (SIGTERM) however the block ends."""
+    process = start(imds, home)
+    try:
+        yield process
+    finally:
+        stop(process)
+
+
+def up_after_a_reboot(imds: ImdsEmulator, home: Path) -> tuple[dict[str, Any], float, datetime]:
+    """The VM down 1.5 s, then booted: the forwarder, started on the new boot, sends its impact report, once (it runs
+    on half a second after it). The report, the boot time, and when the report had come."""
+    time.sleep(1.5)
+    booted = time.time()
+    boot(home, booted)
+    with running(imds, home):
+        (envelope,) = wait_for(lambda: envelopes(home, "impact"), what="the impact report")
+        up = datetime.now(UTC)
+        time.sleep(0.5)  # the report is sent once
+        assert len(envelopes(home, "impact")) == 1
+    return envelope, booted, up
+
+
 def test_a_freezes_pause_is_measured_within_a_tick(imds: ImdsEmulator, tmp_path: Path) -> None:
     boot(tmp_path, time.time() - 3600)
-    process = start(imds, tmp_path)
-    try:
+    with running(imds, tmp_path) as process:
         freeze = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900, DurationInSeconds=9)
         wait_for(lambda: listed(tmp_path, freeze["EventId"]), what="the Freeze forwarded")
         time.sleep(0.5)  # a few ticks
@@ -75,8 +101,6 @@ def test_a_freezes_pause_is_measured_within_a_tick(imds: ImdsEmulator, tmp_path:
         process.send_signal(signal.SIGCONT)
         paused = time.monotonic() - stopped
         (envelope,) = wait_for(lambda: envelopes(tmp_path, "impact"), what="the impact report")
-    finally:
-        stop(process)
     impact = Envelope.from_mapping(envelope).impact
     assert impact is not None
     assert (impact.eventId, impact.eventType, impact.measure) == (freeze["EventId"], "Freeze", "pause")
@@ -91,25 +115,12 @@ def test_a_freezes_pause_is_measured_within_a_tick(imds: ImdsEmulator, tmp_path:
 
 def test_a_reboots_downtime_is_measured_across_the_restart(imds: ImdsEmulator, tmp_path: Path) -> None:
     boot(tmp_path, time.time() - 3600)
-    process = start(imds, tmp_path)
-    reboot = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
-    try:
+    with running(imds, tmp_path):
+        reboot = imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
         wait_for(lambda: listed(tmp_path, reboot["EventId"]), what="the Reboot forwarded")
         time.sleep(0.5)
-    finally:
         down = datetime.now(UTC)
-        stop(process)
-    time.sleep(1.5)
-    booted = time.time()
-    boot(tmp_path, booted)
-    process = start(imds, tmp_path)
-    try:
-        (envelope,) = wait_for(lambda: envelopes(tmp_path, "impact"), what="the impact report")
-        up = datetime.now(UTC)
-        time.sleep(0.5)  # the report is sent once
-        assert len(envelopes(tmp_path, "impact")) == 1
-    finally:
-        stop(process)
+    envelope, booted, up = up_after_a_reboot(imds, tmp_path)
     impact = Envelope.from_mapping(envelope).impact
     assert impact is not None
     assert (impact.eventId, impact.eventType, impact.measure, impact.clock) == (
@@ -127,18 +138,12 @@ def test_a_reboots_downtime_is_measured_across_the_restart(imds: ImdsEmulator, t
 
 def test_a_forwarder_restart_without_a_reboot_reports_nothing(imds: ImdsEmulator, tmp_path: Path) -> None:
     boot(tmp_path, time.time() - 3600)
-    process = start(imds, tmp_path)
-    reboot = imds.create_event(EventType="Redeploy", Resources=["web_0"], NoticeSeconds=900)
-    try:
+    with running(imds, tmp_path):
+        reboot = imds.create_event(EventType="Redeploy", Resources=["web_0"], NoticeSeconds=900)
         wait_for(lambda: listed(tmp_path, reboot["EventId"]), what="the Redeploy forwarded")
-    finally:
-        stop(process)
-    process = start(imds, tmp_path)  # same boot time: only the forwarder restarted
-    try:
+    with running(imds, tmp_path):  # same boot time: only the forwarder restarted
         wait_for(lambda: len(envelopes(tmp_path, "heartbeat")) >= 2, what="the second start")
         time.sleep(1.0)
-    finally:
-        stop(process)
     assert envelopes(tmp_path, "impact") == []
 
 
@@ -147,35 +152,21 @@ def test_a_reboot_never_seen_listed_is_measured_from_the_last_sign_of_life(imds:
     and kept no watch. Its clean stop kept the last poll's time; after the boot the first document lists the Reboot
     as Started, and that names the downtime's event. A second start on the same boot reports nothing more."""
     boot(tmp_path, time.time() - 3600)
-    process = start(imds, tmp_path)
-    try:
+    with running(imds, tmp_path):
         wait_for(lambda: envelopes(tmp_path, "heartbeat"), what="the forwarder up")
         time.sleep(0.5)  # a few polls
-    finally:
         down = datetime.now(UTC)
-        stop(process)
     reboot = imds.create_event(EventType="Reboot", Resources=["web_0"], EventStatus="Started", DurationInSeconds=-1)
-    time.sleep(1.5)
-    booted = time.time()
-    boot(tmp_path, booted)
-    process = start(imds, tmp_path)
-    try:
-        (envelope,) = wait_for(lambda: envelopes(tmp_path, "impact"), what="the impact report")
-        up = datetime.now(UTC)
-    finally:
-        stop(process)
+    envelope, booted, up = up_after_a_reboot(imds, tmp_path)
     impact = Envelope.from_mapping(envelope).impact
     assert impact is not None
     assert (impact.eventId, impact.eventType, impact.measure) == (reboot["EventId"], "Reboot", "restart")
     assert impact.bootTime == datetime.fromtimestamp(int(booted), UTC)
     assert (down - impact.start).total_seconds() <= 0.2 + 0.1  # the last poll before the stop
     assert 1.5 <= impact.measuredSeconds <= (up - impact.start).total_seconds()
-    process = start(imds, tmp_path)  # the same boot, the Reboot still listed: measured once
-    try:
+    with running(imds, tmp_path):  # the same boot, the Reboot still listed: measured once
         wait_for(lambda: len(envelopes(tmp_path, "heartbeat")) >= 3, what="the third start")
         time.sleep(1.0)
-    finally:
-        stop(process)
     assert len(envelopes(tmp_path, "impact")) == 1
 
 
@@ -183,20 +174,14 @@ def test_a_reboot_of_the_guests_own_reports_nothing(imds: ImdsEmulator, tmp_path
     """The VM booted after its last sign of life but its first document lists no Started Reboot or Redeploy of it
     (a reboot from inside the guest, or an event still only Scheduled): no event to name, no report."""
     boot(tmp_path, time.time() - 3600)
-    process = start(imds, tmp_path)
-    try:
+    with running(imds, tmp_path):
         wait_for(lambda: envelopes(tmp_path, "heartbeat"), what="the forwarder up")
         time.sleep(0.5)
-    finally:
-        stop(process)
     imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)  # Scheduled, not what rebooted it
     boot(tmp_path, time.time() + 1)
-    process = start(imds, tmp_path)
-    try:
+    with running(imds, tmp_path):
         wait_for(lambda: len(envelopes(tmp_path, "incarnation")) >= 2, what="the Reboot forwarded")
         time.sleep(1.0)
-    finally:
-        stop(process)
     assert envelopes(tmp_path, "impact") == []
 
 

@@ -4,51 +4,41 @@ path to it) may produce, split across packets, and connections closed under it."
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from forwarder.keepalive import HttpProtocolError, KeepAliveConnection, build_request
+from tests.loopback import SocketServer
 
 REQUEST = build_request("GET", "127.0.0.1", "/metadata/scheduledevents?api-version=2020-07-01")
 
 
-class ScriptedServer:
+class ScriptedServer(SocketServer):
     """Answers each request with the next scripted reply (a list of pieces sent as separate segments; an empty last
-    piece closes the connection after it); a reply of None closes the connection without answering."""
+    piece closes the connection after it); a reply of None closes the connection without answering. One connection
+    at a time."""
 
     def __init__(self, replies: list[list[bytes] | None]) -> None:
         self.replies = replies
         self.requests: list[bytes] = []
         self.connections = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed at teardown
-            self.connections += 1
-            with conn:
-                while data := conn.recv(65536):
-                    self.requests.append(data)
-                    reply = self.replies.pop(0) if self.replies else None
-                    if reply is None:
-                        break
-                    for piece in reply:
-                        conn.sendall(piece)
-                        time.sleep(0.01)  # separate TCP segments
-                    if reply and reply[-1] == b"":  # an empty last piece: close after this reply
-                        break
-
-    def close(self) -> None:
-        self._listener.close()
+    def handle(self, connection: socket.socket) -> None:
+        self.connections += 1
+        with connection:
+            while data := connection.recv(65536):
+                self.requests.append(data)
+                reply = self.replies.pop(0) if self.replies else None
+                if reply is None:
+                    break
+                for piece in reply:
+                    connection.sendall(piece)
+                    time.sleep(0.01)  # separate TCP segments
+                if reply and reply[-1] == b"":  # an empty last piece: close after this reply
+                    break
 
 
 @pytest.fixture
@@ -80,12 +70,21 @@ def test_request_bytes() -> None:
 
 
 def test_content_length_split_across_segments_and_kept_alive(serve: list[ScriptedServer]) -> None:
-    split = [b"HTTP/1.1 200 OK\r\nConte", b'nt-Length: 11\r\n\r\n{"a":', b" 12345}"]
+    split = [b"HTTP/1.1 200 OK\r\nConte", b'nt-Length: 12\r\n\r\n{"a":', b" 12345}"]
     server, conn = connect(serve, [split, OK])
-    assert conn.exchange(REQUEST, timeout=2).body == b'{"a": 12345}'[:11]
+    assert conn.exchange(REQUEST, timeout=2).body == b'{"a": 12345}'
     assert conn.exchange(REQUEST, timeout=2).body == b"{}"
     assert server.connections == 1
     assert server.requests == [REQUEST, REQUEST]
+
+
+def test_bytes_beyond_the_content_length_are_not_read_as_the_next_answer(serve: list[ScriptedServer]) -> None:
+    surplus = [b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"a": 12345}']
+    server, conn = connect(serve, [surplus, OK])
+    response = conn.exchange(REQUEST, timeout=2)
+    assert (response.body, response.close) == (b'{"a": 12345', True)  # out of step: the connection is dropped
+    assert conn.exchange(REQUEST, timeout=2).body == b"{}"
+    assert server.connections == 2
 
 
 def test_chunked_body_with_trailer(serve: list[ScriptedServer]) -> None:
@@ -129,6 +128,13 @@ def test_a_fresh_connection_closed_without_answer_is_an_error(serve: list[Script
 def test_not_http_is_a_protocol_error(serve: list[ScriptedServer]) -> None:
     _, conn = connect(serve, [[b"SSH-2.0-OpenSSH\r\n\r\n"]])
     with pytest.raises(HttpProtocolError, match=r"not an HTTP/1\.x status line"):
+        conn.exchange(REQUEST, timeout=2)
+
+
+def test_oversized_headers_are_a_protocol_error(serve: list[ScriptedServer]) -> None:
+    endless_head = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 100_000
+    _, conn = connect(serve, [[endless_head, b""]])
+    with pytest.raises(HttpProtocolError, match="response headers are too large"):
         conn.exchange(REQUEST, timeout=2)
 
 

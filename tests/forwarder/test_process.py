@@ -9,18 +9,16 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
-from tests.forwarder.conftest import read_envelopes, wait_for, write_hook
+from tests.forwarder.conftest import HUB, hub_envelopes, read_envelopes, write_hook
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-HUB = "scheduled-events"
 
 
 def forwarder(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
@@ -46,16 +44,6 @@ def spool_depth(state_dir: Path) -> int:
             return 0
 
 
-@pytest.fixture
-def eventhubs() -> Iterator[EventHubsEmulator]:
-    with EventHubsEmulator(hubs={HUB: 2}) as emulator:
-        yield emulator
-
-
-def delivered(eventhubs: EventHubsEmulator) -> list[dict[str, Any]]:
-    return [json.loads(event.body) for event in eventhubs.all_events(HUB)]
-
-
 @pytest.mark.slow
 def test_kill_9_with_hub_down_then_restart_loses_nothing(
     imds: ImdsEmulator, eventhubs: EventHubsEmulator, tmp_path: Path
@@ -76,7 +64,7 @@ def test_kill_9_with_hub_down_then_restart_loses_nothing(
     }
     first = forwarder("run", env=env, log=log)
     try:
-        wait_for(lambda: delivered(eventhubs), timeout=30, what="the first envelope in the hub")
+        wait_for(lambda: hub_envelopes(eventhubs), timeout=30, what="the first envelope in the hub")
         eventhubs.stop()
         imds.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)
         wait_for(lambda: spool_depth(state) >= 3, timeout=20, what="envelopes spooled while the hub is down")
@@ -92,13 +80,13 @@ def test_kill_9_with_hub_down_then_restart_loses_nothing(
     try:
         imds.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)
         wait_for(
-            lambda: any(e.get("document", {}).get("DocumentIncarnation") == 3 for e in delivered(eventhubs)),
+            lambda: any(e.get("document", {}).get("DocumentIncarnation") == 3 for e in hub_envelopes(eventhubs)),
             timeout=30,
             what="incarnation 3 after the restart",
         )
         # The prepare phase the kill cut short is reported by the restarted forwarder; sent before it is stopped
         # (an envelope spooled after the stop's flush is kept for the next start, which this test does not make).
-        wait_for(lambda: any(e["kind"] == "hook" for e in delivered(eventhubs)), timeout=30, what="the hook report")
+        wait_for(lambda: any(e["kind"] == "hook" for e in hub_envelopes(eventhubs)), timeout=30, what="the hook report")
         second.send_signal(signal.SIGTERM)
         second.wait(15)
     finally:
@@ -109,7 +97,7 @@ def test_kill_9_with_hub_down_then_restart_loses_nothing(
     assert lines[-1]["msg"] == "forwarder stopped"
     assert all({"ts", "level", "msg"} <= line.keys() for line in lines)
 
-    envelopes = delivered(eventhubs)
+    envelopes = hub_envelopes(eventhubs)
     sequences = [e["sequence"] for e in envelopes]
     # At-least-once: a batch sent just before the kill may come again with the same sequence; nothing is missing
     # and, once the repeats are dropped, the order is the spool's order.

@@ -26,7 +26,8 @@ from forwarder.cli import relay_companions
 from forwarder.config import ForwarderSettings, load_settings
 from forwarder.imds import ImdsClient
 from forwarder.on_demand import OnDemandListener
-from tests.forwarder.conftest import Harness, forwarder_importing, wait_for
+from tests.forwarder.conftest import Harness, forwarder_importing
+from tests.polling import wait_for
 from tests.relay.conftest import facts_of
 
 SEND_KEY = "c2VuZC1rZXktZm9yLWZvcndhcmRlci10ZXN0cw=="
@@ -50,13 +51,21 @@ def _settings(imds: ImdsEmulator, relay: RelayEmulator, vm: str = "web_0", **fla
 
 
 def _web_0(
-    harness: Callable[..., Harness], settings: ForwarderSettings, **overrides: Any
-) -> tuple[Harness, wire.VmIdentity]:
-    """web_0's forwarder started with the relay companions of ``settings``, and the identity it read."""
-    h = harness(settings.imds_url, companions=relay_companions(settings), **overrides)
+    harness: Callable[..., Harness],
+    imds: ImdsEmulator,
+    relay: RelayEmulator,
+    *,
+    heartbeat_interval: float | None = None,
+    **flags: Any,
+) -> tuple[Harness, wire.VmIdentity, str]:
+    """web_0's forwarder started with the relay companions of ``_settings(imds, relay, **flags)`` (a heartbeat every
+    ``heartbeat_interval`` s, else the harness's), the identity it read, and its hybrid connection's name."""
+    settings = _settings(imds, relay, **flags)
+    every = {} if heartbeat_interval is None else {"heartbeat_interval": heartbeat_interval}
+    h = harness(settings.imds_url, companions=relay_companions(settings), **every)
     identity = h.forwarder.identity
     assert identity is not None
-    return h, identity
+    return h, identity, identity.hybrid_connection_name
 
 
 def _request(created: dict[str, object]) -> ApprovalRequest:
@@ -75,8 +84,7 @@ def _request(created: dict[str, object]) -> ApprovalRequest:
 def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_grace_seconds=1.0), heartbeat_interval=0.2)
-    hc = identity.hybrid_connection_name
+    h, identity, hc = _web_0(harness, imds, relay, heartbeat_interval=0.2, relay_listener_grace_seconds=1.0)
     # No event: no listener, and the heartbeats say so.
     wait_for(lambda: len(h.envelopes("heartbeat")) >= 3, what="three heartbeats")
     assert relay.listener_count(hc) == 0
@@ -109,8 +117,7 @@ def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
 def test_on_demand_listener_stays_for_the_grace_period(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_grace_seconds=3.0))
-    hc = identity.hybrid_connection_name
+    h, _, hc = _web_0(harness, imds, relay, relay_listener_grace_seconds=3.0)
     created = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
     wait_for(lambda: relay.listener_count(hc) == 1, what="the listener to connect")
     imds.cancel_event(str(created["EventId"]))
@@ -125,8 +132,7 @@ def test_on_demand_listener_stays_for_the_grace_period(
 def test_on_demand_listener_ignores_a_peers_terminate_but_connects_for_its_group(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_grace_seconds=0.0))
-    hc = identity.hybrid_connection_name
+    h, _, hc = _web_0(harness, imds, relay, relay_listener_grace_seconds=0.0)
     imds.create_event(EventType="Terminate", Resources=["web_1"], NoticeSeconds=900)
     document = h.wait_incarnation(2)["document"]
     assert [e["Resources"] for e in document["Events"]] == [["web_1"]]  # web_0 sees its peer's delete
@@ -142,8 +148,7 @@ def test_on_demand_listener_ignores_a_peers_terminate_but_connects_for_its_group
 def test_always_on_listener_stays_connected(
     imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
 ) -> None:
-    h, identity = _web_0(harness, _settings(imds, relay, relay_listener_mode="always-on"), heartbeat_interval=0.2)
-    hc = identity.hybrid_connection_name
+    h, _, hc = _web_0(harness, imds, relay, heartbeat_interval=0.2, relay_listener_mode="always-on")
     wait_for(lambda: relay.listener_count(hc) == 1, what="the listener to connect")
     wait_for(
         lambda: any(b["health"].get("listenerConnected") is True for b in h.envelopes("heartbeat")),

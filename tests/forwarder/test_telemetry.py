@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
 import requests
 
 from contracts.envelope import ForwarderHealth
@@ -20,17 +19,11 @@ from emulators.eventhubs.partition_log import StoredEvent
 from emulators.imds import ImdsEmulator
 from forwarder.eventhub import EventHubSink
 from forwarder.telemetry import SERVICE_NAME
-from tests.forwarder.conftest import Harness, forwarder_importing, wait_for, write_hook
+from tests.forwarder.conftest import HUB, Harness, forwarder_importing, write_hook
+from tests.polling import wait_for
 
-HUB = "scheduled-events"
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 MakeHarness = Callable[..., Harness]
-
-
-@pytest.fixture
-def eventhubs() -> Iterator[EventHubsEmulator]:
-    with EventHubsEmulator(hubs={HUB: 2}) as emulator:
-        yield emulator
 
 
 def spans(path: Path) -> list[dict[str, Any]]:

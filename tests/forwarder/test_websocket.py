@@ -3,6 +3,9 @@ the Relay emulator uses) and against scripted handshake answers."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
 import socket
 import threading
 import time
@@ -138,3 +141,48 @@ def test_a_wrong_accept_key_is_an_invalid_handshake() -> None:
     )
     with pytest.raises(InvalidHandshake, match="Accept"):
         connect(uri, open_timeout=5)
+
+
+def _upgrading(after: bytes) -> str:
+    """A server that accepts the upgrade (the right Sec-WebSocket-Accept) and sends ``after`` in the same segment."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_once() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            request = conn.recv(65536).decode("latin-1")
+            key = next(line.split(":", 1)[1].strip() for line in request.split("\r\n") if line.startswith("Sec-WebS"))
+            accept = base64.b64encode(hashlib.sha1((key + GUID).encode(), usedforsecurity=False).digest())
+            conn.sendall(
+                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n" + after
+            )
+            with contextlib.suppress(OSError):
+                conn.recv(65536)  # until the client closes
+        listener.close()
+
+    threading.Thread(target=serve_once, daemon=True).start()
+    return f"ws://127.0.0.1:{listener.getsockname()[1]}/"
+
+
+GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+def test_a_frame_in_the_same_segment_as_the_handshake_answer_is_the_first_message() -> None:
+    with connect(_upgrading(b"\x81\x05hello"), open_timeout=5) as ws:
+        assert ws.recv(5) == "hello"
+
+
+@pytest.mark.parametrize(
+    ("frame", "refusal"),
+    [
+        (b"\x81\x85abcd" + b"hello", "masked"),  # a server must not mask
+        (b"\x83\x00", "opcode"),  # reserved opcode
+        (b"\x82\x7f" + (1 << 40).to_bytes(8, "big") + b"x" * 2000, "larger than 1000"),  # a terabyte announced
+    ],
+)
+def test_hostile_frames_are_refused(frame: bytes, refusal: str) -> None:
+    with connect(_upgrading(frame), open_timeout=5, max_size=1000) as ws, pytest.raises(WebSocketException) as error:
+        ws.recv(5)
+    assert refusal in str(error.value)
+    assert not isinstance(error.value, ConnectionClosed)

@@ -30,7 +30,7 @@ class Navigation:
     status: int
     text: str
     posts: int
-    answers: list[int] = field(default_factory=list)
+    answers: list[int | None] = field(default_factory=list)
 
     def words(self) -> str:
         """The text with its layout whitespace (table cells, line breaks) as single spaces."""

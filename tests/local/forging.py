@@ -1,5 +1,6 @@
 """What the whole-stack forgery tests share: a process on one fleet VM with root on it (the fleet's Event Hubs sender
-identity, its own IMDS), the history they judge it by, and the policy that makes an early delete approval show.
+identity, its own IMDS), the history they judge it by, the policy that makes an early delete approval show, and the
+fleet of a victim and its attacker.
 
 A forger keeps a forwarder state of its own, attested by its own IMDS (no IMDS signs another VM's vmId), with
 sequences from 2^62 (no forwarder reaches them), and sends envelopes in any name it likes."""
@@ -16,11 +17,12 @@ from azure.eventhub import EventData, EventHubProducerClient
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import Envelope, VmIdentity
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
+from emulators.imds import Scenario
 from forwarder.imds import identity_of
 from local.forgeries import FORGED_SEQUENCE, attestation_of
 from local.stack import HUB, LocalStack
 
-__all__ = ["Forger", "hooks_wait_policy"]
+__all__ = ["Forger", "hooks_wait_policy", "victim_and_attacker"]
 
 
 def hooks_wait_policy(tmp_path: Path) -> Path:
@@ -32,6 +34,27 @@ def hooks_wait_policy(tmp_path: Path) -> Path:
     path = tmp_path / "policy.yaml"
     path.write_text(text.replace(old, "hooks: {deadlineSeconds: 3600, onDeadline: wait, noHooks: wait}"), "utf-8")
     return path
+
+
+def victim_and_attacker(name: str, steps: list[dict[str, Any]]) -> Scenario:
+    """The scenario ``name`` of ``steps`` on scale set web (its deletes with 900 s notice): web_0, whose prepare hook
+    fails, and web_1, the attacker, in the same placement group, so that its own IMDS document shows web_0's
+    events."""
+    victim = {
+        "name": "web_0",
+        "vmScaleSetName": "web",
+        "placementGroupId": "pg-1",
+        "hooks": {"prepare": [{"name": "10-drain", "exitCode": 1}]},
+    }
+    attacker = {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-1"}
+    return Scenario.from_mapping(
+        {
+            "name": name,
+            "scaleSets": {"web": {"terminateNotification": True, "terminateNotBeforeSeconds": 900}},
+            "vms": [victim, attacker],
+            "steps": steps,
+        }
+    )
 
 
 class Forger:

@@ -6,6 +6,7 @@ long-running operation ends once the platform did what it was asked. One stack r
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from local.stack import LocalStack
 from local.stack_options import StackOptions
 from ops.drill.__main__ import main
 from tests.local.conftest import history_rows
+from tests.polling import poll
 
 SCALE_SETS = (
     "/subscriptions/00000000-0000-0000-0000-00000000e001/resourceGroups/rg-scheduled-events/providers/"
@@ -25,18 +27,10 @@ SCALE_SETS = (
 TIME_SCALE = 10.0
 
 
-def decisions(stack: LocalStack, event_id: str) -> list[dict[str, Any]]:
-    return history_rows(stack, "RecordType = 'Decision' AND EventId = ?", event_id)
-
-
-def wait_for(check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.2)
-    return check()
+def decisions(stack: LocalStack, event_id: str, outcome: str = "") -> list[dict[str, Any]]:
+    """The event's Decision rows (those of ``outcome``, when one is named)."""
+    rows = history_rows(stack, "RecordType = 'Decision' AND EventId = ?", event_id)
+    return [row for row in rows if row["Outcome"] == outcome or not outcome]
 
 
 @pytest.mark.slow
@@ -59,7 +53,7 @@ def test_a_drill_of_each_kind_reaches_the_coordinator_and_is_decided_by_the_poli
         imds = stack.imds
         assert imds is not None
         # The forwarders first read their (empty) documents, so that each drill's event is a change they report.
-        assert wait_for(lambda: all(imds.requests_served[vm.name] for vm in scenario.vms), 30)
+        assert poll(lambda: all(imds.requests_served[vm.name] for vm in scenario.vms), timeout=30, interval=0.2)
         drills = [
             ("reboot", "web", "web_0"),
             ("redeploy", "web", "web_1"),
@@ -80,12 +74,7 @@ def test_a_drill_of_each_kind_reaches_the_coordinator_and_is_decided_by_the_poli
         }
         for action, (rule, verdict) in expected.items():
             event_id = drilled[action]
-            rows = wait_for(
-                lambda event_id=event_id, verdict=verdict: [
-                    row for row in decisions(stack, event_id) if row["Outcome"] == verdict
-                ],
-                30,
-            )
+            rows = poll(partial(decisions, stack, event_id, verdict), timeout=30, interval=0.2)
             assert rows, f"{action}: no {verdict} decision for {event_id}: {decisions(stack, event_id)}"
             assert rows[-1]["Rule"] == rule, rows[-1]
         approved = {approval["EventId"]: approval for approval in imds.approvals()}
@@ -96,5 +85,5 @@ def test_a_drill_of_each_kind_reaches_the_coordinator_and_is_decided_by_the_poli
         assert events[drilled["restart"]]["startedBy"] == "approval"
         assert events[drilled["simulateEviction"]]["EventType"] == "Preempt"
         # The delete removes web_2 some seconds after it started, as in Azure (local/scenario.py, deletes_take_time).
-        assert wait_for(lambda: "web_2" in imds.removed_vms(), 10)
+        assert poll(lambda: "web_2" in imds.removed_vms(), timeout=10, interval=0.2)
         print(f"four drills confirmed and followed to their end in {time.monotonic() - started:.1f} s")

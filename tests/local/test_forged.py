@@ -21,52 +21,39 @@ from emulators.imds import Scenario
 from local.runner import wait_until
 from local.stack import LocalStack
 from tests.local.conftest import Runner, history_rows
-from tests.local.forging import Forger, hooks_wait_policy
+from tests.local.forging import Forger, hooks_wait_policy, victim_and_attacker
 
 
 def _scenario() -> Scenario:
-    return Scenario.from_mapping(
-        {
-            "name": "e2e-forged",
-            "scaleSets": {"web": {"terminateNotification": True, "terminateNotBeforeSeconds": 900}},
-            "vms": [
-                {
-                    "name": "web_0",
-                    "vmScaleSetName": "web",
-                    "placementGroupId": "pg-1",
-                    "hooks": {"prepare": [{"name": "10-drain", "exitCode": 1}]},
+    return victim_and_attacker(
+        "e2e-forged",
+        [
+            {
+                "at": 0,
+                "create": {"ref": "reboot", "EventType": "Reboot", "Resources": ["web_0"], "NoticeSeconds": 1800},
+            },
+            {
+                "at": 0,
+                "create": {
+                    "ref": "redeploy",
+                    "EventType": "Redeploy",
+                    "Resources": ["web_0"],
+                    "NoticeSeconds": 1800,
                 },
-                # The attacker: same placement group, so it sees web_0's events in its own IMDS document.
-                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-1"},
-            ],
-            "steps": [
-                {
-                    "at": 0,
-                    "create": {"ref": "reboot", "EventType": "Reboot", "Resources": ["web_0"], "NoticeSeconds": 1800},
+            },
+            # After the hijack: web_0's own forwarder must still be heard for this to be approved.
+            {
+                "at": 600,
+                "create": {
+                    "ref": "user-reboot",
+                    "EventType": "Reboot",
+                    "EventSource": "User",
+                    "Resources": ["web_0"],
+                    "NoticeSeconds": 900,
                 },
-                {
-                    "at": 0,
-                    "create": {
-                        "ref": "redeploy",
-                        "EventType": "Redeploy",
-                        "Resources": ["web_0"],
-                        "NoticeSeconds": 1800,
-                    },
-                },
-                # After the hijack: web_0's own forwarder must still be heard for this to be approved.
-                {
-                    "at": 600,
-                    "create": {
-                        "ref": "user-reboot",
-                        "EventType": "Reboot",
-                        "EventSource": "User",
-                        "Resources": ["web_0"],
-                        "NoticeSeconds": 900,
-                    },
-                },
-                {"at": 1200, "create": {"ref": "scale-in", "EventType": "Terminate", "Resources": ["web_0"]}},
-            ],
-        }
+            },
+            {"at": 1200, "create": {"ref": "scale-in", "EventType": "Terminate", "Resources": ["web_0"]}},
+        ],
     )
 
 
@@ -132,11 +119,10 @@ def test_one_vms_forgeries_in_another_vms_name_approve_nothing_and_delay_no_one(
     outcome = run_pipeline(
         _scenario(), during=attack, expected_dead_letters=6, timeout=150.0, policy_path=hooks_wait_policy(tmp_path)
     )
-    summary, stack = outcome.summary, outcome.stack
-    assert outcome.finished, f"the run did not finish: waiting for {outcome.follower.waits}"
     # The judge's expectations come from the truthful scenario: no approval the truth would not make, every one it
     # makes, every envelope web_0 sent applied, and the forgeries set aside.
-    assert summary.ok, summary.failures
+    outcome.judged_ok()
+    summary, stack = outcome.summary, outcome.stack
     assert summary.approvals_expected == summary.approvals_expected_made == 1
     assert stack.imds is not None
     approved = {str(a["EventId"]) for a in stack.imds.approvals()}

@@ -22,6 +22,7 @@ from emulators.imds import Scenario
 from emulators.imds.event_grid import EVENT_TYPE
 from local.runner import wait_until
 from local.stack import LocalStack
+from tests.coordinator.helpers import BY_TAG
 from tests.local.conftest import Runner, history_rows
 from tests.local.forging import Forger
 
@@ -49,23 +50,16 @@ steps:
     create: {ref: zone-second, EventType: Reboot, Resources: [web_1], NoticeSeconds: 600}
     expect: no-approval
 """
-POLICY = """
-version: 1
-rules:
-  - name: manual-by-tag
-    match: {tags: {scheduled-events: manual}}
-    action: wait-for-person
-  - name: auto-by-tag
-    match: {tags: {scheduled-events: auto}}
-    action: approve-now
-    trustTags: true
-  - name: one-reboot-per-zone
+POLICY = (
+    BY_TAG
+    + """  - name: one-reboot-per-zone
     match: {eventType: [Reboot]}
     action: approve-within-budget
     budget: {maxImpacted: 1, per: [zone]}
   - name: everything-else-waits
     action: wait-for-person
 """
+)
 
 
 def _event_id(stack: LocalStack, ref: str) -> str:
@@ -140,10 +134,9 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
     # Three dead letters: the forged Event Grid event, and the two claims in other VMs' names, which their attested
     # documents (the liar's own VM's) refuse at the door; its claim about its own zone is attested and accepted.
     outcome = run_pipeline(scenario, during=attack, expected_dead_letters=3, time_scale=120.0, timeout=120.0)
-    summary, stack = outcome.summary, outcome.stack
-    assert outcome.finished, f"the run did not finish: waiting for {outcome.follower.waits}"
     # The judge's expectations are the truthful scenario's: only zone-first approved, nothing more.
-    assert summary.ok, summary.failures
+    outcome.judged_ok()
+    stack = outcome.stack
     assert stack.imds is not None
     assert {str(a["EventId"]) for a in stack.imds.approvals()} == {ids["zone-first"]}
     # What each lie left: the VMs' claims kept as said and flagged against ARM's census; the decisions on ARM's.

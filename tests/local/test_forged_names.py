@@ -25,44 +25,31 @@ from emulators.imds import Scenario
 from local.runner import wait_until
 from local.stack import LocalStack
 from tests.local.conftest import Runner, history_rows
-from tests.local.forging import Forger, hooks_wait_policy
+from tests.local.forging import Forger, hooks_wait_policy, victim_and_attacker
 
 
 def _scenario() -> Scenario:
-    return Scenario.from_mapping(
-        {
-            "name": "e2e-forged-names",
-            "scaleSets": {"web": {"terminateNotification": True, "terminateNotBeforeSeconds": 900}},
-            "vms": [
-                {
-                    "name": "web_0",
-                    "vmScaleSetName": "web",
-                    "placementGroupId": "pg-1",
-                    "hooks": {"prepare": [{"name": "10-drain", "exitCode": 1}]},
+    return victim_and_attacker(
+        "e2e-forged-names",
+        [
+            # web_0's forwarder stopped for 6 s: the forged listing of its Freeze comes first.
+            {"at": 0, "signal": {"vm": "web_0", "signal": "STOP", "seconds": 6}},
+            {
+                "at": 0,
+                "create": {
+                    "ref": "freeze",
+                    "EventType": "Freeze",
+                    "Resources": ["web_0"],
+                    "DurationInSeconds": 5,
+                    "NoticeSeconds": 1800,
                 },
-                # The attacker: same placement group, so its own IMDS shows web_0's events.
-                {"name": "web_1", "vmScaleSetName": "web", "placementGroupId": "pg-1"},
-            ],
-            "steps": [
-                # web_0's forwarder stopped for 6 s: the forged listing of its Freeze comes first.
-                {"at": 0, "signal": {"vm": "web_0", "signal": "STOP", "seconds": 6}},
-                {
-                    "at": 0,
-                    "create": {
-                        "ref": "freeze",
-                        "EventType": "Freeze",
-                        "Resources": ["web_0"],
-                        "DurationInSeconds": 5,
-                        "NoticeSeconds": 1800,
-                    },
-                },
-                {
-                    "at": 0,
-                    "create": {"ref": "reboot", "EventType": "Reboot", "Resources": ["web_0"], "NoticeSeconds": 1800},
-                },
-                {"at": 1200, "create": {"ref": "scale-in", "EventType": "Terminate", "Resources": ["web_0"]}},
-            ],
-        }
+            },
+            {
+                "at": 0,
+                "create": {"ref": "reboot", "EventType": "Reboot", "Resources": ["web_0"], "NoticeSeconds": 1800},
+            },
+            {"at": 1200, "create": {"ref": "scale-in", "EventType": "Terminate", "Resources": ["web_0"]}},
+        ],
     )
 
 
@@ -124,9 +111,8 @@ def test_a_vm_writing_another_vms_name_with_its_own_identity_is_refused_and_move
     outcome = run_pipeline(
         _scenario(), during=attack, expected_dead_letters=4, timeout=150.0, policy_path=hooks_wait_policy(tmp_path)
     )
+    outcome.judged_ok()
     summary, stack = outcome.summary, outcome.stack
-    assert outcome.finished, f"the run did not finish: waiting for {outcome.follower.waits}"
-    assert summary.ok, summary.failures
     assert stack.imds is not None
     # Each forged envelope refused at the door: web_1's resource id is ARM's web_1.
     reasons = [str(row) for row in history_rows(stack, "RecordType = 'DeadLetter'")]

@@ -34,6 +34,11 @@ def row(kind: str, ms: float, **values: Any) -> dict[str, Any]:
     return {"RecordType": kind, "TimeGenerated": at(ms), "EventId": EVENT, "EventType": "Freeze", **values}
 
 
+def heartbeat(ms: float, vm: str, outcome: str, **values: Any) -> dict[str, Any]:
+    """A Heartbeat row of ``vm`` (of no event, unless ``values`` name one)."""
+    return {"RecordType": "Heartbeat", "TimeGenerated": at(ms), "VmName": vm, "Outcome": outcome, **values}
+
+
 def test_timeline_follows_an_event_from_seen_to_completed_with_latencies() -> None:
     timeline = Timeline(labels={EVENT: "freeze-web"})
     lines: list[str] = []
@@ -287,36 +292,14 @@ def test_timeline_skips_the_sending_intent_and_shows_holds_retirements_and_reset
     timeline.add(row("Approval", 30, Outcome="released", Actor="platform", Reason="no longer held"))
     assert timeline.paths[EVENT].held_by == ""
     retired = timeline.add(
-        {
-            "RecordType": "Heartbeat",
-            "TimeGenerated": at(40),
-            "VmName": "web_1",
-            "Outcome": "retired",
-            "EventId": EVENT,
-            "EventType": "Terminate",
-            "Reason": "its NotBefore passed",
-        }
+        heartbeat(40, "web_1", "retired", EventId=EVENT, EventType="Terminate", Reason="its NotBefore passed")
     )
     assert "retired by scale-in (Terminate): its NotBefore passed" in retired[0]
-    reset = timeline.add(
-        {
-            "RecordType": "Heartbeat",
-            "TimeGenerated": at(50),
-            "VmName": "web_0",
-            "Outcome": "reset",
-            "Details": {"oldState": "aaaaaaaa0001", "newState": "bbbbbbbb0002", "lastSequence": 41, "newSequence": 1},
-        }
-    )
+    moved = {"oldState": "aaaaaaaa0001", "newState": "bbbbbbbb0002", "lastSequence": 41, "newSequence": 1}
+    reset = timeline.add(heartbeat(50, "web_0", "reset", Details=moved))
     assert "reset: forwarder state aaaaaaaa → bbbbbbbb, sequence 41 → 1" in reset[0]
-    conflict = timeline.add(
-        {
-            "RecordType": "Heartbeat",
-            "TimeGenerated": at(51),
-            "VmName": "web_0",
-            "Outcome": "conflict",
-            "Details": {"state": "aaaaaaaa0001", "otherState": "bbbbbbbb0002", "lastSequence": 50, "newSequence": 51},
-        }
-    )
+    both = {"state": "aaaaaaaa0001", "otherState": "bbbbbbbb0002", "lastSequence": 50, "newSequence": 51}
+    conflict = timeline.add(heartbeat(51, "web_0", "conflict", Details=both))
     assert "conflict: forwarder states aaaaaaaa and bbbbbbbb both send as this VM" in conflict[0]
     assert (timeline.retired, timeline.resets) == ({"web_1"}, ["web_0"])
 

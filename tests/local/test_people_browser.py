@@ -316,12 +316,14 @@ def test_clicks_in_two_tabs_at_once_and_a_double_click_approve_once(fleet: Fleet
     assert f"Already approved event {fleet.ids['double-click']} is already approved by person:{APPROVER.upn}" in told
     assert "nothing more is sent" in told
     # The third tab's form is stale: a double click on it is answered the same, and sends nothing. Each submit it
-    # sent is answered 409; when the first answer loads before the second click, that click lands on the answer
-    # page (a fresh-clone run showed the event's page, 200, after one POST answered 409).
+    # sent is answered 409, or its answer never reached the page (None: the second submit replaced the first while
+    # it was on its way); when the first answer loads before the second click, that click lands on the answer page
+    # (a fresh-clone run showed the event's page, 200, after one POST answered 409).
     clicked = tabs[2].double_click(f"Approve now as {APPROVER.upn}")
     tabs[2].screenshot("05-double-click-on-a-stale-page")
     assert clicked.posts >= 1
-    assert clicked.answers == [409] * clicked.posts, clicked.answers
+    assert len(clicked.answers) == clicked.posts, clicked.answers
+    assert set(clicked.answers) <= {409, None}, clicked.answers
     assert "nothing more is sent" in clicked.words() or "Already approved by person:" in clicked.words()
     # Opened again, the page says it is approved, without a form.
     reopened = tabs[2].goto(url)

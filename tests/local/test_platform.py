@@ -5,7 +5,6 @@ seam: the whole-stack runs (tests/local/test_fleet_demo.py, the oracle's) play t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 
 from local import platform as local_platform
 from local.platform import Platform
+from tests.polling import poll
 
 
 @dataclass
@@ -57,15 +57,6 @@ def _event(event_type: str, **fields: Any) -> dict[str, Any]:
     return {"EventType": event_type, "EventId": f"E-{event_type}", "Resources": ["web_0"], **fields}
 
 
-def _eventually(check: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_a_reboot_started_while_a_freezes_pause_is_pending_still_boots_the_vm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,7 +71,7 @@ def test_a_reboot_started_while_a_freezes_pause_is_pending_still_boots_the_vm(
 
     platform.event_started(_event("Freeze", DurationInSeconds=30))
     platform.event_started(_event("Reboot"))
-    assert _eventually(lambda: forwarder.starts == 1), "the rebooted VM's forwarder did not start again"
+    assert poll(lambda: forwarder.starts == 1, timeout=3.0), "the rebooted VM's forwarder did not start again"
     assert forwarder.running
     assert not forwarder.paused  # the Freeze came while the VM was down: nothing was paused
     actions = [(entry["action"], entry.get("reason")) for entry in platform.log]
@@ -93,6 +84,6 @@ def test_finish_ends_every_pending_fault_once(tmp_path: Path, monkeypatch: pytes
     stack = _Stack(tmp_path)
     platform = Platform(stack)  # type: ignore[arg-type]
     platform.event_started(_event("Reboot"))
-    assert _eventually(lambda: not stack.forwarders["web_0"].running)
+    assert poll(lambda: not stack.forwarders["web_0"].running, timeout=3.0)
     platform.finish()
     assert stack.forwarders["web_0"].starts == 1

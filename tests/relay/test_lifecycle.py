@@ -6,7 +6,6 @@ so that only connections created that way can be listened on or sent to.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -19,6 +18,7 @@ from coordinator.adapters.relay_admin import HybridConnectionAdmin, hybrid_conne
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
+from tests.polling import wait_for
 from tests.relay.conftest import (
     SEND_KEY,
     VM_A0,
@@ -37,13 +37,6 @@ def relay() -> Iterator[RelayEmulator]:
     """Overrides conftest's relay: hybrid connections must be created (through ARM) before use."""
     with keyed_relay(require_known=True) as emulator:
         yield emulator
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not condition():
-        time.sleep(0.02)
-    return condition()
 
 
 def test_create_use_find_silent_and_delete(

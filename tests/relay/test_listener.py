@@ -22,16 +22,8 @@ from emulators.relay.auth import create_sas_token
 from forwarder.relay_listener import RelayListener
 from forwarder.relay_protocol import RelayRequest, RelayResponse
 from forwarder.relay_tokens import RelayToken
+from tests.polling import wait_for
 from tests.relay.conftest import LISTEN_KEY, SEND_KEY, VM_A0, Vm, approval, scheduled_event
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def send(relay: RelayEmulator, hc: str, path: str, body: bytes = b"", method: str = "POST") -> requests.Response:
@@ -156,15 +148,36 @@ def test_stop_closes_the_control_channel(relay: RelayEmulator, start_vm: Callabl
 
 
 def test_stop_lets_a_request_in_flight_answer_first(relay: RelayEmulator, start_vm: Callable[..., Vm]) -> None:
-    vm = start_vm(VM_A0, auth="sas", handler=echo)
+    release = threading.Event()
+
+    def held(request: RelayRequest) -> RelayResponse:
+        if request.path == "/held":
+            release.wait(10)
+        return echo(request)
+
+    vm = start_vm(VM_A0, auth="sas", handler=held)
     hc = vm.identity.hybrid_connection_name
-    answers: list[int] = []
-    caller = threading.Thread(target=lambda: answers.append(send(relay, hc, "/slow", b"x").status_code))
-    caller.start()
+    answers: dict[str, int] = {}
+
+    def call(path: str) -> None:
+        answers[path] = send(relay, hc, path, b"x").status_code
+
+    callers = [threading.Thread(target=call, args=("/held",))]
+    callers[0].start()
     assert wait_for(lambda: vm.listener.stats.requests == 1)
-    vm.listener.stop(timeout=5)
-    caller.join(5)
-    assert answers == [201]
+    stopper = threading.Thread(target=vm.listener.stop, kwargs={"timeout": 10})
+    stopper.start()
+    assert wait_for(vm.listener._stopping.is_set)  # stop() has begun: it is waiting for /held
+    # A message after stop() began ends the control loop while /held is still being handled: the channel stays
+    # open until /held (and this one) have answered.
+    callers.append(threading.Thread(target=call, args=("/ping",)))
+    callers[1].start()
+    assert wait_for(lambda: vm.listener.stats.requests == 2)
+    release.set()
+    stopper.join(10)
+    for caller in callers:
+        caller.join(10)
+    assert answers == {"/held": 201, "/ping": 201}
     assert not vm.listener.connected
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
 from emulators.imds import ImdsEmulator
@@ -37,10 +38,13 @@ def post(relay: RelayEmulator, vm: Vm, body: bytes, headers: dict[str, str]) -> 
     return result
 
 
-def traced_vm(imds: ImdsEmulator, start_vm: Callable[..., Vm], spans_file: Path) -> Vm:
+@pytest.fixture
+def traced(imds: ImdsEmulator, start_vm: Callable[..., Vm], tmp_path: Path) -> tuple[Vm, Path]:
+    """VM_A0 with its listener up, its approver writing its spans to a file: the VM, and that file."""
+    spans_file = tmp_path / "spans.jsonl"
     telemetry = Telemetry(spans_file=spans_file)
     handler = Approver(imds=imds_client(imds, VM_A0), vm_name=VM_A0, tracer=telemetry.tracer)
-    return start_vm(VM_A0, auth="sas", handler=handler)
+    return start_vm(VM_A0, auth="sas", handler=handler), spans_file
 
 
 def spans(path: Path) -> dict[str, list[dict[str, Any]]]:
@@ -62,11 +66,8 @@ def assert_children(recorded: dict[str, list[dict[str, Any]]], names: list[str])
     return approve
 
 
-def test_an_approval_joins_the_callers_trace(
-    imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm], tmp_path: Path
-) -> None:
-    spans_file = tmp_path / "spans.jsonl"
-    vm = traced_vm(imds, start_vm, spans_file)
+def test_an_approval_joins_the_callers_trace(imds: ImdsEmulator, relay: RelayEmulator, traced: tuple[Vm, Path]) -> None:
+    vm, spans_file = traced
     event_id = scheduled_event(imds, VM_A0)
     request = approval(event_id)
     headers = {"traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01", "tracestate": "coordinator=1"}
@@ -84,10 +85,9 @@ def test_an_approval_joins_the_callers_trace(
 
 
 def test_without_a_traceparent_the_listener_approves_in_a_trace_of_its_own(
-    imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm], tmp_path: Path
+    imds: ImdsEmulator, relay: RelayEmulator, traced: tuple[Vm, Path]
 ) -> None:
-    spans_file = tmp_path / "spans.jsonl"
-    vm = traced_vm(imds, start_vm, spans_file)
+    vm, spans_file = traced
     event_id = scheduled_event(imds, VM_A0)
     assert post(relay, vm, approval(event_id).model_dump_json().encode(), {})["outcome"] == "approved"
     assert [a["EventId"] for a in imds.approvals()] == [event_id]
@@ -98,10 +98,9 @@ def test_without_a_traceparent_the_listener_approves_in_a_trace_of_its_own(
 
 
 def test_a_refusal_is_traced_without_a_start_requests_span(
-    imds: ImdsEmulator, relay: RelayEmulator, start_vm: Callable[..., Vm], tmp_path: Path
+    imds: ImdsEmulator, relay: RelayEmulator, traced: tuple[Vm, Path]
 ) -> None:
-    spans_file = tmp_path / "spans.jsonl"
-    vm = traced_vm(imds, start_vm, spans_file)
+    vm, spans_file = traced
     headers = {"traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01"}
     assert post(relay, vm, approval("no-such-event").model_dump_json().encode(), headers)["outcome"] == "not-found"
     recorded = spans(spans_file)

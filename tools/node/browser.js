@@ -17,38 +17,34 @@
 //        screenshot {page, path}              -> {path}        the whole page as PNG
 //        fetch {context, url, accept}         -> {status, contentType, body}   a script's GET with the context's cookies
 //   navigation: {url, status (the last document's), text (the body's innerText), posts (form POSTs the page sent
-//                since the previous step), answers (the HTTP status of each of those POSTs' answers, in order)}
+//                since the previous step), answers (the HTTP status of each of those POSTs' answers, in order; null
+//                for one whose navigation was aborted before its answer reached the page: the server may have
+//                answered it, the browser never shows it)}
 //
 // Exit 2 with a message on stderr if Chromium cannot start; CHROMIUM names the browser (default /usr/bin/chromium).
 'use strict';
 
 const readline = require('readline');
-const { launch, BrowserMissing } = require('./chromium');
+const { exitWith, launchOrExplain } = require('./chromium');
 
 const VIEWPORT = { width: 1280, height: 800 };
 const TIMEOUT_MS = 30000;
 
 async function main() {
-  let browser;
-  try {
-    browser = await launch();
-  } catch (error) {
-    if (!(error instanceof BrowserMissing)) throw error;
-    process.stderr.write(`${error.message}\n`);
-    return 2;
-  }
+  const browser = await launchOrExplain();
+  if (browser === null) return 2;
   const contexts = new Map();
   const pages = new Map();
   const status = new Map(); // page id -> status of its last main-document response
   const posts = new Map(); // page id -> form POSTs sent since the last step
-  const answers = new Map(); // page id -> the statuses of those POSTs' answers
+  const answers = new Map(); // page id -> [request, its answer's status, or null once it failed] per POST
   let next = 0;
 
   async function navigation(id) {
     const page = pages.get(id);
     await page.waitForLoadState('load');
     const sent = posts.get(id);
-    const answered = answers.get(id);
+    const answered = answers.get(id).map(([, answer]) => (answer === undefined ? null : answer));
     posts.set(id, 0);
     answers.set(id, []);
     return { url: page.url(), status: status.get(id), text: await page.innerText('body'), posts: sent, answers: answered };
@@ -73,11 +69,20 @@ async function main() {
       page.on('response', (response) => {
         if (response.request().isNavigationRequest() && response.frame() === page.mainFrame()) {
           status.set(id, response.status());
-          if (response.request().method() === 'POST') answers.get(id).push(response.status());
+          const entry = answers.get(id).find(([request]) => request === response.request());
+          if (entry) entry[1] = response.status();
         }
       });
       page.on('request', (request) => {
-        if (request.method() === 'POST' && request.isNavigationRequest()) posts.set(id, (posts.get(id) || 0) + 1);
+        if (request.method() === 'POST' && request.isNavigationRequest()) {
+          posts.set(id, (posts.get(id) || 0) + 1);
+          answers.get(id).push([request, undefined]);
+        }
+      });
+      // A submit the next one replaced (a double click) fails in the page with no answer it could show.
+      page.on('requestfailed', (request) => {
+        const entry = answers.get(id).find(([sent]) => sent === request);
+        if (entry && entry[1] === undefined) entry[1] = null;
       });
       pages.set(id, page);
       posts.set(id, 0);
@@ -151,12 +156,4 @@ async function main() {
   return 0;
 }
 
-main().then(
-  (code) => {
-    process.exitCode = code;
-  },
-  (error) => {
-    process.stderr.write(`${error.stack || error}\n`);
-    process.exitCode = 1;
-  },
-);
+exitWith(main);

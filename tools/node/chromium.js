@@ -20,7 +20,7 @@ const FLAGS = [
 
 class BrowserMissing extends Error {}
 
-// The browser, or BrowserMissing saying why not (the callers exit 2 with it).
+// The browser, or BrowserMissing saying why not.
 async function launch() {
   if (!fs.existsSync(EXECUTABLE)) {
     throw new BrowserMissing(`Chromium not found at ${EXECUTABLE}: bash scripts/bootstrap.sh installs Debian's chromium`);
@@ -32,4 +32,28 @@ async function launch() {
   }
 }
 
-module.exports = { launch, BrowserMissing };
+// The browser, or null once the reason it cannot start is on stderr (the caller then exits 2).
+async function launchOrExplain() {
+  try {
+    return await launch();
+  } catch (error) {
+    if (!(error instanceof BrowserMissing)) throw error;
+    process.stderr.write(`${error.message}\n`);
+    return null;
+  }
+}
+
+// Runs a tool's main(): the process exits with the code it resolves to, or 1 with the stack of what it threw.
+function exitWith(main) {
+  main().then(
+    (code) => {
+      process.exitCode = code;
+    },
+    (error) => {
+      process.stderr.write(`${error.stack || error}\n`);
+      process.exitCode = 1;
+    },
+  );
+}
+
+module.exports = { launchOrExplain, exitWith };

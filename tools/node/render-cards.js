@@ -15,7 +15,7 @@
 
 const fs = require('fs');
 const path = require('path');
-const { launch, BrowserMissing } = require('./chromium');
+const { exitWith, launchOrExplain } = require('./chromium');
 
 const RENDERER = require.resolve('adaptivecards/dist/adaptivecards.min.js');
 // The card column of a Teams channel message on the desktop client is about this wide.
@@ -24,14 +24,8 @@ const CARD_WIDTH = 540;
 async function main() {
   const input = JSON.parse(fs.readFileSync(0, 'utf8'));
   fs.mkdirSync(input.outDir, { recursive: true });
-  let browser;
-  try {
-    browser = await launch();
-  } catch (error) {
-    if (!(error instanceof BrowserMissing)) throw error;
-    process.stderr.write(`${error.message}\n`);
-    return 2;
-  }
+  const browser = await launchOrExplain();
+  if (browser === null) return 2;
   try {
     const page = await browser.newPage({ viewport: { width: CARD_WIDTH + 40, height: 800 } });
     await page.setContent(
@@ -99,12 +93,4 @@ async function main() {
   }
 }
 
-main().then(
-  (code) => {
-    process.exitCode = code;
-  },
-  (error) => {
-    process.stderr.write(`${error.stack || error}\n`);
-    process.exitCode = 1;
-  },
-);
+exitWith(main);

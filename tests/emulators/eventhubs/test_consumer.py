@@ -11,14 +11,7 @@ from azure.eventhub import EventData, EventHubConsumerClient, PartitionContext
 
 from emulators.eventhubs import EventHubsEmulator
 from tests.emulators.eventhubs.conftest import HUB, consumer, producer
-
-
-def _wait_for(predicate: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
+from tests.polling import wait_for
 
 
 class Received:
@@ -51,7 +44,7 @@ class Received:
             return [event.body_as_str() for event in self.events]
 
     def wait_for(self, count: int, timeout: float = 20.0) -> list[str]:
-        _wait_for(lambda: len(self.events) >= count, timeout)
+        wait_for(lambda: len(self.events) >= count, timeout=timeout)
         return self.bodies()
 
     def close(self) -> None:
@@ -105,7 +98,7 @@ def test_last_enqueued_event_properties_are_tracked(emulator: EventHubsEmulator)
     )
     thread.start()
     try:
-        _wait_for(lambda: seen)
+        wait_for(lambda: seen, timeout=20)
     finally:
         client.close()
         thread.join(10)
@@ -159,7 +152,7 @@ def test_latest_and_a_future_enqueued_time_see_only_later_events(emulator: Event
         starting_position=datetime.now(tz=UTC) + timedelta(hours=1),
     )
     try:
-        _wait_for(lambda: emulator.stats.receivers_attached >= 2)
+        wait_for(lambda: emulator.stats.receivers_attached >= 2, timeout=20)
         send.send_batch([EventData("new-1"), EventData("new-2")], partition_id="0")
         send.send_batch([EventData("still-before-the-hour")], partition_id="3")
         assert latest.wait_for(2) == ["new-1", "new-2"]
@@ -209,7 +202,7 @@ def test_an_unknown_consumer_group_is_refused(emulator: EventHubsEmulator) -> No
     )
     try:
         # The SDK (5.15.1) treats the refusal as transient and re-attaches quietly (no on_error); each is refused.
-        _wait_for(lambda: emulator.stats.links_refused >= 1)
+        wait_for(lambda: emulator.stats.links_refused >= 1, timeout=20)
     finally:
         received.close()
     assert received.bodies() == []
@@ -224,12 +217,12 @@ def test_a_higher_owner_level_takes_the_partition_over(emulator: EventHubsEmulat
     ]
     seconds: list[Received] = []
     try:
-        _wait_for(lambda: emulator.stats.receivers_attached >= 2)
+        wait_for(lambda: emulator.stats.receivers_attached >= 2, timeout=20)
         seconds = [
             Received(consumer(emulator.connection_string(HUB)), partition_id=partition, owner_level=2)
             for partition in ("0", "1")
         ]
-        _wait_for(lambda: all(first.errors for first in firsts))
+        wait_for(lambda: all(first.errors for first in firsts), timeout=20)
         assert all("owner level 2 took over" in str(first.errors[0]) for first in firsts)
         _close_all(firsts)  # their SDK retry loops would otherwise compete for the GIL with the producer below
         with producer(emulator.connection_string(HUB)) as client:

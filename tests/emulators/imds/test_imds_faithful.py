@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -51,21 +52,18 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def make(clock: ManualClock) -> Iterator[Make]:
-    """``make(**scenario_fields)``: the FLEET scenario with extra top-level fields, served on a manual clock."""
-    started: list[ImdsEmulator] = []
+    """``make(**scenario_fields)``: the FLEET scenario with extra top-level fields, served on a manual clock (each
+    emulator stopped after the test)."""
+    with ExitStack() as started:
 
-    def build(**fields: Any) -> ImdsEmulator:
-        scenario = Scenario.from_mapping({**FLEET, **fields})
-        emulator = ImdsEmulator(
-            scenario=scenario, time_scale=1, started_min_seconds=STARTED_MIN, throttle_rps=0, clock=clock
-        )
-        emulator.start()
-        started.append(emulator)
-        return emulator
+        def build(**fields: Any) -> ImdsEmulator:
+            scenario = Scenario.from_mapping({**FLEET, **fields})
+            emulator = ImdsEmulator(
+                scenario=scenario, time_scale=1, started_min_seconds=STARTED_MIN, throttle_rps=0, clock=clock
+            )
+            return started.enter_context(emulator)
 
-    yield build
-    for emulator in started:
-        emulator.stop()
+        yield build
 
 
 def iso(moment: datetime) -> str:

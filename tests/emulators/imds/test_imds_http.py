@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +14,7 @@ import requests
 from emulators.imds import ImdsEmulator, ManualClock, Scenario
 from emulators.imds.models import DESCRIPTION_INFRASTRUCTURE_MAINTENANCE
 from emulators.tokens import verify_token
+from tests.polling import wait_for
 
 SE = "/metadata/scheduledevents"
 META = {"Metadata": "true"}
@@ -28,17 +29,6 @@ FLEET = {
         {"name": "solo", "zone": "2", "isolated": True, "priority": "Spot"},
     ],
 }
-
-
-def wait_for(condition: Callable[[], Any], *, timeout: float = 5.0, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s (last value {value!r})")
-        time.sleep(interval)
 
 
 @pytest.fixture
@@ -149,12 +139,13 @@ def test_lifecycle_scheduled_to_started_at_not_before_then_removed(live_imds):
     assert event["EventStatus"] == "Scheduled"
     assert re.match(r"^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$", event["NotBefore"])
     started = wait_for(
-        lambda: (d := get_doc(imds, "web_0"))["Events"] and d["Events"][0]["EventStatus"] == "Started" and d
+        lambda: (d := get_doc(imds, "web_0"))["Events"] and d["Events"][0]["EventStatus"] == "Started" and d,
+        timeout=5.0,
     )
     assert started["Events"][0]["NotBefore"] == ""
     assert started["Events"][0]["EventId"] == created["EventId"]  # the id never changes
     assert started["DocumentIncarnation"] == first["DocumentIncarnation"] + 1
-    gone = wait_for(lambda: (d := get_doc(imds, "web_0"))["Events"] == [] and d)
+    gone = wait_for(lambda: (d := get_doc(imds, "web_0"))["Events"] == [] and d, timeout=5.0)
     assert gone["DocumentIncarnation"] == first["DocumentIncarnation"] + 2
     [summary] = imds.events()
     assert summary["state"] == "Completed"

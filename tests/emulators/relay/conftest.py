@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -13,18 +14,13 @@ from tests.emulators.relay.raw import KEY, KEY_NAME
 
 @pytest.fixture
 def make_relay() -> Iterator[Callable[..., RelayEmulator]]:
-    started: list[RelayEmulator] = []
+    with ExitStack() as started:
 
-    def make(**options: Any) -> RelayEmulator:
-        options.setdefault("sas_keys", {KEY_NAME: KEY})
-        relay = RelayEmulator(**options)
-        relay.start()
-        started.append(relay)
-        return relay
+        def make(**options: Any) -> RelayEmulator:
+            options.setdefault("sas_keys", {KEY_NAME: KEY})
+            return started.enter_context(RelayEmulator(**options))
 
-    yield make
-    for relay in started:
-        relay.stop()
+        yield make
 
 
 @pytest.fixture
