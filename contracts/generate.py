@@ -1,5 +1,6 @@
 """Writes the forwarder's records from the pydantic models, so that each contract is defined once: ``python -m
-contracts.generate`` (``--check``: only say whether the committed files are current; tests/contracts runs it).
+contracts.generate`` (``--check``: only say whether the committed files are current, byte for byte;
+tests/contracts/test_generate.py holds them to it).
 
 - ``contracts/wire_validators.py``: the models' JSON schemas (``model_json_schema``) compiled into plain Python by
   fastjsonschema, one function per model, needing nothing but ``re`` (fastjsonschema's exception is written into
@@ -197,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     stale = []
     for path, text in ((VALIDATORS, validators_source()), (RECORDS, records_source())):
-        if path.exists() and path.read_text(encoding="utf-8") == text:
+        if path.exists() and path.read_bytes() == text.encode("utf-8"):
             continue
         stale.append(path.name)
         if not options.check:
-            path.write_text(text, encoding="utf-8")
+            path.write_bytes(text.encode("utf-8"))
     if options.check and stale:
         print(f"stale: {', '.join(stale)}; run python -m contracts.generate", file=sys.stderr)
         return 1

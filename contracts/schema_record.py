@@ -4,11 +4,13 @@ resident memory, more than the whole rest of it: docs/forwarder.md, *Footprint*)
 
 ``python -m contracts.generate`` writes ``contracts/wire_validators.py`` (each model's JSON schema compiled to plain
 Python by fastjsonschema) and ``contracts/wire_records.py`` (one frozen dataclass per model, its fields as the
-schema says, each a ``SchemaRecord``). A record is read in three steps: numbers must be finite (``Infinity`` and
-``NaN``, which Python's JSON parser reads, are not JSON), the compiled schema, then each field made typed (times
-parsed, nested records built) with the rules no JSON schema states (``RULES``, contracts/wire_rules.py). A refusal
-is an ``Invalid`` naming the field and the reason in pydantic's words ("EventStatus: Input should be 'Scheduled'
-or 'Started'"), as the coordinator's models would.
+schema says, each a ``SchemaRecord``). A record is read in four steps: what pydantic's lax mode reads besides the
+schema read as it reads it (``3.0`` or ``"3"`` for an int: contracts/lax.py), numbers must be finite (``Infinity``
+and ``NaN``, which Python's JSON parser reads, are not JSON), the compiled schema, then each field made typed (times
+parsed, nested records built) with the rules no JSON schema states (contracts/wire_rules.py). A refusal is an
+``Invalid`` naming the field and the reason in pydantic's words ("EventStatus: Input should be 'Scheduled' or
+'Started'"), as the coordinator's models would; the compiled schema stops at the first thing wrong, so a refusal
+names one field where pydantic would list each.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, ClassVar, Self
 
+from contracts import lax
 from contracts.checks import Invalid, Record
 
 # What each record's field holds, as the generator writes it: "str", "int", "float", "bool", "moment" (a time),
@@ -114,6 +117,24 @@ def _json(value: Any) -> Any:
     return value
 
 
+def _loosened(value: Any, shape: str, loc: str) -> Any:
+    """A JSON value with what pydantic's lax mode reads for ``shape`` read as it reads it (contracts/lax.py)."""
+    if value is None:
+        return value
+    if shape.startswith("maybe:"):
+        return _loosened(value, shape[6:], loc)
+    if shape.startswith("list:") and isinstance(value, list):
+        return [_loosened(v, shape[5:], f"{loc}.{i}") for i, v in enumerate(value)]
+    if shape in lax.READERS:
+        try:
+            return lax.READERS[shape](value)
+        except Invalid as error:
+            raise Invalid([(loc, message) for _, message in error.problems]) from None
+    if shape in _RECORDS and isinstance(value, dict):
+        return _RECORDS[shape][0].loosened(value, loc)
+    return value
+
+
 def _typed(value: Any, shape: str, loc: str) -> Any:
     """A value the compiled schema accepted, as its field holds it."""
     if value is None or shape in ("str", "int", "bool", "map", "any"):
@@ -159,7 +180,7 @@ class SchemaRecord(Record):
     def from_mapping(cls, data: Any) -> Self:
         if not isinstance(data, dict):
             raise Invalid([("", "Input should be a valid dictionary or instance of " + cls.__name__)])
-        data = _json(data)
+        data = cls.loosened(_json(data), "")
         _finite(data, "")
         try:
             _RECORDS[cls.__name__][1](data)
@@ -168,6 +189,16 @@ class SchemaRecord(Record):
                 raise
             raise Invalid(_problems(error)) from None
         return cls.build(data)
+
+    @classmethod
+    def loosened(cls, data: dict[str, Any], loc: str) -> dict[str, Any]:
+        """``data`` with each field's value as pydantic's lax mode reads it (``loc``: where ``data`` is)."""
+        out = dict(data)
+        for field in cls.specs():
+            key = field.metadata["key"]
+            if key in out:
+                out[key] = _loosened(out[key], field.metadata["shape"], f"{loc}.{key}" if loc else key)
+        return out
 
     @classmethod
     def build(cls, data: dict[str, Any]) -> Self:

@@ -21,7 +21,7 @@ LARGE_MODULES: dict[str, tuple[int, str]] = {}
 LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "benchmarks/dead_listeners.py:run": (93, "one benchmark run, its stack and its figures"),
     "benchmarks/eventhub_hop.py:run": (66, "one benchmark run, its stack and its figures"),
-    "benchmarks/forwarder_footprint.py:measure": (161, "each forwarder mode started, sampled and compared"),
+    "benchmarks/forwarder_footprint.py:measure": (148, "each forwarder mode started, sampled and compared"),
     "benchmarks/hop.py:figures": (62, "the whole-stack hop's figures from one run's spans"),
     "benchmarks/pipeline_latency.py:run": (83, "one benchmark run, its stack and its figures"),
     "benchmarks/wave.py:_run": (86, "one wave: prepare, send, drain, count"),

@@ -18,23 +18,6 @@ from contracts import approval, document, envelope, wire
 from contracts.checks import Invalid, Record
 
 
-def test_the_records_are_generated_from_the_models_as_committed() -> None:
-    """contracts/wire_validators.py and wire_records.py are what ``python -m contracts.generate`` writes from the
-    models now: a field, bound or kind changed in a model without generating again fails here."""
-    from contracts import generate
-
-    assert generate.VALIDATORS.read_text(encoding="utf-8") == generate.validators_source()
-    assert generate.RECORDS.read_text(encoding="utf-8") == generate.records_source()
-
-
-def test_the_generated_validators_need_nothing_but_the_standard_library() -> None:
-    """The VM installs no new package for them: fastjsonschema's exception is written into the module."""
-    from contracts import generate
-
-    imports = re.findall(r"^\s*(?:import|from) (\S+)", generate.VALIDATORS.read_text(encoding="utf-8"), re.M)
-    assert set(imports) == {"re"}
-
-
 def _both(record: type[Record], model: type[BaseModel], data: Any) -> tuple[Any, Any]:
     """What each side makes of ``data``: its JSON form, or "refused"."""
     try:
@@ -74,11 +57,55 @@ _EVENT = st.fixed_dictionaries(
 )
 def test_documents_are_accepted_refused_and_kept_alike(data: dict[str, Any]) -> None:
     ours, theirs = _both(wire.ScheduledEventsDocument, document.ScheduledEventsDocument, data)
-    if isinstance(data.get("Events"), list) and any(e.get("DurationInSeconds") == "9" for e in data["Events"]):
-        # pydantic's lax mode reads the string "9" as 9; the forwarder refuses it. IMDS writes numbers as numbers.
-        assert ours == "refused"
-        return
     assert ours == theirs
+
+
+_HEARTBEAT = {"kind": "heartbeat", "vm": {"name": "x", "vmId": "y", "resourceId": "z"}, "sequence": 0,
+              "observedAt": "2026-11-26T07:00:00Z", "forwarder": "0.1.0"}  # fmt: skip
+_HOOK = {"eventId": "A", "phase": "prepare", "outcome": "succeeded", "durationSeconds": 1.0}
+_LAX_FIELDS: dict[str, tuple[type[Record], type[BaseModel], dict[str, Any], tuple[str, ...]]] = {
+    "int": (wire.Envelope, envelope.Envelope, _HEARTBEAT, ("sequence",)),
+    "incarnation": (wire.ScheduledEventsDocument, document.ScheduledEventsDocument, {}, ("DocumentIncarnation",)),
+    "float": (wire.Envelope, envelope.Envelope, {**_HEARTBEAT, "kind": "hook", "hook": _HOOK},
+              ("hook", "durationSeconds")),
+    "bool": (wire.Envelope, envelope.Envelope, {**_HEARTBEAT, "health": {}}, ("health", "listenerConnected")),
+    "time": (wire.Envelope, envelope.Envelope, _HEARTBEAT, ("observedAt",)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        *[("int", v) for v in (3.0, -0.0, "3", " 4 ", "4.0", "1_000", "+5", True, 4.5, "4.5", "0x10", "1e3", 1e20)],
+        *[("incarnation", v) for v in (3.0, "7", 2**64, None)],
+        *[("float", v) for v in (2, "1.5", " 2 ", "1e2", "1_0", True, "Infinity", "nan", "0x1")],
+        *[("bool", v) for v in (1, 0, 1.0, "true", "YES", "off", "t", "n", 2, 0.5, "2", " true ")],
+        *[("time", v) for v in (1764140400, 1764140400.5, 1764140400000, "1764140400", "2026-11-26 07:00:00z",
+                                "2026-11-26T07:00Z", "2026-11-26T07:00:00,25+0100", "20261126T070000Z",
+                                "2026-W48-4T07:00:00Z", "2026-11-26T07", True)],
+    ],
+)  # fmt: skip
+def test_what_the_models_read_in_json_mode_the_forwarder_reads_alike(field: str, value: Any) -> None:
+    """pydantic reads JSON laxly (``3.0`` or ``"3"`` for an int, ``"yes"`` for a bool, a number for a time): what
+    the coordinator's model accepts, the VM accepts as the same value; what it refuses, the VM refuses, naming the
+    field."""
+    record, model, base, path = _LAX_FIELDS[field]
+    data = json.loads(json.dumps(base))
+    holder = data if len(path) == 1 else data[path[0]]
+    holder[path[-1]] = value
+    written = json.dumps(data)
+    try:
+        theirs: Any = model.model_validate_json(written).model_dump(mode="json", by_alias=True)
+    except ValidationError:
+        with pytest.raises(Invalid, match=rf"^{re.escape('.'.join(path))}: "):
+            record.from_json_bytes(written)
+        return
+    ours = record.from_json_bytes(written).to_mapping()
+    assert ours == theirs
+    read, written_back = ours, theirs
+    for key in path:
+        read, written_back = read[key], written_back[key]
+    assert type(read) is type(written_back)  # 3, not 3.0
 
 
 def _vm(**changes: Any) -> wire.VmIdentity:
