@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import re
-from datetime import datetime
 from typing import Any, ClassVar, Self, TypeVar
 
 R = TypeVar("R", bound="Record")
@@ -140,65 +139,8 @@ class Flag(Check):
 
 
 @dataclasses.dataclass(frozen=True)
-class Moment(Check):
-    """An ISO 8601 time; ``aware``: it must carry its offset (the message is the contract's own)."""
-
-    aware: str = ""
-
-    def read(self, value: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                value = datetime.fromisoformat(value)
-            except ValueError:
-                raise self.bad("Input should be a valid datetime") from None
-        if not isinstance(value, datetime):
-            raise self.bad("Input should be a valid datetime")
-        if self.aware and value.tzinfo is None:
-            raise self.bad(f"Value error, {self.aware}")
-        return value
-
-    def dump(self, value: Any, *, exclude_none: bool) -> Any:
-        # pydantic's form: UTC as "Z", fractions only when there are some.
-        text = value.isoformat()
-        return text[:-6] + "Z" if value.utcoffset() is not None and not value.utcoffset() else text
-
-
-@dataclasses.dataclass(frozen=True)
-class Many(Check):
-    """A list of ``item`` (at most ``max_length``)."""
-
-    item: Check
-    max_length: int | None = None
-
-    def read(self, value: Any) -> Any:
-        if not isinstance(value, list | tuple):
-            raise self.bad("Input should be a valid list")
-        if self.max_length is not None and len(value) > self.max_length:
-            raise self.bad(
-                f"List should have at most {_plural(self.max_length, 'item')} after validation, not {len(value)}"
-            )
-        items, problems = [], []
-        for index, item in enumerate(value):
-            try:
-                items.append(self.item.read(item))
-            except Invalid as error:
-                problems.extend(_inside(index, error))
-        if problems:
-            raise Invalid(problems)
-        return items
-
-    def dump(self, value: Any, *, exclude_none: bool) -> Any:
-        return [self.item.dump(v, exclude_none=exclude_none) for v in value]
-
-
-@dataclasses.dataclass(frozen=True)
 class TextMap(Check):
-    """An object of strings; bounded (a VM's tags): at most ``max_length`` names, each 1-``max_name`` characters,
-    values of at most ``max_value``."""
-
-    max_length: int | None = None
-    max_name: int = 0
-    max_value: int = 0
+    """An object of strings (a Relay request's headers)."""
 
     def read(self, value: Any) -> Any:
         if not isinstance(value, dict):
@@ -206,18 +148,6 @@ class TextMap(Check):
         for name, text in value.items():
             if not isinstance(name, str) or not isinstance(text, str):
                 raise Invalid([(str(name), "Input should be a valid string")])
-        if self.max_length is None:
-            return dict(value)
-        if len(value) > self.max_length:
-            raise self.bad(
-                f"Dictionary should have at most {_plural(self.max_length, 'item')} after validation, not {len(value)}"
-            )
-        for name, text in value.items():
-            if not 0 < len(name) <= self.max_name or len(text) > self.max_value:
-                raise self.bad(
-                    f"Value error, tag {name[:64]!r}: names are 1-{self.max_name} characters, values at most "
-                    f"{self.max_value}"
-                )
         return dict(value)
 
 

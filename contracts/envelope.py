@@ -7,9 +7,9 @@ envelopes stay in order. Unknown fields are kept; a newer schema version is refu
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from contracts import wire_rules
 from contracts.attestation import Attestation
@@ -65,6 +65,10 @@ class UnsupportedEnvelopeVersion(ValueError):
     """The envelope was written by a newer forwarder than this code understands."""
 
 
+_TagName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_NAME)]
+_TagValue = Annotated[str, StringConstraints(max_length=MAX_TAG_VALUE)]
+
+
 class VmIdentity(BaseModel):
     """Who the VM is, from IMDS instance metadata (compute.*), never from the hostname. ``platformUpdateDomain``
     and ``tags`` are optional (v1-compatible: older forwarders leave them out); tags are what the VM says, so the
@@ -83,17 +87,9 @@ class VmIdentity(BaseModel):
     platformFaultDomain: str = ""
     platformUpdateDomain: str = Field(default="", max_length=16)
     placementGroupId: str = ""
-    tags: dict[str, str] = Field(default_factory=dict, max_length=MAX_TAGS)
-
-    @field_validator("tags")
-    @classmethod
-    def _bounded_tags(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not 0 < len(name) <= MAX_TAG_NAME or len(text) > MAX_TAG_VALUE:
-                raise ValueError(
-                    f"tag {name[:64]!r}: names are 1-{MAX_TAG_NAME} characters, values at most {MAX_TAG_VALUE}"
-                )
-        return value
+    # Bounded in the schema itself (propertyNames, additionalProperties), so that the VM's validator, compiled from
+    # it, holds the same bounds.
+    tags: dict[_TagName, _TagValue] = Field(default_factory=dict, max_length=MAX_TAGS)
 
     def __hash__(self) -> int:
         # Frozen but holding a dict: hashed by who the VM is.

@@ -16,7 +16,6 @@ names one field where pydantic would list each.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Callable
@@ -90,6 +89,12 @@ def _problems(error: Any) -> list[tuple[str, str]]:
     bound: Any = (error.definition or {}).get(error.rule)
     if error.rule == "required" and isinstance(error.value, dict) and isinstance(bound, list):
         return [(f"{loc}.{key}" if loc else key, "Field required") for key in bound if key not in error.value]
+    if error.rule == "propertyNames" and isinstance(error.value, dict):
+        # The first name out of bounds, where pydantic puts it (a VM's tags: "tags.<name>.[key]").
+        low, high = bound.get("minLength", 0), bound.get("maxLength", math.inf)
+        key = next(k for k in error.value if not low <= len(k) <= high)
+        rule, limit = ("minLength", low) if len(key) < low else ("maxLength", high)
+        return [(f"{loc}.{key}.[key]", _reason(rule, limit, key))]
     return [(loc, _reason(error.rule, bound, error.value))]
 
 
@@ -226,14 +231,6 @@ class SchemaRecord(Record):
             object.__setattr__(record, "_extras", unknown)
         record.validate()
         return record
-
-    @classmethod
-    def from_json_bytes(cls, data: bytes | str) -> Self:
-        try:
-            parsed = json.loads(data)
-        except (ValueError, RecursionError) as error:
-            raise Invalid([("", f"Invalid JSON: {str(error)[:200]}")]) from None
-        return cls.from_mapping(parsed)
 
     def to_mapping(self, *, exclude_none: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -134,8 +134,6 @@ class _Vm(Protocol):
     def resourceId(self) -> str: ...
     @property
     def vmId(self) -> str: ...
-    @property
-    def tags(self) -> dict[str, str]: ...
 
 
 class VmIdentityRules:
@@ -150,12 +148,6 @@ class VmIdentityRules:
     @property
     def hybrid_connection_name(self: _Vm) -> str:
         return f"vm-{self.vmId.lower()}"
-
-    def validate(self: _Vm) -> None:
-        for name, text in self.tags.items():
-            if not 0 < len(name) <= MAX_TAG_NAME or len(text) > MAX_TAG_VALUE:
-                raise Invalid([("tags", f"Value error, tag {name[:64]!r}: names are 1-{MAX_TAG_NAME} characters, "
-                                        f"values at most {MAX_TAG_VALUE}")])  # fmt: skip
 
 
 class ImpactReportRules:

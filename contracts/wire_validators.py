@@ -188,6 +188,24 @@ def validate____defs_vmidentity(data, custom_formats={}, name_prefix=None):
                         data__tags_value = data__tags.get(data__tags_key)
                         if not isinstance(data__tags_value, (str)):
                             raise JsonSchemaValueException("" + (name_prefix or "data") + ".tags.{data__tags_key}".format(**locals()) + " must be string", value=data__tags_value, name="" + (name_prefix or "data") + ".tags.{data__tags_key}".format(**locals()) + "", definition={'type': 'string'}, rule='type')
+                        if isinstance(data__tags_value, str):
+                            data__tags_value_len = len(data__tags_value)
+                            if data__tags_value_len > 256:
+                                raise JsonSchemaValueException("" + (name_prefix or "data") + ".tags.{data__tags_key}".format(**locals()) + " must be shorter than or equal to 256 characters", value=data__tags_value, name="" + (name_prefix or "data") + ".tags.{data__tags_key}".format(**locals()) + "", definition={'maxLength': 256}, rule='maxLength')
+                if data__tags_len != 0:
+                    data__tags_property_names = True
+                    for data__tags_key in data__tags:
+                        try:
+                            if isinstance(data__tags_key, str):
+                                data__tags_key_len = len(data__tags_key)
+                                if data__tags_key_len < 1:
+                                    raise JsonSchemaValueException("" + (name_prefix or "data") + ".tags must be longer than or equal to 1 characters", value=data__tags_key, name="" + (name_prefix or "data") + ".tags", definition={'minLength': 1}, rule='minLength')
+                                if data__tags_key_len > 512:
+                                    raise JsonSchemaValueException("" + (name_prefix or "data") + ".tags must be shorter than or equal to 512 characters", value=data__tags_key, name="" + (name_prefix or "data") + ".tags", definition={'maxLength': 512}, rule='maxLength')
+                        except (JsonSchemaValueException, JsonSchemaValuesException):
+                            data__tags_property_names = False
+                    if not data__tags_property_names:
+                        raise JsonSchemaValueException("" + (name_prefix or "data") + ".tags must be named by propertyName definition", value=data__tags, name="" + (name_prefix or "data") + ".tags", definition={'propertyNames': {'maxLength': 512, 'minLength': 1}}, rule='propertyNames')
     return data
 
 def validate____defs_scheduledeventsdocument(data, custom_formats={}, name_prefix=None):

@@ -176,7 +176,18 @@ def test_an_envelope_the_forwarder_writes_is_the_one_the_coordinator_reads(sent:
         ({"sequence": -1}, "greater than or equal to 0"),
         ({"stateId": "a/b"}, "should match pattern"),
         ({"vm": {"name": "x", "vmId": "y", "resourceId": "z", "tags": {f"t{i}": "" for i in range(51)}}}, "at most 50"),
-        ({"vm": {"name": "x", "vmId": "y", "resourceId": "z", "tags": {"t": "v" * 257}}}, "values at most 256"),
+        (
+            {"vm": {"name": "x", "vmId": "y", "resourceId": "z", "tags": {"t": "v" * 257}}},
+            "vm.tags.t: String should have at most 256",
+        ),
+        (
+            {"vm": {"name": "x", "vmId": "y", "resourceId": "z", "tags": {"": "v"}}},
+            r"vm.tags..\[key\]: String should have at least 1 ",
+        ),
+        (
+            {"vm": {"name": "x", "vmId": "y", "resourceId": "z", "tags": {"n" * 513: ""}}},
+            r"n.\[key\]: String should have at most 512 ",
+        ),
     ],
 )
 def test_what_the_coordinator_refuses_the_forwarder_never_writes(changes: dict[str, Any], needle: str) -> None:
