@@ -259,9 +259,17 @@ class Record:
             value = getattr(self, field.name)
             if value is None and exclude_none:
                 continue
-            out[field.metadata["alias"] or field.name] = field.metadata["check"].dump(value, exclude_none=exclude_none)
+            out[self._json_key(field)] = self._json_value(field, value, exclude_none)
         out.update(self.extras)
         return out
+
+    @classmethod
+    def _json_key(cls, field: dataclasses.Field[Any]) -> str:
+        """A field's JSON name (contracts/schema_record.py's records name theirs otherwise)."""
+        return str(field.metadata["alias"] or field.name)
+
+    def _json_value(self, field: dataclasses.Field[Any], value: Any, exclude_none: bool) -> Any:
+        return field.metadata["check"].dump(value, exclude_none=exclude_none)
 
     def to_json_bytes(self, *, exclude_none: bool = False) -> bytes:
         return json.dumps(

@@ -232,19 +232,14 @@ class SchemaRecord(Record):
         record.validate()
         return record
 
-    def to_mapping(self, *, exclude_none: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for field in self.specs():
-            value = getattr(self, field.name)
-            if value is None and exclude_none:
-                continue
-            out[field.metadata["key"]] = (
-                value.to_mapping(exclude_none=exclude_none)
-                if isinstance(value, SchemaRecord)
-                else _dump(value, exclude_none)
-            )
-        out.update(self.extras)
-        return out
+    @classmethod
+    def _json_key(cls, field: dataclasses.Field[Any]) -> str:
+        return str(field.metadata["key"])
+
+    def _json_value(self, field: dataclasses.Field[Any], value: Any, exclude_none: bool) -> Any:
+        if isinstance(value, SchemaRecord):
+            return value.to_mapping(exclude_none=exclude_none)
+        return _dump(value, exclude_none)
 
 
 def _dump(value: Any, exclude_none: bool) -> Any:
