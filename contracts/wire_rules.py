@@ -114,11 +114,6 @@ class ScheduledEventRules:
         return self.EventType != "Terminate" or self.concerns(vm_name)
 
 
-class _Identified(Protocol):
-    @property
-    def EventId(self) -> str: ...
-
-
 class _Document(Protocol):
     @property
     def Events(self) -> Sequence[Any]: ...
