@@ -50,6 +50,11 @@ def integer(value: Any) -> Any:
 def number(value: Any) -> Any:
     if isinstance(value, bool):
         return float(value)
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # JSON's integers have no bound; a float's range does
+            raise Invalid([("", "Input should be a finite number")]) from None
     if isinstance(value, str):
         try:
             return float(value.strip())
