@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-TERMINAL = frozenset({"Completed", "Canceled", "Expired"})
+from coordinator import TERMINAL_STATES
+
+# The coordinator's own: an Expired event (NotBefore passed without an approval) is still started and completed by
+# the platform, so a run that took it as concluded ended before the coordinator did (and judged it Expired).
+TERMINAL = TERMINAL_STATES
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -38,6 +42,7 @@ class EventPath:
     approved_via: str = ""
     held_by: str = ""  # what the coordinator says holds the event back (an EventId), "" when nothing does
     state: str = "Scheduled"
+    state_at: datetime | None = None  # the logged time of the transition that set ``state``
     steps: dict[str, datetime] = field(default_factory=dict)
 
     def latency_ms(self, step: str) -> float | None:
@@ -218,7 +223,10 @@ class Timeline:
 
     def _transition(self, path: EventPath, row: dict[str, Any], at: datetime | None) -> list[str]:
         state = str(row.get("State") or "")
-        path.state = state or path.state
+        # Rows reach the history in the order their writers finish: the timer's Expired may be logged after the
+        # batch that, a moment later, saw the event Started. The latest transition by its time is the state.
+        if state and (at is None or path.state_at is None or at >= path.state_at):
+            path.state, path.state_at = state, at or path.state_at
         if at is not None:
             path.steps.setdefault(state.lower(), at)
         if state == "Approved":

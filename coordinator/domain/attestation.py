@@ -14,7 +14,9 @@ An attested document (contracts/attestation.py) is a PKCS7 SignedData from IMDS.
    to one forwarder state or one decision, so a document made for anything else proves nothing here.
 
 Pure apart from the injected ``IssuerSource``; verified signatures are cached by their bytes (a forwarder sends the
-same document with every envelope until it renews it). Whatever fails while a document is read or checked, however
+same document with every envelope until it renews it), and a signing certificate's chain once proven holds for every
+document created within that chain's validity (a fleet's documents share a few signers: a cold wave of 10,000 VMs
+builds one chain, not 10,000). Whatever fails while a document is read or checked, however
 deep in the DER (asn1crypto and cryptography parse parts only when they are first used), is an
 ``AttestationRefused`` saying what could not be read: a document is evidence, and evidence that cannot be read
 proves nothing, so it never raises anything else.
@@ -22,6 +24,7 @@ proves nothing, so it never raises anything else.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections import OrderedDict
@@ -59,6 +62,9 @@ MAX_VALIDITY = timedelta(hours=24)
 # Verified documents kept: one a VM (a forwarder sends the same document until it renews it), for a fleet of 100,000.
 # Fewer than the fleet, a wave evicted each VM's document before its VM spoke again and verified every one again.
 CACHE_SIZE = 100_000
+# Signing certificates (and the chains proven for them) kept: IMDS signs with one certificate per region and cloud,
+# renewed a few times a year; a fleet meets a handful.
+CERTIFICATES_KEPT = 64
 
 # What a SignerInfo may name as its digest: the digests, and (as Azure writes it) sha256WithRSAEncryption.
 _DIGESTS: dict[str, hashes.HashAlgorithm] = {
@@ -132,11 +138,18 @@ def _certificate(value: asn1_x509.Certificate, what: str) -> x509.Certificate:
     them, so a damaged one (a byte changed inside its Authority Information Access) is refused here as this
     certificate's, not raised later from the signer-name or chain check."""
     try:
-        certificate = x509.load_der_x509_certificate(value.dump())
-        for extension in certificate.extensions:
-            _ = extension.value
+        return _load_certificate(value.dump())
     except Exception as error:
         raise _unreadable(what, error) from error
+
+
+@functools.lru_cache(maxsize=CERTIFICATES_KEPT)
+def _load_certificate(der: bytes) -> x509.Certificate:
+    # Every document of a region carries the same signing certificate: read once, not once per VM (a failure is
+    # raised again each time: lru_cache keeps only what returned).
+    certificate = x509.load_der_x509_certificate(der)
+    for extension in certificate.extensions:
+        _ = extension.value
     return certificate
 
 
@@ -229,6 +242,8 @@ class AttestationVerifier:
         self.max_validity = max_validity
         self._store = Store(list(anchors.roots))
         self._cache: OrderedDict[bytes, Attested] = OrderedDict()
+        # (signing certificate's SHA-256, its signer name) -> the window in which its proven chain is valid
+        self._chains: OrderedDict[tuple[bytes, str], tuple[datetime, datetime]] = OrderedDict()
         self._lock = threading.Lock()
 
     def signed(self, attestation: Attestation) -> Attested:
@@ -294,17 +309,7 @@ class AttestationVerifier:
                 f"signed by {certificate.subject.rfc4514_string()[:200]}, not by a certificate of "
                 f"*.{self.anchors.signer_domain} (COORDINATOR_ATTESTATION_SIGNER_DOMAIN)"
             )
-        known = (*self.anchors.intermediates, *carried)
-        try:
-            self._chain(certificate, name, known, created)
-        except VerificationError as first:
-            if self._issuers is None:
-                raise AttestationRefused(self._untrusted(name, first)) from first
-            fetched = tuple(self._issuers(certificate))
-            try:
-                self._chain(certificate, name, (*known, *fetched), created)
-            except VerificationError as error:
-                raise AttestationRefused(self._untrusted(name, error)) from error
+        self._chained(certificate, name, carried, created)
         return Attested(
             vm_id=content.vmId,
             nonce=content.nonce,
@@ -314,11 +319,39 @@ class AttestationVerifier:
             signer=name,
         )
 
+    def _chained(
+        self, certificate: x509.Certificate, name: str, carried: Sequence[x509.Certificate], at: datetime
+    ) -> None:
+        """That ``certificate`` chains, at ``at``, to a root as a server certificate for ``name``. A chain once proven
+        is proven at any time within the validity of each of its certificates (nothing else in the check depends
+        on the time), so a signer met again costs no path building and no issuer fetch."""
+        key = (certificate.fingerprint(hashes.SHA256()), name)
+        with self._lock:
+            window = self._chains.get(key)
+        if window is not None and window[0] <= at <= window[1]:
+            return
+        known = (*self.anchors.intermediates, *carried)
+        try:
+            chain = self._chain(certificate, name, known, at)
+        except VerificationError as first:
+            if self._issuers is None:
+                raise AttestationRefused(self._untrusted(name, first)) from first
+            fetched = tuple(self._issuers(certificate))
+            try:
+                chain = self._chain(certificate, name, (*known, *fetched), at)
+            except VerificationError as error:
+                raise AttestationRefused(self._untrusted(name, error)) from error
+        proven = (max(c.not_valid_before_utc for c in chain), min(c.not_valid_after_utc for c in chain))
+        with self._lock:
+            self._chains[key] = proven
+            while len(self._chains) > CERTIFICATES_KEPT:
+                self._chains.popitem(last=False)
+
     def _chain(
         self, certificate: x509.Certificate, name: str, intermediates: Sequence[x509.Certificate], at: datetime
-    ) -> None:
+    ) -> list[x509.Certificate]:
         verifier = PolicyBuilder().store(self._store).time(at).build_server_verifier(DNSName(name))
-        verifier.verify(certificate, list(intermediates))
+        return verifier.verify(certificate, list(intermediates))
 
     def _untrusted(self, name: str, error: VerificationError) -> str:
         return (

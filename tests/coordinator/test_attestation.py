@@ -139,6 +139,34 @@ def test_a_document_signed_under_another_ca_is_refused(documents: AttestedDocume
         azure.verify(attested(documents, WEB_0, "1234567890"), vm_id=WEB_0["vmId"], nonce="1234567890", at=NOW)
 
 
+def test_a_signer_met_again_is_not_chained_again() -> None:
+    fetched: list[x509.Certificate] = []
+
+    def issuers(certificate: x509.Certificate) -> list[x509.Certificate]:
+        fetched.append(certificate)
+        return [CA.issuer]
+
+    check = AttestationVerifier(TrustAnchors(roots=(CA.root,)), issuers=issuers)
+    signer = CA.signer(issuer_url=ISSUER_URL)
+    for index in range(3):
+        vm_id = f"00000000-0000-0000-0000-00000000000{index}"
+        check.verify(signed(signer, content(vm_id, "1234567890", NOW, timedelta(hours=1))), vm_id=vm_id,
+                     nonce="1234567890", at=NOW)  # fmt: skip
+    # The chain was built (and the issuer fetched) for the first document only: a fleet's documents share a signer.
+    assert fetched == [signer.certificate]
+
+
+def test_a_chain_proven_once_proves_nothing_after_its_signer_expired() -> None:
+    check = verifier()
+    signer = CA.signer(issuer_url=ISSUER_URL, now=NOW - timedelta(days=364))  # expires a day after NOW
+    check.verify(signed(signer, content(WEB_0["vmId"], "1234567890", NOW, timedelta(hours=1))), vm_id=WEB_0["vmId"],
+                 nonce="1234567890", at=NOW)  # fmt: skip
+    later = NOW + timedelta(days=2)
+    with pytest.raises(AttestationRefused, match="does not chain to a configured root"):
+        check.verify(signed(signer, content(WEB_0["vmId"], "1234567890", later, timedelta(hours=1))),
+                     vm_id=WEB_0["vmId"], nonce="1234567890", at=later)  # fmt: skip
+
+
 def test_a_signer_outside_the_signer_domain_is_refused(documents: AttestedDocuments) -> None:
     stranger = CA.signer(issuer_url=ISSUER_URL, names=("metadata.example.com",))
     document = signed(stranger, content(WEB_0["vmId"], "1234567890", NOW, timedelta(hours=1)))

@@ -68,6 +68,24 @@ def test_timeline_follows_an_event_from_seen_to_completed_with_latencies() -> No
     assert timeline.open_events() == []
 
 
+def test_an_expired_event_is_open_until_completed_whatever_order_its_rows_were_logged_in() -> None:
+    timeline = Timeline(labels={EVENT: "reboot-web"})
+    for item in [
+        row("Observation", 100, ObservedAt=at(0), VmName="web_1", EventStatus="Scheduled"),
+        # The batch that saw it Started is logged before the timer's Expired, which it followed.
+        row("Transition", 1500, State="Started", PreviousState="Expired", Reason="seen Started"),
+        row("Transition", 900, State="Expired", PreviousState="Scheduled", Reason="NotBefore passed"),
+    ]:
+        timeline.add(item)
+    assert timeline.paths[EVENT].state == "Started"
+    assert timeline.open_events() == [EVENT]
+    timeline.add(row("Transition", 5000, State="Completed", Reason="gone"))
+    assert timeline.open_events() == []
+    expired_only = Timeline(labels={})
+    expired_only.add(row("Transition", 900, State="Expired", PreviousState="Scheduled"))
+    assert expired_only.open_events() == [EVENT]  # not over: the platform starts an expired event anyway
+
+
 def test_timeline_never_prints_a_negative_latency_when_a_vms_clock_runs_ahead() -> None:
     """A VM's observedAt is its own clock, each step's time the service's: with the VM 141 ms ahead, the demo's
     timeline printed "logged +-141 ms"."""
