@@ -6,7 +6,13 @@ listener against the Relay emulator — side by side, in one run, with a bare po
 
     .venv/bin/python -m benchmarks.forwarder_footprint [--seconds 120] [--warmup 10] [--sink eventhub|stdout]
         [--auth imds|connection-string] [--event-every N]
-        [--only all|production|tracing|connected|tracing_connected]
+        [--only all|production|tracing|connected|tracing_connected] [--source CHECKOUT]
+
+The forwarders run as installed, so that the figures are what ships: ``forwarder/install.sh --root SCRATCH
+--skip-venv`` (of ``--source``, this checkout by default; another checkout's to measure it the same way) lays out
+``opt/scheduled-events-forwarder/app`` with the byte code it leaves (or not), and each forwarder runs as the
+systemd unit runs it: ``python -m forwarder run`` from that folder, the app alone on PYTHONPATH,
+PYTHONDONTWRITEBYTECODE=1 (this interpreter and its packages stand in for the VM's venv).
 
 Four forwarders run at once (`--only` picks one), one per configuration, each on its own VM of the emulator:
 production (tracing off, listener on demand and idle), `_tracing` (spans recorded: `telemetry_spans_file` loads
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--event-every", type=float, default=0.0, help="schedule an event every N s (0: none)")
     parser.add_argument(
+        "--source", type=Path, default=ROOT, help="the checkout whose forwarder/install.sh installs what is measured"
+    )
+    parser.add_argument(
         "--only",
         choices=("all", *(suffix.strip("_") or "production" for suffix in CONFIGURATIONS)),
         default="all",
@@ -106,6 +115,36 @@ def _env(base: dict[str, str], **values: str) -> dict[str, str]:
     return {**{k: v for k, v in base.items() if not k.startswith("SE_FORWARDER_")}, **values}
 
 
+def install(source: Path, scratch: Path) -> Path:
+    """The forwarder as ``source``'s install.sh lays it out under ``scratch``: its app folder."""
+    subprocess.run(
+        ["bash", str(source / "forwarder" / "install.sh"), "--root", str(scratch), "--skip-venv",
+         "--eventhub-namespace", "footprint.invalid"],
+        check=True, capture_output=True, env={"PATH": os.environ.get("PATH", ""), "PYTHON": sys.executable},
+    )  # fmt: skip
+    return scratch / "opt" / "scheduled-events-forwarder" / "app"
+
+
+def _start(app: Path, env: dict[str, str], auth: str, hubs: EventHubsEmulator) -> subprocess.Popen[bytes]:
+    """A forwarder as the unit runs it (forwarder/systemd): from the installed app alone, no byte code written."""
+    env = {**env, "PYTHONPATH": str(app), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+    if auth == "connection-string":
+        env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = hubs.rest_connection_string("scheduled-events")
+    else:
+        env.update(
+            SE_FORWARDER_EVENTHUB_NAMESPACE=hubs.rest_namespace,
+            SE_FORWARDER_EVENTHUB_NAME="scheduled-events",
+            SE_FORWARDER_EVENTHUB_USE_TLS="false",
+        )
+    return subprocess.Popen(
+        [sys.executable, "-m", "forwarder", "run"],
+        cwd=app.parent,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 # One VM per configuration, and the bare poller's.
 FLEET = Scenario(name="footprint", vms=[VmSpec(name=f"vm_{i}", vmScaleSetName="vm") for i in range(5)])
 
@@ -116,6 +155,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
     relay.start()
     imds_emulator = ImdsEmulator(scenario=FLEET, time_scale=60)
     with tempfile.TemporaryDirectory() as scratch, imds_emulator as imds, EventHubsEmulator() as hubs:
+        app = install(getattr(args, "source", ROOT), Path(scratch) / "root")
         vms = list(imds.state.vms)
         processes: dict[str, subprocess.Popen[bytes]] = {}
         spans_files: dict[str, Path] = {}
@@ -135,21 +175,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
             if tracing:
                 spans_files[suffix] = home / "state" / "spans.jsonl"
                 env["SE_FORWARDER_TELEMETRY_SPANS_FILE"] = str(spans_files[suffix])
-            if args.auth == "connection-string":
-                env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = hubs.rest_connection_string("scheduled-events")
-            else:
-                env.update(
-                    SE_FORWARDER_EVENTHUB_NAMESPACE=hubs.rest_namespace,
-                    SE_FORWARDER_EVENTHUB_NAME="scheduled-events",
-                    SE_FORWARDER_EVENTHUB_USE_TLS="false",
-                )
-            processes[suffix] = subprocess.Popen(
-                [sys.executable, "-m", "forwarder", "run"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            processes[suffix] = _start(app, env, args.auth, hubs)
         bare = subprocess.Popen(
             # Another VM of the same emulator, so that `polls` counts each forwarder's alone.
             [sys.executable, str(ROOT / "benchmarks" / "bare_poller.py"), imds.url_for(vms[-1])],

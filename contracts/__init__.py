@@ -5,8 +5,9 @@
 - ``approval``: what the coordinator asks a VM's listener to approve, and its answer;
 - ``sas``: a Relay token for a hybrid connection (SAS; the emulator and tests).
 - ``attested``: IMDS attested data without a model (nonces, timestamps, the PKCS7's signed content);
-- ``wire`` (with ``checks``): the same contracts in the standard library only, for the on-VM forwarder (no pydantic
-  there); tests/forwarder/test_wire.py holds them equal to the models.
+- ``wire``: the same contracts for the on-VM forwarder (no pydantic there), generated from the models by
+  ``python -m contracts.generate`` (``wire_validators``, ``wire_records``; read by ``schema_record``), with what no
+  JSON schema states in ``wire_rules``; ``checks``: the records of the forwarder's settings and Relay messages.
 
 Shipped with both: the forwarder's package (scripts/package-forwarder.sh) and the Functions app
 (scripts/package-functions.sh).

@@ -20,15 +20,15 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts import wire
+from contracts import wire_rules
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEvent
 
-ApprovalOutcome = wire.ApprovalOutcome
+ApprovalOutcome = wire_rules.ApprovalOutcome
 # How far the listener's clock and the coordinator's may disagree: a request is refused from this long before its
 # notAfter, and no sender starts an attempt then. Azure keeps a VM's clock and a Functions host's on the platform's
 # time (host time sync), within milliseconds of each other; 2 s leaves room for a VM whose sync lagged.
-NOT_AFTER_TOLERANCE = wire.NOT_AFTER_TOLERANCE
+NOT_AFTER_TOLERANCE = wire_rules.NOT_AFTER_TOLERANCE
 
 
 class ApprovalFacts(BaseModel):
@@ -49,12 +49,12 @@ class ApprovalFacts(BaseModel):
 
     @classmethod
     def of(cls, event: ScheduledEvent, *, hooks_required: Iterable[str] = ()) -> ApprovalFacts:
-        return cls(**wire.facts_of(event, hooks_required))
+        return cls(**wire_rules.facts_of(event, hooks_required))
 
     def differences(self, event: ScheduledEvent) -> list[str]:
         """Where this VM's IMDS document disagrees with the facts, each as 'FIELD is X here, the decision rested
         on Y' (empty when they agree). Resources are compared as sets; NotBefore as instants."""
-        return wire.facts_differences(ApprovalFacts.of(event), self)
+        return wire_rules.facts_differences(ApprovalFacts.of(event), self)
 
 
 class ApprovalRequest(BaseModel):

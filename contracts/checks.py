@@ -1,11 +1,7 @@
-"""Records validated with the standard library only: what the on-VM forwarder reads and writes without pydantic.
-
-pydantic with the contracts' models costs a forwarder about 13 MiB of resident memory, more than the whole rest of
-it (docs/forwarder.md, *Footprint*). The coordinator keeps the pydantic models (contracts/envelope.py, document.py,
-approval.py, attestation.py): they are the contract. ``contracts/wire.py`` restates them as ``Record`` dataclasses
-whose fields carry a ``Check``, and ``tests/forwarder/test_wire.py`` holds the two to one contract: each record's
-JSON schema (``Record.json_schema``, in pydantic's form) equals its model's, and documents and envelopes round-trip
-through both alike.
+"""Records validated with the standard library only: the forwarder's settings (forwarder/config.py) and the Relay
+control messages (forwarder/relay_protocol.py), read without pydantic on the VM (docs/forwarder.md, *Footprint*).
+The contracts' records (contracts/schema_record.py) build on ``Record`` and ``Invalid`` but take their checks from
+the pydantic models' JSON schemas, not from here.
 
 A check reads a JSON value (or an already typed one, so that a record built in code is validated the same way) and
 returns the typed value, or raises ``Invalid`` with pydantic's message and location ("EventStatus: Input should be
@@ -18,7 +14,6 @@ import dataclasses
 import json
 import math
 import re
-from datetime import datetime
 from typing import Any, ClassVar, Self, TypeVar
 
 R = TypeVar("R", bound="Record")
@@ -37,12 +32,9 @@ def _inside(key: str | int, error: Invalid) -> list[tuple[str, str]]:
 
 
 class Check:
-    """Reads one field's value; ``schema`` is the JSON schema fragment pydantic writes for the same field."""
+    """Reads one field's value."""
 
     def read(self, value: Any) -> Any:
-        raise NotImplementedError
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
@@ -73,10 +65,6 @@ class Text(Check):
             raise self.bad(f"String should match pattern '{self.pattern}'")
         return value
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {"maxLength": self.max_length, "minLength": self.min_length, "pattern": self.pattern}
-        return {**{k: v for k, v in bounds.items() if v is not None}, "type": "string"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Choice(Check):
@@ -88,11 +76,6 @@ class Choice(Check):
             listed = shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
             raise self.bad(f"Input should be {listed}")
         return value
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        if len(self.values) == 1:
-            return {"const": self.values[0], "type": "string"}
-        return {"enum": list(self.values), "type": "string"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +113,6 @@ class Number(Check):
             raise self.bad(f"Input should be less than or equal to {self.le}")
         return value if self.integer else float(value)
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {"exclusiveMinimum": self.gt, "maximum": self.le, "minimum": self.ge}
-        return {**{k: v for k, v in bounds.items() if v is not None}, "type": "integer" if self.integer else "number"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Flag(Check):
@@ -158,77 +137,10 @@ class Flag(Check):
             raise self.bad("Input should be a valid boolean")
         return value
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "boolean"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Moment(Check):
-    """An ISO 8601 time; ``aware``: it must carry its offset (the message is the contract's own)."""
-
-    aware: str = ""
-
-    def read(self, value: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                value = datetime.fromisoformat(value)
-            except ValueError:
-                raise self.bad("Input should be a valid datetime") from None
-        if not isinstance(value, datetime):
-            raise self.bad("Input should be a valid datetime")
-        if self.aware and value.tzinfo is None:
-            raise self.bad(f"Value error, {self.aware}")
-        return value
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"format": "date-time", "type": "string"}
-
-    def dump(self, value: Any, *, exclude_none: bool) -> Any:
-        # pydantic's form: UTC as "Z", fractions only when there are some.
-        text = value.isoformat()
-        return text[:-6] + "Z" if value.utcoffset() is not None and not value.utcoffset() else text
-
-
-@dataclasses.dataclass(frozen=True)
-class Many(Check):
-    """A list of ``item`` (at most ``max_length``)."""
-
-    item: Check
-    max_length: int | None = None
-
-    def read(self, value: Any) -> Any:
-        if not isinstance(value, list | tuple):
-            raise self.bad("Input should be a valid list")
-        if self.max_length is not None and len(value) > self.max_length:
-            raise self.bad(
-                f"List should have at most {_plural(self.max_length, 'item')} after validation, not {len(value)}"
-            )
-        items, problems = [], []
-        for index, item in enumerate(value):
-            try:
-                items.append(self.item.read(item))
-            except Invalid as error:
-                problems.extend(_inside(index, error))
-        if problems:
-            raise Invalid(problems)
-        return items
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {} if self.max_length is None else {"maxItems": self.max_length}
-        return {"items": self.item.schema(defs), **bounds, "type": "array"}
-
-    def dump(self, value: Any, *, exclude_none: bool) -> Any:
-        return [self.item.dump(v, exclude_none=exclude_none) for v in value]
-
 
 @dataclasses.dataclass(frozen=True)
 class TextMap(Check):
-    """An object of strings; bounded (a VM's tags): at most ``max_length`` names, each 1-``max_name`` characters,
-    values of at most ``max_value``."""
-
-    max_length: int | None = None
-    max_name: int = 0
-    max_value: int = 0
+    """An object of strings (a Relay request's headers)."""
 
     def read(self, value: Any) -> Any:
         if not isinstance(value, dict):
@@ -236,23 +148,7 @@ class TextMap(Check):
         for name, text in value.items():
             if not isinstance(name, str) or not isinstance(text, str):
                 raise Invalid([(str(name), "Input should be a valid string")])
-        if self.max_length is None:
-            return dict(value)
-        if len(value) > self.max_length:
-            raise self.bad(
-                f"Dictionary should have at most {_plural(self.max_length, 'item')} after validation, not {len(value)}"
-            )
-        for name, text in value.items():
-            if not 0 < len(name) <= self.max_name or len(text) > self.max_value:
-                raise self.bad(
-                    f"Value error, tag {name[:64]!r}: names are 1-{self.max_name} characters, values at most "
-                    f"{self.max_value}"
-                )
         return dict(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        bounds = {} if self.max_length is None else {"maxProperties": self.max_length}
-        return {"additionalProperties": {"type": "string"}, **bounds, "type": "object"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +162,6 @@ class Nested(Check):
             return value
         return self.record.from_mapping(value)
 
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        self.record.json_schema(defs)
-        return {"$ref": f"#/$defs/{self.record.__name__}"}
-
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
         return value.to_mapping(exclude_none=exclude_none)
 
@@ -282,9 +174,6 @@ class Maybe(Check):
 
     def read(self, value: Any) -> Any:
         return None if value is None else self.inner.read(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"anyOf": [self.inner.schema(defs), {"type": "null"}]}
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
         return None if value is None else self.inner.dump(value, exclude_none=exclude_none)
@@ -370,9 +259,17 @@ class Record:
             value = getattr(self, field.name)
             if value is None and exclude_none:
                 continue
-            out[field.metadata["alias"] or field.name] = field.metadata["check"].dump(value, exclude_none=exclude_none)
+            out[self._json_key(field)] = self._json_value(field, value, exclude_none)
         out.update(self.extras)
         return out
+
+    @classmethod
+    def _json_key(cls, field: dataclasses.Field[Any]) -> str:
+        """A field's JSON name (contracts/schema_record.py's records name theirs otherwise)."""
+        return str(field.metadata["alias"] or field.name)
+
+    def _json_value(self, field: dataclasses.Field[Any], value: Any, exclude_none: bool) -> Any:
+        return field.metadata["check"].dump(value, exclude_none=exclude_none)
 
     def to_json_bytes(self, *, exclude_none: bool = False) -> bytes:
         return json.dumps(
@@ -384,33 +281,3 @@ class Record:
         if self.extras:
             object.__setattr__(copy, "_extras", self.extras)
         return copy
-
-    @classmethod
-    def json_schema(cls, defs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The record's JSON schema in pydantic's form without titles and descriptions (the contract test's view)."""
-        own = defs is None
-        defs = {} if defs is None else defs
-        properties: dict[str, Any] = {}
-        required: list[str] = []
-        for field in cls.specs():
-            key = field.metadata["alias"] or field.name
-            prop = field.metadata["check"].schema(defs)
-            if field.default is not dataclasses.MISSING:
-                prop["default"] = (
-                    field.metadata["check"].dump(field.default, exclude_none=False)
-                    if field.default is not None
-                    else None
-                )
-            elif field.default_factory is dataclasses.MISSING:
-                required.append(key)
-            properties[key] = prop
-        schema: dict[str, Any] = {"properties": properties}
-        if cls.EXTRA != "ignore":
-            schema["additionalProperties"] = cls.EXTRA == "allow"
-        if required:
-            schema["required"] = required
-        schema["type"] = "object"
-        if own:
-            return {"$defs": defs, **schema} if defs else schema
-        defs[cls.__name__] = schema
-        return {"$ref": f"#/$defs/{cls.__name__}"}

@@ -9,7 +9,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.wire import EVENT_TYPES, EventStatus, parse_not_before
+from contracts.wire_rules import EVENT_TYPES, EventStatus, parse_not_before
 
 __all__ = ["EVENT_TYPES", "EventStatus", "ScheduledEvent", "ScheduledEventsDocument", "parse_not_before"]
 

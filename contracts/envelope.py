@@ -7,17 +7,17 @@ envelopes stay in order. Unknown fields are kept; a newer schema version is refu
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from contracts import wire
+from contracts import wire_rules
 from contracts.attestation import Attestation
 from contracts.document import ScheduledEventsDocument
 
-# The kinds and bounds are declared once, in contracts/wire.py (which the forwarder imports without pydantic), and
-# exported here as well.
-from contracts.wire import (
+# The kinds and bounds are declared once, in contracts/wire_rules.py (which the forwarder imports without pydantic),
+# and exported here as well.
+from contracts.wire_rules import (
     MAX_HOOK_STEPS,
     MAX_SECONDS,
     MAX_TAG_NAME,
@@ -57,8 +57,16 @@ __all__ = [
 ]
 
 
+class _Mapped(Protocol):
+    def to_mapping(self) -> dict[str, Any]: ...
+
+
 class UnsupportedEnvelopeVersion(ValueError):
     """The envelope was written by a newer forwarder than this code understands."""
+
+
+_TagName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_NAME)]
+_TagValue = Annotated[str, StringConstraints(max_length=MAX_TAG_VALUE)]
 
 
 class VmIdentity(BaseModel):
@@ -79,25 +87,17 @@ class VmIdentity(BaseModel):
     platformFaultDomain: str = ""
     platformUpdateDomain: str = Field(default="", max_length=16)
     placementGroupId: str = ""
-    tags: dict[str, str] = Field(default_factory=dict, max_length=MAX_TAGS)
-
-    @field_validator("tags")
-    @classmethod
-    def _bounded_tags(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not 0 < len(name) <= MAX_TAG_NAME or len(text) > MAX_TAG_VALUE:
-                raise ValueError(
-                    f"tag {name[:64]!r}: names are 1-{MAX_TAG_NAME} characters, values at most {MAX_TAG_VALUE}"
-                )
-        return value
+    # Bounded in the schema itself (propertyNames, additionalProperties), so that the VM's validator, compiled from
+    # it, holds the same bounds.
+    tags: dict[_TagName, _TagValue] = Field(default_factory=dict, max_length=MAX_TAGS)
 
     def __hash__(self) -> int:
         # Frozen but holding a dict: hashed by who the VM is.
         return hash((self.resourceId.lower(), self.vmId))
 
     @classmethod
-    def of(cls, identity: wire.VmIdentity) -> VmIdentity:
-        """The identity a forwarder read (contracts/wire.py), as the coordinator's model."""
+    def of(cls, identity: _Mapped) -> VmIdentity:
+        """The identity a forwarder read (contracts/wire.py's record), as the coordinator's model."""
         return cls.model_validate(identity.to_mapping())
 
     @property
@@ -256,7 +256,7 @@ class Envelope(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _known_version(cls, value: str) -> str:
-        match = wire.SCHEMA_PATTERN.match(value)
+        match = wire_rules.SCHEMA_PATTERN.match(value)
         if not match:
             raise ValueError(f"schema {value!r} is not a scheduled-events envelope")
         if int(match.group(1)) > SCHEMA_VERSION:

@@ -1,5 +1,5 @@
 """Checks of the forwarder's settings that no contract carries: a file path, and a secret that is never shown. They
-read values as ``contracts/checks.py``'s checks do (a ``Record``'s ``spec``), in pydantic's schema form."""
+read values as ``contracts/checks.py``'s checks do (a ``Record``'s ``spec``)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ class FilePath(Check):
         if not isinstance(value, str):
             raise self.bad("Input is not a valid path")
         return Path(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"format": "path", "type": "string"}
 
     def dump(self, value: Any, *, exclude_none: bool) -> Any:
         return str(value)
@@ -53,6 +50,3 @@ class SecretText(Check):
         if not isinstance(value, str):
             raise self.bad("Input should be a valid string")
         return Secret(value)
-
-    def schema(self, defs: dict[str, Any]) -> dict[str, Any]:
-        return {"format": "password", "type": "string", "writeOnly": True}

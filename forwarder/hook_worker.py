@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from opentelemetry import trace
 
-from contracts.checks import Invalid, Many, Nested
+from contracts.checks import Invalid
 from contracts.wire import Envelope, HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
 from forwarder import __version__
 from forwarder.durable_state import HookJob, Store, StoreFull
@@ -29,8 +29,6 @@ from forwarder.retry import Backoff
 from forwarder.telemetry import TRACEPARENT, TRACESTATE, parent, traceparent
 
 log = logging.getLogger("forwarder")
-
-_STEPS = Many(Nested(HookStep))  # the finished steps of a running phase, kept in its ledger row
 
 
 class HookWorker:
@@ -64,8 +62,8 @@ class HookWorker:
         for job in self._store.hook_jobs("running"):
             phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
             try:
-                finished = _STEPS.read(json.loads(job.steps))
-            except (Invalid, ValueError):
+                finished = [HookStep.from_mapping(step) for step in json.loads(job.steps)]
+            except (Invalid, ValueError, TypeError):
                 # Only this process writes it; an unreadable list loses the finished steps, not the report.
                 log.warning("the finished steps of an interrupted phase are unreadable", extra=fields(phase=phase))
                 finished = []
@@ -111,7 +109,7 @@ class HookWorker:
         def progress(hook: str, finished: tuple[HookStep, ...]) -> None:
             try:
                 self._store.mark_hook_running(
-                    job, step=hook, steps=json.dumps(_STEPS.dump(finished, exclude_none=False), separators=(",", ":"))
+                    job, step=hook, steps=json.dumps([step.to_mapping() for step in finished], separators=(",", ":"))
                 )
             except StoreFull:
                 # Only what a crash would report as interrupted: the phase goes on.

@@ -98,7 +98,7 @@ def test_update_domain_and_tags_are_optional_and_bounded() -> None:
     assert (old.platformUpdateDomain, old.tags) == ("", {})
     with pytest.raises(ValidationError, match="at most 50 items"):
         VmIdentity(name="vm", vmId="id", resourceId="/r", tags={f"t{i}": "" for i in range(51)})
-    with pytest.raises(ValidationError, match="values at most 256"):
+    with pytest.raises(ValidationError, match="at most 256 characters"):
         VmIdentity(name="vm", vmId="id", resourceId="/r", tags={"t": "v" * 257})
     tagged = VmIdentity(name="vm", vmId="id", resourceId="/r", tags={"a": "1"})
     assert hash(tagged) == hash(VmIdentity(name="vm", vmId="id", resourceId="/R", tags={"b": "2"}))

@@ -98,6 +98,36 @@ def test_install_into_a_scratch_root(tmp_path: Path) -> None:
     assert load_settings(config_file=config, environ={}).poll_interval == 2
 
 
+def test_the_installed_forwarder_starts_without_compiling_a_module(tmp_path: Path) -> None:
+    """The unit runs with PYTHONDONTWRITEBYTECODE=1 on a read-only /opt: install.sh leaves byte code that stays
+    valid, so a start compiles nothing (compiling the generated validators at each start cost 6.5 MiB of RSS)."""
+    subprocess.run(
+        ["bash", str(ROOT / "forwarder" / "install.sh"), "--root", str(tmp_path), "--skip-venv",
+         "--eventhub-namespace", "ns1.servicebus.windows.net"],
+        check=True, capture_output=True, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    )  # fmt: skip
+    app = tmp_path / "opt" / "scheduled-events-forwarder" / "app"
+    # A later copy of the tree with other file times (an image rebuilt) must not make the byte code stale.
+    for source in app.rglob("*.py"):
+        source.touch()
+    code = (
+        "import importlib.machinery as m, sys\n"
+        "compiled = []\n"
+        "original = m.SourceFileLoader.source_to_code\n"
+        "def counted(self, data, path, **kw):\n"
+        "    compiled.append(path)\n"
+        "    return original(self, data, path, **kw)\n"
+        "m.SourceFileLoader.source_to_code = counted\n"
+        "import forwarder.cli, forwarder.daemon, forwarder.relay_listener, contracts.wire\n"
+        "print([p for p in compiled if p.startswith(sys.argv[1])])\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(app)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(app)], capture_output=True, text=True, check=True, env=env, cwd=tmp_path
+    )
+    assert done.stdout.strip() == "[]"
+
+
 def test_install_refuses_a_first_install_without_a_target(tmp_path: Path) -> None:
     result = subprocess.run(
         ["bash", str(ROOT / "forwarder" / "install.sh"), "--root", str(tmp_path), "--skip-venv"],
