@@ -278,16 +278,6 @@ class MemoryStateStore(StateStore):
     def vm_groups_changed_since(self, since: datetime | None) -> Changed[VmGroupRecord]:
         return self._changed(VM_GROUP_PARTITION, since, self._group, lambda _: True)
 
-    def save_vm_group(
-        self,
-        record: VmGroupRecord,
-        etag: str | None,
-        *,
-        vm_ids: Iterable[str] | None = None,
-        staged: Sequence[Staged] = (),
-    ) -> str:
-        return self.save_vm_groups([(record, etag, vm_ids)], staged=staged)[0]
-
     def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
         if record.vms:
             return self._commit([(group_entity(record), etag, record)])[0]
