@@ -67,7 +67,18 @@ class IdTracer(trace.NoOpTracer):
         else:
             trace_id = random.getrandbits(128) or 1
             span_context = trace.SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
-        return trace.NonRecordingSpan(span_context)
+        return self._span(name, span_context, above, start_time, attributes)
+
+    def _span(
+        self,
+        name: str,
+        ids: trace.SpanContext,
+        above: trace.SpanContext,
+        start_time: int | None,
+        attributes: types.Attributes,
+    ) -> trace.Span:
+        """The span for these ids (``above``: the parent's, invalid for a root); this tracer records nothing."""
+        return trace.NonRecordingSpan(ids)
 
 
 class RecordedSpan(trace.NonRecordingSpan):
@@ -119,19 +130,14 @@ class RecordingTracer(IdTracer):
         self._path = path
         self._lock = threading.Lock()
 
-    def start_span(  # noqa: PLR0917 - the API's signature
+    def _span(
         self,
         name: str,
-        context: Context | None = None,
-        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-        attributes: types.Attributes = None,
-        links: trace._Links = None,
-        start_time: int | None = None,
-        record_exception: bool = True,
-        set_status_on_exception: bool = True,
+        ids: trace.SpanContext,
+        above: trace.SpanContext,
+        start_time: int | None,
+        attributes: types.Attributes,
     ) -> trace.Span:
-        above = trace.get_current_span(context).get_span_context()
-        ids = super().start_span(name, context).get_span_context()
         return RecordedSpan(
             name,
             ids,
