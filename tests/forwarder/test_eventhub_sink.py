@@ -88,7 +88,7 @@ def test_managed_identity_from_imds_end_to_end(imds: ImdsEmulator, eventhubs: Ev
     imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(requests=100))
     credential = ImdsManagedIdentityCredential(imds=imds_client)
     sink = EventHubSink.with_credential(
-        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=credential, use_tls=False
+        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=credential
     )
     try:
         sink.send([SpooledEnvelope(1, 0, "heartbeat", b'{"sequence":0}')], partition_key="pk")
@@ -119,7 +119,7 @@ def test_a_token_for_another_audience_is_refused(imds: ImdsEmulator, eventhubs: 
             return relay_only.get_token(RELAY_SCOPE)
 
     sink = EventHubSink.with_credential(
-        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=WrongAudience(), use_tls=False
+        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=WrongAudience()
     )
     try:
         with pytest.raises(SinkError, match=r"401.*[Aa]udience"):
@@ -141,7 +141,6 @@ def test_an_identity_without_the_data_sender_role_is_refused(imds: ImdsEmulator)
                 fully_qualified_namespace=emulator.rest_namespace,
                 eventhub_name=HUB,
                 credential=credential,
-                use_tls=False,
             )
             try:
                 if delivered:
