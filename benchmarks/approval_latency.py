@@ -190,7 +190,7 @@ def run(
         relay.start()
         client = ImdsClient(base_url=imds.url_for("bench_0"), limiter=RateLimiter(requests=100_000))
         identity = VmIdentity.of(client.get_identity())
-        endpoint = relay.base_url.replace("http://", "ws://")
+        endpoint = relay.ws_url
         hc = identity.hybrid_connection_name
         listener = RelayListener(
             endpoint=endpoint,

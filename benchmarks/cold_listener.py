@@ -107,7 +107,7 @@ def trials(n: int, *, mode: str, forwarder_mode: str | None = None) -> Trials:
             SE_FORWARDER_SINK="jsonl",
             SE_FORWARDER_JSONL_PATH=str(envelopes),
             SE_FORWARDER_RELAY_ENABLED="true",
-            SE_FORWARDER_RELAY_ENDPOINT=relay.base_url.replace("http://", "ws://", 1),
+            SE_FORWARDER_RELAY_ENDPOINT=relay.ws_url,
             SE_FORWARDER_RELAY_LISTENER_MODE=forwarder_mode or mode,
             SE_FORWARDER_RELAY_LISTENER_GRACE_SECONDS=str(GRACE_SECONDS),
         )

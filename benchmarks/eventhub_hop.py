@@ -84,7 +84,6 @@ def run(events: int, vms: int, seed: int) -> dict[str, Any]:
                         fully_qualified_namespace=eventhubs.rest_namespace,
                         eventhub_name=HUB,
                         credential=ImdsManagedIdentityCredential(imds=ImdsClient(base_url=imds.url_for(vm.name))),
-                        use_tls=False,
                     ),
                 )
                 for vm in imds.vms()

@@ -1,8 +1,9 @@
 """Steady-state footprint of the on-VM forwarder: RSS and CPU time of real `python -m forwarder run` processes
 polling the IMDS emulator once a second and sending to the Event Hubs emulator through its REST API with an Entra
-token from the VM's managed identity (plain HTTP and WebSocket on loopback instead of TLS), each with its relay
-listener against the Relay emulator — side by side, in one run, with a bare poller (benchmarks/bare_poller.py:
-`requests` polling the same emulator once a second), the baseline of the ratios.
+token from the VM's managed identity (HTTPS, and WSS to the Relay, with the emulators' local CA: emulators/tls.py),
+each with its relay listener against the Relay emulator — side by side, in one run, with a bare poller
+(benchmarks/bare_poller.py: `requests` polling the same emulator once a second and posting each new document and a
+heartbeat a minute to the same Event Hubs REST endpoint over TLS), the baseline of the ratios.
 
     .venv/bin/python -m benchmarks.forwarder_footprint [--seconds 120] [--warmup 10] [--sink eventhub|stdout]
         [--auth imds|connection-string] [--event-every N]
@@ -134,7 +135,6 @@ def _start(app: Path, env: dict[str, str], auth: str, hubs: EventHubsEmulator) -
         env.update(
             SE_FORWARDER_EVENTHUB_NAMESPACE=hubs.rest_namespace,
             SE_FORWARDER_EVENTHUB_NAME="scheduled-events",
-            SE_FORWARDER_EVENTHUB_USE_TLS="false",
         )
     return subprocess.Popen(
         [sys.executable, "-m", "forwarder", "run"],
@@ -168,7 +168,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
                 SE_FORWARDER_HOOKS_DIR=str(home / "hooks"),
                 SE_FORWARDER_SINK=args.sink,
                 SE_FORWARDER_RELAY_ENABLED="true",
-                SE_FORWARDER_RELAY_ENDPOINT=relay.base_url.replace("http://", "ws://", 1),
+                SE_FORWARDER_RELAY_ENDPOINT=relay.ws_url,
                 # idle: on demand (the default), never connected without an event; connected: for the daemon's life.
                 SE_FORWARDER_RELAY_LISTENER_MODE=LISTENER_MODES[listener],
             )
@@ -176,13 +176,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
                 spans_files[suffix] = home / "state" / "spans.jsonl"
                 env["SE_FORWARDER_TELEMETRY_SPANS_FILE"] = str(spans_files[suffix])
             processes[suffix] = _start(app, env, args.auth, hubs)
-        bare = subprocess.Popen(
-            # Another VM of the same emulator, so that `polls` counts each forwarder's alone.
-            [sys.executable, str(ROOT / "benchmarks" / "bare_poller.py"), imds.url_for(vms[-1])],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        bare = _bare_poller(imds.url_for(vms[-1]), hubs)
         polled = dict(zip(configurations, vms, strict=False))
         hybrid = {suffix: f"vm-{imds.state.vms[vm].vmId.lower()}" for suffix, vm in polled.items()}
         wrong_mode: dict[str, int] = {}
@@ -222,7 +216,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
                 process.wait(15)
             relay.stop()
         stored = hubs.all_events("scheduled-events")
-        delivered = len(stored)
+        delivered = sum(1 for event in stored if event.partition_key)  # the bare poller's have none
         keys = {str(event.partition_key or "").lower() for event in stored}
         silent = [
             s.strip("_") or "production"
@@ -297,6 +291,19 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
     if "_connected" in processes and "" in processes:
         result["listener_rss_cost_mib"] = round(result["forwarder_rss_mib_connected"] - result["forwarder_rss_mib"], 1)
     return result | {"problems": problems}
+
+
+def _bare_poller(imds_url: str, hubs: EventHubsEmulator) -> subprocess.Popen[bytes]:
+    """The baseline, on another VM of the same emulator (so that `polls` counts each forwarder's alone), sending to
+    the same Event Hubs REST endpoint over TLS as the forwarders (with the namespace key: a few lines, no identity)."""
+    hub = f"{hubs.rest_url}/scheduled-events"
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "bare_poller.py"), imds_url, hub, hubs.sas_key_name],
+        cwd=ROOT,
+        env={**os.environ, "BARE_POLLER_SAS_KEY": hubs.sas_key},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _exited(

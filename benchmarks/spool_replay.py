@@ -94,7 +94,7 @@ def run(count: int, *, extra_args: tuple[str, ...] = (), timeout: float = 120.0)
             # The VM's managed identity, as in Azure: a token from the IMDS emulator, Event Hubs' REST API.
             command = [sys.executable, "-m", "forwarder", "run", "--imds-url", imds.url_for("replay_0"),
                        "--state-dir", str(state), "--sink", "eventhub", "--eventhub-name", HUB,
-                       "--eventhub-namespace", eventhubs.rest_namespace, "--no-eventhub-use-tls",
+                       "--eventhub-namespace", eventhubs.rest_namespace,
                        "--hooks-dir", str(Path(tmp) / "hooks"), "--log-level", "WARNING", *extra_args]  # fmt: skip
             process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             try:

@@ -139,7 +139,7 @@ def coordinator_env(
     )
     return {
         "COORDINATOR_CENSUS_RESOURCE_GROUPS": ",".join(census_scopes(scenario)),
-        "COORDINATOR_ARM_ENDPOINT": imds.url,
+        "COORDINATOR_ARM_ENDPOINT": imds.arm_url,
         "AZURE_POD_IDENTITY_AUTHORITY_HOST": imds.url_for(identity_vm(scenario)),
         "COORDINATOR_ATTESTATION_TRUST_ANCHORS": str(root),
         "COORDINATOR_ATTESTATION_ISSUER_URLS": imds.url + "/_emulator/pki/",

@@ -47,7 +47,8 @@ _TLS: list[ssl.SSLContext] = []
 def tls_context() -> ssl.SSLContext:
     """The process's one TLS client context (system CAs, hostname checks), made at first use: Event Hubs and the
     Relay listener share it, since each context loads the CA store again (about 1.9 MiB) and ssl itself is only
-    loaded by a forwarder that speaks TLS (every VM; not the loopback emulators)."""
+    loaded by a forwarder that speaks TLS (every VM, and locally too). Python's default context: the CAs are the
+    system's, or those ``SSL_CERT_FILE`` names (the emulators' local CA, emulators/tls.py); nothing turns it off."""
     if not _TLS:
         import ssl  # noqa: PLC0415
 

@@ -17,6 +17,7 @@ import requests
 
 from emulators.imds import Scenario
 from emulators.imds.attested import ROOT_PATH
+from emulators.tls import local_tls
 from local.direct_callback import direct_coordinator, forwarder_hook_ledger
 from local.easy_auth import PLATFORM_SETTINGS
 from local.gates import GateServer, local_gate_names
@@ -55,6 +56,7 @@ def coordinator_settings(
     hubs: tuple[str, str],
     scenario: Scenario,
     arm_endpoint: str,
+    imds_url: str,
     identity_host: str,
     retire_grace_seconds: int,
     trust_anchors: Path,
@@ -76,8 +78,8 @@ def coordinator_settings(
         "EVENTHUB_NAME": hub,
         "PLATFORM_EVENTHUB_NAME": platform_hub,
         "EVENTHUB_CONSUMER_GROUP": "$Default",
-        # The census (budgets, tag rules) from the IMDS emulator's ARM face, read with the coordinator's managed
-        # identity as in Azure: the scenario's resource groups, the same VMs IMDS serves.
+        # The census (budgets, tag rules) from the IMDS emulator's ARM face (over TLS, as ARM), read with the
+        # coordinator's managed identity as in Azure: the scenario's resource groups, the same VMs IMDS serves.
         "COORDINATOR_CENSUS_RESOURCE_GROUPS": ",".join(census_scopes(scenario)),
         "COORDINATOR_ARM_ENDPOINT": arm_endpoint,
         # The coordinator's DefaultAzureCredential takes the managed-identity (IMDS) flow against the IMDS
@@ -90,7 +92,7 @@ def coordinator_settings(
         # Attested documents are the IMDS emulator's, so its root is the trust anchor, as Microsoft's roots are
         # in Azure; its issuing CA is fetched from the signing certificate's CA Issuers URL, on the emulator.
         "COORDINATOR_ATTESTATION_TRUST_ANCHORS": str(trust_anchors),
-        "COORDINATOR_ATTESTATION_ISSUER_URLS": arm_endpoint + "/_emulator/pki/",
+        "COORDINATOR_ATTESTATION_ISSUER_URLS": imds_url + "/_emulator/pki/",
     }
     # Approvals not answered within a run's few seconds continue through the delivery queue, in Azurite.
     env["COORDINATOR_DELIVERY_QUEUE_URL"], env["COORDINATOR_DELIVERY_QUEUE_SAS"] = delivery_queue
@@ -151,10 +153,12 @@ class AppSettings:
             os.environ[name] = value
 
     def apply(self, env: dict[str, str]) -> None:
-        """The coordinator's settings, with the variables that would steer its managed identity elsewhere unset."""
+        """The coordinator's settings, with the variables that would steer its managed identity elsewhere unset and
+        the emulators' local CA trusted through the usual settings (emulators/tls.py): by the coordinator's clients
+        (Relay, ARM) and by every process started from this environment (forwarders, the coordinator's own)."""
         for name in IDENTITY_VARIABLES:
             self.set(name, None)
-        for name, value in env.items():
+        for name, value in {**local_tls().client_env(), **env}.items():
             self.set(name, value)
 
     def restore(self) -> None:

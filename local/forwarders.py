@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from emulators.imds.vm_models import HookSpec, VmSpec
+from emulators.tls import local_tls
 from local.child import ChildProcess
 from local.host import REPO_ROOT
 from local.stack_options import LOCAL_CLOCK_TOLERANCE, StackOptions
@@ -88,7 +89,6 @@ def forwarder_command(
         # identity endpoint, which the Event Hubs emulator checks (audience, role). No key on the VM.
         "--eventhub-namespace",
         eventhub_namespace,
-        "--no-eventhub-use-tls",
         "--eventhub-name",
         eventhub_name,
         "--hooks-dir",
@@ -117,6 +117,7 @@ def forwarder_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SE_FORWARDER_", "COORDINATOR_"))}
     env["SE_FORWARDER_NOT_AFTER_TOLERANCE"] = str(LOCAL_CLOCK_TOLERANCE)  # as the coordinator's (one clock here)
     env["PYTHONPATH"] = str(REPO_ROOT)
+    env.update(local_tls().client_env())  # the emulators' CA, through Python's usual setting (emulators/tls.py)
     return env
 
 

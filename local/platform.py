@@ -345,7 +345,7 @@ class Platform:
         if relay is None or imds is None:
             return
         liar = forgeries.LyingListener(
-            relay_endpoint=relay.base_url.replace("http://", "ws://", 1),
+            relay_endpoint=relay.ws_url,
             hybrid_connection=victim.hybrid_connection_name,
             vm_url=imds.url_for(step.by),
         ).start()

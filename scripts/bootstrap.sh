@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the project needs, idempotently: .venv (Python packages), .venv-iac (checkov), tools/node
 # (Azurite, hyco-https, the Kusto language service, the Adaptive Cards renderer, playwright-core) and Debian's
-# chromium (the card rendering and people's browser tests). A stamp of each requirement file's hash skips work already done; safe to run
+# chromium (the card rendering and people's browser tests), and the emulators' local CA (.local/tls). A stamp of each requirement file's hash skips work already done; safe to run
 # twice.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +25,8 @@ venv_install() {  # venv_install DIR REQUIREMENTS...
 
 venv_install .venv requirements-dev.txt requirements.txt forwarder/requirements.txt ops/requirements.txt
 venv_install .venv-iac requirements-iac.txt
+# The local CA and the emulators' server certificate (emulators/tls.py; made once, kept under .local/tls, never committed).
+.venv/bin/python -m emulators.tls >&2
 
 node_digest="$(cat tools/node/package.json tools/node/package-lock.json | sha256sum | cut -d' ' -f1)"
 if ! stamp_ok tools/node/node_modules/.installed "$node_digest"; then

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import http.server
+import os
 import threading
 from collections.abc import Iterator
 
 import pytest
 
 from emulators.azurite import Azurite, AzuriteEndpoints
+from emulators.tls import local_tls
 from tests.health_page import HealthPage
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trust_local_ca() -> Iterator[None]:
+    """The emulators serve TLS with the local CA (emulators/tls.py); every client here, and every process a test
+    starts, verifies it through the usual settings (``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``): certifi's CAs plus
+    the local CA. Set before any TLS context is made (the forwarder keeps its first, keepalive.tls_context)."""
+    saved = {name: os.environ.get(name) for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")}
+    os.environ.update(local_tls().client_env())
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     line = {
         "connection_string": connection_string,
         "port": emulator.port,
+        # The REST API (the forwarders' sends), over TLS with the local CA (emulators/tls.py).
+        "rest": emulator.rest_url,
         "hubs": emulator.hubs,
         "consumer_groups": [DEFAULT_CONSUMER_GROUP, *args.consumer_group],
         "data_dir": args.data_dir,

@@ -13,6 +13,7 @@ from emulators.eventhubs.broker_state import BrokerStats
 from emulators.eventhubs.partition_log import EventStore, RejectedTransfer, StoredEvent
 from emulators.eventhubs.rest import RestFrontDoor
 from emulators.served import Served
+from emulators.tls import local_tls
 
 DEFAULT_HUBS: dict[str, int] = {"scheduled-events": 4}
 DEFAULT_CONSUMER_GROUP = "$Default"
@@ -30,8 +31,10 @@ class EventHubsEmulator(Served):
     (it appears in the connection string, as the real namespace's key does in the portal).
 
     The REST API (``POST /{hub}/messages``, emulators/eventhubs/rest.py) is served on ``rest_port`` beside AMQP;
-    ``rest_namespace`` is what a sender names as its namespace (plain HTTP). ``data_senders``: the Entra identities
-    (``xms_mirid``) holding "Azure Event Hubs Data Sender"; None: every valid token's identity does."""
+    ``rest_namespace`` is what a sender names as its namespace, over HTTPS with the local CA's certificate
+    (emulators/tls.py; ``tls=False``: plain HTTP); AMQP stays plain (``UseDevelopmentEmulator``). ``data_senders``:
+    the Entra identities (``xms_mirid``) holding "Azure Event Hubs Data Sender"; None: every valid token's identity
+    does."""
 
     def __init__(
         self,
@@ -45,6 +48,7 @@ class EventHubsEmulator(Served):
         port: int = 0,
         rest_port: int = 0,
         data_senders: Container[str] | None = None,
+        tls: bool = True,
     ) -> None:
         self._hubs = dict(hubs if hubs is not None else DEFAULT_HUBS)
         if not self._hubs:
@@ -65,6 +69,7 @@ class EventHubsEmulator(Served):
         self._rest_port = rest_port
         self._rest: RestFrontDoor | None = None
         self.data_senders = data_senders
+        self.tls = tls
 
     @property
     def port(self) -> int:
@@ -101,6 +106,7 @@ class EventHubsEmulator(Served):
                 data_senders=self.data_senders,
                 host=self._host,
                 port=self._rest_port,
+                tls=local_tls().server_context() if self.tls else None,
             )
             self._rest_port = self._rest.port
             self._rest.start()
@@ -108,10 +114,15 @@ class EventHubsEmulator(Served):
 
     @property
     def rest_namespace(self) -> str:
-        """``127.0.0.1:PORT``: the REST API's namespace (plain HTTP; after the first ``start()``)."""
+        """``127.0.0.1:PORT``: the REST API's namespace (HTTPS unless ``tls=False``; after the first ``start()``)."""
         if not self._rest_port:
             raise RuntimeError("the emulator has no REST port yet; call start() first")
         return f"{self._host}:{self._rest_port}"
+
+    @property
+    def rest_url(self) -> str:
+        """The REST API's root, ``https://127.0.0.1:PORT`` (``http://`` with ``tls=False``)."""
+        return f"{'https' if self.tls else 'http'}://{self.rest_namespace}"
 
     def stop(self) -> None:
         """Drops every client connection and stops listening (idempotent). Stored events stay."""
@@ -143,9 +154,11 @@ class EventHubsEmulator(Served):
         return value
 
     def rest_connection_string(self, hub: str | None = None) -> str:
-        """The connection string of a REST sender (forwarder/eventhub.py): the same key, the REST API's port."""
+        """The connection string of a REST sender (forwarder/eventhub.py): the same key, the REST API's port; with
+        TLS without ``UseDevelopmentEmulator`` (the sender then speaks HTTPS, as to the service)."""
         amqp = self.connection_string(hub)
-        return amqp.replace(f"sb://{self._host}:{self._port};", f"sb://{self.rest_namespace};", 1)
+        rest = amqp.replace(f"sb://{self._host}:{self._port};", f"sb://{self.rest_namespace};", 1)
+        return rest.replace(";UseDevelopmentEmulator=true", "", 1) if self.tls else rest
 
     def events(self, hub: str, partition: int | str) -> list[StoredEvent]:
         """What is stored in one partition, in order."""

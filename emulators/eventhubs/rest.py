@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Container
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,6 +32,7 @@ from emulators.eventhubs.broker import Broker
 from emulators.eventhubs.broker_state import MAX_MESSAGE_SIZE, BrokerStats
 from emulators.eventhubs.partition_log import EventStore
 from emulators.status_error import StatusError
+from emulators.tls import TlsHTTPServer
 
 _LOG = logging.getLogger("emulators.eventhubs.rest")
 BATCH_CONTENT_TYPE = "application/vnd.microsoft.servicebus.json"
@@ -55,7 +57,7 @@ def encode_event(body: bytes, *, partition_key: str | None, properties: dict[str
 
 class RestFrontDoor:
     """Serves ``POST /{hub}/messages`` on ``host:port`` (its own port, as the service's 443 beside AMQP's 5671) and
-    stores through the broker, on its thread."""
+    stores through the broker, on its thread; over TLS with ``tls`` (emulators/tls.py), as the service."""
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class RestFrontDoor:
         data_senders: Container[str] | None,
         host: str,
         port: int,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._broker = broker
         self._store = store
@@ -105,7 +108,11 @@ class RestFrontDoor:
             def log_message(self, format: str, *args: Any) -> None:
                 _LOG.debug(format, *args)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = (
+            ThreadingHTTPServer((host, port), Handler)
+            if tls is None
+            else TlsHTTPServer((host, port), Handler, context=tls)
+        )
         self._server.daemon_threads = True
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(

@@ -16,6 +16,7 @@ from emulators.imds.faults import DEFAULT_THROTTLE_RPS
 from emulators.imds.lifecycle import DEFAULT_STARTED_MIN_SECONDS
 from emulators.imds.models import Scenario, ScenarioError
 from emulators.imds.server import ImdsEmulator
+from emulators.tls import local_tls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 "scenario": scenario.name,
                 "timeScale": args.time_scale,
                 "vms": {vm.name: emulator.url_for(vm.name) for vm in emulator.vms()},
+                **_arm(emulator),
             }
         ),
         flush=True,
@@ -77,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     done.wait()
     emulator.stop()
     return 0
+
+
+def _arm(emulator: ImdsEmulator) -> dict[str, str]:
+    """The ARM face, over TLS with the local CA (emulators/tls.py): ``REQUESTS_CA_BUNDLE=caBundle`` trusts it."""
+    return {"arm": emulator.arm_url, "caBundle": str(local_tls().bundle)}
 
 
 if __name__ == "__main__":

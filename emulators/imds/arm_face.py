@@ -132,7 +132,9 @@ class ArmFace(EmulatorCore):
         with self._lock:
             _end_with(self.arm_faults.take("read"))
             self.state.advance(self.clock.now())  # a delete that fell due has removed its VMs from the lists
-            listed = list_answer(path, query, self._arm_lists(), base_url=self.url, page_size=self.arm_page_size)
+            listed = list_answer(
+                path, query, self._arm_lists(), base_url=_base_url(handler), page_size=self.arm_page_size
+            )
             if listed is None:
                 raise Reply(404, arm_error(404, "InvalidResourceType", f"no ARM route {path}").body)
             self.arm_reads += 1
@@ -169,7 +171,7 @@ class ArmFace(EmulatorCore):
             now = self.clock.now()
             self.state.advance(now)
             if action is not None:
-                return self.drills.act(action, body, self.state, now, base_url=self.url, version=version)
+                return self.drills.act(action, body, self.state, now, base_url=_base_url(handler), version=version)
             if eviction is not None:
                 return self.drills.evict(eviction, self.state, now)
             if operation is not None:
@@ -185,6 +187,12 @@ class ArmFace(EmulatorCore):
             self.inject_arm_fault(parse_model(ArmFault, json_body(handler), source="ARM fault"))
             return 201, self.arm_status()
         raise Reply(404, {"error": f"no control route {method} {path}"})
+
+
+def _base_url(handler: RequestHandler) -> str:
+    """The root the request came in on (the ARM face's https:// port, or the plain one): its links stay on it."""
+    base: str = handler.server.base_url  # type: ignore[attr-defined]
+    return base
 
 
 def _end_with(answer: ArmAnswer | None) -> None:

@@ -29,6 +29,7 @@ from emulators.imds.state import EmulatorState
 from emulators.imds.vm_models import VmSpec
 from emulators.imds.wire import RequestHandler, parse_model
 from emulators.served import Served
+from emulators.tls import TlsHTTPServer, local_tls
 
 
 class EmulatorCore(Served):
@@ -83,6 +84,10 @@ class EmulatorCore(Served):
         self._port = port
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        # The ARM face on a port of its own over TLS, as ARM serves it (IMDS itself is plain HTTP, as in Azure).
+        self._arm_port = 0
+        self._arm_server: TlsHTTPServer | None = None
+        self._arm_thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -92,24 +97,35 @@ class EmulatorCore(Served):
         server = ThreadingHTTPServer(("127.0.0.1", self._port), RequestHandler)
         with self._lock:
             self.state.begin(self.clock.now())  # scenario offsets count from start(), not construction
-        server.daemon_threads = True
-        server.emulator = self  # type: ignore[attr-defined]
         self._server = server
         self._stopping.clear()
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-        self._thread.name = f"imds-emulator-{self.port}"
-        self._thread.start()
+        self._thread = self._serve(server, base_url=self.url, name=f"imds-emulator-{self.port}")
+        arm = TlsHTTPServer(("127.0.0.1", self._arm_port), RequestHandler, context=local_tls().server_context())
+        self._arm_server = arm
+        self._arm_port = arm.server_address[1]
+        arm.arm_only = True  # type: ignore[attr-defined]
+        self._arm_thread = self._serve(arm, base_url=self.arm_url, name=f"imds-arm-{self._arm_port}")
         return self.url
+
+    def _serve(self, server: ThreadingHTTPServer, *, base_url: str, name: str) -> threading.Thread:
+        server.daemon_threads = True
+        server.emulator = self  # type: ignore[attr-defined]
+        server.base_url = base_url  # type: ignore[attr-defined]
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True, name=name)
+        thread.start()
+        return thread
 
     def stop(self) -> None:
         self._stopping.set()  # wakes requests hung by a fault
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        for server in (self._server, self._arm_server):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        self._server = self._arm_server = None
+        for thread in (self._thread, self._arm_thread):
+            if thread is not None:
+                thread.join(timeout=5)
+        self._thread = self._arm_thread = None
 
     @property
     def port(self) -> int:
@@ -120,6 +136,14 @@ class EmulatorCore(Served):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def arm_url(self) -> str:
+        """The ARM face's root over TLS (the local CA's certificate, emulators/tls.py): what the coordinator's ARM
+        clients (census, acknowledge, drills) take as ARM's endpoint."""
+        if self._arm_server is None:
+            raise RuntimeError("the emulator is not started; call start() first")
+        return f"https://127.0.0.1:{self._arm_port}"
 
     def url_for(self, vm_name: str) -> str:
         """Base URL that makes every IMDS request come from this VM (use it as a client's IMDS endpoint)."""

@@ -23,6 +23,8 @@ from emulators.imds.vm_face import VmFace, endpoint_of
 from emulators.imds.wire import JSON, NoAnswer, Reply, RequestHandler, bad_request
 
 VM_HEADER = "X-Emulator-VM"
+# What the ARM face's own (TLS) port serves: ARM's routes and its control.
+ARM_FACE = ("/subscriptions/", "/_emulator/arm")
 _VM_PREFIX = re.compile(r"^/vm/(?P<name>[^/]+)(?P<rest>/.*)?$")
 
 __all__ = ["VM_HEADER", "ImdsEmulator"]
@@ -42,6 +44,10 @@ class ImdsEmulator(VmFace, ArmFace, ControlApi):
         parts = urlsplit(handler.path)
         query = parse_qs(parts.query, keep_blank_values=True)
         path = parts.path.rstrip("/") or "/"
+        arm_face = getattr(handler.server, "arm_only", False)
+        if arm_face != path.lower().startswith(ARM_FACE):
+            where = f"IMDS is at {self.url}" if arm_face else f"ARM is served over TLS at {self.arm_url}"
+            raise Reply(404, {"error": f"no route {path} here: {where}"})
         vm_name, path = self._resolve_vm(path, handler.headers.get(VM_HEADER))
         if path.startswith("/_emulator"):
             return self._emulator_routes(method, path, handler)

@@ -17,6 +17,7 @@ from types import FrameType
 
 from emulators.relay.auth import parse_rights
 from emulators.relay.emulator import RelayEmulator
+from emulators.tls import local_tls
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -34,6 +35,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--hybrid-connection", action="append", default=[], help="declare one (repeatable)")
     parser.add_argument("--verbose", action="store_true", help="log every connection")
+    parser.add_argument(
+        "--plain", action="store_true", help="serve ws:// and http:// (default: wss:// and https://, the local CA)"
+    )
     arguments = parser.parse_args(argv)
     arguments.sas_key = arguments.sas_key or os.environ.get("RELAY_EMULATOR_SAS_KEY")
     if bool(arguments.sas_key_name) != bool(arguments.sas_key):
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         hybrid_connections=tuple(arguments.hybrid_connection),
         host=arguments.host,
         port=arguments.port,
+        tls=not arguments.plain,
     )
     stopping = threading.Event()
 
@@ -70,17 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     base = emulator.start()
-    authority = base.removeprefix("http://")
+    authority = base.split("://", 1)[1]
     print(
         json.dumps(
             {
                 "relay": base,
-                "listen": f"ws://{authority}/$hc/{{path}}?sb-hc-action=listen",
-                "connect": f"ws://{authority}/$hc/{{path}}?sb-hc-action=connect",
-                "send": f"http://{authority}/{{path}}",
+                "listen": f"{emulator.ws_url}/$hc/{{path}}?sb-hc-action=listen",
+                "connect": f"{emulator.ws_url}/$hc/{{path}}?sb-hc-action=connect",
+                "send": f"{base}/{{path}}",
                 "resource": f"http://{authority}/{{path}}",
                 "control": f"{base}/_emulator/hybridConnections/{{name}}",
                 "requireKnown": arguments.require_known,
+                # What a client verifies the relay's certificate with (SSL_CERT_FILE, REQUESTS_CA_BUNDLE).
+                "caBundle": None if arguments.plain else str(local_tls().bundle),
             }
         ),
         flush=True,

@@ -13,6 +13,7 @@ from emulators.relay.auth import ALL_RIGHTS, Right, SasRule, TokenChecker
 from emulators.relay.namespace import ACCEPT_TIMEOUT
 from emulators.relay.server import RelayService
 from emulators.served import Served
+from emulators.tls import local_tls
 
 _T = TypeVar("_T")
 
@@ -39,6 +40,7 @@ class RelayEmulator(Served):
         host: str = "127.0.0.1",
         port: int = 0,
         seed: int | None = None,
+        tls: bool = True,
     ) -> None:
         rules = {
             name: SasRule(key=key, rights=(sas_rights or {}).get(name, ALL_RIGHTS))
@@ -52,6 +54,7 @@ class RelayEmulator(Served):
             accept_timeout=accept_timeout,
             require_known=require_known,
             rng=random.Random(seed),
+            tls=local_tls().server_context() if tls else None,
         )
         self._initial = hybrid_connections
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -60,7 +63,7 @@ class RelayEmulator(Served):
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
     def start(self) -> str:
-        """Starts serving on a background thread; returns the base URL ``http://127.0.0.1:PORT``."""
+        """Starts serving on a background thread; returns the base URL ``https://127.0.0.1:PORT``."""
         if self._loop is not None:
             raise RuntimeError("the relay emulator is already running; call stop() first")
         loop = asyncio.new_event_loop()
@@ -93,16 +96,21 @@ class RelayEmulator(Served):
 
     @property
     def base_url(self) -> str:
-        return f"http://{self._service.authority}"
+        return f"{self._service.http_scheme}://{self._service.authority}"
+
+    @property
+    def ws_url(self) -> str:
+        """The namespace's WebSocket base URL (a listener's endpoint): ``wss://127.0.0.1:PORT``."""
+        return f"{self._service.ws_scheme}://{self._service.authority}"
 
     def listen_url(self, path: str) -> str:
-        return f"ws://{self._service.authority}/$hc/{quote(path.strip('/'))}?sb-hc-action=listen"
+        return f"{self.ws_url}/$hc/{quote(path.strip('/'))}?sb-hc-action=listen"
 
     def connect_url(self, path: str) -> str:
-        return f"ws://{self._service.authority}/$hc/{quote(path.strip('/'))}?sb-hc-action=connect"
+        return f"{self.ws_url}/$hc/{quote(path.strip('/'))}?sb-hc-action=connect"
 
     def send_url(self, path: str) -> str:
-        return f"http://{self._service.authority}/{quote(path.strip('/'))}"
+        return f"{self.base_url}/{quote(path.strip('/'))}"
 
     def resource_uri(self, path: str = "") -> str:
         """The URI a SAS token is signed for (``sr``): the namespace, or one hybrid connection."""

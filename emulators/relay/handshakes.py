@@ -132,7 +132,7 @@ class Handshakes(Namespace):
         self.accepts[rendezvous_key] = accept
         passthrough = strip_sb_query(raw_query)
         address = (
-            f"ws://{self.authority}/$hc/{quote(path)}?{passthrough + '&' if passthrough else ''}"
+            f"{self.ws_scheme}://{self.authority}/$hc/{quote(path)}?{passthrough + '&' if passthrough else ''}"
             f"sb-hc-action=accept&sb-hc-id={rendezvous_key}"
         )
         headers = merge_headers(request.headers.raw_items(), lambda name: name in AUTH_HEADERS)

@@ -132,7 +132,7 @@ class HttpSenders(Namespace):
         request_id = str(uuid.uuid4())
         message = RequestMessage(
             address=(
-                f"ws://{self.authority}/$hc/{quote(hybrid_connection.name)}?sb-hc-action=request&sb-hc-id={request_id}"
+                f"{self.ws_scheme}://{self.authority}/$hc/{quote(hybrid_connection.name)}?sb-hc-action=request&sb-hc-id={request_id}"
             ),
             id=request_id,
             request_target=request.path + (f"?{query}" if query else ""),

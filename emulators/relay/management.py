@@ -142,7 +142,7 @@ async def _arm_api(  # noqa: PLR0911 - one return per ARM outcome
         }
         if skip + ARM_PAGE_SIZE < len(declared):
             page["nextLink"] = (
-                f"http://{service.authority}{request.path}?api-version={query['api-version']}"
+                f"{service.http_scheme}://{service.authority}{request.path}?api-version={query['api-version']}"
                 f"&$skiptoken={skip + ARM_PAGE_SIZE}"
             )
         return json_answer(200, page)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -128,6 +129,8 @@ class Namespace:
     checker: TokenChecker
     host: str = "127.0.0.1"
     port: int = 0
+    # The server's TLS (wss:// and https://, as the service serves them); None: plain ws:// and http://.
+    tls: ssl.SSLContext | None = None
     response_timeout: float = 60.0
     accept_timeout: float = ACCEPT_TIMEOUT
     require_known: bool = False
@@ -146,6 +149,14 @@ class Namespace:
     @property
     def authority(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def ws_scheme(self) -> str:
+        return "wss" if self.tls is not None else "ws"
+
+    @property
+    def http_scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     # ---- registry --------------------------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class RelayService(Handshakes, ListenerChannel, HttpSenders):
             max_size=64 * 1024 * 1024,
             # The service does not negotiate permessage-deflate; a listener must not depend on it.
             compression=None,
+            ssl=self.tls,
         )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port

@@ -68,7 +68,7 @@ def reader(imds: ImdsEmulator, *groups: str, credential: Any = None) -> ArmCensu
     return ArmCensusReader(
         credential=credential or MintedCredential(),
         resource_groups=list(groups) or [GROUP],
-        arm_endpoint=imds.url,
+        arm_endpoint=imds.arm_url,
         retry_backoff_factor=0.01,
     )
 

@@ -134,7 +134,7 @@ def run(
     """The events created in IMDS, every VM's envelope (and the lies) in one batch, then a timer tick. ``arm``:
     the census is ARM's (else what the VMs report, as before it was)."""
     lies = lies or Lies()
-    reader = ArmCensusReader(credential=MintedCredential(), resource_groups=[GROUP], arm_endpoint=imds.url)
+    reader = ArmCensusReader(credential=MintedCredential(), resource_groups=[GROUP], arm_endpoint=imds.arm_url)
     history = MemoryHistory()
     coordinator = make_coordinator(
         store=MemoryStateStore(),

@@ -72,7 +72,7 @@ def coordinator(
         # The same clock as the coordinator's: it checks the requests' notAfter.
         remote_acknowledge=RemoteAcknowledgeSender(
             credential=ManagedIdentityCredential(),
-            endpoint=imds.url,
+            endpoint=imds.arm_url,
             deadline_seconds=3,
             backoff=(0.05, 0.1),
             clock=clock,

@@ -89,7 +89,7 @@ def test_the_arm_face_refuses_a_request_without_a_token_or_for_another_audience(
     event_id = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
     vm = identity(arm, "web_0")
     url = (
-        f"{arm.url}{acknowledge_target(vm)}/providers/Microsoft.Maintenance/scheduledevents/{event_id}"
+        f"{arm.arm_url}{acknowledge_target(vm)}/providers/Microsoft.Maintenance/scheduledevents/{event_id}"
         f"/acknowledge?api-version={API_VERSION}"
     )
     bare = requests.post(url, json={}, timeout=5)
@@ -109,7 +109,7 @@ def test_an_acknowledge_on_the_scale_set_approves_the_event_as_its_vm_would(
     arm: ImdsEmulator, credential: ManagedIdentityCredential
 ) -> None:
     event_id = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.arm_url, clock=lambda: DOC_NOW)
     result = sender.send(request_for(event_id), vm=identity(arm, "web_1"))
     assert result.outcome == "approved"
     assert "Maintenance RP" in result.reason
@@ -126,7 +126,7 @@ def test_throttling_and_server_errors_are_retried_honouring_retry_after(
     arm.inject_arm_fault(status=429, count=1, retryAfterSeconds=1)
     arm.inject_arm_fault(status=503, count=1)
     sender = RemoteAcknowledgeSender(
-        credential=credential, endpoint=arm.url, deadline_seconds=10, backoff=(0.05, 0.1), clock=lambda: DOC_NOW
+        credential=credential, endpoint=arm.arm_url, deadline_seconds=10, backoff=(0.05, 0.1), clock=lambda: DOC_NOW
     )
     result = sender.send(request_for(event_id), vm=identity(arm, "solo"))
     assert result.outcome == "approved"
@@ -142,7 +142,7 @@ def test_errors_that_outlast_the_deadline_are_reported_for_a_later_retry(
     event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
     arm.inject_arm_fault(status=500, count=50)
     sender = RemoteAcknowledgeSender(
-        credential=credential, endpoint=arm.url, deadline_seconds=0.5, backoff=(0.1, 0.2), clock=lambda: DOC_NOW
+        credential=credential, endpoint=arm.arm_url, deadline_seconds=0.5, backoff=(0.1, 0.2), clock=lambda: DOC_NOW
     )
     with pytest.raises(ApprovalDeliveryError, match=r"ARM 500.*retried later"):
         sender.send(request_for(event_id), vm=identity(arm, "solo"))
@@ -156,7 +156,7 @@ def test_nothing_is_acknowledged_past_the_requests_not_after(
     and ARM's 429s are not retried past it either."""
     event_id = arm.create_event(EventType="Freeze", Resources=["solo"], NoticeSeconds=900)["EventId"]
     sender = RemoteAcknowledgeSender(
-        credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW + timedelta(seconds=29)
+        credential=credential, endpoint=arm.arm_url, clock=lambda: DOC_NOW + timedelta(seconds=29)
     )
     with pytest.raises(ApprovalDeliveryError, match="not sent: it expired at"):
         sender.send(request_for(event_id), vm=identity(arm, "solo"))  # notAfter DOC_NOW + 30 s
@@ -165,7 +165,7 @@ def test_nothing_is_acknowledged_past_the_requests_not_after(
     started = time.monotonic()
     late = RemoteAcknowledgeSender(
         credential=credential,
-        endpoint=arm.url,
+        endpoint=arm.arm_url,
         deadline_seconds=10,
         backoff=(0.05, 0.1),
         clock=lambda: DOC_NOW + timedelta(seconds=27),
@@ -189,7 +189,7 @@ def test_refusals_are_reported_at_once_with_arm_reason(
     else:
         event_id = str(uuid.uuid4()).upper()
     sender = RemoteAcknowledgeSender(
-        credential=credential, endpoint=arm.url, deadline_seconds=10, clock=lambda: DOC_NOW
+        credential=credential, endpoint=arm.arm_url, deadline_seconds=10, clock=lambda: DOC_NOW
     )
     with pytest.raises(ApprovalDeliveryError, match=expected):
         sender.send(request_for(event_id), vm=identity(arm, "solo"))
@@ -219,7 +219,7 @@ def make_coordinator(
         policy=parse_policy(options.pop("policy", REMOTE_POLICY)),
         # The same clock as the coordinator's: it checks the requests' notAfter.
         remote_acknowledge=RemoteAcknowledgeSender(
-            credential=credential, endpoint=arm.url, deadline_seconds=3, backoff=(0.05, 0.1), clock=clock
+            credential=credential, endpoint=arm.arm_url, deadline_seconds=3, backoff=(0.05, 0.1), clock=clock
         ),
         **options,
     )
@@ -292,7 +292,7 @@ def test_the_stable_api_version_is_used_and_the_list_form_takes_only_it(arm: Imd
     assert API_VERSION == "2025-11-01"
     token, _ = mint_token(audience="https://management.azure.com", identity_resource_id="/arm-test")
     target = acknowledge_target(identity(arm, "web_0"))
-    url = f"{arm.url}{target}/providers/Microsoft.Maintenance/scheduledevents?api-version=2023-10-01-preview"
+    url = f"{arm.arm_url}{target}/providers/Microsoft.Maintenance/scheduledevents?api-version=2023-10-01-preview"
     answer = requests.post(url, json={"value": ["X"]}, headers={"Authorization": f"Bearer {token}"}, timeout=5)
     assert answer.status_code == 400
     assert answer.json()["error"]["code"] == "InvalidApiVersionParameter"
@@ -303,7 +303,7 @@ def test_the_list_form_acknowledges_several_events_of_a_resource_in_one_request(
 ) -> None:
     first = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
     second = arm.create_event(EventType="Freeze", Resources=["web_1"], NoticeSeconds=900)["EventId"]
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.arm_url, clock=lambda: DOC_NOW)
     assert sender.batch_key(identity(arm, "web_0")) == sender.batch_key(identity(arm, "web_1"))
     outcomes = sender.send_many(
         [(request_for(first), identity(arm, "web_0")), (request_for(second), identity(arm, "web_1"))], seconds=5
@@ -326,7 +326,7 @@ def test_a_lists_per_event_errors_fail_those_events_alone(
     real = arm.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)["EventId"]
     unknown = str(uuid.uuid4()).upper()
     expired = request_for(str(uuid.uuid4()).upper()).model_copy(update={"notAfter": DOC_NOW, "expiresAt": DOC_NOW})
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.arm_url, clock=lambda: DOC_NOW)
     vm = identity(arm, "web_0")
     outcomes = sender.send_many(
         [(request_for(real), vm), (request_for(unknown), vm), (expired, vm), (request_for(unknown.lower()), vm)],
@@ -389,7 +389,7 @@ def test_a_list_refused_as_a_whole_falls_back_to_single_acknowledges(
         arm.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=900)["EventId"] for vm in ("web_0", "web_1")
     ]
     arm.inject_arm_fault(status=403, count=1)
-    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.url, clock=lambda: DOC_NOW)
+    sender = RemoteAcknowledgeSender(credential=credential, endpoint=arm.arm_url, clock=lambda: DOC_NOW)
     outcomes = sender.send_many(
         [(request_for(i), identity(arm, vm)) for i, vm in zip(ids, ("web_0", "web_1"), strict=True)], seconds=5
     )

@@ -4,23 +4,21 @@ with the spool replaying in order afterwards, and the events read back over AMQP
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import ssl
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import certifi
 import pytest
 
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator
+from emulators.tls import TlsHTTPServer, local_tls
 from emulators.tokens import verify_token
 from forwarder.credential import EVENTHUBS_SCOPE, RELAY_SCOPE, ImdsManagedIdentityCredential
 from forwarder.durable_state import SpooledEnvelope
@@ -88,7 +86,7 @@ def test_managed_identity_from_imds_end_to_end(imds: ImdsEmulator, eventhubs: Ev
     imds_client = ImdsClient(base_url=imds.url_for("web_0"), limiter=RateLimiter(requests=100))
     credential = ImdsManagedIdentityCredential(imds=imds_client)
     sink = EventHubSink.with_credential(
-        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=credential, use_tls=False
+        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=credential
     )
     try:
         sink.send([SpooledEnvelope(1, 0, "heartbeat", b'{"sequence":0}')], partition_key="pk")
@@ -119,7 +117,7 @@ def test_a_token_for_another_audience_is_refused(imds: ImdsEmulator, eventhubs: 
             return relay_only.get_token(RELAY_SCOPE)
 
     sink = EventHubSink.with_credential(
-        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=WrongAudience(), use_tls=False
+        fully_qualified_namespace=eventhubs.rest_namespace, eventhub_name=HUB, credential=WrongAudience()
     )
     try:
         with pytest.raises(SinkError, match=r"401.*[Aa]udience"):
@@ -141,7 +139,6 @@ def test_an_identity_without_the_data_sender_role_is_refused(imds: ImdsEmulator)
                 fully_qualified_namespace=emulator.rest_namespace,
                 eventhub_name=HUB,
                 credential=credential,
-                use_tls=False,
             )
             try:
                 if delivered:
@@ -190,41 +187,10 @@ def test_the_trace_context_travels_as_application_properties(eventhubs: EventHub
     assert event.properties == {b"traceparent": parent.encode(), b"tracestate": b"k=v"}
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, as PEM files."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.now(UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(minutes=1))
-        .not_valid_after(now + timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
-    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_file, key_file
-
-
-def test_over_https_the_server_certificate_is_verified(tmp_path: Path) -> None:
-    """The production path speaks TLS (the emulators do not): a server the system CAs do not vouch for is refused;
-    the same server, trusted (SSL_CERT_FILE, in a process of its own: the TLS context is made once per process),
-    gets the batch over HTTPS."""
-    cert_file, key_file = _self_signed(tmp_path)
+def test_over_https_the_server_certificate_is_verified() -> None:
+    """The sink verifies the server: one whose certificate the public CAs do not vouch for (the local CA's,
+    emulators/tls.py) is refused; the same server, trusted through SSL_CERT_FILE alone (in a process of its own: the
+    TLS context is made once per process), gets the batch over HTTPS."""
     received: list[bytes] = []
 
     class Handler(QuietHandler):
@@ -234,10 +200,7 @@ def test_over_https_the_server_certificate_is_verified(tmp_path: Path) -> None:
             received.append(self.rfile.read(int(self.headers["Content-Length"])))
             self.respond(201)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert_file, key_file)
-    server.socket = context.wrap_socket(server.socket, server_side=True)
+    server = TlsHTTPServer(("127.0.0.1", 0), Handler, context=local_tls().server_context())
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoint = f"127.0.0.1:{server.server_address[1]}"
     send = (
@@ -245,22 +208,18 @@ def test_over_https_the_server_certificate_is_verified(tmp_path: Path) -> None:
         f"sink = EventHubSink(endpoint='https://{endpoint}', eventhub_name='hub', authorization=lambda: 'Bearer t');"
         "sink.send([SpooledEnvelope(1, 0, 'heartbeat', b'{}')], partition_key='pk'); print('sent')"
     )
+
+    def send_trusting(cafile: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "SSL_CERT_FILE": cafile}
+        command = [sys.executable, "-c", send]
+        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=False, env=env)
+
     try:
-        untrusted = subprocess.run(
-            [sys.executable, "-c", send], capture_output=True, text=True, cwd=ROOT, timeout=60, check=False
-        )
+        untrusted = send_trusting(certifi.where())
         assert untrusted.returncode != 0
         assert "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
         assert received == []
-        trusted = subprocess.run(
-            [sys.executable, "-c", send],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=60,
-            check=False,
-            env={**os.environ, "SSL_CERT_FILE": str(cert_file)},
-        )
+        trusted = send_trusting(str(local_tls().bundle))
         assert trusted.stdout.strip() == "sent", trusted.stderr[-1000:]
     finally:
         server.shutdown()

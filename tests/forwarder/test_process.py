@@ -56,7 +56,6 @@ def test_kill_9_with_hub_down_then_restart_loses_nothing(
         # The VM's managed identity, as in Azure: a token from the IMDS emulator, checked by the Event Hubs emulator.
         "SE_FORWARDER_EVENTHUB_NAMESPACE": eventhubs.rest_namespace,
         "SE_FORWARDER_EVENTHUB_NAME": HUB,
-        "SE_FORWARDER_EVENTHUB_USE_TLS": "false",
         "SE_FORWARDER_STATE_DIR": str(state),
         "SE_FORWARDER_HOOKS_DIR": str(tmp_path / "hooks"),
         "SE_FORWARDER_POLL_INTERVAL": "0.25",

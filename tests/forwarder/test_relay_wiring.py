@@ -42,7 +42,7 @@ def relay() -> Iterator[RelayEmulator]:
 
 
 def _settings(imds: ImdsEmulator, relay: RelayEmulator, vm: str = "web_0", **flags: object) -> ForwarderSettings:
-    endpoint = relay.base_url.replace("http://", "ws://")
+    endpoint = relay.ws_url
     return load_settings(
         flags={"sink": "stdout", "relay_enabled": True, "relay_endpoint": endpoint, "imds_url": imds.url_for(vm)}
         | flags,
@@ -174,7 +174,7 @@ def test_the_listener_is_imported_only_when_it_first_connects(
     `-X importtime` of a real `python -m forwarder run`; they load when an event it could approve appears."""
     relay_on = {
         "SE_FORWARDER_RELAY_ENABLED": "true",
-        "SE_FORWARDER_RELAY_ENDPOINT": relay.base_url.replace("http://", "ws://"),
+        "SE_FORWARDER_RELAY_ENDPOINT": relay.ws_url,
     }
     with forwarder_importing(imds, tmp_path, **relay_on) as log:
         time.sleep(1.0)  # ten more polls, idle

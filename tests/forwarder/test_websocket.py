@@ -1,5 +1,6 @@
 """The listener's WebSocket client (forwarder/websocket.py) against a real server (the `websockets` package's, as
-the Relay emulator uses) and against scripted handshake answers."""
+the Relay emulator uses) and against scripted handshake answers; each over ws:// and wss:// (the local CA's
+certificate, verified by ``tls_context()`` through SSL_CERT_FILE, as the Relay emulator serves it)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,31 @@ from typing import Any
 import pytest
 from websockets.sync.server import ServerConnection, serve
 
+from emulators.tls import local_tls
 from forwarder.websocket import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException, connect
 
 
+@pytest.fixture(params=["ws", "wss"])
+def scheme(request: pytest.FixtureRequest) -> str:
+    """Plain WebSocket, or over TLS with the local CA's certificate."""
+    return str(request.param)
+
+
+def _secured(conn: socket.socket, scheme: str) -> socket.socket:
+    return local_tls().server_context().wrap_socket(conn, server_side=True) if scheme == "wss" else conn
+
+
 @pytest.fixture
-def server() -> Iterator[Callable[[Callable[[ServerConnection], None]], str]]:
-    """Starts a websockets server with the given handler; gives its ws:// URI."""
+def server(scheme: str) -> Iterator[Callable[[Callable[[ServerConnection], None]], str]]:
+    """Starts a websockets server with the given handler; gives its ws:// or wss:// URI."""
     running: list[Any] = []
 
     def start(handler: Callable[[ServerConnection], None]) -> str:
-        instance = serve(handler, "127.0.0.1", 0, max_size=None)
+        tls = local_tls().server_context() if scheme == "wss" else None
+        instance = serve(handler, "127.0.0.1", 0, max_size=None, ssl=tls)
         running.append(instance)
         threading.Thread(target=instance.serve_forever, daemon=True).start()
-        return f"ws://127.0.0.1:{instance.socket.getsockname()[1]}/$hc/vm-a?sb-hc-action=listen"
+        return f"{scheme}://127.0.0.1:{instance.socket.getsockname()[1]}/$hc/vm-a?sb-hc-action=listen"
 
     yield start
     for instance in running:
@@ -111,45 +124,46 @@ def test_a_message_over_max_size_is_refused(server: Any) -> None:
         ws.recv(5)
 
 
-def _scripted(answer: bytes) -> str:
+def _scripted(answer: bytes, scheme: str) -> str:
     """A server that answers the handshake with ``answer`` and closes."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve_once() -> None:
         conn, _ = listener.accept()
-        with conn:
+        with _secured(conn, scheme) as conn:
             conn.recv(65536)
             conn.sendall(answer)
         listener.close()
 
     threading.Thread(target=serve_once, daemon=True).start()
-    return f"ws://127.0.0.1:{listener.getsockname()[1]}/"
+    return f"{scheme}://127.0.0.1:{listener.getsockname()[1]}/"
 
 
-def test_a_refused_handshake_is_invalid_status_with_its_code() -> None:
-    uri = _scripted(b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\n\r\nno such 1")
+def test_a_refused_handshake_is_invalid_status_with_its_code(scheme: str) -> None:
+    uri = _scripted(b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\n\r\nno such 1", scheme)
     with pytest.raises(InvalidStatus) as refused:
         connect(uri, open_timeout=5)
     assert refused.value.response.status_code == 404
     assert refused.value.response.body == b"no such 1"
 
 
-def test_a_wrong_accept_key_is_an_invalid_handshake() -> None:
+def test_a_wrong_accept_key_is_an_invalid_handshake(scheme: str) -> None:
     uri = _scripted(
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        b"Sec-WebSocket-Accept: not-the-key\r\n\r\n"
+        b"Sec-WebSocket-Accept: not-the-key\r\n\r\n",
+        scheme,
     )
     with pytest.raises(InvalidHandshake, match="Accept"):
         connect(uri, open_timeout=5)
 
 
-def _upgrading(after: bytes) -> str:
+def _upgrading(after: bytes, scheme: str) -> str:
     """A server that accepts the upgrade (the right Sec-WebSocket-Accept) and sends ``after`` in the same segment."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve_once() -> None:
         conn, _ = listener.accept()
-        with conn:
+        with _secured(conn, scheme) as conn:
             request = conn.recv(65536).decode("latin-1")
             key = next(line.split(":", 1)[1].strip() for line in request.split("\r\n") if line.startswith("Sec-WebS"))
             accept = base64.b64encode(hashlib.sha1((key + GUID).encode(), usedforsecurity=False).digest())
@@ -162,14 +176,14 @@ def _upgrading(after: bytes) -> str:
         listener.close()
 
     threading.Thread(target=serve_once, daemon=True).start()
-    return f"ws://127.0.0.1:{listener.getsockname()[1]}/"
+    return f"{scheme}://127.0.0.1:{listener.getsockname()[1]}/"
 
 
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 
-def test_a_frame_in_the_same_segment_as_the_handshake_answer_is_the_first_message() -> None:
-    with connect(_upgrading(b"\x81\x05hello"), open_timeout=5) as ws:
+def test_a_frame_in_the_same_segment_as_the_handshake_answer_is_the_first_message(scheme: str) -> None:
+    with connect(_upgrading(b"\x81\x05hello", scheme), open_timeout=5) as ws:
         assert ws.recv(5) == "hello"
 
 
@@ -181,8 +195,11 @@ def test_a_frame_in_the_same_segment_as_the_handshake_answer_is_the_first_messag
         (b"\x82\x7f" + (1 << 40).to_bytes(8, "big") + b"x" * 2000, "larger than 1000"),  # a terabyte announced
     ],
 )
-def test_hostile_frames_are_refused(frame: bytes, refusal: str) -> None:
-    with connect(_upgrading(frame), open_timeout=5, max_size=1000) as ws, pytest.raises(WebSocketException) as error:
+def test_hostile_frames_are_refused(frame: bytes, refusal: str, scheme: str) -> None:
+    with (
+        connect(_upgrading(frame, scheme), open_timeout=5, max_size=1000) as ws,
+        pytest.raises(WebSocketException) as error,
+    ):
         ws.recv(5)
     assert refusal in str(error.value)
     assert not isinstance(error.value, ConnectionClosed)

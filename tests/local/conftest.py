@@ -45,15 +45,18 @@ def history_rows(stack: LocalStack, where: str, *args: Any) -> list[dict[str, An
         raise
 
 
-def compact_scenario(*, evict_at: int = 120, redeploy_at: int = 180, **extra_steps: Any) -> Scenario:
+def compact_scenario(
+    *, evict_at: int = 120, redeploy_at: int = 180, terminate_notice: int = 600, **extra_steps: Any
+) -> Scenario:
     """Three VMs and four events, each of a different fate, in about 10 s at time scale 120: a short Freeze on a
     placement group (approve now), a scale-in Terminate (approve after the prepare hook), a Spot eviction (a person
     would decide; it starts at NotBefore) and a Redeploy canceled before it starts (240 scenario seconds later).
-    ``evict_at``, ``redeploy_at``: when the Spot eviction and the Redeploy appear (scenario seconds)."""
+    ``evict_at``, ``redeploy_at``: when the Spot eviction and the Redeploy appear (scenario seconds);
+    ``terminate_notice``: the scale set's terminateNotBeforeSeconds (Azure allows 300 to 900)."""
     return Scenario.from_mapping(
         {
             "name": "e2e-compact",
-            "scaleSets": {"web": {"terminateNotification": True, "terminateNotBeforeSeconds": 600}},
+            "scaleSets": {"web": {"terminateNotification": True, "terminateNotBeforeSeconds": terminate_notice}},
             "vms": [
                 {"name": "web_0", "vmScaleSetName": "web", "placementGroupId": "pg-1"},
                 # Same placement group as web_0: web_1 also sees web_0's Freeze while its own scale-in removes it

@@ -63,7 +63,7 @@ def test_a_drill_of_each_kind_reaches_the_coordinator_and_is_decided_by_the_poli
         started = time.monotonic()
         for kind, scale_set, vm in drills:
             arguments = [kind, "--scale-set", SCALE_SETS + scale_set, "--vm", vm, "--confirm", "--timeout", "60"]
-            assert main([*arguments, "--endpoint", imds.url]) == 0, kind
+            assert main([*arguments, "--endpoint", imds.arm_url]) == 0, kind
         drilled = {entry["action"]: entry["eventIds"][0] for entry in imds.drills.log}
         expected = {
             "restart": ("user-initiated", "approve"),

@@ -41,13 +41,13 @@ def imds(monkeypatch: pytest.MonkeyPatch) -> Iterator[ImdsEmulator]:
 
 
 def drill(imds: ImdsEmulator, *args: str) -> list[str]:
-    return [*args, "--endpoint", imds.url]
+    return [*args, "--endpoint", imds.arm_url]
 
 
 def test_a_dry_run_prints_the_plan_and_sends_nothing(imds: ImdsEmulator, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(drill(imds, "delete", "--scale-set", SS + "web", "--vm", "web_1")) == 0
     out = capsys.readouterr().out
-    assert f"POST {imds.url}{SS}web/delete?api-version=2025-04-01" in out
+    assert f"POST {imds.arm_url}{SS}web/delete?api-version=2025-04-01" in out
     assert 'body {"instanceIds": ["1"]}' in out
     assert "expect on web_1: Terminate (EventSource User), NotBefore 10 min after the call" in out
     assert "dry run: nothing sent" in out

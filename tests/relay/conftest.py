@@ -76,7 +76,7 @@ def relay() -> Iterator[RelayEmulator]:
 
 
 def ws_endpoint(relay: RelayEmulator) -> str:
-    return relay.base_url.replace("http://", "ws://")
+    return relay.ws_url
 
 
 def imds_client(imds: ImdsEmulator, vm_name: str) -> ImdsClient:

@@ -46,7 +46,7 @@ def bearer(audience: str = "https://management.azure.com") -> dict[str, str]:
 
 
 def get(imds: ImdsEmulator, path: str, **params: str) -> requests.Response:
-    return requests.get(imds.url + path, params={"api-version": VERSION, **params}, headers=bearer(), timeout=5)
+    return requests.get(imds.arm_url + path, params={"api-version": VERSION, **params}, headers=bearer(), timeout=5)
 
 
 def every(imds: ImdsEmulator, path: str, **params: str) -> list[dict[str, Any]]:
@@ -56,7 +56,7 @@ def every(imds: ImdsEmulator, path: str, **params: str) -> list[dict[str, Any]]:
     body = page.json()
     items = list(body["value"])
     while "nextLink" in body:
-        assert body["nextLink"].startswith(imds.url + path)
+        assert body["nextLink"].startswith(imds.arm_url + path)
         page = requests.get(body["nextLink"], headers=bearer(), timeout=5)
         assert page.status_code == 200, page.text
         body = page.json()
@@ -105,7 +105,7 @@ def test_the_groups_vms_are_flexible_members_and_standalone_vms(imds: ImdsEmulat
 
 
 def test_arms_refusals(imds: ImdsEmulator) -> None:
-    path = imds.url + f"{COMPUTE}/virtualMachines"
+    path = imds.arm_url + f"{COMPUTE}/virtualMachines"
     missing = requests.get(path, params={"api-version": VERSION}, timeout=5)
     assert (missing.status_code, missing.json()["error"]["code"]) == (401, "AuthenticationFailed")
     other = requests.get(path, params={"api-version": VERSION}, headers=bearer("https://relay.azure.net"), timeout=5)

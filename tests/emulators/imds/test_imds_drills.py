@@ -53,7 +53,7 @@ def headers() -> dict[str, str]:
 
 
 def post(imds: ImdsEmulator, path: str, body: Any = None) -> requests.Response:
-    return requests.post(f"{imds.url}{GROUP}{path}?{VERSION}", json=body, headers=headers(), timeout=5)
+    return requests.post(f"{imds.arm_url}{GROUP}{path}?{VERSION}", json=body, headers=headers(), timeout=5)
 
 
 def events_of(imds: ImdsEmulator, vm: str) -> list[dict[str, Any]]:
@@ -109,7 +109,7 @@ def test_a_scale_in_delete_raises_terminate_with_the_scale_sets_notice_and_ends_
     assert status["status"] == "Succeeded"
     assert "web_1" in imds.removed_vms()
     listed = requests.get(
-        f"{imds.url}{GROUP}/virtualMachineScaleSets/web/virtualMachines?{VERSION}", headers=headers(), timeout=5
+        f"{imds.arm_url}{GROUP}/virtualMachineScaleSets/web/virtualMachines?{VERSION}", headers=headers(), timeout=5
     )
     assert [vm["name"] for vm in listed.json()["value"]] == ["web_0"]
 
@@ -144,7 +144,7 @@ def test_what_azure_refuses_is_refused_and_raises_no_event(
 
 
 def test_the_calls_need_an_arm_token_and_a_compute_api_version(imds: ImdsEmulator) -> None:
-    url = f"{imds.url}{GROUP}/virtualMachineScaleSets/web/restart"
+    url = f"{imds.arm_url}{GROUP}/virtualMachineScaleSets/web/restart"
     assert requests.post(f"{url}?{VERSION}", json={}, timeout=5).status_code == 401
     wrong = requests.post(f"{url}?api-version=2019-01-01", json={}, headers=headers(), timeout=5)
     assert wrong.json()["error"]["code"] == "InvalidApiVersionParameter"
@@ -152,11 +152,13 @@ def test_the_calls_need_an_arm_token_and_a_compute_api_version(imds: ImdsEmulato
 
 
 def test_the_scale_set_says_its_notice_and_scheduled_events_policy(imds: ImdsEmulator) -> None:
-    web = requests.get(f"{imds.url}{GROUP}/virtualMachineScaleSets/web?{VERSION}", headers=headers(), timeout=5).json()
+    web = requests.get(
+        f"{imds.arm_url}{GROUP}/virtualMachineScaleSets/web?{VERSION}", headers=headers(), timeout=5
+    ).json()
     profile = web["properties"]["virtualMachineProfile"]["scheduledEventsProfile"]["terminateNotificationProfile"]
     assert profile == {"enable": True, "notBeforeTimeout": "PT10M"}
     assert web["properties"]["orchestrationMode"] == "Uniform"
     auto = requests.get(
-        f"{imds.url}{GROUP}/virtualMachineScaleSets/auto?{VERSION}", headers=headers(), timeout=5
+        f"{imds.arm_url}{GROUP}/virtualMachineScaleSets/auto?{VERSION}", headers=headers(), timeout=5
     ).json()
     assert auto["properties"]["scheduledEventsPolicy"]["userInitiatedReboot"] == {"automaticallyApprove": True}

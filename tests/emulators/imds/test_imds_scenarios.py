@@ -154,6 +154,8 @@ def test_command_line_prints_its_url_serves_and_stops_on_sigterm():
         assert banner["url"].startswith("http://127.0.0.1:")
         assert banner["timeScale"] == 60
         assert banner["vms"]["web_1"] == banner["url"] + "/vm/web_1"
+        assert banner["arm"].startswith("https://127.0.0.1:")  # the ARM face, over TLS
+        assert requests.get(banner["arm"] + "/_emulator/arm", timeout=5).json()["requests"] == 0
         response = requests.get(
             banner["vms"]["web_1"] + "/metadata/scheduledevents?api-version=2020-07-01",
             headers={"Metadata": "true"},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -86,6 +88,15 @@ class RawListener:
 
     async def close(self) -> None:
         await self.ws.close()
+
+
+def raw_connection(relay: RelayEmulator, *, timeout: float = 10) -> socket.socket:
+    """A socket to the relay's port for bytes spelled out by hand: through TLS (verified with the usual CA settings,
+    tests/conftest.py) when the relay serves it, as it does by default."""
+    conn = socket.create_connection(("127.0.0.1", relay.port), timeout=timeout)
+    if relay.base_url.startswith("https://"):
+        return ssl.create_default_context().wrap_socket(conn, server_hostname="127.0.0.1")
+    return conn
 
 
 async def http(method: str, url: str, **kwargs: Any) -> requests.Response:

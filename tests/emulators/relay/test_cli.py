@@ -13,6 +13,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from emulators.relay import create_sas_token
+from emulators.tls import local_tls
 from tests.emulators.relay.raw import RawListener, http
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -31,8 +32,9 @@ def test_cli_serves_until_sigterm() -> None:
         assert process.stdout is not None
         urls = json.loads(process.stdout.readline())
         base = urls["relay"]
-        assert base.startswith("http://127.0.0.1:")
-        assert urls["listen"] == base.replace("http://", "ws://") + "/$hc/{path}?sb-hc-action=listen"
+        assert base.startswith("https://127.0.0.1:")
+        assert urls["listen"] == base.replace("https://", "wss://") + "/$hc/{path}?sb-hc-action=listen"
+        assert urls["caBundle"] == str(local_tls().bundle)
         assert urls["requireKnown"] is True
 
         async def scenario() -> None:

@@ -44,7 +44,7 @@ def test_request_and_response_travel_on_the_control_channel(relay: RelayEmulator
         assert {"host", "content-length", "connection"}.isdisjoint(headers)
         assert headers["authorization"] == "Bearer end-to-end"
         assert headers["x-custom"] == "kept"
-        assert request["address"].startswith(f"ws://127.0.0.1:{relay.port}/$hc/vm-a?sb-hc-action=request")
+        assert request["address"].startswith(f"wss://127.0.0.1:{relay.port}/$hc/vm-a?sb-hc-action=request")
         await listener.respond(
             request["id"], 202, b"approved", headers={"Content-Type": "text/plain", "Connection": "keep-alive"}
         )

@@ -40,7 +40,7 @@ def test_accepted_sender_is_bridged_to_the_listener(relay: RelayEmulator) -> Non
         async with _bridged(relay, "/approve", "&round=3") as (_, accept, sender, accepted):
             assert accept["connectHeaders"]["X-App"] == "approver"
             assert "sb-hc-token" not in accept["address"]
-            address = f"ws://127.0.0.1:{relay.port}/$hc/vm-a/approve?round=3&sb-hc-action=accept"
+            address = f"wss://127.0.0.1:{relay.port}/$hc/vm-a/approve?round=3&sb-hc-action=accept"
             assert accept["address"].startswith(address)
             await sender.send("approve E1")
             assert await accepted.recv() == "approve E1"
@@ -132,7 +132,7 @@ def test_deleting_the_hybrid_connection_closes_bridged_sockets_with_1001(relay: 
 
 def test_unknown_actions_and_paths_are_refused(relay: RelayEmulator) -> None:
     async def scenario() -> None:
-        base = f"ws://127.0.0.1:{relay.port}"
+        base = relay.ws_url
         for url, status in [
             (f"{base}/$hc/vm-a?sb-hc-action=dance", 400),
             (f"{base}/vm-a?sb-hc-action=listen", 404),

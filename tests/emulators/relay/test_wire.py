@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Callable
 
 import pytest
 
 from emulators.relay import RelayEmulator
 from emulators.relay.messages import ControlMessageError, ResponseMessage, parse_listener_message
-from tests.emulators.relay.raw import RawListener, sas
+from tests.emulators.relay.raw import RawListener, raw_connection, sas
 
 
 def _exchange(relay: RelayEmulator, data: bytes, *, wait_for_continue: bool = False, rest: bytes = b"") -> bytes:
-    with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as conn:
+    with raw_connection(relay) as conn:
         conn.sendall(data)
         if wait_for_continue:
             assert conn.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -37,7 +38,11 @@ def _exchange(relay: RelayEmulator, data: bytes, *, wait_for_continue: bool = Fa
         (b"GET /$hc/vm-a HTTP/1.0\r\n\r\n", b"400"),
     ],
 )
-def test_malformed_requests_get_a_clear_status(relay: RelayEmulator, request_bytes: bytes, status: bytes) -> None:
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_malformed_requests_get_a_clear_status(
+    make_relay: Callable[..., RelayEmulator], request_bytes: bytes, status: bytes, tls: bool
+) -> None:
+    relay = make_relay(response_timeout=5.0, tls=tls)
     answer = _exchange(relay, request_bytes)
     assert answer.split(b" ", 2)[1] == status, answer[:200]
     assert b"TrackingId:" in answer
@@ -111,9 +116,14 @@ def test_invalid_listener_messages_name_the_problem(frame: str, reason: str) -> 
         parse_listener_message(frame)
 
 
-def test_a_sender_that_half_closes_after_its_request_still_gets_the_answer(relay: RelayEmulator) -> None:
+def test_a_sender_that_half_closes_after_its_request_still_gets_the_answer(
+    make_relay: Callable[..., RelayEmulator],
+) -> None:
+    # Plain TCP: TLS has no half-close (a FIN without close_notify ends the TLS session; asyncio then closes).
+    relay = make_relay(response_timeout=5.0, tls=False)
+
     def half_closed_exchange() -> bytes:
-        with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as conn:
+        with raw_connection(relay) as conn:
             conn.sendall(b"GET /vm-a HTTP/1.1\r\nServiceBusAuthorization: " + sas(relay).encode() + b"\r\n\r\n")
             conn.shutdown(socket.SHUT_WR)
             received = b""
