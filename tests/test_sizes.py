@@ -110,3 +110,24 @@ def test_the_rule_catches_a_module_that_grows(tmp_path: Path) -> None:
     path = tmp_path / "m.py"
     path.write_text(f"def f():\n{body}\n\n\nclass C:\n    def g(self):\n        return 1\n", encoding="utf-8")
     assert _functions(path) == {"f": 61, "C.g": 2}
+
+
+# The front door and the docs a newcomer reads (issue 36): the README says what, the two commands, deploy, query,
+# the figures and what is not done, at length in docs/; no docs page is a book.
+MAX_README_LINES = 300
+MAX_DOC_PAGE_LINES = 600
+
+
+def test_the_readme_and_each_docs_page_stay_readable() -> None:
+    readme = _lines(ROOT / "README.md")
+    over = [f"README.md: {readme} lines (at most {MAX_README_LINES})"] if readme > MAX_README_LINES else []
+    over += [
+        f"{page.relative_to(ROOT).as_posix()}: {_lines(page)} lines (at most {MAX_DOC_PAGE_LINES})"
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        if _lines(page) > MAX_DOC_PAGE_LINES
+    ]
+    assert not over, "say it shorter, or split the page by topic:\n" + "\n".join(over)
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
