@@ -57,9 +57,12 @@ def hub_envelopes(eventhubs: EventHubsEmulator) -> list[dict[str, Any]]:
 
 
 def read_envelopes(path: Path) -> list[dict[str, Any]]:
+    """The envelopes of a jsonl sink's file: whole lines only, as a tail reads a file another process appends to."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8")
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from emulators.eventhubs.partition_log import StoredEvent
 from emulators.imds import ImdsEmulator
 from forwarder.eventhub import EventHubSink
 from forwarder.telemetry import SERVICE_NAME
-from tests.forwarder.conftest import HUB, Harness, forwarder_importing, write_hook
+from tests.forwarder.conftest import HUB, Harness, forwarder_importing, read_envelopes, write_hook
 from tests.polling import wait_for
 
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -27,9 +27,7 @@ MakeHarness = Callable[..., Harness]
 
 
 def spans(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return read_envelopes(path)  # whole lines only: the forwarder may be appending
 
 
 def properties(event: StoredEvent) -> dict[str, str]:
