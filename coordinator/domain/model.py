@@ -65,6 +65,11 @@ class VmSighting(BaseModel):
     impactSeconds: float | None = None
     impactMeasure: str = ""
 
+    @property
+    def position(self) -> tuple[int, int]:
+        """How far this sighting has come: its latest envelope, a listing's or a hook report's, as (epoch, sequence)."""
+        return max((self.epoch, self.lastSequence), (self.hookEpoch, self.hookSequence))
+
     def identity(self) -> VmIdentity:
         return VmIdentity(
             name=self.name,
@@ -101,6 +106,11 @@ class DecisionRecord(BaseModel):
     # again, and its conditions no longer held): which, and why. The Decision row's Reason starts with it; kept apart
     # from ``reason`` so that the next decision alike writes no row.
     withdrawal: str = ""
+    # The view it was taken from: each VM's sighting position (``VmSighting.position``) by vmId. A VM's sighting
+    # lives in its position, written after the event by the batch that brought it; a run reading in between sees the
+    # event decided from a newer sighting than the one it reads, and must not replace that decision
+    # (``EventRecord.older_view``).
+    viewed: dict[str, tuple[int, int]] = Field(default_factory=dict)
 
 
 class LostAnswer(BaseModel):
@@ -253,6 +263,20 @@ class EventRecord(BaseModel):
     @property
     def scale_sets(self) -> set[str]:
         return {s.scaleSet for s in self.vms.values() if s.scaleSet}
+
+    def view(self) -> dict[str, tuple[int, int]]:
+        """Each sighting's position by vmId: what a decision taken now is taken from (``DecisionRecord.viewed``)."""
+        return {s.vmId.lower(): s.position for s in self.vms.values() if s.vmId}
+
+    def older_view(self) -> str:
+        """The VM whose sighting, as read, is older than the one the standing decision was taken from ("" if none):
+        the VM's position is not yet written by the batch that decided (or not yet read), so deciding from this
+        record would take that decision back from a stale view."""
+        viewed = self.decision.viewed if self.decision is not None else {}
+        for sighting in self.vms.values():
+            if sighting.vmId and sighting.position < viewed.get(sighting.vmId.lower(), (-2, -2)):
+                return sighting.name
+        return ""
 
 
 class Retirement(BaseModel):

@@ -221,6 +221,8 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
     forced = again and pending is not None and not pending.delivered and pending.actor.startswith("rule:")
     if pending is not None and not found and not forced and not decided_again(pending, run.now, dry_run=run.dry_run):
         return
+    if record.older_view():
+        return  # read between the deciding batch's event write and its positions': the next run decides
     started = telemetry.now_ns()
     decision, claimed = _verdict(run, record)
     withdrew = ""
@@ -314,6 +316,7 @@ def _record_decision(run: Run, change: EventChange, decision: Decision, *, withd
         holdName=decision.holdName,
         holdSince=hold_since,
         withdrawal=withdrew,
+        viewed=record.view(),
     )
     change.rows.append(decision_row(record=record, now=now))
     change.changed = True

@@ -15,7 +15,7 @@ from contracts.envelope import Envelope
 from coordinator.domain.model import VmGroupRecord, VmRecord
 from coordinator.domain.observations import VmUpdate
 from coordinator.domain.observations import vm_observations as real
-from coordinator.pipeline import act, fold, ingest, positions
+from coordinator.pipeline import act, fold, ingest, positions, timer
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
 from coordinator.state.store import ConcurrencyConflict, Stored
@@ -330,3 +330,49 @@ def test_sibling_deletes_ready_in_runs_side_by_side_are_approved_together():
     assert rows == [("EV-web_3", "wait"), ("EV-web_1", "wait"), ("EV-web_1", "approve"), ("EV-web_3", "approve")]
     assert sorted(first.work.deliveries) == ["EV-web_1", "EV-web_3"]
     assert sorted(vm.name for _, vm in bench.callback.sent) == ["web_1", "web_3"]
+
+
+class BetweenWrites(MemoryStateStore):
+    """Runs ``between`` once, when a run writes its VM positions: after its events' write, before its positions'
+    (another run of the instance reading both in that gap)."""
+
+    between: Any = None
+
+    def save_vm_groups(self, items: Any, **kw: Any) -> list[str]:
+        action, self.between = self.between, None
+        if action is not None:
+            action()
+        return super().save_vm_groups(items, **kw)
+
+
+def test_a_run_reading_a_position_a_batch_has_not_written_yet_does_not_take_back_the_batchs_decision():
+    """The people-browser fixture's flip: a batch decided web_1's delete ready (its hook succeeded; held only by
+    web_3's delete) and wrote it; a tick read it before the batch wrote web_1's position, decided from web_1's older
+    sighting (hooks not yet run) and wrote 'hooks' over 'delete'. A decision is never replaced by one taken from an
+    older view of its VMs than its own."""
+    bench = Bench(store=BetweenWrites())
+    store = bench.store
+    assert isinstance(store, BetweenWrites)
+    for name in ("web_1", "web_3"):
+        put_event(store, f"EV-{name}", vms=(name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
+    timer.tick(bench.run("tick"), timer.Housekeeping())
+    assert bench.event("EV-web_1").decision is not None
+    assert bench.event("EV-web_1").decision.holdKind == "hooks"  # type: ignore[union-attr]
+    ticks: list[Run] = []
+
+    def a_tick() -> None:
+        ticks.append(bench.run("tick"))
+        timer.tick(ticks[-1], timer.Housekeeping())
+
+    store.between = a_tick
+    run = bench.run()
+    fold.fold(run, ingest.read_batch(run, [hooked("web_1", "EV-web_1")], "vms"))
+    assert ticks, "the tick ran between the batch's two writes"
+    record = bench.event("EV-web_1")
+    assert record.vms["web_1"].hooks["prepare"] == "succeeded"
+    assert record.decision is not None
+    assert (record.decision.holdKind, record.decision.heldBy) == ("delete", "EV-web_3"), record.decision.reason
+    assert [r.EventId for r in ticks[0].work.rows if r.RecordType == "Decision"] == []
+    # Once the position is written, a tick decides from it as the batch did: nothing changes.
+    timer.tick(bench.run("tick"), timer.Housekeeping())
+    assert bench.event("EV-web_1").decision == record.decision
