@@ -88,7 +88,7 @@ def release_held(run: Run, changes: Sequence[EventChange]) -> int:
     them are approved in this same batch or tick. Returns how many changed."""
     touched = {scale_set for c in changes if c.record.eventType == "Terminate" for scale_set in c.record.scaleSets}
     here = {c.record.eventId for c in changes}
-    return _redecide_each(run, [e for e in run.fleet.held_in(touched, run.now) if e not in here])
+    return redecide_each(run, [e for e in run.fleet.held_in(touched, run.now) if e not in here])
 
 
 def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
@@ -121,7 +121,7 @@ def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
         if own.verdict != "approve":
             return 0
         _note_provisionally(run, stored.record, own)
-    return _redecide_each(run, [record.eventId for record in pending])
+    return redecide_each(run, [record.eventId for record in pending])
 
 
 def _own_verdict(run: Run, record: EventRecord) -> Decision:
@@ -139,9 +139,9 @@ def _note_provisionally(run: Run, record: EventRecord, own: Decision) -> None:
     run.fleet.note(record.model_copy(update={"decision": provisional}))
 
 
-def _redecide_each(run: Run, event_ids: Iterable[str]) -> int:
-    """Each event decided again in its own write (``redecide``), noted in the fleet view and collected; one
-    contended is left to the timer. Returns how many changed."""
+def redecide_each(run: Run, event_ids: Iterable[str]) -> int:
+    """Each event decided again in its own write (``redecide``) from a fresh read, noted in the fleet view and
+    collected; one contended is left to the timer. Returns how many changed."""
     released = 0
     for event_id in event_ids:
         try:

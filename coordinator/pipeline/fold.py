@@ -84,15 +84,17 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         # Still moved by another instance after every redo: their next envelopes start from the stored positions.
         log.warning("positions of %s not written (contended)", sorted(stale))
         run.work.forget(stale)
-    # With this batch's hook results now in its VMs' positions, its scale sets' deletes are read again: a run
-    # deciding a sibling delete side by side could not see them (decide.approve_together).
+    # With this batch's sightings now in its VMs' positions, what another run folding side by side could not see
+    # is decided again: the waits on VMs in other positions (spread_waits), then its scale sets' deletes
+    # (decide.approve_together).
+    released = decide.redecide_each(run, spread_waits(run))
     deleting = {
         scale_set
         for r in run.work.records.values()
         if r.eventType == "Terminate" and r.open and (r.approval is not None or ready_to_go(r))
         for scale_set in r.scaleSets
     }
-    released = decide.approve_together(run, deleting)
+    released += decide.approve_together(run, deleting)
     if released:
         report.events_changed += released
         act.send_decided(run)
@@ -101,6 +103,23 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
             report.accepted -= updates.updates[vm_id].applied
         report.dead_lettered += set_aside(run, arrivals, updates.too_large, first=len(arrivals.dead))
     return updates
+
+
+def spread_waits(run: Run) -> list[str]:
+    """The events this run wrote that more than one VM reports and that wait on what their VMs report (their hooks,
+    or a decision this run left alone because its read of another VM was older than the decision's view:
+    EventRecord.older_view). A sighting is written with its VM's position, after the event, and a group's write
+    merges VM by VM: two runs folding two of its VMs side by side each read the other's older sighting, so neither
+    decided from both (a delete naming two VMs waited for the timer with both hooks done). Read again once this
+    run's positions are written, the last of those runs reads every VM's newest sighting."""
+    return [
+        r.eventId
+        for r in run.work.records.values()
+        if r.state == "Scheduled"
+        and r.approval is None
+        and len(r.vms) > 1
+        and (r.older_view() or (r.decision is not None and r.decision.holdKind == "hooks"))
+    ]
 
 
 def heard_times(run: Run, arrivals: Arrivals) -> dict[str, list[datetime]]:

@@ -376,3 +376,29 @@ def test_a_run_reading_a_position_a_batch_has_not_written_yet_does_not_take_back
     # Once the position is written, a tick decides from it as the batch did: nothing changes.
     timer.tick(bench.run("tick"), timer.Housekeeping())
     assert bench.event("EV-web_1").decision == record.decision
+
+
+def test_two_vms_hooks_folded_side_by_side_approve_their_event_without_waiting_for_the_timer():
+    """One delete naming two VMs, each VM's hook report in its own batch: the second batch runs whole
+    between the first's event write and its positions' write. Neither decided from both hooks (each read the
+    other's older sighting); the first, re-deciding once its positions are written, approves."""
+    bench = Bench(store=BetweenWrites())
+    store = bench.store
+    assert isinstance(store, BetweenWrites)
+    put_event(
+        store, "EV-SCALE-IN", vms=("web_1", "web_2"), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE
+    )
+    timer.tick(bench.run("tick"), timer.Housekeeping())
+    assert bench.event("EV-SCALE-IN").decision is not None
+    first, second = bench.run(), bench.run()
+    store.between = lambda: fold.fold(second, ingest.read_batch(second, [hooked("web_2", "EV-SCALE-IN")], "vms"))
+    fold.fold(first, ingest.read_batch(first, [hooked("web_1", "EV-SCALE-IN")], "vms"))
+    record = bench.event("EV-SCALE-IN")
+    assert {name: s.hooks.get("prepare") for name, s in record.vms.items()} == {
+        "web_1": "succeeded",
+        "web_2": "succeeded",
+    }
+    assert record.decision is not None
+    assert record.decision.verdict == "approve", record.decision.reason
+    assert record.approval is not None
+    assert [vm.name for _, vm in bench.callback.sent] in (["web_1"], ["web_2"])

@@ -71,7 +71,13 @@ def test_a_batch_enters_ingest_fold_and_the_tail_once_and_fold_calls_only_the_tw
     ]
     later = ("act", "outbox", "record", "tail", "decide")
     from_fold = sorted({callee for callee in by["fold"] if callee.split(".")[0] in later})
-    assert from_fold == ["act.send_decided", "decide.approve_together", "decide.decide_all", "decide.release_held"]
+    assert from_fold == [
+        "act.send_decided",
+        "decide.approve_together",
+        "decide.decide_all",
+        "decide.redecide_each",
+        "decide.release_held",
+    ]
     tail = [callee.split(".")[0] for callee in by["tail"]]
     assert tail == sorted(set(tail), key=tail.index)  # each step once
     assert [step for step in tail if step in ("act", "outbox", "decide", "record")] == [
