@@ -150,18 +150,24 @@ class Azurite:
                 start_new_session=True,
             )
             deadline = time.monotonic() + self._startup_timeout
-            while time.monotonic() < deadline and process.poll() is None:
-                # All three ports: Azurite binds its services one after another and exits when a later bind fails
-                # (a port taken between _free_port and the bind), so blob and table accepting proves nothing if
-                # the queue port was lost (seen in CI: the next request was refused). Then it must still be alive a
-                # moment later: a port can accept because another process holds it while Azurite is exiting.
-                if all(_accepts(port) for port in (blob_port, queue_port, table_port)) and not _exits(process, 0.2):
-                    self._process = process
-                    self._endpoints = AzuriteEndpoints(
-                        blob_port=blob_port, table_port=table_port, queue_port=queue_port
-                    )
-                    return self._endpoints
-                time.sleep(0.05)
+            try:
+                while time.monotonic() < deadline and process.poll() is None:
+                    # All three ports: Azurite binds its services one after another and exits when a later bind
+                    # fails (a port taken between _free_port and the bind), so blob and table accepting proves
+                    # nothing if the queue port was lost (seen in CI: the next request was refused). Then it must
+                    # still be alive a moment later: a port can accept because another process holds it while
+                    # Azurite is exiting.
+                    if all(_accepts(p) for p in (blob_port, queue_port, table_port)) and not _exits(process, 0.2):
+                        self._process = process
+                        self._endpoints = AzuriteEndpoints(
+                            blob_port=blob_port, table_port=table_port, queue_port=queue_port
+                        )
+                        return self._endpoints
+                    time.sleep(0.05)
+            except BaseException:  # Ctrl-C while it starts: no one else holds the process to stop it
+                process.kill()
+                process.wait(timeout=5)
+                raise
             if process.poll() is None:
                 process.kill()
             _, stderr = process.communicate(timeout=5)

@@ -19,10 +19,10 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 
 from emulators.azurite import AzuriteError
 from emulators.imds import Scenario, ScenarioError
+from local.child import interrupt_on
 from local.run import follow, history_command, judge, policy_problem, settle_forwarders
 from local.stack import REPO_ROOT, LocalStack
 from local.stack_options import StackOptions
@@ -68,13 +68,6 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return arguments
 
 
-def _stop_on_sigterm() -> None:
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     arguments = _arguments(argv)
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -110,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=human, flush=True)
 
-    _stop_on_sigterm()
+    interrupt_on(signal.SIGINT, signal.SIGTERM)  # a child being started is held first (local/child.py)
     started = time.monotonic()
     printer = None if arguments.quiet else say
     # Before the stack starts: the coordinator records from its first batch on.
