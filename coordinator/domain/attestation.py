@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from asn1crypto import cms as asn1_cms
-from asn1crypto import x509 as asn1_x509
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
@@ -133,12 +132,12 @@ def _unreadable(what: str, error: Exception) -> AttestationRefused:
     return AttestationRefused(f"{what} cannot be read: {type(error).__name__}: {str(error)[:200]}")
 
 
-def _certificate(value: asn1_x509.Certificate, what: str) -> x509.Certificate:
+def _certificate(der: bytes, what: str) -> x509.Certificate:
     """A carried certificate, every part of it read now: cryptography reads extensions only when first asked for
     them, so a damaged one (a byte changed inside its Authority Information Access) is refused here as this
     certificate's, not raised later from the signer-name or chain check."""
     try:
-        return _load_certificate(value.dump())
+        return _load_certificate(der)
     except Exception as error:
         raise _unreadable(what, error) from error
 
@@ -151,6 +150,40 @@ def _load_certificate(der: bytes) -> x509.Certificate:
     for extension in certificate.extensions:
         _ = extension.value
     return certificate
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """A certificate a PKCS7 carries: what a SignerInfo names it by, and its DER."""
+
+    issuer: bytes
+    serial: int
+    key_id: bytes | None
+    der: bytes
+
+
+# The certificate sets read, by their DER: every document one region's IMDS signs carries the same set, and reading it
+# (issuer, serial number, key identifier of each certificate) was more than half of a document's first verification.
+_carried_sets: OrderedDict[bytes, tuple[_Carried, ...]] = OrderedDict()
+_carried_lock = threading.Lock()
+
+
+def _carried(certificates: asn1_cms.CertificateSet) -> tuple[_Carried, ...]:
+    key = certificates.contents or b""
+    with _carried_lock:
+        if (hit := _carried_sets.get(key)) is not None:
+            _carried_sets.move_to_end(key)
+            return hit
+    found = tuple(
+        _Carried(c.chosen.issuer.dump(), c.chosen.serial_number, c.chosen.key_identifier, c.chosen.dump())
+        for c in certificates
+        if c.name == "certificate"
+    )
+    with _carried_lock:
+        _carried_sets[key] = found
+        while len(_carried_sets) > CERTIFICATES_KEPT:
+            _carried_sets.popitem(last=False)
+    return found
 
 
 def _signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.Certificate, ...]]:
@@ -169,7 +202,7 @@ def _read_signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.C
         raise AttestationRefused("the PKCS7 is not a SignedData")
     signed = info["content"]
     content = signed_content(der)
-    carried = [c.chosen for c in signed["certificates"] if c.name == "certificate"]
+    carried = _carried(signed["certificates"])
     signer_infos = list(signed["signer_infos"])
     if len(signer_infos) != 1:
         raise AttestationRefused(f"the PKCS7 has {len(signer_infos)} signers; IMDS signs with one")
@@ -177,13 +210,13 @@ def _read_signer_info(der: bytes) -> tuple[bytes, x509.Certificate, tuple[x509.C
     sid = signer_info["sid"]
     if sid.name == "issuer_and_serial_number":
         wanted = (sid.chosen["issuer"].dump(), sid.chosen["serial_number"].native)
-        chosen = [c for c in carried if (c.issuer.dump(), c.serial_number) == wanted]
+        chosen = [c for c in carried if (c.issuer, c.serial) == wanted]
     else:
-        chosen = [c for c in carried if c.key_identifier == sid.chosen.native]
+        chosen = [c for c in carried if c.key_id == sid.chosen.native]
     if not chosen:
         raise AttestationRefused("the PKCS7 does not carry the certificate that signed it")
-    certificate = _certificate(chosen[0], "the signing certificate")
-    others = tuple(_certificate(c, "a certificate the PKCS7 carries") for c in carried if c is not chosen[0])
+    certificate = _certificate(chosen[0].der, "the signing certificate")
+    others = tuple(_certificate(c.der, "a certificate the PKCS7 carries") for c in carried if c is not chosen[0])
     digest = _DIGESTS.get(signer_info["digest_algorithm"]["algorithm"].dotted)
     if digest is None:
         raise AttestationRefused(
