@@ -28,6 +28,7 @@ thread sits in ``recv``; a lock keeps each response's frames together.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -238,18 +239,14 @@ class RelayListener:
         # A text frame read where a request's body was due: the next message, read next.
         pending: str | None = None
         while not self._stopping.is_set():
-            message: str | bytes
-            if pending is not None:
-                message, pending = pending, None
-            else:
-                try:
-                    message = control.recv(timeout=max(0.0, renew_at - time.time()))
-                except TimeoutError:
-                    renew_at = self._renew(control, send_lock)
-                    continue
-            if isinstance(message, bytes):
-                self.stats.add("protocol_errors")
-                logger.warning("relay listener %s: unexpected binary frame ignored", self.hybrid_connection)
+            try:
+                receive = functools.partial(control.recv, timeout=max(0.0, renew_at - time.time()))
+                message = self._next_text(pending, receive)
+            except TimeoutError:
+                renew_at = self._renew(control, send_lock)
+                continue
+            pending = None
+            if message is None:
                 continue
             parsed = self._parse(control, send_lock, message)
             if parsed is None:
@@ -260,6 +257,16 @@ class RelayListener:
                 self._submit(pool, self._decline_accept, parsed.accept)
             else:
                 logger.info("relay listener %s: unknown control message ignored", self.hybrid_connection)
+
+    def _next_text(self, pending: str | None, receive: Callable[[], str | bytes]) -> str | None:
+        """The next text message of a channel: ``pending`` (read where a request's body was due), else received; a
+        binary frame where a text one is due is counted and ignored (None)."""
+        message = pending if pending is not None else receive()
+        if isinstance(message, bytes):
+            self.stats.add("protocol_errors")
+            logger.warning("relay listener %s: unexpected binary frame ignored", self.hybrid_connection)
+            return None
+        return message
 
     def _submit(self, pool: ThreadPoolExecutor, work: Callable[..., None], *args: Any) -> None:
         with self._idle:
@@ -365,13 +372,9 @@ class RelayListener:
                 lock = threading.Lock()
                 pending: str | None = None
                 while not self._stopping.is_set():
-                    message: str | bytes
-                    if pending is not None:
-                        message, pending = pending, None
-                    else:
-                        message = socket.recv(timeout=REQUEST_DEADLINE_SECONDS)
-                    if isinstance(message, bytes):
-                        self.stats.add("protocol_errors")
+                    message = self._next_text(pending, functools.partial(socket.recv, timeout=REQUEST_DEADLINE_SECONDS))
+                    pending = None
+                    if message is None:
                         continue
                     parsed = self._parse(socket, lock, message)
                     if parsed is None:

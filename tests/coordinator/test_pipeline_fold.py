@@ -280,17 +280,27 @@ def test_a_vm_whose_clock_runs_six_minutes_slow_is_fresh_by_the_enqueued_time_an
     assert bench.event(FREEZE).state == "Approved"
 
 
-class SideBySide(MemoryStateStore):
-    """Runs ``between`` once, when a run first writes its events: another run's whole batch, decided before this
-    one's write and after this one's reads (two partitions' runs of one instance side by side)."""
+class Interleaved(MemoryStateStore):
+    """Runs ``between`` once, just before this run's first write of ``before`` ("save_events": after its reads;
+    "save_vm_groups": after its events' write, before its VM positions'): another run's work at that moment (two
+    partitions' runs of one instance side by side)."""
 
     between: Any = None
+    before = "save_events"
+
+    def _interleave(self, write: str) -> None:
+        if write == self.before:
+            action, self.between = self.between, None
+            if action is not None:
+                action()
 
     def save_events(self, items: Any, **kw: Any) -> list[str]:
-        action, self.between = self.between, None
-        if action is not None:
-            action()
+        self._interleave("save_events")
         return super().save_events(items, **kw)
+
+    def save_vm_groups(self, items: Any, **kw: Any) -> list[str]:
+        self._interleave("save_vm_groups")
+        return super().save_vm_groups(items, **kw)
 
 
 def hooked(name: str, event_id: str) -> RawMessage:
@@ -311,9 +321,9 @@ def test_sibling_deletes_ready_in_runs_side_by_side_are_approved_together():
     delete before the other's hook is in a VM position, so each holds its own by the other (and neither sees the
     other held, so ``release_held`` has nothing to release); the later run, reading its scale set again once its
     positions are written, approves both."""
-    bench = Bench(store=SideBySide())
+    bench = Bench(store=Interleaved())
     store = bench.store
-    assert isinstance(store, SideBySide)
+    assert isinstance(store, Interleaved)
     for name in ("web_1", "web_3"):
         put_event(store, f"EV-{name}", vms=(name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
     first, second = bench.run(), bench.run()
@@ -332,27 +342,15 @@ def test_sibling_deletes_ready_in_runs_side_by_side_are_approved_together():
     assert sorted(vm.name for _, vm in bench.callback.sent) == ["web_1", "web_3"]
 
 
-class BetweenWrites(MemoryStateStore):
-    """Runs ``between`` once, when a run writes its VM positions: after its events' write, before its positions'
-    (another run of the instance reading both in that gap)."""
-
-    between: Any = None
-
-    def save_vm_groups(self, items: Any, **kw: Any) -> list[str]:
-        action, self.between = self.between, None
-        if action is not None:
-            action()
-        return super().save_vm_groups(items, **kw)
-
-
 def test_a_run_reading_a_position_a_batch_has_not_written_yet_does_not_take_back_the_batchs_decision():
     """The people-browser fixture's flip: a batch decided web_1's delete ready (its hook succeeded; held only by
     web_3's delete) and wrote it; a tick read it before the batch wrote web_1's position, decided from web_1's older
     sighting (hooks not yet run) and wrote 'hooks' over 'delete'. A decision is never replaced by one taken from an
     older view of its VMs than its own."""
-    bench = Bench(store=BetweenWrites())
+    bench = Bench(store=Interleaved())
     store = bench.store
-    assert isinstance(store, BetweenWrites)
+    assert isinstance(store, Interleaved)
+    store.before = "save_vm_groups"
     for name in ("web_1", "web_3"):
         put_event(store, f"EV-{name}", vms=(name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
     timer.tick(bench.run("tick"), timer.Housekeeping())
@@ -382,9 +380,10 @@ def test_two_vms_hooks_folded_side_by_side_approve_their_event_without_waiting_f
     """One delete naming two VMs, each VM's hook report in its own batch: the second batch runs whole
     between the first's event write and its positions' write. Neither decided from both hooks (each read the
     other's older sighting); the first, re-deciding once its positions are written, approves."""
-    bench = Bench(store=BetweenWrites())
+    bench = Bench(store=Interleaved())
     store = bench.store
-    assert isinstance(store, BetweenWrites)
+    assert isinstance(store, Interleaved)
+    store.before = "save_vm_groups"
     put_event(
         store, "EV-SCALE-IN", vms=("web_1", "web_2"), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE
     )
@@ -393,6 +392,7 @@ def test_two_vms_hooks_folded_side_by_side_approve_their_event_without_waiting_f
     first, second = bench.run(), bench.run()
     store.between = lambda: fold.fold(second, ingest.read_batch(second, [hooked("web_2", "EV-SCALE-IN")], "vms"))
     fold.fold(first, ingest.read_batch(first, [hooked("web_1", "EV-SCALE-IN")], "vms"))
+    assert store.between is None, "the second batch ran between the first's two writes"
     record = bench.event("EV-SCALE-IN")
     assert {name: s.hooks.get("prepare") for name, s in record.vms.items()} == {
         "web_1": "succeeded",
