@@ -7,7 +7,7 @@ written by an older coordinator still loads (new fields have defaults) and a cor
 from __future__ import annotations
 
 import zlib
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -198,6 +198,11 @@ class FactConflict(BaseModel):
     facts: dict[str, tuple[str, str]]
 
 
+# How long a decision's view outranks an older read of its VMs (EventRecord.older_view): the gap between a batch's
+# event write and its VM positions' write is its sends' hand-off and one transaction, seconds at most.
+VIEW_GRACE = timedelta(seconds=30)
+
+
 class EventRecord(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -268,11 +273,16 @@ class EventRecord(BaseModel):
         """Each sighting's position by vmId: what a decision taken now is taken from (``DecisionRecord.viewed``)."""
         return {s.vmId.lower(): s.position for s in self.vms.values() if s.vmId}
 
-    def older_view(self) -> str:
+    def older_view(self, now: datetime) -> str:
         """The VM whose sighting, as read, is older than the one the standing decision was taken from ("" if none):
         the VM's position is not yet written by the batch that decided (or not yet read), so deciding from this
-        record would take that decision back from a stale view."""
-        viewed = self.decision.viewed if self.decision is not None else {}
+        record would take that decision back from a stale view. Only within ``VIEW_GRACE`` of the decision: a
+        position that was never written (contended past its retries, or too large to store) holds no decision for
+        longer; the VM's next envelope would have moved it past the view anyway."""
+        decision = self.decision
+        if decision is None or not decision.viewed or now - decision.decidedAt >= VIEW_GRACE:
+            return ""
+        viewed = decision.viewed
         for sighting in self.vms.values():
             if sighting.vmId and sighting.position < viewed.get(sighting.vmId.lower(), (-2, -2)):
                 return sighting.name

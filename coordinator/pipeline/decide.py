@@ -221,7 +221,7 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
     forced = again and pending is not None and not pending.delivered and pending.actor.startswith("rule:")
     if pending is not None and not found and not forced and not decided_again(pending, run.now, dry_run=run.dry_run):
         return
-    if record.older_view():
+    if record.older_view(run.now):
         return  # read between the deciding batch's event write and its positions': the next run decides
     started = telemetry.now_ns()
     decision, claimed = _verdict(run, record)

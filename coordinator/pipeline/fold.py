@@ -118,7 +118,7 @@ def spread_waits(run: Run) -> list[str]:
         if r.state == "Scheduled"
         and r.approval is None
         and len(r.vms) > 1
-        and (r.older_view() or (r.decision is not None and r.decision.holdKind == "hooks"))
+        and (r.older_view(run.now) or (r.decision is not None and r.decision.holdKind == "hooks"))
     ]
 
 

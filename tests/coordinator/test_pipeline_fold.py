@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from contracts.envelope import Envelope
-from coordinator.domain.model import VmGroupRecord, VmRecord
+from coordinator.domain.model import VIEW_GRACE, DecisionRecord, VmGroupRecord, VmRecord, VmSighting
 from coordinator.domain.observations import VmUpdate
 from coordinator.domain.observations import vm_observations as real
 from coordinator.pipeline import act, fold, ingest, positions, timer
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
 from coordinator.state.store import ConcurrencyConflict, Stored
-from tests.coordinator.helpers import DOC_NOW, envelope, grid_event, scheduled_event
+from tests.coordinator.helpers import DOC_NOW, envelope, event_record, grid_event, scheduled_event
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import NOT_BEFORE, Bench, identity, message, put_event, put_vm
 
@@ -402,3 +402,26 @@ def test_two_vms_hooks_folded_side_by_side_approve_their_event_without_waiting_f
     assert record.decision.verdict == "approve", record.decision.reason
     assert record.approval is not None
     assert [vm.name for _, vm in bench.callback.sent] in (["web_1"], ["web_2"])
+
+
+def test_a_decisions_view_outranks_an_older_read_for_a_while_only():
+    """A position that was never written (contended past its retries, too large to store) leaves the stored
+    sighting older than the view of the decision taken with it: that holds the decision back only for VIEW_GRACE."""
+    vm_id = identity("web_1").vmId
+    sighting = VmSighting(
+        name="web_1", vmId=vm_id, firstSeen=DOC_NOW, lastSeen=DOC_NOW, lastSequence=3, status="Scheduled"
+    )
+    decision = DecisionRecord(
+        decisionId="d1",
+        rule="r",
+        action="approve-after-hooks",
+        verdict="wait",
+        reason="waiting",
+        decidedAt=DOC_NOW,
+        viewed={vm_id.lower(): (0, 5)},
+    )
+    record = event_record("EV-1", vms={"web_1": sighting}, decision=decision)
+    assert record.older_view(DOC_NOW + timedelta(seconds=1)) == "web_1"
+    assert record.older_view(DOC_NOW + VIEW_GRACE) == ""
+    caught_up = sighting.model_copy(update={"hookSequence": 5})
+    assert record.model_copy(update={"vms": {"web_1": caught_up}}).older_view(DOC_NOW) == ""
