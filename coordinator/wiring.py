@@ -42,7 +42,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         alerts=build_alerts(settings),
         callback=path.callback,
         remote_acknowledge=build_remote_acknowledge(settings, credential),
-        monitor=build_monitor(policy, credential),
+        monitor=build_monitor(policy, credential, arm_endpoint=settings.arm_endpoint),
         deliveries=build_deliveries(settings, credential),
         attestations=build_attestations(settings),
         census=build_census(settings, credential, needed=policy.needs_census),
@@ -132,6 +132,7 @@ def build_approval_path(
         subscription_id=settings.relay_subscription_id,
         resource_group=settings.relay_resource_group,
         namespace=settings.relay_namespace.split(".")[0],
+        arm_endpoint=settings.arm_endpoint,
     )
     silence = timedelta(seconds=settings.hybrid_connection_silence_seconds)
 
@@ -178,10 +179,10 @@ def build_census(settings: CoordinatorSettings, credential: TokenCredential, *, 
     return Census(reader, refresh_every=refresh, usable_for=3 * refresh)
 
 
-def build_monitor(policy: Policy, credential: TokenCredential) -> AzureMonitorReader | None:
+def build_monitor(policy: Policy, credential: TokenCredential, *, arm_endpoint: str) -> AzureMonitorReader | None:
     """Azure Monitor, read with the app's identity, only for a policy with alert or logQuery gates."""
     if any(gate.alert is not None or gate.logQuery is not None for gate in policy.gates.values()):
-        return AzureMonitorReader(credential=credential)
+        return AzureMonitorReader(credential=credential, arm_endpoint=arm_endpoint)
     return None
 
 

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import pytest
 
 from coordinator import wiring
+from coordinator.adapters import relay_admin, remote_acknowledge
+from coordinator.adapters.census import ArmCensusReader
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.history import LogsIngestionHistory, SqliteHistory
@@ -238,3 +240,50 @@ def test_the_delivery_queue_is_built_with_the_managed_identity_or_an_azurite_sas
     )
     assert isinstance(azurite.parts.deliveries, StorageQueueDeliveries)
     assert azurite.options.in_run_delivery == timedelta(seconds=1.5)
+
+
+def test_every_arm_client_reaches_the_one_arm_endpoint_setting(build, monkeypatch, tmp_path):
+    """A sovereign cloud's ARM (or the local emulator's) is one setting: the census, the hybrid connections'
+    management, the Maintenance RP's acknowledge and the alert gates all reach it (the hybrid connections and the
+    alert gates went to the public cloud's, whatever it said)."""
+    reached: dict[str, str] = {}
+
+    def noting(name: str, real: Any, key: str) -> Callable[..., Any]:
+        def made(**kwargs: Any) -> Any:
+            reached[name] = kwargs[key]
+            return real(**kwargs)
+
+        return made
+
+    monkeypatch.setattr(wiring, "ArmCensusReader", noting("census", ArmCensusReader, "arm_endpoint"))
+    monkeypatch.setattr(wiring, "AzureMonitorReader", noting("gates", AzureMonitorReader, "arm_endpoint"))
+    monkeypatch.setattr(
+        relay_admin,
+        "HybridConnectionAdmin",
+        noting("hybrid connections", relay_admin.HybridConnectionAdmin, "arm_endpoint"),
+    )
+    monkeypatch.setattr(
+        remote_acknowledge,
+        "RemoteAcknowledgeSender",
+        noting("acknowledge", remote_acknowledge.RemoteAcknowledgeSender, "endpoint"),
+    )
+    policy = tmp_path / "gated.yaml"
+    policy.write_text(
+        "version: 1\ngates:\n  alerts: {alert: {alertRuleId: /subscriptions/00000000-0000-0000-0000-000000000001/"
+        "resourceGroups/rg/providers/microsoft.insights/metricAlerts/cpu}}\n"
+        "rules:\n  - {name: gated, action: approve-now, gates: [alerts]}\n"
+    )
+    sovereign = "https://management.usgovcloudapi.net"
+    build(
+        {
+            "table_endpoint": "https://fleet.table.core.usgovcloudapi.net",
+            "relay_namespace": "fleet-relay.servicebus.usgovcloudapi.net",
+            "relay_subscription_id": "00000000-0000-0000-0000-000000000001",
+            "relay_resource_group": "rg-fleet",
+            "remote_acknowledge": "rules",
+            "census_resource_groups": "/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/rg-vms",
+            "arm_endpoint": sovereign,
+            "policy_path": str(policy),
+        }
+    )
+    assert reached == dict.fromkeys(("census", "gates", "hybrid connections", "acknowledge"), sovereign)
