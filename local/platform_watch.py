@@ -47,7 +47,8 @@ class PlatformWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # interrupted before it started: nothing to wait for
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         """Plays the platform's part on the VMs' disks and processes: a VM the IMDS emulator removed (Terminate,

@@ -69,7 +69,7 @@ PLATFORM_PARTITIONS = 2
 RETIRE_GRACE_HEARTBEATS = 3
 
 
-def _quietly(stop: Callable[[], None]) -> None:
+def _quietly(stop: Callable[[], object]) -> None:
     with contextlib.suppress(Exception):
         stop()
 
@@ -336,15 +336,16 @@ class LocalStack:
         self.coordinator_process.start()
 
     def stop(self) -> None:
-        self.stop_platform()
+        # Each part whatever the stop before it raised: a stack interrupted while it started has parts not started.
+        _quietly(self.stop_platform)
         if self.coordinator_process is not None:
-            self.coordinator_process.stop()
+            _quietly(self.coordinator_process.stop)
         if self.front is not None:
-            self.front.stop()
+            _quietly(self.front.stop)
             self.front = None
         if self.event_grid is not None:
-            self.event_grid.stop()
-        self._stop_pages()
+            _quietly(self.event_grid.stop)
+        _quietly(self._stop_pages)
         for forwarder in self.forwarders.values():
             with contextlib.suppress(Exception):
                 forwarder.stop(timeout=5)
@@ -367,7 +368,7 @@ class LocalStack:
             self._direct_swap = None
         for queue in (self.delivery_queue, self.poison_queue):
             if queue is not None:
-                queue.close()
+                _quietly(queue.close)
         self.delivery_queue = self.poison_queue = None
         for part in (self.imds, self.relay, self.eventhubs, self.azurite):
             if part is not None:

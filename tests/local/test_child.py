@@ -1,4 +1,5 @@
-"""The stack's child processes (local/child.py): an interrupt while one is being started waits until it is held."""
+"""Ctrl-C while the local stack starts: an interrupt while a child process is being started waits until it is held
+(local/child.py), and what was not started yet stops without raising (local/platform_watch.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from local.child import ChildProcess, interrupt_on
+from local.platform_watch import PlatformWatch, WatchedStack
 
 
 class Sleeper(ChildProcess):
@@ -57,3 +59,11 @@ def test_an_interrupt_that_comes_while_a_child_starts_is_raised_once_the_child_i
 def test_an_interrupt_at_any_other_time_is_raised_at_once(interrupts: None) -> None:
     with pytest.raises(KeyboardInterrupt, match="signal"):
         signal.raise_signal(signal.SIGUSR1)
+
+
+def test_a_platform_watch_interrupted_before_it_started_stops_without_raising() -> None:
+    # Ctrl-C while the watch's thread was starting: the stack's stop raised "cannot join thread before it is
+    # started" and left every forwarder running (a fresh-clone CI run at 87f9d4b).
+    watch = PlatformWatch(cast(WatchedStack, None), [])
+    watch.stop()
+    watch.stop()
