@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from contracts.envelope import Envelope
-from coordinator.domain.model import VIEW_GRACE, DecisionRecord, VmGroupRecord, VmRecord, VmSighting
+from coordinator.domain.model import VIEW_GRACE, VmGroupRecord, VmRecord, VmSighting
 from coordinator.domain.observations import VmUpdate
 from coordinator.domain.observations import vm_observations as real
 from coordinator.pipeline import act, fold, ingest, positions, timer
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
 from coordinator.state.store import ConcurrencyConflict, Stored
-from tests.coordinator.helpers import DOC_NOW, envelope, event_record, grid_event, scheduled_event
+from tests.coordinator.helpers import DOC_NOW, decision_record, envelope, event_record, grid_event, scheduled_event
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import NOT_BEFORE, Bench, identity, message, put_event, put_vm
 
@@ -411,15 +411,7 @@ def test_a_decisions_view_outranks_an_older_read_for_a_while_only():
     sighting = VmSighting(
         name="web_1", vmId=vm_id, firstSeen=DOC_NOW, lastSeen=DOC_NOW, lastSequence=3, status="Scheduled"
     )
-    decision = DecisionRecord(
-        decisionId="d1",
-        rule="r",
-        action="approve-after-hooks",
-        verdict="wait",
-        reason="waiting",
-        decidedAt=DOC_NOW,
-        viewed={vm_id.lower(): (0, 5)},
-    )
+    decision = decision_record(viewed={vm_id.lower(): (0, 5)})
     record = event_record("EV-1", vms={"web_1": sighting}, decision=decision)
     assert record.older_view(DOC_NOW + timedelta(seconds=1)) == "web_1"
     assert record.older_view(DOC_NOW + VIEW_GRACE) == ""
