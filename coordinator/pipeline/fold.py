@@ -106,19 +106,26 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
 
 
 def spread_waits(run: Run) -> list[str]:
-    """The events this run wrote that more than one VM reports and that wait on what their VMs report (their hooks,
-    or a decision this run left alone because its read of another VM was older than the decision's view:
-    EventRecord.older_view). A sighting is written with its VM's position, after the event, and a group's write
-    merges VM by VM: two runs folding two of its VMs side by side each read the other's older sighting, so neither
-    decided from both (a delete naming two VMs waited for the timer with both hooks done). Read again once this
-    run's positions are written, the last of those runs reads every VM's newest sighting."""
+    """The events this run wrote that more than one VM reports and that wait on what their VMs report: their hooks,
+    this run bringing a hook report, or a decision this run left alone because its read of another VM was older
+    than the decision's view (EventRecord.older_view). A sighting is written with its VM's position, after the
+    event, and a group's write merges VM by VM: two runs folding two of its VMs side by side each read the other's
+    older sighting, so neither decided from both (a delete naming two VMs waited for the timer with both hooks
+    done). Read again once this run's positions are written, the last of those runs reads every VM's newest
+    sighting."""
+    # Only a run that brought a hook report reads again for hooks: of two runs that each brought one, the later reads
+    # both; a run that brought none decided nothing new about hooks (a wave of deletes whose VMs report no hooks
+    # reads nothing more).
+    hooked = {row.EventId for row in run.work.rows if row.RecordType == "Hook"}
     return [
         r.eventId
         for r in run.work.records.values()
         if r.state == "Scheduled"
         and r.approval is None
         and len(r.vms) > 1
-        and (r.older_view(run.now) or (r.decision is not None and r.decision.holdKind == "hooks"))
+        and (
+            r.older_view(run.now) or (r.eventId in hooked and r.decision is not None and r.decision.holdKind == "hooks")
+        )
     ]
 
 

@@ -417,3 +417,29 @@ def test_a_decisions_view_outranks_an_older_read_for_a_while_only():
     assert record.older_view(DOC_NOW + VIEW_GRACE) == ""
     caught_up = sighting.model_copy(update={"hookSequence": 5})
     assert record.model_copy(update={"vms": {"web_1": caught_up}}).older_view(DOC_NOW) == ""
+
+
+def test_a_batch_that_brings_no_hook_report_reads_nothing_again(monkeypatch: pytest.MonkeyPatch):
+    """A run that brought no hook report decided nothing new about hooks: a wave of deletes whose VMs report none
+    (benchmarks.wave --event-type Terminate) read every event again, 3x the wave's time, until this held."""
+    bench = Bench()
+    put_event(bench.store, "EV-SCALE-IN", vms=("web_1", "web_2"), scale_set="web", eventType="Terminate")
+    timer.tick(bench.run("tick"), timer.Housekeeping())
+    fresh: list[str] = []
+    read = bench.store.get_events
+
+    def noted(event_ids: Any, *, cached: bool = False) -> Any:
+        if not cached:
+            fresh.extend(event_ids)
+        return read(event_ids, cached=cached)
+
+    monkeypatch.setattr(bench.store, "get_events", noted)
+    listed = scheduled_event("EV-SCALE-IN", event_type="Terminate", resources=["web_1", "web_2"])
+    data = envelope(identity("web_2", scale_set="web").model_dump(), sequence=2, incarnation=2, events=[listed])
+    run = bench.run()
+    fold.fold(run, ingest.read_batch(run, [message(data)], "vms"))
+    assert list(run.work.records) == ["EV-SCALE-IN"]  # the batch wrote it
+    assert fresh == []
+    run = bench.run()
+    fold.fold(run, ingest.read_batch(run, [hooked("web_1", "EV-SCALE-IN")], "vms"))
+    assert fresh == ["EV-SCALE-IN"]  # a hook report: read again once its position is written
