@@ -318,13 +318,18 @@ def test_clicks_in_two_tabs_at_once_and_a_double_click_approve_once(fleet: Fleet
     # The third tab's form is stale: a double click on it is answered the same, and sends nothing. Each submit it
     # sent is answered 409, or its answer never reached the page (None: the second submit replaced the first while
     # it was on its way); when the first answer loads before the second click, that click lands on the answer page
-    # (a fresh-clone run showed the event's page, 200, after one POST answered 409).
+    # (a fresh-clone run showed the event's page, 200, after one POST answered 409). When the harness saw no answer
+    # (a fresh-clone run at 7a4dc14: one POST, aborted, the server's 409 written to a closed connection), Chromium
+    # shows the answer or leaves the stale form: the pages have no script (their CSP allows none) to hold a second
+    # submit back. Either way, below: nothing more was sent.
     clicked = tabs[2].double_click(f"Approve now as {APPROVER.upn}")
     tabs[2].screenshot("05-double-click-on-a-stale-page")
     assert clicked.posts >= 1
     assert len(clicked.answers) == clicked.posts, clicked.answers
     assert set(clicked.answers) <= {409, None}, clicked.answers
-    assert "nothing more is sent" in clicked.words() or "Already approved by person:" in clicked.words()
+    words = clicked.words()
+    answered = "nothing more is sent" in words or "Already approved by person:" in words
+    assert answered or (set(clicked.answers) == {None} and f"Approve now as {APPROVER.upn}" in clicked.text), words
     # Opened again, the page says it is approved, without a form.
     reopened = tabs[2].goto(url)
     assert "Already approved by person:" in reopened.words()
