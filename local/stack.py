@@ -11,6 +11,7 @@ parts' setup: ``local.coordinator_setup`` (app settings), ``local.forwarders``, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import shutil
@@ -347,8 +348,7 @@ class LocalStack:
             _quietly(self.event_grid.stop)
         _quietly(self._stop_pages)
         for forwarder in self.forwarders.values():
-            with contextlib.suppress(Exception):
-                forwarder.stop(timeout=5)
+            _quietly(functools.partial(forwarder.stop, timeout=5))
         # Side by side: each host's consumer takes about a second to close its links (twice that under load), and
         # every whole-stack test pays it at teardown.
         stopping = [
@@ -372,8 +372,7 @@ class LocalStack:
         self.delivery_queue = self.poison_queue = None
         for part in (self.imds, self.relay, self.eventhubs, self.azurite):
             if part is not None:
-                with contextlib.suppress(Exception):
-                    part.stop()
+                _quietly(part.stop)
         self.imds = self.relay = self.eventhubs = None
         self.azurite = None
         self._settings.restore()
