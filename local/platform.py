@@ -19,11 +19,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from azure.eventhub import EventData, EventHubProducerClient
+from azure.eventhub import EventData
 
 from contracts.envelope import VmIdentity
 from emulators.azurite import Azurite
-from emulators.eventhubs import EventHubsEmulator
+from emulators.eventhubs import EventHubsEmulator, producer_client
 from emulators.imds import ImdsEmulator
 from emulators.imds.local_steps import ForgeStep, ListenerStep, OutageStep, SignalStep
 from emulators.imds.models import ScenarioStep
@@ -320,7 +320,7 @@ class Platform:
         except Exception:  # the forger's VM is gone: it sends nothing
             log.warning("forgery of %s not made", step.by, exc_info=True)
             return
-        producer = EventHubProducerClient.from_connection_string(eventhubs.connection_string(self.stack.hub))
+        producer = producer_client(eventhubs.connection_string(self.stack.hub))
         try:
             with producer:
                 for body, key in messages:

@@ -32,13 +32,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import azure.functions as func
-from azure.eventhub import EventData, EventHubConsumerClient, PartitionContext
+from azure.eventhub import EventData, PartitionContext
 from azure.eventhub.amqp import AmqpMessageBodyType
 from azure.eventhub.extensions.checkpointstoreblob import BlobCheckpointStore
 from azure.functions.meta import Datum
 from azure.functions.timer import TimerRequest
 from azure.storage.blob import BlobServiceClient
 
+from emulators.eventhubs import consumer_client
 from forwarder.retry import Backoff
 from local.queue_trigger import QueueTrigger
 
@@ -157,7 +158,7 @@ class FunctionHost:
         self._max_attempts = max_attempts
         self._retry = (retry_initial, retry_maximum)
         store = _checkpoint_store(storage_connection_string, checkpoint_container)
-        self._client = EventHubConsumerClient.from_connection_string(
+        self._client = consumer_client(
             eventhub_connection_string,
             consumer_group=consumer_group,
             eventhub_name=eventhub_name,

@@ -14,6 +14,7 @@ import threading
 from types import FrameType
 
 from emulators.eventhubs.emulator import DEFAULT_CONSUMER_GROUP, DEFAULT_HUBS, DEFAULT_SAS_KEY_NAME, EventHubsEmulator
+from emulators.tls import local_tls
 
 
 def _hub(value: str) -> tuple[str, int]:
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     line = {
         "connection_string": connection_string,
         "port": emulator.port,
-        # The REST API (the forwarders' sends), over TLS with the local CA (emulators/tls.py).
+        # The REST API (the forwarders' sends); both it and AMQP speak TLS with the local CA's certificate
+        # (emulators/tls.py): an SDK client reaches AMQP with emulators.eventhubs.client_options(connection_string).
         "rest": emulator.rest_url,
+        "ca": str(local_tls().ca),
         "hubs": emulator.hubs,
         "consumer_groups": [DEFAULT_CONSUMER_GROUP, *args.consumer_group],
         "data_dir": args.data_dir,

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from azure.eventhub import EventData, EventHubConsumerClient, EventHubProducerClient, PartitionContext
+from azure.eventhub import EventData, PartitionContext
 
+from emulators.eventhubs.clients import consumer_client, producer_client
 from emulators.eventhubs.emulator import EventHubsEmulator
 
 HUB = "scheduled-events"
@@ -35,7 +36,7 @@ def _percentile(values: list[float], fraction: float) -> float:
 
 
 def _throughput(emulator: EventHubsEmulator, *, events: int, batch_size: int) -> dict[str, float]:
-    with EventHubProducerClient.from_connection_string(emulator.connection_string(HUB), **FAST) as producer:
+    with producer_client(emulator.connection_string(HUB), **FAST) as producer:
         producer.send_batch([EventData("warm-up")], partition_key="vm-warm")
         started = time.perf_counter()
         for start in range(0, events, batch_size):
@@ -48,7 +49,7 @@ def _throughput(emulator: EventHubsEmulator, *, events: int, batch_size: int) ->
 
 
 def _send_latency(emulator: EventHubsEmulator, *, sends: int) -> dict[str, float]:
-    with EventHubProducerClient.from_connection_string(emulator.connection_string(HUB), **FAST) as producer:
+    with producer_client(emulator.connection_string(HUB), **FAST) as producer:
         producer.send_event(EventData("warm-up"), partition_key="vm-0")
         samples = []
         for number in range(sends):
@@ -71,9 +72,7 @@ def _end_to_end(emulator: EventHubsEmulator, *, sends: int, socket_timeout: floa
             arrivals[int((event.properties or {})[b"n"])] = now
 
     options = dict(FAST) if socket_timeout is None else {**FAST, "socket_timeout": socket_timeout}
-    consumer = EventHubConsumerClient.from_connection_string(
-        emulator.connection_string(HUB), consumer_group="$Default", **options
-    )
+    consumer = consumer_client(emulator.connection_string(HUB), consumer_group="$Default", **options)
     thread = threading.Thread(
         target=consumer.receive_batch,
         kwargs={"on_event_batch": on_batch, "partition_id": "0", "starting_position": "@latest", "max_wait_time": 0.1},
@@ -82,7 +81,7 @@ def _end_to_end(emulator: EventHubsEmulator, *, sends: int, socket_timeout: floa
     thread.start()
     attached.wait(10)  # the first (empty) batch callback means the receiver is attached
     sent: dict[int, float] = {}
-    with EventHubProducerClient.from_connection_string(emulator.connection_string(HUB), **FAST) as producer:
+    with producer_client(emulator.connection_string(HUB), **FAST) as producer:
         for number in range(sends):
             event = EventData(_payload(number))
             event.properties = {"n": number}

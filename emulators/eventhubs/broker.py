@@ -15,6 +15,7 @@ import contextlib
 import logging
 import selectors
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ from proton import (
 from emulators.eventhubs.broker_state import Peer
 from emulators.eventhubs.framing import FramePadder, FramingError
 from emulators.eventhubs.links import Links
+from emulators.eventhubs.tls_pipe import TlsPipe
 
 _LOG = logging.getLogger("emulators.eventhubs")
 
@@ -99,7 +101,8 @@ class Broker(Links):
             collector = Collector()
             connection.collect(collector)
             transport.bind(connection)
-            peer = Peer(sock, transport, connection, collector, FramePadder())
+            tls = TlsPipe(self._tls) if self._tls is not None else None
+            peer = Peer(sock, transport, connection, collector, FramePadder(), tls=tls)
             self._peers.append(peer)
             self._stats.connections += 1
             self._selector.register(sock, selectors.EVENT_READ, peer)
@@ -107,7 +110,7 @@ class Broker(Links):
 
     def _read(self, peer: Peer) -> None:
         capacity = peer.transport.capacity()
-        if capacity == 0:  # proton's input buffer is full; it drains in _service_peers right after this
+        if capacity == 0 or peer.inbox:  # proton has no room; it drains in _service_peers right after this
             return
         try:
             data = peer.sock.recv(_READ_SIZE if capacity < 0 else min(capacity, _READ_SIZE))
@@ -120,10 +123,42 @@ class Broker(Links):
             # so a readable socket cannot spin the loop.
             if not data:
                 self._drop(peer)
-        elif data:
+        elif not data:
+            peer.transport.close_tail()
+        elif peer.tls is None:
             peer.transport.push(data)
         else:
+            self._decrypt(peer, peer.tls, data)
+
+    def _decrypt(self, peer: Peer, tls: TlsPipe, data: bytes) -> None:
+        try:
+            peer.inbox += tls.receive(data)
+        except ssl.SSLError as error:
+            self._stats.tls_refused += 1
+            _LOG.info("TLS with a client failed, dropping its connection: %s", error)
+            self._drop(peer)
+            return
+        peer.out += tls.outgoing()  # the handshake's records
+        self._feed(peer)
+        if tls.closed and not peer.inbox:  # the client's close_notify
             peer.transport.close_tail()
+        if peer.out:
+            self._write(peer)
+
+    def _feed(self, peer: Peer) -> bool:
+        """Hands proton what it has room for of the plaintext waiting; whether it took any."""
+        capacity = peer.transport.capacity()
+        if not peer.inbox or capacity == 0:
+            return False
+        if capacity < 0:
+            peer.inbox.clear()
+            return False
+        taken = min(capacity, len(peer.inbox))
+        peer.transport.push(bytes(peer.inbox[:taken]))
+        del peer.inbox[:taken]
+        if not peer.inbox and peer.tls is not None and peer.tls.closed:
+            peer.transport.close_tail()
+        return True
 
     def _write(self, peer: Peer) -> None:
         if peer.out:
@@ -147,17 +182,23 @@ class Broker(Links):
         while busy:
             busy = False
             for peer in list(self._peers):
+                busy |= self._feed(peer)
                 busy |= self._dispatch(peer)
                 pending = peer.transport.pending()
                 if pending > 0:
                     data = peer.transport.peek(pending) or b""
                     peer.transport.pop(pending)
                     try:
-                        peer.out += peer.padder.feed(data)
+                        padded = peer.padder.feed(data)
                     except FramingError:
                         _LOG.exception("unexpected outgoing AMQP framing; dropping the connection")
                         self._drop(peer)
                         continue
+                    if peer.tls is None:
+                        peer.out += padded
+                    else:
+                        peer.tls.send(padded)
+                        peer.out += peer.tls.outgoing()
                     busy = True
                 if peer.out:
                     self._write(peer)

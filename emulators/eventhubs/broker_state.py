@@ -8,6 +8,7 @@ import logging
 import queue
 import selectors
 import socket
+import ssl
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from emulators.eventhubs.addresses import (
 from emulators.eventhubs.auth import Grant
 from emulators.eventhubs.framing import FramePadder
 from emulators.eventhubs.partition_log import EventStore, PartitionLog, RejectedTransfer
+from emulators.eventhubs.tls_pipe import TlsPipe
 
 _LOG = logging.getLogger("emulators.eventhubs")
 
@@ -64,7 +66,10 @@ class Peer:
     connection: Connection
     collector: Collector
     padder: FramePadder
+    tls: TlsPipe | None = None  # None: plain AMQP
     out: bytearray = field(default_factory=bytearray)
+    # Plaintext read that proton has no room for yet (with TLS a record can complete more than its read's bytes).
+    inbox: bytearray = field(default_factory=bytearray)
     grants: list[Grant] = field(default_factory=list)
     publishers: dict[Link, PublishTarget] = field(default_factory=dict)
     subscriptions: dict[Link, Subscription] = field(default_factory=dict)
@@ -83,6 +88,7 @@ class BrokerStats:
     deliveries_rejected: int = 0
     tokens_refused: int = 0
     links_refused: int = 0
+    tls_refused: int = 0  # connections whose TLS handshake or record failed (a client that does not trust us)
     receivers_attached: int = 0
 
 
@@ -110,7 +116,9 @@ class BrokerState:
         port: int,
         stats: BrokerStats,
         rejected: deque[RejectedTransfer],
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self._tls = tls
         self._store = store
         self._rejected = rejected
         self._consumer_groups = {name.lower() for name in consumer_groups}

@@ -30,9 +30,11 @@ class EventHubsEmulator(Served):
     per-partition files and survive a new emulator on the same directory. ``sas_key`` defaults to a random key
     (it appears in the connection string, as the real namespace's key does in the portal).
 
-    The REST API (``POST /{hub}/messages``, emulators/eventhubs/rest.py) is served on ``rest_port`` beside AMQP;
-    ``rest_namespace`` is what a sender names as its namespace, over HTTPS with the local CA's certificate
-    (emulators/tls.py; ``tls=False``: plain HTTP); AMQP stays plain (``UseDevelopmentEmulator``). ``data_senders``:
+    AMQP is spoken over TLS with the local CA's certificate (emulators/tls.py), as the service does on 5671: the
+    SDK's clients reach it with :func:`~emulators.eventhubs.clients.client_options` (``tls=False``: plain AMQP, the
+    connection string saying ``UseDevelopmentEmulator=true``). The REST API (``POST /{hub}/messages``,
+    emulators/eventhubs/rest.py) is served on ``rest_port`` beside AMQP; ``rest_namespace`` is what a sender names
+    as its namespace, over HTTPS with the same certificate (``tls=False``: plain HTTP). ``data_senders``:
     the Entra identities (``xms_mirid``) holding "Azure Event Hubs Data Sender"; None: every valid token's identity
     does."""
 
@@ -92,6 +94,7 @@ class EventHubsEmulator(Served):
                 port=self._port,
                 stats=self.stats,
                 rejected=self._rejected,
+                tls=local_tls().server_context() if self.tls else None,
             )
             self._port = broker.port
             self._thread = threading.Thread(target=broker.serve, name=f"eventhubs-emulator:{broker.port}", daemon=True)
@@ -140,13 +143,17 @@ class EventHubsEmulator(Served):
         return self._broker is not None
 
     def connection_string(self, hub: str | None = None) -> str:
-        """``Endpoint=sb://127.0.0.1:PORT;...;UseDevelopmentEmulator=true`` (+ ``;EntityPath=hub`` if given)."""
+        """``Endpoint=sb://127.0.0.1:PORT;SharedAccessKeyName=...;SharedAccessKey=...`` (+ ``;EntityPath=hub`` if
+        given; ``;UseDevelopmentEmulator=true`` with ``tls=False``). Over TLS the SDK's clients need
+        :func:`~emulators.eventhubs.clients.client_options` of it to reach this port."""
         if not self._port:
             raise RuntimeError("the emulator has no port yet; call start() first")
         value = (
             f"Endpoint=sb://{self._host}:{self._port};SharedAccessKeyName={self.sas_key_name};"
-            f"SharedAccessKey={self.sas_key};UseDevelopmentEmulator=true"
+            f"SharedAccessKey={self.sas_key}"
         )
+        if not self.tls:
+            value += ";UseDevelopmentEmulator=true"
         if hub is not None:
             if self._store.hub_name(hub) is None:
                 raise KeyError(f"no event hub named {hub!r}; configured: {sorted(self._hubs)}")
@@ -154,11 +161,10 @@ class EventHubsEmulator(Served):
         return value
 
     def rest_connection_string(self, hub: str | None = None) -> str:
-        """The connection string of a REST sender (forwarder/eventhub.py): the same key, the REST API's port; with
-        TLS without ``UseDevelopmentEmulator`` (the sender then speaks HTTPS, as to the service)."""
+        """The connection string of a REST sender (forwarder/eventhub.py): the same key, the REST API's port (HTTPS
+        unless ``tls=False``, which the string then says with ``UseDevelopmentEmulator``)."""
         amqp = self.connection_string(hub)
-        rest = amqp.replace(f"sb://{self._host}:{self._port};", f"sb://{self.rest_namespace};", 1)
-        return rest.replace(";UseDevelopmentEmulator=true", "", 1) if self.tls else rest
+        return amqp.replace(f"sb://{self._host}:{self._port};", f"sb://{self.rest_namespace};", 1)
 
     def events(self, hub: str, partition: int | str) -> list[StoredEvent]:
         """What is stored in one partition, in order."""

@@ -19,8 +19,9 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from azure.eventhub import EventData, EventHubProducerClient
+from azure.eventhub import EventData
 
+from emulators.eventhubs.clients import producer_client
 from emulators.imds.server import ImdsEmulator
 
 EVENT_TYPE = "Microsoft.ResourceNotifications.MaintenanceResources.ScheduledEventEmitted"
@@ -42,7 +43,7 @@ class EventGridPublisher:
         interval: float = 0.2,
     ) -> None:
         self._imds = imds
-        self._producer = EventHubProducerClient.from_connection_string(connection_string, eventhub_name=eventhub_name)
+        self._producer = producer_client(connection_string, eventhub_name=eventhub_name)
         self._vms = set(vms)
         self._duplicate = duplicate
         self._as_array = as_array

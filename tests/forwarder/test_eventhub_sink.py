@@ -16,7 +16,7 @@ from typing import Any
 import certifi
 import pytest
 
-from emulators.eventhubs import EventHubsEmulator
+from emulators.eventhubs import EventHubsEmulator, consumer_client
 from emulators.imds import ImdsEmulator
 from emulators.tls import TlsHTTPServer, local_tls
 from emulators.tokens import verify_token
@@ -153,7 +153,6 @@ def test_an_identity_without_the_data_sender_role_is_refused(imds: ImdsEmulator)
 
 def test_the_trace_context_travels_as_application_properties(eventhubs: EventHubsEmulator) -> None:
     """Read back over AMQP, as the coordinator's trigger reads it: the body, the key and the W3C properties."""
-    from azure.eventhub import EventHubConsumerClient
 
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     sink = EventHubSink.from_connection_string(eventhubs.rest_connection_string(HUB))
@@ -165,9 +164,7 @@ def test_the_trace_context_travels_as_application_properties(eventhubs: EventHub
     finally:
         sink.close()
     received: list[Any] = []
-    consumer = EventHubConsumerClient.from_connection_string(
-        eventhubs.connection_string(HUB), consumer_group="$Default"
-    )
+    consumer = consumer_client(eventhubs.connection_string(HUB), consumer_group="$Default")
 
     def on_event(_: Any, event: Any) -> None:
         if event is not None:

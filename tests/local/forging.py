@@ -12,11 +12,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from azure.eventhub import EventData, EventHubProducerClient
+from azure.eventhub import EventData
 
 from contracts.document import ScheduledEventsDocument
 from contracts.envelope import Envelope, VmIdentity
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
+from emulators.eventhubs import producer_client
 from emulators.imds import Scenario
 from forwarder.imds import identity_of
 from local.forgeries import FORGED_SEQUENCE, attestation_of
@@ -70,7 +71,7 @@ class Forger:
         self.state = uuid.uuid4().hex
         self.attestation = attestation_of(self.imds.url_for(on), self.state)
         self.sequence = FORGED_SEQUENCE
-        self.producer = EventHubProducerClient.from_connection_string(stack.eventhubs.connection_string(HUB))
+        self.producer = producer_client(stack.eventhubs.connection_string(HUB))
         self.sent = 0
 
     def envelope(self, identity: VmIdentity, *, attested: bool = True, **fields: Any) -> Envelope:

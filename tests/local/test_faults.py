@@ -13,10 +13,11 @@ from pathlib import Path
 
 import azure.functions as func
 import pytest
-from azure.eventhub import EventData, EventHubProducerClient
+from azure.eventhub import EventData
 from hypothesis import HealthCheck, Phase, given, settings
 
 from contracts.envelope import VmIdentity
+from emulators.eventhubs import producer_client
 from emulators.imds import Scenario
 from emulators.relay import RelayEmulator
 from forwarder.imds import identity_of
@@ -157,7 +158,7 @@ def test_a_thousand_hostile_envelopes_among_good_ones_are_set_aside(run_pipeline
         others = [identity_of(vm.compute()).partition_key for vm in vms[1:]]
         messages = _hostile_batch(identity, others, count)
         wait_for_event(stack, "freeze")
-        producer = EventHubProducerClient.from_connection_string(stack.eventhubs.connection_string(HUB))
+        producer = producer_client(stack.eventhubs.connection_string(HUB))
         with producer:
             for start in range(0, count, 50):  # in bursts, interleaved with the forwarders' own envelopes
                 by_key: dict[str, list[bytes]] = {}

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import azure.functions as func
 import pytest
-from azure.eventhub import EventData, EventHubProducerClient
+from azure.eventhub import EventData
 from azure.storage.blob import ContainerClient
 
 from emulators.azurite import AzuriteEndpoints
-from emulators.eventhubs import EventHubsEmulator
+from emulators.eventhubs import EventHubsEmulator, producer_client
 from local.runner import AZURITE_BLOB_API_VERSION, FunctionHost, wait_until
 
 HUB = "scheduled-events"
@@ -46,7 +46,7 @@ def test_batches_reach_the_function_in_the_hosts_shape_and_are_checkpointed(
     )
     host.start()
     try:
-        with EventHubProducerClient.from_connection_string(eventhubs.connection_string(HUB)) as producer:
+        with producer_client(eventhubs.connection_string(HUB)) as producer:
             batch = producer.create_batch(partition_key="/subscriptions/s/vm-a")
             for index in range(25):
                 batch.add(EventData(f'{{"n": {index}}}'.encode()))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from azure.eventhub import EventHubConsumerClient, EventHubProducerClient
 
-from emulators.eventhubs import EventHubsEmulator
+from emulators.eventhubs import EventHubsEmulator, consumer_client, producer_client
 
 HUB = "scheduled-events"
 # Small, so that failures surface fast; the SDK's own retry loop is still exercised.
@@ -22,10 +22,8 @@ def emulator() -> Iterator[EventHubsEmulator]:
 
 
 def producer(connection_string: str, **options: Any) -> EventHubProducerClient:
-    return EventHubProducerClient.from_connection_string(connection_string, **{**FAST_CLIENT, **options})
+    return producer_client(connection_string, **{**FAST_CLIENT, **options})
 
 
 def consumer(connection_string: str, consumer_group: str = "$Default", **options: Any) -> EventHubConsumerClient:
-    return EventHubConsumerClient.from_connection_string(
-        connection_string, consumer_group=consumer_group, **{**FAST_CLIENT, **options}
-    )
+    return consumer_client(connection_string, consumer_group=consumer_group, **{**FAST_CLIENT, **options})

@@ -9,15 +9,25 @@ from typing import Any
 
 import pytest
 from azure.eventhub._pyamqp.utils import generate_sas_token
-from proton import Delivery, Message
+from proton import Delivery, Message, SSLDomain
 from proton.utils import BlockingConnection, LinkDetached
 
 from emulators.eventhubs import EventHubsEmulator
+from emulators.tls import local_tls
 from tests.emulators.eventhubs.conftest import HUB
 
 
+def _connection(emulator: EventHubsEmulator) -> BlockingConnection:
+    """A raw AMQP client (proton's), over TLS with the local CA as the SDK's. By the name ``localhost``: proton
+    matches a peer's name against the certificate's DNS names only, not its IP address."""
+    domain = SSLDomain(SSLDomain.MODE_CLIENT)
+    domain.set_trusted_ca_db(str(local_tls().ca))
+    domain.set_peer_authentication(SSLDomain.VERIFY_PEER_NAME)
+    return BlockingConnection(f"amqps://localhost:{emulator.port}", allowed_mechs="ANONYMOUS", ssl_domain=domain)
+
+
 def _authorized_connection(emulator: EventHubsEmulator) -> BlockingConnection:
-    connection = BlockingConnection(f"amqp://127.0.0.1:{emulator.port}", allowed_mechs="ANONYMOUS")
+    connection = _connection(emulator)
     audience = f"sb://127.0.0.1:{emulator.port}/{HUB}"
     token = generate_sas_token(audience, emulator.sas_key_name, emulator.sas_key, int(time.time()) + 300)  # type: ignore[no-untyped-call]
     replies = connection.create_receiver("$cbs")
@@ -59,7 +69,7 @@ def test_an_undecodable_transfer_is_rejected_set_aside_and_counted(emulator: Eve
 
 
 def test_a_link_without_a_token_is_refused(emulator: EventHubsEmulator) -> None:
-    connection = BlockingConnection(f"amqp://127.0.0.1:{emulator.port}", allowed_mechs="ANONYMOUS")
+    connection = _connection(emulator)
     try:
         with pytest.raises(LinkDetached, match="no valid CBS token"):
             connection.create_sender(HUB)

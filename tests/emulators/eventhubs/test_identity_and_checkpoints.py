@@ -15,7 +15,7 @@ from azure.eventhub.extensions.checkpointstoreblob import BlobCheckpointStore
 from azure.storage.blob import BlobServiceClient
 
 from emulators.azurite import AzuriteEndpoints
-from emulators.eventhubs import EventHubsEmulator
+from emulators.eventhubs import EventHubsEmulator, client_options, consumer_client
 from emulators.tokens import mint_token
 from tests.emulators.eventhubs.conftest import FAST_CLIENT, HUB, producer
 from tests.emulators.eventhubs.test_consumer import Received
@@ -41,7 +41,7 @@ def _identity_producer(emulator: EventHubsEmulator, credential: EmulatorIdentity
         fully_qualified_namespace=f"127.0.0.1:{emulator.port}",
         eventhub_name=HUB,
         credential=credential,
-        use_tls=False,
+        **client_options(emulator.connection_string()),
         **FAST_CLIENT,
     )
 
@@ -78,7 +78,7 @@ def test_a_checkpointing_consumer_resumes_where_it_left_off(
 
     def checkpointing_consumer() -> EventHubConsumerClient:
         store = BlobCheckpointStore.from_connection_string(azurite.connection_string, container_name=container)
-        return EventHubConsumerClient.from_connection_string(
+        return consumer_client(
             emulator.connection_string(HUB), consumer_group="coordinator", checkpoint_store=store, **FAST_CLIENT
         )
 
