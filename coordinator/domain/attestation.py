@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -42,6 +40,7 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 
 from contracts.attestation import Attestation, AttestationError, AttestedContent, signed_content
 from coordinator.domain.bindings import BindingCache
+from coordinator.domain.lru import Lru
 
 __all__ = [
     "AttestationRefused",
@@ -164,25 +163,19 @@ class _Carried:
 
 # The certificate sets read, by their DER: every document one region's IMDS signs carries the same set, and reading it
 # (issuer, serial number, key identifier of each certificate) was more than half of a document's first verification.
-_carried_sets: OrderedDict[bytes, tuple[_Carried, ...]] = OrderedDict()
-_carried_lock = threading.Lock()
+_carried_sets: Lru[bytes, tuple[_Carried, ...]] = Lru(CERTIFICATES_KEPT)
 
 
 def _carried(certificates: asn1_cms.CertificateSet) -> tuple[_Carried, ...]:
     key = certificates.contents or b""
-    with _carried_lock:
-        if (hit := _carried_sets.get(key)) is not None:
-            _carried_sets.move_to_end(key)
-            return hit
+    if (hit := _carried_sets.get(key)) is not None:
+        return hit
     found = tuple(
         _Carried(c.chosen.issuer.dump(), c.chosen.serial_number, c.chosen.key_identifier, c.chosen.dump())
         for c in certificates
         if c.name == "certificate"
     )
-    with _carried_lock:
-        _carried_sets[key] = found
-        while len(_carried_sets) > CERTIFICATES_KEPT:
-            _carried_sets.popitem(last=False)
+    _carried_sets.put(key, found)
     return found
 
 
@@ -274,29 +267,23 @@ class AttestationVerifier:
         self.skew = skew
         self.max_validity = max_validity
         self._store = Store(list(anchors.roots))
-        self._cache: OrderedDict[bytes, Attested] = OrderedDict()
+        self._cache: Lru[bytes, Attested] = Lru(CACHE_SIZE)
         # (signing certificate's SHA-256, its signer name) -> the window in which its proven chain is valid
-        self._chains: OrderedDict[tuple[bytes, str], tuple[datetime, datetime]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._chains: Lru[tuple[bytes, str], tuple[datetime, datetime]] = Lru(CERTIFICATES_KEPT)
 
     def signed(self, attestation: Attestation) -> Attested:
         """What the document says, once its signature and its signer's chain are verified (no expectation checked:
         see ``verify``)."""
         key = hashlib.sha256(attestation.signature.encode()).digest()
-        with self._lock:
-            if (hit := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
-                return hit
+        if (hit := self._cache.get(key)) is not None:
+            return hit
         try:
             attested = self._verify_signed(attestation)
         except AttestationError:
             raise
         except Exception as error:  # whatever else a damaged document breaks: refused, never raised on
             raise _unreadable("the document", error) from error
-        with self._lock:
-            self._cache[key] = attested
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        self._cache.put(key, attested)
         return attested
 
     def verify(self, attestation: Attestation, *, vm_id: str, nonce: str, at: datetime) -> Attested:
@@ -359,8 +346,7 @@ class AttestationVerifier:
         is proven at any time within the validity of each of its certificates (nothing else in the check depends
         on the time), so a signer met again costs no path building and no issuer fetch."""
         key = (certificate.fingerprint(hashes.SHA256()), name)
-        with self._lock:
-            window = self._chains.get(key)
+        window = self._chains.get(key)
         if window is not None and window[0] <= at <= window[1]:
             return
         known = (*self.anchors.intermediates, *carried)
@@ -375,10 +361,7 @@ class AttestationVerifier:
             except VerificationError as error:
                 raise AttestationRefused(self._untrusted(name, error)) from error
         proven = (max(c.not_valid_before_utc for c in chain), min(c.not_valid_after_utc for c in chain))
-        with self._lock:
-            self._chains[key] = proven
-            while len(self._chains) > CERTIFICATES_KEPT:
-                self._chains.popitem(last=False)
+        self._chains.put(key, proven)
 
     def _chain(
         self, certificate: x509.Certificate, name: str, intermediates: Sequence[x509.Certificate], at: datetime

@@ -18,7 +18,8 @@ Pure and thread-safe; the clock (seconds, any origin) is the caller's.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+
+from coordinator.domain.lru import Lru
 
 # Four bindings a VM (its resource id's and its name's vmId, its vmId's resource id and name), for 100,000 VMs.
 BINDINGS_CACHED = 4 * 100_000
@@ -29,20 +30,17 @@ class BindingCache:
 
     def __init__(self, size: int = BINDINGS_CACHED) -> None:
         self.size = size
-        self._bound: OrderedDict[str, tuple[str, str]] = OrderedDict()  # name -> (value, its partition)
+        self._bound: Lru[str, tuple[str, str]] = Lru(size)  # name -> (value, its partition)
         self._whole: dict[str, float] = {}  # partition -> when it was read whole
+        # Over both: a partition is whole only while none of its bindings was evicted.
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._bound)
 
     def get(self, name: str) -> str | None:
-        with self._lock:
-            hit = self._bound.get(name)
-            if hit is None:
-                return None
-            self._bound.move_to_end(name)
-            return hit[0]
+        hit = self._bound.get(name)
+        return None if hit is None else hit[0]
 
     def put(self, name: str, value: str, partition: str) -> str:
         with self._lock:
@@ -72,8 +70,5 @@ class BindingCache:
         return since is not None and (fresh is None or at - since <= fresh)
 
     def _put(self, name: str, value: str, partition: str) -> None:
-        self._bound[name] = (value, partition)
-        self._bound.move_to_end(name)
-        while len(self._bound) > self.size:
-            _, (_, evicted) = self._bound.popitem(last=False)
+        for _, (_, evicted) in self._bound.put(name, (value, partition)):
             self._whole.pop(evicted, None)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -28,6 +26,7 @@ from azure.core.exceptions import (
 )
 from azure.data.tables import TableClient, TableEntity, TableServiceClient, TableTransactionError, UpdateMode
 
+from coordinator.domain.lru import Lru
 from coordinator.domain.model import BudgetRecord, EventRecord, VmGroupRecord
 from coordinator.state.entities import (
     BUDGET_PARTITION,
@@ -93,9 +92,8 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
     def __init__(self, *, table: TableClient, dead_letters: TableClient) -> None:
         self._table = table
         self._dead_letters = dead_letters
-        self._cache: OrderedDict[tuple[str, str], Stored[Any]] = OrderedDict()
-        # The Functions worker runs invocations on a thread pool and shares this store between them.
-        self._cache_lock = threading.Lock()
+        # The Functions worker runs invocations on a thread pool and shares this store between them (Lru: locked).
+        self._cache: Lru[tuple[str, str], Stored[Any]] = Lru(CACHE_ENTRIES)
         self._set_aside = SetAsideLog()
 
     @classmethod
@@ -127,19 +125,13 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
 
     # cache ---------------------------------------------------------------------------------------------------
     def _remember(self, partition: str, key: str, stored: Stored[Any]) -> None:
-        with self._cache_lock:
-            self._cache[(partition, key)] = stored
-            self._cache.move_to_end((partition, key))
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+        self._cache.put((partition, key), stored)
 
     def _forget(self, partition: str, key: str) -> None:
-        with self._cache_lock:
-            self._cache.pop((partition, key), None)
+        self._cache.pop((partition, key))
 
     def _cached(self, partition: str, key: str) -> Stored[Any] | None:
-        with self._cache_lock:
-            return self._cache.get((partition, key))
+        return self._cache.get((partition, key))
 
     # reads ---------------------------------------------------------------------------------------------------
     def _get_many(
