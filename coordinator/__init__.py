@@ -86,6 +86,7 @@ __all__ += [
     "ApprovalCallback",
     "ApprovalDeliveryError",
     "ArmClient",
+    "ArmOptions",
     "FolderCardSink",
     "RelayApprovalSender",
     "SqliteHistory",
@@ -94,7 +95,7 @@ __all__ += [
 # Each name's module; the imports under TYPE_CHECKING below say the same for mypy (tests/test_faces.py holds them
 # equal).
 _MODULES: dict[str, tuple[str, ...]] = {
-    "coordinator.adapters.arm": ("ARM_ENDPOINT", "ArmClient"),
+    "coordinator.adapters.arm": ("ARM_ENDPOINT", "ArmClient", "ArmOptions"),
     "coordinator.adapters.callback": ("ApprovalCallback", "ApprovalDeliveryError"),
     "coordinator.adapters.delivery_queue": ("DELIVERY_QUEUE",),
     "coordinator.adapters.history": ("DEFAULT_SQLITE_PATH", "SqliteHistory"),
@@ -144,7 +145,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
 _HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 if TYPE_CHECKING:
-    from coordinator.adapters.arm import ARM_ENDPOINT, ArmClient
+    from coordinator.adapters.arm import ARM_ENDPOINT, ArmClient, ArmOptions
     from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError
     from coordinator.adapters.delivery_queue import DELIVERY_QUEUE
     from coordinator.adapters.history import DEFAULT_SQLITE_PATH, SqliteHistory

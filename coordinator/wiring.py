@@ -15,6 +15,7 @@ from azure.core.credentials import AzureSasCredential, TokenCredential
 from azure.identity import DefaultAzureCredential
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.census import ArmCensusReader, Census
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
@@ -132,7 +133,7 @@ def build_approval_path(
         subscription_id=settings.relay_subscription_id,
         resource_group=settings.relay_resource_group,
         namespace=settings.relay_namespace.split(".")[0],
-        arm_endpoint=settings.arm_endpoint,
+        arm=ArmOptions(endpoint=settings.arm_endpoint),
     )
     silence = timedelta(seconds=settings.hybrid_connection_silence_seconds)
 
@@ -174,7 +175,7 @@ def build_census(settings: CoordinatorSettings, credential: TokenCredential, *, 
         return None
     refresh = timedelta(seconds=settings.census_refresh_seconds)
     reader = ArmCensusReader(
-        credential=credential, resource_groups=settings.census_scopes, arm_endpoint=settings.arm_endpoint
+        credential=credential, resource_groups=settings.census_scopes, arm=ArmOptions(endpoint=settings.arm_endpoint)
     )
     return Census(reader, refresh_every=refresh, usable_for=3 * refresh)
 

@@ -28,6 +28,7 @@ EXPORTED = [
     "ApprovalCallback",
     "ApprovalDeliveryError",
     "ArmClient",
+    "ArmOptions",
     "BudgetRecord",
     "CLAIM_PARTITION",
     "Coordinator",

@@ -10,6 +10,7 @@ total deadline, its retries and every byte of every answer included (adapters/de
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,15 +20,15 @@ from azure.core.pipeline.policies import (
     BearerTokenCredentialPolicy,
     HeadersPolicy,
     HttpLoggingPolicy,
-    RetryPolicy,
     UserAgentPolicy,
 )
 from azure.core.pipeline.transport import RequestsTransport
 from azure.core.rest import HttpRequest, HttpResponse
 
 from coordinator.adapters import deadline
+from coordinator.adapters.deadline import RetryPolicy
 
-__all__ = ["ARM_ENDPOINT", "ARM_SCOPE", "ArmClient"]
+__all__ = ["ARM_ENDPOINT", "ARM_SCOPE", "ArmClient", "ArmOptions"]
 
 ARM_ENDPOINT = "https://management.azure.com"
 ARM_SCOPE = "https://management.azure.com/.default"
@@ -37,39 +38,44 @@ _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 ARM_DEADLINE_SECONDS = 20.0
 
 
-class ArmClient:
-    """ARM with the coordinator's identity. ``endpoint``: ARM's root; a loopback ``http://`` URL is accepted for the
-    emulators only. ``send`` raises azure-core's ``AzureError`` only once the retry policy gave up, and
-    ``deadline.DeadlineExceeded`` past ``deadline_seconds``; any answer it did get (4xx included) is returned for the
-    caller to read."""
+@dataclass(frozen=True)
+class ArmOptions:
+    """How the coordinator calls ARM, one object for every client that does (wiring builds it from the settings).
 
-    def __init__(
-        self,
-        *,
-        credential: TokenCredential,
-        moniker: str,
-        endpoint: str = ARM_ENDPOINT,
-        retry_total: int = 5,
-        retry_backoff_factor: float = 0.8,
-        deadline_seconds: float = ARM_DEADLINE_SECONDS,
-    ) -> None:
-        parts = urlsplit(endpoint)
+    ``endpoint``: ARM's root (``COORDINATOR_ARM_ENDPOINT``: a sovereign cloud's; a loopback ``http://`` URL for the
+    emulators only). ``retry_total`` and ``retry_backoff_factor``: azure-core's ``RetryPolicy`` (429 and 5xx, with
+    Retry-After). ``deadline_seconds``: each call's total, its retries and every byte of every answer included."""
+
+    endpoint: str = ARM_ENDPOINT
+    retry_total: int = 5
+    retry_backoff_factor: float = 0.8
+    deadline_seconds: float = ARM_DEADLINE_SECONDS
+
+
+class ArmClient:
+    """ARM with the coordinator's identity, as ``options`` say. ``send`` raises azure-core's ``AzureError`` only once
+    the retry policy gave up, and ``deadline.DeadlineExceeded`` past the deadline; any answer it did get (4xx
+    included) is returned for the caller to read."""
+
+    def __init__(self, *, credential: TokenCredential, moniker: str, options: ArmOptions | None = None) -> None:
+        options = options or ArmOptions()
+        parts = urlsplit(options.endpoint)
         self._insecure_loopback = parts.scheme == "http" and parts.hostname in _LOOPBACK
         if parts.scheme != "https" and not self._insecure_loopback:
-            raise ValueError(f"ARM endpoint {endpoint!r} must be https:// (http:// only on loopback for tests)")
-        self._deadline = deadline_seconds
+            raise ValueError(f"ARM endpoint {options.endpoint!r} must be https:// (http:// only on loopback for tests)")
+        self._deadline = options.deadline_seconds
         self._client: PipelineClient[HttpRequest, HttpResponse] = PipelineClient(
-            endpoint.rstrip("/"),
+            options.endpoint.rstrip("/"),
             transport=RequestsTransport(session=deadline.session()),
             policies=[
                 HeadersPolicy({"Accept": "application/json"}),
                 UserAgentPolicy(sdk_moniker=f"scheduled-events-coordinator/{moniker}"),
                 # timeout: the retries' total; the deadline (in send): every byte of every attempt.
                 RetryPolicy(
-                    retry_total=retry_total,
-                    retry_backoff_factor=retry_backoff_factor,
+                    retry_total=options.retry_total,
+                    retry_backoff_factor=options.retry_backoff_factor,
                     retry_backoff_max=60,
-                    timeout=deadline_seconds,
+                    timeout=options.deadline_seconds,
                 ),
                 BearerTokenCredentialPolicy(credential, ARM_SCOPE),
                 HttpLoggingPolicy(),

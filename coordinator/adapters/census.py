@@ -43,7 +43,7 @@ from azure.core.rest import HttpRequest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from coordinator.adapters import deadline
-from coordinator.adapters.arm import ARM_ENDPOINT, ArmClient
+from coordinator.adapters.arm import ArmClient, ArmOptions
 from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 
@@ -190,7 +190,8 @@ class ArmCensusReader:
     """``CensusReader`` over ARM's Compute lists (module docstring), with the coordinator's identity.
 
     :keyword resource_groups: the scopes, as resource group ids.
-    :keyword arm_endpoint: ARM's root; a loopback ``http://`` URL for the IMDS emulator's ARM face only.
+    :keyword arm: how ARM is called (its root: the IMDS emulator's ARM face locally; retries; each call's
+        deadline, which bounds each page of a list).
     """
 
     def __init__(
@@ -198,20 +199,12 @@ class ArmCensusReader:
         *,
         credential: TokenCredential,
         resource_groups: Sequence[str],
-        arm_endpoint: str = ARM_ENDPOINT,
-        retry_total: int = 3,
-        retry_backoff_factor: float = 0.8,
+        arm: ArmOptions | None = None,
     ) -> None:
         if not resource_groups:
             raise ValueError("the census needs at least one resource group")
         self._groups = tuple(resource_group_id(group) for group in resource_groups)
-        self._client = ArmClient(
-            credential=credential,
-            moniker="census",
-            endpoint=arm_endpoint,
-            retry_total=retry_total,
-            retry_backoff_factor=retry_backoff_factor,
-        )
+        self._client = ArmClient(credential=credential, moniker="census", options=arm)
 
     @property
     def scopes(self) -> Sequence[str]:

@@ -11,7 +11,10 @@ fails before it is sent (shutting its connection could not stop it: it is not co
 retries end too.
 
 ``session()`` is a ``requests.Session`` with such connections; an azure-core client takes it as its transport
-(``RequestsTransport(session=session())``). Each adapter states its deadline where it makes the call.
+(``RequestsTransport(session=session())``), and ``RetryPolicy`` from here as its retries: azure-core's, except that
+a wait between two attempts (a backoff, a Retry-After) that would outlast the block's deadline fails the call at once
+with the deadline's error, instead of being slept whole (azure-core sleeps a Retry-After of 30 s whatever its
+``timeout``) only for the next attempt to be refused. Each adapter states its deadline where it makes the call.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import requests
+from azure.core.pipeline import PipelineResponse
+from azure.core.pipeline.policies import RetryPolicy as _CoreRetryPolicy
+from azure.core.pipeline.transport import HttpTransport
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import PoolManager
 
-__all__ = ["Deadline", "DeadlineExceeded", "deadline", "session"]
+__all__ = ["Deadline", "DeadlineExceeded", "RetryPolicy", "deadline", "session"]
 
 
 class DeadlineExceeded(TimeoutError):
@@ -121,6 +127,43 @@ def deadline(seconds: float, what: str) -> Iterator[Deadline]:
         timer.cancel()
         limit.close()
         _active.deadlines = outer
+
+
+def _nearest() -> Deadline | None:
+    """The deadline of this thread's blocks that ends first; None outside any."""
+    return min(getattr(_active, "deadlines", ()), key=lambda limit: limit.remaining(), default=None)
+
+
+class _Bounded:
+    """A transport whose ``sleep`` fails at once, with the deadline's error, when it would outlast ``limit``:
+    the attempt after it could not be sent. Everything else is the transport's."""
+
+    def __init__(self, transport: HttpTransport[Any, Any], limit: Deadline) -> None:
+        self._transport = transport
+        self._limit = limit
+
+    def sleep(self, duration: float) -> None:
+        if duration >= self._limit.remaining():
+            raise self._limit.error()
+        self._transport.sleep(duration)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class RetryPolicy(_CoreRetryPolicy[Any, Any]):
+    """azure-core's ``RetryPolicy`` (retries 429 and 5xx, honours Retry-After, backs off exponentially) that does
+    not wait between attempts past the ``deadline`` block the call runs in (module docstring)."""
+
+    def sleep(
+        self,
+        settings: dict[str, Any],
+        transport: HttpTransport[Any, Any],
+        response: PipelineResponse[Any, Any] | None = None,
+    ) -> None:
+        limit = _nearest()
+        bounded: Any = transport if limit is None else _Bounded(transport, limit)
+        super().sleep(settings, bounded, response)
 
 
 def _watch(connection: HTTPConnection) -> None:

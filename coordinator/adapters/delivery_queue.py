@@ -31,7 +31,6 @@ from azure.core.pipeline.policies import (
     BearerTokenCredentialPolicy,
     HeadersPolicy,
     HttpLoggingPolicy,
-    RetryPolicy,
     UserAgentPolicy,
 )
 from azure.core.pipeline.transport import RequestsTransport
@@ -39,6 +38,7 @@ from azure.core.rest import HttpRequest, HttpResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.adapters import deadline
+from coordinator.adapters.deadline import RetryPolicy
 
 __all__ = [
     "DELIVERY_QUEUE",

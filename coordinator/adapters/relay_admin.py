@@ -25,13 +25,10 @@ from azure.core.rest import HttpRequest, HttpResponse
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters import deadline
-from coordinator.adapters.arm import ARM_ENDPOINT, ArmClient
+from coordinator.adapters.arm import ArmClient, ArmOptions
 from coordinator.adapters.closing import Closing
 
 API_VERSION = "2024-01-01"
-# The total deadline of one ARM call, its retries included: a new VM's connection is ensured after its batch, and
-# the hourly housekeeping lists and deletes within a tick.
-ADMIN_DEADLINE_SECONDS = 20.0
 HYBRID_CONNECTION_PREFIX = "vm-"
 
 
@@ -91,7 +88,8 @@ class HybridConnectionAdmin(Closing):
     """Creates, lists and deletes the per-VM hybrid connections of one Relay namespace through ARM.
 
     :keyword credential: an identity with "Azure Relay Owner" (or Contributor) on the namespace.
-    :keyword arm_endpoint: ARM root; a loopback ``http://`` URL is accepted for tests only.
+    :keyword arm: how ARM is called (its root, retries and each call's deadline: a new VM's connection is ensured
+        after its batch, the hourly housekeeping lists and deletes within a tick).
     """
 
     def __init__(
@@ -101,23 +99,13 @@ class HybridConnectionAdmin(Closing):
         subscription_id: str,
         resource_group: str,
         namespace: str,
-        arm_endpoint: str = ARM_ENDPOINT,
-        retry_total: int = 5,
-        retry_backoff_factor: float = 0.8,
-        deadline_seconds: float = ADMIN_DEADLINE_SECONDS,
+        arm: ArmOptions | None = None,
     ) -> None:
         self._namespace_path = (
             f"/subscriptions/{quote(subscription_id, safe='')}/resourceGroups/{quote(resource_group, safe='')}"
             f"/providers/Microsoft.Relay/namespaces/{quote(namespace, safe='')}"
         )
-        self._client = ArmClient(
-            credential=credential,
-            moniker="relay-admin",
-            endpoint=arm_endpoint,
-            retry_total=retry_total,
-            retry_backoff_factor=retry_backoff_factor,
-            deadline_seconds=deadline_seconds,
-        )
+        self._client = ArmClient(credential=credential, moniker="relay-admin", options=arm)
 
     def close(self) -> None:
         self._client.close()

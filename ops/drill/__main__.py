@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from azure.core.exceptions import AzureError, ClientAuthenticationError
 from azure.identity import DefaultAzureCredential
 
-from coordinator import ARM_ENDPOINT, ArmClient
+from coordinator import ARM_ENDPOINT, ArmClient, ArmOptions
 from ops import command
 from ops.drill.calls import Outcome, execute, read_instances, read_scale_set
 from ops.drill.plan import KINDS, DrillInputError, check_scale_set_id, choose, describe, plan
@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("azure.identity").setLevel(logging.ERROR)
     try:
         scale_set_id = check_scale_set_id(args.scale_set)
-        client = ArmClient(credential=DefaultAzureCredential(), moniker="drill", endpoint=args.endpoint)
+        client = ArmClient(
+            credential=DefaultAzureCredential(), moniker="drill", options=ArmOptions(endpoint=args.endpoint)
+        )
     except (DrillInputError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return BAD_INPUT

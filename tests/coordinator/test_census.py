@@ -16,6 +16,7 @@ import pytest
 from azure.core.credentials import AccessToken
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.census import ArmCensusReader, Census, CensusError, resource_group_id
 from coordinator.domain.census import CensusEntry, describe, disagreements
 from coordinator.domain.controls import VmFacts
@@ -68,8 +69,7 @@ def reader(imds: ImdsEmulator, *groups: str, credential: Any = None) -> ArmCensu
     return ArmCensusReader(
         credential=credential or MintedCredential(),
         resource_groups=list(groups) or [GROUP],
-        arm_endpoint=imds.arm_url,
-        retry_backoff_factor=0.01,
+        arm=ArmOptions(endpoint=imds.arm_url, retry_backoff_factor=0.01),
     )
 
 

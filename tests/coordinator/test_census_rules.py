@@ -24,6 +24,7 @@ import pytest
 from azure.core.credentials import AccessToken
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.census import ArmCensusReader, Census
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
@@ -134,7 +135,9 @@ def run(
     """The events created in IMDS, every VM's envelope (and the lies) in one batch, then a timer tick. ``arm``:
     the census is ARM's (else what the VMs report, as before it was)."""
     lies = lies or Lies()
-    reader = ArmCensusReader(credential=MintedCredential(), resource_groups=[GROUP], arm_endpoint=imds.arm_url)
+    reader = ArmCensusReader(
+        credential=MintedCredential(), resource_groups=[GROUP], arm=ArmOptions(endpoint=imds.arm_url)
+    )
     history = MemoryHistory()
     coordinator = make_coordinator(
         store=MemoryStateStore(),

@@ -18,6 +18,7 @@ from azure.core.credentials import AccessToken, AzureNamedKeyCredential, AzureSa
 
 from contracts.approval import ApprovalFacts, ApprovalRequest
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.deadline import DeadlineExceeded, deadline, session
 from coordinator.adapters.delivery_queue import DeliveryQueueError, QueuedDelivery, StorageQueueDeliveries
@@ -219,8 +220,7 @@ def test_a_trickling_arm_gives_up_the_hybrid_connection_call_at_its_deadline(tri
         subscription_id="sub-1",
         resource_group="rg",
         namespace="relay",
-        arm_endpoint=trickle.url,
-        deadline_seconds=1,
+        arm=ArmOptions(endpoint=trickle.url, deadline_seconds=1),
     )
     elapsed, error = timed(lambda: admin.get("vm-1"))
     assert elapsed < 1 + SLACK
@@ -239,3 +239,54 @@ def test_a_trickling_delivery_queue_fails_the_handover_at_its_deadline(trickle):
     assert elapsed < 1 + SLACK
     assert isinstance(error, DeliveryQueueError)
     assert "total deadline of 1 s" in str(error)
+
+
+class Throttling(SocketServer):
+    """An HTTP server that answers every request 429 Too Many Requests, Retry-After 30 s (ARM's and Storage's
+    throttling)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def handle(self, connection: socket.socket) -> None:
+        self.requests += 1
+        try:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 30\r\nContent-Length: 0\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            connection.close()
+
+
+@pytest.fixture
+def throttling() -> Iterator[Throttling]:
+    server = Throttling()
+    yield server
+    server.close()
+
+
+def test_a_retry_after_longer_than_the_deadline_is_not_waited_out(throttling: Throttling) -> None:
+    """azure-core's RetryPolicy sleeps a Retry-After whole (30 s here) before its next attempt; a wait that would
+    outlast the call's deadline fails the call at once, naming the deadline."""
+    admin = HybridConnectionAdmin(
+        credential=Token(),
+        subscription_id="sub-1",
+        resource_group="rg",
+        namespace="relay",
+        arm=ArmOptions(endpoint=throttling.url, deadline_seconds=1),
+    )
+    elapsed, error = timed(lambda: admin.get("vm-1"))
+    assert elapsed < SLACK  # at once, not at the deadline
+    assert isinstance(error, RelayAdminError)
+    assert "total deadline of 1 s" in str(error)
+    assert throttling.requests == 1
+    sas = AzureSasCredential("sv=2019-02-02&sig=x")
+    queue = StorageQueueDeliveries(queue_url=f"{throttling.url}/deliveries", credential=sas, deadline_seconds=1)
+    elapsed, error = timed(lambda: queue.put(QueuedDelivery(eventId="EV-1", decisionId="d-1", handedOverAt=DOC_NOW)))
+    assert elapsed < SLACK
+    assert isinstance(error, DeliveryQueueError)
+    assert "total deadline of 1 s" in str(error)
+    assert throttling.requests == 2

@@ -19,6 +19,7 @@ import pytest
 from azure.core.credentials import AccessToken
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.relay_admin import API_VERSION, HybridConnectionAdmin, RelayAdminError
 from emulators.tokens import TokenError, mint_token, verify_token
 from tests.loopback import QuietHandler
@@ -139,9 +140,7 @@ def admin_for(endpoint: str, credential: MintedCredential | None = None) -> Hybr
         subscription_id="sub-1",
         resource_group="rg-se",
         namespace="relay-se",
-        arm_endpoint=endpoint,
-        retry_total=2,
-        retry_backoff_factor=0.01,
+        arm=ArmOptions(endpoint=endpoint, retry_total=2, retry_backoff_factor=0.01),
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from coordinator import wiring
 from coordinator.adapters import relay_admin, remote_acknowledge
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.census import ArmCensusReader
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
@@ -250,17 +251,18 @@ def test_every_arm_client_reaches_the_one_arm_endpoint_setting(build, monkeypatc
 
     def noting(name: str, real: Any, key: str) -> Callable[..., Any]:
         def made(**kwargs: Any) -> Any:
-            reached[name] = kwargs[key]
+            value = kwargs[key]
+            reached[name] = value.endpoint if isinstance(value, ArmOptions) else value
             return real(**kwargs)
 
         return made
 
-    monkeypatch.setattr(wiring, "ArmCensusReader", noting("census", ArmCensusReader, "arm_endpoint"))
+    monkeypatch.setattr(wiring, "ArmCensusReader", noting("census", ArmCensusReader, "arm"))
     monkeypatch.setattr(wiring, "AzureMonitorReader", noting("gates", AzureMonitorReader, "arm_endpoint"))
     monkeypatch.setattr(
         relay_admin,
         "HybridConnectionAdmin",
-        noting("hybrid connections", relay_admin.HybridConnectionAdmin, "arm_endpoint"),
+        noting("hybrid connections", relay_admin.HybridConnectionAdmin, "arm"),
     )
     monkeypatch.setattr(
         remote_acknowledge,

@@ -13,6 +13,7 @@ import pytest
 from azure.core.credentials import AzureNamedKeyCredential
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.relay_admin import HybridConnectionAdmin, hybrid_connections_to_delete
 from coordinator.adapters.relay_sender import RelayApprovalSender
@@ -48,7 +49,7 @@ def test_create_use_find_silent_and_delete(
         subscription_id="00000000-0000-0000-0000-00000000e001",
         resource_group="rg-scheduled-events",
         namespace="relay-local",
-        arm_endpoint=relay.base_url,
+        arm=ArmOptions(endpoint=relay.base_url),
     )
     sender = RelayApprovalSender(
         endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY), max_retry_seconds=2.0

@@ -9,6 +9,7 @@ import requests
 from azure.core.credentials import AccessToken
 
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.relay_admin import HybridConnectionAdmin
 from emulators.relay import RelayEmulator
 from emulators.tokens import mint_token
@@ -81,8 +82,7 @@ def test_the_coordinators_arm_client_manages_hybrid_connections_here(make_relay)
         subscription_id="sub-1",
         resource_group="rg-se",
         namespace="relay-se",
-        arm_endpoint=relay.base_url,
-        retry_total=0,
+        arm=ArmOptions(endpoint=relay.base_url, retry_total=0),
     ) as admin:
         created = admin.ensure(vm)
         assert created.name == vm.hybrid_connection_name
