@@ -158,8 +158,17 @@ def advance(
     if record.everStarted and record.state not in ("Started",):
         _seen_started(change, now, approved=approved)
     # A retired VM counts as gone, but not for an event that names VMs which have not reported it yet (their
-    # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over.
-    unheard = [name for name in record.resources if name not in record.vms and name not in retired]
+    # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over. The
+    # timer, which knows when each VM was last heard, lets a named VM heard since the event was first seen say it
+    # by not listing it (a VM's envelopes arrive in order): one that missed the event (a throttled poll) and whose
+    # only reporter was then deleted would otherwise leave it open for good.
+    unheard = [
+        name
+        for name in record.resources
+        if name not in record.vms
+        and name not in retired
+        and (heard is None or _may_still_list(name, record, heard, silent_vms))
+    ]
     only_retired = not any(s.status == "Gone" for s in gone)
     waiting = not named and _named_may_still_list(record, heard, silent_vms, retired)
     if gone and not remaining and not (unheard and only_retired) and not waiting:
@@ -191,14 +200,14 @@ def _named_may_still_list(
     removed never lists it."""
     if heard is None:
         return any(name not in retired for name in record.resources)
+    return any(name not in retired and _may_still_list(name, record, heard, silent) for name in record.resources)
+
+
+def _may_still_list(name: str, record: EventRecord, heard: Mapping[str, datetime], silent: frozenset[str]) -> bool:
+    """Whether VM ``name``'s envelopes may still list the event: it has a forwarder, not silent, and it has not been
+    heard since the event was first seen (what it sent since would have come after any envelope listing it)."""
     first_seen = min((s.firstSeen for s in record.vms.values()), default=None)
-    return any(
-        name in heard
-        and name not in silent
-        and name not in retired
-        and (first_seen is None or heard[name] < first_seen)
-        for name in record.resources
-    )
+    return name in heard and name not in silent and (first_seen is None or heard[name] < first_seen)
 
 
 def _seen_started(change: EventChange, now: datetime, *, approved: bool) -> None:

@@ -349,6 +349,34 @@ def test_a_retired_vm_does_not_conclude_an_event_its_other_vms_have_not_reported
     assert over.record.state == "Canceled"
 
 
+def test_the_timer_concludes_an_event_whose_only_reporter_was_deleted_once_its_named_vms_spoke_without_it():
+    """The fleet demo's redeploy (fresh-clone CI run): web_1, a peer, reported a redeploy of web_0 and was deleted;
+    web_0's poll was throttled (429) while the event lasted and its later documents never listed it. A batch waits
+    (web_0's envelope listing it may still come); the timer concludes once every named VM has been heard since the
+    event was first seen (a VM's envelopes arrive in order), and not before."""
+    w1 = vm("web_1", index=2)
+    redeploy = scheduled_event(resources=["web_0", "web_2"])
+    change, _ = run([envelope(w1, sequence=1, incarnation=6, events=[redeploy])])
+    assert change is not None
+    record = change.record
+    first_seen = record.vms["web_1"].firstSeen
+    retired = {"web_1": "TERMINATE-1"}
+    later, before = first_seen + timedelta(seconds=5), first_seen - timedelta(seconds=5)
+
+    def advanced(heard: dict[str, datetime] | None, silent: frozenset[str] = frozenset()) -> EventRecord:
+        held = EventChange(record=clone(record))
+        advance(held, first_seen + timedelta(seconds=30), retired=retired, heard=heard, silent_vms=silent)
+        return held.record
+
+    assert advanced(None).state == "Scheduled"  # a batch does not know who was heard: the timer decides
+    assert advanced({"web_0": later, "web_2": before}).state == "Scheduled"  # web_2 may still list it
+    assert advanced({"web_0": later, "web_2": before}, silent=frozenset({"web_2"})).state == "Canceled"
+    assert advanced({"web_0": later}).state == "Canceled"  # web_2 has no forwarder: it never lists it
+    concluded = advanced({"web_0": later, "web_2": later})
+    assert concluded.state == "Canceled"
+    assert concluded.stateSince == first_seen + timedelta(seconds=30)
+
+
 def test_no_approval_goes_through_a_vm_that_another_event_is_removing():
     w0, w1 = vm("web_0", index=1, scale_set="web"), vm("web_1", index=2, scale_set="web")
     freeze = scheduled_event(resources=["web_0", "web_1"])
