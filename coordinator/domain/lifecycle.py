@@ -157,18 +157,7 @@ def advance(
     approved = record.approval is not None and record.approval.delivered
     if record.everStarted and record.state not in ("Started",):
         _seen_started(change, now, approved=approved)
-    # A retired VM counts as gone, but not for an event that names VMs which have not reported it yet (their
-    # envelopes may be held back, e.g. by an Event Hubs outage): only a VM that saw it leave can say it is over. The
-    # timer, which knows when each VM was last heard, lets a named VM heard since the event was first seen say it
-    # by not listing it (a VM's envelopes arrive in order): one that missed the event (a throttled poll) and whose
-    # only reporter was then deleted would otherwise leave it open for good.
-    unheard = [
-        name
-        for name in record.resources
-        if name not in record.vms
-        and name not in retired
-        and (heard is None or _may_still_list(name, record, heard, silent_vms))
-    ]
+    unheard = _unheard(record, retired, heard, silent_vms)
     only_retired = not any(s.status == "Gone" for s in gone)
     waiting = not named and _named_may_still_list(record, heard, silent_vms, retired)
     if gone and not remaining and not (unheard and only_retired) and not waiting:
@@ -188,6 +177,23 @@ def advance(
         return
     if record.state == "Scheduled" and record.notBefore is not None and now >= record.notBefore and not approved:
         transition(change, "Expired", now, f"NotBefore {record.notBefore.isoformat()} passed without approval")
+
+
+def _unheard(
+    record: EventRecord, retired: dict[str, str], heard: Mapping[str, datetime] | None, silent: frozenset[str]
+) -> list[str]:
+    """The VMs the event names that have not reported it and may still: a retired VM counts as gone, but not for an
+    event whose named VMs have not reported it yet (their envelopes may be held back, e.g. by an Event Hubs outage):
+    only a VM that saw it leave can say it is over. The timer, which knows when each VM was last heard, lets a named
+    VM heard since the event was first seen say it by not listing it (a VM's envelopes arrive in order): one that
+    missed the event (a throttled poll) and whose only reporter was then deleted would otherwise leave it open."""
+    return [
+        name
+        for name in record.resources
+        if name not in record.vms
+        and name not in retired
+        and (heard is None or _may_still_list(name, record, heard, silent))
+    ]
 
 
 def _named_may_still_list(
