@@ -173,8 +173,11 @@ class RelayListener:
     def _run(self) -> None:
         with ThreadPoolExecutor(self._max_workers, thread_name_prefix="relay-request") as pool:
             while not self._stopping.is_set():
-                if self._listen_once(pool):
-                    self._backoff.reset()
+                try:
+                    if self._listen_once(pool):
+                        self._backoff.reset()
+                except Exception:  # whatever a session raised, this VM's approvals must not stop: connect again
+                    logger.exception("relay listener %s: session failed; connecting again", self.hybrid_connection)
                 if not self._stopping.is_set():
                     self._stopping.wait(self._backoff.next_delay())
 
@@ -219,6 +222,9 @@ class RelayListener:
                 rcvd = closed.rcvd
                 code, reason = (rcvd.code, rcvd.reason) if rcvd else (None, "")
                 logger.warning("relay listener %s: channel closed (%s %s)", self.hybrid_connection, code, reason)
+        except WebSocketException as error:  # frames that are not WebSocket (a reserved opcode...): the channel is over
+            self.stats.add("protocol_errors")
+            logger.warning("relay listener %s: channel failed: %s; connecting again", self.hybrid_connection, error)
         finally:
             self._connected.clear()
             if self._stopping.is_set():

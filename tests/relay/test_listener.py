@@ -298,3 +298,29 @@ def test_a_request_whose_body_is_not_a_binary_frame_is_refused_alone_and_the_nex
     assert answers["r3"][0]["statusCode"] == 400
     assert json.loads(answers["r3"][1]) == {"error": "malformed request message"}
     assert answers["r4"][0]["statusCode"] == 201
+
+
+def test_frames_that_are_not_websocket_end_the_channel_and_the_listener_connects_again() -> None:
+    """A reserved opcode on the control channel (wsproto: "Invalid opcode 0x7"; seen once in a fresh-clone run)
+    ended the listener's thread: the VM's approvals stopped until its forwarder restarted. Now the channel is failed
+    and counted, and the listener connects again and answers."""
+    connections: list[int] = []
+    answers: list[object] = []
+
+    def relay(connection: ServerConnection) -> None:
+        connections.append(1)
+        if len(connections) == 1:
+            connection.socket.sendall(b"\x87\x00")  # FIN, opcode 7 (reserved), no payload
+            connection.recv(timeout=5)  # until the listener fails the channel
+            return
+        connection.send(request_frame("r2", body=False))
+        answers.append(json.loads(connection.recv(timeout=5)))
+        connection.recv(timeout=5)
+
+    stop = fake_relay(relay)
+    try:
+        assert wait_for(lambda: answers, timeout=15, what="an answer on the second channel")
+    finally:
+        stop()
+    assert len(connections) >= 2
+    assert answers[0]["response"]["requestId"] == "r2"  # type: ignore[index]
