@@ -47,6 +47,11 @@ from wsproto.utilities import ProtocolError
 from forwarder.keepalive import tls_context
 
 MAX_HEAD = 64 * 1024  # the most read of a handshake answer (its head, or a refusal's body)
+# The longest a write may block (a peer that stopped reading): the channel is then over (ConnectionClosed).
+IO_TIMEOUT = 10.0
+# The longest a read holds the socket once select said it was readable: a TLS record not yet whole is left to
+# OpenSSL's buffer and waited for outside the lock, so a sender waits at most this long for a reader.
+READ_SLICE = 0.2
 
 
 class WebSocketException(Exception):
@@ -110,7 +115,7 @@ def connect(
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         sock.sendall(ws.send(Request(host=host, target=target, extra_headers=headers)))
         early = _handshake(sock, ws)
-        sock.settimeout(None)
+        sock.settimeout(IO_TIMEOUT)
         return ClientConnection(sock, ws, early, ping_interval=ping_interval, max_size=max_size)
     except BaseException:
         sock.close()
@@ -173,6 +178,10 @@ class ClientConnection:
         self._max_size = max_size
         self._send_lock = threading.Lock()  # one frame on the wire at a time, in the order wsproto made them
         self._ws_lock = threading.Lock()  # wsproto's state, shared by the sending and the receiving thread
+        # The socket's reads and writes, one at a time: a TLS socket's SSL object must not be used by two threads at
+        # once (CPython 3.11 does not serialize SSL_read and SSL_write); a listener reading while its pool threads
+        # answered read "Invalid opcode 0x7" on a channel that never sent one. Waiting (select) is outside it.
+        self._io_lock = threading.Lock()
         self._events: deque[Event] = deque(early)
         self._parts: list[bytes | bytearray] = []  # the message so far (a text one as UTF-8)
         self._size = 0
@@ -190,7 +199,9 @@ class ClientConnection:
             try:
                 with self._ws_lock:
                     data = self._ws.send(event)
-                self._sock.sendall(data)
+                with self._io_lock:
+                    self._sock.settimeout(IO_TIMEOUT)
+                    self._sock.sendall(data)
             except (OSError, ProtocolError) as error:  # the socket, or a state that sends nothing more
                 self._gone = True
                 raise ConnectionClosed(self._closed) from error
@@ -228,6 +239,15 @@ class ClientConnection:
         self._shutdown()
         raise ConnectionClosed(self._closed)
 
+    def _read(self) -> bytes | None:
+        """What the socket has (b"": closed), or None while a TLS record is not whole yet."""
+        with self._io_lock:
+            self._sock.settimeout(READ_SLICE)
+            try:
+                return self._sock.recv(65536)
+            except TimeoutError:
+                return None
+
     def _fill(self, deadline: float | None) -> None:
         """Reads once from the socket into wsproto (sending a ping when one is due); TimeoutError at the deadline."""
         while True:
@@ -239,10 +259,11 @@ class ClientConnection:
                 self._next_ping = now + (self._ping_interval or 0)
             waits = [t - now for t in (deadline, self._next_ping) if t is not None]
             wait = max(0.0, min(waits)) if waits else None
-            pending = getattr(self._sock, "pending", lambda: 0)()  # TLS: bytes already decrypted
             try:
+                with self._io_lock:
+                    pending = getattr(self._sock, "pending", lambda: 0)()  # TLS: bytes already decrypted
                 ready = pending or select.select([self._sock], [], [], wait)[0]
-                data = self._sock.recv(65536) if ready else None
+                data = self._read() if ready else None
             except (OSError, ValueError) as error:  # closed under us by close() on another thread
                 self._gone = True
                 raise ConnectionClosed(self._closed) from error
