@@ -187,12 +187,13 @@ def _unheard(
     only a VM that saw it leave can say it is over. The timer, which knows when each VM was last heard, lets a named
     VM heard since the event was first seen say it by not listing it (a VM's envelopes arrive in order): one that
     missed the event (a throttled poll) and whose only reporter was then deleted would otherwise leave it open."""
+    first_seen = _first_seen(record)
     return [
         name
         for name in record.resources
         if name not in record.vms
         and name not in retired
-        and (heard is None or _may_still_list(name, record, heard, silent))
+        and (heard is None or _may_still_list(name, first_seen, heard, silent))
     ]
 
 
@@ -206,13 +207,19 @@ def _named_may_still_list(
     removed never lists it."""
     if heard is None:
         return any(name not in retired for name in record.resources)
-    return any(name not in retired and _may_still_list(name, record, heard, silent) for name in record.resources)
+    first_seen = _first_seen(record)
+    return any(name not in retired and _may_still_list(name, first_seen, heard, silent) for name in record.resources)
 
 
-def _may_still_list(name: str, record: EventRecord, heard: Mapping[str, datetime], silent: frozenset[str]) -> bool:
-    """Whether VM ``name``'s envelopes may still list the event: it has a forwarder, not silent, and it has not been
-    heard since the event was first seen (what it sent since would have come after any envelope listing it)."""
-    first_seen = min((s.firstSeen for s in record.vms.values()), default=None)
+def _first_seen(record: EventRecord) -> datetime | None:
+    return min((s.firstSeen for s in record.vms.values()), default=None)
+
+
+def _may_still_list(
+    name: str, first_seen: datetime | None, heard: Mapping[str, datetime], silent: frozenset[str]
+) -> bool:
+    """Whether VM ``name``'s envelopes may still list an event first seen at ``first_seen``: it has a forwarder, not
+    silent, and it has not been heard since (what it sent since would have come after any envelope listing it)."""
     return name in heard and name not in silent and (first_seen is None or heard[name] < first_seen)
 
 
