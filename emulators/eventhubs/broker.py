@@ -140,25 +140,22 @@ class Broker(Links):
             return
         peer.out += tls.outgoing()  # the handshake's records
         self._feed(peer)
-        if tls.closed and not peer.inbox:  # the client's close_notify
-            peer.transport.close_tail()
         if peer.out:
             self._write(peer)
 
     def _feed(self, peer: Peer) -> bool:
         """Hands proton what it has room for of the plaintext waiting; whether it took any."""
         capacity = peer.transport.capacity()
-        if not peer.inbox or capacity == 0:
-            return False
-        if capacity < 0:
+        if capacity < 0:  # proton's input is closed (after which this never runs again)
             peer.inbox.clear()
             return False
         taken = min(capacity, len(peer.inbox))
-        peer.transport.push(bytes(peer.inbox[:taken]))
-        del peer.inbox[:taken]
+        if taken:
+            peer.transport.push(bytes(peer.inbox[:taken]))
+            del peer.inbox[:taken]
         if not peer.inbox and peer.tls is not None and peer.tls.closed:
-            peer.transport.close_tail()
-        return True
+            peer.transport.close_tail()  # the client's close_notify, once proton has read all that came before it
+        return taken > 0
 
     def _write(self, peer: Peer) -> None:
         if peer.out:
