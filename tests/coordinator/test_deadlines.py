@@ -38,36 +38,50 @@ SLACK = 1.5
 VM = VmIdentity.model_validate(vm("web_0", index=1))
 
 
-class Trickle(SocketServer):
-    """An HTTP server that answers every request a byte every 0.2 s (a 200 with a body that never seems to end,
-    for 30 s): each read gets a byte well within any per-read timeout. ``stall_after``: sends that many bytes of
-    the answer at once, then nothing for 10 s."""
+class Answering(SocketServer):
+    """An HTTP server on loopback that counts its requests and gives each connection to ``answer`` on a thread of its
+    own, after reading the request; the connection is closed after."""
 
-    def __init__(self, stall_after: int | None = None) -> None:
-        self.stall_after = stall_after
+    def __init__(self) -> None:
         self.requests = 0
         super().__init__()
         self.url = f"http://127.0.0.1:{self.port}"
 
     def handle(self, connection: socket.socket) -> None:
-        threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+        threading.Thread(target=self._handle, args=(connection,), daemon=True).start()
 
-    def _answer(self, connection: socket.socket) -> None:
+    def _handle(self, connection: socket.socket) -> None:
         self.requests += 1
-        answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n" + b" " * 200
         try:
             connection.recv(65536)
-            if self.stall_after is not None:
-                connection.sendall(answer[: self.stall_after])
-                time.sleep(10)
-                return
-            for byte in answer:
-                connection.sendall(bytes([byte]))
-                time.sleep(0.2)
+            self.answer(connection)
         except OSError:
             pass
         finally:
             connection.close()
+
+    def answer(self, connection: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class Trickle(Answering):
+    """Answers every request a byte every 0.2 s (a 200 with a body that never seems to end, for 30 s): each read gets
+    a byte well within any per-read timeout. ``stall_after``: sends that many bytes of the answer at once, then
+    nothing for 10 s."""
+
+    def __init__(self, stall_after: int | None = None) -> None:
+        self.stall_after = stall_after
+        super().__init__()
+
+    def answer(self, connection: socket.socket) -> None:
+        answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n" + b" " * 200
+        if self.stall_after is not None:
+            connection.sendall(answer[: self.stall_after])
+            time.sleep(10)
+            return
+        for byte in answer:
+            connection.sendall(bytes([byte]))
+            time.sleep(0.2)
 
 
 @pytest.fixture
@@ -90,6 +104,17 @@ class Token:
 
     def get_token(self, *scopes: str, **_: Any) -> AccessToken:
         return AccessToken("stand-in", int(time.time()) + 3600)
+
+
+def admin_at(url: str) -> HybridConnectionAdmin:
+    """The hybrid connections' ARM client against ``url``, each call within a deadline of 1 s."""
+    return HybridConnectionAdmin(
+        credential=Token(),
+        subscription_id="sub-1",
+        resource_group="rg",
+        namespace="relay",
+        arm=ArmOptions(endpoint=url, deadline_seconds=1),
+    )
 
 
 def timed(call: Any) -> tuple[float, Any]:
@@ -215,13 +240,7 @@ def test_a_trickling_arm_gives_up_the_acknowledge_at_its_deadline(trickle):
 
 
 def test_a_trickling_arm_gives_up_the_hybrid_connection_call_at_its_deadline(trickle):
-    admin = HybridConnectionAdmin(
-        credential=Token(),
-        subscription_id="sub-1",
-        resource_group="rg",
-        namespace="relay",
-        arm=ArmOptions(endpoint=trickle.url, deadline_seconds=1),
-    )
+    admin = admin_at(trickle.url)
     elapsed, error = timed(lambda: admin.get("vm-1"))
     assert elapsed < 1 + SLACK
     assert isinstance(error, RelayAdminError)
@@ -241,24 +260,11 @@ def test_a_trickling_delivery_queue_fails_the_handover_at_its_deadline(trickle):
     assert "total deadline of 1 s" in str(error)
 
 
-class Throttling(SocketServer):
-    """An HTTP server that answers every request 429 Too Many Requests, Retry-After 30 s (ARM's and Storage's
-    throttling)."""
+class Throttling(Answering):
+    """Answers every request 429 Too Many Requests, Retry-After 30 s (ARM's and Storage's throttling)."""
 
-    def __init__(self) -> None:
-        self.requests = 0
-        super().__init__()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def handle(self, connection: socket.socket) -> None:
-        self.requests += 1
-        try:
-            connection.recv(65536)
-            connection.sendall(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 30\r\nContent-Length: 0\r\n\r\n")
-        except OSError:
-            pass
-        finally:
-            connection.close()
+    def answer(self, connection: socket.socket) -> None:
+        connection.sendall(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 30\r\nContent-Length: 0\r\n\r\n")
 
 
 @pytest.fixture
@@ -271,13 +277,7 @@ def throttling() -> Iterator[Throttling]:
 def test_a_retry_after_longer_than_the_deadline_is_not_waited_out(throttling: Throttling) -> None:
     """azure-core's RetryPolicy sleeps a Retry-After whole (30 s here) before its next attempt; a wait that would
     outlast the call's deadline fails the call at once, naming the deadline."""
-    admin = HybridConnectionAdmin(
-        credential=Token(),
-        subscription_id="sub-1",
-        resource_group="rg",
-        namespace="relay",
-        arm=ArmOptions(endpoint=throttling.url, deadline_seconds=1),
-    )
+    admin = admin_at(throttling.url)
     elapsed, error = timed(lambda: admin.get("vm-1"))
     assert elapsed < SLACK  # at once, not at the deadline
     assert isinstance(error, RelayAdminError)
