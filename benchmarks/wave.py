@@ -26,11 +26,12 @@ batches alone).
 scale set, zone and update domain that no event of the wave matches): the same writes, plus what knowing every VM
 costs. ``--event-type Terminate`` makes every group's event a scale-in delete of 5 of its VMs (the default policy
 waits for their prepare hooks): delete coupling looks at the open deletes. ``--replay`` records the coordinator's
-Table writes and sends them again, raw, to a fresh table: the floor the wave is compared with.
+Table writes and sends them again, raw, to a fresh table: the floor the wave is compared with. ``--storm``: no
+envelope attested, every one must be a dead letter, spread over the dead-letter table's partitions (counted apart).
 
     .venv/bin/python -m benchmarks.wave [--mode processes|threads|serial] [--vms 10000] [--partitions 4]
         [--policy default|census] [--event-type mixed|Terminate] [--bindings warm|cold]
-        [--warm-up auto|table|memory|heartbeats] [--replay] [--profile FILE]
+        [--warm-up auto|table|memory|heartbeats] [--replay] [--storm] [--profile FILE]
 
 Prints one JSON object: {wave_envelopes, wave_seconds, envelopes_per_second, busiest_partition_ops_per_s, ...,
 problems} (the Table operations are counted per partition per second in serial and threads modes). ``problems``
@@ -247,7 +248,14 @@ def _processes(
 
 
 def _in_process(
-    args: argparse.Namespace, prepared: Prepared, function_app: Any, reports: list[Any], *, ops: Ops, started: float
+    args: argparse.Namespace,
+    prepared: Prepared,
+    function_app: Any,
+    reports: list[Any],
+    *,
+    ops: Ops,
+    dead_ops: Ops,
+    started: float,
 ) -> Outcome:
     """Serial or threads: the warm-up, then the timed wave through this process's instance (whose batches' reports
     go to ``reports``), its tails ended."""
@@ -258,6 +266,7 @@ def _in_process(
     prepared.timings["warm_up_seconds"] = time.perf_counter() - warm_started  # the seeding included
     store = coordinator.parts.store
     store._table = CountingTable(store._table, ops)
+    store._dead_letters = CountingTable(store._dead_letters, dead_ops)
     work = [batches(p, args.batch) for p in prepared.work]
     coordinator.parts = replace(coordinator.parts, clock=lambda: WAVE_AT)
     prepared.timings["prep_seconds"] = time.perf_counter() - started
@@ -317,6 +326,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", metavar="FILE", help="serial: a cProfile of the timed part's batches (not their tails) to FILE"
     )
+    parser.add_argument(
+        "--storm",
+        action="store_true",
+        help="a dead-letter storm: no envelope attested (a fleet whose forwarders predate attestation), every one "
+        "refused and kept as a dead letter (implies --bindings cold: nothing binds)",
+    )
     # For the tests only: a wave the coordinator must refuse (no documents; a root that is not the emulator's).
     parser.add_argument("--sabotage", choices=["unsigned", "foreign-anchor"], default=None, help=argparse.SUPPRESS)
     return parser
@@ -324,6 +339,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.storm:
+        args.bindings = "cold"
     if args.warm_up == "auto":
         args.warm_up = "table" if args.vms <= TABLE_WARM_UP_VMS else "memory"
     import function_app
@@ -349,6 +366,7 @@ def _replay_floor(connection: str, recorded: list[tuple[str, Any]]) -> float:
 def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
     started = time.perf_counter()
     ops = Ops(record=args.replay)
+    dead_ops = Ops()  # the dead-letter table's (serial and threads modes)
     reports: list[Any] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -365,13 +383,16 @@ def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
         else:
             env = coordinator_settings(connection, tmp, "history.sqlite", args.policy) | prepared.env
             function_app = _coordinator(env, imds.url, reports, environment)
-            outcome = _in_process(args, prepared, function_app, reports, ops=ops, started=started)
+            outcome = _in_process(args, prepared, function_app, reports, ops=ops, dead_ops=dead_ops, started=started)
         ops.record = False
         during_wave = ops.summary()  # the wave alone; the tick's operations are counted apart
         # Bindings read or written by the wave (a claim not found is not counted): none when every VM is known.
         during_wave["binding_table_ops"] = sum(
             n for (p, _), n in ops.per_second.items() if p.startswith(f"{CLAIM_PARTITION}-")
         )
+        dead = dead_ops.summary()
+        during_wave["dead_letter_partitions"] = dead["table_partitions"]
+        during_wave["dead_letter_busiest_partition_ops_per_s"] = dead["busiest_partition_ops_per_s"]
         tick_from = int(time.time()) + 1
         tick, tick_totals = _tick(function_app)
         during_wave["tick_busiest_partition_ops_per_s"] = ops.busiest(since=tick_from)["busiest_partition_ops_per_s"]

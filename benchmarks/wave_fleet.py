@@ -275,7 +275,7 @@ class Prepared:
 def prepare(args: Any, imds: ImdsEmulator, tmp: str, started: float) -> Prepared:
     """Every VM's document signed (the slow part: an RSA signature a VM), the envelopes built and encoded."""
     timings = {"start_seconds": time.perf_counter() - started}  # Azurite, the IMDS emulator, the scenario
-    fleet = attest_fleet(imds, signed=args.sabotage != "unsigned")
+    fleet = attest_fleet(imds, signed=not args.storm and args.sabotage != "unsigned")
     timings["sign_seconds"] = time.perf_counter() - started - timings["start_seconds"]
     env = coordinator_env(imds, imds.scenario, Path(tmp), foreign_anchor=args.sabotage == "foreign-anchor")
     wave = build_wave(

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import re
 import uuid
@@ -45,7 +44,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord, VmRecord
-from coordinator.state.store import DeadLetter, R, RecordTooLarge, Stored
+from coordinator.state.store import R, RecordTooLarge, Stored
 
 EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
@@ -313,17 +312,6 @@ def set_aside_copy(entity: Entity, reason: str, at: datetime) -> Entity:
     }
 
 
-def set_aside_letter(entity: Entity, etag: str | None, what: str, reason: str, at: datetime) -> DeadLetter:
-    """The dead letter of an entity (or one VM's property) set aside: the reason, and the entity as JSON."""
-    body = json.dumps(dict(entity), default=str, sort_keys=True).encode("utf-8")
-    return DeadLetter(
-        reason=f"state entity {what} set aside: {reason}"[:DEAD_LETTER_TEXT],
-        body=body,
-        received_at=at,
-        source={"entity": what, "etag": etag},
-    )
-
-
 def decode(entity: Entity, etag: str | None, parse: Callable[[Entity, str | None], Stored[R]]) -> Stored[R] | str:
     """The entity read as its record, or why it cannot be (any failure of a pure decode is the entity's)."""
     try:
@@ -378,32 +366,6 @@ def claim_name(entity: Entity) -> str | None:
     """The name a claim binds (None: an entity without one is not a claim this code wrote)."""
     name = entity.get("Name")
     return name if isinstance(name, str) else None
-
-
-def dead_letter_entity(letter: DeadLetter) -> Entity:
-    """The reason, the source, the body's first 16 KiB as base64, and the SHA-256 and size that identify the whole
-    message, however large it was."""
-    received = letter.received_at.astimezone(UTC)
-    return {
-        "PartitionKey": received.strftime("%Y-%m-%d"),
-        "RowKey": f"{received.strftime('%H%M%S%f')}-{uuid.uuid4().hex[:12]}",
-        "Reason": letter.reason[:DEAD_LETTER_TEXT],
-        "Source": json.dumps(letter.source, default=str)[:DEAD_LETTER_TEXT],
-        "BodyBase64": base64.b64encode(letter.body[:DEAD_LETTER_BODY]).decode("ascii"),
-        "BodyBytes": len(letter.body),
-        "BodySha256": hashlib.sha256(letter.body).hexdigest(),
-    }
-
-
-def dead_letter_transactions(letters: Sequence[DeadLetter]) -> Iterator[list[Entity]]:
-    """The dead letters' entities in transactions: one partition (day) each, at most 100 entities."""
-    by_day: dict[str, list[Entity]] = {}
-    for letter in letters:
-        entity = dead_letter_entity(letter)
-        by_day.setdefault(entity["PartitionKey"], []).append(entity)
-    for entities in by_day.values():
-        for start in range(0, len(entities), TRANSACTION_LIMIT):
-            yield entities[start : start + TRANSACTION_LIMIT]
 
 
 def _entity_chars(entity: Entity) -> int:

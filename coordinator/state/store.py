@@ -262,7 +262,7 @@ class StateStore(Protocol):
     def set_aside(self) -> list[SetAside]:
         """The entities reads set aside since the last call (each listed once, to the run that asks)."""
 
-    # dead letters: kept apart from the state, one row per refused message, partitioned by day.
+    # dead letters: kept apart from the state, one row per refused message, in partitions of their day.
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None: ...
 
     def dead_letters(self) -> list[dict[str, Any]]:

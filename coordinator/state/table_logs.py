@@ -13,6 +13,7 @@ from azure.core.exceptions import ResourceExistsError, ResourceNotFoundError
 from azure.data.tables import TableClient, TableEntity, TableTransactionError
 
 from coordinator.domain.model import SentAlerts
+from coordinator.state.dead_letters import dead_letter_order, dead_letter_transactions
 from coordinator.state.entities import (
     KEY_PARTITION,
     SENT_ALERTS_PARTITION,
@@ -24,7 +25,6 @@ from coordinator.state.entities import (
     claim_name,
     claim_partition,
     claim_transactions,
-    dead_letter_transactions,
     key_entity,
     key_from_entity,
     safe_key,
@@ -125,4 +125,4 @@ class TableLogs:
             self._dead_letters.submit_transaction([("upsert", e) for e in part])
 
     def dead_letters(self) -> list[dict[str, Any]]:
-        return [dict(e) for e in self._dead_letters.list_entities()]
+        return sorted((dict(e) for e in self._dead_letters.list_entities()), key=dead_letter_order)

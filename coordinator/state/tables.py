@@ -28,6 +28,7 @@ from azure.data.tables import TableClient, TableEntity, TableServiceClient, Tabl
 
 from coordinator.domain.lru import Lru
 from coordinator.domain.model import BudgetRecord, EventRecord, VmGroupRecord
+from coordinator.state.dead_letters import set_aside_letter
 from coordinator.state.entities import (
     BUDGET_PARTITION,
     EVENT_PARTITION,
@@ -48,7 +49,6 @@ from coordinator.state.entities import (
     partitions_of,
     safe_key,
     set_aside_copy,
-    set_aside_letter,
     transactions,
 )
 from coordinator.state.store import (

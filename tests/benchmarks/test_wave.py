@@ -50,6 +50,21 @@ def test_a_cold_wave_binds_every_vm_under_the_census_policy(capsys: pytest.Captu
     assert result["binding_table_ops"] == 400  # four bindings per VM during the wave
 
 
+def test_a_storm_is_dead_lettered_whole_over_several_partitions(capsys: pytest.CaptureFixture[str]) -> None:
+    code, result = run(capsys, "--vms", "300", "--storm", "--batch", "50")
+
+    assert result["problems"] == []
+    assert code == 0
+    assert result["bindings"] == "cold"
+    assert result["accepted"] == 0
+    assert result["dead_lettered"] == result["wave_envelopes"] == 300
+    assert result["distinct_events"] == 0
+    assert result["binding_rows"] == 0
+    # Six batches of 50, each one transaction in a partition of its own drawn at random from 16: at least two.
+    assert result["dead_letter_partitions"] >= 2
+    assert result["dead_letter_busiest_partition_ops_per_s"] >= 50
+
+
 @pytest.mark.parametrize(
     ("sabotage", "reason"),
     [("unsigned", "unattested"), ("foreign-anchor", "does not chain to a configured root")],

@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
+from coordinator.state.dead_letters import dead_letter_order, dead_letter_transactions, set_aside_letter
 from coordinator.state.entities import (
     BUDGET_PARTITION,
     EVENT_PARTITION,
@@ -36,7 +37,6 @@ from coordinator.state.entities import (
     claim_from_entity,
     claim_name,
     claim_partition,
-    dead_letter_transactions,
     decode,
     event_entity,
     event_from_entity,
@@ -53,7 +53,6 @@ from coordinator.state.entities import (
     sent_alerts_entity,
     sent_alerts_from_entity,
     set_aside_copy,
-    set_aside_letter,
     transactions,
 )
 from coordinator.state.staged import (
@@ -390,4 +389,4 @@ class MemoryStateStore(StateStore):
 
     def dead_letters(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [dict(self._dead_letters[key]) for key in sorted(self._dead_letters)]
+            return sorted((dict(e) for e in self._dead_letters.values()), key=dead_letter_order)
