@@ -43,6 +43,7 @@ def choose_executor(
     *,
     leaving: dict[str, str] | None = None,
     avoid: frozenset[str] = frozenset(),
+    busy: frozenset[str] = frozenset(),
 ) -> VmSighting | None:
     """Which VM executes the approval: the first VM in Resources whose forwarder reported recently (the leader
     the docs suggest); otherwise any recently reporting VM that still lists the event (same placement group,
@@ -52,7 +53,12 @@ def choose_executor(
 
     ``avoid``: VMs whose listener did not answer the approval's last attempt (hung, gone, its VM dead): any other
     VM that can execute it goes first, so that an approval whose executor died is rerouted within one attempt
-    rather than after the heartbeat timeout; an avoided VM only when none is left (a Terminate's own VM)."""
+    rather than after the heartbeat timeout; an avoided VM only when none is left (a Terminate's own VM).
+
+    ``busy``: VMs another event disrupts now or is about to (approved or Started): a Reboot under way takes the
+    listener away mid-request, and the approval then waits for that request to lapse before a peer may take it
+    over, which can be past NotBefore. Any other VM that can execute it goes first; a busy one only when none is
+    left."""
     leaving = leaving or {}
     candidates = {
         name: s
@@ -66,6 +72,7 @@ def choose_executor(
     if record.eventType == "Terminate":
         candidates = {name: s for name, s in candidates.items() if name in record.resources}
     candidates = {name: s for name, s in candidates.items() if name not in avoid} or candidates
+    candidates = {name: s for name, s in candidates.items() if name not in busy} or candidates
     for name in record.resources:
         if name in candidates:
             return candidates[name]

@@ -59,6 +59,7 @@ class Fleet:
         self._view: FleetView | None = None
         # Events as this run last decided them (a later version of a record wins over the cache's).
         self._noted: dict[str, EventRecord] = {}
+        self._noted_by_vm: dict[str, set[str]] = {}  # VM name -> the noted events that name it
         self._gates: GateReader | None = None
         self._reported: list[VmRecord] = []
 
@@ -138,12 +139,26 @@ class Fleet:
     def note(self, record: EventRecord) -> None:
         """Keeps the deletes and the removals current as events change within a batch or tick."""
         self._noted[record.eventId] = record
+        for name in record.resources:
+            self._noted_by_vm.setdefault(name, set()).add(record.eventId)
 
     def leaving(self, now: datetime) -> dict[str, str]:
         """The VMs an open Terminate/Preempt is removing now (sightings.leaving_vms): the open events as read, then
         as this batch/tick changed them (a later version of a record wins)."""
         latest = self.cache.removing() | {i: r for i, r in self._noted.items() if r.eventType in REMOVING_EVENTS}
         return leaving_vms(latest.values(), now)
+
+    def busy(self, names: Iterable[str], event_id: str) -> frozenset[str]:
+        """Of these VMs, those another open event disrupts now or is about to (approved or Started: a Reboot, Redeploy
+        or Freeze under way takes the VM's listener away), as the cache holds them and this run decided them."""
+        wanted = set(names)
+        held = self.cache.holding_of(wanted)
+        for name in wanted:
+            for other in self._noted_by_vm.get(name, ()):
+                ids = held.setdefault(name, set())
+                noted = self._noted[other]
+                (ids.add if holds_budget(noted) and name in noted.resources else ids.discard)(other)
+        return frozenset(name for name, ids in held.items() if ids - {event_id})
 
     def held_in(self, scale_sets: Iterable[str], now: datetime) -> list[str]:
         """Pending deletes of these scale sets that are held back by another one (to re-decide)."""

@@ -176,6 +176,7 @@ class FleetCache:
         self._deletes: dict[str, dict[str, EventRecord]] = {}  # open Terminates, by scale set
         self._removing: dict[str, EventRecord] = {}  # open Terminates and Preempts
         self._holding: dict[str, EventRecord] = {}
+        self._holding_by_vm: dict[str, set[str]] = {}  # VM name -> the holding events that name it
         self._queued: dict[str, EventRecord] = {}
         # Concluded events, by the revision that concluded them (the newest CONCLUDED_KEPT): no older copy opens one.
         self._concluded: OrderedDict[str, int] = OrderedDict()
@@ -196,6 +197,7 @@ class FleetCache:
         for held in (self._events, self._removing, self._holding, self._queued):
             held.clear()
         self._deletes.clear()
+        self._holding_by_vm.clear()
 
     def _put_event(self, record: EventRecord) -> None:
         """Holds ``record`` in place of the event's copy, unless the copy is newer (a higher revision) or the event
@@ -213,7 +215,7 @@ class FleetCache:
             for scale_set in old.scaleSets or [""]:
                 self._deletes.get(scale_set, {}).pop(event_id, None)
         self._removing.pop(event_id, None)
-        self._holding.pop(event_id, None)
+        self._unhold(event_id)
         self._queued.pop(event_id, None)
         if not record.open:
             self._concluded[event_id] = record.revision
@@ -227,9 +229,23 @@ class FleetCache:
         if record.eventType in REMOVING_EVENTS:
             self._removing[event_id] = record
         if holds_budget(record):
-            self._holding[event_id] = record
+            self._hold(record)
         if waits_for_budget(record):
             self._queued[event_id] = record
+
+    def _hold(self, record: EventRecord) -> None:
+        self._holding[record.eventId] = record
+        for name in record.resources:
+            self._holding_by_vm.setdefault(name, set()).add(record.eventId)
+
+    def _unhold(self, event_id: str) -> None:
+        held = self._holding.pop(event_id, None)
+        for name in held.resources if held is not None else ():
+            ids = self._holding_by_vm.get(name)
+            if ids is not None:
+                ids.discard(event_id)
+                if not ids:
+                    del self._holding_by_vm[name]
 
     def absorb(self, records: Iterable[EventRecord]) -> None:
         """Records a run committed (or read fresh): seen at once by the next run of this instance."""
@@ -274,6 +290,13 @@ class FleetCache:
         with self._lock:
             self._refresh_events(force=False)
             return dict(self._removing)
+
+    def holding_of(self, names: Iterable[str]) -> dict[str, set[str]]:
+        """Of these VMs, those that open events hold (``holds_budget``: approved or Started), with those events' ids:
+        looked up by name, so that choosing an approval's executor costs nothing per open event."""
+        with self._lock:
+            self._refresh_events(force=False)
+            return {name: set(ids) for name in names if (ids := self._holding_by_vm.get(name))}
 
     # VMs -----------------------------------------------------------------------------------------------------
     def _refresh_groups(self, *, force: bool) -> None:

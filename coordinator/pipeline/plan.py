@@ -62,7 +62,8 @@ def plan_delivery(
     # The VM whose listener did not answer the last attempt: a peer that can execute it goes first.
     avoid = frozenset({approval.executor}) if approval.outcome in UNANSWERED and approval.executor else frozenset()
     alive_after, leaving = now - options.heartbeat_timeout, run.fleet.leaving(now)
-    executor = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid)
+    busy = run.fleet.busy(record.vms.keys(), event_id)
+    executor = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid, busy=busy)
     plan = Delivery(
         event_id=event_id,
         decision_id=approval.decisionId,

@@ -140,6 +140,27 @@ def test_deletes_and_leaving_vms_follow_what_the_run_decided():
     assert fleet.deletes_of(["web"])[0].approval == APPROVAL
 
 
+def test_busy_vms_are_those_another_open_event_holds_as_stored_and_as_the_run_decided():
+    store = MemoryStateStore()
+    running = put_event(store, "EV-RUNNING", vms=("web_0",), state="Started")
+    waiting = put_event(store, "EV-WAITING", vms=("web_1",))
+    put_event(store, "EV-MINE", vms=("web_0", "web_1", "web_2"))
+    fleet = Fleet(store)
+    assert fleet.busy(["web_0", "web_1", "web_2"], "EV-MINE") == {"web_0"}
+    # The event's own approval never makes its VMs busy for itself.
+    assert fleet.busy(["web_0"], "EV-RUNNING") == set()
+    # This run approved EV-WAITING: web_1 is busy from that write on; then it concluded: web_0 is free.
+    fleet.note(waiting.model_copy(update={"approval": APPROVAL}))
+    assert fleet.busy(["web_0", "web_1", "web_2"], "EV-MINE") == {"web_0", "web_1"}
+    concluded = running.model_copy(update={"state": "Completed", "revision": running.revision + 1})
+    fleet.note(concluded)
+    assert fleet.busy(["web_0", "web_1", "web_2"], "EV-MINE") == {"web_1"}
+    # The instance's cache lets it go too, for the runs after this one.
+    assert fleet.cache.holding_of(["web_0"]) == {"web_0": {"EV-RUNNING"}}
+    fleet.cache.absorb([concluded])
+    assert fleet.cache.holding_of(["web_0", "web_1"]) == {}
+
+
 def test_held_in_names_the_pending_deletes_of_those_scale_sets_held_by_another():
     store = MemoryStateStore()
     held = DecisionRecord(

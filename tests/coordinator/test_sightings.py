@@ -222,6 +222,30 @@ def test_an_executor_whose_listener_did_not_answer_is_passed_over_for_a_peer_nev
     assert only.name == "WestNO_0"
 
 
+def test_a_vm_another_event_is_disrupting_executes_only_when_no_other_can():
+    """The leader is being rebooted by another approved event: its listener goes away mid-request and the approval
+    would wait for that request to lapse before a peer could take it over (oracle seed 970, where that was past
+    NotBefore). A peer that is not disrupted goes first; the busy leader when it is the only one left."""
+    change, _ = run(documented_example()[1:2] + documented_example()[5:6])
+    record = change.record
+    seen = {"WestNO_0": DOC_NOW, "WestNO_1": DOC_NOW}
+    alive_after = DOC_NOW - timedelta(minutes=5)
+    peer = choose_executor(record, seen, alive_after, busy=frozenset({"WestNO_0"}))
+    assert peer is not None
+    assert peer.name == "WestNO_1"
+    every = choose_executor(record, seen, alive_after, busy=frozenset({"WestNO_0", "WestNO_1"}))
+    assert every is not None
+    assert every.name == "WestNO_0"
+    # A VM that did not answer is passed over first: a busy one that may answer beats one that did not.
+    avoided = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_1"}), busy=frozenset({"WestNO_0"}))
+    assert avoided is not None
+    assert avoided.name == "WestNO_0"
+    delete = record.model_copy(update={"eventType": "Terminate", "resources": ["WestNO_0"]})
+    own = choose_executor(delete, seen, alive_after, busy=frozenset({"WestNO_0"}))
+    assert own is not None
+    assert own.name == "WestNO_0"
+
+
 def test_a_terminate_is_never_executed_by_a_peer():
     change, _ = run(
         [
