@@ -27,6 +27,7 @@ from typing import Any
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.delivery_queue import QueuedDelivery
+from coordinator.adapters.heap import HEAP
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline import delivery, fold, handover, ingest, outbox, people, record, tail, timer
@@ -223,6 +224,7 @@ class Coordinator:
         timer.tick(run, self._housekeeping)
         if census is not None and run.report.vms_retired:
             census.membership_changed()  # the scale sets shrank: read again at the next tick
+        HEAP.tick()
         return run.report
 
     def continue_delivery(self, message: bytes) -> Report:

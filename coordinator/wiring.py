@@ -20,6 +20,7 @@ from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.census import ArmCensusReader, Census
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
+from coordinator.adapters.heap import HEAP
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.adapters.issuers import AiaIssuers
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
@@ -33,7 +34,9 @@ from coordinator.state.tables import TableStateStore
 
 
 def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallback | None = None) -> Coordinator:
-    """The composition root: each part from its settings (one builder each, below), then the coordinator."""
+    """The composition root: each part from its settings (one builder each, below), then the coordinator; and the
+    process's collector policy (adapters/heap.py: what survives a full pass is not traversed again)."""
+    HEAP.install()
     credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
     policy = load_policy(settings.policy_path)
     path = build_approval_path(settings, credential, callback)
