@@ -42,13 +42,16 @@ class HeapSettler:
         self.settles = 0
 
     def install(self) -> None:
-        """From now on, what survives a full pass is frozen (idempotent)."""
+        """From now on, what survives a full pass is frozen, starting with what is alive now (idempotent): the
+        collector runs its next full pass only once a quarter of what it holds is new, and until then each pass of
+        a large heap left unfrozen would traverse all of it."""
         with self._lock:
             if self._installed:
                 return
             self._installed = True
             self._last = self._clock()
         gc.callbacks.append(self._after_pass)
+        gc.collect()
 
     def uninstall(self) -> None:
         with self._lock:

@@ -44,11 +44,12 @@ def test_what_survives_a_full_pass_is_frozen_and_a_younger_cycle_is_still_collec
     settler, _ = heap
     settler.install()  # twice: once installed
     assert gc.callbacks.count(settler._after_pass) == 1
+    assert settler.full_passes == 1  # what was alive when it was installed
     survivor = Node()
     survivor.other = survivor
     kept = weakref.ref(survivor)
     gc.collect()
-    assert settler.full_passes == 1
+    assert settler.full_passes == 2
     assert gc.get_freeze_count() > 0
     del survivor
     gc.collect()
