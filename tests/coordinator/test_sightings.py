@@ -202,48 +202,40 @@ def test_leader_is_the_first_live_vm_in_resources():
     assert choose_executor(record, seen, DOC_NOW - timedelta(minutes=5)) is None
 
 
+def _executor(
+    *,
+    avoid: frozenset[str] | set[str] = frozenset(),
+    busy: frozenset[str] | set[str] = frozenset(),
+    terminate: bool = False,
+) -> str | None:
+    """Who executes the documented two-VM Reboot (WestNO_0 leads; both reported just now), or its Terminate."""
+    change, _ = run(documented_example()[1:2] + documented_example()[5:6])
+    record = change.record
+    if terminate:
+        record = record.model_copy(update={"eventType": "Terminate", "resources": ["WestNO_0"]})
+    seen = {"WestNO_0": DOC_NOW, "WestNO_1": DOC_NOW}
+    chosen = choose_executor(record, seen, DOC_NOW - timedelta(minutes=5), avoid=frozenset(avoid), busy=frozenset(busy))
+    return chosen.name if chosen is not None else None
+
+
 def test_an_executor_whose_listener_did_not_answer_is_passed_over_for_a_peer_never_for_a_terminate():
     """The executing VM died (its listener gone): the approval goes through a peer that can execute it at the next
     attempt, not after the 5-minute heartbeat timeout (issue 22); a Terminate has no peer to go through."""
-    change, _ = run(documented_example()[1:2] + documented_example()[5:6])
-    record = change.record
-    seen = {"WestNO_0": DOC_NOW, "WestNO_1": DOC_NOW}
-    alive_after = DOC_NOW - timedelta(minutes=5)
-    rerouted = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_0"}))
-    assert rerouted is not None
-    assert rerouted.name == "WestNO_1"
+    assert _executor(avoid={"WestNO_0"}) == "WestNO_1"
     # Every VM that could execute it failed to answer: the leader again rather than nobody.
-    again = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_0", "WestNO_1"}))
-    assert again is not None
-    assert again.name == "WestNO_0"
-    delete = record.model_copy(update={"eventType": "Terminate", "resources": ["WestNO_0"]})
-    only = choose_executor(delete, seen, alive_after, avoid=frozenset({"WestNO_0"}))
-    assert only is not None
-    assert only.name == "WestNO_0"
+    assert _executor(avoid={"WestNO_0", "WestNO_1"}) == "WestNO_0"
+    assert _executor(avoid={"WestNO_0"}, terminate=True) == "WestNO_0"
 
 
 def test_a_vm_another_event_is_disrupting_executes_only_when_no_other_can():
     """The leader is being rebooted by another approved event: its listener goes away mid-request and the approval
     would wait for that request to lapse before a peer could take it over (oracle seed 970, where that was past
     NotBefore). A peer that is not disrupted goes first; the busy leader when it is the only one left."""
-    change, _ = run(documented_example()[1:2] + documented_example()[5:6])
-    record = change.record
-    seen = {"WestNO_0": DOC_NOW, "WestNO_1": DOC_NOW}
-    alive_after = DOC_NOW - timedelta(minutes=5)
-    peer = choose_executor(record, seen, alive_after, busy=frozenset({"WestNO_0"}))
-    assert peer is not None
-    assert peer.name == "WestNO_1"
-    every = choose_executor(record, seen, alive_after, busy=frozenset({"WestNO_0", "WestNO_1"}))
-    assert every is not None
-    assert every.name == "WestNO_0"
+    assert _executor(busy={"WestNO_0"}) == "WestNO_1"
+    assert _executor(busy={"WestNO_0", "WestNO_1"}) == "WestNO_0"
     # A VM that did not answer is passed over first: a busy one that may answer beats one that did not.
-    avoided = choose_executor(record, seen, alive_after, avoid=frozenset({"WestNO_1"}), busy=frozenset({"WestNO_0"}))
-    assert avoided is not None
-    assert avoided.name == "WestNO_0"
-    delete = record.model_copy(update={"eventType": "Terminate", "resources": ["WestNO_0"]})
-    own = choose_executor(delete, seen, alive_after, busy=frozenset({"WestNO_0"}))
-    assert own is not None
-    assert own.name == "WestNO_0"
+    assert _executor(avoid={"WestNO_1"}, busy={"WestNO_0"}) == "WestNO_0"
+    assert _executor(busy={"WestNO_0"}, terminate=True) == "WestNO_0"
 
 
 def test_a_terminate_is_never_executed_by_a_peer():
