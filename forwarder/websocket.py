@@ -297,9 +297,12 @@ class ClientConnection:
 
     def _shutdown(self) -> None:
         self._gone = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        # Under the I/O lock: a close from another thread that freed the TLS socket while the reader was in its
+        # SSL_read made the reader decode garbage ("Invalid opcode 0x7") instead of seeing the connection closed.
+        with self._io_lock:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
 
     def __enter__(self) -> Self:
         return self
