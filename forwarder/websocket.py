@@ -297,11 +297,12 @@ class ClientConnection:
 
     def _shutdown(self) -> None:
         self._gone = True
-        # Under the I/O lock: a close from another thread that freed the TLS socket while the reader was in its
-        # SSL_read made the reader decode garbage ("Invalid opcode 0x7") instead of seeing the connection closed.
+        # Shut first, outside the I/O lock: it wakes a reader or a writer blocked on the socket. Closed under it: a
+        # descriptor closed while the reader was in its SSL_read could be reused by another connection at once, and
+        # the reader decoded that one's bytes ("Invalid opcode 0x7") instead of seeing this one closed.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         with self._io_lock:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
 
     def __enter__(self) -> Self:

@@ -155,9 +155,11 @@ class Fleet:
         held = self.cache.holding_of(wanted)
         for name in wanted:
             for other in self._noted_by_vm.get(name, ()):
-                ids = held.setdefault(name, set())
-                noted = self._noted[other]
-                (ids.add if holds_budget(noted) and name in noted.resources else ids.discard)(other)
+                noted, ids = self._noted[other], held.setdefault(name, set())
+                if holds_budget(noted) and name in noted.resources:
+                    ids.add(other)
+                else:
+                    ids.discard(other)  # this run concluded it (or it no longer names the VM)
         return frozenset(name for name, ids in held.items() if ids - {event_id})
 
     def held_in(self, scale_sets: Iterable[str], now: datetime) -> list[str]:
