@@ -49,14 +49,17 @@ def ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Each ratio whose benchmarks ran: per round (the i-th run of each), then the median."""
     out: dict[str, dict[str, Any]] = {}
     for ratio in RATIOS:
-        rounds = min([len(runs.get(name, [])) for name, _ in (ratio.numerator, *ratio.denominator)])
+        over = (ratio.numerator, *ratio.worst_of)
+        rounds = min([len(runs.get(name, [])) for name, _ in (*over, *ratio.denominator)])
         values = []
         for i in range(rounds):
-            value = runs[ratio.numerator[0]][i].get(ratio.numerator[1])
+            tops = [runs[name][i].get(key) for name, key in over]
             parts = [runs[name][i].get(key) for name, key in ratio.denominator]
+            numerators = [float(t) for t in tops if isinstance(t, int | float)]
             numbers = [float(p) for p in parts if isinstance(p, int | float)]
-            if not isinstance(value, int | float) or len(numbers) < len(parts):
+            if len(numerators) < len(tops) or len(numbers) < len(parts):
                 continue
+            value = max(numerators)
             base = sum(numbers) if numbers else 1.0
             if base:
                 values.append(round(value / (ratio.factor * base), 4))

@@ -20,7 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.catalog import FIGURES, RATIOS, Figure
+from benchmarks.catalog import RATIOS
+from benchmarks.figures import FIGURES, Figure
 
 __all__ = ["README", "RESULTS", "readme_with_table", "record", "table"]
 

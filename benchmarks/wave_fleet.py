@@ -29,6 +29,7 @@ from typing import Any
 
 import azure.functions as func
 
+from benchmarks.wave_budgets import BUDGETS
 from contracts.attestation import state_nonce
 from contracts.envelope import SCHEMA
 from coordinator import Wanted, remember
@@ -70,8 +71,8 @@ def vm_name(group: int, index: int) -> str:
 
 
 def fleet_scenario(vms: int, group_size: int) -> Scenario:
-    """Every VM of the wave: a Uniform scale set per placement group of ``group_size``, zones 1-3 by group, update
-    domains 0-4 within a group, one tag."""
+    """Every VM of the wave: a Uniform scale set per placement group of ``group_size``, zones 1-3 by group, fault
+    domains 0-2 and update domains 0-4 within a group, one tag."""
     specs = [
         VmSpec(
             name=vm_name(g, i),
@@ -80,6 +81,7 @@ def fleet_scenario(vms: int, group_size: int) -> Scenario:
             vmScaleSetName=f"vmss{g:03d}",
             placementGroupId=f"pg-{g:03d}",
             zone=str(g % 3 + 1),
+            platformFaultDomain=str(i % 3),
             platformUpdateDomain=str(i % 5),
             tags={"team": "wave"},
         )
@@ -112,18 +114,18 @@ def attest_fleet(imds: ImdsEmulator, *, signed: bool = True, at: datetime = ATTE
 
 
 def coordinator_settings(azurite_connection: str, tmp: str, history: str, policy: str = "default") -> dict[str, str]:
-    """The coordinator's own settings for the wave: Azurite, its table, the history and cards in ``tmp``, and with
-    ``policy`` census, the census policy."""
+    """The coordinator's own settings for the wave: Azurite, its table, the history and cards in ``tmp``, and the
+    policy: the default, the census policy or a budget's (benchmarks/wave_budgets.py)."""
     env = {
         "COORDINATOR_STORAGE_CONNECTION_STRING": azurite_connection,
         "COORDINATOR_STATE_TABLE": "wave",
         "COORDINATOR_HISTORY_SQLITE_PATH": f"{tmp}/{history}",
         "COORDINATOR_CARDS_FOLDER": f"{tmp}/cards",
     }
-    if policy == "census":
-        path = f"{tmp}/census-policy.yaml"
+    if policy != "default":
+        path = f"{tmp}/{policy}-policy.yaml"
         with open(path, "w", encoding="utf-8") as file:
-            file.write(CENSUS_POLICY)
+            file.write(CENSUS_POLICY if policy == "census" else BUDGETS[policy].policy)
         env["COORDINATOR_POLICY_PATH"] = path
     return env
 
@@ -269,7 +271,13 @@ class Prepared:
     work: list[list[Message]]
     warm: list[list[Message]]
     env: dict[str, str]  # the attestation, census and identity settings (wave_fleet.coordinator_env)
+    documents: dict[str, dict[str, Any]]  # per VM, the document its wave envelope carried
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def events(self) -> dict[str, list[str]]:
+        """Per EventId, the VMs it impacts (its Resources)."""
+        return {e["EventId"]: e["Resources"] for document in self.documents.values() for e in document["Events"]}
 
 
 def prepare(args: Any, imds: ImdsEmulator, tmp: str, started: float) -> Prepared:
@@ -288,4 +296,5 @@ def prepare(args: Any, imds: ImdsEmulator, tmp: str, started: float) -> Prepared
     )
     work = partitioned(wave, args.partitions)
     warm = partitioned(build_heartbeats(fleet), args.partitions) if args.bindings == "warm" else [[]] * len(work)
-    return Prepared(len(wave), work, warm, env, timings)
+    documents = {envelope["vm"]["name"]: envelope["document"] for envelope in wave}
+    return Prepared(len(wave), work, warm, env, documents, timings)

@@ -14,7 +14,8 @@ import pytest
 import benchmarks.__main__ as benchmarks_main
 import benchmarks.results as results_module
 from benchmarks.__main__ import BenchmarkFailed, ratios, run, run_once
-from benchmarks.catalog import BENCHES, FIGURES, RATIOS, Bench
+from benchmarks.catalog import BENCHES, RATIOS, Bench
+from benchmarks.figures import FIGURES
 from benchmarks.results import README, RESULTS, readme_with_table, record, table
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -80,3 +80,13 @@ def test_a_wave_the_coordinator_refuses_is_reported_and_exits_1(
     assert "dead_lettered 40 (expected 0)" in problems
     assert "distinct events 0 (expected 2)" in problems
     assert any(reason in problem for problem in problems), problems
+
+
+def test_a_budget_wave_approves_within_its_budget_and_holds_the_rest(capsys: pytest.CaptureFixture[str]) -> None:
+    code, result = run(capsys, "--vms", "200", "--policy", "budget-zone")
+
+    assert result["problems"] == []
+    assert code == 0
+    # Zone 1 holds groups 0, 3, 6, 9 (80 VMs, 10 %: 8), zones 2 and 3 three groups (60: 6); each event reaches 5 VMs.
+    assert result["event_states"] == {"Approved": 3, "Scheduled": 7}
+    assert result["accepted"] == 200

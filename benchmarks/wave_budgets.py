@@ -1,0 +1,218 @@
+"""Waves a budget decides (``python -m benchmarks.wave --policy budget-KIND``): one policy per kind of budget, the
+VMs' listeners that take the approvals, and whether the budget held.
+
+The default wave's events all wait for a person, so no budget is ever counted or claimed in it. Each policy here
+puts the same wave's Reboots, Redeploys and Freezes under one kind of budget. On benchmarks/wave_fleet.py's fleet
+(a scale set and placement group per group of 20 VMs, zone ``g % 3 + 1`` by group, fault domain ``i % 3`` and update
+domain ``i % 5`` within it; each event reaches VMs 0-4 of its group), the tags, percent, fault-domain, update-domain
+and placement-group budgets approve every event (one event per scale set: the domains they count are the scale
+set's) and the zone, rate and sequence budgets run out part way through the wave:
+
+=================  ===========================================================  ====================================
+kind               the rule                                                     10,000 VMs (500 events)
+=================  ===========================================================  ====================================
+tags               matched by a tag, 5 VMs per scale set                        every event approved
+percent            25 % of each scale set                                       every event approved
+zone               10 % of each zone                                            66 per zone approved, the rest held
+fault-domain       30 % of each of a scale set's fault domains                  every event approved
+update-domain      1 VM per update domain of a scale set                        every event approved
+placement-group    5 VMs per placement group                                    every event approved
+rate               approve-now, at most 100 approvals an hour fleet-wide        100 approved, the rest held
+sequence           approve-now, one zone at a time                              one zone's events, the rest held
+=================  ===========================================================  ====================================
+
+The approvals go through the coordinator's delivery path to ``WaveListeners``, a stand-in for the VMs' listeners
+(the wave's VMs run no forwarder; Relay and IMDS are benchmarks/approval_latency.py's): each request is judged
+with the listener's own rules (``forwarder.approval_rules.judge``) against the document the VM's envelope carried,
+and answered with the emulator's attested document of that VM for the decision (its proof, verified by the
+coordinator), signed in this process as IMDS signs on the VM while the coordinator waits for the answer.
+``budget_problems`` checks the promise, not a count: no domain holds more impacted VMs than its limit, and an event
+is held only when its budget is spent.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from contracts import wire
+from contracts.approval import ApprovalRequest, ApprovalResult
+from contracts.attestation import Attestation, decision_nonce
+from contracts.envelope import VmIdentity
+from emulators.imds import ImdsEmulator, VmSpec
+from forwarder.approval_rules import judge
+
+__all__ = ["BUDGETS", "RULE", "BudgetWave", "WaveListeners", "budget_problems"]
+
+RULE = "wave-budget"
+_REACH = "eventType: [Reboot, Redeploy, Freeze]"
+
+
+@dataclass(frozen=True)
+class BudgetWave:
+    """One kind of budget: its policy, the domain each VM counts in and a domain's limit by its size (both worked
+    out here from the fleet's own facts, apart from the coordinator's code, to judge it)."""
+
+    policy: str
+    action: str
+    domain: Callable[[VmSpec], str]
+    limit: Callable[[int], int]
+    paced: bool = False  # a rate or sequence budget: held by pacing, not by a count of impacted VMs
+
+
+def _impact(budget: str, *, match: str = _REACH, trust_tags: bool = False) -> str:
+    # trustTags: the tag is ARM's (the census), not what the VM says of itself, so it may widen what is approved.
+    return f"""version: 1
+rules:
+  - name: {RULE}
+    match: {{{match}}}
+    action: approve-within-budget
+    budget: {budget}
+    trustTags: {str(trust_tags).lower()}
+  - name: everything-else-waits
+    match: {{}}
+    action: wait-for-person
+"""
+
+
+def _paced(pacing: str) -> str:
+    return f"""version: 1
+rules:
+  - name: {RULE}
+    match: {{{_REACH}}}
+    action: approve-now
+    {pacing}
+  - name: everything-else-waits
+    match: {{}}
+    action: wait-for-person
+"""
+
+
+def _at_most(n: int) -> Callable[[int], int]:
+    return lambda size: n
+
+
+def _percent(p: int) -> Callable[[int], int]:
+    return lambda size: max(1, math.ceil(size * p / 100))
+
+
+_APPROVE = "approve-within-budget"
+BUDGETS: dict[str, BudgetWave] = {
+    "budget-tags": BudgetWave(
+        _impact("{maxImpacted: 5, per: [scaleSet]}", match=f"tags: {{team: wave}}, {_REACH}", trust_tags=True),
+        _APPROVE,
+        lambda vm: vm.vmScaleSetName,
+        _at_most(5),
+    ),
+    "budget-percent": BudgetWave(
+        _impact("{maxPercent: 25, per: [scaleSet]}"), _APPROVE, lambda vm: vm.vmScaleSetName, _percent(25)
+    ),
+    "budget-zone": BudgetWave(_impact("{maxPercent: 10, per: [zone]}"), _APPROVE, lambda vm: vm.zone, _percent(10)),
+    # Fault and update domains are numbered per scale set (coordinator VmFacts.domain: "scale set/number").
+    "budget-fault-domain": BudgetWave(
+        _impact("{maxPercent: 30, per: [faultDomain]}"),
+        _APPROVE,
+        lambda vm: f"{vm.vmScaleSetName}/{vm.platformFaultDomain}",
+        _percent(30),
+    ),
+    "budget-update-domain": BudgetWave(
+        _impact("{maxImpacted: 1, per: [updateDomain]}"),
+        _APPROVE,
+        lambda vm: f"{vm.vmScaleSetName}/{vm.platformUpdateDomain}",
+        _at_most(1),
+    ),
+    "budget-placement-group": BudgetWave(
+        _impact("{maxImpacted: 5, per: [placementGroup]}"), _APPROVE, lambda vm: vm.placementGroupId, _at_most(5)
+    ),
+    "budget-rate": BudgetWave(
+        _paced("rate: {maxApprovals: 100, periodSeconds: 3600, per: fleet}"),
+        "approve-now",
+        lambda vm: "fleet",
+        _at_most(100),
+        paced=True,
+    ),
+    "budget-sequence": BudgetWave(
+        _paced("sequence: {per: zone}"), "approve-now", lambda vm: vm.zone, _at_most(1), paced=True
+    ),
+}
+
+
+class WaveListeners:
+    """The wave's VMs' listeners (a stand-in: the wave runs no forwarder): ``send`` judges a request with the
+    listener's rules against the document the VM's envelope carried and answers with the VM's attested document
+    for the decision, signed by the emulator at the request's issue time. Counts what it approved."""
+
+    def __init__(self, imds: ImdsEmulator, documents: Mapping[str, Mapping[str, Any]]) -> None:
+        self._imds = imds
+        self._documents = {name: wire.ScheduledEventsDocument.from_mapping(doc) for name, doc in documents.items()}
+        self._specs = {spec.name: spec for spec in imds.vms()}
+        self._lock = threading.Lock()
+        self.approved: Counter[str] = Counter()  # EventId -> approvals that VMs took
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        document = self._documents.get(vm.name)
+        if document is None:
+            return ApprovalResult(
+                outcome="not-found", eventId=request.eventId, decisionId=request.decisionId, reason="no such VM"
+            )
+        outcome, reason = judge(wire.ApprovalRequest.from_mapping(request.model_dump()), document, vm_name=vm.name)
+        nonce = decision_nonce(request.decisionId)
+        proof = self._imds.attested.document(self._specs[vm.name].compute(), nonce=nonce, now=request.issuedAt)
+        if outcome == "approved":
+            with self._lock:
+                self.approved[request.eventId] += 1
+        return ApprovalResult(
+            outcome=outcome,
+            eventId=request.eventId,
+            decisionId=request.decisionId,
+            documentIncarnation=document.DocumentIncarnation,
+            reason=reason,
+            attestation=Attestation.model_validate(proof),
+        )
+
+
+def budget_problems(
+    kind: str, specs: Mapping[str, VmSpec], events: Mapping[str, list[str]], states: Mapping[str, str]
+) -> list[str]:
+    """Whether the budget held: per domain, the VMs the approved events impact within its limit (for a rate, the
+    approvals; for a sequence, one domain at a time), and each held event held because its budget is spent
+    (``states``: each event's state as the wave left it)."""
+    wave = BUDGETS[kind]
+    approved = sorted(e for e, state in states.items() if state == "Approved")
+    held = sorted(e for e, state in states.items() if state == "Scheduled")
+    other = {s for s in states.values() if s not in ("Approved", "Scheduled")}
+    found = [f"event states {sorted(other)} (expected Approved or Scheduled)"] if other else []
+    if not approved:
+        return [*found, f"{kind}: no event approved (the budget decided nothing)"]
+    if kind == "budget-sequence":
+        zones = {zone for e in approved for zone in _domains(wave, specs, events[e])}
+        found += [f"{kind}: events approved in {len(zones)} zones at once ({sorted(zones)})"] if len(zones) > 1 else []
+        found += [
+            f"{kind}: {e} held in the zone under way" for e in held if _domains(wave, specs, events[e]).keys() & zones
+        ]
+        return found
+
+    # What each event counts in its domains: one approval (a rate), or its VMs in each.
+    def need(event_id: str) -> Counter[str]:
+        return Counter({"fleet": 1}) if kind == "budget-rate" else _domains(wave, specs, events[event_id])
+
+    size = Counter(wave.domain(spec) for spec in specs.values())
+    used: Counter[str] = Counter()
+    for event_id in approved:
+        used.update(need(event_id))
+    over = {d: n for d, n in used.items() if n > wave.limit(size[d])}
+    found += [f"{kind}: domain {d!r} has {n} impacted (limit {wave.limit(size[d])})" for d, n in sorted(over.items())]
+    found += [
+        f"{kind}: {e} held though its budget had room"
+        for e in held
+        if all(used[d] + n <= wave.limit(size[d]) for d, n in need(e).items())
+    ]
+    return found
+
+
+def _domains(wave: BudgetWave, specs: Mapping[str, VmSpec], names: list[str]) -> Counter[str]:
+    return Counter(wave.domain(specs[name]) for name in names)
