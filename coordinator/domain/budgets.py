@@ -74,9 +74,9 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
                 # Without ARM's census a VM's scale set is its events' sightings' (``impacted`` is keyed by them).
                 others = set(fleet.impacted.get(key, frozenset()))
             else:
-                others = {n for n in fleet.impactedVms if (f := fleet.vms.get(n)) is not None and f.domain(kind) == key}
+                others = set(fleet.impacted_in(kind, key))
             others |= {n for n in ahead if fleet.facts(record, n).domain(kind) == key}
-            members = fleet.members(kind, key) | mine
-            limit = limit_for(max_impacted=budget.maxImpacted, max_percent=budget.maxPercent, size=len(members))
-            out.append(BudgetDomain(kind, key, frozenset(mine), frozenset(others - mine), len(members), limit))
+            size = fleet.size_with(kind, key, mine)
+            limit = limit_for(max_impacted=budget.maxImpacted, max_percent=budget.maxPercent, size=size)
+            out.append(BudgetDomain(kind, key, frozenset(mine), frozenset(others - mine), size, limit))
     return out

@@ -64,6 +64,13 @@ class Census(Mapping[str, VmFacts]):
         with self._lock:
             return set(self._members.get((kind, key), ()))
 
+    def size_with(self, kind: DomainKind, key: str, names: Iterable[str]) -> int:
+        """How many VMs one domain has with ``names`` counted in it, without copying its members (a zone's are a
+        third of the fleet, and every decision of a percent budget asks)."""
+        with self._lock:
+            members = self._members.get((kind, key), set())
+            return len(members) + sum(1 for name in set(names) if name not in members)
+
     def __getitem__(self, name: str) -> VmFacts:
         return self._vms[name]
 
@@ -103,6 +110,10 @@ class FleetView:
     # The rate and sequence budgets' state by claim key (coordinator/domain/pacing.py), where the caller has it:
     # ops/policy's test cases give it; the coordinator leaves it empty and claims them fleet-wide after the rules.
     paced: Mapping[str, BudgetRecord] = field(default_factory=dict)
+    # The impacted VMs by budget domain, per kind, made on first use from ``impactedVms`` and carried forward by
+    # ``with_event``: counting a domain's impacted VMs by scanning every impacted VM made each decision cost the
+    # wave so far (a budget wave quadratic).
+    _by_domain: dict[DomainKind, dict[str, frozenset[str]]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -139,12 +150,40 @@ class FleetView:
         for key, names in mine.items():
             if key:
                 impacted[key] = impacted.get(key, frozenset()) | names
+        added = frozenset(record.resources) - self.impactedVms
+        by_domain: dict[DomainKind, dict[str, frozenset[str]]] = {}
+        for kind, index in self._by_domain.items():
+            by_domain[kind] = grown = dict(index)
+            for key, names in self._keyed(kind, added).items():
+                grown[key] = grown.get(key, frozenset()) | names
         return dataclasses.replace(
             self,
             impacted=impacted,
-            impactedVms=self.impactedVms | frozenset(record.resources),
+            impactedVms=self.impactedVms | added,
             queued=tuple(q for q in self.queued if q[1] != record.eventId),
+            _by_domain=by_domain,
         )
+
+    def impacted_in(self, kind: DomainKind, key: str) -> frozenset[str]:
+        """The impacted VMs whose census facts put them in this domain (a VM the census does not know is in none)."""
+        index = self._by_domain.get(kind)
+        if index is None:
+            index = self._by_domain[kind] = {k: frozenset(v) for k, v in self._keyed(kind, self.impactedVms).items()}
+        return index.get(key, frozenset())
+
+    def _keyed(self, kind: DomainKind, names: Iterable[str]) -> dict[str, set[str]]:
+        keyed: dict[str, set[str]] = {}
+        for name in names:
+            facts = self.vms.get(name)
+            if facts is not None:
+                keyed.setdefault(facts.domain(kind), set()).add(name)
+        return keyed
+
+    def size_with(self, kind: DomainKind, key: str, names: Iterable[str]) -> int:
+        """How many known VMs one budget domain has with ``names`` counted in it."""
+        if isinstance(self.vms, Census):
+            return self.vms.size_with(kind, key, names)
+        return len(self.members(kind, key) | set(names))
 
     def members(self, kind: DomainKind, key: str) -> set[str]:
         """The known VMs in one budget domain (a ``Census`` answers from its index; a plain mapping is scanned)."""
