@@ -46,6 +46,8 @@ log = logging.getLogger("coordinator")
 # A budget claim counts unconditionally this long (its approval is written right after it); then only while its
 # event holds an approval.
 CLAIM_LEASE = timedelta(seconds=90)
+# An event's budget entities written in one transaction, up to the service's 100 operations (and far from its 4 MiB).
+MAX_TOGETHER = 100
 
 
 class Fleet:
@@ -62,6 +64,8 @@ class Fleet:
         self._noted_by_vm: dict[str, set[str]] = {}  # VM name -> the noted events that name it
         self._gates: GateReader | None = None
         self._reported: list[VmRecord] = []
+        # Budget entities as this run read or wrote them (the instance's ``KnownBudgets`` are only a guess).
+        self._budgets_seen: dict[str, Stored[BudgetRecord] | None] = {}
 
     def gates(self, policy: Policy, monitor: MonitorReader | None) -> GateReader:
         """The gate reader of this batch/tick: each gate read at most once."""
@@ -186,45 +190,89 @@ class Fleet:
         else why not and the domain (claim key) that refused.
 
         Each domain's claims are one entity written with its ETag: of two instances that see the last slot
-        free, one write fails, and that instance re-reads and sees the slot taken. A claim is made before the
-        approval is written, so a crash in between can leave a claim without an approval: claims older than
-        CLAIM_LEASE count only while their event still holds an approval (checked fresh), so none leaks."""
-        taken: list[str] = []
-        for domain in sorted(domains, key=lambda d: d.claim_key):
-            refused = self._claim_one(domain, record.eventId, now)
-            if refused:
-                for held in taken:
-                    self.release(held, record.eventId)
-                return refused, domain.claim_key
-            taken.append(domain.claim_key)
-        return "", ""
+        free, one write fails, and that instance re-reads and sees the slot taken. An event's domains are written
+        in one entity group transaction (they share the budget partition): all or none, one request. A claim is
+        made before the approval is written, so a crash in between can leave a claim without an approval: claims
+        older than CLAIM_LEASE count only while their event still holds an approval (checked fresh), so none
+        leaks. The entities are read from what this instance last saw (``KnownBudgets``) on the first attempt."""
+        ordered = sorted(domains, key=lambda d: d.claim_key)
+        if not ordered:
+            return "", ""
+        for attempt in range(COMMIT_ATTEMPTS):
+            writes: list[tuple[BudgetRecord, Stored[BudgetRecord] | None]] = []
+            for domain in ordered:
+                stored, fresh = self._budget(domain.claim_key, guess=attempt == 0)
+                change, refused = self._with_claim(domain, stored, record.eventId, now)
+                if refused and not fresh:  # refused on a guess: only what this run read or wrote may refuse
+                    stored, fresh = self._budget(domain.claim_key, guess=False)
+                    change, refused = self._with_claim(domain, stored, record.eventId, now)
+                if refused:
+                    return refused, domain.claim_key
+                if change is not None:
+                    writes.append((change, stored))
+            try:
+                self._save_budgets(writes)
+            except ConcurrencyConflict:
+                continue  # another instance claimed or released meanwhile: decide again on what it wrote
+            return "", ""
+        key = ordered[0].claim_key
+        return f"budget {key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer", key
 
-    def _claim_one(self, domain: BudgetDomain, event_id: str, now: datetime) -> str:
-        refused = ""
-        key = domain.claim_key
+    def _with_claim(
+        self, domain: BudgetDomain, stored: Stored[BudgetRecord] | None, event_id: str, now: datetime
+    ) -> tuple[BudgetRecord | None, str]:
+        """The domain's entity with this event's claim added (None: it has it already), or why the domain refuses."""
+        claims = dict(stored.record.claims) if stored else {}
+        if event_id in claims:
+            return None, ""
+        live = self.live(claims, now)
+        impacted = set(domain.mine) | domain.others
+        for claim in live.values():
+            impacted.update(claim.vms)
+        if len(impacted) > domain.limit:
+            holders = ", ".join(sorted(live)[:5]) or "approved events"
+            return None, f"{domain.describe(len(impacted))}; held fleet-wide by {holders}"
+        live[event_id] = BudgetClaim(eventId=event_id, vms=sorted(domain.mine), claimedAt=now)
+        return BudgetRecord(scaleSet=domain.claim_key, claims=live), ""
 
-        def claimed(stored: Stored[BudgetRecord] | None) -> BudgetRecord | None:
-            nonlocal refused
-            claims = dict(stored.record.claims) if stored else {}
-            if event_id in claims:
-                return None
-            live = self.live(claims, now)
-            impacted = set(domain.mine) | domain.others
-            for claim in live.values():
-                impacted.update(claim.vms)
-            if len(impacted) > domain.limit:
-                holders = ", ".join(sorted(live)[:5]) or "approved events"
-                refused = f"{domain.describe(len(impacted))}; held fleet-wide by {holders}"
-                return None
-            live[event_id] = BudgetClaim(eventId=event_id, vms=sorted(domain.mine), claimedAt=now)
-            return BudgetRecord(scaleSet=key, claims=live)
+    def _budget(self, key: str, *, guess: bool) -> tuple[Stored[BudgetRecord] | None, bool]:
+        """The budget entity, and whether it is as this run read or wrote it (only that may refuse a claim or hold
+        an event). Else, with ``guess``, as this instance saw it lately (``KnownBudgets``; a key not seen lately is
+        taken as absent, and its write, an insert, fails if it exists); else read now."""
+        if key in self._budgets_seen:
+            return self._budgets_seen[key], True
+        if guess:
+            return self.cache.budgets.known(key), False
+        return self._read_budget(key), True
 
+    def _read_budget(self, key: str) -> Stored[BudgetRecord] | None:
+        stored = self._store.get_budget(key)
+        self._saw_budget(key, stored)
+        return stored
+
+    def _saw_budget(self, key: str, stored: Stored[BudgetRecord] | None) -> None:
+        self._budgets_seen[key] = stored
+        self.cache.budgets.saw(key, stored)
+
+    def _save_budgets(self, writes: Sequence[tuple[BudgetRecord, Stored[BudgetRecord] | None]]) -> None:
+        """Each entity If-Match what it was read as (an insert when it was absent), all in one transaction or none;
+        what is written is remembered, and what was refused forgotten so that the next attempt reads it."""
+        if not writes:
+            return
+        pairs = [(record, stored.etag if stored else None) for record, stored in writes]
         try:
-            # A conflict means another instance claimed or released meanwhile: decide again on what it wrote.
-            self._commit_budget(key, claimed)
+            if len(pairs) == 1 or len(pairs) > MAX_TOGETHER:
+                # Beyond one transaction, one by one: a conflict part way leaves claims the next attempt finds made.
+                etags = [self._store.save_budget(*pair) for pair in pairs]
+            else:
+                etags = self._store.save_budgets(pairs)
         except ConcurrencyConflict:
-            return f"budget {key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer"
-        return refused
+            for record, _ in writes:
+                self._budgets_seen.pop(record.scaleSet, None)
+                self.cache.budgets.forget(record.scaleSet)
+            raise
+        for (record, _), etag in zip(writes, etags, strict=True):
+            self._saw_budget(record.scaleSet, Stored(record, etag))
 
     def pace(self, record: EventRecord, domains: Sequence[PaceDomain], now: datetime) -> PaceHold | None:
         """Takes this event's claims on its rule's rate and sequence keys, or none: None when claimed, else what
@@ -242,6 +290,7 @@ class Fleet:
 
     def _pace_one(self, domain: PaceDomain, event_id: str, now: datetime) -> PaceHold | None:
         hold: PaceHold | None = None
+        guessed = False
 
         def claim(stored: Stored[BudgetRecord] | None) -> BudgetRecord | None:
             nonlocal hold
@@ -252,8 +301,16 @@ class Fleet:
             hold = pace_hold(domain, state, event_id, now)
             return None if hold is not None else claimed(domain, state, event_id, now)
 
+        def read(attempt: int) -> Stored[BudgetRecord] | None:
+            nonlocal guessed
+            stored, fresh = self._budget(domain.key, guess=attempt == 0 and not guessed)
+            guessed = guessed or not fresh
+            return stored
+
         try:
-            self._commit_budget(domain.key, claim)
+            self._commit_budget(domain.key, claim, read=read)
+            if hold is not None and guessed and domain.key not in self._budgets_seen:
+                self._commit_budget(domain.key, claim, read=read)  # held on a guess: decided again on a fresh read
         except ConcurrencyConflict:
             return PaceHold(
                 domain.key,
@@ -262,13 +319,20 @@ class Fleet:
             )
         return hold
 
-    def _commit_budget(self, key: str, change: Callable[[Stored[BudgetRecord] | None], BudgetRecord | None]) -> None:
-        """``change`` on the budget entity ``key``: read fresh, written If-Match, decided again on a conflict
-        (ConcurrencyConflict once the attempts are spent); ``change`` gives None to write nothing."""
+    def _commit_budget(
+        self,
+        key: str,
+        change: Callable[[Stored[BudgetRecord] | None], BudgetRecord | None],
+        *,
+        read: Callable[[int], Stored[BudgetRecord] | None] | None = None,
+    ) -> None:
+        """``change`` on the budget entity ``key``: read (by default from the table: a release must see the claim
+        whoever wrote it), written If-Match, decided again on a conflict (ConcurrencyConflict once the attempts are
+        spent); ``change`` gives None to write nothing."""
         commit(
-            lambda _attempt: self._store.get_budget(key),
+            read or (lambda _attempt: self._read_budget(key)),
             change,
-            lambda record, stored: self._store.save_budget(record, stored.etag if stored else None),
+            lambda record, stored: self._save_budgets([(record, stored)]),
             what=f"budget of {key}",
         )
 

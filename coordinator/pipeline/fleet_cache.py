@@ -27,7 +27,7 @@ from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS
 from coordinator.domain.fleet_view import Census
-from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord
+from coordinator.domain.model import BudgetRecord, EventRecord, VmGroupRecord, VmRecord
 from coordinator.domain.pacing import is_rate, is_sequence
 from coordinator.state.store import Changed, StateStore, Stored
 
@@ -126,6 +126,32 @@ class _Part(Generic[R]):
             self._put(stored.record)
 
 
+class KnownBudgets:
+    """Budget entities as this instance last read or wrote them, and when. A claim decides on one younger than
+    ``REFRESH_EVERY`` without reading it, and on a key not known so as absent: its write is If-Match (or an insert),
+    so a newer entity refuses it and is read again (no over-claim), and a refusal is at most as late about another
+    instance's release as the fleet view is about its approvals. Releases read fresh."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, Stored[BudgetRecord] | None]] = {}
+
+    def known(self, key: str) -> Stored[BudgetRecord] | None:
+        """The entity as last seen, if recently; None when absent, not known, or seen too long ago."""
+        with self._lock:
+            hit = self._seen.get(key)
+        return hit[1] if hit is not None and self._clock() - hit[0] < REFRESH_EVERY else None
+
+    def saw(self, key: str, stored: Stored[BudgetRecord] | None) -> None:
+        with self._lock:
+            self._seen[key] = (self._clock(), stored)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._seen.pop(key, None)
+
+
 @dataclass(frozen=True, slots=True)
 class KnownVm:
     """What the timer needs of every VM without holding its whole record (a VM's record with its sightings is about
@@ -187,6 +213,7 @@ class FleetCache:
         # ARM's census, indexed (``arm_census``), and the snapshot it was built from.
         self._arm_census = Census()
         self._arm_entries: Mapping[str, CensusEntry] | None = None
+        self.budgets = KnownBudgets(clock)
 
     # events --------------------------------------------------------------------------------------------------
     def _refresh_events(self, *, force: bool) -> None:

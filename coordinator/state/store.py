@@ -206,12 +206,16 @@ class StateStore(Protocol):
         """``save_vm_group`` for each, in transactions of 100 (all or nothing each; each group with what is staged
         near it, which must be one of them); the new ETags in order."""
 
-    # budgets: the claims on one budget domain, always read fresh (a claim decides against what every instance
-    # holds now).
+    # budgets: the claims on one budget domain (a claim writes If-Match what it decided on, so it decides against
+    # what every instance holds now).
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None: ...
 
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         """Inserts (``etag`` None) or replaces the budget If-Match ``etag``; gives the new ETag."""
+
+    def save_budgets(self, writes: Sequence[tuple[BudgetRecord, str | None]]) -> list[str]:
+        """``save_budget`` for each, in one transaction (at most 100: all or none, ``ConcurrencyConflict`` when any
+        is refused); the new ETags in order."""
 
     def budgets(self) -> list[Stored[BudgetRecord]]:
         """Every budget domain's entity, read fresh (housekeeping removes those whose claims were all released)."""

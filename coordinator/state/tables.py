@@ -407,6 +407,12 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._save_one((budget_entity(record), etag, record))
 
+    def save_budgets(self, writes: Sequence[tuple[BudgetRecord, str | None]]) -> list[str]:
+        items: list[Write] = [(budget_entity(record), etag, record) for record, etag in writes]
+        if len(list(transactions(items))) > 1:
+            raise ValueError(f"{len(items)} budget entities do not fit one transaction")
+        return self._save_many(items)
+
     def budgets(self) -> list[Stored[BudgetRecord]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": BUDGET_PARTITION})
         return [budget_from_entity(e, _etag(e)) for e in entities]

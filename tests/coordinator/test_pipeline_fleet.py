@@ -46,7 +46,7 @@ def test_a_claim_takes_a_slot_in_every_domain_and_is_taken_once():
     assert fleet.claim(record, domains, DOC_NOW) == ("", "")
 
 
-def test_a_claim_refused_in_one_domain_gives_back_those_already_taken():
+def test_a_claim_refused_in_one_domain_takes_none():
     store = MemoryStateStore()
     other = BudgetClaim(eventId="EV-OTHER", vms=["web_9"], claimedAt=DOC_NOW)
     store.save_budget(BudgetRecord(scaleSet="zone:1", claims={"EV-OTHER": other}), None)
@@ -56,7 +56,7 @@ def test_a_claim_refused_in_one_domain_gives_back_those_already_taken():
     )
     assert where == "zone:1"
     assert refused == "zone '1' would have 2 impacted instances (limit 1); held fleet-wide by EV-OTHER"
-    # All or none: the scale set's slot, taken first, is given back.
+    # All or none: the scale set's slot is not taken either.
     assert claims(store, "web") == []
 
 
