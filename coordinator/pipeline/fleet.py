@@ -64,8 +64,12 @@ class Fleet:
         self._noted_by_vm: dict[str, set[str]] = {}  # VM name -> the noted events that name it
         self._gates: GateReader | None = None
         self._reported: list[VmRecord] = []
-        # Budget entities as this run read or wrote them (the instance's ``KnownBudgets`` are only a guess).
+        # Budget entities as this run read or wrote them (the instance's ``KnownBudgets`` are only a guess), and the
+        # claims deferred (``defer_claims``): per entity, what it was read as, which its write is conditioned on.
         self._budgets_seen: dict[str, Stored[BudgetRecord] | None] = {}
+        self._pending: dict[str, Stored[BudgetRecord] | None] = {}
+        self._guessing = True
+        self.defer_claims = False
 
     def gates(self, policy: Policy, monitor: MonitorReader | None) -> GateReader:
         """The gate reader of this batch/tick: each gate read at most once."""
@@ -210,6 +214,9 @@ class Fleet:
                     return refused, domain.claim_key
                 if change is not None:
                     writes.append((change, stored))
+            if self.defer_claims:
+                self._defer(writes)
+                return "", ""
             try:
                 self._save_budgets(writes)
             except ConcurrencyConflict:
@@ -217,6 +224,30 @@ class Fleet:
             return "", ""
         key = ordered[0].claim_key
         return f"budget {key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer", key
+
+    def _defer(self, writes: Sequence[tuple[BudgetRecord, Stored[BudgetRecord] | None]]) -> None:
+        """Keeps the claims for ``flush_claims``: each entity's write stays conditioned on what it was first read as
+        in this run, and later claims of the run build on it."""
+        for record, stored in writes:
+            self._pending.setdefault(record.scaleSet, stored)
+            self._budgets_seen[record.scaleSet] = Stored(record, "")
+
+    def flush_claims(self) -> None:
+        """Writes the claims deferred while ``defer_claims`` (a batch's decisions, before their events are written),
+        in transactions of up to 100 entities: one request for a batch's claims instead of one per approval. On a
+        conflict nothing is known of those entities any more and the run reads them fresh from then on; the caller
+        decides again (ConcurrencyConflict)."""
+        pending, self._pending = self._pending, {}
+        writes = [(seen.record, base) for key, base in pending.items() if (seen := self._budgets_seen.get(key))]
+        try:
+            for start in range(0, len(writes), MAX_TOGETHER):
+                self._save_budgets(writes[start : start + MAX_TOGETHER])
+        except ConcurrencyConflict:
+            for key in pending:
+                self._budgets_seen.pop(key, None)
+                self.cache.budgets.forget(key)
+            self._guessing = False
+            raise
 
     def _with_claim(
         self, domain: BudgetDomain, stored: Stored[BudgetRecord] | None, event_id: str, now: datetime
@@ -241,7 +272,7 @@ class Fleet:
         taken as absent, and its write, an insert, fails if it exists); else read now."""
         if key in self._budgets_seen:
             return self._budgets_seen[key], True
-        if guess:
+        if guess and self._guessing:
             return self.cache.budgets.known(key), False
         return self._read_budget(key), True
 
@@ -382,6 +413,11 @@ class Fleet:
                 return None
             return released(stored.record, event_id, concluded_at=concluded_at)
 
+        if key in self._pending:  # claimed in this run and not written yet: given back before it is
+            seen = self._budgets_seen.get(key)
+            if seen is not None and (after := release(seen)) is not None:
+                self._budgets_seen[key] = Stored(after, "")
+            return
         try:
             self._commit_budget(key, release)
         except ConcurrencyConflict:

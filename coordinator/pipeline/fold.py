@@ -364,7 +364,12 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
             change = applier.apply(current.record if current else None, event_id, items)
             if change is not None:
                 applied.append((change, current))
-        decide.decide_all(run, [c for c, _ in applied])
+        # The batch's budget claims are kept and written together before its events (``written``).
+        run.fleet.defer_claims = True
+        try:
+            decide.decide_all(run, [c for c, _ in applied])
+        finally:
+            run.fleet.defer_claims = False
         changes.clear()
         staging.clear()
         writes = []
@@ -388,7 +393,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         commit(
             events_now,
             applied_and_decided,
-            lambda writes, _assembled: save_events(run, writes, staging),
+            lambda writes, _assembled: written(run, writes, staging),
             what="events of the batch",
             attempts=BULK_ATTEMPTS,
             on_conflict=run.report.count_conflict,
@@ -400,6 +405,13 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
     except RecordTooLarge:
         pass  # an event too large for its entity: each on its own, where it is set aside
     return _commit_one_by_one(run, applier, changes, observations)
+
+
+def written(run: Run, writes: list[tuple[EventRecord, str | None]], staging: list[Staged]) -> None:
+    """The batch's budget claims (deferred while deciding: one transaction, not one request per approval), then
+    its events: an approval's claim is always written before the approval is."""
+    run.fleet.flush_claims()
+    save_events(run, writes, staging)
 
 
 def _commit_one_by_one(

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
+
 from coordinator.domain.budgets import BudgetDomain
 from coordinator.domain.model import BudgetRecord
 from coordinator.domain.pacing import PaceDomain
@@ -124,3 +126,47 @@ def test_a_rate_held_on_what_the_instance_saw_earlier_is_read_again() -> None:
 
     assert store.calls["get_budget"] == 1
     assert claims(store, rate.key) == ["EV-2"]
+
+
+def test_a_batchs_deferred_claims_are_written_together_and_one_given_back_before_is_never_written() -> None:
+    store = Counting()
+    fleet = Fleet(store)
+    fleet.defer_claims = True
+    for n in range(3):
+        vm = f"web_{n}"
+        assert fleet.claim(event_record(f"EV-{n}", resources=[vm]), domains(vm, limit=3), DOC_NOW) == ("", "")
+    # A fourth is over the limit of 3 once the first three count: a batch's later claims build on its earlier ones.
+    refused, _ = fleet.claim(event_record("EV-3", resources=["web_3"]), domains("web_3", limit=3), DOC_NOW)
+    assert "held fleet-wide by EV-0, EV-1, EV-2" in refused
+    fleet.release("zone:westeurope/1", "EV-1")  # e.g. held by its pacing after its impact claim
+    fleet.release("updateDomain:web/0", "EV-1")
+    fleet.defer_claims = False
+    assert store.calls == {}
+
+    fleet.flush_claims()
+
+    assert store.calls == {"save_budgets": 1}
+    assert claims(store, "zone:westeurope/1") == claims(store, "updateDomain:web/0") == ["EV-0", "EV-2"]
+
+
+def test_deferred_claims_refused_by_the_table_are_forgotten_and_read_fresh_when_decided_again() -> None:
+    store = Counting()
+    cache = FleetCache(store)
+    assert (
+        Fleet(store, cache).claim(event_record("EV-0", resources=["web_0"]), domains("web_0", limit=2), DOC_NOW)[0]
+        == ""
+    )
+    Fleet(store).release("zone:westeurope/1", "EV-0")  # another instance: this one's knowledge is now stale
+    fleet = Fleet(store, cache)
+    fleet.defer_claims = True
+    fleet.claim(event_record("EV-1", resources=["web_1"]), domains("web_1", limit=2), DOC_NOW)
+    store.calls.clear()
+
+    with pytest.raises(ConcurrencyConflict):
+        fleet.flush_claims()
+    fleet.claim(event_record("EV-1", resources=["web_1"]), domains("web_1", limit=2), DOC_NOW)  # decided again
+    fleet.flush_claims()
+
+    assert store.calls == {"save_budgets": 2, "get_budget": 2}
+    assert claims(store, "zone:westeurope/1") == ["EV-1"]
+    assert claims(store, "updateDomain:web/0") == ["EV-0", "EV-1"]
