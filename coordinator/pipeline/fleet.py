@@ -17,8 +17,9 @@ coordinator by hand), the census is what the VMs last reported, kept in their VM
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 
 from contracts.envelope import VmIdentity
@@ -231,6 +232,15 @@ class Fleet:
         for record, stored in writes:
             self._pending.setdefault(record.scaleSet, stored)
             self._budgets_seen[record.scaleSet] = Stored(record, "")
+
+    @contextlib.contextmanager
+    def claims_deferred(self) -> Iterator[None]:
+        """While inside, claims are kept (``flush_claims`` writes them): a batch's decisions."""
+        self.defer_claims = True
+        try:
+            yield
+        finally:
+            self.defer_claims = False
 
     def flush_claims(self) -> None:
         """Writes the claims deferred while ``defer_claims`` (a batch's decisions, before their events are written),

@@ -352,8 +352,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         return assemble(stored, groups)
 
     changes: list[EventChange] = []
-    outbox = run.outbox(leave=SIGHTINGS)
-    staging: list[Staged] = []
+    outbox, staging = run.outbox(leave=SIGHTINGS), list[Staged]()
 
     def applied_and_decided(
         assembled: dict[str, Stored[EventRecord]],
@@ -364,12 +363,8 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
             change = applier.apply(current.record if current else None, event_id, items)
             if change is not None:
                 applied.append((change, current))
-        # The batch's budget claims are kept and written together before its events (``written``).
-        run.fleet.defer_claims = True
-        try:
+        with run.fleet.claims_deferred():  # written together before the events (``written``)
             decide.decide_all(run, [c for c, _ in applied])
-        finally:
-            run.fleet.defer_claims = False
         changes.clear()
         staging.clear()
         writes = []
