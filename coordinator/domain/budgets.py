@@ -61,7 +61,6 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
         return []
     budget = rule.budget
     affected = record.resources or sorted(record.vms)
-    ahead = fleet.ahead_of(record)
     out: list[BudgetDomain] = []
     for kind in budget.per:
         keyed: dict[str, set[str]] = {}
@@ -75,7 +74,7 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
                 others = set(fleet.impacted.get(key, frozenset()))
             else:
                 others = set(fleet.impacted_in(kind, key))
-            others |= {n for n in ahead if fleet.facts(record, n).domain(kind) == key}
+            others |= fleet.ahead_in(kind, key, record)
             size = fleet.size_with(kind, key, mine)
             limit = limit_for(max_impacted=budget.maxImpacted, max_percent=budget.maxPercent, size=size)
             out.append(BudgetDomain(kind, key, frozenset(mine), frozenset(others - mine), size, limit))

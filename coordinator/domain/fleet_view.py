@@ -7,6 +7,7 @@ budgets (domains and their sizes) and evaluation.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -114,6 +115,13 @@ class FleetView:
     # ``with_event``: counting a domain's impacted VMs by scanning every impacted VM made each decision cost the
     # wave so far (a budget wave quadratic).
     _by_domain: dict[DomainKind, dict[str, frozenset[str]]] = field(default_factory=dict, compare=False, repr=False)
+    # The queued events' VMs by budget domain, per kind, each domain's in queue order (made on first use, shared by
+    # the views ``with_event`` derives, which only leave events out: ``_dequeued``), so that the VMs queued ahead of
+    # an event in one domain are a prefix, not a scan of the whole queue per decision.
+    _queue_by_domain: dict[DomainKind, dict[str, list[tuple[datetime, str, str]]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    _dequeued: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
     def of(
@@ -162,6 +170,7 @@ class FleetView:
             impactedVms=self.impactedVms | added,
             queued=tuple(q for q in self.queued if q[1] != record.eventId),
             _by_domain=by_domain,
+            _dequeued=self._dequeued | {record.eventId},
         )
 
     def impacted_in(self, kind: DomainKind, key: str) -> frozenset[str]:
@@ -191,10 +200,20 @@ class FleetView:
             return self.vms.members(kind, key)
         return {name for name, facts in self.vms.items() if facts.domain(kind) == key}
 
-    def ahead_of(self, record: EventRecord) -> set[str]:
-        """The VMs of the events queued for budget ahead of this one (closer to their NotBefore)."""
+    def ahead_in(self, kind: DomainKind, key: str, record: EventRecord) -> set[str]:
+        """The VMs in one budget domain of the events queued for budget ahead of this one (closer to their
+        NotBefore); a VM's domain as ``facts`` gives it for a VM of another event."""
+        index = self._queue_by_domain.get(kind)
+        if index is None:
+            index = self._queue_by_domain[kind] = {}
+            for not_before, event_id, vms in sorted(self.queued):
+                for name in sorted(vms):
+                    domain = self.facts(_OTHER, name).domain(kind)
+                    index.setdefault(domain, []).append((not_before, event_id, name))
+        entries = index.get(key, [])
         mine = (record.notBefore or datetime.max.replace(tzinfo=UTC), record.eventId)
-        return {vm for not_before, event_id, vms in self.queued if (not_before, event_id) < mine for vm in vms}
+        cut = bisect.bisect_left(entries, mine, key=lambda entry: (entry[0], entry[1]))
+        return {name for _, event_id, name in entries[:cut] if event_id not in self._dequeued}
 
     def facts(self, record: EventRecord, name: str) -> VmFacts:
         """A VM's facts: from the census; else none when the census is ARM's (a VM ARM does not list is not
@@ -210,6 +229,12 @@ class FleetView:
     def untagged(self) -> FleetView:
         """The same view with every VM's tags left out (the census is not copied: ``facts`` leaves them out)."""
         return dataclasses.replace(self, tagless=True)
+
+
+# The record ``facts`` is asked about for a VM of another event: none of its sightings are the VM's.
+_OTHER = EventRecord(
+    eventId="", eventType="", stateSince=datetime.min.replace(tzinfo=UTC), createdAt=datetime.min.replace(tzinfo=UTC)
+)
 
 
 def scale_set_of(record: EventRecord, vm_name: str) -> str:

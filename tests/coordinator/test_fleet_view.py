@@ -3,7 +3,7 @@ per view, carried forward by ``with_event``), are what scanning every impacted V
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -72,3 +72,33 @@ def test_adding_an_event_leaves_the_view_it_came_from_as_it_was() -> None:
     assert after.impacted_in("zone", "westeurope/1") == {"vm0", "vm2"}
     assert before.impacted_in("zone", "westeurope/1") == {"vm0"}
     assert after.impacted_in("zone", "westeurope/2") == {"vm3"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    queue=st.lists(st.tuples(st.integers(0, 5), st.lists(st.sampled_from(NAMES), min_size=1, max_size=4)), max_size=8),
+    approved=st.sets(st.integers(0, 7), max_size=3),
+    position=st.integers(0, 6),
+    census=st.booleans(),
+)
+def test_the_vms_queued_ahead_in_a_domain_are_those_of_the_events_ahead_in_the_queue(
+    queue: list[tuple[int, list[str]]], approved: set[int], position: int, census: bool
+) -> None:
+    pairs = [(f"vm{i}", facts(i)) for i in range(0, 24, 2)]  # half the VMs known: the rest by their names
+    vms = Census(pairs) if census else dict(pairs)
+    queued = tuple(
+        sorted((NOW + timedelta(minutes=m), f"Q{n}", frozenset(names)) for n, (m, names) in enumerate(queue))
+    )
+    view = FleetView.of([], vms=vms, queued=queued)
+    view.ahead_in("zone", "westeurope/1", event(99, ["vm0"]))  # indexed before events leave the queue
+    for n in approved:
+        view = view.with_event(event(n, ["vm1"]).model_copy(update={"eventId": f"Q{n}"}))
+    record = event(99, ["vm0"]).model_copy(update={"notBefore": NOW + timedelta(minutes=position)})
+
+    mine = (record.notBefore, record.eventId)
+    for kind in KINDS:
+        ahead = [vm for nb, eid, names in view.queued if (nb, eid) < mine for vm in names]
+        for key in {view.facts(record, vm).domain(kind) for vm in NAMES}:
+            assert view.ahead_in(kind, key, record) == {
+                vm for vm in ahead if vm not in record.vms and view.facts(record, vm).domain(kind) == key
+            }
