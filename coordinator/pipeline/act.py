@@ -8,8 +8,9 @@ decided an approval sends it.
 An approval leaves right after its deciding write (``send_decided``, called by fold before the VM positions are
 written): the plan made before that write (pipeline/plan.py, ``intend``: its intent row committed with the write, in
 the outbox), and the record and ETag the write gave, are what is sent and what its outcome is written against, with
-no re-read; the outcome's rows are committed with the outcome, and the history is uploaded last, in the tail. A
-crash after the deciding write leaves the approval record itself (``nextAttemptAt``): the timer sends it again.
+no re-read; the outcome's rows are committed with the outcome (the run's outcomes together, one transaction per
+event partition: ``_outcomes_together``), and the history is uploaded last, in the tail. A crash after the deciding
+write leaves the approval record itself (``nextAttemptAt``): the timer sends it again.
 
 Nothing waits for a slow or dead listener either: with a delivery queue (``Parts.deliveries``), a batch, tick or
 person's run gives each approval ``in_run_delivery`` (3 s; less when NotBefore is near, plan.answer_wait) and hands
@@ -34,10 +35,12 @@ from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BatchCallback, BoundedCallback
+from coordinator.domain.lifecycle import EventChange
 from coordinator.pipeline import attest, handover
 from coordinator.pipeline.attempt import approval_outcome
 from coordinator.pipeline.plan import answer_wait, hands_over, plan_delivery
 from coordinator.pipeline.run import Delivery, Run, Sending
+from coordinator.state.entities import event_partition
 from coordinator.state.events import commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
 
@@ -60,19 +63,23 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
         await_answers(sending)
         work.sent.extend(sending.plans)
     work.sending = []
+    together = _outcomes_together(run, work.sent)
     for plan in work.sent:
         known = work.records.get(plan.event_id)
         etag = work.etags.get(plan.event_id)
         try:
-            change = commit_event(
-                run.parts.store,
-                plan.event_id,
-                lambda r, plan=plan: approval_outcome(run, r, plan=plan),  # type: ignore[misc]
-                # The record as this run committed it, and that write's ETag: no re-read unless another wrote since.
-                read=Stored(known, etag) if known is not None and etag is not None else None,
-                etags=work.etags,
-                outbox=run.outbox(),
-            )
+            if plan.event_id in together:
+                change = together[plan.event_id]
+            else:
+                change = commit_event(
+                    run.parts.store,
+                    plan.event_id,
+                    lambda r, plan=plan: approval_outcome(run, r, plan=plan),  # type: ignore[misc]
+                    # The record as this run committed it, and that write's ETag: no re-read unless another wrote since.
+                    read=Stored(known, etag) if known is not None and etag is not None else None,
+                    etags=work.etags,
+                    outbox=run.outbox(),
+                )
         except ConcurrencyConflict:
             log.warning("approval of %s: outcome not recorded (contended); the timer reconciles", plan.event_id)
             change = None
@@ -97,6 +104,43 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
                     executor=plan.executor,
                     visible_at=plan.wait_until,
                 )
+
+
+# A run's outcomes are written together per event partition, this many events a transaction (each with its rows:
+# well within the service's 100 operations, so that each is one transaction, all or nothing).
+TOGETHER = 25
+
+
+def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventChange | None]:
+    """The outcomes of the run's sends, each on the record its deciding write left (with that write's ETag), written
+    together: a transaction per event partition with their rows, not one request per approval. What a transaction
+    could not write (another instance wrote one of its events) is left out, and ``deliver`` commits each of those
+    on its own, reading what was written. A handed-over send (its record changes in the queue's run) is not taken."""
+    work = run.work
+    mine = [p for p in plans if not p.continued and p.event_id in work.records and p.event_id in work.etags]
+    if len(mine) < 2 or len({p.event_id for p in mine}) < len(mine):
+        return {}
+    by_partition: dict[str, list[Delivery]] = {}
+    for plan in mine:
+        by_partition.setdefault(event_partition(plan.event_id), []).append(plan)
+    out: dict[str, EventChange | None] = {}
+    outbox = run.outbox()
+    for group in by_partition.values():
+        for start in range(0, len(group), TOGETHER):
+            part = group[start : start + TOGETHER]
+            changes = {p.event_id: approval_outcome(run, work.records[p.event_id], plan=p) for p in part}
+            written = {i: c for i, c in changes.items() if c is not None and c.changed}
+            writes = [(c.record, work.etags[i]) for i, c in written.items()]
+            staged = [piece for i, c in written.items() for piece in outbox.pieces(f"event:{i}", c.rows)]
+            try:
+                etags = run.parts.store.save_events(writes, staged=staged) if writes else []
+            except ConcurrencyConflict:
+                continue
+            outbox.written.extend(staged)
+            for (record, _), etag in zip(writes, etags, strict=True):
+                work.etags[record.eventId] = etag
+            out.update({i: written.get(i) for i in changes})
+    return out
 
 
 def send_decided(
