@@ -3,7 +3,7 @@ a time, with an optional gap after the last event of a domain concluded), each k
 
 Pure: the keys an event's rule claims (``pace_domains``), what holds it given a key's state (``pace_hold``), and the
 state with its claim added (``claimed``), released (``released``) or lapsed (``settled``).
-coordinator/pipeline/fleet.py reads and writes the state with ETags (so two instances never over-claim);
+coordinator/pipeline/budget_claims.py reads and writes the state with ETags (so two instances never over-claim);
 coordinator/domain/evaluation.py checks the state a fleet view carries (ops/policy's test cases give one).
 
 Keys: ``rate:RULE:fleet``, ``rate:RULE:KIND:DOMAIN`` (one count per domain), ``sequence:RULE:KIND``. Both count

@@ -369,7 +369,7 @@ def claim(run: Run, record: EventRecord, decision: Decision, view: FleetView) ->
     claimed: list[str] = []
     if decision.verdict == "approve" and not dry_run and domains:
         # The rule saw budget left in this instance's view; the claim makes that hold across instances.
-        refused, full = fleet.claim(record, domains, now)
+        refused, full = fleet.budgets.claim(record, domains, now)
         if refused:
             decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
         else:
@@ -378,10 +378,10 @@ def claim(run: Run, record: EventRecord, decision: Decision, view: FleetView) ->
     if decision.verdict == "approve" and not dry_run and paces:
         # The rule's rate and sequence, whose state only the claim entities hold: claimed after the impact budgets
         # (which are given back when pacing holds the event).
-        hold = fleet.pace(record, paces, now)
+        hold = fleet.budgets.pace(record, paces, now)
         if hold is not None:
             for key in claimed:
-                fleet.release(key, record.eventId)
+                fleet.budgets.release(key, record.eventId)
             claimed = []
             decision = paced_hold(decision, record, hold)
         else:
@@ -424,7 +424,7 @@ def release_budgets(run: Run) -> None:
     run.enter("budgets")
     for event_id, key in run.work.releases:
         try:
-            run.fleet.release(key, event_id)
+            run.fleet.budgets.release(key, event_id)
         except Exception:  # the claim lapses by itself; the run's real work is done
             log.exception("budget of %s: releasing the claim of withdrawn %s failed", key, event_id)
     for record in run.work.records.values():
@@ -439,6 +439,6 @@ def release_budgets(run: Run) -> None:
         for key in keys:
             try:
                 # Concluded: a sequence's gap runs from now on; a rate's approval counts until it ages out.
-                run.fleet.release(key, record.eventId, concluded_at=record.stateSince)
+                run.fleet.budgets.release(key, record.eventId, concluded_at=record.stateSince)
             except Exception:  # the claim lapses by itself; the batch's real work is done
                 log.exception("budget of %s: releasing the claim of %s failed", key, record.eventId)

@@ -363,7 +363,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
             change = applier.apply(current.record if current else None, event_id, items)
             if change is not None:
                 applied.append((change, current))
-        with run.fleet.claims_deferred():  # written together before the events (``written``)
+        with run.fleet.budgets.deferred():  # written together before the events (``written``)
             decide.decide_all(run, [c for c, _ in applied])
         changes.clear()
         staging.clear()
@@ -405,7 +405,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
 def written(run: Run, writes: list[tuple[EventRecord, str | None]], staging: list[Staged]) -> None:
     """The batch's budget claims (deferred while deciding: one transaction, not one request per approval), then
     its events: an approval's claim is always written before the approval is."""
-    run.fleet.flush_claims()
+    run.fleet.budgets.flush()
     save_events(run, writes, staging)
 
 

@@ -357,7 +357,7 @@ def purge_retired(run: Run, known: list[KnownVm]) -> bool:
 def purge_budgets(run: Run) -> bool:
     """Deletes the budget entities whose claims were all released (or lapsed: ``Fleet.spent``), each If-Match its
     ETag, at most ``PURGE_BUDGETS_PER_RUN``. Returns whether more is left."""
-    spent = [s for s in run.parts.store.budgets() if run.fleet.spent(s.record, run.now)]
+    spent = [s for s in run.parts.store.budgets() if run.fleet.budgets.spent(s.record, run.now)]
     for stored in spent[:PURGE_BUDGETS_PER_RUN]:
         if run.parts.store.delete_budget(stored.record.scaleSet, stored.etag or ""):
             run.report.budgets_purged += 1

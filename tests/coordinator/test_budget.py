@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.domain.model import BudgetClaim, BudgetRecord
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline.fleet import CLAIM_LEASE
+from coordinator.pipeline.budget_claims import CLAIM_LEASE
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.state.tables import TableStateStore
 from emulators.imds import ImdsEmulator

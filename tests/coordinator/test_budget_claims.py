@@ -1,22 +1,25 @@
-"""Budget claims as they reach the table (coordinator/pipeline/fleet.py): an event's domains in one transaction, the
-entities taken from what the instance saw lately rather than read again, and a refusal or a pacing hold only ever
-on what the run itself read or wrote (a stale guess never holds an event back)."""
+"""Budget claims as they reach the table (coordinator/pipeline/budget_claims.py): an event's domains in one
+transaction, the entities taken from what the instance saw lately rather than read again, and a refusal or a pacing
+hold only ever on what the run itself read or wrote (a stale guess never holds an event back)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import pytest
 
 from coordinator.domain.budgets import BudgetDomain
-from coordinator.domain.model import BudgetRecord
+from coordinator.domain.model import BudgetClaim, BudgetRecord
 from coordinator.domain.pacing import PaceDomain
 from coordinator.domain.policy import RateOption
+from coordinator.pipeline.budget_claims import CLAIM_LEASE
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.fleet_cache import FleetCache
 from coordinator.state.store import ConcurrencyConflict, Stored
-from tests.coordinator.helpers import DOC_NOW, event_record
+from tests.coordinator.helpers import DOC_NOW, approval_record, event_record
 from tests.coordinator.memory_store import MemoryStateStore
 
 
@@ -51,6 +54,12 @@ def domains(vm: str, *, limit: int = 1) -> list[BudgetDomain]:
     ]
 
 
+def claim(store: MemoryStateStore, cache: FleetCache, n: int, *, limit: int = 1) -> tuple[str, str]:
+    """Event EV-n of VM web_n claims its zone and update domain in a run of the instance that has ``cache``."""
+    vm = f"web_{n}"
+    return Fleet(store, cache).budgets.claim(event_record(f"EV-{n}", resources=[vm]), domains(vm, limit=limit), DOC_NOW)
+
+
 def claims(store: MemoryStateStore, key: str) -> list[str]:
     stored = store.get_budget(key)
     return sorted(stored.record.claims) if stored else []
@@ -60,15 +69,9 @@ def test_an_events_domains_are_claimed_in_one_transaction_without_reading_what_t
     store = Counting()
     cache = FleetCache(store)
 
-    assert Fleet(store, cache).claim(event_record("EV-1", resources=["web_0"]), domains("web_0", limit=2), DOC_NOW) == (
-        "",
-        "",
-    )
+    assert claim(store, cache, 1, limit=2) == ("", "")
     # A second run of the same instance: the entities it wrote are known, so nothing is read first.
-    assert Fleet(store, cache).claim(event_record("EV-2", resources=["web_1"]), domains("web_1", limit=2), DOC_NOW) == (
-        "",
-        "",
-    )
+    assert claim(store, cache, 2, limit=2) == ("", "")
 
     assert store.calls == {"save_budgets": 2}
     assert claims(store, "zone:westeurope/1") == claims(store, "updateDomain:web/0") == ["EV-1", "EV-2"]
@@ -78,7 +81,7 @@ def test_a_transaction_refused_writes_nothing_and_is_decided_again_on_what_is_st
     store = Counting()
     store.refuse = True
 
-    assert Fleet(store).claim(event_record("EV-1", resources=["web_0"]), domains("web_0"), DOC_NOW) == ("", "")
+    assert Fleet(store).budgets.claim(event_record("EV-1", resources=["web_0"]), domains("web_0"), DOC_NOW) == ("", "")
 
     assert store.calls == {"save_budgets": 2, "get_budget": 2}  # the second attempt read both entities
     assert claims(store, "zone:westeurope/1") == ["EV-1"]
@@ -87,13 +90,13 @@ def test_a_transaction_refused_writes_nothing_and_is_decided_again_on_what_is_st
 def test_a_refusal_on_what_the_instance_saw_earlier_is_read_again_and_a_freed_slot_taken() -> None:
     store = Counting()
     mine, other = FleetCache(store), FleetCache(store)
-    assert Fleet(store, mine).claim(event_record("EV-1", resources=["web_0"]), domains("web_0"), DOC_NOW) == ("", "")
+    assert claim(store, mine, 1) == ("", "")
     for key in ("updateDomain:web/0", "zone:westeurope/1"):
-        Fleet(store, other).release(key, "EV-1")  # another instance concluded EV-1
+        Fleet(store, other).budgets.release(key, "EV-1")  # another instance concluded EV-1
     store.calls.clear()
 
     # This instance still remembers the domains full; it reads them before refusing, and finds the slot free.
-    assert Fleet(store, mine).claim(event_record("EV-2", resources=["web_1"]), domains("web_1"), DOC_NOW) == ("", "")
+    assert claim(store, mine, 2) == ("", "")
 
     assert store.calls["get_budget"] == 2
     assert claims(store, "zone:westeurope/1") == ["EV-2"]
@@ -102,10 +105,10 @@ def test_a_refusal_on_what_the_instance_saw_earlier_is_read_again_and_a_freed_sl
 def test_within_one_run_a_refusal_rests_on_what_the_run_read_without_reading_again() -> None:
     store = Counting()
     fleet = Fleet(store)
-    assert fleet.claim(event_record("EV-1", resources=["web_0"]), domains("web_0"), DOC_NOW) == ("", "")
+    assert fleet.budgets.claim(event_record("EV-1", resources=["web_0"]), domains("web_0"), DOC_NOW) == ("", "")
     store.calls.clear()
 
-    refused, where = fleet.claim(event_record("EV-2", resources=["web_1"]), domains("web_1"), DOC_NOW)
+    refused, where = fleet.budgets.claim(event_record("EV-2", resources=["web_1"]), domains("web_1"), DOC_NOW)
 
     assert where == "updateDomain:web/0"
     assert "held fleet-wide by EV-1" in refused
@@ -118,11 +121,11 @@ def test_a_rate_held_on_what_the_instance_saw_earlier_is_read_again() -> None:
     rate = PaceDomain(
         "rate:paced:fleet", "paced", frozenset({"a_0"}), rate=RateOption(maxApprovals=1, periodSeconds=600)
     )
-    assert Fleet(store, mine).pace(event_record("EV-1"), [rate], DOC_NOW) is None
-    Fleet(store, other).release(rate.key, "EV-1")  # withdrawn on another instance: it never ran
+    assert Fleet(store, mine).budgets.pace(event_record("EV-1"), [rate], DOC_NOW) is None
+    Fleet(store, other).budgets.release(rate.key, "EV-1")  # withdrawn on another instance: it never ran
     store.calls.clear()
 
-    assert Fleet(store, mine).pace(event_record("EV-2"), [rate], DOC_NOW) is None
+    assert Fleet(store, mine).budgets.pace(event_record("EV-2"), [rate], DOC_NOW) is None
 
     assert store.calls["get_budget"] == 1
     assert claims(store, rate.key) == ["EV-2"]
@@ -131,19 +134,19 @@ def test_a_rate_held_on_what_the_instance_saw_earlier_is_read_again() -> None:
 def test_a_batchs_deferred_claims_are_written_together_and_one_given_back_before_is_never_written() -> None:
     store = Counting()
     fleet = Fleet(store)
-    fleet.defer_claims = True
+    fleet.budgets.defer = True
     for n in range(3):
         vm = f"web_{n}"
-        assert fleet.claim(event_record(f"EV-{n}", resources=[vm]), domains(vm, limit=3), DOC_NOW) == ("", "")
+        assert fleet.budgets.claim(event_record(f"EV-{n}", resources=[vm]), domains(vm, limit=3), DOC_NOW) == ("", "")
     # A fourth is over the limit of 3 once the first three count: a batch's later claims build on its earlier ones.
-    refused, _ = fleet.claim(event_record("EV-3", resources=["web_3"]), domains("web_3", limit=3), DOC_NOW)
+    refused, _ = fleet.budgets.claim(event_record("EV-3", resources=["web_3"]), domains("web_3", limit=3), DOC_NOW)
     assert "held fleet-wide by EV-0, EV-1, EV-2" in refused
-    fleet.release("zone:westeurope/1", "EV-1")  # e.g. held by its pacing after its impact claim
-    fleet.release("updateDomain:web/0", "EV-1")
-    fleet.defer_claims = False
+    fleet.budgets.release("zone:westeurope/1", "EV-1")  # e.g. held by its pacing after its impact claim
+    fleet.budgets.release("updateDomain:web/0", "EV-1")
+    fleet.budgets.defer = False
     assert store.calls == {}
 
-    fleet.flush_claims()
+    fleet.budgets.flush()
 
     assert store.calls == {"save_budgets": 1}
     assert claims(store, "zone:westeurope/1") == claims(store, "updateDomain:web/0") == ["EV-0", "EV-2"]
@@ -152,21 +155,43 @@ def test_a_batchs_deferred_claims_are_written_together_and_one_given_back_before
 def test_deferred_claims_refused_by_the_table_are_forgotten_and_read_fresh_when_decided_again() -> None:
     store = Counting()
     cache = FleetCache(store)
-    assert (
-        Fleet(store, cache).claim(event_record("EV-0", resources=["web_0"]), domains("web_0", limit=2), DOC_NOW)[0]
-        == ""
-    )
-    Fleet(store).release("zone:westeurope/1", "EV-0")  # another instance: this one's knowledge is now stale
+    assert claim(store, cache, 0, limit=2) == ("", "")
+    Fleet(store).budgets.release("zone:westeurope/1", "EV-0")  # another instance: this one's knowledge is now stale
     fleet = Fleet(store, cache)
-    fleet.defer_claims = True
-    fleet.claim(event_record("EV-1", resources=["web_1"]), domains("web_1", limit=2), DOC_NOW)
+    fleet.budgets.defer = True
+    fleet.budgets.claim(event_record("EV-1", resources=["web_1"]), domains("web_1", limit=2), DOC_NOW)
     store.calls.clear()
 
     with pytest.raises(ConcurrencyConflict):
-        fleet.flush_claims()
-    fleet.claim(event_record("EV-1", resources=["web_1"]), domains("web_1", limit=2), DOC_NOW)  # decided again
-    fleet.flush_claims()
+        fleet.budgets.flush()
+    fleet.budgets.claim(event_record("EV-1", resources=["web_1"]), domains("web_1", limit=2), DOC_NOW)  # decided again
+    fleet.budgets.flush()
 
     assert store.calls == {"save_budgets": 2, "get_budget": 2}
     assert claims(store, "zone:westeurope/1") == ["EV-1"]
     assert claims(store, "updateDomain:web/0") == ["EV-0", "EV-1"]
+
+
+def test_the_events_of_claims_past_their_lease_are_read_once_a_run_however_many_events_it_holds() -> None:
+    class CountingReads(MemoryStateStore):
+        reads = 0
+
+        def get_events(self, event_ids: Any, **options: Any) -> Any:
+            self.reads += 1
+            return super().get_events(event_ids, **options)
+
+    store = CountingReads()
+    rate = PaceDomain(
+        "rate:paced:fleet", "paced", frozenset({"a_0"}), rate=RateOption(maxApprovals=2, periodSeconds=600)
+    )
+    old = DOC_NOW - CLAIM_LEASE - timedelta(seconds=1)
+    for n in range(2):  # two approvals past their lease, their events still holding them: the rate is spent
+        store.save_event(event_record(f"EV-OLD-{n}", approval=approval_record(decisionId=f"d-{n}")), None)
+    held = {f"EV-OLD-{n}": BudgetClaim(eventId=f"EV-OLD-{n}", vms=["a_0"], claimedAt=old) for n in range(2)}
+    store.save_budget(BudgetRecord(scaleSet=rate.key, claims=held, periodSeconds=600), None)
+    fleet = Fleet(store)  # one run (a timer's tick) re-deciding every held event
+
+    holds = [fleet.budgets.pace(event_record(f"EV-{n}"), [rate], DOC_NOW) for n in range(5)]
+
+    assert all(hold is not None for hold in holds)
+    assert store.reads == 1

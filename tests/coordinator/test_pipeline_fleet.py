@@ -15,7 +15,8 @@ from coordinator.domain.model import (
     Retirement,
     VmRecord,
 )
-from coordinator.pipeline.fleet import CLAIM_LEASE, Fleet
+from coordinator.pipeline.budget_claims import CLAIM_LEASE
+from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.fleet_cache import by_not_before
 from coordinator.state.commit import COMMIT_ATTEMPTS
 from coordinator.state.store import ConcurrencyConflict
@@ -40,10 +41,10 @@ def test_a_claim_takes_a_slot_in_every_domain_and_is_taken_once():
     fleet = Fleet(store)
     record = event_record("EV-1", resources=["web_0"])
     domains = [domain("web", "web_0"), domain("1", "web_0", kind="zone")]
-    assert fleet.claim(record, domains, DOC_NOW) == ("", "")
+    assert fleet.budgets.claim(record, domains, DOC_NOW) == ("", "")
     assert claims(store, "web") == claims(store, "zone:1") == ["EV-1"]
     # Claimed again (a decision redone after a conflict): nothing more taken, nothing refused.
-    assert fleet.claim(record, domains, DOC_NOW) == ("", "")
+    assert fleet.budgets.claim(record, domains, DOC_NOW) == ("", "")
 
 
 def test_a_claim_refused_in_one_domain_takes_none():
@@ -51,7 +52,7 @@ def test_a_claim_refused_in_one_domain_takes_none():
     other = BudgetClaim(eventId="EV-OTHER", vms=["web_9"], claimedAt=DOC_NOW)
     store.save_budget(BudgetRecord(scaleSet="zone:1", claims={"EV-OTHER": other}), None)
     fleet = Fleet(store)
-    refused, where = fleet.claim(
+    refused, where = fleet.budgets.claim(
         event_record("EV-1"), [domain("web", "web_0"), domain("1", "web_0", kind="zone")], DOC_NOW
     )
     assert where == "zone:1"
@@ -71,7 +72,7 @@ def test_an_old_claim_counts_only_while_its_event_holds_an_approval():
     }
     store.save_budget(BudgetRecord(scaleSet="web", claims=held), None)
     fleet = Fleet(store)
-    assert fleet.claim(event_record("EV-1"), [domain("web", "web_0", limit=2)], DOC_NOW) == ("", "")
+    assert fleet.budgets.claim(event_record("EV-1"), [domain("web", "web_0", limit=2)], DOC_NOW) == ("", "")
     # The lapsed claim is dropped as the budget is written again; the live one stays.
     assert claims(store, "web") == ["EV-1", "EV-HOLDING"]
 
@@ -81,18 +82,18 @@ def test_a_claim_contended_every_time_is_refused_for_the_timer_to_retry():
         def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
             raise ConcurrencyConflict("another instance")
 
-    refused, where = Fleet(Contended()).claim(event_record("EV-1"), [domain("web", "web_0")], DOC_NOW)
+    refused, where = Fleet(Contended()).budgets.claim(event_record("EV-1"), [domain("web", "web_0")], DOC_NOW)
     assert (refused, where) == (f"budget 'web': contended for {COMMIT_ATTEMPTS} attempts; retried by the timer", "web")
 
 
 def test_release_gives_back_one_events_slot():
     store = MemoryStateStore()
     fleet = Fleet(store)
-    fleet.claim(event_record("EV-1"), [domain("web", "web_0", limit=2)], DOC_NOW)
-    fleet.claim(event_record("EV-2"), [domain("web", "web_1", limit=2)], DOC_NOW)
-    fleet.release("web", "EV-1")
-    fleet.release("web", "EV-NEVER")  # nothing to give back: no write
-    fleet.release("nowhere", "EV-1")
+    fleet.budgets.claim(event_record("EV-1"), [domain("web", "web_0", limit=2)], DOC_NOW)
+    fleet.budgets.claim(event_record("EV-2"), [domain("web", "web_1", limit=2)], DOC_NOW)
+    fleet.budgets.release("web", "EV-1")
+    fleet.budgets.release("web", "EV-NEVER")  # nothing to give back: no write
+    fleet.budgets.release("nowhere", "EV-1")
     assert claims(store, "web") == ["EV-2"]
 
 
