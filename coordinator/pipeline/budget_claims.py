@@ -211,9 +211,10 @@ class BudgetClaims:
             return stored
 
         try:
-            self._commit_budget(domain.key, claim, read=read)
+            self._commit_budget(domain.key, claim, read=read, defer=self.defer)
             if hold is not None and guessed and domain.key not in self._budgets_seen:
-                self._commit_budget(domain.key, claim, read=read)  # held on a guess: decided again on a fresh read
+                # Held on a guess: decided again on a fresh read.
+                self._commit_budget(domain.key, claim, read=read, defer=self.defer)
         except ConcurrencyConflict:
             return PaceHold(
                 domain.key,
@@ -228,14 +229,15 @@ class BudgetClaims:
         change: Callable[[Stored[BudgetRecord] | None], BudgetRecord | None],
         *,
         read: Callable[[int], Stored[BudgetRecord] | None] | None = None,
+        defer: bool = False,
     ) -> None:
         """``change`` on the budget entity ``key``: read (by default from the table: a release must see the claim
-        whoever wrote it), written If-Match, decided again on a conflict (ConcurrencyConflict once the attempts are
-        spent); ``change`` gives None to write nothing."""
+        whoever wrote it), written If-Match (``defer``: kept for ``flush``), decided again on a conflict
+        (ConcurrencyConflict once the attempts are spent); ``change`` gives None to write nothing."""
         commit(
             read or (lambda _attempt: self._read_budget(key)),
             change,
-            lambda record, stored: self._save_budgets([(record, stored)]),
+            lambda record, stored: self._defer([(record, stored)]) if defer else self._save_budgets([(record, stored)]),
             what=f"budget of {key}",
         )
 

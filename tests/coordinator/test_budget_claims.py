@@ -195,3 +195,28 @@ def test_the_events_of_claims_past_their_lease_are_read_once_a_run_however_many_
 
     assert all(hold is not None for hold in holds)
     assert store.reads == 1
+
+
+def test_a_batchs_rate_claims_are_deferred_with_its_budget_claims_and_written_in_the_same_transaction() -> None:
+    store = Counting()
+    fleet = Fleet(store)
+    rate = PaceDomain(
+        "rate:paced:fleet", "paced", frozenset({"a_0"}), rate=RateOption(maxApprovals=2, periodSeconds=600)
+    )
+    with fleet.budgets.deferred():
+        for n in range(3):
+            assert (
+                fleet.budgets.claim(
+                    event_record(f"EV-{n}", resources=[f"web_{n}"]), domains(f"web_{n}", limit=5), DOC_NOW
+                )[0]
+                == ""
+            )
+        holds = [fleet.budgets.pace(event_record(f"EV-{n}"), [rate], DOC_NOW) for n in range(3)]
+    assert store.calls == {}
+    assert [hold is None for hold in holds] == [True, True, False]  # the third is over the batch's own two
+
+    fleet.budgets.flush()
+
+    assert store.calls == {"save_budgets": 1}
+    assert claims(store, rate.key) == ["EV-0", "EV-1"]
+    assert claims(store, "zone:westeurope/1") == ["EV-0", "EV-1", "EV-2"]
