@@ -27,7 +27,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -36,12 +36,13 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
 from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BatchCallback, BoundedCallback
 from coordinator.domain.lifecycle import EventChange
+from coordinator.domain.model import EventRecord
 from coordinator.pipeline import attest, handover
 from coordinator.pipeline.attempt import approval_outcome
 from coordinator.pipeline.plan import answer_wait, hands_over, plan_delivery
 from coordinator.pipeline.run import Delivery, Run, Sending
 from coordinator.state.entities import event_partition
-from coordinator.state.events import commit_event
+from coordinator.state.events import aggregate, commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
@@ -106,9 +107,11 @@ def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
                 )
 
 
-# A run's outcomes are written together per event partition, this many events a transaction (each with its rows:
-# well within the service's 100 operations, so that each is one transaction, all or nothing).
-TOGETHER = 25
+# A run's outcomes are written together per event partition, at most this many events and characters of records a
+# transaction (each event with its rows: well within the service's 100 operations and the store's 3 MB cut), so that
+# each is one transaction, all or nothing: one cut in two could write half, and the other half's events redone on
+# their own would apply the written half's outcomes twice.
+TOGETHER, TOGETHER_CHARS = 25, 1_000_000
 
 
 def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventChange | None]:
@@ -126,8 +129,7 @@ def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventCh
     out: dict[str, EventChange | None] = {}
     outbox = run.outbox()
     for group in by_partition.values():
-        for start in range(0, len(group), TOGETHER):
-            part = group[start : start + TOGETHER]
+        for part in _transactions(group, work.records):
             changes = {p.event_id: approval_outcome(run, work.records[p.event_id], plan=p) for p in part}
             written = {i: c for i, c in changes.items() if c is not None and c.changed}
             writes = [(c.record, work.etags[i]) for i, c in written.items()]
@@ -141,6 +143,20 @@ def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventCh
                 work.etags[record.eventId] = etag
             out.update({i: written.get(i) for i in changes})
     return out
+
+
+def _transactions(plans: Sequence[Delivery], records: Mapping[str, EventRecord]) -> Iterator[list[Delivery]]:
+    part: list[Delivery] = []
+    chars = 0
+    for plan in plans:
+        size = len(aggregate(records[plan.event_id]))
+        if part and (len(part) == TOGETHER or chars + size > TOGETHER_CHARS):
+            yield part
+            part, chars = [], 0
+        part.append(plan)
+        chars += size
+    if part:
+        yield part
 
 
 def send_decided(

@@ -10,13 +10,13 @@ from typing import Any
 
 from coordinator.domain.model import EventRecord
 from coordinator.pipeline import act
-from coordinator.pipeline.run import Run
+from coordinator.pipeline.run import Delivery, Run
 from coordinator.state.entities import event_partition
 from coordinator.state.events import read_event
 from coordinator.state.store import Staged
-from tests.coordinator.helpers import approval_record
+from tests.coordinator.helpers import approval_record, event_record
 from tests.coordinator.memory_store import MemoryStateStore
-from tests.coordinator.runs import NOT_BEFORE, Bench, put_event
+from tests.coordinator.runs import NOT_BEFORE, Bench, RecordingCallback, put_event
 
 # EV-0 and EV-2 share an event partition, EV-1 is in another.
 SAME, OTHER = ("EV-0", "EV-2"), "EV-1"
@@ -90,3 +90,19 @@ def test_an_event_another_instance_wrote_meanwhile_is_committed_on_its_own_once(
     assert [bench.event(e).state for e in SAME] == ["Approved", "Approved"]
     assert bench.event(SAME[1]).description == "touched elsewhere"
     assert Counter(r.EventId for r in run.work.rows if r.Outcome == "approved") == {SAME[0]: 1, SAME[1]: 1}
+
+
+def plan(n: int) -> Delivery:
+    return Delivery(event_id=f"EV-{n}", decision_id=f"d-{n}", executor="WestNO_0", callback=RecordingCallback())
+
+
+def test_outcomes_are_cut_so_that_each_write_is_one_transaction() -> None:
+    large = {f"EV-{n}": event_record(f"EV-{n}", description="x" * 300_000) for n in range(8)}
+    small = {f"EV-{n}": event_record(f"EV-{n}") for n in range(30)}
+
+    by_size = [[p.event_id for p in part] for part in act._transactions([plan(n) for n in range(8)], large)]
+    by_count = [len(part) for part in act._transactions([plan(n) for n in range(30)], small)]
+
+    # About 300,000 characters a record: three a transaction stay under TOGETHER_CHARS; small ones 25 at most.
+    assert by_size == [["EV-0", "EV-1", "EV-2"], ["EV-3", "EV-4", "EV-5"], ["EV-6", "EV-7"]]
+    assert by_count == [act.TOGETHER, 30 - act.TOGETHER]
