@@ -25,15 +25,13 @@ from coordinator.pipeline.fleet_cache import KnownBudgets, holds_budget
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
 
-__all__ = ["CLAIM_LEASE", "MAX_TOGETHER", "BudgetClaims"]
+__all__ = ["CLAIM_LEASE", "BudgetClaims"]
 
 log = logging.getLogger("coordinator")
 
 # A budget claim counts unconditionally this long (its approval is written right after it); then only while its
 # event holds an approval.
 CLAIM_LEASE = timedelta(seconds=90)
-# An event's budget entities written in one transaction, up to the service's 100 operations (and far from its 4 MiB).
-MAX_TOGETHER = 100
 
 
 class BudgetClaims:
@@ -58,10 +56,12 @@ class BudgetClaims:
 
         Each domain's claims are one entity written with its ETag: of two instances that see the last slot
         free, one write fails, and that instance re-reads and sees the slot taken. An event's domains are written
-        in one entity group transaction (they share the budget partition): all or none, one request. A claim is
-        made before the approval is written, so a crash in between can leave a claim without an approval: claims
-        older than CLAIM_LEASE count only while their event still holds an approval (checked fresh), so none
-        leaks. The entities are read from what this instance last saw (``KnownBudgets``) on the first attempt."""
+        in one entity group transaction (they share the budget partition): all or none, one request (entities too
+        many or too large for one are cut in several by the store; a later attempt refused gives back what an
+        earlier one wrote). A claim is made before the approval is written, so a crash in between can leave a claim
+        without an approval: claims older than CLAIM_LEASE count only while their event still holds an approval
+        (checked fresh), so none leaks. The entities are read from what this instance last saw (``KnownBudgets``)
+        on the first attempt."""
         ordered = sorted(domains, key=lambda d: d.claim_key)
         if not ordered:
             return "", ""
@@ -74,6 +74,9 @@ class BudgetClaims:
                     stored, fresh = self._budget(domain.claim_key, guess=False)
                     change, refused = self._with_claim(domain, stored, record.eventId, now)
                 if refused:
+                    if attempt > 0:  # an earlier attempt's write may have been cut, part of it made: all or none
+                        for earlier in ordered[: ordered.index(domain)]:
+                            self.release(earlier.claim_key, record.eventId)
                     return refused, domain.claim_key
                 if change is not None:
                     writes.append((change, stored))
@@ -108,12 +111,11 @@ class BudgetClaims:
         """Writes the claims deferred while ``defer`` (a batch's decisions, before their events are written),
         in transactions of up to 100 entities: one request for a batch's claims instead of one per approval. On a
         conflict nothing is known of those entities any more and the run reads them fresh from then on; the caller
-        decides again (ConcurrencyConflict)."""
+        decides again (ConcurrencyConflict), finding made what a transaction before the refused one wrote."""
         pending, self._pending = self._pending, {}
         writes = [(seen.record, base) for key, base in pending.items() if (seen := self._budgets_seen.get(key))]
         try:
-            for start in range(0, len(writes), MAX_TOGETHER):
-                self._save_budgets(writes[start : start + MAX_TOGETHER])
+            self._save_budgets(writes)
         except ConcurrencyConflict:
             for key in pending:
                 self._budgets_seen.pop(key, None)
@@ -158,17 +160,14 @@ class BudgetClaims:
         self._known.saw(key, stored)
 
     def _save_budgets(self, writes: Sequence[tuple[BudgetRecord, Stored[BudgetRecord] | None]]) -> None:
-        """Each entity If-Match what it was read as (an insert when it was absent), all in one transaction or none;
-        what is written is remembered, and what was refused forgotten so that the next attempt reads it."""
+        """Each entity If-Match what it was read as (an insert when it was absent), in transactions of up to 100
+        (all or none each); what is written is remembered, and on a refusal all of them forgotten so that the next
+        attempt reads them."""
         if not writes:
             return
         pairs = [(record, stored.etag if stored else None) for record, stored in writes]
         try:
-            if len(pairs) == 1 or len(pairs) > MAX_TOGETHER:
-                # Beyond one transaction, one by one: a conflict part way leaves claims the next attempt finds made.
-                etags = [self._store.save_budget(*pair) for pair in pairs]
-            else:
-                etags = self._store.save_budgets(pairs)
+            etags = [self._store.save_budget(*pairs[0])] if len(pairs) == 1 else self._store.save_budgets(pairs)
         except ConcurrencyConflict:
             for record, _ in writes:
                 self._budgets_seen.pop(record.scaleSet, None)

@@ -214,8 +214,8 @@ class StateStore(Protocol):
         """Inserts (``etag`` None) or replaces the budget If-Match ``etag``; gives the new ETag."""
 
     def save_budgets(self, writes: Sequence[tuple[BudgetRecord, str | None]]) -> list[str]:
-        """``save_budget`` for each, in one transaction (at most 100: all or none, ``ConcurrencyConflict`` when any
-        is refused); the new ETags in order."""
+        """``save_budget`` for each, in transactions of 100 (all or nothing each; ``ConcurrencyConflict`` when one is
+        refused, the transactions before it written); the new ETags in order."""
 
     def budgets(self) -> list[Stored[BudgetRecord]]:
         """Every budget domain's entity, read fresh (housekeeping removes those whose claims were all released)."""

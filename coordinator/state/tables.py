@@ -408,10 +408,7 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
         return self._save_one((budget_entity(record), etag, record))
 
     def save_budgets(self, writes: Sequence[tuple[BudgetRecord, str | None]]) -> list[str]:
-        items: list[Write] = [(budget_entity(record), etag, record) for record, etag in writes]
-        if len(list(transactions(items))) > 1:
-            raise ValueError(f"{len(items)} budget entities do not fit one transaction")
-        return self._save_many(items)
+        return self._save_many([(budget_entity(record), etag, record) for record, etag in writes])
 
     def budgets(self) -> list[Stored[BudgetRecord]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": BUDGET_PARTITION})

@@ -329,7 +329,7 @@ class MemoryStateStore(StateStore):
         return self._commit([(budget_entity(record), etag, record)])[0]
 
     def save_budgets(self, writes: Sequence[tuple[BudgetRecord, str | None]]) -> list[str]:
-        return self._commit([(budget_entity(record), etag, record) for record, etag in writes])
+        return self._save_many([(budget_entity(record), etag, record) for record, etag in writes])
 
     def budgets(self) -> list[Stored[BudgetRecord]]:
         return [budget_from_entity(e, etag) for e, etag in self._scan(BUDGET_PARTITION)]

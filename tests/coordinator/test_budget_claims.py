@@ -4,6 +4,7 @@ hold only ever on what the run itself read or wrote (a stale guess never holds a
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
@@ -18,7 +19,8 @@ from coordinator.domain.policy import RateOption
 from coordinator.pipeline.budget_claims import CLAIM_LEASE
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.fleet_cache import FleetCache
-from coordinator.state.store import ConcurrencyConflict, Stored
+from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
+from coordinator.state.tables import TableStateStore
 from tests.coordinator.helpers import DOC_NOW, approval_record, event_record
 from tests.coordinator.memory_store import MemoryStateStore
 
@@ -60,7 +62,7 @@ def claim(store: MemoryStateStore, cache: FleetCache, n: int, *, limit: int = 1)
     return Fleet(store, cache).budgets.claim(event_record(f"EV-{n}", resources=[vm]), domains(vm, limit=limit), DOC_NOW)
 
 
-def claims(store: MemoryStateStore, key: str) -> list[str]:
+def claims(store: StateStore, key: str) -> list[str]:
     stored = store.get_budget(key)
     return sorted(stored.record.claims) if stored else []
 
@@ -220,3 +222,42 @@ def test_a_batchs_rate_claims_are_deferred_with_its_budget_claims_and_written_in
     assert store.calls == {"save_budgets": 1}
     assert claims(store, rate.key) == ["EV-0", "EV-1"]
     assert claims(store, "zone:westeurope/1") == ["EV-0", "EV-1", "EV-2"]
+
+
+def test_a_batchs_claims_too_large_for_one_transaction_are_written_in_several(azurite: Any) -> None:
+    # Eight zone entities of about 430,000 characters each (one claim naming 3,500 VMs): over the store's 3 MB cut.
+    store = TableStateStore.from_connection_string(azurite.connection_string, table_name="bc" + uuid.uuid4().hex[:12])
+    fleet = Fleet(store)
+    many = frozenset(f"vm_{i:05d}_" + "x" * 110 for i in range(3500))
+    with fleet.budgets.deferred():
+        for zone in range(8):
+            domain = BudgetDomain("zone", f"westeurope/{zone}", many, frozenset(), 10**5, 10**5)
+            assert fleet.budgets.claim(event_record(f"EV-{zone}"), [domain], DOC_NOW) == ("", "")
+
+    fleet.budgets.flush()
+
+    assert [claims(store, f"zone:westeurope/{zone}") for zone in range(8)] == [[f"EV-{zone}"] for zone in range(8)]
+
+
+def test_a_claim_refused_after_a_write_cut_in_two_gives_back_what_the_first_part_made() -> None:
+    class CutThenFilled(MemoryStateStore):
+        """The first transaction holds one entity and is written; the second is refused, another instance having
+        taken the last slot of its domain meanwhile."""
+
+        def save_budgets(self, writes: Sequence[tuple[BudgetRecord, str | None]]) -> list[str]:
+            super().save_budget(*writes[0])
+            other = BudgetClaim(eventId="EV-OTHER", vms=["web_9"], claimedAt=DOC_NOW)
+            current = super().get_budget(writes[1][0].scaleSet)
+            super().save_budget(
+                BudgetRecord(scaleSet=writes[1][0].scaleSet, claims={"EV-OTHER": other}),
+                current.etag if current else None,
+            )
+            raise ConcurrencyConflict("the second transaction was refused")
+
+    store = CutThenFilled()
+
+    refused, where = Fleet(store).budgets.claim(event_record("EV-1", resources=["web_0"]), domains("web_0"), DOC_NOW)
+
+    assert where == "zone:westeurope/1"
+    assert "held fleet-wide by EV-OTHER" in refused
+    assert claims(store, "updateDomain:web/0") == []  # all or none: the first part's claim given back
