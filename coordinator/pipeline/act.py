@@ -41,7 +41,7 @@ from coordinator.pipeline import attest, handover
 from coordinator.pipeline.attempt import approval_outcome
 from coordinator.pipeline.plan import answer_wait, hands_over, plan_delivery
 from coordinator.pipeline.run import Delivery, Run, Sending
-from coordinator.state.entities import event_partition
+from coordinator.state.entities import event_partition, packed
 from coordinator.state.events import aggregate, commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
 
@@ -146,17 +146,12 @@ def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventCh
 
 
 def _transactions(plans: Sequence[Delivery], records: Mapping[str, EventRecord]) -> Iterator[list[Delivery]]:
-    part: list[Delivery] = []
-    chars = 0
-    for plan in plans:
-        size = len(aggregate(records[plan.event_id]))
-        if part and (len(part) == TOGETHER or chars + size > TOGETHER_CHARS):
-            yield part
-            part, chars = [], 0
-        part.append(plan)
-        chars += size
-    if part:
-        yield part
+    return packed(
+        ([plan] for plan in plans),
+        lambda unit: len(aggregate(records[unit[0].event_id])),
+        count=TOGETHER,
+        size=TOGETHER_CHARS,
+    )
 
 
 def send_decided(

@@ -39,12 +39,14 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord, VmRecord
 from coordinator.state.store import R, RecordTooLarge, Stored
+
+T = TypeVar("T")
 
 EVENT_PARTITION = "event"
 VM_GROUP_PARTITION = "vmgroup"
@@ -393,17 +395,30 @@ def transactions(items: list[Write]) -> Iterator[list[int]]:
             by_partition.setdefault(partition, []).append(unit)
         unit_of[index] = unit
     for units in by_partition.values():
-        part: list[int] = []
-        size = 0
-        for unit in units:
-            chars = sum(_entity_chars(items[index][0]) for index in unit)
-            if part and (len(part) + len(unit) > TRANSACTION_LIMIT or size + chars > TRANSACTION_CHARS):
-                yield part
-                part, size = [], 0
-            part.extend(unit)
-            size += chars
-        if part:
+        yield from packed(
+            units,
+            lambda unit: sum(_entity_chars(items[index][0]) for index in unit),
+            count=TRANSACTION_LIMIT,
+            size=TRANSACTION_CHARS,
+        )
+
+
+def packed(
+    units: Iterable[Sequence[T]], chars: Callable[[Sequence[T]], int], *, count: int, size: int
+) -> Iterator[list[T]]:
+    """Units, each kept whole and in order, packed into parts of at most ``count`` items and ``size`` characters
+    (``chars`` weighs a unit; one over either bound is a part of its own)."""
+    part: list[T] = []
+    total = 0
+    for unit in units:
+        weight = chars(unit)
+        if part and (len(part) + len(unit) > count or total + weight > size):
             yield part
+            part, total = [], 0
+        part.extend(unit)
+        total += weight
+    if part:
+        yield part
 
 
 def chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
