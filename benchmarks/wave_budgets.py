@@ -33,7 +33,6 @@ is held only when its budget is spent.
 from __future__ import annotations
 
 import math
-import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import Attestation, decision_nonce
 from contracts.envelope import VmIdentity
 from emulators.imds import ImdsEmulator, VmSpec
-from forwarder.approval_rules import judge
+from local.direct_callback import judged
 
 __all__ = ["BUDGETS", "RULE", "BudgetWave", "WaveListeners", "budget_problems"]
 
@@ -61,7 +60,6 @@ class BudgetWave:
     action: str
     domain: Callable[[VmSpec], str]
     limit: Callable[[int], int]
-    paced: bool = False  # a rate or sequence budget: held by pacing, not by a count of impacted VMs
 
 
 def _impact(budget: str, *, match: str = _REACH, trust_tags: bool = False) -> str:
@@ -133,25 +131,20 @@ BUDGETS: dict[str, BudgetWave] = {
         "approve-now",
         lambda vm: "fleet",
         _at_most(100),
-        paced=True,
     ),
-    "budget-sequence": BudgetWave(
-        _paced("sequence: {per: zone}"), "approve-now", lambda vm: vm.zone, _at_most(1), paced=True
-    ),
+    "budget-sequence": BudgetWave(_paced("sequence: {per: zone}"), "approve-now", lambda vm: vm.zone, _at_most(1)),
 }
 
 
 class WaveListeners:
     """The wave's VMs' listeners (a stand-in: the wave runs no forwarder): ``send`` judges a request with the
     listener's rules against the document the VM's envelope carried and answers with the VM's attested document
-    for the decision, signed by the emulator at the request's issue time. Counts what it approved."""
+    for the decision, signed by the emulator at the request's issue time."""
 
     def __init__(self, imds: ImdsEmulator, documents: Mapping[str, Mapping[str, Any]]) -> None:
         self._imds = imds
         self._documents = {name: wire.ScheduledEventsDocument.from_mapping(doc) for name, doc in documents.items()}
         self._specs = {spec.name: spec for spec in imds.vms()}
-        self._lock = threading.Lock()
-        self.approved: Counter[str] = Counter()  # EventId -> approvals that VMs took
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
         document = self._documents.get(vm.name)
@@ -159,20 +152,9 @@ class WaveListeners:
             return ApprovalResult(
                 outcome="not-found", eventId=request.eventId, decisionId=request.decisionId, reason="no such VM"
             )
-        outcome, reason = judge(wire.ApprovalRequest.from_mapping(request.model_dump()), document, vm_name=vm.name)
         nonce = decision_nonce(request.decisionId)
         proof = self._imds.attested.document(self._specs[vm.name].compute(), nonce=nonce, now=request.issuedAt)
-        if outcome == "approved":
-            with self._lock:
-                self.approved[request.eventId] += 1
-        return ApprovalResult(
-            outcome=outcome,
-            eventId=request.eventId,
-            decisionId=request.decisionId,
-            documentIncarnation=document.DocumentIncarnation,
-            reason=reason,
-            attestation=Attestation.model_validate(proof),
-        )
+        return judged(request, document, vm_name=vm.name, proof=Attestation.model_validate(proof))
 
 
 def budget_problems(

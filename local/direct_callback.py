@@ -77,21 +77,15 @@ class DirectImdsCallback:
                 raise ApprovalDeliveryError(f"IMDS of {vm.name} answered {current.status_code} to GET")
             document = ScheduledEventsDocument.model_validate_json(current.content)
             # The listener's own judgement, on what the listener reads (contracts/wire.py).
-            outcome, reason = judge(
-                wire.ApprovalRequest.from_mapping(request.model_dump()),
+            answer = judged(
+                request,
                 wire.ScheduledEventsDocument.from_mapping(document.model_dump()),
                 vm_name=vm.name,
                 prepare_outcome=prepare_outcome,
+                proof=proof,
             )
-            if outcome != "approved":
-                return ApprovalResult(
-                    outcome=outcome,
-                    eventId=request.eventId,
-                    decisionId=request.decisionId,
-                    documentIncarnation=document.DocumentIncarnation,
-                    reason=reason,
-                    attestation=proof,
-                )
+            if answer.outcome != "approved":
+                return answer
             posted = self._session.post(
                 url, headers=headers, json={"StartRequests": [{"EventId": request.eventId}]}, timeout=self._timeout
             )
@@ -99,13 +93,7 @@ class DirectImdsCallback:
             raise ApprovalDeliveryError(f"IMDS of {vm.name} unreachable: {type(error).__name__}: {error}") from error
         if posted.status_code != 200:
             raise ApprovalDeliveryError(f"IMDS of {vm.name} answered {posted.status_code} to the StartRequest")
-        return ApprovalResult(
-            outcome="approved",
-            eventId=request.eventId,
-            decisionId=request.decisionId,
-            documentIncarnation=document.DocumentIncarnation,
-            attestation=proof,
-        )
+        return answer
 
     def _proof(self, decision_id: str, vm: VmIdentity) -> Attestation | None:
         """The VM's attested document for the decision, as its listener takes it (forwarder/approver.py)."""
@@ -120,6 +108,32 @@ class DirectImdsCallback:
             return Attestation.model_validate_json(answer.content) if answer.status_code == 200 else None
         except (requests.RequestException, ValidationError):
             return None  # answered without proof, as a listener whose IMDS refused it
+
+
+def judged(
+    request: ApprovalRequest,
+    document: wire.ScheduledEventsDocument,
+    *,
+    vm_name: str,
+    proof: Attestation | None,
+    prepare_outcome: Callable[[str], str | None] | None = None,
+) -> ApprovalResult:
+    """A listener's answer to ``request`` on its VM's fresh ``document``: its own rules
+    (``forwarder.approval_rules.judge``), with the VM's attested document for the decision (``proof``)."""
+    outcome, reason = judge(
+        wire.ApprovalRequest.from_mapping(request.model_dump()),
+        document,
+        vm_name=vm_name,
+        prepare_outcome=prepare_outcome,
+    )
+    return ApprovalResult(
+        outcome=outcome,
+        eventId=request.eventId,
+        decisionId=request.decisionId,
+        documentIncarnation=document.DocumentIncarnation,
+        reason=reason,
+        attestation=proof,
+    )
 
 
 def forwarder_hook_ledger(vms_dir: Path) -> HookLedger:
