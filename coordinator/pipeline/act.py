@@ -43,7 +43,7 @@ from coordinator.pipeline.plan import answer_wait, hands_over, plan_delivery
 from coordinator.pipeline.run import Delivery, Run, Sending
 from coordinator.state.entities import event_partition, packed
 from coordinator.state.events import aggregate, commit_event
-from coordinator.state.store import ConcurrencyConflict, Stored
+from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Stored
 
 log = logging.getLogger("coordinator")
 
@@ -117,8 +117,9 @@ TOGETHER, TOGETHER_CHARS = 25, 1_000_000
 def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventChange | None]:
     """The outcomes of the run's sends, each on the record its deciding write left (with that write's ETag), written
     together: a transaction per event partition with their rows, not one request per approval. What a transaction
-    could not write (another instance wrote one of its events) is left out, and ``deliver`` commits each of those
-    on its own, reading what was written. A handed-over send (its record changes in the queue's run) is not taken."""
+    could not write (another instance wrote one of its events, or one is too large to store) is left out, and
+    ``deliver`` commits each of those on its own, reading what was written. A handed-over send (its record changes
+    in the queue's run) is not taken."""
     work = run.work
     mine = [p for p in plans if not p.continued and p.event_id in work.records and p.event_id in work.etags]
     if len(mine) < 2 or len({p.event_id for p in mine}) < len(mine):
@@ -136,7 +137,7 @@ def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventCh
             staged = [piece for i, c in written.items() for piece in outbox.pieces(f"event:{i}", c.rows)]
             try:
                 etags = run.parts.store.save_events(writes, staged=staged) if writes else []
-            except ConcurrencyConflict:
+            except (ConcurrencyConflict, RecordTooLarge):  # nothing written: each on its own, as before
                 continue
             outbox.written.extend(staged)
             for (record, _), etag in zip(writes, etags, strict=True):

@@ -13,7 +13,7 @@ from coordinator.pipeline import act
 from coordinator.pipeline.run import Delivery, Run
 from coordinator.state.entities import event_partition
 from coordinator.state.events import read_event
-from coordinator.state.store import Staged
+from coordinator.state.store import RecordTooLarge, Staged
 from tests.coordinator.helpers import approval_record, event_record
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import NOT_BEFORE, Bench, RecordingCallback, put_event
@@ -106,3 +106,22 @@ def test_outcomes_are_cut_so_that_each_write_is_one_transaction() -> None:
     # About 300,000 characters a record: three a transaction stay under TOGETHER_CHARS; small ones 25 at most.
     assert by_size == [["EV-0", "EV-1", "EV-2"], ["EV-3", "EV-4", "EV-5"], ["EV-6", "EV-7"]]
     assert by_count == [act.TOGETHER, 30 - act.TOGETHER]
+
+
+def test_a_record_too_large_among_them_costs_the_others_nothing() -> None:
+    class RefusesTogether(Counting):
+        def save_events(
+            self, items: Sequence[tuple[EventRecord, str | None]], *, staged: Sequence[Staged] = ()
+        ) -> list[str]:
+            if len(items) > 1:
+                raise RecordTooLarge("one of them is too large to store")
+            return super().save_events(items, staged=staged)
+
+    store = RefusesTogether()
+    bench = Bench(store=store)
+    run = decided(bench, *SAME)
+
+    act.deliver(run, last_seen=None)
+
+    assert [bench.event(e).state for e in SAME] == ["Approved", "Approved"]
+    assert Counter(r.EventId for r in run.work.rows if r.Outcome == "approved") == {SAME[0]: 1, SAME[1]: 1}
