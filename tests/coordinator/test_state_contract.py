@@ -635,6 +635,22 @@ def test_changes_since_a_watermark_give_what_any_instance_wrote_after_it_and_not
     assert store.events_changed_since(changed.watermark + timedelta(milliseconds=1)).records == []
 
 
+def test_what_changed_is_the_latest_of_each_whether_this_store_or_another_wrote_it(store, peer):
+    start = store.events_changed_since(None).watermark or DOC_NOW
+    time.sleep(0.005)
+    mine, theirs = store.save_events([(event_record(i), None) for i in ("EV-MINE", "EV-THEIRS")])
+    later = peer.save_event(event_record("EV-THEIRS", state="Approved"), theirs)
+    new = peer.save_event(event_record("EV-PEER"), None)
+
+    changed = store.events_changed_since(start)
+
+    assert sorted((s.record.eventId, s.record.state, s.etag) for s in changed.records) == [
+        ("EV-MINE", "Scheduled", mine),
+        ("EV-PEER", "Scheduled", new),
+        ("EV-THEIRS", "Approved", later),  # written here, then by the peer: the peer's
+    ]
+
+
 # housekeeping ----------------------------------------------------------------------------------------------------
 def test_a_pruned_group_keeps_only_the_vms_given_and_goes_when_none_is_left(store, peer):
     a, b = vm_position("a_0", index=1), vm_position("b_0", index=2)
