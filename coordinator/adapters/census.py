@@ -46,6 +46,7 @@ from coordinator.adapters import deadline
 from coordinator.adapters.arm import ArmClient, ArmOptions
 from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
+from coordinator.domain.fleet_view import Census as IndexedCensus
 
 __all__ = [
     "API_VERSION",
@@ -275,6 +276,9 @@ class _Snapshot:
     entries: Mapping[str, CensusEntry] = field(default_factory=dict)  # by name, lower case
     read_at: datetime | None = None
     by_resource: Mapping[str, CensusEntry] = field(default_factory=dict)  # by resource id, lower case
+    # Its facts indexed by domain, built with the read (the timer's, off the batches' path: 0.4 s a 10k fleet
+    # when the first budget decision after each read built it); never changed once built.
+    indexed: IndexedCensus = field(default_factory=IndexedCensus)
 
 
 class Census:
@@ -360,8 +364,9 @@ class Census:
         for entry in entries:
             by_name.setdefault(entry.name.lower(), entry)
             by_resource.setdefault(entry.resourceId.lower(), entry)
+        indexed = IndexedCensus((entry.name, entry.facts) for entry in by_name.values())
         with self._lock:
-            self._snapshot = _Snapshot(entries=by_name, read_at=now, by_resource=by_resource)
+            self._snapshot = _Snapshot(entries=by_name, read_at=now, by_resource=by_resource, indexed=indexed)
             self.error = ""
             self.reads += 1
         log.info("census: %d VMs in %s read from ARM (%s)", len(by_name), ", ".join(self.scopes), why)
@@ -373,6 +378,9 @@ class Census:
 
     def snapshot_by_resource(self) -> Mapping[str, CensusEntry]:
         return self._snapshot.by_resource
+
+    def snapshot_indexed(self) -> IndexedCensus:
+        return self._snapshot.indexed
 
 
 class CensusView:
@@ -402,6 +410,11 @@ class CensusView:
     def facts(self) -> dict[str, VmFacts]:
         """Every listed VM's facts, by its name as ARM spells it."""
         return {entry.name: entry.facts for entry in self.entries().values()}
+
+    def indexed(self) -> IndexedCensus:
+        """The same facts indexed by budget domain (made with the read; read, never changed)."""
+        self.entries()
+        return self.census.snapshot_indexed()
 
     def ensure(self, names: Iterable[str]) -> bool:
         """Reads ARM again when one of ``names`` is not listed (a VM that joined since the last read; or a name no

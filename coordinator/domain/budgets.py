@@ -7,7 +7,9 @@ and coordinator/pipeline/decide.py claims them fleet-wide.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 
 from coordinator.domain.controls import DomainKind, claim_key, limit_for
 from coordinator.domain.fleet_view import FleetView, scale_set_of
@@ -35,7 +37,8 @@ def budget_limit(policy: Policy, rule_name: str) -> int | None:
 @dataclass(frozen=True)
 class BudgetDomain:
     """One domain an event's budget rule counts in: its kind and key, the event's VMs in it, the VMs other events
-    impact there, its size (known VMs not retired) and the limit that sets."""
+    take there (impacted, or queued ahead; may include the event's own: ``count_with`` counts each once), its size
+    (known VMs not retired) and the limit that sets."""
 
     kind: DomainKind
     key: str
@@ -43,6 +46,11 @@ class BudgetDomain:
     others: frozenset[str]
     size: int
     limit: int
+
+    def count_with(self, extra: Iterable[str] = ()) -> int:
+        """How many VMs the domain has impacted with this event's (and ``extra``), each counted once, without
+        copying ``others`` (a zone's can be thousands, and every held decision counts them)."""
+        return len(self.others) + len({name for name in chain(self.mine, extra) if name not in self.others})
 
     @property
     def claim_key(self) -> str:
@@ -69,13 +77,8 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
             if key or kind == "scaleSet":
                 keyed.setdefault(key, set()).add(name)
         for key, mine in sorted(keyed.items()):
-            if kind == "scaleSet" and not fleet.authoritative:
-                # Without ARM's census a VM's scale set is its events' sightings' (``impacted`` is keyed by them).
-                others = set(fleet.impacted.get(key, frozenset()))
-            else:
-                others = set(fleet.impacted_in(kind, key))
-            others |= fleet.ahead_in(kind, key, record)
             size = fleet.size_with(kind, key, mine)
             limit = limit_for(max_impacted=budget.maxImpacted, max_percent=budget.maxPercent, size=size)
-            out.append(BudgetDomain(kind, key, frozenset(mine), frozenset(others - mine), size, limit))
+            others = fleet.taken_in(kind, key, record)
+            out.append(BudgetDomain(kind, key, frozenset(mine), others, size, limit))
     return out

@@ -288,7 +288,7 @@ def _hook_state(record: EventRecord, name: str, outcome: str) -> str:
 def _within_budget(policy: Policy, rule: Rule, record: EventRecord, fleet: FleetView) -> Decision:
     domains = budget_domains(policy, rule.name, record, fleet)
     for domain in domains:
-        count = len(domain.mine | domain.others)
+        count = domain.count_with()
         if count > domain.limit:
             return Decision(
                 rule.name,

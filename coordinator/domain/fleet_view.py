@@ -122,6 +122,10 @@ class FleetView:
         default_factory=dict, compare=False, repr=False
     )
     _dequeued: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    # ``taken_in``'s answers by (kind, key, place in that domain's queue): an event's evaluation and its claim ask
+    # the same, and so do the held events a batch decides again at one place (each answer a set of up to a
+    # domain's queue, made twice per held decision and per batch before). Not carried to a derived view.
+    _taken: dict[tuple[DomainKind, str, int], frozenset[str]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -171,6 +175,7 @@ class FleetView:
             queued=tuple(q for q in self.queued if q[1] != record.eventId),
             _by_domain=by_domain,
             _dequeued=self._dequeued | {record.eventId},
+            _taken={},
         )
 
     def impacted_in(self, kind: DomainKind, key: str) -> frozenset[str]:
@@ -203,6 +208,24 @@ class FleetView:
     def ahead_in(self, kind: DomainKind, key: str, record: EventRecord) -> set[str]:
         """The VMs in one budget domain of the events queued for budget ahead of this one (closer to their
         NotBefore); a VM's domain as ``facts`` gives it for a VM of another event."""
+        entries, cut = self._ahead(kind, key, record)
+        return {name for _, event_id, name in entries[:cut] if event_id not in self._dequeued}
+
+    def taken_in(self, kind: DomainKind, key: str, record: EventRecord) -> frozenset[str]:
+        """The VMs other events take in one budget domain: impacted there (without ARM's census, a scale set's
+        are its events' sightings', ``impacted``), or queued for budget ahead of this event. May include this
+        event's own VMs (count them once)."""
+        entries, cut = self._ahead(kind, key, record)
+        found = self._taken.get((kind, key, cut))
+        if found is None:
+            held = self.impacted.get(key, frozenset()) if kind == "scaleSet" and not self.authoritative else None
+            held = self.impacted_in(kind, key) if held is None else held
+            found = held | {name for _, event_id, name in entries[:cut] if event_id not in self._dequeued}
+            self._taken[(kind, key, cut)] = found
+        return found
+
+    def _ahead(self, kind: DomainKind, key: str, record: EventRecord) -> tuple[list[tuple[datetime, str, str]], int]:
+        """One domain's queue (NotBefore, EventId, VM) and where this event stands in it."""
         index = self._queue_by_domain.get(kind)
         if index is None:
             index = self._queue_by_domain[kind] = {}
@@ -212,8 +235,7 @@ class FleetView:
                     index.setdefault(domain, []).append((not_before, event_id, name))
         entries = index.get(key, [])
         mine = (record.notBefore or datetime.max.replace(tzinfo=UTC), record.eventId)
-        cut = bisect.bisect_left(entries, mine, key=lambda entry: (entry[0], entry[1]))
-        return {name for _, event_id, name in entries[:cut] if event_id not in self._dequeued}
+        return entries, bisect.bisect_left(entries, mine, key=lambda entry: (entry[0], entry[1]))
 
     def facts(self, record: EventRecord, name: str) -> VmFacts:
         """A VM's facts: from the census; else none when the census is ARM's (a VM ARM does not list is not

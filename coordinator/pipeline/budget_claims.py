@@ -131,12 +131,10 @@ class BudgetClaims:
         if event_id in claims:
             return None, ""
         live = self.live(claims, now)
-        impacted = set(domain.mine) | domain.others
-        for claim in live.values():
-            impacted.update(claim.vms)
-        if len(impacted) > domain.limit:
+        count = domain.count_with(name for claim in live.values() for name in claim.vms)
+        if count > domain.limit:
             holders = ", ".join(sorted(live)[:5]) or "approved events"
-            return None, f"{domain.describe(len(impacted))}; held fleet-wide by {holders}"
+            return None, f"{domain.describe(count)}; held fleet-wide by {holders}"
         live[event_id] = BudgetClaim(eventId=event_id, vms=sorted(domain.mine), claimedAt=now)
         return BudgetRecord(scaleSet=domain.claim_key, claims=live), ""
 

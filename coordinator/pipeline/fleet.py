@@ -10,8 +10,8 @@ rules themselves stay pure (domain/evaluation.py, domain/budgets.py).
 The census: with ARM's (``census``, coordinator/adapters/census.py, the deployed setting) the facts budgets and tag
 rules read are ARM's alone. What envelopes say of a VM never enters it (every VM shares one sender identity: a VM
 can claim any zone, tags or name); a VM ARM does not list is not counted and has no tags; a VM met in a batch that
-ARM does not list yet makes the census read again (rate-limited). The instance's cache indexes ARM's snapshot
-(``FleetCache.arm_census``, rebuilt only when ARM is read again). Without it (tests and tools that build the
+ARM does not list yet makes the census read again (rate-limited). ARM's snapshot comes indexed by budget domain
+(``CensusView.indexed``, made with each read of ARM, off the batches' path). Without it (tests and tools that build the
 coordinator by hand), the census is what the VMs last reported, kept in their VM groups and refreshed by change.
 """
 
@@ -57,6 +57,7 @@ class Fleet:
         self._noted_by_vm: dict[str, set[str]] = {}  # VM name -> the noted events that name it
         self._gates: GateReader | None = None
         self._reported: list[VmRecord] = []
+        self._leaving: tuple[datetime, dict[str, str]] | None = None  # ``leaving`` at that instant, until a note
         # The fleet-wide budget claims of this run (pipeline/budget_claims.py).
         self.budgets = BudgetClaims(store, self.cache.budgets, self._noted)
 
@@ -105,7 +106,7 @@ class Fleet:
             latest = {r.eventId: r for r in holding + queued} | self._noted
             vms: Mapping[str, VmFacts] | None = None
             if self._arm is not None:
-                vms = self.cache.arm_census(self._arm)
+                vms = self._arm.indexed()
             elif census:
                 vms = self.cache.known_census()
                 self.cache.note_vms(self._reported)  # a first load did not have them yet
@@ -136,14 +137,20 @@ class Fleet:
     def note(self, record: EventRecord) -> None:
         """Keeps the deletes and the removals current as events change within a batch or tick."""
         self._noted[record.eventId] = record
+        if record.eventType in REMOVING_EVENTS:
+            self._leaving = None
         for name in record.resources:
             self._noted_by_vm.setdefault(name, set()).add(record.eventId)
 
     def leaving(self, now: datetime) -> dict[str, str]:
         """The VMs an open Terminate/Preempt is removing now (sightings.leaving_vms): the open events as read, then
-        as this batch/tick changed them (a later version of a record wins)."""
-        latest = self.cache.removing() | {i: r for i, r in self._noted.items() if r.eventType in REMOVING_EVENTS}
-        return leaving_vms(latest.values(), now)
+        as this batch/tick changed them (a later version of a record wins). Kept until a removal is noted: each
+        approval's plan asks (walking every open removal for each made a wave's approvals cost their number times
+        the removals')."""
+        if self._leaving is None or self._leaving[0] != now:
+            latest = self.cache.removing() | {i: r for i, r in self._noted.items() if r.eventType in REMOVING_EVENTS}
+            self._leaving = (now, leaving_vms(latest.values(), now))
+        return self._leaving[1]
 
     def busy(self, names: Iterable[str], event_id: str) -> frozenset[str]:
         """Of these VMs, those another open event disrupts now or is about to (approved or Started: a Reboot, Redeploy

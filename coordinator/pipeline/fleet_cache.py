@@ -16,14 +16,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Generic, TypeVar
 
 from contracts.envelope import VmIdentity
-from coordinator.adapters.census import CensusView
-from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS
 from coordinator.domain.fleet_view import Census
@@ -210,9 +208,6 @@ class FleetCache:
         self.census = Census()
         self._vms: dict[str, KnownVm] = {}  # by vmId, lower case
         self._groups_part = _Part(store.vm_groups_changed_since, self._clear_groups, self._put_group)
-        # ARM's census, indexed (``arm_census``), and the snapshot it was built from.
-        self._arm_census = Census()
-        self._arm_entries: Mapping[str, CensusEntry] | None = None
         self.budgets = KnownBudgets(clock)
 
     # events --------------------------------------------------------------------------------------------------
@@ -369,17 +364,6 @@ class FleetCache:
         with self._lock:
             self._refresh_groups(force=force)
             return list(self._vms.values())
-
-    def arm_census(self, arm: CensusView) -> Census:
-        """ARM's census as an indexed ``Census``, rebuilt only when ARM's snapshot changes (a read of ARM),
-        kept across runs like the reported one (the live object: read, never iterated while another thread may
-        change it)."""
-        entries = arm.entries()
-        with self._lock:
-            if self._arm_entries is not entries:
-                self._arm_census = Census(arm.facts().items())
-                self._arm_entries = entries
-            return self._arm_census
 
     def note_vms(self, records: Iterable[VmRecord]) -> None:
         """The VMs of a batch as their envelopes just said: in the census at once (their positions are written

@@ -1,5 +1,6 @@
 """coordinator.domain.fleet_view: the impacted VMs per budget domain and a domain's size, kept by index (made once
-per view, carried forward by ``with_event``), are what scanning every impacted VM and copying the domain gives."""
+per view, carried forward by ``with_event``), and the VMs taken in a domain (kept per view and place in the queue),
+are what scanning every impacted and queued VM and copying the domain gives."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def test_the_vms_queued_ahead_in_a_domain_are_those_of_the_events_ahead_in_the_q
     )
     view = FleetView.of([], vms=vms, queued=queued)
     view.ahead_in("zone", "westeurope/1", event(99, ["vm0"]))  # indexed before events leave the queue
+    for kind in KINDS:  # answers kept by the view before events leave it, not by the views made from it
+        view.taken_in(kind, "westeurope/1", event(99, ["vm0"]))
     for n in approved:
         view = view.with_event(event(n, ["vm1"]).model_copy(update={"eventId": f"Q{n}"}))
     record = event(99, ["vm0"]).model_copy(update={"notBefore": NOW + timedelta(minutes=position)})
@@ -102,3 +105,5 @@ def test_the_vms_queued_ahead_in_a_domain_are_those_of_the_events_ahead_in_the_q
             assert view.ahead_in(kind, key, record) == {
                 vm for vm in ahead if vm not in record.vms and view.facts(record, vm).domain(kind) == key
             }
+            held = view.impacted.get(key, frozenset()) if kind == "scaleSet" else scanned(view, kind, key)
+            assert view.taken_in(kind, key, record) == held | view.ahead_in(kind, key, record)
