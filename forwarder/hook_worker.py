@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 from opentelemetry import trace
 
 from contracts.checks import Invalid
-from contracts.wire import Envelope, HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
-from forwarder import __version__
+from contracts.wire import HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
 from forwarder.durable_state import HookJob, Store, StoreFull
+from forwarder.envelopes import envelope_of
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.logs import fields
 from forwarder.retry import Backoff
@@ -146,19 +146,7 @@ class HookWorker:
     ) -> None:
         """One `hook` envelope per phase, spooled in the same transaction that marks the phase done, with the
         trace context (traceparent, tracestate) it is sent in."""
-        observed = datetime.now(UTC)
-
-        def build(sequence: int) -> bytes:
-            return Envelope(
-                kind="hook",
-                vm=identity,
-                observedAt=observed,
-                sequence=sequence,
-                forwarder=__version__,
-                stateId=self._store.state_id,
-                hook=report,
-            ).to_json_bytes()
-
+        build = envelope_of("hook", identity, self._store.state_id, datetime.now(UTC), hook=report)
         backoff = Backoff(initial=1.0, maximum=60.0)
         while True:
             try:

@@ -41,15 +41,14 @@ from typing import Any
 from contracts.checks import Invalid
 from contracts.wire import (
     MAX_SECONDS,
-    Envelope,
     ImpactClock,
     ImpactReport,
     ScheduledEvent,
     ScheduledEventsDocument,
     VmIdentity,
 )
-from forwarder import __version__
 from forwarder.durable_state import IMPACT_ALIVE, IMPACT_RESTART, Store, StoreFull
+from forwarder.envelopes import envelope_of
 from forwarder.logs import fields
 
 log = logging.getLogger("forwarder.impact")
@@ -386,18 +385,7 @@ class ImpactMeter:
 
     def _spool(self, identity: VmIdentity, report: ImpactReport) -> None:
         observed = datetime.now(UTC)
-
-        def build(sequence: int) -> bytes:
-            return Envelope(
-                kind="impact",
-                vm=identity,
-                observedAt=observed,
-                sequence=sequence,
-                forwarder=__version__,
-                stateId=self._store.state_id,
-                impact=report,
-            ).to_json_bytes()
-
+        build = envelope_of("impact", identity, self._store.state_id, observed, impact=report)
         # A restart's report clears its watch and moves the last sign of life past the boot in the same transaction:
         # it is reported once, whichever way it was found.
         alive = _Alive(observed, report.bootTime).dump()

@@ -18,10 +18,10 @@ from datetime import UTC, datetime
 from opentelemetry import trace
 
 from contracts.checks import Invalid
-from contracts.wire import Envelope, ScheduledEventsDocument, VmIdentity
-from forwarder import __version__
+from contracts.wire import ScheduledEventsDocument, VmIdentity
 from forwarder.changes import Change, detect
 from forwarder.durable_state import HookJob, Store
+from forwarder.envelopes import envelope_of
 from forwarder.imds import ImdsClient, ImdsInvalidResponse, InvalidEvent, read_document
 from forwarder.logs import fields
 from forwarder.telemetry import traceparent
@@ -101,19 +101,7 @@ class Poller:
         if change is None:
             self._last_raw = raw
             return None
-        observed = datetime.now(UTC)
-
-        def build(sequence: int) -> bytes:
-            return Envelope(
-                kind="incarnation",
-                vm=identity,
-                observedAt=observed,
-                sequence=sequence,
-                forwarder=__version__,
-                stateId=self._store.state_id,
-                document=document,
-            ).to_json_bytes()
-
+        build = envelope_of("incarnation", identity, self._store.state_id, datetime.now(UTC), document=document)
         # The approval's trace starts here, at the poll that saw the change; its context is spooled with the
         # envelope so that it travels with it whenever it is sent, and queued with the hooks it starts.
         detect_span = self._tracer.start_span(
