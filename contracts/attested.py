@@ -18,6 +18,8 @@ NONCE_PATTERN = re.compile(r"^[0-9]{10}$")
 MAX_SIGNATURE_CHARS = 16384
 # IMDS writes its timestamps as "11/28/18 00:16:17 -0000" (month/day/two-digit year, UTC).
 _TIMESTAMP_FORMAT = "%m/%d/%y %H:%M:%S %z"
+# The same, as IMDS writes it (UTC): two-digit fields, as strptime's %y reads the year (69-99: the 1900s).
+_IMDS_TIME = re.compile(r"([0-9]{2})/([0-9]{2})/([0-9]{2}) ([0-9]{2}):([0-9]{2}):([0-9]{2}) -0000")
 
 
 class AttestationError(ValueError):
@@ -51,7 +53,13 @@ def format_timestamp(moment: datetime) -> str:
 
 
 def parse_timestamp(value: str, what: str) -> datetime:
+    # IMDS's own form is read directly: strptime took ~60 µs a call, two a document, and a wave of VMs new to the
+    # coordinator verifies one document each. Any other form goes through strptime, as before.
+    match = _IMDS_TIME.fullmatch(value)
     try:
+        if match is not None:
+            month, day, year, hour, minute, second = map(int, match.groups())
+            return datetime(year + (2000 if year < 69 else 1900), month, day, hour, minute, second, tzinfo=UTC)
         return datetime.strptime(value, _TIMESTAMP_FORMAT).astimezone(UTC)
     except ValueError as error:
         raise AttestationError(f"timeStamp.{what} {value[:40]!r} is not IMDS's 'MM/DD/YY HH:MM:SS -0000'") from error

@@ -15,6 +15,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.serialization import Encoding, pkcs7
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import (
@@ -22,6 +24,7 @@ from contracts.attestation import (
     AttestationError,
     decision_nonce,
     format_timestamp,
+    parse_timestamp,
     read_content,
     state_nonce,
 )
@@ -392,3 +395,22 @@ def test_an_answer_from_another_instance_is_sent_again_at_once(documents: Attest
     with pytest.raises(ApprovalDeliveryError, match="did not prove they came from web_0"):
         send(impostors, request, web_0, "", proof, within=30)
     assert impostors.sent == PROOF_ATTEMPTS
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    moment=st.datetimes(min_value=datetime(1969, 1, 1), max_value=datetime(2068, 12, 31)),
+    offset=st.sampled_from(["-0000", "+0000", "+0130", "-0800"]),
+)
+def test_a_timestamp_reads_as_strptime_reads_it(moment: datetime, offset: str) -> None:
+    """IMDS's own form is read without strptime (the cold wave's cost); every form reads as strptime reads it."""
+    written = moment.strftime("%m/%d/%y %H:%M:%S ") + offset
+    assert parse_timestamp(written, "createdOn") == datetime.strptime(written, "%m/%d/%y %H:%M:%S %z").astimezone(UTC)
+    exact = moment.replace(microsecond=0, tzinfo=UTC)
+    assert parse_timestamp(format_timestamp(exact), "createdOn") == exact
+
+
+@pytest.mark.parametrize("written", ["13/01/20 00:00:00 -0000", "02/30/20 00:00:00 -0000", "01/01/20 00:00:60 -0000"])
+def test_a_timestamp_that_is_no_time_is_refused(written: str) -> None:
+    with pytest.raises(AttestationError, match="is not IMDS's"):
+        parse_timestamp(written, "createdOn")
