@@ -139,6 +139,11 @@ def _instance(
     out.put((time.time(), dict(_totals(reports)), dict(warmed), drained))
 
 
+# Ticks after the measured two that may still write bindings (a 100,000-VM cold wave's 400,000 claims at a few
+# seconds a tick), before the wave's bindings are counted.
+BINDING_TICKS = 60
+
+
 def tick(function_app: Any) -> tuple[dict[str, Any], dict[str, int]]:
     """The timer's next run: it settles the cards the batches logged as sent (the outbox), re-evaluates every
     open event and checks heartbeats. That is work the batches leave for later, so it is measured too; then the
@@ -155,9 +160,19 @@ def tick(function_app: Any) -> tuple[dict[str, Any], dict[str, int]]:
     again_seconds = time.perf_counter() - again
     counts = Counter(report.as_dict())
     counts.update(second.as_dict())
+    # The claims of VMs ARM's census vouched for (a cold wave's) are written by the ticks, a few seconds each: the
+    # ticks after those two until none is left, counted (not timed).
+    more = 0
+    while len(coordinator.parts.attestations.backlog) and more < BINDING_TICKS:
+        more += 1
+        at = START + timedelta(seconds=150 + 60 * more)
+        coordinator.parts = replace(coordinator.parts, clock=lambda at=at: at)
+        counts.update(coordinator.tick().as_dict())
     return {
         "tick_seconds": round(seconds, 3),
         "tick_again_seconds": round(again_seconds, 3),
+        "bindings_written_by_ticks": counts["bindings_written"],
+        "ticks_writing_bindings_after": more,
         "tick_events_changed": report.events_changed,
         "tick_alerts_sent": report.alerts_sent,
         "cards_pending_after_tick": sum(1 for s in coordinator.parts.store.open_events() if s.record.pendingAlerts),

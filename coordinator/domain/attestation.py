@@ -39,7 +39,7 @@ from cryptography.x509 import DNSName
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from contracts.attestation import Attestation, AttestationError, AttestedContent, signed_content
-from coordinator.domain.bindings import BindingCache
+from coordinator.domain.bindings import BindingBacklog, BindingCache
 from coordinator.domain.lru import Lru
 
 __all__ = [
@@ -383,3 +383,5 @@ class Attestations:
     def __init__(self, verifier: AttestationVerifier, bindings: BindingCache | None = None) -> None:
         self.verifier = verifier
         self.bindings = bindings if bindings is not None else BindingCache()
+        # The claims of VMs ARM's census vouched for, written by the timer (pipeline/bindings.py).
+        self.backlog = BindingBacklog()

@@ -12,17 +12,26 @@ Two kinds of knowledge, both kept for the process:
   name twice, and a check that binds nothing asks for a partition read at most ``fresh`` seconds ago. A partition
   one of whose bindings was evicted is no longer known whole: its misses are read again.
 
+A third, ``BindingBacklog``: the claims of VMs ARM's census vouched for, not written yet. While the census is
+usable it decides who a VM is and the claims decide nothing; they are kept for an instance whose census cannot be
+read, so they are written by the timer, off the batches' path (pipeline/bindings.py, ``write_backlog``).
+
 Pure and thread-safe; the clock (seconds, any origin) is the caller's.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from itertools import islice
 
 from coordinator.domain.lru import Lru
 
 # Four bindings a VM (its resource id's and its name's vmId, its vmId's resource id and name), for 100,000 VMs.
 BINDINGS_CACHED = 4 * 100_000
+# Claims waiting to be written, at most: a 100,000-VM fleet's. Beyond, the oldest go; a VM's next envelope (its
+# heartbeat, each minute) asks for what is still not bound again.
+BACKLOG_KEPT = 4 * 100_000
 
 
 class BindingCache:
@@ -72,3 +81,33 @@ class BindingCache:
     def _put(self, name: str, value: str, partition: str) -> None:
         for _, (_, evicted) in self._bound.put(name, (value, partition)):
             self._whole.pop(evicted, None)
+
+
+class BindingBacklog:
+    """Claims to write (name -> the value to bind), oldest first; a name asked for again keeps its place."""
+
+    def __init__(self, size: int = BACKLOG_KEPT) -> None:
+        self.size = size
+        self._claims: dict[str, str] = {}
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._claims)
+
+    def get(self, name: str) -> str | None:
+        return self._claims.get(name)
+
+    def add(self, claims: Mapping[str, str]) -> None:
+        with self._lock:
+            for name, value in claims.items():
+                self._claims.setdefault(name, value)
+            while len(self._claims) > self.size:
+                del self._claims[next(iter(self._claims))]
+                self.dropped += 1
+
+    def take(self, count: int) -> list[tuple[str, str]]:
+        """Up to ``count`` of the oldest claims, no longer kept here."""
+        with self._lock:
+            names = list(islice(self._claims, count))
+            return [(name, self._claims.pop(name)) for name in names]

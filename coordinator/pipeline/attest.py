@@ -67,13 +67,17 @@ class Pending:
 
 def binding_problems(attestations: Attestations, store: StateStore, pending: Sequence[Pending]) -> list[str]:
     """Each envelope's verdict ("" accepted), its batch's bindings read and written together (pipeline/bindings.py):
-    the census' when it decided, else why its name is not its own. A refused envelope binds nothing."""
-    if not pending:
-        return []
-    bound = resolve(attestations.bindings, store, [item.wanted() for item in pending])
+    the census' when it decided (its claims then left to the timer), else why its name is not its own. A refused
+    envelope binds nothing."""
+    cache, backlog = attestations.bindings, attestations.backlog
+    for item in pending:
+        if item.verdict == "" and item.claim:
+            # ARM vouched for it: its claims decide nothing while the census is usable; the timer writes them.
+            backlog.add({name: value for name, value in item.wanted().claims().items() if cache.get(name) is None})
+    undecided = [item for item in pending if item.verdict is None]
+    bound = iter(resolve(cache, store, [item.wanted() for item in undecided], backlog=backlog) if undecided else [])
     return [
-        item.verdict if item.verdict is not None else _binding_verdict(item.envelope, values)
-        for item, values in zip(pending, bound, strict=True)
+        item.verdict if item.verdict is not None else _binding_verdict(item.envelope, next(bound)) for item in pending
     ]
 
 
@@ -130,7 +134,7 @@ def door_problem(
     they must decide (``binding_problems``). ``at``: when Event Hubs took the message in (the coordinator's time
     when unknown), which a document valid when sent covers however late the batch runs. ``census``: ARM's, when the
     coordinator has one: the VM's name, resource id and vmId are checked against it, and it outranks the bindings
-    (which are still written where free, for a later instance whose census cannot be read)."""
+    (which are still written where free, by the timer, for a later instance whose census cannot be read)."""
     if attestations is None:
         # No verifier configured (unit tests of other stages): ARM's census still names the VMs.
         return (census_problem(census, envelope) or "") if census is not None else ""

@@ -16,6 +16,11 @@ Each envelope asks for its VM's four claims: its resource id's and its name's vm
    when it is another VM's, never bound over it). Its other claims were written: they name only that VM itself,
    as when two envelopes race (attest.py).
 
+A VM ARM's census vouches for (pipeline/attest.py) does not wait for its claims: they go to the instance's
+``BindingBacklog`` and the timer writes them (``write_backlog``, bounded in time), so a wave of VMs new to the
+coordinator costs no claim on the batches' path; a claim in the backlog counts as bound for the VMs the census does
+not list (a VM ARM vouched for under its name cannot bind itself to another meanwhile).
+
 A store that fails raises ``StoreOutage``: the batch fails and is delivered again.
 """
 
@@ -26,11 +31,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from coordinator.domain.bindings import BindingCache
-from coordinator.state.entities import claim_partition
+from coordinator.domain.bindings import BindingBacklog, BindingCache
+from coordinator.state.entities import CLAIM_PARTITIONS, claim_partition
 from coordinator.state.store import StateStore
 
 T = TypeVar("T")
+
+# How long a tick spends writing the backlog at most: a 10,000-VM fleet new to the coordinator (40,000 claims) is
+# written in a few ticks while ARM's census vouches for its VMs.
+BACKLOG_SECONDS = 5.0
+# Claims the timer writes a step (``write_backlog``): about 100 a claim partition, one transaction each.
+BACKLOG_CHUNK = 100 * CLAIM_PARTITIONS
 
 # How old a partition's read may be to call a name in it free for an envelope that binds nothing: another instance
 # may have bound the name since, and such an envelope meets no conditional write that would tell.
@@ -90,22 +101,51 @@ def remember(cache: BindingCache, name: str, value: str) -> str:
 
 
 def resolve(
-    cache: BindingCache, store: StateStore, wanted: Sequence[Wanted], *, clock: Callable[[], float] = time.monotonic
+    cache: BindingCache,
+    store: StateStore,
+    wanted: Sequence[Wanted],
+    *,
+    backlog: BindingBacklog | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> list[dict[str, str | None]]:
     """Each envelope's claims and the value bound to each (None: free), after the batch's new claims were written.
-    Raises ``StoreOutage``."""
+    A claim in ``backlog`` (vouched for by ARM's census, not written yet) counts as bound. Raises ``StoreOutage``."""
     _read_unknown(cache, store, wanted, clock)
+
+    def known(name: str) -> str | None:
+        return cache.get(name) or (backlog.get(name) if backlog is not None else None)
+
     planned: dict[str, str] = {}
     for one in wanted:
         claims = one.claims()
-        bound = {name: cache.get(name) or planned.get(name) for name in claims}
+        bound = {name: known(name) or planned.get(name) for name in claims}
         if one.claim and None in bound.values() and all(bound[n] in (None, v) for n, v in claims.items()):
             planned.update({name: value for name, value in claims.items() if bound[name] is None})
     if planned:
         written = store_call(lambda: store.claim_many(list(planned.items())), "write bindings")
         for name, value in written.items():
             remember(cache, name, value)
-    return [{name: cache.get(name) for name in one.claims()} for one in wanted]
+    return [{name: known(name) for name in one.claims()} for one in wanted]
+
+
+def write_backlog(
+    cache: BindingCache, backlog: BindingBacklog, store: StateStore, *, within: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:  # fmt: skip
+    """The backlog's claims written, oldest first, ``BACKLOG_CHUNK`` at a time until it is empty or ``within``
+    seconds have passed (the rest at the next tick); each insert-only, as a batch's are (one bound meanwhile keeps
+    its value, remembered). Returns how many were written. Raises ``StoreOutage``: what it took is dropped, and
+    asked for again by its VM's next envelope while still not bound."""
+    deadline, written = clock() + within, 0
+    while clock() < deadline:
+        part = backlog.take(BACKLOG_CHUNK)
+        if not part:
+            break
+        bound = store_call(lambda: store.claim_many(part), "write the backlog of bindings")  # noqa: B023 - called here
+        for name, value in bound.items():
+            remember(cache, name, value)
+        written += len(part)
+    return written
 
 
 def _read_unknown(cache: BindingCache, store: StateStore, wanted: Sequence[Wanted], clock: Callable[[], float]) -> None:

@@ -170,6 +170,8 @@ class Report:
     set_aside: int = 0
     # Outbox entries the timer took over from runs that did not write them (pipeline/record.py, ``adopt``).
     history_adopted: int = 0
+    # The timer's: claims of VMs ARM's census vouched for, written from the instance's backlog (pipeline/bindings.py).
+    bindings_written: int = 0
 
     def count_conflict(self) -> None:
         self.conflicts += 1
@@ -208,6 +210,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "set_aside",
         "deliveries_continued",
         "history_adopted",
+        "bindings_written",
     ),
     "person": (
         "events_changed",

@@ -26,6 +26,7 @@ from coordinator.domain.lifecycle import EventChange, advance, approval_step, cl
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import attempt, decide, outbox, tail
+from coordinator.pipeline.bindings import BACKLOG_SECONDS, StoreOutage, write_backlog
 from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
 from coordinator.pipeline.record import adopt
 from coordinator.pipeline.run import Run
@@ -364,10 +365,26 @@ def purge_budgets(run: Run) -> bool:
     return len(spent) > PURGE_BUDGETS_PER_RUN
 
 
+def write_bindings(run: Run) -> None:
+    """The claims of VMs ARM's census vouched for, written from the instance's backlog for ``BACKLOG_SECONDS`` at
+    most (pipeline/bindings.py). A store that fails stops it until the next tick; the VMs ask again."""
+    attestations = run.parts.attestations
+    if attestations is None or not len(attestations.backlog):
+        return
+    try:
+        run.report.bindings_written = write_backlog(
+            attestations.bindings, attestations.backlog, run.parts.store, within=BACKLOG_SECONDS
+        )
+    except StoreOutage as outage:
+        log.warning("bindings: the backlog's claims were not written (%s); the next tick goes on", outage)
+
+
 def run_housekeeping(run: Run, known: list[KnownVm], housekeeping: Housekeeping) -> None:
-    """Hourly, not every tick: deletes concluded events older than the retention, the positions of VMs retired
-    longer than ``RETIRED_RETENTION`` and the budget entities no claim holds (bounded: a backlog goes on at the next
-    tick), and lists ARM resources (the VMs' hybrid connections) to delete the stale ones."""
+    """Each tick, the backlog of bindings (``write_bindings``). Hourly: deletes concluded events older than the
+    retention, the positions of VMs retired longer than ``RETIRED_RETENTION`` and the budget entities no claim holds
+    (bounded: a backlog goes on at the next tick), and lists ARM resources (the VMs' hybrid connections) to delete
+    the stale ones."""
+    write_bindings(run)
     now, store = run.now, run.parts.store
     hourly = housekeeping.due is None or now >= housekeeping.due
     if hourly or housekeeping.backlog:

@@ -35,6 +35,7 @@ from coordinator.domain.observations import Observation
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.act import send
 from coordinator.pipeline.attest import answer_problem
+from coordinator.pipeline.bindings import name_claim, vm_name_claim
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from coordinator.state.entities import claim_partition, safe_key
@@ -372,3 +373,17 @@ def test_a_lying_listener_beside_the_vms_own_does_not_hold_its_approval() -> Non
     relay = AnswersInTurn([answer(WEB_1) for _ in range(6)] + [answer(WEB_0)])
     result = send(relay, request, web_0, "", proof, within=30)
     assert (relay.sent, proof(result)) == (7, "")
+
+
+def test_with_arms_census_a_vms_bindings_are_written_by_the_timer_not_its_batch(tmp_path: Path) -> None:
+    """ARM vouched for web_0: its batch writes no claim; the next tick writes its four (for an instance whose census
+    cannot be read: the bindings decide then)."""
+    run = fleet(tmp_path)
+    run.send(WEB_0)
+    assert run.store.claimed(name_claim("web_0")) is None
+
+    report = run.coordinator.tick()
+
+    assert report.bindings_written == 4
+    assert run.store.claimed(name_claim("web_0")) == str(WEB_0["vmId"]).lower()
+    assert run.store.claimed(vm_name_claim(str(WEB_0["vmId"]))) == "web_0"

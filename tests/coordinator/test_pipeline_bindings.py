@@ -1,5 +1,6 @@
 """A batch's bindings (coordinator/pipeline/bindings.py): read by partition, remembered (misses too), written
-together, insert-only, each claim judged by what the table holds."""
+together, insert-only, each claim judged by what the table holds; those of VMs ARM's census vouched for left to the
+timer's backlog."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any, cast
 
 from contracts.envelope import Envelope
 from coordinator.domain.attestation import Attestations
-from coordinator.domain.bindings import BindingCache
+from coordinator.domain.bindings import BindingBacklog, BindingCache
 from coordinator.pipeline.attest import Pending, binding_problems
-from coordinator.pipeline.bindings import Wanted, name_claim, resolve
+from coordinator.pipeline.bindings import BACKLOG_CHUNK, Wanted, name_claim, resolve, write_backlog
 from coordinator.state.entities import CLAIM_PARTITIONS
 from tests.coordinator.helpers import envelope, vm
 from tests.coordinator.memory_store import MemoryStateStore
@@ -104,3 +105,56 @@ def test_two_vms_of_one_batch_claiming_one_name_bind_it_once() -> None:
     # The refused one binds nothing of its own.
     assert bound[1]["vm-id:id-2"] is None
     assert store.claimed("vm-id:id-2") is None
+
+
+def pending_of(n: int, *, verdict: str | None) -> Pending:
+    identity = vm(f"vm{n}", index=n)
+    data = {**envelope(identity, sequence=1, incarnation=1), "stateId": "s"}
+    return Pending(Envelope.model_validate(data), claim=True, verdict=verdict)
+
+
+def test_vms_arms_census_vouched_for_wait_for_no_claim_and_the_timer_writes_theirs() -> None:
+    """ARM's census accepted them ("" verdict): the batch reads and writes no binding; the claims wait in the
+    instance's backlog, count as bound for a VM the census does not list, and are written in steps, insert-only."""
+    store, cache = Counting(), BindingCache()
+    attestations = Attestations(cast(Any, None), cache)
+    vouched = [pending_of(n, verdict="") for n in range(300)]
+
+    assert binding_problems(attestations, store, vouched) == [""] * 300
+    assert store.calls == {}
+    assert len(attestations.backlog) == 4 * 300
+
+    # vm0's own vmId under a name ARM does not list (no verdict: the bindings decide): its vmId's claim waits in
+    # the backlog for vm0's own name, so it is refused, and nothing of it is written.
+    ghost = vm("ghost", index=0) | {"vmId": vouched[0].envelope.vm.vmId}
+    stray = Pending(Envelope.model_validate({**envelope(ghost, sequence=1, incarnation=1), "stateId": "s"}), claim=True)
+    (problem,) = binding_problems(attestations, store, [stray])
+    assert "speaks under another VM's name" in problem
+    assert store.claimed(name_claim("ghost")) is None
+
+    store.claim(name_claim("vm5"), "id-squatter")  # another instance, meanwhile
+    ticks = [0.0]
+
+    def clock() -> float:  # each step takes a second of the tick's two
+        ticks[0] += 1.0
+        return ticks[0]
+
+    first = write_backlog(cache, attestations.backlog, store, within=2.0, clock=clock)
+    assert first == BACKLOG_CHUNK  # one step, then the time was up
+    rest = write_backlog(cache, attestations.backlog, store, within=60.0, clock=clock)
+    assert first + rest == 4 * 300
+    assert len(attestations.backlog) == 0
+    assert store.claimed(name_claim("vm7")) == str(vouched[7].envelope.vm.vmId).lower()
+    assert store.claimed(name_claim("vm5")) == "id-squatter"  # not bound over
+    assert cache.get(name_claim("vm5")) == "id-squatter"
+
+
+def test_the_backlog_keeps_the_oldest_first_and_drops_the_oldest_beyond_its_size() -> None:
+    backlog = BindingBacklog(size=3)
+    backlog.add({"a": "1", "b": "2"})
+    backlog.add({"a": "other", "c": "3", "d": "4"})
+
+    assert (len(backlog), backlog.dropped, backlog.get("a")) == (3, 1, None)
+    assert backlog.take(2) == [("b", "2"), ("c", "3")]
+    assert backlog.take(5) == [("d", "4")]
+    assert backlog.take(5) == []

@@ -29,6 +29,7 @@ TICK_COUNTS = {
     "vms_purged",
     "budgets_purged",
     "history_adopted",
+    "bindings_written",
 }
 
 
