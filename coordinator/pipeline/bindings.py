@@ -27,7 +27,7 @@ A store that fails raises ``StoreOutage``: the batch fails and is delivered agai
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -138,30 +138,38 @@ def write_backlog(
     asked for again by its VM's next envelope while still not bound."""
     deadline, written = clock() + within, 0
     while clock() < deadline:
-        part = backlog.take(BACKLOG_CHUNK)
-        if not part:
+        taken = backlog.take(BACKLOG_CHUNK)
+        if not taken:
             break
-        bound = store_call(lambda: store.claim_many(part), "write the backlog of bindings")  # noqa: B023 - called here
-        for name, value in bound.items():
-            remember(cache, name, value)
+        # What the table holds already (an instance started again: its cache is empty, its fleet bound) is read,
+        # a partition at a time, not met as one refused insert and one read per claim.
+        _read_partitions(cache, store, ((name, None) for name, _ in taken), clock)
+        part = [(name, value) for name, value in taken if cache.get(name) is None]
+        if part:
+            bound = store_call(lambda: store.claim_many(part), "write the backlog of bindings")  # noqa: B023 - now
+            for name, value in bound.items():
+                remember(cache, name, value)
         written += len(part)
     return written
 
 
 def _read_unknown(cache: BindingCache, store: StateStore, wanted: Sequence[Wanted], clock: Callable[[], float]) -> None:
     """Every partition holding a name of the batch that is neither bound nor known free, read whole."""
+    names = ((name, None if one.claim else MISS_FRESH_SECONDS) for one in wanted for name in one.claims())
+    _read_partitions(cache, store, names, clock)
+
+
+def _read_partitions(
+    cache: BindingCache, store: StateStore, names: Iterable[tuple[str, float | None]], clock: Callable[[], float]
+) -> None:
+    """Every partition holding one of ``names`` (each with how fresh a miss must be, None: any) that is neither
+    bound nor known free, read whole."""
     at = clock()
     stale: set[str] = set()
-    for one in wanted:
-        fresh = None if one.claim else MISS_FRESH_SECONDS
-        for name in one.claims():
-            partition = claim_partition(name)
-            if (
-                partition not in stale
-                and cache.get(name) is None
-                and not cache.free(name, partition, at=at, fresh=fresh)
-            ):
-                stale.add(partition)
+    for name, fresh in names:
+        partition = claim_partition(name)
+        if partition not in stale and cache.get(name) is None and not cache.free(name, partition, at=at, fresh=fresh):
+            stale.add(partition)
     for partition in sorted(stale):
         cache.load(partition, _read_partition(store, partition), at)
 
