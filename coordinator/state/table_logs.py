@@ -121,8 +121,16 @@ class TableLogs:
 
     # dead letters --------------------------------------------------------------------------------------------
     def put_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
+        # Inserted, not upserted: Azurite looks an upserted entity up in its partition, and a 50,000-row storm took
+        # 27 s instead of 10 s (in Azure an insert is the cheaper operation too).
         for part in dead_letter_transactions(letters):
-            self._dead_letters.submit_transaction([("upsert", e) for e in part])
+            try:
+                self._dead_letters.submit_transaction([("create", e) for e in part])
+            except TableTransactionError as error:
+                if error.status_code != 409:
+                    raise
+                # A row key is the arrival time and 48 random bits: one that exists is this very transaction's,
+                # landed by an attempt whose answer was lost (a transaction is all or none).
 
     def dead_letters(self) -> list[dict[str, Any]]:
         return sorted((dict(e) for e in self._dead_letters.list_entities()), key=dead_letter_order)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 from coordinator.state.dead_letters import (
@@ -11,6 +12,7 @@ from coordinator.state.dead_letters import (
     dead_letter_transactions,
 )
 from coordinator.state.store import DeadLetter
+from coordinator.state.tables import TableStateStore
 
 NOON = datetime(2026, 11, 29, 12, tzinfo=UTC)
 
@@ -50,3 +52,16 @@ def test_the_order_is_by_day_then_arrival_whatever_the_partition() -> None:
     tomorrow = dead_letter_entity(letters(1, NOON + timedelta(days=1))[0], shard=0)
 
     assert sorted([tomorrow, late, early], key=dead_letter_order) == [early, late, tomorrow]
+
+
+def test_a_transaction_of_dead_letters_sent_again_after_it_landed_is_taken_as_written(azurite, monkeypatch) -> None:
+    """Inserted, not upserted: the same transaction again (an attempt whose answer was lost) meets its own rows,
+    which is no failure, and writes nothing twice."""
+    store = TableStateStore.from_connection_string(azurite.connection_string, table_name=f"dl{uuid.uuid4().hex[:8]}")
+    same = uuid.UUID(int=7)
+    monkeypatch.setattr("coordinator.state.dead_letters.uuid.uuid4", lambda: same)
+    monkeypatch.setattr("coordinator.state.dead_letters.secrets.randbelow", lambda _: 3)
+    store.put_dead_letters(letters(1))
+    store.put_dead_letters(letters(1))
+
+    assert [row["Reason"] for row in store.dead_letters()] == ["r0"]
