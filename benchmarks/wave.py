@@ -34,7 +34,7 @@ envelope attested, every one must be a dead letter, spread over the dead-letter 
 
     .venv/bin/python -m benchmarks.wave [--mode processes|threads|serial] [--vms 10000] [--partitions 4]
         [--policy default|census|budget-KIND] [--event-type mixed|Terminate] [--bindings warm|cold]
-        [--warm-up auto|table|memory|heartbeats] [--replay] [--storm] [--profile FILE]
+        [--warm-up auto|table|memory|heartbeats] [--replay] [--storm] [--profile FILE] [--profile-clock wall|cpu]
 
 Prints one JSON object: {wave_envelopes, wave_seconds, envelopes_per_second, busiest_partition_ops_per_s, ...,
 problems} (the Table operations are counted per partition per second in serial and threads modes). ``problems``
@@ -111,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--replay", action="store_true", help="replay the wave's Table writes raw and time them")
     parser.add_argument(
         "--profile", metavar="FILE", help="serial: a cProfile of the timed part's batches (not their tails) to FILE"
+    )
+    parser.add_argument(
+        "--profile-clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="the profile's clock: wall (Azurite's waits included) or cpu (the batches' thread's CPU alone)",
     )
     parser.add_argument(
         "--storm",

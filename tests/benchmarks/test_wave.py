@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import pstats
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,3 +96,13 @@ def test_a_budget_wave_approves_within_its_budget_and_holds_the_rest(capsys: pyt
     # Zone 1 holds groups 0, 3, 6, 9 (80 VMs, 10 %: 8), zones 2 and 3 three groups (60: 6); each event reaches 5 VMs.
     assert result["event_states"] == {"Approved": 3, "Scheduled": 7}
     assert result["accepted"] == 200
+
+
+def test_a_profile_of_the_batches_cpu_names_the_coordinators_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _ = run(capsys, "--vms", "100", "--profile", str(tmp_path / "cpu.out"), "--profile-clock", "cpu")
+
+    assert code == 0
+    profiled = pstats.Stats(str(tmp_path / "cpu.out")).stats  # type: ignore[attr-defined]
+    assert any(name == "run_batch" for _, _, name in profiled)
