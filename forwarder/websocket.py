@@ -298,10 +298,11 @@ class ClientConnection:
     def _shutdown(self) -> None:
         self._gone = True
         # Shut first, outside the I/O lock: it wakes a reader or a writer blocked on the socket. Closed under it: a
-        # descriptor closed while the reader was in its SSL_read could be reused by another connection at once, and
-        # the reader decoded that one's bytes ("Invalid opcode 0x7") instead of seeing this one closed.
+        # descriptor closed while the reader was in its SSL_read could be reused by another connection at once.
+        # The descriptor is shut beneath TLS (socket.socket.shutdown): SSLSocket.shutdown drops its SSL object, and a
+        # reader past its check then read the peer's next TLS record as plain bytes (0x17: "Invalid opcode 0x7").
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
         with self._io_lock:
             self._sock.close()
 

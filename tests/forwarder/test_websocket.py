@@ -115,6 +115,30 @@ def test_the_servers_close_and_a_close_from_another_thread_end_recv(server: Any)
         ws.send("after close")
 
 
+@pytest.mark.parametrize("scheme", ["wss"])  # the race is TLS's: a plain socket has no record to read raw
+def test_a_reader_caught_between_the_shut_and_the_close_reads_frames_not_tls_records(server: Any) -> None:
+    """The race a close from another thread runs (seen in CI: "Invalid opcode 0x7"): the reader woke on bytes come
+    in, then the closing thread shut the socket before the reader read them. Frozen here: a message waits in the
+    kernel's buffer, the close is held between the shut and the descriptor's close, the reader let past its check.
+    It must read the message through TLS, then see the connection closed, never the encrypted record as frames."""
+
+    def hello(ws: ServerConnection) -> None:
+        ws.recv()
+        ws.send("hello")
+        with contextlib.suppress(Exception):
+            ws.recv()
+
+    ws = connect(server(hello))
+    ws.send("x")
+    time.sleep(0.3)  # "hello" is in the kernel's buffer, not yet read
+    ws._sock.close = lambda: None  # type: ignore[method-assign]  # held between the shut and the close
+    ws.close()
+    ws._gone = False  # the reader past its check when the shut landed
+    assert ws.recv(2) == "hello"
+    with pytest.raises(ConnectionClosed):
+        ws.recv(2)
+
+
 def test_a_message_over_max_size_is_refused(server: Any) -> None:
     def big(ws: ServerConnection) -> None:
         ws.send("x" * 2000)
