@@ -33,6 +33,7 @@ from forwarder.retry import Backoff
 from forwarder.sender import SHUTDOWN_FLUSH_SECONDS, Sender
 from forwarder.sinks import Sink
 from forwarder.telemetry import Telemetry
+from forwarder.worker_parts import WorkerParts
 
 log = logging.getLogger("forwarder")
 
@@ -109,38 +110,19 @@ class Forwarder:
         self._imds_failures = FailureLog("IMDS poll", logger=log)
         self.attestor = Attestor(imds=imds, state_id=store.state_id) if settings.attest else None
         self._state_failures = FailureLog("writing the state (full disk)", logger=log)
+        parts = WorkerParts(store=store, tracer=self.telemetry.tracer, counters=self.counters, spooled=self._spooled)
         self._sender = Sender(
-            store=store,
-            sink=sink,
-            tracer=self.telemetry.tracer,
-            batch_max=settings.send_batch_max,
-            counters=self.counters,
-            stop=self._drain,
-            attestor=self.attestor,
+            parts, sink=sink, batch_max=settings.send_batch_max, stop=self._drain, attestor=self.attestor
         )
-        self._hook_worker = HookWorker(
-            store=store,
-            runner=self.hooks,
-            tracer=self.telemetry.tracer,
-            counters=self.counters,
-            stop=self._stop,
-            spooled=self._sender.wake,
-        )
+        self._hook_worker = HookWorker(parts, runner=self.hooks, stop=self._stop)
         self._impact = ImpactMeter(
-            store=store,
-            tick=settings.impact_tick,
-            boot_time_file=settings.boot_time_file,
-            stop=self._stop,
-            spooled=self._sender.wake,
+            parts, tick=settings.impact_tick, boot_time_file=settings.boot_time_file, stop=self._stop
         )
-        self._poller = Poller(
-            imds=imds,
-            store=store,
-            tracer=self.telemetry.tracer,
-            counters=self.counters,
-            spooled=self._sender.wake,
-            queued=self._hook_worker.wake,
-        )
+        self._poller = Poller(parts, imds=imds, queued=self._hook_worker.wake)
+
+    def _spooled(self) -> None:
+        """Something new is in the spool: the sender sends it now."""
+        self._sender.wake()
 
     # --- lifecycle ---------------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -1,8 +1,8 @@
 """The hook worker thread: runs the hook phases the poll loop queued, one at a time, and spools each phase's report.
 
-Takes: the store (its hook ledger, where the poll loop queues a phase in the same transaction as the change that
-needs it), the hook runner, the tracer, the daemon's stop event and its counters, and `spooled`, called after each
-report is spooled (it wakes the sender). Gives: `HookWorker.run` for the thread, `wake()` for the poll loop, and
+Takes: the daemon's `WorkerParts` (its store's hook ledger is where the poll loop queues a phase in the same
+transaction as the change that needs it; `spooled` is called after each report is spooled), the hook runner and the
+daemon's stop event. Gives: `HookWorker.run` for the thread, `wake()` for the poll loop, and
 `recover_interrupted`, run once at start, before the thread. Phases run on this thread, not the poll loop's, so that
 a hook that takes minutes never holds up the 1 s poll. Each phase is a `forwarder.hooks` span in the trace of the
 change that queued it, and its one `hook` envelope is spooled in the transaction that marks the phase done: a phase
@@ -14,19 +14,19 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 from opentelemetry import trace
 
 from contracts.checks import Invalid
 from contracts.wire import HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
-from forwarder.durable_state import HookJob, Store, StoreFull
+from forwarder.durable_state import HookJob, StoreFull
 from forwarder.envelopes import envelope_of
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.logs import fields
 from forwarder.retry import Backoff
 from forwarder.telemetry import TRACEPARENT, TRACESTATE, parent, traceparent
+from forwarder.worker_parts import WorkerParts
 
 log = logging.getLogger("forwarder")
 
@@ -36,20 +36,14 @@ class HookWorker:
 
     def __init__(
         self,
+        parts: WorkerParts,
         *,
-        store: Store,
         runner: HookRunner,
-        tracer: trace.Tracer,
-        counters: dict[str, int],
         stop: threading.Event,
-        spooled: Callable[[], None],
     ) -> None:
-        self._store = store
+        self._parts = parts
         self._runner = runner
-        self._tracer = tracer
-        self._counters = counters
         self._stop = stop
-        self._spooled = spooled
         self._wake = threading.Event()
 
     def wake(self) -> None:
@@ -59,7 +53,7 @@ class HookWorker:
     def recover_interrupted(self, identity: VmIdentity) -> None:
         """A phase still marked running was cut short by a crash or kill: report it failed, naming the hook that
         was running (or the phase, when none had started), with the hooks that had finished; never rerun it."""
-        for job in self._store.hook_jobs("running"):
+        for job in self._parts.store.hook_jobs("running"):
             phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
             try:
                 finished = [HookStep.from_mapping(step) for step in json.loads(job.steps)]
@@ -83,7 +77,7 @@ class HookWorker:
     def run(self, identity: VmIdentity) -> None:
         backoff = Backoff(initial=1.0, maximum=60.0)
         while not self._stop.is_set():
-            jobs = self._store.hook_jobs("pending")
+            jobs = self._parts.store.hook_jobs("pending")
             if not jobs:
                 self._wake.wait()
                 self._wake.clear()
@@ -104,11 +98,11 @@ class HookWorker:
     def _run_phase(self, identity: VmIdentity, job: HookJob) -> None:
         event = ScheduledEvent.from_json_bytes(job.event)
         phase: HookPhase = "prepare" if job.phase == "prepare" else "recover"
-        self._store.mark_hook_running(job)
+        self._parts.store.mark_hook_running(job)
 
         def progress(hook: str, finished: tuple[HookStep, ...]) -> None:
             try:
-                self._store.mark_hook_running(
+                self._parts.store.mark_hook_running(
                     job, step=hook, steps=json.dumps([step.to_mapping() for step in finished], separators=(",", ":"))
                 )
             except StoreFull:
@@ -116,7 +110,7 @@ class HookWorker:
                 log.warning("the running hook could not be recorded (state disk full)", extra=fields(hook=hook))
 
         # The phase, in the trace of the change that queued it; its report is sent in that span's context.
-        span = self._tracer.start_span(
+        span = self._parts.tracer.start_span(
             "forwarder.hooks",
             context=parent({TRACEPARENT: job.traceparent, TRACESTATE: job.tracestate}),
             attributes={
@@ -138,7 +132,7 @@ class HookWorker:
                 )
                 report = phase_report(job.event_id, phase, [failed])
             span.set_attribute("scheduled_events.hook_outcome", report.outcome)
-            self._counters["hooks_run"] += 1
+            self._parts.counters["hooks_run"] += 1
             self._spool_report(identity, report, done=job, context=traceparent(span))
 
     def _spool_report(
@@ -146,11 +140,11 @@ class HookWorker:
     ) -> None:
         """One `hook` envelope per phase, spooled in the same transaction that marks the phase done, with the
         trace context (traceparent, tracestate) it is sent in."""
-        build = envelope_of("hook", identity, self._store.state_id, datetime.now(UTC), hook=report)
+        build = envelope_of("hook", identity, self._parts.store.state_id, datetime.now(UTC), hook=report)
         backoff = Backoff(initial=1.0, maximum=60.0)
         while True:
             try:
-                self._store.enqueue(
+                self._parts.store.enqueue(
                     "hook",
                     build,
                     hook_done=(done.event_id, done.phase),
@@ -164,4 +158,4 @@ class HookWorker:
                 # is still marked running, and the restart reports it interrupted.
                 if self._stop.wait(backoff.next_delay()):
                     return
-        self._spooled()
+        self._parts.spooled()

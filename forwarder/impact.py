@@ -32,7 +32,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -47,9 +46,10 @@ from contracts.wire import (
     ScheduledEventsDocument,
     VmIdentity,
 )
-from forwarder.durable_state import IMPACT_ALIVE, IMPACT_RESTART, Store, StoreFull
+from forwarder.durable_state import IMPACT_ALIVE, IMPACT_RESTART, StoreFull
 from forwarder.envelopes import envelope_of
 from forwarder.logs import fields
+from forwarder.worker_parts import WorkerParts
 
 log = logging.getLogger("forwarder.impact")
 
@@ -181,26 +181,24 @@ class ImpactMeter:
 
     def __init__(
         self,
+        parts: WorkerParts,
         *,
-        store: Store,
         tick: float,
         boot_time_file: Path,
         stop: threading.Event,
-        spooled: Callable[[], None],
     ) -> None:
-        self._store = store
+        self._parts = parts
         self.tick = tick
         self._boot_time_file = boot_time_file
         self._stop = stop
-        self._spooled = spooled
         self._lock = threading.Lock()
         self._armed = threading.Event()
         self._last: tuple[float, datetime] | None = None
         self._late: _Gap | None = None  # how late the current poll started (before_poll), when a pause
         self._freezes: dict[str, _FreezeWatch] = {}
         self._pending: list[ImpactReport] = []
-        self._restart = _Restart.load(store.get_state(IMPACT_RESTART))
-        self._alive = _Alive.load(store.get_state(IMPACT_ALIVE))  # the last sign of life before this start
+        self._restart = _Restart.load(parts.store.get_state(IMPACT_RESTART))
+        self._alive = _Alive.load(parts.store.get_state(IMPACT_ALIVE))  # the last sign of life before this start
         self._booted: datetime | None = None  # this boot's time, read at the first poll
         self._last_poll: datetime | None = None
         self._unseen_boot: datetime | None = None  # booted after it with no watch: the first document tells
@@ -314,12 +312,12 @@ class ImpactMeter:
         try:
             if restarting is not None:
                 self._restart = _Restart(restarting.EventId, restarting.EventType, restarting.DurationInSeconds, now)
-                self._store.put_state(IMPACT_RESTART, self._restart.dump())
+                self._parts.store.put_state(IMPACT_RESTART, self._restart.dump())
             elif self._restart is not None:
                 # Gone without a reboot of this VM (canceled, or done elsewhere): nothing to measure.
                 log.info("restart watch ended without a reboot", extra=fields(event_id=self._restart.event_id))
                 self._restart = None
-                self._store.put_state(IMPACT_RESTART, "")
+                self._parts.store.put_state(IMPACT_RESTART, "")
         except StoreFull:
             log.warning("the restart watch could not be kept (state disk full)")
 
@@ -329,7 +327,7 @@ class ImpactMeter:
         if self._last_poll is None:
             return
         try:
-            self._store.put_state(IMPACT_ALIVE, _Alive(self._last_poll, self._booted).dump())
+            self._parts.store.put_state(IMPACT_ALIVE, _Alive(self._last_poll, self._booted).dump())
         except StoreFull:
             log.warning("the last sign of life could not be kept (state disk full)")
 
@@ -377,7 +375,7 @@ class ImpactMeter:
         if not reports:
             # Nothing to spool, so nothing clears the watch with it: cleared here, or every start tries again.
             try:
-                self._store.put_state(IMPACT_RESTART, "")
+                self._parts.store.put_state(IMPACT_RESTART, "")
             except StoreFull:
                 log.warning("the restart watch could not be cleared (state disk full)")
         with self._lock:
@@ -385,13 +383,13 @@ class ImpactMeter:
 
     def _spool(self, identity: VmIdentity, report: ImpactReport) -> None:
         observed = datetime.now(UTC)
-        build = envelope_of("impact", identity, self._store.state_id, observed, impact=report)
+        build = envelope_of("impact", identity, self._parts.store.state_id, observed, impact=report)
         # A restart's report clears its watch and moves the last sign of life past the boot in the same transaction:
         # it is reported once, whichever way it was found.
         alive = _Alive(observed, report.bootTime).dump()
         state = {IMPACT_RESTART: "", IMPACT_ALIVE: alive} if report.measure == "restart" else None
         try:
-            self._store.enqueue("impact", build, state=state)
+            self._parts.store.enqueue("impact", build, state=state)
         except StoreFull:
             log.error("an impact report was lost: the state disk is full", extra=fields(event_id=report.eventId))
             return
@@ -406,4 +404,4 @@ class ImpactMeter:
                 clock=report.clock,
             ),
         )
-        self._spooled()
+        self._parts.spooled()

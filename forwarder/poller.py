@@ -20,11 +20,12 @@ from opentelemetry import trace
 from contracts.checks import Invalid
 from contracts.wire import ScheduledEventsDocument, VmIdentity
 from forwarder.changes import Change, detect
-from forwarder.durable_state import HookJob, Store
+from forwarder.durable_state import HookJob
 from forwarder.envelopes import envelope_of
 from forwarder.imds import ImdsClient, ImdsInvalidResponse, InvalidEvent, read_document
 from forwarder.logs import fields
 from forwarder.telemetry import traceparent
+from forwarder.worker_parts import WorkerParts
 
 log = logging.getLogger("forwarder")
 
@@ -36,19 +37,13 @@ class Poller:
 
     def __init__(
         self,
+        parts: WorkerParts,
         *,
         imds: ImdsClient,
-        store: Store,
-        tracer: trace.Tracer,
-        counters: dict[str, int],
-        spooled: Callable[[], None],
         queued: Callable[[], None],
     ) -> None:
+        self._parts = parts
         self._imds = imds
-        self._store = store
-        self._tracer = tracer
-        self._counters = counters
-        self._spooled = spooled
         self._queued = queued
         self._last_document: ScheduledEventsDocument | None = None
         self._last_canonical: str | None = None
@@ -63,7 +58,7 @@ class Poller:
         return self._last_document
 
     def _restore(self) -> None:
-        saved = self._store.get_state(LAST_DOCUMENT)
+        saved = self._parts.store.get_state(LAST_DOCUMENT)
         if saved is None:
             return
         try:
@@ -79,14 +74,14 @@ class Poller:
         StoreFull when the change could not be spooled (it is read as a change again next time)."""
         polled_at = time.time_ns()  # the start of the forwarder.detect span, if this poll sees a change
         raw = self._imds.get_document_bytes()
-        self._counters["polls"] += 1
+        self._parts.counters["polls"] += 1
         if raw == self._last_raw:
             return None  # the common case: same bytes as a second ago, nothing parsed, nothing allocated to keep
         try:
             parsed = read_document(raw)
         except ImdsInvalidResponse as exc:
             if raw != self._last_bad:
-                self._store.reject(str(exc), raw)  # before it counts as seen: a full disk retries it
+                self._parts.store.reject(str(exc), raw)  # before it counts as seen: a full disk retries it
                 self._last_bad = raw
                 log.error(
                     "invalid scheduled-events document set aside; nothing forwarded and no hook run",
@@ -101,10 +96,10 @@ class Poller:
         if change is None:
             self._last_raw = raw
             return None
-        build = envelope_of("incarnation", identity, self._store.state_id, datetime.now(UTC), document=document)
+        build = envelope_of("incarnation", identity, self._parts.store.state_id, datetime.now(UTC), document=document)
         # The approval's trace starts here, at the poll that saw the change; its context is spooled with the
         # envelope so that it travels with it whenever it is sent, and queued with the hooks it starts.
-        detect_span = self._tracer.start_span(
+        detect_span = self._parts.tracer.start_span(
             "forwarder.detect",
             context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root, whatever the caller's context
             start_time=polled_at,
@@ -121,7 +116,7 @@ class Poller:
                 for phase, events in (("prepare", change.prepare), ("recover", change.recover))
                 for e in events
             ]
-            sequence = self._store.enqueue(
+            sequence = self._parts.store.enqueue(
                 "incarnation",
                 build,
                 state={LAST_DOCUMENT: change.canonical},
@@ -134,7 +129,7 @@ class Poller:
         # are read as a change again at the next poll, so it is never lost.
         self._last_raw = raw
         self._last_document, self._last_canonical = document, change.canonical
-        self._counters["changes"] += 1
+        self._parts.counters["changes"] += 1
         log.info(
             "document changed",
             extra=fields(
@@ -156,7 +151,7 @@ class Poller:
                     resources=after.Resources,
                 ),
             )
-        self._spooled()
+        self._parts.spooled()
         if jobs:
             self._queued()
         return change
@@ -167,7 +162,7 @@ class Poller:
         for bad in invalid:
             if bad.body in self._bad_events:
                 continue
-            self._store.reject(bad.reason, bad.body, counter="invalid_events")
+            self._parts.store.reject(bad.reason, bad.body, counter="invalid_events")
             self._bad_events |= {bad.body}  # once counted (a full disk raises before: counted at the next poll)
             log.error(
                 "invalid scheduled event set aside; the document's other events are forwarded, no hook runs for it",

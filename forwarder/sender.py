@@ -17,15 +17,14 @@ import threading
 import time
 from dataclasses import replace
 
-from opentelemetry import trace
-
 from contracts.wire import Attestation, VmIdentity
 from forwarder.attestor import Attestor
-from forwarder.durable_state import SpooledEnvelope, Store, StoreFull
+from forwarder.durable_state import SpooledEnvelope, StoreFull
 from forwarder.logs import FailureLog, fields
 from forwarder.retry import Backoff
 from forwarder.sinks import Sink, SinkError, UndeliverableEnvelope
 from forwarder.telemetry import send_spans
+from forwarder.worker_parts import WorkerParts
 
 log = logging.getLogger("forwarder")
 
@@ -51,22 +50,18 @@ class Sender:
 
     def __init__(
         self,
+        parts: WorkerParts,
         *,
-        store: Store,
         sink: Sink,
-        tracer: trace.Tracer,
         batch_max: int,
-        counters: dict[str, int],
         stop: threading.Event,
         attestor: Attestor | None = None,
     ) -> None:
-        self._store = store
+        self._parts = parts
         self._attestor = attestor
         self._unattested = FailureLog("waiting for an IMDS attested document before sending", logger=log)
         self._sink = sink
-        self._tracer = tracer
         self._batch_max = batch_max
-        self._counters = counters
         self._stop = stop
         self._wake = threading.Event()
         self._failures = FailureLog("sending to the sink", logger=log)
@@ -91,7 +86,7 @@ class Sender:
         return False
 
     def _send(self, items: list[SpooledEnvelope], identity: VmIdentity, attestation: Attestation | None) -> None:
-        with send_spans(self._tracer, items, vm_name=identity.name) as outgoing:
+        with send_spans(self._parts.tracer, items, vm_name=identity.name) as outgoing:
             wire = outgoing if attestation is None else [attach(item, attestation) for item in outgoing]
             self._sink.send(wire, partition_key=identity.partition_key)
 
@@ -105,11 +100,11 @@ class Sender:
         """The lowest sequences of the spool (less what was sent already) and of the held envelopes."""
         if self._sent:
             try:
-                self._store.ack(list(self._sent.values()))
+                self._parts.store.ack(list(self._sent.values()))
                 self._sent.clear()
             except StoreFull:
                 pass  # still full: skipped below, deleted once there is room
-        spooled = [i for i in self._store.peek(self._batch_max + len(self._sent)) if i.id not in self._sent]
+        spooled = [i for i in self._parts.store.peek(self._batch_max + len(self._sent)) if i.id not in self._sent]
         with self._lock:
             held = list(self._held)
         return sorted([*spooled[: self._batch_max], *held], key=lambda item: item.sequence)[: self._batch_max]
@@ -120,7 +115,7 @@ class Sender:
         with self._lock:
             self._held = [item for item in self._held if item not in items]
         try:
-            self._store.ack(spooled)
+            self._parts.store.ack(spooled)
         except StoreFull:
             self._sent.update((item.id, item) for item in spooled)
 
@@ -153,23 +148,25 @@ class Sender:
                     extra=fields(reason=str(exc), sequence=exc.item.sequence),
                 )
                 with contextlib.suppress(StoreFull):  # counted and logged here when the disk is full
-                    self._store.reject(
+                    self._parts.store.reject(
                         f"undeliverable envelope: {exc}", exc.item.body, counter="undeliverable_envelopes"
                     )
                 self._done([exc.item])
             except Exception as exc:  # SinkError, and whatever else an SDK or credential raises: keep spooling
-                self._counters["send_failures"] += 1
-                self._failures.failed(exc, spool_depth=self._store.depth(), unexpected=not isinstance(exc, SinkError))
+                self._parts.counters["send_failures"] += 1
+                self._failures.failed(
+                    exc, spool_depth=self._parts.store.depth(), unexpected=not isinstance(exc, SinkError)
+                )
                 if deadline is not None:
                     break
                 self._wake.clear()
                 self._stop.wait(backoff.next_delay())
             else:
                 self._done(items)
-                self._counters["sent"] += len(items)
+                self._parts.counters["sent"] += len(items)
                 self._failures.succeeded()
                 backoff.reset()
-        depth = self._store.depth()
+        depth = self._parts.store.depth()
         if depth:
             log.warning(
                 "stopping with unsent envelopes; they are kept and sent after the restart", extra=fields(unsent=depth)
