@@ -178,6 +178,23 @@ def test_the_census_keeps_the_last_good_read_and_reads_again_by_timer_change_and
     assert census.reads == 5
 
 
+def test_the_domain_index_is_built_once_a_run_asks_then_with_each_read(arm: ImdsEmulator) -> None:
+    """A policy without budgets never pays for the index; once one run asked, each read builds it (off the batches'
+    path), and what it holds is the read's."""
+    census = Census(reader(arm), refresh_every=timedelta(minutes=5), min_interval=timedelta(seconds=30))
+    assert census.at(DOC_NOW).usable()
+    assert census._snapshot.indexed is None, "read without building the index: no run asked for it"
+    first = census.at(DOC_NOW).indexed()
+    assert first.members("scaleSet", "web") == {"web_0", "web_1", "web_2"}
+    assert census.at(DOC_NOW).indexed() is first, "built once per read"
+
+    arm.add_vm({"name": "web_3", "vmScaleSetName": "web", "subscriptionId": SUBSCRIPTION,
+                "resourceGroupName": "rg-fleet", "zone": "1"})  # fmt: skip
+    census.refresh_if_due(DOC_NOW + timedelta(minutes=5))
+    assert census._snapshot.indexed is not None, "built with the read once a run asked"
+    assert census.at(DOC_NOW).indexed().members("scaleSet", "web") == {"web_0", "web_1", "web_2", "web_3"}
+
+
 def test_a_failing_arm_keeps_the_last_good_census_until_it_is_too_old(arm: ImdsEmulator) -> None:
     census = Census(reader(arm), min_interval=timedelta(seconds=30), usable_for=timedelta(minutes=15))
     assert census.at(DOC_NOW).usable()
