@@ -136,3 +136,47 @@ def test_a_verifier_trusting_the_emulators_root_verifies_through_the_ca_issuers_
     )
     aia = signer.extensions.get_extension_for_class(x509.AuthorityInformationAccess).value
     assert [str(a.access_location.value) for a in aia] == [imds.url + ISSUER_PATH]
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 255, 256, 1000, 65535, 65536, 70000])
+def test_the_signed_data_is_asn1cryptos_encoding_of_it_for_every_length_form(size: int) -> None:
+    """The signer sets the content and the signature in a frame encoded once: the bytes must be what asn1crypto
+    encodes for the whole (short, one-byte, two-byte and three-byte lengths at every level)."""
+    from asn1crypto import x509 as asn1_x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import padding
+
+    from emulators.imds.attested import _AZURE_DIGEST_OID, default_authority
+
+    signer = default_authority().signer(issuer_url="http://127.0.0.1:1/issuer.cer")
+    content = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    certificate = asn1_x509.Certificate.load(signer.certificate.public_bytes(serialization.Encoding.DER))
+    algorithm = {"algorithm": _AZURE_DIGEST_OID, "parameters": None}
+    signature = signer.key.sign(content, padding.PKCS1v15(), hashes.SHA256())  # PKCS#1 v1.5: the same each time
+    expected = cms.ContentInfo(
+        {
+            "content_type": "signed_data",
+            "content": cms.SignedData(
+                {
+                    "version": "v1",
+                    "digest_algorithms": [algorithm],
+                    "encap_content_info": {"content_type": "data", "content": content},
+                    "certificates": [certificate],
+                    "signer_infos": [
+                        {
+                            "version": "v1",
+                            "sid": cms.SignerIdentifier(
+                                name="issuer_and_serial_number",
+                                value={"issuer": certificate.issuer, "serial_number": certificate.serial_number},
+                            ),
+                            "digest_algorithm": algorithm,
+                            "signature_algorithm": {"algorithm": "rsassa_pkcs1v15", "parameters": None},
+                            "signature": signature,
+                        }
+                    ],
+                }
+            ),
+        }
+    ).dump()
+    assert signer.sign(content) == expected
+    assert cms.ContentInfo.load(expected)["content"]["encap_content_info"]["content"].native == content
