@@ -180,7 +180,7 @@ def build_census(settings: CoordinatorSettings, credential: TokenCredential, *, 
     reader = ArmCensusReader(
         credential=credential, resource_groups=settings.census_scopes, arm=ArmOptions(endpoint=settings.arm_endpoint)
     )
-    return Census(reader, refresh_every=refresh, usable_for=3 * refresh)
+    return Census(reader, refresh_every=refresh, usable_for=3 * refresh, index_at_read=needed)
 
 
 def build_monitor(policy: Policy, credential: TokenCredential, *, arm_endpoint: str) -> AzureMonitorReader | None:

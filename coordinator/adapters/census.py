@@ -293,7 +293,10 @@ class Census:
         refresh_every: timedelta = REFRESH_EVERY,
         min_interval: timedelta = MIN_INTERVAL,
         usable_for: timedelta = USABLE_FOR,
+        index_at_read: bool = False,
     ) -> None:
+        """``index_at_read``: build the domain index with every read from the first (the policy's decisions use it);
+        else from the read after the first run that asks for it."""
         if not min_interval <= refresh_every < usable_for:
             raise ValueError("the census needs min_interval <= refresh_every < usable_for")
         self._reader = reader
@@ -305,7 +308,7 @@ class Census:
         self._attempted: datetime | None = None
         self._reading: threading.Event | None = None  # set once the read in flight ends
         self._stale = False
-        self._index_wanted = False  # a run asked for the index: later reads build it with the read
+        self._index_wanted = index_at_read  # a run asked for the index: later reads build it with the read
         self.error = ""  # why the last read failed; "" after a good one
         self.reads = 0
 

@@ -198,6 +198,10 @@ def test_the_domain_index_is_built_once_a_run_asks_then_with_each_read(arm: Imds
     assert index_built(census), "built with the read once a run asked"
     assert census.at(DOC_NOW).indexed().members("scaleSet", "web") == {"web_0", "web_1", "web_2", "web_3"}
 
+    wanted = Census(reader(arm), index_at_read=True)  # what wiring makes for a policy whose decisions use it
+    assert wanted.at(DOC_NOW).usable()
+    assert index_built(wanted), "built with the first read"
+
 
 def test_a_failing_arm_keeps_the_last_good_census_until_it_is_too_old(arm: ImdsEmulator) -> None:
     census = Census(reader(arm), min_interval=timedelta(seconds=30), usable_for=timedelta(minutes=15))
