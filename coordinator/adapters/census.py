@@ -192,8 +192,7 @@ class ArmCensusReader:
 
     :keyword resource_groups: the scopes, as resource group ids.
     :keyword arm: how ARM is called (its root: the IMDS emulator's ARM face locally; retries; each call's
-        deadline, which bounds each page of a list).
-    """
+        deadline, which bounds each page of a list)."""
 
     def __init__(
         self,
@@ -276,9 +275,8 @@ class _Snapshot:
     entries: Mapping[str, CensusEntry] = field(default_factory=dict)  # by name, lower case
     read_at: datetime | None = None
     by_resource: Mapping[str, CensusEntry] = field(default_factory=dict)  # by resource id, lower case
-    # Its facts indexed by domain, never changed once built: with the read (the timer's, off the batches' path: 0.4 s
-    # a 10k fleet) once a run has asked for it; until then by the first that asks (a policy without budgets never
-    # pays it: about 1 s of CPU and tens of MB per read of a 100k fleet). Set once, under the census' lock.
+    # By domain, set once (under the lock): with the read (off the batches' path) once wanted, else by the first
+    # run that asks (a policy without budgets never pays ~1 s of CPU and tens of MB a read of a 100k fleet).
     indexed: IndexedCensus | None = None
 
 
@@ -295,8 +293,7 @@ class Census:
         usable_for: timedelta = USABLE_FOR,
         index_at_read: bool = False,
     ) -> None:
-        """``index_at_read``: build the domain index with every read from the first (the policy's decisions use it);
-        else from the read after the first run that asks for it."""
+        """``index_at_read``: the domain index built with every read (else from the first run that asks for it)."""
         if not min_interval <= refresh_every < usable_for:
             raise ValueError("the census needs min_interval <= refresh_every < usable_for")
         self._reader = reader
@@ -369,7 +366,7 @@ class Census:
         for entry in entries:
             by_name.setdefault(entry.name.lower(), entry)
             by_resource.setdefault(entry.resourceId.lower(), entry)
-        indexed = _index(by_name) if self._index_wanted else None
+        indexed = IndexedCensus((e.name, e.facts) for e in by_name.values()) if self._index_wanted else None
         with self._lock:
             self._snapshot = _Snapshot(entries=by_name, read_at=now, by_resource=by_resource, indexed=indexed)
             self.error = ""
@@ -387,16 +384,13 @@ class Census:
     def snapshot_indexed(self) -> IndexedCensus:
         snapshot = self._snapshot
         if snapshot.indexed is None:
-            built = _index(snapshot.entries)  # outside the lock: two runs asking at once build it twice, once kept
+            # Outside the lock: two runs asking at once build it twice, one kept.
+            built = IndexedCensus((e.name, e.facts) for e in snapshot.entries.values())
             with self._lock:
                 self._index_wanted = True
                 if snapshot.indexed is None:
                     snapshot.indexed = built
         return snapshot.indexed
-
-
-def _index(entries: Mapping[str, CensusEntry]) -> IndexedCensus:
-    return IndexedCensus((entry.name, entry.facts) for entry in entries.values())
 
 
 class CensusView:

@@ -3,9 +3,8 @@ concurrency: the entities are those of ``entities.py``, the semantics those of `
 
 The history outbox's writes, reads and deletes are ``table_outbox.TableOutbox``'s, and the log of sent cards, the
 shared keys, the claims and the dead letters ``table_logs.TableLogs``'s, both mixed in (store.py says what each
-does). Reads may come from a bounded in-process cache of (record, ETag). That is safe because every write is
-conditional on the ETag: a decision taken on a stale record never commits; the conflict evicts the entry and the
-caller re-reads. It saves most reads when several batches touch the same event (a maintenance wave).
+does). Reads may come from a bounded in-process cache of (record, ETag): safe, as every write is conditional on
+the ETag (a decision on a stale record never commits; the conflict evicts the entry and the caller re-reads).
 """
 
 from __future__ import annotations
@@ -155,17 +154,25 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
                     if hit is not None:
                         found[key] = hit
                 wanted = [k for k in wanted if k not in found]
-            for chunk in chunks(wanted, ROWKEYS_PER_QUERY):
-                parameters: dict[str, Any] = {"pk": partition}
-                clauses = []
-                for i, key in enumerate(chunk):
-                    parameters[f"r{i}"] = key
-                    clauses.append(f"RowKey eq @r{i}")
-                # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
-                query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
-                for key, stored in self._decoded(self._table.query_entities(query, parameters=parameters), parse):
-                    found[key] = stored
-                    self._remember(partition, key, stored)
+            found.update(self._read_keys(partition, wanted, parse))
+        return found
+
+    def _read_keys(
+        self, partition: str, keys: Sequence[str], parse: Callable[[Any, str | None], Stored[R]]
+    ) -> dict[str, Stored[R]]:
+        """The entities of one partition under these RowKeys, parsed and cached, a query per chunk of keys."""
+        found: dict[str, Stored[R]] = {}
+        for chunk in chunks(list(keys), ROWKEYS_PER_QUERY):
+            parameters: dict[str, Any] = {"pk": partition}
+            clauses = []
+            for i, key in enumerate(chunk):
+                parameters[f"r{i}"] = key
+                clauses.append(f"RowKey eq @r{i}")
+            # The SDK substitutes @names by splitting on spaces: keep a space around every parameter.
+            query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
+            for key, stored in self._decoded(self._table.query_entities(query, parameters=parameters), parse):
+                found[key] = stored
+                self._remember(partition, key, stored)
         return found
 
     def _query(
@@ -203,12 +210,16 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
     def _changed(self, kind: str, since: datetime, parse: Callable[[Any, str | None], Stored[R]]) -> Changed[R]:
         """What changed in a partition since a time of the service's clock. Asked first for keys, ETags and times
         alone: what this instance wrote or read at that ETag comes from its cache (most of a wave's changes are its
-        own writes, whose bodies the Table client parsed to throw away: 0.15 s a refresh). What it lacks is read
-        whole from the first such time on, parsed and cached. One that cannot be read is set aside, left out."""
+        own writes, whose bodies the Table client parsed to throw away: 0.15 s a refresh). What it lacks is read by
+        key (as it is now: the next refresh lists it again), not every change from the first one lacked on (a write
+        of this instance between the listing and the check read a wave's events again). One that cannot be read is
+        set aside, left out."""
         found: dict[tuple[str, str], Stored[R]] = {}
         latest: datetime | None = None
-        unknown_since: datetime | None = None
-        for entity in self._query(kind, "Timestamp ge @since", since=since, select=["PartitionKey", "RowKey"]):
+        unknown: dict[str, list[str]] = {}
+        for entity in self._query(
+            kind, "Timestamp ge @since", since=since, select=["PartitionKey", "RowKey", "Timestamp"]
+        ):
             stamp: datetime = entity.metadata.get("timestamp") or since
             latest = stamp if latest is None else max(latest, stamp)
             partition, key = str(entity["PartitionKey"]), str(entity["RowKey"])
@@ -216,21 +227,10 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
             if hit is not None and hit.etag == _etag(entity):
                 found[(partition, key)] = hit
             else:
-                unknown_since = stamp if unknown_since is None else min(unknown_since, stamp)
-        if unknown_since is not None:
-            for entity in self._query(kind, "Timestamp ge @since", since=unknown_since):
-                partition, key, etag = str(entity["PartitionKey"]), str(entity["RowKey"]), _etag(entity)
-                stamp = entity.metadata.get("timestamp") or since
-                latest = stamp if latest is None else max(latest, stamp)
-                hit = self._cached(partition, key)
-                if hit is None or hit.etag != etag:
-                    decoded = decode(entity, etag, parse)
-                    if isinstance(decoded, str):
-                        self._set_aside_entity(entity, decoded)
-                        continue
-                    hit = decoded
-                    self._remember(partition, key, hit)
-                found[(partition, key)] = hit
+                unknown.setdefault(partition, []).append(key)
+        for partition, keys in unknown.items():
+            for key, stored in self._read_keys(partition, keys, parse).items():
+                found[(partition, key)] = stored
         return Changed(list(found.values()), latest)
 
     def _query_events(self, condition: str, **parameters: Any) -> list[Stored[EventRecord]]:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -649,6 +650,43 @@ def test_what_changed_is_the_latest_of_each_whether_this_store_or_another_wrote_
         ("EV-PEER", "Scheduled", new),
         ("EV-THEIRS", "Approved", later),  # written here, then by the peer: the peer's
     ]
+
+
+def test_the_table_store_reads_whole_only_what_it_lacks_of_the_changes(azurite: Any) -> None:
+    """Another instance's write before thirty of this one's: only that entity is read whole (its body), not every
+    change from it on (a write of this instance landing between the listing and the check used to make ~500 events
+    of a wave read again)."""
+    table = "changed" + uuid.uuid4().hex[:12]
+    store, peer = (TableStateStore.from_connection_string(azurite.connection_string, table_name=table) for _ in "ab")
+    start = store.events_changed_since(None).watermark or DOC_NOW
+    time.sleep(0.005)
+    theirs = peer.save_event(event_record("EV-PEER"), None)
+    time.sleep(0.005)
+    mine = store.save_events([(event_record(f"EV-{i:02}"), None) for i in range(30)])
+    whole: list[str] = []
+    query = store._table.query_entities
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        for entity in query(*args, **kwargs):
+            if kwargs.get("select") is None:
+                whole.append(str(entity["RowKey"]))
+            yield entity
+
+    store._table.query_entities = counted  # type: ignore[method-assign]
+    changed = store.events_changed_since(start)
+
+    assert whole == ["EV-PEER"]
+    assert sorted((s.record.eventId, s.etag) for s in changed.records) == sorted(
+        [("EV-PEER", theirs), *((f"EV-{i:02}", etag) for i, etag in enumerate(mine))]
+    )
+
+    # All known now: nothing read whole, and the watermark is the changes' latest time, not the one asked from (a
+    # listing without Timestamps kept it where it was: each refresh listed every change since the last unknown one).
+    whole.clear()
+    again = store.events_changed_since(start)
+    assert whole == []
+    assert again.watermark is not None
+    assert store.events_changed_since(again.watermark + timedelta(milliseconds=1)).records == []
 
 
 # housekeeping ----------------------------------------------------------------------------------------------------
