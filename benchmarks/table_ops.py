@@ -51,12 +51,16 @@ class Ops:
         return {"busiest_partition": partition, "busiest_partition_ops_per_s": ops}
 
     def summary(self) -> dict[str, Any]:
+        by_kind: Counter[str] = Counter()
+        for (partition, _), ops in self.per_second.items():
+            by_kind[partition.split("-")[0]] += ops  # event-2, vmgroup-0, budget, claim-…: where a wave's cost goes
         return {
             **self.busiest(),
             "table_partitions": len({p for p, _ in self.per_second}),
             "table_entity_reads": self.reads,
             "table_entity_writes": self.writes,
             "table_requests": self.requests,
+            "table_entity_ops_by_partition_kind": dict(sorted(by_kind.items())),
         }
 
 

@@ -96,6 +96,8 @@ def test_a_budget_wave_approves_within_its_budget_and_holds_the_rest(capsys: pyt
     # Zone 1 holds groups 0, 3, 6, 9 (80 VMs, 10 %: 8), zones 2 and 3 three groups (60: 6); each event reaches 5 VMs.
     assert result["event_states"] == {"Approved": 3, "Scheduled": 7}
     assert result["accepted"] == 200
+    # Three approvals, one in each zone: each writes its zone's budget entity, once.
+    assert result["table_entity_ops_by_partition_kind"]["budget"] == 3
 
 
 def test_a_profile_of_the_batches_cpu_names_the_coordinators_run(
