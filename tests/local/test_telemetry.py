@@ -196,11 +196,18 @@ def test_an_approval_is_one_trace_from_detection_to_the_listener_and_the_metrics
         approved = db.execute(
             "SELECT count(*) FROM ScheduledEventsHistory_CL WHERE RecordType = 'Transition' AND State = 'Approved'"
         ).fetchone()
+        answered = db.execute(
+            "SELECT count(*) FROM ScheduledEventsHistory_CL WHERE RecordType = 'Approval' AND Outcome = 'approved'"
+        ).fetchone()
     assert report.metrics["scheduled_events.decisions"] == decisions[0] > 0
     approvals = report.metrics_by_attributes["scheduled_events.events.transitions"]
     assert sum(n for key, n in approvals.items() if key.endswith("scheduled_events.state=Approved")) == approved[0]
     assert report.metrics["scheduled_events.approval.latency"]["count"] == approved[0]
-    assert outcome.summary.approvals_made == approved[0] == 2
+    # Each listener's answer is an Approval row; its Approved transition only when the answer is recorded before the
+    # VM's next document shows the event Started. IMDS starts a Freeze at once: under load that document can come
+    # first, and the event goes Scheduled -> Started ("seen Started while approval ... awaited its answer").
+    assert outcome.summary.approvals_made == answered[0] == 2
+    assert 1 <= approved[0] <= answered[0]
     written = json.loads((outcome.stack.workdir / REPORT_FILE).read_text(encoding="utf-8"))
     assert len(written["traces"]) >= outcome.summary.approvals_made
     complete = []
