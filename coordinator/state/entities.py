@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from azure.core.exceptions import HttpResponseError
 from pydantic import BaseModel
 
 from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord, VmRecord
@@ -424,3 +425,12 @@ def packed(
 def chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+# What the service answers for what this module should have refused (an entity over 1 MiB, whose other VMs a MERGE
+# does not send, is known only to the table): RecordTooLarge, which the stages contain to its record.
+_TOO_LARGE_CODES = ("PropertyValueTooLarge", "EntityTooLarge", "RequestBodyTooLarge")
+
+
+def too_large(error: HttpResponseError) -> bool:
+    return error.status_code in (400, 413) and any(code in str(error) for code in _TOO_LARGE_CODES)

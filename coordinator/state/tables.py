@@ -48,6 +48,7 @@ from coordinator.state.entities import (
     partitions_of,
     safe_key,
     set_aside_copy,
+    too_large,
     transactions,
 )
 from coordinator.state.store import (
@@ -69,19 +70,11 @@ log = logging.getLogger("coordinator")
 CACHE_ENTRIES = 50_000
 # Azure Tables allows at most 15 discrete comparisons per filter: PartitionKey + 14 RowKeys.
 ROWKEYS_PER_QUERY = 14
+KEYED_READS = 4  # what a refresh lacks is read by key in at most this many queries, else by one range read
 
 
 def _etag(entity: TableEntity) -> str:
     return str(entity.metadata["etag"])
-
-
-# What the service answers for what entities.py should have refused (an entity over 1 MiB, whose other VMs a MERGE
-# does not send, is known only to the table): RecordTooLarge, which the stages contain to its record.
-_TOO_LARGE_CODES = ("PropertyValueTooLarge", "EntityTooLarge", "RequestBodyTooLarge")
-
-
-def _too_large(error: HttpResponseError) -> bool:
-    return error.status_code in (400, 413) and any(code in str(error) for code in _TOO_LARGE_CODES)
 
 
 class TableStateStore(TableOutbox, TableLogs, StateStore):
@@ -114,8 +107,7 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
     def _from_service(
         cls, service: TableServiceClient, client: Callable[[str], TableClient], table_name: str
     ) -> TableStateStore:
-        """The store on its table and its dead letters' (each created if missing); their transactions are
-        table_batch.py's."""
+        """The store on its table and its dead letters' (each created if missing; transactions: table_batch.py)."""
         store = cls(table=client(table_name), dead_letters=client(f"{table_name}deadletters"))
         for table in (store._table, store._dead_letters):
             with contextlib.suppress(ResourceExistsError):
@@ -208,18 +200,15 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
         return Changed(found, latest)
 
     def _changed(self, kind: str, since: datetime, parse: Callable[[Any, str | None], Stored[R]]) -> Changed[R]:
-        """What changed in a partition since a time of the service's clock. Asked first for keys, ETags and times
-        alone: what this instance wrote or read at that ETag comes from its cache (most of a wave's changes are its
-        own writes, whose bodies the Table client parsed to throw away: 0.15 s a refresh). What it lacks is read by
-        key (as it is now: the next refresh lists it again), not every change from the first one lacked on (a write
-        of this instance between the listing and the check read a wave's events again). One that cannot be read is
-        set aside, left out."""
+        """What changed in a partition since a time of the service's clock, listed first by keys, ETags and times:
+        what this instance holds at that ETag comes from its cache (most of a wave's changes are its own writes).
+        What it lacks is read by key (as it is now: the next refresh lists it again), or, past ``KEYED_READS``
+        queries (other instances' writes), by one range read from the first it lacks. Unreadable: set aside."""
         found: dict[tuple[str, str], Stored[R]] = {}
-        latest: datetime | None = None
+        latest = first_lacked = None
         unknown: dict[str, list[str]] = {}
-        for entity in self._query(
-            kind, "Timestamp ge @since", since=since, select=["PartitionKey", "RowKey", "Timestamp"]
-        ):
+        listed = ["PartitionKey", "RowKey", "Timestamp"]
+        for entity in self._query(kind, "Timestamp ge @since", since=since, select=listed):
             stamp: datetime = entity.metadata.get("timestamp") or since
             latest = stamp if latest is None else max(latest, stamp)
             partition, key = str(entity["PartitionKey"]), str(entity["RowKey"])
@@ -228,6 +217,12 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
                 found[(partition, key)] = hit
             else:
                 unknown.setdefault(partition, []).append(key)
+                first_lacked = stamp if first_lacked is None else min(first_lacked, stamp)
+        if first_lacked is not None and sum(map(len, unknown.values())) > KEYED_READS * ROWKEYS_PER_QUERY:
+            lacked = {(partition, key) for partition, keys in unknown.items() for key in keys}
+            ranged = self._query(kind, "Timestamp ge @since", since=first_lacked)
+            read = self._loaded((e for e in ranged if (str(e["PartitionKey"]), str(e["RowKey"])) in lacked), parse)
+            return Changed([*found.values(), *read.records], latest)
         for partition, keys in unknown.items():
             for key, stored in self._read_keys(partition, keys, parse).items():
                 found[(partition, key)] = stored
@@ -371,7 +366,7 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
             self._forget(partition, key)
             raise ConcurrencyConflict(f"{partition}/{key} changed") from error
         except HttpResponseError as error:
-            if _too_large(error):
+            if too_large(error):
                 raise RecordTooLarge(f"{partition}/{key}: the table refused it as too large") from error
             raise
         new_etag = str(metadata["etag"])
@@ -401,7 +396,7 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
             except (TableTransactionError, ResourceExistsError, ResourceModifiedError, HttpResponseError) as error:
                 for entity, _, _ in part:
                     self._forget(str(entity["PartitionKey"]), str(entity["RowKey"]))
-                if _too_large(error):
+                if too_large(error):
                     raise RecordTooLarge(f"transaction of {len(part)} entities refused as too large") from error
                 status = getattr(error, "status_code", None)
                 if (

@@ -689,6 +689,31 @@ def test_the_table_store_reads_whole_only_what_it_lacks_of_the_changes(azurite: 
     assert store.events_changed_since(again.watermark + timedelta(milliseconds=1)).records == []
 
 
+def test_the_table_store_reads_another_instances_many_changes_in_one_range_not_by_key(azurite: Any) -> None:
+    """Past KEYED_READS queries of keys (another instance wrote most of a wave), what is lacked is read by one range
+    query from the first lacked, not 5 queries of 14 keys a refresh."""
+    table = "ranged" + uuid.uuid4().hex[:12]
+    store, peer = (TableStateStore.from_connection_string(azurite.connection_string, table_name=table) for _ in "ab")
+    start = store.events_changed_since(None).watermark or DOC_NOW
+    time.sleep(0.005)
+    theirs = peer.save_events([(event_record(f"EV-{i:02}"), None) for i in range(70)])
+    mine = store.save_event(event_record("EV-MINE"), None)
+    queries: list[str] = []
+    query = store._table.query_entities
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        queries.append("listing" if kwargs.get("select") else "whole")
+        return query(*args, **kwargs)
+
+    store._table.query_entities = counted  # type: ignore[method-assign]
+    changed = store.events_changed_since(start)
+
+    assert queries == ["listing", "whole"]
+    assert sorted((s.record.eventId, s.etag) for s in changed.records) == sorted(
+        [("EV-MINE", mine), *((f"EV-{i:02}", etag) for i, etag in enumerate(theirs))]
+    )
+
+
 # housekeeping ----------------------------------------------------------------------------------------------------
 def test_a_pruned_group_keeps_only_the_vms_given_and_goes_when_none_is_left(store, peer):
     a, b = vm_position("a_0", index=1), vm_position("b_0", index=2)
