@@ -46,6 +46,10 @@ class ApprovalFacts(BaseModel):
     # The VMs whose prepare hooks the rule waited for (empty when the decision did not rest on hooks): the listener
     # of each of them checks its own hook ledger.
     hooksRequired: list[str] = Field(default_factory=list, max_length=1000)
+    # Set when the decision rested on NotBefore being this near (an escalation ladder's approve step): the listener
+    # executes it only when its own document's NotBefore is within this many seconds of its own clock (with the
+    # clock skew it tolerates), so an approval made for the last minutes is not executed an hour early.
+    nearNotBeforeSeconds: int | None = Field(default=None, ge=0, le=7 * 86400)
 
     @classmethod
     def of(cls, event: ScheduledEvent, *, hooks_required: Iterable[str] = ()) -> ApprovalFacts:

@@ -158,6 +158,7 @@ class ApprovalFacts(wire_rules.ApprovalFactsRules, SchemaRecord):
     notBefore: datetime | None = wire_field("notBefore", "maybe:moment")
     resources: list[str] = wire_field("resources", "list:str")
     hooksRequired: list[str] = wire_field("hooksRequired", "list:str", factory=list)
+    nearNotBeforeSeconds: int | None = wire_field("nearNotBeforeSeconds", "maybe:int", None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1121,6 +1121,20 @@ def validate____defs_approvalfacts(data, custom_formats={}, name_prefix=None):
                 for data__hooksRequired_x, data__hooksRequired_item in enumerate(data__hooksRequired):
                     if not isinstance(data__hooksRequired_item, (str)):
                         raise JsonSchemaValueException("" + (name_prefix or "data") + ".hooksRequired[{data__hooksRequired_x}]".format(**locals()) + " must be string", value=data__hooksRequired_item, name="" + (name_prefix or "data") + ".hooksRequired[{data__hooksRequired_x}]".format(**locals()) + "", definition={'type': 'string'}, rule='type')
+        if "nearNotBeforeSeconds" in data_keys:
+            data_keys.remove("nearNotBeforeSeconds")
+            data__nearNotBeforeSeconds = data["nearNotBeforeSeconds"]
+            try:
+                if not isinstance(data__nearNotBeforeSeconds, (NoneType)):
+                    raise JsonSchemaValueException("" + (name_prefix or "data") + ".nearNotBeforeSeconds must be null", value=data__nearNotBeforeSeconds, name="" + (name_prefix or "data") + ".nearNotBeforeSeconds", definition={'type': 'null'}, rule='type')
+            except (JsonSchemaValueException, JsonSchemaValuesException):
+                if not isinstance(data__nearNotBeforeSeconds, (int)) and not (isinstance(data__nearNotBeforeSeconds, float) and data__nearNotBeforeSeconds.is_integer()) or isinstance(data__nearNotBeforeSeconds, bool):
+                    raise JsonSchemaValueException("" + (name_prefix or "data") + ".nearNotBeforeSeconds must be integer", value=data__nearNotBeforeSeconds, name="" + (name_prefix or "data") + ".nearNotBeforeSeconds", definition={'type': 'integer'}, rule='type')
+                if isinstance(data__nearNotBeforeSeconds, (int, float)):
+                    if data__nearNotBeforeSeconds < 0:
+                        raise JsonSchemaValueException("" + (name_prefix or "data") + ".nearNotBeforeSeconds must be bigger than or equal to 0", value=data__nearNotBeforeSeconds, name="" + (name_prefix or "data") + ".nearNotBeforeSeconds", definition={'minimum': 0}, rule='minimum')
+                    if data__nearNotBeforeSeconds > 604800:
+                        raise JsonSchemaValueException("" + (name_prefix or "data") + ".nearNotBeforeSeconds must be smaller than or equal to 604800", value=data__nearNotBeforeSeconds, name="" + (name_prefix or "data") + ".nearNotBeforeSeconds", definition={'maximum': 604800}, rule='maximum')
     return data
 
 VALIDATORS = {

@@ -83,16 +83,35 @@ PrepareLedger = Callable[[str], str | None]
 
 
 def refuse_facts(
-    approval: ApprovalRequest, event: ScheduledEvent, *, vm_name: str, prepare_outcome: PrepareLedger | None
+    approval: ApprovalRequest,
+    event: ScheduledEvent,
+    *,
+    vm_name: str,
+    prepare_outcome: PrepareLedger | None,
+    now: datetime | None = None,
+    skew: timedelta = Freshness.clock_skew,
 ) -> str | None:
-    """Why the decision's facts do not hold on this VM (its IMDS document, its own hook ledger); None when they
-    do. One VM's word to the coordinator never reaches IMDS unchecked: this is the last line of defence."""
+    """Why the decision's facts do not hold on this VM (its IMDS document, its own hook ledger, its clock ``now``);
+    None when they do. One VM's word to the coordinator never reaches IMDS unchecked: this is the last line of
+    defence."""
     facts = approval.facts
     if facts is None:
         return "the request names no facts to check against this VM's IMDS document (upgrade the coordinator)"
     differences = facts.differences(event)
     if differences:
         return "facts differ from this VM's IMDS document: " + "; ".join(differences)
+    near = facts.nearNotBeforeSeconds
+    if near is not None:
+        # The NotBefore compared above is this VM's own; an approval made for NotBefore's last minutes waits for them.
+        if facts.notBefore is None or now is None:
+            missing = "this VM's document names no NotBefore" if now is not None else "no clock was given to check it"
+            return f"the decision rested on NotBefore being within {near} s, and {missing}"
+        left = (facts.notBefore - now).total_seconds()
+        if left > near + skew.total_seconds():
+            return (
+                f"the decision rested on NotBefore being within {near} s, and it is {left:.0f} s away on this VM's "
+                "clock"
+            )
     if vm_name in facts.hooksRequired:
         outcome = prepare_outcome(event.EventId) if prepare_outcome is not None else None
         if outcome != "succeeded":
@@ -109,9 +128,12 @@ def judge(
     *,
     vm_name: str,
     prepare_outcome: PrepareLedger | None = None,
+    now: datetime | None = None,
+    freshness: Freshness = Freshness(),
 ) -> tuple[ApprovalOutcome, str]:
-    """Whether the event may be approved on this VM (`vm_name`: its IMDS compute name), on a fresh document.
-    `prepare_outcome(event_id)` reads this VM's own hook ledger: the prepare phase's outcome, None if not finished."""
+    """Whether the event may be approved on this VM (`vm_name`: its IMDS compute name), on a fresh document read at
+    `now` (this VM's clock). `prepare_outcome(event_id)` reads this VM's own hook ledger: the prepare phase's
+    outcome, None if not finished."""
     event = document.event(approval.eventId)
     if event is None:
         return "not-found", "the event is not in this VM's scheduled-events document"
@@ -125,7 +147,9 @@ def judge(
             f"Terminate of {deleted} can be approved only by {' or '.join(event.Resources)} itself, not by "
             f"{vm_name} (Azure: each VM approves only the EventId relevant to it)"
         )
-    refusal = refuse_facts(approval, event, vm_name=vm_name, prepare_outcome=prepare_outcome)
+    refusal = refuse_facts(
+        approval, event, vm_name=vm_name, prepare_outcome=prepare_outcome, now=now, skew=freshness.clock_skew
+    )
     if refusal is not None:
         return "rejected", refusal
     return "approved", ""

@@ -249,7 +249,14 @@ class Approver:
             if stale is not None:
                 return self._remember(approval, "refused", self._result(approval, "rejected", stale, None), now), False
             document = self._fresh_document(approval.eventId, arrived)
-            outcome, reason = judge(approval, document, vm_name=self._vm_name, prepare_outcome=self._prepare_outcome)
+            outcome, reason = judge(
+                approval,
+                document,
+                vm_name=self._vm_name,
+                prepare_outcome=self._prepare_outcome,
+                now=self._clock(),
+                freshness=self._freshness,
+            )
             lapsed = refuse_not_after(approval, now=self._clock(), freshness=self._freshness)
             if outcome == "approved" and lapsed is not None:
                 # Checked again right before the POST: the fresh read may have waited (IMDS's rate limit, a slow

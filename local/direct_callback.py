@@ -125,6 +125,8 @@ def judged(
         document,
         vm_name=vm_name,
         prepare_outcome=prepare_outcome,
+        # The stand-in has no clock of its own: the request's issue time, the coordinator's, is the VM's here.
+        now=request.issuedAt,
     )
     return ApprovalResult(
         outcome=outcome,

@@ -105,6 +105,50 @@ def waits_for_person(record: EventRecord) -> bool:
     return decision is not None and decision.action == "wait-for-person" and record.approval is None
 
 
+def _escalation(kind: AlertKind, record: EventRecord) -> tuple[str, str, str]:
+    """An escalation step's card (its kind names the step): its title, colour and what it says."""
+    number = int(kind.rsplit("-", 1)[1])
+    step = next((s for s in record.escalation if s.step == number), None)
+    if step is None:
+        return f"Escalation step {number}", "Attention", ""
+    until = record.notBefore.isoformat() if record.notBefore else "its NotBefore"
+    said = {
+        "notify": f"For {', '.join(step.owners) or 'its owner (none named: no VM carries the tag in ARM)'}: this event "
+        f"is not approved and the platform starts it at {until}. Approve it with the link below, or the next step "
+        "of its rule's ladder decides.",
+        "approve": f"Approved anyway, {step.beforeNotBeforeSeconds} s before NotBefore ({until}); the VM executes it "
+        "only that near NotBefore on its own clock.",
+        "hold": f"Not approved by the coordinator: the platform starts it at {until}.",
+    }.get(step.do, "")
+    title = f"Escalation step {step.step} of {step.of}: {step.do}"
+    return title, "Warning" if step.do == "notify" else "Attention", said
+
+
+def _decision_facts(record: EventRecord) -> list[dict[str, str]]:
+    """The decision, what held it, the escalation steps taken and the approval, as card facts."""
+    facts: list[dict[str, str]] = []
+    if record.decision is not None:
+        facts.append(_fact("Decision", f"{record.decision.verdict} by rule '{record.decision.rule}'"))
+        decision = record.decision
+        if decision.heldBy and record.approval is None:
+            facts.append(_fact("Held", decision.reason))
+        elif decision.holdKind and record.approval is None:
+            # The window, blackout, gate, budget or hooks that held it, since and until when (the expired card says
+            # why the coordinator let NotBefore come).
+            since = f" since {decision.holdSince.isoformat()}" if decision.holdSince else ""
+            until = f" until {decision.heldUntil.isoformat()}" if decision.heldUntil else ""
+            facts.append(_fact("Held", f"{decision.holdKind} '{decision.holdName}'{since}{until}: {decision.reason}"))
+    if record.escalation:
+        # The ladder's steps taken, each with its time: what was done as NotBefore neared.
+        taken = [f"{s.step}/{s.of} {s.do} at {s.takenAt.isoformat()}" for s in record.escalation]
+        facts.append(_fact("Escalation", "; ".join(taken)))
+    if record.approval is not None:
+        facts.append(_fact("Approved by", record.approval.actor))
+        if record.approval.outcome:
+            facts.append(_fact("Approval outcome", f"{record.approval.outcome} {record.approval.reason}".strip()))
+    return facts
+
+
 def build_card(
     kind: AlertKind,
     record: EventRecord,
@@ -113,7 +157,11 @@ def build_card(
     approve_url: str | None = None,
     detail: str = "",
 ) -> dict[str, Any]:
-    title, color = _TITLES[kind]
+    if kind.startswith("escalation-"):
+        title, color, said = _escalation(kind, record)
+        detail = detail or said
+    else:
+        title, color = _TITLES[kind]
     if kind == "new-event" and waits_for_person(record):
         title = NEEDS_PERSON_TITLE
     resources = record.resources
@@ -127,21 +175,7 @@ def build_card(
         _fact("Resources", shown or "—"),
         _fact("Scale sets", ", ".join(sorted(record.scale_sets)) or "—"),
     ]
-    if record.decision is not None:
-        facts.append(_fact("Decision", f"{record.decision.verdict} by rule '{record.decision.rule}'"))
-        decision = record.decision
-        if decision.heldBy and record.approval is None:
-            facts.append(_fact("Held", decision.reason))
-        elif decision.holdKind and record.approval is None:
-            # The window, blackout, gate, budget or hooks that held it, since and until when (the expired card says
-            # why the coordinator let NotBefore come).
-            since = f" since {decision.holdSince.isoformat()}" if decision.holdSince else ""
-            until = f" until {decision.heldUntil.isoformat()}" if decision.heldUntil else ""
-            facts.append(_fact("Held", f"{decision.holdKind} '{decision.holdName}'{since}{until}: {decision.reason}"))
-    if record.approval is not None:
-        facts.append(_fact("Approved by", record.approval.actor))
-        if record.approval.outcome:
-            facts.append(_fact("Approval outcome", f"{record.approval.outcome} {record.approval.reason}".strip()))
+    facts += _decision_facts(record)
     if record.platformHold is not None:
         facts.append(_fact("Held", record.platformHold.describe()))
     failed = [
@@ -180,7 +214,8 @@ def build_card(
         body.append({"type": "TextBlock", "text": detail[:1000], "wrap": True, "isSubtle": True})
     body.append({"type": "TextBlock", "text": f"Coordinator time {now.isoformat()}", "isSubtle": True, "size": "Small"})
     actions = []
-    if approve_url and record.state == "Scheduled" and kind in ("new-event", "approval-failed"):
+    asks = kind in ("new-event", "approval-failed") or (kind.startswith("escalation-") and record.approval is None)
+    if approve_url and record.state == "Scheduled" and asks:
         actions.append({"type": "Action.OpenUrl", "title": "Approve now", "url": approve_url})
     return _envelope(body, actions)
 

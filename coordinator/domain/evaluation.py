@@ -15,6 +15,7 @@ from typing import Literal
 
 from coordinator.domain.budgets import budget_domains
 from coordinator.domain.controls import GateResult
+from coordinator.domain.escalation import Rung, climb
 from coordinator.domain.expiry import SEND_MARGIN, deadline_lead
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.matching import first_match
@@ -64,9 +65,13 @@ class Decision:
     holdKind: HoldKind = ""
     holdName: str = ""
     holdSince: datetime | None = None
-    # An approval at the deadline (onNotBefore: approve): its window or gates held, and NotBefore let it go, so they
-    # do not bound it (domain/expiry.py).
+    # An approval at the deadline (onNotBefore: approve, or an escalation's approve step): its window or gates held,
+    # and NotBefore let it go, so they do not bound it (domain/expiry.py).
     atDeadline: bool = False
+    # The rule's escalation steps reached (domain/escalation.py), and for an approval made by one, how near NotBefore
+    # must be for the VM to execute it (its lead: the VM checks it against its own document and clock).
+    escalation: tuple[Rung, ...] = ()
+    nearNotBeforeSeconds: int | None = None
 
 
 def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[str]:
@@ -105,7 +110,7 @@ def evaluate(
     """The policy's decision. ``gates``: each named gate's result for this batch/tick (a gate a rule names but
     missing here counts as an error: not known to pass). An approval is then paced by the rule's rate and sequence
     as far as the view knows their state (``FleetView.paced``; the coordinator claims them afterwards)."""
-    decision = _evaluate(policy, record, fleet, now, gates or {})
+    decision = _escalated(policy, _evaluate(policy, record, fleet, now, gates or {}), record, fleet, now)
     if decision.verdict != "approve":
         return decision
     for domain in pace_domains(policy, decision.rule, record, fleet):
@@ -113,6 +118,32 @@ def evaluate(
         if hold is not None:
             return paced_hold(decision, record, hold)
     return decision
+
+
+def _escalated(policy: Policy, decision: Decision, record: EventRecord, fleet: FleetView, now: datetime) -> Decision:
+    """A waiting decision as its rule's escalation ladder leaves it (domain/escalation.py): its reason noting the
+    steps reached; an approval when the last of them approves (a blackout still approves nothing)."""
+    rule = next((r for r in policy.rules if r.name == decision.rule), None)
+    if decision.verdict != "wait" or rule is None or not rule.escalate:
+        return decision
+    # A wait-for-person rule is never held by a blackout (it approves nothing): its approve step must be.
+    blackout = next((b.name for b in policy.blackouts if b.open_until(now) is not None), None)
+    blocked = f"blackout {blackout!r}" if blackout is not None else ""
+    ladder = climb(rule, record, fleet, now, blocked=blocked)
+    if ladder is None:
+        return decision
+    reason = f"{decision.reason}; {ladder.note}"
+    if not ladder.approve:
+        return dataclasses.replace(decision, reason=reason, escalation=ladder.rungs)
+    return Decision(
+        rule.name,
+        decision.action,
+        "approve",
+        reason,
+        atDeadline=True,
+        escalation=ladder.rungs,
+        nearNotBeforeSeconds=ladder.near_seconds,
+    )
 
 
 def paced_hold(decision: Decision, record: EventRecord, hold: PaceHold) -> Decision:

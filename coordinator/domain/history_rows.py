@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, Literal, TypedDict
 
 from contracts.envelope import HookReport, VmIdentity
-from coordinator.domain.model import EventRecord, VmRecord
+from coordinator.domain.model import DecisionRecord, EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 
 __all__ = [
@@ -151,16 +151,34 @@ def decision_row(*, record: EventRecord, now: datetime) -> HistoryRow:
         HoldName=decision.holdName,
         HoldSince=decision.holdSince,
         HeldUntil=decision.heldUntil,
-        Details=(
-            {
-                "heldBy": decision.heldBy,
-                "heldByVm": decision.heldByVm,
-                "heldUntil": decision.heldUntil.isoformat() if decision.heldUntil else None,
-            }
-            if decision.heldBy
-            else None
-        ),
+        Details=_decision_details(record, decision),
     )
+
+
+def _decision_details(record: EventRecord, decision: DecisionRecord) -> dict[str, Any] | None:
+    """What a Decision row's columns do not say: the delete that holds it, and the escalation steps it took (each
+    its place, action, lead, time and owners: the oracle judges when each was taken from these)."""
+    details: dict[str, Any] = {}
+    if decision.heldBy:
+        details |= {
+            "heldBy": decision.heldBy,
+            "heldByVm": decision.heldByVm,
+            "heldUntil": decision.heldUntil.isoformat() if decision.heldUntil else None,
+        }
+    steps = [step for step in record.escalation if step.decisionId == decision.decisionId]
+    if steps:
+        details["escalation"] = [
+            {
+                "step": step.step,
+                "of": step.of,
+                "do": step.do,
+                "beforeNotBeforeSeconds": step.beforeNotBeforeSeconds,
+                "at": step.at.isoformat(),
+                "owners": step.owners,
+            }
+            for step in steps
+        ]
+    return details or None
 
 
 def approval_row(

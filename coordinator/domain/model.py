@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import zlib
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.envelope import VmIdentity
+from coordinator.domain.escalation_taken import EscalationTaken
 
 State = Literal["Scheduled", "Approved", "Started", "Completed", "Canceled", "Expired"]
 TERMINAL_STATES: frozenset[str] = frozenset({"Completed", "Canceled"})
@@ -32,7 +33,17 @@ AlertKind = Literal[
     "heartbeat-lost",
     "forwarder-conflict",
     "imds-failing",
+    # One per step of a rule's escalation ladder (policy.MAX_STEPS), so that each step's card goes once.
+    "escalation-1",
+    "escalation-2",
+    "escalation-3",
+    "escalation-4",
+    "escalation-5",
+    "escalation-6",
+    "escalation-7",
+    "escalation-8",
 ]
+ESCALATION_KINDS: tuple[AlertKind, ...] = get_args(AlertKind)[-8:]  # escalation-1 ... escalation-8
 
 
 class VmSighting(BaseModel):
@@ -153,6 +164,8 @@ class ApprovalRecord(BaseModel):
     notAfterReason: str = ""
     # The policy it was decided under (Policy.fingerprint; "" for a person's approval).
     policyVersion: str = ""
+    # Made by an escalation step (domain/escalation.py): NotBefore must be this near for the VM to execute it.
+    nearNotBeforeSeconds: int | None = None
     # Set when a request of this decision reached its executor's listener, which went away before answering (the
     # relay's 502): its outcome is unknown, IMDS may have accepted it (domain/lifecycle.py, ``lost_answer``).
     lostAnswer: LostAnswer | None = None
@@ -225,6 +238,8 @@ class EventRecord(BaseModel):
     vms: dict[str, VmSighting] = Field(default_factory=dict)
     decision: DecisionRecord | None = None
     approval: ApprovalRecord | None = None
+    # The steps of its rule's escalation ladder taken so far, each once (appended by pipeline/decide.py).
+    escalation: list[EscalationTaken] = Field(default_factory=list)
     alerts: list[str] = Field(default_factory=list)
     # The alert outbox: kinds recorded by the write that made their transition, cleared once the card is sent.
     # ``pendingSince`` (when the oldest was recorded) lets the timer take over from a sender that crashed.

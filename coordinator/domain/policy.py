@@ -24,6 +24,7 @@ __all__ = [
     "BudgetOption",
     "Callback",
     "DurationRange",
+    "EscalationStep",
     "HooksOption",
     "Match",
     "Policy",
@@ -158,6 +159,31 @@ class SequenceOption(_Strict):
     gapSeconds: int = Field(default=0, ge=0, le=MAX_PACING_SECONDS)
 
 
+# A ladder step is taken by the first run at or after its time (a tick each minute), and an approval it makes must
+# still reach the VM before NotBefore (domain/expiry.py SEND_MARGIN): a step closer to NotBefore than this could not.
+MIN_STEP_SECONDS, MAX_STEP_SECONDS, MAX_STEPS = 60, 7 * 86400, 8
+
+
+class EscalationStep(_Strict):
+    """One step of a rule's escalation ladder (coordinator/domain/escalation.py), taken once, by the first run at or
+    after ``beforeNotBeforeSeconds`` before the event's NotBefore while the rule has not approved it: ``notify`` the
+    owner (``ownerTag``: the value of that ARM tag on the affected VMs, read from the census; else ``owner``),
+    ``approve`` anyway, or ``hold`` (no approval from the coordinator: the platform starts it at NotBefore)."""
+
+    beforeNotBeforeSeconds: int = Field(ge=MIN_STEP_SECONDS, le=MAX_STEP_SECONDS)
+    do: Literal["notify", "approve", "hold"]
+    owner: str = Field(default="", max_length=256, description="who is told (a name, an address, a channel)")
+    ownerTag: str = Field(default="", max_length=128, description="the ARM tag naming the owner on each VM")
+
+    @model_validator(mode="after")
+    def _owner_named(self) -> EscalationStep:
+        if self.do == "notify" and not (self.owner or self.ownerTag):
+            raise ValueError("a 'notify' step needs 'owner' or 'ownerTag' (the ARM tag that names each VM's owner)")
+        if self.do != "notify" and (self.owner or self.ownerTag):
+            raise ValueError(f"'owner' and 'ownerTag' name whom a 'notify' step tells; a {self.do!r} step tells no one")
+        return self
+
+
 class Rule(_Strict):
     name: str = Field(min_length=1, max_length=128)
     description: str = ""
@@ -183,6 +209,26 @@ class Rule(_Strict):
     # A rule matched through a VM's tags may approve no more than the rule the event gets without tags, unless this
     # is true (tags come from the VM, which may lie: see docs/coordinator.md, "Tags").
     trustTags: bool = False
+    # Steps by time left to NotBefore while this rule has not approved (coordinator/domain/escalation.py).
+    escalate: list[EscalationStep] = Field(default_factory=list, max_length=MAX_STEPS)
+
+    @model_validator(mode="after")
+    def _ladder(self) -> Rule:
+        steps = [s.beforeNotBeforeSeconds for s in self.escalate]
+        if steps != sorted(steps, reverse=True) or len(set(steps)) != len(steps):
+            raise ValueError(f"escalate: steps must come in order of time left to NotBefore, each its own ({steps})")
+        final = [i for i, s in enumerate(self.escalate) if s.do != "notify"]
+        if final and final != [len(steps) - 1]:
+            raise ValueError("escalate: 'approve' or 'hold' ends the ladder: only its last step may be one")
+        if self.escalate and self.action == "never-approve":
+            raise ValueError("'never-approve' lets NotBefore run out; it has no ladder to climb")
+        approves = any(s.do == "approve" for s in self.escalate)
+        if approves and (self.budget is not None or self.rate is not None or self.sequence is not None):
+            raise ValueError(
+                "an 'approve' step would approve past the rule's budget, rate or sequence, which bound what is "
+                "impacted at once; end its ladder with 'hold' (or 'notify')"
+            )
+        return self
 
     @model_validator(mode="after")
     def _options_fit_action(self) -> Rule:
@@ -244,9 +290,11 @@ class Policy(_Strict):
     def needs_census(self) -> bool:
         """Whether deciding reads the VMs' facts (the VM groups, once per batch/tick): a rule matches tags, or sets
         a budget by percent or by a domain other than the scale set (a count per scale set needs only the events),
-        or paces by zone, fault or update domain (a sequence always; a rate per such a domain)."""
+        or paces by zone, fault or update domain (a sequence always; a rate per such a domain), or names an owner
+        by a tag in its escalation ladder."""
         return any(
             rule.match.tags is not None
+            or any(step.ownerTag for step in rule.escalate)
             or (rule.budget is not None and (rule.budget.maxPercent is not None or rule.budget.per != ["scaleSet"]))
             or rule.sequence is not None
             or (rule.rate is not None and rule.rate.per not in ("fleet", "scaleSet"))

@@ -28,6 +28,7 @@ from coordinator.domain.approvals import choose_executor
 from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple, pending_delete, ready_to_go
+from coordinator.domain.escalation import not_taken, take
 from coordinator.domain.evaluation import Decision, evaluate, needs_fleet, paced_hold
 from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
@@ -294,8 +295,10 @@ def _record_decision(run: Run, change: EventChange, decision: Decision, *, withd
         )
     ):
         hold_since = previous.holdSince or previous.decidedAt  # held by the same hold since then
+    new_steps = not_taken(record, decision.escalation)
     if (
         not withdrew
+        and not new_steps
         and previous is not None
         and _decision_key(previous, previous.dryRun) == _decision_key(decision, dry_run)
     ):
@@ -318,6 +321,7 @@ def _record_decision(run: Run, change: EventChange, decision: Decision, *, withd
         withdrawal=withdrew,
         viewed=record.view(),
     )
+    take(change, new_steps, now)
     change.rows.append(decision_row(record=record, now=now))
     change.changed = True
     telemetry.decided(
@@ -355,6 +359,7 @@ def _approve(run: Run, change: EventChange, decision: Decision, claimed: list[st
         notAfter=bound.at if bound else None,
         notAfterReason=bound.why if bound else "",
         policyVersion=policy.fingerprint,
+        nearNotBeforeSeconds=decision.nearNotBeforeSeconds,
     )
     run.fleet.add(record)
     change.changed = True

@@ -152,6 +152,7 @@ def _request(run: Run, record: EventRecord, approval: ApprovalRecord, not_after:
             notBefore=record.notBefore,
             resources=list(record.resources),
             hooksRequired=hooks_required(run.policy, approval.rule, record),
+            nearNotBeforeSeconds=approval.nearNotBeforeSeconds,
         ),
     )
 
