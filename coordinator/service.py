@@ -75,11 +75,13 @@ class Coordinator:
         after_batch: concurrent.futures.Executor | None = None,
         on_new_vm: Callable[[VmIdentity], None] | None = None,
         housekeeping: Callable[[dict[str, datetime], datetime], None] | None = None,
+        shadow: Policy | None = None,
     ) -> None:
         _refuse_contradictions(parts, options, after_batch)
         self._parts = parts
         self._options = options
         self.policy = policy
+        self.shadow = shadow  # a candidate policy, decided beside ``policy`` and never sent (pipeline/shadow.py)
         self.after_batch = after_batch
         self.on_new_vm = on_new_vm
         self._tails: set[concurrent.futures.Future[None]] = set()
@@ -120,6 +122,7 @@ class Coordinator:
             parts=parts,
             options=self._options,
             policy=self.policy,
+            shadow=self.shadow,
             now=now,
             fleet=Fleet(parts.store, self._fleet, census=parts.census.at(now) if parts.census is not None else None),
             pool=self._pool,

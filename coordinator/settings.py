@@ -42,6 +42,8 @@ class CoordinatorSettings(BaseSettings):
     # Rules.
     policy_path: Path = DEFAULT_POLICY_PATH
     dry_run: bool = False
+    # A candidate policy decided beside the live one, recorded as Shadow rows and never sent (pipeline/shadow.py).
+    shadow_policy_path: Path | None = None
 
     # Alerts.
     teams_webhook_url: SecretStr | None = None

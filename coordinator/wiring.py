@@ -39,6 +39,8 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
     HEAP.install()
     credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
     policy = load_policy(settings.policy_path)
+    shadow = load_policy(settings.shadow_policy_path) if settings.shadow_policy_path else None
+    both = [policy, shadow] if shadow is not None else [policy]
     path = build_approval_path(settings, credential, callback)
     parts = Parts(
         store=build_store(settings, credential),
@@ -46,10 +48,10 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         alerts=build_alerts(settings),
         callback=path.callback,
         remote_acknowledge=build_remote_acknowledge(settings, credential),
-        monitor=build_monitor(policy, credential, arm_endpoint=settings.arm_endpoint),
+        monitor=build_monitor(both, credential, arm_endpoint=settings.arm_endpoint),
         deliveries=build_deliveries(settings, credential),
         attestations=build_attestations(settings),
-        census=build_census(settings, credential, needed=policy.needs_census),
+        census=build_census(settings, credential, needed=any(p.needs_census for p in both)),
     )
     return Coordinator(
         parts,
@@ -60,6 +62,7 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         after_batch=concurrent.futures.ThreadPoolExecutor(max_workers=APPROVAL_WORKERS, thread_name_prefix="tail"),
         on_new_vm=path.on_new_vm,
         housekeeping=path.housekeeping,
+        shadow=shadow,
     )
 
 
@@ -183,9 +186,13 @@ def build_census(settings: CoordinatorSettings, credential: TokenCredential, *, 
     return Census(reader, refresh_every=refresh, usable_for=3 * refresh, index_at_read=needed)
 
 
-def build_monitor(policy: Policy, credential: TokenCredential, *, arm_endpoint: str) -> AzureMonitorReader | None:
-    """Azure Monitor, read with the app's identity, only for a policy with alert or logQuery gates."""
-    if any(gate.alert is not None or gate.logQuery is not None for gate in policy.gates.values()):
+def build_monitor(
+    policies: list[Policy], credential: TokenCredential, *, arm_endpoint: str
+) -> AzureMonitorReader | None:
+    """Azure Monitor, read with the app's identity, only for policies (the live one, a shadow) with alert or logQuery
+    gates."""
+    gates = [gate for policy in policies for gate in policy.gates.values()]
+    if any(gate.alert is not None or gate.logQuery is not None for gate in gates):
         return AzureMonitorReader(credential=credential, arm_endpoint=arm_endpoint)
     return None
 

@@ -96,13 +96,13 @@ def coordinator_settings(
     }
     # Approvals not answered within a run's few seconds continue through the delivery queue, in Azurite.
     env["COORDINATOR_DELIVERY_QUEUE_URL"], env["COORDINATOR_DELIVERY_QUEUE_SAS"] = delivery_queue
-    if relay_url is not None:
-        env["COORDINATOR_RELAY_ENDPOINT"] = relay_url
+    env |= {"COORDINATOR_RELAY_ENDPOINT": relay_url} if relay_url is not None else {}
     if any(vm.agentless for vm in scenario.vms):
         # Agentless VMs are approved through the Maintenance RP's acknowledge: the IMDS emulator's ARM face,
         # with a token from the same managed-identity endpoint.
         env["COORDINATOR_REMOTE_ACKNOWLEDGE"] = "fallback"
     env["COORDINATOR_POLICY_PATH"] = str(policy_path)
+    env |= {"COORDINATOR_SHADOW_POLICY_PATH": scenario.shadowPolicy} if scenario.shadowPolicy else {}
     # Every process here reads one clock: the tolerance for clocks that disagree (2 s in Azure) would be two
     # minutes of a run at 60x, long enough to keep a compressed Terminate notice from being approved at all.
     env["COORDINATOR_CLOCK_TOLERANCE_SECONDS"] = str(LOCAL_CLOCK_TOLERANCE)

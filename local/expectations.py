@@ -34,6 +34,9 @@ Expectation = Literal["approve", "no-approval", "either"]
 # An approval needs a poll, an Event Hubs hop, a decision and a relay round trip; below this notice (real
 # seconds) the platform may start the event first, and no expectation is set.
 MIN_NOTICE_SECONDS = 3.0
+# A ladder's approve step is made while at least the send margin (5 s) is left before NotBefore, and a step comes
+# with a timer tick (2 s locally): below this notice (real seconds) on top of MIN_NOTICE_SECONDS, no expectation.
+LADDER_MARGIN_SECONDS = 8.0
 # The local forwarders' --hook-timeout (local.stack): a hook that sleeps this long is killed, its phase timed out.
 HOOK_TIMEOUT_SECONDS = 30.0
 
@@ -101,9 +104,9 @@ def expect(
     rule_name = rule.name if rule is not None else "(no rule matched)"
     approval = _by_rule(event, record, rule, policy, prepare_hooks=prepare_hooks, vms=vms or {}, time_scale=time_scale)
     not_before = _parse_time(event.get("NotBefore"))
-    if approval == "approve" and (
-        not_before is None or (not_before - scheduled_at).total_seconds() < MIN_NOTICE_SECONDS
-    ):
+    # A ladder's approval is made only until the send margin before NotBefore (coordinator/domain/expiry.py).
+    least = MIN_NOTICE_SECONDS + (LADDER_MARGIN_SECONDS if rule is not None and rule.escalate else 0.0)
+    if approval == "approve" and (not_before is None or (not_before - scheduled_at).total_seconds() < least):
         approval = "either"
     if approval == "approve" and event.get("state") == "Canceled":
         approval = "either"
@@ -122,11 +125,13 @@ def _by_rule(
 ) -> Expectation:
     """What the rule that decides the event makes of it, before its notice and its end are considered."""
     scheduled_at = record.createdAt
-    if (
-        event.get("startedBy") == "hardware-failure"
-        or rule is None
-        or rule.action in ("wait-for-person", "never-approve")
-    ):
+    if event.get("startedBy") == "hardware-failure" or rule is None:
+        return "no-approval"
+    if rule.escalate and rule.escalate[-1].do == "approve":
+        # The ladder's last step approves whatever held it (a person, hooks, a window, a gate), in time for its VM
+        # to execute it before NotBefore, unless a blackout is open then (policy's blackouts: time-dependent).
+        return "either" if policy.blackouts else "approve"
+    if rule.action in ("wait-for-person", "never-approve"):
         return "no-approval"
     if rule.action == "approve-after-hooks" and any(prepare_fails(vms.get(name), rule) for name in record.resources):
         options = rule.hooks or HooksOption()

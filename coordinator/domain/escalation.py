@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from coordinator.domain.escalation_taken import EscalationTaken
 from coordinator.domain.expiry import SEND_MARGIN
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.lifecycle import EventChange, raise_alert
 from coordinator.domain.model import ESCALATION_KINDS, EventRecord
 from coordinator.domain.policy import EscalationStep, Rule
+from coordinator.domain.side_records import EscalationTaken
 
 __all__ = ["MAX_OWNERS", "Climb", "Rung", "climb", "not_taken", "reached", "take"]
 

@@ -26,13 +26,14 @@ __all__ = [
     "hook_row",
     "impact_row",
     "observation_row",
+    "shadow_row",
     "transition_row",
     "vm_columns",
 ]
 
 # The history's row types (history_columns.json lists them in RecordType's description).
 RecordType = Literal[
-    "Observation", "Transition", "Decision", "Approval", "Hook", "Heartbeat", "DeadLetter", "Alert", "Impact"
+    "Observation", "Transition", "Decision", "Approval", "Hook", "Heartbeat", "DeadLetter", "Alert", "Impact", "Shadow"
 ]
 
 # What a VM card's Alert row says about an event: nothing.
@@ -152,6 +153,29 @@ def decision_row(*, record: EventRecord, now: datetime) -> HistoryRow:
         HoldSince=decision.holdSince,
         HeldUntil=decision.heldUntil,
         Details=_decision_details(record, decision),
+    )
+
+
+def shadow_row(*, record: EventRecord, now: datetime) -> HistoryRow:
+    """The shadow policy's decision just recorded (``record.shadow``): a candidate's verdict, never sent (DryRun),
+    its Actor ``shadow:RULE``; Details name the candidate's version and when it first would have approved."""
+    shadow = record.shadow
+    if shadow is None:
+        raise ValueError(f"event {record.eventId} has no shadow decision to record")
+    return HistoryRow(
+        TimeGenerated=now,
+        RecordType="Shadow",
+        **_event_columns(record),
+        Rule=shadow.rule,
+        Action=shadow.action,
+        Actor=f"shadow:{shadow.rule}",
+        Outcome=shadow.verdict,
+        Reason=shadow.reason,
+        DryRun=True,
+        Details={
+            "policyVersion": shadow.policyVersion,
+            "approveAt": shadow.approveAt.isoformat() if shadow.approveAt else None,
+        },
     )
 
 

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.envelope import VmIdentity
-from coordinator.domain.escalation_taken import EscalationTaken
+from coordinator.domain.side_records import EscalationTaken, ShadowVerdict
 
 State = Literal["Scheduled", "Approved", "Started", "Completed", "Canceled", "Expired"]
 TERMINAL_STATES: frozenset[str] = frozenset({"Completed", "Canceled"})
@@ -240,6 +240,8 @@ class EventRecord(BaseModel):
     approval: ApprovalRecord | None = None
     # The steps of its rule's escalation ladder taken so far, each once (appended by pipeline/decide.py).
     escalation: list[EscalationTaken] = Field(default_factory=list)
+    # The shadow policy's verdict, when one is configured (pipeline/shadow.py): recorded, never sent.
+    shadow: ShadowVerdict | None = None
     alerts: list[str] = Field(default_factory=list)
     # The alert outbox: kinds recorded by the write that made their transition, cleared once the card is sent.
     # ``pendingSince`` (when the oldest was recorded) lets the timer take over from a sender that crashed.

@@ -42,7 +42,7 @@ from coordinator.domain.model import (
 )
 from coordinator.domain.pacing import pace_domains
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import attempt
+from coordinator.pipeline import attempt, shadow
 from coordinator.pipeline.fleet_cache import by_not_before
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -214,6 +214,7 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
     record = change.record
     if record.state != "Scheduled":
         return
+    shadow.consider(run, change)  # the candidate policy's verdict first, whatever the live one does next
     pending = record.approval
     if pending is not None and pending.decisionId in run.work.decided and not pending.delivered:
         _decided_by_this_run(run, change, pending)
@@ -285,15 +286,8 @@ def _record_decision(run: Run, change: EventChange, decision: Decision, *, withd
     record, now, dry_run = change.record, run.now, run.dry_run
     previous = record.decision
     hold_since = now if decision.holdKind else None
-    if (
-        previous is not None
-        and decision.holdKind
-        and (previous.holdKind, previous.holdName)
-        == (
-            decision.holdKind,
-            decision.holdName,
-        )
-    ):
+    hold = (decision.holdKind, decision.holdName)
+    if previous is not None and decision.holdKind and (previous.holdKind, previous.holdName) == hold:
         hold_since = previous.holdSince or previous.decidedAt  # held by the same hold since then
     new_steps = not_taken(record, decision.escalation)
     if (

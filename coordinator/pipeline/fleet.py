@@ -55,17 +55,17 @@ class Fleet:
         # Events as this run last decided them (a later version of a record wins over the cache's).
         self._noted: dict[str, EventRecord] = {}
         self._noted_by_vm: dict[str, set[str]] = {}  # VM name -> the noted events that name it
-        self._gates: GateReader | None = None
+        self._gates: dict[int, GateReader] = {}  # by the policy's id: the live one's, and a shadow policy's
         self._reported: list[VmRecord] = []
         self._leaving: tuple[datetime, dict[str, str]] | None = None  # ``leaving`` at that instant, until a note
         # The fleet-wide budget claims of this run (pipeline/budget_claims.py).
         self.budgets = BudgetClaims(store, self.cache.budgets, self._noted)
 
     def gates(self, policy: Policy, monitor: MonitorReader | None) -> GateReader:
-        """The gate reader of this batch/tick: each gate read at most once."""
-        if self._gates is None:
-            self._gates = GateReader(policy.gates, monitor=monitor)
-        return self._gates
+        """The gate reader of this batch/tick for ``policy``: each gate read at most once."""
+        if id(policy) not in self._gates:
+            self._gates[id(policy)] = GateReader(policy.gates, monitor=monitor)
+        return self._gates[id(policy)]
 
     def note_vms(self, records: Iterable[VmRecord]) -> None:
         """The VMs of this batch as their envelopes just said (see ``FleetCache.note_vms``). With ARM's census,

@@ -352,6 +352,8 @@ class Run:
     policy: Policy
     now: datetime
     fleet: Fleet
+    # A candidate policy evaluated beside ``policy``, its decisions recorded and never sent (pipeline/shadow.py).
+    shadow: Policy | None = None
     # The approval senders' threads, the instance's, kept for the process (started on first use).
     pool: Callable[[], concurrent.futures.ThreadPoolExecutor]
     work: Work = field(default_factory=Work)

@@ -299,6 +299,8 @@ class Scenario(BaseModel):
     # The approval policy the local runner runs the scenario with (a path relative to the scenario file; made
     # relative to the working folder by from_file). The emulator itself has no policy.
     policy: str | None = None
+    # A candidate policy the coordinator decides beside it, recorded as Shadow rows and never sent (same paths).
+    shadowPolicy: str | None = None
     healthPages: dict[str, HealthPage] = Field(default_factory=dict)
     scaleSets: dict[str, ScaleSetSpec] = Field(default_factory=dict)
     vms: list[VmSpec] = Field(min_length=1)
@@ -371,9 +373,9 @@ class Scenario(BaseModel):
             kind = "JSON" if path.suffix == ".json" else "YAML"
             raise ScenarioError(f"scenario {path} is not valid {kind}: {error}") from error
         scenario = cls.from_mapping(data, source=f"scenario {path}", lines=yaml_lines(text))
-        if scenario.policy is None or Path(scenario.policy).is_absolute():
-            return scenario
-        return scenario.model_copy(update={"policy": os.path.normpath(path.parent / scenario.policy)})
+        named = {"policy": scenario.policy, "shadowPolicy": scenario.shadowPolicy}
+        relative = {k: os.path.normpath(path.parent / v) for k, v in named.items() if v and not Path(v).is_absolute()}
+        return scenario.model_copy(update=relative) if relative else scenario
 
     def expectations(self) -> dict[str, tuple[Expectation, str | None]]:
         """The scenario's ref -> (expect, because) of each create step that says what becomes of its event."""

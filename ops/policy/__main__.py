@@ -1,4 +1,5 @@
-"""``python -m ops.policy``: check a policy, run its test cases, replay the history through it.
+"""``python -m ops.policy``: check a policy, run its test cases, replay the history through it, report what a shadow
+policy (or a dry run) would have done.
 
 Takes a command line; prints results (text, or JSON with --json) and exits 0 when all is well, 1 when test cases
 failed or the replay found decisions that would differ, 2 on bad input (a file missing or invalid, a bad option).
@@ -13,13 +14,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from coordinator import Policy, PolicyError, load_policy
+from coordinator import Decision, Policy, PolicyError, load_policy
 from ops import command
 from ops.history import parse_since
 from ops.policy.adapters import InputError
 from ops.policy.cases import CaseResult, cases_path, load_cases, run_case
 from ops.policy.exports import read_history
 from ops.policy.replay import LIMITS, Replay, replay
+from ops.policy.shadow import counterfactuals, summary
 
 OK, DIFFERENT, BAD_INPUT = 0, 1, 2
 EPILOG = """exit codes: 0 ok (policy valid; every case passed; no decision would differ),
@@ -31,6 +33,7 @@ examples:
   python -m ops.policy test coordinator/policies/default.yaml      (cases: default.tests.yaml beside it)
   python -m ops.policy simulate --policy my.yaml --history .local/history.sqlite --since 7d
   python -m ops.policy simulate --policy my.yaml --history export.json   (az ... query -o json, or CSV)
+  python -m ops.policy shadow-report --history .local/history.sqlite      (COORDINATOR_SHADOW_POLICY_PATH's rows)
 """
 
 
@@ -68,8 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         default="passing",
         help="the state every health gate of the policy is taken to be in (the history does not record them)",
     )
+    report = commands.add_parser(
+        "shadow-report",
+        help="what a shadow policy (or a dry run) would have approved, beside what happened",
+        description="Per event: when the candidate (COORDINATOR_SHADOW_POLICY's Shadow rows, or with --dry-run the "
+        "Decision rows made in dry-run mode) first would have approved it, when the live policy approved it or let "
+        "it expire, when the platform started it, and the impact each VM measured. History as for simulate.",
+    )
+    report.add_argument("--history", type=Path, required=True, help="SQLite file, .json or .csv export")
+    report.add_argument("--dry-run", action="store_true", help="the candidate is the live policy in dry-run mode")
+    report.add_argument("--json", action="store_true", help="one JSON object per event, then a summary")
     args = parser.parse_args(argv)
     try:
+        if args.command == "shadow-report":
+            return _shadow_report(args.history, dry_run=args.dry_run, as_json=args.json)
         policy = load_policy(args.policy)
         if args.command == "check":
             print(f"{args.policy}: valid, {len(policy.rules)} rules: {', '.join(r.name for r in policy.rules)}")
@@ -80,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     except (PolicyError, InputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return BAD_INPUT
+
+
+def _shadow_report(path: Path, *, dry_run: bool, as_json: bool) -> int:
+    history = read_history(path)
+    events = counterfactuals(history.rows, dry_run=dry_run)
+    for event in events:
+        print(json.dumps(event.to_json()) if as_json else event.line())
+    totals = {**summary(events), "setAside": len(history.set_aside)}
+    print(json.dumps({"summary": totals}) if as_json else f"summary: {json.dumps(totals)}")
+    return OK
 
 
 def _test(policy: Policy, policy_path: Path, files: list[Path], *, as_json: bool) -> int:
@@ -100,15 +125,24 @@ def _test(policy: Policy, policy_path: Path, files: list[Path], *, as_json: bool
 
 def _case_line(path: Path, result: CaseResult) -> str:
     where = f"{path}:{result.line} {result.name}"
-    expected = f"{result.expected.verdict} by {result.expected.rule}"
+    wanted = result.expected.escalation
+    expected = f"{result.expected.verdict} by {result.expected.rule}" + _ladder(wanted)
     if result.error:
         return f"ERROR {where}: {result.error}"
     assert result.got is not None
-    got = f"{result.got.verdict} by {result.got.rule}"
+    # The steps reached are shown when there are some, or when the case names them.
+    got = f"{result.got.verdict} by {result.got.rule}" + _ladder(
+        result.steps if result.steps or wanted is not None else None
+    )
     if result.passed:
         return f"PASS  {where}: {got}"
-    wanted = f" with reason containing {result.expected.reason!r}" if result.expected.reason else ""
-    return f"FAIL  {where}: expected {expected}{wanted}, got {got} ({result.got.reason})"
+    reason = f" with reason containing {result.expected.reason!r}" if result.expected.reason else ""
+    return f"FAIL  {where}: expected {expected}{reason}, got {got} ({result.got.reason})"
+
+
+def _ladder(steps: list[int] | None) -> str:
+    """The escalation steps reached as a case's expect names them (", escalation [1, 2]"); "" for None."""
+    return "" if steps is None else f", escalation {steps}"
 
 
 def _case_json(path: Path, result: CaseResult) -> dict[str, Any]:
@@ -119,9 +153,26 @@ def _case_json(path: Path, result: CaseResult) -> dict[str, Any]:
         "line": result.line,
         "case": result.name,
         "expected": result.expected.model_dump(),
-        "got": {"verdict": got.verdict, "rule": got.rule, "reason": got.reason} if got else None,
+        "got": _decision_json(got) if got else None,
         "error": result.error or None,
     }
+
+
+def _decision_json(decision: Decision) -> dict[str, Any]:
+    """A case's decision: verdict, rule, reason and the escalation steps reached, each as a Decision row's
+    Details.escalation lists a step taken (step, of, do, beforeNotBeforeSeconds, at, owners)."""
+    steps = [
+        {
+            "step": rung.step,
+            "of": rung.of,
+            "do": rung.do,
+            "beforeNotBeforeSeconds": rung.beforeNotBeforeSeconds,
+            "at": rung.at.isoformat(),
+            "owners": list(rung.owners),
+        }
+        for rung in decision.escalation
+    ]
+    return {"verdict": decision.verdict, "rule": decision.rule, "reason": decision.reason, "escalation": steps}
 
 
 def _simulate(policy: Policy, args: argparse.Namespace, *, as_json: bool) -> int:

@@ -1,4 +1,5 @@
-"""Policy test cases: an event, the fleet around it and a time -> the verdict and rule expected (YAML).
+"""Policy test cases: an event, the fleet around it and a time -> the verdict and rule expected, and optionally the
+steps of the rule's escalation ladder reached (YAML).
 
 Takes a cases file and a policy; gives one ``CaseResult`` per case. The file::
 
@@ -22,9 +23,12 @@ Takes a cases file and a policy; gives one ``CaseResult`` per case. The file::
             - {EventType: Reboot, Resources: [web_1], State: Started}       # Approved/Started: counted by budgets
             - {EventType: Terminate, Resources: [web_2], NotBefore: ...}    # Scheduled: a pending delete (coupling)
         expect: {verdict: wait, rule: everything-else-waits, reason: waits for a person}   # reason: a substring
+        # expect may also say which steps of the rule's escalation ladder are reached at ``at``, by number:
+        #   escalation: [1, 2]  ([] none; not checked when left out)
 
 Keys other than these in a VM, an event or ``fleet`` are passed to the models as they are (ops/policy/
-adapters.py), which refuse, naming the key, those they do not support. The cases of ``policies/NAME.yaml`` live
+adapters.py), which refuse, naming the key, those they do not support (``fleet: {authoritative: true}``: ``vms`` is
+ARM's census, whose tags name a ``notify`` step's owners by its ``ownerTag``). The cases of ``policies/NAME.yaml`` live
 in ``policies/NAME.tests.yaml``, found by ``cases_path``.
 """
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -50,6 +54,9 @@ class Expect(BaseModel):
     verdict: Literal["approve", "wait", "never"]
     rule: str
     reason: str = ""
+    # The steps of the rule's escalation ladder reached at ``at`` (coordinator/domain/escalation.py), by number from
+    # 1, in order; [] for none. None (left out): not checked.
+    escalation: list[Annotated[int, Field(ge=1)]] | None = None
 
 
 class Fleet(BaseModel):
@@ -91,6 +98,15 @@ class CaseResult:
     @property
     def status(self) -> str:
         return "ERROR" if self.error else "PASS" if self.passed else "FAIL"
+
+    @property
+    def steps(self) -> list[int]:
+        """The escalation steps the decision reached, by number ([] when none, or no decision)."""
+        return steps_reached(self.got) if self.got is not None else []
+
+
+def steps_reached(decision: Decision) -> list[int]:
+    return [rung.step for rung in decision.escalation]
 
 
 def cases_path(policy_path: Path) -> Path:
@@ -152,8 +168,13 @@ def run_case(policy: Policy, case: Case, *, line: int = 0) -> CaseResult:
         got = adapters.decide(policy, record, view, deletes, now, gates=gates)
     except (InputError, ValueError) as error:
         return CaseResult(case.name, line, False, case.expect, None, str(error))
-    passed = got.verdict == case.expect.verdict and got.rule == case.expect.rule and case.expect.reason in got.reason
-    return CaseResult(case.name, line, passed, case.expect, got)
+    expect = case.expect
+    passed = (
+        (got.verdict, got.rule) == (expect.verdict, expect.rule)
+        and expect.reason in got.reason
+        and (expect.escalation is None or steps_reached(got) == expect.escalation)
+    )
+    return CaseResult(case.name, line, passed, expect, got)
 
 
 def _event(spec: dict[str, Any], identities: dict[str, VmIdentity], now: datetime) -> EventRecord:

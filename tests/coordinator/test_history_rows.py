@@ -26,10 +26,12 @@ from coordinator.domain.history_rows import (
     impact_row,
     observation_row,
     position_of,
+    shadow_row,
     transition_row,
 )
 from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
+from coordinator.domain.side_records import ShadowVerdict
 from tests.coordinator.helpers import decision_record
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)
@@ -124,6 +126,24 @@ CASES: dict[Callable[..., HistoryRow], list[Callable[[], HistoryRow]]] = {
     decision_row: [
         lambda: decision_row(record=record(), now=NOW),
         lambda: decision_row(record=record(held=False), now=NOW),
+    ],
+    shadow_row: [
+        lambda: shadow_row(
+            record=record().model_copy(
+                update={
+                    "shadow": ShadowVerdict(
+                        rule="r",
+                        action="approve-now",
+                        verdict="approve",
+                        reason="now",
+                        decidedAt=NOW,
+                        policyVersion="v",
+                        approveAt=NOW,
+                    )
+                }
+            ),
+            now=NOW,
+        ),
     ],
     approval_row: [
         lambda: approval_row(record=record(), now=NOW, outcome="unknown", reason="no recorded outcome"),

@@ -28,7 +28,9 @@ def at(seconds: float) -> datetime:
 def test_every_shipped_scenario_validates_and_plays_without_step_errors(path):
     scenario = Scenario.from_file(path)
     state = EmulatorState(scenario, start=T0)
-    end = max((step.at for step in scenario.steps), default=0) + 3600
+    # Past the last step and the longest notice a step gives (a notice beyond the emulator's default hour).
+    notices = [step.create.NoticeSeconds or 0 for step in scenario.steps if step.create is not None]
+    end = max((step.at for step in scenario.steps), default=0) + max([3600.0, *notices]) + 3600
     summaries = state.event_summaries(at(end))
     assert state.step_errors == []
     assert len(summaries) == sum(1 for step in scenario.steps if step.create is not None)
