@@ -109,14 +109,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "coordinator.domain.expiry": ("approval_bound", "request_bound", "sendable"),
     "coordinator.domain.fleet_view": ("FleetView",),
     "coordinator.domain.matching": ("first_match",),
-    "coordinator.domain.model": (
-        "TERMINAL_STATES",
-        "AlertKind",
-        "BudgetRecord",
-        "DecisionRecord",
-        "EventRecord",
-        "VmSighting",
-    ),
+    "coordinator.domain.claims": ("BudgetRecord",),
+    "coordinator.domain.model": ("TERMINAL_STATES", "AlertKind", "DecisionRecord", "EventRecord", "VmSighting"),
     "coordinator.domain.policy": ("HooksOption", "Match", "Policy", "RateOption", "Rule", "SequenceOption"),
     "coordinator.domain.policy_file": ("DEFAULT_POLICY_PATH", "PolicyError", "load_policy", "parse_policy"),
     "coordinator.domain.rows": ("HistoryRow", "column_types", "history_schema"),
@@ -152,6 +146,7 @@ if TYPE_CHECKING:
     from coordinator.adapters.relay_sender import RelayApprovalSender
     from coordinator.adapters.teams import FolderCardSink
     from coordinator.adapters.telemetry import EVENT_ID, SERVICE_NAME
+    from coordinator.domain.claims import BudgetRecord
     from coordinator.domain.controls import GateResult, GateState, VmFacts
     from coordinator.domain.deletes import couple, pending_delete
     from coordinator.domain.evaluation import Decision, evaluate, hooks_required, needs_fleet
@@ -159,14 +154,7 @@ if TYPE_CHECKING:
     from coordinator.domain.expiry import approval_bound, request_bound, sendable
     from coordinator.domain.fleet_view import FleetView
     from coordinator.domain.matching import first_match
-    from coordinator.domain.model import (
-        TERMINAL_STATES,
-        AlertKind,
-        BudgetRecord,
-        DecisionRecord,
-        EventRecord,
-        VmSighting,
-    )
+    from coordinator.domain.model import TERMINAL_STATES, AlertKind, DecisionRecord, EventRecord, VmSighting
     from coordinator.domain.policy import HooksOption, Match, Policy, RateOption, Rule, SequenceOption
     from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
     from coordinator.domain.rows import HistoryRow, column_types, history_schema

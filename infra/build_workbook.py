@@ -27,6 +27,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("hooks-failing.kql", "VMs with failing hooks (7 days)"),
     ("silent-forwarders.kql", "Silent forwarders"),
     ("announced-vs-measured.kql", "Impact: announced vs measured, per event and VM (30 days)"),
+    ("shadow-report.kql", "Shadow policy: would have approved vs what happened (30 days)"),
     ("event-timeline.kql", "Timeline of one EventId (set the EventId parameter)"),
 )
 # The coordinator's metrics (coordinator/adapters/telemetry.py) from Application Insights, whose workspace holds them in

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import get_args
 
+from coordinator.domain.claims import BudgetRecord
 from coordinator.domain.controls import DomainKind, VmFacts
-from coordinator.domain.model import BudgetRecord, EventRecord
+from coordinator.domain.model import EventRecord
 
 __all__ = ["Census", "FleetView", "scale_set_of"]
 

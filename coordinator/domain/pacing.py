@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord
+from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy, RateOption, SequenceOption
 
 __all__ = [

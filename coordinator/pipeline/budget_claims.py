@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 
 from coordinator.domain.budgets import BudgetDomain
-from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
+from coordinator.domain.model import EventRecord
 from coordinator.domain.pacing import PaceDomain, PaceHold, claimed, is_rate, is_sequence, pace_hold, released, settled
 from coordinator.domain.policy import MAX_PACING_SECONDS
 from coordinator.pipeline.fleet_cache import KnownBudgets, holds_budget

@@ -22,10 +22,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Generic, TypeVar
 
 from contracts.envelope import VmIdentity
+from coordinator.domain.claims import BudgetRecord
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS
 from coordinator.domain.fleet_view import Census
-from coordinator.domain.model import BudgetRecord, EventRecord, VmGroupRecord, VmRecord
+from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord
 from coordinator.domain.pacing import is_rate, is_sequence
 from coordinator.state.store import Changed, StateStore, Stored
 

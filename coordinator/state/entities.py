@@ -44,7 +44,8 @@ from typing import Any, TypeVar
 from azure.core.exceptions import HttpResponseError
 from pydantic import BaseModel
 
-from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord, VmRecord
+from coordinator.domain.claims import BudgetRecord
+from coordinator.domain.model import EventRecord, SentAlerts, VmGroupRecord, VmRecord
 from coordinator.state.store import R, RecordTooLarge, Stored
 
 T = TypeVar("T")

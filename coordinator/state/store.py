@@ -49,7 +49,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
+from coordinator.domain.claims import BudgetRecord
+from coordinator.domain.model import EventRecord, SentAlerts, VmGroupRecord
 from coordinator.domain.rows import HistoryRow
 
 R = TypeVar("R", bound=BaseModel)

@@ -25,8 +25,9 @@ from azure.core.exceptions import (
 )
 from azure.data.tables import TableClient, TableEntity, TableServiceClient, TableTransactionError, UpdateMode
 
+from coordinator.domain.claims import BudgetRecord
 from coordinator.domain.lru import Lru
-from coordinator.domain.model import BudgetRecord, EventRecord, VmGroupRecord
+from coordinator.domain.model import EventRecord, VmGroupRecord
 from coordinator.state.dead_letters import set_aside_letter
 from coordinator.state.entities import (
     BUDGET_PARTITION,

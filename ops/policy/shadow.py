@@ -95,10 +95,12 @@ def counterfactuals(rows: Iterable[HistoryRow], *, dry_run: bool = False) -> lis
         event = events.setdefault(row.EventId, Counterfactual(row.EventId))
         _facts(event, row)
         candidate = row.RecordType == "Shadow" or (dry_run and row.RecordType == "Decision" and row.DryRun)
-        if candidate:
+        if candidate and event.wouldApproveAt is None:
+            # The rule of its first approval (as infra/queries/shadow-report.kql), else of its last verdict.
             event.candidateRule, event.candidateVerdict = row.Rule, row.Outcome
-            if row.Outcome == "approve" and event.wouldApproveAt is None:
-                event.wouldApproveAt = row.TimeGenerated
+            event.wouldApproveAt = row.TimeGenerated if row.Outcome == "approve" else None
+        elif candidate:
+            event.candidateVerdict = row.Outcome
         elif row.RecordType == "Transition":
             _transition(event, row)
         elif row.RecordType == "Impact" and row.MeasuredSeconds is not None:

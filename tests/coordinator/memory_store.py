@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from coordinator.domain.model import BudgetRecord, EventRecord, SentAlerts, VmGroupRecord
+from coordinator.domain.claims import BudgetRecord
+from coordinator.domain.model import EventRecord, SentAlerts, VmGroupRecord
 from coordinator.state.dead_letters import dead_letter_order, dead_letter_transactions, set_aside_letter
 from coordinator.state.entities import (
     BUDGET_PARTITION,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.domain.model import BudgetClaim, BudgetRecord
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.budget_claims import CLAIM_LEASE
 from coordinator.pipeline.ingest import RawMessage

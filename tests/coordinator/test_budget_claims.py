@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from coordinator.domain.budgets import BudgetDomain
-from coordinator.domain.model import BudgetClaim, BudgetRecord
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.pacing import PaceDomain
 from coordinator.domain.policy import RateOption
 from coordinator.pipeline.budget_claims import CLAIM_LEASE

@@ -8,7 +8,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from coordinator.adapters.teams import FolderCardSink
-from coordinator.domain.model import BudgetClaim, BudgetRecord, Retirement, VmGroupRecord, VmRecord
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
+from coordinator.domain.model import Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
 from coordinator.pipeline import timer
 from coordinator.service import Coordinator

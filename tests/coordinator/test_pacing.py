@@ -7,10 +7,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.evaluation import evaluate
 from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.model import BudgetClaim, BudgetRecord, EventRecord
+from coordinator.domain.model import EventRecord
 from coordinator.domain.pacing import PaceDomain, claimed, pace_domains, pace_hold, released, settled
 from coordinator.domain.policy import RateOption, SequenceOption
 from coordinator.domain.policy_file import PolicyError, parse_policy

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.evaluation import evaluate as real
 from coordinator.domain.lifecycle import EventChange, clone
-from coordinator.domain.model import ApprovalRecord, BudgetClaim, BudgetRecord, DecisionRecord, EventRecord
+from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import decide
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE

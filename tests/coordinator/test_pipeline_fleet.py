@@ -7,10 +7,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 from coordinator.domain.budgets import BudgetDomain
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.model import (
     ApprovalRecord,
-    BudgetClaim,
-    BudgetRecord,
     DecisionRecord,
     Retirement,
     VmRecord,

@@ -8,8 +8,9 @@ from typing import Any
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.history_rows import dead_letter_row
-from coordinator.domain.model import ApprovalRecord, BudgetClaim, BudgetRecord
+from coordinator.domain.model import ApprovalRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import tail
 from coordinator.pipeline.run import Run

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.domain.model import BudgetClaim, BudgetRecord
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.store import ConcurrencyConflict, RecordTooLarge, Stored
 from tests.coordinator.helpers import DOC_NOW

@@ -20,9 +20,8 @@ from typing import Any
 
 import pytest
 
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.model import (
-    BudgetClaim,
-    BudgetRecord,
     EventRecord,
     SentAlerts,
     VmGroupRecord,

@@ -13,6 +13,8 @@ or VM exercises something a query must include or leave out; the expected result
     redeploy-db0 (Redeploy, db_0)  approval rejected by the listener (its card failed twice); recover hook timed out
     reboot-old (Reboot, 10 days)   expired, but outside every 7-day window (inside the 30-day one)
     reboot-user (User, 3 days)     user-initiated, approved after 1 minute, 15 minutes of notice
+    shadow policy (Shadow rows)    a candidate beside the live policy: would have approved reboot-web2 (then waited
+                                   again) and freeze-web (as the live did), never reboot-user (two waiting rules)
     heartbeats                     web_4 lost (silent); web_5 lost then resumed (not silent); db_1 lost 2 days
                                    ago (outside the 1-day lookback)
 """
@@ -100,9 +102,25 @@ class Event:
             DryRun=False,
         )
 
-    def moved(self, at: datetime, state: str, reason: str) -> None:
+    def moved(self, at: datetime, state: str, reason: str, *, rule: str = "") -> None:
+        # An approval's transition names its rule.
         previous, self.state = self.state, state
-        self._row(at, "Transition", PreviousState=previous, Reason=reason)
+        self._row(at, "Transition", PreviousState=previous, Reason=reason, Rule=rule)
+
+    def shadow(self, at: datetime, rule: str, action: str, verdict: str, reason: str) -> None:
+        # The shadow policy's verdict, written when its rule, verdict or reason changes; never sent.
+        approve_at = at.isoformat() if verdict == "approve" else None
+        self._row(
+            at,
+            "Shadow",
+            Rule=rule,
+            Action=action,
+            Actor=f"shadow:{rule}",
+            Outcome=verdict,
+            Reason=reason,
+            DryRun=True,
+            Details={"policyVersion": "candidate-2", "approveAt": approve_at},
+        )
 
     def approval(self, at: datetime, vm: str, outcome: str, reason: str, rule: str, *, actor: str = "") -> None:
         # VmName is the executor.
@@ -164,7 +182,8 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     freeze.observed(ago(minutes=120), "web_0")
     freeze.observed(ago(minutes=119), "web_1")
     freeze.decided(ago(minutes=119), "short-freeze", "approve-now", "approve", "rule 'short-freeze' approves at once")
-    freeze.moved(ago(minutes=119), "Approved", "approved by rule short-freeze")
+    freeze.shadow(ago(minutes=119), "short-freeze", "approve-now", "approve", "rule 'short-freeze' approves at once")
+    freeze.moved(ago(minutes=119), "Approved", "approved by rule short-freeze", rule="short-freeze")
     freeze.approval(ago(minutes=119), "web_0", "approved", "StartRequests accepted", "short-freeze")
     freeze.observed(ago(minutes=110), "web_0", "Started", incarnation=2)
     freeze.moved(ago(minutes=110), "Started", "seen Started by web_0")
@@ -179,6 +198,9 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     reboot = Event("reboot-web2", "Reboot", ["web_2"], ago(minutes=165))
     reboot.observed(ago(minutes=180), "web_2")
     reboot.decided(ago(minutes=180), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
+    reboot.shadow(ago(minutes=180), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
+    reboot.shadow(ago(minutes=172), "reboot-off-peak", "approve-now", "approve", "off-peak: approves at once")
+    reboot.shadow(ago(minutes=168), "reboot-budget", "wait-for-budget", "wait", "reboot budget spent")
     reboot.moved(ago(minutes=165), "Expired", "NotBefore passed unapproved")
     reboot.alert(ago(minutes=165), "expired")
     rows += reboot.rows
@@ -204,7 +226,12 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     terminate.decided(
         ago(minutes=58), "terminate-after-prepare-hooks", "approve-after-hooks", "approve", "prepare hooks succeeded"
     )
-    terminate.moved(ago(minutes=58), "Approved", "approved by rule terminate-after-prepare-hooks")
+    terminate.moved(
+        ago(minutes=58),
+        "Approved",
+        "approved by rule terminate-after-prepare-hooks",
+        rule="terminate-after-prepare-hooks",
+    )
     terminate.approval(ago(minutes=58), "web_3", "failed", "Relay: no listener", "terminate-after-prepare-hooks")
     terminate.approval(ago(minutes=57), "web_3", "approved", "StartRequests accepted", "terminate-after-prepare-hooks")
     terminate.alert(
@@ -242,8 +269,10 @@ def known_rows(now: datetime) -> list[HistoryRow]:
 
     user = Event("reboot-user", "Reboot", ["web_1"], ago(days=3) + timedelta(minutes=15), source="User")
     user.observed(ago(days=3), "web_1")
+    user.shadow(ago(days=3), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
     user.decided(ago(days=3) + timedelta(minutes=1), "user-initiated", "approve-now", "approve", "user asked")
-    user.moved(ago(days=3) + timedelta(minutes=1), "Approved", "approved by rule user-initiated")
+    user.shadow(ago(days=3) + timedelta(minutes=1), "user-after-drain", "wait-for-drain", "wait", "web_1 not drained")
+    user.moved(ago(days=3) + timedelta(minutes=1), "Approved", "approved by rule user-initiated", rule="user-initiated")
     user.observed(ago(days=3) + timedelta(minutes=2), "web_1", "Started", incarnation=2)
     user.moved(ago(days=3) + timedelta(minutes=2), "Started", "seen Started by web_1")
     down = ago(days=3) + timedelta(minutes=2, seconds=5)

@@ -88,6 +88,19 @@ def _facts_conflict() -> list[HistoryRow]:
     return _with_card(event, "facts-conflict")
 
 
+def _escalation(step: int) -> Callable[[], list[HistoryRow]]:
+    """An escalation ladder's step: the Decision row that took it (its reason names it), then its card."""
+
+    def rows() -> list[HistoryRow]:
+        event = _event()
+        event.observed(NOW, "web_0")
+        reason = f"waits for a person; escalation step {step} of 8 (notify, 600 s before NotBefore): tell sre"
+        event.decided(NOW, "reboots-escalate", "wait-for-person", "wait", reason)
+        return _with_card(event, f"escalation-{step}")
+
+    return rows
+
+
 # A VM card's condition is its Heartbeat row (its Alert row, as every card's, says only whether it was sent).
 CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "new-event": _new_event,
@@ -103,6 +116,7 @@ CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "heartbeat-lost": lambda: [heartbeat(NOW, "web_0", "lost", NOW - timedelta(minutes=10), "no envelope for 600 s")],
     "forwarder-conflict": lambda: [heartbeat(NOW, "web_0", "conflict", NOW, "two forwarder states in turn")],
     "imds-failing": lambda: [heartbeat(NOW, "web_0", "imds-failing", NOW, "no good IMDS poll for 120 s")],
+    **{f"escalation-{step}": _escalation(step) for step in range(1, 9)},
 }
 
 

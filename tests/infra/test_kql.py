@@ -33,6 +33,7 @@ REQUIRED = {
     "event-timeline.kql",
     "silent-forwarders.kql",
     "announced-vs-measured.kql",
+    "shadow-report.kql",
 }
 
 

@@ -223,7 +223,7 @@ def test_cli_runs_a_query_file_and_a_query_text(history_db: Path) -> None:
     table = done.stdout.splitlines()
     assert table[0].split() == ["RecordType", "n"]
     assert sorted(line.split()[0] for line in table[1:]) == sorted(
-        ["Alert", "Approval", "Decision", "Heartbeat", "Hook", "Impact", "Observation", "Transition"]
+        ["Alert", "Approval", "Decision", "Heartbeat", "Hook", "Impact", "Observation", "Shadow", "Transition"]
     )
 
 
@@ -258,3 +258,25 @@ def test_announced_vs_measured(con: DuckDBPyConnection) -> None:
          "AnnouncedSeconds": -1, "MeasuredSeconds": 420.0, "OverAnnounced": False},
     ]  # fmt: skip
     assert rows[0]["ImpactStart"] == ago(minutes=108, seconds=5)
+
+
+def test_shadow_report(con: DuckDBPyConnection) -> None:
+    # Only the events with Shadow rows, latest NotBefore first. freeze-web: both approved at once. reboot-web2: the
+    # candidate's rule reboot-off-peak would have approved it (its later wait does not undo that), the live policy
+    # let it expire. reboot-user: the candidate never approved (its last rule named), the live did. Columns of no
+    # matching row are null (an unmatched string too, here; Log Analytics has no null strings and shows "").
+    rows = shipped(con, "shadow-report.kql")
+    day3 = ago(days=3)
+    assert rows == [
+        {"EventId": "freeze-web", "EventType": "Freeze", "NotBefore": ago(minutes=105), "CandidateRule": "short-freeze",
+         "WouldApproveAt": ago(minutes=119), "ApprovedAt": ago(minutes=119), "ApprovedBy": "short-freeze",
+         "ExpiredAt": None, "StartedAt": ago(minutes=110), "MeasuredSeconds": 6.3, "Differs": False},
+        {"EventId": "reboot-web2", "EventType": "Reboot", "NotBefore": ago(minutes=165),
+         "CandidateRule": "reboot-off-peak", "WouldApproveAt": ago(minutes=172), "ApprovedAt": None,
+         "ApprovedBy": None, "ExpiredAt": ago(minutes=165), "StartedAt": None, "MeasuredSeconds": None,
+         "Differs": True},
+        {"EventId": "reboot-user", "EventType": "Reboot", "NotBefore": day3 + timedelta(minutes=15),
+         "CandidateRule": "user-after-drain", "WouldApproveAt": None, "ApprovedAt": day3 + timedelta(minutes=1),
+         "ApprovedBy": "user-initiated", "ExpiredAt": None, "StartedAt": day3 + timedelta(minutes=2),
+         "MeasuredSeconds": 93.5, "Differs": True},
+    ]  # fmt: skip
