@@ -44,6 +44,10 @@ class CoordinatorSettings(BaseSettings):
     dry_run: bool = False
     # A candidate policy decided beside the live one, recorded as Shadow rows and never sent (pipeline/shadow.py).
     shadow_policy_path: Path | None = None
+    # Scale sets' automatic repairs suspended while a Reboot, Redeploy or Freeze is in flight on their VMs
+    # (pipeline/repairs.py; needs the census), resumed after it, or after the bound.
+    suspend_repairs: bool = False
+    repairs_bound_seconds: int = Field(default=7200, ge=600, le=86400)
 
     # Alerts.
     teams_webhook_url: SecretStr | None = None

@@ -23,6 +23,7 @@ from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.heap import HEAP
 from coordinator.adapters.history import DEFAULT_SQLITE_PATH, HistorySink, LogsIngestionHistory, SqliteHistory
 from coordinator.adapters.issuers import AiaIssuers
+from coordinator.adapters.repairs import ArmRepairs
 from coordinator.adapters.teams import AlertSink, FolderCardSink, TeamsWebhookSink
 from coordinator.domain.attestation import Attestations, AttestationVerifier, TrustAnchors, load_pem_certificates
 from coordinator.domain.policy import Policy
@@ -51,7 +52,10 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
         monitor=build_monitor(both, credential, arm_endpoint=settings.arm_endpoint),
         deliveries=build_deliveries(settings, credential),
         attestations=build_attestations(settings),
-        census=build_census(settings, credential, needed=any(p.needs_census for p in both)),
+        census=build_census(settings, credential, needed=any(p.needs_census for p in both) or settings.suspend_repairs),
+        repairs=ArmRepairs(credential=credential, arm=ArmOptions(endpoint=settings.arm_endpoint))
+        if settings.suspend_repairs
+        else None,
     )
     return Coordinator(
         parts,
@@ -175,8 +179,9 @@ def build_census(settings: CoordinatorSettings, credential: TokenCredential, *, 
     if not settings.census_scopes:
         if needed:
             raise SettingsError(
-                f"the policy {settings.policy_path} has tags, percent or domain budgets, which read the census from "
-                "ARM: set COORDINATOR_CENSUS_RESOURCE_GROUPS (the fleet's resource group ids)"
+                f"the policy {settings.policy_path} has tags, percent or domain budgets, or "
+                "COORDINATOR_SUSPEND_REPAIRS is on: both read the census from ARM: set "
+                "COORDINATOR_CENSUS_RESOURCE_GROUPS (the fleet's resource group ids)"
             )
         return None
     refresh = timedelta(seconds=settings.census_refresh_seconds)
@@ -201,6 +206,7 @@ def build_options(settings: CoordinatorSettings) -> Options:
     """The runs' options from the settings, one line each (the rest keep ``Options``' defaults)."""
     return Options(
         dry_run=settings.dry_run,
+        repairs_bound=timedelta(seconds=settings.repairs_bound_seconds),
         heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
         approve_url=approve_links(settings.public_base_url),
         retention=timedelta(days=settings.retention_days),

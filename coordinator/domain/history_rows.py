@@ -26,6 +26,7 @@ __all__ = [
     "hook_row",
     "impact_row",
     "observation_row",
+    "repairs_row",
     "shadow_row",
     "transition_row",
     "vm_columns",
@@ -33,7 +34,17 @@ __all__ = [
 
 # The history's row types (history_columns.json lists them in RecordType's description).
 RecordType = Literal[
-    "Observation", "Transition", "Decision", "Approval", "Hook", "Heartbeat", "DeadLetter", "Alert", "Impact", "Shadow"
+    "Observation",
+    "Transition",
+    "Decision",
+    "Approval",
+    "Hook",
+    "Heartbeat",
+    "DeadLetter",
+    "Alert",
+    "Impact",
+    "Shadow",
+    "Repairs",
 ]
 
 # What a VM card's Alert row says about an event: nothing.
@@ -153,6 +164,24 @@ def decision_row(*, record: EventRecord, now: datetime) -> HistoryRow:
         HoldSince=decision.holdSince,
         HeldUntil=decision.heldUntil,
         Details=_decision_details(record, decision),
+    )
+
+
+def repairs_row(
+    *, scale_set: str, action: str, outcome: str, reason: str, events: list[str], now: datetime
+) -> HistoryRow:
+    """A scale set's automatic repairs suspended or resumed by the coordinator (pipeline/repairs.py): the scale set
+    (its name in ScaleSetName, its ARM id and the events in flight in Details), Action Suspend or Resume, Outcome
+    suspended, resumed or failed, and why."""
+    return HistoryRow(
+        TimeGenerated=now,
+        RecordType="Repairs",
+        ScaleSetName=scale_set.rstrip("/").rsplit("/", 1)[-1],
+        Action=action,
+        Actor="coordinator",
+        Outcome=outcome,
+        Reason=reason,
+        Details={"scaleSetId": scale_set, "events": events[:100]},
     )
 
 

@@ -22,6 +22,7 @@ from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.model import EventRecord
 from coordinator.domain.pacing import PaceDomain, PaceHold, claimed, is_rate, is_sequence, pace_hold, released, settled
 from coordinator.domain.policy import MAX_PACING_SECONDS
+from coordinator.domain.repairs import is_repairs
 from coordinator.pipeline.fleet_cache import KnownBudgets, holds_budget
 from coordinator.state.commit import COMMIT_ATTEMPTS, commit
 from coordinator.state.store import ConcurrencyConflict, StateStore, Stored
@@ -257,6 +258,8 @@ class BudgetClaims:
     def spent(self, state: BudgetRecord, now: datetime) -> bool:
         """Whether housekeeping may delete a budget entity: no claim counts any more, and, for a sequence, its last
         domain concluded longer ago than any gap may last (a rate's claims count only within its period)."""
+        if is_repairs(state.scaleSet):  # pipeline/repairs.py deletes its own, once resumed and released
+            return state.suspendedAt is None and not state.claims
         if is_rate(state.scaleSet):
             period = timedelta(seconds=state.periodSeconds)
             return not any(c.claimedAt > now - period for c in self.settle(state, now).claims.values())

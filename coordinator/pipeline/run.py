@@ -22,6 +22,7 @@ from coordinator.adapters.census import Census
 from coordinator.adapters.delivery_queue import DeliveryQueue
 from coordinator.adapters.gates import MonitorReader
 from coordinator.adapters.history import HistorySink
+from coordinator.adapters.repairs import RepairsClient
 from coordinator.adapters.teams import AlertSink
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.lifecycle import EventChange
@@ -65,7 +66,9 @@ IMDS_FAILING_ERRORS = 60
 # "delivery": an approval a run handed to the delivery queue, continued (function_app.continue_approval).
 RunKind = Literal["batch", "tick", "person", "delivery"]
 # The stages in the order a run may enter them; the tail (deliver -> cards -> budgets -> history) ends every run.
-Stage = Literal["ingest", "fold", "decide", "timer", "person", "continue", "deliver", "cards", "budgets", "history"]
+Stage = Literal[
+    "ingest", "fold", "decide", "timer", "person", "continue", "deliver", "cards", "budgets", "history", "repairs"
+]
 
 
 def utcnow() -> datetime:
@@ -107,6 +110,9 @@ class Options:
     # after the batch*). Off: each batch ends with its own tail (the stages' tests read its outcomes at once). On
     # only with that executor (the Coordinator refuses the one without the other).
     tail_after_batch: bool = False
+    # A scale set's automatic repairs are resumed after this long suspended, its events over or not
+    # (pipeline/repairs.py).
+    repairs_bound: timedelta = timedelta(hours=2)
 
     def __post_init__(self) -> None:
         if self.retire_grace >= self.heartbeat_timeout:
@@ -139,6 +145,8 @@ class Parts:
     # ARM's census of the fleet (adapters/census.py), kept in memory for the instance's runs; None: the census is
     # what the VMs report (tests and tools that build the coordinator by hand).
     census: Census | None = None
+    # A scale set's automatic repairs through ARM (pipeline/repairs.py); None: not suspended around events.
+    repairs: RepairsClient | None = None
     # Each run's ``now`` is read from it as the run starts; tests move it.
     clock: Callable[[], datetime] = utcnow
 

@@ -25,7 +25,7 @@ from coordinator.domain.history_rows import heartbeat_row, impact_row, position_
 from coordinator.domain.lifecycle import EventChange, advance, approval_step, clone, raise_alert, sender_gone
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline import attempt, decide, outbox, tail
+from coordinator.pipeline import attempt, decide, outbox, repairs, tail
 from coordinator.pipeline.bindings import BACKLOG_SECONDS, StoreOutage, write_backlog
 from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
 from coordinator.pipeline.record import adopt
@@ -127,6 +127,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
         for position in group.record.vms.values():
             outbox.queue_vm_pending(position, now, work, settled_vms)
     heartbeats(run, groups)
+    repairs.reconcile(run, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
     run_housekeeping(run, known, housekeeping)
     tail.finish(run, last_seen=last_seen, settled=tail.Settled(settled, settled_vms))
     if logs:

@@ -389,7 +389,8 @@ def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
     section = text[text.index("### Policy reference") :]
     start = section.index("```yaml") + len("```yaml")
     example = parse_policy(section[start : section.index("```", start)])
-    assert [rule.name for rule in example.rules] == ["weekday-web", "freezes-paced", "terminate"]
+    assert [rule.name for rule in example.rules] == ["weekday-web", "freezes-paced", "terminate", "reboots-escalate"]
+    assert [step.do for step in example.rules[3].escalate] == ["notify", "approve"]
     paced = example.rules[1]
     assert paced.rate is not None
     assert (paced.rate.maxApprovals, paced.rate.periodSeconds) == (2, 3600)

@@ -26,6 +26,7 @@ from coordinator.domain.history_rows import (
     impact_row,
     observation_row,
     position_of,
+    repairs_row,
     shadow_row,
     transition_row,
 )
@@ -126,6 +127,16 @@ CASES: dict[Callable[..., HistoryRow], list[Callable[[], HistoryRow]]] = {
     decision_row: [
         lambda: decision_row(record=record(), now=NOW),
         lambda: decision_row(record=record(held=False), now=NOW),
+    ],
+    repairs_row: [
+        lambda: repairs_row(
+            scale_set="/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachineScaleSets/web",
+            action="Suspend",
+            outcome="suspended",
+            reason="1 event(s) in flight on its VMs",
+            events=["E1"],
+            now=NOW,
+        ),
     ],
     shadow_row: [
         lambda: shadow_row(

@@ -1,0 +1,53 @@
+"""Repair-aware maintenance, the pure part: which events keep a scale set's automatic repairs suspended, and under
+which claim entity and ARM id (pipeline/repairs.py suspends and resumes them).
+
+VMSS automatic repairs replace an instance whose health probe fails for the policy's grace period (10 to 90 min): a
+maintenance reboot looks like a failure. While an event that takes VMs down (``DISRUPTIVE``) is in flight on a scale
+set's VMs (approved or started, until it concludes), the coordinator keeps its repairs suspended. The scale set is
+ARM's: the VM's resource id as the census lists it, never what a VM reports.
+"""
+
+from __future__ import annotations
+
+import re
+
+from coordinator.domain.model import EventRecord
+
+__all__ = ["DISRUPTIVE", "REPAIRS_PREFIX", "in_flight", "is_repairs", "repairs_key", "scale_set_id"]
+
+# A Terminate or Preempt removes its VMs (nothing to repair); the others take them down for a while.
+DISRUPTIVE = frozenset({"Reboot", "Redeploy", "Freeze"})
+REPAIRS_PREFIX = "repairs:"
+_UNIFORM = re.compile(
+    r"^(/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.Compute/virtualMachineScaleSets/[^/]+)"
+    r"/virtualMachines/[^/]+$",
+    re.IGNORECASE,
+)
+_GROUP = re.compile(r"^(/subscriptions/[^/]+/resourceGroups/[^/]+)/", re.IGNORECASE)
+
+
+def repairs_key(scale_set: str) -> str:
+    """The claim entity of a scale set's repairs (coordinator/domain/claims.py), by its ARM id."""
+    return REPAIRS_PREFIX + scale_set.lower()
+
+
+def is_repairs(key: str) -> bool:
+    return key.startswith(REPAIRS_PREFIX)
+
+
+def in_flight(record: EventRecord) -> bool:
+    """The event takes its VMs down now or soon: approved (by a rule, a person or a ladder) or started, not over."""
+    return record.eventType in DISRUPTIVE and record.state in ("Approved", "Started")
+
+
+def scale_set_id(resource_id: str, scale_set: str) -> str | None:
+    """The scale set of a VM as ARM lists it: a Uniform instance's id is under its scale set's; a Flexible member
+    is a VM of its own, in its scale set's resource group (``scale_set``: the census' name for it). None: the VM is
+    in no scale set."""
+    uniform = _UNIFORM.match(resource_id)
+    if uniform is not None:
+        return uniform.group(1)
+    group = _GROUP.match(resource_id)
+    if group is None or not scale_set:
+        return None
+    return f"{group.group(1)}/providers/Microsoft.Compute/virtualMachineScaleSets/{scale_set}"
