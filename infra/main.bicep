@@ -68,6 +68,9 @@ param enableEventGridPublishing bool = false
 ])
 param remoteAcknowledge string = 'off'
 
+@description('Let the coordinator suspend a scale set\'s automatic repairs while an approved Reboot, Redeploy or Freeze is in flight on its VMs, and resume them after (else a maintenance reboot counts as a failed instance and is replaced): the custom Scheduled Events Repairs Operator role (scale set read, setOrchestrationServiceState) on this resource group. false: no such role.')
+param suspendAutomaticRepairs bool = true
+
 @description('URL of the forwarder package (tar.gz with forwarder/install.sh). Empty: forwarder.tar.gz in this deployment\'s package account ("forwarder" container), fetched with the VM identity.')
 param forwarderPackageUrl string = ''
 
@@ -265,6 +268,7 @@ module functionApp 'modules/functionapp.bicep' = {
     imdsFailingSeconds: imdsFailingSeconds
     remoteAcknowledge: remoteAcknowledge
     dryRun: dryRun
+    suspendRepairs: suspendAutomaticRepairs
     maximumInstanceCount: functionMaximumInstanceCount
     instanceMemoryMB: functionInstanceMemoryMB
   }
@@ -285,6 +289,7 @@ module vmss 'modules/vmss.bicep' = {
     enableOsImageNotification: enableOsImageNotification
     enableEventGridPublishing: enableEventGridPublishing
     enableRemoteAcknowledge: remoteAcknowledge != 'off'
+    enableRepairsSuspension: suspendAutomaticRepairs
     coordinatorPrincipalId: identities.outputs.coordinatorIdentityPrincipalId
     subnetId: network.outputs.subnetId
     vmIdentityId: identities.outputs.vmIdentityId

@@ -47,6 +47,11 @@ POLICY_COPY = "policy.yaml"
 QUEUE_SAS_LIFETIME = timedelta(days=1)
 
 
+# Scale sets' automatic repairs suspended around disruptive events (pipeline/repairs.py), through the IMDS emulator's
+# ARM face as the census is.
+REPAIRS_SETTINGS = {"COORDINATOR_SUSPEND_REPAIRS": "true"}
+
+
 def coordinator_settings(
     *,
     storage_connection_string: str,
@@ -82,6 +87,7 @@ def coordinator_settings(
         # coordinator's managed identity as in Azure: the scenario's resource groups, the same VMs IMDS serves.
         "COORDINATOR_CENSUS_RESOURCE_GROUPS": ",".join(census_scopes(scenario)),
         "COORDINATOR_ARM_ENDPOINT": arm_endpoint,
+        **REPAIRS_SETTINGS,
         # The coordinator's DefaultAzureCredential takes the managed-identity (IMDS) flow against the IMDS
         # emulator; the tokens it mints are Entra-shaped JWTs the emulators verify. Through a VM no delete
         # removes: a removed VM's token endpoint answers nothing.
@@ -97,10 +103,9 @@ def coordinator_settings(
     # Approvals not answered within a run's few seconds continue through the delivery queue, in Azurite.
     env["COORDINATOR_DELIVERY_QUEUE_URL"], env["COORDINATOR_DELIVERY_QUEUE_SAS"] = delivery_queue
     env |= {"COORDINATOR_RELAY_ENDPOINT": relay_url} if relay_url is not None else {}
-    if any(vm.agentless for vm in scenario.vms):
-        # Agentless VMs are approved through the Maintenance RP's acknowledge: the IMDS emulator's ARM face,
-        # with a token from the same managed-identity endpoint.
-        env["COORDINATOR_REMOTE_ACKNOWLEDGE"] = "fallback"
+    # Agentless VMs are approved through the Maintenance RP's acknowledge: the IMDS emulator's ARM face, with a token
+    # from the same managed-identity endpoint.
+    env |= {"COORDINATOR_REMOTE_ACKNOWLEDGE": "fallback"} if any(vm.agentless for vm in scenario.vms) else {}
     env["COORDINATOR_POLICY_PATH"] = str(policy_path)
     env |= {"COORDINATOR_SHADOW_POLICY_PATH": scenario.shadowPolicy} if scenario.shadowPolicy else {}
     # Every process here reads one clock: the tolerance for clocks that disagree (2 s in Azure) would be two

@@ -60,7 +60,8 @@ VIRTUAL_MACHINES = re.compile(_GROUP + r"/virtualmachines$", re.IGNORECASE)
 _UNIFORM_ID = re.compile(r"/virtualMachineScaleSets/(?P<scale_set>[^/]+)/virtualMachines/(?P<instance>[^/]+)$", re.I)
 # Items per page of a list (ARM pages its lists; the census must follow nextLink).
 DEFAULT_PAGE_SIZE = 100
-ArmTarget = Literal["acknowledge", "read"]
+# acknowledge: the acknowledges; read: the lists and a scale set's instance view; write: setOrchestrationServiceState.
+ArmTarget = Literal["acknowledge", "read", "write"]
 _FAULT_CODES = {
     403: "AuthorizationFailed",
     404: "NotFound",
@@ -80,8 +81,8 @@ class ScheduledEventsIdList(BaseModel):
 
 
 class ArmFault(BaseModel):
-    """Answer the next ``count`` acknowledges (``target: acknowledge``, the default) or list reads (``read``) with
-    ``status`` (and Retry-After, when given)."""
+    """Answer the next ``count`` acknowledges (``target: acknowledge``, the default), list or instance-view reads
+    (``read``) or automatic-repairs calls (``write``) with ``status`` (and Retry-After, when given)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -106,7 +107,7 @@ class ArmFaults:
     """The queue of injected ARM answers (the caller holds the emulator's lock)."""
 
     def __init__(self) -> None:
-        self._queues: dict[ArmTarget, deque[ArmFault]] = {"acknowledge": deque(), "read": deque()}
+        self._queues: dict[ArmTarget, deque[ArmFault]] = {"acknowledge": deque(), "read": deque(), "write": deque()}
         self.answered = 0
 
     def add(self, fault: ArmFault) -> None:

@@ -1,6 +1,6 @@
 """The IMDS emulator's ARM face: the Maintenance RP's acknowledge (one event, or a list), the Compute RP's lists the
-census reads, the operations a drill triggers, and the answers injected for them (emulators/imds/arm.py holds the
-pure parts)."""
+census reads, the operations a drill triggers, a scale set's automatic repairs, and the answers injected for them
+(emulators/imds/arm.py, drills.py and repairs.py hold the pure parts)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,21 @@ from emulators.imds.arm import (
     refusal,
     vms_of,
 )
-from emulators.imds.drills import INSTANCE_EVICTION, OPERATION, SCALE_SET, SCALE_SET_ACTION, VM_EVICTION
+from emulators.imds.drills import (
+    INSTANCE_EVICTION,
+    OPERATION,
+    SCALE_SET,
+    SCALE_SET_ACTION,
+    SCALE_SET_INSTANCE_VIEW,
+    SET_ORCHESTRATION_SERVICE_STATE,
+    VM_EVICTION,
+)
 from emulators.imds.emulator_core import EmulatorCore
 from emulators.imds.models import (
     StartRequestsBody,
 )
 from emulators.imds.records import EmulatorInputError
+from emulators.imds.repairs import ServiceState, parse_input
 from emulators.imds.wire import JSON, Reply, RequestHandler, json_body, parse_model
 
 
@@ -52,7 +61,15 @@ class ArmFace(EmulatorCore):
                 "acknowledged": list(self.arm_acknowledged),
                 "faultsPending": self.arm_faults.pending(),
                 "faultsAnswered": self.arm_faults.answered,
+                "automaticRepairs": self._automatic_repairs(),
+                "orchestrationServiceCalls": [dict(call) for call in self.drills.repairs.log],
             }
+
+    def _automatic_repairs(self) -> dict[str, ServiceState]:
+        """Each scale set's AutomaticRepairs service now, by name (the caller holds the lock)."""
+        specs = self.state.scenario.scaleSets
+        names = sorted({members[0].vmScaleSetName for members in self._arm_lists().scale_sets.values()})
+        return {name: self.drills.repairs.service_state(name, specs.get(name)) for name in names}
 
     def _arm_checks(
         self, method: str, query: dict[str, list[str]], handler: RequestHandler, versions: tuple[str, ...]
@@ -127,6 +144,7 @@ class ArmFace(EmulatorCore):
         listed_events = ACKNOWLEDGE_LIST.match(path)
         if listed_events is not None:
             return self._acknowledge_list(method, listed_events, query, handler)
+        _end_with(self._repairs(method, path, query, handler))
         _end_with(self._drill(method, path, query, handler))
         _end_with(refusal(method, "GET", query, handler.headers.get("Authorization"), COMPUTE_API_VERSIONS))
         with self._lock:
@@ -179,6 +197,42 @@ class ArmFace(EmulatorCore):
                 return self.drills.status(operation, self.state, now, monitor=monitor)
             assert scale_set is not None
             return self.drills.scale_set(scale_set, self.state)
+
+    def _repairs(
+        self, method: str, path: str, query: dict[str, list[str]], handler: RequestHandler
+    ) -> ArmAnswer | None:
+        """A scale set's automatic repairs (emulators/imds/repairs.py): ``setOrchestrationServiceState`` (injected
+        faults ``target: write``) and the instance view (``target: read``); None for any other route."""
+        setting = SET_ORCHESTRATION_SERVICE_STATE.match(path)
+        viewing = SCALE_SET_INSTANCE_VIEW.match(path)
+        if setting is None and viewing is None:
+            return None
+        wanted = "POST" if setting is not None else "GET"
+        refused = refusal(method, wanted, query, handler.headers.get("Authorization"), COMPUTE_API_VERSIONS)
+        if refused is not None:
+            return refused
+        if viewing is not None:
+            with self._lock:
+                self.arm_requests += 1
+                self.state.advance(self.clock.now())
+                return self.arm_faults.take("read") or self.drills.instance_view(viewing, self.state)
+        assert setting is not None
+        try:
+            body = parse_input(json_body(handler))
+        except EmulatorInputError as error:
+            body = arm_error(400, "InvalidRequestContent", str(error))
+        with self._lock:
+            self.arm_requests += 1
+            if isinstance(body, ArmAnswer):
+                return body
+            fault = self.arm_faults.take("write")
+            if fault is not None:
+                return fault
+            now = self.clock.now()
+            self.state.advance(now)
+            return self.drills.set_orchestration_service_state(
+                setting, body, self.state, now, base_url=_base_url(handler), version=query["api-version"][0]
+            )
 
     def _arm_control(self, method: str, path: str, handler: RequestHandler) -> tuple[int, dict[str, Any]]:
         if path == "/_emulator/arm" and method == "GET":

@@ -20,7 +20,9 @@ Takes, with ``Authorization: Bearer <token>`` for ARM and a Compute api-version 
 - ``GET {ARM}/subscriptions/{sub}/providers/Microsoft.Compute/locations/{location}/operations/{id}``: the operation's
   status, ``InProgress`` until the platform did what it was asked (every event ``Started``; for a delete, every VM
   gone), then ``Succeeded`` with its ``endTime`` (``Canceled`` when an event was canceled instead). With
-  ``monitor=true`` (the ``Location`` form): 202 while in progress, 200 once done.
+  ``monitor=true`` (the ``Location`` form): 202 while in progress, 200 once done;
+- a scale set's automatic repairs, ``…/setOrchestrationServiceState`` and ``…/instanceView`` (emulators/imds/
+  repairs.py), and its ``automaticRepairsPolicy`` in the ``GET`` when the scenario's entry has ``automaticRepairs``.
 
 Instance ids are a Uniform instance's number (the end of its resource id) or, in a Flexible scale set, the VM's
 name. What Azure refuses the emulator refuses (ARM's error shape): an instance not in the scale set (404), an
@@ -43,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from emulators.imds.arm import ArmAnswer, arm_error, uniform_instance
 from emulators.imds.models import EventCreate, EventTypeName
 from emulators.imds.records import EmulatorInputError
+from emulators.imds.repairs import AUTOMATIC_REPAIRS_POLICY, OrchestrationServiceStateInput, Repairs
 from emulators.imds.state import EmulatorState
 from emulators.imds.vm_models import ScaleSetSpec, VmSpec
 
@@ -52,6 +55,9 @@ _SCALE_SET = (
 )
 SCALE_SET = re.compile(_SCALE_SET + r"$", re.IGNORECASE)
 SCALE_SET_ACTION = re.compile(_SCALE_SET + r"/(?P<action>restart|redeploy|delete)$", re.IGNORECASE)
+# A scale set's automatic repairs (emulators/imds/repairs.py).
+SET_ORCHESTRATION_SERVICE_STATE = re.compile(_SCALE_SET + r"/setorchestrationservicestate$", re.IGNORECASE)
+SCALE_SET_INSTANCE_VIEW = re.compile(_SCALE_SET + r"/instanceview$", re.IGNORECASE)
 INSTANCE_EVICTION = re.compile(_SCALE_SET + r"/virtualmachines/(?P<instance>[^/]+)/simulateeviction$", re.IGNORECASE)
 VM_EVICTION = re.compile(
     r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/microsoft\.compute"
@@ -101,6 +107,8 @@ class Drills:
     operations: dict[str, Operation] = field(default_factory=dict)
     # Every drill call taken: {action, scaleSet, vms, eventIds, operation}; for tests and the control API.
     log: list[dict[str, Any]] = field(default_factory=list)
+    # Each scale set's AutomaticRepairs service and the calls that set it.
+    repairs: Repairs = field(default_factory=Repairs)
 
     def scale_set(self, match: re.Match[str], state: EmulatorState) -> ArmAnswer:
         """``VirtualMachineScaleSets_Get``: what a drill reads of the scale set."""
@@ -108,6 +116,47 @@ class Drills:
         if not members:
             return _no_scale_set(match)
         return ArmAnswer(200, scale_set_resource(members, state.scenario.scaleSets.get(members[0].vmScaleSetName)), {})
+
+    def set_orchestration_service_state(
+        self,
+        match: re.Match[str],
+        wanted: OrchestrationServiceStateInput,
+        state: EmulatorState,
+        now: datetime,
+        *,
+        base_url: str,
+        version: str,
+    ) -> ArmAnswer:
+        """Suspends or resumes the scale set's automatic repairs (repairs.py) at once: 202 and a long-running
+        operation that has already succeeded."""
+        members = _members(match, state, include_removed=False)
+        if not members:
+            return _no_scale_set(match)
+        name = members[0].vmScaleSetName
+        refused = self.repairs.apply(name, state.scenario.scaleSets.get(name), wanted, now)
+        if refused is not None:
+            return refused
+        operation = Operation(
+            id=str(uuid.uuid4()),
+            action="setOrchestrationServiceState",
+            subscription=match.group("subscription"),
+            location=members[0].location,
+            started=now,
+            event_ids=[],
+            vms=[],
+            ended=now,
+            status="Succeeded",
+        )
+        self.operations[operation.id] = operation
+        return _accepted(operation, base_url=base_url, version=version)
+
+    def instance_view(self, match: re.Match[str], state: EmulatorState) -> ArmAnswer:
+        """``VirtualMachineScaleSets_GetInstanceView``: its instances and its AutomaticRepairs service."""
+        members = _members(match, state, include_removed=False)
+        if not members:
+            return _no_scale_set(match)
+        name = members[0].vmScaleSetName
+        return ArmAnswer(200, self.repairs.instance_view(name, state.scenario.scaleSets.get(name), len(members)), {})
 
     def act(  # noqa: PLR0911 -- one return per refusal, each ARM's answer
         self, match: re.Match[str], body: Any, state: EmulatorState, now: datetime, *, base_url: str, version: str
@@ -231,6 +280,25 @@ def scale_set_resource(members: list[VmSpec], spec: ScaleSetSpec | None) -> dict
     profile = spec or ScaleSetSpec()
     minutes = round(profile.terminateNotBeforeSeconds / 60)
     uniform = uniform_instance(first) is not None
+    properties: dict[str, Any] = {
+        "orchestrationMode": "Uniform" if uniform else "Flexible",
+        "provisioningState": "Succeeded",
+        "scheduledEventsPolicy": {
+            "userInitiatedReboot": {"automaticallyApprove": profile.automaticallyApproveUserReboot},
+            "userInitiatedRedeploy": {"automaticallyApprove": profile.automaticallyApproveUserRedeploy},
+        },
+        "virtualMachineProfile": {
+            "priority": first.priority,
+            "scheduledEventsProfile": {
+                "terminateNotificationProfile": {
+                    "enable": profile.terminateNotification,
+                    "notBeforeTimeout": f"PT{minutes}M",
+                }
+            },
+        },
+    }
+    if profile.automaticRepairs:
+        properties["automaticRepairsPolicy"] = dict(AUTOMATIC_REPAIRS_POLICY)
     return {
         "name": first.vmScaleSetName,
         "id": (
@@ -240,23 +308,7 @@ def scale_set_resource(members: list[VmSpec], spec: ScaleSetSpec | None) -> dict
         "type": "Microsoft.Compute/virtualMachineScaleSets",
         "location": first.location,
         "sku": {"name": first.vmSize, "tier": "Standard", "capacity": len(members)},
-        "properties": {
-            "orchestrationMode": "Uniform" if uniform else "Flexible",
-            "provisioningState": "Succeeded",
-            "scheduledEventsPolicy": {
-                "userInitiatedReboot": {"automaticallyApprove": profile.automaticallyApproveUserReboot},
-                "userInitiatedRedeploy": {"automaticallyApprove": profile.automaticallyApproveUserRedeploy},
-            },
-            "virtualMachineProfile": {
-                "priority": first.priority,
-                "scheduledEventsProfile": {
-                    "terminateNotificationProfile": {
-                        "enable": profile.terminateNotification,
-                        "notBeforeTimeout": f"PT{minutes}M",
-                    }
-                },
-            },
-        },
+        "properties": properties,
     }
 
 

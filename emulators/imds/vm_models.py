@@ -210,5 +210,8 @@ class ScaleSetSpec(BaseModel):
     # sets both false, so that the coordinator's rules see them.
     automaticallyApproveUserReboot: bool = False
     automaticallyApproveUserRedeploy: bool = False
+    # automaticRepairsPolicy enabled (PT10M, Replace): its AutomaticRepairs service runs, and the coordinator may
+    # suspend and resume it (emulators/imds/repairs.py); else the service is NotRunning and ARM refuses both.
+    automaticRepairs: bool = False
     # A GPU scale set with one fault domain: every instance receives only its own events.
     isolated: bool = False

@@ -93,6 +93,9 @@ param remoteAcknowledge string
 @description('Decide and log but never send approvals.')
 param dryRun bool
 
+@description('Suspend a scale set\'s automatic repairs while a Reboot, Redeploy or Freeze is in flight on its VMs (vmss.bicep grants the role when on).')
+param suspendRepairs bool
+
 @description('Maximum instances the plan scales out to.')
 @minValue(40)
 @maxValue(1000)
@@ -241,6 +244,7 @@ resource appSettings 'Microsoft.Web/sites/config@2024-04-01' = {
     // The census (budgets, tag rules) is read from ARM in this resource group, where the scale set and, in Flexible
     // mode, its VMs are (vmss.bicep grants the read).
     COORDINATOR_CENSUS_RESOURCE_GROUPS: resourceGroup().id
+    COORDINATOR_SUSPEND_REPAIRS: suspendRepairs ? 'true' : 'false'
     COORDINATOR_HEARTBEAT_TIMEOUT_SECONDS: string(heartbeatTimeoutSeconds)
     COORDINATOR_IMDS_FAILING_SECONDS: string(imdsFailingSeconds)
     COORDINATOR_REMOTE_ACKNOWLEDGE: remoteAcknowledge

@@ -55,7 +55,10 @@ param enableEventGridPublishing bool
 @description('Preview: the coordinator may acknowledge this scale set\'s scheduled events through the Maintenance RP.')
 param enableRemoteAcknowledge bool
 
-@description('Principal id of the coordinator identity (reads the census; acknowledges scheduled events when enableRemoteAcknowledge).')
+@description('The coordinator may suspend the automatic repairs of this resource group\'s scale sets while an approved Reboot, Redeploy or Freeze is in flight, and resume them after (the Scheduled Events Repairs Operator role on the resource group).')
+param enableRepairsSuspension bool
+
+@description('Principal id of the coordinator identity (reads the census; acknowledges scheduled events when enableRemoteAcknowledge; suspends and resumes automatic repairs when enableRepairsSuspension).')
 param coordinatorPrincipalId string
 
 @description('Subnet of the instances.')
@@ -310,6 +313,46 @@ resource coordinatorCensusReader 'Microsoft.Authorization/roleAssignments@2022-0
   name: guid(resourceGroup().id, coordinatorPrincipalId, 'scheduled-events-vm-census-reader')
   properties: {
     roleDefinitionId: vmCensusReader.id
+    principalId: coordinatorPrincipalId
+    principalType: 'ServicePrincipal'
+  }
+}
+
+// Automatic repairs held while maintenance runs: a scale set with automatic repairs counts an instance that a
+// maintenance reboot took down as unhealthy and replaces it, so the coordinator suspends the AutomaticRepairs
+// service (setOrchestrationServiceState) while an approved Reboot, Redeploy or Freeze is in flight on its VMs and
+// resumes it after. A custom role with that one action and the scale set read it checks the policy with, not
+// Virtual Machine Contributor, which would also let the coordinator restart, reimage, redeploy and delete every VM
+// and scale set here, and change their configuration.
+resource repairsOperator 'Microsoft.Authorization/roleDefinitions@2022-04-01' = if (enableRepairsSuspension) {
+  name: guid(resourceGroup().id, 'scheduled-events-repairs-operator')
+  properties: {
+    roleName: 'Scheduled Events Repairs Operator (${resourceGroup().name})'
+    description: 'Read virtual machine scale sets and suspend or resume their automatic repairs; nothing else.'
+    type: 'CustomRole'
+    assignableScopes: [
+      resourceGroup().id
+    ]
+    permissions: [
+      {
+        actions: [
+          'Microsoft.Compute/virtualMachineScaleSets/read'
+          'Microsoft.Compute/virtualMachineScaleSets/setOrchestrationServiceState/action'
+        ]
+        notActions: []
+        dataActions: []
+        notDataActions: []
+      }
+    ]
+  }
+}
+
+// The repairs role on this resource group, where the census role is: the coordinator holds the repairs of the
+// scale sets its census reads (the group's, COORDINATOR_CENSUS_RESOURCE_GROUPS), not only the one deployed here.
+resource coordinatorRepairsOperator 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (enableRepairsSuspension) {
+  name: guid(resourceGroup().id, coordinatorPrincipalId, 'scheduled-events-repairs-operator')
+  properties: {
+    roleDefinitionId: repairsOperator.id
     principalId: coordinatorPrincipalId
     principalType: 'ServicePrincipal'
   }

@@ -59,6 +59,9 @@ EXPECTED_ASSIGNMENTS = {
     (COORDINATOR, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
     # The census: reads of the resource group's scale sets and VMs (a scope-less assignment is the resource group's).
     (COORDINATOR, "custom:vmCensusReader", RESOURCE_GROUP),
+    # Automatic repairs suspended while an approved disruptive event runs (suspendAutomaticRepairs, default on):
+    # where the census reads, the group's scale sets.
+    (COORDINATOR, "custom:repairsOperator", RESOURCE_GROUP),
     (LOGIC_APP, "Key Vault Secrets User", "Microsoft.KeyVault/vaults/secrets"),
     # Preview paths, each deployed only when its parameter asks for it.
     (COORDINATOR, "custom:scheduledEventAcknowledger", "Microsoft.Compute/virtualMachineScaleSets"),
@@ -388,6 +391,24 @@ def test_census_role_only_reads_virtual_machines_and_scale_sets() -> None:
     assert (permissions["notActions"], permissions["dataActions"], permissions["notDataActions"]) == ([], [], [])
     (scope,) = definition["properties"]["assignableScopes"]
     assert scope["operator"]["operands"]["operand_1"]["function"]["type"] == "resource_group"
+
+
+def test_repairs_role_only_reads_scale_sets_and_sets_their_orchestration_service_state() -> None:
+    resources = bm.parse(MODULES / "vmss.bicep")["resources"]
+    definition = bm.resource_body(resources["repairsOperator"])
+    (permissions,) = definition["properties"]["permissions"]
+    assert sorted(permissions["actions"]) == [
+        "Microsoft.Compute/virtualMachineScaleSets/read",
+        "Microsoft.Compute/virtualMachineScaleSets/setOrchestrationServiceState/action",
+    ]
+    assert (permissions["notActions"], permissions["dataActions"], permissions["notDataActions"]) == ([], [], [])
+    (scope,) = definition["properties"]["assignableScopes"]
+    assert scope["operator"]["operands"]["operand_1"]["function"]["type"] == "resource_group"
+    # Both behind the one parameter main.bicep passes from suspendAutomaticRepairs.
+    for symbol in ("repairsOperator", "coordinatorRepairsOperator"):
+        assert "enableRepairsSuspension" in json.dumps(resources[symbol]), symbol
+    passed = bm.modules_of_main()["vmss"][1]["enableRepairsSuspension"]
+    assert bm.accessor_chain(passed) == ["suspendAutomaticRepairs"]
 
 
 def test_event_grid_has_its_own_hub_that_only_the_system_topic_may_send_to() -> None:

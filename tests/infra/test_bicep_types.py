@@ -367,8 +367,9 @@ def test_children_existing_references_loops_and_conditions_are_checked(library: 
     existing = _at(report, "modules/alerts.bicep", _line(alerts, "  location: location\n}"))
     assert (existing.kind, existing.path) == ("existing", "location")
     assert len(report.findings) == 4
-    # The archive box above, and the preview paths behind parameters (remote acknowledge: 2, Event Grid: 3).
-    assert (report.stats.conditional, report.stats.nested) == (6, 2)
+    # The archive box above, and the paths behind parameters (remote acknowledge: 2, Event Grid: 3, automatic
+    # repairs suspension: 2).
+    assert (report.stats.conditional, report.stats.nested) == (8, 2)
 
 
 def test_module_parameters_are_checked(library: bt.TypeLibrary, infra: Path) -> None:
