@@ -13,6 +13,7 @@ import azure.functions as func
 from contracts.envelope import SCHEMA
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
+from coordinator.pipeline.ingest import RawMessage
 
 DOC_EVENT_ID = "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
 DOC_NOT_BEFORE = "Mon, 11 Apr 2022 22:26:58 GMT"
@@ -224,3 +225,8 @@ def approval_record(**fields: Any) -> ApprovalRecord:
 def vm_position(name: str, *, index: int, **fields: Any) -> VmRecord:
     """A VM's stored position, ``vm(name, index=index)`` its identity, last seen at DOC_NOW unless ``fields`` say."""
     return VmRecord.model_validate({"identity": vm(name, index=index), "lastSeen": DOC_NOW, **fields})
+
+
+def raw_message(identity: dict[str, Any], data: dict[str, Any]) -> RawMessage:
+    """An envelope as the batch trigger hands it over: its body, keyed by its VM's resource id (its partition)."""
+    return RawMessage(body=json.dumps(data).encode(), partition_key=identity["resourceId"].lower())

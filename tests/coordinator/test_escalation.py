@@ -4,7 +4,6 @@ NotBefore on its own clock; what the policy refuses."""
 
 from __future__ import annotations
 
-import json
 import random
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -22,11 +21,10 @@ from coordinator.domain.evaluation import evaluate
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy_file import PolicyError, parse_policy
-from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from forwarder.approval_rules import Freshness, judge, refuse_stale
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, event_record, raw_message, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import make_coordinator
 
@@ -91,9 +89,7 @@ def report(coordinator: Coordinator, clock: Clock) -> None:
     identity = vm("web_0", scale_set="web", index=1)
     sequence = int((clock.now - DOC_NOW).total_seconds()) + 1
     data = envelope(identity, sequence=sequence, incarnation=2, events=[reboot()], observed_at=clock.now)
-    coordinator.process_batch(
-        [RawMessage(body=json.dumps(data).encode(), partition_key=identity["resourceId"].lower())]
-    )
+    coordinator.process_batch([raw_message(identity, data)])
 
 
 def stored(coordinator: Coordinator) -> EventRecord:
@@ -178,14 +174,7 @@ blackouts:
   - {name: freeze-week, schedule: "0 22 * * *", duration: 2h}
 """
     )
-    record = EventRecord(
-        eventId=EVENT,
-        eventType="Reboot",
-        resources=["web_0"],
-        notBefore=NOT_BEFORE,
-        stateSince=DOC_NOW,
-        createdAt=DOC_NOW,
-    )
+    record = event_record(EVENT, resources=["web_0"], notBefore=NOT_BEFORE)
     decision = evaluate(policy, record, FleetView(), NOT_BEFORE - timedelta(seconds=100))
     assert decision.verdict == "wait"
     assert "not approved, blackout 'freeze-week' approves nothing" in decision.reason
@@ -194,14 +183,7 @@ blackouts:
 def test_the_owner_is_read_from_arms_tags_only():
     policy = parse_policy(LADDER)
     rule = policy.rules[0]
-    record = EventRecord(
-        eventId=EVENT,
-        eventType="Reboot",
-        resources=["web_0"],
-        notBefore=NOT_BEFORE,
-        stateSince=DOC_NOW,
-        createdAt=DOC_NOW,
-    )
+    record = event_record(EVENT, resources=["web_0"], notBefore=NOT_BEFORE)
     facts = {"web_0": VmFacts(scaleSet="web", tags={"Owner": "team-web"})}
     at = NOT_BEFORE - timedelta(seconds=500)
     assert reached(rule, record, FleetView(vms=facts, authoritative=True), at)[0].owners == ("team-web",)

@@ -7,7 +7,6 @@ tests/coordinator/test_repairs_arm.py)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from collections.abc import Sequence
 from datetime import timedelta
@@ -23,10 +22,9 @@ from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.policy_file import parse_policy
 from coordinator.domain.repairs import repairs_key
-from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, SUBSCRIPTION, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, SUBSCRIPTION, MemoryHistory, envelope, raw_message, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import make_coordinator
 
@@ -94,9 +92,7 @@ def report(coordinator: Coordinator, clock: Clock, sequence: int, status: str | 
     identity = vm("web_0", scale_set="web", index=1)
     events = [] if status is None else [scheduled_event(EVENT, event_type="Reboot", resources=["web_0"], status=status)]
     data = envelope(identity, sequence=sequence, incarnation=sequence, events=events, observed_at=clock.now)
-    coordinator.process_batch(
-        [RawMessage(body=json.dumps(data).encode(), partition_key=identity["resourceId"].lower())]
-    )
+    coordinator.process_batch([raw_message(identity, data)])
 
 
 def rows(coordinator: Coordinator) -> list[tuple[str, str, str]]:

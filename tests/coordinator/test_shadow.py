@@ -4,7 +4,6 @@ never sent; the live policy's decisions and approvals are what they would be wit
 
 from __future__ import annotations
 
-import json
 import random
 from datetime import timedelta
 from pathlib import Path
@@ -13,10 +12,9 @@ from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, raw_message, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import make_coordinator
 
@@ -60,9 +58,7 @@ def build(tmp: Path, *, shadow: str | None = CANDIDATE) -> tuple[Coordinator, Me
 def report(coordinator: Coordinator, clock: Clock, events: list[dict[str, object]], sequence: int) -> None:
     identity = vm("web_0", scale_set="web", index=1)
     data = envelope(identity, sequence=sequence, incarnation=sequence + 1, events=events, observed_at=clock.now)
-    coordinator.process_batch(
-        [RawMessage(body=json.dumps(data).encode(), partition_key=identity["resourceId"].lower())]
-    )
+    coordinator.process_batch([raw_message(identity, data)])
 
 
 def test_the_candidates_verdicts_are_rows_once_each_and_nothing_it_approves_is_sent(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ real listener's ``refuse_stale`` on the test's clock."""
 
 from __future__ import annotations
 
-import json
 import random
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -23,11 +22,10 @@ from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.controls import AlertGate, LogQueryGate
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from forwarder.approval_rules import Freshness, refuse_stale
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, raw_message, scheduled_event, vm
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import make_coordinator
 
@@ -111,9 +109,7 @@ def report(coordinator: Coordinator) -> None:
     identity = vm("web_0", scale_set="web", index=1)
     freeze = scheduled_event(EVENT, resources=["web_0"])
     data = envelope(identity, sequence=1, incarnation=2, events=[freeze])
-    coordinator.process_batch(
-        [RawMessage(body=json.dumps(data).encode(), partition_key=identity["resourceId"].lower())]
-    )
+    coordinator.process_batch([raw_message(identity, data)])
 
 
 def stored(coordinator: Coordinator) -> EventRecord:
