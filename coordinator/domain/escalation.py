@@ -107,9 +107,9 @@ def not_taken(record: EventRecord, rungs: Sequence[Rung]) -> list[Rung]:
     return [rung for rung in rungs if rung.step not in taken]
 
 
-def take(change: EventChange, rungs: Sequence[Rung], now: datetime) -> None:
+def take(change: EventChange, rungs: Sequence[Rung], now: datetime, *, cards: bool = True) -> None:
     """Each step taken once, by the decision just recorded on ``change``'s record: kept on the record (whatever
-    decisions come after) and its card raised."""
+    decisions come after) and, with ``cards``, its card raised."""
     record = change.record
     assert record.decision is not None  # recorded just before
     for rung in rungs:
@@ -125,7 +125,8 @@ def take(change: EventChange, rungs: Sequence[Rung], now: datetime) -> None:
                 owners=list(rung.owners),
             )
         )
-        raise_alert(change, ESCALATION_KINDS[rung.step - 1], now)
+        if cards:
+            raise_alert(change, ESCALATION_KINDS[rung.step - 1], now)
 
 
 def _owners(step: EscalationStep, record: EventRecord, view: FleetView) -> tuple[str, ...]:

@@ -315,7 +315,7 @@ def _record_decision(run: Run, change: EventChange, decision: Decision, *, withd
         withdrawal=withdrew,
         viewed=record.view(),
     )
-    take(change, new_steps, now)
+    take(change, new_steps, now, cards=not dry_run)  # a dry run tells no one: its steps are rows only
     change.rows.append(decision_row(record=record, now=now))
     change.changed = True
     telemetry.decided(

@@ -223,3 +223,13 @@ def test_a_step_is_not_reached_after_the_event_left_scheduled():
     assert reached(rule, record, FleetView(), NOT_BEFORE) == ()
     never = datetime.max.replace(tzinfo=NOT_BEFORE.tzinfo)
     assert reached(rule, record.model_copy(update={"state": "Scheduled", "notBefore": None}), FleetView(), never) == ()
+
+
+def test_a_dry_run_takes_each_step_as_a_row_and_tells_no_one(tmp_path):
+    coordinator, history, listener, clock = build("dryRun: true\n" + LADDER, tmp_path)
+    for seconds in (600, 250, 100):
+        tick_at(coordinator, clock, seconds)
+    assert steps_in_rows(history) == [(1, "notify"), (2, "notify"), (3, "approve")]
+    assert all(row.DryRun for row in history.rows if row.RecordType == "Decision")
+    assert listener.requests == []
+    assert not [p.name for p in (tmp_path / "cards").glob("*escalation*")]
