@@ -4,7 +4,10 @@
 open, and the rule that decides e at d (``oracle.rules.choose``) approves: ``approve-now`` inside its window with its
 gates passing; ``approve-after-hooks`` once every affected VM's prepare phase succeeded (or its deadline passed with
 ``onDeadline: approve``); ``approve-within-budget`` while its domains have room; in each case a window or gate hold is
-lifted ``approveBeforeSeconds`` before NotBefore with ``onNotBefore: approve``. A StartRequests accepted at t is right
+lifted ``approveBeforeSeconds`` before NotBefore with ``onNotBefore: approve``. Whatever the rule waits for (a person, a
+window, a gate, hooks), an escalation ladder ending in ``approve`` approves from that step's time (NotBefore minus its
+lead) until ``SEND_MARGIN`` before NotBefore (``oracle.rules.ladder_approval``), in both sets: an approval it makes
+is then due like any other. A StartRequests accepted at t is right
 when the policy allowed it at some d in [t - slack, t] (slack: the longest decision-to-IMDS delivery the run's faults
 allow). Two sets are computed: the **upper** set (everything the policy could allow: where the truth cannot tell,
 allowed) judges WRONG; the **lower** set (only what the policy surely allows) decides what is DUE.
@@ -40,7 +43,7 @@ from functools import cached_property
 from coordinator import HooksOption, RateOption, Rule, SequenceOption
 from oracle.facts import INF, Facts
 from oracle.intervals import EMPTY, Intervals, seconds
-from oracle.rules import choose, match_breakpoints
+from oracle.rules import SEND_MARGIN, choose, ladder_approval, ladder_approves, match_breakpoints, steps
 from oracle.truth import Event
 
 __all__ = ["Judge"]
@@ -85,6 +88,8 @@ class Judge:
         for rule in run.policy.rules:
             if event.notBefore is not None:
                 points.append(seconds(event.notBefore) - rule.approveBeforeSeconds)
+                points.extend(at for *_, at in steps(rule, event))
+                points.append(seconds(event.notBefore) - SEND_MARGIN)
             if rule.hooks is not None:
                 points.extend(created + rule.hooks.deadlineSeconds + d for d in (0.0, self.reported - created))
         points.extend(self.hooks_ready(surely=True).values())
@@ -331,7 +336,9 @@ class Judge:
 
     def _may_approve(self, other: Event, at: float) -> bool:
         rule, _ = choose(self.run.policy, other, self.run.vms, at)
-        return rule is not None and rule.action not in ("wait-for-person", "never-approve")
+        if rule is None:
+            return False
+        return rule.action not in ("wait-for-person", "never-approve") or ladder_approves(rule)
 
     def size(self, kind: str, key: str, at: float, *, surely: bool) -> set[str]:
         """The domain's VMs the coordinator counts (known, not retired): upper set (surely=False) the most it may
@@ -363,6 +370,12 @@ class Judge:
         if rule is None:
             return False, why
         ok, held = self.rule_allows(rule, at, surely=surely)
+        ladder = ladder_approval(rule, self.event)
+        if not ok and at in ladder:
+            return True, ""  # its escalation ladder approves anyway
+        if not ok and ladder:
+            lo, hi = ladder.spans[0]
+            held += f" (its escalation ladder approves only from +{lo - run.start:.1f}s to +{hi - run.start:.1f}s)"
         return ok, "" if ok else f"{why}: {held}"
 
     def _allowed_within(self, span: Intervals, *, surely: bool) -> Intervals:

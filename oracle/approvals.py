@@ -1,5 +1,6 @@
 """Every accepted StartRequests judged (pure): WRONG when the policy could not have allowed it at any decision time
-within the slack before it was accepted (``oracle.allowed``'s upper set), DUPLICATE when its event had one already."""
+within the slack before it was accepted (``oracle.allowed``'s upper set; the slack grows by the time the executing
+VM's forwarder was paused just before: ``Facts.delivery_slack``), DUPLICATE when its event had one already."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def approval_findings(run: Facts, judges: dict[str, Judge]) -> list[Finding]:
             continue
         by_event.setdefault(event.eventId, []).append(approval)
         judge = judges[event.eventId]
-        window = Intervals(((at - run.slack, at + 1e-6),))
+        window = Intervals(((at - run.delivery_slack(approval.vm, at), at + 1e-6),))
         if judge.upper & window:
             continue
         ok, why = judge.allows(at, surely=False)

@@ -1,6 +1,7 @@
 """The oracle's verdict on one run (pure): for every event, when the policy allows an approval (``oracle.allowed``) and
-by when one is due; then every accepted StartRequests judged against that (``oracle.approvals``), and every document a
-forwarder read looked up in the history (``oracle.documents``).
+by when one is due; then every accepted StartRequests judged against that (``oracle.approvals``), every escalation
+step the Decision rows took judged against its ladder (``oracle.ladders``), and every document a forwarder read looked
+up in the history (``oracle.documents``).
 
 **Due.** An approval is due once the event has been, for ``latency`` seconds without interruption (plus the slowest
 delay every executor's listener or the rule's gate adds), surely allowed, reported by a VM whose forwarder runs,
@@ -18,8 +19,9 @@ from oracle.approvals import approval_findings
 from oracle.documents import incarnation_findings
 from oracle.facts import INF, Facts
 from oracle.intervals import EMPTY, Intervals, seconds
+from oracle.ladders import ladder_findings
 from oracle.rules import choose
-from oracle.truth import MAY_DELAY, Event, Truth
+from oracle.truth import Event, Truth
 from oracle.verdict import KINDS, Bounds, EventVerdict, Finding, Report
 
 __all__ = ["check"]
@@ -42,24 +44,6 @@ def _coupled(run: Facts, judges: dict[str, Judge], event: Event) -> Intervals:
     return own
 
 
-def _impediments(run: Facts, event: Event) -> Intervals:
-    """What keeps the pipeline from approving this event, through no fault of the coordinator's design: outages
-    and stalls (with their recovery), and forged envelopes about the event (which may make it wait)."""
-    blocked = EMPTY
-    for outage in run.truth.outages:
-        if outage.service == "relay" and not run.relayed(event):
-            continue
-        begin = seconds(outage.span.begin)
-        end = seconds(outage.span.end) if outage.span.end is not None else run.end
-        after = run.bounds.recover + 2 * (end - begin) + (run.bounds.retry if outage.service == "relay" else 0.0)
-        blocked = blocked | Intervals(((begin, end + after),))
-    for forgery in run.truth.forgeries:
-        # Only the lies that may make the coordinator wait (truth.MAY_DELAY) excuse a delay.
-        if forgery.kind in MAY_DELAY and (forgery.about in event.resources or event.eventId in forgery.events):
-            blocked = blocked | Intervals(((seconds(forgery.at), INF),))
-    return blocked
-
-
 def check(truth: Truth, bounds: Bounds | None = None) -> Report:
     run = Facts(truth, bounds or Bounds())
     judges = {event.eventId: Judge(run, event) for event in truth.events}
@@ -70,7 +54,7 @@ def check(truth: Truth, bounds: Bounds | None = None) -> Report:
         created = seconds(event.transitions[0].at)
         rule, why = choose(run.policy, event, run.vms, created)
         gates = run.policy.gates_of(rule.name) if rule is not None else []
-        allowed = (_coupled(run, judges, event) & Intervals(((judge.reported, INF),))) - _impediments(run, event)
+        allowed = (_coupled(run, judges, event) & Intervals(((judge.reported, INF),))) - run.impediments(event)
         lower, due = EMPTY, None
         for usable, delay in run.executable(event):
             # Due through one VM that stays usable for the whole latency its listener (and the rule's gate) adds.
@@ -111,6 +95,7 @@ def check(truth: Truth, bounds: Bounds | None = None) -> Report:
                 )
             )
     findings.extend(approval_findings(run, judges))
+    findings.extend(ladder_findings(run, judges))
     lost, checked = incarnation_findings(run)
     findings.extend(lost)
     order = {kind: index for index, kind in enumerate(KINDS)}

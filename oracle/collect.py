@@ -25,6 +25,7 @@ from oracle.truth import (
     HistoryStep,
     Hook,
     Incarnation,
+    LadderStep,
     ListenerFault,
     Observation,
     Options,
@@ -35,7 +36,7 @@ from oracle.truth import (
     Vm,
 )
 
-__all__ = ["PlatformFacts", "collect", "platform_facts", "vm_of"]
+__all__ = ["PlatformFacts", "collect", "ladder_steps", "platform_facts", "vm_of"]
 
 
 def _time(value: Any) -> datetime:
@@ -174,24 +175,40 @@ def observations(history: Path) -> list[Observation]:
     ]
 
 
+def _details(value: Any) -> dict[str, Any]:
+    """A row's Details column (JSON text in the local history), as a mapping; {} when none or unreadable."""
+    try:
+        found = json.loads(value) if isinstance(value, str) else (value or {})
+    except ValueError:
+        found = {}
+    return found if isinstance(found, dict) else {}
+
+
 def dead_letters(history: Path) -> list[DeadLetter]:
     """The history's DeadLetter rows: why each message was set aside, and its body's digest."""
     rows = _history_rows(history, "TimeGenerated, Reason, Details", "RecordType = 'DeadLetter'")
-    letters = []
-    for at, reason, details in rows:
+    return [
+        DeadLetter(at=_time(at), reason=str(reason or "")[:1000], sha256=str(_details(details).get("bodySha256", "")))
+        for at, reason, details in rows
+    ]
+
+
+def ladder_steps(details: Any) -> list[LadderStep]:
+    """The escalation steps a Decision row's Details say its decision took (none when unreadable)."""
+    found = _details(details).get("escalation")
+    steps = []
+    for item in found if isinstance(found, list) else []:
         try:
-            found = json.loads(details) if isinstance(details, str) else (details or {})
-        except ValueError:
-            found = {}
-        sha = found.get("bodySha256", "") if isinstance(found, dict) else ""
-        letters.append(DeadLetter(at=_time(at), reason=str(reason or "")[:1000], sha256=str(sha)))
-    return letters
+            steps.append(LadderStep.model_validate({**item, "at": _time(item["at"])}))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return steps
 
 
 def history_steps(history: Path) -> list[HistoryStep]:
     rows = _history_rows(
         history,
-        "TimeGenerated, RecordType, EventId, Outcome, VmName, Reason",
+        "TimeGenerated, RecordType, EventId, Outcome, VmName, Reason, Rule, DecisionId, Details",
         "RecordType IN ('Decision', 'Approval') ORDER BY rowid",
     )
     return [
@@ -202,8 +219,11 @@ def history_steps(history: Path) -> list[HistoryStep]:
             outcome=str(outcome or ""),
             vm=str(vm or ""),
             reason=str(reason or "")[:300],
+            rule=str(rule or ""),
+            decisionId=str(decision_id or ""),
+            escalation=ladder_steps(details) if kind == "Decision" else [],
         )
-        for at, kind, event_id, outcome, vm, reason in rows
+        for at, kind, event_id, outcome, vm, reason, rule, decision_id, details in rows
         if event_id
     ]
 

@@ -4,6 +4,7 @@ the blackouts and windows, who could report and who execute each event, and the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from functools import cached_property
 from coordinator import Policy, Rule, parse_policy
 from oracle.calendar import cron_periods
 from oracle.intervals import EMPTY, Intervals, seconds
-from oracle.truth import Event, Hook, Span, Truth, Vm
+from oracle.truth import MAY_DELAY, Event, Hook, Span, Truth, Vm
 from oracle.verdict import Bounds
 
 __all__ = ["INF", "Facts"]
@@ -141,6 +142,49 @@ class Facts:
         # The Relay sender waits out an outage (no listener) within the approval's deadline, then delivers.
         relay = [hi - lo + self.bounds.recover for lo, hi in self.outages("relay").spans]
         return self.bounds.slack + listener + gate + max(stalls, default=0.0) + max(relay, default=0.0)
+
+    def paused(self, vm: str) -> Intervals:
+        """When the VM's forwarder was stopped between two runs (a Freeze's or a fault's SIGSTOP, a reboot), not
+        killed: a request its listener was sent then waits in the process (after a kill, no listener answers)."""
+        runs = self.truth.forwarderRuns.get(vm, [])
+        kills = {seconds(k) for k in self.truth.kills.get(vm, [])}
+        gaps = [
+            (seconds(a.end), seconds(b.begin))
+            for a, b in itertools.pairwise(runs)
+            if a.end is not None and not any(abs(seconds(a.end) - k) < 0.5 for k in kills)
+        ]
+        return Intervals.of(gaps)
+
+    def delivery_slack(self, vm: str, at: float) -> float:
+        """The slack before a StartRequests accepted at ``at`` through ``vm``: ``slack`` of the forwarder's running
+        time, skipping each pause just before (``paused``: a request that reached its listener then was executed
+        once the process ran again; seed 31's ladder approval, sent 0.1 s before its send margin, waited 2 s for
+        web_0's Freeze)."""
+        begin, running = at, self.slack
+        for lo, hi in reversed((self.paused(vm) & Intervals(((-INF, at),))).spans):
+            if hi <= begin - running:
+                break
+            running -= begin - hi
+            begin = lo
+        return at - (begin - running)
+
+    def impediments(self, event: Event) -> Intervals:
+        """What keeps the pipeline from deciding or approving this event, through no fault of the coordinator's
+        design: outages and stalls (with their recovery), and forged envelopes about the event (which may make it
+        wait)."""
+        blocked = EMPTY
+        for outage in self.truth.outages:
+            if outage.service == "relay" and not self.relayed(event):
+                continue
+            begin = seconds(outage.span.begin)
+            end = seconds(outage.span.end) if outage.span.end is not None else self.end
+            retry = self.bounds.retry if outage.service == "relay" else 0.0
+            blocked = blocked | Intervals(((begin, end + self.bounds.recover + 2 * (end - begin) + retry),))
+        for forgery in self.truth.forgeries:
+            # Only the lies that may make the coordinator wait (truth.MAY_DELAY) excuse a delay.
+            if forgery.kind in MAY_DELAY and (forgery.about in event.resources or event.eventId in forgery.events):
+                blocked = blocked | Intervals(((seconds(forgery.at), INF),))
+        return blocked
 
     def removal(self, vm: str) -> float:
         removed = self.truth.removals.get(vm)

@@ -24,6 +24,8 @@ still varies with the machine). The knobs, each drawn per seed:
   claimed user-initiated, a hook success, a false "gone", a sequence hijack), within the fleet's shared identity;
   or sends, under its own identity, a document nested 20,000 deep or one as large as the door lets in (100 events,
   50 tags of the longest names and values);
+- **escalation ladders** (6 seeds in 10, from a stream of their own): one rule's ``escalate`` ladder, and long
+  notices for the events it decides so that its steps fall inside the run (``oracle/ladder_plan.py``);
 - **attackers with root on a fleet VM** (``attackers``, on by default; 6 seeds in 10, from a stream of their own):
   1-2 of another VM's name with its own identity (a relabelled listing, a silencing one at 2^62, forged hook and
   impact reports), a squatter on another VM's resource id, a damaged attested document, a lying listener on
@@ -41,7 +43,7 @@ import yaml
 
 from coordinator import parse_policy
 from emulators.imds import Scenario
-from oracle import hostile
+from oracle import hostile, ladder_plan
 
 __all__ = ["Plan", "generate"]
 
@@ -377,6 +379,11 @@ def generate(seed: int, *, attackers: bool = True) -> Plan:
     events = _events(draw, vms)
     gated = "gates" in policy
     steps = events + _faults(draw, vms, events, gated) + hostile.forgeries(draw, vms, events)
+    # Ladders from a stream of their own too: a seed's plan is otherwise what it was before they were drawn.
+    laddered = _Draw(0)
+    laddered.rng.seed(f"ladders-{seed}")
+    ladder_plan.ladders(laddered, policy, vms, events, TIME_SCALE)
+    draw.knobs.extend(laddered.knobs)
     if attackers:
         # A stream of their own: a seed's plan is the same with or without them.
         rooted = _Draw(0)
@@ -394,5 +401,6 @@ def generate(seed: int, *, attackers: bool = True) -> Plan:
     text = yaml.safe_dump(policy, sort_keys=False)
     parse_policy(text, source=f"seed {seed}'s policy")  # the grammar only builds valid policies: fail loudly if not
     last = max((step["at"] for step in steps), default=0)
-    timeout = 40.0 + (last + 1200) / TIME_SCALE
+    longest = max([1200, *(step["create"].get("NoticeSeconds", 0) for step in events if "create" in step)])
+    timeout = 40.0 + (last + longest) / TIME_SCALE
     return Plan(seed, Scenario.from_mapping(data, source=f"seed {seed}"), data, text, draw.knobs, timeout=timeout)

@@ -7,7 +7,11 @@ file with the coordinator's schema (the file format is the contract) but not its
 - ``tags``: any affected VM carrying one of the tags (names case-insensitive, values globs);
 - ``match.window``: UTC days and hours (the rule does not match outside them);
 - a rule matched through tags may not approve more than the rule the event gets with every tag ignored, unless it
-  says ``trustTags`` (approve-now > approve-after-hooks = approve-within-budget > wait-for-person > never-approve).
+  says ``trustTags`` (approve-now > approve-after-hooks = approve-within-budget > wait-for-person > never-approve);
+- an escalation ladder (``escalate``): step k's time is NotBefore minus its ``beforeNotBeforeSeconds``; while its
+  rule waits, the first run at or after that time takes it. A ladder whose last step is ``approve`` makes the rule
+  approve from that step's time (no blackout open) until ``SEND_MARGIN`` before NotBefore (an approval sent later
+  could only land after NotBefore): ``ladder_approval``.
 """
 
 from __future__ import annotations
@@ -17,10 +21,23 @@ from collections.abc import Mapping
 
 from coordinator import Match, Policy, Rule
 from oracle.calendar import utc_window_spans
-from oracle.intervals import Intervals
+from oracle.intervals import EMPTY, Intervals, seconds
 from oracle.truth import Event, Vm
 
-__all__ = ["REACH", "Choice", "choose", "match_breakpoints"]
+__all__ = [
+    "REACH",
+    "SEND_MARGIN",
+    "Choice",
+    "choose",
+    "ladder_approval",
+    "ladder_approves",
+    "match_breakpoints",
+    "steps",
+]
+
+# How long before NotBefore an approval is still sent (docs: an approval sent later could only land after NotBefore,
+# or be refused by the VM): the coordinator's margin, 5 s.
+SEND_MARGIN = 5.0
 
 REACH = {
     "never-approve": 0,
@@ -99,3 +116,27 @@ def match_breakpoints(policy: Policy, lo: float, hi: float) -> list[float]:
             spans: Intervals = utc_window_spans(list(window.days), window.hours, lo, hi)
             points.extend(edge for span in spans.spans for edge in span)
     return points
+
+
+def steps(rule: Rule, event: Event) -> list[tuple[int, str, int, float]]:
+    """The rule's escalation steps for an event with a NotBefore: (place from 1, what it does, its lead, its time)."""
+    if event.notBefore is None:
+        return []
+    not_before = seconds(event.notBefore)
+    return [
+        (index, step.do, step.beforeNotBeforeSeconds, not_before - step.beforeNotBeforeSeconds)
+        for index, step in enumerate(rule.escalate, start=1)
+    ]
+
+
+def ladder_approves(rule: Rule) -> bool:
+    return bool(rule.escalate) and rule.escalate[-1].do == "approve"
+
+
+def ladder_approval(rule: Rule, event: Event) -> Intervals:
+    """When the rule's ladder approves the event while the rule itself waits (blackouts aside): from its last step's
+    time, when that step is ``approve``, until ``SEND_MARGIN`` before NotBefore."""
+    if not ladder_approves(rule) or event.notBefore is None:
+        return EMPTY
+    not_before = seconds(event.notBefore)
+    return Intervals.of([(not_before - rule.escalate[-1].beforeNotBeforeSeconds, not_before - SEND_MARGIN)])

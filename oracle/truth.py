@@ -25,6 +25,7 @@ __all__ = [
     "HistoryStep",
     "Hook",
     "Incarnation",
+    "LadderStep",
     "ListenerFault",
     "Observation",
     "Options",
@@ -175,10 +176,24 @@ class Observation(_Data):
     status: str
 
 
+class LadderStep(_Data):
+    """An escalation step a Decision row says its decision took (its ``Details.escalation``): its place in the
+    rule's ladder (from 1) of how many, what it does, its lead, its time as the coordinator computed it (NotBefore
+    minus the lead) and whom it told."""
+
+    step: int
+    of: int
+    do: str
+    beforeNotBeforeSeconds: int
+    at: datetime
+    owners: list[str] = Field(default_factory=list)
+
+
 class HistoryStep(_Data):
     """A Decision or Approval row of the history: what the coordinator says it decided and sent, and when. Not
-    truth: the oracle judges by IMDS; these rows only explain a finding (when the approval was decided, how often
-    it was sent)."""
+    truth: the oracle judges approvals by IMDS; these rows explain a finding (when the approval was decided, how
+    often it was sent), and are themselves what escalation steps are judged by: a step is taken by writing its
+    Decision row (``escalation``, with the row's rule and decision)."""
 
     at: datetime
     kind: Literal["Decision", "Approval"]
@@ -186,6 +201,9 @@ class HistoryStep(_Data):
     outcome: str = ""
     vm: str = ""
     reason: str = ""
+    rule: str = ""
+    decisionId: str = ""
+    escalation: list[LadderStep] = Field(default_factory=list)
 
 
 class Options(_Data):

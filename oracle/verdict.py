@@ -1,6 +1,6 @@
-"""What the oracle says of one run (pure data): its findings (wrong, missed, duplicate, late, lost), each event's
-verdict and the report printed; and the timing it grants the pipeline (``Bounds``). How they are reached:
-``oracle.check``."""
+"""What the oracle says of one run (pure data): its findings (wrong, missed, duplicate, late, lost; an escalation
+step's findings are of the same kinds, their detail naming the step: ``oracle.ladders``), each event's verdict and the
+report printed; and the timing it grants the pipeline (``Bounds``). How they are reached: ``oracle.check``."""
 
 from __future__ import annotations
 

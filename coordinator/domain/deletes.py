@@ -183,4 +183,5 @@ def couple(decision: Decision, record: EventRecord, deletes: Iterable[EventRecor
         heldUntil=holder.notBefore,
         holdKind="delete",
         holdName=holder.eventId,
+        escalation=decision.escalation,  # the ladder's steps reached are taken whatever holds the approval
     )

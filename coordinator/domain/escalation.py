@@ -88,7 +88,7 @@ def climb(rule: Rule, record: EventRecord, view: FleetView, now: datetime, *, bl
     if last.do != "approve":
         return Climb(rungs, note)
     if blocked:
-        return Climb(rungs, f"{note}: not approved, {blocked} approves nothing")
+        return Climb(rungs, f"{note}: not approved, {blocked} holds it")
     assert record.notBefore is not None  # reached() needs it
     send_by = record.notBefore - SEND_MARGIN
     if now >= send_by:

@@ -28,6 +28,7 @@ __all__ = [
     "Decision",
     "HoldKind",
     "callback_of",
+    "escalated",
     "evaluate",
     "hooks_required",
     "needs_fleet",
@@ -46,6 +47,13 @@ _REACH: dict[str, int] = {
     "approve-within-budget": 2,
     "approve-now": 3,
 }
+
+
+def _reach(rule: Rule) -> int:
+    """How far a rule goes towards approving: its action's, or an approve-after-hooks' when its ladder ends in an
+    approve step (a tag may not widen a rule through its ladder either)."""
+    ladder = 2 if rule.escalate and rule.escalate[-1].do == "approve" else 0
+    return max(_REACH[rule.action], ladder)
 
 
 @dataclass(frozen=True)
@@ -110,25 +118,30 @@ def evaluate(
     """The policy's decision. ``gates``: each named gate's result for this batch/tick (a gate a rule names but
     missing here counts as an error: not known to pass). An approval is then paced by the rule's rate and sequence
     as far as the view knows their state (``FleetView.paced``; the coordinator claims them afterwards)."""
-    decision = _escalated(policy, _evaluate(policy, record, fleet, now, gates or {}), record, fleet, now)
+    decision = escalated(policy, _evaluate(policy, record, fleet, now, gates or {}), record, fleet, now)
     if decision.verdict != "approve":
         return decision
     for domain in pace_domains(policy, decision.rule, record, fleet):
         hold = pace_hold(domain, fleet.paced.get(domain.key), record.eventId, now)
         if hold is not None:
-            return paced_hold(decision, record, hold)
+            # A rule with a rate or sequence has no approve step (refused at load): its ladder only tells and holds.
+            return escalated(policy, paced_hold(decision, record, hold), record, fleet, now)
     return decision
 
 
-def _escalated(policy: Policy, decision: Decision, record: EventRecord, fleet: FleetView, now: datetime) -> Decision:
+def escalated(
+    policy: Policy, decision: Decision, record: EventRecord, fleet: FleetView, now: datetime, *, held: str = ""
+) -> Decision:
     """A waiting decision as its rule's escalation ladder leaves it (domain/escalation.py): its reason noting the
-    steps reached; an approval when the last of them approves (a blackout still approves nothing)."""
+    steps reached; an approval when the last of them approves, unless a blackout is open or ``held`` names what
+    else holds it (pipeline/decide.py: an approval the census, a delete or a budget claim held after the rules).
+    A decision that already carries its steps is left as it is."""
     rule = next((r for r in policy.rules if r.name == decision.rule), None)
-    if decision.verdict != "wait" or rule is None or not rule.escalate:
+    if decision.verdict != "wait" or decision.escalation or rule is None or not rule.escalate:
         return decision
     # A wait-for-person rule is never held by a blackout (it approves nothing): its approve step must be.
     blackout = next((b.name for b in policy.blackouts if b.open_until(now) is not None), None)
-    blocked = f"blackout {blackout!r}" if blackout is not None else ""
+    blocked = f"blackout {blackout!r}" if blackout is not None else held
     ladder = climb(rule, record, fleet, now, blocked=blocked)
     if ladder is None:
         return decision
@@ -157,6 +170,7 @@ def paced_hold(decision: Decision, record: EventRecord, hold: PaceHold) -> Decis
         heldUntil=hold.until,
         holdKind="budget",
         holdName=hold.key,
+        escalation=decision.escalation,
     )
 
 
@@ -173,7 +187,7 @@ def _evaluate(  # noqa: PLR0911 -- one return per action, each explained
     note = ""
     if rule.match.tags is not None and not rule.trustTags:
         plain = first_match(policy, record, now, fleet.untagged())
-        if plain is None or _REACH[plain.action] < _REACH[rule.action]:
+        if plain is None or _reach(plain) < _reach(rule):
             why = f"rule {plain.name!r}" if plain is not None else "no rule"
             note = (
                 f"rule {rule.name!r} matched by a VM's tags would approve more than {why} does without tags; tags "

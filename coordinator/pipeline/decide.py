@@ -18,6 +18,7 @@ approvals.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
@@ -29,7 +30,7 @@ from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple, pending_delete, ready_to_go
 from coordinator.domain.escalation import not_taken, take
-from coordinator.domain.evaluation import Decision, evaluate, needs_fleet, paced_hold
+from coordinator.domain.evaluation import Decision, escalated, evaluate, needs_fleet, paced_hold
 from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.history_rows import decision_row
@@ -272,12 +273,15 @@ def _verdict(run: Run, record: EventRecord) -> tuple[Decision, list[str]]:
     if unusable:
         # A census that cannot be read approves nothing resting on it, as an unreadable gate: without the VMs' tags a
         # tag that holds an event back would not, and a percent budget's domain size would be a guess.
-        decision = Decision(
-            decision.rule, decision.action, "wait", f"{unusable}: {decision.reason}", holdKind="census", holdName="arm"
+        decision = dataclasses.replace(
+            decision, verdict="wait", reason=f"{unusable}: {decision.reason}", holdKind="census", holdName="arm"
         )
     if record.eventType == "Terminate" and record.scaleSets:
         decision = couple(decision, record, fleet.deletes_of(record.scaleSets), now)
-    return claim(run, record, decision, view)
+    decision, claimed = claim(run, record, decision, view)
+    # Held after the rules (census, a delete, a claim): the ladder's steps are still taken, its approve step is not.
+    held = f"{decision.holdKind} {decision.holdName!r}"
+    return escalated(policy, decision, record, view, now, held=held), claimed
 
 
 def _record_decision(run: Run, change: EventChange, decision: Decision, *, withdrew: str, started: int) -> None:

@@ -15,6 +15,7 @@ from contracts import wire
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.escalation import reached
 from coordinator.domain.evaluation import evaluate
@@ -177,7 +178,7 @@ blackouts:
     record = event_record(EVENT, resources=["web_0"], notBefore=NOT_BEFORE)
     decision = evaluate(policy, record, FleetView(), NOT_BEFORE - timedelta(seconds=100))
     assert decision.verdict == "wait"
-    assert "not approved, blackout 'freeze-week' approves nothing" in decision.reason
+    assert "not approved, blackout 'freeze-week' holds it" in decision.reason
 
 
 def test_the_owner_is_read_from_arms_tags_only():
@@ -233,3 +234,47 @@ def test_a_dry_run_takes_each_step_as_a_row_and_tells_no_one(tmp_path):
     assert all(row.DryRun for row in history.rows if row.RecordType == "Decision")
     assert listener.requests == []
     assert not [p.name for p in (tmp_path / "cards").glob("*escalation*")]
+
+
+def test_a_tag_rule_may_not_widen_through_its_ladder():
+    """A rule matched by a VM's own tag whose ladder ends in approve goes further than the plain rule that waits:
+    with trustTags false the plain rule decides, and nothing is approved at the step's time."""
+    policy = parse_policy(
+        """
+rules:
+  - name: tagged
+    match: {eventType: [Reboot], tags: {team: web}}
+    action: wait-for-person
+    escalate: [{beforeNotBeforeSeconds: 120, do: approve}]
+  - {name: plain, action: wait-for-person}
+"""
+    )
+    record = event_record(EVENT, resources=["web_0"], notBefore=NOT_BEFORE)
+    tagged = FleetView(vms={"web_0": VmFacts(scaleSet="web", tags={"team": "web"})})
+    decision = evaluate(policy, record, tagged, NOT_BEFORE - timedelta(seconds=100))
+    assert (decision.rule, decision.verdict) == ("plain", "wait")
+    assert "would approve more than rule 'plain'" in decision.reason
+
+
+def test_a_rate_hold_still_takes_the_ladders_steps():
+    """A rule paced by a rate whose count is spent holds the event; its ladder's notify step is reached all the
+    same (the coordinator takes it: a row and a card)."""
+    policy = parse_policy(
+        """
+rules:
+  - name: paced
+    match: {eventType: [Reboot]}
+    action: approve-now
+    rate: {maxApprovals: 1, periodSeconds: 3600}
+    escalate: [{beforeNotBeforeSeconds: 600, do: notify, owner: sre}]
+"""
+    )
+    record = event_record(EVENT, resources=["web_0"], notBefore=NOT_BEFORE)
+    spent = BudgetRecord(
+        scaleSet="rate:paced:fleet",
+        periodSeconds=3600,
+        claims={"E-OTHER": BudgetClaim(eventId="E-OTHER", vms=["web_1"], claimedAt=DOC_NOW)},
+    )
+    decision = evaluate(policy, record, FleetView(paced={spent.scaleSet: spent}), NOT_BEFORE - timedelta(seconds=500))
+    assert (decision.verdict, decision.holdKind) == ("wait", "budget")
+    assert [rung.step for rung in decision.escalation] == [1]

@@ -39,7 +39,7 @@ def test_each_step_is_taken_once_at_its_time_the_reboot_approved_anyway_the_rede
     run_pipeline: Runner,
 ) -> None:
     outcome = run_pipeline(
-        Scenario.from_file(SCENARIOS / "escalation-ladder.yaml"), time_scale=120.0, timeout=150.0, oracle=False
+        Scenario.from_file(SCENARIOS / "escalation-ladder.yaml"), time_scale=120.0, timeout=150.0, oracle=True
     )
     events = outcome.judged_ok()
     assert {label: row["expected"] for label, row in events.items()} == {
