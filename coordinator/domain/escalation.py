@@ -14,6 +14,7 @@ own report of its tags is its word, and no VM names the owner of an event it sha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -113,18 +114,8 @@ def take(change: EventChange, rungs: Sequence[Rung], now: datetime, *, cards: bo
     record = change.record
     assert record.decision is not None  # recorded just before
     for rung in rungs:
-        record.escalation.append(
-            EscalationTaken(
-                step=rung.step,
-                of=rung.of,
-                do=rung.do,
-                beforeNotBeforeSeconds=rung.beforeNotBeforeSeconds,
-                at=rung.at,
-                takenAt=now,
-                decisionId=record.decision.decisionId,
-                owners=list(rung.owners),
-            )
-        )
+        taken = {**dataclasses.asdict(rung), "owners": list(rung.owners)}
+        record.escalation.append(EscalationTaken(**taken, takenAt=now, decisionId=record.decision.decisionId))
         if cards:
             raise_alert(change, ESCALATION_KINDS[rung.step - 1], now)
 
