@@ -15,15 +15,20 @@ or VM exercises something a query must include or leave out; the expected result
     reboot-user (User, 3 days)     user-initiated, approved after 1 minute, 15 minutes of notice
     shadow policy (Shadow rows)    a candidate beside the live policy: would have approved reboot-web2 (then waited
                                    again) and freeze-web (as the live did), never reboot-user (two waiting rules)
+    escalation (Decision rows)     reboot-web2's first decision took both steps of its rule's ladder at once (one
+                                   late); reboot-old's too, outside the 7 days
+    repairs (web, db)              web's suspended for freeze-web, then for reboot-user (after a failed Suspend) until
+                                   the bound; db's still suspended for redeploy-db0
     heartbeats                     web_4 lost (silent); web_5 lost then resumed (not silent); db_1 lost 2 days
                                    ago (outside the 1-day lookback)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from coordinator.adapters.history import SqliteHistory
 from coordinator.domain.rows import HistoryRow
@@ -41,6 +46,17 @@ def vm_columns(name: str) -> dict[str, Any]:
         "ScaleSetName": scale_set,
         "PlacementGroupId": f"pg-{scale_set}",
     }
+
+
+class Step(NamedTuple):
+    """An escalation step a decision took: its place in its rule's ladder, what it did, its lead (seconds before
+    NotBefore) and whom it told."""
+
+    step: int
+    of: int
+    do: str
+    lead: int
+    owners: tuple[str, ...] = ()
 
 
 class Event:
@@ -89,7 +105,10 @@ class Event:
             **vm_columns(vm),
         )
 
-    def decided(self, at: datetime, rule: str, action: str, verdict: str, reason: str) -> None:
+    def decided(
+        self, at: datetime, rule: str, action: str, verdict: str, reason: str, *, steps: Sequence[Step] = ()
+    ) -> None:
+        # steps: the escalation steps this decision took, in its Details as the coordinator writes them.
         self._row(
             at,
             "Decision",
@@ -100,7 +119,27 @@ class Event:
             Outcome=verdict,
             Reason=reason,
             DryRun=False,
+            Details=self._escalation(steps),
         )
+
+    def _escalation(self, steps: Sequence[Step]) -> dict[str, Any] | None:
+        # A step's time is NotBefore minus its lead (coordinator/domain/escalation.py).
+        if not steps:
+            return None
+        not_before: datetime = self.columns["NotBefore"]
+        return {
+            "escalation": [
+                {
+                    "step": step.step,
+                    "of": step.of,
+                    "do": step.do,
+                    "beforeNotBeforeSeconds": step.lead,
+                    "at": (not_before - timedelta(seconds=step.lead)).isoformat(),
+                    "owners": list(step.owners),
+                }
+                for step in steps
+            ]
+        }
 
     def moved(self, at: datetime, state: str, reason: str, *, rule: str = "") -> None:
         # An approval's transition names its rule.
@@ -172,6 +211,21 @@ def heartbeat(at: datetime, vm: str, outcome: str, last_seen: datetime, reason: 
     )
 
 
+def repairs(at: datetime, scale_set: str, action: str, outcome: str, events: list[str], *, reason: str) -> HistoryRow:
+    # As coordinator/domain/history_rows.py repairs_row: no event columns, the events in flight in Details.
+    scale_set_id = f"{SUBSCRIPTION}/providers/Microsoft.Compute/virtualMachineScaleSets/{scale_set}"
+    return HistoryRow(
+        TimeGenerated=at,
+        RecordType="Repairs",
+        ScaleSetName=scale_set,
+        Action=action,
+        Actor="coordinator",
+        Outcome=outcome,
+        Reason=reason,
+        Details={"scaleSetId": scale_set_id, "events": events},
+    )
+
+
 def known_rows(now: datetime) -> list[HistoryRow]:
     def ago(**delta: float) -> datetime:
         return now - timedelta(**delta)
@@ -197,7 +251,11 @@ def known_rows(now: datetime) -> list[HistoryRow]:
 
     reboot = Event("reboot-web2", "Reboot", ["web_2"], ago(minutes=165))
     reboot.observed(ago(minutes=180), "web_2")
-    reboot.decided(ago(minutes=180), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
+    # First seen with 15 minutes of notice: past both steps of its rule's ladder, its first decision takes both.
+    ladder = [Step(1, 2, "notify", 1200, ("team-web",)), Step(2, 2, "notify", 900, ("sre-oncall",))]
+    reboot.decided(
+        ago(minutes=180), "everything-else-waits", "wait-for-person", "wait", "waits for a person", steps=ladder
+    )
     reboot.shadow(ago(minutes=180), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
     reboot.shadow(ago(minutes=172), "reboot-off-peak", "approve-now", "approve", "off-peak: approves at once")
     reboot.shadow(ago(minutes=168), "reboot-budget", "wait-for-budget", "wait", "reboot budget spent")
@@ -263,7 +321,7 @@ def known_rows(now: datetime) -> list[HistoryRow]:
 
     old = Event("reboot-old", "Reboot", ["web_0"], ago(days=10) + timedelta(minutes=15))
     old.observed(ago(days=10), "web_0")
-    old.decided(ago(days=10), "everything-else-waits", "wait-for-person", "wait", "waits for a person")
+    old.decided(ago(days=10), "everything-else-waits", "wait-for-person", "wait", "waits for a person", steps=ladder)
     old.moved(ago(days=10) + timedelta(minutes=15), "Expired", "NotBefore passed unapproved")
     rows += old.rows
 
@@ -278,6 +336,19 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     down = ago(days=3) + timedelta(minutes=2, seconds=5)
     user.impact(down + timedelta(seconds=95), "web_1", "restart", 93.5, start=down, end=down + timedelta(seconds=93.5))
     rows += user.rows
+
+    # Repairs held while a disruptive event was in flight on the scale set's VMs (approved or started, not over).
+    in_flight, over = "1 event(s) in flight on its VMs", "every event that wanted them suspended is over"
+    bound = "suspended 7200 s, the bound; its events are still in flight"  # reboot-user has no Completed row
+    day3 = ago(days=3)
+    rows += [
+        repairs(ago(minutes=119), "web", "Suspend", "suspended", ["freeze-web"], reason=in_flight),
+        repairs(ago(minutes=100), "web", "Resume", "resumed", ["freeze-web"], reason=over),
+        repairs(day3 + timedelta(minutes=1), "web", "Suspend", "failed", ["reboot-user"], reason="ARM: HTTP 429"),
+        repairs(day3 + timedelta(minutes=2), "web", "Suspend", "suspended", ["reboot-user"], reason=in_flight),
+        repairs(day3 + timedelta(hours=2, minutes=2), "web", "Resume", "resumed", ["reboot-user"], reason=bound),
+        repairs(ago(minutes=30), "db", "Suspend", "suspended", ["redeploy-db0"], reason=in_flight),
+    ]
 
     rows += [
         heartbeat(ago(minutes=90), "web_4", "lost", ago(minutes=95), "no envelope for 300 s"),

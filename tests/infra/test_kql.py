@@ -34,6 +34,8 @@ REQUIRED = {
     "silent-forwarders.kql",
     "announced-vs-measured.kql",
     "shadow-report.kql",
+    "escalations.kql",
+    "repairs.kql",
 }
 
 

@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 from duckdb import DuckDBPyConnection
 
+from coordinator.adapters.history import SqliteHistory
 from infra import build_workbook
 from ops import kql
 from tests.commands import python_m
 from tests.infra import bicep_model as bm
-from tests.infra.known_history import vm_columns, write_known_history
+from tests.infra.known_history import repairs, vm_columns, write_known_history
 from tests.infra.kql_language import analyze
 
 QUERIES = {path.name: path for path in sorted((bm.INFRA / "queries").glob("*.kql"))}
@@ -223,7 +224,18 @@ def test_cli_runs_a_query_file_and_a_query_text(history_db: Path) -> None:
     table = done.stdout.splitlines()
     assert table[0].split() == ["RecordType", "n"]
     assert sorted(line.split()[0] for line in table[1:]) == sorted(
-        ["Alert", "Approval", "Decision", "Heartbeat", "Hook", "Impact", "Observation", "Shadow", "Transition"]
+        [
+            "Alert",
+            "Approval",
+            "Decision",
+            "Heartbeat",
+            "Hook",
+            "Impact",
+            "Observation",
+            "Repairs",
+            "Shadow",
+            "Transition",
+        ]
     )
 
 
@@ -279,4 +291,59 @@ def test_shadow_report(con: DuckDBPyConnection) -> None:
          "CandidateRule": "user-after-drain", "WouldApproveAt": None, "ApprovedAt": day3 + timedelta(minutes=1),
          "ApprovedBy": "user-initiated", "ExpiredAt": None, "StartedAt": day3 + timedelta(minutes=2),
          "MeasuredSeconds": 93.5, "Differs": True},
+    ]  # fmt: skip
+
+
+def test_escalations(con: DuckDBPyConnection) -> None:
+    # One row per step taken: reboot-web2's first decision, 15 minutes before NotBefore, took both steps of its rule's
+    # ladder at once (the first due 20 minutes before, so 300 s late; the second on time). reboot-old's decision took
+    # them too, 10 days ago: outside the 7 days. The other decisions took no step (no escalation in their Details).
+    rows = shipped(con, "escalations.kql")
+    assert [row | {"Owners": json.loads(row["Owners"])} for row in rows] == [
+        {"TimeGenerated": ago(minutes=180), "EventId": "reboot-web2", "EventType": "Reboot",
+         "Rule": "everything-else-waits", "Step": 1, "Of": 2, "Do": "notify", "LeadSeconds": 1200,
+         "StepAt": ago(minutes=185), "Owners": ["team-web"], "LateSeconds": 300},
+        {"TimeGenerated": ago(minutes=180), "EventId": "reboot-web2", "EventType": "Reboot",
+         "Rule": "everything-else-waits", "Step": 2, "Of": 2, "Do": "notify", "LeadSeconds": 900,
+         "StepAt": ago(minutes=180), "Owners": ["sre-oncall"], "LateSeconds": 0},
+    ]  # fmt: skip
+
+
+def test_repairs(con: DuckDBPyConnection) -> None:
+    # Per scale set, latest suspension first: db's repairs still suspended for redeploy-db0 (no ResumedAt, 30 minutes
+    # so far); web's suspended for freeze-web until it completed, and for reboot-user until the bound (2 hours), after
+    # a Suspend that failed (counted on each of web's rows).
+    rows = shipped(con, "repairs.kql")
+    day3 = ago(days=3)
+    assert [row | {"Events": json.loads(row["Events"])} for row in rows] == [
+        {"ScaleSetName": "db", "SuspendedAt": ago(minutes=30), "ResumedAt": None, "SuspendedMinutes": 30.0,
+         "Events": ["redeploy-db0"], "Failures": 0, "LastFailureReason": None},
+        {"ScaleSetName": "web", "SuspendedAt": ago(minutes=119), "ResumedAt": ago(minutes=100),
+         "SuspendedMinutes": 19.0, "Events": ["freeze-web"], "Failures": 1, "LastFailureReason": "ARM: HTTP 429"},
+        {"ScaleSetName": "web", "SuspendedAt": day3 + timedelta(minutes=2),
+         "ResumedAt": day3 + timedelta(hours=2, minutes=2), "SuspendedMinutes": 120.0, "Events": ["reboot-user"],
+         "Failures": 1, "LastFailureReason": "ARM: HTTP 429"},
+    ]  # fmt: skip
+
+
+def test_repairs_never_suspended_and_suspended_before_the_window(tmp_path: Path) -> None:
+    # api's Suspend only failed: one row, its failures and no suspension. web's repairs were suspended 7 days and an
+    # hour ago and resumed inside the window: that Resume alone shows nothing.
+    path = tmp_path / "repairs.sqlite"
+    store = SqliteHistory(path)
+    store.write([
+        repairs(NOW - timedelta(minutes=20), "api", "Suspend", "failed", ["e-1"], reason="ARM: HTTP 403"),
+        repairs(NOW - timedelta(minutes=19), "api", "Suspend", "failed", ["e-1"], reason="ARM: HTTP 409"),
+        repairs(NOW - timedelta(days=7, hours=1), "web", "Suspend", "suspended", ["e-2"], reason="in flight"),
+        repairs(NOW - timedelta(days=7) + timedelta(hours=1), "web", "Resume", "resumed", ["e-2"], reason="over"),
+    ])  # fmt: skip
+    store.close()
+    con = kql.load(path)
+    try:
+        rows = shipped(con, "repairs.kql")
+    finally:
+        con.close()
+    assert rows == [
+        {"ScaleSetName": "api", "SuspendedAt": None, "ResumedAt": None, "SuspendedMinutes": None, "Events": None,
+         "Failures": 2, "LastFailureReason": "ARM: HTTP 409"},
     ]  # fmt: skip
