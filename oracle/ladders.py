@@ -145,7 +145,7 @@ class _Ladder:
     def _first(self, took: _Taken, name: str) -> Finding | None:
         run, rung = self.run, took.rung
         when = seconds(took.row.at)
-        rule = next((r for r in run.policy.rules if r.name == took.row.rule), None)
+        rule = run.policy.rule(took.row.rule)
         ladder = {index: (do, lead, at) for index, do, lead, at in steps(rule, self.event)} if rule else {}
         if ladder.get(rung.step, ("", 0, 0.0))[:2] != (rung.do, rung.beforeNotBeforeSeconds):
             mine = [(do, lead) for do, lead, _ in ladder.values()]

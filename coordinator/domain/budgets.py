@@ -30,7 +30,7 @@ def impacted_by(record: EventRecord) -> dict[str, set[str]]:
 def budget_limit(policy: Policy, rule_name: str) -> int | None:
     """maxImpacted of the named approve-within-budget rule; None for any other rule (or one no longer there, or a
     percent-only budget: its limit depends on the domain, see ``budget_domains``)."""
-    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    rule = policy.rule(rule_name)
     return rule.budget.maxImpacted if rule is not None and rule.budget is not None else None
 
 
@@ -64,7 +64,7 @@ def budget_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: F
     """The domains the named budget rule counts this event in (empty for any other rule). A scale set's budget
     counts a VM without a scale set under '' as before; the other kinds skip VMs without that domain (a regional
     VM has no zone) rather than lump them together."""
-    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    rule = policy.rule(rule_name)
     if rule is None or rule.budget is None:
         return []
     budget = rule.budget

@@ -87,7 +87,7 @@ def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[
     the affected VMs that reported the prepare phase succeeded (each one's listener checks its own ledger);
     empty for any other rule. A VM approved past the hook deadline without success is not listed: the decision
     did not rest on it."""
-    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    rule = policy.rule(rule_name)
     if rule is None or rule.action != "approve-after-hooks":
         return []
     affected = record.resources or sorted(record.vms)
@@ -96,7 +96,7 @@ def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[
 
 def callback_of(policy: Policy, rule_name: str) -> Callback:
     """The callback the named rule asks for; "relay" for a person's approval or a rule no longer there."""
-    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    rule = policy.rule(rule_name)
     return rule.callback if rule is not None else "relay"
 
 
@@ -136,7 +136,7 @@ def escalated(
     steps reached; an approval when the last of them approves, unless a blackout is open or ``held`` names what
     else holds it (pipeline/decide.py: an approval the census, a delete or a budget claim held after the rules).
     A decision that already carries its steps is left as it is."""
-    rule = next((r for r in policy.rules if r.name == decision.rule), None)
+    rule = policy.rule(decision.rule)
     if decision.verdict != "wait" or decision.escalation or rule is None or not rule.escalate:
         return decision
     # A wait-for-person rule is never held by a blackout (it approves nothing): its approve step must be.

@@ -67,7 +67,7 @@ def approval_bound(
     next blackout's start, and unless the rule approved at the deadline (``at_deadline``: its window or gates held,
     and NotBefore let it go), its window's end and its gates' results' age limit. None: nothing ends it (no
     NotBefore, no blackout, no window, no gate)."""
-    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    rule = policy.rule(rule_name)
     bounds = [Bound(blackout.next_open(now), f"blackout {blackout.name!r} opens") for blackout in policy.blackouts]
     if record.notBefore is not None:
         bounds.append(Bound(record.notBefore, "the event's NotBefore"))

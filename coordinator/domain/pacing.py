@@ -74,7 +74,7 @@ def pace_domains(policy: Policy, rule_name: str, record: EventRecord, fleet: Fle
     there). A rate per domain counts the event once in each domain its VMs are in
     (VMs without that domain, e.g. a regional VM for ``zone``, are not counted; a scale set's counts VMs without one
     under ''); a sequence counts the domains its VMs are in (none: the sequence does not hold it)."""
-    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    rule = policy.rule(rule_name)
     if rule is None:
         return []
     rate, sequence = rule.rate, rule.sequence

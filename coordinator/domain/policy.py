@@ -282,8 +282,17 @@ class Policy(_Strict):
         comment or a reformatted line leaves it alone; any rule, gate, blackout or option changed changes it)."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
+    def rule(self, name: str) -> Rule | None:
+        """The rule of that name (names are unique), None when the policy has none: the one lookup every decision,
+        budget, pacing and expiry step makes of the rule that decided."""
+        return self._by_name.get(name)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Rule]:
+        return {rule.name: rule for rule in self.rules}
+
     def gates_of(self, rule_name: str) -> list[str]:
-        rule = next((r for r in self.rules if r.name == rule_name), None)
+        rule = self.rule(rule_name)
         return list(rule.gates) if rule is not None else []
 
     @property

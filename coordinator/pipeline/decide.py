@@ -35,7 +35,6 @@ from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.history_rows import decision_row
 from coordinator.domain.lifecycle import EventChange, clone, raise_alert
-from coordinator.domain.matching import first_match
 from coordinator.domain.model import (
     ApprovalRecord,
     DecisionRecord,
@@ -171,15 +170,8 @@ def redecide(run: Run, record: EventRecord | None) -> EventChange | None:
 
 
 def _gate_results(run: Run, record: EventRecord, view: FleetView) -> dict[str, GateResult]:
-    """The gates of the rule the event matches (and of the rule it matches without tags, which a tag rule that may
-    not widen falls back to), read once per batch/tick."""
-    if not run.policy.gates:
-        return {}
-    names: set[str] = set()
-    for candidate in (view, view.untagged()):
-        rule = first_match(run.policy, record, run.now, candidate)
-        names.update(rule.gates if rule is not None else [])
-    return run.fleet.gates(run.policy, run.parts.monitor).results(sorted(names)) if names else {}
+    """The gates of the rule the event matches, read once per batch/tick (``Fleet.rule_gates``)."""
+    return run.fleet.rule_gates(run.policy, run.parts.monitor, record, run.now, view)
 
 
 def decided_again(approval: ApprovalRecord, now: datetime, *, dry_run: bool) -> bool:

@@ -25,9 +25,10 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.census import CensusView
 from coordinator.adapters.gates import GateReader, MonitorReader
 from coordinator.domain.census import disagreements
-from coordinator.domain.controls import VmFacts
+from coordinator.domain.controls import GateResult, VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS, leaving_vms
 from coordinator.domain.fleet_view import FleetView
+from coordinator.domain.matching import first_match
 from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.policy import Policy
 from coordinator.pipeline.budget_claims import BudgetClaims
@@ -66,6 +67,19 @@ class Fleet:
         if id(policy) not in self._gates:
             self._gates[id(policy)] = GateReader(policy.gates, monitor=monitor)
         return self._gates[id(policy)]
+
+    def rule_gates(
+        self, policy: Policy, monitor: MonitorReader | None, record: EventRecord, now: datetime, view: FleetView
+    ) -> dict[str, GateResult]:
+        """The results of the gates of the rule ``policy`` matches for the event (and of the rule it matches without
+        tags, which a tag rule that may not widen falls back to), each read once per batch/tick."""
+        if not policy.gates:
+            return {}
+        names: set[str] = set()
+        for candidate in (view, view.untagged()):
+            rule = first_match(policy, record, now, candidate)
+            names.update(rule.gates if rule is not None else [])
+        return self.gates(policy, monitor).results(sorted(names)) if names else {}
 
     def note_vms(self, records: Iterable[VmRecord]) -> None:
         """The VMs of this batch as their envelopes just said (see ``FleetCache.note_vms``). With ARM's census,

@@ -19,7 +19,6 @@ from coordinator.domain.evaluation import evaluate, needs_fleet
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.history_rows import shadow_row
 from coordinator.domain.lifecycle import EventChange
-from coordinator.domain.matching import first_match
 from coordinator.domain.side_records import ShadowVerdict
 from coordinator.pipeline.run import Run
 
@@ -33,9 +32,7 @@ def consider(run: Run, change: EventChange) -> None:
         return
     needed = needs_fleet(shadow, record, now)
     view = run.fleet.view(census=shadow.needs_census) if needed else FleetView()
-    rules = (first_match(shadow, record, now, v) for v in (view, view.untagged()))
-    names = {name for rule in rules if rule is not None for name in rule.gates}
-    gates = run.fleet.gates(shadow, run.parts.monitor).results(sorted(names)) if names else {}
+    gates = run.fleet.rule_gates(shadow, run.parts.monitor, record, now, view)
     decision = evaluate(shadow, record, view, now, gates=gates)
     previous = record.shadow
     if previous is not None and (previous.rule, previous.verdict, previous.reason, previous.policyVersion) == (

@@ -324,7 +324,7 @@ def _step_points(
 ) -> list[Point]:
     """The instants after ``after`` the named rule's escalation steps would be taken at (``_Event.step_instant``),
     each with the history's position then and the recorded decision in force."""
-    rule = next((r for r in policy.rules if r.name == rule_name), None)
+    rule = policy.rule(rule_name)
     if rule is None or record.notBefore is None:
         return []
     points: list[Point] = []
