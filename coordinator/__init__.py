@@ -37,6 +37,8 @@ __all__ = [
 __all__ += [
     "DEFAULT_POLICY_PATH",
     "IN_RUN_DELIVERY",
+    "RETURNING_TYPES",
+    "RETURN_WATCH_LIMIT",
     "UNPEERED_ALLOWANCE",
     "Decision",
     "FleetView",
@@ -113,6 +115,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "coordinator.domain.model": ("TERMINAL_STATES", "AlertKind", "DecisionRecord", "EventRecord", "VmSighting"),
     "coordinator.domain.policy": ("HooksOption", "Match", "Policy", "RateOption", "Rule", "SequenceOption"),
     "coordinator.domain.policy_file": ("DEFAULT_POLICY_PATH", "PolicyError", "load_policy", "parse_policy"),
+    "coordinator.domain.returns": ("RETURN_WATCH_LIMIT", "RETURNING_TYPES"),
     "coordinator.domain.rows": ("HistoryRow", "column_types", "history_schema"),
     "coordinator.http": (
         "APPROVE_ROLE",
@@ -157,6 +160,7 @@ if TYPE_CHECKING:
     from coordinator.domain.model import TERMINAL_STATES, AlertKind, DecisionRecord, EventRecord, VmSighting
     from coordinator.domain.policy import HooksOption, Match, Policy, RateOption, Rule, SequenceOption
     from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
+    from coordinator.domain.returns import RETURN_WATCH_LIMIT, RETURNING_TYPES
     from coordinator.domain.rows import HistoryRow, column_types, history_schema
     from coordinator.http import APPROVE_ROLE, FORM_KEY_NAME, READ_ROLE, Access, Response, approve, pending_events
     from coordinator.pipeline.bindings import Wanted, remember

@@ -1,11 +1,12 @@
 """Local health pages for a policy's HTTP gates, whose behaviour a scenario changes while it plays.
 
-A policy run locally names a gate's page ``http://local-gates/{name}``; the stack serves every such gate from one
-``GateServer`` on 127.0.0.1 and hands the coordinator a copy of the policy with those URLs pointing at it
-(``rewrite_policy``). Each page answers as its current behaviour says (``emulators.imds.models.GateStep``): passing
-(200), failing (503), slow (200 after a delay), trickle (200 at once, the body a byte at a time), dead (accepted,
-never answered). Every change is logged with its wall-clock time: what an oracle needs to know which answers a
-gate gave when.
+A policy run locally names a gate's page ``http://local-gates/{name}`` (a gate read for one VM:
+``http://local-gates/{name}/{vm}``, each VM's page answering as its gate until a step sets ``{name}/{vm}``); the
+stack serves every such gate from one ``GateServer`` on 127.0.0.1 and hands the coordinator a copy of the policy
+with those URLs pointing at it (``rewrite_policy``). Each page answers as its current behaviour says
+(``emulators.imds.models.GateStep``): passing (200), failing (503), slow (200 after a delay), trickle (200 at once,
+the body a byte at a time), dead (accepted, never answered). Every change is logged with its wall-clock time: what
+an oracle needs to know which answers a gate gave when.
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ class GateServer:
             self.log.append(GateChange(datetime.now(UTC), name, behaviour, delay_seconds))
 
     def answer(self, name: str) -> tuple[GateBehaviour, float] | None:
+        """The page ``name`` as set; a gate read for one VM (``http://local-gates/ready/{vm}``: ``ready/web_0``)
+        answers as set for that VM, else as its gate (``ready``)."""
         with self._lock:
-            return self.behaviour.get(name)
+            return self.behaviour.get(name) or self.behaviour.get(name.split("/", 1)[0])
 
     def wait(self, seconds: float) -> bool:
         """Sleeps ``seconds`` unless the server stops first (True then)."""

@@ -40,7 +40,7 @@ from decimal import Decimal
 from fractions import Fraction
 from functools import cached_property
 
-from coordinator import HooksOption, RateOption, Rule, SequenceOption
+from coordinator import RETURN_WATCH_LIMIT, RETURNING_TYPES, HooksOption, RateOption, Rule, SequenceOption
 from oracle.facts import INF, Facts
 from oracle.intervals import EMPTY, Intervals, seconds
 from oracle.rules import SEND_MARGIN, choose, ladder_approval, ladder_approves, match_breakpoints, steps
@@ -320,11 +320,22 @@ class Judge:
             lag = run.bounds.conclude + (
                 run.truth.options.retireGraceSeconds if other.eventType in ("Terminate", "Preempt") else 0.0
             )
+            lag += self._returning(other, at)
             holds = (approved <= at + run.slack or run.started_at(other) <= at) and concluded + lag > at
             competes = at in run.scheduled(other) and self._ahead(other) and self._may_approve(other, at)
             if holds or competes:
                 taken |= names
         return taken
+
+    def _returning(self, other: Event, at: float) -> float:
+        """How long after ``other`` concluded its VMs may still count impacted: its rule's ``returnToService`` keeps
+        them until they are back in service (recover hooks done, gates passing), at most its bound and the watch's
+        limit after it; the oracle does not read readiness, so it allows the whole of that."""
+        if other.eventType not in RETURNING_TYPES:
+            return 0.0
+        rule, _ = choose(self.run.policy, other, self.run.vms, at)
+        back = rule.returnToService if rule is not None else None
+        return 0.0 if back is None else back.withinSeconds + RETURN_WATCH_LIMIT.total_seconds()
 
     def _ahead(self, other: Event) -> bool:
         """Whether ``other`` comes first for a budget slot: closer to its NotBefore (then by EventId)."""

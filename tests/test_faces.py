@@ -54,6 +54,8 @@ EXPORTED = [
     "Policy",
     "PolicyError",
     "READ_ROLE",
+    "RETURNING_TYPES",
+    "RETURN_WATCH_LIMIT",
     "RateOption",
     "RawMessage",
     "RelayApprovalSender",

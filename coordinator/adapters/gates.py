@@ -12,7 +12,8 @@ can stand in for (no local Azure Monitor exists).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from azure.core.credentials import TokenCredential
@@ -29,6 +30,8 @@ ALERTS_API_VERSION = "2019-05-05-preview"
 # The total deadline of one Azure Monitor read (the token, the request, every byte of the answer): a gate is read
 # once per batch or tick, which waits for it.
 MONITOR_DEADLINE_SECONDS = 10.0
+# Gates read for one VM each (a return to service's readiness) at once: each has its own deadline.
+VM_GATE_WORKERS = 8
 # Bytes of a probe's or query's answer read at most: a gate needs a status or a row count, never a page.
 MAX_ANSWER_BYTES = 1 << 20
 
@@ -154,11 +157,28 @@ class GateReader:
                 self._results[name] = self._read(name)
         return {name: self._results[name] for name in names}
 
-    def _read(self, name: str) -> GateResult:
+    def for_vms(self, names: Sequence[str], vms: Sequence[str]) -> dict[str, dict[str, GateResult]]:
+        """The gates ``names`` as read for each VM of ``vms`` (a gate naming ``{vm}`` once per VM, any other once),
+        the per-VM reads ``VM_GATE_WORKERS`` at a time, each within its own deadline: a slow readiness page for a
+        hundred VMs costs a tick its deadline a tenth as many times, not a hundred."""
+        fleet = [name for name in names if not self._per_vm(name)]
+        shared = self.results(fleet) if fleet else {}
+        wanted = [(name, vm) for vm in vms for name in names if self._per_vm(name)]
+        read: dict[tuple[str, str], GateResult] = {}
+        with ThreadPoolExecutor(max_workers=VM_GATE_WORKERS, thread_name_prefix="gate") as pool:
+            read.update(zip(wanted, pool.map(lambda pair: self._read(pair[0], vm=pair[1]), wanted), strict=True))
+        return {vm: {name: shared[name] if name in shared else read[(name, vm)] for name in names} for vm in vms}
+
+    def _per_vm(self, name: str) -> bool:
+        gate = self._gates.get(name)
+        return gate is not None and gate.per_vm
+
+    def _read(self, name: str, *, vm: str = "") -> GateResult:
         gate = self._gates.get(name)
         if gate is None:
             return GateResult("error", "not defined in the policy")
         try:
+            gate = gate.for_vm(vm) if vm else gate  # a name that cannot go into it: the gate's error
             if gate.http is not None:
                 return self._probe(gate.http)
             if self._monitor is None:
@@ -171,7 +191,7 @@ class GateReader:
             passing = (rows == 0) == (gate.logQuery.passWhen == "empty")
             return GateResult("passing" if passing else "failing", f"query returned {rows} rows")
         except Exception as error:  # any failure to read is the gate's error, held like a failure
-            log.warning("gate %s could not be read: %s", name, error)
+            log.warning("gate %s%s could not be read: %s", name, f" for {vm}" if vm else "", error)
             return GateResult("error", f"{type(error).__name__}: {str(error)[:200]}")
 
     def _probe(self, gate: HttpGate) -> GateResult:

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from coordinator.domain.model import AlertKind, EventRecord, VmRecord
+from coordinator.domain.side_records import VmReturn
 
 CARD_VERSION = "1.4"
 MAX_CARD_BYTES = 28 * 1024  # Teams refuses larger messages ("Request entity too large").
@@ -29,6 +30,7 @@ _TITLES: dict[str, tuple[str, str]] = {
     "heartbeat-lost": ("VM heartbeat lost", "Attention"),
     "forwarder-conflict": ("Two forwarders report as one VM", "Attention"),
     "imds-failing": ("Forwarder alive, IMDS failing", "Attention"),
+    "return-late": ("Not back in service in time", "Attention"),
 }
 # The new-event card of an event no rule approves: it is the card that asks a person (see _explain).
 NEEDS_PERSON_TITLE = "New scheduled event needs a person's approval"
@@ -74,6 +76,14 @@ def _explain(kind: AlertKind, record: EventRecord) -> str:
         return (
             f"{record.conflictCount} sighting(s) contradict the facts on record; the latest, from {last.vm}, claims "
             f"{claims}. The record keeps its facts; a VM approves only what its own IMDS document shows."
+        )
+    if kind == "return-late" and record.returnToService is not None:
+        watch = record.returnToService
+        late = [f"{name}: {vm.waiting}" for name, vm in sorted(watch.vms.items()) if vm.status == "late"]
+        return (
+            f"Completed at {watch.since.isoformat()}; rule '{watch.rule}' wants its VMs back in service by "
+            f"{watch.bound.isoformat()}. Not back: {'; '.join(late[:10]) or 'none now'}. They still count as "
+            "impacted in every budget until they are."
         )
     return ""
 
@@ -198,6 +208,9 @@ def build_card(
         announced = "not announced" if record.durationInSeconds < 0 else f"announced {record.durationInSeconds} s"
         shown_impacts = "; ".join(impacts[:20]) + (f" … (+{len(impacts) - 20})" if len(impacts) > 20 else "")
         facts.append(_fact("Impact measured", f"{shown_impacts} ({announced})"))
+    if record.returnToService is not None:
+        returns = [f"{name}: {_return(vm)}" for name, vm in sorted(record.returnToService.vms.items())]
+        facts.append(_fact("Return to service", "; ".join(returns[:20]) + (" …" if len(returns) > 20 else "")))
     body: list[dict[str, Any]] = [
         {
             "type": "TextBlock",
@@ -218,6 +231,12 @@ def build_card(
     if approve_url and record.state == "Scheduled" and asks:
         actions.append({"type": "Action.OpenUrl", "title": "Approve now", "url": approve_url})
     return _envelope(body, actions)
+
+
+def _return(vm: VmReturn) -> str:
+    if vm.status == "back" and vm.seconds is not None:
+        return f"back after {vm.seconds:.0f} s"
+    return f"{vm.status} ({vm.waiting})" if vm.waiting else vm.status
 
 
 def build_vm_card(

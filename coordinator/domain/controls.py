@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from croniter import CroniterBadDateError, croniter
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# A gate read for one VM names it so (domain/returns.py); what may replace it (Azure's VM names).
+VM_PLACEHOLDER = "{vm}"
+_VM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 DomainKind = Literal["scaleSet", "zone", "faultDomain", "updateDomain", "placementGroup"]
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?$")
 # A window or blackout longer than a week is a policy mistake rather than a schedule (a whole week is "always").
@@ -163,6 +167,25 @@ class Gate(_Strict):
         given = [kind for kind in ("http", "alert", "logQuery") if getattr(self, kind) is not None]
         if len(given) != 1:
             raise ValueError(f"a gate is exactly one of http, alert, logQuery; got {given or 'none'}")
+        return self
+
+    @property
+    def per_vm(self) -> bool:
+        """Whether the gate is read for one VM: its URL or query names ``{vm}`` (a return to service's readiness)."""
+        return VM_PLACEHOLDER in (self.http.url if self.http else self.logQuery.query if self.logQuery else "")
+
+    def for_vm(self, name: str) -> Gate:
+        """This gate as read for the VM ``name``: ``{vm}`` in its URL (percent-encoded) or query (a KQL string's
+        content). Names are Azure's (a census' or attested name: letters, digits, '-', '_', '.'); any other is
+        refused, so that no name can change what the query or URL asks."""
+        if not _VM_NAME.fullmatch(name):
+            raise ValueError(f"VM name {name[:80]!r} cannot be put in a gate (only letters, digits, '-', '_', '.')")
+        if self.http is not None:
+            url = self.http.url.replace(VM_PLACEHOLDER, urllib.parse.quote(name, safe=""))
+            return self.model_copy(update={"http": self.http.model_copy(update={"url": url})})
+        if self.logQuery is not None:
+            query = self.logQuery.query.replace(VM_PLACEHOLDER, name)
+            return self.model_copy(update={"logQuery": self.logQuery.model_copy(update={"query": query})})
         return self
 
 

@@ -144,8 +144,8 @@ class FleetView:
         taken: set[str] = set()
         for record in holding:
             taken.add(record.eventId)
-            every.update(record.resources)
-            for name in record.resources:
+            every.update(record.impacting)
+            for name in record.impacting:
                 impacted.setdefault(scale_set_of(record, name), set()).add(name)
         return cls(
             {k: frozenset(v) for k, v in impacted.items() if k},

@@ -388,18 +388,24 @@ def impact_row(
     now: datetime,
     vm: VmIdentity,
     measure: str,
-    measured_seconds: float,
+    measured_seconds: float | None,
     start: datetime | None,
     end: datetime | None,
     observed_at: datetime,
     sequence: int,
     actor: str,
     details: dict[str, Any] | None = None,
+    outcome: str = "",
+    reason: str = "",
+    returned: tuple[str, float | None] = ("", None),
 ) -> HistoryRow:
     """What ``record`` did to ``vm``: the announced DurationInSeconds (an event column) beside the measured
     seconds, how they were measured (``pause``, ``restart`` or ``removed``) and the stretch measured. ``actor``
-    says who measured it: the VM's forwarder, or the coordinator for a VM that is gone."""
+    says who measured it: the VM's forwarder, or the coordinator for a VM that is gone. A return to service
+    (``return-to-service``, domain/returns.py) has its own ``outcome`` (back | late | abandoned) and ``reason``, and
+    ``returned``: the rule that asked for it and the seconds from the completion to the VM back (None: not back)."""
     announced = "not announced" if record.durationInSeconds < 0 else f"announced {record.durationInSeconds} s"
+    rule, returned_seconds = returned
     return HistoryRow(
         TimeGenerated=now,
         RecordType="Impact",
@@ -408,11 +414,13 @@ def impact_row(
         ObservedAt=observed_at,
         Sequence=sequence,
         Actor=actor,
-        Outcome=measure,
-        Reason=f"{record.eventType} {measure}: measured {measured_seconds:.1f} s, {announced}",
+        Rule=rule,
+        Outcome=outcome or measure,
+        Reason=reason or f"{record.eventType} {measure}: measured {measured_seconds or 0:.1f} s, {announced}",
         ImpactMeasure=measure,
-        MeasuredSeconds=round(measured_seconds, 3),
+        MeasuredSeconds=None if measured_seconds is None else round(measured_seconds, 3),
         ImpactStart=start,
         ImpactEnd=end,
+        ReturnToServiceSeconds=None if returned_seconds is None else round(returned_seconds, 3),
         Details=details,
     )

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.envelope import VmIdentity
-from coordinator.domain.side_records import EscalationTaken, ShadowVerdict
+from coordinator.domain.side_records import EscalationTaken, ReturnWatch, ShadowVerdict
 
 State = Literal["Scheduled", "Approved", "Started", "Completed", "Canceled", "Expired"]
 TERMINAL_STATES: frozenset[str] = frozenset({"Completed", "Canceled"})
@@ -42,8 +42,9 @@ AlertKind = Literal[
     "escalation-6",
     "escalation-7",
     "escalation-8",
+    "return-late",
 ]
-ESCALATION_KINDS: tuple[AlertKind, ...] = get_args(AlertKind)[-8:]  # escalation-1 ... escalation-8
+ESCALATION_KINDS: tuple[AlertKind, ...] = get_args(AlertKind)[-9:-1]  # escalation-1 ... escalation-8
 
 
 class VmSighting(BaseModel):
@@ -242,6 +243,8 @@ class EventRecord(BaseModel):
     escalation: list[EscalationTaken] = Field(default_factory=list)
     # The shadow policy's verdict, when one is configured (pipeline/shadow.py): recorded, never sent.
     shadow: ShadowVerdict | None = None
+    # Once Completed, its VMs' way back in service (domain/returns.py); None when its rule asks for none.
+    returnToService: ReturnWatch | None = None
     alerts: list[str] = Field(default_factory=list)
     # The alert outbox: kinds recorded by the write that made their transition, cleared once the card is sent.
     # ``pendingSince`` (when the oldest was recorded) lets the timer take over from a sender that crashed.
@@ -281,6 +284,18 @@ class EventRecord(BaseModel):
         once the event has left Scheduled): the timer keeps such an event in view after it concluded."""
         approval = self.approval
         return approval is not None and not approval.delivered and not approval.outcome
+
+    @property
+    def returning(self) -> list[str]:
+        """Its VMs not back in service yet: the event concluded, and they still count as impacted."""
+        watch = self.returnToService
+        return watch.watched if watch is not None and watch.doneAt is None else []
+
+    @property
+    def impacting(self) -> list[str]:
+        """The VMs it impacts while it holds a budget (``fleet_cache.holds_budget``): those it names while open, then
+        those not back in service."""
+        return self.resources if self.open else self.returning
 
     @property
     def scale_sets(self) -> set[str]:

@@ -29,6 +29,7 @@ __all__ = [
     "Match",
     "Policy",
     "RateOption",
+    "ReturnToService",
     "Rule",
     "SequenceOption",
     "TimeWindow",
@@ -184,6 +185,19 @@ class EscalationStep(_Strict):
         return self
 
 
+MIN_RETURN_SECONDS, MAX_RETURN_SECONDS = 60, 86400
+
+
+class ReturnToService(_Strict):
+    """What "back in service" means after a Freeze, Reboot or Redeploy this rule decided completes (domain/returns.py):
+    each affected VM's recover hooks done (succeeded, or none installed) and every gate of ``gates`` passing for it
+    (an HTTP gate's URL or a query may name the VM as ``{vm}``), within ``withinSeconds`` of the completion. Until
+    then the VM counts as impacted in every budget; one not back in time raises a card and a row."""
+
+    withinSeconds: int = Field(ge=MIN_RETURN_SECONDS, le=MAX_RETURN_SECONDS)
+    gates: list[str] = Field(default_factory=list, max_length=8, description="named gates a returned VM must pass")
+
+
 class Rule(_Strict):
     name: str = Field(min_length=1, max_length=128)
     description: str = ""
@@ -211,6 +225,8 @@ class Rule(_Strict):
     trustTags: bool = False
     # Steps by time left to NotBefore while this rule has not approved (coordinator/domain/escalation.py).
     escalate: list[EscalationStep] = Field(default_factory=list, max_length=MAX_STEPS)
+    # After the event completes: when its VMs count as back in service (coordinator/domain/returns.py).
+    returnToService: ReturnToService | None = None
 
     @model_validator(mode="after")
     def _ladder(self) -> Rule:
@@ -274,6 +290,18 @@ class Policy(_Strict):
             unknown = [name for name in rule.gates if name not in self.gates]
             if unknown:
                 raise ValueError(f"rule {rule.name!r} names gates {unknown} that 'gates:' does not define")
+            back = rule.returnToService
+            unknown = [name for name in back.gates if name not in self.gates] if back is not None else []
+            if unknown:
+                raise ValueError(
+                    f"rule {rule.name!r}: returnToService names gates {unknown} that 'gates:' does not define"
+                )
+            per_vm = [name for name in rule.gates if self.gates[name].per_vm]
+            if per_vm:
+                raise ValueError(
+                    f"rule {rule.name!r} gates its approvals on {per_vm}, which name {{vm}}: a gate read for one VM "
+                    "serves only 'returnToService'"
+                )
         return self
 
     @functools.cached_property

@@ -84,6 +84,7 @@ class HistoryRow(BaseModel):
     MeasuredSeconds: float | None = None
     ImpactStart: datetime | None = None
     ImpactEnd: datetime | None = None
+    ReturnToServiceSeconds: float | None = None
     RecordId: str = ""
 
     @model_validator(mode="after")

@@ -1,13 +1,15 @@
 """Records an event keeps beside its own decision: the escalation steps taken (``EventRecord.escalation``; the steps
-themselves: domain/escalation.py) and the shadow policy's verdict (``EventRecord.shadow``: pipeline/shadow.py)."""
+themselves: domain/escalation.py), the shadow policy's verdict (``EventRecord.shadow``: pipeline/shadow.py) and its
+VMs' return to service once it completed (``EventRecord.returnToService``: domain/returns.py)."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EscalationTaken", "ShadowVerdict"]
+__all__ = ["EscalationTaken", "ReturnWatch", "ShadowVerdict", "VmReturn"]
 
 
 class EscalationTaken(BaseModel):
@@ -40,3 +42,39 @@ class ShadowVerdict(BaseModel):
     decidedAt: datetime
     policyVersion: str
     approveAt: datetime | None = None
+
+
+ReturnStatus = Literal["returning", "back", "late", "abandoned"]
+
+
+class VmReturn(BaseModel):
+    """One VM's way back: ``returning`` until its recover hooks are done and its gates pass, ``late`` once the bound
+    passed first (still counted impacted), ``back`` (when, how many seconds after the completion), ``abandoned``
+    when no longer watched (domain/returns.py, ``RETURN_WATCH_LIMIT`` past the bound); ``waiting``: why not back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    status: ReturnStatus = "returning"
+    backAt: datetime | None = None
+    seconds: float | None = None
+    waiting: str = ""
+
+
+class ReturnWatch(BaseModel):
+    """The return to service of a completed event's VMs, under its rule's ``returnToService``: since the completion,
+    until the bound, with the gates a VM must pass; each VM's status by name."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rule: str
+    since: datetime
+    bound: datetime
+    gates: list[str] = Field(default_factory=list)
+    vms: dict[str, VmReturn] = Field(default_factory=dict)
+    # When the last VM came back or was abandoned (None while any is watched): a sequence's gap runs from then.
+    doneAt: datetime | None = None
+
+    @property
+    def watched(self) -> list[str]:
+        """The VMs not back yet (returning or late): each still counts as impacted."""
+        return sorted(name for name, vm in self.vms.items() if vm.status in ("returning", "late"))

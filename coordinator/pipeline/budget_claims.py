@@ -251,8 +251,9 @@ class BudgetClaims:
             event = events.get(event_id)
             if event is None or event.approval is None:
                 gone[event_id] = None
-            elif not event.open and is_sequence(state.scaleSet):
-                gone[event_id] = event.stateSince
+            elif not holds_budget(event) and is_sequence(state.scaleSet):
+                done = event.returnToService.doneAt if event.returnToService is not None else None
+                gone[event_id] = done or event.stateSince
         return settled(state, gone) if gone else state
 
     def spent(self, state: BudgetRecord, now: datetime) -> bool:

@@ -42,7 +42,7 @@ from coordinator.domain.model import (
 )
 from coordinator.domain.pacing import pace_domains
 from coordinator.domain.policy import Policy
-from coordinator.pipeline import attempt, shadow
+from coordinator.pipeline import attempt, returns, shadow
 from coordinator.pipeline.fleet_cache import by_not_before
 from coordinator.pipeline.run import Run
 from coordinator.state.events import commit_event, read_event
@@ -206,6 +206,7 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
     anew now whatever its retry time (a delivery run sends it again: pipeline/handover.py)."""
     record = change.record
     if record.state != "Scheduled":
+        returns.follow(run, change)  # once completed: its VMs' way back in service
         return
     shadow.consider(run, change)  # the candidate policy's verdict first, whatever the live one does next
     pending = record.approval
@@ -423,8 +424,8 @@ def release_budgets(run: Run) -> None:
         except Exception:  # the claim lapses by itself; the run's real work is done
             log.exception("budget of %s: releasing the claim of withdrawn %s failed", key, event_id)
     for record in run.work.records.values():
-        if record.open or record.approval is None:
-            continue
+        if record.open or record.approval is None or record.returning:
+            continue  # open, or VMs not back in service: their claims hold until the run that sees them back
         # Approvals from before budget domains name no keys: their claims were on their scale sets.
         keys = record.approval.budgetKeys or (
             sorted(impacted_by(record)) if budget_limit(run.policy, record.approval.rule) else []
@@ -434,6 +435,7 @@ def release_budgets(run: Run) -> None:
         for key in keys:
             try:
                 # Concluded: a sequence's gap runs from now on; a rate's approval counts until it ages out.
-                run.fleet.budgets.release(key, record.eventId, concluded_at=record.stateSince)
+                done = record.returnToService.doneAt if record.returnToService is not None else None
+                run.fleet.budgets.release(key, record.eventId, concluded_at=done or record.stateSince)
             except Exception:  # the claim lapses by itself; the batch's real work is done
                 log.exception("budget of %s: releasing the claim of %s failed", key, record.eventId)

@@ -174,7 +174,7 @@ class Fleet:
         for name in wanted:
             for other in self._noted_by_vm.get(name, ()):
                 noted, ids = self._noted[other], held.setdefault(name, set())
-                if holds_budget(noted) and name in noted.resources:
+                if holds_budget(noted) and name in noted.impacting:
                     ids.add(other)
                 else:
                     ids.discard(other)  # this run concluded it (or it no longer names the VM)

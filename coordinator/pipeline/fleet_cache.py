@@ -89,9 +89,12 @@ def waits_for_budget(record: EventRecord) -> bool:
 
 
 def holds_budget(record: EventRecord) -> bool:
-    """An event impacts its VMs from the approval until it is gone. An Expired event whose approval was decided
-    keeps its slots too: the platform starts it at NotBefore anyway."""
-    return record.open and (record.state in ("Approved", "Started") or record.approval is not None)
+    """An event impacts its VMs from the approval until it is gone, then those not back in service yet (its rule's
+    ``returnToService``: ``EventRecord.impacting``). An Expired event whose approval was decided keeps its slots
+    too: the platform starts it at NotBefore anyway."""
+    if not record.open:
+        return bool(record.returning)
+    return record.state in ("Approved", "Started") or record.approval is not None
 
 
 class _Part(Generic[R]):
@@ -244,6 +247,8 @@ class FleetCache:
             self._concluded[event_id] = record.revision
             while len(self._concluded) > CONCLUDED_KEPT:
                 self._concluded.popitem(last=False)
+            if holds_budget(record):  # VMs not back in service: still impacted
+                self._hold(record)
             return
         self._events[event_id] = record
         if record.eventType == "Terminate":
@@ -258,12 +263,12 @@ class FleetCache:
 
     def _hold(self, record: EventRecord) -> None:
         self._holding[record.eventId] = record
-        for name in record.resources:
+        for name in record.impacting:
             self._holding_by_vm.setdefault(name, set()).add(record.eventId)
 
     def _unhold(self, event_id: str) -> None:
         held = self._holding.pop(event_id, None)
-        for name in held.resources if held is not None else ():
+        for name in held.impacting if held is not None else ():
             ids = self._holding_by_vm.get(name)
             if ids is not None:
                 ids.discard(event_id)

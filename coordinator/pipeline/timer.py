@@ -25,7 +25,7 @@ from coordinator.domain.history_rows import heartbeat_row, impact_row, position_
 from coordinator.domain.lifecycle import EventChange, advance, approval_step, clone, raise_alert, sender_gone
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline import attempt, decide, outbox, repairs, tail
+from coordinator.pipeline import attempt, decide, outbox, repairs, returns, tail
 from coordinator.pipeline.bindings import BACKLOG_SECONDS, StoreOutage, write_backlog
 from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
 from coordinator.pipeline.record import adopt
@@ -96,6 +96,8 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     retired.update({vm.identity.name: vm.retired.eventId for g in groups for vm in g.record.vms.values() if vm.retired})
     report.vms_retired = sum(1 for row in work.rows if row.Outcome == "retired")
     logs, settled, settled_vms = outbox.sent_logs(run)
+    # Concluded events with work left; VMs back in service first: their budget is free for what this tick decides.
+    closed = returns.watch(run, store.closed_events_with_pending_alerts())
     changes: list[EventChange] = []
     # Closest to NotBefore first: when budget is short, the event that would start unapproved soonest gets it.
     for stored in sorted(open_events.values(), key=lambda s: by_not_before(s.record)):
@@ -121,7 +123,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
         retry_due(run, record)
         outbox.queue_pending(record, now, work, settled)
     report.events_changed += decide.release_held(run, changes)
-    for stored in store.closed_events_with_pending_alerts():
+    for stored in closed:
         outbox.queue_pending(concluded_unanswered(run, stored), now, work, settled)
     for group in groups:
         for position in group.record.vms.values():

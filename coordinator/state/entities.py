@@ -182,8 +182,10 @@ def event_entity(record: EventRecord) -> Entity:
             "State": record.state,
             "Open": record.open,
             "EventType": record.eventType,
-            # Cards to send, or an approval's outcome to record: the timer keeps the event in view once concluded.
-            "Pending": bool(record.pendingAlerts) or record.awaiting_outcome,
+            # Cards to send, an outcome to record, VMs to see back: the timer keeps the event in view once concluded.
+            "Pending": bool(record.pendingAlerts) or record.awaiting_outcome or bool(record.returning),
+            # VMs not back in service yet (domain/returns.py): they hold budget, so the fleet cache loads the event.
+            "Returning": bool(record.returning),
             "StateSince": record.stateSince,
         },
         # The per-VM sightings are stored with each VM's position (VmGroupRecord), not here.

@@ -146,11 +146,13 @@ class StateStore(Protocol):
         """Every event not Completed or Canceled, read fresh."""
 
     def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
-        """``since`` None: every open event (as ``open_events``). Else every event written at or after ``since``
-        (the store's clock), open or concluded."""
+        """``since`` None: every open event (as ``open_events``) and every concluded one with VMs not back in
+        service (they hold budget: ``EventRecord.returning``). Else every event written at or after ``since`` (the
+        store's clock), open or concluded."""
 
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
-        """Concluded events whose last cards are still in the outbox (open ones come with open_events)."""
+        """Concluded events the timer still has work on: cards left in the outbox, an approval's outcome to record,
+        VMs not back in service (the ``Pending`` column; open ones come with open_events)."""
 
     def concluded_events_before(self, cutoff: datetime) -> list[Stored[EventRecord]]:
         """Completed/Canceled events that concluded (``stateSince``) before ``cutoff`` and have no card left to

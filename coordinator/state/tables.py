@@ -320,7 +320,7 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
     def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
         if since is not None:
             return self._changed(EVENT_PARTITION, since, event_from_entity)
-        return self._loaded(self._query(EVENT_PARTITION, "Open eq true"), event_from_entity)
+        return self._loaded(self._query(EVENT_PARTITION, "Open eq true or Returning eq true"), event_from_entity)
 
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
         return self._query_events("Open eq false and Pending eq true")

@@ -237,7 +237,9 @@ class MemoryStateStore(StateStore):
         return self._events(lambda e: e["Open"] is True)
 
     def events_changed_since(self, since: datetime | None) -> Changed[EventRecord]:
-        return self._changed(EVENT_PARTITION, since, event_from_entity, lambda e: e["Open"] is True)
+        return self._changed(
+            EVENT_PARTITION, since, event_from_entity, lambda e: e["Open"] is True or e.get("Returning") is True
+        )
 
     def closed_events_with_pending_alerts(self) -> list[Stored[EventRecord]]:
         return self._events(lambda e: e["Open"] is False and e["Pending"] is True)

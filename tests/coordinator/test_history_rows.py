@@ -32,7 +32,7 @@ from coordinator.domain.history_rows import (
 )
 from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.rows import HistoryRow, column_types, history_schema
-from coordinator.domain.side_records import ShadowVerdict
+from coordinator.domain.side_records import ReturnWatch, ShadowVerdict, VmReturn
 from tests.coordinator.helpers import decision_record
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)
@@ -53,6 +53,18 @@ PYTHON_TYPES: dict[str, tuple[type, ...]] = {
 DECIDED = {"decisionId": "d1", "rule": "deletes", "actor": "rule:deletes"}
 # The approval of that decision through web_0, as its Transition and Approval rows name it.
 APPROVED = {"rule": DECIDED["rule"], "actor": DECIDED["actor"], "decision_id": DECIDED["decisionId"], "vm": "web_0"}
+
+
+def returning(*, gates: list[str] | None = None) -> EventRecord:
+    """A completed Reboot whose VM web_0 is watched back into service (domain/returns.py)."""
+    watch = ReturnWatch(
+        rule="reboots",
+        since=NOW - timedelta(seconds=42),
+        bound=NOW + timedelta(seconds=558),
+        gates=gates or [],
+        vms={"web_0": VmReturn()},
+    )
+    return record().model_copy(update={"state": "Completed", "returnToService": watch})
 
 
 def record(*, held: bool = True) -> EventRecord:
@@ -217,6 +229,22 @@ CASES: dict[Callable[..., HistoryRow], list[Callable[[], HistoryRow]]] = {
             sequence=9,
             actor="forwarder",
             details={"clock": "monotonic"},
+        ),
+        lambda: impact_row(
+            record=returning(),
+            now=NOW,
+            vm=VM,
+            measure="return-to-service",
+            measured_seconds=None,
+            start=NOW - timedelta(seconds=42),
+            end=NOW,
+            observed_at=NOW,
+            sequence=-1,
+            actor="coordinator",
+            details={"bound": NOW.isoformat(), "gates": ["ready"]},
+            outcome="back",
+            reason="web_0 back in service 42 s after the Reboot completed",
+            returned=("reboots", 42.0),
         ),
     ],
     dead_letter_row: [

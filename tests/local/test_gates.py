@@ -52,3 +52,22 @@ def test_each_behaviour_answers_as_it_says_and_is_logged(gates: GateServer) -> N
         ("health", "trickle"),
         ("health", "dead"),
     ]
+
+
+def test_a_vms_page_answers_as_its_gate_until_a_step_sets_it_for_that_vm() -> None:
+    text = 'gates:\n  ready: {http: {url: "http://local-gates/ready/{vm}"}}\n'
+    assert local_gate_names(text) == ["ready"]
+    served = GateServer(local_gate_names(text))
+    served.start()
+    try:
+        url = f"http://127.0.0.1:{served.port}"
+        assert requests.get(f"{url}/ready/web_0", timeout=5).status_code == 200
+        served.set("ready/web_1", "failing")
+        assert requests.get(f"{url}/ready/web_1", timeout=5).status_code == 503
+        assert requests.get(f"{url}/ready/web_0", timeout=5).status_code == 200
+        served.set("ready", "failing")
+        served.set("ready/web_1", "passing")
+        assert requests.get(f"{url}/ready/web_0", timeout=5).status_code == 503
+        assert requests.get(f"{url}/ready/web_1", timeout=5).status_code == 200
+    finally:
+        served.stop()
