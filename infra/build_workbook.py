@@ -30,6 +30,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("shadow-report.kql", "Shadow policy: would have approved vs what happened (30 days)"),
     ("escalations.kql", "Escalation steps taken (7 days)"),
     ("repairs.kql", "Automatic repairs suspended and resumed (7 days)"),
+    ("return-to-service.kql", "Return to service after an event completed, per event and VM (30 days)"),
     ("event-timeline.kql", "Timeline of one EventId (set the EventId parameter)"),
 )
 # The coordinator's metrics (coordinator/adapters/telemetry.py) from Application Insights, whose workspace holds them in

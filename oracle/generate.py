@@ -228,6 +228,16 @@ def _budget_rule(draw: _Draw) -> dict[str, Any]:
     return budget_rule
 
 
+def _return_to_service(draw: _Draw, policy: dict[str, Any]) -> None:
+    """Half the time, the budget rule (when drawn) keeps a rebooted VM's slot until it is back in service: its
+    recover hooks done, within 60 or 120 s (domain/returns.py). The oracle allows that hold in full
+    (``Allowed._returning``): it judges no missed approval for it, and every wrong one still."""
+    rule = next((r for r in policy["rules"] if r["name"] == "reboot-budget"), None)
+    if rule is not None and draw.chance(0.5):
+        rule["returnToService"] = {"withinSeconds": draw.pick([60, 120])}
+        draw.note(f"returnToService {rule['returnToService']['withinSeconds']}s")
+
+
 def _holds(draw: _Draw, rules: list[dict[str, Any]], policy: dict[str, Any]) -> None:
     """Maybe a window or a gate on one approving rule, a blackout, dry run."""
     held = draw.pick(
@@ -384,6 +394,11 @@ def generate(seed: int, *, attackers: bool = True) -> Plan:
     laddered.rng.seed(f"ladders-{seed}")
     ladder_plan.ladders(laddered, policy, vms, events, TIME_SCALE)
     draw.knobs.extend(laddered.knobs)
+    # Return to service on the budget rule, from a stream of its own too (the plan is otherwise unchanged).
+    returning = _Draw(0)
+    returning.rng.seed(f"returns-{seed}")
+    _return_to_service(returning, policy)
+    draw.knobs.extend(returning.knobs)
     if attackers:
         # A stream of their own: a seed's plan is the same with or without them.
         rooted = _Draw(0)

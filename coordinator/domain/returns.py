@@ -34,11 +34,13 @@ RETURN_WATCH_LIMIT = timedelta(hours=24)
 _HOOKS_DONE = frozenset({"succeeded", "not-run"})
 
 
-def rule_of(record: EventRecord) -> str:
-    """The rule that decided the event: its approval's, else its last decision's ("" when none did)."""
-    if record.approval is not None and record.approval.rule:
-        return record.approval.rule
-    return record.decision.rule if record.decision is not None else ""
+def rule_of(policy: Policy, record: EventRecord) -> str:
+    """The rule whose ``returnToService`` applies: the one that approved the event, else the one that decided it last
+    (a person's approval, rule "manual", is the deciding rule's ``wait-for-person``); "" when the policy has neither."""
+    for name in (record.approval.rule if record.approval else "", record.decision.rule if record.decision else ""):
+        if name and policy.rule(name) is not None:
+            return name
+    return ""
 
 
 def begin(policy: Policy, change: EventChange) -> None:
@@ -47,13 +49,13 @@ def begin(policy: Policy, change: EventChange) -> None:
     record = change.record
     if record.state != "Completed" or record.returnToService is not None or record.eventType not in RETURNING_TYPES:
         return
-    rule = policy.rule(rule_of(record))
+    rule = policy.rule(rule_of(policy, record))
     option = rule.returnToService if rule is not None else None
     names = sorted(n for n in record.resources if n in record.vms and n not in record.removed)
     if option is None or not names:
         return
     record.returnToService = ReturnWatch(
-        rule=rule_of(record),
+        rule=rule_of(policy, record),
         since=record.stateSince,
         bound=record.stateSince + timedelta(seconds=option.withinSeconds),
         gates=list(option.gates),

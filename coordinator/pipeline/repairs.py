@@ -32,9 +32,10 @@ log = logging.getLogger("coordinator")
 
 
 def reconcile(run: Run, events: Iterable[EventRecord]) -> None:
-    """Suspends the repairs of each scale set an in-flight event of ``events`` (the tick's open events, as it left
-    them) touches, and resumes those of scale sets no in-flight event touches any more. A no-op without a repairs
-    client (``COORDINATOR_SUSPEND_REPAIRS``) or ARM's census (the scale sets are ARM's, never a VM's word)."""
+    """Suspends the repairs of each scale set an in-flight event of ``events`` (the tick's open events and those
+    with VMs not back in service, as it left them) touches, and resumes those of scale sets no in-flight event
+    touches any more. A no-op without a repairs client (``COORDINATOR_SUSPEND_REPAIRS``) or ARM's census (the scale
+    sets are ARM's, never a VM's word)."""
     client, census = run.parts.repairs, run.parts.census
     if client is None or census is None:
         return
@@ -44,7 +45,7 @@ def reconcile(run: Run, events: Iterable[EventRecord]) -> None:
     for record in events:
         if not in_flight(record):
             continue
-        for name in record.resources:
+        for name in record.impacting:
             entry = view.entry(name)
             scale_set = scale_set_id(entry.resourceId, entry.facts.scaleSet) if entry is not None else None
             if scale_set is not None:

@@ -129,7 +129,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
         for position in group.record.vms.values():
             outbox.queue_vm_pending(position, now, work, settled_vms)
     heartbeats(run, groups)
-    repairs.reconcile(run, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
+    repairs.reconcile(run, [work.records.get(s.record.eventId, s.record) for s in (*open_events.values(), *closed)])
     run_housekeeping(run, known, housekeeping)
     tail.finish(run, last_seen=last_seen, settled=tail.Settled(settled, settled_vms))
     if logs:

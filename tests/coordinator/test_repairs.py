@@ -135,6 +135,30 @@ def test_suspended_while_the_reboot_is_in_flight_and_resumed_once_it_is_over(tmp
     assert store.get_budget(repairs_key(SCALE_SET)) is None
 
 
+def test_kept_suspended_until_the_vm_is_back_in_service_under_return_to_service(tmp_path: Path) -> None:
+    repairs, store, clock = RecordingRepairs(), MemoryStateStore(), Clock(DOC_NOW)
+    coordinator = build(tmp_path, repairs, store, clock)
+    returning = POLICY.rstrip("}\n") + ", returnToService: {withinSeconds: 600}}\n"
+    coordinator.policy = parse_policy(returning)
+    report(coordinator, clock, 1, "Scheduled")
+    clock.now += timedelta(seconds=30)
+    coordinator.tick()
+    clock.now += timedelta(seconds=60)
+    report(coordinator, clock, 2, None)
+    coordinator.tick()
+    record = coordinator.event(EVENT)
+    assert record is not None
+    assert (record.record.state, record.record.returning) == ("Completed", ["web_0"])
+    assert repairs.calls == [(SCALE_SET, "Suspend")]  # over, but web_0 is not serving yet: not replaced either
+    identity = vm("web_0", scale_set="web", index=1)
+    hook = {"eventId": EVENT, "phase": "recover", "outcome": "not-run", "durationSeconds": 0.1, "steps": []}
+    data = envelope(identity, sequence=3, kind="hook", hook=hook, observed_at=clock.now)
+    coordinator.process_batch([raw_message(identity, data)])
+    clock.now += timedelta(seconds=60)
+    coordinator.tick()
+    assert repairs.calls == [(SCALE_SET, "Suspend"), (SCALE_SET, "Resume")]
+
+
 def test_another_instance_resumes_what_a_crashed_one_suspended(tmp_path: Path) -> None:
     repairs, store, clock = RecordingRepairs(), MemoryStateStore(), Clock(DOC_NOW)
     approved_then_ticked(tmp_path, repairs, store, clock)  # suspended, then the instance is gone

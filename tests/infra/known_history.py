@@ -21,6 +21,11 @@ or VM exercises something a query must include or leave out; the expected result
                                    the bound; db's still suspended for redeploy-db0
     heartbeats                     web_4 lost (silent); web_5 lost then resumed (not silent); db_1 lost 2 days
                                    ago (outside the 1-day lookback)
+    return to service              freeze-web's rule wants its VMs back within 60 s of the completion: web_0 back
+                                   after 3 s; web_1 late (its ready gate failing), back 12 s past the bound.
+    reboot-api0 (Reboot, api_0)    approved by api-reboots 2 days ago, completed; api_0 never came back (its recover
+                                   hooks never reported): late 600 s after the completion, then abandoned a day past
+                                   the bound. No restart measured: its return-to-service rows are its only Impact rows
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ class Step(NamedTuple):
     do: str
     lead: int
     owners: tuple[str, ...] = ()
+
+
+class Watch(NamedTuple):
+    """A completed event's return-to-service watch (coordinator/domain/side_records.py ReturnWatch): the rule that
+    asked for it, the completion, the seconds its VMs have to be back (its bound) and the gates they must pass."""
+
+    rule: str
+    completed: datetime
+    within: int
+    gates: tuple[str, ...] = ("ready",)
 
 
 class Event:
@@ -193,6 +208,40 @@ class Event:
             **vm_columns(vm),
         )
 
+    def returned(
+        self, at: datetime, vm: str, outcome: str, watch: Watch, *, waiting: str = "", was_late: bool = False
+    ) -> None:
+        """A VM's return to service after the event completed, as coordinator/domain/returns.py writes it: back (the
+        seconds since the completion; ``was_late``: it went late first), late (its rule's bound passed first: what it
+        waits for) or abandoned (a day past the bound). The coordinator's row: no MeasuredSeconds, ImpactStart the
+        completion, ImpactEnd the time back."""
+        bound = watch.completed + timedelta(seconds=watch.within)
+        seconds = (at - watch.completed).total_seconds() if outcome == "back" else None
+        what = self.columns["EventType"]
+        if outcome == "back":
+            past = f", {(at - bound).total_seconds():.0f} s past its bound" if was_late else ""
+            reason = f"{vm} back in service {seconds:.0f} s after the {what} completed{past}"
+        elif outcome == "late":
+            reason = f"{vm} not back in service {watch.within} s after the {what} completed: {waiting}"
+        else:
+            reason = f"{vm} no longer watched, 86400 s past its bound: {waiting}"
+        self._row(
+            at,
+            "Impact",
+            ObservedAt=at,
+            Sequence=-1,
+            Actor="coordinator",
+            Rule=watch.rule,
+            Outcome=outcome,
+            Reason=reason,
+            ImpactMeasure="return-to-service",
+            ImpactStart=watch.completed,
+            ImpactEnd=at if outcome == "back" else None,
+            ReturnToServiceSeconds=seconds,
+            Details={"bound": bound.isoformat(), "gates": list(watch.gates)},
+            **vm_columns(vm),
+        )
+
     def alert(self, at: datetime, kind: str, outcome: str = "sent", reason: str = "") -> None:
         # Carries State (e.g. Expired) but is no Transition: the queries must not count it.
         self._row(at, "Alert", Action=kind, Actor="teams", Outcome=outcome, Reason=reason)
@@ -247,6 +296,13 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     freeze.impact(ago(minutes=108), "web_1", "pause", 6.25, start=ago(minutes=108, seconds=7), end=ago(minutes=108))
     freeze.observed(ago(minutes=100), "web_0", "Gone", incarnation=3)
     freeze.moved(ago(minutes=100), "Completed", "gone from every VM")
+    # short-freeze's returnToService: back within 60 s, the ready gate passing. web_1 went late first (its card).
+    completed, gate = ago(minutes=100), "gate ready failing (HTTP 503, expected [200])"
+    watch = Watch("short-freeze", completed, 60)
+    freeze.returned(completed + timedelta(seconds=3), "web_0", "back", watch)
+    freeze.returned(completed + timedelta(seconds=60), "web_1", "late", watch, waiting=gate)
+    freeze.alert(completed + timedelta(seconds=60), "return-late")
+    freeze.returned(completed + timedelta(seconds=72), "web_1", "back", watch, was_late=True)
     rows += freeze.rows
 
     reboot = Event("reboot-web2", "Reboot", ["web_2"], ago(minutes=165))
@@ -336,6 +392,25 @@ def known_rows(now: datetime) -> list[HistoryRow]:
     down = ago(days=3) + timedelta(minutes=2, seconds=5)
     user.impact(down + timedelta(seconds=95), "web_1", "restart", 93.5, start=down, end=down + timedelta(seconds=93.5))
     rows += user.rows
+
+    # Approved after a minute, with 15 minutes of notice; api_0 saw the Reboot go, then its recover hooks never
+    # reported (nor did its forwarder measure the restart): late, then abandoned.
+    day2 = ago(days=2)
+    api = Event("reboot-api0", "Reboot", ["api_0"], day2 + timedelta(minutes=15))
+    api.observed(day2, "api_0")
+    api.decided(day2 + timedelta(minutes=1), "api-reboots", "approve-now", "approve", "rule 'api-reboots'")
+    api.moved(day2 + timedelta(minutes=1), "Approved", "approved by rule api-reboots", rule="api-reboots")
+    api.approval(day2 + timedelta(minutes=1), "api_0", "approved", "StartRequests accepted", "api-reboots")
+    api.observed(day2 + timedelta(minutes=2), "api_0", "Started", incarnation=2)
+    api.moved(day2 + timedelta(minutes=2), "Started", "seen Started by api_0")
+    completed, silent = day2 + timedelta(minutes=6), "recover hooks not reported yet"
+    api.observed(completed, "api_0", "Gone", incarnation=3)
+    api.moved(completed, "Completed", "gone from every reporting VM (1) after Started")
+    watch = Watch("api-reboots", completed, 600)
+    api.returned(completed + timedelta(seconds=600), "api_0", "late", watch, waiting=silent)
+    api.alert(completed + timedelta(seconds=600), "return-late")
+    api.returned(completed + timedelta(seconds=600, days=1), "api_0", "abandoned", watch, waiting=silent)
+    rows += api.rows
 
     # Repairs held while a disruptive event was in flight on the scale set's VMs (approved or started, not over).
     in_flight, over = "1 event(s) in flight on its VMs", "every event that wanted them suspended is over"

@@ -20,7 +20,7 @@ from coordinator.domain.model import AlertKind
 from coordinator.domain.rows import HistoryRow
 from ops import kql
 from tests.infra import bicep_model as bm
-from tests.infra.known_history import Event, heartbeat
+from tests.infra.known_history import Event, Watch, heartbeat
 from tests.infra.test_kql import alert_query_file, alert_rules
 
 NOW = datetime.now(UTC).replace(microsecond=0)
@@ -101,6 +101,17 @@ def _escalation(step: int) -> Callable[[], list[HistoryRow]]:
     return rows
 
 
+def _return_late() -> list[HistoryRow]:
+    """A VM not back in service by its rule's bound after the event completed: its Impact row (late), then the
+    event's card."""
+    event = _event("Reboot")
+    completed = NOW - timedelta(seconds=60)
+    event.moved(completed, "Completed", "gone from every reporting VM (1) after Started")
+    waiting = "gate ready failing (HTTP 503, expected [200])"
+    event.returned(NOW, "web_0", "late", Watch("reboots-one-at-a-time", completed, 60), waiting=waiting)
+    return _with_card(event, "return-late")
+
+
 # A VM card's condition is its Heartbeat row (its Alert row, as every card's, says only whether it was sent).
 CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "new-event": _new_event,
@@ -117,6 +128,7 @@ CARDED: dict[str, Callable[[], list[HistoryRow]]] = {
     "forwarder-conflict": lambda: [heartbeat(NOW, "web_0", "conflict", NOW, "two forwarder states in turn")],
     "imds-failing": lambda: [heartbeat(NOW, "web_0", "imds-failing", NOW, "no good IMDS poll for 120 s")],
     **{f"escalation-{step}": _escalation(step) for step in range(1, 9)},
+    "return-late": _return_late,
 }
 
 

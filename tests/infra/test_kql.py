@@ -36,6 +36,7 @@ REQUIRED = {
     "shadow-report.kql",
     "escalations.kql",
     "repairs.kql",
+    "return-to-service.kql",
 }
 
 

@@ -22,7 +22,7 @@ from infra import build_workbook
 from ops import kql
 from tests.commands import python_m
 from tests.infra import bicep_model as bm
-from tests.infra.known_history import repairs, vm_columns, write_known_history
+from tests.infra.known_history import Event, Watch, repairs, vm_columns, write_known_history
 from tests.infra.kql_language import analyze
 
 QUERIES = {path.name: path for path in sorted((bm.INFRA / "queries").glob("*.kql"))}
@@ -56,10 +56,13 @@ def shipped(con: DuckDBPyConnection, name: str, text: str | None = None) -> list
 def test_events_by_type_and_scaleset(con: DuckDBPyConnection) -> None:
     rows = shipped(con, "events-by-type-and-scaleset.kql")
     assert [row["Events"] for row in rows] == sorted((row["Events"] for row in rows), reverse=True)
-    # reboot-old (10 days) is outside the 7 days; reboot-web2 and reboot-user are two Reboots from two VMs.
-    assert sorted(rows, key=lambda row: row["EventType"]) == [
+    # reboot-old (10 days) is outside the 7 days; reboot-web2 and reboot-user are two Reboots from two VMs;
+    # reboot-api0 is api's, seen from its first sighting until it reported the Reboot gone.
+    assert sorted(rows, key=lambda row: (row["EventType"], row["ScaleSetName"])) == [
         {"EventType": "Freeze", "ScaleSetName": "web", "Events": 1, "ReportingVms": 2, "FirstSeen": ago(minutes=120),
          "LastSeen": ago(minutes=100)},
+        {"EventType": "Reboot", "ScaleSetName": "api", "Events": 1, "ReportingVms": 1, "FirstSeen": ago(days=2),
+         "LastSeen": ago(days=2) + timedelta(minutes=6)},
         {"EventType": "Reboot", "ScaleSetName": "web", "Events": 2, "ReportingVms": 2, "FirstSeen": ago(days=3),
          "LastSeen": ago(minutes=180)},
         {"EventType": "Redeploy", "ScaleSetName": "db", "Events": 1, "ReportingVms": 1, "FirstSeen": ago(minutes=30),
@@ -99,8 +102,9 @@ def test_notice_vs_time_to_approve(con: DuckDBPyConnection) -> None:
     assert math.isnan(redeploy["MeanTimeToApproveMinutes"])  # never approved: avg() of no values
     assert rows == [
         {"EventType": "Freeze", "Events": 1, "Approved": 1, "MeanNoticeMinutes": 15.0, "MeanTimeToApproveMinutes": 1.0},
-        # Three Reboots in 30 days (reboot-old included), one approved (reboot-user, after a minute).
-        {"EventType": "Reboot", "Events": 3, "Approved": 1, "MeanNoticeMinutes": 15.0, "MeanTimeToApproveMinutes": 1.0},
+        # Four Reboots in 30 days (reboot-old included), two approved (reboot-user and reboot-api0, each after a
+        # minute).
+        {"EventType": "Reboot", "Events": 4, "Approved": 2, "MeanNoticeMinutes": 15.0, "MeanTimeToApproveMinutes": 1.0},
         {"EventType": "Terminate", "Events": 1, "Approved": 1, "MeanNoticeMinutes": 10.0,
          "MeanTimeToApproveMinutes": 2.0},
     ]  # fmt: skip
@@ -257,7 +261,8 @@ def test_cli_names_the_query_that_fails(history_db: Path, tmp_path: Path) -> Non
 
 def test_announced_vs_measured(con: DuckDBPyConnection) -> None:
     # Per event and VM, its longest measure: web_0's second pause, web_1's beyond the 5 s announced; a Reboot's
-    # downtime with nothing announced; the removed VM heard 7 minutes after its removal began.
+    # downtime with nothing announced; the removed VM heard 7 minutes after its removal began. The return-to-service
+    # rows measure no impact: reboot-api0, whose only Impact rows they are, is not here (nor with a null measure).
     rows = shipped(con, "announced-vs-measured.kql")
     assert [{k: v for k, v in row.items() if k != "ImpactStart"} for row in rows] == [
         {"EventType": "Freeze", "EventId": "freeze-web", "VmName": "web_0", "Measure": "pause",
@@ -273,7 +278,8 @@ def test_announced_vs_measured(con: DuckDBPyConnection) -> None:
 
 
 def test_shadow_report(con: DuckDBPyConnection) -> None:
-    # Only the events with Shadow rows, latest NotBefore first. freeze-web: both approved at once. reboot-web2: the
+    # Only the events with Shadow rows, latest NotBefore first. freeze-web: both approved at once; its longest impact is
+    # web_1's pause, not its return to service (72 s, no measure of the Freeze). reboot-web2: the
     # candidate's rule reboot-off-peak would have approved it (its later wait does not undo that), the live policy
     # let it expire. reboot-user: the candidate never approved (its last rule named), the live did. Columns of no
     # matching row are null (an unmatched string too, here; Log Analytics has no null strings and shows "").
@@ -347,3 +353,55 @@ def test_repairs_never_suspended_and_suspended_before_the_window(tmp_path: Path)
         {"ScaleSetName": "api", "SuspendedAt": None, "ResumedAt": None, "SuspendedMinutes": None, "Events": None,
          "Failures": 2, "LastFailureReason": "ARM: HTTP 409"},
     ]  # fmt: skip
+
+
+def test_return_to_service(con: DuckDBPyConnection) -> None:
+    # Latest completion first, then per VM. freeze-web (short-freeze: back within 60 s): web_0 back after 3 s; web_1
+    # late (what it waited for: its ready gate), then back 72 s after the completion. reboot-api0 (api-reboots: within
+    # 600 s): api_0 late, its recover hooks never reported, abandoned a day past the bound: never back. Columns of no
+    # matching row are null (WaitedFor too, here; Log Analytics shows "").
+    rows = shipped(con, "return-to-service.kql")
+    freeze, api = ago(minutes=100), ago(days=2) + timedelta(minutes=6)
+    gate = "web_1 not back in service 60 s after the Freeze completed: gate ready failing (HTTP 503, expected [200])"
+    hooks = "api_0 not back in service 600 s after the Reboot completed: recover hooks not reported yet"
+    assert rows == [
+        {"EventType": "Freeze", "EventId": "freeze-web", "VmName": "web_0", "Rule": "short-freeze",
+         "CompletedAt": freeze, "BackBy": freeze + timedelta(seconds=60), "BackAt": freeze + timedelta(seconds=3),
+         "ReturnToServiceSeconds": 3.0, "WasLate": False, "Abandoned": False, "WaitedFor": None},
+        {"EventType": "Freeze", "EventId": "freeze-web", "VmName": "web_1", "Rule": "short-freeze",
+         "CompletedAt": freeze, "BackBy": freeze + timedelta(seconds=60), "BackAt": freeze + timedelta(seconds=72),
+         "ReturnToServiceSeconds": 72.0, "WasLate": True, "Abandoned": False, "WaitedFor": gate},
+        {"EventType": "Reboot", "EventId": "reboot-api0", "VmName": "api_0", "Rule": "api-reboots",
+         "CompletedAt": api, "BackBy": api + timedelta(seconds=600), "BackAt": None, "ReturnToServiceSeconds": None,
+         "WasLate": True, "Abandoned": True, "WaitedFor": hooks},
+    ]  # fmt: skip
+
+
+def test_return_to_service_still_late_and_still_within_its_bound(tmp_path: Path) -> None:
+    # e-1 completed 5 minutes ago: web_0 went late (no row since: still watched, neither back nor abandoned), web_1 is
+    # back. e-2 completed a minute ago, its VM within its bound: no row yet, so not shown.
+    completed = NOW - timedelta(minutes=5)
+    late = Event("e-1", "Reboot", ["web_0", "web_1"], completed - timedelta(minutes=10))
+    late.moved(completed, "Completed", "gone from every reporting VM (2) after Started")
+    watch = Watch("reboots", completed, 120)
+    late.returned(completed + timedelta(seconds=40), "web_1", "back", watch)
+    late.returned(completed + timedelta(seconds=120), "web_0", "late", watch, waiting="recover hooks failed (30-warm)")
+    fresh = Event("e-2", "Reboot", ["web_2"], NOW - timedelta(minutes=10))
+    fresh.moved(NOW - timedelta(minutes=1), "Completed", "gone from every reporting VM (1) after Started")
+    path = tmp_path / "returns.sqlite"
+    store = SqliteHistory(path)
+    store.write(late.rows + fresh.rows)
+    store.close()
+    con = kql.load(path)
+    try:
+        rows = shipped(con, "return-to-service.kql")
+    finally:
+        con.close()
+    assert [(row["EventId"], row["VmName"], row["BackAt"], row["WasLate"], row["Abandoned"]) for row in rows] == [
+        ("e-1", "web_0", None, True, False),
+        ("e-1", "web_1", (completed + timedelta(seconds=40)).replace(tzinfo=None), False, False),
+    ]
+    assert (
+        rows[0]["WaitedFor"]
+        == "web_0 not back in service 120 s after the Reboot completed: recover hooks failed (30-warm)"
+    )
