@@ -50,6 +50,10 @@ class ApprovalFacts(BaseModel):
     # executes it only when its own document's NotBefore is within this many seconds of its own clock (with the
     # clock skew it tolerates), so an approval made for the last minutes is not executed an hour early.
     nearNotBeforeSeconds: int | None = Field(default=None, ge=0, le=7 * 86400)
+    # Set by an escalation ladder's force step: the listener first runs its own installed hook of this name
+    # (``force.d/NAME`` in its hooks folder; a VM without it refuses), answers "accepted" meanwhile, and sends
+    # StartRequests only once the hook succeeded and the event, judged again on a fresh document, still may start.
+    forceHook: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
     @classmethod
     def of(cls, event: ScheduledEvent, *, hooks_required: Iterable[str] = ()) -> ApprovalFacts:

@@ -90,7 +90,7 @@ class HookStep(SchemaRecord):
 class HookReport(SchemaRecord):
     EXTRA: ClassVar[str] = "allow"
     eventId: str = wire_field("eventId", "str")
-    phase: Literal["prepare", "recover"] = wire_field("phase", "str")
+    phase: Literal["prepare", "recover", "force"] = wire_field("phase", "str")
     outcome: Literal["succeeded", "failed", "timed-out", "not-run"] = wire_field("outcome", "str")
     hook: str = wire_field("hook", "str", "")
     durationSeconds: float = wire_field("durationSeconds", "float")
@@ -159,6 +159,7 @@ class ApprovalFacts(wire_rules.ApprovalFactsRules, SchemaRecord):
     resources: list[str] = wire_field("resources", "list:str")
     hooksRequired: list[str] = wire_field("hooksRequired", "list:str", factory=list)
     nearNotBeforeSeconds: int | None = wire_field("nearNotBeforeSeconds", "maybe:int", None)
+    forceHook: str | None = wire_field("forceHook", "maybe:str", None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -176,7 +177,7 @@ class ApprovalRequest(wire_rules.ApprovalRequestRules, SchemaRecord):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ApprovalResult(SchemaRecord):
-    outcome: Literal["approved", "not-found", "not-scheduled", "rejected"] = wire_field("outcome", "str")
+    outcome: Literal["approved", "not-found", "not-scheduled", "rejected", "accepted"] = wire_field("outcome", "str")
     eventId: str = wire_field("eventId", "str")
     decisionId: str = wire_field("decisionId", "str")
     documentIncarnation: int | None = wire_field("documentIncarnation", "maybe:int", None)

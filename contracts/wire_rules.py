@@ -23,10 +23,12 @@ SCHEMA_PATTERN = re.compile(r"^scheduled-events\.envelope/(\d+)$")
 # "impact" was added within version 1: a coordinator older than it dead-letters an impact envelope alone (each
 # message is validated on its own), and every other envelope of the VM still counts.
 EnvelopeKind = Literal["incarnation", "heartbeat", "hook", "impact"]
-HookPhase = Literal["prepare", "recover"]
+# "force" was added within version 1: an escalation ladder's force hook (contracts/approval.py, ``forceHook``).
+HookPhase = Literal["prepare", "recover", "force"]
 HookOutcome = Literal["succeeded", "failed", "timed-out", "not-run"]
 EventStatus = Literal["Scheduled", "Started"]
-ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected"]
+# "accepted": a force request judged executable, its force hook running; StartRequests follows once it succeeded.
+ApprovalOutcome = Literal["approved", "not-found", "not-scheduled", "rejected", "accepted"]
 # What an event did to the VM that sends it, and by which clock (contracts.envelope.ImpactReport says how).
 ImpactMeasure = Literal["pause", "restart"]
 ImpactClock = Literal["monotonic", "wall"]

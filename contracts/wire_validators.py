@@ -17,7 +17,8 @@ class JsonSchemaValuesException(ValueError):
 
 
 REGEX_PATTERNS = {
-    '^[0-9A-Za-z._-]*$': re.compile('^[0-9A-Za-z._-]*\\Z')
+    '^[0-9A-Za-z._-]*$': re.compile('^[0-9A-Za-z._-]*\\Z'),
+    '^[A-Za-z0-9_-]{1,64}$': re.compile('^[A-Za-z0-9_-]{1,64}\\Z')
 }
 
 NoneType = type(None)
@@ -532,8 +533,8 @@ def validate____defs_hookreport(data, custom_formats={}, name_prefix=None):
             data__phase = data["phase"]
             if not isinstance(data__phase, (str)):
                 raise JsonSchemaValueException("" + (name_prefix or "data") + ".phase must be string", value=data__phase, name="" + (name_prefix or "data") + ".phase", definition={'type': 'string'}, rule='type')
-            if not (isinstance(data__phase, str) and data__phase == 'prepare' or isinstance(data__phase, str) and data__phase == 'recover'):
-                raise JsonSchemaValueException("" + (name_prefix or "data") + ".phase must be one of ['prepare', 'recover']", value=data__phase, name="" + (name_prefix or "data") + ".phase", definition={'enum': ['prepare', 'recover']}, rule='enum')
+            if not (isinstance(data__phase, str) and data__phase == 'prepare' or isinstance(data__phase, str) and data__phase == 'recover' or isinstance(data__phase, str) and data__phase == 'force'):
+                raise JsonSchemaValueException("" + (name_prefix or "data") + ".phase must be one of ['prepare', 'recover', 'force']", value=data__phase, name="" + (name_prefix or "data") + ".phase", definition={'enum': ['prepare', 'recover', 'force']}, rule='enum')
         if "outcome" in data_keys:
             data_keys.remove("outcome")
             data__outcome = data["outcome"]
@@ -927,8 +928,8 @@ def validate____defs_approvalresult(data, custom_formats={}, name_prefix=None):
             data__outcome = data["outcome"]
             if not isinstance(data__outcome, (str)):
                 raise JsonSchemaValueException("" + (name_prefix or "data") + ".outcome must be string", value=data__outcome, name="" + (name_prefix or "data") + ".outcome", definition={'type': 'string'}, rule='type')
-            if not (isinstance(data__outcome, str) and data__outcome == 'approved' or isinstance(data__outcome, str) and data__outcome == 'not-found' or isinstance(data__outcome, str) and data__outcome == 'not-scheduled' or isinstance(data__outcome, str) and data__outcome == 'rejected'):
-                raise JsonSchemaValueException("" + (name_prefix or "data") + ".outcome must be one of ['approved', 'not-found', 'not-scheduled', 'rejected']", value=data__outcome, name="" + (name_prefix or "data") + ".outcome", definition={'enum': ['approved', 'not-found', 'not-scheduled', 'rejected']}, rule='enum')
+            if not (isinstance(data__outcome, str) and data__outcome == 'approved' or isinstance(data__outcome, str) and data__outcome == 'not-found' or isinstance(data__outcome, str) and data__outcome == 'not-scheduled' or isinstance(data__outcome, str) and data__outcome == 'rejected' or isinstance(data__outcome, str) and data__outcome == 'accepted'):
+                raise JsonSchemaValueException("" + (name_prefix or "data") + ".outcome must be one of ['approved', 'not-found', 'not-scheduled', 'rejected', 'accepted']", value=data__outcome, name="" + (name_prefix or "data") + ".outcome", definition={'enum': ['approved', 'not-found', 'not-scheduled', 'rejected', 'accepted']}, rule='enum')
         if "eventId" in data_keys:
             data_keys.remove("eventId")
             data__eventId = data["eventId"]
@@ -1135,6 +1136,18 @@ def validate____defs_approvalfacts(data, custom_formats={}, name_prefix=None):
                         raise JsonSchemaValueException("" + (name_prefix or "data") + ".nearNotBeforeSeconds must be bigger than or equal to 0", value=data__nearNotBeforeSeconds, name="" + (name_prefix or "data") + ".nearNotBeforeSeconds", definition={'minimum': 0}, rule='minimum')
                     if data__nearNotBeforeSeconds > 604800:
                         raise JsonSchemaValueException("" + (name_prefix or "data") + ".nearNotBeforeSeconds must be smaller than or equal to 604800", value=data__nearNotBeforeSeconds, name="" + (name_prefix or "data") + ".nearNotBeforeSeconds", definition={'maximum': 604800}, rule='maximum')
+        if "forceHook" in data_keys:
+            data_keys.remove("forceHook")
+            data__forceHook = data["forceHook"]
+            try:
+                if not isinstance(data__forceHook, (NoneType)):
+                    raise JsonSchemaValueException("" + (name_prefix or "data") + ".forceHook must be null", value=data__forceHook, name="" + (name_prefix or "data") + ".forceHook", definition={'type': 'null'}, rule='type')
+            except (JsonSchemaValueException, JsonSchemaValuesException):
+                if not isinstance(data__forceHook, (str)):
+                    raise JsonSchemaValueException("" + (name_prefix or "data") + ".forceHook must be string", value=data__forceHook, name="" + (name_prefix or "data") + ".forceHook", definition={'type': 'string'}, rule='type')
+                if isinstance(data__forceHook, str):
+                    if not REGEX_PATTERNS['^[A-Za-z0-9_-]{1,64}$'].search(data__forceHook):
+                        raise JsonSchemaValueException("" + (name_prefix or "data") + ".forceHook must match pattern ^[A-Za-z0-9_-]{1,64}$", value=data__forceHook, name="" + (name_prefix or "data") + ".forceHook", definition={'pattern': '^[A-Za-z0-9_-]{1,64}$'}, rule='pattern')
     return data
 
 VALIDATORS = {

@@ -5,12 +5,15 @@ request that parses is answered ``200`` with an ``ApprovalResult``:
 
 - ``approved``      the EventId is in a fresh IMDS document, still ``Scheduled``, names at least one resource,
                     and IMDS accepted the StartRequests POST;
+- ``accepted``      as ``approved``, for a request naming ``facts.forceHook``: this VM's own ``force.d/NAME`` hook
+                    runs first, and StartRequests follows only if it succeeded and a fresh document still allows it
+                    (forwarder/force.py; the decision ends "approved" or "refused" in the ledger);
 - ``not-found``     the EventId is not in this VM's document (gone, or an event of another group);
 - ``not-scheduled`` the event is already ``Started``;
 - ``rejected``      past its notAfter (or without one), dated beyond the event's NotBefore or further ahead than
                     any approval may be valid, issued too far in the future or past, a reused decisionId, a
-                    decision whose execution a crash interrupted, no Resources, or a Terminate that does not name
-                    this VM.
+                    decision whose execution a crash interrupted, no Resources, a force hook not installed here, or
+                    a Terminate that does not name this VM.
 
 Anything that cannot be evaluated gets a 4xx with ``{"error": reason}``: wrong method (405), wrong path (404),
 not JSON (415), too large (413), schema errors named field by field (400). IMDS trouble is a 503 so the sender
@@ -39,13 +42,15 @@ approval is valid far into the future.
 
 At most once: every decisionId is kept in a decision ledger with its event and what was done (``DecisionLedger``;
 the forwarder's SQLite state, next to the spool, so it survives a restart; bounded to a day and 10,000 entries,
-forwarder/durable_state.py). The ledger says "executing" before the StartRequests POST and "approved" once IMDS took
-it. The same decision for the same event again (a sender retry after a lost answer, or a replay after a restart)
-gets the stored answer without a second POST; one a crash interrupted between the two is judged again on a document
-read now, so it is POSTed again only while the event is still Scheduled (StartRequests starts an event once); a
-refused one is evaluated again (the document may have caught up, the coordinator may have decided it again with a
-new notAfter); a decisionId already used for another event is a replay and is rejected. IMDS answering an error to
-the POST leaves the decision unexecuted (503, the sender retries).
+forwarder/durable_state.py). The ledger says "forcing" while a force hook runs (a repeat meanwhile is answered
+"accepted" again and starts nothing), "executing" before the StartRequests POST and "approved" once IMDS took it. The
+same decision for the same event again (a sender retry after a lost answer, or a replay after a restart) gets the
+stored answer without a second POST; one a crash interrupted (left "forcing" or "executing") is judged again on a
+document read now, so it is POSTed again only while the event is still Scheduled (StartRequests starts an event
+once; a force hook runs again, so it must be idempotent); a refused one is evaluated again (the document may have
+caught up, the coordinator may have decided it again with a new notAfter); a decisionId already used for another event
+is a replay and is rejected. IMDS answering an error to the POST leaves the decision unexecuted (503, the sender
+retries).
 
 Tracing: each request is a ``listener.approve`` span, a child of the request's W3C ``traceparent`` header (the
 coordinator's, so that the approval is one trace from the forwarder's detection of the change to IMDS), or a
@@ -58,41 +63,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
 from opentelemetry import trace
 
-from contracts.attested import decision_nonce
 from contracts.checks import Invalid
 from contracts.wire import (
     ApprovalOutcome,
     ApprovalRequest,
     ApprovalResult,
     Attestation,
+    HookReport,
     ScheduledEventsDocument,
 )
 from forwarder.approval_rules import Freshness, PrepareLedger, judge, refuse_not_after, refuse_stale
 from forwarder.decisions import DecisionLedger, DecisionStatus, LedgerEntry, MemoryLedger
+from forwarder.force import ForceHooks, hook_failure
 from forwarder.imds import ImdsDeadlinePassed, ImdsError
 from forwarder.logs import fields
+from forwarder.proofs import Proofs
 from forwarder.relay_protocol import RelayRequest, RelayResponse
 from forwarder.telemetry import IdTracer, parent
 
 APPROVE_PATH = "/approve"
 MAX_BODY = 16 * 1024
-# How long one decision's proof answers its requests: requests arriving together and quick resends share one. Short,
-# because the listener cannot read the signed document's expiresOn and Microsoft's samples show lifetimes from
-# seconds to 6 hours (emulators/imds/attested.py); a coordinator refuses an expired proof and sends again.
-PROOF_REUSE_SECONDS = 10.0
-PROOF_ENTRIES = 16
-# How long a request waits for the proof another request for its decision is asking IMDS for (the IMDS client's
-# own deadline is shorter); without it the answer goes without proof.
-PROOF_WAIT_SECONDS = 15.0
 
 log = logging.getLogger("forwarder.approver")
 _T = TypeVar("_T")
@@ -165,6 +161,7 @@ class Approver:
         ledger: DecisionLedger | None = None,
         tracer: trace.Tracer | None = None,
         attest: Callable[[str], Attestation] | None = None,
+        force: ForceHooks | None = None,
     ) -> None:
         self._imds = imds
         self._vm_name = vm_name  # this VM's IMDS compute name: a Terminate must name it
@@ -175,11 +172,10 @@ class Approver:
         self._ledger: DecisionLedger = ledger if ledger is not None else MemoryLedger()
         self._tracer = tracer or IdTracer()  # the forwarder's (forwarder/telemetry.py); ids only by default
         # IMDS's attested document for a nonce (ImdsClient.get_attestation): each answer proves this VM gave it.
-        self._attest = attest
-        # The last proofs made, by decisionId (monotonic time made): requests for one decision share one (_proof).
-        self._proofs: OrderedDict[str, tuple[float, Attestation]] = OrderedDict()
-        self._making: dict[str, Future[Attestation | None]] = {}  # proofs being asked for, by decisionId
-        self._proof_lock = threading.Lock()
+        self._proofs = Proofs(attest)
+        # This VM's force hooks (the daemon's hooks folder and sender); without them a force request is refused.
+        self._force = force
+        self._forcing: dict[str, str] = {}  # decisionId -> EventId (upper case) whose force hook runs now
         # One approval at a time: the IMDS calls are quick, and serialising makes "approve once per decision" exact.
         self._lock = threading.Lock()
         self.imds_posts = 0
@@ -214,7 +210,7 @@ class Approver:
             span.set_attribute("scheduled_events.decision_id", approval.decisionId)
             # The proof first: a VM whose delete this approval starts has no IMDS a moment after StartRequests.
             arrived = time.monotonic()
-            proof = self._proof(approval.decisionId)
+            proof = self._proofs.proof(approval.decisionId)
             result, replayed = self._decide(approval, arrived)
         except _Refusal as refusal:
             record.update(status=refusal.status, reason=refusal.reason)
@@ -239,55 +235,126 @@ class Approver:
             if prior is not None and prior.event_id != approval.eventId:
                 reason = f"decisionId {approval.decisionId!r} was already used for event {prior.event_id!r}"
                 return self._result(approval, "rejected", reason, None), False
-            if prior is not None and prior.status == "approved":
+            if prior is not None and (prior.status == "approved" or approval.decisionId in self._forcing):
+                # Executed, or its force hook runs now in this process: the stored answer ("accepted" meanwhile).
                 return ApprovalResult.from_json_bytes(prior.result), True
-            # A decision left "executing" by a crash is judged again like a new one: whether IMDS took the first POST
-            # is unknown, but StartRequests acts once per event (a started event is no longer Scheduled), and the
-            # judgement below needs the event still Scheduled in a document read now, so a second POST can only
-            # start what the first did not (refusing it instead lost the approval until NotBefore).
+            # A decision left "executing" (or "forcing") by a crash is judged again like a new one: whether IMDS took
+            # the first POST is unknown, but StartRequests acts once per event (a started event is no longer
+            # Scheduled), and the judgement below needs the event still Scheduled in a document read now, so a second
+            # POST can only start what the first did not (refusing it instead lost the approval until NotBefore).
             stale = refuse_stale(approval, now=now, freshness=self._freshness)
             if stale is not None:
-                return self._remember(approval, "refused", self._result(approval, "rejected", stale, None), now), False
+                return self._refuse(approval, stale, None, now), False
             document = self._fresh_document(approval.eventId, arrived)
-            outcome, reason = judge(
-                approval,
-                document,
-                vm_name=self._vm_name,
-                prepare_outcome=self._prepare_outcome,
-                now=self._clock(),
-                freshness=self._freshness,
-            )
-            lapsed = refuse_not_after(approval, now=self._clock(), freshness=self._freshness)
-            if outcome == "approved" and lapsed is not None:
-                # Checked again right before the POST: the fresh read may have waited (IMDS's rate limit, a slow
-                # answer), and once a request lapses the coordinator may send the event to a peer.
-                outcome, reason = "rejected", lapsed
+            outcome, reason = self._judge(approval, document)
+            if outcome == "approved" and approval.facts is not None and approval.facts.forceHook:
+                return self._start_force(approval, approval.facts.forceHook, document, now), False
             if outcome == "approved":
-                # Written (durably) before the POST: a crash from here until IMDS answers leaves "executing", judged
-                # again on the next request for it.
-                self._ledger.remember_decision(LedgerEntry(approval.decisionId, approval.eventId, "executing", now))
-                with self._tracer.start_as_current_span(
-                    "listener.start_requests",
-                    kind=trace.SpanKind.CLIENT,
-                    attributes={"scheduled_events.event_id": approval.eventId},
-                ):
-                    self._posted_since.add(approval.eventId.upper())
-                    # The last instant the POST may start: the check above is not the last word while the POST waits
-                    # for IMDS's rate limit or a retry, and a reroute to a peer follows the lapse by 1 s.
-                    before = time.monotonic() + self._remaining(approval)
-                    try:
-                        self._imds_call(lambda: self._imds.approve([approval.eventId], before=before))
-                    except _Lapsed as lapse:
-                        self._ledger.forget_decision(approval.decisionId)  # nothing was sent
-                        outcome, reason = "rejected", lapse.reason
-                    except _Refusal:
-                        self._ledger.forget_decision(approval.decisionId)  # IMDS refused or was unreachable
-                        self._document = None  # what IMDS holds now is unknown
-                        raise
-                if outcome == "approved":
-                    self.imds_posts += 1
+                outcome, reason = self._execute(approval, now)
             result = self._result(approval, outcome, reason, document.DocumentIncarnation)
             return self._remember(approval, "approved" if outcome == "approved" else "refused", result, now), False
+
+    def _judge(self, approval: ApprovalRequest, document: ScheduledEventsDocument) -> tuple[ApprovalOutcome, str]:
+        """``judge`` on a fresh document, then the request's notAfter again (called under the lock)."""
+        outcome, reason = judge(
+            approval,
+            document,
+            vm_name=self._vm_name,
+            prepare_outcome=self._prepare_outcome,
+            now=self._clock(),
+            freshness=self._freshness,
+        )
+        lapsed = refuse_not_after(approval, now=self._clock(), freshness=self._freshness)
+        if outcome == "approved" and lapsed is not None:
+            # Checked again right before the POST: the fresh read may have waited (IMDS's rate limit, a slow answer),
+            # and once a request lapses the coordinator may send the event to a peer.
+            return "rejected", lapsed
+        return outcome, reason
+
+    def _execute(self, approval: ApprovalRequest, now: datetime) -> tuple[ApprovalOutcome, str]:
+        """StartRequests for a request judged executable (called under the lock): "approved", or "rejected" when it
+        lapsed before the POST could go out. IMDS refusing or unreachable raises ``_Refusal`` (503), nothing kept."""
+        # Written (durably) before the POST: a crash from here until IMDS answers leaves "executing", judged again on
+        # the next request for it.
+        self._ledger.remember_decision(LedgerEntry(approval.decisionId, approval.eventId, "executing", now))
+        with self._tracer.start_as_current_span(
+            "listener.start_requests",
+            kind=trace.SpanKind.CLIENT,
+            attributes={"scheduled_events.event_id": approval.eventId},
+        ):
+            self._posted_since.add(approval.eventId.upper())
+            # The last instant the POST may start: the check above is not the last word while the POST waits for
+            # IMDS's rate limit or a retry, and a reroute to a peer follows the lapse by 1 s.
+            before = time.monotonic() + self._remaining(approval)
+            try:
+                self._imds_call(lambda: self._imds.approve([approval.eventId], before=before))
+            except _Lapsed as lapse:
+                self._ledger.forget_decision(approval.decisionId)  # nothing was sent
+                return "rejected", lapse.reason
+            except _Refusal:
+                self._ledger.forget_decision(approval.decisionId)  # IMDS refused or was unreachable
+                self._document = None  # what IMDS holds now is unknown
+                raise
+        self.imds_posts += 1
+        return "approved", ""
+
+    def _start_force(
+        self, approval: ApprovalRequest, name: str, document: ScheduledEventsDocument, now: datetime
+    ) -> ApprovalResult:
+        """A request judged executable that names a force hook (called under the lock): "accepted", its decision
+        recorded "forcing" (durably, before the answer and the hook) and the hook started on its own thread; or
+        "rejected" when the hook is not installed here, another force of the event runs, or no time is left."""
+        event, incarnation, force = document.event(approval.eventId), document.DocumentIncarnation, self._force
+        path = force.installed(name) if force is not None else None
+        if force is None or path is None or event is None:
+            folder = force.folder if force is not None else "force.d (this listener runs no force hooks)"
+            reason = f"force hook {name} is not installed on this VM: no executable {folder}/{name}"
+            return self._refuse(approval, reason, incarnation, now)
+        if self._vm_name not in event.Resources:
+            # Its hook drains this VM: only a VM the event names may run it (the coordinator sends it to one).
+            reason = f"a force request for {approval.eventId}, which does not name this VM ({self._vm_name})"
+            return self._refuse(approval, reason, incarnation, now)
+        busy = [d for d, e in self._forcing.items() if e == approval.eventId.upper()]
+        if busy:
+            reason = f"a force hook for event {approval.eventId} already runs, for decision {busy[0]!r}"
+            return self._refuse(approval, reason, incarnation, now)
+        tolerance = self._freshness.not_after_tolerance
+        deadline = force.deadline(approval, event, now=self._clock(), tolerance=tolerance)
+        if deadline <= time.monotonic():
+            return self._refuse(approval, f"no time left to run force hook {name} within its bound", incarnation, now)
+        by = (approval.deadline - tolerance).isoformat()
+        reason = f"force hook {name} running; StartRequests once it succeeds, by {by}"
+        result = self._remember(approval, "forcing", self._result(approval, "accepted", reason, incarnation), now)
+        self._forcing[approval.decisionId] = approval.eventId.upper()
+        force.start(path, event, deadline=deadline, then=lambda report: self._forced(approval, name, report))
+        return result
+
+    def _forced(self, approval: ApprovalRequest, name: str, report: HookReport) -> None:
+        """After the force hook, on its thread: StartRequests only if it succeeded and the event, judged again on a
+        document read since it ended, may still start (as ``_decide``); otherwise the decision is refused."""
+        ended = time.monotonic()
+        with self._lock:
+            try:
+                outcome: ApprovalOutcome = "rejected"
+                incarnation: int | None = None
+                if report.outcome != "succeeded":
+                    reason = hook_failure(name, report)
+                else:
+                    try:
+                        document = self._fresh_document(approval.eventId, ended)
+                        incarnation = document.DocumentIncarnation
+                        outcome, reason = self._judge(approval, document)
+                        if outcome == "approved":
+                            outcome, reason = self._execute(approval, self._clock())
+                    except (_Refusal, _Lapsed) as refusal:
+                        outcome, reason = "rejected", f"force hook {name} succeeded, then {refusal.reason}"
+                result = self._result(approval, outcome, reason, incarnation)
+                self._remember(approval, "approved" if outcome == "approved" else "refused", result, self._clock())
+                level = logging.INFO if outcome == "approved" else logging.WARNING
+                what = fields(eventId=approval.eventId, decisionId=approval.decisionId, outcome=outcome, reason=reason)
+                log.log(level, "force request decided after its hook", extra=what)
+            finally:
+                del self._forcing[approval.decisionId]
 
     def _fresh_document(self, event_id: str, arrived: float) -> ScheduledEventsDocument:
         """This VM's document as read after the request arrived (``arrived``, monotonic): the last one read, when
@@ -302,45 +369,6 @@ class Approver:
         self.imds_reads += 1
         self._document, self._posted_since = (began, document), set()
         return document
-
-    def _proof(self, decision_id: str) -> Attestation | None:
-        """IMDS's attested document for the decision (contracts.attestation.decision_nonce), which the answer carries:
-        the coordinator then knows this VM answered, not another instance listening on this hybrid connection.
-        Without one (IMDS refused it) the answer goes as it is, and a coordinator requiring proof sends again.
-
-        One document per decision, shared by every request for it within ``PROOF_REUSE_SECONDS``: the nonce names
-        the decision, not the request. Three runs sending one decision at once each spent one of the VM's IMDS
-        requests on it, and the POST behind them lapsed."""
-        if self._attest is None:
-            return None
-        with self._proof_lock:
-            kept = self._proofs.get(decision_id)
-            if kept is not None and time.monotonic() - kept[0] < PROOF_REUSE_SECONDS:
-                return kept[1]
-            making = self._making.get(decision_id)
-            mine = making is None
-            if making is None:
-                making = self._making[decision_id] = Future()
-        if not mine:
-            try:  # another request for this decision is asking IMDS: its answer is this one's too
-                return making.result(timeout=PROOF_WAIT_SECONDS)
-            except FutureTimeout:
-                return None
-        made = time.monotonic()
-        proof: Attestation | None = None
-        try:
-            proof = self._attest(decision_nonce(decision_id))
-        except (ImdsError, ValueError) as error:
-            log.warning("approval answer without proof", extra=fields(decisionId=decision_id, error=str(error)))
-        finally:
-            with self._proof_lock:
-                del self._making[decision_id]
-                if proof is not None:
-                    self._proofs[decision_id] = (made, proof)
-                    while len(self._proofs) > PROOF_ENTRIES:
-                        self._proofs.popitem(last=False)
-            making.set_result(proof)
-        return proof
 
     def _remaining(self, approval: ApprovalRequest) -> float:
         """Seconds, by this VM's clock, until the request is refused as expired (``refuse_not_after``)."""
@@ -367,6 +395,9 @@ class Approver:
             documentIncarnation=incarnation,
             reason=reason,
         )
+
+    def _refuse(self, approval: ApprovalRequest, reason: str, incarnation: int | None, now: datetime) -> ApprovalResult:
+        return self._remember(approval, "refused", self._result(approval, "rejected", reason, incarnation), now)
 
     def _remember(
         self, approval: ApprovalRequest, status: DecisionStatus, result: ApprovalResult, now: datetime

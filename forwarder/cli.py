@@ -34,6 +34,7 @@ from forwarder.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from forwarder.approver import Approver
+    from forwarder.force import ForceHooks
 
 log = logging.getLogger("forwarder")
 
@@ -132,9 +133,9 @@ def relay_companions(
     identity (and so the default hybrid connection name, `VmIdentity.hybrid_connection_name`) is known. `store`: the
     forwarder's own hook ledger, which the listener checks when a decision rested on this VM's prepare hooks
     (without it such an approval is refused), and where it keeps its decision ledger. `telemetry`: the daemon's, so
-    that the listener's spans go where the forwarder's go."""
+    that the listener's spans go where the forwarder's go. The daemon gives ``build`` its force hooks."""
 
-    def build(identity: VmIdentity, imds: ImdsClient) -> Sequence[Companion]:
+    def build(identity: VmIdentity, imds: ImdsClient, force: ForceHooks | None = None) -> Sequence[Companion]:
         if not settings.relay_enabled:
             return []
         endpoint = settings.relay_endpoint or f"wss://{settings.relay_namespace}"
@@ -143,8 +144,7 @@ def relay_companions(
             "relay listener configured",
             extra=fields(endpoint=endpoint, hybrid_connection=hybrid_connection, mode=settings.relay_listener_mode),
         )
-        # One credential for every session: its cached token spares a connect an IMDS token call, which would take
-        # the rate limiter's token the approval's StartRequests POST needs (measured: +0.5 s per cold approval).
+        # One credential for all sessions: its cached token keeps token calls off the POST's IMDS rate limit (+0.5 s).
         credential = build_credential(settings, imds)
         approver: Approver | None = None  # one for every session (its lock serialises approvals)
 
@@ -166,6 +166,7 @@ def relay_companions(
                     tracer=telemetry.tracer if telemetry else None,
                     attest=imds.get_attestation if settings.attest else None,
                     freshness=Freshness(not_after_tolerance=timedelta(seconds=settings.not_after_tolerance)),
+                    force=force,  # a force request's hook: the daemon's hooks folder, runner and sender
                 )
             return RelayListener(
                 endpoint=endpoint,

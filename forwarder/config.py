@@ -140,7 +140,8 @@ class ForwarderSettings(Record):
     hooks_dir: Path = spec(
         FilePath(),
         Path("/etc/scheduled-events/hooks"),
-        description="holds prepare.d/ and recover.d/, whose hooks run in name order",
+        description="holds prepare.d/ and recover.d/, whose hooks run in name order, and force.d/, the hooks a "
+        "force request may name",
     )
     hook_timeout: float = spec(
         _number(gt=0, le=3600),

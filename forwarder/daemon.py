@@ -22,6 +22,7 @@ from forwarder import __version__
 from forwarder.attestor import Attestor
 from forwarder.config import ForwarderSettings
 from forwarder.durable_state import Store, StoreFull
+from forwarder.force import ForceHooks
 from forwarder.heartbeat import PollHealth, spool_heartbeat
 from forwarder.hook_worker import HookWorker
 from forwarder.hooks import HookRunner
@@ -65,7 +66,9 @@ class OnDemand(Protocol):
     def update(self, document: ScheduledEventsDocument | None) -> None: ...
 
 
-CompanionFactory = Callable[[VmIdentity, ImdsClient], Sequence[Companion]]
+# Given this VM's identity, the IMDS client and its force hooks (forwarder/force.py: the daemon's hooks folder and
+# sender), the companions to run.
+CompanionFactory = Callable[[VmIdentity, ImdsClient, ForceHooks], Sequence[Companion]]
 
 
 class Forwarder:
@@ -111,6 +114,8 @@ class Forwarder:
         self.attestor = Attestor(imds=imds, state_id=store.state_id) if settings.attest else None
         self._state_failures = FailureLog("writing the state (full disk)", logger=log)
         parts = WorkerParts(store=store, tracer=self.telemetry.tracer, counters=self.counters, spooled=self._spooled)
+        self._parts = parts
+        self.force: ForceHooks | None = None  # once the identity is known (_start_companions)
         self._sender = Sender(
             parts, sink=sink, batch_max=settings.send_batch_max, stop=self._drain, attestor=self.attestor
         )
@@ -196,8 +201,10 @@ class Forwarder:
     def _start_companions(self, identity: VmIdentity) -> None:
         if self._companion_factory is None:
             return
+        # A force request's hook runs through the daemon's runner and is reported through its spool and sender.
+        self.force = ForceHooks(self.hooks, identity=identity, parts=self._parts, stop=self._stop)
         try:
-            companions = self._companion_factory(identity, self.imds)
+            companions = self._companion_factory(identity, self.imds, self.force)
         except Exception:
             # A broken listener setup must not take the forwarding of events down with it.
             log.exception("the companions could not be built; forwarding continues without them")
@@ -218,6 +225,8 @@ class Forwarder:
             except Exception:
                 log.exception("a companion failed to stop", extra=fields(companion=type(companion).__name__))
         self.hooks.stop()
+        if self.force is not None:
+            self.force.join(SHUTDOWN_FLUSH_SECONDS)  # their hooks killed: each records its refusal and its report
         # The sender (the first thread) last: it flushes what the others spooled.
         for thread in reversed(self._threads):
             if thread is self._threads[0]:

@@ -26,14 +26,16 @@ __all__ = [
 # own dates; a day also outlasts a VM clock that was set back by hours.
 DECISION_LEDGER_KEEP = timedelta(hours=24)
 DECISION_LEDGER_ENTRIES = 10_000
-DecisionStatus = Literal["executing", "approved", "refused"]
+DecisionStatus = Literal["forcing", "executing", "approved", "refused"]
 
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """What the listener did with one decisionId: ``executing`` from just before its StartRequests POST until IMDS
-    answered (an entry left so by a crash is judged again, on a fresh document), ``approved`` (IMDS took it) or
-    ``refused``; ``result`` is the ApprovalResult JSON it answered ("" while executing)."""
+    """What the listener did with one decisionId: ``forcing`` while its force hook runs (a request naming
+    ``facts.forceHook``, answered "accepted": forwarder/force.py), ``executing`` from just before its StartRequests
+    POST until IMDS answered (an entry left ``forcing`` or ``executing`` by a crash is judged again, on a fresh
+    document), ``approved`` (IMDS took it) or ``refused``; ``result`` is the ApprovalResult JSON it answered ("" while
+    executing)."""
 
     decision_id: str
     event_id: str

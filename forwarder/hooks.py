@@ -4,7 +4,8 @@ order with the event as JSON on stdin and as SCHEDULED_EVENT_* environment varia
 A hook's budget is the time left to the event's NotBefore less a margin, at most the configured maximum (a recover
 phase, or an event already Started, has the maximum). At the budget the hook's process group gets SIGTERM, and
 SIGKILL after a grace; the budget is counted so that the KILL lands the margin before NotBefore: a hook that runs
-past NotBefore cannot happen, whatever it does with the TERM.
+past NotBefore cannot happen, whatever it does with the TERM. A force hook (`{hooks_dir}/force.d/NAME`, named by an
+approval request) runs alone, through `run_hook`, within the bound forwarder/force.py gives it.
 
 Only the runner lives here; which events need hooks is decided in forwarder/changes.py, and the once-per-event
 ledger is kept in forwarder/durable_state.py.
@@ -129,7 +130,8 @@ class HookRunner:
         self.margin = margin
         self.grace = grace
         self._lock = threading.Lock()
-        self._current: subprocess.Popen[bytes] | None = None
+        # The hooks running now: a prepare or recover phase's (the hook worker) and force hooks (forwarder/force.py).
+        self._current: set[subprocess.Popen[bytes]] = set()
         self._stopping = threading.Event()
 
     def executables(self, phase: HookPhase) -> list[Path]:
@@ -202,6 +204,15 @@ class HookRunner:
         )
         return report
 
+    def run_hook(
+        self, path: Path, event: ScheduledEvent, *, phase: HookPhase, vm_name: str, deadline: float
+    ) -> HookReport:
+        """One named hook (a force hook, forwarder/force.py) as its phase's one step: SIGTERM at ``deadline``
+        (monotonic) or after ``timeout``, whichever comes first, SIGKILL a grace later."""
+        stdin = json.dumps(event.to_mapping()).encode("utf-8")
+        step, tail = self._run_one(path, event, phase=phase, stdin=stdin, vm_name=vm_name, deadline=deadline)
+        return phase_report(event.EventId, phase, (step,), tails=(tail,))
+
     def _run_one(
         self,
         path: Path,
@@ -255,7 +266,7 @@ class HookRunner:
                 return self._step(
                     event, phase, path, "failed", duration=0.0, exit_code=None, tail=f"cannot start: {exc}"
                 )
-            self._current = process
+            self._current.add(process)
         timed_out = killed = False
         try:
             output, _ = process.communicate(stdin, timeout=budget)
@@ -270,7 +281,7 @@ class HookRunner:
                 output, _ = process.communicate()
         finally:
             with self._lock:
-                self._current = None
+                self._current.discard(process)
         duration = time.monotonic() - started
         tail = output[-OUTPUT_TAIL:].decode("utf-8", errors="replace")
         outcome: HookOutcome
@@ -338,5 +349,5 @@ class HookRunner:
     def stop(self) -> None:
         with self._lock:
             self._stopping.set()
-            if self._current is not None:
-                self._kill(self._current)
+            for process in self._current:
+                self._kill(process)

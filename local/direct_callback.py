@@ -86,6 +86,10 @@ class DirectImdsCallback:
             )
             if answer.outcome != "approved":
                 return answer
+            if request.facts is not None and request.facts.forceHook:
+                # A force step's hook runs on the VM, by its listener (forwarder/approver.py): none here.
+                reason = f"force hook {request.facts.forceHook}: no listener runs VM hooks in direct mode"
+                return answer.model_copy(update={"outcome": "rejected", "reason": reason})
             posted = self._session.post(
                 url, headers=headers, json={"StartRequests": [{"EventId": request.eventId}]}, timeout=self._timeout
             )

@@ -127,10 +127,12 @@ def _by_rule(
     scheduled_at = record.createdAt
     if event.get("startedBy") == "hardware-failure" or rule is None:
         return "no-approval"
-    if rule.escalate and rule.escalate[-1].do == "approve":
+    if rule.escalate and rule.escalate[-1].do in ("approve", "force"):
         # The ladder's last step approves whatever held it (a person, hooks, a window, a gate), in time for its VM
-        # to execute it before NotBefore, unless a blackout is open then (policy's blackouts: time-dependent).
-        return "either" if policy.blackouts else "approve"
+        # to execute it before NotBefore, unless a blackout is open then (policy's blackouts: time-dependent); a
+        # force step only once the VM's own force hook succeeded, which is the VM's (its scenario's hooks) to say.
+        forced = rule.escalate[-1].do == "force"
+        return "either" if policy.blackouts or forced else "approve"
     if rule.action in ("wait-for-person", "never-approve"):
         return "no-approval"
     if rule.action == "approve-after-hooks" and any(prepare_fails(vms.get(name), rule) for name in record.resources):

@@ -35,11 +35,11 @@ def hook_script(hook: HookSpec) -> str:
 
 # ---- forwarders ------------------------------------------------------------------------------------------
 def install_hooks(vm: VmSpec, hooks: Path, *, prepare_hooks: bool) -> None:
-    """The scenario's hooks of the VM (a script per hook); without ``hooks`` the single succeeding drain hook
-    (unless the run has no prepare hooks)."""
-    scripts: dict[str, dict[str, str]] = {"prepare": {}, "recover": {}}
+    """The scenario's hooks of the VM (a script per hook; a force hook is run by name, by an escalation's force step);
+    without ``hooks`` the single succeeding drain hook (unless the run has no prepare hooks)."""
+    scripts: dict[str, dict[str, str]] = {"prepare": {}, "recover": {}, "force": {}}
     if vm.hooks is not None:
-        for phase in ("prepare", "recover"):
+        for phase in ("prepare", "recover", "force"):
             scripts[phase] = {hook.name: hook_script(hook) for hook in getattr(vm.hooks, phase)}
     elif prepare_hooks:
         scripts["prepare"]["10-drain"] = PREPARE_HOOK

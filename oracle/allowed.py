@@ -381,7 +381,7 @@ class Judge:
         if rule is None:
             return False, why
         ok, held = self.rule_allows(rule, at, surely=surely)
-        ladder = ladder_approval(rule, self.event)
+        ladder = ladder_approval(rule, self.event, surely=surely)
         if not ok and at in ladder:
             return True, ""  # its escalation ladder approves anyway
         if not ok and ladder:

@@ -129,14 +129,17 @@ def steps(rule: Rule, event: Event) -> list[tuple[int, str, int, float]]:
     ]
 
 
-def ladder_approves(rule: Rule) -> bool:
-    return bool(rule.escalate) and rule.escalate[-1].do == "approve"
+def ladder_approves(rule: Rule, *, forced: bool = True) -> bool:
+    """Whether the rule's ladder ends by approving: ``approve``, or ``force`` (``forced``: its approval executes only
+    once the VM's own force hook succeeded, which the oracle does not know beforehand, so it is allowed, never due)."""
+    last = rule.escalate[-1].do if rule.escalate else ""
+    return last == "approve" or (forced and last == "force")
 
 
-def ladder_approval(rule: Rule, event: Event) -> Intervals:
+def ladder_approval(rule: Rule, event: Event, *, surely: bool = False) -> Intervals:
     """When the rule's ladder approves the event while the rule itself waits (blackouts aside): from its last step's
-    time, when that step is ``approve``, until ``SEND_MARGIN`` before NotBefore."""
-    if not ladder_approves(rule) or event.notBefore is None:
+    time, when that step is ``approve`` (or, not ``surely``, ``force``), until ``SEND_MARGIN`` before NotBefore."""
+    if not ladder_approves(rule, forced=not surely) or event.notBefore is None:
         return EMPTY
     not_before = seconds(event.notBefore)
     return Intervals.of([(not_before - rule.escalate[-1].beforeNotBeforeSeconds, not_before - SEND_MARGIN)])

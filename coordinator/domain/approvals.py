@@ -49,7 +49,7 @@ def choose_executor(
     the docs suggest); otherwise any recently reporting VM that still lists the event (same placement group,
     since the event reached it). Never a VM that another event is removing (``leaving_vms``). A Terminate is
     approved only through the VM it deletes ("every VM in the scale set is only approving the EventID relevant for
-    that VM only"): never a peer, so None when that VM is silent.
+    that VM only"): never a peer, so None when that VM is silent; so is a force step's (its executor's hook runs).
 
     ``avoid``: VMs whose listener did not answer the approval's last attempt (hung, gone, its VM dead): any other
     VM that can execute it goes first, so that an approval whose executor died is rerouted within one attempt
@@ -69,7 +69,10 @@ def choose_executor(
         and last_seen.get(name, s.lastSeen) >= alive_after
         and leaving.get(name, record.eventId) == record.eventId
     }
-    if record.eventType == "Terminate":
+    forced = record.approval is not None and bool(record.approval.forceHook)
+    if record.eventType == "Terminate" or forced:
+        # A force step's approval too: the executor runs its own force hook first, which must drain a VM the event
+        # names, never a peer.
         candidates = {name: s for name, s in candidates.items() if name in record.resources}
     candidates = {name: s for name, s in candidates.items() if name not in avoid} or candidates
     candidates = {name: s for name, s in candidates.items() if name not in busy} or candidates

@@ -128,6 +128,8 @@ def _escalation(kind: AlertKind, record: EventRecord) -> tuple[str, str, str]:
         "of its rule's ladder decides.",
         "approve": f"Approved anyway, {step.beforeNotBeforeSeconds} s before NotBefore ({until}); the VM executes it "
         "only that near NotBefore on its own clock.",
+        "force": f"Approved once the VM's own force hook {step.hook} succeeds: its listener runs it, then starts the "
+        f"event itself (the VM checks NotBefore, {until}, is that near); if it fails, the platform starts it then.",
         "hold": f"Not approved by the coordinator: the platform starts it at {until}.",
     }.get(step.do, "")
     title = f"Escalation step {step.step} of {step.of}: {step.do}"

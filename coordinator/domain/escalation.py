@@ -42,12 +42,14 @@ class Rung:
     beforeNotBeforeSeconds: int
     at: datetime
     owners: tuple[str, ...] = ()
+    hook: str = ""  # a force step's hook
 
     def describe(self) -> str:
         told = f": tell {', '.join(self.owners)}" if self.owners else ""
         if self.do == "notify" and not self.owners:
             told = ": no owner named (the tag is on none of the VMs in ARM's census, and the step names no owner)"
-        lead = f"{self.do}, {self.beforeNotBeforeSeconds} s before NotBefore"
+        what = f"force hook {self.hook}" if self.do == "force" else self.do
+        lead = f"{what}, {self.beforeNotBeforeSeconds} s before NotBefore"
         return f"escalation step {self.step} of {self.of} ({lead}){told}"
 
 
@@ -60,6 +62,7 @@ class Climb:
     note: str
     approve: bool = False
     near_seconds: int | None = None
+    force_hook: str = ""  # a force step's approval: the VM runs this hook of its own first
 
 
 def reached(rule: Rule, record: EventRecord, view: FleetView, now: datetime) -> tuple[Rung, ...]:
@@ -72,7 +75,7 @@ def reached(rule: Rule, record: EventRecord, view: FleetView, now: datetime) -> 
         if now < at:
             break
         owners = _owners(step, record, view)
-        rungs.append(Rung(index, len(rule.escalate), step.do, step.beforeNotBeforeSeconds, at, owners))
+        rungs.append(Rung(index, len(rule.escalate), step.do, step.beforeNotBeforeSeconds, at, owners, step.hook))
     return tuple(rungs)
 
 
@@ -86,7 +89,7 @@ def climb(rule: Rule, record: EventRecord, view: FleetView, now: datetime, *, bl
     note = last.describe()
     if last.do == "hold":
         return Climb(rungs, f"{note}: held, the platform starts it at NotBefore")
-    if last.do != "approve":
+    if last.do not in ("approve", "force"):
         return Climb(rungs, note)
     if blocked:
         return Climb(rungs, f"{note}: not approved, {blocked} holds it")
@@ -99,7 +102,9 @@ def climb(rule: Rule, record: EventRecord, view: FleetView, now: datetime, *, bl
             f"{note}: too near NotBefore to deliver an approval (sent only until {send_by.isoformat()}): left to "
             "expire",
         )
-    return Climb(rungs, f"{note}: approved anyway", approve=True, near_seconds=last.beforeNotBeforeSeconds)
+    forced = f": approved once the VM's force hook {last.hook} succeeded (the VM runs it, then starts it)"
+    said = note + (forced if last.do == "force" else ": approved anyway")
+    return Climb(rungs, said, approve=True, near_seconds=last.beforeNotBeforeSeconds, force_hook=last.hook)
 
 
 def not_taken(record: EventRecord, rungs: Sequence[Rung]) -> list[Rung]:

@@ -51,8 +51,8 @@ _REACH: dict[str, int] = {
 
 def _reach(rule: Rule) -> int:
     """How far a rule goes towards approving: its action's, or an approve-after-hooks' when its ladder ends in an
-    approve step (a tag may not widen a rule through its ladder either)."""
-    ladder = 2 if rule.escalate and rule.escalate[-1].do == "approve" else 0
+    approve or force step (a tag may not widen a rule through its ladder either)."""
+    ladder = 2 if rule.escalate and rule.escalate[-1].do in ("approve", "force") else 0
     return max(_REACH[rule.action], ladder)
 
 
@@ -80,6 +80,7 @@ class Decision:
     # must be for the VM to execute it (its lead: the VM checks it against its own document and clock).
     escalation: tuple[Rung, ...] = ()
     nearNotBeforeSeconds: int | None = None
+    forceHook: str = ""  # an escalation's force step: the VM runs its own hook of this name before it executes
 
 
 def hooks_required(policy: Policy, rule_name: str, record: EventRecord) -> list[str]:
@@ -156,6 +157,7 @@ def escalated(
         atDeadline=True,
         escalation=ladder.rungs,
         nearNotBeforeSeconds=ladder.near_seconds,
+        forceHook=ladder.force_hook,
     )
 
 

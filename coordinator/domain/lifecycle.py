@@ -330,8 +330,18 @@ def _went_at_not_before(record: EventRecord, now: datetime) -> bool:
     approval = record.approval
     if approval is not None and (approval.lostAnswer is not None or approval.outcome in ("", "continued")):
         return False
+    if approval is not None and approval.outcome == "accepted" and not _force_failed(record):
+        return False  # its VM's force hook ran, and its StartRequests may be what started it
     started = record.startedSeenAt or now
     return record.notBefore is not None and started >= record.notBefore
+
+
+def _force_failed(record: EventRecord) -> bool:
+    """The executor of an accepted force approval reported its force phase other than succeeded."""
+    approval = record.approval
+    sighting = record.vms.get(approval.executor) if approval is not None else None
+    outcome = sighting.hooks.get("force", "") if sighting is not None else ""
+    return bool(outcome) and outcome != "succeeded"
 
 
 def _started_unapproved(record: EventRecord) -> str:
@@ -351,6 +361,12 @@ def _started_unapproved(record: EventRecord) -> str:
         )
         return (
             f"seen Started {when}, after approval {approval.decisionId} reached {lost.executor}, whose answer was lost"
+        )
+    if approval is not None and approval.outcome == "accepted":
+        ran = "failed: the platform started it" if _force_failed(record) else "ran: most likely its StartRequests"
+        return (
+            f"seen Started after {approval.executor} accepted approval {approval.decisionId} and its force hook "
+            f"{approval.forceHook} {ran}"
         )
     if approval is not None and approval.outcome in ("", "continued"):
         to = f" to {approval.executor}" if approval.executor else ""

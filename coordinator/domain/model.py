@@ -167,6 +167,8 @@ class ApprovalRecord(BaseModel):
     policyVersion: str = ""
     # Made by an escalation step (domain/escalation.py): NotBefore must be this near for the VM to execute it.
     nearNotBeforeSeconds: int | None = None
+    # Made by an escalation's force step: the VM runs its own force hook of this name first ("accepted" meanwhile).
+    forceHook: str = ""
     # Set when a request of this decision reached its executor's listener, which went away before answering (the
     # relay's 502): its outcome is unknown, IMDS may have accepted it (domain/lifecycle.py, ``lost_answer``).
     lostAnswer: LostAnswer | None = None

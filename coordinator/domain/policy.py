@@ -163,16 +163,21 @@ class SequenceOption(_Strict):
 # A ladder step is taken by the first run at or after its time (a tick each minute), and an approval it makes must
 # still reach the VM before NotBefore (domain/expiry.py SEND_MARGIN): a step closer to NotBefore than this could not.
 MIN_STEP_SECONDS, MAX_STEP_SECONDS, MAX_STEPS = 60, 7 * 86400, 8
+# A force step's approval stays valid while its hook runs, up to NotBefore; a VM's listener refuses any approval valid
+# further ahead than 15 minutes (forwarder/approval_rules.py, ``Freshness.max_validity``).
+MAX_FORCE_SECONDS = 900
 
 
 class EscalationStep(_Strict):
     """One step of a rule's escalation ladder (coordinator/domain/escalation.py), taken once, by the first run at or
     after ``beforeNotBeforeSeconds`` before the event's NotBefore while the rule has not approved it: ``notify`` the
     owner (``ownerTag``: the value of that ARM tag on the affected VMs, read from the census; else ``owner``),
-    ``approve`` anyway, or ``hold`` (no approval from the coordinator: the platform starts it at NotBefore)."""
+    ``approve`` anyway, ``force`` (approve once the VM's own force hook ``hook`` succeeded: its listener runs
+    ``force.d/<hook>`` first), or ``hold`` (no approval from the coordinator: the platform starts it at NotBefore)."""
 
     beforeNotBeforeSeconds: int = Field(ge=MIN_STEP_SECONDS, le=MAX_STEP_SECONDS)
-    do: Literal["notify", "approve", "hold"]
+    do: Literal["notify", "approve", "force", "hold"]
+    hook: str = Field(default="", pattern=r"^([A-Za-z0-9_-]{1,64})?$", description="the VM's force.d hook to run")
     owner: str = Field(default="", max_length=256, description="who is told (a name, an address, a channel)")
     ownerTag: str = Field(default="", max_length=128, description="the ARM tag naming the owner on each VM")
 
@@ -182,6 +187,13 @@ class EscalationStep(_Strict):
             raise ValueError("a 'notify' step needs 'owner' or 'ownerTag' (the ARM tag that names each VM's owner)")
         if self.do != "notify" and (self.owner or self.ownerTag):
             raise ValueError(f"'owner' and 'ownerTag' name whom a 'notify' step tells; a {self.do!r} step tells no one")
+        if (self.do == "force") != bool(self.hook):
+            raise ValueError("a 'force' step names its 'hook' (a file of force.d on the VM); no other step has one")
+        if self.do == "force" and self.beforeNotBeforeSeconds > MAX_FORCE_SECONDS:
+            raise ValueError(
+                f"a 'force' step comes at most {MAX_FORCE_SECONDS} s before NotBefore: its approval stays valid until "
+                "then, and a VM refuses an approval valid further ahead"
+            )
         return self
 
 
@@ -235,14 +247,14 @@ class Rule(_Strict):
             raise ValueError(f"escalate: steps must come in order of time left to NotBefore, each its own ({steps})")
         final = [i for i, s in enumerate(self.escalate) if s.do != "notify"]
         if final and final != [len(steps) - 1]:
-            raise ValueError("escalate: 'approve' or 'hold' ends the ladder: only its last step may be one")
+            raise ValueError("escalate: 'approve', 'force' or 'hold' ends the ladder: only its last step may be one")
         if self.escalate and self.action == "never-approve":
             raise ValueError("'never-approve' lets NotBefore run out; it has no ladder to climb")
-        approves = any(s.do == "approve" for s in self.escalate)
+        approves = any(s.do in ("approve", "force") for s in self.escalate)
         if approves and (self.budget is not None or self.rate is not None or self.sequence is not None):
             raise ValueError(
-                "an 'approve' step would approve past the rule's budget, rate or sequence, which bound what is "
-                "impacted at once; end its ladder with 'hold' (or 'notify')"
+                "an 'approve' or 'force' step would approve past the rule's budget, rate or sequence, which bound what "
+                "is impacted at once; end its ladder with 'hold' (or 'notify')"
             )
         return self
 

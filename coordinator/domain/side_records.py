@@ -26,6 +26,7 @@ class EscalationTaken(BaseModel):
     takenAt: datetime
     decisionId: str
     owners: list[str] = Field(default_factory=list)
+    hook: str = ""  # a force step's hook
 
 
 class ShadowVerdict(BaseModel):

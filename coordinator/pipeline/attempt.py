@@ -111,6 +111,12 @@ def _apply(run: Run, change: EventChange, plan: Delivery) -> None:
     if result is not None and result.outcome == "approved":
         _approved(run, change, executor)
         return
+    if result is not None and result.outcome == "accepted" and approval.forceHook and plan.request is not None:
+        # The VM runs its force hook and starts the event itself once it succeeded, until the request's deadline:
+        # nothing is sent again, to it or a peer, while it may (the request stays open); Started says it did.
+        approval.nextAttemptAt = None
+        record.openRequest = OpenRequest(executor=executor, decisionId=approval.decisionId, until=plan.request.deadline)
+        return
     if result is not None and result.outcome == "not-scheduled":
         # The VM sees it Started already; its next document moves the state.
         approval.nextAttemptAt = None

@@ -351,6 +351,7 @@ def _approve(run: Run, change: EventChange, decision: Decision, claimed: list[st
         notAfterReason=bound.why if bound else "",
         policyVersion=policy.fingerprint,
         nearNotBeforeSeconds=decision.nearNotBeforeSeconds,
+        forceHook=decision.forceHook,
     )
     run.fleet.add(record)
     change.changed = True

@@ -153,6 +153,7 @@ def _request(run: Run, record: EventRecord, approval: ApprovalRecord, not_after:
             resources=list(record.resources),
             hooksRequired=hooks_required(run.policy, approval.rule, record),
             nearNotBeforeSeconds=approval.nearNotBeforeSeconds,
+            forceHook=approval.forceHook or None,
         ),
     )
 
@@ -214,6 +215,11 @@ def _valid_for(
     before it once the request lapsed (approvals.reroutable_within). The queue's and the timer's sends: the whole
     approval deadline."""
     options = run.options
+    approval = record.approval
+    if approval is not None and approval.forceHook and record.notBefore is not None:
+        # A force step's request stays valid while the VM's hook runs, up to NotBefore (its approval's own bound
+        # caps it): no peer is sent it meanwhile (the request stays open), the VM starts it once its hook succeeded.
+        return max(record.notBefore - run.now, options.approval_deadline)
     if not hands_over(run):
         return options.approval_deadline
     avoid = frozenset({executor.name}) if executor is not None else frozenset()

@@ -53,10 +53,12 @@ class VmHooks(BaseModel):
 
     prepare: list[HookSpec] = Field(default_factory=list)
     recover: list[HookSpec] = Field(default_factory=list)
+    # Installed in force.d: run one by name when an escalation ladder's force step approves (forwarder/approver.py).
+    force: list[HookSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique_names(self) -> VmHooks:
-        for phase in ("prepare", "recover"):
+        for phase in ("prepare", "recover", "force"):
             names = [hook.name for hook in getattr(self, phase)]
             twice = sorted({name for name in names if names.count(name) > 1})
             if twice:

@@ -396,7 +396,7 @@ def test_the_policy_reference_example_in_the_docs_is_a_valid_policy() -> None:
     assert (paced.rate.maxApprovals, paced.rate.periodSeconds) == (2, 3600)
     assert paced.sequence is not None
     assert (paced.sequence.per, paced.sequence.gapSeconds) == ("zone", 600)
-    assert set(example.gates) == {"app-health", "no-cpu-alert", "no-errors"}
+    assert set(example.gates) == {"app-health", "lb-ready", "no-cpu-alert", "no-errors"}
 
 
 def test_a_card_names_what_held_the_event_since_and_until_when() -> None:

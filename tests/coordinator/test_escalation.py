@@ -4,6 +4,7 @@ NotBefore on its own clock; what the policy refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -278,3 +279,58 @@ rules:
     decision = evaluate(policy, record, FleetView(paced={spent.scaleSet: spent}), NOT_BEFORE - timedelta(seconds=500))
     assert (decision.verdict, decision.holdKind) == ("wait", "budget")
     assert [rung.step for rung in decision.escalation] == [1]
+
+
+FORCE = LADDER.replace("do: approve}", "do: force, hook: drain-force}")
+
+
+class ForcingListener(Listener):
+    """web_0's listener as the forwarder answers a force request: judged as any request, then "accepted" while its
+    force hook runs (forwarder/approver.py; the VM then starts the event itself)."""
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        result = super().send(request, vm=vm)
+        if result.outcome != "approved" or request.facts is None or not request.facts.forceHook:
+            return result
+        self.answers[-1] = ("accepted", "force hook running")
+        return result.model_copy(update={"outcome": "accepted", "reason": "force hook drain-force running"})
+
+
+def test_a_force_step_sends_the_hook_to_run_and_an_accepted_request_stays_open_not_sent_again(tmp_path: Path) -> None:
+    coordinator, history, _listener, clock = build(FORCE, tmp_path)
+    forcing = ForcingListener(clock, {"DocumentIncarnation": 2, "Events": [reboot()]})
+    coordinator.parts = dataclasses.replace(coordinator.parts, callback=forcing)
+    clock.now = NOT_BEFORE - timedelta(seconds=120)
+    report(coordinator, clock)
+    coordinator.tick()
+    [request] = forcing.requests
+    assert request.facts is not None
+    assert (request.facts.forceHook, request.facts.nearNotBeforeSeconds) == ("drain-force", 120)
+    # Valid while the hook runs: up to NotBefore less the send margin, not the delivery's few seconds.
+    assert request.deadline >= NOT_BEFORE - timedelta(seconds=10)
+    record = stored(coordinator)
+    assert record.approval is not None
+    approval = record.approval
+    assert (approval.outcome, approval.forceHook, record.state) == ("accepted", "drain-force", "Scheduled")
+    assert record.openRequest is not None
+    assert (record.openRequest.executor, record.openRequest.until) == ("web_0", request.deadline)
+    assert steps_in_rows(history)[-1] == (3, "force")
+    clock.now += timedelta(seconds=60)
+    report(coordinator, clock)
+    coordinator.tick()
+    assert len(forcing.requests) == 1  # the VM runs its hook: nothing is sent again meanwhile
+
+
+@pytest.mark.parametrize(
+    ("step", "said"),
+    [
+        ("{beforeNotBeforeSeconds: 600, do: force}", "a 'force' step names its 'hook'"),
+        ("{beforeNotBeforeSeconds: 600, do: approve, hook: x}", "a 'force' step names its 'hook'"),
+        ("{beforeNotBeforeSeconds: 1200, do: force, hook: x}", "at most 900 s before NotBefore"),
+        ("{beforeNotBeforeSeconds: 600, do: force, hook: 'rm -rf'}", "hook"),
+    ],
+)
+def test_a_force_step_names_a_hook_the_vm_can_hold_and_comes_late_enough(step: str, said: str) -> None:
+    text = f"rules:\n  - name: r\n    action: wait-for-person\n    escalate:\n      - {step}\n"
+    with pytest.raises(PolicyError, match=said):
+        parse_policy(text)

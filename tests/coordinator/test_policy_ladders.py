@@ -71,7 +71,7 @@ def test_check_names_the_line_of_each_bad_ladder(tmp_path, capsys):
     assert (code, out) == (2, "")
     assert f"{bad}:7: rules.0.escalate.0: Value error, a 'notify' step needs 'owner' or 'ownerTag'" in err
     assert f"{bad}:8: rules.0.escalate.1.beforeNotBeforeSeconds: Input should be greater than or equal to 60" in err
-    assert f"{bad}:10: rules.0.escalate.2.do: Input should be 'notify', 'approve' or 'hold'" in err
+    assert f"{bad}:10: rules.0.escalate.2.do: Input should be 'notify', 'approve', 'force' or 'hold'" in err
     assert f"{bad}:11: rules.1: Value error, escalate: steps must come in order of time left to NotBefore" in err
     assert f"{bad}:16: rules.2: Value error, 'never-approve' lets NotBefore run out" in err
 

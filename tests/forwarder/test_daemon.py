@@ -245,14 +245,14 @@ class _Companion:
 
 def test_companions_start_and_stop_with_the_daemon_and_never_break_it(imds: ImdsEmulator, harness: MakeHarness) -> None:
     good, broken = _Companion(), _BrokenCompanion()
-    h = harness(imds.url_for("web_0"), name="a", companions=lambda identity, client: [broken, good])
+    h = harness(imds.url_for("web_0"), name="a", companions=lambda identity, client, force: [broken, good])
     h.wait_incarnation(1)
     assert good.started
     h.stop()
     assert good.stopped
     assert not broken.stopped  # never started, so never stopped
 
-    def unbuildable(identity: object, client: object) -> list[_Companion]:
+    def unbuildable(identity: object, client: object, force: object) -> list[_Companion]:
         raise ImportError("no websockets")
 
     failing = harness(imds.url_for("web_1"), name="b", companions=unbuildable)

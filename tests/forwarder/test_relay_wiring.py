@@ -26,7 +26,7 @@ from forwarder.cli import relay_companions
 from forwarder.config import ForwarderSettings, load_settings
 from forwarder.imds import ImdsClient
 from forwarder.on_demand import OnDemandListener
-from tests.forwarder.conftest import Harness, forwarder_importing
+from tests.forwarder.conftest import Harness, forwarder_importing, write_hook
 from tests.polling import wait_for
 from tests.relay.conftest import facts_of
 
@@ -111,6 +111,30 @@ def test_on_demand_listener_connects_for_an_event_and_leaves_after_the_grace(
         lambda: h.envelopes("heartbeat")[-1]["health"].get("listenerConnected") is False,
         what="a heartbeat with the listener disconnected",
     )
+    h.stop()
+
+
+def test_a_force_request_runs_the_vms_own_hook_from_its_hooks_folder_then_starts_the_event(
+    imds: ImdsEmulator, relay: RelayEmulator, harness: Callable[..., Harness]
+) -> None:
+    """The daemon gives the listener its force hooks: the forwarder's hooks folder, its runner, its spool. The answer
+    is "accepted"; the hook's phase goes out as a hook envelope, and StartRequests follows it."""
+    h, identity, _ = _web_0(harness, imds, relay)
+    ran = h.root / "drain-ran"
+    write_hook(h.settings.hooks_dir / "force.d", "drain", f'echo "$SCHEDULED_EVENT_PHASE" > "{ran}"\nsleep 0.5\n')
+    created = imds.create_event(EventType="Freeze", Resources=["web_0"], NoticeSeconds=900)
+    h.wait_incarnation(2)
+    request = _request(created)
+    assert request.facts is not None
+    forced = request.model_copy(update={"facts": request.facts.model_copy(update={"forceHook": "drain"})})
+    with RelayApprovalSender(endpoint=relay.base_url, credential=AzureNamedKeyCredential("send", SEND_KEY)) as sender:
+        result = sender.send(forced, vm=VmIdentity.of(identity))
+    assert (result.outcome, imds.approvals()) == ("accepted", [])
+    wait_for(imds.approvals, what="StartRequests after the hook")
+    assert ran.read_text() == "force\n"
+    assert [a["EventId"] for a in imds.approvals()] == [created["EventId"]]
+    force = wait_for(lambda: [e["hook"] for e in h.envelopes("hook") if e["hook"]["phase"] == "force"], what="report")
+    assert [(r["outcome"], [s["hook"] for s in r["steps"]]) for r in force] == [("succeeded", ["drain"])]
     h.stop()
 
 

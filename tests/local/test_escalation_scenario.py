@@ -86,3 +86,34 @@ def test_each_step_is_taken_once_at_its_time_the_reboot_approved_anyway_the_rede
     assert held_live.startedAt is not None
     assert held_live.differs
     assert not approved_live.differs
+
+
+@pytest.mark.slow
+def test_a_force_step_starts_the_reboot_only_where_the_vms_own_force_hook_succeeded(run_pipeline: Runner) -> None:
+    outcome = run_pipeline(
+        Scenario.from_file(SCENARIOS / "escalation-force.yaml"), time_scale=120.0, timeout=150.0, oracle=True
+    )
+    events = outcome.judged_ok()
+    assert {label: row["expected"] for label, row in events.items()} == {
+        "reboot-forced": "approve",
+        "reboot-force-failed": "no-approval",
+    }
+    forced, failed = events["reboot-forced"], events["reboot-force-failed"]
+    assert forced["approvedThrough"] == "api_0"
+    for event, vm, ran in ((forced, "api_0", "succeeded"), (failed, "api_1", "failed")):
+        event_id = event["eventId"]
+        decisions = history_rows(outcome.stack, "RecordType = 'Decision' AND EventId = ?", event_id)
+        assert [(step, do) for step, do, _, _, _ in steps_taken(decisions)] == [(1, "force")]
+        accepted = "RecordType = 'Approval' AND EventId = ? AND Outcome = 'accepted'"
+        answers = history_rows(outcome.stack, accepted, event_id)
+        assert [row["VmName"] for row in answers] == [vm]
+        hooks = history_rows(outcome.stack, "RecordType = 'Hook' AND EventId = ? AND HookPhase = 'force'", event_id)
+        assert [(row["VmName"], row["Outcome"]) for row in hooks] == [(vm, ran)]
+        [started] = history_rows(
+            outcome.stack, "RecordType = 'Transition' AND EventId = ? AND State = 'Started'", event_id
+        )
+        not_before = datetime.fromisoformat(decisions[0]["NotBefore"])
+        assert f"force hook drain-force {'ran' if ran == 'succeeded' else 'failed'}" in started["Reason"]
+        if ran == "succeeded":
+            # Started by its own VM once the hook had run: before NotBefore (the platform's own start is at it).
+            assert datetime.fromisoformat(started["TimeGenerated"]) < not_before
