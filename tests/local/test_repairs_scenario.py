@@ -5,23 +5,13 @@ Repairs history row; db, which has no repairs, is never asked about."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from datetime import datetime
 
 import pytest
 
 from emulators.imds import Scenario
 from tests.local.conftest import SCENARIOS, Runner, history_rows
-
-
-def wait_for(condition: Callable[[], bool], *, seconds: float) -> bool:
-    until = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.2)
-    return True
+from tests.polling import poll
 
 
 @pytest.mark.slow
@@ -37,9 +27,9 @@ def test_repairs_suspended_while_the_reboot_is_in_flight_and_resumed_after_it(ru
     imds = outcome.stack.imds
     assert imds is not None
     # The run ends once every event is over; the resume comes with the next timer tick after the Reboot completed.
-    resumed = wait_for(lambda: len(imds.arm_status()["orchestrationServiceCalls"]) >= 2, seconds=20)
+    resumed = poll(lambda: len(imds.arm_status()["orchestrationServiceCalls"]) >= 2, timeout=20, interval=0.2)
     assert resumed, imds.arm_status()
-    wait_for(lambda: len(history_rows(outcome.stack, "RecordType = 'Repairs'")) >= 2, seconds=20)
+    poll(lambda: len(history_rows(outcome.stack, "RecordType = 'Repairs'")) >= 2, timeout=20, interval=0.2)
     arm = imds.arm_status()
     assert [(c["scaleSet"], c["action"], c["status"]) for c in arm["orchestrationServiceCalls"]] == [
         ("web", "Suspend", 202),

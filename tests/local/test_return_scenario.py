@@ -6,8 +6,6 @@ and back once the page passes, each with an Impact row (return-to-service) sayin
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -15,20 +13,12 @@ import pytest
 
 from emulators.imds import Scenario
 from tests.local.conftest import SCENARIOS, Runner, history_rows
+from tests.polling import poll
 
 # The bound of policies/return-to-service.yaml, and how late a row may come after its time: the local timer ticks
 # every 2 s and a page is read within its 2 s deadline.
 BOUND = timedelta(seconds=60)
 WITHIN = timedelta(seconds=8)
-
-
-def wait_for(condition: Callable[[], bool], *, seconds: float) -> bool:
-    until = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def at(row: dict[str, Any]) -> datetime:
@@ -51,7 +41,7 @@ def test_the_next_reboot_waits_until_the_vm_is_back_and_a_late_vm_is_said_once(r
     def returns() -> list[dict[str, Any]]:
         return history_rows(stack, "ImpactMeasure = 'return-to-service'")
 
-    assert wait_for(lambda: len(returns()) >= 3, seconds=20), returns()
+    assert poll(lambda: len(returns()) >= 3, timeout=20, interval=0.2), returns()
     rows = returns()
     assert [(r["EventId"], r["VmName"], r["Outcome"]) for r in rows] == [
         (first, "web_0", "back"),
