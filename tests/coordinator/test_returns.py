@@ -251,3 +251,21 @@ def test_back_only_once_its_own_readiness_page_passes_read_by_the_timer(tmp_path
 def test_a_policy_that_cannot_say_back_is_refused_at_load(text: str, said: str) -> None:
     with pytest.raises(PolicyError, match=said.replace("[", r"\[").replace("]", r"\]")):
         parse_policy(text)
+
+
+def test_a_gate_read_for_one_vm_names_it_encoded_and_refuses_a_name_that_is_not_azures() -> None:
+    example = parse_policy(
+        "gates:\n"
+        "  lb: {http: {url: 'https://lb.example.com/backends/{vm}?pool=web'}}\n"
+        "  logs: {logQuery: {workspaceId: '00000000-0000-0000-0000-000000000000', query: \"H | where Vm == '{vm}'\"}}\n"
+        "rules:\n  - {name: r, action: approve-now, returnToService: {withinSeconds: 60, gates: [lb, logs]}}\n"
+    )
+    lb, logs = example.gates["lb"], example.gates["logs"]
+    assert lb.per_vm
+    assert logs.per_vm
+    assert lb.for_vm("web_0").http is not None
+    assert lb.for_vm("web_0").http.url == "https://lb.example.com/backends/web_0?pool=web"  # type: ignore[union-attr]
+    assert logs.for_vm("db-1.a").logQuery.query == "H | where Vm == 'db-1.a'"  # type: ignore[union-attr]
+    for name in ("web_0' or 1 == 1", "a/b", "", "-x"):
+        with pytest.raises(ValueError, match="cannot be put in a gate"):
+            lb.for_vm(name)
