@@ -394,6 +394,10 @@ def generate(seed: int, *, attackers: bool = True) -> Plan:
     laddered.rng.seed(f"ladders-{seed}")
     ladder_plan.ladders(laddered, policy, vms, events, TIME_SCALE)
     draw.knobs.extend(laddered.knobs)
+    forcing = _Draw(0)  # a ladder's force step, from a stream of its own too
+    forcing.rng.seed(f"force-{seed}")
+    ladder_plan.forces(forcing, policy, vms)
+    draw.knobs.extend(forcing.knobs)
     # Return to service on the budget rule, from a stream of its own too (the plan is otherwise unchanged).
     returning = _Draw(0)
     returning.rng.seed(f"returns-{seed}")

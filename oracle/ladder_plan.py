@@ -13,7 +13,9 @@ run. Drawn from a stream of their own (``ladders-N``), so that a seed's plan is 
   of the ladder's leads (times the time scale, in Azure seconds), so that step and those after it come inside the run
   and the earlier ones at first sight; the others keep theirs (600-1500 Azure seconds: 5-12.5 s at 120), where every
   step is reached at once, at first sight;
-- **owners**: sometimes a VM or two tagged ``owner: team-<name>`` (read from ARM's census by ``ownerTag`` steps).
+- **owners**: sometimes a VM or two tagged ``owner: team-<name>`` (read from ARM's census by ``ownerTag`` steps);
+- **force** (``forces``, a stream of its own, ``force-N``): half the ladders that end in ``approve`` end in ``force``
+  instead (hook ``drain-force``), and every VM gets that force hook, succeeding (2 in 3) or failing, 0.5 or 2 s long.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from oracle.hostile import Draw
 from oracle.rules import choose
 from oracle.truth import Event, Vm
 
-__all__ = ["LEADS", "PAST_LEAD", "ladders"]
+__all__ = ["FORCE_HOOK", "LEADS", "PAST_LEAD", "forces", "ladders"]
 
 LEADS = (95, 80, 70, 60)  # real seconds before NotBefore
+FORCE_HOOK = "drain-force"
+# The drain hook the local runner installs for a VM the scenario gives none (local/forwarders.py, PREPARE_HOOK).
+_DEFAULT_PREPARE = [{"name": "10-drain", "exitCode": 0, "seconds": 0}]
 # Real seconds of notice past a lead of the ladder: that step, and those after it, come that long after creation.
 PAST_LEAD = (6, 12, 20)
 OWNERS: tuple[dict[str, str], ...] = (
@@ -107,3 +112,19 @@ def ladders(
     if draw.chance(0.5):
         for vm in draw.rng.sample(vms, min(2, len(vms))):
             vm["tags"] = {**vm.get("tags", {}), "owner": f"team-{vm['name'].split('_')[0].split('-')[0]}"}
+
+
+def forces(draw: Draw, policy: dict[str, Any], vms: list[dict[str, Any]]) -> None:
+    """Maybe the ladder's last ``approve`` made a ``force`` step, and each VM given the force hook it names (its
+    listener runs it, then starts the event only if it succeeded: the oracle allows that approval, never dues it)."""
+    laddered = [r for r in policy["rules"] if r.get("escalate") and r["escalate"][-1]["do"] == "approve"]
+    if not laddered or not draw.chance(0.5):
+        return
+    step = laddered[0]["escalate"][-1]
+    step.update(do="force", hook=FORCE_HOOK)
+    draw.note(f"{laddered[0]['name']} forces at {step['beforeNotBeforeSeconds']}s")
+    for vm in vms:
+        exit_code, seconds = draw.pick([0, 0, 1]), draw.pick([0.5, 2])
+        hooks = vm.setdefault("hooks", {"prepare": list(_DEFAULT_PREPARE)})
+        hooks["force"] = [{"name": FORCE_HOOK, "exitCode": exit_code, "seconds": seconds}]
+        draw.note(f"{vm['name']} force hook exit {exit_code} in {seconds} s")
