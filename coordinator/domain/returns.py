@@ -43,16 +43,17 @@ def rule_of(policy: Policy, record: EventRecord) -> str:
     return ""
 
 
-def begin(policy: Policy, change: EventChange) -> None:
+def begin(policy: Policy, change: EventChange, now: datetime) -> None:
     """Starts watching the VMs of an event that just completed, when its rule asks for it: those it named that
-    reported it and that it did not remove. Their clock starts at the completion."""
+    reported it and that it did not remove. Their clock starts at the completion; an event that completed longer ago
+    than its bound (one written before this watch existed, touched again by a late report) is not watched."""
     record = change.record
     if record.state != "Completed" or record.returnToService is not None or record.eventType not in RETURNING_TYPES:
         return
     rule = policy.rule(rule_of(policy, record))
     option = rule.returnToService if rule is not None else None
     names = sorted(n for n in record.resources if n in record.vms and n not in record.removed)
-    if option is None or not names:
+    if option is None or not names or now - record.stateSince > timedelta(seconds=option.withinSeconds):
         return
     record.returnToService = ReturnWatch(
         rule=rule_of(policy, record),

@@ -31,7 +31,7 @@ MAX_VMS_PER_TICK = 64
 def follow(run: Run, change: EventChange) -> None:
     """An event decided by this run: its watch begun as it completes, its VMs moved on by what the run knows (their
     recover reports; no gate read here)."""
-    returns.begin(run.policy, change)
+    returns.begin(run.policy, change, run.now)
     returns.follow(change, run.now)
 
 

@@ -18,13 +18,23 @@ import pytest
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters.teams import FolderCardSink
+from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy_file import PolicyError, parse_policy
-from coordinator.domain.returns import RETURN_WATCH_LIMIT
+from coordinator.domain.returns import RETURN_WATCH_LIMIT, begin
 from coordinator.domain.rows import HistoryRow
 from coordinator.service import Coordinator
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, raw_message, scheduled_event, vm
+from tests.coordinator.helpers import (
+    DOC_NOW,
+    MemoryHistory,
+    decision_record,
+    envelope,
+    event_record,
+    raw_message,
+    scheduled_event,
+    vm,
+)
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import make_coordinator
 
@@ -269,3 +279,22 @@ def test_a_gate_read_for_one_vm_names_it_encoded_and_refuses_a_name_that_is_not_
     for name in ("web_0' or 1 == 1", "a/b", "", "-x"):
         with pytest.raises(ValueError, match="cannot be put in a gate"):
             lb.for_vm(name)
+
+
+@pytest.mark.parametrize(("ago", "watched"), [(10, True), (599, True), (601, False), (86400, False)])
+def test_only_an_event_that_completed_within_its_bound_is_watched(ago: int, watched: bool) -> None:
+    """An event that completed before the watch existed, touched again by a late report long after, raises no
+    late card: its moment has passed."""
+    sighting = {"firstSeen": DOC_NOW, "lastSeen": DOC_NOW, "lastSequence": 3, "status": "Gone"}
+    record = event_record(
+        "E-OLD",
+        state="Completed",
+        resources=["web_0"],
+        stateSince=DOC_NOW - timedelta(seconds=ago),
+        decision=decision_record(rule="reboots", action="approve-now", verdict="approve"),
+        vms={"web_0": sighting},
+    )
+    change = EventChange(record=record)
+    begin(parse_policy(policy(within=600)), change, DOC_NOW)
+    assert (record.returnToService is not None) == watched
+    assert change.changed == watched
