@@ -157,18 +157,18 @@ class GateReader:
                 self._results[name] = self._read(name)
         return {name: self._results[name] for name in names}
 
-    def for_vms(self, names: Sequence[str], vms: Sequence[str]) -> dict[str, dict[str, GateResult]]:
-        """The gates ``names`` as read for each VM of ``vms`` (a gate naming ``{vm}`` once per VM, any other once),
-        the per-VM reads ``VM_GATE_WORKERS`` at a time, each within its own deadline: a dead readiness page for 64
-        VMs costs a tick its deadline 8 times, not 64."""
-        fleet = [name for name in names if not self._per_vm(name)]
+    def for_vms(self, wanted: Mapping[str, Sequence[str]]) -> dict[str, dict[str, GateResult]]:
+        """Each VM's gates (``wanted``: VM name -> gate names) as read for it: a gate naming ``{vm}`` once per VM,
+        any other once; every per-VM read of the call in one pool, ``VM_GATE_WORKERS`` at a time, each within its own
+        deadline: dead readiness pages for 64 VMs cost a tick 8 deadlines, not 64."""
+        fleet = sorted({name for names in wanted.values() for name in names if not self._per_vm(name)})
         shared = self.results(fleet) if fleet else {}
-        wanted = [(name, vm) for vm in vms for name in names if self._per_vm(name)]
+        pairs = [(name, vm) for vm, names in wanted.items() for name in names if self._per_vm(name)]
         read: dict[tuple[str, str], GateResult] = {}
-        if wanted:
+        if pairs:
             with ThreadPoolExecutor(max_workers=VM_GATE_WORKERS, thread_name_prefix="gate") as pool:
-                read.update(zip(wanted, pool.map(lambda pair: self._read(pair[0], vm=pair[1]), wanted), strict=True))
-        return {vm: {name: shared[name] if name in shared else read[(name, vm)] for name in names} for vm in vms}
+                read.update(zip(pairs, pool.map(lambda pair: self._read(pair[0], vm=pair[1]), pairs), strict=True))
+        return {vm: {n: shared[n] if n in shared else read[(n, vm)] for n in names} for vm, names in wanted.items()}
 
     def _per_vm(self, name: str) -> bool:
         gate = self._gates.get(name)

@@ -50,13 +50,14 @@ def begin(policy: Policy, change: EventChange, now: datetime) -> None:
     record = change.record
     if record.state != "Completed" or record.returnToService is not None or record.eventType not in RETURNING_TYPES:
         return
-    rule = policy.rule(rule_of(policy, record))
+    name = rule_of(policy, record)
+    rule = policy.rule(name)
     option = rule.returnToService if rule is not None else None
     names = sorted(n for n in record.resources if n in record.vms and n not in record.removed)
     if option is None or not names or now - record.stateSince > timedelta(seconds=option.withinSeconds):
         return
     record.returnToService = ReturnWatch(
-        rule=rule_of(policy, record),
+        rule=name,
         since=record.stateSince,
         bound=record.stateSince + timedelta(seconds=option.withinSeconds),
         gates=list(option.gates),

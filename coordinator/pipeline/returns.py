@@ -80,12 +80,14 @@ def _gates(run: Run, records: list[EventRecord]) -> dict[str, dict[str, dict[str
     )[:MAX_VMS_PER_TICK]
     if not due:
         return {}
-    reader = run.fleet.gates(run.policy, run.parts.monitor)
-    by_event = {r.eventId: r for r in records}
+    gates_of = {r.eventId: r.returnToService.gates for r in records if r.returnToService is not None}
+    # One read for every due VM of every event (a VM of two events returning at once: both events' gates), so that
+    # the tick's per-VM reads share one pool whatever the number of events.
+    wanted: dict[str, set[str]] = {}
+    for _, event_id, vm in due:
+        wanted.setdefault(vm, set()).update(gates_of[event_id])
+    read = run.fleet.gates(run.policy, run.parts.monitor).for_vms({vm: sorted(n) for vm, n in wanted.items()})
     out: dict[str, dict[str, dict[str, GateResult]]] = {}
-    for event_id in dict.fromkeys(event_id for _, event_id, _ in due):
-        watch_ = by_event[event_id].returnToService
-        assert watch_ is not None
-        vms = [vm for _, e, vm in due if e == event_id]
-        out[event_id] = reader.for_vms(watch_.gates, vms)
+    for _, event_id, vm in due:
+        out.setdefault(event_id, {})[vm] = {name: read[vm][name] for name in gates_of[event_id]}
     return out

@@ -298,3 +298,39 @@ def test_only_an_event_that_completed_within_its_bound_is_watched(ago: int, watc
     begin(parse_policy(policy(within=600)), change, DOC_NOW)
     assert (record.returnToService is not None) == watched
     assert change.changed == watched
+
+
+def test_the_ticks_reads_for_vms_of_different_events_share_one_pool(tmp_path: Path) -> None:
+    """web_0's and web_1's Reboots, two events, both recovered: their pages answer 200 only while both are being read
+    at once (a barrier of two), so both VMs are back in one tick only if their reads are not one event after the
+    other."""
+    together = threading.Barrier(2, timeout=1.5)
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            try:
+                together.wait()
+                status = 200
+            except threading.BrokenBarrierError:
+                status = 503
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fleet = Fleet(tmp_path, policy(gates=f"http://127.0.0.1:{server.server_address[1]}/ready/{{vm}}"))
+        fleet.rebooted("web_0", "E-0")
+        fleet.rebooted("web_1", "E-1")
+        fleet.recovered("web_0", "E-0")
+        fleet.recovered("web_1", "E-1")
+        fleet.clock.now += timedelta(seconds=60)
+        fleet.coordinator.tick()
+        assert sorted((r.EventId, r.Outcome) for r in fleet.returns()) == [("E-0", "back"), ("E-1", "back")]
+    finally:
+        server.shutdown()
+        server.server_close()
