@@ -53,7 +53,7 @@ class ApprovalFacts(BaseModel):
     # Set by an escalation ladder's force step: the listener first runs its own installed hook of this name
     # (``force.d/NAME`` in its hooks folder; a VM without it refuses), answers "accepted" meanwhile, and sends
     # StartRequests only once the hook succeeded and the event, judged again on a fresh document, still may start.
-    forceHook: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    forceHook: str | None = Field(default=None, pattern=f"^{wire_rules.HOOK_NAME}$")
 
     @classmethod
     def of(cls, event: ScheduledEvent, *, hooks_required: Iterable[str] = ()) -> ApprovalFacts:

@@ -29,6 +29,7 @@ from contracts.wire_records import (
 from contracts.wire_rules import (
     ENVELOPE_KINDS,
     EVENT_TYPES,
+    HOOK_NAME,
     MAX_HOOK_STEPS,
     MAX_SECONDS,
     MAX_TAG_NAME,
@@ -70,6 +71,7 @@ def read_content(attestation: Attestation) -> AttestedContent:
 __all__ = [
     "ENVELOPE_KINDS",
     "EVENT_TYPES",
+    "HOOK_NAME",
     "MAX_HOOK_STEPS",
     "MAX_SECONDS",
     "MAX_TAGS",

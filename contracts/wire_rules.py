@@ -40,6 +40,8 @@ MAX_TAGS = 50
 MAX_TAG_NAME = 512
 MAX_TAG_VALUE = 256
 MAX_HOOK_STEPS = 32
+# A force hook's name (contracts/approval.py, ``forceHook``): a file name in the VM's force.d, never a path.
+HOOK_NAME = r"[A-Za-z0-9_-]{1,64}"
 STEP_OUTPUT_TAIL = 1024
 # Every figure of seconds an envelope carries is finite and at most a week: no hook, pause or restart lasts
 # longer, a larger figure is a clock that stepped, and ``Infinity`` or ``NaN`` (which Python's and pydantic's JSON

@@ -30,7 +30,7 @@ from pathlib import Path
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from contracts.wire import ApprovalRequest, HookReport, HookStep, ScheduledEvent, VmIdentity
+from contracts.wire import HOOK_NAME, ApprovalRequest, HookReport, HookStep, ScheduledEvent, VmIdentity
 from forwarder.durable_state import StoreFull
 from forwarder.envelopes import envelope_of
 from forwarder.hooks import HookRunner, phase_report
@@ -47,7 +47,7 @@ FORCE_DIR = "force.d"
 # Seconds kept between the hook's SIGKILL and the request's last instant: the fresh read and the StartRequests POST
 # (each a few hundred ms through IMDS's limiter).
 FORCE_POST_RESERVE = 2.0
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the contract's pattern, kept here too: never a path
+_NAME = re.compile(HOOK_NAME)  # the contract's: checked again here, the name becomes a path
 
 
 def force_deadline(

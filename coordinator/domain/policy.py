@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts.wire_rules import HOOK_NAME
 from coordinator.domain.controls import Blackout, DomainKind, Gate, Window
 
 __all__ = [
@@ -177,7 +178,7 @@ class EscalationStep(_Strict):
 
     beforeNotBeforeSeconds: int = Field(ge=MIN_STEP_SECONDS, le=MAX_STEP_SECONDS)
     do: Literal["notify", "approve", "force", "hold"]
-    hook: str = Field(default="", pattern=r"^([A-Za-z0-9_-]{1,64})?$", description="the VM's force.d hook to run")
+    hook: str = Field(default="", pattern=f"^({HOOK_NAME})?$", description="the VM's force.d hook to run")
     owner: str = Field(default="", max_length=256, description="who is told (a name, an address, a channel)")
     ownerTag: str = Field(default="", max_length=128, description="the ARM tag naming the owner on each VM")
 
