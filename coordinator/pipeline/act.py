@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -52,6 +53,11 @@ SEND_SLACK = 0.5
 # An unproven answer (a lying listener beside the VM's on its hybrid connection, which Relay picks at random) is sent
 # again after a pause (the VM's own connects as it lists the event), this many times in the send's seconds (4: 1 in 16).
 PROOF_ATTEMPTS, PROOF_PAUSE = 16, 0.1
+# How long a batch waits for its approvals' sends to start before it writes its VM positions. A pool thread woken by
+# the batch gets the GIL only when the batch thread blocks or after the interpreter's 5 ms switch interval, so without
+# the wait the positions' transaction was built, and often sent, before the approval: measured by benchmarks/hop.py
+# (hop_table_requests 2 where the approval needs 1). Bounded: a saturated pool costs the batch at most this.
+LEAVE_FIRST = 0.02
 
 
 def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
@@ -170,6 +176,7 @@ def send_decided(
     ]
     sending = send_all(run, plans)
     if sending is not None and tail_after_batch(run):
+        sending.departed(LEAVE_FIRST)
         work.sending.append(sending)
         in_flight = {id(plan) for plan in sending.plans}
         work.sent.extend(plan for plan in plans if id(plan) not in in_flight)
@@ -205,12 +212,13 @@ def send_all(run: Run, plans: Sequence[Delivery]) -> Sending | None:
     together, one request per resource, each with its own outcome."""
     handing_over = hands_over(run)
     within = (run.options.in_run_delivery if handing_over else run.options.approval_deadline).total_seconds()
-    futures = _submit(run, plans, within)
+    leaving = threading.Semaphore(0)
+    futures = _submit(run, plans, within, leaving.release)
     if not futures:
         return None
     # A bounded sender ends by itself within its time; the slack is for its last answer to come back.
     until = time.monotonic() + within + (SEND_SLACK if handing_over else 0.0)
-    return Sending(futures=futures, handing_over=handing_over, within=within, until=until)
+    return Sending(futures=futures, handing_over=handing_over, within=within, until=until, leaving=leaving)
 
 
 def await_answers(sending: Sending) -> None:
@@ -243,8 +251,11 @@ def await_answers(sending: Sending) -> None:
             )
 
 
-def _submit(run: Run, plans: Sequence[Delivery], within: float) -> dict[concurrent.futures.Future[Any], list[Delivery]]:
-    """Each plan's send on the run's pool; those of one resource through a ``BatchCallback`` as one send."""
+def _submit(
+    run: Run, plans: Sequence[Delivery], within: float, leaving: Callable[[], None]
+) -> dict[concurrent.futures.Future[Any], list[Delivery]]:
+    """Each plan's send on the run's pool, ``leaving`` called as each starts; those of one resource through a
+    ``BatchCallback`` as one send."""
     futures: dict[concurrent.futures.Future[Any], list[Delivery]] = {}
     batches: dict[tuple[int, str], list[Delivery]] = {}
     for plan in plans:
@@ -257,18 +268,25 @@ def _submit(run: Run, plans: Sequence[Delivery], within: float) -> dict[concurre
             continue
         proof = _proof(run, plan.vm, plan.decision_id) if callback is run.parts.callback else None
         wait = answer_wait(run, plan.request, within)
-        futures[run.pool().submit(send, callback, plan.request, plan.vm, plan.traceparent, proof, within=wait)] = [plan]
+        future = run.pool().submit(
+            send, callback, plan.request, plan.vm, plan.traceparent, proof, within=wait, leaving=leaving
+        )
+        futures[future] = [plan]
     for group in batches.values():
         plan = group[0]
         if len(group) == 1 and plan.request is not None and plan.vm is not None:
-            future = run.pool().submit(send, plan.callback, plan.request, plan.vm, plan.traceparent, within=within)
+            future = run.pool().submit(
+                send, plan.callback, plan.request, plan.vm, plan.traceparent, within=within, leaving=leaving
+            )
             futures[future] = group
         else:
-            futures[run.pool().submit(send_batch, group, within=within)] = group
+            futures[run.pool().submit(send_batch, group, within=within, leaving=leaving)] = group
     return futures
 
 
-def send_batch(plans: Sequence[Delivery], *, within: float) -> list[ApprovalResult | ApprovalDeliveryError]:
+def send_batch(
+    plans: Sequence[Delivery], *, within: float, leaving: Callable[[], None] = lambda: None
+) -> list[ApprovalResult | ApprovalDeliveryError]:
     """Approvals of one resource through one ``BatchCallback`` request, each as its own ``coordinator.approval``
     span of its event's trace."""
     callback = plans[0].callback
@@ -283,6 +301,7 @@ def send_batch(plans: Sequence[Delivery], *, within: float) -> list[ApprovalResu
             )
             for plan, (request, vm) in zip(plans, items, strict=True)
         ]
+        leaving()
         outcomes = callback.send_many(items, seconds=within)
         for span, outcome in zip(opened, outcomes, strict=True):
             telemetry.approval_answered(
@@ -311,10 +330,12 @@ def send(
     proof: Callable[[ApprovalResult], str] | None = None,
     *,
     within: float,
+    leaving: Callable[[], None] = lambda: None,
 ) -> ApprovalResult:
     """One approval through its callback, ended within ``within`` seconds where the callback can be told so, as the
     ``coordinator.approval`` span of the event's trace. An answer ``proof`` finds wanting is not the executing VM's:
-    sent again after a pause (PROOF_ATTEMPTS in all, within the same seconds)."""
+    sent again after a pause (PROOF_ATTEMPTS in all, within the same seconds). ``leaving`` is called as the first
+    attempt starts (the batch that decided it waits for that: ``Sending.departed``)."""
     give_up = time.monotonic() + within
     with telemetry.approval_span(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
@@ -325,6 +346,8 @@ def send(
             if left <= 0:
                 break
             made += 1
+            if made == 1:
+                leaving()
             if isinstance(callback, BoundedCallback):
                 result = callback.send_within(request, vm=vm, seconds=left)
             else:

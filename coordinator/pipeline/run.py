@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -269,10 +271,17 @@ class Sending:
     handing_over: bool
     within: float
     until: float
+    # Released as each send starts (act._submit).
+    leaving: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
 
     @property
     def plans(self) -> list[Delivery]:
         return [plan for group in self.futures.values() for plan in group]
+
+    def departed(self, seconds: float) -> bool:
+        """Waits, ``seconds`` at most in all, until every send has started; whether they all had."""
+        until = time.monotonic() + seconds
+        return all(self.leaving.acquire(timeout=max(0.0, until - time.monotonic())) for _ in self.futures)
 
 
 @dataclass
