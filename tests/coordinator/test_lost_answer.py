@@ -285,3 +285,27 @@ def test_the_relays_503_alone_reached_no_one():
         sender(relay).send(request(timedelta(seconds=30)), vm=identity("web_1", scale_set="web"))
     assert failed.value.unreached
     assert not failed.value.answer_lost
+
+
+def test_no_listener_is_retried_within_tens_of_milliseconds_at_first(monkeypatch: pytest.MonkeyPatch):
+    """An on-demand listener connects as its VM sees the event, about when the approval is sent: the relay's "no
+    listener" (503) is retried from 20 ms (doubling, full jitter, capped at 1 s), not from the 200 ms other failures
+    back off from. Production defaults; the waits are what the sender sleeps."""
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 8:
+            raise TimeoutError("enough waits seen")
+
+    monkeypatch.setattr("coordinator.adapters.relay_sender.time.sleep", sleep)
+    relay = Relay((503, "no listener is connected"))
+    quick = RelayApprovalSender(
+        endpoint="http://relay.test",
+        credential=AzureNamedKeyCredential("send", "a2V5"),
+        max_retry_seconds=30,
+        session=relay,  # type: ignore[arg-type]
+    )
+    with pytest.raises(TimeoutError):
+        quick.send_within(request(timedelta(minutes=5)), vm=identity("web_1", scale_set="web"), seconds=30.0)
+    assert all(0 <= wait <= min(1.0, 0.02 * 2**n) for n, wait in enumerate(waits)), waits
