@@ -285,7 +285,7 @@ RATIOS = (
         1.2,
         "the 10k wave under the slowest of eight kinds of budget that approve part of it (tags, percent, zone, fault "
         "and update domain, placement group, rate, sequence; the approvals delivered to stand-ins for the VMs' "
-        "listeners: benchmarks/wave_budgets.py) ÷ the default policy's, in turns",
+        "listeners in processes of their own: benchmarks/wave_budgets.py) ÷ the default policy's, in turns",
         worst_of=tuple((name, "wave_seconds") for name in _BUDGET_WAVES[1:]),
     ),
     Ratio(

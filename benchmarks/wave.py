@@ -34,7 +34,8 @@ envelope attested, every one must be a dead letter, spread over the dead-letter 
 
     .venv/bin/python -m benchmarks.wave [--mode processes|threads|serial] [--vms 10000] [--partitions 4]
         [--policy default|census|budget-KIND] [--event-type mixed|Terminate] [--bindings warm|cold]
-        [--warm-up auto|table|memory|heartbeats] [--replay] [--storm] [--profile FILE] [--profile-clock wall|cpu]
+        [--warm-up auto|table|memory|heartbeats] [--listeners elsewhere|in-process] [--replay] [--storm]
+        [--profile FILE] [--profile-clock wall|cpu]
 
 Prints one JSON object: {wave_envelopes, wave_seconds, envelopes_per_second, busiest_partition_ops_per_s, ...,
 problems} (the Table operations are counted per partition per second in serial and threads modes). ``problems``
@@ -45,18 +46,20 @@ other decisions or states, census mismatches, bindings missing); the exit code i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from azure.data.tables import TableServiceClient
 
 from benchmarks import wave_run
 from benchmarks.table_ops import Ops, replay
-from benchmarks.wave_budgets import BUDGETS, WaveListeners
+from benchmarks.wave_budgets import BUDGETS, ListenersElsewhere, WaveListeners, in_process
 from benchmarks.wave_checks import left_behind, problems
 from benchmarks.wave_fleet import coordinator_settings, fleet_scenario, prepare
 from coordinator import CLAIM_PARTITION, TransactionTableClient
@@ -108,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         f"partition per write: 200,000 take over an hour); auto (default): table up to {TABLE_WARM_UP_VMS:,} VMs, "
         "memory above; heartbeats: the heartbeats bind them through the coordinator (four Table round trips a VM)",
     )
+    _listeners_argument(parser)
     parser.add_argument("--replay", action="store_true", help="replay the wave's Table writes raw and time them")
     parser.add_argument(
         "--profile", metavar="FILE", help="serial: a cProfile of the timed part's batches (not their tails) to FILE"
@@ -157,15 +161,43 @@ def _replay_floor(connection: str, recorded: list[tuple[str, Any]]) -> float:
     return replay(TransactionTableClient.from_connection_string(connection, table_name="wavereplay"), recorded)
 
 
+def _listeners_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--listeners",
+        choices=["elsewhere", "in-process"],
+        default="elsewhere",
+        help="budget-KIND: where the stand-ins for the VMs' listeners judge and sign their answers. elsewhere "
+        "(default): two processes of their own, as the listeners run on their VMs; in-process: the coordinator's "
+        "(its CPU then includes the VMs' work; how the budget waves ran before 2026-11-30)",
+    )
+
+
+@contextlib.contextmanager
+def _listeners(
+    args: argparse.Namespace, imds: ImdsEmulator, documents: dict[str, Any]
+) -> Iterator[WaveListeners | ListenersElsewhere | None]:
+    """The stand-ins that answer a budget wave's approvals (none for the other policies: they approve nothing)."""
+    if args.policy not in BUDGETS:
+        yield None
+    elif args.listeners == "in-process":
+        yield in_process(imds, documents)
+    else:
+        elsewhere = ListenersElsewhere(imds, documents)
+        try:
+            yield elsewhere
+        finally:
+            elsewhere.close()
+
+
 def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
     started = time.perf_counter()
-    ops = Ops(record=args.replay)
-    dead_ops = Ops()  # the dead-letter table's (serial and threads modes)
+    ops, dead_ops = Ops(record=args.replay), Ops()  # dead_ops: the dead-letter table's (serial and threads modes)
     reports: list[Any] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
         Azurite() as azurite,
         ImdsEmulator(scenario=fleet_scenario(args.vms, args.group_size), throttle_rps=0) as imds,
+        contextlib.ExitStack() as stack,
     ):
         prepared = prepare(args, imds, tmp, started)
         connection = azurite.connection_string
@@ -178,7 +210,7 @@ def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
             outcome.histories.append("history-tick.sqlite")
         else:
             env = coordinator_settings(connection, tmp, "history.sqlite", args.policy) | prepared.env
-            listeners = WaveListeners(imds, prepared.documents) if args.policy in BUDGETS else None
+            listeners = stack.enter_context(_listeners(args, imds, prepared.documents))  # open until the tick is done
             function_app = wave_run.coordinator_app(env, imds.url, reports, environment, listeners=listeners)
             outcome = wave_run.in_process(
                 args, prepared, function_app, reports, ops=ops, dead_ops=dead_ops, started=started
@@ -232,6 +264,7 @@ def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
         "dead_lettered": outcome.totals["dead_lettered"],
         "conflicts": outcome.totals["conflicts"],
         "policy": args.policy,
+        "listeners": args.listeners if args.policy in BUDGETS else None,
         "event_type": args.event_type,
         "seconds_per_1k_envelopes": round(outcome.seconds / prepared.envelopes * 1000, 4),
         "coordinator_cpu_seconds": round(outcome.cpu, 3),

@@ -21,11 +21,14 @@ rate               approve-now, at most 100 approvals an hour fleet-wide        
 sequence           approve-now, one zone at a time                              one zone's events, the rest held
 =================  ===========================================================  ====================================
 
-The approvals go through the coordinator's delivery path to ``WaveListeners``, a stand-in for the VMs' listeners
-(the wave's VMs run no forwarder; Relay and IMDS are benchmarks/approval_latency.py's): each request is judged
-with the listener's own rules (``forwarder.approval_rules.judge``) against the document the VM's envelope carried,
-and answered with the emulator's attested document of that VM for the decision (its proof, verified by the
-coordinator), signed in this process as IMDS signs on the VM while the coordinator waits for the answer.
+The approvals go through the coordinator's delivery path to ``ListenersElsewhere``, stand-ins for the VMs'
+listeners in two processes of their own (the wave's VMs run no forwarder; Relay and IMDS are
+benchmarks/approval_latency.py's): each request is judged with the listener's own rules
+(``forwarder.approval_rules.judge``) against the document the VM's envelope carried, and answered with the
+emulator's attested document of that VM for the decision (its proof, verified by the coordinator), signed there as
+IMDS signs on the VM while the coordinator's thread waits for the answer. ``--listeners in-process`` puts them in the
+coordinator's process (``WaveListeners``; how the waves ran before 2026-11-30: then the coordinator's CPU included the
+VMs' judging and signing).
 ``budget_problems`` checks the promise, not a count: no domain holds more impacted VMs than its limit, and an event
 is held only when its budget is spent.
 """
@@ -33,19 +36,26 @@ is held only when its budget is spent.
 from __future__ import annotations
 
 import math
+import multiprocessing
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from contracts import wire
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.attestation import Attestation, decision_nonce
 from contracts.envelope import VmIdentity
 from emulators.imds import ImdsEmulator, VmSpec
+from emulators.imds.attested import AttestedDocuments, Signer
 from local.direct_callback import judged
 
-__all__ = ["BUDGETS", "RULE", "BudgetWave", "WaveListeners", "budget_problems"]
+__all__ = ["BUDGETS", "RULE", "BudgetWave", "ListenersElsewhere", "WaveListeners", "budget_problems", "in_process"]
 
 RULE = "wave-budget"
 _REACH = "eventType: [Reboot, Redeploy, Freeze]"
@@ -139,22 +149,100 @@ BUDGETS: dict[str, BudgetWave] = {
 class WaveListeners:
     """The wave's VMs' listeners (a stand-in: the wave runs no forwarder): ``send`` judges a request with the
     listener's rules against the document the VM's envelope carried and answers with the VM's attested document
-    for the decision, signed by the emulator at the request's issue time."""
+    for the decision, signed by ``attested`` (the IMDS emulator's signer) at the request's issue time. ``computes``:
+    each VM's instance metadata (``VmSpec.compute()``), what IMDS signs of it."""
 
-    def __init__(self, imds: ImdsEmulator, documents: Mapping[str, Mapping[str, Any]]) -> None:
-        self._imds = imds
+    def __init__(
+        self, attested: AttestedDocuments, computes: Mapping[str, dict[str, Any]], documents: Mapping[str, Any]
+    ) -> None:
+        self._attested = attested
+        self._computes = computes
         self._documents = {name: wire.ScheduledEventsDocument.from_mapping(doc) for name, doc in documents.items()}
-        self._specs = {spec.name: spec for spec in imds.vms()}
 
     def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
-        document = self._documents.get(vm.name)
+        return self.answer(request, vm.name)
+
+    def answer(self, request: ApprovalRequest, name: str) -> ApprovalResult:
+        document = self._documents.get(name)
         if document is None:
             return ApprovalResult(
                 outcome="not-found", eventId=request.eventId, decisionId=request.decisionId, reason="no such VM"
             )
         nonce = decision_nonce(request.decisionId)
-        proof = self._imds.attested.document(self._specs[vm.name].compute(), nonce=nonce, now=request.issuedAt)
-        return judged(request, document, vm_name=vm.name, proof=Attestation.model_validate(proof))
+        proof = self._attested.document(self._computes[name], nonce=nonce, now=request.issuedAt)
+        return judged(request, document, vm_name=name, proof=Attestation.model_validate(proof))
+
+
+@dataclass(frozen=True)
+class _Elsewhere:
+    """What a listeners' process needs: the emulator's signing key and certificate (PEM), its issuer URL and
+    validity, each VM's instance metadata and the documents their envelopes carried."""
+
+    key: bytes
+    certificate: bytes
+    issuer_url: str
+    validity_seconds: float
+    computes: dict[str, dict[str, Any]]
+    documents: dict[str, Any]
+
+
+_HERE: WaveListeners | None = None  # in a listeners' process: its stand-in
+
+
+def _start(state: _Elsewhere) -> None:
+    global _HERE  # noqa: PLW0603 - one stand-in per worker process, made by the pool's initializer
+    key = serialization.load_pem_private_key(state.key, password=None)
+    assert isinstance(key, rsa.RSAPrivateKey)
+    signer = Signer(x509.load_pem_x509_certificate(state.certificate), key)
+    attested = AttestedDocuments(issuer_url=state.issuer_url, validity_seconds=state.validity_seconds, signer=signer)
+    _HERE = WaveListeners(attested, state.computes, state.documents)
+
+
+def _answer(request: str, vm: str) -> str:
+    assert _HERE is not None
+    return _HERE.answer(ApprovalRequest.model_validate_json(request), vm).model_dump_json()
+
+
+def _ready() -> bool:
+    return _HERE is not None
+
+
+class ListenersElsewhere:
+    """``WaveListeners`` in processes of their own, as the VMs' listeners run on their VMs: the coordinator's
+    approval thread sends the request as JSON and waits for the answer (the GIL released, as for Relay's), and reads
+    the answer from its JSON, as ``RelayApprovalSender`` does; the judging and the signing are not the coordinator's
+    CPU. (In the coordinator's process they were about 0.3 s of CPU a 500-approval wave.) The workers start before
+    the clock."""
+
+    def __init__(self, imds: ImdsEmulator, documents: Mapping[str, Any], *, workers: int = 2) -> None:
+        signer = imds.attested.signer()
+        state = _Elsewhere(
+            key=signer.key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+            certificate=signer.certificate.public_bytes(serialization.Encoding.PEM),
+            issuer_url=imds.attested.issuer_url,
+            validity_seconds=imds.attested.validity.total_seconds(),
+            computes={spec.name: spec.compute() for spec in imds.vms()},
+            documents=dict(documents),
+        )
+        self._pool = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start, initargs=(state,)
+        )
+        if not all(f.result() for f in [self._pool.submit(_ready) for _ in range(workers)]):
+            raise RuntimeError("a listeners' process did not start its stand-in")
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        answer = self._pool.submit(_answer, request.model_dump_json(), vm.name).result()
+        return ApprovalResult.model_validate_json(answer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def in_process(imds: ImdsEmulator, documents: Mapping[str, Any]) -> WaveListeners:
+    """The stand-in in the coordinator's process (``--listeners in-process``: how the wave ran before 2026-11-30)."""
+    return WaveListeners(imds.attested, {spec.name: spec.compute() for spec in imds.vms()}, documents)
 
 
 def budget_problems(

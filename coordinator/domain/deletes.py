@@ -20,6 +20,7 @@ __all__ = [
     "Removal",
     "couple",
     "leaving_vms",
+    "may_be_held",
     "pending_delete",
     "platform_hold",
     "ready_to_go",
@@ -121,10 +122,16 @@ def pending_delete(record: EventRecord, now: datetime) -> bool:
     )
 
 
+def may_be_held(record: EventRecord) -> bool:
+    """Whether the platform may hold this event for another delete: an approved, open Terminate not yet started
+    (anything else has no siblings worth reading)."""
+    return record.eventType == "Terminate" and record.approval is not None and not record.everStarted and record.open
+
+
 def platform_hold(record: EventRecord, siblings: Iterable[EventRecord], now: datetime) -> PlatformHold | None:
     """An approved delete that has not started while another delete of its scale set is pending is held by the
     platform ("Approve all pending deletes"): the pending one that holds it longest (latest NotBefore)."""
-    if record.eventType != "Terminate" or record.approval is None or record.everStarted or not record.open:
+    if not may_be_held(record):
         return None
     mine = set(record.scaleSets)
     holders = [

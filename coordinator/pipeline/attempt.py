@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from coordinator.domain.deletes import platform_hold
+from coordinator.domain.deletes import may_be_held, platform_hold
 from coordinator.domain.history_rows import approval_row
 from coordinator.domain.lifecycle import EventChange, approval_step, clone, lost_answer, raise_alert, transition
 from coordinator.domain.model import EventRecord, OpenRequest
@@ -191,8 +191,10 @@ def update_hold(run: Run, change: EventChange) -> None:
     and again when the hold is lifted or moves to another pending delete."""
     now = run.now
     record = change.record
-    hold = platform_hold(record, run.fleet.deletes_of(record.scaleSets), now)
     previous = record.platformHold
+    if previous is None and not may_be_held(record):
+        return  # nothing held it and nothing can: no need for its scale set's deletes (every approval comes here)
+    hold = platform_hold(record, run.fleet.deletes_of(record.scaleSets), now)
     if (hold.eventId if hold else "") == (previous.eventId if previous else ""):
         return
     record.platformHold = hold

@@ -284,12 +284,14 @@ class AttestedDocuments:
         authority: CertificateAuthority | None = None,
         validity_seconds: float = DEFAULT_VALIDITY_SECONDS,
         cache_seconds: float = 0.0,
+        signer: Signer | None = None,
     ) -> None:
         self.authority = authority or default_authority()
         self.issuer_url = issuer_url
         self.validity = timedelta(seconds=validity_seconds)
         self.cache = timedelta(seconds=cache_seconds)
-        self._signer: Signer | None = None
+        # ``signer``: sign as another emulator's signer does (its key and certificate, e.g. in another process).
+        self._signer: Signer | None = signer
         self._lock = threading.Lock()
         self._last: dict[str, tuple[datetime, dict[str, str]]] = {}
         self.signed = 0

@@ -88,9 +88,15 @@ def test_a_wave_the_coordinator_refuses_is_reported_and_exits_1(
     assert any(reason in problem for problem in problems), problems
 
 
-def test_a_budget_wave_approves_within_its_budget_and_holds_the_rest(capsys: pytest.CaptureFixture[str]) -> None:
-    code, result = run(capsys, "--vms", "200", "--policy", "budget-zone")
+@pytest.mark.parametrize("listeners", ["elsewhere", "in-process"])
+def test_a_budget_wave_approves_within_its_budget_and_holds_the_rest(
+    capsys: pytest.CaptureFixture[str], listeners: str
+) -> None:
+    """Whether the stand-ins for the VMs' listeners answer from processes of their own (the default) or from the
+    coordinator's, the same approvals are answered, their proofs verified by the coordinator."""
+    code, result = run(capsys, "--vms", "200", "--policy", "budget-zone", "--listeners", listeners)
 
+    assert result["listeners"] == listeners
     assert result["problems"] == []
     assert code == 0
     # Zone 1 holds groups 0, 3, 6, 9 (80 VMs, 10 %: 8), zones 2 and 3 three groups (60: 6); each event reaches 5 VMs.
