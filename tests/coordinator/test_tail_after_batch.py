@@ -262,10 +262,14 @@ class NotingSend(RecordingCallback):
         return super().send(request, vm=vm)
 
 
-def test_a_batch_writes_its_vm_positions_only_once_its_approval_has_left(after_batch: ThreadPoolExecutor):
+def test_a_batch_writes_its_vm_positions_only_once_its_approval_has_left(
+    after_batch: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+):
     """The approval is what is waited for: the batch waits (act.LEAVE_FIRST at most) for its sends to start before it
     writes the VM positions, however late the pool's thread starts (benchmarks/hop.py measured the positions' write
-    inside the approval's hop when it did not)."""
+    inside the approval's hop when it did not). The bound is raised here so that a loaded machine's scheduling does
+    not decide the order: without the wait, the positions come first however long the bound."""
+    monkeypatch.setattr("coordinator.pipeline.act.LEAVE_FIRST", 5.0)
     order: list[str] = []
     coordinator = make_coordinator(
         store=NotingOrder(order),
