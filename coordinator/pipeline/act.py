@@ -56,7 +56,8 @@ PROOF_ATTEMPTS, PROOF_PAUSE = 16, 0.1
 # How long a batch waits for its approvals' sends to start before it writes its VM positions. A pool thread woken by
 # the batch gets the GIL only when the batch thread blocks or after the interpreter's 5 ms switch interval, so without
 # the wait the positions' transaction was built, and often sent, before the approval: measured by benchmarks/hop.py
-# (hop_table_requests 2 where the approval needs 1). Bounded: a saturated pool costs the batch at most this.
+# (hop_table_requests 2 where the approval needs 1). Bounded: a saturated pool costs the batch at most this, and only
+# the sends the pool can start at once are waited for (the rest start as earlier ones end, a round trip later).
 LEAVE_FIRST = 0.02
 
 
@@ -176,7 +177,7 @@ def send_decided(
     ]
     sending = send_all(run, plans)
     if sending is not None and tail_after_batch(run):
-        sending.departed(LEAVE_FIRST)
+        sending.departed(LEAVE_FIRST, at_most=run.options.approval_workers)
         work.sending.append(sending)
         in_flight = {id(plan) for plan in sending.plans}
         work.sent.extend(plan for plan in plans if id(plan) not in in_flight)
@@ -341,13 +342,12 @@ def send(
         traceparent, event_id=request.eventId, decision_id=request.decisionId, vm=vm.name
     ) as span:
         problem, made = "", 0
+        leaving()  # the first attempt starts now (or none will: the time is up)
         for _attempt in range(PROOF_ATTEMPTS if proof else 1):
             left = give_up - time.monotonic()
             if left <= 0:
                 break
             made += 1
-            if made == 1:
-                leaving()
             if isinstance(callback, BoundedCallback):
                 result = callback.send_within(request, vm=vm, seconds=left)
             else:

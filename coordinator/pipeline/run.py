@@ -278,10 +278,12 @@ class Sending:
     def plans(self) -> list[Delivery]:
         return [plan for group in self.futures.values() for plan in group]
 
-    def departed(self, seconds: float) -> bool:
-        """Waits, ``seconds`` at most in all, until every send has started; whether they all had."""
+    def departed(self, seconds: float, *, at_most: int) -> bool:
+        """Waits, ``seconds`` at most in all, until the first ``at_most`` sends (the pool's width) have started;
+        whether they had."""
         until = time.monotonic() + seconds
-        return all(self.leaving.acquire(timeout=max(0.0, until - time.monotonic())) for _ in self.futures)
+        waited = min(len(self.futures), at_most)
+        return all(self.leaving.acquire(timeout=max(0.0, until - time.monotonic())) for _ in range(waited))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from coordinator.domain.model import EventRecord
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.ingest import RawMessage
+from coordinator.pipeline.run import Sending
 from coordinator.service import Coordinator
 from local.runner import wait_until
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
@@ -289,3 +290,14 @@ def test_a_batch_writes_its_vm_positions_only_once_its_approval_has_left(
     finally:
         coordinator.close(timeout=5)
         pool.shutdown(wait=True)
+
+
+def test_a_batch_waits_only_for_the_sends_its_pool_can_start_at_once():
+    """Sends beyond the pool's width start only as earlier ones end (a round trip later): not waited for."""
+    futures: dict[Future[Any], list[Any]] = {Future(): [] for _ in range(3)}
+    sending = Sending(futures=futures, handing_over=False, within=3.0, until=0.0)
+    sending.leaving.release()  # one send started: the pool's one worker busy with it
+    started = time.monotonic()
+    assert sending.departed(5.0, at_most=1)
+    assert time.monotonic() - started < 1.0
+    assert not sending.departed(0.05, at_most=3)  # three asked for, none more starts: the bound ends the wait
