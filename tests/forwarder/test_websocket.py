@@ -69,6 +69,17 @@ def test_text_and_binary_messages_both_ways_with_headers(server: Any) -> None:
     assert seen == {"auth": "SharedAccessSignature x", "path": "/$hc/vm-a?sb-hc-action=listen"}
 
 
+def test_frames_leave_at_once_without_waiting_for_the_peers_ack(server: Any) -> None:
+    """TCP_NODELAY on the listener's socket: an answer is two frames (the response, then its body), and with Nagle's
+    algorithm the body waited for the relay's delayed ACK of the first (45 ms on every cold approval, measured by
+    benchmarks/cold_listener.py before the option was set)."""
+    with connect(server(echo)) as ws:
+        assert ws._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        ws.send('{"response":{}}')
+        ws.send(b"body")
+        assert (ws.recv(5), ws.recv(5)) == ('{"response":{}}', b"body")
+
+
 def test_a_fragmented_message_is_one_message_and_a_ping_is_answered(server: Any) -> None:
     ponged = threading.Event()
 
