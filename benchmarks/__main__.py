@@ -156,6 +156,9 @@ def run(chosen: list[Bench], *, quick: bool, runs: int | None) -> dict[str, Any]
                     runs_of[member.name].append(run_once(member, quick=quick))
                 except BenchmarkFailed as error:
                     errors[member.name] = str(error)
+                    # A failed round fails the benchmark: its earlier rounds are not its figure either (a median of
+                    # fewer rounds than asked, recorded as if whole).
+                    runs_of[member.name].clear()
                     print(f"benchmarks: {member.name} FAILED: {error}", file=sys.stderr)
                 else:
                     print(f"benchmarks: {member.name} ran in {time.monotonic() - began:.1f} s", file=sys.stderr)

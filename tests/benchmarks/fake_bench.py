@@ -1,17 +1,22 @@
 """A benchmark module for tests of ``python -m benchmarks``'s own rules: prints what its arguments say.
 
-python -m tests.benchmarks.fake_bench valid|invalid|silent|crash|no-verdict
+python -m tests.benchmarks.fake_bench valid|invalid|silent|crash|no-verdict|valid-then-invalid:FILE
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from benchmarks.checks import scratch
 
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode.startswith("valid-then-invalid:"):  # valid once, then invalid: the file named remembers the first run
+        seen = Path(mode.split(":", 1)[1])
+        mode = "invalid" if seen.exists() else "valid"
+        seen.touch()
     with scratch() as work:  # what a run leaves, kept when it is invalid
         (work / "stack.log").write_text(f"the fake benchmark's {mode} run", encoding="utf-8")
     if mode == "invalid":

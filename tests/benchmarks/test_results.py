@@ -48,6 +48,17 @@ def test_a_run_that_is_not_what_it_claims_fails_naming_why(mode: str, says: str)
     assert "fake_seconds" not in output
 
 
+def test_a_benchmark_whose_later_round_fails_records_nothing(tmp_path: Path) -> None:
+    """Its valid first round is not its figure: the benchmark failed, and a median of fewer rounds than asked would
+    be recorded as if whole."""
+    bench = Bench("fake", "tests.benchmarks.fake_bench", (f"valid-then-invalid:{tmp_path / 'seen'}",), ("valid",), 2,
+                  {"seconds": "fake_seconds"}, 60)  # fmt: skip
+    output = run([bench], quick=False, runs=None)
+    assert "fake" in output["errors"]
+    assert "fake" not in output["details"]
+    assert "fake_seconds" not in output
+
+
 def test_an_invalid_run_keeps_its_output_and_files_and_a_valid_one_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
