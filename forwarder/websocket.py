@@ -44,7 +44,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import ProtocolError
 
-from forwarder.keepalive import tls_context
+from forwarder.keepalive import open_socket, tls_context
 
 MAX_HEAD = 64 * 1024  # the most read of a handshake answer (its head, or a refusal's body)
 # The longest a write may block (a peer that stopped reading): the channel is then over (ConnectionClosed).
@@ -104,15 +104,10 @@ def connect(
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
         raise InvalidHandshake(f"{uri!r} is not a ws:// or wss:// URI")
     secure = parts.scheme == "wss"
-    raw = socket.create_connection((parts.hostname, parts.port or (443 if secure else 80)), timeout=open_timeout)
-    # Each frame leaves at once: an answer is two frames (the response, then its body), and with Nagle's algorithm
-    # the second waited for the ACK of the first, which the relay delays (~40 ms on Linux): measured 45 ms added to
-    # every cold approval's round trip (benchmarks/cold_listener.py). Browsers and ``websockets`` do the same.
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock = raw
+    # Each frame leaves at once (TCP_NODELAY, ``open_socket``): an answer is two frames, the response and its body.
+    port = parts.port or (443 if secure else 80)
+    sock = open_socket(parts.hostname, port, timeout=open_timeout, tls=tls_context() if secure else None)
     try:
-        if secure:
-            sock = tls_context().wrap_socket(raw, server_hostname=parts.hostname)
         ws = WSConnection(ConnectionType.CLIENT)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (additional_headers or {}).items()]
         host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from emulators.tls import local_tls
-from forwarder.keepalive import HttpProtocolError, KeepAliveConnection, build_request, tls_context
+from forwarder.keepalive import HttpProtocolError, KeepAliveConnection, build_request, open_socket, tls_context
 from tests.loopback import SocketServer
 
 REQUEST = build_request("GET", "127.0.0.1", "/metadata/scheduledevents?api-version=2020-07-01")
@@ -82,6 +82,19 @@ def test_request_bytes() -> None:
     post = build_request("POST", "h", "/p", body=b'{"a":1}', content_type="application/json")
     assert b"Content-Length: 7\r\n" in post
     assert post.endswith(b'\r\n\r\n{"a":1}')
+
+
+def test_every_socket_sends_at_once(serve: Servers) -> None:
+    """``open_socket``, which opens IMDS's, Event Hubs' and the relay listener's sockets: TCP_NODELAY (a second write
+    must not wait for the peer's delayed ACK of the first)."""
+    server, conn = connect(serve, [OK])
+    assert conn.exchange(REQUEST, timeout=2).status == 200
+    assert conn._sock is not None
+    assert conn._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    conn.close()  # the scripted server takes one connection at a time
+    direct = open_socket("127.0.0.1", server.port, timeout=2, tls=tls_context() if serve.tls else None)
+    with direct:
+        assert direct.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
 def test_content_length_split_across_segments_and_kept_alive(serve: Servers) -> None:
