@@ -164,6 +164,8 @@ def stack_problems(stack: LocalStack, decided: Iterable[str], *, rule: str) -> l
             problems.append(
                 f"{stats.failed_batches} batches and {stats.failed_ticks} ticks failed; errors: {stats.errors[-3:]}"
             )
+        if problems and stats.stalls:  # what may explain them: late batches, slow calls, partitions lost
+            problems.append(f"the function host noted (the last {len(stats.stalls[-10:])}): {stats.stalls[-10:]}")
     return problems
 
 

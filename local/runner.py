@@ -50,6 +50,11 @@ AZURITE_BLOB_API_VERSION = "2025-11-05"
 # A function invocation running longer than this gets its thread's stack logged (once, as a warning; a run's
 # pipeline.log keeps warnings): a partition that stalls then says where.
 SLOW_INVOCATION_SECONDS = 8.0
+# A batch reaching the trigger this long after Event Hubs stored its first message is noted in ``RunnerStats.stalls``
+# (a benchmark's run logs nothing below ERROR, and a partition stalled for 14 s once with nothing to say why).
+LATE_BATCH_SECONDS = 2.0
+# The stalls kept: the last ones, with the partitions' claims and closes and the consumer's errors between them.
+STALLS_KEPT = 50
 
 IngestFunction = Callable[[list[func.EventHubEvent]], None]
 TimerFunction = Callable[[func.TimerRequest], None]
@@ -104,9 +109,17 @@ class RunnerStats:
     slowest_batch: float = 0.0
     slowest_tick: float = 0.0
     errors: list[str] = field(default_factory=list)
+    # What held a partition up, with the time it was seen (UTC): batches reaching the trigger late, invocations
+    # still running after SLOW_INVOCATION_SECONDS (with their stacks), partitions claimed and closed (the reason:
+    # ownership lost, shutdown), the consumer's errors. The last STALLS_KEPT.
+    stalls: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "errors"} | {"errors": self.errors[-5:]}
+        hidden = ("errors", "stalls")
+        return {k: v for k, v in self.__dict__.items() if k not in hidden} | {
+            "errors": self.errors[-5:],
+            "stalls": self.stalls[-5:],
+        }
 
 
 def _checkpoint_store(storage_connection_string: str, container_name: str) -> BlobCheckpointStore:
@@ -213,6 +226,10 @@ class FunctionHost:
         self._client.receive_batch(
             on_event_batch=self._on_batch,
             on_error=self._on_error,
+            on_partition_initialize=lambda context: self.note(f"partition {context.partition_id} claimed"),
+            on_partition_close=lambda context, reason: self.note(
+                f"partition {context.partition_id} closed: {getattr(reason, 'name', reason)}"
+            ),
             max_batch_size=self._max_batch_size,
             starting_position="-1",
         )
@@ -220,13 +237,22 @@ class FunctionHost:
     def _on_error(self, context: PartitionContext | None, error: Exception) -> None:
         partition = context.partition_id if context is not None else "-"
         log.warning("event hub consumer error on partition %s: %s", partition, error)
+        self.note(f"partition {partition}: consumer error {type(error).__name__}: {str(error)[:300]}")
+
+    def note(self, stall: str) -> None:
+        """Keeps ``stall`` in ``stats.stalls`` with the time it was seen."""
+        with self._lock:
+            self.stats.stalls.append(f"{datetime.now(UTC).isoformat(timespec='milliseconds')} {stall}")
+            del self.stats.stalls[:-STALLS_KEPT]
 
     def _on_batch(self, context: PartitionContext, events: Sequence[EventData]) -> None:
         if not events:
             return
         enqueued = events[0].enqueued_time
         waited = (datetime.now(UTC) - enqueued).total_seconds() if enqueued is not None else 0.0
-        if waited > SLOW_INVOCATION_SECONDS:  # the consumer, not the function, held it: say so in pipeline.log
+        if waited > LATE_BATCH_SECONDS:  # the consumer, or the partition's batch before it, held it up
+            self.note(f"partition {context.partition_id}: {len(events)} events reached the trigger {waited:.1f} s late")
+        if waited > SLOW_INVOCATION_SECONDS:  # say so in pipeline.log too
             log.warning("partition %s: a batch enqueued %.1f s ago reached the trigger", context.partition_id, waited)
         with self._lock:
             work = self._partitions.get(context.partition_id)
@@ -245,7 +271,7 @@ class FunctionHost:
             context, last, batch = item
             self.deliver(batch)
             if not self._stopping.is_set():
-                with _stack_if_slow("update_checkpoint"):
+                with _stack_if_slow("update_checkpoint", self.note):
                     context.update_checkpoint(last)
 
     def deliver(self, batch: list[func.EventHubEvent]) -> bool:
@@ -254,7 +280,7 @@ class FunctionHost:
         for attempt in range(1, self._max_attempts + 1):
             started = time.monotonic()
             try:
-                with _stack_if_slow(f"ingest_envelopes ({len(batch)} events, attempt {attempt})"):
+                with _stack_if_slow(f"ingest_envelopes ({len(batch)} events, attempt {attempt})", self.note):
                     self._ingest(batch)
             except Exception as error:
                 with self._lock:
@@ -283,7 +309,7 @@ class FunctionHost:
         assert self._timer is not None
         started = time.monotonic()
         try:
-            with _stack_if_slow("reevaluate"):
+            with _stack_if_slow("reevaluate", self.note):
                 self._timer(TimerRequest(past_due=False))
         except Exception as error:
             with self._lock:
@@ -297,14 +323,16 @@ class FunctionHost:
 
 
 @contextlib.contextmanager
-def _stack_if_slow(what: str) -> Iterator[None]:
-    """Logs where the calling thread is if ``what`` is still running after ``SLOW_INVOCATION_SECONDS``."""
+def _stack_if_slow(what: str, note: Callable[[str], None]) -> Iterator[None]:
+    """Logs (and ``note``s) where the calling thread is if ``what`` is still running after
+    ``SLOW_INVOCATION_SECONDS``."""
     thread = threading.get_ident()
 
     def report() -> None:
         frame = sys._current_frames().get(thread)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
         log.warning("%s still running after %g s, at:\n%s", what, SLOW_INVOCATION_SECONDS, stack)
+        note(f"{what} still running after {SLOW_INVOCATION_SECONDS:g} s, at: {stack[-1500:]}")
 
     timer = threading.Timer(SLOW_INVOCATION_SECONDS, report)
     timer.daemon = True

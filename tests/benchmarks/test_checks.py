@@ -6,12 +6,14 @@ import json
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import checks
 from coordinator.adapters.history import SqliteHistory
 from coordinator.domain.rows import HistoryRow
+from local.runner import RunnerStats
 
 
 def test_imds_approvals_are_held_to_the_events_and_vms_expected() -> None:
@@ -56,6 +58,23 @@ def test_decisions_and_dead_letters_come_from_the_history(tmp_path: Path) -> Non
     assert checks.dead_letter_problems(path) == [
         "1 envelopes dead-lettered by the coordinator: 1x no attested document"
     ]
+
+
+def test_a_failed_stack_run_says_what_held_its_partitions_up(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite"
+    history = SqliteHistory(path)
+    now = datetime.now(UTC)
+    history.write([HistoryRow(TimeGenerated=now, RecordType="Decision", EventId="A", Rule="go", Outcome="approve")])
+    history.close()
+    stats = RunnerStats(stalls=[f"t{i} partition 1: 4 events reached the trigger 14.{i} s late" for i in range(12)])
+    stack = SimpleNamespace(history_path=path, host=SimpleNamespace(stats=stats))
+
+    assert checks.stack_problems(stack, ["A"], rule="go") == []  # type: ignore[arg-type]  # noted, but valid
+    problems = checks.stack_problems(stack, ["A", "B"], rule="go")  # type: ignore[arg-type]
+    assert problems[0] == "1 of 2 events have no Decision row: B"
+    assert problems[1].startswith("the function host noted (the last 10): ['t2 partition 1: 4 events reached")
+    assert "14.11 s late" in problems[1]
+    assert "t1 " not in problems[1]
 
 
 def test_the_coordinator_s_batch_reports_are_summed() -> None:

@@ -3,9 +3,12 @@ batches in the Functions host's shape, retries and failure counting."""
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 
 import azure.functions as func
 import pytest
@@ -14,6 +17,7 @@ from azure.storage.blob import ContainerClient
 
 from emulators.azurite import AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator, producer_client
+from local import runner
 from local.runner import AZURITE_BLOB_API_VERSION, FunctionHost, wait_until
 
 HUB = "scheduled-events"
@@ -99,3 +103,40 @@ def test_a_failing_batch_is_retried_then_counted_as_failed(
     assert failing.deliver([event]) is False
     assert (failing.stats.retries, failing.stats.failed_batches) == (3, 1)
     assert "state store unavailable" in host.stats.errors[0]
+
+
+def test_what_holds_a_partition_up_is_noted_with_its_time(
+    azurite: AzuriteEndpoints, eventhubs: EventHubsEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every batch counts as late and every call as slow here, so that one short run shows each kind of note.
+    monkeypatch.setattr(runner, "LATE_BATCH_SECONDS", -1.0)
+    monkeypatch.setattr(runner, "SLOW_INVOCATION_SECONDS", 0.05)
+    received: list[func.EventHubEvent] = []
+
+    def slow(events: list[func.EventHubEvent]) -> None:
+        time.sleep(0.3)
+        received.extend(events)
+
+    host = FunctionHost(
+        eventhub_connection_string=eventhubs.connection_string(),
+        eventhub_name=HUB,
+        storage_connection_string=azurite.connection_string,
+        ingest=slow,
+        checkpoint_container=f"stalls-{uuid.uuid4().hex[:8]}",
+    )
+    host.start()
+    try:
+        with producer_client(eventhubs.connection_string(HUB)) as producer:
+            batch = producer.create_batch(partition_key="/subscriptions/s/vm-a")
+            batch.add(EventData(b"{}"))
+            producer.send_batch(batch)
+        assert wait_until(lambda: bool(received), timeout=20)
+    finally:
+        host.stop()
+    stalls = host.stats.stalls
+    assert any(re.fullmatch(r"\S+ partition \d claimed", note) for note in stalls), stalls
+    assert any(re.fullmatch(r"\S+ partition \d: 1 events reached the trigger \d+\.\d s late", n) for n in stalls)
+    assert any("ingest_envelopes (1 events, attempt 1) still running after 0.05 s, at:" in n for n in stalls)
+    assert any(re.fullmatch(r"\S+ partition \d closed: SHUTDOWN", note) for note in stalls), stalls
+    assert all(datetime.fromisoformat(note.split(" ", 1)[0]).tzinfo is not None for note in stalls)
+    assert host.stats.as_dict()["stalls"] == stalls[-5:]
