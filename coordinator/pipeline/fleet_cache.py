@@ -145,6 +145,13 @@ class KnownBudgets:
             hit = self._seen.get(key)
         return hit[1] if hit is not None and self._clock() - hit[0] < REFRESH_EVERY else None
 
+    def last(self, key: str) -> Stored[BudgetRecord] | None:
+        """The entity as last seen, however long ago; None when absent or not known. Fresh again once its ETag is
+        found unchanged (``BudgetClaims``)."""
+        with self._lock:
+            hit = self._seen.get(key)
+        return hit[1] if hit is not None else None
+
     def saw(self, key: str, stored: Stored[BudgetRecord] | None) -> None:
         with self._lock:
             self._seen[key] = (self._clock(), stored)

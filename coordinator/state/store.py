@@ -213,6 +213,9 @@ class StateStore(Protocol):
     # what every instance holds now).
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None: ...
 
+    def budget_etag(self, scale_set: str) -> str | None:
+        """The budget's ETag alone (None when absent): whether it changed since it was read, without its claims."""
+
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         """Inserts (``etag`` None) or replaces the budget If-Match ``etag``; gives the new ETag."""
 

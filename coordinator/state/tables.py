@@ -314,6 +314,13 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
             return budget_from_entity(entity, _etag(entity))
         return None
 
+    def budget_etag(self, scale_set: str) -> str | None:
+        parameters = {"pk": BUDGET_PARTITION, "rk": safe_key(scale_set)}
+        query = "PartitionKey eq @pk and RowKey eq @rk"
+        for entity in self._table.query_entities(query, parameters=parameters, select=["PartitionKey"]):
+            return _etag(entity)
+        return None
+
     def open_events(self) -> list[Stored[EventRecord]]:
         return self._query_events("Open eq true")
 

@@ -328,6 +328,11 @@ class MemoryStateStore(StateStore):
             hit = self._entities.get((BUDGET_PARTITION, safe_key(scale_set)))
         return budget_from_entity(dict(hit[0]), hit[1]) if hit is not None else None
 
+    def budget_etag(self, scale_set: str) -> str | None:
+        with self._lock:
+            hit = self._entities.get((BUDGET_PARTITION, safe_key(scale_set)))
+        return hit[1] if hit is not None else None
+
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         return self._commit([(budget_entity(record), etag, record)])[0]
 

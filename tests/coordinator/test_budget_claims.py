@@ -37,6 +37,10 @@ class Counting(MemoryStateStore):
         self.calls["get_budget"] += 1
         return super().get_budget(scale_set)
 
+    def budget_etag(self, scale_set: str) -> str | None:
+        self.calls["budget_etag"] += 1
+        return super().budget_etag(scale_set)
+
     def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
         self.calls["save_budget"] += 1
         return super().save_budget(record, etag)
@@ -102,6 +106,29 @@ def test_a_refusal_on_what_the_instance_saw_earlier_is_read_again_and_a_freed_sl
 
     assert store.calls["get_budget"] == 2
     assert claims(store, "zone:westeurope/1") == ["EV-2"]
+
+
+def test_a_fresh_read_of_what_the_instance_saw_unchanged_asks_only_its_etag() -> None:
+    store = Counting()
+    cache = FleetCache(store)
+    assert claim(store, cache, 1) == ("", "")
+    store.calls.clear()
+
+    # Full on what this instance wrote: read fresh before refusing, and found as written (the same ETags).
+    refused, where = claim(store, cache, 2)
+
+    assert where == "updateDomain:web/0"
+    assert "held fleet-wide by EV-1" in refused
+    assert store.calls == {"budget_etag": 1}  # the claims were not read again
+    other = FleetCache(store)
+    for key in ("updateDomain:web/0", "zone:westeurope/1"):
+        Fleet(store, other).budgets.release(key, "EV-1")  # another instance concluded EV-1
+    store.calls.clear()
+
+    assert claim(store, cache, 2) == ("", "")  # their ETags changed: read whole, the slots found free
+
+    assert store.calls["get_budget"] == 2
+    assert claims(store, "updateDomain:web/0") == claims(store, "zone:westeurope/1") == ["EV-2"]
 
 
 def test_within_one_run_a_refusal_rests_on_what_the_run_read_without_reading_again() -> None:

@@ -437,6 +437,16 @@ def claim(event_id: str) -> BudgetClaim:
     return BudgetClaim(eventId=event_id, vms=["web_0"], claimedAt=DOC_NOW)
 
 
+def test_a_budget_s_etag_alone_says_whether_it_changed_since_it_was_read(store, peer):
+    assert store.budget_etag("zone:westeurope/1") is None
+    etag = store.save_budget(BudgetRecord(scaleSet="zone:westeurope/1"), None)
+    assert store.budget_etag("zone:westeurope/1") == etag == store.get_budget("zone:westeurope/1").etag
+
+    newer = peer.save_budget(BudgetRecord(scaleSet="zone:westeurope/1", claims={"EV-1": claim("EV-1")}), etag)
+
+    assert store.budget_etag("zone:westeurope/1") == newer != etag  # another instance's write, seen at once
+
+
 def test_a_budget_is_always_read_fresh_and_written_if_match(store, peer):
     assert store.get_budget("zone:westeurope/1") is None
     etag = store.save_budget(BudgetRecord(scaleSet="zone:westeurope/1"), None)
