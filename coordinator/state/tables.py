@@ -25,19 +25,15 @@ from azure.core.exceptions import (
 )
 from azure.data.tables import TableClient, TableEntity, TableServiceClient, TableTransactionError, UpdateMode
 
-from coordinator.domain.claims import BudgetRecord
 from coordinator.domain.lru import Lru
 from coordinator.domain.model import EventRecord, VmGroupRecord
 from coordinator.state.dead_letters import set_aside_letter
 from coordinator.state.entities import (
-    BUDGET_PARTITION,
     EVENT_PARTITION,
     PAST_STAGED,
     STAGED_MARK,
     VM_GROUP_PARTITION,
     Write,
-    budget_entity,
-    budget_from_entity,
     chunks,
     decode,
     event_from_entity,
@@ -63,6 +59,7 @@ from coordinator.state.store import (
     Stored,
 )
 from coordinator.state.table_batch import TransactionTableClient
+from coordinator.state.table_budgets import TableBudgets
 from coordinator.state.table_logs import TableLogs
 from coordinator.state.table_outbox import TableOutbox
 
@@ -78,7 +75,7 @@ def _etag(entity: TableEntity) -> str:
     return str(entity.metadata["etag"])
 
 
-class TableStateStore(TableOutbox, TableLogs, StateStore):
+class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
     """State records in one table. Construct with ``from_connection_string`` (Azurite) or ``from_endpoint``
     (Azure, managed identity: the identity needs "Storage Table Data Contributor" on the account)."""
 
@@ -306,21 +303,6 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
         by_key = self._get_many(group_partition, wanted, self._group, cached=cached)
         return {k: by_key[safe_key(k)] for k in wanted if safe_key(k) in by_key}
 
-    def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
-        # Read without setting aside: a budget that cannot be read raises, which holds the decisions it counts
-        # (read as empty, it would approve beyond its limit).
-        parameters = {"pk": BUDGET_PARTITION, "rk": safe_key(scale_set)}
-        for entity in self._table.query_entities("PartitionKey eq @pk and RowKey eq @rk", parameters=parameters):
-            return budget_from_entity(entity, _etag(entity))
-        return None
-
-    def budget_etag(self, scale_set: str) -> str | None:
-        parameters = {"pk": BUDGET_PARTITION, "rk": safe_key(scale_set)}
-        query = "PartitionKey eq @pk and RowKey eq @rk"
-        for entity in self._table.query_entities(query, parameters=parameters, select=["PartitionKey"]):
-            return _etag(entity)
-        return None
-
     def open_events(self) -> list[Stored[EventRecord]]:
         return self._query_events("Open eq true")
 
@@ -420,25 +402,6 @@ class TableStateStore(TableOutbox, TableLogs, StateStore):
                     self._remember(str(write[0]["PartitionKey"]), str(write[0]["RowKey"]), Stored(write[2], etag))
                 etags[index] = etag
         return [etags[i] for i in range(len(writes))]
-
-    def save_budget(self, record: BudgetRecord, etag: str | None) -> str:
-        return self._save_one((budget_entity(record), etag, record))
-
-    def save_budgets(self, writes: Sequence[tuple[BudgetRecord, str | None]]) -> list[str]:
-        return self._save_many([(budget_entity(record), etag, record) for record, etag in writes])
-
-    def budgets(self) -> list[Stored[BudgetRecord]]:
-        entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": BUDGET_PARTITION})
-        return [budget_from_entity(e, _etag(e)) for e in entities]
-
-    def delete_budget(self, key: str, etag: str) -> bool:
-        try:
-            self._table.delete_entity(
-                BUDGET_PARTITION, safe_key(key), etag=etag, match_condition=MatchConditions.IfNotModified
-            )
-        except ResourceModifiedError:
-            return False
-        return True
 
     def prune_vm_group(self, record: VmGroupRecord, etag: str) -> str | None:
         partition, key = group_partition(record.group), safe_key(record.group)
