@@ -7,8 +7,9 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
+from typing import Any
 
 import azure.functions as func
 import pytest
@@ -29,6 +30,31 @@ def eventhubs() -> Iterator[EventHubsEmulator]:
         yield emulator
 
 
+def host_of(
+    azurite: AzuriteEndpoints,
+    eventhubs: EventHubsEmulator,
+    ingest: Callable[[list[func.EventHubEvent]], None],
+    **options: Any,
+) -> FunctionHost:
+    """A host of ``ingest`` on the emulator's hub, its checkpoints in a container of its own."""
+    return FunctionHost(
+        eventhub_connection_string=eventhubs.connection_string(),
+        eventhub_name=HUB,
+        storage_connection_string=azurite.connection_string,
+        ingest=ingest,
+        **({"checkpoint_container": f"checkpoints-{uuid.uuid4().hex[:8]}"} | options),
+    )
+
+
+def send(eventhubs: EventHubsEmulator, bodies: list[bytes]) -> None:
+    """``bodies`` in one batch, under one VM's partition key."""
+    with producer_client(eventhubs.connection_string(HUB)) as producer:
+        batch = producer.create_batch(partition_key="/subscriptions/s/vm-a")
+        for body in bodies:
+            batch.add(EventData(body))
+        producer.send_batch(batch)
+
+
 def test_batches_reach_the_function_in_the_hosts_shape_and_are_checkpointed(
     azurite: AzuriteEndpoints, eventhubs: EventHubsEmulator
 ) -> None:
@@ -40,21 +66,10 @@ def test_batches_reach_the_function_in_the_hosts_shape_and_are_checkpointed(
             received.extend(events)
 
     container = f"checkpoints-{uuid.uuid4().hex[:8]}"
-    host = FunctionHost(
-        eventhub_connection_string=eventhubs.connection_string(),
-        eventhub_name=HUB,
-        storage_connection_string=azurite.connection_string,
-        ingest=ingest,
-        checkpoint_container=container,
-        max_batch_size=10,
-    )
+    host = host_of(azurite, eventhubs, ingest, checkpoint_container=container, max_batch_size=10)
     host.start()
     try:
-        with producer_client(eventhubs.connection_string(HUB)) as producer:
-            batch = producer.create_batch(partition_key="/subscriptions/s/vm-a")
-            for index in range(25):
-                batch.add(EventData(f'{{"n": {index}}}'.encode()))
-            producer.send_batch(batch)
+        send(eventhubs, [f'{{"n": {index}}}'.encode() for index in range(25)])
         assert wait_until(lambda: len(received) >= 25, timeout=20)
     finally:
         host.stop()
@@ -117,19 +132,10 @@ def test_what_holds_a_partition_up_is_noted_with_its_time(
         time.sleep(0.3)
         received.extend(events)
 
-    host = FunctionHost(
-        eventhub_connection_string=eventhubs.connection_string(),
-        eventhub_name=HUB,
-        storage_connection_string=azurite.connection_string,
-        ingest=slow,
-        checkpoint_container=f"stalls-{uuid.uuid4().hex[:8]}",
-    )
+    host = host_of(azurite, eventhubs, slow)
     host.start()
     try:
-        with producer_client(eventhubs.connection_string(HUB)) as producer:
-            batch = producer.create_batch(partition_key="/subscriptions/s/vm-a")
-            batch.add(EventData(b"{}"))
-            producer.send_batch(batch)
+        send(eventhubs, [b"{}"])
         assert wait_until(lambda: bool(received), timeout=20)
     finally:
         host.stop()
