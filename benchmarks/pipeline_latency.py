@@ -14,8 +14,10 @@ benchmarks runs 300 events over 10 VMs 0.2-0.4 s apart, so that the p99 is not t
 to_coordinator_ms_* splits off the part up to the coordinator's decision (forwarder send, Event Hubs, consumer,
 trigger), itself split at the Event Hubs emulator's store into to_hub_ms_* (the forwarder's spool and REST POST) and
 hub_to_decision_ms_* (the consumer, the trigger's partition thread, the coordinator up to its decision); the rest is
-the coordinator, the Relay round trip and the VM's two IMDS calls (a fresh GET, then the StartRequests POST), which
-share the forwarder's process-wide IMDS rate limiter with the 1/s poll (forwarder.retry.IMDS_LIMITER).
+decision_to_listener_ms_* (the batch's commit, the send, the Relay, up to the VM's listener taking the request: its
+``listener.approve`` span) and listener_ms_* (the listener's own time, with the VM's two IMDS calls: a fresh GET, then
+the StartRequests POST, which share the forwarder's process-wide IMDS rate limiter with the 1/s poll,
+forwarder.retry.IMDS_LIMITER).
 
 The forwarders' listeners connect on demand, as shipped (``listener: "on-demand"``). ``problems`` (exit 1 when not
 empty) names what keeps the run from being what it claims: events not approved in IMDS by their VM (or twice), not
@@ -32,6 +34,7 @@ import logging
 import random
 import sqlite3
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,7 @@ from local.observe import stored_envelopes
 from local.runner import wait_until
 from local.stack import HUB, LocalStack
 from local.summary import percentile
+from local.telemetry import EVENT_ID, SpanRecord, read_forwarder_spans
 
 
 def run(
@@ -92,10 +96,10 @@ def run(
                 return all(event_id in seen for event_id in created)
 
             finished = wait_until(approved, timeout=30)
+            stack.drain()  # the batches' tails write the Decision rows the splits read
             spans = _timings(stack, created)
             detect, added = spans["detect"], spans["added"]
             missed = len(created) - len(detect)
-            stack.drain()
             problems += approvals_problems(imds.approvals(), {e: [vm] for e, vm in owner.items()})
             problems += stack_problems(stack, created, rule=RULE)
             problems += reports.problems()
@@ -158,13 +162,34 @@ def _timings(stack: LocalStack, created: list[str]) -> dict[str, list[float]]:
     hub_to_decision = [
         (decided[e] - enqueued[e]).total_seconds() * 1000 for e in created if e in decided and e in enqueued
     ]
+    to_listener, listener = listener_times(read_forwarder_spans(stack.telemetry_dir)[0], decided, created)
     return {
         "detect": detect,
         "added": added,
         "to_coordinator": to_coordinator,
         "to_hub": to_hub,
         "hub_to_decision": hub_to_decision,
+        "decision_to_listener": to_listener,
+        "listener": listener,
     }
+
+
+def listener_times(
+    spans: Iterable[SpanRecord], decided: dict[str, datetime], created: Iterable[str]
+) -> tuple[list[float], list[float]]:
+    """The rest of the path after the decision, from the VMs' ``listener.approve`` spans (the forwarders record them
+    in the local stack; the first per event): the decision → the listener taking the request (the batch's commit,
+    the send, the Relay), and the listener's own time (the IMDS GET and StartRequests among it), in ms."""
+    taken: dict[str, SpanRecord] = {}
+    for span in spans:
+        event_id = str(span.attributes.get(EVENT_ID, ""))
+        if span.name == "listener.approve" and (event_id not in taken or span.start_ns < taken[event_id].start_ns):
+            taken[event_id] = span
+    ids = [e for e in created if e in taken and e in decided]
+    return (
+        [taken[e].start_ns / 1e6 - decided[e].timestamp() * 1000 for e in ids],
+        [(taken[e].end_ns - taken[e].start_ns) / 1e6 for e in ids],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
