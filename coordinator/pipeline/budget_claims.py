@@ -152,9 +152,10 @@ class BudgetClaims:
 
     def _read_budget(self, key: str) -> Stored[BudgetRecord] | None:
         # Read fresh, but the claims only when they changed: an entity whose ETag is the one this instance last saw
-        # is what it saw. A rate's or sequence's entity holds a claim per event it paced, and each batch that holds
-        # an event reads it fresh (a hold rests only on what the run read): parsing it every time was most of what
-        # those waves spent beyond the default (53 reads of 166 claims, 0.6 s of a sequence wave; docs/changelog.md).
+        # is what it saw. A rate's or sequence's entity holds a claim per event it paced (up to the 1 MiB entity
+        # limit) and each batch that holds an event reads it fresh (a hold rests only on what the run read); the
+        # ETag's answer stays small. In the waves it saved little (the request is most of a read; docs/changelog.md,
+        # *An approval's parts*).
         last = self._known.last(key)
         if last is not None and last.etag and self._store.budget_etag(key) == last.etag:
             stored: Stored[BudgetRecord] | None = last
