@@ -10,33 +10,26 @@ from typing import Any
 
 from azure.core import MatchConditions
 from azure.core.exceptions import ResourceModifiedError
-from azure.data.tables import TableClient, TableEntity, UpdateMode
+from azure.data.tables import TableEntity
 
 from coordinator.domain.claims import BudgetRecord
-from coordinator.state.entities import BUDGET_PARTITION, Write, budget_entity, budget_from_entity, safe_key
+from coordinator.state.entities import BUDGET_PARTITION, budget_entity, budget_from_entity, safe_key
 from coordinator.state.store import Stored
+from coordinator.state.table_parts import TableParts, entity_etag
 
 
-class TableBudgets:
+class TableBudgets(TableParts):
     """The budgets of ``TableStateStore``; it gives the table and its writes."""
-
-    _table: TableClient
-
-    def _save_one(self, write: Write, *, mode: UpdateMode = UpdateMode.REPLACE) -> str:
-        raise NotImplementedError
-
-    def _save_many(self, writes: list[Write], *, mode: UpdateMode = UpdateMode.REPLACE) -> list[str]:
-        raise NotImplementedError
 
     def get_budget(self, scale_set: str) -> Stored[BudgetRecord] | None:
         # Read without setting aside: a budget that cannot be read raises, which holds the decisions it counts
         # (read as empty, it would approve beyond its limit).
         entity = self._budget_entity(scale_set)
-        return budget_from_entity(entity, _etag(entity)) if entity is not None else None
+        return budget_from_entity(entity, entity_etag(entity)) if entity is not None else None
 
     def budget_etag(self, scale_set: str) -> str | None:
         entity = self._budget_entity(scale_set, select=["PartitionKey"])  # the ETag alone, not the claims
-        return _etag(entity) if entity is not None else None
+        return entity_etag(entity) if entity is not None else None
 
     def _budget_entity(self, scale_set: str, **options: Any) -> TableEntity | None:
         parameters = {"pk": BUDGET_PARTITION, "rk": safe_key(scale_set)}
@@ -51,7 +44,7 @@ class TableBudgets:
 
     def budgets(self) -> list[Stored[BudgetRecord]]:
         entities = self._table.query_entities("PartitionKey eq @pk", parameters={"pk": BUDGET_PARTITION})
-        return [budget_from_entity(e, _etag(e)) for e in entities]
+        return [budget_from_entity(e, entity_etag(e)) for e in entities]
 
     def delete_budget(self, key: str, etag: str) -> bool:
         try:
@@ -61,7 +54,3 @@ class TableBudgets:
         except ResourceModifiedError:
             return False
         return True
-
-
-def _etag(entity: TableEntity) -> str:
-    return str(entity.metadata["etag"])

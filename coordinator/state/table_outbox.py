@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from azure.data.tables import TableClient, TableTransactionError, UpdateMode
+from azure.data.tables import TableTransactionError, UpdateMode
 
 from coordinator.domain.model import EventRecord, VmGroupRecord
 from coordinator.state.entities import (
@@ -24,18 +24,11 @@ from coordinator.state.entities import (
 )
 from coordinator.state.staged import staged_entity, staged_from_entity, staged_partition, staged_partitions, with_staged
 from coordinator.state.store import Staged
+from coordinator.state.table_parts import TableParts
 
 
-class TableOutbox:
+class TableOutbox(TableParts):
     """What ``TableStateStore`` does with the outbox; it gives the table and its writes."""
-
-    _table: TableClient
-
-    def _save_one(self, write: Write, *, mode: UpdateMode = UpdateMode.REPLACE) -> str:
-        raise NotImplementedError
-
-    def _save_many(self, writes: list[Write], *, mode: UpdateMode = UpdateMode.REPLACE) -> list[str]:
-        raise NotImplementedError
 
     def _set_aside_entity(self, entity: Any, reason: str) -> None:
         raise NotImplementedError

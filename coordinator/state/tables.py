@@ -62,6 +62,7 @@ from coordinator.state.table_batch import TransactionTableClient
 from coordinator.state.table_budgets import TableBudgets
 from coordinator.state.table_logs import TableLogs
 from coordinator.state.table_outbox import TableOutbox
+from coordinator.state.table_parts import entity_etag
 
 log = logging.getLogger("coordinator")
 
@@ -69,10 +70,6 @@ CACHE_ENTRIES = 50_000
 # Azure Tables allows at most 15 discrete comparisons per filter: PartitionKey + 14 RowKeys.
 ROWKEYS_PER_QUERY = 14
 KEYED_READS = 4  # what a refresh lacks is read by key in at most this many queries, else by one range read
-
-
-def _etag(entity: TableEntity) -> str:
-    return str(entity.metadata["etag"])
 
 
 class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
@@ -189,7 +186,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
             stamp = entity.metadata.get("timestamp")
             if stamp is not None and (latest is None or stamp > latest):
                 latest = stamp
-            stored = decode(entity, _etag(entity), parse)
+            stored = decode(entity, entity_etag(entity), parse)
             if isinstance(stored, str):
                 self._set_aside_entity(entity, stored)
                 continue
@@ -211,7 +208,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
             latest = stamp if latest is None else max(latest, stamp)
             partition, key = str(entity["PartitionKey"]), str(entity["RowKey"])
             hit = self._cached(partition, key)
-            if hit is not None and hit.etag == _etag(entity):
+            if hit is not None and hit.etag == entity_etag(entity):
                 found[(partition, key)] = hit
             else:
                 unknown.setdefault(partition, []).append(key)
@@ -239,7 +236,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         """Each entity read as its record, by RowKey; one that cannot be is set aside and left out."""
         out = []
         for entity in entities:
-            stored = decode(entity, _etag(entity), parse)
+            stored = decode(entity, entity_etag(entity), parse)
             if isinstance(stored, str):
                 self._set_aside_entity(entity, stored)
             else:
@@ -268,7 +265,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
     def _set_aside_entity(self, entity: Any, reason: str) -> None:
         """Copies the entity whole to partition ``setaside``, then deletes it If-Match the ETag it was read with
         (one rewritten since is left to the next read); a copy that fails leaves it where it is."""
-        partition, key, etag = str(entity["PartitionKey"]), str(entity["RowKey"]), _etag(entity)
+        partition, key, etag = str(entity["PartitionKey"]), str(entity["RowKey"]), entity_etag(entity)
         self._note_set_aside(f"{partition}/{key}", reason, entity, etag)
         self._forget(partition, key)
         try:
