@@ -12,7 +12,8 @@ heartbeat a minute to the same Event Hubs REST endpoint over TLS), the baseline 
 The forwarders run as installed, so that the figures are what ships: ``forwarder/install.sh --root SCRATCH
 --skip-venv`` (of ``--source``, this checkout by default; another checkout's to measure it the same way) lays out
 ``opt/scheduled-events-forwarder/app`` with the byte code it leaves (or not), and each forwarder runs as the
-systemd unit runs it: ``python -m forwarder run`` from that folder, the app alone on PYTHONPATH,
+systemd unit runs it: the unit's ``ExecStart`` (``python -m forwarder run --config`` the settings file install.sh
+wrote: ``unit_command``) from that folder, the app alone on PYTHONPATH,
 PYTHONDONTWRITEBYTECODE=1 (this interpreter and its packages stand in for the VM's venv).
 
 Four forwarders run at once (`--only` picks one), one per configuration, each on its own VM of the emulator:
@@ -117,7 +118,8 @@ def _env(base: dict[str, str], **values: str) -> dict[str, str]:
 
 
 def install(source: Path, scratch: Path) -> Path:
-    """The forwarder as ``source``'s install.sh lays it out under ``scratch``: its app folder."""
+    """The forwarder as ``source``'s install.sh lays it out under ``scratch`` (its settings file too): its app
+    folder."""
     subprocess.run(
         ["bash", str(source / "forwarder" / "install.sh"), "--root", str(scratch), "--skip-venv",
          "--eventhub-namespace", "footprint.invalid"],
@@ -126,8 +128,22 @@ def install(source: Path, scratch: Path) -> Path:
     return scratch / "opt" / "scheduled-events-forwarder" / "app"
 
 
+def unit_command(app: Path) -> list[str]:
+    """The installed unit's ``ExecStart`` under the install's root: this interpreter for the venv's, and every
+    absolute path the unit names (its ``--config`` above all: the settings file install.sh wrote, which the
+    daemon reads at start) under the root. So the run loads what a VM's daemon loads."""
+    root = app.parents[2]
+    unit = root / "etc" / "systemd" / "system" / "scheduled-events-forwarder.service"
+    line = next(ln for ln in unit.read_text().splitlines() if ln.startswith("ExecStart="))
+    python, *arguments = line.removeprefix("ExecStart=").split()
+    if not python.endswith("/bin/python"):
+        raise RuntimeError(f"{unit}: ExecStart does not start with the venv's python: {line}")
+    return [sys.executable, *(f"{root}{a}" if a.startswith("/") else a for a in arguments)]
+
+
 def _start(app: Path, env: dict[str, str], auth: str, hubs: EventHubsEmulator) -> subprocess.Popen[bytes]:
-    """A forwarder as the unit runs it (forwarder/systemd): from the installed app alone, no byte code written."""
+    """A forwarder as the unit runs it (forwarder/systemd): its command line and settings file, from the installed
+    app alone, no byte code written (SE_FORWARDER_* point it at the emulators, as forwarder.env may on a VM)."""
     env = {**env, "PYTHONPATH": str(app), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
     if auth == "connection-string":
         env["SE_FORWARDER_EVENTHUB_CONNECTION_STRING"] = hubs.rest_connection_string("scheduled-events")
@@ -137,7 +153,7 @@ def _start(app: Path, env: dict[str, str], auth: str, hubs: EventHubsEmulator) -
             SE_FORWARDER_EVENTHUB_NAME="scheduled-events",
         )
     return subprocess.Popen(
-        [sys.executable, "-m", "forwarder", "run"],
+        unit_command(app),
         cwd=app.parent,
         env=env,
         stdout=subprocess.DEVNULL,
