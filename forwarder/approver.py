@@ -67,8 +67,6 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
-from opentelemetry import trace
-
 from contracts.checks import Invalid
 from contracts.wire import (
     ApprovalOutcome,
@@ -85,7 +83,7 @@ from forwarder.imds import ImdsDeadlinePassed, ImdsError
 from forwarder.logs import fields
 from forwarder.proofs import Proofs
 from forwarder.relay_protocol import RelayRequest, RelayResponse
-from forwarder.telemetry import IdTracer, parent
+from forwarder.telemetry import IdTracer, Span, Tracer, parent
 
 APPROVE_PATH = "/approve"
 MAX_BODY = 16 * 1024
@@ -159,7 +157,7 @@ class Approver:
         freshness: Freshness | None = None,
         clock: Callable[[], datetime] = _utcnow,
         ledger: DecisionLedger | None = None,
-        tracer: trace.Tracer | None = None,
+        tracer: Tracer | None = None,
         attest: Callable[[str], Attestation] | None = None,
         force: ForceHooks | None = None,
     ) -> None:
@@ -187,14 +185,12 @@ class Approver:
         self.imds_reads = 0
 
     def __call__(self, request: RelayRequest) -> RelayResponse:
-        with self._tracer.start_as_current_span(
-            "listener.approve", context=parent(request.headers), kind=trace.SpanKind.SERVER
-        ) as span:
+        with self._tracer.start_as_current_span("listener.approve", parent=parent(request.headers)) as span:
             response = self._answer(request, span)
             span.set_attribute("http.response.status_code", response.status_code)
             return response
 
-    def _answer(self, request: RelayRequest, span: trace.Span) -> RelayResponse:
+    def _answer(self, request: RelayRequest, span: Span) -> RelayResponse:
         started = time.perf_counter()
         record: dict[str, object] = {"requestId": request.id, "method": request.method, "path": request.path}
         try:
@@ -279,7 +275,6 @@ class Approver:
         self._ledger.remember_decision(LedgerEntry(approval.decisionId, approval.eventId, "executing", now))
         with self._tracer.start_as_current_span(
             "listener.start_requests",
-            kind=trace.SpanKind.CLIENT,
             attributes={"scheduled_events.event_id": approval.eventId},
         ):
             self._posted_since.add(approval.eventId.upper())
@@ -363,7 +358,7 @@ class Approver:
         if last is not None and last[0] >= arrived and event_id.upper() not in self._posted_since:
             return last[1]
         began = time.monotonic()
-        with self._tracer.start_as_current_span("listener.imds_get", kind=trace.SpanKind.CLIENT) as get:
+        with self._tracer.start_as_current_span("listener.imds_get") as get:
             document = self._imds_call(self._imds.get_document)
             get.set_attribute("scheduled_events.incarnation", document.DocumentIncarnation)
         self.imds_reads += 1

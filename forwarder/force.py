@@ -27,16 +27,13 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
-
 from contracts.wire import HOOK_NAME, ApprovalRequest, HookReport, HookStep, ScheduledEvent, VmIdentity
 from forwarder.durable_state import StoreFull
 from forwarder.envelopes import envelope_of
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.logs import fields
 from forwarder.retry import Backoff
-from forwarder.telemetry import IdTracer, traceparent
+from forwarder.telemetry import IdTracer, SpanContext, current, traceparent, use_span
 from forwarder.worker_parts import WorkerParts
 
 __all__ = ["FORCE_DIR", "FORCE_POST_RESERVE", "ForceHooks", "force_deadline", "hook_failure"]
@@ -140,7 +137,7 @@ class ForceHooks:
     def start(self, path: Path, event: ScheduledEvent, *, deadline: float, then: Callable[[HookReport], None]) -> None:
         """Runs the hook on its own thread, SIGTERM at ``deadline`` (monotonic); then ``then(report)`` (the
         approver's second judgement), then the report is spooled. The span joins the caller's trace."""
-        context = otel_context.get_current()
+        context = current()
         thread = threading.Thread(
             target=self._run, args=(path, event, deadline, then, context), name="forwarder-force", daemon=True
         )
@@ -161,18 +158,18 @@ class ForceHooks:
         event: ScheduledEvent,
         deadline: float,
         then: Callable[[HookReport], None],
-        context: otel_context.Context,
+        context: SpanContext,
     ) -> None:
         span = self._tracer.start_span(
             "forwarder.hooks",
-            context=context,
+            parent=context,
             attributes={
                 "vm.name": self.identity.name,
                 "scheduled_events.event_id": event.EventId,
                 "scheduled_events.hook_phase": "force",
             },
         )
-        with trace.use_span(span, end_on_exit=True):
+        with use_span(span):
             try:
                 report = self.runner.run_hook(path, event, phase="force", vm_name=self.identity.name, deadline=deadline)
             except Exception as exc:  # a bug here must still end in a refusal and a report

@@ -16,8 +16,6 @@ import logging
 import threading
 from datetime import UTC, datetime
 
-from opentelemetry import trace
-
 from contracts.checks import Invalid
 from contracts.wire import HookPhase, HookReport, HookStep, ScheduledEvent, VmIdentity
 from forwarder.durable_state import HookJob, StoreFull
@@ -25,7 +23,7 @@ from forwarder.envelopes import envelope_of
 from forwarder.hooks import HookRunner, phase_report
 from forwarder.logs import fields
 from forwarder.retry import Backoff
-from forwarder.telemetry import TRACEPARENT, TRACESTATE, parent, traceparent
+from forwarder.telemetry import TRACEPARENT, TRACESTATE, parent, traceparent, use_span
 from forwarder.worker_parts import WorkerParts
 
 log = logging.getLogger("forwarder")
@@ -112,14 +110,14 @@ class HookWorker:
         # The phase, in the trace of the change that queued it; its report is sent in that span's context.
         span = self._parts.tracer.start_span(
             "forwarder.hooks",
-            context=parent({TRACEPARENT: job.traceparent, TRACESTATE: job.tracestate}),
+            parent=parent({TRACEPARENT: job.traceparent, TRACESTATE: job.tracestate}),
             attributes={
                 "vm.name": identity.name,
                 "scheduled_events.event_id": job.event_id,
                 "scheduled_events.hook_phase": phase,
             },
         )
-        with trace.use_span(span, end_on_exit=True):
+        with use_span(span):
             try:
                 report = self._runner.run(event, phase=phase, vm_name=identity.name, on_step=progress)
             except Exception as exc:  # a bug here must not silently end hook processing for good

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from opentelemetry import trace
-
 from contracts.checks import Invalid
 from contracts.wire import ScheduledEventsDocument, VmIdentity
 from forwarder.changes import Change, detect
@@ -24,7 +22,7 @@ from forwarder.durable_state import HookJob
 from forwarder.envelopes import envelope_of
 from forwarder.imds import ImdsClient, ImdsInvalidResponse, InvalidEvent, read_document
 from forwarder.logs import fields
-from forwarder.telemetry import traceparent
+from forwarder.telemetry import INVALID, traceparent, use_span
 from forwarder.worker_parts import WorkerParts
 
 log = logging.getLogger("forwarder")
@@ -101,7 +99,7 @@ class Poller:
         # envelope so that it travels with it whenever it is sent, and queued with the hooks it starts.
         detect_span = self._parts.tracer.start_span(
             "forwarder.detect",
-            context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root, whatever the caller's context
+            parent=INVALID,  # a root, whatever the caller's context
             start_time=polled_at,
             attributes={
                 "vm.name": identity.name,
@@ -109,7 +107,7 @@ class Poller:
                 "scheduled_events.incarnation": document.DocumentIncarnation,
             },
         )
-        with trace.use_span(detect_span, end_on_exit=True):
+        with use_span(detect_span):
             span_parent, span_state = traceparent(detect_span)
             jobs = [
                 HookJob(e.EventId, phase, e.to_json_bytes().decode(), traceparent=span_parent, tracestate=span_state)

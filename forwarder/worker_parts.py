@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from opentelemetry import trace
-
 from forwarder.durable_state import Store
+from forwarder.telemetry import Tracer
 
 
 @dataclass(frozen=True)
@@ -18,6 +17,6 @@ class WorkerParts:
     (it wakes the sender)."""
 
     store: Store
-    tracer: trace.Tracer
+    tracer: Tracer
     counters: dict[str, int]
     spooled: Callable[[], None]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,28 @@ def test_relay_listener_mode_and_grace() -> None:
         load_settings(flags={"sink": "stdout"}, environ={"SE_FORWARDER_RELAY_LISTENER_MODE": "sometimes"})
     with pytest.raises(ConfigError, match=r"relay_listener_grace_seconds = -1 \(from flag --relay-listener-grace"):
         load_settings(flags={"sink": "stdout", "relay_listener_grace_seconds": -1}, environ={})
+
+
+def test_the_yaml_file_is_read_without_loading_its_parser_into_the_daemon(tmp_path: Path) -> None:
+    """PyYAML stays resident once imported: the daemon reads its settings file through a child interpreter."""
+    config = tmp_path / "forwarder.yaml"
+    config.write_text("sink: stdout\npoll_interval: 3\n# a comment\nhooks_dir: 'hooks dir'\n")
+    script = (
+        "import sys; from pathlib import Path; from forwarder.config import load_settings;"
+        f"s = load_settings(config_file=Path({str(config)!r}), environ={{}});"
+        "print(s.sink, s.poll_interval, s.hooks_dir, 'yaml' in sys.modules)"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]
+    ).stdout.split()
+
+    assert shown == ["stdout", "3.0", "hooks", "dir", "False"]
+
+
+def test_a_yaml_reader_that_cannot_start_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "forwarder.yaml"
+    config.write_text("sink: stdout\n")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+
+    with pytest.raises(ConfigError, match=r"forwarder\.yaml: could not be read as YAML"):
+        load_settings(config_file=config, environ={})

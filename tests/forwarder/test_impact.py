@@ -17,13 +17,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from opentelemetry import trace
-
 from contracts.envelope import Envelope
 from contracts.wire import ScheduledEventsDocument, VmIdentity
 from emulators.imds import ImdsEmulator
 from forwarder.durable_state import IMPACT_RESTART, Store
 from forwarder.impact import ImpactMeter, read_boot_time
+from forwarder.telemetry import IdTracer
 from forwarder.worker_parts import WorkerParts
 from tests.forwarder.conftest import read_envelopes
 from tests.polling import wait_for
@@ -215,7 +214,7 @@ STARTED_FREEZE = ScheduledEventsDocument.from_mapping(
 
 def meter_on(store: Store, tmp_path: Path) -> ImpactMeter:
     """A meter whose tick thread does not run: only the poll loop's calls read the clocks."""
-    parts = WorkerParts(store=store, tracer=trace.get_tracer("test"), counters={}, spooled=lambda: None)
+    parts = WorkerParts(store=store, tracer=IdTracer(), counters={}, spooled=lambda: None)
     return ImpactMeter(parts, tick=0.1, boot_time_file=tmp_path / "stat", stop=threading.Event())
 
 
