@@ -24,7 +24,6 @@ import logging
 import os
 import sqlite3
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -122,7 +121,8 @@ class Store:
             state_schema.migrate(db)
             # Created with the database and kept in it: a wiped or re-created state directory gets a new one,
             # which is how the coordinator tells "this forwarder lost its state" from a replay of old sequences.
-            db.execute("INSERT OR IGNORE INTO state (key, value) VALUES (?, ?)", (STATE_ID, uuid.uuid4().hex))
+            # 128 random bits as uuid4().hex gave them, without the uuid module (it and libuuid stay resident).
+            db.execute("INSERT OR IGNORE INTO state (key, value) VALUES (?, ?)", (STATE_ID, os.urandom(16).hex()))
             self.state_id = str(self._get(db, STATE_ID))
             sequence = int(self._get(db, SEQUENCE) or 0)
             reserved = int(self._get(db, SEQUENCE_RESERVED) or 0)
