@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
@@ -59,3 +59,25 @@ class ApprovalDeliveryError(RuntimeError):
         super().__init__(message)
         self.unreached = unreached and not answer_lost
         self.answer_lost = answer_lost
+
+
+# A callback's kind by its class: ``isinstance`` against a runtime-checkable Protocol walks the protocol's attributes
+# at every call (tens of µs in Python 3.11), and a wave asks it several times an approval.
+_KINDS: dict[type, tuple[bool, bool]] = {}
+
+
+def is_bounded(callback: ApprovalCallback) -> TypeGuard[BoundedCallback]:
+    """Whether ``callback`` is a ``BoundedCallback`` (can be told how long it may take)."""
+    return _kinds(callback)[0]
+
+
+def is_batch(callback: ApprovalCallback) -> TypeGuard[BatchCallback]:
+    """Whether ``callback`` is a ``BatchCallback`` (sends several approvals of one resource in one request)."""
+    return _kinds(callback)[1]
+
+
+def _kinds(callback: ApprovalCallback) -> tuple[bool, bool]:
+    kind = type(callback)
+    if (known := _KINDS.get(kind)) is None:
+        known = _KINDS[kind] = (isinstance(callback, BoundedCallback), isinstance(callback, BatchCallback))
+    return known

@@ -35,7 +35,13 @@ from typing import Any
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.adapters import telemetry
-from coordinator.adapters.callback import ApprovalCallback, ApprovalDeliveryError, BatchCallback, BoundedCallback
+from coordinator.adapters.callback import (
+    ApprovalCallback,
+    ApprovalDeliveryError,
+    BatchCallback,
+    is_batch,
+    is_bounded,
+)
 from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord
 from coordinator.pipeline import attest, handover
@@ -263,7 +269,7 @@ def _submit(
         if plan.request is None or plan.vm is None:
             continue
         callback = plan.callback
-        if isinstance(callback, BatchCallback) and callback is not run.parts.callback:
+        if is_batch(callback) and callback is not run.parts.callback:
             # No VM answers on this path, so there is no answer to prove (_proof): only the resource groups them.
             batches.setdefault((id(callback), callback.batch_key(plan.vm)), []).append(plan)
             continue
@@ -348,7 +354,7 @@ def send(
             if left <= 0:
                 break
             made += 1
-            if isinstance(callback, BoundedCallback):
+            if is_bounded(callback):
                 result = callback.send_within(request, vm=vm, seconds=left)
             else:
                 result = callback.send(request, vm=vm)

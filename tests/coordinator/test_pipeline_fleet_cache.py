@@ -13,12 +13,14 @@ from datetime import timedelta
 
 import pytest
 
+from coordinator.domain.model import VmGroupRecord
 from coordinator.domain.policy_file import parse_policy
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline.fleet_cache import FleetCache
 from coordinator.pipeline.ingest import RawMessage
+from coordinator.state.store import Stored
 from local.runner import wait_until
-from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, event_record, scheduled_event, vm
+from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, event_record, scheduled_event, vm, vm_position
 from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import RecordingAlerts, RecordingCallback, make_coordinator, message
 
@@ -143,3 +145,16 @@ def test_a_slow_tail_does_not_bring_back_an_event_that_completed_meanwhile(after
     assert decision is not None
     assert decision.verdict == "approve", decision.reason
     assert record.record.approval is not None
+
+
+def test_the_events_neither_open_nor_sighted_by_the_batch_s_vms_are_probably_new():
+    store = MemoryStateStore()
+    cache = loaded(store)
+    cache.absorb([event_record("EV-OPEN")])
+    sighting = {"firstSeen": DOC_NOW, "lastSeen": DOC_NOW, "lastSequence": 1, "status": "Scheduled"}
+    seen = vm_position("web_1", index=1, sightings={"EV-SEEN": sighting, "EV-OTHER": sighting})
+    group = VmGroupRecord(group="g", vms={"a": vm_position("web_0", index=0), "b": seen})
+
+    assert cache.probably_new(["EV-OPEN", "EV-SEEN", "EV-NEW"], [Stored(group, "etag")]) == {"EV-NEW"}
+    assert cache.probably_new(["EV-SEEN"], [Stored(group, "etag")]) == set()
+    assert FleetCache(store).probably_new(["EV-NEW"], [Stored(group, "etag")]) == set()  # not loaded: none known new
