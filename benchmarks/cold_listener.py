@@ -69,10 +69,12 @@ def wait(predicate: Any, *, timeout: float, what: str, step: float = 0.002) -> A
 
 
 def seen_scheduled(envelopes: Path, event_id: str) -> bool:
-    """Whether the forwarder has written an envelope listing the event as Scheduled (its poll saw it)."""
+    """Whether the forwarder has written an envelope listing the event as Scheduled (its poll saw it). Whole lines
+    only: the forwarder may be part way through writing one (a large envelope leaves its buffer in pieces)."""
     if not envelopes.exists():
         return False
-    for line in envelopes.read_text(encoding="utf-8").splitlines()[-5:]:
+    text = envelopes.read_text(encoding="utf-8")
+    for line in text[: text.rfind("\n") + 1].splitlines()[-5:]:
         document = json.loads(line).get("document") or {}
         if any(e["EventId"] == event_id and e["EventStatus"] == "Scheduled" for e in document.get("Events", [])):
             return True
