@@ -38,7 +38,6 @@ from coordinator.adapters import telemetry
 from coordinator.adapters.callback import (
     ApprovalCallback,
     ApprovalDeliveryError,
-    BatchCallback,
     is_batch,
     is_bounded,
 )
@@ -297,7 +296,7 @@ def send_batch(
     """Approvals of one resource through one ``BatchCallback`` request, each as its own ``coordinator.approval``
     span of its event's trace."""
     callback = plans[0].callback
-    assert isinstance(callback, BatchCallback)  # send_all groups only these
+    assert is_batch(callback)  # send_all groups only these
     items = [(plan.request, plan.vm) for plan in plans if plan.request is not None and plan.vm is not None]
     with contextlib.ExitStack() as spans:
         opened = [

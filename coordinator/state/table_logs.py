@@ -32,12 +32,12 @@ from coordinator.state.entities import (
     sent_alerts_from_entity,
 )
 from coordinator.state.store import DeadLetter, R, Stored
+from coordinator.state.table_parts import TableParts
 
 
-class TableLogs:
+class TableLogs(TableParts):
     """What ``TableStateStore`` keeps beside the records; it gives the tables and its reads."""
 
-    _table: TableClient
     _dead_letters: TableClient
 
     def _decoded(
