@@ -203,7 +203,7 @@ BENCHES = (
         "benchmarks.forwarder_footprint",
         ("--seconds", "120", "--warmup", "10", "--sink", "eventhub"),
         ("--seconds", "15", "--warmup", "5", "--sink", "eventhub"),
-        1,
+        3,
         _as_is(
             "forwarder_rss_mib",
             "forwarder_cpu_s_per_hour",

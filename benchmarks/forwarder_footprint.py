@@ -17,16 +17,16 @@ wrote: ``unit_command``) from that folder, the app alone on PYTHONPATH,
 PYTHONDONTWRITEBYTECODE=1 (this interpreter and its packages stand in for the VM's venv).
 
 Four forwarders run at once (`--only` picks one), one per configuration, each on its own VM of the emulator:
-production (tracing off, listener on demand and idle), `_tracing` (spans recorded: `telemetry_spans_file` loads
-the OpenTelemetry SDK), `_connected` (listener always on: websockets and the listener loaded, connected) and
-`_tracing_connected`. Prints one JSON object: per configuration `forwarder_rss_mib{suffix}`,
-`forwarder_cpu_s_per_hour{suffix}`, `forwarder_rss_ratio_to_bare_poller{suffix}`,
-`forwarder_cpu_ratio_to_bare_poller{suffix}` (ratios of the peak RSS and of the CPU time), and the headline
-`forwarder_rss_ratio_to_bare_poller` / `forwarder_cpu_ratio_to_bare_poller`: the worst configuration's (targets
-<= 1.0 and <= 0.5), with `tracing_rss_cost_mib` and `listener_rss_cost_mib`. CPU is counted after the warm-up
-(imports, first connections). With --event-every N an event is scheduled every N s on each forwarder's VM, so
-that the change path (spool write, send, hook report) is measured too; heartbeats (every 60 s) are always part of
-it.
+production (tracing off, listener on demand and idle), `_tracing` (spans recorded in `telemetry_spans_file`),
+`_connected` (listener always on: its WebSocket client and the listener loaded, connected) and `_tracing_connected`.
+Prints one JSON object: per configuration `forwarder_rss_mib{suffix}`, `forwarder_cpu_s_per_hour{suffix}`,
+`forwarder_rss_ratio_to_bare_poller{suffix}`, `forwarder_cpu_ratio_to_bare_poller{suffix}` (ratios of the peak RSS
+and of the CPU time: the scheduler's count of each thread's run time, ``CpuMeter``; the user/system split beside it
+in clock ticks) and `forwarder_threads_ended{suffix}`, and the headline `forwarder_rss_ratio_to_bare_poller` /
+`forwarder_cpu_ratio_to_bare_poller`: the worst configuration's (targets <= 1.0 and <= 0.5), with
+`tracing_rss_cost_mib` and `listener_rss_cost_mib`. CPU is counted after the warm-up (imports, first connections).
+With --event-every N an event is scheduled every N s on each forwarder's VM, so that the change path (spool write,
+send, hook report) is measured too; heartbeats (every 60 s) are always part of it.
 
 ``listener_modes`` says each configuration's listener ("on-demand" and idle, or "connected"), and ``problems`` (exit
 1 when not empty) names what keeps the run from being what it claims: a forwarder or the bare poller exiting, not
@@ -38,6 +38,7 @@ recorded no span (or an untraced one that did), a forwarder not exiting 0 on SIG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -65,9 +66,47 @@ def rss_mib(pid: int) -> float:
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of a process."""
+    """(user, system) CPU seconds of a process, in clock ticks: the split only (``CpuMeter`` counts the total)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) / TICKS, int(fields[12]) / TICKS
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Each live thread's CPU time, in ns: the scheduler's own count (/proc/PID/task/TID/schedstat)."""
+    times: dict[int, int] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                times[int(task)] = int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+    return times
+
+
+class CpuMeter:
+    """A process's CPU time over a window, to the nanosecond: the sum over its threads of their scheduler run time
+    since the window began (a thread born in it: its whole life), sampled each second (``sample``), so that a thread
+    that ends in the window counts up to its last sample (``ended`` says how many did).
+
+    Why not /proc/PID/stat: it counts in clock ticks (10 ms). An idle forwarder uses 2-16 CPU-s an hour, 7-54 ticks in
+    the 120 s window, so one tick more or less moved a ratio by up to 14%: two runs side by side on a quiet machine
+    read 2.0 and 2.4 CPU-s/h for configurations whose threads' schedstat differed by 10%."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._start = thread_cpu_ns(pid)
+        self._last = dict(self._start)
+        self._ended: set[int] = set()
+
+    def sample(self) -> None:
+        now = thread_cpu_ns(self._pid)
+        self._ended.update(tid for tid in self._last if tid not in now)
+        self._last.update(now)
+
+    @property
+    def ended(self) -> int:
+        return len(self._ended)
+
+    def seconds(self) -> float:
+        return sum(ns - self._start.get(tid, 0) for tid, ns in self._last.items()) / 1e9
 
 
 # The forwarder's relay_listener_mode for each configuration's listener (tests change it to break a run).
@@ -202,7 +241,8 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
                 return {"problems": problems}
             polls_before = {suffix: imds.requests_served[vm] for suffix, vm in polled.items()}
             cpu_before = {suffix: cpu_seconds(p.pid) for suffix, p in processes.items()}
-            bare_before = cpu_seconds(bare.pid)
+            meters = {suffix: CpuMeter(p.pid) for suffix, p in processes.items()}
+            bare_meter = CpuMeter(bare.pid)
             started = time.monotonic()
             samples: dict[str, list[float]] = {suffix: [] for suffix in processes}
             bare_samples: list[float] = []
@@ -221,9 +261,13 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
                         imds.create_event(EventType="Freeze", Resources=[vm], NoticeSeconds=60)
                     next_event += args.event_every
                 bare_samples.append(rss_mib(bare.pid))
+                for meter in (*meters.values(), bare_meter):
+                    meter.sample()
                 time.sleep(1.0)
+            for meter in (*meters.values(), bare_meter):
+                meter.sample()
             cpu_after = {suffix: cpu_seconds(p.pid) for suffix, p in processes.items()}
-            bare_cpu = sum(cpu_seconds(bare.pid)) - sum(bare_before)
+            bare_cpu = bare_meter.seconds()
             polls = {suffix: imds.requests_served[vm] - polls_before[suffix] for suffix, vm in polled.items()}
         finally:
             for process in (*processes.values(), bare):
@@ -282,7 +326,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
         ratio = suffix or "_production"
         user = cpu_after[suffix][0] - cpu_before[suffix][0]
         system = cpu_after[suffix][1] - cpu_before[suffix][1]
-        per_hour = (user + system) / elapsed * 3600
+        per_hour = meters[suffix].seconds() / elapsed * 3600
         result.update(
             {
                 f"forwarder_rss_mib{suffix}": round(max(samples[suffix]), 1),
@@ -290,6 +334,7 @@ def measure(args: argparse.Namespace, configurations: dict[str, tuple[bool, str]
                 f"forwarder_cpu_s_per_hour{suffix}": round(per_hour, 2),
                 f"forwarder_user_s_per_hour{suffix}": round(user / elapsed * 3600, 2),
                 f"forwarder_system_s_per_hour{suffix}": round(system / elapsed * 3600, 2),
+                f"forwarder_threads_ended{suffix}": meters[suffix].ended,
                 f"forwarder_rss_ratio_to_bare_poller{ratio}": round(max(samples[suffix]) / max(bare_samples), 2),
                 f"forwarder_cpu_ratio_to_bare_poller{ratio}": round(per_hour / bare_per_hour, 2) if bare_cpu else None,
                 f"polls_per_s{suffix}": round(polls[suffix] / elapsed, 2),
