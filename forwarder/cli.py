@@ -35,6 +35,8 @@ from forwarder.telemetry import Telemetry
 if TYPE_CHECKING:
     from forwarder.approver import Approver
     from forwarder.force import ForceHooks
+    from forwarder.relay_listener import RelayListener
+    from forwarder.relay_tokens import EntraTokenProvider
 
 log = logging.getLogger("forwarder")
 
@@ -146,43 +148,58 @@ def relay_companions(
         )
         # One credential for all sessions: its cached token keeps token calls off the POST's IMDS rate limit (+0.5 s).
         credential = build_credential(settings, imds)
-        approver: Approver | None = None  # one for every session (its lock serialises approvals)
+        made: list[tuple[type[RelayListener], type[EntraTokenProvider], Approver]] = []  # the session's parts, once
+        making = threading.Lock()
 
-        def session() -> ListenerSession:
-            # The listener and its WebSocket client load here, when a session is first needed, not at the start.
+        def parts() -> tuple[type[RelayListener], type[EntraTokenProvider], Approver]:
+            # The listener, its WebSocket client and the approver (one for every session: its lock serialises
+            # approvals), loaded by the warm-up at start rather than by the first session: an event's session then
+            # connects while its envelope travels instead of after ~20 ms of imports (~120 ms in a busy process),
+            # which the coordinator's approval often won (a "no listener" 503, then a retry). Most real approvals are
+            # their daemon's first (events are rare, and a Reboot or Redeploy restarts it). +0.5 MiB idle, within the
+            # connected configuration's footprint (benchmarks/forwarder_footprint.py).
             from forwarder.approval_rules import Freshness  # noqa: PLC0415
             from forwarder.approver import Approver  # noqa: PLC0415
             from forwarder.relay_listener import RelayListener  # noqa: PLC0415
             from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415
 
-            nonlocal approver
-            if approver is None:
-                approver = Approver(
-                    imds=imds,
-                    vm_name=identity.name,
-                    prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
-                    # Its decision ledger (the forwarder's state; in memory without one): once per decisionId.
-                    ledger=store,
-                    tracer=telemetry.tracer if telemetry else None,
-                    attest=imds.get_attestation if settings.attest else None,
-                    freshness=Freshness(not_after_tolerance=timedelta(seconds=settings.not_after_tolerance)),
-                    force=force,  # a force request's hook: the daemon's hooks folder, runner and sender
-                )
-            return RelayListener(
+            with making:
+                if not made:
+                    approver = Approver(
+                        imds=imds,
+                        vm_name=identity.name,
+                        prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+                        # Its decision ledger (the forwarder's state; in memory without one): once per decisionId.
+                        ledger=store,
+                        tracer=telemetry.tracer if telemetry else None,
+                        attest=imds.get_attestation if settings.attest else None,
+                        freshness=Freshness(not_after_tolerance=timedelta(seconds=settings.not_after_tolerance)),
+                        force=force,  # a force request's hook: the daemon's hooks folder, runner and sender
+                    )
+                    made.append((RelayListener, EntraTokenProvider, approver))
+                return made[0]
+
+        def session() -> ListenerSession:
+            listener_class, tokens, approver = parts()
+            return listener_class(
                 endpoint=endpoint,
                 hybrid_connection=hybrid_connection,
-                token_provider=EntraTokenProvider(credential=credential),
+                token_provider=tokens(credential=credential),
                 handler=approver,
             )
+
+        def warm() -> None:
+            # The Relay token (cached about a day by the credential): a cold approval's session then needs no IMDS
+            # token call before its GET and StartRequests POST (measured +0.5 s without); then the session's parts.
+            credential.get_token(RELAY_SCOPE)
+            parts()
 
         listener = OnDemandListener(
             factory=session,
             vm_name=identity.name,
             always_on=settings.relay_listener_mode == "always-on",
             grace_seconds=settings.relay_listener_grace_seconds,
-            # The Relay token fetched at start (cached about a day by the credential): a cold approval's session
-            # then needs no IMDS token call before its GET and StartRequests POST (measured +0.5 s without).
-            warm=lambda: credential.get_token(RELAY_SCOPE),
+            warm=warm,
         )
         return [listener]
 

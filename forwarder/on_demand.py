@@ -1,7 +1,7 @@
 """The relay listener, connected only while this VM could execute an approval (or always, by configuration).
 
 Takes each document the poll loop holds (``update``) and a factory of listener sessions (``forwarder.relay_listener.
-RelayListener``, built — and its imports loaded — only when first needed); gives a
+RelayListener``, built when an event wants one; its modules loaded by ``warm`` at start, forwarder/cli.py); gives a
 daemon companion whose ``connected`` the heartbeat reports (``ForwarderHealth.listenerConnected``).
 
 Why: Azure bills a hybrid-connection listener per hour it is connected (about $0.0134/h, $9.78 a month always on),
@@ -54,8 +54,9 @@ class OnDemandListener:
     :keyword factory: builds a new, unstarted session (a ``RelayListener`` cannot be restarted).
     :keyword always_on: open at ``start`` and keep it; ``update`` then changes nothing.
     :keyword grace_seconds: how long the session stays after the last executable event left the document.
-    :keyword warm: called once, in the background, at ``start`` (e.g. fetch the Relay token into the credential's
-        cache), so that the first session opened for an event does not pay for it while its approval waits.
+    :keyword warm: called once, in the background, at ``start`` (fetch the Relay token into the credential's cache,
+        load the session's modules), so that the first session opened for an event does not pay for it while its
+        approval waits.
     """
 
     def __init__(
