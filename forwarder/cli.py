@@ -128,6 +128,71 @@ def build_sink(settings: ForwarderSettings, imds: ImdsClient) -> Sink:
     )
 
 
+class _Sessions:
+    """What every listener session of this daemon shares: one credential (its cached token keeps token calls off the
+    POST's IMDS rate limit, +0.5 s) and one ``Approver`` (its lock serialises approvals; its decision ledger is the
+    store's), with the listener's modules. ``warm`` loads them in the background at start rather than the first
+    session: an event's session then connects while its envelope travels instead of after ~20 ms of imports (~120 ms
+    in a busy process), which the coordinator's approval often won (a "no listener" 503, then a retry). Most real
+    approvals are their daemon's first (events are rare; a Reboot or Redeploy restarts it). +0.5 MiB idle, within the
+    connected configuration's footprint (benchmarks/forwarder_footprint.py)."""
+
+    def __init__(
+        self,
+        settings: ForwarderSettings,
+        identity: VmIdentity,
+        imds: ImdsClient,
+        *,
+        store: Store | None,
+        telemetry: Telemetry | None,
+        force: ForceHooks | None,
+    ) -> None:
+        self._settings, self._identity, self._imds = settings, identity, imds
+        self._store, self._telemetry, self._force = store, telemetry, force
+        self.endpoint = settings.relay_endpoint or f"wss://{settings.relay_namespace}"
+        self.hybrid_connection = settings.relay_hybrid_connection or identity.hybrid_connection_name
+        self._credential = build_credential(settings, imds)
+        self._made: tuple[type[RelayListener], type[EntraTokenProvider], Approver] | None = None
+        self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        """The Relay token (cached about a day by the credential: a cold approval's session then needs no IMDS token
+        call before its GET and StartRequests POST, measured +0.5 s without), then the session's parts."""
+        self._credential.get_token(RELAY_SCOPE)
+        self._parts()
+
+    def session(self) -> ListenerSession:
+        listener_class, tokens, approver = self._parts()
+        return listener_class(
+            endpoint=self.endpoint,
+            hybrid_connection=self.hybrid_connection,
+            token_provider=tokens(credential=self._credential),
+            handler=approver,
+        )
+
+    def _parts(self) -> tuple[type[RelayListener], type[EntraTokenProvider], Approver]:
+        from forwarder.approval_rules import Freshness  # noqa: PLC0415
+        from forwarder.approver import Approver  # noqa: PLC0415
+        from forwarder.relay_listener import RelayListener  # noqa: PLC0415
+        from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415
+
+        with self._lock:
+            if self._made is None:
+                settings, store, imds = self._settings, self._store, self._imds
+                approver = Approver(
+                    imds=imds,
+                    vm_name=self._identity.name,
+                    prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
+                    ledger=store,  # its decision ledger (in memory without a store): once per decisionId
+                    tracer=self._telemetry.tracer if self._telemetry else None,
+                    attest=imds.get_attestation if settings.attest else None,
+                    freshness=Freshness(not_after_tolerance=timedelta(seconds=settings.not_after_tolerance)),
+                    force=self._force,  # a force request's hook: the daemon's hooks folder, runner and sender
+                )
+                self._made = (RelayListener, EntraTokenProvider, approver)
+            return self._made
+
+
 def relay_companions(
     settings: ForwarderSettings, *, store: Store | None = None, telemetry: Telemetry | None = None
 ) -> Any:
@@ -140,66 +205,21 @@ def relay_companions(
     def build(identity: VmIdentity, imds: ImdsClient, force: ForceHooks | None = None) -> Sequence[Companion]:
         if not settings.relay_enabled:
             return []
-        endpoint = settings.relay_endpoint or f"wss://{settings.relay_namespace}"
-        hybrid_connection = settings.relay_hybrid_connection or identity.hybrid_connection_name
+        sessions = _Sessions(settings, identity, imds, store=store, telemetry=telemetry, force=force)
         log.info(
             "relay listener configured",
-            extra=fields(endpoint=endpoint, hybrid_connection=hybrid_connection, mode=settings.relay_listener_mode),
+            extra=fields(
+                endpoint=sessions.endpoint,
+                hybrid_connection=sessions.hybrid_connection,
+                mode=settings.relay_listener_mode,
+            ),
         )
-        # One credential for all sessions: its cached token keeps token calls off the POST's IMDS rate limit (+0.5 s).
-        credential = build_credential(settings, imds)
-        made: list[tuple[type[RelayListener], type[EntraTokenProvider], Approver]] = []  # the session's parts, once
-        making = threading.Lock()
-
-        def parts() -> tuple[type[RelayListener], type[EntraTokenProvider], Approver]:
-            # The listener, its WebSocket client and the approver (one for every session: its lock serialises
-            # approvals), loaded by the warm-up at start rather than by the first session: an event's session then
-            # connects while its envelope travels instead of after ~20 ms of imports (~120 ms in a busy process),
-            # which the coordinator's approval often won (a "no listener" 503, then a retry). Most real approvals are
-            # their daemon's first (events are rare, and a Reboot or Redeploy restarts it). +0.5 MiB idle, within the
-            # connected configuration's footprint (benchmarks/forwarder_footprint.py).
-            from forwarder.approval_rules import Freshness  # noqa: PLC0415
-            from forwarder.approver import Approver  # noqa: PLC0415
-            from forwarder.relay_listener import RelayListener  # noqa: PLC0415
-            from forwarder.relay_tokens import EntraTokenProvider  # noqa: PLC0415
-
-            with making:
-                if not made:
-                    approver = Approver(
-                        imds=imds,
-                        vm_name=identity.name,
-                        prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
-                        # Its decision ledger (the forwarder's state; in memory without one): once per decisionId.
-                        ledger=store,
-                        tracer=telemetry.tracer if telemetry else None,
-                        attest=imds.get_attestation if settings.attest else None,
-                        freshness=Freshness(not_after_tolerance=timedelta(seconds=settings.not_after_tolerance)),
-                        force=force,  # a force request's hook: the daemon's hooks folder, runner and sender
-                    )
-                    made.append((RelayListener, EntraTokenProvider, approver))
-                return made[0]
-
-        def session() -> ListenerSession:
-            listener_class, tokens, approver = parts()
-            return listener_class(
-                endpoint=endpoint,
-                hybrid_connection=hybrid_connection,
-                token_provider=tokens(credential=credential),
-                handler=approver,
-            )
-
-        def warm() -> None:
-            # The Relay token (cached about a day by the credential): a cold approval's session then needs no IMDS
-            # token call before its GET and StartRequests POST (measured +0.5 s without); then the session's parts.
-            credential.get_token(RELAY_SCOPE)
-            parts()
-
         listener = OnDemandListener(
-            factory=session,
+            factory=sessions.session,
             vm_name=identity.name,
             always_on=settings.relay_listener_mode == "always-on",
             grace_seconds=settings.relay_listener_grace_seconds,
-            warm=warm,
+            warm=sessions.warm,
         )
         return [listener]
 

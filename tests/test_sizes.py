@@ -33,7 +33,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "coordinator/pipeline/people.py:approve_manually": (72, "a person's approval: checks, decision, send"),
     "coordinator/pipeline/positions.py:write_vm_groups": (69, "groups written in one transaction, else one by one"),
     "coordinator/pipeline/timer.py:tick": (76, "the timer's steps in the order they must run"),
-    "forwarder/cli.py:relay_companions": (61, "the listener's companions built from the settings"),
     "forwarder/hooks.py:HookRunner._run_one": (84, "one hook process: start, budget, kill, report"),
     "forwarder/poller.py:Poller.poll_once": (98, "one poll: read, compare, spool, queue hooks, measure impact"),
     "local/__main__.py:main": (80, "the local command's options and its run"),
