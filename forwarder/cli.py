@@ -156,10 +156,11 @@ class _Sessions:
         self._lock = threading.Lock()
 
     def warm(self) -> None:
-        """The Relay token (cached about a day by the credential: a cold approval's session then needs no IMDS token
-        call before its GET and StartRequests POST, measured +0.5 s without), then the session's parts."""
-        self._credential.get_token(RELAY_SCOPE)
+        """The session's parts, then the Relay token (cached about a day by the credential: a cold approval's session
+        then needs no IMDS token call before its GET and StartRequests POST, measured +0.5 s without). The parts
+        first: they need no IMDS, so an IMDS that cannot give a token at start still leaves them loaded."""
         self._parts()
+        self._credential.get_token(RELAY_SCOPE)
 
     def session(self) -> ListenerSession:
         listener_class, tokens, approver = self._parts()

@@ -22,9 +22,10 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.relay_sender import RelayApprovalSender
 from emulators.imds import ImdsEmulator
 from emulators.relay import RelayEmulator
+from forwarder import cli
 from forwarder.cli import relay_companions
 from forwarder.config import ForwarderSettings, load_settings
-from forwarder.imds import ImdsClient
+from forwarder.imds import ImdsClient, ImdsError
 from forwarder.on_demand import OnDemandListener
 from tests.forwarder.conftest import Harness, forwarder_importing, write_hook
 from tests.polling import wait_for
@@ -256,3 +257,29 @@ def test_on_demand_listener_warms_up_once_at_start_and_a_failed_warm_up_is_only_
         wait_for(lambda: "warm-up failed" in caplog.text, what="the warning")
     broken.update(None)  # still works
     broken.stop()
+
+
+def test_a_warm_up_that_gets_no_token_still_loads_the_sessions_parts(
+    imds: ImdsEmulator, relay: RelayEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parts need no IMDS: an IMDS that cannot give a token at start (down, throttling) leaves them loaded, and
+    the first session opened for an event pays only for its token."""
+
+    class NoToken:
+        def get_token(self, *scopes: str, **kwargs: Any) -> Any:
+            raise ImdsError("IMDS answered 503")
+
+    monkeypatch.setattr(cli, "build_credential", lambda settings, imds: NoToken())
+    client = ImdsClient(base_url=imds.url_for("web_0"))
+    try:
+        sessions = cli._Sessions(
+            _settings(imds, relay), client.get_identity(), client, store=None, telemetry=None, force=None
+        )
+        with pytest.raises(ImdsError):
+            sessions.warm()
+        made = sessions._made
+        assert made is not None
+        assert sessions.session() is not None
+        assert sessions._made is made  # made once, by the warm-up
+    finally:
+        client.close()
