@@ -54,8 +54,8 @@ class OnDemandListener:
     :keyword factory: builds a new, unstarted session (a ``RelayListener`` cannot be restarted).
     :keyword always_on: open at ``start`` and keep it; ``update`` then changes nothing.
     :keyword grace_seconds: how long the session stays after the last executable event left the document.
-    :keyword warm: called once, in the background, at ``start`` (fetch the Relay token into the credential's cache,
-        load the session's modules), so that the first session opened for an event does not pay for it while its
+    :keyword warm: called once, in the background, at ``start`` (load the session's modules, fetch the Relay token
+        into the credential's cache), so that the first session opened for an event does not pay for it while its
         approval waits.
     """
 
