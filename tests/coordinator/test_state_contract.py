@@ -460,9 +460,13 @@ def test_a_budget_is_always_read_fresh_and_written_if_match(store, peer):
 
 
 def test_racing_writers_through_commit_each_land_once(store, peer):
-    """Two instances on threads, each claiming ten events in one budget: every claim lands, none twice."""
+    """Two instances on threads, each claiming ten events in one budget: every claim lands, none twice. Their first
+    claims both read the entity before either writes (a barrier), so that they collide on every run, not only when
+    the threads happen to interleave."""
     store.save_budget(BudgetRecord(scaleSet="web"), None)
     conflicts = []
+    both_read = threading.Barrier(2, timeout=30)
+    waited: set[str] = set()
 
     def claim_one(instance: StateStore, event_id: str) -> None:
         def read(_attempt: int) -> Stored[BudgetRecord]:
@@ -471,6 +475,9 @@ def test_racing_writers_through_commit_each_land_once(store, peer):
             return stored
 
         def claimed(stored: Stored[BudgetRecord]) -> BudgetRecord:
+            if event_id.endswith("-0") and event_id not in waited:  # each thread's first read, not its retry
+                waited.add(event_id)
+                both_read.wait()
             return BudgetRecord(scaleSet="web", claims={**stored.record.claims, event_id: claim(event_id)})
 
         commit(
