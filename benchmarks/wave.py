@@ -63,9 +63,11 @@ from benchmarks.wave_budgets import BUDGETS, ListenersElsewhere, WaveListeners, 
 from benchmarks.wave_checks import left_behind, problems
 from benchmarks.wave_fleet import coordinator_settings, fleet_scenario, prepare
 from coordinator import CLAIM_PARTITION, TransactionTableClient
+from emulators.app_identity import AppIdentity
 from emulators.azurite import Azurite
 from emulators.imds import ImdsEmulator
 from local.coordinator_setup import AppSettings
+from local.identities import coordinator_identity
 
 # Up to this many VMs, a warm wave's bindings are written to the table before it (--warm-up auto): 40,000 rows in the
 # one partition Azurite scans per write took 190 s, 100,000 would take about 20 minutes, 200,000 over an hour.
@@ -189,6 +191,19 @@ def _listeners(
             elsewhere.close()
 
 
+def _during_wave(ops: Ops, dead_ops: Ops) -> dict[str, Any]:
+    """The wave's Table operations alone (the tick's are counted apart), with the bindings it read or wrote (a claim
+    not found is not counted: none when every VM is known) and its dead letters' partitions."""
+    during_wave = ops.summary()
+    during_wave["binding_table_ops"] = sum(
+        n for (p, _), n in ops.per_second.items() if p.startswith(f"{CLAIM_PARTITION}-")
+    )
+    dead = dead_ops.summary()
+    during_wave["dead_letter_partitions"] = dead["table_partitions"]
+    during_wave["dead_letter_busiest_partition_ops_per_s"] = dead["busiest_partition_ops_per_s"]
+    return during_wave
+
+
 def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
     started = time.perf_counter()
     ops, dead_ops = Ops(record=args.replay), Ops()  # dead_ops: the dead-letter table's (serial and threads modes)
@@ -199,7 +214,8 @@ def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
         ImdsEmulator(scenario=fleet_scenario(args.vms, args.group_size), throttle_rps=0) as imds,
         contextlib.ExitStack() as stack,
     ):
-        prepared = prepare(args, imds, tmp, started)
+        identity = stack.enter_context(AppIdentity(coordinator_identity(imds.scenario))).environment()  # its own
+        prepared = prepare(args, imds, identity, tmp, started)
         connection = azurite.connection_string
         if args.mode == "processes":
             outcome = wave_run.processes(
@@ -216,14 +232,7 @@ def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
                 args, prepared, function_app, reports, ops=ops, dead_ops=dead_ops, started=started
             )
         ops.record = False
-        during_wave = ops.summary()  # the wave alone; the tick's operations are counted apart
-        # Bindings read or written by the wave (a claim not found is not counted): none when every VM is known.
-        during_wave["binding_table_ops"] = sum(
-            n for (p, _), n in ops.per_second.items() if p.startswith(f"{CLAIM_PARTITION}-")
-        )
-        dead = dead_ops.summary()
-        during_wave["dead_letter_partitions"] = dead["table_partitions"]
-        during_wave["dead_letter_busiest_partition_ops_per_s"] = dead["busiest_partition_ops_per_s"]
+        during_wave = _during_wave(ops, dead_ops)
         tick_from = int(time.time()) + 1
         tick, tick_totals = wave_run.tick(function_app)
         during_wave["tick_busiest_partition_ops_per_s"] = ops.busiest(since=tick_from)["busiest_partition_ops_per_s"]

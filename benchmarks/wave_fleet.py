@@ -36,7 +36,7 @@ from coordinator import Wanted, remember
 from emulators.imds import ImdsEmulator, Scenario, VmSpec
 from emulators.imds.attested import CertificateAuthority
 from forwarder.imds import identity_of
-from local.scenario import census_scopes, identity_vm
+from local.scenario import census_scopes
 
 START = datetime(2026, 11, 20, 1, 0, tzinfo=UTC)
 SUBSCRIPTION = "00000000-0000-0000-0000-000000000001"
@@ -131,10 +131,16 @@ def coordinator_settings(azurite_connection: str, tmp: str, history: str, policy
 
 
 def coordinator_env(
-    imds: ImdsEmulator, scenario: Scenario, folder: Path, *, foreign_anchor: bool = False
+    imds: ImdsEmulator,
+    scenario: Scenario,
+    folder: Path,
+    identity: Mapping[str, str],
+    *,
+    foreign_anchor: bool = False,
 ) -> dict[str, str]:
-    """The coordinator's attestation, census and identity settings as local/stack.py gives them (``foreign_anchor``:
-    trust another CA's root instead of the emulator's, which must refuse every document)."""
+    """The coordinator's attestation, census and identity settings as local/stack.py gives them (``identity``: its
+    own managed identity's, ``AppIdentity.environment()``; ``foreign_anchor``: trust another CA's root instead of the
+    emulator's, which must refuse every document)."""
     root = folder / "imds-root.pem"
     root.write_bytes(
         CertificateAuthority.create(label="Not The Emulator").root_pem if foreign_anchor else imds.root_pem
@@ -142,7 +148,7 @@ def coordinator_env(
     return {
         "COORDINATOR_CENSUS_RESOURCE_GROUPS": ",".join(census_scopes(scenario)),
         "COORDINATOR_ARM_ENDPOINT": imds.arm_url,
-        "AZURE_POD_IDENTITY_AUTHORITY_HOST": imds.url_for(identity_vm(scenario)),
+        **identity,
         "COORDINATOR_ATTESTATION_TRUST_ANCHORS": str(root),
         "COORDINATOR_ATTESTATION_ISSUER_URLS": imds.url + "/_emulator/pki/",
     }
@@ -280,12 +286,12 @@ class Prepared:
         return {e["EventId"]: e["Resources"] for document in self.documents.values() for e in document["Events"]}
 
 
-def prepare(args: Any, imds: ImdsEmulator, tmp: str, started: float) -> Prepared:
+def prepare(args: Any, imds: ImdsEmulator, identity: Mapping[str, str], tmp: str, started: float) -> Prepared:
     """Every VM's document signed (the slow part: an RSA signature a VM), the envelopes built and encoded."""
     timings = {"start_seconds": time.perf_counter() - started}  # Azurite, the IMDS emulator, the scenario
     fleet = attest_fleet(imds, signed=not args.storm and args.sabotage != "unsigned")
     timings["sign_seconds"] = time.perf_counter() - started - timings["start_seconds"]
-    env = coordinator_env(imds, imds.scenario, Path(tmp), foreign_anchor=args.sabotage == "foreign-anchor")
+    env = coordinator_env(imds, imds.scenario, Path(tmp), identity, foreign_anchor=args.sabotage == "foreign-anchor")
     wave = build_wave(
         fleet,
         vms=args.vms,

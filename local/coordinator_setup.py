@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -28,8 +28,10 @@ from local.runner import FunctionHost, IngestFunction
 from local.scenario import census_scopes, served_policy
 from local.stack_options import LOCAL_CLOCK_TOLERANCE
 
-# Variables that would steer azure-identity away from the VM (IMDS) managed-identity flow the forwarders use.
+# Variables that would steer azure-identity away from the identity the stack gives the coordinator (App Service's
+# flow, emulators/app_identity.py): unset before its settings are applied.
 IDENTITY_VARIABLES = (
+    "AZURE_POD_IDENTITY_AUTHORITY_HOST",
     "IDENTITY_ENDPOINT",
     "IDENTITY_HEADER",
     "IMDS_ENDPOINT",
@@ -62,7 +64,7 @@ def coordinator_settings(
     scenario: Scenario,
     arm_endpoint: str,
     imds_url: str,
-    identity_host: str,
+    identity: Mapping[str, str],
     retire_grace_seconds: int,
     trust_anchors: Path,
     delivery_queue: tuple[str, str],
@@ -88,10 +90,10 @@ def coordinator_settings(
         "COORDINATOR_CENSUS_RESOURCE_GROUPS": ",".join(census_scopes(scenario)),
         "COORDINATOR_ARM_ENDPOINT": arm_endpoint,
         **REPAIRS_SETTINGS,
-        # The coordinator's DefaultAzureCredential takes the managed-identity (IMDS) flow against the IMDS
-        # emulator; the tokens it mints are Entra-shaped JWTs the emulators verify. Through a VM no delete
-        # removes: a removed VM's token endpoint answers nothing.
-        "AZURE_POD_IDENTITY_AUTHORITY_HOST": identity_host,
+        # The coordinator's DefaultAzureCredential takes App Service's managed-identity flow (IDENTITY_ENDPOINT,
+        # IDENTITY_HEADER and the user-assigned identity's client id, as in Azure): emulators/app_identity.py mints
+        # Entra-shaped JWTs naming the coordinator's own identity, which the emulators verify.
+        **identity,
         # Retire a removed VM after three of the local heartbeat intervals of silence, as Azure's 180 s are three
         # 60 s heartbeats: the run then sees the coordinator conclude the events of the VMs deletes removed.
         "COORDINATOR_RETIRE_GRACE_SECONDS": str(retire_grace_seconds),

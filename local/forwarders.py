@@ -113,8 +113,13 @@ def forwarder_command(
 
 
 def forwarder_env() -> dict[str, str]:
-    """This process's environment without the forwarder's and the coordinator's settings (the command gives them)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SE_FORWARDER_", "COORDINATOR_"))}
+    """This process's environment without the forwarder's and the coordinator's settings (the command gives them),
+    the coordinator's identity endpoint included: a VM cannot reach the app's (emulators/app_identity.py)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SE_FORWARDER_", "COORDINATOR_")) and k not in ("IDENTITY_ENDPOINT", "IDENTITY_HEADER")
+    }
     env["SE_FORWARDER_NOT_AFTER_TOLERANCE"] = str(LOCAL_CLOCK_TOLERANCE)  # as the coordinator's (one clock here)
     env["PYTHONPATH"] = str(REPO_ROOT)
     env.update(local_tls().client_env())  # the emulators' CA, through Python's usual setting (emulators/tls.py)

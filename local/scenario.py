@@ -54,23 +54,6 @@ def served_policy(text: str, served: Mapping[str, str]) -> str:
     return text
 
 
-def removable_vms(scenario: Scenario) -> set[str]:
-    """VMs a Terminate or Preempt of the scenario names: they may stop answering IMDS during the run."""
-    return {
-        name
-        for step in scenario.steps
-        if step.create is not None and step.create.EventType in ("Terminate", "Preempt")
-        for name in step.create.Resources
-    }
-
-
 def census_scopes(scenario: Scenario) -> list[str]:
     """The resource groups of the scenario's VMs, as the census' scopes (the deployment's one resource group)."""
     return sorted({f"/subscriptions/{vm.subscriptionId}/resourceGroups/{vm.resourceGroupName}" for vm in scenario.vms})
-
-
-def identity_vm(scenario: Scenario) -> str:
-    """The VM whose token endpoint the coordinator's managed identity uses: one no delete of the scenario removes
-    (a removed VM answers nothing, its token endpoint included); the first VM when every VM may go."""
-    removable = removable_vms(scenario)
-    return next((vm.name for vm in scenario.vms if vm.name not in removable), scenario.vms[0].name)

@@ -25,6 +25,7 @@ from types import ModuleType, TracebackType
 from typing import IO, Any, Self
 
 from coordinator import DELIVERY_QUEUE
+from emulators.app_identity import AppIdentity
 from emulators.azurite import Azurite, AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator
 from emulators.imds import ImdsEmulator, Scenario
@@ -49,11 +50,12 @@ from local.gates import GateServer
 from local.health_pages import HealthPages
 from local.host_process import CoordinatorProcess
 from local.http_host import FunctionsHttpHost, LocalHttpServer
+from local.identities import FleetIdentities, coordinator_identity
 from local.platform import REBOOT_SECONDS, Platform, write_boot_time
 from local.platform_watch import PlatformWatch
 from local.queue_trigger import StorageQueue
 from local.runner import FunctionHost
-from local.scenario import delayed, deletes_take_time, identity_vm
+from local.scenario import delayed, deletes_take_time
 from local.stack_options import StackOptions
 from local.workdir import take_workdir
 
@@ -94,6 +96,8 @@ class LocalStack:
         # Without the Relay: function_app and its own coordinator builder, replaced by the direct one until stop().
         self._direct_swap: tuple[ModuleType, Callable[[], Any]] | None = None
         self.imds: ImdsEmulator | None = None
+        # The coordinator's own managed identity (App Service's endpoint), not a VM's.
+        self.app_identity: AppIdentity | None = None
         self.host: FunctionHost | None = None
         # The second trigger, on Event Grid's own hub (function_app.ingest_platform_events).
         self.platform_host: FunctionHost | None = None
@@ -193,7 +197,7 @@ class LocalStack:
         # "Azure Event Hubs Data Sender" held by the fleet's VMs (those the IMDS emulator knows, added ones too), as
         # the Bicep assigns it to the fleet's identity: no other identity sends to the hub.
         self.eventhubs = EventHubsEmulator(
-            hubs={HUB: PARTITIONS, PLATFORM_HUB: PLATFORM_PARTITIONS}, data_senders=_FleetIdentities(self)
+            hubs={HUB: PARTITIONS, PLATFORM_HUB: PLATFORM_PARTITIONS}, data_senders=FleetIdentities(lambda: self.imds)
         )
         self.eventhubs.start()
         if self.options.relay:
@@ -213,6 +217,8 @@ class LocalStack:
             ),
         )
         self.imds.start()
+        self.app_identity = AppIdentity(coordinator_identity(scenario))
+        self.app_identity.start()
         return scenario
 
     def _start_front_and_hosts(self) -> None:
@@ -370,10 +376,10 @@ class LocalStack:
             if queue is not None:
                 _quietly(queue.close)
         self.delivery_queue = self.poison_queue = None
-        for part in (self.imds, self.relay, self.eventhubs, self.azurite):
+        for part in (self.imds, self.app_identity, self.relay, self.eventhubs, self.azurite):
             if part is not None:
                 _quietly(part.stop)
-        self.imds = self.relay = self.eventhubs = None
+        self.imds = self.app_identity = self.relay = self.eventhubs = None
         self.azurite = None
         self._settings.restore()
         if self._lock is not None:
@@ -384,6 +390,7 @@ class LocalStack:
         assert self.storage is not None
         assert self.imds is not None
         assert self.front is not None
+        assert self.app_identity is not None
         sas = self.storage.queue_sas(expiry=datetime.now(UTC) + QUEUE_SAS_LIFETIME)
         url = f"{self.storage.queue_endpoint}/{DELIVERY_QUEUE}"
         self.delivery_queue = StorageQueue(queue_url=url, sas=sas)
@@ -400,7 +407,7 @@ class LocalStack:
             scenario=self.options.scenario,
             arm_endpoint=self.imds.arm_url,
             imds_url=self.imds.url,
-            identity_host=self.imds.url_for(identity_vm(self.options.scenario)),
+            identity=self.app_identity.environment(),
             retire_grace_seconds=self.retire_grace_seconds,
             trust_anchors=imds_root(self.imds.url, self.workdir),
             delivery_queue=(url, sas),
@@ -436,14 +443,3 @@ class LocalStack:
 
     def iter_forwarders(self) -> Iterator[ForwarderProcess]:
         yield from self.forwarders.values()
-
-
-class _FleetIdentities:
-    """The managed identities of the stack's VMs (the IMDS emulator's tokens name the VM's resource id)."""
-
-    def __init__(self, stack: LocalStack) -> None:
-        self._stack = stack
-
-    def __contains__(self, identity: object) -> bool:
-        imds = self._stack.imds
-        return imds is not None and any(vm.resourceId == identity for vm in imds.vms())

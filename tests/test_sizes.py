@@ -24,7 +24,7 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "benchmarks/forwarder_footprint.py:measure": (148, "each forwarder mode started, sampled and compared"),
     "benchmarks/hop.py:figures": (62, "the whole-stack hop's figures from one run's spans"),
     "benchmarks/pipeline_latency.py:run": (83, "one benchmark run, its stack and its figures"),
-    "benchmarks/wave.py:_run": (87, "one wave: prepare, send, drain, count"),
+    "benchmarks/wave.py:_run": (81, "one wave: prepare, send, drain, count"),
     "coordinator/domain/cards.py:build_card": (78, "one Adaptive Card's facts, in the order people read them"),
     "coordinator/domain/evaluation.py:_hold": (63, "each hold kind's reason, one branch each"),
     "coordinator/domain/event_merge.py:_apply_listed": (71, "a sighting merged: conflicts, reopening, Started"),

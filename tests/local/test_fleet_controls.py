@@ -26,6 +26,12 @@ def test_budget_tag_gate_and_window_each_hold_what_they_should(run_pipeline: Run
         "gated-healthy": "approve",
     }
 
+    # Zones and tags are ARM's, read with the coordinator's own identity (App Service's endpoint: the Bicep's
+    # coordinator-id), not through a VM's IMDS.
+    identity = outcome.stack.app_identity
+    assert identity is not None
+    assert identity.requests >= 1
+
     # Budget: one Reboot at a time in zone 1. web_0's went at once; web_1's was held by the zone until NotBefore.
     first, second = events["zone-first"], events["zone-second"]
     assert first["approvedThrough"] == "web_0"
