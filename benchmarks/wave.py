@@ -214,8 +214,8 @@ def _run(args: argparse.Namespace, environment: AppSettings) -> dict[str, Any]:
         ImdsEmulator(scenario=fleet_scenario(args.vms, args.group_size), throttle_rps=0) as imds,
         contextlib.ExitStack() as stack,
     ):
-        identity = stack.enter_context(AppIdentity(coordinator_identity(imds.scenario))).environment()  # its own
-        prepared = prepare(args, imds, identity, tmp, started)
+        identity = stack.enter_context(AppIdentity(coordinator_identity(imds.scenario))).environment()
+        prepared = prepare(args, imds, identity, tmp, started)  # the coordinator's tokens: its own identity's
         connection = azurite.connection_string
         if args.mode == "processes":
             outcome = wave_run.processes(

@@ -31,6 +31,7 @@ __all__ = ["API_VERSION", "AppIdentity", "app_identity_id"]
 
 API_VERSION = "2019-08-01"
 TOKEN_LIFETIME_SECONDS = 24 * 3600  # App Service's tokens last about a day; the credential caches them
+_ERRORS = {400: "invalid_request", 401: "unauthorized", 404: "not_found"}  # a refusal's status → its OAuth-style code
 
 
 def app_identity_id(subscription_id: str, resource_group: str, name: str = "local-coordinator-id") -> str:
@@ -51,6 +52,7 @@ class AppIdentity(Served):
         # App Service gives each app a fresh header value; only the app's processes know it.
         self.header = secrets.token_hex(16)
         self.requests = 0
+        self._counting = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
     def start(self) -> str:
@@ -84,11 +86,12 @@ class AppIdentity(Served):
 
     def answer(self, path: str, query: dict[str, list[str]], header: str | None) -> tuple[int, dict[str, Any]]:
         """The endpoint's answer to a GET: (status, JSON body)."""
-        self.requests += 1
+        with self._counting:  # the server answers each request on a thread of its own
+            self.requests += 1
         refused = self._refusal(path, query, header)
         if refused is not None:
             status, why = refused
-            return status, {"error": "invalid_request" if status == 400 else "unauthorized", "error_description": why}
+            return status, {"error": _ERRORS[status], "error_description": why}
         resource = query["resource"][0]
         token, expires_on = mint_token(
             audience=resource, identity_resource_id=self.resource_id, lifetime_seconds=TOKEN_LIFETIME_SECONDS

@@ -67,5 +67,12 @@ def test_what_app_service_refuses_is_refused(
     sent = {"X-IDENTITY-HEADER": identity.header} if headers is None else headers
     answer = requests.get(identity.url, params=query, headers=sent, timeout=5)
     assert answer.status_code == status
+    assert answer.json()["error"] == {400: "invalid_request", 401: "unauthorized"}[status]
     assert says in answer.json()["error_description"]
     assert "access_token" not in answer.json()
+
+
+def test_another_path_is_not_found(identity: AppIdentity) -> None:
+    answer = requests.get(identity.url.replace("/msi/token", "/metadata/identity/oauth2/token"), timeout=5)
+    assert answer.status_code == 404
+    assert answer.json()["error"] == "not_found"

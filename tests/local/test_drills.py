@@ -41,7 +41,6 @@ def operator(command: list[str], imds: ImdsEmulator) -> subprocess.CompletedProc
     stack's process holds (App Service's endpoint: emulators/app_identity.py) and which has no drill rights."""
     env = {name: value for name, value in os.environ.items() if name not in ("IDENTITY_ENDPOINT", "IDENTITY_HEADER")}
     env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = imds.url_for("web_0")
-    env.pop("COORDINATOR_MANAGED_IDENTITY_CLIENT_ID", None)
     return subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
