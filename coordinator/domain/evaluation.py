@@ -8,6 +8,7 @@ in coordinator/adapters/gates.py and fed in. The pending deletes of a scale set 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -19,7 +20,7 @@ from coordinator.domain.escalation import Rung, climb
 from coordinator.domain.expiry import SEND_MARGIN, deadline_lead
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.matching import first_match
-from coordinator.domain.model import EventRecord, Verdict
+from coordinator.domain.model import DecisionRecord, EventRecord, Verdict
 from coordinator.domain.pacing import PaceHold, pace_domains, pace_hold
 from coordinator.domain.policy import Action, Callback, HooksOption, Policy, Rule
 
@@ -33,9 +34,11 @@ __all__ = [
     "hooks_required",
     "needs_fleet",
     "paced_hold",
+    "same_decision",
 ]
 
 NO_RULE = "(no rule matched)"
+_FIGURES = re.compile(r"\d+")
 # What held a decision back (Decision.holdKind); "" when nothing did.
 HoldKind = Literal["", "blackout", "window", "gate", "budget", "hooks", "delete", "census"]
 # How far each action goes towards approving: a rule chosen because of a VM's tags may not go further than the rule
@@ -355,3 +358,24 @@ def _limits(rule: Rule) -> str:
     if rule.budget.maxPercent is not None:
         parts.append(f"{rule.budget.maxPercent:g}% of the domain")
     return " and ".join(parts)
+
+
+def same_decision(previous: DecisionRecord, decision: Decision, *, dry_run: bool) -> bool:
+    """Whether a re-evaluation found the decision already recorded: the same rule and verdict, held by the same hold
+    (kind, name, event or VM, until when), for the same reason but for its figures. A held event is evaluated again
+    at each batch that carries its VMs and at each tick, and a budget's count grows as events queue behind it ("zone
+    ... would have 70 impacted instances" then 75, 80): each count was a new decision, an event write and a Decision
+    row, about 2 per held event in benchmarks/wave_budgets.py's zone wave. The figures are those of when the hold
+    began (holdSince); what holds it, or until when, changing is a new decision."""
+    return (previous.rule, previous.verdict, previous.dryRun, previous.heldBy, previous.heldByVm) == (
+        decision.rule,
+        decision.verdict,
+        dry_run,
+        decision.heldBy,
+        decision.heldByVm,
+    ) and (previous.holdKind, previous.holdName, previous.heldUntil, _FIGURES.sub("#", previous.reason)) == (
+        decision.holdKind,
+        decision.holdName,
+        decision.heldUntil,
+        _FIGURES.sub("#", decision.reason),
+    )

@@ -30,7 +30,7 @@ from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple, pending_delete, ready_to_go
 from coordinator.domain.escalation import not_taken, take
-from coordinator.domain.evaluation import Decision, escalated, evaluate, needs_fleet, paced_hold
+from coordinator.domain.evaluation import Decision, escalated, evaluate, needs_fleet, paced_hold, same_decision
 from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.history_rows import decision_row
@@ -279,7 +279,8 @@ def _verdict(run: Run, record: EventRecord) -> tuple[Decision, list[str]]:
 
 def _record_decision(run: Run, change: EventChange, decision: Decision, *, withdrew: str, started: int) -> None:
     """A new decision (and row) when the rule, verdict, hold or reason changes (e.g. a hook now failed), or it
-    withdrew an approval; not on every re-evaluation that finds the same."""
+    withdrew an approval; not on every re-evaluation that finds the same (``same_decision``: a budget's count that
+    grew is the same hold)."""
     record, now, dry_run = change.record, run.now, run.dry_run
     previous = record.decision
     hold_since = now if decision.holdKind else None
@@ -287,12 +288,7 @@ def _record_decision(run: Run, change: EventChange, decision: Decision, *, withd
     if previous is not None and decision.holdKind and (previous.holdKind, previous.holdName) == hold:
         hold_since = previous.holdSince or previous.decidedAt  # held by the same hold since then
     new_steps = not_taken(record, decision.escalation)
-    if (
-        not withdrew
-        and not new_steps
-        and previous is not None
-        and _decision_key(previous, previous.dryRun) == _decision_key(decision, dry_run)
-    ):
+    if not withdrew and not new_steps and previous is not None and same_decision(previous, decision, dry_run=dry_run):
         return
     record.decision = DecisionRecord(
         decisionId=uuid.uuid4().hex,
@@ -329,10 +325,6 @@ def _record_decision(run: Run, change: EventChange, decision: Decision, *, withd
         # Nobody else will approve it: the card that says so, with the approval link (once per event: an impactful
         # event's new-event card, raised when it was first seen, is this same card).
         raise_alert(change, "new-event", now)
-
-
-def _decision_key(d: Decision | DecisionRecord, dry_run: bool) -> tuple[object, ...]:
-    return (d.rule, d.verdict, dry_run, d.heldBy, d.holdKind, d.holdName, d.reason)
 
 
 def _approve(run: Run, change: EventChange, decision: Decision, claimed: list[str]) -> None:

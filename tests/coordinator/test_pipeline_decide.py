@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from coordinator.domain.claims import BudgetClaim, BudgetRecord
+from coordinator.domain.evaluation import Decision
 from coordinator.domain.evaluation import evaluate as real
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
@@ -134,6 +135,36 @@ def test_a_budget_claim_refused_fleet_wide_turns_the_approval_into_a_wait_held_b
     assert later.rows == []
     assert later.record.decision is not None
     assert later.record.decision.holdSince == DOC_NOW
+
+
+def test_a_held_event_whose_budget_count_grows_keeps_its_decision_until_another_hold(bench: Bench, monkeypatch):
+    # The fleet's count in the budget grows as events queue behind it; each count is not a new decision (an event
+    # write and a Decision row per re-evaluation of every held event): the same hold is.
+    counts = iter([70, 75, 135])
+
+    def zone_full(policy, record, *args, **kwargs):
+        reason = f"zone 'westeurope/1' would have {next(counts)} impacted instances (limit 68)"
+        return Decision("r", "approve-within-budget", "wait", reason, holdKind="budget", holdName="zone:westeurope/1")
+
+    monkeypatch.setattr(decide, "evaluate", zone_full)
+    reboot = event_record("EV-Z", notBefore=NOT_BEFORE)
+    first = decided(bench.run(), reboot)
+    assert first.record.decision is not None
+    assert [r.Reason for r in first.rows] == ["zone 'westeurope/1' would have 70 impacted instances (limit 68)"]
+    for _ in range(2):
+        again = decided(bench.run(), first.record)
+        assert (again.rows, again.changed) == ([], False)
+        assert again.record.decision == first.record.decision
+
+    def other_zone(policy, record, *args, **kwargs):
+        reason = "zone 'westeurope/2' would have 70 impacted instances (limit 68)"
+        return Decision("r", "approve-within-budget", "wait", reason, holdKind="budget", holdName="zone:westeurope/2")
+
+    monkeypatch.setattr(decide, "evaluate", other_zone)
+    moved = decided(bench.run(), first.record)
+    assert [r.HoldName for r in moved.rows] == ["zone:westeurope/2"]
+    assert moved.record.decision is not None
+    assert moved.record.decision.decisionId != first.record.decision.decisionId
 
 
 def test_a_claimed_budget_is_named_on_the_approval_and_held_in_the_store(bench: Bench):

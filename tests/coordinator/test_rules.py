@@ -7,11 +7,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from coordinator.domain.deletes import couple
-from coordinator.domain.evaluation import Decision, evaluate
+from coordinator.domain.evaluation import Decision, evaluate, same_decision
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord, VmSighting
 from coordinator.domain.policy import TimeWindow
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, PolicyError, load_policy, parse_policy
+from tests.coordinator.helpers import decision_record
 
 NOW = datetime(2026, 11, 18, 10, 0, tzinfo=UTC)  # a Wednesday
 
@@ -241,3 +242,27 @@ def test_a_ready_delete_waits_for_a_pending_sibling_and_names_it():
     assert couple(ready, mine, [mine, ready_sibling], NOW).verdict == "approve"
     # An expired sibling no longer holds it (the platform deletes it at NotBefore).
     assert couple(ready, mine, [mine, sibling], later).verdict == "approve"
+
+
+def test_the_same_hold_with_other_figures_is_the_same_decision_what_holds_it_or_until_when_is_not():
+    held = decision_record(
+        rule="r",
+        verdict="wait",
+        reason="zone 'westeurope/1' would have 70 impacted instances (limit 68)",
+        holdKind="budget",
+        holdName="zone:westeurope/1",
+    )
+
+    def now(reason: str, **fields: object) -> Decision:
+        base: dict[str, object] = {"holdKind": "budget", "holdName": "zone:westeurope/1"}
+        return Decision("r", "approve-within-budget", "wait", reason, **{**base, **fields})  # type: ignore[arg-type]
+
+    grown = "zone 'westeurope/1' would have 135 impacted instances (limit 66)"
+    assert same_decision(held, now(grown), dry_run=False)
+    assert not same_decision(held, now(grown), dry_run=True)
+    assert not same_decision(held, now(grown, holdName="zone:westeurope/2"), dry_run=False)
+    assert not same_decision(held, now(grown, heldUntil=NOW), dry_run=False)  # a rate's slot frees at another time
+    assert not same_decision(held, now("zone 'westeurope/1' is not known to the census"), dry_run=False)
+    hooks = decision_record(reason="waiting for prepare hooks: web_2=running", holdKind="hooks", holdName="web_2")
+    failed = now("waiting for prepare hooks: web_2=failed (10-check)", holdKind="hooks", holdName="web_2")
+    assert not same_decision(hooks, failed, dry_run=False)  # a hook now failed: words, not figures
