@@ -7,11 +7,12 @@ and coordinator/pipeline/decide.py claims them fleet-wide.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 
-from coordinator.domain.controls import DomainKind, claim_key, limit_for
+from coordinator.domain.claims import BudgetClaim
+from coordinator.domain.controls import DomainKind, claim_entity, claim_key, limit_for
 from coordinator.domain.fleet_view import FleetView, scale_set_of
 from coordinator.domain.model import EventRecord
 from coordinator.domain.policy import Policy
@@ -54,7 +55,21 @@ class BudgetDomain:
 
     @property
     def claim_key(self) -> str:
+        """The domain's name in a hold (``holdName``): the kind and the domain."""
         return claim_key(self.kind, self.key)
+
+    @property
+    def entity_key(self) -> str:
+        """The budget entity its claims are in (``claim_entity``): its own, or its scale set's for fault and update
+        domains, where a claim places each VM (``BudgetClaim.placed``)."""
+        return claim_entity(self.kind, self.key)
+
+    def counted(self, claims: Iterable[BudgetClaim]) -> Iterator[str]:
+        """The VMs that ``claims`` (of this domain's entity) take in this domain: all of them in an entity of its
+        own; in a shared one, those placed in it."""
+        shared = self.entity_key != self.claim_key
+        for claim in claims:
+            yield from (name for name in claim.vms if not shared or claim.placed.get(name) == self.key)
 
     def describe(self, count: int) -> str:
         return f"{self.kind} {self.key or '(none)'!r} would have {count} impacted instances (limit {self.limit})"

@@ -21,6 +21,8 @@ class BudgetClaim(BaseModel):
     claimedAt: datetime
     # A sequence's claim: the domains (keys) the event touches, in progress while the claim lives.
     domains: list[str] = Field(default_factory=list)
+    # In an entity shared by a scale set's fault or update domains (controls.claim_entity): each VM's domain.
+    placed: dict[str, str] = Field(default_factory=dict)
 
 
 class BudgetRecord(BaseModel):

@@ -1,6 +1,7 @@
-"""The fleet-wide budget claims of one run (a batch, tick or person): each budget domain, rate and sequence key is one
-``budget`` entity whose claims by EventId are written If-Match, so of two instances that both see the last slot
-free one write fails and re-reads it taken; no instance ever over-claims.
+"""The fleet-wide budget claims of one run (a batch, tick or person): each budget domain (a scale set's fault or update
+domains together: controls.claim_entity), rate and sequence key is one ``budget`` entity whose claims by EventId are
+written If-Match, so of two instances that both see the last slot free one write fails and re-reads it taken; no
+instance ever over-claims.
 
 What costs a request is kept to one per batch: an event's domains go in one entity group transaction (the ``budget``
 partition holds them all); a batch's claims are kept while it decides (``deferred``) and written together before its
@@ -64,22 +65,25 @@ class BudgetClaims:
         without an approval: claims older than CLAIM_LEASE count only while their event still holds an approval
         (checked fresh), so none leaks. The entities are read from what this instance last saw (``KnownBudgets``)
         on the first attempt."""
-        ordered = sorted(domains, key=lambda d: d.claim_key)
-        if not ordered:
+        entities: dict[str, list[BudgetDomain]] = {}  # a scale set's fault or update domains share one
+        for domain in sorted(domains, key=lambda d: d.claim_key):
+            entities.setdefault(domain.entity_key, []).append(domain)
+        keys = sorted(entities)
+        if not keys:
             return "", ""
         for attempt in range(COMMIT_ATTEMPTS):
             writes: list[tuple[BudgetRecord, Stored[BudgetRecord] | None]] = []
-            for domain in ordered:
-                stored, fresh = self._budget(domain.claim_key, guess=attempt == 0)
-                change, refused = self._with_claim(domain, stored, record.eventId, now)
+            for index, key in enumerate(keys):
+                stored, fresh = self._budget(key, guess=attempt == 0)
+                change, refused, full = self._with_claim(key, entities[key], stored, record.eventId, now)
                 if refused and not fresh:  # refused on a guess: only what this run read or wrote may refuse
-                    stored, fresh = self._budget(domain.claim_key, guess=False)
-                    change, refused = self._with_claim(domain, stored, record.eventId, now)
+                    stored, fresh = self._budget(key, guess=False)
+                    change, refused, full = self._with_claim(key, entities[key], stored, record.eventId, now)
                 if refused:
                     if attempt > 0:  # an earlier attempt's write may have been cut, part of it made: all or none
-                        for earlier in ordered[: ordered.index(domain)]:
-                            self.release(earlier.claim_key, record.eventId)
-                    return refused, domain.claim_key
+                        for earlier in keys[:index]:
+                            self.release(earlier, record.eventId)
+                    return refused, full
                 if change is not None:
                     writes.append((change, stored))
             if self.defer:
@@ -90,8 +94,8 @@ class BudgetClaims:
             except ConcurrencyConflict:
                 continue  # another instance claimed or released meanwhile: decide again on what it wrote
             return "", ""
-        key = ordered[0].claim_key
-        return f"budget {key!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer", key
+        first = entities[keys[0]][0].claim_key
+        return f"budget {first!r}: contended for {COMMIT_ATTEMPTS} attempts; retried by the timer", first
 
     def _defer(self, writes: Sequence[tuple[BudgetRecord, Stored[BudgetRecord] | None]]) -> None:
         """Keeps the claims for ``flush``: each entity's write stays conditioned on what it was first read as
@@ -126,19 +130,33 @@ class BudgetClaims:
             raise
 
     def _with_claim(
-        self, domain: BudgetDomain, stored: Stored[BudgetRecord] | None, event_id: str, now: datetime
-    ) -> tuple[BudgetRecord | None, str]:
-        """The domain's entity with this event's claim added (None: it has it already), or why the domain refuses."""
+        self,
+        key: str,
+        domains: Sequence[BudgetDomain],
+        stored: Stored[BudgetRecord] | None,
+        event_id: str,
+        now: datetime,
+    ) -> tuple[BudgetRecord | None, str, str]:
+        """The entity ``key`` with this event's claim on ``domains`` (those it holds) added (None: it has it already),
+        or why a domain refuses and which (its claim key)."""
         claims = dict(stored.record.claims) if stored else {}
         if event_id in claims:
-            return None, ""
+            return None, "", ""
         live = self.live(claims, now)
-        count = domain.count_with(name for claim in live.values() for name in claim.vms)
-        if count > domain.limit:
-            holders = ", ".join(sorted(live)[:5]) or "approved events"
-            return None, f"{domain.describe(count)}; held fleet-wide by {holders}"
-        live[event_id] = BudgetClaim(eventId=event_id, vms=sorted(domain.mine), claimedAt=now)
-        return BudgetRecord(scaleSet=domain.claim_key, claims=live), ""
+        for domain in domains:
+            count = domain.count_with(domain.counted(live.values()))
+            if count > domain.limit:
+                holders = ", ".join(sorted(e for e, c in live.items() if any(domain.counted([c])))[:5])
+                why = f"{domain.describe(count)}; held fleet-wide by {holders or 'approved events'}"
+                return None, why, domain.claim_key
+        shared = any(domain.entity_key != domain.claim_key for domain in domains)
+        live[event_id] = BudgetClaim(
+            eventId=event_id,
+            vms=sorted({name for domain in domains for name in domain.mine}),
+            claimedAt=now,
+            placed={name: domain.key for domain in domains for name in domain.mine} if shared else {},
+        )
+        return BudgetRecord(scaleSet=key, claims=live), "", ""
 
     def _budget(self, key: str, *, guess: bool) -> tuple[Stored[BudgetRecord] | None, bool]:
         """The budget entity, and whether it is as this run read or wrote it (only that may refuse a claim or hold

@@ -362,7 +362,7 @@ def claim(run: Run, record: EventRecord, decision: Decision, view: FleetView) ->
         if refused:
             decision = Decision(decision.rule, decision.action, "wait", refused, holdKind="budget", holdName=full)
         else:
-            claimed = [d.claim_key for d in domains]
+            claimed = list(dict.fromkeys(d.entity_key for d in domains))  # the entities: what is released
     paces = pace_domains(policy, decision.rule, record, view)
     if decision.verdict == "approve" and not dry_run and paces:
         # The rule's rate and sequence, whose state only the claim entities hold: claimed after the impact budgets

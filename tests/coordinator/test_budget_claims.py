@@ -80,7 +80,7 @@ def test_an_events_domains_are_claimed_in_one_transaction_without_reading_what_t
     assert claim(store, cache, 2, limit=2) == ("", "")
 
     assert store.calls == {"save_budgets": 2}
-    assert claims(store, "zone:westeurope/1") == claims(store, "updateDomain:web/0") == ["EV-1", "EV-2"]
+    assert claims(store, "zone:westeurope/1") == claims(store, "updateDomains:web") == ["EV-1", "EV-2"]
 
 
 def test_a_transaction_refused_writes_nothing_and_is_decided_again_on_what_is_stored() -> None:
@@ -97,7 +97,7 @@ def test_a_refusal_on_what_the_instance_saw_earlier_is_read_again_and_a_freed_sl
     store = Counting()
     mine, other = FleetCache(store), FleetCache(store)
     assert claim(store, mine, 1) == ("", "")
-    for key in ("updateDomain:web/0", "zone:westeurope/1"):
+    for key in ("updateDomains:web", "zone:westeurope/1"):
         Fleet(store, other).budgets.release(key, "EV-1")  # another instance concluded EV-1
     store.calls.clear()
 
@@ -121,14 +121,14 @@ def test_a_fresh_read_of_what_the_instance_saw_unchanged_asks_only_its_etag() ->
     assert "held fleet-wide by EV-1" in refused
     assert store.calls == {"budget_etag": 1}  # the claims were not read again
     other = FleetCache(store)
-    for key in ("updateDomain:web/0", "zone:westeurope/1"):
+    for key in ("updateDomains:web", "zone:westeurope/1"):
         Fleet(store, other).budgets.release(key, "EV-1")  # another instance concluded EV-1
     store.calls.clear()
 
     assert claim(store, cache, 2) == ("", "")  # their ETags changed: read whole, the slots found free
 
     assert store.calls["get_budget"] == 2
-    assert claims(store, "updateDomain:web/0") == claims(store, "zone:westeurope/1") == ["EV-2"]
+    assert claims(store, "updateDomains:web") == claims(store, "zone:westeurope/1") == ["EV-2"]
 
 
 def test_within_one_run_a_refusal_rests_on_what_the_run_read_without_reading_again() -> None:
@@ -171,14 +171,14 @@ def test_a_batchs_deferred_claims_are_written_together_and_one_given_back_before
     refused, _ = fleet.budgets.claim(event_record("EV-3", resources=["web_3"]), domains("web_3", limit=3), DOC_NOW)
     assert "held fleet-wide by EV-0, EV-1, EV-2" in refused
     fleet.budgets.release("zone:westeurope/1", "EV-1")  # e.g. held by its pacing after its impact claim
-    fleet.budgets.release("updateDomain:web/0", "EV-1")
+    fleet.budgets.release("updateDomains:web", "EV-1")
     fleet.budgets.defer = False
     assert store.calls == {}
 
     fleet.budgets.flush()
 
     assert store.calls == {"save_budgets": 1}
-    assert claims(store, "zone:westeurope/1") == claims(store, "updateDomain:web/0") == ["EV-0", "EV-2"]
+    assert claims(store, "zone:westeurope/1") == claims(store, "updateDomains:web") == ["EV-0", "EV-2"]
 
 
 def test_deferred_claims_refused_by_the_table_are_forgotten_and_read_fresh_when_decided_again() -> None:
@@ -198,7 +198,7 @@ def test_deferred_claims_refused_by_the_table_are_forgotten_and_read_fresh_when_
 
     assert store.calls == {"save_budgets": 2, "get_budget": 2}
     assert claims(store, "zone:westeurope/1") == ["EV-1"]
-    assert claims(store, "updateDomain:web/0") == ["EV-0", "EV-1"]
+    assert claims(store, "updateDomains:web") == ["EV-0", "EV-1"]
 
 
 def test_the_events_of_claims_past_their_lease_are_read_once_a_run_however_many_events_it_holds() -> None:
@@ -287,4 +287,42 @@ def test_a_claim_refused_after_a_write_cut_in_two_gives_back_what_the_first_part
 
     assert where == "zone:westeurope/1"
     assert "held fleet-wide by EV-OTHER" in refused
-    assert claims(store, "updateDomain:web/0") == []  # all or none: the first part's claim given back
+    assert claims(store, "updateDomains:web") == []  # all or none: the first part's claim given back
+
+
+def test_a_scale_sets_update_domains_share_one_entity_and_each_domain_counts_only_its_own_vms() -> None:
+    def update_domains(vms: dict[str, str], *, limit: int = 1) -> list[BudgetDomain]:
+        by_domain: dict[str, set[str]] = {}
+        for vm, number in vms.items():
+            by_domain.setdefault(f"web/{number}", set()).add(vm)
+        return [BudgetDomain("updateDomain", k, frozenset(v), frozenset(), 20, limit) for k, v in by_domain.items()]
+
+    store = Counting()
+    fleet = Fleet(store)
+    # One event on VMs in update domains 0, 1 and 2 of scale set web: one entity written, not three.
+    spread = update_domains({"web_0": "0", "web_1": "1", "web_2": "2"})
+    assert fleet.budgets.claim(event_record("EV-A", resources=["web_0", "web_1", "web_2"]), spread, DOC_NOW) == ("", "")
+    assert store.calls == {"save_budget": 1}  # one entity, one write
+    stored = store.get_budget("updateDomains:web")
+    assert stored is not None
+    assert stored.record.claims["EV-A"].placed == {"web_0": "web/0", "web_1": "web/1", "web_2": "web/2"}
+    assert [store.get_budget(f"updateDomain:web/{n}") for n in range(3)] == [None, None, None]
+
+    # Update domain 1 is full (1 VM), 4 is not: counted apart although their claims share the entity.
+    refused, where = fleet.budgets.claim(
+        event_record("EV-B", resources=["web_6"]), update_domains({"web_6": "1"}), DOC_NOW
+    )
+    assert where == "updateDomain:web/1"
+    assert "would have 2 impacted instances (limit 1); held fleet-wide by EV-A" in refused
+    assert fleet.budgets.claim(event_record("EV-C", resources=["web_9"]), update_domains({"web_9": "4"}), DOC_NOW) == (
+        "",
+        "",
+    )
+    assert claims(store, "updateDomains:web") == ["EV-A", "EV-C"]
+
+    fleet.budgets.release("updateDomains:web", "EV-A")  # its approval concluded: every domain it held is free
+    assert fleet.budgets.claim(event_record("EV-B", resources=["web_6"]), update_domains({"web_6": "1"}), DOC_NOW) == (
+        "",
+        "",
+    )
+    assert claims(store, "updateDomains:web") == ["EV-B", "EV-C"]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from coordinator.domain.budgets import budget_domains
-from coordinator.domain.controls import GateResult, Schedule, VmFacts, limit_for, parse_duration
+from coordinator.domain.controls import GateResult, Schedule, VmFacts, claim_entity, limit_for, parse_duration
 from coordinator.domain.evaluation import evaluate
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.model import EventRecord
@@ -287,6 +287,11 @@ def test_every_kind_listed_counts() -> None:
     vms = {"web_1": facts(updateDomain="0"), "api_1": facts(scaleSet="api", updateDomain="0")}
     domains = budget_domains(policy(rule), "paced", record(), FleetView(vms=vms))
     assert [d.claim_key for d in domains] == ["web", "updateDomain:web/0"]
+    # A scale set's fault and update domains keep their claims in one entity of the scale set; others their own.
+    assert [d.entity_key for d in domains] == ["web", "updateDomains:web"]
+    assert claim_entity("faultDomain", "pg-1/2") == "faultDomains:pg-1"
+    assert claim_entity("zone", "westeurope/1") == "zone:westeurope/1"
+    assert claim_entity("placementGroup", "pg-1") == "placementGroup:pg-1"
 
 
 def test_a_budget_may_not_decide_terminate_and_needs_a_limit() -> None:
