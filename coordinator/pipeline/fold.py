@@ -368,12 +368,15 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         changes.clear()
         staging.clear()
         writes = []
+        # One pass over the batch's VMs for every approval (one per approval cost approvals × the batch's VMs).
+        deciding = {name for change, _ in applied if change.approval_decided for name in change.record.vms}
+        too_large = unstorable(batch, deciding) if deciding else frozenset()
         for change, current in applied:
             if not change.changed:
                 continue
             if change.approval_decided:
                 # Planned before the write, so that its intent row is committed with it (attempt.intend).
-                attempt.intend(run, change, unstorable=unstorable(batch, set(change.record.vms)))
+                attempt.intend(run, change, unstorable=too_large)
             changes.append(change)
             # Only the event itself is written here, with the rows of what it records (transitions, decisions, the
             # intent); new sightings go with the VM positions, and their Observation rows with them (SIGHTINGS).
