@@ -146,12 +146,12 @@ def _outcomes_together(run: Run, plans: Sequence[Delivery]) -> dict[str, EventCh
             changes = {p.event_id: approval_outcome(run, work.records[p.event_id], plan=p) for p in part}
             written = {i: c for i, c in changes.items() if c is not None and c.changed}
             writes = [(c.record, work.etags[i]) for i, c in written.items()]
-            staged = [piece for i, c in written.items() for piece in outbox.pieces(f"event:{i}", c.rows)]
+            staged = [piece for i, c in written.items() for piece in outbox.joined(f"event:{i}", c.rows)]
             try:
                 etags = run.parts.store.save_events(writes, staged=staged) if writes else []
             except (ConcurrencyConflict, RecordTooLarge):  # nothing written: each on its own, as before
                 continue
-            outbox.written.extend(staged)
+            outbox.wrote(staged)
             for (record, _), etag in zip(writes, etags, strict=True):
                 work.etags[record.eventId] = etag
             out.update({i: written.get(i) for i in changes})

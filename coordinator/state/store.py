@@ -127,6 +127,9 @@ class Staged:
     id: str
     rows: tuple[HistoryRow, ...]
     at: datetime
+    # Written over the entry of the same id, which this run stored with the same record earlier (``Outbox.joined``:
+    # an approval's outcome rows added to its decision's entry, so its tail deletes one entry, not two).
+    replaces: bool = False
 
 
 class StateStore(Protocol):

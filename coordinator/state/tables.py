@@ -345,9 +345,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
             if etag is None:
                 metadata = self._table.create_entity(entity)
             else:
-                metadata = self._table.update_entity(
-                    entity, mode=mode, etag=etag, match_condition=MatchConditions.IfNotModified
-                )
+                metadata = self._table.update_entity(entity, **_condition(etag, mode))
         # Not found: deleted since it was read (housekeeping), which a transaction refuses as a conflict too.
         except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError) as error:
             self._forget(partition, key)
@@ -372,12 +370,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
                 if etag is None:
                     operations.append(("create", entity))
                 else:
-                    options = {
-                        "mode": mode,
-                        "etag": etag,
-                        "match_condition": MatchConditions.IfNotModified,
-                    }
-                    operations.append(("update", entity, options))
+                    operations.append(("update", entity, _condition(etag, mode)))
             try:
                 results = self._table.submit_transaction(operations)
             except (TableTransactionError, ResourceExistsError, ResourceModifiedError, HttpResponseError) as error:
@@ -411,3 +404,11 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         finally:
             self._forget(partition, key)
         return None
+
+
+def _condition(etag: str, mode: UpdateMode) -> dict[str, Any]:
+    """An update's options: If-Match the ETag it was read with; "*", over whatever is stored under its key, whole (an
+    outbox entry written over: staged.Staged.replaces), refused if it is gone."""
+    if etag == "*":
+        return {"mode": UpdateMode.REPLACE, "match_condition": MatchConditions.Unconditionally}
+    return {"mode": mode, "etag": etag, "match_condition": MatchConditions.IfNotModified}

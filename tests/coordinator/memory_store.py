@@ -198,12 +198,14 @@ class MemoryStateStore(StateStore):
                 raise ConcurrencyConflict("an entity can appear only once in a transaction")
             for key, (_, etag, _) in zip(keys, writes, strict=True):
                 current = self._entities.get(key)
-                if (current is not None) if etag is None else (current is None or current[1] != etag):
+                # "*": over whatever is stored (If-Match *), refused only when nothing is.
+                if (current is not None) if etag is None else (current is None or etag not in ("*", current[1])):
                     raise ConcurrencyConflict(f"{key[0]}/{key[1]} changed")
             etags = []
             for key, (entity, etag, _) in zip(keys, writes, strict=True):
-                # MERGE keeps the properties not sent (a group's other VMs); a REPLACE or an insert does not.
-                stored = {**self._entities[key][0], **entity} if merge and etag is not None else dict(entity)
+                # MERGE keeps the properties not sent (a group's other VMs); a REPLACE, "*" or an insert does not.
+                keep = merge and etag not in (None, "*")
+                stored = {**self._entities[key][0], **entity} if keep else dict(entity)
                 new_etag = self._new_etag(key)
                 self._entities[key] = (stored, new_etag)
                 etags.append(new_etag)

@@ -5,6 +5,7 @@ seen by a read of events or VM groups."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from datetime import timedelta
 
@@ -14,7 +15,7 @@ from coordinator.domain.history_rows import dead_letter_row
 from coordinator.domain.model import VmGroupRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.state.entities import safe_key
-from coordinator.state.staged import STAGED_CHARS, staged_pieces
+from coordinator.state.staged import STAGED_CHARS, Outbox, staged_pieces
 from coordinator.state.store import ConcurrencyConflict, Staged, StateStore
 from coordinator.state.tables import TableStateStore
 from tests.coordinator.helpers import DOC_NOW, event_record, vm_position
@@ -70,6 +71,44 @@ def test_a_refused_write_stores_none_of_its_rows(store: StateStore):
     with pytest.raises(ConcurrencyConflict):
         store.save_event(event_record("EV-1"), None, staged=[entry("event:EV-1", "new")])
     assert store.outbox() == []
+
+
+def test_an_entry_written_over_takes_its_ids_place_whole_and_is_refused_once_it_is_gone(store: StateStore):
+    # An approval's outcome joins its decision's entry (Outbox.joined): written over it, in the outcome's write.
+    decided = entry("event:EV-1", "decided")
+    etag = store.save_event(event_record("EV-1"), None, staged=[decided])
+    joined = Staged(
+        near=decided.near, id=decided.id, rows=(*decided.rows, *rows("answered")), at=decided.at, replaces=True
+    )
+    etag = store.save_event(event_record("EV-1", state="Approved"), etag, staged=[joined])
+    assert store.outbox() == [dataclasses.replace(joined, replaces=False)]  # one entry: one delete once written
+    store.unstage([joined])
+    assert store.outbox() == []
+
+    # Gone (the timer wrote and deleted it): the write is refused whole, its event too; nothing is stored again.
+    with pytest.raises(ConcurrencyConflict):
+        store.save_event(event_record("EV-1", state="Started"), etag, staged=[joined])
+    assert store.outbox() == []
+    stored = store.get_event("EV-1")
+    assert stored is not None
+    assert stored.record.state == "Approved"
+
+
+def test_a_runs_outbox_joins_rows_to_the_entry_it_stored_near_the_same_record_when_they_fit():
+    outbox = Outbox(at=DOC_NOW + timedelta(seconds=5))
+    decided = entry("event:EV-1", "decided")
+    outbox.wrote([decided, entry("event:EV-2", "other")])
+    [joined] = outbox.joined("event:EV-1", rows("answered"))
+    assert (joined.id, joined.at, joined.replaces) == (decided.id, decided.at, True)
+    assert [row.Reason for row in joined.rows] == ["decided", "answered"]
+    outbox.wrote([joined])
+    assert [e.id for e in outbox.written].count(decided.id) == 1  # took the entry's place
+
+    # Near a record it stored nothing with, or too much for one entry: entries of their own.
+    [alone] = outbox.joined("event:EV-3", rows("answered"))
+    assert (alone.replaces, alone.at) == (False, outbox.at)
+    big = rows("x" * (STAGED_CHARS // 2), "y" * (STAGED_CHARS // 2))
+    assert all(not e.replaces for e in outbox.joined("event:EV-1", big))
 
 
 def test_rows_of_many_events_go_each_with_its_event_in_its_transaction(store: StateStore):
