@@ -30,7 +30,7 @@ from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.observations import Observation, VmUpdate, vm_position
 from coordinator.pipeline import act, attempt, decide, event_grid, health
 from coordinator.pipeline.ingest import Arrivals, dead_letter
-from coordinator.pipeline.positions import VmBatch, save_vm_updates, unstorable, vm_updates
+from coordinator.pipeline.positions import VmBatch, approvals_unstorable, save_vm_updates, unstorable, vm_updates
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.events import aggregate, assemble, commit_event
@@ -354,9 +354,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
     changes: list[EventChange] = []
     outbox, staging = run.outbox(leave=SIGHTINGS), list[Staged]()
 
-    def applied_and_decided(
-        assembled: dict[str, Stored[EventRecord]],
-    ) -> list[tuple[EventRecord, str | None]]:
+    def applied_and_decided(assembled: dict[str, Stored[EventRecord]]) -> list[tuple[EventRecord, str | None]]:
         applied: list[tuple[EventChange, Stored[EventRecord] | None]] = []
         for event_id, items in observations.items():
             current = assembled.get(event_id)
@@ -368,9 +366,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         changes.clear()
         staging.clear()
         writes = []
-        # One pass over the batch's VMs for every approval (one per approval cost approvals × the batch's VMs).
-        deciding = {name for change, _ in applied if change.approval_decided for name in change.record.vms}
-        too_large = unstorable(batch, deciding) if deciding else frozenset()
+        too_large = approvals_unstorable(batch, [change for change, _ in applied])
         for change, current in applied:
             if not change.changed:
                 continue
