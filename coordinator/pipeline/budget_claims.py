@@ -137,24 +137,30 @@ class BudgetClaims:
         event_id: str,
         now: datetime,
     ) -> tuple[BudgetRecord | None, str, str]:
-        """The entity ``key`` with this event's claim on ``domains`` (those it holds) added (None: it has it already),
-        or why a domain refuses and which (its claim key)."""
+        """The entity ``key`` with this event's claim on ``domains`` (those it holds) added (None: it has it already,
+        with every VM), or why a domain refuses and which (its claim key). A claim an earlier approval of the event
+        left (withdrawn, approved again) that lacks some of its VMs now (its Resources grew) is widened, within the
+        limits: in an entity shared by a scale set's domains, the new VM's domain may have no claim of its own."""
         claims = dict(stored.record.claims) if stored else {}
-        if event_id in claims:
+        wanted = {name: domain.key for domain in domains for name in domain.mine}
+        held = claims.get(event_id)
+        if held is not None and wanted.keys() <= set(held.vms):
             return None, "", ""
         live = self.live(claims, now)
         for domain in domains:
             count = domain.count_with(domain.counted(live.values()))
             if count > domain.limit:
-                holders = ", ".join(sorted(e for e, c in live.items() if any(domain.counted([c])))[:5])
+                others = (e for e, c in live.items() if e != event_id and any(domain.counted([c])))
+                holders = ", ".join(sorted(others)[:5])
                 why = f"{domain.describe(count)}; held fleet-wide by {holders or 'approved events'}"
                 return None, why, domain.claim_key
         shared = any(domain.entity_key != domain.claim_key for domain in domains)
+        before = live.get(event_id)
         live[event_id] = BudgetClaim(
             eventId=event_id,
-            vms=sorted({name for domain in domains for name in domain.mine}),
+            vms=sorted({*wanted, *(before.vms if before else ())}),
             claimedAt=now,
-            placed={name: domain.key for domain in domains for name in domain.mine} if shared else {},
+            placed={**(before.placed if before else {}), **wanted} if shared else {},
         )
         return BudgetRecord(scaleSet=key, claims=live), "", ""
 

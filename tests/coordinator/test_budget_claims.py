@@ -326,3 +326,39 @@ def test_a_scale_sets_update_domains_share_one_entity_and_each_domain_counts_onl
         "",
     )
     assert claims(store, "updateDomains:web") == ["EV-B", "EV-C"]
+
+
+def test_an_events_claim_left_by_an_earlier_approval_is_widened_to_the_vms_it_lacks_within_the_limits() -> None:
+    store = Counting()
+    fleet = Fleet(store)
+
+    def update_domain(vm: str, number: str) -> BudgetDomain:
+        return BudgetDomain("updateDomain", f"web/{number}", frozenset({vm}), frozenset(), 20, 1)
+
+    assert fleet.budgets.claim(event_record("EV-A", resources=["web_0"]), [update_domain("web_0", "0")], DOC_NOW) == (
+        "",
+        "",
+    )
+    # Approved again once its Resources grew to a VM in update domain 1: the claim (in the scale set's entity, which
+    # has no other claim for domain 1) takes that VM too.
+    grown = [update_domain("web_0", "0"), update_domain("web_5", "1")]
+    assert fleet.budgets.claim(event_record("EV-A", resources=["web_0", "web_5"]), grown, DOC_NOW) == ("", "")
+    stored = store.get_budget("updateDomains:web")
+    assert stored is not None
+    assert stored.record.claims["EV-A"].placed == {"web_0": "web/0", "web_5": "web/1"}
+    refused, where = fleet.budgets.claim(
+        event_record("EV-B", resources=["web_6"]), [update_domain("web_6", "1")], DOC_NOW
+    )
+    assert (where, "held fleet-wide by EV-A" in refused) == ("updateDomain:web/1", True)
+
+    # A VM it lacks in a domain another event fills: refused, the claim as it was.
+    more = [*grown, update_domain("web_7", "2")]
+    assert fleet.budgets.claim(event_record("EV-C", resources=["web_8"]), [update_domain("web_8", "2")], DOC_NOW) == (
+        "",
+        "",
+    )
+    refused, where = fleet.budgets.claim(event_record("EV-A", resources=["web_0", "web_5", "web_7"]), more, DOC_NOW)
+    assert (where, "held fleet-wide by EV-C" in refused) == ("updateDomain:web/2", True)
+    stored = store.get_budget("updateDomains:web")
+    assert stored is not None
+    assert stored.record.claims["EV-A"].vms == ["web_0", "web_5"]
