@@ -245,13 +245,8 @@ def test_a_ready_delete_waits_for_a_pending_sibling_and_names_it():
 
 
 def test_the_same_hold_with_other_figures_is_the_same_decision_what_holds_it_or_until_when_is_not():
-    held = decision_record(
-        rule="r",
-        verdict="wait",
-        reason="zone 'westeurope/1' would have 70 impacted instances (limit 68)",
-        holdKind="budget",
-        holdName="zone:westeurope/1",
-    )
+    reason = "zone 'westeurope/1' would have 70 impacted instances (limit 68)"
+    held = decision_record(reason=reason, holdKind="budget", holdName="zone:westeurope/1")  # rule "r", waiting
 
     def now(reason: str, **fields: object) -> Decision:
         base: dict[str, object] = {"holdKind": "budget", "holdName": "zone:westeurope/1"}
