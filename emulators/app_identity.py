@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from emulators.served import Served
+from emulators.served import Served, close, serve_in_thread
 from emulators.tokens import mint_token
 
 __all__ = ["API_VERSION", "AppIdentity", "app_identity_id"]
@@ -57,17 +57,14 @@ class AppIdentity(Served):
 
     def start(self) -> str:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Endpoint)
-        server.daemon_threads = True
         server.identity = self  # type: ignore[attr-defined]
         self._server = server
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+        serve_in_thread(server, name="app-identity")
         return self.url
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        close(self._server)
+        self._server = None
 
     @property
     def url(self) -> str:

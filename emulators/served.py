@@ -1,7 +1,10 @@
-"""What every local emulator is as a context manager: started on entry, stopped on exit."""
+"""What every local emulator is as a context manager (started on entry, stopped on exit), and how each of the local
+HTTP servers (the emulators', the stack's pages) is served and closed."""
 
 from __future__ import annotations
 
+import threading
+from http.server import ThreadingHTTPServer
 from typing import Self
 
 
@@ -20,3 +23,19 @@ class Served:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+def serve_in_thread(server: ThreadingHTTPServer, *, name: str) -> threading.Thread:
+    """Serves ``server`` on a daemon thread of its own, each request on a daemon thread too (a request a test leaves
+    hanging never holds up the process's exit), looking for a shutdown every 0.2 s."""
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True, name=name)
+    thread.start()
+    return thread
+
+
+def close(server: ThreadingHTTPServer | None) -> None:
+    """Stops serving (the serving thread returns) and closes the listening socket; nothing when not started."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()

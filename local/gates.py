@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from emulators.imds.local_steps import GateBehaviour
+from emulators.served import close, serve_in_thread
 
 LOCAL_GATES = "http://local-gates/"
 _LOCAL_GATE_URL = re.compile(r"http://local-gates/([A-Za-z0-9_.-]+)")
@@ -61,18 +62,15 @@ class GateServer:
 
     def start(self) -> int:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
-        server.daemon_threads = True
         server.gates = self  # type: ignore[attr-defined]
         self._server = server
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+        serve_in_thread(server, name="gates")
         return self.port
 
     def stop(self) -> None:
         self._stopping.set()  # releases the dead and slow pages' requests
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        close(self._server)
+        self._server = None
 
     @property
     def port(self) -> int:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from emulators.imds.local_steps import HealthPage
+from emulators.served import close, serve_in_thread
 
 log = logging.getLogger("local.stack")
 
@@ -26,7 +26,7 @@ class HealthPages:
             self._servers[name] = server
             served = urlsplit(page.url)._replace(netloc=f"127.0.0.1:{server.server_address[1]}")
             self.served[page.url] = urlunsplit(served)
-            threading.Thread(target=server.serve_forever, name=f"health-page-{name}", daemon=True).start()
+            serve_in_thread(server, name=f"health-page-{name}")
 
     def _handler(self, name: str) -> type[BaseHTTPRequestHandler]:
         status = self._status
@@ -48,6 +48,5 @@ class HealthPages:
 
     def stop(self) -> None:
         for server in self._servers.values():
-            server.shutdown()
-            server.server_close()
+            close(server)
         self._servers.clear()

@@ -28,7 +28,7 @@ from emulators.imds.models import EventCreate, FaultSpec, Scenario
 from emulators.imds.state import EmulatorState
 from emulators.imds.vm_models import VmSpec
 from emulators.imds.wire import RequestHandler, parse_model
-from emulators.served import Served
+from emulators.served import Served, close, serve_in_thread
 from emulators.tls import TlsHTTPServer, local_tls
 
 
@@ -108,19 +108,14 @@ class EmulatorCore(Served):
         return self.url
 
     def _serve(self, server: ThreadingHTTPServer, *, base_url: str, name: str) -> threading.Thread:
-        server.daemon_threads = True
         server.emulator = self  # type: ignore[attr-defined]
         server.base_url = base_url  # type: ignore[attr-defined]
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True, name=name)
-        thread.start()
-        return thread
+        return serve_in_thread(server, name=name)
 
     def stop(self) -> None:
         self._stopping.set()  # wakes requests hung by a fault
         for server in (self._server, self._arm_server):
-            if server is not None:
-                server.shutdown()
-                server.server_close()
+            close(server)
         self._server = self._arm_server = None
         for thread in (self._thread, self._arm_thread):
             if thread is not None:
