@@ -64,10 +64,15 @@ class BudgetDomain:
         domains, where a claim places each VM (``BudgetClaim.placed``)."""
         return claim_entity(self.kind, self.key)
 
+    @property
+    def shares_entity(self) -> bool:
+        """Whether its claims are in an entity other domains' are in too (a claim then places each of its VMs)."""
+        return self.entity_key != self.claim_key
+
     def counted(self, claims: Iterable[BudgetClaim]) -> Iterator[str]:
         """The VMs that ``claims`` (of this domain's entity) take in this domain: all of them in an entity of its
         own; in a shared one, those placed in it."""
-        shared = self.entity_key != self.claim_key
+        shared = self.shares_entity
         for claim in claims:
             yield from (name for name in claim.vms if not shared or claim.placed.get(name) == self.key)
 

@@ -367,15 +367,9 @@ def same_decision(previous: DecisionRecord, decision: Decision, *, dry_run: bool
     ... would have 70 impacted instances" then 75, 80): each count was a new decision, an event write and a Decision
     row, about 2 per held event in benchmarks/wave_budgets.py's zone wave. The figures are those of when the hold
     began (holdSince); what holds it, or until when, changing is a new decision."""
-    return (previous.rule, previous.verdict, previous.dryRun, previous.heldBy, previous.heldByVm) == (
-        decision.rule,
-        decision.verdict,
-        dry_run,
-        decision.heldBy,
-        decision.heldByVm,
-    ) and (previous.holdKind, previous.holdName, previous.heldUntil, _FIGURES.sub("#", previous.reason)) == (
-        decision.holdKind,
-        decision.holdName,
-        decision.heldUntil,
-        _FIGURES.sub("#", decision.reason),
-    )
+    return _decision_key(previous, previous.dryRun) == _decision_key(decision, dry_run)
+
+
+def _decision_key(d: Decision | DecisionRecord, dry_run: bool) -> tuple[object, ...]:
+    held = (d.heldBy, d.heldByVm, d.holdKind, d.holdName, d.heldUntil)
+    return (d.rule, d.verdict, dry_run, *held, _FIGURES.sub("#", d.reason))

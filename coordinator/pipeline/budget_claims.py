@@ -154,7 +154,7 @@ class BudgetClaims:
                 holders = ", ".join(sorted(others)[:5])
                 why = f"{domain.describe(count)}; held fleet-wide by {holders or 'approved events'}"
                 return None, why, domain.claim_key
-        shared = any(domain.entity_key != domain.claim_key for domain in domains)
+        shared = any(domain.shares_entity for domain in domains)
         before = live.get(event_id)
         live[event_id] = BudgetClaim(
             eventId=event_id,

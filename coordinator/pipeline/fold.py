@@ -30,7 +30,7 @@ from coordinator.domain.model import EventRecord, VmRecord
 from coordinator.domain.observations import Observation, VmUpdate, vm_position
 from coordinator.pipeline import act, attempt, decide, event_grid, health
 from coordinator.pipeline.ingest import Arrivals, dead_letter
-from coordinator.pipeline.positions import VmBatch, approvals_unstorable, save_vm_updates, unstorable, vm_updates
+from coordinator.pipeline.positions import VmBatch, save_vm_updates, unstorable, vm_updates
 from coordinator.pipeline.run import Run
 from coordinator.state.commit import BULK_ATTEMPTS, commit
 from coordinator.state.events import aggregate, assemble, commit_event
@@ -224,7 +224,7 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
     # The approvals just decided leave now, before anything else is written: the VM positions follow the send.
     # A VM whose position cannot be stored (set aside below) is no executor: its sightings are not written.
     deciding = {name for event_id in work.deliveries if (r := work.records.get(event_id)) for name in r.vms}
-    act.send_decided(run, unstorable=unstorable(updates, deciding) if deciding else frozenset())
+    act.send_decided(run, unstorable=unstorable(updates, deciding))
     # VM positions are written after the events: a crash in between replays the envelopes, which the
     # events' per-VM sequence makes harmless.
     return save_vm_updates(run, updates)
@@ -366,7 +366,8 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         changes.clear()
         staging.clear()
         writes = []
-        too_large = approvals_unstorable(batch, [change for change, _ in applied])
+        # One pass over the batch's VMs for all its approvals (one per approval cost approvals × the batch's VMs).
+        too_large = unstorable(batch, {n for c, _ in applied if c.approval_decided for n in c.record.vms})
         for change, current in applied:
             if not change.changed:
                 continue

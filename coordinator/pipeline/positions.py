@@ -16,7 +16,6 @@ from datetime import datetime
 from typing import Any
 
 from contracts.envelope import Envelope
-from coordinator.domain.lifecycle import EventChange
 from coordinator.domain.model import EventRecord, VmGroupRecord, VmRecord, group_key
 from coordinator.domain.observations import VmUpdate, merge_vm_records, vm_observations, vm_position
 from coordinator.domain.rows import HistoryRow
@@ -118,9 +117,9 @@ def vm_updates(
 def unstorable(batch: VmBatch, names: set[str]) -> frozenset[str]:
     """The VMs among ``names`` whose new position cannot be stored even trimmed (``save_vm_updates`` will set them
     aside): their sightings are not written, so none of them executes an approval decided in this batch (the
-    approvals leave before the positions are written)."""
-    found = set()
-    for update in batch.updates.values():
+    approvals leave before the positions are written). Nothing to look at for no names (most batches approve none)."""
+    found: set[str] = set()
+    for update in batch.updates.values() if names else ():
         name = update.record.identity.name
         if update.applied and name in names:
             try:
@@ -128,13 +127,6 @@ def unstorable(batch: VmBatch, names: set[str]) -> frozenset[str]:
             except RecordTooLarge:
                 found.add(name)
     return frozenset(found)
-
-
-def approvals_unstorable(batch: VmBatch, changes: Iterable[EventChange]) -> frozenset[str]:
-    """``unstorable`` for the VMs of every approval ``changes`` decide, in one pass over the batch's VMs (one pass
-    per approval cost approvals × the batch's VMs)."""
-    deciding = {name for change in changes if change.approval_decided for name in change.record.vms}
-    return unstorable(batch, deciding) if deciding else frozenset()
 
 
 def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:

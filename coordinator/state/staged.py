@@ -86,7 +86,7 @@ def staged_pieces(near: str, rows: Sequence[HistoryRow], at: datetime) -> list[S
     part: list[HistoryRow] = []
     size = 0
     for row in rows:
-        units = utf16_units(row.model_dump_json(exclude_defaults=True)) + 1
+        units = _units(row)
         if part and size + units > STAGED_CHARS:
             pieces.append(Staged(near=near, id=uuid.uuid4().hex, rows=tuple(part), at=at))
             part, size = [], 0
@@ -95,6 +95,11 @@ def staged_pieces(near: str, rows: Sequence[HistoryRow], at: datetime) -> list[S
     if part:
         pieces.append(Staged(near=near, id=uuid.uuid4().hex, rows=tuple(part), at=at))
     return pieces
+
+
+def _units(row: HistoryRow) -> int:
+    """What a row takes of an entry (``STAGED_CHARS``): its JSON in UTF-16 code units and a separator."""
+    return utf16_units(row.model_dump_json(exclude_defaults=True)) + 1
 
 
 def with_staged(writes: list[Write], staged: Sequence[Staged], near: Callable[[BaseModel], str]) -> list[Write]:
@@ -136,12 +141,9 @@ class Outbox:
         one entry per approval instead of two (benchmarks/wave_budgets.py: 500 deletes fewer a wave)."""
         kept = [row for row in rows if row.RecordType not in self.leave]
         entry = next((e for e in reversed(self.written) if e.near == near), None)
-        if not kept or entry is None:
-            return self.pieces(near, rows)
-        merged = (*entry.rows, *kept)
-        if len(staged_pieces(near, merged, entry.at)) > 1:
-            return self.pieces(near, rows)
-        return [Staged(near=near, id=entry.id, rows=merged, at=entry.at, replaces=True)]
+        if not kept or entry is None or sum(map(_units, (*entry.rows, *kept))) > STAGED_CHARS:
+            return staged_pieces(near, kept, self.at) if kept else []
+        return [Staged(near=near, id=entry.id, rows=(*entry.rows, *kept), at=entry.at, replaces=True)]
 
     def wrote(self, entries: Sequence[Staged]) -> None:
         """Notes ``entries`` stored: an entry written over another takes its place."""
