@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from emulators.served import Served, close, serve_in_thread
+from emulators.served import Served, close, serve_local
 from emulators.tokens import mint_token
 
 __all__ = ["API_VERSION", "AppIdentity", "app_identity_id"]
@@ -56,10 +56,7 @@ class AppIdentity(Served):
         self._server: ThreadingHTTPServer | None = None
 
     def start(self) -> str:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _Endpoint)
-        server.identity = self  # type: ignore[attr-defined]
-        self._server = server
-        serve_in_thread(server, name="app-identity")
+        self._server = serve_local(_Endpoint, name="app-identity", identity=self)
         return self.url
 
     def stop(self) -> None:

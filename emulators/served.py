@@ -4,8 +4,8 @@ HTTP servers (the emulators', the stack's pages) is served and closed."""
 from __future__ import annotations
 
 import threading
-from http.server import ThreadingHTTPServer
-from typing import Self
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
 
 
 class Served:
@@ -32,6 +32,16 @@ def serve_in_thread(server: ThreadingHTTPServer, *, name: str) -> threading.Thre
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True, name=name)
     thread.start()
     return thread
+
+
+def serve_local(handler: type[BaseHTTPRequestHandler], *, name: str, **attributes: Any) -> ThreadingHTTPServer:
+    """A server of ``handler`` on a free port of 127.0.0.1, served by ``serve_in_thread``; ``attributes`` are set on
+    it for the handler to read (``self.server.<name>``)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    for key, value in attributes.items():
+        setattr(server, key, value)
+    serve_in_thread(server, name=name)
+    return server
 
 
 def close(server: ThreadingHTTPServer | None) -> None:

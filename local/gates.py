@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from emulators.imds.local_steps import GateBehaviour
-from emulators.served import close, serve_in_thread
+from emulators.served import close, serve_local
 
 LOCAL_GATES = "http://local-gates/"
 _LOCAL_GATE_URL = re.compile(r"http://local-gates/([A-Za-z0-9_.-]+)")
@@ -61,10 +61,7 @@ class GateServer:
         self._server: ThreadingHTTPServer | None = None
 
     def start(self) -> int:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
-        server.gates = self  # type: ignore[attr-defined]
-        self._server = server
-        serve_in_thread(server, name="gates")
+        self._server = serve_local(_Page, name="gates", gates=self)
         return self.port
 
     def stop(self) -> None:

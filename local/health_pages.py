@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from emulators.imds.local_steps import HealthPage
-from emulators.served import close, serve_in_thread
+from emulators.served import close, serve_local
 
 log = logging.getLogger("local.stack")
 
@@ -22,11 +22,10 @@ class HealthPages:
         self._servers: dict[str, ThreadingHTTPServer] = {}
         self.served: dict[str, str] = {}  # the URL as the policy names it -> the URL it is served on
         for name, page in pages.items():
-            server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler(name))
+            server = serve_local(self._handler(name), name=f"health-page-{name}")
             self._servers[name] = server
             served = urlsplit(page.url)._replace(netloc=f"127.0.0.1:{server.server_address[1]}")
             self.served[page.url] = urlunsplit(served)
-            serve_in_thread(server, name=f"health-page-{name}")
 
     def _handler(self, name: str) -> type[BaseHTTPRequestHandler]:
         status = self._status
