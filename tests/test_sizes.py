@@ -32,7 +32,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "coordinator/pipeline/fold.py:commit_events": (66, "a batch's events committed with their outbox rows"),
     "coordinator/pipeline/people.py:approve_manually": (72, "a person's approval: checks, decision, send"),
     "coordinator/pipeline/positions.py:write_vm_groups": (69, "groups written in one transaction, else one by one"),
-    "coordinator/pipeline/timer.py:tick": (76, "the timer's steps in the order they must run"),
     "forwarder/hooks.py:HookRunner._run_one": (84, "one hook process: start, budget, kill, report"),
     "forwarder/poller.py:Poller.poll_once": (98, "one poll: read, compare, spool, queue hooks, measure impact"),
     "local/__main__.py:main": (80, "the local command's options and its run"),

@@ -2,7 +2,10 @@
 state, a Log Analytics query) and gives ``GateResult``s for the pure rules (coordinator/domain/evaluation.py).
 
 A ``GateReader`` is made per batch/tick (``pipeline/decide.py``'s ``Fleet`` holds one) and reads each gate at
-most once: every event decided in that batch/tick sees the same answer. A gate that cannot be read is an error,
+most once: every event decided in that batch/tick sees the same answer. A batch asks without waiting
+(``results(wait=False)``): the gates are then read in threads of their own, each within its deadline, and
+``GatesPending`` says which are not read yet, so that the events that do not need them are decided (and their
+approvals sent) meanwhile. A gate that cannot be read is an error,
 which holds like a failing one (an unreadable health signal approves nothing); so is an answer that is not what the
 gate reads (``{}``, a renamed field, Log Analytics' partial error with HTTP 200), with the reason. Azure Monitor is
 read with the coordinator's identity through ``AzureMonitorReader``, whose two calls are the narrowest seam a test
@@ -12,8 +15,9 @@ can stand in for (no local Azure Monitor exists).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from azure.core.credentials import TokenCredential
@@ -77,6 +81,15 @@ def _keys(body: Any) -> str:
     if not isinstance(body, dict):
         return f"not an object but {type(body).__name__}"
     return ", ".join(sorted(str(key)[:40] for key in body)[:10]) or "none"
+
+
+class GatesPending(Exception):
+    """Gates asked for without waiting (``GateReader.results(wait=False)``) that are still being read."""
+
+    def __init__(self, names: Sequence[str], reads: Sequence[Future[GateResult]]) -> None:
+        super().__init__(f"gates {', '.join(names)} are still being read")
+        self.names = list(names)
+        self.reads = list(reads)  # done once every one of them is read
 
 
 class MonitorReader(Protocol):
@@ -149,13 +162,35 @@ class GateReader:
         self._gates = gates
         self._monitor = monitor
         self._session = deadline.session()
-        self._results: dict[str, GateResult] = {}
+        self._reads: dict[str, Future[GateResult]] = {}
 
-    def results(self, names: Iterable[str]) -> dict[str, GateResult]:
+    def results(self, names: Iterable[str], *, wait: bool = True) -> dict[str, GateResult]:
+        """The named gates' results, each read once. ``wait=False``: those not read yet are read in threads of their
+        own (each within its deadline) and ``GatesPending`` names them while any is still being read."""
+        names = list(names)
+        if not wait:
+            self.start(names)
+            pending = [name for name in names if not self._reads[name].done()]
+            if pending:
+                raise GatesPending(pending, [self._reads[name] for name in pending])
         for name in names:
-            if name not in self._results:
-                self._results[name] = self._read(name)
-        return {name: self._results[name] for name in names}
+            if name not in self._reads:
+                self._reads[name] = done = Future[GateResult]()
+                done.set_result(self._read(name))
+        return {name: self._reads[name].result() for name in names}
+
+    def start(self, names: Iterable[str]) -> None:
+        """The named gates not read yet begin to be read, each in a thread of its own: a gate that answers slowly
+        holds only the decisions that need it, and several gates take the longest one's time, not the sum."""
+        for name in names:
+            if name not in self._reads:
+                self._reads[name] = future = Future[GateResult]()
+                reading = threading.Thread(target=self._settle, args=(name, future), name=f"gate-{name[:40]}")
+                reading.daemon = True  # each read ends within its deadline; none keeps a stopping process alive
+                reading.start()
+
+    def _settle(self, name: str, future: Future[GateResult]) -> None:
+        future.set_result(self._read(name))  # _read never raises: a failure is the gate's error
 
     def for_vms(self, wanted: Mapping[str, Sequence[str]]) -> dict[str, dict[str, GateResult]]:
         """Each VM's gates (``wanted``: VM name -> gate names) as read for it: a gate naming ``{vm}`` once per VM,

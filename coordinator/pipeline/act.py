@@ -172,7 +172,7 @@ def send_decided(
 ) -> None:
     """Sends the approvals committed so far and not sent yet, concurrently (a bounded pool, each with its own
     deadline: a slow or absent listener holds up nothing else); their outcomes are committed by ``deliver``. A
-    batch whose tail runs after it (``tail_after_batch``) does not wait here: its tail awaits the answers."""
+    batch whose tail runs after it (``Run.tail_after_batch``) does not wait here: its tail awaits the answers."""
     work = run.work
     going = {plan.event_id for plan in work.sent} | {p.event_id for s in work.sending for p in s.plans}
     plans = [
@@ -181,7 +181,7 @@ def send_decided(
         if event_id not in going and (plan := _plan(run, event_id, last_seen, unstorable=unstorable))
     ]
     sending = send_all(run, plans)
-    if sending is not None and tail_after_batch(run):
+    if sending is not None and run.tail_after_batch:
         sending.departed(LEAVE_FIRST, at_most=run.options.approval_workers)
         work.sending.append(sending)
         in_flight = {id(plan) for plan in sending.plans}
@@ -202,11 +202,6 @@ def _plan(
     if planned is not None and approval is not None and planned.decision_id == approval.decisionId:
         return planned
     return plan_delivery(run, event_id, last_seen, unstorable=unstorable)
-
-
-def tail_after_batch(run: Run) -> bool:
-    """Whether this run is a batch whose tail runs after it returns (Options.tail_after_batch)."""
-    return run.options.tail_after_batch and run.kind == "batch"
 
 
 def send_all(run: Run, plans: Sequence[Delivery]) -> Sending | None:

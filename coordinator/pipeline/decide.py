@@ -12,8 +12,7 @@ so a decision commits once.
 No approval is sent again without being decided again: a rule's approval that was not delivered is decided anew
 when its retry is due (``nextAttemptAt``), with this run's time, gates and policy. The same rule approving confirms
 it (its bound renewed); any other verdict withdraws it, with a Decision row saying why, and its budget claims are
-freed by the tail. ``release_budgets`` is the tail's step that frees the slots of concluded events and withdrawn
-approvals.
+freed by the tail (``release.release_budgets``).
 """
 
 from __future__ import annotations
@@ -22,11 +21,13 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
+from coordinator.adapters.gates import GatesPending
 from coordinator.domain.approvals import choose_executor
-from coordinator.domain.budgets import budget_domains, budget_limit, impacted_by
+from coordinator.domain.budgets import budget_domains
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple, pending_delete, ready_to_go
 from coordinator.domain.escalation import not_taken, take
@@ -55,12 +56,19 @@ log = logging.getLogger("coordinator")
 IN_FLIGHT_GRACE = timedelta(seconds=90)
 
 
-def decide_all(run: Run, changes: Sequence[EventChange]) -> None:
+def decide_all(run: Run, changes: Sequence[EventChange]) -> list[EventChange]:
     """Decides the changed events of a batch or tick. The pending deletes among them are decided as one unit
     with those of their scale sets: each one's own verdict is noted first, so that simultaneous deletes
     arriving together are approved together rather than one held by the other. A failure deciding one event
     costs only that event's decision (its observations are still written; the timer decides it again). Events are
-    decided closest to NotBefore first (``by_not_before``): the first decided takes the budget left."""
+    decided closest to NotBefore first (``by_not_before``): the first decided takes the budget left.
+
+    Within ``Fleet.gates_in_background`` (a batch's fold), an event whose gates are still being read is set aside
+    while the others are decided, and decided as soon as they are read; those still waiting when the others are
+    decided are returned, undecided: the caller writes them so and has them decided once its approvals are sent
+    (``decide_awaiting``). A slow gate (a trickling probe, up to its deadline) then holds only the events that need
+    it, not the batch's other approvals nor its partition's next batch (oracle seed 824: a User Reboot, approved at
+    once, queued 5 s behind batches each waiting 3 s for a Freeze's gate, and missed its due time)."""
     run.enter("decide")
     fleet = run.fleet
     changes = sorted(changes, key=lambda c: by_not_before(c.record))
@@ -69,18 +77,45 @@ def decide_all(run: Run, changes: Sequence[EventChange]) -> None:
         if record.eventType == "Terminate" and record.state == "Scheduled" and record.approval is None:
             try:
                 own = _own_verdict(run, record)
+            except GatesPending:
+                fleet.note(record)  # its own verdict waits for its gates: it is decided with them
+                continue
             except Exception:
                 log.exception("event %s: its rule could not be evaluated", record.eventId)
                 continue
             _note_provisionally(run, record, own)
         else:
             fleet.note(record)
+    waiting: list[tuple[EventChange, list[Future[GateResult]]]] = []
     for change in changes:
-        try:
-            decide(run, change)
-        except Exception:
-            log.exception("event %s: deciding failed; the timer decides it again", change.record.eventId)
-        fleet.note(change.record)
+        if (reads := _decided(run, change)) is not None:
+            waiting.append((change, reads))
+        # An event whose gates have been read since is decided at once: NotBefore order, as far as gates allow.
+        waiting = [
+            (c, now_waiting)
+            for c, reads in waiting
+            if (now_waiting := reads if not all(f.done() for f in reads) else _decided(run, c)) is not None
+        ]
+    return [change for change, _ in waiting]
+
+
+def decide_awaiting(run: Run) -> int:
+    """The events the run wrote undecided while their gates were being read (``decide_all``), each decided now in
+    its own write, their gates waited for (each read ends within its deadline). Returns how many changed."""
+    awaiting, run.work.awaiting_gates = run.work.awaiting_gates, []
+    return redecide_each(run, awaiting)
+
+
+def _decided(run: Run, change: EventChange) -> list[Future[GateResult]] | None:
+    """Decides one event, then notes it in the fleet view; or the reads of its gates, still under way (undecided)."""
+    try:
+        decide(run, change)
+    except GatesPending as pending:
+        return pending.reads
+    except Exception:
+        log.exception("event %s: deciding failed; the timer decides it again", change.record.eventId)
+    run.fleet.note(change.record)
+    return None
 
 
 def release_held(run: Run, changes: Sequence[EventChange]) -> int:
@@ -144,7 +179,8 @@ def redecide_each(run: Run, event_ids: Iterable[str]) -> int:
     """Each event decided again in its own write (``redecide``) from a fresh read, noted in the fleet view and
     collected; one contended is left to the timer. Returns how many changed."""
     released = 0
-    for event_id in event_ids:
+    # Once each: redecided twice, an approval this run decided would record its Decision row again.
+    for event_id in dict.fromkeys(event_ids):
         try:
             change = commit_event(
                 run.parts.store, event_id, lambda r: redecide(run, r), etags=run.work.etags, outbox=run.outbox()
@@ -404,31 +440,3 @@ def withdrawal(approval: ApprovalRecord, policy: Policy, now: datetime) -> str:
         f"approval {approval.decisionId} by rule {approval.rule!r} (decided {approval.decidedAt.isoformat()}{held}, "
         f"not delivered{changed}) withdrawn, decided again: "
     )
-
-
-def release_budgets(run: Run) -> None:
-    """The third step of every run's tail: frees the budget slots of the run's events that concluded, and of the
-    approvals it withdrew. Best effort: a claim left behind (a crash here, or a conclusion by a path that does not
-    pass here) lapses once its event no longer holds an approval."""
-    run.enter("budgets")
-    for event_id, key in run.work.releases:
-        try:
-            run.fleet.budgets.release(key, event_id)
-        except Exception:  # the claim lapses by itself; the run's real work is done
-            log.exception("budget of %s: releasing the claim of withdrawn %s failed", key, event_id)
-    for record in run.work.records.values():
-        if record.open or record.approval is None or record.returning:
-            continue  # open, or VMs not back in service: their claims hold until the run that sees them back
-        # Approvals from before budget domains name no keys: their claims were on their scale sets.
-        keys = record.approval.budgetKeys or (
-            sorted(impacted_by(record)) if budget_limit(run.policy, record.approval.rule) else []
-        )
-        if not keys:
-            continue
-        for key in keys:
-            try:
-                # Concluded: a sequence's gap runs from now on; a rate's approval counts until it ages out.
-                done = record.returnToService.doneAt if record.returnToService is not None else None
-                run.fleet.budgets.release(key, record.eventId, concluded_at=done or record.stateSince)
-            except Exception:  # the claim lapses by itself; the batch's real work is done
-                log.exception("budget of %s: releasing the claim of %s failed", key, record.eventId)

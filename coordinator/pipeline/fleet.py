@@ -17,8 +17,9 @@ coordinator by hand), the census is what the VMs last reported, kept in their VM
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 
 from contracts.envelope import VmIdentity
@@ -57,6 +58,7 @@ class Fleet:
         self._noted: dict[str, EventRecord] = {}
         self._noted_by_vm: dict[str, set[str]] = {}  # VM name -> the noted events that name it
         self._gates: dict[int, GateReader] = {}  # by the policy's id: the live one's, and a shadow policy's
+        self._gates_wait = True  # False while a batch decides: see ``gates_in_background``
         self._reported: list[VmRecord] = []
         self._leaving: tuple[datetime, dict[str, str]] | None = None  # ``leaving`` at that instant, until a note
         # The fleet-wide budget claims of this run (pipeline/budget_claims.py).
@@ -79,7 +81,17 @@ class Fleet:
         for candidate in (view, view.untagged()):
             rule = first_match(policy, record, now, candidate)
             names.update(rule.gates if rule is not None else [])
-        return self.gates(policy, monitor).results(sorted(names)) if names else {}
+        return self.gates(policy, monitor).results(sorted(names), wait=self._gates_wait) if names else {}
+
+    @contextlib.contextmanager
+    def gates_in_background(self) -> Iterator[None]:
+        """Within: a rule's gates not read yet are read in threads of their own and ``rule_gates`` raises
+        ``GatesPending`` until they are (``decide.decide_all``: what does not need them is decided meanwhile)."""
+        self._gates_wait = False
+        try:
+            yield
+        finally:
+            self._gates_wait = True
 
     def note_vms(self, records: Iterable[VmRecord]) -> None:
         """The VMs of this batch as their envelopes just said (see ``FleetCache.note_vms``). With ARM's census,

@@ -84,10 +84,10 @@ def fold(run: Run, arrivals: Arrivals) -> VmBatch:
         # Still moved by another instance after every redo: their next envelopes start from the stored positions.
         log.warning("positions of %s not written (contended)", sorted(stale))
         run.work.forget(stale)
-    # With this batch's sightings now in its VMs' positions, what another run folding side by side could not see
-    # is decided again: the waits on VMs in other positions (spread_waits), then its scale sets' deletes
-    # (decide.approve_together).
-    released = decide.redecide_each(run, spread_waits(run))
+    # Decided again, its sightings now in its VMs' positions: events written undecided while their gates were read
+    # (by the tail if it runs after the batch), waits on VMs in other positions (spread_waits), deletes (together).
+    released = 0 if run.tail_after_batch else decide.decide_awaiting(run)
+    released += decide.redecide_each(run, spread_waits(run))
     deleting = {
         scale_set
         for r in run.work.records.values()
@@ -122,6 +122,7 @@ def spread_waits(run: Run) -> list[str]:
         for r in run.work.records.values()
         if r.state == "Scheduled"
         and r.approval is None
+        and r.eventId not in run.work.awaiting_gates
         and len(r.vms) > 1
         and (
             r.older_view(run.now) or (r.eventId in hooked and r.decision is not None and r.decision.holdKind == "hooks")
@@ -337,8 +338,7 @@ class _Applier:
 def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch: VmBatch) -> list[EventChange]:
     if not observations:
         return []
-    store = run.parts.store
-    applier = _Applier(run, batch)
+    store, applier = run.parts.store, _Applier(run, batch)
 
     def events_now(attempt: int) -> dict[str, Stored[EventRecord]]:
         # First attempt: an event no VM of the batch's groups has sighted and that is not among the open events the
@@ -352,7 +352,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
         return assemble(stored, groups)
 
     changes: list[EventChange] = []
-    outbox, staging = run.outbox(leave=SIGHTINGS), list[Staged]()
+    outbox, staging, awaiting = run.outbox(leave=SIGHTINGS), list[Staged](), list[str]()
 
     def applied_and_decided(assembled: dict[str, Stored[EventRecord]]) -> list[tuple[EventRecord, str | None]]:
         applied: list[tuple[EventChange, Stored[EventRecord] | None]] = []
@@ -361,8 +361,8 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
             change = applier.apply(current.record if current else None, event_id, items)
             if change is not None:
                 applied.append((change, current))
-        with run.fleet.budgets.deferred():  # written together before the events (``written``)
-            decide.decide_all(run, [c for c, _ in applied])
+        with run.fleet.budgets.deferred(), run.fleet.gates_in_background():  # claims: written before the events
+            awaiting[:] = [c.record.eventId for c in decide.decide_all(run, [c for c, _ in applied])]
         changes.clear()
         staging.clear()
         writes = []
@@ -394,6 +394,7 @@ def commit_events(run: Run, observations: dict[str, list[Observation]], *, batch
             on_conflict=run.report.count_conflict,
         )
         outbox.written.extend(staging)
+        run.work.awaiting_gates.extend(awaiting)
         return changes
     except ConcurrencyConflict:
         pass

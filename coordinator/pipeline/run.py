@@ -319,6 +319,9 @@ class Work:
     # The outbox entries this run stored (with the writes their rows describe, or alone): deleted once the history
     # has the rows (pipeline/record.py). Those the timer took over from a run that stopped are among them.
     staged: list[Staged] = field(default_factory=list)
+    # Events a batch wrote undecided, their gates still being read when its other approvals were decided
+    # (decide.decide_all): decided again once those are sent and the batch's VM positions written (fold).
+    awaiting_gates: list[str] = field(default_factory=list)
 
     def unstaged(self) -> list[HistoryRow]:
         """The run's rows not in the outbox yet."""
@@ -386,6 +389,11 @@ class Run:
         """Where a write of this run notes the outbox entries it stores (``Work.staged``), at the run's time;
         ``leave``: the RecordTypes that write does not store."""
         return Outbox(at=self.now, written=self.work.staged, leave=leave)
+
+    @property
+    def tail_after_batch(self) -> bool:
+        """Whether this run is a batch whose tail runs after it returns (``Options.tail_after_batch``)."""
+        return self.options.tail_after_batch and self.kind == "batch"
 
     @property
     def dry_run(self) -> bool:

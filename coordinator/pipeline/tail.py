@@ -1,9 +1,10 @@
 """The tail every run ends with, whether a batch, the timer or a person started it, in one place:
 
+0. ``decide``   the events a batch wrote undecided while their gates were read (``decide.decide_awaiting``);
 1. ``deliver``  the approvals the run's committed writes decided go out, and their outcomes are committed;
 2. ``cards``    the cards those writes recorded are posted (a batch or a person logs what it sent; the timer
                 clears what the logs say was sent);
-3. ``budgets``  the budget slots of events that concluded are freed;
+3. ``budgets``  the budget slots of events that concluded are freed (``release.release_budgets``);
 4. ``history``  the run's history rows, each already in the state's outbox, are written, last, and their entries
                 deleted (a failure never stops the pipeline: the timer writes them);
 then what the run committed goes into the instance's fleet cache for its next runs (pipeline/fleet.py).
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from coordinator.pipeline import act, decide, outbox, record
+from coordinator.pipeline import act, decide, outbox, record, release
 from coordinator.pipeline.run import Run
 
 __all__ = ["Settled", "finish"]
@@ -29,13 +30,16 @@ class Settled:
 
 
 def finish(run: Run, *, last_seen: dict[str, datetime] | None = None, settled: Settled | None = None) -> None:
-    """Ends a run: approvals, cards, budgets, history, in that order. ``last_seen`` (the timer's fresh read of
-    every VM's last envelope) widens who may execute an approval; ``settled`` is the timer's."""
+    """Ends a run: awaited decisions, approvals, cards, budgets, history, in that order. ``last_seen`` (the timer's
+    fresh read of every VM's last envelope) widens who may execute an approval; ``settled`` is the timer's."""
+    # A batch's events written undecided while their gates were read: decided (their gates waited for) while the
+    # batch's own sends are answered, then delivered with them.
+    decide.decide_awaiting(run)
     act.deliver(run, last_seen=last_seen)
     if settled is None:
         outbox.post_and_log(run)
     else:
         outbox.post_and_settle(run, settled.events, settled.vms)
-    decide.release_budgets(run)
+    release.release_budgets(run)
     record.history(run)
     run.fleet.absorb(run.work.uncached())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
+from coordinator.adapters.gates import GatesPending
 from coordinator.domain.approvals import start_overdue
 from coordinator.domain.cards import raise_vm_alert
 from coordinator.domain.deletes import Removal, removals
@@ -25,7 +26,7 @@ from coordinator.domain.history_rows import heartbeat_row, impact_row, position_
 from coordinator.domain.lifecycle import EventChange, advance, approval_step, clone, raise_alert, sender_gone
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
-from coordinator.pipeline import attempt, decide, outbox, repairs, returns, tail
+from coordinator.pipeline import act, attempt, decide, outbox, repairs, returns, tail
 from coordinator.pipeline.bindings import BACKLOG_SECONDS, StoreOutage, write_backlog
 from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
 from coordinator.pipeline.record import adopt
@@ -35,6 +36,9 @@ from coordinator.state.events import assemble, commit_event
 from coordinator.state.store import ConcurrencyConflict, Stored
 
 log = logging.getLogger("coordinator")
+
+Mutate = Callable[[EventRecord | None], EventChange | None]
+Cards = dict[str, list[str]]  # the event cards the batches' logs say were sent, by EventId (outbox.sent_logs)
 
 
 # A retired VM's position (its group's property) is removed this long after it was retired: its sightings served the
@@ -98,30 +102,13 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     logs, settled, settled_vms = outbox.sent_logs(run)
     # Concluded events with work left; VMs back in service first: their budget is free for what this tick decides.
     closed = returns.watch(run, store.closed_events_with_pending_alerts())
-    changes: list[EventChange] = []
-    # Closest to NotBefore first: when budget is short, the event that would start unapproved soonest gets it.
-    for stored in sorted(open_events.values(), key=lambda s: by_not_before(s.record)):
-        record = stored.record
-        try:
-            change = commit_event(
-                store,
-                record.eventId,
-                lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen, heard=heard),
-                read=stored,
-                etags=work.etags,
-                outbox=run.outbox(),
-            )
-        except ConcurrencyConflict:
-            log.warning("event %s: contended; the next tick tries again", record.eventId)
-            continue
-        if change is not None:
-            report.events_changed += 1
-            work.collect(change)
-            changes.append(change)
-            fleet.note(change.record)
-            record = change.record
-        retry_due(run, record)
-        outbox.queue_pending(record, now, work, settled)
+    changes = reconsider_open(
+        run,
+        list(open_events.values()),
+        lambda r: reconsider(run, r, silent=silent, retired=retired, last_seen=last_seen, heard=heard),
+        settled=settled,
+        last_seen=last_seen,
+    )
     report.events_changed += decide.release_held(run, changes)
     for stored in closed:
         outbox.queue_pending(concluded_unanswered(run, stored), now, work, settled)
@@ -135,6 +122,52 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     if logs:
         store.delete_sent_alert_logs([key for key, _ in logs])
     census(run, known, [work.records.get(s.record.eventId, s.record) for s in open_events.values()])
+
+
+def reconsider_open(
+    run: Run,
+    events: list[Stored[EventRecord]],
+    mutate: Mutate,
+    *,
+    settled: Cards,
+    last_seen: dict[str, datetime],
+) -> list[EventChange]:
+    """Each open event reconsidered (``mutate``) in its own write, closest to NotBefore first: when budget is short,
+    the event that would start unapproved soonest gets it. Gates are read once per tick, each in a thread of its own:
+    an event whose gates are still being read is reconsidered after the others, once what they approved is sent,
+    so that a slow gate holds only the events that need it. Returns the committed changes."""
+    changes: list[EventChange] = []
+    waiting: list[Stored[EventRecord]] = []
+    with run.fleet.gates_in_background():
+        for stored in sorted(events, key=lambda s: by_not_before(s.record)):
+            try:
+                changes += _reconsidered(run, stored, mutate, settled)
+            except GatesPending:
+                waiting.append(stored)
+    if waiting:
+        act.send_decided(run, last_seen=last_seen)
+    for stored in waiting:
+        changes += _reconsidered(run, stored, mutate, settled)
+    return changes
+
+
+def _reconsidered(run: Run, stored: Stored[EventRecord], mutate: Mutate, settled: Cards) -> list[EventChange]:
+    record, work = stored.record, run.work
+    try:
+        change = commit_event(
+            run.parts.store, record.eventId, mutate, read=stored, etags=work.etags, outbox=run.outbox()
+        )
+    except ConcurrencyConflict:
+        log.warning("event %s: contended; the next tick tries again", record.eventId)
+        return []
+    if change is not None:
+        run.report.events_changed += 1
+        work.collect(change)
+        run.fleet.note(change.record)
+        record = change.record
+    retry_due(run, record)
+    outbox.queue_pending(record, run.now, work, settled)
+    return [change] if change is not None else []
 
 
 def due_groups(

@@ -5,6 +5,8 @@ NotBefore, a VM's tag asks for a person, and a gate read from a local HTTP healt
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -167,3 +169,92 @@ rules:
     assert approved(zoned) == [event_id]
     rows = [r for r in history.rows if r.RecordType == "Decision" and r.EventId == event_id]
     assert [(r.Outcome, r.HoldKind) for r in rows] == [("wait", "gate"), ("approve", "")]
+
+
+def test_a_slow_gate_holds_only_the_events_that_need_it(azurite, zoned, tmp_path, health):
+    """A Freeze's gate answers only once the batch's Reboot (whose rule reads no gate) is approved in IMDS: the
+    Reboot's approval leaves without waiting for the gate, and the Freeze is decided once the gate has answered,
+    in the same batch. Deciding the batch behind the gate, the page would wait out its 3 s deadline instead (the
+    Reboot not sent), the gate would be an error and the Freeze held (oracle seed 824)."""
+    url, page = health
+    seen_first: list[list[str]] = []
+
+    def answer_once_the_reboot_is_approved(handler: Any) -> None:
+        deadline = time.monotonic() + 5
+        while not approved(zoned) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen_first.append(approved(zoned))
+        handler.send_response(200)
+        handler.end_headers()
+
+    page.do_GET = answer_once_the_reboot_is_approved
+    policy = f"""
+gates:
+  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 3}}}}
+rules:
+  - name: reboots
+    match: {{eventType: [Reboot]}}
+    action: approve-now
+  - name: freezes-while-healthy
+    match: {{eventType: [Freeze]}}
+    action: approve-now
+    gates: [app-health]
+"""
+    coordinator, history = build(azurite, zoned, policy, tmp_path)
+    # The Freeze is the closer to NotBefore: decided first, it would hold the Reboot behind its gate.
+    freeze = zoned.create_event(EventType="Freeze", Resources=["api_1"], NoticeSeconds=600)["EventId"]
+    reboot = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=900)["EventId"]
+    coordinator.process_batch([report(zoned, "api_1", 1), report(zoned, "web_0", 1)])
+
+    assert seen_first == [[reboot]]
+    assert sorted(approved(zoned)) == sorted([freeze, reboot])
+    decision = decision_of(coordinator, freeze)
+    assert (decision.verdict, decision.rule) == ("approve", "freezes-while-healthy")
+    rows = [(r.EventId, r.Outcome) for r in history.rows if r.RecordType == "Decision"]
+    assert sorted(rows) == sorted([(freeze, "approve"), (reboot, "approve")])  # one decision each, none undone
+
+
+def test_a_slow_gate_holds_only_the_events_that_need_it_in_a_tick_too(azurite, zoned, tmp_path, health):
+    """The tick decides the Freeze first (the closer NotBefore), whose gate answers only once the Reboot the same
+    tick approves at its deadline is approved in IMDS: the tick sends the Reboot's approval before it waits for the
+    gate, then approves the Freeze. Waiting for the gate first, the page would wait out its 3 s deadline and the
+    Freeze would stay held."""
+    url, page = health
+    block = threading.Event()
+    seen_first: list[list[str]] = []
+
+    def answer(handler: Any) -> None:
+        if block.is_set():  # in the tick: only once the Reboot is approved (or after 5 s)
+            deadline = time.monotonic() + 5
+            while not approved(zoned) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen_first.append(approved(zoned))
+        handler.send_response(200 if block.is_set() else 503)
+        handler.end_headers()
+
+    page.do_GET = answer
+    policy = f"""
+gates:
+  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 3}}}}
+rules:
+  - {{name: freezes-while-healthy, match: {{eventType: [Freeze]}}, action: approve-now, gates: [app-health]}}
+  - name: reboots-at-night
+    match: {{eventType: [Reboot]}}
+    action: approve-now
+    window: {{schedule: "0 3 * * *", duration: 1h}}
+    onNotBefore: approve
+"""
+    coordinator, _ = build(azurite, zoned, policy, tmp_path)
+    freeze = zoned.create_event(EventType="Freeze", Resources=["api_1"], NoticeSeconds=100)["EventId"]
+    reboot = zoned.create_event(EventType="Reboot", Resources=["web_0"], NoticeSeconds=150)["EventId"]
+    coordinator.process_batch([report(zoned, "api_1", 1), report(zoned, "web_0", 1)])
+    assert approved(zoned) == []  # the gate failing; the Reboot out of its window (DOC_NOW is 22:11 UTC)
+
+    block.set()
+    assert isinstance(coordinator.parts.clock, Clock)
+    coordinator.parts.clock.now += timedelta(seconds=60)  # within the Reboot's 120 s lead before NotBefore
+    coordinator.tick()
+
+    assert seen_first == [[reboot]]
+    assert sorted(approved(zoned)) == sorted([freeze, reboot])
+    assert decision_of(coordinator, freeze).rule == "freezes-while-healthy"

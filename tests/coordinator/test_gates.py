@@ -9,12 +9,13 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
 import pytest
 from azure.core.credentials import AccessToken
 
-from coordinator.adapters.gates import AzureMonitorReader, GateReader
+from coordinator.adapters.gates import AzureMonitorReader, GateReader, GatesPending
 from coordinator.domain.controls import AlertGate, Gate, HttpGate, LogQueryGate
 from tests.loopback import QuietHandler
 
@@ -110,6 +111,27 @@ def test_a_reader_reads_each_gate_once(endpoint):
     for _ in range(3):
         reader.results(["health"])
     assert len(page.seen) == 1
+
+
+def test_asked_without_waiting_a_reader_reads_its_gates_in_the_background_at_once_and_once(endpoint):
+    url, page = endpoint
+    page.delay = 0.5
+    gates = {**http_gate(url + "/health"), "other": Gate(http=HttpGate(url=url + "/other"))}
+    reader = GateReader(gates)
+    started = time.monotonic()
+    with pytest.raises(GatesPending) as pending:
+        reader.results(["health", "other"], wait=False)
+    assert time.monotonic() - started < 0.3  # not waited for
+    assert pending.value.names == ["health", "other"]
+    assert "gates health, other are still being read" in str(pending.value)
+    futures.wait(pending.value.reads, timeout=5)
+    assert time.monotonic() - started < 0.9  # read side by side: not one after the other
+    assert {n: r.state for n, r in reader.results(["health", "other"], wait=False).items()} == {
+        "health": "passing",
+        "other": "passing",
+    }
+    assert reader.results(["health"])["health"].detail == "HTTP 200"
+    assert sorted(seen["path"] for seen in page.seen) == ["/health", "/other"]  # each read once
 
 
 def test_an_azure_monitor_gate_without_a_reader_is_an_error():

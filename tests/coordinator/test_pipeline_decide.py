@@ -15,7 +15,7 @@ from coordinator.domain.evaluation import evaluate as real
 from coordinator.domain.lifecycle import EventChange, clone
 from coordinator.domain.model import ApprovalRecord, DecisionRecord, EventRecord
 from coordinator.domain.policy_file import parse_policy
-from coordinator.pipeline import decide
+from coordinator.pipeline import decide, release
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW, decision_record, event_record
@@ -290,7 +290,7 @@ def test_release_budgets_frees_the_slots_of_events_that_concluded(bench: Bench, 
     bench.store.save_budget(BudgetRecord(scaleSet="web", claims={"EV-R": claim}), None)
     run = bench.run()
     run.work.records["EV-R"] = concluded("EV-R", keys=["web"], state=state)
-    decide.release_budgets(run)
+    release.release_budgets(run)
     stored = bench.store.get_budget("web")
     assert stored is not None
     assert ("EV-R" not in stored.record.claims) is released
@@ -303,7 +303,7 @@ def test_release_budgets_finds_the_scale_set_of_an_approval_from_before_budget_k
     bench.store.save_budget(BudgetRecord(scaleSet="web", claims={"EV-R": claim}), None)
     run = bench.run()
     run.work.records["EV-R"] = concluded("EV-R", keys=[])
-    decide.release_budgets(run)
+    release.release_budgets(run)
     stored = bench.store.get_budget("web")
     assert stored is not None
     assert stored.record.claims == {}

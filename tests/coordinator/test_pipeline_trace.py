@@ -1,8 +1,8 @@
 """What a batch really runs, read from the interpreter (``sys.setprofile``), not from what stages say on entry
 (``Run.enter``, tests/coordinator/test_pipeline_stages.py): the run enters ingest, fold and the tail once each, in
 that order; fold's only calls to a later stage are the two docs/architecture.md names (decide inside its own write,
-``act.send_decided`` right after it); the tail goes deliver -> cards -> budgets -> history. On Azurite, with the
-IMDS emulator's listener path as in test_service."""
+``act.send_decided`` right after it); the tail goes awaited decisions -> deliver -> cards -> budgets -> history. On
+Azurite, with the IMDS emulator's listener path as in test_service."""
 
 from __future__ import annotations
 
@@ -75,14 +75,16 @@ def test_a_batch_enters_ingest_fold_and_the_tail_once_and_fold_calls_only_the_tw
         "act.send_decided",
         "decide.approve_together",
         "decide.decide_all",
+        "decide.decide_awaiting",
         "decide.redecide_each",
         "decide.release_held",
     ]
     tail = [callee.split(".")[0] for callee in by["tail"]]
     assert tail == sorted(set(tail), key=tail.index)  # each step once
-    assert [step for step in tail if step in ("act", "outbox", "decide", "record")] == [
+    assert [step for step in tail if step in ("act", "outbox", "decide", "release", "record")] == [
+        "decide",
         "act",
         "outbox",
-        "decide",
+        "release",
         "record",
     ]

@@ -301,3 +301,56 @@ def test_a_batch_waits_only_for_the_sends_its_pool_can_start_at_once():
     assert sending.departed(5.0, at_most=1)
     assert time.monotonic() - started < 1.0
     assert not sending.departed(0.05, at_most=3)  # three asked for, none more starts: the bound ends the wait
+
+
+def test_a_batch_returns_without_waiting_for_a_slow_gate_and_its_tail_decides_what_needs_it(
+    after_batch: ThreadPoolExecutor, health: tuple[str, Any]
+):
+    """The Freeze's rule reads a gate whose page answers only when the test lets it: the batch sends the Reboot's
+    approval, writes the Freeze undecided and returns (its partition goes on); its tail decides the Freeze once the
+    gate has answered, sends that approval and commits both answers."""
+    url, page = health
+    answer = threading.Event()
+
+    def answer_when_let(handler: Any) -> None:
+        answer.wait(timeout=10)
+        handler.send_response(200)
+        handler.end_headers()
+
+    page.do_GET = answer_when_let
+    policy = parse_policy(
+        f"""
+gates:
+  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 10}}}}
+rules:
+  - {{name: freezes-while-healthy, match: {{eventType: [Freeze]}}, action: approve-now, gates: [app-health]}}
+  - {{name: reboots, match: {{eventType: [Reboot]}}, action: approve-now}}
+"""
+    )
+    callback = RecordingCallback()
+    coordinator = coordinator_with(callback, after_batch, Clock())
+    coordinator.policy = policy
+    reboot = scheduled_event("EV-R", event_type="Reboot", resources=["WestNO_1"])
+    started = time.monotonic()
+    coordinator.run_batch(
+        [
+            message_of("WestNO_0", 1, "EV-F"),
+            message(envelope(vm("WestNO_1", index=2), sequence=1, incarnation=1, events=[reboot])),
+        ]
+    )
+    returned = time.monotonic() - started
+
+    assert returned < 1.0
+    assert not answer.is_set()
+    assert [request.eventId for request, _ in callback.sent] == ["EV-R"]  # sent by the batch
+    held = event(coordinator, "EV-F")
+    assert (held.state, held.decision, held.approval) == ("Scheduled", None, None)  # written undecided
+
+    answer.set()
+    assert wait_until(lambda: event(coordinator, "EV-F").state == "Approved", timeout=5.0, interval=0.02)
+    assert event(coordinator, "EV-R").state == "Approved"
+    assert [request.eventId for request, _ in callback.sent] == ["EV-R", "EV-F"]
+    decision = event(coordinator, "EV-F").decision
+    assert decision is not None
+    assert decision.rule == "freezes-while-healthy"
+    assert wait_until(lambda: outcomes(coordinator, "EV-F") == ["sending", "approved"], timeout=5.0, interval=0.02)
