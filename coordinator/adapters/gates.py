@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -178,6 +179,10 @@ class GateReader:
                 self._reads[name] = done = Future[GateResult]()
                 done.set_result(self._read(name))
         return {name: self._reads[name].result() for name in names}
+
+    def wait(self) -> None:
+        """Until every read this reader started has ended (each within its deadline)."""
+        futures.wait(list(self._reads.values()))
 
     def start(self, names: Iterable[str]) -> None:
         """The named gates not read yet begin to be read, each in a thread of its own: a gate that answers slowly

@@ -2,8 +2,9 @@
 
 Pure: takes an event record and when its VMs last reported; gives the executing VM (``choose_executor``), when
 another VM may be sent it after one that did not answer (``reroute_at``), how long a request that a peer may have to
-take over stays valid when NotBefore is near (``reroutable_within``), and whether a delivered approval's Started
-is overdue (``start_overdue``: the listener's word is not the platform's).
+take over stays valid when NotBefore is near (``reroutable_within``), whether a delivered approval's Started
+is overdue (``start_overdue``: the listener's word is not the platform's), and why one not delivered was withdrawn
+(``withdrawal``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from coordinator.domain.deletes import REMOVING_EVENTS
-from coordinator.domain.model import EventRecord, OpenRequest, VmSighting
+from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest, VmSighting
 
 __all__ = [
     "MIN_REQUEST_VALIDITY",
@@ -21,6 +22,7 @@ __all__ = [
     "reroutable_within",
     "reroute_at",
     "start_overdue",
+    "withdrawal",
 ]
 
 # After an unanswered request's notAfter, how long before another VM (or another decision) is sent the event: the
@@ -133,3 +135,22 @@ def reroutable_within(
         return valid_for
     room = not_before - now - 2 * tolerance - REROUTE_MARGIN - REROUTE_LEAD
     return min(valid_for, max(MIN_REQUEST_VALIDITY, room))
+
+
+def withdrawal(approval: ApprovalRecord, fingerprint: str, now: datetime) -> str:
+    """Why an approval was withdrawn, as the start of the decision that replaces it (``fingerprint``: the policy's
+    version now)."""
+    held = (
+        f", valid until {approval.notAfter.isoformat()} ({approval.notAfterReason})"
+        if approval.notAfter is not None and approval.notAfter <= now
+        else ""
+    )
+    changed = (
+        f"; the policy changed since (version {approval.policyVersion}, now {fingerprint})"
+        if approval.policyVersion and approval.policyVersion != fingerprint
+        else ""
+    )
+    return (
+        f"approval {approval.decisionId} by rule {approval.rule!r} (decided {approval.decidedAt.isoformat()}{held}, "
+        f"not delivered{changed}) withdrawn, decided again: "
+    )

@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 
 from coordinator.adapters import telemetry
 from coordinator.adapters.gates import GatesPending
-from coordinator.domain.approvals import choose_executor
+from coordinator.domain.approvals import choose_executor, withdrawal
 from coordinator.domain.budgets import budget_domains
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple, pending_delete, ready_to_go
@@ -103,7 +103,18 @@ def decide_awaiting(run: Run) -> int:
     """The events the run wrote undecided while their gates were being read (``decide_all``), each decided now in
     its own write, their gates waited for (each read ends within its deadline). Returns how many changed."""
     awaiting, run.work.awaiting_gates = run.work.awaiting_gates, []
+    if not awaiting:
+        return 0
+    after_gates(run)
     return redecide_each(run, awaiting)
+
+
+def after_gates(run: Run) -> None:
+    """Waits for the gates the run is reading (each within its deadline), then moves the run's time to when they
+    have answered: what is decided from them is decided then, and an approval's validity, and its request's, runs
+    from then (from the run's start, an approval decided after a 3 s gate was sent already expired, or not at all)."""
+    run.fleet.wait_for_gates()
+    run.now = run.parts.clock()
 
 
 def _decided(run: Run, change: EventChange) -> list[Future[GateResult]] | None:
@@ -274,7 +285,7 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
         record.approval = None
         change.changed = True
         change.released = [key for key in pending.budgetKeys if key not in claimed]
-        withdrew = withdrawal(pending, run.policy, run.now)
+        withdrew = withdrawal(pending, run.policy.fingerprint, run.now)
     _record_decision(run, change, decision, withdrew=withdrew, started=started)
     if decision.verdict == "approve" and not run.dry_run and record.decision is not None:
         _approve(run, change, decision, claimed)
@@ -422,21 +433,3 @@ def renew(change: EventChange, approval: ApprovalRecord, decision: Decision, pol
     if renewed != (approval.notAfter, approval.notAfterReason, approval.policyVersion):
         approval.notAfter, approval.notAfterReason, approval.policyVersion = renewed
         change.changed = True
-
-
-def withdrawal(approval: ApprovalRecord, policy: Policy, now: datetime) -> str:
-    """Why an approval was withdrawn, as the start of the decision that replaces it."""
-    held = (
-        f", valid until {approval.notAfter.isoformat()} ({approval.notAfterReason})"
-        if approval.notAfter is not None and approval.notAfter <= now
-        else ""
-    )
-    changed = (
-        f"; the policy changed since (version {approval.policyVersion}, now {policy.fingerprint})"
-        if approval.policyVersion and approval.policyVersion != policy.fingerprint
-        else ""
-    )
-    return (
-        f"approval {approval.decisionId} by rule {approval.rule!r} (decided {approval.decidedAt.isoformat()}{held}, "
-        f"not delivered{changed}) withdrawn, decided again: "
-    )

@@ -83,6 +83,11 @@ class Fleet:
             names.update(rule.gates if rule is not None else [])
         return self.gates(policy, monitor).results(sorted(names), wait=self._gates_wait) if names else {}
 
+    def wait_for_gates(self) -> None:
+        """Until every gate read this run started has ended (each within its deadline)."""
+        for reader in self._gates.values():
+            reader.wait()
+
     @contextlib.contextmanager
     def gates_in_background(self) -> Iterator[None]:
         """Within: a rule's gates not read yet are read in threads of their own and ``rule_gates`` raises

@@ -136,8 +136,7 @@ def reconsider_open(
     the event that would start unapproved soonest gets it. Gates are read once per tick, each in a thread of its own:
     an event whose gates are still being read is reconsidered after the others, once what they approved is sent,
     so that a slow gate holds only the events that need it. Returns the committed changes."""
-    changes: list[EventChange] = []
-    waiting: list[Stored[EventRecord]] = []
+    changes, waiting = list[EventChange](), list[Stored[EventRecord]]()
     with run.fleet.gates_in_background():
         for stored in sorted(events, key=lambda s: by_not_before(s.record)):
             try:
@@ -146,6 +145,7 @@ def reconsider_open(
                 waiting.append(stored)
     if waiting:
         act.send_decided(run, last_seen=last_seen)
+        decide.after_gates(run)
     for stored in waiting:
         changes += _reconsidered(run, stored, mutate, settled)
     return changes

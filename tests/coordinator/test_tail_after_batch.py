@@ -308,7 +308,7 @@ def test_a_batch_returns_without_waiting_for_a_slow_gate_and_its_tail_decides_wh
 ):
     """The Freeze's rule reads a gate whose page answers only when the test lets it: the batch sends the Reboot's
     approval, writes the Freeze undecided and returns (its partition goes on); its tail decides the Freeze once the
-    gate has answered, sends that approval and commits both answers."""
+    gate has answered (at that time: its validity runs from then), sends that approval and commits both answers."""
     url, page = health
     answer = threading.Event()
 
@@ -327,8 +327,8 @@ rules:
   - {{name: reboots, match: {{eventType: [Reboot]}}, action: approve-now}}
 """
     )
-    callback = RecordingCallback()
-    coordinator = coordinator_with(callback, after_batch, Clock())
+    callback, clock = RecordingCallback(), Clock()
+    coordinator = coordinator_with(callback, after_batch, clock)
     coordinator.policy = policy
     reboot = scheduled_event("EV-R", event_type="Reboot", resources=["WestNO_1"])
     started = time.monotonic()
@@ -346,11 +346,14 @@ rules:
     held = event(coordinator, "EV-F")
     assert (held.state, held.decision, held.approval) == ("Scheduled", None, None)  # written undecided
 
+    clock.now = DOC_NOW + timedelta(seconds=10)  # the gate answers 10 s into the batch: decided then, not before
     answer.set()
     assert wait_until(lambda: event(coordinator, "EV-F").state == "Approved", timeout=5.0, interval=0.02)
     assert event(coordinator, "EV-R").state == "Approved"
     assert [request.eventId for request, _ in callback.sent] == ["EV-R", "EV-F"]
     decision = event(coordinator, "EV-F").decision
     assert decision is not None
-    assert decision.rule == "freezes-while-healthy"
+    assert (decision.rule, decision.decidedAt) == ("freezes-while-healthy", clock.now)
+    request = callback.sent[1][0]
+    assert request.deadline > clock.now  # valid from when it was decided (from the batch's start it had expired)
     assert wait_until(lambda: outcomes(coordinator, "EV-F") == ["sending", "approved"], timeout=5.0, interval=0.02)
