@@ -171,26 +171,38 @@ rules:
     assert [(r.Outcome, r.HoldKind) for r in rows] == [("wait", "gate"), ("approve", "")]
 
 
+def gate(url: str) -> str:
+    """A policy's gate ``app-health``: the page at ``url``, 3 s to answer."""
+    return f'gates:\n  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 3}}}}'
+
+
+def answer_once_approved(page: Any, imds: ImdsEmulator, *, armed: threading.Event | None = None) -> list[list[str]]:
+    """The gate page answers 200 once IMDS has approved something (5 s at most), and notes what it had approved then
+    (the list returned); while ``armed`` is given and not set, it answers 503 at once."""
+    seen: list[list[str]] = []
+
+    def answer(handler: Any) -> None:
+        waits = armed is None or armed.is_set()
+        if waits:
+            deadline = time.monotonic() + 5
+            while not approved(imds) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen.append(approved(imds))
+        handler.send_response(200 if waits else 503)
+        handler.end_headers()
+
+    page.do_GET = answer
+    return seen
+
+
 def test_a_slow_gate_holds_only_the_events_that_need_it(azurite, zoned, tmp_path, health):
     """A Freeze's gate answers only once the batch's Reboot (whose rule reads no gate) is approved in IMDS: the
     Reboot's approval leaves without waiting for the gate, and the Freeze is decided once the gate has answered,
     in the same batch. Deciding the batch behind the gate, the page would wait out its 3 s deadline instead (the
     Reboot not sent), the gate would be an error and the Freeze held (oracle seed 824)."""
     url, page = health
-    seen_first: list[list[str]] = []
-
-    def answer_once_the_reboot_is_approved(handler: Any) -> None:
-        deadline = time.monotonic() + 5
-        while not approved(zoned) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        seen_first.append(approved(zoned))
-        handler.send_response(200)
-        handler.end_headers()
-
-    page.do_GET = answer_once_the_reboot_is_approved
-    policy = f"""
-gates:
-  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 3}}}}
+    seen_first = answer_once_approved(page, zoned)
+    policy = f"""{gate(url)}
 rules:
   - name: reboots
     match: {{eventType: [Reboot]}}
@@ -220,22 +232,9 @@ def test_a_slow_gate_holds_only_the_events_that_need_it_in_a_tick_too(azurite, z
     gate, then approves the Freeze. Waiting for the gate first, the page would wait out its 3 s deadline and the
     Freeze would stay held."""
     url, page = health
-    block = threading.Event()
-    seen_first: list[list[str]] = []
-
-    def answer(handler: Any) -> None:
-        if block.is_set():  # in the tick: only once the Reboot is approved (or after 5 s)
-            deadline = time.monotonic() + 5
-            while not approved(zoned) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            seen_first.append(approved(zoned))
-        handler.send_response(200 if block.is_set() else 503)
-        handler.end_headers()
-
-    page.do_GET = answer
-    policy = f"""
-gates:
-  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 3}}}}
+    block = threading.Event()  # in the batch, the page fails at once; in the tick, it waits for an approval
+    seen_first = answer_once_approved(page, zoned, armed=block)
+    policy = f"""{gate(url)}
 rules:
   - {{name: freezes-while-healthy, match: {{eventType: [Freeze]}}, action: approve-now, gates: [app-health]}}
   - name: reboots-at-night
