@@ -106,7 +106,11 @@ def decide_awaiting(run: Run) -> int:
     if not awaiting:
         return 0
     after_gates(run)
-    return redecide_each(run, awaiting)
+    released = redecide_each(run, awaiting)
+    # Decided one by one, the first of a scale set's deletes was held by a sibling not decided yet: decided again.
+    records = [r for e in awaiting if (r := run.work.records.get(e)) is not None]
+    deletes = {scale_set for r in records if r.eventType == "Terminate" for scale_set in r.scaleSets}
+    return released + redecide_each(run, run.fleet.held_in(deletes, run.now))
 
 
 def after_gates(run: Run) -> None:
@@ -129,12 +133,12 @@ def _decided(run: Run, change: EventChange) -> list[Future[GateResult]] | None:
     return None
 
 
-def release_held(run: Run, changes: Sequence[EventChange]) -> int:
+def release_held(run: Run, changed: Sequence[EventRecord]) -> int:
     """Deletes held back by a delete that changed here (approved, ready, started, gone, expired) are decided
     again at once, not on the next timer run: once the last pending delete of a scale set is ready, all of
     them are approved in this same batch or tick. Returns how many changed."""
-    touched = {scale_set for c in changes if c.record.eventType == "Terminate" for scale_set in c.record.scaleSets}
-    here = {c.record.eventId for c in changes}
+    touched = {scale_set for r in changed if r.eventType == "Terminate" for scale_set in r.scaleSets}
+    here = {r.eventId for r in changed}
     return redecide_each(run, [e for e in run.fleet.held_in(touched, run.now) if e not in here])
 
 

@@ -221,7 +221,7 @@ def fold_updates(run: Run, updates: VmBatch) -> set[str]:
         keep_sightings(change, observations[change.record.eventId], updates)
         if change.created_from is not None:
             telemetry.event_detected(change.record.eventType)
-    report.events_changed += len(committed) + decide.release_held(run, committed)
+    report.events_changed += len(committed) + decide.release_held(run, [c.record for c in committed])
     # The approvals just decided leave now, before anything else is written: the VM positions follow the send.
     # A VM whose position cannot be stored (set aside below) is no executor: its sightings are not written.
     deciding = {name for event_id in work.deliveries if (r := work.records.get(event_id)) for name in r.vms}

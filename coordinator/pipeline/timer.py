@@ -109,7 +109,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
         settled=settled,
         last_seen=last_seen,
     )
-    report.events_changed += decide.release_held(run, changes)
+    report.events_changed += decide.release_held(run, [c.record for c in changes])
     for stored in closed:
         outbox.queue_pending(concluded_unanswered(run, stored), now, work, settled)
     for group in groups:

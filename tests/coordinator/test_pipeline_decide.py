@@ -233,7 +233,7 @@ def test_release_held_redecides_the_deletes_a_changed_delete_held_back(bench: Be
     decide.decide_all(run, [holder])  # EV-T0's VM reported: it is decided, and approved
     assert holder.record.approval is not None
 
-    assert decide.release_held(run, [holder]) == 1
+    assert decide.release_held(run, [holder.record]) == 1
     released = bench.event("EV-T1")
     assert released.decision is not None
     assert released.approval is not None
@@ -247,7 +247,7 @@ def test_release_held_leaves_deletes_alone_when_no_delete_of_their_scale_set_cha
     put_terminate(bench.store, "EV-T0", "web_0")
     put_terminate(bench.store, "EV-T1", "web_1", decision=decision_record(rule="deletes-now", heldBy="EV-T0"))
     run = bench.run()
-    assert decide.release_held(run, [change_of(freeze())]) == 0
+    assert decide.release_held(run, [freeze()]) == 0
     assert bench.event("EV-T1").approval is None
 
 

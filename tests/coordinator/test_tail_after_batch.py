@@ -357,3 +357,43 @@ rules:
     request = callback.sent[1][0]
     assert request.deadline > clock.now  # valid from when it was decided (from the batch's start it had expired)
     assert wait_until(lambda: outcomes(coordinator, "EV-F") == ["sending", "approved"], timeout=5.0, interval=0.02)
+
+
+def test_deletes_that_waited_for_a_slow_gate_are_approved_together_by_the_tail(
+    after_batch: ThreadPoolExecutor, health: tuple[str, Any]
+):
+    """A scale set's two deletes in one batch, their rule's gate slow: both are written undecided, and the tail
+    decides both once the gate has answered. The first decided is held by its sibling (not decided yet); deciding the
+    sibling frees it in the same tail (``release_held``), not at the timer's next tick."""
+    url, page = health
+    answer = threading.Event()
+
+    def answer_when_let(handler: Any) -> None:
+        answer.wait(timeout=10)
+        handler.send_response(200)
+        handler.end_headers()
+
+    page.do_GET = answer_when_let
+    callback = RecordingCallback()
+    coordinator = coordinator_with(callback, after_batch, Clock())
+    coordinator.policy = parse_policy(
+        f"""
+gates:
+  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 10}}}}
+rules:
+  - {{name: deletes-while-healthy, match: {{eventType: [Terminate]}}, action: approve-now, gates: [app-health]}}
+"""
+    )
+    messages = []
+    for index, (name, event_id) in enumerate([("web_0", "EV-T0"), ("web_1", "EV-T1")], start=1):
+        terminate = scheduled_event(event_id, event_type="Terminate", resources=[name], source="User")
+        identity = vm(name, scale_set="web", index=index)
+        messages.append(message(envelope(identity, sequence=1, incarnation=1, events=[terminate])))
+    coordinator.run_batch(messages)
+    assert [event(coordinator, e).decision for e in ("EV-T0", "EV-T1")] == [None, None]
+
+    answer.set()
+    assert wait_until(
+        lambda: all(event(coordinator, e).state == "Approved" for e in ("EV-T0", "EV-T1")), timeout=5.0, interval=0.02
+    )
+    assert sorted(request.eventId for request, _ in callback.sent) == ["EV-T0", "EV-T1"]
