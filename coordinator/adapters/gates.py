@@ -2,7 +2,8 @@
 state, a Log Analytics query) and gives ``GateResult``s for the pure rules (coordinator/domain/evaluation.py).
 
 A ``GateReader`` is made per batch/tick (``pipeline/decide.py``'s ``Fleet`` holds one) and reads each gate at
-most once: every event decided in that batch/tick sees the same answer. A batch asks without waiting
+most once, or joins the read of it another run of the process has under way: every event decided in that batch/tick
+sees the same answer. A batch asks without waiting
 (``results(wait=False)``): the gates are then read in threads of their own, each within its deadline, and
 ``GatesPending`` says which are not read yet, so that the events that do not need them are decided (and their
 approvals sent) meanwhile. A gate that cannot be read is an error,
@@ -151,8 +152,17 @@ class AzureMonitorReader:
             return query_row_count(response.json())
 
 
+# The gate reads under way in this process, by gate (its definition) and Azure Monitor reader: a run that needs a gate
+# another run is reading joins that read. Batches do not wait for their gates (``results(wait=False)``), so without
+# this each batch of a partition would start its own read of a slow gate, each lasting up to the gate's deadline;
+# with it a slow gate has one read under way per instance. The answer comes after the joining run began.
+_IN_FLIGHT: dict[tuple[str, int], Future[GateResult]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
 class GateReader:
-    """Reads gates for one batch/tick, each at most once (results are kept for this reader's life)."""
+    """Reads gates for one batch/tick, each at most once (results are kept for this reader's life), joining a read of
+    the same gate that another run has under way."""
 
     def __init__(
         self,
@@ -166,18 +176,13 @@ class GateReader:
         self._reads: dict[str, Future[GateResult]] = {}
 
     def results(self, names: Iterable[str], *, wait: bool = True) -> dict[str, GateResult]:
-        """The named gates' results, each read once. ``wait=False``: those not read yet are read in threads of their
-        own (each within its deadline) and ``GatesPending`` names them while any is still being read."""
+        """The named gates' results, each read once (``start``). ``wait=False``: ``GatesPending`` names those still
+        being read, if any, instead of waiting for them."""
         names = list(names)
-        if not wait:
-            self.start(names)
-            pending = [name for name in names if not self._reads[name].done()]
-            if pending:
-                raise GatesPending(pending, [self._reads[name] for name in pending])
-        for name in names:
-            if name not in self._reads:
-                self._reads[name] = done = Future[GateResult]()
-                done.set_result(self._read(name))
+        self.start(names)
+        pending = [name for name in names if not self._reads[name].done()]
+        if pending and not wait:
+            raise GatesPending(pending, [self._reads[name] for name in pending])
         return {name: self._reads[name].result() for name in names}
 
     def wait(self) -> None:
@@ -185,17 +190,31 @@ class GateReader:
         futures.wait(list(self._reads.values()))
 
     def start(self, names: Iterable[str]) -> None:
-        """The named gates not read yet begin to be read, each in a thread of its own: a gate that answers slowly
-        holds only the decisions that need it, and several gates take the longest one's time, not the sum."""
+        """The named gates not read yet begin to be read, each in a thread of its own (a gate that answers slowly
+        holds only the decisions that need it; several gates take the longest one's time, not the sum), or join the
+        read of the same gate another run of the process has under way (``_IN_FLIGHT``)."""
         for name in names:
-            if name not in self._reads:
-                self._reads[name] = future = Future[GateResult]()
-                reading = threading.Thread(target=self._settle, args=(name, future), name=f"gate-{name[:40]}")
-                reading.daemon = True  # each read ends within its deadline; none keeps a stopping process alive
-                reading.start()
+            if name in self._reads:
+                continue
+            gate = self._gates.get(name)
+            key = (gate.model_dump_json() if gate is not None else f"undefined {name}", id(self._monitor))
+            with _IN_FLIGHT_LOCK:
+                under_way = _IN_FLIGHT.get(key)
+                if under_way is None:
+                    _IN_FLIGHT[key] = future = Future[GateResult]()
+            if under_way is not None:
+                self._reads[name] = under_way
+                continue
+            self._reads[name] = future
+            reading = threading.Thread(target=self._settle, args=(name, future, key), name=f"gate-{name[:40]}")
+            reading.daemon = True  # each read ends within its deadline; none keeps a stopping process alive
+            reading.start()
 
-    def _settle(self, name: str, future: Future[GateResult]) -> None:
-        future.set_result(self._read(name))  # _read never raises: a failure is the gate's error
+    def _settle(self, name: str, future: Future[GateResult], key: tuple[str, int]) -> None:
+        result = self._read(name)  # never raises: a failure is the gate's error
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.pop(key, None)  # a run that starts after this answer reads again
+        future.set_result(result)
 
     def for_vms(self, wanted: Mapping[str, Sequence[str]]) -> dict[str, dict[str, GateResult]]:
         """Each VM's gates (``wanted``: VM name -> gate names) as read for it: a gate naming ``{vm}`` once per VM,

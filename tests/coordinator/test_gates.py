@@ -134,6 +134,24 @@ def test_asked_without_waiting_a_reader_reads_its_gates_in_the_background_at_onc
     assert sorted(seen["path"] for seen in page.seen) == ["/health", "/other"]  # each read once
 
 
+def test_a_reader_joins_the_read_of_the_same_gate_another_run_has_under_way_and_reads_again_after_it(endpoint):
+    """Batches do not wait for their gates: each of a partition's batches would otherwise start a read of a slow gate
+    of its own, each lasting up to its deadline."""
+    url, page = endpoint
+    page.delay = 0.5
+    first, second = GateReader(http_gate(url + "/health")), GateReader(http_gate(url + "/health"))
+    with pytest.raises(GatesPending):
+        first.results(["health"], wait=False)
+    with pytest.raises(GatesPending) as joined:
+        second.results(["health"], wait=False)
+    futures.wait(joined.value.reads, timeout=5)
+    assert first.results(["health"]) == second.results(["health"])
+    assert len(page.seen) == 1  # one read for both
+    page.delay = 0.0
+    GateReader(http_gate(url + "/health")).results(["health"])
+    assert len(page.seen) == 2  # a run that starts after the answer reads again
+
+
 def test_an_azure_monitor_gate_without_a_reader_is_an_error():
     gates = {"cpu": Gate(alert=AlertGate(alertRuleId=RULE))}
     result = GateReader(gates).results(["cpu"])["cpu"]
