@@ -109,8 +109,7 @@ def decide_awaiting(run: Run) -> int:
     released = redecide_each(run, awaiting)
     # Decided one by one, the first of a scale set's deletes was held by a sibling not decided yet: decided again.
     records = [r for e in awaiting if (r := run.work.records.get(e)) is not None]
-    deletes = {scale_set for r in records if r.eventType == "Terminate" for scale_set in r.scaleSets}
-    return released + redecide_each(run, run.fleet.held_in(deletes, run.now))
+    return released + release_held(run, records, themselves=True)
 
 
 def after_gates(run: Run) -> None:
@@ -133,12 +132,13 @@ def _decided(run: Run, change: EventChange) -> list[Future[GateResult]] | None:
     return None
 
 
-def release_held(run: Run, changed: Sequence[EventRecord]) -> int:
+def release_held(run: Run, changed: Sequence[EventRecord], *, themselves: bool = False) -> int:
     """Deletes held back by a delete that changed here (approved, ready, started, gone, expired) are decided
     again at once, not on the next timer run: once the last pending delete of a scale set is ready, all of
-    them are approved in this same batch or tick. Returns how many changed."""
+    them are approved in this same batch or tick. ``themselves``: the changed deletes too when held (decided one by
+    one, not together, the first was held by a sibling decided after it). Returns how many changed."""
     touched = {scale_set for r in changed if r.eventType == "Terminate" for scale_set in r.scaleSets}
-    here = {r.eventId for r in changed}
+    here = set() if themselves else {r.eventId for r in changed}
     return redecide_each(run, [e for e in run.fleet.held_in(touched, run.now) if e not in here])
 
 
