@@ -19,6 +19,7 @@ import pytest
 from contracts.approval import ApprovalRequest, ApprovalResult
 from contracts.envelope import VmIdentity
 from coordinator.domain.model import EventRecord
+from coordinator.domain.policy import Policy
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
 from coordinator.pipeline.decide import IN_FLIGHT_GRACE
 from coordinator.pipeline.ingest import RawMessage
@@ -303,6 +304,25 @@ def test_a_batch_waits_only_for_the_sends_its_pool_can_start_at_once():
     assert not sending.departed(0.05, at_most=3)  # three asked for, none more starts: the bound ends the wait
 
 
+def answer_when_let(page: Any) -> threading.Event:
+    """The gate page answers 200 only once the event returned is set (10 s at most)."""
+    answer = threading.Event()
+
+    def answer_once_set(handler: Any) -> None:
+        answer.wait(timeout=10)
+        handler.send_response(200)
+        handler.end_headers()
+
+    page.do_GET = answer_once_set
+    return answer
+
+
+def gated(url: str, *rules: str) -> Policy:
+    """A policy with the gate ``app-health`` (the page at ``url``, 10 s to answer) and ``rules`` (YAML lines)."""
+    gate = f'  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 10}}}}'
+    return parse_policy("\n".join(["gates:", gate, "rules:", *rules]))
+
+
 def test_a_batch_returns_without_waiting_for_a_slow_gate_and_its_tail_decides_what_needs_it(
     after_batch: ThreadPoolExecutor, health: tuple[str, Any]
 ):
@@ -310,26 +330,14 @@ def test_a_batch_returns_without_waiting_for_a_slow_gate_and_its_tail_decides_wh
     approval, writes the Freeze undecided and returns (its partition goes on); its tail decides the Freeze once the
     gate has answered (at that time: its validity runs from then), sends that approval and commits both answers."""
     url, page = health
-    answer = threading.Event()
-
-    def answer_when_let(handler: Any) -> None:
-        answer.wait(timeout=10)
-        handler.send_response(200)
-        handler.end_headers()
-
-    page.do_GET = answer_when_let
-    policy = parse_policy(
-        f"""
-gates:
-  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 10}}}}
-rules:
-  - {{name: freezes-while-healthy, match: {{eventType: [Freeze]}}, action: approve-now, gates: [app-health]}}
-  - {{name: reboots, match: {{eventType: [Reboot]}}, action: approve-now}}
-"""
-    )
+    answer = answer_when_let(page)
     callback, clock = RecordingCallback(), Clock()
     coordinator = coordinator_with(callback, after_batch, clock)
-    coordinator.policy = policy
+    coordinator.policy = gated(
+        url,
+        "  - {name: freezes-while-healthy, match: {eventType: [Freeze]}, action: approve-now, gates: [app-health]}",
+        "  - {name: reboots, match: {eventType: [Reboot]}, action: approve-now}",
+    )
     reboot = scheduled_event("EV-R", event_type="Reboot", resources=["WestNO_1"])
     started = time.monotonic()
     coordinator.run_batch(
@@ -366,24 +374,11 @@ def test_deletes_that_waited_for_a_slow_gate_are_approved_together_by_the_tail(
     decides both once the gate has answered. The first decided is held by its sibling (not decided yet); deciding the
     sibling frees it in the same tail (``release_held``), not at the timer's next tick."""
     url, page = health
-    answer = threading.Event()
-
-    def answer_when_let(handler: Any) -> None:
-        answer.wait(timeout=10)
-        handler.send_response(200)
-        handler.end_headers()
-
-    page.do_GET = answer_when_let
+    answer = answer_when_let(page)
     callback = RecordingCallback()
     coordinator = coordinator_with(callback, after_batch, Clock())
-    coordinator.policy = parse_policy(
-        f"""
-gates:
-  app-health: {{http: {{url: "{url}", expectStatus: [200], timeoutSeconds: 10}}}}
-rules:
-  - {{name: deletes-while-healthy, match: {{eventType: [Terminate]}}, action: approve-now, gates: [app-health]}}
-"""
-    )
+    deletes = "{name: deletes-while-healthy, match: {eventType: [Terminate]}, action: approve-now, gates: [app-health]}"
+    coordinator.policy = gated(url, f"  - {deletes}")
     messages = []
     for index, (name, event_id) in enumerate([("web_0", "EV-T0"), ("web_1", "EV-T1")], start=1):
         terminate = scheduled_event(event_id, event_type="Terminate", resources=[name], source="User")
