@@ -150,7 +150,11 @@ def _sequence_hold(
     if active:
         if domain.domains <= active:
             return None
-        holders = ", ".join(sorted(claims)[:5])
+        # The first event that took it (claims in the order taken) and how many in all: a later claim changes only a
+        # figure, so the same hold stays the same decision (evaluation.same_decision). Five ids sorted by id made
+        # each held event a new decision (an event write and a Decision row) whenever a later claim sorted first.
+        first = min(claims.items(), key=lambda item: item[1].claimedAt)[0]
+        holders = f"{first} first, {len(claims)} in all"
         return PaceHold(
             domain.key,
             f"sequence {domain.key!r}: {kind} {', '.join(sorted(active))} in progress ({holders}); "

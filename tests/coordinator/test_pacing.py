@@ -9,9 +9,9 @@ import pytest
 
 from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.controls import VmFacts
-from coordinator.domain.evaluation import evaluate
+from coordinator.domain.evaluation import evaluate, paced_hold, same_decision
 from coordinator.domain.fleet_view import FleetView
-from coordinator.domain.model import EventRecord
+from coordinator.domain.model import DecisionRecord, EventRecord
 from coordinator.domain.pacing import PaceDomain, claimed, pace_domains, pace_hold, released, settled
 from coordinator.domain.policy import RateOption, SequenceOption
 from coordinator.domain.policy_file import PolicyError, parse_policy
@@ -161,7 +161,8 @@ def test_a_sequence_lets_the_domain_in_progress_go_on_and_holds_another_until_it
     hold = pace_hold(ZONE_2, in_zone_1, "r2", NOW)
     assert hold is not None
     assert hold.until is None  # when zone 1 concludes is not known
-    assert "zone westeurope/1 in progress (r1); westeurope/2 waits until its events conclude, then 60 s" in hold.reason
+    waits = "zone westeurope/1 in progress (r1 first, 1 in all); westeurope/2 waits until its events conclude, then 60"
+    assert waits in hold.reason
     zone_1 = PaceDomain(
         ZONE_2.key, ZONE_2.rule, frozenset({"a_1"}), sequence=ZONE_2.sequence, domains=frozenset({"westeurope/1"})
     )
@@ -175,6 +176,31 @@ def test_a_sequence_lets_the_domain_in_progress_go_on_and_holds_another_until_it
     )
     assert pace_hold(both, in_zone_1, "r4", NOW) is not None  # it would start zone 2 too
     assert pace_hold(both, None, "r4", NOW) is None  # nothing in progress: it goes, alone
+
+
+def test_a_sequence_hold_names_the_first_event_that_took_the_domain_so_a_later_claim_leaves_it_the_same() -> None:
+    # Held while zone 1 goes on, an event is decided again at each batch carrying its VMs; the hold is the same
+    # decision (no event write, no Decision row) only if a later claim changes nothing but figures in its reason.
+    taken = [claim("rx", NOW - timedelta(seconds=9), "westeurope/1"), claim("ry", NOW, "westeurope/1")]
+    held = event("z", "Reboot", "b_0")
+    approve = evaluate(POLICY, held, FLEET, NOW)
+    before = pace_hold(ZONE_2, state(ZONE_2.key, *taken), "z", NOW)
+    # Taken at the same time as ry, after it; its id sorts before every other.
+    after = pace_hold(ZONE_2, state(ZONE_2.key, *taken, claim("a0", NOW, "westeurope/1")), "z", NOW)
+    assert before is not None
+    assert after is not None
+    assert "in progress (rx first, 2 in all); " in before.reason
+    assert "in progress (rx first, 3 in all); " in after.reason
+    first = paced_hold(approve, held, before)
+    recorded = DecisionRecord(
+        decisionId="d1", rule=first.rule, action=first.action, verdict=first.verdict, reason=first.reason,
+        decidedAt=NOW, holdKind=first.holdKind, holdName=first.holdName, heldUntil=first.heldUntil,
+    )  # fmt: skip
+    assert same_decision(recorded, paced_hold(approve, held, after), dry_run=False)
+    # Once rx concludes, ry is the first: what holds it is named anew.
+    rest = pace_hold(ZONE_2, state(ZONE_2.key, *taken[1:], claim("a0", NOW, "westeurope/1")), "z", NOW)
+    assert rest is not None
+    assert not same_decision(recorded, paced_hold(approve, held, rest), dry_run=False)
 
 
 def test_a_sequence_waits_its_gap_after_the_last_domain_concluded() -> None:

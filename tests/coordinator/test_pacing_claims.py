@@ -132,7 +132,7 @@ def test_one_zone_at_a_time_across_instances_then_the_next_zone_after_its_gap(az
     decision = stored.record.decision
     assert decision is not None
     assert (decision.holdKind, decision.holdName, decision.heldUntil) == ("budget", SEQUENCE_KEY, None)
-    assert f"zone norwayeast/1 in progress ({zone_1})" in decision.reason
+    assert f"zone norwayeast/1 in progress ({zone_1} first, 1 in all)" in decision.reason
 
     also_zone_1 = create(imds, "Reboot", "web_1")
     b.process_batch([report("web_1", 1, {also_zone_1: "Reboot"})])
