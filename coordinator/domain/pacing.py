@@ -151,8 +151,8 @@ def _sequence_hold(
         if domain.domains <= active:
             return None
         # The first event that took it (claims in the order taken) and how many in all: a later claim changes only a
-        # figure, so the same hold stays the same decision (evaluation.same_decision). Five ids sorted by id made
-        # each held event a new decision (an event write and a Decision row) whenever a later claim sorted first.
+        # figure, so an event held by the same domain stays the same decision (evaluation.same_decision: no event
+        # write or Decision row as the domain's events queue up).
         first = min(claims.items(), key=lambda item: item[1].claimedAt)[0]
         holders = f"{first} first, {len(claims)} in all"
         return PaceHold(
