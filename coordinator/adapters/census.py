@@ -1,55 +1,41 @@
-"""The census from Azure Resource Manager: where each VM of the fleet sits (scale set, zone, fault and update domain,
-placement group) and its tags, read with the coordinator's own identity, never from what the VMs report.
+"""The census from Azure Resource Manager as one coordinator instance keeps it: the last good read
+(``census_arm.ArmCensusReader``: where each VM of the fleet sits and its tags, read with the coordinator's own
+identity, never from what the VMs report), shared by the instance's runs.
 
-Takes the resource groups the fleet lives in; gives one ``CensusEntry`` (coordinator/domain/census.py) per VM that
-exists there. Per resource group, through the project's ARM pipeline (arm.py; api-version 2025-04-01, the one
-infra/modules/vmss.bicep deploys the scale set with), every list followed through its ``nextLink``:
+It is read again when it is older than ``refresh_every`` (the timer asks), when a run meets a VM it does not list
+(a scale-out, or a name nobody listed: at most once per ``min_interval``, so a flood of invented names costs one read
+per interval), and at the next need after the fleet's membership changed (``membership_changed``: the timer retired
+a VM). A read that fails keeps the last good one; one older than ``usable_for`` is not usable, and decisions that
+need it hold (coordinator/pipeline/decide.py).
 
-1. ``GET {group}/providers/Microsoft.Compute/virtualMachineScaleSets``: the scale sets and their orchestration mode;
-2. per Uniform scale set, ``GET {scale set}/virtualMachines?$expand=instanceView``: its instances, with ``zones``,
-   ``tags`` and, in the instance view, ``platformFaultDomain``, ``platformUpdateDomain`` and ``placementGroupId``;
-3. ``GET {group}/providers/Microsoft.Compute/virtualMachines?$expand=instanceView``: the Flexible scale sets' members
-   (``properties.virtualMachineScaleSet``) and standalone VMs (a VM in an availability set has that set as its
-   placement group), with the same facts (a Flexible member has no placement group).
-
-A VM that ARM shows being deleted (``provisioningState`` Deleting) is left out: a percent budget counts the VMs that
-will still be there. Permission: the custom role *Scheduled Events VM Census Reader* (the three ``…/read`` actions,
-nothing else) on the resource group (infra/modules/vmss.bicep, docs/deploy.md). Cost: ARM reads are not billed;
-each read is 2 + (Uniform scale sets) requests per resource group (more pages past a page's worth of VMs), against
-ARM's and the Compute RP's read throttling (docs/coordinator.md, *The census*).
-
-``Census`` keeps the last good read in memory for the coordinator instance (every run of the Functions worker reads
-the same one) and reads again when it is older than ``refresh_every`` (the timer asks), when a run meets a VM it does
-not list (a scale-out, or a name nobody listed: at most once per ``min_interval``, so a flood of invented names costs
-one read per interval), and at the next need after the fleet's membership changed (``membership_changed``: the timer
-retired a VM). A read that fails keeps the last good one; one older than ``usable_for`` is not usable, and decisions
-that need it hold (coordinator/pipeline/decide.py).
+A read runs on a thread of its own and a run waits for it a bounded time: ``FIRST_READ_WAIT`` while there is no
+census to decide on, ``REREAD_WAIT`` for a VM it does not list, and no more than the first of these in all, however
+many of its envelopes ask (``CensusView``). Why: each page of ARM's lists is bounded by its call's deadline (arm.py),
+but a read is as many pages as the fleet needs (a 100,000-VM fleet's are many) and a throttled ARM answers each with
+a Retry-After, so a read as a whole has no bound a batch could wait out, and its Event Hubs partition would wait with
+it. A read that outlasts the wait lands for the runs after. Meanwhile a VM the census does not list is what it is
+without one: its attested vmId and the bindings decide its name (coordinator/pipeline/attest.py), and ARM outranks
+them once a read lists it (docs/security.md, *Without ARM's census, the first speaker binds a name*).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Protocol, TypeVar
-from urllib.parse import quote
 
-from azure.core.credentials import TokenCredential
-from azure.core.exceptions import AzureError
-from azure.core.rest import HttpRequest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from coordinator.adapters import deadline
-from coordinator.adapters.arm import ArmClient, ArmOptions
+from coordinator.adapters.census_arm import API_VERSION, ArmCensusReader, CensusError, CensusReader, resource_group_id
 from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 from coordinator.domain.fleet_view import Census as IndexedCensus
 
 __all__ = [
     "API_VERSION",
+    "FIRST_READ_WAIT",
+    "REREAD_WAIT",
     "ArmCensusReader",
     "Census",
     "CensusError",
@@ -60,214 +46,15 @@ __all__ = [
 
 log = logging.getLogger("coordinator")
 
-API_VERSION = "2025-04-01"
-# A resource group as ARM names it: the census' scope.
-_RESOURCE_GROUP = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+$", re.IGNORECASE)
-# Pages followed per list at most: a list that never ends (a loop of nextLinks) is an error, not a hang.
-MAX_PAGES = 1000
-# While the instance's first read is on its way (another run asked first), a run that needs the census waits for it
-# this long at most rather than deciding without one: it would hold every census rule's event ("never read") while
-# the other run approves beside it. Shorter than a batch's approval deadline (30 s).
+# How long a run waits for a read while there is no census yet, rather than decide without one: it would hold every
+# census rule's event ("never read") while a run beside it approves. Shorter than a batch's approval deadline (30 s).
 FIRST_READ_WAIT = timedelta(seconds=10)
+# How long a run waits for a read that may list a VM it met (a scale-out's new VM): a small fleet's read is well
+# within it; a large or throttled one's lands for the runs after.
+REREAD_WAIT = timedelta(seconds=3)
 REFRESH_EVERY = timedelta(minutes=5)
 MIN_INTERVAL = timedelta(seconds=30)
 USABLE_FOR = timedelta(minutes=15)
-# What each refusal means for an operator, beside ARM's own code and message.
-_MEANING = {
-    401: "ARM refused the coordinator's token",
-    403: "the coordinator's identity lacks the census reader role on this resource group (infra/modules/vmss.bicep)",
-    404: "no such resource group or scale set (COORDINATOR_CENSUS_RESOURCE_GROUPS)",
-}
-
-
-class CensusError(RuntimeError):
-    """ARM could not be read (after the pipeline's retries), or answered something the census cannot read."""
-
-
-def resource_group_id(value: str) -> str:
-    """A census scope as given (``/subscriptions/{id}/resourceGroups/{name}``), or ValueError naming the form."""
-    text = value.strip().rstrip("/")
-    if not _RESOURCE_GROUP.match(text):
-        raise ValueError(f"{value!r} is not a resource group id (/subscriptions/{{id}}/resourceGroups/{{name}})")
-    return text
-
-
-# ---- ARM's answers (only the fields the census reads; extra fields ignored) ----------------------------------
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-_M = TypeVar("_M", bound=_Lenient)
-
-
-class _SubResource(_Lenient):
-    id: str = ""
-
-
-class _InstanceView(_Lenient):
-    platformUpdateDomain: int | None = None
-    platformFaultDomain: int | None = None
-    placementGroupId: str = ""
-
-
-class _VmProperties(_Lenient):
-    vmId: str = ""
-    provisioningState: str = ""
-    virtualMachineScaleSet: _SubResource | None = None
-    availabilitySet: _SubResource | None = None
-    platformFaultDomain: int | None = None
-    instanceView: _InstanceView | None = None
-
-
-class _Vm(_Lenient):
-    name: str = Field(min_length=1)
-    id: str = Field(min_length=1)
-    location: str = ""
-    zones: list[str] = Field(default_factory=list)
-    tags: dict[str, str] = Field(default_factory=dict)
-    properties: _VmProperties = Field(default_factory=_VmProperties)
-
-
-class _ScaleSetProperties(_Lenient):
-    orchestrationMode: str = "Uniform"
-
-
-class _ScaleSet(_Lenient):
-    name: str = Field(min_length=1)
-    id: str = Field(min_length=1)
-    properties: _ScaleSetProperties = Field(default_factory=_ScaleSetProperties)
-
-
-class _Page(_Lenient):
-    value: list[dict[str, Any]] = Field(default_factory=list)
-    nextLink: str | None = None
-
-
-def _last(resource_id: str) -> str:
-    return resource_id.rstrip("/").rsplit("/", 1)[-1] if resource_id else ""
-
-
-def _number(value: int | None) -> str:
-    # IMDS serves domains as strings of digits; the census keeps them the same way (VmFacts.domain's keys).
-    return "" if value is None else str(value)
-
-
-def _entry(vm: _Vm, *, scale_set: str) -> CensusEntry:
-    view = vm.properties.instanceView or _InstanceView()
-    fault = view.platformFaultDomain if view.platformFaultDomain is not None else vm.properties.platformFaultDomain
-    if scale_set:
-        # A Uniform instance's placement group is in its instance view; a Flexible member has none.
-        placement = view.placementGroupId
-    else:
-        placement = _last(vm.properties.availabilitySet.id) if vm.properties.availabilitySet else ""
-    return CensusEntry(
-        name=vm.name,
-        vmId=vm.properties.vmId,
-        resourceId=vm.id,
-        facts=VmFacts(
-            scaleSet=scale_set,
-            zone=vm.zones[0] if vm.zones else "",
-            location=vm.location,
-            faultDomain=_number(fault),
-            updateDomain=_number(view.platformUpdateDomain),
-            placementGroup=placement,
-            tags=dict(vm.tags),
-        ),
-    )
-
-
-class CensusReader(Protocol):
-    """Reads the census whole: every VM of its scopes as ARM lists it now. Raises ``CensusError``."""
-
-    @property
-    def scopes(self) -> Sequence[str]: ...
-
-    def read(self) -> list[CensusEntry]: ...
-
-
-class ArmCensusReader:
-    """``CensusReader`` over ARM's Compute lists (module docstring), with the coordinator's identity.
-
-    :keyword resource_groups: the scopes, as resource group ids.
-    :keyword arm: how ARM is called (its root: the IMDS emulator's ARM face locally; retries; each call's
-        deadline, which bounds each page of a list)."""
-
-    def __init__(
-        self,
-        *,
-        credential: TokenCredential,
-        resource_groups: Sequence[str],
-        arm: ArmOptions | None = None,
-    ) -> None:
-        if not resource_groups:
-            raise ValueError("the census needs at least one resource group")
-        self._groups = tuple(resource_group_id(group) for group in resource_groups)
-        self._client = ArmClient(credential=credential, moniker="census", options=arm)
-
-    @property
-    def scopes(self) -> Sequence[str]:
-        return self._groups
-
-    def close(self) -> None:
-        self._client.close()
-
-    def read(self) -> list[CensusEntry]:
-        entries: list[CensusEntry] = []
-        for group in self._groups:
-            compute = f"{group}/providers/Microsoft.Compute"
-            for item in self._pages(f"{compute}/virtualMachineScaleSets?api-version={API_VERSION}"):
-                scale_set = self._model(_ScaleSet, item)
-                if scale_set.properties.orchestrationMode.lower() != "uniform":
-                    continue  # a Flexible scale set's members are VMs of their own: listed below
-                path = f"{compute}/virtualMachineScaleSets/{quote(scale_set.name, safe='')}/virtualMachines"
-                for vm in self._pages(f"{path}?$expand=instanceView&api-version={API_VERSION}"):
-                    entries.extend(self._listed(vm, scale_set=scale_set.name))
-            for vm in self._pages(f"{compute}/virtualMachines?$expand=instanceView&api-version={API_VERSION}"):
-                entries.extend(self._listed(vm, scale_set=None))
-        return entries
-
-    def _listed(self, item: dict[str, Any], *, scale_set: str | None) -> list[CensusEntry]:
-        vm = self._model(_Vm, item)
-        if vm.properties.provisioningState.lower() == "deleting":
-            return []
-        owner = scale_set if scale_set is not None else _last(getattr(vm.properties.virtualMachineScaleSet, "id", ""))
-        return [_entry(vm, scale_set=owner)]
-
-    @staticmethod
-    def _model(model: type[_M], item: dict[str, Any]) -> _M:
-        try:
-            return model.model_validate(item)
-        except ValidationError as error:
-            raise CensusError(f"ARM listed a {model.__name__.strip('_')} the census cannot read: {error}") from error
-
-    def _pages(self, url: str) -> Iterator[dict[str, Any]]:
-        next_url: str | None = url
-        for _page in range(MAX_PAGES):
-            if next_url is None:
-                return
-            try:
-                response = self._client.send(HttpRequest("GET", next_url))
-            except AzureError as error:  # raised only once the retry policy gave up
-                raise CensusError(f"ARM GET {next_url} failed: {error.message}") from error
-            except deadline.DeadlineExceeded as error:
-                raise CensusError(str(error)) from error
-            if response.status_code != 200:
-                raise CensusError(
-                    f"ARM GET {next_url} answered {response.status_code}: "
-                    f"{_MEANING.get(response.status_code, 'unexpected answer')}: {response.text()[:300]}"
-                )
-            try:
-                page = _Page.model_validate_json(response.content)
-            except ValidationError as error:
-                raise CensusError(f"ARM GET {next_url}: not a list page: {error}") from error
-            yield from page.value
-            next_url = page.nextLink
-        raise CensusError(f"ARM GET {url}: more than {MAX_PAGES} pages")
-
-
-# ---- the census kept by one coordinator instance -----------------------------------------------------------------
 
 
 @dataclass
@@ -324,34 +111,41 @@ class Census:
 
     def refresh_if_due(self, now: datetime) -> None:
         """The timer's part: a read when the last good one is older than ``refresh_every``, or after a membership
-        change, or when there is none yet."""
+        change, or when there is none yet; waited for ``REREAD_WAIT`` at most (the tick goes on with the census it
+        has, usable for ``usable_for``)."""
         snapshot = self._snapshot
         if self._stale or snapshot.read_at is None or now - snapshot.read_at >= self.refresh_every:
-            self.refresh(now, why="timer" if not self._stale else "membership changed")
+            self.refresh(now, why="timer" if not self._stale else "membership changed", wait=REREAD_WAIT)
 
-    def refresh(self, now: datetime, *, why: str) -> bool:
-        """Reads ARM now unless another read was attempted less than ``min_interval`` ago (the first read is never
-        held back; while it is on its way, another caller waits for it, ``FIRST_READ_WAIT`` at most). True when a
-        good read replaced the census."""
+    def refresh(self, now: datetime, *, why: str, wait: timedelta | None = None) -> bool:
+        """Reads ARM unless another read was attempted less than ``min_interval`` ago (the first read is never held
+        back), on a thread of its own, and waits for it ``wait`` at most (None: until it ends); a read already on
+        its way, whoever started it, is waited for the same way. True when a good read replaced the census while
+        the caller waited."""
         with self._lock:
-            in_flight = self._reading if self._snapshot.read_at is None else None
-            first = self._snapshot.read_at is None and self._attempted is None
-            limited = self._attempted is not None and now - self._attempted < self.min_interval
-            if in_flight is None and not first and limited:
-                return False
-            if in_flight is None:
+            reads, reading = self.reads, self._reading
+            if reading is None:
+                if self._attempted is not None and now - self._attempted < self.min_interval:
+                    return False
                 self._attempted, self._stale = now, False
-                self._reading = threading.Event()
-        if in_flight is not None:
-            in_flight.wait(FIRST_READ_WAIT.total_seconds())
-            return False  # another caller's read: the snapshot is what it left
+                reading = self._reading = threading.Event()
+                started = threading.Thread(
+                    target=self._read_in_background, args=(now, why, reading), name="census-read", daemon=True
+                )
+            else:
+                started = None
+        if started is not None:
+            started.start()
+        reading.wait(None if wait is None else max(0.0, wait.total_seconds()))
+        return self.reads > reads
+
+    def _read_in_background(self, now: datetime, why: str, done: threading.Event) -> None:
         try:
-            return self._read(now, why=why)
+            self._read(now, why=why)
         finally:
             with self._lock:
-                done, self._reading = self._reading, None
-            if done is not None:
-                done.set()
+                self._reading = None
+            done.set()
 
     def _read(self, now: datetime, *, why: str) -> bool:
         try:
@@ -395,17 +189,25 @@ class Census:
 
 class CensusView:
     """The census for one run at one instant: the first need reads ARM if nothing was read yet; ``ensure`` reads
-    again (rate-limited) for VMs it does not list."""
+    again (rate-limited) for VMs it does not list. The run waits for reads a bounded time in all (module docstring):
+    from its first wait, ``FIRST_READ_WAIT`` or ``REREAD_WAIT`` (whichever that wait was for) at most."""
 
     def __init__(self, census: Census, now: datetime) -> None:
         self.census = census
         self.now = now
+        self._waits_end: float | None = None  # monotonic: when this run stops waiting for reads
+
+    def _wait(self, longest: timedelta) -> timedelta:
+        clock = time.monotonic()
+        if self._waits_end is None:
+            self._waits_end = clock + longest.total_seconds()
+        return min(longest, timedelta(seconds=max(0.0, self._waits_end - clock)))
 
     def entries(self) -> Mapping[str, CensusEntry]:
         """The VMs ARM lists, by name in lower case."""
         entries, read_at = self.census.snapshot()
         if read_at is None:
-            self.census.refresh(self.now, why="first need")
+            self.census.refresh(self.now, why="first need", wait=self._wait(FIRST_READ_WAIT))
             entries, _ = self.census.snapshot()
         return entries
 
@@ -435,7 +237,7 @@ class CensusView:
         if not missing:
             return False
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        return self.census.refresh(self.now, why=f"not listed yet: {shown}")
+        return self.census.refresh(self.now, why=f"not listed yet: {shown}", wait=self._wait(REREAD_WAIT))
 
     def usable(self) -> bool:
         """Whether the census may be decided on: a good read no older than ``usable_for``."""
