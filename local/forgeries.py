@@ -18,6 +18,9 @@ Two kinds of forger:
   - ``squat``: ``about``'s name and resource id (its partition key) with the forger's vmId and document, the first
     binding of that resource id when the real VM had not spoken yet (a census would settle it);
   - ``malformed``: its own identity and events, its document with one byte changed;
+  - ``scale-set``: its own identity and the events its IMDS shows for it (``about`` is itself), under a scale set
+    name that is not its own (``not-`` and its own): believed, its events would escape a ``scaleSet`` rule and its
+    delete the deletes of its scale set;
   - ``liar``: a listener on ``about``'s hybrid connection that answers every approval request "approved" with the
     forger's own attested proof for that decision, and never POSTs StartRequests; until the run ends.
 
@@ -67,7 +70,7 @@ log = logging.getLogger("local.forgeries")
 FORGED_SEQUENCE = 2**62
 FORGER = "scheduled-events-forwarder/0.1.0"
 # The kinds a forger with root on its VM plays, each envelope carrying its own IMDS's document.
-ATTESTED = frozenset({"name", "silence", "name-hook", "name-impact", "squat", "malformed"})
+ATTESTED = frozenset({"name", "silence", "name-hook", "name-impact", "squat", "malformed", "scale-set"})
 # How deep the forger nests its document: far beyond any parser's recursion limit.
 DEEP = 20_000
 MAX_EVENTS = 100
@@ -217,8 +220,15 @@ def forged(
             )
         ],
         "malformed": lambda: [envelope(forger, kind="heartbeat")],
+        "scale-set": lambda: _elsewhere(forgery, forger, events),
     }
     return kinds[step.kind]()
+
+
+def _elsewhere(forgery: _Forgery, forger: VmIdentity, events: list[dict[str, Any]]) -> list[Message]:
+    """The forger's own events under its own identity, in a scale set not its own."""
+    lied = forger.model_copy(update={"vmScaleSetName": f"not-{forger.vmScaleSetName}"[:64]})
+    return [forgery.envelope(lied, kind="incarnation", document=forgery.document(events))] if events else []
 
 
 class LyingListener:

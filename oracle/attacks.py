@@ -6,8 +6,9 @@ calls), from the truth.
 
 An attack with root on the forger's VM (issue 34) **breaches** when the coordinator took what it sent in another VM's
 name (an envelope heard under another VM's name or resource id, or with a damaged document) or a lying listener's
-answer for that VM's (the history records an approval through it that IMDS never saw). An attack is harmless when it
-did not breach and no finding names an event it was about; a run with an attack that was not is not OK.
+answer for that VM's (the history records an approval through it that IMDS never saw); one under its own name (a
+scale set not its own) is heard, and judged by its events' findings. An attack is harmless when it did not breach and
+no finding names an event it was about; a run with an attack that was not is not OK.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from oracle.verdict import Finding, Report
 __all__ = ["AttackOutcome", "outcomes", "summary"]
 
 # The kinds played with root on the forger's VM (local/forgeries.py), which the run's report counts apart.
-ROOTED = frozenset({"name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar"})
+ROOTED = frozenset({"name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar", "scale-set"})
+# Rooted kinds sent under the forger's own name, identity and document: heard by design (a VM may speak for
+# itself); what they lie about is judged by the findings on their events.
+OWN_NAME = frozenset({"scale-set"})
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class AttackOutcome:
     @property
     def breach(self) -> str:
         """What the coordinator took of the attack ("" when nothing)."""
-        if self.forgery.kind not in ROOTED:
+        if self.forgery.kind not in ROOTED or self.forgery.kind in OWN_NAME:
             return ""
         if self.taken:
             taken = ", ".join(self.taken)

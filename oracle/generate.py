@@ -29,7 +29,8 @@ still varies with the machine). The knobs, each drawn per seed:
 - **attackers with root on a fleet VM** (``attackers``, on by default; 6 seeds in 10, from a stream of their own):
   1-2 of another VM's name with its own identity (a relabelled listing, a silencing one at 2^62, forged hook and
   impact reports), a squatter on another VM's resource id, a damaged attested document, a lying listener on
-  another VM's hybrid connection (local/forgeries.py).
+  another VM's hybrid connection (local/forgeries.py); and (4 seeds in 10) a VM reporting its own events under a
+  scale set not its own, beside (3 seeds in 10, with or without attackers) a rule matched by scale set.
 """
 
 from __future__ import annotations
@@ -403,12 +404,20 @@ def generate(seed: int, *, attackers: bool = True) -> Plan:
     returning.rng.seed(f"returns-{seed}")
     _return_to_service(returning, policy)
     draw.knobs.extend(returning.knobs)
+    scaled = _Draw(0)  # a rule by scale set, from a stream of its own too
+    scaled.rng.seed(f"scale-set-rule-{seed}")
+    hostile.scale_set_rule(scaled, policy)
+    draw.knobs.extend(scaled.knobs)
     if attackers:
-        # A stream of their own: a seed's plan is the same with or without them.
+        # Streams of their own: a seed's plan is the same with or without them.
         rooted = _Draw(0)
         rooted.rng.seed(f"attackers-{seed}")
         steps += hostile.attackers(rooted, vms, events)
         draw.knobs.extend(rooted.knobs)
+        liars = _Draw(0)
+        liars.rng.seed(f"scale-set-liars-{seed}")
+        steps += hostile.scale_set_liars(liars, vms, events)
+        draw.knobs.extend(liars.knobs)
     steps.sort(key=lambda step: step["at"])
     data = {
         "name": f"seed-{seed}",

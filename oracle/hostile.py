@@ -7,9 +7,12 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol
 
-__all__ = ["ROOTED_ATTACKS", "attackers", "forgeries"]
+__all__ = ["ROOTED_ATTACKS", "attackers", "forgeries", "scale_set_liars", "scale_set_rule"]
 
-ROOTED_ATTACKS = ("name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar")
+# What ``attackers`` draws from (in this order: a seed's draws stay what they were), then the kinds of their own.
+_DRAWN = ("name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar")
+ROOTED_ATTACKS = (*_DRAWN, "scale-set")
+SCALE_SET = "web"  # every generated fleet has it (generate._fleet)
 
 
 class Draw(Protocol):
@@ -78,7 +81,7 @@ def attackers(draw: Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]
     targets = [e for e in events if "create" in e and e["create"].get("EventStatus") != "Started"]
     steps: list[dict[str, Any]] = []
     for _ in range(draw.rng.randint(1, 2)):
-        kind = draw.pick(list(ROOTED_ATTACKS))
+        kind = draw.pick(list(_DRAWN))
         if kind == "malformed" or not targets:
             by = draw.pick(vms)["name"]
             at = draw.rng.randrange(0, 481, 30)
@@ -102,3 +105,32 @@ def attackers(draw: Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]
         steps.append({"at": at, "forge": {"by": by, "about": about, "kind": kind}})
         draw.note(f"at {at}: {by} with root attacks {about}: {kind}")
     return steps
+
+
+def scale_set_rule(draw: Draw, policy: dict[str, Any]) -> None:
+    """Sometimes, a first rule that leaves the Reboots and Redeploys of scale set web to a person, matched by scale
+    set: ARM's, never a VM's own word (what ``scale_set_liars`` lie about). From a stream of its own, played with or
+    without the attackers."""
+    if draw.chance(0.3):
+        match = {"scaleSet": [SCALE_SET], "eventType": ["Reboot", "Redeploy"]}
+        policy["rules"].insert(0, {"name": "web-by-person", "match": match, "action": "wait-for-person"})
+        draw.note(f"{SCALE_SET}'s Reboots and Redeploys by a person (a scaleSet rule)")
+
+
+def scale_set_liars(draw: Draw, vms: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sometimes, a VM of a scale set with root on itself reports its own events again, under its own name and
+    attested identity but a scale set not its own (local/forgeries.py, ``scale-set``): believed, they would escape
+    ``scale_set_rule``'s rule and its delete its scale set's. From a stream of its own."""
+    members = {vm["name"] for vm in vms if vm.get("vmScaleSetName")}
+    targets = [
+        e
+        for e in events
+        if "create" in e and e["create"].get("EventStatus") != "Started" and members & set(e["create"]["Resources"])
+    ]
+    if not targets or not draw.chance(0.4):
+        return []
+    target = draw.pick(targets)
+    by = draw.pick(sorted(members & set(target["create"]["Resources"])))
+    at = target["at"] + 30  # once its own forwarder reported the event: the lie is what would change the decision
+    draw.note(f"at {at}: {by} with root reports its events under another scale set")
+    return [{"at": at, "forge": {"by": by, "about": by, "kind": "scale-set"}}]

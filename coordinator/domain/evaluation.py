@@ -105,7 +105,9 @@ def callback_of(policy: Policy, rule_name: str) -> Callback:
 
 
 def needs_fleet(policy: Policy, record: EventRecord, now: datetime) -> bool:
-    if policy.needs_census:
+    """Whether deciding the event reads the fleet view: the VMs' facts, a scale set's (ARM's, with its census: a
+    ``scaleSet`` match rests on it as a tag rule does), a budget."""
+    if policy.needs_census or policy.matches_scale_set:
         return True
     rule = first_match(policy, record, now)
     return rule is not None and rule.action == "approve-within-budget"

@@ -21,7 +21,7 @@ def first_match(policy: Policy, record: EventRecord, now: datetime, fleet: Fleet
 
 
 def matches(match: Match, record: EventRecord, now: datetime, fleet: FleetView | None = None) -> bool:  # noqa: PLR0911
-    """Whether ``match`` takes the event at ``now``; ``fleet`` says the VMs' tags (none without it)."""
+    """Whether ``match`` takes the event at ``now``; ``fleet`` says the VMs' tags (none without it) and scale sets."""
     if match.eventType is not None and record.eventType not in match.eventType:
         return False
     if match.eventSource is not None and record.eventSource not in match.eventSource:
@@ -31,12 +31,19 @@ def matches(match: Match, record: EventRecord, now: datetime, fleet: FleetView |
     if match.vmName is not None and not _all_match(record.resources, match.vmName):
         return False
     if match.scaleSet is not None:
-        scale_sets = {scale_set_of(record, name) for name in record.resources} - {""}
+        scale_sets = {_scale_set(record, name, fleet) for name in record.resources} - {""}
         if not scale_sets or not _all_match(sorted(scale_sets), match.scaleSet):
             return False
     if match.tags is not None and not _tags_match(record, fleet or FleetView(), match.tags):
         return False
     return match.window is None or match.window.contains(now)
+
+
+def _scale_set(record: EventRecord, name: str, fleet: FleetView | None) -> str:
+    """A VM's scale set as the fleet view says it: ARM's when the census is ARM's (none for a VM it does not list),
+    so that a VM's own word (its sightings' ``vmScaleSetName``) neither escapes a scale set's rule nor earns one;
+    else its sightings' (or its name's)."""
+    return fleet.facts(record, name).scaleSet if fleet is not None else scale_set_of(record, name)
 
 
 def _tags_match(record: EventRecord, fleet: FleetView, wanted: dict[str, str]) -> bool:

@@ -336,6 +336,11 @@ class Policy(_Strict):
         rule = self.rule(rule_name)
         return list(rule.gates) if rule is not None else []
 
+    @functools.cached_property
+    def matches_scale_set(self) -> bool:
+        """Whether a rule matches by scale set (read from the fleet view: ARM's, with its census)."""
+        return any(rule.match.scaleSet is not None for rule in self.rules)
+
     @property
     def needs_census(self) -> bool:
         """Whether deciding reads the VMs' facts (the VM groups, once per batch/tick): a rule matches tags, or sets

@@ -177,7 +177,7 @@ def approve_together(run: Run, scale_sets: Iterable[str]) -> int:
 
 def _own_verdict(run: Run, record: EventRecord) -> Decision:
     """The verdict of a pending delete's own rule (its gates read), before deletes are coupled: whether it is ready."""
-    view = run.fleet.view() if run.policy.needs_census else FleetView()
+    view = run.fleet.view(census=run.policy.needs_census) if needs_fleet(run.policy, record, run.now) else FleetView()
     return evaluate(run.policy, record, view, run.now, gates=_gate_results(run, record, view))
 
 

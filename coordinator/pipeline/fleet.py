@@ -114,6 +114,14 @@ class Fleet:
         """ARM's census as this run sees it (None without one): the door reads each VM's name from it."""
         return self._arm
 
+    def scale_sets(self, names: Iterable[str]) -> list[str] | None:
+        """The scale sets of these VMs as ARM's census lists them (none for a VM it does not list): what delete
+        coupling reads (``EventRecord.scaleSets``), never a VM's own word. None without a census usable now: the
+        sightings' then, as every fact."""
+        if self._arm is None or not self._arm.usable():
+            return None
+        return sorted({entry.facts.scaleSet for name in names if (entry := self._arm.entry(name))} - {""})
+
     def census_unusable(self) -> str:
         """Why ARM's census cannot be decided on now ("" when it can, or when there is none: the reported one)."""
         if self._arm is None or self._arm.usable():

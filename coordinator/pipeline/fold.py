@@ -332,6 +332,9 @@ class _Applier:
             if not reporting <= set(change.record.groups):
                 change.record.groups = sorted(set(change.record.groups) | reporting)
                 change.changed = True
+            azure = self.run.fleet.scale_sets(change.record.resources)
+            if azure is not None and azure != change.record.scaleSets:
+                change.record.scaleSets, change.changed = azure, True
         return change
 
 

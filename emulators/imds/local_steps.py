@@ -92,7 +92,9 @@ class GateStep(BaseModel):
 
 # Without root on the forger's VM (no attested document), then with it (its own document; local/forgeries.py).
 _Unrooted = Literal["relabel", "user", "hook", "gone", "sequence", "deep", "oversized"]
-ForgeKind = _Unrooted | Literal["name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar"]
+ForgeKind = (
+    _Unrooted | Literal["name", "silence", "name-hook", "name-impact", "squat", "malformed", "liar", "scale-set"]
+)
 
 
 class ForgeStep(BaseModel):
@@ -103,7 +105,8 @@ class ForgeStep(BaseModel):
     claimed empty) or ``sequence`` (a heartbeat as ``about`` with a new state and sequence 2**62); or, under its own
     identity, ``deep`` (a document nested 20,000 deep) or ``oversized`` (100 events and 50 tags of the longest names
     and values the envelope allows). With root on ``by`` (its own attested document on each envelope, issue 34):
-    ``name``, ``silence``, ``name-hook``, ``name-impact``, ``squat``, ``malformed``, ``liar`` (local/forgeries.py)."""
+    ``name``, ``silence``, ``name-hook``, ``name-impact``, ``squat``, ``malformed``, ``liar``, ``scale-set``
+    (local/forgeries.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

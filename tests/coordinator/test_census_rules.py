@@ -284,6 +284,53 @@ def test_an_event_grid_event_naming_a_thousand_vms_adds_none_to_the_census() -> 
     assert (len(old_truth.approved), len(old_lied.approved)) == (1, 3)
 
 
+SCALE_SET_RULES = """
+version: 1
+rules:
+  - name: db-by-person
+    match: {scaleSet: [db]}
+    action: wait-for-person
+  - name: reboots-at-once
+    match: {eventType: [Reboot]}
+    action: approve-now
+"""
+
+
+def test_a_vm_lying_about_a_scale_set_neither_escapes_its_rule_nor_holds_another_vm_by_it() -> None:
+    """db_0 says it is in scale set web (a db rule would not take its Reboot), and another process says web_2 is in
+    db (the db rule would hold web_2's): the scale set a rule matches is ARM's."""
+    events = [{"EventType": "Reboot", "Resources": ["db_0"]}, {"EventType": "Reboot", "Resources": ["web_2"]}]
+    lies = Lies(own={"db_0": {"vmScaleSetName": "web"}}, as_other={"web_2": {"vmScaleSetName": "db"}})
+    truth, lied = same_approvals(SCALE_SET_RULES, events, lies)
+    assert truth.approved == {"Reboot1"}
+    decisions = {lied.refs[r.EventId or ""]: r.Rule for r in lied.history.rows if r.RecordType == "Decision"}
+    assert decisions == {"Reboot0": "db-by-person", "Reboot1": "reboots-at-once"}
+    assert "scaleSet 'web' (ARM: 'db')" in mismatches(lied)["db_0"]
+
+
+COUPLED_DELETES = """
+version: 1
+rules:
+  - name: web_0-by-person
+    match: {eventType: [Terminate], vmName: [web_0]}
+    action: wait-for-person
+  - name: deletes-at-once
+    match: {eventType: [Terminate]}
+    action: approve-now
+"""
+DELETES = [{"EventType": "Terminate", "Resources": ["web_0"]}, {"EventType": "Terminate", "Resources": ["web_2"]}]
+
+
+def test_a_vm_lying_about_its_scale_set_does_not_uncouple_its_delete() -> None:
+    """web_2's delete is ready, and held with web_0's (the same scale set, a person decides it) as the platform holds
+    them; web_2 says it is in scale set batch: the deletes it is coupled with are still web's, ARM's."""
+    truth, lied = same_approvals(COUPLED_DELETES, DELETES, Lies(own={"web_2": {"vmScaleSetName": "batch"}}))
+    assert truth.approved == set()
+    [held] = [r for r in lied.history.rows if r.RecordType == "Decision" and r.Rule == "deletes-at-once"]
+    assert held.HoldKind == "delete"
+    assert "held with the pending deletes of scale set web" in (held.Reason or "")
+
+
 REBOOTS = [{"EventType": "Reboot", "Resources": [name]} for name in ("web_0", "api_0", "web_2")]
 REDEPLOYS = [{"EventType": "Redeploy", "Resources": [name]} for name in ("db_0", "batch_0", "web_2")]
 
@@ -295,8 +342,11 @@ REDEPLOYS = [{"EventType": "Redeploy", "Resources": [name]} for name in ("db_0",
         (TAG_RULES, REDEPLOYS, Lies(as_other={"web_2": {"tags": {"scheduled-events": "auto"}}}), {"Redeploy2"}),
         (ZONE_BUDGET.replace("maxImpacted: 1", "maxPercent: 30"), REBOOTS, Lies(ghosts=10, ghost_facts={"zone": "1"}),
          {"Reboot1"}),
+        (SCALE_SET_RULES, [{"EventType": "Reboot", "Resources": ["db_0"]}],
+         Lies(own={"db_0": {"vmScaleSetName": "web"}}), {"Reboot0"}),
+        (COUPLED_DELETES, DELETES, Lies(own={"web_2": {"vmScaleSetName": "batch"}}), {"Terminate1"}),
     ],
-    ids=["own-zone", "another-vms-tags", "invented-names"],
+    ids=["own-zone", "another-vms-tags", "invented-names", "own-scale-set", "uncoupled-delete"],
 )  # fmt: skip
 def test_the_lies_are_real_on_what_the_vms_report_each_makes_an_approval_the_truth_would_not(
     policy: str, events: list[dict[str, Any]], lies: Lies, wrong: set[str]

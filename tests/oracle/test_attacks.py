@@ -10,7 +10,7 @@ from oracle.check import check
 from oracle.generate import generate
 from oracle.hostile import ROOTED_ATTACKS
 from oracle.truth import DeadLetter, Forgery, HistoryStep
-from tests.oracle.test_check import at, event, kinds, truth
+from tests.oracle.test_check import approval, at, event, kinds, truth
 
 NAMED = "vm.name 'web_0' is not its resource id's name: ARM names … 'web_1': a VM speaks under another VM's name"
 
@@ -35,6 +35,20 @@ def test_an_envelope_in_another_vms_name_that_was_heard_is_a_breach() -> None:
     (outcome,) = outcomes(run, check(run))
     assert outcome.breach == "2 of its 2 envelopes heard"
     assert "breached 1" in summary([outcome])
+
+
+def test_a_vm_lying_under_its_own_name_is_heard_and_judged_by_its_events() -> None:
+    """web_0 reports its own Freeze again under another scale set's name: heard by design (a VM speaks for itself),
+    no breach; harmless while its event's verdict holds, not once its event has a finding."""
+    freeze = event("freeze", "Freeze", ["web_0"], 1, 16, started=2, reason="approval")
+    lie = Forgery(at=at(1), by="web_0", about="web_0", kind="scale-set", events=[freeze.eventId], sent=1)
+    kept = truth([freeze], [approval(freeze, 2)], forgeries=[lie])
+    (outcome,) = outcomes(kept, check(kept))
+    assert (outcome.heard, outcome.breach, outcome.harmless) == (1, "", True)
+    missed = truth([freeze], [], forgeries=[lie])
+    (outcome,) = outcomes(missed, check(missed))
+    assert (outcome.breach, outcome.harmless) == ("", False)
+    assert "FINDING: MISSED" in outcome.line(0.0)
 
 
 def test_a_lie_recorded_as_the_vms_approval_without_startrequests_is_a_breach() -> None:
