@@ -139,6 +139,12 @@ class Census:
         reading.wait(None if wait is None else max(0.0, wait.total_seconds()))
         return self.reads > reads
 
+    def wait_for_read(self, within: timedelta) -> None:
+        """Until the read under way (if any) ends, ``within`` at most."""
+        reading = self._reading
+        if reading is not None:
+            reading.wait(max(0.0, within.total_seconds()))
+
     def _read_in_background(self, now: datetime, why: str, done: threading.Event) -> None:
         try:
             self._read(now, why=why)

@@ -66,18 +66,21 @@ PROOF_ATTEMPTS, PROOF_PAUSE = 16, 0.1
 LEAVE_FIRST = 0.02
 
 
-def deliver(run: Run, *, last_seen: dict[str, datetime] | None) -> None:
+def deliver(run: Run, *, last_seen: dict[str, datetime] | None, again: bool = False) -> None:
     """Sends the run's committed approvals not sent yet, then commits each outcome to its event (``run.work``
-    collects the changes: their rows, cards and records)."""
-    run.enter("deliver")
+    collects the changes: their rows, cards and records). ``again``: the same stage, for what the run decided since
+    it delivered (tail.after_census)."""
+    if not again:
+        run.enter("deliver")
     send_decided(run, last_seen=last_seen)
     work = run.work
     for sending in work.sending:  # a batch's sends, answered while the batch was returning (tail_after_batch)
         await_answers(sending)
         work.sent.extend(sending.plans)
     work.sending = []
-    together = _outcomes_together(run, work.sent)
-    for plan in work.sent:
+    sent, work.sent = work.sent, []  # each outcome committed once, however often a run delivers (tail.finish)
+    together = _outcomes_together(run, sent)
+    for plan in sent:
         known = work.records.get(plan.event_id)
         etag = work.etags.get(plan.event_id)
         try:

@@ -313,8 +313,10 @@ def _verdict(run: Run, record: EventRecord) -> tuple[Decision, list[str]]:
     needed = needs_fleet(policy, record, now)
     view = fleet.view(census=policy.needs_census) if needed else FleetView()
     decision = evaluate(policy, record, view, now, gates=_gate_results(run, record, view))
-    unusable = fleet.census_unusable() if needed and decision.verdict == "approve" else ""
+    unusable = fleet.census_unusable() if needed else ""
     if unusable:
+        run.work.awaiting_census.append(record.eventId)  # decided again by the tail if a read lands (tail.py)
+    if unusable and decision.verdict == "approve":
         # A census that cannot be read approves nothing resting on it, as an unreadable gate: without the VMs' tags a
         # tag that holds an event back would not, and a percent budget's domain size would be a guess.
         decision = dataclasses.replace(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from contracts.envelope import VmIdentity
 from coordinator.adapters.census import CensusView
@@ -121,6 +121,15 @@ class Fleet:
         if self._arm is None or not self._arm.usable():
             return None
         return sorted({entry.facts.scaleSet for name in names if (entry := self._arm.entry(name))} - {""})
+
+    def census_landed(self, within: timedelta) -> bool:
+        """Whether ARM's census is usable once the read under way (if any) has ended, ``within`` at most; the view
+        is then made again from it."""
+        if self._arm is None:
+            return False
+        self._arm.census.wait_for_read(within)
+        self._view = None
+        return self._arm.usable()
 
     def census_unusable(self) -> str:
         """Why ARM's census cannot be decided on now ("" when it can, or when there is none: the reported one)."""

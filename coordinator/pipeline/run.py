@@ -322,6 +322,8 @@ class Work:
     # Events a batch wrote undecided, their gates still being read when its other approvals were decided
     # (decide.decide_all): decided again once those are sent and the batch's VM positions written (fold).
     awaiting_gates: list[str] = field(default_factory=list)
+    # Events a run held because ARM's census was not usable: decided again by its tail if a read lands (tail.py).
+    awaiting_census: list[str] = field(default_factory=list)
 
     def unstaged(self) -> list[HistoryRow]:
         """The run's rows not in the outbox yet."""

@@ -2,6 +2,8 @@
 
 0. ``decide``   the events a batch wrote undecided while their gates were read (``decide.decide_awaiting``);
 1. ``deliver``  the approvals the run's committed writes decided go out, and their outcomes are committed;
+   then those it decided while ARM's census was not usable, once a read under way lands (``after_census``), and
+   the approvals that makes;
 2. ``cards``    the cards those writes recorded are posted (a batch or a person logs what it sent; the timer
                 clears what the logs say was sent);
 3. ``budgets``  the budget slots of events that concluded are freed (``release.release_budgets``);
@@ -15,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from coordinator.adapters import census
 from coordinator.pipeline import act, decide, outbox, record, release
 from coordinator.pipeline.run import Run
 
-__all__ = ["Settled", "finish"]
+__all__ = ["Settled", "after_census", "finish"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ def finish(run: Run, *, last_seen: dict[str, datetime] | None = None, settled: S
     # batch's own sends are answered, then delivered with them.
     decide.decide_awaiting(run)
     act.deliver(run, last_seen=last_seen)
+    # Once the run's own approvals are out: only what rested on the census waits for its read under way.
+    if after_census(run):
+        act.deliver(run, last_seen=last_seen, again=True)
     if settled is None:
         outbox.post_and_log(run)
     else:
@@ -43,3 +49,16 @@ def finish(run: Run, *, last_seen: dict[str, datetime] | None = None, settled: S
     release.release_budgets(run)
     record.history(run)
     run.fleet.absorb(run.work.uncached())
+
+
+def after_census(run: Run) -> bool:
+    """The events the run held because ARM's census was not usable (its first read outlasted the batch's wait:
+    coordinator/adapters/census.py), decided again from when the read under way lands, ``FIRST_READ_WAIT`` at most
+    more: off the partition when the tail runs after the batch, so a large fleet's first read costs its census
+    rules' approvals seconds, not the timer's next tick. True when it decided them again."""
+    held, run.work.awaiting_census = list(dict.fromkeys(run.work.awaiting_census)), []
+    if not held or not run.fleet.census_landed(census.FIRST_READ_WAIT):
+        return False
+    run.now = run.parts.clock()
+    decide.redecide_each(run, held)
+    return True

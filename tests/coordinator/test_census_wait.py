@@ -31,6 +31,7 @@ from coordinator.adapters.census import Census
 from coordinator.domain.attestation import Attestations
 from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
+from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.service import Coordinator
 from emulators.imds import ImdsEmulator
@@ -84,7 +85,7 @@ class Clock:
 
 
 class Run:
-    def __init__(self, tmp_path: Path, arm: HeldArm) -> None:
+    def __init__(self, tmp_path: Path, arm: HeldArm, *, policy: str | None = None) -> None:
         self.store, self.history, self.listeners, self.clock = MemoryStateStore(), MemoryHistory(), Listeners(), Clock()
         self.arm, self.census = arm, Census(arm)
         self.coordinator: Coordinator = folder_coordinator(
@@ -96,6 +97,7 @@ class Run:
             attestations=Attestations(verifier()),
             require_attestation=True,
             census=self.census,
+            policy=parse_policy(policy) if policy is not None else None,
         )
 
     def batch(self, *identities: dict[str, Any]) -> float:
@@ -178,6 +180,34 @@ def test_a_first_read_that_is_held_holds_the_batch_for_its_bound_only(tmp_path: 
         time.sleep(0.01)
     assert run.census.at(run.clock.now).usable()
     assert arm.reads == 1
+
+
+BY_SCALE_SET = """
+version: 1
+rules:
+  - name: web-freezes
+    match: {scaleSet: [web], eventType: [Freeze]}
+    action: approve-now
+"""
+
+
+def test_what_a_batch_decided_without_its_first_read_is_decided_again_once_it_lands(
+    tmp_path: Path, short_waits: None
+) -> None:
+    """A policy by scale set (ARM's), no census yet, its first read held past the batch's wait (1 s here): web_0's
+    Freeze is decided without it (no rule matches a VM the census does not list yet: a person). The read lands
+    0.5 s later, and the batch's tail decides it again from then: approved, not at the timer's next tick."""
+    arm = HeldArm(WEB[:2], free=0)
+    run = Run(tmp_path, arm, policy=BY_SCALE_SET)
+    threading.Timer(1.5, arm.go.set).start()
+
+    run.batch(WEB[0])
+    run.coordinator.drain(10)
+
+    assert arm.done.is_set()
+    assert run.approved() == {"web_0"}
+    rules = [row.Rule for row in run.history.rows if row.RecordType == "Decision"]
+    assert rules == ["(no rule matched)", "web-freezes"]
 
 
 def test_the_timer_does_not_wait_for_a_held_read_beyond_its_bound(tmp_path: Path, short_waits: None) -> None:
