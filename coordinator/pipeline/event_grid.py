@@ -41,6 +41,8 @@ from coordinator.state.store import StateStore
 # Below every forwarder state's epoch (they count from 0): a forwarder's sighting of its own VM always wins.
 EVENT_GRID_EPOCH = -1
 MAX_RESOURCES = 1000
+# A VM's resource id as far as Event Grid keys it: its subscription and resource group.
+_GROUP = re.compile(r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/", re.IGNORECASE)
 _RESOURCE = re.compile(
     r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/microsoft\.compute/"
     r"(?P<kind>virtualmachines|virtualmachinescalesets)/(?P<name>[^/]+)"
@@ -177,16 +179,25 @@ def _identity(event: GridEvent, name: str) -> VmIdentity:
     )
 
 
+def where(identity: VmIdentity) -> tuple[str, str, str]:
+    """Where a VM is as Event Grid names it, in lower case: the subscription and resource group of its resource id
+    (ARM's, checked at the door against the census, or bound to its attested vmId), not the ``subscriptionId`` and
+    ``resourceGroupName`` beside it, which only the VM says: a VM writing another group's name there would take the
+    platform's sightings of the VM of its name in that group. Then its name."""
+    found = _GROUP.match(identity.resourceId)
+    subscription, group = (found["subscription"], found["group"]) if found else ("", "")
+    return subscription.lower(), group.lower(), identity.name.lower()
+
+
 def _known_vms(store: StateStore) -> dict[tuple[str, str, str], tuple[str, VmRecord]]:
     """Every VM a group holds, by (subscription, resource group, name) in lower case -> (group key, record)."""
     known: dict[tuple[str, str, str], tuple[str, VmRecord]] = {}
     for stored in store.all_vm_groups():
         for vm in stored.record.vms.values():
-            identity = vm.identity
-            where = (identity.subscriptionId.lower(), identity.resourceGroupName.lower(), identity.name.lower())
+            where_ = where(vm.identity)
             # A forwarder's identity wins over an agentless one of the same VM.
-            if where not in known or (known[where][1].agentless and not vm.agentless):
-                known[where] = (stored.record.group, vm)
+            if where_ not in known or (known[where_][1].agentless and not vm.agentless):
+                known[where_] = (stored.record.group, vm)
     return known
 
 
@@ -233,18 +244,14 @@ def sightings(
         return {}
     known = _known_vms(store)
     for key, record in speaking.values():
-        identity = record.identity
-        known[(identity.subscriptionId.lower(), identity.resourceGroupName.lower(), identity.name.lower())] = (
-            key,
-            record,
-        )
+        known[where(record.identity)] = (key, record)
     per_vm: dict[str, tuple[Sighting, list[Observation]]] = {}
     for event in events:
         resource = event.resource()
         for name in event.data.resourceInfo.properties.Resources:
-            where = (resource.group("subscription").lower(), resource.group("group").lower(), name.lower())
-            if where in known:
-                key, record = known[where]
+            named = (resource.group("subscription").lower(), resource.group("group").lower(), name.lower())
+            if named in known:
+                key, record = known[named]
                 sighting = Sighting(identity=record.identity, key=key)
             else:
                 identity = _identity(event, name)

@@ -4,11 +4,13 @@ A card is recorded in its event's outbox (``pendingAlerts``) by the same write t
 posted here. The batch path logs the cards it sent in one ``alertsent`` entity (one write per batch); the timer
 reads those logs and clears the cards from the events (``settled``), and sends again the cards still pending after
 ``ALERT_GRACE`` (a failed send, or a crash after the write). A card that fails stays pending; the pipeline goes on.
+A run posts within ``CARDS_WITHIN`` and stops at its first card that fails: what it leaves stays pending too.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import get_args
@@ -34,6 +36,31 @@ ALERT_GRACE = timedelta(seconds=30)
 TITLED_KINDS: frozenset[str] = frozenset(get_args(AlertKind))
 # VM cards by the group their VM is kept in, then vmId (lower case): {group: {vmId: [kinds]}}.
 VmCards = dict[str, dict[str, list[str]]]
+# A run posts its cards within this time and stops at its first card that fails; the rest stay pending in their
+# outboxes, for the timer (after ALERT_GRACE). Each card has its own deadline in the sink (30 s for Teams): without
+# this, a webhook that hung or throttled held a tail for one deadline per card, and the budgets it frees and the
+# history after it waited as long.
+CARDS_WITHIN = timedelta(seconds=10)
+
+
+class _Posting:
+    """Whether the run may post one more card (``go``): not once its time for cards is spent or a card failed;
+    ``held`` counts those left pending."""
+
+    def __init__(self) -> None:
+        self._until = time.monotonic() + CARDS_WITHIN.total_seconds()
+        self.failed = False
+        self.held = 0
+
+    def go(self) -> bool:
+        if self.failed or time.monotonic() >= self._until:
+            self.held += 1
+            return False
+        return True
+
+    def sent(self, ok: bool) -> bool:
+        self.failed = self.failed or not ok
+        return ok
 
 
 def post_and_log(run: Run) -> None:
@@ -65,7 +92,7 @@ def post_and_settle(run: Run, settled: dict[str, list[str]], settled_vms: VmCard
 def _post(run: Run) -> tuple[dict[str, list[str]], VmCards]:
     """Posts the run's cards (the events as committed; others are read); returns those sent."""
     run.enter("cards")
-    work = run.work
+    work, posting = run.work, _Posting()
     records = dict(work.records)
     sent: dict[str, list[str]] = defaultdict(list)
     if work.alerts:
@@ -74,16 +101,22 @@ def _post(run: Run) -> tuple[dict[str, list[str]], VmCards]:
             if current is not None:
                 records[event_id] = current.record
         for event_id, kind in work.alerts:
-            if event_id in records and send_card(run, records[event_id], kind):
+            if event_id in records and posting.go() and posting.sent(send_card(run, records[event_id], kind)):
                 sent[event_id].append(kind)
-    return sent, send_vm_cards(run)
+    sent_vms = send_vm_cards(run, posting)
+    if posting.held:
+        run.report.alerts_held += posting.held
+        why = "a card failed" if posting.failed else f"the run's {CARDS_WITHIN.total_seconds():g} s for cards passed"
+        log.warning("%d cards left pending for the timer: %s", posting.held, why)
+    return sent, sent_vms
 
 
-def send_vm_cards(run: Run) -> VmCards:
-    """Sends the run's VM cards; returns those sent, by group and vmId (an Alert row each, sent or failed)."""
+def send_vm_cards(run: Run, posting: _Posting) -> VmCards:
+    """Sends the run's VM cards while ``posting`` lets it; returns those sent, by group and vmId (an Alert row each,
+    sent or failed)."""
     sent: VmCards = {}
     for vm, kind in run.work.vm_alerts:
-        if send_vm_card(run, vm, kind):
+        if posting.go() and posting.sent(send_vm_card(run, vm, kind)):
             vm_id = vm.identity.vmId.lower()
             sent.setdefault(group_key(vm.identity), {}).setdefault(vm_id, []).append(kind)
     return sent

@@ -167,6 +167,7 @@ class Report:
     approvals_sent: int = 0
     alerts_sent: int = 0
     alerts_failed: int = 0
+    alerts_held: int = 0  # cards left pending for the timer: the run's time for cards spent, or a card failed
     heartbeats_lost: int = 0
     vms_retired: int = 0
     history_rows: int = 0
@@ -201,6 +202,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "approvals_sent",
         "alerts_sent",
         "alerts_failed",
+        "alerts_held",
         "history_rows",
         "conflicts",
         "set_aside",
@@ -211,6 +213,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "events_changed",
         "approvals_sent",
         "alerts_sent",
+        "alerts_held",
         "heartbeats_lost",
         "vms_retired",
         "history_rows",
@@ -227,11 +230,20 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "approvals_sent",
         "alerts_sent",
         "alerts_failed",
+        "alerts_held",
         "history_rows",
         "set_aside",
         "deliveries_continued",
     ),
-    "delivery": ("events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows", "set_aside"),
+    "delivery": (
+        "events_changed",
+        "approvals_sent",
+        "alerts_sent",
+        "alerts_failed",
+        "alerts_held",
+        "history_rows",
+        "set_aside",
+    ),
 }
 
 

@@ -76,6 +76,24 @@ def test_a_vm_no_forwarder_reported_is_agentless_with_an_identity_from_its_arm_i
     assert list(again) == [vm_id]
 
 
+def test_a_vm_is_where_its_resource_id_says_not_where_its_other_fields_say():
+    """web_0 of rg-fleet writes rg-other in its resourceGroupName: Event Grid's events about rg-other's web_0 (another
+    VM) are not its sightings, and its own group's still are."""
+    store = MemoryStateStore()
+    lying = identity("web_0", scale_set="web").model_copy(update={"resourceGroupName": "rg-other"})
+    liar = VmRecord(identity=lying, lastSeen=DOC_NOW)
+    store.save_vm_group(VmGroupRecord(group=group_key(lying), vms={lying.vmId.lower(): liar}), None)
+    other = event_grid.sightings(store, [parsed(grid(resources=["web_0"], resource_group="rg-other"))], speaking={})
+    [(vm_id, (sighting, _))] = other.items()
+    assert vm_id.startswith("arm-"), "rg-other's web_0 is another VM: agentless, not the liar"
+    assert sighting.identity.resourceGroupName == "rg-other"
+    own = event_grid.sightings(store, [parsed(grid(resources=["web_0"]))], speaking={})
+    assert list(own) == [liar.identity.vmId.lower()]
+    speaking = {liar.identity.vmId.lower(): (group_key(liar.identity), liar)}
+    assert list(event_grid.sightings(MemoryStateStore(), [parsed(grid())], speaking=speaking)) == list(own)
+    assert event_grid.where(liar.identity) == (SUBSCRIPTION.lower(), "rg-fleet", "web_0")
+
+
 def agentless_record_of_web_0(store: MemoryStateStore) -> str:
     """Stores web_0 as Event Grid made it before its forwarder first reported; gives its vmId."""
     [(vm_id, (sighting, _))] = event_grid.sightings(store, [parsed(grid())], speaking={}).items()

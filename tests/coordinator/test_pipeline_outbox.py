@@ -3,6 +3,7 @@ one write, the timer clears the outboxes; a card that fails stays pending for th
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 from coordinator.domain.model import ImdsFailure, SentAlerts, VmRecord, group_key
@@ -55,6 +56,44 @@ def test_a_card_that_fails_stays_pending_and_nothing_is_logged(bench: Bench):
     ]
     assert bench.store.sent_alert_logs() == []
     assert bench.event("EV-1").pendingAlerts == ["new-event"]
+
+
+def test_a_run_stops_posting_at_its_first_card_that_fails_and_leaves_the_rest_pending(bench: Bench):
+    """Teams down (each card up to its 30 s deadline): the run tries one card, not all, and leaves the others in
+    their outboxes for the timer, counted; the timer posts them once Teams answers."""
+    for n in range(5):
+        with_card(bench, f"EV-{n}", "new-event")
+    bench.alerts.failing = True
+    run = posting(bench, *((f"EV-{n}", "new-event") for n in range(5)))
+    outbox.post_and_log(run)
+    assert (run.report.alerts_failed, run.report.alerts_held, run.report.alerts_sent) == (1, 4, 0)
+    assert all(bench.event(f"EV-{n}").pendingAlerts == ["new-event"] for n in range(5))
+
+    bench.alerts.failing = False
+    timer = posting(bench, *((f"EV-{n}", "new-event") for n in range(5)))
+    outbox.post_and_settle(timer, {}, {})
+    assert timer.report.alerts_sent == 5
+    assert all(bench.event(f"EV-{n}").pendingAlerts == [] for n in range(5))
+
+
+def test_a_run_posts_cards_within_its_time_and_leaves_the_rest_pending(bench: Bench, monkeypatch):
+    """A webhook that answers, slowly: the run posts what fits in its time for cards (0.25 s here, 10 s as shipped)
+    and leaves the rest pending, so its budgets and history do not wait for every card."""
+    monkeypatch.setattr(outbox, "CARDS_WITHIN", timedelta(seconds=0.25))
+    slow = bench.alerts.send
+
+    def send(card, *, key):
+        time.sleep(0.1)
+        slow(card, key=key)
+
+    monkeypatch.setattr(bench.alerts, "send", send)
+    for n in range(10):
+        with_card(bench, f"EV-{n}", "new-event")
+    run = posting(bench, *((f"EV-{n}", "new-event") for n in range(10)))
+    outbox.post_and_log(run)
+    assert 1 <= run.report.alerts_sent < 10
+    assert run.report.alerts_held == 10 - run.report.alerts_sent
+    assert run.report.alerts_failed == 0
 
 
 def test_a_card_of_an_event_this_run_did_not_change_is_built_from_the_stored_record(bench: Bench):

@@ -20,6 +20,7 @@ TICK_COUNTS = {
     "events_changed",
     "approvals_sent",
     "alerts_sent",
+    "alerts_held",
     "heartbeats_lost",
     "vms_retired",
     "history_rows",
@@ -63,6 +64,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "approvals_sent",
         "alerts_sent",
         "alerts_failed",
+        "alerts_held",
         "history_rows",
         "conflicts",
         "set_aside",
@@ -71,7 +73,8 @@ def test_each_kind_of_run_reports_its_own_counts():
     assert set(reports["tick"].as_dict()) == TICK_COUNTS
     # The delivery queue's run (function_app.continue_approval); a person's run counts the same, and the deliveries
     # it continued.
-    delivery = {"events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "history_rows", "set_aside"}
+    delivery = {"events_changed", "approvals_sent", "alerts_sent", "alerts_failed", "alerts_held", "history_rows"}
+    delivery.add("set_aside")
     assert set(reports["delivery"].as_dict()) == delivery
     assert set(reports["person"].as_dict()) == delivery | {"deliveries_continued"}
     # Each name carries its own count (not another's).
