@@ -42,6 +42,8 @@ from coordinator.state.store import Stored
 __all__ = ["Coordinator", "set_graces"]
 
 log = logging.getLogger("coordinator")
+# Threads a coordinator instance sets new VMs up on (``Coordinator._set_up``).
+SETUP_THREADS = 4
 
 
 def set_graces(*, history: timedelta | None = None, cards: timedelta | None = None) -> None:
@@ -90,6 +92,11 @@ class Coordinator:
         self._fleet = FleetCache(parts.store)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        # New VMs' setup (``on_new_vm``: ARM calls, each within its deadline), off the batches' path when their tails
+        # are: a scale-out's batch of new VMs held its partition for an ARM round trip or two per VM, and for 20 s
+        # per call while ARM hung. One at a time per VM, on threads of their own (not the tails').
+        self._setup: concurrent.futures.ThreadPoolExecutor | None = None
+        self._setting_up: dict[str, concurrent.futures.Future[None]] = {}
 
     @property
     def parts(self) -> Parts:
@@ -158,8 +165,30 @@ class Coordinator:
             # New VMs, and VMs back from silence (housekeeping may have removed what was set up for them).
             for vm_id, update in updates.updates.items():
                 if vm_id in updates.new_vms or update.resumed:
-                    self._new_vm(update.record.identity)
+                    self._set_up(vm_id, update.record.identity)
         return run
+
+    def _set_up(self, vm_id: str, vm: VmIdentity) -> None:
+        """A new VM's setup: in line when the batch ends with its own tail, else on the setup threads (once at a
+        time per VM: one queued or running is not queued again)."""
+        if self.after_batch is None:
+            self._new_vm(vm)
+            return
+        with self._pool_lock:
+            if vm_id in self._setting_up:
+                return
+            if self._setup is None:
+                self._setup = concurrent.futures.ThreadPoolExecutor(SETUP_THREADS, thread_name_prefix="vm-setup")
+            try:
+                future = self._setup.submit(self._new_vm, vm)
+            except RuntimeError:  # shut down: the process is stopping; set up when the VM next reports
+                return
+            self._setting_up[vm_id] = future
+        future.add_done_callback(lambda _done: self._set_up_done(vm_id))
+
+    def _set_up_done(self, vm_id: str) -> None:
+        with self._pool_lock:
+            self._setting_up.pop(vm_id, None)
 
     def _finish_later(self, batch: Run) -> None:
         """The batch's tail, after the batch (docs/liveness.md, *The tail after the batch*): its approvals are on
@@ -194,10 +223,11 @@ class Coordinator:
             self._tails.discard(future)
 
     def drain(self, timeout: float = 30.0) -> bool:
-        """Waits for the tails of the batches that have returned (``after_batch``); True when none is left. For a
+        """Waits for the tails of the batches that have returned (``after_batch``) and the new VMs' setups; True
+        when none is left. For a
         host that stops, and for whoever reads a batch's outcomes and history right after it."""
         with self._pool_lock:
-            tails = list(self._tails)
+            tails = [*self._tails, *self._setting_up.values()]
         return not concurrent.futures.wait(tails, timeout=timeout).not_done
 
     def close(self, timeout: float = 10.0) -> None:
@@ -207,9 +237,10 @@ class Coordinator:
         if self.after_batch is not None:
             self.after_batch.shutdown(wait=False, cancel_futures=True)
         with self._pool_lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = None
+            for executor in (self._executor, self._setup):
+                if executor is not None:
+                    executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._setup = None
 
     def _new_vm(self, vm: VmIdentity) -> None:
         assert self.on_new_vm is not None

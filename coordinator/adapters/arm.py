@@ -33,8 +33,9 @@ __all__ = ["ARM_ENDPOINT", "ARM_SCOPE", "ArmClient", "ArmOptions"]
 ARM_ENDPOINT = "https://management.azure.com"
 ARM_SCOPE = "https://management.azure.com/.default"
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
-# One ARM call's total deadline, its retries included: a new VM's hybrid connection is ensured after its batch, the
-# hourly housekeeping lists and deletes within a tick, and a census read pages through a resource group.
+# One ARM call's total deadline, its retries included: a new VM's hybrid connection is ensured on the setup threads
+# (coordinator/service.py), the hourly housekeeping lists and deletes within a tick, and a census read pages through
+# a resource group (each page within it; the read as a whole is waited for a bounded time: census.py).
 ARM_DEADLINE_SECONDS = 20.0
 
 

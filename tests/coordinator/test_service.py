@@ -3,7 +3,9 @@ with the fleet view, and the worker's own Event Hubs decode path."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +28,9 @@ from emulators.imds import ImdsEmulator
 from local.direct_callback import DirectImdsCallback
 from tests.coordinator.conftest import App
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, envelope, scheduled_event, vm
+from tests.coordinator.memory_store import MemoryStateStore
 from tests.coordinator.runs import make_coordinator, table_coordinator
+from tests.coordinator.test_names import Listeners
 
 
 class Clock:
@@ -205,6 +209,36 @@ def test_timer_concludes_an_event_whose_other_vm_fell_silent(azurite, imds, tmp_
     stored = coordinator.event("EV-HW")
     assert stored is not None
     assert stored.record.state == "Completed"
+
+
+def test_a_new_vms_setup_holds_no_batch_when_tails_run_after_it(tmp_path):
+    """With the tails after the batch (as deployed), a scale-out's new VMs are set up on threads of their own (each
+    an ARM round trip or two, 20 s a call while ARM hangs): the batch returns while ARM hangs, each VM is set up
+    once, and ``drain`` waits for them. Before, the batch called ARM for each new VM before it returned."""
+    hung, seen = threading.Event(), []
+
+    def set_up(identity):
+        hung.wait(10)
+        seen.append(identity.name)
+
+    coordinator = make_coordinator(
+        store=MemoryStateStore(),
+        history=MemoryHistory(),
+        alerts=FolderCardSink(tmp_path),
+        callback=Listeners(),
+        policy=load_policy(DEFAULT_POLICY_PATH),
+        clock=lambda: DOC_NOW,
+        after_batch=concurrent.futures.ThreadPoolExecutor(2),
+        on_new_vm=set_up,
+    )
+    fleet = [vm(f"web_{n}", index=n + 1, group="pg-web", scale_set="web") for n in range(6)]
+    coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=[])) for web in fleet])
+    assert seen == [], "the batch returned while every setup was held"
+    assert not coordinator.drain(0.1)
+    hung.set()
+    assert coordinator.drain(10)
+    assert sorted(seen) == [web["name"] for web in fleet]
+    coordinator.close()
 
 
 def test_new_and_returning_vms_are_set_up_and_housekeeping_runs_hourly(azurite, imds, tmp_path):
