@@ -192,6 +192,9 @@ class Report:
         return {name: counts[name] for name in _REPORTED[self.kind]}
 
 
+_CARDS = ("alerts_sent", "alerts_failed", "alerts_held")
+# What a delivery's run (function_app.continue_approval) counts; a person's counts the deliveries it continued too.
+_DELIVERED = ("events_changed", "approvals_sent", *_CARDS, "history_rows", "set_aside")
 _REPORTED: dict[RunKind, tuple[str, ...]] = {
     "batch": (
         "received",
@@ -200,9 +203,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "duplicates",
         "events_changed",
         "approvals_sent",
-        "alerts_sent",
-        "alerts_failed",
-        "alerts_held",
+        *_CARDS,
         "history_rows",
         "conflicts",
         "set_aside",
@@ -225,25 +226,8 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "history_adopted",
         "bindings_written",
     ),
-    "person": (
-        "events_changed",
-        "approvals_sent",
-        "alerts_sent",
-        "alerts_failed",
-        "alerts_held",
-        "history_rows",
-        "set_aside",
-        "deliveries_continued",
-    ),
-    "delivery": (
-        "events_changed",
-        "approvals_sent",
-        "alerts_sent",
-        "alerts_failed",
-        "alerts_held",
-        "history_rows",
-        "set_aside",
-    ),
+    "person": (*_DELIVERED, "deliveries_continued"),
+    "delivery": _DELIVERED,
 }
 
 
