@@ -237,10 +237,11 @@ class Coordinator:
         if self.after_batch is not None:
             self.after_batch.shutdown(wait=False, cancel_futures=True)
         with self._pool_lock:
-            for executor in (self._executor, self._setup):
-                if executor is not None:
-                    executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = self._setup = None
+            executors, self._executor, self._setup = (self._executor, self._setup), None, None
+        # Outside the lock: a setup cancelled here calls back ``_set_up_done``, which takes it.
+        for executor in executors:
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
 
     def _new_vm(self, vm: VmIdentity) -> None:
         assert self.on_new_vm is not None

@@ -241,6 +241,29 @@ def test_a_new_vms_setup_holds_no_batch_when_tails_run_after_it(tmp_path):
     coordinator.close()
 
 
+def test_closing_with_setups_queued_cancels_them_and_returns(tmp_path):
+    """A host that stops while ARM hangs: the queued setups are cancelled (each VM is set up when it next reports),
+    and ``close`` returns."""
+    hung = threading.Event()
+    coordinator = make_coordinator(
+        store=MemoryStateStore(),
+        history=MemoryHistory(),
+        alerts=FolderCardSink(tmp_path),
+        callback=Listeners(),
+        policy=load_policy(DEFAULT_POLICY_PATH),
+        clock=lambda: DOC_NOW,
+        after_batch=concurrent.futures.ThreadPoolExecutor(2),
+        on_new_vm=lambda identity: hung.wait(10),
+    )
+    fleet = [vm(f"web_{n}", index=n + 1, group="pg-web", scale_set="web") for n in range(8)]
+    coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=[])) for web in fleet])
+    closing = threading.Thread(target=coordinator.close, kwargs={"timeout": 0.1})
+    closing.start()
+    closing.join(5)
+    assert not closing.is_alive(), "close waited on the setups' lock"
+    hung.set()
+
+
 def test_new_and_returning_vms_are_set_up_and_housekeeping_runs_hourly(azurite, imds, tmp_path):
     """The hooks wiring.py connects to relay_admin (create the VM's hybrid connection; delete stale ones)."""
     seen: list[str] = []
