@@ -245,6 +245,10 @@ def test_closing_with_setups_queued_cancels_them_and_returns(tmp_path):
     """A host that stops while ARM hangs: the queued setups are cancelled (each VM is set up when it next reports),
     and ``close`` returns."""
     hung = threading.Event()
+
+    def set_up(identity):
+        hung.wait(10)
+
     coordinator = make_coordinator(
         store=MemoryStateStore(),
         history=MemoryHistory(),
@@ -253,7 +257,7 @@ def test_closing_with_setups_queued_cancels_them_and_returns(tmp_path):
         policy=load_policy(DEFAULT_POLICY_PATH),
         clock=lambda: DOC_NOW,
         after_batch=concurrent.futures.ThreadPoolExecutor(2),
-        on_new_vm=lambda identity: hung.wait(10),
+        on_new_vm=set_up,
     )
     fleet = [vm(f"web_{n}", index=n + 1, group="pg-web", scale_set="web") for n in range(8)]
     coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=[])) for web in fleet])
