@@ -56,7 +56,7 @@ def after_census(run: Run) -> bool:
     coordinator/adapters/census.py), decided again from when the read under way lands, ``FIRST_READ_WAIT`` at most
     more: off the partition when the tail runs after the batch, so a large fleet's first read costs its census
     rules' approvals seconds, not the timer's next tick. True when it decided them again."""
-    held, run.work.awaiting_census = list(dict.fromkeys(run.work.awaiting_census)), []
+    held, run.work.awaiting_census = run.work.awaiting_census, []  # redecide_each decides each once
     if not held or not run.fleet.census_landed(census.FIRST_READ_WAIT):
         return False
     run.now = run.parts.clock()

@@ -16,6 +16,7 @@ import pytest
 from azure.functions.eventhub import EventHubTriggerConverter
 from azure.functions.meta import Datum
 
+from contracts.envelope import VmIdentity
 from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.policy import Policy
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy, parse_policy
@@ -211,13 +212,13 @@ def test_timer_concludes_an_event_whose_other_vm_fell_silent(azurite, imds, tmp_
     assert stored.record.state == "Completed"
 
 
-def test_a_new_vms_setup_holds_no_batch_when_tails_run_after_it(tmp_path):
-    """With the tails after the batch (as deployed), a scale-out's new VMs are set up on threads of their own (each
-    an ARM round trip or two, 20 s a call while ARM hangs): the batch returns while ARM hangs, each VM is set up
-    once, and ``drain`` waits for them. Before, the batch called ARM for each new VM before it returned."""
+def scale_out_while_arm_hangs(tmp_path: Path, vms: int) -> tuple[Coordinator, threading.Event, list[str], list[str]]:
+    """A coordinator with its tails after the batch (as deployed) whose new VMs' setup hangs (ARM) until the event
+    returned is set; one batch of ``vms`` new VMs of scale set web. Gives the coordinator, that event, the VMs set up
+    so far and the VMs' names."""
     hung, seen = threading.Event(), []
 
-    def set_up(identity):
+    def set_up(identity: VmIdentity) -> None:
         hung.wait(10)
         seen.append(identity.name)
 
@@ -231,36 +232,28 @@ def test_a_new_vms_setup_holds_no_batch_when_tails_run_after_it(tmp_path):
         after_batch=concurrent.futures.ThreadPoolExecutor(2),
         on_new_vm=set_up,
     )
-    fleet = [vm(f"web_{n}", index=n + 1, group="pg-web", scale_set="web") for n in range(6)]
+    fleet = [vm(f"web_{n}", index=n + 1, group="pg-web", scale_set="web") for n in range(vms)]
     coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=[])) for web in fleet])
+    return coordinator, hung, seen, [web["name"] for web in fleet]
+
+
+def test_a_new_vms_setup_holds_no_batch_when_tails_run_after_it(tmp_path):
+    """With the tails after the batch (as deployed), a scale-out's new VMs are set up on threads of their own (each
+    an ARM round trip or two, 20 s a call while ARM hangs): the batch returns while ARM hangs, each VM is set up
+    once, and ``drain`` waits for them. Before, the batch called ARM for each new VM before it returned."""
+    coordinator, hung, seen, names = scale_out_while_arm_hangs(tmp_path, 6)
     assert seen == [], "the batch returned while every setup was held"
     assert not coordinator.drain(0.1)
     hung.set()
     assert coordinator.drain(10)
-    assert sorted(seen) == [web["name"] for web in fleet]
+    assert sorted(seen) == names
     coordinator.close()
 
 
 def test_closing_with_setups_queued_cancels_them_and_returns(tmp_path):
     """A host that stops while ARM hangs: the queued setups are cancelled (each VM is set up when it next reports),
     and ``close`` returns."""
-    hung = threading.Event()
-
-    def set_up(identity):
-        hung.wait(10)
-
-    coordinator = make_coordinator(
-        store=MemoryStateStore(),
-        history=MemoryHistory(),
-        alerts=FolderCardSink(tmp_path),
-        callback=Listeners(),
-        policy=load_policy(DEFAULT_POLICY_PATH),
-        clock=lambda: DOC_NOW,
-        after_batch=concurrent.futures.ThreadPoolExecutor(2),
-        on_new_vm=set_up,
-    )
-    fleet = [vm(f"web_{n}", index=n + 1, group="pg-web", scale_set="web") for n in range(8)]
-    coordinator.process_batch([raw(envelope(web, sequence=1, incarnation=1, events=[])) for web in fleet])
+    coordinator, hung, _, _ = scale_out_while_arm_hangs(tmp_path, 8)
     closing = threading.Thread(target=coordinator.close, kwargs={"timeout": 0.1})
     closing.start()
     closing.join(5)
