@@ -8,7 +8,6 @@ never printed, logged or put in a repr.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -16,13 +15,13 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from coordinator.adapters.issuers import AZURE_ISSUER_URL_PREFIXES
+from coordinator.domain.arm_ids import is_resource_group
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH
 from coordinator.domain.rows import history_schema
 
 PREFIX = "COORDINATOR_"
 # The roots of Azure's certificates, shipped with the app (coordinator/trust/azure-imds-roots.pem says which).
 AZURE_IMDS_ROOTS = Path(__file__).parent / "trust" / "azure-imds-roots.pem"
-_RESOURCE_GROUP = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+$", re.IGNORECASE)
 
 
 class SettingsError(ValueError):
@@ -179,7 +178,7 @@ class CoordinatorSettings(BaseSettings):
     @classmethod
     def _resource_groups(cls, value: str) -> str:
         for scope in value.split(","):
-            if scope.strip() and not _RESOURCE_GROUP.match(scope.strip().rstrip("/")):
+            if scope.strip() and not is_resource_group(scope.strip().rstrip("/")):
                 raise ValueError(f"{scope.strip()!r} is not /subscriptions/{{id}}/resourceGroups/{{name}}")
         return value
 

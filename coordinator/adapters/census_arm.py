@@ -23,7 +23,6 @@ deadline (arm.py); the read as a whole by how long a run waits for it (census.py
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote
@@ -35,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from coordinator.adapters import deadline
 from coordinator.adapters.arm import ArmClient, ArmOptions
+from coordinator.domain.arm_ids import is_resource_group
 from coordinator.domain.census import CensusEntry
 from coordinator.domain.controls import VmFacts
 
@@ -42,7 +42,6 @@ __all__ = ["API_VERSION", "ArmCensusReader", "CensusError", "CensusReader", "res
 
 API_VERSION = "2025-04-01"
 # A resource group as ARM names it: the census' scope.
-_RESOURCE_GROUP = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+$", re.IGNORECASE)
 # Pages followed per list at most: a list that never ends (a loop of nextLinks) is an error, not a hang.
 MAX_PAGES = 1000
 # What each refusal means for an operator, beside ARM's own code and message.
@@ -60,7 +59,7 @@ class CensusError(RuntimeError):
 def resource_group_id(value: str) -> str:
     """A census scope as given (``/subscriptions/{id}/resourceGroups/{name}``), or ValueError naming the form."""
     text = value.strip().rstrip("/")
-    if not _RESOURCE_GROUP.match(text):
+    if not is_resource_group(text):
         raise ValueError(f"{value!r} is not a resource group id (/subscriptions/{{id}}/resourceGroups/{{name}})")
     return text
 

@@ -29,7 +29,6 @@ listener's refusal would (``NOT_AFTER_TOLERANCE`` before it), by the coordinator
 from __future__ import annotations
 
 import random
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from contracts.approval import NOT_AFTER_TOLERANCE, ApprovalRequest, ApprovalRes
 from contracts.envelope import VmIdentity
 from coordinator.adapters import deadline
 from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.domain.arm_ids import scale_set_id
 from coordinator.domain.retry import Backoff
 
 API_VERSION = "2025-11-01"
@@ -53,12 +53,6 @@ ARM_SCOPE = "https://management.azure.com/.default"
 ARM_ENDPOINT = "https://management.azure.com"
 # ARM's error answer is a small JSON object; a larger one is quoted, not parsed.
 MAX_ERROR_BYTES = 64 * 1024
-_UNIFORM_INSTANCE = re.compile(
-    r"^(?P<scale_set>/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.Compute/"
-    r"virtualMachineScaleSets/[^/]+)/virtualMachines/[^/]+$",
-    re.IGNORECASE,
-)
-_RESOURCE_GROUP = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+", re.IGNORECASE)
 # What each refusal means for an operator, beside ARM's own code and message.
 _MEANING = {
     401: "ARM refused the coordinator's token (wrong audience or expired)",
@@ -72,13 +66,7 @@ def acknowledge_target(vm: VmIdentity) -> str:
     """The ARM resource an event of this VM is acknowledged on: its scale set when it has one (a Uniform instance's
     id ends in ``/virtualMachineScaleSets/{set}/virtualMachines/{n}``; a Flexible one's is a plain VM id with
     vmScaleSetName set), else the VM."""
-    uniform = _UNIFORM_INSTANCE.match(vm.resourceId)
-    if uniform:
-        return uniform.group("scale_set")
-    group = _RESOURCE_GROUP.match(vm.resourceId)
-    if vm.vmScaleSetName and group:
-        return f"{group.group(0)}/providers/Microsoft.Compute/virtualMachineScaleSets/{vm.vmScaleSetName}"
-    return vm.resourceId
+    return scale_set_id(vm.resourceId, vm.vmScaleSetName) or vm.resourceId
 
 
 def _retry_after(response: requests.Response) -> float | None:

@@ -10,21 +10,13 @@ never what a VM reports.
 
 from __future__ import annotations
 
-import re
-
 from coordinator.domain.model import EventRecord
 
-__all__ = ["DISRUPTIVE", "REPAIRS_PREFIX", "in_flight", "is_repairs", "repairs_key", "scale_set_id"]
+__all__ = ["DISRUPTIVE", "REPAIRS_PREFIX", "in_flight", "is_repairs", "repairs_key"]
 
 # A Terminate or Preempt removes its VMs (nothing to repair); the others take them down for a while.
 DISRUPTIVE = frozenset({"Reboot", "Redeploy", "Freeze"})
 REPAIRS_PREFIX = "repairs:"
-_UNIFORM = re.compile(
-    r"^(/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.Compute/virtualMachineScaleSets/[^/]+)"
-    r"/virtualMachines/[^/]+$",
-    re.IGNORECASE,
-)
-_GROUP = re.compile(r"^(/subscriptions/[^/]+/resourceGroups/[^/]+)/", re.IGNORECASE)
 
 
 def repairs_key(scale_set: str) -> str:
@@ -41,16 +33,3 @@ def in_flight(record: EventRecord) -> bool:
     over, with VMs not back in service yet (its rule's ``returnToService``: a VM still recovering must not be
     replaced either). Its VMs still down: ``EventRecord.impacting``."""
     return record.eventType in DISRUPTIVE and (record.state in ("Approved", "Started") or bool(record.returning))
-
-
-def scale_set_id(resource_id: str, scale_set: str) -> str | None:
-    """The scale set of a VM as ARM lists it: a Uniform instance's id is under its scale set's; a Flexible member
-    is a VM of its own, in its scale set's resource group (``scale_set``: the census' name for it). None: the VM is
-    in no scale set."""
-    uniform = _UNIFORM.match(resource_id)
-    if uniform is not None:
-        return uniform.group(1)
-    group = _GROUP.match(resource_id)
-    if group is None or not scale_set:
-        return None
-    return f"{group.group(1)}/providers/Microsoft.Compute/virtualMachineScaleSets/{scale_set}"

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from contracts.document import ScheduledEvent
 from contracts.envelope import VmIdentity
+from coordinator.domain.arm_ids import resource_group
 from coordinator.domain.model import VmRecord, group_key
 from coordinator.domain.observations import Observation, ObservationKind
 from coordinator.state.store import StateStore
@@ -41,8 +42,6 @@ from coordinator.state.store import StateStore
 # Below every forwarder state's epoch (they count from 0): a forwarder's sighting of its own VM always wins.
 EVENT_GRID_EPOCH = -1
 MAX_RESOURCES = 1000
-# A VM's resource id as far as Event Grid keys it: its subscription and resource group.
-_GROUP = re.compile(r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/", re.IGNORECASE)
 _RESOURCE = re.compile(
     r"^/subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/providers/microsoft\.compute/"
     r"(?P<kind>virtualmachines|virtualmachinescalesets)/(?P<name>[^/]+)"
@@ -184,8 +183,8 @@ def where(identity: VmIdentity) -> tuple[str, str, str]:
     (ARM's, checked at the door against the census, or bound to its attested vmId), not the ``subscriptionId`` and
     ``resourceGroupName`` beside it, which only the VM says: a VM writing another group's name there would take the
     platform's sightings of the VM of its name in that group. Then its name."""
-    found = _GROUP.match(identity.resourceId)
-    subscription, group = (found["subscription"], found["group"]) if found else ("", "")
+    found = resource_group(identity.resourceId)
+    subscription, group = (found.subscription, found.name) if found else ("", "")
     return subscription.lower(), group.lower(), identity.name.lower()
 
 

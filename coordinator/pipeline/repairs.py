@@ -19,10 +19,11 @@ from collections.abc import Iterable
 from typing import Literal
 
 from coordinator.adapters.repairs import RepairsClient, RepairsError
+from coordinator.domain.arm_ids import scale_set_id
 from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.history_rows import repairs_row
 from coordinator.domain.model import EventRecord
-from coordinator.domain.repairs import in_flight, is_repairs, repairs_key, scale_set_id
+from coordinator.domain.repairs import in_flight, is_repairs, repairs_key
 from coordinator.pipeline.run import Run
 from coordinator.state.store import ConcurrencyConflict, Stored
 
