@@ -1,12 +1,15 @@
 """Cards: the Adaptive Cards (1.4) the coordinator posts to Teams, built from records (pure).
 
-The sinks that deliver them live in ``coordinator/adapters/teams.py``. One card per transition per event: the event
-record remembers which alerts went out (``coordinator/pipeline/outbox.py``).
+The sinks that deliver them live in ``coordinator/adapters/teams.py``. One alert per transition per event: the event
+record remembers which alerts went out (``coordinator/pipeline/outbox.py``). The alerts of one event a run posts
+together make one card (``also``): the latest one's, naming the others, since every card shows the record as it is
+when posted; two cards a second apart with the same facts are noise, and a webhook takes a few a second.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -168,7 +171,10 @@ def build_card(
     now: datetime,
     approve_url: str | None = None,
     detail: str = "",
+    also: Sequence[AlertKind] = (),
 ) -> dict[str, Any]:
+    """The card of alert ``kind`` about ``record``; ``also``: the event's earlier alerts this card stands for too
+    (posted with it), each named with what it says."""
     if kind.startswith("escalation-"):
         title, color, said = _escalation(kind, record)
         detail = detail or said
@@ -227,12 +233,24 @@ def build_card(
     detail = detail or _explain(kind, record)
     if detail:
         body.append({"type": "TextBlock", "text": detail[:1000], "wrap": True, "isSubtle": True})
+    if also:
+        body.append({"type": "TextBlock", "text": _also(also, record), "wrap": True, "isSubtle": True})
     body.append({"type": "TextBlock", "text": f"Coordinator time {now.isoformat()}", "isSubtle": True, "size": "Small"})
     actions = []
     asks = kind in ("new-event", "approval-failed") or (kind.startswith("escalation-") and record.approval is None)
     if approve_url and record.state == "Scheduled" and asks:
         actions.append({"type": "Action.OpenUrl", "title": "Approve now", "url": approve_url})
     return _envelope(body, actions)
+
+
+def _also(kinds: Sequence[AlertKind], record: EventRecord) -> str:
+    """The earlier alerts a card stands for: each one's title, and what it says beyond the facts."""
+    said = []
+    for kind in kinds:
+        title = _escalation(kind, record)[0] if kind.startswith("escalation-") else _TITLES[kind][0]
+        explained = _explain(kind, record)
+        said.append(f"{title}{': ' + explained[:300] if explained else ''}")
+    return ("Also since the last card: " + "; ".join(said))[:1500]
 
 
 def _return(vm: VmReturn) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import get_args
 
@@ -100,9 +101,14 @@ def _post(run: Run) -> tuple[dict[str, list[str]], VmCards]:
             current = read_event(run.parts.store, event_id)
             if current is not None:
                 records[event_id] = current.record
+        # One card per event: its alerts of this run together (cards.build_card's ``also``), in the order raised.
+        by_event: dict[str, list[AlertKind]] = {}
         for event_id, kind in work.alerts:
-            if event_id in records and posting.go() and posting.sent(send_card(run, records[event_id], kind)):
-                sent[event_id].append(kind)
+            if event_id in records and kind not in by_event.setdefault(event_id, []):
+                by_event[event_id].append(kind)
+        for event_id, kinds in by_event.items():
+            if posting.go() and posting.sent(send_card(run, records[event_id], kinds)):
+                sent[event_id].extend(kinds)
     sent_vms = send_vm_cards(run, posting)
     if posting.held:
         run.report.alerts_held += posting.held
@@ -202,22 +208,29 @@ def clear_vm_sent(run: Run, sent: VmCards) -> None:
             log.warning("VM cards of group %s sent but still marked pending: the timer may send them again", key)
 
 
-def send_card(run: Run, record: EventRecord, kind: AlertKind) -> bool:
+def send_card(run: Run, record: EventRecord, kinds: Sequence[AlertKind]) -> bool:
+    """One card for the event's alerts ``kinds`` (in the order raised): the last one's, standing for the others too;
+    an Alert row per kind, sent or failed together."""
     now, report, work = run.now, run.report, run.work
+    *earlier, kind = kinds
     approve_url = run.options.approve_url(record.eventId) if run.options.approve_url else None
-    card = build_card(kind, record, now=now, approve_url=approve_url)
+    card = build_card(kind, record, now=now, approve_url=approve_url, also=earlier)
     key = f"{record.eventId}-{kind}"
     try:
         run.parts.alerts.send(card, key=key)
     except AlertError as error:
         log.warning("alert %s not delivered, kept pending: %s", key, error)
         report.alerts_failed += 1
-        work.rows.append(alert_row(about=record, kind=kind, now=now, outcome="failed", reason=str(error)))
-        telemetry.alert(kind, "failed")
+        for each in kinds:
+            work.rows.append(alert_row(about=record, kind=each, now=now, outcome="failed", reason=str(error)))
+            telemetry.alert(each, "failed")
         return False
     report.alerts_sent += 1
-    telemetry.alert(kind, "sent")
-    work.rows.append(alert_row(about=record, kind=kind, now=now, outcome="sent"))
+    for each in kinds:
+        work.rows.append(
+            alert_row(about=record, kind=each, now=now, outcome="sent", reason="" if each == kind else f"in {key}")
+        )
+        telemetry.alert(each, "sent")
     return True
 
 

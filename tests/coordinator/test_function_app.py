@@ -150,7 +150,9 @@ def test_documented_example_through_the_function_ends_as_one_event_logged_once(a
     assert transitions(app, DOC_EVENT_ID) == expected
     decisions = app.history(f"SELECT Rule, Outcome FROM {TABLE} WHERE RecordType = 'Decision'")
     assert decisions == [{"Rule": "short-freeze", "Outcome": "approve"}]
-    assert app.card_files() == [f"{DOC_EVENT_ID}-approved.json", f"{DOC_EVENT_ID}-new-event.json"]
+    # New and approved in one batch: one card, the approval's, naming the new event too.
+    assert app.card_files() == [f"{DOC_EVENT_ID}-approved.json"]
+    assert "Also since the last card: New scheduled event" in (app.cards / app.card_files()[0]).read_text()
     schema = json.loads((Path(__file__).with_name("adaptive_card_subset.schema.json")).read_text())
     for name in app.card_files():
         card = (app.cards / name).read_bytes()

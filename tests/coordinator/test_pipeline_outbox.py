@@ -3,6 +3,7 @@ one write, the timer clears the outboxes; a card that fails stays pending for th
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 
@@ -29,13 +30,18 @@ def test_a_batch_posts_its_cards_and_logs_what_it_sent_in_one_write(bench: Bench
     run = posting(bench, ("EV-1", "new-event"), ("EV-2", "new-event"), ("EV-2", "approved"))
     outbox.post_and_log(run)
 
-    assert bench.alerts.keys == ["EV-1-new-event", "EV-2-new-event", "EV-2-approved"]
-    assert run.report.alerts_sent == 3
-    assert [(r.EventId, r.Outcome) for r in run.work.rows] == [
-        ("EV-1", "sent"),
-        ("EV-2", "sent"),
-        ("EV-2", "sent"),
+    # One card per event: EV-2's two alerts of this run are one card, the latest's, naming the other.
+    assert bench.alerts.keys == ["EV-1-new-event", "EV-2-approved"]
+    assert run.report.alerts_sent == 2
+    assert [(r.EventId, r.Action, r.Outcome, r.Reason) for r in run.work.rows] == [
+        ("EV-1", "new-event", "sent", ""),
+        ("EV-2", "new-event", "sent", "in EV-2-approved"),
+        ("EV-2", "approved", "sent", ""),
     ]
+    texts = json.dumps(bench.alerts.cards[1][1])
+    assert "Event approved: " in texts
+    assert "Also since the last card: New scheduled event" in texts
+    assert "Also since the last card" not in json.dumps(bench.alerts.cards[0][1])
     logs = bench.store.sent_alert_logs()
     assert len(logs) == 1
     assert logs[0][1].events == {"EV-1": ["new-event"], "EV-2": ["new-event", "approved"]}
@@ -56,6 +62,17 @@ def test_a_card_that_fails_stays_pending_and_nothing_is_logged(bench: Bench):
     ]
     assert bench.store.sent_alert_logs() == []
     assert bench.event("EV-1").pendingAlerts == ["new-event"]
+
+
+def test_a_card_standing_for_two_alerts_that_fails_leaves_both_pending(bench: Bench):
+    with_card(bench, "EV-1", "new-event", "approved")
+    bench.alerts.failing = True
+    run = posting(bench, ("EV-1", "new-event"), ("EV-1", "approved"))
+    outbox.post_and_log(run)
+    assert (run.report.alerts_sent, run.report.alerts_failed) == (0, 1)
+    assert [(r.Action, r.Outcome) for r in run.work.rows] == [("new-event", "failed"), ("approved", "failed")]
+    assert bench.store.sent_alert_logs() == []
+    assert bench.event("EV-1").pendingAlerts == ["new-event", "approved"]
 
 
 def test_a_run_stops_posting_at_its_first_card_that_fails_and_leaves_the_rest_pending(bench: Bench):
