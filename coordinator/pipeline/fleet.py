@@ -122,6 +122,17 @@ class Fleet:
             return None
         return sorted({entry.facts.scaleSet for name in names if (entry := self._arm.entry(name))} - {""})
 
+    def as_arm_lists(self, vm: VmIdentity) -> VmIdentity:
+        """``vm`` with its scale set as ARM's census lists the VM of its resource id, not as the VM says: where the
+        coordinator acts on a VM's behalf (the Maintenance RP's acknowledge target: a Flexible member's scale set is
+        named only by ``vmScaleSetName``). Unchanged without a census usable now, or for a VM ARM does not list."""
+        if self._arm is None or not self._arm.usable():
+            return vm
+        entry = self._arm.entry_of_resource(vm.resourceId)
+        if entry is None or entry.facts.scaleSet == vm.vmScaleSetName:
+            return vm
+        return vm.model_copy(update={"vmScaleSetName": entry.facts.scaleSet})
+
     def census_landed(self, within: timedelta) -> bool:
         """Whether ARM's census is usable once the read under way (if any) has ended, ``within`` at most; the view
         is then made again from it."""

@@ -88,6 +88,9 @@ def plan_delivery(
     if executor is None or _waits(run, plan, record.openRequest):
         return plan
     plan.vm = executor.identity()
+    if run.parts.remote_acknowledge is not None and plan.callback is run.parts.remote_acknowledge:
+        # ARM acts on the resource the VM's scale set names: ARM's word for it, never the VM's own.
+        plan.vm = run.fleet.as_arm_lists(plan.vm)
     plan.request = _request(run, record, approval, not_after)
     plan.intent = _intent(run, plan, record, approval, executor=executor.name, not_after=not_after)
     return plan

@@ -23,7 +23,9 @@ from azure.identity import ManagedIdentityCredential
 
 from contracts.approval import ApprovalFacts, ApprovalRequest
 from contracts.envelope import VmIdentity
+from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.callback import ApprovalDeliveryError
+from coordinator.adapters.census import ArmCensusReader, Census
 from coordinator.adapters.remote_acknowledge import API_VERSION, RemoteAcknowledgeSender, acknowledge_target
 from coordinator.domain.policy_file import PolicyError, parse_policy
 from coordinator.pipeline.ingest import RawMessage
@@ -396,3 +398,38 @@ def test_a_list_refused_as_a_whole_falls_back_to_single_acknowledges(
     assert [getattr(outcome, "outcome", None) for outcome in outcomes] == ["approved", "approved"]
     assert arm.arm_status()["requests"] == 3
     assert sorted(a["EventId"] for a in arm.approvals()) == sorted(ids)
+
+
+@pytest.mark.parametrize("census", [True, False])
+def test_a_flexible_members_event_is_acknowledged_on_the_scale_set_arm_lists_it_in(
+    azurite: AzuriteEndpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, census: bool
+) -> None:
+    """A Flexible member's scale set is named only by its ``vmScaleSetName``; one that writes another set's name
+    there would have ARM acknowledge on that set. With ARM's census the target is the set ARM lists it in (the
+    event approved); the control, without a census, acknowledges where the VM says, and ARM finds no such event."""
+    with runs.imds_serving("flexible-acknowledge", [{"name": "flex-a", "vmScaleSetName": "flex"}]) as flexible:
+        for name, value in flexible.identity_environment("flex-a").items():
+            monkeypatch.setenv(name, value)
+        credential = ManagedIdentityCredential()
+        vm = identity(flexible, "flex-a")
+        assert "/virtualMachineScaleSets/" not in vm.resourceId  # a VM resource of its own: Flexible
+        group = f"/subscriptions/{vm.subscriptionId}/resourceGroups/{vm.resourceGroupName}"
+        reader = ArmCensusReader(
+            credential=credential, resource_groups=[group], arm=ArmOptions(endpoint=flexible.arm_url)
+        )
+        coordinator, history = make_coordinator(
+            azurite, flexible, credential, tmp_path, census=Census(reader) if census else None
+        )
+        event_id = flexible.create_event(EventType="Freeze", Resources=["flex-a"], NoticeSeconds=900)["EventId"]
+        message = report(flexible, "flex-a", 1)
+        lied = json.loads(message.body)
+        lied["vm"]["vmScaleSetName"] = "other"
+        coordinator.process_batch([replace(message, body=json.dumps(lied).encode())])
+        acknowledged = [(a["EventId"], a["resource"]) for a in flexible.arm_status()["acknowledged"]]
+        approvals = [r for r in history.rows if r.RecordType == "Approval" and r.EventId == event_id]
+        if census:
+            assert acknowledged == [(event_id, f"{group}/providers/Microsoft.Compute/virtualMachineScaleSets/flex")]
+            assert approvals[-1].Outcome == "approved"
+        else:
+            assert acknowledged == []
+            assert "virtualMachineScaleSets/other" in (approvals[-1].Reason or ""), approvals[-1].Reason
