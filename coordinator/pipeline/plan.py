@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from contracts.approval import ApprovalFacts, ApprovalRequest
+from contracts.envelope import VmIdentity
 from coordinator.domain.approvals import choose_executor, reroutable_within, reroute_at
 from coordinator.domain.evaluation import callback_of, hooks_required
 from coordinator.domain.expiry import Bound, person_bound, request_bound, sendable
@@ -87,13 +88,19 @@ def plan_delivery(
     executor = _route(run, plan, record, approval.rule, executor, gone=gone)
     if executor is None or _waits(run, plan, record.openRequest):
         return plan
-    plan.vm = executor.identity()
-    if run.parts.remote_acknowledge is not None and plan.callback is run.parts.remote_acknowledge:
-        # ARM acts on the resource the VM's scale set names: ARM's word for it, never the VM's own.
-        plan.vm = run.fleet.as_arm_lists(plan.vm)
+    plan.vm = _identity(run, plan, executor)
     plan.request = _request(run, record, approval, not_after)
     plan.intent = _intent(run, plan, record, approval, executor=executor.name, not_after=not_after)
     return plan
+
+
+def _identity(run: Run, plan: Delivery, executor: VmSighting) -> VmIdentity:
+    """The VM the plan is for. Through ARM's acknowledge, ARM acts on the resource its scale set names: that is
+    ARM's word for it (the census), never the VM's own."""
+    vm = executor.identity()
+    if run.parts.remote_acknowledge is not None and plan.callback is run.parts.remote_acknowledge:
+        return run.fleet.as_arm_lists(vm)
+    return vm
 
 
 def _route(
