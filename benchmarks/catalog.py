@@ -146,6 +146,11 @@ BENCHES = (
         )
         for kind in BUDGETS
     ),
+    # The default wave again, last of the group's round: the budget ratio's denominator is the mean of the default
+    # wave before the eight kinds and this one after them. The kinds take six minutes of a round, and with one
+    # default wave at its start a machine that slowed during the round (d4742e0's record: rounds 0.98, 1.50, 1.58,
+    # while the same waves in pairs on a quiet machine were 1.00-1.10) landed on the kinds alone.
+    _wave("wave_after", headline={}, group="wave"),
     _wave("wave_terminate", "--event-type", "Terminate", headline=_TERMINATE_HEADLINE, group="terminate"),
     _wave(
         "wave_terminate_2x",
@@ -278,11 +283,13 @@ RATIOS = (
     Ratio(
         "wave_10k_budget_over_default",
         (_BUDGET_WAVES[0], "wave_seconds"),
-        (("wave", "wave_seconds"),),
+        (("wave", "wave_seconds"), ("wave_after", "wave_seconds")),
         1.2,
         "the 10k wave under the slowest of eight kinds of budget that approve part of it (tags, percent, zone, fault "
         "and update domain, placement group, rate, sequence; the approvals delivered to stand-ins for the VMs' "
-        "listeners in processes of their own: benchmarks/wave_budgets.py) ÷ the default policy's, in turns",
+        "listeners in processes of their own: benchmarks/wave_budgets.py) ÷ the default policy's, in turns: the "
+        "mean of the round's default wave before the kinds and after them",
+        factor=0.5,
         worst_of=tuple((name, "wave_seconds") for name in _BUDGET_WAVES[1:]),
     ),
     Ratio(

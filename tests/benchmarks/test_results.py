@@ -17,6 +17,7 @@ from benchmarks.__main__ import BenchmarkFailed, ratios, run, run_once
 from benchmarks.catalog import BENCHES, RATIOS, Bench
 from benchmarks.figures import FIGURES
 from benchmarks.results import README, RESULTS, readme_with_table, record, table
+from benchmarks.wave_budgets import BUDGETS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,6 +98,22 @@ def test_a_ratio_is_the_median_of_its_rounds_and_says_whether_it_met_its_target(
     }
     cold = ratios(runs)["wave_10k_cold_over_warm"]
     assert (cold["value"], cold["rounds"], cold["met"]) == (1.4, [1.2, 2.0, 1.4], False)
+
+
+BUDGET_WAVES = [f"wave_{kind.replace('-', '_')}" for kind in BUDGETS]
+
+
+def test_the_budget_ratio_takes_the_slowest_kind_over_the_default_waves_before_and_after_the_kinds() -> None:
+    # One round in which the machine slowed down: the default wave took 10 s before the kinds and 14 s after them.
+    runs: dict[str, list[dict[str, Any]]] = {name: [{"wave_seconds": 11.0}] for name in BUDGET_WAVES}
+    runs["wave_budget_zone"] = [{"wave_seconds": 13.2}]
+    runs["wave"] = [{"wave_seconds": 10.0}]
+    runs["wave_after"] = [{"wave_seconds": 14.0}]
+    budget = ratios(runs)["wave_10k_budget_over_default"]
+    assert (budget["value"], budget["met"]) == (1.1, True)  # 13.2 ÷ 12, not 13.2 ÷ 10
+    # Without the default wave after the kinds there is no round to take the ratio of.
+    del runs["wave_after"]
+    assert "wave_10k_budget_over_default" not in ratios(runs)
 
 
 def test_a_record_keeps_each_figure_with_its_target_and_where_it_was_measured(tmp_path: Path) -> None:
