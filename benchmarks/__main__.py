@@ -50,23 +50,37 @@ def ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for ratio in RATIOS:
         over = (ratio.numerator, *ratio.worst_of)
-        rounds = min([len(runs.get(name, [])) for name, _ in (*over, *ratio.denominator)])
+        # Each member's own denominator figures (paired), else every member over the one denominator.
+        unders = ratio.paired or (ratio.denominator,) * len(over)
+        named = (*over, *(figure for under in unders for figure in under))
+        rounds = min([len(runs.get(name, [])) for name, _ in named])
         values = []
         for i in range(rounds):
-            tops = [runs[name][i].get(key) for name, key in over]
-            parts = [runs[name][i].get(key) for name, key in ratio.denominator]
-            numerators = [float(t) for t in tops if isinstance(t, int | float)]
-            numbers = [float(p) for p in parts if isinstance(p, int | float)]
-            if len(numerators) < len(tops) or len(numbers) < len(parts):
-                continue
-            value = max(numerators)
-            base = sum(numbers) if numbers else 1.0
-            if base:
-                values.append(round(value / (ratio.factor * base), 4))
+            quotients = [_quotient(runs, i, top, under, ratio.factor) for top, under in zip(over, unders, strict=True)]
+            if quotients and all(q is not None for q in quotients):
+                values.append(round(max(q for q in quotients if q is not None), 4))
         if values:
             median = round(statistics.median(values), 3)
             out[ratio.key] = {"value": median, "target": ratio.target, "met": median <= ratio.target, "rounds": values}
     return out
+
+
+def _quotient(
+    runs: dict[str, list[dict[str, Any]]],
+    i: int,
+    top: tuple[str, str],
+    under: tuple[tuple[str, str], ...],
+    factor: float,
+) -> float | None:
+    """Round ``i``'s ``top`` figure ÷ (``factor`` × the sum of its ``under`` figures; none: 1); None when one is
+    missing or the denominator is 0."""
+    value = runs[top[0]][i].get(top[1])
+    parts = [runs[name][i].get(key) for name, key in under]
+    numbers = [float(p) for p in parts if isinstance(p, int | float)]
+    if not isinstance(value, int | float) or len(numbers) < len(parts):
+        return None
+    base = sum(numbers) if numbers else 1.0
+    return float(value) / (factor * base) if base else None
 
 
 def run_once(bench: Bench, *, quick: bool) -> dict[str, Any]:
@@ -149,7 +163,7 @@ def run(chosen: list[Bench], *, quick: bool, runs: int | None) -> dict[str, Any]
         rounds = 1 if quick else (runs or max(b.runs for b in turn))
         for _ in range(rounds):
             for member in turn:
-                if member.name in errors:
+                if member.name in errors or (quick and member.full_only):
                     continue
                 began = time.monotonic()
                 try:

@@ -3,6 +3,7 @@ README shows has one meaning and a producer, and the README's figures table is t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -30,6 +31,12 @@ def test_a_valid_run_gives_its_figures() -> None:
     assert run_once(fake("valid"), quick=True)["seconds"] == 1.5
     output = run([fake("valid")], quick=True, runs=None)
     assert (output["fake_seconds"], output["errors"]) == (1.5, {})
+
+
+def test_a_full_only_benchmark_runs_in_full_runs_and_not_in_quick_ones() -> None:
+    placing = dataclasses.replace(fake("valid"), name="placing", full_only=True, headline={})
+    assert set(run([fake("valid"), placing], quick=True, runs=None)["details"]) == {"fake"}
+    assert set(run([fake("valid"), placing], quick=False, runs=1)["details"]) == {"fake", "placing"}
 
 
 @pytest.mark.parametrize(
@@ -103,17 +110,27 @@ def test_a_ratio_is_the_median_of_its_rounds_and_says_whether_it_met_its_target(
 BUDGET_WAVES = [f"wave_{kind.replace('-', '_')}" for kind in BUDGETS]
 
 
-def test_the_budget_ratio_takes_the_slowest_kind_over_the_default_waves_before_and_after_the_kinds() -> None:
-    # One round in which the machine slowed down: the default wave took 10 s before the kinds and 14 s after them.
-    runs: dict[str, list[dict[str, Any]]] = {name: [{"wave_seconds": 11.0}] for name in BUDGET_WAVES}
-    runs["wave_budget_zone"] = [{"wave_seconds": 13.2}]
-    runs["wave"] = [{"wave_seconds": 10.0}]
-    runs["wave_after"] = [{"wave_seconds": 14.0}]
-    budget = ratios(runs)["wave_10k_budget_over_default"]
-    assert (budget["value"], budget["met"]) == (1.1, True)  # 13.2 ÷ 12, not 13.2 ÷ 10
-    # Without the default wave after the kinds there is no round to take the ratio of.
-    del runs["wave_after"]
-    assert "wave_10k_budget_over_default" not in ratios(runs)
+def test_the_adjacent_budget_ratio_takes_each_kind_over_the_default_waves_just_before_and_after_it() -> None:
+    # One round in which the machine slowed down: the default wave took 10 s before the first kind and 14 s by the
+    # last; each kind took 1.1x the default waves beside it, except zone (1.3x the 11 s and 13 s beside it).
+    runs: dict[str, list[dict[str, Any]]] = {"wave": [{"wave_seconds": 10.0}]}
+    for index, name in enumerate(BUDGET_WAVES):
+        before = runs["wave" if index == 0 else f"wave_after_{BUDGET_WAVES[index - 1].removeprefix('wave_')}"]
+        after = 10.0 + 0.5 * (index + 1)
+        runs[name] = [{"wave_seconds": 1.1 * (before[0]["wave_seconds"] + after) / 2}]
+        runs[f"wave_after_{name.removeprefix('wave_')}"] = [{"wave_seconds": after}]
+    runs["wave_after_budget_percent"] = [{"wave_seconds": 11.0}]
+    runs["wave_budget_zone"] = [{"wave_seconds": 1.3 * 12.0}]
+    runs["wave_after_budget_zone"] = [{"wave_seconds": 13.0}]
+    adjacent = ratios(runs)["wave_10k_budget_over_adjacent_default"]
+    assert (adjacent["value"], adjacent["met"]) == (1.3, False)
+    # The same round against the one default wave before the kinds: the drift lands on the later kinds.
+    assert ratios(runs)["wave_10k_budget_over_default"]["value"] == round(
+        max(runs[n][0]["wave_seconds"] for n in BUDGET_WAVES) / 10.0, 3
+    )
+    # A default wave missing beside one kind: no quotient for the round.
+    del runs["wave_after_budget_rate"]
+    assert "wave_10k_budget_over_adjacent_default" not in ratios(runs)
 
 
 def test_a_record_keeps_each_figure_with_its_target_and_where_it_was_measured(tmp_path: Path) -> None:
