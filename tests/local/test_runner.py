@@ -3,7 +3,9 @@ batches in the Functions host's shape, retries and failure counting."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 import threading
 import time
 import uuid
@@ -146,3 +148,74 @@ def test_what_holds_a_partition_up_is_noted_with_its_time(
     assert any(re.fullmatch(r"\S+ partition \d closed: SHUTDOWN", note) for note in stalls), stalls
     assert all(datetime.fromisoformat(note.split(" ", 1)[0]).tzinfo is not None for note in stalls)
     assert host.stats.as_dict()["stalls"] == stalls[-5:]
+
+
+class _BusyOnce:
+    """Azurite's blob endpoint behind a loopback proxy that, once armed, answers its next connection's request with
+    503 Server Busy (a storage front end under load) and closes it; every other connection is passed through."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.armed = False
+        self.refused = 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _handle(self, client: socket.socket) -> None:
+        if self.armed:
+            self.armed = False
+            self.refused += 1
+            client.recv(65536)  # the checkpoint's PUT: headers and metadata, no body
+            client.sendall(b"HTTP/1.1 503 Server Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            client.close()
+            return
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
+        _pump(client, upstream)
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    for end in (source, sink):
+        with contextlib.suppress(OSError):
+            end.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_checkpoint_write_refused_once_is_retried_within_about_a_second_as_the_host_retries(
+    azurite: AzuriteEndpoints,
+) -> None:
+    # The Python blob client's own first retry waits 15 s (±3) and the partition's next batch waits for it; the
+    # Functions host's storage client retries from 0.8 s.
+    proxy = _BusyOnce(azurite.blob_port)
+    container = f"checkpoints-{uuid.uuid4().hex[:8]}"
+    connection = azurite.connection_string.replace(f"127.0.0.1:{azurite.blob_port}/", f"127.0.0.1:{proxy.port}/")
+    store = runner._checkpoint_store(connection, container)
+    proxy.armed = True
+    started = time.monotonic()
+    store.update_checkpoint(
+        {
+            "fully_qualified_namespace": "localhost",
+            "eventhub_name": HUB,
+            "consumer_group": "$Default",
+            "partition_id": "0",
+            "offset": "42",
+            "sequence_number": 7,
+        }
+    )
+    took = time.monotonic() - started
+    checkpoints = store.list_checkpoints("localhost", HUB, "$Default")
+    proxy.server.close()
+    assert proxy.refused == 1
+    assert [(c["partition_id"], c["sequence_number"]) for c in checkpoints] == [("0", 7)]
+    assert took < 5.0, f"the refused checkpoint took {took:.1f} s to be written"
