@@ -22,6 +22,7 @@ from emulators.azurite import AzuriteEndpoints
 from emulators.eventhubs import EventHubsEmulator, producer_client
 from local import runner
 from local.runner import AZURITE_BLOB_API_VERSION, FunctionHost, wait_until
+from tests.loopback import SocketServer
 
 HUB = "scheduled-events"
 
@@ -150,7 +151,7 @@ def test_what_holds_a_partition_up_is_noted_with_its_time(
     assert host.stats.as_dict()["stalls"] == stalls[-5:]
 
 
-class _BusyOnce:
+class _BusyOnce(SocketServer):
     """Azurite's blob endpoint behind a loopback proxy that, once armed, answers its next connection's request with
     503 Server Busy (a storage front end under load) and closes it; every other connection is passed through."""
 
@@ -158,29 +159,19 @@ class _BusyOnce:
         self.target_port = target_port
         self.armed = False
         self.refused = 0
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
-
-    def _handle(self, client: socket.socket) -> None:
+    def handle(self, connection: socket.socket) -> None:
         if self.armed:
             self.armed = False
             self.refused += 1
-            client.recv(65536)  # the checkpoint's PUT: headers and metadata, no body
-            client.sendall(b"HTTP/1.1 503 Server Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            client.close()
+            connection.recv(65536)  # the checkpoint's PUT: headers and metadata, no body
+            connection.sendall(b"HTTP/1.1 503 Server Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            connection.close()
             return
         upstream = socket.create_connection(("127.0.0.1", self.target_port))
-        threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
-        _pump(client, upstream)
+        threading.Thread(target=_pump, args=(upstream, connection), daemon=True).start()
+        threading.Thread(target=_pump, args=(connection, upstream), daemon=True).start()
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:
@@ -215,7 +206,7 @@ def test_a_checkpoint_write_refused_once_is_retried_within_about_a_second_as_the
     )
     took = time.monotonic() - started
     checkpoints = store.list_checkpoints("localhost", HUB, "$Default")
-    proxy.server.close()
+    proxy.close()
     assert proxy.refused == 1
     assert [(c["partition_id"], c["sequence_number"]) for c in checkpoints] == [("0", 7)]
     assert took < 5.0, f"the refused checkpoint took {took:.1f} s to be written"
