@@ -78,6 +78,14 @@ def _wave(
     return Bench(name, "benchmarks.wave", full, quick, runs, headline, timeout, group, quick_timeout, full_only)
 
 
+# The budget waves by kind, and the default waves run just after each kind and just before it: the one after the
+# kind before (the first kind: the round's default wave).
+_BUDGET_OF = {kind: f"wave_{kind.replace('-', '_')}" for kind in BUDGETS}
+_BUDGET_WAVES = tuple(_BUDGET_OF.values())
+_AFTER = {name: f"wave_after_{name.removeprefix('wave_')}" for name in _BUDGET_WAVES}
+_BEFORE = dict(zip(_BUDGET_WAVES, ("wave", *(_AFTER[name] for name in _BUDGET_WAVES[:-1])), strict=True))
+
+
 BENCHES = (
     Bench(
         "pipeline_latency",
@@ -148,16 +156,10 @@ BENCHES = (
     # record); against one default wave at the round's start, that drift landed on the later kinds alone.
     *(
         bench
-        for kind in BUDGETS
+        for kind, name in _BUDGET_OF.items()
         for bench in (
-            _wave(
-                f"wave_{kind.replace('-', '_')}",
-                "--policy",
-                kind,
-                headline={"wave_seconds": f"wave_{{vms}}_{kind}"},
-                group="wave",
-            ),
-            _wave(f"wave_after_{kind.replace('-', '_')}", headline={}, group="wave", full_only=True),
+            _wave(name, "--policy", kind, headline={"wave_seconds": f"wave_{{vms}}_{kind}"}, group="wave"),
+            _wave(_AFTER[name], headline={}, group="wave", full_only=True),
         )
     ),
     _wave("wave_terminate", "--event-type", "Terminate", headline=_TERMINATE_HEADLINE, group="terminate"),
@@ -259,12 +261,6 @@ BENCHES = (
     ),
 )
 
-
-_BUDGET_WAVES = tuple(f"wave_{kind.replace('-', '_')}" for kind in BUDGETS)
-# The default waves run just after each kind, and just before it: the one after the kind before (the first kind: the
-# round's default wave).
-_AFTER = {name: f"wave_after_{name.removeprefix('wave_')}" for name in _BUDGET_WAVES}
-_BEFORE = dict(zip(_BUDGET_WAVES, ("wave", *(_AFTER[name] for name in _BUDGET_WAVES[:-1])), strict=True))
 
 # --- the ratios ---------------------------------------------------------------------------------------------------
 RATIOS = (

@@ -94,7 +94,9 @@ def test_every_figure_has_one_producer_and_every_ratio_names_benchmarks_that_exi
     assert len(keys) == len(set(keys))
     assert set(keys) <= produced, set(keys) - produced
     for ratio in RATIOS:
-        assert {name for name, _ in (ratio.numerator, *ratio.denominator)} <= names, ratio.key
+        paired = [figure for under in ratio.paired for figure in under]
+        assert {name for name, _ in (ratio.numerator, *ratio.denominator, *ratio.worst_of, *paired)} <= names, ratio.key
+        assert not ratio.paired or len(ratio.paired) == 1 + len(ratio.worst_of), ratio.key
         assert ratio.meaning
 
 
