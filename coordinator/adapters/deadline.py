@@ -87,7 +87,10 @@ class Deadline:
             self._connections.clear()
 
     def error(self) -> DeadlineExceeded:
-        return DeadlineExceeded(f"{self.what}: no complete answer within its total deadline of {self.seconds:.3g} s")
+        # To the hundredth of a second: an attempt given what is left of its send's deadline gets 0.9996 s of a 1 s
+        # send, and the message names the send's deadline, not the microseconds spent before the attempt.
+        shown = f"{round(self.seconds, 2):g}"
+        return DeadlineExceeded(f"{self.what}: no complete answer within its total deadline of {shown} s")
 
 
 def _shut(connection: HTTPConnection) -> None:
