@@ -81,7 +81,7 @@ from forwarder.decisions import DecisionLedger, DecisionStatus, LedgerEntry, Mem
 from forwarder.force import ForceHooks, hook_failure
 from forwarder.imds import ImdsDeadlinePassed, ImdsError
 from forwarder.logs import fields
-from forwarder.proofs import Proofs, Proving
+from forwarder.proofs import Proofs
 from forwarder.relay_protocol import RelayRequest, RelayResponse
 from forwarder.telemetry import IdTracer, Span, Tracer, parent
 
@@ -204,12 +204,12 @@ class Approver:
             )
             span.set_attribute("scheduled_events.event_id", approval.eventId)
             span.set_attribute("scheduled_events.decision_id", approval.decisionId)
+            # The proof first: a VM whose delete this approval starts has no IMDS a moment after StartRequests, and
+            # requests arriving while it is made share the read that follows (made beside the read, each later
+            # arrival read again: tried and taken back, docs/changelog.md).
             arrived = time.monotonic()
-            # Asked for now, made while the document is read and judged; in hand before StartRequests (a VM whose
-            # delete this approval starts has no IMDS a moment after it) and before the answer.
-            proving = self._proofs.begin(approval.decisionId)
-            result, replayed = self._decide(approval, arrived, proving)
-            proof = self._proofs.wait(proving)
+            proof = self._proofs.proof(approval.decisionId)
+            result, replayed = self._decide(approval, arrived)
         except _Refusal as refusal:
             record.update(status=refusal.status, reason=refusal.reason)
             # 503: IMDS could not be asked (the sender retries); 4xx: the request could not be evaluated.
@@ -226,7 +226,7 @@ class Approver:
         log.info("approval request answered", extra=fields(**record, ms=_ms(started)))
         return RelayResponse(200, "OK", {"Content-Type": "application/json"}, result.to_json_bytes())
 
-    def _decide(self, approval: ApprovalRequest, arrived: float, proving: Proving) -> tuple[ApprovalResult, bool]:
+    def _decide(self, approval: ApprovalRequest, arrived: float) -> tuple[ApprovalResult, bool]:
         with self._lock:
             now = self._clock()
             prior = self._ledger.decision(approval.decisionId)
@@ -245,8 +245,6 @@ class Approver:
                 return self._refuse(approval, stale, None, now), False
             document = self._fresh_document(approval.eventId, arrived)
             outcome, reason = self._judge(approval, document)
-            if outcome == "approved":
-                self._proofs.wait(proving)  # before anything this approval starts (its force hook, StartRequests)
             if outcome == "approved" and approval.facts is not None and approval.facts.forceHook:
                 return self._start_force(approval, approval.facts.forceHook, document, now), False
             if outcome == "approved":

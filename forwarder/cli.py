@@ -186,21 +186,12 @@ class _Sessions:
                     prepare_outcome=(lambda event_id: store.hook_outcome(event_id, "prepare")) if store else None,
                     ledger=store,  # its decision ledger (in memory without a store): once per decisionId
                     tracer=self._telemetry.tracer if self._telemetry else None,
-                    attest=_proofs_client(settings, imds).get_attestation if settings.attest else None,
+                    attest=imds.get_attestation if settings.attest else None,
                     freshness=Freshness(not_after_tolerance=timedelta(seconds=settings.not_after_tolerance)),
                     force=self._force,  # a force request's hook: the daemon's hooks folder, runner and sender
                 )
                 self._made = (RelayListener, EntraTokenProvider, approver)
             return self._made
-
-
-def _proofs_client(settings: ForwarderSettings, imds: ImdsClient) -> ImdsClient:
-    """The listener's proofs on a connection of their own (the process-wide rate limiter still shared): an
-    ``ImdsClient`` sends one request at a time, and the attested call, which IMDS signs, would hold the approval's
-    document read behind it (forwarder/proofs.py makes the two at once)."""
-    return ImdsClient(
-        base_url=imds.base_url, timeout=settings.imds_timeout, first_call_timeout=settings.imds_first_call_timeout
-    )
 
 
 def relay_companions(

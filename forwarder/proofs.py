@@ -1,8 +1,6 @@
 """The proof every listener answer carries: IMDS's attested document for its decision (``decision_nonce``), so that
 the coordinator knows this VM answered, not another instance listening on this hybrid connection. Without one (IMDS
-refused it) the answer goes as it is, and a coordinator requiring proof sends again. Used by forwarder/approver.py,
-which asks for it on a request's arrival (``begin``: IMDS signs while the listener reads and judges the document) and
-waits for it before StartRequests and before its answer (``wait``).
+refused it) the answer goes as it is, and a coordinator requiring proof sends again. Used by forwarder/approver.py.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from contracts.wire import Attestation
 from forwarder.imds import ImdsError
 from forwarder.logs import fields
 
-__all__ = ["PROOF_ENTRIES", "PROOF_REUSE_SECONDS", "PROOF_WAIT_SECONDS", "Proofs", "Proving"]
+__all__ = ["PROOF_ENTRIES", "PROOF_REUSE_SECONDS", "PROOF_WAIT_SECONDS", "Proofs"]
 
 log = logging.getLogger("forwarder.approver")
 
@@ -32,9 +30,6 @@ PROOF_ENTRIES = 16
 # How long a request waits for the proof another request for its decision is asking IMDS for (the IMDS client's
 # own deadline is shorter); without it the answer goes without proof.
 PROOF_WAIT_SECONDS = 15.0
-
-
-Proving = Future[Attestation | None]
 
 
 class Proofs:
@@ -83,29 +78,3 @@ class Proofs:
                         self._proofs.popitem(last=False)
             making.set_result(proof)
         return proof
-
-    def begin(self, decision_id: str) -> Proving:
-        """``proof`` on a thread of its own, started now; ``wait`` takes its document. The attested call is the
-        slowest of a listener's IMDS calls (IMDS signs it): made beside the document's read and the judging, not
-        before them."""
-        proving: Proving = Future()
-        if self._attest is None:
-            proving.set_result(None)
-            return proving
-
-        def make() -> None:
-            try:
-                proving.set_result(self.proof(decision_id))
-            except BaseException as error:  # proof() keeps IMDS's own errors; anything else is the waiter's
-                proving.set_exception(error)
-
-        threading.Thread(target=make, name=f"listener-proof-{decision_id[:12]}", daemon=True).start()
-        return proving
-
-    @staticmethod
-    def wait(proving: Proving) -> Attestation | None:
-        """The proof ``begin`` asked for, once made (None: IMDS gave none within ``PROOF_WAIT_SECONDS``)."""
-        try:
-            return proving.result(timeout=PROOF_WAIT_SECONDS)
-        except FutureTimeout:
-            return None

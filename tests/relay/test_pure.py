@@ -9,7 +9,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import unquote
@@ -391,10 +391,8 @@ class _ApprovingImds:
         self.started: set[str] = set()
         self.event_ids = event_ids
         self.posts: list[list[str]] = []
-        self.before_read: Callable[[], object] = lambda: None
 
     def get_document(self) -> ScheduledEventsDocument:
-        self.before_read()
         return document(*(event(e, "Started" if e in self.started else "Scheduled") for e in self.event_ids))
 
     def approve(self, event_ids: Iterable[str], *, before: float | None = None) -> None:
@@ -428,33 +426,14 @@ def _request(event_id: str = "E1", decision_id: str = "d-1") -> ApprovalRequest:
 
 def _approver(imds: _ApprovingImds, arriving: int) -> Approver:
     barrier = threading.Barrier(arriving)
-    all_arrived = threading.Event()
     calls = iter(range(1_000))
 
     def attest(nonce: str) -> Attestation:
-        # Each request asks for its proof on arrival: once the first ``arriving`` have, they have all arrived.
         if next(calls) < arriving:
-            barrier.wait(5)
-            all_arrived.set()
+            barrier.wait(5)  # the first ``arriving`` requests have all arrived before any is decided
         raise ImdsInvalidResponse("no attested document here")
 
-    approver = Approver(imds=imds, vm_name="WestNO_0", clock=lambda: NOW, attest=attest)
-    approver._lock = _AfterAll(approver._lock, all_arrived)  # type: ignore[assignment]  # none decided before
-    return approver
-
-
-class _AfterAll:
-    """The approver's lock, taken only once ``arrived`` is set: no request is decided before they all arrived."""
-
-    def __init__(self, lock: Any, arrived: threading.Event) -> None:
-        self._held, self._arrived = lock, arrived
-
-    def __enter__(self) -> None:
-        self._arrived.wait(5)
-        self._held.acquire()
-
-    def __exit__(self, *_: object) -> None:
-        self._held.release()
+    return Approver(imds=imds, vm_name="WestNO_0", clock=lambda: NOW, attest=attest)
 
 
 def test_approvals_that_arrive_together_are_judged_on_one_read_made_after_they_arrived():
@@ -530,39 +509,3 @@ def test_requests_for_one_decision_arriving_together_share_one_proof():
     # Another decision gets its own proof.
     _together(approver, _request(decision_id="d-other"))
     assert made == [decision_nonce("d-same"), decision_nonce("d-other")]
-
-
-def test_the_proof_is_made_while_the_document_is_read_and_before_start_requests():
-    """The attested call (IMDS signs it) is the slowest of the three: made beside the document's read and the
-    judging, not before them, and in hand before the POST (a VM whose delete starts has no IMDS a moment after)."""
-    imds = _ApprovingImds("E1")
-    steps: list[str] = []
-    read = threading.Event()
-
-    def before_read() -> None:
-        steps.append("read")
-        read.set()
-
-    imds.before_read = before_read
-
-    def attest(nonce: str) -> Attestation:
-        # Asked for in turn (the old order), the read never starts while this waits for it.
-        overlapped = read.wait(5)
-        steps.append("proof made" if overlapped else "proof made, no read meanwhile")
-        return Attestation(encoding="pkcs7", signature="c2lnbmVk")
-
-    approver = Approver(imds=imds, vm_name="WestNO_0", clock=lambda: NOW, attest=attest)
-    original = imds.approve
-
-    def approve(event_ids: Iterable[str], *, before: float | None = None) -> None:
-        steps.append("post")
-        original(event_ids, before=before)
-
-    imds.approve = approve  # type: ignore[method-assign]
-    body = _request().to_json_bytes()
-    answer = json.loads(
-        approver(RelayRequest("r", "POST", "/vm/approve", "/approve", {"Content-Type": "application/json"}, body)).body
-    )
-    assert answer["outcome"] == "approved"
-    assert answer["attestation"]["signature"] == "c2lnbmVk"
-    assert steps == ["read", "proof made", "post"]
