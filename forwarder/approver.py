@@ -205,8 +205,7 @@ class Approver:
             span.set_attribute("scheduled_events.event_id", approval.eventId)
             span.set_attribute("scheduled_events.decision_id", approval.decisionId)
             # The proof first: a VM whose delete this approval starts has no IMDS a moment after StartRequests, and
-            # requests arriving while it is made share the read that follows (made beside the read, each later
-            # arrival read again: tried and taken back, docs/changelog.md).
+            # requests arriving while it is made share the one document read that follows (IMDS: ~5 requests/s).
             arrived = time.monotonic()
             proof = self._proofs.proof(approval.decisionId)
             result, replayed = self._decide(approval, arrived)
