@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 __all__ = ["Lru"]
@@ -53,6 +53,19 @@ class Lru(Generic[K, V]):
             while len(self._values) > self.size:
                 evicted.append(self._values.popitem(last=False))
             return evicted
+
+    def put_if(self, key: K, value: V, keep: Callable[[V | None], bool]) -> bool:
+        """Keeps ``value`` if ``keep`` says so of the value held now (checked and put under one lock: no other
+        thread's put comes between), else forgets ``key``; whether it was kept."""
+        with self._lock:
+            if not keep(self._values.get(key)):
+                self._values.pop(key, None)
+                return False
+            self._values[key] = value
+            self._values.move_to_end(key)
+            while len(self._values) > self.size:
+                self._values.popitem(last=False)
+            return True
 
     def pop(self, key: K) -> V | None:
         """Forgets ``key``; its value, or None."""

@@ -81,6 +81,8 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         self._dead_letters = dead_letters
         # The Functions worker runs invocations on a thread pool and shares this store between them (Lru: locked).
         self._cache: Lru[tuple[str, str], Stored[Any]] = Lru(CACHE_ENTRIES)
+        # Moves at each write this store keeps: a read that saw it move may have been answered before that write.
+        self._writes_kept = 0
         self._set_aside = SetAsideLog()
 
     @classmethod
@@ -110,8 +112,26 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         return store
 
     # cache ---------------------------------------------------------------------------------------------------
-    def _remember(self, partition: str, key: str, stored: Stored[Any]) -> None:
-        self._cache.put((partition, key), stored)
+    # Two invocations of one instance (each its partition's batch) can write or read the same entity (a VM group whose
+    # VMs sit on two partitions) and have their answers handled in either order: the last handled must not leave an
+    # older ETag cached, or the next write from the cache conflicts and re-reads every entity of its transaction.
+    # Which of two ETags is newer cannot be told, so an entry that is not the one expected is forgotten instead.
+    def _remember_written(self, partition: str, key: str, stored: Stored[Any], *, over: str | None) -> None:
+        """A write's record, kept over nothing or the entry it was conditioned on (``over``: the ETag it matched;
+        None: an insert), else forgotten."""
+        self._writes_kept += 1
+        if over == "*":
+            self._cache.put((partition, key), stored)
+            return
+        self._cache.put_if((partition, key), stored, lambda held: held is None or held.etag == over)
+
+    def _remember_read(self, partition: str, key: str, stored: Stored[Any], *, writes_before: int) -> None:
+        """A read's record; if this store kept a write since the read was sent (``writes_before``), only over
+        nothing or the same ETag (that write may be newer than what the read saw)."""
+        if self._writes_kept == writes_before:
+            self._cache.put((partition, key), stored)
+            return
+        self._cache.put_if((partition, key), stored, lambda held: held is None or held.etag == stored.etag)
 
     def _forget(self, partition: str, key: str) -> None:
         self._cache.pop((partition, key))
@@ -150,6 +170,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         """The entities of one partition under these RowKeys, parsed and cached, a query per chunk of keys."""
         found: dict[str, Stored[R]] = {}
         for chunk in chunks(list(keys), ROWKEYS_PER_QUERY):
+            writes_before = self._writes_kept
             parameters: dict[str, Any] = {"pk": partition}
             clauses = []
             for i, key in enumerate(chunk):
@@ -159,7 +180,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
             query = f"PartitionKey eq @pk and ( {' or '.join(clauses)} )"
             for key, stored in self._decoded(self._table.query_entities(query, parameters=parameters), parse):
                 found[key] = stored
-                self._remember(partition, key, stored)
+                self._remember_read(partition, key, stored, writes_before=writes_before)
         return found
 
     def _query(
@@ -182,6 +203,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         write time among them."""
         found: list[Stored[R]] = []
         latest: datetime | None = None
+        writes_before = self._writes_kept  # the query is sent as the iteration starts
         for entity in entities:
             stamp = entity.metadata.get("timestamp")
             if stamp is not None and (latest is None or stamp > latest):
@@ -190,7 +212,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
             if isinstance(stored, str):
                 self._set_aside_entity(entity, stored)
                 continue
-            self._remember(str(entity["PartitionKey"]), str(entity["RowKey"]), stored)
+            self._remember_read(str(entity["PartitionKey"]), str(entity["RowKey"]), stored, writes_before=writes_before)
             found.append(stored)
         return Changed(found, latest)
 
@@ -355,7 +377,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
                 raise RecordTooLarge(f"{partition}/{key}: the table refused it as too large") from error
             raise
         new_etag = str(metadata["etag"])
-        self._remember(partition, key, Stored(record, new_etag))
+        self._remember_written(partition, key, Stored(record, new_etag), over=etag)
         return new_etag
 
     def _save_many(self, writes: list[Write], *, mode: UpdateMode = UpdateMode.REPLACE) -> list[str]:
@@ -389,7 +411,8 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
             for index, write, result in zip(positions, part, results, strict=True):
                 etag = str(result["etag"])
                 if not is_staged(write):
-                    self._remember(str(write[0]["PartitionKey"]), str(write[0]["RowKey"]), Stored(write[2], etag))
+                    where = str(write[0]["PartitionKey"]), str(write[0]["RowKey"])
+                    self._remember_written(*where, Stored(write[2], etag), over=write[1])
                 etags[index] = etag
         return [etags[i] for i in range(len(writes))]
 

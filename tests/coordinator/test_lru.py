@@ -46,3 +46,16 @@ def test_threads_writing_at_once_never_leave_it_over_its_size() -> None:
     assert len(cache) == 100
     assert len(evicted) == 4 * 5000 - 100
     assert len(set(evicted)) == len(evicted)  # each key evicted once
+
+
+def test_a_check_and_put_keeps_the_value_only_over_what_it_expects_and_else_forgets_the_key() -> None:
+    cache: Lru[str, int] = Lru(2)
+    assert cache.put_if("a", 1, lambda held: held is None)
+    assert not cache.put_if("a", 2, lambda held: held == 5)  # not what it expected: neither value is kept
+    assert "a" not in cache
+    cache.put("a", 1)
+    assert cache.put_if("a", 2, lambda held: held == 1)
+    assert cache.get("a") == 2
+    cache.put("b", 3)
+    assert cache.put_if("c", 4, lambda held: held is None)  # over its size: the least recently used goes
+    assert ("a" in cache, cache.get("b"), cache.get("c")) == (False, 3, 4)

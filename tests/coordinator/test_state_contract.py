@@ -756,3 +756,70 @@ def test_budgets_are_listed_and_deleted_only_unchanged(store, peer):
     assert store.delete_budget("web", empty) is False
     assert store.delete_budget("web", changed) is True
     assert [s.record.scaleSet for s in store.budgets()] == ["zone:westeurope/1"]
+
+
+def test_a_write_answered_after_a_later_one_of_the_same_instance_leaves_no_older_etag_cached(azurite: Any) -> None:
+    """Two invocations of one instance write one VM group (its VMs on two partitions): the first's answer is handled
+    only after the second met its conflict, read again and wrote. The group this store then holds is the newest:
+    a write from it is not refused (an older ETag kept made the next batch conflict and read every group of its
+    transaction again)."""
+    table = "ordered" + uuid.uuid4().hex[:12]
+    store = TableStateStore.from_connection_string(azurite.connection_string, table_name=table)
+    a, b = vm_position("web_0", index=1), vm_position("web_1", index=2)
+    first = store.save_vm_group(group("pg:web", a, b), None)
+    answered, release = threading.Event(), threading.Event()
+    update = store._table.update_entity
+
+    def held_back(entity: Any, **kwargs: Any) -> Any:
+        result = update(entity, **kwargs)  # written in the table; its answer handled once released
+        answered.set()
+        release.wait(10)
+        return result
+
+    store._table.update_entity = held_back  # type: ignore[method-assign,assignment]
+    moved_a = a.model_copy(update={"lastSequence": 5})
+    slow = threading.Thread(target=store.save_vm_group, args=(group("pg:web", moved_a), first))
+    slow.start()
+    assert answered.wait(10)
+    store._table.update_entity = update  # type: ignore[method-assign]
+    moved_b = b.model_copy(update={"lastSequence": 9})
+    with pytest.raises(ConcurrencyConflict):
+        store.save_vm_group(group("pg:web", moved_b), first, vm_ids=[b.identity.vmId])
+    fresh = store.get_vm_groups(["pg:web"])["pg:web"]
+    newest = store.save_vm_group(group("pg:web", moved_b), fresh.etag, vm_ids=[b.identity.vmId])
+    release.set()
+    slow.join(10)
+
+    held = store.get_vm_groups(["pg:web"], cached=True)["pg:web"]
+    assert held == Stored(group("pg:web", moved_a, moved_b), newest)
+    moved_again = moved_a.model_copy(update={"lastSequence": 6})
+    store.save_vm_group(group("pg:web", moved_again), held.etag, vm_ids=[a.identity.vmId])
+
+
+def test_a_read_answered_before_a_write_of_the_same_instance_but_handled_after_it_is_not_kept(azurite: Any) -> None:
+    """One invocation's read of a group is answered, then another's write of it lands and is kept: the read, handled
+    last, does not put the older group back in the cache."""
+    table = "readrace" + uuid.uuid4().hex[:12]
+    store = TableStateStore.from_connection_string(azurite.connection_string, table_name=table)
+    a = vm_position("web_0", index=1)
+    first = store.save_vm_group(group("pg:web", a), None)
+    answered, release = threading.Event(), threading.Event()
+    query = store._table.query_entities
+
+    def held_back(*args: Any, **kwargs: Any) -> Any:
+        entities = list(query(*args, **kwargs))  # answered now; handled once released
+        answered.set()
+        release.wait(10)
+        return iter(entities)
+
+    store._table.query_entities = held_back  # type: ignore[method-assign]
+    slow = threading.Thread(target=store.get_vm_groups, args=(["pg:web"],))
+    slow.start()
+    assert answered.wait(10)
+    store._table.query_entities = query  # type: ignore[method-assign]
+    moved = a.model_copy(update={"lastSequence": 5})
+    newest = store.save_vm_group(group("pg:web", moved), first)
+    release.set()
+    slow.join(10)
+
+    assert store.get_vm_groups(["pg:web"], cached=True)["pg:web"] == Stored(group("pg:web", moved), newest)
