@@ -10,6 +10,7 @@ the ETag (a decision on a stale record never commits; the conflict evicts the en
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
@@ -81,7 +82,9 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         self._dead_letters = dead_letters
         # The Functions worker runs invocations on a thread pool and shares this store between them (Lru: locked).
         self._cache: Lru[tuple[str, str], Stored[Any]] = Lru(CACHE_ENTRIES)
-        # Moves at each write this store keeps: a read that saw it move may have been answered before that write.
+        # Moves at each write this store keeps: a read that saw it move may have been answered before that write. Each
+        # write sets it to a ticket of its own (``next`` is atomic; ``+= 1`` from two threads can lose a move).
+        self._tickets = itertools.count(1)
         self._writes_kept = 0
         self._set_aside = SetAsideLog()
 
@@ -119,7 +122,7 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
     def _remember_written(self, partition: str, key: str, stored: Stored[Any], *, over: str | None) -> None:
         """A write's record, kept over nothing or the entry it was conditioned on (``over``: the ETag it matched;
         None: an insert), else forgotten."""
-        self._writes_kept += 1
+        self._writes_kept = next(self._tickets)
         if over == "*":
             self._cache.put((partition, key), stored)
             return
