@@ -423,13 +423,25 @@ SCALE_SET_BUCKETS = 8
 
 
 def group_key(identity: VmIdentity) -> str:
-    """Where a VM's position is kept: its placement group (events reach a whole placement group; at most 100
-    VMs), else its scale set split in buckets (a scale set can hold 1,000 VMs and an entity 1 MiB), else the VM
-    alone."""
-    if identity.placementGroupId:
-        return f"pg:{identity.placementGroupId.lower()}"
-    if identity.vmScaleSetName:
-        bucket = zlib.crc32(identity.vmId.lower().encode()) % SCALE_SET_BUCKETS
-        scale_set = f"{identity.subscriptionId}/{identity.resourceGroupName}/{identity.vmScaleSetName}".lower()
-        return f"vmss:{scale_set}#{bucket}"
-    return f"vm:{identity.vmId.lower()}"
+    """Where a VM's position is kept, from ``identity`` as given: its placement group (events reach a whole placement
+    group; at most 100 VMs), else its scale set split in buckets (a scale set can hold 1,000 VMs and an entity
+    1 MiB), else the VM alone. The coordinator places a VM by where ARM lists it (``pipeline/fleet.Fleet.group_of``),
+    never by what the VM writes of itself when ARM lists it: a VM naming another placement group would otherwise
+    write its position into that group's entity (contend on it, fill it towards 1 MiB)."""
+    return placement_key(
+        identity.vmId,
+        placement_group=identity.placementGroupId,
+        scale_set=identity.vmScaleSetName,
+        subscription=identity.subscriptionId,
+        resource_group=identity.resourceGroupName,
+    )
+
+
+def placement_key(vm_id: str, *, placement_group: str, scale_set: str, subscription: str, resource_group: str) -> str:
+    """``group_key`` from the facts themselves (the caller says whose they are)."""
+    if placement_group:
+        return f"pg:{placement_group.lower()}"
+    if scale_set:
+        bucket = zlib.crc32(vm_id.lower().encode()) % SCALE_SET_BUCKETS
+        return f"vmss:{subscription}/{resource_group}/{scale_set}#{bucket}".lower()
+    return f"vm:{vm_id.lower()}"

@@ -25,12 +25,13 @@ from datetime import datetime, timedelta
 from contracts.envelope import VmIdentity
 from coordinator.adapters.census import CensusView
 from coordinator.adapters.gates import GateReader, MonitorReader
+from coordinator.domain.arm_ids import resource_group
 from coordinator.domain.census import disagreements
 from coordinator.domain.controls import GateResult, VmFacts
 from coordinator.domain.deletes import REMOVING_EVENTS, leaving_vms
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.matching import first_match
-from coordinator.domain.model import EventRecord, VmRecord
+from coordinator.domain.model import EventRecord, VmRecord, group_key, placement_key
 from coordinator.domain.policy import Policy
 from coordinator.pipeline.budget_claims import BudgetClaims
 from coordinator.pipeline.fleet_cache import (
@@ -132,6 +133,25 @@ class Fleet:
         if entry is None or entry.facts.scaleSet == vm.vmScaleSetName:
             return vm
         return vm.model_copy(update={"vmScaleSetName": entry.facts.scaleSet})
+
+    def group_of(self, vm: VmIdentity) -> str:
+        """The VM group that keeps ``vm``'s position (``model.group_key``), from where ARM's census lists the VM of
+        its resource id: a Uniform instance by its placement group, a member of a scale set by its scale set, a VM
+        of an availability set by that set (named with its resource group), another VM alone. The VM's own word
+        only for a VM ARM does not list (no census, not read yet, outside its scopes):
+        the resource id and vmId were checked at the door, what a VM writes beside them was not. Any census read
+        will do, usable or stale: where ARM put a VM is still ARM's word."""
+        entry = self._arm.entry_of_resource(vm.resourceId) if self._arm is not None else None
+        if entry is None or (entry.vmId and entry.vmId.lower() != vm.vmId.lower()):
+            return group_key(vm)
+        where = resource_group(entry.resourceId)
+        subscription, group = (where.subscription, where.name) if where else ("", "")
+        placement, scale_set = entry.facts.placementGroup, entry.facts.scaleSet
+        if placement and not scale_set:
+            placement = f"{subscription}/{group}/{placement}"  # an availability set: its name is its group's only
+        return placement_key(
+            vm.vmId, placement_group=placement, scale_set=scale_set, subscription=subscription, resource_group=group
+        )
 
     def census_landed(self, within: timedelta) -> bool:
         """Whether ARM's census is usable once the read under way (if any) has ended, ``within`` at most; the view

@@ -21,7 +21,7 @@ from coordinator.adapters.teams import AlertError
 from coordinator.domain.cards import build_card, build_vm_card
 from coordinator.domain.history_rows import alert_row
 from coordinator.domain.lifecycle import EventChange, clone
-from coordinator.domain.model import AlertKind, EventRecord, SentAlerts, VmGroupRecord, VmRecord, group_key
+from coordinator.domain.model import AlertKind, EventRecord, SentAlerts, VmGroupRecord, VmRecord
 from coordinator.pipeline.record import stage_loose
 from coordinator.pipeline.run import Run, Work
 from coordinator.state.commit import commit
@@ -124,7 +124,8 @@ def send_vm_cards(run: Run, posting: _Posting) -> VmCards:
     for vm, kind in run.work.vm_alerts:
         if posting.go() and posting.sent(send_vm_card(run, vm, kind)):
             vm_id = vm.identity.vmId.lower()
-            sent.setdefault(group_key(vm.identity), {}).setdefault(vm_id, []).append(kind)
+            group = run.work.vm_groups.get(vm_id) or run.fleet.group_of(vm.identity)
+            sent.setdefault(group, {}).setdefault(vm_id, []).append(kind)
     return sent
 
 
@@ -158,16 +159,17 @@ def send_vm_card(run: Run, vm: VmRecord, kind: AlertKind) -> bool:
     return True
 
 
-def queue_vm_pending(vm: VmRecord, now: datetime, work: Work, settled_vms: VmCards) -> None:
-    """The VMs' outbox, as ``queue_pending`` for events: cards recorded but not sent after ALERT_GRACE."""
+def queue_vm_pending(vm: VmRecord, now: datetime, work: Work, settled_vms: VmCards, *, group: str) -> None:
+    """The VMs' outbox, as ``queue_pending`` for events: cards recorded but not sent after ALERT_GRACE (``group``:
+    the group ``vm``'s position was read from)."""
     if not vm.pendingAlerts or (vm.pendingSince is not None and vm.pendingSince > now - ALERT_GRACE):
         return
     vm_id = vm.identity.vmId.lower()
     queued: set[str] = {kind for queued_vm, kind in work.vm_alerts if queued_vm.identity.vmId.lower() == vm_id}
-    queued.update(settled_vms.get(group_key(vm.identity), {}).get(vm_id, ()))
+    queued.update(settled_vms.get(group, {}).get(vm_id, ()))
     for kind in vm.pendingAlerts:
         if kind in TITLED_KINDS and kind not in queued:
-            work.vm_alerts.append((vm, kind))  # type: ignore[arg-type]
+            work.vm_alert(vm, kind, group=group)  # type: ignore[arg-type]
 
 
 def clear_vm_sent(run: Run, sent: VmCards) -> None:

@@ -45,6 +45,9 @@ class VmBatch:
     base: dict[str, tuple[int, int] | None] = field(default_factory=dict)
     # The trace context each envelope arrived with, by (vmId, sequence) (ingest.Arrivals.traces).
     traces: dict[tuple[str, int], str] = field(default_factory=dict)
+    # VMs whose position was read from another group than ``key_of``'s (``_kept_elsewhere``), by vmId -> that
+    # group: removed from it once written to ``key_of``'s.
+    moved: dict[str, str] = field(default_factory=dict)
 
 
 def _etag(stored: Stored[Any] | None) -> str | None:
@@ -95,11 +98,15 @@ def vm_updates(
 ) -> VmBatch:
     """Each VM's envelopes read against its stored position: its observations and its new position, its freshness
     from ``heard`` (when the service heard each envelope: fold.heard_times)."""
-    key_of = {vm_id: group_key(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
-    groups = run.parts.store.get_vm_groups(set(key_of.values()), cached=cached)
+    store = run.parts.store
+    key_of = {vm_id: run.fleet.group_of(envelopes[-1].vm) for vm_id, envelopes in by_vm.items()}
+    groups = store.get_vm_groups(set(key_of.values()), cached=cached)
     batch = VmBatch(groups=groups, key_of=key_of, traces=traces)
+    batch.moved = _kept_elsewhere(store, by_vm, batch, cached=cached)
     for vm_id, envelopes in by_vm.items():
         stored = groups.get(key_of[vm_id])
+        if vm_id in batch.moved:
+            stored = groups[batch.moved[vm_id]]
         previous = stored.record.vms.get(vm_id) if stored else None
         try:
             batch.updates[vm_id] = vm_observations(previous, envelopes, heard_at=heard[vm_id])
@@ -112,6 +119,27 @@ def vm_updates(
         if previous is None:
             batch.new_vms.add(vm_id)
     return batch
+
+
+def _kept_elsewhere(
+    store: StateStore, by_vm: dict[str, list[Envelope]], batch: VmBatch, *, cached: bool
+) -> dict[str, str]:
+    """The VMs whose position is not in the group ARM places them in but in the group their envelopes name (where a
+    VM was kept before ARM's census listed it, or before the coordinator placed VMs by ARM), by vmId -> that group:
+    read from there, written to ARM's group, removed from there (``save_vm_updates``). A read (the store's cache,
+    most often) only for a VM whose two groups differ and whose position is not in ARM's: none once it moved."""
+    elsewhere = {
+        vm_id: named
+        for vm_id, envelopes in by_vm.items()
+        if (named := group_key(envelopes[-1].vm)) != (key := batch.key_of[vm_id])
+        and (key not in batch.groups or vm_id not in batch.groups[key].record.vms)
+    }
+    if not elsewhere:
+        return {}
+    batch.groups.update(store.get_vm_groups(set(elsewhere.values()) - set(batch.groups), cached=cached))
+    return {
+        vm_id: key for vm_id, key in elsewhere.items() if key in batch.groups and vm_id in batch.groups[key].record.vms
+    }
 
 
 def unstorable(batch: VmBatch, names: set[str]) -> frozenset[str]:
@@ -142,9 +170,14 @@ def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
         return stale
     try:
         write_vm_groups(run, batch, mine, stale)
-        return stale
     except RecordTooLarge:
-        pass
+        _write_one_by_one(run, batch, mine, stale)
+    if batch.moved:
+        leave_old_groups(run, batch, stale)
+    return stale
+
+
+def _write_one_by_one(run: Run, batch: VmBatch, mine: dict[str, dict[str, VmRecord]], stale: set[str]) -> None:
     for vms in mine.values():
         for vm_id, record in list(vms.items()):
             try:
@@ -161,7 +194,44 @@ def save_vm_updates(run: Run, batch: VmBatch) -> set[str]:
         except RecordTooLarge as error:
             log.error("VM group %s: refused as too large; its VMs of this batch are set aside: %s", key, error)
             batch.too_large.update(dict.fromkeys(vms, f"its VM group {key} cannot be stored: {error}"))
-    return stale
+
+
+def leave_old_groups(run: Run, batch: VmBatch, stale: set[str]) -> None:
+    """Removes each moved VM (``batch.moved``) from the group it was found in, once its position is in the group
+    ARM places it in (as the store now holds that group: a write left contended moves it at the VM's next
+    envelope). Each old group If-Match its fresh ETag, within ``commit``'s attempts; a copy left there when every
+    attempt met a newer write is not looked for again (ARM's group holds the VM now): it ages as a silent VM's
+    position would (docs/limits.md)."""
+    store = run.parts.store
+    now_in = store.get_vm_groups({batch.key_of[vm_id] for vm_id in batch.moved}, cached=True)
+    leaving: dict[str, set[str]] = defaultdict(set)
+    for vm_id, old in batch.moved.items():
+        held = now_in.get(batch.key_of[vm_id])
+        if vm_id not in stale and vm_id not in batch.too_large and held and vm_id in held.record.vms:
+            leaving[old].add(vm_id)
+    for old, vm_ids in leaving.items():
+
+        def without(current: Stored[VmGroupRecord] | None, vm_ids: set[str] = vm_ids) -> VmGroupRecord | None:
+            if current is None or not vm_ids & set(current.record.vms):
+                return None
+            kept = {vm_id: vm for vm_id, vm in current.record.vms.items() if vm_id not in vm_ids}
+            return VmGroupRecord(group=current.record.group, vms=kept)
+
+        def prune(record: VmGroupRecord, current: Stored[VmGroupRecord] | None) -> None:
+            store.prune_vm_group(record, current.etag or "" if current is not None else "")
+
+        try:
+            commit(
+                lambda _attempt, old=old: store.get_vm_groups([old]).get(old),  # type: ignore[misc]
+                without,
+                prune,
+                what=f"VM group {old}",
+                on_conflict=run.report.count_conflict,
+            )
+            run.report.vms_moved += len(vm_ids)
+            log.info("VM group %s: %d VMs moved to the group ARM places them in", old, len(vm_ids))
+        except ConcurrencyConflict:
+            log.warning("VM group %s: its VMs moved elsewhere are still listed (contended): their next envelopes", old)
 
 
 def rows_near(

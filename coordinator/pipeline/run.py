@@ -173,6 +173,7 @@ class Report:
     history_rows: int = 0
     events_purged: int = 0
     vms_purged: int = 0
+    vms_moved: int = 0  # positions moved to the group ARM places their VM in (pipeline/positions.py)
     budgets_purged: int = 0
     conflicts: int = 0
     # Approvals handed to the delivery queue (no answer within in_run_delivery).
@@ -206,6 +207,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         *_CARDS,
         "history_rows",
         "conflicts",
+        "vms_moved",
         "set_aside",
         "deliveries_continued",
     ),
@@ -299,6 +301,9 @@ class Work:
     sending: list[Sending] = field(default_factory=list)
     # Cards about VMs rather than events (two forwarders reporting as one VM).
     vm_alerts: list[tuple[VmRecord, AlertKind]] = field(default_factory=list)
+    # The group a carded VM's position was read from, where its sent card is cleared, by vmId (``vm_alert``; none:
+    # the group the run places it in, ``Fleet.group_of``).
+    vm_groups: dict[str, str] = field(default_factory=dict)
     # Budget claims of withdrawn approvals, as (EventId, claim key): freed by the tail's budgets step.
     releases: list[tuple[str, str]] = field(default_factory=list)
     # The decisionIds of the approvals this run decided, in any attempt of its writes: one whose write landed while
@@ -325,6 +330,11 @@ class Work:
         """The run's rows not in the outbox yet."""
         kept = {row.RecordId for entry in self.staged for row in entry.rows}
         return [row for row in self.rows if row.RecordId not in kept]
+
+    def vm_alert(self, vm: VmRecord, kind: AlertKind, *, group: str) -> None:
+        """Queues a card about ``vm``, whose position was read from ``group``."""
+        self.vm_alerts.append((vm, kind))
+        self.vm_groups[vm.identity.vmId.lower()] = group
 
     def forget(self, vm_ids: set[str]) -> None:
         """Drops what this run derived for ``vm_ids`` (lowercase vmIds) and has not staged: their rows and VM cards.

@@ -114,7 +114,7 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
         outbox.queue_pending(concluded_unanswered(run, stored), now, work, settled)
     for group in groups:
         for position in group.record.vms.values():
-            outbox.queue_vm_pending(position, now, work, settled_vms)
+            outbox.queue_vm_pending(position, now, work, settled_vms, group=group.record.group)
     heartbeats(run, groups)
     repairs.reconcile(run, [work.records.get(s.record.eventId, s.record) for s in (*open_events.values(), *closed)])
     run_housekeeping(run, known, housekeeping)
@@ -363,7 +363,7 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
         run.work.rows.extend(rows)
         for vm in lost.values():
             run.report.heartbeats_lost += 1
-            run.work.vm_alerts.append((vm, "heartbeat-lost"))
+            run.work.vm_alert(vm, "heartbeat-lost", group=updated.group)
 
 
 def purge_retired(run: Run, known: list[KnownVm]) -> bool:

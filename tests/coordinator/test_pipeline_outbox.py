@@ -194,7 +194,7 @@ def test_a_vm_card_that_fails_stays_in_the_vms_outbox_and_the_timer_sends_it_aga
 
     bench.alerts.failing = False
     retry = bench.run("tick")
-    outbox.queue_vm_pending(bench.vm("WestNO_0"), retry.now, retry.work, {})
+    outbox.queue_vm_pending(bench.vm("WestNO_0"), retry.now, retry.work, {}, group=group_key(lost.identity))
     outbox.post_and_settle(retry, {}, {})
     key = f"{lost.identity.vmId}-heartbeat-lost-{lost.lastSeen.strftime('%Y%m%dT%H%M%S')}"
     assert bench.alerts.keys == [key]
@@ -206,7 +206,7 @@ def test_a_vm_card_a_batch_logged_is_cleared_not_sent_again(bench: Bench):
     who = identity("WestNO_0")
     settled_vms = {group_key(who): {who.vmId.lower(): ["imds-failing"]}}
     run = bench.run("tick")
-    outbox.queue_vm_pending(bench.vm("WestNO_0"), run.now, run.work, settled_vms)
+    outbox.queue_vm_pending(bench.vm("WestNO_0"), run.now, run.work, settled_vms, group=group_key(who))
     assert run.work.vm_alerts == []
     outbox.post_and_settle(run, {}, settled_vms)
     assert bench.alerts.cards == []

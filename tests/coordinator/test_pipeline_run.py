@@ -67,6 +67,7 @@ def test_each_kind_of_run_reports_its_own_counts():
         "alerts_held",
         "history_rows",
         "conflicts",
+        "vms_moved",
         "set_aside",
         "deliveries_continued",
     ]
