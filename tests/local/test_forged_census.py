@@ -1,10 +1,11 @@
 """One fleet VM lies about where VMs sit and how they are tagged (issue 21): over the whole local stack, a process on
 web_1 holds the fleet's shared Event Hubs identity and sends schema-valid envelopes that claim web_1 is in another
-zone (to slip out of a one-Reboot-per-zone budget), that db_0 has lost its "ask a person" tag and that batch_0 carries
-a tag a rule trusts to approve at once, and an Event Grid event naming 1,000 VMs on the VMs' hub. The census comes
-from the IMDS emulator's ARM face (as from ARM in Azure), the Event Grid publisher has its own hub: the judge's
-expectations come from the truthful scenario and its policy (each event's ``expect``), so the run passes only with
-zero approvals the truth would not make, every one it makes, and the forged Event Grid event set aside."""
+zone (to slip out of a one-Reboot-per-zone budget) and placement group (to be kept in that group's entity), that
+db_0 has lost its "ask a person" tag and that batch_0 carries a tag a rule trusts to approve at once, and an Event
+Grid event naming 1,000 VMs on the VMs' hub. The census comes from the IMDS emulator's ARM face (as from ARM in
+Azure), the Event Grid publisher has its own hub: the judge's expectations come from the truthful scenario and its
+policy (each event's ``expect``), so the run passes only with zero approvals the truth would not make, every one it
+makes, and the forged Event Grid event set aside."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from azure.eventhub import EventData
 
 from coordinator.pipeline.ingest import GRID_ON_VM_HUB
+from coordinator.state.tables import TableStateStore
 from emulators.imds import Scenario
 from emulators.imds.event_grid import EVENT_TYPE
 from local.runner import wait_until
@@ -127,7 +129,7 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
             # it waits: believed, zone 1's budget would not hold it.
             ids["zone-second"] = _event_id(stack, "zone-second")
             for _ in range(5):
-                liar.claim("web_1", {ids["zone-second"]}, zone="2")
+                liar.claim("web_1", {ids["zone-second"]}, zone="2", placementGroupId="pg-2")
                 time.sleep(0.5)
 
     scenario = Scenario.from_file(tmp_path / "forged-census.yaml")
@@ -153,3 +155,8 @@ def test_forged_zones_tags_and_event_grid_events_approve_nothing(run_pipeline: R
     assert all(reason.startswith("attestation refused: ") for reason in reasons if reason != GRID_ON_VM_HUB), reasons
     # No VM was added by the forged Event Grid event: the census is ARM's four, and no agentless twin was made.
     assert not history_rows(stack, "RecordType = 'Observation' AND VmName LIKE 'web_1%' AND VmName != 'web_1'")
+    # Nor is a position kept where its VM says: web_1's is in ARM's placement group, pg-2 has no entity.
+    assert stack.storage is not None
+    store = TableStateStore.from_connection_string(stack.storage.connection_string, table_name="scheduledevents")
+    groups = {g.record.group: {vm.identity.name for vm in g.record.vms.values()} for g in store.all_vm_groups()}
+    assert groups == {"pg:pg-1": {"web_0", "web_1", "db_0", "batch_0"}}, groups
