@@ -231,7 +231,7 @@ def leave_old_groups(run: Run, batch: VmBatch, stale: set[str]) -> None:
             run.report.vms_moved += len(vm_ids)
             log.info("VM group %s: %d VMs moved to the group ARM places them in", old, len(vm_ids))
         except ConcurrencyConflict:
-            log.warning("VM group %s: its VMs moved elsewhere are still listed (contended): their next envelopes", old)
+            log.warning("VM group %s: still holds copies of %d VMs moved to ARM's group (contended)", old, len(vm_ids))
 
 
 def rows_near(
