@@ -33,6 +33,7 @@ from coordinator.domain.policy import Policy
 from coordinator.pipeline import delivery, fold, handover, ingest, outbox, people, record, tail, timer
 from coordinator.pipeline.fleet import Fleet
 from coordinator.pipeline.fleet_cache import FleetCache
+from coordinator.pipeline.housekeeping import Housekeeping
 from coordinator.pipeline.ingest import Channel, RawMessage
 from coordinator.pipeline.people import ManualApproval
 from coordinator.pipeline.run import Options, Parts, Report, Run, RunKind
@@ -87,7 +88,7 @@ class Coordinator:
         self.after_batch = after_batch
         self.on_new_vm = on_new_vm
         self._tails: set[concurrent.futures.Future[None]] = set()
-        self._housekeeping = timer.Housekeeping(cleanup=housekeeping)
+        self._housekeeping = Housekeeping(cleanup=housekeeping)
         # The open events and the census, kept across runs (pipeline/fleet.py); a new one for a replaced store.
         self._fleet = FleetCache(parts.store)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None

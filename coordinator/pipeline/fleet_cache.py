@@ -217,7 +217,8 @@ class FleetCache:
         self._concluded: OrderedDict[str, int] = OrderedDict()
         self._events_part = _Part(store.events_changed_since, self._clear_events, self._put_event)
         self.census = Census()
-        self._vms: dict[str, KnownVm] = {}  # by vmId, lower case
+        self._vms: dict[str, KnownVm] = {}  # by vmId, lower case: the VM's newest copy
+        self._strays: dict[str, dict[str, KnownVm]] = {}  # by group, then vmId: a VM's older copies elsewhere
         self._groups_part = _Part(store.vm_groups_changed_since, self._clear_groups, self._put_group)
         self.budgets = KnownBudgets(clock)
 
@@ -343,14 +344,28 @@ class FleetCache:
 
     def _clear_groups(self) -> None:
         self._vms.clear()
+        self._strays.clear()
         self.census = Census()
 
     def _put_group(self, group: VmGroupRecord) -> None:
+        held = self._strays.get(group.group)
+        if held:  # copies removed from the group since
+            for vm_id in [vm_id for vm_id in held if vm_id not in group.vms]:
+                del held[vm_id]
         for vm_id, vm in group.vms.items():
+            copy = KnownVm.of(group.group, vm)
             old = self._vms.get(vm_id)
+            if old is not None and old.group != copy.group:
+                # One VM in two groups (moved to where ARM places it, its old copy not removed yet): the newest is
+                # the VM; the other is a stray copy, never a VM of its own.
+                older, copy = (copy, old) if old.last_seen > copy.last_seen else (old, copy)
+                self._strays.setdefault(older.group, {})[vm_id] = older
+                if copy is old:
+                    continue
+            self._strays.get(copy.group, {}).pop(vm_id, None)
             if old is not None and old.name != vm.identity.name:
                 self.census.drop(old.name)
-            self._vms[vm_id] = KnownVm.of(group.group, vm)
+            self._vms[vm_id] = copy
             if vm.retired is None:
                 self.census.put(vm.identity.name, facts_of(vm.identity))
             else:
@@ -369,6 +384,19 @@ class FleetCache:
         with self._lock:
             for vm_id in vm_ids:
                 self._vms.pop(vm_id, None)
+
+    def strays(self) -> list[KnownVm]:
+        """The copies of a VM's position found in another group than its newest (``_put_group``), as last read."""
+        with self._lock:
+            self._refresh_groups(force=False)
+            return [copy for held in self._strays.values() for copy in held.values()]
+
+    def forget_copies(self, group: str, vm_ids: Iterable[str]) -> None:
+        """Stray copies removed from ``group`` (or found gone)."""
+        with self._lock:
+            held = self._strays.get(group, {})
+            for vm_id in vm_ids:
+                held.pop(vm_id, None)
 
     def known_census(self) -> Census:
         """The census, loaded on first need and refreshed by change (the live object: read, never iterated

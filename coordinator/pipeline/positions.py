@@ -200,8 +200,8 @@ def leave_old_groups(run: Run, batch: VmBatch, stale: set[str]) -> None:
     """Removes each moved VM (``batch.moved``) from the group it was found in, once its position is in the group
     ARM places it in (as the store now holds that group: a write left contended moves it at the VM's next
     envelope). Each old group If-Match its fresh ETag, within ``commit``'s attempts; a copy left there when every
-    attempt met a newer write is not looked for again (ARM's group holds the VM now): it ages as a silent VM's
-    position would (docs/limits.md)."""
+    attempt met a newer write is a stray copy: never taken for the VM (the timer counts a VM's newest copy only)
+    and removed by the housekeeping once silent (pipeline/housekeeping.py)."""
     store = run.parts.store
     now_in = store.get_vm_groups({batch.key_of[vm_id] for vm_id in batch.moved}, cached=True)
     leaving: dict[str, set[str]] = defaultdict(set)
@@ -231,7 +231,12 @@ def leave_old_groups(run: Run, batch: VmBatch, stale: set[str]) -> None:
             run.report.vms_moved += len(vm_ids)
             log.info("VM group %s: %d VMs moved to the group ARM places them in", old, len(vm_ids))
         except ConcurrencyConflict:
-            log.warning("VM group %s: still holds copies of %d VMs moved to ARM's group (contended)", old, len(vm_ids))
+            log.warning(
+                "VM group %s: still holds copies of %d VMs moved to ARM's group (contended); the housekeeping "
+                "removes them once silent",
+                old,
+                len(vm_ids),
+            )
 
 
 def rows_near(

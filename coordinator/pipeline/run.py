@@ -173,6 +173,7 @@ class Report:
     history_rows: int = 0
     events_purged: int = 0
     vms_purged: int = 0
+    copies_removed: int = 0  # stray copies of moved VMs removed from their old groups (pipeline/housekeeping.py)
     vms_moved: int = 0  # positions moved to the group ARM places their VM in (pipeline/positions.py)
     budgets_purged: int = 0
     conflicts: int = 0
@@ -222,6 +223,7 @@ _REPORTED: dict[RunKind, tuple[str, ...]] = {
         "history_rows",
         "events_purged",
         "vms_purged",
+        "copies_removed",
         "budgets_purged",
         "set_aside",
         "deliveries_continued",

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from coordinator.adapters import telemetry
 from coordinator.adapters.gates import GatesPending
@@ -27,8 +26,8 @@ from coordinator.domain.lifecycle import EventChange, advance, approval_step, cl
 from coordinator.domain.model import EventRecord, Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.rows import HistoryRow
 from coordinator.pipeline import act, attempt, decide, outbox, repairs, returns, tail
-from coordinator.pipeline.bindings import BACKLOG_SECONDS, StoreOutage, write_backlog
 from coordinator.pipeline.fleet_cache import KnownVm, by_not_before
+from coordinator.pipeline.housekeeping import Housekeeping, run_housekeeping
 from coordinator.pipeline.record import adopt
 from coordinator.pipeline.run import Run
 from coordinator.pipeline.unanswered import concluded_unanswered, retry_due
@@ -39,28 +38,6 @@ log = logging.getLogger("coordinator")
 
 Mutate = Callable[[EventRecord | None], EventChange | None]
 Cards = dict[str, list[str]]  # the event cards the batches' logs say were sent, by EventId (outbox.sent_logs)
-
-
-# A retired VM's position (its group's property) is removed this long after it was retired: its sightings served the
-# "gone" checks of the events it reported, which are kept a week after a VM stops listing an event, and by then its
-# events have concluded (a removed VM's events conclude at the next tick) and its hybrid connection is deleted.
-RETIRED_RETENTION = timedelta(days=7)
-# Housekeeping removes at most this many groups' retired VMs (each a read and a write) and this many budget
-# entities per run, so that a backlog (a scale set deleted at once) never makes one tick long; what is left is
-# taken up by the next tick.
-PURGE_GROUPS_PER_RUN = 200
-PURGE_BUDGETS_PER_RUN = 200
-
-
-@dataclass
-class Housekeeping:
-    """Hourly, not every tick: the retention purge, and ``cleanup`` (given every VM's hybrid connection and when it
-    last reported: the VMs' hybrid connections no VM needs are deleted). Kept by the coordinator across ticks.
-    ``backlog``: the last purge left work for the next tick."""
-
-    cleanup: Callable[[dict[str, datetime], datetime], None] | None = None
-    due: datetime | None = None
-    backlog: bool = False
 
 
 def tick(run: Run, housekeeping: Housekeeping) -> None:
@@ -112,10 +89,9 @@ def tick(run: Run, housekeeping: Housekeeping) -> None:
     report.events_changed += decide.release_held(run, [c.record for c in changes])
     for stored in closed:
         outbox.queue_pending(concluded_unanswered(run, stored), now, work, settled)
-    for group in groups:
-        for position in group.record.vms.values():
-            outbox.queue_vm_pending(position, now, work, settled_vms, group=group.record.group)
-    heartbeats(run, groups)
+    newest = {vm.vm_id: vm.group for vm in known}
+    queue_vm_cards(run, groups, newest, settled_vms)
+    heartbeats(run, groups, newest)
     repairs.reconcile(run, [work.records.get(s.record.eventId, s.record) for s in (*open_events.values(), *closed)])
     run_housekeeping(run, known, housekeeping)
     tail.finish(run, last_seen=last_seen, settled=tail.Settled(settled, settled_vms))
@@ -334,7 +310,21 @@ def _retired(vm: VmRecord, removal: Removal, now: datetime) -> VmRecord:
     return vm.model_copy(update={"retired": retirement, "sightings": sightings})
 
 
-def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
+def queue_vm_cards(
+    run: Run, groups: list[Stored[VmGroupRecord]], newest: dict[str, str], settled: outbox.VmCards
+) -> None:
+    """The VMs' pending cards, to send in the tail; not those of a stray copy (a VM whose newest copy, ``newest``: its
+    group by vmId, is in another group: it moved to the group ARM places it in; pipeline/housekeeping.py removes
+    the copy), which is not the VM."""
+    for group in groups:
+        for vm_id, position in group.record.vms.items():
+            if newest.get(vm_id, group.record.group) == group.record.group:
+                outbox.queue_vm_pending(position, run.now, run.work, settled, group=group.record.group)
+
+
+def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]], newest: dict[str, str]) -> None:
+    """Marks the VMs silent for the heartbeat timeout lost (a card and a row each), but not a stray copy: a VM whose
+    newest copy (``newest``: its group by vmId) is in another group."""
     now, heartbeat_timeout = run.now, run.options.heartbeat_timeout
     timeout = int(heartbeat_timeout.total_seconds())
     for stored in groups:
@@ -345,6 +335,7 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
             and not vm.agentless
             and vm.retired is None
             and vm.lastSeen < now - heartbeat_timeout
+            and newest.get(vm_id, stored.record.group) == stored.record.group
         }
         if not lost:
             continue
@@ -364,87 +355,3 @@ def heartbeats(run: Run, groups: list[Stored[VmGroupRecord]]) -> None:
         for vm in lost.values():
             run.report.heartbeats_lost += 1
             run.work.vm_alert(vm, "heartbeat-lost", group=updated.group)
-
-
-def purge_retired(run: Run, known: list[KnownVm]) -> bool:
-    """Removes the positions of VMs retired longer than ``RETIRED_RETENTION`` from their groups (a group left with
-    none is deleted), each group If-Match its fresh ETag, at most ``PURGE_GROUPS_PER_RUN`` groups. Returns whether
-    more is left."""
-    cutoff = run.now - RETIRED_RETENTION
-    due = sorted({vm.group for vm in known if vm.retired_at is not None and vm.retired_at < cutoff})
-    store, cache = run.parts.store, run.fleet.cache
-    fresh = store.get_vm_groups(due[:PURGE_GROUPS_PER_RUN])
-    for key in due[:PURGE_GROUPS_PER_RUN]:
-        stored = fresh.get(key)
-        if stored is None:  # gone already (another instance's housekeeping)
-            cache.forget_vms(vm.vm_id for vm in known if vm.group == key and vm.retired_at is not None)
-            continue
-        vms = stored.record.vms
-        gone = {i for i, vm in vms.items() if vm.retired is not None and vm.retired.at < cutoff}
-        kept = {i: vm for i, vm in vms.items() if i not in gone}
-        try:
-            store.prune_vm_group(VmGroupRecord(group=key, vms=kept), stored.etag or "")
-        except ConcurrencyConflict:
-            continue  # a VM of the group reported meanwhile: the next run
-        cache.forget_vms(gone)
-        run.report.vms_purged += len(gone)
-    return len(due) > PURGE_GROUPS_PER_RUN
-
-
-def purge_budgets(run: Run) -> bool:
-    """Deletes the budget entities whose claims were all released (or lapsed: ``Fleet.spent``), each If-Match its
-    ETag, at most ``PURGE_BUDGETS_PER_RUN``. Returns whether more is left."""
-    spent = [s for s in run.parts.store.budgets() if run.fleet.budgets.spent(s.record, run.now)]
-    for stored in spent[:PURGE_BUDGETS_PER_RUN]:
-        if run.parts.store.delete_budget(stored.record.scaleSet, stored.etag or ""):
-            run.report.budgets_purged += 1
-    return len(spent) > PURGE_BUDGETS_PER_RUN
-
-
-def write_bindings(run: Run) -> None:
-    """The claims of VMs ARM's census vouched for, written from the instance's backlog for ``BACKLOG_SECONDS`` at
-    most (pipeline/bindings.py). A store that fails stops it until the next tick; the VMs ask again."""
-    attestations = run.parts.attestations
-    if attestations is None or not len(attestations.backlog):
-        return
-    try:
-        run.report.bindings_written = write_backlog(
-            attestations.bindings, attestations.backlog, run.parts.store, within=BACKLOG_SECONDS
-        )
-    except StoreOutage as outage:
-        log.warning("bindings: the backlog's claims were not written (%s); the next tick goes on", outage)
-
-
-def run_housekeeping(run: Run, known: list[KnownVm], housekeeping: Housekeeping) -> None:
-    """Each tick, the backlog of bindings (``write_bindings``). Hourly: deletes concluded events older than the
-    retention, the positions of VMs retired longer than ``RETIRED_RETENTION`` and the budget entities no claim holds
-    (bounded: a backlog goes on at the next tick), and lists ARM resources (the VMs' hybrid connections) to delete
-    the stale ones."""
-    write_bindings(run)
-    now, store = run.now, run.parts.store
-    hourly = housekeeping.due is None or now >= housekeeping.due
-    if hourly or housekeeping.backlog:
-        try:
-            housekeeping.backlog = purge_retired(run, known) | purge_budgets(run)
-        except Exception:  # never let cleanup stop the timer's real work; it runs again next time
-            log.exception("purging retired VMs and released budgets failed")
-    if not hourly:
-        return
-    housekeeping.due = now + run.options.housekeeping_interval
-    try:
-        old = store.concluded_events_before(now - run.options.retention)
-        run.report.events_purged = store.delete_events([(s.record.eventId, s.etag) for s in old])
-    except Exception:  # never let cleanup stop the timer's real work; it runs again next hour
-        log.exception("purging concluded events failed")
-    if housekeeping.cleanup is None:
-        return
-    last_seen: dict[str, datetime] = {}
-    for vm in known:
-        if vm.retired_by:
-            continue  # left out: a connection the fleet does not know is deleted (hybrid_connections_to_delete)
-        name = vm.hybrid_connection
-        last_seen[name] = max(vm.last_seen, last_seen.get(name, vm.last_seen))
-    try:
-        housekeeping.cleanup(last_seen, now)
-    except Exception:  # never let cleanup stop the timer's real work; it runs again next hour
-        log.exception("housekeeping failed")

@@ -11,7 +11,7 @@ from coordinator.adapters.teams import FolderCardSink
 from coordinator.domain.claims import BudgetClaim, BudgetRecord
 from coordinator.domain.model import Retirement, VmGroupRecord, VmRecord
 from coordinator.domain.policy_file import DEFAULT_POLICY_PATH, load_policy
-from coordinator.pipeline import timer
+from coordinator.pipeline import housekeeping
 from coordinator.service import Coordinator
 from tests.coordinator.conftest import Clock
 from tests.coordinator.helpers import DOC_NOW, MemoryHistory, event_record, vm_position
@@ -68,7 +68,7 @@ def test_retired_vms_past_the_retention_and_spent_budgets_are_removed(tmp_path):
 
 
 def test_a_backlog_is_taken_up_by_the_next_ticks(tmp_path, monkeypatch):
-    monkeypatch.setattr(timer, "PURGE_GROUPS_PER_RUN", 2)
+    monkeypatch.setattr(housekeeping, "PURGE_GROUPS_PER_RUN", 2)
     store = MemoryStateStore()
     for n in range(5):
         store.save_vm_group(group(f"pg:{n}", retired(f"vm_{n}", n + 1, days=10)), None)

@@ -16,6 +16,7 @@ from coordinator.domain.model import VIEW_GRACE, VmGroupRecord, VmRecord, VmSigh
 from coordinator.domain.observations import VmUpdate
 from coordinator.domain.observations import vm_observations as real
 from coordinator.pipeline import act, fold, ingest, positions, timer
+from coordinator.pipeline.housekeeping import Housekeeping
 from coordinator.pipeline.ingest import RawMessage
 from coordinator.pipeline.run import Run
 from coordinator.state.store import ConcurrencyConflict, Stored
@@ -353,14 +354,14 @@ def test_a_run_reading_a_position_a_batch_has_not_written_yet_does_not_take_back
     store.before = "save_vm_groups"
     for name in ("web_1", "web_3"):
         put_event(store, f"EV-{name}", vms=(name,), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE)
-    timer.tick(bench.run("tick"), timer.Housekeeping())
+    timer.tick(bench.run("tick"), Housekeeping())
     assert bench.event("EV-web_1").decision is not None
     assert bench.event("EV-web_1").decision.holdKind == "hooks"  # type: ignore[union-attr]
     ticks: list[Run] = []
 
     def a_tick() -> None:
         ticks.append(bench.run("tick"))
-        timer.tick(ticks[-1], timer.Housekeeping())
+        timer.tick(ticks[-1], Housekeeping())
 
     store.between = a_tick
     run = bench.run()
@@ -372,7 +373,7 @@ def test_a_run_reading_a_position_a_batch_has_not_written_yet_does_not_take_back
     assert (record.decision.holdKind, record.decision.heldBy) == ("delete", "EV-web_3"), record.decision.reason
     assert [r.EventId for r in ticks[0].work.rows if r.RecordType == "Decision"] == []
     # Once the position is written, a tick decides from it as the batch did: nothing changes.
-    timer.tick(bench.run("tick"), timer.Housekeeping())
+    timer.tick(bench.run("tick"), Housekeeping())
     assert bench.event("EV-web_1").decision == record.decision
 
 
@@ -387,7 +388,7 @@ def test_two_vms_hooks_folded_side_by_side_approve_their_event_without_waiting_f
     put_event(
         store, "EV-SCALE-IN", vms=("web_1", "web_2"), scale_set="web", eventType="Terminate", notBefore=NOT_BEFORE
     )
-    timer.tick(bench.run("tick"), timer.Housekeeping())
+    timer.tick(bench.run("tick"), Housekeeping())
     assert bench.event("EV-SCALE-IN").decision is not None
     first, second = bench.run(), bench.run()
     store.between = lambda: fold.fold(second, ingest.read_batch(second, [hooked("web_2", "EV-SCALE-IN")], "vms"))
@@ -424,7 +425,7 @@ def test_a_batch_that_brings_no_hook_report_reads_nothing_again(monkeypatch: pyt
     (benchmarks.wave --event-type Terminate) read every event again, 3x the wave's time, until this held."""
     bench = Bench()
     put_event(bench.store, "EV-SCALE-IN", vms=("web_1", "web_2"), scale_set="web", eventType="Terminate")
-    timer.tick(bench.run("tick"), timer.Housekeeping())
+    timer.tick(bench.run("tick"), Housekeeping())
     fresh: list[str] = []
     read = bench.store.get_events
 

@@ -28,6 +28,7 @@ TICK_COUNTS = {
     "set_aside",
     "deliveries_continued",
     "vms_purged",
+    "copies_removed",
     "budgets_purged",
     "history_adopted",
     "bindings_written",

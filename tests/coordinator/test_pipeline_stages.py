@@ -7,6 +7,7 @@ from datetime import timedelta
 
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import people, timer
+from coordinator.pipeline.housekeeping import Housekeeping
 from coordinator.pipeline.ingest import RawMessage
 from tests.coordinator.helpers import DOC_NOW, envelope, scheduled_event, vm
 from tests.coordinator.test_pipeline_run import TICK_COUNTS
@@ -51,7 +52,7 @@ def test_a_tick_and_a_person_end_with_the_same_tail(azurite, imds, tmp_path):
 
     clock.now = DOC_NOW + timedelta(minutes=1)
     tick = coordinator.start("tick")  # the tick's own run, to read its stages
-    timer.tick(tick, timer.Housekeeping())
+    timer.tick(tick, Housekeeping())
     assert tick.stages == ["timer", *TAIL]
     assert set(tick.report.as_dict()) == TICK_COUNTS
 

@@ -11,6 +11,7 @@ from typing import Any
 from coordinator.domain.model import ApprovalRecord, Retirement
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import timer
+from coordinator.pipeline.housekeeping import Housekeeping
 from coordinator.pipeline.run import Run
 from tests.coordinator.helpers import DOC_NOW
 from tests.coordinator.runs import NOT_BEFORE, Bench, MemoryDeliveries, identity, put_event, put_vm
@@ -18,10 +19,10 @@ from tests.coordinator.runs import NOT_BEFORE, Bench, MemoryDeliveries, identity
 TAIL = ["deliver", "cards", "budgets", "history"]
 
 
-def tick(bench: Bench, at: datetime = DOC_NOW, housekeeping: timer.Housekeeping | None = None) -> Run:
+def tick(bench: Bench, at: datetime = DOC_NOW, housekeeping: Housekeeping | None = None) -> Run:
     bench.now = at
     run = bench.run("tick")
-    timer.tick(run, housekeeping or timer.Housekeeping())
+    timer.tick(run, housekeeping or Housekeeping())
     return run
 
 
@@ -154,7 +155,7 @@ def test_an_approved_event_not_seen_started_in_time_raises_not_started_once(benc
 
 def test_housekeeping_runs_on_the_first_tick_then_hourly(bench: Bench):
     calls: list[tuple[dict[str, datetime], datetime]] = []
-    housekeeping = timer.Housekeeping(cleanup=lambda seen, now: calls.append((seen, now)))
+    housekeeping = Housekeeping(cleanup=lambda seen, now: calls.append((seen, now)))
     put_vm(bench.store, "WestNO_0", last_seen=DOC_NOW)
     gone = Retirement(eventId="EV-DEL", eventType="Terminate", at=DOC_NOW)
     put_vm(bench.store, "WestNO_1", last_seen=DOC_NOW - timedelta(hours=2), retired=gone)
@@ -185,7 +186,7 @@ def test_a_failing_cleanup_does_not_stop_the_tick(bench: Bench):
         raise RuntimeError("ARM unreachable")
 
     put_event(bench.store, "EV-R", notBefore=DOC_NOW - timedelta(seconds=1))
-    run = tick(bench, housekeeping=timer.Housekeeping(cleanup=cleanup))
+    run = tick(bench, housekeeping=Housekeeping(cleanup=cleanup))
     assert run.stages == ["timer", *TAIL]
     assert bench.event("EV-R").state == "Expired"
 
