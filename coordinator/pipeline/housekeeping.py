@@ -63,24 +63,21 @@ def purge_positions(run: Run, known: list[KnownVm], strays: list[KnownVm]) -> bo
     copy as read now. Returns whether more is left."""
     cutoff, silent = run.now - RETIRED_RETENTION, run.now - run.options.heartbeat_timeout
     newest = {vm.vm_id: vm.last_seen for vm in known}
-    retired_in: dict[str, set[str]] = defaultdict(set)
-    for vm in known:
-        if vm.retired_at is not None and vm.retired_at < cutoff:
-            retired_in[vm.group].add(vm.vm_id)
     strays_in: dict[str, set[str]] = defaultdict(set)
     for copy in strays:
         strays_in[copy.group].add(copy.vm_id)
-    due = sorted(retired_in.keys() | strays_in.keys())
+    retiring = {vm.group for vm in known if vm.retired_at is not None and vm.retired_at < cutoff}
+    due = sorted(retiring | strays_in.keys())
     store, cache = run.parts.store, run.fleet.cache
     fresh = store.get_vm_groups(due[:PURGE_GROUPS_PER_RUN])
     for key in due[:PURGE_GROUPS_PER_RUN]:
         stored = fresh.get(key)
         if stored is None:  # gone already (another instance's housekeeping)
-            cache.forget_vms(retired_in[key])
+            cache.forget_vms(vm.vm_id for vm in known if vm.group == key and vm.retired_at is not None)
             cache.forget_copies(key, strays_in[key])
             continue
         vms = stored.record.vms
-        retired = {i for i in retired_in[key] if (held := vms.get(i)) and held.retired and held.retired.at < cutoff}
+        retired = {i for i, held in vms.items() if held.retired is not None and held.retired.at < cutoff}
         # Re-checked on what is stored now: a copy written since it was found stray (a batch placed the VM here
         # again) is not one any more.
         stray = {
