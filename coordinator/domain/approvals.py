@@ -137,9 +137,14 @@ def reroutable_within(
     return min(valid_for, max(MIN_REQUEST_VALIDITY, room))
 
 
-def withdrawal(approval: ApprovalRecord, fingerprint: str, now: datetime) -> str:
+def withdrawal(approval: ApprovalRecord, fingerprint: str, now: datetime, *, refused_by: str = "") -> str:
     """Why an approval was withdrawn, as the start of the decision that replaces it (``fingerprint``: the policy's
-    version now)."""
+    version now; ``refused_by``: the VM that refused a force approval after its force hook failed)."""
+    if refused_by:
+        return (
+            f"approval {approval.decisionId} by rule {approval.rule!r} refused by {refused_by}: its force hook "
+            f"{approval.forceHook} failed, so it starts nothing; decided again: "
+        )
     held = (
         f", valid until {approval.notAfter.isoformat()} ({approval.notAfterReason})"
         if approval.notAfter is not None and approval.notAfter <= now

@@ -26,7 +26,7 @@ from coordinator.domain.model import ESCALATION_KINDS, EventRecord
 from coordinator.domain.policy import EscalationStep, Rule
 from coordinator.domain.side_records import EscalationTaken
 
-__all__ = ["MAX_OWNERS", "Climb", "Rung", "climb", "not_taken", "reached", "take"]
+__all__ = ["MAX_OWNERS", "Climb", "Rung", "climb", "force_spent", "not_taken", "reached", "take"]
 
 # Owners named on one step's card (one per distinct tag value of the affected VMs), at most.
 MAX_OWNERS = 20
@@ -91,8 +91,17 @@ def climb(rule: Rule, record: EventRecord, view: FleetView, now: datetime, *, bl
         return Climb(rungs, f"{note}: held, the platform starts it at NotBefore")
     if last.do not in ("approve", "force"):
         return Climb(rungs, note)
-    if blocked:
-        return Climb(rungs, f"{note}: not approved, {blocked} holds it")
+    refused = _force_failed_on(record) if last.do == "force" else ""
+    if blocked or refused:
+        # A refused force: the VM's own hook said it cannot be drained by force; running it again would say the
+        # same, and the rule's own approval (its hooks succeeded) still goes when the rule gives it.
+        why = (
+            f"not approved, {blocked} holds it"
+            if blocked
+            else f"force hook {last.hook} failed on {refused}: not forced again, the platform starts it at NotBefore "
+            "unless the rule approves it first"
+        )
+        return Climb(rungs, f"{note}: {why}")
     assert record.notBefore is not None  # reached() needs it
     send_by = record.notBefore - SEND_MARGIN
     if now >= send_by:
@@ -105,6 +114,23 @@ def climb(rule: Rule, record: EventRecord, view: FleetView, now: datetime, *, bl
     forced = f": approved once the VM's force hook {last.hook} succeeded (the VM runs it, then starts it)"
     said = note + (forced if last.do == "force" else ": approved anyway")
     return Climb(rungs, said, approve=True, near_seconds=last.beforeNotBeforeSeconds, force_hook=last.hook)
+
+
+def _force_failed_on(record: EventRecord) -> str:
+    """The VM that refused the event's force approval after its force hook failed, "" if none did. Only the VM the
+    approval was sent to: another VM's report of a force phase is not about any request of this event."""
+    return next((step.refusedBy for step in record.escalation if step.do == "force" and step.refusedBy), "")
+
+
+def force_spent(record: EventRecord, decision_id: str, refused_by: str) -> None:
+    """A force approval (``decision_id``) its VM refused after its force hook failed: its request closed (the
+    listener keeps the refusal: nothing executes it unless it is sent again, and it is not) and the force step marked
+    refused, so that the ladder does not force again."""
+    if record.openRequest is not None and record.openRequest.decisionId == decision_id:
+        record.openRequest = None
+    for step in record.escalation:
+        if step.do == "force" and not step.refusedBy:
+            step.refusedBy = refused_by
 
 
 def not_taken(record: EventRecord, rungs: Sequence[Rung]) -> list[Rung]:

@@ -23,6 +23,7 @@ __all__ = [
     "advance",
     "approval_step",
     "clone",
+    "force_refused",
     "lost_answer",
     "raise_alert",
     "sender_gone",
@@ -330,18 +331,22 @@ def _went_at_not_before(record: EventRecord, now: datetime) -> bool:
     approval = record.approval
     if approval is not None and (approval.lostAnswer is not None or approval.outcome in ("", "continued")):
         return False
-    if approval is not None and approval.outcome == "accepted" and not _force_failed(record):
+    if approval is not None and approval.outcome == "accepted" and not force_refused(record):
         return False  # its VM's force hook ran, and its StartRequests may be what started it
     started = record.startedSeenAt or now
     return record.notBefore is not None and started >= record.notBefore
 
 
-def _force_failed(record: EventRecord) -> bool:
-    """The executor of an accepted force approval reported its force phase other than succeeded."""
+def force_refused(record: EventRecord) -> str:
+    """The VM that refused the event's force approval, "" if none did: its executor reported its force phase other
+    than succeeded, and its listener refuses a force request whose hook did not succeed (forwarder/approver.py), so
+    that request executes nothing more. Its own word, about its own approval only."""
     approval = record.approval
-    sighting = record.vms.get(approval.executor) if approval is not None else None
+    if approval is None or not approval.forceHook or not approval.executor:
+        return ""
+    sighting = record.vms.get(approval.executor)
     outcome = sighting.hooks.get("force", "") if sighting is not None else ""
-    return bool(outcome) and outcome != "succeeded"
+    return approval.executor if outcome and outcome != "succeeded" else ""
 
 
 def _started_unapproved(record: EventRecord) -> str:
@@ -363,7 +368,7 @@ def _started_unapproved(record: EventRecord) -> str:
             f"seen Started {when}, after approval {approval.decisionId} reached {lost.executor}, whose answer was lost"
         )
     if approval is not None and approval.outcome == "accepted":
-        ran = "failed: the platform started it" if _force_failed(record) else "ran: most likely its StartRequests"
+        ran = "failed: the platform started it" if force_refused(record) else "ran: most likely its StartRequests"
         return (
             f"seen Started after {approval.executor} accepted approval {approval.decisionId} and its force hook "
             f"{approval.forceHook} {ran}"

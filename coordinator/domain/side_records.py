@@ -27,6 +27,9 @@ class EscalationTaken(BaseModel):
     decisionId: str
     owners: list[str] = Field(default_factory=list)
     hook: str = ""  # a force step's hook
+    # A force step's: the VM its approval was sent to, which refused it after its force hook failed (its own report);
+    # the step is not taken again (domain/escalation.py).
+    refusedBy: str = ""
 
 
 class ShadowVerdict(BaseModel):

@@ -30,12 +30,12 @@ from coordinator.domain.approvals import choose_executor, withdrawal
 from coordinator.domain.budgets import budget_domains
 from coordinator.domain.controls import GateResult
 from coordinator.domain.deletes import couple, pending_delete, ready_to_go
-from coordinator.domain.escalation import not_taken, take
+from coordinator.domain.escalation import force_spent, not_taken, take
 from coordinator.domain.evaluation import Decision, escalated, evaluate, needs_fleet, paced_hold, same_decision
 from coordinator.domain.expiry import approval_bound
 from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.history_rows import decision_row
-from coordinator.domain.lifecycle import EventChange, clone, raise_alert
+from coordinator.domain.lifecycle import EventChange, clone, force_refused, raise_alert
 from coordinator.domain.model import (
     ApprovalRecord,
     DecisionRecord,
@@ -266,15 +266,19 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
         return
     found = pending is not None and executor_found(run, record, pending)
     forced = again and pending is not None and not pending.delivered and pending.actor.startswith("rule:")
-    if pending is not None and not found and not forced and not decided_again(pending, run.now, dry_run=run.dry_run):
+    refused = force_refused(record)  # its VM ran the force hook, which failed: that approval executes nothing
+    redecide = found or forced or bool(refused)
+    if pending is not None and not redecide and not decided_again(pending, run.now, dry_run=run.dry_run):
         return
     if record.older_view(run.now):
         return  # read between the deciding batch's event write and its positions': the next run decides
+    if pending is not None and refused:
+        force_spent(record, pending.decisionId, refused)  # before the verdict: the ladder must not force again
     started = telemetry.now_ns()
     decision, claimed = _verdict(run, record)
     withdrew = ""
     if pending is not None:
-        if decision.verdict == "approve" and decision.rule == pending.rule:
+        if decision.verdict == "approve" and decision.rule == pending.rule and not refused:
             renew(change, pending, decision, run.policy, run.now)
             if found:
                 # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it,
@@ -289,7 +293,7 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
         record.approval = None
         change.changed = True
         change.released = [key for key in pending.budgetKeys if key not in claimed]
-        withdrew = withdrawal(pending, run.policy.fingerprint, run.now)
+        withdrew = withdrawal(pending, run.policy.fingerprint, run.now, refused_by=refused)
     _record_decision(run, change, decision, withdrew=withdrew, started=started)
     if decision.verdict == "approve" and not run.dry_run and record.decision is not None:
         _approve(run, change, decision, claimed)
