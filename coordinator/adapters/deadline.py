@@ -20,11 +20,14 @@ with the deadline's error, instead of being slept whole (azure-core sleeps a Ret
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 from azure.core.pipeline import PipelineResponse
@@ -34,6 +37,10 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import PoolManager
+from urllib3.util.ssl_ import create_urllib3_context
+
+if TYPE_CHECKING:
+    from requests.adapters import _HostParams, _PoolKwargs
 
 __all__ = ["Deadline", "DeadlineExceeded", "RetryPolicy", "deadline", "session"]
 
@@ -197,10 +204,33 @@ class _HTTPSPool(HTTPSConnectionPool):
 _POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
 
 
+@functools.cache
+def _trusting(bundle: str) -> ssl.SSLContext:
+    """One client context trusting the CA bundle file ``bundle``, for every connection that names it."""
+    context = create_urllib3_context()
+    context.load_verify_locations(cafile=bundle)
+    return context
+
+
 class _DeadlineAdapter(HTTPAdapter):
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         super().init_poolmanager(*args, **kwargs)
         self.poolmanager.pool_classes_by_scheme = _POOLS
+
+    def build_connection_pool_key_attributes(
+        self, request: requests.PreparedRequest, verify: bool | str, cert: str | tuple[str, str] | None = None
+    ) -> tuple[_HostParams, _PoolKwargs]:
+        """requests' own, but a CA bundle named by path (``verify``, ``REQUESTS_CA_BUNDLE``) is loaded once per
+        process, as requests preloads its default bundle: urllib3 loaded it again for each new connection, 14-17 ms
+        of CPU with the GIL held for the local stack's 118 certificates, paid by the first approval of each Relay
+        connection (the local pipeline's two slowest events, benchmarks/pipeline_latency.py). Verification is
+        unchanged: CERT_REQUIRED, the hostname matched by urllib3."""
+        host, pool = super().build_connection_pool_key_attributes(request, verify, cert)
+        bundle = pool.get("ca_certs")
+        if isinstance(bundle, str) and pool.get("ssl_context") is None and "cert_file" not in pool:
+            pool["ssl_context"] = _trusting(bundle)
+            del pool["ca_certs"]
+        return host, pool
 
     def proxy_manager_for(self, *args: Any, **kwargs: Any) -> PoolManager:
         manager: PoolManager = super().proxy_manager_for(*args, **kwargs)
@@ -214,4 +244,8 @@ def session() -> requests.Session:
     adapter = _DeadlineAdapter()
     made.mount("http://", adapter)
     made.mount("https://", adapter)
+    # The CA bundle the environment names (REQUESTS_CA_BUNDLE), loaded now rather than by a first call.
+    bundle = made.merge_environment_settings("https://localhost/", {}, None, None, None).get("verify")
+    if isinstance(bundle, str) and os.path.isfile(bundle):
+        _trusting(bundle)
     return made
