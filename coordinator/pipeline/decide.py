@@ -278,7 +278,10 @@ def decide(run: Run, change: EventChange, *, again: bool = False) -> None:
     decision, claimed = _verdict(run, record)
     withdrew = ""
     if pending is not None:
-        if decision.verdict == "approve" and decision.rule == pending.rule and not refused:
+        # A force step's approval, an escalation's (executed only near NotBefore) and the rule's own are different
+        # requests to the VM: a retry decided another way is a new approval, not the first one renewed.
+        form = (pending.forceHook, pending.nearNotBeforeSeconds) == (decision.forceHook, decision.nearNotBeforeSeconds)
+        if decision.verdict == "approve" and decision.rule == pending.rule and form:
             renew(change, pending, decision, run.policy, run.now)
             if found:
                 # Nothing was sent before (no VM to send it through), so nothing is in flight: this run sends it,

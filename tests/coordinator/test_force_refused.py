@@ -117,3 +117,38 @@ def test_a_refused_force_is_not_sent_again_and_the_event_waits_for_its_hooks(tmp
     hook(coordinator, clock, "prepare", "succeeded", 1001)
     assert len(listener.requests) == 2
     assert stored(coordinator).approval is not None
+
+
+class NoForceHookListener(HookedListener):
+    """web_0 without the force hook installed: a force request is refused at once (forwarder/approver.py)."""
+
+    def send(self, request: ApprovalRequest, *, vm: VmIdentity) -> ApprovalResult:
+        if request.facts is not None and request.facts.forceHook:
+            self.requests.append(request)
+            self.answers.append(("rejected", "force hook drain-force is not installed on this VM"))
+            return ApprovalResult(outcome="rejected", eventId=request.eventId, decisionId=request.decisionId)
+        return super().send(request, vm=vm)
+
+
+def test_a_retry_decided_as_the_rules_own_approval_is_sent_as_that_not_as_the_force(tmp_path: Path) -> None:
+    """An approval retried is decided again; when the rule now approves on its own (the hooks succeeded), the
+    request is the rule's (no force hook, its hooks required), not the force step's again (it kept the first
+    decision's form: the VM was asked to run a force hook it refused)."""
+    coordinator, _history, _listener, clock = build(POLICY, tmp_path)
+    listener = NoForceHookListener(clock, {"DocumentIncarnation": 2, "Events": [reboot()]})
+    coordinator.parts = dataclasses.replace(coordinator.parts, callback=listener)
+    clock.now = NOT_BEFORE - timedelta(seconds=100)
+    report(coordinator, clock)
+    coordinator.tick()
+    assert [r.facts.forceHook if r.facts else None for r in listener.requests] == ["drain-force"]
+    listener.ledger[EVENT] = "succeeded"
+    clock.now += timedelta(seconds=1)
+    hook(coordinator, clock, "prepare", "succeeded", 1000)
+    for _ in range(3):
+        clock.now += timedelta(seconds=10)
+        report(coordinator, clock)
+        coordinator.tick()
+    last = listener.requests[-1]
+    assert last.facts is not None
+    assert (last.facts.forceHook, last.facts.hooksRequired) == (None, ["web_0"])
+    assert listener.answers[-1][0] == "approved", listener.answers
