@@ -379,4 +379,10 @@ def _started_unapproved(record: EventRecord) -> str:
             f"seen Started while approval {approval.decisionId}{to} awaited its answer (NotBefore passed, approved "
             "elsewhere, or that approval; its answer, if one comes, is recorded)"
         )
+    refused = next((step for step in record.escalation if step.do == "force" and step.refusedBy), None)
+    if refused is not None and approval is None:
+        return (
+            f"seen Started after {refused.refusedBy} refused the force step's approval: its force hook {refused.hook} "
+            "failed, and no other approval came from here (NotBefore passed or approved elsewhere)"
+        )
     return "seen Started without an approval from here (NotBefore passed or approved elsewhere)"

@@ -16,7 +16,7 @@ from contracts.envelope import VmIdentity
 from coordinator.service import Coordinator
 from forwarder.approval_rules import judge
 from tests.coordinator.conftest import Clock
-from tests.coordinator.helpers import envelope, raw_message, vm
+from tests.coordinator.helpers import MemoryHistory, envelope, raw_message, scheduled_event, vm
 from tests.coordinator.test_escalation import EVENT, NOT_BEFORE, ForcingListener, build, reboot, report, stored
 
 POLICY = """
@@ -50,10 +50,10 @@ class HookedListener(ForcingListener):
         return ApprovalResult(outcome=outcome, eventId=request.eventId, decisionId=request.decisionId, reason=reason)
 
 
-def forced(tmp: Path) -> tuple[Coordinator, HookedListener, Clock]:
+def forced(tmp: Path) -> tuple[Coordinator, HookedListener, Clock, MemoryHistory]:
     """web_0's Reboot first seen 100 s before NotBefore, no hook reported yet: the force step is reached at once,
     its approval sent and accepted (the VM runs drain-force)."""
-    coordinator, _history, _listener, clock = build(POLICY, tmp)
+    coordinator, history, _listener, clock = build(POLICY, tmp)
     listener = HookedListener(clock, {"DocumentIncarnation": 2, "Events": [reboot()]})
     coordinator.parts = dataclasses.replace(coordinator.parts, callback=listener)
     clock.now = NOT_BEFORE - timedelta(seconds=100)
@@ -65,7 +65,7 @@ def forced(tmp: Path) -> tuple[Coordinator, HookedListener, Clock]:
     record = stored(coordinator)
     assert record.approval is not None
     assert record.approval.outcome == "accepted"
-    return coordinator, listener, clock
+    return coordinator, listener, clock, history
 
 
 def hook(coordinator: Coordinator, clock: Clock, phase: str, outcome: str, sequence: int) -> None:
@@ -77,7 +77,7 @@ def hook(coordinator: Coordinator, clock: Clock, phase: str, outcome: str, seque
 
 
 def test_a_refused_force_gives_way_to_the_rules_own_approval_once_the_prepare_hooks_succeeded(tmp_path: Path) -> None:
-    coordinator, listener, clock = forced(tmp_path)
+    coordinator, listener, clock, _history = forced(tmp_path)
     clock.now += timedelta(seconds=1)
     listener.ledger[EVENT] = "succeeded"
     hook(coordinator, clock, "prepare", "succeeded", 1000)
@@ -98,7 +98,7 @@ def test_a_refused_force_gives_way_to_the_rules_own_approval_once_the_prepare_ho
 
 
 def test_a_refused_force_is_not_sent_again_and_the_event_waits_for_its_hooks(tmp_path: Path) -> None:
-    coordinator, listener, clock = forced(tmp_path)
+    coordinator, listener, clock, _history = forced(tmp_path)
     clock.now += timedelta(seconds=2)
     hook(coordinator, clock, "force", "failed", 1000)
     for _ in range(3):
@@ -152,3 +152,15 @@ def test_a_retry_decided_as_the_rules_own_approval_is_sent_as_that_not_as_the_fo
     assert last.facts is not None
     assert (last.facts.forceHook, last.facts.hooksRequired) == (None, ["web_0"])
     assert listener.answers[-1][0] == "approved", listener.answers
+
+
+def test_a_refused_force_started_at_not_before_says_so_in_its_started_row(tmp_path: Path) -> None:
+    coordinator, _listener, clock, history = forced(tmp_path)
+    clock.now += timedelta(seconds=2)
+    hook(coordinator, clock, "force", "failed", 1000)
+    clock.now = NOT_BEFORE + timedelta(seconds=1)
+    started = scheduled_event(EVENT, event_type="Reboot", resources=["web_0"], duration=-1, status="Started")
+    data = envelope(WEB_0, sequence=1001, incarnation=3, events=[started], observed_at=clock.now)
+    coordinator.process_batch([raw_message(WEB_0, data)])
+    [row] = [row for row in history.rows if row.RecordType == "Transition" and row.State == "Started"]
+    assert "web_0 refused the force step's approval: its force hook drain-force failed" in row.Reason
