@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from contracts import wire
 from contracts.approval import ApprovalRequest, ApprovalResult
@@ -50,15 +50,24 @@ class HookedListener(ForcingListener):
         return ApprovalResult(outcome=outcome, eventId=request.eventId, decisionId=request.decisionId, reason=reason)
 
 
-def forced(tmp: Path) -> tuple[Coordinator, HookedListener, Clock, MemoryHistory]:
-    """web_0's Reboot first seen 100 s before NotBefore, no hook reported yet: the force step is reached at once,
-    its approval sent and accepted (the VM runs drain-force)."""
+L = TypeVar("L", bound="HookedListener")
+
+
+def first_seen(tmp: Path, kind: type[L]) -> tuple[Coordinator, L, Clock, MemoryHistory]:
+    """web_0's Reboot first seen 100 s before NotBefore, no hook reported yet: the force step is reached at once and
+    its approval sent to web_0's listener (``kind``)."""
     coordinator, history, _listener, clock = build(POLICY, tmp)
-    listener = HookedListener(clock, {"DocumentIncarnation": 2, "Events": [reboot()]})
+    listener = kind(clock, {"DocumentIncarnation": 2, "Events": [reboot()]})
     coordinator.parts = dataclasses.replace(coordinator.parts, callback=listener)
     clock.now = NOT_BEFORE - timedelta(seconds=100)
     report(coordinator, clock)
     coordinator.tick()
+    return coordinator, listener, clock, history
+
+
+def forced(tmp: Path) -> tuple[Coordinator, HookedListener, Clock, MemoryHistory]:
+    """As ``first_seen``, the force approval accepted (the VM runs drain-force)."""
+    coordinator, listener, clock, history = first_seen(tmp, HookedListener)
     [request] = listener.requests
     assert request.facts is not None
     assert request.facts.forceHook == "drain-force"
@@ -66,6 +75,14 @@ def forced(tmp: Path) -> tuple[Coordinator, HookedListener, Clock, MemoryHistory
     assert record.approval is not None
     assert record.approval.outcome == "accepted"
     return coordinator, listener, clock, history
+
+
+def ticks(coordinator: Coordinator, clock: Clock, count: int = 3) -> None:
+    """``count`` timer ticks 10 s apart, web_0 reporting its document before each."""
+    for _ in range(count):
+        clock.now += timedelta(seconds=10)
+        report(coordinator, clock)
+        coordinator.tick()
 
 
 def hook(coordinator: Coordinator, clock: Clock, phase: str, outcome: str, sequence: int) -> None:
@@ -101,10 +118,7 @@ def test_a_refused_force_is_not_sent_again_and_the_event_waits_for_its_hooks(tmp
     coordinator, listener, clock, _history = forced(tmp_path)
     clock.now += timedelta(seconds=2)
     hook(coordinator, clock, "force", "failed", 1000)
-    for _ in range(3):
-        clock.now += timedelta(seconds=10)
-        report(coordinator, clock)
-        coordinator.tick()
+    ticks(coordinator, clock)
     assert len(listener.requests) == 1  # neither the force again nor an approval the rule does not give
     record = stored(coordinator)
     assert record.approval is None
@@ -134,20 +148,12 @@ def test_a_retry_decided_as_the_rules_own_approval_is_sent_as_that_not_as_the_fo
     """An approval retried is decided again; when the rule now approves on its own (the hooks succeeded), the
     request is the rule's (no force hook, its hooks required), not the force step's again (it kept the first
     decision's form: the VM was asked to run a force hook it refused)."""
-    coordinator, _history, _listener, clock = build(POLICY, tmp_path)
-    listener = NoForceHookListener(clock, {"DocumentIncarnation": 2, "Events": [reboot()]})
-    coordinator.parts = dataclasses.replace(coordinator.parts, callback=listener)
-    clock.now = NOT_BEFORE - timedelta(seconds=100)
-    report(coordinator, clock)
-    coordinator.tick()
+    coordinator, listener, clock, _history = first_seen(tmp_path, NoForceHookListener)
     assert [r.facts.forceHook if r.facts else None for r in listener.requests] == ["drain-force"]
     listener.ledger[EVENT] = "succeeded"
     clock.now += timedelta(seconds=1)
     hook(coordinator, clock, "prepare", "succeeded", 1000)
-    for _ in range(3):
-        clock.now += timedelta(seconds=10)
-        report(coordinator, clock)
-        coordinator.tick()
+    ticks(coordinator, clock)
     last = listener.requests[-1]
     assert last.facts is not None
     assert (last.facts.forceHook, last.facts.hooksRequired) == (None, ["web_0"])
