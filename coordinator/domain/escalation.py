@@ -24,7 +24,7 @@ from coordinator.domain.fleet_view import FleetView
 from coordinator.domain.lifecycle import EventChange, raise_alert
 from coordinator.domain.model import ESCALATION_KINDS, EventRecord
 from coordinator.domain.policy import EscalationStep, Rule
-from coordinator.domain.side_records import EscalationTaken
+from coordinator.domain.side_records import EscalationTaken, refused_force
 
 __all__ = ["MAX_OWNERS", "Climb", "Rung", "climb", "force_spent", "not_taken", "reached", "take"]
 
@@ -91,7 +91,8 @@ def climb(rule: Rule, record: EventRecord, view: FleetView, now: datetime, *, bl
         return Climb(rungs, f"{note}: held, the platform starts it at NotBefore")
     if last.do not in ("approve", "force"):
         return Climb(rungs, note)
-    refused = _force_failed_on(record) if last.do == "force" else ""
+    spent = refused_force(record.escalation) if last.do == "force" else None
+    refused = spent.refusedBy if spent is not None else ""
     if blocked or refused:
         # A refused force: the VM's own hook said it cannot be drained by force; running it again would say the
         # same, and the rule's own approval (its hooks succeeded) still goes when the rule gives it.
@@ -114,12 +115,6 @@ def climb(rule: Rule, record: EventRecord, view: FleetView, now: datetime, *, bl
     forced = f": approved once the VM's force hook {last.hook} succeeded (the VM runs it, then starts it)"
     said = note + (forced if last.do == "force" else ": approved anyway")
     return Climb(rungs, said, approve=True, near_seconds=last.beforeNotBeforeSeconds, force_hook=last.hook)
-
-
-def _force_failed_on(record: EventRecord) -> str:
-    """The VM that refused the event's force approval after its force hook failed, "" if none did. Only the VM the
-    approval was sent to: another VM's report of a force phase is not about any request of this event."""
-    return next((step.refusedBy for step in record.escalation if step.do == "force" and step.refusedBy), "")
 
 
 def force_spent(record: EventRecord, decision_id: str, refused_by: str) -> None:

@@ -17,6 +17,7 @@ from coordinator.domain.history_rows import approval_row, transition_row
 from coordinator.domain.model import AlertKind, EventRecord, LostAnswer, State
 from coordinator.domain.observations import Observation
 from coordinator.domain.rows import HistoryRow
+from coordinator.domain.side_records import refused_force
 
 __all__ = [
     "EventChange",
@@ -379,7 +380,7 @@ def _started_unapproved(record: EventRecord) -> str:
             f"seen Started while approval {approval.decisionId}{to} awaited its answer (NotBefore passed, approved "
             "elsewhere, or that approval; its answer, if one comes, is recorded)"
         )
-    refused = next((step for step in record.escalation if step.do == "force" and step.refusedBy), None)
+    refused = refused_force(record.escalation)
     if refused is not None and approval is None:
         return (
             f"seen Started after {refused.refusedBy} refused the force step's approval: its force hook {refused.hook} "

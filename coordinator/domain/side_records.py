@@ -4,12 +4,13 @@ VMs' return to service once it completed (``EventRecord.returnToService``: domai
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EscalationTaken", "ReturnWatch", "ShadowVerdict", "VmReturn"]
+__all__ = ["EscalationTaken", "ReturnWatch", "ShadowVerdict", "VmReturn", "refused_force"]
 
 
 class EscalationTaken(BaseModel):
@@ -30,6 +31,11 @@ class EscalationTaken(BaseModel):
     # A force step's: the VM its approval was sent to, which refused it after its force hook failed (its own report);
     # the step is not taken again (domain/escalation.py).
     refusedBy: str = ""
+
+
+def refused_force(steps: Iterable[EscalationTaken]) -> EscalationTaken | None:
+    """The force step whose approval its VM refused after its force hook failed (``refusedBy``), if any."""
+    return next((step for step in steps if step.do == "force" and step.refusedBy), None)
 
 
 class ShadowVerdict(BaseModel):
