@@ -6,7 +6,6 @@ another ``ApprovalCallback`` (local/direct_callback.py, never deployed)."""
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -135,8 +134,6 @@ def build_approval_path(
         max_retry_seconds=max(1.0, settings.approval_deadline_seconds - 2.0),
         not_after_tolerance=timedelta(seconds=settings.clock_tolerance_seconds),
     )
-    # The first approval after a start should not wait for the Relay token.
-    threading.Thread(target=sender.warm, name="relay-sender-warm", daemon=True).start()
     if not (settings.relay_namespace and settings.relay_subscription_id and settings.relay_resource_group):
         return ApprovalPath(sender)
     from coordinator.adapters.relay_admin import HybridConnectionAdmin, hybrid_connections_to_delete  # noqa: PLC0415

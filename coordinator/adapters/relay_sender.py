@@ -131,18 +131,6 @@ class RelayApprovalSender(Closing):
     def close(self) -> None:
         self._session.close()
 
-    def warm(self) -> None:
-        """Fetches the Relay token into the credential's cache, so that the first approval after a start does not
-        wait for it (a managed identity's first token is an HTTP call to the identity endpoint, tens to hundreds of
-        ms). Best effort, meant for a background thread at start: a failure is logged, the first approval fetches
-        it again and says why it could not. A SAS key signs locally: nothing to fetch."""
-        if isinstance(self._credential, AzureNamedKeyCredential):
-            return
-        try:
-            self._credential.get_token(RELAY_SCOPE)
-        except Exception as error:  # the first approval's own attempt reports it as a delivery failure
-            log.warning("the Relay token could not be fetched ahead of the first approval: %s", error)
-
     def endpoint_for(self, vm: VmIdentity) -> str:
         return namespace_for_vm(vm, self._endpoints)
 
