@@ -18,6 +18,7 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.callback import ApprovalCallback
 from coordinator.adapters.census import ArmCensusReader, Census
+from coordinator.adapters.deadline import session
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
 from coordinator.adapters.gates import AzureMonitorReader
 from coordinator.adapters.heap import HEAP
@@ -71,14 +72,15 @@ def build_coordinator(settings: CoordinatorSettings, *, callback: ApprovalCallba
 
 
 def build_store(settings: CoordinatorSettings, credential: TokenCredential) -> TableStateStore:
-    """The state table: Azurite's connection string locally, the account's endpoint and the identity in Azure."""
+    """The state table: Azurite's connection string locally, the account's endpoint and the identity in Azure; its
+    clients on the deadline module's sessions (the environment's proxy settings read once per host, not per write)."""
     if settings.storage_connection_string is not None:
         return TableStateStore.from_connection_string(
-            settings.storage_connection_string.get_secret_value(), table_name=settings.state_table
+            settings.storage_connection_string.get_secret_value(), table_name=settings.state_table, session=session
         )
     assert settings.table_endpoint is not None  # settings validation: exactly one of the two
     return TableStateStore.from_endpoint(
-        settings.table_endpoint, credential=credential, table_name=settings.state_table
+        settings.table_endpoint, credential=credential, table_name=settings.state_table, session=session
     )
 
 

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from email.utils import formatdate
 from typing import Any
 from urllib.parse import quote
 
+import requests
 from azure.core import MatchConditions
 from azure.core.exceptions import DecodeError, HttpResponseError
+from azure.core.pipeline.transport import RequestsTransport
 from azure.core.rest import HttpRequest
 from azure.core.serialization import AzureJSONEncoder
 from azure.core.tracing.decorator import distributed_trace
@@ -41,6 +43,14 @@ from azure.data.tables._error import _decode_error, _validate_tablename_error
 from azure.data.tables._serialize import _add_entity_properties, _prepare_key
 
 CRLF = "\r\n"
+
+# Makes a table client's requests session (the wiring's: coordinator/adapters/deadline.py, the environment read once).
+Sessions = Callable[[], requests.Session]
+
+
+def transport_of(session: Sessions | None) -> dict[str, Any]:
+    """A client's keyword options for a transport over ``session()`` (none: the SDK makes its own)."""
+    return {} if session is None else {"transport": RequestsTransport(session=session())}
 
 
 class TransactionTableClient(TableClient):

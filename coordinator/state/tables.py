@@ -59,7 +59,7 @@ from coordinator.state.store import (
     StateStore,
     Stored,
 )
-from coordinator.state.table_batch import TransactionTableClient
+from coordinator.state.table_batch import Sessions, TransactionTableClient, transport_of
 from coordinator.state.table_budgets import TableBudgets
 from coordinator.state.table_logs import TableLogs
 from coordinator.state.table_outbox import TableOutbox
@@ -89,16 +89,26 @@ class TableStateStore(TableBudgets, TableOutbox, TableLogs, StateStore):
         self._set_aside = SetAsideLog()
 
     @classmethod
-    def from_connection_string(cls, connection_string: str, *, table_name: str) -> TableStateStore:
+    def from_connection_string(
+        cls, connection_string: str, *, table_name: str, session: Sessions | None = None
+    ) -> TableStateStore:
+        """``session`` makes each table client's ``requests`` session (None: the SDK's own)."""
+
         def client(name: str) -> TableClient:
-            return TransactionTableClient.from_connection_string(connection_string, table_name=name)
+            return TransactionTableClient.from_connection_string(
+                connection_string, table_name=name, **transport_of(session)
+            )
 
         return cls._from_service(TableServiceClient.from_connection_string(connection_string), client, table_name)
 
     @classmethod
-    def from_endpoint(cls, endpoint: str, *, credential: TokenCredential, table_name: str) -> TableStateStore:
+    def from_endpoint(
+        cls, endpoint: str, *, credential: TokenCredential, table_name: str, session: Sessions | None = None
+    ) -> TableStateStore:
         def client(name: str) -> TableClient:
-            return TransactionTableClient(endpoint=endpoint, table_name=name, credential=credential)
+            return TransactionTableClient(
+                endpoint=endpoint, table_name=name, credential=credential, **transport_of(session)
+            )
 
         service = TableServiceClient(endpoint=endpoint, credential=credential)
         return cls._from_service(service, client, table_name)

@@ -14,10 +14,12 @@ import uuid
 from typing import Any
 
 import pytest
+import requests.sessions
 from azure.core import MatchConditions
 from azure.data.tables import TableClient, TableServiceClient, TableTransactionError, UpdateMode
 from azure.data.tables._table_batch import TableBatchOperations
 
+from coordinator.adapters import deadline
 from coordinator.state.entities import Write, event_entity, event_partition
 from coordinator.state.store import ConcurrencyConflict, RecordTooLarge
 from coordinator.state.table_batch import TransactionTableClient, answer_parts, batch_body, requests_of
@@ -193,14 +195,16 @@ def test_the_sdk_and_this_transport_leave_the_same_table_and_raise_the_same(azur
     assert all(result == ["etag"] for result in expected[6][:3])
 
 
-@pytest.fixture(params=["sdk", "own"])
+@pytest.fixture(params=["sdk", "own", "own-session"])
 def stores(request: pytest.FixtureRequest, azurite: Any) -> tuple[TableStateStore, TableStateStore]:
-    """Two instances on one table whose transactions go through the SDK or through this transport."""
+    """Two instances on one table whose transactions go through the SDK or through this transport (own-session: on
+    the deadline module's sessions, as the wiring builds the store)."""
     name = f"batchstore{uuid.uuid4().hex[:10]}"
-    owned = TableStateStore.from_connection_string(azurite.connection_string, table_name=name)
+    made = deadline.session if request.param == "own-session" else None
+    owned = TableStateStore.from_connection_string(azurite.connection_string, table_name=name, session=made)
     assert isinstance(owned._table, TransactionTableClient)
-    if request.param == "own":
-        return owned, TableStateStore.from_connection_string(azurite.connection_string, table_name=name)
+    if request.param.startswith("own"):
+        return owned, TableStateStore.from_connection_string(azurite.connection_string, table_name=name, session=made)
     service = TableServiceClient.from_connection_string(azurite.connection_string)
 
     def sdk() -> TableStateStore:
@@ -233,3 +237,24 @@ def test_the_store_meets_conflicts_and_oversized_entities_alike(
     assert store.get_events(big) == {}
     assert store.save_events([]) == []
     assert store.claim_many([]) == {}
+
+
+def test_a_store_on_the_deadline_sessions_reads_the_environment_once_per_client(
+    azurite: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TableStateStore.from_connection_string(
+        azurite.connection_string, table_name=f"batchenv{uuid.uuid4().hex[:10]}", session=deadline.session
+    )
+    looked: list[str] = []
+    real = requests.sessions.get_environ_proxies
+
+    def counting(url: str, no_proxy: str | None = None) -> dict[str, str]:
+        looked.append(url)
+        return real(url, no_proxy=no_proxy)
+
+    monkeypatch.setattr(requests.sessions, "get_environ_proxies", counting)
+    ids = [f"EV-env-{n}" for n in range(6)]
+    etags = [store.save_events([(event_record(i), None)])[0] for i in ids]
+    store.save_events([(event_record(i, state="Approved"), e) for i, e in zip(ids[:1], etags, strict=False)])
+    assert len(store.get_events(ids)) == 6
+    assert len(looked) == 1  # every request went to the one table service: its settings read by the first alone

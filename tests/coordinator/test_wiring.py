@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import pytest
 
 from coordinator import wiring
-from coordinator.adapters import relay_admin, remote_acknowledge
+from coordinator.adapters import deadline, relay_admin, remote_acknowledge
 from coordinator.adapters.arm import ArmOptions
 from coordinator.adapters.census import ArmCensusReader
 from coordinator.adapters.delivery_queue import StorageQueueDeliveries
@@ -42,6 +42,7 @@ class Reached:
     where: str
     table: str
     credential: Any = None
+    session: Any = None
 
 
 class LocalTables:
@@ -50,13 +51,13 @@ class LocalTables:
     reached: ClassVar[list[Reached]] = []
 
     @classmethod
-    def from_connection_string(cls, connection_string: str, *, table_name: str) -> MemoryStateStore:
-        cls.reached.append(Reached("connection string", connection_string, table_name))
+    def from_connection_string(cls, connection_string: str, *, table_name: str, session: Any) -> MemoryStateStore:
+        cls.reached.append(Reached("connection string", connection_string, table_name, session=session))
         return MemoryStateStore()
 
     @classmethod
-    def from_endpoint(cls, endpoint: str, *, credential: Any, table_name: str) -> MemoryStateStore:
-        cls.reached.append(Reached("endpoint", endpoint, table_name, credential))
+    def from_endpoint(cls, endpoint: str, *, credential: Any, table_name: str, session: Any) -> MemoryStateStore:
+        cls.reached.append(Reached("endpoint", endpoint, table_name, credential, session))
         return MemoryStateStore()
 
 
@@ -106,7 +107,8 @@ def build(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Coordinator
 
 def test_the_local_mode_gets_azurite_sqlite_a_cards_folder_and_the_relay_emulator(build, local, tmp_path):
     coordinator = build(local)
-    assert LocalTables.reached == [Reached("connection string", AZURITE, "localstate")]
+    # Its table clients' sessions are the deadline module's (the environment's proxies read once per host).
+    assert LocalTables.reached == [Reached("connection string", AZURITE, "localstate", session=deadline.session)]
     assert isinstance(coordinator.parts.store, MemoryStateStore)
     assert isinstance(coordinator.parts.history, SqliteHistory)
     assert coordinator.parts.history.path == tmp_path / "history.sqlite"
@@ -186,6 +188,7 @@ def test_azure_gets_a_managed_identity_teams_logs_ingestion_and_the_relay_with_i
     [reached] = LocalTables.reached
     assert (reached.how, reached.where, reached.table) == ("endpoint", variables["table_endpoint"], "fleetstate")
     assert reached.credential is not None
+    assert reached.session is deadline.session
     assert isinstance(coordinator.parts.history, LogsIngestionHistory)
     assert isinstance(coordinator.parts.alerts, TeamsWebhookSink)
     assert isinstance(coordinator.parts.callback, RelayApprovalSender)
