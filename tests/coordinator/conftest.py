@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import requests.sessions
 
 from coordinator.adapters.history import SqliteHistory
 from coordinator.service import Coordinator
@@ -109,3 +110,18 @@ def bench() -> Iterator[Bench]:
     parts = Bench()
     yield parts
     parts.close()
+
+
+@pytest.fixture
+def environment_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The URLs ``requests`` looked the environment's proxies up for, from now on (coordinator/adapters/deadline.py
+    reads them once per host)."""
+    looked: list[str] = []
+    real = requests.sessions.get_environ_proxies
+
+    def counting(url: str, no_proxy: str | None = None) -> dict[str, str]:
+        looked.append(url)
+        return real(url, no_proxy=no_proxy)
+
+    monkeypatch.setattr(requests.sessions, "get_environ_proxies", counting)
+    return looked

@@ -10,8 +10,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-import requests
-import requests.sessions
 
 from coordinator.adapters.deadline import ENVIRONMENT_HOSTS, session
 
@@ -54,20 +52,6 @@ def origin() -> Iterator[tuple[str, list[str]]]:
     yield from _server()
 
 
-@pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The URLs requests looked up the environment's proxies for."""
-    looked: list[str] = []
-    real = requests.sessions.get_environ_proxies
-
-    def counting(url: str, no_proxy: str | None = None) -> dict[str, str]:
-        looked.append(url)
-        return real(url, no_proxy=no_proxy)
-
-    monkeypatch.setattr(requests.sessions, "get_environ_proxies", counting)
-    return looked
-
-
 def _clear_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
@@ -75,18 +59,18 @@ def _clear_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_environment_is_read_once_per_host_and_its_proxy_carries_every_call(
-    monkeypatch: pytest.MonkeyPatch, proxy: tuple[str, list[str]], counted: list[str]
+    monkeypatch: pytest.MonkeyPatch, proxy: tuple[str, list[str]], environment_lookups: list[str]
 ) -> None:
     _clear_proxies(monkeypatch)
     address, seen = proxy
     monkeypatch.setenv("HTTP_PROXY", address)
     made = session()
-    counted.clear()  # what making the session read
+    environment_lookups.clear()  # what making the session read
     for n in range(5):
         assert made.get(f"http://state.invalid/row/{n}", timeout=5).text == "ok"
     made.get("http://other.invalid/", timeout=5)
     assert seen == [f"http://state.invalid/row/{n}" for n in range(5)] + ["http://other.invalid/"]
-    assert [url.split("/")[2] for url in counted] == ["state.invalid", "other.invalid"]
+    assert [url.split("/")[2] for url in environment_lookups] == ["state.invalid", "other.invalid"]
 
 
 def test_no_proxy_still_exempts_its_hosts(
@@ -117,27 +101,31 @@ def test_proxies_given_to_a_call_are_that_calls_alone(
 
 
 def test_a_session_not_trusting_the_environment_reads_none_of_it(
-    monkeypatch: pytest.MonkeyPatch, proxy: tuple[str, list[str]], origin: tuple[str, list[str]], counted: list[str]
+    monkeypatch: pytest.MonkeyPatch,
+    proxy: tuple[str, list[str]],
+    origin: tuple[str, list[str]],
+    environment_lookups: list[str],
 ) -> None:
     _clear_proxies(monkeypatch)
     (proxy_address, through_proxy), (origin_address, at_origin) = proxy, origin
     monkeypatch.setenv("HTTP_PROXY", proxy_address)
     made = session()
     made.trust_env = False  # what azure-core's use_env_settings=False sets
-    counted.clear()
+    environment_lookups.clear()
     made.get(f"{origin_address}/plain", timeout=5)
     assert at_origin == ["/plain"]
     assert through_proxy == []
-    assert counted == []
+    assert environment_lookups == []
 
 
-def test_the_hosts_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch, counted: list[str]) -> None:
+def test_the_hosts_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch, environment_lookups: list[str]) -> None:
     _clear_proxies(monkeypatch)
     made = session()
-    counted.clear()
+    environment_lookups.clear()
     for n in range(ENVIRONMENT_HOSTS + 1):
         made.merge_environment_settings(f"http://host-{n}.invalid/", {}, None, None, None)
     made.merge_environment_settings(f"http://host-{ENVIRONMENT_HOSTS}.invalid/", {}, None, None, None)
-    assert len(counted) == ENVIRONMENT_HOSTS + 1  # the last host, remembered after the start over, is not read again
+    # The last host, remembered after the start over, is not read again; the first, forgotten then, is.
+    assert len(environment_lookups) == ENVIRONMENT_HOSTS + 1
     made.merge_environment_settings("http://host-0.invalid/", {}, None, None, None)
-    assert len(counted) == ENVIRONMENT_HOSTS + 2  # the first, forgotten at the start over, is
+    assert len(environment_lookups) == ENVIRONMENT_HOSTS + 2

@@ -14,7 +14,6 @@ import uuid
 from typing import Any
 
 import pytest
-import requests.sessions
 from azure.core import MatchConditions
 from azure.data.tables import TableClient, TableServiceClient, TableTransactionError, UpdateMode
 from azure.data.tables._table_batch import TableBatchOperations
@@ -240,21 +239,14 @@ def test_the_store_meets_conflicts_and_oversized_entities_alike(
 
 
 def test_a_store_on_the_deadline_sessions_reads_the_environment_once_per_client(
-    azurite: Any, monkeypatch: pytest.MonkeyPatch
+    azurite: Any, environment_lookups: list[str]
 ) -> None:
     store = TableStateStore.from_connection_string(
         azurite.connection_string, table_name=f"batchenv{uuid.uuid4().hex[:10]}", session=deadline.session
     )
-    looked: list[str] = []
-    real = requests.sessions.get_environ_proxies
-
-    def counting(url: str, no_proxy: str | None = None) -> dict[str, str]:
-        looked.append(url)
-        return real(url, no_proxy=no_proxy)
-
-    monkeypatch.setattr(requests.sessions, "get_environ_proxies", counting)
+    environment_lookups.clear()  # what making the store read
     ids = [f"EV-env-{n}" for n in range(6)]
     etags = [store.save_events([(event_record(i), None)])[0] for i in ids]
     store.save_events([(event_record(i, state="Approved"), e) for i, e in zip(ids[:1], etags, strict=False)])
     assert len(store.get_events(ids)) == 6
-    assert len(looked) == 1  # every request went to the one table service: its settings read by the first alone
+    assert len(environment_lookups) == 1  # every request went to the one table service: read by the first alone
