@@ -28,8 +28,9 @@ __all__ = ["UNANSWERED", "UNPEERED_ALLOWANCE", "answer_wait", "hands_over", "pla
 # The answers that say the executor's listener was not reached or did not answer (unknown: it went away before
 # answering): the next attempt prefers a peer.
 UNANSWERED = frozenset({"failed", "continued", "unknown"})
-# How much longer than the run waits a handed-over request stays valid when no peer could take it over yet: a listener
-# the Relay holds 3 s still executes it; a peer that reports the event later waits this much more.
+# How much longer than the run waits a handed-over request stays valid when no peer could take it over yet, nor is
+# coming (a VM the event names that has not reported it: _coming): a listener the Relay holds 3 s still executes it; a
+# peer that reports the event later waits this much more.
 UNPEERED_ALLOWANCE = timedelta(seconds=2)
 
 
@@ -235,10 +236,22 @@ def _valid_for(
     avoid = frozenset({executor.name}) if executor is not None else frozenset()
     peer = choose_executor(record, seen, alive_after, leaving=leaving, avoid=avoid) if executor else None
     known = peer is not None and executor is not None and peer.name != executor.name
-    valid_for = options.in_run_delivery + (timedelta(0) if known else UNPEERED_ALLOWANCE)
+    valid_for = options.in_run_delivery + (
+        timedelta(0) if known or _coming(record, executor, leaving) else UNPEERED_ALLOWANCE
+    )
     if record.eventType == "Terminate" and len(record.resources) <= 1:
         return valid_for  # only its own VM may ever execute it (choose_executor): no peer to leave room for
     return reroutable_within(valid_for, record.notBefore, run.now, tolerance=options.not_after_tolerance)
+
+
+def _coming(record: EventRecord, executor: VmSighting | None, leaving: dict[str, str]) -> bool:
+    """Whether a VM the event names, not the executor, has not reported it yet and is not being removed: it will (IMDS
+    lists each VM's own events in its document, its forwarder sends the new incarnation within its poll), so a peer
+    to take over is coming. Oracle seed 1042: a peer's sighting came 30-150 ms after the decision, and the request
+    given the allowance meanwhile held the event 2 s more past its executor's slow listener."""
+    if executor is None:
+        return False
+    return any(n != executor.name and n not in record.vms and n not in leaving for n in record.resources)
 
 
 def answer_wait(run: Run, request: ApprovalRequest, within: float) -> float:

@@ -464,6 +464,28 @@ def test_a_handed_over_request_with_no_peer_yet_stays_valid_a_few_seconds_longer
     assert record.openRequest.until == DOC_NOW + valid
 
 
+def test_a_request_sent_before_the_named_vm_reported_gets_no_allowance_its_peer_is_coming(bench: Bench):
+    """Oracle seed 1042: only a viewer (Other_0) had reported web_1's event when it was decided; web_1 reported it
+    30-150 ms later. The VM an event names always lists it, so a peer is coming: the request is valid for the run's
+    wait alone, and a slow viewer's request lapses 2 s sooner for the named VM to take it over."""
+    queued_bench(bench, "Other_0")
+    put_event(
+        bench.store,
+        "EV-NAMED",
+        vms=("Other_0",),
+        resources=["Named_0"],
+        eventType="Freeze",
+        notBefore=NOT_BEFORE,
+        approval=approval(),
+    )
+    run = deliver(bench, "EV-NAMED", in_run_delivery=timedelta(milliseconds=100))
+    record = bench.event("EV-NAMED")
+    assert record.approval is not None
+    assert (record.approval.outcome, record.approval.executor) == ("continued", "Other_0")
+    assert record.openRequest is not None
+    assert record.openRequest.until == DOC_NOW + run.options.in_run_delivery + run.options.not_after_tolerance
+
+
 def test_without_a_delivery_queue_a_run_waits_the_whole_deadline_as_before(bench: Bench):
     callback = DeadListeners()
     bench.callback = callback
