@@ -245,13 +245,17 @@ def _valid_for(
 
 
 def _coming(record: EventRecord, executor: VmSighting | None, leaving: dict[str, str]) -> bool:
-    """Whether a VM the event names, not the executor, has not reported it yet and is not being removed: it will (IMDS
-    lists each VM's own events in its document, its forwarder sends the new incarnation within its poll), so a peer
-    to take over is coming. Oracle seed 1042: a peer's sighting came 30-150 ms after the decision, and the request
-    given the allowance meanwhile held the event 2 s more past its executor's slow listener."""
+    """Whether a VM the event names, not the executor, has not reported it yet and is not being removed by another
+    event (``choose_executor``'s own test: the event's own delete leaves it an executor): it will report it (IMDS lists
+    each VM's own events in its document, its forwarder sends the new incarnation within its poll), so a peer to take
+    over is coming. Oracle seed 1042: a peer's sighting came 30-150 ms after the decision, and the request given the
+    allowance meanwhile held the event 2 s more past its executor's slow listener."""
     if executor is None:
         return False
-    return any(n != executor.name and n not in record.vms and n not in leaving for n in record.resources)
+    return any(
+        n != executor.name and n not in record.vms and leaving.get(n, record.eventId) == record.eventId
+        for n in record.resources
+    )
 
 
 def answer_wait(run: Run, request: ApprovalRequest, within: float) -> float:

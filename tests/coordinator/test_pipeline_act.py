@@ -15,7 +15,7 @@ from contracts.envelope import VmIdentity
 from coordinator.adapters.callback import ApprovalDeliveryError
 from coordinator.adapters.delivery_queue import QueuedDelivery
 from coordinator.domain import approvals
-from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest
+from coordinator.domain.model import ApprovalRecord, EventRecord, OpenRequest, VmSighting
 from coordinator.domain.policy_file import parse_policy
 from coordinator.pipeline import act, attempt, delivery, handover, plan
 from coordinator.pipeline.run import Delivery, Run
@@ -484,6 +484,27 @@ def test_a_request_sent_before_the_named_vm_reported_gets_no_allowance_its_peer_
     assert (record.approval.outcome, record.approval.executor) == ("continued", "Other_0")
     assert record.openRequest is not None
     assert record.openRequest.until == DOC_NOW + run.options.in_run_delivery + run.options.not_after_tolerance
+
+
+def test_a_named_vm_counts_as_coming_unless_it_reported_or_another_event_removes_it():
+    executor = VmSighting(
+        name="web_0", firstSeen=DOC_NOW, lastSeen=DOC_NOW, lastSequence=1, incarnation=1, status="Scheduled"
+    )
+    record = EventRecord.model_validate(
+        {
+            "eventId": "EV-T",
+            "eventType": "Terminate",
+            "stateSince": DOC_NOW,
+            "createdAt": DOC_NOW,
+            "resources": ["web_0", "web_1"],
+            "vms": {"web_0": executor},
+        }
+    )
+    assert plan._coming(record, executor, {})
+    assert plan._coming(record, executor, {"web_1": "EV-T"})  # its own delete: it still reports and may execute
+    assert not plan._coming(record, executor, {"web_1": "EV-OTHER"})  # another event removes it
+    assert not plan._coming(record.model_copy(update={"resources": ["web_0"]}), executor, {})
+    assert not plan._coming(record, None, {})
 
 
 def test_without_a_delivery_queue_a_run_waits_the_whole_deadline_as_before(bench: Bench):
