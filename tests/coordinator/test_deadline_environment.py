@@ -52,7 +52,9 @@ def origin() -> Iterator[tuple[str, list[str]]]:
     yield from _server()
 
 
-def _clear_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True)
+def _no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No proxy setting of this machine's environment: each test sets its own."""
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.lower(), raising=False)
@@ -61,7 +63,6 @@ def _clear_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_environment_is_read_once_per_host_and_its_proxy_carries_every_call(
     monkeypatch: pytest.MonkeyPatch, proxy: tuple[str, list[str]], environment_lookups: list[str]
 ) -> None:
-    _clear_proxies(monkeypatch)
     address, seen = proxy
     monkeypatch.setenv("HTTP_PROXY", address)
     made = session()
@@ -76,7 +77,6 @@ def test_the_environment_is_read_once_per_host_and_its_proxy_carries_every_call(
 def test_no_proxy_still_exempts_its_hosts(
     monkeypatch: pytest.MonkeyPatch, proxy: tuple[str, list[str]], origin: tuple[str, list[str]]
 ) -> None:
-    _clear_proxies(monkeypatch)
     (proxy_address, through_proxy), (origin_address, at_origin) = proxy, origin
     monkeypatch.setenv("HTTP_PROXY", proxy_address)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
@@ -88,9 +88,8 @@ def test_no_proxy_still_exempts_its_hosts(
 
 
 def test_proxies_given_to_a_call_are_that_calls_alone(
-    monkeypatch: pytest.MonkeyPatch, proxy: tuple[str, list[str]], origin: tuple[str, list[str]]
+    proxy: tuple[str, list[str]], origin: tuple[str, list[str]]
 ) -> None:
-    _clear_proxies(monkeypatch)
     (proxy_address, through_proxy), (origin_address, at_origin) = proxy, origin
     made = session()
     made.get(f"{origin_address}/first", timeout=5)
@@ -106,7 +105,6 @@ def test_a_session_not_trusting_the_environment_reads_none_of_it(
     origin: tuple[str, list[str]],
     environment_lookups: list[str],
 ) -> None:
-    _clear_proxies(monkeypatch)
     (proxy_address, through_proxy), (origin_address, at_origin) = proxy, origin
     monkeypatch.setenv("HTTP_PROXY", proxy_address)
     made = session()
@@ -118,8 +116,7 @@ def test_a_session_not_trusting_the_environment_reads_none_of_it(
     assert environment_lookups == []
 
 
-def test_the_hosts_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch, environment_lookups: list[str]) -> None:
-    _clear_proxies(monkeypatch)
+def test_the_hosts_remembered_are_bounded(environment_lookups: list[str]) -> None:
     made = session()
     environment_lookups.clear()
     for n in range(ENVIRONMENT_HOSTS + 1):
